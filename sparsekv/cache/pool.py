@@ -1,0 +1,47 @@
+"""The device KV pools: one latent tensor per layer and one indexer-key tensor per full layer.
+
+Slot s = page_id * page_size + offset. Attention reads through the methods below, so a tiered
+cache can substitute its own placement without touching the model.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..context import SeqSlice
+
+
+class KVPool:
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device, layers: list[int], indexer_layers: list[int]):
+        self.num_slots = num_pages * page_size
+        self.page_size, self.dtype = page_size, dtype
+        self.latent = {i: torch.empty(self.num_slots, cfg.latent_dim, dtype=dtype, device=device) for i in layers}
+        self.index_keys = {i: torch.empty(self.num_slots, cfg.index_head_dim, dtype=dtype, device=device)
+                           for i in indexer_layers}
+
+    # -- sizes ---------------------------------------------------------------------------------
+    def latent_bytes_per_token(self) -> int:
+        return sum(t.shape[1] * t.element_size() for t in self.latent.values())
+
+    def index_bytes_per_token(self) -> int:
+        return sum(t.shape[1] * t.element_size() for t in self.index_keys.values())
+
+    # -- writes --------------------------------------------------------------------------------
+    def write_latent(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.latent[layer].index_copy_(0, slots, values.to(self.dtype))
+
+    def write_index_keys(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.index_keys[layer].index_copy_(0, slots, values.to(self.dtype))
+
+    # -- reads ---------------------------------------------------------------------------------
+    def latent_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
+        return self.latent[layer].index_select(0, seq.slots)
+
+    def index_keys_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
+        return self.index_keys[layer].index_select(0, seq.slots)
+
+    def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
+        """Latents of the selected positions [S, k] -> [S, k, latent_dim]: only k entries are read."""
+        rows = seq.slots[positions.reshape(-1)]
+        return self.latent[layer].index_select(0, rows).view(*positions.shape, -1)

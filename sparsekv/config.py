@@ -1,0 +1,247 @@
+"""Model config view (read from a checkpoint's config.json) and the frozen engine config.
+
+Torch-free: the planner, the scheduler and the tests read configs without importing torch.
+The IndexShare schedule is derived exactly as transformers 5.23 does in
+`GlmMoeDsaConfig.__post_init__` (see tests/test_config.py, which checks it against transformers).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+
+
+class ConfigError(ValueError):
+    """A model or engine configuration that cannot be used; the message names the field."""
+
+
+def derive_indexer_types(raw: dict, num_layers: int) -> list[str]:
+    """IndexShare schedule: explicit list > `index_topk_pattern` > freq/offset (transformers rule)."""
+    if raw.get("model_type") == "deepseek_v32":
+        return list(raw.get("indexer_types") or ["full"] * num_layers)
+    if raw.get("indexer_types") is not None:
+        return list(raw["indexer_types"])
+    pattern = raw.get("index_topk_pattern")
+    if pattern is not None:
+        if isinstance(pattern, str):
+            unknown = sorted(set(pattern) - {"F", "S"})
+            if unknown:
+                raise ConfigError(f"config.json: index_topk_pattern has characters {unknown}; only 'F' and 'S' are allowed")
+            return [{"F": "full", "S": "shared"}[c] for c in pattern]
+        return list(pattern)
+    freq = max(raw.get("index_topk_freq") or 1, 1)
+    offset = raw.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+def _rope_parameters(raw: dict) -> dict:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    if "rope_theta" not in params:
+        params["rope_theta"] = raw.get("rope_theta", 10000.0)
+    return params
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of a DSA checkpoint's config.json that the engine uses, validated and named."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    n_shared_experts: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_topk: int
+    index_head_dim: int
+    index_n_heads: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    mlp_layer_types: tuple[str, ...]
+    indexer_types: tuple[str, ...]
+    rope_parameters: dict = field(hash=False)
+    indexer_rope_interleave: bool
+    num_nextn_predict_layers: int
+    eos_token_ids: tuple[int, ...]
+    tie_word_embeddings: bool
+    quantization: dict | None = field(default=None, hash=False)
+    attention_norm_eps: float = 1e-6  # q_a/kv_a RMSNorm: hard-coded 1e-6 in transformers (model-spec §7.2)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer by MLA: the compressed latent plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.indexer_types) if t == "full"]
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim ** -0.5
+        rp = self.rope_parameters
+        if rp.get("rope_type", "default") != "default" and rp.get("mscale_all_dim"):
+            m = yarn_mscale(rp["factor"], rp["mscale_all_dim"])
+            scale *= m * m
+        return scale
+
+    @property
+    def mtp_layer_index(self) -> int | None:
+        return self.num_hidden_layers if self.num_nextn_predict_layers > 0 else None
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "config.json") -> "ModelConfig":
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"{where}: unknown model_type {model_type!r}; sparsekv supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+        ds = model_type == "deepseek_v32"
+        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                    "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+        missing = [k for k in required if raw.get(k) is None]
+        if missing:
+            raise ConfigError(f"{where}: missing required field(s) {', '.join(missing)}")
+        num_layers = int(raw["num_hidden_layers"])
+        first_dense = int(raw.get("first_k_dense_replace", 3))
+        mlp_types = raw.get("mlp_layer_types") or (
+            ["dense"] * min(first_dense, num_layers) + ["sparse"] * max(num_layers - first_dense, 0))
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        cfg = cls(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw.get("intermediate_size", 18432 if ds else 12288)),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size", 2048)),
+            num_hidden_layers=num_layers,
+            num_attention_heads=int(raw["num_attention_heads"]),
+            n_shared_experts=int(raw.get("n_shared_experts", 1)),
+            n_routed_experts=int(raw.get("n_routed_experts", raw.get("num_local_experts", 256))),
+            num_experts_per_tok=int(raw.get("num_experts_per_tok", 8)),
+            n_group=int(raw.get("n_group", 8 if ds else 1)),
+            topk_group=int(raw.get("topk_group", 4 if ds else 1)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            q_lora_rank=int(raw["q_lora_rank"]),
+            kv_lora_rank=int(raw["kv_lora_rank"]),
+            qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+            v_head_dim=int(raw["v_head_dim"]),
+            index_topk=int(raw.get("index_topk", 2048)),
+            index_head_dim=int(raw.get("index_head_dim", 128)),
+            index_n_heads=int(raw.get("index_n_heads", 64 if ds else 32)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6 if ds else 1e-5)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 163840 if ds else 202752)),
+            mlp_layer_types=tuple(mlp_types),
+            indexer_types=tuple(derive_indexer_types(raw, num_layers)),
+            rope_parameters=_rope_parameters(raw),
+            indexer_rope_interleave=bool(raw.get("indexer_rope_interleave", not ds)),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", 0)),
+            eos_token_ids=eos_ids,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            quantization=raw.get("quantization_config"),
+        )
+        cfg.validate(where)
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str) -> "ModelConfig":
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.exists(file):
+            raise ConfigError(f"{file}: no config.json found")
+        try:
+            with open(file) as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{file}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, where=file)
+
+    def validate(self, where: str = "config.json") -> None:
+        L = self.num_hidden_layers
+        if len(self.indexer_types) != L:
+            raise ConfigError(f"{where}: indexer_types has {len(self.indexer_types)} entries, num_hidden_layers is {L}")
+        bad = sorted(set(self.indexer_types) - {"full", "shared"})
+        if bad:
+            raise ConfigError(f"{where}: indexer_types has unknown value(s) {bad}; use 'full' or 'shared'")
+        if self.indexer_types and self.indexer_types[0] != "full":
+            raise ConfigError(f"{where}: layer 0 is 'shared' in indexer_types; the first layer must run its own indexer ('full')")
+        if len(self.mlp_layer_types) != L or set(self.mlp_layer_types) - {"dense", "sparse"}:
+            raise ConfigError(f"{where}: mlp_layer_types must list 'dense'/'sparse' for each of the {L} layers")
+        if self.n_routed_experts % self.n_group:
+            raise ConfigError(f"{where}: n_routed_experts {self.n_routed_experts} is not divisible by n_group {self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"{where}: topk_group {self.topk_group} must be in [1, n_group={self.n_group}]")
+        if self.qk_rope_head_dim % 2 or self.index_head_dim < self.qk_rope_head_dim:
+            raise ConfigError(f"{where}: qk_rope_head_dim must be even and <= index_head_dim")
+        if self.index_topk < 1:
+            raise ConfigError(f"{where}: index_topk must be >= 1, got {self.index_topk}")
+        rt = self.rope_parameters.get("rope_type")
+        if rt not in ("default", "yarn"):
+            raise ConfigError(f"{where}: rope_type {rt!r} is not supported (default, yarn)")
+        if rt == "yarn" and ("factor" not in self.rope_parameters or
+                             "original_max_position_embeddings" not in self.rope_parameters):
+            raise ConfigError(f"{where}: yarn rope needs 'factor' and 'original_max_position_embeddings'")
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed (e.g. another IndexShare pattern for a benchmark)."""
+        new = dataclasses.replace(self, **changes)
+        new.validate("override")
+        return new
+
+
+ATTENTION_MODES = ("sparse", "dense")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the checkpoint. Frozen: derived sizes live in runtime objects."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 4096
+    kv_page_size: int = 64
+    prefill_chunk_tokens: int = 2048
+    num_kv_pages: int | None = None
+    attention: str = "sparse"
+    seed: int = 0
+    tokenizer: str | None = None
+
+    def validate(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16")
+        if self.attention not in ATTENTION_MODES:
+            raise ConfigError(f"attention {self.attention!r} is not supported; use one of {ATTENTION_MODES}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_page_size", "prefill_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise ConfigError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")

@@ -1,0 +1,57 @@
+"""The per-step forward context: everything a layer needs besides its hidden states.
+
+Layers keep the signature `forward(x, ctx)`; the runner builds one `ForwardContext` per step.
+
+The flat batch holds the new tokens of every scheduled request back to back::
+
+    rows:   [ req A: prefill chunk (S_A rows) | req B: 1 decode row | req C: ... ]
+    seq.token_start .. seq.token_end   = this request's rows
+    positions of those rows            = seq.context_len - seq.num_new_tokens .. seq.context_len - 1
+    seq.slots[p]                       = cache slot of position p, for p < seq.context_len
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SeqSlice:
+    """One request's part of the step."""
+
+    request_id: str
+    token_start: int
+    token_end: int
+    context_len: int          # tokens in the cache once this step has written its new tokens
+    slots: torch.Tensor       # [context_len] int64 cache slot of every position
+    view: object = None       # the cache view attention reads through (tiering swaps it per request)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+    @property
+    def first_new_position(self) -> int:
+        return self.context_len - self.num_new_tokens
+
+
+@dataclass
+class ForwardContext:
+    input_ids: torch.Tensor       # [N]
+    positions: torch.Tensor       # [N]
+    slot_mapping: torch.Tensor    # [N] where each new token's cache entries are written
+    seqs: list[SeqSlice]
+    logits_rows: torch.Tensor     # rows whose logits the step needs (last token of sampled requests)
+    attention: str = "sparse"     # "sparse" or "dense" (baseline: selection off)
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    # Per request: sorted selected positions [S, k] and their validity, written by a full layer's
+    # selector and reused by the shared layers after it (IndexShare).
+    selection: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Optional hook the tiering layer installs: called with (layer, seq, selected positions).
+    record_selection: object = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,195 @@
+"""The engine: request API (add / abort / step) over the scheduler, the cache and the runner."""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import torch
+
+from .cache.pages import PageAllocator
+from .cache.pool import KVPool
+from .config import EngineConfig, ModelConfig
+from .model.checkpoint import load_model
+from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
+from .runner import ModelRunner
+from .sampling import make_generator, sample_token, token_logprobs
+from .scheduler import Scheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_CACHE_TOKENS = 1 << 21  # pool size when neither num_kv_pages nor a budget is given
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer through transformers, or None (token-id prompts still work)."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.dtype, self.device = DTYPES[config.dtype], torch.device(config.device)
+        self.model = load_model(config.model, self.dtype, self.device)
+        self.model_config: ModelConfig = self.model.cfg
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.page_size = config.kv_page_size
+        self.allocator = PageAllocator(self._num_pages(), self.page_size)
+        cfg = self.model_config
+        self.cache = KVPool(cfg, self.allocator.num_pages, self.page_size, self.dtype, self.device,
+                            list(range(cfg.num_hidden_layers)), cfg.full_layers)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.prefill_chunk_tokens)
+        self.runner = ModelRunner(self.model, self.cache, self.page_size, config.attention)
+        self._generators: dict[str, torch.Generator] = {}
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._ids = itertools.count()
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    def _num_pages(self) -> int:
+        if self.config.num_kv_pages:
+            return self.config.num_kv_pages
+        tokens = min(self.max_model_len * self.config.max_num_seqs, max(DEFAULT_KV_CACHE_TOKENS, self.max_model_len))
+        return -(-tokens // self.page_size)
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("text prompt given but the checkpoint has no tokenizer; pass token ids", "prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequest("prompt must be a string or a list of integer token ids", "prompt")
+        return list(prompt)
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise InvalidRequest("prompt is empty", "prompt")
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequest(f"prompt has {len(token_ids)} tokens, longer than max_model_len {self.max_model_len}", "prompt")
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                                 f"max_model_len {self.max_model_len}", "max_tokens")
+        pages = self.allocator.pages_for(len(token_ids) + params.max_tokens)
+        if pages > self.allocator.num_pages:
+            raise InvalidRequest(f"request needs {pages} KV pages for {len(token_ids)} + {params.max_tokens} tokens; "
+                                 f"the pool has {self.allocator.num_pages}", "max_tokens")
+        if params.stop_strings and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer; this checkpoint has none", "stop")
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    tenant: str = "default", cache_salt: str | None = None) -> Request:
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if self.scheduler.find(request_id) is not None:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids, params)
+        req = Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        self._generators[request_id] = make_generator(seed)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.find(request_id)
+        if req is None:
+            return False
+        self._release(req, RequestStatus.ABORTED, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        now = time.monotonic()
+        for ch in chunks:
+            ch.request.first_scheduled_time = ch.request.first_scheduled_time or now
+        logits = self.runner.execute(chunks)
+        self.counters["steps"] += 1
+        outputs, row = [], 0
+        for ch in chunks:
+            req = ch.request
+            req.num_computed_tokens += ch.num_new_tokens
+            self.counters["prompt_tokens"] += max(0, min(ch.context_len, req.num_prompt_tokens) - ch.first_position)
+            if ch.samples:
+                outputs.append(self._append_token(req, logits[row]))
+                row += 1
+        return outputs
+
+    def _append_token(self, req: Request, logits: torch.Tensor) -> RequestOutput:
+        params = req.params
+        token = sample_token(logits, params, self._generators[req.request_id])
+        if params.logprobs is not None:
+            req.output_logprobs.append(token_logprobs(torch.log_softmax(logits, -1), token, params.logprobs))
+        req.output_token_ids.append(token)
+        req.first_token_time = req.first_token_time or time.monotonic()
+        self.counters["generation_tokens"] += 1
+        reason = self._finish_reason(req, token)
+        if reason:
+            self._release(req, RequestStatus.FINISHED, reason)
+        return self._output(req, [token])
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        params = req.params
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        if (not params.ignore_eos and token in eos) or token in (params.stop_token_ids or ()):
+            return "stop"
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            for stop in params.stop_strings:
+                cut = req.text.find(stop)
+                if cut >= 0:
+                    req.text = req.text[:cut]
+                    return "stop"
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _release(self, req: Request, status: RequestStatus, reason: str) -> None:
+        self.scheduler.finish(req, status, reason)
+        self._generators.pop(req.request_id, None)
+
+    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.text,
+                             list(req.output_logprobs) if req.params.logprobs is not None else None,
+                             req.finish_reason, new_tokens, req.num_cached_tokens, self.request_metrics(req))
+
+    # -- observability -------------------------------------------------------------------------
+    def request_metrics(self, req: Request) -> dict:
+        per_token = self.cache.latent_bytes_per_token() + self.cache.index_bytes_per_token()
+        held = len(req.page_ids) * self.page_size
+        return {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
+                "device_kv_bytes": held * per_token,
+                "device_latent_bytes": held * self.cache.latent_bytes_per_token(),
+                "device_indexer_bytes": held * self.cache.index_bytes_per_token()}
+
+    def stats(self) -> dict:
+        used_tokens = (self.allocator.num_pages - self.allocator.num_free) * self.page_size
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "device_latent_bytes": used_tokens * self.cache.latent_bytes_per_token(),
+                "device_indexer_bytes": used_tokens * self.cache.index_bytes_per_token(),
+                "device_kv_bytes": used_tokens * (self.cache.latent_bytes_per_token() + self.cache.index_bytes_per_token()),
+                "kv_pages_total": self.allocator.num_pages, "kv_pages_free": self.allocator.num_free,
+                **self.counters}
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+        owned = [p for r in self.scheduler.running for p in r.page_ids]
+        assert len(owned) == len(set(owned)), "a page is owned by two requests"
+        assert len(owned) == self.allocator.num_pages - self.allocator.num_free, "allocator and requests disagree"

@@ -1,0 +1,60 @@
+"""Torch reference kernels for DSA: deterministic top-k selection and MLA attention in latent space.
+
+All functions are shape-generic and allocation-bounded: nothing here builds a context x context
+tensor. Query blocks keep the working set near `BLOCK_ELEMENTS` floats.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK_ELEMENTS = 1 << 23  # ~32 MB of fp32 per intermediate
+
+
+def query_block_size(per_query_elements: int, num_queries: int) -> int:
+    return max(1, min(num_queries, BLOCK_ELEMENTS // max(per_query_elements, 1)))
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k largest scores per row, sorted ascending.
+
+    Tie-break (documented, deterministic): among scores exactly equal to the k-th largest value,
+    the most recent positions (highest index) win. The result is a set, so chunking, batching or
+    tiering never change it. scores: [S, T] fp32 with masked positions at -inf; requires k <= T.
+    """
+    kth = scores.topk(k, dim=-1).values[:, -1:]
+    above = scores > kth
+    tied = scores == kth
+    need = k - above.sum(-1, keepdim=True)
+    if bool((tied.sum(-1, keepdim=True) == need).all()):
+        chosen = above | tied
+    else:
+        ties_to_the_right = tied.flip(-1).cumsum(-1).flip(-1)
+        chosen = above | (tied & (ties_to_the_right <= need))
+    return chosen.nonzero()[:, 1].view(scores.shape[0], k)
+
+
+def causal_mask_scores(scores: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """Set scores[i, j] = -inf where key position j is after query position i."""
+    keys = torch.arange(scores.shape[-1], device=scores.device)
+    return scores.masked_fill(keys[None, :] > query_positions[:, None], float("-inf"))
+
+
+def latent_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float,
+                     value_dim: int) -> torch.Tensor:
+    """Absorbed MLA (MQA mode) over given latent entries.
+
+    q: [S, H, D] (D = kv_lora_rank + rope), keys: [S, K, D] or [K, D] shared by all queries,
+    valid: [S, K] bool. Returns the latent output [S, H, value_dim] (W_UV is applied by the caller).
+    Softmax in fp32 as the reference; masked entries get finfo.min, never -inf, so no NaN.
+    """
+    if keys.dim() == 2:
+        scores = torch.einsum("shd,kd->shk", q, keys)
+    else:
+        scores = torch.einsum("shd,skd->shk", q, keys)
+    scores = scores * scale
+    scores = scores.masked_fill(~valid[:, None, :], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    values = keys[..., :value_dim]
+    if keys.dim() == 2:
+        return torch.einsum("shk,kc->shc", probs, values)
+    return torch.einsum("shk,skc->shc", probs, values)

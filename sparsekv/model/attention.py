@@ -1,0 +1,148 @@
+"""MLA attention with the DSA lightning indexer, in the paper's notation.
+
+Per token the cache holds only the latent c (kv_lora_rank, after kv_a_layernorm) and the shared
+rope key k_R (qk_rope_head_dim, after RoPE): `latent_dim` numbers per layer. Attention always runs
+in the absorbed (MQA) form: W_UK is folded into the query, W_UV applied after attention, so the
+cache is never decompressed, in prefill or decode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..context import ForwardContext, SeqSlice
+from ..kernels.attention import (causal_mask_scores, latent_attention, query_block_size,
+                                 select_topk)
+from .layers import layer_norm, rms_norm, rope_half_split, rope_interleaved
+
+
+@dataclass
+class IndexerWeights:
+    wq_b: torch.Tensor          # [H_I * D_I, q_lora]
+    wk: torch.Tensor            # [D_I, hidden]
+    k_norm_weight: torch.Tensor
+    k_norm_bias: torch.Tensor
+    weights_proj: torch.Tensor  # [H_I, hidden], kept fp32 as in the reference
+
+
+class LightningIndexer:
+    """DSA token selector: I[t,s] = sum_h w_h(x_t) H^-1/2 * ReLU(<q_{t,h}, k_s> D^-1/2), top-k over s <= t."""
+
+    name = "dsa"
+
+    def __init__(self, cfg: ModelConfig, w: IndexerWeights):
+        self.cfg, self.w = cfg, w
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.rope = rope_interleaved if cfg.indexer_rope_interleave else rope_half_split
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.cfg.qk_rope_head_dim
+        return torch.cat([self.rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        k = layer_norm(F.linear(x, self.w.wk), self.w.k_norm_weight, self.w.k_norm_bias, 1e-6)
+        return self._rotate(k, cos, sin)
+
+    def queries(self, q_resid: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q = F.linear(q_resid, self.w.wq_b).view(x.shape[0], self.n_heads, self.head_dim)
+        weights = F.linear(x.float(), self.w.weights_proj).float() * self.n_heads ** -0.5
+        return self._rotate(q, cos, sin).float(), weights
+
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Index scores [S, T] fp32 for queries q [S, H_I, D_I] against cached keys [T, D_I]."""
+        s = torch.relu(torch.matmul(q, keys.float().t()) * self.head_dim ** -0.5)
+        return torch.matmul(weights.unsqueeze(1), s).squeeze(1)
+
+    def select(self, q, weights, keys, query_positions, k: int) -> torch.Tensor:
+        """Sorted top-k positions [S, k] for each query; peak memory O(block x T), never T x T."""
+        num_q, total = q.shape[0], keys.shape[0]
+        block = query_block_size(self.n_heads * total, num_q)
+        out = []
+        for i in range(0, num_q, block):
+            scores = self.scores(q[i:i + block], weights[i:i + block], keys)
+            scores = causal_mask_scores(scores, query_positions[i:i + block])
+            out.append(select_topk(scores, k))
+        return torch.cat(out)
+
+
+@dataclass
+class AttentionWeights:
+    q_a: torch.Tensor
+    q_a_norm: torch.Tensor
+    q_b: torch.Tensor
+    kv_a: torch.Tensor
+    kv_a_norm: torch.Tensor
+    kv_b: torch.Tensor
+    o: torch.Tensor
+
+
+class MLAttention:
+    """One layer's MLA. `indexer` is None on IndexShare "shared" layers, which reuse the selection."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, w: AttentionWeights, indexer: LightningIndexer | None):
+        self.cfg, self.layer_idx, self.w, self.indexer = cfg, layer_idx, w, indexer
+        H, C = cfg.num_attention_heads, cfg.kv_lora_rank
+        kv_b = w.kv_b.view(H, cfg.qk_nope_head_dim + cfg.v_head_dim, C)
+        self.w_uk = kv_b[:, :cfg.qk_nope_head_dim]   # [H, nope, C]
+        self.w_uv = kv_b[:, cfg.qk_nope_head_dim:]   # [H, v, C]
+        self.scale = cfg.softmax_scale
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
+        cfg, w, n = self.cfg, self.w, x.shape[0]
+        q_resid = rms_norm(F.linear(x, w.q_a), w.q_a_norm, cfg.attention_norm_eps)
+        q = F.linear(q_resid, w.q_b).view(n, cfg.num_attention_heads, cfg.qk_head_dim)
+        q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        c, k_rot = F.linear(x, w.kv_a).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        c = rms_norm(c, w.kv_a_norm, cfg.attention_norm_eps)
+        q_rot, k_rot = rope_interleaved(q_rot, ctx.cos, ctx.sin), rope_interleaved(k_rot, ctx.cos, ctx.sin)
+        cache.write_latent(self.layer_idx, ctx.slot_mapping, torch.cat([c, k_rot], dim=-1))
+        index_q = None
+        if self.indexer is not None:
+            cache.write_index_keys(self.layer_idx, ctx.slot_mapping, self.indexer.keys(x, ctx.cos, ctx.sin))
+            index_q = self.indexer.queries(q_resid, x, ctx.cos, ctx.sin)
+        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, self.w_uk)
+        q_cat = torch.cat([q_lat, q_rot], dim=-1)
+        out = q_cat.new_empty(n, cfg.num_attention_heads, cfg.v_head_dim)
+        for seq in ctx.seqs:
+            rows = slice(seq.token_start, seq.token_end)
+            iq = None if index_q is None else (index_q[0][rows], index_q[1][rows])
+            o_lat = self._attend(seq, q_cat[rows], ctx.positions[rows], iq, ctx, cache)
+            out[rows] = torch.einsum("shc,hvc->shv", o_lat, self.w_uv)
+        return F.linear(out.view(n, -1), w.o)
+
+    def _attend(self, seq: SeqSlice, q: torch.Tensor, positions: torch.Tensor, index_q, ctx, cache):
+        k = self.cfg.index_topk
+        if ctx.attention == "dense" or seq.context_len <= k:
+            return self._attend_dense(seq, q, positions, cache)
+        if index_q is not None:
+            keys = cache.index_keys_for(self.layer_idx, seq)
+            ctx.selection[seq.request_id] = self.indexer.select(*index_q, keys, positions, k)
+        selected = ctx.selection.get(seq.request_id)
+        if selected is None:
+            raise RuntimeError(f"layer {self.layer_idx} is 'shared' but no earlier full layer selected tokens")
+        if ctx.record_selection is not None:
+            ctx.record_selection(self.layer_idx, seq, selected)
+        return self._attend_selected(seq, q, positions, selected, cache)
+
+    def _attend_dense(self, seq, q, positions, cache) -> torch.Tensor:
+        keys = cache.latent_for(self.layer_idx, seq)             # [T, D]
+        key_pos = torch.arange(seq.context_len, device=q.device)
+        block = query_block_size(q.shape[1] * seq.context_len, q.shape[0])
+        out = []
+        for i in range(0, q.shape[0], block):
+            valid = key_pos[None, :] <= positions[i:i + block, None]
+            out.append(latent_attention(q[i:i + block], keys, valid, self.scale, self.cfg.kv_lora_rank))
+        return torch.cat(out)
+
+    def _attend_selected(self, seq, q, positions, selected, cache) -> torch.Tensor:
+        block = query_block_size(selected.shape[1] * (q.shape[1] + q.shape[2]), q.shape[0])
+        out = []
+        for i in range(0, q.shape[0], block):
+            idx = selected[i:i + block]
+            keys = cache.gather_latent(self.layer_idx, seq, idx)     # [Sb, k, D]
+            valid = idx <= positions[i:i + block, None]
+            out.append(latent_attention(q[i:i + block], keys, valid, self.scale, self.cfg.kv_lora_rank))
+        return torch.cat(out)

@@ -1,0 +1,170 @@
+"""Load a Hugging Face checkpoint directory: config.json + (sharded) safetensors, validated by name and shape.
+
+FP8 (e4m3 + `weight_scale_inv`, 128x128 blocks) is dequantised at load time into the engine dtype:
+W[i, j] = W8[i, j] * scale_inv[i // 128, j // 128]. We chose load-time dequantisation because every
+matmul in this engine runs in the model dtype on CPU; an FP8 kernel path would not be faster here.
+"""
+from __future__ import annotations
+
+import json
+import os
+from glob import glob
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig
+
+FP8_BLOCK = 128
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config; the message names the tensors."""
+
+
+def _layer_shapes(cfg: ModelConfig, i: int, has_indexer: bool, mlp_type: str) -> dict[str, tuple]:
+    H, hid, C, R = cfg.num_attention_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+    s = {
+        f"{p}.input_layernorm.weight": (hid,), f"{p}.post_attention_layernorm.weight": (hid,),
+        f"{a}.q_a_proj.weight": (cfg.q_lora_rank, hid), f"{a}.q_a_layernorm.weight": (cfg.q_lora_rank,),
+        f"{a}.q_b_proj.weight": (H * cfg.qk_head_dim, cfg.q_lora_rank),
+        f"{a}.kv_a_proj_with_mqa.weight": (C + R, hid), f"{a}.kv_a_layernorm.weight": (C,),
+        f"{a}.kv_b_proj.weight": (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), C),
+        f"{a}.o_proj.weight": (hid, H * cfg.v_head_dim),
+    }
+    if has_indexer:
+        D, HI = cfg.index_head_dim, cfg.index_n_heads
+        s.update({f"{a}.indexer.wq_b.weight": (HI * D, cfg.q_lora_rank), f"{a}.indexer.wk.weight": (D, hid),
+                  f"{a}.indexer.k_norm.weight": (D,), f"{a}.indexer.k_norm.bias": (D,),
+                  f"{a}.indexer.weights_proj.weight": (HI, hid)})
+    s.update(_ffn_shapes(cfg, f"{p}.mlp", mlp_type))
+    return s
+
+
+def _mlp_shapes(prefix: str, hid: int, inter: int) -> dict[str, tuple]:
+    return {f"{prefix}.gate_proj.weight": (inter, hid), f"{prefix}.up_proj.weight": (inter, hid),
+            f"{prefix}.down_proj.weight": (hid, inter)}
+
+
+def _ffn_shapes(cfg: ModelConfig, prefix: str, mlp_type: str) -> dict[str, tuple]:
+    hid = cfg.hidden_size
+    if mlp_type == "dense":
+        return _mlp_shapes(prefix, hid, cfg.intermediate_size)
+    s = {f"{prefix}.gate.weight": (cfg.n_routed_experts, hid),
+         f"{prefix}.gate.e_score_correction_bias": (cfg.n_routed_experts,)}
+    for e in range(cfg.n_routed_experts):
+        s.update(_mlp_shapes(f"{prefix}.experts.{e}", hid, cfg.moe_intermediate_size))
+    s.update(_mlp_shapes(f"{prefix}.shared_experts", hid, cfg.moe_intermediate_size * cfg.n_shared_experts))
+    return s
+
+
+def expected_shapes(cfg: ModelConfig, tie_lm_head: bool = False) -> dict[str, tuple]:
+    """Every tensor the main model needs (the MTP layer is handled separately: it is optional)."""
+    s = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "model.norm.weight": (cfg.hidden_size,)}
+    if not tie_lm_head:
+        s["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    for i in range(cfg.num_hidden_layers):
+        s.update(_layer_shapes(cfg, i, cfg.indexer_types[i] == "full", cfg.mlp_layer_types[i]))
+    return s
+
+
+def mtp_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(required, optional) tensors of the NextN layer `model.layers.{num_hidden_layers}`."""
+    i, hid = cfg.num_hidden_layers, cfg.hidden_size
+    p = f"model.layers.{i}"
+    req = _layer_shapes(cfg, i, True, "sparse" if cfg.n_routed_experts else "dense")
+    req.update({f"{p}.enorm.weight": (hid,), f"{p}.hnorm.weight": (hid,), f"{p}.eh_proj.weight": (hid, 2 * hid),
+                f"{p}.shared_head.norm.weight": (hid,)})
+    opt = {f"{p}.embed_tokens.weight": (cfg.vocab_size, hid), f"{p}.shared_head.head.weight": (cfg.vocab_size, hid)}
+    return req, opt
+
+
+def list_tensor_files(path: str) -> dict[str, str]:
+    """tensor name -> safetensors file, from model.safetensors.index.json or by scanning the shards."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        missing_files = sorted({v for v in weight_map.values() if not os.path.exists(os.path.join(path, v))})
+        if missing_files:
+            raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(missing_files[:5])}")
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    files = sorted(glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files found")
+    names = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            names.update({k: file for k in f.keys()})
+    return names
+
+
+def _names(items, limit: int = 6) -> str:
+    items = sorted(items)
+    more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def check_names(cfg: ModelConfig, available: set[str], path: str) -> dict[str, tuple]:
+    """Which tensors to load with their shapes; raises naming missing or unexpected tensors."""
+    weights = {n for n in available if not n.endswith(".weight_scale_inv")}
+    tie = cfg.tie_word_embeddings and "lm_head.weight" not in weights
+    want = expected_shapes(cfg, tie_lm_head=tie)
+    mtp_req, mtp_opt = mtp_shapes(cfg)
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    if any(n.startswith(mtp_prefix) for n in weights):
+        missing_mtp = set(mtp_req) - weights
+        if missing_mtp:
+            raise CheckpointError(f"{path}: MTP layer {cfg.num_hidden_layers} is incomplete; missing {_names(missing_mtp)}")
+        want.update(mtp_req)
+        want.update({k: v for k, v in mtp_opt.items() if k in weights})
+    missing = set(want) - weights
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor(s) {_names(missing)}")
+    unexpected = weights - set(want) - {n for n in weights if n.endswith("rotary_emb.inv_freq")}
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensor(s) {_names(unexpected)} "
+                              f"(check indexer_types: 'shared' layers carry no indexer tensors)")
+    return want
+
+
+def dequantize_fp8(w8: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
+    out, inp = w8.shape
+    rows, cols = -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK)
+    if tuple(scale_inv.shape) != (rows, cols):
+        raise CheckpointError(f"{name}_scale_inv: shape {tuple(scale_inv.shape)}, expected {(rows, cols)} for 128x128 blocks")
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inp]
+    return w8.float() * scale
+
+
+def _read(files: dict[str, str], name: str, handles: dict) -> torch.Tensor:
+    file = files[name]
+    if file not in handles:
+        handles[file] = safe_open(file, "pt")
+    return handles[file].get_tensor(name)
+
+
+def load_tensors(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    files = list_tensor_files(path)
+    want = check_names(cfg, set(files), path)
+    handles: dict = {}
+    out = {}
+    for name, shape in want.items():
+        t = _read(files, name, handles)
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{path}: tensor {name} has shape {tuple(t.shape)}, config implies {tuple(shape)}")
+        if t.dtype == torch.float8_e4m3fn:
+            scale_name = name + "_scale_inv"
+            if scale_name not in files:
+                raise CheckpointError(f"{path}: FP8 tensor {name} has no {scale_name}")
+            t = dequantize_fp8(t, _read(files, scale_name, handles), name)
+        keep_fp32 = name.endswith("e_score_correction_bias") or name.endswith("weights_proj.weight")
+        out[name] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype).contiguous()
+    return out
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device):
+    from .model import DSAModel
+    cfg = ModelConfig.from_json(path)
+    return DSAModel(cfg, load_tensors(path, cfg, dtype, device), dtype, device)

@@ -1,0 +1,110 @@
+"""The GLM-5 / DeepSeek-V3.2 decoder assembled from checkpoint tensors.
+
+Forward (model-spec §3.1): h = embed(ids); per layer h += attn(norm(h)); h += ffn(norm(h));
+logits = lm_head(norm(h)) for the rows the step samples from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..context import ForwardContext
+from .attention import AttentionWeights, IndexerWeights, LightningIndexer, MLAttention
+from .layers import MoE, DenseMLP, RotaryTable, rms_norm
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, attn: MLAttention, ffn, input_norm, post_norm):
+        self.cfg, self.attn, self.ffn = cfg, attn, ffn
+        self.input_norm, self.post_norm = input_norm, post_norm
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
+        eps = self.cfg.rms_norm_eps
+        h = h + self.attn.forward(rms_norm(h, self.input_norm, eps), ctx, cache)
+        return h + self.ffn(rms_norm(h, self.post_norm, eps))
+
+
+@dataclass
+class MTPHead:
+    """The NextN layer (`model.layers.{num_hidden_layers}`), kept for speculative decoding."""
+
+    layer: DecoderLayer
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: torch.Tensor
+    head_norm: torch.Tensor
+    embed: torch.Tensor | None = None     # DeepSeek carries layer-local copies; GLM ties to the main ones
+    head: torch.Tensor | None = None
+
+
+class DSAModel:
+    """Weights plus forward. Holds no cache: the cache pool is passed in with each step."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.embed = tensors["model.embed_tokens.weight"]
+        self.norm = tensors["model.norm.weight"]
+        self.lm_head = tensors["lm_head.weight"] if "lm_head.weight" in tensors else self.embed
+        self.layers = [build_layer(cfg, i, tensors, cfg.indexer_types[i] == "full", cfg.mlp_layer_types[i])
+                       for i in range(cfg.num_hidden_layers)]
+        self.mtp = build_mtp(cfg, tensors)
+        self.rotary = RotaryTable(cfg, dtype, device)
+
+    def hidden_states(self, ctx: ForwardContext, cache) -> torch.Tensor:
+        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions)
+        h = F.embedding(ctx.input_ids, self.embed)
+        for layer in self.layers:
+            h = layer.forward(h, ctx, cache)
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
+    def forward(self, ctx: ForwardContext, cache) -> torch.Tensor:
+        """Logits (fp32) for `ctx.logits_rows`."""
+        h = self.hidden_states(ctx, cache)
+        return F.linear(h[ctx.logits_rows], self.lm_head).float()
+
+
+def _p(tensors: dict, prefix: str, name: str) -> torch.Tensor:
+    return tensors[f"{prefix}.{name}"]
+
+
+def build_layer(cfg: ModelConfig, i: int, tensors: dict, has_indexer: bool, mlp_type: str) -> DecoderLayer:
+    p = f"model.layers.{i}"
+    a = f"{p}.self_attn"
+    attn_w = AttentionWeights(*(_p(tensors, a, n) for n in (
+        "q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+        "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight")))
+    indexer = None
+    if has_indexer:
+        ix = f"{a}.indexer"
+        indexer = LightningIndexer(cfg, IndexerWeights(
+            _p(tensors, ix, "wq_b.weight"), _p(tensors, ix, "wk.weight"), _p(tensors, ix, "k_norm.weight"),
+            _p(tensors, ix, "k_norm.bias"), _p(tensors, ix, "weights_proj.weight").float()))
+    ffn = build_ffn(cfg, f"{p}.mlp", tensors, mlp_type)
+    return DecoderLayer(cfg, MLAttention(cfg, i, attn_w, indexer), ffn,
+                        _p(tensors, p, "input_layernorm.weight"), _p(tensors, p, "post_attention_layernorm.weight"))
+
+
+def _mlp(tensors: dict, prefix: str) -> DenseMLP:
+    return DenseMLP(*(_p(tensors, prefix, f"{n}_proj.weight") for n in ("gate", "up", "down")))
+
+
+def build_ffn(cfg: ModelConfig, prefix: str, tensors: dict, mlp_type: str):
+    if mlp_type == "dense":
+        return _mlp(tensors, prefix)
+    experts = [_mlp(tensors, f"{prefix}.experts.{e}") for e in range(cfg.n_routed_experts)]
+    return MoE(cfg, _p(tensors, prefix, "gate.weight"), _p(tensors, prefix, "gate.e_score_correction_bias"),
+               experts, _mlp(tensors, f"{prefix}.shared_experts"))
+
+
+def build_mtp(cfg: ModelConfig, tensors: dict) -> MTPHead | None:
+    i = cfg.num_hidden_layers
+    p = f"model.layers.{i}"
+    if f"{p}.eh_proj.weight" not in tensors:
+        return None
+    return MTPHead(build_layer(cfg, i, tensors, True, "sparse" if cfg.n_routed_experts else "dense"),
+                   tensors[f"{p}.enorm.weight"], tensors[f"{p}.hnorm.weight"], tensors[f"{p}.eh_proj.weight"],
+                   tensors[f"{p}.shared_head.norm.weight"], tensors.get(f"{p}.embed_tokens.weight"),
+                   tensors.get(f"{p}.shared_head.head.weight"))

@@ -1,0 +1,160 @@
+"""Requests, sampling parameters and outputs, with every length named. No torch here.
+
+Index ranges of one request (positions in its token sequence)::
+
+    0                num_computed_tokens          num_tokens
+    |---- cached in KV pages ----|---- not yet run ----|
+    |------ prompt (num_prompt_tokens) ------|-- output --|
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses; the message says which field is wrong and why."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """Shaped like vLLM's. `seed` makes one request reproducible whatever else shares the batch."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    logprobs: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def need(ok: bool, param: str, msg: str):
+            if not ok:
+                raise InvalidRequest(f"invalid sampling parameter {param}: {msg}", param)
+
+        need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        need(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
+             f"must be a number in [0, 100], got {self.temperature!r}")
+        need(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        need(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        need(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
+        need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS), "logprobs",
+             f"must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        stops = self.stop_strings
+        need(all(isinstance(s, str) and s for s in stops), "stop", "must be a non-empty string or a list of them")
+        need(self.stop_token_ids is None or all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids",
+             "must be a list of integers")
+        need(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass
+class Request:
+    """One sequence being generated. Owns its token list and its page ids; no tensors."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str = "default"
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    text: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens this request may ever hold in the cache: prompt plus every token it may generate."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    def token_at(self, position: int) -> int:
+        if position < self.num_prompt_tokens:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - self.num_prompt_tokens]
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt and `LLMEngine.step` yields per updated request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    new_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,93 @@
+"""Continuous batching with chunked prefill and admission by memory. Plain Python, no torch.
+
+Each step, in order:
+  1. every running request gets its next tokens: 1 for a decode, up to `prefill_chunk_tokens` for
+     a prompt still being prefilled (so one step mixes prefill chunks and decode tokens);
+  2. waiting requests are admitted first-come-first-served while `max_num_seqs`, the token budget
+     `max_num_batched_tokens` and the page pool allow.
+
+Admission reserves pages for prompt + max_tokens up front, so an admitted request can always run to
+completion and no running request is ever preempted for memory (vLLM allocates lazily and preempts;
+we trade some capacity for never recomputing).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .cache.pages import PageAllocator
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Positions [first_position, context_len) of `request` run this step (a snapshot at scheduling)."""
+
+    request: Request
+    first_position: int
+    num_new_tokens: int
+    samples: bool  # the chunk reaches the end of the known tokens, so the step samples a new one
+
+    @property
+    def context_len(self) -> int:
+        return self.first_position + self.num_new_tokens
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_chunk_tokens: int):
+        self.allocator = allocator
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks = []
+        # Decodes before prefills: a running decode never waits behind a long prompt.
+        for req in sorted(self.running, key=lambda r: r.is_prefilling):
+            n = min(req.num_uncomputed_tokens, self.prefill_chunk_tokens, budget)
+            if n > 0:
+                chunks.append(self._take(req, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self.allocator.reserve(req.request_id, self.allocator.pages_for(req.max_total_tokens)):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            n = min(req.num_uncomputed_tokens, self.prefill_chunk_tokens, budget)
+            chunks.append(self._take(req, n))
+            budget -= n
+        return chunks
+
+    def _take(self, req: Request, n: int) -> ScheduledChunk:
+        needed = self.allocator.pages_for(req.num_computed_tokens + n) - len(req.page_ids)
+        if needed > 0:
+            req.page_ids.extend(self.allocator.allocate(req.request_id, needed))
+        start = req.num_computed_tokens
+        return ScheduledChunk(req, start, n, start + n == req.num_tokens)
+
+    def finish(self, req: Request, status: RequestStatus, reason: str | None) -> None:
+        """Release every page of a finished or aborted request, running or waiting."""
+        req.status, req.finish_reason = status, reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.allocator.free(req.request_id, req.page_ids)
+        req.page_ids = []
+
+    def find(self, request_id: str) -> Request | None:
+        for req in list(self.running) + list(self.waiting):
+            if req.request_id == request_id:
+                return req
+        return None

@@ -1,0 +1,108 @@
+"""Rich tables for `sparsekv plan`: reads the dict `build_plan` returns, computes nothing new."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from sparsekv.tools.plan_workload import format_tokens
+
+GB = 1e9
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:,.2f} GB" if x >= 1e7 else f"{x / 1e6:,.2f} MB"
+
+
+def header(plan: dict) -> str:
+    m, d, w, hw = plan["model"], plan["deployment"], plan["workload"], plan["hardware"]
+    ctx = ", ".join(f"{format_tokens(t)} x{p:.2f}" if len(w["contexts"]) > 1 else format_tokens(t)
+                    for t, p in w["contexts"])
+    return (f"[bold]{m['name']}[/bold] ({m['model_type']}, {m['layers']} layers, {m['indexer_layers']} with an "
+            f"indexer, {m['params_total'] / 1e9:.0f}B params, {m['params_active'] / 1e9:.1f}B active)\n"
+            f"{d['gpus_per_node']}x {hw['description']}; TP {d['tp']}, EP {d['ep']}, "
+            f"{d['attention_ranks']} attention ranks; weights {d['weights']}, latent {d['latent_cache']}, "
+            f"indexer {d['indexer_cache']}\n"
+            f"context {ctx}, {w['concurrency']} concurrent, top-k {w['topk']}, attention {w['attention']}, "
+            f"tiering {'on' if w['tiering'] else 'off'} (buffer {w['device_buffer_tokens']}, miss rate "
+            f"{w['miss_rate']:.0%})")
+
+
+def cache_table(plan: dict) -> Table:
+    mem, w = plan["memory"], plan["workload"]
+    t = Table(title="KV cache per token")
+    for col in ("cache kind", "format", "B/token/layer", "layers", "B/token", "per request (mean ctx)"):
+        t.add_column(col, justify="left" if col in ("cache kind", "format") else "right")
+    for kind, fmt in (("latent (MLA)", plan["deployment"]["latent_cache"]),
+                      ("indexer keys", plan["deployment"]["indexer_cache"])):
+        key = "latent" if kind.startswith("latent") else "indexer"
+        per_token = mem["bytes_per_token"][key]
+        t.add_row(kind, fmt, f"{mem['bytes_per_token_per_layer'][key]:,}", str(mem["layers"][key]),
+                  f"{per_token:,}", _gb(per_token * w["mean_context"]))
+    return t
+
+
+def capacity_table(plan: dict) -> Table:
+    mem = plan["memory"]
+    t = Table(title=f"Device memory: weights {_gb(mem['weights_per_gpu'])}/GPU, "
+                    f"cache budget {_gb(mem['cache_budget_per_gpu'])}/GPU")
+    for col in ("policy", "device/request", "max/GPU", "max/node", "host/request", "host needed"):
+        t.add_column(col, justify="right")
+    t.add_row("no tiering", _gb(mem["device_per_request"]["no_tiering"]),
+              str(mem["max_requests_per_gpu"]["no_tiering"]), str(mem["max_requests_per_node"]["no_tiering"]),
+              "-", "-")
+    host_limit = f" (host allows {mem['host_limit_requests']})"
+    t.add_row("tiering", _gb(mem["device_per_request"]["tiering"]), str(mem["max_requests_per_gpu"]["tiering"]),
+              str(mem["max_requests_per_node"]["tiering"]) + host_limit, _gb(mem["host_per_request"]),
+              f"{_gb(mem['host_needed'])} of {_gb(mem['host_available'])}")
+    return t
+
+
+def decode_table(plan: dict) -> Table:
+    dec = plan["decode"]
+    t = Table(title=f"Decode roofline per GPU ({dec['requests_per_gpu']} requests/GPU, profile {dec['profile']})")
+    for col in ("stage", "GFLOP", "device bytes", "link bytes", "fixed ms"):
+        t.add_column(col, justify="left" if col == "stage" else "right")
+    for s in dec["stages"]:
+        t.add_row(s["name"], f"{s['flops'] / 1e9:,.2f}", _gb(s["bytes"]), _gb(s["link_bytes"]),
+                  f"{s['fixed_s'] * 1e3:.3f}")
+    times = ", ".join(f"{k} {v:.2f} ms" for k, v in dec["times_ms"].items())
+    t.caption = (f"step {dec['step_ms']:.2f} ms ({times}); {dec['tok_s_per_request']:,.1f} tok/s per request, "
+                 f"{dec['tok_s_aggregate']:,.0f} tok/s per node; binding: {dec['binding']}")
+    return t
+
+
+def flops_table(plan: dict) -> Table:
+    t = Table(title="FLOPs per token (GFLOP), ratio = DSA every layer / variant")
+    for col in ("phase", "context", "variant", "weights", "attention", "indexer", "total", "ratio"):
+        t.add_column(col, justify="left" if col in ("phase", "variant") else "right")
+    for r in plan["flops_per_token"]:
+        t.add_row(r["phase"], format_tokens(r["context"]), r["variant"], f"{r['weights'] / 1e9:.1f}",
+                  f"{r['attention'] / 1e9:.1f}", f"{r['indexer'] / 1e9:.1f}", f"{r['total'] / 1e9:.1f}",
+                  f"{r['vs_dsa_every_layer']:.2f}x")
+    return t
+
+
+def published_table(plan: dict) -> Table:
+    t = Table(title="Against published figures (see docs/plan.md)")
+    for col in ("claim", "published", "planner", "source", "what the planner counts"):
+        t.add_column(col, justify="right" if col in ("published", "planner") else "left")
+    for r in plan["published"]:
+        t.add_row(r["claim"], f"{r['published']:.2f}x", f"{r['planner']:.2f}x", r["source"], r["note"])
+    return t
+
+
+def print_plan(plan: dict, sweep_points: list[dict] | None = None, console: Console | None = None) -> None:
+    from sparsekv.tools.plan_sweep import LEGEND, sweep_table
+    con = console or Console(width=140)
+    con.print(header(plan))
+    for table in (cache_table(plan), capacity_table(plan), decode_table(plan), flops_table(plan),
+                  published_table(plan)):
+        con.print(table)
+    if sweep_points:
+        con.print(sweep_table(sweep_points, False, "Sweep, no tiering: limit per (context, requests per node)"))
+        con.print(sweep_table(sweep_points, True, "Sweep, tiering: limit per (context, requests per node)"))
+        con.print(LEGEND)
+    for warning in plan.get("warnings", []):
+        con.print(f"[yellow]warning: {warning}[/]")
+    v = plan["verdict"]
+    con.print(f"[bold {'green' if v['fits'] else 'red'}]{v['message']}[/]")

@@ -1,0 +1,130 @@
+"""What the planner is asked about: a deployment (hardware, parallelism, precisions) and a
+workload (context lengths, concurrency, cache policy). Plain data plus input parsing."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from sparsekv.tools.hardware import Hardware
+from sparsekv.tools.plan_costs import ELEMENT_BYTES
+
+
+class PlanError(ValueError):
+    """Bad planner input; the message is shown to the user as one line."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One node serving one model replica.
+
+    Attention is data-parallel over `gpus_per_node // tp` ranks. MLA caches a single latent per
+    token shared by all heads, so TP ranks of one attention group each hold the whole cache of
+    the group's requests (replicated, not split). Routed experts are split over `ep` GPUs; every
+    other weight over `tp`. `mem_fraction` of device memory is usable (the rest is activations,
+    graphs and fragmentation, as SGLang's mem_fraction_static); `host_fraction` of host DRAM.
+    """
+
+    hardware: Hardware
+    tp: int = 1
+    ep: int = 8
+    weight_format: str = "fp8"
+    latent_format: str = "bf16"
+    indexer_format: str = "bf16"
+    mem_fraction: float = 0.9
+    host_fraction: float = 0.9
+    page_size: int = 64
+
+    @property
+    def gpus(self) -> int:
+        return self.hardware.gpus_per_node
+
+    @property
+    def attention_ranks(self) -> int:
+        return max(self.gpus // self.tp, 1)
+
+    def validate(self) -> None:
+        for name in ("weight_format", "latent_format", "indexer_format"):
+            if getattr(self, name) not in ELEMENT_BYTES:
+                raise PlanError(f"{name.replace('_', '-')} {getattr(self, name)!r} is not one of fp8, bf16, fp32")
+        if self.tp < 1 or self.ep < 1 or self.gpus < 1:
+            raise PlanError("--tp, --ep and --gpus-per-node must be >= 1")
+        if not 0 < self.mem_fraction <= 1:
+            raise PlanError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.hardware.host_dram_bytes < 0:
+            raise PlanError("--host-dram-gb must be >= 0")
+        if self.gpus % self.tp or self.gpus % self.ep:
+            raise PlanError(f"--tp {self.tp} and --ep {self.ep} must divide --gpus-per-node {self.gpus} "
+                            "(one replica per node; multi-node replicas are not modelled)")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Concurrent decoding requests on one node, their context lengths, and the cache policy.
+
+    `contexts` is a distribution [(tokens, probability)]: per-request costs are linear in the
+    context, so the planner works with their expectation. With `tiering`, each request keeps a
+    device hot buffer of `device_buffer_tokens` (+ one page) latent slots per layer and its full
+    latent history in host DRAM; indexer keys stay on the device (SGLang HiSparse v1).
+    """
+
+    contexts: tuple[tuple[int, float], ...]
+    concurrency: int = 1
+    topk: int | None = None
+    tiering: bool = False
+    device_buffer_tokens: int | None = None
+    miss_rate: float = 0.1
+    attention_mode: str = "sparse"
+
+    @property
+    def mean_context(self) -> float:
+        return sum(t * p for t, p in self.contexts)
+
+    def validate(self) -> None:
+        if self.concurrency < 1:
+            raise PlanError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if not 0.0 <= self.miss_rate <= 1.0:
+            raise PlanError(f"--miss-rate must be in [0, 1], got {self.miss_rate}")
+        if self.topk is not None and self.topk < 1:
+            raise PlanError(f"--topk must be >= 1, got {self.topk}")
+        if self.attention_mode not in ("sparse", "dense"):
+            raise PlanError(f"attention mode {self.attention_mode!r}: use sparse or dense")
+
+
+_SUFFIX = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
+
+
+def parse_tokens(text: str) -> int:
+    """'131072', '128K', '1M', '1.5M' -> tokens (K = 1024, as context lengths are quoted)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", text)
+    if not m:
+        raise PlanError(f"cannot read {text!r} as a token count (examples: 131072, 128K, 1M)")
+    tokens = int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
+    if tokens < 1:
+        raise PlanError(f"context {text!r} must be at least 1 token")
+    return tokens
+
+
+def parse_contexts(text: str) -> tuple[tuple[int, float], ...]:
+    """'128K' or a distribution '64K:0.5,1M:0.5' (weights are normalised to sum to 1)."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise PlanError("--context is empty")
+    pairs = []
+    for part in parts:
+        tokens, _, weight = part.partition(":")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise PlanError(f"cannot read weight {weight!r} in --context {text!r}") from None
+        if w <= 0:
+            raise PlanError(f"weights in --context must be > 0, got {weight!r}")
+        pairs.append((parse_tokens(tokens), w))
+    total = sum(w for _, w in pairs)
+    return tuple((t, w / total) for t, w in pairs)
+
+
+def format_tokens(tokens: float) -> str:
+    for unit, size in (("M", 1024 ** 2), ("K", 1024)):
+        if tokens >= size and tokens % size == 0:
+            return f"{int(tokens // size)}{unit}"
+    return f"{tokens:,.0f}"

@@ -1,0 +1,282 @@
+"""Tests for `sparsekv plan` (issue 6): published figures, capacity, roofline, CLI errors.
+
+Each published number carries its source. Nothing here loads weights or a GPU; the only
+measurement is one quick run of the `this-cpu` micro-benchmark.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from sparsekv.config import ModelConfig
+from sparsekv.tools.hardware import PRESETS as HW, Hardware, load_hardware, measure_this_cpu
+from sparsekv.tools.plan import main
+from sparsekv.tools.plan_capacity import capacity, device_bytes_per_request, hot_buffer_bytes
+from sparsekv.tools.plan_compare import indexcache_decode_roofline_ratio, indexshare_ratio
+from sparsekv.tools.plan_costs import (flops_per_token, indexer_bytes_per_token_layer,
+                                       latent_bytes_per_token_layer, param_counts)
+from sparsekv.tools.plan_decode import FUSED, estimate_step, predict_decode_step_ms
+from sparsekv.tools.plan_presets import load_model
+from sparsekv.tools.plan_sweep import sweep_point
+from sparsekv.tools.plan_workload import Deployment, PlanError, Workload, parse_contexts
+
+K128, M1 = 128 * 1024, 1024 * 1024
+
+
+def model(name):
+    return load_model(name)[1]
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ---------------------------------------------------------------- published cache formats
+
+def test_deepseek_indexer_fp8_is_132_bytes():
+    # DeepSeek-V3.2-Exp inference/model.py: indexer k cache is 128 x e4m3 plus one fp32 scale per
+    # 128 values (act_quant block 128) -> 132 B/token/layer (model-spec.md §5, §7).
+    assert indexer_bytes_per_token_layer(model("deepseek-v3.2"), "fp8") == 132
+    assert indexer_bytes_per_token_layer(model("deepseek-v3.2"), "bf16") == 256
+
+
+def test_flashmla_fp8_latent_is_656_bytes():
+    # deepseek-ai/FlashMLA README: FP8 KV cache is 656 B/token = 512 e4m3 + 4 fp32 scales + 64 bf16 rope.
+    for name in ("deepseek-v3.2", "glm-5.2"):
+        assert latent_bytes_per_token_layer(model(name), "fp8") == 656
+        assert latent_bytes_per_token_layer(model(name), "bf16") == 1152
+
+
+def test_glm5_cache_bytes_per_token_match_spec():
+    # model-spec.md §7: GLM-5 bf16 89,856 B/token MLA + 19,968 B indexer (GLM-5.1) or 5,376 (GLM-5.2).
+    for name, indexer in (("glm-5", 19968), ("glm-5.2", 5376)):
+        plan = json.loads(_json_plan(name, "--latent-cache", "bf16", "--indexer-cache", "bf16"))
+        assert plan["memory"]["bytes_per_token"] == {"latent": 89856, "indexer": indexer,
+                                                     "total": 89856 + indexer}
+
+
+def test_hisparse_hot_buffer_is_292_mb_for_deepseek():
+    # tiered-kv-cache.md §1.3 (SGLang HiSparseCoordinator): a request owns B + P = 4096 + 64 device
+    # slots per layer; DeepSeek-V3.2 x 61 layers x 1152 B (bf16) ~= 292 MB, ~166 MB in FP8. The
+    # indexer keys are not in that figure: they stay on the device, 128K x 132 B x 61 ~= 1.06 GB.
+    cfg = model("deepseek-v3.2")
+    wl = Workload(((K128, 1.0),), device_buffer_tokens=4096, tiering=True)
+    bf16 = Deployment(HW["h200"], latent_format="bf16", indexer_format="fp8")
+    assert hot_buffer_bytes(cfg, bf16, wl) == 4160 * 1152 * 61
+    assert round(hot_buffer_bytes(cfg, bf16, wl) / 1e6) == 292
+    assert round(hot_buffer_bytes(cfg, Deployment(HW["h200"], latent_format="fp8"), wl) / 1e6) == 166
+    tiered = device_bytes_per_request(cfg, bf16, wl, tiered=True)
+    assert tiered - hot_buffer_bytes(cfg, bf16, wl) == pytest.approx(1.06e9, rel=0.01)
+    # same page: the full 128K latent history is 9.2 GB in bf16
+    assert device_bytes_per_request(cfg, bf16, wl, tiered=False) - 1.055e9 == pytest.approx(9.2e9, rel=0.01)
+
+
+def test_glm52_has_21_full_indexer_layers():
+    # model-spec.md §1: GLM-5.2 config index_topk_freq 4 / offset 3 -> full at 0,1,2,6,10,...,74.
+    cfg = model("glm-5.2")
+    assert cfg.full_layers == [0, 1, 2, *range(6, 78, 4)]
+    assert len(cfg.full_layers) == 21
+    assert len(model("glm-5").full_layers) == 78
+
+
+def test_parameter_totals_match_model_cards():
+    # GLM-5 model card: 744B parameters, 40B active. DeepSeek-V3 report: 671B total, 37B
+    # activated (V3.2 adds ~0.85B of indexers). IndexCache: "a 30B DSA model" (our stand-in).
+    glm, ds, ic = (param_counts(model(n)) for n in ("glm-5", "deepseek-v3.2", "indexcache-30b"))
+    assert glm.total == pytest.approx(744e9, rel=0.01)
+    assert glm.active == pytest.approx(40e9, rel=0.05)
+    assert ds.total == pytest.approx(671e9, rel=0.01)
+    assert ds.active == pytest.approx(37e9, rel=0.05)
+    assert ic.total == pytest.approx(30e9, rel=0.05)
+
+
+# ---------------------------------------------------------------- FLOP ratios
+
+def test_indexshare_ratio_at_1m_matches_glm52_blog():
+    # GLM-5.2 blog: IndexShare gives 2.9x fewer FLOPs per token at 1M context. Counting only
+    # 2 x active params + indexer reproduces it; the sparse-attention core (equal in both) lowers it.
+    cfg = model("glm-5.2")
+    assert indexshare_ratio(cfg, M1, "decode", with_attention=False) == pytest.approx(2.9, abs=0.05)
+    assert indexshare_ratio(cfg, M1, "decode") == pytest.approx(2.9, rel=0.1)
+    assert indexshare_ratio(cfg, M1, "decode") < indexshare_ratio(cfg, M1, "decode", with_attention=False)
+    # the saving grows with context: small at 128K, and prefill (keys average T/2) saves less
+    assert indexshare_ratio(cfg, K128, "decode") < 1.6
+    assert indexshare_ratio(cfg, M1, "prefill") < indexshare_ratio(cfg, M1, "decode")
+
+
+def test_indexcache_speedups_sit_between_bytes_and_flops():
+    # IndexCache (arXiv 2603.12201): 30B DSA model, 1/4 indexers kept, H100, 200K: prefill
+    # 1.82x, decode 1.48x; the indexer is 81% of prefill time at 200K.
+    ic = model("indexcache-30b")
+    assert len(ic.full_layers) == 12 and ic.num_hidden_layers == 47
+    prefill = indexshare_ratio(ic, 200_000, "prefill")
+    assert 1.82 < prefill < 4.0  # FLOPs bound the speed-up; 4x if only indexers existed
+    every = flops_per_token(ic, 200_000, "dsa-every-layer", "prefill")
+    assert every.indexer / every.total == pytest.approx(0.81, abs=0.06)
+    assert indexcache_decode_roofline_ratio() < 1.48 < indexshare_ratio(ic, 200_000, "decode")
+
+
+def test_dense_attention_grows_with_context_dsa_does_not():
+    cfg = model("glm-5.2")
+    dense = flops_per_token(cfg, M1, "dense-mla", "decode")
+    dsa = flops_per_token(cfg, M1, "dsa-every-layer", "decode")
+    assert dense.attention / dsa.attention == pytest.approx(M1 / 2048)
+    assert dense.indexer == 0 and dsa.indexer > 0
+
+
+# ---------------------------------------------------------------- capacity and roofline
+
+def test_tiering_moves_the_capacity_limit():
+    cfg = model("glm-5.2")
+    dep = Deployment(HW["h200"], latent_format="bf16", indexer_format="bf16")
+    cap = capacity(cfg, dep, Workload(((K128, 1.0),), concurrency=8))
+    assert cap.per_node["no_tiering"] == 8            # 12.5 GB per request, ~15.8 GB budget per GPU
+    assert cap.per_node["tiering"] >= 10 * cap.per_node["no_tiering"]
+    assert cap.per_node["tiering"] <= cap.host_limit
+
+
+def test_decode_reads_only_activated_experts():
+    cfg = model("glm-5")
+    dep = Deployment(HW["h200"])
+    step = estimate_step(cfg, dep, Workload(((K128, 1.0),), concurrency=1))
+    experts = next(s for s in step.stages if s.name == "experts")
+    c = param_counts(cfg)
+    assert experts.bytes * dep.ep == pytest.approx(8 * c.expert * 75, rel=0.001)  # fp8, 8 of 256
+    big = estimate_step(cfg, dep, Workload(((K128, 1.0),), concurrency=4096))
+    assert next(s for s in big.stages if s.name == "experts").bytes * dep.ep == pytest.approx(
+        c.routed_total, rel=0.01)
+
+
+def test_link_binds_at_high_miss_rate():
+    cfg, dep = model("glm-5.2"), Deployment(HW["h200"])
+    point = lambda miss: sweep_point(cfg, dep, Workload(((K128, 1.0),), concurrency=64, tiering=True,
+                                                        miss_rate=miss), FUSED)
+    assert point(1.0)["limit"] == "link bandwidth" and point(1.0)["fits"]
+    assert point(0.01)["limit"] == "HBM bandwidth"
+
+
+def test_predict_decode_step_ms_by_hand():
+    # memory-bound machine, dense attention, batch 1: step = bytes / bandwidth, counted here from
+    # the config fields directly (fp32 weights and cache).
+    cfg = _tiny()
+    hw = Hardware("test", "", 1e12, 1e10, 1e9, "memcpy", 1e20, 1e20, 1, 1e12)
+    T = 10_000
+    c = param_counts(cfg)
+    expected = (c.non_expert - c.indexer_per_full_layer * c.num_full
+                + cfg.num_experts_per_tok * c.expert * c.num_moe + 4 * T * 80) * 4 / 1e10
+    assert predict_decode_step_ms(cfg, T, hw, "dense", profile=FUSED) == pytest.approx(expected * 1e3)
+    sparse = [predict_decode_step_ms(cfg, t, hw, "sparse", profile=FUSED) for t in (1000, 100_000)]
+    dense = [predict_decode_step_ms(cfg, t, hw, "dense", profile=FUSED) for t in (1000, 100_000)]
+    # dense reads all 4 x 80 fp32 latents per key; DSA reads 2 indexer keys (32 fp32) + logits
+    assert dense[1] > 3 * sparse[1] and dense[1] / dense[0] > 3 * sparse[1] / sparse[0]
+
+
+# ---------------------------------------------------------------- CLI and bad input
+
+def _json_plan(*argv):
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main([*argv, "--json"])
+    return buf.getvalue()
+
+
+def test_json_plan_is_consistent():
+    plan = json.loads(_json_plan("glm-5.2", "--context", "64K:0.5,1M:0.5", "--concurrency", "16", "--tiering"))
+    dec = plan["decode"]
+    assert set(dec["bytes_per_step_per_gpu"]) >= {"weights", "selected_kv", "indexer_keys", "host_to_device"}
+    assert dec["tok_s_aggregate"] == pytest.approx(16 * dec["tok_s_per_request"])
+    assert plan["workload"]["mean_context"] == pytest.approx((64 * 1024 + M1) / 2)
+    assert plan["verdict"]["fits"] and plan["verdict"]["binding"] == dec["binding"]
+
+
+def test_table_output_and_plot(capsys, tmp_path):
+    png = tmp_path / "plan.png"
+    rc, out, err = run(capsys, "deepseek-v3.2", "--context", "128K", "--sweep", "--plot", str(png))
+    assert rc == 0 and err == ""
+    for title in ("KV cache per token", "Decode roofline", "FLOPs per token", "Sweep, tiering"):
+        assert title in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bf16_weights_do_not_fit(capsys):
+    rc, out, _ = run(capsys, "glm-5", "--weights", "bf16", "--json")
+    verdict = json.loads(out)["verdict"]
+    assert rc == 1 and not verdict["fits"] and verdict["binding"] == "HBM capacity"
+    assert "weights need" in verdict["message"]
+
+
+def test_impossible_even_with_tiering_names_the_binding_resource(capsys):
+    rc, out, _ = run(capsys, "glm-5.2", "--context", "1M", "--concurrency", "512", "--tiering",
+                     "--latent-cache", "bf16", "--indexer-cache", "bf16")
+    assert rc == 1
+    assert "does not fit even with tiering" in out and "binding: HBM capacity" in out
+    rc, out, _ = run(capsys, "glm-5.2", "--context", "1M", "--concurrency", "16", "--tiering",
+                     "--latent-cache", "bf16", "--indexer-cache", "bf16", "--host-dram-gb", "256", "--json")
+    assert rc == 1 and json.loads(out)["verdict"]["binding"] == "host capacity"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["glm-9"], "unknown model 'glm-9'"),
+    (["glm-5", "--hardware", "tpu"], "unknown hardware 'tpu'"),
+    (["glm-5", "--context", "12Q"], "cannot read '12Q'"),
+    (["glm-5", "--tp", "3"], "must divide"),
+    (["glm-5", "--miss-rate", "2"], "--miss-rate"),
+    (["glm-5", "--weights", "int4"], "invalid choice"),
+    (["glm-5", "--device-buffer-tokens", "100"], "must be >= top-k 2048"),
+    (["glm-5", "--hardware", "this-cpu:x"], "must be a number"),
+    (["glm-5", "--mem-fraction", "1.5"], "--mem-fraction"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv, words):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_config_missing_fields_is_one_line_exit_2(capsys, tmp_path):
+    raw = {"model_type": "glm_moe_dsa", "num_hidden_layers": 4, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    rc, out, err = run(capsys, str(tmp_path))
+    assert rc == 2 and err.count("\n") == 1
+    assert "missing required field(s)" in err and "hidden_size" in err
+
+
+def test_context_beyond_the_model_is_a_warning(capsys):
+    rc, out, _ = run(capsys, "deepseek-v3.2", "--context", "1M", "--concurrency", "8", "--tiering", "--json")
+    plan = json.loads(out)
+    assert rc == 0 and "max_position_embeddings 163,840" in plan["warnings"][0]
+
+
+def test_parse_contexts():
+    assert parse_contexts("131072") == ((131072, 1.0),)
+    assert parse_contexts("128K") == ((K128, 1.0),) and parse_contexts("1M") == ((M1, 1.0),)
+    assert parse_contexts("64K:1,1M:3") == ((65536, 0.25), (M1, 0.75))
+    with pytest.raises(PlanError):
+        parse_contexts("64K:-1")
+
+
+# ---------------------------------------------------------------- hardware
+
+def test_measure_this_cpu_is_quick_and_sane(tmp_path):
+    start = time.perf_counter()
+    hw = measure_this_cpu(quick=True, threads=1)
+    assert time.perf_counter() - start < 3.0
+    assert hw.measured and 1e8 < hw.mem_bw < 1e12 and 1e8 < hw.flops_bf16 < 1e14
+    assert 0 < hw.op_overhead_s < 1e-3 and hw.topk_s_per_key > 0
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(hw.to_dict()))
+    assert load_hardware(str(path)) == hw
+
+
+def _tiny() -> ModelConfig:
+    return ModelConfig.from_dict(dict(
+        model_type="glm_moe_dsa", vocab_size=1000, hidden_size=128, num_hidden_layers=4,
+        num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, index_topk=64, index_head_dim=32, index_n_heads=2, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=256, first_k_dense_replace=1,
+        index_topk_freq=2, index_skip_topk_offset=1))
