@@ -1,0 +1,117 @@
+"""`sparsekv generate` and `sparsekv make-tiny-model`, plus the engine options every command shares."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .config import ConfigError
+from .request import InvalidRequest
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by generate, serve, bench and eval (names match the LLM(...) keywords)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    g.add_argument("--kv-page-size", type=int, default=64)
+    g.add_argument("--prefill-chunk-tokens", type=int, default=2048)
+    g.add_argument("--num-kv-pages", type=int, default=None)
+    g.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
+                   help="dense turns top-k selection off (baseline for measuring the mechanism)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+ENGINE_ARG_NAMES = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_page_size",
+                    "prefill_chunk_tokens", "num_kv_pages", "attention", "seed")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES if hasattr(args, name)}
+
+
+def _prompt(args) -> str | list[int]:
+    if args.prompt_token_ids:
+        try:
+            return [int(t) for t in args.prompt_token_ids.split(",")]
+        except ValueError:
+            raise InvalidRequest(f"--prompt-token-ids must be comma-separated integers, got {args.prompt_token_ids!r}")
+    if args.prompt_file:
+        with open(args.prompt_file) as f:
+            return f.read()
+    return args.prompt
+
+
+def generate_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="sparsekv generate")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    src.add_argument("--prompt-token-ids")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    from .llm import LLM
+    from .request import SamplingParams
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, logprobs=args.logprobs, seed=args.seed)
+        llm = LLM(args.model, **engine_options(args))
+        out, timing = _timed_generate(llm, _prompt(args), params)
+    except (InvalidRequest, ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"sparsekv generate: error: {e}", file=sys.stderr)
+        return 2
+    _print_output(out, args.json)
+    print(timing, file=sys.stderr)
+    return 0
+
+
+def _timed_generate(llm, prompt, params):
+    """Prefill timed separately (max_tokens=1 semantics via the engine's first step output)."""
+    engine = llm.engine
+    req = engine.add_request(None, prompt, params)
+    t0 = time.perf_counter()
+    t_first = None
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            t_first = t_first or time.perf_counter()
+            out = o
+    t_end = time.perf_counter()
+    n_prompt, n_out = req.num_prompt_tokens, len(out.token_ids)
+    decode_ms = (t_end - t_first) * 1000 / max(n_out - 1, 1)
+    timing = (f"prefill: {n_prompt} tokens in {t_first - t0:.3f} s ({n_prompt / (t_first - t0):.1f} tokens/s); "
+              f"decode: {n_out} tokens, {decode_ms:.2f} ms/token")
+    return out, timing
+
+
+def _print_output(out, as_json: bool) -> None:
+    if as_json:
+        logprobs = None if out.logprobs is None else [{str(k): v for k, v in d.items()} for d in out.logprobs]
+        print(json.dumps({"token_ids": out.token_ids, "text": out.text, "logprobs": logprobs,
+                          "finish_reason": out.finish_reason}))
+    else:
+        print(out.text if out.text else " ".join(map(str, out.token_ids)))
+
+
+def make_tiny_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="sparsekv make-tiny-model")
+    p.add_argument("path")
+    p.add_argument("--family", default="glm_moe_dsa", choices=["glm_moe_dsa", "deepseek_v32"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "tiny-bench", "glm5-geometry"])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from .tools.tiny import GLM5_GEOMETRY, TINY_BENCH, TINY_GLM, save_reference_checkpoint
+    preset = {"tiny": TINY_GLM, "tiny-bench": TINY_BENCH, "glm5-geometry": GLM5_GEOMETRY}[args.preset]
+    save_reference_checkpoint(args.path, args.family, args.seed, **preset)
+    print(f"wrote {args.preset} {args.family} checkpoint to {args.path}")
+    return 0

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random checkpoints built with transformers, and a parity helper."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def reference_logprobs(ref_model, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of a full transformers forward over the whole sequence: [len, vocab]."""
+    with torch.no_grad():
+        logits = ref_model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)
+
+
+def assert_matches_reference(ref_model, prompt: list[int], out, atol: float = 1e-4) -> float:
+    """Greedy tokens identical and every generated token's logprob within atol of transformers."""
+    seq = prompt + out.token_ids
+    lp = reference_logprobs(ref_model, seq)
+    start = len(prompt) - 1
+    ref_tokens = lp[start:start + len(out.token_ids)].argmax(-1).tolist()
+    assert out.token_ids == ref_tokens, f"greedy tokens differ: {out.token_ids} vs reference {ref_tokens}"
+    worst = 0.0
+    for i, (tok, d) in enumerate(zip(out.token_ids, out.logprobs)):
+        for t, v in d.items():
+            worst = max(worst, abs(v - lp[start + i, t].item()))
+    assert worst <= atol, f"logprob error {worst} > {atol}"
+    return worst
+
+
+@pytest.fixture(scope="session")
+def glm_ckpt(tmp_path_factory):
+    from sparsekv.tools.tiny import save_reference_checkpoint
+    path = str(tmp_path_factory.mktemp("glm"))
+    model = save_reference_checkpoint(path, "glm_moe_dsa")
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def ds_ckpt(tmp_path_factory):
+    from sparsekv.tools.tiny import save_reference_checkpoint
+    path = str(tmp_path_factory.mktemp("ds"))
+    model = save_reference_checkpoint(
+        path, "deepseek_v32", n_group=2, topk_group=1, n_routed_experts=8, num_experts_per_tok=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0})
+    return path, model
+
+
+@pytest.fixture
+def random_prompt():
+    def make(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+    return make

@@ -1,0 +1,58 @@
+"""The config reader derives what transformers derives, and refuses bad configs with one clear line."""
+from __future__ import annotations
+
+import pytest
+
+from sparsekv.config import ConfigError, ModelConfig
+
+BASE = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=32, num_hidden_layers=12, num_attention_heads=2,
+            kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+            index_head_dim=16, n_routed_experts=4)
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"index_topk_freq": 4, "index_skip_topk_offset": 3}, {"index_topk_freq": 4, "index_skip_topk_offset": 2},
+    {"index_topk_freq": 3}, {"index_topk_pattern": "FFSFSSSFSSFF"},
+    {"indexer_types": ["full"] * 6 + ["shared"] * 6, "index_topk_pattern": "FSFSFSFSFSFS"},
+])
+def test_indexshare_schedule_matches_transformers(extra):
+    from transformers import GlmMoeDsaConfig
+    raw = {**BASE, **extra}
+    ref = GlmMoeDsaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert list(ModelConfig.from_dict(raw).indexer_types) == list(ref.indexer_types)
+
+
+def test_glm52_schedule_has_21_full_layers():
+    cfg = ModelConfig.from_dict({**BASE, "num_hidden_layers": 78, "index_topk_freq": 4, "index_skip_topk_offset": 3})
+    assert cfg.full_layers == [0, 1, 2] + list(range(6, 78, 4)) and len(cfg.full_layers) == 21
+
+
+def test_deepseek_defaults_and_yarn_scale():
+    # model-spec §3.3: DeepSeek-V3.2 softmax scale 192^-0.5 * 1.873854 = 0.1352338
+    raw = {**BASE, "model_type": "deepseek_v32", "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+           "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}, "index_head_dim": 128,
+           "n_routed_experts": 256}
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.softmax_scale == pytest.approx(0.1352338, rel=1e-6)
+    assert not cfg.indexer_rope_interleave and cfg.n_group == 8 and cfg.topk_group == 4
+    assert set(cfg.indexer_types) == {"full"}
+
+
+def test_glm_scale_is_one_sixteenth():
+    cfg = ModelConfig.from_dict({**BASE, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "index_head_dim": 128})
+    assert cfg.softmax_scale == 0.0625 and cfg.indexer_rope_interleave
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "llama"}, "unknown model_type 'llama'"),
+    ({"hidden_size": None}, "missing required field"),
+    ({"index_topk_pattern": "SFFFFFFFFFFF"}, "layer 0 is 'shared'"),
+    ({"index_topk_pattern": "FXF"}, "only 'F' and 'S'"),
+    ({"indexer_types": ["full"] * 3}, "indexer_types has 3 entries"),
+    ({"n_group": 3}, "not divisible by n_group"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}}, "rope_type 'longrope'"),
+])
+def test_bad_configs(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict({**BASE, **change})

@@ -1,0 +1,214 @@
+"""Engine behaviour: batching, FP8 loading, bad input, sampling, aborts, page-pool integrity."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sparsekv import LLM, ConfigError, InvalidRequest, SamplingParams
+from sparsekv.model.checkpoint import CheckpointError, dequantize_fp8
+from sparsekv.tools.tiny import reference_model
+
+from conftest import assert_matches_reference
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def llm(glm_ckpt):
+    return LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_num_batched_tokens=40)
+
+
+def _idle(llm):
+    llm.engine.check_integrity()
+    s = llm.stats()
+    assert s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == s["waiting"] == 0
+
+
+def test_batched_equals_one_at_a_time(llm, random_prompt):
+    prompts = [random_prompt(n, seed=n) for n in (5, 37, 19, 60)]
+    batched = llm.generate(prompts, GREEDY)
+    single = [llm.generate([p], GREEDY)[0] for p in prompts]
+    for b, s in zip(batched, single):
+        assert b.token_ids == s.token_ids
+        for db, ds in zip(b.logprobs, s.logprobs):
+            assert db.keys() == ds.keys()
+            assert max(abs(db[k] - ds[k]) for k in db) < 1e-5
+    _idle(llm)
+
+
+def test_logprobs_hold_sampled_token_plus_top_alternatives(llm, random_prompt):
+    out = llm.generate([random_prompt(9)], SamplingParams(max_tokens=5, temperature=1.0, seed=3, logprobs=3))[0]
+    for tok, d in zip(out.token_ids, out.logprobs):
+        assert tok in d and 3 <= len(d) <= 4
+        assert all(v <= 0 for v in d.values())
+    _idle(llm)
+
+
+def test_seed_reproducible_whatever_the_batch(llm, random_prompt):
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    alone = llm.generate([random_prompt(11)], params)[0].token_ids
+    crowd = llm.generate([random_prompt(30, seed=9), random_prompt(11), random_prompt(4, seed=8)],
+                         [SamplingParams(max_tokens=7, temperature=1.0), params, SamplingParams(max_tokens=3)])
+    assert crowd[1].token_ids == alone
+    other_seed = llm.generate([random_prompt(11)], SamplingParams(max_tokens=10, temperature=0.9, seed=99))[0]
+    assert other_seed.token_ids != alone
+    _idle(llm)
+
+
+def test_max_tokens_and_stop_token_ids(llm, random_prompt):
+    greedy = llm.generate([random_prompt(10)], GREEDY)[0]
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 8
+    stop_at = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop_at)
+    out = llm.generate([random_prompt(10)], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == greedy.token_ids[:first + 1]
+    _idle(llm)
+
+
+def test_abort_mid_generation_frees_pages(llm, random_prompt):
+    engine = llm.engine
+    keep = engine.add_request("keep", random_prompt(20), GREEDY)
+    engine.add_request("drop", random_prompt(50, seed=5), SamplingParams(max_tokens=50, temperature=0.0))
+    for _ in range(4):
+        engine.step()
+    assert engine.abort("drop") and not engine.abort("drop")
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert keep.finish_reason == "length"
+    _idle(llm)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"), (dict(temperature="hot"), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=100), "logprobs"), (dict(seed="x"), "seed"), (dict(stop=[""]), "stop"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
+])
+def test_invalid_sampling_params(kwargs, param):
+    with pytest.raises(InvalidRequest, match=param) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+
+
+def test_bad_prompts_rejected_and_engine_unaffected(llm, random_prompt):
+    engine = llm.engine
+    with pytest.raises(InvalidRequest, match="longer than max_model_len 256"):
+        engine.add_request(None, random_prompt(300), GREEDY)
+    with pytest.raises(InvalidRequest, match=r"plus max_tokens \(100\) exceeds max_model_len 256"):
+        engine.add_request(None, random_prompt(200), SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        engine.add_request(None, [1, 2, 999], GREEDY)
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.add_request(None, [], GREEDY)
+    with pytest.raises(InvalidRequest, match="no tokenizer"):
+        engine.add_request(None, "hello", GREEDY)
+    with pytest.raises(InvalidRequest, match="integer token ids"):
+        engine.add_request(None, [1, "2"], GREEDY)
+    _idle(llm)
+    assert len(llm.generate([random_prompt(6)], GREEDY)[0].token_ids) == 8
+
+
+def _copy_with_config(src: str, dst: str, **changes) -> str:
+    shutil.copytree(src, dst)
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    cfg.update(changes)
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    return dst
+
+
+def test_config_errors(glm_ckpt, tmp_path):
+    with pytest.raises(ConfigError, match="unknown model_type 'llama'"):
+        LLM(_copy_with_config(glm_ckpt[0], str(tmp_path / "a"), model_type="llama"))
+    with pytest.raises(ConfigError, match="layer 0 is 'shared'"):
+        LLM(_copy_with_config(glm_ckpt[0], str(tmp_path / "b"), indexer_types=["shared", "full", "full", "full"]))
+    with pytest.raises(ConfigError, match="kv_page_size must be >= 1"):
+        LLM(glm_ckpt[0], kv_page_size=0)
+    with pytest.raises(ConfigError, match="attention 'flash'"):
+        LLM(glm_ckpt[0], attention="flash")
+
+
+def test_checkpoint_errors_name_the_tensor(glm_ckpt, tmp_path):
+    src = glm_ckpt[0]
+    # An indexer on a layer the config calls shared -> unexpected tensors, with a hint.
+    d = _copy_with_config(src, str(tmp_path / "u"), indexer_types=["full", "shared", "shared", "shared"])
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) model\.layers\.3\.self_attn\.indexer"):
+        LLM(d)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    d = str(tmp_path / "m")
+    shutil.copytree(src, d)
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.1.self_attn.o_proj.weight"},
+              os.path.join(d, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) model\.layers\.1\.self_attn\.o_proj\.weight"):
+        LLM(d)
+    tensors["model.norm.weight"] = torch.ones(3)
+    save_file(tensors, os.path.join(d, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight has shape \(3,\), config implies \(64,\)"):
+        LLM(d)
+
+
+def test_dequantize_fp8_blocks():
+    w = torch.randn(200, 300)
+    scale = torch.rand(2, 3) + 0.5
+    w8 = (w / scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]).to(torch.float8_e4m3fn)
+    deq = dequantize_fp8(w8, scale, "x")
+    assert deq[130, 260] == w8[130, 260].float() * scale[1, 2]
+    assert deq[5, 5] == w8[5, 5].float() * scale[0, 0]
+    assert torch.allclose(deq, w, rtol=0.07, atol=1e-2)  # e4m3: 3 mantissa bits
+
+
+QUANTIZED = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "indexer.wq_b", "indexer.wk",
+             "gate_proj", "up_proj", "down_proj")
+
+
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+    amax = torch.zeros(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            amax[i, j] = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].abs().max().clamp(min=1e-4)
+    scale = amax / 448.0
+    full = scale.repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(128, 1)[:, :w.shape[1]]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def test_fp8_checkpoint_matches_dequantised_reference(tmp_path, random_prompt):
+    ref = reference_model("glm_moe_dsa", seed=11, hidden_size=192)
+    state, fp8 = ref.state_dict(), {}
+    ref.save_pretrained(str(tmp_path))
+    saved = load_file(os.path.join(tmp_path, "model.safetensors"))
+    for name, w in saved.items():
+        if name.endswith(".weight") and any(f"{q}.weight" in name for q in QUANTIZED):
+            w8, scale = _quantize(w)
+            fp8[name], fp8[name + "_scale_inv"] = w8, scale
+            saved[name] = dequantize_fp8(w8, scale, name)
+        else:
+            fp8[name] = w
+    save_file(fp8, os.path.join(tmp_path, "model.safetensors"))
+    # The reference gets the dequantised weights: the engine must reproduce it exactly.
+    for name, w in saved.items():
+        if name in state and ".experts." not in name:
+            state[name].copy_(w)
+    ref.load_state_dict(state)
+    _load_experts(ref, saved)
+    prompt = random_prompt(30, seed=12)
+    out = LLM(str(tmp_path), max_model_len=128, kv_page_size=8).generate([prompt], GREEDY)[0]
+    assert_matches_reference(ref, prompt, out)
+
+
+def _load_experts(ref, saved):
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is None:
+                continue
+            for e in range(experts.gate_up_proj.shape[0]):
+                p = f"model.layers.{i}.mlp.experts.{e}"
+                experts.gate_up_proj[e].copy_(torch.cat([saved[f"{p}.gate_proj.weight"], saved[f"{p}.up_proj.weight"]]))
+                experts.down_proj[e].copy_(saved[f"{p}.down_proj.weight"])
