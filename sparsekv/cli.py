@@ -23,10 +23,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
                    help="dense turns top-k selection off (baseline for measuring the mechanism)")
     g.add_argument("--seed", type=int, default=0)
+    t = p.add_argument_group("tiered KV cache (docs/tiers.md)")
+    t.add_argument("--kv-tiering", action="store_true", help="device working set per request, history in a host store")
+    t.add_argument("--device-buffer-tokens", type=int, default=None, help="working-set slots N (default 2 x top-k)")
+    t.add_argument("--host-kv-budget-bytes", type=parse_bytes, default=None, help="e.g. 64G")
+    t.add_argument("--device-kv-budget-bytes", type=parse_bytes, default=None, help="e.g. 8G (also without tiering)")
+    t.add_argument("--host-store-path", default=None, help="memory-map the host store to this file")
+    t.add_argument("--selector", default="dsa", choices=["dsa", "quest"], help="token selector of full layers")
+    t.add_argument("--quest-page-tokens", type=int, default=16)
+    t.add_argument("--indexer-key-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+
+
+def parse_bytes(text: str) -> int:
+    """'123', '64K', '8M', '2G', '1T' (binary multiples) -> bytes."""
+    text = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (use e.g. 4096, 64K, 8G)") from None
 
 
 ENGINE_ARG_NAMES = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_page_size",
-                    "prefill_chunk_tokens", "num_kv_pages", "attention", "seed")
+                    "prefill_chunk_tokens", "num_kv_pages", "attention", "seed",
+                    "kv_tiering", "device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes",
+                    "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -169,7 +169,7 @@ class ModelConfig:
         return cfg
 
     @classmethod
-    def from_json(cls, path: str) -> "ModelConfig":
+    def from_json(cls, path: str, overrides: dict | None = None) -> "ModelConfig":
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.exists(file):
             raise ConfigError(f"{file}: no config.json found")
@@ -178,6 +178,10 @@ class ModelConfig:
                 raw = json.load(f)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{file}: not valid JSON ({e})") from None
+        if overrides:
+            if "index_topk_pattern" in overrides or "index_topk_freq" in overrides:
+                raw.pop("indexer_types", None)  # a pattern override replaces the checkpoint's schedule
+            raw = {**raw, **overrides}
         return cls.from_dict(raw, where=file)
 
     def validate(self, where: str = "config.json") -> None:
@@ -214,6 +218,8 @@ class ModelConfig:
 
 
 ATTENTION_MODES = ("sparse", "dense")
+SELECTORS = ("dsa", "quest")
+INDEXER_KEY_DTYPES = ("auto", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,19 @@ class EngineConfig:
     attention: str = "sparse"
     seed: int = 0
     tokenizer: str | None = None
+    # Like vLLM's --hf-overrides: config.json fields replaced at load, e.g. {"index_topk_pattern": "FSSS"}
+    # turns a checkpoint with an indexer in every layer into an IndexShare model (training-free IndexCache).
+    hf_overrides: dict | None = field(default=None, hash=False)
+    # Tiered KV cache (docs/tiers.md): a device working set of N latent slots per request and layer,
+    # the full latent history in a host store (RAM, or a memory-mapped file at host_store_path).
+    kv_tiering: bool = False
+    device_buffer_tokens: int | None = None    # N; default 2 x index_topk; must be >= index_topk
+    host_kv_budget_bytes: int | None = None
+    device_kv_budget_bytes: int | None = None  # also sizes the untiered cache when given
+    host_store_path: str | None = None
+    selector: str = "dsa"                      # token selector: 'dsa' (lightning indexer) or 'quest'
+    quest_page_tokens: int = 16
+    indexer_key_dtype: str = "auto"            # 'auto' (the model dtype) or 'fp8_e4m3' (tiering only)
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -245,3 +264,33 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ConfigError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")
+        self._validate_tiering()
+
+    def _validate_tiering(self) -> None:
+        for name in ("device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.selector not in SELECTORS:
+            raise ConfigError(f"selector {self.selector!r} is not supported; use one of {SELECTORS}")
+        if self.selector == "quest" and (self.quest_page_tokens < 1 or self.kv_page_size % self.quest_page_tokens):
+            raise ConfigError(f"quest_page_tokens {self.quest_page_tokens} must divide kv_page_size {self.kv_page_size}")
+        if self.indexer_key_dtype not in INDEXER_KEY_DTYPES:
+            raise ConfigError(f"indexer_key_dtype {self.indexer_key_dtype!r} is not supported; use one of {INDEXER_KEY_DTYPES}")
+        tier_only = {"device_buffer_tokens": self.device_buffer_tokens, "host_kv_budget_bytes": self.host_kv_budget_bytes,
+                     "host_store_path": self.host_store_path,
+                     "indexer_key_dtype": None if self.indexer_key_dtype == "auto" else self.indexer_key_dtype}
+        given = [k for k, v in tier_only.items() if v is not None]
+        if given and not self.kv_tiering:
+            raise ConfigError(f"{', '.join(given)} only apply with kv_tiering=True")
+        if self.kv_tiering and self.attention == "dense":
+            raise ConfigError("kv_tiering needs attention='sparse': dense attention reads every position, "
+                              "which a bounded working set cannot hold")
+        if self.num_kv_pages is not None and self.device_kv_budget_bytes is not None and not self.kv_tiering:
+            raise ConfigError("give num_kv_pages or device_kv_budget_bytes, not both")
+
+    def validate_for_model(self, index_topk: int) -> None:
+        """Checks that need the model: the working set must hold one step's top-k selection."""
+        n = self.device_buffer_tokens
+        if self.kv_tiering and n is not None and n < index_topk:
+            raise ConfigError(f"device_buffer_tokens ({n}) must be >= the model's index_topk ({index_topk}): "
+                              f"one step attends to top-k positions, which must all fit in the working set")

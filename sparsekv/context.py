@@ -26,6 +26,7 @@ class SeqSlice:
     context_len: int          # tokens in the cache once this step has written its new tokens
     slots: torch.Tensor       # [context_len] int64 cache slot of every position
     view: object = None       # the cache view attention reads through (tiering swaps it per request)
+    contiguous_start: int | None = None  # slots[p] == contiguous_start + p for all p: reads can be views
 
     @property
     def num_new_tokens(self) -> int:

@@ -33,15 +33,26 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.dtype, self.device = DTYPES[config.dtype], torch.device(config.device)
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(config.model, self.dtype, self.device, config.hf_overrides)
         self.model_config: ModelConfig = self.model.cfg
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.page_size = config.kv_page_size
-        self.allocator = PageAllocator(self._num_pages(), self.page_size)
         cfg = self.model_config
-        self.cache = KVPool(cfg, self.allocator.num_pages, self.page_size, self.dtype, self.device,
-                            list(range(cfg.num_hidden_layers)), cfg.full_layers)
+        config.validate_for_model(cfg.index_topk)
+        self.tiered = config.kv_tiering
+        if self.tiered:  # the tiered pool sizes the (logical) page table from its budgets
+            from .cache.tiers import build_tiered_cache
+            self.cache = build_tiered_cache(config, self.model, self.dtype, self.device, self._num_pages())
+            self.allocator = PageAllocator(self.cache.sizes.num_pages, self.page_size)
+        else:
+            self.allocator = PageAllocator(self._num_pages(), self.page_size)
+            self.cache = KVPool(cfg, self.allocator.num_pages, self.page_size, self.dtype, self.device,
+                                list(range(cfg.num_hidden_layers)), cfg.full_layers)
+        if config.selector == "quest" and not self.tiered:
+            from .model.selectors import install_quest
+            install_quest(self.model, config, self.allocator.num_pages * self.page_size, self.device)
+        self._final_metrics: dict[str, dict] = {}  # tiered: a finished request's figures, until output
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.page_size, config.attention)
@@ -53,6 +64,9 @@ class LLMEngine:
     def _num_pages(self) -> int:
         if self.config.num_kv_pages:
             return self.config.num_kv_pages
+        if self.config.device_kv_budget_bytes and not self.config.kv_tiering:
+            from .cache.tiers import untiered_pages
+            return untiered_pages(self.config, self.model_config, self.dtype.itemsize)
         tokens = min(self.max_model_len * self.config.max_num_seqs, max(DEFAULT_KV_CACHE_TOKENS, self.max_model_len))
         return -(-tokens // self.page_size)
 
@@ -80,8 +94,12 @@ class LLMEngine:
                                  f"max_model_len {self.max_model_len}", "max_tokens")
         pages = self.allocator.pages_for(len(token_ids) + params.max_tokens)
         if pages > self.allocator.num_pages:
-            raise InvalidRequest(f"request needs {pages} KV pages for {len(token_ids)} + {params.max_tokens} tokens; "
-                                 f"the pool has {self.allocator.num_pages}", "max_tokens")
+            where = f"the pool has {self.allocator.num_pages}"
+            if self.tiered:
+                where = (f"the tiered cache holds {self.allocator.num_pages} pages "
+                         f"({self.allocator.num_pages * self.page_size} tokens), bounded by {self.cache.sizes.limit}")
+            raise InvalidRequest(f"request needs {pages} KV pages for {len(token_ids)} + {params.max_tokens} tokens "
+                                 f"(prompt + max_tokens); {where}", "max_tokens")
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this checkpoint has none", "stop")
 
@@ -105,6 +123,7 @@ class LLMEngine:
         if req is None:
             return False
         self._release(req, RequestStatus.ABORTED, "abort")
+        self._final_metrics.pop(request_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -118,6 +137,8 @@ class LLMEngine:
         now = time.monotonic()
         for ch in chunks:
             ch.request.first_scheduled_time = ch.request.first_scheduled_time or now
+        if self.tiered:
+            self.cache.begin_step(chunks)
         logits = self.runner.execute(chunks)
         self.counters["steps"] += 1
         outputs, row = [], 0
@@ -162,7 +183,11 @@ class LLMEngine:
         return None
 
     def _release(self, req: Request, status: RequestStatus, reason: str) -> None:
+        if self.tiered:
+            self._final_metrics[req.request_id] = self.request_metrics(req)
+            self.cache.release(req.request_id)
         self.scheduler.finish(req, status, reason)
+        self.runner.forget(req.request_id)
         self._generators.pop(req.request_id, None)
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
@@ -172,6 +197,10 @@ class LLMEngine:
 
     # -- observability -------------------------------------------------------------------------
     def request_metrics(self, req: Request) -> dict:
+        if self.tiered:
+            final = self._final_metrics.pop(req.request_id, None) if req.finished else None
+            return final or {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
+                             **self.cache.request_metrics(req.request_id, len(req.page_ids) * self.page_size)}
         per_token = self.cache.latent_bytes_per_token() + self.cache.index_bytes_per_token()
         held = len(req.page_ids) * self.page_size
         return {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
@@ -181,6 +210,11 @@ class LLMEngine:
 
     def stats(self) -> dict:
         used_tokens = (self.allocator.num_pages - self.allocator.num_free) * self.page_size
+        if self.tiered:
+            return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                    **self.cache.stats(used_tokens),
+                    "kv_pages_total": self.allocator.num_pages, "kv_pages_free": self.allocator.num_free,
+                    **self.counters}
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "device_latent_bytes": used_tokens * self.cache.latent_bytes_per_token(),
                 "device_indexer_bytes": used_tokens * self.cache.index_bytes_per_token(),
@@ -193,3 +227,5 @@ class LLMEngine:
         owned = [p for r in self.scheduler.running for p in r.page_ids]
         assert len(owned) == len(set(owned)), "a page is owned by two requests"
         assert len(owned) == self.allocator.num_pages - self.allocator.num_free, "allocator and requests disagree"
+        if self.tiered:
+            self.cache.check_integrity({r.request_id for r in self.scheduler.running})

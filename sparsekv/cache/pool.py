@@ -35,11 +35,17 @@ class KVPool:
         self.index_keys[layer].index_copy_(0, slots, values.to(self.dtype))
 
     # -- reads ---------------------------------------------------------------------------------
+    @staticmethod
+    def _history(table: torch.Tensor, seq: SeqSlice) -> torch.Tensor:
+        if seq.contiguous_start is not None:  # one run of pages: a view, no copy of T entries
+            return table.narrow(0, seq.contiguous_start, seq.context_len)
+        return table.index_select(0, seq.slots)
+
     def latent_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
-        return self.latent[layer].index_select(0, seq.slots)
+        return self._history(self.latent[layer], seq)
 
     def index_keys_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
-        return self.index_keys[layer].index_select(0, seq.slots)
+        return self._history(self.index_keys[layer], seq)
 
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim]: only k entries are read."""

@@ -21,20 +21,30 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     the most recent positions (highest index) win. The result is a set, so chunking, batching or
     tiering never change it. scores: [S, T] fp32 with masked positions at -inf; requires k <= T.
     """
-    kth = scores.topk(k, dim=-1).values[:, -1:]
-    above = scores > kth
-    tied = scores == kth
+    values, idx = scores.topk(k, dim=-1)
+    kth = values[:, -1:]
+    # torch.topk's choice among ties is arbitrary; it is only ambiguous where more positions
+    # than the free slots hold exactly the k-th value (e.g. ReLU zeros when every head weight < 0).
+    ambiguous = (values > kth).sum(-1) + (scores == kth).sum(-1) > k
+    idx = idx.sort(dim=-1).values
+    rows = ambiguous.nonzero().flatten()
+    if rows.numel():
+        idx[rows] = _select_with_tie_break(scores[rows], kth[rows], k)
+    return idx
+
+
+def _select_with_tie_break(scores: torch.Tensor, kth: torch.Tensor, k: int) -> torch.Tensor:
+    above, tied = scores > kth, scores == kth
     need = k - above.sum(-1, keepdim=True)
-    if bool((tied.sum(-1, keepdim=True) == need).all()):
-        chosen = above | tied
-    else:
-        ties_to_the_right = tied.flip(-1).cumsum(-1).flip(-1)
-        chosen = above | (tied & (ties_to_the_right <= need))
+    ties_to_the_right = tied.flip(-1).cumsum(-1).flip(-1)
+    chosen = above | (tied & (ties_to_the_right <= need))
     return chosen.nonzero()[:, 1].view(scores.shape[0], k)
 
 
 def causal_mask_scores(scores: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
     """Set scores[i, j] = -inf where key position j is after query position i."""
+    if int(query_positions.min()) >= scores.shape[-1] - 1:
+        return scores  # every key is visible to every query (decode)
     keys = torch.arange(scores.shape[-1], device=scores.device)
     return scores.masked_fill(keys[None, :] > query_positions[:, None], float("-inf"))
 

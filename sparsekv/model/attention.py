@@ -18,6 +18,9 @@ from ..kernels.attention import (causal_mask_scores, latent_attention, query_blo
                                  select_topk)
 from .layers import layer_norm, rms_norm, rope_half_split, rope_interleaved
 
+INDEX_QUERY_BLOCK = 8  # queries scored together: keeps each [block, T] score row set cache-friendly
+from .selectors import DSASelector
+
 
 @dataclass
 class IndexerWeights:
@@ -52,18 +55,33 @@ class LightningIndexer:
         return self._rotate(q, cos, sin).float(), weights
 
     def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """Index scores [S, T] fp32 for queries q [S, H_I, D_I] against cached keys [T, D_I]."""
-        s = torch.relu(torch.matmul(q, keys.float().t()) * self.head_dim ** -0.5)
-        return torch.matmul(weights.unsqueeze(1), s).squeeze(1)
+        """Index scores [S, T] fp32 for queries q [S, H_I, D_I] against cached keys [T, D_I].
+
+        D_I^-1/2 > 0 commutes with the ReLU, so it is folded into the head weights; the ReLU runs
+        in place. Callers pass small query blocks so the [S, H_I, T] intermediate stays in cache.
+        """
+        keys, w = keys.float(), weights * self.head_dim ** -0.5
+        if q.shape[0] == 1:  # decode: keys-major GEMM streams the key cache once, contiguously
+            s = torch.matmul(keys, q[0].t()).relu_()        # [T, H]
+            return torch.matmul(s, w[0]).unsqueeze(0)
+        s = torch.matmul(q, keys.t()).relu_()              # [S, H, T]
+        return torch.bmm(w.unsqueeze(1), s).squeeze(1)
 
     def select(self, q, weights, keys, query_positions, k: int) -> torch.Tensor:
-        """Sorted top-k positions [S, k] for each query; peak memory O(block x T), never T x T."""
-        num_q, total = q.shape[0], keys.shape[0]
-        block = query_block_size(self.n_heads * total, num_q)
+        """Sorted top-k positions [S, k] for each query; peak memory O(block x T), never T x T.
+
+        Rows that see at most k positions select all of them (positions 0..k-1, the later ones
+        masked as invalid by the caller), exactly the reference's dense regime.
+        """
         out = []
-        for i in range(0, num_q, block):
-            scores = self.scores(q[i:i + block], weights[i:i + block], keys)
-            scores = causal_mask_scores(scores, query_positions[i:i + block])
+        for i in range(0, q.shape[0], INDEX_QUERY_BLOCK):
+            positions = query_positions[i:i + INDEX_QUERY_BLOCK]
+            visible = int(positions.max()) + 1  # no key after the block's last query is visible to it
+            if visible <= k:
+                out.append(torch.arange(k, device=q.device).expand(positions.shape[0], k))
+                continue
+            block = slice(i, i + INDEX_QUERY_BLOCK)
+            scores = causal_mask_scores(self.scores(q[block], weights[block], keys[:visible]), positions)
             out.append(select_topk(scores, k))
         return torch.cat(out)
 
@@ -84,10 +102,13 @@ class MLAttention:
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, w: AttentionWeights, indexer: LightningIndexer | None):
         self.cfg, self.layer_idx, self.w, self.indexer = cfg, layer_idx, w, indexer
+        # The token selector of a full layer (model/selectors.py); None on shared layers.
+        self.selector = DSASelector(indexer) if indexer is not None else None
         H, C = cfg.num_attention_heads, cfg.kv_lora_rank
         kv_b = w.kv_b.view(H, cfg.qk_nope_head_dim + cfg.v_head_dim, C)
         self.w_uk = kv_b[:, :cfg.qk_nope_head_dim]   # [H, nope, C]
         self.w_uv = kv_b[:, cfg.qk_nope_head_dim:]   # [H, v, C]
+        self.w_uv_t = self.w_uv.transpose(1, 2).contiguous()  # [H, C, v] for the batched GEMM
         self.scale = cfg.softmax_scale
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
@@ -98,28 +119,27 @@ class MLAttention:
         c, k_rot = F.linear(x, w.kv_a).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c = rms_norm(c, w.kv_a_norm, cfg.attention_norm_eps)
         q_rot, k_rot = rope_interleaved(q_rot, ctx.cos, ctx.sin), rope_interleaved(k_rot, ctx.cos, ctx.sin)
-        cache.write_latent(self.layer_idx, ctx.slot_mapping, torch.cat([c, k_rot], dim=-1))
+        latent = torch.cat([c, k_rot], dim=-1)
+        cache.write_latent(self.layer_idx, ctx.slot_mapping, latent)
         index_q = None
-        if self.indexer is not None:
-            cache.write_index_keys(self.layer_idx, ctx.slot_mapping, self.indexer.keys(x, ctx.cos, ctx.sin))
-            index_q = self.indexer.queries(q_resid, x, ctx.cos, ctx.sin)
-        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, self.w_uk)
+        if self.selector is not None:
+            index_q = self.selector.prepare(self.layer_idx, ctx, x, q_resid, latent, cache)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # W_UK absorbed: [N, H, C]
         q_cat = torch.cat([q_lat, q_rot], dim=-1)
         out = q_cat.new_empty(n, cfg.num_attention_heads, cfg.v_head_dim)
         for seq in ctx.seqs:
             rows = slice(seq.token_start, seq.token_end)
-            iq = None if index_q is None else (index_q[0][rows], index_q[1][rows])
+            iq = None if self.selector is None else self.selector.rows(index_q, rows)
             o_lat = self._attend(seq, q_cat[rows], ctx.positions[rows], iq, ctx, cache)
-            out[rows] = torch.einsum("shc,hvc->shv", o_lat, self.w_uv)
+            out[rows] = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # W_UV after attention
         return F.linear(out.view(n, -1), w.o)
 
     def _attend(self, seq: SeqSlice, q: torch.Tensor, positions: torch.Tensor, index_q, ctx, cache):
         k = self.cfg.index_topk
         if ctx.attention == "dense" or seq.context_len <= k:
             return self._attend_dense(seq, q, positions, cache)
-        if index_q is not None:
-            keys = cache.index_keys_for(self.layer_idx, seq)
-            ctx.selection[seq.request_id] = self.indexer.select(*index_q, keys, positions, k)
+        if self.selector is not None:
+            ctx.selection[seq.request_id] = self.selector.select(self.layer_idx, seq, index_q, q, positions, k, cache)
         selected = ctx.selection.get(seq.request_id)
         if selected is None:
             raise RuntimeError(f"layer {self.layer_idx} is 'shared' but no earlier full layer selected tokens")

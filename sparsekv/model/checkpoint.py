@@ -106,8 +106,16 @@ def _names(items, limit: int = 6) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def check_names(cfg: ModelConfig, available: set[str], path: str) -> dict[str, tuple]:
-    """Which tensors to load with their shapes; raises naming missing or unexpected tensors."""
+def _is_main_indexer(cfg: ModelConfig, name: str) -> bool:
+    return ".self_attn.indexer." in name and int(name.split(".")[2]) < cfg.num_hidden_layers
+
+
+def check_names(cfg: ModelConfig, available: set[str], path: str, drop_extra_indexers: bool = False) -> dict[str, tuple]:
+    """Which tensors to load with their shapes; raises naming missing or unexpected tensors.
+
+    drop_extra_indexers: the config was overridden to share more indexers than the checkpoint has;
+    indexer tensors of layers that became "shared" are then skipped instead of rejected.
+    """
     weights = {n for n in available if not n.endswith(".weight_scale_inv")}
     tie = cfg.tie_word_embeddings and "lm_head.weight" not in weights
     want = expected_shapes(cfg, tie_lm_head=tie)
@@ -123,6 +131,8 @@ def check_names(cfg: ModelConfig, available: set[str], path: str) -> dict[str, t
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {_names(missing)}")
     unexpected = weights - set(want) - {n for n in weights if n.endswith("rotary_emb.inv_freq")}
+    if drop_extra_indexers:
+        unexpected = {n for n in unexpected if not _is_main_indexer(cfg, n)}
     if unexpected:
         raise CheckpointError(f"{path}: unexpected tensor(s) {_names(unexpected)} "
                               f"(check indexer_types: 'shared' layers carry no indexer tensors)")
@@ -145,9 +155,10 @@ def _read(files: dict[str, str], name: str, handles: dict) -> torch.Tensor:
     return handles[file].get_tensor(name)
 
 
-def load_tensors(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def load_tensors(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 drop_extra_indexers: bool = False) -> dict[str, torch.Tensor]:
     files = list_tensor_files(path)
-    want = check_names(cfg, set(files), path)
+    want = check_names(cfg, set(files), path, drop_extra_indexers)
     handles: dict = {}
     out = {}
     for name, shape in want.items():
@@ -164,7 +175,7 @@ def load_tensors(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.
     return out
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device):
+def load_model(path: str, dtype: torch.dtype, device: torch.device, overrides: dict | None = None):
     from .model import DSAModel
-    cfg = ModelConfig.from_json(path)
-    return DSAModel(cfg, load_tensors(path, cfg, dtype, device), dtype, device)
+    cfg = ModelConfig.from_json(path, overrides)
+    return DSAModel(cfg, load_tensors(path, cfg, dtype, device, bool(overrides)), dtype, device)

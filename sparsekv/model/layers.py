@@ -96,13 +96,15 @@ def rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 # ---------------------------------------------------------------------------------------------- FFN
 
 class DenseMLP:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one GEMM."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
-        self.gate, self.up, self.down = gate, up, down
+        self.gate_up, self.down = torch.cat([gate, up]), down
+        self.intermediate = gate.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+        gate, up = F.linear(x, self.gate_up).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
 
 
 class MoE:
@@ -133,6 +135,10 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
         out = torch.zeros_like(x)
+        if x.shape[0] == 1:  # decode: no scatter needed
+            for e, w in sorted(zip(ids[0].tolist(), weights[0])):
+                out += (self.experts[e](x) * w).to(out.dtype)
+            return out + self.shared(x)
         for e in torch.unique(ids).tolist():  # ascending expert id, as the reference iterates
             token_idx, slot = torch.where(ids == e)
             y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None]

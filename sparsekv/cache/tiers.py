@@ -1,0 +1,401 @@
+"""Tiered KV cache: a bounded device working set per request, the full latent history in a host store.
+
+`TieredKVPool` has `KVPool`'s interface, so the model is unchanged. One page table (the engine's
+`PageAllocator`) addresses *logical* slots, which hold a position's indexer keys on the device and
+its latent in the host store::
+
+    device                                              host (HostStore, layer-first)
+      index keys  [logical slots]   all history (DSA)      latent [logical slots]   all history
+      working sets, per layer  [max_num_seqs x (N + 1)]
+        buffer b: rows b(N+1) .. b(N+1)+N-1  LRU slots      (written at every step: backup, D2H)
+                  row  b(N+1)+N              newest token
+
+A step, as the engine drives it:
+  1. `begin_step(chunks)`: a chunk of one new token (a decode) uses its request's working set. The
+     previous newest token, still on the device, is promoted into the LRU slots (a device copy).
+  2. `write_latent`: every new latent goes to the host store; a decode's also to its newest row.
+  3. A full layer's `gather_latent` (sparse regime) or `latent_for` (dense regime, T <= top-k <= N)
+     resolves the positions through the group's LRU: hits stay, misses are copied host -> device into
+     the least-recently-used slots, for the full layer *and* its IndexShare shared layers at once
+     (shared layers' copies on a CUDA side stream, waited on by the shared layer). Attention then
+     reads the working set rows in the order it asked for: same values, same order, so it is exact.
+  4. Multi-token chunks (prefill) stream the rows they read from the host store, one query block at
+     a time (the same transient a dense pool's gather makes); they do not touch the working set.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ConfigError, EngineConfig, ModelConfig
+from ..context import SeqSlice
+from .host_store import HostStore, make_host_store
+from .lru import WorkingSetLRU
+from .pages import PageAllocator
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def latent_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
+    return cfg.latent_dim * itemsize * cfg.num_hidden_layers
+
+
+def index_bytes_per_token(cfg: ModelConfig, itemsize: int, fp8: bool = False) -> int:
+    per_layer = cfg.index_head_dim + 4 if fp8 else cfg.index_head_dim * itemsize
+    return per_layer * len(cfg.full_layers)
+
+
+@dataclass(frozen=True)
+class TierSizes:
+    """What the budgets allow. Logical pages bound the host rows and the device indexer keys."""
+
+    num_pages: int
+    num_buffers: int
+    buffer_tokens: int
+    limit: str  # the binding budget, for admission errors
+
+
+def plan_tier_sizes(config: EngineConfig, cfg: ModelConfig, latent_per_token: int, selector_per_token: int,
+                    default_pages: int) -> TierSizes:
+    page, n = config.kv_page_size, config.device_buffer_tokens or 2 * cfg.index_topk
+    buffers = config.max_num_seqs
+    limits = []
+    if config.num_kv_pages:
+        limits.append((config.num_kv_pages, f"num_kv_pages={config.num_kv_pages}"))
+    if config.host_kv_budget_bytes:
+        limits.append((config.host_kv_budget_bytes // (page * latent_per_token),
+                       f"host_kv_budget_bytes={config.host_kv_budget_bytes}"))
+    if config.device_kv_budget_bytes:
+        left = config.device_kv_budget_bytes - buffers * (n + 1) * latent_per_token
+        if left < page * max(selector_per_token, 1):
+            raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} cannot hold {buffers} working "
+                              f"sets of {n + 1} tokens ({(n + 1) * latent_per_token} B each, max_num_seqs={buffers}) "
+                              f"plus one page of indexer keys; raise it or lower max_num_seqs / device_buffer_tokens")
+        limits.append((left // (page * max(selector_per_token, 1)),
+                       f"device_kv_budget_bytes={config.device_kv_budget_bytes} (indexer keys after working sets)"))
+    pages, limit = min(limits) if limits else (default_pages, "the default cache size")
+    if pages < 1:
+        raise ConfigError(f"{limit} holds less than one {page}-token page of host KV "
+                          f"({page * latent_per_token} B); raise it")
+    return TierSizes(pages, buffers, n, limit)
+
+
+@dataclass
+class TierCounters:
+    """Hits and misses count one lookup per (position, layer); bytes are what crosses the host link."""
+
+    hits: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+
+    def add(self, hits: int = 0, misses: int = 0, h2d: int = 0, d2h: int = 0) -> None:
+        self.hits += hits
+        self.misses += misses
+        self.h2d_bytes += h2d
+        self.d2h_bytes += d2h
+
+    def as_dict(self) -> dict:
+        lookups = self.hits + self.misses
+        return {"tier_hits": self.hits, "tier_misses": self.misses,
+                "tier_miss_rate": self.misses / lookups if lookups else 0.0,
+                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes}
+
+
+class IndexKeyCache:
+    """Indexer keys of every logical slot, device-resident. fp8: e4m3 bytes plus one fp32 scale per key."""
+
+    def __init__(self, layers: list[int], num_slots: int, dim: int, dtype: torch.dtype, device, fp8: bool):
+        self.dtype, self.fp8 = dtype, fp8
+        store = torch.uint8 if fp8 else dtype  # fp8 rows are kept as raw bytes (CPU index ops lack fp8)
+        self.keys = {l: torch.empty(num_slots, dim, dtype=store, device=device) for l in layers}
+        self.scales = {l: torch.empty(num_slots, dtype=torch.float32, device=device) for l in layers} if fp8 else {}
+
+    def bytes_per_token(self) -> int:
+        return sum(t.shape[1] * t.element_size() + (4 if self.fp8 else 0) for t in self.keys.values())
+
+    def write(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        if not self.fp8:
+            self.keys[layer].index_copy_(0, slots, values.to(self.dtype))
+            return
+        v = values.float()
+        scale = v.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+        q = (v / scale[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+        self.keys[layer].index_copy_(0, slots, q)
+        self.scales[layer].index_copy_(0, slots, scale)
+
+    def read(self, layer: int, seq: SeqSlice) -> torch.Tensor:
+        start = getattr(seq, "contiguous_start", None)
+        if start is not None and not self.fp8:  # one run of pages: a view, as the untiered pool reads
+            return self.keys[layer].narrow(0, start, seq.context_len)
+        k = self.keys[layer].index_select(0, seq.slots)
+        if not self.fp8:
+            return k
+        scale = self.scales[layer].index_select(0, seq.slots)
+        return (k.view(torch.float8_e4m3fn).float() * scale[:, None]).to(self.dtype)
+
+
+@dataclass
+class _WorkingSet:
+    """A decoding request's device buffer: one LRU per index group, shared by the group's layers."""
+
+    buffer: int
+    lrus: dict[int, WorkingSetLRU]
+    newest: int | None = None  # position whose latent sits in the newest row of every layer
+
+
+@dataclass
+class _StepState:
+    ws_rows: torch.Tensor | None = None       # flat-batch rows of this step's decode tokens
+    newest_rows: torch.Tensor | None = None   # their newest-token rows in the working sets
+    decoding: set = field(default_factory=set)
+    plans: dict = field(default_factory=dict)  # (request, group leader) -> device rows of the positions
+
+
+class TieredKVPool:
+    """KVPool's interface over device working sets + a host store. See the module docstring."""
+
+    def __init__(self, cfg: ModelConfig, sizes: TierSizes, page_size: int, dtype: torch.dtype, device,
+                 host: HostStore, fp8_index_keys: bool = False, keep_index_keys: bool = True):
+        self.cfg, self.page_size, self.dtype, self.device = cfg, page_size, dtype, torch.device(device)
+        self.num_slots = sizes.num_pages * page_size
+        self.capacity, self.sizes, self.host = sizes.buffer_tokens, sizes, host
+        self.layers = list(range(cfg.num_hidden_layers))
+        self.leader = _group_leaders(cfg)
+        self.groups = {g: [l for l in self.layers if self.leader[l] == g] for g in cfg.full_layers}
+        rows = sizes.num_buffers * (self.capacity + 1)
+        self.ws = {l: torch.empty(rows, cfg.latent_dim, dtype=dtype, device=self.device) for l in self.layers}
+        self.buffers = PageAllocator(sizes.num_buffers, self.capacity + 1)  # one "page" = one working set
+        self.index = IndexKeyCache(cfg.full_layers if keep_index_keys else [], self.num_slots, cfg.index_head_dim,
+                                   dtype, self.device, fp8_index_keys)
+        self.selector_bytes_per_token = self.index.bytes_per_token()  # Quest adds its page bounds (engine)
+        self._resident: dict[str, _WorkingSet] = {}
+        self._counters: dict[str, TierCounters] = {}
+        self.totals = TierCounters()
+        self._step = _StepState()
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._events: dict[int, torch.cuda.Event] = {}
+
+    # -- sizes ---------------------------------------------------------------------------------
+    def latent_bytes_per_token(self) -> int:
+        return self.host.bytes_per_token
+
+    def index_bytes_per_token(self) -> int:
+        return self.index.bytes_per_token()
+
+    def working_set_bytes(self) -> int:
+        """Device latent bytes of one decoding request: N LRU rows + the newest row, every layer."""
+        return (self.capacity + 1) * self.host.bytes_per_token
+
+    @property
+    def num_working_sets(self) -> int:
+        return len(self._resident)
+
+    # -- the step protocol ---------------------------------------------------------------------
+    def begin_step(self, chunks) -> None:
+        """Before the forward: note which rows are decodes, promote last step's newest tokens."""
+        step, ws_rows, newest_rows, row = _StepState(), [], [], 0
+        for ch in chunks:
+            rid = ch.request.request_id
+            self._count(rid, d2h=ch.num_new_tokens * self.host.bytes_per_token)
+            if ch.num_new_tokens == 1:
+                ws = self._working_set(rid)
+                self._promote(ws)
+                ws.newest = ch.context_len - 1
+                step.decoding.add(rid)
+                ws_rows.append(row)
+                newest_rows.append(self._base(ws) + self.capacity)
+            elif rid in self._resident:
+                self._resident[rid].newest = None
+            row += ch.num_new_tokens
+        if ws_rows:
+            step.ws_rows = torch.tensor(ws_rows, device=self.device)
+            step.newest_rows = torch.tensor(newest_rows, device=self.device)
+        self._step = step
+
+    def release(self, request_id: str) -> dict:
+        """Free the request's working set (its host rows go with its pages). Returns its counters."""
+        ws = self._resident.pop(request_id, None)
+        if ws is not None:
+            self.buffers.free(request_id, [ws.buffer])
+        self._step.decoding.discard(request_id)
+        return self._counters.pop(request_id, TierCounters()).as_dict()
+
+    def request_counters(self, request_id: str) -> dict:
+        return self._counters.get(request_id, TierCounters()).as_dict()
+
+    def has_working_set(self, request_id: str) -> bool:
+        return request_id in self._resident
+
+    # -- writes --------------------------------------------------------------------------------
+    def write_latent(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.host.write(layer, slots, values)  # the backup: every token's latent reaches the host
+        if self._step.ws_rows is not None:
+            self.ws[layer].index_copy_(0, self._step.newest_rows, values[self._step.ws_rows].to(self.dtype))
+
+    def write_index_keys(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.index.write(layer, slots, values)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def index_keys_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
+        return self.index.read(layer, seq)
+
+    def latent_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
+        if seq.request_id in self._step.decoding:
+            return self.ws[layer].index_select(0, self._rows_for(layer, seq, list(range(seq.context_len))))
+        return self._stream(layer, seq, seq.slots)
+
+    def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
+        """Latents of the selected positions [S, k] -> [S, k, latent_dim], in the order asked for."""
+        if seq.request_id in self._step.decoding:
+            rows = self._rows_for(layer, seq, positions.reshape(-1).tolist())
+            return self.ws[layer].index_select(0, rows).view(*positions.shape, -1)
+        return self._stream(layer, seq, seq.slots[positions.reshape(-1)]).view(*positions.shape, -1)
+
+    def _stream(self, layer: int, seq: SeqSlice, slots: torch.Tensor) -> torch.Tensor:
+        self._count(seq.request_id, h2d=slots.numel() * self.host.row_bytes)
+        return self.host.read(layer, slots).to(self.device)
+
+    # -- resolution ----------------------------------------------------------------------------
+    def _rows_for(self, layer: int, seq: SeqSlice, positions: list[int]) -> torch.Tensor:
+        leader = self.leader[layer]
+        key = (seq.request_id, leader)
+        if layer == leader or key not in self._step.plans:
+            self._step.plans[key] = self._resolve(leader, seq, positions)
+        else:
+            self._wait_side_copies(layer)
+        rows = self._step.plans[key]
+        assert rows.numel() == len(positions), "a shared layer read other positions than its full layer"
+        return rows
+
+    def _resolve(self, leader: int, seq: SeqSlice, positions: list[int]) -> torch.Tensor:
+        """LRU-resolve `positions` for the whole group; copy the misses; return their device rows."""
+        ws, newest, group = self._resident[seq.request_id], seq.context_len - 1, self.groups[leader]
+        older = [p for p in positions if p != newest]
+        if len(older) > self.capacity:
+            raise RuntimeError(f"{len(older)} positions to hold in a working set of {self.capacity}")
+        res = ws.lrus[leader].resolve(older)
+        slot_of = dict(zip(older, res.slots))
+        base = self._base(ws)
+        rows = torch.tensor([base + slot_of.get(p, self.capacity) for p in positions], device=self.device)
+        hits = res.hits + (len(older) < len(positions))  # the newest token is a hit on its own row
+        self._count(seq.request_id, hits=hits * len(group), misses=len(res.misses) * len(group),
+                    h2d=len(res.misses) * len(group) * self.host.row_bytes)
+        if res.misses:
+            src = seq.slots[torch.tensor([p for p, _ in res.misses], device=seq.slots.device)]
+            dst = torch.tensor([base + s for _, s in res.misses], device=self.device)
+            for i, layer in enumerate(group):
+                self._copy_in(layer, src, dst, side=i > 0)
+        return rows
+
+    def _promote(self, ws: _WorkingSet) -> None:
+        """Last step's newest token is on the device: keep it, as most recently used (no host traffic)."""
+        if ws.newest is None:
+            return
+        base = self._base(ws)
+        for leader, lru in ws.lrus.items():
+            for _, slot in lru.resolve([ws.newest]).misses:
+                for layer in self.groups[leader]:
+                    self.ws[layer][base + slot] = self.ws[layer][base + self.capacity]
+        ws.newest = None
+
+    def _copy_in(self, layer: int, src_slots: torch.Tensor, dst_rows: torch.Tensor, side: bool) -> None:
+        """Host rows -> working-set rows. On CUDA a shared layer's copy runs on the side stream."""
+        staged = self.host.read(layer, src_slots)
+        if self._side is None or not side:
+            self.ws[layer].index_copy_(0, dst_rows, staged.to(self.device))
+            return
+        staged = staged.pin_memory()
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            self.ws[layer].index_copy_(0, dst_rows, staged.to(self.device, non_blocking=True))
+        dst_rows.record_stream(self._side)
+        event = torch.cuda.Event()
+        event.record(self._side)
+        self._events[layer] = event
+
+    def _wait_side_copies(self, layer: int) -> None:
+        event = self._events.pop(layer, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _working_set(self, request_id: str) -> _WorkingSet:
+        ws = self._resident.get(request_id)
+        if ws is None:
+            buffer = self.buffers.allocate(request_id, 1)[0]
+            ws = _WorkingSet(buffer, {g: WorkingSetLRU(self.capacity) for g in self.groups})
+            self._resident[request_id] = ws
+        return ws
+
+    def _base(self, ws: _WorkingSet) -> int:
+        return ws.buffer * (self.capacity + 1)
+
+    def _count(self, request_id: str, hits: int = 0, misses: int = 0, h2d: int = 0, d2h: int = 0) -> None:
+        self._counters.setdefault(request_id, TierCounters()).add(hits, misses, h2d, d2h)
+        self.totals.add(hits, misses, h2d, d2h)
+
+    # -- observability -------------------------------------------------------------------------
+    def request_metrics(self, request_id: str, held_tokens: int) -> dict:
+        latent = self.working_set_bytes() if request_id in self._resident else 0
+        indexer = held_tokens * self.selector_bytes_per_token
+        return {"device_kv_bytes": latent + indexer, "device_latent_bytes": latent, "device_indexer_bytes": indexer,
+                "host_kv_bytes": held_tokens * self.host.bytes_per_token, **self.request_counters(request_id)}
+
+    def stats(self, used_tokens: int) -> dict:
+        latent = self.num_working_sets * self.working_set_bytes()
+        indexer = used_tokens * self.selector_bytes_per_token
+        return {"device_kv_bytes": latent + indexer, "device_latent_bytes": latent, "device_indexer_bytes": indexer,
+                "device_working_sets": self.num_working_sets, "device_buffer_tokens": self.capacity,
+                "host_kv_bytes": used_tokens * self.host.bytes_per_token,
+                "host_kv_budget_bytes": self.host.capacity_bytes, "host_store": self.host.kind,
+                **self.totals.as_dict()}
+
+    def check_integrity(self, active: set[str] | None = None) -> None:
+        self.buffers.check_integrity()
+        owned = [ws.buffer for ws in self._resident.values()]
+        assert len(owned) == len(set(owned)), "a working set is owned by two requests"
+        assert len(owned) == self.buffers.num_pages - self.buffers.num_free, "working sets and allocator disagree"
+        for ws in self._resident.values():
+            for lru in ws.lrus.values():
+                lru.check_integrity()
+        if active is not None:
+            stale = (set(self._resident) | set(self._counters)) - set(active)
+            assert not stale, f"tier state kept for finished requests {sorted(stale)}"
+
+
+def _group_leaders(cfg: ModelConfig) -> dict[int, int]:
+    """Layer -> the full layer whose selection it uses (itself for full layers)."""
+    leaders, current = {}, 0
+    for layer, kind in enumerate(cfg.indexer_types):
+        current = layer if kind == "full" else current
+        leaders[layer] = current
+    return leaders
+
+
+def untiered_pages(config: EngineConfig, cfg: ModelConfig, itemsize: int) -> int:
+    """Pages of a fully device-resident cache that fit in `device_kv_budget_bytes`."""
+    per_page = config.kv_page_size * (latent_bytes_per_token(cfg, itemsize) + index_bytes_per_token(cfg, itemsize))
+    if config.device_kv_budget_bytes < per_page:
+        raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} holds less than one "
+                          f"{config.kv_page_size}-token page ({per_page} B)")
+    return config.device_kv_budget_bytes // per_page
+
+
+def build_tiered_cache(config: EngineConfig, model, dtype: torch.dtype, device, default_pages: int) -> TieredKVPool:
+    """The tiered pool for `config`, sized by its budgets; installs Quest if selected."""
+    from ..model.selectors import install_quest, quest_bytes_per_token
+    cfg, itemsize = model.cfg, dtype.itemsize
+    quest = config.selector == "quest"
+    fp8 = config.indexer_key_dtype == "fp8_e4m3"
+    selector_bytes = (quest_bytes_per_token(cfg, config.quest_page_tokens) if quest
+                      else index_bytes_per_token(cfg, itemsize, fp8))
+    sizes = plan_tier_sizes(config, cfg, latent_bytes_per_token(cfg, itemsize), selector_bytes, default_pages)
+    host = make_host_store(list(range(cfg.num_hidden_layers)), sizes.num_pages * config.kv_page_size,
+                           cfg.latent_dim, dtype, config.host_store_path, pin=torch.device(device).type == "cuda")
+    pool = TieredKVPool(cfg, sizes, config.kv_page_size, dtype, device, host, fp8, keep_index_keys=not quest)
+    if quest:
+        install_quest(model, config, pool.num_slots, device)
+        pool.selector_bytes_per_token = selector_bytes
+    return pool

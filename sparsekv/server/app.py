@@ -1,0 +1,225 @@
+"""The FastAPI app: OpenAI-compatible routes over one engine loop.
+
+Bodies are parsed by hand (`protocol.parse_body`) rather than by FastAPI's signature binding so that
+malformed JSON and wrong types are a 400 in the OpenAI envelope (FastAPI would answer 422 in its own
+shape). The server keeps its own tokenizer instance for chat templates, /tokenize and logprob text:
+the engine thread uses the engine's, and HF fast tokenizers are not safe to share across threads.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import load_tokenizer
+from ..request import InvalidRequest, SamplingParams
+from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware
+from .errors import APIError, bad_request, error_body, error_response
+from .loop import EngineLoop, RequestGroup, Submission
+from .metrics import ServerMetrics
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
+                       TokenizeRequest, parse_body)
+from .responses import ResponseBuilder, TokenText
+from .serving import run
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    api_keys: dict[bytes, str] = field(default_factory=dict)  # sha256(key) -> tenant (auth.parse_api_keys)
+    max_queued_requests: int | None = None
+    default_max_tokens: int | None = None
+
+
+class ServerState:
+    """What the routes share: the engine loop, metrics, the server's tokenizer and the settings."""
+
+    def __init__(self, engine, settings: ServerSettings):
+        self.engine, self.settings = engine, settings
+        self.model_name = settings.served_model_names[0]
+        self.max_model_len = engine.max_model_len
+        pool_tokens = engine.allocator.num_pages * engine.page_size
+        self.context_limit = min(engine.max_model_len, pool_tokens)
+        # The engine reserves pages for prompt + max_tokens at admission, so an unbounded default would let
+        # one chat request hold the pool; cap it so a full batch of such requests still fits.
+        self.chat_default_cap = max(1, pool_tokens // engine.config.max_num_seqs)
+        self.tokenizer = load_tokenizer(engine.config.tokenizer or engine.config.model)
+        self.token_text = TokenText(self.tokenizer)
+        self.loop = EngineLoop(engine, None, settings.max_queued_requests)
+        self.metrics = ServerMetrics(self.model_name, self.loop.stats, lambda: self.loop.healthy)
+        self.loop.metrics = self.metrics
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                                f"{', '.join(self.settings.served_model_names)}", "model")
+
+    def chat_prompt(self, messages, add_generation_prompt: bool) -> list[int]:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise bad_request("this model has no tokenizer with a chat template; use /v1/completions", "messages")
+        try:
+            msgs = [{"role": m.role, "content": m.text() or ""} for m in messages]
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja raises on roles or orders the template refuses
+            raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+        return tok.encode(text, add_special_tokens=False)
+
+
+def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The engine's parameters for choice `choice` of n; seeds are seed + choice so choices differ."""
+    top_k = body.top_k if body.top_k is not None else 0
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if top_k == -1 else top_k,
+            seed=None if body.seed is None else body.seed + choice, logprobs=logprobs, stop=body.stop,
+            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos)
+    except InvalidRequest as e:
+        raise APIError(400, str(e), e.param) from None
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _tenant(request: Request) -> str:
+    return request.scope.get(TENANT_SCOPE_KEY, DEFAULT_TENANT)
+
+
+async def _body(request: Request, model):
+    return parse_body(await request.body(), model)
+
+
+async def _generate(request: Request, body: SamplingFields, kind: str, prompts: list, max_tokens: list[int],
+                    logprobs: int | None, top_logprobs: int | None = None):
+    state = _state(request)
+    prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+    rid = prefix + uuid.uuid4().hex
+    subs = [Submission(p, sampling_params(body, i, mt, logprobs))
+            for p, mt in zip(prompts, max_tokens) for i in range(body.n)]
+    builder = ResponseBuilder(kind, rid, body.model or state.model_name, int(time.time()), body.n,
+                              state.token_text, _tenant(request), top_logprobs)
+    group = RequestGroup(rid, len(subs))
+    return await run(request, state.loop, group, subs, _tenant(request), body.cache_salt, builder,
+                     body.stream, body.include_usage, state.metrics)
+
+
+async def completions(request: Request):
+    state = _state(request)
+    body = await _body(request, CompletionRequest)
+    state.check_model(body.model)
+    prompts = body.prompts()
+    max_tokens = body.max_tokens if body.max_tokens is not None else (
+        state.settings.default_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+    return await _generate(request, body, "completion", prompts, [max_tokens] * len(prompts), body.logprobs)
+
+
+async def chat_completions(request: Request):
+    state = _state(request)
+    body = await _body(request, ChatCompletionRequest)
+    state.check_model(body.model)
+    prompt = state.chat_prompt(body.messages, body.add_generation_prompt)
+    max_tokens = body.max_new_tokens
+    if max_tokens is None:  # vLLM: the rest of the context; here also capped by the KV pool
+        max_tokens = state.settings.default_max_tokens or max(
+            1, min(state.context_limit - len(prompt), state.chat_default_cap))
+    return await _generate(request, body, "chat", [prompt], [max_tokens], body.num_logprobs, body.top_logprobs)
+
+
+async def tokenize(request: Request):
+    state = _state(request)
+    body = await _body(request, TokenizeRequest)
+    state.check_model(body.model)
+    if body.messages is not None:
+        tokens = state.chat_prompt(body.messages, body.add_generation_prompt)
+    elif state.tokenizer is None:
+        raise bad_request("this model has no tokenizer", "prompt")
+    else:
+        tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+
+
+async def detokenize(request: Request):
+    state = _state(request)
+    body = await _body(request, DetokenizeRequest)
+    state.check_model(body.model)
+    if state.tokenizer is None:
+        raise bad_request("this model has no tokenizer", "tokens")
+    vocab = state.engine.model_config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": state.tokenizer.decode(body.tokens)}
+
+
+async def models(request: Request):
+    state = _state(request)
+    created = int(time.time())
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": created, "owned_by": "sparsekv", "root": state.engine.config.model,
+         "max_model_len": state.max_model_len, "vocab_size": state.engine.model_config.vocab_size}
+        for name in state.settings.served_model_names]}
+
+
+async def health(request: Request):
+    loop = _state(request).loop
+    if loop.dead is not None:
+        return JSONResponse({"status": "engine_dead", "error": repr(loop.dead)}, status_code=503)
+    if loop.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if not loop.healthy:
+        return JSONResponse({"status": "engine_stopped"}, status_code=503)
+    return {"status": "ok"}
+
+
+async def metrics(request: Request):
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
+          ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
+          ("/v1/models", models, ["GET"]), ("/health", health, ["GET"]), ("/metrics", metrics, ["GET"])]
+
+
+def create_app(engine, settings: ServerSettings) -> FastAPI:
+    """The app for one engine. The engine loop thread starts and stops with the app's lifespan."""
+    state = ServerState(engine, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop.start()
+        try:
+            yield
+        finally:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.loop.abort_all("the server is shutting down"), 5.0)
+            state.loop.stop()
+
+    app = FastAPI(title="sparsekv", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    for path, fn, methods in ROUTES:
+        app.add_api_route(path, fn, methods=methods)
+    app.add_exception_handler(APIError, lambda req, exc: error_response(exc))
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.add_middleware(AuthMiddleware, keys=settings.api_keys)
+    return app
+
+
+def _http_error(request: Request, exc: StarletteHTTPException):
+    return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+def _internal_error(request: Request, exc: Exception):
+    return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}"), status_code=500)

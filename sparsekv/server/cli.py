@@ -1,0 +1,111 @@
+"""`sparsekv serve [MODEL] --host --port [--api-key KEY[:TENANT] ...] [engine options]`.
+
+Shutdown: the first SIGTERM/SIGINT starts a drain (new requests get 503 and /health turns 503 so a
+load balancer stops routing here; requests in flight run on for up to --shutdown-timeout seconds;
+whatever is left is then aborted, its clients get an error) and the process then exits 0. A second
+signal exits at once. uvicorn's own shutdown would just wait for connections with no engine-side
+abort, so `DrainingServer` runs the drain before handing over to it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+import uvicorn
+
+from ..cli import add_engine_args, engine_options
+from ..config import ConfigError
+
+log = logging.getLogger("sparsekv.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsekv serve", description="OpenAI-compatible server")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",
+                   help="require 'Authorization: Bearer KEY'; repeat for several keys; TENANT names the key's tenant")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="model name(s) clients use (default: MODEL as given, or the bundled model's directory name)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="at most this many requests waiting for a batch slot; beyond it 503 + Retry-After")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds to drain in-flight requests after SIGTERM before aborting them")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens when a request gives none (default: 16 for completions; for chat the rest "
+                        "of the context, at most KV pool tokens / max-num-seqs)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(p)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app, state = build_app(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"sparsekv serve: error: {e}", file=sys.stderr)
+        return 2
+    return serve(app, state, args.host, args.port, args.shutdown_timeout, args.log_level)
+
+
+def build_app(args):
+    from ..config import EngineConfig
+    from ..engine import LLMEngine
+    from ..paths import default_model_path
+    from .app import ServerSettings, create_app
+    from .auth import parse_api_keys
+
+    keys = parse_api_keys(args.api_key)
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+    model = args.model or default_model_path()
+    names = args.served_model_name or [args.model or os.path.basename(os.path.normpath(model))]
+    engine = LLMEngine(EngineConfig(model=model, tokenizer=args.tokenizer, **engine_options(args)))
+    settings = ServerSettings(names, keys, args.max_queued_requests, args.default_max_tokens)
+    app = create_app(engine, settings)
+    return app, app.state.server
+
+
+def serve(app, state, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> int:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            access_log=log_level == "debug")
+    DrainingServer(config, state, shutdown_timeout).run()
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server that drains the engine on the first signal and exits on the second."""
+
+    def __init__(self, config, state, shutdown_timeout: float):
+        super().__init__(config)
+        self.state, self.shutdown_timeout = state, shutdown_timeout
+        self._drain_requested = False
+        self._drain_task = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._drain_requested:
+            self.should_exit = self.force_exit = True
+        else:  # NOTE: runs inside a signal handler; the drain itself starts on the next tick
+            self._drain_requested = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_requested and self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self.drain())
+        return await super().on_tick(counter)
+
+    async def drain(self) -> None:
+        loop = self.state.loop
+        loop.draining = True
+        log.info("draining %d request(s) for up to %.1f s", loop.num_active, self.shutdown_timeout)
+        if not await loop.wait_idle(self.shutdown_timeout):
+            log.warning("shutdown timeout: aborting %d request(s)", loop.num_active)
+            await loop.abort_all("the server is shutting down; the request was aborted")
+        await asyncio.sleep(0.2)  # let the handlers send their last bytes
+        self.should_exit = True

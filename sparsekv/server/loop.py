@@ -1,0 +1,298 @@
+"""The engine loop: the one thread that owns the (not thread-safe) engine.
+
+HTTP handlers never touch the engine. They put commands on a queue (add a group of requests, abort a
+group, abort everything); the loop runs them between steps, steps the engine while it has work, and
+hands each output to the asyncio queue of the HTTP request it belongs to.
+
+A dedicated thread rather than `asyncio.to_thread(engine.step)`: commands and steps then interleave in
+one place, so an abort can never race a step, and a slow step never blocks the event loop.
+
+If `engine.step()` raises, the loop is dead: every waiting client gets `EngineDead`, new requests are
+refused, /health turns 503. The thread keeps answering commands (with errors), so nothing hangs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from ..request import RequestOutput, SamplingParams
+from .metrics import RequestTimer
+
+log = logging.getLogger("sparsekv.server")
+FAULT_ENV, DELAY_ENV = "SPARSEKV_INJECT_STEP_FAULT", "SPARSEKV_INJECT_STEP_DELAY"  # see install_test_hooks
+
+
+class EngineDead(RuntimeError):
+    """The engine raised inside a step; the server can no longer generate."""
+
+
+class QueueFull(RuntimeError):
+    """--max-queued-requests would be exceeded."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is draining (SIGTERM) and admits nothing new, or aborted the request on shutdown."""
+
+
+@dataclass
+class Submission:
+    """One engine request of a group: the prompt (text or token ids) and its sampling parameters."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+class RequestGroup:
+    """The engine requests behind one HTTP request (n choices x prompts) and the queue they report on.
+
+    Items on `queue` are `(index, RequestOutput)` or `(None, exception)`.
+    """
+
+    def __init__(self, group_id: str, size: int):
+        self.request_ids = [f"{group_id}-{i}" for i in range(size)]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.num_finished = 0
+
+    @property
+    def done(self) -> bool:
+        return self.num_finished == len(self.request_ids)
+
+
+@dataclass
+class _Route:
+    group: RequestGroup
+    index: int
+    request: object  # sparsekv.request.Request, for its scheduling time
+    timer: RequestTimer
+
+
+class EngineLoop:
+    def __init__(self, engine, metrics=None, max_queued_requests: int | None = None):
+        self.engine, self.metrics = engine, metrics
+        self.max_queued_requests = max_queued_requests
+        self.dead: BaseException | None = None
+        self.draining = False
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[str, _Route] = {}
+        self._stats = engine.stats()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        install_test_hooks(engine, os.environ)
+
+    # -- called from the event loop ------------------------------------------------------------
+    def start(self) -> None:
+        self._aloop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="sparsekv-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopped = True
+        self._commands.put((lambda: None, ()))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> dict:
+        return self._stats
+
+    @property
+    def num_active(self) -> int:
+        return len(self._routes)
+
+    async def submit(self, group: RequestGroup, subs: list[Submission], tenant: str, cache_salt: str | None) -> None:
+        """Add every submission to the engine, or none: raises InvalidRequest, QueueFull, ShuttingDown, EngineDead.
+
+        NOTE: the caller must `abort(group)` in a `finally`, also when this is cancelled: the add may
+        already have run in the loop thread.
+        """
+        self._refuse_if_closed()
+        fut = self._aloop.create_future()
+        self._commands.put((self._add, (group, subs, tenant, cache_salt, fut)))
+        await fut
+
+    def abort(self, group: RequestGroup) -> None:
+        if not group.done:
+            self._commands.put((self._abort_group, (group, "client_disconnect")))
+
+    async def abort_all(self, reason: str) -> None:
+        """Abort every request in flight; each waiting client gets ShuttingDown(reason)."""
+        fut = self._aloop.create_future()
+        self._commands.put((self._abort_everything, (reason, fut)))
+        await fut
+
+    async def wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._routes and self.dead is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._routes
+
+    def _refuse_if_closed(self) -> None:
+        if self.dead is not None:
+            raise EngineDead(f"the engine failed and cannot serve requests: {self.dead!r}")
+        if self.draining:
+            raise ShuttingDown("the server is shutting down and accepts no new requests")
+
+    # -- the loop thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped:
+            busy = self.dead is None and self.engine.has_unfinished_requests()
+            if self._run_commands(block=not busy):
+                self._refresh_stats()
+            if self.dead is None and self.engine.has_unfinished_requests():
+                self._step()
+
+    def _run_commands(self, block: bool) -> bool:
+        try:
+            fn, args = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            try:
+                fn(*args)
+            except Exception:  # keep the thread alive: a dead loop thread would hang every client
+                log.exception("engine loop command %s failed", getattr(fn, "__name__", fn))
+            try:
+                fn, args = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _refresh_stats(self) -> None:
+        try:
+            self._stats = self.engine.stats()
+        except Exception:  # a broken engine keeps its last figures
+            log.exception("engine.stats() failed")
+
+    def _add(self, group: RequestGroup, subs: list[Submission], tenant: str, cache_salt, fut) -> None:
+        try:
+            self._refuse_if_closed()
+            if self.max_queued_requests is not None and self.engine.stats()["waiting"] + len(subs) > self.max_queued_requests:
+                raise QueueFull(f"the request queue is full ({self.max_queued_requests} requests waiting); retry later")
+            added = []
+            try:
+                for i, (rid, sub) in enumerate(zip(group.request_ids, subs)):
+                    req = self.engine.add_request(rid, sub.prompt, sub.params, tenant=tenant, cache_salt=cache_salt)
+                    added.append(rid)
+                    self._routes[rid] = _Route(group, i, req, RequestTimer(group.arrival))
+            except BaseException:
+                for rid in added:
+                    self.engine.abort(rid)
+                    self._routes.pop(rid, None)
+                raise
+        except Exception as e:  # handed to the HTTP handler, which maps it to a status
+            self._resolve(fut, e)
+            return
+        self._resolve(fut, None)
+
+    def _abort_group(self, group: RequestGroup, reason: str) -> None:
+        n = sum(self._abort_one(rid) for rid in group.request_ids if rid in self._routes)
+        if self.metrics:
+            self.metrics.abort(reason, n)
+
+    def _abort_one(self, rid: str) -> bool:
+        self._routes.pop(rid, None)
+        try:
+            return self.engine.abort(rid)
+        except Exception:  # a dead engine may not abort cleanly; the route is gone either way
+            log.exception("abort of %s failed", rid)
+            return False
+
+    def _abort_everything(self, reason: str, fut) -> None:
+        routes = list(self._routes.items())
+        try:
+            for rid, _ in routes:
+                self._abort_one(rid)
+            if self.metrics:
+                self.metrics.abort("shutdown", len(routes))
+            self._deliver([(r.group, None, ShuttingDown(reason)) for _, r in routes])
+        finally:
+            self._resolve(fut, None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._die(e)
+            return
+        now = time.monotonic()
+        batch = [self._route_output(out, now) for out in outputs if out.request_id in self._routes]
+        self._stats = self.engine.stats()
+        self._deliver(batch)
+
+    def _route_output(self, out: RequestOutput, now: float):
+        route = self._routes[out.request_id]
+        if self.metrics:
+            self.metrics.observe(route.timer, out, now, getattr(route.request, "first_scheduled_time", None))
+        if out.finished:
+            del self._routes[out.request_id]
+        return route.group, route.index, out
+
+    def _die(self, e: BaseException) -> None:
+        log.error("engine step failed; the server can no longer generate", exc_info=e)
+        self.dead = e
+        routes = list(self._routes.values())
+        self._routes.clear()
+        if self.metrics:
+            self.metrics.abort("engine_fault", len(routes))
+        self._deliver([(r.group, None, EngineDead(f"the engine failed during a step: {e!r}")) for r in routes])
+
+    # -- thread -> event loop ------------------------------------------------------------------
+    def _deliver(self, batch: list) -> None:
+        if batch:
+            self._call_soon(_put_all, batch)
+
+    def _resolve(self, fut, error) -> None:
+        self._call_soon(_set_future, fut, error)
+
+    def _call_soon(self, fn, *args) -> None:
+        try:
+            self._aloop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _put_all(batch: list) -> None:
+    for group, index, item in batch:
+        if index is not None and item.finished:
+            group.num_finished += 1
+        group.queue.put_nowait((index, item))
+
+
+def _set_future(fut: asyncio.Future, error) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
+def install_test_hooks(engine, environ) -> None:
+    """Test hooks, off unless set: `SPARSEKV_INJECT_STEP_FAULT=N` makes the N-th engine.step raise (to
+    check that a fault reaches every client); `SPARSEKV_INJECT_STEP_DELAY=S` sleeps S seconds before
+    each step (to keep requests in flight while a test disconnects or sends SIGTERM)."""
+    fault, delay = environ.get(FAULT_ENV), float(environ.get(DELAY_ENV) or 0)
+    if not fault and not delay:
+        return
+    remaining = [int(fault or 0)]
+    real_step = engine.step
+
+    def hooked_step():
+        if delay:
+            time.sleep(delay)
+        if fault:
+            remaining[0] -= 1
+            if remaining[0] <= 0:
+                raise RuntimeError(f"injected engine fault ({FAULT_ENV})")
+        return real_step()
+
+    engine.step = hooked_step

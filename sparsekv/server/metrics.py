@@ -1,0 +1,156 @@
+"""Prometheus metrics, named `sparsekv:*` after vLLM's `vllm:*` so existing dashboards map over.
+
+Two sources:
+  * latency histograms and request counters, observed by the engine loop as tokens come out;
+  * the engine's own figures (`engine.stats()`), read from the loop's latest snapshot at scrape time
+    by a custom collector, so engine counters are exported as they are instead of being re-counted.
+
+`ENGINE_GAUGES` / `ENGINE_COUNTERS` name every figure the issue lists; each is exported (0 until the
+engine reports it). Keys not in either table are exported too: `prefix_cache_hits_<tier>` as one
+counter labelled by tier, `spec_*` as speculative-decoding counters, any other number as a gauge, so a
+new engine figure reaches /metrics without a server change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+P = "sparsekv:"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+# engine.stats() key -> (metric name, help)
+ENGINE_GAUGES = {
+    "running": ("num_requests_running", "Requests in the running batch."),
+    "waiting": ("num_requests_waiting", "Requests waiting for a batch slot."),
+    "device_kv_bytes": ("device_kv_bytes", "Device KV bytes in use (latent + indexer keys)."),
+    "device_latent_bytes": ("device_latent_bytes", "Device bytes of MLA latents in use."),
+    "device_indexer_bytes": ("device_indexer_bytes", "Device bytes of DSA indexer keys in use."),
+    "host_kv_bytes": ("host_kv_bytes", "Host-tier KV bytes in use."),
+    "host_kv_budget_bytes": ("host_kv_budget_bytes", "Host-tier KV budget in bytes."),
+    "kv_pages_total": ("kv_pages_total", "Device KV pages in the pool."),
+    "kv_pages_free": ("kv_pages_free", "Device KV pages free."),
+}
+ENGINE_COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens prefilled."),
+    "generation_tokens": ("generation_tokens", "Tokens generated."),
+    "steps": ("engine_steps", "Engine steps run."),
+    "tier_hits": ("tier_hits", "Selected KV pages found on device."),
+    "tier_misses": ("tier_misses", "Selected KV pages fetched from the host tier."),
+    "h2d_bytes": ("h2d_bytes", "Bytes copied host to device."),
+    "d2h_bytes": ("d2h_bytes", "Bytes copied device to host."),
+    "preemptions": ("num_preemptions", "Requests preempted."),
+}
+PREFIX_HITS = "prefix_cache_hits_"
+
+
+@dataclass
+class RequestTimer:
+    """Monotonic times of one engine request, for its latency histograms."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class ServerMetrics:
+    """All metrics of one server, in their own registry (several servers can share a process in tests)."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict], healthy: Callable[[], bool]):
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        label = ["model_name"]
+
+        def hist(name, doc):
+            return Histogram(P + name, doc, label, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive outputs of a request.")
+        self.tpot = hist("request_time_per_output_token_seconds", "Decode time per output token, per request.")
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to the first scheduled step.")
+        self.success = Counter(P + "request_success", "Requests finished, by reason.",
+                               label + ["finished_reason"], registry=r)
+        self.rejected = Counter(P + "requests_rejected", "Requests refused before admission, by reason.",
+                                label + ["reason"], registry=r)
+        self.aborted = Counter(P + "requests_aborted", "Requests aborted (client gone, shutdown, fault).",
+                               label + ["reason"], registry=r)
+        r.register(EngineStatsCollector(model_name, stats, healthy))
+
+    def observe(self, t: RequestTimer, out, now: float, scheduled: float | None) -> None:
+        """Latencies of one engine output; called by the engine loop as the output comes out."""
+        if t.first_token is None:
+            t.first_token = now
+            self.ttft.observe(now - t.arrival)
+            if scheduled is not None:
+                self.queue.observe(max(0.0, scheduled - t.arrival))
+        else:
+            self.itl.observe(now - t.last_token)
+        t.last_token = now
+        if out.finished:
+            self.e2e.observe(now - t.arrival)
+            if len(out.token_ids) > 1:
+                self.tpot.observe((now - t.first_token) / (len(out.token_ids) - 1))
+            self.finish(out.finish_reason)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def abort(self, reason: str, count: int = 1) -> None:
+        if count:
+            self.aborted.labels(self.model_name, reason).inc(count)
+
+    def finish(self, reason: str) -> None:
+        self.success.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineStatsCollector:
+    """Exports the latest `engine.stats()` snapshot at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict], healthy: Callable[[], bool]):
+        self.model_name, self.stats, self.healthy = model_name, stats, healthy
+
+    def collect(self):
+        stats = dict(self.stats())
+        yield self._gauge("engine_healthy", "1 while the engine loop is alive.", float(self.healthy()))
+        total = stats.get("kv_pages_total") or 0
+        usage = 1.0 - stats.get("kv_pages_free", total) / total if total else 0.0
+        yield self._gauge("kv_cache_usage_perc", "Fraction of device KV pages in use (0..1).", usage)
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            yield self._gauge(name, doc, stats.pop(key, 0))
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            yield self._counter(name, doc, stats.pop(key, 0))
+        yield from self._extra(stats)
+
+    def _extra(self, stats: dict):
+        numeric = {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        tiers = {k[len(PREFIX_HITS):]: v for k, v in numeric.items() if k.startswith(PREFIX_HITS)}
+        if tiers:
+            fam = CounterMetricFamily(P + "prefix_cache_hits", "Prefix-cache hit tokens, by tier.",
+                                      labels=["model_name", "tier"])
+            for tier, value in sorted(tiers.items()):
+                fam.add_metric([self.model_name, tier], value)
+            yield fam
+        for key, value in sorted(numeric.items()):
+            if key.startswith(PREFIX_HITS):
+                continue
+            if key.startswith("spec_"):
+                yield self._counter("spec_decode_" + key[len("spec_"):], f"engine figure {key}", value)
+            else:
+                yield self._gauge(key, f"engine figure {key}", value)
+
+    def _gauge(self, name: str, doc: str, value) -> GaugeMetricFamily:
+        fam = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+        fam.add_metric([self.model_name], float(value))
+        return fam
+
+    def _counter(self, name: str, doc: str, value) -> CounterMetricFamily:
+        fam = CounterMetricFamily(P + name, doc, labels=["model_name"])
+        fam.add_metric([self.model_name], float(value))
+        return fam

@@ -1,0 +1,169 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models.
+
+Strict types: a string where a number belongs is a 400, not a silent coercion. Unknown fields are
+ignored (OpenAI clients send fields we do not implement, e.g. `presence_penalty`). Range checks that
+the engine's `SamplingParams` already does (max_tokens >= 1, temperature, top_p, logprobs) stay there
+so the rules live in one place; this module checks only what is HTTP-specific.
+"""
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import bad_request
+
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+MAX_N = 128
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields shared by completions and chat; `sampling_params()` in app.py maps them to the engine."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+    cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: must be in [1, {MAX_N}], got {self.n}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise ValueError(f"seed: must fit in a signed 64-bit integer, got {self.seed}")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt: must be a non-empty string if given")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _check_prompt(self):
+        if self.echo:
+            raise ValueError("echo: echo=true is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt: must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a token-id list (a batch is a list of either)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str | None:
+        """The message content as one string; only text parts are supported."""
+        if not isinstance(self.content, list):
+            return self.content
+        if any(part.type != "text" or part.text is None for part in self.content):
+            raise ValueError("messages: only text content parts are supported")
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs=true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The engine's `logprobs` (alternatives per token), or None when logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(raw: bytes, model: type[BaseModel]):
+    """JSON bytes -> a validated model, or a 400 that names the offending field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _validation_error(e: ValidationError):
+    err = e.errors()[0]
+    loc = [str(x) for x in err["loc"]]
+    if err["type"] == "value_error":  # our own checks say "field: message"
+        msg = str(err.get("ctx", {}).get("error", err["msg"]))
+        param, _, text = msg.partition(": ")
+        return bad_request(f"invalid parameter {param}: {text}", param)
+    param = loc[0] if loc else None
+    where = ".".join(x for x in loc if not x.startswith(("str", "list[", "int", "bool", "float")))
+    got = repr(err.get("input"))[:80]
+    return bad_request(f"invalid parameter {where or param}: {err['msg']} (got {got})", param)

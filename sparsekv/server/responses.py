@@ -1,0 +1,166 @@
+"""Response and stream-chunk bodies for completions and chat, built from engine outputs.
+
+One `ChoiceState` follows one engine request. While streaming it holds back text that could still be
+cut: a suffix that starts a stop string (the engine cuts the stop string only once it is complete)
+and a trailing U+FFFD (half of a multi-byte character). Without that a client could receive text
+that the final response no longer contains.
+
+The `sparsekv` extension field carries the request's tier figures (device/host bytes, hits, misses,
+bytes moved: whatever the engine reports in `RequestOutput.metrics`). Per key it keeps the largest
+value seen over the request's outputs: byte gauges then read as the peak held, counters as the total.
+"""
+from __future__ import annotations
+
+from ..request import RequestOutput
+
+
+class TokenText:
+    """Token id -> text for logprobs; `token_id:N` when the checkpoint has no tokenizer (vLLM's form)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+
+class ChoiceState:
+    def __init__(self, index: int, stop_strings: list[str]):
+        self.index, self.stop_strings = index, stop_strings
+        self.out: RequestOutput | None = None
+        self.sent_text = 0  # characters of out.text already sent
+        self.sent_tokens = 0
+        self.text_offset = 0
+        self.peak: dict = {}
+
+    @property
+    def finished(self) -> bool:
+        return self.out is not None and self.out.finished
+
+    def update(self, out: RequestOutput) -> None:
+        self.out = out
+        for key, value in (out.metrics or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.peak[key] = max(self.peak.get(key, value), value)
+            else:
+                self.peak[key] = value
+
+    def take_delta(self) -> tuple[str, list[int], list[dict] | None]:
+        """Text and tokens not yet streamed (text minus what a stop string could still cut)."""
+        out = self.out
+        text = out.text if out.finished else out.text[:len(out.text) - self._holdback(out.text)]
+        delta = text[self.sent_text:] if len(text) > self.sent_text else ""
+        self.sent_text += len(delta)
+        tokens = out.token_ids[self.sent_tokens:]
+        lps = out.logprobs[self.sent_tokens:] if out.logprobs is not None else None
+        self.sent_tokens = len(out.token_ids)
+        return delta, tokens, lps
+
+    def _holdback(self, text: str) -> int:
+        keep = len(text) - len(text.rstrip("\ufffd"))
+        for stop in self.stop_strings:
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    keep = max(keep, k)
+                    break
+        return keep
+
+
+class ResponseBuilder:
+    """Bodies for one HTTP request: `kind` is "completion" or "chat"; choice i answers prompt i // n."""
+
+    def __init__(self, kind: str, response_id: str, model: str, created: int, n: int, token_text: TokenText,
+                 tenant: str, top_logprobs: int | None = None):
+        self.kind, self.id, self.model, self.created, self.n = kind, response_id, model, created, n
+        self.token_text, self.tenant, self.top_logprobs = token_text, tenant, top_logprobs
+
+    # -- whole responses -----------------------------------------------------------------------
+    def response(self, states: list[ChoiceState]) -> dict:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [self._choice(s) for s in states], "usage": self.usage(states),
+                "sparsekv": self.extension(states)}
+
+    def _choice(self, s: ChoiceState) -> dict:
+        out = s.out
+        lps = self.logprobs(out.token_ids, out.logprobs, 0) if out.logprobs is not None else None
+        if self.kind == "completion":
+            return {"index": s.index, "text": out.text, "logprobs": lps, "finish_reason": out.finish_reason,
+                    "stop_reason": None}
+        return {"index": s.index, "message": {"role": "assistant", "content": out.text}, "logprobs": lps,
+                "finish_reason": out.finish_reason}
+
+    def usage(self, states: list[ChoiceState]) -> dict:
+        firsts = [s for s in states if s.index % self.n == 0]  # one choice per prompt: count each prompt once
+        prompt = sum(len(s.out.prompt_token_ids) for s in firsts)
+        completion = sum(len(s.out.token_ids) for s in states)
+        cached = sum(s.out.num_cached_tokens for s in firsts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def extension(self, states: list[ChoiceState]) -> dict:
+        total: dict = {}
+        for s in states:
+            for key, value in s.peak.items():
+                if isinstance(value, (int, float)):
+                    total[key] = total.get(key, 0) + value
+        return {"tenant": self.tenant, "tiers": total,
+                "choices": [{"index": s.index, "token_ids": list(s.out.token_ids), "tiers": dict(s.peak)}
+                            for s in states]}
+
+    # -- stream chunks -------------------------------------------------------------------------
+    def chunk(self, s: ChoiceState, first: bool, include_usage: bool) -> dict:
+        text, tokens, lps = s.take_delta()
+        logprobs = self.logprobs(tokens, lps, s.text_offset) if lps is not None else None
+        s.text_offset += len(text)
+        finish = s.out.finish_reason
+        if self.kind == "completion":
+            choice = {"index": s.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": None}
+        else:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": s.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        body = self._chunk_head([choice], include_usage)
+        if finish is not None:
+            body["sparsekv"] = {"tenant": self.tenant, "tiers": dict(s.peak), "index": s.index}
+        return body
+
+    def usage_chunk(self, states: list[ChoiceState]) -> dict:
+        body = self._chunk_head([], False)
+        body["usage"] = self.usage(states)
+        body["sparsekv"] = self.extension(states)
+        return body
+
+    def _chunk_head(self, choices: list, include_usage: bool) -> dict:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    # -- logprobs ------------------------------------------------------------------------------
+    def logprobs(self, token_ids: list[int], entries: list[dict], offset: int) -> dict:
+        if self.kind == "completion":
+            return self._completion_logprobs(token_ids, entries, offset)
+        return {"content": [self._chat_logprob(t, e) for t, e in zip(token_ids, entries)]}
+
+    def _completion_logprobs(self, token_ids: list[int], entries: list[dict], offset: int) -> dict:
+        tokens = [self.token_text(t) for t in token_ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
+                "top_logprobs": [{self.token_text(k): v for k, v in e.items()} for e in entries],
+                "text_offset": offsets}
+
+    def _chat_logprob(self, token_id: int, entry: dict) -> dict:
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:self.top_logprobs or 0]
+        return {**self._chat_token(token_id, entry[token_id]),
+                "top_logprobs": [self._chat_token(k, v) for k, v in top]}
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -1,0 +1,118 @@
+"""Running one API request on the engine loop: admission, then a stream of SSE chunks or one JSON body.
+
+Whatever way the request ends (finished, client gone, handler cancelled), `finally` aborts its group,
+so its pages are freed. Starlette cancels a streaming response when the client disconnects; a plain
+response is not cancelled, so `collect` races the engine against `request.receive()` returning
+`http.disconnect`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..request import InvalidRequest
+from .errors import APIError, error_body
+from .loop import EngineDead, EngineLoop, QueueFull, RequestGroup, ShuttingDown, Submission
+from .responses import ChoiceState, ResponseBuilder
+
+log = logging.getLogger("sparsekv.server")
+RETRY_AFTER_S = "1"
+
+
+async def admit(loop: EngineLoop, group: RequestGroup, subs: list[Submission], tenant: str,
+                cache_salt: str | None, metrics) -> None:
+    """Submit to the engine; map refusals to their HTTP status (never a 500 for bad input)."""
+    try:
+        await loop.submit(group, subs, tenant, cache_salt)
+    except InvalidRequest as e:
+        raise APIError(400, str(e), e.param) from None
+    except QueueFull as e:
+        metrics.reject("queue_full")
+        raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
+    except ShuttingDown as e:
+        metrics.reject("shutting_down")
+        raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
+    except EngineDead as e:
+        metrics.reject("engine_dead")
+        raise APIError(503, str(e)) from None
+    except (ValueError, TypeError) as e:  # input the engine could not digest is still the caller's input
+        raise APIError(400, f"invalid request: {e}") from None
+
+
+async def run(request: Request, loop: EngineLoop, group: RequestGroup, subs: list[Submission], tenant: str,
+              cache_salt: str | None, builder: ResponseBuilder, stream: bool, include_usage: bool, metrics):
+    states = [ChoiceState(i, s.params.stop_strings) for i, s in enumerate(subs)]
+    try:
+        await admit(loop, group, subs, tenant, cache_salt, metrics)
+        if not stream:
+            return await collect(request, loop, group, states, builder)
+    except BaseException:
+        loop.abort(group)
+        raise
+    return StreamingResponse(sse(loop, group, states, builder, include_usage), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def collect(request: Request, loop: EngineLoop, group: RequestGroup, states: list[ChoiceState],
+                  builder: ResponseBuilder):
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        while not all(s.finished for s in states):
+            getter = asyncio.ensure_future(group.queue.get())
+            await asyncio.wait([getter, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                log.info("client disconnected; aborting %s", group.request_ids[0])
+                return JSONResponse(error_body(499, "client closed the request"), status_code=499)
+            _apply(states, getter.result())
+        return JSONResponse(builder.response(states))
+    except APIError as e:
+        return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
+    finally:
+        watcher.cancel()
+        loop.abort(group)
+
+
+async def sse(loop: EngineLoop, group: RequestGroup, states: list[ChoiceState], builder: ResponseBuilder,
+              include_usage: bool):
+    started = set()
+    try:
+        while not all(s.finished for s in states):
+            try:
+                index = _apply(states, await group.queue.get())
+            except APIError as e:  # headers are sent: report in-band, then end the stream
+                yield _event(error_body(e.status, e.message, e.param))
+                break
+            yield _event(builder.chunk(states[index], index not in started, include_usage))
+            started.add(index)
+        else:
+            if include_usage:
+                yield _event(builder.usage_chunk(states))
+        yield "data: [DONE]\n\n"
+    finally:
+        loop.abort(group)
+
+
+def _apply(states: list[ChoiceState], item) -> int:
+    """Feed one queue item to its choice; an error item becomes an APIError."""
+    index, payload = item
+    if index is None:
+        status = 500 if isinstance(payload, EngineDead) else 503
+        raise APIError(status, str(payload))
+    states[index].update(payload)
+    return index
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,188 @@
+"""`sparsekv bench decode | prefill | modes | tiers | serve`.
+
+Every figure is measured in a fresh subprocess (clean peak RSS, no allocator carry-over) and every
+table prints its ratio against the baseline measured in the same run, plus achieved bandwidth.
+
+Decode at a context T is measured on a cache filled with T random entries ("synthetic prefill"):
+a real prefill at 128K would dominate the run, and the cost of a decode step does not depend on
+the cached values. transformers has no such entry point, so its decode is measured after a real
+prefill (which is why it stops at 16-32K here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from rich.console import Console
+from rich.table import Table
+
+from .bench_worker import parse_tokens
+
+PRESETS = ("tiny-bench", "glm5-geometry")
+
+
+def _worker(job: dict, threads: int) -> dict:
+    cmd = [sys.executable, "-m", "sparsekv.tools.bench_worker", json.dumps(job), str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _median_runs(job: dict, threads: int, repeats: int) -> dict:
+    runs = [_worker(job, threads) for _ in range(repeats)]
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    out = dict(ok[0])
+    for key in ("ms", "tokens_per_s", "peak_rss_mb", "bytes_per_step"):
+        if key in out:
+            out[key] = statistics.median(r[key] for r in ok)
+    return out
+
+
+def _fmt(r: dict, key: str, spec: str = ".2f") -> str:
+    return r.get("error", "")[:40] if "error" in r else format(r[key], spec)
+
+
+def _ratio(base: dict, new: dict, key: str = "ms") -> str:
+    if "error" in base or "error" in new or not new.get(key):
+        return "-"
+    return f"{base[key] / new[key]:.1f}x"
+
+
+def _bandwidth(r: dict, machine_gbps: float) -> str:
+    if "error" in r or not r.get("bytes_per_step"):
+        return "-"
+    gbps = r["bytes_per_step"] / (r["ms"] / 1000) / 1e9
+    return f"{gbps:.1f} GB/s ({100 * gbps / machine_gbps:.0f}%)"
+
+
+def _machine_bandwidth(threads: int) -> float:
+    from .hardware import measure_this_cpu
+    return measure_this_cpu(quick=True, threads=threads).mem_bw / 1e9
+
+
+def bench_decode(args, ckpt: str) -> list[dict]:
+    console, bw = Console(), _machine_bandwidth(args.threads)
+    table = Table(title=f"decode, {args.preset}, {args.threads} threads (machine stream bandwidth {bw:.1f} GB/s)")
+    for col in ("context", "sparsekv ms/token", "tokens/s", "peak RSS MB", "achieved bandwidth",
+                "transformers ms/token", "transformers RSS MB", "speed-up"):
+        table.add_column(col)
+    rows = []
+    for ctx in args.contexts:
+        ours = _median_runs({"kind": "decode", "engine": "sparsekv", "ckpt": ckpt, "context": ctx,
+                             "steps": args.steps, "attention": args.attention}, args.threads, args.repeats)
+        ref = ({"error": "skipped"} if ctx > args.transformers_max_context else
+               _worker({"kind": "decode", "engine": "transformers", "ckpt": ckpt, "context": ctx, "steps": 4}, args.threads))
+        rows.append({"context": ctx, "sparsekv": ours, "transformers": ref})
+        table.add_row(str(ctx), _fmt(ours, "ms"), _fmt(ours, "tokens_per_s", ".1f"), _fmt(ours, "peak_rss_mb", ".0f"),
+                      _bandwidth(ours, bw), _fmt(ref, "ms"), _fmt(ref, "peak_rss_mb", ".0f"), _ratio(ref, ours))
+    console.print(table)
+    ok = [r for r in rows if "error" not in r["sparsekv"]]
+    if len(ok) >= 2:
+        console.print(f"flat decode: step time at {ok[-1]['context']} / at {ok[0]['context']} = "
+                      f"{ok[-1]['sparsekv']['ms'] / ok[0]['sparsekv']['ms']:.2f}x")
+    return rows
+
+
+def bench_prefill(args, ckpt: str) -> list[dict]:
+    console = Console()
+    table = Table(title=f"prefill, {args.preset}, {args.threads} threads, chunk {args.chunk}")
+    for col in ("context", "sparsekv s", "tokens/s", "peak RSS MB", "transformers s", "tokens/s ", "RSS MB", "speed-up"):
+        table.add_column(col)
+    rows = []
+    for ctx in args.contexts:
+        ours = _median_runs({"kind": "prefill", "engine": "sparsekv", "ckpt": ckpt, "context": ctx,
+                             "chunk": args.chunk, "attention": args.attention}, args.threads, args.repeats)
+        ref = ({"error": "skipped"} if ctx > args.transformers_max_context else
+               _worker({"kind": "prefill", "engine": "transformers", "ckpt": ckpt, "context": ctx}, args.threads))
+        rows.append({"context": ctx, "sparsekv": ours, "transformers": ref})
+        table.add_row(str(ctx), _fmt(ours, "ms", ".0f"), _fmt(ours, "tokens_per_s", ".0f"), _fmt(ours, "peak_rss_mb", ".0f"),
+                      _fmt(ref, "ms", ".0f"), _fmt(ref, "tokens_per_s", ".0f"), _fmt(ref, "peak_rss_mb", ".0f"),
+                      _ratio(ref, ours))
+    console.print(table)
+    return rows
+
+
+MODES = {"dense MLA": ({"index_topk_pattern": "FFFF"}, "dense"),
+         "DSA every layer": ({"index_topk_pattern": "FFFF"}, "sparse"),
+         "DSA + IndexShare (FSSS)": ({"index_topk_pattern": "FSSS"}, "sparse")}
+
+
+def bench_modes(args, ckpt: str) -> list[dict]:
+    """Dense MLA vs DSA in every layer vs DSA + IndexShare, on one checkpoint with an indexer per layer."""
+    console = Console()
+    table = Table(title=f"{args.kind} by attention mode, {args.preset}, {args.threads} threads")
+    for col in ("context", "mode", "ms" if args.kind == "decode" else "ms (prefill)", "peak RSS MB",
+                "vs dense MLA", "vs DSA every layer"):
+        table.add_column(col)
+    rows = []
+    for ctx in args.contexts:
+        res = {}
+        for name, (override, attention) in MODES.items():
+            if args.kind == "prefill" and attention == "dense" and not args.include_dense_prefill:
+                res[name] = {"error": "skipped (use --include-dense-prefill)"}
+                continue
+            job = {"kind": args.kind, "engine": "sparsekv", "ckpt": ckpt, "context": ctx, "steps": args.steps,
+                   "chunk": args.chunk, "attention": attention, "overrides": override}
+            res[name] = _median_runs(job, args.threads, args.repeats)
+        for name, r in res.items():
+            table.add_row(str(ctx), name, _fmt(r, "ms"), _fmt(r, "peak_rss_mb", ".0f"),
+                          _ratio(res["dense MLA"], r), _ratio(res["DSA every layer"], r))
+        rows.append({"context": ctx, **res})
+    console.print(table)
+    return rows
+
+
+def make_checkpoint(preset: str, directory: str) -> str:
+    from .tiny import GLM5_GEOMETRY, TINY_BENCH, save_reference_checkpoint
+    opts = dict(TINY_BENCH if preset == "tiny-bench" else GLM5_GEOMETRY)
+    opts["index_topk_pattern"] = "FFFF"  # indexers everywhere; IndexShare modes drop some via hf_overrides
+    save_reference_checkpoint(directory, "glm_moe_dsa", seed=0, **opts)
+    return directory
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sparsekv bench")
+    p.add_argument("kind", choices=["decode", "prefill", "modes"])
+    p.add_argument("--preset", default="tiny-bench", choices=PRESETS)
+    p.add_argument("--mode-kind", dest="mode_kind", default="decode", choices=["decode", "prefill"],
+                   help="for `modes`: compare decode or prefill")
+    p.add_argument("--contexts", default="4K,16K", help="comma-separated token counts, e.g. 4K,16K,128K,1M")
+    p.add_argument("--steps", type=int, default=16, help="decode steps measured per run")
+    p.add_argument("--chunk", type=int, default=4096, help="prefill chunk tokens")
+    p.add_argument("--attention", default="sparse", choices=["sparse", "dense"])
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--transformers-max-context", type=parse_tokens, default=parse_tokens("16K"))
+    p.add_argument("--include-dense-prefill", action="store_true")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    args.contexts = [parse_tokens(c) for c in args.contexts.split(",")]
+    return args
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "tiers":
+        from .bench_tiers import main as tiers_main
+        return tiers_main(argv[1:])
+    if argv and argv[0] == "serve":
+        from .bench_serve import main as serve_main
+        return serve_main(argv[1:])
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_checkpoint(args.preset, tmp)
+        if args.kind == "modes":
+            args.kind = args.mode_kind
+            rows = bench_modes(args, ckpt)
+        else:
+            rows = (bench_decode if args.kind == "decode" else bench_prefill)(args, ckpt)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0

@@ -1,0 +1,251 @@
+"""`sparsekv bench serve --url URL`: a load generator for a running server, modelled on `vllm bench serve`.
+
+Prompts are token-id lists (exact lengths whatever the tokenizer): `--dataset random` draws each
+length uniformly from [L(1-r), L(1+r)], `--dataset fixed` makes every prompt exactly L tokens. Requests
+arrive as a Poisson process at `--request-rate` (inf: all at once), optionally capped at
+`--max-concurrency` in flight. Every request streams with `ignore_eos`, so it yields exactly
+`--output-len` tokens. Printed: request and token throughput; mean, median and p99 of TTFT, TPOT
+(decode time per token after the first), ITL (gap between stream chunks) and end-to-end latency; and
+the server's tier figures from /metrics before and after the run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+TIER_METRICS = ("num_requests_running", "num_requests_waiting", "kv_pages_free", "device_kv_bytes",
+                "device_latent_bytes", "device_indexer_bytes", "host_kv_bytes", "host_kv_budget_bytes",
+                "tier_hits_total", "tier_misses_total", "h2d_bytes_total", "d2h_bytes_total",
+                "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                "requests_rejected_total")
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    ok: bool = False
+    error: str = ""
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsekv bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset", choices=["random", "fixed"], default="random")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.5, help="random dataset: lengths in [L(1-r), L(1+r)]")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1 or not 0 <= args.range_ratio < 1:
+        print("sparsekv bench serve: --num-prompts, --input-len, --output-len must be >= 1 and "
+              "--range-ratio in [0, 1)", file=sys.stderr)
+        return 2
+    try:
+        report = asyncio.run(run(args))
+    except httpx.HTTPError as e:
+        print(f"sparsekv bench serve: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 1
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["completed"] else 1
+
+
+async def run(args) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts)
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout, limits=limits) as client:
+        model, vocab = await server_model(client, args.model)
+        prompts = make_prompts(args, vocab)
+        before = await scrape_tiers(client)
+        peak: dict[str, float] = {}
+        sampler = asyncio.create_task(sample_peaks(client, peak))
+        t0 = time.perf_counter()
+        results = await send_all(client, model, prompts, args)
+        duration = time.perf_counter() - t0
+        sampler.cancel()
+        after = await scrape_tiers(client)
+    return summarize(results, duration, before, after, peak, args, model)
+
+
+async def sample_peaks(client: httpx.AsyncClient, peak: dict, interval: float = 0.25) -> None:
+    """Gauges such as device_kv_bytes read 0 before and after a run; keep their peak while it runs."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            for name, value in (await scrape_tiers(client)).items():
+                pick = min if name == "kv_pages_free" else max  # the peak of use is the low of free pages
+                peak[name] = pick(peak.get(name, value), value)
+        except httpx.HTTPError:
+            pass
+
+
+async def server_model(client: httpx.AsyncClient, model: str | None) -> tuple[str, int]:
+    r = await client.get("/v1/models")
+    r.raise_for_status()
+    first = r.json()["data"][0]
+    return model or first["id"], int(first.get("vocab_size") or 256)
+
+
+def make_prompts(args, vocab: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    lo = max(1, int(args.input_len * (1 - args.range_ratio)))
+    hi = max(lo, int(args.input_len * (1 + args.range_ratio)))
+    lengths = [args.input_len if args.dataset == "fixed" else rng.randint(lo, hi) for _ in range(args.num_prompts)]
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+async def send_all(client, model: str, prompts: list[list[int]], args) -> list[RequestResult]:
+    gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
+    rng = random.Random(args.seed + 1)
+
+    async def limited(prompt):
+        async with gate:
+            return await send_one(client, model, prompt, args.output_len)
+
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(limited(prompt)))
+        if args.request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(args.request_rate))
+    return list(await asyncio.gather(*tasks))
+
+
+async def send_one(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    res = RequestResult(len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now, chunk = time.perf_counter(), json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error")
+                    return res
+                if chunk.get("choices"):
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itls.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+        res.e2e = time.perf_counter() - start
+        res.ok = res.output_tokens > 0
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def scrape_tiers(client: httpx.AsyncClient) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    r = await client.get("/metrics")
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            name = s.name.removeprefix("sparsekv:")
+            if s.name.startswith("sparsekv:") and name in TIER_METRICS:
+                values[name] = values.get(name, 0.0) + s.value
+    return values
+
+
+def _stats_ms(values: list[float]) -> dict:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    ms = sorted(v * 1000 for v in values)
+    return {"mean": statistics.fmean(ms), "median": statistics.median(ms),
+            "p99": ms[min(len(ms) - 1, int(round(0.99 * (len(ms) - 1))))]}
+
+
+def summarize(results: list[RequestResult], duration: float, before: dict, after: dict, peak: dict, args,
+              model: str) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    return {
+        "model": model, "dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": _stats_ms([r.ttft for r in ok]), "tpot_ms": _stats_ms([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": _stats_ms([x for r in ok for x in r.itls]), "e2e_ms": _stats_ms([r.e2e for r in ok]),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "tiers_before": before, "tiers_after": after, "tiers_peak": peak,
+        "requests": [{k: v for k, v in asdict(r).items() if k != "itls"} for r in results],
+    }
+
+
+def format_report(rep: dict) -> str:
+    def row(label, value):
+        return f"{label:<40} {value}"
+
+    rate = "inf" if rep["request_rate"] == float("inf") else f"{rep['request_rate']:g}"
+    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
+             row("Model:", rep["model"]),
+             row("Dataset:", f"{rep['dataset']} (input {rep['input_len']}, output {rep['output_len']} tokens)"),
+             row("Request rate (req/s):", rate), row("Max concurrency:", rep["max_concurrency"] or "none"),
+             row("Successful requests:", rep["completed"]), row("Failed requests:", rep["failed"]),
+             row("Benchmark duration (s):", f"{rep['duration_s']:.2f}"),
+             row("Total input tokens:", rep["total_input_tokens"]),
+             row("Total generated tokens:", rep["total_output_tokens"]),
+             row("Request throughput (req/s):", f"{rep['request_throughput']:.2f}"),
+             row("Output token throughput (tok/s):", f"{rep['output_throughput']:.2f}"),
+             row("Total token throughput (tok/s):", f"{rep['total_token_throughput']:.2f}")]
+    for key, title, name in (("ttft_ms", "Time to First Token", "TTFT"),
+                             ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+                             ("itl_ms", "Inter-token Latency", "ITL"), ("e2e_ms", "End-to-end Latency", "E2E")):
+        lines.append("{s:{c}^50}".format(s=title, c="-"))
+        lines += [row(f"{stat.capitalize() if stat != 'p99' else 'P99'} {name} (ms):", f"{rep[key][stat]:.2f}")
+                  for stat in ("mean", "median", "p99")]
+    lines.append("{s:{c}^50}".format(s="Tier figures from /metrics", c="-"))
+    lines.append(f"{'metric':<36} {'before':>13} {'after':>13} {'delta':>13} {'peak in run':>13}")
+    before, after, peak = rep["tiers_before"], rep["tiers_after"], rep["tiers_peak"]
+    for name in TIER_METRICS:
+        if name in before or name in after:
+            b, a = before.get(name, 0.0), after.get(name, 0.0)
+            p = f"{peak[name]:>13.0f}" if name in peak else f"{'-':>13}"
+            lines.append(f"{'sparsekv:' + name:<36} {b:>13.0f} {a:>13.0f} {a - b:>+13.0f} {p}")
+    for err in rep["errors"]:
+        lines.append(f"error: {err}")
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

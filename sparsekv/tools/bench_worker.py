@@ -1,0 +1,159 @@
+"""One benchmark measurement, run in its own process: `python -m sparsekv.tools.bench_worker JOB THREADS`.
+
+Prints one JSON line: ms (per decode step, or for the whole prefill), tokens_per_s, peak_rss_mb and,
+for decode, bytes_per_step (bytes the step must read: weights touched, selected KV, indexer keys).
+"""
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import time
+
+
+def parse_tokens(text: str) -> int:
+    text = str(text).strip().upper()
+    scale = {"K": 1024, "M": 1024 * 1024}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _engine(job: dict, max_model_len: int):
+    from sparsekv import LLM
+    return LLM(job["ckpt"], max_model_len=max_model_len, max_num_seqs=1, kv_page_size=64,
+               prefill_chunk_tokens=job.get("chunk", 4096), max_num_batched_tokens=job.get("chunk", 4096),
+               attention=job.get("attention", "sparse"), hf_overrides=job.get("overrides")).engine
+
+
+def synthetic_prefill(engine, req, num_tokens: int) -> None:
+    """Fill the cache with `num_tokens` random entries and mark them computed (see bench.py docstring)."""
+    import torch
+    sched, alloc = engine.scheduler, engine.allocator
+    sched.waiting.remove(req)
+    assert alloc.reserve(req.request_id, alloc.pages_for(req.max_total_tokens))
+    req.status = req.status.RUNNING
+    sched.running.append(req)
+    req.page_ids = alloc.allocate(req.request_id, alloc.pages_for(num_tokens))
+    slots = engine.runner.slots_of(req.page_ids, num_tokens)
+    g = torch.Generator().manual_seed(0)
+    for table in list(engine.cache.latent.values()) + list(engine.cache.index_keys.values()):
+        table[slots] = torch.randn(num_tokens, table.shape[1], generator=g).to(table.dtype)
+    req.num_computed_tokens = num_tokens
+
+
+def decode_bytes_per_step(engine, context: int) -> int:
+    """Bytes a decode step must read: dense weights + routed experts, selected latents, indexer keys."""
+    cfg, cache = engine.model_config, engine.cache
+    k = context if engine.config.attention == "dense" else min(cfg.index_topk, context)
+    latent = k * cache.latent_bytes_per_token()
+    index_keys = context * cache.index_bytes_per_token()
+    return _weight_bytes_per_token(engine) + latent + index_keys
+
+
+def _weight_bytes_per_token(engine) -> int:
+    cfg, m = engine.model_config, engine.model
+    total = sum(t.numel() * t.element_size() for t in _all_tensors(m))
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * m.embed.element_size()
+    moe_layers = cfg.mlp_layer_types.count("sparse")
+    unused = moe_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * expert
+    return total - unused - m.embed.numel() * m.embed.element_size() + cfg.hidden_size * m.embed.element_size()
+
+
+def _all_tensors(m):
+    import torch
+    seen = {}
+    def walk(obj, depth=0):
+        if depth > 6:
+            return
+        if isinstance(obj, torch.Tensor):
+            seen[obj.data_ptr()] = obj
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                walk(x, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            for k, v in vars(obj).items():
+                if k not in ("cfg", "mtp"):
+                    walk(v, depth + 1)
+    walk([m.embed, m.norm, m.lm_head, m.layers])
+    return list(seen.values())
+
+
+def sparsekv_decode(job: dict) -> dict:
+    from sparsekv import SamplingParams
+    ctx, steps = job["context"], job["steps"]
+    engine = _engine(job, ctx + steps + 8)
+    req = engine.add_request("bench", [1] * (ctx + 1), SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+    synthetic_prefill(engine, req, ctx)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times[2:] or times) * 1000
+    return {"ms": ms, "tokens_per_s": 1000 / ms, "bytes_per_step": decode_bytes_per_step(engine, ctx)}
+
+
+def sparsekv_prefill(job: dict) -> dict:
+    from sparsekv import SamplingParams
+    ctx = job["context"]
+    engine = _engine(job, ctx + 8)
+    engine.add_request("bench", [(7 * i) % 1000 + 1 for i in range(ctx)], SamplingParams(max_tokens=1, temperature=0.0))
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    s = time.perf_counter() - t0
+    return {"ms": s * 1000, "tokens_per_s": ctx / s}
+
+
+def transformers_model(job: dict):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(job["ckpt"], dtype="float32").eval()
+
+
+def transformers_decode(job: dict) -> dict:
+    import torch
+    model = transformers_model(job)
+    ids = torch.tensor([[(7 * i) % 1000 + 1 for i in range(job["context"])]])
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(job["steps"]):
+            t0 = time.perf_counter()
+            out = model(tok, past_key_values=past, use_cache=True)
+            times.append(time.perf_counter() - t0)
+            past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    ms = statistics.median(times) * 1000
+    return {"ms": ms, "tokens_per_s": 1000 / ms}
+
+
+def transformers_prefill(job: dict) -> dict:
+    import torch
+    model = transformers_model(job)
+    ids = torch.tensor([[(7 * i) % 1000 + 1 for i in range(job["context"])]])
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model(ids, use_cache=True, logits_to_keep=1)
+        s = time.perf_counter() - t0
+    return {"ms": s * 1000, "tokens_per_s": job["context"] / s}
+
+
+JOBS = {("decode", "sparsekv"): sparsekv_decode, ("prefill", "sparsekv"): sparsekv_prefill,
+        ("decode", "transformers"): transformers_decode, ("prefill", "transformers"): transformers_prefill}
+
+
+def main() -> None:
+    import torch
+    job, threads = json.loads(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(threads)
+    result = JOBS[(job["kind"], job["engine"])](job)
+    result["peak_rss_mb"] = peak_rss_mb()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""`sparsekv eval needle MODEL`: RULER-style retrieval through the engine, by context length and depth.
+
+Prompts come from `sparsekv.train.tasks` in the model's own token space (exact lengths, needles at
+the requested depths; the code haystack is held-out stdlib code). Each length runs with sparse
+attention (tiered KV cache when the engine offers it) and, up to --dense-max-length, with dense
+attention for comparison. Greedy decoding; a sample is correct when the first number generated is
+the key.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+from ..train.tasks import TASKS, TaskBuilder, score
+
+MAX_TOKENS = {"passkey": 8, "multikey": 8, "niah": 8, "vartrack": 24}
+SUFFIXES = {"K": 1 << 10, "M": 1 << 20}
+
+
+def parse_length(text: str) -> int:
+    text = text.strip().upper()
+    if text and text[-1] in SUFFIXES:
+        return int(float(text[:-1]) * SUFFIXES[text[-1]])
+    return int(text)
+
+
+def length_label(n: int) -> str:
+    for suffix, unit in (("M", 1 << 20), ("K", 1 << 10)):
+        if n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {', '.join(TASKS)}")
+    p.add_argument("--lengths", default="4K,16K,64K,256K,1M", help="context lengths in tokens (K = 1024)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
+    p.add_argument("--samples", type=int, default=2, help="samples per task, length and depth")
+    p.add_argument("--dense-max-length", default="16K", help="also run dense attention up to this length")
+    p.add_argument("--no-tiering", action="store_true", help="do not ask the engine for the tiered KV cache")
+    p.add_argument("--device-buffer-tokens", type=int, default=32768)
+    p.add_argument("--prefill-chunk-tokens", type=int, default=4096)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--heatmap", default="needle_heatmap.png", help="depth x length heatmap PNG")
+    p.add_argument("--json", default=None, help="write every sample's result here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+
+
+def make_llm(model: str, attention: str, max_len: int, args) -> tuple[object, str]:
+    """An engine for one length; tiering on when the engine accepts it (else says why not)."""
+    from ..config import ConfigError
+    from ..llm import LLM
+    opts = dict(max_model_len=max_len, attention=attention, prefill_chunk_tokens=args.prefill_chunk_tokens,
+                max_num_seqs=1, max_num_batched_tokens=args.prefill_chunk_tokens, dtype=args.dtype)
+    if attention == "sparse" and not args.no_tiering:
+        try:
+            return LLM(model, **opts, kv_tiering=True, device_buffer_tokens=args.device_buffer_tokens), "tiering on"
+        except (TypeError, ConfigError) as e:
+            note = f"tiering unavailable in this engine ({type(e).__name__}: {e}); ran without"
+    else:
+        note = "tiering off"
+    return LLM(model, **opts), note
+
+
+def build_samples(builder: TaskBuilder, tasks, length: int, depths, n: int):
+    return [builder.make(t, length, d) for t in tasks for d in depths for _ in range(n)]
+
+
+def run_length(model: str, samples, length: int, attention: str, args, log) -> tuple[list[dict], str]:
+    from ..request import SamplingParams
+    llm, note = make_llm(model, attention, length + max(MAX_TOKENS.values()), args)
+    results = []
+    for i, s in enumerate(samples):
+        t0 = time.perf_counter()
+        out = llm.generate([s.prompt], SamplingParams(max_tokens=MAX_TOKENS[s.task], temperature=0.0))[0]
+        text = out.text or (llm.tokenizer.decode(out.token_ids) if llm.tokenizer else "")
+        ok = score(s.answer, text)
+        results.append({"task": s.task, "length": length, "depth": s.depth, "attention": attention,
+                        "answer": s.answer, "output": text, "correct": ok, "seconds": time.perf_counter() - t0})
+        log(f"  {length_label(length)} {attention} {s.task} depth={s.depth:.2f} {'OK ' if ok else 'MISS'} "
+            f"want {s.answer} got {text.strip()[:40]!r} ({results[-1]['seconds']:.1f} s) [{i + 1}/{len(samples)}]")
+    return results, note
+
+
+def accuracy(results: list[dict], keys) -> dict:
+    acc = defaultdict(lambda: [0, 0])
+    for r in results:
+        k = tuple(r[key] for key in keys)
+        acc[k][0] += int(r["correct"])
+        acc[k][1] += 1
+    return {k: c / n for k, (c, n) in acc.items()}
+
+
+def format_table(results: list[dict], tasks, lengths) -> str:
+    acc = accuracy(results, ("task", "length", "attention"))
+    cols = [(L, a) for L in lengths for a in ("sparse", "dense") if (tasks[0], L, a) in acc]
+    head = f"{'task':<10}" + "".join(f"{length_label(L) + ' ' + a:>14}" for L, a in cols)
+    lines = [head, "-" * len(head)]
+    for t in list(tasks) + ["all"]:
+        cells = []
+        for L, a in cols:
+            if t == "all":
+                rs = [r for r in results if r["length"] == L and r["attention"] == a]
+                v = sum(r["correct"] for r in rs) / len(rs) if rs else None
+            else:
+                v = acc.get((t, L, a))
+            cells.append(f"{'-' if v is None else f'{100 * v:.0f}%':>14}")
+        lines.append(f"{t:<10}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def write_heatmap(results: list[dict], tasks, lengths, depths, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    acc = accuracy([r for r in results if r["attention"] == "sparse"], ("task", "length", "depth"))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks) + 1, 3.4), squeeze=False)
+    for ax, t in zip(axes[0], tasks):
+        grid = [[acc.get((t, L, d), float("nan")) for L in lengths] for d in depths]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [length_label(L) for L in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])
+        ax.set_title(t)
+        ax.set_xlabel("context length")
+    axes[0][0].set_ylabel("needle depth")
+    fig.colorbar(im, ax=axes[0].tolist(), label="accuracy (sparse)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+    torch.set_num_threads(args.threads)
+    from ..paths import default_model_path
+    from .eval_common import heldout_stream, load_text_tokenizer
+    model = args.model or default_model_path()
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        print(f"sparsekv eval needle: error: unknown task(s) {unknown}; choose from {TASKS}", file=sys.stderr)
+        return 2
+    lengths = [parse_length(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    dense_max = parse_length(args.dense_max_length)
+    log = lambda msg: print(msg, flush=True)
+    tok = load_text_tokenizer(model)
+    builder = TaskBuilder(tok, heldout_stream(tok), args.seed)
+    results, notes = [], {}
+    for L in lengths:
+        samples = build_samples(builder, tasks, L, depths, args.samples)
+        for attention in ["sparse"] + (["dense"] if L <= dense_max else []):
+            log(f"length {length_label(L)}, {attention} attention: {len(samples)} prompts")
+            rs, note = run_length(model, samples, L, attention, args, log)
+            notes[f"{length_label(L)} {attention}"] = note
+            results += rs
+            log(f"  ({note})")
+    print(format_table(results, tasks, lengths))
+    if len(builder.code) < max(lengths):
+        print(f"note: held-out haystack is {len(builder.code)} tokens; longer code haystacks repeat it")
+    if args.heatmap:
+        write_heatmap(results, tasks, lengths, depths, args.heatmap)
+        print(f"heatmap: {args.heatmap}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": os.path.abspath(model), "notes": notes, "results": results}, f, indent=1)
+    return 0

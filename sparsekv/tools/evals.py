@@ -1,0 +1,53 @@
+"""`sparsekv eval needle|indexshare|loss MODEL`: dispatch to the eval modules."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def loss_main(args: argparse.Namespace) -> int:
+    """Held-out LM loss with dense and with sparse attention, through the engine's model."""
+    import torch
+    torch.set_num_threads(args.threads)
+    from ..paths import default_model_path
+    from .eval_common import build_model, load_parts, load_text_tokenizer, sequence_loss
+    from .eval_indexshare import calibration_set
+    path = args.model or default_model_path()
+    cfg, tensors = load_parts(path)
+    model = build_model(cfg, tensors)
+    seqs = calibration_set(load_text_tokenizer(path), args.seq_len, args.num_seqs)
+    skip = min(cfg.index_topk, args.seq_len - 2) if args.skip_dense_prefix else 0
+    result = {}
+    for attention in ("dense", "sparse"):
+        result[attention] = sum(sequence_loss(model, ids, attention, skip) for ids in seqs) / len(seqs)
+    gap = 100 * (result["sparse"] / result["dense"] - 1)
+    scope = f"targets after position {skip}" if skip else "all targets"
+    print(f"held-out loss ({len(seqs)} x {args.seq_len} tokens, {scope}, index_topk {cfg.index_topk}): "
+          f"dense {result['dense']:.4f}  sparse {result['sparse']:.4f}  ({gap:+.2f}%)")
+    return 0
+
+
+def _loss_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--num-seqs", type=int, default=4)
+    p.add_argument("--skip-dense-prefix", action="store_true",
+                   help="score only positions that see more than index_topk keys (where sparse differs)")
+    p.add_argument("--threads", type=int, default=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import eval_indexshare, eval_needle
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="sparsekv eval")
+    sub = p.add_subparsers(dest="which", required=True)
+    eval_needle.add_args(sub.add_parser("needle", help="RULER-style retrieval by length and depth"))
+    eval_indexshare.add_args(sub.add_parser("indexshare", help="top-k overlap and the greedy IndexShare search"))
+    _loss_args(sub.add_parser("loss", help="held-out LM loss, dense vs sparse attention"))
+    args = p.parse_args(argv)
+    run = {"needle": eval_needle.main, "indexshare": eval_indexshare.main, "loss": loss_main}[args.which]
+    try:
+        return run(args)
+    except FileNotFoundError as e:
+        print(f"sparsekv eval {args.which}: error: {e}", file=sys.stderr)
+        return 2

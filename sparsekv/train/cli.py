@@ -1,0 +1,134 @@
+"""`sparsekv train`: tokenizer, data, the four training stages (plus PoSE), export to an HF directory."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+PRESETS = {
+    # The bundled model: ~8M parameters (about 4M active per token), 5 layers, IndexShare FSFSS.
+    "tiny": dict(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=5,
+        num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        routed_scaling_factor=1.0, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=32,
+        v_head_dim=32, index_topk=256, index_head_dim=32, index_n_heads=4, first_k_dense_replace=1,
+        index_topk_pattern="FSFSS", rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        max_position_embeddings=1 << 21, rms_norm_eps=1e-5,
+    ),
+    # For tests: seconds per stage.
+    "test": dict(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+        num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        routed_scaling_factor=1.0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+        v_head_dim=8, index_topk=8, index_head_dim=8, index_n_heads=2, first_k_dense_replace=1,
+        index_topk_pattern="FSFS", rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=1 << 21, rms_norm_eps=1e-5,
+    ),
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sparsekv train", description=__doc__)
+    p.add_argument("--out", default=None, help="output HF directory (default: the bundled models/sparsekv-tiny)")
+    p.add_argument("--work-dir", default=None, help="tokenizer, token cache and resumable state (default runs/train-NAME)")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--steps", default="700,100,500,150",
+                   help="steps per stage: pretrain,warmup,sparse,mtp (PoSE applies in all of them)")
+    p.add_argument("--time-budget-minutes", type=float, default=None,
+                   help="wall budget; stages shrink to fit (shares 50/10/30/10%%)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--synth-frac", type=float, default=0.5, help="share of rows that are retrieval documents")
+    p.add_argument("--pose-max-position", type=int, default=1 << 20)
+    p.add_argument("--heldout-rows", type=int, default=32)
+    p.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files (tests)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--no-aux-indexers", action="store_true",
+                   help="do not train indexers for shared layers (they feed only the IndexShare search)")
+    p.add_argument("--stop-after-steps", type=int, default=None,
+                   help="save the state and exit after this many steps (rerun the same command to continue)")
+    p.add_argument("--fresh", action="store_true", help="ignore a saved state in the work dir")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def prepare_data(args, work_dir: str):
+    """Tokenizer and token streams, built once and cached in the work dir."""
+    import torch
+    from .data import read_split, tokenize_stream
+    from .tokenizer import EOS, load_tokenizer, save_tokenizer, train_tokenizer
+    cache = os.path.join(work_dir, "corpus.pt")
+    if os.path.exists(cache) and os.path.exists(os.path.join(work_dir, "tokenizer.json")):
+        return load_tokenizer(work_dir), torch.load(cache)
+    train, heldout = read_split(max_files=args.max_files)
+    tok = train_tokenizer(train, args.vocab_size)
+    save_tokenizer(tok, work_dir)
+    eos = tok.token_to_id(EOS)
+    corpus = {"train": tokenize_stream(tok, train, eos), "heldout": tokenize_stream(tok, heldout, eos)}
+    torch.save(corpus, cache)
+    return tok, corpus
+
+
+def build(args, tok):
+    import torch
+    from .export import hf_config, model_config
+    from .model import GlmDsaForTraining
+    from .tokenizer import EOS
+    vocab = -(-tok.get_vocab_size() // 64) * 64
+    raw = hf_config(PRESETS[args.preset], vocab, tok.token_to_id(EOS))
+    torch.manual_seed(args.seed)
+    return raw, GlmDsaForTraining(model_config(raw), aux_indexers=not args.no_aux_indexers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
+    import torch
+    torch.set_num_threads(args.threads)
+    from ..paths import DEFAULT_MODEL_DIR
+    from .data import BatchSource, heldout_rows
+    from .export import export
+    from .stages import STAGES
+    from .trainer import Trainer, TrainOptions
+    out = args.out or DEFAULT_MODEL_DIR
+    work_dir = args.work_dir or os.path.join("runs", f"train-{os.path.basename(os.path.normpath(out))}")
+    os.makedirs(work_dir, exist_ok=True)
+    log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    try:
+        steps = dict(zip(STAGES, (int(s) for s in args.steps.split(","))))
+    except ValueError:
+        print(f"sparsekv train: error: --steps must be 4 comma-separated integers, got {args.steps!r}", file=sys.stderr)
+        return 2
+    if len(steps) != 4:
+        print("sparsekv train: error: --steps needs 4 values: pretrain,warmup,sparse,mtp", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    tok, corpus = prepare_data(args, work_dir)
+    raw, model = build(args, tok)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params / 1e6:.2f}M parameters; train {len(corpus['train'])} tokens, "
+        f"held-out {len(corpus['heldout'])} tokens ({time.time() - t0:.1f} s to prepare)")
+    source = BatchSource(tok, corpus["train"], args.seq_len, args.batch_size, args.seed, args.synth_frac,
+                         args.pose_max_position)
+    rows = heldout_rows(corpus["heldout"], args.seq_len, args.heldout_rows)
+    opts = TrainOptions(steps=steps, lr=args.lr, checkpoint_every=args.checkpoint_every,
+                        stop_after_steps=args.stop_after_steps, log_every=args.log_every,
+                        time_budget_s=None if args.time_budget_minutes is None else args.time_budget_minutes * 60)
+    trainer = Trainer(model, source, rows, opts, work_dir)
+    if not args.fresh and trainer.try_resume():
+        log(f"resumed from {work_dir} at stage {trainer.state.stage + 1}, step {trainer.state.step}")
+    state = trainer.run(log)
+    if not state.done:
+        return 0
+    summary = {"args": vars(args), "parameters": n_params, "planned_steps": state.planned,
+               "elapsed_s": state.elapsed, "heldout": state.heldout, "pose": "two-chunk PoSE, log-uniform skip"}
+    export(model, raw, tok, out, summary)
+    log(f"wrote {out}: " + json.dumps(state.heldout.get("mtp", {})))
+    return 0

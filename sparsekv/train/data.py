@@ -1,0 +1,128 @@
+"""Training data: the interpreter's own stdlib sources (train / held-out split), retrieval documents
+mixed in, and PoSE position ids.
+
+Split: a file is held out when crc32(its path relative to the stdlib) % 20 == 0 (about 5%); the
+split depends only on the path, so it is the same on every machine with the same Python.
+
+Position ids (stage 5 of the issue) use PoSE (Zhu et al., 2023): a training row of S tokens is cut
+into two chunks and the second chunk's position ids are shifted by a skip u, so relative distances
+up to `pose_max_position` are seen while only S tokens are computed. u is log-uniform, so every
+scale from S to 1M gets training signal; a fraction of rows keeps contiguous positions.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import sysconfig
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from .tasks import TASKS, TaskBuilder
+
+EXCLUDED_DIRS = ("site-packages", "test", "tests", "idle_test")
+
+
+def stdlib_files(root: str | None = None) -> list[str]:
+    """Relative paths of the stdlib's .py files (tests and site-packages excluded), sorted."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS and not d.startswith("."))
+        out += [os.path.relpath(os.path.join(dirpath, f), root) for f in filenames if f.endswith(".py")]
+    return sorted(out)
+
+
+def is_heldout(rel_path: str) -> bool:
+    return zlib.crc32(rel_path.encode()) % 20 == 0
+
+
+def read_split(root: str | None = None, max_files: int | None = None) -> tuple[list[str], list[str]]:
+    """(train texts, held-out texts)."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    files = stdlib_files(root)
+    train = [f for f in files if not is_heldout(f)]
+    heldout = [f for f in files if is_heldout(f)]
+    if max_files is not None:   # a small but still split corpus (tests)
+        train, heldout = train[:max_files], heldout[:max(1, max_files // 10)]
+
+    def read(rel: str) -> str:
+        with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+            return f.read()
+    return [read(f) for f in train], [read(f) for f in heldout]
+
+
+def tokenize_stream(tok, texts: list[str], eos_id: int) -> torch.Tensor:
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        ids += enc.ids + [eos_id]
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor        # [B, S+1] int64; inputs are ids[:, :-1], targets ids[:, 1:]
+    positions: torch.Tensor  # [B, S]
+    weights: torch.Tensor    # [B, S] loss weight per target (answers weigh more)
+
+
+def pose_positions(seq_len: int, max_position: int, rng: random.Random, plain_frac: float) -> torch.Tensor:
+    pos = torch.arange(seq_len)
+    if max_position <= seq_len or rng.random() < plain_frac:
+        return pos
+    cut = rng.randrange(1, seq_len)
+    skip = int(math.exp(rng.uniform(0.0, math.log(max_position - seq_len))))
+    pos[cut:] += skip
+    return pos
+
+
+class BatchSource:
+    """Deterministic batches: batch (stage, step) depends only on (seed, stage, step)."""
+
+    def __init__(self, tok, train_ids: torch.Tensor, seq_len: int, batch_size: int, seed: int,
+                 synth_frac: float = 0.5, pose_max_position: int = 1 << 20, pose_plain_frac: float = 0.2,
+                 answer_weight: float = 3.0):
+        self.tok, self.train_ids = tok, train_ids
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.synth_frac, self.answer_weight = synth_frac, answer_weight
+        self.pose_max_position, self.pose_plain_frac = pose_max_position, pose_plain_frac
+        self.eos = tok.token_to_id("<|endoftext|>")
+
+    def _code_row(self, rng: random.Random) -> tuple[list[int], list[float]]:
+        n = self.seq_len + 1
+        start = rng.randrange(0, len(self.train_ids) - n)
+        return self.train_ids[start:start + n].tolist(), [1.0] * self.seq_len
+
+    def _task_row(self, rng: random.Random) -> tuple[list[int], list[float]]:
+        n = self.seq_len + 1
+        start = rng.randrange(0, max(len(self.train_ids) - 8 * n, 1))
+        builder = TaskBuilder(self.tok, self.train_ids[start:start + 8 * n].tolist(), rng.randrange(1 << 30))
+        try:
+            sample = builder.make(rng.choice(TASKS), n, rng.random(), with_answer=True)
+        except ValueError:   # rows too short for this task's needles: plain code instead
+            return self._code_row(rng)
+        weights = [1.0] * self.seq_len
+        for i in range(n - len(sample.answer_ids), n):
+            weights[i - 1] = self.answer_weight   # target index i-1 predicts token i
+        return sample.prompt, weights
+
+    def batch(self, stage: int, step: int) -> Batch:
+        rng = random.Random(f"{self.seed}/{stage}/{step}")
+        rows, weights, positions = [], [], []
+        for _ in range(self.batch_size):
+            ids, w = self._task_row(rng) if rng.random() < self.synth_frac else self._code_row(rng)
+            rows.append(ids)
+            weights.append(w)
+            positions.append(pose_positions(self.seq_len, self.pose_max_position, rng, self.pose_plain_frac))
+        return Batch(torch.tensor(rows, dtype=torch.long), torch.stack(positions),
+                     torch.tensor(weights, dtype=torch.float32))
+
+
+def heldout_rows(heldout_ids: torch.Tensor, seq_len: int, num_rows: int) -> torch.Tensor:
+    """Fixed, evenly spaced held-out windows [num_rows, seq_len + 1] (contiguous positions)."""
+    n = seq_len + 1
+    stride = max((len(heldout_ids) - n) // max(num_rows, 1), 1)
+    starts = [i * stride for i in range(num_rows) if i * stride + n <= len(heldout_ids)]
+    return torch.stack([heldout_ids[s:s + n].long() for s in starts])

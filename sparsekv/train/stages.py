@@ -1,0 +1,146 @@
+"""The training stages and their losses (model-spec §8-§10).
+
+  1 pretrain  dense attention, LM loss; indexers and the MTP layer idle.
+  2 warmup    main model frozen, dense attention; each kept indexer is distilled with
+              KL(p_bar || softmax(I)), p_bar = the head-summed, L1-normalised attention averaged
+              over the layers of its IndexShare group (IndexCache Prop. 1).
+  3 sparse    top-k attention on; LM loss for the main model plus the same KL restricted to the
+              selected set S_t and renormalised; the indexer input is detached, so each part
+              learns only from its own loss.
+  4 mtp       main model frozen; the MTP layer predicts token t+2 (CE) plus a total-variation
+              term TV(p_target, q_draft) (acceptance = 1 - TV). Its own indexer gets a dense
+              KL warm-up for the first half, then the sparse KL.
+  5 PoSE      position-id skipping in every stage (see data.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .model import NEG, GlmDsaForTraining, LayerTrace
+
+STAGES = ("pretrain", "warmup", "sparse", "mtp")
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    if weights is None:
+        return ce.mean()
+    w = weights.reshape(-1)
+    return (ce * w).sum() / w.sum()
+
+
+def kl_to_index(target: torch.Tensor, index: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Mean over queries of KL(p || softmax(I)), both restricted to `allowed` and renormalised."""
+    log_q = torch.log_softmax(index.masked_fill(~allowed, NEG), dim=-1)
+    p = target * allowed
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+    return (p * (p.clamp_min(1e-30).log() - log_q)).sum(-1).mean()
+
+
+def index_groups(indexer_types) -> dict[int, list[int]]:
+    """Full layer -> the layers it serves (itself and the shared layers after it)."""
+    groups: dict[int, list[int]] = {}
+    owner = 0
+    for i, t in enumerate(indexer_types):
+        if t == "full":
+            owner = i
+        groups.setdefault(owner, []).append(i)
+    return groups
+
+
+def indexer_loss(traces: list[LayerTrace], indexer_types, sparse: bool) -> torch.Tensor:
+    """Group-averaged KL for each kept indexer, plus (when present) each auxiliary indexer of a
+    shared layer distilled towards its own layer's attention over the keys that layer used."""
+    total = 0.0
+    groups = index_groups(indexer_types)
+    for owner, members in groups.items():
+        p_bar = torch.stack([traces[j].probs for j in members]).mean(0)
+        tr = traces[owner]
+        allowed = tr.selected if sparse else tr.index > NEG / 2
+        total = total + kl_to_index(p_bar, tr.index, allowed)
+        for j in members[1:]:
+            if traces[j].index is not None:
+                aux_allowed = traces[j].selected if sparse else traces[j].index > NEG / 2
+                total = total + kl_to_index(traces[j].probs, traces[j].index, aux_allowed) / len(members)
+    return total / len(groups)
+
+
+def total_variation(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (p_logits.softmax(-1) - q_logits.softmax(-1)).abs().sum(-1).mean()
+
+
+def set_trainable(model: GlmDsaForTraining, stage: str) -> list[torch.nn.Parameter]:
+    """Freezes everything, then unfreezes what the stage trains; returns those parameters."""
+    mtp_prefix = f"model.layers.{model.cfg.num_hidden_layers}."
+    for name, p in model.named_parameters():
+        in_mtp, is_index = name.startswith(mtp_prefix), ".indexer." in name
+        if stage == "pretrain":
+            p.requires_grad_(not in_mtp and not is_index)
+        elif stage == "warmup":
+            p.requires_grad_(is_index and not in_mtp)
+        elif stage == "sparse":
+            p.requires_grad_(not in_mtp)
+        else:
+            p.requires_grad_(in_mtp)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def stage_loss(model: GlmDsaForTraining, stage: str, batch, progress: float, tv_weight: float = 1.0):
+    """(loss to minimise, metrics) for one batch. `progress` in [0, 1] is how far the stage is."""
+    ids, pos, w = batch.ids, batch.positions, batch.weights
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    types = model.cfg.indexer_types
+    if stage == "pretrain":
+        out = model(inputs, pos)
+        loss = lm_loss(out.logits, targets, w)
+        return loss, {"lm": loss.item()}
+    if stage == "warmup":
+        out = model(inputs, pos, want_index=True, want_probs=True)
+        kl = indexer_loss(out.traces, types, sparse=False)
+        return kl, {"kl": kl.item()}
+    if stage == "sparse":
+        out = model(inputs, pos, sparse=True, want_index=True, want_probs=True)
+        lm = lm_loss(out.logits, targets, w)
+        kl = indexer_loss(out.traces, types, sparse=True)
+        return lm + kl, {"lm": lm.item(), "kl": kl.item()}
+    return mtp_loss(model, inputs, targets, pos, sparse_draft=progress >= 0.5, tv_weight=tv_weight)
+
+
+def mtp_loss(model, inputs, targets, pos, sparse_draft: bool, tv_weight: float):
+    with torch.no_grad():
+        out = model(inputs, pos, sparse=True)
+    draft, trace = model.mtp_forward(inputs, pos, out.hidden, sparse=sparse_draft, want_probs=True)
+    # draft row p predicts token p+2 = targets[:, p+1]; the target model's distribution for that
+    # token is its logits at row p+1.
+    q = draft
+    ce = lm_loss(q, targets[:, 1:])
+    tv = total_variation(out.logits[:, 1:], q)
+    allowed = trace.selected if sparse_draft else trace.index > NEG / 2
+    kl = kl_to_index(trace.probs, trace.index, allowed)
+    return ce + tv_weight * tv + kl, {"mtp_ce": ce.item(), "accept": 1.0 - tv.item(), "kl": kl.item()}
+
+
+@torch.no_grad()
+def heldout_metrics(model: GlmDsaForTraining, rows: torch.Tensor, batch_size: int = 8) -> dict:
+    """Held-out LM loss with dense and with sparse attention, and MTP acceptance (1 - TV) / top-1."""
+    was_training = model.training
+    model.eval()
+    sums = {"loss_dense": 0.0, "loss_sparse": 0.0, "mtp_accept": 0.0, "mtp_top1": 0.0}
+    n = 0
+    for i in range(0, rows.shape[0], batch_size):
+        ids = rows[i:i + batch_size]
+        inputs, targets = ids[:, :-1], ids[:, 1:]
+        pos = torch.arange(inputs.shape[1]).expand_as(inputs)
+        k = ids.shape[0]
+        sums["loss_dense"] += lm_loss(model(inputs, pos).logits, targets).item() * k
+        out = model(inputs, pos, sparse=True)
+        sums["loss_sparse"] += lm_loss(out.logits, targets).item() * k
+        if model.mtp is not None:
+            draft, _ = model.mtp_forward(inputs, pos, out.hidden, sparse=True)
+            q, p = draft, out.logits[:, 1:]
+            sums["mtp_accept"] += (1.0 - total_variation(p, q).item()) * k
+            sums["mtp_top1"] += (q.argmax(-1) == p.argmax(-1)).float().mean().item() * k
+        n += k
+    model.train(was_training)
+    return {key: v / n for key, v in sums.items()}

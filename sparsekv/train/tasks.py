@@ -1,0 +1,150 @@
+"""RULER-style long-range retrieval documents, built in token space with the model's own tokenizer.
+
+Shared by training (documents with their answers appended) and `sparsekv eval needle` (prompts
+that end where the answer starts). Every prompt has exactly the requested number of tokens, and
+the needle sits at the requested depth: depth d puts it after round(d * haystack_tokens) tokens
+of haystack (snapped back to the start of a line when the haystack is code).
+
+Tasks (answers are digit strings; digits are single tokens, see tokenizer.py):
+  passkey   one pass key in a repeated-filler haystack (RULER "passkey")
+  multikey  several named keys in code; one is asked for (RULER "niah multikey")
+  niah      one "special magic number" line hidden in held-out stdlib code (RULER "niah single")
+  vartrack  a chain VAR C = B, VAR B = A, VAR A = value; the answer traces C = B = A = value,
+            one lookup per generated step (RULER's variable tracking, asked for one chain's value)
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+TASKS = ("passkey", "multikey", "niah", "vartrack")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+NAMES = ("apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "pepper", "silver", "garden", "window",
+         "rocket", "forest", "candle", "violet", "hammer", "island", "mirror", "orange", "planet", "castle",
+         "dragon", "falcon", "harbor", "jacket", "ladder", "meadow", "needle", "pillow", "saddle", "tunnel",
+         "walnut", "yellow", "bridge", "copper", "desert", "engine", "feather", "glacier", "helmet", "lemon",
+         "marble", "nickel", "oyster", "parrot", "quartz", "rabbit", "spider", "turtle", "velvet", "wizard",
+         "anchor", "basket", "cactus", "dolphin", "eagle", "fossil", "guitar", "hornet", "iris", "jungle",
+         "kettle", "lantern", "magnet", "nectar", "olive", "puzzle", "radar", "salmon", "tomato", "umbrella")
+
+
+@dataclass
+class Sample:
+    """One prompt. `needle_starts` are token indices where the needle lines begin."""
+
+    task: str
+    prompt: list[int]
+    answer: str
+    depth: float
+    needle_starts: list[int] = field(default_factory=list)
+    answer_ids: list[int] = field(default_factory=list)
+
+
+def first_number(text: str) -> str | None:
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
+
+
+def score(answer: str, output_text: str) -> bool:
+    """Correct when the first run of digits in the generated text is exactly the answer."""
+    return first_number(output_text) == answer
+
+
+class TaskBuilder:
+    """`tok`: a `tokenizers.Tokenizer`; `code`: a token stream of stdlib code for haystacks."""
+
+    def __init__(self, tok, code: list[int] | None, seed: int = 0):
+        self.tok, self.code = tok, code
+        self.rng = random.Random(seed)
+        self._cache: dict[str, list[int]] = {}
+        self._newline = {i for t, i in tok.get_vocab().items() if t.endswith("Ċ")}
+
+    def encode(self, text: str) -> list[int]:
+        if text not in self._cache:
+            self._cache[text] = self.tok.encode(text, add_special_tokens=False).ids
+        return self._cache[text]
+
+    # -- haystacks -----------------------------------------------------------------------------
+    def haystack(self, kind: str, n: int) -> list[int]:
+        if kind == "filler" or not self.code:
+            unit = self.encode(FILLER)
+            out = unit * (n // len(unit) + 1)
+            return out[:n]
+        if n >= len(self.code):
+            out = self.code * (n // len(self.code) + 1)
+            return out[:n]
+        start = self.rng.randrange(0, len(self.code) - n)
+        return self.code[start:start + n]
+
+    def _line_start(self, hay: list[int], i: int) -> int:
+        """Move i back to just after a newline token (at most 256 tokens), so needles start a line."""
+        for j in range(i, max(i - 256, 0) - 1, -1):
+            if j == 0 or hay[j - 1] in self._newline:
+                return j
+        return i
+
+    def compose(self, kind: str, needles: list[tuple[float, list[int]]], tail: list[int], length: int):
+        """Haystack with needles inserted at depths, then the tail; exactly `length` tokens."""
+        n_hay = length - sum(len(ids) for _, ids in needles) - len(tail)
+        if n_hay < 0:
+            raise ValueError(f"length {length} is too short for the needles and the question")
+        hay = self.haystack(kind, n_hay)
+        cuts = [self._line_start(hay, min(round(d * n_hay), n_hay)) for d, _ in needles]
+        order = sorted(range(len(needles)), key=lambda k: (cuts[k], k))
+        out, starts, prev = [], [0] * len(needles), 0
+        for k in order:
+            out += hay[prev:cuts[k]]
+            starts[k] = len(out)
+            out += needles[k][1]
+            prev = cuts[k]
+        out += hay[prev:] + tail
+        return out, starts
+
+    # -- the four tasks ------------------------------------------------------------------------
+    def key(self, digits: int = 5) -> str:
+        return str(self.rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+    def names(self, n: int) -> list[str]:
+        return self.rng.sample(NAMES, n)
+
+    def make(self, task: str, length: int, depth: float, with_answer: bool = False) -> Sample:
+        parts = getattr(self, f"_{task}")(depth)
+        kind, needles, question, answer, continuation = parts
+        tail = self.encode(question)
+        answer_ids = self.encode(continuation) if with_answer else []
+        ids, starts = self.compose(kind, needles, tail + answer_ids, length)
+        return Sample(task, ids, answer, depth, starts, answer_ids)
+
+    def _other_depths(self, n: int) -> list[float]:
+        return [self.rng.random() for _ in range(n)]
+
+    def _passkey(self, depth):
+        key = self.key()
+        needle = self.encode(f"The pass key is {key}. Remember it. {key} is the pass key.\n")
+        return ("filler", [(depth, needle)], "\nWhat is the pass key? The pass key is", key, f" {key}.\n")
+
+    def _multikey(self, depth):
+        names = self.names(4)
+        keys = [self.key() for _ in names]
+        needles = [(d, self.encode(f"# The pass key for {n} is {k}.\n"))
+                   for d, n, k in zip([depth] + self._other_depths(3), names, keys)]
+        return ("code", needles, f"\n# What is the pass key for {names[0]}? The pass key for {names[0]} is",
+                keys[0], f" {keys[0]}.\n")
+
+    def _niah(self, depth):
+        name, key = self.names(1)[0], self.key()
+        needle = self.encode(f"# One of the special magic numbers for {name} is: {key}.\n")
+        return ("code", [(depth, needle)],
+                f"\n# What is the special magic number for {name}? The special magic number for {name} is:",
+                key, f" {key}.\n")
+
+    def _vartrack(self, depth):
+        a, b, c, x, y = self.names(5)
+        key, other = self.key(), self.key()
+        lines = [f"# VAR {a} = {key}\n", f"# VAR {b} = {a}\n", f"# VAR {c} = {b}\n",
+                 f"# VAR {x} = {other}\n", f"# VAR {y} = {x}\n"]
+        later = sorted(depth + (1 - depth) * self.rng.random() for _ in range(2))  # the chain reads forward
+        needles = [(depth, self.encode(lines[0])), (later[0], self.encode(lines[1])), (later[1], self.encode(lines[2])),
+                   (self.rng.random(), self.encode(lines[3])), (self.rng.random(), self.encode(lines[4]))]
+        return ("code", needles, f"\n# Trace {c}: {c} =", key, f" {b} = {a} = {key}\n")

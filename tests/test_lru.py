@@ -1,0 +1,84 @@
+"""The working-set LRU against a brute-force reference (no torch)."""
+import random
+
+import pytest
+
+from sparsekv.cache.lru import WorkingSetLRU
+
+
+class BruteForceLRU:
+    """The documented policy, written the slow and obvious way: timestamps, scans, no ordered dict."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.slot = [None] * capacity          # slot -> position
+        self.last_used = {}                    # position -> (step, position) recency key
+        self.step = 0
+
+    def access(self, positions):
+        self.step += 1
+        wanted = set(positions)
+        resident = {p: s for s, p in enumerate(self.slot) if p is not None}
+        hits = sum(p in resident for p in positions)
+        misses, evictions = [], []
+        for p in sorted(positions):
+            if p in resident:
+                continue
+            free = [s for s, q in enumerate(self.slot) if q is None]
+            if free:
+                s = min(free)
+            else:
+                candidates = [q for q in resident if q not in wanted]
+                victim = min(candidates, key=lambda q: self.last_used[q])
+                s = resident.pop(victim)
+                evictions.append((victim, s))
+                del self.last_used[victim]
+            self.slot[s] = p
+            resident[p] = s
+            misses.append((p, s))
+        for p in positions:
+            self.last_used[p] = (self.step, p)   # ascending position order within a step
+        order = sorted(resident, key=lambda q: self.last_used[q])
+        return hits, misses, evictions, [resident[p] for p in positions], order
+
+
+@pytest.mark.parametrize("capacity,universe,seed", [(1, 3, 0), (4, 6, 1), (8, 20, 2), (16, 64, 3), (8, 9, 4)])
+def test_lru_matches_brute_force(capacity, universe, seed):
+    rng = random.Random(seed)
+    lru, ref = WorkingSetLRU(capacity), BruteForceLRU(capacity)
+    for _ in range(300):
+        k = rng.randint(1, capacity)
+        positions = rng.sample(range(universe), min(k, universe))
+        if rng.random() < 0.5:  # locality, as in decoding: mostly recent positions
+            positions = sorted(positions)
+        res = lru.resolve(positions)
+        hits, misses, evictions, slots, order = ref.access(positions)
+        assert (res.hits, res.misses, res.evictions, res.slots) == (hits, misses, evictions, slots)
+        assert lru.lru_order() == order
+        lru.check_integrity()
+
+
+def test_lru_fills_free_slots_before_evicting():
+    lru = WorkingSetLRU(4)
+    assert lru.resolve([10, 11]).misses == [(10, 0), (11, 1)]
+    res = lru.resolve([11, 12, 13])
+    assert res.hits == 1 and res.misses == [(12, 2), (13, 3)] and not res.evictions
+    res = lru.resolve([14])  # 10 is least recently used
+    assert res.evictions == [(10, 0)] and res.misses == [(14, 0)]
+
+
+def test_lru_never_evicts_a_position_of_the_same_step():
+    lru = WorkingSetLRU(3)
+    lru.resolve([1, 2, 3])
+    res = lru.resolve([1, 2, 9])  # 1 and 2 are old, yet accessed now: 3 goes
+    assert res.evictions == [(3, 2)] and res.hits == 2
+
+
+def test_lru_rejects_bad_accesses():
+    lru = WorkingSetLRU(2)
+    with pytest.raises(ValueError, match="distinct"):
+        lru.resolve([1, 1])
+    with pytest.raises(ValueError, match="holds 2"):
+        lru.resolve([1, 2, 3])
+    with pytest.raises(ValueError):
+        WorkingSetLRU(0)

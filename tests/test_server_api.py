@@ -1,0 +1,344 @@
+"""The OpenAI-compatible API against a live server on 127.0.0.1 (issue 4).
+
+One server (in a thread of this process, so tests can slow its engine down) serves every test here:
+the official `openai` client, greedy equality with `LLM.generate`, a table of bad requests, client
+disconnects, a bounded load from a second process, and `sparsekv bench serve`.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+import torch
+
+from test_server_util import MAX_MODEL_LEN, REPO, ThreadServer, pages_all_free, scrape, tiny_checkpoint, wait_until
+
+KEY, KEY_PLAIN = "sk-alice", "sk-plain"
+PROMPT = "hello world, the rain in spain"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CPUs are shared; more threads only contend
+    model = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    with ThreadServer(model, api_keys=[f"{KEY}:alice", KEY_PLAIN], max_queued=4) as srv:
+        srv.model = model
+        yield srv
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
+def _ext(obj) -> dict:
+    return obj.model_extra["sparsekv"]
+
+
+# -- the openai client -------------------------------------------------------------------------
+
+def test_completion_non_stream_shape(client):
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, user="u1",
+                                  extra_body={"cache_salt": "s1", "presence_penalty": 0.0, "no_such_field": 1})
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == "tiny"
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    ext = _ext(r)
+    assert ext["tenant"] == "alice" and len(ext["choices"][0]["token_ids"]) == 8
+    assert ext["tiers"]["device_kv_bytes"] > 0 and "device_indexer_bytes" in ext["tiers"]
+
+
+def test_stream_matches_non_stream_with_usage(client):
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert _ext(chunks[-1])["tiers"]["device_kv_bytes"] > 0
+
+
+def test_chat_non_stream_and_stream(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content and r.usage.completion_tokens == 6
+    assert len(r.choices[0].logprobs.content) == 6 and len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+    stream = list(client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=6,
+                                                 temperature=0, stream=True))
+    assert stream[0].choices[0].delta.role == "assistant" and stream[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == msg.content
+
+
+def test_n_choices_and_seed_reproducible(client):
+    def run(seed):
+        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=seed, n=3,
+                                      extra_body={"ignore_eos": True})
+        assert sorted(c.index for c in r.choices) == [0, 1, 2] and r.usage.completion_tokens == 24
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    first, again, other = run(1234), run(1234), run(99)
+    assert first == again
+    assert first != other
+    assert len(set(first)) > 1  # seed + i per choice: the choices differ
+
+
+def test_n_choices_stream(client):
+    texts = {}
+    for c in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=1.0, seed=7,
+                                       n=2, stream=True):
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=1.0, seed=7, n=2)
+    assert texts == {c.index: c.text for c in r.choices}
+
+
+def test_stop_string(client):
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    expected = full[:full.index(stop)]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == expected  # no stop-string prefix leaked mid-stream
+
+
+def test_completion_logprobs_and_token_prompt(client):
+    r = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(t) >= 2 for t in lp.top_logprobs) and r.usage.prompt_tokens == 4
+
+
+def test_greedy_matches_llm_generate(server, client):
+    from sparsekv.llm import LLM
+    from sparsekv.request import SamplingParams
+    llm = LLM(server.model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_page_size=16)
+    for prompt in (PROMPT, [3, 1, 4, 1, 5, 9, 2, 6]):
+        want = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0))[0]
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert _ext(got)["choices"][0]["token_ids"] == want.token_ids
+        assert got.choices[0].text == want.text
+
+
+def test_models_tokenize_detokenize(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    models = httpx.get(server.url + "/v1/models", headers=h).json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=h).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}, headers=h).json()["prompt"]
+    assert text == PROMPT
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=h)
+    assert chat.json()["count"] > 0
+
+
+def test_plain_key_gets_its_own_tenant(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY_PLAIN, max_retries=0)
+    tenant = _ext(c.completions.create(model="tiny", prompt=PROMPT, max_tokens=1))["tenant"]
+    assert tenant.startswith("key-") and KEY_PLAIN not in tenant
+
+
+def test_health_and_metrics_are_public(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    m = scrape(server.url)
+    for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "request_time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_queue_time_seconds_count", "num_requests_running", "num_requests_waiting",
+                 "device_kv_bytes", "device_latent_bytes", "device_indexer_bytes", "host_kv_bytes",
+                 "host_kv_budget_bytes", "tier_hits_total", "tier_misses_total", "h2d_bytes_total",
+                 "d2h_bytes_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total"):
+        assert "sparsekv:" + name in m, name
+    assert m["sparsekv:time_to_first_token_seconds_count"] > 0 and m["sparsekv:generation_tokens_total"] > 0
+
+
+# -- bad requests: each a 4xx with the OpenAI envelope -----------------------------------------
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+MSG = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+LONG = list(range(1, 9)) * 25  # 200 tokens
+BAD = [  # (id, path, body (dict, or raw bytes), status, param)
+    ("max_tokens-str", C, {**OK, "max_tokens": "16"}, 400, "max_tokens"),
+    ("max_tokens-negative", C, {**OK, "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens-zero", C, {**OK, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens-float", C, {**OK, "max_tokens": 1.5}, 400, "max_tokens"),
+    ("temperature-str", C, {**OK, "temperature": "hot"}, 400, "temperature"),
+    ("temperature-negative", C, {**OK, "temperature": -0.5}, 400, "temperature"),
+    ("temperature-huge", C, {**OK, "temperature": 1000}, 400, "temperature"),
+    ("top_p-zero", C, {**OK, "top_p": 0}, 400, "top_p"),
+    ("top_p-above-1", C, {**OK, "top_p": 1.5}, 400, "top_p"),
+    ("top_k-negative", C, {**OK, "top_k": -2}, 400, "top_k"),
+    ("top_k-float", C, {**OK, "top_k": 1.5}, 400, "top_k"),
+    ("n-zero", C, {**OK, "n": 0}, 400, "n"),
+    ("n-str", C, {**OK, "n": "2"}, 400, "n"),
+    ("n-huge", C, {**OK, "n": 1000}, 400, "n"),
+    ("seed-str", C, {**OK, "seed": "abc"}, 400, "seed"),
+    ("seed-over-int64", C, {**OK, "seed": 2 ** 64}, 400, "seed"),
+    ("stop-int", C, {**OK, "stop": 5}, 400, "stop"),
+    ("stop-empty", C, {**OK, "stop": [""]}, 400, "stop"),
+    ("stop_token_ids-str", C, {**OK, "stop_token_ids": ["a"]}, 400, "stop_token_ids"),
+    ("stream-str", C, {**OK, "stream": "yes"}, 400, "stream"),
+    ("stream_options-without-stream", C, {**OK, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("ignore_eos-str", C, {**OK, "ignore_eos": "no"}, 400, "ignore_eos"),
+    ("logprobs-too-many", C, {**OK, "logprobs": 50}, 400, "logprobs"),
+    ("logprobs-negative", C, {**OK, "logprobs": -1}, 400, "logprobs"),
+    ("cache_salt-empty", C, {**OK, "cache_salt": ""}, 400, "cache_salt"),
+    ("echo-unsupported", C, {**OK, "echo": True}, 400, "echo"),
+    ("prompt-missing", C, {"model": "tiny", "max_tokens": 2}, 400, "prompt"),
+    ("prompt-int", C, {**OK, "prompt": 123}, 400, "prompt"),
+    ("prompt-empty-list", C, {**OK, "prompt": []}, 400, "prompt"),
+    ("prompt-mixed-list", C, {**OK, "prompt": [1, "a"]}, 400, "prompt"),
+    ("prompt-token-outside-vocab", C, {**OK, "prompt": [1, 999]}, 400, "prompt"),
+    ("prompt-over-max-model-len", C, {**OK, "prompt": LONG + LONG}, 400, "prompt"),
+    ("prompt-plus-max_tokens-over-context", C, {**OK, "prompt": LONG, "max_tokens": 100}, 400, "max_tokens"),
+    ("stream-over-context", C, {**OK, "prompt": LONG, "max_tokens": 100, "stream": True}, 400, "max_tokens"),
+    ("malformed-json", C, b'{"prompt": "hi",', 400, None),
+    ("json-array", C, b'[1, 2]', 400, None),
+    ("empty-body", C, b'', 400, None),
+    ("unknown-model", C, {**OK, "model": "gpt-4"}, 404, "model"),
+    ("chat-messages-empty", CHAT, {**MSG, "messages": []}, 400, "messages"),
+    ("chat-messages-missing", CHAT, {"model": "tiny"}, 400, "messages"),
+    ("chat-content-int", CHAT, {**MSG, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ("chat-image-part", CHAT, {**MSG, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("chat-top_logprobs-without-logprobs", CHAT, {**MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat-max_completion_tokens-negative", CHAT, {**MSG, "max_completion_tokens": -5}, 400, "max_tokens"),
+    ("chat-stream_options-without-stream", CHAT, {**MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("chat-unknown-model", CHAT, {**MSG, "model": "nope"}, 404, "model"),
+    ("tokenize-nothing", "/tokenize", {"model": "tiny"}, 400, "prompt"),
+    ("detokenize-str", "/detokenize", {"tokens": ["a"]}, 400, "tokens"),
+    ("detokenize-outside-vocab", "/detokenize", {"tokens": [10 ** 6]}, 400, "tokens"),
+    ("unknown-route", "/v1/nope", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_request(server, name, path, body, status, param):
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=content, headers=h, timeout=10)
+    _assert_envelope(r, status, param)
+    if name == "prompt-plus-max_tokens-over-context":
+        assert "200" in r.json()["error"]["message"] and "100" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Basic {KEY}", "Bearer", KEY])
+def test_bad_key(server, auth):
+    h = {"Authorization": auth} if auth else {}
+    _assert_envelope(httpx.post(server.url + C, json=OK, headers=h), 401, None)
+    _assert_envelope(httpx.get(server.url + "/v1/models", headers=h), 401, None)
+
+
+def test_wrong_method(server):
+    _assert_envelope(httpx.get(server.url + C, headers={"Authorization": f"Bearer {KEY}"}), 405, None)
+
+
+def _assert_envelope(r: httpx.Response, status: int, param):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+# -- disconnects and load ----------------------------------------------------------------------
+
+def _aborted(url: str) -> float:
+    return scrape(url).get("sparsekv:requests_aborted_total", 0.0)
+
+
+def test_stream_disconnect_frees_pages(server):
+    server.delay[0] = 0.02
+    try:
+        before = _aborted(server.url)
+        body = {**OK, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + C, json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            lines = r.iter_lines()
+            assert next(l for l in lines if l.startswith("data:"))
+            assert scrape(server.url)["sparsekv:num_requests_running"] == 1
+        assert wait_until(lambda: pages_all_free(server.url), 5)
+        assert _aborted(server.url) == before + 1
+    finally:
+        server.delay[0] = 0.0
+    server.engine.check_integrity()
+
+
+def test_non_stream_disconnect_frees_pages(server):
+    server.delay[0] = 0.02
+    try:
+        before = _aborted(server.url)
+        body = {**OK, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + C, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+        assert wait_until(lambda: pages_all_free(server.url), 5)
+        assert _aborted(server.url) == before + 1
+    finally:
+        server.delay[0] = 0.0
+    server.engine.check_integrity()
+
+
+LOAD_SCRIPT = r"""
+import json, sys, threading, httpx
+url, key, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+results = [None] * n
+def one(i):
+    body = {"model": "tiny", "prompt": [1 + i, 2, 3, 4], "max_tokens": 12, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": "Bearer " + key},
+                      timeout=60) as r:
+        if r.status_code != 200:
+            r.read()
+            results[i] = {"status": r.status_code, "retry_after": r.headers.get("retry-after"), "body": r.json()}
+            return
+        events = [l[6:] for l in r.iter_lines() if l.startswith("data: ")]
+        usage = [json.loads(e)["usage"] for e in events[:-1] if json.loads(e).get("usage")]
+        results[i] = {"status": 200, "done": events[-1] == "[DONE]", "usage": usage[-1] if usage else None}
+threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps(results))
+"""
+
+
+def test_bounded_load_from_second_process(server):
+    server.delay[0] = 0.01
+    try:
+        out = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, server.url, KEY, "16"], capture_output=True,
+                             text=True, timeout=60, cwd=REPO)
+    finally:
+        server.delay[0] = 0.0
+    results = json.loads(out.stdout)
+    assert all(r is not None for r in results), out.stderr
+    ok = [r for r in results if r["status"] == 200]
+    rejected = [r for r in results if r["status"] != 200]
+    for r in ok:  # every admitted stream completes in full
+        assert r["done"] and r["usage"]["completion_tokens"] == 12
+    for r in rejected:  # every other one is a clean 503 with Retry-After
+        assert r["status"] == 503 and r["retry_after"] and r["body"]["error"]["code"] == 503
+    assert ok and rejected, results
+    assert wait_until(lambda: pages_all_free(server.url), 5)
+    assert scrape(server.url)["sparsekv:requests_rejected_total"] >= len(rejected)
+    server.engine.check_integrity()
+
+
+def test_bench_serve_runs(server, capsys):
+    from sparsekv.tools.bench_serve import main
+    rc = main(["--url", server.url, "--api-key", KEY, "--num-prompts", "6", "--input-len", "16",
+               "--output-len", "6", "--max-concurrency", "2", "--model", "tiny"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for line in ("Successful requests:", "Output token throughput", "Mean TTFT (ms)", "P99 ITL (ms)",
+                 "Median TPOT (ms)", "Mean E2E (ms)", "sparsekv:generation_tokens_total"):
+        assert line in out, out
+    assert re.search(r"Successful requests:\s+6\n", out) and re.search(r"Failed requests:\s+0\n", out)

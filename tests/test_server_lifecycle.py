@@ -1,0 +1,172 @@
+"""Server lifecycle (issue 4): SIGTERM drains, the shutdown timeout aborts, an engine fault reaches every
+client without a hang; plus small pure-function checks (stop-string holdback, API keys)."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from test_server_util import (ThreadServer, free_port, start_subprocess_server, tiny_checkpoint, wait_healthy,
+                              wait_until)
+
+BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 150, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _stream(url: str, body: dict, out: dict, first: threading.Event, headers=None) -> None:
+    """Read an SSE stream into out["events"] (parsed JSON, or "[DONE]"); set `first` on the first event."""
+    out["events"] = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                          timeout=30) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    out["events"].append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                    first.set()
+    except httpx.HTTPError as e:
+        out["error"] = repr(e)
+    first.set()
+
+
+def _post(url: str, body: dict, out: dict, headers=None) -> None:
+    r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30)
+    out["status"], out["body"] = r.status_code, r.json()
+
+
+def test_sigterm_drains_in_flight_and_refuses_new(model):
+    port = free_port()
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k1"}
+    proc = start_subprocess_server(model, port, "--api-key", "k1:team", "--shutdown-timeout", "30",
+                                   env={"SPARSEKV_INJECT_STEP_DELAY": "0.01"})
+    try:
+        wait_healthy(url, proc)
+        out, first = {}, threading.Event()
+        t = threading.Thread(target=_stream, args=(url, BODY, out, first, auth))
+        t.start()
+        assert first.wait(20)
+        proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: httpx.get(url + "/health").status_code == 503, 5)
+        refused = httpx.post(url + "/v1/completions", json=BODY, headers=auth)
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert refused.json()["error"]["code"] == 503
+        t.join(30)
+        events = out["events"]
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert sum(1 for e in events[:-1] if e["choices"]) == 150  # one chunk per token: nothing was cut
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_shutdown_timeout_aborts_the_rest(model):
+    srv = ThreadServer(model, shutdown_timeout=0.3)
+    with srv:
+        srv.delay[0] = 0.02
+        s_out, p_out, first = {}, {}, threading.Event()
+        threads = [threading.Thread(target=_stream, args=(srv.url, BODY, s_out, first)),
+                   threading.Thread(target=_post, args=(srv.url, BODY, p_out))]
+        [t.start() for t in threads]
+        assert first.wait(10) and wait_until(lambda: srv.state.loop.num_active == 2, 5)
+        srv.server.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
+        [t.join(20) for t in threads]
+        assert wait_until(lambda: not srv.thread.is_alive(), 10)
+    events = s_out["events"]
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503
+    assert p_out["status"] == 503 and "shutting down" in p_out["body"]["error"]["message"]
+    stats = srv.engine.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["running"] == 0
+    srv.engine.check_integrity()
+
+
+def test_engine_fault_reaches_every_client(tmp_path_factory):
+    from sparsekv.server.loop import FAULT_ENV, install_test_hooks
+    model = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), with_tokenizer=False)
+    srv = ThreadServer(model)
+    with srv:
+        _checks_without_tokenizer(srv.url)
+        install_test_hooks(srv.engine, {FAULT_ENV: "20"})
+        srv.delay[0] = 0.02
+        s_out, p1, p2, first = {}, {}, {}, threading.Event()
+        threads = [threading.Thread(target=_stream, args=(srv.url, BODY, s_out, first)),
+                   threading.Thread(target=_post, args=(srv.url, BODY, p1)),
+                   threading.Thread(target=_post, args=(srv.url, {**BODY, "n": 2}, p2))]
+        t0 = time.monotonic()
+        [t.start() for t in threads]
+        [t.join(20) for t in threads]
+        assert time.monotonic() - t0 < 15 and not any(t.is_alive() for t in threads), "a client hung"
+        assert s_out["events"][-1] == "[DONE]" and s_out["events"][-2]["error"]["code"] == 500
+        for out in (p1, p2):
+            assert out["status"] == 500 and "injected engine fault" in out["body"]["error"]["message"]
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "engine_dead"
+        assert httpx.post(srv.url + "/v1/completions", json=BODY).status_code == 503
+        assert "sparsekv:engine_healthy" in (m := httpx.get(srv.url + "/metrics").text)
+        assert 'sparsekv:engine_healthy{model_name="tiny"} 0.0' in m
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 10  # and the server still shuts down
+
+
+def _checks_without_tokenizer(url: str) -> None:
+    chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
+    text = httpx.post(url + "/v1/completions", json={"prompt": "hello"})
+    assert text.status_code == 400 and text.json()["error"]["param"] == "prompt"
+    assert httpx.post(url + "/tokenize", json={"prompt": "hello"}).status_code == 400
+    ok = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}).json()
+    assert ok["choices"][0]["text"] == "" and len(ok["sparsekv"]["choices"][0]["token_ids"]) == 3
+
+
+# -- pure pieces -------------------------------------------------------------------------------
+
+def test_stream_holds_back_a_possible_stop_string():
+    from sparsekv.request import RequestOutput
+    from sparsekv.server.responses import ChoiceState
+    s = ChoiceState(0, ["STOP"])
+    deltas = []
+    for text, reason in [("ab", None), ("abST", None), ("abSTx", None), ("abSTxS", None), ("abSTx", "stop")]:
+        s.update(RequestOutput("r", [1], [1], text, None, reason))
+        deltas.append(s.take_delta()[0])
+    assert deltas == ["ab", "", "STx", "", ""] and "".join(deltas) == "abSTx"
+    half = ChoiceState(0, [])
+    half.update(RequestOutput("r", [1], [1], "a\ufffd", None, None))
+    assert half.take_delta()[0] == "a"
+
+
+def test_api_keys_map_to_tenants():
+    from sparsekv.server.auth import parse_api_keys, tenant_for
+    keys = parse_api_keys(["k1:alice", "k2", "k3:alice"])
+    assert tenant_for(keys, "Bearer k1") == "alice" == tenant_for(keys, "bearer k3")
+    assert tenant_for(keys, "Bearer k2").startswith("key-")
+    assert tenant_for(keys, "Bearer k4") is None and tenant_for(keys, None) is None
+    assert tenant_for(keys, "Basic k1") is None
+    for bad in (["k:"], [":t"], [""]):
+        with pytest.raises(ValueError):
+            parse_api_keys(bad)
+
+
+def test_serve_cli_rejects_bad_options(capsys):
+    from sparsekv.server.cli import main
+    assert main(["--api-key", "k:"]) == 2
+    assert "KEY:TENANT" in capsys.readouterr().err
+    assert main(["--max-queued-requests", "0"]) == 2
+    assert "--max-queued-requests" in capsys.readouterr().err

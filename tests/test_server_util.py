@@ -1,0 +1,153 @@
+"""Shared helpers for the server tests (no tests here): a tiny checkpoint with a small tokenizer,
+live servers on 127.0.0.1 (in a thread, or as a `sparsekv serve` subprocess), /metrics parsing.
+
+The tokenizer is a fixed 256-token BPE (characters plus letter pairs), so every id the random model
+can emit decodes to readable text and stop strings can match. It is built here, not downloaded.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import string
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_MODEL_LEN = 256
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+_CHECKPOINTS: dict[str, str] = {}
+
+
+def save_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    base = ["<eos>", "<unk>"] + list(string.ascii_letters + string.digits + ".,!?'-:;") + ["\u2581"]
+    letters = "etaoinshrdlucm"
+    pairs = [a + b for a, b in itertools.product("\u2581" + letters, letters)][:256 - len(base)]
+    vocab = {t: i for i, t in enumerate(base + pairs)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(p[0], p[1]) for p in pairs], unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
+
+
+def tiny_checkpoint(root, with_tokenizer: bool = True) -> str:
+    """The tiny random glm_moe_dsa checkpoint (vocab 256), written once per test session."""
+    key = f"tok={with_tokenizer}"
+    if key not in _CHECKPOINTS:
+        from sparsekv.tools.tiny import save_reference_checkpoint
+        path = os.path.join(str(root), "tiny-tok" if with_tokenizer else "tiny-notok")
+        save_reference_checkpoint(path)
+        if with_tokenizer:
+            save_tokenizer(path)
+        _CHECKPOINTS[key] = path
+    return _CHECKPOINTS[key]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slow_steps(engine) -> list[float]:
+    """Wrap engine.step so a test can slow it down (delay[0] seconds per step) to keep requests in flight."""
+    delay = [0.0]
+    real = engine.step
+
+    def step():
+        if delay[0]:
+            time.sleep(delay[0])
+        return real()
+
+    engine.step = step
+    return delay
+
+
+class ThreadServer:
+    """`create_app` + DrainingServer run by uvicorn in a background thread (no signals there)."""
+
+    def __init__(self, model: str, api_keys: list[str] = (), max_queued: int | None = None,
+                 shutdown_timeout: float = 5.0, **engine_options):
+        from sparsekv.config import EngineConfig
+        from sparsekv.engine import LLMEngine
+        from sparsekv.server.app import ServerSettings, create_app
+        from sparsekv.server.auth import parse_api_keys
+        opts = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_page_size=16, **engine_options)
+        self.engine = LLMEngine(EngineConfig(model=model, **opts))
+        self.delay = slow_steps(self.engine)
+        self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), max_queued))
+        self.state = self.app.state.server
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.shutdown_timeout = shutdown_timeout
+
+    def __enter__(self):
+        import uvicorn
+        from sparsekv.server.cli import DrainingServer
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=5)
+        self.server = DrainingServer(config, self.state, self.shutdown_timeout)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(15)
+        assert not self.thread.is_alive(), "server thread did not stop"
+
+
+def start_subprocess_server(model: str, port: int, *args: str, env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sparsekv", "serve", model, "--port", str(port),
+           "--max-model-len", str(MAX_MODEL_LEN), "--kv-page-size", "16", "--log-level", "warning", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **(env or {})}
+    return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"server exited early:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("server did not become healthy")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as {sample name (labels dropped, summed): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def wait_until(predicate, timeout: float = 10, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def pages_all_free(url: str) -> bool:
+    m = scrape(url)
+    return m["sparsekv:kv_pages_free"] == m["sparsekv:kv_pages_total"] and m["sparsekv:num_requests_running"] == 0

@@ -1,0 +1,187 @@
+"""Tiered KV cache: exact versus tiering off, integrity after every scenario, admission and config errors."""
+import os
+
+import pytest
+import torch
+
+from sparsekv import LLM, ConfigError, InvalidRequest, SamplingParams
+from sparsekv.tools.tiny import save_reference_checkpoint
+
+TOPK = 8
+# Different lengths: 6 stays in the dense regime (<= top-k) for a while, the others are chunked.
+PROMPTS = [list(range(1, 40)), [3, 1, 4, 1, 5, 9], [(7 * i) % 250 + 1 for i in range(23)],
+           [(13 * i) % 251 + 2 for i in range(60)]]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3, ignore_eos=True)
+SMALL = dict(kv_page_size=16, prefill_chunk_tokens=16, max_num_batched_tokens=40, max_num_seqs=4)
+LATENT_BYTES_PER_TOKEN = (32 + 8) * 4 * 4  # (kv_lora_rank + rope) x fp32 x 4 layers
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiers")
+    paths = {}
+    for family in ("glm_moe_dsa", "deepseek_v32"):
+        paths[family] = str(root / family)
+        extra = dict(n_group=1, topk_group=1) if family == "deepseek_v32" else {}
+        save_reference_checkpoint(paths[family], family=family, seed=1, index_topk=TOPK, **extra)
+    return paths
+
+
+def make(path, **options):
+    torch.set_num_threads(1)
+    return LLM(path, **{**SMALL, **options})
+
+
+def generate(path, prompts=PROMPTS, params=GREEDY, **options):
+    llm = make(path, **options)
+    outs = llm.generate(prompts, params)
+    assert_back_to_initial(llm.engine)
+    return outs, llm
+
+
+def assert_back_to_initial(engine):
+    engine.check_integrity()
+    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.allocator.num_reserved_unallocated == 0
+    if engine.tiered:
+        cache = engine.cache
+        assert cache.num_working_sets == 0 and cache.buffers.num_free == cache.buffers.num_pages
+        stats = engine.stats()
+        assert stats["host_kv_bytes"] == 0 and stats["device_kv_bytes"] == 0
+
+
+def assert_same(a, b):
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == y.logprobs  # bit-identical floats
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
+@pytest.mark.parametrize("selector", ["dsa", "quest"])
+def test_tiering_is_exact(ckpt, family, selector):
+    reference, _ = generate(ckpt[family], selector=selector)
+    for n in (TOPK, None, 4 * TOPK):  # N = top-k, the default 2 x top-k, and roomy
+        outs, llm = generate(ckpt[family], selector=selector, kv_tiering=True, device_buffer_tokens=n)
+        assert_same(reference, outs)
+        stats = llm.stats()
+        assert stats["tier_misses"] > 0 and stats["tier_hits"] > 0
+        assert sum(o.metrics["tier_misses"] for o in outs) == stats["tier_misses"]
+        assert sum(o.metrics["h2d_bytes"] for o in outs) == stats["h2d_bytes"]
+
+
+def test_mmap_host_store_is_exact(ckpt, tmp_path):
+    path = str(tmp_path / "host.kv")
+    reference, _ = generate(ckpt["glm_moe_dsa"])
+    outs, llm = generate(ckpt["glm_moe_dsa"], kv_tiering=True, host_store_path=path)
+    assert_same(reference, outs)
+    assert llm.stats()["host_store"] == "mmap" and os.path.exists(path)
+    llm.engine.cache.host.close()
+    assert not os.path.exists(path)
+
+
+def run_with_aborts(path, **options):
+    engine = make(path, **options).engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    done, step = {}, 0
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        step += 1
+        if step == 2:
+            assert engine.scheduler.find("r3").is_prefilling
+            engine.abort("r3")       # aborted while prefilling: host pages only
+        if step == 6:
+            assert engine.cache.has_working_set("r1") if engine.tiered else True
+            engine.abort("r1")       # aborted mid-generation: host pages and a working set
+        engine.check_integrity()
+    assert_back_to_initial(engine)
+    return done
+
+
+@pytest.mark.parametrize("selector", ["dsa", "quest"])
+def test_abort_mid_generation_is_exact_and_frees_everything(ckpt, selector):
+    reference = run_with_aborts(ckpt["glm_moe_dsa"], selector=selector)
+    tiered = run_with_aborts(ckpt["glm_moe_dsa"], selector=selector, kv_tiering=True, device_buffer_tokens=TOPK)
+    assert sorted(tiered) == ["r0", "r2"]
+    assert_same([reference["r0"], reference["r2"]], [tiered["r0"], tiered["r2"]])
+
+
+def test_device_latent_bytes_are_flat_and_host_holds_history(ckpt):
+    outs, llm = generate(ckpt["glm_moe_dsa"], kv_tiering=True)
+    working_set = (2 * TOPK + 1) * LATENT_BYTES_PER_TOKEN
+    for out in outs:
+        m = out.metrics
+        held = -(-(len(out.prompt_token_ids) + len(out.token_ids)) // 16) * 16
+        assert m["device_latent_bytes"] == working_set          # the same for 6 and 60 prompt tokens
+        assert m["host_kv_bytes"] == held * LATENT_BYTES_PER_TOKEN
+        assert m["device_indexer_bytes"] == held * 16 * 4 * 2   # index_head_dim x fp32 x 2 full layers
+        assert m["d2h_bytes"] == (len(out.prompt_token_ids) + len(out.token_ids) - 1) * LATENT_BYTES_PER_TOKEN
+        assert 0 <= m["tier_miss_rate"] <= 1
+    stats = llm.stats()
+    for key in ("device_kv_bytes", "device_latent_bytes", "device_indexer_bytes", "host_kv_bytes",
+                "host_kv_budget_bytes", "tier_hits", "tier_misses", "tier_miss_rate", "h2d_bytes", "d2h_bytes"):
+        assert key in stats
+
+
+def test_fp8_indexer_keys_shrink_the_device_and_stay_close(ckpt):
+    reference, base = generate(ckpt["glm_moe_dsa"], kv_tiering=True)
+    outs, llm = generate(ckpt["glm_moe_dsa"], kv_tiering=True, indexer_key_dtype="fp8_e4m3")
+    assert llm.engine.cache.index_bytes_per_token() == (16 + 4) * 2 < base.engine.cache.index_bytes_per_token()
+    first = [(r.logprobs[0], o.logprobs[0]) for r, o in zip(reference, outs)]
+    for ref, got in first:  # the first sampled token of every prompt is still scored almost the same
+        top = next(iter(ref))
+        assert abs(ref[top] - got.get(top, ref[top])) < 0.1
+
+
+def test_host_budget_admission(ckpt):
+    path = ckpt["glm_moe_dsa"]
+    budget = 6 * 16 * LATENT_BYTES_PER_TOKEN  # 6 pages = 96 tokens of host KV
+    reference = make(path, num_kv_pages=6).generate(PROMPTS[:1], GREEDY)
+    llm = make(path, kv_tiering=True, host_kv_budget_bytes=budget)
+    engine = llm.engine
+    engine.add_request("ok", PROMPTS[0], GREEDY)               # 39 + 24 tokens: 4 pages
+    engine.step()
+    with pytest.raises(InvalidRequest, match="host_kv_budget_bytes"):
+        engine.add_request("big", [1] * 90, GREEDY)              # 90 + 24 > 96: never fits
+    engine.add_request("later", PROMPTS[2], SamplingParams(max_tokens=30))   # fits alone: waits
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_integrity()
+    assert_same(reference, [done["ok"]])                       # the running request was unaffected
+    assert "later" in done and "big" not in done
+    assert_back_to_initial(engine)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(kv_tiering=True, device_buffer_tokens=TOPK - 1), "index_topk"),
+    (dict(device_buffer_tokens=16), "kv_tiering"),
+    (dict(host_kv_budget_bytes=1 << 20), "kv_tiering"),
+    (dict(kv_tiering=True, attention="dense"), "sparse"),
+    (dict(selector="nsa"), "selector"),
+    (dict(selector="quest", quest_page_tokens=5), "quest_page_tokens"),
+    (dict(kv_tiering=True, indexer_key_dtype="int4"), "indexer_key_dtype"),
+    (dict(kv_tiering=True, host_kv_budget_bytes=1000), "host_kv_budget_bytes"),
+    (dict(kv_tiering=True, device_kv_budget_bytes=1000), "device_kv_budget_bytes"),
+    (dict(device_kv_budget_bytes=1000), "device_kv_budget_bytes"),
+    (dict(kv_tiering=True, host_store_path="/no/such/dir/kv"), "host_store_path"),
+])
+def test_bad_configuration_is_a_clear_error(ckpt, options, match):
+    with pytest.raises((ConfigError, FileNotFoundError), match=match):
+        make(ckpt["glm_moe_dsa"], **options)
+
+
+def test_device_budget_sizes_both_modes(ckpt):
+    path = ckpt["glm_moe_dsa"]
+    budget = 64 * 16 * (LATENT_BYTES_PER_TOKEN + 128)       # 64 pages untiered
+    assert make(path, device_kv_budget_bytes=budget).engine.allocator.num_pages == 64
+    tiered = make(path, kv_tiering=True, device_kv_budget_bytes=budget).engine
+    assert tiered.allocator.num_pages > 4 * 64                 # indexer keys only, plus 4 working sets
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiering_is_exact_on_cuda(ckpt):
+    reference, _ = generate(ckpt["glm_moe_dsa"], device="cuda")
+    outs, llm = generate(ckpt["glm_moe_dsa"], device="cuda", kv_tiering=True, device_buffer_tokens=TOPK)
+    assert_same(reference, outs)
+    assert llm.stats()["tier_misses"] > 0
