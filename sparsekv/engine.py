@@ -52,7 +52,7 @@ class LLMEngine:
         if config.selector == "quest" and not self.tiered:
             from .model.selectors import install_quest
             install_quest(self.model, config, self.allocator.num_pages * self.page_size, self.device)
-        self._final_metrics: dict[str, dict] = {}  # tiered: a finished request's figures, until output
+        self._final_metrics: dict[str, dict] = {}  # a finished request's figures, until its output
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.page_size, config.attention)
@@ -183,8 +183,9 @@ class LLMEngine:
         return None
 
     def _release(self, req: Request, status: RequestStatus, reason: str) -> None:
+        # NOTE: figures are taken before the pages are freed; the final output reports them.
+        self._final_metrics[req.request_id] = self.request_metrics(req)
         if self.tiered:
-            self._final_metrics[req.request_id] = self.request_metrics(req)
             self.cache.release(req.request_id)
         self.scheduler.finish(req, status, reason)
         self.runner.forget(req.request_id)
@@ -197,9 +198,11 @@ class LLMEngine:
 
     # -- observability -------------------------------------------------------------------------
     def request_metrics(self, req: Request) -> dict:
+        final = self._final_metrics.pop(req.request_id, None) if req.finished else None
+        if final:
+            return final
         if self.tiered:
-            final = self._final_metrics.pop(req.request_id, None) if req.finished else None
-            return final or {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
+            return {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
                              **self.cache.request_metrics(req.request_id, len(req.page_ids) * self.page_size)}
         per_token = self.cache.latent_bytes_per_token() + self.cache.index_bytes_per_token()
         held = len(req.page_ids) * self.page_size

@@ -212,3 +212,13 @@ def _load_experts(ref, saved):
                 p = f"model.layers.{i}.mlp.experts.{e}"
                 experts.gate_up_proj[e].copy_(torch.cat([saved[f"{p}.gate_proj.weight"], saved[f"{p}.up_proj.weight"]]))
                 experts.down_proj[e].copy_(saved[f"{p}.down_proj.weight"])
+
+
+def test_final_output_carries_its_request_figures(llm, random_prompt):
+    out = llm.generate([random_prompt(30)], GREEDY)[0]
+    m = out.metrics
+    assert m["num_prompt_tokens"] == 30 and m["num_output_tokens"] == 8
+    # 37 computed tokens in 4-token pages: 10 pages held just before release
+    assert m["device_latent_bytes"] == 10 * 4 * llm.engine.cache.latent_bytes_per_token() > 0
+    assert m["device_kv_bytes"] == m["device_latent_bytes"] + m["device_indexer_bytes"]
+    _idle(llm)

@@ -11,8 +11,8 @@ import httpx
 import pytest
 import torch
 
-from test_server_util import (ThreadServer, free_port, start_subprocess_server, tiny_checkpoint, wait_healthy,
-                              wait_until)
+from test_server_util import (ThreadServer, free_port, scrape, start_subprocess_server, tiny_checkpoint,
+                              wait_healthy, wait_until)
 
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 150, "ignore_eos": True}
 
@@ -134,6 +134,19 @@ def _checks_without_tokenizer(url: str) -> None:
     assert httpx.post(url + "/tokenize", json={"prompt": "hello"}).status_code == 400
     ok = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}).json()
     assert ok["choices"][0]["text"] == "" and len(ok["sparsekv"]["choices"][0]["token_ids"]) == 3
+
+
+def test_tier_figures_reach_response_and_metrics(model):
+    with ThreadServer(model, kv_tiering=True) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1] * 40, "max_tokens": 30, "n": 2,
+                                                          "temperature": 0, "ignore_eos": True}).json()
+        tiers = r["sparsekv"]["tiers"]
+        assert tiers["host_kv_bytes"] > 0 and tiers["h2d_bytes"] > 0 and tiers["tier_hits"] + tiers["tier_misses"] > 0
+        assert tiers["h2d_bytes"] == sum(c["tiers"]["h2d_bytes"] for c in r["sparsekv"]["choices"])
+        m = scrape(srv.url)
+        assert m["sparsekv:host_kv_budget_bytes"] > 0 and m["sparsekv:h2d_bytes_total"] >= tiers["h2d_bytes"]
+        assert m["sparsekv:tier_hits_total"] + m["sparsekv:tier_misses_total"] > 0
+    srv.engine.check_integrity()
 
 
 # -- pure pieces -------------------------------------------------------------------------------

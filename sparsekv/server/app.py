@@ -27,7 +27,7 @@ from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                        TokenizeRequest, parse_body)
 from .responses import ResponseBuilder, TokenText
-from .serving import run
+from .serving import Job, run
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -100,18 +100,18 @@ async def _body(request: Request, model):
     return parse_body(await request.body(), model)
 
 
-async def _generate(request: Request, body: SamplingFields, kind: str, prompts: list, max_tokens: list[int],
+async def _generate(request: Request, body: SamplingFields, kind: str, prompts: list, max_tokens: int,
                     logprobs: int | None, top_logprobs: int | None = None):
+    """Prompts x n choices -> one group of engine requests, answered as one response or stream."""
     state = _state(request)
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
     rid = prefix + uuid.uuid4().hex
-    subs = [Submission(p, sampling_params(body, i, mt, logprobs))
-            for p, mt in zip(prompts, max_tokens) for i in range(body.n)]
+    subs = [Submission(p, sampling_params(body, i, max_tokens, logprobs)) for p in prompts for i in range(body.n)]
     builder = ResponseBuilder(kind, rid, body.model or state.model_name, int(time.time()), body.n,
                               state.token_text, _tenant(request), top_logprobs)
-    group = RequestGroup(rid, len(subs))
-    return await run(request, state.loop, group, subs, _tenant(request), body.cache_salt, builder,
-                     body.stream, body.include_usage, state.metrics)
+    job = Job(RequestGroup(rid, len(subs)), subs, _tenant(request), body.cache_salt, builder, body.stream,
+              body.include_usage)
+    return await run(request, state.loop, job, state.metrics)
 
 
 async def completions(request: Request):
@@ -121,7 +121,7 @@ async def completions(request: Request):
     prompts = body.prompts()
     max_tokens = body.max_tokens if body.max_tokens is not None else (
         state.settings.default_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
-    return await _generate(request, body, "completion", prompts, [max_tokens] * len(prompts), body.logprobs)
+    return await _generate(request, body, "completion", prompts, max_tokens, body.logprobs)
 
 
 async def chat_completions(request: Request):
@@ -133,7 +133,7 @@ async def chat_completions(request: Request):
     if max_tokens is None:  # vLLM: the rest of the context; here also capped by the KV pool
         max_tokens = state.settings.default_max_tokens or max(
             1, min(state.context_limit - len(prompt), state.chat_default_cap))
-    return await _generate(request, body, "chat", [prompt], [max_tokens], body.num_logprobs, body.top_logprobs)
+    return await _generate(request, body, "chat", [prompt], max_tokens, body.num_logprobs, body.top_logprobs)
 
 
 async def tokenize(request: Request):

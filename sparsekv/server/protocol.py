@@ -127,7 +127,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool = False  # the engine tokenizes prompts without them; counts must agree
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")

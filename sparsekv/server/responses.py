@@ -6,12 +6,18 @@ and a trailing U+FFFD (half of a multi-byte character). Without that a client co
 that the final response no longer contains.
 
 The `sparsekv` extension field carries the request's tier figures (device/host bytes, hits, misses,
-bytes moved: whatever the engine reports in `RequestOutput.metrics`). Per key it keeps the largest
-value seen over the request's outputs: byte gauges then read as the peak held, counters as the total.
+bytes moved: whatever the engine reports in `RequestOutput.metrics`). A `*_bytes` figure keeps the
+largest value seen over the request's outputs (the engine may report 0 once the pages are released,
+so the peak is what the request held; for cumulative h2d/d2h bytes the peak is the total); every
+other figure is the latest reported.
 """
 from __future__ import annotations
 
 from ..request import RequestOutput
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 class TokenText:
@@ -42,9 +48,9 @@ class ChoiceState:
     def update(self, out: RequestOutput) -> None:
         self.out = out
         for key, value in (out.metrics or {}).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key.endswith("_bytes") and _is_number(value):  # bytes held: the peak, not the 0 after release
                 self.peak[key] = max(self.peak.get(key, value), value)
-            else:
+            else:  # counters, rates, token counts: the latest
                 self.peak[key] = value
 
     def take_delta(self) -> tuple[str, list[int], list[dict] | None]:
@@ -101,10 +107,10 @@ class ResponseBuilder:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def extension(self, states: list[ChoiceState]) -> dict:
-        total: dict = {}
+        total: dict = {}  # integer figures (bytes, hits, tokens) add up over choices; rates do not
         for s in states:
             for key, value in s.peak.items():
-                if isinstance(value, (int, float)):
+                if isinstance(value, int) and not isinstance(value, bool):
                     total[key] = total.get(key, 0) + value
         return {"tenant": self.tenant, "tiers": total,
                 "choices": [{"index": s.index, "token_ids": list(s.out.token_ids), "tiers": dict(s.peak)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -23,11 +24,23 @@ log = logging.getLogger("sparsekv.server")
 RETRY_AFTER_S = "1"
 
 
-async def admit(loop: EngineLoop, group: RequestGroup, subs: list[Submission], tenant: str,
-                cache_salt: str | None, metrics) -> None:
+@dataclass
+class Job:
+    """One API request as the engine loop sees it: its engine requests and how to answer."""
+
+    group: RequestGroup
+    subs: list[Submission]
+    tenant: str
+    cache_salt: str | None
+    builder: ResponseBuilder
+    stream: bool
+    include_usage: bool
+
+
+async def admit(loop: EngineLoop, job: Job, metrics) -> None:
     """Submit to the engine; map refusals to their HTTP status (never a 500 for bad input)."""
     try:
-        await loop.submit(group, subs, tenant, cache_salt)
+        await loop.submit(job.group, job.subs, job.tenant, job.cache_salt)
     except InvalidRequest as e:
         raise APIError(400, str(e), e.param) from None
     except QueueFull as e:
@@ -43,17 +56,17 @@ async def admit(loop: EngineLoop, group: RequestGroup, subs: list[Submission], t
         raise APIError(400, f"invalid request: {e}") from None
 
 
-async def run(request: Request, loop: EngineLoop, group: RequestGroup, subs: list[Submission], tenant: str,
-              cache_salt: str | None, builder: ResponseBuilder, stream: bool, include_usage: bool, metrics):
-    states = [ChoiceState(i, s.params.stop_strings) for i, s in enumerate(subs)]
+async def run(request: Request, loop: EngineLoop, job: Job, metrics):
+    states = [ChoiceState(i, s.params.stop_strings) for i, s in enumerate(job.subs)]
     try:
-        await admit(loop, group, subs, tenant, cache_salt, metrics)
-        if not stream:
-            return await collect(request, loop, group, states, builder)
+        await admit(loop, job, metrics)
+        if not job.stream:
+            return await collect(request, loop, job.group, states, job.builder)
     except BaseException:
-        loop.abort(group)
+        loop.abort(job.group)
         raise
-    return StreamingResponse(sse(loop, group, states, builder, include_usage), media_type="text/event-stream",
+    return StreamingResponse(sse(loop, job.group, states, job.builder, job.include_usage),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

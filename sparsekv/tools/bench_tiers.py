@@ -369,10 +369,11 @@ def _checkpoint(args, tmp: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     import torch
     from sparsekv.config import ModelConfig
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     DEVICE["device"] = args.device
-    report = {"command": "sparsekv bench tiers " + " ".join(argv or []), "date": date.today().isoformat(),
+    report = {"command": "sparsekv bench tiers " + " ".join(argv), "date": date.today().isoformat(),
               "threads": args.threads, "device": args.device}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = _checkpoint(args, tmp)

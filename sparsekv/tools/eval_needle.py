@@ -46,6 +46,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-buffer-tokens", type=int, default=32768)
     p.add_argument("--prefill-chunk-tokens", type=int, default=4096)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="engine device (cpu, cuda)")
     p.add_argument("--heatmap", default="needle_heatmap.png", help="depth x length heatmap PNG")
     p.add_argument("--json", default=None, help="write every sample's result here")
     p.add_argument("--seed", type=int, default=0)
@@ -57,7 +58,8 @@ def make_llm(model: str, attention: str, max_len: int, args) -> tuple[object, st
     from ..config import ConfigError
     from ..llm import LLM
     opts = dict(max_model_len=max_len, attention=attention, prefill_chunk_tokens=args.prefill_chunk_tokens,
-                max_num_seqs=1, max_num_batched_tokens=args.prefill_chunk_tokens, dtype=args.dtype)
+                max_num_seqs=1, max_num_batched_tokens=args.prefill_chunk_tokens, dtype=args.dtype,
+                device=args.device)
     if attention == "sparse" and not args.no_tiering:
         try:
             return LLM(model, **opts, kv_tiering=True, device_buffer_tokens=args.device_buffer_tokens), "tiering on"

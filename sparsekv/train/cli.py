@@ -17,12 +17,12 @@ PRESETS = {
         index_topk_pattern="FSFSS", rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         max_position_embeddings=1 << 21, rms_norm_eps=1e-5,
     ),
-    # For tests: seconds per stage.
+    # For tests: seconds per stage. 8 indexer heads make exact top-k ties (ReLU zeros) improbable.
     "test": dict(
         hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
         num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         routed_scaling_factor=1.0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
-        v_head_dim=8, index_topk=8, index_head_dim=8, index_n_heads=2, first_k_dense_replace=1,
+        v_head_dim=8, index_topk=8, index_head_dim=8, index_n_heads=8, first_k_dense_replace=1,
         index_topk_pattern="FSFS", rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         max_position_embeddings=1 << 21, rms_norm_eps=1e-5,
     ),
@@ -46,6 +46,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pose-max-position", type=int, default=1 << 20)
     p.add_argument("--heldout-rows", type=int, default=32)
     p.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files (tests)")
+    p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="storage dtype of model.safetensors (router bias and indexer weights_proj stay fp32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--checkpoint-every", type=int, default=50)
@@ -129,6 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     summary = {"args": vars(args), "parameters": n_params, "planned_steps": state.planned,
                "elapsed_s": state.elapsed, "heldout": state.heldout, "pose": "two-chunk PoSE, log-uniform skip"}
-    export(model, raw, tok, out, summary)
+    export(model, raw, tok, out, summary, dtype=torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32)
     log(f"wrote {out}: " + json.dumps(state.heldout.get("mtp", {})))
     return 0

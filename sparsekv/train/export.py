@@ -39,7 +39,7 @@ def hf_config(arch: dict, vocab_size: int, eos_id: int) -> dict:
         "eos_token_id": eos_id,
         "pad_token_id": eos_id,
         "bos_token_id": None,
-        "dtype": "float32",
+        "dtype": "float32",   # compute dtype the tools default to; tensors may be stored in bf16
     }
 
 
@@ -47,18 +47,24 @@ def model_config(raw: dict) -> ModelConfig:
     return ModelConfig.from_dict(raw, where="training config")
 
 
-def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
-    return {name: t.detach().to(torch.float32).contiguous().clone() for name, t in model.state_dict().items()}
+KEEP_FP32 = ("e_score_correction_bias", "weights_proj.weight")   # fp32 in the reference (model-spec §2)
+
+
+def checkpoint_tensors(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to(torch.float32 if name.endswith(KEEP_FP32) else dtype).contiguous().clone()
+            for name, t in model.state_dict().items()}
 
 
 AUX_INDEXERS = os.path.join("indexshare", "indexers.safetensors")
 
 
-def export(model, raw_config: dict, tok, out_dir: str, extra: dict | None = None) -> None:
+def export(model, raw_config: dict, tok, out_dir: str, extra: dict | None = None,
+           dtype: torch.dtype = torch.float32) -> None:
     """The auxiliary indexers of shared layers go to indexshare/indexers.safetensors (same tensor
-    names), outside the checkpoint proper, for `sparsekv eval indexshare`."""
+    names), outside the checkpoint proper, for `sparsekv eval indexshare`. `dtype` is the storage
+    dtype (bf16 halves the bundled model; the engine and transformers upcast exactly)."""
     os.makedirs(out_dir, exist_ok=True)
-    tensors = checkpoint_tensors(model)
+    tensors = checkpoint_tensors(model, dtype)
     aux = {n: tensors.pop(n) for n in model.aux_indexer_names()}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     if aux:

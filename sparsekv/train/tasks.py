@@ -78,7 +78,7 @@ class TaskBuilder:
         return self.code[start:start + n]
 
     def _line_start(self, hay: list[int], i: int) -> int:
-        """Move i back to just after a newline token (at most 256 tokens), so needles start a line."""
+        """Move i back to just after a token ending in a newline (at most 256 tokens back; else keep i)."""
         for j in range(i, max(i - 256, 0) - 1, -1):
             if j == 0 or hay[j - 1] in self._newline:
                 return j

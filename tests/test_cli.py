@@ -1,0 +1,32 @@
+"""The `sparsekv` command line: generate (JSON output, timing, errors) and dispatch."""
+from __future__ import annotations
+
+import json
+
+from sparsekv.__main__ import main
+
+
+def test_generate_json_with_token_ids(glm_ckpt, capsys):
+    assert main(["generate", glm_ckpt[0], "--prompt-token-ids", "5,6,7,8", "--max-tokens", "4",
+                 "--logprobs", "2", "--json", "--max-model-len", "64"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 4 and out["finish_reason"] == "length"
+    assert all(str(t) in d for t, d in zip(out["token_ids"], out["logprobs"]))
+    assert "prefill:" in captured.err and "ms/token" in captured.err
+
+
+def test_generate_bad_input_is_one_clear_line(glm_ckpt, capsys):
+    assert main(["generate", glm_ckpt[0], "--prompt-token-ids", "1,x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert main(["generate", glm_ckpt[0], "--prompt", "text", "--max-model-len", "64"]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
+    assert main(["generate", glm_ckpt[0], "--prompt-token-ids", "1,2", "--max-tokens", "0"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+    assert main(["generate", "/nonexistent", "--prompt-token-ids", "1"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_unknown_command(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "unknown command" in capsys.readouterr().err

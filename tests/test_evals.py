@@ -1,0 +1,149 @@
+"""Needle task generators (exact lengths, needle depths), eval scoring and tables on hand-made cases,
+top-k overlap, and the greedy IndexShare search on a tiny checkpoint."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.tools.eval_indexshare import greedy_search, overlap, pattern
+from sparsekv.tools.eval_needle import accuracy, format_table, length_label, parse_length
+from sparsekv.train.tasks import TASKS, TaskBuilder, first_number, score
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def builder():
+    from sparsekv.train.data import read_split, tokenize_stream
+    from sparsekv.train.tokenizer import train_tokenizer
+    train, heldout = read_split(max_files=20)
+    tok = train_tokenizer(train, 400)
+    return TaskBuilder(tok, tokenize_stream(tok, heldout, 0).tolist(), seed=1)
+
+
+def _decode(b, ids):
+    return b.tok.decode(ids)
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("length", [300, 1500])
+def test_prompts_have_the_exact_length_and_end_with_the_question(builder, task, length):
+    s = builder.make(task, length, 0.5)
+    assert len(s.prompt) == length
+    tail = _decode(builder, s.prompt[-40:])
+    assert tail.rstrip().endswith(("is", "is:", "=")) and s.answer.isdigit()
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.7, 1.0])
+def test_code_needle_at_the_requested_depth_on_a_line_start(builder, depth):
+    s = builder.make("niah", 3000, depth)
+    needle = [t for t in s.prompt[s.needle_starts[0]:]][:40]
+    text = _decode(builder, needle)
+    assert text.startswith("# One of the special magic numbers for ") and s.answer in text
+    n_needle = len(builder.encode(text.split("\n")[0] + "\n"))
+    question = _decode(builder, s.prompt[-200:]).split("\n")[-1]
+    n_hay = 3000 - n_needle - len(builder.encode("\n" + question))
+    start = s.needle_starts[0]
+    target = round(depth * n_hay)
+    assert 0 <= target - start <= 256
+    # snapped back to just after the nearest token ending in a newline, if one is within 256 tokens
+    hay = s.prompt[:start] + s.prompt[start + n_needle:]
+    ends_line = [j for j in range(max(target - 256, 1), target + 1) if builder.tok.id_to_token(hay[j - 1]).endswith("Ċ")]
+    assert start == (max(ends_line) if ends_line else (0 if target <= 256 else target))
+
+
+def test_multikey_asks_for_one_of_four_keys(builder):
+    s = builder.make("multikey", 2000, 0.5)
+    assert len(s.needle_starts) == 4
+    asked = _decode(builder, s.prompt[s.needle_starts[0]:s.needle_starts[0] + 30]).split("\n")[0]
+    name = asked.split()[5]
+    assert asked.endswith(f"is {s.answer}.") and _decode(builder, s.prompt[-30:]).rstrip().endswith(f"for {name} is")
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_depth_in_tokens_for_a_single_needle(builder, depth):
+    """Exact check: passkey needle after round(depth * haystack) tokens, snapped to a filler line."""
+    s = builder.make("passkey", 1000, depth)
+    needle = builder.encode(f"The pass key is {s.answer}. Remember it. {s.answer} is the pass key.\n")
+    question = builder.encode("\nWhat is the pass key? The pass key is")
+    n_hay = 1000 - len(needle) - len(question)
+    line = len(builder.encode("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"))
+    start = s.needle_starts[0]
+    assert s.prompt[start:start + len(needle)] == needle
+    assert 0 <= round(depth * n_hay) - start < line
+    assert s.prompt[-len(question):] == question
+
+
+def test_variable_chain_reads_forward(builder):
+    s = builder.make("vartrack", 3000, 0.2)
+    text = _decode(builder, s.prompt)
+    assigned = {}
+    order = []
+    for ln in text.split("\n"):
+        if "# VAR " in ln:
+            name, value = ln.split("# VAR ")[1].split(" = ")
+            assigned[name.strip()] = value.strip()
+            order.append(name.strip())
+    asked = text.rstrip().split("# Trace ")[1].split(":")[0]
+    chain = [asked]
+    while not assigned[chain[-1]].isdigit():
+        chain.append(assigned[chain[-1]])
+    assert len(chain) == 3 and assigned[chain[-1]] == s.answer
+    assert order.index(chain[2]) < order.index(chain[1]) < order.index(chain[0])   # value first, then the chain
+
+
+def test_training_documents_carry_their_answer(builder):
+    s = builder.make("multikey", 600, 0.4, with_answer=True)
+    assert len(s.prompt) == 600 and s.prompt[-len(s.answer_ids):] == s.answer_ids
+    assert s.answer in _decode(builder, s.answer_ids)
+
+
+def test_too_short_is_an_error(builder):
+    with pytest.raises(ValueError, match="too short"):
+        builder.make("vartrack", 20, 0.5)
+
+
+@pytest.mark.parametrize("out,ok", [(" 48213.", True), ("48213", True), (" 4821", False), (" 482131", False),
+                                    (" apple = river = 48213\n", True), ("", False), (" the key is 48213", True),
+                                    (" 11111 48213", False)])
+def test_score_hand_made(out, ok):
+    assert score("48213", out) is ok
+
+
+def test_first_number():
+    assert first_number("x = 12 and 345") == "12" and first_number("none") is None
+
+
+def test_lengths():
+    assert parse_length("4K") == 4096 and parse_length("1M") == 1 << 20 and parse_length("300") == 300
+    assert length_label(16384) == "16K" and length_label(1 << 20) == "1M" and length_label(300) == "300"
+
+
+def test_accuracy_table_hand_made():
+    rs = [{"task": "passkey", "length": 4096, "depth": 0.0, "attention": "sparse", "correct": True},
+          {"task": "passkey", "length": 4096, "depth": 1.0, "attention": "sparse", "correct": False},
+          {"task": "passkey", "length": 4096, "depth": 0.0, "attention": "dense", "correct": True},
+          {"task": "niah", "length": 4096, "depth": 0.0, "attention": "sparse", "correct": True}]
+    acc = accuracy(rs, ("task", "length", "attention"))
+    assert acc[("passkey", 4096, "sparse")] == 0.5 and acc[("passkey", 4096, "dense")] == 1.0
+    table = format_table(rs, ["passkey", "niah"], [4096])
+    rows = {ln.split()[0]: ln.split()[1:] for ln in table.splitlines()[2:]}
+    assert rows["passkey"] == ["50%", "100%"] and rows["niah"] == ["100%", "-"] and rows["all"] == ["67%", "100%"]
+
+
+def test_overlap_hand_made():
+    a = torch.tensor([[1, 2, 3, 4], [0, 1, 2, 3]])
+    b = torch.tensor([[3, 4, 5, 6], [0, 1, 2, 3]])
+    assert overlap(a, b) == pytest.approx(0.75)
+
+
+def test_greedy_search_never_shares_layer_zero(glm_ckpt, random_prompt):
+    from sparsekv.tools.eval_common import load_parts
+    path, _ = glm_ckpt
+    cfg, tensors = load_parts(path)          # FSSF: indexers on layers 0 and 3
+    cfg = cfg.replace(index_topk=4)
+    seqs = [random_prompt(24, seed=s) for s in range(2)]
+    steps = greedy_search(cfg, tensors, seqs, [0, 3], lambda *_: None)
+    assert [p for p, _ in steps] == ["FSSF", "FSSS"]
+    assert all(loss > 0 for _, loss in steps)
+    assert pattern(["full", "shared"]) == "FS"

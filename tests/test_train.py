@@ -1,0 +1,135 @@
+"""`sparsekv train` on a tiny preset: every stage runs and its loss falls; exact resume; the exported
+directory loads in transformers and in sparsekv with matching logits (sparse regime)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sparsekv.train.cli import main as train_main
+from sparsekv.train.trainer import STATE_FILE
+
+torch.set_num_threads(1)
+
+STEPS = "40,16,24,16"
+COMMON = ["--preset", "test", "--seq-len", "96", "--batch-size", "4", "--vocab-size", "400", "--max-files", "30",
+          "--heldout-rows", "4", "--log-every", "1", "--quiet", "--steps", STEPS]
+
+
+def _train(tmp, name, *extra):
+    out, work = os.path.join(tmp, name), os.path.join(tmp, name + ".work")
+    assert train_main(COMMON + ["--out", out, "--work-dir", work, *extra]) == 0
+    return out, work
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return _train(str(tmp_path_factory.mktemp("train")), "tiny")
+
+
+def _history(work):
+    return torch.load(os.path.join(work, STATE_FILE), weights_only=False)["state"]["history"]
+
+
+def _first_last(history, stage, key, n=4):
+    vals = [h[key] for h in history if h["stage"] == stage]
+    return sum(vals[:n]) / n, sum(vals[-n:]) / n
+
+
+@pytest.mark.parametrize("stage,key", [("pretrain", "lm"), ("warmup", "kl"), ("sparse", "lm"), ("mtp", "mtp_ce")])
+def test_every_stage_runs_and_its_loss_falls(trained, stage, key):
+    first, last = _first_last(_history(trained[1]), stage, key)
+    assert last < first, f"{stage} {key}: {first:.4f} -> {last:.4f}"
+
+
+def test_sparse_stage_trains_the_indexer_on_the_selected_set(trained):
+    hist = [h for h in _history(trained[1]) if h["stage"] == "sparse"]
+    assert len(hist) == int(STEPS.split(",")[2]) and all(h["kl"] >= 0 for h in hist)
+
+
+def test_export_layout(trained):
+    out, _ = trained
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["model_type"] == "glm_moe_dsa" and cfg["num_nextn_predict_layers"] == 1
+    assert cfg["indexer_types"] == ["full", "shared", "full", "shared"]
+    names = set(load_file(os.path.join(out, "model.safetensors")))
+    L = cfg["num_hidden_layers"]
+    for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+              "self_attn.indexer.wk.weight", "mlp.experts.0.gate_proj.weight"):
+        assert f"model.layers.{L}.{n}" in names
+    assert not any(n.startswith("model.layers.1.self_attn.indexer.") for n in names)   # shared layer
+    aux = set(load_file(os.path.join(out, "indexshare", "indexers.safetensors")))
+    assert aux and all(n.startswith(("model.layers.1.", "model.layers.3.")) for n in aux)
+    for f in ("tokenizer.json", "tokenizer_config.json", "training.json"):
+        assert os.path.exists(os.path.join(out, f))
+
+
+def test_tokenizer_and_chat_template_load_in_transformers(trained):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(trained[0])
+    text = "def f(x):\n    return 12345\n"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|user|>\nhi\n<|assistant|>\n"
+
+
+def test_round_trip_parity_transformers_and_sparsekv(trained):
+    """Logits at every position of a sequence 7x longer than index_topk, fp32, within 1e-4."""
+    from transformers import GlmMoeDsaForCausalLM
+    from sparsekv.tools.eval_common import build_model, load_parts, sequence_logits
+    out, _ = trained
+    ref = GlmMoeDsaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    cfg, tensors = load_parts(out)
+    model = build_model(cfg, tensors)
+    assert model.mtp is not None                  # sparsekv keeps the MTP layer transformers drops
+    ids = torch.randint(0, cfg.vocab_size - 64, (56,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert len(ids) > 4 * cfg.index_topk
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([ids])).logits[0].float()
+    ours = sequence_logits(model, ids, "sparse")
+    assert (ours - ref_logits).abs().max().item() <= 1e-4
+
+
+def test_round_trip_through_the_llm_api(trained):
+    from transformers import GlmMoeDsaForCausalLM
+    from sparsekv import LLM, SamplingParams
+    from conftest import assert_matches_reference
+    out, _ = trained
+    ref = GlmMoeDsaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    prompt = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    llm = LLM(out, max_model_len=128, prefill_chunk_tokens=16, kv_page_size=8)
+    res = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3))[0]
+    assert_matches_reference(ref, prompt, res)
+
+
+def test_training_model_matches_the_engine_in_the_sparse_regime(trained):
+    from sparsekv.tools.eval_common import build_model, load_parts, sequence_logits
+    from sparsekv.train.model import GlmDsaForTraining
+    out, _ = trained
+    cfg, tensors = load_parts(out)
+    tm = GlmDsaForTraining(cfg, aux_indexers=True)
+    tm.load_state_dict({k: v for k, v in tensors.items()}, strict=True)
+    ids = torch.randint(0, 300, (48,), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ours = tm(ids[None], torch.arange(48)[None], sparse=True).logits[0]
+    assert (ours - sequence_logits(build_model(cfg, tensors), ids.tolist(), "sparse")).abs().max() <= 1e-4
+
+
+def test_resume_is_exact(trained, tmp_path):
+    out_b, work_b = _train(str(tmp_path), "paused", "--stop-after-steps", "50")
+    assert not os.path.exists(out_b)                      # paused mid-way (stage 2), nothing exported
+    state = torch.load(os.path.join(work_b, STATE_FILE), weights_only=False)["state"]
+    assert (state["stage"], state["step"]) == (1, 10)
+    _train(str(tmp_path), "paused")                       # same command again continues
+    a = load_file(os.path.join(trained[0], "model.safetensors"))
+    b = load_file(os.path.join(out_b, "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_steps_flag_is_an_error(tmp_path, capsys):
+    assert train_main(["--steps", "1,2", "--out", str(tmp_path / "x"), "--work-dir", str(tmp_path / "w")]) == 2
+    assert "--steps" in capsys.readouterr().err
