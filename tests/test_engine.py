@@ -222,3 +222,46 @@ def test_final_output_carries_its_request_figures(llm, random_prompt):
     assert m["device_latent_bytes"] == 10 * 4 * llm.engine.cache.latent_bytes_per_token() > 0
     assert m["device_kv_bytes"] == m["device_latent_bytes"] + m["device_indexer_bytes"]
     _idle(llm)
+
+
+def test_sharded_checkpoint_with_index(tmp_path, random_prompt):
+    ref = reference_model("glm_moe_dsa", seed=21)
+    ref.save_pretrained(str(tmp_path), max_shard_size="40KB")
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    prompt = random_prompt(20, seed=22)
+    out = LLM(str(tmp_path), max_model_len=64, kv_page_size=4).generate([prompt], GREEDY)[0]
+    assert_matches_reference(ref, prompt, out)
+
+
+def _add_mtp_layer(path: str, drop: str | None = None) -> None:
+    """Append a NextN layer (a copy of layer 1 with an indexer, plus the MTP glue) as layer 4."""
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    hidden = tensors["model.norm.weight"].shape[0]
+    for name, t in list(tensors.items()):
+        if name.startswith("model.layers.1."):
+            tensors[name.replace("layers.1.", "layers.4.")] = t.clone()
+    for name, t in list(tensors.items()):
+        if name.startswith("model.layers.0.self_attn.indexer."):
+            tensors[name.replace("layers.0.", "layers.4.")] = t.clone()
+    tensors.update({"model.layers.4.enorm.weight": torch.ones(hidden), "model.layers.4.hnorm.weight": torch.ones(hidden),
+                    "model.layers.4.eh_proj.weight": torch.randn(hidden, 2 * hidden),
+                    "model.layers.4.shared_head.norm.weight": torch.ones(hidden)})
+    tensors.pop(drop, None)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+
+
+def test_mtp_layer_is_loaded_and_never_breaks_loading(glm_ckpt, tmp_path, random_prompt):
+    d = str(tmp_path / "mtp")
+    shutil.copytree(glm_ckpt[0], d)
+    _add_mtp_layer(d)
+    llm = LLM(d, max_model_len=64, kv_page_size=4)
+    mtp = llm.engine.model.mtp
+    assert mtp is not None and mtp.layer.attn.indexer is not None and mtp.eh_proj.shape == (64, 128)
+    prompt = random_prompt(20, seed=23)
+    assert_matches_reference(glm_ckpt[1], prompt, llm.generate([prompt], GREEDY)[0])  # main model unchanged
+    d2 = str(tmp_path / "partial")
+    shutil.copytree(glm_ckpt[0], d2)
+    _add_mtp_layer(d2, drop="model.layers.4.eh_proj.weight")
+    with pytest.raises(CheckpointError, match=r"MTP layer 4 is incomplete; missing model\.layers\.4\.eh_proj\.weight"):
+        LLM(d2)
