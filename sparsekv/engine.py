@@ -65,7 +65,7 @@ class LLMEngine:
         if self.config.num_kv_pages:
             return self.config.num_kv_pages
         if self.config.device_kv_budget_bytes and not self.config.kv_tiering:
-            from .cache.tiers import untiered_pages
+            from .cache.lru import untiered_pages
             return untiered_pages(self.config, self.model_config, self.dtype.itemsize)
         tokens = min(self.max_model_len * self.config.max_num_seqs, max(DEFAULT_KV_CACHE_TOKENS, self.max_model_len))
         return -(-tokens // self.page_size)

@@ -63,4 +63,4 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Runs the step; returns fp32 logits, one row per chunk whose `samples` is True, in order."""
         ctx = self.build_context(chunks)
-        return self.model.forward(ctx, self.cache)
+        return self.model.forward(ctx, self.cache).cpu()  # sampling generators live on the CPU

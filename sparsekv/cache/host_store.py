@@ -9,7 +9,9 @@ so one page table covers both tiers. Two real implementations, differing only in
   * `MmapHostStore`: a memory-mapped file (`host_store_path`), so the histories of many long
     sessions can exceed RAM; the OS pages rows in and out (the "third tier").
 
-Both count the bytes they hold; the page allocator decides which slots are in use.
+Both count the bytes they hold; the page allocator decides which slots are in use. `HostLink` moves
+rows between the host store and the device: plain copies on a CPU-only machine; on CUDA pinned
+staging, shared layers' fetches on a side stream and asynchronous backups (docs/tiers.md).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class HostStore:
     @property
     def row_bytes(self) -> int:
         """Bytes of one token's latent in one layer."""
-        return self.dim * torch.empty((), dtype=self.dtype).element_size()
+        return self.dim * self.dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:
@@ -55,6 +57,10 @@ class HostStore:
 
     def close(self) -> None:
         self._rows = {}
+
+    def check_integrity(self) -> None:
+        assert set(self._rows) == set(self.layers), "a layer has no host rows"
+        assert all(t.shape == (self.num_slots, self.dim) for t in self._rows.values()), "host rows resized"
 
 
 class RamHostStore(HostStore):
@@ -91,6 +97,10 @@ class MmapHostStore(HostStore):
         super().close()
         self._remove()
 
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        assert os.path.getsize(self.path) == self.capacity_bytes, "host store file changed size"
+
 
 def _remove_file(path: str) -> None:
     if os.path.exists(path):
@@ -102,3 +112,75 @@ def make_host_store(layers: list[int], num_slots: int, dim: int, dtype: torch.dt
     if path:
         return MmapHostStore(layers, num_slots, dim, dtype, path)
     return RamHostStore(layers, num_slots, dim, dtype, pin)
+
+
+class HostLink:
+    """Copies between a host store and device tensors, ordered so that no host row is read stale.
+
+    backup(): device -> host. On CUDA the copy goes to pinned memory on a backup stream and lands in
+    the store at the next `flush()` (the start of the next step, or before any host read), so a
+    decode step never waits for it. fetch(): host -> device; the first layer's rows on the current
+    stream (needed now), the other layers' on a side stream; `wait(layer)` before reading those.
+    """
+
+    def __init__(self, host: HostStore, device: torch.device):
+        self.host, self.device = host, device
+        cuda = device.type == "cuda"
+        self._side = torch.cuda.Stream(device) if cuda else None
+        self._backups = torch.cuda.Stream(device) if cuda else None
+        self._events: dict[int, torch.cuda.Event] = {}
+        self._pending: list[tuple] = []
+
+    def index(self, values: list[int]) -> torch.Tensor:
+        """A small index tensor on the device without draining the GPU queue."""
+        t = torch.tensor(values, dtype=torch.long)
+        return t if self._side is None else t.pin_memory().to(self.device, non_blocking=True)
+
+    def backup(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        if self._backups is None:
+            self.host.write(layer, slots, values)
+            return
+        self._backups.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._backups):
+            v = torch.empty(values.shape, dtype=self.host.dtype, pin_memory=True).copy_(values, non_blocking=True)
+            s = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True).copy_(slots, non_blocking=True)
+        values.record_stream(self._backups)
+        slots.record_stream(self._backups)
+        done = torch.cuda.Event()
+        done.record(self._backups)
+        self._pending.append((layer, s, v, done))
+
+    def flush(self) -> None:
+        for layer, slots, values, done in self._pending:
+            done.synchronize()
+            self.host.write(layer, slots, values)
+        self._pending.clear()
+
+    def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        self.flush()
+        return self.host.read(layer, slots).to(self.device)
+
+    def fetch(self, layers: list[int], src: torch.Tensor, dst: dict[int, torch.Tensor], rows: torch.Tensor) -> None:
+        """dst[l][rows] = host rows `src` (a CPU tensor) of layer l, for every l in `layers`."""
+        if self._side is None:
+            for layer in layers:
+                dst[layer].index_copy_(0, rows, self.host.read(layer, src))
+            return
+        staged = torch.stack([self.host.read(layer, src) for layer in layers]).pin_memory()
+        dst[layers[0]].index_copy_(0, rows, staged[0].to(self.device, non_blocking=True))
+        if len(layers) == 1:
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            moved = staged[1:].to(self.device, non_blocking=True)
+            for i, layer in enumerate(layers[1:]):
+                dst[layer].index_copy_(0, rows, moved[i])
+        rows.record_stream(self._side)
+        done = torch.cuda.Event()
+        done.record(self._side)
+        self._events.update({layer: done for layer in layers[1:]})
+
+    def wait(self, layer: int) -> None:
+        done = self._events.pop(layer, None)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)

@@ -1,6 +1,7 @@
-"""Working-set bookkeeping for the tiered KV cache: which token position sits in which device slot.
+"""Bookkeeping of the tiered KV cache, plain Python, no torch: which token position sits in which
+device slot (`WorkingSetLRU`), hit/miss/byte counters, and the sizes the budgets allow.
 
-Plain Python, no torch. One `WorkingSetLRU` per (request, index group): the layers of an IndexShare
+One `WorkingSetLRU` per (request, index group): the layers of an IndexShare
 group attend to the same positions every step, so their working sets stay in lockstep and one
 resolver serves them all (tiered-kv-cache.md §1.5, "plan replay" for shared-index layers).
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from itertools import islice
+
+from ..config import ConfigError, EngineConfig, ModelConfig
 
 
 @dataclass
@@ -83,3 +86,78 @@ class WorkingSetLRU:
         assert not set(used) & set(self._free), "a working-set slot is both free and used"
         assert len(used) + len(self._free) == self.capacity, "free + used != capacity"
         assert all(0 <= s < self.capacity for s in used + list(self._free)), "slot id out of range"
+
+
+def latent_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
+    return cfg.latent_dim * itemsize * cfg.num_hidden_layers
+
+
+def index_bytes_per_token(cfg: ModelConfig, itemsize: int, fp8: bool = False) -> int:
+    per_layer = cfg.index_head_dim + 4 if fp8 else cfg.index_head_dim * itemsize
+    return per_layer * len(cfg.full_layers)
+
+
+@dataclass(frozen=True)
+class TierSizes:
+    """What the budgets allow. Logical pages bound the host rows and the device indexer keys."""
+
+    num_pages: int
+    num_buffers: int
+    buffer_tokens: int
+    limit: str  # the binding budget, for admission errors
+
+
+def plan_tier_sizes(config: EngineConfig, cfg: ModelConfig, latent_per_token: int, selector_per_token: int,
+                    default_pages: int) -> TierSizes:
+    page, n = config.kv_page_size, config.device_buffer_tokens or 2 * cfg.index_topk
+    buffers = config.max_num_seqs
+    limits = []
+    if config.num_kv_pages:
+        limits.append((config.num_kv_pages, f"num_kv_pages={config.num_kv_pages}"))
+    if config.host_kv_budget_bytes:
+        limits.append((config.host_kv_budget_bytes // (page * latent_per_token),
+                       f"host_kv_budget_bytes={config.host_kv_budget_bytes}"))
+    if config.device_kv_budget_bytes:
+        left = config.device_kv_budget_bytes - buffers * (n + 1) * latent_per_token
+        if left < page * max(selector_per_token, 1):
+            raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} cannot hold {buffers} working "
+                              f"sets of {n + 1} tokens ({(n + 1) * latent_per_token} B each, max_num_seqs={buffers}) "
+                              f"plus one page of indexer keys; raise it or lower max_num_seqs / device_buffer_tokens")
+        limits.append((left // (page * max(selector_per_token, 1)),
+                       f"device_kv_budget_bytes={config.device_kv_budget_bytes} (indexer keys after working sets)"))
+    pages, limit = min(limits) if limits else (default_pages, "the default cache size")
+    if pages < 1:
+        raise ConfigError(f"{limit} holds less than one {page}-token page of host KV "
+                          f"({page * latent_per_token} B); raise it")
+    return TierSizes(pages, buffers, n, limit)
+
+
+@dataclass
+class TierCounters:
+    """Hits and misses count one lookup per (position, layer); bytes are what crosses the host link."""
+
+    hits: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+
+    def add(self, hits: int = 0, misses: int = 0, h2d: int = 0, d2h: int = 0) -> None:
+        self.hits += hits
+        self.misses += misses
+        self.h2d_bytes += h2d
+        self.d2h_bytes += d2h
+
+    def as_dict(self) -> dict:
+        lookups = self.hits + self.misses
+        return {"tier_hits": self.hits, "tier_misses": self.misses,
+                "tier_miss_rate": self.misses / lookups if lookups else 0.0,
+                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes}
+
+
+def untiered_pages(config: EngineConfig, cfg: ModelConfig, itemsize: int) -> int:
+    """Pages of a fully device-resident cache that fit in `device_kv_budget_bytes`."""
+    per_page = config.kv_page_size * (latent_bytes_per_token(cfg, itemsize) + index_bytes_per_token(cfg, itemsize))
+    if config.device_kv_budget_bytes < per_page:
+        raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} holds less than one "
+                          f"{config.kv_page_size}-token page ({per_page} B)")
+    return config.device_kv_budget_bytes // per_page

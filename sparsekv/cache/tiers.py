@@ -28,79 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ConfigError, EngineConfig, ModelConfig
+from ..config import EngineConfig, ModelConfig
 from ..context import SeqSlice
-from .host_store import HostStore, make_host_store
-from .lru import WorkingSetLRU
+from .host_store import HostLink, HostStore, make_host_store
+from .lru import (TierCounters, TierSizes, WorkingSetLRU, index_bytes_per_token, latent_bytes_per_token,
+                  plan_tier_sizes)
 from .pages import PageAllocator
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def latent_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
-    return cfg.latent_dim * itemsize * cfg.num_hidden_layers
-
-
-def index_bytes_per_token(cfg: ModelConfig, itemsize: int, fp8: bool = False) -> int:
-    per_layer = cfg.index_head_dim + 4 if fp8 else cfg.index_head_dim * itemsize
-    return per_layer * len(cfg.full_layers)
-
-
-@dataclass(frozen=True)
-class TierSizes:
-    """What the budgets allow. Logical pages bound the host rows and the device indexer keys."""
-
-    num_pages: int
-    num_buffers: int
-    buffer_tokens: int
-    limit: str  # the binding budget, for admission errors
-
-
-def plan_tier_sizes(config: EngineConfig, cfg: ModelConfig, latent_per_token: int, selector_per_token: int,
-                    default_pages: int) -> TierSizes:
-    page, n = config.kv_page_size, config.device_buffer_tokens or 2 * cfg.index_topk
-    buffers = config.max_num_seqs
-    limits = []
-    if config.num_kv_pages:
-        limits.append((config.num_kv_pages, f"num_kv_pages={config.num_kv_pages}"))
-    if config.host_kv_budget_bytes:
-        limits.append((config.host_kv_budget_bytes // (page * latent_per_token),
-                       f"host_kv_budget_bytes={config.host_kv_budget_bytes}"))
-    if config.device_kv_budget_bytes:
-        left = config.device_kv_budget_bytes - buffers * (n + 1) * latent_per_token
-        if left < page * max(selector_per_token, 1):
-            raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} cannot hold {buffers} working "
-                              f"sets of {n + 1} tokens ({(n + 1) * latent_per_token} B each, max_num_seqs={buffers}) "
-                              f"plus one page of indexer keys; raise it or lower max_num_seqs / device_buffer_tokens")
-        limits.append((left // (page * max(selector_per_token, 1)),
-                       f"device_kv_budget_bytes={config.device_kv_budget_bytes} (indexer keys after working sets)"))
-    pages, limit = min(limits) if limits else (default_pages, "the default cache size")
-    if pages < 1:
-        raise ConfigError(f"{limit} holds less than one {page}-token page of host KV "
-                          f"({page * latent_per_token} B); raise it")
-    return TierSizes(pages, buffers, n, limit)
-
-
-@dataclass
-class TierCounters:
-    """Hits and misses count one lookup per (position, layer); bytes are what crosses the host link."""
-
-    hits: int = 0
-    misses: int = 0
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-
-    def add(self, hits: int = 0, misses: int = 0, h2d: int = 0, d2h: int = 0) -> None:
-        self.hits += hits
-        self.misses += misses
-        self.h2d_bytes += h2d
-        self.d2h_bytes += d2h
-
-    def as_dict(self) -> dict:
-        lookups = self.hits + self.misses
-        return {"tier_hits": self.hits, "tier_misses": self.misses,
-                "tier_miss_rate": self.misses / lookups if lookups else 0.0,
-                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes}
 
 
 class IndexKeyCache:
@@ -149,7 +84,7 @@ class _WorkingSet:
 class _StepState:
     ws_rows: torch.Tensor | None = None       # flat-batch rows of this step's decode tokens
     newest_rows: torch.Tensor | None = None   # their newest-token rows in the working sets
-    decoding: set = field(default_factory=set)
+    decoding: dict = field(default_factory=dict)  # request -> its page ids (logical slots, on the CPU)
     plans: dict = field(default_factory=dict)  # (request, group leader) -> device rows of the positions
 
 
@@ -174,8 +109,7 @@ class TieredKVPool:
         self._counters: dict[str, TierCounters] = {}
         self.totals = TierCounters()
         self._step = _StepState()
-        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._events: dict[int, torch.cuda.Event] = {}
+        self.link = HostLink(host, self.device)
 
     # -- sizes ---------------------------------------------------------------------------------
     def latent_bytes_per_token(self) -> int:
@@ -195,6 +129,7 @@ class TieredKVPool:
     # -- the step protocol ---------------------------------------------------------------------
     def begin_step(self, chunks) -> None:
         """Before the forward: note which rows are decodes, promote last step's newest tokens."""
+        self.link.flush()  # last step's backups: every host row is current before anything reads it
         step, ws_rows, newest_rows, row = _StepState(), [], [], 0
         for ch in chunks:
             rid = ch.request.request_id
@@ -203,15 +138,14 @@ class TieredKVPool:
                 ws = self._working_set(rid)
                 self._promote(ws)
                 ws.newest = ch.context_len - 1
-                step.decoding.add(rid)
+                step.decoding[rid] = ch.request.page_ids
                 ws_rows.append(row)
                 newest_rows.append(self._base(ws) + self.capacity)
             elif rid in self._resident:
                 self._resident[rid].newest = None
             row += ch.num_new_tokens
         if ws_rows:
-            step.ws_rows = torch.tensor(ws_rows, device=self.device)
-            step.newest_rows = torch.tensor(newest_rows, device=self.device)
+            step.ws_rows, step.newest_rows = self.link.index(ws_rows), self.link.index(newest_rows)
         self._step = step
 
     def release(self, request_id: str) -> dict:
@@ -219,7 +153,7 @@ class TieredKVPool:
         ws = self._resident.pop(request_id, None)
         if ws is not None:
             self.buffers.free(request_id, [ws.buffer])
-        self._step.decoding.discard(request_id)
+        self._step.decoding.pop(request_id, None)
         return self._counters.pop(request_id, TierCounters()).as_dict()
 
     def request_counters(self, request_id: str) -> dict:
@@ -230,7 +164,7 @@ class TieredKVPool:
 
     # -- writes --------------------------------------------------------------------------------
     def write_latent(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        self.host.write(layer, slots, values)  # the backup: every token's latent reaches the host
+        self.link.backup(layer, slots, values)  # every token's latent reaches the host
         if self._step.ws_rows is not None:
             self.ws[layer].index_copy_(0, self._step.newest_rows, values[self._step.ws_rows].to(self.dtype))
 
@@ -255,7 +189,7 @@ class TieredKVPool:
 
     def _stream(self, layer: int, seq: SeqSlice, slots: torch.Tensor) -> torch.Tensor:
         self._count(seq.request_id, h2d=slots.numel() * self.host.row_bytes)
-        return self.host.read(layer, slots).to(self.device)
+        return self.link.read(layer, slots)
 
     # -- resolution ----------------------------------------------------------------------------
     def _rows_for(self, layer: int, seq: SeqSlice, positions: list[int]) -> torch.Tensor:
@@ -264,7 +198,7 @@ class TieredKVPool:
         if layer == leader or key not in self._step.plans:
             self._step.plans[key] = self._resolve(leader, seq, positions)
         else:
-            self._wait_side_copies(layer)
+            self.link.wait(layer)
         rows = self._step.plans[key]
         assert rows.numel() == len(positions), "a shared layer read other positions than its full layer"
         return rows
@@ -278,15 +212,14 @@ class TieredKVPool:
         res = ws.lrus[leader].resolve(older)
         slot_of = dict(zip(older, res.slots))
         base = self._base(ws)
-        rows = torch.tensor([base + slot_of.get(p, self.capacity) for p in positions], device=self.device)
+        rows = self.link.index([base + slot_of.get(p, self.capacity) for p in positions])
         hits = res.hits + (len(older) < len(positions))  # the newest token is a hit on its own row
         self._count(seq.request_id, hits=hits * len(group), misses=len(res.misses) * len(group),
                     h2d=len(res.misses) * len(group) * self.host.row_bytes)
         if res.misses:
-            src = seq.slots[torch.tensor([p for p, _ in res.misses], device=seq.slots.device)]
-            dst = torch.tensor([base + s for _, s in res.misses], device=self.device)
-            for i, layer in enumerate(group):
-                self._copy_in(layer, src, dst, side=i > 0)
+            pages, ps = self._step.decoding[seq.request_id], self.page_size
+            src = torch.tensor([pages[p // ps] * ps + p % ps for p, _ in res.misses])
+            self.link.fetch(group, src, self.ws, self.link.index([base + s for _, s in res.misses]))
         return rows
 
     def _promote(self, ws: _WorkingSet) -> None:
@@ -299,26 +232,6 @@ class TieredKVPool:
                 for layer in self.groups[leader]:
                     self.ws[layer][base + slot] = self.ws[layer][base + self.capacity]
         ws.newest = None
-
-    def _copy_in(self, layer: int, src_slots: torch.Tensor, dst_rows: torch.Tensor, side: bool) -> None:
-        """Host rows -> working-set rows. On CUDA a shared layer's copy runs on the side stream."""
-        staged = self.host.read(layer, src_slots)
-        if self._side is None or not side:
-            self.ws[layer].index_copy_(0, dst_rows, staged.to(self.device))
-            return
-        staged = staged.pin_memory()
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side):
-            self.ws[layer].index_copy_(0, dst_rows, staged.to(self.device, non_blocking=True))
-        dst_rows.record_stream(self._side)
-        event = torch.cuda.Event()
-        event.record(self._side)
-        self._events[layer] = event
-
-    def _wait_side_copies(self, layer: int) -> None:
-        event = self._events.pop(layer, None)
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _working_set(self, request_id: str) -> _WorkingSet:
@@ -354,6 +267,7 @@ class TieredKVPool:
 
     def check_integrity(self, active: set[str] | None = None) -> None:
         self.buffers.check_integrity()
+        self.host.check_integrity()
         owned = [ws.buffer for ws in self._resident.values()]
         assert len(owned) == len(set(owned)), "a working set is owned by two requests"
         assert len(owned) == self.buffers.num_pages - self.buffers.num_free, "working sets and allocator disagree"
@@ -372,15 +286,6 @@ def _group_leaders(cfg: ModelConfig) -> dict[int, int]:
         current = layer if kind == "full" else current
         leaders[layer] = current
     return leaders
-
-
-def untiered_pages(config: EngineConfig, cfg: ModelConfig, itemsize: int) -> int:
-    """Pages of a fully device-resident cache that fit in `device_kv_budget_bytes`."""
-    per_page = config.kv_page_size * (latent_bytes_per_token(cfg, itemsize) + index_bytes_per_token(cfg, itemsize))
-    if config.device_kv_budget_bytes < per_page:
-        raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} holds less than one "
-                          f"{config.kv_page_size}-token page ({per_page} B)")
-    return config.device_kv_budget_bytes // per_page
 
 
 def build_tiered_cache(config: EngineConfig, model, dtype: torch.dtype, device, default_pages: int) -> TieredKVPool:

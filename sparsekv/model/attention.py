@@ -18,7 +18,14 @@ from ..kernels.attention import (causal_mask_scores, latent_attention, query_blo
                                  select_topk)
 from .layers import layer_norm, rms_norm, rope_half_split, rope_interleaved
 
-INDEX_QUERY_BLOCK = 8  # queries scored together: keeps each [block, T] score row set cache-friendly
+INDEX_QUERY_BLOCK_CPU = 8  # queries scored together on a CPU: the [block, H, T] scores stay in cache
+INDEX_SCORE_ELEMENTS_GPU = 1 << 28  # on an accelerator, larger blocks amortise launches (1 GiB fp32)
+
+
+def index_query_block(device: torch.device, heads: int, total: int) -> int:
+    if device.type == "cpu":
+        return INDEX_QUERY_BLOCK_CPU
+    return max(INDEX_QUERY_BLOCK_CPU, min(1024, INDEX_SCORE_ELEMENTS_GPU // (heads * total)))
 from .selectors import DSASelector
 
 
@@ -73,14 +80,14 @@ class LightningIndexer:
         Rows that see at most k positions select all of them (positions 0..k-1, the later ones
         masked as invalid by the caller), exactly the reference's dense regime.
         """
-        out = []
-        for i in range(0, q.shape[0], INDEX_QUERY_BLOCK):
-            positions = query_positions[i:i + INDEX_QUERY_BLOCK]
+        out, step = [], index_query_block(q.device, self.n_heads, keys.shape[0])
+        for i in range(0, q.shape[0], step):
+            positions = query_positions[i:i + step]
             visible = int(positions.max()) + 1  # no key after the block's last query is visible to it
             if visible <= k:
                 out.append(torch.arange(k, device=q.device).expand(positions.shape[0], k))
                 continue
-            block = slice(i, i + INDEX_QUERY_BLOCK)
+            block = slice(i, i + step)
             scores = causal_mask_scores(self.scores(q[block], weights[block], keys[:visible]), positions)
             out.append(select_topk(scores, k))
         return torch.cat(out)

@@ -160,6 +160,13 @@ def natural(args, ckpt: str, topk: int) -> dict:
     print(f"natural continuation: {len(prompt)} prompt tokens, {steps} steps, N = 2 x top-k = {2 * topk}: "
           f"steady-state miss rate {100 * on['steady_miss_rate']:.1f}% (after {args.warmup} steps), "
           f"overall {100 * on['miss_rate']:.1f}%; identical to tiering off: {result['exact']}")
+    result["miss_rate_by_buffer"] = {2: on["steady_miss_rate"]}
+    for mult in (m for m in args.buffers if m != 2):
+        run = _continue(ckpt, prompt, steps, args.warmup, selector=args.selector, kv_tiering=True,
+                        device_buffer_tokens=mult * topk)
+        result["miss_rate_by_buffer"][mult] = run["steady_miss_rate"]
+    print("natural continuation, steady-state miss rate by buffer: " +
+          ", ".join(f"N = {m} x top-k: {100 * r:.1f}%" for m, r in sorted(result["miss_rate_by_buffer"].items())))
     if args.fp8:
         fp8 = _continue(ckpt, prompt, steps, args.warmup, force=on["tokens"], selector=args.selector,
                         kv_tiering=True, indexer_key_dtype="fp8_e4m3")
@@ -244,7 +251,7 @@ def _fp8_effect(ref: dict, fp8: dict) -> dict:
 
 # -- fixed device budget --------------------------------------------------------------------------
 def concurrency(args, ckpt: str) -> dict:
-    from sparsekv.cache.tiers import index_bytes_per_token, latent_bytes_per_token
+    from sparsekv.cache.lru import index_bytes_per_token, latent_bytes_per_token
     from sparsekv.config import ModelConfig
     cfg, context, steps, page = ModelConfig.from_json(ckpt), args.concurrency_context, args.steps, 64
     tokens = -(-(context + steps + 8) // page) * page
@@ -295,7 +302,7 @@ def _interleaved(ckpt: str, context: int, steps: int, submit: int, configs: dict
 
 
 # -- plots and entry point ------------------------------------------------------------------------
-def plot(rows: list[dict], out_dir: str) -> list[str]:
+def plot(rows: list[dict], out_dir: str, natural: dict | None = None) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -306,7 +313,10 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     for context in sorted({r["context"] for r in on}):
         pts = sorted((r["buffer_x_topk"], 100 * r["miss_rate"]) for r in on if r["context"] == context)
         ax.plot(*zip(*pts), marker="o", label=f"{context // 1024}K")
-    ax.set(xlabel="device buffer N / top-k", ylabel="miss rate (%)", title="miss rate vs buffer (synthetic history)")
+    if natural:
+        pts = sorted((m, 100 * r) for m, r in natural["miss_rate_by_buffer"].items())
+        ax.plot(*zip(*pts), marker="s", linestyle="--", label=f"natural, {natural['prompt_tokens']} prompt")
+    ax.set(xlabel="device buffer N / top-k", ylabel="miss rate (%)", title="decode miss rate vs device buffer")
     ax.legend(title="context")
     fig.tight_layout(), fig.savefig(paths[0], dpi=120), plt.close(fig)
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -382,12 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.concurrency:
             report["concurrency"] = concurrency(args, ckpt)
         else:
-            if not args.skip_sweep:
-                report["sweep"] = sweep(args, ckpt, topk)
-                report["plots"] = plot(report["sweep"], args.plot_dir)
-                print("plots:", ", ".join(report["plots"]))
             if not args.skip_natural:
                 report["natural"] = natural(args, ckpt, topk)
+            if not args.skip_sweep:
+                report["sweep"] = sweep(args, ckpt, topk)
+                report["plots"] = plot(report["sweep"], args.plot_dir, report.get("natural"))
+                print("plots:", ", ".join(report["plots"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -24,7 +24,7 @@ def peak_rss_mb() -> float:
 
 def _engine(job: dict, max_model_len: int):
     from sparsekv import LLM
-    return LLM(job["ckpt"], max_model_len=max_model_len, max_num_seqs=1, kv_page_size=64,
+    return LLM(job["ckpt"], device=job.get("device", "cpu"), max_model_len=max_model_len, max_num_seqs=1, kv_page_size=64,
                prefill_chunk_tokens=job.get("chunk", 4096), max_num_batched_tokens=job.get("chunk", 4096),
                attention=job.get("attention", "sparse"), hf_overrides=job.get("overrides")).engine
 
@@ -41,7 +41,7 @@ def synthetic_prefill(engine, req, num_tokens: int) -> None:
     slots = engine.runner.slots_of(req.page_ids, num_tokens)
     g = torch.Generator().manual_seed(0)
     for table in list(engine.cache.latent.values()) + list(engine.cache.index_keys.values()):
-        table[slots] = torch.randn(num_tokens, table.shape[1], generator=g).to(table.dtype)
+        table[slots] = torch.randn(num_tokens, table.shape[1], generator=g).to(table.device, table.dtype)
     req.num_computed_tokens = num_tokens
 
 

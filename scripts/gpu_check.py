@@ -1,0 +1,65 @@
+"""One prepared accelerator check (run by hand on a lent GPU; CI never runs it).
+
+  python scripts/gpu_check.py CKPT OUT.json [cuda|cpu] [--long N]
+
+1. exactness on the device: greedy tokens and logprobs of the engine on the device against the
+   engine on the CPU (float32) for a prompt far longer than index_topk, with chunked prefill;
+2. decode step time at 4K / 128K / 1M cached tokens (synthetic cache, as `sparsekv bench decode`);
+3. a real N-token prefill (default 1M) followed by 32 decode tokens: time and peak device memory.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from sparsekv import LLM, SamplingParams
+from sparsekv.tools.bench_worker import sparsekv_decode
+
+
+def exactness(ckpt: str, device: str) -> dict:
+    prompt = [(7 * i) % 1000 + 1 for i in range(3000)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=5)
+    ref = LLM(ckpt, max_model_len=4096, prefill_chunk_tokens=1024).generate([prompt], params)[0]
+    out = LLM(ckpt, device=device, max_model_len=4096, prefill_chunk_tokens=1024).generate([prompt], params)[0]
+    diff = max(abs(a[t] - b[t]) for a, b in zip(ref.logprobs, out.logprobs) for t in a if t in b)
+    return {"tokens_equal": ref.token_ids == out.token_ids, "max_logprob_diff": diff}
+
+
+def long_prefill(ckpt: str, device: str, n: int) -> dict:
+    llm = LLM(ckpt, device=device, max_model_len=n + 64, max_num_seqs=1, prefill_chunk_tokens=8192,
+              max_num_batched_tokens=8192)
+    engine = llm.engine
+    engine.add_request("long", [(7 * i) % 1000 + 1 for i in range(n)], SamplingParams(max_tokens=32, temperature=0.0))
+    t0 = time.perf_counter()
+    first = None
+    while engine.has_unfinished_requests():
+        if engine.step():
+            first = first or time.perf_counter()
+    end = time.perf_counter()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    return {"tokens": n, "prefill_s": first - t0, "decode_ms_per_token": (end - first) * 1000 / 31,
+            "peak_device_gib": peak}
+
+
+def main() -> None:
+    ckpt, out_path = sys.argv[1], sys.argv[2]
+    device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
+    n = int(sys.argv[sys.argv.index("--long") + 1]) if "--long" in sys.argv else 1 << 20
+    contexts = [c for c in (4096, 131072, 1 << 20) if c <= n]
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "exactness": exactness(ckpt, device)}
+    print(result, flush=True)
+    result["decode"] = {c: sparsekv_decode({"ckpt": ckpt, "context": c, "steps": 16, "device": device})
+                        for c in contexts}
+    print(result, flush=True)
+    result["long_prefill"] = long_prefill(ckpt, device, n)
+    print(result, flush=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
