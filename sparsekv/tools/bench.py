@@ -67,11 +67,21 @@ def _machine_bandwidth(threads: int) -> float:
     return measure_this_cpu(quick=True, threads=threads).mem_bw / 1e9
 
 
+def _planner(args, ckpt: str):
+    """`sparsekv plan`'s decode-step prediction for this checkpoint on this CPU (issue 6 calibration)."""
+    from ..config import ModelConfig
+    from .hardware import measure_this_cpu
+    from .plan_decode import predict_decode_step_ms
+    cfg, hw = ModelConfig.from_json(ckpt), measure_this_cpu(threads=args.threads)
+    return lambda ctx: predict_decode_step_ms(cfg, ctx, hw, attention_mode=args.attention)
+
+
 def bench_decode(args, ckpt: str) -> list[dict]:
     console, bw = Console(), _machine_bandwidth(args.threads)
+    predict = _planner(args, ckpt)
     table = Table(title=f"decode, {args.preset}, {args.threads} threads (machine stream bandwidth {bw:.1f} GB/s)")
     for col in ("context", "sparsekv ms/token", "tokens/s", "peak RSS MB", "achieved bandwidth",
-                "transformers ms/token", "transformers RSS MB", "speed-up"):
+                "transformers ms/token", "transformers RSS MB", "speed-up", "plan ms (measured/plan)"):
         table.add_column(col)
     rows = []
     for ctx in args.contexts:
@@ -79,9 +89,11 @@ def bench_decode(args, ckpt: str) -> list[dict]:
                              "steps": args.steps, "attention": args.attention}, args.threads, args.repeats)
         ref = ({"error": "skipped"} if ctx > args.transformers_max_context else
                _worker({"kind": "decode", "engine": "transformers", "ckpt": ckpt, "context": ctx, "steps": 4}, args.threads))
-        rows.append({"context": ctx, "sparsekv": ours, "transformers": ref})
+        plan_ms = predict(ctx)
+        rows.append({"context": ctx, "sparsekv": ours, "transformers": ref, "plan_ms": plan_ms})
+        vs_plan = "-" if "error" in ours else f"{plan_ms:.2f} ({ours['ms'] / plan_ms:.2f})"
         table.add_row(str(ctx), _fmt(ours, "ms"), _fmt(ours, "tokens_per_s", ".1f"), _fmt(ours, "peak_rss_mb", ".0f"),
-                      _bandwidth(ours, bw), _fmt(ref, "ms"), _fmt(ref, "peak_rss_mb", ".0f"), _ratio(ref, ours))
+                      _bandwidth(ours, bw), _fmt(ref, "ms"), _fmt(ref, "peak_rss_mb", ".0f"), _ratio(ref, ours), vs_plan)
     console.print(table)
     ok = [r for r in rows if "error" not in r["sparsekv"]]
     if len(ok) >= 2:

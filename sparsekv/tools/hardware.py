@@ -107,14 +107,22 @@ def _measure_matmul_flops(torch, n: int, reps: int) -> float:
 
 
 def _measure_op_overhead(torch, ops: int) -> float:
-    """Seconds per tiny torch op: the fixed cost every eager kernel launch pays on this machine."""
-    x = torch.zeros(1)
-    y = torch.zeros(1)
+    """Seconds per small eager torch call from Python: the fixed cost each op of an unfused engine pays.
+
+    A mix like the engine's (a GEMV-sized linear, a slice, a view, a cat, a softmax, an in-place
+    add), since a bare `add(out=)` (~1 us) underestimates ops that allocate their output.
+    """
+    import torch.nn.functional as F
+    x, w = torch.randn(1, 16), torch.randn(16, 16)
 
     def run():
-        for _ in range(ops):
-            torch.add(x, y, out=y)
-    return _best_seconds(run, 3) / ops
+        for _ in range(ops // 6):
+            y = F.linear(x, w)
+            y = y[:, :8].reshape(-1)
+            y = torch.cat([y, y])
+            y = torch.softmax(y, -1)
+            y.add_(1.0)
+    return _best_seconds(run, 3) / (ops // 6 * 6)
 
 
 def _measure_parallel_op(torch) -> float:

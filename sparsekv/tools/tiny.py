@@ -13,24 +13,16 @@ TINY_GLM = dict(
 )
 
 # The issue's "tiny-bench" configuration (benchmarks of issue 2).
-TINY_BENCH = dict(
-    vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+TINY_BENCH = {**TINY_GLM, **dict(
+    vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
     kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-    index_topk=64, index_head_dim=32, index_n_heads=4, first_k_dense_replace=1, index_topk_pattern="FSSS",
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=1 << 21,
-    eos_token_id=None,
-)
+    index_topk=64, index_head_dim=32, index_n_heads=4, index_topk_pattern="FSSS", max_position_embeddings=1 << 21)}
 
 # GLM-5 per-head attention geometry with head counts scaled by 1/8 (issue 2).
-GLM5_GEOMETRY = dict(
-    vocab_size=1024, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, num_hidden_layers=4,
-    num_attention_heads=8, num_key_value_heads=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+GLM5_GEOMETRY = {**TINY_BENCH, **dict(
+    hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, num_attention_heads=8, num_key_value_heads=8,
     kv_lora_rank=512, q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256,
-    index_topk=2048, index_head_dim=128, index_n_heads=4, first_k_dense_replace=1, index_topk_pattern="FSSS",
-    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=1 << 21,
-    eos_token_id=None,
-)
+    index_topk=2048, index_head_dim=128, index_n_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6})}
 
 
 def reference_model(family: str = "glm_moe_dsa", seed: int = 0, **overrides):
