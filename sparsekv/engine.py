@@ -38,20 +38,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.page_size = config.kv_page_size
-        cfg = self.model_config
-        config.validate_for_model(cfg.index_topk)
+        config.validate_for_model(self.model_config.index_topk)
         self.tiered = config.kv_tiering
-        if self.tiered:  # the tiered pool sizes the (logical) page table from its budgets
-            from .cache.tiers import build_tiered_cache
-            self.cache = build_tiered_cache(config, self.model, self.dtype, self.device, self._num_pages())
-            self.allocator = PageAllocator(self.cache.sizes.num_pages, self.page_size)
-        else:
-            self.allocator = PageAllocator(self._num_pages(), self.page_size)
-            self.cache = KVPool(cfg, self.allocator.num_pages, self.page_size, self.dtype, self.device,
-                                list(range(cfg.num_hidden_layers)), cfg.full_layers)
-        if config.selector == "quest" and not self.tiered:
-            from .model.selectors import install_quest
-            install_quest(self.model, config, self.allocator.num_pages * self.page_size, self.device)
+        self.cache, self.allocator = self._build_cache()
         self._final_metrics: dict[str, dict] = {}  # a finished request's figures, until its output
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_tokens)
@@ -60,6 +49,20 @@ class LLMEngine:
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    def _build_cache(self):
+        config, cfg = self.config, self.model_config
+        if self.tiered:  # the tiered pool sizes the (logical) page table from its budgets
+            from .cache.tiers import build_tiered_cache
+            cache = build_tiered_cache(config, self.model, self.dtype, self.device, self._num_pages())
+            return cache, PageAllocator(cache.sizes.num_pages, self.page_size)
+        allocator = PageAllocator(self._num_pages(), self.page_size)
+        cache = KVPool(cfg, allocator.num_pages, self.page_size, self.dtype, self.device,
+                       list(range(cfg.num_hidden_layers)), cfg.full_layers)
+        if config.selector == "quest":
+            from .model.selectors import install_quest
+            install_quest(self.model, config, allocator.num_pages * self.page_size, self.device)
+        return cache, allocator
 
     def _num_pages(self) -> int:
         if self.config.num_kv_pages:

@@ -42,7 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--synth-frac", type=float, default=0.5, help="share of rows that are retrieval documents")
+    p.add_argument("--synth-frac", type=float, default=0.6, help="share of rows that are retrieval documents")
     p.add_argument("--pose-max-position", type=int, default=1 << 20)
     p.add_argument("--heldout-rows", type=int, default=32)
     p.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files (tests)")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tasks import TASKS, TaskBuilder
+from .tasks import TaskBuilder
 
 EXCLUDED_DIRS = ("site-packages", "test", "tests", "idle_test")
 
@@ -100,13 +100,11 @@ class BatchSource:
         start = rng.randrange(0, max(len(self.train_ids) - 8 * n, 1))
         builder = TaskBuilder(self.tok, self.train_ids[start:start + 8 * n].tolist(), rng.randrange(1 << 30))
         try:
-            sample = builder.make(rng.choice(TASKS), n, rng.random(), with_answer=True)
-        except ValueError:   # rows too short for this task's needles: plain code instead
+            ids, is_answer = builder.make_document(n)
+        except ValueError:   # rows too short for this document's needles: plain code instead
             return self._code_row(rng)
-        weights = [1.0] * self.seq_len
-        for i in range(n - len(sample.answer_ids), n):
-            weights[i - 1] = self.answer_weight   # target index i-1 predicts token i
-        return sample.prompt, weights
+        # target i predicts token i + 1: answers weigh more
+        return ids, [self.answer_weight if a else 1.0 for a in is_answer[1:]]
 
     def batch(self, stage: int, step: int) -> Batch:
         rng = random.Random(f"{self.seed}/{stage}/{step}")

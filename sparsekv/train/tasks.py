@@ -101,6 +101,39 @@ class TaskBuilder:
         out += hay[prev:] + tail
         return out, starts
 
+    # -- training documents: several needles and questions, answers included -------------------
+    def make_document(self, length: int) -> tuple[list[int], list[bool]]:
+        """(ids, is_answer) of exactly `length` tokens. Key-value tasks carry up to 8 needles and
+        ask for several of them, so one document gives many retrieval targets."""
+        task = self.rng.choice(TASKS)
+        if task == "vartrack":
+            kind, needles, question, _, answer = self._vartrack(self.rng.random())
+            qa = [(question, answer)]
+        elif task == "passkey":
+            kind, needles, question, _, answer = self._passkey(self.rng.random())
+            qa = [(question, answer)] * self.rng.randint(1, 2)
+        else:
+            kind, needles, qa = self._key_values(task, self.rng.randint(2, 8))
+        tail, is_answer = [], []
+        for question, answer in qa:
+            q, a = self.encode(question), self.encode(answer)
+            tail += q + a
+            is_answer += [False] * len(q) + [True] * len(a)
+        ids, _ = self.compose(kind, needles, tail, length)
+        return ids, [False] * (length - len(tail)) + is_answer
+
+    def _key_values(self, task: str, n: int):
+        names = self.names(n)
+        keys = [self.key() for _ in names]
+        if task == "multikey":
+            line, ask = "# The pass key for {n} is {k}.\n", "\n# What is the pass key for {n}? The pass key for {n} is"
+        else:
+            line = "# One of the special magic numbers for {n} is: {k}.\n"
+            ask = "\n# What is the special magic number for {n}? The special magic number for {n} is:"
+        needles = [(self.rng.random(), self.encode(line.format(n=n_, k=k))) for n_, k in zip(names, keys)]
+        asked = self.rng.sample(range(n), self.rng.randint(1, n))
+        return "code", needles, [(ask.format(n=names[i]), f" {keys[i]}.\n") for i in asked]
+
     # -- the four tasks ------------------------------------------------------------------------
     def key(self, digits: int = 5) -> str:
         return str(self.rng.randrange(10 ** (digits - 1), 10 ** digits))
