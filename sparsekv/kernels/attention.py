@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_ELEMENTS = 1 << 23  # ~32 MB of fp32 per intermediate
+# Working-set bound per query block. On a CPU, 4 MB blocks stay cache-friendly, and staying well
+# under glibc's dynamic mmap threshold (32 MB) avoids heap fragmentation: with 32 MB blocks a 64K
+# GLM-geometry prefill peaked at 13.9 GB RSS instead of under 1 GB, and ran 2x slower.
+BLOCK_ELEMENTS = 1 << 20
+BLOCK_ELEMENTS_ACCELERATOR = 1 << 26
 
 
-def query_block_size(per_query_elements: int, num_queries: int) -> int:
-    return max(1, min(num_queries, BLOCK_ELEMENTS // max(per_query_elements, 1)))
+def query_block_size(per_query_elements: int, num_queries: int, device: torch.device | None = None) -> int:
+    budget = BLOCK_ELEMENTS if device is None or device.type == "cpu" else BLOCK_ELEMENTS_ACCELERATOR
+    return max(1, min(num_queries, budget // max(per_query_elements, 1)))
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -157,7 +157,7 @@ class MLAttention:
     def _attend_dense(self, seq, q, positions, cache) -> torch.Tensor:
         keys = cache.latent_for(self.layer_idx, seq)             # [T, D]
         key_pos = torch.arange(seq.context_len, device=q.device)
-        block = query_block_size(q.shape[1] * seq.context_len, q.shape[0])
+        block = query_block_size(q.shape[1] * seq.context_len, q.shape[0], q.device)
         out = []
         for i in range(0, q.shape[0], block):
             valid = key_pos[None, :] <= positions[i:i + block, None]
@@ -165,7 +165,7 @@ class MLAttention:
         return torch.cat(out)
 
     def _attend_selected(self, seq, q, positions, selected, cache) -> torch.Tensor:
-        block = query_block_size(selected.shape[1] * (q.shape[1] + q.shape[2]), q.shape[0])
+        block = query_block_size(selected.shape[1] * (q.shape[1] + q.shape[2]), q.shape[0], q.device)
         out = []
         for i in range(0, q.shape[0], block):
             idx = selected[i:i + block]

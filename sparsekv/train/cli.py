@@ -50,6 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="storage dtype of model.safetensors (router bias and indexer weights_proj stay fp32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu (the shipped model) or cuda")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--no-aux-indexers", action="store_true",
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     tok, corpus = prepare_data(args, work_dir)
     raw, model = build(args, tok)
+    model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f}M parameters; train {len(corpus['train'])} tokens, "
         f"held-out {len(corpus['heldout'])} tokens ({time.time() - t0:.1f} s to prepare)")

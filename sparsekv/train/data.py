@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tasks import TaskBuilder
+from .tasks import TaskBuilder, new_caches
 
 EXCLUDED_DIRS = ("site-packages", "test", "tests", "idle_test")
 
@@ -67,6 +67,9 @@ class Batch:
     positions: torch.Tensor  # [B, S]
     weights: torch.Tensor    # [B, S] loss weight per target (answers weigh more)
 
+    def to(self, device) -> "Batch":
+        return Batch(self.ids.to(device), self.positions.to(device), self.weights.to(device))
+
 
 def pose_positions(seq_len: int, max_position: int, rng: random.Random, plain_frac: float) -> torch.Tensor:
     pos = torch.arange(seq_len)
@@ -89,6 +92,7 @@ class BatchSource:
         self.synth_frac, self.answer_weight = synth_frac, answer_weight
         self.pose_max_position, self.pose_plain_frac = pose_max_position, pose_plain_frac
         self.eos = tok.token_to_id("<|endoftext|>")
+        self.caches = new_caches(tok)
 
     def _code_row(self, rng: random.Random) -> tuple[list[int], list[float]]:
         n = self.seq_len + 1
@@ -98,7 +102,7 @@ class BatchSource:
     def _task_row(self, rng: random.Random) -> tuple[list[int], list[float]]:
         n = self.seq_len + 1
         start = rng.randrange(0, max(len(self.train_ids) - 8 * n, 1))
-        builder = TaskBuilder(self.tok, self.train_ids[start:start + 8 * n].tolist(), rng.randrange(1 << 30))
+        builder = TaskBuilder(self.tok, self.train_ids[start:start + 8 * n].tolist(), rng.randrange(1 << 30), self.caches)
         try:
             ids, is_answer = builder.make_document(n)
         except ValueError:   # rows too short for this document's needles: plain code instead

@@ -51,7 +51,7 @@ KEEP_FP32 = ("e_score_correction_bias", "weights_proj.weight")   # fp32 in the r
 
 
 def checkpoint_tensors(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    return {name: t.detach().to(torch.float32 if name.endswith(KEEP_FP32) else dtype).contiguous().clone()
+    return {name: t.detach().cpu().to(torch.float32 if name.endswith(KEEP_FP32) else dtype).contiguous().clone()
             for name, t in model.state_dict().items()}
 
 

@@ -40,7 +40,7 @@ class Rope:
 
     def __init__(self, cfg: ModelConfig, positions: torch.Tensor):
         inv_freq, scale = rope_inv_freq(cfg)
-        freqs = positions.reshape(-1, 1).float() * inv_freq
+        freqs = positions.reshape(-1, 1).float() * inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos() * scale, emb.sin() * scale   # [B*S, R]
         self.shape = positions.shape

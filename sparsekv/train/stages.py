@@ -127,11 +127,11 @@ def heldout_metrics(model: GlmDsaForTraining, rows: torch.Tensor, batch_size: in
     was_training = model.training
     model.eval()
     sums = {"loss_dense": 0.0, "loss_sparse": 0.0, "mtp_accept": 0.0, "mtp_top1": 0.0}
-    n = 0
+    n, device = 0, next(model.parameters()).device
     for i in range(0, rows.shape[0], batch_size):
-        ids = rows[i:i + batch_size]
+        ids = rows[i:i + batch_size].to(device)
         inputs, targets = ids[:, :-1], ids[:, 1:]
-        pos = torch.arange(inputs.shape[1]).expand_as(inputs)
+        pos = torch.arange(inputs.shape[1], device=device).expand_as(inputs)
         k = ids.shape[0]
         sums["loss_dense"] += lm_loss(model(inputs, pos).logits, targets).item() * k
         out = model(inputs, pos, sparse=True)

@@ -29,6 +29,11 @@ NAMES = ("apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "pepper"
          "kettle", "lantern", "magnet", "nectar", "olive", "puzzle", "radar", "salmon", "tomato", "umbrella")
 
 
+def new_caches(tok) -> tuple[dict, set]:
+    """(text -> ids cache, newline-ending token ids); pass to many builders of one tokenizer."""
+    return {}, {i for t, i in tok.get_vocab().items() if t.endswith("Ċ")}
+
+
 @dataclass
 class Sample:
     """One prompt. `needle_starts` are token indices where the needle lines begin."""
@@ -54,11 +59,10 @@ def score(answer: str, output_text: str) -> bool:
 class TaskBuilder:
     """`tok`: a `tokenizers.Tokenizer`; `code`: a token stream of stdlib code for haystacks."""
 
-    def __init__(self, tok, code: list[int] | None, seed: int = 0):
+    def __init__(self, tok, code: list[int] | None, seed: int = 0, caches: tuple[dict, set] | None = None):
         self.tok, self.code = tok, code
         self.rng = random.Random(seed)
-        self._cache: dict[str, list[int]] = {}
-        self._newline = {i for t, i in tok.get_vocab().items() if t.endswith("Ċ")}
+        self._cache, self._newline = caches if caches is not None else new_caches(tok)
 
     def encode(self, text: str) -> list[int]:
         if text not in self._cache:

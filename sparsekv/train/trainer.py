@@ -72,7 +72,7 @@ class Trainer:
         path = os.path.join(self.work_dir, STATE_FILE)
         if not os.path.exists(path):
             return False
-        blob = torch.load(path, weights_only=False)
+        blob = torch.load(path, weights_only=False, map_location=next(self.model.parameters()).device)
         self.model.load_state_dict(blob["model"])
         self.state = TrainState(**blob["state"])
         self._pending_optimizer = blob["optimizer"]
@@ -158,7 +158,7 @@ class Trainer:
         lrs = self._lr(stage, st.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lrs[g["name"]]
-        batch = self.source.batch(STAGES.index(stage), st.step)
+        batch = self.source.batch(STAGES.index(stage), st.step).to(next(self.model.parameters()).device)
         loss, metrics = stage_loss(self.model, stage, batch, st.step / max(st.planned[stage], 1))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
