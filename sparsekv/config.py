@@ -238,6 +238,9 @@ class EngineConfig:
     attention: str = "sparse"
     seed: int = 0
     tokenizer: str | None = None
+    # torch intra-op threads (None: torch's default). On a small shared CPU, 1 avoids ops that wait
+    # for a busy core: 2 threads made a tiny-model decode step 40x slower there.
+    num_threads: int | None = None
     # Like vLLM's --hf-overrides: config.json fields replaced at load, e.g. {"index_topk_pattern": "FSSS"}
     # turns a checkpoint with an indexer in every layer into an IndexShare model (training-free IndexCache).
     hf_overrides: dict | None = field(default=None, hash=False)

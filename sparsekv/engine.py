@@ -32,6 +32,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         self.dtype, self.device = DTYPES[config.dtype], torch.device(config.device)
         self.model = load_model(config.model, self.dtype, self.device, config.hf_overrides)
         self.model_config: ModelConfig = self.model.cfg

@@ -105,7 +105,7 @@ def bench_decode(args, ckpt: str) -> list[dict]:
 def bench_prefill(args, ckpt: str) -> list[dict]:
     console = Console()
     table = Table(title=f"prefill, {args.preset}, {args.threads} threads, chunk {args.chunk}")
-    for col in ("context", "sparsekv s", "tokens/s", "peak RSS MB", "transformers s", "tokens/s ", "RSS MB", "speed-up"):
+    for col in ("context", "sparsekv ms", "tokens/s", "peak RSS MB", "transformers ms", "tokens/s ", "RSS MB", "speed-up"):
         table.add_column(col)
     rows = []
     for ctx in args.contexts:
