@@ -107,6 +107,25 @@ class DenseMLP:
         return F.linear(F.silu(gate) * up, self.down)
 
 
+def route_experts(cfg: ModelConfig, x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor):
+    """(expert ids [N, k], weights [N, k] fp32) exactly as the reference router: sigmoid scores in
+    fp32; the correction bias only chooses experts; group-limited top-k; normalise, then scale.
+    Shared by the engine and the training model (weights stay differentiable there)."""
+    scores = F.linear(x.float(), router.float()).sigmoid()
+    choice = (scores + bias).detach()
+    n, per_group = choice.shape[0], cfg.n_routed_experts // cfg.n_group
+    group_scores = choice.view(n, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(-1)
+    group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(n, -1)
+    choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+    ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * cfg.routed_scaling_factor
+
+
 class MoE:
     """DeepSeekMoE: sigmoid router (fp32) with selection-only bias, group-limited top-k, shared experts."""
 
@@ -116,21 +135,7 @@ class MoE:
         self.experts, self.shared = experts, shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids [N, k], weights [N, k] fp32) exactly as the reference router."""
-        cfg = self.cfg
-        scores = F.linear(x.float(), self.router).sigmoid()
-        choice = scores + self.bias
-        n, per_group = choice.shape[0], cfg.n_routed_experts // cfg.n_group
-        group_scores = choice.view(n, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(-1)
-        group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(n, -1)
-        choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * cfg.routed_scaling_factor
+        return route_experts(self.cfg, x, self.router, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..model.layers import rope_half_split, rope_interleaved, rope_inv_freq
+from ..model.layers import rope_half_split, rope_interleaved, rope_inv_freq, route_experts
 
 NEG = -1e9  # finite "minus infinity": keeps KL terms finite where a probability is exactly 0
 
@@ -168,19 +168,7 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
     def route(self, x: torch.Tensor):
-        cfg = self.cfg
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
-        choice = (scores + self.gate.e_score_correction_bias).detach()
-        n, per_group = choice.shape[0], cfg.n_routed_experts // cfg.n_group
-        group_scores = choice.view(n, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(-1)
-        group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
-        choice = choice.masked_fill(~group_mask.repeat_interleave(per_group, 1), float("-inf"))
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
-        w = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return ids, w * cfg.routed_scaling_factor
+        return route_experts(self.cfg, x, self.gate.weight, self.gate.e_score_correction_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
