@@ -42,8 +42,9 @@ class EngineProfile:
 
 FUSED = EngineProfile()
 # Calibrated against sparsekv's engine (BENCHMARKS.md, "planner vs engine"): a decode step makes
-# ~795 torch calls for 4 layers (~190 per layer, ~35 per step), counted with a TorchFunctionMode.
-TORCH_EAGER = EngineProfile("torch-eager", ops_per_layer=190, ops_per_step=35, indexer_score_passes=6,
+# ~795 torch calls for 4 layers (~190 per layer, ~35 per step, counted with a TorchFunctionMode);
+# each costs ~2.4x the probe's bare op once the Python around it is counted, hence 450 / 90.
+TORCH_EAGER = EngineProfile("torch-eager", ops_per_layer=450, ops_per_step=90, indexer_score_passes=6,
                             attention_score_passes=6, gather_passes=2)
 
 
