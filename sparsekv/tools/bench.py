@@ -151,10 +151,13 @@ def bench_modes(args, ckpt: str) -> list[dict]:
     return rows
 
 
-def make_checkpoint(preset: str, directory: str) -> str:
+def make_checkpoint(preset: str, directory: str, indexer_in_every_layer: bool = False) -> str:
+    """The preset's checkpoint (tiny-bench: FSSS). `modes` needs an indexer in every layer and drops
+    three of four with hf_overrides for its IndexShare run."""
     from .tiny import GLM5_GEOMETRY, TINY_BENCH, save_reference_checkpoint
     opts = dict(TINY_BENCH if preset == "tiny-bench" else GLM5_GEOMETRY)
-    opts["index_topk_pattern"] = "FFFF"  # indexers everywhere; IndexShare modes drop some via hf_overrides
+    if indexer_in_every_layer:
+        opts["index_topk_pattern"] = "FFFF"
     save_reference_checkpoint(directory, "glm_moe_dsa", seed=0, **opts)
     return directory
 
@@ -188,7 +191,7 @@ def main(argv: list[str]) -> int:
         return serve_main(argv[1:])
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = make_checkpoint(args.preset, tmp)
+        ckpt = make_checkpoint(args.preset, tmp, indexer_in_every_layer=args.kind == "modes")
         if args.kind == "modes":
             args.kind = args.mode_kind
             rows = bench_modes(args, ckpt)
