@@ -26,12 +26,14 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     the most recent positions (highest index) win. The result is a set, so chunking, batching or
     tiering never change it. scores: [S, T] fp32 with masked positions at -inf; requires k <= T.
     """
-    values, idx = scores.topk(k, dim=-1)
-    kth = values[:, -1:]
-    # torch.topk's choice among ties is arbitrary; it is only ambiguous where more positions
-    # than the free slots hold exactly the k-th value (e.g. ReLU zeros when every head weight < 0).
-    ambiguous = (values > kth).sum(-1) + (scores == kth).sum(-1) > k
-    idx = idx.sort(dim=-1).values
+    if k == scores.shape[-1]:
+        return torch.arange(k, device=scores.device).expand(scores.shape[0], k)
+    values, idx = scores.topk(k + 1, dim=-1)
+    kth = values[:, k - 1:k]
+    # torch.topk's choice among ties is arbitrary; it only matters where the (k+1)-th score equals
+    # the k-th (a tie across the boundary, e.g. ReLU zeros when every head weight is negative).
+    ambiguous = values[:, k] == values[:, k - 1]
+    idx = idx[:, :k].sort(dim=-1).values
     rows = ambiguous.nonzero().flatten()
     if rows.numel():
         idx[rows] = _select_with_tie_break(scores[rows], kth[rows], k)

@@ -68,9 +68,9 @@ class LightningIndexer:
         in place. Callers pass small query blocks so the [S, H_I, T] intermediate stays in cache.
         """
         keys, w = keys.float(), weights * self.head_dim ** -0.5
-        if q.shape[0] == 1:  # decode: keys-major GEMM streams the key cache once, contiguously
-            s = torch.matmul(keys, q[0].t()).relu_()        # [T, H]
-            return torch.matmul(s, w[0]).unsqueeze(0)
+        if q.shape[0] == 1:  # decode: one [H, D] x [D, T] GEMM streams the key cache once
+            s = torch.matmul(q[0], keys.t()).relu_()        # [H, T]
+            return torch.matmul(w[0], s).unsqueeze(0)
         s = torch.matmul(q, keys.t()).relu_()              # [S, H, T]
         return torch.bmm(w.unsqueeze(1), s).squeeze(1)
 

@@ -1,0 +1,35 @@
+"""The deterministic top-k: exact sets, ties at the boundary resolved to the most recent positions."""
+from __future__ import annotations
+
+import torch
+
+from sparsekv.kernels.attention import causal_mask_scores, select_topk
+
+
+def brute_force(row: list[float], k: int) -> list[int]:
+    """Sort by (score desc, position desc), keep k, return ascending positions."""
+    order = sorted(range(len(row)), key=lambda i: (-row[i], -i))
+    return sorted(order[:k])
+
+
+def test_select_topk_matches_brute_force_with_and_without_ties():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        T, k = int(torch.randint(2, 40, (1,), generator=g)), int(torch.randint(1, 8, (1,), generator=g))
+        k = min(k, T)
+        # few distinct values -> many exact ties, often across the boundary
+        scores = torch.randint(0, 4 if trial % 2 else 1000, (3, T), generator=g).float()
+        got = select_topk(scores, k)
+        for r in range(3):
+            assert got[r].tolist() == brute_force(scores[r].tolist(), k), (scores[r], k)
+
+
+def test_masked_positions_never_beat_visible_ones():
+    scores = torch.zeros(2, 10)                      # all visible scores tie at 0
+    masked = causal_mask_scores(scores, torch.tensor([5, 9]))
+    assert select_topk(masked, 4).tolist() == [[2, 3, 4, 5], [6, 7, 8, 9]]
+
+
+def test_decode_rows_skip_the_causal_mask():
+    scores = torch.randn(1, 6)
+    assert causal_mask_scores(scores, torch.tensor([5])) is scores
