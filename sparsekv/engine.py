@@ -38,6 +38,9 @@ class LLMEngine:
         self.model = load_model(config.model, self.dtype, self.device, config.hf_overrides)
         self.model_config: ModelConfig = self.model.cfg
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.page_size = config.kv_page_size
         config.validate_for_model(self.model_config.index_topk)
@@ -171,10 +174,7 @@ class LLMEngine:
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.params
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        if (not params.ignore_eos and token in eos) or token in (params.stop_token_ids or ()):
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ()):
             return "stop"
         if self.tokenizer is not None:
             req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)

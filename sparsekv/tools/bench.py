@@ -76,6 +76,14 @@ def _planner(args, ckpt: str):
     return lambda ctx: predict_decode_step_ms(cfg, ctx, hw, attention_mode=args.attention)
 
 
+def _against_transformers(args, job: dict) -> tuple[dict, dict]:
+    """sparsekv (median of --repeats) and transformers (one run, a few decode steps) on the same job."""
+    ours = _median_runs({**job, "engine": "sparsekv", "attention": args.attention}, args.threads, args.repeats)
+    if job["context"] > args.transformers_max_context:
+        return ours, {"error": "skipped"}
+    return ours, _worker({**job, "engine": "transformers", "steps": 4}, args.threads)
+
+
 def bench_decode(args, ckpt: str) -> list[dict]:
     console, bw = Console(), _machine_bandwidth(args.threads)
     predict = _planner(args, ckpt)
@@ -85,10 +93,7 @@ def bench_decode(args, ckpt: str) -> list[dict]:
         table.add_column(col)
     rows = []
     for ctx in args.contexts:
-        ours = _median_runs({"kind": "decode", "engine": "sparsekv", "ckpt": ckpt, "context": ctx,
-                             "steps": args.steps, "attention": args.attention}, args.threads, args.repeats)
-        ref = ({"error": "skipped"} if ctx > args.transformers_max_context else
-               _worker({"kind": "decode", "engine": "transformers", "ckpt": ckpt, "context": ctx, "steps": 4}, args.threads))
+        ours, ref = _against_transformers(args, {"kind": "decode", "ckpt": ckpt, "context": ctx, "steps": args.steps})
         plan_ms = predict(ctx)
         rows.append({"context": ctx, "sparsekv": ours, "transformers": ref, "plan_ms": plan_ms})
         vs_plan = "-" if "error" in ours else f"{plan_ms:.2f} ({ours['ms'] / plan_ms:.2f})"
@@ -109,10 +114,7 @@ def bench_prefill(args, ckpt: str) -> list[dict]:
         table.add_column(col)
     rows = []
     for ctx in args.contexts:
-        ours = _median_runs({"kind": "prefill", "engine": "sparsekv", "ckpt": ckpt, "context": ctx,
-                             "chunk": args.chunk, "attention": args.attention}, args.threads, args.repeats)
-        ref = ({"error": "skipped"} if ctx > args.transformers_max_context else
-               _worker({"kind": "prefill", "engine": "transformers", "ckpt": ckpt, "context": ctx}, args.threads))
+        ours, ref = _against_transformers(args, {"kind": "prefill", "ckpt": ckpt, "context": ctx, "chunk": args.chunk})
         rows.append({"context": ctx, "sparsekv": ours, "transformers": ref})
         table.add_row(str(ctx), _fmt(ours, "ms", ".0f"), _fmt(ours, "tokens_per_s", ".0f"), _fmt(ours, "peak_rss_mb", ".0f"),
                       _fmt(ref, "ms", ".0f"), _fmt(ref, "tokens_per_s", ".0f"), _fmt(ref, "peak_rss_mb", ".0f"),

@@ -35,6 +35,17 @@ MB = 1e6
 DEVICE = {"device": "cpu"}  # set from --device
 
 
+
+def interleaved_step_ms(engines: dict, steps: int) -> dict[str, list[float]]:
+    """Step every engine round-robin, so load from other processes hits all configurations alike."""
+    times = {name: [] for name in engines}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.step()
+            times[name].append((time.perf_counter() - t0) * 1000)
+    return times
+
 def make_engine(ckpt: str, max_len: int, **options):
     from sparsekv import LLM
     base = dict(max_model_len=max_len, kv_page_size=64, prefill_chunk_tokens=4096, max_num_batched_tokens=4096,
@@ -99,12 +110,7 @@ def measure_together(ckpt: str, context: int, steps: int, configs: dict[str, dic
         synthetic_admit(engine, "bench", context, steps + 4)
         engine.step()  # the first decode step (cold working set) is reported apart
     cold = {name: e.stats() for name, e in engines.items()}
-    times = {name: [] for name in engines}
-    for _ in range(steps):
-        for name, engine in engines.items():
-            t0 = time.perf_counter()
-            engine.step()
-            times[name].append((time.perf_counter() - t0) * 1000)
+    times = interleaved_step_ms(engines, steps)
     rows = {name: _row(context, times[name], cold[name], e.stats(), steps) for name, e in engines.items()}
     del engines
     gc.collect()
@@ -284,12 +290,7 @@ def _interleaved(ckpt: str, context: int, steps: int, submit: int, configs: dict
         engines[name] = make_engine(ckpt, context + steps + 8, **opts)
         admitted[name] = sum(synthetic_admit(engines[name], f"r{i}", context, steps + 4) for i in range(submit))
         engines[name].step()  # first decode step: cold working sets
-    times = {name: [] for name in engines}
-    for _ in range(steps):
-        for name, engine in engines.items():
-            t0 = time.perf_counter()
-            engine.step()
-            times[name].append((time.perf_counter() - t0) * 1000)
+    times = interleaved_step_ms(engines, steps)
     out = {}
     for name, engine in engines.items():
         stats, t = engine.stats(), times[name]
