@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.kernels.attention import causal_mask_scores, select_topk
+from sparsekv.kernels.attention import causal_mask_scores, select_topk, top_values
 
 
 def brute_force(row: list[float], k: int) -> list[int]:
@@ -33,3 +33,31 @@ def test_masked_positions_never_beat_visible_ones():
 def test_decode_rows_skip_the_causal_mask():
     scores = torch.randn(1, 6)
     assert causal_mask_scores(scores, torch.tensor([5])) is scores
+
+
+def test_two_stage_top_values_equal_a_plain_topk_on_long_rows():
+    """Rows long enough for the block path: random, rising (recency), few distinct values, masked tails."""
+    g = torch.Generator().manual_seed(1)
+    T, m = 5000, 17
+    rows = [torch.randn(T, generator=g),
+            torch.arange(T, dtype=torch.float32) + torch.randn(T, generator=g),
+            torch.randint(0, 3, (T,), generator=g).float(),
+            torch.randn(T, generator=g).clamp(min=0)]
+    scores = torch.stack(rows)
+    scores[3, 4000:] = float("-inf")
+    values, idx = top_values(scores, m)
+    assert torch.equal(values, scores.topk(m).values)
+    assert torch.equal(scores.gather(1, idx), values)  # positions hold those values
+
+
+def test_select_topk_on_long_rows_matches_brute_force():
+    g = torch.Generator().manual_seed(2)
+    T, k = 3000, 16
+    scores = torch.stack([torch.randn(T, generator=g),
+                          torch.randint(0, 5, (T,), generator=g).float(),      # ties across the boundary
+                          -torch.randn(T, generator=g).abs().clamp(max=0.5)])  # ReLU-zero-like ties at the top
+    scores[2, ::7] = 0.0
+    got = select_topk(causal_mask_scores(scores, torch.tensor([T - 1, T - 1, 2500])), k)
+    for r in range(3):
+        row = scores[r].tolist()
+        assert got[r].tolist() == brute_force(row, k)

@@ -65,9 +65,21 @@ class LightningIndexer:
         """Index scores [S, T] fp32 for queries q [S, H_I, D_I] against cached keys [T, D_I].
 
         D_I^-1/2 > 0 commutes with the ReLU, so it is folded into the head weights; the ReLU runs
-        in place. Callers pass small query blocks so the [S, H_I, T] intermediate stays in cache.
+        in place. Keys are scored a tile at a time, so the [S, H_I, tile] intermediate stays in
+        cache and the transient stays O(S x T), whatever the context.
         """
-        keys, w = keys.float(), weights * self.head_dim ** -0.5
+        w, total = weights * self.head_dim ** -0.5, keys.shape[0]
+        tile = query_block_size(q.shape[0] * self.n_heads, total, q.device)
+        if tile >= total:
+            return self._score_tile(q, w, keys)
+        out = torch.empty(q.shape[0], total, dtype=torch.float32, device=q.device)
+        for start in range(0, total, tile):
+            out[:, start:start + tile] = self._score_tile(q, w, keys[start:start + tile])
+        return out
+
+    @staticmethod
+    def _score_tile(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        keys = keys.float()
         if q.shape[0] == 1:  # decode: one [H, D] x [D, T] GEMM streams the key cache once
             s = torch.matmul(q[0], keys.t()).relu_()        # [H, T]
             return torch.matmul(w[0], s).unsqueeze(0)
