@@ -39,7 +39,7 @@ def _median_runs(job: dict, threads: int, repeats: int) -> dict:
     if not ok:
         return runs[0]
     out = dict(ok[0])
-    for key in ("ms", "tokens_per_s", "peak_rss_mb", "bytes_per_step"):
+    for key in ("ms", "tokens_per_s", "peak_rss_mb", "bytes_per_step", "decode_ms"):
         if key in out:
             out[key] = statistics.median(r[key] for r in ok)
     return out
@@ -101,23 +101,26 @@ def bench_decode(args, ckpt: str) -> list[dict]:
                       _bandwidth(ours, bw), _fmt(ref, "ms"), _fmt(ref, "peak_rss_mb", ".0f"), _ratio(ref, ours), vs_plan)
     console.print(table)
     ok = [r for r in rows if "error" not in r["sparsekv"]]
-    if len(ok) >= 2:
-        console.print(f"flat decode: step time at {ok[-1]['context']} / at {ok[0]['context']} = "
-                      f"{ok[-1]['sparsekv']['ms'] / ok[0]['sparsekv']['ms']:.2f}x")
+    for r in ok[1:]:
+        console.print(f"flat decode: step time at {r['context']} / at {ok[0]['context']} = "
+                      f"{r['sparsekv']['ms'] / ok[0]['sparsekv']['ms']:.2f}x")
     return rows
 
 
 def bench_prefill(args, ckpt: str) -> list[dict]:
     console = Console()
     table = Table(title=f"prefill, {args.preset}, {args.threads} threads, chunk {args.chunk}")
-    for col in ("context", "sparsekv ms", "tokens/s", "peak RSS MB", "transformers ms", "tokens/s ", "RSS MB", "speed-up"):
+    for col in ("context", "sparsekv ms", "tokens/s", "peak RSS MB", "then decode ms/token", "transformers ms",
+                "tokens/s ", "RSS MB", "speed-up"):
         table.add_column(col)
     rows = []
     for ctx in args.contexts:
-        ours, ref = _against_transformers(args, {"kind": "prefill", "ckpt": ckpt, "context": ctx, "chunk": args.chunk})
+        job = {"kind": "prefill", "ckpt": ckpt, "context": ctx, "chunk": args.chunk, "decode_steps": args.decode_steps}
+        ours, ref = _against_transformers(args, job)
         rows.append({"context": ctx, "sparsekv": ours, "transformers": ref})
+        decode = f"{ours['decode_ms']:.2f}" if "decode_ms" in ours else "-"
         table.add_row(str(ctx), _fmt(ours, "ms", ".0f"), _fmt(ours, "tokens_per_s", ".0f"), _fmt(ours, "peak_rss_mb", ".0f"),
-                      _fmt(ref, "ms", ".0f"), _fmt(ref, "tokens_per_s", ".0f"), _fmt(ref, "peak_rss_mb", ".0f"),
+                      decode, _fmt(ref, "ms", ".0f"), _fmt(ref, "tokens_per_s", ".0f"), _fmt(ref, "peak_rss_mb", ".0f"),
                       _ratio(ref, ours))
     console.print(table)
     return rows
@@ -173,6 +176,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--contexts", default="4K,16K", help="comma-separated token counts, e.g. 4K,16K,128K,1M")
     p.add_argument("--steps", type=int, default=16, help="decode steps measured per run")
     p.add_argument("--chunk", type=int, default=4096, help="prefill chunk tokens")
+    p.add_argument("--decode-steps", type=int, default=0,
+                   help="for `prefill`: then decode this many tokens on the prefilled cache (median ms/token)")
     p.add_argument("--attention", default="sparse", choices=["sparse", "dense"])
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     p.add_argument("--threads", type=int, default=2)
