@@ -26,7 +26,14 @@ class SeqSlice:
     context_len: int          # tokens in the cache once this step has written its new tokens
     slots: torch.Tensor       # [context_len] int64 cache slot of every position
     view: object = None       # the cache view attention reads through (tiering swaps it per request)
-    contiguous_start: int | None = None  # slots[p] == contiguous_start + p for all p: reads can be views
+    # Runs of consecutive slots, (first position, first slot, length), covering positions
+    # 0 .. context_len - 1 in order: long runs are read as views of the pool, with no copy.
+    runs: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def contiguous_start(self) -> int | None:
+        """slots[p] == contiguous_start + p for every position: the whole history is one view."""
+        return self.runs[0][1] if len(self.runs) == 1 else None
 
     @property
     def num_new_tokens(self) -> int:

@@ -11,32 +11,44 @@ from .context import ForwardContext, SeqSlice
 from .scheduler import ScheduledChunk
 
 
+def clip_runs(runs: list[list[int]], num_positions: int) -> tuple[tuple[int, int, int], ...]:
+    """The runs covering positions 0 .. num_positions - 1."""
+    out = []
+    for position, slot, length in runs:
+        if position >= num_positions:
+            break
+        out.append((position, slot, min(length, num_positions - position)))
+    return tuple(out)
+
+
 class ModelRunner:
     def __init__(self, model, cache, page_size: int, attention: str):
         self.model, self.cache, self.page_size, self.attention = model, cache, page_size, attention
         self.device = model.device
         self._offsets = torch.arange(page_size, device=self.device)
-        self._tables: dict[str, tuple[int, torch.Tensor, int | None]] = {}
+        self._tables: dict[str, tuple[int, torch.Tensor, list]] = {}
 
     def slots_of(self, page_ids: list[int], num_positions: int) -> torch.Tensor:
         pages = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         return (pages[:, None] * self.page_size + self._offsets).reshape(-1)[:num_positions]
 
-    def slot_table(self, request_id: str, page_ids: list[int]) -> tuple[torch.Tensor, int | None]:
+    def slot_table(self, request_id: str, page_ids: list[int]) -> tuple[torch.Tensor, list[list[int]]]:
         """All slots of a request's pages, extended incrementally (a 1M-token request has 16K pages),
-        and the first slot when the pages are one consecutive run (then reads need no gather)."""
-        known, slots, start = self._tables.get(request_id, (0, None, None))
+        and their runs of consecutive slots as [first position, first slot, length]."""
+        known, slots, runs = self._tables.get(request_id, (0, None, []))
         if known > len(page_ids):
-            known, slots, start = 0, None, None
+            known, slots, runs = 0, None, []
         if known < len(page_ids):
-            new = page_ids[known:]
-            run = all(b - a == 1 for a, b in zip(new, new[1:]))
-            joins = slots is None or (start is not None and new[0] * self.page_size == int(slots[-1]) + 1)
-            start = new[0] * self.page_size if slots is None and run else (start if run and joins else None)
-            fresh = self.slots_of(new, len(new) * self.page_size)
+            for i in range(known, len(page_ids)):
+                first = page_ids[i] * self.page_size
+                if runs and runs[-1][1] + runs[-1][2] == first:
+                    runs[-1][2] += self.page_size
+                else:
+                    runs.append([i * self.page_size, first, self.page_size])
+            fresh = self.slots_of(page_ids[known:], (len(page_ids) - known) * self.page_size)
             slots = fresh if slots is None else torch.cat([slots, fresh])
-            self._tables[request_id] = (len(page_ids), slots, start)
-        return slots, start
+            self._tables[request_id] = (len(page_ids), slots, runs)
+        return slots, runs
 
     def forget(self, request_id: str) -> None:
         self._tables.pop(request_id, None)
@@ -49,8 +61,8 @@ class ModelRunner:
             start, end = ch.first_position, ch.context_len
             ids.extend(req.token_at(p) for p in range(start, end))
             positions.append(torch.arange(start, end))
-            slots, start = self.slot_table(req.request_id, req.page_ids)
-            seqs.append(SeqSlice(req.request_id, row, row + ch.num_new_tokens, end, slots[:end], contiguous_start=start))
+            slots, runs = self.slot_table(req.request_id, req.page_ids)
+            seqs.append(SeqSlice(req.request_id, row, row + ch.num_new_tokens, end, slots[:end], runs=clip_runs(runs, end)))
             row += ch.num_new_tokens
             if ch.samples:
                 logits_rows.append(row - 1)

@@ -265,3 +265,24 @@ def test_mtp_layer_is_loaded_and_never_breaks_loading(glm_ckpt, tmp_path, random
     _add_mtp_layer(d2, drop="model.layers.4.eh_proj.weight")
     with pytest.raises(CheckpointError, match=r"MTP layer 4 is incomplete; missing model\.layers\.4\.eh_proj\.weight"):
         LLM(d2)
+
+
+def test_reading_history_in_runs_of_pages_is_exact(llm, random_prompt, monkeypatch):
+    """Concurrent requests interleave their page allocations, so a request's history is several runs
+    of consecutive slots. Reading long runs as views (no gather) must give what one gather gives."""
+    import sparsekv.cache.pool as pool
+    prompts = [random_prompt(n, seed=n) for n in (45, 70, 33)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
+    monkeypatch.setattr(pool, "MIN_VIEW_RUN", 1 << 30)     # every run gathered
+    gathered = llm.generate(prompts, params)
+    monkeypatch.setattr(pool, "MIN_VIEW_RUN", 8)           # runs of >= 2 pages read as views
+    seen = []
+    real = pool.history_segments
+    monkeypatch.setattr(pool, "history_segments", lambda t, s: seen.append(len(s.runs)) or real(t, s))
+    views = llm.generate(prompts, params)
+    assert max(seen) > 1, "the scenario must produce histories of several runs"
+    for a, b in zip(gathered, views):
+        assert a.token_ids == b.token_ids
+        for da, db in zip(a.logprobs, b.logprobs):
+            assert da.keys() == db.keys() and max(abs(da[t] - db[t]) for t in da) < 1e-6
+    _idle(llm)

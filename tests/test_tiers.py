@@ -185,3 +185,29 @@ def test_tiering_is_exact_on_cuda(ckpt):
     outs, llm = generate(ckpt["glm_moe_dsa"], device="cuda", kv_tiering=True, device_buffer_tokens=TOPK)
     assert_same(reference, outs)
     assert llm.stats()["tier_misses"] > 0
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_index_key_segments_cover_the_history_in_order(fp8, monkeypatch):
+    """Views of long runs and one gather of the rest hold exactly the keys a full gather reads."""
+    import sparsekv.cache.pool as pool
+    from sparsekv.cache.tiers import IndexKeyCache
+    from sparsekv.context import SeqSlice
+    monkeypatch.setattr(pool, "MIN_VIEW_RUN", 8)
+    cache = IndexKeyCache([0], num_slots=64, dim=4, dtype=torch.float32, device="cpu", fp8=fp8)
+    cache.write(0, torch.arange(64), torch.randn(64, 4))
+    runs = ((0, 40, 12), (12, 8, 4), (16, 20, 10))          # a long run, a short one, a long one
+    slots = torch.cat([torch.arange(s, s + n) for _, s, n in runs])
+    seq = SeqSlice("r", 0, 1, 26, slots, runs=runs)
+    rebuilt = torch.empty(26, 4)
+    kinds = []
+    for positions, keys in cache.segments(0, seq):
+        kinds.append(type(positions).__name__)
+        if isinstance(positions, int):
+            rebuilt[positions:positions + keys.shape[0]] = keys
+        else:
+            rebuilt[positions] = keys
+    expected = cache.keys[0][slots].float() if not fp8 else (
+        cache.keys[0][slots].view(torch.float8_e4m3fn).float() * cache.scales[0][slots][:, None])
+    assert kinds == ["int", "int", "Tensor"]
+    assert torch.equal(rebuilt, expected)

@@ -11,6 +11,28 @@ from ..config import ModelConfig
 from ..context import SeqSlice
 
 
+MIN_VIEW_RUN = 1024  # shorter runs of consecutive slots are gathered together (one copy, one op)
+
+
+def history_segments(table: torch.Tensor, seq: SeqSlice) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
+    """A request's rows of `table` as (positions, rows) pieces covering its whole history.
+
+    Long runs of consecutive slots are views (positions: the first one, an int), so a scan over the
+    history copies nothing even when pages were appended out of order (concurrent decodes interleave
+    their page allocations); the short runs are gathered into one piece (positions: a tensor).
+    """
+    pieces, short = [], []
+    for position, slot, length in seq.runs:
+        if length >= MIN_VIEW_RUN:
+            pieces.append((position, table.narrow(0, slot, length)))
+        else:
+            short.append(torch.arange(position, position + length))
+    if short:
+        positions = torch.cat(short).to(seq.slots.device)
+        pieces.append((positions, table.index_select(0, seq.slots[positions])))
+    return pieces
+
+
 class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device, layers: list[int], indexer_layers: list[int]):
@@ -44,8 +66,8 @@ class KVPool:
     def latent_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
         return self._history(self.latent[layer], seq)
 
-    def index_keys_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
-        return self._history(self.index_keys[layer], seq)
+    def index_key_segments(self, layer: int, seq: SeqSlice) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
+        return history_segments(self.index_keys[layer], seq)
 
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim]: only k entries are read."""

@@ -34,6 +34,7 @@ from .host_store import HostLink, HostStore, make_host_store
 from .lru import (TierCounters, TierSizes, WorkingSetLRU, index_bytes_per_token, latent_bytes_per_token,
                   plan_tier_sizes)
 from .pages import PageAllocator
+from .pool import history_segments
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -60,15 +61,17 @@ class IndexKeyCache:
         self.keys[layer].index_copy_(0, slots, q)
         self.scales[layer].index_copy_(0, slots, scale)
 
-    def read(self, layer: int, seq: SeqSlice) -> torch.Tensor:
-        start = getattr(seq, "contiguous_start", None)
-        if start is not None and not self.fp8:  # one run of pages: a view, as the untiered pool reads
-            return self.keys[layer].narrow(0, start, seq.context_len)
-        k = self.keys[layer].index_select(0, seq.slots)
+    def segments(self, layer: int, seq: SeqSlice) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
+        """The request's keys as (positions, keys) pieces (see pool.history_segments); fp8 dequantised."""
+        pieces = history_segments(self.keys[layer], seq)
         if not self.fp8:
-            return k
-        scale = self.scales[layer].index_select(0, seq.slots)
-        return (k.view(torch.float8_e4m3fn).float() * scale[:, None]).to(self.dtype)
+            return pieces
+        return [(pos, self._dequantise(layer, seq, pos, k)) for pos, k in pieces]
+
+    def _dequantise(self, layer: int, seq: SeqSlice, positions, raw: torch.Tensor) -> torch.Tensor:
+        slots = seq.slots[positions:positions + raw.shape[0]] if isinstance(positions, int) else seq.slots[positions]
+        scale = self.scales[layer].index_select(0, slots)
+        return (raw.view(torch.float8_e4m3fn).float() * scale[:, None]).to(self.dtype)
 
 
 @dataclass
@@ -172,8 +175,8 @@ class TieredKVPool:
         self.index.write(layer, slots, values)
 
     # -- reads ---------------------------------------------------------------------------------
-    def index_keys_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
-        return self.index.read(layer, seq)
+    def index_key_segments(self, layer: int, seq: SeqSlice) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
+        return self.index.segments(layer, seq)
 
     def latent_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
         if seq.request_id in self._step.decoding:

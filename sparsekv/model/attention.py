@@ -61,14 +61,31 @@ class LightningIndexer:
         weights = F.linear(x.float(), self.w.weights_proj).float() * self.n_heads ** -0.5
         return self._rotate(q, cos, sin).float(), weights
 
-    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """Index scores [S, T] fp32 for queries q [S, H_I, D_I] against cached keys [T, D_I].
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, segments, total: int) -> torch.Tensor:
+        """Index scores [S, total] fp32 of queries q [S, H_I, D_I] against the first `total` positions.
 
-        D_I^-1/2 > 0 commutes with the ReLU, so it is folded into the head weights; the ReLU runs
-        in place. Keys are scored a tile at a time, so the [S, H_I, tile] intermediate stays in
-        cache and the transient stays O(S x T), whatever the context.
+        `segments` are (positions, keys [n, D_I]) pieces of the key history (`history_segments`):
+        an int first position for a view of consecutive positions, a tensor of positions otherwise.
+        D_I^-1/2 > 0 commutes with the ReLU, so it is folded into the head weights; the ReLU runs in
+        place. Keys are scored a tile at a time, so the [S, H_I, tile] intermediate stays in cache.
         """
-        w, total = weights * self.head_dim ** -0.5, keys.shape[0]
+        w = weights * self.head_dim ** -0.5
+        first, keys = segments[0]
+        if len(segments) == 1 and isinstance(first, int) and keys.shape[0] >= total:
+            return self._score_tiles(q, w, keys[:total])          # one view: no output copy
+        out = torch.empty(q.shape[0], total, dtype=torch.float32, device=q.device)
+        for positions, keys in segments:
+            if isinstance(positions, int):
+                n = min(keys.shape[0], total - positions)
+                if n > 0:
+                    out[:, positions:positions + n] = self._score_tiles(q, w, keys[:n])
+            else:
+                visible = positions < total
+                out[:, positions[visible]] = self._score_tiles(q, w, keys[visible])
+        return out
+
+    def _score_tiles(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        total = keys.shape[0]
         tile = query_block_size(q.shape[0] * self.n_heads, total, q.device)
         if tile >= total:
             return self._score_tile(q, w, keys)
@@ -86,13 +103,14 @@ class LightningIndexer:
         s = torch.matmul(q, keys.t()).relu_()              # [S, H, T]
         return torch.bmm(w.unsqueeze(1), s).squeeze(1)
 
-    def select(self, q, weights, keys, query_positions, k: int) -> torch.Tensor:
+    def select(self, q, weights, segments, query_positions, k: int) -> torch.Tensor:
         """Sorted top-k positions [S, k] for each query; peak memory O(block x T), never T x T.
 
         Rows that see at most k positions select all of them (positions 0..k-1, the later ones
         masked as invalid by the caller), exactly the reference's dense regime.
         """
-        out, step = [], index_query_block(q.device, self.n_heads, keys.shape[0])
+        total = sum(keys.shape[0] for _, keys in segments)
+        out, step = [], index_query_block(q.device, self.n_heads, total)
         for i in range(0, q.shape[0], step):
             positions = query_positions[i:i + step]
             visible = int(positions.max()) + 1  # no key after the block's last query is visible to it
@@ -100,7 +118,7 @@ class LightningIndexer:
                 out.append(torch.arange(k, device=q.device).expand(positions.shape[0], k))
                 continue
             block = slice(i, i + step)
-            scores = causal_mask_scores(self.scores(q[block], weights[block], keys[:visible]), positions)
+            scores = causal_mask_scores(self.scores(q[block], weights[block], segments, visible), positions)
             out.append(select_topk(scores, k))
         return torch.cat(out)
 
@@ -145,26 +163,56 @@ class MLAttention:
             index_q = self.selector.prepare(self.layer_idx, ctx, x, q_resid, latent, cache)
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # W_UK absorbed: [N, H, C]
         q_cat = torch.cat([q_lat, q_rot], dim=-1)
-        out = q_cat.new_empty(n, cfg.num_attention_heads, cfg.v_head_dim)
+        o_lat = self._attention(q_cat, index_q, ctx, cache)
+        out = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # W_UV after attention, all rows
+        return F.linear(out.reshape(n, -1), w.o)
+
+    def _attention(self, q: torch.Tensor, index_q, ctx: ForwardContext, cache) -> torch.Tensor:
+        """Latent attention output [N, H, C] for every row of the step.
+
+        Decode rows in the sparse regime attend to exactly k gathered entries each, so their
+        attention runs as one batch for the whole step; selection and gathering stay per request
+        (each request has its own keys, and the tiered cache resolves per request).
+        """
+        o_lat = q.new_empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank)
+        decode_rows, decode_keys, decode_valid = [], [], []
         for seq in ctx.seqs:
             rows = slice(seq.token_start, seq.token_end)
             iq = None if self.selector is None else self.selector.rows(index_q, rows)
-            o_lat = self._attend(seq, q_cat[rows], ctx.positions[rows], iq, ctx, cache)
-            out[rows] = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # W_UV after attention
-        return F.linear(out.view(n, -1), w.o)
+            q_seq, positions = q[rows], ctx.positions[rows]
+            if seq.num_new_tokens > 1 or not self._sparse(seq, ctx):
+                o_lat[rows] = self._attend(seq, q_seq, positions, iq, ctx, cache)
+                continue
+            selected = self._select(seq, q_seq, positions, iq, ctx, cache)
+            decode_rows.append(seq.token_start)
+            decode_keys.append(cache.gather_latent(self.layer_idx, seq, selected))  # [1, k, D]
+            decode_valid.append(selected <= positions[:, None])
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=q.device)
+            o_lat[rows] = latent_attention(q[rows], torch.cat(decode_keys), torch.cat(decode_valid), self.scale,
+                                           self.cfg.kv_lora_rank)
+        return o_lat
+
+    def _sparse(self, seq: SeqSlice, ctx) -> bool:
+        return ctx.attention != "dense" and seq.context_len > self.cfg.index_topk
 
     def _attend(self, seq: SeqSlice, q: torch.Tensor, positions: torch.Tensor, index_q, ctx, cache):
-        k = self.cfg.index_topk
-        if ctx.attention == "dense" or seq.context_len <= k:
+        if not self._sparse(seq, ctx):
             return self._attend_dense(seq, q, positions, cache)
+        selected = self._select(seq, q, positions, index_q, ctx, cache)
+        return self._attend_selected(seq, q, positions, selected, cache)
+
+    def _select(self, seq: SeqSlice, q: torch.Tensor, positions: torch.Tensor, index_q, ctx, cache) -> torch.Tensor:
+        """This layer's selection for the request: its own (full layer) or its group's (shared layer)."""
         if self.selector is not None:
-            ctx.selection[seq.request_id] = self.selector.select(self.layer_idx, seq, index_q, q, positions, k, cache)
+            ctx.selection[seq.request_id] = self.selector.select(self.layer_idx, seq, index_q, q, positions,
+                                                                 self.cfg.index_topk, cache)
         selected = ctx.selection.get(seq.request_id)
         if selected is None:
             raise RuntimeError(f"layer {self.layer_idx} is 'shared' but no earlier full layer selected tokens")
         if ctx.record_selection is not None:
             ctx.record_selection(self.layer_idx, seq, selected)
-        return self._attend_selected(seq, q, positions, selected, cache)
+        return selected
 
     def _attend_dense(self, seq, q, positions, cache) -> torch.Tensor:
         keys = cache.latent_for(self.layer_idx, seq)             # [T, D]

@@ -53,8 +53,7 @@ class DSASelector(TokenSelector):
         return state[0][rows], state[1][rows]
 
     def select(self, layer, seq, state, q, positions, k, cache):
-        keys = cache.index_keys_for(layer, seq)
-        return self.indexer.select(*state, keys, positions, k)
+        return self.indexer.select(*state, cache.index_key_segments(layer, seq), positions, k)
 
 
 class QuestSelector(TokenSelector):

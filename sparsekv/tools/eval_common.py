@@ -63,7 +63,7 @@ def sequence_logits(model, ids: list[int], attention: str = "sparse", record=Non
     cache = KVPool(cfg, pages, page_size, model.dtype, model.device, list(range(cfg.num_hidden_layers)),
                    cfg.full_layers)
     slots = torch.arange(n)
-    ctx = ForwardContext(torch.tensor(ids), torch.arange(n), slots, [SeqSlice("eval", 0, n, n, slots)],
+    ctx = ForwardContext(torch.tensor(ids), torch.arange(n), slots, [SeqSlice("eval", 0, n, n, slots, runs=((0, 0, n),))],
                          torch.arange(n), attention, record_selection=record)
     return model.forward(ctx, cache)
 
