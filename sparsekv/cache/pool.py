@@ -73,3 +73,8 @@ class KVPool:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim]: only k entries are read."""
         rows = seq.slots[positions.reshape(-1)]
         return self.latent[layer].index_select(0, rows).view(*positions.shape, -1)
+
+    def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
+        """One decode row per request, its k selected positions [1, k] each -> [B, k, latent_dim], one gather."""
+        rows = torch.cat([seq.slots[positions.reshape(-1)] for seq, positions in picks])
+        return self.latent[layer].index_select(0, rows).view(len(picks), picks[0][1].shape[-1], -1)

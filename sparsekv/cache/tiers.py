@@ -190,6 +190,11 @@ class TieredKVPool:
             return self.ws[layer].index_select(0, rows).view(*positions.shape, -1)
         return self._stream(layer, seq, seq.slots[positions.reshape(-1)]).view(*positions.shape, -1)
 
+    def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
+        """One decode row per request -> [B, k, latent_dim]: resolved per request, read in one gather."""
+        rows = torch.cat([self._rows_for(layer, seq, positions.reshape(-1).tolist()) for seq, positions in picks])
+        return self.ws[layer].index_select(0, rows).view(len(picks), picks[0][1].shape[-1], -1)
+
     def _stream(self, layer: int, seq: SeqSlice, slots: torch.Tensor) -> torch.Tensor:
         self._count(seq.request_id, h2d=slots.numel() * self.host.row_bytes)
         return self.link.read(layer, slots)

@@ -175,7 +175,7 @@ class MLAttention:
         (each request has its own keys, and the tiered cache resolves per request).
         """
         o_lat = q.new_empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank)
-        decode_rows, decode_keys, decode_valid = [], [], []
+        decode_rows, picks, valid = [], [], []
         for seq in ctx.seqs:
             rows = slice(seq.token_start, seq.token_end)
             iq = None if self.selector is None else self.selector.rows(index_q, rows)
@@ -185,12 +185,12 @@ class MLAttention:
                 continue
             selected = self._select(seq, q_seq, positions, iq, ctx, cache)
             decode_rows.append(seq.token_start)
-            decode_keys.append(cache.gather_latent(self.layer_idx, seq, selected))  # [1, k, D]
-            decode_valid.append(selected <= positions[:, None])
+            picks.append((seq, selected))
+            valid.append(selected <= positions[:, None])
         if decode_rows:
             rows = torch.tensor(decode_rows, device=q.device)
-            o_lat[rows] = latent_attention(q[rows], torch.cat(decode_keys), torch.cat(decode_valid), self.scale,
-                                           self.cfg.kv_lora_rank)
+            keys = cache.gather_decode_latents(self.layer_idx, picks)                 # [B, k, D]
+            o_lat[rows] = latent_attention(q[rows], keys, torch.cat(valid), self.scale, self.cfg.kv_lora_rank)
         return o_lat
 
     def _sparse(self, seq: SeqSlice, ctx) -> bool:
