@@ -191,9 +191,13 @@ class TieredKVPool:
         return self._stream(layer, seq, seq.slots[positions.reshape(-1)]).view(*positions.shape, -1)
 
     def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
-        """One decode row per request -> [B, k, latent_dim]: resolved per request, read in one gather."""
-        rows = torch.cat([self._rows_for(layer, seq, positions.reshape(-1).tolist()) for seq, positions in picks])
-        return self.ws[layer].index_select(0, rows).view(len(picks), picks[0][1].shape[-1], -1)
+        """One decode row per request -> [B, k, latent_dim]. The whole batch is resolved together: one
+        device -> host read of the selections, one host -> device copy of every request's misses."""
+        k = picks[0][1].shape[-1]
+        flat = torch.cat([positions.reshape(-1) for _, positions in picks]).tolist()
+        seqs = [seq for seq, _ in picks]
+        rows = self._batch_rows_for(layer, seqs, [flat[i * k:(i + 1) * k] for i in range(len(seqs))])
+        return self.ws[layer].index_select(0, rows).view(len(picks), k, -1)
 
     def _stream(self, layer: int, seq: SeqSlice, slots: torch.Tensor) -> torch.Tensor:
         self._count(seq.request_id, h2d=slots.numel() * self.host.row_bytes)
@@ -201,18 +205,32 @@ class TieredKVPool:
 
     # -- resolution ----------------------------------------------------------------------------
     def _rows_for(self, layer: int, seq: SeqSlice, positions: list[int]) -> torch.Tensor:
+        return self._batch_rows_for(layer, [seq], [positions])
+
+    def _batch_rows_for(self, layer: int, seqs: list[SeqSlice], positions: list[list[int]]) -> torch.Tensor:
+        """Device rows of each request's positions, concatenated. A full layer resolves them; its
+        shared layers replay the plan (their copies were issued with the full layer's)."""
         leader = self.leader[layer]
-        key = (seq.request_id, leader)
+        key = (tuple(seq.request_id for seq in seqs), leader)
         if layer == leader or key not in self._step.plans:
-            self._step.plans[key] = self._resolve(leader, seq, positions)
+            self._step.plans[key] = self._resolve(leader, seqs, positions)
         else:
             self.link.wait(layer)
         rows = self._step.plans[key]
-        assert rows.numel() == len(positions), "a shared layer read other positions than its full layer"
+        assert rows.numel() == sum(map(len, positions)), "a shared layer read other positions than its full layer"
         return rows
 
-    def _resolve(self, leader: int, seq: SeqSlice, positions: list[int]) -> torch.Tensor:
-        """LRU-resolve `positions` for the whole group; copy the misses; return their device rows."""
+    def _resolve(self, leader: int, seqs: list[SeqSlice], positions: list[list[int]]) -> torch.Tensor:
+        """LRU-resolve every request's positions for the whole group; copy all misses at once."""
+        rows, src, dst = [], [], []
+        for seq, pos in zip(seqs, positions):
+            rows += self._plan(leader, seq, pos, src, dst)
+        if src:
+            self.link.fetch(self.groups[leader], torch.tensor(src), self.ws, self.link.index(dst))
+        return self.link.index(rows)
+
+    def _plan(self, leader: int, seq: SeqSlice, positions: list[int], src: list[int], dst: list[int]) -> list[int]:
+        """One request's working-set rows for `positions`; appends its misses' host slots and rows."""
         ws, newest, group = self._resident[seq.request_id], seq.context_len - 1, self.groups[leader]
         older = [p for p in positions if p != newest]
         if len(older) > self.capacity:
@@ -220,15 +238,13 @@ class TieredKVPool:
         res = ws.lrus[leader].resolve(older)
         slot_of = dict(zip(older, res.slots))
         base = self._base(ws)
-        rows = self.link.index([base + slot_of.get(p, self.capacity) for p in positions])
         hits = res.hits + (len(older) < len(positions))  # the newest token is a hit on its own row
         self._count(seq.request_id, hits=hits * len(group), misses=len(res.misses) * len(group),
                     h2d=len(res.misses) * len(group) * self.host.row_bytes)
-        if res.misses:
-            pages, ps = self._step.decoding[seq.request_id], self.page_size
-            src = torch.tensor([pages[p // ps] * ps + p % ps for p, _ in res.misses])
-            self.link.fetch(group, src, self.ws, self.link.index([base + s for _, s in res.misses]))
-        return rows
+        pages, ps = self._step.decoding[seq.request_id], self.page_size
+        src += [pages[p // ps] * ps + p % ps for p, _ in res.misses]
+        dst += [base + s for _, s in res.misses]
+        return [base + slot_of.get(p, self.capacity) for p in positions]
 
     def _promote(self, ws: _WorkingSet) -> None:
         """Last step's newest token is on the device: keep it, as most recently used (no host traffic)."""
