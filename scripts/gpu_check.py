@@ -1,15 +1,19 @@
 """One prepared accelerator check (run by hand on a lent GPU; CI never runs it).
 
-  python scripts/gpu_check.py CKPT OUT.json [cuda|cpu] [--long N]
+  python scripts/gpu_check.py CKPT OUT.json [cuda|cpu] [--long N] [--tiers]
 
 1. exactness on the device: greedy tokens and logprobs of the engine on the device against the
    engine on the CPU (float32) for a prompt far longer than index_topk, with chunked prefill;
 2. decode step time at 4K / 128K / 1M cached tokens (synthetic cache, as `sparsekv bench decode`);
-3. a real N-token prefill (default 1M) followed by 32 decode tokens: time and peak device memory.
+3. a real N-token prefill (default 1M) followed by 32 decode tokens: time and peak device memory;
+4. with --tiers: the CUDA tiering exactness test, and issue 3's fixed-device-budget benchmark
+   (`sparsekv bench tiers --concurrency`: admitted, aggregate decode tokens/s and p99 at
+   concurrency 1, tiering on vs off), written to OUT.tiers.json.
 """
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 
@@ -57,8 +61,20 @@ def main() -> None:
     print(result, flush=True)
     result["long_prefill"] = long_prefill(ckpt, device, n)
     print(result, flush=True)
+    if "--tiers" in sys.argv:
+        result["tiers"] = tiers(ckpt, device, out_path.removesuffix(".json") + ".tiers.json")
+        print(result, flush=True)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def tiers(ckpt: str, device: str, out_path: str) -> dict:
+    test = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_tiers.py", "-k", "cuda"],
+                          capture_output=True, text=True)
+    bench = subprocess.run(["sparsekv", "bench", "tiers", "--concurrency", "--model", ckpt, "--device", device,
+                            "--threads", "16", "--json", out_path], capture_output=True, text=True)
+    return {"cuda_exactness_test": test.stdout.strip().splitlines()[-1:], "bench_rc": bench.returncode,
+            "bench_tail": bench.stdout.strip().splitlines()[-3:]}
 
 
 if __name__ == "__main__":
