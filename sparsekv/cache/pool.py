@@ -21,16 +21,24 @@ def history_segments(table: torch.Tensor, seq: SeqSlice) -> list[tuple[int | tor
     history copies nothing even when pages were appended out of order (concurrent decodes interleave
     their page allocations); the short runs are gathered into one piece (positions: a tensor).
     """
-    pieces, short = [], []
+    pieces, starts, lengths = [], [], []
     for position, slot, length in seq.runs:
         if length >= MIN_VIEW_RUN:
             pieces.append((position, table.narrow(0, slot, length)))
         else:
-            short.append(torch.arange(position, position + length))
-    if short:
-        positions = torch.cat(short).to(seq.slots.device)
+            starts.append(position)
+            lengths.append(length)
+    if starts:
+        positions = _concat_ranges(starts, lengths).to(seq.slots.device)
         pieces.append((positions, table.index_select(0, seq.slots[positions])))
     return pieces
+
+
+def _concat_ranges(starts: list[int], lengths: list[int]) -> torch.Tensor:
+    """cat(arange(s, s + n) for s, n) in a fixed number of ops, however many ranges."""
+    start, length = torch.tensor(starts), torch.tensor(lengths)
+    offset = length.cumsum(0) - length
+    return torch.arange(int(length.sum())) + torch.repeat_interleave(start - offset, length)
 
 
 class KVPool:

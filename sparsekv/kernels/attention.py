@@ -47,8 +47,9 @@ def top_values(scores: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor
 
     torch.topk on a CPU degrades to O(T log m) with expensive heap updates on rows that trend upward,
     which recency makes common in index scores (20x slower on a rising row of 8K). So: the maximum
-    of each block of B positions (strided), the m best blocks by maximum, then top-m within them; B ~ sqrt(T/m)
-    balances the two smaller top-ks.
+    of each block of B positions, the m best blocks by maximum, then the top m within them;
+    B ~ sqrt(T / m) balances the two smaller top-ks.
+
     Exact as a multiset of values: any value outside the m best blocks is <= the m-th best block
     maximum, and those m blocks hold m values at least that large. Among equal values the positions
     may differ from a plain topk's, which only `select_topk`'s tie-break (on full rows) relies on.
