@@ -10,6 +10,7 @@ import torch
 from .cache.pages import PageAllocator
 from .cache.pool import KVPool
 from .config import EngineConfig, ModelConfig
+from .detokenize import IncrementalDetokenizer, find_stop
 from .model.checkpoint import load_model
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
 from .runner import ModelRunner
@@ -175,17 +176,33 @@ class LLMEngine:
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.params
         if (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ()):
+            self._final_text(req, req.output_token_ids[:-1])  # the stop token is not part of the text
             return "stop"
-        if self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            for stop in params.stop_strings:
-                cut = req.text.find(stop)
-                if cut >= 0:
-                    req.text = req.text[:cut]
-                    return "stop"
+        if self.tokenizer is not None and self._stop_string_completed(req):
+            return "stop"
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            self._final_text(req, req.output_token_ids)
             return "length"
         return None
+
+    def _final_text(self, req: Request, token_ids: list[int]) -> None:
+        if self.tokenizer is not None:
+            req.text = self._detokenizer(req).finish(token_ids)
+
+    def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
+        if req.detokenizer is None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        return req.detokenizer
+
+    def _stop_string_completed(self, req: Request) -> bool:
+        """Update the request's text incrementally; on a stop string, cut the exact full text there."""
+        new = self._detokenizer(req).update(req.output_token_ids)
+        req.text = req.detokenizer.text
+        if not new or find_stop(req.text, len(new), req.params.stop_strings) < 0:
+            return False
+        full = req.detokenizer.finish(req.output_token_ids)
+        req.text = full[:find_stop(full, len(full), req.params.stop_strings)]
+        return True
 
     def _release(self, req: Request, status: RequestStatus, reason: str) -> None:
         # NOTE: figures are taken before the pages are freed; the final output reports them.

@@ -105,6 +105,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     text: str = ""
+    detokenizer: object = None  # detokenize.IncrementalDetokenizer once the request has output
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,67 @@
+"""Incremental detokenization: the streamed text is always a prefix of the full decode, the final text
+is exactly the full decode, and stop strings are found in the tail as a full search finds them."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sparsekv.detokenize import IncrementalDetokenizer, find_stop
+from sparsekv.engine import load_tokenizer
+from sparsekv.paths import default_model_path
+
+TEXT = "def f(x):\n    return x  # héllo wörld — 日本語 ✓ naïve café\n\tprint('ok')  \n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(default_model_path())
+
+
+def test_streamed_text_is_a_prefix_and_final_text_is_exact(tokenizer):
+    rng = random.Random(0)
+    ids = tokenizer.encode(TEXT * 3, add_special_tokens=False)
+    ids += [rng.randrange(tokenizer.vocab_size) for _ in range(200)]  # arbitrary tokens, split characters
+    detok = IncrementalDetokenizer(tokenizer)
+    for n in range(1, len(ids) + 1):
+        new = detok.update(ids[:n])
+        full = tokenizer.decode(ids[:n], skip_special_tokens=True)
+        assert full.startswith(detok.text) and detok.text.endswith(new)
+        assert not new.endswith("\ufffd")  # half a character waits for the rest
+    assert detok.finish(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_text_keeps_up_with_complete_characters(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    for n in range(1, len(ids) + 1):
+        detok.update(ids[:n])
+    assert detok.text == TEXT  # nothing left pending once the text ends on a whole character
+
+
+def test_find_stop_in_the_tail_matches_a_full_search():
+    rng = random.Random(1)
+    for _ in range(500):
+        text = "".join(rng.choice("ab\n") for _ in range(rng.randrange(1, 30)))
+        stops = ["".join(rng.choice("ab\n") for _ in range(rng.randrange(1, 4))) for _ in range(2)]
+        # simulate steps: the first step at which a stop appears must report its first occurrence
+        seen = -1
+        for end in range(1, len(text) + 1):
+            found = find_stop(text[:end], 1, stops)
+            if found >= 0:
+                seen = found
+                break
+        first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        assert seen == first
+
+
+def test_engine_text_is_the_full_decode_and_stops_cut_exactly(tokenizer):
+    from sparsekv import LLM, SamplingParams
+    llm = LLM(default_model_path(), max_model_len=256)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+    out = llm.generate(["def fibonacci(n):"], greedy)[0]
+    assert out.finish_reason == "length"
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    stop = out.text[len(out.text) // 2:len(out.text) // 2 + 3]
+    cut = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == out.text[:out.text.index(stop)]
