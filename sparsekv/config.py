@@ -254,6 +254,8 @@ class EngineConfig:
     selector: str = "dsa"                      # token selector: 'dsa' (lightning indexer) or 'quest'
     quest_page_tokens: int = 16
     indexer_key_dtype: str = "auto"            # 'auto' (the model dtype) or 'fp8_e4m3' (tiering only)
+    # Speculative decoding with the checkpoint's MTP layer (speculative.py): draft tokens per step.
+    num_speculative_tokens: int = 0
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -267,6 +269,12 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ConfigError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")
+        if self.num_speculative_tokens not in (0, 1):
+            raise ConfigError(f"num_speculative_tokens must be 0 (off) or 1 (one MTP draft per step; longer "
+                              f"draft chains are not implemented yet), got {self.num_speculative_tokens!r}")
+        if self.num_speculative_tokens and self.kv_tiering:
+            raise ConfigError("num_speculative_tokens with kv_tiering is not supported yet: the MTP layer's cache "
+                              "has no working set")
         self._validate_tiering()
 
     def _validate_tiering(self) -> None:

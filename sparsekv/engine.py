@@ -9,7 +9,7 @@ import torch
 
 from .cache.pages import PageAllocator
 from .cache.pool import KVPool
-from .config import EngineConfig, ModelConfig
+from .config import ConfigError, EngineConfig, ModelConfig
 from .detokenize import IncrementalDetokenizer, find_stop
 from .model.checkpoint import load_model
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
@@ -51,6 +51,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.page_size, config.attention)
+        self.speculator = None
+        if config.num_speculative_tokens:
+            from .speculative import Speculator
+            try:
+                self.speculator = Speculator(self.model, self.runner, self.cache)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self._generators: dict[str, torch.Generator] = {}
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
@@ -63,8 +70,9 @@ class LLMEngine:
             cache = build_tiered_cache(config, self.model, self.dtype, self.device, self._num_pages())
             return cache, PageAllocator(cache.sizes.num_pages, self.page_size)
         allocator = PageAllocator(self._num_pages(), self.page_size)
+        mtp = [cfg.num_hidden_layers] if config.num_speculative_tokens and self.model.mtp is not None else []
         cache = KVPool(cfg, allocator.num_pages, self.page_size, self.dtype, self.device,
-                       list(range(cfg.num_hidden_layers)), cfg.full_layers)
+                       list(range(cfg.num_hidden_layers)) + mtp, cfg.full_layers + mtp)
         if config.selector == "quest":
             from .model.selectors import install_quest
             install_quest(self.model, config, allocator.num_pages * self.page_size, self.device)
@@ -148,21 +156,37 @@ class LLMEngine:
             ch.request.first_scheduled_time = ch.request.first_scheduled_time or now
         if self.tiered:
             self.cache.begin_step(chunks)
-        logits = self.runner.execute(chunks)
+        logits, hidden = self.runner.execute(chunks)
         self.counters["steps"] += 1
         outputs, row = [], 0
         for ch in chunks:
             req = ch.request
-            req.num_computed_tokens += ch.num_new_tokens
+            req.num_computed_tokens += ch.num_new_tokens - ch.num_draft_tokens
             self.counters["prompt_tokens"] += max(0, min(ch.context_len, req.num_prompt_tokens) - ch.first_position)
             if ch.samples:
-                outputs.append(self._append_token(req, logits[row]))
-                row += 1
+                rows = 1 + ch.num_draft_tokens
+                outputs.append(self._sample(req, logits[row:row + rows]))
+                row += rows
+        if self.speculator is not None:
+            self.speculator.draft(chunks, hidden, self._generators)
         return outputs
 
-    def _append_token(self, req: Request, logits: torch.Tensor) -> RequestOutput:
+    def _sample(self, req: Request, logits: torch.Tensor) -> RequestOutput:
+        """The step's new token(s): one sampled, or a verified draft (speculative.py) plus one more."""
+        gen = self._generators[req.request_id]
+        if logits.shape[0] == 1:
+            return self._output(req, self._emit(req, sample_token(logits[0], req.params, gen), logits[0]))
+        token, accepted = self.speculator.verify(req, logits[0], gen)
+        req.draft_token_ids.clear()
+        new = self._emit(req, token, logits[0])
+        if accepted:
+            req.num_computed_tokens += 1  # the draft's position holds the accepted token's entries
+            if not req.finished:
+                new += self._emit(req, sample_token(logits[1], req.params, gen), logits[1])
+        return self._output(req, new)
+
+    def _emit(self, req: Request, token: int, logits: torch.Tensor) -> list[int]:
         params = req.params
-        token = sample_token(logits, params, self._generators[req.request_id])
         if params.logprobs is not None:
             req.output_logprobs.append(token_logprobs(torch.log_softmax(logits, -1), token, params.logprobs))
         req.output_token_ids.append(token)
@@ -171,7 +195,7 @@ class LLMEngine:
         reason = self._finish_reason(req, token)
         if reason:
             self._release(req, RequestStatus.FINISHED, reason)
-        return self._output(req, [token])
+        return [token]
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.params
@@ -207,11 +231,14 @@ class LLMEngine:
     def _release(self, req: Request, status: RequestStatus, reason: str) -> None:
         # NOTE: figures are taken before the pages are freed; the final output reports them.
         self._final_metrics[req.request_id] = self.request_metrics(req)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
         if self.tiered:
             self.cache.release(req.request_id)
         self.scheduler.finish(req, status, reason)
         self.runner.forget(req.request_id)
         self._generators.pop(req.request_id, None)
+        req.draft_token_ids.clear()
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.text,
@@ -223,6 +250,10 @@ class LLMEngine:
         final = self._final_metrics.pop(req.request_id, None) if req.finished else None
         if final:
             return final
+        spec = self.speculator.request_metrics(req.request_id) if self.speculator is not None else {}
+        return {**self._kv_metrics(req), **spec}
+
+    def _kv_metrics(self, req: Request) -> dict:
         if self.tiered:
             return {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
                              **self.cache.request_metrics(req.request_id, len(req.page_ids) * self.page_size)}
@@ -234,6 +265,10 @@ class LLMEngine:
                 "device_indexer_bytes": held * self.cache.index_bytes_per_token()}
 
     def stats(self) -> dict:
+        spec = self.speculator.stats() if self.speculator is not None else {}
+        return {**self._kv_stats(), **spec}
+
+    def _kv_stats(self) -> dict:
         used_tokens = (self.allocator.num_pages - self.allocator.num_free) * self.page_size
         if self.tiered:
             return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

@@ -106,6 +106,8 @@ class Request:
     first_token_time: float | None = None
     text: str = ""
     detokenizer: object = None  # detokenize.IncrementalDetokenizer once the request has output
+    # Speculative tokens after the known ones (MTP drafts): fed to the model, never part of the output.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -139,7 +141,10 @@ class Request:
     def token_at(self, position: int) -> int:
         if position < self.num_prompt_tokens:
             return self.prompt_token_ids[position]
-        return self.output_token_ids[position - self.num_prompt_tokens]
+        i = position - self.num_prompt_tokens
+        if i < self.num_output_tokens:
+            return self.output_token_ids[i]
+        return self.draft_token_ids[i - self.num_output_tokens]
 
 
 @dataclass

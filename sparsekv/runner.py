@@ -64,15 +64,18 @@ class ModelRunner:
             slots, runs = self.slot_table(req.request_id, req.page_ids)
             seqs.append(SeqSlice(req.request_id, row, row + ch.num_new_tokens, end, slots[:end], runs=clip_runs(runs, end)))
             row += ch.num_new_tokens
-            if ch.samples:
-                logits_rows.append(row - 1)
+            if ch.samples:  # the last known token's row, then one per draft token
+                logits_rows.extend(range(row - 1 - ch.num_draft_tokens, row))
         pos = torch.cat(positions).to(self.device)
         slot_mapping = torch.cat([s.slots[s.first_new_position:] for s in seqs])
         return ForwardContext(torch.tensor(ids, dtype=torch.long, device=self.device), pos, slot_mapping, seqs,
                               torch.tensor(logits_rows, dtype=torch.long, device=self.device), self.attention)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Runs the step; returns fp32 logits, one row per chunk whose `samples` is True, in order."""
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs the step. Returns fp32 logits on the CPU (sampling generators live there), 1 + drafts
+        rows per chunk whose `samples` is True, in order; and the final hidden states of every row
+        (on the device, for the MTP drafter)."""
         ctx = self.build_context(chunks)
-        return self.model.forward(ctx, self.cache).cpu()  # sampling generators live on the CPU
+        hidden = self.model.hidden_states(ctx, self.cache)
+        return self.model.logits(hidden[ctx.logits_rows]).cpu(), hidden

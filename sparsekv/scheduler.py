@@ -27,6 +27,7 @@ class ScheduledChunk:
     first_position: int
     num_new_tokens: int
     samples: bool  # the chunk reaches the end of the known tokens, so the step samples a new one
+    num_draft_tokens: int = 0  # speculative tokens at the chunk's end (verified, not sampled from)
 
     @property
     def context_len(self) -> int:
@@ -53,7 +54,9 @@ class Scheduler:
         chunks = []
         # Decodes before prefills: a running decode never waits behind a long prompt.
         for req in sorted(self.running, key=lambda r: r.is_prefilling):
-            n = min(req.num_uncomputed_tokens, self.prefill_chunk_tokens, budget)
+            n = min(req.num_uncomputed_tokens + len(req.draft_token_ids), self.prefill_chunk_tokens, budget)
+            if n <= req.num_uncomputed_tokens:
+                req.draft_token_ids.clear()  # no room for the draft this step: a plain decode
             if n > 0:
                 chunks.append(self._take(req, n))
                 budget -= n
@@ -74,7 +77,8 @@ class Scheduler:
         if needed > 0:
             req.page_ids.extend(self.allocator.allocate(req.request_id, needed))
         start = req.num_computed_tokens
-        return ScheduledChunk(req, start, n, start + n == req.num_tokens)
+        drafts = max(0, start + n - req.num_tokens)
+        return ScheduledChunk(req, start, n, start + n >= req.num_tokens, drafts)
 
     def finish(self, req: Request, status: RequestStatus, reason: str | None) -> None:
         """Release every page of a finished or aborted request, running or waiting."""

@@ -60,10 +60,12 @@ class DSAModel:
             h = layer.forward(h, ctx, cache)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head).float()
+
     def forward(self, ctx: ForwardContext, cache) -> torch.Tensor:
         """Logits (fp32) for `ctx.logits_rows`."""
-        h = self.hidden_states(ctx, cache)
-        return F.linear(h[ctx.logits_rows], self.lm_head).float()
+        return self.logits(self.hidden_states(ctx, cache)[ctx.logits_rows])
 
 
 def _p(tensors: dict, prefix: str, name: str) -> torch.Tensor:

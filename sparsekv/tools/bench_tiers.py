@@ -200,7 +200,12 @@ def _continue(ckpt: str, prompt: list[int], steps: int, warmup: int, force: list
     engine = make_engine(ckpt, len(prompt) + steps + 8, **options)
     log, logits = _record_selections(engine), []
     execute = engine.runner.execute
-    engine.runner.execute = lambda chunks: logits.append(execute(chunks)) or logits[-1]
+
+    def recording(chunks):
+        out = execute(chunks)
+        logits.append(out[0])
+        return out
+    engine.runner.execute = recording
     engine.add_request("nat", prompt, SamplingParams(max_tokens=steps, temperature=0.0, logprobs=0, ignore_eos=True))
     req, tokens, logprobs, mid = engine.scheduler.find("nat"), [], [], None
     while engine.has_unfinished_requests():

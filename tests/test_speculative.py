@@ -1,0 +1,127 @@
+"""Speculative decoding with the MTP layer: greedy output identical to plain decoding, drafts equal to
+the MTP layer run over the whole sequence at once, rejection sampling exact, clear errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv import LLM, ConfigError, SamplingParams
+from sparsekv.paths import default_model_path
+from sparsekv.speculative import Draft, verify_draft
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):\n    parser = ",
+           "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):"]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, logprobs=2)
+# small chunks and token budget: prefill in several chunks, and steps where a draft does not fit
+OPTIONS = dict(max_model_len=512, prefill_chunk_tokens=8, max_num_batched_tokens=20, max_num_seqs=3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return default_model_path()
+
+
+def _idle(llm):
+    llm.engine.check_integrity()
+    s = llm.stats()
+    assert s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0 and not llm.engine.speculator.drafts
+
+
+def test_greedy_with_drafts_equals_plain_greedy(model):
+    plain = LLM(model, **OPTIONS).generate(PROMPTS, GREEDY)
+    llm = LLM(model, num_speculative_tokens=1, **OPTIONS)
+    spec = llm.generate(PROMPTS, GREEDY)
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-5
+        assert b.metrics["spec_draft_tokens"] > 0
+    stats = llm.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    _idle(llm)
+
+
+@pytest.mark.parametrize("repeat", [1, 20])  # 20: past index_topk (256), so the MTP indexer selects
+def test_drafts_equal_the_mtp_layer_over_the_whole_sequence(model, repeat):
+    """Each step's draft comes from the MTP cache built step by step; running the MTP layer over the
+    finished sequence in one pass (its own fresh cache) must predict the same tokens."""
+    from sparsekv.cache.pool import KVPool
+    from sparsekv.context import ForwardContext, SeqSlice
+    from sparsekv.speculative import MTPDrafter
+    llm = LLM(model, num_speculative_tokens=1, **OPTIONS)
+    drafts = []
+    spec = llm.engine.speculator
+    real = spec.draft
+
+    def record(chunks, hidden, generators):
+        real(chunks, hidden, generators)
+        for ch in chunks:
+            req = ch.request
+            if req.draft_token_ids:
+                drafts.append((req.num_tokens, req.draft_token_ids[0]))  # (position drafted, token)
+    spec.draft = record
+    out = llm.generate([PROMPTS[1] * repeat], GREEDY)[0]
+    assert (len(out.prompt_token_ids) > llm.engine.model.cfg.index_topk) == (repeat > 1)
+    ids = out.prompt_token_ids + out.token_ids
+    m, n = llm.engine.model, len(ids)
+    cfg = m.cfg
+    layers = list(range(cfg.num_hidden_layers + 1))
+    cache = KVPool(cfg, -(-n // 64), 64, m.dtype, m.device, layers, cfg.full_layers + [cfg.num_hidden_layers])
+    slots = torch.arange(n)
+
+    def ctx_for(count, rows):
+        seq = SeqSlice("x", 0, count, count, slots[:count], runs=((0, 0, count),))
+        return ForwardContext(torch.tensor(ids[:count]), torch.arange(count), slots[:count], [seq], rows)
+    with torch.inference_mode():
+        hidden = m.hidden_states(ctx_for(n, torch.arange(n)), cache)
+        ctx = ctx_for(n - 1, torch.arange(n - 1))
+        logits = MTPDrafter(m).forward(hidden[:n - 1], torch.tensor(ids[1:n]), ctx, cache)
+    predicted = {p + 2: int(logits[p].argmax()) for p in range(n - 1)}  # row p predicts token p + 2
+    assert len(drafts) > 10
+    for position, token in drafts:
+        assert predicted[position] == token, f"draft for position {position}"
+
+
+def test_rejection_sampling_emits_the_target_distribution():
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+    target_logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
+    p = target_logits.softmax(-1)
+    q = torch.tensor([0.05, 0.5, 0.1, 0.3, 0.05])
+    counts, trials = torch.zeros(5), 20000
+    for _ in range(trials):
+        d = int(torch.multinomial(q, 1, generator=g))
+        token, accepted = verify_draft(target_logits, Draft(d, q), params, g)
+        assert token == d or not accepted
+        counts[token] += 1
+    assert (counts / trials - p).abs().max() < 0.015
+
+
+def test_greedy_verification_accepts_exactly_the_argmax():
+    logits = torch.tensor([0.1, 3.0, 0.2])
+    g = torch.Generator()
+    assert verify_draft(logits, Draft(1, None), SamplingParams(temperature=0.0), g) == (1, True)
+    assert verify_draft(logits, Draft(2, None), SamplingParams(temperature=0.0), g) == (1, False)
+
+
+def test_seeded_sampling_with_drafts_is_reproducible_and_aborts_free_everything(model):
+    llm = LLM(model, num_speculative_tokens=1, **OPTIONS)
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=11)
+    a = llm.generate(PROMPTS, params)
+    b = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    engine = llm.engine
+    engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=50, temperature=0.0))
+    for _ in range(6):
+        engine.step()
+    assert engine.abort("x")
+    _idle(llm)
+
+
+def test_configuration_errors(model, glm_ckpt):
+    with pytest.raises(ConfigError, match="needs a checkpoint with an MTP layer"):
+        LLM(glm_ckpt[0], num_speculative_tokens=1)
+    with pytest.raises(ConfigError, match="not supported yet"):
+        LLM(model, num_speculative_tokens=1, kv_tiering=True)
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be 0"):
+        LLM(model, num_speculative_tokens=3)
