@@ -125,3 +125,15 @@ def test_configuration_errors(model, glm_ckpt):
         LLM(model, num_speculative_tokens=1, kv_tiering=True)
     with pytest.raises(ConfigError, match="num_speculative_tokens must be 0"):
         LLM(model, num_speculative_tokens=3)
+
+
+def test_bench_spec_reports_identical_greedy_outputs(tmp_path, capsys):
+    import json
+    from sparsekv.tools.bench_spec import main
+    out = tmp_path / "spec.json"
+    assert main(["--prompts", "2", "--prompt-tokens", "64", "--max-tokens", "8", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["identical"] == result["prompts"] == 2
+    assert 0.0 <= result["summary"]["MTP draft"]["acceptance"] <= 1.0
+    assert result["summary"]["MTP draft"]["steps_per_token"] <= 1.0
+    assert "draft acceptance" in capsys.readouterr().out

@@ -1,0 +1,109 @@
+"""`sparsekv bench spec`: MTP speculative decoding against plain decoding, in the same run.
+
+Prompts are the first `--prompt-tokens` tokens of held-out standard-library files (the model's
+evaluation split), decoded one request at a time (latency, the case drafting is for). Printed per
+mode: decode ms/token (median over prompts), target forward steps per generated token, the draft
+acceptance rate, achieved bandwidth (bytes a target step reads / its time), whether greedy outputs
+are identical, and the speed-up of drafting.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+
+def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    from ..train.data import read_split
+    _, heldout = read_split()
+    prompts = []
+    for text in heldout:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def decode_one(engine, prompt: list[int], params) -> dict:
+    """Greedy decode of one prompt; decode time counts from the first token to the last."""
+    engine.add_request("p", prompt, params)
+    steps, first, outs = 0, None, []
+    while engine.has_unfinished_requests():
+        outs = engine.step() or outs
+        if outs and first is None:
+            first, steps = time.perf_counter(), 0
+        steps += 1
+    end, out = time.perf_counter(), outs[-1]
+    n = len(out.token_ids)
+    return {"tokens": out.token_ids, "ms_per_token": (end - first) * 1000 / max(n - 1, 1),
+            "steps_per_token": (steps - 1) / max(n - 1, 1), "metrics": out.metrics}
+
+
+def run(args) -> dict:
+    import torch
+    from sparsekv import LLM, SamplingParams
+    from sparsekv.paths import default_model_path
+    from .bench import _machine_bandwidth
+    from .bench_worker import decode_bytes_per_step
+    torch.set_num_threads(args.threads)
+    path = args.model or default_model_path()
+    modes = {"plain": LLM(path, max_model_len=args.prompt_tokens + args.max_tokens + 8, max_num_seqs=1).engine,
+             "MTP draft": LLM(path, max_model_len=args.prompt_tokens + args.max_tokens + 8, max_num_seqs=1,
+                              num_speculative_tokens=1).engine}
+    prompts = held_out_prompts(modes["plain"].tokenizer, args.prompts, args.prompt_tokens)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    runs = {name: [] for name in modes}
+    for prompt in prompts:  # interleaved, so machine noise hits both modes alike
+        for name, engine in modes.items():
+            runs[name].append(decode_one(engine, prompt, params))
+    bytes_per_step = decode_bytes_per_step(modes["plain"], args.prompt_tokens + args.max_tokens // 2)
+    return {"prompts": len(prompts), "runs": runs, "bytes_per_step": bytes_per_step,
+            "machine_gbps": _machine_bandwidth(args.threads)}
+
+
+def report(result: dict) -> dict:
+    runs, summary = result["runs"], {}
+    for name, rs in runs.items():
+        ms = statistics.median(r["ms_per_token"] for r in rs)
+        steps = statistics.median(r["steps_per_token"] for r in rs)
+        drafted = sum(r["metrics"].get("spec_draft_tokens", 0) for r in rs)
+        accepted = sum(r["metrics"].get("spec_accepted_tokens", 0) for r in rs)
+        gbps = result["bytes_per_step"] / (ms * steps / 1000) / 1e9
+        summary[name] = {"ms_per_token": ms, "steps_per_token": steps, "gbps": gbps,
+                         "acceptance": accepted / drafted if drafted else None}
+    identical = sum(a["tokens"] == b["tokens"] for a, b in zip(runs["plain"], runs["MTP draft"]))
+    table = Table(title=f"MTP speculative decoding, {result['prompts']} held-out prompts, greedy, one request at a time")
+    for col in ("mode", "decode ms/token", "target steps/token", "draft acceptance", "achieved bandwidth", "speed-up"):
+        table.add_column(col)
+    base = summary["plain"]["ms_per_token"]
+    for name, s in summary.items():
+        acc = "-" if s["acceptance"] is None else f"{100 * s['acceptance']:.1f}%"
+        table.add_row(name, f"{s['ms_per_token']:.2f}", f"{s['steps_per_token']:.2f}", acc,
+                      f"{s['gbps']:.2f} GB/s ({100 * s['gbps'] / result['machine_gbps']:.0f}%)",
+                      f"{base / s['ms_per_token']:.2f}x")
+    Console().print(table)
+    print(f"greedy outputs identical to plain decoding: {identical} of {result['prompts']}")
+    return {"summary": summary, "identical": identical, "prompts": result["prompts"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="sparsekv bench spec", description=__doc__)
+    p.add_argument("--model", default=None, help="checkpoint with an MTP layer (default: the bundled model)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    out = report(run(args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
