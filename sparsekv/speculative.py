@@ -146,5 +146,5 @@ class Speculator:
 
 
 def metrics(drafted: int, accepted: int) -> dict:
-    return {"spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
+    return {"spec_num_draft_tokens": drafted, "spec_num_accepted_tokens": accepted,
             "spec_acceptance_rate": accepted / drafted if drafted else 0.0}

@@ -35,9 +35,9 @@ def test_greedy_with_drafts_equals_plain_greedy(model):
         assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
             assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-5
-        assert b.metrics["spec_draft_tokens"] > 0
+        assert b.metrics["spec_num_draft_tokens"] > 0
     stats = llm.stats()
-    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
     _idle(llm)
 
 
@@ -137,3 +137,12 @@ def test_bench_spec_reports_identical_greedy_outputs(tmp_path, capsys):
     assert 0.0 <= result["summary"]["MTP draft"]["acceptance"] <= 1.0
     assert result["summary"]["MTP draft"]["steps_per_token"] <= 1.0
     assert "greedy outputs identical to plain decoding: 2 of 2" in capsys.readouterr().out
+
+
+def test_acceptance_counters_reach_prometheus_as_vllm_names():
+    from sparsekv.server.metrics import ServerMetrics
+    stats = {"spec_num_draft_tokens": 10, "spec_num_accepted_tokens": 6, "spec_acceptance_rate": 0.6}
+    text = ServerMetrics("m", lambda: stats, lambda: True).render().decode()
+    assert 'sparsekv:spec_decode_num_draft_tokens_total{model_name="m"} 10.0' in text
+    assert 'sparsekv:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0' in text
+    assert "# TYPE sparsekv:spec_acceptance_rate gauge" in text

@@ -140,7 +140,7 @@ class EngineStatsCollector:
         for key, value in sorted(numeric.items()):
             if key.startswith(PREFIX_HITS):
                 continue
-            if key.startswith("spec_"):
+            if key.startswith("spec_") and not key.endswith("_rate"):  # vLLM: spec_decode_num_*_tokens_total
                 yield self._counter("spec_decode_" + key[len("spec_"):], f"engine figure {key}", value)
             else:
                 yield self._gauge(key, f"engine figure {key}", value)

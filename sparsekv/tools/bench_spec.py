@@ -73,8 +73,8 @@ def report(result: dict) -> dict:
     for name, rs in runs.items():
         ms = statistics.median(r["ms_per_token"] for r in rs)
         steps = statistics.median(r["steps_per_token"] for r in rs)
-        drafted = sum(r["metrics"].get("spec_draft_tokens", 0) for r in rs)
-        accepted = sum(r["metrics"].get("spec_accepted_tokens", 0) for r in rs)
+        drafted = sum(r["metrics"].get("spec_num_draft_tokens", 0) for r in rs)
+        accepted = sum(r["metrics"].get("spec_num_accepted_tokens", 0) for r in rs)
         gbps = result["bytes_per_step"] / (ms * steps / 1000) / 1e9
         summary[name] = {"ms_per_token": ms, "steps_per_token": steps, "gbps": gbps,
                          "acceptance": accepted / drafted if drafted else None}
