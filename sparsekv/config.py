@@ -269,9 +269,9 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ConfigError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")
-        if self.num_speculative_tokens not in (0, 1):
-            raise ConfigError(f"num_speculative_tokens must be 0 (off) or 1 (one MTP draft per step; longer "
-                              f"draft chains are not implemented yet), got {self.num_speculative_tokens!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 8:
+            raise ConfigError(f"num_speculative_tokens must be an integer in [0, 8] (0 = off), "
+                              f"got {self.num_speculative_tokens!r}")
         if self.num_speculative_tokens and self.kv_tiering:
             raise ConfigError("num_speculative_tokens with kv_tiering is not supported yet: the MTP layer's cache "
                               "has no working set")

@@ -59,6 +59,9 @@ class ForwardContext:
     selection: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Optional hook the tiering layer installs: called with (layer, seq, selected positions).
     record_selection: object = None
+    # A speculative draft step after the first (speculative.py): reads the cache, writes nothing, and
+    # every layer reuses the selection given in `selection` (MTP index reuse).
+    draft_step: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -55,7 +55,8 @@ class LLMEngine:
         if config.num_speculative_tokens:
             from .speculative import Speculator
             try:
-                self.speculator = Speculator(self.model, self.runner, self.cache)
+                self.speculator = Speculator(self.model, self.runner, self.cache, config.num_speculative_tokens,
+                                             self.max_model_len)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self._generators: dict[str, torch.Generator] = {}
@@ -173,16 +174,15 @@ class LLMEngine:
 
     def _sample(self, req: Request, logits: torch.Tensor) -> RequestOutput:
         """The step's new token(s): one sampled, or a verified draft (speculative.py) plus one more."""
-        gen = self._generators[req.request_id]
-        if logits.shape[0] == 1:
-            return self._output(req, self._emit(req, sample_token(logits[0], req.params, gen), logits[0]))
-        token, accepted = self.speculator.verify(req, logits[0], gen)
+        gen, drafts, new = self._generators[req.request_id], logits.shape[0] - 1, []
         req.draft_token_ids.clear()
-        new = self._emit(req, token, logits[0])
-        if accepted:
+        for i in range(drafts):
+            token, accepted = self.speculator.verify(req, logits[i], i, gen)
+            new += self._emit(req, token, logits[i])
+            if not accepted or req.finished:
+                return self._output(req, new)
             req.num_computed_tokens += 1  # the draft's position holds the accepted token's entries
-            if not req.finished:
-                new += self._emit(req, sample_token(logits[1], req.params, gen), logits[1])
+        new += self._emit(req, sample_token(logits[drafts], req.params, gen), logits[drafts])
         return self._output(req, new)
 
     def _emit(self, req: Request, token: int, logits: torch.Tensor) -> list[int]:

@@ -157,10 +157,11 @@ class MLAttention:
         c = rms_norm(c, w.kv_a_norm, cfg.attention_norm_eps)
         q_rot, k_rot = rope_interleaved(q_rot, ctx.cos, ctx.sin), rope_interleaved(k_rot, ctx.cos, ctx.sin)
         latent = torch.cat([c, k_rot], dim=-1)
-        cache.write_latent(self.layer_idx, ctx.slot_mapping, latent)
         index_q = None
-        if self.selector is not None:
-            index_q = self.selector.prepare(self.layer_idx, ctx, x, q_resid, latent, cache)
+        if not ctx.draft_step:
+            cache.write_latent(self.layer_idx, ctx.slot_mapping, latent)
+            if self.selector is not None:
+                index_q = self.selector.prepare(self.layer_idx, ctx, x, q_resid, latent, cache)
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # W_UK absorbed: [N, H, C]
         q_cat = torch.cat([q_lat, q_rot], dim=-1)
         o_lat = self._attention(q_cat, index_q, ctx, cache)
@@ -178,7 +179,7 @@ class MLAttention:
         decode_rows, picks, valid = [], [], []
         for seq in ctx.seqs:
             rows = slice(seq.token_start, seq.token_end)
-            iq = None if self.selector is None else self.selector.rows(index_q, rows)
+            iq = None if index_q is None else self.selector.rows(index_q, rows)
             q_seq, positions = q[rows], ctx.positions[rows]
             if seq.num_new_tokens > 1 or not self._sparse(seq, ctx):
                 o_lat[rows] = self._attend(seq, q_seq, positions, iq, ctx, cache)
@@ -204,7 +205,7 @@ class MLAttention:
 
     def _select(self, seq: SeqSlice, q: torch.Tensor, positions: torch.Tensor, index_q, ctx, cache) -> torch.Tensor:
         """This layer's selection for the request: its own (full layer) or its group's (shared layer)."""
-        if self.selector is not None:
+        if self.selector is not None and not ctx.draft_step:
             ctx.selection[seq.request_id] = self.selector.select(self.layer_idx, seq, index_q, q, positions,
                                                                  self.cfg.index_topk, cache)
         selected = ctx.selection.get(seq.request_id)
