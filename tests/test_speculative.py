@@ -147,3 +147,24 @@ def test_acceptance_counters_reach_prometheus_as_vllm_names():
     assert 'sparsekv:spec_decode_num_draft_tokens_total{model_name="m"} 10.0' in text
     assert 'sparsekv:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0' in text
     assert "# TYPE sparsekv:spec_acceptance_rate gauge" in text
+
+
+def test_server_streams_drafted_tokens_and_exports_acceptance(model):
+    """Several tokens per engine step reach a streaming client in order, equal to plain greedy."""
+    import json
+
+    import httpx
+    from test_server_util import ThreadServer, scrape
+    body = {"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    plain = LLM(model, max_model_len=256).generate([PROMPTS[2]], SamplingParams(max_tokens=24, temperature=0.0,
+                                                                               ignore_eos=True))[0]
+    with ThreadServer(model, num_speculative_tokens=2) as srv:
+        text = ""
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        m = scrape(srv.url)
+    assert text == plain.text
+    assert m["sparsekv:spec_decode_num_draft_tokens_total"] >= m["sparsekv:spec_decode_num_accepted_tokens_total"] > 0
+    srv.engine.check_integrity()
