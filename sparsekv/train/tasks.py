@@ -11,8 +11,6 @@ Tasks (answers are digit strings; digits are single tokens, see tokenizer.py):
   niah      one "special magic number" line hidden in held-out stdlib code (RULER "niah single")
   vartrack  a chain VAR C = B, VAR B = A, VAR A = value; the answer traces C = B = A = value,
             one lookup per generated step (RULER's variable tracking, asked for one chain's value)
-  digits    (training only) named random digit strings in a haystack, one or more asked for: the
-            densest copy signal, so the induction circuit the other tasks need forms sooner
 """
 from __future__ import annotations
 
@@ -21,9 +19,6 @@ import re
 from dataclasses import dataclass, field
 
 TASKS = ("passkey", "multikey", "niah", "vartrack")
-# Training only: named random digit strings, asked for later. Every digit of the answer is a copy
-# target, so one document carries 10-40 induction targets where a pass key carries 5.
-TRAIN_TASKS = TASKS + ("digits",)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 NAMES = ("apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "pepper", "silver", "garden", "window",
          "rocket", "forest", "candle", "violet", "hammer", "island", "mirror", "orange", "planet", "castle",
@@ -114,10 +109,8 @@ class TaskBuilder:
     def make_document(self, length: int) -> tuple[list[int], list[bool]]:
         """(ids, is_answer) of exactly `length` tokens. Key-value tasks carry up to 8 needles and
         ask for several of them, so one document gives many retrieval targets."""
-        task = self.rng.choice(TRAIN_TASKS)
-        if task == "digits":
-            kind, needles, qa = self._digit_strings(self.rng.randint(1, 3))
-        elif task == "vartrack":
+        task = self.rng.choice(TASKS)
+        if task == "vartrack":
             kind, needles, question, _, answer = self._vartrack(self.rng.random())
             qa = [(question, answer)]
         elif task == "passkey":
@@ -144,15 +137,6 @@ class TaskBuilder:
         needles = [(self.rng.random(), self.encode(line.format(n=n_, k=k))) for n_, k in zip(names, keys)]
         asked = self.rng.sample(range(n), self.rng.randint(1, n))
         return "code", needles, [(ask.format(n=names[i]), f" {keys[i]}.\n") for i in asked]
-
-    def _digit_strings(self, n: int):
-        names = self.names(n)
-        strings = ["".join(str(self.rng.randrange(10)) for _ in range(self.rng.randint(10, 40))) for _ in names]
-        line, ask = "# The digits of {n} are {k}.\n", "\n# What are the digits of {n}? The digits of {n} are"
-        needles = [(self.rng.random(), self.encode(line.format(n=n_, k=k))) for n_, k in zip(names, strings)]
-        asked = self.rng.sample(range(n), self.rng.randint(1, n))
-        kind = self.rng.choice(("code", "filler"))
-        return kind, needles, [(ask.format(n=names[i]), f" {strings[i]}.\n") for i in asked]
 
     # -- the four tasks ------------------------------------------------------------------------
     def key(self, digits: int = 5) -> str:
