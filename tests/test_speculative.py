@@ -168,3 +168,13 @@ def test_server_streams_drafted_tokens_and_exports_acceptance(model):
     assert text == plain.text
     assert m["sparsekv:spec_decode_num_draft_tokens_total"] >= m["sparsekv:spec_decode_num_accepted_tokens_total"] > 0
     srv.engine.check_integrity()
+
+
+def test_device_budget_counts_the_mtp_layer(model):
+    budget = 4 << 20
+    plain = LLM(model, device_kv_budget_bytes=budget, max_model_len=256).engine
+    spec = LLM(model, device_kv_budget_bytes=budget, max_model_len=256, num_speculative_tokens=1).engine
+    for engine in (plain, spec):
+        per_token = engine.cache.latent_bytes_per_token() + engine.cache.index_bytes_per_token()
+        assert engine.allocator.num_pages * engine.page_size * per_token <= budget
+    assert spec.allocator.num_pages < plain.allocator.num_pages

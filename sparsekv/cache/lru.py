@@ -156,7 +156,10 @@ class TierCounters:
 
 def untiered_pages(config: EngineConfig, cfg: ModelConfig, itemsize: int) -> int:
     """Pages of a fully device-resident cache that fit in `device_kv_budget_bytes`."""
-    per_page = config.kv_page_size * (latent_bytes_per_token(cfg, itemsize) + index_bytes_per_token(cfg, itemsize))
+    per_token = latent_bytes_per_token(cfg, itemsize) + index_bytes_per_token(cfg, itemsize)
+    if config.num_speculative_tokens:  # the MTP layer's own latent and indexer keys
+        per_token += (cfg.latent_dim + cfg.index_head_dim) * itemsize
+    per_page = config.kv_page_size * per_token
     if config.device_kv_budget_bytes < per_page:
         raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} holds less than one "
                           f"{config.kv_page_size}-token page ({per_page} B)")
