@@ -50,6 +50,12 @@ class ModelRunner:
             self._tables[request_id] = (len(page_ids), slots, runs)
         return slots, runs
 
+    def seq_slice(self, req, token_start: int, token_end: int, context_len: int) -> SeqSlice:
+        """The request's part of a batch: rows [token_start, token_end), cache positions < context_len."""
+        slots, runs = self.slot_table(req.request_id, req.page_ids)
+        return SeqSlice(req.request_id, token_start, token_end, context_len, slots[:context_len],
+                        runs=clip_runs(runs, context_len))
+
     def forget(self, request_id: str) -> None:
         self._tables.pop(request_id, None)
 
@@ -61,8 +67,7 @@ class ModelRunner:
             start, end = ch.first_position, ch.context_len
             ids.extend(req.token_at(p) for p in range(start, end))
             positions.append(torch.arange(start, end))
-            slots, runs = self.slot_table(req.request_id, req.page_ids)
-            seqs.append(SeqSlice(req.request_id, row, row + ch.num_new_tokens, end, slots[:end], runs=clip_runs(runs, end)))
+            seqs.append(self.seq_slice(req, row, row + ch.num_new_tokens, end))
             row += ch.num_new_tokens
             if ch.samples:  # the last known token's row, then one per draft token
                 logits_rows.extend(range(row - 1 - ch.num_draft_tokens, row))

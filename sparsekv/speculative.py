@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from .context import ForwardContext, SeqSlice
 from .model.layers import rms_norm
 from .request import SamplingParams
-from .runner import clip_runs
 from .sampling import filter_logits
 
 
@@ -126,10 +125,10 @@ class Speculator:
                 rows.extend(range(row, row + valid))
                 positions.extend(range(start, start + valid))
                 tokens.extend(req.token_at(p + 1) for p in range(start, start + valid))
-                seqs.append(self._seq(req, len(rows) - valid, len(rows)))
+                seqs.append(self.runner.seq_slice(req, len(rows) - valid, len(rows), req.num_computed_tokens))
                 if ch.samples:
                     logits_rows.append(len(rows) - 1)
-                    drafting.append(req)
+                    drafting.append((req, seqs[-1]))
             row += ch.num_new_tokens
         if not rows:
             return
@@ -139,10 +138,9 @@ class Speculator:
                              seqs, torch.tensor(logits_rows, dtype=torch.long, device=device), self.runner.attention)
         logits, h = self.drafter.forward(hidden[torch.tensor(rows, device=device)], ctx.input_ids, ctx, self.cache)
         if drafting:
-            selection = {r.request_id: ctx.selection[r.request_id][-1:] for r in drafting
+            selection = {r.request_id: ctx.selection[r.request_id][-1:] for r, _ in drafting
                          if r.request_id in ctx.selection}
-            self._chain(drafting, [s for s in seqs if s.request_id in {r.request_id for r in drafting}],
-                        logits, h, selection, generators)
+            self._chain([r for r, _ in drafting], [s for _, s in drafting], logits, h, selection, generators)
 
     def _chain(self, reqs, seqs, logits: torch.Tensor, h: torch.Tensor, selection: dict, generators: dict) -> None:
         """Draft steps 1..K: step 1 from the extend rows, then the MTP layer on its own output."""
@@ -168,12 +166,6 @@ class Speculator:
                              torch.arange(len(seqs), device=device), self.runner.attention,
                              selection=dict(selection), draft_step=True)
         return self.drafter.forward(h, ctx.input_ids, ctx, self.cache)
-
-    def _seq(self, req, token_start: int, token_end: int) -> SeqSlice:
-        context_len = req.num_computed_tokens
-        slots, runs = self.runner.slot_table(req.request_id, req.page_ids)
-        return SeqSlice(req.request_id, token_start, token_end, context_len, slots[:context_len],
-                        runs=clip_runs(runs, context_len))
 
 
 def metrics(drafted: int, accepted: int) -> dict:
