@@ -272,9 +272,6 @@ class EngineConfig:
         if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 8:
             raise ConfigError(f"num_speculative_tokens must be an integer in [0, 8] (0 = off), "
                               f"got {self.num_speculative_tokens!r}")
-        if self.num_speculative_tokens and self.kv_tiering:
-            raise ConfigError("num_speculative_tokens with kv_tiering is not supported yet: the MTP layer's cache "
-                              "has no working set")
         self._validate_tiering()
 
     def _validate_tiering(self) -> None:

@@ -126,6 +126,7 @@ class Speculator:
                 positions.extend(range(start, start + valid))
                 tokens.extend(req.token_at(p + 1) for p in range(start, start + valid))
                 seqs.append(self.runner.seq_slice(req, len(rows) - valid, len(rows), req.num_computed_tokens))
+                self.cache.note_stream_writes(req.request_id, valid)
                 if ch.samples:
                     logits_rows.append(len(rows) - 1)
                     drafting.append((req, seqs[-1]))

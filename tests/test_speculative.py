@@ -119,11 +119,48 @@ def test_seeded_sampling_with_drafts_is_reproducible_and_aborts_free_everything(
     _idle(llm)
 
 
+LONG = PROMPTS[1] * 14  # about 400 tokens: past index_topk (256), so every full layer selects
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=5,
+                                                           logprobs=2)], ids=["greedy", "sampled"])
+def test_tiering_with_drafts_is_exact(model, params):
+    """The tiered cache with speculative decoding computes what the device-only cache computes, bit for
+    bit: verification chunks and the MTP layer stream their rows from the host store, plain decode
+    steps (a draft that did not fit the token budget) use the working set. N = top-k forces misses."""
+    prompts = [LONG, PROMPTS[0], LONG[:700]]
+    options = dict(OPTIONS, prefill_chunk_tokens=64, max_num_batched_tokens=72)
+    ref = LLM(model, num_speculative_tokens=2, **options).generate(prompts, params)
+    llm = LLM(model, num_speculative_tokens=2, kv_tiering=True, device_buffer_tokens=256, **options)
+    outs = llm.generate(prompts, params)
+    for a, b in zip(ref, outs, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+        for key in ("spec_num_draft_tokens", "spec_num_accepted_tokens"):  # the same drafts, too
+            assert a.metrics[key] == b.metrics[key]
+        assert b.metrics["spec_num_draft_tokens"] > 0 and b.metrics["d2h_bytes"] > 0
+    stats, cache = llm.stats(), llm.engine.cache
+    assert stats["tier_misses"] > 0 and stats["h2d_bytes"] > 0 and cache.stream_layers
+    if params is GREEDY:  # and both equal plain decoding
+        plain = LLM(model, **options).generate(prompts, params)
+        assert [o.token_ids for o in plain] == [o.token_ids for o in outs]
+    _idle(llm)
+    cache.check_integrity(set())
+
+
+def test_tiering_with_drafts_counts_the_mtp_layer(model):
+    """Host bytes and indexer bytes include the MTP layer's; the working set does not (it streams)."""
+    plain = LLM(model, kv_tiering=True, max_model_len=512).engine.cache
+    spec = LLM(model, kv_tiering=True, num_speculative_tokens=1, max_model_len=512).engine.cache
+    cfg = spec.cfg
+    row = cfg.latent_dim * spec.dtype.itemsize
+    assert spec.latent_bytes_per_token() == plain.latent_bytes_per_token() + row
+    assert spec.index_bytes_per_token() == plain.index_bytes_per_token() + cfg.index_head_dim * spec.dtype.itemsize
+    assert spec.working_set_bytes() == plain.working_set_bytes()
+
+
 def test_configuration_errors(model, glm_ckpt):
     with pytest.raises(ConfigError, match="needs a checkpoint with an MTP layer"):
         LLM(glm_ckpt[0], num_speculative_tokens=1)
-    with pytest.raises(ConfigError, match="not supported yet"):
-        LLM(model, num_speculative_tokens=1, kv_tiering=True)
     with pytest.raises(ConfigError, match="num_speculative_tokens must be an integer in"):
         LLM(model, num_speculative_tokens=9)
 

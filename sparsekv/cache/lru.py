@@ -92,9 +92,13 @@ def latent_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     return cfg.latent_dim * itemsize * cfg.num_hidden_layers
 
 
+def index_bytes_per_layer(cfg: ModelConfig, itemsize: int, fp8: bool = False) -> int:
+    """One token's indexer key in one layer (fp8: e4m3 bytes plus an fp32 scale)."""
+    return cfg.index_head_dim + 4 if fp8 else cfg.index_head_dim * itemsize
+
+
 def index_bytes_per_token(cfg: ModelConfig, itemsize: int, fp8: bool = False) -> int:
-    per_layer = cfg.index_head_dim + 4 if fp8 else cfg.index_head_dim * itemsize
-    return per_layer * len(cfg.full_layers)
+    return index_bytes_per_layer(cfg, itemsize, fp8) * len(cfg.full_layers)
 
 
 @dataclass(frozen=True)
@@ -108,14 +112,17 @@ class TierSizes:
 
 
 def plan_tier_sizes(config: EngineConfig, cfg: ModelConfig, latent_per_token: int, selector_per_token: int,
-                    default_pages: int) -> TierSizes:
+                    default_pages: int, host_latent_per_token: int | None = None) -> TierSizes:
+    """`latent_per_token`: the layers with working sets; `host_latent_per_token`: every layer the host
+    store holds (adds the MTP layer's with speculative decoding; default the same)."""
+    host_per_token = host_latent_per_token or latent_per_token
     page, n = config.kv_page_size, config.device_buffer_tokens or 2 * cfg.index_topk
     buffers = config.max_num_seqs
     limits = []
     if config.num_kv_pages:
         limits.append((config.num_kv_pages, f"num_kv_pages={config.num_kv_pages}"))
     if config.host_kv_budget_bytes:
-        limits.append((config.host_kv_budget_bytes // (page * latent_per_token),
+        limits.append((config.host_kv_budget_bytes // (page * host_per_token),
                        f"host_kv_budget_bytes={config.host_kv_budget_bytes}"))
     if config.device_kv_budget_bytes:
         left = config.device_kv_budget_bytes - buffers * (n + 1) * latent_per_token
@@ -128,7 +135,7 @@ def plan_tier_sizes(config: EngineConfig, cfg: ModelConfig, latent_per_token: in
     pages, limit = min(limits) if limits else (default_pages, "the default cache size")
     if pages < 1:
         raise ConfigError(f"{limit} holds less than one {page}-token page of host KV "
-                          f"({page * latent_per_token} B); raise it")
+                          f"({page * host_per_token} B); raise it")
     return TierSizes(pages, buffers, n, limit)
 
 

@@ -64,6 +64,9 @@ class KVPool:
     def write_index_keys(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.index_keys[layer].index_copy_(0, slots, values.to(self.dtype))
 
+    def note_stream_writes(self, request_id: str, tokens: int) -> None:
+        """The tiered pool counts the MTP layer's host writes here; a device-only pool moves nothing."""
+
     # -- reads ---------------------------------------------------------------------------------
     @staticmethod
     def _history(table: torch.Tensor, seq: SeqSlice) -> torch.Tensor:

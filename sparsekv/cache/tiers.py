@@ -19,8 +19,15 @@ A step, as the engine drives it:
      the least-recently-used slots, for the full layer *and* its IndexShare shared layers at once
      (shared layers' copies on a CUDA side stream, waited on by the shared layer). Attention then
      reads the working set rows in the order it asked for: same values, same order, so it is exact.
-  4. Multi-token chunks (prefill) stream the rows they read from the host store, one query block at
-     a time (the same transient a dense pool's gather makes); they do not touch the working set.
+  4. Multi-token chunks (prefill, and speculative verification: the newest token plus its drafts)
+     stream the rows they read from the host store, one query block at a time (the same transient a
+     dense pool's gather makes); they do not touch the working set.
+
+Stream-only layers (the MTP layer, with speculative decoding) keep their latent in the host store
+and their indexer keys on the device, but have no working set: every read streams from the host.
+The MTP layer is one layer next to the target's num_hidden_layers, and it reads k rows per request
+per draft step. Positions a rejected draft wrote are rewritten next step; they never reach a working
+set, which only ever holds positions before its request's newest final token.
 """
 from __future__ import annotations
 
@@ -31,8 +38,8 @@ import torch
 from ..config import EngineConfig, ModelConfig
 from ..context import SeqSlice
 from .host_store import HostLink, HostStore, make_host_store
-from .lru import (TierCounters, TierSizes, WorkingSetLRU, index_bytes_per_token, latent_bytes_per_token,
-                  plan_tier_sizes)
+from .lru import (TierCounters, TierSizes, WorkingSetLRU, index_bytes_per_layer, index_bytes_per_token,
+                  latent_bytes_per_token, plan_tier_sizes)
 from .pages import PageAllocator
 from .pool import history_segments
 
@@ -95,7 +102,8 @@ class TieredKVPool:
     """KVPool's interface over device working sets + a host store. See the module docstring."""
 
     def __init__(self, cfg: ModelConfig, sizes: TierSizes, page_size: int, dtype: torch.dtype, device,
-                 host: HostStore, fp8_index_keys: bool = False, keep_index_keys: bool = True):
+                 host: HostStore, fp8_index_keys: bool = False, keep_index_keys: bool = True,
+                 stream_layers: tuple[int, ...] = ()):
         self.cfg, self.page_size, self.dtype, self.device = cfg, page_size, dtype, torch.device(device)
         self.num_slots = sizes.num_pages * page_size
         self.capacity, self.sizes, self.host = sizes.buffer_tokens, sizes, host
@@ -105,8 +113,9 @@ class TieredKVPool:
         rows = sizes.num_buffers * (self.capacity + 1)
         self.ws = {l: torch.empty(rows, cfg.latent_dim, dtype=dtype, device=self.device) for l in self.layers}
         self.buffers = PageAllocator(sizes.num_buffers, self.capacity + 1)  # one "page" = one working set
-        self.index = IndexKeyCache(cfg.full_layers if keep_index_keys else [], self.num_slots, cfg.index_head_dim,
-                                   dtype, self.device, fp8_index_keys)
+        self.stream_layers = set(stream_layers)
+        self.index = IndexKeyCache((cfg.full_layers if keep_index_keys else []) + list(stream_layers), self.num_slots,
+                                   cfg.index_head_dim, dtype, self.device, fp8_index_keys)
         self.selector_bytes_per_token = self.index.bytes_per_token()  # Quest adds its page bounds (engine)
         self._resident: dict[str, _WorkingSet] = {}
         self._counters: dict[str, TierCounters] = {}
@@ -123,7 +132,7 @@ class TieredKVPool:
 
     def working_set_bytes(self) -> int:
         """Device latent bytes of one decoding request: N LRU rows + the newest row, every layer."""
-        return (self.capacity + 1) * self.host.bytes_per_token
+        return (self.capacity + 1) * self.host.row_bytes * len(self.layers)
 
     @property
     def num_working_sets(self) -> int:
@@ -136,7 +145,7 @@ class TieredKVPool:
         step, ws_rows, newest_rows, row = _StepState(), [], [], 0
         for ch in chunks:
             rid = ch.request.request_id
-            self._count(rid, d2h=ch.num_new_tokens * self.host.bytes_per_token)
+            self._count(rid, d2h=ch.num_new_tokens * self.host.row_bytes * len(self.layers))
             if ch.num_new_tokens == 1:
                 ws = self._working_set(rid)
                 self._promote(ws)
@@ -159,6 +168,10 @@ class TieredKVPool:
         self._step.decoding.pop(request_id, None)
         return self._counters.pop(request_id, TierCounters()).as_dict()
 
+    def note_stream_writes(self, request_id: str, tokens: int) -> None:
+        """A stream-only layer's pass (the MTP layer's) wrote `tokens` rows of the request: count them."""
+        self._count(request_id, d2h=tokens * self.host.row_bytes * len(self.stream_layers))
+
     def request_counters(self, request_id: str) -> dict:
         return self._counters.get(request_id, TierCounters()).as_dict()
 
@@ -168,7 +181,7 @@ class TieredKVPool:
     # -- writes --------------------------------------------------------------------------------
     def write_latent(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.link.backup(layer, slots, values)  # every token's latent reaches the host
-        if self._step.ws_rows is not None:
+        if self._step.ws_rows is not None and layer not in self.stream_layers:
             self.ws[layer].index_copy_(0, self._step.newest_rows, values[self._step.ws_rows].to(self.dtype))
 
     def write_index_keys(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
@@ -178,14 +191,17 @@ class TieredKVPool:
     def index_key_segments(self, layer: int, seq: SeqSlice) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
         return self.index.segments(layer, seq)
 
+    def _uses_working_set(self, layer: int, seq: SeqSlice) -> bool:
+        return seq.request_id in self._step.decoding and layer not in self.stream_layers
+
     def latent_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
-        if seq.request_id in self._step.decoding:
+        if self._uses_working_set(layer, seq):
             return self.ws[layer].index_select(0, self._rows_for(layer, seq, list(range(seq.context_len))))
         return self._stream(layer, seq, seq.slots)
 
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim], in the order asked for."""
-        if seq.request_id in self._step.decoding:
+        if self._uses_working_set(layer, seq):
             rows = self._rows_for(layer, seq, positions.reshape(-1).tolist())
             return self.ws[layer].index_select(0, rows).view(*positions.shape, -1)
         return self._stream(layer, seq, seq.slots[positions.reshape(-1)]).view(*positions.shape, -1)
@@ -194,6 +210,8 @@ class TieredKVPool:
         """One decode row per request -> [B, k, latent_dim]. The whole batch is resolved together: one
         device -> host read of the selections, one host -> device copy of every request's misses."""
         k = picks[0][1].shape[-1]
+        if layer in self.stream_layers:
+            return torch.cat([self.gather_latent(layer, seq, positions) for seq, positions in picks]).view(len(picks), k, -1)
         flat = torch.cat([positions.reshape(-1) for _, positions in picks]).tolist()
         seqs = [seq for seq, _ in picks]
         rows = self._batch_rows_for(layer, seqs, [flat[i * k:(i + 1) * k] for i in range(len(seqs))])
@@ -313,17 +331,23 @@ def _group_leaders(cfg: ModelConfig) -> dict[int, int]:
 
 
 def build_tiered_cache(config: EngineConfig, model, dtype: torch.dtype, device, default_pages: int) -> TieredKVPool:
-    """The tiered pool for `config`, sized by its budgets; installs Quest if selected."""
+    """The tiered pool for `config`, sized by its budgets; installs Quest if selected. With speculative
+    decoding the MTP layer is a stream-only layer: host latent and device indexer keys, no working set."""
     from ..model.selectors import install_quest, quest_bytes_per_token
     cfg, itemsize = model.cfg, dtype.itemsize
     quest = config.selector == "quest"
     fp8 = config.indexer_key_dtype == "fp8_e4m3"
-    selector_bytes = (quest_bytes_per_token(cfg, config.quest_page_tokens) if quest
-                      else index_bytes_per_token(cfg, itemsize, fp8))
-    sizes = plan_tier_sizes(config, cfg, latent_bytes_per_token(cfg, itemsize), selector_bytes, default_pages)
-    host = make_host_store(list(range(cfg.num_hidden_layers)), sizes.num_pages * config.kv_page_size,
+    mtp = [cfg.num_hidden_layers] if config.num_speculative_tokens and model.mtp is not None else []
+    mtp_index_bytes = len(mtp) * index_bytes_per_layer(cfg, itemsize, fp8)
+    selector_bytes = mtp_index_bytes + (quest_bytes_per_token(cfg, config.quest_page_tokens) if quest
+                                        else index_bytes_per_token(cfg, itemsize, fp8))
+    latent_bytes = latent_bytes_per_token(cfg, itemsize)
+    sizes = plan_tier_sizes(config, cfg, latent_bytes, selector_bytes, default_pages,
+                            host_latent_per_token=latent_bytes + len(mtp) * cfg.latent_dim * itemsize)
+    host = make_host_store(list(range(cfg.num_hidden_layers)) + mtp, sizes.num_pages * config.kv_page_size,
                            cfg.latent_dim, dtype, config.host_store_path, pin=torch.device(device).type == "cuda")
-    pool = TieredKVPool(cfg, sizes, config.kv_page_size, dtype, device, host, fp8, keep_index_keys=not quest)
+    pool = TieredKVPool(cfg, sizes, config.kv_page_size, dtype, device, host, fp8, keep_index_keys=not quest,
+                        stream_layers=tuple(mtp))
     if quest:
         install_quest(model, config, pool.num_slots, device)
         pool.selector_bytes_per_token = selector_bytes

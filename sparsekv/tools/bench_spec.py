@@ -54,9 +54,11 @@ def run(args) -> dict:
     from .bench_worker import decode_bytes_per_step
     torch.set_num_threads(args.threads)
     path = args.model or default_model_path()
-    modes = {"plain": LLM(path, max_model_len=args.prompt_tokens + args.max_tokens + 8, max_num_seqs=1).engine,
-             "MTP draft": LLM(path, max_model_len=args.prompt_tokens + args.max_tokens + 8, max_num_seqs=1,
-                              num_speculative_tokens=args.num_speculative_tokens).engine}
+    common = dict(max_model_len=args.prompt_tokens + args.max_tokens + 8, max_num_seqs=1)
+    if args.kv_tiering:  # both modes tiered: drafting's cost and gain with the tiered cache
+        common.update(kv_tiering=True, device_buffer_tokens=args.device_buffer_tokens)
+    modes = {"plain": LLM(path, **common).engine,
+             "MTP draft": LLM(path, num_speculative_tokens=args.num_speculative_tokens, **common).engine}
     prompts = held_out_prompts(modes["plain"].tokenizer, args.prompts, args.prompt_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     runs = {name: [] for name in modes}
@@ -64,7 +66,7 @@ def run(args) -> dict:
         for name, engine in modes.items():
             runs[name].append(decode_one(engine, prompt, params))
     bytes_per_step = decode_bytes_per_step(modes["plain"], args.prompt_tokens + args.max_tokens // 2)
-    return {"prompts": len(prompts), "runs": runs, "bytes_per_step": bytes_per_step, "k": args.num_speculative_tokens,
+    return {"prompts": len(prompts), "kv_tiering": args.kv_tiering, "runs": runs, "bytes_per_step": bytes_per_step, "k": args.num_speculative_tokens,
             "machine_gbps": _machine_bandwidth(args.threads)}
 
 
@@ -79,8 +81,9 @@ def report(result: dict) -> dict:
         summary[name] = {"ms_per_token": ms, "steps_per_token": steps, "gbps": gbps,
                          "acceptance": accepted / drafted if drafted else None}
     identical = sum(a["tokens"] == b["tokens"] for a, b in zip(runs["plain"], runs["MTP draft"]))
-    table = Table(title=f"MTP speculative decoding ({result['k']} drafts per step), {result['prompts']} held-out "
-                        "prompts, greedy, one request at a time")
+    tiering = ", tiered KV cache" if result.get("kv_tiering") else ""
+    table = Table(title=f"MTP speculative decoding ({result['k']} drafts per step{tiering}), {result['prompts']} "
+                        "held-out prompts, greedy, one request at a time")
     for col in ("mode", "decode ms/token", "target steps/token", "draft acceptance", "achieved bandwidth", "speed-up"):
         table.add_column(col)
     base = summary["plain"]["ms_per_token"]
@@ -91,7 +94,8 @@ def report(result: dict) -> dict:
                       f"{base / s['ms_per_token']:.2f}x")
     Console().print(table)
     print(f"greedy outputs identical to plain decoding: {identical} of {result['prompts']}")
-    return {"summary": summary, "identical": identical, "prompts": result["prompts"], "k": result["k"]}
+    return {"summary": summary, "identical": identical, "prompts": result["prompts"], "k": result["k"],
+            "kv_tiering": result.get("kv_tiering", False)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="MTP draft tokens per step")
+    p.add_argument("--kv-tiering", action="store_true", help="both modes with the tiered KV cache")
+    p.add_argument("--device-buffer-tokens", type=int, default=None, help="with --kv-tiering (default 2 x top-k)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
