@@ -211,3 +211,25 @@ def test_index_key_segments_cover_the_history_in_order(fp8, monkeypatch):
         cache.keys[0][slots].view(torch.float8_e4m3fn).float() * cache.scales[0][slots][:, None])
     assert kinds == ["int", "int", "Tensor"]
     assert torch.equal(rebuilt, expected)
+
+
+def test_bench_tiers_sweep_and_fixed_budget(ckpt, tmp_path, capsys):
+    """`sparsekv bench tiers`: the sweep reports flat device latent bytes and writes its plots; the
+    fixed-budget mode admits `--fit` requests with tiering off, more with it on, all of them unbounded."""
+    import json
+    from sparsekv.tools.bench_tiers import main
+    out = tmp_path / "sweep.json"
+    assert main(["--model", ckpt["glm_moe_dsa"], "--contexts", "64,512", "--buffers", "1,2", "--steps", "3",
+                 "--skip-natural", "--plot-dir", str(tmp_path), "--json", str(out)]) == 0
+    sweep = json.loads(out.read_text())["sweep"]
+    tiered = [r for r in sweep if r.get("buffer_x_topk") == 1]
+    assert len(tiered) == 2 and tiered[0]["device_latent_bytes"] == tiered[1]["device_latent_bytes"] > 0
+    off = [r for r in sweep if r["tiering"] == "off"]
+    assert off[1]["device_latent_bytes"] > off[0]["device_latent_bytes"]
+    assert all(os.path.exists(p) for p in json.loads(out.read_text())["plots"])
+    out = tmp_path / "conc.json"
+    assert main(["--model", ckpt["glm_moe_dsa"], "--concurrency", "--concurrency-context", "256",
+                 "--max-requests", "8", "--steps", "3", "--latency-steps", "3", "--json", str(out)]) == 0
+    conc = json.loads(out.read_text())["concurrency"]
+    assert conc["off"]["admitted"] == 4 and conc["on"]["admitted"] == conc["off_unbounded"]["admitted"] == 8
+    assert "batching ceiling" in capsys.readouterr().out
