@@ -52,6 +52,9 @@ class ForwardContext:
     seqs: list[SeqSlice]
     logits_rows: torch.Tensor     # rows whose logits the step needs (last token of sampled requests)
     attention: str = "sparse"     # "sparse" or "dense" (baseline: selection off)
+    # A request with at most this many new tokens is a decode (1, or 1 + drafts with speculative
+    # decoding): in the sparse regime its rows attend in the step's decode batch.
+    decode_rows: int = 1
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     # Per request: sorted selected positions [S, k] and their validity, written by a full layer's

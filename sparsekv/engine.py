@@ -50,7 +50,8 @@ class LLMEngine:
         self._final_metrics: dict[str, dict] = {}  # a finished request's figures, until its output
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.page_size, config.attention)
+        self.runner = ModelRunner(self.model, self.cache, self.page_size, config.attention,
+                                  decode_rows=1 + config.num_speculative_tokens)
         self.speculator = None
         if config.num_speculative_tokens:
             from .speculative import Speculator

@@ -136,7 +136,8 @@ class Speculator:
         device = hidden.device
         slots = torch.cat([s.slots[s.context_len - (s.token_end - s.token_start):] for s in seqs])
         ctx = ForwardContext(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), slots,
-                             seqs, torch.tensor(logits_rows, dtype=torch.long, device=device), self.runner.attention)
+                             seqs, torch.tensor(logits_rows, dtype=torch.long, device=device), self.runner.attention,
+                             decode_rows=self.runner.decode_rows)
         logits, h = self.drafter.forward(hidden[torch.tensor(rows, device=device)], ctx.input_ids, ctx, self.cache)
         if drafting:
             selection = {r.request_id: ctx.selection[r.request_id][-1:] for r, _ in drafting

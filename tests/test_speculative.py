@@ -119,19 +119,29 @@ def test_seeded_sampling_with_drafts_is_reproducible_and_aborts_free_everything(
     _idle(llm)
 
 
-LONG = PROMPTS[1] * 14  # about 400 tokens: past index_topk (256), so every full layer selects
+LONG = [PROMPTS[1] * 24, PROMPTS[2] * 12]  # 384 and 300 tokens: past index_topk (256), so full layers select
 
 
+@pytest.mark.parametrize("buffer", [256, 512])
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=5,
                                                            logprobs=2)], ids=["greedy", "sampled"])
-def test_tiering_with_drafts_is_exact(model, params):
+def test_tiering_with_drafts_is_exact(model, params, buffer, monkeypatch):
     """The tiered cache with speculative decoding computes what the device-only cache computes, bit for
-    bit: verification chunks and the MTP layer stream their rows from the host store, plain decode
-    steps (a draft that did not fit the token budget) use the working set. N = top-k forces misses."""
-    prompts = [LONG, PROMPTS[0], LONG[:700]]
+    bit. A verification step (the newest token and its drafts) resolves the union of its rows'
+    selections in the working set, or streams from the host store when the union exceeds N (at
+    N = top-k both happen); the MTP layer always streams."""
+    from sparsekv.cache.tiers import TieredKVPool
+    paths, plan = set(), TieredKVPool._plan
+
+    def spy(self, leader, seq, positions, src, dst):
+        rows = plan(self, leader, seq, positions, src, dst)
+        paths.add((seq.num_new_tokens > 1, rows is not None))
+        return rows
+    monkeypatch.setattr(TieredKVPool, "_plan", spy)
+    prompts = [LONG[0], PROMPTS[0], LONG[1]]
     options = dict(OPTIONS, prefill_chunk_tokens=64, max_num_batched_tokens=72)
     ref = LLM(model, num_speculative_tokens=2, **options).generate(prompts, params)
-    llm = LLM(model, num_speculative_tokens=2, kv_tiering=True, device_buffer_tokens=256, **options)
+    llm = LLM(model, num_speculative_tokens=2, kv_tiering=True, device_buffer_tokens=buffer, **options)
     outs = llm.generate(prompts, params)
     for a, b in zip(ref, outs, strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
@@ -139,7 +149,9 @@ def test_tiering_with_drafts_is_exact(model, params):
             assert a.metrics[key] == b.metrics[key]
         assert b.metrics["spec_num_draft_tokens"] > 0 and b.metrics["d2h_bytes"] > 0
     stats, cache = llm.stats(), llm.engine.cache
+    assert min(len(outs[0].prompt_token_ids), len(outs[2].prompt_token_ids)) > llm.engine.model.cfg.index_topk
     assert stats["tier_misses"] > 0 and stats["h2d_bytes"] > 0 and cache.stream_layers
+    assert (True, True) in paths and ((True, False) in paths) == (buffer == 256)
     if params is GREEDY:  # and both equal plain decoding
         plain = LLM(model, **options).generate(prompts, params)
         assert [o.token_ids for o in plain] == [o.token_ids for o in outs]
@@ -148,14 +160,15 @@ def test_tiering_with_drafts_is_exact(model, params):
 
 
 def test_tiering_with_drafts_counts_the_mtp_layer(model):
-    """Host bytes and indexer bytes include the MTP layer's; the working set does not (it streams)."""
+    """Host bytes and indexer bytes include the MTP layer's; the working set does not (it streams), and
+    holds one more new-token row per draft."""
     plain = LLM(model, kv_tiering=True, max_model_len=512).engine.cache
     spec = LLM(model, kv_tiering=True, num_speculative_tokens=1, max_model_len=512).engine.cache
     cfg = spec.cfg
     row = cfg.latent_dim * spec.dtype.itemsize
     assert spec.latent_bytes_per_token() == plain.latent_bytes_per_token() + row
     assert spec.index_bytes_per_token() == plain.index_bytes_per_token() + cfg.index_head_dim * spec.dtype.itemsize
-    assert spec.working_set_bytes() == plain.working_set_bytes()
+    assert spec.working_set_bytes() == plain.working_set_bytes() + row * cfg.num_hidden_layers
 
 
 def test_configuration_errors(model, glm_ckpt):
@@ -165,12 +178,15 @@ def test_configuration_errors(model, glm_ckpt):
         LLM(model, num_speculative_tokens=9)
 
 
-def test_bench_spec_reports_identical_greedy_outputs(tmp_path, capsys):
+@pytest.mark.parametrize("tiering", [[], ["--kv-tiering"]], ids=["device", "tiered"])
+def test_bench_spec_reports_identical_greedy_outputs(tmp_path, capsys, tiering):
     import json
     from sparsekv.tools.bench_spec import main
     out = tmp_path / "spec.json"
-    assert main(["--prompts", "2", "--prompt-tokens", "64", "--max-tokens", "8", "--json", str(out)]) == 0
+    assert main(["--prompts", "2", "--prompt-tokens", "64", "--max-tokens", "8", "--json", str(out)] + tiering) == 0
     result = json.loads(out.read_text())
+    assert result["kv_tiering"] == bool(tiering)
+    assert ("h2d_mb_per_token" in result["summary"]["MTP draft"]) == bool(tiering)
     assert result["identical"] == result["prompts"] == 2
     assert 0.0 <= result["summary"]["MTP draft"]["acceptance"] <= 1.0
     assert result["summary"]["MTP draft"]["steps_per_token"] <= 1.0

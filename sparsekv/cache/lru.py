@@ -124,11 +124,12 @@ def plan_tier_sizes(config: EngineConfig, cfg: ModelConfig, latent_per_token: in
     if config.host_kv_budget_bytes:
         limits.append((config.host_kv_budget_bytes // (page * host_per_token),
                        f"host_kv_budget_bytes={config.host_kv_budget_bytes}"))
+    rows = n + 1 + config.num_speculative_tokens  # LRU slots + the step's new tokens
     if config.device_kv_budget_bytes:
-        left = config.device_kv_budget_bytes - buffers * (n + 1) * latent_per_token
+        left = config.device_kv_budget_bytes - buffers * rows * latent_per_token
         if left < page * max(selector_per_token, 1):
             raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} cannot hold {buffers} working "
-                              f"sets of {n + 1} tokens ({(n + 1) * latent_per_token} B each, max_num_seqs={buffers}) "
+                              f"sets of {rows} tokens ({rows * latent_per_token} B each, max_num_seqs={buffers}) "
                               f"plus one page of indexer keys; raise it or lower max_num_seqs / device_buffer_tokens")
         limits.append((left // (page * max(selector_per_token, 1)),
                        f"device_kv_budget_bytes={config.device_kv_budget_bytes} (indexer keys after working sets)"))

@@ -86,6 +86,6 @@ class KVPool:
         return self.latent[layer].index_select(0, rows).view(*positions.shape, -1)
 
     def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
-        """One decode row per request, its k selected positions [1, k] each -> [B, k, latent_dim], one gather."""
+        """Each request's decode rows and their k selected positions [n, k] -> [sum n, k, latent_dim], one gather."""
         rows = torch.cat([seq.slots[positions.reshape(-1)] for seq, positions in picks])
-        return self.latent[layer].index_select(0, rows).view(len(picks), picks[0][1].shape[-1], -1)
+        return self.latent[layer].index_select(0, rows).view(-1, picks[0][1].shape[-1], self.latent[layer].shape[1])

@@ -6,28 +6,31 @@ its latent in the host store::
 
     device                                              host (HostStore, layer-first)
       index keys  [logical slots]   all history (DSA)      latent [logical slots]   all history
-      working sets, per layer  [max_num_seqs x (N + 1)]
-        buffer b: rows b(N+1) .. b(N+1)+N-1  LRU slots      (written at every step: backup, D2H)
-                  row  b(N+1)+N              newest token
+      working sets, per layer  [max_num_seqs x (N + R)]    (written at every step: backup, D2H)
+        buffer b: rows b(N+R) .. b(N+R)+N-1    LRU slots
+                  rows b(N+R)+N .. +R-1        the step's new tokens (R = 1 + speculative drafts)
 
 A step, as the engine drives it:
-  1. `begin_step(chunks)`: a chunk of one new token (a decode) uses its request's working set. The
-     previous newest token, still on the device, is promoted into the LRU slots (a device copy).
-  2. `write_latent`: every new latent goes to the host store; a decode's also to its newest row.
+  1. `begin_step(chunks)`: a chunk of at most R new tokens (a decode: the newest token and its
+     drafts) uses its request's working set. Last step's new tokens that are now final (before this
+     chunk's first position) are promoted into the LRU slots (a device copy); rejected drafts' rows
+     are dropped, never read again.
+  2. `write_latent`: every new latent goes to the host store; a decode's also to its new rows.
   3. A full layer's `gather_latent` (sparse regime) or `latent_for` (dense regime, T <= top-k <= N)
      resolves the positions through the group's LRU: hits stay, misses are copied host -> device into
      the least-recently-used slots, for the full layer *and* its IndexShare shared layers at once
      (shared layers' copies on a CUDA side stream, waited on by the shared layer). Attention then
      reads the working set rows in the order it asked for: same values, same order, so it is exact.
-  4. Multi-token chunks (prefill, and speculative verification: the newest token plus its drafts)
-     stream the rows they read from the host store, one query block at a time (the same transient a
-     dense pool's gather makes); they do not touch the working set.
+     A decode with drafts resolves the union of its rows' selections; if that exceeds N, that
+     request streams this step's rows from the host store instead (exact either way).
+  4. Longer chunks (prefill) stream the rows they read from the host store, one query block at a
+     time (the same transient a dense pool's gather makes); they do not touch the working set.
 
 Stream-only layers (the MTP layer, with speculative decoding) keep their latent in the host store
 and their indexer keys on the device, but have no working set: every read streams from the host.
 The MTP layer is one layer next to the target's num_hidden_layers, and it reads k rows per request
-per draft step. Positions a rejected draft wrote are rewritten next step; they never reach a working
-set, which only ever holds positions before its request's newest final token.
+per draft step. Positions a rejected draft wrote are rewritten next step; they never reach the LRU
+slots, which only ever hold positions before the request's newest final token.
 """
 from __future__ import annotations
 
@@ -87,15 +90,25 @@ class _WorkingSet:
 
     buffer: int
     lrus: dict[int, WorkingSetLRU]
-    newest: int | None = None  # position whose latent sits in the newest row of every layer
+    new_start: int | None = None  # first position held in the new-token rows (the last decode's)
+    new_count: int = 0
 
 
 @dataclass
 class _StepState:
     ws_rows: torch.Tensor | None = None       # flat-batch rows of this step's decode tokens
-    newest_rows: torch.Tensor | None = None   # their newest-token rows in the working sets
+    new_rows: torch.Tensor | None = None      # their new-token rows in the working sets
     decoding: dict = field(default_factory=dict)  # request -> its page ids (logical slots, on the CPU)
-    plans: dict = field(default_factory=dict)  # (request, group leader) -> device rows of the positions
+    plans: dict = field(default_factory=dict)  # (requests, group leader) -> _Plan
+
+
+@dataclass
+class _Plan:
+    """Where a group's decode rows read: working-set rows of the resolved requests (concatenated, in
+    request order), and the requests whose selections did not fit in N, which stream from the host."""
+
+    rows: torch.Tensor | None
+    streamed: frozenset[int]  # indices into the step's requests
 
 
 class TieredKVPool:
@@ -103,16 +116,17 @@ class TieredKVPool:
 
     def __init__(self, cfg: ModelConfig, sizes: TierSizes, page_size: int, dtype: torch.dtype, device,
                  host: HostStore, fp8_index_keys: bool = False, keep_index_keys: bool = True,
-                 stream_layers: tuple[int, ...] = ()):
+                 stream_layers: tuple[int, ...] = (), new_rows: int = 1):
         self.cfg, self.page_size, self.dtype, self.device = cfg, page_size, dtype, torch.device(device)
         self.num_slots = sizes.num_pages * page_size
         self.capacity, self.sizes, self.host = sizes.buffer_tokens, sizes, host
         self.layers = list(range(cfg.num_hidden_layers))
         self.leader = _group_leaders(cfg)
         self.groups = {g: [l for l in self.layers if self.leader[l] == g] for g in cfg.full_layers}
-        rows = sizes.num_buffers * (self.capacity + 1)
+        self.new_rows = new_rows  # 1 + speculative drafts: the most new tokens a decode writes
+        rows = sizes.num_buffers * (self.capacity + new_rows)
         self.ws = {l: torch.empty(rows, cfg.latent_dim, dtype=dtype, device=self.device) for l in self.layers}
-        self.buffers = PageAllocator(sizes.num_buffers, self.capacity + 1)  # one "page" = one working set
+        self.buffers = PageAllocator(sizes.num_buffers, self.capacity + new_rows)  # one "page" = one working set
         self.stream_layers = set(stream_layers)
         self.index = IndexKeyCache((cfg.full_layers if keep_index_keys else []) + list(stream_layers), self.num_slots,
                                    cfg.index_head_dim, dtype, self.device, fp8_index_keys)
@@ -131,8 +145,8 @@ class TieredKVPool:
         return self.index.bytes_per_token()
 
     def working_set_bytes(self) -> int:
-        """Device latent bytes of one decoding request: N LRU rows + the newest row, every layer."""
-        return (self.capacity + 1) * self.host.row_bytes * len(self.layers)
+        """Device latent bytes of one decoding request: N LRU rows + the new-token rows, every layer."""
+        return (self.capacity + self.new_rows) * self.host.row_bytes * len(self.layers)
 
     @property
     def num_working_sets(self) -> int:
@@ -140,24 +154,25 @@ class TieredKVPool:
 
     # -- the step protocol ---------------------------------------------------------------------
     def begin_step(self, chunks) -> None:
-        """Before the forward: note which rows are decodes, promote last step's newest tokens."""
+        """Before the forward: note which rows are decodes, promote last step's final new tokens."""
         self.link.flush()  # last step's backups: every host row is current before anything reads it
-        step, ws_rows, newest_rows, row = _StepState(), [], [], 0
+        step, ws_rows, new_rows, row = _StepState(), [], [], 0
         for ch in chunks:
-            rid = ch.request.request_id
-            self._count(rid, d2h=ch.num_new_tokens * self.host.row_bytes * len(self.layers))
-            if ch.num_new_tokens == 1:
+            rid, n = ch.request.request_id, ch.num_new_tokens
+            self._count(rid, d2h=n * self.host.row_bytes * len(self.layers))
+            if n <= self.new_rows:
                 ws = self._working_set(rid)
-                self._promote(ws)
-                ws.newest = ch.context_len - 1
+                self._promote(ws, ch.first_position)
+                ws.new_start, ws.new_count = ch.first_position, n
                 step.decoding[rid] = ch.request.page_ids
-                ws_rows.append(row)
-                newest_rows.append(self._base(ws) + self.capacity)
+                ws_rows.extend(range(row, row + n))
+                first = self._base(ws) + self.capacity
+                new_rows.extend(range(first, first + n))
             elif rid in self._resident:
-                self._resident[rid].newest = None
-            row += ch.num_new_tokens
+                self._resident[rid].new_start = None
+            row += n
         if ws_rows:
-            step.ws_rows, step.newest_rows = self.link.index(ws_rows), self.link.index(newest_rows)
+            step.ws_rows, step.new_rows = self.link.index(ws_rows), self.link.index(new_rows)
         self._step = step
 
     def release(self, request_id: str) -> dict:
@@ -182,7 +197,7 @@ class TieredKVPool:
     def write_latent(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.link.backup(layer, slots, values)  # every token's latent reaches the host
         if self._step.ws_rows is not None and layer not in self.stream_layers:
-            self.ws[layer].index_copy_(0, self._step.newest_rows, values[self._step.ws_rows].to(self.dtype))
+            self.ws[layer].index_copy_(0, self._step.new_rows, values[self._step.ws_rows].to(self.dtype))
 
     def write_index_keys(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.index.write(layer, slots, values)
@@ -195,86 +210,110 @@ class TieredKVPool:
         return seq.request_id in self._step.decoding and layer not in self.stream_layers
 
     def latent_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
-        if self._uses_working_set(layer, seq):
-            return self.ws[layer].index_select(0, self._rows_for(layer, seq, list(range(seq.context_len))))
-        return self._stream(layer, seq, seq.slots)
+        return self.gather_latent(layer, seq, torch.arange(seq.context_len))
 
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim], in the order asked for."""
         if self._uses_working_set(layer, seq):
-            rows = self._rows_for(layer, seq, positions.reshape(-1).tolist())
-            return self.ws[layer].index_select(0, rows).view(*positions.shape, -1)
-        return self._stream(layer, seq, seq.slots[positions.reshape(-1)]).view(*positions.shape, -1)
+            return self._gather(layer, [seq], [positions.reshape(-1).tolist()]).view(*positions.shape, -1)
+        return self._stream(layer, seq, seq.slots[positions.reshape(-1).to(seq.slots.device)]).view(*positions.shape, -1)
 
     def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
-        """One decode row per request -> [B, k, latent_dim]. The whole batch is resolved together: one
-        device -> host read of the selections, one host -> device copy of every request's misses."""
-        k = picks[0][1].shape[-1]
+        """Each request's decode rows, k selected positions per row [n, k] -> [sum n, k, latent_dim]. The
+        whole batch is resolved together: one device -> host read of the selections, one host -> device
+        copy of every request's misses."""
+        k, seqs = picks[0][1].shape[-1], [seq for seq, _ in picks]
         if layer in self.stream_layers:
-            return torch.cat([self.gather_latent(layer, seq, positions) for seq, positions in picks]).view(len(picks), k, -1)
-        flat = torch.cat([positions.reshape(-1) for _, positions in picks]).tolist()
-        seqs = [seq for seq, _ in picks]
-        rows = self._batch_rows_for(layer, seqs, [flat[i * k:(i + 1) * k] for i in range(len(seqs))])
-        return self.ws[layer].index_select(0, rows).view(len(picks), k, -1)
+            return torch.cat([self.gather_latent(layer, seq, p) for seq, p in picks]).view(-1, k, self.cfg.latent_dim)
+        flat, sizes = torch.cat([p.reshape(-1) for _, p in picks]).tolist(), [p.numel() for _, p in picks]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        positions = [flat[o:o + n] for o, n in zip(offsets, sizes)]
+        return self._gather(layer, seqs, positions).view(-1, k, self.cfg.latent_dim)
+
+    def _gather(self, layer: int, seqs: list[SeqSlice], positions: list[list[int]]) -> torch.Tensor:
+        """[sum of len(positions), latent_dim]: working-set rows, or the host store's for streamed requests."""
+        plan = self._plan_for(layer, seqs, positions)
+        if not plan.streamed:
+            return self.ws[layer].index_select(0, plan.rows)
+        parts, done = [], 0
+        for i, (seq, pos) in enumerate(zip(seqs, positions)):
+            if i in plan.streamed:
+                parts.append(self._stream(layer, seq, seq.slots[torch.tensor(pos, device=seq.slots.device)]))
+            else:
+                parts.append(self.ws[layer].index_select(0, plan.rows[done:done + len(pos)]))
+                done += len(pos)
+        return torch.cat(parts)
 
     def _stream(self, layer: int, seq: SeqSlice, slots: torch.Tensor) -> torch.Tensor:
         self._count(seq.request_id, h2d=slots.numel() * self.host.row_bytes)
         return self.link.read(layer, slots)
 
     # -- resolution ----------------------------------------------------------------------------
-    def _rows_for(self, layer: int, seq: SeqSlice, positions: list[int]) -> torch.Tensor:
-        return self._batch_rows_for(layer, [seq], [positions])
-
-    def _batch_rows_for(self, layer: int, seqs: list[SeqSlice], positions: list[list[int]]) -> torch.Tensor:
-        """Device rows of each request's positions, concatenated. A full layer resolves them; its
-        shared layers replay the plan (their copies were issued with the full layer's)."""
+    def _plan_for(self, layer: int, seqs: list[SeqSlice], positions: list[list[int]]) -> _Plan:
+        """A full layer resolves its requests' positions; its shared layers replay the plan (their
+        copies were issued with the full layer's)."""
         leader = self.leader[layer]
         key = (tuple(seq.request_id for seq in seqs), leader)
         if layer == leader or key not in self._step.plans:
             self._step.plans[key] = self._resolve(leader, seqs, positions)
         else:
             self.link.wait(layer)
-        rows = self._step.plans[key]
-        assert rows.numel() == sum(map(len, positions)), "a shared layer read other positions than its full layer"
-        return rows
+        plan = self._step.plans[key]
+        resolved = sum(len(p) for i, p in enumerate(positions) if i not in plan.streamed)
+        assert (0 if plan.rows is None else plan.rows.numel()) == resolved, \
+            "a shared layer read other positions than its full layer"
+        return plan
 
-    def _resolve(self, leader: int, seqs: list[SeqSlice], positions: list[list[int]]) -> torch.Tensor:
+    def _resolve(self, leader: int, seqs: list[SeqSlice], positions: list[list[int]]) -> _Plan:
         """LRU-resolve every request's positions for the whole group; copy all misses at once."""
-        rows, src, dst = [], [], []
-        for seq, pos in zip(seqs, positions):
-            rows += self._plan(leader, seq, pos, src, dst)
+        rows, streamed, src, dst = [], set(), [], []
+        for i, (seq, pos) in enumerate(zip(seqs, positions)):
+            planned = self._plan(leader, seq, pos, src, dst)
+            if planned is None:
+                streamed.add(i)
+            else:
+                rows += planned
         if src:
             self.link.fetch(self.groups[leader], torch.tensor(src), self.ws, self.link.index(dst))
-        return self.link.index(rows)
+        return _Plan(self.link.index(rows) if rows else None, frozenset(streamed))
 
-    def _plan(self, leader: int, seq: SeqSlice, positions: list[int], src: list[int], dst: list[int]) -> list[int]:
-        """One request's working-set rows for `positions`; appends its misses' host slots and rows."""
-        ws, newest, group = self._resident[seq.request_id], seq.context_len - 1, self.groups[leader]
-        older = [p for p in positions if p != newest]
+    def _plan(self, leader: int, seq: SeqSlice, positions: list[int], src: list[int], dst: list[int]) -> list[int] | None:
+        """One request's working-set rows for `positions` (None when its older positions exceed N: it
+        streams instead); appends its misses' host slots and rows."""
+        ws, group, first_new = self._resident[seq.request_id], self.groups[leader], seq.first_new_position
+        older = [p for p in positions if p < first_new]
+        if seq.num_new_tokens > 1:  # several rows select overlapping positions: resolve their union
+            older = sorted(set(older))
         if len(older) > self.capacity:
-            raise RuntimeError(f"{len(older)} positions to hold in a working set of {self.capacity}")
+            return None
         res = ws.lrus[leader].resolve(older)
         slot_of = dict(zip(older, res.slots))
         base = self._base(ws)
-        hits = res.hits + (len(older) < len(positions))  # the newest token is a hit on its own row
-        self._count(seq.request_id, hits=hits * len(group), misses=len(res.misses) * len(group),
+        new_hits = len(set(positions)) - len(older)  # this step's new tokens, on their own rows
+        self._count(seq.request_id, hits=(res.hits + new_hits) * len(group), misses=len(res.misses) * len(group),
                     h2d=len(res.misses) * len(group) * self.host.row_bytes)
         pages, ps = self._step.decoding[seq.request_id], self.page_size
         src += [pages[p // ps] * ps + p % ps for p, _ in res.misses]
         dst += [base + s for _, s in res.misses]
-        return [base + slot_of.get(p, self.capacity) for p in positions]
+        new_row = base + self.capacity - first_new
+        return [base + slot_of[p] if p < first_new else new_row + p for p in positions]
 
-    def _promote(self, ws: _WorkingSet) -> None:
-        """Last step's newest token is on the device: keep it, as most recently used (no host traffic)."""
-        if ws.newest is None:
+    def _promote(self, ws: _WorkingSet, upto: int) -> None:
+        """Last step's new tokens before position `upto` are final and on the device: keep them, as most
+        recently used (a device copy, no host traffic). The others were rejected drafts: dropped."""
+        start, ws.new_start = ws.new_start, None
+        if start is None or upto <= start:
             return
+        final = list(range(start, min(start + ws.new_count, upto)))
         base = self._base(ws)
         for leader, lru in ws.lrus.items():
-            for _, slot in lru.resolve([ws.newest]).misses:
-                for layer in self.groups[leader]:
-                    self.ws[layer][base + slot] = self.ws[layer][base + self.capacity]
-        ws.newest = None
-
+            misses = lru.resolve(final).misses
+            if not misses:
+                continue
+            src = self.link.index([base + self.capacity + p - start for p, _ in misses])
+            dst = self.link.index([base + slot for _, slot in misses])
+            for layer in self.groups[leader]:
+                self.ws[layer].index_copy_(0, dst, self.ws[layer].index_select(0, src))
     # -- bookkeeping ---------------------------------------------------------------------------
     def _working_set(self, request_id: str) -> _WorkingSet:
         ws = self._resident.get(request_id)
@@ -285,7 +324,7 @@ class TieredKVPool:
         return ws
 
     def _base(self, ws: _WorkingSet) -> int:
-        return ws.buffer * (self.capacity + 1)
+        return ws.buffer * (self.capacity + self.new_rows)
 
     def _count(self, request_id: str, hits: int = 0, misses: int = 0, h2d: int = 0, d2h: int = 0) -> None:
         self._counters.setdefault(request_id, TierCounters()).add(hits, misses, h2d, d2h)
@@ -347,7 +386,7 @@ def build_tiered_cache(config: EngineConfig, model, dtype: torch.dtype, device, 
     host = make_host_store(list(range(cfg.num_hidden_layers)) + mtp, sizes.num_pages * config.kv_page_size,
                            cfg.latent_dim, dtype, config.host_store_path, pin=torch.device(device).type == "cuda")
     pool = TieredKVPool(cfg, sizes, config.kv_page_size, dtype, device, host, fp8, keep_index_keys=not quest,
-                        stream_layers=tuple(mtp))
+                        stream_layers=tuple(mtp), new_rows=1 + config.num_speculative_tokens)
     if quest:
         install_quest(model, config, pool.num_slots, device)
         pool.selector_bytes_per_token = selector_bytes

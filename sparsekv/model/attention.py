@@ -171,9 +171,10 @@ class MLAttention:
     def _attention(self, q: torch.Tensor, index_q, ctx: ForwardContext, cache) -> torch.Tensor:
         """Latent attention output [N, H, C] for every row of the step.
 
-        Decode rows in the sparse regime attend to exactly k gathered entries each, so their
-        attention runs as one batch for the whole step; selection and gathering stay per request
-        (each request has its own keys, and the tiered cache resolves per request).
+        Decode rows in the sparse regime (a request's 1 new token, or 1 + its drafts) attend to
+        exactly k gathered entries each, so their attention runs as one batch for the whole step;
+        selection and gathering stay per request (each request has its own keys, and the tiered
+        cache resolves per request).
         """
         o_lat = q.new_empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank)
         decode_rows, picks, valid = [], [], []
@@ -181,11 +182,11 @@ class MLAttention:
             rows = slice(seq.token_start, seq.token_end)
             iq = None if index_q is None else self.selector.rows(index_q, rows)
             q_seq, positions = q[rows], ctx.positions[rows]
-            if seq.num_new_tokens > 1 or not self._sparse(seq, ctx):
+            if seq.num_new_tokens > ctx.decode_rows or not self._sparse(seq, ctx):
                 o_lat[rows] = self._attend(seq, q_seq, positions, iq, ctx, cache)
                 continue
             selected = self._select(seq, q_seq, positions, iq, ctx, cache)
-            decode_rows.append(seq.token_start)
+            decode_rows.extend(range(seq.token_start, seq.token_end))
             picks.append((seq, selected))
             valid.append(selected <= positions[:, None])
         if decode_rows:

@@ -34,16 +34,21 @@ def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 def decode_one(engine, prompt: list[int], params) -> dict:
     """Greedy decode of one prompt; decode time counts from the first token to the last."""
     engine.add_request("p", prompt, params)
-    steps, first, outs = 0, None, []
+    steps, first, outs, emitted, mark = 0, None, [], 0, None
     while engine.has_unfinished_requests():
         outs = engine.step() or outs
         if outs and first is None:
             first, steps = time.perf_counter(), 0
+        emitted += bool(outs)
+        if emitted == 2 and mark is None:  # after the first decode step (the MTP layer's prompt pass is done)
+            mark = (outs[-1].metrics.get("h2d_bytes", 0), len(outs[-1].token_ids))
         steps += 1
     end, out = time.perf_counter(), outs[-1]
     n = len(out.token_ids)
+    mark = mark or (out.metrics.get("h2d_bytes", 0), n)
     return {"tokens": out.token_ids, "ms_per_token": (end - first) * 1000 / max(n - 1, 1),
-            "steps_per_token": (steps - 1) / max(n - 1, 1), "metrics": out.metrics}
+            "steps_per_token": (steps - 1) / max(n - 1, 1), "metrics": out.metrics,
+            "decode_h2d_bytes": out.metrics.get("h2d_bytes", 0) - mark[0], "decode_h2d_tokens": n - mark[1]}
 
 
 def run(args) -> dict:
@@ -80,6 +85,9 @@ def report(result: dict) -> dict:
         gbps = result["bytes_per_step"] / (ms * steps / 1000) / 1e9
         summary[name] = {"ms_per_token": ms, "steps_per_token": steps, "gbps": gbps,
                          "acceptance": accepted / drafted if drafted else None}
+        if result.get("kv_tiering"):  # host -> device bytes per token, from the second decode step on
+            summary[name]["h2d_mb_per_token"] = (sum(r["decode_h2d_bytes"] for r in rs) / 1e6
+                                                 / max(sum(r["decode_h2d_tokens"] for r in rs), 1))
     identical = sum(a["tokens"] == b["tokens"] for a, b in zip(runs["plain"], runs["MTP draft"]))
     tiering = ", tiered KV cache" if result.get("kv_tiering") else ""
     table = Table(title=f"MTP speculative decoding ({result['k']} drafts per step{tiering}), {result['prompts']} "
@@ -94,6 +102,9 @@ def report(result: dict) -> dict:
                       f"{base / s['ms_per_token']:.2f}x")
     Console().print(table)
     print(f"greedy outputs identical to plain decoding: {identical} of {result['prompts']}")
+    for name, s in summary.items():
+        if "h2d_mb_per_token" in s:
+            print(f"{name}: host -> device {s['h2d_mb_per_token']:.3f} MB per decoded token")
     return {"summary": summary, "identical": identical, "prompts": result["prompts"], "k": result["k"],
             "kv_tiering": result.get("kv_tiering", False)}
 

@@ -355,7 +355,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="decode steps measured per figure")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--latency-steps", type=int, default=200, help="--concurrency: steps for p99 at concurrency 1")
+    p.add_argument("--latency-steps", type=int, default=1000, help="--concurrency: steps for p99 at concurrency 1")
     p.add_argument("--natural-context", type=parse_tokens, default=parse_tokens("2K"))
     p.add_argument("--natural-steps", type=int, default=96)
     p.add_argument("--warmup", type=int, default=16, help="decode steps before the steady state")
