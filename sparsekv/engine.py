@@ -288,5 +288,8 @@ class LLMEngine:
         owned = [p for r in self.scheduler.running for p in r.page_ids]
         assert len(owned) == len(set(owned)), "a page is owned by two requests"
         assert len(owned) == self.allocator.num_pages - self.allocator.num_free, "allocator and requests disagree"
+        running = {r.request_id for r in self.scheduler.running}
+        for selector in self.runner.selectors():
+            selector.check_integrity(running)
         if self.tiered:
-            self.cache.check_integrity({r.request_id for r in self.scheduler.running})
+            self.cache.check_integrity(running)

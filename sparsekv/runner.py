@@ -59,6 +59,14 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self._tables.pop(request_id, None)
+        for selector in self.selectors():
+            selector.forget(request_id)
+
+    def selectors(self) -> list:
+        """The distinct token selectors of the model's full layers (and its MTP layer)."""
+        layers = list(self.model.layers) + ([self.model.mtp.layer] if self.model.mtp is not None else [])
+        found = {id(l.attn.selector): l.attn.selector for l in layers if l.attn.selector is not None}
+        return list(found.values())
 
     def build_context(self, chunks: list[ScheduledChunk]) -> ForwardContext:
         ids, positions, seqs, logits_rows = [], [], [], []

@@ -122,14 +122,15 @@ def test_seeded_sampling_with_drafts_is_reproducible_and_aborts_free_everything(
 LONG = [PROMPTS[1] * 24, PROMPTS[2] * 12]  # 384 and 300 tokens: past index_topk (256), so full layers select
 
 
-@pytest.mark.parametrize("buffer", [256, 512])
+@pytest.mark.parametrize("selector, buffer", [("dsa", 256), ("dsa", 512), ("quest", 256)])
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=5,
                                                            logprobs=2)], ids=["greedy", "sampled"])
-def test_tiering_with_drafts_is_exact(model, params, buffer, monkeypatch):
+def test_tiering_with_drafts_is_exact(model, params, selector, buffer, monkeypatch):
     """The tiered cache with speculative decoding computes what the device-only cache computes, bit for
-    bit. A verification step (the newest token and its drafts) resolves the union of its rows'
-    selections in the working set, or streams from the host store when the union exceeds N (at
-    N = top-k both happen); the MTP layer always streams."""
+    bit, with either selector (the MTP layer keeps its own DSA indexer under Quest). A verification
+    step (the newest token and its drafts) resolves the union of its rows' selections in the working
+    set, or streams from the host store when the union exceeds N (at N = top-k both happen); the MTP
+    layer always streams."""
     from sparsekv.cache.tiers import TieredKVPool
     paths, plan = set(), TieredKVPool._plan
 
@@ -139,7 +140,7 @@ def test_tiering_with_drafts_is_exact(model, params, buffer, monkeypatch):
         return rows
     monkeypatch.setattr(TieredKVPool, "_plan", spy)
     prompts = [LONG[0], PROMPTS[0], LONG[1]]
-    options = dict(OPTIONS, prefill_chunk_tokens=64, max_num_batched_tokens=72)
+    options = dict(OPTIONS, prefill_chunk_tokens=64, max_num_batched_tokens=72, selector=selector)
     ref = LLM(model, num_speculative_tokens=2, **options).generate(prompts, params)
     llm = LLM(model, num_speculative_tokens=2, kv_tiering=True, device_buffer_tokens=buffer, **options)
     outs = llm.generate(prompts, params)
@@ -151,12 +152,31 @@ def test_tiering_with_drafts_is_exact(model, params, buffer, monkeypatch):
     stats, cache = llm.stats(), llm.engine.cache
     assert min(len(outs[0].prompt_token_ids), len(outs[2].prompt_token_ids)) > llm.engine.model.cfg.index_topk
     assert stats["tier_misses"] > 0 and stats["h2d_bytes"] > 0 and cache.stream_layers
-    assert (True, True) in paths and ((True, False) in paths) == (buffer == 256)
+    assert (True, True) in paths
+    if selector == "dsa":
+        assert ((True, False) in paths) == (buffer == 256)
     if params is GREEDY:  # and both equal plain decoding
         plain = LLM(model, **options).generate(prompts, params)
         assert [o.token_ids for o in plain] == [o.token_ids for o in outs]
     _idle(llm)
     cache.check_integrity(set())
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_quest_with_drafts_equals_plain_quest(model, k):
+    """Quest's page bounds are min/max accumulators: a rejected draft's latent must not stay in them.
+    Past top-k (so Quest selects), drafting gives plain decoding's tokens, and keeps nothing after."""
+    prompts = [LONG[0], PROMPTS[0], LONG[1]]
+    options = dict(OPTIONS, prefill_chunk_tokens=64, max_num_batched_tokens=72, selector="quest")
+    plain = LLM(model, **options).generate(prompts, GREEDY)
+    llm = LLM(model, num_speculative_tokens=k, **options)
+    spec = llm.generate(prompts, GREEDY)
+    for a, b in zip(plain, spec, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-5
+    assert llm.stats()["spec_num_draft_tokens"] > llm.stats()["spec_num_accepted_tokens"] > 0
+    _idle(llm)
 
 
 def test_tiering_with_drafts_counts_the_mtp_layer(model):

@@ -233,3 +233,37 @@ def test_bench_tiers_sweep_and_fixed_budget(ckpt, tmp_path, capsys):
     conc = json.loads(out.read_text())["concurrency"]
     assert conc["off"]["admitted"] == 4 and conc["on"]["admitted"] == conc["off_unbounded"]["admitted"] == 8
     assert "batching ceiling" in capsys.readouterr().out
+
+
+def test_quest_selection_does_not_depend_on_prefill_chunking(ckpt):
+    """A query scores its own page by the bound over that page's positions up to itself, so how the
+    prompt is chunked (the whole prompt, 16 or 3 tokens a step) changes nothing beyond rounding."""
+    outs = [generate(ckpt["glm_moe_dsa"], selector="quest", prefill_chunk_tokens=c, max_num_batched_tokens=max(c, 8))[0]
+            for c in (64, 16, 3)]
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            assert a.token_ids == b.token_ids
+            for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+                assert max(abs(la[t] - lb[t]) for t in la) < 1e-5
+
+
+def test_quest_own_page_bounds_match_brute_force():
+    """prepare's per-row bounds: min/max over the row's page, from the page start to the row itself,
+    including positions cached before the chunk."""
+    from types import SimpleNamespace
+    from sparsekv.context import SeqSlice
+    from sparsekv.model.selectors import QuestSelector
+    cfg = SimpleNamespace(latent_dim=6)
+    quest, pt = QuestSelector(cfg, 64, 4, "cpu", [0]), 4
+    latents = torch.randn(23, 6, generator=torch.Generator().manual_seed(3))
+    slots = torch.arange(23) + 8  # positions p live in slot p + 8 (page (p + 8) // 4)
+    done = 0
+    for n in (5, 1, 7, 3, 6, 1):  # chunks starting on and off page boundaries
+        seq = SeqSlice("r", 0, n, done + n, slots[:done + n])
+        ctx = SimpleNamespace(slot_mapping=slots[done:done + n], seqs=[seq], decode_rows=1)
+        lo, hi = quest.prepare(0, ctx, None, None, latents[done:done + n], None)
+        for i in range(n):
+            p = done + i
+            start = p - (p + 8) % pt
+            assert torch.equal(lo[i], latents[start:p + 1].amin(0)) and torch.equal(hi[i], latents[start:p + 1].amax(0))
+        done += n

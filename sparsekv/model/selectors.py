@@ -36,6 +36,12 @@ class TokenSelector:
     def select(self, layer: int, seq, state, q: torch.Tensor, positions: torch.Tensor, k: int, cache) -> torch.Tensor:
         raise NotImplementedError
 
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop anything kept for it."""
+
+    def check_integrity(self, active: set[str]) -> None:
+        """Nothing is kept for requests that are not running."""
+
 
 class DSASelector(TokenSelector):
     """The lightning indexer: keys in the cache pool, queries computed per step."""
@@ -61,6 +67,10 @@ class QuestSelector(TokenSelector):
 
     One instance serves every full layer. The bounds live here rather than in the cache pool so that
     both pools (tiered or not) get the same selector; the engine sizes it to the pool's slots.
+
+    A query at position p scores its own page by the bound over that page's positions <= p only, so
+    the selection never depends on how a prompt was chunked: `prepare` returns, for every new row, the
+    min/max over its page's cached positions before the chunk and the chunk's rows up to itself.
     """
 
     name = "quest"
@@ -70,36 +80,107 @@ class QuestSelector(TokenSelector):
         pages = -(-num_slots // page_tokens)
         self.lo = {l: torch.empty(pages, cfg.latent_dim, dtype=torch.float32, device=device) for l in layers}
         self.hi = {l: torch.empty(pages, cfg.latent_dim, dtype=torch.float32, device=device) for l in layers}
+        # Speculative decoding rewrites positions a rejected draft wrote, and min/max cannot forget a
+        # value. So each request's last decode keeps, per layer and page it wrote, the page's bounds
+        # as of each of its positions: (page, first position, lo [m + 1, D], hi [m + 1, D]), row 0 the
+        # bound before that position. The next decode starts its page from the bound as of its own
+        # first position. Requests are dropped by `forget` when they finish.
+        self._last: dict[str, dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]]] = {}
 
     def prepare(self, layer, ctx, x, q_resid, latent, cache):
+        """Write the new rows into their pages' bounds; return each row's own-page bounds (lo, hi) [N, D]."""
         slots, v = ctx.slot_mapping, latent.float()
         page = slots // self.page_tokens
         fresh = page[slots % self.page_tokens == 0]  # a page's first position resets its bounds
-        self.lo[layer][fresh], self.hi[layer][fresh] = float("inf"), float("-inf")
+        lo, hi = self.lo[layer], self.hi[layer]
+        lo[fresh], hi[fresh] = float("inf"), float("-inf")
+        drafting = ctx.decode_rows > 1
+        if drafting:
+            self._rewind(layer, ctx)
+        chunks = [seq for seq in ctx.seqs if seq.num_new_tokens > 1]
+        before = (lo.index_select(0, page), hi.index_select(0, page)) if chunks or drafting else None
         idx = page[:, None].expand_as(v)
-        self.lo[layer].scatter_reduce_(0, idx, v, "amin")
-        self.hi[layer].scatter_reduce_(0, idx, v, "amax")
-        return None
+        lo.scatter_reduce_(0, idx, v, "amin")
+        hi.scatter_reduce_(0, idx, v, "amax")
+        own_lo, own_hi = lo.index_select(0, page), hi.index_select(0, page)  # exact for a page's last new row
+        for seq in chunks:  # earlier rows of a page see only the page's positions up to themselves
+            rows = slice(seq.token_start, seq.token_end)
+            own_lo[rows], own_hi[rows] = self._prefix_bounds(v[rows], seq.first_new_position, before[0][rows],
+                                                             before[1][rows])
+        if drafting:
+            self._remember(layer, ctx, page, before, own_lo, own_hi)
+        return own_lo, own_hi
+
+    def forget(self, request_id: str) -> None:
+        self._last.pop(request_id, None)
+
+    def check_integrity(self, active: set[str]) -> None:
+        stale = set(self._last) - active
+        assert not stale, f"Quest keeps page history for finished requests {sorted(stale)}"
+
+    def _rewind(self, layer: int, ctx) -> None:
+        """A decode that starts inside a page its last decode wrote: the page back to its bound as of
+        the decode's first position (positions from there on are rewritten)."""
+        for seq in ctx.seqs:
+            first = seq.first_new_position
+            for page_id, start, kept_lo, kept_hi in self._last.get(seq.request_id, {}).get(layer, ()):
+                if start < first <= start + kept_lo.shape[0] - 1 or start == first and first % self.page_tokens:
+                    self.lo[layer][page_id], self.hi[layer][page_id] = kept_lo[first - start], kept_hi[first - start]
+
+    def _remember(self, layer: int, ctx, page: torch.Tensor, before, own_lo, own_hi) -> None:
+        pt = self.page_tokens
+        for seq in ctx.seqs:
+            if seq.num_new_tokens > ctx.decode_rows:  # a prefill chunk is never rewritten
+                self._last.get(seq.request_id, {}).pop(layer, None)
+                continue
+            entries, first, row = [], seq.first_new_position, seq.token_start
+            while row < seq.token_end:  # one entry per page run of the chunk's rows
+                position = first + row - seq.token_start
+                end = min(seq.token_end, row + pt - position % pt)
+                entries.append((int(page[row]), position, torch.cat([before[0][row:row + 1], own_lo[row:end]]),
+                                torch.cat([before[1][row:row + 1], own_hi[row:end]])))
+                row = end
+            self._last.setdefault(seq.request_id, {})[layer] = entries
+
+    def _prefix_bounds(self, v: torch.Tensor, first: int, before_lo: torch.Tensor, before_hi: torch.Tensor):
+        """Running min/max over consecutive rows (positions first, first + 1, ...) within each page,
+        started from the page's bound before the chunk (`before_*`: +-inf on pages the chunk opens)."""
+        pt, n = self.page_tokens, v.shape[0]
+        lead = first % pt
+        pages = -(-(lead + n) // pt)
+        grid_lo = v.new_full((pages * pt, v.shape[1]), float("inf"))
+        grid_hi = v.new_full((pages * pt, v.shape[1]), float("-inf"))
+        grid_lo[lead:lead + n], grid_hi[lead:lead + n] = v, v
+        grid_lo[0], grid_hi[0] = torch.minimum(grid_lo[0], before_lo[0]), torch.maximum(grid_hi[0], before_hi[0])
+        run_lo = grid_lo.view(pages, pt, -1).cummin(dim=1).values.view(pages * pt, -1)
+        run_hi = grid_hi.view(pages, pt, -1).cummax(dim=1).values.view(pages * pt, -1)
+        return run_lo[lead:lead + n], run_hi[lead:lead + n]
 
     def rows(self, state, rows):
-        return None
+        return state[0][rows], state[1][rows]
 
     def page_scores(self, layer: int, seq, q: torch.Tensor) -> torch.Tensor:
         """Upper bound of q . k over each of the request's pages: [S, num_pages] fp32."""
         pages = seq.slots[::self.page_tokens] // self.page_tokens
         lo, hi = self.lo[layer].index_select(0, pages), self.hi[layer].index_select(0, pages)
+        return self._bound(q, lo.t(), hi.t())
+
+    @staticmethod
+    def _bound(q: torch.Tensor, lo_t: torch.Tensor, hi_t: torch.Tensor) -> torch.Tensor:
         qf = q.float()
-        bound = qf.clamp(min=0) @ hi.t() + qf.clamp(max=0) @ lo.t()   # [S, H, P]
-        return bound.amax(dim=1)
+        return (qf.clamp(min=0) @ hi_t + qf.clamp(max=0) @ lo_t).amax(dim=-2)   # [S, H, P] -> [S, P]
 
     def select(self, layer, seq, state, q, positions, k, cache):
-        total = seq.context_len
+        total, own_lo, own_hi = seq.context_len, state[0], state[1]
         block = query_block_size(total + q.shape[1] * total // self.page_tokens, q.shape[0])
         out = []
         for i in range(0, q.shape[0], block):
-            pages = self.page_scores(layer, seq, q[i:i + block])
+            qb, pos = q[i:i + block], positions[i:i + block]
+            pages = self.page_scores(layer, seq, qb)
+            own = self._bound(qb, own_lo[i:i + block, :, None], own_hi[i:i + block, :, None]).squeeze(-1)  # [S]
+            pages.scatter_(1, (pos // self.page_tokens)[:, None], own[:, None])
             scores = pages.repeat_interleave(self.page_tokens, dim=1)[:, :total]
-            out.append(select_topk(causal_mask_scores(scores, positions[i:i + block]), k))
+            out.append(select_topk(causal_mask_scores(scores, pos), k))
         return torch.cat(out)
 
 
