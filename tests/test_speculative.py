@@ -139,8 +139,20 @@ def test_tiering_with_drafts_is_exact(model, params, selector, buffer, monkeypat
         paths.add((seq.num_new_tokens > 1, rows is not None))
         return rows
     monkeypatch.setattr(TieredKVPool, "_plan", spy)
+    _check_tiered_drafting(model, params, selector, buffer, "cpu")
+    assert (True, True) in paths
+    if selector == "dsa":
+        assert ((True, False) in paths) == (buffer == 256)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py --tiers runs it)")
+def test_tiering_with_drafts_is_exact_on_cuda(model):
+    _check_tiered_drafting(model, GREEDY, "dsa", 256, "cuda")
+
+
+def _check_tiered_drafting(model, params, selector, buffer, device):
     prompts = [LONG[0], PROMPTS[0], LONG[1]]
-    options = dict(OPTIONS, prefill_chunk_tokens=64, max_num_batched_tokens=72, selector=selector)
+    options = dict(OPTIONS, prefill_chunk_tokens=64, max_num_batched_tokens=72, selector=selector, device=device)
     ref = LLM(model, num_speculative_tokens=2, **options).generate(prompts, params)
     llm = LLM(model, num_speculative_tokens=2, kv_tiering=True, device_buffer_tokens=buffer, **options)
     outs = llm.generate(prompts, params)
@@ -152,9 +164,6 @@ def test_tiering_with_drafts_is_exact(model, params, selector, buffer, monkeypat
     stats, cache = llm.stats(), llm.engine.cache
     assert min(len(outs[0].prompt_token_ids), len(outs[2].prompt_token_ids)) > llm.engine.model.cfg.index_topk
     assert stats["tier_misses"] > 0 and stats["h2d_bytes"] > 0 and cache.stream_layers
-    assert (True, True) in paths
-    if selector == "dsa":
-        assert ((True, False) in paths) == (buffer == 256)
     if params is GREEDY:  # and both equal plain decoding
         plain = LLM(model, **options).generate(prompts, params)
         assert [o.token_ids for o in plain] == [o.token_ids for o in outs]
