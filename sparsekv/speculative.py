@@ -117,7 +117,7 @@ class Speculator:
 
     def draft(self, chunks, hidden: torch.Tensor, generators: dict) -> None:
         """Extend the MTP cache over each running request's newly final rows; draft where the step sampled."""
-        rows, tokens, positions, seqs, logits_rows, drafting, row = [], [], [], [], [], [], 0
+        rows, tokens, positions, seqs, logits_rows, drafting, row, pages = [], [], [], [], [], [], 0, {}
         for ch in chunks:
             req, start = ch.request, ch.first_position
             valid = 0 if req.finished else req.num_computed_tokens - start
@@ -126,7 +126,7 @@ class Speculator:
                 positions.extend(range(start, start + valid))
                 tokens.extend(req.token_at(p + 1) for p in range(start, start + valid))
                 seqs.append(self.runner.seq_slice(req, len(rows) - valid, len(rows), req.num_computed_tokens))
-                self.cache.note_stream_writes(req.request_id, valid)
+                pages[req.request_id] = req.page_ids
                 if ch.samples:
                     logits_rows.append(len(rows) - 1)
                     drafting.append((req, seqs[-1]))
@@ -134,6 +134,7 @@ class Speculator:
         if not rows:
             return
         device = hidden.device
+        self.cache.begin_mtp_pass(seqs, pages)
         slots = torch.cat([s.slots[s.context_len - (s.token_end - s.token_start):] for s in seqs])
         ctx = ForwardContext(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), slots,
                              seqs, torch.tensor(logits_rows, dtype=torch.long, device=device), self.runner.attention,

@@ -130,17 +130,17 @@ def test_tiering_with_drafts_is_exact(model, params, selector, buffer, monkeypat
     bit, with either selector (the MTP layer keeps its own DSA indexer under Quest). A verification
     step (the newest token and its drafts) resolves the union of its rows' selections in the working
     set, or streams from the host store when the union exceeds N (at N = top-k both happen); the MTP
-    layer always streams."""
+    layer resolves in its own working set too."""
     from sparsekv.cache.tiers import TieredKVPool
     paths, plan = set(), TieredKVPool._plan
 
     def spy(self, leader, seq, positions, src, dst):
         rows = plan(self, leader, seq, positions, src, dst)
-        paths.add((seq.num_new_tokens > 1, rows is not None))
+        paths.add(("mtp" if leader in self.mtp_layers else seq.num_new_tokens > 1, rows is not None))
         return rows
     monkeypatch.setattr(TieredKVPool, "_plan", spy)
     _check_tiered_drafting(model, params, selector, buffer, "cpu")
-    assert (True, True) in paths
+    assert (True, True) in paths and ("mtp", True) in paths
     if selector == "dsa":
         assert ((True, False) in paths) == (buffer == 256)
 
@@ -163,7 +163,7 @@ def _check_tiered_drafting(model, params, selector, buffer, device):
         assert b.metrics["spec_num_draft_tokens"] > 0 and b.metrics["d2h_bytes"] > 0
     stats, cache = llm.stats(), llm.engine.cache
     assert min(len(outs[0].prompt_token_ids), len(outs[2].prompt_token_ids)) > llm.engine.model.cfg.index_topk
-    assert stats["tier_misses"] > 0 and stats["h2d_bytes"] > 0 and cache.stream_layers
+    assert stats["tier_misses"] > 0 and stats["h2d_bytes"] > 0 and cache.mtp_layers
     if params is GREEDY:  # and both equal plain decoding
         plain = LLM(model, **options).generate(prompts, params)
         assert [o.token_ids for o in plain] == [o.token_ids for o in outs]
@@ -189,15 +189,16 @@ def test_quest_with_drafts_equals_plain_quest(model, k):
 
 
 def test_tiering_with_drafts_counts_the_mtp_layer(model):
-    """Host bytes and indexer bytes include the MTP layer's; the working set does not (it streams), and
-    holds one more new-token row per draft."""
+    """Host, indexer and working-set bytes include the MTP layer's; a working set holds one more
+    new-token row per draft."""
     plain = LLM(model, kv_tiering=True, max_model_len=512).engine.cache
     spec = LLM(model, kv_tiering=True, num_speculative_tokens=1, max_model_len=512).engine.cache
     cfg = spec.cfg
     row = cfg.latent_dim * spec.dtype.itemsize
     assert spec.latent_bytes_per_token() == plain.latent_bytes_per_token() + row
     assert spec.index_bytes_per_token() == plain.index_bytes_per_token() + cfg.index_head_dim * spec.dtype.itemsize
-    assert spec.working_set_bytes() == plain.working_set_bytes() + row * cfg.num_hidden_layers
+    assert plain.working_set_bytes() == (plain.capacity + 1) * row * cfg.num_hidden_layers
+    assert spec.working_set_bytes() == (spec.capacity + 2) * row * (cfg.num_hidden_layers + 1)
 
 
 def test_configuration_errors(model, glm_ckpt):

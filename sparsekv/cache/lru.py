@@ -112,17 +112,14 @@ class TierSizes:
 
 
 def plan_tier_sizes(config: EngineConfig, cfg: ModelConfig, latent_per_token: int, selector_per_token: int,
-                    default_pages: int, host_latent_per_token: int | None = None) -> TierSizes:
-    """`latent_per_token`: the layers with working sets; `host_latent_per_token`: every layer the host
-    store holds (adds the MTP layer's with speculative decoding; default the same)."""
-    host_per_token = host_latent_per_token or latent_per_token
+                    default_pages: int) -> TierSizes:
     page, n = config.kv_page_size, config.device_buffer_tokens or 2 * cfg.index_topk
     buffers = config.max_num_seqs
     limits = []
     if config.num_kv_pages:
         limits.append((config.num_kv_pages, f"num_kv_pages={config.num_kv_pages}"))
     if config.host_kv_budget_bytes:
-        limits.append((config.host_kv_budget_bytes // (page * host_per_token),
+        limits.append((config.host_kv_budget_bytes // (page * latent_per_token),
                        f"host_kv_budget_bytes={config.host_kv_budget_bytes}"))
     rows = n + 1 + config.num_speculative_tokens  # LRU slots + the step's new tokens
     if config.device_kv_budget_bytes:
@@ -136,7 +133,7 @@ def plan_tier_sizes(config: EngineConfig, cfg: ModelConfig, latent_per_token: in
     pages, limit = min(limits) if limits else (default_pages, "the default cache size")
     if pages < 1:
         raise ConfigError(f"{limit} holds less than one {page}-token page of host KV "
-                          f"({page * host_per_token} B); raise it")
+                          f"({page * latent_per_token} B); raise it")
     return TierSizes(pages, buffers, n, limit)
 
 

@@ -64,8 +64,8 @@ class KVPool:
     def write_index_keys(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.index_keys[layer].index_copy_(0, slots, values.to(self.dtype))
 
-    def note_stream_writes(self, request_id: str, tokens: int) -> None:
-        """The tiered pool counts the MTP layer's host writes here; a device-only pool moves nothing."""
+    def begin_mtp_pass(self, seqs: list[SeqSlice], page_ids: dict[str, list[int]]) -> None:
+        """The tiered pool sets up the MTP layer's working sets here; a device-only pool has none."""
 
     # -- reads ---------------------------------------------------------------------------------
     @staticmethod

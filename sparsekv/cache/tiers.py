@@ -26,11 +26,12 @@ A step, as the engine drives it:
   4. Longer chunks (prefill) stream the rows they read from the host store, one query block at a
      time (the same transient a dense pool's gather makes); they do not touch the working set.
 
-Stream-only layers (the MTP layer, with speculative decoding) keep their latent in the host store
-and their indexer keys on the device, but have no working set: every read streams from the host.
-The MTP layer is one layer next to the target's num_hidden_layers, and it reads k rows per request
-per draft step. Positions a rejected draft wrote are rewritten next step; they never reach the LRU
-slots, which only ever hold positions before the request's newest final token.
+The MTP layer (speculative decoding) has its own working set and LRU in each request's buffer, and
+its own pass: after the target's forward, `begin_mtp_pass(seqs)` notes the rows the MTP layer
+writes (the step's newly final positions), promotes the last pass's rows into its LRU, and its
+reads (the drafting row, then the chained draft steps reusing that selection) resolve like a
+decode's. Positions a rejected draft wrote are rewritten next step; they never reach the LRU slots,
+which only ever hold positions before the request's newest final token.
 """
 from __future__ import annotations
 
@@ -89,9 +90,9 @@ class _WorkingSet:
     """A decoding request's device buffer: one LRU per index group, shared by the group's layers."""
 
     buffer: int
-    lrus: dict[int, WorkingSetLRU]
-    new_start: int | None = None  # first position held in the new-token rows (the last decode's)
-    new_count: int = 0
+    lrus: dict[int, WorkingSetLRU]  # per group leader (the MTP layer is its own group)
+    # first position and count held in the new-token rows: the last decode's, the last MTP pass's
+    new: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,25 +117,27 @@ class TieredKVPool:
 
     def __init__(self, cfg: ModelConfig, sizes: TierSizes, page_size: int, dtype: torch.dtype, device,
                  host: HostStore, fp8_index_keys: bool = False, keep_index_keys: bool = True,
-                 stream_layers: tuple[int, ...] = (), new_rows: int = 1):
+                 mtp_layers: tuple[int, ...] = (), new_rows: int = 1):
         self.cfg, self.page_size, self.dtype, self.device = cfg, page_size, dtype, torch.device(device)
         self.num_slots = sizes.num_pages * page_size
         self.capacity, self.sizes, self.host = sizes.buffer_tokens, sizes, host
-        self.layers = list(range(cfg.num_hidden_layers))
-        self.leader = _group_leaders(cfg)
-        self.groups = {g: [l for l in self.layers if self.leader[l] == g] for g in cfg.full_layers}
+        self.mtp_layers = list(mtp_layers)
+        self.layers = list(range(cfg.num_hidden_layers)) + self.mtp_layers
+        self.leader = {**_group_leaders(cfg), **{l: l for l in self.mtp_layers}}
+        self.groups = {g: [l for l in self.layers if self.leader[l] == g] for g in cfg.full_layers + self.mtp_layers}
+        self.passes = {"target": [g for g in self.groups if g not in self.mtp_layers], "mtp": self.mtp_layers}
         self.new_rows = new_rows  # 1 + speculative drafts: the most new tokens a decode writes
         rows = sizes.num_buffers * (self.capacity + new_rows)
         self.ws = {l: torch.empty(rows, cfg.latent_dim, dtype=dtype, device=self.device) for l in self.layers}
         self.buffers = PageAllocator(sizes.num_buffers, self.capacity + new_rows)  # one "page" = one working set
-        self.stream_layers = set(stream_layers)
-        self.index = IndexKeyCache((cfg.full_layers if keep_index_keys else []) + list(stream_layers), self.num_slots,
+        self.index = IndexKeyCache((cfg.full_layers if keep_index_keys else []) + self.mtp_layers, self.num_slots,
                                    cfg.index_head_dim, dtype, self.device, fp8_index_keys)
         self.selector_bytes_per_token = self.index.bytes_per_token()  # Quest adds its page bounds (engine)
         self._resident: dict[str, _WorkingSet] = {}
         self._counters: dict[str, TierCounters] = {}
         self.totals = TierCounters()
-        self._step = _StepState()
+        self._step = _StepState()      # the target's forward
+        self._mtp_step = _StepState()  # the MTP layer's pass after it
         self.link = HostLink(host, self.device)
 
     # -- sizes ---------------------------------------------------------------------------------
@@ -145,7 +148,8 @@ class TieredKVPool:
         return self.index.bytes_per_token()
 
     def working_set_bytes(self) -> int:
-        """Device latent bytes of one decoding request: N LRU rows + the new-token rows, every layer."""
+        """Device latent bytes of one decoding request: N LRU rows + the new-token rows, every layer
+        (the MTP layer's included)."""
         return (self.capacity + self.new_rows) * self.host.row_bytes * len(self.layers)
 
     @property
@@ -156,24 +160,32 @@ class TieredKVPool:
     def begin_step(self, chunks) -> None:
         """Before the forward: note which rows are decodes, promote last step's final new tokens."""
         self.link.flush()  # last step's backups: every host row is current before anything reads it
+        rows = [(ch.request.request_id, ch.request.page_ids, ch.first_position, ch.num_new_tokens) for ch in chunks]
+        self._step = self._begin("target", rows, len(self.layers) - len(self.mtp_layers))
+
+    def begin_mtp_pass(self, seqs: list[SeqSlice], page_ids: dict[str, list[int]]) -> None:
+        """Before the MTP layer's pass over `seqs` (speculative.py): the same for its working set."""
+        rows = [(s.request_id, page_ids[s.request_id], s.first_new_position, s.num_new_tokens) for s in seqs]
+        self._mtp_step = self._begin("mtp", rows, len(self.mtp_layers))
+
+    def _begin(self, name: str, chunks: list[tuple[str, list[int], int, int]], layers: int) -> _StepState:
         step, ws_rows, new_rows, row = _StepState(), [], [], 0
-        for ch in chunks:
-            rid, n = ch.request.request_id, ch.num_new_tokens
-            self._count(rid, d2h=n * self.host.row_bytes * len(self.layers))
+        for rid, pages, first, n in chunks:
+            self._count(rid, d2h=n * self.host.row_bytes * layers)
             if n <= self.new_rows:
                 ws = self._working_set(rid)
-                self._promote(ws, ch.first_position)
-                ws.new_start, ws.new_count = ch.first_position, n
-                step.decoding[rid] = ch.request.page_ids
+                self._promote(ws, name, first)
+                ws.new[name] = (first, n)
+                step.decoding[rid] = pages
                 ws_rows.extend(range(row, row + n))
-                first = self._base(ws) + self.capacity
-                new_rows.extend(range(first, first + n))
+                start = self._base(ws) + self.capacity
+                new_rows.extend(range(start, start + n))
             elif rid in self._resident:
-                self._resident[rid].new_start = None
+                self._resident[rid].new.pop(name, None)
             row += n
         if ws_rows:
             step.ws_rows, step.new_rows = self.link.index(ws_rows), self.link.index(new_rows)
-        self._step = step
+        return step
 
     def release(self, request_id: str) -> dict:
         """Free the request's working set (its host rows go with its pages). Returns its counters."""
@@ -181,11 +193,8 @@ class TieredKVPool:
         if ws is not None:
             self.buffers.free(request_id, [ws.buffer])
         self._step.decoding.pop(request_id, None)
+        self._mtp_step.decoding.pop(request_id, None)
         return self._counters.pop(request_id, TierCounters()).as_dict()
-
-    def note_stream_writes(self, request_id: str, tokens: int) -> None:
-        """A stream-only layer's pass (the MTP layer's) wrote `tokens` rows of the request: count them."""
-        self._count(request_id, d2h=tokens * self.host.row_bytes * len(self.stream_layers))
 
     def request_counters(self, request_id: str) -> dict:
         return self._counters.get(request_id, TierCounters()).as_dict()
@@ -196,8 +205,9 @@ class TieredKVPool:
     # -- writes --------------------------------------------------------------------------------
     def write_latent(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.link.backup(layer, slots, values)  # every token's latent reaches the host
-        if self._step.ws_rows is not None and layer not in self.stream_layers:
-            self.ws[layer].index_copy_(0, self._step.new_rows, values[self._step.ws_rows].to(self.dtype))
+        step = self._step_of(layer)
+        if step.ws_rows is not None:
+            self.ws[layer].index_copy_(0, step.new_rows, values[step.ws_rows].to(self.dtype))
 
     def write_index_keys(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.index.write(layer, slots, values)
@@ -206,8 +216,11 @@ class TieredKVPool:
     def index_key_segments(self, layer: int, seq: SeqSlice) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
         return self.index.segments(layer, seq)
 
+    def _step_of(self, layer: int) -> _StepState:
+        return self._mtp_step if layer in self.mtp_layers else self._step
+
     def _uses_working_set(self, layer: int, seq: SeqSlice) -> bool:
-        return seq.request_id in self._step.decoding and layer not in self.stream_layers
+        return seq.request_id in self._step_of(layer).decoding
 
     def latent_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
         return self.gather_latent(layer, seq, torch.arange(seq.context_len))
@@ -223,7 +236,7 @@ class TieredKVPool:
         whole batch is resolved together: one device -> host read of the selections, one host -> device
         copy of every request's misses."""
         k, seqs = picks[0][1].shape[-1], [seq for seq, _ in picks]
-        if layer in self.stream_layers:
+        if not all(self._uses_working_set(layer, seq) for seq in seqs):  # (direct callers; the engine's are)
             return torch.cat([self.gather_latent(layer, seq, p) for seq, p in picks]).view(-1, k, self.cfg.latent_dim)
         flat, sizes = torch.cat([p.reshape(-1) for _, p in picks]).tolist(), [p.numel() for _, p in picks]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -252,13 +265,13 @@ class TieredKVPool:
     def _plan_for(self, layer: int, seqs: list[SeqSlice], positions: list[list[int]]) -> _Plan:
         """A full layer resolves its requests' positions; its shared layers replay the plan (their
         copies were issued with the full layer's)."""
-        leader = self.leader[layer]
+        leader, plans = self.leader[layer], self._step_of(layer).plans
         key = (tuple(seq.request_id for seq in seqs), leader)
-        if layer == leader or key not in self._step.plans:
-            self._step.plans[key] = self._resolve(leader, seqs, positions)
+        if layer == leader or key not in plans:
+            plans[key] = self._resolve(leader, seqs, positions)
         else:
             self.link.wait(layer)
-        plan = self._step.plans[key]
+        plan = plans[key]
         resolved = sum(len(p) for i, p in enumerate(positions) if i not in plan.streamed)
         assert (0 if plan.rows is None else plan.rows.numel()) == resolved, \
             "a shared layer read other positions than its full layer"
@@ -280,7 +293,8 @@ class TieredKVPool:
     def _plan(self, leader: int, seq: SeqSlice, positions: list[int], src: list[int], dst: list[int]) -> list[int] | None:
         """One request's working-set rows for `positions` (None when its older positions exceed N: it
         streams instead); appends its misses' host slots and rows."""
-        ws, group, first_new = self._resident[seq.request_id], self.groups[leader], seq.first_new_position
+        ws, group = self._resident[seq.request_id], self.groups[leader]
+        first_new = ws.new["mtp" if leader in self.mtp_layers else "target"][0]  # a draft step's rows: the pass's
         older = [p for p in positions if p < first_new]
         if seq.num_new_tokens > 1:  # several rows select overlapping positions: resolve their union
             older = sorted(set(older))
@@ -292,22 +306,22 @@ class TieredKVPool:
         new_hits = len(set(positions)) - len(older)  # this step's new tokens, on their own rows
         self._count(seq.request_id, hits=(res.hits + new_hits) * len(group), misses=len(res.misses) * len(group),
                     h2d=len(res.misses) * len(group) * self.host.row_bytes)
-        pages, ps = self._step.decoding[seq.request_id], self.page_size
+        pages, ps = self._step_of(leader).decoding[seq.request_id], self.page_size
         src += [pages[p // ps] * ps + p % ps for p, _ in res.misses]
         dst += [base + s for _, s in res.misses]
         new_row = base + self.capacity - first_new
         return [base + slot_of[p] if p < first_new else new_row + p for p in positions]
 
-    def _promote(self, ws: _WorkingSet, upto: int) -> None:
-        """Last step's new tokens before position `upto` are final and on the device: keep them, as most
-        recently used (a device copy, no host traffic). The others were rejected drafts: dropped."""
-        start, ws.new_start = ws.new_start, None
+    def _promote(self, ws: _WorkingSet, name: str, upto: int) -> None:
+        """The pass's last new tokens before position `upto` are final and on the device: keep them, as
+        most recently used (a device copy, no host traffic). The others were rejected drafts: dropped."""
+        start, count = ws.new.pop(name, (None, 0))
         if start is None or upto <= start:
             return
-        final = list(range(start, min(start + ws.new_count, upto)))
+        final = list(range(start, min(start + count, upto)))
         base = self._base(ws)
-        for leader, lru in ws.lrus.items():
-            misses = lru.resolve(final).misses
+        for leader in self.passes[name]:
+            misses = ws.lrus[leader].resolve(final).misses
             if not misses:
                 continue
             src = self.link.index([base + self.capacity + p - start for p, _ in misses])
@@ -371,7 +385,7 @@ def _group_leaders(cfg: ModelConfig) -> dict[int, int]:
 
 def build_tiered_cache(config: EngineConfig, model, dtype: torch.dtype, device, default_pages: int) -> TieredKVPool:
     """The tiered pool for `config`, sized by its budgets; installs Quest if selected. With speculative
-    decoding the MTP layer is a stream-only layer: host latent and device indexer keys, no working set."""
+    decoding the MTP layer is one more layer, with its own group (it has its own indexer)."""
     from ..model.selectors import install_quest, quest_bytes_per_token
     cfg, itemsize = model.cfg, dtype.itemsize
     quest = config.selector == "quest"
@@ -380,13 +394,12 @@ def build_tiered_cache(config: EngineConfig, model, dtype: torch.dtype, device, 
     mtp_index_bytes = len(mtp) * index_bytes_per_layer(cfg, itemsize, fp8)
     selector_bytes = mtp_index_bytes + (quest_bytes_per_token(cfg, config.quest_page_tokens) if quest
                                         else index_bytes_per_token(cfg, itemsize, fp8))
-    latent_bytes = latent_bytes_per_token(cfg, itemsize)
-    sizes = plan_tier_sizes(config, cfg, latent_bytes, selector_bytes, default_pages,
-                            host_latent_per_token=latent_bytes + len(mtp) * cfg.latent_dim * itemsize)
+    latent_bytes = latent_bytes_per_token(cfg, itemsize) + len(mtp) * cfg.latent_dim * itemsize
+    sizes = plan_tier_sizes(config, cfg, latent_bytes, selector_bytes, default_pages)
     host = make_host_store(list(range(cfg.num_hidden_layers)) + mtp, sizes.num_pages * config.kv_page_size,
                            cfg.latent_dim, dtype, config.host_store_path, pin=torch.device(device).type == "cuda")
     pool = TieredKVPool(cfg, sizes, config.kv_page_size, dtype, device, host, fp8, keep_index_keys=not quest,
-                        stream_layers=tuple(mtp), new_rows=1 + config.num_speculative_tokens)
+                        mtp_layers=tuple(mtp), new_rows=1 + config.num_speculative_tokens)
     if quest:
         install_quest(model, config, pool.num_slots, device)
         pool.selector_bytes_per_token = selector_bytes
