@@ -160,3 +160,59 @@ def test_resume_is_exact(trained, tmp_path):
 def test_bad_steps_flag_is_an_error(tmp_path, capsys):
     assert train_main(["--steps", "1,2", "--out", str(tmp_path / "x"), "--work-dir", str(tmp_path / "w")]) == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def _source(work, seq_len=400, **kw):
+    from sparsekv.train.data import BatchSource
+    from sparsekv.train.tokenizer import load_tokenizer
+    corpus = torch.load(os.path.join(work, "corpus.pt"))
+    return BatchSource(load_tokenizer(work), corpus["train"], seq_len, 6, 0, **kw)
+
+
+def test_doc_min_frac_moves_the_answers_off_the_row_end(trained):
+    src = _source(trained[1], synth_frac=1.0, doc_min_frac=0.5)
+    ends = set()
+    for step in range(6):
+        b = src.batch(0, step)
+        assert b.ids.shape == (6, 401) and b.weights.shape == (6, 400)
+        for w in b.weights:
+            answer = (w > 1).nonzero()
+            if len(answer):
+                ends.add(answer[-1].item())
+    assert len(ends) > 5 and min(ends) < 350          # answers end at many indices, not only at the row end
+    again = _source(trained[1], synth_frac=1.0, doc_min_frac=0.5).batch(0, 3)
+    assert torch.equal(again.ids, src.batch(0, 3).ids)   # deterministic
+    # the default layout is unchanged: the document fills the row and its answers end it
+    b = _source(trained[1], synth_frac=1.0).batch(0, 0)
+    assert all((w > 1).nonzero()[-1].item() >= 390 for w in b.weights if (w > 1).any())
+
+
+def test_copy_warmup_batches(trained):
+    kw = dict(synth_frac=0.0, copy_warmup_steps=3, copy_warmup_seq_len=200, doc_min_frac=0.6)
+    src = _source(trained[1], **kw)
+    for step in range(3):
+        b = src.batch(0, step)
+        assert b.ids.shape == (6, 201) and torch.equal(b.positions, torch.arange(200).expand(6, 200))
+        assert sum(bool((w > 1).any()) for w in b.weights) >= 3   # retrieval rows (some may fall back to code)
+    assert src.batch(0, 3).ids.shape == (6, 401)                # then the normal rows
+    assert src.batch(2, 0).ids.shape == (6, 401)                # only in the pretrain stage
+    assert torch.equal(src.batch(0, 1).ids, _source(trained[1], **kw).batch(0, 1).ids)
+def test_copy_warmup_run_resumes_exactly_and_records_the_probe(tmp_path):
+    extra = ["--copy-warmup-steps", "12", "--copy-warmup-seq-len", "48", "--doc-min-frac", "0.5",
+             "--probe-length", "512"]
+    out_a, work_a = _train(str(tmp_path), "a", *extra)
+    out_b, work_b = _train(str(tmp_path), "b", *extra, "--stop-after-steps", "7")   # pause inside the warm-up
+    state = torch.load(os.path.join(work_b, STATE_FILE), weights_only=False)["state"]
+    assert (state["stage"], state["step"]) == (0, 7)
+    _train(str(tmp_path), "b", *extra)
+    a = load_file(os.path.join(out_a, "model.safetensors"))
+    b = load_file(os.path.join(out_b, "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    heldout = json.load(open(os.path.join(out_a, "training.json")))["heldout"]
+    assert 0.0 <= heldout["pretrain"]["answer_token_acc"] <= 1.0 and "answer_exact" in heldout["mtp"]
+
+
+def test_copy_warmup_longer_than_pretrain_is_an_error(tmp_path, capsys):
+    assert train_main(["--steps", "10,2,2,2", "--copy-warmup-steps", "11", "--out", str(tmp_path / "x"),
+                       "--work-dir", str(tmp_path / "w")]) == 2
+    assert "--copy-warmup-steps" in capsys.readouterr().err

@@ -44,7 +44,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--synth-frac", type=float, default=0.6, help="share of rows that are retrieval documents")
     p.add_argument("--pose-max-position", type=int, default=1 << 20)
+    p.add_argument("--doc-min-frac", type=float, default=1.0,
+                   help="retrieval documents take a random length in [F, 1] x the row, at a random offset in "
+                        "code (1.0: the document fills the row and its answers end it)")
+    p.add_argument("--copy-warmup-steps", type=int, default=0,
+                   help="the first N pretraining steps use short retrieval-only rows without PoSE "
+                        "(counted in the pretrain steps)")
+    p.add_argument("--copy-warmup-seq-len", type=int, default=128, help="row length of the copy warm-up")
+    p.add_argument("--answer-weight", type=float, default=3.0, help="loss weight of answer tokens")
     p.add_argument("--heldout-rows", type=int, default=32)
+    p.add_argument("--probe-length", type=int, default=384,
+                   help="length of the fixed held-out retrieval prompts scored after each stage (0: none)")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files (tests)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="storage dtype of model.safetensors (router bias and indexer weights_proj stay fp32)")
@@ -96,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     torch.set_num_threads(args.threads)
     from ..paths import DEFAULT_MODEL_DIR
-    from .data import BatchSource, heldout_rows
+    from .data import BatchSource, heldout_rows, retrieval_probe
     from .export import export
     from .stages import STAGES
     from .trainer import Trainer, TrainOptions
@@ -112,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(steps) != 4:
         print("sparsekv train: error: --steps needs 4 values: pretrain,warmup,sparse,mtp", file=sys.stderr)
         return 2
+    if not 0 <= args.copy_warmup_steps <= steps["pretrain"]:
+        print("sparsekv train: error: --copy-warmup-steps must be between 0 and the pretrain steps", file=sys.stderr)
+        return 2
+    if not 0.0 < args.doc_min_frac <= 1.0:
+        print("sparsekv train: error: --doc-min-frac must be in (0, 1]", file=sys.stderr)
+        return 2
     t0 = time.time()
     tok, corpus = prepare_data(args, work_dir)
     raw, model = build(args, tok)
@@ -120,12 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     log(f"model: {n_params / 1e6:.2f}M parameters; train {len(corpus['train'])} tokens, "
         f"held-out {len(corpus['heldout'])} tokens ({time.time() - t0:.1f} s to prepare)")
     source = BatchSource(tok, corpus["train"], args.seq_len, args.batch_size, args.seed, args.synth_frac,
-                         args.pose_max_position)
+                         args.pose_max_position, answer_weight=args.answer_weight, doc_min_frac=args.doc_min_frac,
+                         copy_warmup_steps=args.copy_warmup_steps, copy_warmup_seq_len=args.copy_warmup_seq_len)
     rows = heldout_rows(corpus["heldout"], args.seq_len, args.heldout_rows)
+    probe = retrieval_probe(tok, corpus["heldout"], args.probe_length) if args.probe_length > 0 else None
     opts = TrainOptions(steps=steps, lr=args.lr, checkpoint_every=args.checkpoint_every,
                         stop_after_steps=args.stop_after_steps, log_every=args.log_every,
+                        copy_warmup_steps=args.copy_warmup_steps,
                         time_budget_s=None if args.time_budget_minutes is None else args.time_budget_minutes * 60)
-    trainer = Trainer(model, source, rows, opts, work_dir)
+    trainer = Trainer(model, source, rows, opts, work_dir, probe)
     if not args.fresh and trainer.try_resume():
         log(f"resumed from {work_dir} at stage {trainer.state.stage + 1}, step {trainer.state.step}")
     state = trainer.run(log)

@@ -82,43 +82,87 @@ def pose_positions(seq_len: int, max_position: int, rng: random.Random, plain_fr
 
 
 class BatchSource:
-    """Deterministic batches: batch (stage, step) depends only on (seed, stage, step)."""
+    """Deterministic batches: batch (stage, step) depends only on (seed, stage, step).
+
+    `doc_min_frac` < 1 gives each retrieval document a random length in [doc_min_frac, 1] x row
+    length, at a random offset inside a window of training code, so that the answer does not sit
+    at the same absolute index of every row (a model can learn to copy only there: see
+    docs/training.md). 1.0 keeps the original layout (document fills the row, answer at its end).
+
+    Copy warm-up: the first `copy_warmup_steps` steps of stage 0 (pretrain) draw short rows of
+    `copy_warmup_seq_len` tokens that are all retrieval documents, with contiguous positions (no
+    PoSE): cheap steps with many copy targets, where the induction (copy) circuit forms.
+    """
 
     def __init__(self, tok, train_ids: torch.Tensor, seq_len: int, batch_size: int, seed: int,
                  synth_frac: float = 0.5, pose_max_position: int = 1 << 20, pose_plain_frac: float = 0.2,
-                 answer_weight: float = 3.0):
+                 answer_weight: float = 3.0, doc_min_frac: float = 1.0, copy_warmup_steps: int = 0,
+                 copy_warmup_seq_len: int = 128):
+        if not 0.0 < doc_min_frac <= 1.0:
+            raise ValueError(f"doc_min_frac must be in (0, 1], got {doc_min_frac}")
         self.tok, self.train_ids = tok, train_ids
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.synth_frac, self.answer_weight = synth_frac, answer_weight
         self.pose_max_position, self.pose_plain_frac = pose_max_position, pose_plain_frac
+        self.doc_min_frac = doc_min_frac
+        self.copy_warmup_steps, self.copy_warmup_seq_len = copy_warmup_steps, copy_warmup_seq_len
         self.eos = tok.token_to_id("<|endoftext|>")
         self.caches = new_caches(tok)
 
-    def _code_row(self, rng: random.Random) -> tuple[list[int], list[float]]:
-        n = self.seq_len + 1
+    def _code_row(self, rng: random.Random, seq_len: int) -> tuple[list[int], list[float]]:
+        n = seq_len + 1
         start = rng.randrange(0, len(self.train_ids) - n)
-        return self.train_ids[start:start + n].tolist(), [1.0] * self.seq_len
+        return self.train_ids[start:start + n].tolist(), [1.0] * seq_len
 
-    def _task_row(self, rng: random.Random) -> tuple[list[int], list[float]]:
-        n = self.seq_len + 1
-        start = rng.randrange(0, max(len(self.train_ids) - 8 * n, 1))
-        builder = TaskBuilder(self.tok, self.train_ids[start:start + 8 * n].tolist(), rng.randrange(1 << 30), self.caches)
+    def _document(self, rng: random.Random, length: int) -> tuple[list[int], list[bool]]:
+        """A retrieval document of exactly `length` tokens (raises ValueError when it cannot fit)."""
+        start = rng.randrange(0, max(len(self.train_ids) - 8 * length, 1))
+        builder = TaskBuilder(self.tok, self.train_ids[start:start + 8 * length].tolist(), rng.randrange(1 << 30),
+                              self.caches)
+        return builder.make_document(length)
+
+    def _task_row(self, rng: random.Random, seq_len: int) -> tuple[list[int], list[float]]:
+        n = seq_len + 1
         try:
-            ids, is_answer = builder.make_document(n)
+            if self.doc_min_frac >= 1.0:
+                ids, is_answer = self._document(rng, n)
+            else:
+                m = rng.randint(max(1, math.ceil(self.doc_min_frac * n)), n)
+                try:
+                    ids, is_answer = self._document(rng, m)
+                except ValueError:   # too short for this document: the whole row
+                    m = n
+                    ids, is_answer = self._document(rng, m)
+                k = rng.randint(0, n - m)
+                s0 = rng.randrange(0, len(self.train_ids) - (n - m))
+                code = self.train_ids[s0:s0 + n - m].tolist()
+                ids, is_answer = code[:k] + ids + code[k:], [False] * k + is_answer + [False] * (n - m - k)
         except ValueError:   # rows too short for this document's needles: plain code instead
-            return self._code_row(rng)
+            return self._code_row(rng, seq_len)
         # target i predicts token i + 1: answers weigh more
         return ids, [self.answer_weight if a else 1.0 for a in is_answer[1:]]
 
     def batch(self, stage: int, step: int) -> Batch:
+        if stage == 0 and step < self.copy_warmup_steps:
+            return self._copy_warmup_batch(step)
         rng = random.Random(f"{self.seed}/{stage}/{step}")
         rows, weights, positions = [], [], []
         for _ in range(self.batch_size):
-            ids, w = self._task_row(rng) if rng.random() < self.synth_frac else self._code_row(rng)
+            if rng.random() < self.synth_frac:
+                ids, w = self._task_row(rng, self.seq_len)
+            else:
+                ids, w = self._code_row(rng, self.seq_len)
             rows.append(ids)
             weights.append(w)
             positions.append(pose_positions(self.seq_len, self.pose_max_position, rng, self.pose_plain_frac))
         return Batch(torch.tensor(rows, dtype=torch.long), torch.stack(positions),
+                     torch.tensor(weights, dtype=torch.float32))
+
+    def _copy_warmup_batch(self, step: int) -> Batch:
+        rng = random.Random(f"{self.seed}/copy-warmup/{step}")
+        s = self.copy_warmup_seq_len
+        rows, weights = zip(*(self._task_row(rng, s) for _ in range(self.batch_size)))
+        return Batch(torch.tensor(rows, dtype=torch.long), torch.arange(s).expand(self.batch_size, s).clone(),
                      torch.tensor(weights, dtype=torch.float32))
 
 
@@ -128,3 +172,19 @@ def heldout_rows(heldout_ids: torch.Tensor, seq_len: int, num_rows: int) -> torc
     stride = max((len(heldout_ids) - n) // max(num_rows, 1), 1)
     starts = [i * stride for i in range(num_rows) if i * stride + n <= len(heldout_ids)]
     return torch.stack([heldout_ids[s:s + n].long() for s in starts])
+
+
+def retrieval_probe(tok, heldout_ids: torch.Tensor, length: int, per_task: int = 4, seed: int = 1234):
+    """Fixed held-out retrieval prompts with their answers: (ids [N, length], answer mask over the
+    targets [N, length - 1]). One prompt per task and depth in linspace(0, 1, per_task); the code
+    haystacks are held-out code. For a teacher-forced answer accuracy during training."""
+    from .tasks import TASKS
+    builder = TaskBuilder(tok, heldout_ids.tolist(), seed)
+    rows, masks = [], []
+    for task in TASKS:
+        for i in range(per_task):
+            s = builder.make(task, length, i / max(per_task - 1, 1), with_answer=True)
+            rows.append(s.prompt)
+            n = len(s.answer_ids)
+            masks.append([False] * (length - 1 - n) + [True] * n)
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(masks, dtype=torch.bool)

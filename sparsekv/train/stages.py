@@ -122,6 +122,25 @@ def mtp_loss(model, inputs, targets, pos, sparse_draft: bool, tv_weight: float):
 
 
 @torch.no_grad()
+def probe_metrics(model: GlmDsaForTraining, ids: torch.Tensor, mask: torch.Tensor, batch_size: int = 8) -> dict:
+    """Teacher-forced retrieval on fixed prompts (data.retrieval_probe), dense attention: the share of
+    answer tokens predicted (argmax) and of prompts whose whole answer is right."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    hits, tokens, exact = 0, 0, 0
+    for i in range(0, ids.shape[0], batch_size):
+        x, m = ids[i:i + batch_size].to(device), mask[i:i + batch_size].to(device)
+        pos = torch.arange(x.shape[1] - 1, device=device).expand(x.shape[0], -1)
+        ok = (model(x[:, :-1], pos).logits.argmax(-1) == x[:, 1:]) | ~m
+        hits += (ok & m).sum().item()
+        tokens += m.sum().item()
+        exact += ok.all(-1).sum().item()
+    model.train(was_training)
+    return {"answer_token_acc": hits / max(tokens, 1), "answer_exact": exact / max(ids.shape[0], 1)}
+
+
+@torch.no_grad()
 def heldout_metrics(model: GlmDsaForTraining, rows: torch.Tensor, batch_size: int = 8) -> dict:
     """Held-out LM loss with dense and with sparse attention, and MTP acceptance (1 - TV) / top-1."""
     was_training = model.training

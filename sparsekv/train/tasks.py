@@ -117,7 +117,8 @@ class TaskBuilder:
             kind, needles, question, _, answer = self._passkey(self.rng.random())
             qa = [(question, answer)] * self.rng.randint(1, 2)
         else:
-            kind, needles, qa = self._key_values(task, self.rng.randint(2, 8))
+            # at most 8 keys; fewer in short rows (from 512 tokens on: 2-8, as before)
+            kind, needles, qa = self._key_values(task, self.rng.randint(2, min(8, max(2, length // 64))))
         tail, is_answer = [], []
         for question, answer in qa:
             q, a = self.encode(question), self.encode(answer)

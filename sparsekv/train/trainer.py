@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .stages import STAGES, heldout_metrics, set_trainable, stage_loss
+from .stages import STAGES, heldout_metrics, probe_metrics, set_trainable, stage_loss
 
 STATE_FILE = "train_state.pt"
 TIME_SHARE = {"pretrain": 0.5, "warmup": 0.1, "sparse": 0.3, "mtp": 0.1}
@@ -32,6 +32,8 @@ class TrainOptions:
     warmup_steps: int = 20
     log_every: int = 10
     stop_after_steps: int | None = None   # pause: save and return after this many steps in this run
+    copy_warmup_steps: int = 0            # first pretrain steps: short copy rows (the budget counts their time;
+                                          # the per-step estimate of the stage uses only the normal steps)
 
 
 @dataclass
@@ -54,8 +56,9 @@ def cosine(progress: float, warm: float) -> float:
 
 
 class Trainer:
-    def __init__(self, model, source, heldout_rows: torch.Tensor, opts: TrainOptions, work_dir: str):
+    def __init__(self, model, source, heldout_rows: torch.Tensor, opts: TrainOptions, work_dir: str, probe=None):
         self.model, self.source, self.heldout_rows, self.opts, self.work_dir = model, source, heldout_rows, opts, work_dir
+        self.probe = probe   # (ids, answer mask) of fixed retrieval prompts, or None
         self.state = TrainState(planned=dict(opts.steps))
         self.optimizer = None
         self.steps_this_run = 0
@@ -135,7 +138,10 @@ class Trainer:
             steps_here += 1
             dt = time.perf_counter() - t0
             st.elapsed[stage] = st.elapsed.get(stage, 0.0) + dt
-            if steps_here == 5 or steps_here % 25 == 0:
+            if stage == "pretrain" and st.step <= self.opts.copy_warmup_steps:
+                # copy warm-up steps are shorter rows: time the stage's normal steps only
+                t_stage, steps_here = time.perf_counter(), 0
+            elif steps_here == 5 or steps_here % 25 == 0:
                 self._replan(stage, st.step, (time.perf_counter() - t_stage) / steps_here)
                 bar.total = st.planned[stage]
             bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items()}, refresh=False)
@@ -183,6 +189,8 @@ class Trainer:
                 log(f"paused at stage {st.stage + 1} step {st.step}; state saved in {self.work_dir}")
                 return st
             st.heldout[stage] = heldout_metrics(self.model, self.heldout_rows)
+            if self.probe is not None:
+                st.heldout[stage].update(probe_metrics(self.model, *self.probe))
             log(f"after {stage}: held-out " + " ".join(f"{k}={v:.4f}" for k, v in st.heldout[stage].items()))
             st.stage, st.step = st.stage + 1, 0
             self.optimizer = None
