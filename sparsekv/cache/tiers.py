@@ -236,7 +236,7 @@ class TieredKVPool:
         whole batch is resolved together: one device -> host read of the selections, one host -> device
         copy of every request's misses."""
         k, seqs = picks[0][1].shape[-1], [seq for seq, _ in picks]
-        if not all(self._uses_working_set(layer, seq) for seq in seqs):  # (direct callers; the engine's are)
+        if not all(self._uses_working_set(layer, seq) for seq in seqs):  # not decodes of this step: stream
             return torch.cat([self.gather_latent(layer, seq, p) for seq, p in picks]).view(-1, k, self.cfg.latent_dim)
         flat, sizes = torch.cat([p.reshape(-1) for _, p in picks]).tolist(), [p.numel() for _, p in picks]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -328,6 +328,7 @@ class TieredKVPool:
             dst = self.link.index([base + slot for _, slot in misses])
             for layer in self.groups[leader]:
                 self.ws[layer].index_copy_(0, dst, self.ws[layer].index_select(0, src))
+
     # -- bookkeeping ---------------------------------------------------------------------------
     def _working_set(self, request_id: str) -> _WorkingSet:
         ws = self._resident.get(request_id)
