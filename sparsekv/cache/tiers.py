@@ -322,6 +322,11 @@ class TieredKVPool:
         base = self._base(ws)
         for leader in self.passes[name]:
             misses = ws.lrus[leader].resolve(final).misses
+            if len(misses) == 1:  # a plain decode's one token: a row copy per layer
+                (p, slot), = misses
+                for layer in self.groups[leader]:
+                    self.ws[layer][base + slot] = self.ws[layer][base + self.capacity + p - start]
+                continue
             if not misses:
                 continue
             src = self.link.index([base + self.capacity + p - start for p, _ in misses])
