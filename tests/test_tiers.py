@@ -267,3 +267,34 @@ def test_quest_own_page_bounds_match_brute_force():
             start = p - (p + 8) % pt
             assert torch.equal(lo[i], latents[start:p + 1].amin(0)) and torch.equal(hi[i], latents[start:p + 1].amax(0))
         done += n
+
+
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=TOPK),
+                                     dict(kv_tiering=True, indexer_key_dtype="fp8_e4m3")],
+                         ids=["device", "tiered", "tiered-fp8"])
+def test_batched_decode_selection_equals_per_request(ckpt, options, monkeypatch):
+    """Accelerators select a step's one-row decodes in one batched pass over padded key histories
+    (DSASelector.batch_decode). Forced on here: the same tokens and logprobs as per request, bit for
+    bit on this CPU, through both pools and FP8 keys, and it really ran."""
+    from sparsekv.model.attention import LightningIndexer
+    from sparsekv.model.selectors import DSASelector
+    reference, _ = generate(ckpt["glm_moe_dsa"], **options)
+    calls, real = [], LightningIndexer.select_decode_batch
+
+    def spy(self, q, weights, keys, lengths, k):
+        calls.append(q.shape[0])
+        return real(self, q, weights, keys, lengths, k)
+    monkeypatch.setattr(LightningIndexer, "select_decode_batch", spy)
+    monkeypatch.setattr(DSASelector, "batch_decode", True)
+    outs, _ = generate(ckpt["glm_moe_dsa"], **options)
+    assert_same(reference, outs)
+    assert calls and max(calls) == len(PROMPTS)
+
+
+def test_batched_decode_groups_stay_within_the_budget():
+    from types import SimpleNamespace
+    from sparsekv.model.attention import _groups_within
+    seqs = [SimpleNamespace(context_len=n) for n in (10, 20, 30, 40, 100)]
+    groups = _groups_within(seqs, 90)
+    assert [[s.context_len for s in g] for g in groups] == [[10, 20, 30], [40], [100]]
+    assert all(len(g) * g[-1].context_len <= 90 or len(g) == 1 for g in groups)

@@ -34,6 +34,18 @@ def history_segments(table: torch.Tensor, seq: SeqSlice) -> list[tuple[int | tor
     return pieces
 
 
+def padded_slots(seqs: list[SeqSlice]) -> torch.Tensor:
+    """[B, T_max] slots of each request's history, padded by repeating its last slot (callers mask the
+    padding): a few launches for the whole batch, not one copy per request."""
+    lengths = [s.context_len for s in seqs]
+    device = seqs[0].slots.device
+    flat = torch.cat([s.slots for s in seqs])
+    offsets = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))], device=device)
+    last = torch.tensor(lengths, device=device) - 1
+    within = torch.minimum(torch.arange(max(lengths), device=device)[None, :], last[:, None])
+    return flat[offsets[:, None] + within]
+
+
 def _concat_ranges(starts: list[int], lengths: list[int]) -> torch.Tensor:
     """cat(arange(s, s + n) for s, n) in a fixed number of ops, however many ranges."""
     start, length = torch.tensor(starts), torch.tensor(lengths)
@@ -79,6 +91,10 @@ class KVPool:
 
     def index_key_segments(self, layer: int, seq: SeqSlice) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
         return history_segments(self.index_keys[layer], seq)
+
+    def index_keys_batch(self, layer: int, seqs: list[SeqSlice]) -> torch.Tensor:
+        """Indexer keys of several requests' histories, padded: [B, T_max, D_I]."""
+        return self.index_keys[layer][padded_slots(seqs)]
 
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim]: only k entries are read."""

@@ -45,7 +45,7 @@ from .host_store import HostLink, HostStore, make_host_store
 from .lru import (TierCounters, TierSizes, WorkingSetLRU, index_bytes_per_layer, index_bytes_per_token,
                   latent_bytes_per_token, plan_tier_sizes)
 from .pages import PageAllocator
-from .pool import history_segments
+from .pool import history_segments, padded_slots
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -78,6 +78,14 @@ class IndexKeyCache:
         if not self.fp8:
             return pieces
         return [(pos, self._dequantise(layer, seq, pos, k)) for pos, k in pieces]
+
+    def padded(self, layer: int, seqs: list[SeqSlice]) -> torch.Tensor:
+        """Several requests' keys, padded (pool.padded_slots): [B, T_max, D_I]; fp8 dequantised."""
+        slots = padded_slots(seqs)
+        if not self.fp8:
+            return self.keys[layer][slots]
+        raw = self.keys[layer][slots].view(torch.float8_e4m3fn).float()
+        return (raw * self.scales[layer][slots][..., None]).to(self.dtype)
 
     def _dequantise(self, layer: int, seq: SeqSlice, positions, raw: torch.Tensor) -> torch.Tensor:
         slots = seq.slots[positions:positions + raw.shape[0]] if isinstance(positions, int) else seq.slots[positions]
@@ -215,6 +223,9 @@ class TieredKVPool:
     # -- reads ---------------------------------------------------------------------------------
     def index_key_segments(self, layer: int, seq: SeqSlice) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
         return self.index.segments(layer, seq)
+
+    def index_keys_batch(self, layer: int, seqs: list[SeqSlice]) -> torch.Tensor:
+        return self.index.padded(layer, seqs)
 
     def _step_of(self, layer: int) -> _StepState:
         return self._mtp_step if layer in self.mtp_layers else self._step

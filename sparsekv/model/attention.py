@@ -103,6 +103,17 @@ class LightningIndexer:
         s = torch.matmul(q, keys.t()).relu_()              # [S, H, T]
         return torch.bmm(w.unsqueeze(1), s).squeeze(1)
 
+    def select_decode_batch(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                            lengths: torch.Tensor, k: int) -> torch.Tensor:
+        """Sorted top-k positions [B, k] of B decode rows of different requests at once (accelerators:
+        a handful of launches for the whole batch instead of a dozen per request). q [B, H_I, D_I],
+        weights [B, H_I], keys [B, T, D_I] (each request's history, padded), lengths [B] (> k)."""
+        w = weights * self.head_dim ** -0.5
+        s = torch.bmm(q.float(), keys.float().transpose(1, 2)).relu_()           # [B, H, T]
+        scores = torch.bmm(w.unsqueeze(1), s).squeeze(1)                          # [B, T]
+        padding = torch.arange(keys.shape[1], device=keys.device)[None, :] >= lengths[:, None]
+        return select_topk(scores.masked_fill_(padding, float("-inf")), k)
+
     def select(self, q, weights, segments, query_positions, k: int) -> torch.Tensor:
         """Sorted top-k positions [S, k] for each query; peak memory O(block x T), never T x T.
 
@@ -121,6 +132,18 @@ class LightningIndexer:
             scores = causal_mask_scores(self.scores(q[block], weights[block], segments, visible), positions)
             out.append(select_topk(scores, k))
         return torch.cat(out)
+
+
+def _groups_within(seqs: list[SeqSlice], budget: int) -> list[list[SeqSlice]]:
+    """Consecutive groups of `seqs` (sorted by length) whose padded size, rows x longest history,
+    stays within `budget` elements."""
+    groups, current = [], []
+    for seq in seqs:
+        if current and (len(current) + 1) * seq.context_len > budget:
+            groups.append(current)
+            current = []
+        current.append(seq)
+    return groups + [current] if current else groups
 
 
 @dataclass
@@ -178,6 +201,7 @@ class MLAttention:
         """
         o_lat = q.new_empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank)
         decode_rows, picks, valid = [], [], []
+        batched = self._select_decode_batch(index_q, ctx, cache)
         for seq in ctx.seqs:
             rows = slice(seq.token_start, seq.token_end)
             iq = None if index_q is None else self.selector.rows(index_q, rows)
@@ -185,7 +209,11 @@ class MLAttention:
             if seq.num_new_tokens > ctx.decode_rows or not self._sparse(seq, ctx):
                 o_lat[rows] = self._attend(seq, q_seq, positions, iq, ctx, cache)
                 continue
-            selected = self._select(seq, q_seq, positions, iq, ctx, cache)
+            selected = batched.get(seq.request_id)
+            if selected is None:
+                selected = self._select(seq, q_seq, positions, iq, ctx, cache)
+            elif ctx.record_selection is not None:
+                ctx.record_selection(self.layer_idx, seq, selected)
             decode_rows.extend(range(seq.token_start, seq.token_end))
             picks.append((seq, selected))
             valid.append(selected <= positions[:, None])
@@ -194,6 +222,26 @@ class MLAttention:
             keys = cache.gather_decode_latents(self.layer_idx, picks)                 # [B, k, D]
             o_lat[rows] = latent_attention(q[rows], keys, torch.cat(valid), self.scale, self.cfg.kv_lora_rank)
         return o_lat
+
+    def _select_decode_batch(self, index_q, ctx: ForwardContext, cache) -> dict[str, torch.Tensor]:
+        """A full DSA layer's one-row decodes, selected together where the selector batches them
+        (`DSASelector.batch_decode`: on accelerators); {} otherwise. Records them for shared layers."""
+        if self.selector is None or ctx.draft_step or not self.selector.batches(index_q[0].device):
+            return {}
+        seqs = sorted((s for s in ctx.seqs if s.num_new_tokens == 1 and self._sparse(s, ctx)),
+                      key=lambda s: s.context_len)
+        out = {}
+        for group in _groups_within(seqs, INDEX_SCORE_ELEMENTS_GPU // self.cfg.index_n_heads):
+            if len(group) < 2:
+                continue
+            rows = torch.tensor([s.token_start for s in group], device=index_q[0].device)
+            keys = cache.index_keys_batch(self.layer_idx, group)
+            lengths = torch.tensor([s.context_len for s in group], device=keys.device)
+            selected = self.selector.indexer.select_decode_batch(index_q[0][rows], index_q[1][rows], keys, lengths,
+                                                                 self.cfg.index_topk)
+            out.update({s.request_id: selected[i:i + 1] for i, s in enumerate(group)})
+        ctx.selection.update(out)
+        return out
 
     def _sparse(self, seq: SeqSlice, ctx) -> bool:
         return ctx.attention != "dense" and seq.context_len > self.cfg.index_topk

@@ -39,17 +39,30 @@ class TokenSelector:
     def forget(self, request_id: str) -> None:
         """The request finished: drop anything kept for it."""
 
+    def batches(self, device: torch.device) -> bool:
+        """Whether a step's one-row decodes are selected in one batched pass (DSASelector)."""
+        return False
+
     def check_integrity(self, active: set[str]) -> None:
         """Nothing is kept for requests that are not running."""
 
 
 class DSASelector(TokenSelector):
-    """The lightning indexer: keys in the cache pool, queries computed per step."""
+    """The lightning indexer: keys in the cache pool, queries computed per step.
+
+    `batch_decode`: select all one-row decodes of a step in one batched pass over padded key
+    histories (`LightningIndexer.select_decode_batch`). None (default): on accelerators only, where
+    per-request launches dominate a decode step; on a CPU the padded copy costs more than it saves.
+    """
 
     name = "dsa"
+    batch_decode: bool | None = None
 
     def __init__(self, indexer):
         self.indexer = indexer
+
+    def batches(self, device: torch.device) -> bool:
+        return device.type != "cpu" if self.batch_decode is None else self.batch_decode
 
     def prepare(self, layer, ctx, x, q_resid, latent, cache):
         cache.write_index_keys(layer, ctx.slot_mapping, self.indexer.keys(x, ctx.cos, ctx.sin))
