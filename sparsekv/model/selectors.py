@@ -137,7 +137,7 @@ class QuestSelector(TokenSelector):
         for seq in ctx.seqs:
             first = seq.first_new_position
             for page_id, start, kept_lo, kept_hi in self._last.get(seq.request_id, {}).get(layer, ()):
-                if start < first <= start + kept_lo.shape[0] - 1 or start == first and first % self.page_tokens:
+                if start <= first < start + kept_lo.shape[0]:
                     self.lo[layer][page_id], self.hi[layer][page_id] = kept_lo[first - start], kept_hi[first - start]
 
     def _remember(self, layer: int, ctx, page: torch.Tensor, before, own_lo, own_hi) -> None:
