@@ -225,13 +225,15 @@ class MLAttention:
 
     def _select_decode_batch(self, index_q, ctx: ForwardContext, cache) -> dict[str, torch.Tensor]:
         """A full DSA layer's one-row decodes, selected together where the selector batches them
-        (`DSASelector.batch_decode`: on accelerators); {} otherwise. Records them for shared layers."""
+        (`DSASelector.batch_decode`: on accelerators); {} otherwise. Records them for shared layers.
+        Groups keep the padded scores and keys under INDEX_SCORE_ELEMENTS_GPU fp32 elements each."""
         if self.selector is None or ctx.draft_step or not self.selector.batches(index_q[0].device):
             return {}
         seqs = sorted((s for s in ctx.seqs if s.num_new_tokens == 1 and self._sparse(s, ctx)),
                       key=lambda s: s.context_len)
         out = {}
-        for group in _groups_within(seqs, INDEX_SCORE_ELEMENTS_GPU // self.cfg.index_n_heads):
+        per_position = max(self.cfg.index_n_heads, self.cfg.index_head_dim)  # [B, H, T] scores, [B, T, D] keys
+        for group in _groups_within(seqs, INDEX_SCORE_ELEMENTS_GPU // per_position):
             if len(group) < 2:
                 continue
             rows = torch.tensor([s.token_start for s in group], device=index_q[0].device)
