@@ -6,9 +6,10 @@
    engine on the CPU (float32) for a prompt far longer than index_topk, with chunked prefill;
 2. decode step time at 4K / 128K / 1M cached tokens (synthetic cache, as `sparsekv bench decode`);
 3. a real N-token prefill (default 1M) followed by 32 decode tokens: time and peak device memory;
-4. with --tiers: the CUDA tiering exactness tests (plain and speculative decoding), and issue 3's fixed-device-budget benchmark
-   (`sparsekv bench tiers --concurrency`: admitted, aggregate decode tokens/s and p99 at
-   concurrency 1, tiering on vs off), written to OUT.tiers.json.
+4. with --tiers: the CUDA tiering exactness tests (plain and speculative decoding), and issue 3's
+   fixed-device-budget benchmark (`sparsekv bench tiers --concurrency`: admitted, aggregate decode
+   tokens/s, the batching ceiling and p99 at concurrency 1, tiering on vs off), written to
+   OUT.tiers.json.
 """
 from __future__ import annotations
 
@@ -69,12 +70,12 @@ def main() -> None:
 
 
 def tiers(ckpt: str, device: str, out_path: str) -> dict:
-    test = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_tiers.py", "tests/test_speculative.py", "-k", "cuda"],
-                          capture_output=True, text=True)
+    test = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_tiers.py", "tests/test_speculative.py",
+                           "-k", "cuda"], capture_output=True, text=True)
     bench = subprocess.run(["sparsekv", "bench", "tiers", "--concurrency", "--model", ckpt, "--device", device,
                             "--threads", "16", "--json", out_path], capture_output=True, text=True)
     return {"cuda_exactness_test": test.stdout.strip().splitlines()[-1:], "bench_rc": bench.returncode,
-            "bench_tail": bench.stdout.strip().splitlines()[-3:]}
+            "bench_tail": bench.stdout.strip().splitlines()[-4:]}
 
 
 if __name__ == "__main__":
