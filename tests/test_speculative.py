@@ -261,3 +261,27 @@ def test_device_budget_counts_the_mtp_layer(model):
         per_token = engine.cache.latent_bytes_per_token() + engine.cache.index_bytes_per_token()
         assert engine.allocator.num_pages * engine.page_size * per_token <= budget
     assert spec.allocator.num_pages < plain.allocator.num_pages
+
+
+@pytest.mark.parametrize("tiering", [False, True])
+def test_batched_selection_of_drafting_decodes_equals_per_request(model, tiering, monkeypatch):
+    """Verification rows (the newest token and its drafts) join the accelerator's batched decode
+    selection; forced on here, drafting gives the same tokens, logprobs and drafts bit for bit."""
+    from sparsekv.model.attention import LightningIndexer
+    from sparsekv.model.selectors import DSASelector
+    prompts = [LONG[0], PROMPTS[0], LONG[1]]
+    options = dict(OPTIONS, prefill_chunk_tokens=64, max_num_batched_tokens=72, num_speculative_tokens=2,
+                   kv_tiering=tiering)
+    ref = LLM(model, **options).generate(prompts, GREEDY)
+    shapes, real = [], LightningIndexer.select_decode_batch
+
+    def spy(self, q, weights, keys, positions, k):
+        shapes.append(tuple(q.shape[:2]))
+        return real(self, q, weights, keys, positions, k)
+    monkeypatch.setattr(LightningIndexer, "select_decode_batch", spy)
+    monkeypatch.setattr(DSASelector, "batch_decode", True)
+    outs = LLM(model, **options).generate(prompts, GREEDY)
+    for a, b in zip(ref, outs, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+        assert a.metrics["spec_num_accepted_tokens"] == b.metrics["spec_num_accepted_tokens"]
+    assert any(rows == 3 for _, rows in shapes), "no batch held a verification chunk"

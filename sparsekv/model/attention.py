@@ -104,15 +104,17 @@ class LightningIndexer:
         return torch.bmm(w.unsqueeze(1), s).squeeze(1)
 
     def select_decode_batch(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                            lengths: torch.Tensor, k: int) -> torch.Tensor:
-        """Sorted top-k positions [B, k] of B decode rows of different requests at once (accelerators:
-        a handful of launches for the whole batch instead of a dozen per request). q [B, H_I, D_I],
-        weights [B, H_I], keys [B, T, D_I] (each request's history, padded), lengths [B] (> k)."""
+                            positions: torch.Tensor, k: int) -> torch.Tensor:
+        """Sorted top-k positions [B, R, k] of the decode rows of B requests at once (accelerators: a
+        handful of launches for the whole batch instead of a dozen per request). q [B, R, H_I, D_I],
+        weights [B, R, H_I], positions [B, R] (each >= k: every row sees more than k keys), keys
+        [B, T, D_I] (each request's history, padded; positions past a row's are masked)."""
+        b, r, h, d = q.shape
         w = weights * self.head_dim ** -0.5
-        s = torch.bmm(q.float(), keys.float().transpose(1, 2)).relu_()           # [B, H, T]
-        scores = torch.bmm(w.unsqueeze(1), s).squeeze(1)                          # [B, T]
-        padding = torch.arange(keys.shape[1], device=keys.device)[None, :] >= lengths[:, None]
-        return select_topk(scores.masked_fill_(padding, float("-inf")), k)
+        s = torch.bmm(q.float().view(b, r * h, d), keys.float().transpose(1, 2)).relu_()  # [B, R*H, T]
+        scores = torch.bmm(w.view(b * r, 1, h), s.view(b * r, h, -1)).view(b, r, -1)       # [B, R, T]
+        later = torch.arange(keys.shape[1], device=keys.device)[None, None, :] > positions[:, :, None]
+        return select_topk(scores.masked_fill_(later, float("-inf")).view(b * r, -1), k).view(b, r, k)
 
     def select(self, q, weights, segments, query_positions, k: int) -> torch.Tensor:
         """Sorted top-k positions [S, k] for each query; peak memory O(block x T), never T x T.
@@ -224,24 +226,27 @@ class MLAttention:
         return o_lat
 
     def _select_decode_batch(self, index_q, ctx: ForwardContext, cache) -> dict[str, torch.Tensor]:
-        """A full DSA layer's one-row decodes, selected together where the selector batches them
-        (`DSASelector.batch_decode`: on accelerators); {} otherwise. Records them for shared layers.
-        Groups keep the padded scores and keys under INDEX_SCORE_ELEMENTS_GPU fp32 elements each."""
+        """A full DSA layer's decodes (1 row, or 1 + drafts), selected together where the selector
+        batches them (`DSASelector.batch_decode`: on accelerators); {} otherwise. Records them for
+        shared layers. Groups keep the padded scores and keys under INDEX_SCORE_ELEMENTS_GPU fp32
+        elements each. A decode whose first row sees at most k keys stays per request."""
         if self.selector is None or ctx.draft_step or not self.selector.batches(index_q[0].device):
             return {}
-        seqs = sorted((s for s in ctx.seqs if s.num_new_tokens == 1 and self._sparse(s, ctx)),
+        seqs = sorted((s for s in ctx.seqs if s.num_new_tokens <= ctx.decode_rows
+                       and s.first_new_position >= self.cfg.index_topk and ctx.attention != "dense"),
                       key=lambda s: s.context_len)
-        out = {}
-        per_position = max(self.cfg.index_n_heads, self.cfg.index_head_dim)  # [B, H, T] scores, [B, T, D] keys
+        out, device = {}, index_q[0].device
+        per_position = ctx.decode_rows * max(self.cfg.index_n_heads, self.cfg.index_head_dim)
         for group in _groups_within(seqs, INDEX_SCORE_ELEMENTS_GPU // per_position):
             if len(group) < 2:
                 continue
-            rows = torch.tensor([s.token_start for s in group], device=index_q[0].device)
+            r = max(s.num_new_tokens for s in group)  # shorter decodes repeat their last row
+            rows = torch.tensor([[s.token_start + min(i, s.num_new_tokens - 1) for i in range(r)] for s in group],
+                                device=device)
             keys = cache.index_keys_batch(self.layer_idx, group)
-            lengths = torch.tensor([s.context_len for s in group], device=keys.device)
-            selected = self.selector.indexer.select_decode_batch(index_q[0][rows], index_q[1][rows], keys, lengths,
-                                                                 self.cfg.index_topk)
-            out.update({s.request_id: selected[i:i + 1] for i, s in enumerate(group)})
+            selected = self.selector.indexer.select_decode_batch(index_q[0][rows], index_q[1][rows], keys,
+                                                                 ctx.positions[rows], self.cfg.index_topk)
+            out.update({s.request_id: selected[i, :s.num_new_tokens] for i, s in enumerate(group)})
         ctx.selection.update(out)
         return out
 
