@@ -25,7 +25,6 @@ class SeqSlice:
     token_end: int
     context_len: int          # tokens in the cache once this step has written its new tokens
     slots: torch.Tensor       # [context_len] int64 cache slot of every position
-    view: object = None       # the cache view attention reads through (tiering swaps it per request)
     # Runs of consecutive slots, (first position, first slot, length), covering positions
     # 0 .. context_len - 1 in order: long runs are read as views of the pool, with no copy.
     runs: tuple[tuple[int, int, int], ...] = ()

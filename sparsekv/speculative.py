@@ -135,7 +135,7 @@ class Speculator:
             return
         device = hidden.device
         self.cache.begin_mtp_pass(seqs, pages)
-        slots = torch.cat([s.slots[s.context_len - (s.token_end - s.token_start):] for s in seqs])
+        slots = torch.cat([s.slots[s.first_new_position:] for s in seqs])
         ctx = ForwardContext(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), slots,
                              seqs, torch.tensor(logits_rows, dtype=torch.long, device=device), self.runner.attention,
                              decode_rows=self.runner.decode_rows)

@@ -211,11 +211,7 @@ class MLAttention:
             if seq.num_new_tokens > ctx.decode_rows or not self._sparse(seq, ctx):
                 o_lat[rows] = self._attend(seq, q_seq, positions, iq, ctx, cache)
                 continue
-            selected = batched.get(seq.request_id)
-            if selected is None:
-                selected = self._select(seq, q_seq, positions, iq, ctx, cache)
-            elif ctx.record_selection is not None:
-                ctx.record_selection(self.layer_idx, seq, selected)
+            selected = self._select(seq, q_seq, positions, iq, ctx, cache, done=seq.request_id in batched)
             decode_rows.extend(range(seq.token_start, seq.token_end))
             picks.append((seq, selected))
             valid.append(selected <= positions[:, None])
@@ -225,16 +221,16 @@ class MLAttention:
             o_lat[rows] = latent_attention(q[rows], keys, torch.cat(valid), self.scale, self.cfg.kv_lora_rank)
         return o_lat
 
-    def _select_decode_batch(self, index_q, ctx: ForwardContext, cache) -> dict[str, torch.Tensor]:
-        """A full DSA layer's decodes (1 row, or 1 + drafts), selected together where the selector
-        batches them (`DSASelector.batch_decode`: on accelerators); {} otherwise. Records them for
-        shared layers. Groups keep the padded scores and keys under INDEX_SCORE_ELEMENTS_GPU fp32
-        elements each. A decode whose first row sees at most k keys stays per request."""
+    def _select_decode_batch(self, index_q, ctx: ForwardContext, cache) -> set[str]:
+        """A full DSA layer's decodes (1 row, or 1 + drafts), selected together into `ctx.selection`
+        where the selector batches them (`DSASelector.batch_decode`: on accelerators); returns their
+        request ids (none otherwise). Groups keep the padded scores and keys under
+        INDEX_SCORE_ELEMENTS_GPU fp32 elements each. A decode whose first row sees at most k keys
+        stays per request."""
         if self.selector is None or ctx.draft_step or not self.selector.batches(index_q[0].device):
-            return {}
-        seqs = sorted((s for s in ctx.seqs if s.num_new_tokens <= ctx.decode_rows
-                       and s.first_new_position >= self.cfg.index_topk and ctx.attention != "dense"),
-                      key=lambda s: s.context_len)
+            return set()
+        seqs = sorted((s for s in ctx.seqs if s.num_new_tokens <= ctx.decode_rows and self._sparse(s, ctx)
+                       and s.first_new_position >= self.cfg.index_topk), key=lambda s: s.context_len)
         out, device = {}, index_q[0].device
         per_position = ctx.decode_rows * max(self.cfg.index_n_heads, self.cfg.index_head_dim)
         for group in _groups_within(seqs, INDEX_SCORE_ELEMENTS_GPU // per_position):
@@ -248,7 +244,7 @@ class MLAttention:
                                                                  ctx.positions[rows], self.cfg.index_topk)
             out.update({s.request_id: selected[i, :s.num_new_tokens] for i, s in enumerate(group)})
         ctx.selection.update(out)
-        return out
+        return set(out)
 
     def _sparse(self, seq: SeqSlice, ctx) -> bool:
         return ctx.attention != "dense" and seq.context_len > self.cfg.index_topk
@@ -259,9 +255,11 @@ class MLAttention:
         selected = self._select(seq, q, positions, index_q, ctx, cache)
         return self._attend_selected(seq, q, positions, selected, cache)
 
-    def _select(self, seq: SeqSlice, q: torch.Tensor, positions: torch.Tensor, index_q, ctx, cache) -> torch.Tensor:
-        """This layer's selection for the request: its own (full layer) or its group's (shared layer)."""
-        if self.selector is not None and not ctx.draft_step:
+    def _select(self, seq: SeqSlice, q: torch.Tensor, positions: torch.Tensor, index_q, ctx, cache,
+                done: bool = False) -> torch.Tensor:
+        """This layer's selection for the request: its own (full layer) or its group's (shared layer).
+        `done`: already in ctx.selection (the batched decode selection)."""
+        if self.selector is not None and not ctx.draft_step and not done:
             ctx.selection[seq.request_id] = self.selector.select(self.layer_idx, seq, index_q, q, positions,
                                                                  self.cfg.index_topk, cache)
         selected = ctx.selection.get(seq.request_id)
