@@ -9,7 +9,8 @@
 4. with --tiers: the CUDA tiering exactness tests (plain and speculative decoding), and issue 3's
    fixed-device-budget benchmark (`sparsekv bench tiers --concurrency`: admitted, aggregate decode
    tokens/s, the batching ceiling and p99 at concurrency 1, tiering on vs off), written to
-   OUT.tiers.json.
+   OUT.tiers.json for CKPT and OUT.tiers-glm52.json for the glm5.2-proportions stand-in (GLM-5.2's
+   ratio of weight bytes to one request's cache reads per step).
 """
 from __future__ import annotations
 
@@ -72,10 +73,13 @@ def main() -> None:
 def tiers(ckpt: str, device: str, out_path: str) -> dict:
     test = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_tiers.py", "tests/test_speculative.py",
                            "-k", "cuda"], capture_output=True, text=True)
-    bench = subprocess.run(["sparsekv", "bench", "tiers", "--concurrency", "--model", ckpt, "--device", device,
-                            "--threads", "16", "--json", out_path], capture_output=True, text=True)
-    return {"cuda_exactness_test": test.stdout.strip().splitlines()[-1:], "bench_rc": bench.returncode,
-            "bench_tail": bench.stdout.strip().splitlines()[-4:]}
+    result = {"cuda_exactness_test": test.stdout.strip().splitlines()[-1:]}
+    for name, model in (("", ["--model", ckpt]), ("-glm52", ["--preset", "glm5.2-proportions"])):
+        bench = subprocess.run(["sparsekv", "bench", "tiers", "--concurrency", *model, "--device", device,
+                                "--threads", "16", "--json", out_path.replace(".tiers", f".tiers{name}")],
+                               capture_output=True, text=True)
+        result[f"bench{name}_rc"], result[f"bench{name}_tail"] = bench.returncode, bench.stdout.strip().splitlines()[-4:]
+    return result
 
 
 if __name__ == "__main__":

@@ -130,14 +130,13 @@ def _print_output(out, as_json: bool) -> None:
 
 
 def make_tiny_main(argv: list[str]) -> int:
+    from .tools.tiny import PRESETS, save_reference_checkpoint
     p = argparse.ArgumentParser(prog="sparsekv make-tiny-model")
     p.add_argument("path")
     p.add_argument("--family", default="glm_moe_dsa", choices=["glm_moe_dsa", "deepseek_v32"])
-    p.add_argument("--preset", default="tiny", choices=["tiny", "tiny-bench", "glm5-geometry"])
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from .tools.tiny import GLM5_GEOMETRY, TINY_BENCH, TINY_GLM, save_reference_checkpoint
-    preset = {"tiny": TINY_GLM, "tiny-bench": TINY_BENCH, "glm5-geometry": GLM5_GEOMETRY}[args.preset]
-    save_reference_checkpoint(args.path, args.family, args.seed, **preset)
+    save_reference_checkpoint(args.path, args.family, args.seed, **PRESETS[args.preset])
     print(f"wrote {args.preset} {args.family} checkpoint to {args.path}")
     return 0

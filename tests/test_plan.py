@@ -280,3 +280,25 @@ def _tiny() -> ModelConfig:
         v_head_dim=32, index_topk=64, index_head_dim=32, index_n_heads=2, n_routed_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=256, first_k_dense_replace=1,
         index_topk_freq=2, index_skip_topk_offset=1))
+
+
+def _weight_to_request_kv_ratio(cfg, dep, context=64 * 1024, per_rank=4):
+    """Weight bytes read per decode step over the cache bytes one request reads in that step."""
+    est = estimate_step(cfg, dep, Workload(((context, 1.0),), concurrency=per_rank * dep.attention_ranks))
+    b = est.bytes_by_stage()
+    return (b["weights"] + b["experts"]) / ((b["attention"] + b["indexer"]) / per_rank)
+
+
+def test_glm52_proportions_preset_has_the_flagships_decode_cost_structure():
+    """`bench tiers --preset glm5.2-proportions` stands in for GLM-5.2 in the fixed-budget run: the
+    ratio of weights to one request's cache reads per step must be GLM-5.2's, not tiny-bench's."""
+    from sparsekv.tools.tiny import PRESETS
+    cpu = Deployment(HW["h200"].with_node(gpus_per_node=1), tp=1, ep=1, weight_format="fp32",
+                     latent_format="fp32", indexer_format="fp32")
+    flagship = _weight_to_request_kv_ratio(model("glm-5.2"), Deployment(HW["h200"]))
+    stand_in = _weight_to_request_kv_ratio(
+        ModelConfig.from_dict({"model_type": "glm_moe_dsa", **PRESETS["glm5.2-proportions"]}), cpu)
+    tiny = _weight_to_request_kv_ratio(ModelConfig.from_dict({"model_type": "glm_moe_dsa", **PRESETS["tiny-bench"]}), cpu)
+    assert 100 < flagship < 200
+    assert abs(stand_in / flagship - 1) < 0.25
+    assert tiny < 2

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from .bench_worker import parse_tokens
 
-PRESETS = ("tiny-bench", "glm5-geometry")
+BENCH_PRESETS = ("tiny-bench", "glm5-geometry", "glm5.2-proportions")
 
 
 def _worker(job: dict, threads: int) -> dict:
@@ -159,8 +159,8 @@ def bench_modes(args, ckpt: str) -> list[dict]:
 def make_checkpoint(preset: str, directory: str, indexer_in_every_layer: bool = False) -> str:
     """The preset's checkpoint (tiny-bench: FSSS). `modes` needs an indexer in every layer and drops
     three of four with hf_overrides for its IndexShare run."""
-    from .tiny import GLM5_GEOMETRY, TINY_BENCH, save_reference_checkpoint
-    opts = dict(TINY_BENCH if preset == "tiny-bench" else GLM5_GEOMETRY)
+    from .tiny import PRESETS, save_reference_checkpoint
+    opts = dict(PRESETS[preset])
     if indexer_in_every_layer:
         opts["index_topk_pattern"] = "FFFF"
     save_reference_checkpoint(directory, "glm_moe_dsa", seed=0, **opts)
@@ -170,7 +170,7 @@ def make_checkpoint(preset: str, directory: str, indexer_in_every_layer: bool = 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sparsekv bench")
     p.add_argument("kind", choices=["decode", "prefill", "modes"])
-    p.add_argument("--preset", default="tiny-bench", choices=PRESETS)
+    p.add_argument("--preset", default="tiny-bench", choices=BENCH_PRESETS)
     p.add_argument("--mode-kind", dest="mode_kind", default="decode", choices=["decode", "prefill"],
                    help="for `modes`: compare decode or prefill")
     p.add_argument("--contexts", default="4K,16K", help="comma-separated token counts, e.g. 4K,16K,128K,1M")

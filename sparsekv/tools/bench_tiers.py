@@ -26,7 +26,8 @@ import tempfile
 import time
 from datetime import date
 
-from .bench_worker import parse_tokens
+from .bench import BENCH_PRESETS
+from .bench_worker import decode_bytes_per_step, parse_tokens
 
 MB = 1e6
 
@@ -111,7 +112,8 @@ def measure_together(ckpt: str, context: int, steps: int, configs: dict[str, dic
         engine.step()  # the first decode step (cold working set) is reported apart
     cold = {name: e.stats() for name, e in engines.items()}
     times = interleaved_step_ms(engines, steps)
-    rows = {name: _row(context, times[name], cold[name], e.stats(), steps) for name, e in engines.items()}
+    rows = {name: {**_row(context, times[name], cold[name], e.stats(), steps),
+                   "bytes_per_step": decode_bytes_per_step(e, context)} for name, e in engines.items()}
     del engines
     gc.collect()
     return rows
@@ -131,7 +133,8 @@ def _p99(times: list[float]) -> float:
 
 
 def sweep(args, ckpt: str, topk: int) -> list[dict]:
-    rows = []
+    rows, machine = [], device_bandwidth_gbps(args.threads)
+    print(f"device memory bandwidth {machine:.1f} GB/s")
     for context in args.contexts:
         configs = {"off": dict(selector=args.selector)}
         configs.update({m: dict(selector=args.selector, kv_tiering=True, device_buffer_tokens=m * topk)
@@ -139,19 +142,21 @@ def sweep(args, ckpt: str, topk: int) -> list[dict]:
         measured = measure_together(ckpt, context, args.steps, configs)
         base = measured.pop("off")
         rows.append({**base, "tiering": "off", "buffer": None})
-        _print_row(rows[-1], base)
+        _print_row(rows[-1], base, machine)
         for mult, row in measured.items():
             rows.append({**row, "tiering": "on", "buffer": mult * topk, "buffer_x_topk": mult})
-            _print_row(rows[-1], base)
+            _print_row(rows[-1], base, machine)
     return rows
 
 
-def _print_row(r: dict, base: dict) -> None:
+def _print_row(r: dict, base: dict, machine_gbps: float) -> None:
     label = "off" if r["tiering"] == "off" else f"N={r['buffer']}"
+    gbps = r["bytes_per_step"] / (r["ms"] / 1000) / 1e9
     print(f"{r['context']:>8} {label:>7}  device {r['device_kv_bytes'] / MB:9.2f} MB "
           f"(latent {r['device_latent_bytes'] / MB:8.2f}, x{r['device_kv_bytes'] / base['device_kv_bytes']:.3f} of off)  "
           f"host {r['host_kv_bytes'] / MB:9.2f} MB  miss {100 * r['miss_rate']:5.1f}%  "
-          f"{r['transfer_mb_per_token']:7.3f} MB/token  {r['ms']:8.2f} ms/token (x{r['ms'] / base['ms']:.2f} of off)",
+          f"{r['transfer_mb_per_token']:7.3f} MB/token  {r['ms']:8.2f} ms/token (x{r['ms'] / base['ms']:.2f} of off, "
+          f"reads {gbps:.1f} GB/s = {100 * gbps / machine_gbps:.0f}%)",
           flush=True)
 
 
@@ -261,6 +266,23 @@ def _fp8_effect(ref: dict, fp8: dict) -> dict:
 
 
 # -- fixed device budget --------------------------------------------------------------------------
+def device_bandwidth_gbps(threads: int) -> float:
+    """The bench device's memory bandwidth: stream-measured on the CPU; a device copy on CUDA."""
+    import torch
+    if DEVICE["device"] == "cpu":
+        from .bench import _machine_bandwidth
+        return _machine_bandwidth(threads)
+    src = torch.empty(1 << 28, dtype=torch.float32, device=DEVICE["device"])
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 10 * 2 * src.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+
 def concurrency(args, ckpt: str) -> dict:
     from sparsekv.cache.lru import index_bytes_per_token, latent_bytes_per_token
     from sparsekv.config import ModelConfig
@@ -275,11 +297,14 @@ def concurrency(args, ckpt: str) -> dict:
     full = _interleaved(ckpt, context, steps, args.max_requests, {**configs, "off_unbounded": unbounded})
     single = _interleaved(ckpt, context, args.latency_steps, 1, configs)
     result["off_unbounded"] = full["off_unbounded"]
+    result["machine_gbps"] = machine = device_bandwidth_gbps(args.threads)
     for name in configs:
         result[name] = {**full[name], "c1": single[name]}
         r = result[name]
         print(f"tiering {name}: {r['admitted']} admitted, {r['tokens_per_s']:.1f} decode tokens/s aggregate "
-              f"(p99 step {r['p99_ms']:.1f} ms), device {r['device_kv_bytes'] / MB:.1f} MB, host "
+              f"(p99 step {r['p99_ms']:.1f} ms; reads {r['achieved_gbps']:.1f} GB/s, "
+              f"{100 * r['achieved_gbps'] / machine:.0f}% of the device's {machine:.1f}), "
+              f"device {r['device_kv_bytes'] / MB:.1f} MB, host "
               f"{r['host_kv_bytes'] / MB:.1f} MB; concurrency 1: p99 {r['c1']['p99_ms']:.2f} ms/token, "
               f"median {r['c1']['median_ms']:.2f}", flush=True)
     on, off = result["on"], result["off"]
@@ -290,7 +315,8 @@ def concurrency(args, ckpt: str) -> dict:
     print(f"tiering on / off: admitted x{result['admitted_ratio']:.2f}, aggregate decode tokens/s "
           f"x{result['throughput_ratio']:.2f}, p99 per-token latency at concurrency 1 x{result['p99_ratio_c1']:.3f}")
     print(f"batching ceiling: tiering off with unbounded device memory, {result['off_unbounded']['admitted']} requests: "
-          f"{result['off_unbounded']['tokens_per_s']:.1f} tokens/s, x{result['ceiling_ratio']:.2f} of the budgeted "
+          f"{result['off_unbounded']['tokens_per_s']:.1f} tokens/s (reads {result['off_unbounded']['achieved_gbps']:.1f} GB/s), "
+          f"x{result['ceiling_ratio']:.2f} of the budgeted "
           f"baseline; tiering reaches {100 * result['throughput_ratio'] / result['ceiling_ratio']:.0f}% of it")
     return result
 
@@ -306,9 +332,10 @@ def _interleaved(ckpt: str, context: int, steps: int, submit: int, configs: dict
     out = {}
     for name, engine in engines.items():
         stats, t = engine.stats(), times[name]
+        read = decode_bytes_per_step(engine, context, admitted[name]) * steps
         out[name] = {"admitted": admitted[name], "tokens_per_s": admitted[name] * steps / (sum(t) / 1000),
                      "p99_ms": _p99(t), "median_ms": statistics.median(t), "device_kv_bytes": stats["device_kv_bytes"],
-                     "host_kv_bytes": stats.get("host_kv_bytes", 0)}
+                     "host_kv_bytes": stats.get("host_kv_bytes", 0), "achieved_gbps": read / (sum(t) / 1000) / 1e9}
     del engines
     gc.collect()
     return out
@@ -348,7 +375,8 @@ def plot(rows: list[dict], out_dir: str, natural: dict | None = None) -> list[st
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sparsekv bench tiers")
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled model, else a random --preset)")
-    p.add_argument("--preset", default="tiny-bench", choices=["tiny-bench", "glm5-geometry"])
+    p.add_argument("--preset", default=None, choices=BENCH_PRESETS,
+                   help="a random checkpoint of this shape instead of the bundled model")
     p.add_argument("--contexts", default="8K,32K,128K", help="e.g. 8K,32K,128K,1M")
     p.add_argument("--buffers", default="1,2,4", help="device buffer sizes as multiples of top-k")
     p.add_argument("--selector", default="dsa", choices=["dsa", "quest"])
@@ -376,17 +404,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _checkpoint(args, tmp: str) -> str:
+    """--model, else a random --preset checkpoint, else the bundled model (tiny-bench if none)."""
     if args.model:
         return args.model
-    try:
-        from sparsekv.paths import default_model_path
-        return default_model_path()
-    except FileNotFoundError:
-        from .tiny import GLM5_GEOMETRY, TINY_BENCH, save_reference_checkpoint
-        preset = TINY_BENCH if args.preset == "tiny-bench" else GLM5_GEOMETRY
-        save_reference_checkpoint(tmp, "glm_moe_dsa", seed=0, **preset)
-        print(f"(no bundled model: using a random {args.preset} checkpoint)")
-        return tmp
+    if args.preset is None:
+        try:
+            from sparsekv.paths import default_model_path
+            return default_model_path()
+        except FileNotFoundError:
+            args.preset = "tiny-bench"
+            print("(no bundled model: using a random tiny-bench checkpoint)")
+    from .bench import make_checkpoint
+    return make_checkpoint(args.preset, tmp)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = _checkpoint(args, tmp)
         topk = ModelConfig.from_json(ckpt).index_topk
-        report["model"], report["index_topk"] = ckpt if args.model else args.preset, topk
+        report["model"], report["index_topk"] = args.model or args.preset or ckpt, topk
         if args.concurrency:
             report["concurrency"] = concurrency(args, ckpt)
         else:

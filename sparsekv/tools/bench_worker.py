@@ -45,22 +45,25 @@ def synthetic_prefill(engine, req, num_tokens: int) -> None:
     req.num_computed_tokens = num_tokens
 
 
-def decode_bytes_per_step(engine, context: int) -> int:
-    """Bytes a decode step must read: dense weights + routed experts, selected latents, indexer keys."""
+def decode_bytes_per_step(engine, context: int, batch: int = 1) -> int:
+    """Bytes a decode step of `batch` requests at `context` must read: dense weights and the routed
+    experts the batch touches (expected union), then per request its selected latents and indexer keys."""
     cfg, cache = engine.model_config, engine.cache
     k = context if engine.config.attention == "dense" else min(cfg.index_topk, context)
     latent = k * cache.latent_bytes_per_token()
     index_keys = context * cache.index_bytes_per_token()
-    return _weight_bytes_per_token(engine) + latent + index_keys
+    return int(_weight_bytes_per_step(engine, batch) + batch * (latent + index_keys))
 
 
-def _weight_bytes_per_token(engine) -> int:
+def _weight_bytes_per_step(engine, batch: int) -> float:
+    from .plan_decode import unique_experts
     cfg, m = engine.model_config, engine.model
     total = sum(t.numel() * t.element_size() for t in _all_tensors(m))
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * m.embed.element_size()
     moe_layers = cfg.mlp_layer_types.count("sparse")
-    unused = moe_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * expert
-    return total - unused - m.embed.numel() * m.embed.element_size() + cfg.hidden_size * m.embed.element_size()
+    touched = unique_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) if moe_layers else 0
+    unused = moe_layers * (cfg.n_routed_experts - touched) * expert
+    return total - unused - m.embed.numel() * m.embed.element_size() + batch * cfg.hidden_size * m.embed.element_size()
 
 
 def _all_tensors(m):

@@ -24,6 +24,17 @@ GLM5_GEOMETRY = {**TINY_BENCH, **dict(
     kv_lora_rank=512, q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256,
     index_topk=2048, index_head_dim=128, index_n_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e6})}
 
+# tiny-bench's attention and indexer (IndexShare FSSS) with GLM-5.2's decode cost structure: the
+# weights read per decode step are ~140x the latent and indexer keys one 64K request reads per step
+# (the planner's count for GLM-5.2, 4 requests per attention rank on an H200 node; this preset: 136).
+# That takes ~300M fp32 parameters of dense MLP, read once per step whatever the batch. tiny-bench
+# itself is the opposite extreme (weights ~1x one request's reads): per-request work dominates.
+GLM52_PROPORTIONS = {**TINY_BENCH, **dict(
+    hidden_size=2048, intermediate_size=12288, first_k_dense_replace=4, n_routed_experts=4)}
+
+PRESETS = {"tiny": TINY_GLM, "tiny-bench": TINY_BENCH, "glm5-geometry": GLM5_GEOMETRY,
+           "glm5.2-proportions": GLM52_PROPORTIONS}
+
 
 def reference_model(family: str = "glm_moe_dsa", seed: int = 0, **overrides):
     """A transformers model with random weights (init std raised so that top-k selection is not flat)."""
