@@ -42,7 +42,8 @@ class BruteForceLRU:
         return hits, misses, evictions, [resident[p] for p in positions], order
 
 
-@pytest.mark.parametrize("capacity,universe,seed", [(1, 3, 0), (4, 6, 1), (8, 20, 2), (16, 64, 3), (8, 9, 4)])
+@pytest.mark.parametrize("capacity,universe,seed", [(1, 3, 0), (4, 6, 1), (8, 20, 2), (16, 64, 3), (8, 9, 4),
+                                                    (64, 200, 5), (33, 1000, 6)])
 def test_lru_matches_brute_force(capacity, universe, seed):
     rng = random.Random(seed)
     lru, ref = WorkingSetLRU(capacity), BruteForceLRU(capacity)
@@ -53,7 +54,7 @@ def test_lru_matches_brute_force(capacity, universe, seed):
             positions = sorted(positions)
         res = lru.resolve(positions)
         hits, misses, evictions, slots, order = ref.access(positions)
-        assert (res.hits, res.misses, res.evictions, res.slots) == (hits, misses, evictions, slots)
+        assert (res.hits, res.misses, res.evictions, res.slots.tolist()) == (hits, misses, evictions, slots)
         assert lru.lru_order() == order
         lru.check_integrity()
 
@@ -82,3 +83,14 @@ def test_lru_rejects_bad_accesses():
         lru.resolve([1, 2, 3])
     with pytest.raises(ValueError):
         WorkingSetLRU(0)
+
+
+def test_lru_takes_arrays_in_any_order_and_rejects_negative_positions():
+    import numpy as np
+    lru = WorkingSetLRU(4)
+    res = lru.resolve(np.array([30, 10, 20]))
+    assert res.slots.tolist() == [2, 0, 1] and res.misses == [(10, 0), (20, 1), (30, 2)]
+    assert lru.resolve([20, 40]).slots.tolist() == [1, 3] and lru.lru_order() == [10, 30, 20, 40]
+    with pytest.raises(ValueError, match=">= 0"):
+        lru.resolve([-1])
+    lru.check_integrity()

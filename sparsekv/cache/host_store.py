@@ -51,9 +51,11 @@ class HostStore:
     def write(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self._rows[layer].index_copy_(0, slots.cpu(), values.to("cpu", self.dtype))
 
-    def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """Rows of the given slots, a new host tensor [len(slots), dim]."""
-        return self._rows[layer].index_select(0, slots.cpu())
+    def read(self, layer: int, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of the given slots [len(slots), dim]: a new host tensor, or written into `out`."""
+        if out is None:
+            return self._rows[layer].index_select(0, slots.cpu())
+        return torch.index_select(self._rows[layer], 0, slots.cpu(), out=out)
 
     def close(self) -> None:
         self._rows = {}
@@ -130,10 +132,11 @@ class HostLink:
         self._backups = torch.cuda.Stream(device) if cuda else None
         self._events: dict[int, torch.cuda.Event] = {}
         self._pending: list[tuple] = []
+        self._scratch: torch.Tensor | None = None  # CPU fetch staging, grown to the largest fetch
 
-    def index(self, values: list[int]) -> torch.Tensor:
-        """A small index tensor on the device without draining the GPU queue."""
-        t = torch.tensor(values, dtype=torch.long)
+    def index(self, values) -> torch.Tensor:
+        """A small index tensor (from a list or a numpy array) on the device without draining the GPU queue."""
+        t = torch.as_tensor(values, dtype=torch.long)
         return t if self._side is None else t.pin_memory().to(self.device, non_blocking=True)
 
     def backup(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
@@ -162,9 +165,10 @@ class HostLink:
 
     def fetch(self, layers: list[int], src: torch.Tensor, dst: dict[int, torch.Tensor], rows: torch.Tensor) -> None:
         """dst[l][rows] = host rows `src` (a CPU tensor) of layer l, for every l in `layers`."""
-        if self._side is None:
+        if self._side is None:  # through one reused buffer: a fresh multi-MB tensor per layer and step
+            staged = self._staging(src.numel())  # made glibc mmap and page-fault it (2x slower fetches)
             for layer in layers:
-                dst[layer].index_copy_(0, rows, self.host.read(layer, src))
+                dst[layer].index_copy_(0, rows, self.host.read(layer, src, out=staged))
             return
         staged = torch.stack([self.host.read(layer, src) for layer in layers]).pin_memory()
         dst[layers[0]].index_copy_(0, rows, staged[0].to(self.device, non_blocking=True))
@@ -179,6 +183,11 @@ class HostLink:
         done = torch.cuda.Event()
         done.record(self._side)
         self._events.update({layer: done for layer in layers[1:]})
+
+    def _staging(self, rows: int) -> torch.Tensor:
+        if self._scratch is None or self._scratch.shape[0] < rows:
+            self._scratch = torch.empty(rows, self.host.dim, dtype=self.host.dtype)
+        return self._scratch[:rows]
 
     def wait(self, layer: int) -> None:
         done = self._events.pop(layer, None)

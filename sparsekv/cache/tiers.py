@@ -36,7 +36,9 @@ which only ever hold positions before the request's newest final token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
+import numpy as np
 import torch
 
 from ..config import EngineConfig, ModelConfig
@@ -239,7 +241,7 @@ class TieredKVPool:
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim], in the order asked for."""
         if self._uses_working_set(layer, seq):
-            return self._gather(layer, [seq], [positions.reshape(-1).tolist()]).view(*positions.shape, -1)
+            return self._gather(layer, [seq], [positions.reshape(-1).cpu().numpy()]).view(*positions.shape, -1)
         return self._stream(layer, seq, seq.slots[positions.reshape(-1).to(seq.slots.device)]).view(*positions.shape, -1)
 
     def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
@@ -249,12 +251,12 @@ class TieredKVPool:
         k, seqs = picks[0][1].shape[-1], [seq for seq, _ in picks]
         if not all(self._uses_working_set(layer, seq) for seq in seqs):  # not decodes of this step: stream
             return torch.cat([self.gather_latent(layer, seq, p) for seq, p in picks]).view(-1, k, self.cfg.latent_dim)
-        flat, sizes = torch.cat([p.reshape(-1) for _, p in picks]).tolist(), [p.numel() for _, p in picks]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        positions = [flat[o:o + n] for o, n in zip(offsets, sizes)]
+        flat = torch.cat([p.reshape(-1) for _, p in picks]).cpu().numpy()  # the one device -> host read
+        ends = list(accumulate(p.numel() for _, p in picks))
+        positions = [flat[end - p.numel():end] for end, (_, p) in zip(ends, picks)]
         return self._gather(layer, seqs, positions).view(-1, k, self.cfg.latent_dim)
 
-    def _gather(self, layer: int, seqs: list[SeqSlice], positions: list[list[int]]) -> torch.Tensor:
+    def _gather(self, layer: int, seqs: list[SeqSlice], positions: list[np.ndarray]) -> torch.Tensor:
         """[sum of len(positions), latent_dim]: working-set rows, or the host store's for streamed requests."""
         plan = self._plan_for(layer, seqs, positions)
         if not plan.streamed:
@@ -262,7 +264,7 @@ class TieredKVPool:
         parts, done = [], 0
         for i, (seq, pos) in enumerate(zip(seqs, positions)):
             if i in plan.streamed:
-                parts.append(self._stream(layer, seq, seq.slots[torch.tensor(pos, device=seq.slots.device)]))
+                parts.append(self._stream(layer, seq, seq.slots[torch.from_numpy(pos).to(seq.slots.device)]))
             else:
                 parts.append(self.ws[layer].index_select(0, plan.rows[done:done + len(pos)]))
                 done += len(pos)
@@ -273,7 +275,7 @@ class TieredKVPool:
         return self.link.read(layer, slots)
 
     # -- resolution ----------------------------------------------------------------------------
-    def _plan_for(self, layer: int, seqs: list[SeqSlice], positions: list[list[int]]) -> _Plan:
+    def _plan_for(self, layer: int, seqs: list[SeqSlice], positions: list[np.ndarray]) -> _Plan:
         """A full layer resolves its requests' positions; its shared layers replay the plan (their
         copies were issued with the full layer's)."""
         leader, plans = self.leader[layer], self._step_of(layer).plans
@@ -288,7 +290,7 @@ class TieredKVPool:
             "a shared layer read other positions than its full layer"
         return plan
 
-    def _resolve(self, leader: int, seqs: list[SeqSlice], positions: list[list[int]]) -> _Plan:
+    def _resolve(self, leader: int, seqs: list[SeqSlice], positions: list[np.ndarray]) -> _Plan:
         """LRU-resolve every request's positions for the whole group; copy all misses at once."""
         rows, streamed, src, dst = [], set(), [], []
         for i, (seq, pos) in enumerate(zip(seqs, positions)):
@@ -296,32 +298,37 @@ class TieredKVPool:
             if planned is None:
                 streamed.add(i)
             else:
-                rows += planned
-        if src:
-            self.link.fetch(self.groups[leader], torch.tensor(src), self.ws, self.link.index(dst))
-        return _Plan(self.link.index(rows) if rows else None, frozenset(streamed))
+                rows.append(planned)
+        if sum(s.size for s in src):
+            self.link.fetch(self.groups[leader], torch.from_numpy(np.concatenate(src)), self.ws,
+                            self.link.index(np.concatenate(dst)))
+        return _Plan(self.link.index(np.concatenate(rows)) if rows else None, frozenset(streamed))
 
-    def _plan(self, leader: int, seq: SeqSlice, positions: list[int], src: list[int], dst: list[int]) -> list[int] | None:
+    def _plan(self, leader: int, seq: SeqSlice, positions: np.ndarray, src: list, dst: list) -> np.ndarray | None:
         """One request's working-set rows for `positions` (None when its older positions exceed N: it
         streams instead); appends its misses' host slots and rows."""
         ws, group = self._resident[seq.request_id], self.groups[leader]
         first_new = ws.new["mtp" if leader in self.mtp_layers else "target"][0]  # a draft step's rows: the pass's
-        older = [p for p in positions if p < first_new]
-        if seq.num_new_tokens > 1:  # several rows select overlapping positions: resolve their union
-            older = sorted(set(older))
-        if len(older) > self.capacity:
+        is_older = positions < first_new
+        older, several_rows = positions[is_older], seq.num_new_tokens > 1
+        if several_rows:  # the rows select overlapping positions: resolve their union
+            older = np.unique(older)
+        if older.size > self.capacity:
             return None
         res = ws.lrus[leader].resolve(older)
-        slot_of = dict(zip(older, res.slots))
-        base = self._base(ws)
-        new_hits = len(set(positions)) - len(older)  # this step's new tokens, on their own rows
-        self._count(seq.request_id, hits=(res.hits + new_hits) * len(group), misses=len(res.misses) * len(group),
-                    h2d=len(res.misses) * len(group) * self.host.row_bytes)
+        base, misses = self._base(ws), res.miss_positions
+        distinct = np.unique(positions).size if several_rows else positions.size
+        new_hits = distinct - older.size  # this step's new tokens, on their own rows
+        self._count(seq.request_id, hits=(res.hits + new_hits) * len(group), misses=misses.size * len(group),
+                    h2d=misses.size * len(group) * self.host.row_bytes)
         pages, ps = self._step_of(leader).decoding[seq.request_id], self.page_size
-        src += [pages[p // ps] * ps + p % ps for p, _ in res.misses]
-        dst += [base + s for _, s in res.misses]
-        new_row = base + self.capacity - first_new
-        return [base + slot_of[p] if p < first_new else new_row + p for p in positions]
+        src.append(np.array([pages[i] for i in (misses // ps).tolist()], dtype=np.int64) * ps + misses % ps)
+        dst.append(base + res.miss_slots)
+        slots = res.slots[np.searchsorted(older, positions[is_older])] if several_rows else res.slots
+        rows = np.empty(positions.size, dtype=np.int64)
+        rows[is_older] = base + slots
+        rows[~is_older] = base + self.capacity - first_new + positions[~is_older]
+        return rows
 
     def _promote(self, ws: _WorkingSet, name: str, upto: int) -> None:
         """The pass's last new tokens before position `upto` are final and on the device: keep them, as
@@ -329,19 +336,19 @@ class TieredKVPool:
         start, count = ws.new.pop(name, (None, 0))
         if start is None or upto <= start:
             return
-        final = list(range(start, min(start + count, upto)))
+        final = np.arange(start, min(start + count, upto))
         base = self._base(ws)
         for leader in self.passes[name]:
-            misses = ws.lrus[leader].resolve(final).misses
-            if len(misses) == 1:  # a plain decode's one token: a row copy per layer
-                (p, slot), = misses
+            res = ws.lrus[leader].resolve(final)
+            if res.miss_positions.size == 1:  # a plain decode's one token: a row copy per layer
+                src, dst = base + self.capacity + int(res.miss_positions[0]) - start, base + int(res.miss_slots[0])
                 for layer in self.groups[leader]:
-                    self.ws[layer][base + slot] = self.ws[layer][base + self.capacity + p - start]
+                    self.ws[layer][dst] = self.ws[layer][src]
                 continue
-            if not misses:
+            if not res.miss_positions.size:
                 continue
-            src = self.link.index([base + self.capacity + p - start for p, _ in misses])
-            dst = self.link.index([base + slot for _, slot in misses])
+            src = self.link.index(base + self.capacity + res.miss_positions - start)
+            dst = self.link.index(base + res.miss_slots)
             for layer in self.groups[leader]:
                 self.ws[layer].index_copy_(0, dst, self.ws[layer].index_select(0, src))
 
