@@ -51,8 +51,8 @@ class WorkingSetLRU:
     """A fixed number of device slots holding token positions, least-recently-used replacement.
 
     Vectorised: each slot has a position (-1 when free) and a recency stamp, and a dense table maps
-    positions to slots (4 bytes per position of context, growing with the request: 4 MB per group at
-    1M, well under 1% of that request's host latent). Free slots carry negative stamps ascending with
+    positions to slots (8 bytes per position of context, growing with the request: 8 MB per group at
+    1M, under 1% of that request's host latent). Free slots carry negative stamps ascending with
     their id, so "the oldest stamps not accessed now" is exactly the policy's order: free slots lowest
     id first, then residents least recently used first. One access costs a handful of numpy calls,
     whatever k (top-k is 2048 on GLM-5)."""
@@ -63,7 +63,7 @@ class WorkingSetLRU:
         self.capacity = capacity
         self._position = np.full(capacity, -1, dtype=np.int64)        # slot -> position, -1 free
         self._stamp = np.arange(capacity, dtype=np.int64) - capacity  # recency; free slots < 0
-        self._slot_of = np.full(1024, -1, dtype=np.int32)              # position -> slot, -1 not resident
+        self._slot_of = np.full(1024, -1, dtype=np.int64)              # position -> slot, -1 not resident
         self._clock = 0
 
     def __len__(self) -> int:
@@ -77,12 +77,13 @@ class WorkingSetLRU:
     def _cover(self, end: int) -> None:
         """Grow the position table to cover positions < end."""
         if end > self._slot_of.size:
-            grown = np.full(max(end, 2 * self._slot_of.size), -1, dtype=np.int32)
+            grown = np.full(max(end, 2 * self._slot_of.size), -1, dtype=np.int64)
             grown[:self._slot_of.size] = self._slot_of
             self._slot_of = grown
 
     def resolve(self, positions) -> Resolution:
-        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if not (isinstance(positions, np.ndarray) and positions.dtype == np.int64 and positions.ndim == 1):
+            positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         n = positions.size
         if n > self.capacity:
             raise ValueError(f"{n} positions accessed at once, working set holds {self.capacity}")
@@ -97,7 +98,7 @@ class WorkingSetLRU:
         if positions[0] < 0:
             raise ValueError("positions must be >= 0")
         self._cover(int(positions[-1]) + 1)
-        slots = self._slot_of[positions].astype(np.int64)
+        slots = self._slot_of[positions]
         missing = slots < 0
         miss_positions = positions[missing]
         victims = self._oldest_unused(slots, missing, miss_positions.size)
