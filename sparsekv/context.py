@@ -64,7 +64,18 @@ class ForwardContext:
     # A speculative draft step after the first (speculative.py): reads the cache, writes nothing, and
     # every layer reuses the selection given in `selection` (MTP index reuse).
     draft_step: bool = False
+    # Device index tensors of token rows, made once per step and shared by the layers (on an
+    # accelerator every torch.tensor(..., device=) is a synchronous copy).
+    row_indices: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def rows_index(self, rows: list) -> torch.Tensor:
+        """torch.tensor(rows) on the step's device (rows: ints, or equal-length lists of ints), cached."""
+        key = tuple(tuple(r) if isinstance(r, list) else r for r in rows)
+        index = self.row_indices.get(key)
+        if index is None:
+            index = self.row_indices[key] = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        return index

@@ -298,3 +298,28 @@ def test_batched_decode_groups_stay_within_the_budget():
     groups = _groups_within(seqs, 90)
     assert [[s.context_len for s in g] for g in groups] == [[10, 20, 30], [40], [100]]
     assert all(len(g) * g[-1].context_len <= 90 or len(g) == 1 for g in groups)
+
+
+def test_shared_layers_replay_the_decode_plan_without_reading_selections(ckpt, monkeypatch):
+    """A decode step reads its selections to the host once per full layer; the IndexShare shared
+    layers reuse that plan (on an accelerator: one synchronisation per full layer, not per layer)."""
+    from sparsekv.cache.tiers import TieredKVPool
+    decoding, read_by, real_decode, real_gather = [], [], TieredKVPool.gather_decode_latents, TieredKVPool._gather
+
+    def decode_spy(self, layer, picks):
+        decoding.append(layer)
+        try:
+            return real_decode(self, layer, picks)
+        finally:
+            decoding.pop()
+
+    def gather_spy(self, layer, seqs, positions):
+        if decoding:
+            read_by.append(layer)
+        return real_gather(self, layer, seqs, positions)
+    reference, _ = generate(ckpt["glm_moe_dsa"])
+    monkeypatch.setattr(TieredKVPool, "gather_decode_latents", decode_spy)
+    monkeypatch.setattr(TieredKVPool, "_gather", gather_spy)
+    outs, llm = generate(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=2 * TOPK)
+    assert_same(reference, outs)
+    assert set(read_by) == set(llm.engine.model_config.full_layers)

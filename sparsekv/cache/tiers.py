@@ -247,10 +247,14 @@ class TieredKVPool:
     def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
         """Each request's decode rows, k selected positions per row [n, k] -> [sum n, k, latent_dim]. The
         whole batch is resolved together: one device -> host read of the selections, one host -> device
-        copy of every request's misses."""
+        copy of every request's misses, per full layer; its shared layers replay that plan without
+        reading the selections again (no synchronisation on an accelerator)."""
         k, seqs = picks[0][1].shape[-1], [seq for seq, _ in picks]
         if not all(self._uses_working_set(layer, seq) for seq in seqs):  # not decodes of this step: stream
             return torch.cat([self.gather_latent(layer, seq, p) for seq, p in picks]).view(-1, k, self.cfg.latent_dim)
+        plan = self._replay(layer, seqs, [p.numel() for _, p in picks])
+        if plan is not None and not plan.streamed:
+            return self.ws[layer].index_select(0, plan.rows).view(-1, k, self.cfg.latent_dim)
         flat = torch.cat([p.reshape(-1) for _, p in picks]).cpu().numpy()  # the one device -> host read
         ends = list(accumulate(p.numel() for _, p in picks))
         positions = [flat[end - p.numel():end] for end, (_, p) in zip(ends, picks)]
@@ -276,16 +280,22 @@ class TieredKVPool:
 
     # -- resolution ----------------------------------------------------------------------------
     def _plan_for(self, layer: int, seqs: list[SeqSlice], positions: list[np.ndarray]) -> _Plan:
-        """A full layer resolves its requests' positions; its shared layers replay the plan (their
-        copies were issued with the full layer's)."""
+        """A full layer resolves its requests' positions; its shared layers replay the plan."""
+        plan = self._replay(layer, seqs, [len(p) for p in positions])
+        if plan is None:
+            key = (tuple(seq.request_id for seq in seqs), self.leader[layer])
+            plan = self._step_of(layer).plans[key] = self._resolve(self.leader[layer], seqs, positions)
+        return plan
+
+    def _replay(self, layer: int, seqs: list[SeqSlice], sizes: list[int]) -> _Plan | None:
+        """A shared layer's plan: its full layer's for the same requests this step (whose copies were
+        issued with the full layer's: wait for them), or None (a full layer, or no plan yet)."""
         leader, plans = self.leader[layer], self._step_of(layer).plans
-        key = (tuple(seq.request_id for seq in seqs), leader)
-        if layer == leader or key not in plans:
-            plans[key] = self._resolve(leader, seqs, positions)
-        else:
-            self.link.wait(layer)
-        plan = plans[key]
-        resolved = sum(len(p) for i, p in enumerate(positions) if i not in plan.streamed)
+        plan = plans.get((tuple(seq.request_id for seq in seqs), leader))
+        if layer == leader or plan is None:
+            return None
+        self.link.wait(layer)
+        resolved = sum(n for i, n in enumerate(sizes) if i not in plan.streamed)
         assert (0 if plan.rows is None else plan.rows.numel()) == resolved, \
             "a shared layer read other positions than its full layer"
         return plan

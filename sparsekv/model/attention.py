@@ -216,7 +216,7 @@ class MLAttention:
             picks.append((seq, selected))
             valid.append(selected <= positions[:, None])
         if decode_rows:
-            rows = torch.tensor(decode_rows, device=q.device)
+            rows = ctx.rows_index(decode_rows)
             keys = cache.gather_decode_latents(self.layer_idx, picks)                 # [B, k, D]
             o_lat[rows] = latent_attention(q[rows], keys, torch.cat(valid), self.scale, self.cfg.kv_lora_rank)
         return o_lat
@@ -231,14 +231,13 @@ class MLAttention:
             return set()
         seqs = sorted((s for s in ctx.seqs if s.num_new_tokens <= ctx.decode_rows and self._sparse(s, ctx)
                        and s.first_new_position >= self.cfg.index_topk), key=lambda s: s.context_len)
-        out, device = {}, index_q[0].device
+        out = {}
         per_position = ctx.decode_rows * max(self.cfg.index_n_heads, self.cfg.index_head_dim)
         for group in _groups_within(seqs, INDEX_SCORE_ELEMENTS_GPU // per_position):
             if len(group) < 2:
                 continue
             r = max(s.num_new_tokens for s in group)  # shorter decodes repeat their last row
-            rows = torch.tensor([[s.token_start + min(i, s.num_new_tokens - 1) for i in range(r)] for s in group],
-                                device=device)
+            rows = ctx.rows_index([[s.token_start + min(i, s.num_new_tokens - 1) for i in range(r)] for s in group])
             keys = cache.index_keys_batch(self.layer_idx, group)
             selected = self.selector.indexer.select_decode_batch(index_q[0][rows], index_q[1][rows], keys,
                                                                  ctx.positions[rows], self.cfg.index_topk)
