@@ -64,8 +64,7 @@ class ForwardContext:
     # A speculative draft step after the first (speculative.py): reads the cache, writes nothing, and
     # every layer reuses the selection given in `selection` (MTP index reuse).
     draft_step: bool = False
-    # Device index tensors of token rows, made once per step and shared by the layers (on an
-    # accelerator every torch.tensor(..., device=) is a synchronous copy).
+    # Device index tensors of token rows, made once per step and shared by the layers.
     row_indices: dict = field(default_factory=dict)
 
     @property
@@ -73,9 +72,17 @@ class ForwardContext:
         return int(self.input_ids.shape[0])
 
     def rows_index(self, rows: list) -> torch.Tensor:
-        """torch.tensor(rows) on the step's device (rows: ints, or equal-length lists of ints), cached."""
+        """index_tensor(rows) on the step's device (rows: ints, or equal-length lists of ints), cached."""
         key = tuple(tuple(r) if isinstance(r, list) else r for r in rows)
         index = self.row_indices.get(key)
         if index is None:
-            index = self.row_indices[key] = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+            index = self.row_indices[key] = index_tensor(rows, self.input_ids.device)
         return index
+
+
+def index_tensor(values, device: torch.device) -> torch.Tensor:
+    """A small int64 index tensor (from ints, nested lists or a numpy array) on `device`, without
+    draining the GPU queue: on an accelerator it goes through pinned memory with non_blocking (a plain
+    torch.tensor(..., device=) would wait for every queued kernel)."""
+    t = torch.as_tensor(values, dtype=torch.long)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)

@@ -20,6 +20,8 @@ import weakref
 
 import torch
 
+from ..context import index_tensor
+
 
 class HostStore:
     """rows[layer][slot] = one token's latent (c_KV ++ k_R) in that layer."""
@@ -135,9 +137,7 @@ class HostLink:
         self._scratch: torch.Tensor | None = None  # CPU fetch staging, grown to the largest fetch
 
     def index(self, values) -> torch.Tensor:
-        """A small index tensor (from a list or a numpy array) on the device without draining the GPU queue."""
-        t = torch.as_tensor(values, dtype=torch.long)
-        return t if self._side is None else t.pin_memory().to(self.device, non_blocking=True)
+        return index_tensor(values, self.device)
 
     def backup(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         if self._backups is None:

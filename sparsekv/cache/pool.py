@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..context import SeqSlice
+from ..context import SeqSlice, index_tensor
 
 
 MIN_VIEW_RUN = 1024  # shorter runs of consecutive slots are gathered together (one copy, one op)
@@ -40,8 +40,8 @@ def padded_slots(seqs: list[SeqSlice]) -> torch.Tensor:
     lengths = [s.context_len for s in seqs]
     device = seqs[0].slots.device
     flat = torch.cat([s.slots for s in seqs])
-    offsets = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))], device=device)
-    last = torch.tensor(lengths, device=device) - 1
+    offsets = index_tensor([sum(lengths[:i]) for i in range(len(lengths))], device)
+    last = index_tensor(lengths, device) - 1
     within = torch.minimum(torch.arange(max(lengths), device=device)[None, :], last[:, None])
     return flat[offsets[:, None] + within]
 
