@@ -11,6 +11,8 @@
    tokens/s, the batching ceiling and p99 at concurrency 1, tiering on vs off), written to
    OUT.tiers.json for CKPT and OUT.tiers-glm52.json for the glm5.2-proportions stand-in (GLM-5.2's
    ratio of weight bytes to one request's cache reads per step).
+
+With little device time left, `--long 4096 --tiers` skips the 1M prefill and keeps the tiering checks.
 """
 from __future__ import annotations
 
