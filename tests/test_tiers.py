@@ -233,6 +233,12 @@ def test_bench_tiers_sweep_and_fixed_budget(ckpt, tmp_path, capsys):
     conc = json.loads(out.read_text())["concurrency"]
     assert conc["off"]["admitted"] == 4 and conc["on"]["admitted"] == conc["off_unbounded"]["admitted"] == 8
     assert "batching ceiling" in capsys.readouterr().out
+    out = tmp_path / "natural.json"
+    assert main(["--model", ckpt["glm_moe_dsa"], "--skip-sweep", "--natural-context", "64", "--natural-steps", "6",
+                 "--warmup", "2", "--buffers", "1,2", "--fp8", "--json", str(out)]) == 0
+    natural = json.loads(out.read_text())["natural"]
+    assert natural["exact"] and set(natural["miss_rate_by_buffer"]) == {"1", "2"}
+    assert natural["fp8"]["greedy_agreement"] > 0
 
 
 def test_quest_selection_does_not_depend_on_prefill_chunking(ckpt):

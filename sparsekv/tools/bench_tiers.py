@@ -162,7 +162,8 @@ def _print_row(r: dict, base: dict, machine_gbps: float) -> None:
 
 # -- natural continuation -------------------------------------------------------------------------
 def natural(args, ckpt: str, topk: int) -> dict:
-    prompt, steps = _prompt(args), args.natural_steps
+    from sparsekv.config import ModelConfig
+    prompt, steps = _prompt(args, ModelConfig.from_json(ckpt).vocab_size), args.natural_steps
     on = _continue(ckpt, prompt, steps, args.warmup, selector=args.selector, kv_tiering=True)
     off = _continue(ckpt, prompt, steps, args.warmup, selector=args.selector)
     result = {"prompt_tokens": len(prompt), "steps": steps, "buffer": 2 * topk,
@@ -186,14 +187,14 @@ def natural(args, ckpt: str, topk: int) -> dict:
     return result
 
 
-def _prompt(args) -> list[int]:
+def _prompt(args, vocab_size: int) -> list[int]:
     if args.prompt_file:
         from sparsekv.engine import load_tokenizer
         with open(args.prompt_file) as f:
             return load_tokenizer(args.model).encode(f.read(), add_special_tokens=False)[:args.natural_context]
     import random
     rng = random.Random(0)
-    return [rng.randrange(1, 1000) for _ in range(args.natural_context)]
+    return [rng.randrange(1, min(1000, vocab_size)) for _ in range(args.natural_context)]
 
 
 def _continue(ckpt: str, prompt: list[int], steps: int, warmup: int, force: list[int] | None = None,
@@ -236,11 +237,11 @@ def _record_selections(engine) -> list:
         def __init__(self, inner):
             self.inner, self.name = inner, inner.name
 
-        def prepare(self, *a):
-            return self.inner.prepare(*a)
+        def __getattr__(self, name):  # prepare, rows, forget, check_integrity, ...: the selector's own
+            return getattr(self.inner, name)
 
-        def rows(self, *a):
-            return self.inner.rows(*a)
+        def batches(self, device) -> bool:  # every selection through select(), so that it is logged
+            return False
 
         def select(self, layer, seq, state, q, positions, k, cache):
             out = self.inner.select(layer, seq, state, q, positions, k, cache)
