@@ -216,3 +216,33 @@ def test_copy_warmup_longer_than_pretrain_is_an_error(tmp_path, capsys):
     assert train_main(["--steps", "10,2,2,2", "--copy-warmup-steps", "11", "--out", str(tmp_path / "x"),
                        "--work-dir", str(tmp_path / "w")]) == 2
     assert "--copy-warmup-steps" in capsys.readouterr().err
+
+
+def test_copy_warmup_repeat_rows_weigh_only_the_predictable_copy(trained):
+    src = _source(trained[1], synth_frac=0.0, copy_warmup_steps=2, copy_warmup_seq_len=120, copy_warmup_repeat_frac=1.0)
+    digits = set(src.digits)
+    b = src.batch(0, 0)
+    assert b.ids.shape == (6, 121) and torch.equal(b.positions, torch.arange(120).expand(6, 120))
+    for ids, w in zip(b.ids.tolist(), b.weights.tolist()):
+        assert set(ids) <= digits
+        weighted = [i for i, x in enumerate(w) if x > 0]
+        assert 0 < len(weighted) < len(w) / 2 + 1
+        for i in weighted:   # target ids[i + 1] and its input repeat the tokens one segment length back
+            assert any(ids[i + 1] == ids[i + 1 - n] and ids[i] == ids[i - n] for n in range(5, 17))
+
+
+def test_copy_warmup_freezes_the_mlps_and_sets_the_embedding_scale(tmp_path):
+    from sparsekv.train.cli import build, parse_args, prepare_data
+    extra = ["--copy-warmup-steps", "6", "--copy-warmup-seq-len", "48", "--copy-warmup-repeat-frac", "0.5",
+             "--copy-warmup-freeze-mlp", "--embed-init-std", "1.0"]
+    _, work = _train(str(tmp_path), "f", *extra, "--stop-after-steps", "6")
+    args = parse_args(COMMON + extra + ["--work-dir", work])
+    _, init = build(args, prepare_data(args, work)[0])
+    assert 0.9 < init.model.embed_tokens.weight.std().item() < 1.1
+    trained_state = torch.load(os.path.join(work, STATE_FILE), weights_only=False)["model"]
+    for name, p in init.state_dict().items():
+        same = torch.equal(p, trained_state[name])
+        if ".mlp." in name and not name.endswith("e_score_correction_bias"):
+            assert same, name                       # frozen through the copy warm-up
+        elif name in ("model.layers.0.self_attn.q_a_proj.weight", "model.embed_tokens.weight"):
+            assert not same, name                   # attention and embeddings train

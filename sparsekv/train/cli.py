@@ -51,6 +51,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the first N pretraining steps use short retrieval-only rows without PoSE "
                         "(counted in the pretrain steps)")
     p.add_argument("--copy-warmup-seq-len", type=int, default=128, help="row length of the copy warm-up")
+    p.add_argument("--copy-warmup-repeat-frac", type=float, default=0.0,
+                   help="share of copy warm-up rows that repeat random digit strings (the induction task)")
+    p.add_argument("--copy-warmup-lr", type=float, default=1e-3, help="constant learning rate of the copy warm-up")
+    p.add_argument("--copy-warmup-freeze-mlp", action="store_true",
+                   help="MLPs and experts do not train during the copy warm-up (attention forms the copy circuit)")
+    p.add_argument("--embed-init-std", type=float, default=0.02,
+                   help="std of the initial token embeddings (other weights: 0.02)")
     p.add_argument("--answer-weight", type=float, default=3.0, help="loss weight of answer tokens")
     p.add_argument("--heldout-rows", type=int, default=32)
     p.add_argument("--probe-length", type=int, default=384,
@@ -97,7 +104,8 @@ def build(args, tok):
     vocab = -(-tok.get_vocab_size() // 64) * 64
     raw = hf_config(PRESETS[args.preset], vocab, tok.token_to_id(EOS))
     torch.manual_seed(args.seed)
-    return raw, GlmDsaForTraining(model_config(raw), aux_indexers=not args.no_aux_indexers)
+    return raw, GlmDsaForTraining(model_config(raw), aux_indexers=not args.no_aux_indexers,
+                                  embed_init_std=args.embed_init_std)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,12 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         f"held-out {len(corpus['heldout'])} tokens ({time.time() - t0:.1f} s to prepare)")
     source = BatchSource(tok, corpus["train"], args.seq_len, args.batch_size, args.seed, args.synth_frac,
                          args.pose_max_position, answer_weight=args.answer_weight, doc_min_frac=args.doc_min_frac,
-                         copy_warmup_steps=args.copy_warmup_steps, copy_warmup_seq_len=args.copy_warmup_seq_len)
+                         copy_warmup_steps=args.copy_warmup_steps, copy_warmup_seq_len=args.copy_warmup_seq_len,
+                         copy_warmup_repeat_frac=args.copy_warmup_repeat_frac)
     rows = heldout_rows(corpus["heldout"], args.seq_len, args.heldout_rows)
     probe = retrieval_probe(tok, corpus["heldout"], args.probe_length) if args.probe_length > 0 else None
     opts = TrainOptions(steps=steps, lr=args.lr, checkpoint_every=args.checkpoint_every,
                         stop_after_steps=args.stop_after_steps, log_every=args.log_every,
-                        copy_warmup_steps=args.copy_warmup_steps,
+                        copy_warmup_steps=args.copy_warmup_steps, copy_warmup_lr=args.copy_warmup_lr,
+                        copy_warmup_freeze_mlp=args.copy_warmup_freeze_mlp,
                         time_budget_s=None if args.time_budget_minutes is None else args.time_budget_minutes * 60)
     trainer = Trainer(model, source, rows, opts, work_dir, probe)
     if not args.fresh and trainer.try_resume():

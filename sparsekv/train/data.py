@@ -91,13 +91,15 @@ class BatchSource:
 
     Copy warm-up: the first `copy_warmup_steps` steps of stage 0 (pretrain) draw short rows of
     `copy_warmup_seq_len` tokens that are all retrieval documents, with contiguous positions (no
-    PoSE): cheap steps with many copy targets, where the induction (copy) circuit forms.
+    PoSE): cheap steps with many copy targets, where the induction (copy) circuit forms. A share
+    `copy_warmup_repeat_frac` of them are back-to-back repeats of random digit strings (the textbook
+    induction task, on the alphabet that pass keys use), weighted only on the second copy.
     """
 
     def __init__(self, tok, train_ids: torch.Tensor, seq_len: int, batch_size: int, seed: int,
                  synth_frac: float = 0.5, pose_max_position: int = 1 << 20, pose_plain_frac: float = 0.2,
                  answer_weight: float = 3.0, doc_min_frac: float = 1.0, copy_warmup_steps: int = 0,
-                 copy_warmup_seq_len: int = 128):
+                 copy_warmup_seq_len: int = 128, copy_warmup_repeat_frac: float = 0.0):
         if not 0.0 < doc_min_frac <= 1.0:
             raise ValueError(f"doc_min_frac must be in (0, 1], got {doc_min_frac}")
         self.tok, self.train_ids = tok, train_ids
@@ -106,6 +108,8 @@ class BatchSource:
         self.pose_max_position, self.pose_plain_frac = pose_max_position, pose_plain_frac
         self.doc_min_frac = doc_min_frac
         self.copy_warmup_steps, self.copy_warmup_seq_len = copy_warmup_steps, copy_warmup_seq_len
+        self.copy_warmup_repeat_frac = copy_warmup_repeat_frac
+        self.digits = [tok.token_to_id(str(d)) for d in range(10)]
         self.eos = tok.token_to_id("<|endoftext|>")
         self.caches = new_caches(tok)
 
@@ -161,9 +165,22 @@ class BatchSource:
     def _copy_warmup_batch(self, step: int) -> Batch:
         rng = random.Random(f"{self.seed}/copy-warmup/{step}")
         s = self.copy_warmup_seq_len
-        rows, weights = zip(*(self._task_row(rng, s) for _ in range(self.batch_size)))
+        rows, weights = zip(*(self._repeat_row(rng, s) if rng.random() < self.copy_warmup_repeat_frac
+                              else self._task_row(rng, s) for _ in range(self.batch_size)))
         return Batch(torch.tensor(rows, dtype=torch.long), torch.arange(s).expand(self.batch_size, s).clone(),
                      torch.tensor(weights, dtype=torch.float32))
+
+
+    def _repeat_row(self, rng: random.Random, seq_len: int) -> tuple[list[int], list[float]]:
+        """Segments x x of 5-16 random digits, back to back; only the predictable targets (the second
+        copy after its first token) carry weight."""
+        ids, weights = [], []
+        while len(ids) < seq_len + 1:
+            n = rng.randint(5, 16)
+            seg = [rng.choice(self.digits) for _ in range(n)]
+            ids += seg + seg
+            weights += [0.0] * n + [1.0] * (n - 1) + [0.0]   # weights[i] belongs to target ids[i + 1]
+        return ids[:seq_len + 1], weights[:seq_len]
 
 
 def heldout_rows(heldout_ids: torch.Tensor, seq_len: int, num_rows: int) -> torch.Tensor:

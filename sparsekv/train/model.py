@@ -243,17 +243,22 @@ class ForwardOut:
 
 
 class GlmDsaForTraining(nn.Module):
-    def __init__(self, cfg: ModelConfig, init_std: float = 0.02, aux_indexers: bool = False):
+    def __init__(self, cfg: ModelConfig, init_std: float = 0.02, aux_indexers: bool = False,
+                 embed_init_std: float | None = None):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg, aux_indexers)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
-        self._init(init_std)
+        self._init(init_std, init_std if embed_init_std is None else embed_init_std)
 
-    def _init(self, std: float) -> None:
+    def _init(self, std: float, embed_std: float) -> None:
+        """GPT-2 style: N(0, std), output projections scaled by (2 layers)^-1/2. `embed_std` of about 1
+        keeps token identity visible next to the MLP outputs (a copy circuit needs it: docs/training.md)."""
         n_layers = self.cfg.num_hidden_layers
         for name, p in self.named_parameters():
-            if p.dim() >= 2:
+            if name == "model.embed_tokens.weight":
+                nn.init.normal_(p, std=embed_std)
+            elif p.dim() >= 2:
                 scale = (2 * n_layers) ** -0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
                 nn.init.normal_(p, std=std * scale)
 

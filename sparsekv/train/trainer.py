@@ -34,6 +34,9 @@ class TrainOptions:
     stop_after_steps: int | None = None   # pause: save and return after this many steps in this run
     copy_warmup_steps: int = 0            # first pretrain steps: short copy rows (the budget counts their time;
                                           # the per-step estimate of the stage uses only the normal steps)
+    copy_warmup_lr: float = 1e-3          # constant (after `warmup_steps`) during the copy warm-up; the main
+                                          # cosine schedule starts after it
+    copy_warmup_freeze_mlp: bool = False  # MLPs and experts do not train during the copy warm-up
 
 
 @dataclass
@@ -84,20 +87,27 @@ class Trainer:
     # -- schedules -----------------------------------------------------------------------------
     def _lr(self, stage: str, step: int) -> dict[str, float]:
         st, o = self.state.planned, self.opts
-        main_total = st["pretrain"] + st["sparse"]
-        main_done = step + (st["pretrain"] if stage == "sparse" else 0)
-        main = o.lr * cosine(main_done / max(main_total, 1), o.warmup_steps / max(main_total, 1))
         local = cosine(step / max(st[stage], 1), min(o.warmup_steps / max(st[stage], 1), 0.3))
-        return {"main": main, "index": o.index_lr * local, "mtp": o.mtp_lr * local}
+        rates = {"index": o.index_lr * local, "mtp": o.mtp_lr * local}
+        if stage == "pretrain" and step < o.copy_warmup_steps:
+            copy = o.copy_warmup_lr * min(1.0, (step + 1) / o.warmup_steps)
+            return {**rates, "main": copy, "mlp": 0.0 if o.copy_warmup_freeze_mlp else copy}
+        pretrain = st["pretrain"] - o.copy_warmup_steps
+        main_total = pretrain + st["sparse"]
+        main_done = step - o.copy_warmup_steps if stage == "pretrain" else step + pretrain
+        main = o.lr * cosine(main_done / max(main_total, 1), o.warmup_steps / max(main_total, 1))
+        return {**rates, "main": main, "mlp": main}
 
     def _make_optimizer(self, stage: str) -> torch.optim.Optimizer:
         params = set_trainable(self.model, stage)
         ids = {id(p) for p in params}
-        groups: dict[str, list] = {"main": [], "index": [], "mtp": []}
+        groups: dict[str, list] = {"main": [], "mlp": [], "index": [], "mtp": []}
         for name, p in self.model.named_parameters():
             if id(p) not in ids:
                 continue
             kind = "mtp" if stage == "mtp" else ("index" if ".indexer." in name else "main")
+            if kind == "main" and self.opts.copy_warmup_freeze_mlp and ".mlp." in name:
+                kind = "mlp"
             groups[kind].append(p)
         param_groups = [{"params": ps, "name": k, "weight_decay": self.opts.weight_decay}
                         for k, ps in groups.items() if ps]
