@@ -216,6 +216,9 @@ def test_copy_warmup_longer_than_pretrain_is_an_error(tmp_path, capsys):
     assert train_main(["--steps", "10,2,2,2", "--copy-warmup-steps", "11", "--out", str(tmp_path / "x"),
                        "--work-dir", str(tmp_path / "w")]) == 2
     assert "--copy-warmup-steps" in capsys.readouterr().err
+    assert train_main(["--copy-warmup-repeat-frac", "1.5", "--out", str(tmp_path / "x"),
+                       "--work-dir", str(tmp_path / "w")]) == 2
+    assert "--copy-warmup-repeat-frac" in capsys.readouterr().err
 
 
 def test_copy_warmup_repeat_rows_weigh_only_the_predictable_copy(trained):

@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.copy_warmup_steps <= steps["pretrain"]:
         print("sparsekv train: error: --copy-warmup-steps must be between 0 and the pretrain steps", file=sys.stderr)
         return 2
+    if not 0.0 <= args.copy_warmup_repeat_frac <= 1.0:
+        print("sparsekv train: error: --copy-warmup-repeat-frac must be in [0, 1]", file=sys.stderr)
+        return 2
     if not 0.0 < args.doc_min_frac <= 1.0:
         print("sparsekv train: error: --doc-min-frac must be in (0, 1]", file=sys.stderr)
         return 2

@@ -170,7 +170,6 @@ class BatchSource:
         return Batch(torch.tensor(rows, dtype=torch.long), torch.arange(s).expand(self.batch_size, s).clone(),
                      torch.tensor(weights, dtype=torch.float32))
 
-
     def _repeat_row(self, rng: random.Random, seq_len: int) -> tuple[list[int], list[float]]:
         """Segments x x of 5-16 random digits, back to back; only the predictable targets (the second
         copy after its first token) carry weight."""
