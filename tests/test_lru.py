@@ -94,3 +94,53 @@ def test_lru_takes_arrays_in_any_order_and_rejects_negative_positions():
     with pytest.raises(ValueError, match=">= 0"):
         lru.resolve([-1])
     lru.check_integrity()
+
+
+def _exhaustive_optimum(steps, capacity):
+    """The fewest counted misses over every possible eviction choice (tiny cases only); an uncounted
+    step's positions may be evicted at once (a free insertion the policy skips)."""
+    from itertools import combinations
+    states = {frozenset(): 0}
+    for positions, counted in steps:
+        step, nxt = set(positions), {}
+        for resident, misses in states.items():
+            misses += len(step - resident) if counted else 0
+            full = resident | step
+            excess = len(full) - capacity
+            candidates = full - step if counted else full   # a free insertion may be skipped
+            for victims in combinations(sorted(candidates), max(excess, 0)):
+                state = frozenset(full - set(victims))
+                nxt[state] = min(nxt.get(state, misses), misses)
+        states = nxt
+    return min(states.values())
+
+
+@pytest.mark.parametrize("capacity,universe,seed", [(1, 3, 0), (2, 5, 1), (3, 6, 2), (3, 7, 3), (4, 7, 4)])
+def test_replay_optimum_is_the_exhaustive_minimum_and_bounds_lru(capacity, universe, seed):
+    from sparsekv.cache.lru import replay
+    rng = random.Random(seed)
+    for _ in range(40):
+        steps = []
+        for _ in range(9):  # counted steps, and free insertions: a decode's promoted token, or several
+            steps.append((rng.sample(range(universe), rng.randint(1, capacity)), rng.random() < 0.8))
+            if rng.random() < 0.4:
+                steps.append(([rng.randrange(universe)], False))
+        counts = replay(steps, capacity)
+        assert counts.optimal_misses == _exhaustive_optimum(steps, capacity)
+        lru, lru_misses = WorkingSetLRU(capacity), 0
+        for positions, counted in steps:
+            missed = lru.resolve(positions).miss_positions.size
+            lru_misses += missed if counted else 0
+        assert counts.lru_misses == lru_misses
+        assert counts.compulsory_misses <= counts.optimal_misses <= counts.lru_misses
+        assert counts.lookups == sum(len(p) for p, counted in steps if counted)
+
+
+def test_replay_counts_a_cyclic_trace():
+    from sparsekv.cache.lru import replay
+    # positions 0..3 in a cycle through 3 slots: LRU misses every access, the optimum one in three
+    steps = [([t % 4], True) for t in range(12)]
+    counts = replay(steps, 3)
+    assert (counts.lookups, counts.lru_misses, counts.compulsory_misses) == (12, 12, 4)
+    assert counts.optimal_misses == 6   # 4 first accesses, then one miss per 3 accesses
+    assert counts.rates()["lru_miss_rate"] == 1.0

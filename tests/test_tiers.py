@@ -239,6 +239,13 @@ def test_bench_tiers_sweep_and_fixed_budget(ckpt, tmp_path, capsys):
     natural = json.loads(out.read_text())["natural"]
     assert natural["exact"] and set(natural["miss_rate_by_buffer"]) == {"1", "2"}
     assert natural["fp8"]["greedy_agreement"] > 0
+    # per index group, replayed from the selections: weighted by the layers each serves, the LRU rates
+    # give back the engine's own steady-state rate; the offline optimum never misses more than LRU
+    groups = natural["groups"]
+    assert groups and sum(g["serves"] for g in groups) == json.load(open(os.path.join(ckpt["glm_moe_dsa"], "config.json")))["num_hidden_layers"]
+    weighted = sum(g["lru_miss_rate"] * g["serves"] for g in groups) / sum(g["serves"] for g in groups)
+    assert weighted == pytest.approx(natural["steady_miss_rate"], abs=1e-12) and natural["steady_miss_rate"] > 0
+    assert all(g["compulsory_miss_rate"] <= g["optimal_miss_rate"] <= g["lru_miss_rate"] for g in groups)
 
 
 def test_quest_selection_does_not_depend_on_prefill_chunking(ckpt):

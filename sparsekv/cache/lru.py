@@ -238,3 +238,75 @@ def untiered_pages(config: EngineConfig, cfg: ModelConfig, itemsize: int) -> int
         raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} holds less than one "
                           f"{config.kv_page_size}-token page ({per_page} B)")
     return config.device_kv_budget_bytes // per_page
+
+
+@dataclass
+class ReplayCounts:
+    """Lookups and misses of one access trace (counted steps only), under LRU and under the offline
+    optimum, and the misses no policy avoids (a position's first access)."""
+
+    lookups: int = 0
+    lru_misses: int = 0
+    optimal_misses: int = 0
+    compulsory_misses: int = 0
+
+    def rates(self) -> dict:
+        n = max(self.lookups, 1)
+        return {"lookups": self.lookups, "lru_miss_rate": self.lru_misses / n,
+                "optimal_miss_rate": self.optimal_misses / n, "compulsory_miss_rate": self.compulsory_misses / n}
+
+
+def replay(steps: list[tuple[list[int], bool]], capacity: int) -> ReplayCounts:
+    """Replay a working set's access trace: `steps` are (distinct positions, counted). Uncounted steps
+    are insertions that cost no host transfer (a decode's promoted new token) but still occupy slots.
+
+    LRU is `WorkingSetLRU` itself. The optimum evicts first the residents whose next access is free
+    (or never comes), then those whose next counted access is furthest away, never one the counted
+    step itself accesses, and may skip a free insertion
+    (Belady; optimal for whole-step accesses too: tests/test_lru.py checks it against an exhaustive
+    search). No replacement policy, LRU or other, misses less on the same trace. It tells whether a smarter replacement
+    policy could reach a miss-rate goal at this buffer size, or whether the selection itself moves
+    too much."""
+    lru, counts, seen = WorkingSetLRU(capacity), ReplayCounts(), set()
+    for positions, counted in steps:
+        res = lru.resolve(positions)
+        if counted:
+            counts.lookups += len(positions)
+            counts.lru_misses += res.miss_positions.size
+            counts.compulsory_misses += sum(p not in seen for p in positions)
+        seen.update(positions)
+    counts.optimal_misses = _optimal_misses(steps, capacity)
+    return counts
+
+
+def _optimal_misses(steps: list[tuple[list[int], bool]], capacity: int) -> int:
+    uses: dict[int, list[tuple[int, bool]]] = {}
+    for t, (positions, counted) in enumerate(steps):
+        for p in positions:
+            uses.setdefault(p, []).append((t, counted))
+    for times in uses.values():
+        times.reverse()  # times[-1] is the next access
+    never = len(steps)
+
+    def cost_key(p: int) -> int:
+        """Evicting p costs a miss at its next access if that access is counted; an uncounted one
+        brings p back for free, so p is as cheap to drop as a position never used again."""
+        if not uses[p] or not uses[p][-1][1]:
+            return never
+        return uses[p][-1][0]
+
+    resident, misses = set(), 0
+    for positions, counted in steps:
+        step = set(positions)
+        if len(step) > capacity:
+            raise ValueError(f"{len(step)} positions accessed at once, working set holds {capacity}")
+        misses += len(step - resident) if counted else 0
+        resident |= step
+        for p in step:
+            uses[p].pop()
+        excess = len(resident) - capacity
+        if excess > 0:
+            candidates = resident - step if counted else resident  # a free insertion may be skipped
+            victims = sorted(candidates, key=cost_key, reverse=True)
+            resident.difference_update(victims[:excess])
+    return misses

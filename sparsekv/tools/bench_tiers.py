@@ -172,6 +172,10 @@ def natural(args, ckpt: str, topk: int) -> dict:
     print(f"natural continuation: {len(prompt)} prompt tokens, {steps} steps, N = 2 x top-k = {2 * topk}: "
           f"steady-state miss rate {100 * on['steady_miss_rate']:.1f}% (after {args.warmup} steps), "
           f"overall {100 * on['miss_rate']:.1f}%; identical to tiering off: {result['exact']}")
+    result["groups"] = miss_breakdown(on["selections"], ModelConfig.from_json(ckpt), 2 * topk, args.warmup)
+    for g in result["groups"]:
+        print(f"  index group of layer {g['layer']} (serves {g['serves']} layers): LRU {100 * g['lru_miss_rate']:.1f}%, "
+              f"optimal replacement {100 * g['optimal_miss_rate']:.1f}%, first accesses {100 * g['compulsory_miss_rate']:.1f}%")
     result["miss_rate_by_buffer"] = {2: on["steady_miss_rate"]}
     for mult in (m for m in args.buffers if m != 2):
         run = _continue(ckpt, prompt, steps, args.warmup, selector=args.selector, kv_tiering=True,
@@ -185,6 +189,34 @@ def natural(args, ckpt: str, topk: int) -> dict:
         result["fp8"] = _fp8_effect(on, fp8)
         print(f"fp8 indexer keys (teacher-forced on the same tokens): {result['fp8']}")
     return result
+
+
+def miss_breakdown(selections: list, cfg, capacity: int, warmup: int) -> list[dict]:
+    """Each index group's steady-state miss rate, replayed from the decode-step selections of a
+    tiered run (`_continue`'s log), next to the offline optimum on the same trace (`lru.replay`):
+    how far a better replacement policy could go at this buffer size. Lookups count as the engine
+    counts them, per group: the step's new token is a hit on its own row, and each step first
+    promotes the last step's token (a free insertion). The groups' rates, weighted by the layers each
+    serves, give back the engine's steady-state rate."""
+    from sparsekv.cache.lru import replay
+    full = cfg.full_layers
+    serves = {f: (full + [cfg.num_hidden_layers])[i + 1] - f for i, f in enumerate(full)}
+    out = []
+    for layer in full:
+        trace = [(c, s) for lay, c, s in selections if lay == layer]
+        steps, new_hits = [], 0
+        for i, (context, selected) in enumerate(trace):
+            newest = context - 1
+            if i:
+                steps.append(([newest - 1], False))
+            steady = i >= warmup - 1  # the engine's steady window: after `warmup` sampled tokens
+            steps.append((sorted(p for p in selected if p < newest), steady))
+            new_hits += steady and newest in selected
+        counts = replay(steps, capacity)
+        lookups = counts.lookups + new_hits
+        out.append({"layer": layer, "serves": serves[layer], "lookups": lookups,
+                    **{k: v * counts.lookups / max(lookups, 1) for k, v in counts.rates().items() if k != "lookups"}})
+    return out
 
 
 def _prompt(args, vocab_size: int) -> list[int]:
