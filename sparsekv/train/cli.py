@@ -12,8 +12,8 @@ PRESETS = {
     "tiny": dict(
         hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=5,
         num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-        routed_scaling_factor=1.0, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=32,
-        v_head_dim=32, index_topk=256, index_head_dim=32, index_n_heads=4, first_k_dense_replace=1,
+        routed_scaling_factor=1.0, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32,
+        v_head_dim=32, index_topk=256, index_head_dim=64, index_n_heads=4, first_k_dense_replace=1,
         index_topk_pattern="FSFSS", rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         max_position_embeddings=1 << 21, rms_norm_eps=1e-5,
     ),
