@@ -260,13 +260,12 @@ def replay(steps: list[tuple[list[int], bool]], capacity: int) -> ReplayCounts:
     """Replay a working set's access trace: `steps` are (distinct positions, counted). Uncounted steps
     are insertions that cost no host transfer (a decode's promoted new token) but still occupy slots.
 
-    LRU is `WorkingSetLRU` itself. The optimum evicts first the residents whose next access is free
-    (or never comes), then those whose next counted access is furthest away, never one the counted
-    step itself accesses, and may skip a free insertion
-    (Belady; optimal for whole-step accesses too: tests/test_lru.py checks it against an exhaustive
-    search). No replacement policy, LRU or other, misses less on the same trace. It tells whether a smarter replacement
-    policy could reach a miss-rate goal at this buffer size, or whether the selection itself moves
-    too much."""
+    LRU is `WorkingSetLRU` itself. The optimum (Belady's furthest-next-use, adapted) evicts first the
+    residents whose next access is free or never comes, then those whose next counted access is
+    furthest away, never one the counted step itself accesses, and may skip a free insertion;
+    tests/test_lru.py checks it against an exhaustive search. No replacement policy misses less on
+    the same trace, so it tells whether a smarter policy could reach a miss-rate goal at this buffer
+    size or whether the selection itself moves too much."""
     lru, counts, seen = WorkingSetLRU(capacity), ReplayCounts(), set()
     for positions, counted in steps:
         res = lru.resolve(positions)

@@ -9,6 +9,7 @@ import time
 
 PRESETS = {
     # The bundled model: ~8M parameters (about 4M active per token), 5 layers, IndexShare FSFSS.
+    # 32 RoPE dimensions per head: with 16, retrieval broke past 4K tokens (docs/training.md).
     "tiny": dict(
         hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=5,
         num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
