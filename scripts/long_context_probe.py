@@ -16,27 +16,23 @@ Runs the model of `sparsekv.train` (it materialises L x L scores: 8K needs ~6 GB
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
-from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sparsekv.tools.eval_common import heldout_stream, load_text_tokenizer  # noqa: E402
-from sparsekv.train.export import model_config  # noqa: E402
+from sparsekv.tools.eval_common import heldout_stream, load_parts, load_text_tokenizer  # noqa: E402
 from sparsekv.train.model import GlmDsaForTraining, Rope  # noqa: E402
 from sparsekv.train.tasks import TaskBuilder  # noqa: E402
 from sparsekv.tools.bench_worker import parse_tokens  # noqa: E402
 
 
 def load(model_dir: str) -> GlmDsaForTraining:
-    cfg = model_config(json.load(open(os.path.join(model_dir, "config.json"))))
-    model = GlmDsaForTraining(cfg)
-    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
-    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    cfg, tensors = load_parts(model_dir)
+    model = GlmDsaForTraining(cfg, aux_indexers=True)
+    model.load_state_dict(tensors, strict=False)  # auxiliary indexers: only when the checkpoint has them
     return model.eval()
 
 

@@ -199,10 +199,9 @@ def miss_breakdown(selections: list, cfg, capacity: int, warmup: int) -> list[di
     promotes the last step's token (a free insertion). The groups' rates, weighted by the layers each
     serves, give back the engine's steady-state rate."""
     from sparsekv.cache.lru import replay
-    full = cfg.full_layers
-    serves = {f: (full + [cfg.num_hidden_layers])[i + 1] - f for i, f in enumerate(full)}
+    from sparsekv.train.stages import index_groups
     out = []
-    for layer in full:
+    for layer, served in index_groups(cfg.indexer_types).items():
         trace = [(c, s) for lay, c, s in selections if lay == layer]
         steps, new_hits = [], 0
         for i, (context, selected) in enumerate(trace):
@@ -213,9 +212,8 @@ def miss_breakdown(selections: list, cfg, capacity: int, warmup: int) -> list[di
             steps.append((sorted(p for p in selected if p < newest), steady))
             new_hits += steady and newest in selected
         counts = replay(steps, capacity)
-        lookups = counts.lookups + new_hits
-        out.append({"layer": layer, "serves": serves[layer], "lookups": lookups,
-                    **{k: v * counts.lookups / max(lookups, 1) for k, v in counts.rates().items() if k != "lookups"}})
+        counts.lookups += new_hits  # hits on the new token's own row, as the engine counts them
+        out.append({"layer": layer, "serves": len(served), **counts.rates()})
     return out
 
 
