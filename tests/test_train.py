@@ -76,29 +76,35 @@ def test_tokenizer_and_chat_template_load_in_transformers(trained):
     assert chat == "<|user|>\nhi\n<|assistant|>\n"
 
 
-def _has_topk_tie(tm, ids: list[int]) -> bool:
-    """Exact ties at the k-th index score (ReLU zeros) make the top-k set implementation-defined
-    (model-spec §7.2); parity is only defined for sequences without them."""
+def _first_topk_tie(tm, ids: list[int]) -> int:
+    """The first row with an exact tie at the k-th index score (ReLU zeros), or len(ids). Such ties
+    make the top-k set implementation-defined (model-spec §7.2), so parity is only defined on the
+    rows before the first one."""
     n, k = len(ids), tm.cfg.index_topk
     with torch.no_grad():
         traces = tm(torch.tensor([ids]), torch.arange(n)[None], sparse=True, want_index=True).traces
+    first = n
     for i, t in enumerate(tm.cfg.indexer_types):
         if t == "full":
-            for row in range(k, n):
+            for row in range(k, first):
                 v = traces[i].index[0, row, :row + 1].topk(k + 1).values
                 if v[k - 1] == v[k]:
-                    return True
-    return False
+                    first = row
+                    break
+    return first
 
 
-def _tie_free_sequence(cfg, tensors, n: int) -> list[int]:
+def _tie_free_sequence(cfg, tensors, n: int, tie_free_rows: int | None = None) -> tuple[list[int], int]:
+    """A random sequence of n tokens whose first `tie_free_rows` (default all) rows have no top-k tie,
+    and how many rows are tie-free."""
     from sparsekv.train.model import GlmDsaForTraining
     tm = GlmDsaForTraining(cfg, aux_indexers=True)
     tm.load_state_dict(tensors, strict=True)
     for seed in range(50):
         ids = torch.randint(0, cfg.vocab_size - 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-        if not _has_topk_tie(tm, ids):
-            return ids
+        first = _first_topk_tie(tm, ids)
+        if first >= (tie_free_rows or n):
+            return ids, first
     raise AssertionError("no tie-free sequence in 50 tries")
 
 
@@ -111,7 +117,7 @@ def test_round_trip_parity_transformers_and_sparsekv(trained):
     cfg, tensors = load_parts(out)
     model = build_model(cfg, tensors)
     assert model.mtp is not None                  # sparsekv keeps the MTP layer transformers drops
-    ids = _tie_free_sequence(cfg, tensors, 56)
+    ids, _ = _tie_free_sequence(cfg, tensors, 56)
     assert len(ids) > 4 * cfg.index_topk
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids])).logits[0].float()
@@ -126,7 +132,7 @@ def test_round_trip_through_the_llm_api(trained):
     from sparsekv.tools.eval_common import load_parts
     out, _ = trained
     ref = GlmMoeDsaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    prompt = _tie_free_sequence(*load_parts(out), 46)[:40]
+    prompt = _tie_free_sequence(*load_parts(out), 46)[0][:40]
     llm = LLM(out, max_model_len=128, prefill_chunk_tokens=16, kv_page_size=8)
     res = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3))[0]
     assert_matches_reference(ref, prompt, res)
@@ -139,7 +145,7 @@ def test_training_model_matches_the_engine_in_the_sparse_regime(trained):
     cfg, tensors = load_parts(out)
     tm = GlmDsaForTraining(cfg, aux_indexers=True)
     tm.load_state_dict({k: v for k, v in tensors.items()}, strict=True)
-    ids = torch.tensor(_tie_free_sequence(cfg, tensors, 48))
+    ids = torch.tensor(_tie_free_sequence(cfg, tensors, 48)[0])
     with torch.no_grad():
         ours = tm(ids[None], torch.arange(48)[None], sparse=True).logits[0]
     assert (ours - sequence_logits(build_model(cfg, tensors), ids.tolist(), "sparse")).abs().max() <= 1e-4
@@ -249,3 +255,26 @@ def test_copy_warmup_freezes_the_mlps_and_sets_the_embedding_scale(tmp_path):
             assert same, name                       # frozen through the copy warm-up
         elif name in ("model.layers.0.self_attn.q_a_proj.weight", "model.embed_tokens.weight"):
             assert not same, name                   # attention and embeddings train
+
+
+def test_the_bundled_model_matches_transformers():
+    """The shipped checkpoint itself (bf16 on disk, run in fp32) loads in transformers and in sparsekv
+    with matching logits on held-out code, up to the first top-k tie: its layer-0 indexer gives many
+    keys a score of exactly 0 (ReLU), so ties at the k-th score start soon after row index_topk."""
+    from transformers import GlmMoeDsaForCausalLM
+    from sparsekv.paths import DEFAULT_MODEL_DIR
+    from sparsekv.tools.eval_common import build_model, heldout_stream, load_parts, load_text_tokenizer
+    from sparsekv.tools.eval_common import sequence_logits
+    from sparsekv.train.model import GlmDsaForTraining
+    cfg, tensors = load_parts(DEFAULT_MODEL_DIR)
+    tm = GlmDsaForTraining(cfg, aux_indexers=True)
+    tm.load_state_dict(tensors, strict=True)
+    code, k = heldout_stream(load_text_tokenizer(DEFAULT_MODEL_DIR)), cfg.index_topk
+    windows = (code[i:i + k + 32] for i in range(0, min(len(code) - k - 32, 40_000), 1000))
+    ids, rows = max(((w, _first_topk_tie(tm, w)) for w in windows), key=lambda wr: wr[1])
+    assert rows >= k + 4, "no held-out window with sparse rows before a top-k tie"
+    ref = GlmMoeDsaForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([ids])).logits[0, :rows].float()
+    ours = sequence_logits(build_model(cfg, tensors), ids, "sparse")[:rows]
+    assert (ours - ref_logits).abs().max().item() <= 1e-4
