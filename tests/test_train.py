@@ -278,3 +278,14 @@ def test_the_bundled_model_matches_transformers():
         ref_logits = ref(torch.tensor([ids])).logits[0, :rows].float()
     ours = sequence_logits(build_model(cfg, tensors), ids, "sparse")[:rows]
     assert (ours - ref_logits).abs().max().item() <= 1e-4
+
+
+def test_the_time_budget_never_plans_more_steps_than_asked(tmp_path):
+    """A refit at the last requested step must not add one (the bundled model's warm-up ran 201 of 200)."""
+    from sparsekv.train.trainer import Trainer, TrainOptions
+    steps = {"pretrain": 200, "warmup": 10, "sparse": 10, "mtp": 10}
+    trainer = Trainer(None, None, None, TrainOptions(steps=dict(steps), time_budget_s=3600.0), str(tmp_path))
+    trainer._replan("pretrain", 200, seconds_per_step=0.01)     # plenty of time left
+    assert trainer.state.planned["pretrain"] == 200
+    trainer._replan("pretrain", 50, seconds_per_step=1e6)       # out of time: at least one more step
+    assert trainer.state.planned["pretrain"] == 51

@@ -126,7 +126,7 @@ class Trainer:
         if self.opts.time_budget_s is None:
             return
         fits = step + int(self._budget_left(stage) / max(seconds_per_step, 1e-6))
-        self.state.planned[stage] = max(min(fits, self.opts.steps[stage]), step + 1)
+        self.state.planned[stage] = min(max(fits, step + 1), self.opts.steps[stage])
 
     def run_stage(self, stage: str, log) -> bool:
         """Runs the stage to its end (True) or until the pause point (False)."""
