@@ -74,6 +74,16 @@ def test_depth_in_tokens_for_a_single_needle(builder, depth):
     assert s.prompt[-len(question):] == question
 
 
+@pytest.mark.parametrize("length", [1000, 1001, 1013, 4096])
+def test_passkey_filler_ends_with_a_whole_sentence_before_the_question(builder, length):
+    """The filler is cut at the start, never before the question: a word cut in two there
+    ('The sun is yel' + question) made a model continue the filler instead of answering."""
+    s = builder.make("passkey", length, 0.5)
+    text = _decode(builder, s.prompt)
+    assert len(s.prompt) == length
+    assert text.endswith("There and back again.\n\nWhat is the pass key? The pass key is")
+
+
 def test_variable_chain_reads_forward(builder):
     s = builder.make("vartrack", 3000, 0.2)
     text = _decode(builder, s.prompt)

@@ -70,11 +70,14 @@ class TaskBuilder:
         return self._cache[text]
 
     # -- haystacks -----------------------------------------------------------------------------
-    def haystack(self, kind: str, n: int) -> list[int]:
+    def haystack(self, kind: str, n: int, whole_filler_at_end: bool = False) -> list[int]:
+        """n tokens of haystack. Filler is whole repetitions of FILLER cut to length at the end, or,
+        with `whole_filler_at_end`, at the start, so that the text before the question ends with
+        a full sentence (as RULER's haystacks do) instead of a word cut in two."""
         if kind == "filler" or not self.code:
             unit = self.encode(FILLER)
             out = unit * (n // len(unit) + 1)
-            return out[:n]
+            return out[len(out) - n:] if whole_filler_at_end else out[:n]
         if n >= len(self.code):
             out = self.code * (n // len(self.code) + 1)
             return out[:n]
@@ -88,12 +91,13 @@ class TaskBuilder:
                 return j
         return i
 
-    def compose(self, kind: str, needles: list[tuple[float, list[int]]], tail: list[int], length: int):
+    def compose(self, kind: str, needles: list[tuple[float, list[int]]], tail: list[int], length: int,
+                whole_filler_at_end: bool = False):
         """Haystack with needles inserted at depths, then the tail; exactly `length` tokens."""
         n_hay = length - sum(len(ids) for _, ids in needles) - len(tail)
         if n_hay < 0:
             raise ValueError(f"length {length} is too short for the needles and the question")
-        hay = self.haystack(kind, n_hay)
+        hay = self.haystack(kind, n_hay, whole_filler_at_end)
         cuts = [self._line_start(hay, min(round(d * n_hay), n_hay)) for d, _ in needles]
         order = sorted(range(len(needles)), key=lambda k: (cuts[k], k))
         out, starts, prev = [], [0] * len(needles), 0
@@ -151,7 +155,10 @@ class TaskBuilder:
         kind, needles, question, answer, continuation = parts
         tail = self.encode(question)
         answer_ids = self.encode(continuation) if with_answer else []
-        ids, starts = self.compose(kind, needles, tail + answer_ids, length)
+        # NOTE: training documents (make_document) keep the end cut, so the bundled model's batches
+        # are unchanged; prompts put the cut at the start (2026-12-01: a word cut in two before the
+        # question made a model continue the filler at 8K and 16K, see docs/training.md).
+        ids, starts = self.compose(kind, needles, tail + answer_ids, length, whole_filler_at_end=True)
         return Sample(task, ids, answer, depth, starts, answer_ids)
 
     def _other_depths(self, n: int) -> list[float]:
