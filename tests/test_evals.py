@@ -84,6 +84,15 @@ def test_passkey_filler_ends_with_a_whole_sentence_before_the_question(builder, 
     assert text.endswith("There and back again.\n\nWhat is the pass key? The pass key is")
 
 
+@pytest.mark.parametrize("n", [300, 1000, 2999])
+def test_code_haystack_for_prompts_ends_with_a_whole_line(builder, n):
+    for seed in range(10):
+        b = TaskBuilder(builder.tok, builder.code, seed)
+        hay = b.haystack("code", n, end_on_line=True)
+        assert len(hay) == n and hay[-1] in b._newline
+        assert _decode(b, hay) in _decode(b, builder.code)
+
+
 def test_variable_chain_reads_forward(builder):
     s = builder.make("vartrack", 3000, 0.2)
     text = _decode(builder, s.prompt)

@@ -70,19 +70,22 @@ class TaskBuilder:
         return self._cache[text]
 
     # -- haystacks -----------------------------------------------------------------------------
-    def haystack(self, kind: str, n: int, whole_filler_at_end: bool = False) -> list[int]:
-        """n tokens of haystack. Filler is whole repetitions of FILLER cut to length at the end, or,
-        with `whole_filler_at_end`, at the start, so that the text before the question ends with
-        a full sentence (as RULER's haystacks do) instead of a word cut in two."""
+    def haystack(self, kind: str, n: int, end_on_line: bool = False) -> list[int]:
+        """n tokens of haystack. With `end_on_line` the haystack ends with a whole line (filler: cut
+        at the start instead of the end; code: the window moved back to a line end), so the text
+        before the question never ends in a word cut in two, as in RULER's haystacks."""
         if kind == "filler" or not self.code:
             unit = self.encode(FILLER)
             out = unit * (n // len(unit) + 1)
-            return out[len(out) - n:] if whole_filler_at_end else out[:n]
+            return out[len(out) - n:] if end_on_line else out[:n]
         if n >= len(self.code):
             out = self.code * (n // len(self.code) + 1)
             return out[:n]
         start = self.rng.randrange(0, len(self.code) - n)
-        return self.code[start:start + n]
+        end = start + n
+        while end_on_line and end > n and self.code[end - 1] not in self._newline:
+            end -= 1
+        return self.code[end - n:end]
 
     def _line_start(self, hay: list[int], i: int) -> int:
         """Move i back to just after a token ending in a newline (at most 256 tokens back; else keep i)."""
@@ -92,12 +95,12 @@ class TaskBuilder:
         return i
 
     def compose(self, kind: str, needles: list[tuple[float, list[int]]], tail: list[int], length: int,
-                whole_filler_at_end: bool = False):
+                end_on_line: bool = False):
         """Haystack with needles inserted at depths, then the tail; exactly `length` tokens."""
         n_hay = length - sum(len(ids) for _, ids in needles) - len(tail)
         if n_hay < 0:
             raise ValueError(f"length {length} is too short for the needles and the question")
-        hay = self.haystack(kind, n_hay, whole_filler_at_end)
+        hay = self.haystack(kind, n_hay, end_on_line)
         cuts = [self._line_start(hay, min(round(d * n_hay), n_hay)) for d, _ in needles]
         order = sorted(range(len(needles)), key=lambda k: (cuts[k], k))
         out, starts, prev = [], [0] * len(needles), 0
@@ -155,10 +158,10 @@ class TaskBuilder:
         kind, needles, question, answer, continuation = parts
         tail = self.encode(question)
         answer_ids = self.encode(continuation) if with_answer else []
-        # NOTE: training documents (make_document) keep the end cut, so the bundled model's batches
-        # are unchanged; prompts put the cut at the start (2026-12-01: a word cut in two before the
-        # question made a model continue the filler at 8K and 16K, see docs/training.md).
-        ids, starts = self.compose(kind, needles, tail + answer_ids, length, whole_filler_at_end=True)
+        # NOTE: training documents (make_document) keep the old cut, so the bundled model's batches
+        # are unchanged; prompts end their haystack on a whole line (2026-12-01: a word cut in two
+        # before the question made models continue the filler at 8K and 16K, docs/training.md).
+        ids, starts = self.compose(kind, needles, tail + answer_ids, length, end_on_line=True)
         return Sample(task, ids, answer, depth, starts, answer_ids)
 
     def _other_depths(self, n: int) -> list[float]:
