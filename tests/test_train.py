@@ -263,8 +263,7 @@ def test_the_bundled_model_matches_transformers():
     keys a score of exactly 0 (ReLU), so ties at the k-th score start soon after row index_topk."""
     from transformers import GlmMoeDsaForCausalLM
     from sparsekv.paths import DEFAULT_MODEL_DIR
-    from sparsekv.tools.eval_common import build_model, heldout_stream, load_parts, load_text_tokenizer
-    from sparsekv.tools.eval_common import sequence_logits
+    from sparsekv.tools.eval_common import build_model, heldout_stream, load_parts, load_text_tokenizer, sequence_logits
     from sparsekv.train.model import GlmDsaForTraining
     cfg, tensors = load_parts(DEFAULT_MODEL_DIR)
     tm = GlmDsaForTraining(cfg, aux_indexers=True)
@@ -281,7 +280,7 @@ def test_the_bundled_model_matches_transformers():
 
 
 def test_the_time_budget_never_plans_more_steps_than_asked(tmp_path):
-    """A refit at the last requested step must not add one (the bundled model's warm-up ran 201 of 200)."""
+    """A refit at the last requested step must not add one (the bundled model's sparse stage ran 301 of 300)."""
     from sparsekv.train.trainer import Trainer, TrainOptions
     steps = {"pretrain": 200, "warmup": 10, "sparse": 10, "mtp": 10}
     trainer = Trainer(None, None, None, TrainOptions(steps=dict(steps), time_budget_s=3600.0), str(tmp_path))
