@@ -94,12 +94,17 @@ def _first_topk_tie(tm, ids: list[int]) -> int:
     return first
 
 
-def _tie_free_sequence(cfg, tensors, n: int, tie_free_rows: int | None = None) -> tuple[list[int], int]:
-    """A random sequence of n tokens whose first `tie_free_rows` (default all) rows have no top-k tie,
-    and how many rows are tie-free."""
+def _training_model(cfg, tensors):
     from sparsekv.train.model import GlmDsaForTraining
     tm = GlmDsaForTraining(cfg, aux_indexers=True)
     tm.load_state_dict(tensors, strict=True)
+    return tm
+
+
+def _tie_free_sequence(cfg, tensors, n: int, tie_free_rows: int | None = None) -> tuple[list[int], int]:
+    """A random sequence of n tokens whose first `tie_free_rows` (default all) rows have no top-k tie,
+    and how many rows are tie-free."""
+    tm = _training_model(cfg, tensors)
     for seed in range(50):
         ids = torch.randint(0, cfg.vocab_size - 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
         first = _first_topk_tie(tm, ids)
@@ -140,11 +145,9 @@ def test_round_trip_through_the_llm_api(trained):
 
 def test_training_model_matches_the_engine_in_the_sparse_regime(trained):
     from sparsekv.tools.eval_common import build_model, load_parts, sequence_logits
-    from sparsekv.train.model import GlmDsaForTraining
     out, _ = trained
     cfg, tensors = load_parts(out)
-    tm = GlmDsaForTraining(cfg, aux_indexers=True)
-    tm.load_state_dict({k: v for k, v in tensors.items()}, strict=True)
+    tm = _training_model(cfg, tensors)
     ids = torch.tensor(_tie_free_sequence(cfg, tensors, 48)[0])
     with torch.no_grad():
         ours = tm(ids[None], torch.arange(48)[None], sparse=True).logits[0]
@@ -264,10 +267,8 @@ def test_the_bundled_model_matches_transformers():
     from transformers import GlmMoeDsaForCausalLM
     from sparsekv.paths import DEFAULT_MODEL_DIR
     from sparsekv.tools.eval_common import build_model, heldout_stream, load_parts, load_text_tokenizer, sequence_logits
-    from sparsekv.train.model import GlmDsaForTraining
     cfg, tensors = load_parts(DEFAULT_MODEL_DIR)
-    tm = GlmDsaForTraining(cfg, aux_indexers=True)
-    tm.load_state_dict(tensors, strict=True)
+    tm = _training_model(cfg, tensors)
     code, k = heldout_stream(load_text_tokenizer(DEFAULT_MODEL_DIR)), cfg.index_topk
     windows = (code[i:i + k + 32] for i in range(0, min(len(code) - k - 32, 40_000), 1000))
     ids, rows = max(((w, _first_topk_tie(tm, w)) for w in windows), key=lambda wr: wr[1])

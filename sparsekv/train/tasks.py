@@ -82,14 +82,12 @@ class TaskBuilder:
             out = self.code * (n // len(self.code) + 1)
             return out[:n]
         start = self.rng.randrange(0, len(self.code) - n)
-        end = start + n
-        while end_on_line and end > n and self.code[end - 1] not in self._newline:
-            end -= 1
+        end = self._line_start(self.code, start + n, max_back=start) if end_on_line else start + n
         return self.code[end - n:end]
 
-    def _line_start(self, hay: list[int], i: int) -> int:
-        """Move i back to just after a token ending in a newline (at most 256 tokens back; else keep i)."""
-        for j in range(i, max(i - 256, 0) - 1, -1):
+    def _line_start(self, hay: list[int], i: int, max_back: int = 256) -> int:
+        """Move i back to just after a token ending in a newline (at most max_back tokens back; else keep i)."""
+        for j in range(i, max(i - max_back, 0) - 1, -1):
             if j == 0 or hay[j - 1] in self._newline:
                 return j
         return i
