@@ -1,4 +1,5 @@
 """Tiered KV cache: exact versus tiering off, integrity after every scenario, admission and config errors."""
+import json
 import os
 
 import pytest
@@ -216,7 +217,6 @@ def test_index_key_segments_cover_the_history_in_order(fp8, monkeypatch):
 def test_bench_tiers_sweep_and_fixed_budget(ckpt, tmp_path, capsys):
     """`sparsekv bench tiers`: the sweep reports flat device latent bytes and writes its plots; the
     fixed-budget mode admits `--fit` requests with tiering off, more with it on, all of them unbounded."""
-    import json
     from sparsekv.tools.bench_tiers import main
     out = tmp_path / "sweep.json"
     assert main(["--model", ckpt["glm_moe_dsa"], "--contexts", "64,512", "--buffers", "1,2", "--steps", "3",
@@ -336,3 +336,29 @@ def test_shared_layers_replay_the_decode_plan_without_reading_selections(ckpt, m
     outs, llm = generate(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=2 * TOPK)
     assert_same(reference, outs)
     assert set(read_by) == set(llm.engine.model_config.full_layers)
+
+
+def test_bench_tiers_teacher_forced_natural_continuation(tmp_path):
+    """--teacher-forced feeds the prompt file's own next tokens: the run is exact and its steps are
+    the file's tokens (the FP8 pass is forced on the same sequence); a file too short is an error."""
+    from sparsekv.engine import load_tokenizer
+    from sparsekv.paths import default_model_path
+    from sparsekv.tools.bench_tiers import _prompt, main, parse_args
+    model = default_model_path()
+    text = tmp_path / "prompt.py"
+    text.write_text(open(json.__file__).read())
+    ids = load_tokenizer(model).encode(text.read_text(), add_special_tokens=False)
+    args = parse_args(["--model", model, "--prompt-file", str(text), "--natural-context", "300",
+                       "--natural-steps", "12", "--teacher-forced"])
+    assert _prompt(args, 0) == (ids[:300], ids[300:312])
+    out = tmp_path / "forced.json"
+    assert main(["--model", model, "--skip-sweep", "--prompt-file", str(text), "--natural-context", "300",
+                 "--natural-steps", "12", "--warmup", "2", "--buffers", "2", "--teacher-forced",
+                 "--json", str(out)]) == 0
+    natural = json.loads(out.read_text())["natural"]
+    assert natural["teacher_forced"] and natural["exact"] and natural["prompt_tokens"] == 300
+    with pytest.raises(SystemExit, match="needs 1000000 tokens"):
+        _prompt(parse_args(["--model", model, "--prompt-file", str(text), "--natural-context", "999990",
+                            "--natural-steps", "10", "--teacher-forced"]), 0)
+    with pytest.raises(SystemExit, match="needs --prompt-file"):
+        _prompt(parse_args(["--teacher-forced"]), 1000)

@@ -8,8 +8,9 @@ Three parts (docs/tiers.md records figures and the commands that made them):
     through the pool's own write path): a real prefill at 128K-1M would dominate the run and decode
     cost does not depend on the cached values. Miss rates on a random history are a worst case.
   * natural continuation: a real prefill of the model on a token prompt, then greedy decode; the
-    steady-state miss rate at N = 2 x top-k. With --fp8 also the top-k overlap and logprob change of
-    FP8 indexer keys.
+    steady-state miss rate at N = 2 x top-k. With --teacher-forced each step is fed the prompt
+    file's own next token instead (a small model's greedy text soon repeats itself, which flatters
+    the cache). With --fp8 also the top-k overlap and logprob change of FP8 indexer keys.
   * --concurrency: a device budget that holds exactly 4 requests of the given context with tiering
     off; how many are admitted with tiering on, aggregate decode tokens/s, p99 per-token latency at
     concurrency 1.
@@ -163,13 +164,15 @@ def _print_row(r: dict, base: dict, machine_gbps: float) -> None:
 # -- natural continuation -------------------------------------------------------------------------
 def natural(args, ckpt: str, topk: int) -> dict:
     from sparsekv.config import ModelConfig
-    prompt, steps = _prompt(args, ModelConfig.from_json(ckpt).vocab_size), args.natural_steps
-    on = _continue(ckpt, prompt, steps, args.warmup, selector=args.selector, kv_tiering=True)
-    off = _continue(ckpt, prompt, steps, args.warmup, selector=args.selector)
-    result = {"prompt_tokens": len(prompt), "steps": steps, "buffer": 2 * topk,
-              "exact": on["tokens"] == off["tokens"] and on["logprobs"] == off["logprobs"],
-              "steady_miss_rate": on["steady_miss_rate"], "overall_miss_rate": on["miss_rate"]}
-    print(f"natural continuation: {len(prompt)} prompt tokens, {steps} steps, N = 2 x top-k = {2 * topk}: "
+    prompt, force = _prompt(args, ModelConfig.from_json(ckpt).vocab_size)
+    steps = args.natural_steps
+    on = _continue(ckpt, prompt, steps, args.warmup, force, selector=args.selector, kv_tiering=True)
+    off = _continue(ckpt, prompt, steps, args.warmup, force, selector=args.selector)
+    exact = on["tokens"] == off["tokens"] and on["logprobs"] == off["logprobs"] and on["greedy"] == off["greedy"]
+    result = {"prompt_tokens": len(prompt), "steps": steps, "buffer": 2 * topk, "teacher_forced": bool(force),
+              "exact": exact, "steady_miss_rate": on["steady_miss_rate"], "overall_miss_rate": on["miss_rate"]}
+    fed = "the file's next tokens fed (teacher-forced)" if force else "greedy"
+    print(f"natural continuation: {len(prompt)} prompt tokens, {steps} steps ({fed}), N = 2 x top-k = {2 * topk}: "
           f"steady-state miss rate {100 * on['steady_miss_rate']:.1f}% (after {args.warmup} steps), "
           f"overall {100 * on['miss_rate']:.1f}%; identical to tiering off: {result['exact']}")
     result["groups"] = miss_breakdown(on["selections"], ModelConfig.from_json(ckpt), 2 * topk, args.warmup)
@@ -178,7 +181,7 @@ def natural(args, ckpt: str, topk: int) -> dict:
               f"optimal replacement {100 * g['optimal_miss_rate']:.1f}%, first accesses {100 * g['compulsory_miss_rate']:.1f}%")
     result["miss_rate_by_buffer"] = {2: on["steady_miss_rate"]}
     for mult in (m for m in args.buffers if m != 2):
-        run = _continue(ckpt, prompt, steps, args.warmup, selector=args.selector, kv_tiering=True,
+        run = _continue(ckpt, prompt, steps, args.warmup, force, selector=args.selector, kv_tiering=True,
                         device_buffer_tokens=mult * topk)
         result["miss_rate_by_buffer"][mult] = run["steady_miss_rate"]
     print("natural continuation, steady-state miss rate by buffer: " +
@@ -217,14 +220,22 @@ def miss_breakdown(selections: list, cfg, capacity: int, warmup: int) -> list[di
     return out
 
 
-def _prompt(args, vocab_size: int) -> list[int]:
+def _prompt(args, vocab_size: int) -> tuple[list[int], list[int] | None]:
+    """The prompt's tokens, and with --teacher-forced the tokens that follow it in the file."""
     if args.prompt_file:
         from sparsekv.engine import load_tokenizer
         with open(args.prompt_file) as f:
-            return load_tokenizer(args.model).encode(f.read(), add_special_tokens=False)[:args.natural_context]
+            ids = load_tokenizer(args.model).encode(f.read(), add_special_tokens=False)
+        n = args.natural_context
+        if args.teacher_forced and len(ids) < n + args.natural_steps:
+            raise SystemExit(f"sparsekv bench tiers: error: --teacher-forced needs {n + args.natural_steps} tokens "
+                             f"in {args.prompt_file}, it has {len(ids)}")
+        return ids[:n], ids[n:n + args.natural_steps] if args.teacher_forced else None
+    if args.teacher_forced:
+        raise SystemExit("sparsekv bench tiers: error: --teacher-forced needs --prompt-file")
     import random
     rng = random.Random(0)
-    return [rng.randrange(1, min(1000, vocab_size)) for _ in range(args.natural_context)]
+    return [rng.randrange(1, min(1000, vocab_size)) for _ in range(args.natural_context)], None
 
 
 def _continue(ckpt: str, prompt: list[int], steps: int, warmup: int, force: list[int] | None = None,
@@ -419,6 +430,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--natural-steps", type=int, default=96)
     p.add_argument("--warmup", type=int, default=16, help="decode steps before the steady state")
     p.add_argument("--prompt-file", default=None, help="text for the natural continuation (needs a tokenizer)")
+    p.add_argument("--teacher-forced", action="store_true",
+                   help="natural continuation: feed the prompt file's own next tokens instead of greedy ones")
     p.add_argument("--fp8", action="store_true", help="also measure FP8 indexer keys on the natural continuation")
     p.add_argument("--skip-sweep", action="store_true")
     p.add_argument("--skip-natural", action="store_true")
