@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..context import ForwardContext, SeqSlice
-from ..kernels.attention import (causal_mask_scores, latent_attention, query_block_size,
+from ..kernels.attention import (causal_mask_scores, fill_blocks, latent_attention, query_block_size,
                                  select_topk)
 from .layers import layer_norm, rms_norm, rope_half_split, rope_interleaved
 
@@ -123,17 +123,15 @@ class LightningIndexer:
         masked as invalid by the caller), exactly the reference's dense regime.
         """
         total = sum(keys.shape[0] for _, keys in segments)
-        out, step = [], index_query_block(q.device, self.n_heads, total)
-        for i in range(0, q.shape[0], step):
-            positions = query_positions[i:i + step]
+
+        def block(start: int, end: int) -> torch.Tensor:
+            positions = query_positions[start:end]
             visible = int(positions.max()) + 1  # no key after the block's last query is visible to it
             if visible <= k:
-                out.append(torch.arange(k, device=q.device).expand(positions.shape[0], k))
-                continue
-            block = slice(i, i + step)
-            scores = causal_mask_scores(self.scores(q[block], weights[block], segments, visible), positions)
-            out.append(select_topk(scores, k))
-        return torch.cat(out)
+                return torch.arange(k, device=q.device).expand(end - start, k)
+            scores = self.scores(q[start:end], weights[start:end], segments, visible)
+            return select_topk(causal_mask_scores(scores, positions), k)
+        return fill_blocks(q.shape[0], index_query_block(q.device, self.n_heads, total), block)
 
 
 def _groups_within(seqs: list[SeqSlice], budget: int) -> list[list[SeqSlice]]:
@@ -271,19 +269,17 @@ class MLAttention:
     def _attend_dense(self, seq, q, positions, cache) -> torch.Tensor:
         keys = cache.latent_for(self.layer_idx, seq)             # [T, D]
         key_pos = torch.arange(seq.context_len, device=q.device)
-        block = query_block_size(q.shape[1] * seq.context_len, q.shape[0], q.device)
-        out = []
-        for i in range(0, q.shape[0], block):
-            valid = key_pos[None, :] <= positions[i:i + block, None]
-            out.append(latent_attention(q[i:i + block], keys, valid, self.scale, self.cfg.kv_lora_rank))
-        return torch.cat(out)
+
+        def block(start: int, end: int) -> torch.Tensor:
+            valid = key_pos[None, :] <= positions[start:end, None]
+            return latent_attention(q[start:end], keys, valid, self.scale, self.cfg.kv_lora_rank)
+        return fill_blocks(q.shape[0], query_block_size(q.shape[1] * seq.context_len, q.shape[0], q.device), block)
 
     def _attend_selected(self, seq, q, positions, selected, cache) -> torch.Tensor:
-        block = query_block_size(selected.shape[1] * (q.shape[1] + q.shape[2]), q.shape[0], q.device)
-        out = []
-        for i in range(0, q.shape[0], block):
-            idx = selected[i:i + block]
+        def block(start: int, end: int) -> torch.Tensor:
+            idx = selected[start:end]
             keys = cache.gather_latent(self.layer_idx, seq, idx)     # [Sb, k, D]
-            valid = idx <= positions[i:i + block, None]
-            out.append(latent_attention(q[i:i + block], keys, valid, self.scale, self.cfg.kv_lora_rank))
-        return torch.cat(out)
+            valid = idx <= positions[start:end, None]
+            return latent_attention(q[start:end], keys, valid, self.scale, self.cfg.kv_lora_rank)
+        rows = query_block_size(selected.shape[1] * (q.shape[1] + q.shape[2]), q.shape[0], q.device)
+        return fill_blocks(q.shape[0], rows, block)

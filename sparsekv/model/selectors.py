@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..kernels.attention import causal_mask_scores, query_block_size, select_topk
+from ..kernels.attention import causal_mask_scores, fill_blocks, query_block_size, select_topk
 
 
 class TokenSelector:
@@ -185,16 +185,16 @@ class QuestSelector(TokenSelector):
 
     def select(self, layer, seq, state, q, positions, k, cache):
         total, own_lo, own_hi = seq.context_len, state[0], state[1]
-        block = query_block_size(total + q.shape[1] * total // self.page_tokens, q.shape[0])
-        out = []
-        for i in range(0, q.shape[0], block):
-            qb, pos = q[i:i + block], positions[i:i + block]
+
+        def block(start: int, end: int) -> torch.Tensor:
+            qb, pos = q[start:end], positions[start:end]
             pages = self.page_scores(layer, seq, qb)
-            own = self._bound(qb, own_lo[i:i + block, :, None], own_hi[i:i + block, :, None]).squeeze(-1)  # [S]
+            own = self._bound(qb, own_lo[start:end, :, None], own_hi[start:end, :, None]).squeeze(-1)  # [S]
             pages.scatter_(1, (pos // self.page_tokens)[:, None], own[:, None])
             scores = pages.repeat_interleave(self.page_tokens, dim=1)[:, :total]
-            out.append(select_topk(causal_mask_scores(scores, pos), k))
-        return torch.cat(out)
+            return select_topk(causal_mask_scores(scores, pos), k)
+        return fill_blocks(q.shape[0], query_block_size(total + q.shape[1] * total // self.page_tokens, q.shape[0]),
+                           block)
 
 
 def quest_bytes_per_token(cfg: ModelConfig, page_tokens: int) -> int:
