@@ -25,9 +25,9 @@ def fill_blocks(num_rows: int, block: int, compute) -> torch.Tensor:
     """`compute(start, end)` for each block of rows, written into one tensor allocated at the first.
 
     Not a list and a `torch.cat`: each kept block result sits between the block's large transients
-    in the heap and pins them, so glibc cannot reuse that memory. Dense attention over 16K positions
-    in one chunk peaked at 4.4 GB RSS that way, 0.3 GB written in place (the tiny model at 64K: out of
-    memory on 24 GB against under 1 GB); tests/test_kernels.py checks the bound."""
+    in the heap and pins them, so glibc cannot reuse that memory. The dense attention loop over 16K
+    positions peaked at 4.4 GB RSS that way and at 0.3 GB written in place; a 256K sparse prefill at
+    1.37 GB and 0.70 GB (BENCHMARKS.md). tests/test_kernels.py checks the bound."""
     out = None
     for start in range(0, num_rows, block):
         part = compute(start, min(start + block, num_rows))
