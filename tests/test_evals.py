@@ -166,3 +166,48 @@ def test_greedy_search_never_shares_layer_zero(glm_ckpt, random_prompt):
     assert [p for p, _ in steps] == ["FSSF", "FSSS"]
     assert all(loss > 0 for _, loss in steps)
     assert pattern(["full", "shared"]) == "FS"
+
+
+def test_key_positions_hand_made():
+    from sparsekv.tools.eval_needle import key_positions
+    assert key_positions([5, 1, 2, 3, 9, 1, 2, 3, 1, 2], [1, 2, 3]) == [1, 2, 3, 5, 6, 7]
+    assert key_positions([1, 2], [1, 2, 3]) == [] and key_positions([1, 2], []) == []
+
+
+def test_eval_needle_end_to_end_reports_the_key_selected_while_answering(tmp_path, capsys):
+    """`sparsekv eval needle` on the bundled model: accuracy table, heatmap, JSON; for sparse runs the
+    share of the key's tokens each full layer selected over the rows that wrote the output, equal to
+    the selections the engine's model makes for those rows on prompt + output in one pass
+    (eval_common.sequence_logits)."""
+    import json
+    from sparsekv.paths import default_model_path
+    from sparsekv.tools.eval_common import build_model, heldout_stream, load_parts, load_text_tokenizer, sequence_logits
+    from sparsekv.tools.eval_needle import add_args, build_samples, key_positions, main
+    import argparse
+    model = default_model_path()
+    out, heat = tmp_path / "needle.json", tmp_path / "heat.png"
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args([model, "--tasks", "passkey", "--lengths", "600", "--depths", "0,1", "--samples", "1",
+                         "--dense-max-length", "600", "--heatmap", str(heat), "--json", str(out)])
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "passkey" in printed and "key tokens selected while answering" in printed and heat.exists()
+    results = json.loads(out.read_text())["results"]
+    sparse = [r for r in results if r["attention"] == "sparse"]
+    assert len(results) == 4 and len(sparse) == 2
+    assert all("key_in_topk" not in r for r in results if r["attention"] == "dense")
+    assert all(r["output_ids"] for r in results)
+    tok = load_text_tokenizer(model)
+    samples = build_samples(TaskBuilder(tok, heldout_stream(tok), 0), ["passkey"], 600, [0.0, 1.0], 1)
+    cfg, tensors = load_parts(model)
+    engine_model = build_model(cfg, tensors)
+    for s, r in zip(samples, sparse):
+        keys = key_positions(s.prompt, tok.encode(s.answer, add_special_tokens=False).ids)
+        assert r["answer"] == s.answer and len(keys) == 2 * len(s.answer)   # the passkey needle says it twice
+        rows, n0 = {}, len(s.prompt)
+        answering = slice(n0 - 1, n0 - 1 + len(r["output_ids"]))   # the rows that wrote the output
+        sequence_logits(engine_model, s.prompt + r["output_ids"], "sparse",
+                        lambda layer, seq, sel: rows.update({layer: set(sel[answering].flatten().tolist())}))
+        expected = {str(l): len(set(keys) & rows[l]) / len(keys) for l in cfg.full_layers}
+        assert r["key_in_topk"] == expected and any(v > 0 for v in expected.values())

@@ -5,6 +5,11 @@ the requested depths; the code haystack is held-out stdlib code). Each length ru
 attention (tiered KV cache when the engine offers it) and, up to --dense-max-length, with dense
 attention for comparison. Greedy decoding; a sample is correct when the first number generated is
 the key.
+
+With sparse attention it also reports, per full layer, the share of the key's tokens in the prompt
+that the layer's top-k selected while answering (the union over the rows that wrote the output: the
+prompt's last row and each decode row): whether the selector surfaced the needle at all, apart from
+whether the model then copied it right.
 """
 from __future__ import annotations
 
@@ -74,20 +79,89 @@ def build_samples(builder: TaskBuilder, tasks, length: int, depths, n: int):
     return [builder.make(t, length, d) for t in tasks for d in depths for _ in range(n)]
 
 
-def run_length(model: str, samples, length: int, attention: str, args, log) -> tuple[list[dict], str]:
+def key_positions(prompt: list[int], key_ids: list[int]) -> list[int]:
+    """Positions of every occurrence of the key's token sequence in the prompt."""
+    n = len(key_ids)
+    starts = [i for i in range(len(prompt) - n + 1) if prompt[i:i + n] == key_ids] if n else []
+    return [i + j for i in starts for j in range(n)]
+
+
+class AnswerRowSelections:
+    """Records, for each full layer, the union of the top-k its selector picks for the rows that
+    write the output (the prompt's last row, then each decode row): wraps the engine's selectors,
+    passing every call through unchanged."""
+
+    def __init__(self, llm, prompt_len: int = 0):
+        self.prompt_len, self.selected = prompt_len, {}
+        for layer in llm.engine.model.layers:
+            if layer.attn.selector is not None:
+                layer.attn.selector = _Recording(layer.attn.selector, self)
+
+    def start(self, prompt_len: int) -> None:
+        self.prompt_len, self.selected = prompt_len, {}
+
+    def key_share(self, positions: list[int]) -> dict[str, float] | None:
+        """Per full layer, the share of `positions` selected while answering (None: no selection was
+        made, because the context fits in the top-k, or the key is not in the prompt)."""
+        if not positions or not self.selected:
+            return None
+        return {str(layer): len(set(positions) & chosen) / len(positions) for layer, chosen in sorted(self.selected.items())}
+
+
+class _Recording:
+    def __init__(self, inner, log: AnswerRowSelections):
+        self.inner, self.log, self.name = inner, log, inner.name
+
+    def __getattr__(self, name):  # prepare, rows, forget, check_integrity, ...: the selector's own
+        return getattr(self.inner, name)
+
+    def batches(self, device) -> bool:  # every decode row through select(), so that it is seen
+        return False
+
+    def select(self, layer, seq, state, q, positions, k, cache):
+        out = self.inner.select(layer, seq, state, q, positions, k, cache)
+        answering = positions >= self.log.prompt_len - 1
+        if bool(answering.any()):
+            self.log.selected.setdefault(layer, set()).update(out[answering].flatten().tolist())
+        return out
+
+
+def run_length(model: str, samples, length: int, attention: str, args, log, tok=None) -> tuple[list[dict], str]:
     from ..request import SamplingParams
     llm, note = make_llm(model, attention, length + max(MAX_TOKENS.values()), args)
+    recorder = AnswerRowSelections(llm) if attention == "sparse" and tok is not None else None
     results = []
     for i, s in enumerate(samples):
         t0 = time.perf_counter()
+        if recorder:
+            recorder.start(len(s.prompt))
         out = llm.generate([s.prompt], SamplingParams(max_tokens=MAX_TOKENS[s.task], temperature=0.0))[0]
         text = out.text or (llm.tokenizer.decode(out.token_ids) if llm.tokenizer else "")
         ok = score(s.answer, text)
         results.append({"task": s.task, "length": length, "depth": s.depth, "attention": attention,
-                        "answer": s.answer, "output": text, "correct": ok, "seconds": time.perf_counter() - t0})
+                        "answer": s.answer, "output": text, "output_ids": list(out.token_ids), "correct": ok,
+                        "seconds": time.perf_counter() - t0})
+        found = ""
+        if recorder:
+            share = recorder.key_share(key_positions(s.prompt, tok.encode(s.answer, add_special_tokens=False).ids))
+            results[-1]["key_in_topk"] = share
+            found = "" if share is None else " key selected: " + ", ".join(
+                f"L{layer} {100 * v:.0f}%" for layer, v in share.items())
         log(f"  {length_label(length)} {attention} {s.task} depth={s.depth:.2f} {'OK ' if ok else 'MISS'} "
-            f"want {s.answer} got {text.strip()[:40]!r} ({results[-1]['seconds']:.1f} s) [{i + 1}/{len(samples)}]")
+            f"want {s.answer} got {text.strip()[:40]!r}{found} ({results[-1]['seconds']:.1f} s) [{i + 1}/{len(samples)}]")
     return results, note
+
+
+def key_in_topk_table(results: list[dict]) -> str:
+    """Mean share of the key's tokens each full layer selected while answering, by length."""
+    by_length: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        for layer, v in (r.get("key_in_topk") or {}).items():
+            by_length[r["length"]][layer].append(v)
+    lines = [f"{length_label(L)}: " + ", ".join(f"layer {layer} {100 * sum(v) / len(v):.0f}%"
+                                                 for layer, v in sorted(layers.items(), key=lambda x: int(x[0])))
+             for L, layers in sorted(by_length.items())]
+    return "\n".join(["key tokens selected while answering (sparse, mean over prompts):"] + lines) if lines else ""
 
 
 def accuracy(results: list[dict], keys) -> dict:
@@ -158,11 +232,14 @@ def main(args: argparse.Namespace) -> int:
         samples = build_samples(builder, tasks, L, depths, args.samples)
         for attention in ["sparse"] + (["dense"] if L <= dense_max else []):
             log(f"length {length_label(L)}, {attention} attention: {len(samples)} prompts")
-            rs, note = run_length(model, samples, L, attention, args, log)
+            rs, note = run_length(model, samples, L, attention, args, log, tok)
             notes[f"{length_label(L)} {attention}"] = note
             results += rs
             log(f"  ({note})")
     print(format_table(results, tasks, lengths))
+    recall = key_in_topk_table(results)
+    if recall:
+        print(recall)
     if len(builder.code) < max(lengths):
         print(f"note: held-out haystack is {len(builder.code)} tokens; longer code haystacks repeat it")
     if args.heatmap:
