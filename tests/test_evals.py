@@ -2,6 +2,9 @@
 top-k overlap, and the greedy IndexShare search on a tiny checkpoint."""
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 import torch
 
@@ -179,11 +182,9 @@ def test_eval_needle_end_to_end_reports_the_key_selected_while_answering(tmp_pat
     share of the key's tokens each full layer selected over the rows that wrote the output, equal to
     the selections the engine's model makes for those rows on prompt + output in one pass
     (eval_common.sequence_logits)."""
-    import json
     from sparsekv.paths import default_model_path
     from sparsekv.tools.eval_common import build_model, heldout_stream, load_parts, load_text_tokenizer, sequence_logits
     from sparsekv.tools.eval_needle import add_args, build_samples, key_positions, main
-    import argparse
     model = default_model_path()
     out, heat = tmp_path / "needle.json", tmp_path / "heat.png"
     p = argparse.ArgumentParser()

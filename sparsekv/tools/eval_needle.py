@@ -91,8 +91,8 @@ class AnswerRowSelections:
     write the output (the prompt's last row, then each decode row): wraps the engine's selectors,
     passing every call through unchanged."""
 
-    def __init__(self, llm, prompt_len: int = 0):
-        self.prompt_len, self.selected = prompt_len, {}
+    def __init__(self, llm):
+        self.prompt_len, self.selected = 0, {}
         for layer in llm.engine.model.layers:
             if layer.attn.selector is not None:
                 layer.attn.selector = _Recording(layer.attn.selector, self)
