@@ -1,5 +1,6 @@
 """Needle task generators (exact lengths, needle depths), eval scoring and tables on hand-made cases,
-top-k overlap, and the greedy IndexShare search on a tiny checkpoint."""
+top-k overlap, the greedy IndexShare search on a tiny checkpoint, and `eval needle` end to end on the
+bundled model."""
 from __future__ import annotations
 
 import argparse
