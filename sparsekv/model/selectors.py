@@ -214,3 +214,30 @@ def use_selector(model, selector: TokenSelector) -> None:
     for layer in model.layers:
         if layer.attn.selector is not None:
             layer.attn.selector = selector
+
+
+class ObservedSelector:
+    """Passes every call to `inner` and reports each selection to `observe(layer, seq, positions,
+    selected)` (the evals and benchmarks that look at what was selected). Decode rows are never
+    batched, so that every selection goes through `select` (the batched path selects the same sets)."""
+
+    def __init__(self, inner: TokenSelector, observe):
+        self.inner, self.observe, self.name = inner, observe, inner.name
+
+    def __getattr__(self, name):  # prepare, rows, forget, check_integrity, ...: the selector's own
+        return getattr(self.inner, name)
+
+    def batches(self, device: torch.device) -> bool:
+        return False
+
+    def select(self, layer, seq, state, q, positions, k, cache):
+        out = self.inner.select(layer, seq, state, q, positions, k, cache)
+        self.observe(layer, seq, positions, out)
+        return out
+
+
+def observe_selections(model, observe) -> None:
+    """Wrap the selector of every full layer in an `ObservedSelector` reporting to `observe`."""
+    for layer in model.layers:
+        if layer.attn.selector is not None:
+            layer.attn.selector = ObservedSelector(layer.attn.selector, observe)

@@ -271,28 +271,14 @@ def _continue(ckpt: str, prompt: list[int], steps: int, warmup: int, force: list
 
 
 def _record_selections(engine) -> list:
-    """Wrap each full layer's selector to log its decode-step selections (layer, context, set)."""
+    """Log each full layer's decode-step selections (layer, context, set)."""
+    from sparsekv.model.selectors import observe_selections
     log = []
 
-    class Recorder:
-        def __init__(self, inner):
-            self.inner, self.name = inner, inner.name
-
-        def __getattr__(self, name):  # prepare, rows, forget, check_integrity, ...: the selector's own
-            return getattr(self.inner, name)
-
-        def batches(self, device) -> bool:  # every selection through select(), so that it is logged
-            return False
-
-        def select(self, layer, seq, state, q, positions, k, cache):
-            out = self.inner.select(layer, seq, state, q, positions, k, cache)
-            if out.shape[0] == 1:
-                log.append((layer, seq.context_len, frozenset(out[0].tolist())))
-            return out
-
-    for layer in engine.model.layers:
-        if layer.attn.selector is not None:
-            layer.attn.selector = Recorder(layer.attn.selector)
+    def observe(layer, seq, positions, selected):
+        if selected.shape[0] == 1:
+            log.append((layer, seq.context_len, frozenset(selected[0].tolist())))
+    observe_selections(engine.model, observe)
     return log
 
 

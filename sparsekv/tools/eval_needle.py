@@ -88,17 +88,21 @@ def key_positions(prompt: list[int], key_ids: list[int]) -> list[int]:
 
 class AnswerRowSelections:
     """Records, for each full layer, the union of the top-k its selector picks for the rows that
-    write the output (the prompt's last row, then each decode row): wraps the engine's selectors,
-    passing every call through unchanged."""
+    write the output (the prompt's last row, then each decode row), through the engine's selectors
+    wrapped by `observe_selections`."""
 
     def __init__(self, llm):
+        from ..model.selectors import observe_selections
         self.prompt_len, self.selected = 0, {}
-        for layer in llm.engine.model.layers:
-            if layer.attn.selector is not None:
-                layer.attn.selector = _Recording(layer.attn.selector, self)
+        observe_selections(llm.engine.model, self._observe)
 
     def start(self, prompt_len: int) -> None:
         self.prompt_len, self.selected = prompt_len, {}
+
+    def _observe(self, layer, seq, positions, selected) -> None:
+        answering = positions >= self.prompt_len - 1
+        if bool(answering.any()):
+            self.selected.setdefault(layer, set()).update(selected[answering].flatten().tolist())
 
     def key_share(self, positions: list[int]) -> dict[str, float] | None:
         """Per full layer, the share of `positions` selected while answering (None: no selection was
@@ -106,24 +110,6 @@ class AnswerRowSelections:
         if not positions or not self.selected:
             return None
         return {str(layer): len(set(positions) & chosen) / len(positions) for layer, chosen in sorted(self.selected.items())}
-
-
-class _Recording:
-    def __init__(self, inner, log: AnswerRowSelections):
-        self.inner, self.log, self.name = inner, log, inner.name
-
-    def __getattr__(self, name):  # prepare, rows, forget, check_integrity, ...: the selector's own
-        return getattr(self.inner, name)
-
-    def batches(self, device) -> bool:  # every decode row through select(), so that it is seen
-        return False
-
-    def select(self, layer, seq, state, q, positions, k, cache):
-        out = self.inner.select(layer, seq, state, q, positions, k, cache)
-        answering = positions >= self.log.prompt_len - 1
-        if bool(answering.any()):
-            self.log.selected.setdefault(layer, set()).update(out[answering].flatten().tolist())
-        return out
 
 
 def run_length(model: str, samples, length: int, attention: str, args, log, tok=None) -> tuple[list[dict], str]:
