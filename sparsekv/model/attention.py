@@ -18,14 +18,30 @@ from ..kernels.attention import (causal_mask_scores, fill_blocks, latent_attenti
                                  select_topk)
 from .layers import layer_norm, rms_norm, rope_half_split, rope_interleaved
 
-INDEX_QUERY_BLOCK_CPU = 8  # queries scored together on a CPU: the [block, H, T] scores stay in cache
+# On a CPU, queries are scored a block at a time against key tiles: the [block x H, tile] GEMM output
+# stays in L2 (INDEX_TILE_ELEMENTS_CPU), and the block is as large as the [block, T] score rows allow
+# (INDEX_SCORE_ELEMENTS_CPU, 64 MB), so each key tile is read once for up to 64 queries. 8 queries
+# against 32K-key tiles ran the indexer GEMM at ~30 GFLOP/s on this machine's core; 64 against 512-key
+# tiles at ~60 (BENCHMARKS.md, "Indexer prefill").
+INDEX_QUERY_BLOCK_CPU = 8
+INDEX_QUERY_BLOCK_CPU_MAX = 64
+INDEX_SCORE_ELEMENTS_CPU = 1 << 24
+INDEX_TILE_ELEMENTS_CPU = 1 << 17
 INDEX_SCORE_ELEMENTS_GPU = 1 << 28  # on an accelerator, larger blocks amortise launches (1 GiB fp32)
 
 
 def index_query_block(device: torch.device, heads: int, total: int) -> int:
     if device.type == "cpu":
-        return INDEX_QUERY_BLOCK_CPU
+        return max(INDEX_QUERY_BLOCK_CPU, min(INDEX_QUERY_BLOCK_CPU_MAX, INDEX_SCORE_ELEMENTS_CPU // max(total, 1)))
     return max(INDEX_QUERY_BLOCK_CPU, min(1024, INDEX_SCORE_ELEMENTS_GPU // (heads * total)))
+
+
+def index_key_tile(device: torch.device, queries: int, heads: int, total: int) -> int:
+    """Keys scored per GEMM: L2-sized for a block of queries on a CPU. One query (decode) streams the
+    keys once whatever the tile, and smaller tiles only add copies (5% at 128K keys)."""
+    if device.type == "cpu" and queries > 1:
+        return max(1, min(total, INDEX_TILE_ELEMENTS_CPU // (queries * heads)))
+    return query_block_size(queries * heads, total, device)
 from .selectors import DSASelector
 
 
@@ -86,7 +102,7 @@ class LightningIndexer:
 
     def _score_tiles(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         total = keys.shape[0]
-        tile = query_block_size(q.shape[0] * self.n_heads, total, q.device)
+        tile = index_key_tile(q.device, q.shape[0], self.n_heads, total)
         if tile >= total:
             return self._score_tile(q, w, keys)
         out = torch.empty(q.shape[0], total, dtype=torch.float32, device=q.device)
@@ -100,8 +116,8 @@ class LightningIndexer:
         if q.shape[0] == 1:  # decode: one [H, D] x [D, T] GEMM streams the key cache once
             s = torch.matmul(q[0], keys.t()).relu_()        # [H, T]
             return torch.matmul(w[0], s).unsqueeze(0)
-        s = torch.matmul(q, keys.t()).relu_()              # [S, H, T]
-        return torch.bmm(w.unsqueeze(1), s).squeeze(1)
+        s = torch.mm(q.flatten(0, 1), keys.t()).relu_()    # [S * H, T]: one plain GEMM
+        return torch.bmm(w.unsqueeze(1), s.view(q.shape[0], q.shape[1], -1)).squeeze(1)
 
     def select_decode_batch(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                             positions: torch.Tensor, k: int) -> torch.Tensor:
