@@ -97,3 +97,31 @@ def test_blockwise_dense_attention_memory_stays_bounded():
     grown_mb = int(subprocess.run([sys.executable, "-c", _DENSE_PEAK], capture_output=True, text=True,
                                   check=True).stdout.split()[-1])
     assert grown_mb < 400
+
+
+def test_lightning_indexer_select_in_blocks_and_tiles_matches_one_dense_pass(monkeypatch):
+    """`LightningIndexer.select` scores queries in blocks against key tiles into one reused buffer, over
+    key segments of both kinds (a run of positions, scattered positions). With small integer inputs every
+    score is exact in fp32, so its sets must equal top-k of the whole [S, T] score matrix computed at
+    once, ties (many, with integers) included."""
+    from sparsekv.model import attention as attn
+    from sparsekv.tools.tiny import TINY_GLM
+    from sparsekv.config import ModelConfig
+    cfg = ModelConfig.from_dict({**TINY_GLM, "model_type": "glm_moe_dsa"})
+    indexer = attn.LightningIndexer(cfg, None)
+    # blocks of 8 queries, tiles of 16 keys (8 x 8 heads x 16 = 1024 elements)
+    monkeypatch.setattr(attn, "INDEX_QUERY_BLOCK_CPU_MAX", 8)
+    monkeypatch.setattr(attn, "INDEX_TILE_ELEMENTS_CPU", 1024)
+    g = torch.Generator().manual_seed(0)
+    T, S, H, D, k = 300, 45, cfg.index_n_heads, cfg.index_head_dim, 12
+    q = torch.randint(-3, 4, (S, H, D), generator=g).float()
+    weights = torch.randint(-2, 3, (S, H), generator=g).float()
+    keys = torch.randint(-3, 4, (T, D), generator=g).float()
+    positions = torch.sort(torch.randperm(T - k, generator=g)[:S]).values + k   # every row sees > k keys
+    scattered = torch.arange(100, 180).flip(0)            # positions 100..179 stored out of order
+    segments = [(0, keys[:100]), (scattered, keys[scattered]), (180, keys[180:])]
+    got = indexer.select(q, weights, segments, positions, k)
+    dense = torch.einsum("shd,td->sht", q, keys).relu() * D ** -0.5
+    dense = (dense * weights[:, :, None]).sum(1)
+    dense[torch.arange(T)[None, :] > positions[:, None]] = float("-inf")
+    assert torch.equal(got, select_topk(dense, k))

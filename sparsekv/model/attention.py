@@ -20,12 +20,12 @@ from .layers import layer_norm, rms_norm, rope_half_split, rope_interleaved
 
 # On a CPU, queries are scored a block at a time against key tiles: the [block x H, tile] GEMM output
 # stays in L2 (INDEX_TILE_ELEMENTS_CPU), and the block is as large as the [block, T] score rows allow
-# (INDEX_SCORE_ELEMENTS_CPU, 64 MB), so each key tile is read once for up to 64 queries. 8 queries
+# (INDEX_SCORE_ELEMENTS_CPU, 128 MB), so each key tile is read once for up to 64 queries. 8 queries
 # against 32K-key tiles ran the indexer GEMM at ~30 GFLOP/s on this machine's core; 64 against 512-key
 # tiles at ~60 (BENCHMARKS.md, "Indexer prefill").
 INDEX_QUERY_BLOCK_CPU = 8
 INDEX_QUERY_BLOCK_CPU_MAX = 64
-INDEX_SCORE_ELEMENTS_CPU = 1 << 24
+INDEX_SCORE_ELEMENTS_CPU = 1 << 25
 INDEX_TILE_ELEMENTS_CPU = 1 << 17
 INDEX_SCORE_ELEMENTS_GPU = 1 << 28  # on an accelerator, larger blocks amortise launches (1 GiB fp32)
 
@@ -77,35 +77,38 @@ class LightningIndexer:
         weights = F.linear(x.float(), self.w.weights_proj).float() * self.n_heads ** -0.5
         return self._rotate(q, cos, sin).float(), weights
 
-    def scores(self, q: torch.Tensor, weights: torch.Tensor, segments, total: int) -> torch.Tensor:
-        """Index scores [S, total] fp32 of queries q [S, H_I, D_I] against the first `total` positions.
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, segments, total: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Index scores [S, total] fp32 of queries q [S, H_I, D_I] against the first `total` positions,
+        written into `out` when given (a reused buffer: see `select`).
 
         `segments` are (positions, keys [n, D_I]) pieces of the key history (`history_segments`):
         an int first position for a view of consecutive positions, a tensor of positions otherwise.
         D_I^-1/2 > 0 commutes with the ReLU, so it is folded into the head weights; the ReLU runs in
-        place. Keys are scored a tile at a time, so the [S, H_I, tile] intermediate stays in cache.
+        place. Keys are scored a tile at a time, so the [S x H_I, tile] intermediate stays in cache.
         """
         w = weights * self.head_dim ** -0.5
         first, keys = segments[0]
         if len(segments) == 1 and isinstance(first, int) and keys.shape[0] >= total:
-            return self._score_tiles(q, w, keys[:total])          # one view: no output copy
-        out = torch.empty(q.shape[0], total, dtype=torch.float32, device=q.device)
+            return self._score_tiles(q, w, keys[:total], out)          # one view
+        out = torch.empty(q.shape[0], total, dtype=torch.float32, device=q.device) if out is None else out
         for positions, keys in segments:
             if isinstance(positions, int):
                 n = min(keys.shape[0], total - positions)
                 if n > 0:
-                    out[:, positions:positions + n] = self._score_tiles(q, w, keys[:n])
+                    self._score_tiles(q, w, keys[:n], out[:, positions:positions + n])
             else:
                 visible = positions < total
                 out[:, positions[visible]] = self._score_tiles(q, w, keys[visible])
         return out
 
-    def _score_tiles(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def _score_tiles(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         total = keys.shape[0]
         tile = index_key_tile(q.device, q.shape[0], self.n_heads, total)
-        if tile >= total:
-            return self._score_tile(q, w, keys)
-        out = torch.empty(q.shape[0], total, dtype=torch.float32, device=q.device)
+        if tile >= total and out is None:
+            return self._score_tile(q, w, keys)   # decode: no output copy
+        out = torch.empty(q.shape[0], total, dtype=torch.float32, device=q.device) if out is None else out
         for start in range(0, total, tile):
             out[:, start:start + tile] = self._score_tile(q, w, keys[start:start + tile])
         return out
@@ -139,15 +142,23 @@ class LightningIndexer:
         masked as invalid by the caller), exactly the reference's dense regime.
         """
         total = sum(keys.shape[0] for _, keys in segments)
+        rows = index_query_block(q.device, self.n_heads, total)
+        buffer = []   # every block's scores go to one buffer: fresh [rows, T] tensors above glibc's mmap
+                      # threshold cost a page fault per 4 KB each time (29 M faults in a 256K prefill)
 
         def block(start: int, end: int) -> torch.Tensor:
             positions = query_positions[start:end]
             visible = int(positions.max()) + 1  # no key after the block's last query is visible to it
             if visible <= k:
                 return torch.arange(k, device=q.device).expand(end - start, k)
-            scores = self.scores(q[start:end], weights[start:end], segments, visible)
+            out = None
+            if end - start > 1:   # a decode row's scores are returned without a copy
+                if not buffer:
+                    buffer.append(torch.empty(min(rows, q.shape[0]) * total, dtype=torch.float32, device=q.device))
+                out = buffer[0][:(end - start) * visible].view(end - start, visible)
+            scores = self.scores(q[start:end], weights[start:end], segments, visible, out)
             return select_topk(causal_mask_scores(scores, positions), k)
-        return fill_blocks(q.shape[0], index_query_block(q.device, self.n_heads, total), block)
+        return fill_blocks(q.shape[0], rows, block)
 
 
 def _groups_within(seqs: list[SeqSlice], budget: int) -> list[list[SeqSlice]]:
