@@ -1,6 +1,6 @@
 """One prepared accelerator check (run by hand on a lent GPU; CI never runs it).
 
-  python scripts/gpu_check.py CKPT OUT.json [cuda|cpu] [--long N] [--tiers]
+  python scripts/gpu_check.py CKPT OUT.json [cuda|cpu] [--long N] [--tiers] [--needle LENGTHS]
 
 1. exactness on the device: greedy tokens and logprobs of the engine on the device against the
    engine on the CPU (float32) for a prompt far longer than index_topk, with chunked prefill;
@@ -11,6 +11,10 @@
    tokens/s, the batching ceiling and p99 at concurrency 1, tiering on vs off), written to
    OUT.tiers.json for CKPT and OUT.tiers-glm52.json for the glm5.2-proportions stand-in (GLM-5.2's
    ratio of weight bytes to one request's cache reads per step).
+5. with --needle LENGTHS (e.g. 1M or 256K,1M): issue 5's passkey eval of the bundled model at those
+   lengths, needle depths 0, 0.5 and 1, sparse attention with the tiered cache on the device, written
+   to OUT.needle.json (and a heatmap next to it). One 1M prompt takes about 3.5 hours on this
+   project's 2-core CPU; it is what a lent GPU is for.
 
 With little device time left, `--long 4096 --tiers` skips the 1M prefill and keeps the tiering checks.
 """
@@ -68,6 +72,10 @@ def main() -> None:
     if "--tiers" in sys.argv:
         result["tiers"] = tiers(ckpt, device, out_path.removesuffix(".json") + ".tiers.json")
         print(result, flush=True)
+    if "--needle" in sys.argv:
+        lengths = sys.argv[sys.argv.index("--needle") + 1]
+        result["needle"] = needle(device, lengths, out_path.removesuffix(".json") + ".needle.json")
+        print(result, flush=True)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
 
@@ -82,6 +90,14 @@ def tiers(ckpt: str, device: str, out_path: str) -> dict:
                                capture_output=True, text=True)
         result[f"bench{name}_rc"], result[f"bench{name}_tail"] = bench.returncode, bench.stdout.strip().splitlines()[-4:]
     return result
+
+
+def needle(device: str, lengths: str, out_path: str) -> dict:
+    run = subprocess.run(["sparsekv", "eval", "needle", "--tasks", "passkey", "--lengths", lengths,
+                          "--depths", "0,0.5,1", "--samples", "1", "--dense-max-length", "0", "--device", device,
+                          "--threads", "16", "--heatmap", out_path.removesuffix(".json") + ".png", "--json", out_path],
+                         capture_output=True, text=True)
+    return {"rc": run.returncode, "tail": (run.stdout + run.stderr).strip().splitlines()[-12:]}
 
 
 if __name__ == "__main__":
