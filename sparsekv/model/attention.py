@@ -143,19 +143,18 @@ class LightningIndexer:
         """
         total = sum(keys.shape[0] for _, keys in segments)
         rows = index_query_block(q.device, self.n_heads, total)
-        buffer = []   # every block's scores go to one buffer: fresh [rows, T] tensors above glibc's mmap
-                      # threshold cost a page fault per 4 KB each time (29 M faults in a 256K prefill)
+        # Every block's scores go to one buffer: fresh [rows, T] tensors above glibc's mmap threshold
+        # cost a page fault per 4 KB each time (29 M faults in a 256K prefill). A decode row's scores
+        # are returned without a copy instead.
+        several = q.shape[0] > 1 and total > k
+        buffer = torch.empty(min(rows, q.shape[0]) * total, dtype=torch.float32, device=q.device) if several else None
 
         def block(start: int, end: int) -> torch.Tensor:
             positions = query_positions[start:end]
             visible = int(positions.max()) + 1  # no key after the block's last query is visible to it
             if visible <= k:
                 return torch.arange(k, device=q.device).expand(end - start, k)
-            out = None
-            if end - start > 1:   # a decode row's scores are returned without a copy
-                if not buffer:
-                    buffer.append(torch.empty(min(rows, q.shape[0]) * total, dtype=torch.float32, device=q.device))
-                out = buffer[0][:(end - start) * visible].view(end - start, visible)
+            out = buffer[:(end - start) * visible].view(end - start, visible) if several else None
             scores = self.scores(q[start:end], weights[start:end], segments, visible, out)
             return select_topk(causal_mask_scores(scores, positions), k)
         return fill_blocks(q.shape[0], rows, block)
