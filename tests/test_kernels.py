@@ -125,3 +125,42 @@ def test_lightning_indexer_select_in_blocks_and_tiles_matches_one_dense_pass(mon
     dense = (dense * weights[:, :, None]).sum(1)
     dense[torch.arange(T)[None, :] > positions[:, None]] = float("-inf")
     assert torch.equal(got, select_topk(dense, k))
+
+
+def test_index_score_scratch_is_reused_across_calls_and_shared_by_indexers(monkeypatch):
+    """A model's indexers share one `ScoreScratch`: later `select` calls (the next prefill chunk, the next
+    full layer) write into the same storage instead of a fresh allocation, it grows only when a call needs
+    more, and a shared buffer changes no selection. The loaded model wires one scratch into every indexer,
+    the MTP layer's included."""
+    from sparsekv.model import attention as attn
+    from sparsekv.tools.tiny import TINY_GLM
+    from sparsekv.config import ModelConfig
+    cfg = ModelConfig.from_dict({**TINY_GLM, "model_type": "glm_moe_dsa"})
+    scratch = attn.ScoreScratch()
+    first, second, alone = (attn.LightningIndexer(cfg, None, s) for s in (scratch, scratch, None))
+    monkeypatch.setattr(attn, "INDEX_QUERY_BLOCK_CPU_MAX", 8)
+    g = torch.Generator().manual_seed(1)
+    H, D, k = cfg.index_n_heads, cfg.index_head_dim, 12
+
+    def call(indexer, T, S):
+        q, w = torch.randn(S, H, D, generator=g), torch.randn(S, H, generator=g)
+        keys, positions = torch.randn(T, D, generator=g), torch.arange(T - S, T)
+        return indexer.select(q, w, [(0, keys)], positions, k), (q, w, keys, positions)
+
+    got, inputs = call(first, 200, 20)
+    storage, size = scratch._buffer.data_ptr(), scratch.nbytes
+    assert size == 8 * 200 * 4                       # one block of 8 rows x 200 keys
+    got2, inputs2 = call(second, 150, 20)            # smaller: same storage
+    assert scratch._buffer.data_ptr() == storage and scratch.nbytes == size
+    q, w, keys, positions = inputs2
+    assert torch.equal(got2, alone.select(q, w, [(0, keys)], positions, k))
+    call(first, 300, 20)                             # larger: grows by doubling
+    assert scratch.nbytes == 2 * size
+    scratch.release()
+    assert scratch.nbytes == 0
+
+    from sparsekv.model.checkpoint import load_model
+    from sparsekv.paths import DEFAULT_MODEL_DIR
+    model = load_model(DEFAULT_MODEL_DIR, torch.float32, torch.device("cpu"))   # FSFSS + an MTP layer
+    indexers = [layer.attn.indexer for layer in model.layers + [model.mtp.layer] if layer.attn.indexer]
+    assert len(indexers) >= 2 and all(ix.scratch is model.index_scratch for ix in indexers)

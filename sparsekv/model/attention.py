@@ -45,6 +45,36 @@ def index_key_tile(device: torch.device, queries: int, heads: int, total: int) -
 from .selectors import DSASelector
 
 
+class ScoreScratch:
+    """The fp32 buffer a prefill block's index scores are written into, kept across `select` calls and
+    shared by one model's indexers (they run one at a time).
+
+    On a CPU a fresh [rows, T] buffer is above glibc's mmap threshold, so allocating one per call maps
+    and faults up to 128 MB again for every chunk and full layer (33.9 M minor faults in a 1M prefill).
+    It grows by doubling (beyond what a call asks only up to INDEX_SCORE_ELEMENTS_CPU, 128 MB) and is
+    kept until the model is dropped or `release()`. On an accelerator the caching allocator already reuses memory, so
+    each call gets a fresh tensor there."""
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, numel: int, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=torch.float32, device=device)
+        if self._buffer is None or self._buffer.numel() < numel:
+            grown = 0 if self._buffer is None else min(2 * self._buffer.numel(), INDEX_SCORE_ELEMENTS_CPU)
+            self._buffer = None                     # free the old one before allocating its successor
+            self._buffer = torch.empty(max(numel, grown), dtype=torch.float32)
+        return self._buffer[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel() * 4
+
+    def release(self) -> None:
+        self._buffer = None
+
+
 @dataclass
 class IndexerWeights:
     wq_b: torch.Tensor          # [H_I * D_I, q_lora]
@@ -59,8 +89,9 @@ class LightningIndexer:
 
     name = "dsa"
 
-    def __init__(self, cfg: ModelConfig, w: IndexerWeights):
+    def __init__(self, cfg: ModelConfig, w: IndexerWeights, scratch: ScoreScratch | None = None):
         self.cfg, self.w = cfg, w
+        self.scratch = ScoreScratch() if scratch is None else scratch
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.rope = rope_interleaved if cfg.indexer_rope_interleave else rope_half_split
 
@@ -143,11 +174,11 @@ class LightningIndexer:
         """
         total = sum(keys.shape[0] for _, keys in segments)
         rows = index_query_block(q.device, self.n_heads, total)
-        # Every block's scores go to one buffer: fresh [rows, T] tensors above glibc's mmap threshold
-        # cost a page fault per 4 KB each time (29 M faults in a 256K prefill). A decode row's scores
-        # are returned without a copy instead.
+        # Every block's scores go to one buffer (`ScoreScratch`): fresh [rows, T] tensors above glibc's
+        # mmap threshold cost a page fault per 4 KB each time (29 M faults in a 256K prefill). A decode
+        # row's scores are returned without a copy instead.
         several = q.shape[0] > 1 and total > k
-        buffer = torch.empty(min(rows, q.shape[0]) * total, dtype=torch.float32, device=q.device) if several else None
+        buffer = self.scratch.take(min(rows, q.shape[0]) * total, q.device) if several else None
 
         def block(start: int, end: int) -> torch.Tensor:
             positions = query_positions[start:end]

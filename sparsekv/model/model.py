@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..context import ForwardContext
-from .attention import AttentionWeights, IndexerWeights, LightningIndexer, MLAttention
+from .attention import AttentionWeights, IndexerWeights, LightningIndexer, MLAttention, ScoreScratch
 from .layers import MoE, DenseMLP, RotaryTable, rms_norm
 
 
@@ -48,9 +48,10 @@ class DSAModel:
         self.embed = tensors["model.embed_tokens.weight"]
         self.norm = tensors["model.norm.weight"]
         self.lm_head = tensors["lm_head.weight"] if "lm_head.weight" in tensors else self.embed
-        self.layers = [build_layer(cfg, i, tensors, cfg.indexer_types[i] == "full", cfg.mlp_layer_types[i])
-                       for i in range(cfg.num_hidden_layers)]
-        self.mtp = build_mtp(cfg, tensors)
+        self.index_scratch = ScoreScratch()   # shared by every indexer: layers run one at a time
+        self.layers = [build_layer(cfg, i, tensors, cfg.indexer_types[i] == "full", cfg.mlp_layer_types[i],
+                                   self.index_scratch) for i in range(cfg.num_hidden_layers)]
+        self.mtp = build_mtp(cfg, tensors, self.index_scratch)
         self.rotary = RotaryTable(cfg, dtype, device)
 
     def hidden_states(self, ctx: ForwardContext, cache) -> torch.Tensor:
@@ -72,7 +73,8 @@ def _p(tensors: dict, prefix: str, name: str) -> torch.Tensor:
     return tensors[f"{prefix}.{name}"]
 
 
-def build_layer(cfg: ModelConfig, i: int, tensors: dict, has_indexer: bool, mlp_type: str) -> DecoderLayer:
+def build_layer(cfg: ModelConfig, i: int, tensors: dict, has_indexer: bool, mlp_type: str,
+                scratch: ScoreScratch | None = None) -> DecoderLayer:
     p = f"model.layers.{i}"
     a = f"{p}.self_attn"
     attn_w = AttentionWeights(*(_p(tensors, a, n) for n in (
@@ -83,7 +85,7 @@ def build_layer(cfg: ModelConfig, i: int, tensors: dict, has_indexer: bool, mlp_
         ix = f"{a}.indexer"
         indexer = LightningIndexer(cfg, IndexerWeights(
             _p(tensors, ix, "wq_b.weight"), _p(tensors, ix, "wk.weight"), _p(tensors, ix, "k_norm.weight"),
-            _p(tensors, ix, "k_norm.bias"), _p(tensors, ix, "weights_proj.weight").float()))
+            _p(tensors, ix, "k_norm.bias"), _p(tensors, ix, "weights_proj.weight").float()), scratch)
     ffn = build_ffn(cfg, f"{p}.mlp", tensors, mlp_type)
     return DecoderLayer(cfg, MLAttention(cfg, i, attn_w, indexer), ffn,
                         _p(tensors, p, "input_layernorm.weight"), _p(tensors, p, "post_attention_layernorm.weight"))
@@ -101,12 +103,12 @@ def build_ffn(cfg: ModelConfig, prefix: str, tensors: dict, mlp_type: str):
                experts, _mlp(tensors, f"{prefix}.shared_experts"))
 
 
-def build_mtp(cfg: ModelConfig, tensors: dict) -> MTPHead | None:
+def build_mtp(cfg: ModelConfig, tensors: dict, scratch: ScoreScratch | None = None) -> MTPHead | None:
     i = cfg.num_hidden_layers
     p = f"model.layers.{i}"
     if f"{p}.eh_proj.weight" not in tensors:
         return None
-    return MTPHead(build_layer(cfg, i, tensors, True, "sparse" if cfg.n_routed_experts else "dense"),
+    return MTPHead(build_layer(cfg, i, tensors, True, "sparse" if cfg.n_routed_experts else "dense", scratch),
                    tensors[f"{p}.enorm.weight"], tensors[f"{p}.hnorm.weight"], tensors[f"{p}.eh_proj.weight"],
                    tensors[f"{p}.shared_head.norm.weight"], tensors.get(f"{p}.embed_tokens.weight"),
                    tensors.get(f"{p}.shared_head.head.weight"))
