@@ -24,27 +24,53 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.engine.add_request(None, p, sp).request_id for p, sp in zip(prompts, params)]
+        requests = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        ids = [r.request_id for r in requests]
         finished: dict[str, RequestOutput] = {}
-        progress = _progress(len(ids)) if use_tqdm else None
+        progress = GenerateProgress(self.engine, requests) if use_tqdm else None
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
                         finished[out.request_id] = out
-                        progress and progress.update(1)
+                progress and progress.update(len(finished))
         except BaseException:
             for rid in ids:
                 self.engine.abort(rid)
             raise
         finally:
-            progress and progress.close()
+            progress and progress.close(len(finished))
         return [finished[rid] for rid in ids]
 
     def stats(self) -> dict:
         return self.engine.stats()
 
 
-def _progress(total: int):
-    from tqdm import tqdm
-    return tqdm(total=total, desc="generate")
+class GenerateProgress:
+    """`use_tqdm`: one bar over the prompts' tokens, since a long prompt's prefill is most of the wait
+    (a 1M-token prompt is hours on a CPU), with requests finished and tokens generated alongside.
+
+    It reads the engine's counters after each step. Prompt tokens served by the prefix cache are never
+    computed, so the bar may stop short of its total; recomputation after a preemption counts again,
+    clamped to the total. tqdm's rate and ETA assume a steady pace, and a long sparse prefill slows
+    down as the context grows (the indexer's scan is linear in it per token)."""
+
+    def __init__(self, engine, requests):
+        from tqdm import tqdm
+        self.engine, self.num_requests = engine, len(requests)
+        self.start = dict(engine.counters)
+        total = sum(r.num_prompt_tokens for r in requests)
+        self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc="prefill", mininterval=1.0)
+
+    def _since_start(self, name: str) -> int:
+        return self.engine.counters[name] - self.start[name]
+
+    def update(self, finished: int) -> None:
+        done = min(self._since_start("prompt_tokens"), self.bar.total)
+        self.bar.set_postfix(finished=f"{finished}/{self.num_requests}",
+                             generated=self._since_start("generation_tokens"), refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self, finished: int) -> None:
+        self.update(finished)
+        self.bar.close()

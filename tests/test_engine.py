@@ -224,6 +224,31 @@ def test_final_output_carries_its_request_figures(llm, random_prompt):
     _idle(llm)
 
 
+def test_use_tqdm_bar_counts_prompt_tokens_and_finished_requests(llm, random_prompt, monkeypatch):
+    """`generate(..., use_tqdm=True)` shows one bar over the prompts' tokens (advanced chunk by chunk as
+    prefill computes them), with finished requests and generated tokens alongside; output unchanged."""
+    import tqdm
+    bars, seen = [], []
+
+    class Recording(tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+        def update(self, n=1):
+            seen.append(self.n + n)
+            return super().update(n)
+
+    monkeypatch.setattr(tqdm, "tqdm", Recording)
+    prompts = [random_prompt(n, seed=n) for n in (37, 50)]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert len(bars) == 1 and seen[-1] == bars[0].total == 87
+    assert bars[0].postfix == "finished=2/2, generated=16"
+    assert len(set(seen)) >= 3      # 87 prompt tokens in chunks of at most 40 tokens a step
+    _idle(llm)
+
+
 def test_sharded_checkpoint_with_index(tmp_path, random_prompt):
     ref = reference_model("glm_moe_dsa", seed=21)
     ref.save_pretrained(str(tmp_path), max_shard_size="40KB")

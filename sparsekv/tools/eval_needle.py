@@ -24,6 +24,7 @@ from ..train.tasks import TASKS, TaskBuilder, score
 
 MAX_TOKENS = {"passkey": 8, "multikey": 8, "niah": 8, "vartrack": 24}
 SUFFIXES = {"K": 1 << 10, "M": 1 << 20}
+PROGRESS_MIN_LENGTH = 1 << 16   # a prefill bar per sample from here: these prompts take minutes to hours
 
 
 def parse_length(text: str) -> int:
@@ -56,6 +57,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write every sample's result here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-progress", action="store_true",
+                   help=f"no prefill progress bar (shown for prompts of {length_label(PROGRESS_MIN_LENGTH)} tokens and more)")
 
 
 def make_llm(model: str, attention: str, max_len: int, args) -> tuple[object, str]:
@@ -121,7 +124,8 @@ def run_length(model: str, samples, length: int, attention: str, args, log, tok=
         t0 = time.perf_counter()
         if recorder:
             recorder.start(len(s.prompt))
-        out = llm.generate([s.prompt], SamplingParams(max_tokens=MAX_TOKENS[s.task], temperature=0.0))[0]
+        out = llm.generate([s.prompt], SamplingParams(max_tokens=MAX_TOKENS[s.task], temperature=0.0),
+                           use_tqdm=length >= PROGRESS_MIN_LENGTH and not args.no_progress)[0]
         text = out.text or (llm.tokenizer.decode(out.token_ids) if llm.tokenizer else "")
         ok = score(s.answer, text)
         results.append({"task": s.task, "length": length, "depth": s.depth, "attention": attention,
