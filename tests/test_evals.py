@@ -200,6 +200,10 @@ def test_eval_needle_end_to_end_reports_the_key_selected_while_answering(tmp_pat
     assert len(results) == 4 and len(sparse) == 2
     assert all("key_in_topk" not in r for r in results if r["attention"] == "dense")
     assert all(r["output_ids"] for r in results)
+    for r in results:   # each request's tiers as it finished; tiering only for sparse attention
+        assert r["metrics"]["num_prompt_tokens"] == 600
+        assert ("host_kv_bytes" in r["metrics"]) == (r["attention"] == "sparse")
+    assert "host KV" in printed and "tier miss rate" in printed
     tok = load_text_tokenizer(model)
     samples = build_samples(TaskBuilder(tok, heldout_stream(tok), 0), ["passkey"], 600, [0.0, 1.0], 1)
     cfg, tensors = load_parts(model)

@@ -130,7 +130,7 @@ def run_length(model: str, samples, length: int, attention: str, args, log, tok=
         ok = score(s.answer, text)
         results.append({"task": s.task, "length": length, "depth": s.depth, "attention": attention,
                         "answer": s.answer, "output": text, "output_ids": list(out.token_ids), "correct": ok,
-                        "seconds": time.perf_counter() - t0})
+                        "seconds": time.perf_counter() - t0, "metrics": dict(out.metrics or {})})
         found = ""
         if recorder:
             share = recorder.key_share(key_positions(s.prompt, tok.encode(s.answer, add_special_tokens=False).ids))
@@ -138,8 +138,18 @@ def run_length(model: str, samples, length: int, attention: str, args, log, tok=
             found = "" if share is None else " key selected: " + ", ".join(
                 f"L{layer} {100 * v:.0f}%" for layer, v in share.items())
         log(f"  {length_label(length)} {attention} {s.task} depth={s.depth:.2f} {'OK ' if ok else 'MISS'} "
-            f"want {s.answer} got {text.strip()[:40]!r}{found} ({results[-1]['seconds']:.1f} s) [{i + 1}/{len(samples)}]")
+            f"want {s.answer} got {text.strip()[:40]!r}{found} ({results[-1]['seconds']:.1f} s) [{i + 1}/{len(samples)}]"
+            f"{memory_note(results[-1]['metrics'])}")
     return results, note
+
+
+def memory_note(metrics: dict) -> str:
+    """The request's tiers as it finished: device and host KV bytes, misses (tiering on only)."""
+    if "host_kv_bytes" not in metrics:
+        return ""
+    mb = 1 << 20
+    return (f" device KV {metrics['device_kv_bytes'] / mb:.1f} MB (latent {metrics['device_latent_bytes'] / mb:.1f}),"
+            f" host KV {metrics['host_kv_bytes'] / mb:.1f} MB, tier miss rate {100 * metrics['tier_miss_rate']:.1f}%")
 
 
 def key_in_topk_table(results: list[dict]) -> str:
