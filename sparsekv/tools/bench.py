@@ -25,6 +25,12 @@ from .bench_worker import parse_tokens
 BENCH_PRESETS = ("tiny-bench", "glm5-geometry", "glm5.2-proportions")
 
 
+def report_console() -> Console:
+    """The console result tables print to: a log or a pipe gets 160 columns (rich assumes 80 there and
+    cuts every header), a terminal its own width."""
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
 def _worker(job: dict, threads: int) -> dict:
     cmd = [sys.executable, "-m", "sparsekv.tools.bench_worker", json.dumps(job), str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -85,7 +91,7 @@ def _against_transformers(args, job: dict) -> tuple[dict, dict]:
 
 
 def bench_decode(args, ckpt: str) -> list[dict]:
-    console, bw = Console(), _machine_bandwidth(args.threads)
+    console, bw = report_console(), _machine_bandwidth(args.threads)
     predict = _planner(args, ckpt)
     table = Table(title=f"decode, {args.preset}, {args.threads} threads (machine stream bandwidth {bw:.1f} GB/s)")
     for col in ("context", "sparsekv ms/token", "tokens/s", "peak RSS MB", "achieved bandwidth",
@@ -107,21 +113,43 @@ def bench_decode(args, ckpt: str) -> list[dict]:
     return rows
 
 
+def indexer_pair_flops(cfg, context: int) -> int:
+    """FLOPs of the lightning indexer's q.k products over the causal (query, key) pairs of a prefill of
+    `context` tokens: 2 x H_I x D_I a pair in each full layer. The quadratic part of a sparse prefill."""
+    return len(cfg.full_layers) * context * (context + 1) // 2 * 2 * cfg.index_n_heads * cfg.index_head_dim
+
+
+def _compute_rate(r: dict, flops: int, machine_flops: float) -> str:
+    if "error" in r:
+        return "-"
+    rate = flops / (r["ms"] / 1000)
+    return f"{rate / 1e9:.1f} ({100 * rate / machine_flops:.0f}%)"
+
+
 def bench_prefill(args, ckpt: str) -> list[dict]:
-    console = Console()
-    table = Table(title=f"prefill, {args.preset}, {args.threads} threads, chunk {args.chunk}")
-    for col in ("context", "sparsekv ms", "tokens/s", "peak RSS MB", "then decode ms/token", "transformers ms",
-                "tokens/s ", "RSS MB", "speed-up"):
+    """A prefill is compute-bound, so its roofline is the machine's fp32 matmul rate (measured now, same
+    threads): the indexer's causal q.k FLOPs over the whole prefill time is a lower bound on how fast
+    the scan runs, since that time also holds every other part of the prefill."""
+    from ..config import ModelConfig
+    from .hardware import measure_this_cpu
+    console, cfg = report_console(), ModelConfig.from_json(ckpt)
+    machine = measure_this_cpu(threads=args.threads).matmul_flops("float32")   # measured fp32 rate
+    table = Table(title=f"prefill, {args.preset}, {args.threads} threads, chunk {args.chunk} "
+                        f"(machine fp32 matmul {machine / 1e9:.0f} GFLOP/s)")
+    for col in ("context", "sparsekv ms", "tokens/s", "peak RSS MB", "indexer GFLOP/s (of machine)",
+                "then decode ms/token", "transformers ms", "tokens/s ", "RSS MB", "speed-up"):
         table.add_column(col)
     rows = []
     for ctx in args.contexts:
         job = {"kind": "prefill", "ckpt": ckpt, "context": ctx, "chunk": args.chunk, "decode_steps": args.decode_steps}
         ours, ref = _against_transformers(args, job)
-        rows.append({"context": ctx, "sparsekv": ours, "transformers": ref})
+        flops = indexer_pair_flops(cfg, ctx)
+        rows.append({"context": ctx, "sparsekv": ours, "transformers": ref, "indexer_flops": flops,
+                     "machine_flops": machine})
         decode = f"{ours['decode_ms']:.2f}" if "decode_ms" in ours else "-"
         table.add_row(str(ctx), _fmt(ours, "ms", ".0f"), _fmt(ours, "tokens_per_s", ".0f"), _fmt(ours, "peak_rss_mb", ".0f"),
-                      decode, _fmt(ref, "ms", ".0f"), _fmt(ref, "tokens_per_s", ".0f"), _fmt(ref, "peak_rss_mb", ".0f"),
-                      _ratio(ref, ours))
+                      _compute_rate(ours, flops, machine), decode, _fmt(ref, "ms", ".0f"), _fmt(ref, "tokens_per_s", ".0f"),
+                      _fmt(ref, "peak_rss_mb", ".0f"), _ratio(ref, ours))
     console.print(table)
     return rows
 
@@ -133,7 +161,7 @@ MODES = {"dense MLA": ({"index_topk_pattern": "FFFF"}, "dense"),
 
 def bench_modes(args, ckpt: str) -> list[dict]:
     """Dense MLA vs DSA in every layer vs DSA + IndexShare, on one checkpoint with an indexer per layer."""
-    console = Console()
+    console = report_console()
     table = Table(title=f"{args.kind} by attention mode, {args.preset}, {args.threads} threads")
     for col in ("context", "mode", "ms" if args.kind == "decode" else "ms (prefill)", "peak RSS MB",
                 "vs dense MLA", "vs DSA every layer"):

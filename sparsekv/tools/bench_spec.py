@@ -14,8 +14,9 @@ import statistics
 import sys
 import time
 
-from rich.console import Console
 from rich.table import Table
+
+from .bench import report_console
 
 
 def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
@@ -100,7 +101,7 @@ def report(result: dict) -> dict:
         table.add_row(name, f"{s['ms_per_token']:.2f}", f"{s['steps_per_token']:.2f}", acc,
                       f"{s['gbps']:.2f} GB/s ({100 * s['gbps'] / result['machine_gbps']:.0f}%)",
                       f"{base / s['ms_per_token']:.2f}x")
-    Console().print(table)
+    report_console().print(table)
     print(f"greedy outputs identical to plain decoding: {identical} of {result['prompts']}")
     for name, s in summary.items():
         if "h2d_mb_per_token" in s:

@@ -1,0 +1,33 @@
+"""`sparsekv bench prefill`: the ratio against transformers and the compute roofline come from the same run."""
+from __future__ import annotations
+
+import json
+
+from sparsekv.config import ModelConfig
+from sparsekv.tools.bench import indexer_pair_flops, main
+from sparsekv.tools.tiny import PRESETS
+
+
+def test_indexer_pair_flops_counts_causal_pairs_in_each_full_layer():
+    cfg = ModelConfig.from_dict({"model_type": "glm_moe_dsa", **PRESETS["tiny-bench"]})
+    per_pair = 2 * cfg.index_n_heads * cfg.index_head_dim
+    brute = sum(t + 1 for t in range(300)) * per_pair * len(cfg.full_layers)   # query t sees keys 0..t
+    assert indexer_pair_flops(cfg, 300) == brute > 0
+
+
+def test_bench_prefill_reports_speedup_and_indexer_rate_against_the_machine(tmp_path, capsys):
+    out = tmp_path / "prefill.json"
+    assert main(["prefill", "--contexts", "512", "--chunk", "256", "--repeats", "1", "--threads", "1",
+                 "--transformers-max-context", "512", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "machine fp32 matmul" in printed and "indexer GFLOP/s (of machine)" in printed
+    (row,) = json.loads(out.read_text())
+    assert row["context"] == 512 and row["machine_flops"] > 0
+    assert "error" not in row["sparsekv"] and "error" not in row["transformers"]
+    assert row["sparsekv"]["ms"] > 0 and row["transformers"]["ms"] > 0
+    cfg = ModelConfig.from_dict({"model_type": "glm_moe_dsa", **PRESETS["tiny-bench"]})
+    assert row["indexer_flops"] == indexer_pair_flops(cfg, 512)
+    rate = row["indexer_flops"] / (row["sparsekv"]["ms"] / 1000) / 1e9
+    assert f"{rate:.1f} ({100 * rate * 1e9 / row['machine_flops']:.0f}%)" in printed
+    speedup = row["transformers"]["ms"] / row["sparsekv"]["ms"]
+    assert f"{speedup:.1f}x" in printed
