@@ -52,8 +52,8 @@ class ScoreScratch:
     On a CPU a fresh [rows, T] buffer is above glibc's mmap threshold, so allocating one per call maps
     and faults up to 128 MB again for every chunk and full layer (33.9 M minor faults in a 1M prefill).
     It grows by doubling (beyond what a call asks only up to INDEX_SCORE_ELEMENTS_CPU, 128 MB) and is
-    kept until the model is dropped or `release()`. On an accelerator the caching allocator already reuses memory, so
-    each call gets a fresh tensor there."""
+    kept until the model is dropped or `release()`. On an accelerator the caching allocator already
+    reuses memory, so each call gets a fresh tensor there."""
 
     def __init__(self):
         self._buffer: torch.Tensor | None = None
