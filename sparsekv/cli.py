@@ -33,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--device-buffer-tokens", type=int, default=None, help="working-set slots N (default 2 x top-k)")
     t.add_argument("--host-kv-budget-bytes", type=parse_bytes, default=None, help="e.g. 64G")
     t.add_argument("--device-kv-budget-bytes", type=parse_bytes, default=None, help="e.g. 8G (also without tiering)")
-    t.add_argument("--host-store-path", default=None, help="memory-map the host store to this file")
+    t.add_argument("--host-store-path", default=None, help="memory-map the host store: a directory (a fresh file is made in it) or a new file name")
     t.add_argument("--selector", default="dsa", choices=["dsa", "quest"], help="token selector of full layers")
     t.add_argument("--quest-page-tokens", type=int, default=16)
     t.add_argument("--indexer-key-dtype", default="auto", choices=["auto", "fp8_e4m3"])

@@ -245,7 +245,8 @@ class EngineConfig:
     # turns a checkpoint with an indexer in every layer into an IndexShare model (training-free IndexCache).
     hf_overrides: dict | None = field(default=None, hash=False)
     # Tiered KV cache (docs/tiers.md): a device working set of N latent slots per request and layer,
-    # the full latent history in a host store (RAM, or a memory-mapped file at host_store_path).
+    # the full latent history in a host store (RAM, or a memory-mapped file: host_store_path is
+    # a directory to make a fresh file in, or a new file name; an existing file is refused).
     kv_tiering: bool = False
     device_buffer_tokens: int | None = None    # N; default 2 x index_topk; must be >= index_topk
     host_kv_budget_bytes: int | None = None

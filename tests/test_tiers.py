@@ -80,6 +80,26 @@ def test_mmap_host_store_is_exact(ckpt, tmp_path):
     assert not os.path.exists(path)
 
 
+def test_mmap_host_store_never_overwrites_a_file_and_takes_a_directory(ckpt, tmp_path):
+    """An existing file at host_store_path is refused with a clear error and left as it was (it may be
+    the user's, or a killed run's store); a directory gets a fresh uniquely named file per engine, removed
+    with its store."""
+    mine = tmp_path / "notes.txt"
+    mine.write_text("precious")
+    with pytest.raises(FileExistsError, match="never overwrites"):
+        make(ckpt["glm_moe_dsa"], kv_tiering=True, host_store_path=str(mine))
+    assert mine.read_text() == "precious"
+    reference, _ = generate(ckpt["glm_moe_dsa"])
+    outs, llm = generate(ckpt["glm_moe_dsa"], kv_tiering=True, host_store_path=str(tmp_path))
+    other = make(ckpt["glm_moe_dsa"], kv_tiering=True, host_store_path=str(tmp_path))
+    assert_same(reference, outs)
+    files = {llm.engine.cache.host.path, other.engine.cache.host.path}
+    assert len(files) == 2 and all(os.path.dirname(f) == str(tmp_path) for f in files)
+    llm.engine.cache.host.close()
+    other.engine.cache.host.close()
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
 def run_with_aborts(path, **options):
     engine = make(path, **options).engine
     for i, prompt in enumerate(PROMPTS):

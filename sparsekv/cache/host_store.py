@@ -16,6 +16,7 @@ staging, shared layers' fetches on a side stream and asynchronous backups (docs/
 from __future__ import annotations
 
 import os
+import tempfile
 import weakref
 
 import torch
@@ -79,23 +80,22 @@ class RamHostStore(HostStore):
 
 
 class MmapHostStore(HostStore):
-    """Backed by a sparse file: disk blocks are used only for rows actually written."""
+    """Backed by a sparse file: disk blocks are used only for rows actually written.
+
+    `path` is a directory (a fresh uniquely named file is made in it, so several engines or restarts
+    can share one) or the name of a file to create. An existing file is refused, never overwritten:
+    it may be a stale store of a run that was killed, or anything else of the user's. The store's file
+    is deleted when the store goes away."""
 
     kind = "mmap"
 
     def __init__(self, layers, num_slots, dim, dtype, path: str):
-        self.path = path
+        self.path = _new_store_file(path)
+        self._remove = weakref.finalize(self, _remove_file, self.path)  # the file goes with the store
         super().__init__(layers, num_slots, dim, dtype)
 
     def _allocate(self, numel: int) -> torch.Tensor:
-        directory = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"host_store_path {self.path!r}: directory {directory} does not exist")
-        if os.path.exists(self.path):
-            os.remove(self.path)  # never read a previous run's rows
-        backing = torch.from_file(self.path, shared=True, size=numel, dtype=self.dtype)
-        self._remove = weakref.finalize(self, _remove_file, self.path)  # the file goes with the store
-        return backing
+        return torch.from_file(self.path, shared=True, size=numel, dtype=self.dtype)
 
     def close(self) -> None:
         super().close()
@@ -104,6 +104,23 @@ class MmapHostStore(HostStore):
     def check_integrity(self) -> None:
         super().check_integrity()
         assert os.path.getsize(self.path) == self.capacity_bytes, "host store file changed size"
+
+
+def _new_store_file(path: str) -> str:
+    """Create the store's file, empty, from `host_store_path` (see MmapHostStore); its path."""
+    if os.path.isdir(path):
+        fd, name = tempfile.mkstemp(prefix="sparsekv-host-", suffix=".kv", dir=path)
+        os.close(fd)
+        return name
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"host_store_path {path!r}: directory {directory} does not exist")
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        raise FileExistsError(f"host_store_path {path!r} exists; sparsekv never overwrites a file: give a "
+                              f"new file name, or a directory to create a fresh file in") from None
+    return path
 
 
 def _remove_file(path: str) -> None:
