@@ -93,7 +93,7 @@ def generate_main(argv: list[str]) -> int:
                                 top_k=args.top_k, logprobs=args.logprobs, seed=args.seed)
         llm = LLM(args.model, **engine_options(args))
         out, timing = _timed_generate(llm, _prompt(args), params)
-    except (InvalidRequest, ConfigError, ValueError, FileNotFoundError) as e:
+    except (InvalidRequest, ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"sparsekv generate: error: {e}", file=sys.stderr)
         return 2
     _print_output(out, args.json)

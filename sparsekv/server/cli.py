@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app, state = build_app(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"sparsekv serve: error: {e}", file=sys.stderr)
         return 2
     return serve(app, state, args.host, args.port, args.shutdown_timeout, args.log_level)
