@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from sparsekv.config import ModelConfig
 from sparsekv.tools.bench import indexer_pair_flops, main
 from sparsekv.tools.tiny import PRESETS
@@ -31,3 +33,21 @@ def test_bench_prefill_reports_speedup_and_indexer_rate_against_the_machine(tmp_
     assert f"{rate:.1f} ({100 * rate * 1e9 / row['machine_flops']:.0f}%)" in printed
     speedup = row["transformers"]["ms"] / row["sparsekv"]["ms"]
     assert f"{speedup:.1f}x" in printed
+
+
+def test_bench_indexer_times_both_policies_and_checks_they_select_the_same(tmp_path, capsys):
+    """`sparsekv bench indexer`: the engine's block policy against the baseline policy in the same run,
+    on the same inputs; both must select the same positions, and the module constants are restored."""
+    from sparsekv.model import attention
+    from sparsekv.tools.bench_indexer import BASELINE_POLICY, block_policy, main as indexer_main
+    before = (attention.INDEX_QUERY_BLOCK_CPU_MAX, attention.INDEX_SCORE_ELEMENTS_CPU)
+    out = tmp_path / "indexer.json"
+    assert indexer_main(["--contexts", "1K,2K", "--queries", "300", "--repeats", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["context"] for r in rows] == [1024, 2048] and all(r["identical"] for r in rows)
+    assert all(r["block"] == attention.index_query_block(torch.device("cpu"), 4, r["context"]) for r in rows)
+    assert all(r["block"] != r["baseline_block"] for r in rows)     # 128 against 64 queries a block
+    with block_policy(BASELINE_POLICY):
+        assert all(r["baseline_block"] == attention.index_query_block(torch.device("cpu"), 4, r["context"]) for r in rows)
+    assert "same selection" in capsys.readouterr().out
+    assert (attention.INDEX_QUERY_BLOCK_CPU_MAX, attention.INDEX_SCORE_ELEMENTS_CPU) == before

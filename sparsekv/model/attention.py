@@ -20,12 +20,14 @@ from .layers import layer_norm, rms_norm, rope_half_split, rope_interleaved
 
 # On a CPU, queries are scored a block at a time against key tiles: the [block x H, tile] GEMM output
 # stays in L2 (INDEX_TILE_ELEMENTS_CPU), and the block is as large as the [block, T] score rows allow
-# (INDEX_SCORE_ELEMENTS_CPU, 128 MB), so each key tile is read once for up to 64 queries. 8 queries
-# against 32K-key tiles ran the indexer GEMM at ~30 GFLOP/s on this machine's core; 64 against 512-key
-# tiles at ~60 (BENCHMARKS.md, "Indexer prefill").
+# (INDEX_SCORE_ELEMENTS_CPU, 512 MB), so each key tile is read once for up to 128 queries: 128 up to 1M
+# keys. 8 queries against 32K-key tiles ran the indexer GEMM at ~30 GFLOP/s on this machine's core; 64
+# against 512-key tiles at ~60. With two threads small blocks parallelise badly: at 1M keys a block
+# of 32 queries cost 14.8 ms a query, 64 10.3 and 128 7.1 (one thread: 12.2, 11.3, 11.2; BENCHMARKS.md,
+# "Indexer prefill").
 INDEX_QUERY_BLOCK_CPU = 8
-INDEX_QUERY_BLOCK_CPU_MAX = 64
-INDEX_SCORE_ELEMENTS_CPU = 1 << 25
+INDEX_QUERY_BLOCK_CPU_MAX = 128
+INDEX_SCORE_ELEMENTS_CPU = 1 << 27
 INDEX_TILE_ELEMENTS_CPU = 1 << 17
 INDEX_SCORE_ELEMENTS_GPU = 1 << 28  # on an accelerator, larger blocks amortise launches (1 GiB fp32)
 
@@ -50,8 +52,8 @@ class ScoreScratch:
     shared by one model's indexers (they run one at a time).
 
     On a CPU a fresh [rows, T] buffer is above glibc's mmap threshold, so allocating one per call maps
-    and faults up to 128 MB again for every chunk and full layer (33.9 M minor faults in a 1M prefill).
-    It grows by doubling (beyond what a call asks only up to INDEX_SCORE_ELEMENTS_CPU, 128 MB) and is
+    and faults it again for every chunk and full layer (33.9 M minor faults in a 1M prefill).
+    It grows by doubling (beyond what a call asks only up to INDEX_SCORE_ELEMENTS_CPU, 512 MB) and is
     kept until the model is dropped or `release()`. On an accelerator the caching allocator already
     reuses memory, so each call gets a fresh tensor there."""
 

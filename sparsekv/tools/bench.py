@@ -1,4 +1,4 @@
-"""`sparsekv bench decode | prefill | modes | tiers | serve | spec`.
+"""`sparsekv bench decode | prefill | modes | tiers | serve | spec | indexer`.
 
 Every figure is measured in a fresh subprocess (clean peak RSS, no allocator carry-over) and every
 table prints its ratio against the baseline measured in the same run, plus achieved bandwidth.
@@ -224,6 +224,9 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "spec":
         from .bench_spec import main as spec_main
         return spec_main(argv[1:])
+    if argv and argv[0] == "indexer":
+        from .bench_indexer import main as indexer_main
+        return indexer_main(argv[1:])
     if argv and argv[0] == "serve":
         from .bench_serve import main as serve_main
         return serve_main(argv[1:])

@@ -1,0 +1,127 @@
+"""`sparsekv bench indexer`: the lightning indexer's prefill scan on its own, at long contexts.
+
+The scan (every query of a prefill chunk scored against every earlier key, then top-k) is quadratic
+in the context and most of a long prefill on a CPU. This times `LightningIndexer.select` for a
+block of queries at the end of a T-key history (random keys and queries with the checkpoint's
+indexer shape), with the engine's block policy and with a baseline policy in the same run, checks
+that both select the same positions, and prints the scan's FLOP rate against the machine's measured
+fp32 matmul rate. The baseline is the policy before 2026-12-01's session 10 (blocks of at most 64
+queries and a 128 MB score buffer, so 32 queries at 1M keys).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+
+import torch
+
+from .bench import report_console
+from .bench_worker import parse_tokens
+
+BASELINE_POLICY = {"INDEX_QUERY_BLOCK_CPU_MAX": 64, "INDEX_SCORE_ELEMENTS_CPU": 1 << 25}
+
+
+@contextlib.contextmanager
+def block_policy(policy: dict | None):
+    """Temporarily replace the CPU block constants of `sparsekv.model.attention` (None: keep them)."""
+    from ..model import attention
+    saved = {name: getattr(attention, name) for name in (policy or {})}
+    for name, value in (policy or {}).items():
+        setattr(attention, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(attention, name, value)
+
+
+def time_select(indexer, inputs, k: int, policy: dict | None, repeats: int) -> tuple[float, torch.Tensor, int]:
+    """(median seconds, selected positions, query block) of one `select` call under `policy`."""
+    from ..model.attention import index_query_block
+    q, weights, segments, positions = inputs
+    total = int(positions.max()) + 1
+    with block_policy(policy):
+        rows = index_query_block(q.device, indexer.n_heads, total)
+        indexer.scratch.release()
+        indexer.scratch.take(min(rows, q.shape[0]) * total, q.device)   # the score buffer, allocated untimed
+        times, selected = [], None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            selected = indexer.select(q, weights, segments, positions, k)
+            times.append(time.perf_counter() - t0)
+    indexer.scratch.release()
+    return statistics.median(times), selected, rows
+
+
+def random_inputs(cfg, context: int, queries: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    h, d = cfg.index_n_heads, cfg.index_head_dim
+    keys = torch.randn(context, d, generator=g)
+    q, weights = torch.randn(queries, h, d, generator=g), torch.randn(queries, h, generator=g)
+    return q, weights, [(0, keys)], torch.arange(context - queries, context)
+
+
+def bench(args) -> list[dict]:
+    from ..config import ModelConfig
+    from ..model.attention import LightningIndexer
+    from ..paths import default_model_path
+    from .hardware import measure_this_cpu
+    torch.set_num_threads(args.threads)
+    cfg = ModelConfig.from_json(args.model or default_model_path())
+    indexer = LightningIndexer(cfg, None)
+    machine = measure_this_cpu(threads=args.threads).matmul_flops("float32")
+    rows = []
+    for context in args.contexts:
+        inputs = random_inputs(cfg, context, args.queries, args.seed)
+        flops = 2 * cfg.index_n_heads * cfg.index_head_dim * args.queries * context
+        ours_s, ours_sel, ours_rows = time_select(indexer, inputs, cfg.index_topk, None, args.repeats)
+        base_s, base_sel, base_rows = time_select(indexer, inputs, cfg.index_topk, BASELINE_POLICY, args.repeats)
+        rows.append({"context": context, "queries": args.queries, "block": ours_rows, "ms_per_query": 1e3 * ours_s / args.queries,
+                     "gflops": flops / ours_s / 1e9, "baseline_block": base_rows,
+                     "baseline_ms_per_query": 1e3 * base_s / args.queries, "speedup": base_s / ours_s,
+                     "identical": bool(torch.equal(ours_sel, base_sel)), "machine_gflops": machine / 1e9})
+    return rows
+
+
+def report(rows: list[dict], args) -> None:
+    from rich.table import Table
+    machine = rows[0]["machine_gflops"] if rows else 0.0
+    table = Table(title=f"indexer prefill scan, {args.queries} queries at the end of the context, "
+                        f"{args.threads} threads (machine fp32 matmul {machine:.0f} GFLOP/s)")
+    for col in ("context", "block", "ms/query", "GFLOP/s (of machine)", "baseline block", "baseline ms/query",
+                "speed-up", "same selection"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(str(r["context"]), str(r["block"]), f"{r['ms_per_query']:.2f}",
+                      f"{r['gflops']:.1f} ({100 * r['gflops'] / r['machine_gflops']:.0f}%)", str(r["baseline_block"]),
+                      f"{r['baseline_ms_per_query']:.2f}", f"{r['speedup']:.2f}x", "yes" if r["identical"] else "NO")
+    report_console().print(table)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sparsekv bench indexer")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint whose indexer shape to use (default: bundled)")
+    p.add_argument("--contexts", default="256K,1M", help="keys in the history, e.g. 64K,256K,1M")
+    p.add_argument("--queries", type=int, default=512, help="queries scored (the end of a prefill chunk)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per policy; the median is reported")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.contexts = [parse_tokens(c) for c in args.contexts.split(",")]
+    if args.queries < 2 or any(c < args.queries for c in args.contexts):
+        p.error("--queries must be at least 2 and at most every context")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    rows = bench(args)
+    report(rows, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all(r["identical"] for r in rows) else 1
