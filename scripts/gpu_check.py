@@ -13,8 +13,8 @@
    ratio of weight bytes to one request's cache reads per step).
 5. with --needle LENGTHS (e.g. 1M or 256K,1M): issue 5's passkey eval of the bundled model at those
    lengths, needle depths 0, 0.5 and 1, sparse attention with the tiered cache on the device, written
-   to OUT.needle.json (and a heatmap next to it). One 1M prompt takes about 3.5 hours on this
-   project's 2-core CPU; it is what a lent GPU is for.
+   to OUT.needle.json (and a heatmap next to it). One 1M prompt takes about 1.8 hours on this
+   project's 2-core CPU (two threads, estimated; 3.5 on one); it is what a lent GPU is for.
 
 With little device time left, `--long 4096 --tiers` skips the 1M prefill and keeps the tiering checks.
 """
