@@ -71,7 +71,7 @@ class ScoreScratch:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel() * 4
+        return 0 if self._buffer is None else self._buffer.nbytes
 
     def release(self) -> None:
         self._buffer = None

@@ -113,10 +113,15 @@ def bench_decode(args, ckpt: str) -> list[dict]:
     return rows
 
 
+def index_flops_per_pair(cfg) -> int:
+    """FLOPs of one (query, key) q.k product of one lightning indexer: 2 x H_I x D_I."""
+    return 2 * cfg.index_n_heads * cfg.index_head_dim
+
+
 def indexer_pair_flops(cfg, context: int) -> int:
     """FLOPs of the lightning indexer's q.k products over the causal (query, key) pairs of a prefill of
-    `context` tokens: 2 x H_I x D_I a pair in each full layer. The quadratic part of a sparse prefill."""
-    return len(cfg.full_layers) * context * (context + 1) // 2 * 2 * cfg.index_n_heads * cfg.index_head_dim
+    `context` tokens, in each full layer. The quadratic part of a sparse prefill."""
+    return len(cfg.full_layers) * context * (context + 1) // 2 * index_flops_per_pair(cfg)
 
 
 def _compute_rate(r: dict, flops: int, machine_flops: float) -> str:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .bench import report_console
+from .bench import index_flops_per_pair, report_console
 from .bench_worker import parse_tokens
 
 BASELINE_POLICY = {"INDEX_QUERY_BLOCK_CPU_MAX": 64, "INDEX_SCORE_ELEMENTS_CPU": 1 << 25}
@@ -76,7 +76,7 @@ def bench(args) -> list[dict]:
     rows = []
     for context in args.contexts:
         inputs = random_inputs(cfg, context, args.queries, args.seed)
-        flops = 2 * cfg.index_n_heads * cfg.index_head_dim * args.queries * context
+        flops = index_flops_per_pair(cfg) * args.queries * context
         ours_s, ours_sel, ours_rows = time_select(indexer, inputs, cfg.index_topk, None, args.repeats)
         base_s, base_sel, base_rows = time_select(indexer, inputs, cfg.index_topk, BASELINE_POLICY, args.repeats)
         rows.append({"context": context, "queries": args.queries, "block": ours_rows, "ms_per_query": 1e3 * ours_s / args.queries,
