@@ -143,6 +143,7 @@ class LLMEngine:
             return False
         self._release(req, RequestStatus.ABORTED, "abort")
         self._final_metrics.pop(request_id, None)
+        self._free_idle_buffers()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -171,7 +172,14 @@ class LLMEngine:
                 row += rows
         if self.speculator is not None:
             self.speculator.draft(chunks, hidden, self._generators)
+        self._free_idle_buffers()
         return outputs
+
+    def _free_idle_buffers(self) -> None:
+        """With no request left, free the indexer's prefill score buffer: it grows with the longest
+        context prefilled (up to 512 MB on a CPU) and would otherwise stay with the process."""
+        if not self.scheduler.has_unfinished():
+            self.model.index_scratch.release()
 
     def _sample(self, req: Request, logits: torch.Tensor) -> RequestOutput:
         """The step's new token(s): one sampled, or a verified draft (speculative.py) plus one more."""
@@ -267,7 +275,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         spec = self.speculator.stats() if self.speculator is not None else {}
-        return {**self._kv_stats(), **spec}
+        return {**self._kv_stats(), "indexer_scratch_bytes": self.model.index_scratch.nbytes, **spec}
 
     def _kv_stats(self) -> dict:
         used_tokens = (self.allocator.num_pages - self.allocator.num_free) * self.page_size

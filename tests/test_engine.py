@@ -84,6 +84,23 @@ def test_abort_mid_generation_frees_pages(llm, random_prompt):
     _idle(llm)
 
 
+def test_index_score_buffer_is_freed_when_the_engine_goes_idle(llm, random_prompt):
+    """The prefill score buffer is reported while requests run and freed once none is left, by finish
+    or by abort (it grows with the longest context prefilled, up to 512 MB on a CPU)."""
+    engine = llm.engine
+    for ending in ("finish", "abort"):
+        engine.add_request(ending, random_prompt(40, seed=3), SamplingParams(max_tokens=4, temperature=0.0))
+        engine.step()                                       # a 16-token prefill chunk, more keys than top-k
+        held = llm.stats()["indexer_scratch_bytes"]
+        assert held == engine.model.index_scratch.nbytes > 0
+        if ending == "abort":
+            assert engine.abort(ending)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert llm.stats()["indexer_scratch_bytes"] == engine.model.index_scratch.nbytes == 0
+        _idle(llm)
+
+
 @pytest.mark.parametrize("kwargs, param", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
     (dict(temperature=-1.0), "temperature"), (dict(temperature="hot"), "temperature"), (dict(top_p=0.0), "top_p"),

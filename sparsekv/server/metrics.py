@@ -33,6 +33,8 @@ ENGINE_GAUGES = {
     "host_kv_budget_bytes": ("host_kv_budget_bytes", "Host-tier KV budget in bytes."),
     "kv_pages_total": ("kv_pages_total", "Device KV pages in the pool."),
     "kv_pages_free": ("kv_pages_free", "Device KV pages free."),
+    "indexer_scratch_bytes": ("indexer_scratch_bytes",
+                              "Bytes of the indexer's prefill score buffer (CPU; freed when no request is left)."),
 }
 ENGINE_COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens prefilled."),
