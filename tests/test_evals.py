@@ -217,3 +217,32 @@ def test_eval_needle_end_to_end_reports_the_key_selected_while_answering(tmp_pat
                         lambda layer, seq, sel: rows.update({layer: set(sel[answering].flatten().tolist())}))
         expected = {str(l): len(set(keys) & rows[l]) / len(keys) for l in cfg.full_layers}
         assert r["key_in_topk"] == expected and any(v > 0 for v in expected.values())
+
+
+def test_eval_needle_json_keeps_every_finished_sample_when_a_run_stops(tmp_path, monkeypatch):
+    """The JSON is rewritten after every sample (a 1M prompt takes hours on a CPU): a run stopped after
+    its first prompt leaves that prompt's result, marked incomplete; a finished run is marked complete."""
+    import sparsekv.tools.eval_needle as needle
+    from sparsekv.paths import default_model_path
+    out = tmp_path / "needle.json"
+    p = argparse.ArgumentParser()
+    needle.add_args(p)
+    args = p.parse_args([default_model_path(), "--tasks", "passkey", "--lengths", "600", "--depths", "0,1",
+                         "--samples", "1", "--dense-max-length", "0", "--json", str(out)])
+    calls = []
+
+    def score_then_stop(answer, text):
+        calls.append(answer)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return score(answer, text)
+    monkeypatch.setattr(needle, "score", score_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        needle.main(args)
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is False and [r["answer"] for r in saved["results"]] == calls[:1]
+    assert not (tmp_path / "needle.json.partial").exists()
+    monkeypatch.setattr(needle, "score", score)
+    assert needle.main(args) == 0
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is True and len(saved["results"]) == 2 and saved["results"][0]["answer"] == calls[0]

@@ -115,7 +115,9 @@ class AnswerRowSelections:
         return {str(layer): len(set(positions) & chosen) / len(positions) for layer, chosen in sorted(self.selected.items())}
 
 
-def run_length(model: str, samples, length: int, attention: str, args, log, tok=None) -> tuple[list[dict], str]:
+def run_length(model: str, samples, length: int, attention: str, args, log, tok=None,
+               on_result=None) -> tuple[list[dict], str]:
+    """Every sample through the engine; `on_result(results so far)` after each one."""
     from ..request import SamplingParams
     llm, note = make_llm(model, attention, length + max(MAX_TOKENS.values()), args)
     recorder = AnswerRowSelections(llm) if attention == "sparse" and tok is not None else None
@@ -140,6 +142,8 @@ def run_length(model: str, samples, length: int, attention: str, args, log, tok=
         log(f"  {length_label(length)} {attention} {s.task} depth={s.depth:.2f} {'OK ' if ok else 'MISS'} "
             f"want {s.answer} got {text.strip()[:40]!r}{found} ({results[-1]['seconds']:.1f} s) [{i + 1}/{len(samples)}]"
             f"{memory_note(results[-1]['metrics'])}")
+        if on_result:
+            on_result(results)
     return results, note
 
 
@@ -228,11 +232,19 @@ def main(args: argparse.Namespace) -> int:
     tok = load_text_tokenizer(model)
     builder = TaskBuilder(tok, heldout_stream(tok), args.seed)
     results, notes = [], {}
+
+    def save(done: list[dict], complete: bool) -> None:
+        """The JSON after every sample, so a run that is stopped (a 1M prompt takes hours here) keeps
+        what it measured; written whole and renamed, never left half-written."""
+        if args.json:
+            write_json(args.json, {"model": os.path.abspath(model), "complete": complete, "notes": notes,
+                                   "results": done})
     for L in lengths:
         samples = build_samples(builder, tasks, L, depths, args.samples)
         for attention in ["sparse"] + (["dense"] if L <= dense_max else []):
             log(f"length {length_label(L)}, {attention} attention: {len(samples)} prompts")
-            rs, note = run_length(model, samples, L, attention, args, log, tok)
+            rs, note = run_length(model, samples, L, attention, args, log, tok,
+                                  on_result=lambda partial: save(results + partial, complete=False))
             notes[f"{length_label(L)} {attention}"] = note
             results += rs
             log(f"  ({note})")
@@ -245,7 +257,12 @@ def main(args: argparse.Namespace) -> int:
     if args.heatmap:
         write_heatmap(results, tasks, lengths, depths, args.heatmap)
         print(f"heatmap: {args.heatmap}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": os.path.abspath(model), "notes": notes, "results": results}, f, indent=1)
+    save(results, complete=True)
     return 0
+
+
+def write_json(path: str, data: dict) -> None:
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(partial, path)
