@@ -36,18 +36,26 @@ def test_bench_prefill_reports_speedup_and_indexer_rate_against_the_machine(tmp_
 
 
 def test_bench_indexer_times_both_policies_and_checks_they_select_the_same(tmp_path, capsys):
-    """`sparsekv bench indexer`: the engine's block policy against the baseline policy in the same run,
+    """`sparsekv bench indexer`: the engine's block policy against an earlier policy in the same run,
     on the same inputs; both must select the same positions, and the module constants are restored."""
     from sparsekv.model import attention
-    from sparsekv.tools.bench_indexer import BASELINE_POLICY, block_policy, main as indexer_main
-    before = (attention.INDEX_QUERY_BLOCK_CPU_MAX, attention.INDEX_SCORE_ELEMENTS_CPU)
-    out = tmp_path / "indexer.json"
-    assert indexer_main(["--contexts", "1K,2K", "--queries", "300", "--repeats", "1", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
-    assert [r["context"] for r in rows] == [1024, 2048] and all(r["identical"] for r in rows)
-    assert all(r["block"] == attention.index_query_block(torch.device("cpu"), 4, r["context"]) for r in rows)
-    assert all(r["block"] != r["baseline_block"] for r in rows)     # 128 against 64 queries a block
-    with block_policy(BASELINE_POLICY):
-        assert all(r["baseline_block"] == attention.index_query_block(torch.device("cpu"), 4, r["context"]) for r in rows)
-    assert "same selection" in capsys.readouterr().out
-    assert (attention.INDEX_QUERY_BLOCK_CPU_MAX, attention.INDEX_SCORE_ELEMENTS_CPU) == before
+    from sparsekv.tools.bench_indexer import BASELINES, block_policy, main as indexer_main
+    names = ("INDEX_QUERY_BLOCK_CPU_MAX", "INDEX_SCORE_ELEMENTS_CPU", "INDEX_TILE_ELEMENTS_CPU")
+    before = [getattr(attention, n) for n in names]
+    cpu = torch.device("cpu")
+
+    def policy_of(context: int) -> tuple[int, int]:
+        block = attention.index_query_block(cpu, 4, context)
+        return block, attention.index_key_tile(cpu, min(block, 300), 4, context)
+    for baseline in sorted(BASELINES):
+        out = tmp_path / f"{baseline}.json"
+        assert indexer_main(["--contexts", "1K,2K", "--queries", "300", "--repeats", "1", "--baseline", baseline,
+                             "--json", str(out)]) == 0
+        rows = json.loads(out.read_text())
+        assert [r["context"] for r in rows] == [1024, 2048] and all(r["identical"] for r in rows)
+        assert all((r["block"], r["tile"]) == policy_of(r["context"]) for r in rows)
+        assert all((r["block"], r["tile"]) != (r["baseline_block"], r["baseline_tile"]) for r in rows)
+        with block_policy(BASELINES[baseline]):
+            assert all((r["baseline_block"], r["baseline_tile"]) == policy_of(r["context"]) for r in rows)
+        assert "same selection" in capsys.readouterr().out
+        assert [getattr(attention, n) for n in names] == before

@@ -19,16 +19,17 @@ from ..kernels.attention import (causal_mask_scores, fill_blocks, latent_attenti
 from .layers import layer_norm, rms_norm, rope_half_split, rope_interleaved
 
 # On a CPU, queries are scored a block at a time against key tiles: the [block x H, tile] GEMM output
-# stays in L2 (INDEX_TILE_ELEMENTS_CPU), and the block is as large as the [block, T] score rows allow
-# (INDEX_SCORE_ELEMENTS_CPU, 512 MB), so each key tile is read once for up to 128 queries: 128 up to 1M
-# keys. 8 queries against 32K-key tiles ran the indexer GEMM at ~30 GFLOP/s on this machine's core; 64
+# (INDEX_TILE_ELEMENTS_CPU, 2 MB) stays in cache, and the block is as large as the [block, T] score rows
+# allow (INDEX_SCORE_ELEMENTS_CPU, 512 MB), so each key tile is read once for up to 128 queries: 128 up to
+# 1M keys. 8 queries against 32K-key tiles ran the indexer GEMM at ~30 GFLOP/s on this machine's core; 64
 # against 512-key tiles at ~60. With two threads small blocks parallelise badly: at 1M keys a block
-# of 32 queries cost 14.8 ms a query, 64 10.3 and 128 7.1 (one thread: 12.2, 11.3, 11.2; BENCHMARKS.md,
-# "Indexer prefill").
+# of 32 queries cost 14.8 ms a query, 64 10.3 and 128 7.1 (one thread: 12.2, 11.3, 11.2). Tiles of 1024
+# keys for 128 queries of 4 heads beat 256 by 1.08-1.35x (fewer ops per key, each of them a few us of
+# launch; BENCHMARKS.md, "Indexer prefill").
 INDEX_QUERY_BLOCK_CPU = 8
 INDEX_QUERY_BLOCK_CPU_MAX = 128
 INDEX_SCORE_ELEMENTS_CPU = 1 << 27
-INDEX_TILE_ELEMENTS_CPU = 1 << 17
+INDEX_TILE_ELEMENTS_CPU = 1 << 19
 INDEX_SCORE_ELEMENTS_GPU = 1 << 28  # on an accelerator, larger blocks amortise launches (1 GiB fp32)
 
 

@@ -5,8 +5,9 @@ in the context and most of a long prefill on a CPU. This times `LightningIndexer
 block of queries at the end of a T-key history (random keys and queries with the checkpoint's
 indexer shape), with the engine's block policy and with a baseline policy in the same run, checks
 that both select the same positions, and prints the scan's FLOP rate against the machine's measured
-fp32 matmul rate. The baseline is the policy before 2026-12-01's session 10 (blocks of at most 64
-queries and a 128 MB score buffer, so 32 queries at 1M keys).
+fp32 matmul rate. Baselines (`--baseline`) are earlier policies: `small-tiles` (session 10, 2026-12-01:
+key tiles of 2^17 scores, 256 keys for 128 queries of 4 heads) and `small-blocks` (session 9: also
+blocks of at most 64 queries and a 128 MB score buffer, so 32 queries at 1M keys).
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ import torch
 from .bench import index_flops_per_pair, report_console
 from .bench_worker import parse_tokens
 
-BASELINE_POLICY = {"INDEX_QUERY_BLOCK_CPU_MAX": 64, "INDEX_SCORE_ELEMENTS_CPU": 1 << 25}
+BASELINES = {"small-tiles": {"INDEX_TILE_ELEMENTS_CPU": 1 << 17},
+             "small-blocks": {"INDEX_QUERY_BLOCK_CPU_MAX": 64, "INDEX_SCORE_ELEMENTS_CPU": 1 << 25,
+                              "INDEX_TILE_ELEMENTS_CPU": 1 << 17}}
 
 
 @contextlib.contextmanager
@@ -38,13 +41,14 @@ def block_policy(policy: dict | None):
             setattr(attention, name, value)
 
 
-def time_select(indexer, inputs, k: int, policy: dict | None, repeats: int) -> tuple[float, torch.Tensor, int]:
-    """(median seconds, selected positions, query block) of one `select` call under `policy`."""
-    from ..model.attention import index_query_block
+def time_select(indexer, inputs, k: int, policy: dict | None, repeats: int) -> tuple[float, torch.Tensor, int, int]:
+    """(median seconds, selected positions, query block, keys per tile) of one `select` call under `policy`."""
+    from ..model.attention import index_key_tile, index_query_block
     q, weights, segments, positions = inputs
     total = int(positions.max()) + 1
     with block_policy(policy):
         rows = index_query_block(q.device, indexer.n_heads, total)
+        tile = index_key_tile(q.device, min(rows, q.shape[0]), indexer.n_heads, total)
         indexer.scratch.release()
         indexer.scratch.take(min(rows, q.shape[0]) * total, q.device)   # the score buffer, allocated untimed
         times, selected = [], None
@@ -53,7 +57,7 @@ def time_select(indexer, inputs, k: int, policy: dict | None, repeats: int) -> t
             selected = indexer.select(q, weights, segments, positions, k)
             times.append(time.perf_counter() - t0)
     indexer.scratch.release()
-    return statistics.median(times), selected, rows
+    return statistics.median(times), selected, rows, tile
 
 
 def random_inputs(cfg, context: int, queries: int, seed: int):
@@ -77,10 +81,12 @@ def bench(args) -> list[dict]:
     for context in args.contexts:
         inputs = random_inputs(cfg, context, args.queries, args.seed)
         flops = index_flops_per_pair(cfg) * args.queries * context
-        ours_s, ours_sel, ours_rows = time_select(indexer, inputs, cfg.index_topk, None, args.repeats)
-        base_s, base_sel, base_rows = time_select(indexer, inputs, cfg.index_topk, BASELINE_POLICY, args.repeats)
-        rows.append({"context": context, "queries": args.queries, "block": ours_rows, "ms_per_query": 1e3 * ours_s / args.queries,
-                     "gflops": flops / ours_s / 1e9, "baseline_block": base_rows,
+        ours_s, ours_sel, ours_rows, ours_tile = time_select(indexer, inputs, cfg.index_topk, None, args.repeats)
+        base_s, base_sel, base_rows, base_tile = time_select(indexer, inputs, cfg.index_topk,
+                                                             BASELINES[args.baseline], args.repeats)
+        rows.append({"context": context, "queries": args.queries, "block": ours_rows, "tile": ours_tile,
+                     "ms_per_query": 1e3 * ours_s / args.queries, "gflops": flops / ours_s / 1e9,
+                     "baseline": args.baseline, "baseline_block": base_rows, "baseline_tile": base_tile,
                      "baseline_ms_per_query": 1e3 * base_s / args.queries, "speedup": base_s / ours_s,
                      "identical": bool(torch.equal(ours_sel, base_sel)), "machine_gflops": machine / 1e9})
     return rows
@@ -91,12 +97,13 @@ def report(rows: list[dict], args) -> None:
     machine = rows[0]["machine_gflops"] if rows else 0.0
     table = Table(title=f"indexer prefill scan, {args.queries} queries at the end of the context, "
                         f"{args.threads} threads (machine fp32 matmul {machine:.0f} GFLOP/s)")
-    for col in ("context", "block", "ms/query", "GFLOP/s (of machine)", "baseline block", "baseline ms/query",
-                "speed-up", "same selection"):
+    for col in ("context", "block x tile", "ms/query", "GFLOP/s (of machine)", f"{args.baseline}: block x tile",
+                "baseline ms/query", "speed-up", "same selection"):
         table.add_column(col)
     for r in rows:
-        table.add_row(str(r["context"]), str(r["block"]), f"{r['ms_per_query']:.2f}",
-                      f"{r['gflops']:.1f} ({100 * r['gflops'] / r['machine_gflops']:.0f}%)", str(r["baseline_block"]),
+        table.add_row(str(r["context"]), f"{r['block']} x {r['tile']}", f"{r['ms_per_query']:.2f}",
+                      f"{r['gflops']:.1f} ({100 * r['gflops'] / r['machine_gflops']:.0f}%)",
+                      f"{r['baseline_block']} x {r['baseline_tile']}",
                       f"{r['baseline_ms_per_query']:.2f}", f"{r['speedup']:.2f}x", "yes" if r["identical"] else "NO")
     report_console().print(table)
 
@@ -109,6 +116,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed calls per policy; the median is reported")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baseline", choices=sorted(BASELINES), default="small-tiles",
+                   help="earlier block policy timed in the same run (see the module docstring)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.contexts = [parse_tokens(c) for c in args.contexts.split(",")]
