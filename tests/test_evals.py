@@ -228,7 +228,8 @@ def test_eval_needle_json_keeps_every_finished_sample_when_a_run_stops(tmp_path,
     p = argparse.ArgumentParser()
     needle.add_args(p)
     args = p.parse_args([default_model_path(), "--tasks", "passkey", "--lengths", "600", "--depths", "0,1",
-                         "--samples", "1", "--dense-max-length", "0", "--json", str(out)])
+                         "--samples", "1", "--dense-max-length", "0", "--json", str(out),
+                         "--heatmap", str(tmp_path / "heat.png")])
     calls = []
 
     def score_then_stop(answer, text):
