@@ -76,6 +76,44 @@ def test_tokenizer_and_chat_template_load_in_transformers(trained):
     assert chat == "<|user|>\nhi\n<|assistant|>\n"
 
 
+@pytest.fixture(scope="module")
+def grouped_tokenizer():
+    from sparsekv.train.data import read_split
+    from sparsekv.train.tokenizer import train_tokenizer
+    return train_tokenizer(read_split(max_files=30)[0], 400, digit_group=3)
+
+
+def test_digit_groups_cut_every_number_into_threes_from_the_left(grouped_tokenizer, tmp_path):
+    import random
+
+    from transformers import PreTrainedTokenizerFast
+
+    from sparsekv.train.tokenizer import digit_group_of
+    tok = grouped_tokenizer
+    assert digit_group_of(tok) == 3 and tok.get_vocab_size() == 400 + 1100
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    rng = random.Random(0)
+    for _ in range(300):
+        number = str(rng.randrange(10 ** rng.randint(1, 13)))
+        text = f"x = {number}.\n"
+        enc = tok.encode(text)
+        assert [t for t in enc.tokens if t.isdigit()] == [number[i:i + 3] for i in range(0, len(number), 3)]
+        assert tok.decode(enc.ids) == text and hf.encode(text) == enc.ids
+
+
+def test_repeat_rows_of_a_digit_group_tokenizer_draw_from_every_number_token(grouped_tokenizer):
+    from sparsekv.train.data import number_tokens
+    ids = number_tokens(grouped_tokenizer)
+    texts = [grouped_tokenizer.id_to_token(i) for i in ids]
+    assert len(set(ids)) == 1110 and texts[:10] == [str(d) for d in range(10)] and texts[-1] == "999"
+
+
+def test_a_work_dir_with_another_digit_group_is_refused(trained):
+    with pytest.raises(SystemExit, match="--digit-group 3"):
+        train_main(COMMON + ["--out", trained[0] + "-dg3", "--work-dir", trained[1], "--digit-group", "3"])
+
+
 def _first_topk_tie(tm, ids: list[int]) -> int:
     """The first row with an exact tie at the k-th index score (ReLU zeros), or len(ids). Such ties
     make the top-k set implementation-defined (model-spec §7.2), so parity is only defined on the
@@ -232,7 +270,7 @@ def test_copy_warmup_longer_than_pretrain_is_an_error(tmp_path, capsys):
 
 def test_copy_warmup_repeat_rows_weigh_only_the_predictable_copy(trained):
     src = _source(trained[1], synth_frac=0.0, copy_warmup_steps=2, copy_warmup_seq_len=120, copy_warmup_repeat_frac=1.0)
-    digits = set(src.digits)
+    digits = set(src.number_tokens)
     b = src.batch(0, 0)
     assert b.ids.shape == (6, 121) and torch.equal(b.positions, torch.arange(120).expand(6, 120))
     for ids, w in zip(b.ids.tolist(), b.weights.tolist()):

@@ -41,7 +41,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="wall budget; stages shrink to fit (shares 50/10/30/10%%)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE tokens learned from the corpus")
+    p.add_argument("--digit-group", type=int, default=1, choices=(1, 2, 3),
+                   help="digits per number token, cut from the left (3: as DeepSeek-V3 and GLM; adds the "
+                        "1100 groups of 2 and 3 digits to the vocabulary)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--synth-frac", type=float, default=0.6, help="share of rows that are retrieval documents")
     p.add_argument("--pose-max-position", type=int, default=1 << 20)
@@ -84,12 +87,16 @@ def prepare_data(args, work_dir: str):
     """Tokenizer and token streams, built once and cached in the work dir."""
     import torch
     from .data import read_split, tokenize_stream
-    from .tokenizer import EOS, load_tokenizer, save_tokenizer, train_tokenizer
+    from .tokenizer import EOS, digit_group_of, load_tokenizer, save_tokenizer, train_tokenizer
     cache = os.path.join(work_dir, "corpus.pt")
     if os.path.exists(cache) and os.path.exists(os.path.join(work_dir, "tokenizer.json")):
-        return load_tokenizer(work_dir), torch.load(cache)
+        tok = load_tokenizer(work_dir)
+        if digit_group_of(tok) != args.digit_group:
+            raise SystemExit(f"sparsekv train: error: {work_dir} holds a tokenizer with digit groups of "
+                             f"{digit_group_of(tok)}, not --digit-group {args.digit_group}; use another --work-dir")
+        return tok, torch.load(cache)
     train, heldout = read_split(max_files=args.max_files)
-    tok = train_tokenizer(train, args.vocab_size)
+    tok = train_tokenizer(train, args.vocab_size, args.digit_group)
     save_tokenizer(tok, work_dir)
     eos = tok.token_to_id(EOS)
     corpus = {"train": tokenize_stream(tok, train, eos), "heldout": tokenize_stream(tok, heldout, eos)}

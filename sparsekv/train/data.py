@@ -11,6 +11,7 @@ scale from S to 1M gets training signal; a fraction of rows keeps contiguous pos
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -93,7 +94,7 @@ class BatchSource:
     `copy_warmup_seq_len` tokens that are all retrieval documents, with contiguous positions (no
     PoSE): cheap steps with many copy targets, where the induction (copy) circuit forms. A share
     `copy_warmup_repeat_frac` of them are back-to-back repeats of random digit strings (the textbook
-    induction task, on the alphabet that pass keys use), weighted only on the second copy.
+    induction task, on the alphabet that pass keys use: `number_tokens`), weighted only on the second copy.
     """
 
     def __init__(self, tok, train_ids: torch.Tensor, seq_len: int, batch_size: int, seed: int,
@@ -109,7 +110,7 @@ class BatchSource:
         self.doc_min_frac = doc_min_frac
         self.copy_warmup_steps, self.copy_warmup_seq_len = copy_warmup_steps, copy_warmup_seq_len
         self.copy_warmup_repeat_frac = copy_warmup_repeat_frac
-        self.digits = [tok.token_to_id(str(d)) for d in range(10)]
+        self.number_tokens = number_tokens(tok)
         self.eos = tok.token_to_id("<|endoftext|>")
         self.caches = new_caches(tok)
 
@@ -171,15 +172,23 @@ class BatchSource:
                      torch.tensor(weights, dtype=torch.float32))
 
     def _repeat_row(self, rng: random.Random, seq_len: int) -> tuple[list[int], list[float]]:
-        """Segments x x of 5-16 random digits, back to back; only the predictable targets (the second
-        copy after its first token) carry weight."""
+        """Segments x x of 5-16 random number tokens (digits, or digit groups, see tokenizer.py), back
+        to back; only the predictable targets (the second copy after its first token) carry weight."""
         ids, weights = [], []
         while len(ids) < seq_len + 1:
             n = rng.randint(5, 16)
-            seg = [rng.choice(self.digits) for _ in range(n)]
+            seg = [rng.choice(self.number_tokens) for _ in range(n)]
             ids += seg + seg
             weights += [0.0] * n + [1.0] * (n - 1) + [0.0]   # weights[i] belongs to target ids[i + 1]
         return ids[:seq_len + 1], weights[:seq_len]
+
+
+def number_tokens(tok) -> list[int]:
+    """Ids of every token that is a whole digit string ('0'..'9', then '00'..'99', ... up to the
+    tokenizer's digit group), in that order."""
+    from .tokenizer import digit_group_of
+    return [tok.token_to_id("".join(c)) for n in range(1, digit_group_of(tok) + 1)
+            for c in itertools.product("0123456789", repeat=n)]
 
 
 def heldout_rows(heldout_ids: torch.Tensor, seq_len: int, num_rows: int) -> torch.Tensor:

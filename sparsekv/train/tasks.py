@@ -5,7 +5,7 @@ that end where the answer starts). Every prompt has exactly the requested number
 the needle sits at the requested depth: depth d puts it after round(d * haystack_tokens) tokens
 of haystack (snapped back to the start of a line when the haystack is code).
 
-Tasks (answers are digit strings; digits are single tokens, see tokenizer.py):
+Tasks (answers are digit strings, one token per digit or per group of up to 3, see tokenizer.py):
   passkey   one pass key in a repeated-filler haystack (RULER "passkey")
   multikey  several named keys in code; one is asked for (RULER "niah multikey")
   niah      one "special magic number" line hidden in held-out stdlib code (RULER "niah single")
