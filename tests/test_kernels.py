@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from sparsekv.kernels.attention import causal_mask_scores, fill_blocks, select_topk, top_values
@@ -125,6 +126,32 @@ def test_lightning_indexer_select_in_blocks_and_tiles_matches_one_dense_pass(mon
     dense = (dense * weights[:, :, None]).sum(1)
     dense[torch.arange(T)[None, :] > positions[:, None]] = float("-inf")
     assert torch.equal(got, select_topk(dense, k))
+
+
+@pytest.mark.parametrize("keys_major_from", [0, 1 << 30], ids=["keys-major", "query-major"])
+def test_decode_rows_score_like_one_dense_pass_in_either_layout(monkeypatch, keys_major_from):
+    """A decode row (one query) is scored keys-major over long histories, query-major over short ones
+    (`keys_major`). Forced either way, over key segments of both kinds and tiles of 16 keys, with
+    integer inputs (exact fp32 scores): each row's set equals top-k of the dense scores, ties included."""
+    from sparsekv.model import attention as attn
+    from sparsekv.tools.tiny import TINY_GLM
+    from sparsekv.config import ModelConfig
+    cfg = ModelConfig.from_dict({**TINY_GLM, "model_type": "glm_moe_dsa"})
+    indexer = attn.LightningIndexer(cfg, None)
+    monkeypatch.setattr(attn, "DECODE_KEYS_MAJOR_MIN_KEYS", keys_major_from)
+    monkeypatch.setattr(attn, "INDEX_TILE_ELEMENTS_CPU", 16 * cfg.index_n_heads)
+    g = torch.Generator().manual_seed(1)
+    T, H, D, k = 300, cfg.index_n_heads, cfg.index_head_dim, 12
+    keys = torch.randint(-3, 4, (T, D), generator=g).float()
+    scattered = torch.arange(100, 180).flip(0)
+    segments = [(0, keys[:100]), (scattered, keys[scattered]), (180, keys[180:])]
+    for p in (20, 150, 299):
+        q = torch.randint(-3, 4, (1, H, D), generator=g).float()
+        weights = torch.randint(-2, 3, (1, H), generator=g).float()
+        got = indexer.select(q, weights, segments, torch.tensor([p]), k)
+        dense = ((torch.einsum("hd,td->ht", q[0], keys[:p + 1]).relu() * D ** -0.5) * weights[0, :, None]).sum(0)
+        assert torch.equal(got, select_topk(dense[None], k)), p
+    assert attn.keys_major(1, T) == (keys_major_from == 0) and not attn.keys_major(2, T)
 
 
 def test_index_score_scratch_is_reused_across_calls_and_shared_by_indexers(monkeypatch):

@@ -275,9 +275,9 @@ def test_batched_selection_of_drafting_decodes_equals_per_request(model, tiering
     ref = LLM(model, **options).generate(prompts, GREEDY)
     shapes, real = [], LightningIndexer.select_decode_batch
 
-    def spy(self, q, weights, keys, positions, k):
+    def spy(self, q, weights, keys, positions, k, major=False):
         shapes.append(tuple(q.shape[:2]))
-        return real(self, q, weights, keys, positions, k)
+        return real(self, q, weights, keys, positions, k, major)
     monkeypatch.setattr(LightningIndexer, "select_decode_batch", spy)
     monkeypatch.setattr(DSASelector, "batch_decode", True)
     outs = LLM(model, **options).generate(prompts, GREEDY)

@@ -302,26 +302,33 @@ def test_quest_own_page_bounds_match_brute_force():
         done += n
 
 
+@pytest.mark.parametrize("keys_major_from", [None, 45], ids=["short-histories", "keys-major-from-45"])
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=TOPK),
                                      dict(kv_tiering=True, indexer_key_dtype="fp8_e4m3")],
                          ids=["device", "tiered", "tiered-fp8"])
-def test_batched_decode_selection_equals_per_request(ckpt, options, monkeypatch):
+def test_batched_decode_selection_equals_per_request(ckpt, options, keys_major_from, monkeypatch):
     """Accelerators select a step's one-row decodes in one batched pass over padded key histories
     (DSASelector.batch_decode). Forced on here: the same tokens and logprobs as per request, bit for
-    bit on this CPU, through both pools and FP8 keys, and it really ran."""
+    bit on this CPU, through both pools and FP8 keys, and it really ran. With the keys-major threshold
+    at 45 keys the prompts of 39 and 23 tokens cross it while decoding and the one of 60 starts past it,
+    so steps batch both scoring layouts (never mixed in one batch)."""
+    from sparsekv.model import attention
     from sparsekv.model.attention import LightningIndexer
     from sparsekv.model.selectors import DSASelector
+    if keys_major_from is not None:
+        monkeypatch.setattr(attention, "DECODE_KEYS_MAJOR_MIN_KEYS", keys_major_from)
     reference, _ = generate(ckpt["glm_moe_dsa"], **options)
     calls, real = [], LightningIndexer.select_decode_batch
 
-    def spy(self, q, weights, keys, lengths, k):
-        calls.append(q.shape[0])
-        return real(self, q, weights, keys, lengths, k)
+    def spy(self, q, weights, keys, lengths, k, major=False):
+        calls.append((q.shape[0], major))
+        return real(self, q, weights, keys, lengths, k, major)
     monkeypatch.setattr(LightningIndexer, "select_decode_batch", spy)
     monkeypatch.setattr(DSASelector, "batch_decode", True)
     outs, _ = generate(ckpt["glm_moe_dsa"], **options)
     assert_same(reference, outs)
-    assert calls and max(calls) == len(PROMPTS)
+    assert calls and max(n for n, _ in calls) == (len(PROMPTS) if keys_major_from is None else 3)
+    assert {major for _, major in calls} == ({False} if keys_major_from is None else {False, True})
 
 
 def test_batched_decode_groups_stay_within_the_budget():

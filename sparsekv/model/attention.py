@@ -31,6 +31,15 @@ INDEX_QUERY_BLOCK_CPU_MAX = 128
 INDEX_SCORE_ELEMENTS_CPU = 1 << 27
 INDEX_TILE_ELEMENTS_CPU = 1 << 19
 INDEX_SCORE_ELEMENTS_GPU = 1 << 28  # on an accelerator, larger blocks amortise launches (1 GiB fp32)
+# A decode row (one query) scores keys-major from this many keys on (`decode_head_scores`): below it
+# the keys of a layer stay in a CPU's cache and the query-major GEMM is faster.
+DECODE_KEYS_MAJOR_MIN_KEYS = 1 << 15
+
+
+def keys_major(rows: int, keys: int) -> bool:
+    """Whether `rows` query rows over `keys` keys are scored keys-major (one decode row, long history).
+    The per-request and the batched decode paths both ask this, so each request's scores are the same bits."""
+    return rows == 1 and keys >= DECODE_KEYS_MAJOR_MIN_KEYS
 
 
 def index_query_block(device: torch.device, heads: int, total: int) -> int:
@@ -122,50 +131,58 @@ class LightningIndexer:
         place. Keys are scored a tile at a time, so the [S x H_I, tile] intermediate stays in cache.
         """
         w = weights * self.head_dim ** -0.5
+        major = keys_major(q.shape[0], total)
         first, keys = segments[0]
         if len(segments) == 1 and isinstance(first, int) and keys.shape[0] >= total:
-            return self._score_tiles(q, w, keys[:total], out)          # one view
+            return self._score_tiles(q, w, keys[:total], major, out)          # one view
         out = torch.empty(q.shape[0], total, dtype=torch.float32, device=q.device) if out is None else out
         for positions, keys in segments:
             if isinstance(positions, int):
                 n = min(keys.shape[0], total - positions)
                 if n > 0:
-                    self._score_tiles(q, w, keys[:n], out[:, positions:positions + n])
+                    self._score_tiles(q, w, keys[:n], major, out[:, positions:positions + n])
             else:
                 visible = positions < total
-                out[:, positions[visible]] = self._score_tiles(q, w, keys[visible])
+                out[:, positions[visible]] = self._score_tiles(q, w, keys[visible], major)
         return out
 
-    def _score_tiles(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
+    def _score_tiles(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, major: bool,
                      out: torch.Tensor | None = None) -> torch.Tensor:
         total = keys.shape[0]
         tile = index_key_tile(q.device, q.shape[0], self.n_heads, total)
         if tile >= total and out is None:
-            return self._score_tile(q, w, keys)   # decode: no output copy
+            return self._score_tile(q, w, keys, major)   # decode: no output copy
         out = torch.empty(q.shape[0], total, dtype=torch.float32, device=q.device) if out is None else out
         for start in range(0, total, tile):
-            out[:, start:start + tile] = self._score_tile(q, w, keys[start:start + tile])
+            out[:, start:start + tile] = self._score_tile(q, w, keys[start:start + tile], major)
         return out
 
     @staticmethod
-    def _score_tile(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def _score_tile(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, major: bool) -> torch.Tensor:
         keys = keys.float()
-        if q.shape[0] == 1:  # decode: one [H, D] x [D, T] GEMM streams the key cache once
+        if major:  # a decode row over a long history
+            return torch.mm(decode_head_scores(keys, q[0].t()), w[0][:, None]).t()
+        if q.shape[0] == 1:  # a decode row over a short history: [H, D] x [D, T]
             s = torch.matmul(q[0], keys.t()).relu_()        # [H, T]
             return torch.matmul(w[0], s).unsqueeze(0)
         s = torch.mm(q.flatten(0, 1), keys.t()).relu_()    # [S * H, T]: one plain GEMM
         return torch.bmm(w.unsqueeze(1), s.view(q.shape[0], q.shape[1], -1)).squeeze(1)
 
     def select_decode_batch(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                            positions: torch.Tensor, k: int) -> torch.Tensor:
+                            positions: torch.Tensor, k: int, major: bool = False) -> torch.Tensor:
         """Sorted top-k positions [B, R, k] of the decode rows of B requests at once (accelerators: a
         handful of launches for the whole batch instead of a dozen per request). q [B, R, H_I, D_I],
         weights [B, R, H_I], positions [B, R] (each >= k: every row sees more than k keys), keys
-        [B, T, D_I] (each request's history, padded; positions past a row's are masked)."""
+        [B, T, D_I] (each request's history, padded; positions past a row's are masked). `major`:
+        the requests are all scored keys-major (`keys_major`: R = 1, long histories), else none is."""
         b, r, h, d = q.shape
         w = weights * self.head_dim ** -0.5
-        s = torch.bmm(q.float().view(b, r * h, d), keys.float().transpose(1, 2)).relu_()  # [B, R*H, T]
-        scores = torch.bmm(w.view(b * r, 1, h), s.view(b * r, h, -1)).view(b, r, -1)       # [B, R, T]
+        if major:  # as `_score_tile`'s keys-major decode row, so each request's scores are the same bits
+            s = decode_head_scores(keys.float(), q.float().view(b, h, d).transpose(1, 2))      # [B, T, H]
+            scores = torch.bmm(s, w.view(b, h, 1)).view(b, 1, -1)                                # [B, 1, T]
+        else:
+            s = torch.bmm(q.float().view(b, r * h, d), keys.float().transpose(1, 2)).relu_()  # [B, R*H, T]
+            scores = torch.bmm(w.view(b * r, 1, h), s.view(b * r, h, -1)).view(b, r, -1)       # [B, R, T]
         later = torch.arange(keys.shape[1], device=keys.device)[None, None, :] > positions[:, :, None]
         return select_topk(scores.masked_fill_(later, float("-inf")).view(b * r, -1), k).view(b, r, k)
 
@@ -192,6 +209,14 @@ class LightningIndexer:
             scores = self.scores(q[start:end], weights[start:end], segments, visible, out)
             return select_topk(causal_mask_scores(scores, positions), k)
         return fill_blocks(q.shape[0], rows, block)
+
+
+def decode_head_scores(keys: torch.Tensor, q_t: torch.Tensor) -> torch.Tensor:
+    """ReLU(keys @ q_t): a decode row's per-head scores, keys-major. keys [T, D] with q_t [D, H] gives
+    [T, H]; batched, [B, T, D] with [B, D, H] gives [B, T, H]. The key cache streams once through a
+    GEMM whose small side is the H heads; the query-major form, [H, D] x [D, T], runs 2-3x slower on
+    a CPU at 1M keys and does not gain from a second thread (BENCHMARKS.md, "Decode scores, keys-major")."""
+    return torch.matmul(keys, q_t).relu_()
 
 
 def _groups_within(seqs: list[SeqSlice], budget: int) -> list[list[SeqSlice]]:
@@ -291,17 +316,21 @@ class MLAttention:
                        and s.first_new_position >= self.cfg.index_topk), key=lambda s: s.context_len)
         out = {}
         per_position = ctx.decode_rows * max(self.cfg.index_n_heads, self.cfg.index_head_dim)
-        for group in _groups_within(seqs, INDEX_SCORE_ELEMENTS_GPU // per_position):
-            if len(group) < 2:
-                continue
-            r = max(s.num_new_tokens for s in group)  # shorter decodes repeat their last row
-            rows = ctx.rows_index([[s.token_start + min(i, s.num_new_tokens - 1) for i in range(r)] for s in group])
-            keys = cache.index_keys_batch(self.layer_idx, group)
-            selected = self.selector.indexer.select_decode_batch(index_q[0][rows], index_q[1][rows], keys,
-                                                                 ctx.positions[rows], self.cfg.index_topk)
-            out.update({s.request_id: selected[i, :s.num_new_tokens] for i, s in enumerate(group)})
+        for major in (False, True):  # never mix the two scoring layouts in one batch (see `keys_major`)
+            alike = [s for s in seqs if keys_major(s.num_new_tokens, s.context_len) == major]
+            for group in _groups_within(alike, INDEX_SCORE_ELEMENTS_GPU // per_position):
+                if len(group) >= 2:
+                    out.update(self._select_group(group, index_q, ctx, cache, major))
         ctx.selection.update(out)
         return set(out)
+
+    def _select_group(self, group: list[SeqSlice], index_q, ctx: ForwardContext, cache, major: bool) -> dict:
+        r = max(s.num_new_tokens for s in group)  # shorter decodes repeat their last row
+        rows = ctx.rows_index([[s.token_start + min(i, s.num_new_tokens - 1) for i in range(r)] for s in group])
+        keys = cache.index_keys_batch(self.layer_idx, group)
+        selected = self.selector.indexer.select_decode_batch(index_q[0][rows], index_q[1][rows], keys,
+                                                             ctx.positions[rows], self.cfg.index_topk, major)
+        return {s.request_id: selected[i, :s.num_new_tokens] for i, s in enumerate(group)}
 
     def _sparse(self, seq: SeqSlice, ctx) -> bool:
         return ctx.attention != "dense" and seq.context_len > self.cfg.index_topk

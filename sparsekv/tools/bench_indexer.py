@@ -8,6 +8,12 @@ that both select the same positions, and prints the scan's FLOP rate against the
 fp32 matmul rate. Baselines (`--baseline`) are earlier policies: `small-tiles` (session 10, 2026-12-01:
 key tiles of 2^17 scores, 256 keys for 128 queries of 4 heads) and `small-blocks` (session 9: also
 blocks of at most 64 queries and a 128 MB score buffer, so 32 queries at 1M keys).
+
+`--decode` times one decode row instead (`select` of a single query at the end of the history: the
+key scan every decode step makes in each full layer), keys-major past DECODE_KEYS_MAJOR_MIN_KEYS as
+the engine does, against query-major scoring at every length (before session 12: `w @ ReLU(q @ K^T)`
+as an [H, D] x [D, T] GEMM), and prints the rate the key cache streams at against the machine's
+measured read bandwidth.
 """
 from __future__ import annotations
 
@@ -68,6 +74,57 @@ def random_inputs(cfg, context: int, queries: int, seed: int):
     return q, weights, [(0, keys)], torch.arange(context - queries, context)
 
 
+QUERY_MAJOR = {"DECODE_KEYS_MAJOR_MIN_KEYS": 1 << 62}   # decode rows as scored before session 12
+
+
+def time_decode(indexer, inputs, k: int, policies: list[dict | None], repeats: int) -> list[tuple[float, torch.Tensor]]:
+    """(median seconds, selection) of one decode row's `select` under each policy; the policies take
+    turns call by call (after one untimed call each), so drifts of a noisy machine hit them alike."""
+    q, weights, segments, positions = inputs
+    times, selected = [[] for _ in policies], [None] * len(policies)
+    for repeat in range(repeats + 1):
+        for i, policy in enumerate(policies):
+            with block_policy(policy):
+                t0 = time.perf_counter()
+                selected[i] = indexer.select(q, weights, segments, positions, k)
+                if repeat:
+                    times[i].append(time.perf_counter() - t0)
+    return [(statistics.median(t), sel) for t, sel in zip(times, selected)]
+
+
+def bench_decode(args, cfg, indexer) -> list[dict]:
+    from ..model.attention import keys_major
+    from .hardware import measure_this_cpu
+    read_bw = measure_this_cpu(threads=args.threads).mem_bw
+    rows, k = [], cfg.index_topk
+    for context in args.contexts:
+        inputs = random_inputs(cfg, context, 1, args.seed)
+        (ours_s, ours_sel), (base_s, base_sel) = time_decode(indexer, inputs, k, [None, QUERY_MAJOR], args.repeats)
+        key_bytes = context * cfg.index_head_dim * 4
+        rows.append({"context": context, "keys_major": keys_major(1, context), "ms": 1e3 * ours_s,
+                     "baseline": "query-major", "baseline_ms": 1e3 * base_s,
+                     "speedup": base_s / ours_s, "gb_per_s": key_bytes / ours_s / 1e9,
+                     "baseline_gb_per_s": key_bytes / base_s / 1e9, "machine_gb_per_s": read_bw / 1e9,
+                     "identical": bool(torch.equal(ours_sel, base_sel))})
+    return rows
+
+
+def report_decode(rows: list[dict], args) -> None:
+    from rich.table import Table
+    machine = rows[0]["machine_gb_per_s"] if rows else 0.0
+    table = Table(title=f"indexer decode row (1 query, fp32 keys), {args.threads} threads "
+                        f"(machine read bandwidth {machine:.1f} GB/s)")
+    for col in ("context", "layout", "ms/row", "keys streamed GB/s (of machine)", "query-major ms/row", "its GB/s",
+                "speed-up", "same selection"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(str(r["context"]), "keys-major" if r["keys_major"] else "query-major", f"{r['ms']:.2f}",
+                      f"{r['gb_per_s']:.1f} ({100 * r['gb_per_s'] / machine:.0f}%)",
+                      f"{r['baseline_ms']:.2f}", f"{r['baseline_gb_per_s']:.1f}", f"{r['speedup']:.2f}x",
+                      "yes" if r["identical"] else "NO")
+    report_console().print(table)
+
+
 def bench(args) -> list[dict]:
     from ..config import ModelConfig
     from ..model.attention import LightningIndexer
@@ -76,6 +133,8 @@ def bench(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     cfg = ModelConfig.from_json(args.model or default_model_path())
     indexer = LightningIndexer(cfg, None)
+    if args.decode:
+        return bench_decode(args, cfg, indexer)
     machine = measure_this_cpu(threads=args.threads).matmul_flops("float32")
     rows = []
     for context in args.contexts:
@@ -118,9 +177,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", choices=sorted(BASELINES), default="small-tiles",
                    help="earlier block policy timed in the same run (see the module docstring)")
+    p.add_argument("--decode", action="store_true",
+                   help="time one decode row against query-major scoring instead of a prefill block")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.contexts = [parse_tokens(c) for c in args.contexts.split(",")]
+    if args.decode:
+        if any(c <= 1 for c in args.contexts):
+            p.error("--decode needs contexts of at least 2 keys")
+        return args
     if args.queries < 2 or any(c < args.queries for c in args.contexts):
         p.error("--queries must be at least 2 and at most every context")
     return args
@@ -129,7 +194,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     rows = bench(args)
-    report(rows, args)
+    (report_decode if args.decode else report)(rows, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
