@@ -1,16 +1,15 @@
-"""A byte-level BPE tokenizer trained with `tokenizers`, saved so transformers' AutoTokenizer loads it.
+r"""A byte-level BPE tokenizer trained with `tokenizers`, saved so transformers' AutoTokenizer loads it.
 
 Numbers are cut into groups of `digit_group` digits from the left, each group one token, whatever
-the corpus: 1 (every digit its own token) or 3, as the DeepSeek-V3 and GLM tokenizers cut them
-(`\p{N}{1,3}`): `60494` is `604` `94`. A number's token count then never depends on the merges
-learned from the corpus, and with groups of 3 a 5-digit pass key is two tokens that rarely repeat,
-where digit by digit it often repeats a digit (docs/training.md, "Digit groups").
+the corpus: 1 (every digit its own token, the shipped model), 2, or 3 as the DeepSeek-V3 and GLM
+tokenizers cut them (`\p{N}{1,3}`): `60494` is `604` `94`. A number's token count then never
+depends on the merges learned from the corpus, and with groups of 3 a 5-digit pass key is two tokens
+that rarely repeat, where digit by digit it often repeats a digit (docs/training.md, "Digit groups").
 """
 from __future__ import annotations
 
 import json
 import os
-
 from itertools import product
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
