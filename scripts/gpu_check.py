@@ -4,7 +4,10 @@
 
 1. exactness on the device: greedy tokens and logprobs of the engine on the device against the
    engine on the CPU (float32) for a prompt far longer than index_topk, with chunked prefill;
-2. decode step time at 4K / 128K / 1M cached tokens (synthetic cache, as `sparsekv bench decode`);
+2. decode step time at 4K / 128K / 1M cached tokens (synthetic cache, as `sparsekv bench decode`),
+   and the indexer's decode row in both score layouts (`sparsekv bench indexer --decode`, written to
+   OUT.indexer-decode.json): whether keys-major should replace query-major on the device too
+   (`DECODE_KEYS_MAJOR_MIN_KEYS_GPU`; on a CPU it does from 32K keys);
 3. a real N-token prefill (default 1M) followed by 32 decode tokens: time and peak device memory;
 4. with --tiers: the CUDA tiering exactness tests (plain and speculative decoding), and issue 3's
    fixed-device-budget benchmark (`sparsekv bench tiers --concurrency`: admitted, aggregate decode
@@ -66,6 +69,7 @@ def main() -> None:
     print(result, flush=True)
     result["decode"] = {c: sparsekv_decode({"ckpt": ckpt, "context": c, "steps": 16, "device": device})
                         for c in contexts}
+    result["indexer_decode"] = indexer_decode(device, out_path.removesuffix(".json") + ".indexer-decode.json")
     print(result, flush=True)
     result["long_prefill"] = long_prefill(ckpt, device, n)
     print(result, flush=True)
@@ -78,6 +82,13 @@ def main() -> None:
         print(result, flush=True)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def indexer_decode(device: str, out_path: str) -> dict:
+    run = subprocess.run(["sparsekv", "bench", "indexer", "--decode", "--device", device, "--contexts",
+                          "16K,64K,256K,1M", "--repeats", "20", "--threads", "16", "--json", out_path],
+                         capture_output=True, text=True)
+    return {"rc": run.returncode, "tail": (run.stdout + run.stderr).strip().splitlines()[-8:]}
 
 
 def tiers(ckpt: str, device: str, out_path: str) -> dict:

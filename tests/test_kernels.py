@@ -138,7 +138,7 @@ def test_decode_rows_score_like_one_dense_pass_in_either_layout(monkeypatch, key
     from sparsekv.config import ModelConfig
     cfg = ModelConfig.from_dict({**TINY_GLM, "model_type": "glm_moe_dsa"})
     indexer = attn.LightningIndexer(cfg, None)
-    monkeypatch.setattr(attn, "DECODE_KEYS_MAJOR_MIN_KEYS", keys_major_from)
+    monkeypatch.setattr(attn, "DECODE_KEYS_MAJOR_MIN_KEYS_CPU", keys_major_from)
     monkeypatch.setattr(attn, "INDEX_TILE_ELEMENTS_CPU", 16 * cfg.index_n_heads)
     g = torch.Generator().manual_seed(1)
     T, H, D, k = 300, cfg.index_n_heads, cfg.index_head_dim, 12
@@ -151,7 +151,8 @@ def test_decode_rows_score_like_one_dense_pass_in_either_layout(monkeypatch, key
         got = indexer.select(q, weights, segments, torch.tensor([p]), k)
         dense = ((torch.einsum("hd,td->ht", q[0], keys[:p + 1]).relu() * D ** -0.5) * weights[0, :, None]).sum(0)
         assert torch.equal(got, select_topk(dense[None], k)), p
-    assert attn.keys_major(1, T) == (keys_major_from == 0) and not attn.keys_major(2, T)
+    cpu = torch.device("cpu")
+    assert attn.keys_major(cpu, 1, T) == (keys_major_from == 0) and not attn.keys_major(cpu, 2, T)
 
 
 def test_index_score_scratch_is_reused_across_calls_and_shared_by_indexers(monkeypatch):

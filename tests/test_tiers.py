@@ -316,7 +316,7 @@ def test_batched_decode_selection_equals_per_request(ckpt, options, keys_major_f
     from sparsekv.model.attention import LightningIndexer
     from sparsekv.model.selectors import DSASelector
     if keys_major_from is not None:
-        monkeypatch.setattr(attention, "DECODE_KEYS_MAJOR_MIN_KEYS", keys_major_from)
+        monkeypatch.setattr(attention, "DECODE_KEYS_MAJOR_MIN_KEYS_CPU", keys_major_from)
     reference, _ = generate(ckpt["glm_moe_dsa"], **options)
     calls, real = [], LightningIndexer.select_decode_batch
 

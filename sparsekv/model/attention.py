@@ -31,15 +31,19 @@ INDEX_QUERY_BLOCK_CPU_MAX = 128
 INDEX_SCORE_ELEMENTS_CPU = 1 << 27
 INDEX_TILE_ELEMENTS_CPU = 1 << 19
 INDEX_SCORE_ELEMENTS_GPU = 1 << 28  # on an accelerator, larger blocks amortise launches (1 GiB fp32)
-# A decode row (one query) scores keys-major from this many keys on (`decode_head_scores`): below it
-# the keys of a layer stay in a CPU's cache and the query-major GEMM is faster.
-DECODE_KEYS_MAJOR_MIN_KEYS = 1 << 15
+# A decode row (one query) scores keys-major from this many keys on (`decode_head_scores`). On a CPU
+# below 32K keys a layer's keys stay in cache and the query-major GEMM is as fast or faster. On an
+# accelerator keys-major has not been measured yet (`sparsekv bench indexer --decode --device cuda`,
+# run by scripts/gpu_check.py): query-major there.
+DECODE_KEYS_MAJOR_MIN_KEYS_CPU = 1 << 15
+DECODE_KEYS_MAJOR_MIN_KEYS_GPU = 1 << 62
 
 
-def keys_major(rows: int, keys: int) -> bool:
+def keys_major(device: torch.device, rows: int, keys: int) -> bool:
     """Whether `rows` query rows over `keys` keys are scored keys-major (one decode row, long history).
     The per-request and the batched decode paths both ask this, so each request's scores are the same bits."""
-    return rows == 1 and keys >= DECODE_KEYS_MAJOR_MIN_KEYS
+    least = DECODE_KEYS_MAJOR_MIN_KEYS_CPU if device.type == "cpu" else DECODE_KEYS_MAJOR_MIN_KEYS_GPU
+    return rows == 1 and keys >= least
 
 
 def index_query_block(device: torch.device, heads: int, total: int) -> int:
@@ -131,7 +135,7 @@ class LightningIndexer:
         place. Keys are scored a tile at a time, so the [S x H_I, tile] intermediate stays in cache.
         """
         w = weights * self.head_dim ** -0.5
-        major = keys_major(q.shape[0], total)
+        major = keys_major(q.device, q.shape[0], total)
         first, keys = segments[0]
         if len(segments) == 1 and isinstance(first, int) and keys.shape[0] >= total:
             return self._score_tiles(q, w, keys[:total], major, out)          # one view
@@ -214,8 +218,9 @@ class LightningIndexer:
 def decode_head_scores(keys: torch.Tensor, q_t: torch.Tensor) -> torch.Tensor:
     """ReLU(keys @ q_t): a decode row's per-head scores, keys-major. keys [T, D] with q_t [D, H] gives
     [T, H]; batched, [B, T, D] with [B, D, H] gives [B, T, H]. The key cache streams once through a
-    GEMM whose small side is the H heads; the query-major form, [H, D] x [D, T], runs 2-3x slower on
-    a CPU at 1M keys and does not gain from a second thread (BENCHMARKS.md, "Decode scores, keys-major")."""
+    GEMM whose small side is the H heads; the query-major form, [H, D] x [D, T], runs 1.4-2.3x slower
+    on a CPU from 64K keys on and does not gain from a second thread (BENCHMARKS.md, "Decode scores,
+    keys-major")."""
     return torch.matmul(keys, q_t).relu_()
 
 
@@ -317,7 +322,7 @@ class MLAttention:
         out = {}
         per_position = ctx.decode_rows * max(self.cfg.index_n_heads, self.cfg.index_head_dim)
         for major in (False, True):  # never mix the two scoring layouts in one batch (see `keys_major`)
-            alike = [s for s in seqs if keys_major(s.num_new_tokens, s.context_len) == major]
+            alike = [s for s in seqs if keys_major(index_q[0].device, s.num_new_tokens, s.context_len) == major]
             for group in _groups_within(alike, INDEX_SCORE_ELEMENTS_GPU // per_position):
                 if len(group) >= 2:
                     out.update(self._select_group(group, index_q, ctx, cache, major))

@@ -10,10 +10,12 @@ key tiles of 2^17 scores, 256 keys for 128 queries of 4 heads) and `small-blocks
 blocks of at most 64 queries and a 128 MB score buffer, so 32 queries at 1M keys).
 
 `--decode` times one decode row instead (`select` of a single query at the end of the history: the
-key scan every decode step makes in each full layer), keys-major past DECODE_KEYS_MAJOR_MIN_KEYS as
-the engine does, against query-major scoring at every length (before session 12: `w @ ReLU(q @ K^T)`
-as an [H, D] x [D, T] GEMM), and prints the rate the key cache streams at against the machine's
-measured read bandwidth.
+key scan every decode step makes in each full layer) in both layouts at every length: keys-major
+(`decode_head_scores`, [T, D] x [D, H]) and query-major (`w @ ReLU(q @ K^T)`, [H, D] x [D, T], the
+only layout before session 12). It says which one the engine uses there on this device
+(`keys_major`), checks both select the same positions, and prints the rate the key cache streams at
+against the device's read bandwidth measured now. `--device cuda` runs it on an accelerator, where
+the engine stays query-major until this has been measured (scripts/gpu_check.py runs it).
 """
 from __future__ import annotations
 
@@ -66,15 +68,16 @@ def time_select(indexer, inputs, k: int, policy: dict | None, repeats: int) -> t
     return statistics.median(times), selected, rows, tile
 
 
-def random_inputs(cfg, context: int, queries: int, seed: int):
+def random_inputs(cfg, context: int, queries: int, seed: int, device: torch.device | str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     h, d = cfg.index_n_heads, cfg.index_head_dim
-    keys = torch.randn(context, d, generator=g)
-    q, weights = torch.randn(queries, h, d, generator=g), torch.randn(queries, h, generator=g)
-    return q, weights, [(0, keys)], torch.arange(context - queries, context)
+    keys = torch.randn(context, d, generator=g).to(device)
+    q, weights = torch.randn(queries, h, d, generator=g).to(device), torch.randn(queries, h, generator=g).to(device)
+    return q, weights, [(0, keys)], torch.arange(context - queries, context, device=device)
 
 
-QUERY_MAJOR = {"DECODE_KEYS_MAJOR_MIN_KEYS": 1 << 62}   # decode rows as scored before session 12
+LAYOUTS = {"keys-major": {"DECODE_KEYS_MAJOR_MIN_KEYS_CPU": 0, "DECODE_KEYS_MAJOR_MIN_KEYS_GPU": 0},
+           "query-major": {"DECODE_KEYS_MAJOR_MIN_KEYS_CPU": 1 << 62, "DECODE_KEYS_MAJOR_MIN_KEYS_GPU": 1 << 62}}
 
 
 def time_decode(indexer, inputs, k: int, policies: list[dict | None], repeats: int) -> list[tuple[float, torch.Tensor]]:
@@ -85,43 +88,66 @@ def time_decode(indexer, inputs, k: int, policies: list[dict | None], repeats: i
     for repeat in range(repeats + 1):
         for i, policy in enumerate(policies):
             with block_policy(policy):
+                _sync(q.device)
                 t0 = time.perf_counter()
                 selected[i] = indexer.select(q, weights, segments, positions, k)
+                _sync(q.device)
                 if repeat:
                     times[i].append(time.perf_counter() - t0)
     return [(statistics.median(t), sel) for t, sel in zip(times, selected)]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_read_bandwidth(device: torch.device, threads: int) -> float:
+    """Bytes/s a streaming read reaches on `device`: this CPU's measured figure, or a 1 GiB sum."""
+    if device.type == "cpu":
+        from .hardware import measure_this_cpu
+        return measure_this_cpu(threads=threads).mem_bw
+    x = torch.ones(1 << 28, device=device)
+    x.sum()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    _sync(device)
+    return 5 * x.numel() * 4 / (time.perf_counter() - t0)
+
+
 def bench_decode(args, cfg, indexer) -> list[dict]:
     from ..model.attention import keys_major
-    from .hardware import measure_this_cpu
-    read_bw = measure_this_cpu(threads=args.threads).mem_bw
+    device = torch.device(args.device)
+    read_bw = device_read_bandwidth(device, args.threads)
     rows, k = [], cfg.index_topk
     for context in args.contexts:
-        inputs = random_inputs(cfg, context, 1, args.seed)
-        (ours_s, ours_sel), (base_s, base_sel) = time_decode(indexer, inputs, k, [None, QUERY_MAJOR], args.repeats)
+        inputs = random_inputs(cfg, context, 1, args.seed, device)
+        (km_s, km_sel), (qm_s, qm_sel) = time_decode(indexer, inputs, k, list(LAYOUTS.values()), args.repeats)
         key_bytes = context * cfg.index_head_dim * 4
-        rows.append({"context": context, "keys_major": keys_major(1, context), "ms": 1e3 * ours_s,
-                     "baseline": "query-major", "baseline_ms": 1e3 * base_s,
-                     "speedup": base_s / ours_s, "gb_per_s": key_bytes / ours_s / 1e9,
-                     "baseline_gb_per_s": key_bytes / base_s / 1e9, "machine_gb_per_s": read_bw / 1e9,
-                     "identical": bool(torch.equal(ours_sel, base_sel))})
+        rows.append({"context": context, "device": device.type,
+                     "engine_layout": "keys-major" if keys_major(device, 1, context) else "query-major",
+                     "keys_major_ms": 1e3 * km_s, "query_major_ms": 1e3 * qm_s, "speedup": qm_s / km_s,
+                     "keys_major_gb_per_s": key_bytes / km_s / 1e9, "query_major_gb_per_s": key_bytes / qm_s / 1e9,
+                     "machine_gb_per_s": read_bw / 1e9, "identical": bool(torch.equal(km_sel.cpu(), qm_sel.cpu()))})
     return rows
 
 
 def report_decode(rows: list[dict], args) -> None:
     from rich.table import Table
     machine = rows[0]["machine_gb_per_s"] if rows else 0.0
-    table = Table(title=f"indexer decode row (1 query, fp32 keys), {args.threads} threads "
-                        f"(machine read bandwidth {machine:.1f} GB/s)")
-    for col in ("context", "layout", "ms/row", "keys streamed GB/s (of machine)", "query-major ms/row", "its GB/s",
-                "speed-up", "same selection"):
+    table = Table(title=f"indexer decode row (1 query, fp32 keys) on {args.device}, {args.threads} threads "
+                        f"(read bandwidth measured now: {machine:.1f} GB/s)")
+    for col in ("context", "engine uses", "keys-major ms/row", "GB/s (of machine)", "query-major ms/row",
+                "GB/s (of machine)", "keys-major speed-up", "same selection"):
         table.add_column(col)
     for r in rows:
-        table.add_row(str(r["context"]), "keys-major" if r["keys_major"] else "query-major", f"{r['ms']:.2f}",
-                      f"{r['gb_per_s']:.1f} ({100 * r['gb_per_s'] / machine:.0f}%)",
-                      f"{r['baseline_ms']:.2f}", f"{r['baseline_gb_per_s']:.1f}", f"{r['speedup']:.2f}x",
-                      "yes" if r["identical"] else "NO")
+        table.add_row(str(r["context"]), r["engine_layout"], f"{r['keys_major_ms']:.2f}",
+                      f"{r['keys_major_gb_per_s']:.1f} ({100 * r['keys_major_gb_per_s'] / machine:.0f}%)",
+                      f"{r['query_major_ms']:.2f}",
+                      f"{r['query_major_gb_per_s']:.1f} ({100 * r['query_major_gb_per_s'] / machine:.0f}%)",
+                      f"{r['speedup']:.2f}x", "yes" if r["identical"] else "NO")
     report_console().print(table)
 
 
@@ -178,7 +204,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--baseline", choices=sorted(BASELINES), default="small-tiles",
                    help="earlier block policy timed in the same run (see the module docstring)")
     p.add_argument("--decode", action="store_true",
-                   help="time one decode row against query-major scoring instead of a prefill block")
+                   help="time one decode row in both score layouts instead of a prefill block")
+    p.add_argument("--device", default="cpu", help="with --decode: cpu or cuda")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.contexts = [parse_tokens(c) for c in args.contexts.split(",")]
@@ -186,6 +213,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if any(c <= 1 for c in args.contexts):
             p.error("--decode needs contexts of at least 2 keys")
         return args
+    if args.device != "cpu":
+        p.error("--device is for --decode (the prefill scan is timed on this CPU)")
     if args.queries < 2 or any(c < args.queries for c in args.contexts):
         p.error("--queries must be at least 2 and at most every context")
     return args
