@@ -321,8 +321,10 @@ class MLAttention:
                        and s.first_new_position >= self.cfg.index_topk), key=lambda s: s.context_len)
         out = {}
         per_position = ctx.decode_rows * max(self.cfg.index_n_heads, self.cfg.index_head_dim)
-        for major in (False, True):  # never mix the two scoring layouts in one batch (see `keys_major`)
-            alike = [s for s in seqs if keys_major(index_q[0].device, s.num_new_tokens, s.context_len) == major]
+        by_layout = {False: [], True: []}  # never mix the two scoring layouts in one batch (see `keys_major`)
+        for s in seqs:
+            by_layout[keys_major(index_q[0].device, s.num_new_tokens, s.context_len)].append(s)
+        for major, alike in by_layout.items():
             for group in _groups_within(alike, INDEX_SCORE_ELEMENTS_GPU // per_position):
                 if len(group) >= 2:
                     out.update(self._select_group(group, index_q, ctx, cache, major))
