@@ -329,3 +329,62 @@ def test_the_time_budget_never_plans_more_steps_than_asked(tmp_path):
     assert trainer.state.planned["pretrain"] == 200
     trainer._replan("pretrain", 50, seconds_per_step=1e6)       # out of time: at least one more step
     assert trainer.state.planned["pretrain"] == 51
+
+
+def test_far_negatives_leave_the_rows_alone_and_lie_far_back(trained):
+    far = _source(trained[1], seq_len=96, far_count=32, far_min_distance=500)
+    plain = _source(trained[1], seq_len=96)
+    for step in range(3):
+        a, b = far.batch(4, step), plain.batch(4, step)
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.positions, b.positions) and b.far is None
+        assert a.far.source.shape == a.far.positions.shape == (6, 32)
+        assert bool((a.far.positions <= a.positions[:, :1] - 500).all())      # behind every query of the row
+        assert bool((a.far.positions >= a.positions[:, :1] - (1 << 20)).all())
+        own = a.far.source[:, :16] // 96                                       # half: the row's own tokens
+        assert torch.equal(own, torch.arange(6)[:, None].expand(6, 16))
+        assert 0 <= int(a.far.source.min()) and int(a.far.source.max()) < 6 * 96
+        assert torch.equal(a.far.positions, far.batch(4, step).far.positions)  # deterministic
+    assert far.batch(2, 0).far is None                                         # only in the far stage
+
+
+def test_kl_with_far_negatives():
+    from sparsekv.train.stages import kl_to_index
+    torch.manual_seed(0)
+    index, target = torch.randn(2, 5, 5), torch.rand(2, 5, 5)
+    allowed = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 5, 5)
+    plain = kl_to_index(target, index, allowed)
+    assert torch.allclose(kl_to_index(target, index, allowed, torch.full((2, 5, 3), -1e30), 10.0), plain)
+    far = torch.randn(2, 5, 3)
+    # the negatives add log(1 + sum exp(far + w) / sum exp(index)) per query, target unchanged
+    row = index.masked_fill(~allowed, -1e30)
+    extra = (torch.logsumexp(torch.cat([row, far + 2.0], -1), -1) - torch.logsumexp(row, -1)).mean()
+    assert torch.allclose(kl_to_index(target, index, allowed, far, 2.0), plain + extra, atol=1e-5)
+    assert kl_to_index(target, index, allowed, smoothing=1.0) >= 0        # target = uniform over the row
+
+
+def test_far_stage_from_an_exported_model_trains_only_layer_0s_indexer(trained, tmp_path):
+    out, work = str(tmp_path / "far"), str(tmp_path / "far.work")
+    common = [a for a in COMMON if a not in ("--steps", STEPS)]
+    assert train_main(common + ["--out", out, "--work-dir", work, "--init-from", trained[0], "--steps", "0,0,0,0,24",
+                                "--far-negatives", "64", "--far-min-distance", "200"]) == 0
+    before = load_file(os.path.join(trained[0], "model.safetensors"))
+    after = load_file(os.path.join(out, "model.safetensors"))
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("model.layers.0.self_attn.indexer.") for k in changed)
+    hist = [h for h in _history(work) if h["stage"] == "far"]
+    assert len(hist) == 24
+    first, last = _first_last(hist, "far", "kl")
+    assert last < first
+    assert _first_last(hist, "far", "far_above_recent")[1] < _first_last(hist, "far", "far_above_recent")[0]
+    info = json.load(open(os.path.join(out, "training.json")))
+    assert list(info["heldout"]) == ["far"] and info["init_from"]["path"] == trained[0]
+    assert json.load(open(os.path.join(out, "config.json"))) == json.load(open(os.path.join(trained[0], "config.json")))
+
+
+def test_far_stage_flags_are_checked(tmp_path, capsys):
+    base = ["--out", str(tmp_path / "x"), "--work-dir", str(tmp_path / "w")]
+    assert train_main(["--steps", "1,1,1,1,5"] + base) == 2
+    assert "--far-negatives" in capsys.readouterr().err
+    assert train_main(["--steps", "0,0,0,0,5", "--far-negatives", "8", "--init-from", str(tmp_path / "none")] + base) == 2
+    assert "--init-from" in capsys.readouterr().err

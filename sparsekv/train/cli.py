@@ -1,4 +1,5 @@
-"""`sparsekv train`: tokenizer, data, the four training stages (plus PoSE), export to an HF directory."""
+"""`sparsekv train`: tokenizer, data, the training stages (four, plus PoSE, plus the optional far
+stage), export to an HF directory."""
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--work-dir", default=None, help="tokenizer, token cache and resumable state (default runs/train-NAME)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--steps", default="700,100,500,150",
-                   help="steps per stage: pretrain,warmup,sparse,mtp (PoSE applies in all of them)")
+                   help="steps per stage: pretrain,warmup,sparse,mtp[,far] (PoSE applies in all of them; "
+                        "far, 0 when not given, needs --far-negatives)")
     p.add_argument("--time-budget-minutes", type=float, default=None,
                    help="wall budget; stages shrink to fit (shares 50/10/30/10%%)")
     p.add_argument("--seq-len", type=int, default=512)
@@ -63,6 +65,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--embed-init-std", type=float, default=0.02,
                    help="std of the initial token embeddings (other weights: 0.02)")
     p.add_argument("--answer-weight", type=float, default=3.0, help="loss weight of answer tokens")
+    p.add_argument("--far-negatives", type=int, default=0,
+                   help="far stage: negatives per row for layer 0's indexer (copies of the batch's tokens "
+                        "--far-min-distance to --pose-max-position positions back)")
+    p.add_argument("--far-min-distance", type=int, default=4096)
+    p.add_argument("--far-smoothing", type=float, default=0.3,
+                   help="far stage: share of the uniform distribution over the row in the indexer's target")
+    p.add_argument("--far-lr", type=float, default=2e-3, help="far stage: peak learning rate")
+    p.add_argument("--init-from", default=None,
+                   help="start from this exported directory (its config, weights and tokenizer) instead of "
+                        "random weights, e.g. with --steps 0,0,0,0,N to run only the far stage")
     p.add_argument("--heldout-rows", type=int, default=32)
     p.add_argument("--probe-length", type=int, default=384,
                    help="length of the fixed held-out retrieval prompts scored after each stage (0: none)")
@@ -84,12 +96,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def prepare_data(args, work_dir: str):
-    """Tokenizer and token streams, built once and cached in the work dir."""
+    """Tokenizer and token streams, built once and cached in the work dir. With --init-from the
+    tokenizer is the checkpoint's own (its --digit-group is not checked: the checkpoint decides)."""
     import torch
-    from .data import read_split, tokenize_stream
-    from .tokenizer import EOS, digit_group_of, load_tokenizer, save_tokenizer, train_tokenizer
-    cache = os.path.join(work_dir, "corpus.pt")
-    if os.path.exists(cache) and os.path.exists(os.path.join(work_dir, "tokenizer.json")):
+    from .data import read_split
+    from .tokenizer import digit_group_of, load_tokenizer, save_tokenizer, train_tokenizer
+    cache, tok_file = os.path.join(work_dir, "corpus.pt"), os.path.join(work_dir, "tokenizer.json")
+    if args.init_from:
+        tok = load_tokenizer(args.init_from)
+        if not os.path.exists(tok_file) or load_tokenizer(work_dir).to_str() != tok.to_str():
+            save_tokenizer(tok, work_dir)
+            if os.path.exists(cache):
+                os.remove(cache)   # made with another tokenizer
+        if os.path.exists(cache):
+            return tok, torch.load(cache)
+        return tok, _tokenize_corpus(tok, *read_split(max_files=args.max_files), cache)
+    if os.path.exists(cache) and os.path.exists(tok_file):
         tok = load_tokenizer(work_dir)
         if digit_group_of(tok) != args.digit_group:
             raise SystemExit(f"sparsekv train: error: {work_dir} holds a tokenizer with digit groups of "
@@ -98,10 +120,17 @@ def prepare_data(args, work_dir: str):
     train, heldout = read_split(max_files=args.max_files)
     tok = train_tokenizer(train, args.vocab_size, args.digit_group)
     save_tokenizer(tok, work_dir)
+    return tok, _tokenize_corpus(tok, train, heldout, cache)
+
+
+def _tokenize_corpus(tok, train: list[str], heldout: list[str], cache: str) -> dict:
+    import torch
+    from .data import tokenize_stream
+    from .tokenizer import EOS
     eos = tok.token_to_id(EOS)
     corpus = {"train": tokenize_stream(tok, train, eos), "heldout": tokenize_stream(tok, heldout, eos)}
     torch.save(corpus, cache)
-    return tok, corpus
+    return corpus
 
 
 def build(args, tok):
@@ -109,11 +138,33 @@ def build(args, tok):
     from .export import hf_config, model_config
     from .model import GlmDsaForTraining
     from .tokenizer import EOS
+    if args.init_from:
+        return _load_exported(args.init_from, not args.no_aux_indexers)
     vocab = -(-tok.get_vocab_size() // 64) * 64
     raw = hf_config(PRESETS[args.preset], vocab, tok.token_to_id(EOS))
     torch.manual_seed(args.seed)
     return raw, GlmDsaForTraining(model_config(raw), aux_indexers=not args.no_aux_indexers,
                                   embed_init_std=args.embed_init_std)
+
+
+def _load_exported(path: str, aux_indexers: bool):
+    """(config dict, training model) of a directory `export` wrote, auxiliary indexers included."""
+    import torch
+    from safetensors.torch import load_file
+    from .export import AUX_INDEXERS, model_config
+    from .model import GlmDsaForTraining
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    model = GlmDsaForTraining(model_config(raw), aux_indexers=aux_indexers)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    aux = os.path.join(path, AUX_INDEXERS)
+    if aux_indexers and os.path.exists(aux):
+        tensors.update(load_file(aux))
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    if missing or unexpected:
+        raise SystemExit(f"sparsekv train: error: {path} does not match its config: missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]}")
+    return raw, model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,12 +182,20 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(work_dir, exist_ok=True)
     log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
-        steps = dict(zip(STAGES, (int(s) for s in args.steps.split(","))))
+        counts = [int(s) for s in args.steps.split(",")]
     except ValueError:
-        print(f"sparsekv train: error: --steps must be 4 comma-separated integers, got {args.steps!r}", file=sys.stderr)
+        print(f"sparsekv train: error: --steps must be 4 or 5 comma-separated integers, got {args.steps!r}",
+              file=sys.stderr)
         return 2
-    if len(steps) != 4:
-        print("sparsekv train: error: --steps needs 4 values: pretrain,warmup,sparse,mtp", file=sys.stderr)
+    if len(counts) not in (4, 5):
+        print("sparsekv train: error: --steps needs 4 or 5 values: pretrain,warmup,sparse,mtp[,far]", file=sys.stderr)
+        return 2
+    steps = dict(zip(STAGES, counts + [0] * (len(STAGES) - len(counts))))
+    if steps["far"] and args.far_negatives <= 0:
+        print("sparsekv train: error: far stage steps need --far-negatives M (M > 0)", file=sys.stderr)
+        return 2
+    if args.init_from and not os.path.exists(os.path.join(args.init_from, "config.json")):
+        print(f"sparsekv train: error: --init-from {args.init_from}: no config.json there", file=sys.stderr)
         return 2
     if not 0 <= args.copy_warmup_steps <= steps["pretrain"]:
         print("sparsekv train: error: --copy-warmup-steps must be between 0 and the pretrain steps", file=sys.stderr)
@@ -157,13 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     source = BatchSource(tok, corpus["train"], args.seq_len, args.batch_size, args.seed, args.synth_frac,
                          args.pose_max_position, answer_weight=args.answer_weight, doc_min_frac=args.doc_min_frac,
                          copy_warmup_steps=args.copy_warmup_steps, copy_warmup_seq_len=args.copy_warmup_seq_len,
-                         copy_warmup_repeat_frac=args.copy_warmup_repeat_frac)
+                         copy_warmup_repeat_frac=args.copy_warmup_repeat_frac,
+                         far_count=args.far_negatives, far_min_distance=args.far_min_distance)
     rows = heldout_rows(corpus["heldout"], args.seq_len, args.heldout_rows)
     probe = retrieval_probe(tok, corpus["heldout"], args.probe_length) if args.probe_length > 0 else None
     opts = TrainOptions(steps=steps, lr=args.lr, checkpoint_every=args.checkpoint_every,
                         stop_after_steps=args.stop_after_steps, log_every=args.log_every,
                         copy_warmup_steps=args.copy_warmup_steps, copy_warmup_lr=args.copy_warmup_lr,
                         copy_warmup_freeze_mlp=args.copy_warmup_freeze_mlp,
+                        far_lr=args.far_lr, far_smoothing=args.far_smoothing,
                         time_budget_s=None if args.time_budget_minutes is None else args.time_budget_minutes * 60)
     trainer = Trainer(model, source, rows, opts, work_dir, probe)
     if not args.fresh and trainer.try_resume():
@@ -173,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     summary = {"args": vars(args), "parameters": n_params, "planned_steps": state.planned,
                "elapsed_s": state.elapsed, "heldout": state.heldout, "pose": "two-chunk PoSE, log-uniform skip"}
+    if args.init_from and os.path.exists(os.path.join(args.init_from, "training.json")):
+        with open(os.path.join(args.init_from, "training.json")) as f:
+            summary["init_from"] = {"path": args.init_from, "training": json.load(f)}
     export(model, raw, tok, out, summary, dtype=torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32)
-    log(f"wrote {out}: " + json.dumps(state.heldout.get("mtp", {})))
+    log(f"wrote {out}: " + json.dumps(state.heldout[list(state.heldout)[-1]] if state.heldout else {}))
     return 0

@@ -63,13 +63,42 @@ def tokenize_stream(tok, texts: list[str], eos_id: int) -> torch.Tensor:
 
 
 @dataclass
+class FarNegatives:
+    """Far copies of the batch's own tokens for the first full layer's indexer (the `far` stage).
+    Row b's negative j is input token `source[b, j]` (a flat index into the batch's [B, S] inputs) at
+    position `positions[b, j]`, at least `min_distance` before every query of row b."""
+    source: torch.Tensor     # [B, M] int64
+    positions: torch.Tensor  # [B, M] int64 (may be negative: only distances matter to RoPE)
+    log_weight: float        # log(context / M): each negative stands for context / M far positions
+
+    def to(self, device) -> "FarNegatives":
+        return FarNegatives(self.source.to(device), self.positions.to(device), self.log_weight)
+
+
+@dataclass
 class Batch:
     ids: torch.Tensor        # [B, S+1] int64; inputs are ids[:, :-1], targets ids[:, 1:]
     positions: torch.Tensor  # [B, S]
     weights: torch.Tensor    # [B, S] loss weight per target (answers weigh more)
+    far: FarNegatives | None = None
 
     def to(self, device) -> "Batch":
-        return Batch(self.ids.to(device), self.positions.to(device), self.weights.to(device))
+        far = None if self.far is None else self.far.to(device)
+        return Batch(self.ids.to(device), self.positions.to(device), self.weights.to(device), far)
+
+
+def far_negatives(batch_size: int, seq_len: int, first_positions: torch.Tensor, count: int,
+                  min_distance: int, context: int, seed: str) -> FarNegatives:
+    """`count` negatives per row: half of them tokens of the row itself (so far copies of its own
+    tokens), half of any row, at log-uniform distances in [min_distance, context] before the row."""
+    g = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
+    own = torch.randint(0, seq_len, (batch_size, count // 2), generator=g) + \
+        torch.arange(batch_size)[:, None] * seq_len
+    other = torch.randint(0, batch_size * seq_len, (batch_size, count - count // 2), generator=g)
+    lo, hi = math.log(min_distance), math.log(max(context, min_distance + 1))
+    distance = torch.exp(torch.rand(batch_size, count, generator=g, dtype=torch.float64) * (hi - lo) + lo)
+    positions = first_positions[:, None].long() - distance.round().long()
+    return FarNegatives(torch.cat([own, other], 1), positions, math.log(max(context / count, 1.0)))
 
 
 def pose_positions(seq_len: int, max_position: int, rng: random.Random, plain_frac: float) -> torch.Tensor:
@@ -80,6 +109,9 @@ def pose_positions(seq_len: int, max_position: int, rng: random.Random, plain_fr
     skip = int(math.exp(rng.uniform(0.0, math.log(max_position - seq_len))))
     pos[cut:] += skip
     return pos
+
+
+STAGES = ("pretrain", "warmup", "sparse", "mtp", "far")   # batch(stage, ...) takes the index
 
 
 class BatchSource:
@@ -100,7 +132,8 @@ class BatchSource:
     def __init__(self, tok, train_ids: torch.Tensor, seq_len: int, batch_size: int, seed: int,
                  synth_frac: float = 0.5, pose_max_position: int = 1 << 20, pose_plain_frac: float = 0.2,
                  answer_weight: float = 3.0, doc_min_frac: float = 1.0, copy_warmup_steps: int = 0,
-                 copy_warmup_seq_len: int = 128, copy_warmup_repeat_frac: float = 0.0):
+                 copy_warmup_seq_len: int = 128, copy_warmup_repeat_frac: float = 0.0,
+                 far_count: int = 0, far_min_distance: int = 4096):
         if not 0.0 < doc_min_frac <= 1.0:
             raise ValueError(f"doc_min_frac must be in (0, 1], got {doc_min_frac}")
         self.tok, self.train_ids = tok, train_ids
@@ -110,6 +143,7 @@ class BatchSource:
         self.doc_min_frac = doc_min_frac
         self.copy_warmup_steps, self.copy_warmup_seq_len = copy_warmup_steps, copy_warmup_seq_len
         self.copy_warmup_repeat_frac = copy_warmup_repeat_frac
+        self.far_count, self.far_min_distance = far_count, far_min_distance
         self.number_tokens = number_tokens(tok)
         self.eos = tok.token_to_id("<|endoftext|>")
         self.caches = new_caches(tok)
@@ -160,8 +194,12 @@ class BatchSource:
             rows.append(ids)
             weights.append(w)
             positions.append(pose_positions(self.seq_len, self.pose_max_position, rng, self.pose_plain_frac))
-        return Batch(torch.tensor(rows, dtype=torch.long), torch.stack(positions),
-                     torch.tensor(weights, dtype=torch.float32))
+        positions = torch.stack(positions)
+        far = None
+        if STAGES[stage] == "far" and self.far_count:   # its own generator: the rows are as without it
+            far = far_negatives(self.batch_size, self.seq_len, positions[:, 0], self.far_count,
+                                self.far_min_distance, self.pose_max_position, f"{self.seed}/{stage}/{step}/far")
+        return Batch(torch.tensor(rows, dtype=torch.long), positions, torch.tensor(weights, dtype=torch.float32), far)
 
     def _copy_warmup_batch(self, step: int) -> Batch:
         rng = random.Random(f"{self.seed}/copy-warmup/{step}")

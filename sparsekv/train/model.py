@@ -68,15 +68,25 @@ class Indexer(nn.Module):
         r = self.cfg.qk_rope_head_dim
         return torch.cat([rope(x[..., :r], self.cfg.indexer_rope_interleave), x[..., r:]], dim=-1)
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, rope: Rope, causal: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, rope: Rope, causal: torch.Tensor, far=None):
+        """Index scores [B, S, S] (causal-masked), and with `far` (data.FarNegatives) also the scores
+        [B, S, M] of every query against its row's far negatives (else None)."""
         cfg = self.cfg
         b, s, _ = x.shape
         q = self._rotate(self.wq_b(q_resid).view(b, s, cfg.index_n_heads, cfg.index_head_dim), rope).float()
-        k = self._rotate(self.k_norm(self.wk(x)).unsqueeze(2), rope).squeeze(2).float()
-        scores = torch.relu(torch.einsum("bshd,btd->bsht", q, k) * cfg.index_head_dim ** -0.5)
         w = self.weights_proj(x.float()) * cfg.index_n_heads ** -0.5
-        index = torch.einsum("bsh,bsht->bst", w, scores)
-        return index.masked_fill(~causal, NEG)
+        index = self._score(q, w, self._keys(x, rope)).masked_fill(~causal, NEG)
+        if far is None:
+            return index, None
+        far_x = x.reshape(b * s, -1)[far.source]                                          # [B, M, hidden]
+        return index, self._score(q, w, self._keys(far_x, Rope(cfg, far.positions)))
+
+    def _keys(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return self._rotate(self.k_norm(self.wk(x)).unsqueeze(2), rope).squeeze(2).float()
+
+    def _score(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        scores = torch.relu(torch.einsum("bshd,btd->bsht", q, k) * self.cfg.index_head_dim ** -0.5)
+        return torch.einsum("bsh,bsht->bst", w, scores)
 
 
 def topk_mask(index: torch.Tensor, causal: torch.Tensor, k: int) -> torch.Tensor:
@@ -91,6 +101,7 @@ class LayerTrace:
     index: torch.Tensor | None = None      # [B, S, T] index scores (full layers, when computed)
     selected: torch.Tensor | None = None   # [B, S, T] bool: keys attention may use (sparse mode)
     probs: torch.Tensor | None = None      # [B, S, T] attention averaged over heads (when requested)
+    far_index: torch.Tensor | None = None  # [B, S, M] index scores of the far negatives (`far` stage)
 
 
 class Attention(nn.Module):
@@ -111,8 +122,9 @@ class Attention(nn.Module):
         if has_indexer:
             self.indexer = Indexer(cfg)
 
-    def forward(self, x, rope: Rope, causal, selected, want_index: bool, want_probs: bool):
-        """Returns (output, trace). `selected` is the previous full layer's selection (or None)."""
+    def forward(self, x, rope: Rope, causal, selected, want_index: bool, want_probs: bool, far=None):
+        """Returns (output, trace). `selected` is the previous full layer's selection (or None);
+        `far`: score these far negatives too (data.FarNegatives; the first full layer, `far` stage)."""
         cfg = self.cfg
         b, s, _ = x.shape
         h, nope, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -127,7 +139,7 @@ class Attention(nn.Module):
         trace = LayerTrace(selected=selected)
         if hasattr(self, "indexer") and (want_index or (selected is not None and self.full)):
             # NOTE: detached input: the indexer learns only from its KL loss (DeepSeek-V3.2 §2.1).
-            trace.index = self.indexer(x.detach(), q_resid.detach(), rope, causal)
+            trace.index, trace.far_index = self.indexer(x.detach(), q_resid.detach(), rope, causal, far)
             if selected is not None and self.full:
                 trace.selected = topk_mask(trace.index.detach(), causal, cfg.index_topk)
         allowed = causal if trace.selected is None else trace.selected
@@ -199,8 +211,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if mlp_type == "dense" else MoE(cfg)
 
-    def forward(self, h, rope, causal, selected, want_index, want_probs):
-        a, trace = self.self_attn(self.input_layernorm(h), rope, causal, selected, want_index, want_probs)
+    def forward(self, h, rope, causal, selected, want_index, want_probs, far=None):
+        a, trace = self.self_attn(self.input_layernorm(h), rope, causal, selected, want_index, want_probs, far)
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h)), trace
 
@@ -274,7 +286,8 @@ class GlmDsaForTraining(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, sparse: bool = False,
-                want_index: bool = False, want_probs: bool = False) -> ForwardOut:
+                want_index: bool = False, want_probs: bool = False, far=None) -> ForwardOut:
+        """`far` (data.FarNegatives): the first full layer's indexer also scores these."""
         cfg = self.cfg
         s = ids.shape[1]
         rope = Rope(cfg, positions)
@@ -284,7 +297,7 @@ class GlmDsaForTraining(nn.Module):
         for i, layer in enumerate(self.main_layers):
             full = cfg.indexer_types[i] == "full"
             sel_in = (torch.zeros_like(causal) if full else selected) if sparse else None
-            h, trace = layer(h, rope, causal, sel_in, want_index, want_probs)
+            h, trace = layer(h, rope, causal, sel_in, want_index, want_probs, far if i == 0 else None)
             selected = trace.selected
             traces.append(trace)
         h = self.model.norm(h)

@@ -11,15 +11,20 @@
               term TV(p_target, q_draft) (acceptance = 1 - TV). Its own indexer gets a dense
               KL warm-up for the first half, then the sparse KL.
   5 PoSE      position-id skipping in every stage (see data.py).
+  far         (optional, after mtp) only the first full layer's indexer trains: the warm-up's KL,
+              its target smoothed towards uniform over the row, with far negatives in the
+              softmax: copies of the batch's tokens thousands to a million positions back, each
+              standing for context / M of them. Layer 0's indexer sees only token embeddings, so
+              at long context its top-k fills with far copies of the current token; this teaches
+              it to rank its row's positions above them (docs/training.md, "Where 64K fails").
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .data import STAGES  # noqa: F401  (re-exported: the trainer and the CLI name the stages from here)
 from .model import NEG, GlmDsaForTraining, LayerTrace
-
-STAGES = ("pretrain", "warmup", "sparse", "mtp")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,11 +35,21 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor |
     return (ce * w).sum() / w.sum()
 
 
-def kl_to_index(target: torch.Tensor, index: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Mean over queries of KL(p || softmax(I)), both restricted to `allowed` and renormalised."""
-    log_q = torch.log_softmax(index.masked_fill(~allowed, NEG), dim=-1)
+def kl_to_index(target: torch.Tensor, index: torch.Tensor, allowed: torch.Tensor,
+                far_index: torch.Tensor | None = None, far_log_weight: float = 0.0,
+                smoothing: float = 0.0) -> torch.Tensor:
+    """Mean over queries of KL(p || softmax(I)), both restricted to `allowed` and renormalised.
+
+    `far_index` [B, S, M]: scores of far negatives, which join the softmax (target 0), each weighted
+    by exp(`far_log_weight`); `smoothing` mixes the target with the uniform over `allowed`."""
+    scores = index.masked_fill(~allowed, NEG)
+    if far_index is not None:
+        scores = torch.cat([scores, far_index + far_log_weight], dim=-1)
+    log_q = torch.log_softmax(scores, dim=-1)[..., :index.shape[-1]]
     p = target * allowed
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+    if smoothing:
+        p = (1 - smoothing) * p + smoothing * allowed / allowed.sum(-1, keepdim=True).clamp_min(1)
     return (p * (p.clamp_min(1e-30).log() - log_q)).sum(-1).mean()
 
 
@@ -66,6 +81,26 @@ def indexer_loss(traces: list[LayerTrace], indexer_types, sparse: bool) -> torch
     return total / len(groups)
 
 
+def far_indexer_loss(traces: list[LayerTrace], indexer_types, far_log_weight: float, smoothing: float):
+    """The `far` stage: layer 0's group-averaged KL with its far negatives (see the module doc)."""
+    members = index_groups(indexer_types)[0]
+    p_bar = torch.stack([traces[j].probs for j in members]).mean(0)
+    tr = traces[0]
+    return kl_to_index(p_bar, tr.index, tr.index > NEG / 2, tr.far_index, far_log_weight, smoothing)
+
+
+@torch.no_grad()
+def far_ranking(traces: list[LayerTrace], local: int = 8) -> float:
+    """Share of far negatives scored above the lowest of each query's `local` previous positions
+    (0 when the indexer ranks every recent position above every far copy)."""
+    index, far = traces[0].index, traces[0].far_index
+    s = index.shape[1]
+    if s <= local:
+        return 0.0
+    recent = torch.stack([index.diagonal(-j, 1, 2)[:, local - j:] for j in range(1, local + 1)], -1).amin(-1)
+    return (far[:, local:] > recent[..., None]).float().mean().item()
+
+
 def total_variation(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     return 0.5 * (p_logits.softmax(-1) - q_logits.softmax(-1)).abs().sum(-1).mean()
 
@@ -81,12 +116,15 @@ def set_trainable(model: GlmDsaForTraining, stage: str) -> list[torch.nn.Paramet
             p.requires_grad_(is_index and not in_mtp)
         elif stage == "sparse":
             p.requires_grad_(not in_mtp)
+        elif stage == "far":
+            p.requires_grad_(name.startswith("model.layers.0.self_attn.indexer."))
         else:
             p.requires_grad_(in_mtp)
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def stage_loss(model: GlmDsaForTraining, stage: str, batch, progress: float, tv_weight: float = 1.0):
+def stage_loss(model: GlmDsaForTraining, stage: str, batch, progress: float, tv_weight: float = 1.0,
+               far_smoothing: float = 0.0):
     """(loss to minimise, metrics) for one batch. `progress` in [0, 1] is how far the stage is."""
     ids, pos, w = batch.ids, batch.positions, batch.weights
     inputs, targets = ids[:, :-1], ids[:, 1:]
@@ -99,6 +137,12 @@ def stage_loss(model: GlmDsaForTraining, stage: str, batch, progress: float, tv_
         out = model(inputs, pos, want_index=True, want_probs=True)
         kl = indexer_loss(out.traces, types, sparse=False)
         return kl, {"kl": kl.item()}
+    if stage == "far":
+        if batch.far is None:
+            raise ValueError("the far stage needs far negatives (--far-negatives M)")
+        out = model(inputs, pos, want_index=True, want_probs=True, far=batch.far)
+        kl = far_indexer_loss(out.traces, types, batch.far.log_weight, far_smoothing)
+        return kl, {"kl": kl.item(), "far_above_recent": far_ranking(out.traces)}
     if stage == "sparse":
         out = model(inputs, pos, sparse=True, want_index=True, want_probs=True)
         lm = lm_loss(out.logits, targets, w)

@@ -16,7 +16,7 @@ import torch
 from .stages import STAGES, heldout_metrics, probe_metrics, set_trainable, stage_loss
 
 STATE_FILE = "train_state.pt"
-TIME_SHARE = {"pretrain": 0.5, "warmup": 0.1, "sparse": 0.3, "mtp": 0.1}
+TIME_SHARE = {"pretrain": 0.5, "warmup": 0.1, "sparse": 0.3, "mtp": 0.1, "far": 0.0}   # far: outside the budget
 
 
 @dataclass
@@ -37,6 +37,8 @@ class TrainOptions:
     copy_warmup_lr: float = 1e-3          # constant (after `warmup_steps`) during the copy warm-up; the main
                                           # cosine schedule starts after it
     copy_warmup_freeze_mlp: bool = False  # MLPs and experts do not train during the copy warm-up
+    far_lr: float = 2e-3                  # peak learning rate of the `far` stage (layer 0's indexer)
+    far_smoothing: float = 0.3            # its target's share of the uniform distribution over the row
 
 
 @dataclass
@@ -81,6 +83,8 @@ class Trainer:
         blob = torch.load(path, weights_only=False, map_location=next(self.model.parameters()).device)
         self.model.load_state_dict(blob["model"])
         self.state = TrainState(**blob["state"])
+        for stage, n in self.opts.steps.items():   # a state saved before a stage existed (the far stage)
+            self.state.planned.setdefault(stage, n)
         self._pending_optimizer = blob["optimizer"]
         return True
 
@@ -88,7 +92,7 @@ class Trainer:
     def _lr(self, stage: str, step: int) -> dict[str, float]:
         st, o = self.state.planned, self.opts
         local = cosine(step / max(st[stage], 1), min(o.warmup_steps / max(st[stage], 1), 0.3))
-        rates = {"index": o.index_lr * local, "mtp": o.mtp_lr * local}
+        rates = {"index": (o.far_lr if stage == "far" else o.index_lr) * local, "mtp": o.mtp_lr * local}
         if stage == "pretrain" and step < o.copy_warmup_steps:
             copy = o.copy_warmup_lr * min(1.0, (step + 1) / o.warmup_steps)
             return {**rates, "main": copy, "mlp": 0.0 if o.copy_warmup_freeze_mlp else copy}
@@ -123,7 +127,7 @@ class Trainer:
 
     def _replan(self, stage: str, step: int, seconds_per_step: float) -> None:
         """Fit the stage's step count to the time left (never above the requested count)."""
-        if self.opts.time_budget_s is None:
+        if self.opts.time_budget_s is None or not TIME_SHARE[stage]:
             return
         fits = step + int(self._budget_left(stage) / max(seconds_per_step, 1e-6))
         self.state.planned[stage] = min(max(fits, step + 1), self.opts.steps[stage])
@@ -137,7 +141,7 @@ class Trainer:
         if pending is not None:
             self.optimizer.load_state_dict(pending)
             self._pending_optimizer = None
-        bar = tqdm(total=st.planned[stage], initial=st.step, desc=f"{STAGES.index(stage) + 1}/4 {stage}",
+        bar = tqdm(total=st.planned[stage], initial=st.step, desc=f"{STAGES.index(stage) + 1}/{len(STAGES)} {stage}",
                    file=sys.stderr, mininterval=1.0 if sys.stderr.isatty() else 20.0, dynamic_ncols=True)
         self.model.train()
         t_stage, steps_here = time.perf_counter(), 0
@@ -175,7 +179,8 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lrs[g["name"]]
         batch = self.source.batch(STAGES.index(stage), st.step).to(next(self.model.parameters()).device)
-        loss, metrics = stage_loss(self.model, stage, batch, st.step / max(st.planned[stage], 1))
+        loss, metrics = stage_loss(self.model, stage, batch, st.step / max(st.planned[stage], 1),
+                                   far_smoothing=self.opts.far_smoothing)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -188,13 +193,16 @@ class Trainer:
         mtp = self.model.mtp
         mtp_moes = set(id(m) for m in mtp.modules()) if mtp is not None else set()
         for moe in self.model.moe_layers():
-            trains = (id(moe) in mtp_moes) == (stage == "mtp") and stage != "warmup"
+            trains = (id(moe) in mtp_moes) == (stage == "mtp") and stage not in ("warmup", "far")
             moe.balance(self.opts.bias_update_rate) if trains else moe.gate.load.zero_()
 
     def run(self, log=print) -> TrainState:
         st = self.state
         while st.stage < len(STAGES):
             stage = STAGES[st.stage]
+            if not st.planned[stage]:   # a stage given 0 steps is skipped (no held-out figures either)
+                st.stage, st.step = st.stage + 1, 0
+                continue
             if not self.run_stage(stage, log):
                 log(f"paused at stage {st.stage + 1} step {st.step}; state saved in {self.work_dir}")
                 return st
