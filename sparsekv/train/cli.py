@@ -149,7 +149,6 @@ def build(args, tok):
 
 def _load_exported(path: str, aux_indexers: bool):
     """(config dict, training model) of a directory `export` wrote, auxiliary indexers included."""
-    import torch
     from safetensors.torch import load_file
     from .export import AUX_INDEXERS, model_config
     from .model import GlmDsaForTraining
