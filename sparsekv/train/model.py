@@ -137,7 +137,7 @@ class Attention(nn.Module):
         k_rot = rope(k_rot.unsqueeze(2)).expand(b, s, h, r)
         k = torch.cat([k_nope, k_rot], dim=-1).transpose(1, 2)
         trace = LayerTrace(selected=selected)
-        if hasattr(self, "indexer") and (want_index or (selected is not None and self.full)):
+        if hasattr(self, "indexer") and (want_index or far is not None or (selected is not None and self.full)):
             # NOTE: detached input: the indexer learns only from its KL loss (DeepSeek-V3.2 §2.1).
             trace.index, trace.far_index = self.indexer(x.detach(), q_resid.detach(), rope, causal, far)
             if selected is not None and self.full:

@@ -64,13 +64,18 @@ def index_groups(indexer_types) -> dict[int, list[int]]:
     return groups
 
 
+def group_attention(traces: list[LayerTrace], members: list[int]) -> torch.Tensor:
+    """p_bar: the attention of an IndexShare group's layers, averaged (each already head-averaged)."""
+    return torch.stack([traces[j].probs for j in members]).mean(0)
+
+
 def indexer_loss(traces: list[LayerTrace], indexer_types, sparse: bool) -> torch.Tensor:
     """Group-averaged KL for each kept indexer, plus (when present) each auxiliary indexer of a
     shared layer distilled towards its own layer's attention over the keys that layer used."""
     total = 0.0
     groups = index_groups(indexer_types)
     for owner, members in groups.items():
-        p_bar = torch.stack([traces[j].probs for j in members]).mean(0)
+        p_bar = group_attention(traces, members)
         tr = traces[owner]
         allowed = tr.selected if sparse else tr.index > NEG / 2
         total = total + kl_to_index(p_bar, tr.index, allowed)
@@ -83,9 +88,8 @@ def indexer_loss(traces: list[LayerTrace], indexer_types, sparse: bool) -> torch
 
 def far_indexer_loss(traces: list[LayerTrace], indexer_types, far_log_weight: float, smoothing: float):
     """The `far` stage: layer 0's group-averaged KL with its far negatives (see the module doc)."""
-    members = index_groups(indexer_types)[0]
-    p_bar = torch.stack([traces[j].probs for j in members]).mean(0)
     tr = traces[0]
+    p_bar = group_attention(traces, index_groups(indexer_types)[0])
     return kl_to_index(p_bar, tr.index, tr.index > NEG / 2, tr.far_index, far_log_weight, smoothing)
 
 
@@ -140,7 +144,7 @@ def stage_loss(model: GlmDsaForTraining, stage: str, batch, progress: float, tv_
     if stage == "far":
         if batch.far is None:
             raise ValueError("the far stage needs far negatives (--far-negatives M)")
-        out = model(inputs, pos, want_index=True, want_probs=True, far=batch.far)
+        out = model(inputs, pos, want_probs=True, far=batch.far)   # only layer 0's indexer scores
         kl = far_indexer_loss(out.traces, types, batch.far.log_weight, far_smoothing)
         return kl, {"kl": kl.item(), "far_above_recent": far_ranking(out.traces)}
     if stage == "sparse":
