@@ -331,20 +331,41 @@ def test_the_time_budget_never_plans_more_steps_than_asked(tmp_path):
     assert trainer.state.planned["pretrain"] == 51
 
 
-def test_far_negatives_leave_the_rows_alone_and_lie_far_back(trained):
-    far = _source(trained[1], seq_len=96, far_count=32, far_min_distance=500)
+def test_far_negatives_leave_the_rows_alone(trained):
+    far = _source(trained[1], seq_len=96, far_count=32, far_min_distance=500, far_layers=(0, 2))
     plain = _source(trained[1], seq_len=96)
+    digits = torch.tensor(far.number_tokens)
     for step in range(3):
         a, b = far.batch(4, step), plain.batch(4, step)
         assert torch.equal(a.ids, b.ids) and torch.equal(a.positions, b.positions) and b.far is None
-        assert a.far.source.shape == a.far.positions.shape == (6, 32)
-        assert bool((a.far.positions <= a.positions[:, :1] - 500).all())      # behind every query of the row
-        assert bool((a.far.positions >= a.positions[:, :1] - (1 << 20)).all())
-        own = a.far.source[:, :16] // 96                                       # half: the row's own tokens
-        assert torch.equal(own, torch.arange(6)[:, None].expand(6, 16))
-        assert 0 <= int(a.far.source.min()) and int(a.far.source.max()) < 6 * 96
-        assert torch.equal(a.far.positions, far.batch(4, step).far.positions)  # deterministic
-    assert far.batch(2, 0).far is None                                         # only in the far stage
+        assert sorted(a.far) == [0, 2]
+        for neg in a.far.values():
+            assert neg.source.shape == neg.positions.shape == (6, 32)
+            assert 0 <= int(neg.source.min()) and int(neg.source.max()) < 6 * 96
+        # layer 0: far copies, behind every query of the row, half of them the row's own tokens
+        copies = a.far[0]
+        assert copies.after is None
+        assert bool((copies.positions <= a.positions[:, :1] - 500).all())
+        assert bool((copies.positions >= a.positions[:, :1] - (1 << 20)).all())
+        assert torch.equal(copies.source[:, :16] // 96, torch.arange(6)[:, None].expand(6, 16))
+        # layer 2 (its input carries context): other rows' tokens, never a digit string (a key),
+        # interleaved at the row's own positions
+        hay = a.far[2]
+        assert bool((hay.source // 96 != torch.arange(6)[:, None]).all())
+        assert not bool(torch.isin(a.ids[:, :-1].reshape(-1)[hay.source], digits).any())
+        assert torch.equal(hay.positions, a.positions.gather(1, hay.after))
+        assert torch.equal(copies.positions, far.batch(4, step).far[0].positions)   # deterministic
+        assert torch.equal(hay.source, far.batch(4, step).far[2].source)
+    assert far.batch(2, 0).far is None                                             # only in the far stage
+
+
+def test_a_query_sees_only_the_haystack_negatives_placed_before_it():
+    from sparsekv.train.data import FarNegatives
+    from sparsekv.train.stages import visible_scores
+    far_index = torch.randn(1, 4, 3)
+    neg = FarNegatives(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[0, 2, 3]]), 0.0, torch.tensor([[0, 2, 3]]))
+    seen = visible_scores(far_index, neg) > -1e8
+    assert seen[0].tolist() == [[False, False, False], [True, False, False], [True, False, False], [True, True, False]]
 
 
 def test_kl_with_far_negatives():
@@ -376,10 +397,28 @@ def test_far_stage_from_an_exported_model_trains_only_layer_0s_indexer(trained, 
     assert len(hist) == 24
     first, last = _first_last(hist, "far", "kl")
     assert last < first
-    assert _first_last(hist, "far", "far_above_recent")[1] < _first_last(hist, "far", "far_above_recent")[0]
+    assert _first_last(hist, "far", "far_above_recent_L0")[1] < _first_last(hist, "far", "far_above_recent_L0")[0]
     info = json.load(open(os.path.join(out, "training.json")))
     assert list(info["heldout"]) == ["far"] and info["init_from"]["path"] == trained[0]
     assert json.load(open(os.path.join(out, "config.json"))) == json.load(open(os.path.join(trained[0], "config.json")))
+
+
+def test_far_stage_on_a_later_full_layer_trains_only_its_indexer(trained, tmp_path):
+    out, work = str(tmp_path / "far2"), str(tmp_path / "far2.work")
+    common = [a for a in COMMON if a not in ("--steps", STEPS)]
+    assert train_main(common + ["--out", out, "--work-dir", work, "--init-from", trained[0], "--steps", "0,0,0,0,16",
+                                "--far-negatives", "64", "--far-min-distance", "200", "--far-layers", "2"]) == 0
+    before = load_file(os.path.join(trained[0], "model.safetensors"))
+    after = load_file(os.path.join(out, "model.safetensors"))
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("model.layers.2.self_attn.indexer.") for k in changed)
+    hist = [h for h in _history(work) if h["stage"] == "far"]
+    assert all("haystack_above_target_L2" in h and "far_above_recent_L0" not in h for h in hist)
+    first, last = _first_last(hist, "far", "kl")
+    assert last < first
+    # layer 1 is a shared layer: it has no indexer of its own to train
+    assert train_main(common + ["--out", out + "x", "--work-dir", work + "x", "--init-from", trained[0], "--steps",
+                                "0,0,0,0,4", "--far-negatives", "8", "--far-layers", "1"]) == 2
 
 
 def test_far_stage_flags_are_checked(tmp_path, capsys):
@@ -388,3 +427,5 @@ def test_far_stage_flags_are_checked(tmp_path, capsys):
     assert "--far-negatives" in capsys.readouterr().err
     assert train_main(["--steps", "0,0,0,0,5", "--far-negatives", "8", "--init-from", str(tmp_path / "none")] + base) == 2
     assert "--init-from" in capsys.readouterr().err
+    assert train_main(["--steps", "0,0,0,0,5", "--far-negatives", "8", "--far-layers", "0,x"] + base) == 2
+    assert "--far-layers" in capsys.readouterr().err

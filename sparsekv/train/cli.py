@@ -66,9 +66,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="std of the initial token embeddings (other weights: 0.02)")
     p.add_argument("--answer-weight", type=float, default=3.0, help="loss weight of answer tokens")
     p.add_argument("--far-negatives", type=int, default=0,
-                   help="far stage: negatives per row for layer 0's indexer (copies of the batch's tokens "
-                        "--far-min-distance to --pose-max-position positions back)")
+                   help="far stage: negatives per row and layer (layer 0: copies of the batch's tokens "
+                        "--far-min-distance to --pose-max-position positions back; a later full layer: other "
+                        "rows' tokens interleaved with the row)")
     p.add_argument("--far-min-distance", type=int, default=4096)
+    p.add_argument("--far-layers", default="0",
+                   help="far stage: the full layers whose indexers train, comma-separated (default: 0; the "
+                        "bundled model ran it twice: 0 with --far-smoothing 0.3, then 2 with --far-smoothing 0)")
     p.add_argument("--far-smoothing", type=float, default=0.3,
                    help="far stage: share of the uniform distribution over the row in the indexer's target")
     p.add_argument("--far-lr", type=float, default=2e-3, help="far stage: peak learning rate")
@@ -133,6 +137,15 @@ def _tokenize_corpus(tok, train: list[str], heldout: list[str], cache: str) -> d
     return corpus
 
 
+def parse_far_layers(text: str) -> tuple[int, ...] | None:
+    """"0,2" -> (0, 2); None when malformed or empty."""
+    try:
+        layers = tuple(sorted({int(x) for x in text.split(",")}))
+    except ValueError:
+        return None
+    return layers or None
+
+
 def build(args, tok):
     import torch
     from .export import hf_config, model_config
@@ -193,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     if steps["far"] and args.far_negatives <= 0:
         print("sparsekv train: error: far stage steps need --far-negatives M (M > 0)", file=sys.stderr)
         return 2
+    far_layers = parse_far_layers(args.far_layers)
+    if far_layers is None:
+        print(f"sparsekv train: error: --far-layers must be comma-separated layer numbers, got {args.far_layers!r}",
+              file=sys.stderr)
+        return 2
     if args.init_from and not os.path.exists(os.path.join(args.init_from, "config.json")):
         print(f"sparsekv train: error: --init-from {args.init_from}: no config.json there", file=sys.stderr)
         return 2
@@ -208,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     tok, corpus = prepare_data(args, work_dir)
     raw, model = build(args, tok)
+    not_full = [i for i in far_layers if not (0 <= i < len(raw["indexer_types"]) and raw["indexer_types"][i] == "full")]
+    if not_full:
+        print(f"sparsekv train: error: --far-layers {not_full}: not full layers (indexer_types "
+              f"{raw['indexer_types']})", file=sys.stderr)
+        return 2
     model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f}M parameters; train {len(corpus['train'])} tokens, "
@@ -216,14 +239,15 @@ def main(argv: list[str] | None = None) -> int:
                          args.pose_max_position, answer_weight=args.answer_weight, doc_min_frac=args.doc_min_frac,
                          copy_warmup_steps=args.copy_warmup_steps, copy_warmup_seq_len=args.copy_warmup_seq_len,
                          copy_warmup_repeat_frac=args.copy_warmup_repeat_frac,
-                         far_count=args.far_negatives, far_min_distance=args.far_min_distance)
+                         far_count=args.far_negatives, far_min_distance=args.far_min_distance,
+                         far_layers=far_layers)
     rows = heldout_rows(corpus["heldout"], args.seq_len, args.heldout_rows)
     probe = retrieval_probe(tok, corpus["heldout"], args.probe_length) if args.probe_length > 0 else None
     opts = TrainOptions(steps=steps, lr=args.lr, checkpoint_every=args.checkpoint_every,
                         stop_after_steps=args.stop_after_steps, log_every=args.log_every,
                         copy_warmup_steps=args.copy_warmup_steps, copy_warmup_lr=args.copy_warmup_lr,
                         copy_warmup_freeze_mlp=args.copy_warmup_freeze_mlp,
-                        far_lr=args.far_lr, far_smoothing=args.far_smoothing,
+                        far_lr=args.far_lr, far_smoothing=args.far_smoothing, far_layers=far_layers,
                         time_budget_s=None if args.time_budget_minutes is None else args.time_budget_minutes * 60)
     trainer = Trainer(model, source, rows, opts, work_dir, probe)
     if not args.fresh and trainer.try_resume():

@@ -64,15 +64,20 @@ def tokenize_stream(tok, texts: list[str], eos_id: int) -> torch.Tensor:
 
 @dataclass
 class FarNegatives:
-    """Far copies of the batch's own tokens for the first full layer's indexer (the `far` stage).
-    Row b's negative j is input token `source[b, j]` (a flat index into the batch's [B, S] inputs) at
-    position `positions[b, j]`, at least `min_distance` before every query of row b."""
+    """Negatives for one full layer's indexer (the `far` stage): row b's negative j is input token
+    `source[b, j]` (a flat index into the batch's [B, S] inputs) at position `positions[b, j]`; the
+    indexer scores it from its own input at that token, and each stands for exp(`log_weight`)
+    positions of a long context. Far copies (`far_copies`) lie behind every query of the row;
+    haystack negatives (`haystack_negatives`) sit at the row's own positions, and query i sees
+    negative j only when i > `after[b, j]`."""
     source: torch.Tensor     # [B, M] int64
     positions: torch.Tensor  # [B, M] int64 (may be negative: only distances matter to RoPE)
-    log_weight: float        # log(context / M): each negative stands for context / M far positions
+    log_weight: float        # log(context / M)
+    after: torch.Tensor | None = None   # [B, M] row index after which a haystack negative is seen
 
     def to(self, device) -> "FarNegatives":
-        return FarNegatives(self.source.to(device), self.positions.to(device), self.log_weight)
+        after = None if self.after is None else self.after.to(device)
+        return FarNegatives(self.source.to(device), self.positions.to(device), self.log_weight, after)
 
 
 @dataclass
@@ -80,17 +85,18 @@ class Batch:
     ids: torch.Tensor        # [B, S+1] int64; inputs are ids[:, :-1], targets ids[:, 1:]
     positions: torch.Tensor  # [B, S]
     weights: torch.Tensor    # [B, S] loss weight per target (answers weigh more)
-    far: FarNegatives | None = None
+    far: dict[int, FarNegatives] | None = None   # full layer -> its far negatives (the `far` stage)
 
     def to(self, device) -> "Batch":
-        far = None if self.far is None else self.far.to(device)
+        far = None if self.far is None else {layer: f.to(device) for layer, f in self.far.items()}
         return Batch(self.ids.to(device), self.positions.to(device), self.weights.to(device), far)
 
 
-def far_negatives(batch_size: int, seq_len: int, first_positions: torch.Tensor, count: int,
-                  min_distance: int, context: int, seed: str) -> FarNegatives:
-    """`count` negatives per row: half of them tokens of the row itself (so far copies of its own
-    tokens), half of any row, at log-uniform distances in [min_distance, context] before the row."""
+def far_copies(batch_size: int, seq_len: int, first_positions: torch.Tensor, count: int,
+               min_distance: int, context: int, seed: str) -> FarNegatives:
+    """Layer 0's negatives, `count` per row: half of them tokens of the row itself (so far copies of
+    its own tokens), half of any row, at log-uniform distances in [min_distance, context] before the
+    row. Layer 0's indexer sees only the token, so a far copy is exact."""
     g = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
     own = torch.randint(0, seq_len, (batch_size, count // 2), generator=g) + \
         torch.arange(batch_size)[:, None] * seq_len
@@ -99,6 +105,31 @@ def far_negatives(batch_size: int, seq_len: int, first_positions: torch.Tensor, 
     distance = torch.exp(torch.rand(batch_size, count, generator=g, dtype=torch.float64) * (hi - lo) + lo)
     positions = first_positions[:, None].long() - distance.round().long()
     return FarNegatives(torch.cat([own, other], 1), positions, math.log(max(context / count, 1.0)))
+
+
+def haystack_negatives(positions: torch.Tensor, count: int, context: int, haystack: torch.Tensor,
+                       seed: str) -> FarNegatives:
+    """A later full layer's negatives, `count` per row: tokens of the other rows where `haystack`
+    (bool [B, S]) allows, each placed at one of the row's own positions and seen by the queries after
+    it, as if the row lay in a context of `context` tokens of other documents. Their hidden states
+    are the ones of their own rows (an approximation of a long context's). Placed behind the row
+    instead, they teach a distance decay that ends retrieval (docs/training.md, session 14); here
+    the distances of negatives and of the row's own keys are the same, so only content separates them."""
+    batch_size, seq_len = positions.shape
+    g = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
+    source = torch.stack([_other_rows(haystack, b, count, g) for b in range(batch_size)])
+    after = torch.randint(0, seq_len, (batch_size, count), generator=g)
+    return FarNegatives(source, positions.long().gather(1, after), math.log(max(context / count, 1.0)), after)
+
+
+def _other_rows(haystack: torch.Tensor, row: int, count: int, g: torch.Generator) -> torch.Tensor:
+    """`count` flat indices, drawn with replacement, of `haystack` tokens outside row `row`."""
+    eligible = haystack.clone()
+    eligible[row] = False
+    candidates = eligible.reshape(-1).nonzero().squeeze(1)
+    if candidates.numel() == 0:
+        raise ValueError("haystack negatives need other rows (batch size > 1) with tokens that are not digits")
+    return candidates[torch.randint(0, candidates.numel(), (count,), generator=g)]
 
 
 def pose_positions(seq_len: int, max_position: int, rng: random.Random, plain_frac: float) -> torch.Tensor:
@@ -133,7 +164,7 @@ class BatchSource:
                  synth_frac: float = 0.5, pose_max_position: int = 1 << 20, pose_plain_frac: float = 0.2,
                  answer_weight: float = 3.0, doc_min_frac: float = 1.0, copy_warmup_steps: int = 0,
                  copy_warmup_seq_len: int = 128, copy_warmup_repeat_frac: float = 0.0,
-                 far_count: int = 0, far_min_distance: int = 4096):
+                 far_count: int = 0, far_min_distance: int = 4096, far_layers: tuple[int, ...] = (0,)):
         if not 0.0 < doc_min_frac <= 1.0:
             raise ValueError(f"doc_min_frac must be in (0, 1], got {doc_min_frac}")
         self.tok, self.train_ids = tok, train_ids
@@ -143,7 +174,7 @@ class BatchSource:
         self.doc_min_frac = doc_min_frac
         self.copy_warmup_steps, self.copy_warmup_seq_len = copy_warmup_steps, copy_warmup_seq_len
         self.copy_warmup_repeat_frac = copy_warmup_repeat_frac
-        self.far_count, self.far_min_distance = far_count, far_min_distance
+        self.far_count, self.far_min_distance, self.far_layers = far_count, far_min_distance, far_layers
         self.number_tokens = number_tokens(tok)
         self.eos = tok.token_to_id("<|endoftext|>")
         self.caches = new_caches(tok)
@@ -195,11 +226,24 @@ class BatchSource:
             weights.append(w)
             positions.append(pose_positions(self.seq_len, self.pose_max_position, rng, self.pose_plain_frac))
         positions = torch.stack(positions)
-        far = None
-        if STAGES[stage] == "far" and self.far_count:   # its own generator: the rows are as without it
-            far = far_negatives(self.batch_size, self.seq_len, positions[:, 0], self.far_count,
-                                self.far_min_distance, self.pose_max_position, f"{self.seed}/{stage}/{step}/far")
-        return Batch(torch.tensor(rows, dtype=torch.long), positions, torch.tensor(weights, dtype=torch.float32), far)
+        ids = torch.tensor(rows, dtype=torch.long)
+        far = self._far(ids, positions, stage, step) if STAGES[stage] == "far" and self.far_count else None
+        return Batch(ids, positions, torch.tensor(weights, dtype=torch.float32), far)
+
+    def _far(self, ids: torch.Tensor, positions: torch.Tensor, stage: int, step: int) -> dict[int, FarNegatives]:
+        """Each far layer's negatives, from generators of their own (the rows are as without them):
+        far copies for layer 0, haystack negatives after it, whose haystack leaves out digit strings
+        (the retrieval documents' keys: another row's key is not a distractor to learn away)."""
+        far = {}
+        for layer in self.far_layers:
+            seed = f"{self.seed}/{stage}/{step}/far" + (str(layer) if layer else "")
+            if layer == 0:
+                far[0] = far_copies(self.batch_size, self.seq_len, positions[:, 0], self.far_count,
+                                    self.far_min_distance, self.pose_max_position, seed)
+            else:
+                haystack = ~torch.isin(ids[:, :-1], torch.tensor(self.number_tokens))
+                far[layer] = haystack_negatives(positions, self.far_count, self.pose_max_position, haystack, seed)
+        return far
 
     def _copy_warmup_batch(self, step: int) -> Batch:
         rng = random.Random(f"{self.seed}/copy-warmup/{step}")

@@ -124,7 +124,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope: Rope, causal, selected, want_index: bool, want_probs: bool, far=None):
         """Returns (output, trace). `selected` is the previous full layer's selection (or None);
-        `far`: score these far negatives too (data.FarNegatives; the first full layer, `far` stage)."""
+        `far`: score these far negatives too (data.FarNegatives; the `far` stage's layers)."""
         cfg = self.cfg
         b, s, _ = x.shape
         h, nope, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -286,8 +286,9 @@ class GlmDsaForTraining(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, sparse: bool = False,
-                want_index: bool = False, want_probs: bool = False, far=None) -> ForwardOut:
-        """`far` (data.FarNegatives): the first full layer's indexer also scores these."""
+                want_index: bool = False, want_probs: bool = False, far: dict | None = None) -> ForwardOut:
+        """`far` (full layer -> data.FarNegatives): those layers' indexers also score their negatives,
+        each from its own input: the sources' hidden states in their rows, at the negatives' positions."""
         cfg = self.cfg
         s = ids.shape[1]
         rope = Rope(cfg, positions)
@@ -297,7 +298,7 @@ class GlmDsaForTraining(nn.Module):
         for i, layer in enumerate(self.main_layers):
             full = cfg.indexer_types[i] == "full"
             sel_in = (torch.zeros_like(causal) if full else selected) if sparse else None
-            h, trace = layer(h, rope, causal, sel_in, want_index, want_probs, far if i == 0 else None)
+            h, trace = layer(h, rope, causal, sel_in, want_index, want_probs, (far or {}).get(i))
             selected = trace.selected
             traces.append(trace)
         h = self.model.norm(h)

@@ -11,12 +11,14 @@
               term TV(p_target, q_draft) (acceptance = 1 - TV). Its own indexer gets a dense
               KL warm-up for the first half, then the sparse KL.
   5 PoSE      position-id skipping in every stage (see data.py).
-  far         (optional, after mtp) only the first full layer's indexer trains: the warm-up's KL,
-              its target smoothed towards uniform over the row, with far negatives in the
-              softmax: copies of the batch's tokens thousands to a million positions back, each
-              standing for context / M of them. Layer 0's indexer sees only token embeddings, so
-              at long context its top-k fills with far copies of the current token; this teaches
-              it to rank its row's positions above them (docs/training.md, "Where 64K fails").
+  far         (optional, after mtp) only the indexers of the chosen full layers train: the
+              warm-up's KL with negatives in the softmax, each standing for context / M positions
+              of a long context. Layer 0 (target smoothed towards uniform over the row): copies of
+              the batch's tokens thousands to a million positions back; its indexer sees only
+              token embeddings, so at long context its top-k filled with far copies of the current
+              token (docs/training.md, "Where 64K fails"). A later full layer: other rows' tokens
+              (their hidden states in their own rows), interleaved with the row at its own
+              positions, so that they differ from the row's keys in content only.
 """
 from __future__ import annotations
 
@@ -86,18 +88,49 @@ def indexer_loss(traces: list[LayerTrace], indexer_types, sparse: bool) -> torch
     return total / len(groups)
 
 
-def far_indexer_loss(traces: list[LayerTrace], indexer_types, far_log_weight: float, smoothing: float):
-    """The `far` stage: layer 0's group-averaged KL with its far negatives (see the module doc)."""
-    tr = traces[0]
-    p_bar = group_attention(traces, index_groups(indexer_types)[0])
-    return kl_to_index(p_bar, tr.index, tr.index > NEG / 2, tr.far_index, far_log_weight, smoothing)
+def far_indexer_loss(traces: list[LayerTrace], indexer_types, far: dict, smoothing: float):
+    """The `far` stage: each far layer's group-averaged KL with its negatives (`far`: layer ->
+    data.FarNegatives), averaged (see the module doc)."""
+    groups = index_groups(indexer_types)
+    total = 0.0
+    for owner, negatives in far.items():
+        tr = traces[owner]
+        p_bar = group_attention(traces, groups[owner])
+        total = total + kl_to_index(p_bar, tr.index, tr.index > NEG / 2, visible_scores(tr.far_index, negatives),
+                                    negatives.log_weight, smoothing)
+    return total / len(far)
+
+
+def visible_scores(far_index: torch.Tensor, negatives) -> torch.Tensor:
+    """[B, S, M] scores of the negatives, NEG where a query does not see one (haystack negatives
+    placed at or after it)."""
+    if negatives.after is None:
+        return far_index
+    rows = torch.arange(far_index.shape[1], device=far_index.device)
+    return far_index.masked_fill(rows[None, :, None] <= negatives.after[:, None, :], NEG)
 
 
 @torch.no_grad()
-def far_ranking(traces: list[LayerTrace], local: int = 8) -> float:
+def far_metrics(traces: list[LayerTrace], indexer_types, far: dict) -> dict[str, float]:
+    """Per far layer: far copies, `far_above_recent_L0`; haystack negatives, `haystack_above_target_L{i}`:
+    the share of the negatives a query sees that score above its group's most attended key."""
+    groups, out = index_groups(indexer_types), {}
+    for owner, negatives in far.items():
+        tr = traces[owner]
+        if negatives.after is None:
+            out[f"far_above_recent_L{owner}"] = far_ranking(tr)
+            continue
+        top = tr.index.gather(-1, group_attention(traces, groups[owner]).argmax(-1, keepdim=True))
+        seen = visible_scores(tr.far_index, negatives) > NEG / 2
+        out[f"haystack_above_target_L{owner}"] = ((tr.far_index > top) & seen).sum().item() / max(seen.sum().item(), 1)
+    return out
+
+
+@torch.no_grad()
+def far_ranking(trace: LayerTrace, local: int = 8) -> float:
     """Share of far negatives scored above the lowest of each query's `local` previous positions
     (0 when the indexer ranks every recent position above every far copy)."""
-    index, far = traces[0].index, traces[0].far_index
+    index, far = trace.index, trace.far_index
     s = index.shape[1]
     if s <= local:
         return 0.0
@@ -109,8 +142,9 @@ def total_variation(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Ten
     return 0.5 * (p_logits.softmax(-1) - q_logits.softmax(-1)).abs().sum(-1).mean()
 
 
-def set_trainable(model: GlmDsaForTraining, stage: str) -> list[torch.nn.Parameter]:
+def set_trainable(model: GlmDsaForTraining, stage: str, far_layers=(0,)) -> list[torch.nn.Parameter]:
     """Freezes everything, then unfreezes what the stage trains; returns those parameters."""
+    far_prefixes = tuple(f"model.layers.{i}.self_attn.indexer." for i in far_layers)
     mtp_prefix = f"model.layers.{model.cfg.num_hidden_layers}."
     for name, p in model.named_parameters():
         in_mtp, is_index = name.startswith(mtp_prefix), ".indexer." in name
@@ -121,7 +155,7 @@ def set_trainable(model: GlmDsaForTraining, stage: str) -> list[torch.nn.Paramet
         elif stage == "sparse":
             p.requires_grad_(not in_mtp)
         elif stage == "far":
-            p.requires_grad_(name.startswith("model.layers.0.self_attn.indexer."))
+            p.requires_grad_(name.startswith(far_prefixes))
         else:
             p.requires_grad_(in_mtp)
     return [p for p in model.parameters() if p.requires_grad]
@@ -144,9 +178,9 @@ def stage_loss(model: GlmDsaForTraining, stage: str, batch, progress: float, tv_
     if stage == "far":
         if batch.far is None:
             raise ValueError("the far stage needs far negatives (--far-negatives M)")
-        out = model(inputs, pos, want_probs=True, far=batch.far)   # only layer 0's indexer scores
-        kl = far_indexer_loss(out.traces, types, batch.far.log_weight, far_smoothing)
-        return kl, {"kl": kl.item(), "far_above_recent": far_ranking(out.traces)}
+        out = model(inputs, pos, want_probs=True, far=batch.far)   # only the far layers' indexers score
+        kl = far_indexer_loss(out.traces, types, batch.far, far_smoothing)
+        return kl, {"kl": kl.item(), **far_metrics(out.traces, types, batch.far)}
     if stage == "sparse":
         out = model(inputs, pos, sparse=True, want_index=True, want_probs=True)
         lm = lm_loss(out.logits, targets, w)

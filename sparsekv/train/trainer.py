@@ -37,7 +37,8 @@ class TrainOptions:
     copy_warmup_lr: float = 1e-3          # constant (after `warmup_steps`) during the copy warm-up; the main
                                           # cosine schedule starts after it
     copy_warmup_freeze_mlp: bool = False  # MLPs and experts do not train during the copy warm-up
-    far_lr: float = 2e-3                  # peak learning rate of the `far` stage (layer 0's indexer)
+    far_lr: float = 2e-3                  # peak learning rate of the `far` stage (its layers' indexers)
+    far_layers: tuple[int, ...] = (0,)    # full layers whose indexers the `far` stage trains
     far_smoothing: float = 0.3            # its target's share of the uniform distribution over the row
 
 
@@ -103,7 +104,7 @@ class Trainer:
         return {**rates, "main": main, "mlp": main}
 
     def _make_optimizer(self, stage: str) -> torch.optim.Optimizer:
-        params = set_trainable(self.model, stage)
+        params = set_trainable(self.model, stage, self.opts.far_layers)
         ids = {id(p) for p in params}
         groups: dict[str, list] = {"main": [], "mlp": [], "index": [], "mtp": []}
         for name, p in self.model.named_parameters():
