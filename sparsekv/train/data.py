@@ -176,6 +176,7 @@ class BatchSource:
         self.copy_warmup_repeat_frac = copy_warmup_repeat_frac
         self.far_count, self.far_min_distance, self.far_layers = far_count, far_min_distance, far_layers
         self.number_tokens = number_tokens(tok)
+        self._digit_ids = torch.tensor(self.number_tokens)   # left out of haystack negatives
         self.eos = tok.token_to_id("<|endoftext|>")
         self.caches = new_caches(tok)
 
@@ -241,7 +242,7 @@ class BatchSource:
                 far[0] = far_copies(self.batch_size, self.seq_len, positions[:, 0], self.far_count,
                                     self.far_min_distance, self.pose_max_position, seed)
             else:
-                haystack = ~torch.isin(ids[:, :-1], torch.tensor(self.number_tokens))
+                haystack = ~torch.isin(ids[:, :-1], self._digit_ids)
                 far[layer] = haystack_negatives(positions, self.far_count, self.pose_max_position, haystack, seed)
         return far
 
