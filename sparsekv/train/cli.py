@@ -69,7 +69,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="far stage: negatives per row and layer (layer 0: copies of the batch's tokens "
                         "--far-min-distance to --pose-max-position positions back; a later full layer: other "
                         "rows' tokens interleaved with the row)")
-    p.add_argument("--far-min-distance", type=int, default=4096)
+    p.add_argument("--far-min-distance", type=int, default=512,
+                   help="far stage, layer 0: the nearest far copy's distance before the row (default 512, the "
+                        "row length: layers 0-1 never attend further in training; 4096 let layer 0 keep "
+                        "picking copies within a few thousand tokens, docs/training.md, \"Layer 0's churn\")")
     p.add_argument("--far-layers", default="0",
                    help="far stage: the full layers whose indexers train, comma-separated (default: 0; the "
                         "bundled model ran it twice: 0 with --far-smoothing 0.3, then 2 with --far-smoothing 0)")

@@ -164,7 +164,7 @@ class BatchSource:
                  synth_frac: float = 0.5, pose_max_position: int = 1 << 20, pose_plain_frac: float = 0.2,
                  answer_weight: float = 3.0, doc_min_frac: float = 1.0, copy_warmup_steps: int = 0,
                  copy_warmup_seq_len: int = 128, copy_warmup_repeat_frac: float = 0.0,
-                 far_count: int = 0, far_min_distance: int = 4096, far_layers: tuple[int, ...] = (0,)):
+                 far_count: int = 0, far_min_distance: int = 512, far_layers: tuple[int, ...] = (0,)):
         if not 0.0 < doc_min_frac <= 1.0:
             raise ValueError(f"doc_min_frac must be in (0, 1], got {doc_min_frac}")
         self.tok, self.train_ids = tok, train_ids
