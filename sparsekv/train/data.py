@@ -236,13 +236,13 @@ class BatchSource:
         far copies for layer 0, haystack negatives after it, whose haystack leaves out digit strings
         (the retrieval documents' keys: another row's key is not a distractor to learn away)."""
         far = {}
+        haystack = ~torch.isin(ids[:, :-1], self._digit_ids) if any(self.far_layers) else None   # later layers only
         for layer in self.far_layers:
             seed = f"{self.seed}/{stage}/{step}/far" + (str(layer) if layer else "")
             if layer == 0:
                 far[0] = far_copies(self.batch_size, self.seq_len, positions[:, 0], self.far_count,
                                     self.far_min_distance, self.pose_max_position, seed)
             else:
-                haystack = ~torch.isin(ids[:, :-1], self._digit_ids)
                 far[layer] = haystack_negatives(positions, self.far_count, self.pose_max_position, haystack, seed)
         return far
 

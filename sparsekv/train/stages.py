@@ -88,17 +88,22 @@ def indexer_loss(traces: list[LayerTrace], indexer_types, sparse: bool) -> torch
     return total / len(groups)
 
 
-def far_indexer_loss(traces: list[LayerTrace], indexer_types, far: dict, smoothing: float):
-    """The `far` stage: each far layer's group-averaged KL with its negatives (`far`: layer ->
-    data.FarNegatives), averaged (see the module doc)."""
-    groups = index_groups(indexer_types)
+def far_indexer_loss(traces: list[LayerTrace], targets: dict, far: dict, smoothing: float):
+    """The `far` stage: each far layer's group-averaged KL with its negatives (`targets`: layer -> its
+    group's averaged attention, `far_targets`; `far`: layer -> data.FarNegatives), averaged (see the
+    module doc)."""
     total = 0.0
     for owner, negatives in far.items():
         tr = traces[owner]
-        p_bar = group_attention(traces, groups[owner])
-        total = total + kl_to_index(p_bar, tr.index, tr.index > NEG / 2, visible_scores(tr.far_index, negatives),
-                                    negatives.log_weight, smoothing)
+        total = total + kl_to_index(targets[owner], tr.index, tr.index > NEG / 2,
+                                    visible_scores(tr.far_index, negatives), negatives.log_weight, smoothing)
     return total / len(far)
+
+
+def far_targets(traces: list[LayerTrace], indexer_types, far: dict) -> dict:
+    """Each far layer's group-averaged attention, computed once for the loss and the metrics."""
+    groups = index_groups(indexer_types)
+    return {owner: group_attention(traces, groups[owner]) for owner in far}
 
 
 def visible_scores(far_index: torch.Tensor, negatives) -> torch.Tensor:
@@ -111,16 +116,16 @@ def visible_scores(far_index: torch.Tensor, negatives) -> torch.Tensor:
 
 
 @torch.no_grad()
-def far_metrics(traces: list[LayerTrace], indexer_types, far: dict) -> dict[str, float]:
+def far_metrics(traces: list[LayerTrace], targets: dict, far: dict) -> dict[str, float]:
     """Per far layer: far copies, `far_above_recent_L0`; haystack negatives, `haystack_above_target_L{i}`:
     the share of the negatives a query sees that score above its group's most attended key."""
-    groups, out = index_groups(indexer_types), {}
+    out = {}
     for owner, negatives in far.items():
         tr = traces[owner]
         if negatives.after is None:
             out[f"far_above_recent_L{owner}"] = far_ranking(tr)
             continue
-        top = tr.index.gather(-1, group_attention(traces, groups[owner]).argmax(-1, keepdim=True))
+        top = tr.index.gather(-1, targets[owner].argmax(-1, keepdim=True))
         seen = visible_scores(tr.far_index, negatives) > NEG / 2
         out[f"haystack_above_target_L{owner}"] = ((tr.far_index > top) & seen).sum().item() / max(seen.sum().item(), 1)
     return out
@@ -179,8 +184,9 @@ def stage_loss(model: GlmDsaForTraining, stage: str, batch, progress: float, tv_
         if batch.far is None:
             raise ValueError("the far stage needs far negatives (--far-negatives M)")
         out = model(inputs, pos, want_probs=True, far=batch.far)   # only the far layers' indexers score
-        kl = far_indexer_loss(out.traces, types, batch.far, far_smoothing)
-        return kl, {"kl": kl.item(), **far_metrics(out.traces, types, batch.far)}
+        targets = far_targets(out.traces, types, batch.far)
+        kl = far_indexer_loss(out.traces, targets, batch.far, far_smoothing)
+        return kl, {"kl": kl.item(), **far_metrics(out.traces, targets, batch.far)}
     if stage == "sparse":
         out = model(inputs, pos, sparse=True, want_index=True, want_probs=True)
         lm = lm_loss(out.logits, targets, w)
