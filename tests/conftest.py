@@ -1,8 +1,6 @@
 """Shared fixtures: tiny random checkpoints built with transformers, and a parity helper."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
