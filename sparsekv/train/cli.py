@@ -149,6 +149,36 @@ def parse_far_layers(text: str) -> tuple[int, ...] | None:
     return layers or None
 
 
+class UsageError(ValueError):
+    """A flag value `sparsekv train` cannot run with; main prints it and exits with status 2."""
+
+
+def checked_options(args, stages) -> tuple[dict, tuple[int, ...]]:
+    """(steps per stage, far layers) from the flags, or UsageError naming the bad flag. Checked before
+    any data is prepared, so a typo costs nothing."""
+    try:
+        counts = [int(s) for s in args.steps.split(",")]
+    except ValueError:
+        raise UsageError(f"--steps must be 4 or 5 comma-separated integers, got {args.steps!r}") from None
+    if len(counts) not in (4, 5):
+        raise UsageError("--steps needs 4 or 5 values: pretrain,warmup,sparse,mtp[,far]")
+    steps = dict(zip(stages, counts + [0] * (len(stages) - len(counts))))
+    if steps["far"] and args.far_negatives <= 0:
+        raise UsageError("far stage steps need --far-negatives M (M > 0)")
+    far_layers = parse_far_layers(args.far_layers)
+    if far_layers is None:
+        raise UsageError(f"--far-layers must be comma-separated layer numbers, got {args.far_layers!r}")
+    if args.init_from and not os.path.exists(os.path.join(args.init_from, "config.json")):
+        raise UsageError(f"--init-from {args.init_from}: no config.json there")
+    if not 0 <= args.copy_warmup_steps <= steps["pretrain"]:
+        raise UsageError("--copy-warmup-steps must be between 0 and the pretrain steps")
+    if not 0.0 <= args.copy_warmup_repeat_frac <= 1.0:
+        raise UsageError("--copy-warmup-repeat-frac must be in [0, 1]")
+    if not 0.0 < args.doc_min_frac <= 1.0:
+        raise UsageError("--doc-min-frac must be in (0, 1]")
+    return steps, far_layers
+
+
 def build(args, tok):
     import torch
     from .export import hf_config, model_config
@@ -194,38 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     from .trainer import Trainer, TrainOptions
     out = args.out or DEFAULT_MODEL_DIR
     work_dir = args.work_dir or os.path.join("runs", f"train-{os.path.basename(os.path.normpath(out))}")
-    os.makedirs(work_dir, exist_ok=True)
     log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
-        counts = [int(s) for s in args.steps.split(",")]
-    except ValueError:
-        print(f"sparsekv train: error: --steps must be 4 or 5 comma-separated integers, got {args.steps!r}",
-              file=sys.stderr)
+        steps, far_layers = checked_options(args, STAGES)
+    except UsageError as e:
+        print(f"sparsekv train: error: {e}", file=sys.stderr)
         return 2
-    if len(counts) not in (4, 5):
-        print("sparsekv train: error: --steps needs 4 or 5 values: pretrain,warmup,sparse,mtp[,far]", file=sys.stderr)
-        return 2
-    steps = dict(zip(STAGES, counts + [0] * (len(STAGES) - len(counts))))
-    if steps["far"] and args.far_negatives <= 0:
-        print("sparsekv train: error: far stage steps need --far-negatives M (M > 0)", file=sys.stderr)
-        return 2
-    far_layers = parse_far_layers(args.far_layers)
-    if far_layers is None:
-        print(f"sparsekv train: error: --far-layers must be comma-separated layer numbers, got {args.far_layers!r}",
-              file=sys.stderr)
-        return 2
-    if args.init_from and not os.path.exists(os.path.join(args.init_from, "config.json")):
-        print(f"sparsekv train: error: --init-from {args.init_from}: no config.json there", file=sys.stderr)
-        return 2
-    if not 0 <= args.copy_warmup_steps <= steps["pretrain"]:
-        print("sparsekv train: error: --copy-warmup-steps must be between 0 and the pretrain steps", file=sys.stderr)
-        return 2
-    if not 0.0 <= args.copy_warmup_repeat_frac <= 1.0:
-        print("sparsekv train: error: --copy-warmup-repeat-frac must be in [0, 1]", file=sys.stderr)
-        return 2
-    if not 0.0 < args.doc_min_frac <= 1.0:
-        print("sparsekv train: error: --doc-min-frac must be in (0, 1]", file=sys.stderr)
-        return 2
+    os.makedirs(work_dir, exist_ok=True)
     t0 = time.time()
     tok, corpus = prepare_data(args, work_dir)
     raw, model = build(args, tok)
