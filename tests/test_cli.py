@@ -30,3 +30,13 @@ def test_generate_bad_input_is_one_clear_line(glm_ckpt, capsys):
 def test_unknown_command(capsys):
     assert main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_a_missing_checkpoint_is_one_clear_line_for_every_tool(tmp_path, capsys):
+    """eval and bench tools name the directory that holds no checkpoint, exit 2, and print no traceback."""
+    missing = str(tmp_path / "none")
+    for argv in (["eval", "loss", missing], ["eval", "indexshare", missing], ["bench", "spec", "--model", missing],
+                 ["bench", "tiers", "--model", missing, "--skip-sweep"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "no config.json" in err and missing in err and "Traceback" not in err, argv

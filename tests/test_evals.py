@@ -247,3 +247,20 @@ def test_eval_needle_json_keeps_every_finished_sample_when_a_run_stops(tmp_path,
     assert needle.main(args) == 0
     saved = json.loads(out.read_text())
     assert saved["complete"] is True and len(saved["results"]) == 2 and saved["results"][0]["answer"] == calls[0]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--tasks", "passkey,haystack"], "unknown task"),
+    (["--lengths", "4X"], "--lengths"),
+    (["--lengths", "0"], "--lengths"),
+    (["--depths", "0,1.5"], "--depths"),
+    (["--depths", "half"], "--depths"),
+    (["--samples", "0"], "--samples"),
+])
+def test_eval_needle_bad_flags_are_clear_errors(flags, named, capsys):
+    """Checked before the model or the haystack is loaded: exit status 2 and the flag named on stderr."""
+    from sparsekv.tools.eval_needle import add_args, main
+    p = argparse.ArgumentParser()
+    add_args(p)
+    assert main(p.parse_args(["/nonexistent-model"] + flags)) == 2
+    assert named in capsys.readouterr().err

@@ -11,6 +11,7 @@ prefill (which is why it stops at 16-32K here).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import subprocess
@@ -20,6 +21,7 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
+from ..config import ConfigError
 from .bench_worker import parse_tokens
 
 BENCH_PRESETS = ("tiny-bench", "glm5-geometry", "glm5.2-proportions")
@@ -223,18 +225,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] == "tiers":
-        from .bench_tiers import main as tiers_main
-        return tiers_main(argv[1:])
-    if argv and argv[0] == "spec":
-        from .bench_spec import main as spec_main
-        return spec_main(argv[1:])
-    if argv and argv[0] == "indexer":
-        from .bench_indexer import main as indexer_main
-        return indexer_main(argv[1:])
-    if argv and argv[0] == "serve":
-        from .bench_serve import main as serve_main
-        return serve_main(argv[1:])
+    sub = {"tiers": "bench_tiers", "spec": "bench_spec", "indexer": "bench_indexer", "serve": "bench_serve"}
+    if argv and argv[0] in sub:
+        module = importlib.import_module(f".{sub[argv[0]]}", __package__)
+        try:
+            return module.main(argv[1:])
+        except (FileNotFoundError, ConfigError) as e:   # e.g. --model pointing at no checkpoint
+            print(f"sparsekv bench {argv[0]}: error: {e}", file=sys.stderr)
+            return 2
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(args.preset, tmp, indexer_in_every_layer=args.kind == "modes")

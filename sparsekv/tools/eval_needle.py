@@ -34,6 +34,31 @@ def parse_length(text: str) -> int:
     return int(text)
 
 
+def checked_grid(args: argparse.Namespace) -> tuple[list[str], list[int], list[float], int]:
+    """(tasks, lengths, depths, dense max length) from the flags; ValueError naming the bad flag."""
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown or not tasks:
+        raise ValueError(f"unknown task(s) {unknown or args.tasks!r}; choose from {TASKS}")
+    try:
+        lengths = [parse_length(x) for x in args.lengths.split(",")]
+        dense_max = parse_length(args.dense_max_length)
+    except ValueError:
+        raise ValueError(f"--lengths and --dense-max-length take token counts such as 4096, 16K or 1M, got "
+                         f"{args.lengths!r} and {args.dense_max_length!r}") from None
+    try:
+        depths = [float(x) for x in args.depths.split(",")]
+    except ValueError:
+        raise ValueError(f"--depths takes numbers in [0, 1], got {args.depths!r}") from None
+    if min(lengths) <= 0:
+        raise ValueError(f"--lengths must be positive, got {args.lengths!r}")
+    if not all(0.0 <= d <= 1.0 for d in depths):
+        raise ValueError(f"--depths must lie in [0, 1], got {args.depths!r}")
+    if args.samples < 1:
+        raise ValueError(f"--samples must be at least 1, got {args.samples}")
+    return tasks, lengths, depths, dense_max
+
+
 def length_label(n: int) -> str:
     for suffix, unit in (("M", 1 << 20), ("K", 1 << 10)):
         if n % unit == 0:
@@ -220,14 +245,11 @@ def main(args: argparse.Namespace) -> int:
     from ..paths import default_model_path
     from .eval_common import heldout_stream, load_text_tokenizer
     model = args.model or default_model_path()
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    unknown = sorted(set(tasks) - set(TASKS))
-    if unknown:
-        print(f"sparsekv eval needle: error: unknown task(s) {unknown}; choose from {TASKS}", file=sys.stderr)
+    try:
+        tasks, lengths, depths, dense_max = checked_grid(args)
+    except ValueError as e:
+        print(f"sparsekv eval needle: error: {e}", file=sys.stderr)
         return 2
-    lengths = [parse_length(x) for x in args.lengths.split(",")]
-    depths = [float(x) for x in args.depths.split(",")]
-    dense_max = parse_length(args.dense_max_length)
     log = lambda msg: print(msg, flush=True)
     tok = load_text_tokenizer(model)
     builder = TaskBuilder(tok, heldout_stream(tok), args.seed)

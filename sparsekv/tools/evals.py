@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..config import ConfigError
+
 
 def loss_main(args: argparse.Namespace) -> int:
     """Held-out LM loss with dense and with sparse attention, through the engine's model."""
@@ -48,6 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     run = {"needle": eval_needle.main, "indexshare": eval_indexshare.main, "loss": loss_main}[args.which]
     try:
         return run(args)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ConfigError) as e:
         print(f"sparsekv eval {args.which}: error: {e}", file=sys.stderr)
         return 2
