@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from sparsekv.__main__ import main
 
 
@@ -40,3 +42,12 @@ def test_a_missing_checkpoint_is_one_clear_line_for_every_tool(tmp_path, capsys)
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert "no config.json" in err and missing in err and "Traceback" not in err, argv
+
+
+def test_bench_flags_out_of_range_are_usage_errors(capsys):
+    for argv in (["bench", "decode", "--contexts", "4K,4X"], ["bench", "tiers", "--contexts", "8Q"],
+                 ["bench", "indexer", "--contexts", "0"], ["bench", "spec", "--prompts", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2, argv
+        assert argv[2] in capsys.readouterr().err, argv

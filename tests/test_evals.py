@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sparsekv.tools.eval_indexshare import greedy_search, overlap, pattern
-from sparsekv.tools.eval_needle import accuracy, format_table, length_label, parse_length
+from sparsekv.tools.eval_needle import accuracy, format_table, length_label
+from sparsekv.tools.plan_workload import parse_tokens
 from sparsekv.train.tasks import TASKS, TaskBuilder, first_number, score
 
 torch.set_num_threads(1)
@@ -138,7 +139,7 @@ def test_first_number():
 
 
 def test_lengths():
-    assert parse_length("4K") == 4096 and parse_length("1M") == 1 << 20 and parse_length("300") == 300
+    assert parse_tokens("4K") == 4096 and parse_tokens("1M") == 1 << 20 and parse_tokens("300") == 300
     assert length_label(16384) == "16K" and length_label(1 << 20) == "1M" and length_label(300) == "300"
 
 

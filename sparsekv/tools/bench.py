@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import ConfigError
-from .bench_worker import parse_tokens
+from .plan_workload import PlanError, parse_token_list, parse_tokens
 
 BENCH_PRESETS = ("tiny-bench", "glm5-geometry", "glm5.2-proportions")
 
@@ -220,7 +220,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--include-dense-prefill", action="store_true")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    args.contexts = [parse_tokens(c) for c in args.contexts.split(",")]
+    try:
+        args.contexts = parse_token_list(args.contexts)
+    except PlanError as e:
+        p.error(f"--contexts: {e}")
     return args
 
 

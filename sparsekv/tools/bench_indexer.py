@@ -28,7 +28,7 @@ import time
 import torch
 
 from .bench import index_flops_per_pair, report_console
-from .bench_worker import parse_tokens
+from .plan_workload import PlanError, parse_token_list
 
 BASELINES = {"small-tiles": {"INDEX_TILE_ELEMENTS_CPU": 1 << 17},
              "small-blocks": {"INDEX_QUERY_BLOCK_CPU_MAX": 64, "INDEX_SCORE_ELEMENTS_CPU": 1 << 25,
@@ -203,7 +203,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="with --decode: cpu or cuda")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    args.contexts = [parse_tokens(c) for c in args.contexts.split(",")]
+    try:
+        args.contexts = parse_token_list(args.contexts)
+    except PlanError as e:
+        p.error(f"--contexts: {e}")
     if args.decode:
         if any(c <= 1 for c in args.contexts):
             p.error("--decode needs contexts of at least 2 keys")

@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    for flag in ("prompts", "prompt_tokens", "max_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     out = report(run(args))
     if args.json:
         with open(args.json, "w") as f:

@@ -28,7 +28,8 @@ import time
 from datetime import date
 
 from .bench import BENCH_PRESETS
-from .bench_worker import decode_bytes_per_step, parse_tokens
+from .bench_worker import decode_bytes_per_step
+from .plan_workload import PlanError, parse_token_list, parse_tokens
 
 MB = 1e6
 
@@ -428,7 +429,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plot-dir", default="bench_tiers_plots")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    args.contexts = [parse_tokens(c) for c in args.contexts.split(",")]
+    try:
+        args.contexts = parse_token_list(args.contexts)
+    except PlanError as e:
+        p.error(f"--contexts: {e}")
     args.buffers = [int(b) for b in args.buffers.split(",")]
     return args
 

@@ -12,12 +12,6 @@ import sys
 import time
 
 
-def parse_tokens(text: str) -> int:
-    text = str(text).strip().upper()
-    scale = {"K": 1024, "M": 1024 * 1024}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

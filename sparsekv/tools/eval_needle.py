@@ -21,17 +21,10 @@ import time
 from collections import defaultdict
 
 from ..train.tasks import TASKS, TaskBuilder, score
+from .plan_workload import parse_token_list, parse_tokens
 
 MAX_TOKENS = {"passkey": 8, "multikey": 8, "niah": 8, "vartrack": 24}
-SUFFIXES = {"K": 1 << 10, "M": 1 << 20}
 PROGRESS_MIN_LENGTH = 1 << 16   # a prefill bar per sample from here: these prompts take minutes to hours
-
-
-def parse_length(text: str) -> int:
-    text = text.strip().upper()
-    if text and text[-1] in SUFFIXES:
-        return int(float(text[:-1]) * SUFFIXES[text[-1]])
-    return int(text)
 
 
 def checked_grid(args: argparse.Namespace) -> tuple[list[str], list[int], list[float], int]:
@@ -41,17 +34,14 @@ def checked_grid(args: argparse.Namespace) -> tuple[list[str], list[int], list[f
     if unknown or not tasks:
         raise ValueError(f"unknown task(s) {unknown or args.tasks!r}; choose from {TASKS}")
     try:
-        lengths = [parse_length(x) for x in args.lengths.split(",")]
-        dense_max = parse_length(args.dense_max_length)
-    except ValueError:
-        raise ValueError(f"--lengths and --dense-max-length take token counts such as 4096, 16K or 1M, got "
-                         f"{args.lengths!r} and {args.dense_max_length!r}") from None
+        lengths = parse_token_list(args.lengths)
+        dense_max = 0 if args.dense_max_length.strip() == "0" else parse_tokens(args.dense_max_length)
+    except ValueError as e:
+        raise ValueError(f"--lengths / --dense-max-length: {e}") from None
     try:
         depths = [float(x) for x in args.depths.split(",")]
     except ValueError:
         raise ValueError(f"--depths takes numbers in [0, 1], got {args.depths!r}") from None
-    if min(lengths) <= 0:
-        raise ValueError(f"--lengths must be positive, got {args.lengths!r}")
     if not all(0.0 <= d <= 1.0 for d in depths):
         raise ValueError(f"--depths must lie in [0, 1], got {args.depths!r}")
     if args.samples < 1:

@@ -104,6 +104,11 @@ def parse_tokens(text: str) -> int:
     return tokens
 
 
+def parse_token_list(text: str) -> list[int]:
+    """'8K,32K,1M' -> [8192, 32768, 1048576]."""
+    return [parse_tokens(part) for part in text.split(",")]
+
+
 def parse_contexts(text: str) -> tuple[tuple[int, float], ...]:
     """'128K' or a distribution '64K:0.5,1M:0.5' (weights are normalised to sum to 1)."""
     parts = [p for p in text.split(",") if p.strip()]
