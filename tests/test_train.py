@@ -210,6 +210,8 @@ def test_bad_steps_flag_is_an_error(tmp_path, capsys):
     assert train_main(["--steps", "1,2", "--out", str(tmp_path / "x"), "--work-dir", str(tmp_path / "w")]) == 2
     assert "--steps" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()  # flags are checked before anything is written
+    assert train_main(["--steps", "1,-2,3,4", "--out", str(tmp_path / "x"), "--work-dir", str(tmp_path / "w")]) == 2
+    assert "negative" in capsys.readouterr().err
     assert train_main(["--doc-min-frac", "0", "--out", str(tmp_path / "x"), "--work-dir", str(tmp_path / "w")]) == 2
     assert "--doc-min-frac" in capsys.readouterr().err
 

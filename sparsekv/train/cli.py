@@ -162,6 +162,8 @@ def checked_options(args, stages) -> tuple[dict, tuple[int, ...]]:
         raise UsageError(f"--steps must be 4 or 5 comma-separated integers, got {args.steps!r}") from None
     if len(counts) not in (4, 5):
         raise UsageError("--steps needs 4 or 5 values: pretrain,warmup,sparse,mtp[,far]")
+    if min(counts) < 0:
+        raise UsageError(f"--steps cannot be negative, got {args.steps!r}")
     steps = dict(zip(stages, counts + [0] * (len(stages) - len(counts))))
     if steps["far"] and args.far_negatives <= 0:
         raise UsageError("far stage steps need --far-negatives M (M > 0)")
