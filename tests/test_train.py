@@ -405,6 +405,10 @@ def test_far_stage_from_an_exported_model_trains_only_layer_0s_indexer(trained, 
     assert _first_last(hist, "far", "far_above_recent_L0")[1] < _first_last(hist, "far", "far_above_recent_L0")[0]
     info = json.load(open(os.path.join(out, "training.json")))
     assert list(info["heldout"]) == ["far"] and info["init_from"]["path"] == trained[0]
+    # the machine that made the weights, in each run of a chain (float rounding follows the CPU)
+    for run in (info, info["init_from"]["training"]):
+        assert run["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+        assert run["machine"]["torch"] == torch.__version__ and run["machine"]["cpu"]
     assert json.load(open(os.path.join(out, "config.json"))) == json.load(open(os.path.join(trained[0], "config.json")))
 
 

@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     torch.set_num_threads(args.threads)
     from ..paths import DEFAULT_MODEL_DIR
+    from ..tools.hardware import machine_fingerprint
     from .data import BatchSource, heldout_rows, retrieval_probe
     from .export import export
     from .stages import STAGES
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     if not state.done:
         return 0
     summary = {"args": vars(args), "parameters": n_params, "planned_steps": state.planned,
-               "elapsed_s": state.elapsed, "heldout": state.heldout, "pose": "two-chunk PoSE, log-uniform skip"}
+               "elapsed_s": state.elapsed, "heldout": state.heldout, "pose": "two-chunk PoSE, log-uniform skip",
+               "machine": machine_fingerprint()}
     if args.init_from and os.path.exists(os.path.join(args.init_from, "training.json")):
         with open(os.path.join(args.init_from, "training.json")) as f:
             summary["init_from"] = {"path": args.init_from, "training": json.load(f)}
