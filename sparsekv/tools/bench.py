@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import ConfigError
-from .plan_workload import PlanError, parse_token_list, parse_tokens
+from .plan_workload import parse_tokens, token_list_arg
 
 BENCH_PRESETS = ("tiny-bench", "glm5-geometry", "glm5.2-proportions")
 
@@ -208,7 +208,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny-bench", choices=BENCH_PRESETS)
     p.add_argument("--mode-kind", dest="mode_kind", default="decode", choices=["decode", "prefill"],
                    help="for `modes`: compare decode or prefill")
-    p.add_argument("--contexts", default="4K,16K", help="comma-separated token counts, e.g. 4K,16K,128K,1M")
+    p.add_argument("--contexts", type=token_list_arg, default="4K,16K", help="comma-separated token counts, e.g. 4K,16K,128K,1M")
     p.add_argument("--steps", type=int, default=16, help="decode steps measured per run")
     p.add_argument("--chunk", type=int, default=4096, help="prefill chunk tokens")
     p.add_argument("--decode-steps", type=int, default=0,
@@ -219,12 +219,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--transformers-max-context", type=parse_tokens, default=parse_tokens("16K"))
     p.add_argument("--include-dense-prefill", action="store_true")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    args = p.parse_args(argv)
-    try:
-        args.contexts = parse_token_list(args.contexts)
-    except PlanError as e:
-        p.error(f"--contexts: {e}")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:

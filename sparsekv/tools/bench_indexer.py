@@ -28,7 +28,7 @@ import time
 import torch
 
 from .bench import index_flops_per_pair, report_console
-from .plan_workload import PlanError, parse_token_list
+from .plan_workload import token_list_arg
 
 BASELINES = {"small-tiles": {"INDEX_TILE_ELEMENTS_CPU": 1 << 17},
              "small-blocks": {"INDEX_QUERY_BLOCK_CPU_MAX": 64, "INDEX_SCORE_ELEMENTS_CPU": 1 << 25,
@@ -191,7 +191,7 @@ def report(rows: list[dict], args) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sparsekv bench indexer")
     p.add_argument("model", nargs="?", default=None, help="checkpoint whose indexer shape to use (default: bundled)")
-    p.add_argument("--contexts", default="256K,1M", help="keys in the history, e.g. 64K,256K,1M")
+    p.add_argument("--contexts", type=token_list_arg, default="256K,1M", help="keys in the history, e.g. 64K,256K,1M")
     p.add_argument("--queries", type=int, default=512, help="queries scored (the end of a prefill chunk)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed calls per policy; the median is reported")
@@ -203,10 +203,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="with --decode: cpu or cuda")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    try:
-        args.contexts = parse_token_list(args.contexts)
-    except PlanError as e:
-        p.error(f"--contexts: {e}")
     if args.decode:
         if any(c <= 1 for c in args.contexts):
             p.error("--decode needs contexts of at least 2 keys")

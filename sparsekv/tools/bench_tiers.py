@@ -29,7 +29,7 @@ from datetime import date
 
 from .bench import BENCH_PRESETS
 from .bench_worker import decode_bytes_per_step
-from .plan_workload import PlanError, parse_token_list, parse_tokens
+from .plan_workload import parse_tokens, token_list_arg
 
 MB = 1e6
 
@@ -406,7 +406,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled model, else a random --preset)")
     p.add_argument("--preset", default=None, choices=BENCH_PRESETS,
                    help="a random checkpoint of this shape instead of the bundled model")
-    p.add_argument("--contexts", default="8K,32K,128K", help="e.g. 8K,32K,128K,1M")
+    p.add_argument("--contexts", type=token_list_arg, default="8K,32K,128K", help="e.g. 8K,32K,128K,1M")
     p.add_argument("--buffers", default="1,2,4", help="device buffer sizes as multiples of top-k")
     p.add_argument("--selector", default="dsa", choices=["dsa", "quest"])
     p.add_argument("--steps", type=int, default=32, help="decode steps measured per figure")
@@ -429,10 +429,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plot-dir", default="bench_tiers_plots")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    try:
-        args.contexts = parse_token_list(args.contexts)
-    except PlanError as e:
-        p.error(f"--contexts: {e}")
     args.buffers = [int(b) for b in args.buffers.split(",")]
     return args
 

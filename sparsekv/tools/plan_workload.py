@@ -2,6 +2,7 @@
 workload (context lengths, concurrency, cache policy). Plain data plus input parsing."""
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass
 
@@ -107,6 +108,14 @@ def parse_tokens(text: str) -> int:
 def parse_token_list(text: str) -> list[int]:
     """'8K,32K,1M' -> [8192, 32768, 1048576]."""
     return [parse_tokens(part) for part in text.split(",")]
+
+
+def token_list_arg(text: str) -> list[int]:
+    """`parse_token_list` as an argparse type: a bad list is a usage error naming the flag."""
+    try:
+        return parse_token_list(text)
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_contexts(text: str) -> tuple[tuple[int, float], ...]:
