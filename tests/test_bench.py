@@ -38,15 +38,15 @@ def test_bench_prefill_reports_speedup_and_indexer_rate_against_the_machine(tmp_
 def test_bench_indexer_times_both_policies_and_checks_they_select_the_same(tmp_path, capsys):
     """`sparsekv bench indexer`: the engine's block policy against an earlier policy in the same run,
     on the same inputs; both must select the same positions, and the module constants are restored."""
-    from sparsekv.model import attention
+    from sparsekv.model import indexer
     from sparsekv.tools.bench_indexer import BASELINES, block_policy, main as indexer_main
     names = ("INDEX_QUERY_BLOCK_CPU_MAX", "INDEX_SCORE_ELEMENTS_CPU", "INDEX_TILE_ELEMENTS_CPU")
-    before = [getattr(attention, n) for n in names]
+    before = [getattr(indexer, n) for n in names]
     cpu = torch.device("cpu")
 
     def policy_of(context: int) -> tuple[int, int]:
-        block = attention.index_query_block(cpu, 4, context)
-        return block, attention.index_key_tile(cpu, min(block, 300), 4, context)
+        block = indexer.index_query_block(cpu, 4, context)
+        return block, indexer.index_key_tile(cpu, min(block, 300), 4, context)
     for baseline in sorted(BASELINES):
         out = tmp_path / f"{baseline}.json"
         assert indexer_main(["--contexts", "1K,2K", "--queries", "300", "--repeats", "1", "--baseline", baseline,
@@ -58,7 +58,7 @@ def test_bench_indexer_times_both_policies_and_checks_they_select_the_same(tmp_p
         with block_policy(BASELINES[baseline]):
             assert all((r["baseline_block"], r["baseline_tile"]) == policy_of(r["context"]) for r in rows)
         assert "same selection" in capsys.readouterr().out
-        assert [getattr(attention, n) for n in names] == before
+        assert [getattr(indexer, n) for n in names] == before
 
 
 def test_bench_indexer_decode_times_one_row_in_both_layouts(tmp_path, capsys):

@@ -46,7 +46,8 @@ def test_a_missing_checkpoint_is_one_clear_line_for_every_tool(tmp_path, capsys)
 
 def test_bench_flags_out_of_range_are_usage_errors(capsys):
     for argv in (["bench", "decode", "--contexts", "4K,4X"], ["bench", "tiers", "--contexts", "8Q"],
-                 ["bench", "indexer", "--contexts", "0"], ["bench", "spec", "--prompts", "0"]):
+                 ["bench", "indexer", "--contexts", "0"], ["bench", "spec", "--prompts", "0"],
+                 ["bench", "tiers", "--buffers", "1,x"], ["bench", "tiers", "--buffers", "0,2"]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2, argv

@@ -105,7 +105,7 @@ def test_lightning_indexer_select_in_blocks_and_tiles_matches_one_dense_pass(mon
     key segments of both kinds (a run of positions, scattered positions). With small integer inputs every
     score is exact in fp32, so its sets must equal top-k of the whole [S, T] score matrix computed at
     once, ties (many, with integers) included."""
-    from sparsekv.model import attention as attn
+    from sparsekv.model import indexer as attn
     from sparsekv.tools.tiny import TINY_GLM
     from sparsekv.config import ModelConfig
     cfg = ModelConfig.from_dict({**TINY_GLM, "model_type": "glm_moe_dsa"})
@@ -133,7 +133,7 @@ def test_decode_rows_score_like_one_dense_pass_in_either_layout(monkeypatch, key
     """A decode row (one query) is scored keys-major over long histories, query-major over short ones
     (`keys_major`). Forced either way, over key segments of both kinds and tiles of 16 keys, with
     integer inputs (exact fp32 scores): each row's set equals top-k of the dense scores, ties included."""
-    from sparsekv.model import attention as attn
+    from sparsekv.model import indexer as attn
     from sparsekv.tools.tiny import TINY_GLM
     from sparsekv.config import ModelConfig
     cfg = ModelConfig.from_dict({**TINY_GLM, "model_type": "glm_moe_dsa"})
@@ -160,7 +160,7 @@ def test_index_score_scratch_is_reused_across_calls_and_shared_by_indexers(monke
     full layer) write into the same storage instead of a fresh allocation, it grows only when a call needs
     more, and a shared buffer changes no selection. The loaded model wires one scratch into every indexer,
     the MTP layer's included."""
-    from sparsekv.model import attention as attn
+    from sparsekv.model import indexer as attn
     from sparsekv.tools.tiny import TINY_GLM
     from sparsekv.config import ModelConfig
     cfg = ModelConfig.from_dict({**TINY_GLM, "model_type": "glm_moe_dsa"})

@@ -267,7 +267,7 @@ def test_device_budget_counts_the_mtp_layer(model):
 def test_batched_selection_of_drafting_decodes_equals_per_request(model, tiering, monkeypatch):
     """Verification rows (the newest token and its drafts) join the accelerator's batched decode
     selection; forced on here, drafting gives the same tokens, logprobs and drafts bit for bit."""
-    from sparsekv.model.attention import LightningIndexer
+    from sparsekv.model.indexer import LightningIndexer
     from sparsekv.model.selectors import DSASelector
     prompts = [LONG[0], PROMPTS[0], LONG[1]]
     options = dict(OPTIONS, prefill_chunk_tokens=64, max_num_batched_tokens=72, num_speculative_tokens=2,

@@ -212,7 +212,7 @@ def test_tiering_is_exact_on_cuda(ckpt):
 def test_index_key_segments_cover_the_history_in_order(fp8, monkeypatch):
     """Views of long runs and one gather of the rest hold exactly the keys a full gather reads."""
     import sparsekv.cache.pool as pool
-    from sparsekv.cache.tiers import IndexKeyCache
+    from sparsekv.cache.index_keys import IndexKeyCache
     from sparsekv.context import SeqSlice
     monkeypatch.setattr(pool, "MIN_VIEW_RUN", 8)
     cache = IndexKeyCache([0], num_slots=64, dim=4, dtype=torch.float32, device="cpu", fp8=fp8)
@@ -312,11 +312,11 @@ def test_batched_decode_selection_equals_per_request(ckpt, options, keys_major_f
     bit on this CPU, through both pools and FP8 keys, and it really ran. With the keys-major threshold
     at 45 keys the prompts of 39 and 23 tokens cross it while decoding and the one of 60 starts past it,
     so steps batch both scoring layouts (never mixed in one batch)."""
-    from sparsekv.model import attention
-    from sparsekv.model.attention import LightningIndexer
+    from sparsekv.model import indexer
+    from sparsekv.model.indexer import LightningIndexer
     from sparsekv.model.selectors import DSASelector
     if keys_major_from is not None:
-        monkeypatch.setattr(attention, "DECODE_KEYS_MAJOR_MIN_KEYS_CPU", keys_major_from)
+        monkeypatch.setattr(indexer, "DECODE_KEYS_MAJOR_MIN_KEYS_CPU", keys_major_from)
     reference, _ = generate(ckpt["glm_moe_dsa"], **options)
     calls, real = [], LightningIndexer.select_decode_batch
 
@@ -370,7 +370,8 @@ def test_bench_tiers_teacher_forced_natural_continuation(tmp_path):
     the file's tokens (the FP8 pass is forced on the same sequence); a file too short is an error."""
     from sparsekv.engine import load_tokenizer
     from sparsekv.paths import default_model_path
-    from sparsekv.tools.bench_tiers import _prompt, main, parse_args
+    from sparsekv.tools.bench_tiers import main, parse_args
+    from sparsekv.tools.bench_tiers_natural import _prompt
     model = default_model_path()
     text = tmp_path / "prompt.py"
     text.write_text(open(json.__file__).read())

@@ -44,55 +44,10 @@ import torch
 from ..config import EngineConfig, ModelConfig
 from ..context import SeqSlice
 from .host_store import HostLink, HostStore, make_host_store
+from .index_keys import IndexKeyCache
 from .lru import (TierCounters, TierSizes, WorkingSetLRU, index_bytes_per_layer, index_bytes_per_token,
                   latent_bytes_per_token, plan_tier_sizes)
 from .pages import PageAllocator
-from .pool import history_segments, padded_slots
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-class IndexKeyCache:
-    """Indexer keys of every logical slot, device-resident. fp8: e4m3 bytes plus one fp32 scale per key."""
-
-    def __init__(self, layers: list[int], num_slots: int, dim: int, dtype: torch.dtype, device, fp8: bool):
-        self.dtype, self.fp8 = dtype, fp8
-        store = torch.uint8 if fp8 else dtype  # fp8 rows are kept as raw bytes (CPU index ops lack fp8)
-        self.keys = {l: torch.empty(num_slots, dim, dtype=store, device=device) for l in layers}
-        self.scales = {l: torch.empty(num_slots, dtype=torch.float32, device=device) for l in layers} if fp8 else {}
-
-    def bytes_per_token(self) -> int:
-        return sum(t.shape[1] * t.element_size() + (4 if self.fp8 else 0) for t in self.keys.values())
-
-    def write(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        if not self.fp8:
-            self.keys[layer].index_copy_(0, slots, values.to(self.dtype))
-            return
-        v = values.float()
-        scale = v.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
-        q = (v / scale[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
-        self.keys[layer].index_copy_(0, slots, q)
-        self.scales[layer].index_copy_(0, slots, scale)
-
-    def segments(self, layer: int, seq: SeqSlice) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
-        """The request's keys as (positions, keys) pieces (see pool.history_segments); fp8 dequantised."""
-        pieces = history_segments(self.keys[layer], seq)
-        if not self.fp8:
-            return pieces
-        return [(pos, self._dequantise(layer, seq, pos, k)) for pos, k in pieces]
-
-    def padded(self, layer: int, seqs: list[SeqSlice]) -> torch.Tensor:
-        """Several requests' keys, padded (pool.padded_slots): [B, T_max, D_I]; fp8 dequantised."""
-        slots = padded_slots(seqs)
-        if not self.fp8:
-            return self.keys[layer][slots]
-        raw = self.keys[layer][slots].view(torch.float8_e4m3fn).float()
-        return (raw * self.scales[layer][slots][..., None]).to(self.dtype)
-
-    def _dequantise(self, layer: int, seq: SeqSlice, positions, raw: torch.Tensor) -> torch.Tensor:
-        slots = seq.slots[positions:positions + raw.shape[0]] if isinstance(positions, int) else seq.slots[positions]
-        scale = self.scales[layer].index_select(0, slots)
-        return (raw.view(torch.float8_e4m3fn).float() * scale[:, None]).to(self.dtype)
 
 
 @dataclass

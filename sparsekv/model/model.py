@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..context import ForwardContext
-from .attention import AttentionWeights, IndexerWeights, LightningIndexer, MLAttention, ScoreScratch
+from .attention import AttentionWeights, MLAttention
+from .indexer import IndexerWeights, LightningIndexer, ScoreScratch
 from .layers import MoE, DenseMLP, RotaryTable, rms_norm
 
 

@@ -37,21 +37,21 @@ BASELINES = {"small-tiles": {"INDEX_TILE_ELEMENTS_CPU": 1 << 17},
 
 @contextlib.contextmanager
 def block_policy(policy: dict | None):
-    """Temporarily replace the CPU block constants of `sparsekv.model.attention` (None: keep them)."""
-    from ..model import attention
-    saved = {name: getattr(attention, name) for name in (policy or {})}
+    """Temporarily replace the CPU block constants of `sparsekv.model.indexer` (None: keep them)."""
+    from ..model import indexer
+    saved = {name: getattr(indexer, name) for name in (policy or {})}
     for name, value in (policy or {}).items():
-        setattr(attention, name, value)
+        setattr(indexer, name, value)
     try:
         yield
     finally:
         for name, value in saved.items():
-            setattr(attention, name, value)
+            setattr(indexer, name, value)
 
 
 def time_select(indexer, inputs, k: int, policy: dict | None, repeats: int) -> tuple[float, torch.Tensor, int, int]:
     """(median seconds, selected positions, query block, keys per tile) of one `select` call under `policy`."""
-    from ..model.attention import index_key_tile, index_query_block
+    from ..model.indexer import index_key_tile, index_query_block
     q, weights, segments, positions = inputs
     total = int(positions.max()) + 1
     with block_policy(policy):
@@ -113,7 +113,7 @@ def device_read_bandwidth(device: torch.device, threads: int) -> float:
 
 
 def bench_decode(args, cfg, indexer) -> list[dict]:
-    from ..model.attention import keys_major
+    from ..model.indexer import keys_major
     device = torch.device(args.device)
     read_bw = device_read_bandwidth(device, args.threads)
     rows, k = [], cfg.index_topk
@@ -148,7 +148,7 @@ def report_decode(rows: list[dict], args) -> None:
 
 def bench(args) -> list[dict]:
     from ..config import ModelConfig
-    from ..model.attention import LightningIndexer
+    from ..model.indexer import LightningIndexer
     from ..paths import default_model_path
     from .hardware import measure_this_cpu
     torch.set_num_threads(args.threads)

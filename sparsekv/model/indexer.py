@@ -1,0 +1,221 @@
+"""The DSA lightning indexer, in the paper's notation, and how its scores are blocked on each device.
+
+I[t,s] = sum_h w_h(x_t) H^-1/2 * ReLU(<q_{t,h}, k_s> D^-1/2), top-k over s <= t. A prefill scores a
+block of queries at a time against tiles of keys (never an L x L tensor); a decode row scores its
+keys once, keys-major past a threshold. `IndexerWeights` and `ScoreScratch` are shared with MLA's
+assembly (model.py); the selector interface around it is selectors.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..kernels.attention import causal_mask_scores, fill_blocks, query_block_size, select_topk
+from .layers import layer_norm, rope_half_split, rope_interleaved
+
+# On a CPU, queries are scored a block at a time against key tiles: the [block x H, tile] GEMM output
+# (INDEX_TILE_ELEMENTS_CPU, 2 MB) stays in cache, and the block is as large as the [block, T] score rows
+# allow (INDEX_SCORE_ELEMENTS_CPU, 512 MB), so each key tile is read once for up to 128 queries: 128 up to
+# 1M keys. 8 queries against 32K-key tiles ran the indexer GEMM at ~30 GFLOP/s on this machine's core; 64
+# against 512-key tiles at ~60. With two threads small blocks parallelise badly: at 1M keys a block
+# of 32 queries cost 14.8 ms a query, 64 10.3 and 128 7.1 (one thread: 12.2, 11.3, 11.2). Tiles of 1024
+# keys for 128 queries of 4 heads beat 256 by 1.08-1.35x (fewer ops per key, each of them a few us of
+# launch; BENCHMARKS.md, "Indexer prefill").
+INDEX_QUERY_BLOCK_CPU = 8
+INDEX_QUERY_BLOCK_CPU_MAX = 128
+INDEX_SCORE_ELEMENTS_CPU = 1 << 27
+INDEX_TILE_ELEMENTS_CPU = 1 << 19
+INDEX_SCORE_ELEMENTS_GPU = 1 << 28  # on an accelerator, larger blocks amortise launches (1 GiB fp32)
+# A decode row (one query) scores keys-major from this many keys on (`decode_head_scores`). On a CPU
+# below 32K keys a layer's keys stay in cache and the query-major GEMM is as fast or faster. On an
+# accelerator keys-major has not been measured yet (`sparsekv bench indexer --decode --device cuda`,
+# run by scripts/gpu_check.py): query-major there.
+DECODE_KEYS_MAJOR_MIN_KEYS_CPU = 1 << 15
+DECODE_KEYS_MAJOR_MIN_KEYS_GPU = 1 << 62
+
+
+def keys_major(device: torch.device, rows: int, keys: int) -> bool:
+    """Whether `rows` query rows over `keys` keys are scored keys-major (one decode row, long history).
+    The per-request and the batched decode paths both ask this, so each request's scores are the same bits."""
+    least = DECODE_KEYS_MAJOR_MIN_KEYS_CPU if device.type == "cpu" else DECODE_KEYS_MAJOR_MIN_KEYS_GPU
+    return rows == 1 and keys >= least
+
+
+def index_query_block(device: torch.device, heads: int, total: int) -> int:
+    if device.type == "cpu":
+        return max(INDEX_QUERY_BLOCK_CPU, min(INDEX_QUERY_BLOCK_CPU_MAX, INDEX_SCORE_ELEMENTS_CPU // max(total, 1)))
+    return max(INDEX_QUERY_BLOCK_CPU, min(1024, INDEX_SCORE_ELEMENTS_GPU // (heads * total)))
+
+
+def index_key_tile(device: torch.device, queries: int, heads: int, total: int) -> int:
+    """Keys scored per GEMM: L2-sized for a block of queries on a CPU. One query (decode) streams the
+    keys once whatever the tile, and smaller tiles only add copies (5% at 128K keys)."""
+    if device.type == "cpu" and queries > 1:
+        return max(1, min(total, INDEX_TILE_ELEMENTS_CPU // (queries * heads)))
+    return query_block_size(queries * heads, total, device)
+
+
+class ScoreScratch:
+    """The fp32 buffer a prefill block's index scores are written into, kept across `select` calls and
+    shared by one model's indexers (they run one at a time).
+
+    On a CPU a fresh [rows, T] buffer is above glibc's mmap threshold, so allocating one per call maps
+    and faults it again for every chunk and full layer (33.9 M minor faults in a 1M prefill).
+    It grows by doubling (beyond what a call asks only up to INDEX_SCORE_ELEMENTS_CPU, 512 MB) and is
+    kept until the model is dropped or `release()`. On an accelerator the caching allocator already
+    reuses memory, so each call gets a fresh tensor there."""
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, numel: int, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=torch.float32, device=device)
+        if self._buffer is None or self._buffer.numel() < numel:
+            grown = 0 if self._buffer is None else min(2 * self._buffer.numel(), INDEX_SCORE_ELEMENTS_CPU)
+            self._buffer = None                     # free the old one before allocating its successor
+            self._buffer = torch.empty(max(numel, grown), dtype=torch.float32)
+        return self._buffer[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.nbytes
+
+    def release(self) -> None:
+        self._buffer = None
+
+
+@dataclass
+class IndexerWeights:
+    wq_b: torch.Tensor          # [H_I * D_I, q_lora]
+    wk: torch.Tensor            # [D_I, hidden]
+    k_norm_weight: torch.Tensor
+    k_norm_bias: torch.Tensor
+    weights_proj: torch.Tensor  # [H_I, hidden], kept fp32 as in the reference
+
+
+class LightningIndexer:
+    """DSA token selector: I[t,s] = sum_h w_h(x_t) H^-1/2 * ReLU(<q_{t,h}, k_s> D^-1/2), top-k over s <= t."""
+
+    name = "dsa"
+
+    def __init__(self, cfg: ModelConfig, w: IndexerWeights, scratch: ScoreScratch | None = None):
+        self.cfg, self.w = cfg, w
+        self.scratch = ScoreScratch() if scratch is None else scratch
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.rope = rope_interleaved if cfg.indexer_rope_interleave else rope_half_split
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.cfg.qk_rope_head_dim
+        return torch.cat([self.rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        k = layer_norm(F.linear(x, self.w.wk), self.w.k_norm_weight, self.w.k_norm_bias, 1e-6)
+        return self._rotate(k, cos, sin)
+
+    def queries(self, q_resid: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q = F.linear(q_resid, self.w.wq_b).view(x.shape[0], self.n_heads, self.head_dim)
+        weights = F.linear(x.float(), self.w.weights_proj).float() * self.n_heads ** -0.5
+        return self._rotate(q, cos, sin).float(), weights
+
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, segments, total: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Index scores [S, total] fp32 of queries q [S, H_I, D_I] against the first `total` positions,
+        written into `out` when given (a reused buffer: see `select`).
+
+        `segments` are (positions, keys [n, D_I]) pieces of the key history (`history_segments`):
+        an int first position for a view of consecutive positions, a tensor of positions otherwise.
+        D_I^-1/2 > 0 commutes with the ReLU, so it is folded into the head weights; the ReLU runs in
+        place. Keys are scored a tile at a time, so the [S x H_I, tile] intermediate stays in cache.
+        """
+        w = weights * self.head_dim ** -0.5
+        major = keys_major(q.device, q.shape[0], total)
+        first, keys = segments[0]
+        if len(segments) == 1 and isinstance(first, int) and keys.shape[0] >= total:
+            return self._score_tiles(q, w, keys[:total], major, out)          # one view
+        out = torch.empty(q.shape[0], total, dtype=torch.float32, device=q.device) if out is None else out
+        for positions, keys in segments:
+            if isinstance(positions, int):
+                n = min(keys.shape[0], total - positions)
+                if n > 0:
+                    self._score_tiles(q, w, keys[:n], major, out[:, positions:positions + n])
+            else:
+                visible = positions < total
+                out[:, positions[visible]] = self._score_tiles(q, w, keys[visible], major)
+        return out
+
+    def _score_tiles(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, major: bool,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        total = keys.shape[0]
+        tile = index_key_tile(q.device, q.shape[0], self.n_heads, total)
+        if tile >= total and out is None:
+            return self._score_tile(q, w, keys, major)   # decode: no output copy
+        out = torch.empty(q.shape[0], total, dtype=torch.float32, device=q.device) if out is None else out
+        for start in range(0, total, tile):
+            out[:, start:start + tile] = self._score_tile(q, w, keys[start:start + tile], major)
+        return out
+
+    @staticmethod
+    def _score_tile(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, major: bool) -> torch.Tensor:
+        keys = keys.float()
+        if major:  # a decode row over a long history
+            return torch.mm(decode_head_scores(keys, q[0].t()), w[0][:, None]).t()
+        if q.shape[0] == 1:  # a decode row over a short history: [H, D] x [D, T]
+            s = torch.matmul(q[0], keys.t()).relu_()        # [H, T]
+            return torch.matmul(w[0], s).unsqueeze(0)
+        s = torch.mm(q.flatten(0, 1), keys.t()).relu_()    # [S * H, T]: one plain GEMM
+        return torch.bmm(w.unsqueeze(1), s.view(q.shape[0], q.shape[1], -1)).squeeze(1)
+
+    def select_decode_batch(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                            positions: torch.Tensor, k: int, major: bool = False) -> torch.Tensor:
+        """Sorted top-k positions [B, R, k] of the decode rows of B requests at once (accelerators: a
+        handful of launches for the whole batch instead of a dozen per request). q [B, R, H_I, D_I],
+        weights [B, R, H_I], positions [B, R] (each >= k: every row sees more than k keys), keys
+        [B, T, D_I] (each request's history, padded; positions past a row's are masked). `major`:
+        the requests are all scored keys-major (`keys_major`: R = 1, long histories), else none is."""
+        b, r, h, d = q.shape
+        w = weights * self.head_dim ** -0.5
+        if major:  # as `_score_tile`'s keys-major decode row, so each request's scores are the same bits
+            s = decode_head_scores(keys.float(), q.float().view(b, h, d).transpose(1, 2))      # [B, T, H]
+            scores = torch.bmm(s, w.view(b, h, 1)).view(b, 1, -1)                                # [B, 1, T]
+        else:
+            s = torch.bmm(q.float().view(b, r * h, d), keys.float().transpose(1, 2)).relu_()  # [B, R*H, T]
+            scores = torch.bmm(w.view(b * r, 1, h), s.view(b * r, h, -1)).view(b, r, -1)       # [B, R, T]
+        later = torch.arange(keys.shape[1], device=keys.device)[None, None, :] > positions[:, :, None]
+        return select_topk(scores.masked_fill_(later, float("-inf")).view(b * r, -1), k).view(b, r, k)
+
+    def select(self, q, weights, segments, query_positions, k: int) -> torch.Tensor:
+        """Sorted top-k positions [S, k] for each query; peak memory O(block x T), never T x T.
+
+        Rows that see at most k positions select all of them (positions 0..k-1, the later ones
+        masked as invalid by the caller), exactly the reference's dense regime.
+        """
+        total = sum(keys.shape[0] for _, keys in segments)
+        rows = index_query_block(q.device, self.n_heads, total)
+        # Every block's scores go to one buffer (`ScoreScratch`): fresh [rows, T] tensors above glibc's
+        # mmap threshold cost a page fault per 4 KB each time (29 M faults in a 256K prefill). A decode
+        # row's scores are returned without a copy instead.
+        several = q.shape[0] > 1 and total > k
+        buffer = self.scratch.take(min(rows, q.shape[0]) * total, q.device) if several else None
+
+        def block(start: int, end: int) -> torch.Tensor:
+            positions = query_positions[start:end]
+            visible = int(positions.max()) + 1  # no key after the block's last query is visible to it
+            if visible <= k:
+                return torch.arange(k, device=q.device).expand(end - start, k)
+            out = buffer[:(end - start) * visible].view(end - start, visible) if several else None
+            scores = self.scores(q[start:end], weights[start:end], segments, visible, out)
+            return select_topk(causal_mask_scores(scores, positions), k)
+        return fill_blocks(q.shape[0], rows, block)
+
+
+def decode_head_scores(keys: torch.Tensor, q_t: torch.Tensor) -> torch.Tensor:
+    """ReLU(keys @ q_t): a decode row's per-head scores, keys-major. keys [T, D] with q_t [D, H] gives
+    [T, H]; batched, [B, T, D] with [B, D, H] gives [B, T, H]. The key cache streams once through a
+    GEMM whose small side is the H heads; the query-major form, [H, D] x [D, T], runs 1.4-2.3x slower
+    on a CPU from 64K keys on and does not gain from a second thread (BENCHMARKS.md, "Decode scores,
+    keys-major")."""
+    return torch.matmul(keys, q_t).relu_()
