@@ -219,59 +219,84 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
     import torch
     torch.set_num_threads(args.threads)
-    from ..paths import DEFAULT_MODEL_DIR
-    from ..tools.hardware import machine_fingerprint
-    from .data import BatchSource, heldout_rows, retrieval_probe
-    from .export import export
-    from .stages import STAGES
-    from .trainer import Trainer, TrainOptions
-    out = args.out or DEFAULT_MODEL_DIR
-    work_dir = args.work_dir or os.path.join("runs", f"train-{os.path.basename(os.path.normpath(out))}")
     log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
-        steps, far_layers = checked_options(args, STAGES)
+        train(args, log)
     except UsageError as e:
         print(f"sparsekv train: error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def train(args, log) -> None:
+    """Every stage from the flags, resuming from the work directory; writes the HF directory when done."""
+    from ..paths import DEFAULT_MODEL_DIR
+    from .stages import STAGES
+    from .trainer import Trainer
+    steps, far_layers = checked_options(args, STAGES)
+    out = args.out or DEFAULT_MODEL_DIR
+    work_dir = args.work_dir or os.path.join("runs", f"train-{os.path.basename(os.path.normpath(out))}")
     os.makedirs(work_dir, exist_ok=True)
     t0 = time.time()
     tok, corpus = prepare_data(args, work_dir)
     raw, model = build(args, tok)
     not_full = [i for i in far_layers if not (0 <= i < len(raw["indexer_types"]) and raw["indexer_types"][i] == "full")]
     if not_full:
-        print(f"sparsekv train: error: --far-layers {not_full}: not full layers (indexer_types "
-              f"{raw['indexer_types']})", file=sys.stderr)
-        return 2
+        raise UsageError(f"--far-layers {not_full}: not full layers (indexer_types {raw['indexer_types']})")
     model.to(args.device)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {n_params / 1e6:.2f}M parameters; train {len(corpus['train'])} tokens, "
+    log(f"model: {model_parameters(model) / 1e6:.2f}M parameters; train {len(corpus['train'])} tokens, "
         f"held-out {len(corpus['heldout'])} tokens ({time.time() - t0:.1f} s to prepare)")
-    source = BatchSource(tok, corpus["train"], args.seq_len, args.batch_size, args.seed, args.synth_frac,
-                         args.pose_max_position, answer_weight=args.answer_weight, doc_min_frac=args.doc_min_frac,
-                         copy_warmup_steps=args.copy_warmup_steps, copy_warmup_seq_len=args.copy_warmup_seq_len,
-                         copy_warmup_repeat_frac=args.copy_warmup_repeat_frac,
-                         far_count=args.far_negatives, far_min_distance=args.far_min_distance,
-                         far_layers=far_layers)
+    rows, probe = heldout_sets(args, tok, corpus)
+    trainer = Trainer(model, batch_source(args, tok, corpus, far_layers), rows, train_options(args, steps, far_layers),
+                      work_dir, probe)
+    if not args.fresh and trainer.try_resume():
+        log(f"resumed from {work_dir} at stage {trainer.state.stage + 1}, step {trainer.state.step}")
+    state = trainer.run(log)
+    if state.done:
+        write_model(args, model, raw, tok, out, state)
+        log(f"wrote {out}: " + json.dumps(state.heldout[list(state.heldout)[-1]] if state.heldout else {}))
+
+
+def model_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def batch_source(args, tok, corpus: dict, far_layers: tuple[int, ...]):
+    from .data import BatchSource
+    return BatchSource(tok, corpus["train"], args.seq_len, args.batch_size, args.seed, args.synth_frac,
+                       args.pose_max_position, answer_weight=args.answer_weight, doc_min_frac=args.doc_min_frac,
+                       copy_warmup_steps=args.copy_warmup_steps, copy_warmup_seq_len=args.copy_warmup_seq_len,
+                       copy_warmup_repeat_frac=args.copy_warmup_repeat_frac,
+                       far_count=args.far_negatives, far_min_distance=args.far_min_distance,
+                       far_layers=far_layers)
+
+
+def heldout_sets(args, tok, corpus: dict) -> tuple:
+    """(held-out loss rows, teacher-forced retrieval probe or None)."""
+    from .data import heldout_rows, retrieval_probe
     rows = heldout_rows(corpus["heldout"], args.seq_len, args.heldout_rows)
-    probe = retrieval_probe(tok, corpus["heldout"], args.probe_length) if args.probe_length > 0 else None
-    opts = TrainOptions(steps=steps, lr=args.lr, checkpoint_every=args.checkpoint_every,
+    return rows, retrieval_probe(tok, corpus["heldout"], args.probe_length) if args.probe_length > 0 else None
+
+
+def train_options(args, steps: dict, far_layers: tuple[int, ...]):
+    from .trainer import TrainOptions
+    return TrainOptions(steps=steps, lr=args.lr, checkpoint_every=args.checkpoint_every,
                         stop_after_steps=args.stop_after_steps, log_every=args.log_every,
                         copy_warmup_steps=args.copy_warmup_steps, copy_warmup_lr=args.copy_warmup_lr,
                         copy_warmup_freeze_mlp=args.copy_warmup_freeze_mlp,
                         far_lr=args.far_lr, far_smoothing=args.far_smoothing, far_layers=far_layers,
                         time_budget_s=None if args.time_budget_minutes is None else args.time_budget_minutes * 60)
-    trainer = Trainer(model, source, rows, opts, work_dir, probe)
-    if not args.fresh and trainer.try_resume():
-        log(f"resumed from {work_dir} at stage {trainer.state.stage + 1}, step {trainer.state.step}")
-    state = trainer.run(log)
-    if not state.done:
-        return 0
-    summary = {"args": vars(args), "parameters": n_params, "planned_steps": state.planned,
+
+
+def write_model(args, model, raw: dict, tok, out: str, state) -> None:
+    """The HF directory, with training.json: the flags, held-out figures and the machine it ran on."""
+    import torch
+    from ..tools.hardware import machine_fingerprint
+    from .export import export
+    summary = {"args": vars(args), "parameters": model_parameters(model), "planned_steps": state.planned,
                "elapsed_s": state.elapsed, "heldout": state.heldout, "pose": "two-chunk PoSE, log-uniform skip",
                "machine": machine_fingerprint()}
     if args.init_from and os.path.exists(os.path.join(args.init_from, "training.json")):
         with open(os.path.join(args.init_from, "training.json")) as f:
             summary["init_from"] = {"path": args.init_from, "training": json.load(f)}
     export(model, raw, tok, out, summary, dtype=torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32)
-    log(f"wrote {out}: " + json.dumps(state.heldout[list(state.heldout)[-1]] if state.heldout else {}))
-    return 0
