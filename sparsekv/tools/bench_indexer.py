@@ -28,6 +28,7 @@ import time
 import torch
 
 from .bench import index_flops_per_pair, report_console
+from .hardware import device_read_bandwidth
 from .plan_workload import token_list_arg
 
 BASELINES = {"small-tiles": {"INDEX_TILE_ELEMENTS_CPU": 1 << 17},
@@ -100,16 +101,6 @@ def time_decode(indexer, inputs, k: int, policies: list[dict | None], repeats: i
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def device_read_bandwidth(device: torch.device, threads: int) -> float:
-    """Bytes/s a streaming read reaches on `device`: this CPU's measured figure, or the best of 5
-    sums of 1 GiB on an accelerator (timed as `hardware` times the CPU's)."""
-    from .hardware import _best_seconds, measure_this_cpu
-    if device.type == "cpu":
-        return measure_this_cpu(threads=threads).mem_bw
-    x = torch.ones(1 << 28, device=device)
-    return x.numel() * x.element_size() / _best_seconds(lambda: (x.sum(), _sync(device)), 5)
 
 
 def bench_decode(args, cfg, indexer) -> list[dict]:

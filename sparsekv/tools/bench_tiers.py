@@ -28,8 +28,7 @@ from datetime import date
 
 from .bench import BENCH_PRESETS
 from .bench_tiers_natural import natural
-from .bench_tiers_setup import (MB, delta, device_bandwidth_gbps, interleaved_step_ms, make_engine, miss_rate, p99,
-                                synthetic_admit)
+from .bench_tiers_setup import MB, delta, interleaved_step_ms, make_engine, miss_rate, p99, synthetic_admit
 from .bench_worker import decode_bytes_per_step
 from .plan_workload import parse_tokens, token_list_arg
 
@@ -60,7 +59,7 @@ def _row(context: int, times: list[float], before: dict, after: dict, steps: int
 
 
 def sweep(args, ckpt: str, topk: int) -> list[dict]:
-    rows, machine = [], device_bandwidth_gbps(args.threads, args.device)
+    rows, machine = [], device_bandwidth_gbps(args)
     print(f"device memory bandwidth {machine:.1f} GB/s")
     for context in args.contexts:
         configs = {"off": dict(selector=args.selector, device=args.device)}
@@ -104,7 +103,7 @@ def concurrency(args, ckpt: str) -> dict:
     full = _interleaved(ckpt, context, steps, args.max_requests, {**configs, "off_unbounded": unbounded})
     single = _interleaved(ckpt, context, args.latency_steps, 1, configs)
     result["off_unbounded"] = full["off_unbounded"]
-    result["machine_gbps"] = machine = device_bandwidth_gbps(args.threads, args.device)
+    result["machine_gbps"] = machine = device_bandwidth_gbps(args)
     for name in configs:
         result[name] = {**full[name], "c1": single[name]}
         r = result[name]
@@ -146,6 +145,12 @@ def _interleaved(ckpt: str, context: int, steps: int, submit: int, configs: dict
     del engines
     gc.collect()
     return out
+
+
+def device_bandwidth_gbps(args) -> float:
+    import torch
+    from .hardware import device_read_bandwidth
+    return device_read_bandwidth(torch.device(args.device), args.threads, quick=True) / 1e9
 
 
 # -- plots and entry point ------------------------------------------------------------------------

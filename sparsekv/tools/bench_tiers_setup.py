@@ -78,21 +78,3 @@ def miss_rate(before: dict, after: dict) -> float:
 def p99(times: list[float]) -> float:
     ordered = sorted(times)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
-
-def device_bandwidth_gbps(threads: int, device: str) -> float:
-    """The bench device's memory bandwidth: stream-measured on the CPU; a device copy on CUDA."""
-    import torch
-    if device == "cpu":
-        from .bench import _machine_bandwidth
-        return _machine_bandwidth(threads)
-    src = torch.empty(1 << 28, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 10 * 2 * src.numel() * 4 / (time.perf_counter() - t0) / 1e9

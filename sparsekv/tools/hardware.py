@@ -169,6 +169,17 @@ def machine_fingerprint() -> dict:
             "threads": torch.get_num_threads()}
 
 
+def device_read_bandwidth(device, threads: int, quick: bool = False) -> float:
+    """Bytes/s a streaming read reaches on `device` (a torch.device): this CPU's measured figure, or
+    the best of 5 sums of 1 GiB on an accelerator (timed as the CPU's are). The roofline every
+    bench prints its achieved bandwidth against."""
+    import torch
+    if device.type == "cpu":
+        return measure_this_cpu(quick=quick, threads=threads).mem_bw
+    x = torch.ones(1 << 28, device=device)
+    return x.numel() * x.element_size() / _best_seconds(lambda: (x.sum(), torch.cuda.synchronize(device)), 5)
+
+
 def measure_this_cpu(quick: bool = False, threads: int | None = None) -> Hardware:
     """Measure this machine with torch in well under 3 s (about 0.2 s with `quick`).
 
