@@ -55,3 +55,30 @@ def random_prompt():
         g = torch.Generator().manual_seed(seed)
         return torch.randint(0, vocab, (n,), generator=g).tolist()
     return make
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch):
+    """CUDA's configuration on this CPU: batched decode selection, query-major decode scores, and the
+    tier link's copies landing as late as CUDA's stream ordering allows (HostLink.emulate_async:
+    backups at flush(), shared layers' fetched rows at wait(layer)). Returns how many deferred
+    backups and fetches landed, so a test can check that the emulation really ran."""
+    from sparsekv.cache.host_store import HostLink
+    from sparsekv.model import indexer
+    from sparsekv.model.selectors import DSASelector
+    monkeypatch.setattr(HostLink, "emulate_async", True)
+    monkeypatch.setattr(DSASelector, "batch_decode", True)
+    monkeypatch.setattr(indexer, "DECODE_KEYS_MAJOR_MIN_KEYS_CPU", indexer.DECODE_KEYS_MAJOR_MIN_KEYS_GPU)
+    landed = {"backups": 0, "fetches": 0}
+    real_flush, real_wait = HostLink.flush, HostLink.wait
+
+    def flush(self):
+        landed["backups"] += len(self._pending)
+        real_flush(self)
+
+    def wait(self, layer):
+        landed["fetches"] += len(self._landing.get(layer, ()))
+        real_wait(self, layer)
+    monkeypatch.setattr(HostLink, "flush", flush)
+    monkeypatch.setattr(HostLink, "wait", wait)
+    return landed

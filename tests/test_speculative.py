@@ -150,6 +150,13 @@ def test_tiering_with_drafts_is_exact_on_cuda(model):
     _check_tiered_drafting(model, GREEDY, "dsa", 256, "cuda")
 
 
+def test_tiering_with_drafts_is_exact_under_emulated_cuda_ordering(model, emulated_cuda):
+    """The CUDA test above on this CPU: backups and shared layers' fetches land as late as CUDA allows
+    (conftest.emulated_cuda), through verification chunks and the MTP layer's own pass."""
+    _check_tiered_drafting(model, GREEDY, "dsa", 256, "cpu")
+    assert emulated_cuda["backups"] > 0 and emulated_cuda["fetches"] > 0
+
+
 def _check_tiered_drafting(model, params, selector, buffer, device):
     prompts = [LONG[0], PROMPTS[0], LONG[1]]
     options = dict(OPTIONS, prefill_chunk_tokens=64, max_num_batched_tokens=72, selector=selector, device=device)

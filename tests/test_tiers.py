@@ -208,6 +208,28 @@ def test_tiering_is_exact_on_cuda(ckpt):
     assert llm.stats()["tier_misses"] > 0
 
 
+@pytest.mark.parametrize("selector", ["dsa", "quest"])
+def test_tiering_is_exact_under_emulated_cuda_ordering(ckpt, selector, emulated_cuda):
+    """The CUDA test above, on this CPU: every backup and every shared layer's fetch lands as late as
+    the streams allow, with chunked prefill, a batch of different lengths and N = top-k."""
+    reference, _ = generate(ckpt["glm_moe_dsa"], selector=selector)
+    outs, llm = generate(ckpt["glm_moe_dsa"], selector=selector, kv_tiering=True, device_buffer_tokens=TOPK)
+    assert_same(reference, outs)
+    assert emulated_cuda["backups"] > 0 and emulated_cuda["fetches"] > 0
+    assert not llm.engine.cache.link._landing  # every side-stream fetch was waited on in its step
+
+
+@pytest.mark.parametrize("skipped", ["flush", "wait"])
+def test_emulated_cuda_ordering_catches_a_missing_synchronisation(ckpt, skipped, emulated_cuda, monkeypatch):
+    """The emulation can fail: without the flush before host reads, or a shared layer's wait for its
+    side-stream rows, the tiered engine computes on stale rows and its logprobs change."""
+    from sparsekv.cache.host_store import HostLink
+    reference, _ = generate(ckpt["glm_moe_dsa"])
+    monkeypatch.setattr(HostLink, skipped, lambda self, *args: None)
+    outs = make(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=TOPK).generate(PROMPTS, GREEDY)
+    assert any(a.logprobs != b.logprobs for a, b in zip(reference, outs, strict=True))
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_index_key_segments_cover_the_history_in_order(fp8, monkeypatch):
     """Views of long runs and one gather of the rest hold exactly the keys a full gather reads."""

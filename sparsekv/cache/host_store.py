@@ -142,7 +142,16 @@ class HostLink:
     the store at the next `flush()` (the start of the next step, or before any host read), so a
     decode step never waits for it. fetch(): host -> device; the first layer's rows on the current
     stream (needed now), the other layers' on a side stream; `wait(layer)` before reading those.
+
+    On a CPU every copy is done at once, unless `emulate_async` (tests set it): then a CPU link keeps
+    CUDA's ordering contract as late as it allows. Backups reach the store only at `flush()`, and a
+    shared layer's fetched rows reach its working set only at its `wait(layer)`, in issue order. A
+    caller that reads the host before a flush, or a shared layer's rows before its wait, or writes a
+    row that a fetch not yet waited on will overwrite, then computes on stale rows, and the exactness
+    tests see it, with no GPU (tests/test_tiers.py, "emulated CUDA ordering").
     """
+
+    emulate_async = False
 
     def __init__(self, host: HostStore, device: torch.device):
         self.host, self.device = host, device
@@ -151,6 +160,7 @@ class HostLink:
         self._backups = torch.cuda.Stream(device) if cuda else None
         self._events: dict[int, torch.cuda.Event] = {}
         self._pending: list[tuple] = []
+        self._landing: dict[int, list[tuple]] = {}  # emulate_async: a layer's fetches not yet waited on
         self._scratch: torch.Tensor | None = None  # CPU fetch staging, grown to the largest fetch
 
     def index(self, values) -> torch.Tensor:
@@ -158,7 +168,10 @@ class HostLink:
 
     def backup(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         if self._backups is None:
-            self.host.write(layer, slots, values)
+            if self.emulate_async:
+                self._pending.append((layer, slots.clone(), values.clone(), None))
+            else:
+                self.host.write(layer, slots, values)
             return
         self._backups.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._backups):
@@ -172,7 +185,8 @@ class HostLink:
 
     def flush(self) -> None:
         for layer, slots, values, done in self._pending:
-            done.synchronize()
+            if done is not None:
+                done.synchronize()
             self.host.write(layer, slots, values)
         self._pending.clear()
 
@@ -184,8 +198,11 @@ class HostLink:
         """dst[l][rows] = host rows `src` (a CPU tensor) of layer l, for every l in `layers`."""
         if self._side is None:  # through one reused buffer: a fresh multi-MB tensor per layer and step
             staged = self._staging(src.numel())  # made glibc mmap and page-fault it (2x slower fetches)
-            for layer in layers:
-                dst[layer].index_copy_(0, rows, self.host.read(layer, src, out=staged))
+            for i, layer in enumerate(layers):
+                if self.emulate_async and i:  # a side-stream copy: lands at wait(layer)
+                    self._landing.setdefault(layer, []).append((dst[layer], rows, self.host.read(layer, src)))
+                else:
+                    dst[layer].index_copy_(0, rows, self.host.read(layer, src, out=staged))
             return
         staged = torch.stack([self.host.read(layer, src) for layer in layers]).pin_memory()
         dst[layers[0]].index_copy_(0, rows, staged[0].to(self.device, non_blocking=True))
@@ -207,6 +224,8 @@ class HostLink:
         return self._scratch[:rows]
 
     def wait(self, layer: int) -> None:
+        for dst, rows, values in self._landing.pop(layer, []):
+            dst.index_copy_(0, rows, values)
         done = self._events.pop(layer, None)
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
