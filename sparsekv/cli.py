@@ -82,6 +82,11 @@ def generate_main(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="prompt and output tokens; 1 = off")
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--min-tokens", type=int, default=0)
     p.add_argument("--logprobs", type=int, default=None)
     p.add_argument("--json", action="store_true")
     add_engine_args(p)
@@ -90,7 +95,9 @@ def generate_main(argv: list[str]) -> int:
     from .request import SamplingParams
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, logprobs=args.logprobs, seed=args.seed)
+                                top_k=args.top_k, min_p=args.min_p, logprobs=args.logprobs, seed=args.seed,
+                                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                                frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
         llm = LLM(args.model, **engine_options(args))
         out, timing = _timed_generate(llm, _prompt(args), params)
     except (InvalidRequest, ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:

@@ -14,7 +14,7 @@ from .detokenize import IncrementalDetokenizer, find_stop
 from .model.checkpoint import load_model
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
 from .runner import ModelRunner
-from .sampling import make_generator, sample_token, token_logprobs
+from .sampling import LogitAdjuster, make_generator, sample_token, token_logprobs
 from .scheduler import Scheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,6 +61,7 @@ class LLMEngine:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self._generators: dict[str, torch.Generator] = {}
+        self._adjusters: dict[str, LogitAdjuster] = {}  # requests with penalties, a logit bias or min_tokens
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -121,6 +122,9 @@ class LLMEngine:
                                  f"(prompt + max_tokens); {where}", "max_tokens")
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this checkpoint has none", "stop")
+        outside = [t for t in params.logit_bias or () if t >= vocab]
+        if outside:
+            raise InvalidRequest(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})", "logit_bias")
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     tenant: str = "default", cache_salt: str | None = None) -> Request:
@@ -134,6 +138,11 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
         self._generators[request_id] = make_generator(seed)
+        if params.adjusts_logits:
+            vocab = self.model_config.vocab_size
+            stops = {t for t in params.stop_token_ids or () if 0 <= t < vocab}
+            stops |= set() if params.ignore_eos else {t for t in self.eos_token_ids if 0 <= t < vocab}
+            self._adjusters[request_id] = LogitAdjuster(params, token_ids, vocab, stops)
         self.scheduler.add(req)
         return req
 
@@ -185,20 +194,26 @@ class LLMEngine:
         """The step's new token(s): one sampled, or a verified draft (speculative.py) plus one more."""
         gen, drafts, new = self._generators[req.request_id], logits.shape[0] - 1, []
         req.draft_token_ids.clear()
-        for i in range(drafts):
-            token, accepted = self.speculator.verify(req, logits[i], i, gen)
+        for i in range(drafts):  # each row adjusted after the tokens before it are emitted
+            token, accepted = self.speculator.verify(req, self._adjusted(req, logits[i]), i, gen)
             new += self._emit(req, token, logits[i])
             if not accepted or req.finished:
                 return self._output(req, new)
             req.num_computed_tokens += 1  # the draft's position holds the accepted token's entries
-        new += self._emit(req, sample_token(logits[drafts], req.params, gen), logits[drafts])
+        new += self._emit(req, sample_token(self._adjusted(req, logits[drafts]), req.params, gen), logits[drafts])
         return self._output(req, new)
+
+    def _adjusted(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
+        adjust = self._adjusters.get(req.request_id)
+        return logits if adjust is None else adjust(logits)
 
     def _emit(self, req: Request, token: int, logits: torch.Tensor) -> list[int]:
         params = req.params
         if params.logprobs is not None:
             req.output_logprobs.append(token_logprobs(torch.log_softmax(logits, -1), token, params.logprobs))
         req.output_token_ids.append(token)
+        if req.request_id in self._adjusters:
+            self._adjusters[req.request_id].note(token)
         req.first_token_time = req.first_token_time or time.monotonic()
         self.counters["generation_tokens"] += 1
         reason = self._finish_reason(req, token)
@@ -208,10 +223,12 @@ class LLMEngine:
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.params
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ()):
+        may_stop = req.num_output_tokens >= params.min_tokens  # vLLM: no stop before min_tokens are out
+        stop_token = (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ())
+        if may_stop and stop_token:
             self._final_text(req, req.output_token_ids[:-1])  # the stop token is not part of the text
             return "stop"
-        if self.tokenizer is not None and self._stop_string_completed(req):
+        if self.tokenizer is not None and self._stop_string_completed(req, may_stop):
             return "stop"
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             self._final_text(req, req.output_token_ids)
@@ -227,11 +244,11 @@ class LLMEngine:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         return req.detokenizer
 
-    def _stop_string_completed(self, req: Request) -> bool:
+    def _stop_string_completed(self, req: Request, may_stop: bool = True) -> bool:
         """Update the request's text incrementally; on a stop string, cut the exact full text there."""
         new = self._detokenizer(req).update(req.output_token_ids)
         req.text = req.detokenizer.text
-        if not new or find_stop(req.text, len(new), req.params.stop_strings) < 0:
+        if not may_stop or not new or find_stop(req.text, len(new), req.params.stop_strings) < 0:
             return False
         full = req.detokenizer.finish(req.output_token_ids)
         req.text = full[:find_stop(full, len(full), req.params.stop_strings)]
@@ -247,6 +264,7 @@ class LLMEngine:
         self.scheduler.finish(req, status, reason)
         self.runner.forget(req.request_id)
         self._generators.pop(req.request_id, None)
+        self._adjusters.pop(req.request_id, None)
         req.draft_token_ids.clear()
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
@@ -297,6 +315,8 @@ class LLMEngine:
         assert len(owned) == len(set(owned)), "a page is owned by two requests"
         assert len(owned) == self.allocator.num_pages - self.allocator.num_free, "allocator and requests disagree"
         running = {r.request_id for r in self.scheduler.running}
+        live = running | {r.request_id for r in self.scheduler.waiting}
+        assert set(self._generators) <= live and set(self._adjusters) <= live, "sampling state of a finished request"
         for selector in self.runner.selectors():
             selector.check_integrity(running)
         if self.tiered:

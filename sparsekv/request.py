@@ -23,17 +23,31 @@ class InvalidRequest(ValueError):
 
 @dataclass
 class SamplingParams:
-    """Shaped like vLLM's. `seed` makes one request reproducible whatever else shares the batch."""
+    """Shaped like vLLM's. `seed` makes one request reproducible whatever else shares the batch.
+
+    Penalties and biases as vLLM applies them (sampling.LogitAdjuster), on the raw logits before
+    temperature: `logit_bias` {token id: added value}; `repetition_penalty` divides a positive logit
+    (multiplies a negative one) of every token seen in the prompt or output; `frequency_penalty`
+    subtracts penalty x count of each output token, `presence_penalty` penalty once per token present
+    in the output. `min_tokens`: EOS, stop token ids and stop strings are ignored until that many
+    tokens are out. `min_p` drops tokens below min_p x the top token's probability (after temperature).
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     MAX_LOGPROBS = 20
 
@@ -49,6 +63,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty, a bias or min_tokens changes the logits before sampling."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     def validate(self) -> None:
         def need(ok: bool, param: str, msg: str):
@@ -68,6 +88,19 @@ class SamplingParams:
         need(self.stop_token_ids is None or all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids",
              "must be a list of integers")
         need(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        need(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            need(_is_number(value) and -2.0 <= value <= 2.0, name, f"must be a number in [-2, 2], got {value!r}")
+        need(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
+             f"must be in (0, 2] (1 = off), got {self.repetition_penalty!r}")
+        bias = self.logit_bias
+        need(bias is None or (isinstance(bias, dict) and all(_is_int(t) and t >= 0 for t in bias)), "logit_bias",
+             "must map token ids (integers >= 0) to numbers")
+        need(bias is None or all(_is_number(v) and -100.0 <= v <= 100.0 for v in bias.values()), "logit_bias",
+             "values must be numbers in [-100, 100]")
 
 
 def _is_int(x) -> bool:

@@ -16,6 +16,10 @@ def test_generate_json_with_token_ids(glm_ckpt, capsys):
     assert len(out["token_ids"]) == 4 and out["finish_reason"] == "length"
     assert all(str(t) in d for t, d in zip(out["token_ids"], out["logprobs"]))
     assert "prefill:" in captured.err and "ms/token" in captured.err
+    assert main(["generate", glm_ckpt[0], "--prompt-token-ids", "5,6,7,8", "--max-tokens", "4", "--json",
+                 "--max-model-len", "64", "--repetition-penalty", "2", "--frequency-penalty", "1"]) == 0
+    penalised = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(penalised["token_ids"]) == 4 and penalised["token_ids"] != out["token_ids"]
 
 
 def test_generate_bad_input_is_one_clear_line(glm_ckpt, capsys):
@@ -25,6 +29,8 @@ def test_generate_bad_input_is_one_clear_line(glm_ckpt, capsys):
     assert "no tokenizer" in capsys.readouterr().err
     assert main(["generate", glm_ckpt[0], "--prompt-token-ids", "1,2", "--max-tokens", "0"]) == 2
     assert "max_tokens" in capsys.readouterr().err
+    assert main(["generate", glm_ckpt[0], "--prompt-token-ids", "1,2", "--repetition-penalty", "3"]) == 2
+    assert "repetition_penalty" in capsys.readouterr().err
     assert main(["generate", "/nonexistent", "--prompt-token-ids", "1"]) == 2
     assert "no config.json" in capsys.readouterr().err
 

@@ -132,6 +132,23 @@ def test_greedy_matches_llm_generate(server, client):
         assert got.choices[0].text == want.text
 
 
+def test_penalties_and_logit_bias_reach_the_engine(server, client):
+    """The OpenAI penalty fields and vLLM's extras mean what LLM.generate makes of them."""
+    from sparsekv.llm import LLM
+    from sparsekv.request import SamplingParams
+    llm = LLM(server.model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_page_size=16)
+    fields = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.4, min_tokens=3, min_p=0.05)
+    want = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, logit_bias={5: 3.5}, **fields))[0]
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0]
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                    presence_penalty=0.5, frequency_penalty=1.0, logit_bias={"5": 3.5},
+                                    extra_body={"repetition_penalty": 1.4, "min_tokens": 3, "min_p": 0.05})
+    assert _ext(got)["choices"][0]["token_ids"] == want.token_ids != plain.token_ids
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logit_bias={"7": 100})
+    assert _ext(chat)["choices"][0]["token_ids"] == [7] * 4
+
+
 def test_models_tokenize_detokenize(server):
     h = {"Authorization": f"Bearer {KEY}"}
     models = httpx.get(server.url + "/v1/models", headers=h).json()
@@ -195,6 +212,15 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("logprobs-too-many", C, {**OK, "logprobs": 50}, 400, "logprobs"),
     ("logprobs-negative", C, {**OK, "logprobs": -1}, 400, "logprobs"),
     ("cache_salt-empty", C, {**OK, "cache_salt": ""}, 400, "cache_salt"),
+    ("presence_penalty-over-2", C, {**OK, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("frequency_penalty-str", C, {**OK, "frequency_penalty": "0.5"}, 400, "frequency_penalty"),
+    ("repetition_penalty-zero", C, {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("min_p-above-1", C, {**OK, "min_p": 1.5}, 400, "min_p"),
+    ("min_tokens-over-max_tokens", C, {**OK, "min_tokens": 5}, 400, "min_tokens"),
+    ("logit_bias-key-not-a-token-id", C, {**OK, "logit_bias": {"hello": 1}}, 400, "logit_bias"),
+    ("logit_bias-over-100", C, {**OK, "logit_bias": {"3": 150}}, 400, "logit_bias"),
+    ("logit_bias-outside-vocab", C, {**OK, "logit_bias": {"999": 1}}, 400, "logit_bias"),
+    ("chat-logit_bias-over-100", CHAT, {**MSG, "logit_bias": {"3": -101}}, 400, "logit_bias"),
     ("echo-unsupported", C, {**OK, "echo": True}, 400, "echo"),
     ("prompt-missing", C, {"model": "tiny", "max_tokens": 2}, 400, "prompt"),
     ("prompt-int", C, {**OK, "prompt": 123}, 400, "prompt"),

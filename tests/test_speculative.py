@@ -42,6 +42,24 @@ def test_greedy_with_drafts_equals_plain_greedy(model, k):
     _idle(llm)
 
 
+def test_penalised_greedy_with_drafts_equals_plain(model):
+    """Each verified row is adjusted with the tokens accepted before it: with penalties, a logit bias
+    and min_tokens, drafting still gives plain decoding's tokens and logprobs."""
+    params = SamplingParams(max_tokens=32, temperature=0.0, logprobs=2, repetition_penalty=1.3, frequency_penalty=0.4,
+                            presence_penalty=0.3, logit_bias={11: 2.0}, min_tokens=20)
+    plain = LLM(model, **OPTIONS).generate(PROMPTS, params)
+    unpenalised = LLM(model, **OPTIONS).generate(PROMPTS, GREEDY)
+    llm = LLM(model, num_speculative_tokens=3, **OPTIONS)
+    spec = llm.generate(PROMPTS, params)
+    for a, b in zip(plain, spec, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-5
+    assert [o.token_ids for o in plain] != [o.token_ids for o in unpenalised]
+    assert 0 < llm.stats()["spec_num_accepted_tokens"]
+    _idle(llm)
+
+
 @pytest.mark.parametrize("repeat", [1, 20])  # 20: past index_topk (256), so the MTP indexer selects
 def test_drafts_equal_the_mtp_layer_over_the_whole_sequence(model, repeat):
     """Each step's draft comes from the MTP cache built step by step; running the MTP layer over the

@@ -78,12 +78,16 @@ class ServerState:
 def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """The engine's parameters for choice `choice` of n; seeds are seed + choice so choices differ."""
     top_k = body.top_k if body.top_k is not None else 0
+    given = {name: getattr(body, name) for name in ("min_p", "presence_penalty", "frequency_penalty",
+                                                     "repetition_penalty", "min_tokens")
+             if getattr(body, name) is not None}
+    bias = {int(token): value for token, value in body.logit_bias.items()} if body.logit_bias else None
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if top_k == -1 else top_k,
             seed=None if body.seed is None else body.seed + choice, logprobs=logprobs, stop=body.stop,
-            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos)
+            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logit_bias=bias, **given)
     except InvalidRequest as e:
         raise APIError(400, str(e), e.param) from None
 

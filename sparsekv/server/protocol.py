@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models.
 
 Strict types: a string where a number belongs is a 400, not a silent coercion. Unknown fields are
-ignored (OpenAI clients send fields we do not implement, e.g. `presence_penalty`). Range checks that
+ignored (OpenAI clients send fields we do not implement, e.g. `parallel_tool_calls` or `service_tier`). Range checks that
 the engine's `SamplingParams` already does (max_tokens >= 1, temperature, top_p, logprobs) stay there
 so the rules live in one place; this module checks only what is HTTP-specific.
 """
@@ -33,7 +33,13 @@ class SamplingFields(_Body):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1
@@ -53,6 +59,8 @@ class SamplingFields(_Body):
             raise ValueError(f"seed: must fit in a signed 64-bit integer, got {self.seed}")
         if self.cache_salt is not None and not self.cache_salt:
             raise ValueError("cache_salt: must be a non-empty string if given")
+        if self.logit_bias is not None and not all(key.isdigit() for key in self.logit_bias):
+            raise ValueError("logit_bias: keys must be token ids (decimal integers as strings)")
         return self
 
     @property

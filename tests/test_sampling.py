@@ -1,0 +1,124 @@
+"""Penalties, logit bias, min_tokens and min-p: against element-by-element references written from
+vLLM's definitions, and end to end against a greedy loop over transformers' logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv import LLM, InvalidRequest, SamplingParams
+from sparsekv.sampling import LogitAdjuster, filter_logits
+
+VOCAB = 40
+
+
+def reference_adjust(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int],
+                     stops: set[int]) -> list[float]:
+    """One logit at a time, in vLLM's order: bias, min_tokens, repetition, frequency, presence."""
+    out = []
+    for t, x in enumerate(logits):
+        x += (params.logit_bias or {}).get(t, 0.0)
+        if len(output) < params.min_tokens and t in stops:
+            x = float("-inf")
+        if t in prompt or t in output:
+            x = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
+        x -= params.frequency_penalty * output.count(t)
+        x -= params.presence_penalty * (t in output)
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("options", [
+    dict(repetition_penalty=1.7), dict(repetition_penalty=0.6), dict(frequency_penalty=0.8),
+    dict(presence_penalty=-1.5), dict(logit_bias={3: 100.0, 7: -42.5}), dict(min_tokens=4),
+    dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=1.0, logit_bias={0: 5.0}, min_tokens=2),
+], ids=["repetition", "repetition-below-1", "frequency", "presence-negative", "bias", "min_tokens", "all"])
+def test_adjuster_equals_the_reference_at_every_step(options):
+    g = torch.Generator().manual_seed(0)
+    prompt, stops = [1, 2, 2, 9, 30], {5, 11}
+    params = SamplingParams(max_tokens=8, **options)
+    adjust = LogitAdjuster(params, prompt, VOCAB, stops)
+    output = []
+    for token in [2, 5, 5, 17, 2, 39]:  # repeats, a prompt token and a stop token among them
+        logits = torch.randn(VOCAB, generator=g) * 3
+        want = torch.tensor(reference_adjust(logits.tolist(), params, prompt, output, stops))
+        got = adjust(logits)
+        assert torch.allclose(got, want, atol=1e-5, rtol=0) and torch.equal(got.isinf(), want.isinf())
+        adjust.note(token)
+        output.append(token)
+
+
+def test_min_p_keeps_tokens_within_min_p_of_the_top():
+    logits = torch.tensor([2.0, 1.9, 0.0, -1.0, 1.0])
+    params = SamplingParams(temperature=0.5, min_p=0.2)
+    probs = (logits / 0.5).softmax(-1)
+    kept = filter_logits(logits, params).isfinite()
+    assert kept.tolist() == (probs >= 0.2 * probs.max()).tolist() and 1 < int(kept.sum()) < 5
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(frequency_penalty="x"), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=2.5), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+    (dict(logit_bias={"3": 1.0}), "logit_bias"), (dict(logit_bias={3: 101.0}), "logit_bias"),
+    (dict(logit_bias=[3]), "logit_bias"),
+])
+def test_invalid_adjustments(kwargs, param):
+    with pytest.raises(InvalidRequest, match=param) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+
+
+@pytest.fixture(scope="module")
+def llm(glm_ckpt):
+    return LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_num_batched_tokens=40)
+
+
+def _reference_greedy(model, prompt: list[int], params: SamplingParams, steps: int) -> list[int]:
+    """Greedy over transformers' logits, adjusted by the element-by-element reference each step."""
+    ids = list(prompt)
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+        adjusted = reference_adjust(logits.tolist(), params, prompt, ids[len(prompt):], set())
+        ids.append(max(range(len(adjusted)), key=adjusted.__getitem__))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("options", [dict(repetition_penalty=1.8), dict(frequency_penalty=1.5, presence_penalty=1.0)],
+                         ids=["repetition", "frequency-presence"])
+def test_penalised_greedy_equals_transformers_loop(llm, glm_ckpt, random_prompt, options):
+    prompt = random_prompt(12, seed=4)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **options)
+    out = llm.generate([prompt], params)[0]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == _reference_greedy(glm_ckpt[1], prompt, params, 16)
+    assert out.token_ids != plain.token_ids  # the penalty changed what greedy picks
+    llm.engine.check_integrity()
+
+
+def test_logit_bias_forces_and_bans_tokens(llm, random_prompt):
+    prompt = random_prompt(9, seed=2)
+    plain = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1))[0]
+    forced = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.7, seed=1, logit_bias={17: 100.0}))[0]
+    assert forced.token_ids == [17] * 6
+    banned = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1,
+                                                   logit_bias={plain.token_ids[0]: -100.0}))[0]
+    assert banned.token_ids[0] != plain.token_ids[0]
+    assert banned.logprobs[0][plain.token_ids[0]] == plain.logprobs[0][plain.token_ids[0]]  # raw logprobs
+    with pytest.raises(InvalidRequest, match="logit_bias token id 9999"):
+        llm.generate([prompt], SamplingParams(logit_bias={9999: 1.0}))
+    llm.engine.check_integrity()
+
+
+def test_min_tokens_holds_back_stop_tokens(llm, random_prompt):
+    prompt = random_prompt(10, seed=6)
+    plain = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    stop = plain.token_ids[0]
+    early = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop]))[0]
+    assert early.token_ids == [stop] and early.finish_reason == "stop"
+    held = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop], min_tokens=3))[0]
+    assert len(held.token_ids) >= 3 and stop not in held.token_ids[:3]
+    assert held.finish_reason == "length" or held.token_ids[-1] == stop
+    llm.engine.check_integrity()
+    assert not llm.engine._adjusters  # per-request state goes with the request
