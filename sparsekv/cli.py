@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "CPU an op split across a busy core waits for it; 0 = torch's default)")
     g.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="MTP draft tokens per step (0 = off; 1 = one draft, verified exactly)")
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse earlier prompts' full KV pages, per tenant and cache_salt (docs/prefix_cache.md)")
     t = p.add_argument_group("tiered KV cache (docs/tiers.md)")
     t.add_argument("--kv-tiering", action="store_true", help="device working set per request, history in a host store")
     t.add_argument("--device-buffer-tokens", type=int, default=None, help="working-set slots N (default 2 x top-k)")
@@ -52,7 +54,8 @@ def parse_bytes(text: str) -> int:
 ENGINE_ARG_NAMES = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_page_size",
                     "prefill_chunk_tokens", "num_kv_pages", "attention", "seed", "num_threads",
                     "kv_tiering", "device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes",
-                    "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens")
+                    "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",
+                    "enable_prefix_caching")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -48,8 +48,12 @@ class LLMEngine:
         self.tiered = config.kv_tiering
         self.cache, self.allocator = self._build_cache()
         self._final_metrics: dict[str, dict] = {}  # a finished request's figures, until its output
+        self.prefix = None
+        if config.enable_prefix_caching:
+            from .cache.prefix import PrefixCache
+            self.prefix = PrefixCache(self.allocator, "host" if self.tiered else "device")
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk_tokens)
+                                   config.prefill_chunk_tokens, self.prefix)
         self.runner = ModelRunner(self.model, self.cache, self.page_size, config.attention,
                                   decode_rows=1 + config.num_speculative_tokens)
         self.speculator = None
@@ -179,6 +183,8 @@ class LLMEngine:
                 rows = 1 + ch.num_draft_tokens
                 outputs.append(self._sample(req, logits[row:row + rows]))
                 row += rows
+            if self.prefix is not None and not req.finished:
+                self.prefix.register(req)
         if self.speculator is not None:
             self.speculator.draft(chunks, hidden, self._generators)
         self._free_idle_buffers()
@@ -259,6 +265,9 @@ class LLMEngine:
         self._final_metrics[req.request_id] = self.request_metrics(req)
         if self.speculator is not None:
             self.speculator.forget(req.request_id)
+        if self.prefix is not None:
+            self.prefix.register(req)  # its last full pages, then its chain goes
+            self.prefix.forget_request(req.request_id)
         if self.tiered:
             self.cache.release(req.request_id)
         self.scheduler.finish(req, status, reason)
@@ -293,7 +302,8 @@ class LLMEngine:
 
     def stats(self) -> dict:
         spec = self.speculator.stats() if self.speculator is not None else {}
-        return {**self._kv_stats(), "indexer_scratch_bytes": self.model.index_scratch.nbytes, **spec}
+        prefix = self.prefix.stats() if self.prefix is not None else {}
+        return {**self._kv_stats(), "indexer_scratch_bytes": self.model.index_scratch.nbytes, **prefix, **spec}
 
     def _kv_stats(self) -> dict:
         used_tokens = (self.allocator.num_pages - self.allocator.num_free) * self.page_size
@@ -321,3 +331,5 @@ class LLMEngine:
             selector.check_integrity(running)
         if self.tiered:
             self.cache.check_integrity(running)
+        if self.prefix is not None:
+            self.prefix.check_integrity(live)

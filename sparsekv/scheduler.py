@@ -8,7 +8,9 @@ Each step, in order:
 
 Admission reserves pages for prompt + max_tokens up front, so an admitted request can always run to
 completion and no running request is ever preempted for memory (vLLM allocates lazily and preempts;
-we trade some capacity for never recomputing).
+we trade some capacity for never recomputing). With the prefix cache (cache/prefix.py) a request
+is admitted onto the cached pages its prompt starts with: it shares them, reserves only the rest, and
+starts computing at the first uncached position.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .cache.pages import PageAllocator
+from .cache.prefix import PrefixCache
 from .request import Request, RequestStatus
 
 
@@ -36,8 +39,8 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_tokens: int):
-        self.allocator = allocator
+                 prefill_chunk_tokens: int, prefix: PrefixCache | None = None):
+        self.allocator, self.prefix = allocator, prefix
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.waiting: deque[Request] = deque()
@@ -62,7 +65,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if not self.allocator.reserve(req.request_id, self.allocator.pages_for(req.max_total_tokens)):
+            if not self._admit(req):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -71,6 +74,19 @@ class Scheduler:
             chunks.append(self._take(req, n))
             budget -= n
         return chunks
+
+    def _admit(self, req: Request) -> bool:
+        """Reserve pages for prompt + max_tokens, less the prompt's cached pages, which it shares."""
+        hits = self.prefix.lookup(req) if self.prefix is not None else []
+        if not self.allocator.share_and_reserve(req.request_id, hits,
+                                                self.allocator.pages_for(req.max_total_tokens) - len(hits)):
+            return False
+        if self.prefix is not None:
+            self.prefix.admitted(req, len(hits))
+        if hits:
+            req.page_ids = list(hits)
+            req.num_computed_tokens = req.num_cached_tokens = len(hits) * self.allocator.page_size
+        return True
 
     def _take(self, req: Request, n: int) -> ScheduledChunk:
         needed = self.allocator.pages_for(req.num_computed_tokens + n) - len(req.page_ids)

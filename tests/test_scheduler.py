@@ -28,7 +28,7 @@ def test_allocator_reserve_allocate_free():
     assert a.num_free == 7 and a.num_available == 0
     with pytest.raises(OutOfPages):
         a.allocate("z", 1)
-    with pytest.raises(RuntimeError, match="owned by 'x'"):
+    with pytest.raises(RuntimeError, match=r"owned by \['x'\]"):
         a.free("y", pages)
     a.free("x", pages)
     a.check_integrity()

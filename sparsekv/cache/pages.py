@@ -2,10 +2,19 @@
 
 One page table per request covers both the MLA latent cache and the indexer key cache: page `p`
 holds positions [p_i * page_size, (p_i + 1) * page_size) of a request in every layer's pool.
+
+With the prefix cache (prefix.py) a full page may be shared by several requests (reference counted)
+and, once no request holds it, kept with its contents as *cached*: still allocatable, the least
+recently released first, and reused by a later request whose prompt starts with the same tokens.
+Every page is in exactly one state::
+
+    free  --allocate-->  owned (1..n owners)  --free, no owner left-->  free, or cached if registered
+    cached  --share (a prefix hit)-->  owned            cached  --allocate (evicted, oldest first)-->  owned
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from typing import Callable
 
 
 class OutOfPages(RuntimeError):
@@ -18,12 +27,21 @@ class PageAllocator:
     def __init__(self, num_pages: int, page_size: int):
         self.num_pages, self.page_size = num_pages, page_size
         self._free: deque[int] = deque(range(num_pages))
-        self._owner: dict[int, str] = {}
+        self._owners: dict[int, set[str]] = {}
         self._reserved: dict[str, int] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unowned, contents kept; oldest first
+        # Set by the prefix cache: whether a released page is worth keeping, and what to forget on eviction.
+        self.keeps: Callable[[int], bool] = lambda page: False
+        self.on_evict: Callable[[int], None] = lambda page: None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a request may take: never used, or cached (evicted on allocation)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     @property
     def num_reserved_unallocated(self) -> int:
@@ -44,33 +62,63 @@ class PageAllocator:
         self._reserved[owner] = self._reserved.get(owner, 0) + num_pages
         return True
 
+    def share_and_reserve(self, owner: str, shared: list[int], num_pages: int) -> bool:
+        """Admit `owner` onto `shared` pages (a prefix hit) plus `num_pages` future ones, or do nothing
+        and return False: sharing a cached page takes it out of the allocatable pool."""
+        leaving = sum(p in self._cached for p in shared)
+        if num_pages > self.num_available - leaving:
+            return False
+        for p in shared:
+            self._cached.pop(p, None)
+            self._owners.setdefault(p, set()).add(owner)
+        self._reserved[owner] = self._reserved.get(owner, 0) + num_pages
+        return True
+
     def allocate(self, owner: str, n: int) -> list[int]:
-        """Take n pages, drawing first on the owner's reservation."""
+        """Take n pages, drawing first on the owner's reservation; cached pages go last, oldest first."""
         from_reservation = min(n, self._reserved.get(owner, 0))
         if n - from_reservation > self.num_available:
             raise OutOfPages(f"need {n} pages for {owner}, {self.num_available} available")
         if from_reservation:
             self._reserved[owner] -= from_reservation
-        pages = [self._free.popleft() for _ in range(n)]
+        pages = [self._take() for _ in range(n)]
         for p in pages:
-            self._owner[p] = owner
+            self._owners[p] = {owner}
         return pages
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        page, _ = self._cached.popitem(last=False)
+        self.on_evict(page)
+        return page
 
     def free(self, owner: str, pages: list[int]) -> None:
         for p in pages:
-            if self._owner.get(p) != owner:
-                raise RuntimeError(f"page {p} is owned by {self._owner.get(p)!r}, not {owner!r}")
-            del self._owner[p]
-            self._free.append(p)
+            owners = self._owners.get(p, ())
+            if owner not in owners:
+                raise RuntimeError(f"page {p} is owned by {sorted(owners)!r}, not {owner!r}")
+            owners.discard(owner)
+            if not owners:
+                del self._owners[p]
+                if self.keeps(p):
+                    self._cached[p] = None
+                else:
+                    self._free.append(p)
         self._reserved.pop(owner, None)
 
-    def check_integrity(self) -> None:
-        free = list(self._free)
-        assert len(set(free)) == len(free), "a page is on the free list twice"
-        assert not set(free) & set(self._owner), "a page is both free and owned"
-        assert len(free) + len(self._owner) == self.num_pages, "free + used != total"
-        assert all(v >= 0 for v in self._reserved.values()), "negative reservation"
-        assert self.num_reserved_unallocated <= len(free), "reservations exceed free pages"
+    def num_owners(self, page: int) -> int:
+        return len(self._owners.get(page, ()))
 
-    def owned_by(self, owner: str) -> list[int]:
-        return [p for p, o in self._owner.items() if o == owner]
+    def is_cached(self, page: int) -> bool:
+        return page in self._cached
+
+    def check_integrity(self) -> None:
+        free, cached, owned = list(self._free), set(self._cached), set(self._owners)
+        assert len(set(free)) == len(free), "a page is on the free list twice"
+        assert not set(free) & owned, "a page is both free and owned"
+        assert not cached & (owned | set(free)), "a cached page is also free or owned"
+        assert len(free) + len(cached) + len(owned) == self.num_pages, "free + cached + used != total"
+        assert all(self._owners.values()), "an owned page with no owner"
+        assert all(v >= 0 for v in self._reserved.values()), "negative reservation"
+        assert self.num_reserved_unallocated <= self.num_free, "reservations exceed free pages"

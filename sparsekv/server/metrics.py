@@ -32,7 +32,8 @@ ENGINE_GAUGES = {
     "host_kv_bytes": ("host_kv_bytes", "Host-tier KV bytes in use."),
     "host_kv_budget_bytes": ("host_kv_budget_bytes", "Host-tier KV budget in bytes."),
     "kv_pages_total": ("kv_pages_total", "Device KV pages in the pool."),
-    "kv_pages_free": ("kv_pages_free", "Device KV pages free."),
+    "kv_pages_free": ("kv_pages_free", "Device KV pages free (prefix-cached pages included: reusable until evicted)."),
+    "prefix_cached_pages": ("prefix_cached_pages", "KV pages no request holds, kept for prefix-cache hits."),
     "indexer_scratch_bytes": ("indexer_scratch_bytes",
                               "Bytes of the indexer's prefill score buffer (CPU; freed when no request is left)."),
 }
@@ -45,6 +46,7 @@ ENGINE_COUNTERS = {
     "h2d_bytes": ("h2d_bytes", "Bytes copied host to device."),
     "d2h_bytes": ("d2h_bytes", "Bytes copied device to host."),
     "preemptions": ("num_preemptions", "Requests preempted."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens of admitted requests, looked up in the prefix cache."),
 }
 PREFIX_HITS = "prefix_cache_hits_"
 

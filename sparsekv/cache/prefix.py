@@ -1,0 +1,93 @@
+"""The prefix cache: full KV pages reused by later requests whose prompts start with the same tokens.
+
+Torch-free bookkeeping over the page allocator (pages.py), in the manner of vLLM's automatic prefix
+caching. Page i of a request is named by a hash chain: sha256(name of page i - 1, its page_size
+tokens), whose root is sha256(tenant, cache_salt). So a page is found only by a request of the same
+tenant and salt whose tokens agree from position 0 through the page's last one: the KV entries of a
+position (latent, indexer keys, Quest bounds) depend on exactly those tokens, so a hit reads what the
+request would have computed. Tenants never see each other's pages, in any tier: one page id
+addresses a position in every tier (device pool, or host store and device indexer keys when tiered).
+
+A page is registered once it is full and computed; released, it stays cached (allocatable, evicted
+least recently released first) until a hit takes it or an allocation reuses it. A request's last
+prompt token is always computed, so the step that samples its first token has logits. Pages are
+only read by a request that shares them: it writes from its first uncached position on, which is
+always at a page boundary.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from ..request import Request
+from .pages import PageAllocator
+
+
+class PrefixCache:
+    def __init__(self, allocator: PageAllocator, tier: str):
+        self.allocator, self.page_size, self.tier = allocator, allocator.page_size, tier
+        self._page_of: dict[bytes, int] = {}
+        self._name_of: dict[int, bytes] = {}
+        self._chains: dict[str, list[bytes]] = {}  # request -> names of its first pages
+        self._named: dict[str, int] = {}  # request -> pages registered so far
+        allocator.keeps = self._name_of.__contains__
+        allocator.on_evict = self._forget_page
+        self.queried_tokens = self.hit_tokens = 0
+
+    def _names(self, req: Request, num_pages: int) -> list[bytes]:
+        """Names of the request's first `num_pages` pages, extending its chain (prompt, then output)."""
+        chain = self._chains.setdefault(req.request_id, [])
+        ps = self.page_size
+        while len(chain) < num_pages:
+            i = len(chain)
+            tokens = req.prompt_token_ids[i * ps:(i + 1) * ps]
+            if len(tokens) < ps:
+                tokens = (req.prompt_token_ids + req.output_token_ids)[i * ps:(i + 1) * ps]
+            parent = chain[-1] if chain else hashlib.sha256(repr((req.tenant, req.cache_salt)).encode()).digest()
+            chain.append(hashlib.sha256(parent + array("q", tokens).tobytes()).digest())
+        return chain[:num_pages]
+
+    def lookup(self, req: Request) -> list[int]:
+        """The cached pages the prompt starts with (never its last token's page): the longest run of
+        hits from page 0."""
+        hits = []
+        for name in self._names(req, (req.num_prompt_tokens - 1) // self.page_size):
+            page = self._page_of.get(name)
+            if page is None:
+                break
+            hits.append(page)
+        return hits
+
+    def admitted(self, req: Request, hit_pages: int) -> None:
+        self.queried_tokens += req.num_prompt_tokens
+        self.hit_tokens += hit_pages * self.page_size
+
+    def register(self, req: Request) -> None:
+        """Name the request's full, computed pages; a name already held by another page keeps that page."""
+        full = min(req.num_computed_tokens // self.page_size, len(req.page_ids))
+        if full <= self._named.get(req.request_id, 0):
+            return
+        for name, page in zip(self._names(req, full), req.page_ids):
+            if name not in self._page_of and page not in self._name_of:
+                self._page_of[name], self._name_of[page] = page, name
+        self._named[req.request_id] = full
+
+    def forget_request(self, request_id: str) -> None:
+        self._chains.pop(request_id, None)
+        self._named.pop(request_id, None)
+
+    def _forget_page(self, page: int) -> None:
+        del self._page_of[self._name_of.pop(page)]
+
+    def stats(self) -> dict:
+        return {f"prefix_cache_hits_{self.tier}": self.hit_tokens, "prefix_cache_queries": self.queried_tokens,
+                "prefix_cached_pages": self.allocator.num_cached,
+                "prefix_cache_hit_rate": self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0}
+
+    def check_integrity(self, active: set[str]) -> None:
+        assert len(self._page_of) == len(self._name_of), "prefix names and pages disagree"
+        assert all(self._name_of[p] == n for n, p in self._page_of.items()), "a page is named twice"
+        for page in self._name_of:
+            assert self.allocator.is_cached(page) or self.allocator.num_owners(page), "a named page is free"
+        stale = (set(self._chains) | set(self._named)) - active
+        assert not stale, f"prefix chains kept for finished requests {sorted(stale)}"

@@ -1,0 +1,203 @@
+"""The prefix cache: outputs as without it (greedy tokens equal; logprobs bit for bit when the cached
+pages were computed in the same row groups, else within 1e-5, as batching differs), with and without
+tiering and with both selectors; isolated per tenant and cache_salt; evicted oldest first; every pool
+back to its initial state."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv import LLM, ConfigError, SamplingParams
+from sparsekv.cache.pages import PageAllocator
+from sparsekv.cache.prefix import PrefixCache
+from sparsekv.request import Request
+from sparsekv.tools.tiny import save_reference_checkpoint
+
+PAGE = 16
+BASE = [(7 * i) % 250 + 1 for i in range(70)]                 # 4 full pages and a partial one
+PROMPTS = [BASE + [5, 6, 7], BASE[:40] + [9, 9], BASE + [1] * 30, BASE[:PAGE]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+SMALL = dict(kv_page_size=PAGE, prefill_chunk_tokens=24, max_num_batched_tokens=40, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("prefix"))
+    save_reference_checkpoint(path, family="glm_moe_dsa", seed=1, index_topk=8)  # past 8 tokens, sparse
+    return path
+
+
+def make(path, **options):
+    torch.set_num_threads(1)
+    return LLM(path, **{**SMALL, **options})
+
+
+def assert_close(want, got, bitwise: bool):
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids
+        if bitwise:
+            assert a.logprobs == b.logprobs
+        else:
+            assert max(abs(x[t] - y[t]) for x, y in zip(a.logprobs, b.logprobs, strict=True) for t in x) <= 1e-5
+
+
+def assert_idle(llm):
+    engine = llm.engine
+    engine.check_integrity()
+    stats = llm.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["running"] == stats["waiting"] == 0
+    assert not engine.prefix._chains and engine.allocator.num_reserved_unallocated == 0
+
+
+# -- bookkeeping ------------------------------------------------------------------------------------
+def _request(rid, tokens, tenant="default", salt=None):
+    return Request(rid, tokens, SamplingParams(max_tokens=4), tenant=tenant, cache_salt=salt)
+
+
+def test_allocator_keeps_registered_pages_and_evicts_the_oldest_first():
+    a = PageAllocator(4, PAGE)
+    kept, evicted = {1, 2}, []
+    a.keeps, a.on_evict = kept.__contains__, evicted.append
+    pages = a.allocate("x", 4)
+    a.free("x", [pages[2], pages[1], pages[0], pages[3]])   # 2 then 1 cached, 0 and 3 free
+    assert a.num_free == 4 and a.num_cached == 2 and list(a._free) == [0, 3]
+    a.check_integrity()
+    assert a.share_and_reserve("y", [1], 3) and a.num_owners(1) == 1 and a.num_available == 0
+    assert not a.share_and_reserve("z", [2], 1)               # taking 2 leaves nothing for z's one page
+    assert a.num_owners(2) == 0 and a.is_cached(2)
+    assert a.allocate("y", 3) == [0, 3, 2] and evicted == [2]  # free pages first, then the cached one
+    a.check_integrity()
+    a.free("y", [1, 0, 3, 2])
+    assert a.num_cached == 2 and a.num_free == 4              # 1 and 2 kept again (still registered)
+    a.check_integrity()
+
+
+def test_lookup_follows_the_chain_per_tenant_and_salt_and_never_the_last_token():
+    a = PageAllocator(16, PAGE)
+    cache = PrefixCache(a, "device")
+    owner = _request("a", BASE)                               # 70 tokens: pages 0-3 full
+    owner.page_ids = a.allocate("a", 5)
+    owner.num_computed_tokens = 70
+    cache.register(owner)
+    assert len(cache._page_of) == 4
+    assert cache.lookup(_request("b", BASE[:50] + [0] * 20)) == owner.page_ids[:3]
+    assert cache.lookup(_request("c", BASE[:64])) == owner.page_ids[:3]   # the last token's page is computed
+    assert cache.lookup(_request("d", BASE[:65])) == owner.page_ids[:4]
+    assert cache.lookup(_request("e", [0] + BASE[1:])) == []                # the chain breaks at page 0
+    assert cache.lookup(_request("f", BASE, tenant="other")) == []
+    assert cache.lookup(_request("g", BASE, salt="s")) == []
+    for rid in "abcdefg":
+        cache.forget_request(rid)
+    a.free("a", owner.page_ids)
+    cache.check_integrity(set())
+    assert a.num_cached == 4
+
+
+# -- the engine -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [PAGE, 24], ids=["chunks-of-a-page", "chunks-across-pages"])
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=8), dict(selector="quest")],
+                         ids=["device", "tiered", "quest"])
+def test_hits_compute_what_no_cache_computes(ckpt, options, chunk):
+    """Prefill chunks of one page group rows as without the cache (bit for bit); chunks of 24 tokens
+    group them differently (a hit starts its chunks at a page boundary), which moves logprobs ~1e-6."""
+    reference = make(ckpt, prefill_chunk_tokens=chunk, **options)
+    want = [reference.generate([p], GREEDY)[0] for p in PROMPTS]
+    llm = make(ckpt, enable_prefix_caching=True, prefill_chunk_tokens=chunk, **options)
+    llm.generate([BASE + [3]], GREEDY)
+    got = [llm.generate([p], GREEDY)[0] for p in PROMPTS]
+    assert_close(want, got, bitwise=chunk == PAGE)
+    # 4 pages, 2 pages (40 tokens), 4 pages, none (a one-page prompt's last token is on page 0)
+    assert [o.num_cached_tokens for o in got] == [64, 32, 64, 0]
+    tier = "host" if options.get("kv_tiering") else "device"
+    stats = llm.stats()
+    assert stats[f"prefix_cache_hits_{tier}"] == 160 and stats["prefix_cached_pages"] > 0
+    assert stats["prompt_tokens"] == sum(len(p) for p in [BASE + [3]] + PROMPTS) - 160
+    assert_idle(llm)
+
+
+def test_a_batch_shares_pages_and_generated_tokens_are_cached_too(ckpt):
+    reference = make(ckpt)
+    llm = make(ckpt, enable_prefix_caching=True)
+    first = llm.generate([BASE], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    continued = BASE + first.token_ids                          # 100 tokens: page 4 holds generated ones
+    prompts = [continued + [4], continued + [8, 8], BASE[:60]]
+    want = reference.generate(prompts, GREEDY)
+    got = llm.generate(prompts, GREEDY)
+    assert_close(want, got, bitwise=False)  # page 4's entries were computed one decode row at a time
+    assert [o.num_cached_tokens for o in got] == [96, 96, 48]
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("first, second", [(("alice", None), ("bob", None)), (("alice", "s1"), ("alice", "s2")),
+                                           (("alice", "s1"), ("alice", None))])
+def test_tenants_and_salts_never_share(ckpt, first, second):
+    engine = make(ckpt, enable_prefix_caching=True).engine
+
+    def run(rid, tenant, salt):
+        engine.add_request(rid, BASE, GREEDY, tenant=tenant, cache_salt=salt)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        return outs[0]
+    run("a", *first)
+    assert run("b", *second).num_cached_tokens == 0
+    assert run("c", *first).num_cached_tokens == 64           # the owner's own tenant and salt still hit
+    engine.check_integrity()
+
+
+def test_eviction_under_memory_pressure_and_abort_keeps_computed_pages(ckpt):
+    llm = make(ckpt, enable_prefix_caching=True, num_kv_pages=12, max_num_seqs=1)
+    engine = llm.engine
+    engine.add_request("r0", BASE, GREEDY)
+    engine.step()
+    engine.step()                                             # 48 of 70 prompt tokens computed
+    assert engine.abort("r0")
+    assert engine.allocator.num_cached == 3                   # its 3 full, computed pages stay
+    hit = llm.generate([BASE + [2]], GREEDY)[0]
+    assert hit.num_cached_tokens == 48
+    others = [[(11 * i + j) % 250 + 1 for i in range(150)] for j in range(3)]   # 10 pages each: evicts
+    for out in llm.generate(others, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)):
+        assert len(out.token_ids) == 20
+    assert llm.generate([BASE + [2]], GREEDY)[0].num_cached_tokens == 0       # evicted
+    assert_idle(llm)
+
+
+def test_prefix_caching_with_speculative_decoding_is_a_clear_error(ckpt):
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        make(ckpt, enable_prefix_caching=True, num_speculative_tokens=1)
+
+
+def test_server_reports_cached_tokens_per_tenant_and_hits_by_tier(tmp_path):
+    import openai
+
+    from test_server_util import ThreadServer, scrape, tiny_checkpoint
+    model = tiny_checkpoint(tmp_path)
+    prompt = "the rain in spain falls mainly on the plain " * 8
+    with ThreadServer(model, api_keys=["sk-a:alice", "sk-b:bob"], enable_prefix_caching=True) as srv:
+        def cached(key, **extra):
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=30)
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
+            return r.usage.prompt_tokens_details.cached_tokens
+        assert cached("sk-a") == 0
+        assert cached("sk-a") > 0                           # the same tenant's second request hits
+        assert cached("sk-b") == 0                          # another tenant never does
+        assert cached("sk-a", cache_salt="x") == 0          # nor another salt
+        m = scrape(srv.url)
+        assert m["sparsekv:prefix_cache_hits_total"] > 0
+        srv.engine.check_integrity()
+
+
+@pytest.mark.parametrize("tiering", [[], ["--kv-tiering"]], ids=["device", "tiered"])
+def test_bench_prefix_computes_only_the_suffix_and_matches_no_cache(tmp_path, capsys, tiering):
+    import json
+
+    from sparsekv.tools.bench import main
+    out = tmp_path / "prefix.json"
+    assert main(["prefix", "--requests", "3", "--prefix-tokens", "256", "--suffix-tokens", "16", "--chunk", "128",
+                 "--json", str(out)] + tiering) == 0
+    result = json.loads(out.read_text())
+    assert result["identical"] == result["requests"] == 3 and result["kv_tiering"] == bool(tiering)
+    assert result["summary"]["no cache"]["computed_tokens"] == 272
+    assert result["summary"]["prefix cache"]["computed_tokens"] == 16       # 256 tokens = 4 cached pages
+    assert result["hit_rate"] == pytest.approx(2 * 256 / (3 * 272))
+    assert "greedy outputs identical: 3 of 3" in capsys.readouterr().out
