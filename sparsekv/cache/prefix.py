@@ -39,10 +39,8 @@ class PrefixCache:
         chain = self._chains.setdefault(req.request_id, [])
         ps = self.page_size
         while len(chain) < num_pages:
-            i = len(chain)
-            tokens = req.prompt_token_ids[i * ps:(i + 1) * ps]
-            if len(tokens) < ps:
-                tokens = (req.prompt_token_ids + req.output_token_ids)[i * ps:(i + 1) * ps]
+            start, end, n = len(chain) * ps, (len(chain) + 1) * ps, req.num_prompt_tokens
+            tokens = req.prompt_token_ids[start:end] + req.output_token_ids[max(0, start - n):max(0, end - n)]
             parent = chain[-1] if chain else hashlib.sha256(repr((req.tenant, req.cache_salt)).encode()).digest()
             chain.append(hashlib.sha256(parent + array("q", tokens).tobytes()).digest())
         return chain[:num_pages]
