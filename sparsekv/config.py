@@ -258,7 +258,7 @@ class EngineConfig:
     # Speculative decoding with the checkpoint's MTP layer (speculative.py): draft tokens per step.
     num_speculative_tokens: int = 0
     # Reuse the full KV pages of earlier prompts with the same tokens, per tenant and cache_salt
-    # (cache/prefix.py). Off by default; not with speculative decoding (see validate()).
+    # (cache/prefix.py). Off by default.
     enable_prefix_caching: bool = False
 
     def validate(self) -> None:
@@ -277,12 +277,6 @@ class EngineConfig:
             raise ConfigError(f"num_speculative_tokens must be an integer in [0, 8] (0 = off), "
                               f"got {self.num_speculative_tokens!r}")
         self._validate_tiering()
-        if self.enable_prefix_caching and self.num_speculative_tokens:
-            # The MTP layer's entry at a page's last position depends on the next page's first token,
-            # which the page's name does not cover.
-            raise ConfigError("enable_prefix_caching does not work with num_speculative_tokens yet: the MTP "
-                              "layer's cache entry at a page's last position depends on the token after the page")
-
     def _validate_tiering(self) -> None:
         for name in ("device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

@@ -51,7 +51,8 @@ class LLMEngine:
         self.prefix = None
         if config.enable_prefix_caching:
             from .cache.prefix import PrefixCache
-            self.prefix = PrefixCache(self.allocator, "host" if self.tiered else "device")
+            self.prefix = PrefixCache(self.allocator, "host" if self.tiered else "device",
+                                      lookahead=1 if config.num_speculative_tokens else 0)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_tokens, self.prefix)
         self.runner = ModelRunner(self.model, self.cache, self.page_size, config.attention,
@@ -266,7 +267,10 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.forget(req.request_id)
         if self.prefix is not None:
-            self.prefix.register(req)  # its last full pages, then its chain goes
+            # Its last full pages: with drafting, only if aborted between steps (a step that finishes a
+            # request skips its MTP pass, so those positions have no MTP entries).
+            if self.speculator is None or status is RequestStatus.ABORTED:
+                self.prefix.register(req)
             self.prefix.forget_request(req.request_id)
         if self.tiered:
             self.cache.release(req.request_id)

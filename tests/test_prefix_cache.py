@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv import LLM, ConfigError, SamplingParams
+from sparsekv import LLM, SamplingParams
 from sparsekv.cache.pages import PageAllocator
 from sparsekv.cache.prefix import PrefixCache
 from sparsekv.request import Request
@@ -162,9 +162,53 @@ def test_eviction_under_memory_pressure_and_abort_keeps_computed_pages(ckpt):
     assert_idle(llm)
 
 
-def test_prefix_caching_with_speculative_decoding_is_a_clear_error(ckpt):
-    with pytest.raises(ConfigError, match="num_speculative_tokens"):
-        make(ckpt, enable_prefix_caching=True, num_speculative_tokens=1)
+def _drafting_run(model, base, prompts, lookahead=None, **options):
+    """Greedy outputs of `prompts` after `base + [5]`, one at a time, and the MTP layer's logits of
+    every drafting row."""
+    from sparsekv.speculative import MTPDrafter
+    llm = LLM(model, max_model_len=512, kv_page_size=PAGE, prefill_chunk_tokens=PAGE, max_num_batched_tokens=40,
+              max_num_seqs=1, num_speculative_tokens=2, **options)
+    if lookahead is not None:
+        llm.engine.prefix.lookahead = lookahead
+    logits, real = [], MTPDrafter.forward
+
+    def spy(self, *args):
+        out = real(self, *args)
+        if out[0].shape[0]:
+            logits.append(out[0].clone())
+        return out
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
+    llm.generate([base + [5]], params)
+    MTPDrafter.forward = spy
+    try:
+        outs = [llm.generate([p], params)[0] for p in prompts]
+    finally:
+        MTPDrafter.forward = real
+    return outs, logits, llm
+
+
+def test_speculative_decoding_hits_name_the_token_after_each_page():
+    """The MTP layer's entry at a page's last position is made from the token after the page, so with
+    drafting a page's name covers that token too: the drafts' MTP logits then equal those without
+    the cache bit for bit. Named without it (lookahead 0), a prompt that diverges right at a page
+    boundary reuses an entry made from another token, and the MTP logits move."""
+    from sparsekv.paths import default_model_path
+    model = default_model_path()
+    tok = LLM(model, max_model_len=64).engine.tokenizer
+    text = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n" * 6
+    base = tok.encode(text, add_special_tokens=False)[:8 * PAGE]     # ends at a page boundary
+    prompts = [base + tok.encode(s, add_special_tokens=False) for s in ("x = 1\n", "def f(y):\n", "class A:\n")]
+    want, want_logits, _ = _drafting_run(model, base, prompts)
+    got, got_logits, llm = _drafting_run(model, base, prompts, enable_prefix_caching=True)
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+        assert a.metrics["spec_num_accepted_tokens"] == b.metrics["spec_num_accepted_tokens"]
+    assert all(torch.equal(a, b) for a, b in zip(want_logits, got_logits, strict=True))
+    assert [o.num_cached_tokens for o in got] == [7 * PAGE] * 3      # page 7's name includes token 128
+    assert_idle(llm)
+    unsafe, unsafe_logits, _ = _drafting_run(model, base, prompts, lookahead=0, enable_prefix_caching=True)
+    assert [o.num_cached_tokens for o in unsafe] == [8 * PAGE] * 3
+    assert max(float((a - b).abs().max()) for a, b in zip(want_logits, unsafe_logits, strict=True)) > 1e-3
 
 
 def test_server_reports_cached_tokens_per_tenant_and_hits_by_tier(tmp_path):

@@ -24,8 +24,11 @@ from .pages import PageAllocator
 
 
 class PrefixCache:
-    def __init__(self, allocator: PageAllocator, tier: str):
-        self.allocator, self.page_size, self.tier = allocator, allocator.page_size, tier
+    """`lookahead` 1 (speculative decoding): a page's name also covers the token after it, since the
+    MTP layer's entry at the page's last position is made from that token."""
+
+    def __init__(self, allocator: PageAllocator, tier: str, lookahead: int = 0):
+        self.allocator, self.page_size, self.tier, self.lookahead = allocator, allocator.page_size, tier, lookahead
         self._page_of: dict[bytes, int] = {}
         self._name_of: dict[int, bytes] = {}
         self._chains: dict[str, list[bytes]] = {}  # request -> names of its first pages
@@ -39,7 +42,7 @@ class PrefixCache:
         chain = self._chains.setdefault(req.request_id, [])
         ps = self.page_size
         while len(chain) < num_pages:
-            start, end, n = len(chain) * ps, (len(chain) + 1) * ps, req.num_prompt_tokens
+            start, end, n = len(chain) * ps, (len(chain) + 1) * ps + self.lookahead, req.num_prompt_tokens
             tokens = req.prompt_token_ids[start:end] + req.output_token_ids[max(0, start - n):max(0, end - n)]
             parent = chain[-1] if chain else hashlib.sha256(repr((req.tenant, req.cache_salt)).encode()).digest()
             chain.append(hashlib.sha256(parent + array("q", tokens).tobytes()).digest())
@@ -62,7 +65,8 @@ class PrefixCache:
 
     def register(self, req: Request) -> None:
         """Name the request's full, computed pages; a name already held by another page keeps that page."""
-        full = min(req.num_computed_tokens // self.page_size, len(req.page_ids))
+        known = req.num_tokens - self.lookahead  # a name needs its lookahead token
+        full = min(req.num_computed_tokens // self.page_size, known // self.page_size, len(req.page_ids))
         if full <= self._named.get(req.request_id, 0):
             return
         for name, page in zip(self._names(req, full), req.page_ids):
