@@ -175,9 +175,12 @@ class LLMEngine:
             self.cache.begin_step(chunks)
         logits, hidden = self.runner.execute(chunks)
         self.counters["steps"] += 1
-        outputs, row = [], 0
+        outputs, row, first_row = [], 0, 0
         for ch in chunks:
             req = ch.request
+            if req.params.prompt_logprobs is not None and ch.first_position < req.num_prompt_tokens:
+                self._record_prompt_logprobs(req, ch, hidden[first_row:first_row + ch.num_new_tokens])
+            first_row += ch.num_new_tokens
             req.num_computed_tokens += ch.num_new_tokens - ch.num_draft_tokens
             self.counters["prompt_tokens"] += max(0, min(ch.context_len, req.num_prompt_tokens) - ch.first_position)
             if ch.samples:
@@ -209,6 +212,18 @@ class LLMEngine:
             req.num_computed_tokens += 1  # the draft's position holds the accepted token's entries
         new += self._emit(req, sample_token(self._adjusted(req, logits[drafts]), req.params, gen), logits[drafts])
         return self._output(req, new)
+
+    def _record_prompt_logprobs(self, req: Request, ch, hidden: torch.Tensor, block: int = 256) -> None:
+        """The logprob of each prompt token after the chunk's rows (row p predicts token p + 1), with
+        the top alternatives, a block of rows at a time (a [rows, vocab] fp32 tensor is large)."""
+        first, k = ch.first_position, req.params.prompt_logprobs
+        if first == 0:
+            req.prompt_logprobs.append(None)
+        targets = req.prompt_token_ids[first + 1:min(ch.context_len + 1, req.num_prompt_tokens)]
+        for start in range(0, len(targets), block):
+            rows = torch.log_softmax(self.model.logits(hidden[start:start + block]), -1).cpu()
+            for lp, token in zip(rows, targets[start:start + block]):
+                req.prompt_logprobs.append(token_logprobs(lp, token, k))
 
     def _adjusted(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
         adjust = self._adjusters.get(req.request_id)
@@ -283,7 +298,8 @@ class LLMEngine:
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.text,
                              list(req.output_logprobs) if req.params.logprobs is not None else None,
-                             req.finish_reason, new_tokens, req.num_cached_tokens, self.request_metrics(req))
+                             req.finish_reason, new_tokens, req.num_cached_tokens, self.request_metrics(req),
+                             req.prompt_logprobs if req.params.prompt_logprobs is not None else None)
 
     # -- observability -------------------------------------------------------------------------
     def request_metrics(self, req: Request) -> dict:

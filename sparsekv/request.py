@@ -40,6 +40,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob + this many alternatives (vLLM's)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -81,8 +82,10 @@ class SamplingParams:
         need(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         need(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         need(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
-        need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= self.MAX_LOGPROBS), "logprobs",
-             f"must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            need(value is None or (_is_int(value) and 0 <= value <= self.MAX_LOGPROBS), name,
+                 f"must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {value!r}")
         stops = self.stop_strings
         need(all(isinstance(s, str) and s for s in stops), "stop", "must be a non-empty string or a list of them")
         need(self.stop_token_ids is None or all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids",
@@ -130,6 +133,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs: None for the first prompt token, then one entry per prompt token
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -193,6 +198,9 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # With params.prompt_logprobs: None, then each later prompt token's logprob and alternatives
+    # (filled while the prompt is prefilled; shared with the request, never copied per step).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -77,7 +77,8 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool:
         """Reserve pages for prompt + max_tokens, less the prompt's cached pages, which it shares."""
-        hits = self.prefix.lookup(req) if self.prefix is not None else []
+        # prompt_logprobs need every prompt row computed: no hits for them (as in vLLM)
+        hits = self.prefix.lookup(req) if self.prefix is not None and req.params.prompt_logprobs is None else []
         if not self.allocator.share_and_reserve(req.request_id, hits,
                                                 self.allocator.pages_for(req.max_total_tokens) - len(hits)):
             return False

@@ -122,3 +122,28 @@ def test_min_tokens_holds_back_stop_tokens(llm, random_prompt):
     assert held.finish_reason == "length" or held.token_ids[-1] == stop
     llm.engine.check_integrity()
     assert not llm.engine._adjusters  # per-request state goes with the request
+
+
+@pytest.mark.parametrize("chunk", [16, 5], ids=["one-chunk", "chunked"])
+def test_prompt_logprobs_equal_transformers(glm_ckpt, random_prompt, chunk):
+    from conftest import reference_logprobs
+    llm = LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, prefill_chunk_tokens=chunk, max_num_batched_tokens=40)
+    prompt = random_prompt(37, seed=8)
+    out = llm.generate([prompt, [3]], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))
+    lp = reference_logprobs(glm_ckpt[1], prompt)
+    entries = out[0].prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None and out[1].prompt_logprobs == [None]
+    for p, entry in enumerate(entries[1:], start=1):
+        assert prompt[p] in entry and 2 <= len(entry) <= 3
+        assert max(abs(v - lp[p - 1, t].item()) for t, v in entry.items()) < 1e-4
+    assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
+    llm.engine.check_integrity()
+
+
+def test_prompt_logprobs_skip_the_prefix_cache(glm_ckpt, random_prompt):
+    llm = LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, enable_prefix_caching=True)
+    prompt = random_prompt(30, seed=9)
+    llm.generate([prompt], SamplingParams(max_tokens=2))
+    again = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
+    assert again.num_cached_tokens == 0 and len(again.prompt_logprobs) == 30
+    assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].num_cached_tokens == 28

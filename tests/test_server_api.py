@@ -149,6 +149,27 @@ def test_penalties_and_logit_bias_reach_the_engine(server, client):
     assert _ext(chat)["choices"][0]["token_ids"] == [7] * 4
 
 
+def test_echo_scores_the_prompt_like_lm_eval_harness(server, client):
+    """lm-evaluation-harness's loglikelihood requests: echo=true, max_tokens=0, logprobs=1. The
+    response is the prompt with each token's logprob (the first null), as LLM.generate's prompt_logprobs."""
+    from sparsekv.llm import LLM
+    from sparsekv.request import SamplingParams
+    llm = LLM(server.model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_page_size=16)
+    want = llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=1))[0]
+    scored = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and scored.usage.completion_tokens == 0 and _ext(scored)["choices"][0]["token_ids"] == []
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(want.prompt_token_ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == [e[t] for t, e in zip(want.prompt_token_ids[1:], want.prompt_logprobs[1:])]
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, echo=True, logprobs=2, temperature=0)
+    assert full.choices[0].text == PROMPT + want.text and full.usage.completion_tokens == 4
+    assert len(full.choices[0].logprobs.tokens) == len(want.prompt_token_ids) + 4
+    plain_echo = client.completions.create(model="tiny", prompt=[3, 1, 4], max_tokens=2, echo=True, temperature=0)
+    assert plain_echo.choices[0].logprobs is None and plain_echo.choices[0].text.startswith(server.state.token_text.text([3, 1, 4]))
+
+
 def test_models_tokenize_detokenize(server):
     h = {"Authorization": f"Bearer {KEY}"}
     models = httpx.get(server.url + "/v1/models", headers=h).json()
@@ -221,7 +242,8 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("logit_bias-over-100", C, {**OK, "logit_bias": {"3": 150}}, 400, "logit_bias"),
     ("logit_bias-outside-vocab", C, {**OK, "logit_bias": {"999": 1}}, 400, "logit_bias"),
     ("chat-logit_bias-over-100", CHAT, {**MSG, "logit_bias": {"3": -101}}, 400, "logit_bias"),
-    ("echo-unsupported", C, {**OK, "echo": True}, 400, "echo"),
+    ("echo-with-stream", C, {**OK, "echo": True, "stream": True}, 400, "echo"),
+    ("max_tokens-zero-without-echo", C, {**OK, "max_tokens": 0}, 400, "max_tokens"),
     ("prompt-missing", C, {"model": "tiny", "max_tokens": 2}, 400, "prompt"),
     ("prompt-int", C, {**OK, "prompt": 123}, 400, "prompt"),
     ("prompt-empty-list", C, {**OK, "prompt": []}, 400, "prompt"),

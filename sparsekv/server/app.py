@@ -26,7 +26,7 @@ from .loop import EngineLoop, RequestGroup, Submission
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                        TokenizeRequest, parse_body)
-from .responses import ResponseBuilder, TokenText
+from .responses import Echo, ResponseBuilder, TokenText
 from .serving import Job, run
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -75,7 +75,8 @@ class ServerState:
         return tok.encode(text, add_special_tokens=False)
 
 
-def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's parameters for choice `choice` of n; seeds are seed + choice so choices differ."""
     top_k = body.top_k if body.top_k is not None else 0
     given = {name: getattr(body, name) for name in ("min_p", "presence_penalty", "frequency_penalty",
@@ -87,7 +88,8 @@ def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if top_k == -1 else top_k,
             seed=None if body.seed is None else body.seed + choice, logprobs=logprobs, stop=body.stop,
-            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logit_bias=bias, **given)
+            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logit_bias=bias,
+            prompt_logprobs=prompt_logprobs, **given)
     except InvalidRequest as e:
         raise APIError(400, str(e), e.param) from None
 
@@ -105,14 +107,16 @@ async def _body(request: Request, model):
 
 
 async def _generate(request: Request, body: SamplingFields, kind: str, prompts: list, max_tokens: int,
-                    logprobs: int | None, top_logprobs: int | None = None):
+                    logprobs: int | None, top_logprobs: int | None = None, echo: Echo | None = None):
     """Prompts x n choices -> one group of engine requests, answered as one response or stream."""
     state = _state(request)
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
     rid = prefix + uuid.uuid4().hex
-    subs = [Submission(p, sampling_params(body, i, max_tokens, logprobs)) for p in prompts for i in range(body.n)]
+    prompt_logprobs = logprobs if echo is not None else None
+    subs = [Submission(p, sampling_params(body, i, max_tokens, logprobs, prompt_logprobs))
+            for p in prompts for i in range(body.n)]
     builder = ResponseBuilder(kind, rid, body.model or state.model_name, int(time.time()), body.n,
-                              state.token_text, _tenant(request), top_logprobs)
+                              state.token_text, _tenant(request), top_logprobs, echo)
     job = Job(RequestGroup(rid, len(subs)), subs, _tenant(request), body.cache_salt, builder, body.stream,
               body.include_usage)
     return await run(request, state.loop, job, state.metrics)
@@ -125,7 +129,11 @@ async def completions(request: Request):
     prompts = body.prompts()
     max_tokens = body.max_tokens if body.max_tokens is not None else (
         state.settings.default_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
-    return await _generate(request, body, "completion", prompts, max_tokens, body.logprobs)
+    echo = None
+    if body.echo:  # vLLM: max_tokens 0 scores the prompt only (one token is generated, then dropped)
+        echo = Echo([p if isinstance(p, str) else state.token_text.text(p) for p in prompts], max_tokens == 0)
+        max_tokens = max(max_tokens, 1)
+    return await _generate(request, body, "completion", prompts, max_tokens, body.logprobs, echo=echo)
 
 
 async def chat_completions(request: Request):

@@ -75,8 +75,8 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check_prompt(self):
-        if self.echo:
-            raise ValueError("echo: echo=true is not supported")
+        if self.echo and self.stream:
+            raise ValueError("echo: echo=true is not supported with stream=true")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt: must not be empty")
         return self

@@ -13,6 +13,8 @@ other figure is the latest reported.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..request import RequestOutput
 
 
@@ -30,6 +32,22 @@ class TokenText:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    def text(self, token_ids: list[int]) -> str:
+        """A token-id prompt as text (for echo)."""
+        if self.tokenizer is None:
+            return "".join(self(t) for t in token_ids)
+        return self.tokenizer.decode(token_ids)
+
+
+@dataclass
+class Echo:
+    """Completions with echo=true: each prompt's text before its completion, and with logprobs the
+    prompt tokens' logprobs (the first token's null) before the generated ones. `prompt_only`
+    (max_tokens 0): the one token generated for it is dropped, as vLLM does."""
+
+    prompts: list[str]
+    prompt_only: bool
 
 
 class ChoiceState:
@@ -78,9 +96,9 @@ class ResponseBuilder:
     """Bodies for one HTTP request: `kind` is "completion" or "chat"; choice i answers prompt i // n."""
 
     def __init__(self, kind: str, response_id: str, model: str, created: int, n: int, token_text: TokenText,
-                 tenant: str, top_logprobs: int | None = None):
+                 tenant: str, top_logprobs: int | None = None, echo: Echo | None = None):
         self.kind, self.id, self.model, self.created, self.n = kind, response_id, model, created, n
-        self.token_text, self.tenant, self.top_logprobs = token_text, tenant, top_logprobs
+        self.token_text, self.tenant, self.top_logprobs, self.echo = token_text, tenant, top_logprobs, echo
 
     # -- whole responses -----------------------------------------------------------------------
     def response(self, states: list[ChoiceState]) -> dict:
@@ -91,17 +109,28 @@ class ResponseBuilder:
 
     def _choice(self, s: ChoiceState) -> dict:
         out = s.out
-        lps = self.logprobs(out.token_ids, out.logprobs, 0) if out.logprobs is not None else None
+        tokens, entries, text = self._generated(out)
+        if self.echo is not None:
+            text = self.echo.prompts[s.index // self.n] + text
+            if entries is not None:
+                tokens, entries = out.prompt_token_ids + tokens, out.prompt_logprobs + entries
+        lps = self.logprobs(tokens, entries, 0) if entries is not None else None
         if self.kind == "completion":
-            return {"index": s.index, "text": out.text, "logprobs": lps, "finish_reason": out.finish_reason,
+            return {"index": s.index, "text": text, "logprobs": lps, "finish_reason": out.finish_reason,
                     "stop_reason": None}
-        return {"index": s.index, "message": {"role": "assistant", "content": out.text}, "logprobs": lps,
+        return {"index": s.index, "message": {"role": "assistant", "content": text}, "logprobs": lps,
                 "finish_reason": out.finish_reason}
+
+    def _generated(self, out: RequestOutput) -> tuple[list[int], list[dict] | None, str]:
+        """The choice's generated tokens, their logprob entries and text (none when echoing a prompt only)."""
+        if self.echo is not None and self.echo.prompt_only:
+            return [], [] if out.logprobs is not None else None, ""
+        return list(out.token_ids), out.logprobs, out.text
 
     def usage(self, states: list[ChoiceState]) -> dict:
         firsts = [s for s in states if s.index % self.n == 0]  # one choice per prompt: count each prompt once
         prompt = sum(len(s.out.prompt_token_ids) for s in firsts)
-        completion = sum(len(s.out.token_ids) for s in states)
+        completion = sum(len(self._generated(s.out)[0]) for s in states)
         cached = sum(s.out.num_cached_tokens for s in firsts)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -113,7 +142,7 @@ class ResponseBuilder:
                 if isinstance(value, int) and not isinstance(value, bool):
                     total[key] = total.get(key, 0) + value
         return {"tenant": self.tenant, "tiers": total,
-                "choices": [{"index": s.index, "token_ids": list(s.out.token_ids), "tiers": dict(s.peak)}
+                "choices": [{"index": s.index, "token_ids": self._generated(s.out)[0], "tiers": dict(s.peak)}
                             for s in states]}
 
     # -- stream chunks -------------------------------------------------------------------------
@@ -158,8 +187,8 @@ class ResponseBuilder:
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-                "top_logprobs": [{self.token_text(k): v for k, v in e.items()} for e in entries],
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e[t] for t, e in zip(token_ids, entries)],
+                "top_logprobs": [None if e is None else {self.token_text(k): v for k, v in e.items()} for e in entries],
                 "text_offset": offsets}
 
     def _chat_logprob(self, token_id: int, entry: dict) -> dict:
