@@ -45,8 +45,9 @@ def _ext(obj) -> dict:
 # -- the openai client -------------------------------------------------------------------------
 
 def test_completion_non_stream_shape(client):
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, user="u1",
-                                  extra_body={"cache_salt": "s1", "presence_penalty": 0.0, "no_such_field": 1})
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, user="u1", best_of=1,
+                                  extra_body={"cache_salt": "s1", "presence_penalty": 0.0, "no_such_field": 1,
+                                              "response_format": {"type": "text"}, "tools": [], "suffix": None})
     assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == "tiny"
     assert r.choices[0].finish_reason == "length" and r.choices[0].text
     assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
@@ -243,6 +244,13 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("logit_bias-outside-vocab", C, {**OK, "logit_bias": {"999": 1}}, 400, "logit_bias"),
     ("chat-logit_bias-over-100", CHAT, {**MSG, "logit_bias": {"3": -101}}, 400, "logit_bias"),
     ("echo-with-stream", C, {**OK, "echo": True, "stream": True}, 400, "echo"),
+    ("response_format-json", CHAT, {**MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("tools", CHAT, {**MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("tool_choice-required", CHAT, {**MSG, "tool_choice": "required"}, 400, "tool_choice"),
+    ("best_of-3", C, {**OK, "best_of": 3}, 400, "best_of"),
+    ("suffix", C, {**OK, "suffix": "end"}, 400, "suffix"),
+    ("guided_json", C, {**OK, "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("include_stop_str_in_output", C, {**OK, "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
     ("max_tokens-zero-without-echo", C, {**OK, "max_tokens": 0}, 400, "max_tokens"),
     ("prompt-missing", C, {"model": "tiny", "max_tokens": 2}, 400, "prompt"),
     ("prompt-int", C, {**OK, "prompt": 123}, 400, "prompt"),

@@ -25,6 +25,23 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+def _off(value) -> bool:
+    return value is None or value is False or value == [] or value == {} or value == ""
+
+
+# Fields of OpenAI's API or vLLM's that change what a request means and that sparsekv does not
+# implement: accepted at their do-nothing value, refused with a 400 otherwise, so that no request
+# silently gets an answer to a question it did not ask (e.g. free text where JSON was required).
+UNSUPPORTED = {
+    "response_format": lambda v: _off(v) or v == {"type": "text"},
+    "tools": _off, "functions": _off, "tool_choice": lambda v: _off(v) or v == "none",
+    "function_call": lambda v: _off(v) or v == "none", "suffix": _off, "best_of": lambda v: _off(v) or v == 1,
+    "use_beam_search": _off, "structured_outputs": _off, "guided_json": _off, "guided_regex": _off,
+    "guided_choice": _off, "guided_grammar": _off, "bad_words": _off, "allowed_token_ids": _off,
+    "include_stop_str_in_output": _off, "prompt_logprobs": _off, "truncate_prompt_tokens": _off,
+}
+
+
 class SamplingFields(_Body):
     """Fields shared by completions and chat; `sampling_params()` in app.py maps them to the engine."""
 
@@ -48,6 +65,15 @@ class SamplingFields(_Body):
     ignore_eos: bool = False
     user: str | None = None
     cache_salt: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name, harmless in UNSUPPORTED.items():
+                if name in data and not harmless(data[name]):
+                    raise ValueError(f"{name}: not supported by this server (only its default is accepted)")
+        return data
 
     @model_validator(mode="after")
     def _check(self):
