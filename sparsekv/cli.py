@@ -28,8 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "CPU an op split across a busy core waits for it; 0 = torch's default)")
     g.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="MTP draft tokens per step (0 = off; 1 = one draft, verified exactly)")
-    g.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse earlier prompts' full KV pages, per tenant and cache_salt (docs/prefix_cache.md)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse earlier prompts' full KV pages, per tenant and cache_salt (default on; "
+                        "docs/prefix_cache.md)")
     t = p.add_argument_group("tiered KV cache (docs/tiers.md)")
     t.add_argument("--kv-tiering", action="store_true", help="device working set per request, history in a host store")
     t.add_argument("--device-buffer-tokens", type=int, default=None, help="working-set slots N (default 2 x top-k)")

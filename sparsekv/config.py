@@ -258,8 +258,8 @@ class EngineConfig:
     # Speculative decoding with the checkpoint's MTP layer (speculative.py): draft tokens per step.
     num_speculative_tokens: int = 0
     # Reuse the full KV pages of earlier prompts with the same tokens, per tenant and cache_salt
-    # (cache/prefix.py). Off by default.
-    enable_prefix_caching: bool = False
+    # (cache/prefix.py). On by default, as in vLLM and SGLang.
+    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -20,7 +20,10 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
 
 @pytest.fixture(scope="module")
 def llm(glm_ckpt):
-    return LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_num_batched_tokens=40)
+    # No prefix cache: these tests run the same prompts again and compare logprobs to 1e-6 or bit for bit
+    # (a hit regroups prefill rows, ~1e-6: tests/test_prefix_cache.py).
+    return LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_num_batched_tokens=40,
+               enable_prefix_caching=False)
 
 
 def _idle(llm):

@@ -59,7 +59,8 @@ def run(args) -> dict:
                   prefill_chunk_tokens=args.chunk, max_num_batched_tokens=args.chunk)
     if args.kv_tiering:
         common["kv_tiering"] = True
-    modes = {"no cache": LLM(path, **common).engine, "prefix cache": LLM(path, enable_prefix_caching=True, **common).engine}
+    modes = {"no cache": LLM(path, enable_prefix_caching=False, **common).engine,
+             "prefix cache": LLM(path, enable_prefix_caching=True, **common).engine}
     prompts = workload(modes["no cache"], args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     runs = {name: [] for name in modes}
