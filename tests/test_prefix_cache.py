@@ -56,8 +56,8 @@ def _request(rid, tokens, tenant="default", salt=None):
 
 def test_allocator_keeps_registered_pages_and_evicts_the_oldest_first():
     a = PageAllocator(4, PAGE)
-    kept, evicted = {1, 2}, []
-    a.keeps, a.on_evict = kept.__contains__, evicted.append
+    kept, evicted = {1: "t", 2: "t"}, []
+    a.keeps, a.on_evict = kept.get, evicted.append
     pages = a.allocate("x", 4)
     a.free("x", [pages[2], pages[1], pages[0], pages[3]])   # 2 then 1 cached, 0 and 3 free
     assert a.num_free == 4 and a.num_cached == 2 and list(a._free) == [0, 3]
@@ -69,6 +69,23 @@ def test_allocator_keeps_registered_pages_and_evicts_the_oldest_first():
     a.check_integrity()
     a.free("y", [1, 0, 3, 2])
     assert a.num_cached == 2 and a.num_free == 4              # 1 and 2 kept again (still registered)
+    a.check_integrity()
+
+
+def test_eviction_takes_from_the_tenant_holding_the_most_cached_pages():
+    """A tenant's new pages evict its own cached pages first, and never push another tenant's count
+    below its own: the victim is the oldest page of the largest holder."""
+    a = PageAllocator(10, PAGE)
+    tenant_of, evicted = {}, []
+    a.keeps, a.on_evict = tenant_of.get, evicted.append
+    pages = a.allocate("r", 10)
+    tenant_of.update({p: "noisy" for p in pages[:6]} | {p: "quiet" for p in pages[6:9]})
+    a.free("r", pages)                                        # 6 noisy, 3 quiet cached, 1 free
+    assert a.num_cached == 9 and a.num_free == 10
+    a.allocate("n", 5)                                        # the free page, then 4 evictions
+    assert evicted == pages[:4]                               # noisy's oldest: 6 -> 2 while quiet keeps 3
+    a.allocate("n", 2)
+    assert evicted[4:] == [pages[6], pages[4]]                # quiet (3 against 2), then a tie: the first cached
     a.check_integrity()
 
 

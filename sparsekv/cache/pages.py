@@ -4,9 +4,11 @@ One page table per request covers both the MLA latent cache and the indexer key 
 holds positions [p_i * page_size, (p_i + 1) * page_size) of a request in every layer's pool.
 
 With the prefix cache (prefix.py) a full page may be shared by several requests (reference counted)
-and, once no request holds it, kept with its contents as *cached*: still allocatable, the least
-recently released first, and reused by a later request whose prompt starts with the same tokens.
-Every page is in exactly one state::
+and, once no request holds it, kept with its contents as *cached*: still allocatable, and reused by a
+later request whose prompt starts with the same tokens. Cached pages are grouped by tenant; an
+allocation that must evict takes the least recently released page of the tenant holding the most
+cached pages, so one tenant's traffic evicts its own pages before it can push another tenant's
+below its own count. Every page is in exactly one state::
 
     free  --allocate-->  owned (1..n owners)  --free, no owner left-->  free, or cached if registered
     cached  --share (a prefix hit)-->  owned            cached  --allocate (evicted, oldest first)-->  owned
@@ -29,19 +31,22 @@ class PageAllocator:
         self._free: deque[int] = deque(range(num_pages))
         self._owners: dict[int, set[str]] = {}
         self._reserved: dict[str, int] = {}
-        self._cached: OrderedDict[int, None] = OrderedDict()  # unowned, contents kept; oldest first
-        # Set by the prefix cache: whether a released page is worth keeping, and what to forget on eviction.
-        self.keeps: Callable[[int], bool] = lambda page: False
+        # unowned pages whose contents are kept, by tenant, each oldest first
+        self._cached: dict[str, OrderedDict[int, None]] = {}
+        self._group: dict[int, str] = {}  # cached page -> its tenant
+        # Set by the prefix cache: a released page's tenant if it is worth keeping (else None), and
+        # what to forget when a cached page is evicted.
+        self.keeps: Callable[[int], str | None] = lambda page: None
         self.on_evict: Callable[[int], None] = lambda page: None
 
     @property
     def num_free(self) -> int:
         """Pages a request may take: never used, or cached (evicted on allocation)."""
-        return len(self._free) + len(self._cached)
+        return len(self._free) + len(self._group)
 
     @property
     def num_cached(self) -> int:
-        return len(self._cached)
+        return len(self._group)
 
     @property
     def num_reserved_unallocated(self) -> int:
@@ -65,11 +70,12 @@ class PageAllocator:
     def share_and_reserve(self, owner: str, shared: list[int], num_pages: int) -> bool:
         """Admit `owner` onto `shared` pages (a prefix hit) plus `num_pages` future ones, or do nothing
         and return False: sharing a cached page takes it out of the allocatable pool."""
-        leaving = sum(p in self._cached for p in shared)
+        leaving = sum(p in self._group for p in shared)
         if num_pages > self.num_available - leaving:
             return False
         for p in shared:
-            self._cached.pop(p, None)
+            if p in self._group:
+                self._uncache(p)
             self._owners.setdefault(p, set()).add(owner)
         self._reserved[owner] = self._reserved.get(owner, 0) + num_pages
         return True
@@ -89,9 +95,17 @@ class PageAllocator:
     def _take(self) -> int:
         if self._free:
             return self._free.popleft()
-        page, _ = self._cached.popitem(last=False)
+        tenant = max(self._cached, key=lambda t: len(self._cached[t]))  # the largest holder evicts first
+        page = next(iter(self._cached[tenant]))
+        self._uncache(page)
         self.on_evict(page)
         return page
+
+    def _uncache(self, page: int) -> None:
+        tenant = self._group.pop(page)
+        del self._cached[tenant][page]
+        if not self._cached[tenant]:
+            del self._cached[tenant]
 
     def free(self, owner: str, pages: list[int]) -> None:
         for p in pages:
@@ -101,8 +115,10 @@ class PageAllocator:
             owners.discard(owner)
             if not owners:
                 del self._owners[p]
-                if self.keeps(p):
-                    self._cached[p] = None
+                tenant = self.keeps(p)
+                if tenant is not None:
+                    self._group[p] = tenant
+                    self._cached.setdefault(tenant, OrderedDict())[p] = None
                 else:
                     self._free.append(p)
         self._reserved.pop(owner, None)
@@ -111,10 +127,12 @@ class PageAllocator:
         return len(self._owners.get(page, ()))
 
     def is_cached(self, page: int) -> bool:
-        return page in self._cached
+        return page in self._group
 
     def check_integrity(self) -> None:
-        free, cached, owned = list(self._free), set(self._cached), set(self._owners)
+        free, cached, owned = list(self._free), set(self._group), set(self._owners)
+        assert cached == {p for g in self._cached.values() for p in g}, "cached pages and their tenants disagree"
+        assert all(self._cached.values()), "an empty tenant group of cached pages"
         assert len(set(free)) == len(free), "a page is on the free list twice"
         assert not set(free) & owned, "a page is both free and owned"
         assert not cached & (owned | set(free)), "a cached page is also free or owned"

@@ -33,7 +33,8 @@ class PrefixCache:
         self._name_of: dict[int, bytes] = {}
         self._chains: dict[str, list[bytes]] = {}  # request -> names of its first pages
         self._named: dict[str, int] = {}  # request -> pages registered so far
-        allocator.keeps = self._name_of.__contains__
+        self._tenant_of: dict[int, str] = {}  # named page -> the tenant whose request computed it
+        allocator.keeps = self._tenant_of.get
         allocator.on_evict = self._forget_page
         self.queried_tokens = self.hit_tokens = 0
 
@@ -71,7 +72,7 @@ class PrefixCache:
             return
         for name, page in zip(self._names(req, full), req.page_ids):
             if name not in self._page_of and page not in self._name_of:
-                self._page_of[name], self._name_of[page] = page, name
+                self._page_of[name], self._name_of[page], self._tenant_of[page] = page, name, req.tenant
         self._named[req.request_id] = full
 
     def forget_request(self, request_id: str) -> None:
@@ -80,6 +81,7 @@ class PrefixCache:
 
     def _forget_page(self, page: int) -> None:
         del self._page_of[self._name_of.pop(page)]
+        del self._tenant_of[page]
 
     def stats(self) -> dict:
         return {f"prefix_cache_hits_{self.tier}": self.hit_tokens, "prefix_cache_queries": self.queried_tokens,
@@ -87,7 +89,7 @@ class PrefixCache:
                 "prefix_cache_hit_rate": self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0}
 
     def check_integrity(self, active: set[str]) -> None:
-        assert len(self._page_of) == len(self._name_of), "prefix names and pages disagree"
+        assert len(self._page_of) == len(self._name_of) == len(self._tenant_of), "prefix names and pages disagree"
         assert all(self._name_of[p] == n for n, p in self._page_of.items()), "a page is named twice"
         for page in self._name_of:
             assert self.allocator.is_cached(page) or self.allocator.num_owners(page), "a named page is free"
