@@ -33,6 +33,19 @@ def report_console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 
+def run_bench(p: argparse.ArgumentParser, argv: list[str] | None, positive: tuple[str, ...], run, report) -> int:
+    """A sub-benchmark's main: parse, check that `positive` flags are >= 1, run, report, --json."""
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    for flag in positive:
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    out = report(run(args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
 def _worker(job: dict, threads: int) -> dict:
     cmd = [sys.executable, "-m", "sparsekv.tools.bench_worker", json.dumps(job), str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -12,14 +12,12 @@ the speed-up, and whether greedy outputs are identical.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 
 from rich.table import Table
 
-from .bench import report_console
+from .bench import report_console, run_bench
 
 
 def workload(engine, args) -> list[list[int]]:
@@ -111,12 +109,4 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-tiering", action="store_true", help="both modes with the tiered KV cache")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    for flag in ("requests", "prefix_tokens", "suffix_tokens", "max_tokens", "chunk"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    out = report(run(args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
+    return run_bench(p, argv, ("requests", "prefix_tokens", "suffix_tokens", "max_tokens", "chunk"), run, report)

@@ -9,14 +9,12 @@ are identical, and the speed-up of drafting.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 
 from rich.table import Table
 
-from .bench import report_console
+from .bench import report_console, run_bench
 
 
 def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
@@ -121,12 +119,4 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-buffer-tokens", type=int, default=None, help="with --kv-tiering (default 2 x top-k)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    for flag in ("prompts", "prompt_tokens", "max_tokens"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    out = report(run(args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
+    return run_bench(p, argv, ("prompts", "prompt_tokens", "max_tokens"), run, report)
