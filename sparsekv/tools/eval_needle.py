@@ -64,6 +64,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=2, help="samples per task, length and depth")
     p.add_argument("--dense-max-length", default="16K", help="also run dense attention up to this length")
     p.add_argument("--no-tiering", action="store_true", help="do not ask the engine for the tiered KV cache")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full (by default prompts of one length share their common prefix)")
     p.add_argument("--device-buffer-tokens", type=int, default=32768)
     p.add_argument("--prefill-chunk-tokens", type=int, default=4096)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -82,7 +84,7 @@ def make_llm(model: str, attention: str, max_len: int, args) -> tuple[object, st
     from ..llm import LLM
     opts = dict(max_model_len=max_len, attention=attention, prefill_chunk_tokens=args.prefill_chunk_tokens,
                 max_num_seqs=1, max_num_batched_tokens=args.prefill_chunk_tokens, dtype=args.dtype,
-                device=args.device)
+                device=args.device, enable_prefix_caching=not args.no_prefix_caching)
     if attention == "sparse" and not args.no_tiering:
         try:
             return LLM(model, **opts, kv_tiering=True, device_buffer_tokens=args.device_buffer_tokens), "tiering on"
