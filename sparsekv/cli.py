@@ -31,6 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse earlier prompts' full KV pages, per tenant and cache_salt (default on; "
                         "docs/prefix_cache.md)")
+    g.add_argument("--prefix-cache-host-bytes", type=parse_bytes, default=None,
+                   help="host memory for evicted prefix-cache pages, copied back on a hit (e.g. 8G; default none)")
     t = p.add_argument_group("tiered KV cache (docs/tiers.md)")
     t.add_argument("--kv-tiering", action="store_true", help="device working set per request, history in a host store")
     t.add_argument("--device-buffer-tokens", type=int, default=None, help="working-set slots N (default 2 x top-k)")
@@ -56,7 +58,7 @@ ENGINE_ARG_NAMES = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_t
                     "prefill_chunk_tokens", "num_kv_pages", "attention", "seed", "num_threads",
                     "kv_tiering", "device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes",
                     "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",
-                    "enable_prefix_caching")
+                    "enable_prefix_caching", "prefix_cache_host_bytes")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -260,6 +260,8 @@ class EngineConfig:
     # Reuse the full KV pages of earlier prompts with the same tokens, per tenant and cache_salt
     # (cache/prefix.py). On by default, as in vLLM and SGLang.
     enable_prefix_caching: bool = True
+    # Host bytes for the prefix cache's evicted pages (cache/prefix_host.py); None = no host tier.
+    prefix_cache_host_bytes: int | None = None
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -278,6 +280,9 @@ class EngineConfig:
                               f"got {self.num_speculative_tokens!r}")
         self._validate_tiering()
     def _validate_tiering(self) -> None:
+        if self.prefix_cache_host_bytes is not None and (self.prefix_cache_host_bytes < 1 or not self.enable_prefix_caching):
+            raise ConfigError(f"prefix_cache_host_bytes must be >= 1 and needs enable_prefix_caching, "
+                              f"got {self.prefix_cache_host_bytes}")
         for name in ("device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

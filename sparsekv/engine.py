@@ -48,15 +48,11 @@ class LLMEngine:
         self.tiered = config.kv_tiering
         self.cache, self.allocator = self._build_cache()
         self._final_metrics: dict[str, dict] = {}  # a finished request's figures, until its output
-        self.prefix = None
-        if config.enable_prefix_caching:
-            from .cache.prefix import PrefixCache
-            self.prefix = PrefixCache(self.allocator, "host" if self.tiered else "device",
-                                      lookahead=1 if config.num_speculative_tokens else 0)
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk_tokens, self.prefix)
         self.runner = ModelRunner(self.model, self.cache, self.page_size, config.attention,
                                   decode_rows=1 + config.num_speculative_tokens)
+        self.prefix = self._build_prefix_cache() if config.enable_prefix_caching else None
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.prefill_chunk_tokens, self.prefix)
         self.speculator = None
         if config.num_speculative_tokens:
             from .speculative import Speculator
@@ -85,6 +81,16 @@ class LLMEngine:
             from .model.selectors import install_quest
             install_quest(self.model, config, allocator.num_pages * self.page_size, self.device)
         return cache, allocator
+
+    def _build_prefix_cache(self):
+        from .cache.prefix import PrefixCache
+        host, before_copy = None, (self.cache.link.flush if self.tiered else lambda: None)
+        if self.config.prefix_cache_host_bytes:
+            from .cache.prefix_host import PrefixHostStore
+            tensors = self.cache.slot_tensors() + [t for s in self.runner.selectors() for t in s.slot_tensors()]
+            host = PrefixHostStore(tensors, self.page_size, self.config.prefix_cache_host_bytes)
+        return PrefixCache(self.allocator, lookahead=1 if self.config.num_speculative_tokens else 0, host=host,
+                           before_copy=before_copy)
 
     def _num_pages(self) -> int:
         if self.config.num_kv_pages:

@@ -78,15 +78,16 @@ class Scheduler:
     def _admit(self, req: Request) -> bool:
         """Reserve pages for prompt + max_tokens, less the prompt's cached pages, which it shares."""
         # prompt_logprobs need every prompt row computed: no hits for them (as in vLLM)
-        hits = self.prefix.lookup(req) if self.prefix is not None and req.params.prompt_logprobs is None else []
-        if not self.allocator.share_and_reserve(req.request_id, hits,
-                                                self.allocator.pages_for(req.max_total_tokens) - len(hits)):
+        hit = self.prefix.lookup(req) if self.prefix is not None and req.params.prompt_logprobs is None else None
+        shared = hit.pages if hit is not None else []
+        if not self.allocator.share_and_reserve(req.request_id, shared,
+                                                self.allocator.pages_for(req.max_total_tokens) - len(shared)):
             return False
+        restored, loaded = self.prefix.restore(req, hit.host_names) if hit is not None and hit.host_names else ([], 0)
         if self.prefix is not None:
-            self.prefix.admitted(req, len(hits))
-        if hits:
-            req.page_ids = list(hits)
-            req.num_computed_tokens = req.num_cached_tokens = len(hits) * self.allocator.page_size
+            self.prefix.admitted(req, len(shared), loaded)
+        req.page_ids = shared + restored
+        req.num_computed_tokens = req.num_cached_tokens = (len(shared) + loaded) * self.allocator.page_size
         return True
 
     def _take(self, req: Request, n: int) -> ScheduledChunk:

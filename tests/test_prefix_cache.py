@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv import LLM, SamplingParams
+from sparsekv import LLM, ConfigError, SamplingParams
 from sparsekv.cache.pages import PageAllocator
 from sparsekv.cache.prefix import PrefixCache
 from sparsekv.request import Request
@@ -91,18 +91,18 @@ def test_eviction_takes_from_the_tenant_holding_the_most_cached_pages():
 
 def test_lookup_follows_the_chain_per_tenant_and_salt_and_never_the_last_token():
     a = PageAllocator(16, PAGE)
-    cache = PrefixCache(a, "device")
+    cache = PrefixCache(a)
     owner = _request("a", BASE)                               # 70 tokens: pages 0-3 full
     owner.page_ids = a.allocate("a", 5)
     owner.num_computed_tokens = 70
     cache.register(owner)
     assert len(cache._page_of) == 4
-    assert cache.lookup(_request("b", BASE[:50] + [0] * 20)) == owner.page_ids[:3]
-    assert cache.lookup(_request("c", BASE[:64])) == owner.page_ids[:3]   # the last token's page is computed
-    assert cache.lookup(_request("d", BASE[:65])) == owner.page_ids[:4]
-    assert cache.lookup(_request("e", [0] + BASE[1:])) == []                # the chain breaks at page 0
-    assert cache.lookup(_request("f", BASE, tenant="other")) == []
-    assert cache.lookup(_request("g", BASE, salt="s")) == []
+    assert cache.lookup(_request("b", BASE[:50] + [0] * 20)).pages == owner.page_ids[:3]
+    assert cache.lookup(_request("c", BASE[:64])).pages == owner.page_ids[:3]   # the last token's page is computed
+    assert cache.lookup(_request("d", BASE[:65])).pages == owner.page_ids[:4]
+    assert cache.lookup(_request("e", [0] + BASE[1:])).pages == []                # the chain breaks at page 0
+    assert cache.lookup(_request("f", BASE, tenant="other")).pages == []
+    assert cache.lookup(_request("g", BASE, salt="s")).pages == []
     for rid in "abcdefg":
         cache.forget_request(rid)
     a.free("a", owner.page_ids)
@@ -125,9 +125,9 @@ def test_hits_compute_what_no_cache_computes(ckpt, options, chunk):
     assert_close(want, got, bitwise=chunk == PAGE)
     # 4 pages, 2 pages (40 tokens), 4 pages, none (a one-page prompt's last token is on page 0)
     assert [o.num_cached_tokens for o in got] == [64, 32, 64, 0]
-    tier = "host" if options.get("kv_tiering") else "device"
-    stats = llm.stats()
-    assert stats[f"prefix_cache_hits_{tier}"] == 160 and stats["prefix_cached_pages"] > 0
+    stats = llm.stats()  # pool pages (with tiering: latents in the host store) count as device hits
+    assert stats["prefix_cache_hits_device"] == 160 and stats["prefix_cache_hits_host"] == 0
+    assert stats["prefix_cached_pages"] > 0
     assert stats["prompt_tokens"] == sum(len(p) for p in [BASE + [3]] + PROMPTS) - 160
     assert_idle(llm)
 
@@ -262,3 +262,49 @@ def test_bench_prefix_computes_only_the_suffix_and_matches_no_cache(tmp_path, ca
     assert result["summary"]["prefix cache"]["computed_tokens"] == 16       # 256 tokens = 4 cached pages
     assert result["hit_rate"] == pytest.approx(2 * 256 / (3 * 272))
     assert "greedy outputs identical: 3 of 3" in capsys.readouterr().out
+
+
+# -- the host tier ------------------------------------------------------------------------------------
+OTHERS = [[(11 * i + j) % 250 + 1 for i in range(150)] for j in range(2)]   # 10 pages each: evict BASE's
+
+
+def _evict_then_hit(llm, prompts):
+    """Run BASE, evict its pages with other prompts, then `prompts` (which start with BASE)."""
+    llm.generate([BASE + [3]], GREEDY)
+    for prompt in OTHERS:
+        llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    return [llm.generate([p], GREEDY)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=8, host_kv_budget_bytes=12 * PAGE * 640),
+                                     dict(selector="quest")], ids=["device", "tiered", "quest"])
+def test_evicted_pages_come_back_from_the_host_tier_exactly(ckpt, options, emulated_cuda):
+    """Evicted pages are copied to host memory and back on a hit: the same bytes, so outputs equal no
+    cache bit for bit (prefill chunks of one page). Under CUDA's emulated copy ordering, so a host
+    copy read before the tier link's pending backups land would show."""
+    small = dict(num_kv_pages=12, max_num_seqs=1, prefill_chunk_tokens=PAGE, **options)
+    if options.get("kv_tiering"):
+        small.pop("num_kv_pages")  # the tiered pool sizes its pages from the host budget (12 pages here)
+    reference = make(ckpt, **small)
+    want = [reference.generate([p], GREEDY)[0] for p in PROMPTS[:3]]
+    llm = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 24, **small)
+    assert llm.engine.allocator.num_pages == 12
+    got = _evict_then_hit(llm, PROMPTS[:3])
+    assert_close(want, got, bitwise=True)
+    assert [o.num_cached_tokens for o in got] == [64, 32, 64]
+    stats = llm.stats()
+    assert stats["prefix_cache_hits_host"] >= 64 and stats["prefix_host_pages"] > 0
+    assert_idle(llm)
+
+
+def test_the_host_tier_keeps_its_budget_and_a_broken_chain_stops_hits(ckpt):
+    page_bytes = make(ckpt, num_kv_pages=12, enable_prefix_caching=True,
+                      prefix_cache_host_bytes=1 << 24).engine.prefix.host.page_bytes
+    llm = make(ckpt, enable_prefix_caching=True, num_kv_pages=12, max_num_seqs=1, prefix_cache_host_bytes=3 * page_bytes)
+    out = _evict_then_hit(llm, [BASE + [9]])[0]
+    host = llm.engine.prefix.host
+    assert host.num_pages <= 3 and host.dropped > 0
+    assert out.num_cached_tokens == 0          # BASE's page 0 copy was pushed out: the chain starts nowhere
+    assert_idle(llm)
+    with pytest.raises(ConfigError, match="prefix_cache_host_bytes"):
+        make(ckpt, enable_prefix_caching=False, prefix_cache_host_bytes=1 << 20)

@@ -51,6 +51,9 @@ class HostStore:
     def capacity_bytes(self) -> int:
         return self.bytes_per_token * self.num_slots
 
+    def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        return [(self._rows[l], 1) for l in self.layers]
+
     def write(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self._rows[layer].index_copy_(0, slots.cpu(), values.to("cpu", self.dtype))
 

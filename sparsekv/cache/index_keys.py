@@ -19,6 +19,9 @@ class IndexKeyCache:
         self.keys = {l: torch.empty(num_slots, dim, dtype=store, device=device) for l in layers}
         self.scales = {l: torch.empty(num_slots, dtype=torch.float32, device=device) for l in layers} if fp8 else {}
 
+    def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        return [(t, 1) for t in list(self.keys.values()) + list(self.scales.values())]
+
     def bytes_per_token(self) -> int:
         return sum(t.shape[1] * t.element_size() + (4 if self.fp8 else 0) for t in self.keys.values())
 

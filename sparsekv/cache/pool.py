@@ -62,6 +62,11 @@ class KVPool:
         self.index_keys = {i: torch.empty(self.num_slots, cfg.index_head_dim, dtype=dtype, device=device)
                            for i in indexer_layers}
 
+    def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor indexed by slot, with its tokens per row (1): what a page's contents are (the
+        prefix cache's host copies)."""
+        return [(t, 1) for t in list(self.latent.values()) + list(self.index_keys.values())]
+
     # -- sizes ---------------------------------------------------------------------------------
     def latent_bytes_per_token(self) -> int:
         return sum(t.shape[1] * t.element_size() for t in self.latent.values())

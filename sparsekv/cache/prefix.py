@@ -9,7 +9,10 @@ request would have computed. Tenants never see each other's pages, in any tier: 
 addresses a position in every tier (device pool, or host store and device indexer keys when tiered).
 
 A page is registered once it is full and computed; released, it stays cached (allocatable, evicted
-least recently released first) until a hit takes it or an allocation reuses it. A request's last
+least recently released first) until a hit takes it or an allocation reuses it. With a host store
+(prefix_host.py) an evicted page's contents are copied there first, and a lookup continues its chain
+there: hits are counted by tier, "device" for pages still in the engine's KV pool (with kv_tiering:
+latents in the host store, indexer keys on the device) and "host" for pages copied back. A request's last
 prompt token is always computed, so the step that samples its first token has logits. Pages are
 only read by a request that shares them: it writes from its first uncached position on, which is
 always at a page boundary.
@@ -19,16 +22,27 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+from dataclasses import dataclass, field
+
 from ..request import Request
 from .pages import PageAllocator
 
 
+@dataclass
+class PrefixHit:
+    pages: list[int] = field(default_factory=list)         # pool pages to share, in order from page 0
+    host_names: list[bytes] = field(default_factory=list)  # then pages to copy back from the host store
+
+
 class PrefixCache:
     """`lookahead` 1 (speculative decoding): a page's name also covers the token after it, since the
-    MTP layer's entry at the page's last position is made from that token."""
+    MTP layer's entry at the page's last position is made from that token. `host`: a PrefixHostStore
+    (or None), with `before_copy` run before it reads or writes pool rows (the tiered pool's flush of
+    pending backups)."""
 
-    def __init__(self, allocator: PageAllocator, tier: str, lookahead: int = 0):
-        self.allocator, self.page_size, self.tier, self.lookahead = allocator, allocator.page_size, tier, lookahead
+    def __init__(self, allocator: PageAllocator, lookahead: int = 0, host=None, before_copy=lambda: None):
+        self.allocator, self.page_size, self.lookahead = allocator, allocator.page_size, lookahead
+        self.host, self.before_copy = host, before_copy
         self._page_of: dict[bytes, int] = {}
         self._name_of: dict[int, bytes] = {}
         self._chains: dict[str, list[bytes]] = {}  # request -> names of its first pages
@@ -36,7 +50,8 @@ class PrefixCache:
         self._tenant_of: dict[int, str] = {}  # named page -> the tenant whose request computed it
         allocator.keeps = self._tenant_of.get
         allocator.on_evict = self._forget_page
-        self.queried_tokens = self.hit_tokens = 0
+        self.queried_tokens = 0
+        self.hit_tokens = {"device": 0, "host": 0}
 
     def _names(self, req: Request, num_pages: int) -> list[bytes]:
         """Names of the request's first `num_pages` pages, extending its chain (prompt, then output)."""
@@ -49,20 +64,41 @@ class PrefixCache:
             chain.append(hashlib.sha256(parent + array("q", tokens).tobytes()).digest())
         return chain[:num_pages]
 
-    def lookup(self, req: Request) -> list[int]:
-        """The cached pages the prompt starts with (never its last token's page): the longest run of
-        hits from page 0."""
-        hits = []
+    def lookup(self, req: Request) -> PrefixHit:
+        """The pages the prompt starts with (never its last token's page): the longest run of named
+        pool pages from page 0, then of pages saved in the host store."""
+        hit = PrefixHit()
         for name in self._names(req, (req.num_prompt_tokens - 1) // self.page_size):
             page = self._page_of.get(name)
-            if page is None:
+            if page is not None and not hit.host_names:
+                hit.pages.append(page)
+            elif self.host is not None and self.host.has(name):
+                hit.host_names.append(name)
+            else:
                 break
-            hits.append(page)
-        return hits
+        return hit
 
-    def admitted(self, req: Request, hit_pages: int) -> None:
+    def restore(self, req: Request, names: list[bytes]) -> tuple[list[int], int]:
+        """Copy host-store pages back into new pool pages of `req` (from its reservation), naming them
+        again. Returns the pages taken and how many were restored: an allocation's eviction may push a
+        copy out of the host store, and the pages from there on are computed instead."""
+        for name in names:
+            self.host.touch(name)  # newest: the evictions below push older copies out first
+        pages, restored = [], 0
+        for name in names:
+            pages.append(self.allocator.allocate(req.request_id, 1)[0])
+            if restored < len(pages) - 1 or not self.host.has(name):
+                continue
+            self.before_copy()
+            self.host.load(name, pages[-1])
+            self._page_of[name], self._name_of[pages[-1]], self._tenant_of[pages[-1]] = pages[-1], name, req.tenant
+            restored += 1
+        return pages, restored
+
+    def admitted(self, req: Request, pool_pages: int, host_pages: int) -> None:
         self.queried_tokens += req.num_prompt_tokens
-        self.hit_tokens += hit_pages * self.page_size
+        self.hit_tokens["device"] += pool_pages * self.page_size
+        self.hit_tokens["host"] += host_pages * self.page_size
 
     def register(self, req: Request) -> None:
         """Name the request's full, computed pages; a name already held by another page keeps that page."""
@@ -80,18 +116,26 @@ class PrefixCache:
         self._named.pop(request_id, None)
 
     def _forget_page(self, page: int) -> None:
-        del self._page_of[self._name_of.pop(page)]
+        name = self._name_of.pop(page)
+        if self.host is not None:
+            self.before_copy()
+            self.host.save(name, page)
+        del self._page_of[name]
         del self._tenant_of[page]
 
     def stats(self) -> dict:
-        return {f"prefix_cache_hits_{self.tier}": self.hit_tokens, "prefix_cache_queries": self.queried_tokens,
-                "prefix_cached_pages": self.allocator.num_cached,
-                "prefix_cache_hit_rate": self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0}
+        hits = sum(self.hit_tokens.values())
+        return {**{f"prefix_cache_hits_{tier}": n for tier, n in self.hit_tokens.items()},
+                "prefix_cache_queries": self.queried_tokens, "prefix_cached_pages": self.allocator.num_cached,
+                "prefix_cache_hit_rate": hits / self.queried_tokens if self.queried_tokens else 0.0,
+                **(self.host.stats() if self.host is not None else {})}
 
     def check_integrity(self, active: set[str]) -> None:
         assert len(self._page_of) == len(self._name_of) == len(self._tenant_of), "prefix names and pages disagree"
         assert all(self._name_of[p] == n for n, p in self._page_of.items()), "a page is named twice"
         for page in self._name_of:
             assert self.allocator.is_cached(page) or self.allocator.num_owners(page), "a named page is free"
+        if self.host is not None:
+            self.host.check_integrity()
         stale = (set(self._chains) | set(self._named)) - active
         assert not stale, f"prefix chains kept for finished requests {sorted(stale)}"

@@ -105,6 +105,12 @@ class TieredKVPool:
         self._mtp_step = _StepState()  # the MTP layer's pass after it
         self.link = HostLink(host, self.device)
 
+    def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor indexed by logical slot (host latents, device indexer keys); working sets are
+        per request, not per slot."""
+        self.link.flush()  # every backup in the store before a page's rows are read
+        return self.host.slot_tensors() + self.index.slot_tensors()
+
     # -- sizes ---------------------------------------------------------------------------------
     def latent_bytes_per_token(self) -> int:
         return self.host.bytes_per_token

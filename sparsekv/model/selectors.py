@@ -39,6 +39,10 @@ class TokenSelector:
     def forget(self, request_id: str) -> None:
         """The request finished: drop anything kept for it."""
 
+    def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """State kept per slot (with its tokens per row), part of a KV page's contents: none here."""
+        return []
+
     def batches(self, device: torch.device) -> bool:
         """Whether a step's one-row decodes are selected in one batched pass (DSASelector)."""
         return False
@@ -126,6 +130,10 @@ class QuestSelector(TokenSelector):
 
     def forget(self, request_id: str) -> None:
         self._last.pop(request_id, None)
+
+    def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """The page bounds, one row per `page_tokens` slots (part of a KV page's contents)."""
+        return [(t, self.page_tokens) for t in list(self.lo.values()) + list(self.hi.values())]
 
     def check_integrity(self, active: set[str]) -> None:
         stale = set(self._last) - active
