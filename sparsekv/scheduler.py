@@ -105,7 +105,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.allocator.free(req.request_id, req.page_ids)
+        # Last page first: cached pages are evicted least recently released first, so a prompt's tail
+        # goes before its head and what stays in the pool is a prefix that lookups can still reach.
+        self.allocator.free(req.request_id, req.page_ids[::-1])
         req.page_ids = []
 
     def find(self, request_id: str) -> Request | None:

@@ -257,11 +257,30 @@ def test_bench_prefix_computes_only_the_suffix_and_matches_no_cache(tmp_path, ca
     assert main(["prefix", "--requests", "3", "--prefix-tokens", "256", "--suffix-tokens", "16", "--chunk", "128",
                  "--json", str(out)] + tiering) == 0
     result = json.loads(out.read_text())
-    assert result["identical"] == result["requests"] == 3 and result["kv_tiering"] == bool(tiering)
-    assert result["summary"]["no cache"]["computed_tokens"] == 272
-    assert result["summary"]["prefix cache"]["computed_tokens"] == 16       # 256 tokens = 4 cached pages
-    assert result["hit_rate"] == pytest.approx(2 * 256 / (3 * 272))
-    assert "greedy outputs identical: 3 of 3" in capsys.readouterr().out
+    summary = result["summary"]
+    assert result["kv_tiering"] == bool(tiering) and set(summary) == {"no cache", "prefix cache"}
+    assert all(s["identical"] == 3 for s in summary.values())
+    assert summary["no cache"]["computed_tokens"] == 272
+    assert summary["prefix cache"]["computed_tokens"] == 16       # 256 tokens = 4 cached pages
+    assert summary["prefix cache"]["hit_rate"] == pytest.approx(2 * 256 / (3 * 272))
+    assert "greedy identical" in capsys.readouterr().out
+
+
+def test_bench_prefix_rotation_is_served_by_the_host_tier(tmp_path):
+    """Two prefixes in turn through a pool that holds one: each request's prefix was evicted by the
+    previous one. The pool keeps the head page (a request's pages are released last page first, so
+    its tail is evicted first); the host tier serves the rest."""
+    import json
+
+    from sparsekv.tools.bench import main
+    out = tmp_path / "prefix.json"
+    assert main(["prefix", "--requests", "4", "--prefix-tokens", "256", "--suffix-tokens", "16", "--chunk", "128",
+                 "--rotate", "2", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert all(s["identical"] == 4 for s in summary.values())
+    assert summary["prefix cache"]["computed_tokens"] == 272 - 64
+    assert summary["prefix cache + host tier"]["computed_tokens"] == 16
+    assert summary["prefix cache + host tier"]["hit_tokens_host"] == 2 * 192
 
 
 # -- the host tier ------------------------------------------------------------------------------------

@@ -17,19 +17,24 @@ import time
 
 from rich.table import Table
 
+from ..cli import parse_bytes
 from .bench import report_console, run_bench
 
 
 def workload(engine, args) -> list[list[int]]:
+    """`--requests` prompts: prefix i % rotate, then a suffix of their own."""
     import torch
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     if engine.tokenizer is not None:
         from .bench_spec import held_out_prompts
-        prefix = held_out_prompts(engine.tokenizer, 1, args.prefix_tokens)[0]
+        prefixes = held_out_prompts(engine.tokenizer, args.rotate, args.prefix_tokens)
     else:
-        prefix = torch.randint(1, vocab, (args.prefix_tokens,), generator=g).tolist()
-    return [prefix + torch.randint(1, vocab, (args.suffix_tokens,), generator=g).tolist() for _ in range(args.requests)]
+        prefixes = [torch.randint(1, vocab, (args.prefix_tokens,), generator=g).tolist() for _ in range(args.rotate)]
+    if len(prefixes) < args.rotate:
+        raise ValueError(f"--rotate {args.rotate}: only {len(prefixes)} held-out files have {args.prefix_tokens} tokens")
+    return [prefixes[i % args.rotate] + torch.randint(1, vocab, (args.suffix_tokens,), generator=g).tolist()
+            for i in range(args.requests)]
 
 
 def first_token(engine, rid: str, prompt: list[int], params) -> dict:
@@ -45,57 +50,73 @@ def first_token(engine, rid: str, prompt: list[int], params) -> dict:
     return {"ttft_s": ttft, "prefill_steps": steps, "cached": out.num_cached_tokens, "tokens": out.token_ids}
 
 
+def engines(path: str, args) -> dict:
+    """No cache, the prefix cache, and with --rotate > 1 (a pool that holds one prefix, so each request's
+    prefix was evicted by the one before) the prefix cache with its host tier."""
+    from sparsekv import LLM
+    tokens = args.prefix_tokens + args.suffix_tokens + args.max_tokens
+    common = dict(max_model_len=tokens + 8, max_num_seqs=1, prefill_chunk_tokens=args.chunk,
+                  max_num_batched_tokens=args.chunk, kv_tiering=args.kv_tiering)
+    if args.rotate > 1:  # room for one request and a page to spare
+        pages = -(-tokens // 64) + 1
+        common["num_kv_pages"] = pages
+    modes = {"no cache": LLM(path, enable_prefix_caching=False, **common).engine,
+             "prefix cache": LLM(path, enable_prefix_caching=True, **common).engine}
+    if args.rotate > 1:
+        modes["prefix cache + host tier"] = LLM(path, enable_prefix_caching=True, prefix_cache_host_bytes=args.host_bytes,
+                                                **common).engine
+    return modes
+
+
 def run(args) -> dict:
     import torch
-    from sparsekv import LLM, SamplingParams
+    from sparsekv import SamplingParams
     from sparsekv.paths import default_model_path
     from .bench import _machine_bandwidth
     from .bench_worker import decode_bytes_per_step
     torch.set_num_threads(args.threads)
-    path = args.model or default_model_path()
-    common = dict(max_model_len=args.prefix_tokens + args.suffix_tokens + args.max_tokens + 8, max_num_seqs=1,
-                  prefill_chunk_tokens=args.chunk, max_num_batched_tokens=args.chunk)
-    if args.kv_tiering:
-        common["kv_tiering"] = True
-    modes = {"no cache": LLM(path, enable_prefix_caching=False, **common).engine,
-             "prefix cache": LLM(path, enable_prefix_caching=True, **common).engine}
+    modes = engines(args.model or default_model_path(), args)
     prompts = workload(modes["no cache"], args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     runs = {name: [] for name in modes}
     for i, prompt in enumerate(prompts):
         for name, engine in modes.items():
             runs[name].append(first_token(engine, f"r{i}", prompt, params))
-    step_bytes = decode_bytes_per_step(modes["no cache"], len(prompts[0]))
-    stats = modes["prefix cache"].stats()
-    return {"requests": len(prompts), "prompt_tokens": len(prompts[0]), "runs": runs, "step_bytes": step_bytes,
-            "hit_rate": stats["prefix_cache_hit_rate"], "machine_gbps": _machine_bandwidth(args.threads),
-            "kv_tiering": args.kv_tiering}
+    hits = {name: {k: v for k, v in e.stats().items() if k.startswith("prefix_cache_hit")} for name, e in modes.items()}
+    return {"requests": len(prompts), "prompt_tokens": len(prompts[0]), "rotate": args.rotate, "runs": runs,
+            "step_bytes": decode_bytes_per_step(modes["no cache"], len(prompts[0])), "hits": hits,
+            "machine_gbps": _machine_bandwidth(args.threads), "kv_tiering": args.kv_tiering}
 
 
 def report(result: dict) -> dict:
-    runs, summary, n = result["runs"], {}, result["prompt_tokens"]
+    runs, summary, n, warmup = result["runs"], {}, result["prompt_tokens"], result["rotate"]
     for name, rs in runs.items():
-        warm = rs[1:] if len(rs) > 1 else rs  # the first request fills the cache: the steady state is after it
+        warm = rs[warmup:] if len(rs) > warmup else rs  # the first requests fill the cache
         ttft = statistics.median(r["ttft_s"] for r in warm)
         steps = statistics.median(r["prefill_steps"] for r in warm)
+        hits = result["hits"][name]
         summary[name] = {"ttft_ms": 1000 * ttft, "computed_tokens": n - statistics.median(r["cached"] for r in warm),
-                         "gbps": result["step_bytes"] * steps / ttft / 1e9}
-    identical = sum(a["tokens"] == b["tokens"] for a, b in zip(runs["no cache"], runs["prefix cache"]))
+                         "gbps": result["step_bytes"] * steps / ttft / 1e9,
+                         "hit_rate": hits.get("prefix_cache_hit_rate", 0.0),
+                         "hit_tokens_device": hits.get("prefix_cache_hits_device", 0),
+                         "hit_tokens_host": hits.get("prefix_cache_hits_host", 0),
+                         "identical": sum(a["tokens"] == b["tokens"] for a, b in zip(runs["no cache"], rs))}
     tiering = ", tiered KV cache" if result["kv_tiering"] else ""
-    table = Table(title=f"prefix cache: {result['requests']} requests of {n} prompt tokens sharing a prefix, one at a "
-                        f"time{tiering} (medians after the first request)")
-    for col in ("mode", "time to first token", "prompt tokens computed", "achieved bandwidth", "speed-up"):
+    shared = f"{result['rotate']} prefixes in turn, a pool that holds one" if warmup > 1 else "one shared prefix"
+    table = Table(title=f"prefix cache: {result['requests']} requests of {n} prompt tokens, {shared}, one at a "
+                        f"time{tiering} (medians after the first {warmup})")
+    for col in ("mode", "time to first token", "prompt tokens computed", "hits device / host (tokens)",
+                "achieved bandwidth", "speed-up", "greedy identical"):
         table.add_column(col)
     base = summary["no cache"]["ttft_ms"]
     for name, s in summary.items():
         table.add_row(name, f"{s['ttft_ms']:.1f} ms", f"{s['computed_tokens']:.0f} of {n}",
+                      f"{s['hit_tokens_device']} / {s['hit_tokens_host']}",
                       f"{s['gbps']:.2f} GB/s ({100 * s['gbps'] / result['machine_gbps']:.0f}%)",
-                      f"{base / s['ttft_ms']:.2f}x")
+                      f"{base / s['ttft_ms']:.2f}x", f"{s['identical']} of {result['requests']}")
     report_console().print(table)
-    print(f"prefix-cache hit rate (all requests, the first included): {100 * result['hit_rate']:.1f}%; "
-          f"greedy outputs identical: {identical} of {result['requests']}")
-    return {"summary": summary, "identical": identical, "requests": result["requests"], "prompt_tokens": n,
-            "hit_rate": result["hit_rate"], "kv_tiering": result["kv_tiering"]}
+    return {"summary": summary, "requests": result["requests"], "prompt_tokens": n, "rotate": result["rotate"],
+            "kv_tiering": result["kv_tiering"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suffix-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
+    p.add_argument("--rotate", type=int, default=1,
+                   help="prefixes taken in turn, with a pool that holds one (> 1 also measures the host tier)")
+    p.add_argument("--host-bytes", type=parse_bytes, default=1 << 30, help="the host tier's budget with --rotate")
     p.add_argument("--kv-tiering", action="store_true", help="both modes with the tiered KV cache")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
-    return run_bench(p, argv, ("requests", "prefix_tokens", "suffix_tokens", "max_tokens", "chunk"), run, report)
+    return run_bench(p, argv, ("requests", "prefix_tokens", "suffix_tokens", "max_tokens", "chunk", "rotate"), run,
+                     report)
