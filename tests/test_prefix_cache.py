@@ -327,3 +327,35 @@ def test_the_host_tier_keeps_its_budget_and_a_broken_chain_stops_hits(ckpt):
     assert_idle(llm)
     with pytest.raises(ConfigError, match="prefix_cache_host_bytes"):
         make(ckpt, enable_prefix_caching=False, prefix_cache_host_bytes=1 << 20)
+
+
+def test_lookup_stops_at_a_pool_page_after_host_copies():
+    """Pages evicted out of chain order: page 0 in the host store, page 1 still in the pool. The hit is
+    page 0 from the host only; page 1 is computed (restoring a second copy of a named page would name
+    two pages alike)."""
+    from sparsekv.cache.prefix import PrefixHit
+
+    class Host:
+        def __init__(self):
+            self.names = set()
+
+        def has(self, name):
+            return name in self.names
+
+        def save(self, name, page):
+            self.names.add(name)
+
+    a = PageAllocator(8, PAGE)
+    cache = PrefixCache(a, host=Host())
+    owner = _request("a", BASE)
+    owner.page_ids, owner.num_computed_tokens = a.allocate("a", 5), 70
+    cache.register(owner)
+    cache.forget_request("a")
+    a.free("a", owner.page_ids)
+    second = cache._name_of[owner.page_ids[1]]
+    cache.host.names.add(second)                              # page 1 also has a host copy (saved, restored)
+    cache._forget_page(owner.page_ids[0])                     # as an eviction of page 0 would
+    a._uncache(owner.page_ids[0])
+    a._free.append(owner.page_ids[0])
+    hit = cache.lookup(_request("b", BASE))
+    assert hit == PrefixHit([], [cache._chains["b"][0]]) and cache._chains["b"][1] == second

@@ -12,16 +12,15 @@ A page is registered once it is full and computed; released, it stays cached (al
 least recently released first) until a hit takes it or an allocation reuses it. With a host store
 (prefix_host.py) an evicted page's contents are copied there first, and a lookup continues its chain
 there: hits are counted by tier, "device" for pages still in the engine's KV pool (with kv_tiering:
-latents in the host store, indexer keys on the device) and "host" for pages copied back. A request's last
-prompt token is always computed, so the step that samples its first token has logits. Pages are
-only read by a request that shares them: it writes from its first uncached position on, which is
-always at a page boundary.
+latents in the host store, indexer keys on the device) and "host" for pages copied back. A request's
+last prompt token is always computed, so the step that samples its first token has logits. Pages
+are only read by a request that shares them: it writes from its first uncached position on, which
+is always at a page boundary.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
-
 from dataclasses import dataclass, field
 
 from ..request import Request
@@ -70,7 +69,9 @@ class PrefixCache:
         hit = PrefixHit()
         for name in self._names(req, (req.num_prompt_tokens - 1) // self.page_size):
             page = self._page_of.get(name)
-            if page is not None and not hit.host_names:
+            if page is not None and hit.host_names:
+                break  # a pool page after host copies (evicted out of chain order): computed instead
+            if page is not None:
                 hit.pages.append(page)
             elif self.host is not None and self.host.has(name):
                 hit.host_names.append(name)
