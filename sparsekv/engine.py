@@ -347,9 +347,15 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
-        owned = [p for r in self.scheduler.running for p in r.page_ids]
-        assert len(owned) == len(set(owned)), "a page is owned by two requests"
-        assert len(owned) == self.allocator.num_pages - self.allocator.num_free, "allocator and requests disagree"
+        holders: dict[int, int] = {}  # page -> running requests holding it (several: a shared prefix page)
+        for r in self.scheduler.running:
+            assert len(set(r.page_ids)) == len(r.page_ids), f"{r.request_id} holds a page twice"
+            for p in r.page_ids:
+                holders[p] = holders.get(p, 0) + 1
+        assert len(holders) == self.allocator.num_pages - self.allocator.num_free, "allocator and requests disagree"
+        assert all(self.allocator.num_owners(p) == n for p, n in holders.items()), "page owners and requests disagree"
+        shared = [p for p, n in holders.items() if n > 1]
+        assert not shared or (self.prefix is not None and self.prefix.names_all(shared)), "a shared page has no name"
         running = {r.request_id for r in self.scheduler.running}
         live = running | {r.request_id for r in self.scheduler.waiting}
         assert set(self._generators) <= live and set(self._adjusters) <= live, "sampling state of a finished request"

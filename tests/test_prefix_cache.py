@@ -359,3 +359,39 @@ def test_lookup_stops_at_a_pool_page_after_host_copies():
     a._free.append(owner.page_ids[0])
     hit = cache.lookup(_request("b", BASE))
     assert hit == PrefixHit([], [cache._chains["b"][0]]) and cache._chains["b"][1] == second
+
+
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=8)], ids=["device", "tiered"])
+def test_random_traffic_with_aborts_keeps_every_pool_consistent(ckpt, options):
+    """Requests from three tenants over a few shared prefixes, a small pool with the host tier, random
+    aborts while prefilling and decoding: integrity after every step, every page back at the end,
+    and each finished request's tokens equal to running it alone without the cache."""
+    import random
+    rng = random.Random(0)
+    heads = [[(5 * i + j) % 250 + 1 for i in range(40)] for j in range(3)]
+    engine = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 22, num_kv_pages=24,
+                  max_num_seqs=3, **options).engine
+    reference = make(ckpt, **options)
+    prompts, finished, step = {}, {}, 0
+    for i in range(18):
+        prompt = rng.choice(heads)[:rng.randrange(17, 41)] + [rng.randrange(1, 250) for _ in range(rng.randrange(1, 9))]
+        rid = f"r{i}"
+        prompts[rid] = prompt
+        engine.add_request(rid, prompt, GREEDY, tenant=rng.choice(["a", "b", "c"]))
+        for _ in range(rng.randrange(1, 4)):
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+            engine.check_integrity()
+            step += 1
+        if rng.random() < 0.3:
+            victim = rng.choice([r.request_id for r in engine.scheduler.running + list(engine.scheduler.waiting)] or [rid])
+            engine.abort(victim)
+            engine.check_integrity()
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_integrity()
+    assert engine.allocator.num_free == engine.allocator.num_pages and engine.allocator.num_reserved_unallocated == 0
+    assert len(finished) >= 8 and sum(o.num_cached_tokens for o in finished.values()) > 0
+    stats = engine.stats()
+    assert stats["prefix_cache_hits_device"] > 0 and stats["prefix_cache_hits_host"] > 0  # both tiers served
+    for rid, out in finished.items():
+        assert out.token_ids == reference.generate([prompts[rid]], GREEDY)[0].token_ids, rid

@@ -131,6 +131,9 @@ class PrefixCache:
                 "prefix_cache_hit_rate": hits / self.queried_tokens if self.queried_tokens else 0.0,
                 **(self.host.stats() if self.host is not None else {})}
 
+    def names_all(self, pages: list[int]) -> bool:
+        return all(p in self._name_of for p in pages)
+
     def check_integrity(self, active: set[str]) -> None:
         assert len(self._page_of) == len(self._name_of) == len(self._tenant_of), "prefix names and pages disagree"
         assert all(self._name_of[p] == n for n, p in self._page_of.items()), "a page is named twice"
