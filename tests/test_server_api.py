@@ -399,3 +399,16 @@ def test_bench_serve_runs(server, capsys):
                  "Median TPOT (ms)", "Mean E2E (ms)", "sparsekv:generation_tokens_total"):
         assert line in out, out
     assert re.search(r"Successful requests:\s+6\n", out) and re.search(r"Failed requests:\s+0\n", out)
+
+
+def test_bench_serve_shared_prefix_reports_reuse_by_tier(server, capsys):
+    from sparsekv.tools.bench_serve import main
+    rc = main(["--url", server.url, "--api-key", KEY, "--num-prompts", "6", "--input-len", "48", "--prefix-len", "40",
+               "--num-prefixes", "2", "--dataset", "shared-prefix", "--output-len", "2", "--max-concurrency", "1",
+               "--model", "tiny"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    device, host, total = map(float, re.search(r"Prefix reuse, device / host / total:\s+([\d.]+)% / ([\d.]+)% / "
+                                               r"([\d.]+)%", out).groups())
+    assert device > 0 and host == 0 and total == device   # the server has no host tier
+    assert main(["--url", server.url, "--dataset", "shared-prefix", "--input-len", "8", "--prefix-len", "8"]) == 2

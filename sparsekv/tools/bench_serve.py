@@ -1,7 +1,10 @@
 """`sparsekv bench serve --url URL`: a load generator for a running server, modelled on `vllm bench serve`.
 
 Prompts are token-id lists (exact lengths whatever the tokenizer): `--dataset random` draws each
-length uniformly from [L(1-r), L(1+r)], `--dataset fixed` makes every prompt exactly L tokens. Requests
+length uniformly from [L(1-r), L(1+r)], `--dataset fixed` makes every prompt exactly L tokens, and
+`--dataset shared-prefix` makes each one of `--num-prefixes` shared prefixes of `--prefix-len` tokens
+followed by L - prefix-len tokens of its own (system prompts, documents asked several questions): the
+prefix cache's share of prompt tokens served from device and from host is then reported. Requests
 arrive as a Poisson process at `--request-rate` (inf: all at once), optionally capped at
 `--max-concurrency` in flight. Every request streams with `ignore_eos`, so it yields exactly
 `--output-len` tokens. Printed: request and token throughput; mean, median and p99 of TTFT, TPOT
@@ -24,7 +27,8 @@ import httpx
 TIER_METRICS = ("num_requests_running", "num_requests_waiting", "kv_pages_free", "device_kv_bytes",
                 "device_latent_bytes", "device_indexer_bytes", "host_kv_bytes", "host_kv_budget_bytes",
                 "tier_hits_total", "tier_misses_total", "h2d_bytes_total", "d2h_bytes_total",
-                "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                "prefix_cache_hits_total", "prefix_cache_hits_total:device", "prefix_cache_hits_total:host",
+                "prefix_cache_queries_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                 "requests_rejected_total")
 
 
@@ -48,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset", choices=["random", "fixed"], default="random")
+    p.add_argument("--dataset", choices=["random", "fixed", "shared-prefix"], default="random")
+    p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: tokens shared (default 3/4 of L)")
+    p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
@@ -66,6 +72,11 @@ def main(argv: list[str]) -> int:
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1 or not 0 <= args.range_ratio < 1:
         print("sparsekv bench serve: --num-prompts, --input-len, --output-len must be >= 1 and "
               "--range-ratio in [0, 1)", file=sys.stderr)
+        return 2
+    args.prefix_len = args.input_len * 3 // 4 if args.prefix_len is None else args.prefix_len
+    if args.dataset == "shared-prefix" and not (0 < args.prefix_len < args.input_len and args.num_prefixes >= 1):
+        print("sparsekv bench serve: shared-prefix needs 0 < --prefix-len < --input-len and --num-prefixes >= 1",
+              file=sys.stderr)
         return 2
     try:
         report = asyncio.run(run(args))
@@ -119,6 +130,10 @@ def make_prompts(args, vocab: int) -> list[list[int]]:
     rng = random.Random(args.seed)
     lo = max(1, int(args.input_len * (1 - args.range_ratio)))
     hi = max(lo, int(args.input_len * (1 + args.range_ratio)))
+    if args.dataset == "shared-prefix":
+        prefixes = [[rng.randrange(vocab) for _ in range(args.prefix_len)] for _ in range(args.num_prefixes)]
+        return [rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(args.input_len - args.prefix_len)]
+                for _ in range(args.num_prompts)]
     lengths = [args.input_len if args.dataset == "fixed" else rng.randint(lo, hi) for _ in range(args.num_prompts)]
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
@@ -180,6 +195,9 @@ async def scrape_tiers(client: httpx.AsyncClient) -> dict[str, float]:
             name = s.name.removeprefix("sparsekv:")
             if s.name.startswith("sparsekv:") and name in TIER_METRICS:
                 values[name] = values.get(name, 0.0) + s.value
+                if "tier" in s.labels:  # prefix-cache hits: also by tier
+                    key = f"{name}:{s.labels['tier']}"
+                    values[key] = values.get(key, 0.0) + s.value
     return values
 
 
@@ -206,9 +224,18 @@ def summarize(results: list[RequestResult], duration: float, before: dict, after
         "ttft_ms": _stats_ms([r.ttft for r in ok]), "tpot_ms": _stats_ms([r.tpot for r in ok if r.tpot is not None]),
         "itl_ms": _stats_ms([x for r in ok for x in r.itls]), "e2e_ms": _stats_ms([r.e2e for r in ok]),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "prefix_reuse": _prefix_reuse(before, after),
         "tiers_before": before, "tiers_after": after, "tiers_peak": peak,
         "requests": [{k: v for k, v in asdict(r).items() if k != "itls"} for r in results],
     }
+
+
+def _prefix_reuse(before: dict, after: dict) -> dict:
+    """Shares of the run's prompt tokens served by the prefix cache, from device and from host."""
+    queried = after.get("prefix_cache_queries_total", 0.0) - before.get("prefix_cache_queries_total", 0.0)
+    share = {tier: (after.get(f"prefix_cache_hits_total:{tier}", 0.0) - before.get(f"prefix_cache_hits_total:{tier}", 0.0))
+             / queried if queried else 0.0 for tier in ("device", "host")}
+    return {**share, "total": share["device"] + share["host"], "prompt_tokens": queried}
 
 
 def format_report(rep: dict) -> str:
@@ -241,6 +268,10 @@ def format_report(rep: dict) -> str:
             b, a = before.get(name, 0.0), after.get(name, 0.0)
             p = f"{peak[name]:>13.0f}" if name in peak else f"{'-':>13}"
             lines.append(f"{'sparsekv:' + name:<36} {b:>13.0f} {a:>13.0f} {a - b:>+13.0f} {p}")
+    reuse = rep["prefix_reuse"]
+    if reuse["prompt_tokens"]:
+        lines.append(row("Prefix reuse, device / host / total:", f"{100 * reuse['device']:.1f}% / "
+                         f"{100 * reuse['host']:.1f}% / {100 * reuse['total']:.1f}% of prompt tokens"))
     for err in rep["errors"]:
         lines.append(f"error: {err}")
     lines.append("=" * 50)
