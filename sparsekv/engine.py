@@ -316,13 +316,14 @@ class LLMEngine:
         return {**self._kv_metrics(req), **spec}
 
     def _kv_metrics(self, req: Request) -> dict:
+        tokens = {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
+                  "prefix_cached_tokens_device": req.num_cached_tokens - req.num_cached_tokens_host,
+                  "prefix_cached_tokens_host": req.num_cached_tokens_host}
         if self.tiered:
-            return {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
-                             **self.cache.request_metrics(req.request_id, len(req.page_ids) * self.page_size)}
+            return {**tokens, **self.cache.request_metrics(req.request_id, len(req.page_ids) * self.page_size)}
         per_token = self.cache.latent_bytes_per_token() + self.cache.index_bytes_per_token()
         held = len(req.page_ids) * self.page_size
-        return {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
-                "device_kv_bytes": held * per_token,
+        return {**tokens, "device_kv_bytes": held * per_token,
                 "device_latent_bytes": held * self.cache.latent_bytes_per_token(),
                 "device_indexer_bytes": held * self.cache.index_bytes_per_token()}
 

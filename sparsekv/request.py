@@ -137,7 +137,8 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0       # prompt tokens the prefix cache served ...
+    num_cached_tokens_host: int = 0  # ... of which copied back from its host tier
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     first_scheduled_time: float | None = None

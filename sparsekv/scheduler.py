@@ -88,6 +88,7 @@ class Scheduler:
             self.prefix.admitted(req, len(shared), loaded)
         req.page_ids = shared + restored
         req.num_computed_tokens = req.num_cached_tokens = (len(shared) + loaded) * self.allocator.page_size
+        req.num_cached_tokens_host = loaded * self.allocator.page_size
         return True
 
     def _take(self, req: Request, n: int) -> ScheduledChunk:

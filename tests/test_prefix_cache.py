@@ -311,8 +311,11 @@ def test_evicted_pages_come_back_from_the_host_tier_exactly(ckpt, options, emula
     got = _evict_then_hit(llm, PROMPTS[:3])
     assert_close(want, got, bitwise=True)
     assert [o.num_cached_tokens for o in got] == [64, 32, 64]
+    for out in got:  # each output splits its cached tokens by tier
+        assert out.metrics["prefix_cached_tokens_device"] + out.metrics["prefix_cached_tokens_host"] == out.num_cached_tokens
     stats = llm.stats()
-    assert stats["prefix_cache_hits_host"] >= 64 and stats["prefix_host_pages"] > 0
+    assert stats["prefix_cache_hits_host"] == sum(o.metrics["prefix_cached_tokens_host"] for o in got) >= 64
+    assert stats["prefix_host_pages"] > 0
     assert_idle(llm)
 
 
