@@ -398,3 +398,16 @@ def test_random_traffic_with_aborts_keeps_every_pool_consistent(ckpt, options):
     assert stats["prefix_cache_hits_device"] > 0 and stats["prefix_cache_hits_host"] > 0  # both tiers served
     for rid, out in finished.items():
         assert out.token_ids == reference.generate([prompts[rid]], GREEDY)[0].token_ids, rid
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py --tiers runs it)")
+def test_prefix_cache_with_tiering_and_host_tier_is_exact_on_cuda(ckpt):
+    options = dict(device="cuda", kv_tiering=True, device_buffer_tokens=8, num_kv_pages=12, max_num_seqs=1,
+                   prefill_chunk_tokens=PAGE)
+    want = [make(ckpt, **options).generate([p], GREEDY)[0] for p in PROMPTS[:3]]
+    llm = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 24, **options)
+    got = _evict_then_hit(llm, PROMPTS[:3])
+    assert [a.token_ids for a in want] == [b.token_ids for b in got]
+    assert_close(want, got, bitwise=False)
+    assert llm.stats()["prefix_cache_hits_host"] > 0
+    assert_idle(llm)
