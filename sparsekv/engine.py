@@ -133,9 +133,10 @@ class LLMEngine:
                                  f"(prompt + max_tokens); {where}", "max_tokens")
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this checkpoint has none", "stop")
-        outside = [t for t in params.logit_bias or () if t >= vocab]
-        if outside:
-            raise InvalidRequest(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})", "logit_bias")
+        for name in ("logit_bias", "allowed_token_ids"):
+            outside = [t for t in getattr(params, name) or () if t >= vocab]
+            if outside:
+                raise InvalidRequest(f"{name} token id {outside[0]} is outside the vocabulary [0, {vocab})", name)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     tenant: str = "default", cache_salt: str | None = None) -> Request:
@@ -145,6 +146,9 @@ class LLMEngine:
         if self.scheduler.find(request_id) is not None:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         token_ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM's left truncation
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            token_ids = token_ids[-keep:]
         self.validate_prompt(token_ids, params)
         req = Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))

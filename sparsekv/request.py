@@ -31,6 +31,8 @@ class SamplingParams:
     subtracts penalty x count of each output token, `presence_penalty` penalty once per token present
     in the output. `min_tokens`: EOS, stop token ids and stop strings are ignored until that many
     tokens are out. `min_p` drops tokens below min_p x the top token's probability (after temperature).
+    `allowed_token_ids`: only these may be sampled. `truncate_prompt_tokens` k: only the prompt's last k
+    tokens are used (-1: the last max_model_len).
     """
 
     max_tokens: int = 16
@@ -49,6 +51,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     MAX_LOGPROBS = 20
 
@@ -69,7 +73,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether a penalty, a bias or min_tokens changes the logits before sampling."""
         return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.allowed_token_ids)
 
     def validate(self) -> None:
         def need(ok: bool, param: str, msg: str):
@@ -104,6 +108,12 @@ class SamplingParams:
              "must map token ids (integers >= 0) to numbers")
         need(bias is None or all(_is_number(v) and -100.0 <= v <= 100.0 for v in bias.values()), "logit_bias",
              "values must be numbers in [-100, 100]")
+        allowed = self.allowed_token_ids
+        need(allowed is None or (isinstance(allowed, list) and allowed and all(_is_int(t) and t >= 0 for t in allowed)),
+             "allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+        k = self.truncate_prompt_tokens
+        need(k is None or (_is_int(k) and (k >= 1 or k == -1)), "truncate_prompt_tokens",
+             f"must be an integer >= 1, or -1 for max_model_len, got {k!r}")
 
 
 def _is_int(x) -> bool:

@@ -12,18 +12,22 @@ from .request import SamplingParams
 
 
 class LogitAdjuster:
-    """One request's logit bias, min_tokens and repetition / frequency / presence penalties, applied to
-    a row of raw fp32 logits in vLLM's order (bias and min_tokens, then the penalties). Output token
-    counts grow with `note(token)`; the prompt's tokens are marked once (a long prompt is not rescanned
-    every step)."""
+    """One request's allowed tokens, logit bias, min_tokens and repetition / frequency / presence
+    penalties, applied to a row of raw fp32 logits in vLLM's order (allowed tokens and bias, min_tokens,
+    then the penalties). Output token counts grow with `note(token)`; the prompt's tokens are marked
+    once (a long prompt is not rescanned every step)."""
 
     def __init__(self, params: SamplingParams, prompt_token_ids: list[int], vocab_size: int,
                  stop_token_ids: set[int]):
         self.params, self.stop_ids = params, sorted(stop_token_ids)
         self.bias = None
-        if params.logit_bias:
+        if params.logit_bias or params.allowed_token_ids:
             self.bias = torch.zeros(vocab_size)
-            self.bias[list(params.logit_bias)] = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        if params.allowed_token_ids:  # every other token -inf
+            self.bias.fill_(float("-inf"))
+            self.bias[params.allowed_token_ids] = 0.0
+        if params.logit_bias:
+            self.bias[list(params.logit_bias)] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
         self.counts = torch.zeros(vocab_size)  # output token counts
         self.in_prompt = None
         if params.repetition_penalty != 1.0:

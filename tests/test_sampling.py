@@ -13,9 +13,12 @@ VOCAB = 40
 
 def reference_adjust(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int],
                      stops: set[int]) -> list[float]:
-    """One logit at a time, in vLLM's order: bias, min_tokens, repetition, frequency, presence."""
+    """One logit at a time, in vLLM's order: allowed tokens and bias, min_tokens, repetition, frequency,
+    presence."""
     out = []
     for t, x in enumerate(logits):
+        if params.allowed_token_ids and t not in params.allowed_token_ids:
+            x = float("-inf")
         x += (params.logit_bias or {}).get(t, 0.0)
         if len(output) < params.min_tokens and t in stops:
             x = float("-inf")
@@ -30,8 +33,9 @@ def reference_adjust(logits: list[float], params: SamplingParams, prompt: list[i
 @pytest.mark.parametrize("options", [
     dict(repetition_penalty=1.7), dict(repetition_penalty=0.6), dict(frequency_penalty=0.8),
     dict(presence_penalty=-1.5), dict(logit_bias={3: 100.0, 7: -42.5}), dict(min_tokens=4),
+    dict(allowed_token_ids=[2, 5, 17, 30], logit_bias={5: 3.0}, repetition_penalty=1.5),
     dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=1.0, logit_bias={0: 5.0}, min_tokens=2),
-], ids=["repetition", "repetition-below-1", "frequency", "presence-negative", "bias", "min_tokens", "all"])
+], ids=["repetition", "repetition-below-1", "frequency", "presence-negative", "bias", "min_tokens", "allowed", "all"])
 def test_adjuster_equals_the_reference_at_every_step(options):
     g = torch.Generator().manual_seed(0)
     prompt, stops = [1, 2, 2, 9, 30], {5, 11}
@@ -61,7 +65,9 @@ def test_min_p_keeps_tokens_within_min_p_of_the_top():
     (dict(repetition_penalty=2.5), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
     (dict(logit_bias={"3": 1.0}), "logit_bias"), (dict(logit_bias={3: 101.0}), "logit_bias"),
-    (dict(logit_bias=[3]), "logit_bias"),
+    (dict(logit_bias=[3]), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[-1]), "allowed_token_ids"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
 ])
 def test_invalid_adjustments(kwargs, param):
     with pytest.raises(InvalidRequest, match=param) as e:
@@ -148,3 +154,15 @@ def test_prompt_logprobs_skip_the_prefix_cache(glm_ckpt, random_prompt):
     again = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
     assert again.num_cached_tokens == 0 and len(again.prompt_logprobs) == 30
     assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].num_cached_tokens == 28
+
+
+def test_allowed_token_ids_and_prompt_truncation(llm, random_prompt):
+    prompt = random_prompt(30, seed=12)
+    allowed = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=3, allowed_token_ids=[4, 9]))[0]
+    assert set(allowed.token_ids) <= {4, 9}
+    cut = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, truncate_prompt_tokens=10))[0]
+    tail = llm.generate([prompt[-10:]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert cut.prompt_token_ids == prompt[-10:] and cut.token_ids == tail.token_ids
+    with pytest.raises(InvalidRequest, match="allowed_token_ids token id 5000"):
+        llm.generate([prompt], SamplingParams(allowed_token_ids=[1, 5000]))
+    llm.engine.check_integrity()

@@ -149,6 +149,9 @@ def test_penalties_and_logit_bias_reach_the_engine(server, client):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0, logit_bias={"7": 100})
     assert _ext(chat)["choices"][0]["token_ids"] == [7] * 4
+    allowed = client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=1, seed=2,
+                                        extra_body={"allowed_token_ids": [11, 12], "truncate_prompt_tokens": 3})
+    assert set(_ext(allowed)["choices"][0]["token_ids"]) <= {11, 12} and allowed.usage.prompt_tokens == 3
 
 
 def test_echo_scores_the_prompt_like_lm_eval_harness(server, client):
@@ -252,6 +255,8 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("suffix", C, {**OK, "suffix": "end"}, 400, "suffix"),
     ("guided_json", C, {**OK, "guided_json": {"type": "object"}}, 400, "guided_json"),
     ("include_stop_str_in_output", C, {**OK, "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
+    ("allowed_token_ids-outside-vocab", C, {**OK, "allowed_token_ids": [1, 999]}, 400, "allowed_token_ids"),
+    ("truncate_prompt_tokens-zero", C, {**OK, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ("max_tokens-zero-without-echo", C, {**OK, "max_tokens": 0}, 400, "max_tokens"),
     ("prompt-missing", C, {"model": "tiny", "max_tokens": 2}, 400, "prompt"),
     ("prompt-int", C, {**OK, "prompt": 123}, 400, "prompt"),

@@ -37,8 +37,8 @@ UNSUPPORTED = {
     "tools": _off, "functions": _off, "tool_choice": lambda v: _off(v) or v == "none",
     "function_call": lambda v: _off(v) or v == "none", "suffix": _off, "best_of": lambda v: _off(v) or v == 1,
     "use_beam_search": _off, "structured_outputs": _off, "guided_json": _off, "guided_regex": _off,
-    "guided_choice": _off, "guided_grammar": _off, "bad_words": _off, "allowed_token_ids": _off,
-    "include_stop_str_in_output": _off, "prompt_logprobs": _off, "truncate_prompt_tokens": _off,
+    "guided_choice": _off, "guided_grammar": _off, "bad_words": _off,
+    "include_stop_str_in_output": _off, "prompt_logprobs": _off,
 }
 
 
@@ -57,6 +57,8 @@ class SamplingFields(_Body):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1
