@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models.
 
-Strict types: a string where a number belongs is a 400, not a silent coercion. Unknown fields are
-ignored (OpenAI clients send fields we do not implement, e.g. `parallel_tool_calls` or `service_tier`). Range checks that
-the engine's `SamplingParams` already does (max_tokens >= 1, temperature, top_p, logprobs) stay there
-so the rules live in one place; this module checks only what is HTTP-specific.
+Strict types: a string where a number belongs is a 400, not a silent coercion. Fields that would
+change a request's meaning and are not implemented (`UNSUPPORTED`) are refused unless at their
+do-nothing value; other unknown fields are ignored (clients send fields like `service_tier`). Range
+checks that the engine's `SamplingParams` already does (max_tokens >= 1, temperature, top_p,
+logprobs, penalties) stay there so the rules live in one place; this module checks only what is
+HTTP-specific.
 """
 from __future__ import annotations
 
