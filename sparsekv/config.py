@@ -280,7 +280,8 @@ class EngineConfig:
                               f"got {self.num_speculative_tokens!r}")
         self._validate_tiering()
     def _validate_tiering(self) -> None:
-        if self.prefix_cache_host_bytes is not None and (self.prefix_cache_host_bytes < 1 or not self.enable_prefix_caching):
+        host = self.prefix_cache_host_bytes
+        if host is not None and (host < 1 or not self.enable_prefix_caching):
             raise ConfigError(f"prefix_cache_host_bytes must be >= 1 and needs enable_prefix_caching, "
                               f"got {self.prefix_cache_host_bytes}")
         for name in ("device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes"):

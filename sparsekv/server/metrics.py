@@ -46,7 +46,8 @@ ENGINE_COUNTERS = {
     "h2d_bytes": ("h2d_bytes", "Bytes copied host to device."),
     "d2h_bytes": ("d2h_bytes", "Bytes copied device to host."),
     "preemptions": ("num_preemptions", "Requests preempted."),
-    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens of admitted requests, looked up in the prefix cache."),
+    "prefix_cache_queries": ("prefix_cache_queries",
+                             "Prompt tokens of admitted requests, looked up in the prefix cache."),
 }
 PREFIX_HITS = "prefix_cache_hits_"
 

@@ -32,7 +32,8 @@ def workload(engine, args) -> list[list[int]]:
     else:
         prefixes = [torch.randint(1, vocab, (args.prefix_tokens,), generator=g).tolist() for _ in range(args.rotate)]
     if len(prefixes) < args.rotate:
-        raise ValueError(f"--rotate {args.rotate}: only {len(prefixes)} held-out files have {args.prefix_tokens} tokens")
+        raise ValueError(f"--rotate {args.rotate}: only {len(prefixes)} held-out files have "
+                         f"{args.prefix_tokens} tokens")
     return [prefixes[i % args.rotate] + torch.randint(1, vocab, (args.suffix_tokens,), generator=g).tolist()
             for i in range(args.requests)]
 
@@ -63,8 +64,8 @@ def engines(path: str, args) -> dict:
     modes = {"no cache": LLM(path, enable_prefix_caching=False, **common).engine,
              "prefix cache": LLM(path, enable_prefix_caching=True, **common).engine}
     if args.rotate > 1:
-        modes["prefix cache + host tier"] = LLM(path, enable_prefix_caching=True, prefix_cache_host_bytes=args.host_bytes,
-                                                **common).engine
+        modes["prefix cache + host tier"] = LLM(path, enable_prefix_caching=True,
+                                                prefix_cache_host_bytes=args.host_bytes, **common).engine
     return modes
 
 

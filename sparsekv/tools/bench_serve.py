@@ -233,8 +233,10 @@ def summarize(results: list[RequestResult], duration: float, before: dict, after
 def _prefix_reuse(before: dict, after: dict) -> dict:
     """Shares of the run's prompt tokens served by the prefix cache, from device and from host."""
     queried = after.get("prefix_cache_queries_total", 0.0) - before.get("prefix_cache_queries_total", 0.0)
-    share = {tier: (after.get(f"prefix_cache_hits_total:{tier}", 0.0) - before.get(f"prefix_cache_hits_total:{tier}", 0.0))
-             / queried if queried else 0.0 for tier in ("device", "host")}
+    def served(tier: str) -> float:
+        key = f"prefix_cache_hits_total:{tier}"
+        return after.get(key, 0.0) - before.get(key, 0.0)
+    share = {tier: served(tier) / queried if queried else 0.0 for tier in ("device", "host")}
     return {**share, "total": share["device"] + share["host"], "prompt_tokens": queried}
 
 
