@@ -14,12 +14,13 @@ from .request import SamplingParams
 class LogitAdjuster:
     """One request's allowed tokens, logit bias, min_tokens and repetition / frequency / presence
     penalties, applied to a row of raw fp32 logits in vLLM's order (allowed tokens and bias, min_tokens,
-    then the penalties). Output token counts grow with `note(token)`; the prompt's tokens are marked
-    once (a long prompt is not rescanned every step)."""
+    then the penalties). The penalties touch only the tokens they concern (the prompt's distinct tokens,
+    the output's), gathered and scattered by index: a full-vocabulary pass per row cost ~1 ms at GLM's
+    155K tokens on a CPU core, this ~0.1 ms plus the seen tokens."""
 
     def __init__(self, params: SamplingParams, prompt_token_ids: list[int], vocab_size: int,
                  stop_token_ids: set[int]):
-        self.params, self.stop_ids = params, sorted(stop_token_ids)
+        self.params, self.stop_ids = params, torch.tensor(sorted(stop_token_ids), dtype=torch.long)
         self.bias = None
         if params.logit_bias or params.allowed_token_ids:
             self.bias = torch.zeros(vocab_size)
@@ -28,31 +29,38 @@ class LogitAdjuster:
             self.bias[params.allowed_token_ids] = 0.0
         if params.logit_bias:
             self.bias[list(params.logit_bias)] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
-        self.counts = torch.zeros(vocab_size)  # output token counts
-        self.in_prompt = None
-        if params.repetition_penalty != 1.0:
-            self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
-            self.in_prompt[prompt_token_ids] = True
+        self.counts: dict[int, int] = {}  # output token -> times emitted
         self.num_output = 0
+        self._prompt = None
+        if params.repetition_penalty != 1.0:
+            self._prompt = set(prompt_token_ids)
+            self._seen = torch.tensor(sorted(self._prompt), dtype=torch.long)
+        self._output: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, counts), rebuilt after note()
 
     def note(self, token: int) -> None:
-        self.counts[token] += 1
+        if self._prompt is not None and token not in self._prompt and token not in self.counts:
+            self._seen = torch.cat([self._seen, torch.tensor([token])])
+        self.counts[token] = self.counts.get(token, 0) + 1
         self.num_output += 1
+        self._output = None
+
+    def _output_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._output is None:
+            self._output = (torch.tensor(list(self.counts), dtype=torch.long),
+                            torch.tensor(list(self.counts.values()), dtype=torch.float32))
+        return self._output
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
-        if self.bias is not None:
-            logits = logits + self.bias
-        if self.num_output < p.min_tokens and self.stop_ids:
-            logits = logits.index_fill(0, torch.tensor(self.stop_ids), float("-inf"))
-        if self.in_prompt is not None:
-            seen = self.in_prompt | (self.counts > 0)
-            scaled = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
-            logits = torch.where(seen, scaled, logits)
-        if p.frequency_penalty:
-            logits = logits - p.frequency_penalty * self.counts
-        if p.presence_penalty:
-            logits = logits - p.presence_penalty * (self.counts > 0).float()
+        logits = logits + self.bias if self.bias is not None else logits.clone()
+        if self.num_output < p.min_tokens and self.stop_ids.numel():
+            logits[self.stop_ids] = float("-inf")
+        if self._prompt is not None:
+            vals = logits[self._seen]
+            logits[self._seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and self.counts:
+            ids, counts = self._output_counts()
+            logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
         return logits
 
 
