@@ -84,7 +84,7 @@ class Scheduler:
                                                 self.allocator.pages_for(req.max_total_tokens) - len(shared)):
             return False
         restored, loaded = self.prefix.restore(req, hit.host_names) if hit is not None and hit.host_names else ([], 0)
-        if self.prefix is not None:
+        if hit is not None:
             self.prefix.admitted(req, len(shared), loaded)
         req.page_ids = shared + restored
         req.num_computed_tokens = req.num_cached_tokens = (len(shared) + loaded) * self.allocator.page_size

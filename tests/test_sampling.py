@@ -153,6 +153,7 @@ def test_prompt_logprobs_skip_the_prefix_cache(glm_ckpt, random_prompt):
     llm.generate([prompt], SamplingParams(max_tokens=2))
     again = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
     assert again.num_cached_tokens == 0 and len(again.prompt_logprobs) == 30
+    assert llm.stats()["prefix_cache_queries"] == 30  # it was not looked up
     assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].num_cached_tokens == 28
 
 
