@@ -46,10 +46,16 @@ def find_stop(text: str, new_chars: int, stop_strings: list[str]) -> int:
 
     Earlier steps already searched everything before, so only the tail a new match can touch is read.
     """
-    found = -1
+    return stop_match(text, new_chars, stop_strings)[0]
+
+
+def stop_match(text: str, new_chars: int, stop_strings: list[str]) -> tuple[int, str]:
+    """(index, stop string) of the first stop string the last `new_chars` characters completed, or
+    (-1, ""); at one index the first stop string listed."""
+    found, which = -1, ""
     for stop in stop_strings:
         start = max(0, len(text) - new_chars - len(stop) + 1)
         cut = text.find(stop, start)
         if cut >= 0 and (found < 0 or cut < found):
-            found = cut
-    return found
+            found, which = cut, stop
+    return found, which

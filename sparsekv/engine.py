@@ -10,7 +10,7 @@ import torch
 from .cache.pages import PageAllocator
 from .cache.pool import KVPool
 from .config import ConfigError, EngineConfig, ModelConfig
-from .detokenize import IncrementalDetokenizer, find_stop
+from .detokenize import IncrementalDetokenizer, find_stop, stop_match
 from .model.checkpoint import load_model
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
 from .runner import ModelRunner
@@ -283,7 +283,8 @@ class LLMEngine:
         if not may_stop or not new or find_stop(req.text, len(new), req.params.stop_strings) < 0:
             return False
         full = req.detokenizer.finish(req.output_token_ids)
-        req.text = full[:find_stop(full, len(full), req.params.stop_strings)]
+        cut, stop = stop_match(full, len(full), req.params.stop_strings)
+        req.text = full[:cut + (len(stop) if req.params.include_stop_str_in_output else 0)]
         return True
 
     def _release(self, req: Request, status: RequestStatus, reason: str) -> None:

@@ -53,6 +53,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    include_stop_str_in_output: bool = False  # a matched stop string ends the text instead of being cut
 
     MAX_LOGPROBS = 20
 
@@ -94,7 +95,8 @@ class SamplingParams:
         need(all(isinstance(s, str) and s for s in stops), "stop", "must be a non-empty string or a list of them")
         need(self.stop_token_ids is None or all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids",
              "must be a list of integers")
-        need(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            need(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
         need(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")
         need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")

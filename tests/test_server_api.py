@@ -114,6 +114,10 @@ def test_stop_string(client):
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
     chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in chunks) == expected  # no stop-string prefix leaked mid-stream
+    kept = dict(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                extra_body={"include_stop_str_in_output": True})
+    assert client.completions.create(**kept).choices[0].text == expected + stop
+    assert "".join(c.choices[0].text for c in client.completions.create(**kept, stream=True)) == expected + stop
 
 
 def test_completion_logprobs_and_token_prompt(client):
@@ -254,7 +258,7 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("best_of-3", C, {**OK, "best_of": 3}, 400, "best_of"),
     ("suffix", C, {**OK, "suffix": "end"}, 400, "suffix"),
     ("guided_json", C, {**OK, "guided_json": {"type": "object"}}, 400, "guided_json"),
-    ("include_stop_str_in_output", C, {**OK, "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
+    ("include_stop_str_in_output-str", C, {**OK, "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output"),
     ("allowed_token_ids-outside-vocab", C, {**OK, "allowed_token_ids": [1, 999]}, 400, "allowed_token_ids"),
     ("truncate_prompt_tokens-zero", C, {**OK, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ("max_tokens-zero-without-echo", C, {**OK, "max_tokens": 0}, 400, "max_tokens"),

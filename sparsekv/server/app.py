@@ -81,7 +81,7 @@ def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs
     top_k = body.top_k if body.top_k is not None else 0
     given = {name: getattr(body, name) for name in ("min_p", "presence_penalty", "frequency_penalty",
                                                      "repetition_penalty", "min_tokens", "allowed_token_ids",
-                                                     "truncate_prompt_tokens")
+                                                     "truncate_prompt_tokens", "include_stop_str_in_output")
              if getattr(body, name) is not None}
     bias = {int(token): value for token, value in body.logit_bias.items()} if body.logit_bias else None
     try:

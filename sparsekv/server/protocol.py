@@ -40,7 +40,7 @@ UNSUPPORTED = {
     "function_call": lambda v: _off(v) or v == "none", "suffix": _off, "best_of": lambda v: _off(v) or v == 1,
     "use_beam_search": _off, "structured_outputs": _off, "guided_json": _off, "guided_regex": _off,
     "guided_choice": _off, "guided_grammar": _off, "bad_words": _off,
-    "include_stop_str_in_output": _off, "prompt_logprobs": _off,
+    "prompt_logprobs": _off,
 }
 
 
@@ -61,6 +61,7 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1
