@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 
@@ -17,6 +18,7 @@ from .runner import ModelRunner
 from .sampling import LogitAdjuster, make_generator, sample_token, token_logprobs
 from .scheduler import Scheduler
 
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_TOKENS = 1 << 21  # pool size when neither num_kv_pages nor a budget is given
 
@@ -63,6 +65,8 @@ class LLMEngine:
                 raise ConfigError(str(e)) from None
         self._generators: dict[str, torch.Generator] = {}
         self._adjusters: dict[str, LogitAdjuster] = {}  # requests with penalties, a logit bias or min_tokens
+        self._grammars: dict = {}  # request -> structured.GrammarState (structured outputs)
+        self._grammar_compiler = None
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -150,7 +154,10 @@ class LLMEngine:
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             token_ids = token_ids[-keep:]
         self.validate_prompt(token_ids, params)
+        grammar = self._grammar(params.structured_output) if params.structured_output is not None else None
         req = Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)
+        if grammar is not None:
+            self._grammars[request_id] = grammar
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
         self._generators[request_id] = make_generator(seed)
         if params.adjusts_logits:
@@ -160,6 +167,15 @@ class LLMEngine:
             self._adjusters[request_id] = LogitAdjuster(params, token_ids, vocab, stops)
         self.scheduler.add(req)
         return req
+
+    def _grammar(self, spec: dict):
+        if self.tokenizer is None:
+            raise InvalidRequest("structured outputs need a tokenizer; this checkpoint has none", "structured_output")
+        from .structured import GrammarCompiler, GrammarState
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                     sorted(self.eos_token_ids))
+        return GrammarState(self._grammar_compiler, self._grammar_compiler.compile(spec))
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.find(request_id)
@@ -215,13 +231,28 @@ class LLMEngine:
         gen, drafts, new = self._generators[req.request_id], logits.shape[0] - 1, []
         req.draft_token_ids.clear()
         for i in range(drafts):  # each row adjusted after the tokens before it are emitted
-            token, accepted = self.speculator.verify(req, self._adjusted(req, logits[i]), i, gen)
+            row = self._adjusted(req, logits[i])
+            if self._dead_end(req, row):
+                return self._output(req, new)
+            token, accepted = self.speculator.verify(req, row, i, gen)
             new += self._emit(req, token, logits[i])
             if not accepted or req.finished:
                 return self._output(req, new)
             req.num_computed_tokens += 1  # the draft's position holds the accepted token's entries
-        new += self._emit(req, sample_token(self._adjusted(req, logits[drafts]), req.params, gen), logits[drafts])
+        row = self._adjusted(req, logits[drafts])
+        if not self._dead_end(req, row):
+            new += self._emit(req, sample_token(row, req.params, gen), logits[drafts])
         return self._output(req, new)
+
+    def _dead_end(self, req: Request, row: torch.Tensor) -> bool:
+        """No token may come next (a grammar this vocabulary cannot continue, or one that must end while
+        min_tokens holds EOS back): the request ends here, "stop", with the text it has."""
+        if req.request_id not in self._grammars or bool(torch.isfinite(row).any()):
+            return False
+        logger.warning("request %s: its structured output admits no next token; ending it", req.request_id)
+        self._final_text(req, req.output_token_ids)
+        self._release(req, RequestStatus.FINISHED, "stop")
+        return True
 
     def _record_prompt_logprobs(self, req: Request, ch, hidden: torch.Tensor, block: int = 256) -> None:
         """The logprob of each prompt token after the chunk's rows (row p predicts token p + 1), with
@@ -236,8 +267,9 @@ class LLMEngine:
                 req.prompt_logprobs.append(token_logprobs(lp, token, k))
 
     def _adjusted(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
-        adjust = self._adjusters.get(req.request_id)
-        return logits if adjust is None else adjust(logits)
+        adjust, grammar = self._adjusters.get(req.request_id), self._grammars.get(req.request_id)
+        logits = logits if adjust is None else adjust(logits)
+        return logits if grammar is None else grammar.mask(logits)
 
     def _emit(self, req: Request, token: int, logits: torch.Tensor) -> list[int]:
         params = req.params
@@ -246,6 +278,8 @@ class LLMEngine:
         req.output_token_ids.append(token)
         if req.request_id in self._adjusters:
             self._adjusters[req.request_id].note(token)
+        if req.request_id in self._grammars:
+            self._grammars[req.request_id].accept(token)
         req.first_token_time = req.first_token_time or time.monotonic()
         self.counters["generation_tokens"] += 1
         reason = self._finish_reason(req, token)
@@ -257,6 +291,9 @@ class LLMEngine:
         params = req.params
         may_stop = req.num_output_tokens >= params.min_tokens  # vLLM: no stop before min_tokens are out
         stop_token = (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ())
+        grammar = self._grammars.get(req.request_id)
+        if grammar is not None and grammar.finished and token in self.eos_token_ids:  # the match is complete
+            stop_token, may_stop = True, True
         if may_stop and stop_token:
             self._final_text(req, req.output_token_ids[:-1])  # the stop token is not part of the text
             return "stop"
@@ -304,6 +341,7 @@ class LLMEngine:
         self.runner.forget(req.request_id)
         self._generators.pop(req.request_id, None)
         self._adjusters.pop(req.request_id, None)
+        self._grammars.pop(req.request_id, None)
         req.draft_token_ids.clear()
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
@@ -364,7 +402,8 @@ class LLMEngine:
         assert not shared or (self.prefix is not None and self.prefix.names_all(shared)), "a shared page has no name"
         running = {r.request_id for r in self.scheduler.running}
         live = running | {r.request_id for r in self.scheduler.waiting}
-        assert set(self._generators) <= live and set(self._adjusters) <= live, "sampling state of a finished request"
+        assert set(self._generators) | set(self._adjusters) | set(self._grammars) <= live, \
+            "sampling state of a finished request"
         for selector in self.runner.selectors():
             selector.check_integrity(running)
         if self.tiered:

@@ -54,6 +54,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False  # a matched stop string ends the text instead of being cut
+    # {"type": "json_object"} | {"type": "json_schema", "schema": ...} | {"type": "regex", "pattern": ...}
+    # | {"type": "choice", "choices": [...]}: the output must match it (structured.py)
+    structured_output: dict | None = None
 
     MAX_LOGPROBS = 20
 
@@ -113,9 +116,28 @@ class SamplingParams:
         allowed = self.allowed_token_ids
         need(allowed is None or (isinstance(allowed, list) and allowed and all(_is_int(t) and t >= 0 for t in allowed)),
              "allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+        self._validate_structured_output(need)
         k = self.truncate_prompt_tokens
         need(k is None or (_is_int(k) and (k >= 1 or k == -1)), "truncate_prompt_tokens",
              f"must be an integer >= 1, or -1 for max_model_len, got {k!r}")
+
+    def _validate_structured_output(self, need) -> None:
+        spec = self.structured_output
+        if spec is None:
+            return
+        need(isinstance(spec, dict) and spec.get("type") in STRUCTURED_KINDS, "structured_output",
+             f"must be a dict whose 'type' is one of {STRUCTURED_KINDS}, got {spec!r}")
+        field, kind = {"json_schema": ("schema", (dict, str)), "regex": ("pattern", str),
+                       "choice": ("choices", list)}.get(spec["type"], (None, None))
+        if field is not None:
+            need(isinstance(spec.get(field), kind) and bool(spec[field]), "structured_output",
+                 f"{spec['type']!r} needs a non-empty {field!r}")
+        if spec["type"] == "choice":
+            need(all(isinstance(c, str) and c for c in spec["choices"]), "structured_output",
+                 "'choice': choices must be non-empty strings")
+
+
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice")
 
 
 def _is_int(x) -> bool:

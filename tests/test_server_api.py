@@ -179,6 +179,24 @@ def test_echo_scores_the_prompt_like_lm_eval_harness(server, client):
     assert plain_echo.choices[0].logprobs is None and plain_echo.choices[0].text.startswith(server.state.token_text.text([3, 1, 4]))
 
 
+def test_structured_outputs_through_the_api(server, client):
+    """guided_choice and guided_regex match. This test tokenizer has no '{' or '"': a JSON schema
+    admits no first token, and the request ends at once ("stop", no text) with the server healthy."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=32,
+                                       temperature=0, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "answer", "schema": schema}})
+    assert r.choices[0].message.content == "" and r.choices[0].finish_reason == "stop"
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    choice = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1, seed=4,
+                                       extra_body={"guided_choice": ["red", "green"]})
+    assert choice.choices[0].text in ("red", "green")
+    digits = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+                                       extra_body={"guided_regex": "[0-9]{4}"})
+    assert re.fullmatch("[0-9]{4}", "".join(c.choices[0].text for c in digits))
+
+
 def test_models_tokenize_detokenize(server):
     h = {"Authorization": f"Bearer {KEY}"}
     models = httpx.get(server.url + "/v1/models", headers=h).json()
@@ -252,12 +270,15 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("logit_bias-outside-vocab", C, {**OK, "logit_bias": {"999": 1}}, 400, "logit_bias"),
     ("chat-logit_bias-over-100", CHAT, {**MSG, "logit_bias": {"3": -101}}, 400, "logit_bias"),
     ("echo-with-stream", C, {**OK, "echo": True, "stream": True}, 400, "echo"),
-    ("response_format-json", CHAT, {**MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("response_format-unknown-type", CHAT, {**MSG, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("response_format-and-guided_regex", C, {**OK, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+     400, "response_format"),
+    ("guided_regex-does-not-compile", C, {**OK, "guided_regex": "(ab"}, 400, "structured_output"),
     ("tools", CHAT, {**MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("tool_choice-required", CHAT, {**MSG, "tool_choice": "required"}, 400, "tool_choice"),
     ("best_of-3", C, {**OK, "best_of": 3}, 400, "best_of"),
     ("suffix", C, {**OK, "suffix": "end"}, 400, "suffix"),
-    ("guided_json", C, {**OK, "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("guided_grammar", C, {**OK, "guided_grammar": "root ::= 'a'"}, 400, "guided_grammar"),
     ("include_stop_str_in_output-str", C, {**OK, "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output"),
     ("allowed_token_ids-outside-vocab", C, {**OK, "allowed_token_ids": [1, 999]}, 400, "allowed_token_ids"),
     ("truncate_prompt_tokens-zero", C, {**OK, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),

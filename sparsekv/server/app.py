@@ -90,7 +90,7 @@ def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs
             top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if top_k == -1 else top_k,
             seed=None if body.seed is None else body.seed + choice, logprobs=logprobs, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logit_bias=bias,
-            prompt_logprobs=prompt_logprobs, **given)
+            prompt_logprobs=prompt_logprobs, structured_output=body.engine_structured_output(), **given)
     except InvalidRequest as e:
         raise APIError(400, str(e), e.param) from None
 

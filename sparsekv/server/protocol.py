@@ -35,11 +35,9 @@ def _off(value) -> bool:
 # implement: accepted at their do-nothing value, refused with a 400 otherwise, so that no request
 # silently gets an answer to a question it did not ask (e.g. free text where JSON was required).
 UNSUPPORTED = {
-    "response_format": lambda v: _off(v) or v == {"type": "text"},
     "tools": _off, "functions": _off, "tool_choice": lambda v: _off(v) or v == "none",
     "function_call": lambda v: _off(v) or v == "none", "suffix": _off, "best_of": lambda v: _off(v) or v == 1,
-    "use_beam_search": _off, "structured_outputs": _off, "guided_json": _off, "guided_regex": _off,
-    "guided_choice": _off, "guided_grammar": _off, "bad_words": _off,
+    "use_beam_search": _off, "structured_outputs": _off, "guided_grammar": _off, "bad_words": _off,
     "prompt_logprobs": _off,
 }
 
@@ -62,6 +60,11 @@ class SamplingFields(_Body):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
+    # Structured outputs (sparsekv/structured.py): OpenAI's response_format, or vLLM's guided_* fields
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1
@@ -90,9 +93,34 @@ class SamplingFields(_Body):
             raise ValueError(f"seed: must fit in a signed 64-bit integer, got {self.seed}")
         if self.cache_salt is not None and not self.cache_salt:
             raise ValueError("cache_salt: must be a non-empty string if given")
+        given = [f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(self, f) is not None]
+        if len(given) + (self.structured_output() is not None) > 1:
+            raise ValueError("response_format: give one of response_format (json), guided_json, guided_regex, "
+                             "guided_choice")
         if self.logit_bias is not None and not all(key.isdigit() for key in self.logit_bias):
             raise ValueError("logit_bias: keys must be token ids (decimal integers as strings)")
         return self
+
+    def structured_output(self) -> dict | None:
+        """The engine's `structured_output` from response_format (None for text)."""
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        if rf.get("type") == "json_object":
+            return {"type": "json_object"}
+        if rf.get("type") == "json_schema" and isinstance(rf.get("json_schema"), dict):
+            return {"type": "json_schema", "schema": rf["json_schema"].get("schema")}
+        raise ValueError("response_format: type must be 'text', 'json_object' or 'json_schema' (with "
+                         "json_schema.schema)")
+
+    def engine_structured_output(self) -> dict | None:
+        if self.guided_json is not None:
+            return {"type": "json_schema", "schema": self.guided_json}
+        if self.guided_regex is not None:
+            return {"type": "regex", "pattern": self.guided_regex}
+        if self.guided_choice is not None:
+            return {"type": "choice", "choices": self.guided_choice}
+        return self.structured_output()
 
     @property
     def include_usage(self) -> bool:

@@ -1,0 +1,83 @@
+"""Structured outputs: JSON (any object, or a JSON schema), a regular expression, or one of a list of
+choices, enforced token by token with xgrammar (the grammar engine vLLM and SGLang use).
+
+A request's `SamplingParams.structured_output` is one of::
+
+    {"type": "json_object"}                   any JSON object
+    {"type": "json_schema", "schema": {...}}  a JSON schema (dict or JSON text)
+    {"type": "regex", "pattern": "..."}
+    {"type": "choice", "choices": ["a", ...]}
+
+Before each sampled row the request's grammar masks every token that cannot continue a match (and
+EOS until the match is complete); the emitted token then advances it. Speculative verification rows
+are masked after the tokens before them, so drafting stays exact. Grammars compile once per engine
+and spec; whitespace in JSON is compact (a model cannot pad it forever).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+from .request import InvalidRequest
+
+
+def spec_key(spec: dict) -> str:
+    return json.dumps(spec, sort_keys=True)
+
+
+class GrammarCompiler:
+    """One engine's xgrammar tokenizer info and compiled grammars (imported on first use)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+        self.xgr, self.vocab_size = xgr, vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info)
+        self._compiled: dict[str, object] = {}
+
+    def compile(self, spec: dict):
+        key = spec_key(spec)
+        if key not in self._compiled:
+            try:
+                self._compiled[key] = self._compile(spec)
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise InvalidRequest(f"structured output {spec.get('type')!r} does not compile: {e}",
+                                     "structured_output") from None
+        return self._compiled[key]
+
+    def _compile(self, spec: dict):
+        kind = spec["type"]
+        if kind == "json_object":
+            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "json_schema":
+            schema = spec["schema"] if isinstance(spec["schema"], str) else json.dumps(spec["schema"])
+            return self.compiler.compile_json_schema(schema, any_whitespace=False)
+        if kind == "regex":
+            return self.compiler.compile_regex(spec["pattern"])
+        return self.compiler.compile_regex("|".join(re.escape(c) for c in spec["choices"]))
+
+
+class GrammarState:
+    """One request's position in its grammar."""
+
+    def __init__(self, compiler: GrammarCompiler, compiled):
+        xgr = compiler.xgr
+        self.xgr, self.matcher = xgr, xgr.GrammarMatcher(compiled)
+        self.bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of one row of logits with every token the grammar forbids next at -inf."""
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        masked = logits.clone().unsqueeze(0)
+        self.xgr.apply_token_bitmask_inplace(masked, self.bitmask)
+        return masked[0]
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"token {token} was emitted against the request's grammar")
+
+    @property
+    def finished(self) -> bool:
+        return self.matcher.is_terminated()

@@ -1,0 +1,92 @@
+"""Structured outputs (xgrammar): every output matches its JSON schema, regex or choice list, sampled
+or greedy, with speculative decoding exactly as without; bad specs are clear errors."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from sparsekv import LLM, InvalidRequest, SamplingParams
+from sparsekv.paths import default_model_path
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}
+def _matches_schema(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(value, dict) and set(value) == {"ok", "n"} and isinstance(value["ok"], bool) \
+        and 0 <= value["n"] <= 9
+
+
+SPECS = {
+    "choice": ({"type": "choice", "choices": ["alpha", "beta", "gamma delta"]},
+               lambda text: text in ("alpha", "beta", "gamma delta")),
+    "regex": ({"type": "regex", "pattern": "[0-9]{3}-[a-z]{2}"}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text)),
+    "json_schema": ({"type": "json_schema", "schema": SCHEMA}, _matches_schema),
+}
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    torch.set_num_threads(1)
+    return LLM(default_model_path(), max_model_len=512, max_num_seqs=3)
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_outputs_match_their_spec(llm, kind, temperature):
+    spec, matches = SPECS[kind]
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=48, temperature=temperature, seed=3, structured_output=spec))
+    for out in outs:
+        assert out.finish_reason == "stop" and matches(out.text), (kind, out.text)
+    plain = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert not matches(plain.text)  # unconstrained, the model writes code
+    llm.engine.check_integrity()
+
+
+def test_json_object_is_an_object_prefix_or_a_whole_object(llm):
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=64, temperature=0.0,
+                                                   structured_output={"type": "json_object"}))[0]
+    assert out.text.startswith("{")
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(out.text), dict)
+
+
+def test_drafting_under_a_grammar_equals_plain_decoding():
+    spec = SPECS["json_schema"][0]
+    options = dict(max_model_len=512, max_num_seqs=3, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=48, temperature=0.0, logprobs=1, structured_output=spec)
+    plain = LLM(default_model_path(), **options).generate(PROMPTS, params)
+    spec_llm = LLM(default_model_path(), num_speculative_tokens=2, **options)
+    drafted = spec_llm.generate(PROMPTS, params)
+    for a, b in zip(plain, drafted, strict=True):
+        assert a.token_ids == b.token_ids and a.text == b.text
+    assert spec_llm.stats()["spec_num_draft_tokens"] > 0
+    spec_llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"type": "yaml"}, "structured_output"), ({"type": "regex"}, "pattern"), ({"type": "choice", "choices": []}, "choices"),
+    ({"type": "choice", "choices": ["a", ""]}, "choices"), ("json", "structured_output"),
+])
+def test_malformed_specs_are_refused(spec, match):
+    with pytest.raises(InvalidRequest, match=match):
+        SamplingParams(structured_output=spec)
+
+
+@pytest.mark.parametrize("spec", [{"type": "json_schema", "schema": "{not json"}, {"type": "regex", "pattern": "(ab"}])
+def test_specs_that_do_not_compile_are_clear_errors(llm, spec):
+    with pytest.raises(InvalidRequest, match="does not compile"):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_output=spec))
+    llm.engine.check_integrity()
+
+
+def test_a_checkpoint_without_tokenizer_refuses_structured_outputs(glm_ckpt):
+    with pytest.raises(InvalidRequest, match="tokenizer"):
+        LLM(glm_ckpt[0], max_model_len=64).generate([[1, 2, 3]], SamplingParams(structured_output={"type": "json_object"}))
