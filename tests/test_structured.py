@@ -90,3 +90,14 @@ def test_specs_that_do_not_compile_are_clear_errors(llm, spec):
 def test_a_checkpoint_without_tokenizer_refuses_structured_outputs(glm_ckpt):
     with pytest.raises(InvalidRequest, match="tokenizer"):
         LLM(glm_ckpt[0], max_model_len=64).generate([[1, 2, 3]], SamplingParams(structured_output={"type": "json_object"}))
+
+
+def test_a_grammar_that_cannot_go_on_ends_the_request_cleanly(llm):
+    """min_tokens holds EOS back after a complete match: no token may come next, so the request ends
+    ("stop", the matched text) instead of emitting a token against its grammar; others are unaffected."""
+    spec = {"type": "choice", "choices": ["yes"]}
+    outs = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=16, temperature=0.0, min_tokens=8, structured_output=spec),
+                                      SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])
+    assert outs[0].text == "yes" and outs[0].finish_reason == "stop"
+    assert len(outs[1].token_ids) == 6 and outs[1].finish_reason == "length"
+    llm.engine.check_integrity()
