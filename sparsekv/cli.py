@@ -77,6 +77,19 @@ def _prompt(args) -> str | list[int]:
     return args.prompt
 
 
+def _structured_output(args) -> dict | None:
+    if args.json_schema:
+        with open(args.json_schema) as f:
+            return {"type": "json_schema", "schema": f.read()}
+    if args.json_object:
+        return {"type": "json_object"}
+    if args.regex:
+        return {"type": "regex", "pattern": args.regex}
+    if args.choice:
+        return {"type": "choice", "choices": args.choice.split(",")}
+    return None
+
+
 def generate_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="sparsekv generate")
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
@@ -93,6 +106,11 @@ def generate_main(argv: list[str]) -> int:
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--min-tokens", type=int, default=0)
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="the output must match this JSON schema (a file)")
+    shape.add_argument("--json-object", action="store_true", help="the output must be a JSON object")
+    shape.add_argument("--regex", help="the output must match this regular expression")
+    shape.add_argument("--choice", help="the output must be one of these comma-separated strings")
     p.add_argument("--logprobs", type=int, default=None)
     p.add_argument("--json", action="store_true")
     add_engine_args(p)
@@ -103,7 +121,8 @@ def generate_main(argv: list[str]) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, logprobs=args.logprobs, seed=args.seed,
                                 repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                                frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
+                                frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens,
+                                structured_output=_structured_output(args))
         llm = LLM(args.model, **engine_options(args))
         out, timing = _timed_generate(llm, _prompt(args), params)
     except (InvalidRequest, ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:

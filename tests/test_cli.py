@@ -31,6 +31,12 @@ def test_generate_bad_input_is_one_clear_line(glm_ckpt, capsys):
     assert "max_tokens" in capsys.readouterr().err
     assert main(["generate", glm_ckpt[0], "--prompt-token-ids", "1,2", "--repetition-penalty", "3"]) == 2
     assert "repetition_penalty" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x = ", "--regex", "(ab"]) == 2   # the bundled model: it has a tokenizer
+    assert "does not compile" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x = ", "--choice", "red,green", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"] in ("red", "green")
+    assert main(["generate", glm_ckpt[0], "--prompt-token-ids", "1,2", "--repetition-penalty", "3"]) == 2
+    assert "repetition_penalty" in capsys.readouterr().err
     assert main(["generate", "/nonexistent", "--prompt-token-ids", "1"]) == 2
     assert "no config.json" in capsys.readouterr().err
 
