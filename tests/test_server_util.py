@@ -79,7 +79,7 @@ class ThreadServer:
         from sparsekv.engine import LLMEngine
         from sparsekv.server.app import ServerSettings, create_app
         from sparsekv.server.auth import parse_api_keys
-        opts = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_page_size=16, **engine_options)
+        opts = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "kv_page_size": 16, **engine_options}
         self.engine = LLMEngine(EngineConfig(model=model, **opts))
         self.delay = slow_steps(self.engine)
         self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), max_queued))

@@ -27,6 +27,7 @@ from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                        TokenizeRequest, parse_body)
 from .responses import Echo, ResponseBuilder, TokenText
+from .tool_calls import MODEL_TYPES as TOOL_MODEL_TYPES
 from .serving import Job, run
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -63,13 +64,13 @@ class ServerState:
             raise APIError(404, f"the model `{model}` does not exist; this server serves "
                                 f"{', '.join(self.settings.served_model_names)}", "model")
 
-    def chat_prompt(self, messages, add_generation_prompt: bool) -> list[int]:
+    def chat_prompt(self, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no tokenizer with a chat template; use /v1/completions", "messages")
         try:
-            msgs = [{"role": m.role, "content": m.text() or ""} for m in messages]
-            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+            msgs = [m.template_dict() for m in messages]
+            text = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja raises on roles or orders the template refuses
             raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
         return tok.encode(text, add_special_tokens=False)
@@ -108,7 +109,8 @@ async def _body(request: Request, model):
 
 
 async def _generate(request: Request, body: SamplingFields, kind: str, prompts: list, max_tokens: int,
-                    logprobs: int | None, top_logprobs: int | None = None, echo: Echo | None = None):
+                    logprobs: int | None, top_logprobs: int | None = None, echo: Echo | None = None,
+                    tools: bool = False):
     """Prompts x n choices -> one group of engine requests, answered as one response or stream."""
     state = _state(request)
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
@@ -117,7 +119,7 @@ async def _generate(request: Request, body: SamplingFields, kind: str, prompts: 
     subs = [Submission(p, sampling_params(body, i, max_tokens, logprobs, prompt_logprobs))
             for p in prompts for i in range(body.n)]
     builder = ResponseBuilder(kind, rid, body.model or state.model_name, int(time.time()), body.n,
-                              state.token_text, _tenant(request), top_logprobs, echo)
+                              state.token_text, _tenant(request), top_logprobs, echo, tools)
     job = Job(RequestGroup(rid, len(subs)), subs, _tenant(request), body.cache_salt, builder, body.stream,
               body.include_usage)
     return await run(request, state.loop, job, state.metrics)
@@ -141,12 +143,16 @@ async def chat_completions(request: Request):
     state = _state(request)
     body = await _body(request, ChatCompletionRequest)
     state.check_model(body.model)
-    prompt = state.chat_prompt(body.messages, body.add_generation_prompt)
+    if body.use_tools and state.engine.model_config.model_type not in TOOL_MODEL_TYPES:
+        raise bad_request(f"tools: no tool-call parser for model_type {state.engine.model_config.model_type!r} "
+                          f"(parsed: {', '.join(TOOL_MODEL_TYPES)})", "tools")
+    prompt = state.chat_prompt(body.messages, body.add_generation_prompt, body.tools if body.use_tools else None)
     max_tokens = body.max_new_tokens
     if max_tokens is None:  # vLLM: the rest of the context; here also capped by the KV pool
         max_tokens = state.settings.default_max_tokens or max(
             1, min(state.context_limit - len(prompt), state.chat_default_cap))
-    return await _generate(request, body, "chat", [prompt], max_tokens, body.num_logprobs, body.top_logprobs)
+    return await _generate(request, body, "chat", [prompt], max_tokens, body.num_logprobs, body.top_logprobs,
+                           tools=body.use_tools)
 
 
 async def tokenize(request: Request):

@@ -10,6 +10,7 @@ HTTP-specific.
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -74,12 +75,14 @@ class SamplingFields(_Body):
     user: str | None = None
     cache_salt: str | None = None
 
+    SUPPORTED_HERE: ClassVar[tuple[str, ...]] = ()  # UNSUPPORTED fields a subclass implements
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data):
         if isinstance(data, dict):
             for name, harmless in UNSUPPORTED.items():
-                if name in data and not harmless(data[name]):
+                if name in data and name not in cls.SUPPORTED_HERE and not harmless(data[name]):
                     raise ValueError(f"{name}: not supported by this server (only its default is accepted)")
         return data
 
@@ -157,6 +160,16 @@ class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, passed to the chat template
+    tool_call_id: str | None = None       # a "tool" message: the call it answers
+
+    def template_dict(self) -> dict:
+        out = {"role": self.role, "content": self.text() or ""}
+        if self.tool_calls:  # templates read arguments as a mapping; OpenAI sends them as JSON text
+            out["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str | None:
         """The message content as one string; only text parts are supported."""
@@ -167,18 +180,43 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
+def _template_call(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": function}
+
+
 class ChatCompletionRequest(SamplingFields):
+    SUPPORTED_HERE: ClassVar[tuple[str, ...]] = ("tools", "tool_choice")
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    tool_choice: str | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError("tool_choice: only 'auto' and 'none' are supported")
+        if self.tools and self.stream:
+            raise ValueError("tools: tool calls are parsed from the finished message; not with stream=true yet")
+        if self.tools and not all(t.get("type") == "function" and isinstance(t.get("function"), dict)
+                                  and t["function"].get("name") for t in self.tools):
+            raise ValueError("tools: each must be {'type': 'function', 'function': {'name': ..., ...}}")
         return self
+
+    @property
+    def use_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def max_new_tokens(self) -> int | None:

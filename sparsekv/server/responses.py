@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..request import RequestOutput
+from .tool_calls import parse_tool_calls
 
 
 def _is_number(x) -> bool:
@@ -96,9 +97,10 @@ class ResponseBuilder:
     """Bodies for one HTTP request: `kind` is "completion" or "chat"; choice i answers prompt i // n."""
 
     def __init__(self, kind: str, response_id: str, model: str, created: int, n: int, token_text: TokenText,
-                 tenant: str, top_logprobs: int | None = None, echo: Echo | None = None):
+                 tenant: str, top_logprobs: int | None = None, echo: Echo | None = None, tools: bool = False):
         self.kind, self.id, self.model, self.created, self.n = kind, response_id, model, created, n
         self.token_text, self.tenant, self.top_logprobs, self.echo = token_text, tenant, top_logprobs, echo
+        self.tools = tools  # chat with tools: parse GLM tool calls out of the finished message
 
     # -- whole responses -----------------------------------------------------------------------
     def response(self, states: list[ChoiceState]) -> dict:
@@ -118,8 +120,12 @@ class ResponseBuilder:
         if self.kind == "completion":
             return {"index": s.index, "text": text, "logprobs": lps, "finish_reason": out.finish_reason,
                     "stop_reason": None}
-        return {"index": s.index, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-                "finish_reason": out.finish_reason}
+        message, finish = {"role": "assistant", "content": text}, out.finish_reason
+        if self.tools:
+            content, calls = parse_tool_calls(text)
+            if calls:
+                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return {"index": s.index, "message": message, "logprobs": lps, "finish_reason": finish}
 
     def _generated(self, out: RequestOutput) -> tuple[list[int], list[dict] | None, str]:
         """The choice's generated tokens, their logprob entries and text (none when echoing a prompt only)."""
