@@ -55,3 +55,15 @@ def test_chat_tool_calls_through_the_api():
                                              "\\n</tool_call>"})
         assert off.choices[0].finish_reason == "stop" and off.choices[0].message.content == "<tool_call>x\n</tool_call>"
         srv.engine.check_integrity()
+
+
+def test_tools_on_a_model_whose_call_format_is_not_parsed_are_refused(ds_ckpt):
+    import httpx
+
+    from test_server_util import ThreadServer
+    with ThreadServer(ds_ckpt[0]) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "deepseek_v32" in r.json()["error"]["message"]
