@@ -275,8 +275,6 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
      400, "response_format"),
     ("guided_regex-does-not-compile", C, {**OK, "guided_regex": "(ab"}, 400, "structured_output"),
     ("tools-on-completions", C, {**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("tools-with-stream", CHAT, {**MSG, "stream": True, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     400, "tools"),
     ("tools-malformed", CHAT, {**MSG, "tools": [{"type": "function"}]}, 400, "tools"),
     ("tool_choice-required", CHAT, {**MSG, "tool_choice": "required"}, 400, "tool_choice"),
     ("best_of-3", C, {**OK, "best_of": 3}, 400, "best_of"),

@@ -14,12 +14,14 @@ CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_v
 
 @pytest.mark.parametrize("text, content, calls", [
     ("It is sunny.", "It is sunny.", []),
-    ("Let me look. " + CALL, "Let me look.", [("get_weather", {"city": "Paris"})]),
+    ("Let me look. " + CALL, "Let me look. ", [("get_weather", {"city": "Paris"})]),
+    ("\n " + CALL, None, [("get_weather", {"city": "Paris"})]),
     (CALL, None, [("get_weather", {"city": "Paris"})]),
     ("<tool_call>add<arg_key>a</arg_key><arg_value>2</arg_value><arg_key>b</arg_key>\n<arg_value>[1, \"x\"]</arg_value>"
      "</tool_call><tool_call>now\n</tool_call>", None, [("add", {"a": 2, "b": [1, "x"]}), ("now", {})]),
     ("<tool_call>get_weather\n<arg_key>city</arg_key>", "<tool_call>get_weather\n<arg_key>city</arg_key>", []),
-], ids=["text", "text-then-call", "call", "json-values-and-two-calls", "unfinished-call-is-text"])
+], ids=["text", "text-then-call", "space-then-call", "call", "json-values-and-two-calls",
+        "unfinished-call-is-text"])
 def test_parse_glm_tool_calls(text, content, calls):
     got_content, got = parse_tool_calls(text)
     assert got_content == content
@@ -43,6 +45,15 @@ def test_chat_tool_calls_through_the_api():
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert choice.message.tool_calls[0].function.name == "get_weather"
         assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+        streamed = list(client.chat.completions.create(
+            model="tiny", messages=messages, tools=tools, max_tokens=256, temperature=0, stream=True,
+            extra_body={"guided_regex": "Let me see\\. <tool_call>get_weather\n<arg_key>city</arg_key>\n"
+                                        "<arg_value>Paris</arg_value>\n</tool_call>"}))
+        content = "".join(c.choices[0].delta.content or "" for c in streamed)
+        calls = [t for c in streamed for t in (c.choices[0].delta.tool_calls or [])]
+        assert content == "Let me see. " and streamed[-1].choices[0].finish_reason == "tool_calls"
+        assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == \
+            [(0, "get_weather", {"city": "Paris"})]
         history = messages + [{"role": "assistant", "content": None, "tool_calls": [
             {"id": choice.message.tool_calls[0].id, "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},

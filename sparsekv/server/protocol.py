@@ -207,8 +207,6 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs: requires logprobs=true")
         if self.tool_choice not in (None, "auto", "none"):
             raise ValueError("tool_choice: only 'auto' and 'none' are supported")
-        if self.tools and self.stream:
-            raise ValueError("tools: tool calls are parsed from the finished message; not with stream=true yet")
         if self.tools and not all(t.get("type") == "function" and isinstance(t.get("function"), dict)
                                   and t["function"].get("name") for t in self.tools):
             raise ValueError("tools: each must be {'type': 'function', 'function': {'name': ..., ...}}")

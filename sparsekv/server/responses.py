@@ -52,8 +52,11 @@ class Echo:
 
 
 class ChoiceState:
-    def __init__(self, index: int, stop_strings: list[str]):
-        self.index, self.stop_strings = index, stop_strings
+    """`hold_marker` (chat with tools): streamed text stops where a tool call begins; the calls go out
+    with the last chunk, once the message is finished and parsed."""
+
+    def __init__(self, index: int, stop_strings: list[str], hold_marker: str | None = None):
+        self.index, self.stop_strings, self.hold_marker = index, stop_strings, hold_marker
         self.out: RequestOutput | None = None
         self.sent_text = 0  # characters of out.text already sent
         self.sent_tokens = 0
@@ -75,7 +78,11 @@ class ChoiceState:
     def take_delta(self) -> tuple[str, list[int], list[dict] | None]:
         """Text and tokens not yet streamed (text minus what a stop string could still cut)."""
         out = self.out
-        text = out.text if out.finished else out.text[:len(out.text) - self._holdback(out.text)]
+        text = out.text
+        if self.hold_marker is not None and self.hold_marker in text:
+            text = text[:text.index(self.hold_marker)]
+        if not out.finished:
+            text = text[:len(text) - self._holdback(text)]
         delta = text[self.sent_text:] if len(text) > self.sent_text else ""
         self.sent_text += len(delta)
         tokens = out.token_ids[self.sent_tokens:]
@@ -85,7 +92,7 @@ class ChoiceState:
 
     def _holdback(self, text: str) -> int:
         keep = len(text) - len(text.rstrip("\ufffd"))
-        for stop in self.stop_strings:
+        for stop in self.stop_strings + ([self.hold_marker] if self.hold_marker else []):
             for k in range(min(len(stop) - 1, len(text)), 0, -1):
                 if text.endswith(stop[:k]):
                     keep = max(keep, k)
@@ -162,6 +169,10 @@ class ResponseBuilder:
                       "stop_reason": None}
         else:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
+            calls = parse_tool_calls(s.out.text)[1] if self.tools and finish is not None else []
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                finish = "tool_calls"
             choice = {"index": s.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         body = self._chunk_head([choice], include_usage)
         if finish is not None:

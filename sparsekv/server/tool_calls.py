@@ -8,8 +8,9 @@ GLM-4.5 and later (and GLM-5, `glm_moe_dsa`) write a call as::
     </tool_call>
 
 Each value is JSON if it parses as JSON, else the raw string (vLLM's glm45 parser does the same).
-The text before the first call is the message's content. DeepSeek-V3.2 writes calls in another
-format, not parsed here: such a model refuses `tools` with a 400.
+The text before the first call is the message's content (None if only whitespace). Streamed, the
+text stops where a call begins and the calls go out with the last chunk. DeepSeek-V3.2 writes calls
+in another format, not parsed here: such a model refuses `tools` with a 400.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import re
 import uuid
 
+TOOL_CALL_START = "<tool_call>"
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 MODEL_TYPES = ("glm_moe_dsa",)
@@ -43,5 +45,5 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
                       "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
     if not calls:
         return text, []
-    content = text[:text.index("<tool_call>")].strip()
-    return content or None, calls
+    content = text[:text.index(TOOL_CALL_START)]
+    return (content if content.strip() else None), calls
