@@ -63,22 +63,32 @@ class Scheduler:
             if n > 0:
                 chunks.append(self._take(req, n))
                 budget -= n
+        deferred = []  # requests waiting for a running request to compute their prefix
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if not self._admit(req):
+            req = self.waiting.popleft()
+            admitted = self._admit(req)
+            if admitted is None:
+                deferred.append(req)
+                continue
+            if not admitted:
+                self.waiting.appendleft(req)
                 break
-            self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             n = min(req.num_uncomputed_tokens, self.prefill_chunk_tokens, budget)
             chunks.append(self._take(req, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # still first in line, in their order
         return chunks
 
-    def _admit(self, req: Request) -> bool:
-        """Reserve pages for prompt + max_tokens, less the prompt's cached pages, which it shares."""
+    def _admit(self, req: Request) -> bool | None:
+        """Reserve pages for prompt + max_tokens, less the prompt's cached pages, which it shares.
+        False: no room (it waits, and so does everyone behind it); None: a running request is computing
+        this prompt's next page, so it waits for that page (the requests behind it go ahead)."""
         # prompt_logprobs need every prompt row computed: no hits for them (as in vLLM)
         hit = self.prefix.lookup(req) if self.prefix is not None and req.params.prompt_logprobs is None else None
+        if hit is not None and hit.wait:
+            return None
         shared = hit.pages if hit is not None else []
         if not self.allocator.share_and_reserve(req.request_id, shared,
                                                 self.allocator.pages_for(req.max_total_tokens) - len(shared)):
@@ -89,6 +99,8 @@ class Scheduler:
         req.page_ids = shared + restored
         req.num_computed_tokens = req.num_cached_tokens = (len(shared) + loaded) * self.allocator.page_size
         req.num_cached_tokens_host = loaded * self.allocator.page_size
+        if self.prefix is not None:
+            self.prefix.claim(req)
         return True
 
     def _take(self, req: Request, n: int) -> ScheduledChunk:

@@ -411,3 +411,35 @@ def test_prefix_cache_with_tiering_and_host_tier_is_exact_on_cuda(ckpt):
     assert_close(want, got, bitwise=False)
     assert llm.stats()["prefix_cache_hits_host"] > 0
     assert_idle(llm)
+
+
+def test_a_request_waits_for_a_running_request_computing_its_prefix(ckpt):
+    """Two requests with one long prefix arrive together: the second waits while the first computes the
+    shared pages, then hits them (instead of computing them twice); an unrelated request behind it goes
+    ahead; aborting the first lets the second in at once."""
+    engine = make(ckpt, enable_prefix_caching=True, prefill_chunk_tokens=PAGE, max_num_batched_tokens=40).engine
+    other = [(3 * i) % 200 + 7 for i in range(30)]
+    for rid, prompt in (("first", BASE + [1]), ("second", BASE + [2]), ("other", other)):
+        engine.add_request(rid, prompt, GREEDY)
+    engine.step()
+    assert {r.request_id for r in engine.scheduler.running} == {"first", "other"}
+    assert [r.request_id for r in engine.scheduler.waiting] == ["second"]
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_integrity()
+    assert outs["second"].num_cached_tokens == 64 and outs["first"].num_cached_tokens == 0
+    reference = make(ckpt, prefill_chunk_tokens=PAGE, max_num_batched_tokens=40)
+    assert outs["second"].token_ids == reference.generate([BASE + [2]], GREEDY)[0].token_ids
+
+    engine.add_request("a", [9] + BASE, GREEDY)
+    engine.add_request("b", [9] + BASE + [5], GREEDY)
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.waiting] == ["b"]
+    engine.abort("a")
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["b"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert not engine.prefix._inflight

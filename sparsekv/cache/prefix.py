@@ -31,6 +31,7 @@ from .pages import PageAllocator
 class PrefixHit:
     pages: list[int] = field(default_factory=list)         # pool pages to share, in order from page 0
     host_names: list[bytes] = field(default_factory=list)  # then pages to copy back from the host store
+    wait: bool = False  # the next page is being computed by a running request: admit after it
 
 
 class PrefixCache:
@@ -47,6 +48,7 @@ class PrefixCache:
         self._chains: dict[str, list[bytes]] = {}  # request -> names of its first pages
         self._named: dict[str, int] = {}  # request -> pages registered so far
         self._tenant_of: dict[int, str] = {}  # named page -> the tenant whose request computed it
+        self._inflight: dict[bytes, str] = {}  # prompt page name -> running request computing it
         allocator.keeps = self._tenant_of.get
         allocator.on_evict = self._forget_page
         self.queried_tokens = 0
@@ -76,8 +78,16 @@ class PrefixCache:
             elif self.host is not None and self.host.has(name):
                 hit.host_names.append(name)
             else:
+                hit.wait = self._inflight.get(name, req.request_id) != req.request_id
                 break
         return hit
+
+    def claim(self, req: Request) -> None:
+        """An admitted request's prompt pages that no page holds yet: being computed by it, so a
+        request with the same prefix waits for them instead of computing them again."""
+        for name in self._names(req, (req.num_prompt_tokens - 1) // self.page_size):
+            if name not in self._page_of:
+                self._inflight.setdefault(name, req.request_id)
 
     def restore(self, req: Request, names: list[bytes]) -> tuple[list[int], int]:
         """Copy host-store pages back into new pool pages of `req` (from its reservation), naming them
@@ -108,6 +118,8 @@ class PrefixCache:
         if full <= self._named.get(req.request_id, 0):
             return
         for name, page in zip(self._names(req, full), req.page_ids):
+            if self._inflight.get(name) == req.request_id:
+                del self._inflight[name]
             if name not in self._page_of and page not in self._name_of:
                 self._page_of[name], self._name_of[page], self._tenant_of[page] = page, name, req.tenant
         self._named[req.request_id] = full
@@ -115,6 +127,7 @@ class PrefixCache:
     def forget_request(self, request_id: str) -> None:
         self._chains.pop(request_id, None)
         self._named.pop(request_id, None)
+        self._inflight = {name: rid for name, rid in self._inflight.items() if rid != request_id}
 
     def _forget_page(self, page: int) -> None:
         name = self._name_of.pop(page)
@@ -141,5 +154,5 @@ class PrefixCache:
             assert self.allocator.is_cached(page) or self.allocator.num_owners(page), "a named page is free"
         if self.host is not None:
             self.host.check_integrity()
-        stale = (set(self._chains) | set(self._named)) - active
+        stale = (set(self._chains) | set(self._named) | set(self._inflight.values())) - active
         assert not stale, f"prefix chains kept for finished requests {sorted(stale)}"
