@@ -49,6 +49,7 @@ class PrefixCache:
         self._named: dict[str, int] = {}  # request -> pages registered so far
         self._tenant_of: dict[int, str] = {}  # named page -> the tenant whose request computed it
         self._inflight: dict[bytes, str] = {}  # prompt page name -> running request computing it
+        self._claims: dict[str, list[bytes]] = {}  # request -> the names it claimed
         allocator.keeps = self._tenant_of.get
         allocator.on_evict = self._forget_page
         self.queried_tokens = 0
@@ -86,8 +87,9 @@ class PrefixCache:
         """An admitted request's prompt pages that no page holds yet: being computed by it, so a
         request with the same prefix waits for them instead of computing them again."""
         for name in self._names(req, (req.num_prompt_tokens - 1) // self.page_size):
-            if name not in self._page_of:
-                self._inflight.setdefault(name, req.request_id)
+            if name not in self._page_of and name not in self._inflight:
+                self._inflight[name] = req.request_id
+                self._claims.setdefault(req.request_id, []).append(name)
 
     def restore(self, req: Request, names: list[bytes]) -> tuple[list[int], int]:
         """Copy host-store pages back into new pool pages of `req` (from its reservation), naming them
@@ -115,9 +117,10 @@ class PrefixCache:
         """Name the request's full, computed pages; a name already held by another page keeps that page."""
         known = req.num_tokens - self.lookahead  # a name needs its lookahead token
         full = min(req.num_computed_tokens // self.page_size, known // self.page_size, len(req.page_ids))
-        if full <= self._named.get(req.request_id, 0):
+        done = self._named.get(req.request_id, 0)
+        if full <= done:
             return
-        for name, page in zip(self._names(req, full), req.page_ids):
+        for name, page in zip(self._names(req, full)[done:], req.page_ids[done:full]):  # the newly full pages
             if self._inflight.get(name) == req.request_id:
                 del self._inflight[name]
             if name not in self._page_of and page not in self._name_of:
@@ -127,7 +130,9 @@ class PrefixCache:
     def forget_request(self, request_id: str) -> None:
         self._chains.pop(request_id, None)
         self._named.pop(request_id, None)
-        self._inflight = {name: rid for name, rid in self._inflight.items() if rid != request_id}
+        for name in self._claims.pop(request_id, ()):
+            if self._inflight.get(name) == request_id:
+                del self._inflight[name]
 
     def _forget_page(self, page: int) -> None:
         name = self._name_of.pop(page)
@@ -154,5 +159,5 @@ class PrefixCache:
             assert self.allocator.is_cached(page) or self.allocator.num_owners(page), "a named page is free"
         if self.host is not None:
             self.host.check_integrity()
-        stale = (set(self._chains) | set(self._named) | set(self._inflight.values())) - active
+        stale = (set(self._chains) | set(self._named) | set(self._inflight.values()) | set(self._claims)) - active
         assert not stale, f"prefix chains kept for finished requests {sorted(stale)}"

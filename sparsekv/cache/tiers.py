@@ -107,8 +107,7 @@ class TieredKVPool:
 
     def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor indexed by logical slot (host latents, device indexer keys); working sets are
-        per request, not per slot."""
-        self.link.flush()  # every backup in the store before a page's rows are read
+        per request, not per slot. Flush the link before reading or writing a page's rows in them."""
         return self.host.slot_tensors() + self.index.slot_tensors()
 
     # -- sizes ---------------------------------------------------------------------------------

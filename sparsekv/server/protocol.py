@@ -97,14 +97,14 @@ class SamplingFields(_Body):
         if self.cache_salt is not None and not self.cache_salt:
             raise ValueError("cache_salt: must be a non-empty string if given")
         given = [f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(self, f) is not None]
-        if len(given) + (self.structured_output() is not None) > 1:
+        if len(given) + (self.response_format_spec() is not None) > 1:
             raise ValueError("response_format: give one of response_format (json), guided_json, guided_regex, "
                              "guided_choice")
         if self.logit_bias is not None and not all(key.isdigit() for key in self.logit_bias):
             raise ValueError("logit_bias: keys must be token ids (decimal integers as strings)")
         return self
 
-    def structured_output(self) -> dict | None:
+    def response_format_spec(self) -> dict | None:
         """The engine's `structured_output` from response_format (None for text)."""
         rf = self.response_format
         if rf is None or rf.get("type") == "text":
@@ -123,7 +123,7 @@ class SamplingFields(_Body):
             return {"type": "regex", "pattern": self.guided_regex}
         if self.guided_choice is not None:
             return {"type": "choice", "choices": self.guided_choice}
-        return self.structured_output()
+        return self.response_format_spec()
 
     @property
     def include_usage(self) -> bool:
