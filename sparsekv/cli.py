@@ -33,6 +33,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "docs/prefix_cache.md)")
     g.add_argument("--prefix-cache-host-bytes", type=parse_bytes, default=None,
                    help="host memory for evicted prefix-cache pages, copied back on a hit (e.g. 8G; default none)")
+    g.add_argument("--prefix-cache-disk-path", default=None,
+                   help="directory for prefix-cache pages pushed out of host memory, kept across restarts "
+                        "(needs --prefix-cache-disk-bytes)")
+    g.add_argument("--prefix-cache-disk-bytes", type=parse_bytes, default=None,
+                   help="the disk tier's budget (e.g. 100G)")
     t = p.add_argument_group("tiered KV cache (docs/tiers.md)")
     t.add_argument("--kv-tiering", action="store_true", help="device working set per request, history in a host store")
     t.add_argument("--device-buffer-tokens", type=int, default=None, help="working-set slots N (default 2 x top-k)")
@@ -58,7 +63,8 @@ ENGINE_ARG_NAMES = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_t
                     "prefill_chunk_tokens", "num_kv_pages", "attention", "seed", "num_threads",
                     "kv_tiering", "device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes",
                     "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",
-                    "enable_prefix_caching", "prefix_cache_host_bytes")
+                    "enable_prefix_caching", "prefix_cache_host_bytes",
+                    "prefix_cache_disk_path", "prefix_cache_disk_bytes")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -124,7 +130,8 @@ def generate_main(argv: list[str]) -> int:
                                 frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens,
                                 structured_output=_structured_output(args))
         llm = LLM(args.model, **engine_options(args))
-        out, timing = _timed_generate(llm, _prompt(args), params)
+        with llm:  # saves the prefix cache to its disk tier, if one is given
+            out, timing = _timed_generate(llm, _prompt(args), params)
     except (InvalidRequest, ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"sparsekv generate: error: {e}", file=sys.stderr)
         return 2

@@ -262,6 +262,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Host bytes for the prefix cache's evicted pages (cache/prefix_host.py); None = no host tier.
     prefix_cache_host_bytes: int | None = None
+    # A directory for the prefix cache's disk tier (cache/prefix_disk.py), with its budget in bytes:
+    # pages pushed out of the host tier (or the pool, without one), kept across restarts.
+    prefix_cache_disk_path: str | None = None
+    prefix_cache_disk_bytes: int | None = None
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -284,6 +288,12 @@ class EngineConfig:
         if host is not None and (host < 1 or not self.enable_prefix_caching):
             raise ConfigError(f"prefix_cache_host_bytes must be >= 1 and needs enable_prefix_caching, "
                               f"got {self.prefix_cache_host_bytes}")
+        disk, disk_bytes = self.prefix_cache_disk_path, self.prefix_cache_disk_bytes
+        if (disk is None) != (disk_bytes is None) or (disk is not None and not self.enable_prefix_caching):
+            raise ConfigError("prefix_cache_disk_path and prefix_cache_disk_bytes go together and need "
+                              f"enable_prefix_caching, got {disk!r} and {disk_bytes!r}")
+        if disk_bytes is not None and disk_bytes < 1:
+            raise ConfigError(f"prefix_cache_disk_bytes must be >= 1, got {disk_bytes}")
         for name in ("device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

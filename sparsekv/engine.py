@@ -88,13 +88,36 @@ class LLMEngine:
 
     def _build_prefix_cache(self):
         from .cache.prefix import PrefixCache
-        host, before_copy = None, (self.cache.link.flush if self.tiered else lambda: None)
-        if self.config.prefix_cache_host_bytes:
-            from .cache.prefix_host import PrefixHostStore
-            tensors = self.cache.slot_tensors() + [t for s in self.runner.selectors() for t in s.slot_tensors()]
-            host = PrefixHostStore(tensors, self.page_size, self.config.prefix_cache_host_bytes)
-        return PrefixCache(self.allocator, lookahead=1 if self.config.num_speculative_tokens else 0, host=host,
-                           before_copy=before_copy)
+        from .cache.prefix_host import PageRows, PrefixHostStore
+        config, tiers = self.config, {}
+        lookahead = 1 if config.num_speculative_tokens else 0
+        rows = PageRows(self.cache.slot_tensors() + [t for s in self.runner.selectors() for t in s.slot_tensors()],
+                        self.page_size)
+        disk = None
+        if config.prefix_cache_disk_path:
+            from .cache.prefix_disk import PrefixDiskStore, namespace
+            try:
+                disk = PrefixDiskStore(rows, config.prefix_cache_disk_path, namespace(config, rows, lookahead),
+                                       config.prefix_cache_disk_bytes)
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"prefix_cache_disk_path: {e}") from None
+        if config.prefix_cache_host_bytes:
+            tiers["host"] = PrefixHostStore(rows, config.prefix_cache_host_bytes,
+                                            spill=disk.save_rows if disk is not None else None)
+        if disk is not None:
+            tiers["disk"] = disk
+        return PrefixCache(self.allocator, lookahead=lookahead, tiers=tiers,
+                           before_copy=self.cache.link.flush if self.tiered else lambda: None)
+
+    def close(self) -> None:
+        """Save the prefix cache's pages to its disk tier, if any, and let go of it (a restart finds
+        them there); the engine goes on without the disk tier. Safe to call more than once."""
+        if self.prefix is not None and "disk" in self.prefix.tiers:
+            self.prefix.persist()
+            disk = self.prefix.tiers.pop("disk")
+            if "host" in self.prefix.tiers:
+                self.prefix.tiers["host"].spill = None
+            disk.close()
 
     def _num_pages(self) -> int:
         if self.config.num_kv_pages:
@@ -360,8 +383,10 @@ class LLMEngine:
 
     def _kv_metrics(self, req: Request) -> dict:
         tokens = {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
-                  "prefix_cached_tokens_device": req.num_cached_tokens - req.num_cached_tokens_host,
-                  "prefix_cached_tokens_host": req.num_cached_tokens_host}
+                  "prefix_cached_tokens_device":
+                      req.num_cached_tokens - req.num_cached_tokens_host - req.num_cached_tokens_disk,
+                  "prefix_cached_tokens_host": req.num_cached_tokens_host,
+                  "prefix_cached_tokens_disk": req.num_cached_tokens_disk}
         if self.tiered:
             return {**tokens, **self.cache.request_metrics(req.request_id, len(req.page_ids) * self.page_size)}
         per_token = self.cache.latent_bytes_per_token() + self.cache.index_bytes_per_token()

@@ -45,6 +45,16 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Save the prefix cache's pages to its disk tier and let go of it (`LLMEngine.close`)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 class GenerateProgress:
     """`use_tqdm`: one bar over the prompts' tokens, since a long prompt's prefill is most of the wait

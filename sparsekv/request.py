@@ -173,6 +173,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0       # prompt tokens the prefix cache served ...
     num_cached_tokens_host: int = 0  # ... of which copied back from its host tier
+    num_cached_tokens_disk: int = 0  # ... and from its disk tier
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     first_scheduled_time: float | None = None

@@ -93,12 +93,13 @@ class Scheduler:
         if not self.allocator.share_and_reserve(req.request_id, shared,
                                                 self.allocator.pages_for(req.max_total_tokens) - len(shared)):
             return False
-        restored, loaded = self.prefix.restore(req, hit.host_names) if hit is not None and hit.host_names else ([], 0)
+        pages, tiers = self.prefix.restore(req, hit.lower_names) if hit is not None and hit.lower_names else ([], [])
         if hit is not None:
-            self.prefix.admitted(req, len(shared), loaded)
-        req.page_ids = shared + restored
-        req.num_computed_tokens = req.num_cached_tokens = (len(shared) + loaded) * self.allocator.page_size
-        req.num_cached_tokens_host = loaded * self.allocator.page_size
+            self.prefix.admitted(req, len(shared), tiers)
+        req.page_ids = shared + pages
+        req.num_computed_tokens = req.num_cached_tokens = (len(shared) + len(tiers)) * self.allocator.page_size
+        req.num_cached_tokens_host = tiers.count("host") * self.allocator.page_size
+        req.num_cached_tokens_disk = tiers.count("disk") * self.allocator.page_size
         if self.prefix is not None:
             self.prefix.claim(req)
         return True

@@ -321,10 +321,10 @@ def test_evicted_pages_come_back_from_the_host_tier_exactly(ckpt, options, emula
 
 def test_the_host_tier_keeps_its_budget_and_a_broken_chain_stops_hits(ckpt):
     page_bytes = make(ckpt, num_kv_pages=12, enable_prefix_caching=True,
-                      prefix_cache_host_bytes=1 << 24).engine.prefix.host.page_bytes
+                      prefix_cache_host_bytes=1 << 24).engine.prefix.tiers["host"].page_bytes
     llm = make(ckpt, enable_prefix_caching=True, num_kv_pages=12, max_num_seqs=1, prefix_cache_host_bytes=3 * page_bytes)
     out = _evict_then_hit(llm, [BASE + [9]])[0]
-    host = llm.engine.prefix.host
+    host = llm.engine.prefix.tiers["host"]
     assert host.num_pages <= 3 and host.dropped > 0
     assert out.num_cached_tokens == 0          # BASE's page 0 copy was pushed out: the chain starts nowhere
     assert_idle(llm)
@@ -349,14 +349,14 @@ def test_lookup_stops_at_a_pool_page_after_host_copies():
             self.names.add(name)
 
     a = PageAllocator(8, PAGE)
-    cache = PrefixCache(a, host=Host())
+    cache = PrefixCache(a, tiers={"host": Host()})
     owner = _request("a", BASE)
     owner.page_ids, owner.num_computed_tokens = a.allocate("a", 5), 70
     cache.register(owner)
     cache.forget_request("a")
     a.free("a", owner.page_ids)
     second = cache._name_of[owner.page_ids[1]]
-    cache.host.names.add(second)                              # page 1 also has a host copy (saved, restored)
+    cache.tiers["host"].names.add(second)                              # page 1 also has a host copy (saved, restored)
     cache._forget_page(owner.page_ids[0])                     # as an eviction of page 0 would
     a._uncache(owner.page_ids[0])
     a._free.append(owner.page_ids[0])

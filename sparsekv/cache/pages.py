@@ -126,6 +126,10 @@ class PageAllocator:
     def num_owners(self, page: int) -> int:
         return len(self._owners.get(page, ()))
 
+    def cached_pages(self) -> list[int]:
+        """Cached pages, each tenant's oldest first."""
+        return [p for group in self._cached.values() for p in group]
+
     def is_cached(self, page: int) -> bool:
         return page in self._group
 

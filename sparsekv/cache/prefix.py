@@ -9,13 +9,16 @@ request would have computed. Tenants never see each other's pages, in any tier: 
 addresses a position in every tier (device pool, or host store and device indexer keys when tiered).
 
 A page is registered once it is full and computed; released, it stays cached (allocatable, evicted
-least recently released first) until a hit takes it or an allocation reuses it. With a host store
-(prefix_host.py) an evicted page's contents are copied there first, and a lookup continues its chain
-there: hits are counted by tier, "device" for pages still in the engine's KV pool (with kv_tiering:
-latents in the host store, indexer keys on the device) and "host" for pages copied back. A request's
+least recently released first) until a hit takes it or an allocation reuses it. Hits are counted by
+tier: "device" for pages still in the engine's KV pool (with kv_tiering: latents in the host store,
+indexer keys on the device), "host" and "disk" for pages copied back from a lower tier (below). A request's
 last prompt token is always computed, so the step that samples its first token has logits. Pages
 are only read by a request that shares them: it writes from its first uncached position on, which
 is always at a page boundary.
+
+Below the pool are optional lower tiers, in order: the host tier (prefix_host.py) and the disk tier
+(prefix_disk.py). A page evicted from the pool goes to the first; one pushed out of the host tier goes
+to the disk tier. A lookup continues its chain through them after the pool's pages.
 """
 from __future__ import annotations
 
@@ -30,19 +33,20 @@ from .pages import PageAllocator
 @dataclass
 class PrefixHit:
     pages: list[int] = field(default_factory=list)         # pool pages to share, in order from page 0
-    host_names: list[bytes] = field(default_factory=list)  # then pages to copy back from the host store
+    lower_names: list[bytes] = field(default_factory=list)  # then pages to copy back from a lower tier
     wait: bool = False  # the next page is being computed by a running request: admit after it
 
 
 class PrefixCache:
     """`lookahead` 1 (speculative decoding): a page's name also covers the token after it, since the
-    MTP layer's entry at the page's last position is made from that token. `host`: a PrefixHostStore
-    (or None), with `before_copy` run before it reads or writes pool rows (the tiered pool's flush of
-    pending backups)."""
+    MTP layer's entry at the page's last position is made from that token. `tiers`: the lower tiers by
+    name, in order ({"host": PrefixHostStore, "disk": PrefixDiskStore}, either or both, or none), with
+    `before_copy` run before they read or write pool rows (the tiered pool's flush of pending backups)."""
 
-    def __init__(self, allocator: PageAllocator, lookahead: int = 0, host=None, before_copy=lambda: None):
+    def __init__(self, allocator: PageAllocator, lookahead: int = 0, tiers: dict | None = None,
+                 before_copy=lambda: None):
         self.allocator, self.page_size, self.lookahead = allocator, allocator.page_size, lookahead
-        self.host, self.before_copy = host, before_copy
+        self.tiers, self.before_copy = tiers or {}, before_copy
         self._page_of: dict[bytes, int] = {}
         self._name_of: dict[int, bytes] = {}
         self._chains: dict[str, list[bytes]] = {}  # request -> names of its first pages
@@ -53,7 +57,7 @@ class PrefixCache:
         allocator.keeps = self._tenant_of.get
         allocator.on_evict = self._forget_page
         self.queried_tokens = 0
-        self.hit_tokens = {"device": 0, "host": 0}
+        self.hit_tokens = {"device": 0, "host": 0, "disk": 0}
 
     def _names(self, req: Request, num_pages: int) -> list[bytes]:
         """Names of the request's first `num_pages` pages, extending its chain (prompt, then output)."""
@@ -68,16 +72,16 @@ class PrefixCache:
 
     def lookup(self, req: Request) -> PrefixHit:
         """The pages the prompt starts with (never its last token's page): the longest run of named
-        pool pages from page 0, then of pages saved in the host store."""
+        pool pages from page 0, then of pages saved in the lower tiers."""
         hit = PrefixHit()
         for name in self._names(req, (req.num_prompt_tokens - 1) // self.page_size):
             page = self._page_of.get(name)
-            if page is not None and hit.host_names:
-                break  # a pool page after host copies (evicted out of chain order): computed instead
+            if page is not None and hit.lower_names:
+                break  # a pool page after lower-tier copies (evicted out of chain order): computed instead
             if page is not None:
                 hit.pages.append(page)
-            elif self.host is not None and self.host.has(name):
-                hit.host_names.append(name)
+            elif self._tier_of(name) is not None:
+                hit.lower_names.append(name)
             else:
                 hit.wait = self._inflight.get(name, req.request_id) != req.request_id
                 break
@@ -91,27 +95,34 @@ class PrefixCache:
                 self._inflight[name] = req.request_id
                 self._claims.setdefault(req.request_id, []).append(name)
 
-    def restore(self, req: Request, names: list[bytes]) -> tuple[list[int], int]:
-        """Copy host-store pages back into new pool pages of `req` (from its reservation), naming them
-        again. Returns the pages taken and how many were restored: an allocation's eviction may push a
-        copy out of the host store, and the pages from there on are computed instead."""
+    def _tier_of(self, name: bytes) -> str | None:
+        return next((tier for tier, store in self.tiers.items() if store.has(name)), None)
+
+    def restore(self, req: Request, names: list[bytes]) -> tuple[list[int], list[str]]:
+        """Copy lower-tier pages back into new pool pages of `req` (from its reservation), naming them
+        again. Returns the pages taken and the tier each restored page came from, in order: an
+        allocation's eviction may push a copy out of its tier, or a disk page may not read back, and the
+        pages from there on are computed instead."""
         for name in names:
-            self.host.touch(name)  # newest: the evictions below push older copies out first
-        pages, restored = [], 0
+            for store in self.tiers.values():
+                store.touch(name)  # newest: the evictions below push older copies out first
+        pages, restored = [], []
         for name in names:
             pages.append(self.allocator.allocate(req.request_id, 1)[0])
-            if restored < len(pages) - 1 or not self.host.has(name):
+            tier = self._tier_of(name) if len(restored) == len(pages) - 1 else None
+            if tier is None:
                 continue
             self.before_copy()
-            self.host.load(name, pages[-1])
-            self._page_of[name], self._name_of[pages[-1]], self._tenant_of[pages[-1]] = pages[-1], name, req.tenant
-            restored += 1
+            if self.tiers[tier].load(name, pages[-1]):
+                self._page_of[name], self._name_of[pages[-1]], self._tenant_of[pages[-1]] = pages[-1], name, req.tenant
+                restored.append(tier)
         return pages, restored
 
-    def admitted(self, req: Request, pool_pages: int, host_pages: int) -> None:
+    def admitted(self, req: Request, pool_pages: int, restored: list[str]) -> None:
         self.queried_tokens += req.num_prompt_tokens
         self.hit_tokens["device"] += pool_pages * self.page_size
-        self.hit_tokens["host"] += host_pages * self.page_size
+        for tier in restored:
+            self.hit_tokens[tier] += self.page_size
 
     def register(self, req: Request) -> None:
         """Name the request's full, computed pages; a name already held by another page keeps that page."""
@@ -136,18 +147,31 @@ class PrefixCache:
 
     def _forget_page(self, page: int) -> None:
         name = self._name_of.pop(page)
-        if self.host is not None:
+        if self.tiers:
             self.before_copy()
-            self.host.save(name, page)
+            next(iter(self.tiers.values())).save(name, page)
         del self._page_of[name]
         del self._tenant_of[page]
+
+    def persist(self) -> None:
+        """Before the engine closes: save the pool's cached pages and the host tier's copies to the disk
+        tier (least recently used first, so the budget keeps the newest), so a restart finds them."""
+        disk = self.tiers.get("disk")
+        if disk is None:
+            return
+        self.before_copy()
+        for name, rows in self.tiers["host"].items() if "host" in self.tiers else ():
+            disk.save_rows(name, rows)
+        for page in self.allocator.cached_pages():
+            disk.save(self._name_of[page], page)
+        disk.flush()
 
     def stats(self) -> dict:
         hits = sum(self.hit_tokens.values())
         return {**{f"prefix_cache_hits_{tier}": n for tier, n in self.hit_tokens.items()},
                 "prefix_cache_queries": self.queried_tokens, "prefix_cached_pages": self.allocator.num_cached,
                 "prefix_cache_hit_rate": hits / self.queried_tokens if self.queried_tokens else 0.0,
-                **(self.host.stats() if self.host is not None else {})}
+                **{k: v for store in self.tiers.values() for k, v in store.stats().items()}}
 
     def names_all(self, pages: list[int]) -> bool:
         return all(p in self._name_of for p in pages)
@@ -157,7 +181,7 @@ class PrefixCache:
         assert all(self._name_of[p] == n for n, p in self._page_of.items()), "a page is named twice"
         for page in self._name_of:
             assert self.allocator.is_cached(page) or self.allocator.num_owners(page), "a named page is free"
-        if self.host is not None:
-            self.host.check_integrity()
+        for store in self.tiers.values():
+            store.check_integrity()
         stale = (set(self._chains) | set(self._named) | set(self._inflight.values()) | set(self._claims)) - active
         assert not stale, f"prefix chains kept for finished requests {sorted(stale)}"

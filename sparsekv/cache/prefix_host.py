@@ -5,24 +5,50 @@ When the page allocator evicts a named page (prefix.py), its rows in every slot-
 cache are copied here under the page's name: MLA latents and indexer keys (device pool), or host-store
 latents and device indexer keys (tiered pool), and Quest page bounds. A prefix lookup continues its
 chain here after the pool's own pages; each host hit takes a new pool page, gets the saved rows back,
-and is named again. Bounded by `capacity_bytes`, least recently stored or used first out. The copy is
-exact (the same bytes), so a host hit computes what a pool hit does.
+and is named again. Bounded by `capacity_bytes`, least recently stored or used first out; a copy pushed
+out goes to the disk tier below when there is one (`spill`, prefix_disk.py). The copy is exact (the
+same bytes), so a host hit computes what a pool hit does.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 
 
-class PrefixHostStore:
-    def __init__(self, tensors: list[tuple[torch.Tensor, int]], page_size: int, capacity_bytes: int):
+class PageRows:
+    """A pool page's rows in every slot-indexed tensor: (tensor, tokens per row) pairs, each tiling a
+    page of `page_size` tokens with whole rows."""
+
+    def __init__(self, tensors: list[tuple[torch.Tensor, int]], page_size: int):
         for tensor, tokens_per_row in tensors:
             if page_size % tokens_per_row:
                 raise ValueError(f"a tensor with {tokens_per_row} tokens per row does not tile pages of {page_size}")
         self.tensors, self.page_size = tensors, page_size
+        self.layout = [((page_size // per_row, *t.shape[1:]), t.dtype) for t, per_row in tensors]
         self.page_bytes = sum(page_size // per_row * t[0].numel() * t.element_size() for t, per_row in tensors)
-        self.capacity_bytes = capacity_bytes
+
+    def _rows(self, page: int, per_row: int) -> slice:
+        return slice(page * self.page_size // per_row, (page + 1) * self.page_size // per_row)
+
+    def copy_out(self, page: int) -> list[torch.Tensor]:
+        """Copies, in host memory, of pool page `page`'s rows."""
+        return [t[self._rows(page, per_row)].to("cpu", copy=True) for t, per_row in self.tensors]
+
+    def copy_in(self, page: int, rows: list[torch.Tensor]) -> None:
+        for (t, per_row), saved in zip(self.tensors, rows):
+            t[self._rows(page, per_row)] = saved.to(t.device)
+
+    def fits(self, rows: list[torch.Tensor]) -> bool:
+        return len(rows) == len(self.layout) and all(
+            tuple(r.shape) == shape and r.dtype == dtype for r, (shape, dtype) in zip(rows, self.layout))
+
+
+class PrefixHostStore:
+    def __init__(self, rows: PageRows, capacity_bytes: int,
+                 spill: Callable[[bytes, list[torch.Tensor]], None] | None = None):
+        self.rows, self.page_bytes, self.capacity_bytes, self.spill = rows, rows.page_bytes, capacity_bytes, spill
         self._pages: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()  # oldest first
         self.saved = self.loaded = self.dropped = 0
 
@@ -34,9 +60,6 @@ class PrefixHostStore:
     def bytes_used(self) -> int:
         return len(self._pages) * self.page_bytes
 
-    def _rows(self, page: int, per_row: int) -> slice:
-        return slice(page * self.page_size // per_row, (page + 1) * self.page_size // per_row)
-
     def has(self, name: bytes) -> bool:
         return name in self._pages
 
@@ -45,24 +68,33 @@ class PrefixHostStore:
             self._pages.move_to_end(name)
 
     def save(self, name: bytes, page: int) -> None:
-        """Keep a copy of pool page `page`'s rows under `name` (dropping the oldest copies over budget)."""
-        if self.page_bytes > self.capacity_bytes:
-            return
+        """Keep a copy of pool page `page`'s rows under `name` (the oldest copies over budget go to the
+        spill tier, or are dropped)."""
         if name in self._pages:
             self._pages.move_to_end(name)
             return
+        if self.page_bytes > self.capacity_bytes:
+            if self.spill is not None:
+                self.spill(name, self.rows.copy_out(page))
+            return
         while self.bytes_used + self.page_bytes > self.capacity_bytes:
-            self._pages.popitem(last=False)
+            old, rows = self._pages.popitem(last=False)
             self.dropped += 1
-        self._pages[name] = [t[self._rows(page, per_row)].to("cpu", copy=True) for t, per_row in self.tensors]
+            if self.spill is not None:
+                self.spill(old, rows)
+        self._pages[name] = self.rows.copy_out(page)
         self.saved += 1
 
-    def load(self, name: bytes, page: int) -> None:
+    def load(self, name: bytes, page: int) -> bool:
         """Write the copy saved under `name` into pool page `page` (the copy is kept)."""
         self._pages.move_to_end(name)
-        for (t, per_row), rows in zip(self.tensors, self._pages[name]):
-            t[self._rows(page, per_row)] = rows.to(t.device)
+        self.rows.copy_in(page, self._pages[name])
         self.loaded += 1
+        return True
+
+    def items(self):
+        """(name, rows) of every copy, oldest first."""
+        return list(self._pages.items())
 
     def stats(self) -> dict:
         return {"prefix_host_pages": self.num_pages, "prefix_host_bytes": self.bytes_used,
@@ -71,4 +103,4 @@ class PrefixHostStore:
     def check_integrity(self) -> None:
         assert self.bytes_used <= self.capacity_bytes, "the prefix host store is over its budget"
         for rows in self._pages.values():
-            assert len(rows) == len(self.tensors), "a saved page lacks a tensor's rows"
+            assert self.rows.fits(rows), "a saved page's rows do not match the pool's layout"

@@ -223,6 +223,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(state.loop.abort_all("the server is shutting down"), 5.0)
             state.loop.stop()
+            if not state.loop.healthy:  # the loop thread is gone: nothing else touches the engine
+                engine.close()
 
     app = FastAPI(title="sparsekv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state

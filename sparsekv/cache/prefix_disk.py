@@ -1,0 +1,240 @@
+"""The prefix cache's disk tier: pages pushed out of host memory kept as files, so a later hit (or a
+later engine on the same model, after a restart) reads them back instead of recomputing them. The
+third tier of SGLang's HiCache and LMCache's local disk, for the prefix cache.
+
+Each page is one safetensors file, `<dir>/<namespace>/<page name in hex>.safetensors`, holding the
+page's rows of every slot-indexed tensor (prefix_host.PageRows). The page name is the prefix cache's
+hash chain, rooted at (tenant, cache_salt), so a tenant's files are found only by the same tenant and
+salt; the namespace (`namespace()`) is a hash of everything that decides a page's bytes: the
+checkpoint (config.json, shard names, sizes and sampled contents), dtype, device type, page size,
+attention mode, selector, indexer key dtype, drafting and the tensor layout. Another model, or the
+same one run another way, never reads these files. Files are written 0600 in a 0700 directory.
+
+Writes, deletions and touches run in order on one background thread, so an eviction costs the engine
+step a host copy, not a disk write. A page being written is read from memory. Budgeted by
+`capacity_bytes` (tensor bytes), least recently saved or hit first out, and that order survives a
+restart (file mtimes). A file that cannot be read back, or does not match the layout, is a miss: the
+page is computed instead and the file removed. One engine per directory: a lock file refuses a second.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .prefix_host import PageRows
+
+logger = logging.getLogger(__name__)
+FORMAT = "sparsekv-prefix-page-v1"
+SUFFIX = ".safetensors"
+SAMPLES_PER_FILE, SAMPLE_BYTES = 256, 4096
+
+
+def checkpoint_identity(path: str) -> list:
+    """config.json, and each safetensors file's name, size and 256 sampled 4 KiB blocks (its header
+    and last bytes included): what tells two checkpoints apart without reading all their weights."""
+    with open(os.path.join(path, "config.json"), "rb") as f:
+        identity: list = [hashlib.sha256(f.read()).hexdigest()]
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        file = os.path.join(path, name)
+        size, digest = os.path.getsize(file), hashlib.sha256()
+        with open(file, "rb") as f:
+            for i in range(SAMPLES_PER_FILE):
+                f.seek(max(0, (size - SAMPLE_BYTES) * i // (SAMPLES_PER_FILE - 1)))
+                digest.update(f.read(SAMPLE_BYTES))
+        identity.append((name, size, digest.hexdigest()))
+    return identity
+
+
+def namespace(config, rows: PageRows, lookahead: int) -> str:
+    """The directory name for pages this engine computes: equal only for engines whose pages hold the
+    same bytes for the same names."""
+    key = {"format": FORMAT, "checkpoint": checkpoint_identity(config.model), "dtype": config.dtype,
+           "device": torch.device(config.device).type, "page": config.kv_page_size, "attention": config.attention,
+           "overrides": config.hf_overrides, "selector": config.selector, "quest": config.quest_page_tokens,
+           "index_keys": config.indexer_key_dtype, "lookahead": lookahead,
+           "layout": [(shape, str(dtype)) for shape, dtype in rows.layout]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+class PrefixDiskStore:
+    def __init__(self, rows: PageRows, root: str, space: str, capacity_bytes: int):
+        self.rows, self.page_bytes, self.capacity_bytes = rows, rows.page_bytes, capacity_bytes
+        self.dir = os.path.join(root, space)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self._lock_file = open(os.path.join(self.dir, ".lock"), "w")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise ValueError(f"prefix cache disk tier {self.dir} is in use by another engine") from None
+        self._files: OrderedDict[bytes, None] = OrderedDict()  # pages on disk or being written, oldest first
+        self._pending: dict[bytes, tuple[int, list[torch.Tensor]]] = {}  # being written: (ticket, rows)
+        self._lock = threading.Lock()  # _files and _pending, shared with the writer thread
+        self._tickets = itertools.count()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="sparsekv-prefix-disk")
+        self.saved = self.loaded = self.dropped = self.failed = 0
+        self._last_ns = 0  # file times, strictly increasing: the filesystem clock is too coarse to order
+        self._scan()
+
+    def _path(self, name: bytes) -> str:
+        return os.path.join(self.dir, name.hex() + SUFFIX)
+
+    def _scan(self) -> None:
+        """Index the pages an earlier engine left, oldest first; remove half-written files and what
+        exceeds the budget."""
+        found = []
+        for entry in os.scandir(self.dir):
+            stem = entry.name[:-len(SUFFIX)]
+            if entry.name.endswith(SUFFIX) and len(stem) == 64 and all(c in "0123456789abcdef" for c in stem):
+                found.append((entry.stat().st_mtime_ns, bytes.fromhex(stem)))
+            elif entry.name.endswith(".tmp"):
+                os.unlink(entry.path)
+        for mtime, name in sorted(found):
+            self._files[name] = None
+            self._last_ns = max(self._last_ns, mtime)
+        self._make_room(0)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._files)
+
+    @property
+    def bytes_used(self) -> int:
+        return len(self._files) * self.page_bytes
+
+    def has(self, name: bytes) -> bool:
+        return name in self._files
+
+    def touch(self, name: bytes) -> None:
+        with self._lock:
+            if name not in self._files:
+                return
+            self._files.move_to_end(name)
+        self._writer.submit(self._utime, name)
+
+    def _make_room(self, page_bytes: int) -> None:
+        with self._lock:
+            while self._files and self.bytes_used + page_bytes > self.capacity_bytes:
+                old, _ = self._files.popitem(last=False)
+                self._pending.pop(old, None)
+                self.dropped += 1
+                self._writer.submit(self._unlink, old)
+
+    def save(self, name: bytes, page: int) -> None:
+        """Keep pool page `page`'s rows under `name`."""
+        if name in self._files:
+            self.touch(name)
+        elif self.page_bytes <= self.capacity_bytes:
+            self.save_rows(name, self.rows.copy_out(page))
+
+    def save_rows(self, name: bytes, rows: list[torch.Tensor]) -> None:
+        """Keep `rows` (host copies, not changed afterwards) under `name`: written in the background."""
+        if name in self._files:
+            self.touch(name)
+            return
+        if self.page_bytes > self.capacity_bytes:
+            return
+        self._make_room(self.page_bytes)
+        with self._lock:
+            ticket = next(self._tickets)
+            self._files[name], self._pending[name] = None, (ticket, rows)
+        self.saved += 1
+        self._writer.submit(self._write, name, ticket, rows)
+
+    def _write(self, name: bytes, ticket: int, rows: list[torch.Tensor]) -> None:
+        path = self._path(name)
+        tmp = f"{path}.{ticket}.tmp"
+        try:
+            save_file({str(i): r.contiguous() for i, r in enumerate(rows)}, tmp, metadata={"format": FORMAT})
+            os.chmod(tmp, 0o600)
+            self._stamp(tmp)
+            os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+        except Exception as e:  # noqa: BLE001 - disk full, permissions: the page is only lost
+            logger.warning("prefix cache disk tier: writing %s failed (%s); the page is dropped", path, e)
+            self.failed += 1
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            with self._lock:
+                if self._pending.get(name, (None,))[0] == ticket:
+                    self._files.pop(name, None)
+        with self._lock:
+            if self._pending.get(name, (None,))[0] == ticket:
+                del self._pending[name]
+
+    def _unlink(self, name: bytes) -> None:
+        try:
+            os.unlink(self._path(name))
+        except FileNotFoundError:
+            pass
+
+    def _utime(self, name: bytes) -> None:
+        try:
+            self._stamp(self._path(name))
+        except FileNotFoundError:
+            pass
+
+    def _stamp(self, path: str) -> None:
+        """Mark the file used now, after every file marked before (the writer thread's order)."""
+        self._last_ns = max(time.time_ns(), self._last_ns + 1)
+        os.utime(path, ns=(self._last_ns, self._last_ns))
+
+    def _read(self, name: bytes) -> list[torch.Tensor] | None:
+        with self._lock:
+            pending = self._pending.get(name)
+        if pending is not None:
+            return pending[1]
+        try:
+            with safe_open(self._path(name), "pt") as f:
+                if (f.metadata() or {}).get("format") != FORMAT:
+                    raise ValueError("not a sparsekv prefix page")
+                rows = [f.get_tensor(str(i)) for i in range(len(self.rows.layout))]
+        except Exception as e:  # noqa: BLE001 - a page that cannot be read is recomputed
+            logger.warning("prefix cache disk tier: %s is unreadable (%s); recomputing it", self._path(name), e)
+            return None
+        return rows if self.rows.fits(rows) else None
+
+    def load(self, name: bytes, page: int) -> bool:
+        """Write the page saved under `name` into pool page `page`; False (and the file is removed) if
+        it cannot be read back."""
+        rows = self._read(name)
+        if rows is None:
+            self.failed += 1
+            with self._lock:
+                self._files.pop(name, None)
+            self._writer.submit(self._unlink, name)
+            return False
+        self.touch(name)
+        self.rows.copy_in(page, rows)
+        self.loaded += 1
+        return True
+
+    def flush(self) -> None:
+        """Wait for every queued write and deletion."""
+        self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self._lock_file.close()  # releases the lock
+
+    def stats(self) -> dict:
+        return {"prefix_disk_pages": self.num_pages, "prefix_disk_bytes": self.bytes_used,
+                "prefix_disk_budget_bytes": self.capacity_bytes}
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert self.bytes_used <= self.capacity_bytes, "the prefix disk tier is over its budget"
+            assert set(self._pending) <= set(self._files), "a page being written is not indexed"

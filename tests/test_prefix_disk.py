@@ -1,0 +1,188 @@
+"""The prefix cache's disk tier (cache/prefix_disk.py): pages pushed out of host memory written to
+files, read back exactly, kept across restarts, scoped to the model and its settings, per tenant."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from sparsekv import ConfigError, SamplingParams
+from sparsekv.tools.tiny import save_reference_checkpoint
+from test_prefix_cache import BASE, GREEDY, OTHERS, PAGE, PROMPTS, _evict_then_hit, assert_close, assert_idle, make
+
+DISK = 1 << 24
+SMALL_POOL = dict(num_kv_pages=12, max_num_seqs=1, prefill_chunk_tokens=PAGE)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("prefix-disk"))
+    save_reference_checkpoint(path, family="glm_moe_dsa", seed=1, index_topk=8)
+    return path
+
+
+def disk_engine(ckpt, root, host_pages=2, **options):
+    """A pool of 12 pages, a host tier of `host_pages` pages (0: none), the disk tier under `root`."""
+    host = {"prefix_cache_host_bytes": host_pages * _page_bytes(ckpt, **options)} if host_pages else {}
+    return make(ckpt, enable_prefix_caching=True, prefix_cache_disk_path=str(root), prefix_cache_disk_bytes=DISK,
+                **host, **SMALL_POOL, **options)
+
+
+def _page_bytes(ckpt, **options):
+    llm = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 24, **SMALL_POOL, **options)
+    return llm.engine.prefix.tiers["host"].page_bytes
+
+
+def _files(root):
+    return sorted(f for _, _, names in os.walk(root) for f in names if f.endswith(".safetensors"))
+
+
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=8, host_kv_budget_bytes=12 * PAGE * 640)],
+                         ids=["device", "tiered"])
+@pytest.mark.parametrize("host_pages", [2, 0], ids=["host+disk", "disk only"])
+def test_pages_pushed_out_of_host_memory_come_back_from_disk_exactly(ckpt, tmp_path, options, host_pages,
+                                                                     emulated_cuda):
+    """A host tier of 2 pages spills to disk (or, without a host tier, the pool evicts straight to
+    disk); hits read the files back: outputs equal no cache bit for bit, hits counted by tier."""
+    small = dict(SMALL_POOL, **options)
+    if options.get("kv_tiering"):
+        small.pop("num_kv_pages")
+    want = [make(ckpt, **small).generate([p], GREEDY)[0] for p in PROMPTS[:3]]
+    llm = disk_engine(ckpt, tmp_path, host_pages=host_pages, **options)
+    got = _evict_then_hit(llm, PROMPTS[:3])
+    assert_close(want, got, bitwise=True)
+    stats = llm.stats()
+    assert stats["prefix_cache_hits_disk"] == sum(o.metrics["prefix_cached_tokens_disk"] for o in got) >= 64
+    for out in got:
+        assert sum(out.metrics[f"prefix_cached_tokens_{t}"] for t in ("device", "host", "disk")) == out.num_cached_tokens
+    assert stats["prefix_disk_pages"] > 0 and len(_files(tmp_path)) == stats["prefix_disk_pages"]
+    assert_idle(llm)
+    llm.close()
+
+
+def test_the_disk_tier_survives_a_restart_and_keeps_tenants_apart(ckpt, tmp_path):
+    """Closing saves the pool's and host tier's pages to disk; a new engine on the same directory
+    serves a repeated prompt from there, exactly, for the same tenant only."""
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    with disk_engine(ckpt, tmp_path) as first:
+        first.engine.add_request("a", BASE + [3], GREEDY, tenant="alice")
+        while first.engine.has_unfinished_requests():
+            first.engine.step()
+        assert first.stats()["prefix_disk_pages"] == 0  # nothing pushed out yet: all saved at close
+    assert len(_files(tmp_path)) == 5  # 82 computed tokens: 5 full pages
+    second = disk_engine(ckpt, tmp_path).engine
+    assert second.stats()["prefix_disk_pages"] == 5
+    outs = {}
+    for rid, tenant in (("bob", "bob"), ("alice", "alice")):
+        second.add_request(rid, PROMPTS[0], GREEDY, tenant=tenant)
+        while second.has_unfinished_requests():
+            outs.update({o.request_id: o for o in second.step() if o.finished})
+    assert outs["bob"].num_cached_tokens == 0                      # another tenant: nothing found
+    assert outs["alice"].metrics["prefix_cached_tokens_disk"] == 64
+    assert_close([want, want], [outs["alice"], outs["bob"]], bitwise=True)
+    second.close()
+
+
+def test_another_checkpoint_or_setting_never_reads_the_pages(ckpt, tmp_path, tmp_path_factory):
+    """The directory is scoped by a hash of the checkpoint and of every setting that changes a page's
+    bytes: another model, or the same one with Quest selection, finds nothing."""
+    with disk_engine(ckpt, tmp_path) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+    other = str(tmp_path_factory.mktemp("other-model"))
+    save_reference_checkpoint(other, family="glm_moe_dsa", seed=2, index_topk=8)  # same shapes, other weights
+    for path, options in ((other, {}), (ckpt, dict(selector="quest")), (ckpt, dict(dtype="bfloat16"))):
+        with disk_engine(path, tmp_path, **options) as llm:
+            assert llm.stats()["prefix_disk_pages"] == 0, options
+            assert llm.generate([PROMPTS[0]], GREEDY)[0].num_cached_tokens == 0
+    with disk_engine(ckpt, tmp_path) as llm:  # the original settings still find theirs
+        assert llm.generate([PROMPTS[0]], GREEDY)[0].num_cached_tokens == 64
+    assert len(os.listdir(tmp_path)) == 4
+
+
+def test_files_are_private_and_the_budget_holds(ckpt, tmp_path):
+    budget_pages = 3
+    llm = make(ckpt, enable_prefix_caching=True, prefix_cache_disk_path=str(tmp_path),
+               prefix_cache_disk_bytes=budget_pages * _page_bytes(ckpt), **SMALL_POOL)
+    _evict_then_hit(llm, [BASE + [9]])
+    disk = llm.engine.prefix.tiers["disk"]
+    disk.flush()
+    assert disk.num_pages <= budget_pages and disk.dropped > 0 and len(_files(tmp_path)) == disk.num_pages
+    assert stat.S_IMODE(os.stat(disk.dir).st_mode) == 0o700
+    for name in _files(tmp_path):
+        assert stat.S_IMODE(os.stat(os.path.join(disk.dir, name)).st_mode) == 0o600
+    assert_idle(llm)
+    llm.close()
+
+
+def test_an_unreadable_page_is_recomputed_and_removed(ckpt, tmp_path):
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    with disk_engine(ckpt, tmp_path) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+    disk_dir = next(os.scandir(tmp_path)).path
+    names = sorted(os.listdir(disk_dir))
+    page1 = next(n for n in names if n.endswith(".safetensors"))
+    with open(os.path.join(disk_dir, page1), "r+b") as f:  # one page truncated, as a crash or a full disk might
+        f.truncate(100)
+    llm = disk_engine(ckpt, tmp_path)
+    out = llm.generate([PROMPTS[0]], GREEDY)[0]
+    assert_close([want], [out], bitwise=True)
+    disk = llm.engine.prefix.tiers["disk"]
+    assert disk.failed == 1 and out.num_cached_tokens < 64
+    disk.flush()
+    assert page1 not in os.listdir(disk_dir)
+    assert_idle(llm)
+    llm.close()
+
+
+def test_one_engine_per_directory_and_bad_options_are_refused(ckpt, tmp_path):
+    llm = disk_engine(ckpt, tmp_path)
+    with pytest.raises(ConfigError, match="in use by another engine"):
+        disk_engine(ckpt, tmp_path)
+    llm.close()
+    disk_engine(ckpt, tmp_path).close()  # free again once closed
+    for bad in (dict(prefix_cache_disk_path=str(tmp_path)), dict(prefix_cache_disk_bytes=DISK),
+                dict(prefix_cache_disk_path=str(tmp_path), prefix_cache_disk_bytes=0)):
+        with pytest.raises(ConfigError, match="prefix_cache_disk"):
+            make(ckpt, enable_prefix_caching=True, **bad)
+    with pytest.raises(ConfigError, match="prefix_cache_disk"):
+        make(ckpt, enable_prefix_caching=False, prefix_cache_disk_path=str(tmp_path), prefix_cache_disk_bytes=DISK)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="prefix_cache_disk_path"):
+        make(ckpt, enable_prefix_caching=True, prefix_cache_disk_path=str(blocker), prefix_cache_disk_bytes=DISK)
+
+
+def test_a_restart_keeps_the_most_recently_used_pages_within_a_smaller_budget(ckpt, tmp_path):
+    """Pages are evicted least recently saved or hit first, and a restart keeps that order (file
+    times): a new engine with room for 4 pages keeps BASE's, the ones hit last."""
+    with disk_engine(ckpt, tmp_path, host_pages=0) as llm:
+        for prompt in OTHERS:
+            llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+        llm.generate([BASE + [3]], GREEDY)
+    with make(ckpt, enable_prefix_caching=True, prefix_cache_disk_path=str(tmp_path),
+              prefix_cache_disk_bytes=4 * _page_bytes(ckpt), **SMALL_POOL) as llm:
+        assert llm.stats()["prefix_disk_pages"] == 4
+        assert llm.generate([PROMPTS[0]], GREEDY)[0].metrics["prefix_cached_tokens_disk"] == 64
+
+
+def test_a_restarted_server_serves_the_prompt_from_disk(tmp_path):
+    """The server saves the prefix cache to disk when it shuts down; the next server on the same
+    directory reports the prompt's tokens as cached, and /metrics counts them under tier "disk"."""
+    import openai
+
+    from test_server_util import ThreadServer, scrape, tiny_checkpoint
+    model = tiny_checkpoint(tmp_path)
+    prompt = "the rain in spain falls mainly on the plain " * 8
+    options = dict(enable_prefix_caching=True, prefix_cache_disk_path=str(tmp_path / "disk"),
+                   prefix_cache_disk_bytes=DISK)
+    texts, cached = [], []
+    for _ in range(2):
+        with ThreadServer(model, **options) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=30)
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+            texts.append(r.choices[0].text)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            hits = scrape(srv.url)["sparsekv:prefix_cache_hits_total"], srv.engine.stats()["prefix_cache_hits_disk"]
+    assert cached[0] == 0 and cached[1] > 0 and texts[0] == texts[1]
+    assert hits == (cached[1], cached[1])  # all from the disk tier
