@@ -266,21 +266,26 @@ def test_bench_prefix_computes_only_the_suffix_and_matches_no_cache(tmp_path, ca
     assert "greedy identical" in capsys.readouterr().out
 
 
-def test_bench_prefix_rotation_is_served_by_the_host_tier(tmp_path):
+def test_bench_prefix_rotation_is_served_by_the_host_and_disk_tiers(tmp_path):
     """Two prefixes in turn through a pool that holds one: each request's prefix was evicted by the
     previous one. The pool keeps the head page (a request's pages are released last page first, so
-    its tail is evicted first); the host tier serves the rest."""
+    its tail is evicted first); the host tier, or the disk tier, serves the rest. --restart: a fresh
+    engine on a disk tier an earlier engine filled serves even its first requests from disk."""
     import json
 
     from sparsekv.tools.bench import main
     out = tmp_path / "prefix.json"
     assert main(["prefix", "--requests", "4", "--prefix-tokens", "256", "--suffix-tokens", "16", "--chunk", "128",
-                 "--rotate", "2", "--json", str(out)]) == 0
+                 "--rotate", "2", "--restart", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())["summary"]
     assert all(s["identical"] == 4 for s in summary.values())
     assert summary["prefix cache"]["computed_tokens"] == 272 - 64
     assert summary["prefix cache + host tier"]["computed_tokens"] == 16
     assert summary["prefix cache + host tier"]["hit_tokens_host"] == 2 * 192
+    assert summary["prefix cache + disk tier"]["computed_tokens"] == 16
+    assert summary["prefix cache + disk tier"]["hit_tokens_disk"] == 2 * 192
+    restarted = summary["disk tier, after a restart"]  # its first sightings are read from disk
+    assert restarted["computed_tokens"] == 16 and restarted["hit_tokens_disk"] >= 2 * 256
 
 
 # -- the host tier ------------------------------------------------------------------------------------
