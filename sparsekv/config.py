@@ -266,6 +266,9 @@ class EngineConfig:
     # pages pushed out of the host tier (or the pool, without one), kept across restarts.
     prefix_cache_disk_path: str | None = None
     prefix_cache_disk_bytes: int | None = None
+    # Retention: a prefix-cache page no request has used for this many seconds is forgotten in every
+    # tier (None: kept until evicted).
+    prefix_cache_ttl_s: float | None = None
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -294,6 +297,9 @@ class EngineConfig:
                               f"enable_prefix_caching, got {disk!r} and {disk_bytes!r}")
         if disk_bytes is not None and disk_bytes < 1:
             raise ConfigError(f"prefix_cache_disk_bytes must be >= 1, got {disk_bytes}")
+        ttl = self.prefix_cache_ttl_s
+        if ttl is not None and (not ttl > 0 or not self.enable_prefix_caching):
+            raise ConfigError(f"prefix_cache_ttl_s must be > 0 and needs enable_prefix_caching, got {ttl!r}")
         for name in ("device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -107,7 +107,8 @@ class LLMEngine:
         if disk is not None:
             tiers["disk"] = disk
         return PrefixCache(self.allocator, lookahead=lookahead, tiers=tiers,
-                           before_copy=self.cache.link.flush if self.tiered else lambda: None)
+                           before_copy=self.cache.link.flush if self.tiered else lambda: None,
+                           ttl_s=config.prefix_cache_ttl_s)
 
     def close(self) -> None:
         """Save the prefix cache's pages to its disk tier, if any, and let go of it (a restart finds
@@ -213,7 +214,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step loop -------------------------------------------------------------------------
+    def expire_prefix_cache(self) -> int:
+        """Forget prefix-cache pages past their retention (`prefix_cache_ttl_s`); each step does it
+        first, and the server's loop when idle. Returns how many."""
+        return self.prefix.expire() if self.prefix is not None else 0
+
     def step(self) -> list[RequestOutput]:
+        self.expire_prefix_cache()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []

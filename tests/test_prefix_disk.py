@@ -186,3 +186,63 @@ def test_a_restarted_server_serves_the_prompt_from_disk(tmp_path):
             hits = scrape(srv.url)["sparsekv:prefix_cache_hits_total"], srv.engine.stats()["prefix_cache_hits_disk"]
     assert cached[0] == 0 and cached[1] > 0 and texts[0] == texts[1]
     assert hits == (cached[1], cached[1])  # all from the disk tier
+
+
+# -- retention (prefix_cache_ttl_s) -------------------------------------------------------------------
+def test_pages_unused_for_the_ttl_are_forgotten_in_every_tier(ckpt, tmp_path):
+    """With a 60 s retention: pages hit 40 s ago stay, pages last used 70 s ago are gone from the pool,
+    the host tier and the disk tier (files removed); output stays equal to no cache throughout."""
+    now = [1000.0]
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    llm = disk_engine(ckpt, tmp_path, prefix_cache_ttl_s=60)
+    llm.engine.prefix.set_clock(lambda: now[0])
+    llm.generate([BASE + [3]], GREEDY)
+    for prompt in OTHERS:  # BASE's pages are pushed to the host and disk tiers
+        llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    now[0] += 30
+    assert_close([want], llm.generate([PROMPTS[0]], GREEDY), bitwise=True)
+    now[0] += 40  # BASE's pages were used 40 s ago, OTHERS' 70 s ago
+    assert llm.engine.expire_prefix_cache() > 0
+    out = llm.generate([PROMPTS[0]], GREEDY)[0]
+    assert out.num_cached_tokens == 64
+    now[0] += 61
+    stats = llm.stats()
+    assert llm.engine.expire_prefix_cache() == stats["prefix_cached_pages"] + stats["prefix_host_pages"] + \
+        stats["prefix_disk_pages"] > 0
+    stats = llm.stats()
+    assert stats["prefix_cached_pages"] == stats["prefix_host_pages"] == stats["prefix_disk_pages"] == 0
+    disk = llm.engine.prefix.tiers["disk"]
+    disk.flush()
+    assert _files(tmp_path) == []
+    out = llm.generate([PROMPTS[0]], GREEDY)[0]
+    assert out.num_cached_tokens == 0
+    assert_close([want], [out], bitwise=True)
+    assert llm.stats()["prefix_cache_expired_pages"] > 0
+    assert_idle(llm)
+    llm.close()
+
+
+def test_a_restart_forgets_files_older_than_the_ttl(ckpt, tmp_path):
+    import time
+    with disk_engine(ckpt, tmp_path) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+    assert len(_files(tmp_path)) == 5
+    later = disk_engine(ckpt, tmp_path, prefix_cache_ttl_s=60)
+    later.engine.prefix.set_clock(lambda: time.time() + 120)  # the files were last used two minutes ago
+    assert later.generate([PROMPTS[0]], GREEDY)[0].num_cached_tokens == 0
+    later.engine.prefix.tiers["disk"].flush()
+    assert _files(tmp_path) == [] and later.stats()["prefix_cache_expired_pages"] == 5
+    later.close()
+
+
+def test_an_idle_server_still_forgets_expired_pages(tmp_path):
+    from test_server_util import ThreadServer, scrape, tiny_checkpoint, wait_until
+    model = tiny_checkpoint(tmp_path)
+    with ThreadServer(model, enable_prefix_caching=True, prefix_cache_ttl_s=0.5) as srv:
+        import httpx
+        httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "the rain in spain " * 10,
+                                                      "max_tokens": 2}, timeout=30).raise_for_status()
+        assert wait_until(lambda: scrape(srv.url)["sparsekv:prefix_cache_expired_pages"] > 0, timeout=10)
+        assert scrape(srv.url)["sparsekv:prefix_cached_pages"] == 0
+    with pytest.raises(ConfigError, match="prefix_cache_ttl_s"):
+        make(model, enable_prefix_caching=True, prefix_cache_ttl_s=0)

@@ -15,6 +15,7 @@ below its own count. Every page is in exactly one state::
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from typing import Callable
 
@@ -34,6 +35,8 @@ class PageAllocator:
         # unowned pages whose contents are kept, by tenant, each oldest first
         self._cached: dict[str, OrderedDict[int, None]] = {}
         self._group: dict[int, str] = {}  # cached page -> its tenant
+        self._released_at: dict[int, float] = {}  # cached page -> when it was released (clock())
+        self.clock: Callable[[], float] = time.time
         # Set by the prefix cache: a released page's tenant if it is worth keeping (else None), and
         # what to forget when a cached page is evicted.
         self.keeps: Callable[[int], str | None] = lambda page: None
@@ -103,6 +106,7 @@ class PageAllocator:
 
     def _uncache(self, page: int) -> None:
         tenant = self._group.pop(page)
+        del self._released_at[page]
         del self._cached[tenant][page]
         if not self._cached[tenant]:
             del self._cached[tenant]
@@ -118,6 +122,7 @@ class PageAllocator:
                 tenant = self.keeps(p)
                 if tenant is not None:
                     self._group[p] = tenant
+                    self._released_at[p] = self.clock()
                     self._cached.setdefault(tenant, OrderedDict())[p] = None
                 else:
                     self._free.append(p)
@@ -125,6 +130,18 @@ class PageAllocator:
 
     def num_owners(self, page: int) -> int:
         return len(self._owners.get(page, ()))
+
+    def expire_cached(self, cutoff: float) -> list[int]:
+        """Free the cached pages released before `cutoff` (their contents are forgotten); returns them."""
+        expired = []
+        for tenant in list(self._cached):
+            group = self._cached[tenant]
+            while group and self._released_at[next(iter(group))] < cutoff:
+                page = next(iter(group))
+                self._uncache(page)
+                self._free.append(page)
+                expired.append(page)
+        return expired
 
     def cached_pages(self) -> list[int]:
         """Cached pages, each tenant's oldest first."""
@@ -136,6 +153,7 @@ class PageAllocator:
     def check_integrity(self) -> None:
         free, cached, owned = list(self._free), set(self._group), set(self._owners)
         assert cached == {p for g in self._cached.values() for p in g}, "cached pages and their tenants disagree"
+        assert cached == set(self._released_at), "cached pages and their release times disagree"
         assert all(self._cached.values()), "an empty tenant group of cached pages"
         assert len(set(free)) == len(free), "a page is on the free list twice"
         assert not set(free) & owned, "a page is both free and owned"

@@ -41,12 +41,14 @@ class PrefixCache:
     """`lookahead` 1 (speculative decoding): a page's name also covers the token after it, since the
     MTP layer's entry at the page's last position is made from that token. `tiers`: the lower tiers by
     name, in order ({"host": PrefixHostStore, "disk": PrefixDiskStore}, either or both, or none), with
-    `before_copy` run before they read or write pool rows (the tiered pool's flush of pending backups)."""
+    `before_copy` run before they read or write pool rows (the tiered pool's flush of pending backups).
+    `ttl_s`: a page no request has used for that long is forgotten in every tier (`expire`)."""
 
     def __init__(self, allocator: PageAllocator, lookahead: int = 0, tiers: dict | None = None,
-                 before_copy=lambda: None):
+                 before_copy=lambda: None, ttl_s: float | None = None):
         self.allocator, self.page_size, self.lookahead = allocator, allocator.page_size, lookahead
-        self.tiers, self.before_copy = tiers or {}, before_copy
+        self.tiers, self.before_copy, self.ttl_s = tiers or {}, before_copy, ttl_s
+        self.expired_pages = 0
         self._page_of: dict[bytes, int] = {}
         self._name_of: dict[int, bytes] = {}
         self._chains: dict[str, list[bytes]] = {}  # request -> names of its first pages
@@ -146,12 +148,34 @@ class PrefixCache:
                 del self._inflight[name]
 
     def _forget_page(self, page: int) -> None:
-        name = self._name_of.pop(page)
+        """An evicted page: its contents go to the first lower tier, if any, before the name is forgotten."""
         if self.tiers:
             self.before_copy()
-            next(iter(self.tiers.values())).save(name, page)
-        del self._page_of[name]
+            next(iter(self.tiers.values())).save(self._name_of[page], page)
+        self._unname(page)
+
+    def _unname(self, page: int) -> None:
+        del self._page_of[self._name_of.pop(page)]
         del self._tenant_of[page]
+
+    def set_clock(self, clock) -> None:
+        """The time source of release and use times (time.time; a test's fake clock)."""
+        self.allocator.clock = clock
+        for store in self.tiers.values():
+            store.clock = clock
+
+    def expire(self) -> int:
+        """Forget, in every tier, the pages no request has used for `ttl_s` seconds (a retention
+        bound: a tenant's cached prompt is gone within `ttl_s` of its last use). Returns how many."""
+        if self.ttl_s is None:
+            return 0
+        cutoff = self.allocator.clock() - self.ttl_s
+        pages = self.allocator.expire_cached(cutoff)
+        for page in pages:
+            self._unname(page)
+        n = len(pages) + sum(store.expire(cutoff) for store in self.tiers.values())
+        self.expired_pages += n
+        return n
 
     def persist(self) -> None:
         """Before the engine closes: save the pool's cached pages and the host tier's copies to the disk
@@ -171,6 +195,7 @@ class PrefixCache:
         return {**{f"prefix_cache_hits_{tier}": n for tier, n in self.hit_tokens.items()},
                 "prefix_cache_queries": self.queried_tokens, "prefix_cached_pages": self.allocator.num_cached,
                 "prefix_cache_hit_rate": hits / self.queried_tokens if self.queried_tokens else 0.0,
+                "prefix_cache_expired_pages": self.expired_pages,
                 **{k: v for store in self.tiers.values() for k, v in store.stats().items()}}
 
     def names_all(self, pages: list[int]) -> bool:

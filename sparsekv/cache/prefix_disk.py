@@ -81,7 +81,9 @@ class PrefixDiskStore:
         except BlockingIOError:
             self._lock_file.close()
             raise ValueError(f"prefix cache disk tier {self.dir} is in use by another engine") from None
-        self._files: OrderedDict[bytes, None] = OrderedDict()  # pages on disk or being written, oldest first
+        # pages on disk or being written -> when last saved or hit (clock()), least recently used first
+        self._files: OrderedDict[bytes, float] = OrderedDict()
+        self.clock = time.time
         self._pending: dict[bytes, tuple[int, list[torch.Tensor]]] = {}  # being written: (ticket, rows)
         self._lock = threading.Lock()  # _files and _pending, shared with the writer thread
         self._tickets = itertools.count()
@@ -104,7 +106,7 @@ class PrefixDiskStore:
             elif entry.name.endswith(".tmp"):
                 os.unlink(entry.path)
         for mtime, name in sorted(found):
-            self._files[name] = None
+            self._files[name] = mtime / 1e9
             self._last_ns = max(self._last_ns, mtime)
         self._make_room(0)
 
@@ -124,15 +126,28 @@ class PrefixDiskStore:
             if name not in self._files:
                 return
             self._files.move_to_end(name)
+            self._files[name] = self.clock()
         self._writer.submit(self._utime, name)
 
     def _make_room(self, page_bytes: int) -> None:
         with self._lock:
             while self._files and self.bytes_used + page_bytes > self.capacity_bytes:
-                old, _ = self._files.popitem(last=False)
-                self._pending.pop(old, None)
+                self._drop_oldest()
                 self.dropped += 1
-                self._writer.submit(self._unlink, old)
+
+    def _drop_oldest(self) -> None:
+        old, _ = self._files.popitem(last=False)
+        self._pending.pop(old, None)
+        self._writer.submit(self._unlink, old)
+
+    def expire(self, cutoff: float) -> int:
+        """Remove the pages last used before `cutoff`; returns how many."""
+        n = 0
+        with self._lock:
+            while self._files and next(iter(self._files.values())) < cutoff:
+                self._drop_oldest()
+                n += 1
+        return n
 
     def save(self, name: bytes, page: int) -> None:
         """Keep pool page `page`'s rows under `name`."""
@@ -151,7 +166,7 @@ class PrefixDiskStore:
         self._make_room(self.page_bytes)
         with self._lock:
             ticket = next(self._tickets)
-            self._files[name], self._pending[name] = None, (ticket, rows)
+            self._files[name], self._pending[name] = self.clock(), (ticket, rows)
         self.saved += 1
         self._writer.submit(self._write, name, ticket, rows)
 

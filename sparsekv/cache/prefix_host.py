@@ -11,6 +11,7 @@ same bytes), so a host hit computes what a pool hit does.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Callable
 
@@ -49,7 +50,9 @@ class PrefixHostStore:
     def __init__(self, rows: PageRows, capacity_bytes: int,
                  spill: Callable[[bytes, list[torch.Tensor]], None] | None = None):
         self.rows, self.page_bytes, self.capacity_bytes, self.spill = rows, rows.page_bytes, capacity_bytes, spill
-        self._pages: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()  # oldest first
+        self._pages: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()  # least recently used first
+        self._used_at: dict[bytes, float] = {}
+        self.clock: Callable[[], float] = time.time
         self.saved = self.loaded = self.dropped = 0
 
     @property
@@ -66,12 +69,21 @@ class PrefixHostStore:
     def touch(self, name: bytes) -> None:
         if name in self._pages:
             self._pages.move_to_end(name)
+            self._used_at[name] = self.clock()
+
+    def expire(self, cutoff: float) -> int:
+        """Drop the copies last used before `cutoff` (not spilled); returns how many."""
+        n = 0
+        while self._pages and self._used_at[next(iter(self._pages))] < cutoff:
+            del self._used_at[self._pages.popitem(last=False)[0]]
+            n += 1
+        return n
 
     def save(self, name: bytes, page: int) -> None:
         """Keep a copy of pool page `page`'s rows under `name` (the oldest copies over budget go to the
         spill tier, or are dropped)."""
         if name in self._pages:
-            self._pages.move_to_end(name)
+            self.touch(name)
             return
         if self.page_bytes > self.capacity_bytes:
             if self.spill is not None:
@@ -79,15 +91,16 @@ class PrefixHostStore:
             return
         while self.bytes_used + self.page_bytes > self.capacity_bytes:
             old, rows = self._pages.popitem(last=False)
+            del self._used_at[old]
             self.dropped += 1
             if self.spill is not None:
                 self.spill(old, rows)
-        self._pages[name] = self.rows.copy_out(page)
+        self._pages[name], self._used_at[name] = self.rows.copy_out(page), self.clock()
         self.saved += 1
 
     def load(self, name: bytes, page: int) -> bool:
         """Write the copy saved under `name` into pool page `page` (the copy is kept)."""
-        self._pages.move_to_end(name)
+        self.touch(name)
         self.rows.copy_in(page, self._pages[name])
         self.loaded += 1
         return True
@@ -102,5 +115,6 @@ class PrefixHostStore:
 
     def check_integrity(self) -> None:
         assert self.bytes_used <= self.capacity_bytes, "the prefix host store is over its budget"
+        assert self._used_at.keys() == self._pages.keys(), "host copies and their use times disagree"
         for rows in self._pages.values():
             assert self.rows.fits(rows), "a saved page's rows do not match the pool's layout"

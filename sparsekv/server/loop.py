@@ -148,6 +148,8 @@ class EngineLoop:
             busy = self.dead is None and self.engine.has_unfinished_requests()
             if self._run_commands(block=not busy):
                 self._refresh_stats()
+            if not busy and self.dead is None:
+                self._expire()
             if self.dead is None and self.engine.has_unfinished_requests():
                 self._step()
 
@@ -165,6 +167,14 @@ class EngineLoop:
                 fn, args = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _expire(self) -> None:
+        """Idle: the prefix cache's retention still runs (a step does it when busy)."""
+        try:
+            if self.engine.expire_prefix_cache():
+                self._refresh_stats()
+        except Exception:
+            log.exception("prefix cache expiry failed")
 
     def _refresh_stats(self) -> None:
         try:
