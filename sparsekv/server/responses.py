@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..request import RequestOutput
-from .tool_calls import parse_tool_calls
+from .tool_calls import ToolCallStream, parse_tool_calls
 
 
 def _is_number(x) -> bool:
@@ -53,10 +53,11 @@ class Echo:
 
 class ChoiceState:
     """`hold_marker` (chat with tools): streamed text stops where a tool call begins; the calls go out
-    with the last chunk, once the message is finished and parsed."""
+    as they are written (`tool_stream`)."""
 
     def __init__(self, index: int, stop_strings: list[str], hold_marker: str | None = None):
         self.index, self.stop_strings, self.hold_marker = index, stop_strings, hold_marker
+        self.tool_stream = ToolCallStream() if hold_marker is not None else None
         self.out: RequestOutput | None = None
         self.sent_text = 0  # characters of out.text already sent
         self.sent_tokens = 0
@@ -169,10 +170,13 @@ class ResponseBuilder:
                       "stop_reason": None}
         else:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            calls = parse_tool_calls(s.out.text)[1] if self.tools and finish is not None else []
-            if calls:
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-                finish = "tool_calls"
+            if self.tools and s.tool_stream is not None:
+                calls = s.tool_stream.update(s.out.text, finish is not None)
+                if calls:
+                    delta["tool_calls"] = calls
+                    delta["content"] = text or None
+                if finish is not None and s.tool_stream.num_calls:
+                    finish = "tool_calls"
             choice = {"index": s.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         body = self._chunk_head([choice], include_usage)
         if finish is not None:
