@@ -34,16 +34,21 @@ def history_segments(table: torch.Tensor, seq: SeqSlice) -> list[tuple[int | tor
     return pieces
 
 
-def padded_slots(seqs: list[SeqSlice]) -> torch.Tensor:
-    """[B, T_max] slots of each request's history, padded by repeating its last slot (callers mask the
-    padding): a few launches for the whole batch, not one copy per request."""
-    lengths = [s.context_len for s in seqs]
-    device = seqs[0].slots.device
-    flat = torch.cat([s.slots for s in seqs])
+def padded_rows(lengths: list[int], length: int, device) -> torch.Tensor:
+    """[B, length] rows of the concatenated histories of `lengths` tokens each, every history padded to
+    `length` by repeating its last row (callers mask the padding)."""
     offsets = index_tensor([sum(lengths[:i]) for i in range(len(lengths))], device)
     last = index_tensor(lengths, device) - 1
-    within = torch.minimum(torch.arange(max(lengths), device=device)[None, :], last[:, None])
-    return flat[offsets[:, None] + within]
+    return offsets[:, None] + torch.minimum(torch.arange(length, device=device)[None, :], last[:, None])
+
+
+def padded_slots(seqs: list[SeqSlice], length: int | None = None) -> torch.Tensor:
+    """[B, length] slots of each request's history (default length: the longest), padded by repeating
+    its last slot (callers mask the padding): a few launches for the whole batch, not one copy per
+    request."""
+    lengths = [s.context_len for s in seqs]
+    flat = torch.cat([s.slots for s in seqs])
+    return flat[padded_rows(lengths, length or max(lengths), flat.device)]
 
 
 def _concat_ranges(starts: list[int], lengths: list[int]) -> torch.Tensor:
@@ -105,6 +110,10 @@ class KVPool:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim]: only k entries are read."""
         rows = seq.slots[positions.reshape(-1)]
         return self.latent[layer].index_select(0, rows).view(*positions.shape, -1)
+
+    def dense_decode_latents(self, layer: int, seqs: list[SeqSlice], length: int) -> torch.Tensor:
+        """Decoding requests' whole histories, each padded to `length` entries: [B, length, latent_dim]."""
+        return self.latent[layer][padded_slots(seqs, length)]
 
     def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
         """Each request's decode rows and their k selected positions [n, k] -> [sum n, k, latent_dim], one gather."""

@@ -48,6 +48,7 @@ from .index_keys import IndexKeyCache
 from .lru import (TierCounters, TierSizes, WorkingSetLRU, index_bytes_per_layer, index_bytes_per_token,
                   latent_bytes_per_token, plan_tier_sizes)
 from .pages import PageAllocator
+from .pool import padded_rows
 
 
 @dataclass
@@ -203,6 +204,15 @@ class TieredKVPool:
         if self._uses_working_set(layer, seq):
             return self._gather(layer, [seq], [positions.reshape(-1).cpu().numpy()]).view(*positions.shape, -1)
         return self._stream(layer, seq, seq.slots[positions.reshape(-1).to(seq.slots.device)]).view(*positions.shape, -1)
+
+    def dense_decode_latents(self, layer: int, seqs: list[SeqSlice], length: int) -> torch.Tensor:
+        """Decoding requests' whole histories (each `latent_for`), padded to `length` entries by
+        repeating the last: [B, length, latent_dim]. Resolved as one group when all use the working set."""
+        if all(self._uses_working_set(layer, seq) for seq in seqs):
+            flat = self._gather(layer, seqs, [np.arange(seq.context_len) for seq in seqs])
+        else:
+            flat = torch.cat([self.latent_for(layer, seq) for seq in seqs])
+        return flat[padded_rows([seq.context_len for seq in seqs], length, flat.device)]
 
     def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
         """Each request's decode rows, k selected positions per row [n, k] -> [sum n, k, latent_dim]. The

@@ -19,6 +19,7 @@ from .indexer import INDEX_SCORE_ELEMENTS_GPU, LightningIndexer, keys_major
 from .layers import rms_norm, rope_interleaved
 from .selectors import DSASelector
 
+
 def _groups_within(seqs: list[SeqSlice], budget: int) -> list[list[SeqSlice]]:
     """Consecutive groups of `seqs` (sorted by length) whose padded size, rows x longest history,
     stays within `budget` elements."""
@@ -29,6 +30,12 @@ def _groups_within(seqs: list[SeqSlice], budget: int) -> list[list[SeqSlice]]:
             current = []
         current.append(seq)
     return groups + [current] if current else groups
+
+
+def dense_length(context_len: int, index_topk: int) -> int:
+    """The padded history length of a dense-regime decode: the next power of two (at least 16), at
+    most top-k (a dense-regime context is never longer)."""
+    return min(index_topk, max(16, 1 << (context_len - 1).bit_length()))
 
 
 @dataclass
@@ -55,6 +62,10 @@ class MLAttention:
         self.w_uv = kv_b[:, cfg.qk_nope_head_dim:]   # [H, v, C]
         self.w_uv_t = self.w_uv.transpose(1, 2).contiguous()  # [H, C, v] for the batched GEMM
         self.scale = cfg.softmax_scale
+
+    # Decodes in the dense regime run as batches (`_attend_dense_decodes`); False: one request at a
+    # time (`sparsekv bench batch` measures both).
+    batch_dense_decodes = True
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
         cfg, w, n = self.cfg, self.w, x.shape[0]
@@ -86,12 +97,17 @@ class MLAttention:
         """
         o_lat = q.new_empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank)
         decode_rows, picks, valid = [], [], []
+        dense_decodes: dict[int, list[SeqSlice]] = {}  # padded length -> decodes that attend to every entry
         batched = self._select_decode_batch(index_q, ctx, cache)
         for seq in ctx.seqs:
             rows = slice(seq.token_start, seq.token_end)
             iq = None if index_q is None else self.selector.rows(index_q, rows)
             q_seq, positions = q[rows], ctx.positions[rows]
-            if seq.num_new_tokens > ctx.decode_rows or not self._sparse(seq, ctx):
+            is_decode = seq.num_new_tokens <= ctx.decode_rows
+            if is_decode and self.batch_dense_decodes and ctx.attention != "dense" and not self._sparse(seq, ctx):
+                dense_decodes.setdefault(dense_length(seq.context_len, self.cfg.index_topk), []).append(seq)
+                continue
+            if not is_decode or not self._sparse(seq, ctx):
                 o_lat[rows] = self._attend(seq, q_seq, positions, iq, ctx, cache)
                 continue
             selected = self._select(seq, q_seq, positions, iq, ctx, cache, done=seq.request_id in batched)
@@ -102,7 +118,27 @@ class MLAttention:
             rows = ctx.rows_index(decode_rows)
             keys = cache.gather_decode_latents(self.layer_idx, picks)                 # [B, k, D]
             o_lat[rows] = latent_attention(q[rows], keys, torch.cat(valid), self.scale, self.cfg.kv_lora_rank)
+        for length, seqs in dense_decodes.items():
+            self._attend_dense_decodes(seqs, length, q, ctx, cache, o_lat)
         return o_lat
+
+    def _attend_dense_decodes(self, seqs: list[SeqSlice], length: int, q: torch.Tensor, ctx: ForwardContext,
+                              cache, o_lat: torch.Tensor) -> None:
+        """Decodes below top-k context (DSA's dense regime: every entry is read), batched: each
+        request's history padded to `length` entries, masked by position (padding adds exact zeros to
+        the softmax). The padded length is a power of two of the request's own context, not the
+        batch's longest, so a short request is not padded to a long one."""
+        per_row = q.shape[1] * length
+        group = max(1, query_block_size(per_row * ctx.decode_rows, len(seqs), q.device))
+        for start in range(0, len(seqs), group):
+            part = seqs[start:start + group]
+            keys = cache.dense_decode_latents(self.layer_idx, part, length)      # [B, length, D]
+            rows = ctx.rows_index([r for seq in part for r in range(seq.token_start, seq.token_end)])
+            if rows.numel() != len(part):  # drafts: each request's rows share its keys
+                owner = [i for i, seq in enumerate(part) for _ in range(seq.num_new_tokens)]
+                keys = keys[ctx.rows_index(owner)]
+            valid = torch.arange(length, device=q.device)[None, :] <= ctx.positions[rows][:, None]
+            o_lat[rows] = latent_attention(q[rows], keys, valid, self.scale, self.cfg.kv_lora_rank)
 
     def _select_decode_batch(self, index_q, ctx: ForwardContext, cache) -> set[str]:
         """A full DSA layer's decodes (1 row, or 1 + drafts), selected together into `ctx.selection`

@@ -1,4 +1,4 @@
-"""`sparsekv bench decode | prefill | modes | tiers | serve | spec | indexer`.
+"""`sparsekv bench decode | prefill | modes | tiers | serve | spec | indexer | prefix | batch`.
 
 Every figure is measured in a fresh subprocess (clean peak RSS, no allocator carry-over) and every
 table prints its ratio against the baseline measured in the same run, plus achieved bandwidth.
@@ -237,12 +237,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     sub = {"tiers": "bench_tiers", "spec": "bench_spec", "indexer": "bench_indexer", "serve": "bench_serve",
-           "prefix": "bench_prefix"}
+           "prefix": "bench_prefix", "batch": "bench_batch"}
     if argv and argv[0] in sub:
         module = importlib.import_module(f".{sub[argv[0]]}", __package__)
         try:
             return module.main(argv[1:])
-        except (FileNotFoundError, ConfigError) as e:   # e.g. --model pointing at no checkpoint
+        except (FileNotFoundError, ConfigError, ValueError) as e:   # e.g. --model pointing at no checkpoint
             print(f"sparsekv bench {argv[0]}: error: {e}", file=sys.stderr)
             return 2
     args = parse_args(argv)

@@ -1,0 +1,76 @@
+"""Decodes below top-k context (DSA's dense regime) run as one batch per padded length
+(`MLAttention._attend_dense_decodes`): the same greedy tokens as one request at a time, logprobs
+within 1e-5 (float32 rounding, as any batching), on the device pool, the tiered cache and with
+drafts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv import LLM, SamplingParams
+from sparsekv.model.attention import MLAttention, dense_length
+from sparsekv.tools.tiny import save_reference_checkpoint
+
+TOPK = 32
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3, ignore_eos=True)
+# 3 to 30 tokens: some cross top-k (32) while decoding, from the dense path to the sparse one
+PROMPTS = [[(7 * i + j) % 250 + 1 for i in range(n)] for j, n in enumerate((3, 9, 17, 30, 12))]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dense-decode"))
+    save_reference_checkpoint(path, family="glm_moe_dsa", seed=3, index_topk=TOPK)
+    return path
+
+
+@pytest.fixture
+def one_at_a_time():
+    """Run with the dense-regime decodes one request at a time (the path before batching)."""
+    MLAttention.batch_dense_decodes = False
+    yield
+    MLAttention.batch_dense_decodes = True
+
+
+def run(path, prompts, params=GREEDY, **options):
+    torch.set_num_threads(1)
+    llm = LLM(path, kv_page_size=16, max_num_seqs=8, enable_prefix_caching=False, **options)
+    calls = []
+    original = llm.engine.cache.dense_decode_latents
+    llm.engine.cache.dense_decode_latents = lambda *a: calls.append(len(a[1])) or original(*a)
+    outs = llm.generate(prompts, params)
+    llm.engine.check_integrity()
+    return outs, calls
+
+
+def assert_same(want, got, tolerance: float = 0.0):
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids
+        gap = max(abs(x[t] - y[t]) for x, y in zip(a.logprobs, b.logprobs, strict=True) for t in x)
+        assert gap <= tolerance, gap
+
+
+def test_dense_length_is_a_power_of_two_within_top_k():
+    assert [dense_length(n, 256) for n in (1, 16, 17, 100, 128, 129, 256)] == [16, 16, 32, 128, 128, 256, 256]
+    assert dense_length(200, 200) == 200  # never past top-k, even when it is not a power of two
+
+
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=TOPK)], ids=["device", "tiered"])
+def test_batched_dense_decodes_equal_one_request_at_a_time(ckpt, options, request):
+    got, calls = run(ckpt, PROMPTS, **options)
+    assert max(calls) > 1  # several requests per batch went through the batched path
+    request.getfixturevalue("one_at_a_time")
+    want, none = run(ckpt, PROMPTS, **options)
+    assert none == []
+    assert_same(want, got, tolerance=1e-5)  # float32 rounding: the reductions run over padded lengths
+
+
+def test_drafted_dense_decodes_equal_one_request_at_a_time(request):
+    """With MTP drafts each request's 1 + k rows share its padded history (the bundled model: top-k
+    256, so these prompts decode in the dense regime throughout)."""
+    prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
+    got, calls = run(None, prompts, num_speculative_tokens=2)
+    assert calls
+    request.getfixturevalue("one_at_a_time")
+    want, _ = run(None, prompts, num_speculative_tokens=2)
+    assert_same(want, got, tolerance=1e-5)
