@@ -74,3 +74,18 @@ def test_drafted_dense_decodes_equal_one_request_at_a_time(request):
     request.getfixturevalue("one_at_a_time")
     want, _ = run(None, prompts, num_speculative_tokens=2)
     assert_same(want, got, tolerance=1e-5)
+
+
+def test_bench_batch_runs_both_paths_and_checks_they_agree(tmp_path, capsys):
+    import json
+
+    from sparsekv.tools.bench import main
+    out = tmp_path / "batch.json"
+    assert main(["batch", "--batch", "4", "--prompt-tokens", "40", "--steps", "6", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == {"one request at a time", "batched"}
+    assert result["identical_tokens"] and result["max_logprob_diff"] <= 1e-5
+    assert MLAttention.batch_dense_decodes  # the default is restored
+    assert main(["batch", "--prompt-tokens", "250", "--steps", "32"]) == 2  # past top-k (256): refused
+    assert "top-k" in capsys.readouterr().err

@@ -5,6 +5,8 @@ cache can substitute its own placement without touching the model.
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from ..config import ModelConfig
@@ -37,7 +39,7 @@ def history_segments(table: torch.Tensor, seq: SeqSlice) -> list[tuple[int | tor
 def padded_rows(lengths: list[int], length: int, device) -> torch.Tensor:
     """[B, length] rows of the concatenated histories of `lengths` tokens each, every history padded to
     `length` by repeating its last row (callers mask the padding)."""
-    offsets = index_tensor([sum(lengths[:i]) for i in range(len(lengths))], device)
+    offsets = index_tensor([0, *accumulate(lengths[:-1])], device)
     last = index_tensor(lengths, device) - 1
     return offsets[:, None] + torch.minimum(torch.arange(length, device=device)[None, :], last[:, None])
 
@@ -113,7 +115,8 @@ class KVPool:
 
     def dense_decode_latents(self, layer: int, seqs: list[SeqSlice], length: int) -> torch.Tensor:
         """Decoding requests' whole histories, each padded to `length` entries: [B, length, latent_dim]."""
-        return self.latent[layer][padded_slots(seqs, length)]
+        slots = padded_slots(seqs, length)
+        return self.latent[layer].index_select(0, slots.reshape(-1)).view(*slots.shape, -1)
 
     def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
         """Each request's decode rows and their k selected positions [n, k] -> [sum n, k, latent_dim], one gather."""

@@ -212,7 +212,8 @@ class TieredKVPool:
             flat = self._gather(layer, seqs, [np.arange(seq.context_len) for seq in seqs])
         else:
             flat = torch.cat([self.latent_for(layer, seq) for seq in seqs])
-        return flat[padded_rows([seq.context_len for seq in seqs], length, flat.device)]
+        rows = padded_rows([seq.context_len for seq in seqs], length, flat.device)
+        return flat.index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
 
     def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
         """Each request's decode rows, k selected positions per row [n, k] -> [sum n, k, latent_dim]. The
