@@ -231,6 +231,7 @@ class LLMEngine:
             self.cache.begin_step(chunks)
         logits, hidden = self.runner.execute(chunks)
         self.counters["steps"] += 1
+        greedy = self._greedy_batch(chunks, logits)
         outputs, row, first_row = [], 0, 0
         for ch in chunks:
             req = ch.request
@@ -239,7 +240,11 @@ class LLMEngine:
             first_row += ch.num_new_tokens
             req.num_computed_tokens += ch.num_new_tokens - ch.num_draft_tokens
             self.counters["prompt_tokens"] += max(0, min(ch.context_len, req.num_prompt_tokens) - ch.first_position)
-            if ch.samples:
+            if ch.samples and req.request_id in greedy:
+                req.draft_token_ids.clear()
+                outputs.append(self._output(req, self._emit(req, *greedy[req.request_id])))
+                row += 1
+            elif ch.samples:
                 rows = 1 + ch.num_draft_tokens
                 outputs.append(self._sample(req, logits[row:row + rows]))
                 row += rows
@@ -255,6 +260,35 @@ class LLMEngine:
         context prefilled (up to 512 MB on a CPU) and would otherwise stay with the process."""
         if not self.scheduler.has_unfinished():
             self.model.index_scratch.release()
+
+    def _greedy_batch(self, chunks, logits: torch.Tensor) -> dict[str, tuple]:
+        """The step's plain greedy rows (one row, no drafts, penalties, bias or grammar), decided for
+        the whole batch at once: one argmax, one log_softmax and top-k, one copy to the host, instead of
+        a few launches and a device sync per request. request id -> (token, None, its logprobs or None)."""
+        rows, reqs, row = [], [], 0
+        for ch in chunks:
+            req = ch.request
+            if ch.samples and not ch.num_draft_tokens and req.params.greedy and \
+                    req.request_id not in self._adjusters and req.request_id not in self._grammars:
+                rows.append(row)
+                reqs.append(req)
+            row += (1 + ch.num_draft_tokens) if ch.samples else 0
+        if len(rows) < 2:
+            return {}
+        picked = logits[torch.tensor(rows, device=logits.device)]
+        tokens = picked.argmax(-1)
+        wants = [r.params.logprobs for r in reqs]
+        logprobs = [None] * len(reqs)
+        if any(w is not None for w in wants):
+            lp = torch.log_softmax(picked, -1)
+            chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+            top = max(w or 0 for w in wants)
+            values, ids = lp.topk(top) if top else (None, None)
+            values, ids = (values.tolist(), ids.tolist()) if top else ([[]] * len(reqs), [[]] * len(reqs))
+            for i, (want, token) in enumerate(zip(wants, tokens.tolist())):
+                if want is not None:
+                    logprobs[i] = {token: chosen[i], **dict(zip(ids[i][:want], values[i][:want]))}
+        return {r.request_id: (t, None, lp) for r, t, lp in zip(reqs, tokens.tolist(), logprobs)}
 
     def _sample(self, req: Request, logits: torch.Tensor) -> RequestOutput:
         """The step's new token(s): one sampled, or a verified draft (speculative.py) plus one more."""
@@ -301,10 +335,12 @@ class LLMEngine:
         logits = logits if adjust is None else adjust(logits)
         return logits if grammar is None else grammar.mask(logits)
 
-    def _emit(self, req: Request, token: int, logits: torch.Tensor) -> list[int]:
+    def _emit(self, req: Request, token: int, logits: torch.Tensor | None, logprobs: dict | None = None) -> list[int]:
+        """Append `token`; its logprobs from the raw `logits` row, or given (`_greedy_batch`)."""
         params = req.params
         if params.logprobs is not None:
-            req.output_logprobs.append(token_logprobs(torch.log_softmax(logits, -1), token, params.logprobs))
+            req.output_logprobs.append(logprobs if logprobs is not None else
+                                       token_logprobs(torch.log_softmax(logits, -1), token, params.logprobs))
         req.output_token_ids.append(token)
         if req.request_id in self._adjusters:
             self._adjusters[req.request_id].note(token)
