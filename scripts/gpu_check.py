@@ -14,13 +14,15 @@
    tokens/s, the batching ceiling and p99 at concurrency 1, tiering on vs off), written to
    OUT.tiers.json for CKPT and OUT.tiers-glm52.json for the glm5.2-proportions stand-in (GLM-5.2's
    ratio of weight bytes to one request's cache reads per step).
-5. with --needle LENGTHS (e.g. 1M or 256K,1M): issue 5's passkey eval of the bundled model at those
+5. dense-regime decodes batched against one request at a time (`sparsekv bench batch`, 64 and 256
+   requests of 128 tokens, OUT.batch64.json / OUT.batch256.json): the launches saved on a device;
+6. with --needle LENGTHS (e.g. 1M or 256K,1M): issue 5's passkey eval of the bundled model at those
    lengths, needle depths 0, 0.5 and 1, sparse attention with the tiered cache on the device, written
    to OUT.needle.json (and a heatmap next to it). One 1M prompt takes about 1.8 hours on this
    project's 2-core CPU (two threads, estimated; 3.5 on one); it is what a lent GPU is for.
 
 With little device time left, `--long 4096 --tiers` skips the 1M prefill and keeps the tiering checks.
-Stages run in the order exactness, tiers, decode, indexer decode, long prefill, needle; OUT.json is
+Stages run in the order exactness, tiers, batch, decode, indexer decode, long prefill, needle; OUT.json is
 rewritten after each, so a run cut short by its time limit keeps what it measured.
 """
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main() -> None:
     stages = [("exactness", lambda: exactness(ckpt, device))]
     if "--tiers" in sys.argv:  # the open issue's figures first: a run cut short by its time limit keeps them
         stages.append(("tiers", lambda: tiers(ckpt, device, stem + ".tiers.json")))
+    stages.append(("batch", lambda: batch_decode(device, stem + ".batch.json")))
     stages += [("decode", lambda: {c: sparsekv_decode({"ckpt": ckpt, "context": c, "steps": 16, "device": device})
                                    for c in contexts}),
                ("indexer_decode", lambda: indexer_decode(device, stem + ".indexer-decode.json")),
@@ -96,13 +99,23 @@ def indexer_decode(device: str, out_path: str) -> dict:
 
 def tiers(ckpt: str, device: str, out_path: str) -> dict:
     test = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_tiers.py", "tests/test_speculative.py",
-                           "tests/test_prefix_cache.py", "-k", "on_cuda"], capture_output=True, text=True)
+                           "tests/test_prefix_cache.py", "tests/test_dense_decode_batch.py", "-k", "on_cuda"], capture_output=True, text=True)
     result = {"cuda_exactness_test": test.stdout.strip().splitlines()[-1:]}
     for name, model in (("", ["--model", ckpt]), ("-glm52", ["--preset", "glm5.2-proportions"])):
         bench = subprocess.run(["sparsekv", "bench", "tiers", "--concurrency", *model, "--device", device,
                                 "--threads", "16", "--json", out_path.replace(".tiers", f".tiers{name}")],
                                capture_output=True, text=True)
         result[f"bench{name}_rc"], result[f"bench{name}_tail"] = bench.returncode, bench.stdout.strip().splitlines()[-4:]
+    return result
+
+
+def batch_decode(device: str, out_path: str) -> dict:
+    """Dense-regime decodes batched against one request at a time, at 64 and 256 requests."""
+    result = {}
+    for batch in (64, 256):
+        run = subprocess.run(["sparsekv", "bench", "batch", "--device", device, "--batch", str(batch), "--threads", "16",
+                              "--json", out_path.replace(".batch", f".batch{batch}")], capture_output=True, text=True)
+        result[batch] = {"rc": run.returncode, "tail": (run.stdout + run.stderr).strip().splitlines()[-5:]}
     return result
 
 

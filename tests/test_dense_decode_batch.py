@@ -119,3 +119,13 @@ def test_greedy_rows_decided_together_equal_one_row_at_a_time(ckpt, monkeypatch)
         assert a.logprobs == b.logprobs and (a.logprobs is None or
                                             [list(d) for d in a.logprobs] == [list(d) for d in b.logprobs])
     llm.engine.check_integrity()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py --tiers runs it)")
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=TOPK)], ids=["device", "tiered"])
+def test_batched_dense_decodes_on_cuda(ckpt, options, request):
+    got, calls = run(ckpt, PROMPTS, device="cuda", **options)
+    assert max(calls) > 1
+    request.getfixturevalue("one_at_a_time")
+    want, _ = run(ckpt, PROMPTS, device="cuda", **options)
+    assert_same(want, got, tolerance=1e-4)

@@ -50,11 +50,11 @@ def run(args) -> dict:
     from sparsekv import LLM
     from sparsekv.model.attention import MLAttention
     from sparsekv.paths import default_model_path
-    from .bench import _machine_bandwidth
+    from .bench_tiers import device_bandwidth_gbps
     from .bench_worker import decode_bytes_per_step
     torch.set_num_threads(args.threads)
     max_len = args.prompt_tokens + args.steps + 8
-    engine = LLM(args.model or default_model_path(), max_model_len=max_len, max_num_seqs=args.batch,
+    engine = LLM(args.model or default_model_path(), device=args.device, max_model_len=max_len, max_num_seqs=args.batch,
                  max_num_batched_tokens=max(4096, args.prompt_tokens), enable_prefix_caching=False,
                  num_kv_pages=args.batch * -(-max_len // 64)).engine  # room for the whole batch at once
     topk = engine.model_config.index_topk
@@ -70,7 +70,7 @@ def run(args) -> dict:
     context = args.prompt_tokens + args.steps // 2
     return {"runs": runs, "batch": args.batch, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
             "step_bytes": decode_bytes_per_step(engine, context, args.batch),
-            "machine_gbps": _machine_bandwidth(args.threads)}
+            "machine_gbps": device_bandwidth_gbps(args)}
 
 
 def _logprob_gap(a: list, b: list) -> float:
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (on an accelerator the saving is in launches)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
     return run_bench(p, argv, ("batch", "prompt_tokens", "steps", "repeats"), run, report)
