@@ -68,6 +68,8 @@ class KVPool:
         self.latent = {i: torch.empty(self.num_slots, cfg.latent_dim, dtype=dtype, device=device) for i in layers}
         self.index_keys = {i: torch.empty(self.num_slots, cfg.index_head_dim, dtype=dtype, device=device)
                            for i in indexer_layers}
+        self._latent_bpt = sum(t.shape[1] * t.element_size() for t in self.latent.values())
+        self._index_bpt = sum(t.shape[1] * t.element_size() for t in self.index_keys.values())
 
     def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor indexed by slot, with its tokens per row (1): what a page's contents are (the
@@ -76,10 +78,10 @@ class KVPool:
 
     # -- sizes ---------------------------------------------------------------------------------
     def latent_bytes_per_token(self) -> int:
-        return sum(t.shape[1] * t.element_size() for t in self.latent.values())
+        return self._latent_bpt
 
     def index_bytes_per_token(self) -> int:
-        return sum(t.shape[1] * t.element_size() for t in self.index_keys.values())
+        return self._index_bpt
 
     # -- writes --------------------------------------------------------------------------------
     def write_latent(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:

@@ -99,14 +99,15 @@ class MLAttention:
         decode_rows, picks, valid = [], [], []
         dense_decodes: dict[int, list[SeqSlice]] = {}  # padded length -> decodes that attend to every entry
         batched = self._select_decode_batch(index_q, ctx, cache)
+        batch_dense = self.batch_dense_decodes and ctx.attention != "dense"
         for seq in ctx.seqs:
+            is_decode = seq.num_new_tokens <= ctx.decode_rows
+            if batch_dense and is_decode and seq.context_len <= self.cfg.index_topk:
+                dense_decodes.setdefault(dense_length(seq.context_len, self.cfg.index_topk), []).append(seq)
+                continue
             rows = slice(seq.token_start, seq.token_end)
             iq = None if index_q is None else self.selector.rows(index_q, rows)
             q_seq, positions = q[rows], ctx.positions[rows]
-            is_decode = seq.num_new_tokens <= ctx.decode_rows
-            if is_decode and self.batch_dense_decodes and ctx.attention != "dense" and not self._sparse(seq, ctx):
-                dense_decodes.setdefault(dense_length(seq.context_len, self.cfg.index_topk), []).append(seq)
-                continue
             if not is_decode or not self._sparse(seq, ctx):
                 o_lat[rows] = self._attend(seq, q_seq, positions, iq, ctx, cache)
                 continue
