@@ -231,7 +231,7 @@ def test_speculative_decoding_hits_name_the_token_after_each_page():
 def test_server_reports_cached_tokens_per_tenant_and_hits_by_tier(tmp_path):
     import openai
 
-    from test_server_util import ThreadServer, scrape, tiny_checkpoint
+    from test_server_util import ThreadServer, scrape, scrape_labelled, tiny_checkpoint
     model = tiny_checkpoint(tmp_path)
     prompt = "the rain in spain falls mainly on the plain " * 8
     with ThreadServer(model, api_keys=["sk-a:alice", "sk-b:bob"], enable_prefix_caching=True) as srv:
@@ -245,6 +245,13 @@ def test_server_reports_cached_tokens_per_tenant_and_hits_by_tier(tmp_path):
         assert cached("sk-a", cache_salt="x") == 0          # nor another salt
         m = scrape(srv.url)
         assert m["sparsekv:prefix_cache_hits_total"] > 0
+        by_tenant = scrape_labelled(srv.url, "tenant")   # the operator's view: who is served and holds what
+        hits = by_tenant["sparsekv:prefix_cache_tenant_hits_total"]
+        assert hits["alice"] > 0 and hits["bob"] == 0
+        queries = by_tenant["sparsekv:prefix_cache_tenant_queries_total"]
+        assert queries["alice"] == 3 * queries["bob"] > 0
+        pages = by_tenant["sparsekv:prefix_cache_tenant_cached_pages"]
+        assert pages["alice"] > 0 and pages["bob"] > 0
         srv.engine.check_integrity()
 
 

@@ -143,6 +143,9 @@ class PageAllocator:
                 expired.append(page)
         return expired
 
+    def cached_by_tenant(self) -> dict[str, int]:
+        return {tenant: len(group) for tenant, group in self._cached.items()}
+
     def cached_pages(self) -> list[int]:
         """Cached pages, each tenant's oldest first."""
         return [p for group in self._cached.values() for p in group]

@@ -60,6 +60,7 @@ class PrefixCache:
         allocator.on_evict = self._forget_page
         self.queried_tokens = 0
         self.hit_tokens = {"device": 0, "host": 0, "disk": 0}
+        self.by_tenant: dict[str, dict[str, int]] = {}  # tenant -> queried and hit prompt tokens
 
     def _names(self, req: Request, num_pages: int) -> list[bytes]:
         """Names of the request's first `num_pages` pages, extending its chain (prompt, then output)."""
@@ -125,6 +126,9 @@ class PrefixCache:
         self.hit_tokens["device"] += pool_pages * self.page_size
         for tier in restored:
             self.hit_tokens[tier] += self.page_size
+        tenant = self.by_tenant.setdefault(req.tenant, {"queries": 0, "hits": 0})
+        tenant["queries"] += req.num_prompt_tokens
+        tenant["hits"] += (pool_pages + len(restored)) * self.page_size
 
     def register(self, req: Request) -> None:
         """Name the request's full, computed pages; a name already held by another page keeps that page."""
@@ -195,8 +199,15 @@ class PrefixCache:
         return {**{f"prefix_cache_hits_{tier}": n for tier, n in self.hit_tokens.items()},
                 "prefix_cache_queries": self.queried_tokens, "prefix_cached_pages": self.allocator.num_cached,
                 "prefix_cache_hit_rate": hits / self.queried_tokens if self.queried_tokens else 0.0,
-                "prefix_cache_expired_pages": self.expired_pages,
+                "prefix_cache_expired_pages": self.expired_pages, "prefix_cache_by_tenant": self.tenant_stats(),
                 **{k: v for store in self.tiers.values() for k, v in store.stats().items()}}
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Per tenant: prompt tokens looked up and served, and pool pages cached for it (an operator's
+        view of who holds the cache; tenants come from the server's API keys, a bounded set)."""
+        cached = self.allocator.cached_by_tenant()
+        return {t: {"queries": s["queries"], "hits": s["hits"], "cached_pages": cached.get(t, 0)}
+                for t, s in {**{t: {"queries": 0, "hits": 0} for t in cached}, **self.by_tenant}.items()}
 
     def names_all(self, pages: list[int]) -> bool:
         return all(p in self._name_of for p in pages)

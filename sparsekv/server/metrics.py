@@ -133,7 +133,23 @@ class EngineStatsCollector:
             yield self._counter(name, doc, stats.pop(key, 0))
         yield from self._extra(stats)
 
+    def _tenants(self, by_tenant: dict):
+        """The prefix cache per tenant (tenants are the server's API-key tenants: a bounded label set)."""
+        queries = CounterMetricFamily(P + "prefix_cache_tenant_queries", "Prompt tokens looked up in the prefix "
+                                      "cache, by tenant.", labels=["model_name", "tenant"])
+        hits = CounterMetricFamily(P + "prefix_cache_tenant_hits", "Prompt tokens the prefix cache served, "
+                                   "by tenant (all tiers).", labels=["model_name", "tenant"])
+        pages = GaugeMetricFamily(P + "prefix_cache_tenant_cached_pages", "KV pages no request holds, kept for "
+                                  "prefix-cache hits, by the tenant whose request computed them.",
+                                  labels=["model_name", "tenant"])
+        for tenant, figures in sorted(by_tenant.items()):
+            queries.add_metric([self.model_name, tenant], figures["queries"])
+            hits.add_metric([self.model_name, tenant], figures["hits"])
+            pages.add_metric([self.model_name, tenant], figures["cached_pages"])
+        yield from (queries, hits, pages)
+
     def _extra(self, stats: dict):
+        yield from self._tenants(stats.pop("prefix_cache_by_tenant", {}))
         numeric = {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         tiers = {k[len(PREFIX_HITS):]: v for k, v in numeric.items() if k.startswith(PREFIX_HITS)}
         if tiers:
