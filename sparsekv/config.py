@@ -269,6 +269,9 @@ class EngineConfig:
     # Retention: a prefix-cache page no request has used for this many seconds is forgotten in every
     # tier (None: kept until evicted).
     prefix_cache_ttl_s: float | None = None
+    # A tenant's cached (released, reusable) pool pages beyond this many are evicted, oldest first, to
+    # the lower tiers if any: one tenant's traffic cannot fill the pool's cache (None: no bound).
+    prefix_cache_max_pages_per_tenant: int | None = None
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -297,6 +300,10 @@ class EngineConfig:
                               f"enable_prefix_caching, got {disk!r} and {disk_bytes!r}")
         if disk_bytes is not None and disk_bytes < 1:
             raise ConfigError(f"prefix_cache_disk_bytes must be >= 1, got {disk_bytes}")
+        quota = self.prefix_cache_max_pages_per_tenant
+        if quota is not None and (quota < 0 or not self.enable_prefix_caching):
+            raise ConfigError(f"prefix_cache_max_pages_per_tenant must be >= 0 and needs enable_prefix_caching, "
+                              f"got {quota!r}")
         ttl = self.prefix_cache_ttl_s
         if ttl is not None and (not ttl > 0 or not self.enable_prefix_caching):
             raise ConfigError(f"prefix_cache_ttl_s must be > 0 and needs enable_prefix_caching, got {ttl!r}")

@@ -94,6 +94,7 @@ class LLMEngine:
         rows = PageRows(self.cache.slot_tensors() + [t for s in self.runner.selectors() for t in s.slot_tensors()],
                         self.page_size)
         disk = None
+        self.allocator.max_cached_per_tenant = config.prefix_cache_max_pages_per_tenant
         if config.prefix_cache_disk_path:
             from .cache.prefix_disk import PrefixDiskStore, namespace
             try:

@@ -89,6 +89,38 @@ def test_eviction_takes_from_the_tenant_holding_the_most_cached_pages():
     a.check_integrity()
 
 
+def test_a_tenant_holds_at_most_its_quota_of_cached_pages():
+    """`max_cached_per_tenant`: releasing a page beyond the quota evicts the tenant's oldest cached
+    page at once (to the lower tiers), whatever room the pool has; other tenants are untouched."""
+    a = PageAllocator(10, PAGE)
+    tenant_of, evicted = {}, []
+    a.keeps, a.on_evict, a.max_cached_per_tenant = tenant_of.get, evicted.append, 3
+    pages = a.allocate("r", 8)
+    tenant_of.update({p: "noisy" for p in pages[:6]} | {p: "quiet" for p in pages[6:]})
+    a.free("r", pages)
+    assert evicted == pages[:3] and a.cached_by_tenant() == {"noisy": 3, "quiet": 2}
+    assert a.num_free == 10
+    a.check_integrity()
+
+
+def test_the_tenant_quota_through_the_engine_keeps_outputs_and_feeds_the_host_tier(ckpt):
+    """With a quota of 2 pages per tenant, a long prompt leaves 2 pages cached in the pool; its other
+    pages go to the host tier, so a repeat still hits them all, with the same tokens."""
+    want = make(ckpt, prefill_chunk_tokens=PAGE).generate([PROMPTS[0]], GREEDY)[0]  # pages computed alike
+    llm = make(ckpt, enable_prefix_caching=True, prefix_cache_max_pages_per_tenant=2,
+               prefix_cache_host_bytes=1 << 24, prefill_chunk_tokens=PAGE)
+    llm.generate([BASE + [3]], GREEDY)
+    stats = llm.stats()
+    assert stats["prefix_cached_pages"] == 2 and stats["prefix_cache_by_tenant"]["default"]["cached_pages"] == 2
+    assert stats["prefix_host_pages"] == 3                     # the other full pages: 5 - 2
+    out = llm.generate([PROMPTS[0]], GREEDY)[0]
+    assert out.num_cached_tokens == 64 and out.metrics["prefix_cached_tokens_host"] > 0
+    assert_close([want], [out], bitwise=True)
+    assert_idle(llm)
+    with pytest.raises(ConfigError, match="prefix_cache_max_pages_per_tenant"):
+        make(ckpt, enable_prefix_caching=True, prefix_cache_max_pages_per_tenant=-1)
+
+
 def test_lookup_follows_the_chain_per_tenant_and_salt_and_never_the_last_token():
     a = PageAllocator(16, PAGE)
     cache = PrefixCache(a)

@@ -37,6 +37,7 @@ class PageAllocator:
         self._group: dict[int, str] = {}  # cached page -> its tenant
         self._released_at: dict[int, float] = {}  # cached page -> when it was released (clock())
         self.clock: Callable[[], float] = time.time
+        self.max_cached_per_tenant: int | None = None  # a tenant's cached pages beyond this are evicted
         # Set by the prefix cache: a released page's tenant if it is worth keeping (else None), and
         # what to forget when a cached page is evicted.
         self.keeps: Callable[[int], str | None] = lambda page: None
@@ -124,9 +125,20 @@ class PageAllocator:
                     self._group[p] = tenant
                     self._released_at[p] = self.clock()
                     self._cached.setdefault(tenant, OrderedDict())[p] = None
+                    self._hold_quota(tenant)
                 else:
                     self._free.append(p)
         self._reserved.pop(owner, None)
+
+    def _hold_quota(self, tenant: str) -> None:
+        """Evict the tenant's oldest cached pages beyond `max_cached_per_tenant` (to the prefix cache's
+        lower tiers, if any): one tenant's traffic cannot fill the pool's cache."""
+        group = self._cached[tenant]
+        while self.max_cached_per_tenant is not None and len(group) > self.max_cached_per_tenant:
+            page = next(iter(group))
+            self._uncache(page)
+            self.on_evict(page)
+            self._free.append(page)
 
     def num_owners(self, page: int) -> int:
         return len(self._owners.get(page, ()))
