@@ -220,6 +220,11 @@ class LLMEngine:
         first, and the server's loop when idle. Returns how many."""
         return self.prefix.expire() if self.prefix is not None else 0
 
+    def reset_prefix_cache(self, tenant: str | None = None) -> int:
+        """Forget a tenant's prefix-cache pages in every tier (every tenant's with None); pages that
+        running requests hold stay. Returns how many pages were forgotten."""
+        return self.prefix.reset(tenant) if self.prefix is not None else 0
+
     def step(self) -> list[RequestOutput]:
         self.expire_prefix_cache()
         chunks = self.scheduler.schedule()

@@ -389,7 +389,7 @@ def test_lookup_stops_at_a_pool_page_after_host_copies():
         def has(self, name):
             return name in self.names
 
-        def save(self, name, page):
+        def save(self, name, page, tenant):
             self.names.add(name)
 
     a = PageAllocator(8, PAGE)

@@ -246,3 +246,73 @@ def test_an_idle_server_still_forgets_expired_pages(tmp_path):
         assert scrape(srv.url)["sparsekv:prefix_cached_pages"] == 0
     with pytest.raises(ConfigError, match="prefix_cache_ttl_s"):
         make(model, enable_prefix_caching=True, prefix_cache_ttl_s=0)
+
+
+# -- reset (vLLM's /reset_prefix_cache, per tenant) ---------------------------------------------------
+def _fill_for(engine, tenant):
+    """BASE for `tenant`, then two other prompts for "other" that push BASE's pages down the tiers."""
+    for rid, prompt, who in (("base", BASE + [3], tenant), ("o1", OTHERS[0], "other"), ("o2", OTHERS[1], "other")):
+        engine.add_request(f"{rid}-{tenant}", prompt, SamplingParams(max_tokens=20, temperature=0.0,
+                                                                     ignore_eos=True), tenant=who)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def _cached(engine, tenant):
+    engine.add_request("probe", PROMPTS[0], GREEDY, tenant=tenant)
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), out)
+    return out.num_cached_tokens
+
+
+def test_reset_forgets_one_tenants_pages_in_every_tier(ckpt, tmp_path):
+    engine = disk_engine(ckpt, tmp_path).engine
+    _fill_for(engine, "alice")
+    disk = engine.prefix.tiers["disk"]
+    assert disk.num_pages > 0 and engine.stats()["prefix_host_pages"] > 0
+    removed = engine.reset_prefix_cache("alice")
+    assert removed == 5  # BASE's 5 full pages, wherever they were (pool, host or disk)
+    assert _cached(engine, "alice") == 0
+    others = engine.stats()["prefix_cache_by_tenant"]["other"]["cached_pages"]
+    assert others > 0  # the other tenant's pages stay
+    assert engine.reset_prefix_cache() > 0 and engine.stats()["prefix_cached_pages"] == 0  # everyone's
+    assert engine.stats()["prefix_host_pages"] == disk.num_pages == 0
+    disk.flush()
+    assert _files(tmp_path) == []
+    engine.check_integrity()
+    engine.close()
+
+
+def test_a_restarted_engine_still_resets_a_tenants_files(ckpt, tmp_path):
+    """Files record a digest of their tenant (not its name), so a reset after a restart finds them."""
+    with disk_engine(ckpt, tmp_path) as llm:
+        _fill_for(llm.engine, "alice")
+    files = len(_files(tmp_path))
+    engine = disk_engine(ckpt, tmp_path).engine
+    assert engine.reset_prefix_cache("alice") == 5
+    engine.prefix.tiers["disk"].flush()
+    assert len(_files(tmp_path)) == files - 5
+    assert not any("alice" in open(os.path.join(d, f), "rb").read(4096).decode("latin-1")
+                   for d, _, names in os.walk(tmp_path) for f in names if f.endswith(".safetensors"))
+    engine.close()
+
+
+def test_the_reset_endpoint_is_scoped_to_the_callers_tenant(tmp_path):
+    import httpx
+
+    from test_server_util import ThreadServer, tiny_checkpoint
+    model = tiny_checkpoint(tmp_path)
+    prompt = {"model": "tiny", "prompt": "the rain in spain falls mainly on the plain " * 8, "max_tokens": 2}
+    with ThreadServer(model, api_keys=["sk-a:alice", "sk-b:bob"], enable_prefix_caching=True) as srv:
+        def post(path, key, body=None):
+            return httpx.post(srv.url + path, json=body or {}, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        for key in ("sk-a", "sk-b"):
+            post("/v1/completions", key, prompt).raise_for_status()
+        reset = post("/reset_prefix_cache", "sk-a")
+        assert reset.status_code == 200 and reset.json()["tenant"] == "alice" and reset.json()["pages_removed"] > 0
+        cached = {key: post("/v1/completions", key, prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                  for key in ("sk-a", "sk-b")}
+        assert cached["sk-a"] == 0 and cached["sk-b"] > 0  # only alice's prompts were forgotten
+        assert post("/reset_prefix_cache", "wrong").status_code == 401
+        srv.engine.check_integrity()

@@ -155,6 +155,14 @@ class PageAllocator:
                 expired.append(page)
         return expired
 
+    def drop_cached(self, tenant: str | None = None) -> list[int]:
+        """Free a tenant's cached pages (every tenant's with None), contents forgotten; returns them."""
+        dropped = [p for t, group in self._cached.items() if tenant is None or t == tenant for p in group]
+        for page in dropped:
+            self._uncache(page)
+            self._free.append(page)
+        return dropped
+
     def cached_by_tenant(self) -> dict[str, int]:
         return {tenant: len(group) for tenant, group in self._cached.items()}
 

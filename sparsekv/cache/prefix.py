@@ -155,7 +155,7 @@ class PrefixCache:
         """An evicted page: its contents go to the first lower tier, if any, before the name is forgotten."""
         if self.tiers:
             self.before_copy()
-            next(iter(self.tiers.values())).save(self._name_of[page], page)
+            next(iter(self.tiers.values())).save(self._name_of[page], page, self._tenant_of[page])
         self._unname(page)
 
     def _unname(self, page: int) -> None:
@@ -181,6 +181,15 @@ class PrefixCache:
         self.expired_pages += n
         return n
 
+    def reset(self, tenant: str | None = None) -> int:
+        """Forget a tenant's cached pages in every tier (every tenant's with None): vLLM's
+        reset_prefix_cache, SGLang's flush_cache, per tenant. Pages held by running requests stay (in
+        use). Returns how many were forgotten."""
+        pages = self.allocator.drop_cached(tenant)
+        for page in pages:
+            self._unname(page)
+        return len(pages) + sum(store.drop(tenant) for store in self.tiers.values())
+
     def persist(self) -> None:
         """Before the engine closes: save the pool's cached pages and the host tier's copies to the disk
         tier (least recently used first, so the budget keeps the newest), so a restart finds them."""
@@ -188,10 +197,10 @@ class PrefixCache:
         if disk is None:
             return
         self.before_copy()
-        for name, rows in self.tiers["host"].items() if "host" in self.tiers else ():
-            disk.save_rows(name, rows)
+        for name, rows, tenant in self.tiers["host"].items() if "host" in self.tiers else ():
+            disk.save_rows(name, rows, tenant)
         for page in self.allocator.cached_pages():
-            disk.save(self._name_of[page], page)
+            disk.save(self._name_of[page], page, self._tenant_of[page])
         disk.flush()
 
     def stats(self) -> dict:

@@ -59,6 +59,11 @@ def checkpoint_identity(path: str) -> list:
     return identity
 
 
+def tenant_digest(tenant: str) -> str:
+    """What a page file records of its tenant: enough to remove a tenant's pages, not its name."""
+    return hashlib.sha256(b"sparsekv-tenant\0" + tenant.encode()).hexdigest()[:32]
+
+
 def namespace(config, rows: PageRows, lookahead: int) -> str:
     """The directory name for pages this engine computes: equal only for engines whose pages hold the
     same bytes for the same names."""
@@ -83,6 +88,7 @@ class PrefixDiskStore:
             raise ValueError(f"prefix cache disk tier {self.dir} is in use by another engine") from None
         # pages on disk or being written -> when last saved or hit (clock()), least recently used first
         self._files: OrderedDict[bytes, float] = OrderedDict()
+        self._tenant: dict[bytes, str] = {}  # page -> tenant_digest() of the tenant that computed it
         self.clock = time.time
         self._pending: dict[bytes, tuple[int, list[torch.Tensor]]] = {}  # being written: (ticket, rows)
         self._lock = threading.Lock()  # _files and _pending, shared with the writer thread
@@ -106,7 +112,7 @@ class PrefixDiskStore:
             elif entry.name.endswith(".tmp"):
                 os.unlink(entry.path)
         for mtime, name in sorted(found):
-            self._files[name] = mtime / 1e9
+            self._files[name], self._tenant[name] = mtime / 1e9, self._stored_tenant(name)
             self._last_ns = max(self._last_ns, mtime)
         self._make_room(0)
 
@@ -136,9 +142,28 @@ class PrefixDiskStore:
                 self.dropped += 1
 
     def _drop_oldest(self) -> None:
-        old, _ = self._files.popitem(last=False)
-        self._pending.pop(old, None)
-        self._writer.submit(self._unlink, old)
+        self._drop(next(iter(self._files)))
+
+    def _drop(self, name: bytes) -> None:
+        del self._files[name], self._tenant[name]
+        self._pending.pop(name, None)
+        self._writer.submit(self._unlink, name)
+
+    def drop(self, tenant: str | None = None) -> int:
+        """Remove a tenant's pages (every tenant's with None); returns how many."""
+        digest = None if tenant is None else tenant_digest(tenant)
+        with self._lock:
+            names = [n for n, t in self._tenant.items() if digest is None or t == digest]
+            for name in names:
+                self._drop(name)
+        return len(names)
+
+    def _stored_tenant(self, name: bytes) -> str:
+        try:
+            with safe_open(self._path(name), "pt") as f:
+                return (f.metadata() or {}).get("tenant", "")
+        except Exception:  # noqa: BLE001 - unreadable: a miss when looked up, removed then
+            return ""
 
     def expire(self, cutoff: float) -> int:
         """Remove the pages last used before `cutoff`; returns how many."""
@@ -149,14 +174,14 @@ class PrefixDiskStore:
                 n += 1
         return n
 
-    def save(self, name: bytes, page: int) -> None:
+    def save(self, name: bytes, page: int, tenant: str) -> None:
         """Keep pool page `page`'s rows under `name`."""
         if name in self._files:
             self.touch(name)
         elif self.page_bytes <= self.capacity_bytes:
-            self.save_rows(name, self.rows.copy_out(page))
+            self.save_rows(name, self.rows.copy_out(page), tenant)
 
-    def save_rows(self, name: bytes, rows: list[torch.Tensor]) -> None:
+    def save_rows(self, name: bytes, rows: list[torch.Tensor], tenant: str) -> None:
         """Keep `rows` (host copies, not changed afterwards) under `name`: written in the background."""
         if name in self._files:
             self.touch(name)
@@ -167,14 +192,15 @@ class PrefixDiskStore:
         with self._lock:
             ticket = next(self._tickets)
             self._files[name], self._pending[name] = self.clock(), (ticket, rows)
+            self._tenant[name] = tenant_digest(tenant)
         self.saved += 1
-        self._writer.submit(self._write, name, ticket, rows)
+        self._writer.submit(self._write, name, ticket, rows, self._tenant[name])
 
-    def _write(self, name: bytes, ticket: int, rows: list[torch.Tensor]) -> None:
+    def _write(self, name: bytes, ticket: int, rows: list[torch.Tensor], tenant: str) -> None:
         path = self._path(name)
         tmp = f"{path}.{ticket}.tmp"
         try:
-            save_file({str(i): r.contiguous() for i, r in enumerate(rows)}, tmp, metadata={"format": FORMAT})
+            save_file({str(i): r.contiguous() for i, r in enumerate(rows)}, tmp, metadata={"format": FORMAT, "tenant": tenant})
             os.chmod(tmp, 0o600)
             self._stamp(tmp)
             os.replace(tmp, path)  # atomic: a reader sees the whole file or none
@@ -186,6 +212,7 @@ class PrefixDiskStore:
             with self._lock:
                 if self._pending.get(name, (None,))[0] == ticket:
                     self._files.pop(name, None)
+                    self._tenant.pop(name, None)
         with self._lock:
             if self._pending.get(name, (None,))[0] == ticket:
                 del self._pending[name]
@@ -229,8 +256,8 @@ class PrefixDiskStore:
         if rows is None:
             self.failed += 1
             with self._lock:
-                self._files.pop(name, None)
-            self._writer.submit(self._unlink, name)
+                if name in self._files:
+                    self._drop(name)
             return False
         self.touch(name)
         self.rows.copy_in(page, rows)
@@ -253,3 +280,4 @@ class PrefixDiskStore:
         with self._lock:
             assert self.bytes_used <= self.capacity_bytes, "the prefix disk tier is over its budget"
             assert set(self._pending) <= set(self._files), "a page being written is not indexed"
+            assert self._files.keys() == self._tenant.keys(), "pages and their tenants disagree"

@@ -48,10 +48,11 @@ class PageRows:
 
 class PrefixHostStore:
     def __init__(self, rows: PageRows, capacity_bytes: int,
-                 spill: Callable[[bytes, list[torch.Tensor]], None] | None = None):
+                 spill: Callable[[bytes, list[torch.Tensor], str], None] | None = None):
         self.rows, self.page_bytes, self.capacity_bytes, self.spill = rows, rows.page_bytes, capacity_bytes, spill
         self._pages: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()  # least recently used first
         self._used_at: dict[bytes, float] = {}
+        self._tenant: dict[bytes, str] = {}  # the tenant whose request computed the page
         self.clock: Callable[[], float] = time.time
         self.saved = self.loaded = self.dropped = 0
 
@@ -75,11 +76,19 @@ class PrefixHostStore:
         """Drop the copies last used before `cutoff` (not spilled); returns how many."""
         n = 0
         while self._pages and self._used_at[next(iter(self._pages))] < cutoff:
-            del self._used_at[self._pages.popitem(last=False)[0]]
+            old = self._pages.popitem(last=False)[0]
+            del self._used_at[old], self._tenant[old]
             n += 1
         return n
 
-    def save(self, name: bytes, page: int) -> None:
+    def drop(self, tenant: str | None = None) -> int:
+        """Forget a tenant's copies (every tenant's with None), not spilled; returns how many."""
+        names = [n for n, t in self._tenant.items() if tenant is None or t == tenant]
+        for name in names:
+            del self._pages[name], self._used_at[name], self._tenant[name]
+        return len(names)
+
+    def save(self, name: bytes, page: int, tenant: str) -> None:
         """Keep a copy of pool page `page`'s rows under `name` (the oldest copies over budget go to the
         spill tier, or are dropped)."""
         if name in self._pages:
@@ -87,15 +96,16 @@ class PrefixHostStore:
             return
         if self.page_bytes > self.capacity_bytes:
             if self.spill is not None:
-                self.spill(name, self.rows.copy_out(page))
+                self.spill(name, self.rows.copy_out(page), tenant)
             return
         while self.bytes_used + self.page_bytes > self.capacity_bytes:
             old, rows = self._pages.popitem(last=False)
             del self._used_at[old]
+            old_tenant = self._tenant.pop(old)
             self.dropped += 1
             if self.spill is not None:
-                self.spill(old, rows)
-        self._pages[name], self._used_at[name] = self.rows.copy_out(page), self.clock()
+                self.spill(old, rows, old_tenant)
+        self._pages[name], self._used_at[name], self._tenant[name] = self.rows.copy_out(page), self.clock(), tenant
         self.saved += 1
 
     def load(self, name: bytes, page: int) -> bool:
@@ -106,8 +116,8 @@ class PrefixHostStore:
         return True
 
     def items(self):
-        """(name, rows) of every copy, oldest first."""
-        return list(self._pages.items())
+        """(name, rows, tenant) of every copy, oldest first."""
+        return [(name, rows, self._tenant[name]) for name, rows in self._pages.items()]
 
     def stats(self) -> dict:
         return {"prefix_host_pages": self.num_pages, "prefix_host_bytes": self.bytes_used,
@@ -115,6 +125,7 @@ class PrefixHostStore:
 
     def check_integrity(self) -> None:
         assert self.bytes_used <= self.capacity_bytes, "the prefix host store is over its budget"
-        assert self._used_at.keys() == self._pages.keys(), "host copies and their use times disagree"
+        assert self._used_at.keys() == self._pages.keys() == self._tenant.keys(), \
+            "host copies and their use times or tenants disagree"
         for rows in self._pages.values():
             assert self.rows.fits(rows), "a saved page's rows do not match the pool's layout"

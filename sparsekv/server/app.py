@@ -22,7 +22,7 @@ from ..engine import load_tokenizer
 from ..request import InvalidRequest, SamplingParams
 from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware
 from .errors import APIError, bad_request, error_body, error_response
-from .loop import EngineLoop, RequestGroup, Submission
+from .loop import EngineDead, EngineLoop, RequestGroup, ShuttingDown, Submission
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                        TokenizeRequest, parse_body)
@@ -168,6 +168,17 @@ async def tokenize(request: Request):
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
 
+async def reset_prefix_cache(request: Request):
+    """vLLM's POST /reset_prefix_cache (SGLang: /flush_cache), scoped to the caller: it forgets the
+    caller's tenant's cached prompts in every tier (pool, host, disk), never another tenant's."""
+    tenant, state = _tenant(request), _state(request)
+    try:
+        pages = await state.loop.call(state.engine.reset_prefix_cache, tenant)
+    except (ShuttingDown, EngineDead) as e:
+        raise APIError(503, str(e)) from None
+    return {"tenant": tenant, "pages_removed": pages}
+
+
 async def detokenize(request: Request):
     state = _state(request)
     body = await _body(request, DetokenizeRequest)
@@ -207,6 +218,7 @@ async def metrics(request: Request):
 
 ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
           ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
+          ("/reset_prefix_cache", reset_prefix_cache, ["POST"]),
           ("/v1/models", models, ["GET"]), ("/health", health, ["GET"]), ("/metrics", metrics, ["GET"])]
 
 

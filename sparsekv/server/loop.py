@@ -120,6 +120,22 @@ class EngineLoop:
         self._commands.put((self._add, (group, subs, tenant, cache_salt, fut)))
         await fut
 
+    async def call(self, fn, *args):
+        """`fn(*args)` on the loop thread (the only thread that touches the engine); its result."""
+        self._refuse_if_closed()
+        fut, box = self._aloop.create_future(), []
+
+        def run():
+            try:
+                box.append(fn(*args))
+            except Exception as e:  # handed to the caller
+                self._resolve(fut, e)
+                return
+            self._resolve(fut, None)
+        self._commands.put((run, ()))
+        await fut
+        return box[0]
+
     def abort(self, group: RequestGroup) -> None:
         if not group.done:
             self._commands.put((self._abort_group, (group, "client_disconnect")))
