@@ -439,7 +439,7 @@ def test_bench_serve_shared_prefix_reports_reuse_by_tier(server, capsys):
                "--model", "tiny"])
     out = capsys.readouterr().out
     assert rc == 0
-    device, host, total = map(float, re.search(r"Prefix reuse, device / host / total:\s+([\d.]+)% / ([\d.]+)% / "
-                                               r"([\d.]+)%", out).groups())
-    assert device > 0 and host == 0 and total == device   # the server has no host tier
+    device, host, disk, total = map(float, re.search(r"Prefix reuse, device / host / disk / total:\s+([\d.]+)% / "
+                                                     r"([\d.]+)% / ([\d.]+)% / ([\d.]+)%", out).groups())
+    assert device > 0 and host == disk == 0 and total == device   # the server has no host or disk tier
     assert main(["--url", server.url, "--dataset", "shared-prefix", "--input-len", "8", "--prefix-len", "8"]) == 2

@@ -4,7 +4,7 @@ Prompts are token-id lists (exact lengths whatever the tokenizer): `--dataset ra
 length uniformly from [L(1-r), L(1+r)], `--dataset fixed` makes every prompt exactly L tokens, and
 `--dataset shared-prefix` makes each one of `--num-prefixes` shared prefixes of `--prefix-len` tokens
 followed by L - prefix-len tokens of its own (system prompts, documents asked several questions): the
-prefix cache's share of prompt tokens served from device and from host is then reported. Requests
+prefix cache's share of prompt tokens served from device, host and disk is then reported. Requests
 arrive as a Poisson process at `--request-rate` (inf: all at once), optionally capped at
 `--max-concurrency` in flight. Every request streams with `ignore_eos`, so it yields exactly
 `--output-len` tokens. Printed: request and token throughput; mean, median and p99 of TTFT, TPOT
@@ -28,6 +28,7 @@ TIER_METRICS = ("num_requests_running", "num_requests_waiting", "kv_pages_free",
                 "device_latent_bytes", "device_indexer_bytes", "host_kv_bytes", "host_kv_budget_bytes",
                 "tier_hits_total", "tier_misses_total", "h2d_bytes_total", "d2h_bytes_total",
                 "prefix_cache_hits_total", "prefix_cache_hits_total:device", "prefix_cache_hits_total:host",
+                "prefix_cache_hits_total:disk", "prefix_disk_pages",
                 "prefix_cache_queries_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                 "requests_rejected_total")
 
@@ -231,13 +232,13 @@ def summarize(results: list[RequestResult], duration: float, before: dict, after
 
 
 def _prefix_reuse(before: dict, after: dict) -> dict:
-    """Shares of the run's prompt tokens served by the prefix cache, from device and from host."""
+    """Shares of the run's prompt tokens served by the prefix cache, from device, host and disk."""
     queried = after.get("prefix_cache_queries_total", 0.0) - before.get("prefix_cache_queries_total", 0.0)
     def served(tier: str) -> float:
         key = f"prefix_cache_hits_total:{tier}"
         return after.get(key, 0.0) - before.get(key, 0.0)
-    share = {tier: served(tier) / queried if queried else 0.0 for tier in ("device", "host")}
-    return {**share, "total": share["device"] + share["host"], "prompt_tokens": queried}
+    share = {tier: served(tier) / queried if queried else 0.0 for tier in ("device", "host", "disk")}
+    return {**share, "total": sum(share.values()), "prompt_tokens": queried}
 
 
 def format_report(rep: dict) -> str:
@@ -272,8 +273,9 @@ def format_report(rep: dict) -> str:
             lines.append(f"{'sparsekv:' + name:<36} {b:>13.0f} {a:>13.0f} {a - b:>+13.0f} {p}")
     reuse = rep["prefix_reuse"]
     if reuse["prompt_tokens"]:
-        lines.append(row("Prefix reuse, device / host / total:", f"{100 * reuse['device']:.1f}% / "
-                         f"{100 * reuse['host']:.1f}% / {100 * reuse['total']:.1f}% of prompt tokens"))
+        lines.append(row("Prefix reuse, device / host / disk / total:", f"{100 * reuse['device']:.1f}% / "
+                         f"{100 * reuse['host']:.1f}% / {100 * reuse['disk']:.1f}% / "
+                         f"{100 * reuse['total']:.1f}% of prompt tokens"))
     for err in rep["errors"]:
         lines.append(f"error: {err}")
     lines.append("=" * 50)
