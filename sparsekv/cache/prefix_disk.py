@@ -91,7 +91,7 @@ class PrefixDiskStore:
         self._tenant: dict[bytes, str] = {}  # page -> tenant_digest() of the tenant that computed it
         self.clock = time.time
         self._pending: dict[bytes, tuple[int, list[torch.Tensor]]] = {}  # being written: (ticket, rows)
-        self._lock = threading.Lock()  # _files and _pending, shared with the writer thread
+        self._lock = threading.Lock()  # _files, _tenant and _pending, shared with the writer thread
         self._tickets = itertools.count()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="sparsekv-prefix-disk")
         self.saved = self.loaded = self.dropped = self.failed = 0
