@@ -15,7 +15,7 @@ from .detokenize import IncrementalDetokenizer, find_stop, stop_match
 from .model.checkpoint import load_model
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
 from .runner import ModelRunner
-from .sampling import LogitAdjuster, make_generator, sample_token, token_logprobs
+from .sampling import LogitAdjuster, filter_logits_rows, make_generator, sample_token, token_logprobs
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class LLMEngine:
             self.cache.begin_step(chunks)
         logits, hidden = self.runner.execute(chunks)
         self.counters["steps"] += 1
-        greedy = self._greedy_batch(chunks, logits)
+        plain = self._plain_batch(chunks, logits)
         outputs, row, first_row = [], 0, 0
         for ch in chunks:
             req = ch.request
@@ -246,9 +246,9 @@ class LLMEngine:
             first_row += ch.num_new_tokens
             req.num_computed_tokens += ch.num_new_tokens - ch.num_draft_tokens
             self.counters["prompt_tokens"] += max(0, min(ch.context_len, req.num_prompt_tokens) - ch.first_position)
-            if ch.samples and req.request_id in greedy:
+            if ch.samples and req.request_id in plain:
                 req.draft_token_ids.clear()
-                outputs.append(self._output(req, self._emit(req, *greedy[req.request_id])))
+                outputs.append(self._output(req, self._emit(req, *plain[req.request_id])))
                 row += 1
             elif ch.samples:
                 rows = 1 + ch.num_draft_tokens
@@ -267,15 +267,17 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             self.model.index_scratch.release()
 
-    def _greedy_batch(self, chunks, logits: torch.Tensor) -> dict[str, tuple]:
-        """The step's plain greedy rows (one row, no drafts, penalties, bias or grammar), decided for
-        the whole batch at once: one argmax, one log_softmax and top-k, one copy to the host, instead of
-        a few launches and a device sync per request. request id -> (token, None, its logprobs or None)."""
+    def _plain_batch(self, chunks, logits: torch.Tensor) -> dict[str, tuple]:
+        """The step's plain rows (one row, no drafts, penalties, bias or grammar), decided for the whole
+        batch at once: one argmax for the greedy ones, one filter and softmax for the sampled ones (each
+        still drawn with its own generator), one log_softmax and top-k, one copy to the host; instead of
+        a few launches and a device sync per request. Each row gets exactly what `_sample` would give
+        it. request id -> (token, None, its logprobs or None)."""
         rows, reqs, row = [], [], 0
         for ch in chunks:
             req = ch.request
-            if ch.samples and not ch.num_draft_tokens and req.params.greedy and \
-                    req.request_id not in self._adjusters and req.request_id not in self._grammars:
+            if ch.samples and not ch.num_draft_tokens and req.request_id not in self._adjusters and \
+                    req.request_id not in self._grammars:
                 rows.append(row)
                 reqs.append(req)
             row += (1 + ch.num_draft_tokens) if ch.samples else 0
@@ -283,18 +285,28 @@ class LLMEngine:
             return {}
         picked = logits[torch.tensor(rows, device=logits.device)]
         tokens = picked.argmax(-1)
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if sampled:
+            probs = filter_logits_rows(picked[sampled], [reqs[i].params for i in sampled]).softmax(-1)
+            draws = [torch.multinomial(probs[j], 1, generator=self._generators[reqs[i].request_id])
+                     for j, i in enumerate(sampled)]
+            tokens[sampled] = torch.cat(draws).to(tokens.device)
+        tokens = tokens.tolist()
+        return {r.request_id: (t, None, lp) for r, t, lp in zip(reqs, tokens, self._batch_logprobs(reqs, picked, tokens))}
+
+    @staticmethod
+    def _batch_logprobs(reqs: list[Request], picked: torch.Tensor, tokens: list[int]) -> list[dict | None]:
+        """`token_logprobs` of each row that asks for logprobs, from one log_softmax and one top-k."""
         wants = [r.params.logprobs for r in reqs]
-        logprobs = [None] * len(reqs)
-        if any(w is not None for w in wants):
-            lp = torch.log_softmax(picked, -1)
-            chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
-            top = max(w or 0 for w in wants)
-            values, ids = lp.topk(top) if top else (None, None)
-            values, ids = (values.tolist(), ids.tolist()) if top else ([[]] * len(reqs), [[]] * len(reqs))
-            for i, (want, token) in enumerate(zip(wants, tokens.tolist())):
-                if want is not None:
-                    logprobs[i] = {token: chosen[i], **dict(zip(ids[i][:want], values[i][:want]))}
-        return {r.request_id: (t, None, lp) for r, t, lp in zip(reqs, tokens.tolist(), logprobs)}
+        if all(w is None for w in wants):
+            return [None] * len(reqs)
+        lp = torch.log_softmax(picked, -1)
+        chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+        top = max(w or 0 for w in wants)
+        values, ids = lp.topk(top) if top else (None, None)
+        values, ids = (values.tolist(), ids.tolist()) if top else ([[]] * len(reqs), [[]] * len(reqs))
+        return [None if want is None else {token: chosen[i], **dict(zip(ids[i][:want], values[i][:want]))}
+                for i, (want, token) in enumerate(zip(wants, tokens))]
 
     def _sample(self, req: Request, logits: torch.Tensor) -> RequestOutput:
         """The step's new token(s): one sampled, or a verified draft (speculative.py) plus one more."""
@@ -342,7 +354,7 @@ class LLMEngine:
         return logits if grammar is None else grammar.mask(logits)
 
     def _emit(self, req: Request, token: int, logits: torch.Tensor | None, logprobs: dict | None = None) -> list[int]:
-        """Append `token`; its logprobs from the raw `logits` row, or given (`_greedy_batch`)."""
+        """Append `token`; its logprobs from the raw `logits` row, or given (`_plain_batch`)."""
         params = req.params
         if params.logprobs is not None:
             req.output_logprobs.append(logprobs if logprobs is not None else

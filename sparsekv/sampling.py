@@ -82,6 +82,35 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def filter_logits_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`filter_logits` for a batch of rows [R, V], row i with `params[i]`: the same stages in the same
+    order, each applied to the rows that ask for it, as whole-batch ops (a few launches, not a few
+    per row). Every stage is row-wise, so each row gets what `filter_logits` gives it alone
+    (tests/test_sampling.py checks it bit for bit)."""
+    column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]  # noqa: E731
+    logits = logits / column([p.temperature for p in params])
+    rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if rows:
+        part = logits[rows]
+        probs = part.softmax(-1)
+        logits[rows] = part.masked_fill(probs < column([params[i].min_p for i in rows]) * probs.max(-1, keepdim=True).values,
+                                        float("-inf"))
+    rows = [i for i, p in enumerate(params) if p.top_k and p.top_k < logits.shape[-1]]
+    if rows:
+        part = logits[rows]
+        k = torch.tensor([params[i].top_k for i in rows], device=logits.device)
+        kth = part.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        logits[rows] = part.masked_fill(part < kth, float("-inf"))
+    rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if rows:
+        part = logits[rows]
+        sorted_logits, order = part.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop_sorted = (probs.cumsum(-1) - probs) >= column([params[i].top_p for i in rows])
+        logits[rows] = part.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+    return logits
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     if params.greedy:
         return int(logits.argmax())

@@ -167,3 +167,18 @@ def test_allowed_token_ids_and_prompt_truncation(llm, random_prompt):
     with pytest.raises(InvalidRequest, match="allowed_token_ids token id 5000"):
         llm.generate([prompt], SamplingParams(allowed_token_ids=[1, 5000]))
     llm.engine.check_integrity()
+
+
+def test_filtering_a_batch_of_rows_equals_each_row_alone():
+    """filter_logits_rows, each row with its own temperature, min-p, top-k and top-p (ties included:
+    logits rounded to a coarse grid), gives every row exactly what filter_logits gives it alone."""
+    from sparsekv.sampling import filter_logits_rows
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(7, 300, generator=g) * 4).round() / 2  # many exact ties
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.5, min_p=0.1),
+              SamplingParams(temperature=0.9, top_k=40, top_p=0.5, min_p=0.05), SamplingParams(temperature=2.0, top_k=1),
+              SamplingParams(temperature=1.0, top_k=300, top_p=0.999)]
+    batched = filter_logits_rows(logits.clone(), params)
+    for i, p in enumerate(params):
+        assert torch.equal(batched[i], filter_logits(logits[i], p)), i
