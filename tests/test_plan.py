@@ -302,3 +302,21 @@ def test_glm52_proportions_preset_has_the_flagships_decode_cost_structure():
     assert 100 < flagship < 200
     assert abs(stand_in / flagship - 1) < 0.25
     assert tiny < 2
+
+
+def test_prefix_cache_tiers_count_warm_contexts_and_restore_time(capsys):
+    """GLM-5.2 at 1M in FP8: a cached token is every layer's 656 B latent plus 132 B of indexer keys in
+    its 21 indexer layers; 1.8 TB of host DRAM keeps 31 such contexts, restored over the 55 GB/s host
+    link; 30 TB of disk at 6 GB/s keeps 530."""
+    plan = json.loads(_json_plan("glm-5.2", "--context", "1M", "--prefix-cache-host-gb", "1800",
+                                 "--prefix-cache-disk-tb", "30"))["prefix_cache"]
+    assert plan["bytes_per_token"] == 78 * 656 + 21 * 132
+    per_context = plan["bytes_per_token"] * (1 << 20)
+    host, disk = plan["tiers"]["host"], plan["tiers"]["disk"]
+    assert host["contexts"] == int(1800e9 // per_context) == 31 and disk["contexts"] == int(30e12 // per_context)
+    assert host["restore_s"] == pytest.approx(per_context / 55e9) and disk["restore_s"] == pytest.approx(per_context / 6e9)
+    assert host["speedup_vs_recompute"] == pytest.approx(plan["recompute_s"] / host["restore_s"])
+    assert "disk" not in json.loads(_json_plan("glm-5.2", "--prefix-cache-host-gb", "10"))["prefix_cache"]["tiers"]
+    assert "prefix_cache" not in json.loads(_json_plan("glm-5.2"))
+    assert main(["glm-5.2", "--prefix-cache-disk-tb", "-1"]) == 2
+    assert "--prefix-cache-host-gb" in capsys.readouterr().err

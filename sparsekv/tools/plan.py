@@ -24,6 +24,7 @@ from sparsekv.tools.plan_costs import flop_table, param_counts
 from sparsekv.tools.plan_decode import FUSED, TORCH_EAGER, EngineProfile, estimate_step, predict_decode_step_ms
 from sparsekv.tools.plan_presets import PRESETS as MODEL_PRESETS
 from sparsekv.tools.plan_presets import load_model
+from sparsekv.tools.plan_prefix import DEFAULT_DISK_GBPS, prefix_cache_section
 from sparsekv.tools.plan_workload import Deployment, PlanError, Workload, parse_contexts
 
 __all__ = ["main", "build_plan", "predict_decode_step_ms"]
@@ -57,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction", type=float, default=0.9, help="share of device memory for weights + cache")
     p.add_argument("--attention", choices=("sparse", "dense"), default="sparse")
     p.add_argument("--profile", choices=tuple(PROFILES), help="engine profile (default: torch-eager on this-cpu)")
+    p.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
+                   help="host DRAM for the prefix cache's host tier: contexts kept warm, restore vs recompute")
+    p.add_argument("--prefix-cache-disk-tb", type=float, default=0.0, help="disk for its disk tier")
+    p.add_argument("--disk-gbps", type=float, default=DEFAULT_DISK_GBPS,
+                   help=f"disk read bandwidth (default {DEFAULT_DISK_GBPS}, one PCIe Gen4 NVMe drive)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the concurrency x context sweep")
     p.add_argument("--sweep", action="store_true", help="concurrency x context table, with and without tiering")
@@ -194,6 +200,11 @@ def _run(args) -> int:
     dep, wl = _deployment(args, hw), _workload(args, cfg)
     profile = PROFILES[args.profile] if args.profile else (TORCH_EAGER if hw.measured else FUSED)
     plan = build_plan(name, cfg, dep, wl, profile)
+    if args.prefix_cache_host_gb < 0 or args.prefix_cache_disk_tb < 0 or args.disk_gbps <= 0:
+        raise PlanError("--prefix-cache-host-gb and --prefix-cache-disk-tb must be >= 0, --disk-gbps > 0")
+    if args.prefix_cache_host_gb or args.prefix_cache_disk_tb:
+        plan["prefix_cache"] = prefix_cache_section(cfg, dep, wl, args.prefix_cache_host_gb,
+                                                    args.prefix_cache_disk_tb, args.disk_gbps)
     points = plan_sweep.run_sweep(cfg, dep, wl, profile) if (args.sweep or args.plot) else None
     if args.sweep:
         plan["sweep"] = points

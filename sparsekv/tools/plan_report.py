@@ -91,6 +91,20 @@ def published_table(plan: dict) -> Table:
     return t
 
 
+def prefix_table(plan: dict) -> Table:
+    pc = plan["prefix_cache"]
+    t = Table(title=f"Prefix cache tiers: contexts of {format_tokens(int(pc['context']))} tokens "
+                    f"({_gb(pc['bytes_per_context'])} each) kept warm, and bringing one back")
+    for col in ("tier", "capacity", "contexts", "read bandwidth", "restore one", "vs recompute"):
+        t.add_column(col, justify="left" if col == "tier" else "right")
+    for name, tier in pc["tiers"].items():
+        t.add_row(f"{name} ({'host link' if name == 'host' else 'disk'})", _gb(tier["capacity_bytes"]),
+                  f"{tier['contexts']:,}", f"{tier['bandwidth'] / GB:,.1f} GB/s", f"{tier['restore_s']:.2f} s",
+                  f"{tier['speedup_vs_recompute']:,.1f}x faster")
+    t.add_row("recompute (prefill, ideal)", "-", "-", "-", f"{pc['recompute_s']:.2f} s", "1.0x")
+    return t
+
+
 def print_plan(plan: dict, sweep_points: list[dict] | None = None, console: Console | None = None) -> None:
     from sparsekv.tools.plan_sweep import LEGEND, sweep_table
     con = console or Console(width=140)
@@ -98,6 +112,8 @@ def print_plan(plan: dict, sweep_points: list[dict] | None = None, console: Cons
     for table in (cache_table(plan), capacity_table(plan), decode_table(plan), flops_table(plan),
                   published_table(plan)):
         con.print(table)
+    if "prefix_cache" in plan:
+        con.print(prefix_table(plan))
     if sweep_points:
         con.print(sweep_table(sweep_points, False, "Sweep, no tiering: limit per (context, requests per node)"))
         con.print(sweep_table(sweep_points, True, "Sweep, tiering: limit per (context, requests per node)"))
