@@ -168,7 +168,8 @@ def _print_output(out, as_json: bool) -> None:
     if as_json:
         logprobs = None if out.logprobs is None else [{str(k): v for k, v in d.items()} for d in out.logprobs]
         print(json.dumps({"token_ids": out.token_ids, "text": out.text, "logprobs": logprobs,
-                          "finish_reason": out.finish_reason}))
+                          "finish_reason": out.finish_reason, "cached_tokens": out.num_cached_tokens,
+                          "cached_tokens_disk": (out.metrics or {}).get("prefix_cached_tokens_disk", 0)}))
     else:
         print(out.text if out.text else " ".join(map(str, out.token_ids)))
 

@@ -22,6 +22,19 @@ def test_generate_json_with_token_ids(glm_ckpt, capsys):
     assert len(penalised["token_ids"]) == 4 and penalised["token_ids"] != out["token_ids"]
 
 
+def test_generate_twice_on_a_disk_tier_serves_the_prompt_from_disk(glm_ckpt, capsys, tmp_path):
+    """Each `generate` is a new process's engine: the second finds the first's pages on disk."""
+    prompt = ",".join(str(5 + i % 50) for i in range(150))
+    argv = ["generate", glm_ckpt[0], "--prompt-token-ids", prompt, "--max-tokens", "4", "--json", "--max-model-len",
+            "256", "--prefix-cache-disk-path", str(tmp_path), "--prefix-cache-disk-bytes", "64M"]
+    runs = []
+    for _ in range(2):
+        assert main(argv) == 0
+        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert runs[0]["cached_tokens"] == 0 and runs[1]["cached_tokens_disk"] == runs[1]["cached_tokens"] == 128
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+
+
 def test_generate_bad_input_is_one_clear_line(glm_ckpt, capsys):
     assert main(["generate", glm_ckpt[0], "--prompt-token-ids", "1,x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
