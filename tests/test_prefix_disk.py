@@ -129,6 +129,7 @@ def test_an_unreadable_page_is_recomputed_and_removed(ckpt, tmp_path):
     assert_close([want], [out], bitwise=True)
     disk = llm.engine.prefix.tiers["disk"]
     assert disk.failed == 1 and out.num_cached_tokens < 64
+    assert llm.stats()["prefix_disk_failures"] == 1 and llm.stats()["prefix_disk_reads"] == disk.loaded
     disk.flush()
     assert page1 not in os.listdir(disk_dir)
     assert_idle(llm)
@@ -316,3 +317,30 @@ def test_the_reset_endpoint_is_scoped_to_the_callers_tenant(tmp_path):
         assert cached["sk-a"] == 0 and cached["sk-b"] > 0  # only alice's prompts were forgotten
         assert post("/reset_prefix_cache", "wrong").status_code == 401
         srv.engine.check_integrity()
+
+
+def test_a_failed_write_drops_the_page_and_serving_goes_on(ckpt, tmp_path, monkeypatch):
+    """A full disk: each write fails, is logged and counted, the page is forgotten (a later lookup
+    computes it), and outputs stay equal to no cache."""
+    import errno
+
+    import sparsekv.cache.prefix_disk as prefix_disk
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(prefix_disk, "save_file", full)
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    llm = disk_engine(ckpt, tmp_path, host_pages=0)
+    disk = llm.engine.prefix.tiers["disk"]
+    llm.generate([BASE + [3]], GREEDY)
+    for prompt in OTHERS:  # evict BASE's pages: their writes fail
+        llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    disk.flush()  # every write has failed by now (a page still being written would be read from memory)
+    got = llm.generate([PROMPTS[0]], GREEDY)[0]
+    disk.flush()
+    stats = llm.stats()
+    assert stats["prefix_disk_failures"] > 0 and stats["prefix_disk_pages"] == 0 and _files(tmp_path) == []
+    assert got.metrics["prefix_cached_tokens_disk"] == 0
+    assert_close([want], [got], bitwise=True)
+    assert_idle(llm)
+    llm.close()

@@ -206,10 +206,10 @@ class PrefixDiskStore:
             os.replace(tmp, path)  # atomic: a reader sees the whole file or none
         except Exception as e:  # noqa: BLE001 - disk full, permissions: the page is only lost
             logger.warning("prefix cache disk tier: writing %s failed (%s); the page is dropped", path, e)
-            self.failed += 1
             if os.path.exists(tmp):
                 os.unlink(tmp)
             with self._lock:
+                self.failed += 1
                 if self._pending.get(name, (None,))[0] == ticket:
                     self._files.pop(name, None)
                     self._tenant.pop(name, None)
@@ -254,8 +254,8 @@ class PrefixDiskStore:
         it cannot be read back."""
         rows = self._read(name)
         if rows is None:
-            self.failed += 1
             with self._lock:
+                self.failed += 1
                 if name in self._files:
                     self._drop(name)
             return False
@@ -274,7 +274,9 @@ class PrefixDiskStore:
 
     def stats(self) -> dict:
         return {"prefix_disk_pages": self.num_pages, "prefix_disk_bytes": self.bytes_used,
-                "prefix_disk_budget_bytes": self.capacity_bytes}
+                "prefix_disk_budget_bytes": self.capacity_bytes, "prefix_disk_writes": self.saved,
+                "prefix_disk_reads": self.loaded, "prefix_disk_evictions": self.dropped,
+                "prefix_disk_failures": self.failed}
 
     def check_integrity(self) -> None:
         with self._lock:

@@ -121,7 +121,8 @@ class PrefixHostStore:
 
     def stats(self) -> dict:
         return {"prefix_host_pages": self.num_pages, "prefix_host_bytes": self.bytes_used,
-                "prefix_host_budget_bytes": self.capacity_bytes}
+                "prefix_host_budget_bytes": self.capacity_bytes, "prefix_host_saves": self.saved,
+                "prefix_host_loads": self.loaded, "prefix_host_evictions": self.dropped}
 
     def check_integrity(self) -> None:
         assert self.bytes_used <= self.capacity_bytes, "the prefix host store is over its budget"
