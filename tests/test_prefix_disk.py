@@ -56,6 +56,7 @@ def test_pages_pushed_out_of_host_memory_come_back_from_disk_exactly(ckpt, tmp_p
     assert stats["prefix_cache_hits_disk"] == sum(o.metrics["prefix_cached_tokens_disk"] for o in got) >= 64
     for out in got:
         assert sum(out.metrics[f"prefix_cached_tokens_{t}"] for t in ("device", "host", "disk")) == out.num_cached_tokens
+    llm.engine.prefix.tiers["disk"].flush()  # the background writes, done
     assert stats["prefix_disk_pages"] > 0 and len(_files(tmp_path)) == stats["prefix_disk_pages"]
     assert_idle(llm)
     llm.close()
