@@ -266,6 +266,8 @@ class EngineConfig:
     # pages pushed out of the host tier (or the pool, without one), kept across restarts.
     prefix_cache_disk_path: str | None = None
     prefix_cache_disk_bytes: int | None = None
+    # A file of at least 32 secret bytes: the disk tier's pages are then encrypted (AES-256-GCM).
+    prefix_cache_disk_key_file: str | None = None
     # Retention: a prefix-cache page no request has used for this many seconds is forgotten in every
     # tier (None: kept until evicted).
     prefix_cache_ttl_s: float | None = None
@@ -300,6 +302,8 @@ class EngineConfig:
                               f"enable_prefix_caching, got {disk!r} and {disk_bytes!r}")
         if disk_bytes is not None and disk_bytes < 1:
             raise ConfigError(f"prefix_cache_disk_bytes must be >= 1, got {disk_bytes}")
+        if self.prefix_cache_disk_key_file is not None and disk is None:
+            raise ConfigError("prefix_cache_disk_key_file needs prefix_cache_disk_path")
         quota = self.prefix_cache_max_pages_per_tenant
         if quota is not None and (quota < 0 or not self.enable_prefix_caching):
             raise ConfigError(f"prefix_cache_max_pages_per_tenant must be >= 0 and needs enable_prefix_caching, "

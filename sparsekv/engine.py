@@ -96,12 +96,7 @@ class LLMEngine:
         disk = None
         self.allocator.max_cached_per_tenant = config.prefix_cache_max_pages_per_tenant
         if config.prefix_cache_disk_path:
-            from .cache.prefix_disk import PrefixDiskStore, namespace
-            try:
-                disk = PrefixDiskStore(rows, config.prefix_cache_disk_path, namespace(config, rows, lookahead),
-                                       config.prefix_cache_disk_bytes)
-            except (ValueError, OSError) as e:
-                raise ConfigError(f"prefix_cache_disk_path: {e}") from None
+            disk = self._build_disk_tier(rows, lookahead)
         if config.prefix_cache_host_bytes:
             tiers["host"] = PrefixHostStore(rows, config.prefix_cache_host_bytes,
                                             spill=disk.save_rows if disk is not None else None)
@@ -110,6 +105,22 @@ class LLMEngine:
         return PrefixCache(self.allocator, lookahead=lookahead, tiers=tiers,
                            before_copy=self.cache.link.flush if self.tiered else lambda: None,
                            ttl_s=config.prefix_cache_ttl_s)
+
+    def _build_disk_tier(self, rows, lookahead: int):
+        from .cache.prefix_disk import PageCipher, PrefixDiskStore, namespace
+        config, key = self.config, self.config.prefix_cache_disk_key_file
+        space = namespace(config, rows, lookahead, sealed=key is not None)
+        try:
+            cipher = None
+            if key is not None:
+                with open(key, "rb") as f:
+                    cipher = PageCipher(f.read(), space)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"prefix_cache_disk_key_file: {e}") from None
+        try:
+            return PrefixDiskStore(rows, config.prefix_cache_disk_path, space, config.prefix_cache_disk_bytes, cipher)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"prefix_cache_disk_path: {e}") from None
 
     def close(self) -> None:
         """Save the prefix cache's pages to its disk tier, if any, and let go of it (a restart finds

@@ -6,6 +6,7 @@ import os
 import stat
 
 import pytest
+import torch
 
 from sparsekv import ConfigError, SamplingParams
 from sparsekv.tools.tiny import save_reference_checkpoint
@@ -24,7 +25,8 @@ def ckpt(tmp_path_factory):
 
 def disk_engine(ckpt, root, host_pages=2, **options):
     """A pool of 12 pages, a host tier of `host_pages` pages (0: none), the disk tier under `root`."""
-    host = {"prefix_cache_host_bytes": host_pages * _page_bytes(ckpt, **options)} if host_pages else {}
+    model_options = {k: v for k, v in options.items() if not k.startswith("prefix_cache")}
+    host = {"prefix_cache_host_bytes": host_pages * _page_bytes(ckpt, **model_options)} if host_pages else {}
     return make(ckpt, enable_prefix_caching=True, prefix_cache_disk_path=str(root), prefix_cache_disk_bytes=DISK,
                 **host, **SMALL_POOL, **options)
 
@@ -345,3 +347,60 @@ def test_a_failed_write_drops_the_page_and_serving_goes_on(ckpt, tmp_path, monke
     assert_close([want], [got], bitwise=True)
     assert_idle(llm)
     llm.close()
+
+
+# -- encryption at rest (prefix_cache_disk_key_file) ---------------------------------------------------
+def _key(tmp_path, name="key", secret=b"k" * 40):
+    path = tmp_path / name
+    path.write_bytes(secret)
+    return str(path)
+
+
+def test_encrypted_pages_come_back_exactly_and_hold_no_plaintext(ckpt, tmp_path):
+    """With a key file, each page file is AES-256-GCM ciphertext: none of the page's bytes appear in
+    it, and a restarted engine with the same key serves the prompt from disk bit for bit."""
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    key = _key(tmp_path)
+    disk_dir = tmp_path / "disk"
+    with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=key) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+        page = llm.engine.prefix.tiers["disk"].rows.copy_out(llm.engine.allocator.cached_pages()[0])
+    plain_rows = page[0].contiguous().view(-1).view(torch.uint8).numpy().tobytes()[:64]
+    files = [os.path.join(d, f) for d, _, names in os.walk(disk_dir) for f in names if f.endswith(".safetensors")]
+    assert len(files) == 5
+    assert not any(plain_rows in open(f, "rb").read() for f in files)
+    again = disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=key)
+    out = again.generate([PROMPTS[0]], GREEDY)[0]
+    assert out.metrics["prefix_cached_tokens_disk"] == 64
+    assert_close([want], [out], bitwise=True)
+    again.close()
+
+
+def test_another_key_or_an_altered_file_reads_as_a_miss(ckpt, tmp_path):
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    disk_dir = tmp_path / "disk"
+    with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=_key(tmp_path)) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+    with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=_key(tmp_path, "other", b"z" * 40)) as llm:
+        out = llm.generate([PROMPTS[0]], GREEDY)[0]  # the same namespace: the key is not part of it
+        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 1
+        assert_close([want], [out], bitwise=True)
+    with disk_engine(ckpt, disk_dir) as llm:  # no key: another namespace, nothing found, nothing removed
+        assert llm.stats()["prefix_disk_pages"] == 0
+    altered = tmp_path / "altered"
+    with disk_engine(ckpt, altered, prefix_cache_disk_key_file=_key(tmp_path)) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+    first = sorted(f for f in (os.path.join(d, n) for d, _, names in os.walk(altered) for n in names)
+                   if f.endswith(".safetensors"))
+    for path in first:  # one bit flipped near the end of every file: inside the ciphertext or its tag
+        data = bytearray(open(path, "rb").read())
+        data[-5] ^= 1
+        open(path, "wb").write(bytes(data))
+    with disk_engine(ckpt, altered, prefix_cache_disk_key_file=_key(tmp_path)) as llm:
+        out = llm.generate([PROMPTS[0]], GREEDY)[0]
+        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 1
+        assert_close([want], [out], bitwise=True)
+    with pytest.raises(ConfigError, match="at least 32"):
+        disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=_key(tmp_path, "short", b"x" * 8))
+    with pytest.raises(ConfigError, match="prefix_cache_disk_key_file"):
+        make(ckpt, enable_prefix_caching=True, prefix_cache_disk_key_file=_key(tmp_path))

@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -64,20 +65,54 @@ def tenant_digest(tenant: str) -> str:
     return hashlib.sha256(b"sparsekv-tenant\0" + tenant.encode()).hexdigest()[:32]
 
 
-def namespace(config, rows: PageRows, lookahead: int) -> str:
+def namespace(config, rows: PageRows, lookahead: int, sealed: bool = False) -> str:
     """The directory name for pages this engine computes: equal only for engines whose pages hold the
     same bytes for the same names."""
     key = {"format": FORMAT, "checkpoint": checkpoint_identity(config.model), "dtype": config.dtype,
            "device": torch.device(config.device).type, "page": config.kv_page_size, "attention": config.attention,
            "overrides": config.hf_overrides, "selector": config.selector, "quest": config.quest_page_tokens,
            "index_keys": config.indexer_key_dtype, "lookahead": lookahead,
-           "layout": [(shape, str(dtype)) for shape, dtype in rows.layout]}
+           "layout": [(shape, str(dtype)) for shape, dtype in rows.layout], "sealed": sealed}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+class PageCipher:
+    """Encryption at rest for page files: AES-256-GCM under a key derived (HKDF-SHA256) from the
+    operator's secret and the namespace. A page's name and tenant digest are authenticated with its
+    bytes, so a file altered, renamed or written under another key reads back as a miss, never as
+    wrong KV entries."""
+
+    def __init__(self, secret: bytes, space: str):
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+        if len(secret) < 32:
+            raise ValueError(f"the key file holds {len(secret)} bytes; it needs at least 32 of secret")
+        info = b"sparsekv-prefix-disk-v1\0" + space.encode()
+        self._aead = AESGCM(HKDF(hashes.SHA256(), 32, salt=None, info=info).derive(secret))
+
+    def seal(self, rows: list[torch.Tensor], name: bytes, tenant: str) -> tuple[dict, dict]:
+        """(tensors, metadata) of the encrypted page."""
+        plain = b"".join(r.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for r in rows)
+        nonce = os.urandom(12)
+        sealed = self._aead.encrypt(nonce, plain, name + tenant.encode())
+        return {"sealed": torch.frombuffer(bytearray(sealed), dtype=torch.uint8)}, {"nonce": nonce.hex()}
+
+    def open(self, f, layout: list, name: bytes, tenant: str) -> list[torch.Tensor]:
+        """The rows of a page file `f` (a safe_open handle); raises if it does not authenticate."""
+        plain = self._aead.decrypt(bytes.fromhex(f.metadata()["nonce"]), f.get_tensor("sealed").numpy().tobytes(),
+                                   name + tenant.encode())
+        rows, start = [], 0
+        for shape, dtype in layout:
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            rows.append(torch.frombuffer(bytearray(plain[start:start + size]), dtype=torch.uint8).view(dtype).view(shape))
+            start += size
+        return rows
+
+
 class PrefixDiskStore:
-    def __init__(self, rows: PageRows, root: str, space: str, capacity_bytes: int):
-        self.rows, self.page_bytes, self.capacity_bytes = rows, rows.page_bytes, capacity_bytes
+    def __init__(self, rows: PageRows, root: str, space: str, capacity_bytes: int, cipher: PageCipher | None = None):
+        self.rows, self.page_bytes, self.capacity_bytes, self.cipher = rows, rows.page_bytes, capacity_bytes, cipher
         self.dir = os.path.join(root, space)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self._lock_file = open(os.path.join(self.dir, ".lock"), "w")
@@ -200,7 +235,9 @@ class PrefixDiskStore:
         path = self._path(name)
         tmp = f"{path}.{ticket}.tmp"
         try:
-            save_file({str(i): r.contiguous() for i, r in enumerate(rows)}, tmp, metadata={"format": FORMAT, "tenant": tenant})
+            tensors, extra = (self.cipher.seal(rows, name, tenant) if self.cipher is not None else
+                              ({str(i): r.contiguous() for i, r in enumerate(rows)}, {}))
+            save_file(tensors, tmp, metadata={"format": FORMAT, "tenant": tenant, **extra})
             os.chmod(tmp, 0o600)
             self._stamp(tmp)
             os.replace(tmp, path)  # atomic: a reader sees the whole file or none
@@ -243,7 +280,10 @@ class PrefixDiskStore:
             with safe_open(self._path(name), "pt") as f:
                 if (f.metadata() or {}).get("format") != FORMAT:
                     raise ValueError("not a sparsekv prefix page")
-                rows = [f.get_tensor(str(i)) for i in range(len(self.rows.layout))]
+                if self.cipher is not None:
+                    rows = self.cipher.open(f, self.rows.layout, name, self._tenant.get(name, ""))
+                else:
+                    rows = [f.get_tensor(str(i)) for i in range(len(self.rows.layout))]
         except Exception as e:  # noqa: BLE001 - a page that cannot be read is recomputed
             logger.warning("prefix cache disk tier: %s is unreadable (%s); recomputing it", self._path(name), e)
             return None
