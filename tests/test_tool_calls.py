@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from sparsekv.server.tool_calls import ToolCallStream, parse_tool_calls
+from sparsekv.server.tool_calls import DSML, ToolCallStream, parse_tool_calls
 
 CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
 
@@ -29,9 +29,9 @@ def test_parse_glm_tool_calls(text, content, calls):
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got)
 
 
-def _stream(text: str, step: int = 1) -> list[dict]:
+def _stream(text: str, step: int = 1, fmt=None) -> list[dict]:
     """The deltas of `text` written `step` characters at a time, then finished."""
-    stream, deltas = ToolCallStream(), []
+    stream, deltas = ToolCallStream(fmt) if fmt else ToolCallStream(), []
     for end in range(step, len(text) + step, step):
         deltas += stream.update(text[:end], finished=end >= len(text))
     return deltas
@@ -116,13 +116,62 @@ def test_chat_tool_calls_through_the_api():
         srv.engine.check_integrity()
 
 
-def test_tools_on_a_model_whose_call_format_is_not_parsed_are_refused(ds_ckpt):
-    import httpx
+DS_CALL = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+           '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+           '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n')
 
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("It is sunny.", "It is sunny.", []),
+    ("Let me look. " + DS_CALL + "</｜DSML｜function_calls>", "Let me look. ",
+     [("get_weather", {"city": "Paris", "days": 3})]),
+    (DS_CALL + '<｜DSML｜invoke name="now">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>', None,
+     [("get_weather", {"city": "Paris", "days": 3}), ("now", {})]),
+    ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="false">[1, "a"]'
+     '</｜DSML｜parameter>\n<｜DSML｜parameter name="y" string="true">[1]</｜DSML｜parameter>\n</｜DSML｜invoke>', None,
+     [("f", {"x": [1, "a"], "y": "[1]"})]),
+    ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="true">1',
+     '<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="true">1', []),
+], ids=["text", "text-then-call", "two-calls", "json-and-raw-strings", "unfinished-call-is-text"])
+def test_parse_deepseek_v32_dsml_tool_calls(text, content, calls):
+    got_content, got = parse_tool_calls(text, DSML)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    if calls:  # streamed a character at a time, or in pieces: the same calls
+        want = [(c["function"]["name"], c["function"]["arguments"]) for c in got]
+        assert _joined(_stream(text, 1, DSML)) == want == _joined(_stream(text, 5, DSML))
+
+
+def test_deepseek_v32_tool_calls_through_the_api(tmp_path):
+    """A deepseek_v32 checkpoint (with the bundled tokenizer) made to write a DSML call: parsed into
+    `tool_calls`, whole and streamed."""
+    import shutil
+
+    from sparsekv.paths import default_model_path
+    from sparsekv.tools.tiny import save_reference_checkpoint
     from test_server_util import ThreadServer
-    with ThreadServer(ds_ckpt[0]) as srv:
-        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "tools": [{"type": "function", "function": {"name": "f"}}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-    assert "deepseek_v32" in r.json()["error"]["message"]
+    path = str(tmp_path / "ds")
+    save_reference_checkpoint(path, "deepseek_v32", n_group=1, topk_group=1, vocab_size=4096)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{default_model_path()}/{name}", path)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    regex = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" '
+             'string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    with ThreadServer(path, max_model_len=1024) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        whole = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=128,
+                                               temperature=0, extra_body={"guided_regex": regex})
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+            [("get_weather", {"city": "Paris"})]
+        streamed = list(client.chat.completions.create(
+            model="tiny", messages=messages, tools=tools, max_tokens=128, temperature=0, stream=True,
+            extra_body={"guided_regex": regex}))
+        calls = [t.model_dump(exclude_none=True) for c in streamed for t in (c.choices[0].delta.tool_calls or [])]
+        assert _joined(calls) == [("get_weather", '{"city": "Paris"}')]
+        assert streamed[-1].choices[0].finish_reason == "tool_calls"
+        assert not "".join(c.choices[0].delta.content or "" for c in streamed).strip()
+        srv.engine.check_integrity()

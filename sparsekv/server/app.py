@@ -27,7 +27,8 @@ from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                        TokenizeRequest, parse_body)
 from .responses import Echo, ResponseBuilder, TokenText
-from .tool_calls import MODEL_TYPES as TOOL_MODEL_TYPES
+from .tool_calls import FORMATS as TOOL_CALL_FORMATS
+from .tool_calls import CallFormat
 from .serving import Job, run
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -110,7 +111,7 @@ async def _body(request: Request, model):
 
 async def _generate(request: Request, body: SamplingFields, kind: str, prompts: list, max_tokens: int,
                     logprobs: int | None, top_logprobs: int | None = None, echo: Echo | None = None,
-                    tools: bool = False):
+                    tools: CallFormat | None = None):
     """Prompts x n choices -> one group of engine requests, answered as one response or stream."""
     state = _state(request)
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
@@ -143,16 +144,17 @@ async def chat_completions(request: Request):
     state = _state(request)
     body = await _body(request, ChatCompletionRequest)
     state.check_model(body.model)
-    if body.use_tools and state.engine.model_config.model_type not in TOOL_MODEL_TYPES:
+    call_format = TOOL_CALL_FORMATS.get(state.engine.model_config.model_type) if body.use_tools else None
+    if body.use_tools and call_format is None:
         raise bad_request(f"tools: no tool-call parser for model_type {state.engine.model_config.model_type!r} "
-                          f"(parsed: {', '.join(TOOL_MODEL_TYPES)})", "tools")
+                          f"(parsed: {', '.join(TOOL_CALL_FORMATS)})", "tools")
     prompt = state.chat_prompt(body.messages, body.add_generation_prompt, body.tools if body.use_tools else None)
     max_tokens = body.max_new_tokens
     if max_tokens is None:  # vLLM: the rest of the context; here also capped by the KV pool
         max_tokens = state.settings.default_max_tokens or max(
             1, min(state.context_limit - len(prompt), state.chat_default_cap))
     return await _generate(request, body, "chat", [prompt], max_tokens, body.num_logprobs, body.top_logprobs,
-                           tools=body.use_tools)
+                           tools=call_format)
 
 
 async def tokenize(request: Request):

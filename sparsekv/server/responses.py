@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..request import RequestOutput
-from .tool_calls import ToolCallStream, parse_tool_calls
+from .tool_calls import CallFormat, ToolCallStream, parse_tool_calls
 
 
 def _is_number(x) -> bool:
@@ -52,12 +52,13 @@ class Echo:
 
 
 class ChoiceState:
-    """`hold_marker` (chat with tools): streamed text stops where a tool call begins; the calls go out
+    """`tool_format` (chat with tools): streamed text stops where tool calls begin; the calls go out
     as they are written (`tool_stream`)."""
 
-    def __init__(self, index: int, stop_strings: list[str], hold_marker: str | None = None):
-        self.index, self.stop_strings, self.hold_marker = index, stop_strings, hold_marker
-        self.tool_stream = ToolCallStream() if hold_marker is not None else None
+    def __init__(self, index: int, stop_strings: list[str], tool_format: CallFormat | None = None):
+        self.index, self.stop_strings = index, stop_strings
+        self.hold_marker = tool_format.start if tool_format is not None else None
+        self.tool_stream = ToolCallStream(tool_format) if tool_format is not None else None
         self.out: RequestOutput | None = None
         self.sent_text = 0  # characters of out.text already sent
         self.sent_tokens = 0
@@ -105,10 +106,11 @@ class ResponseBuilder:
     """Bodies for one HTTP request: `kind` is "completion" or "chat"; choice i answers prompt i // n."""
 
     def __init__(self, kind: str, response_id: str, model: str, created: int, n: int, token_text: TokenText,
-                 tenant: str, top_logprobs: int | None = None, echo: Echo | None = None, tools: bool = False):
+                 tenant: str, top_logprobs: int | None = None, echo: Echo | None = None,
+                 tools: CallFormat | None = None):
         self.kind, self.id, self.model, self.created, self.n = kind, response_id, model, created, n
         self.token_text, self.tenant, self.top_logprobs, self.echo = token_text, tenant, top_logprobs, echo
-        self.tools = tools  # chat with tools: parse GLM tool calls out of the finished message
+        self.tools = tools  # chat with tools: the model's call format, parsed out of the message
 
     # -- whole responses -----------------------------------------------------------------------
     def response(self, states: list[ChoiceState]) -> dict:
@@ -130,7 +132,7 @@ class ResponseBuilder:
                     "stop_reason": None}
         message, finish = {"role": "assistant", "content": text}, out.finish_reason
         if self.tools:
-            content, calls = parse_tool_calls(text)
+            content, calls = parse_tool_calls(text, self.tools)
             if calls:
                 message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
         return {"index": s.index, "message": message, "logprobs": lps, "finish_reason": finish}

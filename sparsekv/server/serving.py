@@ -19,7 +19,6 @@ from ..request import InvalidRequest
 from .errors import APIError, error_body
 from .loop import EngineDead, EngineLoop, QueueFull, RequestGroup, ShuttingDown, Submission
 from .responses import ChoiceState, ResponseBuilder
-from .tool_calls import TOOL_CALL_START
 
 log = logging.getLogger("sparsekv.server")
 RETRY_AFTER_S = "1"
@@ -58,8 +57,7 @@ async def admit(loop: EngineLoop, job: Job, metrics) -> None:
 
 
 async def run(request: Request, loop: EngineLoop, job: Job, metrics):
-    marker = TOOL_CALL_START if job.builder.tools else None
-    states = [ChoiceState(i, s.params.stop_strings, marker) for i, s in enumerate(job.subs)]
+    states = [ChoiceState(i, s.params.stop_strings, job.builder.tools) for i, s in enumerate(job.subs)]
     try:
         await admit(loop, job, metrics)
         if not job.stream:

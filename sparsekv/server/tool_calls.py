@@ -1,4 +1,4 @@
-"""Tool calls in GLM's format, parsed out of a finished chat completion.
+"""Tool calls in the model's own format, parsed out of a chat completion, whole or as it streams.
 
 GLM-4.5 and later (and GLM-5, `glm_moe_dsa`) write a call as::
 
@@ -7,24 +7,30 @@ GLM-4.5 and later (and GLM-5, `glm_moe_dsa`) write a call as::
     <arg_value>Paris</arg_value>
     </tool_call>
 
-Each value is JSON if it parses as JSON, else the raw string (vLLM's glm45 parser does the same).
+each value JSON if it parses as JSON, else the raw string (vLLM's glm45 parser does the same).
+DeepSeek-V3.2 (`deepseek_v32`) writes DSML, with fullwidth bars (U+FF5C)::
+
+    <｜DSML｜function_calls>
+    <｜DSML｜invoke name="get_weather">
+    <｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>
+    </｜DSML｜invoke>
+    </｜DSML｜function_calls>
+
+a value raw when `string="true"`, else JSON (the raw text if it does not parse).
+
 The text before the first call is the message's content (None if only whitespace). Streamed
-(`ToolCallStream`), the text stops where a call begins, and each call goes out as OpenAI streams
-one: its id and name once the name is written, then its arguments JSON in pieces, one per complete
-key/value pair, closed at `</tool_call>`. The pieces of a call join to the `arguments` the unstreamed
-response gives. DeepSeek-V3.2 writes calls in another format, not parsed here: such a model refuses
-`tools` with a 400.
+(`ToolCallStream`), the text stops where calls begin, and each call goes out as OpenAI streams one:
+its id and name once the name is whole, then its arguments JSON in pieces, one per complete
+argument, closed at the call's end. The pieces of a call join to the `arguments` the unstreamed
+response gives.
 """
 from __future__ import annotations
 
 import json
 import re
 import uuid
-
-TOOL_CALL_START = "<tool_call>"
-CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
-MODEL_TYPES = ("glm_moe_dsa",)
+from dataclasses import dataclass
+from typing import Callable
 
 
 def _value(text: str):
@@ -34,21 +40,76 @@ def _value(text: str):
         return text
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+@dataclass(frozen=True)
+class CallFormat:
+    """Where calls begin (`start`: text before it is content), how each call opens and closes, its name
+    once whole (`name(body, ended)`: None while it may still grow), and its complete arguments."""
+
+    start: str
+    call_open: str
+    call_close: str
+    name: Callable[[str, bool], str | None]
+    arguments: Callable[[str], list[tuple[str, object]]]
+
+
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_DSML_NAME = re.compile(r'\s*name="([^"]*)"\s*>')
+_DSML_ARG = re.compile(r'<｜DSML｜parameter\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>(.*?)</｜DSML｜parameter>',
+                       re.DOTALL)
+
+
+def _glm_name(body: str, ended: bool) -> str | None:
+    head, has_args = body.split("<arg_key>", 1)[0], "<arg_key>" in body
+    return head.strip() or None if has_args or ended else None
+
+
+def _dsml_name(body: str, ended: bool) -> str | None:
+    match = _DSML_NAME.match(body)
+    return match.group(1).strip() or None if match else None
+
+
+GLM = CallFormat("<tool_call>", "<tool_call>", "</tool_call>", _glm_name,
+                 lambda body: [(k.strip(), _value(v)) for k, v in _GLM_ARG.findall(body)])
+DSML = CallFormat("<｜DSML｜function_calls>", "<｜DSML｜invoke", "</｜DSML｜invoke>", _dsml_name,
+                  lambda body: [(k.strip(), v if raw == "true" else _value(v)) for k, raw, v in _DSML_ARG.findall(body)])
+FORMATS = {"glm_moe_dsa": GLM, "deepseek_v32": DSML}  # model_type -> its call format
+
+
+def _bodies(text: str, fmt: CallFormat) -> list[str]:
+    """The text of each call (from its opening on), in order."""
+    if fmt.start not in text:
+        return []
+    return text[text.index(fmt.start):].split(fmt.call_open)[1:]
+
+
+def _pieces(arguments: list[tuple[str, object]]) -> list[str]:
+    """The arguments object as JSON text, in one piece per argument (its closing brace not included)."""
+    return [("{" if i == 0 else ", ") + json.dumps(k, ensure_ascii=False) + ": " + json.dumps(v, ensure_ascii=False)
+            for i, (k, v) in enumerate(arguments)]
+
+
+def _new_call(index: int | None, name: str) -> dict:
+    head = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": ""}}
+    return head if index is None else {"index": index, **head}
+
+
+def parse_tool_calls(text: str, fmt: CallFormat = GLM) -> tuple[str | None, list[dict]]:
     """(content before the first call, or None if empty; OpenAI `tool_calls`). No complete call:
     the whole text is content and the list is empty."""
     calls = []
-    for match in CALL.finditer(text):
-        body = match.group(1)
-        name = body.split("<arg_key>", 1)[0].strip()
-        if not name:
+    for body in _bodies(text, fmt):
+        if fmt.call_close not in body:
             continue
-        args = {key.strip(): _value(value) for key, value in ARG.findall(body)}
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
+        body = body.split(fmt.call_close, 1)[0]
+        name = fmt.name(body, True)
+        if name:
+            arguments = fmt.arguments(body)
+            call = _new_call(None, name)
+            call["function"]["arguments"] = "".join(_pieces(arguments)) + ("}" if arguments else "{}")
+            calls.append(call)
     if not calls:
         return text, []
-    content = text[:text.index(TOOL_CALL_START)]
+    content = text[:text.index(fmt.start)]
     return (content if content.strip() else None), calls
 
 
@@ -56,49 +117,42 @@ class ToolCallStream:
     """The tool calls of a growing chat message, as OpenAI `delta.tool_calls` entries: `update(text)`
     returns what is new since the last call."""
 
-    def __init__(self):
+    def __init__(self, fmt: CallFormat = GLM):
+        self.fmt = fmt
         self.num_calls = 0  # calls whose name has gone out (their stream index is their order)
-        self._segments: list[dict] = []  # per <tool_call> in the text: index or None (no name), pairs sent, closed
+        self._calls: list[dict] = []  # per call in the text: index or None (no name yet), arguments sent, closed
 
     def update(self, text: str, finished: bool) -> list[dict]:
         deltas: list[dict] = []
-        bodies = text.split(TOOL_CALL_START)[1:]
+        bodies = _bodies(text, self.fmt)
         for i, body in enumerate(bodies):
-            if i == len(self._segments):
-                self._segments.append({"index": None, "pairs": 0, "closed": False})
-            seg = self._segments[i]
-            if not seg["closed"]:
-                deltas += self._advance(seg, body, finished or i < len(bodies) - 1)
+            if i == len(self._calls):
+                self._calls.append({"index": None, "sent": 0, "closed": False})
+            call = self._calls[i]
+            if not call["closed"]:
+                deltas += self._advance(call, body, finished or i < len(bodies) - 1)
         return deltas
 
-    def _advance(self, seg: dict, body: str, ended: bool) -> list[dict]:
+    def _advance(self, call: dict, body: str, ended: bool) -> list[dict]:
         """`ended`: no more text will reach this call (the message finished or another call began)."""
-        closed = "</tool_call>" in body
-        body = body.split("</tool_call>", 1)[0]
+        fmt = self.fmt
+        closed = fmt.call_close in body
+        body = body.split(fmt.call_close, 1)[0]
         deltas = []
-        if seg["index"] is None:
-            name = _complete_name(body, closed or ended)
+        if call["index"] is None:
+            name = fmt.name(body, closed or ended)
             if name is None:
-                seg["closed"] = closed or ended  # a call with no name is skipped, as parse_tool_calls does
+                call["closed"] = closed or ended  # a call with no name is skipped, as parse_tool_calls does
                 return []
-            seg["index"] = self.num_calls
+            call["index"] = self.num_calls
             self.num_calls += 1
-            deltas.append({"index": seg["index"], "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                           "function": {"name": name, "arguments": ""}})
-        pairs = ARG.findall(body)
-        pieces = [("{" if n == 0 else ", ") + json.dumps(key.strip(), ensure_ascii=False) + ": " +
-                  json.dumps(_value(value), ensure_ascii=False) for n, (key, value) in enumerate(pairs)][seg["pairs"]:]
-        seg["pairs"] = len(pairs)
+            deltas.append(_new_call(call["index"], name))
+        arguments = fmt.arguments(body)
+        pieces = _pieces(arguments)[call["sent"]:]
+        call["sent"] = len(arguments)
         if closed or ended:
-            pieces.append("}" if pairs else "{}")
-            seg["closed"] = True
+            pieces.append("}" if arguments else "{}")
+            call["closed"] = True
         if pieces:
-            deltas.append({"index": seg["index"], "function": {"arguments": "".join(pieces)}})
+            deltas.append({"index": call["index"], "function": {"arguments": "".join(pieces)}})
         return deltas
-
-
-def _complete_name(body: str, ended: bool) -> str | None:
-    """The call's function name once it is whole (an argument follows, or the call ended); None while
-    it may still grow, or if it is empty. The same name parse_tool_calls reads."""
-    head, has_args = body.split("<arg_key>", 1)[0], "<arg_key>" in body
-    return head.strip() or None if has_args or ended else None
