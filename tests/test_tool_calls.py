@@ -175,3 +175,20 @@ def test_deepseek_v32_tool_calls_through_the_api(tmp_path):
         assert streamed[-1].choices[0].finish_reason == "tool_calls"
         assert not "".join(c.choices[0].delta.content or "" for c in streamed).strip()
         srv.engine.check_integrity()
+
+
+def test_chat_template_flag_replaces_the_tokenizers(tmp_path, capsys):
+    """`sparsekv serve --chat-template FILE` (vLLM's flag), e.g. for DeepSeek-V3.2, whose repository
+    ships no template: the file renders chat prompts, tools included."""
+    from sparsekv.server.cli import build_app, build_parser, main
+    from sparsekv.server.protocol import ChatCompletionRequest
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                        "{% if tools %}[{{ tools | length }} tools]{% endif %}<assistant>")
+    _, state = build_app(build_parser().parse_args(["--chat-template", str(template), "--max-model-len", "256"]))
+    body = ChatCompletionRequest(model="x", messages=[{"role": "user", "content": "hi"}])
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    text = state.tokenizer.decode(state.chat_prompt(body.messages, True, tools))
+    assert text == "<user>hi[1 tools]<assistant>"
+    assert main(["--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "missing.jinja" in capsys.readouterr().err

@@ -40,6 +40,7 @@ class ServerSettings:
     api_keys: dict[bytes, str] = field(default_factory=dict)  # sha256(key) -> tenant (auth.parse_api_keys)
     max_queued_requests: int | None = None
     default_max_tokens: int | None = None
+    chat_template: str | None = None  # Jinja text replacing the tokenizer's (vLLM's --chat-template)
 
 
 class ServerState:
@@ -55,6 +56,10 @@ class ServerState:
         # one chat request hold the pool; cap it so a full batch of such requests still fits.
         self.chat_default_cap = max(1, pool_tokens // engine.config.max_num_seqs)
         self.tokenizer = load_tokenizer(engine.config.tokenizer or engine.config.model)
+        if settings.chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("--chat-template needs a tokenizer (the checkpoint has none; give --tokenizer)")
+            self.tokenizer.chat_template = settings.chat_template
         self.token_text = TokenText(self.tokenizer)
         self.loop = EngineLoop(engine, None, settings.max_queued_requests)
         self.metrics = ServerMetrics(self.model_name, self.loop.stats, lambda: self.loop.healthy)

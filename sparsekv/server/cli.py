@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max_tokens when a request gives none (default: 16 for completions; for chat the rest "
                         "of the context, at most KV pool tokens / max-num-seqs)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
+    p.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a Jinja chat template file replacing the tokenizer's (e.g. for a checkpoint that ships none)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
     return p
@@ -67,8 +69,12 @@ def build_app(args):
         raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
     model = args.model or default_model_path()
     names = args.served_model_name or [args.model or os.path.basename(os.path.normpath(model))]
+    template = None
+    if args.chat_template is not None:  # read first: a wrong path fails before the model loads
+        with open(args.chat_template) as f:
+            template = f.read()
     engine = LLMEngine(EngineConfig(model=model, tokenizer=args.tokenizer, **engine_options(args)))
-    settings = ServerSettings(names, keys, args.max_queued_requests, args.default_max_tokens)
+    settings = ServerSettings(names, keys, args.max_queued_requests, args.default_max_tokens, template)
     app = create_app(engine, settings)
     return app, app.state.server
 
