@@ -240,6 +240,8 @@ class LLMEngine:
         self.expire_prefix_cache()
         chunks = self.scheduler.schedule()
         if not chunks:
+            if self.prefix is not None:  # only requests waiting for disk reads: wait for one, do not spin
+                self.prefix.wait_for_reads(0.01)
             return []
         now = time.monotonic()
         for ch in chunks:

@@ -63,7 +63,7 @@ class Scheduler:
             if n > 0:
                 chunks.append(self._take(req, n))
                 budget -= n
-        deferred = []  # requests waiting for a running request to compute their prefix
+        deferred = []  # requests waiting for a running request to compute their prefix, or for disk reads
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
             admitted = self._admit(req)
@@ -84,11 +84,12 @@ class Scheduler:
     def _admit(self, req: Request) -> bool | None:
         """Reserve pages for prompt + max_tokens, less the prompt's cached pages, which it shares.
         False: no room (it waits, and so does everyone behind it); None: a running request is computing
-        this prompt's next page, so it waits for that page (the requests behind it go ahead)."""
+        this prompt's next page, or its pages on the disk tier are being read ahead, so it waits for
+        them (the requests behind it go ahead)."""
         # prompt_logprobs need every prompt row computed: no hits for them (as in vLLM)
         hit = self.prefix.lookup(req) if self.prefix is not None and req.params.prompt_logprobs is None else None
-        if hit is not None and hit.wait:
-            return None
+        if hit is not None and (hit.wait or (hit.lower_names and not self.prefix.read_ahead(req, hit.lower_names))):
+            return None  # a running request computes its next page, or its disk pages are being read
         shared = hit.pages if hit is not None else []
         if not self.allocator.share_and_reserve(req.request_id, shared,
                                                 self.allocator.pages_for(req.max_total_tokens) - len(shared)):

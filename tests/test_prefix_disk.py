@@ -404,3 +404,43 @@ def test_another_key_or_an_altered_file_reads_as_a_miss(ckpt, tmp_path):
         disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=_key(tmp_path, "short", b"x" * 8))
     with pytest.raises(ConfigError, match="prefix_cache_disk_key_file"):
         make(ckpt, enable_prefix_caching=True, prefix_cache_disk_key_file=_key(tmp_path))
+
+
+# -- reads ahead of admission ---------------------------------------------------------------------------
+def test_a_request_waits_for_its_disk_reads_while_others_keep_decoding(ckpt, tmp_path, monkeypatch):
+    """The disk reads of a request's prefix run on a reader thread while it waits in the queue: the
+    engine steps on (a running request keeps getting tokens), then it is admitted and hits every
+    page from disk, with the same output. Aborting a waiting request discards its reads."""
+    import threading
+
+    from sparsekv.cache.prefix_disk import PrefixDiskStore
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    with disk_engine(ckpt, tmp_path) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+    gate, read = threading.Event(), PrefixDiskStore._read
+    monkeypatch.setattr(PrefixDiskStore, "_read", lambda self, name: gate.wait(30) and read(self, name))
+    engine = disk_engine(ckpt, tmp_path).engine
+    engine.add_request("running", OTHERS[0][:20], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.add_request("waiting", PROMPTS[0], GREEDY)
+    tokens = 0
+    for _ in range(5):
+        tokens += sum(len(o.new_token_ids) for o in engine.step() if o.request_id == "running")
+        engine.check_integrity()
+    assert tokens == 5 and [r.request_id for r in engine.scheduler.waiting] == ["waiting"]
+    gate.set()
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["waiting"].metrics["prefix_cached_tokens_disk"] == 64
+    assert_close([want], [outs["waiting"]], bitwise=True)
+    engine.close()
+    gate.clear()  # reads block again: a request aborted while it waits for them leaves nothing behind
+    engine = disk_engine(ckpt, tmp_path).engine
+    engine.add_request("aborted", PROMPTS[0], GREEDY)
+    assert engine.step() == [] and engine.prefix._reading["aborted"]
+    engine.abort("aborted")
+    gate.set()
+    engine.check_integrity()
+    assert not engine.prefix._reading and not engine.prefix.tiers["disk"]._prefetched
+    engine.close()

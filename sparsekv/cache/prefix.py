@@ -56,6 +56,7 @@ class PrefixCache:
         self._tenant_of: dict[int, str] = {}  # named page -> the tenant whose request computed it
         self._inflight: dict[bytes, str] = {}  # prompt page name -> running request computing it
         self._claims: dict[str, list[bytes]] = {}  # request -> the names it claimed
+        self._reading: dict[str, list[bytes]] = {}  # waiting request -> its disk pages being read ahead
         allocator.keeps = self._tenant_of.get
         allocator.on_evict = self._forget_page
         self.queried_tokens = 0
@@ -144,7 +145,27 @@ class PrefixCache:
                 self._page_of[name], self._name_of[page], self._tenant_of[page] = page, name, req.tenant
         self._named[req.request_id] = full
 
+    def read_ahead(self, req: Request, names: list[bytes]) -> bool:
+        """Start reading the disk-tier pages among a hit's `names`; True once they are in memory (the
+        request is admitted then; until then it waits and the engine steps on without it)."""
+        disk = self.tiers.get("disk")
+        if disk is None:
+            return True
+        on_disk = [n for n in names if self._tier_of(n) == "disk"]
+        if disk.prefetch(on_disk):
+            self._reading.pop(req.request_id, None)
+            return True
+        self._reading[req.request_id] = on_disk
+        return False
+
+    def wait_for_reads(self, timeout: float) -> None:
+        if "disk" in self.tiers and self._reading:
+            self.tiers["disk"].wait_for_reads(timeout)
+
     def forget_request(self, request_id: str) -> None:
+        if "disk" in self.tiers:
+            self.tiers["disk"].discard(self._reading.pop(request_id, []))
+        self._reading.pop(request_id, None)
         self._chains.pop(request_id, None)
         self._named.pop(request_id, None)
         for name in self._claims.pop(request_id, ()):
@@ -228,5 +249,6 @@ class PrefixCache:
             assert self.allocator.is_cached(page) or self.allocator.num_owners(page), "a named page is free"
         for store in self.tiers.values():
             store.check_integrity()
-        stale = (set(self._chains) | set(self._named) | set(self._inflight.values()) | set(self._claims)) - active
+        stale = (set(self._chains) | set(self._named) | set(self._inflight.values()) | set(self._claims)
+                 | set(self._reading)) - active
         assert not stale, f"prefix chains kept for finished requests {sorted(stale)}"

@@ -11,7 +11,9 @@ attention mode, selector, indexer key dtype, drafting and the tensor layout. Ano
 same one run another way, never reads these files. Files are written 0600 in a 0700 directory.
 
 Writes, deletions and touches run in order on one background thread, so an eviction costs the engine
-step a host copy, not a disk write. A page being written is read from memory. Budgeted by
+step a host copy, not a disk write. A page being written is read from memory. Reads run ahead of
+admission on another thread (`prefetch`): a request whose prefix is on disk waits in the queue while
+its pages are read, and the requests running meanwhile keep stepping. Budgeted by
 `capacity_bytes` (tensor bytes), least recently saved or hit first out, and that order survives a
 restart (file mtimes). A file that cannot be read back, or does not match the layout, is a miss: the
 page is computed instead and the file removed. One engine per directory: a lock file refuses a second.
@@ -28,10 +30,11 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load as load_page
 from safetensors.torch import save_file
 
 from .prefix_host import PageRows
@@ -58,6 +61,12 @@ def checkpoint_identity(path: str) -> list:
                 digest.update(f.read(SAMPLE_BYTES))
         identity.append((name, size, digest.hexdigest()))
     return identity
+
+
+def _page_metadata(data: bytes) -> dict:
+    """The `__metadata__` of a safetensors file's bytes (an 8-byte header length, then JSON)."""
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + size]).get("__metadata__") or {}
 
 
 def tenant_digest(tenant: str) -> str:
@@ -98,10 +107,9 @@ class PageCipher:
         sealed = self._aead.encrypt(nonce, plain, name + tenant.encode())
         return {"sealed": torch.frombuffer(bytearray(sealed), dtype=torch.uint8)}, {"nonce": nonce.hex()}
 
-    def open(self, f, layout: list, name: bytes, tenant: str) -> list[torch.Tensor]:
-        """The rows of a page file `f` (a safe_open handle); raises if it does not authenticate."""
-        plain = self._aead.decrypt(bytes.fromhex(f.metadata()["nonce"]), f.get_tensor("sealed").numpy().tobytes(),
-                                   name + tenant.encode())
+    def open(self, metadata: dict, sealed: torch.Tensor, layout: list, name: bytes, tenant: str) -> list[torch.Tensor]:
+        """The rows of a page file (its metadata and sealed bytes); raises if it does not authenticate."""
+        plain = self._aead.decrypt(bytes.fromhex(metadata["nonce"]), sealed.numpy().tobytes(), name + tenant.encode())
         rows, start = [], 0
         for shape, dtype in layout:
             size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -129,6 +137,9 @@ class PrefixDiskStore:
         self._lock = threading.Lock()  # _files, _tenant and _pending, shared with the writer thread
         self._tickets = itertools.count()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="sparsekv-prefix-disk")
+        # Reads ahead of admission (`prefetch`): page -> its rows being read (None if unreadable)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="sparsekv-prefix-disk-read")
+        self._prefetched: dict[bytes, Future] = {}
         self.saved = self.loaded = self.dropped = self.failed = 0
         self._last_ns = 0  # file times, strictly increasing: the filesystem clock is too coarse to order
         self._scan()
@@ -182,6 +193,7 @@ class PrefixDiskStore:
     def _drop(self, name: bytes) -> None:
         del self._files[name], self._tenant[name]
         self._pending.pop(name, None)
+        self._prefetched.pop(name, None)
         self._writer.submit(self._unlink, name)
 
     def drop(self, tenant: str | None = None) -> int:
@@ -277,22 +289,51 @@ class PrefixDiskStore:
         if pending is not None:
             return pending[1]
         try:
-            with safe_open(self._path(name), "pt") as f:
-                if (f.metadata() or {}).get("format") != FORMAT:
-                    raise ValueError("not a sparsekv prefix page")
-                if self.cipher is not None:
-                    rows = self.cipher.open(f, self.rows.layout, name, self._tenant.get(name, ""))
-                else:
-                    rows = [f.get_tensor(str(i)) for i in range(len(self.rows.layout))]
+            with open(self._path(name), "rb") as f:  # one read, the GIL released: reads ahead run beside steps
+                data = f.read()
+            metadata, tensors = _page_metadata(data), load_page(data)
+            if metadata.get("format") != FORMAT:
+                raise ValueError("not a sparsekv prefix page")
+            if self.cipher is not None:
+                rows = self.cipher.open(metadata, tensors["sealed"], self.rows.layout, name, self._tenant.get(name, ""))
+            else:
+                rows = [tensors[str(i)] for i in range(len(self.rows.layout))]
         except Exception as e:  # noqa: BLE001 - a page that cannot be read is recomputed
             logger.warning("prefix cache disk tier: %s is unreadable (%s); recomputing it", self._path(name), e)
             return None
         return rows if self.rows.fits(rows) else None
 
+    def prefetch(self, names: list[bytes]) -> bool:
+        """Read these pages in the background, ahead of the admission that will load them, so the
+        engine step never waits on the disk; True once all are in memory (read, or being written)."""
+        ready = True
+        for name in names:
+            if name in self._pending or name not in self._files:
+                continue
+            future = self._prefetched.get(name)
+            if future is None:
+                future = self._prefetched[name] = self._reader.submit(self._read, name)
+            ready = ready and future.done()
+        return ready
+
+    def discard(self, names: list[bytes]) -> None:
+        """Forget read-ahead rows no admission will load (its request was aborted)."""
+        for name in names:
+            future = self._prefetched.pop(name, None)
+            if future is not None:
+                future.cancel()
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Block until a read ahead finishes, at most `timeout` s (an engine with nothing else to do)."""
+        running = [f for f in list(self._prefetched.values()) if not f.done()]
+        if running:
+            wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
+
     def load(self, name: bytes, page: int) -> bool:
-        """Write the page saved under `name` into pool page `page`; False (and the file is removed) if
-        it cannot be read back."""
-        rows = self._read(name)
+        """Write the page saved under `name` into pool page `page` (read ahead, or now); False (and the
+        file is removed) if it cannot be read back."""
+        future = self._prefetched.pop(name, None)
+        rows = future.result() if future is not None and not future.cancelled() else self._read(name)
         if rows is None:
             with self._lock:
                 self.failed += 1
@@ -309,6 +350,8 @@ class PrefixDiskStore:
         self._writer.submit(lambda: None).result()
 
     def close(self) -> None:
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self._prefetched.clear()
         self._writer.shutdown(wait=True)
         self._lock_file.close()  # releases the lock
 
