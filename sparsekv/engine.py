@@ -15,7 +15,8 @@ from .detokenize import IncrementalDetokenizer, find_stop, stop_match
 from .model.checkpoint import load_model
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
 from .runner import ModelRunner
-from .sampling import LogitAdjuster, filter_logits_rows, make_generator, sample_token, token_logprobs
+from .sampling import (LogitAdjuster, filter_logits_rows, make_generator, sample_token, token_logprobs,
+                       token_logprobs_rows)
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -305,21 +306,8 @@ class LLMEngine:
                      for j, i in enumerate(sampled)]
             tokens[sampled] = torch.cat(draws).to(tokens.device)
         tokens = tokens.tolist()
-        return {r.request_id: (t, None, lp) for r, t, lp in zip(reqs, tokens, self._batch_logprobs(reqs, picked, tokens))}
-
-    @staticmethod
-    def _batch_logprobs(reqs: list[Request], picked: torch.Tensor, tokens: list[int]) -> list[dict | None]:
-        """`token_logprobs` of each row that asks for logprobs, from one log_softmax and one top-k."""
-        wants = [r.params.logprobs for r in reqs]
-        if all(w is None for w in wants):
-            return [None] * len(reqs)
-        lp = torch.log_softmax(picked, -1)
-        chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
-        top = max(w or 0 for w in wants)
-        values, ids = lp.topk(top) if top else (None, None)
-        values, ids = (values.tolist(), ids.tolist()) if top else ([[]] * len(reqs), [[]] * len(reqs))
-        return [None if want is None else {token: chosen[i], **dict(zip(ids[i][:want], values[i][:want]))}
-                for i, (want, token) in enumerate(zip(wants, tokens))]
+        logprobs = token_logprobs_rows(picked, tokens, [r.params.logprobs for r in reqs])
+        return {r.request_id: (t, None, lp) for r, t, lp in zip(reqs, tokens, logprobs)}
 
     def _sample(self, req: Request, logits: torch.Tensor) -> RequestOutput:
         """The step's new token(s): one sampled, or a verified draft (speculative.py) plus one more."""

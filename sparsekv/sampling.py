@@ -64,29 +64,11 @@ class LogitAdjuster:
         return logits
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then min-p, top-k and top-p (nucleus), vLLM's order, on one row of fp32 logits."""
-    logits = logits / params.temperature
-    if params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
-        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
-    return logits
-
-
 def filter_logits_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """`filter_logits` for a batch of rows [R, V], row i with `params[i]`: the same stages in the same
-    order, each applied to the rows that ask for it, as whole-batch ops (a few launches, not a few
-    per row). Every stage is row-wise, so each row gets what `filter_logits` gives it alone
-    (tests/test_sampling.py checks it bit for bit)."""
+    """Temperature, then min-p, top-k and top-p (nucleus), vLLM's order, for a batch of rows [R, V] of
+    fp32 logits, row i with `params[i]`: each stage applied to the rows that ask for it, as whole-batch
+    ops (a few launches, not a few per row). Every stage is row-wise, so a row gets what it gets alone
+    (tests/test_sampling.py checks it bit for bit, ties included)."""
     column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]  # noqa: E731
     logits = logits / column([p.temperature for p in params])
     rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
@@ -111,6 +93,11 @@ def filter_logits_rows(logits: torch.Tensor, params: list[SamplingParams]) -> to
     return logits
 
 
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then min-p, top-k and top-p (nucleus), vLLM's order, on one row of fp32 logits."""
+    return filter_logits_rows(logits[None], [params])[0]
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     if params.greedy:
         return int(logits.argmax())
@@ -125,6 +112,20 @@ def token_logprobs(logprobs: torch.Tensor, token: int, num_top: int | None) -> d
         values, ids = logprobs.topk(num_top)
         out.update({int(i): float(v) for i, v in zip(ids, values)})
     return out
+
+
+def token_logprobs_rows(logits: torch.Tensor, tokens: list[int], num_tops: list[int | None]) -> list[dict | None]:
+    """`token_logprobs` for a batch of raw logit rows [R, V] (None where `num_tops[i]` is None), from one
+    log_softmax and one top-k."""
+    if all(n is None for n in num_tops):
+        return [None] * len(tokens)
+    logprobs = torch.log_softmax(logits, -1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    top = max(n or 0 for n in num_tops)
+    values, ids = logprobs.topk(top) if top else (None, None)
+    values, ids = (values.tolist(), ids.tolist()) if top else ([[]] * len(tokens), [[]] * len(tokens))
+    return [None if n is None else {token: chosen[i], **dict(zip(ids[i][:n], values[i][:n]))}
+            for i, (n, token) in enumerate(zip(num_tops, tokens))]
 
 
 def make_generator(seed: int) -> torch.Generator:

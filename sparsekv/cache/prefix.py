@@ -163,9 +163,9 @@ class PrefixCache:
             self.tiers["disk"].wait_for_reads(timeout)
 
     def forget_request(self, request_id: str) -> None:
-        if "disk" in self.tiers:
-            self.tiers["disk"].discard(self._reading.pop(request_id, []))
-        self._reading.pop(request_id, None)
+        reading = self._reading.pop(request_id, [])
+        if reading:
+            self.tiers["disk"].discard(reading)
         self._chains.pop(request_id, None)
         self._named.pop(request_id, None)
         for name in self._claims.pop(request_id, ()):
@@ -236,8 +236,8 @@ class PrefixCache:
         """Per tenant: prompt tokens looked up and served, and pool pages cached for it (an operator's
         view of who holds the cache; tenants come from the server's API keys, a bounded set)."""
         cached = self.allocator.cached_by_tenant()
-        return {t: {"queries": s["queries"], "hits": s["hits"], "cached_pages": cached.get(t, 0)}
-                for t, s in {**{t: {"queries": 0, "hits": 0} for t in cached}, **self.by_tenant}.items()}
+        return {t: {**self.by_tenant.get(t, {"queries": 0, "hits": 0}), "cached_pages": cached.get(t, 0)}
+                for t in self.by_tenant.keys() | cached.keys()}
 
     def names_all(self, pages: list[int]) -> bool:
         return all(p in self._name_of for p in pages)

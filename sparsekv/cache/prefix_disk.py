@@ -33,7 +33,6 @@ from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load as load_page
 from safetensors.torch import save_file
 
@@ -65,8 +64,11 @@ def checkpoint_identity(path: str) -> list:
 
 def _page_metadata(data: bytes) -> dict:
     """The `__metadata__` of a safetensors file's bytes (an 8-byte header length, then JSON)."""
-    size = int.from_bytes(data[:8], "little")
-    return json.loads(data[8:8 + size]).get("__metadata__") or {}
+    return _header_metadata(data[8:8 + int.from_bytes(data[:8], "little")])
+
+
+def _header_metadata(header: bytes) -> dict:
+    return json.loads(header).get("__metadata__") or {}
 
 
 def tenant_digest(tenant: str) -> str:
@@ -112,7 +114,7 @@ class PageCipher:
         plain = self._aead.decrypt(bytes.fromhex(metadata["nonce"]), sealed.numpy().tobytes(), name + tenant.encode())
         rows, start = [], 0
         for shape, dtype in layout:
-            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            size = math.prod(shape) * dtype.itemsize
             rows.append(torch.frombuffer(bytearray(plain[start:start + size]), dtype=torch.uint8).view(dtype).view(shape))
             start += size
         return rows
@@ -207,8 +209,8 @@ class PrefixDiskStore:
 
     def _stored_tenant(self, name: bytes) -> str:
         try:
-            with safe_open(self._path(name), "pt") as f:
-                return (f.metadata() or {}).get("tenant", "")
+            with open(self._path(name), "rb") as f:  # the header only
+                return _header_metadata(f.read(int.from_bytes(f.read(8), "little"))).get("tenant", "")
         except Exception:  # noqa: BLE001 - unreadable: a miss when looked up, removed then
             return ""
 
