@@ -45,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="forget prefix-cache pages unused for this long, in every tier (default: kept until evicted)")
     g.add_argument("--prefix-cache-max-pages-per-tenant", type=int, default=None, metavar="N",
                    help="at most N cached KV pool pages per tenant; older ones go to the lower tiers (default: no bound)")
+    g.add_argument("--prefix-cache-tenant-share", type=float, default=None, metavar="F",
+                   help="a tenant holds at most this fraction (0-1] of each prefix-cache tier: pool, host, disk "
+                        "(default: no bound)")
     t = p.add_argument_group("tiered KV cache (docs/tiers.md)")
     t.add_argument("--kv-tiering", action="store_true", help="device working set per request, history in a host store")
     t.add_argument("--device-buffer-tokens", type=int, default=None, help="working-set slots N (default 2 x top-k)")
@@ -72,7 +75,7 @@ ENGINE_ARG_NAMES = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_t
                     "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",
                     "enable_prefix_caching", "prefix_cache_host_bytes",
                     "prefix_cache_disk_path", "prefix_cache_disk_bytes", "prefix_cache_disk_key_file", "prefix_cache_ttl_s",
-                    "prefix_cache_max_pages_per_tenant")
+                    "prefix_cache_max_pages_per_tenant", "prefix_cache_tenant_share")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

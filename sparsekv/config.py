@@ -274,6 +274,9 @@ class EngineConfig:
     # A tenant's cached (released, reusable) pool pages beyond this many are evicted, oldest first, to
     # the lower tiers if any: one tenant's traffic cannot fill the pool's cache (None: no bound).
     prefix_cache_max_pages_per_tenant: int | None = None
+    # A tenant holds at most this fraction of each prefix-cache tier: the pool's pages, the host tier's
+    # and the disk tier's budgets (None: no bound beyond prefix_cache_max_pages_per_tenant's).
+    prefix_cache_tenant_share: float | None = None
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -308,6 +311,10 @@ class EngineConfig:
         if quota is not None and (quota < 0 or not self.enable_prefix_caching):
             raise ConfigError(f"prefix_cache_max_pages_per_tenant must be >= 0 and needs enable_prefix_caching, "
                               f"got {quota!r}")
+        share = self.prefix_cache_tenant_share
+        if share is not None and (not 0 < share <= 1 or not self.enable_prefix_caching):
+            raise ConfigError(f"prefix_cache_tenant_share must be in (0, 1] and needs enable_prefix_caching, "
+                              f"got {share!r}")
         ttl = self.prefix_cache_ttl_s
         if ttl is not None and (not ttl > 0 or not self.enable_prefix_caching):
             raise ConfigError(f"prefix_cache_ttl_s must be > 0 and needs enable_prefix_caching, got {ttl!r}")

@@ -95,17 +95,26 @@ class LLMEngine:
         rows = PageRows(self.cache.slot_tensors() + [t for s in self.runner.selectors() for t in s.slot_tensors()],
                         self.page_size)
         disk = None
-        self.allocator.max_cached_per_tenant = config.prefix_cache_max_pages_per_tenant
+        quotas = [q for q in (config.prefix_cache_max_pages_per_tenant, self._tenant_quota(self.allocator.num_pages))
+                  if q is not None]
+        self.allocator.max_cached_per_tenant = min(quotas, default=None)
         if config.prefix_cache_disk_path:
             disk = self._build_disk_tier(rows, lookahead)
         if config.prefix_cache_host_bytes:
             tiers["host"] = PrefixHostStore(rows, config.prefix_cache_host_bytes,
-                                            spill=disk.save_rows if disk is not None else None)
+                                            spill=disk.save_rows if disk is not None else None,
+                                            max_pages_per_tenant=self._tenant_quota(
+                                                config.prefix_cache_host_bytes // rows.page_bytes))
         if disk is not None:
             tiers["disk"] = disk
         return PrefixCache(self.allocator, lookahead=lookahead, tiers=tiers,
                            before_copy=self.cache.link.flush if self.tiered else lambda: None,
                            ttl_s=config.prefix_cache_ttl_s)
+
+    def _tenant_quota(self, tier_pages: int) -> int | None:
+        """A tenant's share of a prefix-cache tier of `tier_pages` pages, in pages (None: no bound)."""
+        share = self.config.prefix_cache_tenant_share
+        return None if share is None else int(share * tier_pages)
 
     def _build_disk_tier(self, rows, lookahead: int):
         from .cache.prefix_disk import PageCipher, PrefixDiskStore, namespace
@@ -119,7 +128,8 @@ class LLMEngine:
         except (ValueError, OSError) as e:
             raise ConfigError(f"prefix_cache_disk_key_file: {e}") from None
         try:
-            return PrefixDiskStore(rows, config.prefix_cache_disk_path, space, config.prefix_cache_disk_bytes, cipher)
+            return PrefixDiskStore(rows, config.prefix_cache_disk_path, space, config.prefix_cache_disk_bytes, cipher,
+                                   max_pages_per_tenant=self._tenant_quota(config.prefix_cache_disk_bytes // rows.page_bytes))
         except (ValueError, OSError) as e:
             raise ConfigError(f"prefix_cache_disk_path: {e}") from None
 

@@ -263,10 +263,11 @@ def test_speculative_decoding_hits_name_the_token_after_each_page():
 def test_server_reports_cached_tokens_per_tenant_and_hits_by_tier(tmp_path):
     import openai
 
-    from test_server_util import ThreadServer, scrape, scrape_labelled, tiny_checkpoint
+    from test_server_util import ThreadServer, scrape, scrape_labelled, scrape_samples, tiny_checkpoint
     model = tiny_checkpoint(tmp_path)
     prompt = "the rain in spain falls mainly on the plain " * 8
-    with ThreadServer(model, api_keys=["sk-a:alice", "sk-b:bob"], enable_prefix_caching=True) as srv:
+    with ThreadServer(model, api_keys=["sk-a:alice", "sk-b:bob"], enable_prefix_caching=True,
+                      prefix_cache_max_pages_per_tenant=1, prefix_cache_host_bytes=1 << 26) as srv:
         def cached(key, **extra):
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=30)
             r = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
@@ -282,8 +283,10 @@ def test_server_reports_cached_tokens_per_tenant_and_hits_by_tier(tmp_path):
         assert hits["alice"] > 0 and hits["bob"] == 0
         queries = by_tenant["sparsekv:prefix_cache_tenant_queries_total"]
         assert queries["alice"] == 3 * queries["bob"] > 0
-        pages = by_tenant["sparsekv:prefix_cache_tenant_cached_pages"]
-        assert pages["alice"] > 0 and pages["bob"] > 0
+        pages = {(s.labels["tenant"], s.labels["tier"]): s.value for s in scrape_samples(srv.url)
+                 if s.name == "sparsekv:prefix_cache_tenant_cached_pages"}
+        assert pages[("alice", "device")] == pages[("bob", "device")] == 1  # the quota; the rest went to host
+        assert pages[("alice", "host")] > 0 and pages[("bob", "host")] > 0
         srv.engine.check_integrity()
 
 
@@ -402,7 +405,7 @@ def test_lookup_stops_at_a_pool_page_after_host_copies():
     second = cache._name_of[owner.page_ids[1]]
     cache.tiers["host"].names.add(second)                              # page 1 also has a host copy (saved, restored)
     cache._forget_page(owner.page_ids[0])                     # as an eviction of page 0 would
-    a._uncache(owner.page_ids[0])
+    a._cached.remove(owner.page_ids[0])
     a._free.append(owner.page_ids[0])
     hit = cache.lookup(_request("b", BASE))
     assert hit == PrefixHit([], [cache._chains["b"][0]]) and cache._chains["b"][1] == second

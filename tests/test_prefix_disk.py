@@ -444,3 +444,101 @@ def test_a_request_waits_for_its_disk_reads_while_others_keep_decoding(ckpt, tmp
     engine.check_integrity()
     assert not engine.prefix._reading and not engine.prefix.tiers["disk"]._prefetched
     engine.close()
+
+
+# -- tenants in the lower tiers: fair eviction, quotas, per-tenant figures -----------------------------
+def _rows(pages=4, page=PAGE):
+    from sparsekv.cache.prefix_host import PageRows
+    pool = torch.arange(pages * page * 2, dtype=torch.float32).view(pages * page, 2)
+    return PageRows([(pool, 1)], page)
+
+
+def test_the_host_tier_evicts_the_largest_tenants_oldest_copy_and_holds_quotas():
+    """Over budget, the tenant holding the most copies, the one being saved counted, loses its oldest
+    (one tenant's traffic cannot flush another's); with a quota a tenant's copies beyond it spill at once, whatever room is left."""
+    from sparsekv.cache.prefix_host import PrefixHostStore
+    rows, spilled = _rows(), []
+    host = PrefixHostStore(rows, 4 * rows.page_bytes, spill=lambda name, r, tenant: spilled.append((name, tenant)))
+    host.save(b"q0", 0, "quiet")
+    host.save(b"q1", 1, "quiet")
+    for i in range(4):
+        host.save(b"n%d" % i, i % 4, "noisy")
+    assert spilled == [(b"n0", "noisy"), (b"n1", "noisy")]  # not quiet's older copies
+    assert host.pages_by_tenant() == {"quiet": 2, "noisy": 2}
+    host.save(b"q2", 2, "quiet")                              # quiet's third: 3 against 2, its own oldest
+    assert spilled[-1] == (b"q0", "quiet") and host.pages_by_tenant() == {"quiet": 2, "noisy": 2}
+    host.check_integrity()
+
+    quota = PrefixHostStore(rows, 4 * rows.page_bytes, spill=lambda name, r, tenant: spilled.append((name, tenant)),
+                            max_pages_per_tenant=1)
+    spilled.clear()
+    for name in (b"a", b"b", b"c"):
+        quota.save(name, 0, "noisy")
+    quota.save(b"q", 1, "quiet")
+    assert spilled == [(b"a", "noisy"), (b"b", "noisy")] and quota.pages_by_tenant() == {"noisy": 1, "quiet": 1}
+    assert [name for name, _, _ in quota.items()] == [b"c", b"q"]  # least recently used first
+    quota.check_integrity()
+    none = PrefixHostStore(rows, 4 * rows.page_bytes, spill=lambda name, r, tenant: spilled.append((name, tenant)),
+                           max_pages_per_tenant=0)
+    none.save(b"z", 0, "quiet")
+    assert spilled[-1] == (b"z", "quiet") and none.num_pages == 0
+
+
+def test_the_disk_tier_evicts_fairly_holds_quotas_and_applies_them_after_a_restart(tmp_path):
+    from sparsekv.cache.prefix_disk import PrefixDiskStore, tenant_digest
+    rows = _rows()
+    copy = [rows.copy_out(0)]
+    disk = PrefixDiskStore(rows, str(tmp_path), "space", 4 * rows.page_bytes)
+    for name, tenant in ((b"q0", "quiet"), (b"q1", "quiet"), *((b"n%d" % i, "noisy") for i in range(4))):
+        disk.save_rows(name.ljust(32, b"\0"), copy[0], tenant)
+    digests = {tenant_digest(t): t for t in ("quiet", "noisy")}
+    assert {digests[d]: n for d, n in disk.pages_by_tenant().items()} == {"quiet": 2, "noisy": 2}
+    assert disk.has(b"q0".ljust(32, b"\0")) and not disk.has(b"n0".ljust(32, b"\0"))
+    disk.check_integrity()
+    disk.close()
+    assert len(_files(tmp_path)) == 4
+
+    restarted = PrefixDiskStore(rows, str(tmp_path), "space", 4 * rows.page_bytes, max_pages_per_tenant=1)
+    assert {digests[d]: n for d, n in restarted.pages_by_tenant().items()} == {"quiet": 1, "noisy": 1}
+    assert restarted.has(b"q1".ljust(32, b"\0")) and restarted.has(b"n3".ljust(32, b"\0"))  # each tenant's newest
+    restarted.save_rows(b"n4".ljust(32, b"\0"), copy[0], "noisy")
+    assert not restarted.has(b"n3".ljust(32, b"\0")) and restarted.has(b"q1".ljust(32, b"\0"))
+    restarted.flush()
+    restarted.check_integrity()
+    assert len(_files(tmp_path)) == 2
+    restarted.close()
+
+
+def test_a_tenant_share_bounds_every_tier_and_keeps_the_quiet_tenants_prefix(ckpt, tmp_path):
+    """`prefix_cache_tenant_share=0.5`: a noisy tenant's flood fills at most half of the pool's cache,
+    the host tier and the disk tier, so a quiet tenant's prompt is still served whole from the cache,
+    with the same tokens; per-tenant figures cover each tier."""
+    page_bytes = _page_bytes(ckpt)
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    llm = make(ckpt, enable_prefix_caching=True, prefix_cache_tenant_share=0.5, prefix_cache_host_bytes=4 * page_bytes,
+               prefix_cache_disk_path=str(tmp_path), prefix_cache_disk_bytes=8 * page_bytes, **SMALL_POOL)
+    engine = llm.engine
+    engine.add_request("quiet", BASE + [3], GREEDY, tenant="quiet")
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i in range(8):  # the flood: 8 prompts of 4 full pages each
+        prompt = [(11 * i + 3 * j) % 250 + 1 for j in range(70)]
+        engine.add_request(f"noisy-{i}", prompt, GREEDY, tenant="noisy")
+        while engine.has_unfinished_requests():
+            engine.step()
+    by_tenant = llm.stats()["prefix_cache_by_tenant"]
+    noisy = by_tenant["noisy"]
+    assert noisy["cached_pages"] <= 6 and noisy["host_pages"] <= 2 and noisy["disk_pages"] <= 4  # half of 12, 4, 8
+    assert noisy["host_pages"] == 2 and noisy["disk_pages"] == 4   # full shares: the flood reached every tier
+    quiet = by_tenant["quiet"]
+    assert quiet["cached_pages"] + quiet["host_pages"] + quiet["disk_pages"] == 5
+    engine.add_request("again", PROMPTS[0], GREEDY, tenant="quiet")
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), out)
+    assert out.num_cached_tokens == 64 and out.token_ids == want.token_ids
+    engine.check_integrity()
+    llm.close()
+    for share in (0, 1.5):
+        with pytest.raises(ConfigError, match="prefix_cache_tenant_share"):
+            make(ckpt, enable_prefix_caching=True, prefix_cache_tenant_share=share)

@@ -139,14 +139,19 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def scrape_samples(url: str) -> list:
+    """Every sample of /metrics (name, labels, value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
 def scrape_labelled(url: str, label: str) -> dict[str, dict[str, float]]:
     """/metrics as {sample name: {value of `label`: value}}, for the samples that carry `label`."""
-    from prometheus_client.parser import text_string_to_metric_families
     out: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-        for s in family.samples:
-            if label in s.labels:
-                out.setdefault(s.name, {})[s.labels[label]] = s.value
+    for s in scrape_samples(url):
+        if label in s.labels:
+            out.setdefault(s.name, {})[s.labels[label]] = s.value
     return out
 
 

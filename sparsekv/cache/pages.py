@@ -15,13 +15,86 @@ below its own count. Every page is in exactly one state::
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict, deque
-from typing import Callable
+from typing import Callable, Hashable
 
 
 class OutOfPages(RuntimeError):
     pass
+
+
+class TenantLRU:
+    """Keys grouped by tenant, each group least recently used first, with each key's time of last use:
+    the eviction order of every prefix-cache tier (pool pages, host copies, disk files). The victim is
+    the oldest key of the tenant holding the most (ties: the group formed first), so one tenant's
+    traffic pushes out its own keys before it can bring another tenant below its own count; `over`
+    gives a tenant's keys beyond a quota."""
+
+    def __init__(self):
+        self._groups: dict[str, OrderedDict[Hashable, float]] = {}
+        self._tenant: dict[Hashable, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._tenant)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._tenant
+
+    def tenant(self, key: Hashable) -> str:
+        return self._tenant[key]
+
+    def add(self, key: Hashable, tenant: str, now: float) -> None:
+        """`key` is the tenant's newest (a new key must not be held already)."""
+        assert key not in self._tenant, f"{key!r} is already held"
+        self._tenant[key] = tenant
+        self._groups.setdefault(tenant, OrderedDict())[key] = now
+
+    def touch(self, key: Hashable, now: float) -> None:
+        group = self._groups[self._tenant[key]]
+        group.move_to_end(key)
+        group[key] = now
+
+    def remove(self, key: Hashable) -> str:
+        """Forget `key`; returns its tenant."""
+        tenant = self._tenant.pop(key)
+        group = self._groups[tenant]
+        del group[key]
+        if not group:
+            del self._groups[tenant]
+        return tenant
+
+    def victim(self, adding: str | None = None) -> Hashable:
+        """The oldest key of the largest holder, counting the key `adding`'s tenant is about to add."""
+        largest = max(self._groups, key=lambda t: len(self._groups[t]) + (t == adding))
+        return next(iter(self._groups[largest]))
+
+    def over(self, tenant: str, quota: int | None) -> list:
+        """The tenant's oldest keys beyond `quota` (None: no bound)."""
+        group = self._groups.get(tenant, {})
+        return [] if quota is None else list(itertools.islice(group, max(0, len(group) - quota)))
+
+    def unused_since(self, cutoff: float) -> list:
+        """The keys last used before `cutoff`."""
+        return [k for group in self._groups.values()
+                for k in itertools.takewhile(lambda k, g=group: g[k] < cutoff, group)]
+
+    def keys(self, tenant: str | None = None) -> list:
+        """A tenant's keys (every tenant's with None), each tenant's oldest first."""
+        return [k for t, group in self._groups.items() if tenant is None or t == tenant for k in group]
+
+    def oldest_first(self) -> list:
+        """Every key, least recently used first across tenants."""
+        return sorted(self._tenant, key=lambda k: self._groups[self._tenant[k]][k])
+
+    def counts(self) -> dict[str, int]:
+        return {tenant: len(group) for tenant, group in self._groups.items()}
+
+    def check_integrity(self) -> None:
+        assert all(self._groups.values()), "an empty tenant group"
+        assert sum(map(len, self._groups.values())) == len(self._tenant), "a key is in two tenant groups"
+        assert all(k in self._groups[t] for k, t in self._tenant.items()), "a key is not in its tenant's group"
 
 
 class PageAllocator:
@@ -32,10 +105,7 @@ class PageAllocator:
         self._free: deque[int] = deque(range(num_pages))
         self._owners: dict[int, set[str]] = {}
         self._reserved: dict[str, int] = {}
-        # unowned pages whose contents are kept, by tenant, each oldest first
-        self._cached: dict[str, OrderedDict[int, None]] = {}
-        self._group: dict[int, str] = {}  # cached page -> its tenant
-        self._released_at: dict[int, float] = {}  # cached page -> when it was released (clock())
+        self._cached = TenantLRU()  # unowned pages whose contents are kept, by tenant, with release times
         self.clock: Callable[[], float] = time.time
         self.max_cached_per_tenant: int | None = None  # a tenant's cached pages beyond this are evicted
         # Set by the prefix cache: a released page's tenant if it is worth keeping (else None), and
@@ -46,11 +116,11 @@ class PageAllocator:
     @property
     def num_free(self) -> int:
         """Pages a request may take: never used, or cached (evicted on allocation)."""
-        return len(self._free) + len(self._group)
+        return len(self._free) + len(self._cached)
 
     @property
     def num_cached(self) -> int:
-        return len(self._group)
+        return len(self._cached)
 
     @property
     def num_reserved_unallocated(self) -> int:
@@ -74,12 +144,12 @@ class PageAllocator:
     def share_and_reserve(self, owner: str, shared: list[int], num_pages: int) -> bool:
         """Admit `owner` onto `shared` pages (a prefix hit) plus `num_pages` future ones, or do nothing
         and return False: sharing a cached page takes it out of the allocatable pool."""
-        leaving = sum(p in self._group for p in shared)
+        leaving = sum(p in self._cached for p in shared)
         if num_pages > self.num_available - leaving:
             return False
         for p in shared:
-            if p in self._group:
-                self._uncache(p)
+            if p in self._cached:
+                self._cached.remove(p)
             self._owners.setdefault(p, set()).add(owner)
         self._reserved[owner] = self._reserved.get(owner, 0) + num_pages
         return True
@@ -99,18 +169,10 @@ class PageAllocator:
     def _take(self) -> int:
         if self._free:
             return self._free.popleft()
-        tenant = max(self._cached, key=lambda t: len(self._cached[t]))  # the largest holder evicts first
-        page = next(iter(self._cached[tenant]))
-        self._uncache(page)
+        page = self._cached.victim()  # the largest holder's oldest
+        self._cached.remove(page)
         self.on_evict(page)
         return page
-
-    def _uncache(self, page: int) -> None:
-        tenant = self._group.pop(page)
-        del self._released_at[page]
-        del self._cached[tenant][page]
-        if not self._cached[tenant]:
-            del self._cached[tenant]
 
     def free(self, owner: str, pages: list[int]) -> None:
         for p in pages:
@@ -122,9 +184,7 @@ class PageAllocator:
                 del self._owners[p]
                 tenant = self.keeps(p)
                 if tenant is not None:
-                    self._group[p] = tenant
-                    self._released_at[p] = self.clock()
-                    self._cached.setdefault(tenant, OrderedDict())[p] = None
+                    self._cached.add(p, tenant, self.clock())
                     self._hold_quota(tenant)
                 else:
                     self._free.append(p)
@@ -133,10 +193,8 @@ class PageAllocator:
     def _hold_quota(self, tenant: str) -> None:
         """Evict the tenant's oldest cached pages beyond `max_cached_per_tenant` (to the prefix cache's
         lower tiers, if any): one tenant's traffic cannot fill the pool's cache."""
-        group = self._cached[tenant]
-        while self.max_cached_per_tenant is not None and len(group) > self.max_cached_per_tenant:
-            page = next(iter(group))
-            self._uncache(page)
+        for page in self._cached.over(tenant, self.max_cached_per_tenant):
+            self._cached.remove(page)
             self.on_evict(page)
             self._free.append(page)
 
@@ -145,39 +203,31 @@ class PageAllocator:
 
     def expire_cached(self, cutoff: float) -> list[int]:
         """Free the cached pages released before `cutoff` (their contents are forgotten); returns them."""
-        expired = []
-        for tenant in list(self._cached):
-            group = self._cached[tenant]
-            while group and self._released_at[next(iter(group))] < cutoff:
-                page = next(iter(group))
-                self._uncache(page)
-                self._free.append(page)
-                expired.append(page)
-        return expired
+        return self._free_cached(self._cached.unused_since(cutoff))
 
     def drop_cached(self, tenant: str | None = None) -> list[int]:
         """Free a tenant's cached pages (every tenant's with None), contents forgotten; returns them."""
-        dropped = [p for t, group in self._cached.items() if tenant is None or t == tenant for p in group]
-        for page in dropped:
-            self._uncache(page)
+        return self._free_cached(self._cached.keys(tenant))
+
+    def _free_cached(self, pages: list[int]) -> list[int]:
+        for page in pages:
+            self._cached.remove(page)
             self._free.append(page)
-        return dropped
+        return pages
 
     def cached_by_tenant(self) -> dict[str, int]:
-        return {tenant: len(group) for tenant, group in self._cached.items()}
+        return self._cached.counts()
 
     def cached_pages(self) -> list[int]:
         """Cached pages, each tenant's oldest first."""
-        return [p for group in self._cached.values() for p in group]
+        return self._cached.keys()
 
     def is_cached(self, page: int) -> bool:
-        return page in self._group
+        return page in self._cached
 
     def check_integrity(self) -> None:
-        free, cached, owned = list(self._free), set(self._group), set(self._owners)
-        assert cached == {p for g in self._cached.values() for p in g}, "cached pages and their tenants disagree"
-        assert cached == set(self._released_at), "cached pages and their release times disagree"
-        assert all(self._cached.values()), "an empty tenant group of cached pages"
+        free, cached, owned = list(self._free), set(self._cached.keys()), set(self._owners)
+        self._cached.check_integrity()
         assert len(set(free)) == len(free), "a page is on the free list twice"
         assert not set(free) & owned, "a page is both free and owned"
         assert not cached & (owned | set(free)), "a cached page is also free or owned"

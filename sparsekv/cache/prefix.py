@@ -233,11 +233,21 @@ class PrefixCache:
                 **{k: v for store in self.tiers.values() for k, v in store.stats().items()}}
 
     def tenant_stats(self) -> dict[str, dict[str, int]]:
-        """Per tenant: prompt tokens looked up and served, and pool pages cached for it (an operator's
-        view of who holds the cache; tenants come from the server's API keys, a bounded set)."""
-        cached = self.allocator.cached_by_tenant()
-        return {t: {**self.by_tenant.get(t, {"queries": 0, "hits": 0}), "cached_pages": cached.get(t, 0)}
-                for t in self.by_tenant.keys() | cached.keys()}
+        """Per tenant: prompt tokens looked up and served, and the pages cached for it in each tier (an
+        operator's view of who holds the cache; tenants come from the server's API keys, a bounded set).
+        Disk files record only a digest of their tenant: files of a tenant no request has named since
+        the engine started are listed under "digest:" and the digest's first 12 hex digits."""
+        held = {"cached_pages": self.allocator.cached_by_tenant()}
+        if "host" in self.tiers:
+            held["host_pages"] = self.tiers["host"].pages_by_tenant()
+        if "disk" in self.tiers:
+            from .prefix_disk import tenant_digest
+            names = {tenant_digest(t): t for t in self.by_tenant.keys() | held["cached_pages"].keys()}
+            held["disk_pages"] = {names.get(d, f"digest:{d[:12]}"): n
+                                  for d, n in self.tiers["disk"].pages_by_tenant().items()}
+        tenants = self.by_tenant.keys() | {t for counts in held.values() for t in counts}
+        return {t: {**self.by_tenant.get(t, {"queries": 0, "hits": 0}),
+                    **{key: counts.get(t, 0) for key, counts in held.items()}} for t in tenants}
 
     def names_all(self, pages: list[int]) -> bool:
         return all(p in self._name_of for p in pages)

@@ -29,13 +29,13 @@ import math
 import os
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 from safetensors.torch import load as load_page
 from safetensors.torch import save_file
 
+from .pages import TenantLRU
 from .prefix_host import PageRows
 
 logger = logging.getLogger(__name__)
@@ -121,8 +121,13 @@ class PageCipher:
 
 
 class PrefixDiskStore:
-    def __init__(self, rows: PageRows, root: str, space: str, capacity_bytes: int, cipher: PageCipher | None = None):
+    """`max_pages_per_tenant`: a tenant's files beyond this many are removed, oldest first (None: no
+    bound). Over budget, the oldest file of the tenant holding the most goes first (pages.TenantLRU)."""
+
+    def __init__(self, rows: PageRows, root: str, space: str, capacity_bytes: int, cipher: PageCipher | None = None,
+                 max_pages_per_tenant: int | None = None):
         self.rows, self.page_bytes, self.capacity_bytes, self.cipher = rows, rows.page_bytes, capacity_bytes, cipher
+        self.max_pages_per_tenant = max_pages_per_tenant
         self.dir = os.path.join(root, space)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self._lock_file = open(os.path.join(self.dir, ".lock"), "w")
@@ -131,12 +136,12 @@ class PrefixDiskStore:
         except BlockingIOError:
             self._lock_file.close()
             raise ValueError(f"prefix cache disk tier {self.dir} is in use by another engine") from None
-        # pages on disk or being written -> when last saved or hit (clock()), least recently used first
-        self._files: OrderedDict[bytes, float] = OrderedDict()
-        self._tenant: dict[bytes, str] = {}  # page -> tenant_digest() of the tenant that computed it
+        # pages on disk or being written, by tenant_digest() of the tenant that computed them, with the
+        # time each was last saved or hit (clock())
+        self._files = TenantLRU()
         self.clock = time.time
         self._pending: dict[bytes, tuple[int, list[torch.Tensor]]] = {}  # being written: (ticket, rows)
-        self._lock = threading.Lock()  # _files, _tenant and _pending, shared with the writer thread
+        self._lock = threading.Lock()  # _files and _pending, shared with the writer thread
         self._tickets = itertools.count()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="sparsekv-prefix-disk")
         # Reads ahead of admission (`prefetch`): page -> its rows being read (None if unreadable)
@@ -160,8 +165,11 @@ class PrefixDiskStore:
             elif entry.name.endswith(".tmp"):
                 os.unlink(entry.path)
         for mtime, name in sorted(found):
-            self._files[name], self._tenant[name] = mtime / 1e9, self._stored_tenant(name)
+            self._files.add(name, self._stored_tenant(name), mtime / 1e9)
             self._last_ns = max(self._last_ns, mtime)
+        with self._lock:
+            for tenant in self._files.counts():
+                self._hold_quota(tenant, 0)
         self._make_room(0)
 
     @property
@@ -179,21 +187,24 @@ class PrefixDiskStore:
         with self._lock:
             if name not in self._files:
                 return
-            self._files.move_to_end(name)
-            self._files[name] = self.clock()
+            self._files.touch(name, self.clock())
         self._writer.submit(self._utime, name)
 
-    def _make_room(self, page_bytes: int) -> None:
+    def _make_room(self, page_bytes: int, adding: str | None = None) -> None:
         with self._lock:
-            while self._files and self.bytes_used + page_bytes > self.capacity_bytes:
-                self._drop_oldest()
+            while len(self._files) and self.bytes_used + page_bytes > self.capacity_bytes:
+                self._drop(self._files.victim(adding))
                 self.dropped += 1
 
-    def _drop_oldest(self) -> None:
-        self._drop(next(iter(self._files)))
+    def _hold_quota(self, digest: str, room: int) -> None:
+        """Remove the tenant's oldest files beyond its quota less `room` (the lock held)."""
+        quota = self.max_pages_per_tenant
+        for name in self._files.over(digest, None if quota is None else max(0, quota - room)):
+            self._drop(name)
+            self.dropped += 1
 
     def _drop(self, name: bytes) -> None:
-        del self._files[name], self._tenant[name]
+        self._files.remove(name)
         self._pending.pop(name, None)
         self._prefetched.pop(name, None)
         self._writer.submit(self._unlink, name)
@@ -202,10 +213,14 @@ class PrefixDiskStore:
         """Remove a tenant's pages (every tenant's with None); returns how many."""
         digest = None if tenant is None else tenant_digest(tenant)
         with self._lock:
-            names = [n for n, t in self._tenant.items() if digest is None or t == digest]
+            names = self._files.keys(digest)
             for name in names:
                 self._drop(name)
         return len(names)
+
+    def _digest_of(self, name: bytes) -> str:
+        with self._lock:
+            return self._files.tenant(name) if name in self._files else ""
 
     def _stored_tenant(self, name: bytes) -> str:
         try:
@@ -216,12 +231,11 @@ class PrefixDiskStore:
 
     def expire(self, cutoff: float) -> int:
         """Remove the pages last used before `cutoff`; returns how many."""
-        n = 0
         with self._lock:
-            while self._files and next(iter(self._files.values())) < cutoff:
-                self._drop_oldest()
-                n += 1
-        return n
+            names = self._files.unused_since(cutoff)
+            for name in names:
+                self._drop(name)
+        return len(names)
 
     def save(self, name: bytes, page: int, tenant: str) -> None:
         """Keep pool page `page`'s rows under `name`."""
@@ -235,15 +249,18 @@ class PrefixDiskStore:
         if name in self._files:
             self.touch(name)
             return
-        if self.page_bytes > self.capacity_bytes:
+        digest = tenant_digest(tenant)
+        if self.page_bytes > self.capacity_bytes or self.max_pages_per_tenant == 0:
             return
-        self._make_room(self.page_bytes)
+        with self._lock:
+            self._hold_quota(digest, 1)
+        self._make_room(self.page_bytes, digest)
         with self._lock:
             ticket = next(self._tickets)
-            self._files[name], self._pending[name] = self.clock(), (ticket, rows)
-            self._tenant[name] = tenant_digest(tenant)
+            self._files.add(name, digest, self.clock())
+            self._pending[name] = (ticket, rows)
         self.saved += 1
-        self._writer.submit(self._write, name, ticket, rows, self._tenant[name])
+        self._writer.submit(self._write, name, ticket, rows, digest)
 
     def _write(self, name: bytes, ticket: int, rows: list[torch.Tensor], tenant: str) -> None:
         path = self._path(name)
@@ -261,9 +278,8 @@ class PrefixDiskStore:
                 os.unlink(tmp)
             with self._lock:
                 self.failed += 1
-                if self._pending.get(name, (None,))[0] == ticket:
-                    self._files.pop(name, None)
-                    self._tenant.pop(name, None)
+                if self._pending.get(name, (None,))[0] == ticket and name in self._files:
+                    self._files.remove(name)
         with self._lock:
             if self._pending.get(name, (None,))[0] == ticket:
                 del self._pending[name]
@@ -297,7 +313,7 @@ class PrefixDiskStore:
             if metadata.get("format") != FORMAT:
                 raise ValueError("not a sparsekv prefix page")
             if self.cipher is not None:
-                rows = self.cipher.open(metadata, tensors["sealed"], self.rows.layout, name, self._tenant.get(name, ""))
+                rows = self.cipher.open(metadata, tensors["sealed"], self.rows.layout, name, self._digest_of(name))
             else:
                 rows = [tensors[str(i)] for i in range(len(self.rows.layout))]
         except Exception as e:  # noqa: BLE001 - a page that cannot be read is recomputed
@@ -357,6 +373,11 @@ class PrefixDiskStore:
         self._writer.shutdown(wait=True)
         self._lock_file.close()  # releases the lock
 
+    def pages_by_tenant(self) -> dict[str, int]:
+        """Pages per tenant_digest()."""
+        with self._lock:
+            return self._files.counts()
+
     def stats(self) -> dict:
         return {"prefix_disk_pages": self.num_pages, "prefix_disk_bytes": self.bytes_used,
                 "prefix_disk_budget_bytes": self.capacity_bytes, "prefix_disk_writes": self.saved,
@@ -366,5 +387,7 @@ class PrefixDiskStore:
     def check_integrity(self) -> None:
         with self._lock:
             assert self.bytes_used <= self.capacity_bytes, "the prefix disk tier is over its budget"
-            assert set(self._pending) <= set(self._files), "a page being written is not indexed"
-            assert self._files.keys() == self._tenant.keys(), "pages and their tenants disagree"
+            assert all(name in self._files for name in self._pending), "a page being written is not indexed"
+            self._files.check_integrity()
+            quota = self.max_pages_per_tenant
+            assert quota is None or all(n <= quota for n in self._files.counts().values()), "a tenant is over its quota"

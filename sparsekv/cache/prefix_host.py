@@ -5,17 +5,18 @@ When the page allocator evicts a named page (prefix.py), its rows in every slot-
 cache are copied here under the page's name: MLA latents and indexer keys (device pool), or host-store
 latents and device indexer keys (tiered pool), and Quest page bounds. A prefix lookup continues its
 chain here after the pool's own pages; each host hit takes a new pool page, gets the saved rows back,
-and is named again. Bounded by `capacity_bytes`, least recently stored or used first out; a copy pushed
-out goes to the disk tier below when there is one (`spill`, prefix_disk.py). The copy is exact (the
-same bytes), so a host hit computes what a pool hit does.
+and is named again. Bounded by `capacity_bytes` (the oldest copy of the largest tenant first out) and
+optionally per tenant; a copy pushed out goes to the disk tier below when there is one (`spill`,
+prefix_disk.py). The copy is exact (the same bytes), so a host hit computes what a pool hit does.
 """
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from typing import Callable
 
 import torch
+
+from .pages import TenantLRU
 
 
 class PageRows:
@@ -47,12 +48,16 @@ class PageRows:
 
 
 class PrefixHostStore:
+    """`max_pages_per_tenant`: a tenant's copies beyond this many go to the spill tier (None: no bound).
+    Over budget, the oldest copy of the tenant holding the most goes first (pages.TenantLRU)."""
+
     def __init__(self, rows: PageRows, capacity_bytes: int,
-                 spill: Callable[[bytes, list[torch.Tensor], str], None] | None = None):
+                 spill: Callable[[bytes, list[torch.Tensor], str], None] | None = None,
+                 max_pages_per_tenant: int | None = None):
         self.rows, self.page_bytes, self.capacity_bytes, self.spill = rows, rows.page_bytes, capacity_bytes, spill
-        self._pages: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()  # least recently used first
-        self._used_at: dict[bytes, float] = {}
-        self._tenant: dict[bytes, str] = {}  # the tenant whose request computed the page
+        self.max_pages_per_tenant = max_pages_per_tenant
+        self._pages: dict[bytes, list[torch.Tensor]] = {}
+        self._lru = TenantLRU()  # by the tenant whose request computed the page, with use times
         self.clock: Callable[[], float] = time.time
         self.saved = self.loaded = self.dropped = 0
 
@@ -69,43 +74,48 @@ class PrefixHostStore:
 
     def touch(self, name: bytes) -> None:
         if name in self._pages:
-            self._pages.move_to_end(name)
-            self._used_at[name] = self.clock()
+            self._lru.touch(name, self.clock())
+
+    def _forget(self, name: bytes) -> tuple[list[torch.Tensor], str]:
+        return self._pages.pop(name), self._lru.remove(name)
 
     def expire(self, cutoff: float) -> int:
         """Drop the copies last used before `cutoff` (not spilled); returns how many."""
-        n = 0
-        while self._pages and self._used_at[next(iter(self._pages))] < cutoff:
-            old = self._pages.popitem(last=False)[0]
-            del self._used_at[old], self._tenant[old]
-            n += 1
-        return n
+        names = self._lru.unused_since(cutoff)
+        for name in names:
+            self._forget(name)
+        return len(names)
 
     def drop(self, tenant: str | None = None) -> int:
         """Forget a tenant's copies (every tenant's with None), not spilled; returns how many."""
-        names = [n for n, t in self._tenant.items() if tenant is None or t == tenant]
+        names = self._lru.keys(tenant)
         for name in names:
-            del self._pages[name], self._used_at[name], self._tenant[name]
+            self._forget(name)
         return len(names)
 
+    def _push_out(self, name: bytes) -> None:
+        rows, tenant = self._forget(name)
+        self.dropped += 1
+        if self.spill is not None:
+            self.spill(name, rows, tenant)
+
     def save(self, name: bytes, page: int, tenant: str) -> None:
-        """Keep a copy of pool page `page`'s rows under `name` (the oldest copies over budget go to the
-        spill tier, or are dropped)."""
+        """Keep a copy of pool page `page`'s rows under `name`; copies over the budget or the tenant's
+        quota go to the spill tier (or are dropped), a page that cannot stay goes there at once."""
         if name in self._pages:
             self.touch(name)
             return
-        if self.page_bytes > self.capacity_bytes:
+        quota = self.max_pages_per_tenant
+        if self.page_bytes > self.capacity_bytes or quota == 0:
             if self.spill is not None:
                 self.spill(name, self.rows.copy_out(page), tenant)
             return
+        for old in self._lru.over(tenant, None if quota is None else quota - 1):
+            self._push_out(old)
         while self.bytes_used + self.page_bytes > self.capacity_bytes:
-            old, rows = self._pages.popitem(last=False)
-            del self._used_at[old]
-            old_tenant = self._tenant.pop(old)
-            self.dropped += 1
-            if self.spill is not None:
-                self.spill(old, rows, old_tenant)
-        self._pages[name], self._used_at[name], self._tenant[name] = self.rows.copy_out(page), self.clock(), tenant
+            self._push_out(self._lru.victim(adding=tenant))
+        self._pages[name] = self.rows.copy_out(page)
+        self._lru.add(name, tenant, self.clock())
         self.saved += 1
 
     def load(self, name: bytes, page: int) -> bool:
@@ -116,8 +126,11 @@ class PrefixHostStore:
         return True
 
     def items(self):
-        """(name, rows, tenant) of every copy, oldest first."""
-        return [(name, rows, self._tenant[name]) for name, rows in self._pages.items()]
+        """(name, rows, tenant) of every copy, least recently used first."""
+        return [(name, self._pages[name], self._lru.tenant(name)) for name in self._lru.oldest_first()]
+
+    def pages_by_tenant(self) -> dict[str, int]:
+        return self._lru.counts()
 
     def stats(self) -> dict:
         return {"prefix_host_pages": self.num_pages, "prefix_host_bytes": self.bytes_used,
@@ -126,7 +139,9 @@ class PrefixHostStore:
 
     def check_integrity(self) -> None:
         assert self.bytes_used <= self.capacity_bytes, "the prefix host store is over its budget"
-        assert self._used_at.keys() == self._pages.keys() == self._tenant.keys(), \
-            "host copies and their use times or tenants disagree"
+        self._lru.check_integrity()
+        assert set(self._lru.keys()) == self._pages.keys(), "host copies and their tenants disagree"
+        quota = self.max_pages_per_tenant
+        assert quota is None or all(n <= quota for n in self._lru.counts().values()), "a tenant is over its quota"
         for rows in self._pages.values():
             assert self.rows.fits(rows), "a saved page's rows do not match the pool's layout"

@@ -21,6 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 P = "sparsekv:"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# the tier label of a tenant's cached pages -> its key in the prefix cache's tenant_stats()
+TENANT_TIERS = (("device", "cached_pages"), ("host", "host_pages"), ("disk", "disk_pages"))
 
 # engine.stats() key -> (metric name, help)
 ENGINE_GAUGES = {
@@ -139,13 +141,15 @@ class EngineStatsCollector:
                                       "cache, by tenant.", labels=["model_name", "tenant"])
         hits = CounterMetricFamily(P + "prefix_cache_tenant_hits", "Prompt tokens the prefix cache served, "
                                    "by tenant (all tiers).", labels=["model_name", "tenant"])
-        pages = GaugeMetricFamily(P + "prefix_cache_tenant_cached_pages", "KV pages no request holds, kept for "
-                                  "prefix-cache hits, by the tenant whose request computed them.",
-                                  labels=["model_name", "tenant"])
+        pages = GaugeMetricFamily(P + "prefix_cache_tenant_cached_pages", "Prefix-cache pages no request holds, "
+                                  "by the tenant whose request computed them and by tier (device: the KV pool).",
+                                  labels=["model_name", "tenant", "tier"])
         for tenant, figures in sorted(by_tenant.items()):
             queries.add_metric([self.model_name, tenant], figures["queries"])
             hits.add_metric([self.model_name, tenant], figures["hits"])
-            pages.add_metric([self.model_name, tenant], figures["cached_pages"])
+            for tier, key in TENANT_TIERS:
+                if key in figures:
+                    pages.add_metric([self.model_name, tenant, tier], figures[key])
         yield from (queries, hits, pages)
 
     def _extra(self, stats: dict):
