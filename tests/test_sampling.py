@@ -182,3 +182,55 @@ def test_filtering_a_batch_of_rows_equals_each_row_alone():
     batched = filter_logits_rows(logits.clone(), params)
     for i, p in enumerate(params):
         assert torch.equal(batched[i], filter_logits(logits[i], p)), i
+
+
+def reference_nucleus(probs: list[float], top_p: float) -> set[int]:
+    """The fewest most probable tokens whose probability reaches top_p, then every token tied with the
+    least of them: one token at a time, from the definition."""
+    order = sorted(range(len(probs)), key=lambda t: -probs[t])
+    kept, total = [], 0.0
+    for t in order:
+        if total >= top_p:
+            break
+        kept.append(t)
+        total += probs[t]
+    return {t for t in range(len(probs)) if probs[t] >= probs[kept[-1]]}
+
+
+@pytest.mark.parametrize("candidates", [64, 8])
+def test_top_p_keeps_the_nucleus_of_the_definition(monkeypatch, candidates):
+    """outside_nucleus against the one-token-at-a-time reference, on peaked, flat and tied rows (ties
+    straddling the cut are kept whole). Rows whose nucleus fits the candidates take the partial sort,
+    the others the whole-row sort: both paths run. Sums run in float64 in the reference, as torch's CPU cumsum
+    accumulates: the same sets."""
+    import sparsekv.sampling as sampling
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.cat([torch.randn(6, 300, generator=g) * 4, torch.randn(4, 300, generator=g) * 0.3,
+                      (torch.randn(6, 300, generator=g) * 4).round() / 2])  # peaked, flat, tied
+    top_p = torch.tensor([0.05, 0.3, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999] * 2)[:, None]
+    drop = sampling.outside_nucleus(rows, top_p)
+    probs = rows.softmax(-1)
+    for i in range(len(rows)):
+        kept = set((~drop[i]).nonzero()[:, 0].tolist())
+        assert kept == reference_nucleus(probs[i].double().tolist(), float(top_p[i])), i
+        assert probs[i, sorted(kept)].sum() >= top_p[i] - 1e-6
+    sizes = (~drop).sum(-1)
+    assert (sizes < candidates).any() and (sizes >= candidates).any()
+
+
+def test_bench_sampling_times_both_and_reports_agreement(tmp_path, capsys):
+    """`sparsekv bench sampling`: both filters on the same rows; a peaked spread gives a small nucleus
+    on which they agree, a flat one a nucleus wider than the partial sort (the whole-row path)."""
+    import json
+
+    from sparsekv.tools.bench import main
+    out = tmp_path / "sampling.json"
+    assert main(["sampling", "--rows", "4", "--vocab", "3000", "--spreads", "8", "0.5", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    peaked, flat = json.loads(out.read_text())["results"]
+    assert peaked["nucleus"] < 64 and peaked["agree"] == 4 and flat["nucleus"] > 1024
+    assert flat["most_apart"] <= 3 and peaked["speedup"] > 0
+    assert "rows agreeing" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["sampling", "--rows", "0"])
