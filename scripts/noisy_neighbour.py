@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
-"""A quiet tenant's prefix-cache hits while a noisy tenant floods the cache.
+"""A quiet tenant's service while a noisy tenant floods the engine: two scenarios.
 
-The quiet tenant asks `--rounds` questions about one 2048-token document; before each, the noisy
+`prefix` (the default): the quiet tenant asks `--rounds` questions about one 2048-token document; before each, the noisy
 tenant sends `--noisy` prompts with prefixes of the same length, all different. The KV pool holds one
 request, so every prefix leaves it; the host tier holds `--host-prefixes` prefixes' pages. Printed per
 mode: the quiet tenant's prompt tokens served by the cache (median after its first question), its
 time to first token against no cache in the same run, and whether its greedy tokens are identical.
 
+`kv`: the noisy tenant submits `--noisy` long requests (1,024-token prompts, 256 tokens each) at once,
+as many as fill the KV pool; the quiet tenant's short request arrives just after. Printed with and
+without `tenant_kv_share=0.5`: the quiet request's time to first token, the time until every request
+is done, and whether every output is the same.
+
   python scripts/noisy_neighbour.py [--model CKPT] [--noisy 4] [--rounds 4] [--host-prefixes 2]
+  python scripts/noisy_neighbour.py --scenario kv [--noisy 8]
 """
 from __future__ import annotations
 
@@ -50,14 +56,51 @@ def modes(path: str, host_prefixes: float) -> dict:
     return out
 
 
+def kv_flood(path: str, share: float | None, noisy: int) -> dict:
+    """The noisy tenant's long requests fill the pool; the quiet one's short request comes next."""
+    pages = noisy // 2 * (1024 + 256) // PAGE  # room for half the flood at once
+    llm = LLM(path, max_model_len=1024 + 256, max_num_seqs=noisy + 1, max_num_batched_tokens=2048,
+              num_kv_pages=pages, enable_prefix_caching=False, tenant_kv_share=share)
+    engine, g = llm.engine, torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+    for i in range(noisy):
+        engine.add_request(f"noisy-{i}", torch.randint(1, vocab, (1024,), generator=g).tolist(), params, tenant="noisy")
+    t0, ttft, outs = time.perf_counter(), None, {}
+    engine.add_request("quiet", torch.randint(1, vocab, (128,), generator=g).tolist(),
+                       SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), tenant="quiet")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "quiet" and ttft is None:
+                ttft = time.perf_counter() - t0
+            if out.finished:
+                outs[out.request_id] = out.token_ids
+    llm.close()
+    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "outputs": outs}
+
+
+def kv_scenario(args) -> None:
+    path = args.model or default_model_path()
+    runs = {"no share": kv_flood(path, None, args.noisy), "tenant_kv_share 0.5": kv_flood(path, 0.5, args.noisy)}
+    same = runs["no share"]["outputs"] == runs["tenant_kv_share 0.5"]["outputs"]
+    print(f"{args.noisy} noisy requests (1024 + 256 tokens) filling a pool that holds half of them, then one quiet "
+          f"request (128 + 16); outputs identical: {same}")
+    for name, r in runs.items():
+        print(f"  {name:22s} quiet TTFT {1000 * r['ttft_s']:8.1f} ms   all done {r['total_s']:6.2f} s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", default="prefix", choices=["prefix", "kv"])
     p.add_argument("--model", default=None)
-    p.add_argument("--noisy", type=int, default=4, help="noisy prompts before each quiet question")
+    p.add_argument("--noisy", type=int, default=4, help="noisy prompts before each quiet question (kv: at once)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--host-prefixes", type=float, default=2.0, help="the host tier's budget, in prefixes")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.scenario == "kv":
+        kv_scenario(args)
+        return
     engines = modes(args.model or default_model_path(), args.host_prefixes)
     vocab = next(iter(engines.values())).engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)

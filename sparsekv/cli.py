@@ -20,6 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-page-size", type=int, default=64)
     g.add_argument("--prefill-chunk-tokens", type=int, default=2048)
     g.add_argument("--num-kv-pages", type=int, default=None)
+    g.add_argument("--tenant-kv-share", type=float, default=None, metavar="F",
+                   help="a tenant's running requests reserve at most this fraction (0-1] of the KV cache; its "
+                        "others wait while other tenants' are admitted (default: no bound)")
     g.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
                    help="dense turns top-k selection off (baseline for measuring the mechanism)")
     g.add_argument("--seed", type=int, default=0)
@@ -75,7 +78,7 @@ ENGINE_ARG_NAMES = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_t
                     "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",
                     "enable_prefix_caching", "prefix_cache_host_bytes",
                     "prefix_cache_disk_path", "prefix_cache_disk_bytes", "prefix_cache_disk_key_file", "prefix_cache_ttl_s",
-                    "prefix_cache_max_pages_per_tenant", "prefix_cache_tenant_share")
+                    "prefix_cache_max_pages_per_tenant", "prefix_cache_tenant_share", "tenant_kv_share")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

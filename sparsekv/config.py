@@ -277,6 +277,9 @@ class EngineConfig:
     # A tenant holds at most this fraction of each prefix-cache tier: the pool's pages, the host tier's
     # and the disk tier's budgets (None: no bound beyond prefix_cache_max_pages_per_tenant's).
     prefix_cache_tenant_share: float | None = None
+    # A tenant's running requests together reserve at most this fraction of the KV cache's pages
+    # (prompt + max_tokens each); its other requests wait while other tenants' are admitted (None: no bound).
+    tenant_kv_share: float | None = None
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -315,6 +318,8 @@ class EngineConfig:
         if share is not None and (not 0 < share <= 1 or not self.enable_prefix_caching):
             raise ConfigError(f"prefix_cache_tenant_share must be in (0, 1] and needs enable_prefix_caching, "
                               f"got {share!r}")
+        if self.tenant_kv_share is not None and not 0 < self.tenant_kv_share <= 1:
+            raise ConfigError(f"tenant_kv_share must be in (0, 1], got {self.tenant_kv_share!r}")
         ttl = self.prefix_cache_ttl_s
         if ttl is not None and (not ttl > 0 or not self.enable_prefix_caching):
             raise ConfigError(f"prefix_cache_ttl_s must be > 0 and needs enable_prefix_caching, got {ttl!r}")

@@ -54,8 +54,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.page_size, config.attention,
                                   decode_rows=1 + config.num_speculative_tokens)
         self.prefix = self._build_prefix_cache() if config.enable_prefix_caching else None
+        share = config.tenant_kv_share
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk_tokens, self.prefix)
+                                   config.prefill_chunk_tokens, self.prefix,
+                                   tenant_pages=None if share is None else int(share * self.allocator.num_pages))
         self.speculator = None
         if config.num_speculative_tokens:
             from .speculative import Speculator
@@ -182,6 +184,11 @@ class LLMEngine:
                          f"({self.allocator.num_pages * self.page_size} tokens), bounded by {self.cache.sizes.limit}")
             raise InvalidRequest(f"request needs {pages} KV pages for {len(token_ids)} + {params.max_tokens} tokens "
                                  f"(prompt + max_tokens); {where}", "max_tokens")
+        share = self.scheduler.tenant_pages
+        if share is not None and pages > share:
+            raise InvalidRequest(f"request needs {pages} KV pages for {len(token_ids)} + {params.max_tokens} tokens "
+                                 f"(prompt + max_tokens); a tenant may hold {share} of the {self.allocator.num_pages} "
+                                 f"(tenant_kv_share {self.config.tenant_kv_share})", "max_tokens")
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this checkpoint has none", "stop")
         for name in ("logit_bias", "allowed_token_ids"):
@@ -470,7 +477,8 @@ class LLMEngine:
     def stats(self) -> dict:
         spec = self.speculator.stats() if self.speculator is not None else {}
         prefix = self.prefix.stats() if self.prefix is not None else {}
-        return {**self._kv_stats(), "indexer_scratch_bytes": self.model.index_scratch.nbytes, **prefix, **spec}
+        return {**self._kv_stats(), "indexer_scratch_bytes": self.model.index_scratch.nbytes,
+                "kv_by_tenant": self.scheduler.tenant_stats(), **prefix, **spec}
 
     def _kv_stats(self) -> dict:
         used_tokens = (self.allocator.num_pages - self.allocator.num_free) * self.page_size
@@ -488,6 +496,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
+        self.scheduler.check_integrity()
         holders: dict[int, int] = {}  # page -> running requests holding it (several: a shared prefix page)
         for r in self.scheduler.running:
             assert len(set(r.page_ids)) == len(r.page_ids), f"{r.request_id} holds a page twice"

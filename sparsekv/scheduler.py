@@ -11,6 +11,10 @@ completion and no running request is ever preempted for memory (vLLM allocates l
 we trade some capacity for never recomputing). With the prefix cache (cache/prefix.py) a request
 is admitted onto the cached pages its prompt starts with: it shares them, reserves only the rest, and
 starts computing at the first uncached position.
+
+With `tenant_pages` (the engine's `tenant_kv_share`), a tenant's running requests together reserve at
+most that many pages: a request that would take its tenant past it waits while the requests behind it,
+other tenants', go ahead, so one tenant's long contexts cannot hold the whole cache.
 """
 from __future__ import annotations
 
@@ -39,8 +43,9 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_tokens: int, prefix: PrefixCache | None = None):
-        self.allocator, self.prefix = allocator, prefix
+                 prefill_chunk_tokens: int, prefix: PrefixCache | None = None, tenant_pages: int | None = None):
+        self.allocator, self.prefix, self.tenant_pages = allocator, prefix, tenant_pages
+        self.pages_by_tenant: dict[str, int] = {}  # pages reserved (prompt + max_tokens) by running requests
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.waiting: deque[Request] = deque()
@@ -83,9 +88,13 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool | None:
         """Reserve pages for prompt + max_tokens, less the prompt's cached pages, which it shares.
-        False: no room (it waits, and so does everyone behind it); None: a running request is computing
-        this prompt's next page, or its pages on the disk tier are being read ahead, so it waits for
-        them (the requests behind it go ahead)."""
+        False: no room (it waits, and so does everyone behind it); None: its tenant holds its share of
+        the pages, or a running request is computing this prompt's next page, or its pages on the disk
+        tier are being read ahead, so it waits (the requests behind it go ahead)."""
+        footprint = self.allocator.pages_for(req.max_total_tokens)
+        held = self.pages_by_tenant.get(req.tenant, 0)
+        if self.tenant_pages is not None and held + footprint > self.tenant_pages:
+            return None
         # prompt_logprobs need every prompt row computed: no hits for them (as in vLLM)
         hit = self.prefix.lookup(req) if self.prefix is not None and req.params.prompt_logprobs is None else None
         if hit is not None and (hit.wait or (hit.lower_names and not self.prefix.read_ahead(req, hit.lower_names))):
@@ -103,6 +112,7 @@ class Scheduler:
         req.num_cached_tokens_disk = tiers.count("disk") * self.allocator.page_size
         if self.prefix is not None:
             self.prefix.claim(req)
+        self.pages_by_tenant[req.tenant] = held + footprint
         return True
 
     def _take(self, req: Request, n: int) -> ScheduledChunk:
@@ -118,12 +128,39 @@ class Scheduler:
         req.status, req.finish_reason = status, reason
         if req in self.running:
             self.running.remove(req)
+            self._release_share(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         # Last page first: cached pages are evicted least recently released first, so a prompt's tail
         # goes before its head and what stays in the pool is a prefix that lookups can still reach.
         self.allocator.free(req.request_id, req.page_ids[::-1])
         req.page_ids = []
+
+    def _release_share(self, req: Request) -> None:
+        left = self.pages_by_tenant[req.tenant] - self.allocator.pages_for(req.max_total_tokens)
+        if left:
+            self.pages_by_tenant[req.tenant] = left
+        else:
+            del self.pages_by_tenant[req.tenant]
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Per tenant: running and waiting requests, and the KV pages its running requests reserve."""
+        out: dict[str, dict[str, int]] = {}
+        for state, reqs in (("running", self.running), ("waiting", self.waiting)):
+            for req in reqs:
+                figures = out.setdefault(req.tenant, {"running": 0, "waiting": 0, "kv_pages": 0})
+                figures[state] += 1
+        for tenant, pages in self.pages_by_tenant.items():
+            out[tenant]["kv_pages"] = pages
+        return out
+
+    def check_integrity(self) -> None:
+        held: dict[str, int] = {}
+        for req in self.running:
+            held[req.tenant] = held.get(req.tenant, 0) + self.allocator.pages_for(req.max_total_tokens)
+        assert held == self.pages_by_tenant, "the pages reserved per tenant disagree with the running requests"
+        assert self.tenant_pages is None or all(n <= self.tenant_pages for n in held.values()), \
+            "a tenant holds more than its share of the KV cache"
 
     def find(self, request_id: str) -> Request | None:
         for req in list(self.running) + list(self.waiting):

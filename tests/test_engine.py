@@ -331,3 +331,36 @@ def test_reading_history_in_runs_of_pages_is_exact(llm, random_prompt, monkeypat
         for da, db in zip(a.logprobs, b.logprobs):
             assert da.keys() == db.keys() and max(abs(da[t] - db[t]) for t in da) < 1e-6
     _idle(llm)
+
+
+def test_a_tenant_kv_share_admits_other_tenants_past_a_flood_and_keeps_outputs(glm_ckpt, llm, random_prompt):
+    """tenant_kv_share=0.5 on a 40-page pool: the heavy tenant's four 12-page requests run one at a
+    time (two would hold 24 of its 20), the light tenant's request behind them is admitted in the first
+    step (unbounded, three heavy ones would take 36 pages and it would wait), every output equals
+    the unbounded engine's, per-tenant figures are reported, and a request bigger than the share is
+    refused with a clear error (nothing else is affected)."""
+    prompts = [random_prompt(40, seed=s) for s in range(5)]
+    want = llm.generate(prompts, GREEDY)
+    shared = LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_num_batched_tokens=40,
+                 enable_prefix_caching=False, num_kv_pages=40, tenant_kv_share=0.5)
+    engine = shared.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY, tenant="light" if i == 4 else "heavy")  # 48 tokens: 12 pages
+    engine.step()
+    by_tenant = shared.stats()["kv_by_tenant"]
+    assert by_tenant == {"heavy": {"running": 1, "waiting": 3, "kv_pages": 12},
+                         "light": {"running": 1, "waiting": 0, "kv_pages": 12}}
+    engine.step()
+    assert shared.stats()["kv_by_tenant"]["heavy"] == {"running": 1, "waiting": 3, "kv_pages": 12}  # 24 > 20
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_integrity()
+    for i, w in enumerate(want):
+        assert outs[f"r{i}"].token_ids == w.token_ids
+    with pytest.raises(InvalidRequest, match=r"needs 21 KV pages .* a tenant may hold 20 of the 40 \(tenant_kv_share 0.5\)"):
+        shared.generate([random_prompt(76)], GREEDY)
+    assert shared.stats()["kv_by_tenant"] == {}
+    _idle(shared)
+    with pytest.raises(ConfigError, match="tenant_kv_share"):
+        LLM(glm_ckpt[0], tenant_kv_share=0)

@@ -67,3 +67,35 @@ def test_admission_by_memory_and_max_num_seqs():
         sched.finish(r, RequestStatus.ABORTED, "abort")
     alloc.check_integrity()
     assert alloc.num_free == 10 and alloc.num_available == 10
+
+
+def test_a_tenant_beyond_its_kv_share_waits_while_other_tenants_go_ahead():
+    """tenant_pages 8 of 20: the heavy tenant's third 4-page request waits (its first two hold 8),
+    the light tenant's request behind it is admitted, and the waiting one runs once a page-holder
+    of its own tenant finishes. Without the share the memory rule alone admits heavy's first four
+    and the light tenant waits behind them."""
+    def heavy_then_light(tenant_pages):
+        sched = Scheduler(PageAllocator(20, 4), max_num_seqs=8, max_num_batched_tokens=100, prefill_chunk_tokens=100,
+                          tenant_pages=tenant_pages)
+        for i in range(5):
+            sched.add(Request(f"h{i}", list(range(12)), SamplingParams(max_tokens=4), tenant="heavy"))
+        sched.add(Request("l", list(range(12)), SamplingParams(max_tokens=4), tenant="light"))
+        run_step(sched)
+        return sched
+    sched = heavy_then_light(8)
+    assert [r.request_id for r in sched.running] == ["h0", "h1", "l"]
+    assert [r.request_id for r in sched.waiting] == ["h2", "h3", "h4"]  # still first in line, in order
+    assert sched.tenant_stats() == {"heavy": {"running": 2, "waiting": 3, "kv_pages": 8},
+                                    "light": {"running": 1, "waiting": 0, "kv_pages": 4}}
+    sched.check_integrity()
+    sched.finish(sched.running[0], RequestStatus.FINISHED, "length")
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["h1", "l", "h2"] and sched.pages_by_tenant["heavy"] == 8
+    for req in list(sched.running) + list(sched.waiting):
+        sched.finish(req, RequestStatus.ABORTED, "abort")
+    assert sched.pages_by_tenant == {} and sched.tenant_stats() == {}
+    sched.check_integrity()
+    sched.allocator.check_integrity()
+    unbounded = heavy_then_light(None)
+    assert [r.request_id for r in unbounded.running] == ["h0", "h1", "h2", "h3", "h4"]
+    assert [r.request_id for r in unbounded.waiting] == ["l"]

@@ -151,6 +151,27 @@ def test_tier_figures_reach_response_and_metrics(model):
 
 # -- pure pieces -------------------------------------------------------------------------------
 
+def test_per_tenant_kv_figures_are_exported_with_tenant_and_state_labels():
+    """The engine's `kv_by_tenant` (requests running and waiting, KV pages reserved) reaches /metrics as
+    sparsekv:tenant_requests{tenant,state} and sparsekv:tenant_kv_pages{tenant}."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sparsekv.server.metrics import EngineStatsCollector
+    stats = {"kv_pages_total": 40, "kv_pages_free": 16,
+             "kv_by_tenant": {"heavy": {"running": 1, "waiting": 3, "kv_pages": 12},
+                              "light": {"running": 1, "waiting": 0, "kv_pages": 12}}}
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector("tiny", lambda: stats, lambda: True))
+    samples = [s for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples]
+    requests = {(s.labels["tenant"], s.labels["state"]): s.value for s in samples if s.name == "sparsekv:tenant_requests"}
+    assert requests == {("heavy", "running"): 1, ("heavy", "waiting"): 3, ("light", "running"): 1,
+                        ("light", "waiting"): 0}
+    pages = {s.labels["tenant"]: s.value for s in samples if s.name == "sparsekv:tenant_kv_pages"}
+    assert pages == {"heavy": 12, "light": 12}
+    assert not any(s.name.startswith("sparsekv:kv_by_tenant") for s in samples)
+
+
 def test_stream_holds_back_a_possible_stop_string():
     from sparsekv.request import RequestOutput
     from sparsekv.server.responses import ChoiceState

@@ -152,8 +152,21 @@ class EngineStatsCollector:
                     pages.add_metric([self.model_name, tenant, tier], figures[key])
         yield from (queries, hits, pages)
 
+    def _tenant_kv(self, by_tenant: dict):
+        """Requests and reserved KV pages per tenant (tenants with a request running or waiting)."""
+        requests = GaugeMetricFamily(P + "tenant_requests", "Requests by tenant and state (running, waiting).",
+                                     labels=["model_name", "tenant", "state"])
+        pages = GaugeMetricFamily(P + "tenant_kv_pages", "KV pages reserved (prompt + max_tokens) by the tenant's "
+                                  "running requests.", labels=["model_name", "tenant"])
+        for tenant, figures in sorted(by_tenant.items()):
+            for state in ("running", "waiting"):
+                requests.add_metric([self.model_name, tenant, state], figures[state])
+            pages.add_metric([self.model_name, tenant], figures["kv_pages"])
+        yield from (requests, pages)
+
     def _extra(self, stats: dict):
         yield from self._tenants(stats.pop("prefix_cache_by_tenant", {}))
+        yield from self._tenant_kv(stats.pop("kv_by_tenant", {}))
         numeric = {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         tiers = {k[len(PREFIX_HITS):]: v for k, v in numeric.items() if k.startswith(PREFIX_HITS)}
         if tiers:
