@@ -75,15 +75,37 @@ def test_mmap_host_store_is_exact(ckpt, tmp_path):
     reference, _ = generate(ckpt["glm_moe_dsa"])
     outs, llm = generate(ckpt["glm_moe_dsa"], kv_tiering=True, host_store_path=path)
     assert_same(reference, outs)
-    assert llm.stats()["host_store"] == "mmap" and os.path.exists(path)
-    llm.engine.cache.host.close()
-    assert not os.path.exists(path)
+    assert llm.stats()["host_store"] == "mmap"
+    assert not os.path.exists(path)  # unlinked once mapped: the mapping holds the rows
+
+
+def test_a_killed_engine_leaves_no_host_store_file(ckpt, tmp_path):
+    """The mmap host store's file is unlinked as soon as it is mapped, so even SIGKILL mid-generation
+    leaves no conversation's KV on disk (the OS frees the blocks with the mapping)."""
+    import signal
+    import subprocess
+    import sys
+    store = tmp_path / "store"
+    store.mkdir()
+    code = ("import sys; from sparsekv import LLM, SamplingParams\n"
+            f"llm = LLM({ckpt['glm_moe_dsa']!r}, kv_tiering=True, host_store_path={str(store)!r}, max_model_len=4096)\n"
+            "llm.engine.add_request('r', [t % 250 + 1 for t in range(300)], SamplingParams(max_tokens=3000, ignore_eos=True))\n"
+            "llm.engine.step(); llm.engine.step()\n"
+            "print(llm.stats()['host_store'], flush=True)\n"
+            "while True: llm.engine.step()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "mmap"  # generating, its history in the mapped store
+        assert os.listdir(store) == []
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert os.listdir(store) == []
 
 
 def test_mmap_host_store_never_overwrites_a_file_and_takes_a_directory(ckpt, tmp_path):
     """An existing file at host_store_path is refused with a clear error and left as it was (it may be
-    the user's, or a killed run's store); a directory gets a fresh uniquely named file per engine, removed
-    with its store."""
+    the user's); a directory gets a fresh uniquely named file per engine, unlinked once mapped."""
     mine = tmp_path / "notes.txt"
     mine.write_text("precious")
     with pytest.raises(FileExistsError, match="never overwrites"):
@@ -95,9 +117,7 @@ def test_mmap_host_store_never_overwrites_a_file_and_takes_a_directory(ckpt, tmp
     assert_same(reference, outs)
     files = {llm.engine.cache.host.path, other.engine.cache.host.path}
     assert len(files) == 2 and all(os.path.dirname(f) == str(tmp_path) for f in files)
-    llm.engine.cache.host.close()
-    other.engine.cache.host.close()
-    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]  # each unlinked once mapped
 
 
 def run_with_aborts(path, **options):

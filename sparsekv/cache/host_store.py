@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import weakref
 
 import torch
 
@@ -87,26 +86,21 @@ class MmapHostStore(HostStore):
 
     `path` is a directory (a fresh uniquely named file is made in it, so several engines or restarts
     can share one) or the name of a file to create. An existing file is refused, never overwritten:
-    it may be a stale store of a run that was killed, or anything else of the user's. The store's file
-    is deleted when the store goes away."""
+    it may be anything of the user's. The file is created 0600 and unlinked as soon as it is mapped: the
+    mapping keeps its blocks until the store goes away, and then the OS frees them, even if the process
+    is killed, so no conversation's KV is ever left on disk behind an engine."""
 
     kind = "mmap"
 
     def __init__(self, layers, num_slots, dim, dtype, path: str):
         self.path = _new_store_file(path)
-        self._remove = weakref.finalize(self, _remove_file, self.path)  # the file goes with the store
-        super().__init__(layers, num_slots, dim, dtype)
+        try:
+            super().__init__(layers, num_slots, dim, dtype)
+        finally:
+            _remove_file(self.path)
 
     def _allocate(self, numel: int) -> torch.Tensor:
         return torch.from_file(self.path, shared=True, size=numel, dtype=self.dtype)
-
-    def close(self) -> None:
-        super().close()
-        self._remove()
-
-    def check_integrity(self) -> None:
-        super().check_integrity()
-        assert os.path.getsize(self.path) == self.capacity_bytes, "host store file changed size"
 
 
 def _new_store_file(path: str) -> str:
