@@ -432,6 +432,25 @@ def test_bench_serve_runs(server, capsys):
     assert re.search(r"Successful requests:\s+6\n", out) and re.search(r"Failed requests:\s+0\n", out)
 
 
+def test_bench_serve_reports_latency_per_tenant_key(server, capsys):
+    """Two --api-key (two tenants), weighted 3:1: every request is sent with one of them, the per-key
+    counts follow the seeded draw, and each key's latencies are reported; bad weights are refused."""
+    import json
+
+    from sparsekv.tools.bench_serve import assign_keys, build_parser, main
+    argv = ["--url", server.url, "--api-key", KEY, "--api-key", KEY_PLAIN, "--tenant-weights", "3", "1",
+            "--num-prompts", "8", "--input-len", "16", "--output-len", "3", "--max-concurrency", "4", "--model", "tiny"]
+    out_file = server.model + "-bench.json"
+    assert main(argv + ["--json", out_file]) == 0
+    out = capsys.readouterr().out
+    assert "Per tenant (--api-key)" in out and "key 1" in out and "key 2" in out
+    by_key = json.load(open(out_file))["by_key"]
+    drawn = assign_keys(build_parser().parse_args(argv), 8)
+    assert [by_key[f"key {k + 1}"]["requests"] for k in (0, 1)] == [drawn.count(0), drawn.count(1)]
+    assert all(k["completed"] == k["requests"] and k["ttft_ms"]["p99"] > 0 for k in by_key.values())
+    assert main(argv[:4] + ["--tenant-weights", "1", "1", "1"]) == 2
+
+
 def test_bench_serve_shared_prefix_reports_reuse_by_tier(server, capsys):
     from sparsekv.tools.bench_serve import main
     rc = main(["--url", server.url, "--api-key", KEY, "--num-prompts", "6", "--input-len", "48", "--prefix-len", "40",

@@ -9,7 +9,10 @@ arrive as a Poisson process at `--request-rate` (inf: all at once), optionally c
 `--max-concurrency` in flight. Every request streams with `ignore_eos`, so it yields exactly
 `--output-len` tokens. Printed: request and token throughput; mean, median and p99 of TTFT, TPOT
 (decode time per token after the first), ITL (gap between stream chunks) and end-to-end latency; and
-the server's tier figures from /metrics before and after the run.
+the server's tier figures from /metrics before and after the run. `--api-key` may repeat: each
+request is sent with one of the keys, drawn with `--tenant-weights` (equal by default), and the
+latencies are also reported per key (per tenant: "key 1" is the first `--api-key`), e.g. a noisy
+tenant sending 90 % of the requests against a quiet one.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ TIER_METRICS = ("num_requests_running", "num_requests_waiting", "kv_pages_free",
 @dataclass
 class RequestResult:
     prompt_len: int
+    key: int = 0  # which --api-key sent it
     ok: bool = False
     error: str = ""
     output_tokens: int = 0
@@ -52,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", action="append", default=None,
+                   help="repeat for several tenants: each request uses one key, drawn by --tenant-weights")
+    p.add_argument("--tenant-weights", type=float, nargs="+", default=None,
+                   help="one weight per --api-key: the share of requests each sends (default equal)")
     p.add_argument("--dataset", choices=["random", "fixed", "shared-prefix"], default="random")
     p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: tokens shared (default 3/4 of L)")
     p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
@@ -79,6 +86,12 @@ def main(argv: list[str]) -> int:
         print("sparsekv bench serve: shared-prefix needs 0 < --prefix-len < --input-len and --num-prefixes >= 1",
               file=sys.stderr)
         return 2
+    keys = args.api_key or [None]
+    if args.tenant_weights is not None and (len(args.tenant_weights) != len(keys) or min(args.tenant_weights) < 0
+                                            or not sum(args.tenant_weights) > 0):
+        print("sparsekv bench serve: --tenant-weights needs one non-negative weight per --api-key, not all 0",
+              file=sys.stderr)
+        return 2
     try:
         report = asyncio.run(run(args))
     except httpx.HTTPError as e:
@@ -92,7 +105,7 @@ def main(argv: list[str]) -> int:
 
 
 async def run(args) -> dict:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = {"Authorization": f"Bearer {args.api_key[0]}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts)
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout, limits=limits) as client:
         model, vocab = await server_model(client, args.model)
@@ -139,29 +152,37 @@ def make_prompts(args, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
+def assign_keys(args, n: int) -> list[int]:
+    """Which --api-key sends each of the n requests (seeded; by --tenant-weights)."""
+    keys = len(args.api_key or [None])
+    return random.Random(args.seed + 2).choices(range(keys), weights=args.tenant_weights, k=n)
+
+
 async def send_all(client, model: str, prompts: list[list[int]], args) -> list[RequestResult]:
     gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
     rng = random.Random(args.seed + 1)
 
-    async def limited(prompt):
+    async def limited(prompt, key):
         async with gate:
-            return await send_one(client, model, prompt, args.output_len)
+            return await send_one(client, model, prompt, args.output_len, key, args.api_key)
 
     tasks = []
-    for prompt in prompts:
-        tasks.append(asyncio.create_task(limited(prompt)))
+    for prompt, key in zip(prompts, assign_keys(args, len(prompts))):
+        tasks.append(asyncio.create_task(limited(prompt, key)))
         if args.request_rate != float("inf"):
             await asyncio.sleep(rng.expovariate(args.request_rate))
     return list(await asyncio.gather(*tasks))
 
 
-async def send_one(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
-    res = RequestResult(len(prompt))
+async def send_one(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int, key: int = 0,
+                   api_keys: list[str] | None = None) -> RequestResult:
+    res = RequestResult(len(prompt), key)
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {api_keys[key]}"} if api_keys else {}
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return res
@@ -225,10 +246,23 @@ def summarize(results: list[RequestResult], duration: float, before: dict, after
         "ttft_ms": _stats_ms([r.ttft for r in ok]), "tpot_ms": _stats_ms([r.tpot for r in ok if r.tpot is not None]),
         "itl_ms": _stats_ms([x for r in ok for x in r.itls]), "e2e_ms": _stats_ms([r.e2e for r in ok]),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "by_key": _by_key(results) if len(args.api_key or ()) > 1 else {},
         "prefix_reuse": _prefix_reuse(before, after),
         "tiers_before": before, "tiers_after": after, "tiers_peak": peak,
         "requests": [{k: v for k, v in asdict(r).items() if k != "itls"} for r in results],
     }
+
+
+def _by_key(results: list[RequestResult]) -> dict:
+    """Latencies of each --api-key's requests (its tenant's)."""
+    out = {}
+    for key in sorted({r.key for r in results}):
+        mine = [r for r in results if r.key == key]
+        ok = [r for r in mine if r.ok]
+        out[f"key {key + 1}"] = {"requests": len(mine), "completed": len(ok), "ttft_ms": _stats_ms([r.ttft for r in ok]),
+                                 "tpot_ms": _stats_ms([r.tpot for r in ok if r.tpot is not None]),
+                                 "e2e_ms": _stats_ms([r.e2e for r in ok])}
+    return out
 
 
 def _prefix_reuse(before: dict, after: dict) -> dict:
@@ -263,6 +297,13 @@ def format_report(rep: dict) -> str:
         lines.append("{s:{c}^50}".format(s=title, c="-"))
         lines += [row(f"{stat.capitalize() if stat != 'p99' else 'P99'} {name} (ms):", f"{rep[key][stat]:.2f}")
                   for stat in ("mean", "median", "p99")]
+    if rep["by_key"]:
+        lines.append("{s:{c}^50}".format(s="Per tenant (--api-key)", c="-"))
+        lines.append(f"{'key':<8} {'done':>9} {'TTFT median / p99 (ms)':>26} {'TPOT median / p99':>20} {'E2E p99':>10}")
+        for name, k in rep["by_key"].items():
+            lines.append(f"{name:<8} {k['completed']:>4}/{k['requests']:<4} "
+                         f"{k['ttft_ms']['median']:>12.1f} / {k['ttft_ms']['p99']:<11.1f} "
+                         f"{k['tpot_ms']['median']:>8.2f} / {k['tpot_ms']['p99']:<9.2f} {k['e2e_ms']['p99']:>10.1f}")
     lines.append("{s:{c}^50}".format(s="Tier figures from /metrics", c="-"))
     lines.append(f"{'metric':<36} {'before':>13} {'after':>13} {'delta':>13} {'peak in run':>13}")
     before, after, peak = rep["tiers_before"], rep["tiers_after"], rep["tiers_peak"]
