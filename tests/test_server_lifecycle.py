@@ -136,6 +136,30 @@ def _checks_without_tokenizer(url: str) -> None:
     assert ok["choices"][0]["text"] == "" and len(ok["sparsekv"]["choices"][0]["token_ids"]) == 3
 
 
+def test_one_tenants_burst_cannot_fill_the_queue_for_the_others(model):
+    """--max-queued-requests-per-tenant 1 with one batch slot: alice's first request runs, her second
+    waits, her third is refused (503 + Retry-After), and bob's request is still queued and served."""
+    with ThreadServer(model, api_keys=["sk-a:alice", "sk-b:bob"], max_queued_per_tenant=1, max_num_seqs=1) as srv:
+        srv.delay[0] = 0.02
+        def post(key):
+            return httpx.post(srv.url + "/v1/completions", json={**BODY, "max_tokens": 60},
+                              headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        results = {}
+        threads = [threading.Thread(target=lambda i=i: results.setdefault(i, post("sk-a"))) for i in range(2)]
+        threads[0].start()
+        assert wait_until(lambda: srv.engine.stats()["running"] == 1, 10)
+        threads[1].start()
+        assert wait_until(lambda: srv.engine.stats()["waiting"] == 1, 10)
+        refused = post("sk-a")
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert "this tenant has 1 requests waiting" in refused.json()["error"]["message"]
+        served = post("sk-b")
+        for t in threads:
+            t.join(30)
+        assert served.status_code == 200 and all(r.status_code == 200 for r in results.values())
+    srv.engine.check_integrity()
+
+
 def test_tier_figures_reach_response_and_metrics(model):
     with ThreadServer(model, kv_tiering=True) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1] * 40, "max_tokens": 30, "n": 2,

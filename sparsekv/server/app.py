@@ -41,6 +41,7 @@ class ServerSettings:
     max_queued_requests: int | None = None
     default_max_tokens: int | None = None
     chat_template: str | None = None  # Jinja text replacing the tokenizer's (vLLM's --chat-template)
+    max_queued_per_tenant: int | None = None  # a tenant's waiting requests beyond this get 503
 
 
 class ServerState:
@@ -61,7 +62,7 @@ class ServerState:
                 raise ValueError("--chat-template needs a tokenizer (the checkpoint has none; give --tokenizer)")
             self.tokenizer.chat_template = settings.chat_template
         self.token_text = TokenText(self.tokenizer)
-        self.loop = EngineLoop(engine, None, settings.max_queued_requests)
+        self.loop = EngineLoop(engine, None, settings.max_queued_requests, settings.max_queued_per_tenant)
         self.metrics = ServerMetrics(self.model_name, self.loop.stats, lambda: self.loop.healthy)
         self.loop.metrics = self.metrics
 

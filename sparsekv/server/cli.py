@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model name(s) clients use (default: MODEL as given, or the bundled model's directory name)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="at most this many requests waiting for a batch slot; beyond it 503 + Retry-After")
+    p.add_argument("--max-queued-requests-per-tenant", dest="max_queued_per_tenant", type=int, default=None,
+                   help="at most this many of one tenant's requests waiting; beyond it that tenant gets 503 + "
+                        "Retry-After while others are still queued")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to drain in-flight requests after SIGTERM before aborting them")
     p.add_argument("--default-max-tokens", type=int, default=None,
@@ -65,8 +68,10 @@ def build_app(args):
     from .auth import parse_api_keys
 
     keys = parse_api_keys(args.api_key)
-    if args.max_queued_requests is not None and args.max_queued_requests < 1:
-        raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+    for flag, value in (("--max-queued-requests", args.max_queued_requests),
+                        ("--max-queued-requests-per-tenant", args.max_queued_per_tenant)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     model = args.model or default_model_path()
     names = args.served_model_name or [args.model or os.path.basename(os.path.normpath(model))]
     template = None
@@ -74,7 +79,8 @@ def build_app(args):
         with open(args.chat_template) as f:
             template = f.read()
     engine = LLMEngine(EngineConfig(model=model, tokenizer=args.tokenizer, **engine_options(args)))
-    settings = ServerSettings(names, keys, args.max_queued_requests, args.default_max_tokens, template)
+    settings = ServerSettings(names, keys, args.max_queued_requests, args.default_max_tokens, template,
+                              args.max_queued_per_tenant)
     app = create_app(engine, settings)
     return app, app.state.server
 

@@ -73,9 +73,10 @@ class _Route:
 
 
 class EngineLoop:
-    def __init__(self, engine, metrics=None, max_queued_requests: int | None = None):
+    def __init__(self, engine, metrics=None, max_queued_requests: int | None = None,
+                 max_queued_per_tenant: int | None = None):
         self.engine, self.metrics = engine, metrics
-        self.max_queued_requests = max_queued_requests
+        self.max_queued_requests, self.max_queued_per_tenant = max_queued_requests, max_queued_per_tenant
         self.dead: BaseException | None = None
         self.draining = False
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -201,8 +202,7 @@ class EngineLoop:
     def _add(self, group: RequestGroup, subs: list[Submission], tenant: str, cache_salt, fut) -> None:
         try:
             self._refuse_if_closed()
-            if self.max_queued_requests is not None and self.engine.stats()["waiting"] + len(subs) > self.max_queued_requests:
-                raise QueueFull(f"the request queue is full ({self.max_queued_requests} requests waiting); retry later")
+            self._refuse_if_queue_full(tenant, len(subs))
             added = []
             try:
                 for i, (rid, sub) in enumerate(zip(group.request_ids, subs)):
@@ -218,6 +218,16 @@ class EngineLoop:
             self._resolve(fut, e)
             return
         self._resolve(fut, None)
+
+    def _refuse_if_queue_full(self, tenant: str, adding: int) -> None:
+        """503 past the queue's bound, or past the tenant's share of it: one tenant's burst cannot fill
+        the queue and turn every other tenant away."""
+        waiting = self.engine.scheduler.waiting
+        if self.max_queued_requests is not None and len(waiting) + adding > self.max_queued_requests:
+            raise QueueFull(f"the request queue is full ({self.max_queued_requests} requests waiting); retry later")
+        if self.max_queued_per_tenant is not None and \
+                sum(r.tenant == tenant for r in waiting) + adding > self.max_queued_per_tenant:
+            raise QueueFull(f"this tenant has {self.max_queued_per_tenant} requests waiting, its most; retry later")
 
     def _abort_group(self, group: RequestGroup, reason: str) -> None:
         n = sum(self._abort_one(rid) for rid in group.request_ids if rid in self._routes)
