@@ -268,6 +268,9 @@ class EngineConfig:
     prefix_cache_disk_bytes: int | None = None
     # A file of at least 32 secret bytes: the disk tier's pages are then encrypted (AES-256-GCM).
     prefix_cache_disk_key_file: str | None = None
+    # Key files being rotated out: pages sealed with them are still read, and re-sealed with the key file
+    # in the background.
+    prefix_cache_disk_old_key_files: list[str] | None = None
     # Retention: a prefix-cache page no request has used for this many seconds is forgotten in every
     # tier (None: kept until evicted).
     prefix_cache_ttl_s: float | None = None
@@ -310,6 +313,8 @@ class EngineConfig:
             raise ConfigError(f"prefix_cache_disk_bytes must be >= 1, got {disk_bytes}")
         if self.prefix_cache_disk_key_file is not None and disk is None:
             raise ConfigError("prefix_cache_disk_key_file needs prefix_cache_disk_path")
+        if self.prefix_cache_disk_old_key_files and self.prefix_cache_disk_key_file is None:
+            raise ConfigError("prefix_cache_disk_old_key_files needs prefix_cache_disk_key_file (the key to re-seal with)")
         quota = self.prefix_cache_max_pages_per_tenant
         if quota is not None and (quota < 0 or not self.enable_prefix_caching):
             raise ConfigError(f"prefix_cache_max_pages_per_tenant must be >= 0 and needs enable_prefix_caching, "

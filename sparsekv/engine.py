@@ -113,25 +113,31 @@ class LLMEngine:
                            before_copy=self.cache.link.flush if self.tiered else lambda: None,
                            ttl_s=config.prefix_cache_ttl_s)
 
+    @staticmethod
+    def _page_cipher(option: str, path: str, space: str):
+        from .cache.prefix_disk import PageCipher
+        try:
+            with open(path, "rb") as f:
+                return PageCipher(f.read(), space)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"{option}: {e}") from None
+
     def _tenant_quota(self, tier_pages: int) -> int | None:
         """A tenant's share of a prefix-cache tier of `tier_pages` pages, in pages (None: no bound)."""
         share = self.config.prefix_cache_tenant_share
         return None if share is None else int(share * tier_pages)
 
     def _build_disk_tier(self, rows, lookahead: int):
-        from .cache.prefix_disk import PageCipher, PrefixDiskStore, namespace
+        from .cache.prefix_disk import PrefixDiskStore, namespace
         config, key = self.config, self.config.prefix_cache_disk_key_file
         space = namespace(config, rows, lookahead, sealed=key is not None)
-        try:
-            cipher = None
-            if key is not None:
-                with open(key, "rb") as f:
-                    cipher = PageCipher(f.read(), space)
-        except (ValueError, OSError) as e:
-            raise ConfigError(f"prefix_cache_disk_key_file: {e}") from None
+        cipher = None if key is None else self._page_cipher("prefix_cache_disk_key_file", key, space)
+        old = [self._page_cipher("prefix_cache_disk_old_key_files", path, space)
+               for path in config.prefix_cache_disk_old_key_files or ()]
         try:
             return PrefixDiskStore(rows, config.prefix_cache_disk_path, space, config.prefix_cache_disk_bytes, cipher,
-                                   max_pages_per_tenant=self._tenant_quota(config.prefix_cache_disk_bytes // rows.page_bytes))
+                                   max_pages_per_tenant=self._tenant_quota(config.prefix_cache_disk_bytes // rows.page_bytes),
+                                   old_ciphers=old)
         except (ValueError, OSError) as e:
             raise ConfigError(f"prefix_cache_disk_path: {e}") from None
 

@@ -406,6 +406,64 @@ def test_another_key_or_an_altered_file_reads_as_a_miss(ckpt, tmp_path):
         make(ckpt, enable_prefix_caching=True, prefix_cache_disk_key_file=_key(tmp_path))
 
 
+def _key_ids(disk_dir):
+    from sparsekv.cache.prefix_disk import _header_metadata
+    ids = []
+    for d, _, names in os.walk(disk_dir):
+        for n in names:
+            if n.endswith(".safetensors"):
+                with open(os.path.join(d, n), "rb") as f:
+                    ids.append(_header_metadata(f.read(int.from_bytes(f.read(8), "little"))).get("key"))
+    return ids
+
+
+def test_rotating_the_key_reseals_every_page_and_keeps_the_hits(ckpt, tmp_path):
+    """Pages sealed with key A; an engine with key B and A as an old key re-seals every file with B in
+    the background (file times kept), serving hits meanwhile; then an engine with B alone still hits
+    every page, bit for bit, and one with A alone misses them."""
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    old, new = _key(tmp_path, "a", b"a" * 40), _key(tmp_path, "b", b"b" * 40)
+    disk_dir = tmp_path / "disk"
+    with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=old) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+        old_id = llm.engine.prefix.tiers["disk"].cipher.key_id
+    times = sorted(os.stat(os.path.join(d, n)).st_mtime_ns for d, _, ns in os.walk(disk_dir) for n in ns
+                   if n.endswith(".safetensors"))
+    assert set(_key_ids(disk_dir)) == {old_id} and len(times) == 5
+    with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=new, prefix_cache_disk_old_key_files=[old]) as llm:
+        disk = llm.engine.prefix.tiers["disk"]
+        disk.flush()
+        assert disk.stats()["prefix_disk_rekeyed"] == 5 and set(_key_ids(disk_dir)) == {disk.cipher.key_id}
+        new_id = disk.cipher.key_id
+    assert sorted(os.stat(os.path.join(d, n)).st_mtime_ns for d, _, ns in os.walk(disk_dir) for n in ns
+                  if n.endswith(".safetensors")) == times  # each kept its place in the LRU order
+    with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=new) as llm:
+        out = llm.generate([PROMPTS[0]], GREEDY)[0]
+        assert out.metrics["prefix_cached_tokens_disk"] == 64 and llm.stats()["prefix_disk_rekeyed"] == 0
+        assert_close([want], [out], bitwise=True)
+    assert old_id != new_id
+    with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=old) as llm:  # the retired key opens nothing
+        out = llm.generate([PROMPTS[0]], GREEDY)[0]
+        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 1
+    with pytest.raises(ConfigError, match="prefix_cache_disk_old_key_files needs"):
+        disk_engine(ckpt, disk_dir, prefix_cache_disk_old_key_files=[old])
+
+
+def test_an_old_key_still_serves_hits_before_its_files_are_resealed(ckpt, tmp_path, monkeypatch):
+    """With re-sealing held back, a file under the old key is read with it: the hit is served."""
+    from sparsekv.cache.prefix_disk import PrefixDiskStore
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    old, new = _key(tmp_path, "a", b"a" * 40), _key(tmp_path, "b", b"b" * 40)
+    with disk_engine(ckpt, tmp_path / "disk", prefix_cache_disk_key_file=old) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+    monkeypatch.setattr(PrefixDiskStore, "_rekey", lambda self, name: None)
+    with disk_engine(ckpt, tmp_path / "disk", prefix_cache_disk_key_file=new,
+                     prefix_cache_disk_old_key_files=[old]) as llm:
+        out = llm.generate([PROMPTS[0]], GREEDY)[0]
+        assert out.metrics["prefix_cached_tokens_disk"] == 64 and llm.stats()["prefix_disk_failures"] == 0
+        assert_close([want], [out], bitwise=True)
+
+
 # -- reads ahead of admission ---------------------------------------------------------------------------
 def test_a_request_waits_for_its_disk_reads_while_others_keep_decoding(ckpt, tmp_path, monkeypatch):
     """The disk reads of a request's prefix run on a reader thread while it waits in the queue: the

@@ -101,13 +101,15 @@ class PageCipher:
             raise ValueError(f"the key file holds {len(secret)} bytes; it needs at least 32 of secret")
         info = b"sparsekv-prefix-disk-v1\0" + space.encode()
         self._aead = AESGCM(HKDF(hashes.SHA256(), 32, salt=None, info=info).derive(secret))
+        # names the key in each file (a one-way derivation: it tells keys apart, reveals nothing of them)
+        self.key_id = HKDF(hashes.SHA256(), 8, salt=None, info=info + b"\0key-id").derive(secret).hex()
 
     def seal(self, rows: list[torch.Tensor], name: bytes, tenant: str) -> tuple[dict, dict]:
         """(tensors, metadata) of the encrypted page."""
         plain = b"".join(r.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for r in rows)
         nonce = os.urandom(12)
         sealed = self._aead.encrypt(nonce, plain, name + tenant.encode())
-        return {"sealed": torch.frombuffer(bytearray(sealed), dtype=torch.uint8)}, {"nonce": nonce.hex()}
+        return {"sealed": torch.frombuffer(bytearray(sealed), dtype=torch.uint8)}, {"nonce": nonce.hex(), "key": self.key_id}
 
     def open(self, metadata: dict, sealed: torch.Tensor, layout: list, name: bytes, tenant: str) -> list[torch.Tensor]:
         """The rows of a page file (its metadata and sealed bytes); raises if it does not authenticate."""
@@ -122,11 +124,14 @@ class PageCipher:
 
 class PrefixDiskStore:
     """`max_pages_per_tenant`: a tenant's files beyond this many are removed, oldest first (None: no
-    bound). Over budget, the oldest file of the tenant holding the most goes first (pages.TenantLRU)."""
+    bound). Over budget, the oldest file of the tenant holding the most goes first (pages.TenantLRU).
+    `old_ciphers`: keys being rotated out; files sealed with one are read with it, and re-sealed with
+    `cipher` in the background from the start (`rekeyed`), each keeping its place in the LRU order."""
 
     def __init__(self, rows: PageRows, root: str, space: str, capacity_bytes: int, cipher: PageCipher | None = None,
-                 max_pages_per_tenant: int | None = None):
+                 max_pages_per_tenant: int | None = None, old_ciphers: list[PageCipher] = ()):
         self.rows, self.page_bytes, self.capacity_bytes, self.cipher = rows, rows.page_bytes, capacity_bytes, cipher
+        self._ciphers = {c.key_id: c for c in [*old_ciphers, *([cipher] if cipher is not None else [])]}
         self.max_pages_per_tenant = max_pages_per_tenant
         self.dir = os.path.join(root, space)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
@@ -147,7 +152,7 @@ class PrefixDiskStore:
         # Reads ahead of admission (`prefetch`): page -> its rows being read (None if unreadable)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="sparsekv-prefix-disk-read")
         self._prefetched: dict[bytes, Future] = {}
-        self.saved = self.loaded = self.dropped = self.failed = 0
+        self.saved = self.loaded = self.dropped = self.failed = self.rekeyed = 0
         self._last_ns = 0  # file times, strictly increasing: the filesystem clock is too coarse to order
         self._scan()
 
@@ -165,8 +170,11 @@ class PrefixDiskStore:
             elif entry.name.endswith(".tmp"):
                 os.unlink(entry.path)
         for mtime, name in sorted(found):
-            self._files.add(name, self._stored_tenant(name), mtime / 1e9)
+            metadata = self._stored_metadata(name)
+            self._files.add(name, metadata.get("tenant", ""), mtime / 1e9)
             self._last_ns = max(self._last_ns, mtime)
+            if self.cipher is not None and metadata.get("key") != self.cipher.key_id:
+                self._writer.submit(self._rekey, name)  # sealed with an old key (or unreadable: left alone)
         with self._lock:
             for tenant in self._files.counts():
                 self._hold_quota(tenant, 0)
@@ -222,12 +230,12 @@ class PrefixDiskStore:
         with self._lock:
             return self._files.tenant(name) if name in self._files else ""
 
-    def _stored_tenant(self, name: bytes) -> str:
+    def _stored_metadata(self, name: bytes) -> dict:
         try:
             with open(self._path(name), "rb") as f:  # the header only
-                return _header_metadata(f.read(int.from_bytes(f.read(8), "little"))).get("tenant", "")
+                return _header_metadata(f.read(int.from_bytes(f.read(8), "little")))
         except Exception:  # noqa: BLE001 - unreadable: a miss when looked up, removed then
-            return ""
+            return {}
 
     def expire(self, cutoff: float) -> int:
         """Remove the pages last used before `cutoff`; returns how many."""
@@ -262,20 +270,31 @@ class PrefixDiskStore:
         self.saved += 1
         self._writer.submit(self._write, name, ticket, rows, digest)
 
-    def _write(self, name: bytes, ticket: int, rows: list[torch.Tensor], tenant: str) -> None:
+    def _write_file(self, name: bytes, rows: list[torch.Tensor], tenant: str, tag: str, mtime_ns: int | None = None):
+        """Write the page file (sealed with the current key, if any) under a temporary name, then rename
+        it into place (atomic: a reader sees the whole file or none); stamped now, or `mtime_ns`."""
         path = self._path(name)
-        tmp = f"{path}.{ticket}.tmp"
+        tmp = f"{path}.{tag}.tmp"
         try:
             tensors, extra = (self.cipher.seal(rows, name, tenant) if self.cipher is not None else
                               ({str(i): r.contiguous() for i, r in enumerate(rows)}, {}))
             save_file(tensors, tmp, metadata={"format": FORMAT, "tenant": tenant, **extra})
             os.chmod(tmp, 0o600)
-            self._stamp(tmp)
-            os.replace(tmp, path)  # atomic: a reader sees the whole file or none
-        except Exception as e:  # noqa: BLE001 - disk full, permissions: the page is only lost
-            logger.warning("prefix cache disk tier: writing %s failed (%s); the page is dropped", path, e)
+            if mtime_ns is None:
+                self._stamp(tmp)
+            else:
+                os.utime(tmp, ns=(mtime_ns, mtime_ns))
+            os.replace(tmp, path)
+        except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+            raise
+
+    def _write(self, name: bytes, ticket: int, rows: list[torch.Tensor], tenant: str) -> None:
+        try:
+            self._write_file(name, rows, tenant, str(ticket))
+        except Exception as e:  # noqa: BLE001 - disk full, permissions: the page is only lost
+            logger.warning("prefix cache disk tier: writing %s failed (%s); the page is dropped", self._path(name), e)
             with self._lock:
                 self.failed += 1
                 if self._pending.get(name, (None,))[0] == ticket and name in self._files:
@@ -308,18 +327,50 @@ class PrefixDiskStore:
             return pending[1]
         try:
             with open(self._path(name), "rb") as f:  # one read, the GIL released: reads ahead run beside steps
-                data = f.read()
-            metadata, tensors = _page_metadata(data), load_page(data)
-            if metadata.get("format") != FORMAT:
-                raise ValueError("not a sparsekv prefix page")
-            if self.cipher is not None:
-                rows = self.cipher.open(metadata, tensors["sealed"], self.rows.layout, name, self._digest_of(name))
-            else:
-                rows = [tensors[str(i)] for i in range(len(self.rows.layout))]
+                rows = self._decode(f.read(), name, self._digest_of(name))
         except Exception as e:  # noqa: BLE001 - a page that cannot be read is recomputed
             logger.warning("prefix cache disk tier: %s is unreadable (%s); recomputing it", self._path(name), e)
             return None
         return rows if self.rows.fits(rows) else None
+
+    def _decode(self, data: bytes, name: bytes, tenant: str) -> list[torch.Tensor]:
+        """A page file's rows; raises if it is not one of ours, or does not authenticate under the key
+        it names (a file without a key name, from before key rotation: under any key held)."""
+        metadata, tensors = _page_metadata(data), load_page(data)
+        if metadata.get("format") != FORMAT:
+            raise ValueError("not a sparsekv prefix page")
+        if self.cipher is None:
+            return [tensors[str(i)] for i in range(len(self.rows.layout))]
+        key = metadata.get("key")
+        if key is not None and key not in self._ciphers:
+            raise ValueError("sealed with a key this engine does not hold")
+        ciphers = [self._ciphers[key]] if key is not None else list(self._ciphers.values())[::-1]  # current first
+        for cipher in ciphers[:-1]:
+            try:
+                return cipher.open(metadata, tensors["sealed"], self.rows.layout, name, tenant)
+            except Exception:  # noqa: BLE001 - InvalidTag: another key may open it
+                pass
+        return ciphers[-1].open(metadata, tensors["sealed"], self.rows.layout, name, tenant)
+
+    def _rekey(self, name: bytes) -> None:
+        """Re-seal a file sealed with an old key under the current one, keeping its file time (its
+        place in the LRU order after a restart). On the writer thread; a file that no held key opens
+        is left as it is (a miss when looked up)."""
+        with self._lock:
+            if name not in self._files or name in self._pending:
+                return
+            tenant = self._files.tenant(name)
+        path = self._path(name)
+        try:
+            mtime_ns = os.stat(path).st_mtime_ns
+            with open(path, "rb") as f:
+                rows = self._decode(f.read(), name, tenant)
+            self._write_file(name, rows, tenant, "rekey", mtime_ns)
+        except Exception as e:  # noqa: BLE001 - unreadable or unwritable: left as it is
+            logger.warning("prefix cache disk tier: re-sealing %s failed (%s)", path, e)
+            return
+        with self._lock:
+            self.rekeyed += 1
 
     def prefetch(self, names: list[bytes]) -> bool:
         """Read these pages in the background, ahead of the admission that will load them, so the
@@ -382,7 +433,7 @@ class PrefixDiskStore:
         return {"prefix_disk_pages": self.num_pages, "prefix_disk_bytes": self.bytes_used,
                 "prefix_disk_budget_bytes": self.capacity_bytes, "prefix_disk_writes": self.saved,
                 "prefix_disk_reads": self.loaded, "prefix_disk_evictions": self.dropped,
-                "prefix_disk_failures": self.failed}
+                "prefix_disk_failures": self.failed, "prefix_disk_rekeyed": self.rekeyed}
 
     def check_integrity(self) -> None:
         with self._lock:
