@@ -449,6 +449,24 @@ def test_rotating_the_key_reseals_every_page_and_keeps_the_hits(ckpt, tmp_path):
         disk_engine(ckpt, disk_dir, prefix_cache_disk_old_key_files=[old])
 
 
+def test_files_from_before_key_names_are_tried_under_every_key_and_resealed(ckpt, tmp_path, monkeypatch):
+    """A file sealed before files named their key (no "key" in its metadata) under what is now the old
+    key: the rotating engine tries its keys, opens it with the old one and re-seals it."""
+    from sparsekv.cache.prefix_disk import PageCipher
+    old, new = _key(tmp_path, "a", b"a" * 40), _key(tmp_path, "b", b"b" * 40)
+    seal = PageCipher.seal
+    with monkeypatch.context() as m:
+        m.setattr(PageCipher, "seal", lambda self, *a: (lambda t, meta: (t, {"nonce": meta["nonce"]}))(*seal(self, *a)))
+        with disk_engine(ckpt, tmp_path / "disk", prefix_cache_disk_key_file=old) as llm:
+            llm.generate([BASE + [3]], GREEDY)
+    assert set(_key_ids(tmp_path / "disk")) == {None}
+    with disk_engine(ckpt, tmp_path / "disk", prefix_cache_disk_key_file=new,
+                     prefix_cache_disk_old_key_files=[old]) as llm:
+        disk = llm.engine.prefix.tiers["disk"]
+        disk.flush()
+        assert disk.stats()["prefix_disk_rekeyed"] == 5 and set(_key_ids(tmp_path / "disk")) == {disk.cipher.key_id}
+
+
 def test_an_old_key_still_serves_hits_before_its_files_are_resealed(ckpt, tmp_path, monkeypatch):
     """With re-sealing held back, a file under the old key is read with it: the hit is served."""
     from sparsekv.cache.prefix_disk import PrefixDiskStore
