@@ -15,7 +15,7 @@ from .detokenize import IncrementalDetokenizer, find_stop, stop_match
 from .model.checkpoint import load_model
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
 from .runner import ModelRunner
-from .sampling import (LogitAdjuster, filter_logits_rows, make_generator, sample_token, token_logprobs,
+from .sampling import (LogitAdjuster, draw_rows, filter_logits_rows, make_generator, sample_token, token_logprobs,
                        token_logprobs_rows)
 from .scheduler import Scheduler
 
@@ -325,9 +325,7 @@ class LLMEngine:
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if sampled:
             probs = filter_logits_rows(picked[sampled], [reqs[i].params for i in sampled]).softmax(-1)
-            draws = [torch.multinomial(probs[j], 1, generator=self._generators[reqs[i].request_id])
-                     for j, i in enumerate(sampled)]
-            tokens[sampled] = torch.cat(draws).to(tokens.device)
+            tokens[sampled] = draw_rows(probs, [self._generators[reqs[i].request_id] for i in sampled]).to(tokens.device)
         tokens = tokens.tolist()
         logprobs = token_logprobs_rows(picked, tokens, [r.params.logprobs for r in reqs])
         return {r.request_id: (t, None, lp) for r, t, lp in zip(reqs, tokens, logprobs)}

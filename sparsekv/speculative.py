@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from .context import ForwardContext, SeqSlice
 from .model.layers import rms_norm
 from .request import SamplingParams
-from .sampling import filter_logits
+from .sampling import draw, filter_logits
 
 
 @dataclass
@@ -42,7 +42,7 @@ def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     if params.greedy:
         return Draft(int(logits.argmax()), None)
     q = filter_logits(logits, params).softmax(-1)
-    return Draft(int(torch.multinomial(q, 1, generator=generator)), q)
+    return Draft(draw(q, generator), q)
 
 
 def verify_draft(target_logits: torch.Tensor, draft: Draft, params: SamplingParams,
@@ -58,7 +58,7 @@ def verify_draft(target_logits: torch.Tensor, draft: Draft, params: SamplingPara
     residual = (p - q).clamp(min=0)
     if float(residual.sum()) <= 0:  # p == q up to rounding: any token drawn from p is exact
         residual = p
-    return int(torch.multinomial(residual / residual.sum(), 1, generator=generator)), False
+    return draw(residual / residual.sum(), generator), False
 
 
 class MTPDrafter:

@@ -230,7 +230,27 @@ def test_bench_sampling_times_both_and_reports_agreement(tmp_path, capsys):
                  "--json", str(out)]) == 0
     peaked, flat = json.loads(out.read_text())["results"]
     assert peaked["nucleus"] < 64 and peaked["agree"] == 4 and flat["nucleus"] > 1024
-    assert flat["most_apart"] <= 3 and peaked["speedup"] > 0
+    assert flat["most_apart"] <= 3 and peaked["speedup"] > 0 and json.loads(out.read_text())["draws"]["speedup"] > 0
     assert "rows agreeing" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["sampling", "--rows", "0"])
+
+
+def test_draw_rows_matches_one_row_at_a_time_and_the_distribution():
+    """Each row drawn with its own generator gets the token it gets alone (a seeded request does not
+    depend on its batch); draws follow the distribution (zero-probability tokens never drawn); a pick
+    past the end moves to the row's last token of non-zero probability."""
+    from sparsekv.sampling import draw, draw_rows, inside_support, make_generator
+    g = torch.Generator().manual_seed(0)
+    probs = torch.randn(5, 50, generator=g).softmax(-1)
+    probs[:, 40:] = 0.0                                         # a filtered tail
+    batched = draw_rows(probs, [make_generator(s) for s in range(5)])
+    assert batched.tolist() == [draw(probs[i], make_generator(i)) for i in range(5)]
+    gens = [make_generator(100 + i) for i in range(4000)]
+    row = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    counts = torch.bincount(draw_rows(row.expand(4000, -1), gens), minlength=5).tolist()
+    assert counts[1] == counts[4] == 0
+    for token, p in ((0, 0.5), (2, 0.3), (3, 0.2)):             # within 4 standard deviations
+        assert abs(counts[token] / 4000 - p) < 4 * (p * (1 - p) / 4000) ** 0.5
+    over = inside_support(torch.tensor([5, 2]), torch.stack([row, row]))
+    assert over.tolist() == [3, 2]
