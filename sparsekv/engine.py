@@ -115,7 +115,7 @@ class LLMEngine:
 
     @staticmethod
     def _page_cipher(option: str, path: str, space: str):
-        from .cache.prefix_disk import PageCipher
+        from .cache.page_cipher import PageCipher
         try:
             with open(path, "rb") as f:
                 return PageCipher(f.read(), space)

@@ -452,7 +452,7 @@ def test_rotating_the_key_reseals_every_page_and_keeps_the_hits(ckpt, tmp_path):
 def test_files_from_before_key_names_are_tried_under_every_key_and_resealed(ckpt, tmp_path, monkeypatch):
     """A file sealed before files named their key (no "key" in its metadata) under what is now the old
     key: the rotating engine tries its keys, opens it with the old one and re-seals it."""
-    from sparsekv.cache.prefix_disk import PageCipher
+    from sparsekv.cache.page_cipher import PageCipher
     old, new = _key(tmp_path, "a", b"a" * 40), _key(tmp_path, "b", b"b" * 40)
     seal = PageCipher.seal
     with monkeypatch.context() as m:
