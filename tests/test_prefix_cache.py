@@ -411,16 +411,26 @@ def test_lookup_stops_at_a_pool_page_after_host_copies():
     assert hit == PrefixHit([], [cache._chains["b"][0]]) and cache._chains["b"][1] == second
 
 
-@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=8)], ids=["device", "tiered"])
-def test_random_traffic_with_aborts_keeps_every_pool_consistent(ckpt, options):
-    """Requests from three tenants over a few shared prefixes, a small pool with the host tier, random
-    aborts while prefilling and decoding: integrity after every step, every page back at the end,
-    and each finished request's tokens equal to running it alone without the cache."""
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=8),
+                                     dict(tenant_kv_share=0.5, prefix_cache_tenant_share=0.5,
+                                          prefix_cache_max_pages_per_tenant=2, disk=True)],
+                         ids=["device", "tiered", "tenant shares, disk tier"])
+def test_random_traffic_with_aborts_keeps_every_pool_consistent(ckpt, options, tmp_path):
+    """Requests from three tenants over a few shared prefixes, a small pool with the host tier (and a
+    disk tier, and tenant shares of the KV cache and of every prefix tier), random aborts while
+    prefilling and decoding: integrity after every step, every page back at the end, and each
+    finished request's tokens equal to running it alone without the cache."""
     import random
     rng = random.Random(0)
     heads = [[(5 * i + j) % 250 + 1 for i in range(40)] for j in range(3)]
-    engine = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 22, num_kv_pages=24,
-                  max_num_seqs=3, **options).engine
+    options = dict(options)
+    cache_options = {k: options.pop(k) for k in list(options) if k.startswith("prefix_cache")}
+    host_bytes = 1 << 22
+    if options.pop("disk", False):  # a host tier of 6 pages: the rest goes on to disk
+        cache_options.update(prefix_cache_disk_path=str(tmp_path), prefix_cache_disk_bytes=1 << 22)
+        host_bytes = 6 * make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 22).engine.prefix.tiers["host"].page_bytes
+    engine = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=host_bytes, num_kv_pages=24,
+                  max_num_seqs=3, **options, **cache_options).engine
     reference = make(ckpt, **options)
     prompts, finished, step = {}, {}, 0
     for i in range(18):
@@ -443,6 +453,8 @@ def test_random_traffic_with_aborts_keeps_every_pool_consistent(ckpt, options):
     assert len(finished) >= 8 and sum(o.num_cached_tokens for o in finished.values()) > 0
     stats = engine.stats()
     assert stats["prefix_cache_hits_device"] > 0 and stats["prefix_cache_hits_host"] > 0  # both tiers served
+    if "prefix_cache_disk_path" in cache_options:
+        assert stats["prefix_cache_hits_disk"] > 0  # all three tiers served
     for rid, out in finished.items():
         assert out.token_ids == reference.generate([prompts[rid]], GREEDY)[0].token_ids, rid
 

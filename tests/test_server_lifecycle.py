@@ -152,7 +152,7 @@ def test_one_tenants_burst_cannot_fill_the_queue_for_the_others(model):
         assert wait_until(lambda: srv.engine.stats()["waiting"] == 1, 10)
         refused = post("sk-a")
         assert refused.status_code == 503 and refused.headers["retry-after"]
-        assert "this tenant has 1 requests waiting" in refused.json()["error"]["message"]
+        assert "this tenant already has 1 requests waiting" in refused.json()["error"]["message"]
         served = post("sk-b")
         for t in threads:
             t.join(30)

@@ -227,7 +227,7 @@ class EngineLoop:
             raise QueueFull(f"the request queue is full ({self.max_queued_requests} requests waiting); retry later")
         if self.max_queued_per_tenant is not None and \
                 sum(r.tenant == tenant for r in waiting) + adding > self.max_queued_per_tenant:
-            raise QueueFull(f"this tenant has {self.max_queued_per_tenant} requests waiting, its most; retry later")
+            raise QueueFull(f"this tenant already has {self.max_queued_per_tenant} requests waiting, its bound; retry later")
 
     def _abort_group(self, group: RequestGroup, reason: str) -> None:
         n = sum(self._abort_one(rid) for rid in group.request_ids if rid in self._routes)
