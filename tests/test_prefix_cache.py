@@ -283,8 +283,12 @@ def test_server_reports_cached_tokens_per_tenant_and_hits_by_tier(tmp_path):
         assert hits["alice"] > 0 and hits["bob"] == 0
         queries = by_tenant["sparsekv:prefix_cache_tenant_queries_total"]
         assert queries["alice"] == 3 * queries["bob"] > 0
-        pages = {(s.labels["tenant"], s.labels["tier"]): s.value for s in scrape_samples(srv.url)
+        samples = scrape_samples(srv.url)
+        pages = {(s.labels["tenant"], s.labels["tier"]): s.value for s in samples
                  if s.name == "sparsekv:prefix_cache_tenant_cached_pages"}
+        first_tokens = {s.labels["tenant"]: s.value for s in samples  # latency by tenant, one per request
+                        if s.name == "sparsekv:tenant_time_to_first_token_seconds_count"}
+        assert first_tokens == {"alice": 3, "bob": 1}
         assert pages[("alice", "device")] == pages[("bob", "device")] == 1  # the quota; the rest went to host
         assert pages[("alice", "host")] > 0 and pages[("bob", "host")] > 0
         srv.engine.check_integrity()

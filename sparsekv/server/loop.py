@@ -208,7 +208,7 @@ class EngineLoop:
                 for i, (rid, sub) in enumerate(zip(group.request_ids, subs)):
                     req = self.engine.add_request(rid, sub.prompt, sub.params, tenant=tenant, cache_salt=cache_salt)
                     added.append(rid)
-                    self._routes[rid] = _Route(group, i, req, RequestTimer(group.arrival))
+                    self._routes[rid] = _Route(group, i, req, RequestTimer(group.arrival, tenant))
             except BaseException:
                 for rid in added:
                     self.engine.abort(rid)

@@ -59,6 +59,7 @@ class RequestTimer:
     """Monotonic times of one engine request, for its latency histograms."""
 
     arrival: float
+    tenant: str = "default"
     first_token: float | None = None
     last_token: float | None = None
 
@@ -79,6 +80,11 @@ class ServerMetrics:
         self.tpot = hist("request_time_per_output_token_seconds", "Decode time per output token, per request.")
         self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.")
         self.queue = hist("request_queue_time_seconds", "Time from arrival to the first scheduled step.")
+        # per tenant (the API keys' tenants, a bounded label set): what one tenant sees beside another
+        self.tenant_ttft = Histogram(P + "tenant_time_to_first_token_seconds", "Time from arrival to the first "
+                                     "token, by tenant.", label + ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tenant_itl = Histogram(P + "tenant_inter_token_latency_seconds", "Time between consecutive outputs "
+                                    "of a request, by tenant.", label + ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.success = Counter(P + "request_success", "Requests finished, by reason.",
                                label + ["finished_reason"], registry=r)
         self.rejected = Counter(P + "requests_rejected", "Requests refused before admission, by reason.",
@@ -92,10 +98,12 @@ class ServerMetrics:
         if t.first_token is None:
             t.first_token = now
             self.ttft.observe(now - t.arrival)
+            self.tenant_ttft.labels(self.model_name, t.tenant).observe(now - t.arrival)
             if scheduled is not None:
                 self.queue.observe(max(0.0, scheduled - t.arrival))
         else:
             self.itl.observe(now - t.last_token)
+            self.tenant_itl.labels(self.model_name, t.tenant).observe(now - t.last_token)
         t.last_token = now
         if out.finished:
             self.e2e.observe(now - t.arrival)
