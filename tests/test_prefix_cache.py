@@ -416,9 +416,10 @@ def test_lookup_stops_at_a_pool_page_after_host_copies():
 
 
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=8),
-                                     dict(tenant_kv_share=0.5, prefix_cache_tenant_share=0.5,
-                                          prefix_cache_max_pages_per_tenant=2, disk=True)],
-                         ids=["device", "tiered", "tenant shares, disk tier"])
+                                     dict(kv_tiering=True, device_buffer_tokens=8, tenant_kv_share=0.5,
+                                          prefix_cache_tenant_share=0.5, prefix_cache_max_pages_per_tenant=2,
+                                          disk=True)],
+                         ids=["device", "tiered", "tiered, tenant shares, disk tier"])
 def test_random_traffic_with_aborts_keeps_every_pool_consistent(ckpt, options, tmp_path):
     """Requests from three tenants over a few shared prefixes, a small pool with the host tier (and a
     disk tier, and tenant shares of the KV cache and of every prefix tier), random aborts while
