@@ -235,6 +235,11 @@ class EngineConfig:
     kv_page_size: int = 64
     prefill_chunk_tokens: int = 2048
     num_kv_pages: int | None = None
+    # Admission: "reserve" pages for prompt + max_tokens up front (an admitted request always runs to
+    # its end, nothing is ever recomputed), or "optimistic": reserve the known tokens' pages plus one,
+    # allocate as tokens come, and when the pages run out preempt the most recently admitted request
+    # (its computed pages stay in the prefix cache; it is recomputed from them later), as vLLM does.
+    kv_admission: str = "reserve"
     attention: str = "sparse"
     seed: int = 0
     tokenizer: str | None = None
@@ -323,6 +328,8 @@ class EngineConfig:
         if share is not None and (not 0 < share <= 1 or not self.enable_prefix_caching):
             raise ConfigError(f"prefix_cache_tenant_share must be in (0, 1] and needs enable_prefix_caching, "
                               f"got {share!r}")
+        if self.kv_admission not in ("reserve", "optimistic"):
+            raise ConfigError(f"kv_admission must be 'reserve' or 'optimistic', got {self.kv_admission!r}")
         if self.tenant_kv_share is not None and not 0 < self.tenant_kv_share <= 1:
             raise ConfigError(f"tenant_kv_share must be in (0, 1], got {self.tenant_kv_share!r}")
         ttl = self.prefix_cache_ttl_s

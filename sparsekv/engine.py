@@ -57,7 +57,9 @@ class LLMEngine:
         share = config.tenant_kv_share
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_tokens, self.prefix,
-                                   tenant_pages=None if share is None else int(share * self.allocator.num_pages))
+                                   tenant_pages=None if share is None else int(share * self.allocator.num_pages),
+                                   optimistic=config.kv_admission == "optimistic")
+        self.scheduler.on_preempt = self._preempted
         self.speculator = None
         if config.num_speculative_tokens:
             from .speculative import Speculator
@@ -72,7 +74,7 @@ class LLMEngine:
         self._grammar_compiler = None
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0}
 
     def _build_cache(self):
         config, cfg = self.config, self.model_config
@@ -450,6 +452,21 @@ class LLMEngine:
         self._grammars.pop(req.request_id, None)
         req.draft_token_ids.clear()
 
+    def _preempted(self, req: Request) -> None:
+        """What a preempted request lets go of besides its pages (scheduler.preempt): its full pages are
+        named for the prefix cache first, so its recomputation hits them; its sampling state, counters
+        and output stay."""
+        if self.prefix is not None:
+            self.prefix.register(req)  # the previous step's MTP pass, if any, has written these pages
+            self.prefix.forget_request(req.request_id)
+        if self.speculator is not None:
+            self.speculator.drop_drafts(req.request_id)
+        if self.tiered:
+            self.cache.release(req.request_id, keep_counters=True)
+        self.runner.forget(req.request_id)
+        req.prompt_logprobs.clear()  # recorded again as the prompt is recomputed
+        self.counters["preemptions"] += 1
+
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.text,
                              list(req.output_logprobs) if req.params.logprobs is not None else None,
@@ -466,6 +483,7 @@ class LLMEngine:
 
     def _kv_metrics(self, req: Request) -> dict:
         tokens = {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
+                  "num_preemptions": req.num_preemptions,
                   "prefix_cached_tokens_device":
                       req.num_cached_tokens - req.num_cached_tokens_host - req.num_cached_tokens_disk,
                   "prefix_cached_tokens_host": req.num_cached_tokens_host,
@@ -517,6 +535,6 @@ class LLMEngine:
         for selector in self.runner.selectors():
             selector.check_integrity(running)
         if self.tiered:
-            self.cache.check_integrity(running)
+            self.cache.check_integrity(running, live - running)
         if self.prefix is not None:
             self.prefix.check_integrity(live)

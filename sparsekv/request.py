@@ -175,6 +175,7 @@ class Request:
     num_cached_tokens_host: int = 0  # ... of which copied back from its host tier
     num_cached_tokens_disk: int = 0  # ... and from its disk tier
     status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0  # times its pages were taken back (kv_admission="optimistic") and it recomputed
     finish_reason: str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -6,9 +6,14 @@ Each step, in order:
   2. waiting requests are admitted first-come-first-served while `max_num_seqs`, the token budget
      `max_num_batched_tokens` and the page pool allow.
 
-Admission reserves pages for prompt + max_tokens up front, so an admitted request can always run to
-completion and no running request is ever preempted for memory (vLLM allocates lazily and preempts;
-we trade some capacity for never recomputing). With the prefix cache (cache/prefix.py) a request
+Admission (`kv_admission="reserve"`, the default) reserves pages for prompt + max_tokens up front, so
+an admitted request can always run to completion and no running request is ever preempted for memory:
+some capacity traded for never recomputing. `kv_admission="optimistic"` (vLLM's way) reserves the known
+tokens' pages plus one, allocates the rest as tokens come, and keeps 1 % of the pages free at
+admission; when a running request's next chunk finds no page, the most recently admitted requests not
+yet scheduled this step are preempted (then the request itself, if it is the newest): their pages are
+freed, their full pages staying in the prefix cache, and they go back to the front of the queue with
+their tokens, to be recomputed from what the cache kept. With the prefix cache (cache/prefix.py) a request
 is admitted onto the cached pages its prompt starts with: it shares them, reserves only the rest, and
 starts computing at the first uncached position.
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from .cache.pages import PageAllocator
 from .cache.prefix import PrefixCache
@@ -43,8 +49,12 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_tokens: int, prefix: PrefixCache | None = None, tenant_pages: int | None = None):
-        self.allocator, self.prefix, self.tenant_pages = allocator, prefix, tenant_pages
+                 prefill_chunk_tokens: int, prefix: PrefixCache | None = None, tenant_pages: int | None = None,
+                 optimistic: bool = False):
+        self.allocator, self.prefix, self.tenant_pages, self.optimistic = allocator, prefix, tenant_pages, optimistic
+        self.watermark = max(1, allocator.num_pages // 100) if optimistic else 0  # pages kept free at admission
+        self.on_preempt: Callable[[Request], None] = lambda req: None  # the engine's part of a preemption
+        self.num_preemptions = 0
         self.pages_by_tenant: dict[str, int] = {}  # pages reserved (prompt + max_tokens) by running requests
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -61,11 +71,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks = []
         # Decodes before prefills: a running decode never waits behind a long prompt.
-        for req in sorted(self.running, key=lambda r: r.is_prefilling):
+        order = sorted(self.running, key=lambda r: r.is_prefilling)
+        while order:
+            req = order.pop(0)
             n = min(req.num_uncomputed_tokens + len(req.draft_token_ids), self.prefill_chunk_tokens, budget)
             if n <= req.num_uncomputed_tokens:
                 req.draft_token_ids.clear()  # no room for the draft this step: a plain decode
-            if n > 0:
+            if n > 0 and self._room_for(req, n, order):
                 chunks.append(self._take(req, n))
                 budget -= n
         deferred = []  # requests waiting for a running request to compute their prefix, or for disk reads
@@ -100,20 +112,52 @@ class Scheduler:
         if hit is not None and (hit.wait or (hit.lower_names and not self.prefix.read_ahead(req, hit.lower_names))):
             return None  # a running request computes its next page, or its disk pages are being read
         shared = hit.pages if hit is not None else []
-        if not self.allocator.share_and_reserve(req.request_id, shared,
-                                                self.allocator.pages_for(req.max_total_tokens) - len(shared)):
+        tokens = min(req.num_tokens + 1, req.max_total_tokens) if self.optimistic else req.max_total_tokens
+        keep_free = self.watermark if self.running else 0
+        if not self.allocator.share_and_reserve(req.request_id, shared, self.allocator.pages_for(tokens) - len(shared),
+                                                keep_free):
             return False
         pages, tiers = self.prefix.restore(req, hit.lower_names) if hit is not None and hit.lower_names else ([], [])
         if hit is not None:
             self.prefix.admitted(req, len(shared), tiers)
         req.page_ids = shared + pages
-        req.num_computed_tokens = req.num_cached_tokens = (len(shared) + len(tiers)) * self.allocator.page_size
-        req.num_cached_tokens_host = tiers.count("host") * self.allocator.page_size
-        req.num_cached_tokens_disk = tiers.count("disk") * self.allocator.page_size
+        req.num_computed_tokens = (len(shared) + len(tiers)) * self.allocator.page_size
+        if not req.num_preemptions:  # the prompt's cached tokens, as first admitted (the usage reports them)
+            req.num_cached_tokens = req.num_computed_tokens
+            req.num_cached_tokens_host = tiers.count("host") * self.allocator.page_size
+            req.num_cached_tokens_disk = tiers.count("disk") * self.allocator.page_size
         if self.prefix is not None:
             self.prefix.claim(req)
         self.pages_by_tenant[req.tenant] = held + footprint
         return True
+
+    def _room_for(self, req: Request, n: int, later: list[Request]) -> bool:
+        """Pages for `req`'s next `n` tokens. With optimistic admission, while they are short, preempt the
+        requests after it in this step's order (the most recently admitted first), then `req` itself
+        (False: it does not run this step)."""
+        while self.optimistic and self._pages_short(req, n) > 0:
+            victim = later.pop() if later else req
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _pages_short(self, req: Request, n: int) -> int:
+        needed = self.allocator.pages_for(req.num_computed_tokens + n) - len(req.page_ids)
+        return needed - min(needed, self.allocator.reserved(req.request_id)) - self.allocator.num_available
+
+    def preempt(self, req: Request) -> None:
+        """Take a running request's pages back: it returns to the front of the queue with its tokens, to
+        be recomputed from what the prefix cache kept of them (its full pages stay cached)."""
+        self.on_preempt(req)
+        self.running.remove(req)
+        self._release_share(req)
+        self.allocator.free(req.request_id, req.page_ids[::-1])
+        req.page_ids, req.num_computed_tokens, req.status = [], 0, RequestStatus.WAITING
+        req.draft_token_ids.clear()
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
 
     def _take(self, req: Request, n: int) -> ScheduledChunk:
         needed = self.allocator.pages_for(req.num_computed_tokens + n) - len(req.page_ids)

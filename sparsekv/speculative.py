@@ -104,6 +104,10 @@ class Speculator:
             c[1] += accepted
         return token, accepted
 
+    def drop_drafts(self, request_id: str) -> None:
+        """A preempted request's drafts are never verified (its counts stay)."""
+        self.drafts.pop(request_id, None)
+
     def forget(self, request_id: str) -> dict:
         self.drafts.pop(request_id, None)
         drafted, accepted = self.counts.pop(request_id, (0, 0))

@@ -364,3 +364,61 @@ def test_a_tenant_kv_share_admits_other_tenants_past_a_flood_and_keeps_outputs(g
     _idle(shared)
     with pytest.raises(ConfigError, match="tenant_kv_share"):
         LLM(glm_ckpt[0], tenant_kv_share=0)
+
+
+def _run_counting_peak(llm, prompts, params) -> tuple[list, int]:
+    """Every request through the engine's step loop: outputs in order, and the most running at once."""
+    engine, outs, peak = llm.engine, {}, 0
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        peak = max(peak, llm.stats()["running"])
+        engine.check_integrity()
+    return [outs[f"r{i}"] for i in range(len(prompts))], peak
+
+
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16), dict(bundled=True)],
+                         ids=["device", "tiered", "bundled model, MTP drafts"])
+def test_optimistic_admission_preempts_and_recomputes_exactly(glm_ckpt, random_prompt, options):
+    """kv_admission="optimistic" on a pool that holds one of six requests at its full length (prompt +
+    max_tokens): more run at once, the newest are preempted as pages run out and recomputed later
+    (their pages hit in the prefix cache's host tier), and every output equals the reserving engine's:
+    greedy and seeded sampled tokens identical (sampled ones with MTP drafts excepted: see below),
+    logprobs within 1e-5, prompt logprobs recorded once. Counted in stats and in each output's metrics."""
+    from sparsekv.paths import default_model_path
+    options = dict(options)
+    bundled = options.pop("bundled", False)
+    path = default_model_path() if bundled else glm_ckpt[0]
+    vocab = 4096 if bundled else 256
+    if bundled:
+        options["num_speculative_tokens"] = 1
+    prompts = [random_prompt(40 + 3 * i, seed=50 + i, vocab=vocab) for i in range(6)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, prompt_logprobs=1, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)] * 2
+    common = dict(max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_num_batched_tokens=40,
+                  max_num_seqs=6, num_kv_pages=32, **options)
+    reserving = LLM(path, enable_prefix_caching=False, **common)
+    want, reserve_peak = _run_counting_peak(reserving, prompts, params)
+    llm = LLM(path, kv_admission="optimistic", prefix_cache_host_bytes=1 << 24, **common)
+    got, peak = _run_counting_peak(llm, prompts, params)
+    stats = llm.stats()
+    assert reserve_peak == 1 and peak > 1
+    assert stats["preemptions"] >= 3 and sum(o.metrics["num_preemptions"] for o in got) == stats["preemptions"]
+    assert any(o.metrics["num_preemptions"] and o.prompt_logprobs for o in got)  # one with prompt logprobs too
+    # recomputation starts from the pages the prefix cache kept: a preempted request's freed pages are
+    # the first an allocation evicts, so they come back from the host tier
+    assert stats["prefix_cache_hits_host"] > 0
+    for w, g, sp in zip(want, got, params):
+        # with MTP drafts a preempted sampled request's dropped drafts had drawn from its generator:
+        # it goes on with other draws (exact in distribution), as drafting itself changes the draws
+        assert w.token_ids == g.token_ids or (bundled and not sp.greedy and g.metrics["num_preemptions"])
+        if w.logprobs is not None:
+            assert max(abs(a[t] - b[t]) for a, b in zip(w.logprobs, g.logprobs) for t in a) <= 1e-5
+        if w.prompt_logprobs is not None:
+            assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(g.prompt_token_ids)
+            assert max(abs(a[t] - b[t]) for a, b in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:]) for t in a) <= 1e-5
+    _idle(llm)
+    with pytest.raises(ConfigError, match="kv_admission"):
+        LLM(path, kv_admission="lazy")

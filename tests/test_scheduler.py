@@ -99,3 +99,40 @@ def test_a_tenant_beyond_its_kv_share_waits_while_other_tenants_go_ahead():
     unbounded = heavy_then_light(None)
     assert [r.request_id for r in unbounded.running] == ["h0", "h1", "h2", "h3", "h4"]
     assert [r.request_id for r in unbounded.waiting] == ["l"]
+
+
+def test_optimistic_admission_preempts_the_newest_and_resumes_it_with_its_tokens():
+    """kv_admission="optimistic": two requests whose prompt + max_tokens (8 pages each) do not fit a
+    10-page pool together are both admitted (4 pages each: the known tokens and one more); when their
+    growth runs the pool dry the newer one is preempted (pages freed, tokens kept, back at the front of
+    the queue) and resumes, recomputing its prompt and output, once the older one is done."""
+    alloc = PageAllocator(10, 4)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=100, prefill_chunk_tokens=100, optimistic=True)
+    preempted = []
+    sched.on_preempt = preempted.append
+    a, b = make("a", 12, max_tokens=20), make("b", 12, max_tokens=20)
+    for req in (a, b):
+        sched.add(req)
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["a", "b"] and alloc.num_available == 2
+    while not preempted:
+        run_step(sched)
+        sched.check_integrity()
+        alloc.check_integrity()
+    assert preempted == [b] and sched.num_preemptions == 1 and b.num_preemptions == 1
+    assert [r.request_id for r in sched.waiting] == ["b"] and b.page_ids == [] and b.num_computed_tokens == 0
+    kept = list(b.output_token_ids)
+    assert kept and b.status is RequestStatus.WAITING
+    while a.num_output_tokens < 20:
+        run_step(sched)
+    sched.finish(a, RequestStatus.FINISHED, "length")
+    chunks = run_step(sched)
+    assert [(c.request.request_id, c.first_position, c.num_new_tokens) for c in chunks] == [("b", 0, 12 + len(kept))]
+    assert b.output_token_ids[:len(kept)] == kept and b.num_computed_tokens == b.num_tokens - 1
+    sched.check_integrity()
+    alloc.check_integrity()
+    reserve = Scheduler(PageAllocator(10, 4), max_num_seqs=4, max_num_batched_tokens=100, prefill_chunk_tokens=100)
+    for req in (make("a", 12, max_tokens=20), make("b", 12, max_tokens=20)):
+        reserve.add(req)
+    run_step(reserve)
+    assert [r.request_id for r in reserve.running] == ["a"]  # prompt + max_tokens: one at a time

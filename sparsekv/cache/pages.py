@@ -141,11 +141,12 @@ class PageAllocator:
         self._reserved[owner] = self._reserved.get(owner, 0) + num_pages
         return True
 
-    def share_and_reserve(self, owner: str, shared: list[int], num_pages: int) -> bool:
-        """Admit `owner` onto `shared` pages (a prefix hit) plus `num_pages` future ones, or do nothing
-        and return False: sharing a cached page takes it out of the allocatable pool."""
+    def share_and_reserve(self, owner: str, shared: list[int], num_pages: int, keep_free: int = 0) -> bool:
+        """Admit `owner` onto `shared` pages (a prefix hit) plus `num_pages` future ones, leaving at least
+        `keep_free` pages available, or do nothing and return False: sharing a cached page takes it out
+        of the allocatable pool."""
         leaving = sum(p in self._cached for p in shared)
-        if num_pages > self.num_available - leaving:
+        if num_pages + keep_free > self.num_available - leaving:
             return False
         for p in shared:
             if p in self._cached:
@@ -153,6 +154,10 @@ class PageAllocator:
             self._owners.setdefault(p, set()).add(owner)
         self._reserved[owner] = self._reserved.get(owner, 0) + num_pages
         return True
+
+    def reserved(self, owner: str) -> int:
+        """Pages promised to `owner` and not yet allocated."""
+        return self._reserved.get(owner, 0)
 
     def allocate(self, owner: str, n: int) -> list[int]:
         """Take n pages, drawing first on the owner's reservation; cached pages go last, oldest first."""

@@ -75,10 +75,11 @@ class PrefixCache:
         return chain[:num_pages]
 
     def lookup(self, req: Request) -> PrefixHit:
-        """The pages the prompt starts with (never its last token's page): the longest run of named
-        pool pages from page 0, then of pages saved in the lower tiers."""
+        """The pages the request's known tokens start with (its prompt; after a preemption, its output
+        too), never the last token's page: the longest run of named pool pages from page 0, then of
+        pages saved in the lower tiers."""
         hit = PrefixHit()
-        for name in self._names(req, (req.num_prompt_tokens - 1) // self.page_size):
+        for name in self._names(req, (req.num_tokens - 1) // self.page_size):
             page = self._page_of.get(name)
             if page is not None and hit.lower_names:
                 break  # a pool page after lower-tier copies (evicted out of chain order): computed instead
@@ -94,7 +95,7 @@ class PrefixCache:
     def claim(self, req: Request) -> None:
         """An admitted request's prompt pages that no page holds yet: being computed by it, so a
         request with the same prefix waits for them instead of computing them again."""
-        for name in self._names(req, (req.num_prompt_tokens - 1) // self.page_size):
+        for name in self._names(req, (req.num_tokens - 1) // self.page_size):
             if name not in self._page_of and name not in self._inflight:
                 self._inflight[name] = req.request_id
                 self._claims.setdefault(req.request_id, []).append(name)
@@ -123,12 +124,12 @@ class PrefixCache:
         return pages, restored
 
     def admitted(self, req: Request, pool_pages: int, restored: list[str]) -> None:
-        self.queried_tokens += req.num_prompt_tokens
+        self.queried_tokens += req.num_tokens
         self.hit_tokens["device"] += pool_pages * self.page_size
         for tier in restored:
             self.hit_tokens[tier] += self.page_size
         tenant = self.by_tenant.setdefault(req.tenant, {"queries": 0, "hits": 0})
-        tenant["queries"] += req.num_prompt_tokens
+        tenant["queries"] += req.num_tokens
         tenant["hits"] += (pool_pages + len(restored)) * self.page_size
 
     def register(self, req: Request) -> None:

@@ -158,14 +158,17 @@ class TieredKVPool:
             step.ws_rows, step.new_rows = self.link.index(ws_rows), self.link.index(new_rows)
         return step
 
-    def release(self, request_id: str) -> dict:
-        """Free the request's working set (its host rows go with its pages). Returns its counters."""
+    def release(self, request_id: str, keep_counters: bool = False) -> dict:
+        """Free the request's working set (its host rows go with its pages). Returns its counters, which
+        are forgotten unless `keep_counters` (a preempted request, to be resumed)."""
         ws = self._resident.pop(request_id, None)
         if ws is not None:
             self.buffers.free(request_id, [ws.buffer])
         self._step.decoding.pop(request_id, None)
         self._mtp_step.decoding.pop(request_id, None)
-        return self._counters.pop(request_id, TierCounters()).as_dict()
+        counters = self._counters.get(request_id, TierCounters()) if keep_counters else \
+            self._counters.pop(request_id, TierCounters())
+        return counters.as_dict()
 
     def request_counters(self, request_id: str) -> dict:
         return self._counters.get(request_id, TierCounters()).as_dict()
@@ -365,7 +368,9 @@ class TieredKVPool:
                 "host_kv_budget_bytes": self.host.capacity_bytes, "host_store": self.host.kind,
                 **self.totals.as_dict()}
 
-    def check_integrity(self, active: set[str] | None = None) -> None:
+    def check_integrity(self, active: set[str] | None = None, waiting: set[str] = frozenset()) -> None:
+        """`active`: the running requests (working sets and counters); `waiting`: queued ones, whose
+        counters a preemption keeps."""
         self.buffers.check_integrity()
         self.host.check_integrity()
         owned = [ws.buffer for ws in self._resident.values()]
@@ -375,7 +380,7 @@ class TieredKVPool:
             for lru in ws.lrus.values():
                 lru.check_integrity()
         if active is not None:
-            stale = (set(self._resident) | set(self._counters)) - set(active)
+            stale = (set(self._resident) - set(active)) | (set(self._counters) - set(active) - set(waiting))
             assert not stale, f"tier state kept for finished requests {sorted(stale)}"
 
 
