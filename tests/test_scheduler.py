@@ -136,3 +136,19 @@ def test_optimistic_admission_preempts_the_newest_and_resumes_it_with_its_tokens
         reserve.add(req)
     run_step(reserve)
     assert [r.request_id for r in reserve.running] == ["a"]  # prompt + max_tokens: one at a time
+
+
+def test_bench_admission_compares_both_admissions_on_the_same_requests(tmp_path, capsys):
+    """`sparsekv bench admission`: the optimistic engine runs more requests at once than the reserving
+    one on a pool that fits two at full length, and every greedy output is identical."""
+    import json
+
+    from sparsekv.tools.bench import main
+    out = tmp_path / "admission.json"
+    assert main(["admission", "--requests", "5", "--prompt-tokens", "64", "--max-tokens", "192", "--fit", "2",
+                 "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert result["identical"] and summary["optimistic"]["mean_running"] > summary["reserve"]["mean_running"]
+    assert summary["reserve"]["preemptions"] == 0
+    assert "greedy outputs identical: True" in capsys.readouterr().out

@@ -237,7 +237,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     sub = {"tiers": "bench_tiers", "spec": "bench_spec", "indexer": "bench_indexer", "serve": "bench_serve",
-           "prefix": "bench_prefix", "batch": "bench_batch", "sampling": "bench_sampling"}
+           "prefix": "bench_prefix", "batch": "bench_batch", "sampling": "bench_sampling",
+           "admission": "bench_admission"}
     if argv and argv[0] in sub:
         module = importlib.import_module(f".{sub[argv[0]]}", __package__)
         try:
