@@ -418,8 +418,10 @@ def test_lookup_stops_at_a_pool_page_after_host_copies():
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=8),
                                      dict(kv_tiering=True, device_buffer_tokens=8, tenant_kv_share=0.5,
                                           prefix_cache_tenant_share=0.5, prefix_cache_max_pages_per_tenant=2,
-                                          disk=True)],
-                         ids=["device", "tiered", "tiered, tenant shares, disk tier"])
+                                          disk=True),
+                                     dict(kv_tiering=True, device_buffer_tokens=8, kv_admission="optimistic",
+                                          num_kv_pages=10)],
+                         ids=["device", "tiered", "tiered, tenant shares, disk tier", "tiered, optimistic admission"])
 def test_random_traffic_with_aborts_keeps_every_pool_consistent(ckpt, options, tmp_path):
     """Requests from three tenants over a few shared prefixes, a small pool with the host tier (and a
     disk tier, and tenant shares of the KV cache and of every prefix tier), random aborts while
@@ -434,8 +436,8 @@ def test_random_traffic_with_aborts_keeps_every_pool_consistent(ckpt, options, t
     if options.pop("disk", False):  # a host tier of 6 pages: the rest goes on to disk
         cache_options.update(prefix_cache_disk_path=str(tmp_path), prefix_cache_disk_bytes=1 << 22)
         host_bytes = 6 * make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 22).engine.prefix.tiers["host"].page_bytes
-    engine = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=host_bytes, num_kv_pages=24,
-                  max_num_seqs=3, **options, **cache_options).engine
+    engine = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=host_bytes,
+                  max_num_seqs=3, **{"num_kv_pages": 24, **options}, **cache_options).engine
     reference = make(ckpt, **options)
     prompts, finished, step = {}, {}, 0
     for i in range(18):
@@ -460,6 +462,7 @@ def test_random_traffic_with_aborts_keeps_every_pool_consistent(ckpt, options, t
     assert stats["prefix_cache_hits_device"] > 0 and stats["prefix_cache_hits_host"] > 0  # both tiers served
     if "prefix_cache_disk_path" in cache_options:
         assert stats["prefix_cache_hits_disk"] > 0  # all three tiers served
+    assert (stats["preemptions"] > 0) == (options.get("kv_admission") == "optimistic")
     for rid, out in finished.items():
         assert out.token_ids == reference.generate([prompts[rid]], GREEDY)[0].token_ids, rid
 
