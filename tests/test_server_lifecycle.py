@@ -160,6 +160,21 @@ def test_one_tenants_burst_cannot_fill_the_queue_for_the_others(model):
     srv.engine.check_integrity()
 
 
+def test_chat_default_max_tokens_is_capped_only_when_admission_reserves(model):
+    """Reserving admission promises prompt + max_tokens, so the chat default is capped at pool tokens /
+    max_num_seqs; optimistic admission reserves as tokens come: the rest of the context, as vLLM."""
+    from sparsekv.config import EngineConfig
+    from sparsekv.engine import LLMEngine
+    from sparsekv.server.app import ServerSettings, create_app
+    caps = {}
+    for admission in ("reserve", "optimistic"):
+        engine = LLMEngine(EngineConfig(model=model, max_model_len=512, max_num_seqs=4, kv_page_size=16,
+                                        num_kv_pages=64, kv_admission=admission))
+        state = create_app(engine, ServerSettings(["tiny"])).state.server
+        caps[admission] = state.chat_default_cap, state.context_limit
+    assert caps == {"reserve": (256, 512), "optimistic": (512, 512)}
+
+
 def test_tier_figures_reach_response_and_metrics(model):
     with ThreadServer(model, kv_tiering=True) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1] * 40, "max_tokens": 30, "n": 2,

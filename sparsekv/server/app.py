@@ -55,7 +55,9 @@ class ServerState:
         self.context_limit = min(engine.max_model_len, pool_tokens)
         # The engine reserves pages for prompt + max_tokens at admission, so an unbounded default would let
         # one chat request hold the pool; cap it so a full batch of such requests still fits.
-        self.chat_default_cap = max(1, pool_tokens // engine.config.max_num_seqs)
+        # with optimistic admission a large max_tokens costs no reservation: vLLM's default, the rest of the context
+        self.chat_default_cap = (self.context_limit if engine.config.kv_admission == "optimistic"
+                                 else max(1, pool_tokens // engine.config.max_num_seqs))
         self.tokenizer = load_tokenizer(engine.config.tokenizer or engine.config.model)
         if settings.chat_template is not None:
             if self.tokenizer is None:
