@@ -378,9 +378,11 @@ def _run_counting_peak(llm, prompts, params) -> tuple[list, int]:
     return [outs[f"r{i}"] for i in range(len(prompts))], peak
 
 
-@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16), dict(bundled=True)],
-                         ids=["device", "tiered", "bundled model, MTP drafts"])
-def test_optimistic_admission_preempts_and_recomputes_exactly(glm_ckpt, random_prompt, options):
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16),
+                                     dict(kv_tiering=True, device_buffer_tokens=16, emulated_cuda=True),
+                                     dict(bundled=True)],
+                         ids=["device", "tiered", "tiered, emulated CUDA ordering", "bundled model, MTP drafts"])
+def test_optimistic_admission_preempts_and_recomputes_exactly(glm_ckpt, random_prompt, options, request):
     """kv_admission="optimistic" on a pool that holds one of six requests at its full length (prompt +
     max_tokens): more run at once, the newest are preempted as pages run out and recomputed later
     (their pages hit in the prefix cache's host tier), and every output equals the reserving engine's:
@@ -389,6 +391,7 @@ def test_optimistic_admission_preempts_and_recomputes_exactly(glm_ckpt, random_p
     from sparsekv.paths import default_model_path
     options = dict(options)
     bundled = options.pop("bundled", False)
+    landed = request.getfixturevalue("emulated_cuda") if options.pop("emulated_cuda", False) else None
     path = default_model_path() if bundled else glm_ckpt[0]
     vocab = 4096 if bundled else 256
     if bundled:
@@ -405,6 +408,7 @@ def test_optimistic_admission_preempts_and_recomputes_exactly(glm_ckpt, random_p
     got, peak = _run_counting_peak(llm, prompts, params)
     stats = llm.stats()
     assert reserve_peak == 1 and peak > 1
+    assert landed is None or (landed["backups"] > 0 and landed["fetches"] > 0)
     assert stats["preemptions"] >= 3 and sum(o.metrics["num_preemptions"] for o in got) == stats["preemptions"]
     assert any(o.metrics["num_preemptions"] and o.prompt_logprobs for o in got)  # one with prompt logprobs too
     # recomputation starts from the pages the prefix cache kept: a preempted request's freed pages are
