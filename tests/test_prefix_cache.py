@@ -480,6 +480,20 @@ def test_prefix_cache_with_tiering_and_host_tier_is_exact_on_cuda(ckpt):
     assert_idle(llm)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py --tiers runs it)")
+def test_optimistic_admission_with_tiering_is_exact_on_cuda(ckpt):
+    """Preemption on the device: requests on a 12-page pool (one preemption on a CPU), admitted optimistically
+    on the tiered cache with a host tier, preempted and recomputed; tokens equal to one at a time."""
+    options = dict(device="cuda", kv_tiering=True, device_buffer_tokens=8, max_num_seqs=4, num_kv_pages=12)
+    want = [make(ckpt, **options).generate([p], GREEDY)[0] for p in PROMPTS]
+    llm = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 24, kv_admission="optimistic", **options)
+    got = llm.generate(PROMPTS, GREEDY)
+    assert [a.token_ids for a in want] == [b.token_ids for b in got]
+    assert_close(want, got, bitwise=False)
+    assert llm.stats()["preemptions"] > 0
+    assert_idle(llm)
+
+
 def test_a_request_waits_for_a_running_request_computing_its_prefix(ckpt):
     """Two requests with one long prefix arrive together: the second waits while the first computes the
     shared pages, then hits them (instead of computing them twice); an unrelated request behind it goes
