@@ -8,9 +8,12 @@ mode: the quiet tenant's prompt tokens served by the cache (median after its fir
 time to first token against no cache in the same run, and whether its greedy tokens are identical.
 
 `kv`: the noisy tenant submits `--noisy` long requests (1,024-token prompts, 256 tokens each) at once,
-as many as fill the KV pool; the quiet tenant's short request arrives just after. Printed with and
-without `tenant_kv_share=0.5`: the quiet request's time to first token, the time until every request
-is done, and whether every output is the same.
+twice as many as the KV pool holds; the quiet tenant's short request arrives once the pool is full
+(at once when admission reserves prompt + max_tokens; with optimistic admission, once the running
+requests have grown into it). Printed for reserving admission without a share and with
+`tenant_kv_share=0.5` (a cap), and for optimistic admission (a prefix host tier) without and with it
+(a guarantee: preemption): the quiet request's time to first token from its arrival, the time until
+every request is done, preemptions, and whether every output is the same.
 
   python scripts/noisy_neighbour.py [--model CKPT] [--noisy 4] [--rounds 4] [--host-prefixes 2]
   python scripts/noisy_neighbour.py --scenario kv [--noisy 8]
@@ -56,17 +59,23 @@ def modes(path: str, host_prefixes: float) -> dict:
     return out
 
 
-def kv_flood(path: str, share: float | None, noisy: int) -> dict:
-    """The noisy tenant's long requests fill the pool; the quiet one's short request comes next."""
+def kv_flood(path: str, share: float | None, noisy: int, admission: str = "reserve") -> dict:
+    """The noisy tenant's long requests fill the pool; the quiet one's short request comes once it is full
+    (at once with reserving admission; once the running requests have grown into it with optimistic)."""
     pages = noisy // 2 * (1024 + 256) // PAGE  # room for half the flood at once
     llm = LLM(path, max_model_len=1024 + 256, max_num_seqs=noisy + 1, max_num_batched_tokens=2048,
-              num_kv_pages=pages, enable_prefix_caching=False, tenant_kv_share=share)
+              num_kv_pages=pages, enable_prefix_caching=admission == "optimistic", tenant_kv_share=share,
+              kv_admission=admission, prefix_cache_host_bytes=1 << 30 if admission == "optimistic" else None)
     engine, g = llm.engine, torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
     for i in range(noisy):
         engine.add_request(f"noisy-{i}", torch.randint(1, vocab, (1024,), generator=g).tolist(), params, tenant="noisy")
-    t0, ttft, outs = time.perf_counter(), None, {}
+    start, outs = time.perf_counter(), {}
+    quiet_pages = engine.allocator.pages_for(128 + 16) + 1
+    while engine.allocator.num_available >= quiet_pages and engine.has_unfinished_requests():
+        outs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    t0, ttft = time.perf_counter(), None
     engine.add_request("quiet", torch.randint(1, vocab, (128,), generator=g).tolist(),
                        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), tenant="quiet")
     while engine.has_unfinished_requests():
@@ -75,18 +84,22 @@ def kv_flood(path: str, share: float | None, noisy: int) -> dict:
                 ttft = time.perf_counter() - t0
             if out.finished:
                 outs[out.request_id] = out.token_ids
+    preemptions = llm.stats()["preemptions"]
     llm.close()
-    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "outputs": outs}
+    return {"ttft_s": ttft, "total_s": time.perf_counter() - start, "outputs": outs, "preemptions": preemptions}
 
 
 def kv_scenario(args) -> None:
     path = args.model or default_model_path()
-    runs = {"no share": kv_flood(path, None, args.noisy), "tenant_kv_share 0.5": kv_flood(path, 0.5, args.noisy)}
-    same = runs["no share"]["outputs"] == runs["tenant_kv_share 0.5"]["outputs"]
+    runs = {"no share": kv_flood(path, None, args.noisy), "tenant_kv_share 0.5": kv_flood(path, 0.5, args.noisy),
+            "optimistic, no share": kv_flood(path, None, args.noisy, "optimistic"),
+            "optimistic, share 0.5": kv_flood(path, 0.5, args.noisy, "optimistic")}
+    same = all(r["outputs"] == runs["no share"]["outputs"] for r in runs.values())
     print(f"{args.noisy} noisy requests (1024 + 256 tokens) filling a pool that holds half of them, then one quiet "
           f"request (128 + 16); outputs identical: {same}")
     for name, r in runs.items():
-        print(f"  {name:22s} quiet TTFT {1000 * r['ttft_s']:8.1f} ms   all done {r['total_s']:6.2f} s")
+        print(f"  {name:22s} quiet TTFT {1000 * r['ttft_s']:8.1f} ms   all done {r['total_s']:6.2f} s"
+              f"   preemptions {r['preemptions']}")
 
 
 def main() -> None:

@@ -24,8 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reserve: pages for prompt + max_tokens at admission, never preempt (default); optimistic: "
                         "pages as tokens come, preempting (and later recomputing) the newest request when they run out")
     g.add_argument("--tenant-kv-share", type=float, default=None, metavar="F",
-                   help="a tenant's running requests reserve at most this fraction (0-1] of the KV cache; its "
-                        "others wait while other tenants' are admitted (default: no bound)")
+                   help="a tenant's share (0-1] of the KV cache: a cap with reserving admission (its other requests "
+                        "wait), a guarantee with --kv-admission optimistic (those over theirs are preempted for a "
+                        "tenant within it) (default: none)")
     g.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
                    help="dense turns top-k selection off (baseline for measuring the mechanism)")
     g.add_argument("--seed", type=int, default=0)

@@ -285,8 +285,10 @@ class EngineConfig:
     # A tenant holds at most this fraction of each prefix-cache tier: the pool's pages, the host tier's
     # and the disk tier's budgets (None: no bound beyond prefix_cache_max_pages_per_tenant's).
     prefix_cache_tenant_share: float | None = None
-    # A tenant's running requests together reserve at most this fraction of the KV cache's pages
-    # (prompt + max_tokens each); its other requests wait while other tenants' are admitted (None: no bound).
+    # A tenant's share of the KV cache's pages (None: none). With reserving admission a cap: its running
+    # requests together reserve at most this fraction (prompt + max_tokens each), its other requests wait
+    # while other tenants' are admitted. With optimistic admission a guarantee: it may hold more while no
+    # one needs the pages; a tenant within its share that waits for pages preempts those over theirs.
     tenant_kv_share: float | None = None
 
     def validate(self) -> None:

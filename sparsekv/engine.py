@@ -193,7 +193,7 @@ class LLMEngine:
             raise InvalidRequest(f"request needs {pages} KV pages for {len(token_ids)} + {params.max_tokens} tokens "
                                  f"(prompt + max_tokens); {where}", "max_tokens")
         share = self.scheduler.tenant_pages
-        if share is not None and pages > share:
+        if share is not None and pages > share and not self.scheduler.optimistic:  # optimistic: a guarantee, not a cap
             raise InvalidRequest(f"request needs {pages} KV pages for {len(token_ids)} + {params.max_tokens} tokens "
                                  f"(prompt + max_tokens); a tenant may hold {share} of the {self.allocator.num_pages} "
                                  f"(tenant_kv_share {self.config.tenant_kv_share})", "max_tokens")

@@ -17,9 +17,13 @@ their tokens, to be recomputed from what the cache kept. With the prefix cache (
 is admitted onto the cached pages its prompt starts with: it shares them, reserves only the rest, and
 starts computing at the first uncached position.
 
-With `tenant_pages` (the engine's `tenant_kv_share`), a tenant's running requests together reserve at
-most that many pages: a request that would take its tenant past it waits while the requests behind it,
-other tenants', go ahead, so one tenant's long contexts cannot hold the whole cache.
+With `tenant_pages` (the engine's `tenant_kv_share`) and reserving admission, a tenant's running
+requests together reserve at most that many pages: a request that would take its tenant past it waits
+while the requests behind it, other tenants', go ahead, so one tenant's long contexts cannot hold the
+whole cache. With optimistic admission the share is a guarantee instead of a cap: a tenant may hold
+more while no one else needs the pages, and when a request of a tenant within its share waits for
+pages, the newest requests of tenants over theirs are preempted for it (queued behind it), and their
+tenants' other requests wait for it.
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ class Scheduler:
         self.watermark = max(1, allocator.num_pages // 100) if optimistic else 0  # pages kept free at admission
         self.on_preempt: Callable[[Request], None] = lambda req: None  # the engine's part of a preemption
         self.num_preemptions = 0
+        self._entitled: Request | None = None  # this step's waiting request taking pages back (optimistic shares)
         self.pages_by_tenant: dict[str, int] = {}  # pages reserved (prompt + max_tokens) by running requests
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -70,6 +75,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks = []
+        self._entitled = self._reclaim() if self.optimistic and self.tenant_pages is not None else None
         # Decodes before prefills: a running decode never waits behind a long prompt.
         order = sorted(self.running, key=lambda r: r.is_prefilling)
         while order:
@@ -92,6 +98,8 @@ class Scheduler:
                 break
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req is self._entitled:
+                self._entitled = None  # admitted: the others are served first come, first served again
             n = min(req.num_uncomputed_tokens, self.prefill_chunk_tokens, budget)
             chunks.append(self._take(req, n))
             budget -= n
@@ -105,8 +113,11 @@ class Scheduler:
         tier are being read ahead, so it waits (the requests behind it go ahead)."""
         footprint = self.allocator.pages_for(req.max_total_tokens)
         held = self.pages_by_tenant.get(req.tenant, 0)
-        if self.tenant_pages is not None and held + footprint > self.tenant_pages:
+        if self.tenant_pages is not None and not self.optimistic and held + footprint > self.tenant_pages:
             return None
+        entitled = self._entitled
+        if entitled is not None and req.tenant != entitled.tenant and not self._within_share(req):
+            return None  # a tenant within its share waits for pages: those over theirs wait for it
         # prompt_logprobs need every prompt row computed: no hits for them (as in vLLM)
         hit = self.prefix.lookup(req) if self.prefix is not None and req.params.prompt_logprobs is None else None
         if hit is not None and (hit.wait or (hit.lower_names and not self.prefix.read_ahead(req, hit.lower_names))):
@@ -146,9 +157,39 @@ class Scheduler:
         needed = self.allocator.pages_for(req.num_computed_tokens + n) - len(req.page_ids)
         return needed - min(needed, self.allocator.reserved(req.request_id)) - self.allocator.num_available
 
-    def preempt(self, req: Request) -> None:
-        """Take a running request's pages back: it returns to the front of the queue with its tokens, to
-        be recomputed from what the prefix cache kept of them (its full pages stay cached)."""
+    def _held_pages(self) -> dict[str, int]:
+        """Pages each tenant's running requests hold or have reserved (optimistic admission's accounting)."""
+        held: dict[str, int] = {}
+        for r in self.running:
+            held[r.tenant] = held.get(r.tenant, 0) + len(r.page_ids) + self.allocator.reserved(r.request_id)
+        return held
+
+    def _admission_pages(self, req: Request) -> int:
+        return self.allocator.pages_for(min(req.num_tokens + 1, req.max_total_tokens))
+
+    def _within_share(self, req: Request) -> bool:
+        return self._held_pages().get(req.tenant, 0) + self._admission_pages(req) <= self.tenant_pages
+
+    def _reclaim(self) -> Request | None:
+        """Optimistic admission with tenant shares: the first waiting request whose tenant stays within its
+        share by admitting it. If it finds no room, the newest running requests of tenants over their
+        share are preempted (queued right behind it) until it does, or none is left. Returns it."""
+        entitled = next((r for r in self.waiting if self._within_share(r)), None)
+        if entitled is None:
+            return None
+        keep_free = self.watermark if self.running else 0
+        while self._admission_pages(entitled) + keep_free > self.allocator.num_available:
+            held = self._held_pages()
+            victim = next((r for r in reversed(self.running) if held[r.tenant] > self.tenant_pages), None)
+            if victim is None:
+                break
+            self.preempt(victim, behind=entitled)
+        return entitled
+
+    def preempt(self, req: Request, behind: Request | None = None) -> None:
+        """Take a running request's pages back: it returns to the front of the queue (or right behind
+        `behind`) with its tokens, to be recomputed from what the prefix cache kept of them (its full
+        pages stay cached)."""
         self.on_preempt(req)
         self.running.remove(req)
         self._release_share(req)
@@ -157,7 +198,10 @@ class Scheduler:
         req.draft_token_ids.clear()
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if behind is None:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.insert(self.waiting.index(behind) + 1, req)
 
     def _take(self, req: Request, n: int) -> ScheduledChunk:
         needed = self.allocator.pages_for(req.num_computed_tokens + n) - len(req.page_ids)
@@ -188,13 +232,14 @@ class Scheduler:
             del self.pages_by_tenant[req.tenant]
 
     def tenant_stats(self) -> dict[str, dict[str, int]]:
-        """Per tenant: running and waiting requests, and the KV pages its running requests reserve."""
+        """Per tenant: running and waiting requests, and the KV pages its running requests reserve (prompt +
+        max_tokens; with optimistic admission, the pages they hold or have reserved)."""
         out: dict[str, dict[str, int]] = {}
         for state, reqs in (("running", self.running), ("waiting", self.waiting)):
             for req in reqs:
                 figures = out.setdefault(req.tenant, {"running": 0, "waiting": 0, "kv_pages": 0})
                 figures[state] += 1
-        for tenant, pages in self.pages_by_tenant.items():
+        for tenant, pages in (self._held_pages() if self.optimistic else self.pages_by_tenant).items():
             out[tenant]["kv_pages"] = pages
         return out
 
@@ -203,7 +248,7 @@ class Scheduler:
         for req in self.running:
             held[req.tenant] = held.get(req.tenant, 0) + self.allocator.pages_for(req.max_total_tokens)
         assert held == self.pages_by_tenant, "the pages reserved per tenant disagree with the running requests"
-        assert self.tenant_pages is None or all(n <= self.tenant_pages for n in held.values()), \
+        assert self.tenant_pages is None or self.optimistic or all(n <= self.tenant_pages for n in held.values()), \
             "a tenant holds more than its share of the KV cache"
 
     def find(self, request_id: str) -> Request | None:

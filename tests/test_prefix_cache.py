@@ -420,8 +420,9 @@ def test_lookup_stops_at_a_pool_page_after_host_copies():
                                           prefix_cache_tenant_share=0.5, prefix_cache_max_pages_per_tenant=2,
                                           disk=True),
                                      dict(kv_tiering=True, device_buffer_tokens=8, kv_admission="optimistic",
-                                          num_kv_pages=10)],
-                         ids=["device", "tiered", "tiered, tenant shares, disk tier", "tiered, optimistic admission"])
+                                          num_kv_pages=10, tenant_kv_share=0.5)],
+                         ids=["device", "tiered", "tiered, tenant shares, disk tier",
+                              "tiered, optimistic admission, guaranteed shares"])
 def test_random_traffic_with_aborts_keeps_every_pool_consistent(ckpt, options, tmp_path):
     """Requests from three tenants over a few shared prefixes, a small pool with the host tier (and a
     disk tier, and tenant shares of the KV cache and of every prefix tier), random aborts while

@@ -152,3 +152,27 @@ def test_bench_admission_compares_both_admissions_on_the_same_requests(tmp_path,
     assert result["identical"] and summary["optimistic"]["mean_running"] > summary["reserve"]["mean_running"]
     assert summary["reserve"]["preemptions"] == 0
     assert "greedy outputs identical: True" in capsys.readouterr().out
+
+
+def test_with_optimistic_admission_a_tenant_share_is_a_guarantee_not_a_cap():
+    """Optimistic admission, tenant_pages 10 of 20: the heavy tenant alone takes the whole pool (no one
+    else needs it); when the light tenant's request comes, the heavy tenant's newest request is
+    preempted for it (queued right behind it) and it runs at once. Reserving admission would cap the
+    heavy tenant at 10 pages whether or not anyone else waits."""
+    alloc = PageAllocator(20, 4)
+    sched = Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=200, prefill_chunk_tokens=200, tenant_pages=10,
+                      optimistic=True)
+    heavy = [Request(f"h{i}", list(range(16)), SamplingParams(max_tokens=8), tenant="heavy") for i in range(4)]
+    for req in heavy:
+        sched.add(req)
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["h0", "h1", "h2"]  # 5 pages each, 1 kept free: over its share
+    assert sched.tenant_stats()["heavy"] == {"running": 3, "waiting": 1, "kv_pages": 15}
+    light = Request("l", list(range(16)), SamplingParams(max_tokens=8), tenant="light")
+    sched.add(light)
+    run_step(sched)
+    assert light in sched.running and heavy[2].num_preemptions == 1
+    assert [r.request_id for r in sched.waiting] == ["h3", "h2"]  # h3 was first in line; h2 behind the light one
+    sched.check_integrity()
+    alloc.check_integrity()
+    assert sched.tenant_stats()["light"]["kv_pages"] == 5
