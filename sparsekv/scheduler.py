@@ -86,7 +86,7 @@ class Scheduler:
             if n > 0 and self._room_for(req, n, order):
                 chunks.append(self._take(req, n))
                 budget -= n
-        deferred = []  # requests waiting for a running request to compute their prefix, or for disk reads
+        deferred = []  # requests waiting for a prefix page being computed, disk reads, or another tenant
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
             admitted = self._admit(req)
@@ -107,10 +107,11 @@ class Scheduler:
         return chunks
 
     def _admit(self, req: Request) -> bool | None:
-        """Reserve pages for prompt + max_tokens, less the prompt's cached pages, which it shares.
-        False: no room (it waits, and so does everyone behind it); None: its tenant holds its share of
-        the pages, or a running request is computing this prompt's next page, or its pages on the disk
-        tier are being read ahead, so it waits (the requests behind it go ahead)."""
+        """Reserve pages for prompt + max_tokens (optimistic: the known tokens and one more), less the
+        prompt's cached pages, which it shares. False: no room (it waits, and so does everyone behind
+        it); None: its tenant holds its share of the pages (or is over it while a tenant within its
+        share waits), or a running request is computing this prompt's next page, or its pages on the
+        disk tier are being read ahead, so it waits (the requests behind it go ahead)."""
         footprint = self.allocator.pages_for(req.max_total_tokens)
         held = self.pages_by_tenant.get(req.tenant, 0)
         if self.tenant_pages is not None and not self.optimistic and held + footprint > self.tenant_pages:
