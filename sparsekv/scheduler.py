@@ -60,6 +60,7 @@ class Scheduler:
         self.on_preempt: Callable[[Request], None] = lambda req: None  # the engine's part of a preemption
         self.num_preemptions = 0
         self._entitled: Request | None = None  # this step's waiting request taking pages back (optimistic shares)
+        self._held: dict[str, int] = {}  # pages per tenant when this step's reclaim ran
         self.pages_by_tenant: dict[str, int] = {}  # pages reserved (prompt + max_tokens) by running requests
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -117,7 +118,7 @@ class Scheduler:
         if self.tenant_pages is not None and not self.optimistic and held + footprint > self.tenant_pages:
             return None
         entitled = self._entitled
-        if entitled is not None and req.tenant != entitled.tenant and not self._within_share(req):
+        if entitled is not None and req.tenant != entitled.tenant and not self._within_share(req, self._held):
             return None  # a tenant within its share waits for pages: those over theirs wait for it
         # prompt_logprobs need every prompt row computed: no hits for them (as in vLLM)
         hit = self.prefix.lookup(req) if self.prefix is not None and req.params.prompt_logprobs is None else None
@@ -168,14 +169,15 @@ class Scheduler:
     def _admission_pages(self, req: Request) -> int:
         return self.allocator.pages_for(min(req.num_tokens + 1, req.max_total_tokens))
 
-    def _within_share(self, req: Request) -> bool:
-        return self._held_pages().get(req.tenant, 0) + self._admission_pages(req) <= self.tenant_pages
+    def _within_share(self, req: Request, held: dict[str, int]) -> bool:
+        return held.get(req.tenant, 0) + self._admission_pages(req) <= self.tenant_pages
 
     def _reclaim(self) -> Request | None:
         """Optimistic admission with tenant shares: the first waiting request whose tenant stays within its
         share by admitting it. If it finds no room, the newest running requests of tenants over their
         share are preempted (queued right behind it) until it does, or none is left. Returns it."""
-        entitled = next((r for r in self.waiting if self._within_share(r)), None)
+        self._held = self._held_pages()  # this step's snapshot: O(running + waiting), not their product
+        entitled = next((r for r in self.waiting if self._within_share(r, self._held)), None)
         if entitled is None:
             return None
         keep_free = self.watermark if self.running else 0
@@ -185,6 +187,7 @@ class Scheduler:
             if victim is None:
                 break
             self.preempt(victim, behind=entitled)
+        self._held = self._held_pages()
         return entitled
 
     def preempt(self, req: Request, behind: Request | None = None) -> None:
