@@ -74,7 +74,7 @@ class LLMEngine:
         self._grammar_compiler = None
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0}
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
     def _build_cache(self):
         config, cfg = self.config, self.model_config
@@ -437,16 +437,11 @@ class LLMEngine:
         self._final_metrics[req.request_id] = self.request_metrics(req)
         if self.speculator is not None:
             self.speculator.forget(req.request_id)
-        if self.prefix is not None:
-            # Its last full pages: with drafting, only if aborted between steps (a step that finishes a
-            # request skips its MTP pass, so those positions have no MTP entries).
-            if self.speculator is None or status is RequestStatus.ABORTED:
-                self.prefix.register(req)
-            self.prefix.forget_request(req.request_id)
-        if self.tiered:
-            self.cache.release(req.request_id)
+        # Its last full pages: with drafting, only if aborted between steps (a step that finishes a
+        # request skips its MTP pass, so those positions have no MTP entries).
+        self._let_go_of_cache(req, name_pages=self.speculator is None or status is RequestStatus.ABORTED,
+                              keep_counters=False)
         self.scheduler.finish(req, status, reason)
-        self.runner.forget(req.request_id)
         self._generators.pop(req.request_id, None)
         self._adjusters.pop(req.request_id, None)
         self._grammars.pop(req.request_id, None)
@@ -456,16 +451,23 @@ class LLMEngine:
         """What a preempted request lets go of besides its pages (scheduler.preempt): its full pages are
         named for the prefix cache first, so its recomputation hits them; its sampling state, counters
         and output stay."""
-        if self.prefix is not None:
-            self.prefix.register(req)  # the previous step's MTP pass, if any, has written these pages
-            self.prefix.forget_request(req.request_id)
         if self.speculator is not None:
             self.speculator.drop_drafts(req.request_id)
-        if self.tiered:
-            self.cache.release(req.request_id, keep_counters=True)
-        self.runner.forget(req.request_id)
+        # the previous step's MTP pass, if any, has written its pages: they can be named
+        self._let_go_of_cache(req, name_pages=True, keep_counters=True)
         req.prompt_logprobs.clear()  # recorded again as the prompt is recomputed
-        self.counters["preemptions"] += 1
+
+    def _let_go_of_cache(self, req: Request, name_pages: bool, keep_counters: bool) -> None:
+        """A request leaving the running set (finished, aborted or preempted): its full pages named for the
+        prefix cache (`name_pages`) before they are freed, its prefix chain, tier working set (its tier
+        counters too unless `keep_counters`) and per-request runner and selector state let go."""
+        if self.prefix is not None:
+            if name_pages:
+                self.prefix.register(req)
+            self.prefix.forget_request(req.request_id)
+        if self.tiered:
+            self.cache.release(req.request_id, keep_counters=keep_counters)
+        self.runner.forget(req.request_id)
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.text,
@@ -500,7 +502,8 @@ class LLMEngine:
         spec = self.speculator.stats() if self.speculator is not None else {}
         prefix = self.prefix.stats() if self.prefix is not None else {}
         return {**self._kv_stats(), "indexer_scratch_bytes": self.model.index_scratch.nbytes,
-                "kv_by_tenant": self.scheduler.tenant_stats(), **prefix, **spec}
+                "preemptions": self.scheduler.num_preemptions, "kv_by_tenant": self.scheduler.tenant_stats(),
+                **prefix, **spec}
 
     def _kv_stats(self) -> dict:
         used_tokens = (self.allocator.num_pages - self.allocator.num_free) * self.page_size
