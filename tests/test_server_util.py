@@ -74,7 +74,8 @@ class ThreadServer:
     """`create_app` + DrainingServer run by uvicorn in a background thread (no signals there)."""
 
     def __init__(self, model: str, api_keys: list[str] = (), max_queued: int | None = None,
-                 shutdown_timeout: float = 5.0, max_queued_per_tenant: int | None = None, **engine_options):
+                 shutdown_timeout: float = 5.0, max_queued_per_tenant: int | None = None,
+                 reasoning_parser: str | None = None, **engine_options):
         from sparsekv.config import EngineConfig
         from sparsekv.engine import LLMEngine
         from sparsekv.server.app import ServerSettings, create_app
@@ -83,7 +84,8 @@ class ThreadServer:
         self.engine = LLMEngine(EngineConfig(model=model, **opts))
         self.delay = slow_steps(self.engine)
         self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), max_queued,
-                                                          max_queued_per_tenant=max_queued_per_tenant))
+                                                          max_queued_per_tenant=max_queued_per_tenant,
+                                                          reasoning_parser=reasoning_parser))
         self.state = self.app.state.server
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

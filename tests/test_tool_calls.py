@@ -188,7 +188,7 @@ def test_chat_template_flag_replaces_the_tokenizers(tmp_path, capsys):
     _, state = build_app(build_parser().parse_args(["--chat-template", str(template), "--max-model-len", "256"]))
     body = ChatCompletionRequest(model="x", messages=[{"role": "user", "content": "hi"}])
     tools = [{"type": "function", "function": {"name": "f"}}]
-    text = state.tokenizer.decode(state.chat_prompt(body.messages, True, tools))
+    text = state.tokenizer.decode(state.chat_prompt(body, tools)[0])
     assert text == "<user>hi[1 tools]<assistant>"
     assert main(["--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "missing.jinja" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.resources
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ from .loop import EngineDead, EngineLoop, RequestGroup, ShuttingDown, Submission
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                        TokenizeRequest, parse_body)
-from .responses import Echo, ResponseBuilder, TokenText
+from .reasoning import prompt_opens_reasoning
+from .responses import Echo, Reasoning, ResponseBuilder, TokenText
 from .tool_calls import FORMATS as TOOL_CALL_FORMATS
 from .tool_calls import CallFormat
 from .serving import Job, run
@@ -42,6 +44,7 @@ class ServerSettings:
     default_max_tokens: int | None = None
     chat_template: str | None = None  # Jinja text replacing the tokenizer's (vLLM's --chat-template)
     max_queued_per_tenant: int | None = None  # a tenant's waiting requests beyond this get 503
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: <think>...</think> -> reasoning_content
 
 
 class ServerState:
@@ -63,6 +66,8 @@ class ServerState:
             if self.tokenizer is None:
                 raise ValueError("--chat-template needs a tokenizer (the checkpoint has none; give --tokenizer)")
             self.tokenizer.chat_template = settings.chat_template
+        elif self.tokenizer is not None and not getattr(self.tokenizer, "chat_template", None):
+            self.tokenizer.chat_template = bundled_chat_template(engine.model_config.model_type)
         self.token_text = TokenText(self.tokenizer)
         self.loop = EngineLoop(engine, None, settings.max_queued_requests, settings.max_queued_per_tenant)
         self.metrics = ServerMetrics(self.model_name, self.loop.stats, lambda: self.loop.healthy)
@@ -73,16 +78,27 @@ class ServerState:
             raise APIError(404, f"the model `{model}` does not exist; this server serves "
                                 f"{', '.join(self.settings.served_model_names)}", "model")
 
-    def chat_prompt(self, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+    def chat_prompt(self, body, tools: list[dict] | None = None) -> tuple[list[int], str]:
+        """A chat request's messages rendered by the chat template: (token ids, text)."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no tokenizer with a chat template; use /v1/completions", "messages")
         try:
-            msgs = [m.template_dict() for m in messages]
-            text = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+            msgs = [m.template_dict() for m in body.messages]
+            text = tok.apply_chat_template(msgs, tools=tools, tokenize=False,
+                                           add_generation_prompt=body.add_generation_prompt,
+                                           **(body.chat_template_kwargs or {}))
         except Exception as e:  # jinja raises on roles or orders the template refuses
             raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
-        return tok.encode(text, add_special_tokens=False)
+        return tok.encode(text, add_special_tokens=False), text
+
+
+def bundled_chat_template(model_type: str) -> str | None:
+    """The chat template sparsekv ships for a model family whose checkpoints come without one."""
+    name = {"deepseek_v32": "deepseek_v32.jinja"}.get(model_type)
+    if name is None:
+        return None
+    return importlib.resources.files(__package__).joinpath("chat_templates", name).read_text(encoding="utf-8")
 
 
 def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs: int | None,
@@ -119,7 +135,7 @@ async def _body(request: Request, model):
 
 async def _generate(request: Request, body: SamplingFields, kind: str, prompts: list, max_tokens: int,
                     logprobs: int | None, top_logprobs: int | None = None, echo: Echo | None = None,
-                    tools: CallFormat | None = None):
+                    tools: CallFormat | None = None, reasoning: Reasoning | None = None):
     """Prompts x n choices -> one group of engine requests, answered as one response or stream."""
     state = _state(request)
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
@@ -128,7 +144,7 @@ async def _generate(request: Request, body: SamplingFields, kind: str, prompts: 
     subs = [Submission(p, sampling_params(body, i, max_tokens, logprobs, prompt_logprobs))
             for p in prompts for i in range(body.n)]
     builder = ResponseBuilder(kind, rid, body.model or state.model_name, int(time.time()), body.n,
-                              state.token_text, _tenant(request), top_logprobs, echo, tools)
+                              state.token_text, _tenant(request), top_logprobs, echo, tools, reasoning)
     job = Job(RequestGroup(rid, len(subs)), subs, _tenant(request), body.cache_salt, builder, body.stream,
               body.include_usage)
     return await run(request, state.loop, job, state.metrics)
@@ -156,13 +172,16 @@ async def chat_completions(request: Request):
     if body.use_tools and call_format is None:
         raise bad_request(f"tools: no tool-call parser for model_type {state.engine.model_config.model_type!r} "
                           f"(parsed: {', '.join(TOOL_CALL_FORMATS)})", "tools")
-    prompt = state.chat_prompt(body.messages, body.add_generation_prompt, body.tools if body.use_tools else None)
+    prompt, text = state.chat_prompt(body, body.tools if body.use_tools else None)
+    reasoning = None
+    if state.settings.reasoning_parser is not None:
+        reasoning = Reasoning(prompt_opens_reasoning(text), body.include_reasoning)
     max_tokens = body.max_new_tokens
     if max_tokens is None:  # vLLM: the rest of the context; here also capped by the KV pool
         max_tokens = state.settings.default_max_tokens or max(
             1, min(state.context_limit - len(prompt), state.chat_default_cap))
     return await _generate(request, body, "chat", [prompt], max_tokens, body.num_logprobs, body.top_logprobs,
-                           tools=call_format)
+                           tools=call_format, reasoning=reasoning)
 
 
 async def tokenize(request: Request):
@@ -170,7 +189,7 @@ async def tokenize(request: Request):
     body = await _body(request, TokenizeRequest)
     state.check_model(body.model)
     if body.messages is not None:
-        tokens = state.chat_prompt(body.messages, body.add_generation_prompt)
+        tokens, _ = state.chat_prompt(body, body.tools)
     elif state.tokenizer is None:
         raise bad_request("this model has no tokenizer", "prompt")
     else:

@@ -18,6 +18,7 @@ import uvicorn
 
 from ..cli import add_engine_args, engine_options
 from ..config import ConfigError
+from .reasoning import PARSERS
 
 log = logging.getLogger("sparsekv.server")
 
@@ -43,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "of the context, at most KV pool tokens / max-num-seqs)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
     p.add_argument("--chat-template", default=None, metavar="PATH",
-                   help="a Jinja chat template file replacing the tokenizer's (e.g. for a checkpoint that ships none)")
+                   help="a Jinja chat template file replacing the tokenizer's (default: the tokenizer's; for a "
+                        "deepseek_v32 tokenizer without one, the bundled sparsekv/server/chat_templates/deepseek_v32.jinja)")
+    p.add_argument("--reasoning-parser", default=None, choices=PARSERS,
+                   help="chat: split the model's <think>...</think> out of the content into reasoning_content "
+                        "(vLLM's names; GLM-5 and DeepSeek-V3.2 share the format)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
     return p
@@ -80,7 +85,7 @@ def build_app(args):
             template = f.read()
     engine = LLMEngine(EngineConfig(model=model, tokenizer=args.tokenizer, **engine_options(args)))
     settings = ServerSettings(names, keys, args.max_queued_requests, args.default_max_tokens, template,
-                              args.max_queued_per_tenant)
+                              args.max_queued_per_tenant, args.reasoning_parser)
     app = create_app(engine, settings)
     return app, app.state.server
 

@@ -162,6 +162,8 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's earlier calls, passed to the chat template
     tool_call_id: str | None = None       # a "tool" message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (vLLM's and DeepSeek's field)
+    reasoning: str | None = None          # the same, by vLLM's newer name
 
     def template_dict(self) -> dict:
         out = {"role": self.role, "content": self.text() or ""}
@@ -169,6 +171,9 @@ class ChatMessage(_Body):
             out["tool_calls"] = [_template_call(call) for call in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:  # GLM's and DeepSeek-V3.2's templates read it by this name
+            out["reasoning_content"] = reasoning
         return out
 
     def text(self) -> str | None:
@@ -190,16 +195,36 @@ def _template_call(call: dict) -> dict:
     return {**call, "function": function}
 
 
-class ChatCompletionRequest(SamplingFields):
+# apply_chat_template's own parameters: chat_template_kwargs may not set them
+_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                                "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                "tokenizer_kwargs"})
+
+
+class _ChatTemplateFields(_Body):
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the template, e.g. {"thinking": true}
+
+    @model_validator(mode="after")
+    def _check_template_kwargs(self):
+        taken = sorted(_TEMPLATE_RESERVED & set(self.chat_template_kwargs or {}))
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (a request field or "
+                             "the server decides it)")
+        return self
+
+
+class ChatCompletionRequest(_ChatTemplateFields, SamplingFields):
     SUPPORTED_HERE: ClassVar[tuple[str, ...]] = ("tools", "tool_choice")
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
     tools: list[dict] | None = None
     tool_choice: str | None = None
+    include_reasoning: bool = True  # vLLM's: with a reasoning parser, False drops reasoning_content
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -226,12 +251,12 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None  # rendered into the chat prompt, as /v1/chat/completions does
     add_special_tokens: bool = False  # the engine tokenizes prompts without them; counts must agree
-    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _one_of(self):

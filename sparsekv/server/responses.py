@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..request import RequestOutput
+from .reasoning import split_reasoning, undecided_chars
 from .tool_calls import CallFormat, ToolCallStream, parse_tool_calls
 
 
@@ -51,16 +52,27 @@ class Echo:
     prompt_only: bool
 
 
+@dataclass(frozen=True)
+class Reasoning:
+    """Chat with a reasoning parser: whether the prompt left the model inside a think block, and
+    whether the reasoning goes out (`include_reasoning`; the content excludes it either way)."""
+
+    opened: bool
+    include: bool = True
+
+
 class ChoiceState:
     """`tool_format` (chat with tools): streamed text stops where tool calls begin; the calls go out
-    as they are written (`tool_stream`)."""
+    as they are written (`tool_stream`). `reasoning`: the think block streams as `reasoning_content`."""
 
-    def __init__(self, index: int, stop_strings: list[str], tool_format: CallFormat | None = None):
-        self.index, self.stop_strings = index, stop_strings
+    def __init__(self, index: int, stop_strings: list[str], tool_format: CallFormat | None = None,
+                 reasoning: Reasoning | None = None):
+        self.index, self.stop_strings, self.reasoning = index, stop_strings, reasoning
         self.hold_marker = tool_format.start if tool_format is not None else None
         self.tool_stream = ToolCallStream(tool_format) if tool_format is not None else None
         self.out: RequestOutput | None = None
-        self.sent_text = 0  # characters of out.text already sent
+        self.sent_text = 0  # characters of the content already sent
+        self.sent_reasoning = 0  # characters of the reasoning already sent
         self.sent_tokens = 0
         self.text_offset = 0
         self.peak: dict = {}
@@ -77,29 +89,43 @@ class ChoiceState:
             else:  # counters, rates, token counts: the latest
                 self.peak[key] = value
 
-    def take_delta(self) -> tuple[str, list[int], list[dict] | None]:
-        """Text and tokens not yet streamed (text minus what a stop string could still cut)."""
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, content) of the choice's text; no reasoning parser: (None, text)."""
+        return split_reasoning(text, self.reasoning.opened) if self.reasoning is not None else (None, text)
+
+    def take_delta(self) -> tuple[str, str, list[int], list[dict] | None]:
+        """Reasoning, content and tokens not yet streamed (text minus what a stop string could still
+        cut, and minus what cannot be placed yet as reasoning or content)."""
         out = self.out
         text = out.text
-        if self.hold_marker is not None and self.hold_marker in text:
-            text = text[:text.index(self.hold_marker)]
         if not out.finished:
-            text = text[:len(text) - self._holdback(text)]
-        delta = text[self.sent_text:] if len(text) > self.sent_text else ""
+            text = text[:len(text) - _holdback(text, self.stop_strings)]
+            if self.reasoning is not None:
+                text = text[:len(text) - undecided_chars(text, self.reasoning.opened)]
+        reasoning, content = self.split(text)
+        if self.hold_marker is not None and self.hold_marker in content:
+            content = content[:content.index(self.hold_marker)]
+        elif self.hold_marker is not None and not out.finished:
+            content = content[:len(content) - _holdback(content, [self.hold_marker])]
+        reasoning_delta = (reasoning or "")[self.sent_reasoning:]
+        self.sent_reasoning += len(reasoning_delta)
+        delta = content[self.sent_text:] if len(content) > self.sent_text else ""
         self.sent_text += len(delta)
         tokens = out.token_ids[self.sent_tokens:]
         lps = out.logprobs[self.sent_tokens:] if out.logprobs is not None else None
         self.sent_tokens = len(out.token_ids)
-        return delta, tokens, lps
+        return reasoning_delta, delta, tokens, lps
 
-    def _holdback(self, text: str) -> int:
-        keep = len(text) - len(text.rstrip("\ufffd"))
-        for stop in self.stop_strings + ([self.hold_marker] if self.hold_marker else []):
-            for k in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:k]):
-                    keep = max(keep, k)
-                    break
-        return keep
+
+def _holdback(text: str, markers: list[str]) -> int:
+    """Trailing characters to hold: a half multi-byte character, or the start of a marker."""
+    keep = len(text) - len(text.rstrip("\ufffd"))
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):
+            if text.endswith(marker[:k]):
+                keep = max(keep, k)
+                break
+    return keep
 
 
 class ResponseBuilder:
@@ -107,10 +133,14 @@ class ResponseBuilder:
 
     def __init__(self, kind: str, response_id: str, model: str, created: int, n: int, token_text: TokenText,
                  tenant: str, top_logprobs: int | None = None, echo: Echo | None = None,
-                 tools: CallFormat | None = None):
+                 tools: CallFormat | None = None, reasoning: Reasoning | None = None):
         self.kind, self.id, self.model, self.created, self.n = kind, response_id, model, created, n
         self.token_text, self.tenant, self.top_logprobs, self.echo = token_text, tenant, top_logprobs, echo
         self.tools = tools  # chat with tools: the model's call format, parsed out of the message
+        self.reasoning = reasoning  # chat with a reasoning parser: the think block split out
+
+    def choice_state(self, index: int, stop_strings: list[str]) -> ChoiceState:
+        return ChoiceState(index, stop_strings, self.tools, self.reasoning)
 
     # -- whole responses -----------------------------------------------------------------------
     def response(self, states: list[ChoiceState]) -> dict:
@@ -130,11 +160,17 @@ class ResponseBuilder:
         if self.kind == "completion":
             return {"index": s.index, "text": text, "logprobs": lps, "finish_reason": out.finish_reason,
                     "stop_reason": None}
+        reasoning, text = s.split(text)
         message, finish = {"role": "assistant", "content": text}, out.finish_reason
         if self.tools:
             content, calls = parse_tool_calls(text, self.tools)
             if calls:
                 message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        if self.reasoning is not None:
+            if reasoning is not None and not message["content"]:  # all thought, no answer (yet)
+                message["content"] = None
+            if self.reasoning.include:
+                message["reasoning_content"] = reasoning
         return {"index": s.index, "message": message, "logprobs": lps, "finish_reason": finish}
 
     def _generated(self, out: RequestOutput) -> tuple[list[int], list[dict] | None, str]:
@@ -163,7 +199,7 @@ class ResponseBuilder:
 
     # -- stream chunks -------------------------------------------------------------------------
     def chunk(self, s: ChoiceState, first: bool, include_usage: bool) -> dict:
-        text, tokens, lps = s.take_delta()
+        reasoning, text, tokens, lps = s.take_delta()
         logprobs = self.logprobs(tokens, lps, s.text_offset) if lps is not None else None
         s.text_offset += len(text)
         finish = s.out.finish_reason
@@ -171,9 +207,13 @@ class ResponseBuilder:
             choice = {"index": s.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                       "stop_reason": None}
         else:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            delta = {"role": "assistant"} if first else {}
+            if reasoning and self.reasoning.include:
+                delta["reasoning_content"] = reasoning
+            if text or "reasoning_content" not in delta:
+                delta["content"] = text
             if self.tools and s.tool_stream is not None:
-                calls = s.tool_stream.update(s.out.text, finish is not None)
+                calls = s.tool_stream.update(s.split(s.out.text)[1], finish is not None)
                 if calls:
                     delta["tool_calls"] = calls
                     delta["content"] = text or None

@@ -57,7 +57,7 @@ async def admit(loop: EngineLoop, job: Job, metrics) -> None:
 
 
 async def run(request: Request, loop: EngineLoop, job: Job, metrics):
-    states = [ChoiceState(i, s.params.stop_strings, job.builder.tools) for i, s in enumerate(job.subs)]
+    states = [job.builder.choice_state(i, s.params.stop_strings) for i, s in enumerate(job.subs)]
     try:
         await admit(loop, job, metrics)
         if not job.stream:
