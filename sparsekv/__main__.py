@@ -9,7 +9,7 @@ COMMANDS = {
     "make-tiny-model": ("sparsekv.cli", "make_tiny_main", "write a tiny random-weight checkpoint"),
     "serve": ("sparsekv.server.cli", "main", "OpenAI-compatible server"),
     "bench": ("sparsekv.tools.bench", "main",
-              "benchmarks: decode | prefill | modes | tiers | spec | indexer | serve | prefix | batch | sampling | admission"),
+              "benchmarks: decode | prefill | modes | tiers | spec | indexer | serve | prefix | batch | sampling | admission | kv-dtype"),
     "plan": ("sparsekv.tools.plan", "main", "capacity planner and decode roofline"),
     "eval": ("sparsekv.tools.evals", "main", "long-context and IndexShare evals"),
     "train": ("sparsekv.train.cli", "main", "train the small bundled model"),

@@ -20,6 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-page-size", type=int, default=64)
     g.add_argument("--prefill-chunk-tokens", type=int, default=2048)
     g.add_argument("--num-kv-pages", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="latents in the model dtype (auto), or FlashMLA's FP8 rows (fp8: 656 B per token and layer "
+                        "at GLM-5's size, vLLM's fp8_ds_mla); a quantization, see BENCHMARKS.md")
     g.add_argument("--kv-admission", default="reserve", choices=["reserve", "optimistic"],
                    help="reserve: pages for prompt + max_tokens at admission, never preempt (default); optimistic: "
                         "pages as tokens come, preempting (and later recomputing) the newest request when they run out")
@@ -81,7 +84,7 @@ def parse_bytes(text: str) -> int:
 
 
 ENGINE_ARG_NAMES = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_page_size",
-                    "prefill_chunk_tokens", "num_kv_pages", "kv_admission", "attention", "seed", "num_threads",
+                    "prefill_chunk_tokens", "num_kv_pages", "kv_cache_dtype", "kv_admission", "attention", "seed", "num_threads",
                     "kv_tiering", "device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes",
                     "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",
                     "enable_prefix_caching", "prefix_cache_host_bytes",

@@ -220,6 +220,7 @@ class ModelConfig:
 ATTENTION_MODES = ("sparse", "dense")
 SELECTORS = ("dsa", "quest")
 INDEXER_KEY_DTYPES = ("auto", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8")  # latents: the model dtype, or FlashMLA's 656 B FP8 rows (cache/latent_format.py)
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,9 @@ class EngineConfig:
     kv_page_size: int = 64
     prefill_chunk_tokens: int = 2048
     num_kv_pages: int | None = None
+    # How latents are stored: "auto" (the model dtype) or "fp8" (FlashMLA's FP8 rows, vLLM's fp8_ds_mla:
+    # 656 B per token and layer for GLM-5 / DeepSeek-V3.2; cache/latent_format.py). Tiered or not.
+    kv_cache_dtype: str = "auto"
     # Admission: "reserve" pages for prompt + max_tokens up front (an admitted request always runs to
     # its end, nothing is ever recomputed), or "optimistic": reserve the known tokens' pages plus one,
     # allocate as tokens come, and when the pages run out preempt the most recently admitted request
@@ -344,6 +348,8 @@ class EngineConfig:
             raise ConfigError(f"selector {self.selector!r} is not supported; use one of {SELECTORS}")
         if self.selector == "quest" and (self.quest_page_tokens < 1 or self.kv_page_size % self.quest_page_tokens):
             raise ConfigError(f"quest_page_tokens {self.quest_page_tokens} must divide kv_page_size {self.kv_page_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use one of {KV_CACHE_DTYPES}")
         if self.indexer_key_dtype not in INDEXER_KEY_DTYPES:
             raise ConfigError(f"indexer_key_dtype {self.indexer_key_dtype!r} is not supported; use one of {INDEXER_KEY_DTYPES}")
         tier_only = {"device_buffer_tokens": self.device_buffer_tokens, "host_kv_budget_bytes": self.host_kv_budget_bytes,

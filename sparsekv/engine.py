@@ -85,7 +85,7 @@ class LLMEngine:
         allocator = PageAllocator(self._num_pages(), self.page_size)
         mtp = [cfg.num_hidden_layers] if config.num_speculative_tokens and self.model.mtp is not None else []
         cache = KVPool(cfg, allocator.num_pages, self.page_size, self.dtype, self.device,
-                       list(range(cfg.num_hidden_layers)) + mtp, cfg.full_layers + mtp)
+                       list(range(cfg.num_hidden_layers)) + mtp, cfg.full_layers + mtp, self._latent_format())
         if config.selector == "quest":
             from .model.selectors import install_quest
             install_quest(self.model, config, allocator.num_pages * self.page_size, self.device)
@@ -153,12 +153,17 @@ class LLMEngine:
                 self.prefix.tiers["host"].spill = None
             disk.close()
 
+    def _latent_format(self):
+        from .cache.latent_format import latent_format
+        return latent_format(self.config.kv_cache_dtype, self.model_config, self.dtype)
+
     def _num_pages(self) -> int:
         if self.config.num_kv_pages:
             return self.config.num_kv_pages
         if self.config.device_kv_budget_bytes and not self.config.kv_tiering:
             from .cache.lru import untiered_pages
-            return untiered_pages(self.config, self.model_config, self.dtype.itemsize)
+            return untiered_pages(self.config, self.model_config, self.dtype.itemsize,
+                                  self._latent_format().row_bytes)
         tokens = min(self.max_model_len * self.config.max_num_seqs, max(DEFAULT_KV_CACHE_TOKENS, self.max_model_len))
         return -(-tokens // self.page_size)
 

@@ -218,11 +218,11 @@ def test_stream_holds_back_a_possible_stop_string():
     deltas = []
     for text, reason in [("ab", None), ("abST", None), ("abSTx", None), ("abSTxS", None), ("abSTx", "stop")]:
         s.update(RequestOutput("r", [1], [1], text, None, reason))
-        deltas.append(s.take_delta()[0])
+        deltas.append(s.take_delta()[1])
     assert deltas == ["ab", "", "STx", "", ""] and "".join(deltas) == "abSTx"
     half = ChoiceState(0, [])
     half.update(RequestOutput("r", [1], [1], "a\ufffd", None, None))
-    assert half.take_delta()[0] == "a"
+    assert half.take_delta()[1] == "a"
 
 
 def test_api_keys_map_to_tenants():

@@ -157,8 +157,9 @@ class WorkingSetLRU:
         assert (self._slot_of >= 0).sum() == resident.size, "position table holds an evicted position"
 
 
-def latent_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
-    return cfg.latent_dim * itemsize * cfg.num_hidden_layers
+def latent_bytes_per_token(cfg: ModelConfig, row_bytes: int) -> int:
+    """One token's latents in every layer, at `row_bytes` per layer (latent_format.py's row_bytes)."""
+    return row_bytes * cfg.num_hidden_layers
 
 
 def index_bytes_per_layer(cfg: ModelConfig, itemsize: int, fp8: bool = False) -> int:
@@ -228,11 +229,11 @@ class TierCounters:
                 "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes}
 
 
-def untiered_pages(config: EngineConfig, cfg: ModelConfig, itemsize: int) -> int:
+def untiered_pages(config: EngineConfig, cfg: ModelConfig, itemsize: int, latent_row_bytes: int) -> int:
     """Pages of a fully device-resident cache that fit in `device_kv_budget_bytes`."""
-    per_token = latent_bytes_per_token(cfg, itemsize) + index_bytes_per_token(cfg, itemsize)
+    per_token = latent_bytes_per_token(cfg, latent_row_bytes) + index_bytes_per_token(cfg, itemsize)
     if config.num_speculative_tokens:  # the MTP layer's own latent and indexer keys
-        per_token += (cfg.latent_dim + cfg.index_head_dim) * itemsize
+        per_token += latent_row_bytes + cfg.index_head_dim * itemsize
     per_page = config.kv_page_size * per_token
     if config.device_kv_budget_bytes < per_page:
         raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} holds less than one "

@@ -11,6 +11,7 @@ import torch
 
 from ..config import ModelConfig
 from ..context import SeqSlice, index_tensor
+from .latent_format import PlainLatent
 
 
 MIN_VIEW_RUN = 1024  # shorter runs of consecutive slots are gathered together (one copy, one op)
@@ -61,11 +62,14 @@ def _concat_ranges(starts: list[int], lengths: list[int]) -> torch.Tensor:
 
 
 class KVPool:
+    """`fmt` (latent_format.py): how latent rows are stored; reads decode what they gathered."""
+
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device, layers: list[int], indexer_layers: list[int]):
+                 device: torch.device, layers: list[int], indexer_layers: list[int], fmt=None):
         self.num_slots = num_pages * page_size
         self.page_size, self.dtype = page_size, dtype
-        self.latent = {i: torch.empty(self.num_slots, cfg.latent_dim, dtype=dtype, device=device) for i in layers}
+        self.fmt = fmt = fmt or PlainLatent(cfg, dtype)
+        self.latent = {i: torch.empty(self.num_slots, fmt.row_width, dtype=fmt.row_dtype, device=device) for i in layers}
         self.index_keys = {i: torch.empty(self.num_slots, cfg.index_head_dim, dtype=dtype, device=device)
                            for i in indexer_layers}
         self._latent_bpt = sum(t.shape[1] * t.element_size() for t in self.latent.values())
@@ -85,7 +89,7 @@ class KVPool:
 
     # -- writes --------------------------------------------------------------------------------
     def write_latent(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        self.latent[layer].index_copy_(0, slots, values.to(self.dtype))
+        self.latent[layer].index_copy_(0, slots, self.fmt.encode(values))
 
     def write_index_keys(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.index_keys[layer].index_copy_(0, slots, values.to(self.dtype))
@@ -101,7 +105,7 @@ class KVPool:
         return table.index_select(0, seq.slots)
 
     def latent_for(self, layer: int, seq: SeqSlice) -> torch.Tensor:
-        return self._history(self.latent[layer], seq)
+        return self.fmt.decode(self._history(self.latent[layer], seq))
 
     def index_key_segments(self, layer: int, seq: SeqSlice) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
         return history_segments(self.index_keys[layer], seq)
@@ -113,14 +117,15 @@ class KVPool:
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim]: only k entries are read."""
         rows = seq.slots[positions.reshape(-1)]
-        return self.latent[layer].index_select(0, rows).view(*positions.shape, -1)
+        return self.fmt.decode(self.latent[layer].index_select(0, rows)).view(*positions.shape, -1)
 
     def dense_decode_latents(self, layer: int, seqs: list[SeqSlice], length: int) -> torch.Tensor:
         """Decoding requests' whole histories, each padded to `length` entries: [B, length, latent_dim]."""
         slots = padded_slots(seqs, length)
-        return self.latent[layer].index_select(0, slots.reshape(-1)).view(*slots.shape, -1)
+        return self.fmt.decode(self.latent[layer].index_select(0, slots.reshape(-1))).view(*slots.shape, -1)
 
     def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
         """Each request's decode rows and their k selected positions [n, k] -> [sum n, k, latent_dim], one gather."""
         rows = torch.cat([seq.slots[positions.reshape(-1)] for seq, positions in picks])
-        return self.latent[layer].index_select(0, rows).view(-1, picks[0][1].shape[-1], self.latent[layer].shape[1])
+        latents = self.fmt.decode(self.latent[layer].index_select(0, rows))
+        return latents.view(-1, picks[0][1].shape[-1], latents.shape[-1])

@@ -82,7 +82,7 @@ def namespace(config, rows: PageRows, lookahead: int, sealed: bool = False) -> s
     key = {"format": FORMAT, "checkpoint": checkpoint_identity(config.model), "dtype": config.dtype,
            "device": torch.device(config.device).type, "page": config.kv_page_size, "attention": config.attention,
            "overrides": config.hf_overrides, "selector": config.selector, "quest": config.quest_page_tokens,
-           "index_keys": config.indexer_key_dtype, "lookahead": lookahead,
+           "index_keys": config.indexer_key_dtype, "latents": config.kv_cache_dtype, "lookahead": lookahead,
            "layout": [(shape, str(dtype)) for shape, dtype in rows.layout], "sealed": sealed}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

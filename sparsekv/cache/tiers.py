@@ -45,6 +45,7 @@ from ..config import EngineConfig, ModelConfig
 from ..context import SeqSlice
 from .host_store import HostLink, HostStore, make_host_store
 from .index_keys import IndexKeyCache
+from .latent_format import PlainLatent, latent_format
 from .lru import (TierCounters, TierSizes, WorkingSetLRU, index_bytes_per_layer, index_bytes_per_token,
                   latent_bytes_per_token, plan_tier_sizes)
 from .pages import PageAllocator
@@ -83,8 +84,9 @@ class TieredKVPool:
 
     def __init__(self, cfg: ModelConfig, sizes: TierSizes, page_size: int, dtype: torch.dtype, device,
                  host: HostStore, fp8_index_keys: bool = False, keep_index_keys: bool = True,
-                 mtp_layers: tuple[int, ...] = (), new_rows: int = 1):
+                 mtp_layers: tuple[int, ...] = (), new_rows: int = 1, fmt=None):
         self.cfg, self.page_size, self.dtype, self.device = cfg, page_size, dtype, torch.device(device)
+        self.fmt = fmt = fmt or PlainLatent(cfg, dtype)  # latent rows as stored (latent_format.py)
         self.num_slots = sizes.num_pages * page_size
         self.capacity, self.sizes, self.host = sizes.buffer_tokens, sizes, host
         self.mtp_layers = list(mtp_layers)
@@ -94,7 +96,7 @@ class TieredKVPool:
         self.passes = {"target": [g for g in self.groups if g not in self.mtp_layers], "mtp": self.mtp_layers}
         self.new_rows = new_rows  # 1 + speculative drafts: the most new tokens a decode writes
         rows = sizes.num_buffers * (self.capacity + new_rows)
-        self.ws = {l: torch.empty(rows, cfg.latent_dim, dtype=dtype, device=self.device) for l in self.layers}
+        self.ws = {l: torch.empty(rows, fmt.row_width, dtype=fmt.row_dtype, device=self.device) for l in self.layers}
         self.buffers = PageAllocator(sizes.num_buffers, self.capacity + new_rows)  # one "page" = one working set
         self.index = IndexKeyCache((cfg.full_layers if keep_index_keys else []) + self.mtp_layers, self.num_slots,
                                    cfg.index_head_dim, dtype, self.device, fp8_index_keys)
@@ -178,10 +180,11 @@ class TieredKVPool:
 
     # -- writes --------------------------------------------------------------------------------
     def write_latent(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        self.link.backup(layer, slots, values)  # every token's latent reaches the host
+        rows = self.fmt.encode(values)
+        self.link.backup(layer, slots, rows)  # every token's latent reaches the host
         step = self._step_of(layer)
         if step.ws_rows is not None:
-            self.ws[layer].index_copy_(0, step.new_rows, values[step.ws_rows].to(self.dtype))
+            self.ws[layer].index_copy_(0, step.new_rows, rows[step.ws_rows])
 
     def write_index_keys(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.index.write(layer, slots, values)
@@ -204,9 +207,13 @@ class TieredKVPool:
 
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim], in the order asked for."""
+        return self.fmt.decode(self._rows_at(layer, seq, positions.reshape(-1))).view(*positions.shape, -1)
+
+    def _rows_at(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
+        """Stored rows of the positions [n] (not decoded)."""
         if self._uses_working_set(layer, seq):
-            return self._gather(layer, [seq], [positions.reshape(-1).cpu().numpy()]).view(*positions.shape, -1)
-        return self._stream(layer, seq, seq.slots[positions.reshape(-1).to(seq.slots.device)]).view(*positions.shape, -1)
+            return self._gather(layer, [seq], [positions.cpu().numpy()])
+        return self._stream(layer, seq, seq.slots[positions.to(seq.slots.device)])
 
     def dense_decode_latents(self, layer: int, seqs: list[SeqSlice], length: int) -> torch.Tensor:
         """Decoding requests' whole histories (each `latent_for`), padded to `length` entries by
@@ -214,7 +221,8 @@ class TieredKVPool:
         if all(self._uses_working_set(layer, seq) for seq in seqs):
             flat = self._gather(layer, seqs, [np.arange(seq.context_len) for seq in seqs])
         else:
-            flat = torch.cat([self.latent_for(layer, seq) for seq in seqs])
+            flat = torch.cat([self._rows_at(layer, seq, torch.arange(seq.context_len)) for seq in seqs])
+        flat = self.fmt.decode(flat)
         rows = padded_rows([seq.context_len for seq in seqs], length, flat.device)
         return flat.index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
 
@@ -223,19 +231,24 @@ class TieredKVPool:
         whole batch is resolved together: one device -> host read of the selections, one host -> device
         copy of every request's misses, per full layer; its shared layers replay that plan without
         reading the selections again (no synchronisation on an accelerator)."""
-        k, seqs = picks[0][1].shape[-1], [seq for seq, _ in picks]
+        k = picks[0][1].shape[-1]
+        return self.fmt.decode(self._decode_rows(layer, picks)).view(-1, k, self.cfg.latent_dim)
+
+    def _decode_rows(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
+        """`gather_decode_latents`' stored rows, flat (not decoded)."""
+        seqs = [seq for seq, _ in picks]
         if not all(self._uses_working_set(layer, seq) for seq in seqs):  # not decodes of this step: stream
-            return torch.cat([self.gather_latent(layer, seq, p) for seq, p in picks]).view(-1, k, self.cfg.latent_dim)
+            return torch.cat([self._rows_at(layer, seq, p.reshape(-1)) for seq, p in picks])
         plan = self._replay(layer, seqs, [p.numel() for _, p in picks])
         if plan is not None and not plan.streamed:
-            return self.ws[layer].index_select(0, plan.rows).view(-1, k, self.cfg.latent_dim)
+            return self.ws[layer].index_select(0, plan.rows)
         flat = torch.cat([p.reshape(-1) for _, p in picks]).cpu().numpy()  # the one device -> host read
         ends = list(accumulate(p.numel() for _, p in picks))
         positions = [flat[end - p.numel():end] for end, (_, p) in zip(ends, picks)]
-        return self._gather(layer, seqs, positions).view(-1, k, self.cfg.latent_dim)
+        return self._gather(layer, seqs, positions)
 
     def _gather(self, layer: int, seqs: list[SeqSlice], positions: list[np.ndarray]) -> torch.Tensor:
-        """[sum of len(positions), latent_dim]: working-set rows, or the host store's for streamed requests."""
+        """[sum of len(positions), row width]: working-set rows, or the host store's for streamed requests."""
         plan = self._plan_for(layer, seqs, positions)
         if not plan.streamed:
             return self.ws[layer].index_select(0, plan.rows)
@@ -398,18 +411,19 @@ def build_tiered_cache(config: EngineConfig, model, dtype: torch.dtype, device, 
     decoding the MTP layer is one more layer, with its own group (it has its own indexer)."""
     from ..model.selectors import install_quest, quest_bytes_per_token
     cfg, itemsize = model.cfg, dtype.itemsize
+    fmt = latent_format(config.kv_cache_dtype, cfg, dtype)
     quest = config.selector == "quest"
     fp8 = config.indexer_key_dtype == "fp8_e4m3"
     mtp = [cfg.num_hidden_layers] if config.num_speculative_tokens and model.mtp is not None else []
     mtp_index_bytes = len(mtp) * index_bytes_per_layer(cfg, itemsize, fp8)
     selector_bytes = mtp_index_bytes + (quest_bytes_per_token(cfg, config.quest_page_tokens) if quest
                                         else index_bytes_per_token(cfg, itemsize, fp8))
-    latent_bytes = latent_bytes_per_token(cfg, itemsize) + len(mtp) * cfg.latent_dim * itemsize
+    latent_bytes = latent_bytes_per_token(cfg, fmt.row_bytes) + len(mtp) * fmt.row_bytes
     sizes = plan_tier_sizes(config, cfg, latent_bytes, selector_bytes, default_pages)
     host = make_host_store(list(range(cfg.num_hidden_layers)) + mtp, sizes.num_pages * config.kv_page_size,
-                           cfg.latent_dim, dtype, config.host_store_path, pin=torch.device(device).type == "cuda")
+                           fmt.row_width, fmt.row_dtype, config.host_store_path, pin=torch.device(device).type == "cuda")
     pool = TieredKVPool(cfg, sizes, config.kv_page_size, dtype, device, host, fp8, keep_index_keys=not quest,
-                        mtp_layers=tuple(mtp), new_rows=1 + config.num_speculative_tokens)
+                        mtp_layers=tuple(mtp), new_rows=1 + config.num_speculative_tokens, fmt=fmt)
     if quest:
         install_quest(model, config, pool.num_slots, device)
         pool.selector_bytes_per_token = selector_bytes

@@ -238,7 +238,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     sub = {"tiers": "bench_tiers", "spec": "bench_spec", "indexer": "bench_indexer", "serve": "bench_serve",
            "prefix": "bench_prefix", "batch": "bench_batch", "sampling": "bench_sampling",
-           "admission": "bench_admission"}
+           "admission": "bench_admission", "kv-dtype": "bench_kv_dtype"}
     if argv and argv[0] in sub:
         module = importlib.import_module(f".{sub[argv[0]]}", __package__)
         try:

@@ -93,7 +93,7 @@ def concurrency(args, ckpt: str) -> dict:
     from sparsekv.config import ModelConfig
     cfg, context, steps, page = ModelConfig.from_json(ckpt), args.concurrency_context, args.steps, 64
     tokens = -(-(context + steps + 8) // page) * page
-    budget = args.fit * tokens * (latent_bytes_per_token(cfg, 4) + index_bytes_per_token(cfg, 4))
+    budget = args.fit * tokens * (latent_bytes_per_token(cfg, cfg.latent_dim * 4) + index_bytes_per_token(cfg, 4))
     opts = dict(device_kv_budget_bytes=budget, max_num_seqs=args.max_requests, selector=args.selector,
                 device=args.device)
     configs = {"off": opts, "on": dict(opts, kv_tiering=True)}

@@ -33,8 +33,11 @@ def synthetic_prefill(engine, req, num_tokens: int) -> None:
     sched.running.append(req)
     req.page_ids = alloc.allocate(req.request_id, alloc.pages_for(num_tokens))
     slots = engine.runner.slots_of(req.page_ids, num_tokens)
-    g = torch.Generator().manual_seed(0)
-    for table in list(engine.cache.latent.values()) + list(engine.cache.index_keys.values()):
+    g, cache = torch.Generator().manual_seed(0), engine.cache
+    for layer in cache.latent:  # through the pool's format (FP8 rows are encoded, not random bytes)
+        latents = torch.randn(num_tokens, engine.model_config.latent_dim, generator=g)
+        cache.write_latent(layer, slots, latents.to(engine.device, engine.dtype))
+    for table in cache.index_keys.values():
         table[slots] = torch.randn(num_tokens, table.shape[1], generator=g).to(table.device, table.dtype)
     req.num_computed_tokens = num_tokens
 

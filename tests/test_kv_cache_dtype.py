@@ -1,0 +1,159 @@
+"""FP8 latents (`kv_cache_dtype="fp8"`, FlashMLA's 656-byte rows): the format, exactness of tiering,
+prefix-cache hits and speculative decoding with it, the capacity it buys, and how far it moves outputs."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sparsekv import LLM, SamplingParams
+from sparsekv.cache.latent_format import E4M3_MAX, FP8Latent, PlainLatent
+from sparsekv.paths import default_model_path
+from sparsekv.tools.tiny import save_reference_checkpoint
+from test_tiers import GREEDY, PROMPTS, SMALL, TOPK, assert_back_to_initial, assert_same, generate
+
+FP8 = dict(kv_cache_dtype="fp8")
+# kv_lora_rank 32 in one tile + 1 fp32 scale + rope 8 in bf16, 4 layers; fp32 latents: (32 + 8) x 4 B
+FP8_LATENT_BYTES_PER_TOKEN, FP32_LATENT_BYTES_PER_TOKEN = (32 + 4 + 8 * 2) * 4, (32 + 8) * 4 * 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kv-dtype")
+    paths = {}
+    for family in ("glm_moe_dsa", "deepseek_v32"):
+        paths[family] = str(root / family)
+        extra = dict(n_group=1, topk_group=1) if family == "deepseek_v32" else {}
+        save_reference_checkpoint(paths[family], family=family, seed=1, index_topk=TOPK, **extra)
+    return paths
+
+
+def test_fp8_rows_have_flashmla_layout_and_round_trip():
+    glm5 = FP8Latent(SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64), torch.bfloat16)
+    assert (glm5.row_bytes, glm5.tiles, glm5.tile) == (656, 4, 128)  # 512 e4m3 + 4 fp32 scales + 64 bf16
+    assert PlainLatent(SimpleNamespace(latent_dim=576), torch.bfloat16).row_bytes == 1152
+    fmt = FP8Latent(SimpleNamespace(kv_lora_rank=256, qk_rope_head_dim=16), torch.float32)
+    assert fmt.tiles == 2 and fmt.row_bytes == 256 + 8 + 32
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(64, 272, generator=g) * torch.logspace(-3, 2, 64)[:, None]  # rows of every magnitude
+    values[5, :128] = 0.0  # an all-zero tile decodes to zeros, not NaN
+    rows = fmt.encode(values)
+    assert rows.dtype == torch.uint8 and rows.shape == (64, 296)
+    back = fmt.decode(rows)
+    nope, got = values[:, :256].view(64, 2, 128), back[:, :256].view(64, 2, 128)
+    scale = nope.abs().amax(-1, keepdim=True) / E4M3_MAX
+    # e4m3: 3 mantissa bits (relative error <= 2^-4 for normal values), subnormal spacing 2^-9 of the scale
+    assert ((got - nope).abs() <= torch.maximum(nope.abs() / 16, scale * 2 ** -9) + 1e-12).all()
+    assert (got.abs().amax(-1) <= nope.abs().amax(-1) * (1 + 1e-6)).all()     # the tile's largest is kept
+    assert torch.equal(back[5, :128], torch.zeros(128))
+    assert torch.equal(back[:, 256:], values[:, 256:].to(torch.bfloat16).float())  # k_R in bf16
+    assert torch.equal(fmt.decode(rows.view(8, 8, -1)), back.view(8, 8, -1))          # any leading shape
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
+@pytest.mark.parametrize("selector", ["dsa", "quest"])
+def test_fp8_cache_is_exact_under_tiering_and_prefix_hits(ckpt, family, selector):
+    """With FP8 latents, tiering (N = top-k and 2 x top-k) gives bit-identical tokens and logprobs to
+    FP8 without it: every read sees the same rows. Prefix-cache hits give the same tokens, logprobs
+    within 1e-3: as with float32 latents (<= 1.2e-6 here), a hit's pages are not the ones the first run
+    allocated, so the history is scored in other pieces (~1e-7 apart), and a new latent so moved can
+    land on the other side of an e4m3 rounding step: one such flip moves deepseek_v32 + Quest by
+    5.4e-5."""
+    reference, llm = generate(ckpt[family], selector=selector, enable_prefix_caching=False, **FP8)
+    assert llm.engine.cache.latent_bytes_per_token() == FP8_LATENT_BYTES_PER_TOKEN
+    for n in (TOPK, None):
+        outs, tiered = generate(ckpt[family], selector=selector, kv_tiering=True, device_buffer_tokens=n, **FP8)
+        assert_same(reference, outs)
+        assert tiered.stats()["tier_misses"] > 0
+        assert tiered.stats()["host_kv_bytes"] == 0 and tiered.engine.cache.host.row_bytes * 4 == \
+            FP8_LATENT_BYTES_PER_TOKEN
+    # one prompt at a time (a batch's rows group differently once hits shorten some prefills)
+    alone = LLM(ckpt[family], selector=selector, enable_prefix_caching=False, **SMALL, **FP8)
+    want = [alone.generate([p], GREEDY)[0] for p in PROMPTS]
+    cached = LLM(ckpt[family], selector=selector, **SMALL, **FP8)
+    cached.generate(PROMPTS, GREEDY)
+    again = [cached.generate([p], GREEDY)[0] for p in PROMPTS]  # every full page of every prompt is a hit now
+    assert sum(o.num_cached_tokens for o in again) > 0
+    for x, y in zip(want, again, strict=True):
+        assert x.token_ids == y.token_ids
+        assert max(abs(a[t] - b[t]) for a, b in zip(x.logprobs, y.logprobs) for t in a) < 1e-3
+    assert_back_to_initial(cached.engine)
+
+
+def test_fp8_cache_is_exact_under_emulated_cuda_ordering(ckpt, emulated_cuda):
+    reference, _ = generate(ckpt["glm_moe_dsa"], **FP8)
+    outs, _ = generate(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=TOPK, **FP8)
+    assert_same(reference, outs)
+    assert emulated_cuda["fetches"] > 0
+
+
+def test_fp8_cache_with_speculative_decoding_equals_plain_greedy():
+    """The bundled model's MTP drafts verified against FP8 latents: the tokens of FP8 decoding
+    without drafts (each row is encoded on its own, so a verified row reads what a decode would)."""
+    prompts = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):\n    parser = "]
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
+    options = dict(max_model_len=512, prefill_chunk_tokens=8, max_num_batched_tokens=20, **FP8)
+    plain = LLM(default_model_path(), **options).generate(prompts, params)
+    llm = LLM(default_model_path(), num_speculative_tokens=2, **options)
+    spec = llm.generate(prompts, params)
+    for a, b in zip(plain, spec, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert max(abs(la[t] - lb[t]) for t in la) < 1e-5
+    assert llm.stats()["spec_num_accepted_tokens"] > 0
+    llm.engine.check_integrity()
+
+
+def test_fp8_cache_holds_more_tokens_in_the_same_budget(ckpt):
+    path, budget = ckpt["glm_moe_dsa"], 64 * 16 * (FP32_LATENT_BYTES_PER_TOKEN + 128)  # 64 fp32 pages
+    assert LLM(path, **SMALL, device_kv_budget_bytes=budget).engine.allocator.num_pages == 64
+    fp8 = LLM(path, **SMALL, device_kv_budget_bytes=budget, **FP8).engine
+    assert fp8.allocator.num_pages == budget // (16 * (FP8_LATENT_BYTES_PER_TOKEN + 128))  # 99 pages
+    host = 48 * 16 * FP32_LATENT_BYTES_PER_TOKEN  # the host tier's budget holds 3x the tokens too
+    assert LLM(path, **SMALL, kv_tiering=True, host_kv_budget_bytes=host, **FP8).engine.allocator.num_pages == \
+        host // (16 * FP8_LATENT_BYTES_PER_TOKEN)
+
+
+def test_fp8_cache_stays_close_to_the_model_dtype():
+    """A quantization, so not exact. On the bundled model, teacher-forced over 600 tokens of stdlib code
+    (past top-k: the sparse regime), each token's logprob moves 0.05 nats or less on average and the
+    most probable next token is the same at 95 % of positions or more (`sparsekv bench kv-dtype`
+    measures it at length)."""
+    from sparsekv.tools.bench_kv_dtype import compare_logprobs, default_text
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    outs = []
+    for options in ({}, FP8):
+        llm = LLM(default_model_path(), max_model_len=1024, **options)
+        ids = llm.engine.tokenizer.encode(default_text())[:600]
+        outs.append(llm.generate([ids], params)[0])
+    figures = compare_logprobs(outs[0], outs[1])
+    assert 0 < figures["mean_abs"] < 0.05 and figures["top1_agreement"] >= 0.95
+
+
+def test_prefix_disk_tier_never_mixes_latent_formats(ckpt, tmp_path):
+    """Pages saved by an FP8 engine live in another namespace than a float32 engine's."""
+    from sparsekv.cache.prefix_disk import namespace
+    from sparsekv.cache.prefix_host import PageRows
+    names = []
+    for options in ({}, FP8):
+        engine = LLM(ckpt["glm_moe_dsa"], **SMALL, **options).engine
+        names.append(namespace(engine.config, PageRows(engine.cache.slot_tensors(), 16), 0))
+    assert names[0] != names[1]
+
+
+def test_bench_kv_dtype_reports_capacity_quality_and_speed(tmp_path, capsys):
+    """`sparsekv bench kv-dtype` on the bundled model: FP8 holds more tokens in the budget, scores the
+    text close to float32 latents, and both decodes are timed."""
+    import json
+
+    from sparsekv.tools.bench import main
+    out = tmp_path / "kv.json"
+    assert main(["kv-dtype", "--context", "320", "--decode-steps", "4", "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["capacity"]["fp8"]["latent_bytes_per_token"] == (64 + 4 + 32 * 2) * 5  # bundled: rank 64, rope 32
+    assert result["capacity_ratio"] > 2 and result["glm5_row_bytes"] == {"auto": 1152, "fp8": 656}
+    assert result["quality"]["positions"] == 319 and 0 < result["quality"]["mean_abs"] < 0.05
+    assert result["decode_ms"]["fp8"] > 0 and result["decode_ms"]["auto"] > 0
+    assert "tokens in the budget" in capsys.readouterr().out
+    assert main(["kv-dtype", "--text-file", str(out), "--context", "100000"]) == 2  # too short a text
