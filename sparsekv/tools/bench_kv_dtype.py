@@ -13,7 +13,9 @@ Three figures, each against latents in the model dtype (the baseline) measured i
   achieved bandwidth of a decode step (weights + the selected latents and the indexer keys read)
   against the machine's.
 
-The default text is the interpreter's own `json/decoder.py` (any file: `--text-file`).
+The default text is the interpreter's own `json/decoder.py` (any file: `--text-file`); a checkpoint
+without a tokenizer (`sparsekv make-tiny-model`) gets seeded random tokens, which time the decode
+but make the quality figures those of a random model.
 """
 from __future__ import annotations
 
@@ -84,7 +86,12 @@ def run(args) -> dict:
     text = default_text() if args.text_file is None else open(args.text_file).read()
     llms = {dt: LLM(model, kv_cache_dtype=dt, max_model_len=args.context + args.decode_steps + 8,
                     enable_prefix_caching=False) for dt in DTYPES}
-    ids = llms["auto"].engine.tokenizer.encode(text)[:args.context]
+    tokenizer = llms["auto"].engine.tokenizer
+    if tokenizer is None:  # a checkpoint without one (make-tiny-model): seeded random tokens, for the timing
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, llms["auto"].engine.model_config.vocab_size, (args.context,), generator=g).tolist()
+    else:
+        ids = tokenizer.encode(text)[:args.context]
     if len(ids) < args.context:
         raise ValueError(f"the text has {len(ids)} tokens; --context {args.context} needs more")
     scored = {dt: llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))[0]
@@ -96,7 +103,7 @@ def run(args) -> dict:
             ms, tokens[dt] = decode_ms(llm, ids, args.decode_steps)
             times[dt].append(ms)
     geometry = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, latent_dim=576)  # GLM-5, DeepSeek-V3.2
-    return {"model": model, "context": args.context, "decode_steps": args.decode_steps,
+    return {"model": model, "context": args.context, "decode_steps": args.decode_steps, "random_tokens": tokenizer is None,
             "capacity": {dt: capacity(llm.engine, args.device_budget) for dt, llm in llms.items()},
             "device_budget": args.device_budget,
             "glm5_row_bytes": {"auto": PlainLatent(geometry, torch.bfloat16).row_bytes,
@@ -123,6 +130,9 @@ def report(result: dict) -> dict:
     console.print(f"GLM-5 geometry (kv_lora_rank 512, rope 64), per token and layer: bf16 {g['auto']:,} B, "
                   f"fp8 {g['fp8']:,} B: {g['auto'] / g['fp8']:.2f}x the tokens per byte of latents")
     q = result["quality"]
+    if result["random_tokens"]:
+        console.print("[bold]no tokenizer: random tokens through a checkpoint that may have random weights; the "
+                      "quality figures below say nothing about a trained model[/bold]")
     console.print(f"quality, teacher-forced over {q['positions']:,} positions of a {result['context']:,}-token text: "
                   f"|Δ logprob| mean {q['mean_abs']:.4f}, p99 {q['p99_abs']:.4f}, max {q['max_abs']:.4f} nats; "
                   f"most probable next token agrees at {100 * q['top1_agreement']:.1f}% of positions")
