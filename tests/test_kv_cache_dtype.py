@@ -157,3 +157,11 @@ def test_bench_kv_dtype_reports_capacity_quality_and_speed(tmp_path, capsys):
     assert result["decode_ms"]["fp8"] > 0 and result["decode_ms"]["auto"] > 0
     assert "tokens in the budget" in capsys.readouterr().out
     assert main(["kv-dtype", "--text-file", str(out), "--context", "100000"]) == 2  # too short a text
+
+
+@pytest.mark.parametrize("rank, rope", [(512, 64), (64, 32), (96, 16)])
+def test_planner_sizes_fp8_latents_as_the_engine_stores_them(rank, rope):
+    from sparsekv.tools.plan_costs import latent_bytes_per_token_layer
+    cfg = SimpleNamespace(kv_lora_rank=rank, qk_rope_head_dim=rope, latent_dim=rank + rope)
+    assert latent_bytes_per_token_layer(cfg, "fp8") == FP8Latent(cfg, torch.bfloat16).row_bytes
+    assert latent_bytes_per_token_layer(cfg, "bf16") == PlainLatent(cfg, torch.bfloat16).row_bytes

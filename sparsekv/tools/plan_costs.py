@@ -6,6 +6,7 @@ C = kv_lora_rank, R = qk_rope_head_dim, H_I x D_I indexer heads, k = index_topk,
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from sparsekv.config import ModelConfig
@@ -26,10 +27,12 @@ def latent_bytes_per_token_layer(cfg: ModelConfig, fmt: str) -> int:
     """MLA cache entry: latent c (C values) + rope key (R values).
 
     FP8 is FlashMLA's layout: C x e4m3, one fp32 scale per 128 latent values, and the rope key
-    kept in bf16 (512 + 16 + 128 = 656 B for C = 512, R = 64).
+    kept in bf16 (512 + 16 + 128 = 656 B for C = 512, R = 64). Tiles are gcd(C, 128) values when C is
+    not a multiple of 128, as the engine stores them (cache/latent_format.py).
     """
     if fmt == "fp8":
-        return cfg.kv_lora_rank + 4 * (cfg.kv_lora_rank // FP8_BLOCK) + 2 * cfg.qk_rope_head_dim
+        tiles = cfg.kv_lora_rank // math.gcd(cfg.kv_lora_rank, FP8_BLOCK)
+        return cfg.kv_lora_rank + 4 * tiles + 2 * cfg.qk_rope_head_dim
     return cfg.latent_dim * element_bytes(fmt)
 
 
