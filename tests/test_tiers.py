@@ -164,6 +164,14 @@ def test_device_latent_bytes_are_flat_and_host_holds_history(ckpt):
         assert key in stats
 
 
+def test_a_prefill_chunk_reads_each_history_row_from_the_host_once(ckpt):
+    """A 60-token prompt in chunks of 16: each chunk's rows select more entries (16 x top-k) than the
+    history holds, so each layer reads the history once (16, 32, 48, 60 rows), not once per pick."""
+    llm = make(ckpt["glm_moe_dsa"], kv_tiering=True)
+    out = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert out.metrics["h2d_bytes"] == (16 + 32 + 48 + 60) * LATENT_BYTES_PER_TOKEN
+
+
 def test_fp8_indexer_keys_shrink_the_device_and_stay_close(ckpt):
     reference, base = generate(ckpt["glm_moe_dsa"], kv_tiering=True)
     outs, llm = generate(ckpt["glm_moe_dsa"], kv_tiering=True, indexer_key_dtype="fp8_e4m3")

@@ -29,7 +29,7 @@ TILE = 128
 class PlainLatent:
     """Latents stored in the model dtype."""
 
-    name = "auto"
+    name, encoded = "auto", False
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         self.dtype, self.row_dtype, self.row_width = dtype, dtype, cfg.latent_dim
@@ -45,7 +45,7 @@ class PlainLatent:
 class FP8Latent:
     """Latents stored as FlashMLA's 656-byte FP8 rows (see the module docstring)."""
 
-    name = "fp8"
+    name, encoded = "fp8", True  # encoded: a read pays for decoding what it gathered
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         self.dtype, self.row_dtype = dtype, torch.uint8

@@ -116,8 +116,10 @@ class KVPool:
 
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim]: only k entries are read."""
-        rows = seq.slots[positions.reshape(-1)]
-        return self.fmt.decode(self.latent[layer].index_select(0, rows)).view(*positions.shape, -1)
+        flat = positions.reshape(-1)
+        if self.fmt.encoded and flat.numel() > seq.context_len:  # prefill: decode each entry once, not per pick
+            return self.latent_for(layer, seq).index_select(0, flat).view(*positions.shape, -1)
+        return self.fmt.decode(self.latent[layer].index_select(0, seq.slots[flat])).view(*positions.shape, -1)
 
     def dense_decode_latents(self, layer: int, seqs: list[SeqSlice], length: int) -> torch.Tensor:
         """Decoding requests' whole histories, each padded to `length` entries: [B, length, latent_dim]."""

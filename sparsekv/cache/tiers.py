@@ -206,8 +206,14 @@ class TieredKVPool:
         return self.gather_latent(layer, seq, torch.arange(seq.context_len))
 
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
-        """Latents of the selected positions [S, k] -> [S, k, latent_dim], in the order asked for."""
-        return self.fmt.decode(self._rows_at(layer, seq, positions.reshape(-1))).view(*positions.shape, -1)
+        """Latents of the selected positions [S, k] -> [S, k, latent_dim], in the order asked for. A
+        prefill chunk's rows pick more entries than the history holds: the history is read from the
+        host (and decoded) once, then indexed."""
+        flat = positions.reshape(-1)
+        if not self._uses_working_set(layer, seq) and flat.numel() > seq.context_len:
+            history = self.fmt.decode(self._stream(layer, seq, seq.slots))
+            return history.index_select(0, flat.to(history.device)).view(*positions.shape, -1)
+        return self.fmt.decode(self._rows_at(layer, seq, flat)).view(*positions.shape, -1)
 
     def _rows_at(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Stored rows of the positions [n] (not decoded)."""
