@@ -10,8 +10,8 @@ import torch
 from sparsekv import LLM, SamplingParams
 from sparsekv.cache.latent_format import E4M3_MAX, FP8Latent, PlainLatent
 from sparsekv.paths import default_model_path
-from sparsekv.tools.tiny import save_reference_checkpoint
-from test_tiers import GREEDY, PROMPTS, SMALL, TOPK, assert_back_to_initial, assert_same, generate
+from test_tiers import (GREEDY, PROMPTS, SMALL, TOPK, assert_back_to_initial, assert_same, generate,
+                        tiny_checkpoints)
 
 FP8 = dict(kv_cache_dtype="fp8")
 # kv_lora_rank 32 in one tile + 1 fp32 scale + rope 8 in bf16, 4 layers; fp32 latents: (32 + 8) x 4 B
@@ -20,13 +20,7 @@ FP8_LATENT_BYTES_PER_TOKEN, FP32_LATENT_BYTES_PER_TOKEN = (32 + 4 + 8 * 2) * 4, 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kv-dtype")
-    paths = {}
-    for family in ("glm_moe_dsa", "deepseek_v32"):
-        paths[family] = str(root / family)
-        extra = dict(n_group=1, topk_group=1) if family == "deepseek_v32" else {}
-        save_reference_checkpoint(paths[family], family=family, seed=1, index_topk=TOPK, **extra)
-    return paths
+    return tiny_checkpoints(tmp_path_factory.mktemp("kv-dtype"))
 
 
 def test_fp8_rows_have_flashmla_layout_and_round_trip():

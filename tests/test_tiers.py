@@ -19,7 +19,11 @@ LATENT_BYTES_PER_TOKEN = (32 + 8) * 4 * 4  # (kv_lora_rank + rope) x fp32 x 4 la
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiers")
+    return tiny_checkpoints(tmp_path_factory.mktemp("tiers"))
+
+
+def tiny_checkpoints(root) -> dict[str, str]:
+    """A tiny random checkpoint of each family with top-k TOPK, by family."""
     paths = {}
     for family in ("glm_moe_dsa", "deepseek_v32"):
         paths[family] = str(root / family)

@@ -69,6 +69,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-buffer-tokens", type=int, default=32768)
     p.add_argument("--prefill-chunk-tokens", type=int, default=4096)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="latents in the model dtype, or FP8 (FlashMLA's rows): does retrieval survive the quantization?")
     p.add_argument("--device", default="cpu", help="engine device (cpu, cuda)")
     p.add_argument("--heatmap", default="needle_heatmap.png", help="depth x length heatmap PNG")
     p.add_argument("--json", default=None, help="write every sample's result here")
@@ -84,7 +86,7 @@ def make_llm(model: str, attention: str, max_len: int, args) -> tuple[object, st
     from ..llm import LLM
     opts = dict(max_model_len=max_len, attention=attention, prefill_chunk_tokens=args.prefill_chunk_tokens,
                 max_num_seqs=1, max_num_batched_tokens=args.prefill_chunk_tokens, dtype=args.dtype,
-                device=args.device, enable_prefix_caching=not args.no_prefix_caching)
+                kv_cache_dtype=args.kv_cache_dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching)
     if attention == "sparse" and not args.no_tiering:
         try:
             return LLM(model, **opts, kv_tiering=True, device_buffer_tokens=args.device_buffer_tokens), "tiering on"
