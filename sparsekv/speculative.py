@@ -155,9 +155,10 @@ class Speculator:
         for step in range(self.k):
             if step:
                 logits, h = self._draft_step(seqs, step, [d[-1].token for d in drafts], h, selection)
-            cpu = logits.cpu()
+            greedy = logits.argmax(-1).tolist()  # every greedy draft in one op; B ints cross to the host, not B x V
             for i, req in enumerate(reqs):
-                drafts[i].append(draft_token(cpu[i], req.params, generators[req.request_id]))
+                drafts[i].append(Draft(greedy[i], None) if req.params.greedy else
+                                 draft_token(logits[i], req.params, generators[req.request_id]))
         for req, d in zip(reqs, drafts):
             # a step emits at most drafts + 1 tokens: no draft past max_tokens or max_model_len
             room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
