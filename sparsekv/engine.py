@@ -503,6 +503,17 @@ class LLMEngine:
                 "device_latent_bytes": held * self.cache.latent_bytes_per_token(),
                 "device_indexer_bytes": held * self.cache.index_bytes_per_token()}
 
+    def cache_config(self) -> dict[str, str]:
+        """How the KV cache is laid out, as strings (vLLM's `cache_config_info` labels, and ours)."""
+        config, tiers = self.config, self.prefix.tiers if self.prefix is not None else {}
+        return {"block_size": str(self.page_size), "cache_dtype": config.kv_cache_dtype,
+                "num_gpu_blocks": str(self.allocator.num_pages), "enable_prefix_caching": str(self.prefix is not None),
+                "kv_tiering": str(self.tiered), "host_store": self.cache.host.kind if self.tiered else "none",
+                "device_buffer_tokens": str(self.cache.capacity if self.tiered else 0),
+                "indexer_key_dtype": config.indexer_key_dtype, "selector": config.selector,
+                "prefix_cache_tiers": ",".join(["device", *tiers]), "kv_admission": config.kv_admission,
+                "num_speculative_tokens": str(config.num_speculative_tokens)}
+
     def stats(self) -> dict:
         spec = self.speculator.stats() if self.speculator is not None else {}
         prefix = self.prefix.stats() if self.prefix is not None else {}

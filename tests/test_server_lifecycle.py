@@ -11,8 +11,8 @@ import httpx
 import pytest
 import torch
 
-from test_server_util import (ThreadServer, free_port, scrape, start_subprocess_server, tiny_checkpoint,
-                              wait_healthy, wait_until)
+from test_server_util import (ThreadServer, free_port, scrape, scrape_samples, start_subprocess_server,
+                              tiny_checkpoint, wait_healthy, wait_until)
 
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 150, "ignore_eos": True}
 
@@ -176,7 +176,7 @@ def test_chat_default_max_tokens_is_capped_only_when_admission_reserves(model):
 
 
 def test_tier_figures_reach_response_and_metrics(model):
-    with ThreadServer(model, kv_tiering=True) as srv:
+    with ThreadServer(model, kv_tiering=True, kv_cache_dtype="fp8") as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1] * 40, "max_tokens": 30, "n": 2,
                                                           "temperature": 0, "ignore_eos": True}).json()
         tiers = r["sparsekv"]["tiers"]
@@ -185,6 +185,10 @@ def test_tier_figures_reach_response_and_metrics(model):
         m = scrape(srv.url)
         assert m["sparsekv:host_kv_budget_bytes"] > 0 and m["sparsekv:h2d_bytes_total"] >= tiers["h2d_bytes"]
         assert m["sparsekv:tier_hits_total"] + m["sparsekv:tier_misses_total"] > 0
+        [info] = [s for s in scrape_samples(srv.url) if s.name == "sparsekv:cache_config_info"]
+        assert info.value == 1 and info.labels["cache_dtype"] == "fp8" and info.labels["kv_tiering"] == "True"
+        assert info.labels["host_store"] == "ram" and info.labels["block_size"] == "16"
+        assert info.labels["num_gpu_blocks"] == str(srv.engine.allocator.num_pages)
     srv.engine.check_integrity()
 
 

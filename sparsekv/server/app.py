@@ -70,7 +70,7 @@ class ServerState:
             self.tokenizer.chat_template = bundled_chat_template(engine.model_config.model_type)
         self.token_text = TokenText(self.tokenizer)
         self.loop = EngineLoop(engine, None, settings.max_queued_requests, settings.max_queued_per_tenant)
-        self.metrics = ServerMetrics(self.model_name, self.loop.stats, lambda: self.loop.healthy)
+        self.metrics = ServerMetrics(self.model_name, self.loop.stats, lambda: self.loop.healthy, engine.cache_config())
         self.loop.metrics = self.metrics
 
     def check_model(self, model: str | None) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 P = "sparsekv:"
@@ -67,7 +67,8 @@ class RequestTimer:
 class ServerMetrics:
     """All metrics of one server, in their own registry (several servers can share a process in tests)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict], healthy: Callable[[], bool]):
+    def __init__(self, model_name: str, stats: Callable[[], dict], healthy: Callable[[], bool],
+                 cache_config: dict[str, str] | None = None):
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
         label = ["model_name"]
@@ -92,6 +93,10 @@ class ServerMetrics:
         self.aborted = Counter(P + "requests_aborted", "Requests aborted (client gone, shutdown, fault).",
                                label + ["reason"], registry=r)
         r.register(EngineStatsCollector(model_name, stats, healthy))
+        if cache_config:  # vLLM's info-as-a-gauge: the cache's layout in labels, value 1
+            info = Gauge(P + "cache_config_info", "KV cache configuration (labels), always 1.",
+                         label + sorted(cache_config), registry=r)
+            info.labels(model_name, *[cache_config[k] for k in sorted(cache_config)]).set(1)
 
     def observe(self, t: RequestTimer, out, now: float, scheduled: float | None) -> None:
         """Latencies of one engine output; called by the engine loop as the output comes out."""
