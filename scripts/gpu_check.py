@@ -99,7 +99,8 @@ def indexer_decode(device: str, out_path: str) -> dict:
 
 def tiers(ckpt: str, device: str, out_path: str) -> dict:
     test = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_tiers.py", "tests/test_speculative.py",
-                           "tests/test_prefix_cache.py", "tests/test_dense_decode_batch.py", "-k", "on_cuda"], capture_output=True, text=True)
+                           "tests/test_prefix_cache.py", "tests/test_dense_decode_batch.py", "tests/test_kv_cache_dtype.py",
+                           "-k", "on_cuda"], capture_output=True, text=True)
     result = {"cuda_exactness_test": test.stdout.strip().splitlines()[-1:]}
     for name, model in (("", ["--model", ckpt]), ("-glm52", ["--preset", "glm5.2-proportions"])):
         bench = subprocess.run(["sparsekv", "bench", "tiers", "--concurrency", *model, "--device", device,

@@ -82,6 +82,21 @@ def test_fp8_cache_is_exact_under_emulated_cuda_ordering(ckpt, emulated_cuda):
     assert emulated_cuda["fetches"] > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_rows_and_tiering_on_cuda(ckpt):
+    """CUDA encodes the same bytes and decodes them natively to what the CPU's table gives; tiering
+    stays exact with FP8 rows on the device (scripts/gpu_check.py runs this)."""
+    fmt = FP8Latent(SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64), torch.float32)
+    values = torch.randn(256, 576, generator=torch.Generator().manual_seed(0))
+    rows = fmt.encode(values)
+    assert torch.equal(fmt.encode(values.cuda()).cpu(), rows)
+    assert torch.equal(fmt.decode(rows.cuda()).cpu(), fmt.decode(rows))
+    reference, _ = generate(ckpt["glm_moe_dsa"], device="cuda", **FP8)
+    outs, llm = generate(ckpt["glm_moe_dsa"], device="cuda", kv_tiering=True, device_buffer_tokens=TOPK, **FP8)
+    assert_same(reference, outs)
+    assert llm.stats()["tier_misses"] > 0
+
+
 def test_fp8_cache_with_speculative_decoding_equals_plain_greedy():
     """The bundled model's MTP drafts verified against FP8 latents: the tokens of FP8 decoding
     without drafts (each row is encoded on its own, so a verified row reads what a decode would)."""
