@@ -168,12 +168,21 @@ def test_device_latent_bytes_are_flat_and_host_holds_history(ckpt):
         assert key in stats
 
 
-def test_a_prefill_chunk_reads_each_history_row_from_the_host_once(ckpt):
-    """A 60-token prompt in chunks of 16: each chunk's rows select more entries (16 x top-k) than the
-    history holds, so each layer reads the history once (16, 32, 48, 60 rows), not once per pick."""
+def test_a_prefill_block_reads_each_selected_row_from_the_host_once(ckpt, monkeypatch):
+    """The rows of a prefill block select overlapping positions; each distinct one crosses the host
+    link once per layer (h2d = the distinct positions asked for, not every pick)."""
+    from sparsekv.cache.tiers import TieredKVPool
+    asked, picks, real = [], [], TieredKVPool.gather_latent
+
+    def spy(self, layer, seq, positions):
+        asked.append(positions.unique().numel())
+        picks.append(positions.numel())
+        return real(self, layer, seq, positions)
+    monkeypatch.setattr(TieredKVPool, "gather_latent", spy)
     llm = make(ckpt["glm_moe_dsa"], kv_tiering=True)
     out = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=1, temperature=0.0))[0]
-    assert out.metrics["h2d_bytes"] == (16 + 32 + 48 + 60) * LATENT_BYTES_PER_TOKEN
+    assert out.metrics["h2d_bytes"] == sum(asked) * LATENT_BYTES_PER_TOKEN // 4  # one layer's row each
+    assert sum(asked) < sum(picks)
 
 
 def test_fp8_indexer_keys_shrink_the_device_and_stay_close(ckpt):
@@ -447,3 +456,12 @@ def test_bench_tiers_teacher_forced_natural_continuation(tmp_path):
                             "--natural-steps", "10", "--teacher-forced"]), 0)
     with pytest.raises(SystemExit, match="needs --prompt-file"):
         _prompt(parse_args(["--teacher-forced"]), 1000)
+
+
+def test_distinct_positions_equals_torch_unique():
+    from sparsekv.cache.pool import distinct_positions
+    flat = torch.randint(0, 500, (3000,), generator=torch.Generator().manual_seed(0))
+    distinct, inverse = distinct_positions(flat, 500)
+    want, want_inverse = torch.unique(flat, return_inverse=True)
+    assert torch.equal(distinct, want) and torch.equal(inverse, want_inverse)
+    assert torch.equal(distinct[inverse], flat)

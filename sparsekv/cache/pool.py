@@ -54,6 +54,15 @@ def padded_slots(seqs: list[SeqSlice], length: int | None = None) -> torch.Tenso
     return flat[padded_rows(lengths, length or max(lengths), flat.device)]
 
 
+def distinct_positions(flat: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct positions among `flat` (ascending) and each pick's index among them, through a mask
+    over the history instead of a sort (torch.unique's sort is the slow part on a CPU)."""
+    seen = torch.zeros(context_len, dtype=torch.bool, device=flat.device)
+    seen[flat] = True
+    rank = torch.cumsum(seen, 0) - 1
+    return seen.nonzero()[:, 0], rank[flat]
+
+
 def _concat_ranges(starts: list[int], lengths: list[int]) -> torch.Tensor:
     """cat(arange(s, s + n) for s, n) in a fixed number of ops, however many ranges."""
     start, length = torch.tensor(starts), torch.tensor(lengths)
@@ -117,8 +126,10 @@ class KVPool:
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim]: only k entries are read."""
         flat = positions.reshape(-1)
-        if self.fmt.encoded and flat.numel() > seq.context_len:  # prefill: decode each entry once, not per pick
-            return self.latent_for(layer, seq).index_select(0, flat).view(*positions.shape, -1)
+        if self.fmt.encoded and positions.shape[0] > 1:  # a prefill block: decode each distinct entry once
+            distinct, inverse = distinct_positions(flat, seq.context_len)
+            latents = self.fmt.decode(self.latent[layer].index_select(0, seq.slots[distinct]))
+            return latents.index_select(0, inverse).view(*positions.shape, -1)
         return self.fmt.decode(self.latent[layer].index_select(0, seq.slots[flat])).view(*positions.shape, -1)
 
     def dense_decode_latents(self, layer: int, seqs: list[SeqSlice], length: int) -> torch.Tensor:

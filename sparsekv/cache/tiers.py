@@ -49,7 +49,7 @@ from .latent_format import PlainLatent, latent_format
 from .lru import (TierCounters, TierSizes, WorkingSetLRU, index_bytes_per_layer, index_bytes_per_token,
                   latent_bytes_per_token, plan_tier_sizes)
 from .pages import PageAllocator
-from .pool import padded_rows
+from .pool import distinct_positions, padded_rows
 
 
 @dataclass
@@ -206,13 +206,14 @@ class TieredKVPool:
         return self.gather_latent(layer, seq, torch.arange(seq.context_len))
 
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
-        """Latents of the selected positions [S, k] -> [S, k, latent_dim], in the order asked for. A
-        prefill chunk's rows pick more entries than the history holds: the history is read from the
-        host (and decoded) once, then indexed."""
+        """Latents of the selected positions [S, k] -> [S, k, latent_dim], in the order asked for. The
+        rows of a prefill block select overlapping positions: each distinct one is read from the host
+        (and decoded) once."""
         flat = positions.reshape(-1)
-        if not self._uses_working_set(layer, seq) and flat.numel() > seq.context_len:
-            history = self.fmt.decode(self._stream(layer, seq, seq.slots))
-            return history.index_select(0, flat.to(history.device)).view(*positions.shape, -1)
+        if not self._uses_working_set(layer, seq) and positions.shape[0] > 1:
+            distinct, inverse = distinct_positions(flat, seq.context_len)
+            latents = self.fmt.decode(self._stream(layer, seq, seq.slots[distinct.to(seq.slots.device)]))
+            return latents.index_select(0, inverse.to(latents.device)).view(*positions.shape, -1)
         return self.fmt.decode(self._rows_at(layer, seq, flat)).view(*positions.shape, -1)
 
     def _rows_at(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
