@@ -192,3 +192,57 @@ def test_chat_template_flag_replaces_the_tokenizers(tmp_path, capsys):
     assert text == "<user>hi[1 tools]<assistant>"
     assert main(["--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "missing.jinja" in capsys.readouterr().err
+
+
+def test_forced_tool_choice_through_the_api():
+    """tool_choice naming a function, or "required": the call is written as JSON under the tools'
+    schemas (structured outputs), so even the 8M model calls it with valid arguments; streamed, the
+    named call's arguments go out as they are written and join to the unstreamed ones."""
+    from sparsekv.paths import default_model_path
+    from test_server_util import ThreadServer
+    city = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}},
+             {"type": "function", "function": {"name": "now"}}]
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with ThreadServer(default_model_path(), max_model_len=1024) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        whole = client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice=named,
+                                               max_tokens=64, temperature=0)
+        choice = whole.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content is None  # OpenAI: a named choice "stop"s
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+        streamed = list(client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice=named,
+                                                       max_tokens=64, temperature=0, stream=True))
+        deltas = [t.model_dump(exclude_none=True) for c in streamed for t in (c.choices[0].delta.tool_calls or [])]
+        assert len(deltas) >= 3  # the name, then the arguments in pieces
+        assert _joined(deltas) == [("get_weather", call.function.arguments)]
+        assert not "".join(c.choices[0].delta.content or "" for c in streamed)
+        # "required": this model keeps appending calls to the array until max_tokens cuts it; a cut array
+        # is no call, and its text is the content (whole and streamed alike)
+        required = client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice="required",
+                                                  max_tokens=48, temperature=0)
+        message = required.choices[0].message
+        assert required.choices[0].finish_reason == "length" and not message.tool_calls
+        assert message.content.startswith('[{"name": "get_weather", "parameters": {"city": ')
+        streamed = list(client.chat.completions.create(model="tiny", messages=messages, tools=tools,
+                                                       tool_choice="required", max_tokens=48, temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == message.content
+        assert not any(c.choices[0].delta.tool_calls for c in streamed)
+        srv.engine.check_integrity()
+
+
+def test_required_tool_choice_array_becomes_calls_whole_and_streamed():
+    from sparsekv.server.tool_calls import ForcedCallStream, forced_calls
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "now", "parameters": {}}]'
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in forced_calls(text, "required")]
+    assert calls == [("get_weather", '{"city": "Paris"}'), ("now", "{}")]
+    stream = ForcedCallStream("required")
+    assert stream.update(text[:20], text[:20], False) == []  # nothing until the array is whole
+    assert _joined(stream.update(text[20:], text, True)) == calls
+    assert forced_calls(text[:-1], "required") is None       # cut off: no calls
+    named = ForcedCallStream("get_weather")
+    assert _joined(named.update('{"city"', '{"city"', False) + named.update(': "Rome"}', '{"city": "Rome"}', True)) \
+        == [("get_weather", '{"city": "Rome"}')]

@@ -135,7 +135,7 @@ async def _body(request: Request, model):
 
 async def _generate(request: Request, body: SamplingFields, kind: str, prompts: list, max_tokens: int,
                     logprobs: int | None, top_logprobs: int | None = None, echo: Echo | None = None,
-                    tools: CallFormat | None = None, reasoning: Reasoning | None = None):
+                    tools: CallFormat | None = None, reasoning: Reasoning | None = None, forced: str | None = None):
     """Prompts x n choices -> one group of engine requests, answered as one response or stream."""
     state = _state(request)
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
@@ -144,7 +144,7 @@ async def _generate(request: Request, body: SamplingFields, kind: str, prompts: 
     subs = [Submission(p, sampling_params(body, i, max_tokens, logprobs, prompt_logprobs))
             for p in prompts for i in range(body.n)]
     builder = ResponseBuilder(kind, rid, body.model or state.model_name, int(time.time()), body.n,
-                              state.token_text, _tenant(request), top_logprobs, echo, tools, reasoning)
+                              state.token_text, _tenant(request), top_logprobs, echo, tools, reasoning, forced)
     job = Job(RequestGroup(rid, len(subs)), subs, _tenant(request), body.cache_salt, builder, body.stream,
               body.include_usage)
     return await run(request, state.loop, job, state.metrics)
@@ -168,20 +168,21 @@ async def chat_completions(request: Request):
     state = _state(request)
     body = await _body(request, ChatCompletionRequest)
     state.check_model(body.model)
+    forced = body.forced_tool  # a forced call is JSON under a schema, not the model's own call format
     call_format = TOOL_CALL_FORMATS.get(state.engine.model_config.model_type) if body.use_tools else None
-    if body.use_tools and call_format is None:
+    if body.use_tools and forced is None and call_format is None:
         raise bad_request(f"tools: no tool-call parser for model_type {state.engine.model_config.model_type!r} "
                           f"(parsed: {', '.join(TOOL_CALL_FORMATS)})", "tools")
     prompt, text = state.chat_prompt(body, body.tools if body.use_tools else None)
-    reasoning = None
-    if state.settings.reasoning_parser is not None:
+    reasoning = None  # a grammar constrains the first token on: there is no think block to split out
+    if state.settings.reasoning_parser is not None and body.engine_structured_output() is None:
         reasoning = Reasoning(prompt_opens_reasoning(text), body.include_reasoning)
     max_tokens = body.max_new_tokens
     if max_tokens is None:  # vLLM: the rest of the context; here also capped by the KV pool
         max_tokens = state.settings.default_max_tokens or max(
             1, min(state.context_limit - len(prompt), state.chat_default_cap))
     return await _generate(request, body, "chat", [prompt], max_tokens, body.num_logprobs, body.top_logprobs,
-                           tools=call_format, reasoning=reasoning)
+                           tools=None if forced is not None else call_format, reasoning=reasoning, forced=forced)
 
 
 async def tokenize(request: Request):

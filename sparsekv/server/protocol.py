@@ -185,6 +185,10 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
+def _parameters(function: dict) -> dict:
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
 def _template_call(call: dict) -> dict:
     function = dict(call.get("function") or {})
     if isinstance(function.get("arguments"), str):
@@ -223,23 +227,61 @@ class ChatCompletionRequest(_ChatTemplateFields, SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
-    tool_choice: str | None = None
+    tool_choice: str | dict | None = None  # "auto", "none", "required" or {"type": "function", "function": {"name"}}
     include_reasoning: bool = True  # vLLM's: with a reasoning parser, False drops reasoning_content
 
     @model_validator(mode="after")
     def _check_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ValueError("tool_choice: only 'auto' and 'none' are supported")
         if self.tools and not all(t.get("type") == "function" and isinstance(t.get("function"), dict)
                                   and t["function"].get("name") for t in self.tools):
             raise ValueError("tools: each must be {'type': 'function', 'function': {'name': ..., ...}}")
+        self._check_tool_choice()
         return self
+
+    def _check_tool_choice(self) -> None:
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise ValueError("tool_choice: a named choice is {'type': 'function', 'function': {'name': ...}}")
+            if name not in self._tool_functions():
+                raise ValueError(f"tool_choice: no tool named {name!r} in tools")
+        elif choice not in (None, "auto", "none", "required"):
+            raise ValueError("tool_choice: 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}")
+        elif choice == "required" and not self.tools:
+            raise ValueError("tool_choice: 'required' needs tools")
+        if self.forced_tool is not None and super().engine_structured_output() is not None:
+            raise ValueError("tool_choice: a forced tool call is already a structured output; drop response_format "
+                             "and guided_*")
+
+    def _tool_functions(self) -> dict[str, dict]:
+        return {t["function"]["name"]: t["function"] for t in self.tools or []}
 
     @property
     def use_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The named function a tool_choice forces, "required" (any of the tools, at least one call), or None."""
+        if isinstance(self.tool_choice, dict):
+            return self.tool_choice["function"]["name"]
+        return "required" if self.tool_choice == "required" else None
+
+    def engine_structured_output(self) -> dict | None:
+        """A forced tool call is written as JSON under a schema, as vLLM does: the named function's
+        arguments, or for "required" a non-empty array of {"name", "parameters"} objects of the tools."""
+        forced = self.forced_tool
+        if forced is None:
+            return super().engine_structured_output()
+        functions = self._tool_functions()
+        if forced != "required":
+            return {"type": "json_schema", "schema": _parameters(functions[forced])}
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _parameters(f)},
+                  "required": ["name", "parameters"]} for name, f in functions.items()]
+        return {"type": "json_schema", "schema": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}}
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..request import RequestOutput
 from .reasoning import split_reasoning, undecided_chars
-from .tool_calls import CallFormat, ToolCallStream, parse_tool_calls
+from .tool_calls import CallFormat, ForcedCallStream, ToolCallStream, forced_calls, parse_tool_calls
 
 
 def _is_number(x) -> bool:
@@ -66,10 +66,11 @@ class ChoiceState:
     as they are written (`tool_stream`). `reasoning`: the think block streams as `reasoning_content`."""
 
     def __init__(self, index: int, stop_strings: list[str], tool_format: CallFormat | None = None,
-                 reasoning: Reasoning | None = None):
+                 reasoning: Reasoning | None = None, forced: str | None = None):
         self.index, self.stop_strings, self.reasoning = index, stop_strings, reasoning
         self.hold_marker = tool_format.start if tool_format is not None else None
         self.tool_stream = ToolCallStream(tool_format) if tool_format is not None else None
+        self.forced_stream = ForcedCallStream(forced) if forced is not None else None
         self.out: RequestOutput | None = None
         self.sent_text = 0  # characters of the content already sent
         self.sent_reasoning = 0  # characters of the reasoning already sent
@@ -133,14 +134,15 @@ class ResponseBuilder:
 
     def __init__(self, kind: str, response_id: str, model: str, created: int, n: int, token_text: TokenText,
                  tenant: str, top_logprobs: int | None = None, echo: Echo | None = None,
-                 tools: CallFormat | None = None, reasoning: Reasoning | None = None):
+                 tools: CallFormat | None = None, reasoning: Reasoning | None = None, forced: str | None = None):
         self.kind, self.id, self.model, self.created, self.n = kind, response_id, model, created, n
         self.token_text, self.tenant, self.top_logprobs, self.echo = token_text, tenant, top_logprobs, echo
         self.tools = tools  # chat with tools: the model's call format, parsed out of the message
         self.reasoning = reasoning  # chat with a reasoning parser: the think block split out
+        self.forced = forced  # a tool_choice forcing a call: the function's name, or "required"
 
     def choice_state(self, index: int, stop_strings: list[str]) -> ChoiceState:
-        return ChoiceState(index, stop_strings, self.tools, self.reasoning)
+        return ChoiceState(index, stop_strings, self.tools, self.reasoning, self.forced)
 
     # -- whole responses -----------------------------------------------------------------------
     def response(self, states: list[ChoiceState]) -> dict:
@@ -162,6 +164,10 @@ class ResponseBuilder:
                     "stop_reason": None}
         reasoning, text = s.split(text)
         message, finish = {"role": "assistant", "content": text}, out.finish_reason
+        calls = forced_calls(text, self.forced) if self.forced is not None else None
+        if calls is not None:  # OpenAI: a named choice finishes "stop", a required one "tool_calls"
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            finish = "tool_calls" if self.forced == "required" and finish == "stop" else finish
         if self.tools:
             content, calls = parse_tool_calls(text, self.tools)
             if calls:
@@ -212,6 +218,9 @@ class ResponseBuilder:
                 delta["reasoning_content"] = reasoning
             if text or "reasoning_content" not in delta:
                 delta["content"] = text
+            if s.forced_stream is not None:
+                self._forced_delta(s, delta, text, finish)
+                finish = "tool_calls" if self.forced == "required" and finish == "stop" else finish
             if self.tools and s.tool_stream is not None:
                 calls = s.tool_stream.update(s.split(s.out.text)[1], finish is not None)
                 if calls:
@@ -224,6 +233,17 @@ class ResponseBuilder:
         if finish is not None:
             body["sparsekv"] = {"tenant": self.tenant, "tiers": dict(s.peak), "index": s.index}
         return body
+
+    @staticmethod
+    def _forced_delta(s: ChoiceState, delta: dict, text: str, finish: str | None) -> None:
+        """A forced call's stream: the text goes out as the call's arguments (or, for "required", as the
+        calls once complete; as content if the array never became valid JSON)."""
+        calls = s.forced_stream.update(text, s.out.text, finish is not None)
+        delta["content"] = None
+        if calls:
+            delta["tool_calls"] = calls
+        elif s.forced_stream.forced == "required" and finish is not None:
+            delta["content"] = s.out.text
 
     def usage_chunk(self, states: list[ChoiceState]) -> dict:
         body = self._chunk_head([], False)

@@ -156,3 +156,40 @@ class ToolCallStream:
         if pieces:
             deltas.append({"index": call["index"], "function": {"arguments": "".join(pieces)}})
         return deltas
+
+
+def forced_calls(text: str, forced: str) -> list[dict] | None:
+    """The calls of a completion written under a forced tool_choice's JSON schema (protocol.py): for a
+    named function the text is its arguments; for "required" an array of {"name", "parameters"}
+    (None when that array is cut off or not JSON)."""
+    if forced != "required":
+        call = _new_call(None, forced)
+        call["function"]["arguments"] = text
+        return [call]
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    calls = []
+    for item in items:
+        call = _new_call(None, item["name"])
+        call["function"]["arguments"] = json.dumps(item["parameters"], ensure_ascii=False)
+        calls.append(call)
+    return calls
+
+
+class ForcedCallStream:
+    """Stream deltas of a forced tool call: a named function's arguments as they are written (its id
+    and name first); for "required", every call once the array is complete."""
+
+    def __init__(self, forced: str):
+        self.forced, self.started = forced, False
+
+    def update(self, new_text: str, text: str, finished: bool) -> list[dict]:
+        if self.forced != "required":
+            deltas = [] if self.started else [_new_call(0, self.forced)]
+            self.started = True
+            return deltas + ([{"index": 0, "function": {"arguments": new_text}}] if new_text else [])
+        if not finished:
+            return []
+        return [{"index": i, **call} for i, call in enumerate(forced_calls(text, "required") or [])]
