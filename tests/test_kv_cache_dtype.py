@@ -174,3 +174,20 @@ def test_planner_sizes_fp8_latents_as_the_engine_stores_them(rank, rope):
     cfg = SimpleNamespace(kv_lora_rank=rank, qk_rope_head_dim=rope, latent_dim=rank + rope)
     assert latent_bytes_per_token_layer(cfg, "fp8") == FP8Latent(cfg, torch.bfloat16).row_bytes
     assert latent_bytes_per_token_layer(cfg, "bf16") == PlainLatent(cfg, torch.bfloat16).row_bytes
+
+
+def test_quest_bounds_the_fp8_values_attention_reads():
+    """Quest's page bounds are taken over the stored (rounded) latents, so they bound the keys the
+    attention reads, not the unrounded ones."""
+    from sparsekv.context import SeqSlice
+    from sparsekv.model.selectors import QuestSelector
+    cfg = SimpleNamespace(latent_dim=72, kv_lora_rank=64, qk_rope_head_dim=8)
+    fmt = FP8Latent(cfg, torch.float32)
+    quest = QuestSelector(cfg, 16, 4, "cpu", [0])
+    latents = torch.randn(8, 72, generator=torch.Generator().manual_seed(0))
+    seq = SeqSlice("r", 0, 8, 8, torch.arange(8))
+    ctx = SimpleNamespace(slot_mapping=torch.arange(8), seqs=[seq], decode_rows=1)
+    lo, hi = quest.prepare(0, ctx, None, None, latents, SimpleNamespace(fmt=fmt))
+    stored = fmt.decode(fmt.encode(latents))
+    assert torch.equal(hi[3], stored[:4].amax(0)) and torch.equal(lo[7], stored[4:].amin(0))
+    assert not torch.equal(stored, latents)

@@ -351,16 +351,18 @@ def test_quest_own_page_bounds_match_brute_force():
     including positions cached before the chunk."""
     from types import SimpleNamespace
     from sparsekv.context import SeqSlice
+    from sparsekv.cache.latent_format import PlainLatent
     from sparsekv.model.selectors import QuestSelector
     cfg = SimpleNamespace(latent_dim=6)
     quest, pt = QuestSelector(cfg, 64, 4, "cpu", [0]), 4
+    cache = SimpleNamespace(fmt=PlainLatent(cfg, torch.float32))
     latents = torch.randn(23, 6, generator=torch.Generator().manual_seed(3))
     slots = torch.arange(23) + 8  # positions p live in slot p + 8 (page (p + 8) // 4)
     done = 0
     for n in (5, 1, 7, 3, 6, 1):  # chunks starting on and off page boundaries
         seq = SeqSlice("r", 0, n, done + n, slots[:done + n])
         ctx = SimpleNamespace(slot_mapping=slots[done:done + n], seqs=[seq], decode_rows=1)
-        lo, hi = quest.prepare(0, ctx, None, None, latents[done:done + n], None)
+        lo, hi = quest.prepare(0, ctx, None, None, latents[done:done + n], cache)
         for i in range(n):
             p = done + i
             start = p - (p + 8) % pt

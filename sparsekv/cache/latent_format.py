@@ -41,6 +41,10 @@ class PlainLatent:
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         return rows
 
+    def as_stored(self, values: torch.Tensor) -> torch.Tensor:
+        """The values a read will return for `values` written now."""
+        return values
+
 
 class FP8Latent:
     """Latents stored as FlashMLA's 656-byte FP8 rows (see the module docstring)."""
@@ -75,6 +79,10 @@ class FP8Latent:
         torch.mul(nope, scale[..., None], out=out[:, :self.rank].view(n, self.tiles, self.tile))
         out[:, self.rank:] = _as(flat[:, self.rope_at:], torch.bfloat16)
         return out.view(*shape, -1)
+
+    def as_stored(self, values: torch.Tensor) -> torch.Tensor:
+        """The values a read will return for `values` written now (Quest bounds what attention reads)."""
+        return self.decode(self.encode(values))
 
     def _e4m3_values(self, codes: torch.Tensor) -> torch.Tensor:
         """uint8 e4m3 codes -> float32. A CPU converts float8 one element at a time (3.5 ns each): a

@@ -106,7 +106,7 @@ class QuestSelector(TokenSelector):
 
     def prepare(self, layer, ctx, x, q_resid, latent, cache):
         """Write the new rows into their pages' bounds; return each row's own-page bounds (lo, hi) [N, D]."""
-        slots, v = ctx.slot_mapping, latent.float()
+        slots, v = ctx.slot_mapping, cache.fmt.as_stored(latent).float()  # bounds of the keys attention reads
         page = slots // self.page_tokens
         fresh = page[slots % self.page_tokens == 0]  # a page's first position resets its bounds
         lo, hi = self.lo[layer], self.hi[layer]
