@@ -174,8 +174,9 @@ async def chat_completions(request: Request):
         raise bad_request(f"tools: no tool-call parser for model_type {state.engine.model_config.model_type!r} "
                           f"(parsed: {', '.join(TOOL_CALL_FORMATS)})", "tools")
     prompt, text = state.chat_prompt(body, body.tools if body.use_tools else None)
-    reasoning = None  # a grammar constrains the first token on: there is no think block to split out
-    if state.settings.reasoning_parser is not None and body.engine_structured_output() is None:
+    reasoning = None  # a JSON grammar holds from the first token on: it leaves no think block to split out
+    grammar = body.engine_structured_output()
+    if state.settings.reasoning_parser is not None and (grammar is None or grammar["type"] in ("regex", "choice")):
         reasoning = Reasoning(prompt_opens_reasoning(text), body.include_reasoning)
     max_tokens = body.max_new_tokens
     if max_tokens is None:  # vLLM: the rest of the context; here also capped by the KV pool
