@@ -242,7 +242,9 @@ class LLMEngine:
         if self._grammar_compiler is None:
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                                      sorted(self.eos_token_ids))
-        return GrammarState(self._grammar_compiler, self._grammar_compiler.compile(spec))
+        tokenizer = self.tokenizer
+        return GrammarState(self._grammar_compiler, self._grammar_compiler.compile(spec), spec.get("after"),
+                            lambda token: tokenizer.decode([token]))
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.find(request_id)

@@ -135,6 +135,9 @@ class SamplingParams:
         if spec["type"] == "choice":
             need(all(isinstance(c, str) and c for c in spec["choices"]), "structured_output",
                  "'choice': choices must be non-empty strings")
+        after = spec.get("after")  # the grammar holds only after this text (e.g. "</think>": reasoning is free)
+        need(after is None or (isinstance(after, str) and bool(after)), "structured_output",
+             f"'after' must be a non-empty string, got {after!r}")
 
 
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice")

@@ -8,6 +8,10 @@ A request's `SamplingParams.structured_output` is one of::
     {"type": "regex", "pattern": "..."}
     {"type": "choice", "choices": ["a", ...]}
 
+Any of them may add `"after": TEXT`: the grammar then holds only once the output has written TEXT
+(vLLM's structured outputs after the reasoning: `"after": "</think>"` lets a model think freely, then
+answer in JSON); the rest of the token that completes TEXT is fed to the grammar.
+
 Before each sampled row the request's grammar masks every token that cannot continue a match (and
 EOS until the match is complete); the emitted token then advances it. Speculative verification rows
 are masked after the tokens before them, so drafting stays exact. Grammars compile once per engine
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Callable
 
 import torch
 
@@ -24,7 +29,8 @@ from .request import InvalidRequest
 
 
 def spec_key(spec: dict) -> str:
-    return json.dumps(spec, sort_keys=True)
+    """What a compiled grammar depends on (not `after`, which only delays it)."""
+    return json.dumps({k: v for k, v in spec.items() if k != "after"}, sort_keys=True)
 
 
 class GrammarCompiler:
@@ -60,24 +66,48 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One request's position in its grammar."""
+    """One request's position in its grammar. `after` (with `token_text`, a token id's text): the
+    grammar waits until the output has written that text."""
 
-    def __init__(self, compiler: GrammarCompiler, compiled):
+    def __init__(self, compiler: GrammarCompiler, compiled, after: str | None = None,
+                 token_text: Callable[[int], str] | None = None):
         xgr = compiler.xgr
         self.xgr, self.matcher = xgr, xgr.GrammarMatcher(compiled)
         self.bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
+        self.waiting_for, self.token_text, self._tail = after, token_text, ""
+
+    @property
+    def active(self) -> bool:
+        return self.waiting_for is None
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of one row of logits with every token the grammar forbids next at -inf."""
+        if not self.active:
+            return logits
         self.matcher.fill_next_token_bitmask(self.bitmask)
         masked = logits.clone().unsqueeze(0)
         self.xgr.apply_token_bitmask_inplace(masked, self.bitmask)
         return masked[0]
 
     def accept(self, token: int) -> None:
-        if not self.matcher.accept_token(token):
+        if not self.active:
+            self._wait(token)
+        elif not self.matcher.accept_token(token):
             raise RuntimeError(f"token {token} was emitted against the request's grammar")
+
+    def _wait(self, token: int) -> None:
+        """Watch the output for the text the grammar waits for; what follows it in the same token
+        (whitespace aside) is the grammar's first input."""
+        marker = self.waiting_for
+        self._tail += self.token_text(token)
+        at = self._tail.find(marker)
+        if at < 0:
+            self._tail = self._tail[len(self._tail) - len(marker) + 1:] if len(marker) > 1 else ""
+            return
+        rest, self.waiting_for = self._tail[at + len(marker):].lstrip(), None
+        if rest and not self.matcher.accept_string(rest):
+            raise RuntimeError(f"{rest!r}, written with {marker!r}, does not start the request's grammar")
 
     @property
     def finished(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.active and self.matcher.is_terminated()

@@ -74,6 +74,7 @@ def test_drafting_under_a_grammar_equals_plain_decoding():
 @pytest.mark.parametrize("spec, match", [
     ({"type": "yaml"}, "structured_output"), ({"type": "regex"}, "pattern"), ({"type": "choice", "choices": []}, "choices"),
     ({"type": "choice", "choices": ["a", ""]}, "choices"), ("json", "structured_output"),
+    ({"type": "json_object", "after": ""}, "after"),
 ])
 def test_malformed_specs_are_refused(spec, match):
     with pytest.raises(InvalidRequest, match=match):
@@ -100,4 +101,19 @@ def test_a_grammar_that_cannot_go_on_ends_the_request_cleanly(llm):
                                       SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])
     assert outs[0].text == "yes" and outs[0].finish_reason == "stop"
     assert len(outs[1].token_ids) == 6 and outs[1].finish_reason == "length"
+    llm.engine.check_integrity()
+
+
+def test_a_grammar_after_a_marker_leaves_the_text_before_it_free(llm):
+    """`"after": TEXT` (the server's "</think>" for reasoning models): the output is the model's own
+    until it writes TEXT, then the grammar's; here a call's "(" and then three digits."""
+    prompt = "def fibonacci(n):\n    return fib"
+    free = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].text
+    spec = {"type": "regex", "pattern": "[0-9]{3}", "after": "("}
+    out = llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0.0, structured_output=spec))[0]
+    head, marker, tail = out.text.partition("(")
+    assert marker and free.startswith(head + "(") and re.fullmatch("[0-9]{3}", tail) and out.finish_reason == "stop"
+    unconstrained = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0,
+                                                          structured_output={**spec, "after": "never written"}))[0]
+    assert unconstrained.text == free  # the marker never comes: the grammar never holds
     llm.engine.check_integrity()

@@ -27,7 +27,7 @@ from .loop import EngineDead, EngineLoop, RequestGroup, ShuttingDown, Submission
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                        TokenizeRequest, parse_body)
-from .reasoning import prompt_opens_reasoning
+from .reasoning import THINK_CLOSE, prompt_opens_reasoning
 from .responses import Echo, Reasoning, ResponseBuilder, TokenText
 from .tool_calls import FORMATS as TOOL_CALL_FORMATS
 from .tool_calls import CallFormat
@@ -102,8 +102,12 @@ def bundled_chat_template(model_type: str) -> str | None:
 
 
 def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The engine's parameters for choice `choice` of n; seeds are seed + choice so choices differ."""
+                    prompt_logprobs: int | None = None, grammar_after: str | None = None) -> SamplingParams:
+    """The engine's parameters for choice `choice` of n; seeds are seed + choice so choices differ.
+    `grammar_after`: the structured output holds only after this text (the end of the reasoning)."""
+    grammar = body.engine_structured_output()
+    if grammar is not None and grammar_after is not None:
+        grammar = {**grammar, "after": grammar_after}
     top_k = body.top_k if body.top_k is not None else 0
     given = {name: getattr(body, name) for name in ("min_p", "presence_penalty", "frequency_penalty",
                                                      "repetition_penalty", "min_tokens", "allowed_token_ids",
@@ -116,7 +120,7 @@ def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs
             top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if top_k == -1 else top_k,
             seed=None if body.seed is None else body.seed + choice, logprobs=logprobs, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logit_bias=bias,
-            prompt_logprobs=prompt_logprobs, structured_output=body.engine_structured_output(), **given)
+            prompt_logprobs=prompt_logprobs, structured_output=grammar, **given)
     except InvalidRequest as e:
         raise APIError(400, str(e), e.param) from None
 
@@ -135,13 +139,14 @@ async def _body(request: Request, model):
 
 async def _generate(request: Request, body: SamplingFields, kind: str, prompts: list, max_tokens: int,
                     logprobs: int | None, top_logprobs: int | None = None, echo: Echo | None = None,
-                    tools: CallFormat | None = None, reasoning: Reasoning | None = None, forced: str | None = None):
+                    tools: CallFormat | None = None, reasoning: Reasoning | None = None, forced: str | None = None,
+                    grammar_after: str | None = None):
     """Prompts x n choices -> one group of engine requests, answered as one response or stream."""
     state = _state(request)
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
     rid = prefix + uuid.uuid4().hex
     prompt_logprobs = logprobs if echo is not None else None
-    subs = [Submission(p, sampling_params(body, i, max_tokens, logprobs, prompt_logprobs))
+    subs = [Submission(p, sampling_params(body, i, max_tokens, logprobs, prompt_logprobs, grammar_after))
             for p in prompts for i in range(body.n)]
     builder = ResponseBuilder(kind, rid, body.model or state.model_name, int(time.time()), body.n,
                               state.token_text, _tenant(request), top_logprobs, echo, tools, reasoning, forced)
@@ -174,16 +179,19 @@ async def chat_completions(request: Request):
         raise bad_request(f"tools: no tool-call parser for model_type {state.engine.model_config.model_type!r} "
                           f"(parsed: {', '.join(TOOL_CALL_FORMATS)})", "tools")
     prompt, text = state.chat_prompt(body, body.tools if body.use_tools else None)
-    reasoning = None  # a JSON grammar holds from the first token on: it leaves no think block to split out
-    grammar = body.engine_structured_output()
-    if state.settings.reasoning_parser is not None and (grammar is None or grammar["type"] in ("regex", "choice")):
+    reasoning = after = None
+    if state.settings.reasoning_parser is not None:
         reasoning = Reasoning(prompt_opens_reasoning(text), body.include_reasoning)
+        grammar = body.engine_structured_output()
+        if reasoning.opened and grammar is not None and grammar["type"] in ("json_object", "json_schema"):
+            after = THINK_CLOSE  # vLLM's way: think freely, then answer under the JSON grammar
     max_tokens = body.max_new_tokens
     if max_tokens is None:  # vLLM: the rest of the context; here also capped by the KV pool
         max_tokens = state.settings.default_max_tokens or max(
             1, min(state.context_limit - len(prompt), state.chat_default_cap))
     return await _generate(request, body, "chat", [prompt], max_tokens, body.num_logprobs, body.top_logprobs,
-                           tools=None if forced is not None else call_format, reasoning=reasoning, forced=forced)
+                           tools=None if forced is not None else call_format, reasoning=reasoning, forced=forced,
+                           grammar_after=after)
 
 
 async def tokenize(request: Request):

@@ -238,12 +238,13 @@ class ResponseBuilder:
     def _forced_delta(s: ChoiceState, delta: dict, text: str, finish: str | None) -> None:
         """A forced call's stream: the text goes out as the call's arguments (or, for "required", as the
         calls once complete; as content if the array never became valid JSON)."""
-        calls = s.forced_stream.update(text, s.out.text, finish is not None)
+        content = s.split(s.out.text)[1]  # after the reasoning, if any
+        calls = s.forced_stream.update(text, content, finish is not None)
         delta["content"] = None
         if calls:
             delta["tool_calls"] = calls
         elif s.forced_stream.forced == "required" and finish is not None:
-            delta["content"] = s.out.text
+            delta["content"] = content
 
     def usage_chunk(self, states: list[ChoiceState]) -> dict:
         body = self._chunk_head([], False)
