@@ -158,8 +158,10 @@ def test_bench_kv_dtype_reports_capacity_quality_and_speed(tmp_path, capsys):
 
     from sparsekv.tools.bench import main
     out = tmp_path / "kv.json"
-    assert main(["kv-dtype", "--context", "320", "--decode-steps", "4", "--repeats", "1", "--json", str(out)]) == 0
+    assert main(["kv-dtype", "--context", "320", "--decode-steps", "4", "--repeats", "1", "--kv-tiering",
+                 "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["kv_tiering"]
     assert result["capacity"]["fp8"]["latent_bytes_per_token"] == (64 + 4 + 32 * 2) * 5  # bundled: rank 64, rope 32
     assert result["capacity_ratio"] > 2 and result["glm5_row_bytes"] == {"auto": 1152, "fp8": 656}
     assert result["quality"]["positions"] == 319 and 0 < result["quality"]["mean_abs"] < 0.05

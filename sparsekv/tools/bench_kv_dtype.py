@@ -85,7 +85,7 @@ def run(args) -> dict:
     model = args.model or default_model_path()
     text = default_text() if args.text_file is None else open(args.text_file).read()
     llms = {dt: LLM(model, kv_cache_dtype=dt, max_model_len=args.context + args.decode_steps + 8,
-                    enable_prefix_caching=False) for dt in DTYPES}
+                    enable_prefix_caching=False, kv_tiering=args.kv_tiering) for dt in DTYPES}
     tokenizer = llms["auto"].engine.tokenizer
     if tokenizer is None:  # a checkpoint without one (make-tiny-model): seeded random tokens, for the timing
         g = torch.Generator().manual_seed(0)
@@ -104,6 +104,7 @@ def run(args) -> dict:
             times[dt].append(ms)
     geometry = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, latent_dim=576)  # GLM-5, DeepSeek-V3.2
     return {"model": model, "context": args.context, "decode_steps": args.decode_steps, "random_tokens": tokenizer is None,
+            "kv_tiering": args.kv_tiering,
             "capacity": {dt: capacity(llm.engine, args.device_budget) for dt, llm in llms.items()},
             "device_budget": args.device_budget,
             "glm5_row_bytes": {"auto": PlainLatent(geometry, torch.bfloat16).row_bytes,
@@ -140,7 +141,8 @@ def report(result: dict) -> dict:
     console.print(f"greedy continuation, {result['decode_steps']} tokens: "
                   + ("identical" if diff is None else f"parts at token {diff}"))
     ms = result["decode_ms"]
-    table = Table(title=f"decode at {result['context']:,} tokens (medians)")
+    tiered = ", tiered" if result["kv_tiering"] else ""
+    table = Table(title=f"decode at {result['context']:,} tokens{tiered} (medians)")
     for col in ("latents", "ms / token", "vs auto", "achieved bandwidth"):
         table.add_column(col)
     for dt in DTYPES:
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=parse_tokens, default=parse_tokens("2K"))
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--device-budget", type=parse_bytes, default=parse_bytes("1G"))
+    p.add_argument("--kv-tiering", action="store_true", help="both engines tiered (working sets + host store)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
