@@ -111,16 +111,19 @@ class PrefixCache:
         for name in names:
             for store in self.tiers.values():
                 store.touch(name)  # newest: the evictions below push older copies out first
-        pages, restored = [], []
+        pages, restored, saved = [], [], []
         for name in names:
             pages.append(self.allocator.allocate(req.request_id, 1)[0])
             tier = self._tier_of(name) if len(restored) == len(pages) - 1 else None
-            if tier is None:
+            rows = self.tiers[tier].take(name) if tier is not None else None
+            if rows is None:
                 continue
+            self._page_of[name], self._name_of[pages[-1]], self._tenant_of[pages[-1]] = pages[-1], name, req.tenant
+            restored.append(tier)
+            saved.append(rows)
+        if saved:  # every restored page's rows in one copy per tensor
             self.before_copy()
-            if self.tiers[tier].load(name, pages[-1]):
-                self._page_of[name], self._name_of[pages[-1]], self._tenant_of[pages[-1]] = pages[-1], name, req.tenant
-                restored.append(tier)
+            self.tiers[restored[0]].rows.copy_in(pages[:len(saved)], saved)
         return pages, restored
 
     def admitted(self, req: Request, pool_pages: int, restored: list[str]) -> None:

@@ -363,9 +363,9 @@ class PrefixDiskStore:
         if running:
             wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def load(self, name: bytes, page: int) -> bool:
-        """Write the page saved under `name` into pool page `page` (read ahead, or now); False (and the
-        file is removed) if it cannot be read back."""
+    def take(self, name: bytes) -> list[torch.Tensor] | None:
+        """The rows of the page saved under `name` (read ahead, or now), for `PageRows.copy_in`; None
+        (and the file is removed) if it cannot be read back."""
         future = self._prefetched.pop(name, None)
         rows = future.result() if future is not None and not future.cancelled() else self._read(name)
         if rows is None:
@@ -373,11 +373,10 @@ class PrefixDiskStore:
                 self.failed += 1
                 if name in self._files:
                     self._drop(name)
-            return False
+            return None
         self.touch(name)
-        self.rows.copy_in(page, rows)
         self.loaded += 1
-        return True
+        return rows
 
     def flush(self) -> None:
         """Wait for every queued write and deletion."""

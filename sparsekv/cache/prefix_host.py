@@ -38,9 +38,18 @@ class PageRows:
         """Copies, in host memory, of pool page `page`'s rows."""
         return [t[self._rows(page, per_row)].to("cpu", copy=True) for t, per_row in self.tensors]
 
-    def copy_in(self, page: int, rows: list[torch.Tensor]) -> None:
-        for (t, per_row), saved in zip(self.tensors, rows):
-            t[self._rows(page, per_row)] = saved.to(t.device)
+    def copy_in(self, pages: list[int], saved: list[list[torch.Tensor]]) -> None:
+        """Write each page's saved rows into pool page `pages[i]`: one copy per tensor for all the pages
+        (on CUDA one staged host -> device transfer each, not one per page and tensor)."""
+        if not pages:
+            return
+        for j, (t, per_row) in enumerate(self.tensors):
+            n = self.page_size // per_row
+            rows = torch.cat([torch.arange(p * n, (p + 1) * n) for p in pages]).to(t.device)
+            values = torch.cat([page_rows[j] for page_rows in saved])
+            if t.device.type == "cuda":
+                values = values.pin_memory().to(t.device, non_blocking=True)
+            t.index_copy_(0, rows, values.to(t.device))
 
     def fits(self, rows: list[torch.Tensor]) -> bool:
         return len(rows) == len(self.layout) and all(
@@ -118,12 +127,11 @@ class PrefixHostStore:
         self._lru.add(name, tenant, self.clock())
         self.saved += 1
 
-    def load(self, name: bytes, page: int) -> bool:
-        """Write the copy saved under `name` into pool page `page` (the copy is kept)."""
+    def take(self, name: bytes) -> list[torch.Tensor]:
+        """The rows saved under `name`, for `PageRows.copy_in` (the copy is kept)."""
         self.touch(name)
-        self.rows.copy_in(page, self._pages[name])
         self.loaded += 1
-        return True
+        return self._pages[name]
 
     def items(self):
         """(name, rows, tenant) of every copy, least recently used first."""
