@@ -68,6 +68,11 @@ def test_stream_matches_non_stream_with_usage(client):
     assert usage.prompt_tokens_details.cached_tokens == 16 * ((usage.prompt_tokens - 1) // 16)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert _ext(chunks[-1])["tiers"]["device_kv_bytes"] > 0
+    continuous = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+                                                stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    so_far = [c.usage.completion_tokens for c in continuous if c.choices]  # vLLM's: usage so far in every chunk
+    assert so_far == sorted(so_far) and so_far[-1] == 10 and continuous[-1].usage.completion_tokens == 10
+    assert all(c.usage.prompt_tokens == usage.prompt_tokens for c in continuous)
 
 
 def test_chat_non_stream_and_stream(client):
@@ -217,6 +222,8 @@ def test_plain_key_gets_its_own_tenant(server):
 
 def test_health_and_metrics_are_public(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/version").json()["version"] == __import__("importlib.metadata").metadata.version(
+        "sparsekv")
     m = scrape(server.url)
     for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
                  "request_time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",

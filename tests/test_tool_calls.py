@@ -109,6 +109,15 @@ def test_chat_tool_calls_through_the_api():
         follow = client.chat.completions.create(model="tiny", messages=history, tools=tools, max_tokens=8,
                                                 temperature=0)
         assert follow.choices[0].finish_reason in ("stop", "length") and not follow.choices[0].message.tool_calls
+        two = "<tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>Paris</arg_value>\\n</tool_call>" * 2
+        one = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=256,
+                                             temperature=0, parallel_tool_calls=False, extra_body={"guided_regex": two})
+        assert len(one.choices[0].message.tool_calls) == 1  # two written, one kept (OpenAI's parallel_tool_calls)
+        streamed = list(client.chat.completions.create(
+            model="tiny", messages=messages, tools=tools, max_tokens=256, temperature=0, stream=True,
+            parallel_tool_calls=False, extra_body={"guided_regex": two}))
+        calls = [t.model_dump(exclude_none=True) for c in streamed for t in (c.choices[0].delta.tool_calls or [])]
+        assert _joined(calls) == [("get_weather", '{"city": "Paris"}')]
         off = client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice="none",
                                              max_tokens=64, temperature=0, extra_body={"guided_regex": "<tool_call>x"
                                              "\\n</tool_call>"})
@@ -246,3 +255,12 @@ def test_required_tool_choice_array_becomes_calls_whole_and_streamed():
     named = ForcedCallStream("get_weather")
     assert _joined(named.update('{"city"', '{"city"', False) + named.update(': "Rome"}', '{"city": "Rome"}', True)) \
         == [("get_weather", '{"city": "Rome"}')]
+
+
+def test_required_without_parallel_calls_allows_one_call():
+    from sparsekv.server.protocol import ChatCompletionRequest
+    body = {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f"}}]}
+    assert "maxItems" not in ChatCompletionRequest.model_validate(body).engine_structured_output()["schema"]
+    one = ChatCompletionRequest.model_validate({**body, "parallel_tool_calls": False})
+    assert one.engine_structured_output()["schema"]["maxItems"] == 1

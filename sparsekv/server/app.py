@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import importlib.resources
 import time
 import uuid
@@ -150,6 +151,8 @@ async def _generate(request: Request, body: SamplingFields, kind: str, prompts: 
             for p in prompts for i in range(body.n)]
     builder = ResponseBuilder(kind, rid, body.model or state.model_name, int(time.time()), body.n,
                               state.token_text, _tenant(request), top_logprobs, echo, tools, reasoning, forced)
+    builder.continuous_usage = body.continuous_usage
+    builder.max_calls = None if getattr(body, "parallel_tool_calls", True) else 1
     job = Job(RequestGroup(rid, len(subs)), subs, _tenant(request), body.cache_salt, builder, body.stream,
               body.include_usage)
     return await run(request, state.loop, job, state.metrics)
@@ -240,6 +243,10 @@ async def models(request: Request):
         for name in state.settings.served_model_names]}
 
 
+async def version(request: Request):
+    return {"version": importlib.metadata.version("sparsekv")}
+
+
 async def health(request: Request):
     loop = _state(request).loop
     if loop.dead is not None:
@@ -258,7 +265,8 @@ async def metrics(request: Request):
 ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
           ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
           ("/reset_prefix_cache", reset_prefix_cache, ["POST"]),
-          ("/v1/models", models, ["GET"]), ("/health", health, ["GET"]), ("/metrics", metrics, ["GET"])]
+          ("/v1/models", models, ["GET"]), ("/health", health, ["GET"]), ("/metrics", metrics, ["GET"]),
+          ("/version", version, ["GET"])]
 
 
 def create_app(engine, settings: ServerSettings) -> FastAPI:

@@ -15,7 +15,7 @@ import hashlib
 import json
 import secrets
 
-PUBLIC_PATHS = ("/health", "/metrics", "/ping")
+PUBLIC_PATHS = ("/health", "/metrics", "/ping", "/version")
 DEFAULT_TENANT = "default"
 TENANT_SCOPE_KEY = "sparsekv.tenant"
 

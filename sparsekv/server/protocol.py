@@ -26,6 +26,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (with include_usage)
 
 
 def _off(value) -> bool:
@@ -129,6 +130,10 @@ class SamplingFields(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -228,6 +233,7 @@ class ChatCompletionRequest(_ChatTemplateFields, SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None  # "auto", "none", "required" or {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool = True  # OpenAI's: False keeps at most one call
     include_reasoning: bool = True  # vLLM's: with a reasoning parser, False drops reasoning_content
 
     @model_validator(mode="after")
@@ -281,7 +287,8 @@ class ChatCompletionRequest(_ChatTemplateFields, SamplingFields):
             return {"type": "json_schema", "schema": _parameters(functions[forced])}
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _parameters(f)},
                   "required": ["name", "parameters"]} for name, f in functions.items()]
-        return {"type": "json_schema", "schema": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}}
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        return {"type": "json_schema", "schema": array if self.parallel_tool_calls else {**array, "maxItems": 1}}
 
     @property
     def max_new_tokens(self) -> int | None:

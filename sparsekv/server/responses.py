@@ -66,10 +66,10 @@ class ChoiceState:
     as they are written (`tool_stream`). `reasoning`: the think block streams as `reasoning_content`."""
 
     def __init__(self, index: int, stop_strings: list[str], tool_format: CallFormat | None = None,
-                 reasoning: Reasoning | None = None, forced: str | None = None):
+                 reasoning: Reasoning | None = None, forced: str | None = None, max_calls: int | None = None):
         self.index, self.stop_strings, self.reasoning = index, stop_strings, reasoning
         self.hold_marker = tool_format.start if tool_format is not None else None
-        self.tool_stream = ToolCallStream(tool_format) if tool_format is not None else None
+        self.tool_stream = ToolCallStream(tool_format, max_calls) if tool_format is not None else None
         self.forced_stream = ForcedCallStream(forced) if forced is not None else None
         self.out: RequestOutput | None = None
         self.sent_text = 0  # characters of the content already sent
@@ -140,9 +140,11 @@ class ResponseBuilder:
         self.tools = tools  # chat with tools: the model's call format, parsed out of the message
         self.reasoning = reasoning  # chat with a reasoning parser: the think block split out
         self.forced = forced  # a tool_choice forcing a call: the function's name, or "required"
+        self.max_calls: int | None = None  # parallel_tool_calls=false: 1
+        self.continuous_usage = False  # stream_options.continuous_usage_stats: usage so far in every chunk
 
     def choice_state(self, index: int, stop_strings: list[str]) -> ChoiceState:
-        return ChoiceState(index, stop_strings, self.tools, self.reasoning, self.forced)
+        return ChoiceState(index, stop_strings, self.tools, self.reasoning, self.forced, self.max_calls)
 
     # -- whole responses -----------------------------------------------------------------------
     def response(self, states: list[ChoiceState]) -> dict:
@@ -171,6 +173,7 @@ class ResponseBuilder:
         if self.tools:
             content, calls = parse_tool_calls(text, self.tools)
             if calls:
+                calls = calls[:self.max_calls]
                 message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
         if self.reasoning is not None:
             if reasoning is not None and not message["content"]:  # all thought, no answer (yet)
@@ -230,6 +233,9 @@ class ResponseBuilder:
                     finish = "tool_calls"
             choice = {"index": s.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         body = self._chunk_head([choice], include_usage)
+        if self.continuous_usage:
+            prompt, done = len(s.out.prompt_token_ids), len(self._generated(s.out)[0])
+            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         if finish is not None:
             body["sparsekv"] = {"tenant": self.tenant, "tiers": dict(s.peak), "index": s.index}
         return body

@@ -115,16 +115,16 @@ def parse_tool_calls(text: str, fmt: CallFormat = GLM) -> tuple[str | None, list
 
 class ToolCallStream:
     """The tool calls of a growing chat message, as OpenAI `delta.tool_calls` entries: `update(text)`
-    returns what is new since the last call."""
+    returns what is new since the last call. `max_calls`: calls after that many are not sent."""
 
-    def __init__(self, fmt: CallFormat = GLM):
-        self.fmt = fmt
+    def __init__(self, fmt: CallFormat = GLM, max_calls: int | None = None):
+        self.fmt, self.max_calls = fmt, max_calls
         self.num_calls = 0  # calls whose name has gone out (their stream index is their order)
         self._calls: list[dict] = []  # per call in the text: index or None (no name yet), arguments sent, closed
 
     def update(self, text: str, finished: bool) -> list[dict]:
         deltas: list[dict] = []
-        bodies = _bodies(text, self.fmt)
+        bodies = _bodies(text, self.fmt)[:self.max_calls]
         for i, body in enumerate(bodies):
             if i == len(self._calls):
                 self._calls.append({"index": None, "sent": 0, "closed": False})
