@@ -115,6 +115,11 @@ class WorkingSetLRU:
             slots[order] = slots.copy()  # back to input order
         return Resolution(slots, n - miss_positions.size, miss_positions, victims, *evicted)
 
+    def slots_of(self, positions: np.ndarray) -> np.ndarray:
+        """Where each position lives now (-1: not resident); no access, nothing moves."""
+        self._cover(int(positions.max()) + 1 if positions.size else 0)
+        return self._slot_of[positions]
+
     def _resolve_one(self, position: int) -> Resolution:
         """resolve([position]), the same policy without the array machinery."""
         if position < 0:

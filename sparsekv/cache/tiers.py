@@ -68,6 +68,7 @@ class _StepState:
     new_rows: torch.Tensor | None = None      # their new-token rows in the working sets
     decoding: dict = field(default_factory=dict)  # request -> its page ids (logical slots, on the CPU)
     plans: dict = field(default_factory=dict)  # (requests, group leader) -> _Plan
+    priming: set = field(default_factory=set)  # requests prefilling their prompt's last chunk
 
 
 @dataclass
@@ -135,6 +136,10 @@ class TieredKVPool:
         self.link.flush()  # last step's backups: every host row is current before anything reads it
         rows = [(ch.request.request_id, ch.request.page_ids, ch.first_position, ch.num_new_tokens) for ch in chunks]
         self._step = self._begin("target", rows, len(self.layers) - len(self.mtp_layers))
+        for ch in chunks:  # a prompt's last chunk: its last row's selections prime the working set (`_prime`)
+            if ch.samples and ch.num_new_tokens > self.new_rows:
+                self._working_set(ch.request.request_id)
+                self._step.priming.add(ch.request.request_id)
 
     def begin_mtp_pass(self, seqs: list[SeqSlice], page_ids: dict[str, list[int]]) -> None:
         """Before the MTP layer's pass over `seqs` (speculative.py): the same for its working set."""
@@ -212,9 +217,28 @@ class TieredKVPool:
         flat = positions.reshape(-1)
         if not self._uses_working_set(layer, seq) and positions.shape[0] > 1:
             distinct, inverse = distinct_positions(flat, seq.context_len)
-            latents = self.fmt.decode(self._stream(layer, seq, seq.slots[distinct.to(seq.slots.device)]))
-            return latents.index_select(0, inverse.to(latents.device)).view(*positions.shape, -1)
+            stored = self._stream(layer, seq, seq.slots[distinct.to(seq.slots.device)])
+            inverse = inverse.to(stored.device)
+            if positions.dim() == 2 and seq.request_id in self._step.priming and layer not in self.mtp_layers:
+                last = positions.shape[1]
+                self._prime(layer, seq, positions[-1], stored.index_select(0, inverse[-last:]))
+            return self.fmt.decode(stored).index_select(0, inverse).view(*positions.shape, -1)
         return self.fmt.decode(self._rows_at(layer, seq, flat)).view(*positions.shape, -1)
+
+    def _prime(self, layer: int, seq: SeqSlice, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """Place a prefill block's last row's selected rows (stored form, already on the device) in the
+        request's working set: the full layer resolves them in its group's LRU, each shared layer fills
+        the slots its group holds them in. The prompt's last row selects much of what the first decode
+        will, so that step starts warm instead of missing up to k entries per layer (no host traffic:
+        the rows were read for the prefill). The last block's call is the one that stays."""
+        lru = self._resident[seq.request_id].lrus[self.leader[layer]]
+        wanted = positions.cpu().numpy().astype(np.int64)
+        if wanted.size > self.capacity:
+            return
+        slots = lru.resolve(wanted).slots if layer == self.leader[layer] else lru.slots_of(wanted)
+        held = slots >= 0
+        base = self._base(self._resident[seq.request_id])
+        self.ws[layer].index_copy_(0, self.link.index(base + slots[held]), rows[self.link.index(np.flatnonzero(held))])
 
     def _rows_at(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Stored rows of the positions [n] (not decoded)."""
