@@ -247,3 +247,7 @@ def test_serve_cli_rejects_bad_options(capsys):
     assert "KEY:TENANT" in capsys.readouterr().err
     assert main(["--max-queued-requests", "0"]) == 2
     assert "--max-queued-requests" in capsys.readouterr().err
+    for flag, value in (("--reasoning-parser", "qwen3"), ("--kv-cache-dtype", "fp16")):
+        with pytest.raises(SystemExit) as exit_:  # argparse: not one of the choices
+            main([flag, value])
+        assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
