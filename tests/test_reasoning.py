@@ -230,3 +230,74 @@ def test_bundled_template_only_where_the_tokenizer_has_none(deepseek_server, tmp
     assert deepseek_server.state.tokenizer.chat_template == bundled_chat_template("deepseek_v32")
     assert ThreadServer(tiny_checkpoint(tmp_path)).state.tokenizer.chat_template == CHAT_TEMPLATE
     assert bundled_chat_template("glm_moe_dsa") is None
+
+
+FUZZ_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now"}}]
+
+
+def _random_chat(rng) -> dict:
+    """A chat request mixing the features that shape a response: tools and tool_choice, a JSON grammar,
+    thinking on or off, stop strings, n, logprobs, parallel_tool_calls, include_reasoning."""
+    body = {"messages": [{"role": "user", "content": rng.choice(["hi", "weather?", "Is 7 prime?"])}],
+            "max_tokens": rng.choice([1, 8, 24]), "temperature": 0,
+            "tool_choice": rng.choice([None, "auto", "none", "required",
+                                       {"type": "function", "function": {"name": "get_weather"}}])}
+    for key, value, p in (("tools", FUZZ_TOOLS, 0.5), ("response_format", {"type": "json_object"}, 0.3),
+                          ("chat_template_kwargs", {"enable_thinking": rng.random() < 0.5}, 0.3),
+                          ("stop", ["e"], 0.3), ("n", 2, 0.3), ("logprobs", True, 0.3),
+                          ("parallel_tool_calls", False, 0.2), ("include_reasoning", False, 0.2)):
+        if rng.random() < p:
+            body[key] = value
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _streamed_choices(url: str, body: dict) -> tuple[int, dict]:
+    """(status, per choice index: content, reasoning, tool calls and finish reason as a client joins them)."""
+    import json as json_
+    out: dict = {}
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        if r.status_code != 200:
+            return r.status_code, out
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for ch in json_.loads(line[6:]).get("choices", []):
+                o = out.setdefault(ch["index"], {"content": "", "reasoning": "", "calls": {}, "finish": None})
+                delta = ch["delta"]
+                o["content"] += delta.get("content") or ""
+                o["reasoning"] += delta.get("reasoning_content") or ""
+                for t in delta.get("tool_calls") or []:
+                    call = o["calls"].setdefault(t["index"], ["", ""])
+                    call[0] = t["function"].get("name") or call[0]
+                    call[1] += t["function"].get("arguments") or ""
+                o["finish"] = ch["finish_reason"] or o["finish"]
+    return 200, out
+
+
+def test_random_chat_requests_stream_what_they_answer():
+    """60 random chat requests on the bundled model with a reasoning parser: each is a 200 or a 400
+    (never a 500), and streamed it joins to exactly what the unstreamed response says (content,
+    reasoning, tool calls, finish reason)."""
+    import random
+
+    from sparsekv.paths import default_model_path
+    from test_server_util import ThreadServer
+    rng, seen = random.Random(0), {200: 0, 400: 0}
+    with ThreadServer(default_model_path(), max_model_len=1024, reasoning_parser="glm45") as srv:
+        url = srv.url + "/v1/chat/completions"
+        for _ in range(60):
+            body = _random_chat(rng)
+            whole = httpx.post(url, json=body, timeout=60)
+            status, streamed = _streamed_choices(url, body)
+            assert whole.status_code in (200, 400) and status == whole.status_code, (body, whole.text)
+            seen[status] += 1
+            for choice in whole.json()["choices"] if status == 200 else []:
+                message, got = choice["message"], streamed[choice["index"]]
+                calls = [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls") or []]
+                assert [got["calls"][i] for i in sorted(got["calls"])] == calls, (body, message, got)
+                assert got["content"] == (message["content"] or "") and got["finish"] == choice["finish_reason"]
+                assert got["reasoning"] == (message.get("reasoning_content") or ""), (body, message, got)
+        srv.engine.check_integrity()
+    assert seen[200] > 30 and seen[400] > 5

@@ -221,8 +221,7 @@ class ResponseBuilder:
                 delta["reasoning_content"] = reasoning
             if text or "reasoning_content" not in delta:
                 delta["content"] = text
-            if s.forced_stream is not None:
-                self._forced_delta(s, delta, text, finish)
+            if s.forced_stream is not None and self._forced_delta(s, delta, text, finish):
                 finish = "tool_calls" if self.forced == "required" and finish == "stop" else finish
             if self.tools and s.tool_stream is not None:
                 calls = s.tool_stream.update(s.split(s.out.text)[1], finish is not None)
@@ -241,9 +240,9 @@ class ResponseBuilder:
         return body
 
     @staticmethod
-    def _forced_delta(s: ChoiceState, delta: dict, text: str, finish: str | None) -> None:
+    def _forced_delta(s: ChoiceState, delta: dict, text: str, finish: str | None) -> bool:
         """A forced call's stream: the text goes out as the call's arguments (or, for "required", as the
-        calls once complete; as content if the array never became valid JSON)."""
+        calls once complete; as content if the array never became valid JSON). Whether calls went out."""
         content = s.split(s.out.text)[1]  # after the reasoning, if any
         calls = s.forced_stream.update(text, content, finish is not None)
         delta["content"] = None
@@ -251,6 +250,7 @@ class ResponseBuilder:
             delta["tool_calls"] = calls
         elif s.forced_stream.forced == "required" and finish is not None:
             delta["content"] = content
+        return bool(calls)
 
     def usage_chunk(self, states: list[ChoiceState]) -> dict:
         body = self._chunk_head([], False)
