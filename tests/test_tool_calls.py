@@ -19,9 +19,10 @@ CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_v
     (CALL, None, [("get_weather", {"city": "Paris"})]),
     ("<tool_call>add<arg_key>a</arg_key><arg_value>2</arg_value><arg_key>b</arg_key>\n<arg_value>[1, \"x\"]</arg_value>"
      "</tool_call><tool_call>now\n</tool_call>", None, [("add", {"a": 2, "b": [1, "x"]}), ("now", {})]),
-    ("<tool_call>get_weather\n<arg_key>city</arg_key>", "<tool_call>get_weather\n<arg_key>city</arg_key>", []),
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>", None, [("get_weather", {})]),
+    ("So <tool_call>get_wea", "So <tool_call>get_wea", []),
 ], ids=["text", "text-then-call", "space-then-call", "call", "json-values-and-two-calls",
-        "unfinished-call-is-text"])
+        "cut-off-call-with-its-name", "cut-off-before-the-name-is-text"])
 def test_parse_glm_tool_calls(text, content, calls):
     got_content, got = parse_tool_calls(text)
     assert got_content == content
@@ -139,9 +140,9 @@ DS_CALL = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
     ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="false">[1, "a"]'
      '</｜DSML｜parameter>\n<｜DSML｜parameter name="y" string="true">[1]</｜DSML｜parameter>\n</｜DSML｜invoke>', None,
      [("f", {"x": [1, "a"], "y": "[1]"})]),
-    ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="true">1',
-     '<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="true">1', []),
-], ids=["text", "text-then-call", "two-calls", "json-and-raw-strings", "unfinished-call-is-text"])
+    ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="true">1', None,
+     [("f", {})]),
+], ids=["text", "text-then-call", "two-calls", "json-and-raw-strings", "cut-off-call-with-its-name"])
 def test_parse_deepseek_v32_dsml_tool_calls(text, content, calls):
     got_content, got = parse_tool_calls(text, DSML)
     assert got_content == content
@@ -170,14 +171,14 @@ def test_deepseek_v32_tool_calls_through_the_api(tmp_path):
     messages = [{"role": "user", "content": "weather in Paris?"}]
     with ThreadServer(path, max_model_len=1024) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
-        whole = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=128,
+        whole = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=256,
                                                temperature=0, extra_body={"guided_regex": regex})
         choice = whole.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
             [("get_weather", {"city": "Paris"})]
         streamed = list(client.chat.completions.create(
-            model="tiny", messages=messages, tools=tools, max_tokens=128, temperature=0, stream=True,
+            model="tiny", messages=messages, tools=tools, max_tokens=256, temperature=0, stream=True,
             extra_body={"guided_regex": regex}))
         calls = [t.model_dump(exclude_none=True) for c in streamed for t in (c.choices[0].delta.tool_calls or [])]
         assert _joined(calls) == [("get_weather", '{"city": "Paris"}')]
@@ -264,3 +265,29 @@ def test_required_without_parallel_calls_allows_one_call():
     assert "maxItems" not in ChatCompletionRequest.model_validate(body).engine_structured_output()["schema"]
     one = ChatCompletionRequest.model_validate({**body, "parallel_tool_calls": False})
     assert one.engine_structured_output()["schema"]["maxItems"] == 1
+
+
+@pytest.mark.parametrize("fmt, text", [
+    (None, "So <tool_call>get_wea"),                                               # cut before the name is whole
+    (None, "So <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa"),     # cut inside an argument
+    (None, "Done." + CALL),
+    (DSML, "<｜DSML｜function_calls>\n<｜DSML｜invok"),                               # cut before any invoke
+    (DSML, DS_CALL[:-12]),
+], ids=["name-cut", "argument-cut", "whole-call", "dsml-before-invoke", "dsml-cut"])
+def test_a_finished_message_streams_what_the_response_says(fmt, text):
+    """Streamed a character at a time, then finished ("stop"): the content and calls a client joins
+    are the unstreamed message's, for calls cut off anywhere (max_tokens or a stop string)."""
+    from sparsekv.request import RequestOutput
+    from sparsekv.server.responses import ResponseBuilder, TokenText
+    from sparsekv.server.tool_calls import GLM
+    builder = ResponseBuilder("chat", "id", "m", 0, 1, TokenText(None), "t", tools=fmt or GLM)
+    state, content, deltas = builder.choice_state(0, []), "", []
+    for end in range(1, len(text) + 1):
+        state.update(RequestOutput("r", [1], [], text[:end], None, "stop" if end == len(text) else None))
+        delta = builder.chunk(state, end == 1, False)["choices"][0]["delta"]
+        content += delta.get("content") or ""
+        deltas += delta.get("tool_calls") or []
+    message = builder.response([state])["choices"][0]["message"]
+    assert content == (message["content"] or "")
+    assert _joined(deltas) == [(c["function"]["name"], c["function"]["arguments"])
+                               for c in message.get("tool_calls") or []]

@@ -104,8 +104,9 @@ class ChoiceState:
             if self.reasoning is not None:
                 text = text[:len(text) - undecided_chars(text, self.reasoning.opened)]
         reasoning, content = self.split(text)
-        if self.hold_marker is not None and self.hold_marker in content:
-            content = content[:content.index(self.hold_marker)]
+        if self.hold_marker is not None and self.hold_marker in content and \
+                (not out.finished or parse_tool_calls(content, self.tool_stream.fmt)[1]):
+            content = content[:content.index(self.hold_marker)]  # finished without a call: all of it is text
         elif self.hold_marker is not None and not out.finished:
             content = content[:len(content) - _holdback(content, [self.hold_marker])]
         reasoning_delta = (reasoning or "")[self.sent_reasoning:]
@@ -172,9 +173,9 @@ class ResponseBuilder:
             finish = "tool_calls" if self.forced == "required" and finish == "stop" else finish
         if self.tools:
             content, calls = parse_tool_calls(text, self.tools)
-            if calls:
-                calls = calls[:self.max_calls]
-                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+            if calls:  # "tool_calls" when the model ended there; "length" still says a call was cut off
+                message = {"role": "assistant", "content": content, "tool_calls": calls[:self.max_calls]}
+                finish = "tool_calls" if finish == "stop" else finish
         if self.reasoning is not None:
             if reasoning is not None and not message["content"]:  # all thought, no answer (yet)
                 message["content"] = None
@@ -228,7 +229,7 @@ class ResponseBuilder:
                 if calls:
                     delta["tool_calls"] = calls
                     delta["content"] = text or None
-                if finish is not None and s.tool_stream.num_calls:
+                if finish == "stop" and s.tool_stream.num_calls:
                     finish = "tool_calls"
             choice = {"index": s.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         body = self._chunk_head([choice], include_usage)

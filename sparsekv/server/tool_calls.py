@@ -21,8 +21,8 @@ a value raw when `string="true"`, else JSON (the raw text if it does not parse).
 The text before the first call is the message's content (None if only whitespace). Streamed
 (`ToolCallStream`), the text stops where calls begin, and each call goes out as OpenAI streams one:
 its id and name once the name is whole, then its arguments JSON in pieces, one per complete
-argument, closed at the call's end. The pieces of a call join to the `arguments` the unstreamed
-response gives.
+argument, closed at the call's end (or the message's). The pieces of a call join to the `arguments`
+the unstreamed response gives, a call cut off by max_tokens or a stop string included.
 """
 from __future__ import annotations
 
@@ -94,14 +94,16 @@ def _new_call(index: int | None, name: str) -> dict:
 
 
 def parse_tool_calls(text: str, fmt: CallFormat = GLM) -> tuple[str | None, list[dict]]:
-    """(content before the first call, or None if empty; OpenAI `tool_calls`). No complete call:
-    the whole text is content and the list is empty."""
+    """(content before the first call, or None if empty; OpenAI `tool_calls`) of a finished message.
+    A call cut off before its close (max_tokens, a stop string) is still a call once its name is
+    whole, with the arguments that are complete, as the stream sends it. No call: the whole text is
+    content and the list is empty."""
     calls = []
-    for body in _bodies(text, fmt):
-        if fmt.call_close not in body:
-            continue
+    bodies = _bodies(text, fmt)
+    for i, body in enumerate(bodies):  # a name is whole once its call closes or the next one begins
+        whole = fmt.call_close in body or i < len(bodies) - 1
         body = body.split(fmt.call_close, 1)[0]
-        name = fmt.name(body, True)
+        name = fmt.name(body, whole)
         if name:
             arguments = fmt.arguments(body)
             call = _new_call(None, name)
@@ -130,17 +132,19 @@ class ToolCallStream:
                 self._calls.append({"index": None, "sent": 0, "closed": False})
             call = self._calls[i]
             if not call["closed"]:
-                deltas += self._advance(call, body, finished or i < len(bodies) - 1)
+                deltas += self._advance(call, body, finished, i < len(bodies) - 1)
         return deltas
 
-    def _advance(self, call: dict, body: str, ended: bool) -> list[dict]:
-        """`ended`: no more text will reach this call (the message finished or another call began)."""
+    def _advance(self, call: dict, body: str, finished: bool, next_began: bool) -> list[dict]:
+        """No more text reaches this call once the message finished or another call began; its name is
+        whole once it closes or another began (a name cut off by the message's end is no call)."""
         fmt = self.fmt
         closed = fmt.call_close in body
+        ended = finished or next_began
         body = body.split(fmt.call_close, 1)[0]
         deltas = []
         if call["index"] is None:
-            name = fmt.name(body, closed or ended)
+            name = fmt.name(body, closed or next_began)
             if name is None:
                 call["closed"] = closed or ended  # a call with no name is skipped, as parse_tool_calls does
                 return []
