@@ -432,10 +432,15 @@ class LLMEngine:
         """Update the request's text incrementally; on a stop string, cut the exact full text there."""
         new = self._detokenizer(req).update(req.output_token_ids)
         req.text = req.detokenizer.text
-        if not may_stop or not new or find_stop(req.text, len(new), req.params.stop_strings) < 0:
+        if not may_stop:  # vLLM: stop strings are not looked for until min_tokens are out
+            req.stop_search_from = len(req.text)
+            return False
+        if not new or find_stop(req.text, len(new), req.params.stop_strings) < 0:
             return False
         full = req.detokenizer.finish(req.output_token_ids)
-        cut, stop = stop_match(full, len(full), req.params.stop_strings)
+        cut, stop = stop_match(full, len(full) - min(req.stop_search_from, len(full)), req.params.stop_strings)
+        if cut < 0:  # the full decode placed the text differently from the incremental one: search it all
+            cut, stop = stop_match(full, len(full), req.params.stop_strings)
         req.text = full[:cut + (len(stop) if req.params.include_stop_str_in_output else 0)]
         return True
 

@@ -184,6 +184,7 @@ class Request:
     first_token_time: float | None = None
     text: str = ""
     detokenizer: object = None  # detokenize.IncrementalDetokenizer once the request has output
+    stop_search_from: int = 0  # output text before min_tokens were out: stop strings there do not count
     # Speculative tokens after the known ones (MTP drafts): fed to the model, never part of the output.
     draft_token_ids: list[int] = field(default_factory=list)
 

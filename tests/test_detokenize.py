@@ -65,3 +65,21 @@ def test_engine_text_is_the_full_decode_and_stops_cut_exactly(tokenizer):
     stop = out.text[len(out.text) // 2:len(out.text) // 2 + 3]
     cut = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]))[0]
     assert cut.finish_reason == "stop" and cut.text == out.text[:out.text.index(stop)]
+
+
+def test_stop_strings_written_before_min_tokens_do_not_count():
+    """vLLM's min_tokens: stop strings are looked for only once min_tokens are out, so an occurrence
+    completed before then stays in the text and the cut is at the first one completed after (the
+    text streamed before min_tokens is never taken back)."""
+    from sparsekv import LLM, SamplingParams
+    llm = LLM(default_model_path(), max_model_len=256)
+    out = llm.generate(["def f(x):"], SamplingParams(max_tokens=5, temperature=0.0))[0]
+    first_token_text = llm.engine.tokenizer.decode(out.token_ids[:1])
+    assert "\n" in first_token_text  # the first token writes a newline: a stop string at once
+    assert llm.generate(["def f(x):"], SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"]))[0].text == \
+        out.text[:out.text.index("\n")]
+    held = llm.generate(["def f(x):"], SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"], min_tokens=3))[0]
+    assert held.finish_reason == "stop" and len(held.token_ids) >= 3
+    early = len(llm.engine.tokenizer.decode(out.token_ids[:2]))  # text out before the third token
+    assert held.text == out.text[:out.text.index("\n", early - len("\n") + 1)]
+    assert held.text.startswith(out.text[:early])
