@@ -276,10 +276,16 @@ def _streamed_choices(url: str, body: dict) -> tuple[int, dict]:
     return 200, out
 
 
+FUZZ_REGEXES = ["<think>ab</think>Yes\\.", "<think>x <tool_call>now\n</tool_call></think>ok <tool_call>now\n</tool_call>",
+                "Let me see\\. <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+                "</thin", "<thi", "  <think>a</think>"]
+
+
 def test_random_chat_requests_stream_what_they_answer():
-    """60 random chat requests on the bundled model with a reasoning parser: each is a 200 or a 400
-    (never a 500), and streamed it joins to exactly what the unstreamed response says (content,
-    reasoning, tool calls, finish reason)."""
+    """60 random chat requests on the bundled model with a reasoning parser, then 36 made to write
+    think blocks and tool calls (guided_regex) and cut by a stop string inside each tag: each is a 200
+    or a 400 (never a 500), and streamed it joins to exactly what the unstreamed response says
+    (content, reasoning, tool calls, finish reason)."""
     import random
 
     from sparsekv.paths import default_model_path
@@ -287,8 +293,10 @@ def test_random_chat_requests_stream_what_they_answer():
     rng, seen = random.Random(0), {200: 0, 400: 0}
     with ThreadServer(default_model_path(), max_model_len=1024, reasoning_parser="glm45") as srv:
         url = srv.url + "/v1/chat/completions"
-        for _ in range(60):
-            body = _random_chat(rng)
+        cut_tags = [{"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 128, "temperature": 0,
+                     "tools": FUZZ_TOOLS, "guided_regex": regex, "stop": [stop]}  # every think/call tag, cut anywhere
+                    for regex in FUZZ_REGEXES for stop in ("</", "think", ">", "Paris", "<tool", "arg")]
+        for body in [_random_chat(rng) for _ in range(60)] + cut_tags:
             whole = httpx.post(url, json=body, timeout=60)
             status, streamed = _streamed_choices(url, body)
             assert whole.status_code in (200, 400) and status == whole.status_code, (body, whole.text)
