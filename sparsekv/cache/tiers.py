@@ -231,14 +231,14 @@ class TieredKVPool:
         the slots its group holds them in. The prompt's last row selects much of what the first decode
         will, so that step starts warm instead of missing up to k entries per layer (no host traffic:
         the rows were read for the prefill). The last block's call is the one that stays."""
-        lru = self._resident[seq.request_id].lrus[self.leader[layer]]
-        wanted = positions.cpu().numpy().astype(np.int64)
+        ws, wanted = self._resident[seq.request_id], positions.cpu().numpy().astype(np.int64)
         if wanted.size > self.capacity:
             return
+        lru = ws.lrus[self.leader[layer]]
         slots = lru.resolve(wanted).slots if layer == self.leader[layer] else lru.slots_of(wanted)
         held = slots >= 0
-        base = self._base(self._resident[seq.request_id])
-        self.ws[layer].index_copy_(0, self.link.index(base + slots[held]), rows[self.link.index(np.flatnonzero(held))])
+        self.ws[layer].index_copy_(0, self.link.index(self._base(ws) + slots[held]),
+                                   rows[self.link.index(np.flatnonzero(held))])
 
     def _rows_at(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Stored rows of the positions [n] (not decoded)."""

@@ -40,9 +40,12 @@ def undecided_chars(text: str, opened: bool) -> int:
             return len(text)
         if not stripped.startswith(THINK_OPEN):
             return 0
-    if THINK_CLOSE in text:
-        return 0
-    for k in range(min(len(THINK_CLOSE) - 1, len(text)), 0, -1):
-        if text.endswith(THINK_CLOSE[:k]):
+    return 0 if THINK_CLOSE in text else marker_start(text, THINK_CLOSE)
+
+
+def marker_start(text: str, marker: str) -> int:
+    """Length of the longest proper start of `marker` that `text` ends with (0: none)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
             return k
     return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..request import RequestOutput
-from .reasoning import split_reasoning, undecided_chars
+from .reasoning import marker_start, split_reasoning, undecided_chars
 from .tool_calls import CallFormat, ForcedCallStream, ToolCallStream, forced_calls, parse_tool_calls
 
 
@@ -121,13 +121,7 @@ class ChoiceState:
 
 def _holdback(text: str, markers: list[str]) -> int:
     """Trailing characters to hold: a half multi-byte character, or the start of a marker."""
-    keep = len(text) - len(text.rstrip("\ufffd"))
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), 0, -1):
-            if text.endswith(marker[:k]):
-                keep = max(keep, k)
-                break
-    return keep
+    return max([len(text) - len(text.rstrip("\ufffd"))] + [marker_start(text, m) for m in markers])
 
 
 class ResponseBuilder:
