@@ -1,6 +1,7 @@
 """The `sparsekv` command: dispatch only. Each subcommand's module owns its options."""
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -14,6 +15,26 @@ COMMANDS = {
     "eval": ("sparsekv.tools.evals", "main", "long-context and IndexShare evals"),
     "train": ("sparsekv.train.cli", "main", "train the small bundled model"),
 }
+
+
+# each command's parser, built without running anything (`parser_for`; tests/test_docs_commands.py)
+PARSERS = {
+    "generate": ("sparsekv.cli", "generate_parser"),
+    "make-tiny-model": ("sparsekv.cli", "make_tiny_parser"),
+    "serve": ("sparsekv.server.cli", "build_parser"),
+    "bench": ("sparsekv.tools.bench", "parser_for"),   # takes the arguments: each sub-benchmark has its own
+    "plan": ("sparsekv.tools.plan", "build_parser"),
+    "eval": ("sparsekv.tools.evals", "build_parser"),
+    "train": ("sparsekv.train.cli", "build_parser"),
+}
+
+
+def parser_for(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The argparse parser `sparsekv ARGV` hands its options to, and the arguments it gets. Builds the
+    parser only: no model is loaded, nothing runs. KeyError for a command that does not exist."""
+    module, func = PARSERS[argv[0]]
+    build = getattr(importlib.import_module(module), func)
+    return build(argv[1:]) if argv[0] == "bench" else (build(), argv[1:])
 
 
 def usage() -> str:

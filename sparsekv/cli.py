@@ -122,7 +122,7 @@ def _structured_output(args) -> dict | None:
     return None
 
 
-def generate_main(argv: list[str]) -> int:
+def generate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv generate")
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -146,7 +146,11 @@ def generate_main(argv: list[str]) -> int:
     p.add_argument("--logprobs", type=int, default=None)
     p.add_argument("--json", action="store_true")
     add_engine_args(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def generate_main(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
     from .llm import LLM
     from .request import SamplingParams
     try:
@@ -195,14 +199,19 @@ def _print_output(out, as_json: bool) -> None:
         print(out.text if out.text else " ".join(map(str, out.token_ids)))
 
 
-def make_tiny_main(argv: list[str]) -> int:
-    from .tools.tiny import PRESETS, save_reference_checkpoint
+def make_tiny_parser() -> argparse.ArgumentParser:
+    from .tools.tiny import PRESETS
     p = argparse.ArgumentParser(prog="sparsekv make-tiny-model")
     p.add_argument("path")
     p.add_argument("--family", default="glm_moe_dsa", choices=["glm_moe_dsa", "deepseek_v32"])
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    return p
+
+
+def make_tiny_main(argv: list[str]) -> int:
+    from .tools.tiny import PRESETS, save_reference_checkpoint
+    args = make_tiny_parser().parse_args(argv)
     save_reference_checkpoint(args.path, args.family, args.seed, **PRESETS[args.preset])
     print(f"wrote {args.preset} {args.family} checkpoint to {args.path}")
     return 0

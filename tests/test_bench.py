@@ -74,3 +74,25 @@ def test_bench_indexer_decode_times_one_row_in_both_layouts(tmp_path, capsys):
     assert all(r["keys_major_ms"] > 0 and r["query_major_ms"] > 0 and r["machine_gb_per_s"] > 0 for r in rows)
     printed = capsys.readouterr().out
     assert "read bandwidth measured now" in printed and "keys-major speed-up" in printed
+
+
+def test_transformers_max_context_0_skips_the_transformers_baseline(monkeypatch):
+    """`--transformers-max-context 0`: no transformers run at any context (BENCHMARKS.md's sparsekv-only rows)."""
+    import pytest
+
+    from sparsekv.tools import bench
+    args = bench.parse_args(["prefill", "--contexts", "16K", "--transformers-max-context", "0"])
+    assert args.transformers_max_context == 0
+    assert bench.parse_args(["prefill"]).transformers_max_context == 16384
+    ran = []
+    monkeypatch.setattr(bench, "_median_runs", lambda job, threads, repeats: ran.append(job["engine"]) or {"ms": 1.0})
+    monkeypatch.setattr(bench, "_worker", lambda job, threads: ran.append(job["engine"]) or {"ms": 2.0})
+    assert bench._against_transformers(args, {"kind": "prefill", "context": 512})[1] == {"error": "skipped"}
+    assert ran == ["sparsekv"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["prefill", "--transformers-max-context", "-1"])
+
+
+def test_bench_serve_url_defaults_to_sparsekv_serves_address():
+    from sparsekv.tools.bench_serve import build_parser
+    assert build_parser().parse_args([]).url == "http://127.0.0.1:8000"

@@ -215,7 +215,17 @@ def make_checkpoint(preset: str, directory: str, indexer_in_every_layer: bool = 
     return directory
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def transformers_limit_arg(text: str) -> int:
+    """`--transformers-max-context`: a token count (16K, 131072), or 0 for no transformers baseline at all."""
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_tokens(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench")
     p.add_argument("kind", choices=["decode", "prefill", "modes"])
     p.add_argument("--preset", default="tiny-bench", choices=BENCH_PRESETS)
@@ -229,18 +239,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--attention", default="sparse", choices=["sparse", "dense"])
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--transformers-max-context", type=parse_tokens, default=parse_tokens("16K"))
+    p.add_argument("--transformers-max-context", type=transformers_limit_arg, default=parse_tokens("16K"),
+                   help="run the transformers baseline up to this context (default 16K; 0: never)")
     p.add_argument("--include-dense-prefill", action="store_true")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+SUB_BENCHMARKS = {"tiers": "bench_tiers", "spec": "bench_spec", "indexer": "bench_indexer", "serve": "bench_serve",
+                  "prefix": "bench_prefix", "batch": "bench_batch", "sampling": "bench_sampling",
+                  "admission": "bench_admission", "kv-dtype": "bench_kv_dtype"}
+
+
+def parser_for(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser `sparsekv bench ARGV` parses with, and the arguments it gets (a sub-benchmark's own
+    parser without its name, else decode | prefill | modes's); nothing runs."""
+    if argv and argv[0] in SUB_BENCHMARKS:
+        return importlib.import_module(f".{SUB_BENCHMARKS[argv[0]]}", __package__).build_parser(), argv[1:]
+    return build_parser(), argv
 
 
 def main(argv: list[str]) -> int:
-    sub = {"tiers": "bench_tiers", "spec": "bench_spec", "indexer": "bench_indexer", "serve": "bench_serve",
-           "prefix": "bench_prefix", "batch": "bench_batch", "sampling": "bench_sampling",
-           "admission": "bench_admission", "kv-dtype": "bench_kv_dtype"}
-    if argv and argv[0] in sub:
-        module = importlib.import_module(f".{sub[argv[0]]}", __package__)
+    if argv and argv[0] in SUB_BENCHMARKS:
+        module = importlib.import_module(f".{SUB_BENCHMARKS[argv[0]]}", __package__)
         try:
             return module.main(argv[1:])
         except (FileNotFoundError, ConfigError, ValueError) as e:   # e.g. --model pointing at no checkpoint

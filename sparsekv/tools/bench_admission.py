@@ -104,7 +104,7 @@ def report(result: dict) -> dict:
                                                                                   "max_tokens", "output_tokens")}}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench admission", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
@@ -116,4 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
-    return run_bench(p, argv, ("requests", "prompt_tokens", "max_tokens", "fit", "repeats"), run, report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench(build_parser(), argv, ("requests", "prompt_tokens", "max_tokens", "fit", "repeats"), run, report)

@@ -102,7 +102,7 @@ def report(result: dict) -> dict:
             "steps": result["steps"], "identical_tokens": same_tokens, "max_logprob_diff": gap}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench batch", description=__doc__)
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
     p.add_argument("--batch", type=int, default=32, help="concurrent requests")
@@ -112,4 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda (on an accelerator the saving is in launches)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
-    return run_bench(p, argv, ("batch", "prompt_tokens", "steps", "repeats"), run, report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench(build_parser(), argv, ("batch", "prompt_tokens", "steps", "repeats"), run, report)

@@ -179,7 +179,7 @@ def report(rows: list[dict], args) -> None:
     report_console().print(table)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench indexer")
     p.add_argument("model", nargs="?", default=None, help="checkpoint whose indexer shape to use (default: bundled)")
     p.add_argument("--contexts", type=token_list_arg, default="256K,1M", help="keys in the history, e.g. 64K,256K,1M")
@@ -193,6 +193,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="time one decode row in both score layouts instead of a prefill block")
     p.add_argument("--device", default="cpu", help="with --decode: cpu or cuda")
     p.add_argument("--json", default=None)
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.decode:
         if any(c <= 1 for c in args.contexts):

@@ -155,7 +155,7 @@ def report(result: dict) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from ..cli import parse_bytes
     from .plan_workload import parse_tokens
     p = argparse.ArgumentParser(prog="sparsekv bench kv-dtype", description=__doc__,
@@ -169,4 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
-    return run_bench(p, argv, ("context", "decode_steps", "repeats"), run, report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench(build_parser(), argv, ("context", "decode_steps", "repeats"), run, report)

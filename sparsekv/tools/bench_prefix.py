@@ -145,7 +145,7 @@ def report(result: dict) -> dict:
             "kv_tiering": result["kv_tiering"]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench prefix", description=__doc__)
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
     p.add_argument("--requests", type=int, default=8)
@@ -163,5 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-tiering", action="store_true", help="both modes with the tiered KV cache")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
-    return run_bench(p, argv, ("requests", "prefix_tokens", "suffix_tokens", "max_tokens", "chunk", "rotate"), run,
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench(build_parser(), argv, ("requests", "prefix_tokens", "suffix_tokens", "max_tokens", "chunk", "rotate"), run,
                      report)

@@ -110,7 +110,7 @@ def report(result: dict) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench sampling", description=__doc__)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--vocab", type=int, default=154880)
@@ -119,4 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
-    return run_bench(p, argv, ("rows", "vocab", "repeats"), run, report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench(build_parser(), argv, ("rows", "vocab", "repeats"), run, report)

@@ -1,4 +1,4 @@
-"""`sparsekv bench serve --url URL`: a load generator for a running server, modelled on `vllm bench serve`.
+"""`sparsekv bench serve [--url URL]`: a load generator for a running server, modelled on `vllm bench serve`.
 
 Prompts are token-id lists (exact lengths whatever the tokenizer): `--dataset random` draws each
 length uniformly from [L(1-r), L(1+r)], `--dataset fixed` makes every prompt exactly L tokens, and
@@ -54,7 +54,8 @@ class RequestResult:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="server base URL (default: http://127.0.0.1:8000, where `sparsekv serve` listens by default)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--api-key", action="append", default=None,
                    help="repeat for several tenants: each request uses one key, drawn by --tenant-weights")

@@ -108,7 +108,7 @@ def report(result: dict) -> dict:
             "kv_tiering": result.get("kv_tiering", False)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench spec", description=__doc__)
     p.add_argument("--model", default=None, help="checkpoint with an MTP layer (default: the bundled model)")
     p.add_argument("--prompts", type=int, default=8)
@@ -119,4 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-buffer-tokens", type=int, default=None, help="with --kv-tiering (default 2 x top-k)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
-    return run_bench(p, argv, ("prompts", "prompt_tokens", "max_tokens"), run, report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench(build_parser(), argv, ("prompts", "prompt_tokens", "max_tokens"), run, report)

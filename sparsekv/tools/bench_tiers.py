@@ -184,7 +184,7 @@ def plot(rows: list[dict], out_dir: str, natural: dict | None = None) -> list[st
     return paths
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench tiers")
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled model, else a random --preset)")
     p.add_argument("--preset", default=None, choices=BENCH_PRESETS,
@@ -212,7 +212,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-requests", type=int, default=32, help="requests submitted in --concurrency mode")
     p.add_argument("--plot-dir", default="bench_tiers_plots")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def multiples_arg(text: str) -> list[int]:

@@ -38,15 +38,20 @@ def _loss_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from . import eval_indexshare, eval_needle
-    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="sparsekv eval")
     sub = p.add_subparsers(dest="which", required=True)
     eval_needle.add_args(sub.add_parser("needle", help="RULER-style retrieval by length and depth"))
     eval_indexshare.add_args(sub.add_parser("indexshare", help="top-k overlap and the greedy IndexShare search"))
     _loss_args(sub.add_parser("loss", help="held-out LM loss, dense vs sparse attention"))
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import eval_indexshare, eval_needle
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
     run = {"needle": eval_needle.main, "indexshare": eval_indexshare.main, "loss": loss_main}[args.which]
     try:
         return run(args)

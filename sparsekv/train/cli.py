@@ -31,7 +31,7 @@ PRESETS = {
 }
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv train", description=__doc__)
     p.add_argument("--out", default=None, help="output HF directory (default: the bundled models/sparsekv-tiny)")
     p.add_argument("--work-dir", default=None, help="tokenizer, token cache and resumable state (default runs/train-NAME)")
@@ -99,7 +99,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="save the state and exit after this many steps (rerun the same command to continue)")
     p.add_argument("--fresh", action="store_true", help="ignore a saved state in the work dir")
     p.add_argument("--quiet", action="store_true")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def prepare_data(args, work_dir: str):
