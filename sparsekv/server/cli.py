@@ -16,8 +16,8 @@ import sys
 
 import uvicorn
 
-from ..cli import add_engine_args, engine_options
 from ..config import ConfigError
+from ..engine_args import add_engine_args, engine_options
 from .reasoning import PARSERS
 
 log = logging.getLogger("sparsekv.server")

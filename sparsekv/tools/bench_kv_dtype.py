@@ -156,7 +156,7 @@ def report(result: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import parse_bytes
+    from ..units import parse_bytes
     from .plan_workload import parse_tokens
     p = argparse.ArgumentParser(prog="sparsekv bench kv-dtype", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

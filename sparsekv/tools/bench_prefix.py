@@ -19,7 +19,7 @@ import time
 
 from rich.table import Table
 
-from ..cli import parse_bytes
+from ..units import parse_bytes
 from .bench import report_console, run_bench
 
 

@@ -146,29 +146,6 @@ def _memory_total_bytes() -> float:
     return 16 * GB
 
 
-def machine_fingerprint() -> dict:
-    """What fixes the float rounding of a CPU run: the CPU model and the kernels torch picks for it.
-    Training records it (training.json) because two machines can give different weights from the same
-    seed and code (docs/training.md, "Reproducibility")."""
-    import platform
-
-    import torch
-    cpu = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break   # the first processor is enough
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "cpu family", "model", "stepping"):
-                    cpu[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return {"cpu": cpu or platform.processor(), "arch": platform.machine(), "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl": torch.backends.mkl.is_available(),
-            "threads": torch.get_num_threads()}
-
-
 def device_read_bandwidth(device, threads: int, quick: bool = False) -> float:
     """Bytes/s a streaming read reaches on `device` (a torch.device): this CPU's measured figure, or
     the best of 5 sums of 1 GiB on an accelerator (timed as the CPU's are). The roofline every

@@ -295,8 +295,7 @@ def train_options(args, steps: dict, far_layers: tuple[int, ...]):
 def write_model(args, model, raw: dict, tok, out: str, state) -> None:
     """The HF directory, with training.json: the flags, held-out figures and the machine it ran on."""
     import torch
-    from ..tools.hardware import machine_fingerprint
-    from .export import export
+    from .export import export, machine_fingerprint
     summary = {"args": vars(args), "parameters": model_parameters(model), "planned_steps": state.planned,
                "elapsed_s": state.elapsed, "heldout": state.heldout, "pose": "two-chunk PoSE, log-uniform skip",
                "machine": machine_fingerprint()}

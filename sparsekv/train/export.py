@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 
 import torch
 from safetensors.torch import save_file
@@ -76,3 +77,24 @@ def export(model, raw_config: dict, tok, out_dir: str, extra: dict | None = None
     if extra is not None:
         with open(os.path.join(out_dir, "training.json"), "w") as f:
             json.dump(extra, f, indent=2)
+
+
+def machine_fingerprint() -> dict:
+    """What fixes the float rounding of a CPU run: the CPU model and the kernels torch picks for it.
+    Training records it (training.json's "machine") because two machines can give different weights
+    from the same seed and code (docs/training.md, "Reproducibility"). Here, not in tools/hardware.py
+    (the planner's profiles), which only the tools may import (tests/test_imports.py)."""
+    cpu = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break   # the first processor is enough
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "cpu family", "model", "stepping"):
+                    cpu[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return {"cpu": cpu or platform.processor(), "arch": platform.machine(), "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl": torch.backends.mkl.is_available(),
+            "threads": torch.get_num_threads()}

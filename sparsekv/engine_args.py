@@ -1,0 +1,86 @@
+"""The engine options every command that builds an engine shares (`generate`, `serve`), as argparse
+arguments named after the LLM(...) / EngineConfig keywords. Below both `cli.py` and `server/cli.py`
+(the server must not depend on the top-level CLI; tests/test_imports.py), and torch-free."""
+from __future__ import annotations
+
+import argparse
+
+from .units import parse_bytes
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine options of `generate` and `serve` (names match the LLM(...) keywords)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    g.add_argument("--kv-page-size", type=int, default=64)
+    g.add_argument("--prefill-chunk-tokens", type=int, default=2048)
+    g.add_argument("--num-kv-pages", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="latents in the model dtype (auto), or FlashMLA's FP8 rows (fp8: 656 B per token and layer "
+                        "at GLM-5's size, vLLM's fp8_ds_mla); a quantization, see BENCHMARKS.md")
+    g.add_argument("--kv-admission", default="reserve", choices=["reserve", "optimistic"],
+                   help="reserve: pages for prompt + max_tokens at admission, never preempt (default); optimistic: "
+                        "pages as tokens come, preempting (and later recomputing) the newest request when they run out")
+    g.add_argument("--tenant-kv-share", type=float, default=None, metavar="F",
+                   help="a tenant's share (0-1] of the KV cache: a cap with reserving admission (its other requests "
+                        "wait), a guarantee with --kv-admission optimistic (those over theirs are preempted for a "
+                        "tenant within it) (default: none)")
+    g.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
+                   help="dense turns top-k selection off (baseline for measuring the mechanism)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", dest="num_threads", type=int, default=1,
+                   help="torch threads (default 1: small models gain nothing from more, and on a shared "
+                        "CPU an op split across a busy core waits for it; 0 = torch's default)")
+    g.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="MTP draft tokens per step (0 = off; 1 = one draft, verified exactly)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse earlier prompts' full KV pages, per tenant and cache_salt (default on; "
+                        "docs/prefix_cache.md)")
+    g.add_argument("--prefix-cache-host-bytes", type=parse_bytes, default=None,
+                   help="host memory for evicted prefix-cache pages, copied back on a hit (e.g. 8G; default none)")
+    g.add_argument("--prefix-cache-disk-path", default=None,
+                   help="directory for prefix-cache pages pushed out of host memory, kept across restarts "
+                        "(needs --prefix-cache-disk-bytes)")
+    g.add_argument("--prefix-cache-disk-bytes", type=parse_bytes, default=None,
+                   help="the disk tier's budget (e.g. 100G)")
+    g.add_argument("--prefix-cache-disk-key-file", default=None, metavar="PATH",
+                   help="encrypt the disk tier's pages (AES-256-GCM) with a key derived from this file's "
+                        "secret (at least 32 bytes)")
+    g.add_argument("--prefix-cache-disk-old-key-file", dest="prefix_cache_disk_old_key_files", action="append",
+                   default=None, metavar="PATH",
+                   help="a key being rotated out (repeatable): its pages are still read, and re-sealed with "
+                        "--prefix-cache-disk-key-file in the background")
+    g.add_argument("--prefix-cache-ttl", dest="prefix_cache_ttl_s", type=float, default=None, metavar="SECONDS",
+                   help="forget prefix-cache pages unused for this long, in every tier (default: kept until evicted)")
+    g.add_argument("--prefix-cache-max-pages-per-tenant", type=int, default=None, metavar="N",
+                   help="at most N cached KV pool pages per tenant; older ones go to the lower tiers (default: no bound)")
+    g.add_argument("--prefix-cache-tenant-share", type=float, default=None, metavar="F",
+                   help="a tenant holds at most this fraction (0-1] of each prefix-cache tier: pool, host, disk "
+                        "(default: no bound)")
+    t = p.add_argument_group("tiered KV cache (docs/tiers.md)")
+    t.add_argument("--kv-tiering", action="store_true", help="device working set per request, history in a host store")
+    t.add_argument("--device-buffer-tokens", type=int, default=None, help="working-set slots N (default 2 x top-k)")
+    t.add_argument("--host-kv-budget-bytes", type=parse_bytes, default=None, help="e.g. 64G")
+    t.add_argument("--device-kv-budget-bytes", type=parse_bytes, default=None, help="e.g. 8G (also without tiering)")
+    t.add_argument("--host-store-path", default=None, help="memory-map the host store: a directory (a fresh file is made in it) or a new file name")
+    t.add_argument("--selector", default="dsa", choices=["dsa", "quest"], help="token selector of full layers")
+    t.add_argument("--quest-page-tokens", type=int, default=16)
+    t.add_argument("--indexer-key-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+
+
+ENGINE_ARG_NAMES = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_page_size",
+                    "prefill_chunk_tokens", "num_kv_pages", "kv_cache_dtype", "kv_admission", "attention", "seed", "num_threads",
+                    "kv_tiering", "device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes",
+                    "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",
+                    "enable_prefix_caching", "prefix_cache_host_bytes",
+                    "prefix_cache_disk_path", "prefix_cache_disk_bytes", "prefix_cache_disk_key_file",
+                    "prefix_cache_disk_old_key_files", "prefix_cache_ttl_s",
+                    "prefix_cache_max_pages_per_tenant", "prefix_cache_tenant_share", "tenant_kv_share")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The parsed engine options as LLM(...) / EngineConfig keywords."""
+    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES if hasattr(args, name)}
