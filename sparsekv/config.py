@@ -275,11 +275,16 @@ class EngineConfig:
     # pages pushed out of the host tier (or the pool, without one), kept across restarts.
     prefix_cache_disk_path: str | None = None
     prefix_cache_disk_bytes: int | None = None
-    # A file of at least 32 secret bytes: the disk tier's pages are then encrypted (AES-256-GCM).
+    # The disk tier's pages are encrypted (AES-256-GCM) with a key derived from this file's secret (at
+    # least 32 bytes); None: a key generated in the tier's directory and kept there (prefix_disk.py,
+    # default_key_file).
     prefix_cache_disk_key_file: str | None = None
-    # Key files being rotated out: pages sealed with them are still read, and re-sealed with the key file
-    # in the background.
+    # Key files being rotated out: pages sealed with them are still read, and re-sealed with the current
+    # key in the background.
     prefix_cache_disk_old_key_files: list[str] | None = None
+    # Plaintext pages on disk: anyone who can read the files can read the prompts back from them (the
+    # latents of early layers depend on little more than the token), so this must be asked for.
+    prefix_cache_disk_unencrypted: bool = False
     # Retention: a prefix-cache page no request has used for this many seconds is forgotten in every
     # tier (None: kept until evicted).
     prefix_cache_ttl_s: float | None = None
@@ -311,6 +316,16 @@ class EngineConfig:
             raise ConfigError(f"num_speculative_tokens must be an integer in [0, 8] (0 = off), "
                               f"got {self.num_speculative_tokens!r}")
         self._validate_tiering()
+    def _validate_disk_encryption(self) -> None:
+        disk = self.prefix_cache_disk_path
+        for name in ("prefix_cache_disk_key_file", "prefix_cache_disk_old_key_files", "prefix_cache_disk_unencrypted"):
+            if getattr(self, name) and disk is None:
+                raise ConfigError(f"{name} needs prefix_cache_disk_path")
+        keys = self.prefix_cache_disk_key_file or self.prefix_cache_disk_old_key_files
+        if self.prefix_cache_disk_unencrypted and keys:
+            raise ConfigError("prefix_cache_disk_unencrypted contradicts prefix_cache_disk_key_file and "
+                              "prefix_cache_disk_old_key_files (an unencrypted tier has no key)")
+
     def _validate_tiering(self) -> None:
         host = self.prefix_cache_host_bytes
         if host is not None and (host < 1 or not self.enable_prefix_caching):
@@ -322,10 +337,7 @@ class EngineConfig:
                               f"enable_prefix_caching, got {disk!r} and {disk_bytes!r}")
         if disk_bytes is not None and disk_bytes < 1:
             raise ConfigError(f"prefix_cache_disk_bytes must be >= 1, got {disk_bytes}")
-        if self.prefix_cache_disk_key_file is not None and disk is None:
-            raise ConfigError("prefix_cache_disk_key_file needs prefix_cache_disk_path")
-        if self.prefix_cache_disk_old_key_files and self.prefix_cache_disk_key_file is None:
-            raise ConfigError("prefix_cache_disk_old_key_files needs prefix_cache_disk_key_file (the key to re-seal with)")
+        self._validate_disk_encryption()
         quota = self.prefix_cache_max_pages_per_tenant
         if quota is not None and (quota < 0 or not self.enable_prefix_caching):
             raise ConfigError(f"prefix_cache_max_pages_per_tenant must be >= 0 and needs enable_prefix_caching, "

@@ -129,11 +129,28 @@ class LLMEngine:
         share = self.config.prefix_cache_tenant_share
         return None if share is None else int(share * tier_pages)
 
+    def _disk_key_file(self) -> str | None:
+        """The disk tier's key file: the operator's, else one generated in the tier's directory
+        (kept there, so a restart reads its earlier pages); None for an unencrypted tier."""
+        from .cache.prefix_disk import default_key_file
+        config = self.config
+        if config.prefix_cache_disk_unencrypted or config.prefix_cache_disk_key_file is not None:
+            return config.prefix_cache_disk_key_file
+        try:
+            path, made = default_key_file(config.prefix_cache_disk_path)
+        except OSError as e:
+            raise ConfigError(f"prefix_cache_disk_path: {e}") from None
+        if made:
+            logger.info("prefix cache disk tier: generated the encryption key %s (keep it with the tier; "
+                        "prefix_cache_disk_key_file to keep one elsewhere)", path)
+        return path
+
     def _build_disk_tier(self, rows, lookahead: int):
         from .cache.prefix_disk import PrefixDiskStore, namespace
-        config, key = self.config, self.config.prefix_cache_disk_key_file
+        config, key = self.config, self._disk_key_file()
         space = namespace(config, rows, lookahead, sealed=key is not None)
-        cipher = None if key is None else self._page_cipher("prefix_cache_disk_key_file", key, space)
+        option = "prefix_cache_disk_key_file" if config.prefix_cache_disk_key_file else "prefix_cache_disk_path's key"
+        cipher = None if key is None else self._page_cipher(option, key, space)
         old = [self._page_cipher("prefix_cache_disk_old_key_files", path, space)
                for path in config.prefix_cache_disk_old_key_files or ()]
         try:

@@ -33,6 +33,9 @@ def test_generate_twice_on_a_disk_tier_serves_the_prompt_from_disk(glm_ckpt, cap
         runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     assert runs[0]["cached_tokens"] == 0 and runs[1]["cached_tokens_disk"] == runs[1]["cached_tokens"] == 128
     assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    assert (tmp_path / ".prefix-cache.key").exists()  # encrypted by default, under a key kept with the tier
+    assert main(argv + ["--prefix-cache-disk-unencrypted"]) == 0  # plaintext pages: another namespace
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cached_tokens"] == 0
 
 
 def test_generate_bad_input_is_one_clear_line(glm_ckpt, capsys):

@@ -383,6 +383,31 @@ def test_the_host_tier_keeps_its_budget_and_a_broken_chain_stops_hits(ckpt):
         make(ckpt, enable_prefix_caching=False, prefix_cache_host_bytes=1 << 20)
 
 
+@pytest.mark.parametrize("first, second", [(("alice", None), ("bob", None)), (("alice", "s1"), ("alice", "s2")),
+                                           (("alice", "s1"), ("alice", None))])
+def test_the_host_tier_never_serves_another_tenants_or_salts_page(ckpt, first, second):
+    """With a quota of 0 cached pool pages per tenant, every released page goes straight to the host
+    tier, so lookups can only find the owner's pages there: a request of another tenant or salt gets
+    no host hit, while the owner's next request is served from those copies."""
+    engine = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 24,
+                  prefix_cache_max_pages_per_tenant=0).engine
+
+    def run(rid, tenant, salt):
+        engine.add_request(rid, BASE, GREEDY, tenant=tenant, cache_salt=salt)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        return outs[0]
+    run("a", *first)
+    stats = engine.stats()
+    assert stats["prefix_cached_pages"] == 0 and stats["prefix_host_pages"] == 5  # the owner's pages: host only
+    other = run("b", *second)
+    assert other.num_cached_tokens == 0 and engine.stats()["prefix_cache_hits_host"] == 0
+    own = run("c", *first)
+    assert own.metrics["prefix_cached_tokens_host"] == own.num_cached_tokens == 64
+    engine.check_integrity()
+
+
 def test_lookup_stops_at_a_pool_page_after_host_copies():
     """Pages evicted out of chain order: page 0 in the host store, page 1 still in the pool. The hit is
     page 0 from the host only; page 1 is computed (restoring a second copy of a named page would name

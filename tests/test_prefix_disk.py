@@ -100,20 +100,31 @@ def test_another_checkpoint_or_setting_never_reads_the_pages(ckpt, tmp_path, tmp
             assert llm.generate([PROMPTS[0]], GREEDY)[0].num_cached_tokens == 0
     with disk_engine(ckpt, tmp_path) as llm:  # the original settings still find theirs
         assert llm.generate([PROMPTS[0]], GREEDY)[0].num_cached_tokens == 64
-    assert len(os.listdir(tmp_path)) == 4
+    assert len([e for e in os.scandir(tmp_path) if e.is_dir()]) == 4
+
+
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
 
 
 def test_files_are_private_and_the_budget_holds(ckpt, tmp_path):
-    budget_pages = 3
-    llm = make(ckpt, enable_prefix_caching=True, prefix_cache_disk_path=str(tmp_path),
-               prefix_cache_disk_bytes=budget_pages * _page_bytes(ckpt), **SMALL_POOL)
+    """The tier's directory (made by the engine) and its namespace are 0700; pages, the lock, the
+    generated key and the tenant key 0600, under the usual umask."""
+    budget_pages, root = 3, tmp_path / "tier"
+    umask = os.umask(0o022)
+    try:
+        llm = make(ckpt, enable_prefix_caching=True, prefix_cache_disk_path=str(root),
+                   prefix_cache_disk_bytes=budget_pages * _page_bytes(ckpt), **SMALL_POOL)
+    finally:
+        os.umask(umask)
     _evict_then_hit(llm, [BASE + [9]])
     disk = llm.engine.prefix.tiers["disk"]
     disk.flush()
-    assert disk.num_pages <= budget_pages and disk.dropped > 0 and len(_files(tmp_path)) == disk.num_pages
-    assert stat.S_IMODE(os.stat(disk.dir).st_mode) == 0o700
-    for name in _files(tmp_path):
-        assert stat.S_IMODE(os.stat(os.path.join(disk.dir, name)).st_mode) == 0o600
+    assert disk.num_pages <= budget_pages and disk.dropped > 0 and len(_files(root)) == disk.num_pages
+    assert _mode(root) == _mode(disk.dir) == 0o700
+    for name in _files(root) + [".lock", ".tenant-key"]:
+        assert _mode(os.path.join(disk.dir, name)) == 0o600, name
+    assert _mode(root / ".prefix-cache.key") == 0o600
     assert_idle(llm)
     llm.close()
 
@@ -122,7 +133,7 @@ def test_an_unreadable_page_is_recomputed_and_removed(ckpt, tmp_path):
     want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
     with disk_engine(ckpt, tmp_path) as llm:
         llm.generate([BASE + [3]], GREEDY)
-    disk_dir = next(os.scandir(tmp_path)).path
+    disk_dir = next(e for e in os.scandir(tmp_path) if e.is_dir()).path
     names = sorted(os.listdir(disk_dir))
     page1 = next(n for n in names if n.endswith(".safetensors"))
     with open(os.path.join(disk_dir, page1), "r+b") as f:  # one page truncated, as a crash or a full disk might
@@ -385,7 +396,7 @@ def test_another_key_or_an_altered_file_reads_as_a_miss(ckpt, tmp_path):
         out = llm.generate([PROMPTS[0]], GREEDY)[0]  # the same namespace: the key is not part of it
         assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 1
         assert_close([want], [out], bitwise=True)
-    with disk_engine(ckpt, disk_dir) as llm:  # no key: another namespace, nothing found, nothing removed
+    with disk_engine(ckpt, disk_dir, prefix_cache_disk_unencrypted=True) as llm:  # another namespace: nothing found
         assert llm.stats()["prefix_disk_pages"] == 0
     altered = tmp_path / "altered"
     with disk_engine(ckpt, altered, prefix_cache_disk_key_file=_key(tmp_path)) as llm:
@@ -445,8 +456,8 @@ def test_rotating_the_key_reseals_every_page_and_keeps_the_hits(ckpt, tmp_path):
     with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=old) as llm:  # the retired key opens nothing
         out = llm.generate([PROMPTS[0]], GREEDY)[0]
         assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 1
-    with pytest.raises(ConfigError, match="prefix_cache_disk_old_key_files needs"):
-        disk_engine(ckpt, disk_dir, prefix_cache_disk_old_key_files=[old])
+    with pytest.raises(ConfigError, match="prefix_cache_disk_unencrypted contradicts"):
+        disk_engine(ckpt, disk_dir, prefix_cache_disk_old_key_files=[old], prefix_cache_disk_unencrypted=True)
 
 
 def test_files_from_before_key_names_are_tried_under_every_key_and_resealed(ckpt, tmp_path, monkeypatch):
@@ -480,6 +491,126 @@ def test_an_old_key_still_serves_hits_before_its_files_are_resealed(ckpt, tmp_pa
         out = llm.generate([PROMPTS[0]], GREEDY)[0]
         assert out.metrics["prefix_cached_tokens_disk"] == 64 and llm.stats()["prefix_disk_failures"] == 0
         assert_close([want], [out], bitwise=True)
+
+
+# -- encryption by default, keyed tenant digests, files bound to their name and tenant -----------------
+def _page_paths(root):
+    return sorted(os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.endswith(".safetensors"))
+
+
+def test_pages_are_encrypted_by_default_under_a_generated_key_a_restart_reuses(ckpt, tmp_path):
+    """No key file named: the engine generates one in the tier's directory (0600) and seals every page
+    with it, so no page bytes appear in the files; a restarted engine finds the same key and serves
+    the prompt from disk bit for bit. Plaintext pages only with prefix_cache_disk_unencrypted."""
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    sealed_root, plain_root = tmp_path / "sealed", tmp_path / "plain"
+    with disk_engine(ckpt, sealed_root) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+        assert llm.engine.prefix.tiers["disk"].cipher is not None
+        page = llm.engine.prefix.tiers["disk"].rows.copy_out(llm.engine.allocator.cached_pages()[0])
+    key = sealed_root / ".prefix-cache.key"
+    secret = key.read_bytes()
+    assert len(secret) == 32 and _mode(key) == 0o600
+    plain_rows = page[0].contiguous().view(-1).view(torch.uint8).numpy().tobytes()[:64]
+    assert len(_page_paths(sealed_root)) == 5
+    assert not any(plain_rows in open(f, "rb").read() for f in _page_paths(sealed_root))
+    with disk_engine(ckpt, sealed_root) as llm:
+        out = llm.generate([PROMPTS[0]], GREEDY)[0]
+        assert out.metrics["prefix_cached_tokens_disk"] == 64 and llm.stats()["prefix_disk_failures"] == 0
+        assert_close([want], [out], bitwise=True)
+    assert key.read_bytes() == secret
+    with disk_engine(ckpt, plain_root, prefix_cache_disk_unencrypted=True) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+        assert llm.engine.prefix.tiers["disk"].cipher is None
+    assert not (plain_root / ".prefix-cache.key").exists()
+    assert any(plain_rows in open(f, "rb").read() for f in _page_paths(plain_root))  # the check above can see rows
+    for bad in (dict(prefix_cache_disk_unencrypted=True, prefix_cache_disk_key_file=str(key)),
+                dict(prefix_cache_disk_unencrypted=True, prefix_cache_disk_old_key_files=[str(key)])):
+        with pytest.raises(ConfigError, match="prefix_cache_disk_unencrypted contradicts"):
+            disk_engine(ckpt, tmp_path / "bad", **bad)
+    with pytest.raises(ConfigError, match="prefix_cache_disk_unencrypted needs prefix_cache_disk_path"):
+        make(ckpt, enable_prefix_caching=True, prefix_cache_disk_unencrypted=True)
+
+
+def _store(rows, root, cipher=None, old=()):
+    from sparsekv.cache.prefix_disk import PrefixDiskStore
+    return PrefixDiskStore(rows, str(root), "space", 4 * rows.page_bytes, cipher, old_ciphers=list(old))
+
+
+def test_tenant_digests_are_keyed_with_a_secret_kept_with_the_tier(tmp_path):
+    """A file's tenant field is an HMAC under the tier's own secret: not the SHA-256 of the name that
+    anyone can compute, different in another tier, the same after a restart. In a sealed tier the
+    secret is stored sealed, survives a key rotation, and is replaced when no key held opens it."""
+    import hashlib
+    import json
+
+    from sparsekv.cache.page_cipher import PageCipher
+    rows = _rows()
+    first, other = _store(rows, tmp_path / "a"), _store(rows, tmp_path / "b")
+    digest = first.tenant_digest("alice")
+    assert digest != hashlib.sha256(b"sparsekv-tenant\0alice").hexdigest()[:32]
+    assert digest != other.tenant_digest("alice") and digest != first.tenant_digest("bob")
+    first.close()
+    other.close()
+    again = _store(rows, tmp_path / "a")
+    assert again.tenant_digest("alice") == digest
+    again.close()
+
+    k1, k2, k3 = (PageCipher(bytes([i]) * 32, "space") for i in (1, 2, 3))
+    record = tmp_path / "s" / "space" / ".tenant-key"
+    sealed = _store(rows, tmp_path / "s", k1)
+    digest = sealed.tenant_digest("alice")
+    sealed.close()
+    assert "secret" not in json.loads(record.read_text()) and json.loads(record.read_text())["key"] == k1.key_id
+    rotated = _store(rows, tmp_path / "s", k2, old=[k1])
+    assert rotated.tenant_digest("alice") == digest
+    rotated.close()
+    assert json.loads(record.read_text())["key"] == k2.key_id  # re-sealed with the new key
+    rotated = _store(rows, tmp_path / "s", k2)
+    assert rotated.tenant_digest("alice") == digest
+    rotated.close()
+    lost = _store(rows, tmp_path / "s", k3)
+    assert lost.tenant_digest("alice") != digest
+    lost.close()
+
+
+def _rewrite_tenant(path, old_digest, new_digest):
+    """Replace the tenant field in a page file's header (same length: the tensors stay in place)."""
+    data = open(path, "rb").read()
+    size = int.from_bytes(data[:8], "little")
+    header = data[8:8 + size]
+    assert header.count(old_digest.encode()) == 1
+    open(path, "wb").write(data[:8] + header.replace(old_digest.encode(), new_digest.encode()) + data[8 + size:])
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
+def test_a_renamed_file_or_a_rewritten_tenant_field_is_never_served(tmp_path, sealed):
+    """Page 0's file renamed to page 1's name, page 2's tenant field rewritten to another tenant's
+    digest (after a restart, and while the engine runs): none is served, each counts as a failure and
+    is removed; an untouched page still reads back."""
+    from sparsekv.cache.page_cipher import PageCipher
+    rows = _rows()
+    cipher = PageCipher(b"k" * 32, "space") if sealed else None
+    names = [bytes([i + 1]) * 32 for i in range(4)]
+    disk = _store(rows, tmp_path, cipher)
+    for i, name in enumerate(names):
+        disk.save_rows(name, rows.copy_out(i), "alice")
+    alice, mallory = disk.tenant_digest("alice"), disk.tenant_digest("mallory")
+    disk.close()
+
+    def path(name):
+        return os.path.join(tmp_path, "space", name.hex() + ".safetensors")
+    os.replace(path(names[0]), path(names[1]))
+    _rewrite_tenant(path(names[2]), alice, mallory)
+    disk = _store(rows, tmp_path, cipher)
+    assert disk.has(names[1]) and disk.take(names[1]) is None
+    assert disk.has(names[2]) and disk.take(names[2]) is None
+    assert torch.equal(disk.take(names[3])[0], rows.copy_out(3)[0])
+    _rewrite_tenant(path(names[3]), alice, mallory)  # while it runs: the digest it indexed stays the truth
+    assert disk.take(names[3]) is None
+    disk.flush()
+    assert disk.failed == 3 and _files(tmp_path) == []
+    disk.close()
 
 
 # -- reads ahead of admission ---------------------------------------------------------------------------
@@ -561,13 +692,13 @@ def test_the_host_tier_evicts_the_largest_tenants_oldest_copy_and_holds_quotas()
 
 
 def test_the_disk_tier_evicts_fairly_holds_quotas_and_applies_them_after_a_restart(tmp_path):
-    from sparsekv.cache.prefix_disk import PrefixDiskStore, tenant_digest
+    from sparsekv.cache.prefix_disk import PrefixDiskStore
     rows = _rows()
     copy = [rows.copy_out(0)]
     disk = PrefixDiskStore(rows, str(tmp_path), "space", 4 * rows.page_bytes)
     for name, tenant in ((b"q0", "quiet"), (b"q1", "quiet"), *((b"n%d" % i, "noisy") for i in range(4))):
         disk.save_rows(name.ljust(32, b"\0"), copy[0], tenant)
-    digests = {tenant_digest(t): t for t in ("quiet", "noisy")}
+    digests = {disk.tenant_digest(t): t for t in ("quiet", "noisy")}
     assert {digests[d]: n for d, n in disk.pages_by_tenant().items()} == {"quiet": 2, "noisy": 2}
     assert disk.has(b"q0".ljust(32, b"\0")) and not disk.has(b"n0".ljust(32, b"\0"))
     disk.check_integrity()

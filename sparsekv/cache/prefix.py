@@ -245,10 +245,9 @@ class PrefixCache:
         if "host" in self.tiers:
             held["host_pages"] = self.tiers["host"].pages_by_tenant()
         if "disk" in self.tiers:
-            from .prefix_disk import tenant_digest
-            names = {tenant_digest(t): t for t in self.by_tenant.keys() | held["cached_pages"].keys()}
-            held["disk_pages"] = {names.get(d, f"digest:{d[:12]}"): n
-                                  for d, n in self.tiers["disk"].pages_by_tenant().items()}
+            disk = self.tiers["disk"]
+            names = {disk.tenant_digest(t): t for t in self.by_tenant.keys() | held["cached_pages"].keys()}
+            held["disk_pages"] = {names.get(d, f"digest:{d[:12]}"): n for d, n in disk.pages_by_tenant().items()}
         tenants = self.by_tenant.keys() | {t for counts in held.values() for t in counts}
         return {t: {**self.by_tenant.get(t, {"queries": 0, "hits": 0}),
                     **{key: counts.get(t, 0) for key, counts in held.items()}} for t in tenants}

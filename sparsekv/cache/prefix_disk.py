@@ -10,6 +10,14 @@ checkpoint (config.json, shard names, sizes and sampled contents), dtype, device
 attention mode, selector, indexer key dtype, drafting and the tensor layout. Another model, or the
 same one run another way, never reads these files. Files are written 0600 in a 0700 directory.
 
+Pages are encrypted at rest unless the engine is told otherwise (page_cipher.py; the engine passes
+a cipher from its key file, or from one generated in the tier's directory, `default_key_file`). A
+file records its tenant as an HMAC of the tenant's name under a secret kept with the tier
+(`TENANT_KEY_FILE`, itself sealed when the tier is), so the files do not say whose they are to a
+reader who can guess tenant names. A file is served only under the page name and tenant digest it
+was written with: sealed files authenticate both with their bytes, and plain ones carry an HMAC of
+both, so a file renamed to another page's name or with its tenant field rewritten is a miss.
+
 Writes, deletions and touches run in order on one background thread, so an eviction costs the engine
 step a host copy, not a disk write. A page being written is read from memory. Reads run ahead of
 admission on another thread (`prefetch`): a request whose prefix is on disk waits in the queue while
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import hmac
 import itertools
 import json
 import logging
@@ -34,13 +43,18 @@ import torch
 from safetensors.torch import load as load_page
 from safetensors.torch import save_file
 
-from .page_cipher import PageCipher
+from .page_cipher import KEY_BYTES, PageCipher, create_key_file
 from .pages import TenantLRU
 from .prefix_host import PageRows
 
 logger = logging.getLogger(__name__)
-FORMAT = "sparsekv-prefix-page-v1"
+# v2: tenant digests are keyed HMACs and plain files carry a MAC of their name and tenant; v1 files
+# (plain SHA-256 tenant digests) sit in other namespaces and are never read
+FORMAT = "sparsekv-prefix-page-v2"
 SUFFIX = ".safetensors"
+DEFAULT_KEY_FILE = ".prefix-cache.key"   # in the tier's directory, beside the namespaces
+TENANT_KEY_FILE = ".tenant-key"          # in each namespace directory
+TENANT_KEY_PURPOSE = b"sparsekv-prefix-disk-tenant-key"
 SAMPLES_PER_FILE, SAMPLE_BYTES = 256, 4096
 
 
@@ -71,9 +85,35 @@ def _header_metadata(header: bytes) -> dict:
     return json.loads(header).get("__metadata__") or {}
 
 
-def tenant_digest(tenant: str) -> str:
-    """What a page file records of its tenant: enough to remove a tenant's pages, not its name."""
-    return hashlib.sha256(b"sparsekv-tenant\0" + tenant.encode()).hexdigest()[:32]
+def default_key_file(root: str) -> tuple[str, bool]:
+    """The key file an encrypted tier uses when the operator names none: `root/DEFAULT_KEY_FILE`,
+    made (0600, in `root` made 0700) if missing; (path, whether it was made now).
+
+    Kept in the tier's own directory because it must live exactly as long as the pages it opens: a
+    restart, another container mounting the same volume, or the directory moved elsewhere finds it
+    with them, and removing the tier removes it. A key kept elsewhere (the user's home) is lost where
+    that is not persistent, and every page then becomes a miss; beside the directory needs write
+    access to its parent, which a dedicated cache mount often does not give. What it protects: page
+    files read or copied without this one (a namespace directory copied, a file attached to a
+    report). What it does not: a reader of the whole directory; an operator who needs that keeps the
+    key elsewhere (`prefix_cache_disk_key_file`)."""
+    make_private_dir(root)
+    path = os.path.join(root, DEFAULT_KEY_FILE)
+    return path, create_key_file(path)
+
+
+def make_private_dir(path: str) -> None:
+    """Create `path` (with its missing parents) if needed, the directory itself 0700: only the
+    engine's user may list or read the tier. An existing directory keeps its mode (the operator's)."""
+    if not os.path.isdir(path):
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)  # whatever the umask
+
+
+def tenant_hmac(secret: bytes, tenant: str) -> str:
+    """What a page file records of its tenant: enough to remove a tenant's pages, neither its name nor
+    a hash anyone can compute from a guessed name (keyed with the tier's tenant secret)."""
+    return hmac.new(secret, b"sparsekv-tenant\0" + tenant.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def namespace(config, rows: PageRows, lookahead: int, sealed: bool = False) -> str:
@@ -99,13 +139,10 @@ class PrefixDiskStore:
         self._ciphers = {c.key_id: c for c in [*old_ciphers, *([cipher] if cipher is not None else [])]}
         self.max_pages_per_tenant = max_pages_per_tenant
         self.dir = os.path.join(root, space)
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        self._lock_file = open(os.path.join(self.dir, ".lock"), "w")
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            raise ValueError(f"prefix cache disk tier {self.dir} is in use by another engine") from None
+        make_private_dir(root)
+        make_private_dir(self.dir)
+        self._lock_file = self._take_lock()
+        self._tenant_secret = self._load_tenant_secret()
         # pages on disk or being written, by tenant_digest() of the tenant that computed them, with the
         # time each was last saved or hit (clock())
         self._files = TenantLRU()
@@ -123,6 +160,68 @@ class PrefixDiskStore:
 
     def _path(self, name: bytes) -> str:
         return os.path.join(self.dir, name.hex() + SUFFIX)
+
+    def _take_lock(self):
+        """The namespace's lock file (0600, even one an earlier version made 0644), held for this
+        engine's life; raises if another engine holds it."""
+        fd = os.open(os.path.join(self.dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        lock_file = os.fdopen(fd, "w")
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.close()
+            raise ValueError(f"prefix cache disk tier {self.dir} is in use by another engine") from None
+        os.fchmod(fd, 0o600)
+        return lock_file
+
+    def tenant_digest(self, tenant: str) -> str:
+        return tenant_hmac(self._tenant_secret, tenant)
+
+    def _load_tenant_secret(self) -> bytes:
+        """The namespace's tenant secret (made on first use; the lock held). Sealed with the current
+        key when the tier is encrypted, so the digests cannot be tested against guessed names without
+        the key; one sealed with a key being rotated out is re-sealed with the current one. One no
+        held key opens is replaced: the files it named are then unreadable anyway."""
+        path = os.path.join(self.dir, TENANT_KEY_FILE)
+        record, secret = None, None
+        try:
+            with open(path) as f:
+                record = json.load(f)
+            secret = self._open_tenant_secret(record)
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001 - corrupt, or under a key no longer held
+            logger.warning("prefix cache disk tier: the tenant key %s cannot be read (%s); making a new one", path, e)
+        fresh = secret is None
+        if fresh:
+            secret = os.urandom(KEY_BYTES)
+        if fresh or record.get("key") != (self.cipher.key_id if self.cipher is not None else None):
+            self._write_tenant_secret(path, secret)
+        return secret
+
+    def _open_tenant_secret(self, record: dict) -> bytes:
+        if self.cipher is None:
+            return bytes.fromhex(record["secret"])
+        cipher = self._ciphers.get(record.get("key"))
+        if cipher is None:
+            raise ValueError("sealed with a key this engine does not hold")
+        return cipher.open_bytes(record, TENANT_KEY_PURPOSE)
+
+    def _write_tenant_secret(self, path: str, secret: bytes) -> None:
+        record = ({"secret": secret.hex()} if self.cipher is None
+                  else self.cipher.seal_bytes(secret, TENANT_KEY_PURPOSE))
+        tmp = f"{path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _page_mac(self, name: bytes, tenant: str) -> str:
+        """A plain file's binding of its bytes to its page name and tenant digest (sealed files
+        authenticate both with their bytes instead)."""
+        return hmac.new(self._tenant_secret, b"sparsekv-page\0" + name + tenant.encode(), hashlib.sha256).hexdigest()
 
     def _scan(self) -> None:
         """Index the pages an earlier engine left, oldest first; remove half-written files and what
@@ -184,7 +283,7 @@ class PrefixDiskStore:
 
     def drop(self, tenant: str | None = None) -> int:
         """Remove a tenant's pages (every tenant's with None); returns how many."""
-        digest = None if tenant is None else tenant_digest(tenant)
+        digest = None if tenant is None else self.tenant_digest(tenant)
         with self._lock:
             names = self._files.keys(digest)
             for name in names:
@@ -222,7 +321,7 @@ class PrefixDiskStore:
         if name in self._files:
             self.touch(name)
             return
-        digest = tenant_digest(tenant)
+        digest = self.tenant_digest(tenant)
         if self.page_bytes > self.capacity_bytes or self.max_pages_per_tenant == 0:
             return
         with self._lock:
@@ -241,8 +340,11 @@ class PrefixDiskStore:
         path = self._path(name)
         tmp = f"{path}.{tag}.tmp"
         try:
-            tensors, extra = (self.cipher.seal(rows, name, tenant) if self.cipher is not None else
-                              ({str(i): r.contiguous() for i, r in enumerate(rows)}, {}))
+            if self.cipher is not None:
+                tensors, extra = self.cipher.seal(rows, name, tenant)
+            else:
+                tensors = {str(i): r.contiguous() for i, r in enumerate(rows)}
+                extra = {"mac": self._page_mac(name, tenant)}
             save_file(tensors, tmp, metadata={"format": FORMAT, "tenant": tenant, **extra})
             os.chmod(tmp, 0o600)
             if mtime_ns is None:
@@ -299,12 +401,17 @@ class PrefixDiskStore:
         return rows if self.rows.fits(rows) else None
 
     def _decode(self, data: bytes, name: bytes, tenant: str) -> list[torch.Tensor]:
-        """A page file's rows; raises if it is not one of ours, or does not authenticate under the key
-        it names (a file without a key name, from before key rotation: under any key held)."""
+        """A page file's rows; raises if it is not one of ours, was not written under `name` for
+        `tenant` (the digest it was indexed with), or does not authenticate under the key it names (a
+        file without a key name, from before key rotation: under any key held)."""
         metadata, tensors = _page_metadata(data), load_page(data)
         if metadata.get("format") != FORMAT:
             raise ValueError("not a sparsekv prefix page")
+        if metadata.get("tenant") != tenant:
+            raise ValueError("the file's tenant field was changed")
         if self.cipher is None:
+            if not hmac.compare_digest(metadata.get("mac", ""), self._page_mac(name, tenant)):
+                raise ValueError("the file was written for another page name or tenant")
             return [tensors[str(i)] for i in range(len(self.rows.layout))]
         key = metadata.get("key")
         if key is not None and key not in self._ciphers:
