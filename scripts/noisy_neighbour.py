@@ -49,7 +49,7 @@ def modes(path: str, host_prefixes: float) -> dict:
     common = dict(max_model_len=PREFIX + SUFFIX + 8, max_num_seqs=1, prefill_chunk_tokens=512,
                   max_num_batched_tokens=512, num_kv_pages=(PREFIX + SUFFIX + 8) // PAGE + 2)
     probe = LLM(path, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 30, **common)
-    host_bytes = int(host_prefixes * PREFIX // PAGE * probe.engine.prefix.tiers["host"].page_bytes)
+    host_bytes = int(host_prefixes * PREFIX // PAGE * probe.engine.kv.prefix.tiers["host"].page_bytes)
     probe.close()
     out = {"no cache": LLM(path, enable_prefix_caching=False, **common),
            "host tier": LLM(path, enable_prefix_caching=True, prefix_cache_host_bytes=host_bytes, **common)}
@@ -72,8 +72,8 @@ def kv_flood(path: str, share: float | None, noisy: int, admission: str = "reser
     for i in range(noisy):
         engine.add_request(f"noisy-{i}", torch.randint(1, vocab, (1024,), generator=g).tolist(), params, tenant="noisy")
     start, outs = time.perf_counter(), {}
-    quiet_pages = engine.allocator.pages_for(128 + 16) + 1
-    while engine.allocator.num_available >= quiet_pages and engine.has_unfinished_requests():
+    quiet_pages = engine.kv.allocator.pages_for(128 + 16) + 1
+    while engine.kv.allocator.num_available >= quiet_pages and engine.has_unfinished_requests():
         outs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     t0, ttft = time.perf_counter(), None
     engine.add_request("quiet", torch.randint(1, vocab, (128,), generator=g).tolist(),

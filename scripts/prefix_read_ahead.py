@@ -53,7 +53,7 @@ def main() -> None:
         vocab = filler.engine.model_config.vocab_size
         prefix = torch.randint(1, vocab, (PREFIX_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
         filler.generate([prefix + [1]], SamplingParams(max_tokens=1))
-        page_kib = filler.engine.prefix.tiers["disk"].page_bytes / 1024
+        page_kib = filler.engine.kv.prefix.tiers["disk"].page_bytes / 1024
     read_ahead, results = PrefixCache.read_ahead, {"sync": [], "ahead": []}
     for mode in ["sync", "ahead"] * 3:
         PrefixCache.read_ahead = read_ahead if mode == "ahead" else (lambda self, req, names: True)

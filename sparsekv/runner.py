@@ -51,32 +51,26 @@ class ModelRunner:
             self._tables[request_id] = (len(page_ids), slots, runs)
         return slots, runs
 
-    def seq_slice(self, req, token_start: int, token_end: int, context_len: int) -> SeqSlice:
-        """The request's part of a batch: rows [token_start, token_end), cache positions < context_len."""
-        slots, runs = self.slot_table(req.request_id, req.page_ids)
-        return SeqSlice(req.request_id, token_start, token_end, context_len, slots[:context_len],
+    def seq_slice(self, request_id: str, page_ids: list[int], token_start: int, token_end: int,
+                  context_len: int) -> SeqSlice:
+        """A request's part of a batch: rows [token_start, token_end), cache positions < context_len."""
+        slots, runs = self.slot_table(request_id, page_ids)
+        return SeqSlice(request_id, token_start, token_end, context_len, slots[:context_len],
                         runs=clip_runs(runs, context_len))
 
     def forget(self, request_id: str) -> None:
         self._tables.pop(request_id, None)
-        for selector in self.selectors():
+        for selector in self.model.selectors():
             selector.forget(request_id)
-
-    def selectors(self) -> list:
-        """The distinct token selectors of the model's full layers (and its MTP layer)."""
-        layers = list(self.model.layers) + ([self.model.mtp.layer] if self.model.mtp is not None else [])
-        found = {id(l.attn.selector): l.attn.selector for l in layers if l.attn.selector is not None}
-        return list(found.values())
 
     def build_context(self, chunks: list[ScheduledChunk]) -> ForwardContext:
         ids, positions, seqs, logits_rows = [], [], [], []
         row = 0
         for ch in chunks:
-            req = ch.request
             start, end = ch.first_position, ch.context_len
-            ids.extend(req.token_at(p) for p in range(start, end))
+            ids.extend(ch.token_ids)
             positions.append(torch.arange(start, end))
-            seqs.append(self.seq_slice(req, row, row + ch.num_new_tokens, end))
+            seqs.append(self.seq_slice(ch.request_id, ch.page_ids, row, row + ch.num_new_tokens, end))
             row += ch.num_new_tokens
             if ch.samples:  # the last known token's row, then one per draft token
                 logits_rows.extend(range(row - 1 - ch.num_draft_tokens, row))

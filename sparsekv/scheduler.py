@@ -28,7 +28,7 @@ tenants' other requests wait for it.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .cache.pages import PageAllocator
@@ -38,17 +38,34 @@ from .request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Positions [first_position, context_len) of `request` run this step (a snapshot at scheduling)."""
+    """Positions [first_position, context_len) of a request run this step (a snapshot at scheduling).
 
-    request: Request
+    Every field but `request` is plain data: what an executor needs to run the chunk. `request` is the
+    engine side's handle on the request, dropped by `SchedulerOutput.for_executor()`."""
+
+    request_id: str
     first_position: int
     num_new_tokens: int
+    token_ids: tuple[int, ...]  # the tokens at the chunk's positions (drafts last)
+    page_ids: list[int]  # the request's pages (read only; in process, the request's own list)
     samples: bool  # the chunk reaches the end of the known tokens, so the step samples a new one
     num_draft_tokens: int = 0  # speculative tokens at the chunk's end (verified, not sampled from)
+    request: Request | None = field(default=None, compare=False)
 
     @property
     def context_len(self) -> int:
         return self.first_position + self.num_new_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's work, decided by the scheduler: the chunks to run, in batch order."""
+
+    chunks: list[ScheduledChunk]
+
+    def for_executor(self) -> "SchedulerOutput":
+        """The same step as plain, picklable data (no engine-side request objects)."""
+        return SchedulerOutput([replace(ch, request=None, page_ids=list(ch.page_ids)) for ch in self.chunks])
 
 
 class Scheduler:
@@ -57,7 +74,9 @@ class Scheduler:
                  optimistic: bool = False):
         self.allocator, self.prefix, self.tenant_pages, self.optimistic = allocator, prefix, tenant_pages, optimistic
         self.watermark = max(1, allocator.num_pages // 100) if optimistic else 0  # pages kept free at admission
-        self.on_preempt: Callable[[Request], None] = lambda req: None  # the engine's part of a preemption
+        self.on_preempt: Callable[[Request], None] = lambda req: None  # the cache side's part of a preemption
+        # ... and of a request's end, before its pages are freed
+        self.on_release: Callable[[Request, RequestStatus], None] = lambda req, status: None
         self.num_preemptions = 0
         self._entitled: Request | None = None  # this step's waiting request taking pages back (optimistic shares)
         self._held: dict[str, int] = {}  # pages per tenant when this step's reclaim ran
@@ -73,7 +92,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         chunks = []
         self._entitled = self._reclaim() if self.optimistic and self.tenant_pages is not None else None
@@ -105,7 +124,21 @@ class Scheduler:
             chunks.append(self._take(req, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # still first in line, in their order
-        return chunks
+        return SchedulerOutput(chunks)
+
+    def update(self, output: SchedulerOutput, accepted_drafts: dict[str, int], finished: list[Request]) -> None:
+        """After the step: each chunk's positions are computed (with the drafts accepted in it, whose
+        entries hold the emitted tokens), its newly full pages named for the prefix cache, and the
+        requests that finished let go of their pages. The only writer of computed positions."""
+        for ch in output.chunks:
+            req = ch.request
+            req.num_computed_tokens += ch.num_new_tokens - ch.num_draft_tokens + accepted_drafts.get(ch.request_id, 0)
+        for req in finished:
+            self.finish(req, RequestStatus.FINISHED, req.finish_reason)
+        if self.prefix is not None:
+            for ch in output.chunks:
+                if not ch.request.finished:
+                    self.prefix.register(ch.request)
 
     def _admit(self, req: Request) -> bool | None:
         """Reserve pages for prompt + max_tokens (optimistic: the known tokens and one more), less the
@@ -213,10 +246,12 @@ class Scheduler:
             req.page_ids.extend(self.allocator.allocate(req.request_id, needed))
         start = req.num_computed_tokens
         drafts = max(0, start + n - req.num_tokens)
-        return ScheduledChunk(req, start, n, start + n >= req.num_tokens, drafts)
+        return ScheduledChunk(req.request_id, start, n, tuple(req.token_at(p) for p in range(start, start + n)),
+                              req.page_ids, start + n >= req.num_tokens, drafts, request=req)
 
     def finish(self, req: Request, status: RequestStatus, reason: str | None) -> None:
         """Release every page of a finished or aborted request, running or waiting."""
+        self.on_release(req, status)
         req.status, req.finish_reason = status, reason
         if req in self.running:
             self.running.remove(req)

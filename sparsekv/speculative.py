@@ -129,7 +129,8 @@ class Speculator:
                 rows.extend(range(row, row + valid))
                 positions.extend(range(start, start + valid))
                 tokens.extend(req.token_at(p + 1) for p in range(start, start + valid))
-                seqs.append(self.runner.seq_slice(req, len(rows) - valid, len(rows), req.num_computed_tokens))
+                seqs.append(self.runner.seq_slice(req.request_id, req.page_ids, len(rows) - valid, len(rows),
+                                                  req.num_computed_tokens))
                 pages[req.request_id] = req.page_ids
                 if ch.samples:
                     logits_rows.append(len(rows) - 1)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from sparsekv.detokenize import IncrementalDetokenizer, find_stop
-from sparsekv.engine import load_tokenizer
+from sparsekv.input_processor import load_tokenizer
 from sparsekv.paths import default_model_path
 
 TEXT = "def f(x):\n    return x  # héllo wörld — 日本語 ✓ naïve café\n\tprint('ok')  \n"

@@ -239,7 +239,7 @@ def test_final_output_carries_its_request_figures(llm, random_prompt):
     m = out.metrics
     assert m["num_prompt_tokens"] == 30 and m["num_output_tokens"] == 8
     # 37 computed tokens in 4-token pages: 10 pages held just before release
-    assert m["device_latent_bytes"] == 10 * 4 * llm.engine.cache.latent_bytes_per_token() > 0
+    assert m["device_latent_bytes"] == 10 * 4 * llm.engine.kv.pool.latent_bytes_per_token() > 0
     assert m["device_kv_bytes"] == m["device_latent_bytes"] + m["device_indexer_bytes"]
     _idle(llm)
 

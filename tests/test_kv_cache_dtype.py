@@ -55,12 +55,12 @@ def test_fp8_cache_is_exact_under_tiering_and_prefix_hits(ckpt, family, selector
     land on the other side of an e4m3 rounding step: one such flip moves deepseek_v32 + Quest by
     5.4e-5."""
     reference, llm = generate(ckpt[family], selector=selector, enable_prefix_caching=False, **FP8)
-    assert llm.engine.cache.latent_bytes_per_token() == FP8_LATENT_BYTES_PER_TOKEN
+    assert llm.engine.kv.pool.latent_bytes_per_token() == FP8_LATENT_BYTES_PER_TOKEN
     for n in (TOPK, None):
         outs, tiered = generate(ckpt[family], selector=selector, kv_tiering=True, device_buffer_tokens=n, **FP8)
         assert_same(reference, outs)
         assert tiered.stats()["tier_misses"] > 0
-        assert tiered.stats()["host_kv_bytes"] == 0 and tiered.engine.cache.host.row_bytes * 4 == \
+        assert tiered.stats()["host_kv_bytes"] == 0 and tiered.engine.kv.pool.host.row_bytes * 4 == \
             FP8_LATENT_BYTES_PER_TOKEN
     # one prompt at a time (a batch's rows group differently once hits shorten some prefills)
     alone = LLM(ckpt[family], selector=selector, enable_prefix_caching=False, **SMALL, **FP8)
@@ -116,11 +116,11 @@ def test_fp8_cache_with_speculative_decoding_equals_plain_greedy():
 
 def test_fp8_cache_holds_more_tokens_in_the_same_budget(ckpt):
     path, budget = ckpt["glm_moe_dsa"], 64 * 16 * (FP32_LATENT_BYTES_PER_TOKEN + 128)  # 64 fp32 pages
-    assert LLM(path, **SMALL, device_kv_budget_bytes=budget).engine.allocator.num_pages == 64
+    assert LLM(path, **SMALL, device_kv_budget_bytes=budget).engine.kv.allocator.num_pages == 64
     fp8 = LLM(path, **SMALL, device_kv_budget_bytes=budget, **FP8).engine
-    assert fp8.allocator.num_pages == budget // (16 * (FP8_LATENT_BYTES_PER_TOKEN + 128))  # 99 pages
+    assert fp8.kv.allocator.num_pages == budget // (16 * (FP8_LATENT_BYTES_PER_TOKEN + 128))  # 99 pages
     host = 48 * 16 * FP32_LATENT_BYTES_PER_TOKEN  # the host tier's budget holds 3x the tokens too
-    assert LLM(path, **SMALL, kv_tiering=True, host_kv_budget_bytes=host, **FP8).engine.allocator.num_pages == \
+    assert LLM(path, **SMALL, kv_tiering=True, host_kv_budget_bytes=host, **FP8).engine.kv.allocator.num_pages == \
         host // (16 * FP8_LATENT_BYTES_PER_TOKEN)
 
 
@@ -147,7 +147,7 @@ def test_prefix_disk_tier_never_mixes_latent_formats(ckpt, tmp_path):
     names = []
     for options in ({}, FP8):
         engine = LLM(ckpt["glm_moe_dsa"], **SMALL, **options).engine
-        names.append(namespace(engine.config, PageRows(engine.cache.slot_tensors(), 16), 0))
+        names.append(namespace(engine.config, PageRows(engine.kv.pool.slot_tensors(), 16), 0))
     assert names[0] != names[1]
 
 
@@ -172,7 +172,7 @@ def test_bench_kv_dtype_reports_capacity_quality_and_speed(tmp_path, capsys):
 
 @pytest.mark.parametrize("rank, rope", [(512, 64), (64, 32), (96, 16)])
 def test_planner_sizes_fp8_latents_as_the_engine_stores_them(rank, rope):
-    from sparsekv.tools.plan_costs import latent_bytes_per_token_layer
+    from sparsekv.cache.sizing import latent_bytes_per_token_layer
     cfg = SimpleNamespace(kv_lora_rank=rank, qk_rope_head_dim=rope, latent_dim=rank + rope)
     assert latent_bytes_per_token_layer(cfg, "fp8") == FP8Latent(cfg, torch.bfloat16).row_bytes
     assert latent_bytes_per_token_layer(cfg, "bf16") == PlainLatent(cfg, torch.bfloat16).row_bytes

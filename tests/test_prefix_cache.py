@@ -46,7 +46,7 @@ def assert_idle(llm):
     engine.check_integrity()
     stats = llm.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["running"] == stats["waiting"] == 0
-    assert not engine.prefix._chains and engine.allocator.num_reserved_unallocated == 0
+    assert not engine.kv.prefix._chains and engine.kv.allocator.num_reserved_unallocated == 0
 
 
 # -- bookkeeping ------------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ def test_eviction_under_memory_pressure_and_abort_keeps_computed_pages(ckpt):
     engine.step()
     engine.step()                                             # 48 of 70 prompt tokens computed
     assert engine.abort("r0")
-    assert engine.allocator.num_cached == 3                   # its 3 full, computed pages stay
+    assert engine.kv.allocator.num_cached == 3                   # its 3 full, computed pages stay
     hit = llm.generate([BASE + [2]], GREEDY)[0]
     assert hit.num_cached_tokens == 48
     others = [[(11 * i + j) % 250 + 1 for i in range(150)] for j in range(3)]   # 10 pages each: evicts
@@ -218,7 +218,7 @@ def _drafting_run(model, base, prompts, lookahead=None, **options):
     llm = LLM(model, max_model_len=512, kv_page_size=PAGE, prefill_chunk_tokens=PAGE, max_num_batched_tokens=40,
               max_num_seqs=1, num_speculative_tokens=2, **options)
     if lookahead is not None:
-        llm.engine.prefix.lookahead = lookahead
+        llm.engine.kv.prefix.lookahead = lookahead
     logits, real = [], MTPDrafter.forward
 
     def spy(self, *args):
@@ -358,7 +358,7 @@ def test_evicted_pages_come_back_from_the_host_tier_exactly(ckpt, options, emula
     reference = make(ckpt, **small)
     want = [reference.generate([p], GREEDY)[0] for p in PROMPTS[:3]]
     llm = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 24, **small)
-    assert llm.engine.allocator.num_pages == 12
+    assert llm.engine.kv.allocator.num_pages == 12
     got = _evict_then_hit(llm, PROMPTS[:3])
     assert_close(want, got, bitwise=True)
     assert [o.num_cached_tokens for o in got] == [64, 32, 64]
@@ -372,10 +372,10 @@ def test_evicted_pages_come_back_from_the_host_tier_exactly(ckpt, options, emula
 
 def test_the_host_tier_keeps_its_budget_and_a_broken_chain_stops_hits(ckpt):
     page_bytes = make(ckpt, num_kv_pages=12, enable_prefix_caching=True,
-                      prefix_cache_host_bytes=1 << 24).engine.prefix.tiers["host"].page_bytes
+                      prefix_cache_host_bytes=1 << 24).engine.kv.prefix.tiers["host"].page_bytes
     llm = make(ckpt, enable_prefix_caching=True, num_kv_pages=12, max_num_seqs=1, prefix_cache_host_bytes=3 * page_bytes)
     out = _evict_then_hit(llm, [BASE + [9]])[0]
-    host = llm.engine.prefix.tiers["host"]
+    host = llm.engine.kv.prefix.tiers["host"]
     assert host.num_pages <= 3 and host.dropped > 0
     assert out.num_cached_tokens == 0          # BASE's page 0 copy was pushed out: the chain starts nowhere
     assert_idle(llm)
@@ -461,7 +461,7 @@ def test_random_traffic_with_aborts_keeps_every_pool_consistent(ckpt, options, t
     host_bytes = 1 << 22
     if options.pop("disk", False):  # a host tier of 6 pages: the rest goes on to disk
         cache_options.update(prefix_cache_disk_path=str(tmp_path), prefix_cache_disk_bytes=1 << 22)
-        host_bytes = 6 * make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 22).engine.prefix.tiers["host"].page_bytes
+        host_bytes = 6 * make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 22).engine.kv.prefix.tiers["host"].page_bytes
     engine = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=host_bytes,
                   max_num_seqs=3, **{"num_kv_pages": 24, **options}, **cache_options).engine
     reference = make(ckpt, **options)
@@ -482,7 +482,7 @@ def test_random_traffic_with_aborts_keeps_every_pool_consistent(ckpt, options, t
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
         engine.check_integrity()
-    assert engine.allocator.num_free == engine.allocator.num_pages and engine.allocator.num_reserved_unallocated == 0
+    assert engine.kv.allocator.num_free == engine.kv.allocator.num_pages and engine.kv.allocator.num_reserved_unallocated == 0
     assert len(finished) >= 8 and sum(o.num_cached_tokens for o in finished.values()) > 0
     stats = engine.stats()
     assert stats["prefix_cache_hits_device"] > 0 and stats["prefix_cache_hits_host"] > 0  # both tiers served
@@ -549,4 +549,4 @@ def test_a_request_waits_for_a_running_request_computing_its_prefix(ckpt):
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_integrity()
-    assert not engine.prefix._inflight
+    assert not engine.kv.prefix._inflight

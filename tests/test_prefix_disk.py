@@ -33,7 +33,7 @@ def disk_engine(ckpt, root, host_pages=2, **options):
 
 def _page_bytes(ckpt, **options):
     llm = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 24, **SMALL_POOL, **options)
-    return llm.engine.prefix.tiers["host"].page_bytes
+    return llm.engine.kv.prefix.tiers["host"].page_bytes
 
 
 def _files(root):
@@ -58,7 +58,7 @@ def test_pages_pushed_out_of_host_memory_come_back_from_disk_exactly(ckpt, tmp_p
     assert stats["prefix_cache_hits_disk"] == sum(o.metrics["prefix_cached_tokens_disk"] for o in got) >= 64
     for out in got:
         assert sum(out.metrics[f"prefix_cached_tokens_{t}"] for t in ("device", "host", "disk")) == out.num_cached_tokens
-    llm.engine.prefix.tiers["disk"].flush()  # the background writes, done
+    llm.engine.kv.prefix.tiers["disk"].flush()  # the background writes, done
     assert stats["prefix_disk_pages"] > 0 and len(_files(tmp_path)) == stats["prefix_disk_pages"]
     assert_idle(llm)
     llm.close()
@@ -118,7 +118,7 @@ def test_files_are_private_and_the_budget_holds(ckpt, tmp_path):
     finally:
         os.umask(umask)
     _evict_then_hit(llm, [BASE + [9]])
-    disk = llm.engine.prefix.tiers["disk"]
+    disk = llm.engine.kv.prefix.tiers["disk"]
     disk.flush()
     assert disk.num_pages <= budget_pages and disk.dropped > 0 and len(_files(root)) == disk.num_pages
     assert _mode(root) == _mode(disk.dir) == 0o700
@@ -141,7 +141,7 @@ def test_an_unreadable_page_is_recomputed_and_removed(ckpt, tmp_path):
     llm = disk_engine(ckpt, tmp_path)
     out = llm.generate([PROMPTS[0]], GREEDY)[0]
     assert_close([want], [out], bitwise=True)
-    disk = llm.engine.prefix.tiers["disk"]
+    disk = llm.engine.kv.prefix.tiers["disk"]
     assert disk.failed == 1 and out.num_cached_tokens < 64
     assert llm.stats()["prefix_disk_failures"] == 1 and llm.stats()["prefix_disk_reads"] == disk.loaded
     disk.flush()
@@ -210,7 +210,7 @@ def test_pages_unused_for_the_ttl_are_forgotten_in_every_tier(ckpt, tmp_path):
     now = [1000.0]
     want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
     llm = disk_engine(ckpt, tmp_path, prefix_cache_ttl_s=60)
-    llm.engine.prefix.set_clock(lambda: now[0])
+    llm.engine.kv.prefix.set_clock(lambda: now[0])
     llm.generate([BASE + [3]], GREEDY)
     for prompt in OTHERS:  # BASE's pages are pushed to the host and disk tiers
         llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
@@ -226,7 +226,7 @@ def test_pages_unused_for_the_ttl_are_forgotten_in_every_tier(ckpt, tmp_path):
         stats["prefix_disk_pages"] > 0
     stats = llm.stats()
     assert stats["prefix_cached_pages"] == stats["prefix_host_pages"] == stats["prefix_disk_pages"] == 0
-    disk = llm.engine.prefix.tiers["disk"]
+    disk = llm.engine.kv.prefix.tiers["disk"]
     disk.flush()
     assert _files(tmp_path) == []
     out = llm.generate([PROMPTS[0]], GREEDY)[0]
@@ -243,9 +243,9 @@ def test_a_restart_forgets_files_older_than_the_ttl(ckpt, tmp_path):
         llm.generate([BASE + [3]], GREEDY)
     assert len(_files(tmp_path)) == 5
     later = disk_engine(ckpt, tmp_path, prefix_cache_ttl_s=60)
-    later.engine.prefix.set_clock(lambda: time.time() + 120)  # the files were last used two minutes ago
+    later.engine.kv.prefix.set_clock(lambda: time.time() + 120)  # the files were last used two minutes ago
     assert later.generate([PROMPTS[0]], GREEDY)[0].num_cached_tokens == 0
-    later.engine.prefix.tiers["disk"].flush()
+    later.engine.kv.prefix.tiers["disk"].flush()
     assert _files(tmp_path) == [] and later.stats()["prefix_cache_expired_pages"] == 5
     later.close()
 
@@ -284,7 +284,7 @@ def _cached(engine, tenant):
 def test_reset_forgets_one_tenants_pages_in_every_tier(ckpt, tmp_path):
     engine = disk_engine(ckpt, tmp_path).engine
     _fill_for(engine, "alice")
-    disk = engine.prefix.tiers["disk"]
+    disk = engine.kv.prefix.tiers["disk"]
     assert disk.num_pages > 0 and engine.stats()["prefix_host_pages"] > 0
     removed = engine.reset_prefix_cache("alice")
     assert removed == 5  # BASE's 5 full pages, wherever they were (pool, host or disk)
@@ -306,7 +306,7 @@ def test_a_restarted_engine_still_resets_a_tenants_files(ckpt, tmp_path):
     files = len(_files(tmp_path))
     engine = disk_engine(ckpt, tmp_path).engine
     assert engine.reset_prefix_cache("alice") == 5
-    engine.prefix.tiers["disk"].flush()
+    engine.kv.prefix.tiers["disk"].flush()
     assert len(_files(tmp_path)) == files - 5
     assert not any("alice" in open(os.path.join(d, f), "rb").read(4096).decode("latin-1")
                    for d, _, names in os.walk(tmp_path) for f in names if f.endswith(".safetensors"))
@@ -345,7 +345,7 @@ def test_a_failed_write_drops_the_page_and_serving_goes_on(ckpt, tmp_path, monke
     monkeypatch.setattr(prefix_disk, "save_file", full)
     want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
     llm = disk_engine(ckpt, tmp_path, host_pages=0)
-    disk = llm.engine.prefix.tiers["disk"]
+    disk = llm.engine.kv.prefix.tiers["disk"]
     llm.generate([BASE + [3]], GREEDY)
     for prompt in OTHERS:  # evict BASE's pages: their writes fail
         llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
@@ -375,7 +375,7 @@ def test_encrypted_pages_come_back_exactly_and_hold_no_plaintext(ckpt, tmp_path)
     disk_dir = tmp_path / "disk"
     with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=key) as llm:
         llm.generate([BASE + [3]], GREEDY)
-        page = llm.engine.prefix.tiers["disk"].rows.copy_out(llm.engine.allocator.cached_pages()[0])
+        page = llm.engine.kv.prefix.tiers["disk"].rows.copy_out(llm.engine.kv.allocator.cached_pages()[0])
     plain_rows = page[0].contiguous().view(-1).view(torch.uint8).numpy().tobytes()[:64]
     files = [os.path.join(d, f) for d, _, names in os.walk(disk_dir) for f in names if f.endswith(".safetensors")]
     assert len(files) == 5
@@ -437,12 +437,12 @@ def test_rotating_the_key_reseals_every_page_and_keeps_the_hits(ckpt, tmp_path):
     disk_dir = tmp_path / "disk"
     with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=old) as llm:
         llm.generate([BASE + [3]], GREEDY)
-        old_id = llm.engine.prefix.tiers["disk"].cipher.key_id
+        old_id = llm.engine.kv.prefix.tiers["disk"].cipher.key_id
     times = sorted(os.stat(os.path.join(d, n)).st_mtime_ns for d, _, ns in os.walk(disk_dir) for n in ns
                    if n.endswith(".safetensors"))
     assert set(_key_ids(disk_dir)) == {old_id} and len(times) == 5
     with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=new, prefix_cache_disk_old_key_files=[old]) as llm:
-        disk = llm.engine.prefix.tiers["disk"]
+        disk = llm.engine.kv.prefix.tiers["disk"]
         disk.flush()
         assert disk.stats()["prefix_disk_rekeyed"] == 5 and set(_key_ids(disk_dir)) == {disk.cipher.key_id}
         new_id = disk.cipher.key_id
@@ -473,7 +473,7 @@ def test_files_from_before_key_names_are_tried_under_every_key_and_resealed(ckpt
     assert set(_key_ids(tmp_path / "disk")) == {None}
     with disk_engine(ckpt, tmp_path / "disk", prefix_cache_disk_key_file=new,
                      prefix_cache_disk_old_key_files=[old]) as llm:
-        disk = llm.engine.prefix.tiers["disk"]
+        disk = llm.engine.kv.prefix.tiers["disk"]
         disk.flush()
         assert disk.stats()["prefix_disk_rekeyed"] == 5 and set(_key_ids(tmp_path / "disk")) == {disk.cipher.key_id}
 
@@ -506,8 +506,8 @@ def test_pages_are_encrypted_by_default_under_a_generated_key_a_restart_reuses(c
     sealed_root, plain_root = tmp_path / "sealed", tmp_path / "plain"
     with disk_engine(ckpt, sealed_root) as llm:
         llm.generate([BASE + [3]], GREEDY)
-        assert llm.engine.prefix.tiers["disk"].cipher is not None
-        page = llm.engine.prefix.tiers["disk"].rows.copy_out(llm.engine.allocator.cached_pages()[0])
+        assert llm.engine.kv.prefix.tiers["disk"].cipher is not None
+        page = llm.engine.kv.prefix.tiers["disk"].rows.copy_out(llm.engine.kv.allocator.cached_pages()[0])
     key = sealed_root / ".prefix-cache.key"
     secret = key.read_bytes()
     assert len(secret) == 32 and _mode(key) == 0o600
@@ -521,7 +521,7 @@ def test_pages_are_encrypted_by_default_under_a_generated_key_a_restart_reuses(c
     assert key.read_bytes() == secret
     with disk_engine(ckpt, plain_root, prefix_cache_disk_unencrypted=True) as llm:
         llm.generate([BASE + [3]], GREEDY)
-        assert llm.engine.prefix.tiers["disk"].cipher is None
+        assert llm.engine.kv.prefix.tiers["disk"].cipher is None
     assert not (plain_root / ".prefix-cache.key").exists()
     assert any(plain_rows in open(f, "rb").read() for f in _page_paths(plain_root))  # the check above can see rows
     for bad in (dict(prefix_cache_disk_unencrypted=True, prefix_cache_disk_key_file=str(key)),
@@ -645,11 +645,11 @@ def test_a_request_waits_for_its_disk_reads_while_others_keep_decoding(ckpt, tmp
     gate.clear()  # reads block again: a request aborted while it waits for them leaves nothing behind
     engine = disk_engine(ckpt, tmp_path).engine
     engine.add_request("aborted", PROMPTS[0], GREEDY)
-    assert engine.step() == [] and engine.prefix._reading["aborted"]
+    assert engine.step() == [] and engine.kv.prefix._reading["aborted"]
     engine.abort("aborted")
     gate.set()
     engine.check_integrity()
-    assert not engine.prefix._reading and not engine.prefix.tiers["disk"]._prefetched
+    assert not engine.kv.prefix._reading and not engine.kv.prefix.tiers["disk"]._prefetched
     engine.close()
 
 

@@ -128,7 +128,7 @@ def test_min_tokens_holds_back_stop_tokens(llm, random_prompt):
     assert len(held.token_ids) >= 3 and stop not in held.token_ids[:3]
     assert held.finish_reason == "length" or held.token_ids[-1] == stop
     llm.engine.check_integrity()
-    assert not llm.engine._adjusters  # per-request state goes with the request
+    assert not llm.engine.outputs._adjusters  # per-request state goes with the request
 
 
 @pytest.mark.parametrize("chunk", [16, 5], ids=["one-chunk", "chunked"])

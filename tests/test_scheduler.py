@@ -13,12 +13,12 @@ def make(rid: str, n_prompt: int, max_tokens: int = 4) -> Request:
 
 
 def run_step(sched: Scheduler) -> list:
-    chunks = sched.schedule()
-    for ch in chunks:
-        ch.request.num_computed_tokens += ch.num_new_tokens
+    scheduled = sched.schedule()
+    for ch in scheduled.chunks:
         if ch.samples:
             ch.request.output_token_ids.append(0)
-    return chunks
+    sched.update(scheduled, {}, [])
+    return scheduled.chunks
 
 
 def test_allocator_reserve_allocate_free():

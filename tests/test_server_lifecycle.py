@@ -188,7 +188,7 @@ def test_tier_figures_reach_response_and_metrics(model):
         [info] = [s for s in scrape_samples(srv.url) if s.name == "sparsekv:cache_config_info"]
         assert info.value == 1 and info.labels["cache_dtype"] == "fp8" and info.labels["kv_tiering"] == "True"
         assert info.labels["host_store"] == "ram" and info.labels["block_size"] == "16"
-        assert info.labels["num_gpu_blocks"] == str(srv.engine.allocator.num_pages)
+        assert info.labels["num_gpu_blocks"] == str(srv.engine.kv.allocator.num_pages)
     srv.engine.check_integrity()
 
 

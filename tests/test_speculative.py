@@ -186,7 +186,7 @@ def _check_tiered_drafting(model, params, selector, buffer, device):
         for key in ("spec_num_draft_tokens", "spec_num_accepted_tokens"):  # the same drafts, too
             assert a.metrics[key] == b.metrics[key]
         assert b.metrics["spec_num_draft_tokens"] > 0 and b.metrics["d2h_bytes"] > 0
-    stats, cache = llm.stats(), llm.engine.cache
+    stats, cache = llm.stats(), llm.engine.kv.pool
     assert min(len(outs[0].prompt_token_ids), len(outs[2].prompt_token_ids)) > llm.engine.model.cfg.index_topk
     assert stats["tier_misses"] > 0 and stats["h2d_bytes"] > 0 and cache.mtp_layers
     if params is GREEDY:  # and both equal plain decoding
@@ -216,8 +216,8 @@ def test_quest_with_drafts_equals_plain_quest(model, k):
 def test_tiering_with_drafts_counts_the_mtp_layer(model):
     """Host, indexer and working-set bytes include the MTP layer's; a working set holds one more
     new-token row per draft."""
-    plain = LLM(model, kv_tiering=True, max_model_len=512).engine.cache
-    spec = LLM(model, kv_tiering=True, num_speculative_tokens=1, max_model_len=512).engine.cache
+    plain = LLM(model, kv_tiering=True, max_model_len=512).engine.kv.pool
+    spec = LLM(model, kv_tiering=True, num_speculative_tokens=1, max_model_len=512).engine.kv.pool
     cfg = spec.cfg
     row = cfg.latent_dim * spec.dtype.itemsize
     assert spec.latent_bytes_per_token() == plain.latent_bytes_per_token() + row
@@ -283,9 +283,9 @@ def test_device_budget_counts_the_mtp_layer(model):
     plain = LLM(model, device_kv_budget_bytes=budget, max_model_len=256).engine
     spec = LLM(model, device_kv_budget_bytes=budget, max_model_len=256, num_speculative_tokens=1).engine
     for engine in (plain, spec):
-        per_token = engine.cache.latent_bytes_per_token() + engine.cache.index_bytes_per_token()
-        assert engine.allocator.num_pages * engine.page_size * per_token <= budget
-    assert spec.allocator.num_pages < plain.allocator.num_pages
+        per_token = engine.kv.pool.latent_bytes_per_token() + engine.kv.pool.index_bytes_per_token()
+        assert engine.kv.allocator.num_pages * engine.kv.page_size * per_token <= budget
+    assert spec.kv.allocator.num_pages < plain.kv.allocator.num_pages
 
 
 @pytest.mark.parametrize("tiering", [False, True])

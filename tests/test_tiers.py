@@ -46,10 +46,10 @@ def generate(path, prompts=PROMPTS, params=GREEDY, **options):
 
 def assert_back_to_initial(engine):
     engine.check_integrity()
-    assert engine.allocator.num_free == engine.allocator.num_pages
-    assert engine.allocator.num_reserved_unallocated == 0
-    if engine.tiered:
-        cache = engine.cache
+    assert engine.kv.allocator.num_free == engine.kv.allocator.num_pages
+    assert engine.kv.allocator.num_reserved_unallocated == 0
+    if engine.config.kv_tiering:
+        cache = engine.kv.pool
         assert cache.num_working_sets == 0 and cache.buffers.num_free == cache.buffers.num_pages
         stats = engine.stats()
         assert stats["host_kv_bytes"] == 0 and stats["device_kv_bytes"] == 0
@@ -119,7 +119,7 @@ def test_mmap_host_store_never_overwrites_a_file_and_takes_a_directory(ckpt, tmp
     outs, llm = generate(ckpt["glm_moe_dsa"], kv_tiering=True, host_store_path=str(tmp_path))
     other = make(ckpt["glm_moe_dsa"], kv_tiering=True, host_store_path=str(tmp_path))
     assert_same(reference, outs)
-    files = {llm.engine.cache.host.path, other.engine.cache.host.path}
+    files = {llm.engine.kv.pool.host.path, other.engine.kv.pool.host.path}
     assert len(files) == 2 and all(os.path.dirname(f) == str(tmp_path) for f in files)
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"]  # each unlinked once mapped
 
@@ -136,7 +136,7 @@ def run_with_aborts(path, **options):
             assert engine.scheduler.find("r3").is_prefilling
             engine.abort("r3")       # aborted while prefilling: host pages only
         if step == 6:
-            assert engine.cache.has_working_set("r1") if engine.tiered else True
+            assert engine.kv.pool.has_working_set("r1") if engine.config.kv_tiering else True
             engine.abort("r1")       # aborted mid-generation: host pages and a working set
         engine.check_integrity()
     assert_back_to_initial(engine)
@@ -188,11 +188,19 @@ def test_a_prefill_block_reads_each_selected_row_from_the_host_once(ckpt, monkey
 def test_fp8_indexer_keys_shrink_the_device_and_stay_close(ckpt):
     reference, base = generate(ckpt["glm_moe_dsa"], kv_tiering=True)
     outs, llm = generate(ckpt["glm_moe_dsa"], kv_tiering=True, indexer_key_dtype="fp8_e4m3")
-    assert llm.engine.cache.index_bytes_per_token() == (16 + 4) * 2 < base.engine.cache.index_bytes_per_token()
+<<<<<<< HEAD
+    assert llm.engine.kv.pool.index_bytes_per_token() == (16 + 4) * 2 < base.engine.kv.pool.index_bytes_per_token()
     for r, o in zip(reference, outs, strict=True):  # the first token of every prompt: the same, scored almost the same
         top = r.token_ids[0]
         assert o.token_ids[0] == top and top in o.logprobs[0]
         assert abs(r.logprobs[0][top] - o.logprobs[0][top]) < 0.1
+=======
+    assert llm.engine.kv.pool.index_bytes_per_token() == (16 + 4) * 2 < base.engine.kv.pool.index_bytes_per_token()
+    first = [(r.logprobs[0], o.logprobs[0]) for r, o in zip(reference, outs)]
+    for ref, got in first:  # the first sampled token of every prompt is still scored almost the same
+        top = next(iter(ref))
+        assert abs(ref[top] - got.get(top, ref[top])) < 0.1
+>>>>>>> e469882 (Architecture: a one-way step (schedule -> execute -> process outputs -> scheduler.update), a cache manager that owns the allocator, the pool (plain or tiered, one interface) and the prefix cache, an Executor boundary with the in-process implementation, an OutputProcessor for sampling state and finish decisions; plain-data ScheduledChunk/SchedulerOutput; benches observe the executor instead of patching it)
 
 
 def test_host_budget_admission(ckpt):
@@ -236,9 +244,9 @@ def test_bad_configuration_is_a_clear_error(ckpt, options, match):
 def test_device_budget_sizes_both_modes(ckpt):
     path = ckpt["glm_moe_dsa"]
     budget = 64 * 16 * (LATENT_BYTES_PER_TOKEN + 128)       # 64 pages untiered
-    assert make(path, device_kv_budget_bytes=budget).engine.allocator.num_pages == 64
+    assert make(path, device_kv_budget_bytes=budget).engine.kv.allocator.num_pages == 64
     tiered = make(path, kv_tiering=True, device_kv_budget_bytes=budget).engine
-    assert tiered.allocator.num_pages > 4 * 64                 # indexer keys only, plus 4 working sets
+    assert tiered.kv.allocator.num_pages > 4 * 64                 # indexer keys only, plus 4 working sets
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -257,7 +265,7 @@ def test_tiering_is_exact_under_emulated_cuda_ordering(ckpt, selector, emulated_
     outs, llm = generate(ckpt["glm_moe_dsa"], selector=selector, kv_tiering=True, device_buffer_tokens=TOPK)
     assert_same(reference, outs)
     assert emulated_cuda["backups"] > 0 and emulated_cuda["fetches"] > 0
-    assert not llm.engine.cache.link._landing  # every side-stream fetch was waited on in its step
+    assert not llm.engine.kv.pool.link._landing  # every side-stream fetch was waited on in its step
 
 
 @pytest.mark.parametrize("skipped", ["flush", "wait"])
@@ -268,7 +276,7 @@ def test_emulated_cuda_ordering_catches_a_missing_synchronisation(ckpt, skipped,
     reference, _ = generate(ckpt["glm_moe_dsa"])
     monkeypatch.setattr(HostLink, skipped, lambda self, *args: None)
     llm = make(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=TOPK)
-    for rows in llm.engine.cache.ws.values():  # stale rows read as zeros, not uninitialised memory (maybe NaN)
+    for rows in llm.engine.kv.pool.ws.values():  # stale rows read as zeros, not uninitialised memory (maybe NaN)
         rows.zero_()
     outs = llm.generate(PROMPTS, GREEDY)
     assert any(a.logprobs != b.logprobs for a, b in zip(reference, outs, strict=True))
@@ -498,7 +506,7 @@ def test_shared_layers_replay_the_decode_plan_without_reading_selections(ckpt, m
 def test_bench_tiers_teacher_forced_natural_continuation(tmp_path):
     """--teacher-forced feeds the prompt file's own next tokens: the run is exact and its steps are
     the file's tokens (the FP8 pass is forced on the same sequence); a file too short is an error."""
-    from sparsekv.engine import load_tokenizer
+    from sparsekv.input_processor import load_tokenizer
     from sparsekv.paths import default_model_path
     from sparsekv.tools.bench_tiers import main, parse_args
     from sparsekv.tools.bench_tiers_natural import _prompt

@@ -103,8 +103,36 @@ class KVPool:
     def write_index_keys(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.index_keys[layer].index_copy_(0, slots, values.to(self.dtype))
 
+    # -- the step protocol (TieredKVPool's; a device-only pool has nothing to stage) --------------
+    def begin_step(self, chunks) -> None:
+        """The tiered pool resolves working sets here."""
+
     def begin_mtp_pass(self, seqs: list[SeqSlice], page_ids: dict[str, list[int]]) -> None:
-        """The tiered pool sets up the MTP layer's working sets here; a device-only pool has none."""
+        """The tiered pool sets up the MTP layer's working sets here."""
+
+    def flush(self) -> None:
+        """The tiered pool finishes pending host writes here: every slot row is current already."""
+
+    def release(self, request_id: str, keep_counters: bool = False) -> dict:
+        """The tiered pool frees a request's working set here; a request holds nothing but its pages."""
+        return {}
+
+    # -- observability -------------------------------------------------------------------------
+    def request_metrics(self, request_id: str, held_tokens: int) -> dict:
+        return self._device_bytes(held_tokens)
+
+    def stats(self, used_tokens: int) -> dict:
+        return self._device_bytes(used_tokens)
+
+    def _device_bytes(self, tokens: int) -> dict:
+        latent, indexer = tokens * self._latent_bpt, tokens * self._index_bpt
+        return {"device_kv_bytes": latent + indexer, "device_latent_bytes": latent, "device_indexer_bytes": indexer}
+
+    def layout(self) -> dict[str, str]:
+        return {"kv_tiering": "False", "host_store": "none", "device_buffer_tokens": "0"}
+
+    def check_integrity(self, active: set[str] | None = None, waiting: set[str] = frozenset()) -> None:
+        """Slots belong to pages, which the allocator checks; nothing else is held per request."""
 
     # -- reads ---------------------------------------------------------------------------------
     @staticmethod

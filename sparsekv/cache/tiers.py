@@ -134,12 +134,12 @@ class TieredKVPool:
     def begin_step(self, chunks) -> None:
         """Before the forward: note which rows are decodes, promote last step's final new tokens."""
         self.link.flush()  # last step's backups: every host row is current before anything reads it
-        rows = [(ch.request.request_id, ch.request.page_ids, ch.first_position, ch.num_new_tokens) for ch in chunks]
+        rows = [(ch.request_id, ch.page_ids, ch.first_position, ch.num_new_tokens) for ch in chunks]
         self._step = self._begin("target", rows, len(self.layers) - len(self.mtp_layers))
         for ch in chunks:  # a prompt's last chunk: its last row's selections prime the working set (`_prime`)
             if ch.samples and ch.num_new_tokens > self.new_rows:
-                self._working_set(ch.request.request_id)
-                self._step.priming.add(ch.request.request_id)
+                self._working_set(ch.request_id)
+                self._step.priming.add(ch.request_id)
 
     def begin_mtp_pass(self, seqs: list[SeqSlice], page_ids: dict[str, list[int]]) -> None:
         """Before the MTP layer's pass over `seqs` (speculative.py): the same for its working set."""
@@ -411,6 +411,13 @@ class TieredKVPool:
                 "host_kv_bytes": used_tokens * self.host.bytes_per_token,
                 "host_kv_budget_bytes": self.host.capacity_bytes, "host_store": self.host.kind,
                 **self.totals.as_dict()}
+
+    def layout(self) -> dict[str, str]:
+        return {"kv_tiering": "True", "host_store": self.host.kind, "device_buffer_tokens": str(self.capacity)}
+
+    def flush(self) -> None:
+        """Finish pending host writes (backups of new rows): every host row is current after it."""
+        self.link.flush()
 
     def check_integrity(self, active: set[str] | None = None, waiting: set[str] = frozenset()) -> None:
         """`active`: the running requests (working sets and counters); `waiting`: queued ones, whose

@@ -65,6 +65,12 @@ class DSAModel:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head).float()
 
+    def selectors(self) -> list:
+        """The distinct token selectors of the full layers (and the MTP layer's)."""
+        layers = list(self.layers) + ([self.mtp.layer] if self.mtp is not None else [])
+        found = {id(l.attn.selector): l.attn.selector for l in layers if l.attn.selector is not None}
+        return list(found.values())
+
     def forward(self, ctx: ForwardContext, cache) -> torch.Tensor:
         """Logits (fp32) for `ctx.logits_rows`."""
         return self.logits(self.hidden_states(ctx, cache)[ctx.logits_rows])

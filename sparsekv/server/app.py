@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import load_tokenizer
+from ..input_processor import load_tokenizer
 from ..request import InvalidRequest, SamplingParams
 from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware
 from .errors import APIError, bad_request, error_body, error_response
@@ -55,7 +55,7 @@ class ServerState:
         self.engine, self.settings = engine, settings
         self.model_name = settings.served_model_names[0]
         self.max_model_len = engine.max_model_len
-        pool_tokens = engine.allocator.num_pages * engine.page_size
+        pool_tokens = engine.kv.allocator.num_pages * engine.kv.page_size
         self.context_limit = min(engine.max_model_len, pool_tokens)
         # The engine reserves pages for prompt + max_tokens at admission, so an unbounded default would let
         # one chat request hold the pool; cap it so a full batch of such requests still fits.

@@ -54,7 +54,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def capacity(engine, budget: int) -> dict:
-    cache = engine.cache
+    cache = engine.kv.pool
     per_token = cache.latent_bytes_per_token() + cache.index_bytes_per_token()
     return {"latent_bytes_per_token": cache.latent_bytes_per_token(), "index_bytes_per_token": cache.index_bytes_per_token(),
             "tokens_in_budget": budget // per_token}

@@ -71,7 +71,7 @@ def miss_breakdown(selections: list, cfg, capacity: int, warmup: int) -> list[di
 def _prompt(args, vocab_size: int) -> tuple[list[int], list[int] | None]:
     """The prompt's tokens, and with --teacher-forced the tokens that follow it in the file."""
     if args.prompt_file:
-        from sparsekv.engine import load_tokenizer
+        from sparsekv.input_processor import load_tokenizer
         with open(args.prompt_file) as f:
             ids = load_tokenizer(args.model).encode(f.read(), add_special_tokens=False)
         n = args.natural_context
@@ -94,13 +94,7 @@ def _continue(ckpt: str, prompt: list[int], steps: int, warmup: int, force: list
     from sparsekv import SamplingParams
     engine = make_engine(ckpt, len(prompt) + steps + 8, **options)
     log, logits = _record_selections(engine), []
-    execute = engine.runner.execute
-
-    def recording(chunks):
-        out = execute(chunks)
-        logits.append(out[0])
-        return out
-    engine.runner.execute = recording
+    engine.executor.add_observer(lambda step, out: logits.append(out.logits))
     engine.add_request("nat", prompt, SamplingParams(max_tokens=steps, temperature=0.0, logprobs=0, ignore_eos=True))
     req, tokens, logprobs, mid = engine.scheduler.find("nat"), [], [], None
     while engine.has_unfinished_requests():

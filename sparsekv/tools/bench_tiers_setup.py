@@ -31,7 +31,7 @@ def synthetic_admit(engine, request_id: str, context: int, max_tokens: int) -> b
     """Admit a request as the scheduler would (reserve prompt + max_tokens) and fill `context` entries."""
     import torch
     from sparsekv import SamplingParams
-    sched, alloc = engine.scheduler, engine.allocator
+    sched, alloc = engine.scheduler, engine.kv.allocator
     req = engine.add_request(request_id, [1] * (context + 1), SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                            ignore_eos=True))
     if len(sched.running) >= sched.max_num_seqs or not alloc.reserve(req.request_id, alloc.pages_for(req.max_total_tokens)):
@@ -41,7 +41,7 @@ def synthetic_admit(engine, request_id: str, context: int, max_tokens: int) -> b
     req.status = req.status.RUNNING
     sched.running.append(req)
     req.page_ids = alloc.allocate(req.request_id, alloc.pages_for(context))
-    slots = engine.runner.slots_of(req.page_ids, context)
+    slots = engine.executor.runner.slots_of(req.page_ids, context)
     _fill(engine, slots, torch.Generator().manual_seed(len(sched.running)))
     req.num_computed_tokens = context
     return True
@@ -49,7 +49,7 @@ def synthetic_admit(engine, request_id: str, context: int, max_tokens: int) -> b
 
 def _fill(engine, slots, gen, chunk: int = 1 << 16) -> None:
     import torch
-    cfg, cache = engine.model_config, engine.cache
+    cfg, cache = engine.model_config, engine.kv.pool
 
     def rand(n: int, dim: int) -> torch.Tensor:
         return torch.randn(n, dim, generator=gen).to(engine.device)

@@ -26,14 +26,14 @@ def _engine(job: dict, max_model_len: int):
 def synthetic_prefill(engine, req, num_tokens: int) -> None:
     """Fill the cache with `num_tokens` random entries and mark them computed (see bench.py docstring)."""
     import torch
-    sched, alloc = engine.scheduler, engine.allocator
+    sched, alloc = engine.scheduler, engine.kv.allocator
     sched.waiting.remove(req)
     assert alloc.reserve(req.request_id, alloc.pages_for(req.max_total_tokens))
     req.status = req.status.RUNNING
     sched.running.append(req)
     req.page_ids = alloc.allocate(req.request_id, alloc.pages_for(num_tokens))
-    slots = engine.runner.slots_of(req.page_ids, num_tokens)
-    g, cache = torch.Generator().manual_seed(0), engine.cache
+    slots = engine.executor.runner.slots_of(req.page_ids, num_tokens)
+    g, cache = torch.Generator().manual_seed(0), engine.kv.pool
     for layer in cache.latent:  # through the pool's format (FP8 rows are encoded, not random bytes)
         latents = torch.randn(num_tokens, engine.model_config.latent_dim, generator=g)
         cache.write_latent(layer, slots, latents.to(engine.device, engine.dtype))
@@ -45,7 +45,7 @@ def synthetic_prefill(engine, req, num_tokens: int) -> None:
 def decode_bytes_per_step(engine, context: int, batch: int = 1) -> int:
     """Bytes a decode step of `batch` requests at `context` must read: dense weights and the routed
     experts the batch touches (expected union), then per request its selected latents and indexer keys."""
-    cfg, cache = engine.model_config, engine.cache
+    cfg, cache = engine.model_config, engine.kv.pool
     k = context if engine.config.attention == "dense" else min(cfg.index_topk, context)
     latent = k * cache.latent_bytes_per_token()
     index_keys = context * cache.index_bytes_per_token()

@@ -1,0 +1,228 @@
+"""The cache manager: builds and owns every KV store of one engine, behind one interface.
+
+It holds the page allocator (pages.py), the device pool (pool.py, or the tiered pool of tiers.py
+with `kv_tiering`) and the prefix cache (prefix.py) with its host and disk tiers. The engine and the
+scheduler never ask which kind of pool it is: both pools answer the same step, release and
+observability calls.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import ConfigError, EngineConfig
+from ..request import InvalidRequest, Request
+from .pages import PageAllocator
+from .pool import KVPool
+
+logger = logging.getLogger(__name__)
+DEFAULT_KV_CACHE_TOKENS = 1 << 21  # pool size when neither num_kv_pages nor a budget is given
+
+
+class CacheManager:
+    def __init__(self, config: EngineConfig, model, dtype: torch.dtype, device: torch.device, max_model_len: int):
+        self.config, self.model, self.dtype, self.device = config, model, dtype, device
+        self.page_size, self.max_model_len = config.kv_page_size, max_model_len
+        self.pool, self.allocator = self._build_pool()
+        self.prefix = self._build_prefix_cache() if config.enable_prefix_caching else None
+        share = config.tenant_kv_share
+        self.tenant_pages = None if share is None else int(share * self.allocator.num_pages)
+
+    # -- building ------------------------------------------------------------------------------
+    def _build_pool(self):
+        config, cfg = self.config, self.model.cfg
+        if config.kv_tiering:  # the tiered pool sizes the (logical) page table from its budgets
+            from .tiers import build_tiered_cache
+            pool = build_tiered_cache(config, self.model, self.dtype, self.device, self._num_pages())
+            return pool, PageAllocator(pool.sizes.num_pages, self.page_size)
+        allocator = PageAllocator(self._num_pages(), self.page_size)
+        mtp = self._mtp_layers()
+        pool = KVPool(cfg, allocator.num_pages, self.page_size, self.dtype, self.device,
+                      list(range(cfg.num_hidden_layers)) + mtp, cfg.full_layers + mtp, self._latent_format())
+        if config.selector == "quest":
+            from ..model.selectors import install_quest
+            install_quest(self.model, config, allocator.num_pages * self.page_size, self.device)
+        return pool, allocator
+
+    def _mtp_layers(self) -> list[int]:
+        drafting = self.config.num_speculative_tokens and self.model.mtp is not None
+        return [self.model.cfg.num_hidden_layers] if drafting else []
+
+    def _latent_format(self):
+        from .latent_format import latent_format
+        return latent_format(self.config.kv_cache_dtype, self.model.cfg, self.dtype)
+
+    def _num_pages(self) -> int:
+        config = self.config
+        if config.num_kv_pages:
+            return config.num_kv_pages
+        if config.device_kv_budget_bytes and not config.kv_tiering:
+            from .lru import untiered_pages
+            return untiered_pages(config, self.model.cfg, self.dtype.itemsize, self._latent_format().row_bytes)
+        tokens = min(self.max_model_len * config.max_num_seqs, max(DEFAULT_KV_CACHE_TOKENS, self.max_model_len))
+        return -(-tokens // self.page_size)
+
+    def _build_prefix_cache(self):
+        from .prefix import PrefixCache
+        from .prefix_host import PageRows, PrefixHostStore
+        config, tiers = self.config, {}
+        lookahead = 1 if config.num_speculative_tokens else 0
+        rows = PageRows(self.pool.slot_tensors() + [t for s in self.model.selectors() for t in s.slot_tensors()],
+                        self.page_size)
+        quotas = [q for q in (config.prefix_cache_max_pages_per_tenant, self._tenant_quota(self.allocator.num_pages))
+                  if q is not None]
+        self.allocator.max_cached_per_tenant = min(quotas, default=None)
+        disk = self._build_disk_tier(rows, lookahead) if config.prefix_cache_disk_path else None
+        if config.prefix_cache_host_bytes:
+            tiers["host"] = PrefixHostStore(rows, config.prefix_cache_host_bytes,
+                                            spill=disk.save_rows if disk is not None else None,
+                                            max_pages_per_tenant=self._tenant_quota(
+                                                config.prefix_cache_host_bytes // rows.page_bytes))
+        if disk is not None:
+            tiers["disk"] = disk
+        return PrefixCache(self.allocator, lookahead=lookahead, tiers=tiers, before_copy=self.pool.flush,
+                           ttl_s=config.prefix_cache_ttl_s)
+
+    def _tenant_quota(self, tier_pages: int) -> int | None:
+        """A tenant's share of a prefix-cache tier of `tier_pages` pages, in pages (None: no bound)."""
+        share = self.config.prefix_cache_tenant_share
+        return None if share is None else int(share * tier_pages)
+
+    def _disk_key_file(self) -> str | None:
+        """The disk tier's key file: the operator's, else one generated in the tier's directory
+        (kept there, so a restart reads its earlier pages); None for an unencrypted tier."""
+        from .prefix_disk import default_key_file
+        config = self.config
+        if config.prefix_cache_disk_unencrypted or config.prefix_cache_disk_key_file is not None:
+            return config.prefix_cache_disk_key_file
+        try:
+            path, made = default_key_file(config.prefix_cache_disk_path)
+        except OSError as e:
+            raise ConfigError(f"prefix_cache_disk_path: {e}") from None
+        if made:
+            logger.info("prefix cache disk tier: generated the encryption key %s (keep it with the tier; "
+                        "prefix_cache_disk_key_file to keep one elsewhere)", path)
+        return path
+
+    def _build_disk_tier(self, rows, lookahead: int):
+        from .prefix_disk import PrefixDiskStore, namespace
+        config, key = self.config, self._disk_key_file()
+        space = namespace(config, rows, lookahead, sealed=key is not None)
+        option = "prefix_cache_disk_key_file" if config.prefix_cache_disk_key_file else "prefix_cache_disk_path's key"
+        cipher = None if key is None else _page_cipher(option, key, space)
+        old = [_page_cipher("prefix_cache_disk_old_key_files", path, space)
+               for path in config.prefix_cache_disk_old_key_files or ()]
+        try:
+            return PrefixDiskStore(rows, config.prefix_cache_disk_path, space, config.prefix_cache_disk_bytes, cipher,
+                                   max_pages_per_tenant=self._tenant_quota(config.prefix_cache_disk_bytes // rows.page_bytes),
+                                   old_ciphers=old)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"prefix_cache_disk_path: {e}") from None
+
+    # -- admission -----------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """InvalidRequest if prompt + max_tokens can never be held (by the whole cache, or a tenant's share)."""
+        pages, total = self.allocator.pages_for(num_prompt_tokens + max_tokens), self.allocator.num_pages
+        need = (f"request needs {pages} KV pages for {num_prompt_tokens} + {max_tokens} tokens "
+                f"(prompt + max_tokens); ")
+        if pages > total:
+            where = f"the pool has {total}"
+            if self.config.kv_tiering:
+                where = (f"the tiered cache holds {total} pages ({total * self.page_size} tokens), "
+                         f"bounded by {self.pool.sizes.limit}")
+            raise InvalidRequest(need + where, "max_tokens")
+        optimistic = self.config.kv_admission == "optimistic"  # there the share is a guarantee, not a cap
+        if self.tenant_pages is not None and pages > self.tenant_pages and not optimistic:
+            raise InvalidRequest(need + f"a tenant may hold {self.tenant_pages} of the {total} "
+                                 f"(tenant_kv_share {self.config.tenant_kv_share})", "max_tokens")
+
+    # -- the step ------------------------------------------------------------------------------
+    def begin_step(self, chunks) -> None:
+        self.pool.begin_step(chunks)
+
+    def register(self, req: Request) -> None:
+        """Name the request's newly full, computed pages for the prefix cache."""
+        if self.prefix is not None:
+            self.prefix.register(req)
+
+    def release(self, req: Request, name_pages: bool, keep_counters: bool) -> None:
+        """A request leaving the running set (finished, aborted or preempted), before its pages are freed:
+        its full pages named for the prefix cache (`name_pages`), its prefix chain and its tier working
+        set let go (its tier counters too unless `keep_counters`)."""
+        if self.prefix is not None:
+            if name_pages:
+                self.prefix.register(req)
+            self.prefix.forget_request(req.request_id)
+        self.pool.release(req.request_id, keep_counters=keep_counters)
+
+    def expire(self) -> int:
+        return self.prefix.expire() if self.prefix is not None else 0
+
+    def reset(self, tenant: str | None = None) -> int:
+        return self.prefix.reset(tenant) if self.prefix is not None else 0
+
+    def wait_for_reads(self, timeout: float) -> None:
+        if self.prefix is not None:
+            self.prefix.wait_for_reads(timeout)
+
+    def close(self) -> None:
+        """Save the prefix cache's pages to its disk tier, if any, and let go of it."""
+        if self.prefix is not None and "disk" in self.prefix.tiers:
+            self.prefix.persist()
+            disk = self.prefix.tiers.pop("disk")
+            if "host" in self.prefix.tiers:
+                self.prefix.tiers["host"].spill = None
+            disk.close()
+
+    # -- observability -------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the page table can address (the device pool's, or the tiered cache's logical one)."""
+        return self.allocator.num_pages * self.page_size
+
+    def request_metrics(self, req: Request) -> dict:
+        return self.pool.request_metrics(req.request_id, len(req.page_ids) * self.page_size)
+
+    def stats(self) -> dict:
+        used_tokens = (self.allocator.num_pages - self.allocator.num_free) * self.page_size
+        prefix = self.prefix.stats() if self.prefix is not None else {}
+        return {**self.pool.stats(used_tokens), "kv_pages_total": self.allocator.num_pages,
+                "kv_pages_free": self.allocator.num_free, **prefix}
+
+    def layout(self) -> dict[str, str]:
+        """How the KV cache is laid out, as strings (vLLM's `cache_config_info` labels, and ours)."""
+        config, tiers = self.config, self.prefix.tiers if self.prefix is not None else {}
+        return {"block_size": str(self.page_size), "cache_dtype": config.kv_cache_dtype,
+                "num_gpu_blocks": str(self.allocator.num_pages), "enable_prefix_caching": str(self.prefix is not None),
+                **self.pool.layout(), "indexer_key_dtype": config.indexer_key_dtype, "selector": config.selector,
+                "prefix_cache_tiers": ",".join(["device", *tiers]), "kv_admission": config.kv_admission}
+
+    def check_integrity(self, running: list[Request], waiting: set[str]) -> None:
+        self.allocator.check_integrity()
+        holders: dict[int, int] = {}  # page -> running requests holding it (several: a shared prefix page)
+        for r in running:
+            assert len(set(r.page_ids)) == len(r.page_ids), f"{r.request_id} holds a page twice"
+            for p in r.page_ids:
+                holders[p] = holders.get(p, 0) + 1
+        assert len(holders) == self.allocator.num_pages - self.allocator.num_free, "allocator and requests disagree"
+        assert all(self.allocator.num_owners(p) == n for p, n in holders.items()), "page owners and requests disagree"
+        shared = [p for p, n in holders.items() if n > 1]
+        assert not shared or (self.prefix is not None and self.prefix.names_all(shared)), "a shared page has no name"
+        active = {r.request_id for r in running}
+        self.pool.check_integrity(active, waiting)
+        if self.prefix is not None:
+            self.prefix.check_integrity(active | waiting)
+
+
+def _page_cipher(option: str, path: str, space: str):
+    from .page_cipher import PageCipher
+    try:
+        with open(path, "rb") as f:
+            return PageCipher(f.read(), space)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{option}: {e}") from None

@@ -1,0 +1,80 @@
+"""The executor boundary: a scheduled step (plain data) in, the step's logits out.
+
+The engine hands each `SchedulerOutput` to an `Executor` and gets a `ModelOutput` back; nothing below
+this line sees a request object or calls back into the scheduler. `InProcessExecutor` runs the model
+in this process on one device; a multi-rank executor runs the same step on every rank of a
+torch.distributed group and answers the same calls.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .runner import ModelRunner
+from .scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # fp32 on the CPU: 1 + drafts rows per chunk that samples, in chunk order
+    hidden: torch.Tensor  # the final hidden state of every row of the step (on the device)
+
+
+class Executor(ABC):
+    """Runs steps of the model over the KV cache it was built with."""
+
+    @abstractmethod
+    def execute(self, step: SchedulerOutput) -> ModelOutput: ...
+
+    @abstractmethod
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden states (prompt logprobs)."""
+
+    @abstractmethod
+    def forget(self, request_id: str) -> None:
+        """Drop a request's per-request state (page tables, selector state)."""
+
+    @abstractmethod
+    def release_idle_buffers(self) -> None:
+        """With no request left: free scratch memory sized by the longest step so far."""
+
+    @abstractmethod
+    def check_integrity(self, running: set[str]) -> None: ...
+
+    def add_observer(self, observer: Callable[[SchedulerOutput, ModelOutput], None]) -> None:
+        """Call `observer(step, output)` after every step (benchmarks and tools record through this)."""
+        self.observers.append(observer)
+
+
+class InProcessExecutor(Executor):
+    """The model and its cache in this process, on one device."""
+
+    def __init__(self, model, kv, attention: str, num_speculative_tokens: int):
+        self.model, self.kv = model, kv
+        self.runner = ModelRunner(model, kv.pool, kv.page_size, attention, decode_rows=1 + num_speculative_tokens)
+        self.observers: list[Callable[[SchedulerOutput, ModelOutput], None]] = []
+
+    def execute(self, step: SchedulerOutput) -> ModelOutput:
+        self.kv.begin_step(step.chunks)
+        logits, hidden = self.runner.execute(step.chunks)
+        out = ModelOutput(logits, hidden)
+        for observe in self.observers:
+            observe(step, out)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    def forget(self, request_id: str) -> None:
+        self.runner.forget(request_id)
+
+    def release_idle_buffers(self) -> None:
+        # the indexer's prefill score buffer grows with the longest context prefilled
+        self.model.index_scratch.release()
+
+    def check_integrity(self, running: set[str]) -> None:
+        for selector in self.model.selectors():
+            selector.check_integrity(running)

@@ -1,0 +1,241 @@
+"""Logits -> tokens -> request outputs: sampling state, logprobs, stop conditions and finish decisions.
+
+The processor writes what a request outputs (its tokens, logprobs, text, finish reason) and nothing
+else: how far the cache has been computed and which pages a request holds are the scheduler's to
+advance (`Scheduler.update`), from the `StepResult` returned here.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .detokenize import IncrementalDetokenizer, find_stop, stop_match
+from .request import InvalidRequest, Request, RequestOutput
+from .sampling import (LogitAdjuster, draw_rows, filter_logits_rows, make_generator, sample_token, token_logprobs,
+                       token_logprobs_rows)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What a step decided, for the scheduler to apply."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    accepted_drafts: dict[str, int] = field(default_factory=dict)  # request -> drafts whose entries hold its tokens
+    finished: list[Request] = field(default_factory=list)          # requests with a finish reason this step
+    num_generated_tokens: int = 0
+
+
+class OutputProcessor:
+    """`metrics(req)` gives a request's figures for its outputs; `speculator` verifies MTP drafts."""
+
+    def __init__(self, tokenizer, eos_token_ids: set[int], vocab_size: int, max_model_len: int, seed: int,
+                 metrics, speculator=None):
+        self.tokenizer, self.eos_token_ids, self.vocab_size = tokenizer, eos_token_ids, vocab_size
+        self.max_model_len, self.metrics, self.speculator = max_model_len, metrics, speculator
+        self._generators: dict[str, torch.Generator] = {}
+        self._adjusters: dict[str, LogitAdjuster] = {}  # requests with penalties, a logit bias or min_tokens
+        self._grammars: dict = {}  # request -> structured.GrammarState (structured outputs)
+        self._grammar_compiler = None
+        self._seed_source = torch.Generator().manual_seed(seed)
+
+    # -- per-request state ---------------------------------------------------------------------
+    def grammar_for(self, spec: dict):
+        """A compiled grammar state for a structured-output spec (InvalidRequest if it cannot be)."""
+        if self.tokenizer is None:
+            raise InvalidRequest("structured outputs need a tokenizer; this checkpoint has none", "structured_output")
+        from .structured import GrammarCompiler, GrammarState
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        tokenizer = self.tokenizer
+        return GrammarState(self._grammar_compiler, self._grammar_compiler.compile(spec), spec.get("after"),
+                            lambda token: tokenizer.decode([token]))
+
+    def add(self, req: Request, grammar=None) -> None:
+        params, rid = req.params, req.request_id
+        if grammar is not None:
+            self._grammars[rid] = grammar
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        self._generators[rid] = make_generator(seed)
+        if params.adjusts_logits:
+            vocab = self.vocab_size
+            stops = {t for t in params.stop_token_ids or () if 0 <= t < vocab}
+            stops |= set() if params.ignore_eos else {t for t in self.eos_token_ids if 0 <= t < vocab}
+            self._adjusters[rid] = LogitAdjuster(params, req.prompt_token_ids, vocab, stops)
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+        self._adjusters.pop(request_id, None)
+        self._grammars.pop(request_id, None)
+
+    @property
+    def generators(self) -> dict[str, torch.Generator]:
+        return self._generators
+
+    def check_integrity(self, live: set[str]) -> None:
+        assert set(self._generators) | set(self._adjusters) | set(self._grammars) <= live, \
+            "sampling state of a finished request"
+
+    # -- the step ------------------------------------------------------------------------------
+    def process(self, chunks, logits: torch.Tensor, hidden: torch.Tensor, logits_of) -> StepResult:
+        """The step's tokens. `logits`: 1 + drafts rows per sampling chunk, in order; `hidden`: every
+        row's final hidden state; `logits_of(hidden rows)`: their fp32 logits (prompt logprobs)."""
+        result = StepResult()
+        plain = self._plain_batch(chunks, logits)
+        row, first_row = 0, 0
+        for ch in chunks:
+            req = ch.request
+            if req.params.prompt_logprobs is not None and ch.first_position < req.num_prompt_tokens:
+                self._record_prompt_logprobs(req, ch, hidden[first_row:first_row + ch.num_new_tokens], logits_of)
+            first_row += ch.num_new_tokens
+            if not ch.samples:
+                continue
+            req.draft_token_ids.clear()
+            if req.request_id in plain:
+                new, rows = self._emit(req, *plain[req.request_id]), 1
+            else:
+                rows = 1 + ch.num_draft_tokens
+                new = self._sample(req, logits[row:row + rows], result)
+            row += rows
+            result.outputs.append(self._output(req, new))
+            result.num_generated_tokens += len(new)
+            if req.finish_reason is not None:
+                result.finished.append(req)
+        return result
+
+    def _plain_batch(self, chunks, logits: torch.Tensor) -> dict[str, tuple]:
+        """The step's plain rows (one row, no drafts, penalties, bias or grammar), decided for the whole
+        batch at once: one argmax for the greedy ones, one filter and softmax for the sampled ones (each
+        still drawn with its own generator), one log_softmax and top-k, one copy to the host; instead of
+        a few launches and a device sync per request. Each row gets exactly what `_sample` would give
+        it. request id -> (token, None, its logprobs or None)."""
+        rows, reqs, row = [], [], 0
+        for ch in chunks:
+            req = ch.request
+            if ch.samples and not ch.num_draft_tokens and req.request_id not in self._adjusters and \
+                    req.request_id not in self._grammars:
+                rows.append(row)
+                reqs.append(req)
+            row += (1 + ch.num_draft_tokens) if ch.samples else 0
+        if len(rows) < 2:
+            return {}
+        picked = logits[torch.tensor(rows, device=logits.device)]
+        tokens = picked.argmax(-1)
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if sampled:
+            probs = filter_logits_rows(picked[sampled], [reqs[i].params for i in sampled]).softmax(-1)
+            tokens[sampled] = draw_rows(probs, [self._generators[reqs[i].request_id] for i in sampled]).to(tokens.device)
+        tokens = tokens.tolist()
+        logprobs = token_logprobs_rows(picked, tokens, [r.params.logprobs for r in reqs])
+        return {r.request_id: (t, None, lp) for r, t, lp in zip(reqs, tokens, logprobs)}
+
+    def _sample(self, req: Request, logits: torch.Tensor, result: StepResult) -> list[int]:
+        """The step's new token(s): one sampled, or the verified drafts (speculative.py) plus one more."""
+        gen, drafts, new = self._generators[req.request_id], logits.shape[0] - 1, []
+        for i in range(drafts):  # each row adjusted after the tokens before it are emitted
+            row = self._adjusted(req, logits[i])
+            if self._dead_end(req, row):
+                return new
+            token, accepted = self.speculator.verify(req, row, i, gen)
+            new += self._emit(req, token, logits[i])
+            if not accepted or req.finish_reason is not None:
+                return new
+            result.accepted_drafts[req.request_id] = i + 1  # the draft's position holds the accepted token's entries
+        row = self._adjusted(req, logits[drafts])
+        if not self._dead_end(req, row):
+            new += self._emit(req, sample_token(row, req.params, gen), logits[drafts])
+        return new
+
+    def _dead_end(self, req: Request, row: torch.Tensor) -> bool:
+        """No token may come next (a grammar this vocabulary cannot continue, or one that must end while
+        min_tokens holds EOS back): the request ends here, "stop", with the text it has."""
+        if req.request_id not in self._grammars or bool(torch.isfinite(row).any()):
+            return False
+        logger.warning("request %s: its structured output admits no next token; ending it", req.request_id)
+        self._final_text(req, req.output_token_ids)
+        req.finish_reason = "stop"
+        return True
+
+    def _record_prompt_logprobs(self, req: Request, ch, hidden: torch.Tensor, logits_of, block: int = 256) -> None:
+        """The logprob of each prompt token after the chunk's rows (row p predicts token p + 1), with
+        the top alternatives, a block of rows at a time (a [rows, vocab] fp32 tensor is large)."""
+        first, k = ch.first_position, req.params.prompt_logprobs
+        if first == 0:
+            req.prompt_logprobs.append(None)
+        targets = req.prompt_token_ids[first + 1:min(ch.context_len + 1, req.num_prompt_tokens)]
+        for start in range(0, len(targets), block):
+            rows = torch.log_softmax(logits_of(hidden[start:start + block]), -1).cpu()
+            for lp, token in zip(rows, targets[start:start + block]):
+                req.prompt_logprobs.append(token_logprobs(lp, token, k))
+
+    def _adjusted(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
+        adjust, grammar = self._adjusters.get(req.request_id), self._grammars.get(req.request_id)
+        logits = logits if adjust is None else adjust(logits)
+        return logits if grammar is None else grammar.mask(logits)
+
+    def _emit(self, req: Request, token: int, logits: torch.Tensor | None, logprobs: dict | None = None) -> list[int]:
+        """Append `token`; its logprobs from the raw `logits` row, or given (`_plain_batch`)."""
+        params = req.params
+        if params.logprobs is not None:
+            req.output_logprobs.append(logprobs if logprobs is not None else
+                                       token_logprobs(torch.log_softmax(logits, -1), token, params.logprobs))
+        req.output_token_ids.append(token)
+        if req.request_id in self._adjusters:
+            self._adjusters[req.request_id].note(token)
+        if req.request_id in self._grammars:
+            self._grammars[req.request_id].accept(token)
+        req.first_token_time = req.first_token_time or time.monotonic()
+        req.finish_reason = self._finish_reason(req, token)
+        return [token]
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        params = req.params
+        may_stop = req.num_output_tokens >= params.min_tokens  # vLLM: no stop before min_tokens are out
+        stop_token = (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ())
+        grammar = self._grammars.get(req.request_id)
+        if grammar is not None and grammar.finished and token in self.eos_token_ids:  # the match is complete
+            stop_token, may_stop = True, True
+        if may_stop and stop_token:
+            self._final_text(req, req.output_token_ids[:-1])  # the stop token is not part of the text
+            return "stop"
+        if self.tokenizer is not None and self._stop_string_completed(req, may_stop):
+            return "stop"
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            self._final_text(req, req.output_token_ids)
+            return "length"
+        return None
+
+    def _final_text(self, req: Request, token_ids: list[int]) -> None:
+        if self.tokenizer is not None:
+            req.text = self._detokenizer(req).finish(token_ids)
+
+    def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
+        if req.detokenizer is None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        return req.detokenizer
+
+    def _stop_string_completed(self, req: Request, may_stop: bool = True) -> bool:
+        """Update the request's text incrementally; on a stop string, cut the exact full text there."""
+        new = self._detokenizer(req).update(req.output_token_ids)
+        req.text = req.detokenizer.text
+        if not may_stop:  # vLLM: stop strings are not looked for until min_tokens are out
+            req.stop_search_from = len(req.text)
+            return False
+        if not new or find_stop(req.text, len(new), req.params.stop_strings) < 0:
+            return False
+        full = req.detokenizer.finish(req.output_token_ids)
+        cut, stop = stop_match(full, len(full) - min(req.stop_search_from, len(full)), req.params.stop_strings)
+        if cut < 0:  # the full decode placed the text differently from the incremental one: search it all
+            cut, stop = stop_match(full, len(full), req.params.stop_strings)
+        req.text = full[:cut + (len(stop) if req.params.include_stop_str_in_output else 0)]
+        return True
+
+    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.text,
+                             list(req.output_logprobs) if req.params.logprobs is not None else None,
+                             req.finish_reason, new_tokens, req.num_cached_tokens, self.metrics(req),
+                             req.prompt_logprobs if req.params.prompt_logprobs is not None else None)
