@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from .cache.manager import CacheManager
 from .config import ConfigError, EngineConfig, ModelConfig
 from .executor import InProcessExecutor
+from .input_processor import InputProcessor, load_tokenizer
 from .model.checkpoint import load_model
 from .output_processor import OutputProcessor
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
@@ -24,14 +24,6 @@ from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def load_tokenizer(path: str):
-    """The checkpoint's tokenizer through transformers, or None (token-id prompts still work)."""
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
 
 
 class LLMEngine:
@@ -56,6 +48,8 @@ class LLMEngine:
                                    optimistic=config.kv_admission == "optimistic")
         self.scheduler.on_preempt, self.scheduler.on_release = self._preempted, self._released
         self.speculator = self._build_speculator() if config.num_speculative_tokens else None
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                     self.kv.check_fits)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size,
                                        self.max_model_len, config.seed, self.request_metrics, self.speculator)
         self._ids = itertools.count()
@@ -75,35 +69,6 @@ class LLMEngine:
         self.kv.close()
 
     # -- requests ------------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest("text prompt given but the checkpoint has no tokenizer; pass token ids", "prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequest("prompt must be a string or a list of integer token ids", "prompt")
-        return list(prompt)
-
-    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        if not token_ids:
-            raise InvalidRequest("prompt is empty", "prompt")
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
-        if len(token_ids) > self.max_model_len:
-            raise InvalidRequest(f"prompt has {len(token_ids)} tokens, longer than max_model_len {self.max_model_len}", "prompt")
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequest(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                                 f"max_model_len {self.max_model_len}", "max_tokens")
-        self.kv.check_fits(len(token_ids), params.max_tokens)
-        if params.stop_strings and self.tokenizer is None:
-            raise InvalidRequest("stop strings need a tokenizer; this checkpoint has none", "stop")
-        for name in ("logit_bias", "allowed_token_ids"):
-            outside = [t for t in getattr(params, name) or () if t >= vocab]
-            if outside:
-                raise InvalidRequest(f"{name} token id {outside[0]} is outside the vocabulary [0, {vocab})", name)
-
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     tenant: str = "default", cache_salt: str | None = None) -> Request:
         params = params or SamplingParams()
@@ -111,11 +76,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.scheduler.find(request_id) is not None:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
-        token_ids = self.tokenize(prompt)
-        if params.truncate_prompt_tokens is not None:  # vLLM's left truncation
-            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-            token_ids = token_ids[-keep:]
-        self.validate_prompt(token_ids, params)
+        token_ids = self.inputs.process(prompt, params)
         grammar = self.outputs.grammar_for(params.structured_output) if params.structured_output is not None else None
         req = Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)
         self.outputs.add(req, grammar)
@@ -195,14 +156,8 @@ class LLMEngine:
 
     # -- observability -------------------------------------------------------------------------
     def request_metrics(self, req: Request) -> dict:
-        tokens = {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
-                  "num_preemptions": req.num_preemptions,
-                  "prefix_cached_tokens_device":
-                      req.num_cached_tokens - req.num_cached_tokens_host - req.num_cached_tokens_disk,
-                  "prefix_cached_tokens_host": req.num_cached_tokens_host,
-                  "prefix_cached_tokens_disk": req.num_cached_tokens_disk}
         spec = self.speculator.request_metrics(req.request_id) if self.speculator is not None else {}
-        return {**tokens, **self.kv.request_metrics(req), **spec}
+        return {**req.token_counts(), **self.kv.request_metrics(req), **spec}
 
     def cache_config(self) -> dict[str, str]:
         return {**self.kv.layout(), "num_speculative_tokens": str(self.config.num_speculative_tokens)}

@@ -217,6 +217,15 @@ class Request:
     def finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
 
+    def token_counts(self) -> dict[str, int]:
+        """Its lengths and where its cached prompt tokens came from (the per-request metrics)."""
+        return {"num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
+                "num_preemptions": self.num_preemptions,
+                "prefix_cached_tokens_device":
+                    self.num_cached_tokens - self.num_cached_tokens_host - self.num_cached_tokens_disk,
+                "prefix_cached_tokens_host": self.num_cached_tokens_host,
+                "prefix_cached_tokens_disk": self.num_cached_tokens_disk}
+
     def token_at(self, position: int) -> int:
         if position < self.num_prompt_tokens:
             return self.prompt_token_ids[position]

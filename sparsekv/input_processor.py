@@ -1,0 +1,60 @@
+"""Prompts -> checked token ids: tokenization, vLLM's left truncation, and every check a request must
+pass before it is queued (vocabulary, lengths, what the KV cache can ever hold)."""
+from __future__ import annotations
+
+import os
+
+from .request import InvalidRequest, SamplingParams
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer through transformers, or None (token-id prompts still work)."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+class InputProcessor:
+    """`check_fits(num_prompt_tokens, max_tokens)`: the cache manager's capacity check."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, check_fits):
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.check_fits = check_fits
+
+    def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        token_ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM's left truncation
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            token_ids = token_ids[-keep:]
+        self.validate(token_ids, params)
+        return token_ids
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("text prompt given but the checkpoint has no tokenizer; pass token ids", "prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequest("prompt must be a string or a list of integer token ids", "prompt")
+        return list(prompt)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        vocab, limit = self.vocab_size, self.max_model_len
+        if not token_ids:
+            raise InvalidRequest("prompt is empty", "prompt")
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+        if len(token_ids) > limit:
+            raise InvalidRequest(f"prompt has {len(token_ids)} tokens, longer than max_model_len {limit}", "prompt")
+        if len(token_ids) + params.max_tokens > limit:
+            raise InvalidRequest(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                                 f"max_model_len {limit}", "max_tokens")
+        self.check_fits(len(token_ids), params.max_tokens)
+        if params.stop_strings and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer; this checkpoint has none", "stop")
+        for name in ("logit_bias", "allowed_token_ids"):
+            outside = [t for t in getattr(params, name) or () if t >= vocab]
+            if outside:
+                raise InvalidRequest(f"{name} token id {outside[0]} is outside the vocabulary [0, {vocab})", name)
