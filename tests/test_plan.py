@@ -15,8 +15,8 @@ from sparsekv.tools.hardware import PRESETS as HW, Hardware, load_hardware, meas
 from sparsekv.tools.plan import main
 from sparsekv.tools.plan_capacity import capacity, device_bytes_per_request, hot_buffer_bytes
 from sparsekv.tools.plan_compare import indexcache_decode_roofline_ratio, indexshare_ratio
-from sparsekv.tools.plan_costs import (flops_per_token, indexer_bytes_per_token_layer,
-                                       latent_bytes_per_token_layer, param_counts)
+from sparsekv.cache.sizing import indexer_bytes_per_token_layer, latent_bytes_per_token_layer
+from sparsekv.tools.plan_costs import flops_per_token, param_counts
 from sparsekv.tools.plan_decode import FUSED, estimate_step, predict_decode_step_ms
 from sparsekv.tools.plan_presets import load_model
 from sparsekv.tools.plan_sweep import sweep_point

@@ -1,9 +1,10 @@
 """Bookkeeping of the tiered KV cache, Python and numpy, no torch: which token position sits in which
-device slot (`WorkingSetLRU`), hit/miss/byte counters, and the sizes the budgets allow.
+device slot (`WorkingSetLRU`), hit/miss/byte counters, and a replay of a selection trace against LRU
+and Belady's optimum. The sizes the budgets allow are in sizing.py.
 
-One `WorkingSetLRU` per (request, index group): the layers of an IndexShare
-group attend to the same positions every step, so their working sets stay in lockstep and one
-resolver serves them all (tiered-kv-cache.md §1.5, "plan replay" for shared-index layers).
+One `WorkingSetLRU` per (request, index group): the layers of an IndexShare group attend to the
+same positions every step, so their working sets stay in lockstep and one resolver serves them all
+(the group's later layers replay the leader's plan: the same hits, misses and slots).
 
 The policy, exactly (tests/test_lru.py checks it against a brute-force reference):
 
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import ConfigError, EngineConfig, ModelConfig
 
 
 _NEVER = np.iinfo(np.int64).max
@@ -162,56 +162,6 @@ class WorkingSetLRU:
         assert (self._slot_of >= 0).sum() == resident.size, "position table holds an evicted position"
 
 
-def latent_bytes_per_token(cfg: ModelConfig, row_bytes: int) -> int:
-    """One token's latents in every layer, at `row_bytes` per layer (latent_format.py's row_bytes)."""
-    return row_bytes * cfg.num_hidden_layers
-
-
-def index_bytes_per_layer(cfg: ModelConfig, itemsize: int, fp8: bool = False) -> int:
-    """One token's indexer key in one layer (fp8: e4m3 bytes plus an fp32 scale)."""
-    return cfg.index_head_dim + 4 if fp8 else cfg.index_head_dim * itemsize
-
-
-def index_bytes_per_token(cfg: ModelConfig, itemsize: int, fp8: bool = False) -> int:
-    return index_bytes_per_layer(cfg, itemsize, fp8) * len(cfg.full_layers)
-
-
-@dataclass(frozen=True)
-class TierSizes:
-    """What the budgets allow. Logical pages bound the host rows and the device indexer keys."""
-
-    num_pages: int
-    num_buffers: int
-    buffer_tokens: int
-    limit: str  # the binding budget, for admission errors
-
-
-def plan_tier_sizes(config: EngineConfig, cfg: ModelConfig, latent_per_token: int, selector_per_token: int,
-                    default_pages: int) -> TierSizes:
-    page, n = config.kv_page_size, config.device_buffer_tokens or 2 * cfg.index_topk
-    buffers = config.max_num_seqs
-    limits = []
-    if config.num_kv_pages:
-        limits.append((config.num_kv_pages, f"num_kv_pages={config.num_kv_pages}"))
-    if config.host_kv_budget_bytes:
-        limits.append((config.host_kv_budget_bytes // (page * latent_per_token),
-                       f"host_kv_budget_bytes={config.host_kv_budget_bytes}"))
-    rows = n + 1 + config.num_speculative_tokens  # LRU slots + the step's new tokens
-    if config.device_kv_budget_bytes:
-        left = config.device_kv_budget_bytes - buffers * rows * latent_per_token
-        if left < page * max(selector_per_token, 1):
-            raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} cannot hold {buffers} working "
-                              f"sets of {rows} tokens ({rows * latent_per_token} B each, max_num_seqs={buffers}) "
-                              f"plus one page of indexer keys; raise it or lower max_num_seqs / device_buffer_tokens")
-        limits.append((left // (page * max(selector_per_token, 1)),
-                       f"device_kv_budget_bytes={config.device_kv_budget_bytes} (indexer keys after working sets)"))
-    pages, limit = min(limits) if limits else (default_pages, "the default cache size")
-    if pages < 1:
-        raise ConfigError(f"{limit} holds less than one {page}-token page of host KV "
-                          f"({page * latent_per_token} B); raise it")
-    return TierSizes(pages, buffers, n, limit)
-
-
 @dataclass
 class TierCounters:
     """Hits and misses count one lookup per (position, layer); bytes are what crosses the host link."""
@@ -232,18 +182,6 @@ class TierCounters:
         return {"tier_hits": self.hits, "tier_misses": self.misses,
                 "tier_miss_rate": self.misses / lookups if lookups else 0.0,
                 "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes}
-
-
-def untiered_pages(config: EngineConfig, cfg: ModelConfig, itemsize: int, latent_row_bytes: int) -> int:
-    """Pages of a fully device-resident cache that fit in `device_kv_budget_bytes`."""
-    per_token = latent_bytes_per_token(cfg, latent_row_bytes) + index_bytes_per_token(cfg, itemsize)
-    if config.num_speculative_tokens:  # the MTP layer's own latent and indexer keys
-        per_token += latent_row_bytes + cfg.index_head_dim * itemsize
-    per_page = config.kv_page_size * per_token
-    if config.device_kv_budget_bytes < per_page:
-        raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} holds less than one "
-                          f"{config.kv_page_size}-token page ({per_page} B)")
-    return config.device_kv_budget_bytes // per_page
 
 
 @dataclass

@@ -58,8 +58,9 @@ class CacheManager:
         if config.num_kv_pages:
             return config.num_kv_pages
         if config.device_kv_budget_bytes and not config.kv_tiering:
-            from .lru import untiered_pages
-            return untiered_pages(config, self.model.cfg, self.dtype.itemsize, self._latent_format().row_bytes)
+            from .sizing import format_of, untiered_pages
+            return untiered_pages(config, self.model.cfg, format_of(self.dtype.itemsize),
+                                  self._latent_format().row_bytes)
         tokens = min(self.max_model_len * config.max_num_seqs, max(DEFAULT_KV_CACHE_TOKENS, self.max_model_len))
         return -(-tokens // self.page_size)
 

@@ -46,8 +46,9 @@ from ..context import SeqSlice
 from .host_store import HostLink, HostStore, make_host_store
 from .index_keys import IndexKeyCache
 from .latent_format import PlainLatent, latent_format
-from .lru import (TierCounters, TierSizes, WorkingSetLRU, index_bytes_per_layer, index_bytes_per_token,
-                  latent_bytes_per_token, plan_tier_sizes)
+from .lru import TierCounters, WorkingSetLRU
+from .sizing import (TierSizes, format_of, index_bytes_per_token, indexer_bytes_per_token_layer,
+                     latent_bytes_per_token, plan_tier_sizes, quest_bytes_per_token)
 from .pages import PageAllocator
 from .pool import distinct_positions, padded_rows
 
@@ -447,15 +448,16 @@ def _group_leaders(cfg: ModelConfig) -> dict[int, int]:
 def build_tiered_cache(config: EngineConfig, model, dtype: torch.dtype, device, default_pages: int) -> TieredKVPool:
     """The tiered pool for `config`, sized by its budgets; installs Quest if selected. With speculative
     decoding the MTP layer is one more layer, with its own group (it has its own indexer)."""
-    from ..model.selectors import install_quest, quest_bytes_per_token
+    from ..model.selectors import install_quest
     cfg, itemsize = model.cfg, dtype.itemsize
     fmt = latent_format(config.kv_cache_dtype, cfg, dtype)
     quest = config.selector == "quest"
     fp8 = config.indexer_key_dtype == "fp8_e4m3"
     mtp = [cfg.num_hidden_layers] if config.num_speculative_tokens and model.mtp is not None else []
-    mtp_index_bytes = len(mtp) * index_bytes_per_layer(cfg, itemsize, fp8)
+    key_fmt = format_of(itemsize, fp8)
+    mtp_index_bytes = len(mtp) * indexer_bytes_per_token_layer(cfg, key_fmt)
     selector_bytes = mtp_index_bytes + (quest_bytes_per_token(cfg, config.quest_page_tokens) if quest
-                                        else index_bytes_per_token(cfg, itemsize, fp8))
+                                        else index_bytes_per_token(cfg, key_fmt))
     latent_bytes = latent_bytes_per_token(cfg, fmt.row_bytes) + len(mtp) * fmt.row_bytes
     sizes = plan_tier_sizes(config, cfg, latent_bytes, selector_bytes, default_pages)
     host = make_host_store(list(range(cfg.num_hidden_layers)) + mtp, sizes.num_pages * config.kv_page_size,

@@ -205,11 +205,6 @@ class QuestSelector(TokenSelector):
                            block)
 
 
-def quest_bytes_per_token(cfg: ModelConfig, page_tokens: int) -> int:
-    """Device metadata bytes per cached token over the full layers (fp32 min + max per page)."""
-    return 2 * cfg.latent_dim * 4 * len(cfg.full_layers) // page_tokens
-
-
 def install_quest(model, config, num_slots: int, device) -> QuestSelector:
     """Replace the DSA selector of every full layer by one Quest selector sized to `num_slots`."""
     quest = QuestSelector(model.cfg, num_slots, config.quest_page_tokens, device, model.cfg.full_layers)

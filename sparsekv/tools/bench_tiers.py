@@ -89,11 +89,11 @@ def _print_row(r: dict, base: dict, machine_gbps: float) -> None:
 
 # -- fixed device budget --------------------------------------------------------------------------
 def concurrency(args, ckpt: str) -> dict:
-    from sparsekv.cache.lru import index_bytes_per_token, latent_bytes_per_token
+    from sparsekv.cache.sizing import index_bytes_per_token, latent_bytes_per_token
     from sparsekv.config import ModelConfig
     cfg, context, steps, page = ModelConfig.from_json(ckpt), args.concurrency_context, args.steps, 64
     tokens = -(-(context + steps + 8) // page) * page
-    budget = args.fit * tokens * (latent_bytes_per_token(cfg, cfg.latent_dim * 4) + index_bytes_per_token(cfg, 4))
+    budget = args.fit * tokens * (latent_bytes_per_token(cfg, cfg.latent_dim * 4) + index_bytes_per_token(cfg, "fp32"))
     opts = dict(device_kv_budget_bytes=budget, max_num_seqs=args.max_requests, selector=args.selector,
                 device=args.device)
     configs = {"off": opts, "on": dict(opts, kv_tiering=True)}

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sparsekv.cache.sizing import element_bytes, indexer_bytes_per_token_layer, latent_bytes_per_token_layer
 from sparsekv.config import ModelConfig
-from sparsekv.tools.plan_costs import (FP8_WEIGHT_TILE, ParamCounts, element_bytes,
-                                       indexer_bytes_per_token_layer, latent_bytes_per_token_layer,
-                                       param_counts)
+from sparsekv.tools.plan_costs import FP8_WEIGHT_TILE, ParamCounts, param_counts
 from sparsekv.tools.plan_workload import Deployment, Workload
 
 

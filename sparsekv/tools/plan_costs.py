@@ -6,41 +6,13 @@ C = kv_lora_rank, R = qk_rope_head_dim, H_I x D_I indexer heads, k = index_topk,
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
+from sparsekv.cache.sizing import element_bytes
 from sparsekv.config import ModelConfig
 
-ELEMENT_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
-FP8_BLOCK = 128          # one fp32 scale per 128 values (FlashMLA cache, DeepSeek act_quant)
 FP8_WEIGHT_TILE = 128 * 128  # one fp32 scale per 128x128 weight tile
 VARIANTS = ("dense-mla", "dsa-every-layer", "dsa-indexshare")
-
-
-def element_bytes(fmt: str) -> int:
-    if fmt not in ELEMENT_BYTES:
-        raise ValueError(f"unknown number format {fmt!r}; use one of fp32, bf16, fp16, fp8")
-    return ELEMENT_BYTES[fmt]
-
-
-def latent_bytes_per_token_layer(cfg: ModelConfig, fmt: str) -> int:
-    """MLA cache entry: latent c (C values) + rope key (R values).
-
-    FP8 is FlashMLA's layout: C x e4m3, one fp32 scale per 128 latent values, and the rope key
-    kept in bf16 (512 + 16 + 128 = 656 B for C = 512, R = 64). Tiles are gcd(C, 128) values when C is
-    not a multiple of 128, as the engine stores them (cache/latent_format.py).
-    """
-    if fmt == "fp8":
-        tiles = cfg.kv_lora_rank // math.gcd(cfg.kv_lora_rank, FP8_BLOCK)
-        return cfg.kv_lora_rank + 4 * tiles + 2 * cfg.qk_rope_head_dim
-    return cfg.latent_dim * element_bytes(fmt)
-
-
-def indexer_bytes_per_token_layer(cfg: ModelConfig, fmt: str) -> int:
-    """Indexer key: D_I values; FP8 adds one fp32 scale per 128 (DeepSeek: 128 + 4 = 132 B)."""
-    if fmt == "fp8":
-        return cfg.index_head_dim + 4 * max(cfg.index_head_dim // FP8_BLOCK, 1)
-    return cfg.index_head_dim * element_bytes(fmt)
 
 
 def with_variant(cfg: ModelConfig, variant: str) -> tuple[ModelConfig, int]:

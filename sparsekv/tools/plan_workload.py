@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 
 from sparsekv.tools.hardware import Hardware
-from sparsekv.tools.plan_costs import ELEMENT_BYTES
+from sparsekv.cache.sizing import ELEMENT_BYTES
 
 
 class PlanError(ValueError):
