@@ -85,14 +85,14 @@ class OutputProcessor:
         """The step's tokens. `logits`: 1 + drafts rows per sampling chunk, in order; `hidden`: every
         row's final hidden state; `logits_of(hidden rows)`: their fp32 logits (prompt logprobs)."""
         result = StepResult()
-        plain = self._plain_batch(chunks, logits)
+        plain = self._decide_plain_rows(chunks, logits)
         row, first_row = 0, 0
         for ch in chunks:
             req = ch.request
             if req.params.prompt_logprobs is not None and ch.first_position < req.num_prompt_tokens:
                 self._record_prompt_logprobs(req, ch, hidden[first_row:first_row + ch.num_new_tokens], logits_of)
             first_row += ch.num_new_tokens
-            if not ch.samples:
+            if not ch.samples_token:
                 continue
             req.draft_token_ids.clear()
             if req.request_id in plain:
@@ -107,7 +107,7 @@ class OutputProcessor:
                 result.finished.append(req)
         return result
 
-    def _plain_batch(self, chunks, logits: torch.Tensor) -> dict[str, tuple]:
+    def _decide_plain_rows(self, chunks, logits: torch.Tensor) -> dict[str, tuple]:
         """The step's plain rows (one row, no drafts, penalties, bias or grammar), decided for the whole
         batch at once: one argmax for the greedy ones, one filter and softmax for the sampled ones (each
         still drawn with its own generator), one log_softmax and top-k, one copy to the host; instead of
@@ -116,11 +116,11 @@ class OutputProcessor:
         rows, reqs, row = [], [], 0
         for ch in chunks:
             req = ch.request
-            if ch.samples and not ch.num_draft_tokens and req.request_id not in self._adjusters and \
+            if ch.samples_token and not ch.num_draft_tokens and req.request_id not in self._adjusters and \
                     req.request_id not in self._grammars:
                 rows.append(row)
                 reqs.append(req)
-            row += (1 + ch.num_draft_tokens) if ch.samples else 0
+            row += (1 + ch.num_draft_tokens) if ch.samples_token else 0
         if len(rows) < 2:
             return {}
         picked = logits[torch.tensor(rows, device=logits.device)]
@@ -138,7 +138,7 @@ class OutputProcessor:
         gen, drafts, new = self._generators[req.request_id], logits.shape[0] - 1, []
         for i in range(drafts):  # each row adjusted after the tokens before it are emitted
             row = self._adjusted(req, logits[i])
-            if self._dead_end(req, row):
+            if self._no_next_token(req, row):
                 return new
             token, accepted = self.speculator.verify(req, row, i, gen)
             new += self._emit(req, token, logits[i])
@@ -146,11 +146,11 @@ class OutputProcessor:
                 return new
             result.accepted_drafts[req.request_id] = i + 1  # the draft's position holds the accepted token's entries
         row = self._adjusted(req, logits[drafts])
-        if not self._dead_end(req, row):
+        if not self._no_next_token(req, row):
             new += self._emit(req, sample_token(row, req.params, gen), logits[drafts])
         return new
 
-    def _dead_end(self, req: Request, row: torch.Tensor) -> bool:
+    def _no_next_token(self, req: Request, row: torch.Tensor) -> bool:
         """No token may come next (a grammar this vocabulary cannot continue, or one that must end while
         min_tokens holds EOS back): the request ends here, "stop", with the text it has."""
         if req.request_id not in self._grammars or bool(torch.isfinite(row).any()):
@@ -178,7 +178,7 @@ class OutputProcessor:
         return logits if grammar is None else grammar.mask(logits)
 
     def _emit(self, req: Request, token: int, logits: torch.Tensor | None, logprobs: dict | None = None) -> list[int]:
-        """Append `token`; its logprobs from the raw `logits` row, or given (`_plain_batch`)."""
+        """Append `token`; its logprobs from the raw `logits` row, or given (`_decide_plain_rows`)."""
         params = req.params
         if params.logprobs is not None:
             req.output_logprobs.append(logprobs if logprobs is not None else

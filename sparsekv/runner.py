@@ -72,7 +72,7 @@ class ModelRunner:
             positions.append(torch.arange(start, end))
             seqs.append(self.seq_slice(ch.request_id, ch.page_ids, row, row + ch.num_new_tokens, end))
             row += ch.num_new_tokens
-            if ch.samples:  # the last known token's row, then one per draft token
+            if ch.samples_token:  # the last known token's row, then one per draft token
                 logits_rows.extend(range(row - 1 - ch.num_draft_tokens, row))
         pos = torch.cat(positions).to(self.device)
         slot_mapping = torch.cat([s.slots[s.first_new_position:] for s in seqs])
@@ -83,7 +83,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs the step. Returns fp32 logits on the CPU (sampling generators live there), 1 + drafts
-        rows per chunk whose `samples` is True, in order; and the final hidden states of every row
+        rows per chunk whose `samples_token` is True, in order; and the final hidden states of every row
         (on the device, for the MTP drafter)."""
         ctx = self.build_context(chunks)
         hidden = self.model.hidden_states(ctx, self.cache)

@@ -48,7 +48,7 @@ class ScheduledChunk:
     num_new_tokens: int
     token_ids: tuple[int, ...]  # the tokens at the chunk's positions (drafts last)
     page_ids: list[int]  # the request's pages (read only; in process, the request's own list)
-    samples: bool  # the chunk reaches the end of the known tokens, so the step samples a new one
+    samples_token: bool  # the chunk reaches the end of the known tokens, so the step samples a new one
     num_draft_tokens: int = 0  # speculative tokens at the chunk's end (verified, not sampled from)
     request: Request | None = field(default=None, compare=False)
 
@@ -78,7 +78,7 @@ class Scheduler:
         # ... and of a request's end, before its pages are freed
         self.on_release: Callable[[Request, RequestStatus], None] = lambda req, status: None
         self.num_preemptions = 0
-        self._entitled: Request | None = None  # this step's waiting request taking pages back (optimistic shares)
+        self._reclaimer: Request | None = None  # this step's waiting request taking pages back (optimistic shares)
         self._held: dict[str, int] = {}  # pages per tenant when this step's reclaim ran
         self.pages_by_tenant: dict[str, int] = {}  # pages reserved (prompt + max_tokens) by running requests
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -95,7 +95,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         chunks = []
-        self._entitled = self._reclaim() if self.optimistic and self.tenant_pages is not None else None
+        self._reclaimer = self._reclaim() if self.optimistic and self.tenant_pages is not None else None
         # Decodes before prefills: a running decode never waits behind a long prompt.
         order = sorted(self.running, key=lambda r: r.is_prefilling)
         while order:
@@ -118,8 +118,8 @@ class Scheduler:
                 break
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if req is self._entitled:
-                self._entitled = None  # admitted: the others are served first come, first served again
+            if req is self._reclaimer:
+                self._reclaimer = None  # admitted: the others are served first come, first served again
             n = min(req.num_uncomputed_tokens, self.prefill_chunk_tokens, budget)
             chunks.append(self._take(req, n))
             budget -= n
@@ -150,7 +150,7 @@ class Scheduler:
         held = self.pages_by_tenant.get(req.tenant, 0)
         if self.tenant_pages is not None and not self.optimistic and held + footprint > self.tenant_pages:
             return None
-        entitled = self._entitled
+        entitled = self._reclaimer
         if entitled is not None and req.tenant != entitled.tenant and not self._within_share(req, self._held):
             return None  # a tenant within its share waits for pages: those over theirs wait for it
         # prompt_logprobs need every prompt row computed: no hits for them (as in vLLM)
@@ -165,7 +165,7 @@ class Scheduler:
             return False
         pages, tiers = self.prefix.restore(req, hit.lower_names) if hit is not None and hit.lower_names else ([], [])
         if hit is not None:
-            self.prefix.admitted(req, len(shared), tiers)
+            self.prefix.count_hit(req, len(shared), tiers)
         req.page_ids = shared + pages
         req.num_computed_tokens = (len(shared) + len(tiers)) * self.allocator.page_size
         if not req.num_preemptions:  # the prompt's cached tokens, as first admitted (the usage reports them)

@@ -132,7 +132,7 @@ class Speculator:
                 seqs.append(self.runner.seq_slice(req.request_id, req.page_ids, len(rows) - valid, len(rows),
                                                   req.num_computed_tokens))
                 pages[req.request_id] = req.page_ids
-                if ch.samples:
+                if ch.samples_token:
                     logits_rows.append(len(rows) - 1)
                     drafting.append((req, seqs[-1]))
             row += ch.num_new_tokens

@@ -92,7 +92,7 @@ def test_bench_batch_runs_both_paths_and_checks_they_agree(tmp_path, capsys):
 
 
 def test_plain_rows_decided_together_equal_one_row_at_a_time(ckpt, monkeypatch):
-    """`OutputProcessor._plain_batch`: plain rows, greedy and sampled (seeded, each with its own generator),
+    """`OutputProcessor._decide_plain_rows`: plain rows, greedy and sampled (seeded, each with its own generator),
     take one argmax, one filter and softmax, one log_softmax for the batch; a penalised row and rows
     without logprobs mixed in. The same tokens and logprob dicts, bit for bit, as deciding each row
     alone."""
@@ -103,17 +103,17 @@ def test_plain_rows_decided_together_equal_one_row_at_a_time(ckpt, monkeypatch):
               SamplingParams(max_tokens=12, temperature=1.0, seed=5, logprobs=2, ignore_eos=True, top_p=0.9, top_k=50),
               SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, logprobs=1, ignore_eos=True)]
     batched_rows = []
-    original = OutputProcessor._plain_batch
+    original = OutputProcessor._decide_plain_rows
 
     def spy(self, chunks, logits):
         decided = original(self, chunks, logits)
         batched_rows.append(len(decided))
         return decided
-    monkeypatch.setattr(OutputProcessor, "_plain_batch", spy)
+    monkeypatch.setattr(OutputProcessor, "_decide_plain_rows", spy)
     llm = LLM(ckpt, kv_page_size=16, max_num_seqs=8, enable_prefix_caching=False)
     got = llm.generate(PROMPTS, params)
     assert max(batched_rows) == 4  # the plain requests, greedy and sampled; never the penalised one
-    monkeypatch.setattr(OutputProcessor, "_plain_batch", lambda self, chunks, logits: {})
+    monkeypatch.setattr(OutputProcessor, "_decide_plain_rows", lambda self, chunks, logits: {})
     want = llm.generate(PROMPTS, params)
     for a, b in zip(want, got, strict=True):
         assert a.token_ids == b.token_ids

@@ -57,7 +57,7 @@ def _request(rid, tokens, tenant="default", salt=None):
 def test_allocator_keeps_registered_pages_and_evicts_the_oldest_first():
     a = PageAllocator(4, PAGE)
     kept, evicted = {1: "t", 2: "t"}, []
-    a.keeps, a.on_evict = kept.get, evicted.append
+    a.tenant_of_named, a.on_evict = kept.get, evicted.append
     pages = a.allocate("x", 4)
     a.free("x", [pages[2], pages[1], pages[0], pages[3]])   # 2 then 1 cached, 0 and 3 free
     assert a.num_free == 4 and a.num_cached == 2 and list(a._free) == [0, 3]
@@ -77,7 +77,7 @@ def test_eviction_takes_from_the_tenant_holding_the_most_cached_pages():
     below its own: the victim is the oldest page of the largest holder."""
     a = PageAllocator(10, PAGE)
     tenant_of, evicted = {}, []
-    a.keeps, a.on_evict = tenant_of.get, evicted.append
+    a.tenant_of_named, a.on_evict = tenant_of.get, evicted.append
     pages = a.allocate("r", 10)
     tenant_of.update({p: "noisy" for p in pages[:6]} | {p: "quiet" for p in pages[6:9]})
     a.free("r", pages)                                        # 6 noisy, 3 quiet cached, 1 free
@@ -94,7 +94,7 @@ def test_a_tenant_holds_at_most_its_quota_of_cached_pages():
     page at once (to the lower tiers), whatever room the pool has; other tenants are untouched."""
     a = PageAllocator(10, PAGE)
     tenant_of, evicted = {}, []
-    a.keeps, a.on_evict, a.max_cached_per_tenant = tenant_of.get, evicted.append, 3
+    a.tenant_of_named, a.on_evict, a.max_cached_per_tenant = tenant_of.get, evicted.append, 3
     pages = a.allocate("r", 8)
     tenant_of.update({p: "noisy" for p in pages[:6]} | {p: "quiet" for p in pages[6:]})
     a.free("r", pages)

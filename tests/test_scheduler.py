@@ -15,7 +15,7 @@ def make(rid: str, n_prompt: int, max_tokens: int = 4) -> Request:
 def run_step(sched: Scheduler) -> list:
     scheduled = sched.schedule()
     for ch in scheduled.chunks:
-        if ch.samples:
+        if ch.samples_token:
             ch.request.output_token_ids.append(0)
     sched.update(scheduled, {}, [])
     return scheduled.chunks

@@ -222,8 +222,8 @@ def test_tiering_with_drafts_counts_the_mtp_layer(model):
     row = cfg.latent_dim * spec.dtype.itemsize
     assert spec.latent_bytes_per_token() == plain.latent_bytes_per_token() + row
     assert spec.index_bytes_per_token() == plain.index_bytes_per_token() + cfg.index_head_dim * spec.dtype.itemsize
-    assert plain.working_set_bytes() == (plain.capacity + 1) * row * cfg.num_hidden_layers
-    assert spec.working_set_bytes() == (spec.capacity + 2) * row * (cfg.num_hidden_layers + 1)
+    assert plain.working_set_bytes() == (plain.device_buffer_tokens + 1) * row * cfg.num_hidden_layers
+    assert spec.working_set_bytes() == (spec.device_buffer_tokens + 2) * row * (cfg.num_hidden_layers + 1)
 
 
 def test_configuration_errors(model, glm_ckpt):

@@ -4,9 +4,9 @@ Layer-first layout, as SGLang's host pool: layer l's rows are one contiguous [nu
 array, indexed by the same logical slot (page_id * page_size + offset) as the device indexer keys,
 so one page table covers both tiers. Two real implementations, differing only in their backing:
 
-  * `RamHostStore`: a tensor in host RAM (pinned when the device is CUDA, so H2D copies can run
+  * `RamTieredHostStore`: a tensor in host RAM (pinned when the device is CUDA, so H2D copies can run
     asynchronously on a side stream);
-  * `MmapHostStore`: a memory-mapped file (`host_store_path`), so the histories of many long
+  * `MmapTieredHostStore`: a memory-mapped file (`host_store_path`), so the histories of many long
     sessions can exceed RAM; the OS pages rows in and out (the "third tier").
 
 Both count the bytes they hold; the page allocator decides which slots are in use. `HostLink` moves
@@ -23,7 +23,7 @@ import torch
 from ..context import index_tensor
 
 
-class HostStore:
+class TieredHostStore:
     """rows[layer][slot] = one token's latent (c_KV ++ k_R) in that layer."""
 
     kind = "abstract"
@@ -70,7 +70,7 @@ class HostStore:
         assert all(t.shape == (self.num_slots, self.dim) for t in self._rows.values()), "host rows resized"
 
 
-class RamHostStore(HostStore):
+class RamTieredHostStore(TieredHostStore):
     kind = "ram"
 
     def __init__(self, layers, num_slots, dim, dtype, pin: bool = False):
@@ -81,7 +81,7 @@ class RamHostStore(HostStore):
         return torch.empty(numel, dtype=self.dtype, pin_memory=self.pin)
 
 
-class MmapHostStore(HostStore):
+class MmapTieredHostStore(TieredHostStore):
     """Backed by a sparse file: disk blocks are used only for rows actually written.
 
     `path` is a directory (a fresh uniquely named file is made in it, so several engines or restarts
@@ -104,7 +104,7 @@ class MmapHostStore(HostStore):
 
 
 def _new_store_file(path: str) -> str:
-    """Create the store's file, empty, from `host_store_path` (see MmapHostStore); its path."""
+    """Create the store's file, empty, from `host_store_path` (see MmapTieredHostStore); its path."""
     if os.path.isdir(path):
         fd, name = tempfile.mkstemp(prefix="sparsekv-host-", suffix=".kv", dir=path)
         os.close(fd)
@@ -126,10 +126,10 @@ def _remove_file(path: str) -> None:
 
 
 def make_host_store(layers: list[int], num_slots: int, dim: int, dtype: torch.dtype, path: str | None,
-                    pin: bool = False) -> HostStore:
+                    pin: bool = False) -> TieredHostStore:
     if path:
-        return MmapHostStore(layers, num_slots, dim, dtype, path)
-    return RamHostStore(layers, num_slots, dim, dtype, pin)
+        return MmapTieredHostStore(layers, num_slots, dim, dtype, path)
+    return RamTieredHostStore(layers, num_slots, dim, dtype, pin)
 
 
 class HostLink:
@@ -150,7 +150,7 @@ class HostLink:
 
     emulate_async = False
 
-    def __init__(self, host: HostStore, device: torch.device):
+    def __init__(self, host: TieredHostStore, device: torch.device):
         self.host, self.device = host, device
         cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device) if cuda else None

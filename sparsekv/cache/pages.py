@@ -110,7 +110,7 @@ class PageAllocator:
         self.max_cached_per_tenant: int | None = None  # a tenant's cached pages beyond this are evicted
         # Set by the prefix cache: a released page's tenant if it is worth keeping (else None), and
         # what to forget when a cached page is evicted.
-        self.keeps: Callable[[int], str | None] = lambda page: None
+        self.tenant_of_named: Callable[[int], str | None] = lambda page: None
         self.on_evict: Callable[[int], None] = lambda page: None
 
     @property
@@ -187,7 +187,7 @@ class PageAllocator:
             owners.discard(owner)
             if not owners:
                 del self._owners[p]
-                tenant = self.keeps(p)
+                tenant = self.tenant_of_named(p)
                 if tenant is not None:
                     self._cached.add(p, tenant, self.clock())
                     self._hold_quota(tenant)

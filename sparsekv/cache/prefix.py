@@ -57,7 +57,7 @@ class PrefixCache:
         self._inflight: dict[bytes, str] = {}  # prompt page name -> running request computing it
         self._claims: dict[str, list[bytes]] = {}  # request -> the names it claimed
         self._reading: dict[str, list[bytes]] = {}  # waiting request -> its disk pages being read ahead
-        allocator.keeps = self._tenant_of.get
+        allocator.tenant_of_named = self._tenant_of.get
         allocator.on_evict = self._forget_page
         self.queried_tokens = 0
         self.hit_tokens = {"device": 0, "host": 0, "disk": 0}
@@ -126,7 +126,7 @@ class PrefixCache:
             self.tiers[restored[0]].rows.copy_in(pages[:len(saved)], saved)
         return pages, restored
 
-    def admitted(self, req: Request, pool_pages: int, restored: list[str]) -> None:
+    def count_hit(self, req: Request, pool_pages: int, restored: list[str]) -> None:
         self.queried_tokens += req.num_tokens
         self.hit_tokens["device"] += pool_pages * self.page_size
         for tier in restored:

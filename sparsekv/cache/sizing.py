@@ -67,7 +67,7 @@ class TierSizes:
 
     num_pages: int
     num_buffers: int
-    buffer_tokens: int
+    device_buffer_tokens: int
     limit: str  # the binding budget, for admission errors
 
 

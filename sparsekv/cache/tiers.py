@@ -4,7 +4,7 @@
 `PageAllocator`) addresses *logical* slots, which hold a position's indexer keys on the device and
 its latent in the host store::
 
-    device                                              host (HostStore, layer-first)
+    device                                              host (TieredHostStore, layer-first)
       index keys  [logical slots]   all history (DSA)      latent [logical slots]   all history
       working sets, per layer  [max_num_seqs x (N + R)]    (written at every step: backup, D2H)
         buffer b: rows b(N+R) .. b(N+R)+N-1    LRU slots
@@ -43,7 +43,7 @@ import torch
 
 from ..config import EngineConfig, ModelConfig
 from ..context import SeqSlice
-from .host_store import HostLink, HostStore, make_host_store
+from .host_store import HostLink, TieredHostStore, make_host_store
 from .index_keys import IndexKeyCache
 from .latent_format import PlainLatent, latent_format
 from .lru import TierCounters, WorkingSetLRU
@@ -85,21 +85,21 @@ class TieredKVPool:
     """KVPool's interface over device working sets + a host store. See the module docstring."""
 
     def __init__(self, cfg: ModelConfig, sizes: TierSizes, page_size: int, dtype: torch.dtype, device,
-                 host: HostStore, fp8_index_keys: bool = False, keep_index_keys: bool = True,
+                 host: TieredHostStore, fp8_index_keys: bool = False, keep_index_keys: bool = True,
                  mtp_layers: tuple[int, ...] = (), new_rows: int = 1, fmt=None):
         self.cfg, self.page_size, self.dtype, self.device = cfg, page_size, dtype, torch.device(device)
         self.fmt = fmt = fmt or PlainLatent(cfg, dtype)  # latent rows as stored (latent_format.py)
         self.num_slots = sizes.num_pages * page_size
-        self.capacity, self.sizes, self.host = sizes.buffer_tokens, sizes, host
+        self.device_buffer_tokens, self.sizes, self.host = sizes.device_buffer_tokens, sizes, host
         self.mtp_layers = list(mtp_layers)
         self.layers = list(range(cfg.num_hidden_layers)) + self.mtp_layers
         self.leader = {**_group_leaders(cfg), **{l: l for l in self.mtp_layers}}
         self.groups = {g: [l for l in self.layers if self.leader[l] == g] for g in cfg.full_layers + self.mtp_layers}
         self.passes = {"target": [g for g in self.groups if g not in self.mtp_layers], "mtp": self.mtp_layers}
         self.new_rows = new_rows  # 1 + speculative drafts: the most new tokens a decode writes
-        rows = sizes.num_buffers * (self.capacity + new_rows)
+        rows = sizes.num_buffers * (self.device_buffer_tokens + new_rows)
         self.ws = {l: torch.empty(rows, fmt.row_width, dtype=fmt.row_dtype, device=self.device) for l in self.layers}
-        self.buffers = PageAllocator(sizes.num_buffers, self.capacity + new_rows)  # one "page" = one working set
+        self.buffers = PageAllocator(sizes.num_buffers, self.device_buffer_tokens + new_rows)  # one "page" = one working set
         self.index = IndexKeyCache((cfg.full_layers if keep_index_keys else []) + self.mtp_layers, self.num_slots,
                                    cfg.index_head_dim, dtype, self.device, fp8_index_keys)
         self.selector_bytes_per_token = self.index.bytes_per_token()  # Quest adds its page bounds (engine)
@@ -125,7 +125,7 @@ class TieredKVPool:
     def working_set_bytes(self) -> int:
         """Device latent bytes of one decoding request: N LRU rows + the new-token rows, every layer
         (the MTP layer's included)."""
-        return (self.capacity + self.new_rows) * self.host.row_bytes * len(self.layers)
+        return (self.device_buffer_tokens + self.new_rows) * self.host.row_bytes * len(self.layers)
 
     @property
     def num_working_sets(self) -> int:
@@ -138,7 +138,7 @@ class TieredKVPool:
         rows = [(ch.request_id, ch.page_ids, ch.first_position, ch.num_new_tokens) for ch in chunks]
         self._step = self._begin("target", rows, len(self.layers) - len(self.mtp_layers))
         for ch in chunks:  # a prompt's last chunk: its last row's selections prime the working set (`_prime`)
-            if ch.samples and ch.num_new_tokens > self.new_rows:
+            if ch.samples_token and ch.num_new_tokens > self.new_rows:
                 self._working_set(ch.request_id)
                 self._step.priming.add(ch.request_id)
 
@@ -157,7 +157,7 @@ class TieredKVPool:
                 ws.new[name] = (first, n)
                 step.decoding[rid] = pages
                 ws_rows.extend(range(row, row + n))
-                start = self._base(ws) + self.capacity
+                start = self._base(ws) + self.device_buffer_tokens
                 new_rows.extend(range(start, start + n))
             elif rid in self._resident:
                 self._resident[rid].new.pop(name, None)
@@ -233,7 +233,7 @@ class TieredKVPool:
         will, so that step starts warm instead of missing up to k entries per layer (no host traffic:
         the rows were read for the prefill). The last block's call is the one that stays."""
         ws, wanted = self._resident[seq.request_id], positions.cpu().numpy().astype(np.int64)
-        if wanted.size > self.capacity:
+        if wanted.size > self.device_buffer_tokens:
             return
         lru = ws.lrus[self.leader[layer]]
         slots = lru.resolve(wanted).slots if layer == self.leader[layer] else lru.slots_of(wanted)
@@ -342,7 +342,7 @@ class TieredKVPool:
         older, several_rows = positions[is_older], seq.num_new_tokens > 1
         if several_rows:  # the rows select overlapping positions: resolve their union
             older = np.unique(older)
-        if older.size > self.capacity:
+        if older.size > self.device_buffer_tokens:
             return None
         res = ws.lrus[leader].resolve(older)
         base, misses = self._base(ws), res.miss_positions
@@ -356,7 +356,7 @@ class TieredKVPool:
         slots = res.slots[np.searchsorted(older, positions[is_older])] if several_rows else res.slots
         rows = np.empty(positions.size, dtype=np.int64)
         rows[is_older] = base + slots
-        rows[~is_older] = base + self.capacity - first_new + positions[~is_older]
+        rows[~is_older] = base + self.device_buffer_tokens - first_new + positions[~is_older]
         return rows
 
     def _promote(self, ws: _WorkingSet, name: str, upto: int) -> None:
@@ -370,13 +370,13 @@ class TieredKVPool:
         for leader in self.passes[name]:
             res = ws.lrus[leader].resolve(final)
             if res.miss_positions.size == 1:  # a plain decode's one token: a row copy per layer
-                src, dst = base + self.capacity + int(res.miss_positions[0]) - start, base + int(res.miss_slots[0])
+                src, dst = base + self.device_buffer_tokens + int(res.miss_positions[0]) - start, base + int(res.miss_slots[0])
                 for layer in self.groups[leader]:
                     self.ws[layer][dst] = self.ws[layer][src]
                 continue
             if not res.miss_positions.size:
                 continue
-            src = self.link.index(base + self.capacity + res.miss_positions - start)
+            src = self.link.index(base + self.device_buffer_tokens + res.miss_positions - start)
             dst = self.link.index(base + res.miss_slots)
             for layer in self.groups[leader]:
                 self.ws[layer].index_copy_(0, dst, self.ws[layer].index_select(0, src))
@@ -386,12 +386,12 @@ class TieredKVPool:
         ws = self._resident.get(request_id)
         if ws is None:
             buffer = self.buffers.allocate(request_id, 1)[0]
-            ws = _WorkingSet(buffer, {g: WorkingSetLRU(self.capacity) for g in self.groups})
+            ws = _WorkingSet(buffer, {g: WorkingSetLRU(self.device_buffer_tokens) for g in self.groups})
             self._resident[request_id] = ws
         return ws
 
     def _base(self, ws: _WorkingSet) -> int:
-        return ws.buffer * (self.capacity + self.new_rows)
+        return ws.buffer * (self.device_buffer_tokens + self.new_rows)
 
     def _count(self, request_id: str, hits: int = 0, misses: int = 0, h2d: int = 0, d2h: int = 0) -> None:
         self._counters.setdefault(request_id, TierCounters()).add(hits, misses, h2d, d2h)
@@ -408,13 +408,13 @@ class TieredKVPool:
         latent = self.num_working_sets * self.working_set_bytes()
         indexer = used_tokens * self.selector_bytes_per_token
         return {"device_kv_bytes": latent + indexer, "device_latent_bytes": latent, "device_indexer_bytes": indexer,
-                "device_working_sets": self.num_working_sets, "device_buffer_tokens": self.capacity,
+                "device_working_sets": self.num_working_sets, "device_buffer_tokens": self.device_buffer_tokens,
                 "host_kv_bytes": used_tokens * self.host.bytes_per_token,
                 "host_kv_budget_bytes": self.host.capacity_bytes, "host_store": self.host.kind,
                 **self.totals.as_dict()}
 
     def layout(self) -> dict[str, str]:
-        return {"kv_tiering": "True", "host_store": self.host.kind, "device_buffer_tokens": str(self.capacity)}
+        return {"kv_tiering": "True", "host_store": self.host.kind, "device_buffer_tokens": str(self.device_buffer_tokens)}
 
     def flush(self) -> None:
         """Finish pending host writes (backups of new rows): every host row is current after it."""
