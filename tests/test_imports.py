@@ -32,7 +32,6 @@ PKG = "sparsekv"
 # Bottom to top. A module may import its own layer and the layers below it, never one above. Names are
 # relative to `sparsekv`; a name covers the module or package and everything under it ("cache" is
 # cache/__init__.py and cache/*); the longest matching name wins; "__init__" is sparsekv/__init__.py.
-# Names of modules that do not exist yet are fine (the engine refactor's executor and output_processor).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # no sparsekv imports but each other's; engine_args/units: the engine options' argparse (torch-free)
     ("basics", ("config", "request", "context", "paths", "units", "engine_args", "detokenize", "sampling",
@@ -40,7 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("model",)),                   # the network: reads the cache only through context.py
     ("cache", ("cache",)),                   # page allocator, prefix cache and its tiers, pools, tiering
     ("scheduling", ("scheduler", "runner", "speculative", "structured")),
-    ("engine", ("engine", "llm", "executor", "output_processor", "__init__")),
+    ("engine", ("engine", "llm", "executor", "input_processor", "output_processor", "__init__")),
     ("server", ("server",)),
     ("train", ("train",)),                   # the bundled model's training: uses model/, not the engine
     ("tools", ("tools",)),                   # benchmarks, planner, evals; they also use train/ (data, stages)
@@ -260,7 +259,7 @@ def test_the_graph_is_read():
     assert has("__init__", "config", in_function=False)
     assert has("runner", "scheduler") and has("cache.prefix", "cache.pages")   # relative, inside a package
     assert has("model.attention", "kernels.attention")                   # from ..kernels.attention
-    assert has("server.app", "engine")                                   # from ..engine
+    assert has("server.app", "input_processor")                          # from ..input_processor
     assert has("cli", "tools.tiny", in_function=True)                    # make-tiny-model, inside a function
     assert has("tools.plan", "tools.plan_sweep", in_function=True)       # from sparsekv.tools import plan_sweep
 
