@@ -86,7 +86,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
     quantization: dict | None = field(default=None, hash=False)
-    attention_norm_eps: float = 1e-6  # q_a/kv_a RMSNorm: hard-coded 1e-6 in transformers (model-spec §7.2)
+    attention_norm_eps: float = 1e-6  # q_a/kv_a RMSNorm: hard-coded 1e-6 in transformers
 
     @property
     def qk_head_dim(self) -> int:

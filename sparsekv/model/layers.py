@@ -1,6 +1,6 @@
 """Small building blocks in the reference's numerics: RMSNorm, RoPE tables, dense MLP, MoE.
 
-Numerics follow transformers 5.23 (model-spec §3): norms compute in fp32 and cast back before the
+Numerics follow transformers 5.23: norms compute in fp32 and cast back before the
 weight multiply; the router runs in fp32; cos/sin are cast to the model dtype before use.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The GLM-5 / DeepSeek-V3.2 decoder assembled from checkpoint tensors.
 
-Forward (model-spec §3.1): h = embed(ids); per layer h += attn(norm(h)); h += ffn(norm(h));
+Forward: h = embed(ids); per layer h += attn(norm(h)); h += ffn(norm(h));
 logits = lm_head(norm(h)) for the rows the step samples from.
 """
 from __future__ import annotations

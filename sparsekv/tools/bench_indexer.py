@@ -5,14 +5,13 @@ in the context and most of a long prefill on a CPU. This times `LightningIndexer
 block of queries at the end of a T-key history (random keys and queries with the checkpoint's
 indexer shape), with the engine's block policy and with a baseline policy in the same run, checks
 that both select the same positions, and prints the scan's FLOP rate against the machine's measured
-fp32 matmul rate. Baselines (`--baseline`) are earlier policies: `small-tiles` (session 10, 2026-12-01:
-key tiles of 2^17 scores, 256 keys for 128 queries of 4 heads) and `small-blocks` (session 9: also
+fp32 matmul rate. Baselines (`--baseline`) are earlier policies: `small-tiles` (key tiles of 2^17 scores, 256 keys for 128 queries of 4 heads) and `small-blocks` (also
 blocks of at most 64 queries and a 128 MB score buffer, so 32 queries at 1M keys).
 
 `--decode` times one decode row instead (`select` of a single query at the end of the history: the
 key scan every decode step makes in each full layer) in both layouts at every length: keys-major
 (`decode_head_scores`, [T, D] x [D, H]) and query-major (`w @ ReLU(q @ K^T)`, [H, D] x [D, T], the
-only layout before session 12). It says which one the engine uses there on this device
+engine's earlier layout). It says which one the engine uses there on this device
 (`keys_major`), checks both select the same positions, and prints the rate the key cache streams at
 against the device's read bandwidth measured now. `--device cuda` runs it on an accelerator, where
 the engine stays query-major until this has been measured (scripts/gpu_check.py runs it).

@@ -5,7 +5,7 @@ than index_topk). Every layer needs an indexer to be compared or searched: the s
 auxiliary indexers for its shared layers in indexshare/indexers.safetensors (trained by
 `sparsekv train`, never used for serving). Layers without one are reported as such.
 
-Overlap (IndexCache §observation): for query rows with more than k visible keys,
+Overlap (IndexCache's observation): for query rows with more than k visible keys,
 |TopK_a ∩ TopK_b| / k, averaged over rows, for every pair of layers with indexers.
 
 Search (IndexCache Algorithm 1): start all-full; at each step try flipping each remaining full

@@ -19,7 +19,7 @@ def weight_bytes(params: float, fmt: str) -> float:
 
 
 def vocab_weight_format(fmt: str) -> str:
-    """Embedding and lm_head stay bf16 in FP8 releases (model-spec.md §2)."""
+    """Embedding and lm_head stay bf16 in FP8 releases."""
     return "bf16" if fmt == "fp8" else fmt
 
 

@@ -1,7 +1,7 @@
 """Per-token costs of a DSA model, from its config alone: cache bytes, parameter counts, FLOPs.
 
 Everything here is arithmetic on `ModelConfig` fields (no torch), so the planner can describe
-machines and models we do not have. Notation follows model-spec.md: L layers, H heads,
+machines and models we do not have. Notation: L layers, H heads,
 C = kv_lora_rank, R = qk_rope_head_dim, H_I x D_I indexer heads, k = index_topk, T context.
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ class ParamCounts:
 
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
-    """Shapes from model-spec.md §2 (norms included; MTP layer excluded, as in the published totals)."""
+    """Shapes as the checkpoints store them (norms included; MTP layer excluded, as in the published totals)."""
     d, H = cfg.hidden_size, cfg.num_attention_heads
     attn = (d * cfg.q_lora_rank + cfg.q_lora_rank * H * cfg.qk_head_dim
             + d * cfg.latent_dim + cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)

@@ -3,8 +3,8 @@
 The step is a sequence of stages (weights, routed experts, indexer, top-k, sparse attention,
 host->device misses, dispatch overhead). Each stage takes max(FLOPs / peak, bytes / bandwidth),
 as kernels run one after another; the host->device copy is added on top because HiSparse v1
-swaps misses in on the compute stream between the indexer and attention (tiered-kv-cache.md
-§1.7). The resource that accounts for the most time is the one that binds.
+swaps misses in on the compute stream between the indexer and attention (as HiSparse
+does). The resource that accounts for the most time is the one that binds.
 """
 from __future__ import annotations
 

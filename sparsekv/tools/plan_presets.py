@@ -1,4 +1,4 @@
-"""Built-in model shapes for the planner, as raw config.json dicts (values from model-spec.md §1).
+"""Built-in model shapes for the planner, as raw config.json dicts (values from their published config.json files).
 
 They go through `ModelConfig.from_dict` exactly like a downloaded config.json, so the IndexShare
 schedule of GLM-5.2 is derived by the same rule transformers uses (freq 4, offset 3 -> 21 full).

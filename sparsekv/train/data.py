@@ -113,7 +113,7 @@ def haystack_negatives(positions: torch.Tensor, count: int, context: int, haysta
     (bool [B, S]) allows, each placed at one of the row's own positions and seen by the queries after
     it, as if the row lay in a context of `context` tokens of other documents. Their hidden states
     are the ones of their own rows (an approximation of a long context's). Placed behind the row
-    instead, they teach a distance decay that ends retrieval (docs/training.md, session 14); here
+    instead, they teach a distance decay that ends retrieval (docs/training.md, what failed); here
     the distances of negatives and of the row's own keys are the same, so only content separates them."""
     batch_size, seq_len = positions.shape
     g = torch.Generator().manual_seed(zlib.crc32(seed.encode()))

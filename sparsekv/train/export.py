@@ -48,7 +48,7 @@ def model_config(raw: dict) -> ModelConfig:
     return ModelConfig.from_dict(raw, where="training config")
 
 
-KEEP_FP32 = ("e_score_correction_bias", "weights_proj.weight")   # fp32 in the reference (model-spec §2)
+KEEP_FP32 = ("e_score_correction_bias", "weights_proj.weight")   # fp32 in the reference
 
 
 def checkpoint_tensors(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

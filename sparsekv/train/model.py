@@ -1,7 +1,7 @@
 """A differentiable pure-torch GLM-DSA model for training; parameter names equal the HF checkpoint's.
 
 Attention runs in the expanded (MHA) form with explicit masks, as the transformers reference does,
-so every attention distribution is available for indexer distillation (model-spec §9, §10).
+so every attention distribution is available for indexer distillation.
 RMSNorm and RoPE reuse the engine's functions, so the numerics match the engine by construction.
 
 Per layer the forward returns a `LayerTrace`: the index scores I (full layers), the selection mask
@@ -53,7 +53,7 @@ class Rope:
 
 
 class Indexer(nn.Module):
-    """Lightning indexer: I[t,s] = sum_h w_h(x_t) H^-1/2 ReLU(<q_{t,h}, k_s> D^-1/2)  (model-spec §3.5)."""
+    """Lightning indexer: I[t,s] = sum_h w_h(x_t) H^-1/2 ReLU(<q_{t,h}, k_s> D^-1/2)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -138,7 +138,7 @@ class Attention(nn.Module):
         k = torch.cat([k_nope, k_rot], dim=-1).transpose(1, 2)
         trace = LayerTrace(selected=selected)
         if hasattr(self, "indexer") and (want_index or far is not None or (selected is not None and self.full)):
-            # NOTE: detached input: the indexer learns only from its KL loss (DeepSeek-V3.2 §2.1).
+            # NOTE: detached input: the indexer learns only from its KL loss (DeepSeek-V3.2's recipe).
             trace.index, trace.far_index = self.indexer(x.detach(), q_resid.detach(), rope, causal, far)
             if selected is not None and self.full:
                 trace.selected = topk_mask(trace.index.detach(), causal, cfg.index_topk)
@@ -224,7 +224,7 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    """NextN layer (model-spec §8.1): x = eh_proj([enorm(embed(t_{p+1})), hnorm(h_p)]) -> decoder layer."""
+    """NextN layer: x = eh_proj([enorm(embed(t_{p+1})), hnorm(h_p)]) -> decoder layer."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, True, "sparse" if cfg.n_routed_experts else "dense")

@@ -1,4 +1,4 @@
-"""The training stages and their losses (model-spec §8-§10).
+"""The training stages and their losses.
 
   1 pretrain  dense attention, LM loss; indexers and the MTP layer idle.
   2 warmup    main model frozen, dense attention; each kept indexer is distilled with
