@@ -157,7 +157,7 @@ class TaskBuilder:
         tail = self.encode(question)
         answer_ids = self.encode(continuation) if with_answer else []
         # NOTE: training documents (make_document) keep the old cut, so the bundled model's batches
-        # are unchanged; prompts end their haystack on a whole line (2026-12-01: a word cut in two
+        # are unchanged; prompts end their haystack on a whole line (a word cut in two
         # before the question made models continue the filler at 8K and 16K, docs/training.md).
         ids, starts = self.compose(kind, needles, tail + answer_ids, length, end_on_line=True)
         return Sample(task, ids, answer, depth, starts, answer_ids)
