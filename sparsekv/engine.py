@@ -33,7 +33,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype, self.device = DTYPES[config.dtype], torch.device(config.device)
-        self.model = load_model(config.model, self.dtype, self.device, config.hf_overrides)
+        self.model = load_model(config.model, self.dtype, self.device, config.hf_overrides, config.selector,
+                                config.quest_page_tokens)
         self.model_config: ModelConfig = self.model.cfg
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = set(self.model_config.eos_token_ids)

@@ -31,6 +31,12 @@ class CacheManager:
 
     # -- building ------------------------------------------------------------------------------
     def _build_pool(self):
+        pool, allocator = self._build_plain_or_tiered_pool()
+        for selector in self.model.selectors():  # state kept per slot (Quest's page bounds)
+            selector.reserve_slots(pool.num_slots)
+        return pool, allocator
+
+    def _build_plain_or_tiered_pool(self):
         config, cfg = self.config, self.model.cfg
         if config.kv_tiering:  # the tiered pool sizes the (logical) page table from its budgets
             from .tiers import build_tiered_cache
@@ -40,9 +46,6 @@ class CacheManager:
         mtp = self._mtp_layers()
         pool = KVPool(cfg, allocator.num_pages, self.page_size, self.dtype, self.device,
                       list(range(cfg.num_hidden_layers)) + mtp, cfg.full_layers + mtp, self._latent_format())
-        if config.selector == "quest":
-            from ..model.selectors import install_quest
-            install_quest(self.model, config, allocator.num_pages * self.page_size, self.device)
         return pool, allocator
 
     def _mtp_layers(self) -> list[int]:

@@ -448,7 +448,6 @@ def _group_leaders(cfg: ModelConfig) -> dict[int, int]:
 def build_tiered_cache(config: EngineConfig, model, dtype: torch.dtype, device, default_pages: int) -> TieredKVPool:
     """The tiered pool for `config`, sized by its budgets; installs Quest if selected. With speculative
     decoding the MTP layer is one more layer, with its own group (it has its own indexer)."""
-    from ..model.selectors import install_quest
     cfg, itemsize = model.cfg, dtype.itemsize
     fmt = latent_format(config.kv_cache_dtype, cfg, dtype)
     quest = config.selector == "quest"
@@ -465,6 +464,5 @@ def build_tiered_cache(config: EngineConfig, model, dtype: torch.dtype, device, 
     pool = TieredKVPool(cfg, sizes, config.kv_page_size, dtype, device, host, fp8, keep_index_keys=not quest,
                         mtp_layers=tuple(mtp), new_rows=1 + config.num_speculative_tokens, fmt=fmt)
     if quest:
-        install_quest(model, config, pool.num_slots, device)
         pool.selector_bytes_per_token = selector_bytes
     return pool

@@ -175,7 +175,14 @@ def load_tensors(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.
     return out
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device, overrides: dict | None = None):
+def load_model(path: str, dtype: torch.dtype, device: torch.device, overrides: dict | None = None,
+               selector: str = "dsa", quest_page_tokens: int = 16):
+    """The model with its token selector: the checkpoint's lightning indexers (DSA), or Quest over
+    pages of `quest_page_tokens` positions (its per-page state is sized with the cache)."""
     from .model import DSAModel
+    from .selectors import install_quest
     cfg = ModelConfig.from_json(path, overrides)
-    return DSAModel(cfg, load_tensors(path, cfg, dtype, device, bool(overrides)), dtype, device)
+    model = DSAModel(cfg, load_tensors(path, cfg, dtype, device, bool(overrides)), dtype, device)
+    if selector == "quest":
+        install_quest(model, quest_page_tokens)
+    return model

@@ -43,6 +43,9 @@ class TokenSelector:
         """State kept per slot (with its tokens per row), part of a KV page's contents: none here."""
         return []
 
+    def reserve_slots(self, num_slots: int) -> None:
+        """Size the state kept per slot for a cache of `num_slots` (the cache manager calls it)."""
+
     def batches(self, device: torch.device) -> bool:
         """Whether a step's one-row decodes are selected in one batched pass (DSASelector)."""
         return False
@@ -83,7 +86,8 @@ class QuestSelector(TokenSelector):
     """Quest page bounds, device-resident, indexed by logical page (slot // page_tokens).
 
     One instance serves every full layer. The bounds live here rather than in the cache pool so that
-    both pools (tiered or not) get the same selector; the engine sizes it to the pool's slots.
+    both pools (tiered or not) get the same selector; the cache manager sizes it to the pool's slots
+    (`reserve_slots`) once the model is built with it.
 
     A query at position p scores its own page by the bound over that page's positions <= p only, so
     the selection never depends on how a prompt was chunked: `prepare` returns, for every new row, the
@@ -93,10 +97,8 @@ class QuestSelector(TokenSelector):
     name = "quest"
 
     def __init__(self, cfg: ModelConfig, num_slots: int, page_tokens: int, device, layers: list[int]):
-        self.page_tokens = page_tokens
-        pages = -(-num_slots // page_tokens)
-        self.lo = {l: torch.empty(pages, cfg.latent_dim, dtype=torch.float32, device=device) for l in layers}
-        self.hi = {l: torch.empty(pages, cfg.latent_dim, dtype=torch.float32, device=device) for l in layers}
+        self.page_tokens, self.dim, self.device, self.layers = page_tokens, cfg.latent_dim, device, layers
+        self.reserve_slots(num_slots)
         # Speculative decoding rewrites positions a rejected draft wrote, and min/max cannot forget a
         # value. So each request's last decode keeps, per layer and page it wrote, the page's bounds
         # as of each of its positions: (page, first position, lo [m + 1, D], hi [m + 1, D]), row 0 the
@@ -127,6 +129,11 @@ class QuestSelector(TokenSelector):
         if drafting:
             self._remember(layer, ctx, page, before, own_lo, own_hi)
         return own_lo, own_hi
+
+    def reserve_slots(self, num_slots: int) -> None:
+        pages = -(-num_slots // self.page_tokens)
+        self.lo = {l: torch.empty(pages, self.dim, dtype=torch.float32, device=self.device) for l in self.layers}
+        self.hi = {l: torch.empty(pages, self.dim, dtype=torch.float32, device=self.device) for l in self.layers}
 
     def forget(self, request_id: str) -> None:
         self._last.pop(request_id, None)
@@ -205,9 +212,9 @@ class QuestSelector(TokenSelector):
                            block)
 
 
-def install_quest(model, config, num_slots: int, device) -> QuestSelector:
-    """Replace the DSA selector of every full layer by one Quest selector sized to `num_slots`."""
-    quest = QuestSelector(model.cfg, num_slots, config.quest_page_tokens, device, model.cfg.full_layers)
+def install_quest(model, page_tokens: int) -> QuestSelector:
+    """Replace the DSA selector of every full layer by one Quest selector (sized later: `reserve_slots`)."""
+    quest = QuestSelector(model.cfg, 0, page_tokens, model.device, model.cfg.full_layers)
     use_selector(model, quest)
     return quest
 
