@@ -54,6 +54,7 @@ class ForwardContext:
     # A request with at most this many new tokens is a decode (1, or 1 + drafts with speculative
     # decoding): in the sparse regime its rows attend in the step's decode batch.
     decode_rows: int = 1
+    batch_dense_decodes: bool = True  # EngineConfig.batch_dense_decodes
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     # Per request: sorted selected positions [S, k] and their validity, written by a full layer's

@@ -43,7 +43,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         config.validate_for_model(self.model_config.index_topk)
         self.kv = CacheManager(config, self.model, self.dtype, self.device, self.max_model_len)
-        self.executor = InProcessExecutor(self.model, self.kv, config.attention, config.num_speculative_tokens)
+        self.executor = InProcessExecutor(self.model, self.kv, config)
         self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_tokens, self.kv.prefix, tenant_pages=self.kv.tenant_pages,
                                    optimistic=config.kv_admission == "optimistic")

@@ -52,9 +52,11 @@ class Executor(ABC):
 class InProcessExecutor(Executor):
     """The model and its cache in this process, on one device."""
 
-    def __init__(self, model, kv, attention: str, num_speculative_tokens: int):
+    def __init__(self, model, kv, config):
         self.model, self.kv = model, kv
-        self.runner = ModelRunner(model, kv.pool, kv.page_size, attention, decode_rows=1 + num_speculative_tokens)
+        self.runner = ModelRunner(model, kv.pool, kv.page_size, config.attention,
+                                  decode_rows=1 + config.num_speculative_tokens,
+                                  batch_dense_decodes=config.batch_dense_decodes)
         self.observers: list[Callable[[SchedulerOutput, ModelOutput], None]] = []
 
     def execute(self, step: SchedulerOutput) -> ModelOutput:

@@ -22,8 +22,10 @@ def clip_runs(runs: list[list[int]], num_positions: int) -> tuple[tuple[int, int
 
 
 class ModelRunner:
-    def __init__(self, model, cache, page_size: int, attention: str, decode_rows: int = 1):
+    def __init__(self, model, cache, page_size: int, attention: str, decode_rows: int = 1,
+                 batch_dense_decodes: bool = True):
         self.model, self.cache, self.page_size, self.attention = model, cache, page_size, attention
+        self.batch_dense_decodes = batch_dense_decodes
         self.decode_rows = decode_rows  # 1 + num_speculative_tokens
         self.device = model.device
         self._offsets = torch.arange(page_size, device=self.device)
@@ -78,7 +80,7 @@ class ModelRunner:
         slot_mapping = torch.cat([s.slots[s.first_new_position:] for s in seqs])
         return ForwardContext(torch.tensor(ids, dtype=torch.long, device=self.device), pos, slot_mapping, seqs,
                               torch.tensor(logits_rows, dtype=torch.long, device=self.device), self.attention,
-                              decode_rows=self.decode_rows)
+                              decode_rows=self.decode_rows, batch_dense_decodes=self.batch_dense_decodes)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:

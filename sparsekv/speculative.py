@@ -143,7 +143,7 @@ class Speculator:
         slots = torch.cat([s.slots[s.first_new_position:] for s in seqs])
         ctx = ForwardContext(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), slots,
                              seqs, torch.tensor(logits_rows, dtype=torch.long, device=device), self.runner.attention,
-                             decode_rows=self.runner.decode_rows)
+                             decode_rows=self.runner.decode_rows, batch_dense_decodes=self.runner.batch_dense_decodes)
         logits, h = self.drafter.forward(hidden[torch.tensor(rows, device=device)], ctx.input_ids, ctx, self.cache)
         if drafting:
             selection = {r.request_id: ctx.selection[r.request_id][-1:] for r, _ in drafting
@@ -173,7 +173,8 @@ class Speculator:
         positions = torch.tensor([s.context_len - 1 + step for s in seqs], device=device)
         ctx = ForwardContext(torch.tensor(tokens, device=device), positions, positions, rows,
                              torch.arange(len(seqs), device=device), self.runner.attention,
-                             selection=dict(selection), draft_step=True)
+                             selection=dict(selection), draft_step=True,
+                             batch_dense_decodes=self.runner.batch_dense_decodes)
         return self.drafter.forward(h, ctx.input_ids, ctx, self.cache)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparsekv import LLM, SamplingParams
-from sparsekv.model.attention import MLAttention, dense_length
+from sparsekv.model.attention import dense_length
 from sparsekv.tools.tiny import save_reference_checkpoint
 
 TOPK = 32
@@ -22,14 +22,6 @@ def ckpt(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("dense-decode"))
     save_reference_checkpoint(path, family="glm_moe_dsa", seed=3, index_topk=TOPK)
     return path
-
-
-@pytest.fixture
-def one_at_a_time():
-    """Run with the dense-regime decodes one request at a time (the path before batching)."""
-    MLAttention.batch_dense_decodes = False
-    yield
-    MLAttention.batch_dense_decodes = True
 
 
 def run(path, prompts, params=GREEDY, **options):
@@ -59,8 +51,7 @@ def test_dense_length_is_a_power_of_two_within_top_k():
 def test_batched_dense_decodes_equal_one_request_at_a_time(ckpt, options, request):
     got, calls = run(ckpt, PROMPTS, **options)
     assert max(calls) > 1  # several requests per batch went through the batched path
-    request.getfixturevalue("one_at_a_time")
-    want, none = run(ckpt, PROMPTS, **options)
+    want, none = run(ckpt, PROMPTS, batch_dense_decodes=False, **options)  # one request at a time
     assert none == []
     assert_same(want, got, tolerance=1e-5)  # float32 rounding: the reductions run over padded lengths
 
@@ -71,8 +62,7 @@ def test_drafted_dense_decodes_equal_one_request_at_a_time(request):
     prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
     got, calls = run(None, prompts, num_speculative_tokens=2)
     assert calls
-    request.getfixturevalue("one_at_a_time")
-    want, _ = run(None, prompts, num_speculative_tokens=2)
+    want, _ = run(None, prompts, num_speculative_tokens=2, batch_dense_decodes=False)
     assert_same(want, got, tolerance=1e-5)
 
 
@@ -86,7 +76,6 @@ def test_bench_batch_runs_both_paths_and_checks_they_agree(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert set(result["summary"]) == {"one request at a time", "batched"}
     assert result["identical_tokens"] and result["max_logprob_diff"] <= 1e-5
-    assert MLAttention.batch_dense_decodes  # the default is restored
     assert main(["batch", "--prompt-tokens", "250", "--steps", "32"]) == 2  # past top-k (256): refused
     assert "top-k" in capsys.readouterr().err
 
@@ -127,6 +116,5 @@ def test_plain_rows_decided_together_equal_one_row_at_a_time(ckpt, monkeypatch):
 def test_batched_dense_decodes_on_cuda(ckpt, options, request):
     got, calls = run(ckpt, PROMPTS, device="cuda", **options)
     assert max(calls) > 1
-    request.getfixturevalue("one_at_a_time")
-    want, _ = run(ckpt, PROMPTS, device="cuda", **options)
+    want, _ = run(ckpt, PROMPTS, device="cuda", batch_dense_decodes=False, **options)
     assert_same(want, got, tolerance=1e-4)

@@ -63,10 +63,6 @@ class MLAttention:
         self.w_uv_t = self.w_uv.transpose(1, 2).contiguous()  # [H, C, v] for the batched GEMM
         self.scale = cfg.softmax_scale
 
-    # Decodes in the dense regime run as batches (`_attend_dense_decodes`); False: one request at a
-    # time (`sparsekv bench batch` measures both).
-    batch_dense_decodes = True
-
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
         cfg, w, n = self.cfg, self.w, x.shape[0]
         q_resid = rms_norm(F.linear(x, w.q_a), w.q_a_norm, cfg.attention_norm_eps)
@@ -99,7 +95,7 @@ class MLAttention:
         decode_rows, picks, valid = [], [], []
         dense_decodes: dict[int, list[SeqSlice]] = {}  # padded length -> decodes that attend to every entry
         batched = self._select_decode_batch(index_q, ctx, cache)
-        batch_dense = self.batch_dense_decodes and ctx.attention != "dense"
+        batch_dense = ctx.batch_dense_decodes and ctx.attention != "dense"
         for seq in ctx.seqs:
             is_decode = seq.num_new_tokens <= ctx.decode_rows
             if batch_dense and is_decode and seq.context_len <= self.cfg.index_topk:

@@ -3,7 +3,7 @@ traffic is in: contexts below top-k, where DSA attends to every entry (the dense
 
 `--batch` requests of `--prompt-tokens` random tokens each are prefilled, then `--steps` decode
 steps of the whole batch are timed, twice per run and interleaved: with the dense-regime decodes
-batched (`MLAttention.batch_dense_decodes`, the default) and one request at a time (the path before
+batched (`batch_dense_decodes`, the default) and one request at a time (the path before
 it, the baseline). Printed: ms per step, tokens/s, the speed-up, achieved bandwidth (weights plus
 every request's latents and indexer keys read per step, over the step time) against the machine's,
 and whether the two paths produced the same greedy tokens and logprobs.
@@ -25,8 +25,6 @@ def decode_run(engine, args, batched: bool, run: int) -> dict:
     """Prefill the batch, time `--steps` decode steps, finish; ms/step and the outputs."""
     import torch
     from sparsekv import SamplingParams
-    from sparsekv.model.attention import MLAttention
-    MLAttention.batch_dense_decodes = batched
     g = torch.Generator().manual_seed(run)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -48,25 +46,23 @@ def decode_run(engine, args, batched: bool, run: int) -> dict:
 def run(args) -> dict:
     import torch
     from sparsekv import LLM
-    from sparsekv.model.attention import MLAttention
     from sparsekv.paths import default_model_path
     from .bench_tiers import device_bandwidth_gbps
     from .bench_worker import decode_bytes_per_step
     torch.set_num_threads(args.threads)
     max_len = args.prompt_tokens + args.steps + 8
-    engine = LLM(args.model or default_model_path(), device=args.device, max_model_len=max_len, max_num_seqs=args.batch,
-                 max_num_batched_tokens=max(4096, args.prompt_tokens), enable_prefix_caching=False,
-                 num_kv_pages=args.batch * -(-max_len // 64)).engine  # room for the whole batch at once
+    engines = {name: LLM(args.model or default_model_path(), device=args.device, max_model_len=max_len,
+                         max_num_seqs=args.batch, max_num_batched_tokens=max(4096, args.prompt_tokens),
+                         enable_prefix_caching=False, num_kv_pages=args.batch * -(-max_len // 64),  # the whole batch
+                         batch_dense_decodes=batched).engine for name, batched in MODES.items()}
+    engine = engines["batched"]
     topk = engine.model_config.index_topk
     if args.prompt_tokens + args.steps > topk:
         raise ValueError(f"--prompt-tokens + --steps must stay within top-k ({topk}): the dense regime")
     runs = {name: [] for name in MODES}
-    try:
-        for i in range(args.repeats):
-            for name, batched in MODES.items():
-                runs[name].append(decode_run(engine, args, batched, i))
-    finally:
-        MLAttention.batch_dense_decodes = True
+    for i in range(args.repeats):
+        for name, batched in MODES.items():
+            runs[name].append(decode_run(engines[name], args, batched, i))
     context = args.prompt_tokens + args.steps // 2
     return {"runs": runs, "batch": args.batch, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
             "step_bytes": decode_bytes_per_step(engine, context, args.batch),
