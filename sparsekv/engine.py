@@ -360,6 +360,8 @@ class LLMEngine:
         """The step's new token(s): one sampled, or a verified draft (speculative.py) plus one more."""
         gen, drafts, new = self._generators[req.request_id], logits.shape[0] - 1, []
         req.draft_token_ids.clear()
+        if drafts:  # counted once fed to the target, whether or not each gets judged below
+            self.speculator.begin_verification(req.request_id, drafts)
         for i in range(drafts):  # each row adjusted after the tokens before it are emitted
             row = self._adjusted(req, logits[i])
             if self._dead_end(req, row):
