@@ -136,6 +136,8 @@ class OutputProcessor:
     def _sample(self, req: Request, logits: torch.Tensor, result: StepResult) -> list[int]:
         """The step's new token(s): one sampled, or the verified drafts (speculative.py) plus one more."""
         gen, drafts, new = self._generators[req.request_id], logits.shape[0] - 1, []
+        if drafts:  # counted once fed to the target, whether or not each gets judged below
+            self.speculator.begin_verification(req.request_id, drafts)
         for i in range(drafts):  # each row adjusted after the tokens before it are emitted
             row = self._adjusted(req, logits[i])
             if self._no_next_token(req, row):

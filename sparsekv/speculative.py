@@ -17,10 +17,22 @@ layer on its own output (SGLang: the hidden after shared_head.norm) and the prev
 next positions, reusing the extend row's top-k selection (MTP index reuse, §8.2) and attending only
 to cache entries made from the target's hidden states: they write nothing. Rejected drafts leave no
 state behind: the next step feeds the true tokens at those positions and overwrites their entries.
+
+Counters (`SpecDecodingCounts`) mean what vLLM's do (its SpecDecodingStats and
+`vllm:spec_decode_*` metrics): `num_drafts` counts verification steps, `num_draft_tokens` every draft
+token the target verified against (accepted or not, including those after the first rejection),
+`num_accepted_tokens` the accepted ones, `num_accepted_tokens_per_pos[i]` the steps whose draft i was
+accepted. A step verifies K drafts except where fewer were proposed: none past max_tokens or
+max_model_len (`Speculator._chain`), or fewer than K fitted in the step's token budget (the scheduler
+drops the tail); only the drafts that reached the target count. A request that finishes inside a step
+(EOS, a stop string, a grammar dead end) leaves the drafts after that token unjudged: they count as
+drafted, not accepted (vLLM judges them before it checks stops; this differs on at most one step per
+request). Acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts,
+the tokens a verification step yields (the form GLM reports MTP results in).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +73,39 @@ def verify_draft(target_logits: torch.Tensor, draft: Draft, params: SamplingPara
     return draw(residual / residual.sum(), generator), False
 
 
+@dataclass
+class SpecDecodingCounts:
+    """vLLM's speculative-decoding counters, for one request or the whole engine (module docstring)."""
+
+    k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.num_accepted_tokens_per_pos = self.num_accepted_tokens_per_pos or [0] * self.k
+
+    def observe_step(self, num_draft_tokens: int) -> None:
+        """A verification step with this many drafts fed to the target."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+
+    def observe_accepted(self, position: int) -> None:
+        """The step's draft at `position` (0-based) was accepted; acceptance stops at the first
+        rejection, so the drafts before it were accepted too."""
+        self.num_accepted_tokens += 1
+        self.num_accepted_tokens_per_pos[position] += 1
+
+    def metrics(self) -> dict:
+        drafts, tokens, accepted = self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
+        return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": tokens,
+                "spec_decode_num_accepted_tokens": accepted,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+                "spec_decode_acceptance_rate": accepted / tokens if tokens else 0.0,
+                "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
+
+
 class MTPDrafter:
     """Runs the MTP layer over rows; returns logits and the normed hidden states of the drafting rows."""
 
@@ -92,17 +137,24 @@ class Speculator:
         self.drafter, self.runner, self.cache, self.k = MTPDrafter(model), runner, cache, num_tokens
         self.max_model_len = max_model_len
         self.drafts: dict[str, list[Draft]] = {}
-        self.counts: dict[str, list[int]] = {}  # request -> [drafted, accepted]
-        self.totals = [0, 0]
+        self.counts: dict[str, SpecDecodingCounts] = {}
+        self.totals = SpecDecodingCounts(num_tokens)
+
+    def begin_verification(self, request_id: str, num_draft_tokens: int) -> None:
+        """A step feeds the target the request's first `num_draft_tokens` drafts (the ones that fitted)."""
+        for c in (self._request_counts(request_id), self.totals):
+            c.observe_step(num_draft_tokens)
 
     def verify(self, req, target_logits: torch.Tensor, index: int, generator: torch.Generator) -> tuple[int, bool]:
         """The token at the position of the request's draft `index` (0-based), and whether it is the draft."""
         token, accepted = verify_draft(target_logits, self.drafts[req.request_id][index], req.params, generator)
-        counts = self.counts.setdefault(req.request_id, [0, 0])
-        for c in (counts, self.totals):
-            c[0] += 1
-            c[1] += accepted
+        if accepted:
+            for c in (self._request_counts(req.request_id), self.totals):
+                c.observe_accepted(index)
         return token, accepted
+
+    def _request_counts(self, request_id: str) -> SpecDecodingCounts:
+        return self.counts.setdefault(request_id, SpecDecodingCounts(self.k))
 
     def drop_drafts(self, request_id: str) -> None:
         """A preempted request's drafts are never verified (its counts stay)."""
@@ -110,14 +162,13 @@ class Speculator:
 
     def forget(self, request_id: str) -> dict:
         self.drafts.pop(request_id, None)
-        drafted, accepted = self.counts.pop(request_id, (0, 0))
-        return metrics(drafted, accepted)
+        return self.counts.pop(request_id, SpecDecodingCounts(self.k)).metrics()
 
     def request_metrics(self, request_id: str) -> dict:
-        return metrics(*self.counts.get(request_id, (0, 0)))
+        return self.counts.get(request_id, SpecDecodingCounts(self.k)).metrics()
 
     def stats(self) -> dict:
-        return metrics(*self.totals)
+        return self.totals.metrics()
 
     def draft(self, chunks, hidden: torch.Tensor, generators: dict) -> None:
         """Extend the MTP cache over each running request's newly final rows; draft where the step sampled."""
@@ -176,8 +227,3 @@ class Speculator:
                              selection=dict(selection), draft_step=True,
                              batch_dense_decodes=self.runner.batch_dense_decodes)
         return self.drafter.forward(h, ctx.input_ids, ctx, self.cache)
-
-
-def metrics(drafted: int, accepted: int) -> dict:
-    return {"spec_num_draft_tokens": drafted, "spec_num_accepted_tokens": accepted,
-            "spec_acceptance_rate": accepted / drafted if drafted else 0.0}

@@ -110,7 +110,7 @@ def test_fp8_cache_with_speculative_decoding_equals_plain_greedy():
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
             assert max(abs(la[t] - lb[t]) for t in la) < 1e-5
-    assert llm.stats()["spec_num_accepted_tokens"] > 0
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
     llm.engine.check_integrity()
 
 

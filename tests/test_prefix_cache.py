@@ -251,7 +251,7 @@ def test_speculative_decoding_hits_name_the_token_after_each_page():
     got, got_logits, llm = _drafting_run(model, base, prompts, enable_prefix_caching=True)
     for a, b in zip(want, got, strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
-        assert a.metrics["spec_num_accepted_tokens"] == b.metrics["spec_num_accepted_tokens"]
+        assert a.metrics["spec_decode_num_accepted_tokens_per_pos"] == b.metrics["spec_decode_num_accepted_tokens_per_pos"]
     assert all(torch.equal(a, b) for a, b in zip(want_logits, got_logits, strict=True))
     assert [o.num_cached_tokens for o in got] == [7 * PAGE] * 3      # page 7's name includes token 128
     assert_idle(llm)

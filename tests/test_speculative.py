@@ -1,12 +1,16 @@
 """Speculative decoding with the MTP layer: greedy output identical to plain decoding, drafts equal to
-the MTP layer run over the whole sequence at once, rejection sampling exact, clear errors."""
+the MTP layer run over the whole sequence at once and every draft step to a reference chain
+(mtp_reference.py), rejection sampling exact (statistically bounded), vLLM's counters, clear errors."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from sparsekv import LLM, ConfigError, SamplingParams
 from sparsekv.paths import default_model_path
+from sparsekv.sampling import draw, filter_logits
 from sparsekv.speculative import Draft, verify_draft
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):\n    parser = ",
@@ -36,9 +40,55 @@ def test_greedy_with_drafts_equals_plain_greedy(model, k):
         assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
             assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-5
-        assert b.metrics["spec_num_draft_tokens"] > 0
+        assert b.metrics["spec_decode_num_draft_tokens"] > 0
     stats = llm.stats()
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    _idle(llm)
+
+
+def _vllm_counters(steps: list[tuple[int, int]], k: int) -> dict:
+    """vLLM's counters from (drafts fed to the target, drafts accepted) of each verification step."""
+    return {"spec_decode_num_drafts": len(steps), "spec_decode_num_draft_tokens": sum(n for n, _ in steps),
+            "spec_decode_num_accepted_tokens": sum(a for _, a in steps),
+            "spec_decode_num_accepted_tokens_per_pos": [sum(a > i for _, a in steps) for i in range(k)]}
+
+
+def test_counters_are_vllms(model):
+    """spec_decode_* counted as vLLM counts them, from what the engine visibly did: per verification
+    step, the drafts scheduled into it (all of them, also those after a rejection; fewer than proposed
+    where the token budget cut the tail) and the tokens it emitted (accepted drafts + 1: no stop ends a
+    step early here). Per request and in total."""
+    k = 3  # three decodes of 1 + 3 rows in a budget of 10: some steps feed fewer drafts than proposed
+    llm = LLM(model, num_speculative_tokens=k, **dict(OPTIONS, max_num_batched_tokens=10))
+    engine, scheduled, real_schedule = llm.engine, [], llm.engine.scheduler.schedule
+    budget_cut, steps, final = [], {str(i): [] for i in range(len(PROMPTS))}, {}
+
+    def schedule():
+        step = real_schedule()
+        scheduled[:] = step.chunks
+        for ch in scheduled:  # drafts the MTP layer proposed that did not fit in this step
+            budget_cut.append(len(engine.speculator.drafts.get(ch.request_id, ())) - ch.num_draft_tokens)
+        return step
+    engine.scheduler.schedule = schedule
+    for rid, prompt in zip(steps, PROMPTS):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        outputs = {o.request_id: o for o in engine.step()}
+        for ch in scheduled:
+            rid = ch.request.request_id
+            if ch.samples_token and ch.num_draft_tokens:
+                steps[rid].append((ch.num_draft_tokens, len(outputs[rid].new_token_ids) - 1))
+        final.update({rid: o.metrics for rid, o in outputs.items() if o.finished})
+    every_step = [step for per_request in steps.values() for step in per_request]
+    assert any(n > 0 for n in budget_cut), "no step where the budget cut the drafts"
+    assert any(a + 1 < n for n, a in every_step), "no step with drafts after its first rejection"
+    for rid, expected in steps.items():
+        assert {key: final[rid][key] for key in _vllm_counters(expected, k)} == _vllm_counters(expected, k)
+    stats, expected = llm.stats(), _vllm_counters(every_step, k)
+    assert {key: stats[key] for key in expected} == expected
+    accepted, drafts = expected["spec_decode_num_accepted_tokens"], expected["spec_decode_num_drafts"]
+    assert stats["spec_decode_acceptance_rate"] == accepted / expected["spec_decode_num_draft_tokens"]
+    assert stats["spec_decode_mean_acceptance_length"] == 1 + accepted / drafts
     _idle(llm)
 
 
@@ -56,7 +106,7 @@ def test_penalised_greedy_with_drafts_equals_plain(model):
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
             assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-5
     assert [o.token_ids for o in plain] != [o.token_ids for o in unpenalised]
-    assert 0 < llm.stats()["spec_num_accepted_tokens"]
+    assert 0 < llm.stats()["spec_decode_num_accepted_tokens"]
     _idle(llm)
 
 
@@ -101,19 +151,121 @@ def test_drafts_equal_the_mtp_layer_over_the_whole_sequence(model, repeat):
         assert predicted[position] == token, f"draft for position {position}"
 
 
-def test_rejection_sampling_emits_the_target_distribution():
+def _target_hidden(model, ids: list[int]) -> torch.Tensor:
+    """The target's final hidden states over the whole sequence, in one pass over a fresh cache."""
+    from sparsekv.cache.pool import KVPool
+    from sparsekv.context import ForwardContext, SeqSlice
+    cfg, n = model.cfg, len(ids)
+    cache = KVPool(cfg, -(-n // 64), 64, model.dtype, model.device, list(range(cfg.num_hidden_layers)),
+                   cfg.full_layers)
+    slots = torch.arange(n)
+    seq = SeqSlice("x", 0, n, n, slots, runs=((0, 0, n),))
+    with torch.inference_mode():
+        return model.hidden_states(ForwardContext(torch.tensor(ids), torch.arange(n), slots, [seq], torch.arange(n)),
+                                   cache)
+
+
+@pytest.mark.parametrize("repeat", [1, 20])  # 20: past index_topk (256), so the chain reuses a real top-k
+def test_every_draft_step_equals_a_reference_mtp_chain(model, repeat):
+    """Every position of the engine's K-step draft chain against tests/mtp_reference.py (transformers'
+    modules for the MTP layer, attention written out over the extend row's selection): steps 2..K
+    take the previous step's normed hidden and draft, sit one position further, and attend to the
+    extend row's positions only (index reuse; no draft-made entries)."""
+    from mtp_reference import ReferenceMTP
+    k = 3
+    llm = LLM(model, num_speculative_tokens=k, **OPTIONS)
+    spec, chains = llm.engine.speculator, []
+    real_chain, real_step = spec._chain, spec._draft_step
+
+    def chain(reqs, seqs, logits, h, selection, generators):
+        chains.append((reqs[0].num_computed_tokens, [logits[0].clone()]))
+        real_chain(reqs, seqs, logits, h, selection, generators)
+
+    def step(seqs, index, tokens, h, selection):
+        logits, h = real_step(seqs, index, tokens, h, selection)
+        chains[-1][1].append(logits[0].clone())
+        return logits, h
+    spec._chain, spec._draft_step = chain, step
+    out = llm.generate([PROMPTS[1] * repeat], GREEDY)[0]
+    ids = out.prompt_token_ids + out.token_ids
+    assert (len(out.prompt_token_ids) > llm.engine.model.cfg.index_topk) == (repeat > 1)
+    hidden, reference = _target_hidden(llm.engine.model, ids), ReferenceMTP(model)
+    assert len(chains) > 8 and all(len(logits) == k for _, logits in chains)
+    for known, logits in chains:
+        drafts = [int(x.argmax()) for x in logits[:-1]]
+        expected = reference.chain(ids, hidden, known, drafts)
+        for step_index, (ours, ref) in enumerate(zip(logits, expected, strict=True)):
+            err = float((ours - ref).abs().max())  # fp32 both; absorbed vs decompressed MLA: rounding only
+            assert err < 1e-4, f"draft step {step_index + 1} after {known} positions: logits differ by {err}"
+
+
+# verify_draft's statistical check: a target p (the logits at temperature 0.8) and a draft q that
+# disagree, so that acceptance (sum min(p, q) = 0.40) and the residual both matter.
+TARGET_LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
+TEMPERATURE = 0.8
+DRAFT_Q = torch.tensor([0.05, 0.5, 0.1, 0.3, 0.05])
+DRAWS = 20000
+FAILURE = 5e-7  # per bound; two bounds: the check fails a correct verifier with probability <= 1e-6
+
+
+def _tv_bound(draws: int, categories: int, failure: float) -> float:
+    """eps with P(TV(empirical, true) >= eps) <= failure for `draws` i.i.d. draws over `categories`
+    outcomes (Bretagnolle-Huber-Carol: P(||p_hat - p||_1 >= l) <= 2^m exp(-n l^2 / 2), TV = L1 / 2)."""
+    return math.sqrt((categories * math.log(2) + math.log(1 / failure)) / (2 * draws))
+
+
+def _rate_bound(draws: int, failure: float) -> float:
+    """t with P(|rate_hat - rate| >= t) <= failure for a binomial rate (Hoeffding, two-sided)."""
+    return math.sqrt(math.log(2 / failure) / (2 * draws))
+
+
+def _rejection_sampling_errors(verify) -> list[str]:
+    """What a verifier gets wrong, statistically: its emitted tokens must be distributed as p (TV
+    bound) and it must accept the draft at rate sum_x min(p(x), q(x)) (binomial bound). Fixed seed."""
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=1.0)
-    target_logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
-    p = target_logits.softmax(-1)
-    q = torch.tensor([0.05, 0.5, 0.1, 0.3, 0.05])
-    counts, trials = torch.zeros(5), 20000
-    for _ in range(trials):
-        d = int(torch.multinomial(q, 1, generator=g))
-        token, accepted = verify_draft(target_logits, Draft(d, q), params, g)
-        assert token == d or not accepted
+    params = SamplingParams(temperature=TEMPERATURE)
+    p = (TARGET_LOGITS / TEMPERATURE).softmax(-1)
+    counts, accepted = torch.zeros(len(p)), 0
+    for d in torch.multinomial(DRAFT_Q, DRAWS, replacement=True, generator=g).tolist():
+        token, ok = verify(TARGET_LOGITS, Draft(d, DRAFT_Q), params, g)
+        assert token == d or not ok
         counts[token] += 1
-    assert (counts / trials - p).abs().max() < 0.015
+        accepted += ok
+    errors = []
+    tv, tv_bound = 0.5 * float((counts / DRAWS - p).abs().sum()), _tv_bound(DRAWS, len(p), FAILURE)
+    if tv >= tv_bound:
+        errors.append(f"emitted tokens: TV {tv:.4f} from the target, bound {tv_bound:.4f}")
+    rate, expected = accepted / DRAWS, float(torch.minimum(p, DRAFT_Q).sum())
+    if abs(rate - expected) >= _rate_bound(DRAWS, FAILURE):
+        errors.append(f"acceptance {rate:.4f}, expected {expected:.4f}")
+    return errors
+
+
+def test_rejection_sampling_accepts_min_p_q_and_emits_the_target_distribution():
+    """Accept with min(1, p/q), else draw from normalise((p - q)+): tokens distributed as p, and the
+    acceptance rate sum_x min(p, q) (Leviathan et al. 2023)."""
+    assert _rejection_sampling_errors(verify_draft) == []
+
+
+def _always_reject(target_logits, draft, params, generator):
+    """Wrong: never accepts, draws from p (its tokens are still distributed as p)."""
+    return draw(filter_logits(target_logits, params).softmax(-1), generator), False
+
+
+def _no_residual(target_logits, draft, params, generator):
+    """Wrong: accepts with min(1, p/q) but draws a rejected position from p, not from (p - q)+."""
+    p, q = filter_logits(target_logits, params).softmax(-1), draft.probs
+    if float(torch.rand((), generator=generator)) * float(q[draft.token]) < float(p[draft.token]):
+        return draft.token, True
+    return draw(p, generator), False
+
+
+@pytest.mark.parametrize("verify, caught", [(_always_reject, "acceptance"), (_no_residual, "emitted tokens")],
+                         ids=["always-reject", "no-residual"])
+def test_rejection_sampling_check_catches_wrong_verifiers(verify, caught):
+    """The check above can fail: each wrong verifier trips exactly the bound it breaks."""
+    errors = _rejection_sampling_errors(verify)
+    assert len(errors) == 1 and errors[0].startswith(caught), errors
 
 
 def test_greedy_verification_accepts_exactly_the_argmax():
@@ -183,9 +335,10 @@ def _check_tiered_drafting(model, params, selector, buffer, device):
     outs = llm.generate(prompts, params)
     for a, b in zip(ref, outs, strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
-        for key in ("spec_num_draft_tokens", "spec_num_accepted_tokens"):  # the same drafts, too
+        for key in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                    "spec_decode_num_accepted_tokens_per_pos"):  # the same drafts, too
             assert a.metrics[key] == b.metrics[key]
-        assert b.metrics["spec_num_draft_tokens"] > 0 and b.metrics["d2h_bytes"] > 0
+        assert b.metrics["spec_decode_num_draft_tokens"] > 0 and b.metrics["d2h_bytes"] > 0
     stats, cache = llm.stats(), llm.engine.kv.pool
     assert min(len(outs[0].prompt_token_ids), len(outs[2].prompt_token_ids)) > llm.engine.model.cfg.index_topk
     assert stats["tier_misses"] > 0 and stats["h2d_bytes"] > 0 and cache.mtp_layers
@@ -209,7 +362,7 @@ def test_quest_with_drafts_equals_plain_quest(model, k):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
             assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-5
-    assert llm.stats()["spec_num_draft_tokens"] > llm.stats()["spec_num_accepted_tokens"] > 0
+    assert llm.stats()["spec_decode_num_draft_tokens"] > llm.stats()["spec_decode_num_accepted_tokens"] > 0
     _idle(llm)
 
 
@@ -243,18 +396,35 @@ def test_bench_spec_reports_identical_greedy_outputs(tmp_path, capsys, tiering):
     assert result["kv_tiering"] == bool(tiering)
     assert ("h2d_mb_per_token" in result["summary"]["MTP draft"]) == bool(tiering)
     assert result["identical"] == result["prompts"] == 2
-    assert 0.0 <= result["summary"]["MTP draft"]["acceptance"] <= 1.0
-    assert result["summary"]["MTP draft"]["steps_per_token"] <= 1.0
+    s = result["summary"]["MTP draft"]
+    # a decode step emits one token plus the drafts it accepted (ignore_eos, no stop: none is cut off)
+    assert s["num_accepted_tokens"] == s["decode_tokens"] - s["decode_steps"] > 0
+    assert s["num_drafts"] <= s["decode_steps"] and s["num_drafts"] < s["num_draft_tokens"] <= 3 * s["num_drafts"]
+    assert sum(s["num_accepted_tokens_per_pos"]) == s["num_accepted_tokens"]
+    assert s["acceptance"] == s["num_accepted_tokens"] / s["num_draft_tokens"]
+    assert s["mean_acceptance_length"] == 1 + s["num_accepted_tokens"] / s["num_drafts"]
+    assert result["summary"]["plain"]["acceptance"] is None and result["summary"]["plain"]["steps_per_token"] == 1
     assert "greedy outputs identical to plain decoding: 2 of 2" in capsys.readouterr().out
 
 
 def test_acceptance_counters_reach_prometheus_as_vllm_names():
     from sparsekv.server.metrics import ServerMetrics
-    stats = {"spec_num_draft_tokens": 10, "spec_num_accepted_tokens": 6, "spec_acceptance_rate": 0.6}
-    text = ServerMetrics("m", lambda: stats, lambda: True).render().decode()
-    assert 'sparsekv:spec_decode_num_draft_tokens_total{model_name="m"} 10.0' in text
-    assert 'sparsekv:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0' in text
-    assert "# TYPE sparsekv:spec_acceptance_rate gauge" in text
+    from sparsekv.speculative import SpecDecodingCounts
+    counts = SpecDecodingCounts(3)
+    for fed, accepted in ((3, 2), (3, 0), (2, 2)):
+        counts.observe_step(fed)
+        for position in range(accepted):
+            counts.observe_accepted(position)
+    text = ServerMetrics("m", counts.metrics, lambda: True).render().decode()
+    for line in ('sparsekv:spec_decode_num_drafts_total{model_name="m"} 3.0',
+                 'sparsekv:spec_decode_num_draft_tokens_total{model_name="m"} 8.0',
+                 'sparsekv:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0',
+                 'sparsekv:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0',
+                 'sparsekv:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0',
+                 'sparsekv:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 0.0',
+                 'sparsekv:spec_decode_acceptance_rate{model_name="m"} 0.5',
+                 'sparsekv:spec_decode_mean_acceptance_length{model_name="m"} 2.333'):
+        assert line in text, line
 
 
 def test_server_streams_drafted_tokens_and_exports_acceptance(model):
@@ -262,7 +432,7 @@ def test_server_streams_drafted_tokens_and_exports_acceptance(model):
     import json
 
     import httpx
-    from test_server_util import ThreadServer, scrape
+    from test_server_util import ThreadServer, scrape, scrape_labelled, wait_until
     body = {"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     plain = LLM(model, max_model_len=256).generate([PROMPTS[2]], SamplingParams(max_tokens=24, temperature=0.0,
                                                                                ignore_eos=True))[0]
@@ -272,9 +442,13 @@ def test_server_streams_drafted_tokens_and_exports_acceptance(model):
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     text += json.loads(line[6:])["choices"][0]["text"]
-        m = scrape(srv.url)
+        stats = srv.engine.stats()
+        counters = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+        assert wait_until(lambda: all(scrape(srv.url)[f"sparsekv:{key}_total"] == stats[key] for key in counters))
+        per_position = scrape_labelled(srv.url, "position")["sparsekv:spec_decode_num_accepted_tokens_per_pos_total"]
     assert text == plain.text
-    assert m["sparsekv:spec_decode_num_draft_tokens_total"] >= m["sparsekv:spec_decode_num_accepted_tokens_total"] > 0
+    assert per_position == {str(i): a for i, a in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])}
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     srv.engine.check_integrity()
 
 
@@ -308,5 +482,6 @@ def test_batched_selection_of_drafting_decodes_equals_per_request(model, tiering
     outs = LLM(model, **options).generate(prompts, GREEDY)
     for a, b in zip(ref, outs, strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
-        assert a.metrics["spec_num_accepted_tokens"] == b.metrics["spec_num_accepted_tokens"]
+        key = "spec_decode_num_accepted_tokens_per_pos"
+        assert a.metrics[key] == b.metrics[key]
     assert any(rows == 3 for _, rows in shapes), "no batch held a verification chunk"

@@ -67,7 +67,7 @@ def test_drafting_under_a_grammar_equals_plain_decoding():
     drafted = spec_llm.generate(PROMPTS, params)
     for a, b in zip(plain, drafted, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
-    assert spec_llm.stats()["spec_num_draft_tokens"] > 0
+    assert spec_llm.stats()["spec_decode_num_draft_tokens"] > 0
     spec_llm.engine.check_integrity()
 
 

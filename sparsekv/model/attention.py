@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..context import ForwardContext, SeqSlice
+from ..context import ForwardContext, SeqSlice, index_tensor
 from ..kernels.attention import fill_blocks, latent_attention, query_block_size
 from .indexer import INDEX_SCORE_ELEMENTS_GPU, LightningIndexer, keys_major
 from .layers import rms_norm, rope_interleaved
@@ -134,7 +134,11 @@ class MLAttention:
             if rows.numel() != len(part):  # drafts: each request's rows share its keys
                 owner = [i for i, seq in enumerate(part) for _ in range(seq.num_new_tokens)]
                 keys = keys[ctx.rows_index(owner)]
-            valid = torch.arange(length, device=q.device)[None, :] <= ctx.positions[rows][:, None]
+            visible = ctx.positions[rows]
+            if ctx.draft_step:  # the row sits past its history (speculative.py): the padding after it is not history
+                ends = index_tensor([seq.context_len - 1 for seq in part for _ in range(seq.num_new_tokens)], q.device)
+                visible = torch.minimum(visible, ends)
+            valid = torch.arange(length, device=q.device)[None, :] <= visible[:, None]
             o_lat[rows] = latent_attention(q[rows], keys, valid, self.scale, self.cfg.kv_lora_rank)
 
     def _select_decode_batch(self, index_q, ctx: ForwardContext, cache) -> set[str]:

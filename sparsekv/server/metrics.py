@@ -7,8 +7,9 @@ Two sources:
 
 `ENGINE_GAUGES` / `ENGINE_COUNTERS` name every figure the issue lists; each is exported (0 until the
 engine reports it). Keys not in either table are exported too: `prefix_cache_hits_<tier>` as one
-counter labelled by tier, `spec_*` as speculative-decoding counters, any other number as a gauge, so a
-new engine figure reaches /metrics without a server change.
+counter labelled by tier, `spec_decode_num_*` as speculative-decoding counters under vLLM's names
+(`SPEC_COUNTERS`; the per-position one labelled by `position`), any other number as a gauge, so a new
+engine figure reaches /metrics without a server change.
 """
 from __future__ import annotations
 
@@ -52,6 +53,14 @@ ENGINE_COUNTERS = {
                              "Prompt tokens of admitted requests, looked up in the prefix cache."),
 }
 PREFIX_HITS = "prefix_cache_hits_"
+# Speculative decoding, vLLM's counters (engine key = metric name; speculative.py defines them); exported
+# only when the engine reports them (with drafting on), as vLLM does.
+SPEC_COUNTERS = {
+    "spec_decode_num_drafts": "Verification steps that fed the target drafts.",
+    "spec_decode_num_draft_tokens": "Draft tokens fed to the target, accepted or not.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+}
+SPEC_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 
 
 @dataclass
@@ -177,9 +186,23 @@ class EngineStatsCollector:
             pages.add_metric([self.model_name, tenant], figures["kv_pages"])
         yield from (requests, pages)
 
+    def _spec(self, stats: dict):
+        """vLLM's speculative-decoding counters, the per-position one labelled by draft position."""
+        for key, doc in SPEC_COUNTERS.items():
+            if key in stats:
+                yield self._counter(key, doc, stats.pop(key))
+        per_position = stats.pop(SPEC_PER_POSITION, None)
+        if per_position is not None:
+            fam = CounterMetricFamily(P + SPEC_PER_POSITION, "Draft tokens accepted, by position in the draft "
+                                      "chain (0: the first draft).", labels=["model_name", "position"])
+            for position, value in enumerate(per_position):
+                fam.add_metric([self.model_name, str(position)], value)
+            yield fam
+
     def _extra(self, stats: dict):
         yield from self._tenants(stats.pop("prefix_cache_by_tenant", {}))
         yield from self._tenant_kv(stats.pop("kv_by_tenant", {}))
+        yield from self._spec(stats)
         numeric = {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         tiers = {k[len(PREFIX_HITS):]: v for k, v in numeric.items() if k.startswith(PREFIX_HITS)}
         if tiers:
@@ -191,10 +214,7 @@ class EngineStatsCollector:
         for key, value in sorted(numeric.items()):
             if key.startswith(PREFIX_HITS):
                 continue
-            if key.startswith("spec_") and not key.endswith("_rate"):  # vLLM: spec_decode_num_*_tokens_total
-                yield self._counter("spec_decode_" + key[len("spec_"):], f"engine figure {key}", value)
-            else:
-                yield self._gauge(key, f"engine figure {key}", value)
+            yield self._gauge(key, f"engine figure {key}", value)
 
     def _gauge(self, name: str, doc: str, value) -> GaugeMetricFamily:
         fam = GaugeMetricFamily(P + name, doc, labels=["model_name"])

@@ -3,8 +3,10 @@
 Prompts are the first `--prompt-tokens` tokens of held-out standard-library files (the model's
 evaluation split), decoded one request at a time (latency, the case drafting is for). Printed per
 mode: decode ms/token (median over prompts), target forward steps per generated token, the draft
-acceptance rate, achieved bandwidth (bytes a target step reads / its time), whether greedy outputs
-are identical, and the speed-up of drafting.
+acceptance rate and mean acceptance length (vLLM's definitions, speculative.py: accepted / draft
+tokens verified, and 1 + accepted / verification steps), the acceptance rate of each draft position,
+achieved bandwidth (bytes a target step reads / its time), whether greedy outputs are identical, and
+the speed-up of drafting.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ def decode_one(engine, prompt: list[int], params) -> dict:
     n = len(out.token_ids)
     mark = mark or (out.metrics.get("h2d_bytes", 0), n)
     return {"tokens": out.token_ids, "ms_per_token": (end - first) * 1000 / max(n - 1, 1),
-            "steps_per_token": (steps - 1) / max(n - 1, 1), "metrics": out.metrics,
+            "steps_per_token": (steps - 1) / max(n - 1, 1), "decode_steps": steps - 1, "decode_tokens": n - 1,
+            "metrics": out.metrics,
             "decode_h2d_bytes": out.metrics.get("h2d_bytes", 0) - mark[0], "decode_h2d_tokens": n - mark[1]}
 
 
@@ -74,16 +77,28 @@ def run(args) -> dict:
             "machine_gbps": _machine_bandwidth(args.threads)}
 
 
+def acceptance(rs: list[dict]) -> dict:
+    """vLLM's counters summed over the runs, with the rates they give (None without drafts)."""
+    def total(key):
+        return sum(r["metrics"].get(key, 0) for r in rs)
+    drafts, tokens, accepted = (total(f"spec_decode_num_{x}") for x in ("drafts", "draft_tokens", "accepted_tokens"))
+    per_pos = [sum(col) for col in zip(*(r["metrics"]["spec_decode_num_accepted_tokens_per_pos"] for r in rs
+                                         if "spec_decode_num_accepted_tokens_per_pos" in r["metrics"]))]
+    return {"num_drafts": drafts, "num_draft_tokens": tokens, "num_accepted_tokens": accepted,
+            "num_accepted_tokens_per_pos": per_pos, "acceptance": accepted / tokens if tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_per_pos": [a / drafts for a in per_pos] if drafts else None}
+
+
 def report(result: dict) -> dict:
     runs, summary = result["runs"], {}
     for name, rs in runs.items():
         ms = statistics.median(r["ms_per_token"] for r in rs)
         steps = statistics.median(r["steps_per_token"] for r in rs)
-        drafted = sum(r["metrics"].get("spec_num_draft_tokens", 0) for r in rs)
-        accepted = sum(r["metrics"].get("spec_num_accepted_tokens", 0) for r in rs)
         gbps = result["bytes_per_step"] / (ms * steps / 1000) / 1e9
-        summary[name] = {"ms_per_token": ms, "steps_per_token": steps, "gbps": gbps,
-                         "acceptance": accepted / drafted if drafted else None}
+        summary[name] = {"ms_per_token": ms, "steps_per_token": steps, "gbps": gbps, **acceptance(rs),
+                         "decode_steps": sum(r["decode_steps"] for r in rs),
+                         "decode_tokens": sum(r["decode_tokens"] for r in rs)}
         if result.get("kv_tiering"):  # host -> device bytes per token, from the second decode step on
             summary[name]["h2d_mb_per_token"] = (sum(r["decode_h2d_bytes"] for r in rs) / 1e6
                                                  / max(sum(r["decode_h2d_tokens"] for r in rs), 1))
@@ -91,12 +106,16 @@ def report(result: dict) -> dict:
     tiering = ", tiered KV cache" if result.get("kv_tiering") else ""
     table = Table(title=f"MTP speculative decoding ({result['k']} drafts per step{tiering}), {result['prompts']} "
                         "held-out prompts, greedy, one request at a time")
-    for col in ("mode", "decode ms/token", "target steps/token", "draft acceptance", "achieved bandwidth", "speed-up"):
+    for col in ("mode", "decode ms/token", "target steps/token", "draft acceptance", "mean acceptance length",
+                "acceptance by position", "achieved bandwidth", "speed-up"):
         table.add_column(col)
     base = summary["plain"]["ms_per_token"]
     for name, s in summary.items():
-        acc = "-" if s["acceptance"] is None else f"{100 * s['acceptance']:.1f}%"
-        table.add_row(name, f"{s['ms_per_token']:.2f}", f"{s['steps_per_token']:.2f}", acc,
+        drafting = s["acceptance"] is not None
+        acc = f"{100 * s['acceptance']:.1f}%" if drafting else "-"
+        length = f"{s['mean_acceptance_length']:.2f}" if drafting else "-"
+        by_position = " ".join(f"{100 * a:.0f}%" for a in s["acceptance_per_pos"]) if drafting else "-"
+        table.add_row(name, f"{s['ms_per_token']:.2f}", f"{s['steps_per_token']:.2f}", acc, length, by_position,
                       f"{s['gbps']:.2f} GB/s ({100 * s['gbps'] / result['machine_gbps']:.0f}%)",
                       f"{base / s['ms_per_token']:.2f}x")
     report_console().print(table)
