@@ -1,7 +1,7 @@
 """Scheduled chunks -> one flat batch of tensors -> model -> logits of the rows to sample.
 
-The flat varlen batch (input ids, positions, slot mapping, per-request slices) is built here and
-only here.
+Every flat varlen batch (input ids, positions, slot mapping, per-request slices) is built here and
+only here: the target's, and the MTP layer's extend pass and draft steps (speculative.py).
 """
 from __future__ import annotations
 
@@ -81,6 +81,32 @@ class ModelRunner:
         return ForwardContext(torch.tensor(ids, dtype=torch.long, device=self.device), pos, slot_mapping, seqs,
                               torch.tensor(logits_rows, dtype=torch.long, device=self.device), self.attention,
                               decode_rows=self.decode_rows, batch_dense_decodes=self.batch_dense_decodes)
+
+    def build_mtp_context(self, parts: list[tuple[str, list[int], int, list[int]]],
+                          logits_rows: list[int]) -> ForwardContext:
+        """The MTP layer's pass ("extend") over the positions whose next token became known. parts, one
+        per request in batch order: (request id, its pages, first position, the next token of each)."""
+        ids, positions, seqs, row = [], [], [], 0
+        for request_id, page_ids, start, next_tokens in parts:
+            end = start + len(next_tokens)
+            ids.extend(next_tokens)
+            positions.extend(range(start, end))
+            seqs.append(self.seq_slice(request_id, page_ids, row, row + len(next_tokens), end))
+            row += len(next_tokens)
+        slot_mapping = torch.cat([s.slots[s.first_new_position:] for s in seqs])
+        return ForwardContext(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                              slot_mapping, seqs, torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+                              self.attention, decode_rows=self.decode_rows, batch_dense_decodes=self.batch_dense_decodes)
+
+    def build_draft_step_context(self, seqs: list[SeqSlice], step: int, tokens: list[int],
+                                 selection: dict) -> ForwardContext:
+        """Draft step `step` (1-based after the extend pass): one row per request past its history,
+        reusing the extend row's `selection` (MTP index reuse); it writes no cache entry."""
+        rows = [SeqSlice(s.request_id, i, i + 1, s.context_len, s.slots, runs=s.runs) for i, s in enumerate(seqs)]
+        positions = torch.tensor([s.context_len - 1 + step for s in seqs], device=self.device)
+        return ForwardContext(torch.tensor(tokens, device=self.device), positions, positions, rows,
+                              torch.arange(len(seqs), device=self.device), self.attention, selection=dict(selection),
+                              draft_step=True, batch_dense_decodes=self.batch_dense_decodes)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,11 +10,11 @@ in order, stopping at the first rejection:
     from normalise(max(0, p - q)) and stop. Each emitted token is distributed exactly as the target's p.
 
 If every draft is accepted, the logits at n + K give one more token for free. Then the MTP layer runs
-over the positions whose next token just became known ("extend", model-spec §8.1: position p combines
+over the positions whose next token just became known ("extend": position p combines
 the target's final hidden state at p with the embedding of token p + 1, writes the MTP layer's own
 cache at p's slot, and predicts token p + 2); its last row gives d_1. Draft steps 2..K chain the MTP
 layer on its own output (SGLang: the hidden after shared_head.norm) and the previous draft, at the
-next positions, reusing the extend row's top-k selection (MTP index reuse, §8.2) and attending only
+next positions, reusing the extend row's top-k selection (MTP index reuse) and attending only
 to cache entries made from the target's hidden states: they write nothing. Rejected drafts leave no
 state behind: the next step feeds the true tokens at those positions and overwrites their entries.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .context import ForwardContext, SeqSlice
+from .context import ForwardContext
 from .model.layers import rms_norm
 from .request import SamplingParams
 from .sampling import draw, filter_logits
@@ -172,34 +172,26 @@ class Speculator:
 
     def draft(self, chunks, hidden: torch.Tensor, generators: dict) -> None:
         """Extend the MTP cache over each running request's newly final rows; draft where the step sampled."""
-        rows, tokens, positions, seqs, logits_rows, drafting, row, pages = [], [], [], [], [], [], 0, {}
+        parts, rows, logits_rows, drafting, row = [], [], [], [], 0
         for ch in chunks:
             req, start = ch.request, ch.first_position
             valid = 0 if req.finished else req.num_computed_tokens - start
             if valid > 0:
                 rows.extend(range(row, row + valid))
-                positions.extend(range(start, start + valid))
-                tokens.extend(req.token_at(p + 1) for p in range(start, start + valid))
-                seqs.append(self.runner.seq_slice(req.request_id, req.page_ids, len(rows) - valid, len(rows),
-                                                  req.num_computed_tokens))
-                pages[req.request_id] = req.page_ids
+                parts.append((req.request_id, req.page_ids, start, [req.token_at(p + 1) for p in range(start, start + valid)]))
                 if ch.samples_token:
                     logits_rows.append(len(rows) - 1)
-                    drafting.append((req, seqs[-1]))
+                    drafting.append((req, len(parts) - 1))
             row += ch.num_new_tokens
         if not rows:
             return
-        device = hidden.device
-        self.cache.begin_mtp_pass(seqs, pages)
-        slots = torch.cat([s.slots[s.first_new_position:] for s in seqs])
-        ctx = ForwardContext(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), slots,
-                             seqs, torch.tensor(logits_rows, dtype=torch.long, device=device), self.runner.attention,
-                             decode_rows=self.runner.decode_rows, batch_dense_decodes=self.runner.batch_dense_decodes)
-        logits, h = self.drafter.forward(hidden[torch.tensor(rows, device=device)], ctx.input_ids, ctx, self.cache)
+        ctx = self.runner.build_mtp_context(parts, logits_rows)
+        self.cache.begin_mtp_pass(ctx.seqs, {request_id: pages for request_id, pages, _, _ in parts})
+        logits, h = self.drafter.forward(hidden[torch.tensor(rows, device=hidden.device)], ctx.input_ids, ctx, self.cache)
         if drafting:
             selection = {r.request_id: ctx.selection[r.request_id][-1:] for r, _ in drafting
                          if r.request_id in ctx.selection}
-            self._chain([r for r, _ in drafting], [s for _, s in drafting], logits, h, selection, generators)
+            self._chain([r for r, _ in drafting], [ctx.seqs[i] for _, i in drafting], logits, h, selection, generators)
 
     def _chain(self, reqs, seqs, logits: torch.Tensor, h: torch.Tensor, selection: dict, generators: dict) -> None:
         """Draft steps 1..K: step 1 from the extend rows, then the MTP layer on its own output."""
@@ -219,11 +211,5 @@ class Speculator:
 
     def _draft_step(self, seqs, step: int, tokens: list[int], h: torch.Tensor, selection: dict):
         """One row per request at the position after its last verified one + step - 1: reads, never writes."""
-        device = h.device
-        rows = [SeqSlice(s.request_id, i, i + 1, s.context_len, s.slots, runs=s.runs) for i, s in enumerate(seqs)]
-        positions = torch.tensor([s.context_len - 1 + step for s in seqs], device=device)
-        ctx = ForwardContext(torch.tensor(tokens, device=device), positions, positions, rows,
-                             torch.arange(len(seqs), device=device), self.runner.attention,
-                             selection=dict(selection), draft_step=True,
-                             batch_dense_decodes=self.runner.batch_dense_decodes)
+        ctx = self.runner.build_draft_step_context(seqs, step, tokens, selection)
         return self.drafter.forward(h, ctx.input_ids, ctx, self.cache)
