@@ -95,6 +95,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def num_waiting_requests(self, tenant: str | None = None) -> int:
+        return self.scheduler.num_waiting(tenant)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV cache can hold at once (the pool's, or the tiered cache's page table)."""
+        return self.kv.capacity_tokens
+
     def expire_prefix_cache(self) -> int:
         """Forget prefix-cache pages past their retention (`prefix_cache_ttl_s`); each step does it
         first, and the server's loop when idle. Returns how many."""

@@ -54,7 +54,7 @@ class InputProcessor:
         self.check_fits(len(token_ids), params.max_tokens)
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this checkpoint has none", "stop")
-        for name in ("logit_bias", "allowed_token_ids"):
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             outside = [t for t in getattr(params, name) or () if t >= vocab]
             if outside:
                 raise InvalidRequest(f"{name} token id {outside[0]} is outside the vocabulary [0, {vocab})", name)

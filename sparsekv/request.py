@@ -96,8 +96,8 @@ class SamplingParams:
                  f"must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {value!r}")
         stops = self.stop_strings
         need(all(isinstance(s, str) and s for s in stops), "stop", "must be a non-empty string or a list of them")
-        need(self.stop_token_ids is None or all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids",
-             "must be a list of integers")
+        need(self.stop_token_ids is None or all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be a list of token ids (integers >= 0)")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             need(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
         need(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")

@@ -92,6 +92,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def num_waiting(self, tenant: str | None = None) -> int:
+        """Requests queued (of one tenant, or all)."""
+        return len(self.waiting) if tenant is None else sum(r.tenant == tenant for r in self.waiting)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         chunks = []

@@ -20,12 +20,15 @@ and spec; whitespace in JSON is compact (a model cannot pad it forever).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Callable
 
 import torch
 
 from .request import InvalidRequest
+
+log = logging.getLogger("sparsekv.structured")
 
 
 def spec_key(spec: dict) -> str:
@@ -49,7 +52,8 @@ class GrammarCompiler:
             try:
                 self._compiled[key] = self._compile(spec)
             except (RuntimeError, ValueError, TypeError) as e:
-                raise InvalidRequest(f"structured output {spec.get('type')!r} does not compile: {e}",
+                log.info("structured output %r does not compile: %s", spec.get("type"), e)
+                raise InvalidRequest(f"structured output {spec.get('type')!r} does not compile{_reason(e)}",
                                      "structured_output") from None
         return self._compiled[key]
 
@@ -63,6 +67,19 @@ class GrammarCompiler:
         if kind == "regex":
             return self.compiler.compile_regex(spec["pattern"])
         return self.compiler.compile_regex("|".join(re.escape(c) for c in spec["choices"]))
+
+
+# xgrammar prefixes its messages with a time and its C++ source file: "[12:00:00] /src/x.cc:94: reason"
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+_SOURCE_PATH = re.compile(r"\S+\.(?:cc|cpp|h|hpp|py):\d+|Traceback|Stack trace")
+
+
+def _reason(e: Exception) -> str:
+    """The client's part of a compiler error: its first line without xgrammar's time and source file,
+    or nothing when what is left still names internals (the whole message goes to the log)."""
+    lines = str(e).strip().splitlines()
+    reason = _XGRAMMAR_PREFIX.sub("", lines[0]).strip() if lines else ""
+    return f": {reason}" if reason and not _SOURCE_PATH.search(reason) else ""
 
 
 class GrammarState:

@@ -259,7 +259,7 @@ def test_the_graph_is_read():
     assert has("__init__", "config", in_function=False)
     assert has("runner", "scheduler") and has("cache.prefix", "cache.pages")   # relative, inside a package
     assert has("model.attention", "kernels.attention")                   # from ..kernels.attention
-    assert has("server.app", "input_processor")                          # from ..input_processor
+    assert has("server.app", "request")                                  # from ..request
     assert has("cli", "tools.tiny", in_function=True)                    # make-tiny-model, inside a function
     assert has("tools.plan", "tools.plan_sweep", in_function=True)       # from sparsekv.tools import plan_sweep
 

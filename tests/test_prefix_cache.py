@@ -266,7 +266,7 @@ def test_server_reports_cached_tokens_per_tenant_and_hits_by_tier(tmp_path):
     from test_server_util import ThreadServer, scrape, scrape_labelled, scrape_samples, tiny_checkpoint
     model = tiny_checkpoint(tmp_path)
     prompt = "the rain in spain falls mainly on the plain " * 8
-    with ThreadServer(model, api_keys=["sk-a:alice", "sk-b:bob"], enable_prefix_caching=True,
+    with ThreadServer(model, api_keys=["sk-a:alice", "sk-b:bob"], enable_prefix_caching=True, metrics_api_keys=["sk-m"],
                       prefix_cache_max_pages_per_tenant=1, prefix_cache_host_bytes=1 << 26) as srv:
         def cached(key, **extra):
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=30)
@@ -278,12 +278,12 @@ def test_server_reports_cached_tokens_per_tenant_and_hits_by_tier(tmp_path):
         assert cached("sk-a", cache_salt="x") == 0          # nor another salt
         m = scrape(srv.url)
         assert m["sparsekv:prefix_cache_hits_total"] > 0
-        by_tenant = scrape_labelled(srv.url, "tenant")   # the operator's view: who is served and holds what
+        by_tenant = scrape_labelled(srv.url, "tenant", "sk-m")  # the operator's view: who is served and holds what
         hits = by_tenant["sparsekv:prefix_cache_tenant_hits_total"]
         assert hits["alice"] > 0 and hits["bob"] == 0
         queries = by_tenant["sparsekv:prefix_cache_tenant_queries_total"]
         assert queries["alice"] == 3 * queries["bob"] > 0
-        samples = scrape_samples(srv.url)
+        samples = scrape_samples(srv.url, "sk-m")
         pages = {(s.labels["tenant"], s.labels["tier"]): s.value for s in samples
                  if s.name == "sparsekv:prefix_cache_tenant_cached_pages"}
         first_tokens = {s.labels["tenant"]: s.value for s in samples  # latency by tenant, one per request

@@ -10,15 +10,19 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import openai
 import pytest
 import torch
 
-from test_server_util import MAX_MODEL_LEN, REPO, ThreadServer, pages_all_free, scrape, tiny_checkpoint, wait_until
+from sparsekv.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from test_server_util import (MAX_MODEL_LEN, REPO, ThreadServer, pages_all_free, scrape, scrape_samples,
+                              tiny_checkpoint, wait_until)
 
-KEY, KEY_PLAIN = "sk-alice", "sk-plain"
+KEY, KEY_PLAIN, KEY_METRICS = "sk-alice", "sk-plain", "sk-metrics"
 PROMPT = "hello world, the rain in spain"
 
 
@@ -27,7 +31,7 @@ def server(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the CPUs are shared; more threads only contend
     model = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    with ThreadServer(model, api_keys=[f"{KEY}:alice", KEY_PLAIN], max_queued=4) as srv:
+    with ThreadServer(model, api_keys=[f"{KEY}:alice", KEY_PLAIN], max_queued=4, metrics_api_keys=[KEY_METRICS]) as srv:
         srv.model = model
         yield srv
     torch.set_num_threads(threads)
@@ -235,12 +239,28 @@ def test_health_and_metrics_are_public(server):
     assert m["sparsekv:time_to_first_token_seconds_count"] > 0 and m["sparsekv:generation_tokens_total"] > 0
 
 
+def test_per_tenant_metrics_need_the_metrics_key(server, client):
+    """A tenant's prompt lengths and cache hits are nobody else's business: the public /metrics (and a
+    tenant's own API key) gets the aggregate series only; --metrics-api-key gets the per-tenant ones too."""
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+
+    def tenant_series(key):
+        return {s.name for s in scrape_samples(server.url, key) if "tenant" in s.labels or "tenant" in s.name}
+    for key in (None, KEY, "wrong"):
+        assert not tenant_series(key), key
+    assert {"sparsekv:prefix_cache_tenant_queries_total", "sparsekv:prefix_cache_tenant_hits_total",
+            "sparsekv:tenant_time_to_first_token_seconds_count"} <= tenant_series(KEY_METRICS)
+    public = {s.name for s in scrape_samples(server.url)}
+    assert {"sparsekv:prefix_cache_queries_total", "sparsekv:time_to_first_token_seconds_count"} <= public
+
+
 # -- bad requests: each a 4xx with the OpenAI envelope -----------------------------------------
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 MSG = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 LONG = list(range(1, 9)) * 25  # 200 tokens
+VOCAB = 256  # the tiny checkpoint's
 BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("max_tokens-str", C, {**OK, "max_tokens": "16"}, 400, "max_tokens"),
     ("max_tokens-negative", C, {**OK, "max_tokens": -1}, 400, "max_tokens"),
@@ -325,15 +345,36 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("detokenize-str", "/detokenize", {"tokens": ["a"]}, 400, "tokens"),
     ("detokenize-outside-vocab", "/detokenize", {"tokens": [10 ** 6]}, 400, "tokens"),
     ("unknown-route", "/v1/nope", {}, 404, None),
+    # an outside probe's cases (issue 29)
+    ("chat-role-unknown", CHAT, {**MSG, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("stop_token_ids-negative", C, {**OK, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("stop_token_ids-outside-vocab", C, {**OK, "stop_token_ids": [3, VOCAB]}, 400, "stop_token_ids"),
+    ("prompt-batch-over-cap", C, {**OK, "prompt": ["hi"] * 2000}, 400, "prompt"),
+    ("prompt-token-batch-over-cap", C, {**OK, "prompt": [[1, 2]] * 129}, 400, "prompt"),
+    ("nested-5000-deep", C, b'{"prompt": "x", "foo": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
+    ("nested-100-deep", C, b'{"prompt": "x", "foo": ' + b'{"a": ' * 100 + b"1" + b"}" * 100 + b"}", 400, "foo"),
+    ("guided_json-nested-deep", C, {**OK, "guided_json": json.loads('{"a": ' * 80 + "1" + "}" * 80)}, 400,
+     "guided_json"),
+    ("guided_regex-unbalanced", C, {**OK, "guided_regex": "a(b"}, 400, "structured_output"),
+    ("json_schema-unknown-type", CHAT, {**MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}}, 400, "structured_output"),
+    ("prompt-lone-surrogate", C, b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
+    ("prompt-batch-lone-surrogate", C, b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', 400, "prompt"),
+    ("chat-lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
+    ("tokenize-lone-surrogate", "/tokenize", b'{"prompt": "\\ud800"}', 400, "prompt"),
+    ("stop-lone-surrogate", C, b'{"prompt": "hi", "stop": ["\\ud83d"], "max_tokens": 2}', 400, "stop"),
+    ("body-over-cap", C, {**OK, "prompt": "a" * DEFAULT_MAX_REQUEST_BODY_BYTES}, 413, None),
 ]
+INTERNALS = re.compile(r"\.(cc|cpp|h|py):\d+|\[\d\d:\d\d:\d\d\]|Traceback|TextEncodeInput|Union\[")
 
 
 @pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_request(server, name, path, body, status, param):
     h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(server.url + path, content=content, headers=h, timeout=10)
+    r = httpx.post(server.url + path, content=content, headers=h, timeout=30)
     _assert_envelope(r, status, param)
+    assert not INTERNALS.search(r.json()["error"]["message"]), r.json()  # the details go to the log
     if name == "prompt-plus-max_tokens-over-context":
         assert "200" in r.json()["error"]["message"] and "100" in r.json()["error"]["message"]
 
@@ -343,6 +384,14 @@ def test_bad_key(server, auth):
     h = {"Authorization": auth} if auth else {}
     _assert_envelope(httpx.post(server.url + C, json=OK, headers=h), 401, None)
     _assert_envelope(httpx.get(server.url + "/v1/models", headers=h), 401, None)
+
+
+@pytest.mark.parametrize("second", [f"Bearer {KEY}", "Bearer wrong", f"Bearer {KEY_PLAIN}"])
+def test_two_authorization_headers_are_refused(server, second):
+    """Not the first, not the last: a proxy and this server could each take a different one."""
+    headers = [("Authorization", f"Bearer {KEY}"), ("Authorization", second)]
+    _assert_envelope(httpx.post(server.url + C, json=OK, headers=headers), 400, None)
+    _assert_envelope(httpx.get(server.url + "/metrics", headers=headers), 400, None)
 
 
 def test_wrong_method(server):
@@ -355,6 +404,91 @@ def _assert_envelope(r: httpx.Response, status: int, param):
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"]
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_a_chunked_body_over_the_cap_is_refused(server):
+    """No Content-Length: the body is counted as it comes, and refused once it passes the cap."""
+    piece = b'{"prompt": "' + b"a" * (DEFAULT_MAX_REQUEST_BODY_BYTES // 4)
+
+    def chunks():
+        yield from (piece,) * 5
+
+    r = httpx.post(server.url + C, content=chunks(), headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert "content-length" not in r.request.headers
+    _assert_envelope(r, 413, None)
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def _max_size_body(fields: dict, text_at: tuple) -> bytes:
+    """`fields` with filler text at path `text_at`, the JSON exactly DEFAULT_MAX_REQUEST_BODY_BYTES long."""
+    def with_text(text):
+        body = json.loads(json.dumps(fields))
+        *outer, last = text_at
+        target = body
+        for key in outer:
+            target = target[key]
+        target[last] = text
+        return json.dumps(body).encode()
+    room = DEFAULT_MAX_REQUEST_BODY_BYTES - len(with_text(""))
+    raw = with_text(("hello world, the rain in spain " * (room // 31 + 1))[:room])
+    assert len(raw) == DEFAULT_MAX_REQUEST_BODY_BYTES
+    return raw
+
+
+def test_max_size_requests_do_not_stall_a_running_stream(server):
+    """The largest bodies the server takes, as a completion and a chat whose prompts are over
+    max_model_len and as a /tokenize, and bodies one byte over the cap: while they are answered a
+    running stream's chunks stay under a second apart and /health answers within a second.
+    (Tokenizing on the engine thread stalled streams for seconds; on the event loop, /health.)"""
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    big = [(C, _max_size_body(OK, ("prompt",)), 400), (CHAT, _max_size_body(MSG, ("messages", 0, "content")), 400),
+           ("/tokenize", _max_size_body({"prompt": ""}, ("prompt",)), 200),
+           (C, _max_size_body(OK, ("prompt",)) + b" ", 413)]
+    chunk_times, answers, health = [], [], []
+    started, big_done, stop = threading.Event(), threading.Event(), threading.Event()
+
+    def stream():
+        body = {**OK, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + C, json=body, headers=h, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    chunk_times.append(time.monotonic())
+                    started.set()
+                if stop.is_set():
+                    return
+
+    def send_big():
+        for path, raw, _ in big:
+            r = httpx.post(server.url + path, content=raw, headers=h, timeout=120)
+            answers.append((r.status_code, r.content[:200]))
+        big_done.set()
+
+    server.delay[0] = 0.1  # about ten chunks a second, for longer than the big requests take
+    streamer = threading.Thread(target=stream)
+    try:
+        streamer.start()
+        assert started.wait(30)
+        window_start = time.monotonic()
+        sender = threading.Thread(target=send_big)
+        sender.start()
+        while not big_done.wait(0.2):
+            t0 = time.monotonic()
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+            health.append(time.monotonic() - t0)
+        window_end = time.monotonic()
+        sender.join()
+    finally:
+        stop.set()
+        streamer.join(60)
+        server.delay[0] = 0.0
+    assert [status for status, _ in answers] == [status for _, _, status in big], answers
+    assert b'"count":' in answers[2][1]
+    during = [t for t in chunk_times if window_start <= t <= window_end]
+    assert chunk_times[-1] >= window_end - 1.0, "the stream ended before the big requests did"
+    gaps = [b - a for a, b in zip([window_start] + during, during + [window_end])]
+    assert max(gaps) < 1.0, f"largest gap between stream chunks {max(gaps):.2f} s"
+    assert max(health, default=0) < 1.0, f"/health took {max(health):.2f} s"
+    assert wait_until(lambda: pages_all_free(server.url), 10)
 
 
 # -- disconnects and load ----------------------------------------------------------------------

@@ -192,6 +192,44 @@ def test_tier_figures_reach_response_and_metrics(model):
     srv.engine.check_integrity()
 
 
+def _memory_mb(pid: int) -> dict[str, float]:
+    """VmRSS (resident now) and VmHWM (the resident peak so far) of a process, in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
+    return {name: int(value.split()[0]) / 1024 for name, value in fields.items()}
+
+
+def test_memory_goes_back_after_max_size_requests(model):
+    """Maximum-size requests (4 MiB bodies: /tokenize of a prompt tokenized in full, a completion and a
+    chat refused as longer than max_model_len) left RSS gigabytes up for good: glibc kept the
+    tokenizer's freed buffers in its arenas. After them RSS is back within 20 % of before."""
+    from sparsekv.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_subprocess_server(model, port)
+    text = ("the rain in spain falls mainly on the plain " * (DEFAULT_MAX_REQUEST_BODY_BYTES // 44))
+    room = DEFAULT_MAX_REQUEST_BODY_BYTES - 100  # the JSON around the text
+    requests = [("/tokenize", {"prompt": text[:room]}, 200)] * 2 + [
+        ("/v1/completions", {"prompt": text[:room], "max_tokens": 2}, 400),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text[:room]}]}, 400)]
+    warm = [("/tokenize", {"prompt": "hi"}), ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})]
+    try:
+        wait_healthy(url, proc)
+        for path, body in warm:  # what is allocated once (workers, lazy imports) belongs in `before`
+            assert httpx.post(url + path, json=body, timeout=60).status_code == 200
+        before = _memory_mb(proc.pid)
+        for path, body, status in requests:
+            assert httpx.post(url + path, json=body, timeout=300).status_code == status
+        after = _memory_mb(proc.pid)
+        assert after["VmHWM"] > 1.2 * before["VmRSS"], (before, after)  # the requests did take memory
+        assert wait_until(lambda: _memory_mb(proc.pid)["VmRSS"] <= 1.2 * before["VmRSS"], 15), \
+            (before, _memory_mb(proc.pid))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 # -- pure pieces -------------------------------------------------------------------------------
 
 def test_per_tenant_kv_figures_are_exported_with_tenant_and_state_labels():
@@ -241,12 +279,35 @@ def test_api_keys_map_to_tenants():
             parse_api_keys(bad)
 
 
+def test_a_long_prompt_is_refused_after_tokenizing_a_bounded_prefix():
+    """Encoder.ids_within: a prompt far over the limit costs about what the limit's tokens take, not the
+    whole text; one within it gets exactly tokenizer.encode's ids (the engine's), special tokens too."""
+    from sparsekv.input_processor import load_tokenizer
+    from sparsekv.paths import default_model_path
+    from sparsekv.server.tokenizing import CHARS_PER_TOKEN_GUESS, CUT_SLACK_TOKENS, Encoder
+    tokenizer = load_tokenizer(default_model_path())
+    encoder = Encoder(tokenizer)
+    tokenized, encode = [], encoder.encode
+    encoder.encode = lambda text, special=False: tokenized.append(len(text)) or encode(text, special)
+    text = "the rain in spain falls mainly on the plain. " * 50_000
+    assert encoder.ids_within(text, 100) is None
+    assert sum(tokenized) <= 5 * (100 + CUT_SLACK_TOKENS) * CHARS_PER_TOKEN_GUESS < len(text) // 100
+    for sample in (text[:3000], "<|user|>hi<|endoftext|> caf\u00e9 \u4e2d\u6587 42", ""):
+        assert encoder.ids_within(sample, 10_000) == tokenizer.encode(sample, add_special_tokens=False)
+        assert encoder.decode(tokenizer.encode(sample)) == tokenizer.decode(tokenizer.encode(sample))
+
+
 def test_serve_cli_rejects_bad_options(capsys):
     from sparsekv.server.cli import main
     assert main(["--api-key", "k:"]) == 2
     assert "KEY:TENANT" in capsys.readouterr().err
     assert main(["--max-queued-requests", "0"]) == 2
     assert "--max-queued-requests" in capsys.readouterr().err
+    for flag in ("--max-request-body-bytes", "--max-prompts-per-request"):
+        assert main([flag, "0"]) == 2
+        assert flag in capsys.readouterr().err
+    assert main(["--metrics-api-key", ""]) == 2
+    assert "--metrics-api-key" in capsys.readouterr().err
     for flag, value in (("--reasoning-parser", "qwen3"), ("--kv-cache-dtype", "fp16")):
         with pytest.raises(SystemExit) as exit_:  # argparse: not one of the choices
             main([flag, value])

@@ -75,17 +75,18 @@ class ThreadServer:
 
     def __init__(self, model: str, api_keys: list[str] = (), max_queued: int | None = None,
                  shutdown_timeout: float = 5.0, max_queued_per_tenant: int | None = None,
-                 reasoning_parser: str | None = None, **engine_options):
+                 reasoning_parser: str | None = None, metrics_api_keys: list[str] = (), **engine_options):
         from sparsekv.config import EngineConfig
         from sparsekv.engine import LLMEngine
         from sparsekv.server.app import ServerSettings, create_app
-        from sparsekv.server.auth import parse_api_keys
+        from sparsekv.server.auth import parse_api_keys, parse_metrics_keys
         opts = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "kv_page_size": 16, **engine_options}
         self.engine = LLMEngine(EngineConfig(model=model, **opts))
         self.delay = slow_steps(self.engine)
         self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), max_queued,
                                                           max_queued_per_tenant=max_queued_per_tenant,
-                                                          reasoning_parser=reasoning_parser))
+                                                          reasoning_parser=reasoning_parser,
+                                                          metrics_api_keys=parse_metrics_keys(list(metrics_api_keys))))
         self.state = self.app.state.server
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -142,17 +143,18 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def scrape_samples(url: str) -> list:
-    """Every sample of /metrics (name, labels, value)."""
+def scrape_samples(url: str, key: str | None = None) -> list:
+    """Every sample of /metrics (name, labels, value); `key`: a --metrics-api-key (per-tenant series too)."""
     from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(url + "/metrics", timeout=5).text
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    text = httpx.get(url + "/metrics", headers=headers, timeout=5).text
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
-def scrape_labelled(url: str, label: str) -> dict[str, dict[str, float]]:
+def scrape_labelled(url: str, label: str, key: str | None = None) -> dict[str, dict[str, float]]:
     """/metrics as {sample name: {value of `label`: value}}, for the samples that carry `label`."""
     out: dict[str, dict[str, float]] = {}
-    for s in scrape_samples(url):
+    for s in scrape_samples(url, key):
         if label in s.labels:
             out.setdefault(s.name, {})[s.labels[label]] = s.value
     return out

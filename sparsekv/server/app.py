@@ -2,28 +2,33 @@
 
 Bodies are parsed by hand (`protocol.parse_body`) rather than by FastAPI's signature binding so that
 malformed JSON and wrong types are a 400 in the OpenAI envelope (FastAPI would answer 422 in its own
-shape). The server keeps its own tokenizer instance for chat templates, /tokenize and logprob text:
-the engine thread uses the engine's, and HF fast tokenizers are not safe to share across threads.
+shape). The server keeps a copy of the engine's tokenizer for logprob and echo text: the engine thread uses
+the engine's own, and HF fast tokenizers are not safe to share across threads. Prompts are tokenized and
+chat templates rendered in the tokenizer pool (tokenizing.py), whose workers have copies of their own;
+the engine gets token ids.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import importlib.metadata
 import importlib.resources
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..input_processor import load_tokenizer
 from ..request import InvalidRequest, SamplingParams
-from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware
+from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware, tenant_for
 from .errors import APIError, bad_request, error_body, error_response
+from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from .loop import EngineDead, EngineLoop, RequestGroup, ShuttingDown, Submission
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
@@ -33,7 +38,9 @@ from .responses import Echo, Reasoning, ResponseBuilder, TokenText
 from .tool_calls import FORMATS as TOOL_CALL_FORMATS
 from .tool_calls import CallFormat
 from .serving import Job, run
+from .tokenizing import Encoder, TokenizerPool, ids_json
 
+log = logging.getLogger("sparsekv.server")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 
@@ -46,6 +53,9 @@ class ServerSettings:
     chat_template: str | None = None  # Jinja text replacing the tokenizer's (vLLM's --chat-template)
     max_queued_per_tenant: int | None = None  # a tenant's waiting requests beyond this get 503
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: <think>...</think> -> reasoning_content
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # past it, 413 before the body is read
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # a completion's batch of prompts
+    metrics_api_keys: dict[bytes, str] = field(default_factory=dict)  # these see /metrics' per-tenant series
 
 
 class ServerState:
@@ -55,14 +65,15 @@ class ServerState:
         self.engine, self.settings = engine, settings
         self.model_name = settings.served_model_names[0]
         self.max_model_len = engine.max_model_len
-        pool_tokens = engine.kv.allocator.num_pages * engine.kv.page_size
+        pool_tokens = engine.kv_capacity_tokens
         self.context_limit = min(engine.max_model_len, pool_tokens)
         # The engine reserves pages for prompt + max_tokens at admission, so an unbounded default would let
         # one chat request hold the pool; cap it so a full batch of such requests still fits.
         # with optimistic admission a large max_tokens costs no reservation: vLLM's default, the rest of the context
         self.chat_default_cap = (self.context_limit if engine.config.kv_admission == "optimistic"
                                  else max(1, pool_tokens // engine.config.max_num_seqs))
-        self.tokenizer = load_tokenizer(engine.config.tokenizer or engine.config.model)
+        # a copy of the engine's (the engine thread uses that one; HF fast tokenizers are not thread-safe)
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
         if settings.chat_template is not None:
             if self.tokenizer is None:
                 raise ValueError("--chat-template needs a tokenizer (the checkpoint has none; give --tokenizer)")
@@ -70,6 +81,7 @@ class ServerState:
         elif self.tokenizer is not None and not getattr(self.tokenizer, "chat_template", None):
             self.tokenizer.chat_template = bundled_chat_template(engine.model_config.model_type)
         self.token_text = TokenText(self.tokenizer)
+        self.tokenizing = TokenizerPool(self.tokenizer) if self.tokenizer is not None else None
         self.loop = EngineLoop(engine, None, settings.max_queued_requests, settings.max_queued_per_tenant)
         self.metrics = ServerMetrics(self.model_name, self.loop.stats, lambda: self.loop.healthy, engine.cache_config())
         self.loop.metrics = self.metrics
@@ -80,18 +92,90 @@ class ServerState:
                                 f"{', '.join(self.settings.served_model_names)}", "model")
 
     def chat_prompt(self, body, tools: list[dict] | None = None) -> tuple[list[int], str]:
-        """A chat request's messages rendered by the chat template: (token ids, text)."""
+        """A chat request's messages rendered by the chat template: (token ids, text). Here, on the
+        caller's thread; the routes render in the tokenizer pool (`pooled`)."""
+        return chat_prompt_ids(Encoder(self.tokenizer), *self.chat_inputs(body, tools), None)
+
+    def chat_inputs(self, body, tools: list[dict] | None) -> tuple:
+        """What `chat_prompt_ids` needs besides the encoder and the token limit."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no tokenizer with a chat template; use /v1/completions", "messages")
         try:
             msgs = [m.template_dict() for m in body.messages]
-            text = tok.apply_chat_template(msgs, tools=tools, tokenize=False,
-                                           add_generation_prompt=body.add_generation_prompt,
-                                           **(body.chat_template_kwargs or {}))
-        except Exception as e:  # jinja raises on roles or orders the template refuses
+        except ValueError as e:  # a content part that is not text
             raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
-        return tok.encode(text, add_special_tokens=False), text
+        return msgs, tools, body.add_generation_prompt, body.chat_template_kwargs or {}
+
+    async def pooled(self, fn, *args):
+        """`fn(encoder, *args)` in the tokenizer pool: off the event loop and off the engine thread."""
+        try:
+            if self.tokenizing is None:  # token-id prompts only; there is nothing to tokenize
+                return fn(None, *args)
+            return await self.tokenizing.run(fn, *args)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), e.param) from None
+
+
+def chat_prompt_ids(encoder: Encoder, msgs: list[dict], tools, add_generation_prompt: bool, kwargs: dict,
+                    limit: int | None) -> tuple[list[int], str]:
+    """The chat template's text and its token ids; with `limit`, InvalidRequest once the prompt is
+    known to have more tokens than that (without tokenizing all of a long one)."""
+    try:
+        text = encoder.tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt, **kwargs)
+    except jinja2.TemplateError as e:  # the template refuses roles or orders: its message is for the client
+        raise InvalidRequest(f"the chat template could not render these messages: {e}", "messages") from None
+    except Exception:
+        log.warning("the chat template failed on a request's messages", exc_info=True)
+        raise InvalidRequest("the chat template could not render these messages", "messages") from None
+    ids = _encode(encoder, text, "messages") if limit is None else _encode_within(encoder, text, limit, "messages")
+    return ids, text
+
+
+def _encode(encoder: Encoder, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
+    try:
+        return encoder.encode(text, add_special_tokens)
+    except Exception:  # the tokenizer's own message names its types, not the client's mistake
+        log.warning("tokenizing a request's %s failed", param, exc_info=True)
+        raise InvalidRequest(f"the {param} could not be tokenized", param) from None
+
+
+def _encode_within(encoder: Encoder, text: str, limit: int, param: str) -> list[int]:
+    try:
+        ids = encoder.ids_within(text, limit)
+    except Exception:
+        log.warning("tokenizing a request's %s failed", param, exc_info=True)
+        raise InvalidRequest(f"the {param} could not be tokenized", param) from None
+    if ids is None:
+        raise InvalidRequest(f"the prompt is longer than max_model_len ({limit} tokens)", param)
+    _check_length(ids, limit, param)
+    return ids
+
+
+def _check_length(ids: list[int], limit: int, param: str) -> None:
+    if len(ids) > limit:  # the engine's message; checked here so that the engine thread never walks the ids
+        raise InvalidRequest(f"prompt has {len(ids)} tokens, longer than max_model_len {limit}", param)
+
+
+def completion_prompt_ids(encoder: Encoder | None, prompts: list, limit: int, truncate: int | None) -> list[list[int]]:
+    """Each prompt's token ids, cut to its last `truncate` tokens as the engine would (vLLM's left
+    truncation; -1: the last `limit`). Without truncation a prompt over `limit` is refused here."""
+    out = []
+    for prompt in prompts:
+        if not isinstance(prompt, str):
+            ids = prompt
+        elif encoder is None:
+            raise InvalidRequest("text prompt given but the checkpoint has no tokenizer; pass token ids", "prompt")
+        elif truncate is None:
+            ids = _encode_within(encoder, prompt, limit, "prompt")
+        else:
+            ids = _encode(encoder, prompt, "prompt")
+        if truncate is not None:
+            ids = ids[-(limit if truncate == -1 else truncate):]
+        _check_length(ids, limit, "prompt")
+        out.append(ids)
+    return out
 
 
 def bundled_chat_template(model_type: str) -> str | None:
@@ -163,13 +247,18 @@ async def completions(request: Request):
     body = await _body(request, CompletionRequest)
     state.check_model(body.model)
     prompts = body.prompts()
+    limit = state.settings.max_prompts_per_request
+    if len(prompts) > limit:
+        raise bad_request(f"a request may carry at most {limit} prompts (--max-prompts-per-request), got "
+                          f"{len(prompts)}", "prompt")
     max_tokens = body.max_tokens if body.max_tokens is not None else (
         state.settings.default_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+    ids = await state.pooled(completion_prompt_ids, prompts, state.max_model_len, body.truncate_prompt_tokens)
     echo = None
     if body.echo:  # vLLM: max_tokens 0 scores the prompt only (one token is generated, then dropped)
         echo = Echo([p if isinstance(p, str) else state.token_text.text(p) for p in prompts], max_tokens == 0)
         max_tokens = max(max_tokens, 1)
-    return await _generate(request, body, "completion", prompts, max_tokens, body.logprobs, echo=echo)
+    return await _generate(request, body, "completion", ids, max_tokens, body.logprobs, echo=echo)
 
 
 async def chat_completions(request: Request):
@@ -181,7 +270,11 @@ async def chat_completions(request: Request):
     if body.use_tools and forced is None and call_format is None:
         raise bad_request(f"tools: no tool-call parser for model_type {state.engine.model_config.model_type!r} "
                           f"(parsed: {', '.join(TOOL_CALL_FORMATS)})", "tools")
-    prompt, text = state.chat_prompt(body, body.tools if body.use_tools else None)
+    truncate = body.truncate_prompt_tokens
+    prompt, text = await state.pooled(chat_prompt_ids, *state.chat_inputs(body, body.tools if body.use_tools else None),
+                                      None if truncate is not None else state.max_model_len)
+    if truncate is not None:  # the engine's left truncation, done here so that it never walks a long prompt
+        prompt = prompt[-(state.max_model_len if truncate == -1 else truncate):]
     reasoning = after = None
     if state.settings.reasoning_parser is not None:
         reasoning = Reasoning(prompt_opens_reasoning(text), body.include_reasoning)
@@ -198,16 +291,28 @@ async def chat_completions(request: Request):
 
 
 async def tokenize(request: Request):
+    """vLLM's /tokenize. No token limit (a client asks how long its prompt is); the body cap bounds
+    the work, done in the tokenizer pool, JSON included."""
     state = _state(request)
     body = await _body(request, TokenizeRequest)
     state.check_model(body.model)
     if body.messages is not None:
-        tokens, _ = state.chat_prompt(body, body.tools)
+        inputs = state.chat_inputs(body, body.tools)
+        content = await state.pooled(_tokenize_answer, inputs, None, False, state.max_model_len)
     elif state.tokenizer is None:
         raise bad_request("this model has no tokenizer", "prompt")
     else:
-        tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+        content = await state.pooled(_tokenize_answer, None, body.prompt, body.add_special_tokens, state.max_model_len)
+    return Response(content, media_type="application/json")
+
+
+def _tokenize_answer(encoder: Encoder, chat_inputs: tuple | None, prompt: str | None, add_special_tokens: bool,
+                     max_model_len: int) -> str:
+    if chat_inputs is not None:
+        tokens, _ = chat_prompt_ids(encoder, *chat_inputs, None)
+    else:
+        tokens = _encode(encoder, prompt, "prompt", add_special_tokens)
+    return f'{{"count":{len(tokens)},"max_model_len":{max_model_len},"tokens":{ids_json(tokens)}}}'
 
 
 async def reset_prefix_cache(request: Request):
@@ -227,11 +332,14 @@ async def detokenize(request: Request):
     state.check_model(body.model)
     if state.tokenizer is None:
         raise bad_request("this model has no tokenizer", "tokens")
-    vocab = state.engine.model_config.vocab_size
-    bad = [t for t in body.tokens if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-    return {"prompt": state.tokenizer.decode(body.tokens)}
+    return {"prompt": await state.pooled(_detokenize, body.tokens, state.engine.model_config.vocab_size)}
+
+
+def _detokenize(encoder: Encoder, tokens: list[int], vocab: int) -> str:
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+    return encoder.decode(tokens)
 
 
 async def models(request: Request):
@@ -259,7 +367,13 @@ async def health(request: Request):
 
 
 async def metrics(request: Request):
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    """Aggregate series for anyone, as in vLLM. Per-tenant series tell one tenant's prompt lengths and
+    cache hits to whoever scrapes, so they go only to a scrape with a --metrics-api-key, or to any
+    scrape when the server has no --api-key (one tenant, nobody else's activity to tell)."""
+    state = _state(request)
+    keys = state.settings.metrics_api_keys
+    per_tenant = not state.settings.api_keys or tenant_for(keys, request.headers.get("authorization")) is not None
+    return Response(state.metrics.render(per_tenant), media_type=CONTENT_TYPE_LATEST)
 
 
 ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
@@ -282,6 +396,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(state.loop.abort_all("the server is shutting down"), 5.0)
             state.loop.stop()
+            if state.tokenizing is not None:
+                state.tokenizing.close()
             if not state.loop.healthy:  # the loop thread is gone: nothing else touches the engine
                 engine.close()
 
@@ -292,7 +408,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(APIError, lambda req, exc: error_response(exc))
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
-    app.add_middleware(AuthMiddleware, keys=settings.api_keys)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(AuthMiddleware, keys=settings.api_keys)  # added last: runs first, before any body is read
     return app
 
 

@@ -7,7 +7,8 @@ and the key itself never appears in logs or metrics. Without `--api-key` every r
 `default`.
 
 Keys are kept as SHA-256 digests and compared with `secrets.compare_digest` against all of them, as
-vLLM does. /health and /metrics stay public, as in vLLM and SGLang.
+vLLM does. /health and /metrics stay public, as in vLLM and SGLang (/metrics' per-tenant series
+only with a --metrics-api-key: app.metrics). Two Authorization headers are a 400 on any path.
 """
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def parse_api_keys(specs: list[str]) -> dict[bytes, str]:
     return keys
 
 
+def parse_metrics_keys(specs: list[str]) -> dict[bytes, str]:
+    """--metrics-api-key values -> {sha256(KEY): "metrics"} (the whole value is the key); raises ValueError
+    on an empty one."""
+    if not all(specs):
+        raise ValueError("--metrics-api-key must not be empty")
+    return {_digest(key): "metrics" for key in specs}
+
+
 def tenant_for(keys: dict[bytes, str], authorization: str | None) -> str | None:
     """The tenant of a `Bearer KEY` header, or None if it matches no key."""
     scheme, _, token = (authorization or "").partition(" ")
@@ -58,6 +67,9 @@ class AuthMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
+            # a singleton field (RFC 9110): taking either one would let a proxy and the server disagree on the key
+            return await _reject(send, 400, "BadRequestError", "more than one Authorization header")
         if not self.keys:
             scope[TENANT_SCOPE_KEY] = DEFAULT_TENANT
             return await self.app(scope, receive, send)
@@ -66,15 +78,16 @@ class AuthMiddleware:
         headers = dict(scope["headers"])
         tenant = tenant_for(self.keys, headers.get(b"authorization", b"").decode("latin-1"))
         if tenant is None:
-            return await _unauthorized(send)
+            return await _reject(send, 401, "AuthenticationError",
+                                 "missing or invalid API key (send 'Authorization: Bearer KEY')")
         scope[TENANT_SCOPE_KEY] = tenant
         return await self.app(scope, receive, send)
 
 
-async def _unauthorized(send) -> None:
-    body = json.dumps({"error": {"message": "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                                 "type": "AuthenticationError", "param": None, "code": 401}}).encode()
-    await send({"type": "http.response.start", "status": 401,
-                "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
-                            (b"content-length", str(len(body)).encode())]})
+async def _reject(send, status: int, kind: str, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

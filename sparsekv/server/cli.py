@@ -18,6 +18,7 @@ import uvicorn
 
 from ..config import ConfigError
 from ..engine_args import add_engine_args, engine_options
+from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES
 from .reasoning import PARSERS
 
 log = logging.getLogger("sparsekv.server")
@@ -30,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",
                    help="require 'Authorization: Bearer KEY'; repeat for several keys; TENANT names the key's tenant")
+    p.add_argument("--metrics-api-key", action="append", default=[], metavar="KEY",
+                   help="a scrape of /metrics sending 'Authorization: Bearer KEY' also gets the per-tenant series "
+                        "(without it they are public only when there is no --api-key); repeatable")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="a larger request body is refused with 413 before it is read (default 4 MiB)")
+    p.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                   help="a completion may carry at most this many prompts (default 128, as n)")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="model name(s) clients use (default: MODEL as given, or the bundled model's directory name)")
     p.add_argument("--max-queued-requests", type=int, default=None,
@@ -70,11 +78,14 @@ def build_app(args):
     from ..engine import LLMEngine
     from ..paths import default_model_path
     from .app import ServerSettings, create_app
-    from .auth import parse_api_keys
+    from .auth import parse_api_keys, parse_metrics_keys
 
     keys = parse_api_keys(args.api_key)
+    metrics_keys = parse_metrics_keys(args.metrics_api_key)
     for flag, value in (("--max-queued-requests", args.max_queued_requests),
-                        ("--max-queued-requests-per-tenant", args.max_queued_per_tenant)):
+                        ("--max-queued-requests-per-tenant", args.max_queued_per_tenant),
+                        ("--max-request-body-bytes", args.max_request_body_bytes),
+                        ("--max-prompts-per-request", args.max_prompts_per_request)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     model = args.model or default_model_path()
@@ -85,7 +96,8 @@ def build_app(args):
             template = f.read()
     engine = LLMEngine(EngineConfig(model=model, tokenizer=args.tokenizer, **engine_options(args)))
     settings = ServerSettings(names, keys, args.max_queued_requests, args.default_max_tokens, template,
-                              args.max_queued_per_tenant, args.reasoning_parser)
+                              args.max_queued_per_tenant, args.reasoning_parser, args.max_request_body_bytes,
+                              args.max_prompts_per_request, metrics_keys)
     app = create_app(engine, settings)
     return app, app.state.server
 

@@ -222,11 +222,11 @@ class EngineLoop:
     def _refuse_if_queue_full(self, tenant: str, adding: int) -> None:
         """503 past the queue's bound, or past the tenant's share of it: one tenant's burst cannot fill
         the queue and turn every other tenant away."""
-        waiting = self.engine.scheduler.waiting
-        if self.max_queued_requests is not None and len(waiting) + adding > self.max_queued_requests:
+        engine = self.engine
+        if self.max_queued_requests is not None and engine.num_waiting_requests() + adding > self.max_queued_requests:
             raise QueueFull(f"the request queue is full ({self.max_queued_requests} requests waiting); retry later")
         if self.max_queued_per_tenant is not None and \
-                sum(r.tenant == tenant for r in waiting) + adding > self.max_queued_per_tenant:
+                engine.num_waiting_requests(tenant) + adding > self.max_queued_per_tenant:
             raise QueueFull(f"this tenant already has {self.max_queued_per_tenant} requests waiting, its bound; retry later")
 
     def _abort_group(self, group: RequestGroup, reason: str) -> None:

@@ -135,8 +135,23 @@ class ServerMetrics:
     def finish(self, reason: str) -> None:
         self.success.labels(self.model_name, reason).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, per_tenant: bool = True) -> bytes:
+        """The exposition; without `per_tenant`, no series labelled by tenant (the app decides who
+        may see them: they tell one tenant's activity)."""
+        return generate_latest(self.registry if per_tenant else _WithoutTenants(self.registry))
+
+
+class _WithoutTenants:
+    """A registry's families less any labelled by tenant, so that a new per-tenant series is left
+    out of the public view without being listed anywhere."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            if not any("tenant" in sample.labels for sample in family.samples) and "tenant" not in family.name:
+                yield family
 
 
 class EngineStatsCollector:

@@ -10,6 +10,7 @@ HTTP-specific.
 from __future__ import annotations
 
 import json
+import re
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,6 +19,11 @@ from .errors import bad_request
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_N = 128
+MAX_JSON_DEPTH = 64  # a request body's nesting; JSON schemas and tool parameters stay far below it
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_SCALARS = {int, float, bool, type(None)}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
 
 
 class _Body(BaseModel):
@@ -101,6 +107,9 @@ class SamplingFields(_Body):
         if len(given) + (self.response_format_spec() is not None) > 1:
             raise ValueError("response_format: give one of response_format (json), guided_json, guided_regex, "
                              "guided_choice")
+        k = self.truncate_prompt_tokens  # checked here too: the server truncates before the engine sees the prompt
+        if k is not None and k < 1 and k != -1:
+            raise ValueError(f"truncate_prompt_tokens: must be an integer >= 1, or -1 for max_model_len, got {k}")
         if self.logit_bias is not None and not all(key.isdigit() for key in self.logit_bias):
             raise ValueError("logit_bias: keys must be token ids (decimal integers as strings)")
         return self
@@ -169,6 +178,12 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None       # a "tool" message: the call it answers
     reasoning_content: str | None = None  # an assistant's earlier reasoning (vLLM's and DeepSeek's field)
     reasoning: str | None = None          # the same, by vLLM's newer name
+
+    @model_validator(mode="after")
+    def _check_role(self):
+        if self.role not in CHAT_ROLES:  # a template may render any role it is given, unchecked
+            raise ValueError(f"messages: role must be one of {', '.join(CHAT_ROLES)}, got {self.role!r}")
+        return self
 
     def template_dict(self) -> dict:
         out = {"role": self.role, "content": self.text() or ""}
@@ -325,12 +340,40 @@ def parse_body(raw: bytes, model: type[BaseModel]):
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # nesting past the interpreter's recursion limit
+        raise bad_request(f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
+    _check_shape(raw, data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e) from None
+
+
+def _check_shape(raw: bytes, data: dict) -> None:
+    """Nesting no deeper than MAX_JSON_DEPTH (validators, templates and grammar compilers recurse), and
+    no lone UTF-16 surrogate in any string (JSON can escape one, "\\ud800"; it is not Unicode text, and
+    the tokenizer would fail on it with its own internals in the message). The raw bytes tell cheaply
+    whether either can be present; only then is the parsed body walked."""
+    nesting = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+    surrogates = _ESCAPED_SURROGATE.search(raw) is not None
+    if not (nesting or surrogates):
+        return
+    stack = [(value, 1, key) for key, value in data.items()]
+    while stack:
+        value, depth, field = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"invalid parameter {field}: nested deeper than {MAX_JSON_DEPTH} levels", field)
+        if isinstance(value, str):
+            if surrogates and _LONE_SURROGATE.search(value):
+                raise bad_request(f"invalid parameter {field}: a string holds a lone UTF-16 surrogate, which is not "
+                                  "valid Unicode text", field)
+        elif isinstance(value, dict):
+            stack.extend((v, depth + 1, field) for v in value.values())
+            stack.extend((k, depth + 1, field) for k in value)
+        elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:  # skip token-id lists fast
+            stack.extend((v, depth + 1, field) for v in value)
 
 
 def _validation_error(e: ValidationError):

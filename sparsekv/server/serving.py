@@ -52,8 +52,10 @@ async def admit(loop: EngineLoop, job: Job, metrics) -> None:
     except EngineDead as e:
         metrics.reject("engine_dead")
         raise APIError(503, str(e)) from None
-    except (ValueError, TypeError) as e:  # input the engine could not digest is still the caller's input
-        raise APIError(400, f"invalid request: {e}") from None
+    except (ValueError, TypeError):  # input the engine could not digest is still the caller's input
+        log.warning("the engine refused request %s", job.group.request_ids[0], exc_info=True)
+        raise APIError(400, "invalid request: the engine could not process this input (details are in the "
+                            "server log)") from None
 
 
 async def run(request: Request, loop: EngineLoop, job: Job, metrics):
