@@ -47,12 +47,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-disk-bytes", type=parse_bytes, default=None,
                    help="the disk tier's budget (e.g. 100G)")
     g.add_argument("--prefix-cache-disk-key-file", default=None, metavar="PATH",
-                   help="encrypt the disk tier's pages (AES-256-GCM) with a key derived from this file's "
-                        "secret (at least 32 bytes)")
+                   help="the disk tier's pages are encrypted (AES-256-GCM) with a key derived from this file's "
+                        "secret (at least 32 bytes) (default: a key generated in the tier's directory)")
     g.add_argument("--prefix-cache-disk-old-key-file", dest="prefix_cache_disk_old_key_files", action="append",
                    default=None, metavar="PATH",
                    help="a key being rotated out (repeatable): its pages are still read, and re-sealed with "
-                        "--prefix-cache-disk-key-file in the background")
+                        "the current key in the background")
+    g.add_argument("--prefix-cache-disk-unencrypted", action="store_true",
+                   help="write the disk tier's pages in plaintext (anyone who can read them can read the "
+                        "prompts back; default: encrypted)")
     g.add_argument("--prefix-cache-ttl", dest="prefix_cache_ttl_s", type=float, default=None, metavar="SECONDS",
                    help="forget prefix-cache pages unused for this long, in every tier (default: kept until evicted)")
     g.add_argument("--prefix-cache-max-pages-per-tenant", type=int, default=None, metavar="N",
@@ -77,7 +80,7 @@ ENGINE_ARG_NAMES = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_t
                     "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",
                     "enable_prefix_caching", "prefix_cache_host_bytes",
                     "prefix_cache_disk_path", "prefix_cache_disk_bytes", "prefix_cache_disk_key_file",
-                    "prefix_cache_disk_old_key_files", "prefix_cache_ttl_s",
+                    "prefix_cache_disk_old_key_files", "prefix_cache_disk_unencrypted", "prefix_cache_ttl_s",
                     "prefix_cache_max_pages_per_tenant", "prefix_cache_tenant_share", "tenant_kv_share")
 
 
