@@ -1,7 +1,7 @@
 """Engine logprobs and greedy tokens against a full transformers forward (the reference oracle).
 
 Parity configurations use 8 indexer heads so exact ties at the top-k boundary cannot occur
-(with 2 heads and random weights the reference even disagrees with itself; see README).
+(with 2 heads and random weights the reference even disagrees with itself; see docs/exactness.md, "Top-k tie-break").
 """
 from __future__ import annotations
 
