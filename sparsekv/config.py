@@ -256,11 +256,11 @@ class EngineConfig:
     # Like vLLM's --hf-overrides: config.json fields replaced at load, e.g. {"index_topk_pattern": "FSSS"}
     # turns a checkpoint with an indexer in every layer into an IndexShare model (training-free IndexCache).
     hf_overrides: dict | None = field(default=None, hash=False)
-    # Tiered KV cache (docs/tiers.md): a device working set of N latent slots per request and layer,
+    # Tiered KV cache (docs/tiers.md): a device working set of device_buffer_tokens latent slots per request and layer,
     # the full latent history in a host store (RAM, or a memory-mapped file: host_store_path is
     # a directory to make a fresh file in, or a new file name; an existing file is refused).
     kv_tiering: bool = False
-    device_buffer_tokens: int | None = None    # N; default 2 x index_topk; must be >= index_topk
+    device_buffer_tokens: int | None = None    # default 2 x index_topk; must be >= index_topk
     host_kv_budget_bytes: int | None = None
     device_kv_budget_bytes: int | None = None  # also sizes the untiered cache when given
     host_store_path: str | None = None

@@ -65,7 +65,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: no bound)")
     t = p.add_argument_group("tiered KV cache (docs/tiers.md)")
     t.add_argument("--kv-tiering", action="store_true", help="device working set per request, history in a host store")
-    t.add_argument("--device-buffer-tokens", type=int, default=None, help="working-set slots N (default 2 x top-k)")
+    t.add_argument("--device-buffer-tokens", type=int, default=None, help="latent slots of each device working set per request and layer (default 2 x top-k)")
     t.add_argument("--host-kv-budget-bytes", type=parse_bytes, default=None, help="e.g. 64G")
     t.add_argument("--device-kv-budget-bytes", type=parse_bytes, default=None, help="e.g. 8G (also without tiering)")
     t.add_argument("--host-store-path", default=None, help="memory-map the host store: a directory (a fresh file is made in it) or a new file name")
