@@ -177,17 +177,22 @@ def test_a_batch_shares_pages_and_generated_tokens_are_cached_too(ckpt):
     assert_idle(llm)
 
 
+def _finish_one(engine, rid, tenant, salt):
+    """Run one request of `tenant` and `salt` over BASE to its end; its final output."""
+    engine.add_request(rid, BASE, GREEDY, tenant=tenant, cache_salt=salt)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    return outs[0]
+
+
 @pytest.mark.parametrize("first, second", [(("alice", None), ("bob", None)), (("alice", "s1"), ("alice", "s2")),
                                            (("alice", "s1"), ("alice", None))])
 def test_tenants_and_salts_never_share(ckpt, first, second):
     engine = make(ckpt, enable_prefix_caching=True).engine
 
     def run(rid, tenant, salt):
-        engine.add_request(rid, BASE, GREEDY, tenant=tenant, cache_salt=salt)
-        outs = []
-        while engine.has_unfinished_requests():
-            outs += [o for o in engine.step() if o.finished]
-        return outs[0]
+        return _finish_one(engine, rid, tenant, salt)
     run("a", *first)
     assert run("b", *second).num_cached_tokens == 0
     assert run("c", *first).num_cached_tokens == 64           # the owner's own tenant and salt still hit
@@ -393,11 +398,7 @@ def test_the_host_tier_never_serves_another_tenants_or_salts_page(ckpt, first, s
                   prefix_cache_max_pages_per_tenant=0).engine
 
     def run(rid, tenant, salt):
-        engine.add_request(rid, BASE, GREEDY, tenant=tenant, cache_salt=salt)
-        outs = []
-        while engine.has_unfinished_requests():
-            outs += [o for o in engine.step() if o.finished]
-        return outs[0]
+        return _finish_one(engine, rid, tenant, salt)
     run("a", *first)
     stats = engine.stats()
     assert stats["prefix_cached_pages"] == 0 and stats["prefix_host_pages"] == 5  # the owner's pages: host only
