@@ -14,14 +14,15 @@ from sparsekv.model.checkpoint import CheckpointError, dequantize_fp8
 from sparsekv.tools.tiny import reference_model
 
 from conftest import assert_matches_reference
+from tolerances import assert_clear_lead, assert_logprobs_close, assert_same_greedy, logprob_tolerance
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
 
 
 @pytest.fixture(scope="module")
 def llm(glm_ckpt):
-    # No prefix cache: these tests run the same prompts again and compare logprobs to 1e-6 or bit for bit
-    # (a hit regroups prefill rows, ~1e-6: tests/test_prefix_cache.py).
+    # No prefix cache: these tests run the same prompts again and compare logprobs bit for bit or within
+    # the rounding bound of regrouped rows (a hit regroups prefill rows: tests/test_prefix_cache.py).
     return LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_num_batched_tokens=40,
                enable_prefix_caching=False)
 
@@ -36,11 +37,7 @@ def test_batched_equals_one_at_a_time(llm, random_prompt):
     prompts = [random_prompt(n, seed=n) for n in (5, 37, 19, 60)]
     batched = llm.generate(prompts, GREEDY)
     single = [llm.generate([p], GREEDY)[0] for p in prompts]
-    for b, s in zip(batched, single):
-        assert b.token_ids == s.token_ids
-        for db, ds in zip(b.logprobs, s.logprobs):
-            assert db.keys() == ds.keys()
-            assert max(abs(db[k] - ds[k]) for k in db) < 1e-5
+    assert_same_greedy(single, batched, logprob_tolerance(llm))  # a batch groups rows differently
     _idle(llm)
 
 
@@ -327,9 +324,9 @@ def test_reading_history_in_runs_of_pages_is_exact(llm, random_prompt, monkeypat
     views = llm.generate(prompts, params)
     assert max(seen) > 1, "the scenario must produce histories of several runs"
     for a, b in zip(gathered, views):
-        assert a.token_ids == b.token_ids
-        for da, db in zip(a.logprobs, b.logprobs):
-            assert da.keys() == db.keys() and max(abs(da[t] - db[t]) for t in da) < 1e-6
+        # bit for bit: the pieces only group the indexer's scores differently, which could change a
+        # selection only at a near-tie; attention then reads the same rows in the same shapes
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     _idle(llm)
 
 
@@ -387,7 +384,7 @@ def test_optimistic_admission_preempts_and_recomputes_exactly(glm_ckpt, random_p
     max_tokens): more run at once, the newest are preempted as pages run out and recomputed later
     (their pages hit in the prefix cache's host tier), and every output equals the reserving engine's:
     greedy and seeded sampled tokens identical (sampled ones with MTP drafts excepted: see below),
-    logprobs within 1e-5, prompt logprobs recorded once. Counted in stats and in each output's metrics."""
+    logprobs within the rounding bound (tests/tolerances.py), prompt logprobs recorded once. Counted in stats and in each output's metrics."""
     from sparsekv.paths import default_model_path
     options = dict(options)
     bundled = options.pop("bundled", False)
@@ -414,15 +411,18 @@ def test_optimistic_admission_preempts_and_recomputes_exactly(glm_ckpt, random_p
     # recomputation starts from the pages the prefix cache kept: a preempted request's freed pages are
     # the first an allocation evicts, so they come back from the host tier
     assert stats["prefix_cache_hits_host"] > 0
+    tol = logprob_tolerance(llm)  # batches, hits and recomputation group rows differently
     for w, g, sp in zip(want, got, params):
         # with MTP drafts a preempted sampled request's dropped drafts had drawn from its generator:
         # it goes on with other draws (exact in distribution), as drafting itself changes the draws
         assert w.token_ids == g.token_ids or (bundled and not sp.greedy and g.metrics["num_preemptions"])
         if w.logprobs is not None:
-            assert max(abs(a[t] - b[t]) for a, b in zip(w.logprobs, g.logprobs) for t in a) <= 1e-5
+            if sp.greedy:
+                assert_clear_lead(w, tol)
+            assert_logprobs_close(w.logprobs, g.logprobs, tol)
         if w.prompt_logprobs is not None:
             assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(g.prompt_token_ids)
-            assert max(abs(a[t] - b[t]) for a, b in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:]) for t in a) <= 1e-5
+            assert_logprobs_close(w.prompt_logprobs[1:], g.prompt_logprobs[1:], tol)
     _idle(llm)
     with pytest.raises(ConfigError, match="kv_admission"):
         LLM(path, kv_admission="lazy")

@@ -7,6 +7,7 @@ import torch
 
 from sparsekv import LLM, InvalidRequest, SamplingParams
 from sparsekv.sampling import LogitAdjuster, filter_logits
+from tolerances import logprob_tolerance
 
 VOCAB = 40
 
@@ -46,7 +47,11 @@ def test_adjuster_equals_the_reference_at_every_step(options):
         logits = torch.randn(VOCAB, generator=g) * 3
         want = torch.tensor(reference_adjust(logits.tolist(), params, prompt, output, stops))
         got = adjust(logits)
-        assert torch.allclose(got, want, atol=1e-5, rtol=0) and torch.equal(got.isinf(), want.isinf())
+        # elementwise only (no reduction to regroup): a few correctly rounded float32 operations
+        # against the reference's float64 ones rounded once, a few ulps of the largest value (a bias
+        # of 100 included), the same on every CPU
+        ulps = 4 * torch.finfo(torch.float32).eps * want[want.isfinite()].abs().max()
+        assert torch.allclose(got, want, atol=float(ulps), rtol=0) and torch.equal(got.isinf(), want.isinf())
         adjust.note(token)
         output.append(token)
 
@@ -142,7 +147,7 @@ def test_prompt_logprobs_equal_transformers(glm_ckpt, random_prompt, chunk):
     assert len(entries) == len(prompt) and entries[0] is None and out[1].prompt_logprobs == [None]
     for p, entry in enumerate(entries[1:], start=1):
         assert prompt[p] in entry and 2 <= len(entry) <= 3
-        assert max(abs(v - lp[p - 1, t].item()) for t, v in entry.items()) < 1e-4
+        assert max(abs(v - lp[p - 1, t].item()) for t, v in entry.items()) <= logprob_tolerance(glm_ckpt[1])
     assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
     llm.engine.check_integrity()
 

@@ -12,6 +12,7 @@ from sparsekv import LLM, ConfigError, SamplingParams
 from sparsekv.paths import default_model_path
 from sparsekv.sampling import draw, filter_logits
 from sparsekv.speculative import Draft, verify_draft
+from tolerances import assert_same_greedy, logit_tolerance, logprob_tolerance
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):\n    parser = ",
            "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):"]
@@ -36,10 +37,10 @@ def test_greedy_with_drafts_equals_plain_greedy(model, k):
     plain = LLM(model, **OPTIONS).generate(PROMPTS, GREEDY)
     llm = LLM(model, num_speculative_tokens=k, **OPTIONS)
     spec = llm.generate(PROMPTS, GREEDY)
+    # verification runs 1 + k rows where plain decoding runs 1: other row groups, other rounding
+    assert_same_greedy(plain, spec, logprob_tolerance(llm))
     for a, b in zip(plain, spec):
-        assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-5
+        assert a.text == b.text and a.finish_reason == b.finish_reason
         assert b.metrics["spec_decode_num_draft_tokens"] > 0
     stats = llm.stats()
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
@@ -100,10 +101,9 @@ def test_penalised_greedy_with_drafts_equals_plain(model):
     unpenalised = LLM(model, **OPTIONS).generate(PROMPTS, GREEDY)
     llm = LLM(model, num_speculative_tokens=3, **OPTIONS)
     spec = llm.generate(PROMPTS, params)
-    for a, b in zip(plain, spec, strict=True):
-        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-5
+    # the logprobs are the raw model's while the penalised logits decide: no top-1 lead to check there
+    assert_same_greedy(plain, spec, logprob_tolerance(llm), lead=False)
+    assert [a.finish_reason for a in plain] == [b.finish_reason for b in spec]
     assert [o.token_ids for o in plain] != [o.token_ids for o in unpenalised]
     assert 0 < llm.stats()["spec_decode_num_accepted_tokens"]
     _idle(llm)
@@ -190,12 +190,15 @@ def test_every_draft_step_equals_a_reference_mtp_chain(model, repeat):
     assert (len(out.prompt_token_ids) > llm.engine.model.cfg.index_topk) == (repeat > 1)
     hidden, reference = _target_hidden(llm.engine.model, ids), ReferenceMTP(model)
     assert len(chains) > 8 and all(len(logits) == k for _, logits in chains)
+    # the engine's target hidden states come from other row groups than the one-pass reference's, then
+    # the MTP layer (its head norm is no larger than the final norm logit_scale uses)
+    tol = logit_tolerance(llm, extra_layers=1)
     for known, logits in chains:
         drafts = [int(x.argmax()) for x in logits[:-1]]
         expected = reference.chain(ids, hidden, known, drafts)
         for step_index, (ours, ref) in enumerate(zip(logits, expected, strict=True)):
             err = float((ours - ref).abs().max())  # fp32 both; absorbed vs decompressed MLA: rounding only
-            assert err < 1e-4, f"draft step {step_index + 1} after {known} positions: logits differ by {err}"
+            assert err < tol, f"draft step {step_index + 1} after {known} positions: logits differ by {err}"
 
 
 # verify_draft's statistical check: a target p (the logits at temperature 0.8) and a draft q that
@@ -357,10 +360,7 @@ def test_quest_with_drafts_equals_plain_quest(model, k):
     plain = LLM(model, **options).generate(prompts, GREEDY)
     llm = LLM(model, num_speculative_tokens=k, **options)
     spec = llm.generate(prompts, GREEDY)
-    for a, b in zip(plain, spec, strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < 1e-5
+    assert_same_greedy(plain, spec, logprob_tolerance(llm))
     assert llm.stats()["spec_decode_num_draft_tokens"] > llm.stats()["spec_decode_num_accepted_tokens"] > 0
     _idle(llm)
 

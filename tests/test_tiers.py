@@ -58,7 +58,9 @@ def assert_back_to_initial(engine):
 def assert_same(a, b):
     for x, y in zip(a, b, strict=True):
         assert x.token_ids == y.token_ids
-        assert x.logprobs == y.logprobs  # bit-identical floats
+        # bit-identical floats: both runs do the same operations in the same shapes on the same rows
+        # (only where the rows are kept differs), so this holds with any CPU's kernels
+        assert x.logprobs == y.logprobs
 
 
 @pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
@@ -357,13 +359,11 @@ def test_fp8_effect_measures_overlap_logprob_change_and_greedy_agreement():
 def test_quest_selection_does_not_depend_on_prefill_chunking(ckpt):
     """A query scores its own page by the bound over that page's positions up to itself, so how the
     prompt is chunked (the whole prompt, 16 or 3 tokens a step) changes nothing beyond rounding."""
-    outs = [generate(ckpt["glm_moe_dsa"], selector="quest", prefill_chunk_tokens=c, max_num_batched_tokens=max(c, 8))[0]
+    from tolerances import assert_same_greedy, logprob_tolerance
+    runs = [generate(ckpt["glm_moe_dsa"], selector="quest", prefill_chunk_tokens=c, max_num_batched_tokens=max(c, 8))
             for c in (64, 16, 3)]
-    for other in outs[1:]:
-        for a, b in zip(outs[0], other, strict=True):
-            assert a.token_ids == b.token_ids
-            for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-                assert max(abs(la[t] - lb[t]) for t in la) < 1e-5
+    for other, _ in runs[1:]:  # other chunks: other row groups in every matrix product
+        assert_same_greedy(runs[0][0], other, logprob_tolerance(runs[0][1]))
 
 
 def test_quest_own_page_bounds_match_brute_force():

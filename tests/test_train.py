@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from sparsekv.train.cli import main as train_main
 from sparsekv.train.trainer import STATE_FILE
+from tolerances import logit_tolerance
 
 torch.set_num_threads(1)
 
@@ -62,7 +63,8 @@ def test_sparse_stage_trains_the_indexer_on_the_selected_set(trained):
         traces = model(ids[:, :-1], batch.positions, sparse=True, want_index=True, want_probs=True).traces
     on_selection = indexer_loss(traces, cfg.indexer_types, sparse=True).item()
     on_every_key = indexer_loss(traces, cfg.indexer_types, sparse=False).item()
-    assert logged == pytest.approx(on_selection, rel=1e-6) and on_every_key > 100 * on_selection
+    # the same forward on the same batch as stage_loss's: the same bits
+    assert logged == on_selection and on_every_key > 100 * on_selection
 
 
 def test_export_layout(trained):
@@ -132,10 +134,15 @@ def test_a_work_dir_with_another_digit_group_is_refused(trained):
 
 
 def _first_topk_tie(tm, ids: list[int]) -> int:
-    """The first row with an exact tie at the k-th index score (ReLU zeros), or len(ids). Such ties
-    make the top-k set implementation-defined (model-spec §7.2), so parity is only defined on the
-    rows before the first one."""
+    """The first row with a tie at the k-th index score (ReLU zeros), or len(ids). Such ties make the
+    top-k set implementation-defined (model-spec §7.2), so parity is only defined on the rows before
+    the first one. A near-tie counts too: transformers, sparsekv and the training model group the
+    reductions below the scores differently, so their scores are a rounding apart (for layer i, i + 1
+    layers of it, relative to the row's largest score: tests/tolerances.py), and a gap within that
+    could order the two keys either way."""
+    from tolerances import EPS32, LAMBDA, reduction_length
     n, k = len(ids), tm.cfg.index_topk
+    per_layer = LAMBDA * reduction_length(tm.cfg) ** 0.5 * EPS32
     with torch.no_grad():
         traces = tm(torch.tensor([ids]), torch.arange(n)[None], sparse=True, want_index=True).traces
     first = n
@@ -143,7 +150,7 @@ def _first_topk_tie(tm, ids: list[int]) -> int:
         if t == "full":
             for row in range(k, first):
                 v = traces[i].index[0, row, :row + 1].topk(k + 1).values
-                if v[k - 1] == v[k]:
+                if v[k - 1] - v[k] <= (i + 1) * per_layer * v.abs().max():
                     first = row
                     break
     return first
@@ -169,7 +176,8 @@ def _tie_free_sequence(cfg, tensors, n: int, tie_free_rows: int | None = None) -
 
 
 def test_round_trip_parity_transformers_and_sparsekv(trained):
-    """Logits at every position of a sequence 7x longer than index_topk, fp32, within 1e-4."""
+    """Logits at every position of a sequence 7x longer than index_topk, fp32, within the rounding
+    bound of two implementations (tests/tolerances.py)."""
     from transformers import GlmMoeDsaForCausalLM
     from sparsekv.tools.eval_common import build_model, load_parts, sequence_logits
     out, _ = trained
@@ -182,7 +190,7 @@ def test_round_trip_parity_transformers_and_sparsekv(trained):
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids])).logits[0].float()
     ours = sequence_logits(model, ids, "sparse")
-    assert (ours - ref_logits).abs().max().item() <= 1e-4
+    assert (ours - ref_logits).abs().max().item() <= logit_tolerance(model)
 
 
 def test_round_trip_through_the_llm_api(trained):
@@ -206,7 +214,8 @@ def test_training_model_matches_the_engine_in_the_sparse_regime(trained):
     ids = torch.tensor(_tie_free_sequence(cfg, tensors, 48)[0])
     with torch.no_grad():
         ours = tm(ids[None], torch.arange(48)[None], sparse=True).logits[0]
-    assert (ours - sequence_logits(build_model(cfg, tensors), ids.tolist(), "sparse")).abs().max() <= 1e-4
+    model = build_model(cfg, tensors)  # the engine's model: other groupings than the training model's
+    assert (ours - sequence_logits(model, ids.tolist(), "sparse")).abs().max() <= logit_tolerance(model)
 
 
 def test_resume_is_exact(trained, tmp_path):
@@ -336,8 +345,9 @@ def test_the_bundled_model_matches_transformers():
     ref = GlmMoeDsaForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids])).logits[0, :rows].float()
-    ours = sequence_logits(build_model(cfg, tensors), ids, "sparse")[:rows]
-    assert (ours - ref_logits).abs().max().item() <= 1e-4
+    model = build_model(cfg, tensors)
+    ours = sequence_logits(model, ids, "sparse")[:rows]
+    assert (ours - ref_logits).abs().max().item() <= logit_tolerance(model)
 
 
 def test_the_time_budget_never_plans_more_steps_than_asked(tmp_path):
@@ -394,6 +404,8 @@ def test_kl_with_far_negatives():
     index, target = torch.randn(2, 5, 5), torch.rand(2, 5, 5)
     allowed = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 5, 5)
     plain = kl_to_index(target, index, allowed)
+    # sums of at most 10 terms of size ~1 grouped two ways: LAMBDA sqrt(10) eps ~ 1e-6 relative
+    # (tests/tolerances.py), within allclose's rtol of 1e-5
     assert torch.allclose(kl_to_index(target, index, allowed, torch.full((2, 5, 3), -1e30), 10.0), plain)
     far = torch.randn(2, 5, 3)
     # the negatives add log(1 + sum exp(far + w) / sum exp(index)) per query, target unchanged
