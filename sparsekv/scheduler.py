@@ -64,8 +64,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
 
     def for_executor(self) -> "SchedulerOutput":
-        """The same step as plain, picklable data (no engine-side request objects)."""
-        return SchedulerOutput([replace(ch, request=None, page_ids=list(ch.page_ids)) for ch in self.chunks])
+        """The same step as plain, picklable data (no engine-side request objects). Page lists are
+        shared, not copied: the executor only reads them, and a remote one receives a pickled copy."""
+        return SchedulerOutput([replace(ch, request=None) for ch in self.chunks])
 
 
 class Scheduler:

@@ -181,10 +181,6 @@ class CacheManager:
 
     # -- observability -------------------------------------------------------------------------
     @property
-    def num_pages(self) -> int:
-        return self.allocator.num_pages
-
-    @property
     def capacity_tokens(self) -> int:
         """Tokens the page table can address (the device pool's, or the tiered cache's logical one)."""
         return self.allocator.num_pages * self.page_size
