@@ -16,6 +16,7 @@ import torch
 from .cache.manager import CacheManager
 from .config import ConfigError, EngineConfig, ModelConfig
 from .executor import InProcessExecutor
+from .hub import resolve_config
 from .input_processor import InputProcessor, load_tokenizer
 from .model.checkpoint import load_model
 from .output_processor import OutputProcessor
@@ -29,6 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
+        config = resolve_config(config)  # a model or tokenizer given as a Hub repo id -> a local snapshot
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -43,7 +45,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         config.validate_for_model(self.model_config.index_topk)
         self.kv = CacheManager(config, self.model, self.dtype, self.device, self.max_model_len)
-        self.executor = InProcessExecutor(self.model, self.kv, config)
+        self.executor = InProcessExecutor(self.model, self.kv.pool, config)
         self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_tokens, self.kv.prefix, tenant_pages=self.kv.tenant_pages,
                                    optimistic=config.kv_admission == "optimistic")
@@ -59,8 +61,8 @@ class LLMEngine:
     def _build_speculator(self):
         from .speculative import Speculator
         try:
-            return Speculator(self.model, self.executor.runner, self.kv.pool, self.config.num_speculative_tokens,
-                              self.max_model_len)
+            return Speculator(self.executor, self.model.mtp is not None, self.model_config.num_hidden_layers,
+                              self.config.num_speculative_tokens, self.max_model_len)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -127,7 +129,7 @@ class LLMEngine:
         result = self.outputs.process(scheduled.chunks, out.logits, out.hidden, self.executor.logits)
         self.scheduler.update(scheduled, result.accepted_drafts, result.finished)
         if self.speculator is not None:
-            self.speculator.draft(scheduled.chunks, out.hidden, self.outputs.generators)
+            self.speculator.draft(scheduled.chunks, self.outputs.generators)
         self._count(scheduled, result.num_generated_tokens)
         self._release_idle_buffers()
         return result.outputs

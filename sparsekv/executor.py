@@ -15,6 +15,7 @@ import torch
 
 from .runner import ModelRunner
 from .scheduler import SchedulerOutput
+from .speculative import MTPDrafter, MTPPlan
 
 
 @dataclass
@@ -44,6 +45,17 @@ class Executor(ABC):
     @abstractmethod
     def check_integrity(self, running: set[str]) -> None: ...
 
+    @abstractmethod
+    def draft_extend(self, plan: MTPPlan) -> torch.Tensor:
+        """The MTP layer's extend pass over the last step's final rows; fp32 logits of the drafting rows."""
+
+    @abstractmethod
+    def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:
+        """Draft step `step` from the previous drafts; fp32 logits, one row per drafting request."""
+
+    def close(self) -> None:
+        """Let go of worker processes, if any."""
+
     def add_observer(self, observer: Callable[[SchedulerOutput, ModelOutput], None]) -> None:
         """Call `observer(step, output)` after every step (benchmarks and tools record through this)."""
         self.observers.append(observer)
@@ -52,20 +64,30 @@ class Executor(ABC):
 class InProcessExecutor(Executor):
     """The model and its cache in this process, on one device."""
 
-    def __init__(self, model, kv, config):
-        self.model, self.kv = model, kv
-        self.runner = ModelRunner(model, kv.pool, kv.page_size, config.attention,
+    def __init__(self, model, pool, config):
+        self.model, self.pool = model, pool
+        self.runner = ModelRunner(model, pool, config.kv_page_size, config.attention,
                                   decode_rows=1 + config.num_speculative_tokens,
                                   batch_dense_decodes=config.batch_dense_decodes)
+        drafting = config.num_speculative_tokens and model.mtp is not None
+        self.drafter = MTPDrafter(model, self.runner, pool) if drafting else None
         self.observers: list[Callable[[SchedulerOutput, ModelOutput], None]] = []
+        self._hidden: torch.Tensor | None = None  # the last step's final hidden states (the MTP pass reads them)
 
     def execute(self, step: SchedulerOutput) -> ModelOutput:
-        self.kv.begin_step(step.chunks)
+        self.pool.begin_step(step.chunks)
         logits, hidden = self.runner.execute(step.chunks)
+        self._hidden = hidden if self.drafter is not None else None
         out = ModelOutput(logits, hidden)
         for observe in self.observers:
             observe(step, out)
         return out
+
+    def draft_extend(self, plan: MTPPlan) -> torch.Tensor:
+        return self.drafter.extend(self._hidden, plan)
+
+    def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:
+        return self.drafter.step(step, tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)

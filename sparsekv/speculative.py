@@ -107,10 +107,13 @@ class SpecDecodingCounts:
 
 
 class MTPDrafter:
-    """Runs the MTP layer over rows; returns logits and the normed hidden states of the drafting rows."""
+    """Runs the MTP layer, in the executor (on every rank): the extend pass over the rows whose next
+    token became known, then the draft steps chained on its own output."""
 
-    def __init__(self, model):
+    def __init__(self, model, runner, cache):
         self.model, self.mtp, self.cfg = model, model.mtp, model.cfg
+        self.runner, self.cache = runner, cache
+        self._chain: tuple[list, dict, torch.Tensor] | None = None  # the drafting rows' (seqs, selection, h)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, ctx: ForwardContext,
@@ -119,23 +122,59 @@ class MTPDrafter:
         previous draft step's); next_tokens: the token at position + 1 of each row.
         Returns (fp32 logits, hidden after shared_head.norm) of ctx.logits_rows."""
         mtp, eps = self.mtp, self.cfg.rms_norm_eps
-        e = F.embedding(next_tokens, mtp.embed if mtp.embed is not None else self.model.embed)
+        e = self.model.comm.embed(next_tokens, mtp.embed if mtp.embed is not None else self.model.embed)
         x = F.linear(torch.cat([rms_norm(e, mtp.enorm, eps), rms_norm(hidden, mtp.hnorm, eps)], -1), mtp.eh_proj)
         ctx.cos, ctx.sin = self.model.rotary.cos_sin(ctx.positions)
         x = mtp.layer.forward(x, ctx, cache)
         h = rms_norm(x[ctx.logits_rows], mtp.head_norm, eps)
-        return F.linear(h, mtp.head if mtp.head is not None else self.model.lm_head).float(), h
+        return self.model.logits(h, mtp.head), h
+
+    @torch.inference_mode()
+    def extend(self, hidden: torch.Tensor, plan: "MTPPlan") -> torch.Tensor:
+        """The extend pass over `plan.rows` of the target step's `hidden`; the logits of the drafting
+        rows (draft 1). Keeps what the draft steps chain on."""
+        ctx = self.runner.build_mtp_context(plan.parts, plan.logits_rows)
+        self.cache.begin_mtp_pass(ctx.seqs, {request_id: pages for request_id, pages, _, _ in plan.parts})
+        logits, h = self.forward(hidden[torch.tensor(plan.rows, device=hidden.device)], ctx.input_ids, ctx, self.cache)
+        seqs = [ctx.seqs[i] for i in plan.drafting]
+        selection = {s.request_id: ctx.selection[s.request_id][-1:] for s in seqs if s.request_id in ctx.selection}
+        self._chain = (seqs, selection, h)
+        return logits
+
+    @torch.inference_mode()
+    def step(self, step: int, tokens: list[int]) -> torch.Tensor:
+        """Draft step `step` (1-based after the extend pass) from the previous drafts `tokens`: reads,
+        never writes."""
+        seqs, selection, h = self._chain
+        ctx = self.runner.build_draft_step_context(seqs, step, tokens, selection)
+        logits, h = self.forward(h, ctx.input_ids, ctx, self.cache)
+        self._chain = (seqs, selection, h)
+        return logits
+
+
+@dataclass
+class MTPPlan:
+    """An MTP extend pass as plain data (what an executor, on every rank, needs to run it).
+
+    parts, one per request in batch order: (request id, its pages, first position, the next token of
+    each position); rows: the target step's rows they continue; logits_rows: the rows that draft
+    (one per drafting request, its last); drafting: those requests' indices in `parts`."""
+
+    parts: list[tuple[str, list[int], int, list[int]]]
+    rows: list[int]
+    logits_rows: list[int]
+    drafting: list[int]
 
 
 class Speculator:
-    """The engine's MTP drafting state: pending drafts per request, acceptance counters."""
+    """The engine's MTP drafting state: pending drafts per request, acceptance counters. The MTP
+    layer itself runs in the executor (`MTPDrafter`), from the plain-data plans this builds."""
 
-    def __init__(self, model, runner, cache, num_tokens: int, max_model_len: int):
-        if model.mtp is None:
+    def __init__(self, executor, has_mtp_layer: bool, num_hidden_layers: int, num_tokens: int, max_model_len: int):
+        if not has_mtp_layer:
             raise ValueError("num_speculative_tokens needs a checkpoint with an MTP layer "
-                             f"(model.layers.{model.cfg.num_hidden_layers}.*); this one has none")
-        self.drafter, self.runner, self.cache, self.k = MTPDrafter(model), runner, cache, num_tokens
-        self.max_model_len = max_model_len
+                             f"(model.layers.{num_hidden_layers}.*); this one has none")
+        self.executor, self.k, self.max_model_len = executor, num_tokens, max_model_len
         self.drafts: dict[str, list[Draft]] = {}
         self.counts: dict[str, SpecDecodingCounts] = {}
         self.totals = SpecDecodingCounts(num_tokens)
@@ -170,35 +209,33 @@ class Speculator:
     def stats(self) -> dict:
         return self.totals.metrics()
 
-    def draft(self, chunks, hidden: torch.Tensor, generators: dict) -> None:
+    def draft(self, chunks, generators: dict) -> None:
         """Extend the MTP cache over each running request's newly final rows; draft where the step sampled."""
-        parts, rows, logits_rows, drafting, row = [], [], [], [], 0
+        plan, drafting, row = MTPPlan([], [], [], []), [], 0
         for ch in chunks:
             req, start = ch.request, ch.first_position
             valid = 0 if req.finished else req.num_computed_tokens - start
             if valid > 0:
-                rows.extend(range(row, row + valid))
-                parts.append((req.request_id, req.page_ids, start, [req.token_at(p + 1) for p in range(start, start + valid)]))
+                plan.rows.extend(range(row, row + valid))
+                plan.parts.append((req.request_id, req.page_ids, start,
+                                   [req.token_at(p + 1) for p in range(start, start + valid)]))
                 if ch.samples_token:
-                    logits_rows.append(len(rows) - 1)
-                    drafting.append((req, len(parts) - 1))
+                    plan.logits_rows.append(len(plan.rows) - 1)
+                    plan.drafting.append(len(plan.parts) - 1)
+                    drafting.append(req)
             row += ch.num_new_tokens
-        if not rows:
+        if not plan.rows:
             return
-        ctx = self.runner.build_mtp_context(parts, logits_rows)
-        self.cache.begin_mtp_pass(ctx.seqs, {request_id: pages for request_id, pages, _, _ in parts})
-        logits, h = self.drafter.forward(hidden[torch.tensor(rows, device=hidden.device)], ctx.input_ids, ctx, self.cache)
+        logits = self.executor.draft_extend(plan)
         if drafting:
-            selection = {r.request_id: ctx.selection[r.request_id][-1:] for r, _ in drafting
-                         if r.request_id in ctx.selection}
-            self._chain([r for r, _ in drafting], [ctx.seqs[i] for _, i in drafting], logits, h, selection, generators)
+            self._chain(drafting, logits, generators)
 
-    def _chain(self, reqs, seqs, logits: torch.Tensor, h: torch.Tensor, selection: dict, generators: dict) -> None:
+    def _chain(self, reqs, logits: torch.Tensor, generators: dict) -> None:
         """Draft steps 1..K: step 1 from the extend rows, then the MTP layer on its own output."""
         drafts = [[] for _ in reqs]
         for step in range(self.k):
             if step:
-                logits, h = self._draft_step(seqs, step, [d[-1].token for d in drafts], h, selection)
+                logits = self.executor.draft_step(step, [d[-1].token for d in drafts])
             greedy = logits.argmax(-1).tolist()  # every greedy draft in one op; B ints cross to the host, not B x V
             for i, req in enumerate(reqs):
                 drafts[i].append(Draft(greedy[i], None) if req.params.greedy else
@@ -208,8 +245,3 @@ class Speculator:
             room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             self.drafts[req.request_id] = d[:max(room, 0)]
             req.draft_token_ids[:] = [x.token for x in self.drafts[req.request_id]]
-
-    def _draft_step(self, seqs, step: int, tokens: list[int], h: torch.Tensor, selection: dict):
-        """One row per request at the position after its last verified one + step - 1: reads, never writes."""
-        ctx = self.runner.build_draft_step_context(seqs, step, tokens, selection)
-        return self.drafter.forward(h, ctx.input_ids, ctx, self.cache)

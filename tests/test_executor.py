@@ -23,6 +23,9 @@ class PicklingExecutor(InProcessExecutor):
         self.steps += 1
         return super().execute(pickle.loads(pickle.dumps(step)))
 
+    def draft_extend(self, plan):
+        return super().draft_extend(pickle.loads(pickle.dumps(plan)))
+
 
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True), dict(num_speculative_tokens=2)],
                          ids=["pool", "tiered", "mtp"])
@@ -32,6 +35,8 @@ def test_a_step_crosses_the_executor_boundary_as_plain_data(options):
     seen = []
     llm.engine.executor.add_observer(lambda step, out: seen.append(step))
     llm.engine.executor = PicklingExecutor(llm.engine.executor)
+    if llm.engine.speculator is not None:
+        llm.engine.speculator.executor = llm.engine.executor
     got = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]  # the same operations on the same values

@@ -35,11 +35,12 @@ PKG = "sparsekv"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # no sparsekv imports but each other's; engine_args/units: the engine options' argparse (torch-free)
     ("basics", ("config", "request", "context", "paths", "units", "engine_args", "detokenize", "sampling",
-                "kernels")),
+                "kernels", "hub")),
+    ("collectives", ("parallel.comm", "parallel.layout")),  # who holds which slice; torch.distributed calls
     ("model", ("model",)),                   # the network: reads the cache only through context.py
     ("cache", ("cache",)),                   # page allocator, prefix cache and its tiers, pools, tiering
     ("scheduling", ("scheduler", "runner", "speculative", "structured")),
-    ("engine", ("engine", "llm", "executor", "input_processor", "output_processor", "__init__")),
+    ("engine", ("engine", "llm", "executor", "parallel", "input_processor", "output_processor", "__init__")),
     ("server", ("server",)),
     ("train", ("train",)),                   # the bundled model's training: uses model/, not the engine
     ("tools", ("tools",)),                   # benchmarks, planner, evals; they also use train/ (data, stages)

@@ -122,8 +122,8 @@ def test_drafts_equal_the_mtp_layer_over_the_whole_sequence(model, repeat):
     spec = llm.engine.speculator
     real = spec.draft
 
-    def record(chunks, hidden, generators):
-        real(chunks, hidden, generators)
+    def record(chunks, generators):
+        real(chunks, generators)
         for ch in chunks:
             req = ch.request
             if req.draft_token_ids:  # the first draft: from the extend step's cache
@@ -144,7 +144,7 @@ def test_drafts_equal_the_mtp_layer_over_the_whole_sequence(model, repeat):
     with torch.inference_mode():
         hidden = m.hidden_states(ctx_for(n, torch.arange(n)), cache)
         ctx = ctx_for(n - 1, torch.arange(n - 1))
-        logits, _ = MTPDrafter(m).forward(hidden[:n - 1], torch.tensor(ids[1:n]), ctx, cache)
+        logits, _ = MTPDrafter(m, None, None).forward(hidden[:n - 1], torch.tensor(ids[1:n]), ctx, cache)
     predicted = {p + 2: int(logits[p].argmax()) for p in range(n - 1)}  # row p predicts token p + 2
     assert len(drafts) > 10
     for position, token in drafts:
@@ -174,18 +174,21 @@ def test_every_draft_step_equals_a_reference_mtp_chain(model, repeat):
     from mtp_reference import ReferenceMTP
     k = 3
     llm = LLM(model, num_speculative_tokens=k, **OPTIONS)
-    spec, chains = llm.engine.speculator, []
-    real_chain, real_step = spec._chain, spec._draft_step
+    executor, chains = llm.engine.executor, []
+    real_extend, real_step = executor.draft_extend, executor.draft_step
 
-    def chain(reqs, seqs, logits, h, selection, generators):
-        chains.append((reqs[0].num_computed_tokens, [logits[0].clone()]))
-        real_chain(reqs, seqs, logits, h, selection, generators)
+    def extend(plan):
+        logits = real_extend(plan)
+        if plan.drafting:
+            _, _, start, next_tokens = plan.parts[plan.drafting[0]]
+            chains.append((start + len(next_tokens), [logits[0].clone()]))
+        return logits
 
-    def step(seqs, index, tokens, h, selection):
-        logits, h = real_step(seqs, index, tokens, h, selection)
+    def step(index, tokens):
+        logits = real_step(index, tokens)
         chains[-1][1].append(logits[0].clone())
-        return logits, h
-    spec._chain, spec._draft_step = chain, step
+        return logits
+    executor.draft_extend, executor.draft_step = extend, step
     out = llm.generate([PROMPTS[1] * repeat], GREEDY)[0]
     ids = out.prompt_token_ids + out.token_ids
     assert (len(out.prompt_token_ids) > llm.engine.model.cfg.index_topk) == (repeat > 1)

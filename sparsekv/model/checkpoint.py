@@ -139,50 +139,79 @@ def check_names(cfg: ModelConfig, available: set[str], path: str, drop_extra_ind
     return want
 
 
-def dequantize_fp8(w8: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
-    out, inp = w8.shape
+def dequantize_fp8(w8: torch.Tensor, scale_inv: torch.Tensor, name: str,
+                   full_shape: tuple[int, int] | None = None, offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """W8 * its 128x128 block scales. A slice of a tensor (tensor parallelism) gives the whole tensor's
+    shape and the slice's first (row, column): each element keeps the scale of its block."""
+    out, inp = full_shape or w8.shape
     rows, cols = -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK)
     if tuple(scale_inv.shape) != (rows, cols):
         raise CheckpointError(f"{name}_scale_inv: shape {tuple(scale_inv.shape)}, expected {(rows, cols)} for 128x128 blocks")
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inp]
-    return w8.float() * scale
+    r = torch.arange(offset[0], offset[0] + w8.shape[0]) // FP8_BLOCK
+    c = torch.arange(offset[1], offset[1] + w8.shape[1]) // FP8_BLOCK
+    return w8.float() * scale_inv.float()[r][:, c]
 
 
-def _read(files: dict[str, str], name: str, handles: dict) -> torch.Tensor:
+def _handle(files: dict[str, str], name: str, handles: dict):
     file = files[name]
     if file not in handles:
         handles[file] = safe_open(file, "pt")
-    return handles[file].get_tensor(name)
+    return handles[file]
+
+
+def _read(files: dict[str, str], name: str, handles: dict, shard: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The tensor, or only its slice (dim, start, end): safetensors reads just those bytes."""
+    if shard is None:
+        return _handle(files, name, handles).get_tensor(name)
+    dim, start, end = shard
+    part = _handle(files, name, handles).get_slice(name)
+    return part[start:end] if dim == 0 else part[:, start:end]
+
+
+def _load_one(files, name: str, shape: tuple, handles: dict, path: str, layout) -> torch.Tensor:
+    found = tuple(_handle(files, name, handles).get_slice(name).get_shape())
+    if found != tuple(shape):
+        raise CheckpointError(f"{path}: tensor {name} has shape {found}, config implies {tuple(shape)}")
+    shard = layout.shard(name, found) if layout is not None else None
+    t = _read(files, name, handles, shard)
+    if t.dtype == torch.float8_e4m3fn:
+        scale_name = name + "_scale_inv"
+        if scale_name not in files:
+            raise CheckpointError(f"{path}: FP8 tensor {name} has no {scale_name}")
+        offset = (0, 0) if shard is None else ((shard[1], 0) if shard[0] == 0 else (0, shard[1]))
+        t = dequantize_fp8(t, _read(files, scale_name, handles), name, found, offset)
+    return t
 
 
 def load_tensors(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 drop_extra_indexers: bool = False) -> dict[str, torch.Tensor]:
+                 drop_extra_indexers: bool = False, layout=None) -> dict[str, torch.Tensor]:
+    """Every tensor the model needs, checked against the config; with a `ParallelLayout`, only this
+    rank's slices (no rank ever reads the whole model)."""
     files = list_tensor_files(path)
     want = check_names(cfg, set(files), path, drop_extra_indexers)
     handles: dict = {}
     out = {}
     for name, shape in want.items():
-        t = _read(files, name, handles)
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{path}: tensor {name} has shape {tuple(t.shape)}, config implies {tuple(shape)}")
-        if t.dtype == torch.float8_e4m3fn:
-            scale_name = name + "_scale_inv"
-            if scale_name not in files:
-                raise CheckpointError(f"{path}: FP8 tensor {name} has no {scale_name}")
-            t = dequantize_fp8(t, _read(files, scale_name, handles), name)
+        if layout is not None and not layout.holds(name, cfg):
+            continue
+        t = _load_one(files, name, shape, handles, path, layout)
         keep_fp32 = name.endswith("e_score_correction_bias") or name.endswith("weights_proj.weight")
         out[name] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype).contiguous()
     return out
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, overrides: dict | None = None,
-               selector: str = "dsa", quest_page_tokens: int = 16):
+               selector: str = "dsa", quest_page_tokens: int = 16, layout=None, comm=None):
     """The model with its token selector: the checkpoint's lightning indexers (DSA), or Quest over
-    pages of `quest_page_tokens` positions (its per-page state is sized with the cache)."""
-    from .model import DSAModel
+    pages of `quest_page_tokens` positions (its per-page state is sized with the cache). With a
+    `ParallelLayout` and its group's `comm`: this rank's shard (parallel/layout.py)."""
+    from .model import SINGLE_RANK, DSAModel
     from .selectors import install_quest
     cfg = ModelConfig.from_json(path, overrides)
-    model = DSAModel(cfg, load_tensors(path, cfg, dtype, device, bool(overrides)), dtype, device)
+    if layout is not None:
+        layout.check_model(cfg)
+    tensors = load_tensors(path, cfg, dtype, device, bool(overrides), layout)
+    model = DSAModel(cfg, tensors, dtype, device, comm or SINGLE_RANK)
     if selector == "quest":
         install_quest(model, quest_page_tokens)
     return model

@@ -127,7 +127,10 @@ def route_experts(cfg: ModelConfig, x: torch.Tensor, router: torch.Tensor, bias:
 
 
 class MoE:
-    """DeepSeekMoE: sigmoid router (fp32) with selection-only bias, group-limited top-k, shared experts."""
+    """DeepSeekMoE: sigmoid router (fp32) with selection-only bias, group-limited top-k, shared experts.
+
+    Under parallelism the output is this rank's partial sum (sharded experts, or only its own experts
+    with expert parallelism; a None expert is another rank's); the decoder layer all-reduces it."""
 
     def __init__(self, cfg: ModelConfig, router: torch.Tensor, bias: torch.Tensor,
                  experts: list[DenseMLP], shared: DenseMLP):
@@ -142,9 +145,12 @@ class MoE:
         out = torch.zeros_like(x)
         if x.shape[0] == 1:  # decode: no scatter needed
             for e, w in sorted(zip(ids[0].tolist(), weights[0])):
-                out += (self.experts[e](x) * w).to(out.dtype)
+                if self.experts[e] is not None:
+                    out += (self.experts[e](x) * w).to(out.dtype)
             return out + self.shared(x)
         for e in torch.unique(ids).tolist():  # ascending expert id, as the reference iterates
+            if self.experts[e] is None:  # another rank's (expert parallelism): its share of the sum comes there
+                continue
             token_idx, slot = torch.where(ids == e)
             y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(out.dtype))

@@ -5,27 +5,32 @@ logits = lm_head(norm(h)) for the rows the step samples from.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..context import ForwardContext
+from ..parallel.comm import SingleRank
 from .attention import AttentionWeights, MLAttention
 from .indexer import IndexerWeights, LightningIndexer, ScoreScratch
 from .layers import MoE, DenseMLP, RotaryTable, rms_norm
 
 
+SINGLE_RANK = SingleRank()
+
+
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, attn: MLAttention, ffn, input_norm, post_norm):
-        self.cfg, self.attn, self.ffn = cfg, attn, ffn
+    """`comm` sums the row-parallel partial outputs of attention and the FFN across tensor ranks."""
+
+    def __init__(self, cfg: ModelConfig, attn: MLAttention, ffn, input_norm, post_norm, comm=SINGLE_RANK):
+        self.cfg, self.attn, self.ffn, self.comm = cfg, attn, ffn, comm
         self.input_norm, self.post_norm = input_norm, post_norm
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
-        h = h + self.attn.forward(rms_norm(h, self.input_norm, eps), ctx, cache)
-        return h + self.ffn(rms_norm(h, self.post_norm, eps))
+        h = h + self.comm.all_reduce(self.attn.forward(rms_norm(h, self.input_norm, eps), ctx, cache))
+        return h + self.comm.all_reduce(self.ffn(rms_norm(h, self.post_norm, eps)))
 
 
 @dataclass
@@ -42,28 +47,35 @@ class MTPHead:
 
 
 class DSAModel:
-    """Weights plus forward. Holds no cache: the cache pool is passed in with each step."""
+    """Weights plus forward. Holds no cache: the cache pool is passed in with each step.
 
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
-        self.cfg, self.dtype, self.device = cfg, dtype, device
+    Under tensor parallelism `tensors` holds this rank's slices (parallel/layout.py) and `comm` the
+    group's collectives; `cfg` stays the whole model's config."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 comm=SINGLE_RANK):
+        self.cfg, self.dtype, self.device, self.comm = cfg, dtype, device, comm
         self.embed = tensors["model.embed_tokens.weight"]
         self.norm = tensors["model.norm.weight"]
         self.lm_head = tensors["lm_head.weight"] if "lm_head.weight" in tensors else self.embed
         self.index_scratch = ScoreScratch()   # shared by every indexer: layers run one at a time
-        self.layers = [build_layer(cfg, i, tensors, cfg.indexer_types[i] == "full", cfg.mlp_layer_types[i],
-                                   self.index_scratch) for i in range(cfg.num_hidden_layers)]
-        self.mtp = build_mtp(cfg, tensors, self.index_scratch)
+        local = replace(cfg, num_attention_heads=cfg.num_attention_heads // comm.world_size)
+        self.layers = [build_layer(local, i, tensors, cfg.indexer_types[i] == "full", cfg.mlp_layer_types[i],
+                                   self.index_scratch, comm) for i in range(cfg.num_hidden_layers)]
+        self.mtp = build_mtp(local, tensors, self.index_scratch, comm)
         self.rotary = RotaryTable(cfg, dtype, device)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     def hidden_states(self, ctx: ForwardContext, cache) -> torch.Tensor:
         ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions)
-        h = F.embedding(ctx.input_ids, self.embed)
+        h = self.comm.embed(ctx.input_ids, self.embed)
         for layer in self.layers:
             h = layer.forward(h, ctx, cache)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head).float()
+    def logits(self, h: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of final hidden states, by the lm_head (or another head: the MTP layer's own)."""
+        return self.comm.vocab_logits(h, self.lm_head if head is None else head)
 
     def selectors(self) -> list:
         """The distinct token selectors of the full layers (and the MTP layer's)."""
@@ -81,7 +93,7 @@ def _p(tensors: dict, prefix: str, name: str) -> torch.Tensor:
 
 
 def build_layer(cfg: ModelConfig, i: int, tensors: dict, has_indexer: bool, mlp_type: str,
-                scratch: ScoreScratch | None = None) -> DecoderLayer:
+                scratch: ScoreScratch | None = None, comm=SINGLE_RANK) -> DecoderLayer:
     p = f"model.layers.{i}"
     a = f"{p}.self_attn"
     attn_w = AttentionWeights(*(_p(tensors, a, n) for n in (
@@ -95,7 +107,8 @@ def build_layer(cfg: ModelConfig, i: int, tensors: dict, has_indexer: bool, mlp_
             _p(tensors, ix, "k_norm.bias"), _p(tensors, ix, "weights_proj.weight").float()), scratch)
     ffn = build_ffn(cfg, f"{p}.mlp", tensors, mlp_type)
     return DecoderLayer(cfg, MLAttention(cfg, i, attn_w, indexer), ffn,
-                        _p(tensors, p, "input_layernorm.weight"), _p(tensors, p, "post_attention_layernorm.weight"))
+                        _p(tensors, p, "input_layernorm.weight"), _p(tensors, p, "post_attention_layernorm.weight"),
+                        comm)
 
 
 def _mlp(tensors: dict, prefix: str) -> DenseMLP:
@@ -105,17 +118,19 @@ def _mlp(tensors: dict, prefix: str) -> DenseMLP:
 def build_ffn(cfg: ModelConfig, prefix: str, tensors: dict, mlp_type: str):
     if mlp_type == "dense":
         return _mlp(tensors, prefix)
-    experts = [_mlp(tensors, f"{prefix}.experts.{e}") for e in range(cfg.n_routed_experts)]
+    # None: an expert another rank computes (expert parallelism)
+    experts = [_mlp(tensors, f"{prefix}.experts.{e}") if f"{prefix}.experts.{e}.down_proj.weight" in tensors else None
+               for e in range(cfg.n_routed_experts)]
     return MoE(cfg, _p(tensors, prefix, "gate.weight"), _p(tensors, prefix, "gate.e_score_correction_bias"),
                experts, _mlp(tensors, f"{prefix}.shared_experts"))
 
 
-def build_mtp(cfg: ModelConfig, tensors: dict, scratch: ScoreScratch | None = None) -> MTPHead | None:
+def build_mtp(cfg: ModelConfig, tensors: dict, scratch: ScoreScratch | None = None, comm=SINGLE_RANK) -> MTPHead | None:
     i = cfg.num_hidden_layers
     p = f"model.layers.{i}"
     if f"{p}.eh_proj.weight" not in tensors:
         return None
-    return MTPHead(build_layer(cfg, i, tensors, True, "sparse" if cfg.n_routed_experts else "dense", scratch),
+    return MTPHead(build_layer(cfg, i, tensors, True, "sparse" if cfg.n_routed_experts else "dense", scratch, comm),
                    tensors[f"{p}.enorm.weight"], tensors[f"{p}.hnorm.weight"], tensors[f"{p}.eh_proj.weight"],
                    tensors[f"{p}.shared_head.norm.weight"], tensors.get(f"{p}.embed_tokens.weight"),
                    tensors.get(f"{p}.shared_head.head.weight"))

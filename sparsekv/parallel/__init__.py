@@ -1,0 +1,1 @@
+"""Running one model across ranks on torch.distributed: layouts, collectives, executors (docs/parallel.md)."""
