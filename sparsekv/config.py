@@ -250,6 +250,8 @@ class EngineConfig:
     batch_dense_decodes: bool = True
     seed: int = 0
     tokenizer: str | None = None
+    # The Hub revision (branch, tag or commit) of a `model` given as a repo id (hub.py); ignored for a directory.
+    revision: str | None = None
     # torch intra-op threads (None: torch's default). On a small shared CPU, 1 avoids ops that wait
     # for a busy core: 2 threads made a tiny-model decode step 40x slower there.
     num_threads: int | None = None
