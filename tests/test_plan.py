@@ -145,9 +145,9 @@ def test_decode_reads_only_activated_experts():
     step = estimate_step(cfg, dep, Workload(((K128, 1.0),), concurrency=1))
     experts = next(s for s in step.stages if s.name == "experts")
     c = param_counts(cfg)
-    assert experts.bytes * dep.ep == pytest.approx(8 * c.expert * 75, rel=0.001)  # fp8, 8 of 256
+    assert experts.bytes * dep.expert_shards == pytest.approx(8 * c.expert * 75, rel=0.001)  # fp8, 8 of 256
     big = estimate_step(cfg, dep, Workload(((K128, 1.0),), concurrency=4096))
-    assert next(s for s in big.stages if s.name == "experts").bytes * dep.ep == pytest.approx(
+    assert next(s for s in big.stages if s.name == "experts").bytes * dep.expert_shards == pytest.approx(
         c.routed_total, rel=0.01)
 
 
@@ -293,7 +293,7 @@ def test_glm52_proportions_preset_has_the_flagships_decode_cost_structure():
     """`bench tiers --preset glm5.2-proportions` stands in for GLM-5.2 in the fixed-budget run: the
     ratio of weights to one request's cache reads per step must be GLM-5.2's, not tiny-bench's."""
     from sparsekv.tools.tiny import PRESETS
-    cpu = Deployment(HW["h200"].with_node(gpus_per_node=1), tp=1, ep=1, weight_format="fp32",
+    cpu = Deployment(HW["h200"].with_node(gpus_per_node=1), tp=1, ep=False, weight_format="fp32",
                      latent_format="fp32", indexer_format="fp32")
     flagship = _weight_to_request_kv_ratio(model("glm-5.2"), Deployment(HW["h200"]))
     stand_in = _weight_to_request_kv_ratio(

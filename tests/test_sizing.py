@@ -23,3 +23,108 @@ def test_engine_pools_hold_what_sizing_says(glm_ckpt, dtype, kv_cache_dtype, ind
     assert pool.latent_bytes_per_token() == latent_bytes_per_token(cfg, row)
     assert pool.index_bytes_per_token() == index_bytes_per_token(cfg, key_fmt)
     assert pool.index_bytes_per_token() == len(cfg.full_layers) * indexer_bytes_per_token_layer(cfg, key_fmt)
+
+
+# ------------------------------------------------------------------ one rank of a parallel layout
+
+def _tiny_cfg():
+    from sparsekv.config import ModelConfig
+    from sparsekv.tools.tiny import TINY_GLM
+    return ModelConfig.from_dict({"model_type": "glm_moe_dsa", **TINY_GLM})
+
+
+# TINY_GLM by hand: hidden 64, 4 layers (1 dense + 3 MoE), 4 heads, q_lora 32, C 32 + R 8, nope 16, v 16,
+# indexer 8 heads x 16 in 2 layers (FSSF), 4 experts of 32, 1 shared expert, dense MLP 128, vocab 256.
+TINY_REPLICATED = (4 * (2 * 64 + 32 * 64 + 32 + 40 * 64 + 32)   # norms, q_a, q_a norm, kv_a, kv_a norm
+                   + 2 * (8 * 16 * 32 + 16 * 64 + 2 * 16 + 8 * 64)  # indexer: wq_b, wk, k_norm, weights_proj
+                   + 3 * (4 * 64 + 4)                               # router and correction bias
+                   + 64)                                            # final norm
+TINY_SHARDED = (4 * (4 * 24 * 32 + 4 * 32 * 32 + 64 * 4 * 16)  # q_b, kv_b, o_proj
+                + 3 * 128 * 64 + 3 * (3 * 32 * 64)               # dense MLP, shared experts
+                + 2 * 256 * 64)                                   # embedding, lm_head
+TINY_EXPERTS = 3 * 4 * 3 * 32 * 64
+
+
+def test_rank_weights_are_replicated_plus_split_parts_by_hand():
+    from sparsekv.cache.sizing import Parallelism, params_per_rank, weight_bytes_per_rank
+    cfg = _tiny_cfg()
+    one = params_per_rank(cfg, Parallelism())
+    assert (one.replicated, one.sharded, one.experts) == (TINY_REPLICATED, TINY_SHARDED, TINY_EXPERTS)
+    tp2 = weight_bytes_per_rank(cfg, Parallelism(tp=2), "fp32")
+    assert tp2.total == 4 * (TINY_REPLICATED + TINY_SHARDED // 2 + TINY_EXPERTS // 2)
+    # expert parallelism over dp ranks: 2 whole experts each, the rest replicated at tp = 1
+    ep = params_per_rank(cfg, Parallelism(tp=1, dp=2, ep=True))
+    assert (ep.replicated, ep.sharded, ep.experts) == (TINY_REPLICATED, TINY_SHARDED, TINY_EXPERTS // 2)
+    assert params_per_rank(cfg, Parallelism(tp=1, dp=2)).experts == TINY_EXPERTS  # no EP: whole replicas
+    # bf16: the router's correction bias (3 x 4) and the indexer's weights_proj (2 x 8 x 64) stay fp32
+    bf16 = weight_bytes_per_rank(cfg, Parallelism(), "bf16").total
+    assert bf16 == 2 * one.total + 2 * (3 * 4 + 2 * 8 * 64)
+
+
+def test_rank_weights_at_tp1_are_the_planners_parameter_count():
+    from sparsekv.cache.sizing import Parallelism, params_per_rank
+    from sparsekv.tools.plan_costs import param_counts
+    from sparsekv.tools.plan_presets import load_model
+    for name in ("glm-5", "glm-5.2", "deepseek-v3.2"):
+        cfg = load_model(name)[1]
+        assert params_per_rank(cfg, Parallelism()).total == param_counts(cfg).total
+
+
+def test_fp8_weights_keep_one_scale_per_128x128_block_of_the_slice():
+    from sparsekv.cache.sizing import _tensor_bytes
+    assert _tensor_bytes((300, 200), "quantized", "fp8") == 300 * 200 + 4 * 3 * 2
+    assert _tensor_bytes((300, 200), "plain", "fp8") == 2 * 300 * 200       # bf16 in FP8 releases
+    assert _tensor_bytes((300,), "fp32", "bf16") == 4 * 300
+    assert _tensor_bytes((300, 200), "quantized", "bf16") == 2 * 300 * 200
+
+
+def test_bad_parallel_sizes_name_the_option():
+    from sparsekv.cache.sizing import Parallelism
+    from sparsekv.config import ConfigError
+    cfg = _tiny_cfg()
+    with pytest.raises(ConfigError, match=r"num_attention_heads \(4\) is not divisible .*--tp.*3"):
+        Parallelism(tp=3).check(cfg)
+    with pytest.raises(ConfigError, match=r"n_routed_experts \(4\) .* world size 3 \(--tp 1 x --dp 3\) .*--ep"):
+        Parallelism(tp=1, dp=3, ep=True).check(cfg)
+    Parallelism(tp=1, dp=3).check(cfg)  # no EP: every dp rank holds all experts
+    with pytest.raises(ConfigError, match="--dp"):
+        Parallelism(tp=1, dp=0).check(cfg)
+
+
+def test_collective_bytes_by_hand():
+    from sparsekv.cache.sizing import Parallelism, collectives
+    cfg = _tiny_cfg()
+    assert collectives(cfg, Parallelism(), "fp32") == []
+    assert collectives(cfg, Parallelism(tp=1, dp=2), "fp32") == []  # replicas without EP never talk
+    tp2 = {c.name: c for c in collectives(cfg, Parallelism(tp=2), "fp32")}
+    # ring all-reduce of one fp32 hidden state over 2 ranks sends 2 x 1/2 x 64 x 4 = 256 B per rank
+    assert [(c.op, c.per_token, c.times) for c in tp2.values()] == [
+        ("all_reduce", 256, 4), ("all_reduce", 256, 4), ("all_reduce", 256, 1), ("all_gather", 256 * 4 / 2, 1)]
+    # EP over dp = 2: k = 2 copies of 64 fp32 values, half of them off-rank, there and back
+    (moe,) = collectives(cfg, Parallelism(tp=1, dp=2, ep=True), "fp32")
+    assert (moe.op, moe.ranks, moe.times, moe.per_token) == ("all_to_all", 2, 3, 2 * 2 * 64 * 4 / 2)
+    assert collectives(cfg, Parallelism(tp=2, ep=True), "bf16")[1].per_token == 128  # dp 1: no all_to_all
+    assert len(collectives(cfg, Parallelism(tp=2, ep=True), "bf16")) == 4
+
+
+@pytest.mark.parametrize("family", ["glm", "ds"])
+def test_engine_loads_what_sizing_says_per_rank(request, family):
+    """The tensors the engine loads on each rank weigh what weight_bytes_per_rank says."""
+    import torch
+
+    from sparsekv.cache.sizing import Parallelism, weight_bytes_per_rank
+    from sparsekv.config import ModelConfig
+    from sparsekv.model.checkpoint import load_tensors
+    path, _ = request.getfixturevalue(f"{family}_ckpt")
+    cfg = ModelConfig.from_json(path)
+    for dtype, fmt in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        loaded = load_tensors(path, cfg, dtype, torch.device("cpu"))
+        assert sum(t.numel() * t.element_size() for t in loaded.values()) == \
+            weight_bytes_per_rank(cfg, Parallelism(), fmt).total
+    layout = pytest.importorskip("sparsekv.parallel.layout")
+    for tp, ep in ((2, False), (2, True)):
+        want = weight_bytes_per_rank(cfg, Parallelism(tp=tp, ep=ep), "fp32").total
+        for rank in range(tp):
+            loaded = load_tensors(path, cfg, torch.float32, torch.device("cpu"),
+                                  layout=layout.ParallelLayout(tp, 1, ep, rank))
+            assert sum(t.numel() * t.element_size() for t in loaded.values()) == want

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from sparsekv.config import ConfigError, ModelConfig
@@ -21,6 +20,7 @@ from sparsekv.tools.hardware import Hardware, load_hardware
 from sparsekv.tools.plan_capacity import cache_sizes, capacity, capacity_limit, hot_buffer_bytes
 from sparsekv.tools.plan_compare import published_comparisons
 from sparsekv.tools.plan_costs import flop_table, param_counts
+from sparsekv.tools.plan_parallel import parallel_section
 from sparsekv.tools.plan_decode import FUSED, TORCH_EAGER, EngineProfile, estimate_step, predict_decode_step_ms
 from sparsekv.tools.plan_presets import PRESETS as MODEL_PRESETS
 from sparsekv.tools.plan_presets import load_model
@@ -41,10 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sparsekv plan", description="Capacity planner and decode roofline for DSA models.")
     p.add_argument("model", help=f"preset ({', '.join(MODEL_PRESETS)}) or a config.json / checkpoint dir")
     p.add_argument("--hardware", default="h200", help=f"{', '.join(HW_PRESETS)}, this-cpu, or a JSON profile")
+    p.add_argument("--nodes", type=int, default=1, help="nodes serving one model replica (default 1)")
     p.add_argument("--gpus-per-node", type=int, help="default: the hardware preset's")
     p.add_argument("--host-dram-gb", type=float, help="host DRAM per node (default: the preset's)")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree of attention (default 1: DP attention)")
-    p.add_argument("--ep", type=int, help="expert parallel degree (default: GPUs per node)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1); tp x dp = GPUs")
+    p.add_argument("--dp", type=int, help="data-parallel attention ranks (default: GPUs / tp)")
+    p.add_argument("--ep", action=argparse.BooleanOptionalAction, default=True,
+                   help="expert parallelism: E / (tp x dp) whole routed experts per GPU (default on; "
+                        "--no-ep splits every expert over tp)")
     p.add_argument("--weights", choices=FORMATS, help="default fp8 (fp32 on this-cpu)")
     p.add_argument("--latent-cache", choices=FORMATS, help="default fp8, FlashMLA's 656 B format (fp32 on this-cpu)")
     p.add_argument("--indexer-cache", choices=FORMATS, help="default fp8, 132 B (fp32 on this-cpu)")
@@ -64,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-gbps", type=float, default=DEFAULT_DISK_GBPS,
                    help=f"disk read bandwidth (default {DEFAULT_DISK_GBPS}, one PCIe Gen4 NVMe drive)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--parallel-only", action="store_true",
+                   help="print only the parallel layout: weights and KV per GPU, requests per node, collectives")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the concurrency x context sweep")
     p.add_argument("--sweep", action="store_true", help="concurrency x context table, with and without tiering")
     return p
@@ -72,12 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _deployment(args, hw: Hardware) -> Deployment:
     hw = hw.with_node(args.gpus_per_node, args.host_dram_gb)
     default_fmt = "fp32" if hw.measured else "fp8"
-    dep = Deployment(hw, tp=args.tp, ep=args.ep or hw.gpus_per_node,
+    dep = Deployment(hw, tp=args.tp, dp=args.dp, ep=args.ep, nodes=args.nodes,
                      weight_format=args.weights or default_fmt,
                      latent_format=args.latent_cache or default_fmt,
                      indexer_format=args.indexer_cache or default_fmt, mem_fraction=args.mem_fraction)
     dep.validate()
     return dep
+
+
+def _machine(dep: Deployment) -> str:
+    node = f"{dep.gpus_per_node}x {dep.hardware.name}"
+    return node if dep.nodes == 1 else f"{dep.nodes}x{node}"
 
 
 def _workload(args, cfg: ModelConfig) -> Workload:
@@ -150,13 +161,13 @@ def _misfit_message(cap, dep: Deployment, wl: Workload, over: str, memory: dict)
         fp8 = "" if dep.weight_format == "fp8" else " or use --weights fp8"
         return (f"does not fit: weights need {cap.weights_per_gpu / gb:.1f} GB per GPU, only "
                 f"{dep.hardware.device_mem_bytes * dep.mem_fraction / gb:.1f} GB usable; spread them over more "
-                f"GPUs (--gpus-per-node, --ep, --tp){fp8} (binding: HBM capacity)")
+                f"GPUs (--nodes, --gpus-per-node, --tp, --ep){fp8} (binding: HBM capacity)")
     if over == "host capacity":
         return (f"does not fit even with tiering: {wl.concurrency} requests need {cap.host_needed / gb:.0f} GB "
                 f"of host DRAM, the node has {memory['host_available'] / gb:.0f} GB usable; max "
                 f"{cap.per_node['tiering']} per node (binding: host capacity)")
     policy = "tiering" if wl.tiering else "no_tiering"
-    need = math.ceil(wl.concurrency / dep.attention_ranks)
+    need = dep.requests_per_rank(wl.concurrency)
     text = (f"{need} requests per GPU x {cap.device_per_request[policy] / gb:.2f} GB exceed the "
             f"{cap.usable_per_gpu / gb:.1f} GB cache budget; max {cap.per_node[policy]} per node")
     if wl.tiering:
@@ -169,8 +180,8 @@ def build_plan(name: str, cfg: ModelConfig, dep: Deployment, wl: Workload, profi
     memory = memory_section(cfg, dep, wl)
     decode = decode_section(cfg, dep, wl, profile)
     return {"model": model_summary(name, cfg), "hardware": dep.hardware.to_dict(),
-            "deployment": {"gpus_per_node": dep.gpus, "tp": dep.tp, "ep": dep.ep,
-                           "attention_ranks": dep.attention_ranks, "weights": dep.weight_format,
+            "deployment": {"nodes": dep.nodes, "gpus_per_node": dep.gpus_per_node, "tp": dep.tp, "dp": dep.dp,
+                           "ep": dep.ep, "attention_ranks": dep.attention_ranks, "weights": dep.weight_format,
                            "latent_cache": dep.latent_format, "indexer_cache": dep.indexer_format,
                            "mem_fraction": dep.mem_fraction},
             "workload": {"contexts": [list(c) for c in wl.contexts], "mean_context": wl.mean_context,
@@ -178,7 +189,7 @@ def build_plan(name: str, cfg: ModelConfig, dep: Deployment, wl: Workload, profi
                          "tiering": wl.tiering, "device_buffer_tokens": wl.device_buffer_tokens or
                          2 * (wl.topk or cfg.index_topk), "miss_rate": wl.miss_rate,
                          "attention": wl.attention_mode},
-            "memory": memory, "decode": decode, "verdict": verdict(cfg, dep, wl, memory, decode),
+            "memory": memory, "parallel": parallel_section(cfg, dep, wl), "decode": decode, "verdict": verdict(cfg, dep, wl, memory, decode),
             "warnings": warnings(cfg, wl),
             "flops_per_token": flop_table(cfg), "published": published_comparisons(cfg, name)}
 
@@ -198,6 +209,7 @@ def _run(args) -> int:
     name, cfg = load_model(args.model)
     hw = load_hardware(args.hardware)
     dep, wl = _deployment(args, hw), _workload(args, cfg)
+    dep.parallelism.check(cfg)
     profile = PROFILES[args.profile] if args.profile else (TORCH_EAGER if hw.measured else FUSED)
     plan = build_plan(name, cfg, dep, wl, profile)
     if args.prefix_cache_host_gb < 0 or args.prefix_cache_disk_tb < 0 or args.disk_gbps <= 0:
@@ -209,9 +221,11 @@ def _run(args) -> int:
     if args.sweep:
         plan["sweep"] = points
     if args.plot:
-        plan_sweep.plot_sweep(points, args.plot, f"{name} on {dep.gpus}x {hw.name}")
+        plan_sweep.plot_sweep(points, args.plot, f"{name} on {_machine(dep)}")
     if args.json:
         print(json.dumps(plan, indent=1, default=float))
+    elif args.parallel_only:
+        plan_report.print_parallel(plan)
     else:
         plan_report.print_plan(plan, points if args.sweep else None)
     return 0 if plan["verdict"]["fits"] else 1

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sparsekv.cache.sizing import element_bytes, indexer_bytes_per_token_layer, latent_bytes_per_token_layer
+from sparsekv.cache.sizing import (RankWeights, element_bytes, indexer_bytes_per_token_layer,
+                                   latent_bytes_per_token_layer, weight_bytes_per_rank)
 from sparsekv.config import ModelConfig
-from sparsekv.tools.plan_costs import FP8_WEIGHT_TILE, ParamCounts, param_counts
+from sparsekv.tools.plan_costs import FP8_WEIGHT_TILE
 from sparsekv.tools.plan_workload import Deployment, Workload
 
 
@@ -23,13 +24,9 @@ def vocab_weight_format(fmt: str) -> str:
     return "bf16" if fmt == "fp8" else fmt
 
 
-def weights_per_gpu(counts: ParamCounts, dep: Deployment) -> float:
-    """Routed experts split over EP; everything else over TP (replicated across attention ranks)."""
-    vocab = counts.embedding + counts.lm_head
-    other = counts.non_expert - counts.lm_head
-    return (weight_bytes(other, dep.weight_format) / dep.tp
-            + weight_bytes(vocab, vocab_weight_format(dep.weight_format)) / dep.tp
-            + weight_bytes(counts.routed_total, dep.weight_format) / dep.ep)
+def rank_weights(cfg: ModelConfig, dep: Deployment) -> RankWeights:
+    """What one GPU holds of the main model (cache/sizing.py, the engine's own split)."""
+    return weight_bytes_per_rank(cfg, dep.parallelism, dep.weight_format)
 
 
 @dataclass(frozen=True)
@@ -88,9 +85,10 @@ def hot_buffer_bytes(cfg: ModelConfig, dep: Deployment, wl: Workload) -> float:
 
 
 def host_bytes_per_request(cfg: ModelConfig, dep: Deployment, wl: Workload) -> float:
-    """With tiering the host pool holds every request's full latent history (no host eviction)."""
+    """With tiering the host pool holds every request's full latent history (no host eviction), one
+    copy per tp rank (each rank's cache is whole)."""
     sizes = cache_sizes(cfg, dep, wl.attention_mode)
-    return wl.mean_context * sizes.latent_per_token
+    return wl.mean_context * sizes.latent_per_token * dep.host_copies
 
 
 @dataclass(frozen=True)
@@ -99,7 +97,7 @@ class Capacity:
     usable_per_gpu: float           # device memory left for the cache
     device_per_request: dict        # {"no_tiering": bytes, "tiering": bytes}
     host_per_request: float
-    per_gpu: dict                   # max requests per GPU (attention rank), by policy
+    per_gpu: dict                   # max requests per GPU (per attention rank), by policy
     per_node: dict                  # max requests per node, by policy (host-limited with tiering)
     host_limit: int                 # requests the node's host DRAM can back with tiering
     host_needed: float              # for the workload's concurrency, with tiering
@@ -110,15 +108,15 @@ class Capacity:
 
 def capacity(cfg: ModelConfig, dep: Deployment, wl: Workload) -> Capacity:
     hw = dep.hardware
-    w = weights_per_gpu(param_counts(cfg), dep)
+    w = rank_weights(cfg, dep).total
     usable = hw.device_mem_bytes * dep.mem_fraction - w
     dev = {"no_tiering": device_bytes_per_request(cfg, dep, wl, tiered=False),
            "tiering": device_bytes_per_request(cfg, dep, wl, tiered=True)}
     per_gpu = {k: _fit(usable, v) for k, v in dev.items()}
     host_req = host_bytes_per_request(cfg, dep, wl)
     host_limit = _fit(hw.host_dram_bytes * dep.host_fraction, host_req)
-    per_node = {"no_tiering": per_gpu["no_tiering"] * dep.attention_ranks,
-                "tiering": min(per_gpu["tiering"] * dep.attention_ranks, host_limit)}
+    per_node = {"no_tiering": dep.per_node(per_gpu["no_tiering"]),
+                "tiering": min(dep.per_node(per_gpu["tiering"]), host_limit)}
     return Capacity(w, usable, dev, host_req, per_gpu, per_node, host_limit,
                     wl.concurrency * host_req)
 
@@ -132,7 +130,7 @@ def _fit(budget: float, per_item: float) -> int:
 def capacity_limit(cap: Capacity, dep: Deployment, wl: Workload) -> str | None:
     """The capacity that the workload exceeds ("HBM capacity", "host capacity"), or None."""
     policy = "tiering" if wl.tiering else "no_tiering"
-    if math.ceil(wl.concurrency / dep.attention_ranks) > cap.per_gpu[policy]:
+    if dep.requests_per_rank(wl.concurrency) > cap.per_gpu[policy]:
         return "HBM capacity"
     if wl.tiering and wl.concurrency > cap.host_limit:
         return "host capacity"

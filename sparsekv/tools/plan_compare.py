@@ -32,7 +32,7 @@ def indexcache_decode_roofline_ratio(context: int = INDEXCACHE_CONTEXT) -> float
     """Roofline decode step, every-layer / shared, for the 30B stand-in on one H100 at batch 1
     (bf16 weights and latents, FP8 indexer keys as in SGLang's DSA path)."""
     _, cfg = load_model("indexcache-30b")
-    dep = Deployment(HW_PRESETS["h100"].with_node(gpus_per_node=1), tp=1, ep=1, weight_format="bf16",
+    dep = Deployment(HW_PRESETS["h100"].with_node(gpus_per_node=1), tp=1, ep=False, weight_format="bf16",
                      latent_format="bf16", indexer_format="fp8")
     wl = Workload(((context, 1.0),), concurrency=1)
     every, _ = with_variant(cfg, "dsa-every-layer")

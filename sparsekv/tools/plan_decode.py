@@ -8,12 +8,12 @@ does). The resource that accounts for the most time is the one that binds.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
+from sparsekv.cache.sizing import params_per_rank
 from sparsekv.config import ModelConfig
 from sparsekv.tools.hardware import Hardware
-from sparsekv.tools.plan_capacity import buffer_tokens, cache_sizes, vocab_weight_format, weight_bytes
+from sparsekv.tools.plan_capacity import buffer_tokens, cache_sizes, rank_weights, vocab_weight_format, weight_bytes
 from sparsekv.tools.plan_costs import absorbed_attention_flops, attended_keys, indexer_flops, param_counts
 from sparsekv.tools.plan_workload import Deployment, Workload
 
@@ -87,18 +87,20 @@ def unique_experts(n_routed: int, k: int, tokens: float) -> float:
 
 
 def weight_stages(cfg: ModelConfig, dep: Deployment, wl: Workload, batch_rank: float) -> list[Stage]:
-    """Only activated experts are read: one token reads k per layer, a batch their union.
-    Dense attention runs no indexer, so its projection weights are not read either."""
-    c = param_counts(cfg)
-    if wl.attention_mode == "dense":
-        c = replace(c, num_full=0)
-    batch_node = wl.concurrency
-    fmt = dep.weight_format
-    other = c.non_expert - c.lm_head
-    dense = Stage("weights", flops=2 * batch_rank * c.non_expert / dep.tp,
-                  bytes=(weight_bytes(other, fmt) + weight_bytes(c.lm_head, vocab_weight_format(fmt))) / dep.tp)
-    hit = unique_experts(c.n_routed, c.k_routed, batch_node) / dep.ep
-    experts = Stage("experts", flops=2 * batch_node * c.k_routed * c.expert * c.num_moe / dep.ep,
+    """One rank reads its replicated and tp-sharded weights (cache/sizing.py's split) but not the
+    embedding, a lookup; dense attention runs no indexer, so its weights are not read either.
+    Of the routed experts only the activated ones are read: one token reads k per layer, a batch
+    their union. With EP every rank's tokens meet at the experts; without, a rank sees its own."""
+    c, fmt = param_counts(cfg), dep.weight_format
+    rank, params = rank_weights(cfg, dep), params_per_rank(cfg, dep.parallelism)
+    lookup = c.embedding / dep.tp
+    unread = c.indexer_per_full_layer * c.num_full if wl.attention_mode == "dense" else 0
+    dense = Stage("weights", flops=2 * batch_rank * (params.replicated + params.sharded - lookup - unread),
+                  bytes=(rank.replicated + rank.sharded - weight_bytes(lookup, vocab_weight_format(fmt))
+                         - weight_bytes(unread, fmt)))
+    tokens = wl.concurrency * dep.nodes if dep.ep else batch_rank
+    hit = unique_experts(c.n_routed, c.k_routed, tokens) / dep.expert_shards
+    experts = Stage("experts", flops=2 * tokens * c.k_routed * c.expert * c.num_moe / dep.expert_shards,
                     bytes=weight_bytes(c.num_moe * hit * c.expert, fmt))
     return [dense, experts]
 
@@ -118,9 +120,9 @@ def cache_stages(cfg: ModelConfig, dep: Deployment, wl: Workload, profile: Engin
         attn.bytes += w * L * n * (sizes.latent_per_layer * (1 + profile.gather_passes)
                                    + 4 * heads * profile.attention_score_passes)
         if F and not (profile.skip_indexer_below_topk and T <= topk):
-            idx.flops += w * F * indexer_flops(cfg, T) / dep.tp
+            idx.flops += w * F * indexer_flops(cfg, T)  # replicated on every tp rank
             idx.bytes += w * F * T * (sizes.indexer_per_layer + LOGIT_BYTES_PER_KEY
-                                      + 4 * cfg.index_n_heads / dep.tp * profile.indexer_score_passes)
+                                      + 4 * cfg.index_n_heads * profile.indexer_score_passes)
             sel.fixed_s += w * F * T * dep.hardware.topk_s_per_key
         if wl.tiering:
             misses = wl.miss_rate * n if T > buffer_tokens(cfg, wl) else 0.0
@@ -137,9 +139,9 @@ def overhead_stage(cfg: ModelConfig, hw: Hardware, profile: EngineProfile) -> St
 
 def estimate_step(cfg: ModelConfig, dep: Deployment, wl: Workload,
                   profile: EngineProfile = FUSED) -> StepEstimate:
-    """Decode step for `wl.concurrency` requests spread over the node's attention ranks."""
+    """Decode step for `wl.concurrency` requests per node spread over the attention ranks."""
     hw = dep.hardware
-    batch_rank = math.ceil(wl.concurrency / dep.attention_ranks)
+    batch_rank = dep.requests_per_rank(wl.concurrency)
     stages = (weight_stages(cfg, dep, wl, batch_rank)
               + cache_stages(cfg, dep, wl, profile, batch_rank) + [overhead_stage(cfg, hw, profile)])
     peak = hw.matmul_flops(dep.weight_format)
@@ -170,7 +172,7 @@ def predict_decode_step_ms(model_cfg: ModelConfig, context_len: int, hardware: H
     agree, and keep the calibration table beside the benchmark.
     """
     hw = hardware.with_node(gpus_per_node=1)
-    dep = Deployment(hw, tp=1, ep=1, weight_format=_fmt(dtype), latent_format=_fmt(cache_dtype or dtype),
+    dep = Deployment(hw, tp=1, ep=False, weight_format=_fmt(dtype), latent_format=_fmt(cache_dtype or dtype),
                      indexer_format=_fmt(indexer_dtype or cache_dtype or dtype))
     wl = Workload(((int(context_len), 1.0),), concurrency=batch, topk=topk, tiering=tiering,
             device_buffer_tokens=device_buffer_tokens, miss_rate=miss_rate, attention_mode=attention_mode)

@@ -19,12 +19,16 @@ def header(plan: dict) -> str:
                     for t, p in w["contexts"])
     return (f"[bold]{m['name']}[/bold] ({m['model_type']}, {m['layers']} layers, {m['indexer_layers']} with an "
             f"indexer, {m['params_total'] / 1e9:.0f}B params, {m['params_active'] / 1e9:.1f}B active)\n"
-            f"{d['gpus_per_node']}x {hw['description']}; TP {d['tp']}, EP {d['ep']}, "
-            f"{d['attention_ranks']} attention ranks; weights {d['weights']}, latent {d['latent_cache']}, "
+            f"{_nodes(d)}{d['gpus_per_node']}x {hw['description']}; TP {d['tp']} x DP {d['dp']}, EP "
+            f"{'on' if d['ep'] else 'off'}; weights {d['weights']}, latent {d['latent_cache']}, "
             f"indexer {d['indexer_cache']}\n"
             f"context {ctx}, {w['concurrency']} concurrent, top-k {w['topk']}, attention {w['attention']}, "
             f"tiering {'on' if w['tiering'] else 'off'} (buffer {w['device_buffer_tokens']}, miss rate "
             f"{w['miss_rate']:.0%})")
+
+
+def _nodes(d: dict) -> str:
+    return f"{d['nodes']} nodes x " if d["nodes"] > 1 else ""
 
 
 def cache_table(plan: dict) -> Table:
@@ -105,12 +109,78 @@ def prefix_table(plan: dict) -> Table:
     return t
 
 
+def parallel_weights_table(plan: dict) -> Table:
+    par, w = plan["parallel"], plan["parallel"]["weights_per_gpu"]
+    experts = (f"{w['experts_per_gpu']} whole experts per GPU (EP over {par['world']})" if par["ep"]
+               else f"1/{par['tp']} of every expert (TP)")
+    t = Table(title=f"Weights per GPU ({plan['deployment']['weights']}): TP {par['tp']} x DP {par['dp']} = "
+                    f"{par['world']} ranks, EP {'on' if par['ep'] else 'off'}")
+    for col in ("part", "how it is split", "bytes/GPU"):
+        t.add_column(col, justify="right" if col == "bytes/GPU" else "left")
+    t.add_row("replicated", "MLA down-projections, norms, router, indexer", _gb(w["replicated"]))
+    t.add_row("tensor-parallel", f"1/{par['tp']}: q_b/kv_b/o_proj, dense MLPs, shared experts, vocab",
+              _gb(w["sharded"]))
+    t.add_row("routed experts", experts, _gb(w["routed_experts"]))
+    t.add_row("[bold]total[/bold]", "", f"[bold]{_gb(w['total'])}[/bold]")
+    t.add_row("+ MTP layer", "sharded like a decoder layer; eh_proj and norms replicated", _gb(w["mtp_layer"]))
+    return t
+
+
+def parallel_kv_table(plan: dict) -> Table:
+    par = plan["parallel"]
+    t = Table(title=f"KV cache per GPU and requests (latent and indexer keys whole on each of the "
+                    f"{par['tp']} TP rank(s) of a DP rank; {par['dp']} DP ranks)")
+    for col in ("context", "KV/request/GPU", "tiered: device/request", "max/DP rank", "max/node",
+                "tiered max/DP rank", "tiered max/node"):
+        t.add_column(col, justify="right")
+    for r in par["kv_per_gpu"]:
+        note = " *" if r["beyond_model"] else ""
+        t.add_row(format_tokens(r["context"]) + note, _gb(r["kv_per_request"]), _gb(r["kv_per_request_tiering"]),
+                  str(r["per_gpu"]["no_tiering"]), str(r["per_node"]["no_tiering"]), str(r["per_gpu"]["tiering"]),
+                  f"{r['per_node']['tiering']} (host {r['host_limit']})")
+    if any(r["beyond_model"] for r in par["kv_per_gpu"]):
+        t.caption = "* beyond the model's max_position_embeddings: a what-if"
+    return t
+
+
+def collectives_table(plan: dict) -> Table:
+    par = plan["parallel"]
+    t = Table(title=f"Collectives: bytes one rank sends per token ({par['activation_format']} hidden states)")
+    for col in ("collective", "op", "ranks", "formula", "B/token/call", "calls/token", "B/token",
+                "per decode step/rank"):
+        t.add_column(col, justify="left" if col in ("collective", "op", "formula") else "right")
+    for c in par["collectives"]:
+        t.add_row(c["name"], c["op"], str(c["ranks"]), c["formula"], f"{c['per_token']:,.0f}", str(c["times"]),
+                  f"{c['per_token_all']:,.0f}", _gb(c["per_step"]))
+    if not par["collectives"]:
+        t.add_row("none", "-", "1", "one rank per replica", "0", "0", "0", "0")
+    meet = par["moe_meeting"]
+    if meet:
+        t.caption = (f"DP attention + EP: the {par['dp']} DP ranks' tokens meet at the MoE. A rank holds "
+                     f"{meet['tokens_per_rank']} tokens per decode step; its experts compute "
+                     f"{meet['expert_rows_per_rank']:,.0f} rows per MoE layer from all {meet['tokens_all_ranks']}. "
+                     f"all-gather + reduce-scatter instead of all_to_all: "
+                     f"{meet['gather_scatter_per_token']:,.0f} B/token/layer")
+    elif par["ep"] and par["world"] > 1:
+        t.caption = "EP with DP 1: every rank has every token; each runs its own experts and the FFN all-reduce sums them"
+    return t
+
+
+def print_parallel(plan: dict, console: Console | None = None) -> None:
+    con = console or Console(width=140)
+    con.print(header(plan))
+    for table in (parallel_weights_table(plan), parallel_kv_table(plan), collectives_table(plan)):
+        con.print(table)
+    for warning in plan.get("warnings", []):
+        con.print(f"[yellow]warning: {warning}[/]")
+
+
 def print_plan(plan: dict, sweep_points: list[dict] | None = None, console: Console | None = None) -> None:
     from sparsekv.tools.plan_sweep import LEGEND, sweep_table
     con = console or Console(width=140)
     con.print(header(plan))
-    for table in (cache_table(plan), capacity_table(plan), decode_table(plan), flops_table(plan),
-                  published_table(plan)):
+    for table in (cache_table(plan), capacity_table(plan), parallel_weights_table(plan), parallel_kv_table(plan),
+                  collectives_table(plan), decode_table(plan), flops_table(plan), published_table(plan)):
         con.print(table)
     if "prefix_cache" in plan:
         con.print(prefix_table(plan))

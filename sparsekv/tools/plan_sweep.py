@@ -28,7 +28,7 @@ def sweep_point(cfg: ModelConfig, dep: Deployment, wl: Workload, profile: Engine
     step = estimate_step(cfg, dep, wl, profile)
     over = capacity_limit(cap, dep, wl)
     limit, fits = over or step.binding, over is None
-    device_limit = cap.per_gpu[policy] * dep.attention_ranks
+    device_limit = dep.per_node(cap.per_gpu[policy])
     return {"context": wl.contexts[0][0], "concurrency": wl.concurrency, "tiering": wl.tiering,
             "fits": fits, "limit": limit, "step_ms": step.step_s * 1e3,
             "tok_s_aggregate": wl.concurrency / step.step_s,

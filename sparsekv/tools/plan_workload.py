@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 
 from sparsekv.tools.hardware import Hardware
-from sparsekv.cache.sizing import ELEMENT_BYTES
+from sparsekv.cache.sizing import ELEMENT_BYTES, Parallelism
 
 
 class PlanError(ValueError):
@@ -16,18 +16,21 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Deployment:
-    """One node serving one model replica.
+    """One model replica on `nodes` nodes of `hardware.gpus_per_node` GPUs: `tp x dp` ranks, one per GPU.
 
-    Attention is data-parallel over `gpus_per_node // tp` ranks. MLA caches a single latent per
-    token shared by all heads, so TP ranks of one attention group each hold the whole cache of
-    the group's requests (replicated, not split). Routed experts are split over `ep` GPUs; every
-    other weight over `tp`. `mem_fraction` of device memory is usable (the rest is activations,
-    graphs and fragmentation, as SGLang's mem_fraction_static); `host_fraction` of host DRAM.
+    `dp` (default: every GPU / tp) attention ranks each serve their own requests; MLA caches a single
+    latent per token shared by all heads, so the tp ranks of one attention rank each hold its whole
+    cache (replicated, not split). Routed experts are split over every rank with `ep`, else over tp
+    like the other sharded weights (cache/sizing.py says which). `mem_fraction` of device memory is
+    usable (the rest is activations, graphs and fragmentation, as SGLang's mem_fraction_static);
+    `host_fraction` of host DRAM.
     """
 
     hardware: Hardware
     tp: int = 1
-    ep: int = 8
+    dp: int | None = None
+    ep: bool = True
+    nodes: int = 1
     weight_format: str = "fp8"
     latent_format: str = "bf16"
     indexer_format: str = "bf16"
@@ -35,27 +38,66 @@ class Deployment:
     host_fraction: float = 0.9
     page_size: int = 64
 
+    def __post_init__(self):
+        if self.dp is None:  # resolved once, at construction
+            object.__setattr__(self, "dp", max(self.gpus // max(self.tp, 1), 1))
+
     @property
-    def gpus(self) -> int:
+    def gpus_per_node(self) -> int:
         return self.hardware.gpus_per_node
 
     @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def parallelism(self) -> Parallelism:
+        return Parallelism(self.tp, self.dp, self.ep)
+
+    @property
     def attention_ranks(self) -> int:
-        return max(self.gpus // self.tp, 1)
+        """Ranks with their own requests and KV cache, over all nodes."""
+        return self.dp
+
+    def requests_per_rank(self, per_node: int) -> int:
+        """Requests each attention rank serves when every node serves `per_node`."""
+        return -(-per_node * self.nodes // self.dp)
+
+    def per_node(self, per_rank: int) -> int:
+        """Requests per node when every attention rank serves `per_rank`."""
+        return per_rank * self.dp // self.nodes
+
+    @property
+    def host_copies(self) -> int:
+        """Copies of one request's host history a node holds: one per tp rank of its attention rank there."""
+        return min(self.tp, self.gpus_per_node)
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks the routed experts are split over."""
+        return self.tp * self.dp if self.ep else self.tp
+
+    @property
+    def activation_format(self) -> str:
+        """What the hidden states travel in: the engine dtype (bf16 on a GPU, fp32 when weights are)."""
+        return "fp32" if self.weight_format == "fp32" else "bf16"
 
     def validate(self) -> None:
         for name in ("weight_format", "latent_format", "indexer_format"):
             if getattr(self, name) not in ELEMENT_BYTES:
                 raise PlanError(f"{name.replace('_', '-')} {getattr(self, name)!r} is not one of fp8, bf16, fp32")
-        if self.tp < 1 or self.ep < 1 or self.gpus < 1:
-            raise PlanError("--tp, --ep and --gpus-per-node must be >= 1")
+        if self.tp < 1 or self.dp < 1 or self.nodes < 1 or self.gpus_per_node < 1:
+            raise PlanError("--tp, --dp, --nodes and --gpus-per-node must be >= 1")
         if not 0 < self.mem_fraction <= 1:
             raise PlanError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
         if self.hardware.host_dram_bytes < 0:
             raise PlanError("--host-dram-gb must be >= 0")
-        if self.gpus % self.tp or self.gpus % self.ep:
-            raise PlanError(f"--tp {self.tp} and --ep {self.ep} must divide --gpus-per-node {self.gpus} "
-                            "(one replica per node; multi-node replicas are not modelled)")
+        if self.gpus % self.tp:
+            raise PlanError(f"--tp {self.tp} must divide the {self.gpus} GPUs (--nodes {self.nodes} x "
+                            f"--gpus-per-node {self.gpus_per_node})")
+        if self.tp * self.dp != self.gpus:
+            raise PlanError(f"--tp {self.tp} x --dp {self.dp} = {self.tp * self.dp} ranks, but --nodes {self.nodes} "
+                            f"x --gpus-per-node {self.gpus_per_node} = {self.gpus} GPUs (one rank per GPU)")
 
 
 @dataclass(frozen=True)
