@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 COMMANDS = {
@@ -38,7 +39,7 @@ def parser_for(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
 
 
 def usage() -> str:
-    lines = ["usage: sparsekv COMMAND [options]", "", "commands:"]
+    lines = ["usage: sparsekv COMMAND [options] | sparsekv --version", "", "commands:"]
     lines += [f"  {name:<16} {help_}" for name, (_, _, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):  # the version GET /version answers
+        print(importlib.metadata.version("sparsekv"))
         return 0
     if argv[0] not in COMMANDS:
         print(f"sparsekv: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)

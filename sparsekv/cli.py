@@ -3,13 +3,16 @@ engine_args.py."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import time
 
 from .config import ConfigError
-from .engine_args import add_engine_args, engine_options
+from .engine_args import add_engine_args, engine_options, non_default_args
 from .request import InvalidRequest
+
+PROMPT_ARGS = ("prompt", "prompt_file", "prompt_token_ids")  # data, not settings: left out of the startup line
 
 
 def _prompt(args) -> str | list[int]:
@@ -39,7 +42,8 @@ def _structured_output(args) -> dict | None:
 
 def generate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv generate")
-    p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or Hugging Face repo id ORG/NAME (default: the bundled model)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
@@ -65,7 +69,10 @@ def generate_parser() -> argparse.ArgumentParser:
 
 
 def generate_main(argv: list[str]) -> int:
-    args = generate_parser().parse_args(argv)
+    parser = generate_parser()
+    args = parser.parse_args(argv)
+    print(f"sparsekv {importlib.metadata.version('sparsekv')}, non-default args: "
+          f"{non_default_args(parser, args, inputs=PROMPT_ARGS)}", file=sys.stderr)
     from .llm import LLM
     from .request import SamplingParams
     try:

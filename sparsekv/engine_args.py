@@ -89,3 +89,12 @@ ENGINE_ARG_NAMES = ("dtype", "revision", "max_model_len", "max_num_seqs", "max_n
 def engine_options(args: argparse.Namespace) -> dict:
     """The parsed engine options as LLM(...) / EngineConfig keywords."""
     return {name: getattr(args, name) for name in ENGINE_ARG_NAMES if hasattr(args, name)}
+
+
+def non_default_args(parser: argparse.ArgumentParser, args: argparse.Namespace, secret: tuple[str, ...] = (),
+                     inputs: tuple[str, ...] = ()) -> dict:
+    """The parsed options that differ from their defaults, in the parser's order, for the startup log
+    (vLLM's "non-default args" line): the values of `secret` options replaced by '<redacted>', `inputs`
+    (prompts: data, not settings) left out."""
+    return {name: "<redacted>" if name in secret else value for name, value in vars(args).items()
+            if name not in inputs and value != parser.get_default(name)}

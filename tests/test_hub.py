@@ -89,6 +89,13 @@ def test_a_local_directory_wins_over_the_cache(hf_home, tmp_path, monkeypatch, c
 
 def test_an_unknown_id_or_revision_names_every_place_searched(hf_home, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    real, online = huggingface_hub.snapshot_download, []
+
+    def recording(*args, local_files_only=False, **kwargs):
+        online.append(not local_files_only)
+        return real(*args, local_files_only=local_files_only, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recording)
     with pytest.raises(ModelNotFound) as e:
         resolve_model("no-org/no-model")
     msg = str(e.value)
@@ -96,6 +103,7 @@ def test_an_unknown_id_or_revision_names_every_place_searched(hf_home, tmp_path,
     assert str(hf_home / "hub") in msg and "revision main" in msg and "HF_HUB_OFFLINE" in msg
     with pytest.raises(ModelNotFound, match="revision v3"):
         resolve_model(REPO_ID, "v3")
+    assert online == [False, False]  # HF_HUB_OFFLINE: the cache was asked, the Hub never
 
 
 def test_a_miss_downloads_only_the_checkpoint_files(hf_home, checkpoint, monkeypatch):

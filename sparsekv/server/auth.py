@@ -1,40 +1,79 @@
 """API keys and tenants.
 
-`--api-key KEY` or `--api-key KEY:TENANT`, repeatable. Each key maps to a tenant, and the tenant goes
-on every engine request: the prefix cache must never share entries across tenants. A key given
-without a tenant gets its own tenant, `key-<first 8 hex of sha256(key)>`, so two such keys never share
-and the key itself never appears in logs or metrics. Without `--api-key` every request is tenant
-`default`.
+`--api-key KEY` or `--api-key KEY:TENANT`, repeatable; the same lines in `--api-key-file PATH` (one a
+line; blank lines and `#` comments skipped; refused if other users may read or write the file); and
+`SPARSEKV_API_KEY` in the environment (as vLLM reads VLLM_API_KEY). The file and the environment keep
+keys off the command line, where `ps` shows them to every user of the machine. The keys of all three
+are accepted. A malformed entry is reported by where it came from, never by its text.
 
-Keys are kept as SHA-256 digests and compared with `secrets.compare_digest` against all of them, as
-vLLM does. /health and /metrics stay public, as in vLLM and SGLang (/metrics' per-tenant series
-only with a --metrics-api-key: app.metrics). Two Authorization headers are a 400 on any path.
+Each key maps to a tenant, and the tenant goes on every engine request: the prefix cache must never
+share entries across tenants. A key given without a tenant gets its own tenant, `key-<first 8 hex of
+sha256(key)>`, so two such keys never share and the key itself never appears in logs or metrics.
+Without any key every request is tenant `default`.
+
+Keys are kept as SHA-256 digests and compared in constant time (`secrets.compare_digest`, which is
+`hmac.compare_digest`) against all of them, as vLLM does. /health and /metrics stay public, as in vLLM
+and SGLang (/metrics' per-tenant series only with a --metrics-api-key: app.metrics). Two Authorization
+headers are a 400 on any path.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
+import stat
 
 PUBLIC_PATHS = ("/health", "/metrics", "/ping", "/version")
 DEFAULT_TENANT = "default"
 TENANT_SCOPE_KEY = "sparsekv.tenant"
+API_KEY_ENV = "SPARSEKV_API_KEY"
+OTHERS_MAY_ACCESS = stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH
 
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def parse_api_keys(specs: list[str]) -> dict[bytes, str]:
-    """['KEY', 'KEY:TENANT', ...] -> {sha256(KEY): tenant}; raises ValueError on an empty key or tenant."""
-    keys = {}
-    for spec in specs:
+def parse_api_keys(specs: list[str], sources: list[str] | None = None) -> dict[bytes, str]:
+    """['KEY', 'KEY:TENANT', ...] -> {sha256(KEY): tenant}; raises ValueError on an empty key or tenant, or
+    on a key given twice with two tenants, naming the entry's source (`sources[i]`, else --api-key)."""
+    keys: dict[bytes, str] = {}
+    for i, spec in enumerate(specs):
+        where = sources[i] if sources else "--api-key"
         key, sep, tenant = spec.partition(":")
         if not key or (sep and not tenant):
-            raise ValueError(f"--api-key must be KEY or KEY:TENANT with both parts non-empty, got {spec!r}")
+            raise ValueError(f"{where}: an API key must be KEY or KEY:TENANT with both parts non-empty")
         digest = _digest(key)
-        keys[digest] = tenant if sep else "key-" + digest.hex()[:8]
+        tenant = tenant if sep else "key-" + digest.hex()[:8]
+        if keys.setdefault(digest, tenant) != tenant:
+            raise ValueError(f"{where}: this API key was already given, for another tenant")
     return keys
+
+
+def read_api_key_file(path: str) -> list[tuple[str, str]]:
+    """The `KEY[:TENANT]` lines of an --api-key-file, each with where it is (`PATH line N`). Refused
+    if group or others may read or write it (they could read the keys, or add one)."""
+    with open(path) as f:
+        mode = os.fstat(f.fileno()).st_mode  # of the file opened, not of whatever the path names later
+        if mode & OTHERS_MAY_ACCESS:
+            raise ValueError(f"--api-key-file {path}: other users may read or write it (mode "
+                             f"{stat.S_IMODE(mode):04o}); make it private: chmod 600 {path}")
+        entries = [(line.strip(), f"--api-key-file {path} line {n}") for n, line in enumerate(f, 1)
+                   if line.strip() and not line.lstrip().startswith("#")]
+    if not entries:
+        raise ValueError(f"--api-key-file {path}: no keys in it")
+    return entries
+
+
+def load_api_keys(flags: list[str], files: list[str], environ: dict) -> dict[bytes, str]:
+    """The keys of --api-key, of each --api-key-file and of SPARSEKV_API_KEY (empty or unset: none)."""
+    entries = [(spec, "--api-key") for spec in flags]
+    for path in files:
+        entries += read_api_key_file(path)
+    if environ.get(API_KEY_ENV):
+        entries.append((environ[API_KEY_ENV], API_KEY_ENV))
+    return parse_api_keys([spec for spec, _ in entries], [where for _, where in entries])
 
 
 def parse_metrics_keys(specs: list[str]) -> dict[bytes, str]:

@@ -1,4 +1,7 @@
-"""`sparsekv serve [MODEL] --host --port [--api-key KEY[:TENANT] ...] [engine options]`.
+"""`sparsekv serve [MODEL] --host --port [--api-key KEY[:TENANT] ... | --api-key-file PATH] [engine options]`.
+
+MODEL: a checkpoint directory or a Hugging Face repo id ORG/NAME (hub.py). The startup log names the
+version and every option that differs from its default, keys redacted (`startup_settings`).
 
 Shutdown: the first SIGTERM/SIGINT starts a drain (new requests get 503 and /health turns 503 so a
 load balancer stops routing here; requests in flight run on for up to --shutdown-timeout seconds;
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import os
 import sys
@@ -17,20 +21,26 @@ import sys
 import uvicorn
 
 from ..config import ConfigError
-from ..engine_args import add_engine_args, engine_options
+from ..engine_args import add_engine_args, engine_options, non_default_args
 from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES
 from .reasoning import PARSERS
 
 log = logging.getLogger("sparsekv.server")
+SECRET_ARGS = ("api_key", "metrics_api_key")  # never printed, not even in the startup line
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv serve", description="OpenAI-compatible server")
-    p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or Hugging Face repo id ORG/NAME (default: the bundled model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",
-                   help="require 'Authorization: Bearer KEY'; repeat for several keys; TENANT names the key's tenant")
+                   help="require 'Authorization: Bearer KEY'; repeat for several keys; TENANT names the key's tenant "
+                        "(visible in `ps`: prefer --api-key-file or SPARSEKV_API_KEY)")
+    p.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
+                   help="API keys, one KEY[:TENANT] a line ('#' comments); refused if other users may read it. "
+                        "SPARSEKV_API_KEY in the environment adds one more")
     p.add_argument("--metrics-api-key", action="append", default=[], metavar="KEY",
                    help="a scrape of /metrics sending 'Authorization: Bearer KEY' also gets the per-tenant series "
                         "(without it they are public only when there is no --api-key); repeatable")
@@ -63,8 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("sparsekv %s, non-default args: %s", importlib.metadata.version("sparsekv"),
+             startup_settings(parser, args))
     try:
         app, state = build_app(args)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
@@ -73,14 +86,23 @@ def main(argv: list[str]) -> int:
     return serve(app, state, args.host, args.port, args.shutdown_timeout, args.log_level)
 
 
+def startup_settings(parser: argparse.ArgumentParser, args) -> dict:
+    """The options that differ from their defaults (keys redacted), and whether SPARSEKV_API_KEY is set."""
+    from .auth import API_KEY_ENV
+    settings = non_default_args(parser, args, SECRET_ARGS)
+    if os.environ.get(API_KEY_ENV):
+        settings[API_KEY_ENV] = "<redacted>"
+    return settings
+
+
 def build_app(args):
     from ..config import EngineConfig
     from ..engine import LLMEngine
     from ..paths import default_model_path
     from .app import ServerSettings, create_app
-    from .auth import parse_api_keys, parse_metrics_keys
+    from .auth import load_api_keys, parse_metrics_keys
 
-    keys = parse_api_keys(args.api_key)
+    keys = load_api_keys(args.api_key, args.api_key_file, os.environ)
     metrics_keys = parse_metrics_keys(args.metrics_api_key)
     for flag, value in (("--max-queued-requests", args.max_queued_requests),
                         ("--max-queued-requests-per-tenant", args.max_queued_per_tenant),
