@@ -304,6 +304,16 @@ class EngineConfig:
     # while other tenants' are admitted. With optimistic admission a guarantee: it may hold more while no
     # one needs the pages; a tenant within its share that waits for pages preempts those over theirs.
     tenant_kv_share: float | None = None
+    # Parallelism (parallel/, docs/parallel.md): ranks = tensor x data parallel, started and supervised
+    # by the engine (torch.multiprocessing spawn) on this node; with nnodes > 1 the other nodes' ranks
+    # join at dist_init_addr ("HOST:PORT"). A collective that waits longer than dist_timeout_s fails.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout_s: float = 60.0
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -321,6 +331,29 @@ class EngineConfig:
             raise ConfigError(f"num_speculative_tokens must be an integer in [0, 8] (0 = off), "
                               f"got {self.num_speculative_tokens!r}")
         self._validate_tiering()
+        self._validate_parallel()
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        world = self.tensor_parallel_size * self.data_parallel_size
+        if self.nnodes > 1 and (world % self.nnodes or self.dist_init_addr is None):
+            raise ConfigError(f"nnodes {self.nnodes} needs dist_init_addr (HOST:PORT of node 0) and a world size "
+                              f"(tensor_parallel_size x data_parallel_size = {world}) divisible by it")
+        if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
+            raise ConfigError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        if not self.dist_timeout_s > 0:
+            raise ConfigError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s!r}")
+        tiers = [n for n in ("prefix_cache_host_bytes", "prefix_cache_disk_path") if getattr(self, n) is not None]
+        if world > 1 and tiers:
+            raise ConfigError(f"{' and '.join(tiers)}: the prefix cache's host and disk tiers do not run with "
+                              f"more than one rank yet (its pool tier does)")
+        if world > 1 and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"parallelism runs on cpu (gloo) or cuda (NCCL), not {self.device!r}")
+
     def _validate_disk_encryption(self) -> None:
         disk = self.prefix_cache_disk_path
         for name in ("prefix_cache_disk_key_file", "prefix_cache_disk_old_key_files", "prefix_cache_disk_unencrypted"):
@@ -387,3 +420,8 @@ class EngineConfig:
         if self.kv_tiering and n is not None and n < index_topk:
             raise ConfigError(f"device_buffer_tokens ({n}) must be >= the model's index_topk ({index_topk}): "
                               f"one step attends to top-k positions, which must all fit in the working set")
+
+
+def _is_host_port(addr: str) -> bool:
+    host, _, port = addr.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

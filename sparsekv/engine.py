@@ -13,13 +13,12 @@ import time
 
 import torch
 
-from .cache.manager import CacheManager
 from .config import ConfigError, EngineConfig, ModelConfig
-from .executor import InProcessExecutor
 from .hub import resolve_config
 from .input_processor import InputProcessor, load_tokenizer
-from .model.checkpoint import load_model
+from .parallel.executor import start_executor
 from .output_processor import OutputProcessor
+from .outputs import token_counts
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler
 
@@ -35,17 +34,14 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype, self.device = DTYPES[config.dtype], torch.device(config.device)
-        self.model = load_model(config.model, self.dtype, self.device, config.hf_overrides, config.selector,
-                                config.quest_page_tokens)
+        self.executor, self.kv = start_executor(config, self.dtype, self.device)
+        self.model = self.executor.model  # this rank's shard
         self.model_config: ModelConfig = self.model.cfg
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        config.validate_for_model(self.model_config.index_topk)
-        self.kv = CacheManager(config, self.model, self.dtype, self.device, self.max_model_len)
-        self.executor = InProcessExecutor(self.model, self.kv.pool, config)
         self.scheduler = Scheduler(self.kv.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_tokens, self.kv.prefix, tenant_pages=self.kv.tenant_pages,
                                    optimistic=config.kv_admission == "optimistic")
@@ -68,8 +64,10 @@ class LLMEngine:
 
     def close(self) -> None:
         """Save the prefix cache's pages to its disk tier, if any, and let go of it (a restart finds
-        them there); the engine goes on without the disk tier. Safe to call more than once."""
+        them there); the engine goes on without the disk tier. A parallel engine stops its worker ranks
+        and cannot step again. Safe to call more than once."""
         self.kv.close()
+        self.executor.close()
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
@@ -163,12 +161,12 @@ class LLMEngine:
             self.speculator.drop_drafts(req.request_id)
         self.kv.release(req, name_pages=True, keep_counters=True)  # the last MTP pass wrote its pages
         self.executor.forget(req.request_id)
-        req.prompt_logprobs.clear()  # recorded again as the prompt is recomputed
+        self.outputs.preempted(req.request_id)  # its prompt logprobs are recorded again
 
     # -- observability -------------------------------------------------------------------------
     def request_metrics(self, req: Request) -> dict:
         spec = self.speculator.request_metrics(req.request_id) if self.speculator is not None else {}
-        return {**req.token_counts(), **self.kv.request_metrics(req), **spec}
+        return {**token_counts(req), **self.kv.request_metrics(req), **spec}
 
     def cache_config(self) -> dict[str, str]:
         return {**self.kv.layout(), "num_speculative_tokens": str(self.config.num_speculative_tokens)}

@@ -65,6 +65,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-tenant-share", type=float, default=None, metavar="F",
                    help="a tenant holds at most this fraction (0-1] of each prefix-cache tier: pool, host, disk "
                         "(default: no bound)")
+    d = p.add_argument_group("parallelism (docs/parallel.md)")
+    d.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="ranks sharing each layer: query heads, MLPs and the vocabulary split across them")
+    d.add_argument("-dp", "--data-parallel-size", type=int, default=1, help="data-parallel attention groups")
+    d.add_argument("--enable-expert-parallel", action="store_true",
+                   help="whole routed experts per rank (E / world each) instead of each expert sharded")
+    d.add_argument("--nnodes", type=int, default=1, help="nodes the ranks run on (each runs this command)")
+    d.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 serves, the others host ranks")
+    d.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="node 0's rendezvous address (default: MASTER_ADDR:MASTER_PORT, else a free local port)")
+    d.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=60.0, metavar="SECONDS",
+                   help="a collective waiting longer than this fails the engine instead of hanging")
     t = p.add_argument_group("tiered KV cache (docs/tiers.md)")
     t.add_argument("--kv-tiering", action="store_true", help="device working set per request, history in a host store")
     t.add_argument("--device-buffer-tokens", type=int, default=None, help="latent slots of each device working set per request and layer (default 2 x top-k)")
@@ -83,7 +95,9 @@ ENGINE_ARG_NAMES = ("dtype", "revision", "max_model_len", "max_num_seqs", "max_n
                     "enable_prefix_caching", "prefix_cache_host_bytes",
                     "prefix_cache_disk_path", "prefix_cache_disk_bytes", "prefix_cache_disk_key_file",
                     "prefix_cache_disk_old_key_files", "prefix_cache_disk_unencrypted", "prefix_cache_ttl_s",
-                    "prefix_cache_max_pages_per_tenant", "prefix_cache_tenant_share", "tenant_kv_share")
+                    "prefix_cache_max_pages_per_tenant", "prefix_cache_tenant_share", "tenant_kv_share",
+                    "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "nnodes", "node_rank",
+                    "dist_init_addr", "dist_timeout_s")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -1,0 +1,201 @@
+"""The multi-rank executor: every executor call runs on every rank, in the same order.
+
+Rank 0 (the engine's process) broadcasts each call as plain data, a (method, arguments) pair whose
+arguments are the scheduler's step, an MTP plan or a request id, on the control group, then runs it
+itself. Every other rank runs `serve_rank`: it receives the calls and runs them on its own shard
+of the model and its own copy of the KV cache. The ranks' caches stay identical because the same
+calls reach them in the same order, and every rank selects the same positions: the indexer is
+replicated and the hidden states it reads are all-reduced, so they are the same bits everywhere.
+The logits come back to rank 0 from the lm_head's all-gather; workers return nothing.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ..config import EngineConfig, ModelConfig
+from ..executor import Executor, InProcessExecutor, ModelOutput
+from ..scheduler import SchedulerOutput
+from ..speculative import MTPPlan
+from .launch import RankGroup, exchange_status, join_group, layout_of
+
+logger = logging.getLogger(__name__)
+
+
+class MultiRankExecutor(Executor):
+    """Rank 0's side: broadcast each call, then run it on rank 0's shard."""
+
+    def __init__(self, local: InProcessExecutor, ranks: RankGroup):
+        self.local, self.ranks = local, ranks
+        self.observers = local.observers
+        self.runner, self.model = local.runner, local.model
+
+    def _broadcast(self, method: str, *args) -> None:
+        dist.broadcast_object_list([(method, args)], src=0, group=self.ranks.control)
+
+    def execute(self, step: SchedulerOutput) -> ModelOutput:
+        self._broadcast("execute", step)
+        return self.local.execute(step)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.contiguous()
+        self._broadcast("logits", tuple(hidden.shape), hidden.dtype)
+        dist.broadcast(hidden, src=0)
+        return self.local.logits(hidden)
+
+    def forget(self, request_id: str) -> None:
+        self._broadcast("forget", request_id)
+        self.local.forget(request_id)
+
+    def release_idle_buffers(self) -> None:
+        self._broadcast("release_idle_buffers")
+        self.local.release_idle_buffers()
+
+    def check_integrity(self, running: set[str]) -> None:
+        self._broadcast("check_integrity", running)
+        self.local.check_integrity(running)
+
+    def draft_extend(self, plan: MTPPlan) -> torch.Tensor:
+        self._broadcast("draft_extend", plan)
+        return self.local.draft_extend(plan)
+
+    def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:
+        self._broadcast("draft_step", step, tokens)
+        return self.local.draft_step(step, tokens)
+
+    def close(self) -> None:
+        self.ranks.close()
+
+
+class RankWorker:
+    """A worker rank's side of each call, on its shard and its copy of the cache."""
+
+    def __init__(self, executor: InProcessExecutor, pool):
+        self.executor, self.pool = executor, pool
+
+    def execute(self, step: SchedulerOutput) -> None:
+        self.executor.execute(step)
+
+    def logits(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        hidden = torch.empty(shape, dtype=dtype, device=self.executor.model.device)
+        dist.broadcast(hidden, src=0)
+        self.executor.logits(hidden)
+
+    def forget(self, request_id: str) -> None:
+        # rank 0's cache manager released the request's working set just before; mirror it here
+        self.pool.release(request_id)
+        self.executor.forget(request_id)
+
+    def release_idle_buffers(self) -> None:
+        self.executor.release_idle_buffers()
+
+    def check_integrity(self, running: set[str]) -> None:
+        self.executor.check_integrity(running)
+
+    def draft_extend(self, plan: MTPPlan) -> None:
+        self.executor.draft_extend(plan)
+
+    def draft_step(self, step: int, tokens: list[int]) -> None:
+        self.executor.draft_step(step, tokens)
+
+
+def worker_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """A worker's view of the config: no prefix cache of its own (rank 0's decides which pages are
+    shared; the pages' rows are the same on every rank) and its own host store file."""
+    path = config.host_store_path
+    if path is not None:
+        path = path if _is_dir(path) else f"{path}.rank{rank}"
+    return replace(config, enable_prefix_caching=False, prefix_cache_host_bytes=None, prefix_cache_disk_path=None,
+                   prefix_cache_disk_bytes=None, prefix_cache_disk_key_file=None, prefix_cache_disk_old_key_files=None,
+                   prefix_cache_disk_unencrypted=False, host_store_path=path)
+
+
+def _is_dir(path: str) -> bool:
+    import os
+    return os.path.isdir(path)
+
+
+def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
+    """A worker rank's whole life (a spawned process): join, load its shard, report, then run calls
+    until told to stop."""
+    torch.set_num_threads(config.num_threads or 1)
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
+    join_group(config, rank, init_method)
+    control = dist.new_group(backend="gloo") if config.device.startswith("cuda") else dist.group.WORLD
+    worker, error = None, None
+    try:
+        worker = _build_worker(config, rank)
+    except Exception as e:  # reported to rank 0, which raises it
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    statuses = exchange_status(error, config.tensor_parallel_size * config.data_parallel_size, control)
+    if any(s is not None for s in statuses):
+        dist.destroy_process_group()
+        return
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=control)
+        method, args = message[0]
+        if method == "close":
+            break
+        getattr(worker, method)(*args)
+    dist.destroy_process_group()
+
+
+def _build_worker(config: EngineConfig, rank: int) -> RankWorker:
+    from ..cache.manager import CacheManager
+    from ..model.checkpoint import load_model
+    from .comm import TensorParallel
+    layout = layout_of(config, rank)
+    dtype, device = getattr(torch, config.dtype), torch.device(config.device)  # validated: a torch dtype name
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    comm = TensorParallel(dist.group.WORLD, layout.world_size, rank)
+    model = load_model(config.model, dtype, device, config.hf_overrides, config.selector, config.quest_page_tokens,
+                       layout=layout, comm=comm)
+    local = worker_config(config, rank)
+    max_model_len = config.max_model_len or model.cfg.max_position_embeddings
+    kv = CacheManager(local, model, dtype, device, max_model_len)
+    return RankWorker(InProcessExecutor(model, kv.pool, local), kv.pool)
+
+
+def start_executor(config: EngineConfig, dtype: torch.dtype, device: torch.device):
+    """(executor, cache manager): the model in this process on one device, or, with more than one
+    rank, rank 0's shard here and the other ranks' in the worker processes this starts."""
+    from ..cache.manager import CacheManager
+    from ..model.checkpoint import load_model
+    layout = layout_of(config)
+    if layout.world_size > 1:  # a layout the model cannot take fails here, before any process starts
+        layout.check_model(ModelConfig.from_json(config.model, config.hf_overrides))
+    ranks = RankGroup.start(config, serve_rank) if layout.world_size > 1 else None
+    error = None
+    try:
+        model = load_model(config.model, dtype, device, config.hf_overrides, config.selector, config.quest_page_tokens,
+                           layout=layout if ranks else None, comm=ranks.comm if ranks else None)
+        config.validate_for_model(model.cfg.index_topk)
+        kv = CacheManager(config, model, dtype, device, config.max_model_len or model.cfg.max_position_embeddings)
+    except BaseException as e:
+        if ranks is None:
+            raise
+        error = e
+    local = None if error is not None else InProcessExecutor(model, kv.pool, config)
+    if ranks is None:
+        return local, kv
+    ranks.check_started(error)
+    return MultiRankExecutor(local, ranks), kv
+
+
+def host_node(config: EngineConfig) -> int:
+    """Node `config.node_rank` (> 0) of a multi-node world: run this node's ranks until node 0's engine
+    stops them. Returns 0, or the first failed rank's exit code."""
+    config.validate()
+    if config.node_rank == 0:
+        raise ValueError("node 0 runs the engine itself; host_node is for the other nodes")
+    layout_of(config).check_model(ModelConfig.from_json(config.model, config.hf_overrides))
+    ranks = RankGroup.start(config, serve_rank)
+    for p in ranks.processes:
+        p.join()
+    return next((p.exitcode for p in ranks.processes if p.exitcode), 0)

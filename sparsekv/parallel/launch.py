@@ -1,0 +1,135 @@
+"""Starting the ranks: rank 0 is the engine's own process; the others are worker processes it spawns
+(torch.multiprocessing, spawn) and supervises. All join one torch.distributed group: gloo on CPU,
+NCCL on CUDA for tensors with a gloo group beside it for the step commands.
+
+Start-up is all or nothing: every rank loads its shard, then the ranks exchange their status, and
+if any failed (a missing shard, a bad config) every rank stops and the engine raises that rank's
+message.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..config import ConfigError, EngineConfig
+from .comm import TensorParallel
+from .layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+
+def layout_of(config: EngineConfig, rank: int = 0) -> ParallelLayout:
+    return ParallelLayout(config.tensor_parallel_size, config.data_parallel_size, config.enable_expert_parallel, rank)
+
+
+class StartupError(RuntimeError):
+    """A rank failed to start; the message names the rank and its error."""
+
+
+class RankGroup:
+    """This process's membership of the world's process group, and the workers it spawned."""
+
+    def __init__(self, config: EngineConfig, layout: ParallelLayout, processes: list):
+        self.config, self.layout, self.processes = config, layout, processes
+        self.comm = TensorParallel(dist.group.WORLD, layout.world_size, layout.rank)
+        cuda = config.device.startswith("cuda")
+        self.control = dist.new_group(backend="gloo") if cuda else dist.group.WORLD  # step commands (objects)
+        self.closed = False
+
+    @classmethod
+    def start(cls, config: EngineConfig, worker_main) -> "RankGroup":
+        """Spawn this node's other ranks, each running `worker_main(config, rank, init_method)`, and
+        join the group as rank 0 (on node 0) of `config`'s world."""
+        if dist.is_initialized():
+            raise ConfigError("this process already runs a parallel engine: close() it before starting another")
+        layout = layout_of(config)
+        init_method = _init_method(config)
+        per_node = layout.world_size // config.nnodes
+        first = config.node_rank * per_node
+        ctx = multiprocessing.get_context("spawn")
+        processes = []
+        for rank in range(first + 1 if first == 0 else first, first + per_node):
+            p = ctx.Process(target=worker_main, args=(config, rank, init_method), daemon=True,
+                            name=f"sparsekv-rank{rank}")
+            p.start()
+            processes.append(p)
+        if first != 0:
+            return cls._detached(config, processes)
+        try:
+            join_group(config, 0, init_method)
+        except BaseException:
+            _stop(processes)
+            raise
+        return cls(config, layout, processes)
+
+    @classmethod
+    def _detached(cls, config, processes) -> "RankGroup":
+        group = cls.__new__(cls)
+        group.config, group.processes, group.closed = config, processes, False
+        return group
+
+    def check_started(self, error: BaseException | None) -> None:
+        """Every rank's start-up status; raises (and stops every rank) if any failed."""
+        mine = None if error is None else f"rank 0: {type(error).__name__}: {error}"
+        statuses = exchange_status(mine, self.layout.world_size, self.control)
+        failed = [s for s in statuses if s is not None]
+        if failed:
+            self.close(notify=False)
+            if error is not None:
+                raise error
+            raise StartupError("a rank failed to start: " + "; ".join(failed))
+
+    def close(self, notify: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if notify:
+            try:
+                dist.broadcast_object_list([("close", ())], src=0, group=self.control)
+            except RuntimeError as e:  # a rank already gone: it cannot be told
+                logger.warning("telling the workers to stop failed: %s", e)
+        _stop(self.processes)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def failed_workers(self) -> list[str]:
+        """The workers that exited, with their exit codes."""
+        return [f"{p.name} (exit code {p.exitcode})" for p in self.processes if not p.is_alive()]
+
+
+def exchange_status(mine: str | None, world_size: int, group) -> list[str | None]:
+    statuses: list = [None] * world_size
+    dist.all_gather_object(statuses, mine, group=group)
+    return statuses
+
+
+def join_group(config: EngineConfig, rank: int, init_method: str) -> None:
+    world = config.tensor_parallel_size * config.data_parallel_size
+    backend = "nccl" if config.device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=config.dist_timeout_s))
+
+
+def _init_method(config: EngineConfig) -> str:
+    """tcp://HOST:PORT: dist_init_addr, else torchrun's MASTER_ADDR/MASTER_PORT, else a free local port."""
+    addr = config.dist_init_addr
+    if addr is None and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if addr is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            addr = f"127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://{addr}"
+
+
+def _stop(processes, timeout_s: float = 10.0) -> None:
+    for p in processes:
+        p.join(timeout_s)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout_s)

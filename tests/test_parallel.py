@@ -1,0 +1,141 @@
+"""Tensor and expert parallelism on two local processes (torch.distributed, gloo): the same greedy tokens
+as the single-process engine, with logprobs within the bound of a regrouped reduction.
+
+Tensor parallelism computes the same terms as one process and adds them in other groups: o_proj's sum
+over the heads and each MLP's down projection over its intermediate dimension become two partial sums
+that the all-reduce adds. That is a regrouped reduction, bounded by tests/tolerances.py. The
+embedding (one non-zero term per element) and the lm_head's all-gather are exact, and every rank
+selects the same positions (the indexer is replicated and reads all-reduced hidden states).
+"""
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sparsekv import LLM, SamplingParams
+from sparsekv.config import ConfigError
+from sparsekv.paths import default_model_path
+from tolerances import assert_same_greedy, logprob_tolerance
+
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)
+BASE = dict(kv_page_size=4, max_model_len=128, num_threads=1)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    # 40 tokens: past the tiny models' index_topk (8), so the indexer's top-k decides what is attended
+    return [torch.randint(1, vocab, (40,), generator=g).tolist(), torch.randint(1, vocab, (13,), generator=g).tolist()]
+
+
+def _compare(path: str, vocab: int, **options) -> None:
+    prompts = _prompts(vocab)
+    single = LLM(path, **BASE, **{k: v for k, v in options.items() if k not in ("tensor_parallel_size",
+                                                                               "enable_expert_parallel")})
+    want = single.generate(prompts, PARAMS)
+    llm = LLM(path, **BASE, **options)
+    try:
+        got = llm.generate(prompts, PARAMS)
+        llm.engine.check_integrity()
+        tol = logprob_tolerance(single, extra_layers=1 if options.get("num_speculative_tokens") else 0)
+        assert_same_greedy(want, got, tol)
+        shard, whole = llm.engine.model.weight_bytes, single.engine.model.weight_bytes
+        assert shard < whole, "rank 0 holds the whole model"
+    finally:
+        llm.close()
+    assert all(not p.is_alive() for p in llm.engine.executor.ranks.processes), "close() left a worker running"
+
+
+def _with_mtp_layer(src: str, dst: str, own_embed_and_head: bool) -> str:
+    """A copy of a tiny checkpoint with a NextN layer (a copy of layer 1 with layer 0's indexer), and
+    optionally DeepSeek's layer-local embedding and head (vocab-parallel under tensor parallelism)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    hidden, layers = tensors["model.norm.weight"].shape[0], 1 + max(int(n.split(".")[2]) for n in tensors
+                                                                  if n.startswith("model.layers."))
+    g = torch.Generator().manual_seed(3)
+    for name, t in list(tensors.items()):
+        if name.startswith("model.layers.1.") and ".indexer." not in name:
+            tensors[name.replace("layers.1.", f"layers.{layers}.")] = t.clone()
+        if name.startswith("model.layers.0.self_attn.indexer."):
+            tensors[name.replace("layers.0.", f"layers.{layers}.")] = t.clone()
+    p = f"model.layers.{layers}."
+    tensors.update({p + "enorm.weight": torch.ones(hidden), p + "hnorm.weight": torch.ones(hidden),
+                    p + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.1,
+                    p + "shared_head.norm.weight": torch.ones(hidden)})
+    if own_embed_and_head:
+        tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].flip(0).clone()
+        tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].flip(0).clone()
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16),
+                                     dict(enable_expert_parallel=True)], ids=["tp2", "tp2-tiered", "tp2-ep"])
+def test_tensor_parallel_glm_equals_one_process(glm_ckpt, options):
+    _compare(glm_ckpt[0], 256, tensor_parallel_size=2, **options)
+
+
+@pytest.mark.parametrize("options", [{}, dict(enable_expert_parallel=True, kv_tiering=True, device_buffer_tokens=16)],
+                         ids=["tp2", "tp2-ep-tiered"])
+def test_tensor_parallel_deepseek_equals_one_process(ds_ckpt, options):
+    _compare(ds_ckpt[0], 256, tensor_parallel_size=2, **options)
+
+
+@pytest.mark.parametrize("family", ["glm", "ds"])
+def test_tensor_parallel_with_mtp_drafting_equals_one_process(family, glm_ckpt, ds_ckpt, tmp_path):
+    src = (glm_ckpt if family == "glm" else ds_ckpt)[0]
+    path = _with_mtp_layer(src, str(tmp_path / family), own_embed_and_head=family == "ds")
+    _compare(path, 256, tensor_parallel_size=2, num_speculative_tokens=2, enable_expert_parallel=family == "ds")
+
+
+def test_tensor_parallel_bundled_model_tiered_mtp():
+    _compare(default_model_path(), 4096, tensor_parallel_size=2, kv_tiering=True, num_speculative_tokens=2)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(tensor_parallel_size=3), "num_attention_heads (4) is not divisible by tensor_parallel_size (3)"),
+    (dict(tensor_parallel_size=2, nnodes=2), "needs dist_init_addr"),
+    (dict(tensor_parallel_size=2, dist_init_addr="nohost"), "HOST:PORT"),
+    (dict(tensor_parallel_size=2, prefix_cache_host_bytes=1 << 20), "do not run with more than one rank"),
+])
+def test_bad_layouts_fail_before_any_process_starts(glm_ckpt, options, message):
+    import multiprocessing
+    before = len(multiprocessing.active_children())
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        LLM(glm_ckpt[0], **BASE, **options)
+    assert len(multiprocessing.active_children()) == before
+
+
+def test_experts_must_divide_across_the_world_with_expert_parallelism(glm_ckpt):
+    from dataclasses import replace
+
+    from sparsekv.config import ModelConfig
+    from sparsekv.parallel.layout import ParallelLayout
+    cfg = replace(ModelConfig.from_json(glm_ckpt[0]), n_routed_experts=6)
+    ParallelLayout(2, 1, expert_parallel=True).check_model(cfg)
+    ParallelLayout(4, 1, expert_parallel=False).check_model(replace(cfg, num_attention_heads=8, vocab_size=512))
+    with pytest.raises(ConfigError, match=r"n_routed_experts \(6\) is not divisible by the world size"):
+        ParallelLayout(4, 1, expert_parallel=True).check_model(replace(cfg, num_attention_heads=8, vocab_size=512))
+    assert list(ParallelLayout(2, 1, True, rank=1).local_experts(6)) == [3, 4, 5]
+
+
+def test_a_worker_failing_at_load_fails_start_up_with_its_message(glm_ckpt, tmp_path):
+    """With expert parallelism rank 1 alone reads experts 2 and 3. Their shard file is corrupt: start-up
+    fails with rank 1's error (rank 0 loaded fine), and every worker process ends."""
+    import json
+    import multiprocessing
+    path = tmp_path / "ckpt"
+    shutil.copytree(glm_ckpt[0], path)
+    tensors = load_file(path / "model.safetensors")
+    os.remove(path / "model.safetensors")
+    theirs = {n for n in tensors if ".mlp.experts.2." in n or ".mlp.experts.3." in n}
+    save_file({n: t for n, t in tensors.items() if n not in theirs}, path / "model-00001-of-00002.safetensors")
+    (path / "model-00002-of-00002.safetensors").write_bytes(b"not a safetensors file")
+    weight_map = {n: "model-00002-of-00002.safetensors" if n in theirs else "model-00001-of-00002.safetensors"
+                  for n in tensors}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(RuntimeError, match="rank 1: .*model-00002-of-00002|rank 1: .*(header|deserializ)"):
+        LLM(str(path), **BASE, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparsekv-rank")]
