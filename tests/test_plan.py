@@ -320,3 +320,80 @@ def test_prefix_cache_tiers_count_warm_contexts_and_restore_time(capsys):
     assert "prefix_cache" not in json.loads(_json_plan("glm-5.2"))
     assert main(["glm-5.2", "--prefix-cache-disk-tb", "-1"]) == 2
     assert "--prefix-cache-host-gb" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- parallel layout (--tp/--dp/--ep/--nodes)
+
+def _parallel(*argv):
+    return json.loads(_json_plan(*argv))["parallel"]
+
+
+def test_parallel_weights_are_sizings_per_rank_bytes():
+    from sparsekv.cache.sizing import Parallelism, weight_bytes_per_rank
+    cfg = model("glm-5")
+    for argv, par in ((("--tp", "8", "--dp", "1"), Parallelism(8, 1, True)),
+                      ((), Parallelism(1, 8, True)), (("--nodes", "2"), Parallelism(1, 16, True)),
+                      (("--tp", "2", "--no-ep"), Parallelism(2, 4, False))):
+        w = _parallel("glm-5", *argv)["weights_per_gpu"]
+        want = weight_bytes_per_rank(cfg, par, "fp8")
+        assert (w["replicated"], w["sharded"], w["routed_experts"]) == (want.replicated, want.sharded, want.experts)
+        assert w["total"] == want.total and w["mtp_layer"] > 0
+    one, two = _parallel("glm-5")["weights_per_gpu"], _parallel("glm-5", "--nodes", "2")["weights_per_gpu"]
+    assert two["routed_experts"] * 2 == one["routed_experts"] and two["experts_per_gpu"] == 16
+    assert (two["replicated"], two["sharded"]) == (one["replicated"], one["sharded"])
+
+
+def test_tp_does_not_divide_kv_dp_multiplies_requests():
+    # GLM-5.2 in FP8: a token costs 78 x 656 B of latent + 21 x 132 B of indexer keys on every GPU that
+    # holds its request, whatever tp is; requests per node = requests per dp rank x dp / nodes.
+    per_token = 78 * 656 + 21 * 132
+    layouts = [("--tp", "8"), ("--tp", "2", "--dp", "4"), (), ("--nodes", "2"), ("--nodes", "2", "--tp", "16")]
+    for argv in layouts:
+        par = _parallel("glm-5.2", *argv)
+        dp, nodes = par["dp"], par["nodes"]
+        for row in par["kv_per_gpu"]:
+            assert row["kv_per_request"] == row["context"] * per_token
+            for policy in ("no_tiering", "tiering"):
+                per_node = row["per_gpu"][policy] * dp // nodes
+                assert row["per_node"][policy] == (per_node if policy == "no_tiering"
+                                                   else min(per_node, row["host_limit"]))
+    assert [r["context"] for r in _parallel("glm-5.2")["kv_per_gpu"]] == [K128, M1]
+    # tiered, each of the 8 tp ranks keeps its own host copy of the latent history (0.9 of 2048 GB usable)
+    host = [r["host_limit"] for r in _parallel("glm-5.2", "--tp", "8")["kv_per_gpu"]]
+    assert host == [int(0.9 * 2048e9 // (8 * t * 78 * 656)) for t in (K128, M1)]
+
+
+def test_collectives_in_the_plan_by_hand():
+    # GLM-5, bf16 hidden states (6144 x 2 B). DP 8 + EP: 8 copies of each token there and back, 7/8 off-rank.
+    (moe,) = _parallel("glm-5")["collectives"]
+    assert (moe["op"], moe["ranks"], moe["times"]) == ("all_to_all", 8, 75)
+    assert moe["per_token"] == 2 * 8 * 6144 * 2 * 7 / 8 == 172_032
+    assert moe["per_step"] == moe["per_token"] * 75 * 2   # 16 requests per node over 8 dp ranks
+    tp8 = {c["name"]: c for c in _parallel("glm-5", "--tp", "8")["collectives"]}
+    assert tp8["attention output (o_proj)"]["per_token"] == 2 * 7 / 8 * 6144 * 2 == 21_504
+    assert tp8["lm_head logits (vocab-parallel)"]["per_token"] == 7 / 8 * 154880 * 4
+    assert not any(c["op"] == "all_to_all" for c in tp8.values())  # dp 1: every rank has every token
+    meet = _parallel("deepseek-v3.2", "--nodes", "2", "--concurrency", "32")["moe_meeting"]
+    assert (meet["tokens_per_rank"], meet["tokens_all_ranks"], meet["expert_rows_per_rank"]) == (4, 64, 4 * 8)
+
+
+def test_parallel_only_report(capsys):
+    rc, out, err = run(capsys, "deepseek-v3.2", "--nodes", "2", "--tp", "2", "--parallel-only")
+    assert rc == 0 and err == ""
+    for words in ("2 nodes x 8x H200", "TP 2 x DP 8", "Weights per GPU", "KV cache per GPU", "all_to_all",
+                  "tokens meet at the MoE"):
+        assert words in out
+    assert "Decode roofline" not in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["glm-5", "--tp", "2", "--dp", "2"], "--tp 2 x --dp 2 = 4 ranks, but --nodes 1 x --gpus-per-node 8 = 8 GPUs"),
+    (["glm-5", "--nodes", "2", "--tp", "32"], "--tp 32 must divide the 16 GPUs"),
+    (["glm-5", "--gpus-per-node", "12", "--tp", "12"], "num_attention_heads (64) is not divisible by the "
+                                                        "tensor-parallel size (--tp"),
+    (["glm-5", "--gpus-per-node", "12"], "n_routed_experts (256) is not divisible by the world size 12"),
+    (["deepseek-v3.2", "--nodes", "0"], "--nodes"),
+])
+def test_bad_parallel_layout_is_one_line_exit_2(capsys, argv, words):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and out == "" and words in err and err.count("\n") == 1
