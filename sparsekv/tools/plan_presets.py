@@ -19,10 +19,14 @@ _GLM5 = {
     "index_head_dim": 128, "index_n_heads": 32, "rms_norm_eps": 1e-5, "first_k_dense_replace": 3,
     "max_position_embeddings": 202752, "num_nextn_predict_layers": 1, "index_topk_freq": 1,
     "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "tie_word_embeddings": False,
+    "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "attention_bias": False,
+    "rope_interleave": True, "indexer_rope_interleave": True, "eos_token_id": [154820, 154827, 154829],
+    "dtype": "bfloat16",
 }
 
 _GLM52 = {**_GLM5, "index_topk_freq": 4, "index_skip_topk_offset": 3,
-          "max_position_embeddings": 1048576,
+          "max_position_embeddings": 1048576, "moe_router_dtype": "float32", "index_share_for_mtp_iteration": True,
+          "pad_token_id": 154820,
           "rope_parameters": {"rope_theta": 8e6, "rope_type": "default"}}
 
 _DEEPSEEK_V32 = {
@@ -36,7 +40,10 @@ _DEEPSEEK_V32 = {
     "max_position_embeddings": 163840, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
     "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "rope_theta": 10000.0,
+    "rope_theta": 10000.0, "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+    "attention_bias": False, "eos_token_id": 1,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
 }
 
 # The IndexCache paper's "30B DSA model, 47 DSA layers" is not published. Its layer count matches
