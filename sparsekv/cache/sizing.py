@@ -1,4 +1,5 @@
-"""Bytes per token of every KV store, and the tier sizes a budget allows: the one place they are computed.
+"""Bytes per token of every KV store, the tier sizes a budget allows, and what one rank of a parallel
+layout holds (weights) and sends (collectives): the one place they are computed.
 
 Torch-free arithmetic on `ModelConfig` fields, shared by the engine (which allocates what these say)
 and the planner (which sizes machines we do not have). Number formats are named as the planner names
