@@ -14,6 +14,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--revision", default=None,
                    help="the Hub branch, tag or commit of a MODEL given as a repo id ORG/NAME (default: main)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -88,7 +89,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--indexer-key-dtype", default="auto", choices=["auto", "fp8_e4m3"])
 
 
-ENGINE_ARG_NAMES = ("dtype", "revision", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_page_size",
+ENGINE_ARG_NAMES = ("dtype", "revision", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_page_size",
                     "prefill_chunk_tokens", "num_kv_pages", "kv_cache_dtype", "kv_admission", "attention", "seed", "num_threads",
                     "kv_tiering", "device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes",
                     "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",
