@@ -373,6 +373,9 @@ def test_collectives_in_the_plan_by_hand():
     assert tp8["attention output (o_proj)"]["per_token"] == 2 * 7 / 8 * 6144 * 2 == 21_504
     assert tp8["lm_head logits (vocab-parallel)"]["per_token"] == 7 / 8 * 154880 * 4
     assert not any(c["op"] == "all_to_all" for c in tp8.values())  # dp 1: every rank has every token
+    # TP 8 x DP 2: a dp rank's 16 tokens are on all 8 of its tp ranks; each token is dispatched once
+    a2a = _parallel("glm-5", "--nodes", "2", "--tp", "8")["collectives"][-1]
+    assert a2a["op"] == "all_to_all" and a2a["per_step"] == 2 * 8 * 6144 * 2 * 15 / 16 * 75 * 16 / 8
     meet = _parallel("deepseek-v3.2", "--nodes", "2", "--concurrency", "32")["moe_meeting"]
     assert (meet["tokens_per_rank"], meet["tokens_all_ranks"], meet["expert_rows_per_rank"]) == (4, 64, 4 * 8)
 

@@ -33,11 +33,15 @@ def kv_rows(cfg: ModelConfig, dep: Deployment, wl: Workload) -> list[dict]:
 
 
 def collective_rows(cfg: ModelConfig, dep: Deployment, wl: Workload) -> list[dict]:
-    """Each collective per token, and per decode step on one rank at the workload's concurrency."""
+    """Each collective per token, and per decode step on one rank at the workload's concurrency. The tp
+    ranks of a dp rank hold the same tokens; each token is dispatched to the experts once, by one of them."""
     tokens = dep.requests_per_rank(wl.concurrency)
-    return [{"name": c.name, "op": c.op, "ranks": c.ranks, "times": c.times, "per_token": c.per_token,
-             "per_token_all": c.per_token_all, "per_step": c.per_token_all * tokens, "formula": c.formula}
-            for c in collectives(cfg, dep.parallelism, dep.activation_format)]
+    rows = []
+    for c in collectives(cfg, dep.parallelism, dep.activation_format):
+        sent = tokens / dep.tp if c.op == "all_to_all" else tokens
+        rows.append({"name": c.name, "op": c.op, "ranks": c.ranks, "times": c.times, "per_token": c.per_token,
+                     "per_token_all": c.per_token_all, "per_step": c.per_token_all * sent, "formula": c.formula})
+    return rows
 
 
 def moe_meeting(cfg: ModelConfig, dep: Deployment, wl: Workload) -> dict | None:
