@@ -25,49 +25,77 @@ from .launch import RankGroup, exchange_status, join_group, layout_of
 logger = logging.getLogger(__name__)
 
 
+class RankFailure(RuntimeError):
+    """A rank died or stopped answering (past `dist_timeout_s`): the engine cannot step any more."""
+
+
 class MultiRankExecutor(Executor):
-    """Rank 0's side: broadcast each call, then run it on rank 0's shard."""
+    """Rank 0's side: broadcast each call, then run it on rank 0's shard.
+
+    A worker that died, or a collective that failed or timed out, raises `RankFailure` from the call
+    that found it; from then on every call that needs the other ranks raises it at once, and the
+    calls that only let go of state (forget, release_idle_buffers) run on rank 0 alone, so aborting
+    the requests in flight never waits for a dead rank."""
 
     def __init__(self, local: InProcessExecutor, ranks: RankGroup):
         self.local, self.ranks = local, ranks
         self.observers = local.observers
         self.runner, self.model = local.runner, local.model
+        self.failure: RankFailure | None = None
 
-    def _broadcast(self, method: str, *args) -> None:
-        dist.broadcast_object_list([(method, args)], src=0, group=self.ranks.control)
+    def _together(self, method: str, *args, run):
+        """Broadcast the call, then run it here; a failure of either is a RankFailure."""
+        if self.failure is None:
+            exited = self.ranks.failed_workers()
+            if exited:
+                self.failure = RankFailure(f"worker rank(s) exited: {', '.join(exited)}")
+        if self.failure is not None:
+            raise self.failure
+        try:
+            dist.broadcast_object_list([(method, args)], src=0, group=self.ranks.control)
+            return run()
+        except RuntimeError as e:  # gloo/NCCL: a peer closed its connection, or the timeout passed
+            exited = self.ranks.failed_workers()
+            self.failure = RankFailure(f"{method} failed across ranks ({', '.join(exited) or 'no worker exited'}; "
+                                       f"dist_timeout_s {self.ranks.config.dist_timeout_s}): {e}")
+            raise self.failure from e
+
+    def _release(self, method: str, *args) -> None:
+        if self.failure is None:
+            try:
+                self._together(method, *args, run=lambda: None)
+            except RankFailure:
+                pass  # state is let go of on rank 0 below; the step that needs the ranks will raise
+        getattr(self.local, method)(*args)
 
     def execute(self, step: SchedulerOutput) -> ModelOutput:
-        self._broadcast("execute", step)
-        return self.local.execute(step)
+        return self._together("execute", step, run=lambda: self.local.execute(step))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.contiguous()
-        self._broadcast("logits", tuple(hidden.shape), hidden.dtype)
-        dist.broadcast(hidden, src=0)
-        return self.local.logits(hidden)
+
+        def run():
+            dist.broadcast(hidden, src=0)
+            return self.local.logits(hidden)
+        return self._together("logits", tuple(hidden.shape), hidden.dtype, run=run)
 
     def forget(self, request_id: str) -> None:
-        self._broadcast("forget", request_id)
-        self.local.forget(request_id)
+        self._release("forget", request_id)
 
     def release_idle_buffers(self) -> None:
-        self._broadcast("release_idle_buffers")
-        self.local.release_idle_buffers()
+        self._release("release_idle_buffers")
 
     def check_integrity(self, running: set[str]) -> None:
-        self._broadcast("check_integrity", running)
-        self.local.check_integrity(running)
+        self._together("check_integrity", running, run=lambda: self.local.check_integrity(running))
 
     def draft_extend(self, plan: MTPPlan) -> torch.Tensor:
-        self._broadcast("draft_extend", plan)
-        return self.local.draft_extend(plan)
+        return self._together("draft_extend", plan, run=lambda: self.local.draft_extend(plan))
 
     def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:
-        self._broadcast("draft_step", step, tokens)
-        return self.local.draft_step(step, tokens)
+        return self._together("draft_step", step, tokens, run=lambda: self.local.draft_step(step, tokens))
 
     def close(self) -> None:
-        self.ranks.close()
+        self.ranks.close(notify=self.failure is None)
 
 
 class RankWorker:

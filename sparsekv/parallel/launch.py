@@ -93,7 +93,7 @@ class RankGroup:
                 dist.broadcast_object_list([("close", ())], src=0, group=self.control)
             except RuntimeError as e:  # a rank already gone: it cannot be told
                 logger.warning("telling the workers to stop failed: %s", e)
-        _stop(self.processes)
+        _stop(self.processes, timeout_s=10.0 if notify else 0.0)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -128,8 +128,11 @@ def _init_method(config: EngineConfig) -> str:
 
 
 def _stop(processes, timeout_s: float = 10.0) -> None:
+    """Wait up to `timeout_s` for each process to exit, then terminate it, then kill it (a stopped
+    process only answers SIGKILL)."""
     for p in processes:
         p.join(timeout_s)
-        if p.is_alive():
-            p.terminate()
-            p.join(timeout_s)
+        for end in (p.terminate, p.kill):
+            if p.is_alive():
+                end()
+                p.join(2.0)

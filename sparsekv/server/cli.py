@@ -127,12 +127,21 @@ def build_app(args):
 def serve(app, state, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> int:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             access_log=log_level == "debug")
-    DrainingServer(config, state, shutdown_timeout).run()
-    return 0
+    server = DrainingServer(config, state, shutdown_timeout)
+    server.run()
+    return server.exit_code
+
+
+RANK_FAILURE_GRACE_S = 3.0
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn.Server that drains the engine on the first signal and exits on the second."""
+    """uvicorn.Server that drains the engine on the first signal and exits on the second. When a rank
+    of a parallel engine fails, it exits by itself with code 1 once the clients have their errors (a
+    supervisor restarts it; the engine cannot step again)."""
+
+    exit_code = 0
+    _failed_at = None
 
     def __init__(self, config, state, shutdown_timeout: float):
         super().__init__(config)
@@ -147,6 +156,14 @@ class DrainingServer(uvicorn.Server):
             self._drain_requested = True
 
     async def on_tick(self, counter: int) -> bool:
+        from ..parallel.executor import RankFailure
+        dead = self.state.loop.dead
+        if isinstance(dead, RankFailure) and not self._drain_requested:
+            # /health answers 503 for a while first, so that a load balancer sees why
+            self._failed_at = self._failed_at or asyncio.get_running_loop().time()
+            if asyncio.get_running_loop().time() - self._failed_at > RANK_FAILURE_GRACE_S:
+                log.error("a rank failed; the server exits: %s", dead)
+                self.exit_code, self._drain_requested = 1, True
         if self._drain_requested and self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self.drain())
         return await super().on_tick(counter)

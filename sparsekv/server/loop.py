@@ -18,6 +18,8 @@ import os
 import queue
 import threading
 import time
+
+from ..parallel.executor import RankFailure
 from dataclasses import dataclass
 
 from ..request import RequestOutput, SamplingParams
@@ -28,7 +30,12 @@ FAULT_ENV, DELAY_ENV = "SPARSEKV_INJECT_STEP_FAULT", "SPARSEKV_INJECT_STEP_DELAY
 
 
 class EngineDead(RuntimeError):
-    """The engine raised inside a step; the server can no longer generate."""
+    """The engine raised inside a step; the server can no longer generate. `status`: 503 when a rank of
+    a parallel engine failed (the service is down, not the request at fault), else 500."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 class QueueFull(RuntimeError):
@@ -279,7 +286,8 @@ class EngineLoop:
         self._routes.clear()
         if self.metrics:
             self.metrics.abort("engine_fault", len(routes))
-        self._deliver([(r.group, None, EngineDead(f"the engine failed during a step: {e!r}")) for r in routes])
+        status = 503 if isinstance(e, RankFailure) else 500
+        self._deliver([(r.group, None, EngineDead(f"the engine failed during a step: {e!r}", status)) for r in routes])
 
     # -- thread -> event loop ------------------------------------------------------------------
     def _deliver(self, batch: list) -> None:

@@ -116,7 +116,7 @@ def _apply(states: list[ChoiceState], item) -> int:
     """Feed one queue item to its choice; an error item becomes an APIError."""
     index, payload = item
     if index is None:
-        status = 500 if isinstance(payload, EngineDead) else 503
+        status = payload.status if isinstance(payload, EngineDead) else 503
         raise APIError(status, str(payload))
     states[index].update(payload)
     return index

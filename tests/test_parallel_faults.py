@@ -1,0 +1,82 @@
+"""A rank that dies or hangs: every request in flight ends with a clear error within a bounded time
+(--dist-timeout), the server answers 503 and exits non-zero, and nothing is left running.
+
+The faults are real: the worker process is killed (SIGKILL) or stopped (SIGSTOP, so it hangs inside
+whatever collective it was in). The time bounds are liveness checks (a hang would otherwise block
+the suite), generous multiples of the configured timeout, not performance figures.
+"""
+import multiprocessing
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from sparsekv import LLM, SamplingParams
+from sparsekv.parallel.executor import RankFailure
+from test_server_util import free_port, start_subprocess_server, tiny_checkpoint, wait_healthy
+
+TIMEOUT_S = 3.0
+LONG = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+
+def _workers() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("sparsekv-rank")]
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
+def test_a_rank_failure_ends_the_step_with_a_clear_error(glm_ckpt, fault):
+    llm = LLM(glm_ckpt[0], kv_page_size=4, max_model_len=128, num_threads=1, tensor_parallel_size=2,
+              dist_timeout_s=TIMEOUT_S)
+    engine = llm.engine
+    try:
+        req = engine.add_request(None, list(range(1, 30)), LONG)
+        engine.step()
+        engine.step()
+        os.kill(engine.executor.ranks.processes[0].pid, fault)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match="exited|failed across ranks"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - t0 < 4 * TIMEOUT_S + 10, "the failure was not detected within the timeout"
+        with pytest.raises(RankFailure):  # every later step fails at once
+            engine.step()
+        assert engine.abort(req.request_id)  # letting go of a request never waits for the dead rank
+    finally:
+        llm.close()
+    assert not _workers(), "close() left a worker process"
+    again = LLM(glm_ckpt[0], kv_page_size=4, max_model_len=128, num_threads=1, tensor_parallel_size=2)
+    try:  # the process group was torn down: a new parallel engine starts in the same process
+        assert again.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
+    finally:
+        again.close()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_server_answers_503_turns_unhealthy_and_exits_non_zero_when_a_rank_dies(tmp_path_factory):
+    model = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_subprocess_server(model, port, "-tp", "2", "--dist-timeout", str(TIMEOUT_S))
+    try:
+        wait_healthy(url, proc, timeout=120)
+        body = {"model": httpx.get(url + "/v1/models").json()["data"][0]["id"], "prompt": "hello", "max_tokens": 4}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        workers = [pid for pid in _children(proc.pid) if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(workers) == 1, f"expected rank 1's process, found {workers}"
+        os.kill(workers[0], signal.SIGKILL)
+        r = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 50, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 503 and "failed" in r.json()["error"]["message"]
+        health = httpx.get(url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "engine_dead"
+        assert proc.wait(timeout=60) == 1, "the server must exit non-zero after a rank failure"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
