@@ -189,7 +189,8 @@ def build_plan(name: str, cfg: ModelConfig, dep: Deployment, wl: Workload, profi
                          "tiering": wl.tiering, "device_buffer_tokens": wl.device_buffer_tokens or
                          2 * (wl.topk or cfg.index_topk), "miss_rate": wl.miss_rate,
                          "attention": wl.attention_mode},
-            "memory": memory, "parallel": parallel_section(cfg, dep, wl), "decode": decode, "verdict": verdict(cfg, dep, wl, memory, decode),
+            "memory": memory, "parallel": parallel_section(cfg, dep, wl), "decode": decode,
+            "verdict": verdict(cfg, dep, wl, memory, decode),
             "warnings": warnings(cfg, wl),
             "flops_per_token": flop_table(cfg), "published": published_comparisons(cfg, name)}
 

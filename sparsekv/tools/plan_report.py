@@ -162,7 +162,8 @@ def collectives_table(plan: dict) -> Table:
                      f"all-gather + reduce-scatter instead of all_to_all: "
                      f"{meet['gather_scatter_per_token']:,.0f} B/token/layer")
     elif par["ep"] and par["world"] > 1:
-        t.caption = "EP with DP 1: every rank has every token; each runs its own experts and the FFN all-reduce sums them"
+        t.caption = ("EP with DP 1: every rank has every token; each runs its own experts and the FFN "
+                     "all-reduce sums them")
     return t
 
 
