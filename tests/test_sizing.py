@@ -107,24 +107,47 @@ def test_collective_bytes_by_hand():
     assert len(collectives(cfg, Parallelism(tp=2, ep=True), "bf16")) == 4
 
 
+def _with_mtp_layer(src: str, dst: str) -> str:
+    """A copy of the checkpoint with a NextN layer: layer 1 (MoE) plus layer 0's indexer, and the MTP glue."""
+    import os
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    hidden, n = tensors["model.norm.weight"].shape[0], 1 + max(int(k.split(".")[2]) for k in tensors if ".layers." in k)
+    for name, t in list(tensors.items()):
+        if name.startswith("model.layers.1.") or name.startswith("model.layers.0.self_attn.indexer."):
+            tensors[name.replace(f"layers.{name.split('.')[2]}.", f"layers.{n}.")] = t.clone()
+    for glue, shape in (("enorm", (hidden,)), ("hnorm", (hidden,)), ("eh_proj", (hidden, 2 * hidden)),
+                        ("shared_head.norm", (hidden,))):
+        tensors[f"model.layers.{n}.{glue}.weight"] = torch.ones(shape)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
 @pytest.mark.parametrize("family", ["glm", "ds"])
-def test_engine_loads_what_sizing_says_per_rank(request, family):
-    """The tensors the engine loads on each rank weigh what weight_bytes_per_rank says."""
+def test_engine_loads_what_sizing_says_per_rank(request, tmp_path, family):
+    """The tensors the engine loads on each rank weigh what weight_bytes_per_rank says, MTP layer included."""
     import torch
 
     from sparsekv.cache.sizing import Parallelism, weight_bytes_per_rank
     from sparsekv.config import ModelConfig
     from sparsekv.model.checkpoint import load_tensors
     path, _ = request.getfixturevalue(f"{family}_ckpt")
+    mtp_path = _with_mtp_layer(path, str(tmp_path / "mtp"))
     cfg = ModelConfig.from_json(path)
+
+    def loaded_bytes(where, dtype, **layout):
+        return sum(t.numel() * t.element_size() for t in load_tensors(where, cfg, dtype, torch.device("cpu"),
+                                                                      **layout).values())
     for dtype, fmt in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        loaded = load_tensors(path, cfg, dtype, torch.device("cpu"))
-        assert sum(t.numel() * t.element_size() for t in loaded.values()) == \
-            weight_bytes_per_rank(cfg, Parallelism(), fmt).total
+        assert loaded_bytes(path, dtype) == weight_bytes_per_rank(cfg, Parallelism(), fmt).total
+        assert loaded_bytes(mtp_path, dtype) == weight_bytes_per_rank(cfg, Parallelism(), fmt, mtp=True).total
     layout = pytest.importorskip("sparsekv.parallel.layout")
     for tp, ep in ((2, False), (2, True)):
-        want = weight_bytes_per_rank(cfg, Parallelism(tp=tp, ep=ep), "fp32").total
-        for rank in range(tp):
-            loaded = load_tensors(path, cfg, torch.float32, torch.device("cpu"),
-                                  layout=layout.ParallelLayout(tp, 1, ep, rank))
-            assert sum(t.numel() * t.element_size() for t in loaded.values()) == want
+        for where, mtp in ((path, False), (mtp_path, True)):
+            want = weight_bytes_per_rank(cfg, Parallelism(tp=tp, ep=ep), "fp32", mtp=mtp).total
+            for rank in range(tp):
+                assert loaded_bytes(where, torch.float32, layout=layout.ParallelLayout(tp, 1, ep, rank)) == want
