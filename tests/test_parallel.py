@@ -97,6 +97,7 @@ def test_tensor_parallel_bundled_model_tiered_mtp():
 @pytest.mark.parametrize("options, message", [
     (dict(tensor_parallel_size=3), "num_attention_heads (4) is not divisible by tensor_parallel_size (3)"),
     (dict(tensor_parallel_size=2, nnodes=2), "needs dist_init_addr"),
+    (dict(tensor_parallel_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1"), "only hosts ranks"),
     (dict(tensor_parallel_size=2, dist_init_addr="nohost"), "HOST:PORT"),
     (dict(tensor_parallel_size=2, prefix_cache_host_bytes=1 << 20), "do not run with more than one rank"),
 ])
@@ -139,3 +140,32 @@ def test_a_worker_failing_at_load_fails_start_up_with_its_message(glm_ckpt, tmp_
     with pytest.raises(RuntimeError, match="rank 1: .*model-00002-of-00002|rank 1: .*(header|deserializ)"):
         LLM(str(path), **BASE, tensor_parallel_size=2, enable_expert_parallel=True)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparsekv-rank")]
+
+
+def test_two_nodes_of_one_process_each_equal_one_process(glm_ckpt):
+    """--nnodes 2 on localhost: node 1 is `sparsekv serve --node-rank 1` in another process (it hosts
+    rank 1 and serves nothing); node 0 is the engine."""
+    import subprocess
+    import sys
+
+    from test_server_util import REPO, free_port
+    path, port = glm_ckpt[0], free_port()
+    dist = ["-tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
+    node1 = subprocess.Popen([sys.executable, "-m", "sparsekv", "serve", path, "--node-rank", "1", "--kv-page-size", "4",
+                              "--max-model-len", "128", *dist], env={**os.environ, "PYTHONPATH": REPO},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        prompts = _prompts(256)
+        want = LLM(path, **BASE).generate(prompts, PARAMS)
+        llm = LLM(path, **BASE, tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
+        try:
+            assert llm.engine.executor.ranks.processes == []  # rank 1 lives on the other "node"
+            got = llm.generate(prompts, PARAMS)
+        finally:
+            llm.close()
+        assert_same_greedy(want, got, logprob_tolerance(llm))
+        assert node1.wait(timeout=60) == 0, node1.stdout.read()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..config import EngineConfig, ModelConfig
+from ..config import ConfigError, EngineConfig, ModelConfig
 from ..executor import Executor, InProcessExecutor, ModelOutput
 from ..scheduler import SchedulerOutput
 from ..speculative import MTPPlan
@@ -195,6 +195,9 @@ def start_executor(config: EngineConfig, dtype: torch.dtype, device: torch.devic
     rank, rank 0's shard here and the other ranks' in the worker processes this starts."""
     from ..cache.manager import CacheManager
     from ..model.checkpoint import load_model
+    if config.node_rank > 0:
+        raise ConfigError(f"node_rank {config.node_rank} only hosts ranks for node 0's engine: run "
+                          f"`sparsekv serve --node-rank {config.node_rank} ...` there (parallel.executor.host_node)")
     layout = layout_of(config)
     if layout.world_size > 1:  # a layout the model cannot take fails here, before any process starts
         layout.check_model(ModelConfig.from_json(config.model, config.hf_overrides))

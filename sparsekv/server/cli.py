@@ -78,6 +78,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("sparsekv %s, non-default args: %s", importlib.metadata.version("sparsekv"),
              startup_settings(parser, args))
+    if args.node_rank > 0:  # another node's ranks: no server here, node 0's engine drives them
+        return host_ranks(args)
     try:
         app, state = build_app(args)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
@@ -93,6 +95,17 @@ def startup_settings(parser: argparse.ArgumentParser, args) -> dict:
     if os.environ.get(API_KEY_ENV):
         settings[API_KEY_ENV] = "<redacted>"
     return settings
+
+
+def host_ranks(args) -> int:
+    from ..config import EngineConfig
+    from ..parallel.executor import host_node
+    from ..paths import default_model_path
+    try:
+        return host_node(EngineConfig(model=args.model or default_model_path(), **engine_options(args)))
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"sparsekv serve: error: {e}", file=sys.stderr)
+        return 2
 
 
 def build_app(args):
