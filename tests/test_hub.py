@@ -139,6 +139,9 @@ def test_llm_by_repo_id_matches_llm_by_directory(hf_home, checkpoint):
     assert by_id.token_ids == by_dir.token_ids and by_id.text == by_dir.text
     no_tokenizer = LLM(REPO_ID, revision="v2", **opts)
     assert no_tokenizer.tokenizer is None and no_tokenizer.engine.config.model.endswith(OTHER_COMMIT)
+    tokenizer_by_id = LLM(REPO_ID, revision="v2", tokenizer=REPO_ID, **opts)  # the tokenizer of main's snapshot
+    assert tokenizer_by_id.engine.config.tokenizer.endswith(COMMIT)
+    assert tokenizer_by_id.generate("the rain in spain", params)[0].token_ids == by_dir.token_ids
     with pytest.raises(ModelNotFound):
         LLM(REPO_ID, revision="v3", **opts)
 
