@@ -172,10 +172,12 @@ class LLMEngine:
         return {**self.kv.layout(), "num_speculative_tokens": str(self.config.num_speculative_tokens)}
 
     def stats(self) -> dict:
+        """Engine-wide figures; `ranks`: each rank's (weights, peak memory, bytes sent per collective)."""
         spec = self.speculator.stats() if self.speculator is not None else {}
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), **self.kv.stats(),
                 **self.counters, "indexer_scratch_bytes": self.model.index_scratch.nbytes,
-                "preemptions": self.scheduler.num_preemptions, "kv_by_tenant": self.scheduler.tenant_stats(), **spec}
+                "preemptions": self.scheduler.num_preemptions, "kv_by_tenant": self.scheduler.tenant_stats(),
+                "ranks": self.executor.rank_stats(), **spec}
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

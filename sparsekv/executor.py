@@ -56,6 +56,10 @@ class Executor(ABC):
     def close(self) -> None:
         """Let go of worker processes, if any."""
 
+    @abstractmethod
+    def rank_stats(self) -> list[dict]:
+        """Per rank, in rank order: weight bytes, peak resident memory, bytes sent by each collective."""
+
     def add_observer(self, observer: Callable[[SchedulerOutput, ModelOutput], None]) -> None:
         """Call `observer(step, output)` after every step (benchmarks and tools record through this)."""
         self.observers.append(observer)
@@ -85,6 +89,17 @@ class InProcessExecutor(Executor):
 
     def draft_extend(self, plan: MTPPlan) -> torch.Tensor:
         return self.drafter.extend(self._hidden, plan)
+
+    def rank_stats(self) -> list[dict]:
+        return [self.local_stats()]
+
+    def local_stats(self) -> dict:
+        """This process's figures (one rank's)."""
+        import resource
+        comm = self.model.comm
+        return {"rank": comm.rank, "weight_bytes": self.model.weight_bytes,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "bytes_sent": dict(getattr(comm, "bytes_sent", {}))}
 
     def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:
         return self.drafter.step(step, tokens)

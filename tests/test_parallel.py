@@ -169,3 +169,30 @@ def test_two_nodes_of_one_process_each_equal_one_process(glm_ckpt):
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+def test_each_rank_reports_its_weights_memory_and_collective_bytes(glm_ckpt):
+    """Counts, not timings: each of the L layers all-reduces its attention and FFN outputs and the
+    embedding one more time, [rows, hidden] fp32 each; a ring all-reduce sends 2 (N-1)/N of it per
+    rank. The lm_head all-gathers each sampled row's vocab/N logits to N-1 ranks. Weight bytes per
+    rank are what the planner's sizing says for the layout."""
+    from sparsekv.cache.sizing import Parallelism, weight_bytes_per_rank
+    from sparsekv.config import ModelConfig
+    path, prompts = glm_ckpt[0], _prompts(256)
+    cfg = ModelConfig.from_json(path)
+    llm = LLM(path, **BASE, tensor_parallel_size=2)
+    try:
+        llm.generate(prompts, PARAMS)
+        ranks = llm.stats()["ranks"]
+    finally:
+        llm.close()
+    assert [r["rank"] for r in ranks] == [0, 1]
+    rows = sum(len(p) + PARAMS.max_tokens - 1 for p in prompts)  # the last sampled token is never fed
+    n, fp32 = 2, 4
+    all_reduce = (2 * cfg.num_hidden_layers + 1) * rows * cfg.hidden_size * fp32 * 2 * (n - 1) // n
+    all_gather = len(prompts) * PARAMS.max_tokens * cfg.vocab_size // n * fp32 * (n - 1)
+    for r in ranks:
+        assert r["bytes_sent"] == {"all_reduce": all_reduce, "all_gather": all_gather}
+        assert r["peak_rss_bytes"] > r["weight_bytes"] > 0
+    planned = weight_bytes_per_rank(cfg, Parallelism(tp=2, dp=1, ep=False), "fp32")
+    assert [r["weight_bytes"] for r in ranks] == [planned.total] * 2

@@ -94,6 +94,17 @@ class MultiRankExecutor(Executor):
     def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:
         return self._together("draft_step", step, tokens, run=lambda: self.local.draft_step(step, tokens))
 
+    def rank_stats(self) -> list[dict]:
+        """Every rank's figures, gathered on rank 0 (after a rank failure: rank 0's alone)."""
+        if self.failure is not None:
+            return [self.local.local_stats()]
+
+        def run():
+            gathered = [None] * self.ranks.layout.world_size
+            dist.gather_object(self.local.local_stats(), gathered, dst=0, group=self.ranks.control)
+            return gathered
+        return self._together("rank_stats", run=run)
+
     def close(self) -> None:
         self.ranks.close(notify=self.failure is None)
 
@@ -101,8 +112,8 @@ class MultiRankExecutor(Executor):
 class RankWorker:
     """A worker rank's side of each call, on its shard and its copy of the cache."""
 
-    def __init__(self, executor: InProcessExecutor, pool):
-        self.executor, self.pool = executor, pool
+    def __init__(self, executor: InProcessExecutor, pool, control):
+        self.executor, self.pool, self.control = executor, pool, control
 
     def execute(self, step: SchedulerOutput) -> None:
         self.executor.execute(step)
@@ -128,6 +139,9 @@ class RankWorker:
 
     def draft_step(self, step: int, tokens: list[int]) -> None:
         self.executor.draft_step(step, tokens)
+
+    def rank_stats(self) -> None:
+        dist.gather_object(self.executor.local_stats(), None, dst=0, group=self.control)
 
 
 def worker_config(config: EngineConfig, rank: int) -> EngineConfig:
@@ -155,7 +169,7 @@ def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
     control = dist.new_group(backend="gloo") if config.device.startswith("cuda") else dist.group.WORLD
     worker, error = None, None
     try:
-        worker = _build_worker(config, rank)
+        worker = _build_worker(config, rank, control)
     except Exception as e:  # reported to rank 0, which raises it
         error = f"rank {rank}: {type(e).__name__}: {e}"
     statuses = exchange_status(error, config.tensor_parallel_size * config.data_parallel_size, control)
@@ -172,7 +186,7 @@ def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
     dist.destroy_process_group()
 
 
-def _build_worker(config: EngineConfig, rank: int) -> RankWorker:
+def _build_worker(config: EngineConfig, rank: int, control) -> RankWorker:
     from ..cache.manager import CacheManager
     from ..model.checkpoint import load_model
     from .comm import TensorParallel
@@ -187,7 +201,7 @@ def _build_worker(config: EngineConfig, rank: int) -> RankWorker:
     local = worker_config(config, rank)
     max_model_len = config.max_model_len or model.cfg.max_position_embeddings
     kv = CacheManager(local, model, dtype, device, max_model_len)
-    return RankWorker(InProcessExecutor(model, kv.pool, local), kv.pool)
+    return RankWorker(InProcessExecutor(model, kv.pool, local), kv.pool, control)
 
 
 def start_executor(config: EngineConfig, dtype: torch.dtype, device: torch.device):

@@ -214,7 +214,17 @@ class EngineStatsCollector:
                 fam.add_metric([self.model_name, str(position)], value)
             yield fam
 
+    def _ranks(self, ranks: list[dict]):
+        """Each rank's weights and peak memory (a parallel engine's ranks hold different slices)."""
+        for key, doc in (("weight_bytes", "Model weight bytes held by the rank."),
+                         ("peak_rss_bytes", "Peak resident memory of the rank's process.")):
+            fam = GaugeMetricFamily(P + "rank_" + key, doc, labels=["model_name", "rank"])
+            for figures in ranks:
+                fam.add_metric([self.model_name, str(figures["rank"])], float(figures[key]))
+            yield fam
+
     def _extra(self, stats: dict):
+        yield from self._ranks(stats.pop("ranks", []))
         yield from self._tenants(stats.pop("prefix_cache_by_tenant", {}))
         yield from self._tenant_kv(stats.pop("kv_by_tenant", {}))
         yield from self._spec(stats)
