@@ -7,7 +7,6 @@ advance (`Scheduler.update`), from the `StepResult` returned here.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +17,19 @@ from .sampling import (LogitAdjuster, draw_rows, filter_logits_rows, make_genera
                        token_logprobs_rows)
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OutputState:
+    """What a request outputs besides its tokens (kept here, not on the request): its text, the
+    incremental detokenizer making it, and its logprobs."""
+
+    text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None
+    stop_search_from: int = 0  # output text before min_tokens were out: stop strings there do not count
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs: None for the first prompt token, then one entry per prompt token
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -41,6 +53,7 @@ class OutputProcessor:
         self._adjusters: dict[str, LogitAdjuster] = {}  # requests with penalties, a logit bias or min_tokens
         self._grammars: dict = {}  # request -> structured.GrammarState (structured outputs)
         self._grammar_compiler = None
+        self._states: dict[str, OutputState] = {}
         self._seed_source = torch.Generator().manual_seed(seed)
 
     # -- per-request state ---------------------------------------------------------------------
@@ -57,6 +70,7 @@ class OutputProcessor:
 
     def add(self, req: Request, grammar=None) -> None:
         params, rid = req.params, req.request_id
+        self._states[rid] = OutputState()
         if grammar is not None:
             self._grammars[rid] = grammar
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
@@ -67,7 +81,12 @@ class OutputProcessor:
             stops |= set() if params.ignore_eos else {t for t in self.eos_token_ids if 0 <= t < vocab}
             self._adjusters[rid] = LogitAdjuster(params, req.prompt_token_ids, vocab, stops)
 
+    def preempted(self, request_id: str) -> None:
+        """A preempted request's prompt logprobs are recorded again as its prompt is recomputed."""
+        self._states[request_id].prompt_logprobs.clear()
+
     def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
         self._generators.pop(request_id, None)
         self._adjusters.pop(request_id, None)
         self._grammars.pop(request_id, None)
@@ -77,7 +96,7 @@ class OutputProcessor:
         return self._generators
 
     def check_integrity(self, live: set[str]) -> None:
-        assert set(self._generators) | set(self._adjusters) | set(self._grammars) <= live, \
+        assert set(self._states) | set(self._generators) | set(self._adjusters) | set(self._grammars) <= live, \
             "sampling state of a finished request"
 
     # -- the step ------------------------------------------------------------------------------
@@ -166,16 +185,21 @@ class OutputProcessor:
         """The logprob of each prompt token after the chunk's rows (row p predicts token p + 1), with
         the top alternatives, a block of rows at a time (a [rows, vocab] fp32 tensor is large)."""
         first, k = ch.first_position, req.params.prompt_logprobs
+        recorded = self._states[req.request_id].prompt_logprobs
         if first == 0:
-            req.prompt_logprobs.append(None)
+            recorded.append(None)
         targets = req.prompt_token_ids[first + 1:min(ch.context_len + 1, req.num_prompt_tokens)]
         for start in range(0, len(targets), block):
             rows = torch.log_softmax(logits_of(hidden[start:start + block]), -1).cpu()
             for lp, token in zip(rows, targets[start:start + block]):
-                req.prompt_logprobs.append(token_logprobs(lp, token, k))
+                recorded.append(token_logprobs(lp, token, k))
 
     def _adjusted(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
         adjust, grammar = self._adjusters.get(req.request_id), self._grammars.get(req.request_id)
+        if req.params.logits_processors:
+            logits = logits.clone()  # the raw row stays as it is (its logprobs are reported)
+            for process in req.params.logits_processors:
+                logits = process(req.output_token_ids, logits)
         logits = logits if adjust is None else adjust(logits)
         return logits if grammar is None else grammar.mask(logits)
 
@@ -183,14 +207,14 @@ class OutputProcessor:
         """Append `token`; its logprobs from the raw `logits` row, or given (`_decide_plain_rows`)."""
         params = req.params
         if params.logprobs is not None:
-            req.output_logprobs.append(logprobs if logprobs is not None else
-                                       token_logprobs(torch.log_softmax(logits, -1), token, params.logprobs))
+            logprobs = logprobs if logprobs is not None else \
+                token_logprobs(torch.log_softmax(logits, -1), token, params.logprobs)
+            self._states[req.request_id].logprobs.append(logprobs)
         req.output_token_ids.append(token)
         if req.request_id in self._adjusters:
             self._adjusters[req.request_id].note(token)
         if req.request_id in self._grammars:
             self._grammars[req.request_id].accept(token)
-        req.first_token_time = req.first_token_time or time.monotonic()
         req.finish_reason = self._finish_reason(req, token)
         return [token]
 
@@ -213,31 +237,35 @@ class OutputProcessor:
 
     def _final_text(self, req: Request, token_ids: list[int]) -> None:
         if self.tokenizer is not None:
-            req.text = self._detokenizer(req).finish(token_ids)
+            state = self._text_state(req)
+            state.text = state.detokenizer.finish(token_ids)
 
-    def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
-        if req.detokenizer is None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer)
-        return req.detokenizer
+    def _text_state(self, req: Request) -> OutputState:
+        state = self._states[req.request_id]
+        if state.detokenizer is None:
+            state.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        return state
 
     def _stop_string_completed(self, req: Request, may_stop: bool = True) -> bool:
         """Update the request's text incrementally; on a stop string, cut the exact full text there."""
-        new = self._detokenizer(req).update(req.output_token_ids)
-        req.text = req.detokenizer.text
+        state = self._text_state(req)
+        new = state.detokenizer.update(req.output_token_ids)
+        state.text = state.detokenizer.text
         if not may_stop:  # vLLM: stop strings are not looked for until min_tokens are out
-            req.stop_search_from = len(req.text)
+            state.stop_search_from = len(state.text)
             return False
-        if not new or find_stop(req.text, len(new), req.params.stop_strings) < 0:
+        if not new or find_stop(state.text, len(new), req.params.stop_strings) < 0:
             return False
-        full = req.detokenizer.finish(req.output_token_ids)
-        cut, stop = stop_match(full, len(full) - min(req.stop_search_from, len(full)), req.params.stop_strings)
+        full = state.detokenizer.finish(req.output_token_ids)
+        cut, stop = stop_match(full, len(full) - min(state.stop_search_from, len(full)), req.params.stop_strings)
         if cut < 0:  # the full decode placed the text differently from the incremental one: search it all
             cut, stop = stop_match(full, len(full), req.params.stop_strings)
-        req.text = full[:cut + (len(stop) if req.params.include_stop_str_in_output else 0)]
+        state.text = full[:cut + (len(stop) if req.params.include_stop_str_in_output else 0)]
         return True
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.text,
-                             list(req.output_logprobs) if req.params.logprobs is not None else None,
+        state, params = self._states[req.request_id], req.params
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), state.text,
+                             list(state.logprobs) if params.logprobs is not None else None,
                              req.finish_reason, new_tokens, req.num_cached_tokens, self.metrics(req),
-                             req.prompt_logprobs if req.params.prompt_logprobs is not None else None)
+                             state.prompt_logprobs if params.prompt_logprobs is not None else None)

@@ -1,4 +1,4 @@
-"""Requests, sampling parameters and outputs, with every length named. No torch here.
+"""Requests, with every length named. No torch here.
 
 Index ranges of one request (positions in its token sequence)::
 
@@ -9,146 +9,10 @@ Index ranges of one request (positions in its token sequence)::
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses; the message says which field is wrong and why."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class SamplingParams:
-    """Shaped like vLLM's. `seed` makes one request reproducible whatever else shares the batch.
-
-    Penalties and biases as vLLM applies them (sampling.LogitAdjuster), on the raw logits before
-    temperature: `logit_bias` {token id: added value}; `repetition_penalty` divides a positive logit
-    (multiplies a negative one) of every token seen in the prompt or output; `frequency_penalty`
-    subtracts penalty x count of each output token, `presence_penalty` penalty once per token present
-    in the output. `min_tokens`: EOS, stop token ids and stop strings are ignored until that many
-    tokens are out. `min_p` drops tokens below min_p x the top token's probability (after temperature).
-    `allowed_token_ids`: only these may be sampled. `truncate_prompt_tokens` k: only the prompt's last k
-    tokens are used (-1: the last max_model_len).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None  # each prompt token's logprob + this many alternatives (vLLM's)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    truncate_prompt_tokens: int | None = None
-    include_stop_str_in_output: bool = False  # a matched stop string ends the text instead of being cut
-    # {"type": "json_object"} | {"type": "json_schema", "schema": ...} | {"type": "regex", "pattern": ...}
-    # | {"type": "choice", "choices": [...]}: the output must match it (structured.py)
-    structured_output: dict | None = None
-
-    MAX_LOGPROBS = 20
-
-    def __post_init__(self):
-        self.validate()
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether a penalty, a bias or min_tokens changes the logits before sampling."""
-        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.allowed_token_ids)
-
-    def validate(self) -> None:
-        def need(ok: bool, param: str, msg: str):
-            if not ok:
-                raise InvalidRequest(f"invalid sampling parameter {param}: {msg}", param)
-
-        need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        need(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
-             f"must be a number in [0, 100], got {self.temperature!r}")
-        need(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        need(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        need(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            need(value is None or (_is_int(value) and 0 <= value <= self.MAX_LOGPROBS), name,
-                 f"must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {value!r}")
-        stops = self.stop_strings
-        need(all(isinstance(s, str) and s for s in stops), "stop", "must be a non-empty string or a list of them")
-        need(self.stop_token_ids is None or all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "must be a list of token ids (integers >= 0)")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
-            need(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
-        need(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-             f"must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            need(_is_number(value) and -2.0 <= value <= 2.0, name, f"must be a number in [-2, 2], got {value!r}")
-        need(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
-             f"must be in (0, 2] (1 = off), got {self.repetition_penalty!r}")
-        bias = self.logit_bias
-        need(bias is None or (isinstance(bias, dict) and all(_is_int(t) and t >= 0 for t in bias)), "logit_bias",
-             "must map token ids (integers >= 0) to numbers")
-        need(bias is None or all(_is_number(v) and -100.0 <= v <= 100.0 for v in bias.values()), "logit_bias",
-             "values must be numbers in [-100, 100]")
-        allowed = self.allowed_token_ids
-        need(allowed is None or (isinstance(allowed, list) and allowed and all(_is_int(t) and t >= 0 for t in allowed)),
-             "allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
-        self._validate_structured_output(need)
-        k = self.truncate_prompt_tokens
-        need(k is None or (_is_int(k) and (k >= 1 or k == -1)), "truncate_prompt_tokens",
-             f"must be an integer >= 1, or -1 for max_model_len, got {k!r}")
-
-    def _validate_structured_output(self, need) -> None:
-        spec = self.structured_output
-        if spec is None:
-            return
-        need(isinstance(spec, dict) and spec.get("type") in STRUCTURED_KINDS, "structured_output",
-             f"must be a dict whose 'type' is one of {STRUCTURED_KINDS}, got {spec!r}")
-        field, kind = {"json_schema": ("schema", (dict, str)), "regex": ("pattern", str),
-                       "choice": ("choices", list)}.get(spec["type"], (None, None))
-        if field is not None:
-            need(isinstance(spec.get(field), kind) and bool(spec[field]), "structured_output",
-                 f"{spec['type']!r} needs a non-empty {field!r}")
-        if spec["type"] == "choice":
-            need(all(isinstance(c, str) and c for c in spec["choices"]), "structured_output",
-                 "'choice': choices must be non-empty strings")
-        after = spec.get("after")  # the grammar holds only after this text (e.g. "</think>": reasoning is free)
-        need(after is None or (isinstance(after, str) and bool(after)), "structured_output",
-             f"'after' must be a non-empty string, got {after!r}")
-
-
-STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+from .outputs import RequestOutput  # noqa: F401  (public names, importable from here too)
+from .sampling_params import InvalidRequest, SamplingParams  # noqa: F401
 
 
 class RequestStatus(enum.Enum):
@@ -167,26 +31,15 @@ class Request:
     params: SamplingParams
     tenant: str = "default"
     cache_salt: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    # params.prompt_logprobs: None for the first prompt token, then one entry per prompt token
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0       # prompt tokens the prefix cache served ...
-    num_cached_tokens_host: int = 0  # ... of which copied back from its host tier
-    num_cached_tokens_disk: int = 0  # ... and from its disk tier
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (as first admitted)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0  # times its pages were taken back (kv_admission="optimistic") and it recomputed
     finish_reason: str | None = None
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    text: str = ""
-    detokenizer: object = None  # detokenize.IncrementalDetokenizer once the request has output
-    stop_search_from: int = 0  # output text before min_tokens were out: stop strings there do not count
-    # Speculative tokens after the known ones (MTP drafts): fed to the model, never part of the output.
-    draft_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts after the known tokens: run, never output
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -217,15 +70,6 @@ class Request:
     def finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
 
-    def token_counts(self) -> dict[str, int]:
-        """Its lengths and where its cached prompt tokens came from (the per-request metrics)."""
-        return {"num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
-                "num_preemptions": self.num_preemptions,
-                "prefix_cached_tokens_device":
-                    self.num_cached_tokens - self.num_cached_tokens_host - self.num_cached_tokens_disk,
-                "prefix_cached_tokens_host": self.num_cached_tokens_host,
-                "prefix_cached_tokens_disk": self.num_cached_tokens_disk}
-
     def token_at(self, position: int) -> int:
         if position < self.num_prompt_tokens:
             return self.prompt_token_ids[position]
@@ -233,25 +77,3 @@ class Request:
         if i < self.num_output_tokens:
             return self.output_token_ids[i]
         return self.draft_token_ids[i - self.num_output_tokens]
-
-
-@dataclass
-class RequestOutput:
-    """What `LLM.generate` returns per prompt and `LLMEngine.step` yields per updated request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    new_token_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
-    # With params.prompt_logprobs: None, then each later prompt token's logprob and alternatives
-    # (filled while the prompt is prefilled; shared with the request, never copied per step).
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

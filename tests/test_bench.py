@@ -37,16 +37,16 @@ def test_bench_prefill_reports_speedup_and_indexer_rate_against_the_machine(tmp_
 
 def test_bench_indexer_times_both_policies_and_checks_they_select_the_same(tmp_path, capsys):
     """`sparsekv bench indexer`: the engine's block policy against an earlier policy in the same run,
-    on the same inputs; both must select the same positions, and the module constants are restored."""
+    on the same inputs; both must select the same positions, and the module constants stay as they were."""
     from sparsekv.model import indexer
-    from sparsekv.tools.bench_indexer import BASELINES, block_policy, main as indexer_main
+    from sparsekv.tools.bench_indexer import BASELINES, main as indexer_main
     names = ("INDEX_QUERY_BLOCK_CPU_MAX", "INDEX_SCORE_ELEMENTS_CPU", "INDEX_TILE_ELEMENTS_CPU")
     before = [getattr(indexer, n) for n in names]
     cpu = torch.device("cpu")
 
-    def policy_of(context: int) -> tuple[int, int]:
-        block = indexer.index_query_block(cpu, 4, context)
-        return block, indexer.index_key_tile(cpu, min(block, 300), 4, context)
+    def policy_of(context: int, policy=indexer.MODULE_POLICY) -> tuple[int, int]:
+        block = indexer.index_query_block(cpu, 4, context, policy)
+        return block, indexer.index_key_tile(cpu, min(block, 300), 4, context, policy)
     for baseline in sorted(BASELINES):
         out = tmp_path / f"{baseline}.json"
         assert indexer_main(["--contexts", "1K,2K", "--queries", "300", "--repeats", "1", "--baseline", baseline,
@@ -55,8 +55,8 @@ def test_bench_indexer_times_both_policies_and_checks_they_select_the_same(tmp_p
         assert [r["context"] for r in rows] == [1024, 2048] and all(r["identical"] for r in rows)
         assert all((r["block"], r["tile"]) == policy_of(r["context"]) for r in rows)
         assert all((r["block"], r["tile"]) != (r["baseline_block"], r["baseline_tile"]) for r in rows)
-        with block_policy(BASELINES[baseline]):
-            assert all((r["baseline_block"], r["baseline_tile"]) == policy_of(r["context"]) for r in rows)
+        assert all((r["baseline_block"], r["baseline_tile"]) == policy_of(r["context"], BASELINES[baseline])
+                   for r in rows)
         assert "same selection" in capsys.readouterr().out
         assert [getattr(indexer, n) for n in names] == before
 
@@ -96,3 +96,21 @@ def test_transformers_max_context_0_skips_the_transformers_baseline(monkeypatch)
 def test_bench_serve_url_defaults_to_sparsekv_serves_address():
     from sparsekv.tools.bench_serve import build_parser
     assert build_parser().parse_args([]).url == "http://127.0.0.1:8000"
+
+
+def test_bench_parallel_measures_the_collectives_the_planner_predicts(tmp_path, capsys):
+    """Each layout runs in its own process; every layout's greedy tokens equal one rank's, and the bytes
+    each rank all-reduced and all-gathered per token are exactly the planner's figures."""
+    out = tmp_path / "parallel.json"
+    assert main(["parallel", "--batch", "2", "--prompt-tokens", "40", "--steps", "3", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"1 rank", "tp 2", "tp 2 + ep"}
+    whole = summary["1 rank"]["weight_bytes"][0]
+    for name, s in summary.items():
+        assert s["identical_tokens"], name
+        assert s["all_reduce_per_token"] == s["predicted"]["all_reduce"]
+        assert s["all_gather_per_row"] == s["predicted"]["all_gather"]
+        if name != "1 rank":
+            assert s["all_reduce_per_token"] > 0 and len(s["weight_bytes"]) == 2
+            assert all(w < whole for w in s["weight_bytes"])
+    assert "tp 2 + ep" in capsys.readouterr().out

@@ -62,18 +62,18 @@ def _request(rid, tokens, tenant="default", salt=None):
 def test_allocator_keeps_registered_pages_and_evicts_the_oldest_first():
     a = PageAllocator(4, PAGE)
     kept, evicted = {1: "t", 2: "t"}, []
-    a.tenant_of_named, a.on_evict = kept.get, evicted.append
+    a.cached.tenant_of_named, a.cached.on_evict = kept.get, evicted.append
     pages = a.allocate("x", 4)
     a.free("x", [pages[2], pages[1], pages[0], pages[3]])   # 2 then 1 cached, 0 and 3 free
-    assert a.num_free == 4 and a.num_cached == 2 and list(a._free) == [0, 3]
+    assert a.num_free == 4 and len(a.cached) == 2 and list(a._free) == [0, 3]
     a.check_integrity()
     assert a.share_and_reserve("y", [1], 3) and a.num_owners(1) == 1 and a.num_available == 0
     assert not a.share_and_reserve("z", [2], 1)               # taking 2 leaves nothing for z's one page
-    assert a.num_owners(2) == 0 and a.is_cached(2)
+    assert a.num_owners(2) == 0 and 2 in a.cached
     assert a.allocate("y", 3) == [0, 3, 2] and evicted == [2]  # free pages first, then the cached one
     a.check_integrity()
     a.free("y", [1, 0, 3, 2])
-    assert a.num_cached == 2 and a.num_free == 4              # 1 and 2 kept again (still registered)
+    assert len(a.cached) == 2 and a.num_free == 4              # 1 and 2 kept again (still registered)
     a.check_integrity()
 
 
@@ -82,11 +82,11 @@ def test_eviction_takes_from_the_tenant_holding_the_most_cached_pages():
     below its own: the victim is the oldest page of the largest holder."""
     a = PageAllocator(10, PAGE)
     tenant_of, evicted = {}, []
-    a.tenant_of_named, a.on_evict = tenant_of.get, evicted.append
+    a.cached.tenant_of_named, a.cached.on_evict = tenant_of.get, evicted.append
     pages = a.allocate("r", 10)
     tenant_of.update({p: "noisy" for p in pages[:6]} | {p: "quiet" for p in pages[6:9]})
     a.free("r", pages)                                        # 6 noisy, 3 quiet cached, 1 free
-    assert a.num_cached == 9 and a.num_free == 10
+    assert len(a.cached) == 9 and a.num_free == 10
     a.allocate("n", 5)                                        # the free page, then 4 evictions
     assert evicted == pages[:4]                               # noisy's oldest: 6 -> 2 while quiet keeps 3
     a.allocate("n", 2)
@@ -95,15 +95,15 @@ def test_eviction_takes_from_the_tenant_holding_the_most_cached_pages():
 
 
 def test_a_tenant_holds_at_most_its_quota_of_cached_pages():
-    """`max_cached_per_tenant`: releasing a page beyond the quota evicts the tenant's oldest cached
+    """`cached.max_per_tenant`: releasing a page beyond the quota evicts the tenant's oldest cached
     page at once (to the lower tiers), whatever room the pool has; other tenants are untouched."""
     a = PageAllocator(10, PAGE)
     tenant_of, evicted = {}, []
-    a.tenant_of_named, a.on_evict, a.max_cached_per_tenant = tenant_of.get, evicted.append, 3
+    a.cached.tenant_of_named, a.cached.on_evict, a.cached.max_per_tenant = tenant_of.get, evicted.append, 3
     pages = a.allocate("r", 8)
     tenant_of.update({p: "noisy" for p in pages[:6]} | {p: "quiet" for p in pages[6:]})
     a.free("r", pages)
-    assert evicted == pages[:3] and a.cached_by_tenant() == {"noisy": 3, "quiet": 2}
+    assert evicted == pages[:3] and a.cached.by_tenant() == {"noisy": 3, "quiet": 2}
     assert a.num_free == 10
     a.check_integrity()
 
@@ -144,7 +144,7 @@ def test_lookup_follows_the_chain_per_tenant_and_salt_and_never_the_last_token()
         cache.forget_request(rid)
     a.free("a", owner.page_ids)
     cache.check_integrity(set())
-    assert a.num_cached == 4
+    assert len(a.cached) == 4
 
 
 # -- the engine -------------------------------------------------------------------------------------
@@ -192,6 +192,39 @@ def _finish_one(engine, rid, tenant, salt):
     return outs[0]
 
 
+def test_a_step_lists_the_pages_a_prefix_tier_restore_wrote(ckpt):
+    """`SchedulerOutput.restored_page_ids`, as the executor receives it: the pool pages whose rows a
+    restore from a lower prefix-cache tier wrote while the step was scheduled (what an executor with a
+    pool per rank must send to the other ranks first). A host-tier hit lists the request's first pages
+    in the step that admits it and in no other; a miss and a pool hit list none."""
+    seen = {}
+
+    def watched(engine):
+        seen[engine] = []
+        engine.executor.add_observer(lambda step, out: seen[engine].append(
+            (list(step.restored_page_ids), [list(ch.page_ids) for ch in step.chunks])))
+        return engine
+
+    def run(engine, rid):
+        seen[engine].clear()
+        return _finish_one(engine, rid, "default", None), list(seen[engine])
+    host = watched(make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 24,
+                        prefix_cache_max_pages_per_tenant=0).engine)  # released pages go straight to the host tier
+    pool = watched(make(ckpt, enable_prefix_caching=True).engine)
+    for engine in (host, pool):
+        out, steps = run(engine, "miss")
+        assert out.num_cached_tokens == 0 and all(restored == [] for restored, _ in steps)
+    out, steps = run(host, "host hit")
+    assert out.metrics["prefix_cached_tokens_host"] == out.num_cached_tokens == 64
+    (restored, pages), later = steps[0], steps[1:]
+    assert restored == pages[0][:4] and all(r == [] for r, _ in later)
+    out, steps = run(pool, "pool hit")
+    assert out.metrics["prefix_cached_tokens_device"] == out.num_cached_tokens == 64
+    assert all(restored == [] for restored, _ in steps)
+    host.check_integrity()
+    pool.check_integrity()
+
+
 @pytest.mark.parametrize("first, second", [(("alice", None), ("bob", None)), (("alice", "s1"), ("alice", "s2")),
                                            (("alice", "s1"), ("alice", None))])
 def test_tenants_and_salts_never_share(ckpt, first, second):
@@ -212,7 +245,7 @@ def test_eviction_under_memory_pressure_and_abort_keeps_computed_pages(ckpt):
     engine.step()
     engine.step()                                             # 48 of 70 prompt tokens computed
     assert engine.abort("r0")
-    assert engine.kv.allocator.num_cached == 3                   # its 3 full, computed pages stay
+    assert len(engine.kv.allocator.cached) == 3                   # its 3 full, computed pages stay
     hit = llm.generate([BASE + [2]], GREEDY)[0]
     assert hit.num_cached_tokens == 48
     others = [[(11 * i + j) % 250 + 1 for i in range(150)] for j in range(3)]   # 10 pages each: evicts
@@ -441,8 +474,7 @@ def test_lookup_stops_at_a_pool_page_after_host_copies():
     second = cache._name_of[owner.page_ids[1]]
     cache.tiers["host"].names.add(second)                              # page 1 also has a host copy (saved, restored)
     cache._forget_page(owner.page_ids[0])                     # as an eviction of page 0 would
-    a._cached.remove(owner.page_ids[0])
-    a._free.append(owner.page_ids[0])
+    a.cached.drop([owner.page_ids[0]])
     hit = cache.lookup(_request("b", BASE))
     assert hit == PrefixHit([], [cache._chains["b"][0]]) and cache._chains["b"][1] == second
 

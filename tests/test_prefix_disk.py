@@ -375,7 +375,7 @@ def test_encrypted_pages_come_back_exactly_and_hold_no_plaintext(ckpt, tmp_path)
     disk_dir = tmp_path / "disk"
     with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=key) as llm:
         llm.generate([BASE + [3]], GREEDY)
-        page = llm.engine.kv.prefix.tiers["disk"].rows.copy_out(llm.engine.kv.allocator.cached_pages()[0])
+        page = llm.engine.kv.prefix.tiers["disk"].rows.copy_out(llm.engine.kv.allocator.cached.pages()[0])
     plain_rows = page[0].contiguous().view(-1).view(torch.uint8).numpy().tobytes()[:64]
     files = [os.path.join(d, f) for d, _, names in os.walk(disk_dir) for f in names if f.endswith(".safetensors")]
     assert len(files) == 5
@@ -507,7 +507,7 @@ def test_pages_are_encrypted_by_default_under_a_generated_key_a_restart_reuses(c
     with disk_engine(ckpt, sealed_root) as llm:
         llm.generate([BASE + [3]], GREEDY)
         assert llm.engine.kv.prefix.tiers["disk"].cipher is not None
-        page = llm.engine.kv.prefix.tiers["disk"].rows.copy_out(llm.engine.kv.allocator.cached_pages()[0])
+        page = llm.engine.kv.prefix.tiers["disk"].rows.copy_out(llm.engine.kv.allocator.cached.pages()[0])
     key = sealed_root / ".prefix-cache.key"
     secret = key.read_bytes()
     assert len(secret) == 32 and _mode(key) == 0o600

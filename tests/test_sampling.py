@@ -72,7 +72,7 @@ def test_min_p_keeps_tokens_within_min_p_of_the_top():
     (dict(logit_bias={"3": 1.0}), "logit_bias"), (dict(logit_bias={3: 101.0}), "logit_bias"),
     (dict(logit_bias=[3]), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[-1]), "allowed_token_ids"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
-    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"), (dict(logits_processors=[3]), "logits_processors"),
 ])
 def test_invalid_adjustments(kwargs, param):
     with pytest.raises(InvalidRequest, match=param) as e:
@@ -120,6 +120,26 @@ def test_logit_bias_forces_and_bans_tokens(llm, random_prompt):
     assert banned.logprobs[0][plain.token_ids[0]] == plain.logprobs[0][plain.token_ids[0]]  # raw logprobs
     with pytest.raises(InvalidRequest, match="logit_bias token id 9999"):
         llm.generate([prompt], SamplingParams(logit_bias={9999: 1.0}))
+    llm.engine.check_integrity()
+
+
+def test_logits_processors_see_the_output_so_far_and_steer_sampling(llm, random_prompt):
+    """A logits processor (vLLM's `f(output_token_ids, logits)`) that forces given tokens, as teacher
+    forcing does: each call sees the tokens out so far, the output is the forced tokens, and the
+    reported logprobs are the model's own (the raw row, left unchanged)."""
+    prompt, forced, seen = random_prompt(9, seed=3), [11, 4, 11, 29], []
+
+    def force(output_token_ids, logits):
+        seen.append(list(output_token_ids))
+        logits[:] = float("-inf")  # in place: the engine hands it a copy
+        logits[forced[len(output_token_ids)]] = 0.0
+        return logits
+    params = dict(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    out = llm.generate([prompt], SamplingParams(**params, logits_processors=[force]))[0]
+    assert out.token_ids == forced and seen == [forced[:i] for i in range(4)]
+    assert all(lp[token] < 0.0 for lp, token in zip(out.logprobs, forced))  # the processed row would give 0.0
+    free = llm.generate([prompt + forced[:1]], SamplingParams(**params))[0]  # the model's row after forced[0]
+    assert max(out.logprobs[1].values()) == pytest.approx(max(free.logprobs[0].values()), abs=logprob_tolerance(llm))
     llm.engine.check_integrity()
 
 

@@ -12,7 +12,8 @@ import logging
 import torch
 
 from ..config import ConfigError, EngineConfig
-from ..request import InvalidRequest, Request
+from ..request import Request
+from ..sampling_params import InvalidRequest
 from .pages import PageAllocator
 from .pool import KVPool
 
@@ -76,7 +77,7 @@ class CacheManager:
                         self.page_size)
         quotas = [q for q in (config.prefix_cache_max_pages_per_tenant, self._tenant_quota(self.allocator.num_pages))
                   if q is not None]
-        self.allocator.max_cached_per_tenant = min(quotas, default=None)
+        self.allocator.cached.max_per_tenant = min(quotas, default=None)
         disk = self._build_disk_tier(rows, lookahead) if config.prefix_cache_disk_path else None
         if config.prefix_cache_host_bytes:
             tiers["host"] = PrefixHostStore(rows, config.prefix_cache_host_bytes,
@@ -157,7 +158,7 @@ class CacheManager:
         if self.prefix is not None:
             if name_pages:
                 self.prefix.register(req)
-            self.prefix.forget_request(req.request_id)
+            self.prefix.forget_request(req.request_id, keep_served=keep_counters)
         self.pool.release(req.request_id, keep_counters=keep_counters)
 
     def expire(self) -> int:
@@ -186,7 +187,11 @@ class CacheManager:
         return self.allocator.num_pages * self.page_size
 
     def request_metrics(self, req: Request) -> dict:
-        return self.pool.request_metrics(req.request_id, len(req.page_ids) * self.page_size)
+        """Where its cached prompt tokens came from, and its tier figures."""
+        served = self.prefix.served(req.request_id) if self.prefix is not None else {"host": 0, "disk": 0}
+        return {"prefix_cached_tokens_device": req.num_cached_tokens - served["host"] - served["disk"],
+                **{f"prefix_cached_tokens_{tier}": n for tier, n in served.items()},
+                **self.pool.request_metrics(req.request_id, len(req.page_ids) * self.page_size)}
 
     def stats(self) -> dict:
         used_tokens = (self.allocator.num_pages - self.allocator.num_free) * self.page_size

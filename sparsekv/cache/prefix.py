@@ -37,6 +37,19 @@ class PrefixHit:
     wait: bool = False  # the next page is being computed by a running request: admit after it
 
 
+@dataclass(frozen=True)
+class CachedPrefix:
+    """What an admitted request took from the prefix cache: `page_ids`, the shared pool pages then the
+    pages taken from its reservation for lower-tier copies, of which the first `num_pages` hold its
+    cached tokens (a copy that did not come back leaves its page to be computed); `restored_page_ids`,
+    the pages whose rows a copy was written into, and `tiers`, the tier each came from."""
+
+    page_ids: list[int] = field(default_factory=list)
+    num_pages: int = 0
+    restored_page_ids: list[int] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)
+
+
 class PrefixCache:
     """`lookahead` 1 (speculative decoding): a page's name also covers the token after it, since the
     MTP layer's entry at the page's last position is made from that token. `tiers`: the lower tiers by
@@ -57,8 +70,9 @@ class PrefixCache:
         self._inflight: dict[bytes, str] = {}  # prompt page name -> running request computing it
         self._claims: dict[str, list[bytes]] = {}  # request -> the names it claimed
         self._reading: dict[str, list[bytes]] = {}  # waiting request -> its disk pages being read ahead
-        allocator.tenant_of_named = self._tenant_of.get
-        allocator.on_evict = self._forget_page
+        self._served: dict[str, dict[str, int]] = {}  # request -> its cached tokens by lower tier, as first admitted
+        allocator.cached.tenant_of_named = self._tenant_of.get
+        allocator.cached.on_evict = self._forget_page
         self.queried_tokens = 0
         self.hit_tokens = {"device": 0, "host": 0, "disk": 0}
         self.by_tenant: dict[str, dict[str, int]] = {}  # tenant -> queried and hit prompt tokens
@@ -73,6 +87,28 @@ class PrefixCache:
             parent = chain[-1] if chain else hashlib.sha256(repr((req.tenant, req.cache_salt)).encode()).digest()
             chain.append(hashlib.sha256(parent + array("q", tokens).tobytes()).digest())
         return chain[:num_pages]
+
+    def match(self, req: Request) -> PrefixHit | None:
+        """What the request's known tokens hit, or None while it must wait: a running request computes
+        its next page, or its pages on the disk tier are being read (the read is started here). A
+        request with prompt_logprobs hits nothing: every prompt row is computed for them (as in vLLM)."""
+        if req.params.prompt_logprobs is not None:
+            return PrefixHit()
+        hit = self.lookup(req)
+        if hit.wait or (hit.lower_names and not self.read_ahead(req, hit.lower_names)):
+            return None
+        return hit
+
+    def take(self, req: Request, hit: PrefixHit) -> CachedPrefix:
+        """Once the allocator has shared the hit's pool pages with `req` and reserved the rest: copy the
+        hit's lower-tier pages back into pages of its reservation, count the hit, and claim the prompt
+        pages it will compute."""
+        pages, tiers = self._restore(req, hit.lower_names) if hit.lower_names else ([], [])
+        if req.params.prompt_logprobs is None:
+            self._count_hit(req, len(hit.pages), tiers)
+        self._served.setdefault(req.request_id, {t: tiers.count(t) * self.page_size for t in ("host", "disk")})
+        self._claim(req)
+        return CachedPrefix(hit.pages + pages, len(hit.pages) + len(tiers), pages[:len(tiers)], tiers)
 
     def lookup(self, req: Request) -> PrefixHit:
         """The pages the request's known tokens start with (its prompt; after a preemption, its output
@@ -92,7 +128,7 @@ class PrefixCache:
                 break
         return hit
 
-    def claim(self, req: Request) -> None:
+    def _claim(self, req: Request) -> None:
         """An admitted request's prompt pages that no page holds yet: being computed by it, so a
         request with the same prefix waits for them instead of computing them again."""
         for name in self._names(req, (req.num_tokens - 1) // self.page_size):
@@ -103,7 +139,7 @@ class PrefixCache:
     def _tier_of(self, name: bytes) -> str | None:
         return next((tier for tier, store in self.tiers.items() if store.has(name)), None)
 
-    def restore(self, req: Request, names: list[bytes]) -> tuple[list[int], list[str]]:
+    def _restore(self, req: Request, names: list[bytes]) -> tuple[list[int], list[str]]:
         """Copy lower-tier pages back into new pool pages of `req` (from its reservation), naming them
         again. Returns the pages taken and the tier each restored page came from, in order: an
         allocation's eviction may push a copy out of its tier, or a disk page may not read back, and the
@@ -126,7 +162,7 @@ class PrefixCache:
             self.tiers[restored[0]].rows.copy_in(pages[:len(saved)], saved)
         return pages, restored
 
-    def count_hit(self, req: Request, pool_pages: int, restored: list[str]) -> None:
+    def _count_hit(self, req: Request, pool_pages: int, restored: list[str]) -> None:
         self.queried_tokens += req.num_tokens
         self.hit_tokens["device"] += pool_pages * self.page_size
         for tier in restored:
@@ -166,7 +202,14 @@ class PrefixCache:
         if "disk" in self.tiers and self._reading:
             self.tiers["disk"].wait_for_reads(timeout)
 
-    def forget_request(self, request_id: str) -> None:
+    def served(self, request_id: str) -> dict[str, int]:
+        """The request's cached tokens copied back from each lower tier when it was first admitted."""
+        return self._served.get(request_id, {"host": 0, "disk": 0})
+
+    def forget_request(self, request_id: str, keep_served: bool = False) -> None:
+        """A request leaves the running set; `keep_served`: a preemption (it is admitted again)."""
+        if not keep_served:
+            self._served.pop(request_id, None)
         reading = self._reading.pop(request_id, [])
         if reading:
             self.tiers["disk"].discard(reading)
@@ -189,7 +232,7 @@ class PrefixCache:
 
     def set_clock(self, clock) -> None:
         """The time source of release and use times (time.time; a test's fake clock)."""
-        self.allocator.clock = clock
+        self.allocator.cached.clock = clock
         for store in self.tiers.values():
             store.clock = clock
 
@@ -198,8 +241,8 @@ class PrefixCache:
         bound: a tenant's cached prompt is gone within `ttl_s` of its last use). Returns how many."""
         if self.ttl_s is None:
             return 0
-        cutoff = self.allocator.clock() - self.ttl_s
-        pages = self.allocator.expire_cached(cutoff)
+        cutoff = self.allocator.cached.clock() - self.ttl_s
+        pages = self.allocator.cached.drop(self.allocator.cached.unused_since(cutoff))
         for page in pages:
             self._unname(page)
         n = len(pages) + sum(store.expire(cutoff) for store in self.tiers.values())
@@ -210,7 +253,7 @@ class PrefixCache:
         """Forget a tenant's cached pages in every tier (every tenant's with None): vLLM's
         reset_prefix_cache, SGLang's flush_cache, per tenant. Pages held by running requests stay (in
         use). Returns how many were forgotten."""
-        pages = self.allocator.drop_cached(tenant)
+        pages = self.allocator.cached.drop(self.allocator.cached.pages(tenant))
         for page in pages:
             self._unname(page)
         return len(pages) + sum(store.drop(tenant) for store in self.tiers.values())
@@ -224,14 +267,14 @@ class PrefixCache:
         self.before_copy()
         for name, rows, tenant in self.tiers["host"].items() if "host" in self.tiers else ():
             disk.save_rows(name, rows, tenant)
-        for page in self.allocator.cached_pages():
+        for page in self.allocator.cached.pages():
             disk.save(self._name_of[page], page, self._tenant_of[page])
         disk.flush()
 
     def stats(self) -> dict:
         hits = sum(self.hit_tokens.values())
         return {**{f"prefix_cache_hits_{tier}": n for tier, n in self.hit_tokens.items()},
-                "prefix_cache_queries": self.queried_tokens, "prefix_cached_pages": self.allocator.num_cached,
+                "prefix_cache_queries": self.queried_tokens, "prefix_cached_pages": len(self.allocator.cached),
                 "prefix_cache_hit_rate": hits / self.queried_tokens if self.queried_tokens else 0.0,
                 "prefix_cache_expired_pages": self.expired_pages, "prefix_cache_by_tenant": self.tenant_stats(),
                 **{k: v for store in self.tiers.values() for k, v in store.stats().items()}}
@@ -241,7 +284,7 @@ class PrefixCache:
         operator's view of who holds the cache; tenants come from the server's API keys, a bounded set).
         Disk files record only a digest of their tenant: files of a tenant no request has named since
         the engine started are listed under "digest:" and the digest's first 12 hex digits."""
-        held = {"cached_pages": self.allocator.cached_by_tenant()}
+        held = {"cached_pages": self.allocator.cached.by_tenant()}
         if "host" in self.tiers:
             held["host_pages"] = self.tiers["host"].pages_by_tenant()
         if "disk" in self.tiers:
@@ -259,9 +302,9 @@ class PrefixCache:
         assert len(self._page_of) == len(self._name_of) == len(self._tenant_of), "prefix names and pages disagree"
         assert all(self._name_of[p] == n for n, p in self._page_of.items()), "a page is named twice"
         for page in self._name_of:
-            assert self.allocator.is_cached(page) or self.allocator.num_owners(page), "a named page is free"
+            assert page in self.allocator.cached or self.allocator.num_owners(page), "a named page is free"
         for store in self.tiers.values():
             store.check_integrity()
         stale = (set(self._chains) | set(self._named) | set(self._inflight.values()) | set(self._claims)
-                 | set(self._reading)) - active
+                 | set(self._reading) | set(self._served)) - active
         assert not stale, f"prefix chains kept for finished requests {sorted(stale)}"

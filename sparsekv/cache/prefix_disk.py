@@ -44,7 +44,7 @@ from safetensors.torch import load as load_page
 from safetensors.torch import save_file
 
 from .page_cipher import KEY_BYTES, PageCipher, create_key_file
-from .pages import TenantLRU
+from .cached_pages import TenantLRU
 from .prefix_host import PageRows
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def namespace(config, rows: PageRows, lookahead: int, sealed: bool = False) -> s
 
 class PrefixDiskStore:
     """`max_pages_per_tenant`: a tenant's files beyond this many are removed, oldest first (None: no
-    bound). Over budget, the oldest file of the tenant holding the most goes first (pages.TenantLRU).
+    bound). Over budget, the oldest file of the tenant holding the most goes first (cached_pages.TenantLRU).
     `old_ciphers`: keys being rotated out; files sealed with one are read with it, and re-sealed with
     `cipher` in the background from the start (`rekeyed`), each keeping its place in the LRU order."""
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .pages import TenantLRU
+from .cached_pages import TenantLRU
 
 
 class PageRows:
@@ -58,7 +58,7 @@ class PageRows:
 
 class PrefixHostStore:
     """`max_pages_per_tenant`: a tenant's copies beyond this many go to the spill tier (None: no bound).
-    Over budget, the oldest copy of the tenant holding the most goes first (pages.TenantLRU)."""
+    Over budget, the oldest copy of the tenant holding the most goes first (cached_pages.TenantLRU)."""
 
     def __init__(self, rows: PageRows, capacity_bytes: int,
                  spill: Callable[[bytes, list[torch.Tensor], str], None] | None = None,

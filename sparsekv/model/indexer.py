@@ -37,24 +37,45 @@ DECODE_KEYS_MAJOR_MIN_KEYS_CPU = 1 << 15
 DECODE_KEYS_MAJOR_MIN_KEYS_GPU = 1 << 62
 
 
-def keys_major(device: torch.device, rows: int, keys: int) -> bool:
+@dataclass(frozen=True)
+class BlockPolicy:
+    """Block constants of one indexer in place of the module's above (None: the module's). The engine's
+    indexers use the module's; `sparsekv bench indexer` times other policies beside them in one run."""
+
+    query_block_cpu_max: int | None = None
+    score_elements_cpu: int | None = None
+    tile_elements_cpu: int | None = None
+    keys_major_min_keys: int | None = None  # on any device
+
+    def pick(self, name: str, module_value: int) -> int:
+        value = getattr(self, name)
+        return module_value if value is None else value
+
+
+MODULE_POLICY = BlockPolicy()
+
+
+def keys_major(device: torch.device, rows: int, keys: int, policy: BlockPolicy = MODULE_POLICY) -> bool:
     """Whether `rows` query rows over `keys` keys are scored keys-major (one decode row, long history).
     The per-request and the batched decode paths both ask this, so each request's scores are the same bits."""
     least = DECODE_KEYS_MAJOR_MIN_KEYS_CPU if device.type == "cpu" else DECODE_KEYS_MAJOR_MIN_KEYS_GPU
-    return rows == 1 and keys >= least
+    return rows == 1 and keys >= policy.pick("keys_major_min_keys", least)
 
 
-def index_query_block(device: torch.device, heads: int, total: int) -> int:
+def index_query_block(device: torch.device, heads: int, total: int, policy: BlockPolicy = MODULE_POLICY) -> int:
     if device.type == "cpu":
-        return max(INDEX_QUERY_BLOCK_CPU, min(INDEX_QUERY_BLOCK_CPU_MAX, INDEX_SCORE_ELEMENTS_CPU // max(total, 1)))
+        most = policy.pick("query_block_cpu_max", INDEX_QUERY_BLOCK_CPU_MAX)
+        scores = policy.pick("score_elements_cpu", INDEX_SCORE_ELEMENTS_CPU)
+        return max(INDEX_QUERY_BLOCK_CPU, min(most, scores // max(total, 1)))
     return max(INDEX_QUERY_BLOCK_CPU, min(1024, INDEX_SCORE_ELEMENTS_GPU // (heads * total)))
 
 
-def index_key_tile(device: torch.device, queries: int, heads: int, total: int) -> int:
+def index_key_tile(device: torch.device, queries: int, heads: int, total: int,
+                   policy: BlockPolicy = MODULE_POLICY) -> int:
     """Keys scored per GEMM: L2-sized for a block of queries on a CPU. One query (decode) streams the
     keys once whatever the tile, and smaller tiles only add copies (5% at 128K keys)."""
     if device.type == "cpu" and queries > 1:
-        return max(1, min(total, INDEX_TILE_ELEMENTS_CPU // (queries * heads)))
+        return max(1, min(total, policy.pick("tile_elements_cpu", INDEX_TILE_ELEMENTS_CPU) // (queries * heads)))
     return query_block_size(queries * heads, total, device)
 
 
@@ -102,8 +123,9 @@ class LightningIndexer:
 
     name = "dsa"
 
-    def __init__(self, cfg: ModelConfig, w: IndexerWeights, scratch: ScoreScratch | None = None):
-        self.cfg, self.w = cfg, w
+    def __init__(self, cfg: ModelConfig, w: IndexerWeights, scratch: ScoreScratch | None = None,
+                 policy: BlockPolicy = MODULE_POLICY):
+        self.cfg, self.w, self.policy = cfg, w, policy
         self.scratch = ScoreScratch() if scratch is None else scratch
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.rope = rope_interleaved if cfg.indexer_rope_interleave else rope_half_split
@@ -132,7 +154,7 @@ class LightningIndexer:
         place. Keys are scored a tile at a time, so the [S x H_I, tile] intermediate stays in cache.
         """
         w = weights * self.head_dim ** -0.5
-        major = keys_major(q.device, q.shape[0], total)
+        major = keys_major(q.device, q.shape[0], total, self.policy)
         first, keys = segments[0]
         if len(segments) == 1 and isinstance(first, int) and keys.shape[0] >= total:
             return self._score_tiles(q, w, keys[:total], major, out)          # one view
@@ -150,7 +172,7 @@ class LightningIndexer:
     def _score_tiles(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, major: bool,
                      out: torch.Tensor | None = None) -> torch.Tensor:
         total = keys.shape[0]
-        tile = index_key_tile(q.device, q.shape[0], self.n_heads, total)
+        tile = index_key_tile(q.device, q.shape[0], self.n_heads, total, self.policy)
         if tile >= total and out is None:
             return self._score_tile(q, w, keys, major)   # decode: no output copy
         out = torch.empty(q.shape[0], total, dtype=torch.float32, device=q.device) if out is None else out
@@ -194,7 +216,7 @@ class LightningIndexer:
         masked as invalid by the caller), exactly the reference's dense regime.
         """
         total = sum(keys.shape[0] for _, keys in segments)
-        rows = index_query_block(q.device, self.n_heads, total)
+        rows = index_query_block(q.device, self.n_heads, total, self.policy)
         # Every block's scores go to one buffer (`ScoreScratch`): fresh [rows, T] tensors above glibc's
         # mmap threshold cost a page fault per 4 KB each time (29 M faults in a 256K prefill). A decode
         # row's scores are returned without a copy instead.

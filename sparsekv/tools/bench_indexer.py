@@ -5,8 +5,10 @@ in the context and most of a long prefill on a CPU. This times `LightningIndexer
 block of queries at the end of a T-key history (random keys and queries with the checkpoint's
 indexer shape), with the engine's block policy and with a baseline policy in the same run, checks
 that both select the same positions, and prints the scan's FLOP rate against the machine's measured
-fp32 matmul rate. Baselines (`--baseline`) are earlier policies: `small-tiles` (key tiles of 2^17 scores, 256 keys for 128 queries of 4 heads) and `small-blocks` (also
-blocks of at most 64 queries and a 128 MB score buffer, so 32 queries at 1M keys).
+fp32 matmul rate. Baselines (`--baseline`) are earlier policies (`model.indexer.BlockPolicy`, the
+indexer's constructor option): `small-tiles` (key tiles of 2^17 scores, 256 keys for 128 queries of 4
+heads) and `small-blocks` (also blocks of at most 64 queries and a 128 MB score buffer, so 32 queries
+at 1M keys).
 
 `--decode` times one decode row instead (`select` of a single query at the end of the history: the
 key scan every decode step makes in each full layer) in both layouts at every length: keys-major
@@ -19,51 +21,36 @@ the engine stays query-major until this has been measured (scripts/gpu_check.py 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
 
 import torch
 
+from ..model.indexer import MODULE_POLICY, BlockPolicy, LightningIndexer, index_key_tile, index_query_block
 from .bench import index_flops_per_pair, report_console
 from .hardware import device_read_bandwidth
 from .plan_workload import token_list_arg
 
-BASELINES = {"small-tiles": {"INDEX_TILE_ELEMENTS_CPU": 1 << 17},
-             "small-blocks": {"INDEX_QUERY_BLOCK_CPU_MAX": 64, "INDEX_SCORE_ELEMENTS_CPU": 1 << 25,
-                              "INDEX_TILE_ELEMENTS_CPU": 1 << 17}}
+BASELINES = {"small-tiles": BlockPolicy(tile_elements_cpu=1 << 17),
+             "small-blocks": BlockPolicy(query_block_cpu_max=64, score_elements_cpu=1 << 25,
+                                         tile_elements_cpu=1 << 17)}
 
 
-@contextlib.contextmanager
-def block_policy(policy: dict | None):
-    """Temporarily replace the CPU block constants of `sparsekv.model.indexer` (None: keep them)."""
-    from ..model import indexer
-    saved = {name: getattr(indexer, name) for name in (policy or {})}
-    for name, value in (policy or {}).items():
-        setattr(indexer, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(indexer, name, value)
-
-
-def time_select(indexer, inputs, k: int, policy: dict | None, repeats: int) -> tuple[float, torch.Tensor, int, int]:
-    """(median seconds, selected positions, query block, keys per tile) of one `select` call under `policy`."""
-    from ..model.indexer import index_key_tile, index_query_block
+def time_select(indexer, inputs, k: int, repeats: int) -> tuple[float, torch.Tensor, int, int]:
+    """(median seconds, selected positions, query block, keys per tile) of one `select` call under the
+    indexer's block policy."""
     q, weights, segments, positions = inputs
     total = int(positions.max()) + 1
-    with block_policy(policy):
-        rows = index_query_block(q.device, indexer.n_heads, total)
-        tile = index_key_tile(q.device, min(rows, q.shape[0]), indexer.n_heads, total)
-        indexer.scratch.release()
-        indexer.scratch.take(min(rows, q.shape[0]) * total, q.device)   # the score buffer, allocated untimed
-        times, selected = [], None
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            selected = indexer.select(q, weights, segments, positions, k)
-            times.append(time.perf_counter() - t0)
+    rows = index_query_block(q.device, indexer.n_heads, total, indexer.policy)
+    tile = index_key_tile(q.device, min(rows, q.shape[0]), indexer.n_heads, total, indexer.policy)
+    indexer.scratch.release()
+    indexer.scratch.take(min(rows, q.shape[0]) * total, q.device)   # the score buffer, allocated untimed
+    times, selected = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        selected = indexer.select(q, weights, segments, positions, k)
+        times.append(time.perf_counter() - t0)
     indexer.scratch.release()
     return statistics.median(times), selected, rows, tile
 
@@ -76,24 +63,22 @@ def random_inputs(cfg, context: int, queries: int, seed: int, device: torch.devi
     return q, weights, [(0, keys)], torch.arange(context - queries, context, device=device)
 
 
-LAYOUTS = {"keys-major": {"DECODE_KEYS_MAJOR_MIN_KEYS_CPU": 0, "DECODE_KEYS_MAJOR_MIN_KEYS_GPU": 0},
-           "query-major": {"DECODE_KEYS_MAJOR_MIN_KEYS_CPU": 1 << 62, "DECODE_KEYS_MAJOR_MIN_KEYS_GPU": 1 << 62}}
+LAYOUTS = {"keys-major": BlockPolicy(keys_major_min_keys=0), "query-major": BlockPolicy(keys_major_min_keys=1 << 62)}
 
 
-def time_decode(indexer, inputs, k: int, policies: list[dict | None], repeats: int) -> list[tuple[float, torch.Tensor]]:
-    """(median seconds, selection) of one decode row's `select` under each policy; the policies take
+def time_decode(indexers: list, inputs, k: int, repeats: int) -> list[tuple[float, torch.Tensor]]:
+    """(median seconds, selection) of one decode row's `select` by each indexer (block policy); they take
     turns call by call (after one untimed call each), so drifts of a noisy machine hit them alike."""
     q, weights, segments, positions = inputs
-    times, selected = [[] for _ in policies], [None] * len(policies)
+    times, selected = [[] for _ in indexers], [None] * len(indexers)
     for repeat in range(repeats + 1):
-        for i, policy in enumerate(policies):
-            with block_policy(policy):
-                _sync(q.device)
-                t0 = time.perf_counter()
-                selected[i] = indexer.select(q, weights, segments, positions, k)
-                _sync(q.device)
-                if repeat:
-                    times[i].append(time.perf_counter() - t0)
+        for i, indexer in enumerate(indexers):
+            _sync(q.device)
+            t0 = time.perf_counter()
+            selected[i] = indexer.select(q, weights, segments, positions, k)
+            _sync(q.device)
+            if repeat:
+                times[i].append(time.perf_counter() - t0)
     return [(statistics.median(t), sel) for t, sel in zip(times, selected)]
 
 
@@ -102,14 +87,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_decode(args, cfg, indexer) -> list[dict]:
+def bench_decode(args, cfg) -> list[dict]:
     from ..model.indexer import keys_major
+    indexers = [LightningIndexer(cfg, None, policy=policy) for policy in LAYOUTS.values()]
     device = torch.device(args.device)
     read_bw = device_read_bandwidth(device, args.threads)
     rows, k = [], cfg.index_topk
     for context in args.contexts:
         inputs = random_inputs(cfg, context, 1, args.seed, device)
-        (km_s, km_sel), (qm_s, qm_sel) = time_decode(indexer, inputs, k, list(LAYOUTS.values()), args.repeats)
+        (km_s, km_sel), (qm_s, qm_sel) = time_decode(indexers, inputs, k, args.repeats)
         key_bytes = context * cfg.index_head_dim * 4
         rows.append({"context": context, "device": device.type,
                      "engine_layout": "keys-major" if keys_major(device, 1, context) else "query-major",
@@ -138,22 +124,21 @@ def report_decode(rows: list[dict], args) -> None:
 
 def bench(args) -> list[dict]:
     from ..config import ModelConfig
-    from ..model.indexer import LightningIndexer
     from ..paths import default_model_path
     from .hardware import measure_this_cpu
     torch.set_num_threads(args.threads)
     cfg = ModelConfig.from_json(args.model or default_model_path())
-    indexer = LightningIndexer(cfg, None)
     if args.decode:
-        return bench_decode(args, cfg, indexer)
+        return bench_decode(args, cfg)
+    ours = LightningIndexer(cfg, None, policy=MODULE_POLICY)
+    baseline = LightningIndexer(cfg, None, ours.scratch, BASELINES[args.baseline])  # one score buffer, as before
     machine = measure_this_cpu(threads=args.threads).matmul_flops("float32")
     rows = []
     for context in args.contexts:
         inputs = random_inputs(cfg, context, args.queries, args.seed)
         flops = index_flops_per_pair(cfg) * args.queries * context
-        ours_s, ours_sel, ours_rows, ours_tile = time_select(indexer, inputs, cfg.index_topk, None, args.repeats)
-        base_s, base_sel, base_rows, base_tile = time_select(indexer, inputs, cfg.index_topk,
-                                                             BASELINES[args.baseline], args.repeats)
+        ours_s, ours_sel, ours_rows, ours_tile = time_select(ours, inputs, cfg.index_topk, args.repeats)
+        base_s, base_sel, base_rows, base_tile = time_select(baseline, inputs, cfg.index_topk, args.repeats)
         rows.append({"context": context, "queries": args.queries, "block": ours_rows, "tile": ours_tile,
                      "ms_per_query": 1e3 * ours_s / args.queries, "gflops": flops / ours_s / 1e9,
                      "baseline": args.baseline, "baseline_block": base_rows, "baseline_tile": base_tile,

@@ -88,21 +88,21 @@ def _prompt(args, vocab_size: int) -> tuple[list[int], list[int] | None]:
 
 def _continue(ckpt: str, prompt: list[int], steps: int, warmup: int, force: list[int] | None = None,
               **options) -> dict:
-    """Greedy continuation; with `force`, each step's token is replaced by force[i] (teacher forcing).
+    """Greedy continuation; with `force`, step i emits force[i] (teacher forcing, by a logits processor).
     Records every decode-step selection and the logprob of the token that continues the sequence."""
     import torch
     from sparsekv import SamplingParams
     engine = make_engine(ckpt, len(prompt) + steps + 8, **options)
     log, logits = _record_selections(engine), []
     engine.executor.add_observer(lambda step, out: logits.append(out.logits))
-    engine.add_request("nat", prompt, SamplingParams(max_tokens=steps, temperature=0.0, logprobs=0, ignore_eos=True))
-    req, tokens, logprobs, mid = engine.scheduler.find("nat"), [], [], None
+    engine.add_request("nat", prompt, SamplingParams(max_tokens=steps, temperature=0.0, logprobs=0, ignore_eos=True,
+                                                     logits_processors=[_forcing(force)] if force else None))
+    tokens, logprobs, mid = [], [], None
     while engine.has_unfinished_requests():
         outs = engine.step()
         if not outs:
             continue
-        token = force[len(tokens)] if force else outs[0].new_token_ids[0]
-        req.output_token_ids[-1] = token
+        token = outs[0].new_token_ids[0]
         tokens.append(token)
         logprobs.append({token: float(torch.log_softmax(logits[-1][0], -1)[token])})
         mid = engine.stats() if len(tokens) == warmup else mid
@@ -110,6 +110,15 @@ def _continue(ckpt: str, prompt: list[int], steps: int, warmup: int, force: list
     return {"tokens": tokens, "logprobs": logprobs, "selections": log, "greedy": greedy,
             "steady_miss_rate": miss_rate(mid or {}, engine.stats()),
             "miss_rate": engine.stats().get("tier_miss_rate", 0.0)}
+
+
+def _forcing(tokens: list[int]):
+    """A logits processor that leaves only `tokens[i]` possible for the i-th output token."""
+    def force(output_token_ids: list[int], logits):
+        only = logits.new_full(logits.shape, float("-inf"))
+        only[tokens[len(output_token_ids)]] = 0.0
+        return only
+    return force
 
 
 def _record_selections(engine) -> list:
