@@ -1,6 +1,9 @@
 """Scheduler and page allocator with fake requests: no torch, milliseconds."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from sparsekv.cache.pages import OutOfPages, PageAllocator
@@ -176,3 +179,11 @@ def test_with_optimistic_admission_a_tenant_share_is_a_guarantee_not_a_cap():
     sched.check_integrity()
     alloc.check_integrity()
     assert sched.tenant_stats()["light"]["kv_pages"] == 5
+
+
+def test_the_admission_policy_loads_without_torch():
+    """The scheduler and all it imports (requests, the page allocator, the prefix cache's bookkeeping,
+    the tenants' ledger, the step's plain data) load in a process that never imports torch."""
+    code = "import sys, sparsekv.scheduler; assert 'torch' not in sys.modules, 'torch was imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
