@@ -347,10 +347,6 @@ class EngineConfig:
             raise ConfigError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
         if not self.dist_timeout_s > 0:
             raise ConfigError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s!r}")
-        tiers = [n for n in ("prefix_cache_host_bytes", "prefix_cache_disk_path") if getattr(self, n) is not None]
-        if world > 1 and tiers:
-            raise ConfigError(f"{' and '.join(tiers)}: the prefix cache's host and disk tiers do not run with "
-                              f"more than one rank yet (its pool tier does)")
         if world > 1 and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"parallelism runs on cpu (gloo) or cuda (NCCL), not {self.device!r}")
 

@@ -99,7 +99,6 @@ def test_tensor_parallel_bundled_model_tiered_mtp():
     (dict(tensor_parallel_size=2, nnodes=2), "needs dist_init_addr"),
     (dict(tensor_parallel_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1"), "only hosts ranks"),
     (dict(tensor_parallel_size=2, dist_init_addr="nohost"), "HOST:PORT"),
-    (dict(tensor_parallel_size=2, prefix_cache_host_bytes=1 << 20), "do not run with more than one rank"),
 ])
 def test_bad_layouts_fail_before_any_process_starts(glm_ckpt, options, message):
     import multiprocessing
@@ -196,3 +195,30 @@ def test_each_rank_reports_its_weights_memory_and_collective_bytes(glm_ckpt):
         assert r["peak_rss_bytes"] > r["weight_bytes"] > 0
     planned = weight_bytes_per_rank(cfg, Parallelism(tp=2, dp=1, ep=False), "fp32")
     assert [r["weight_bytes"] for r in ranks] == [planned.total] * 2
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_prefix_cache_hits_from_rank_0s_host_and_disk_tiers_reach_every_rank(glm_ckpt, tmp_path, tier):
+    """Only rank 0 has the prefix cache's lower tiers: the pages a hit restores there are broadcast to
+    every rank before the step (SchedulerOutput.restored_page_ids). Released pages go straight to the
+    tier (no pool pages kept per tenant), so the second run of the prompt is served from it."""
+    options = dict(prefix_cache_max_pages_per_tenant=0)
+    if tier == "host":
+        options["prefix_cache_host_bytes"] = 1 << 24
+    else:
+        options.update(prefix_cache_disk_bytes=1 << 24, prefix_cache_disk_unencrypted=True)
+    prompt = _prompts(256)[0]
+    prompts = [prompt, prompt + [5, 6, 7]]
+
+    def run(path_suffix, **extra):
+        if tier == "disk":
+            extra["prefix_cache_disk_path"] = str(tmp_path / path_suffix)
+        llm = LLM(glm_ckpt[0], **BASE, **options, **extra)
+        try:
+            return [llm.generate([p], PARAMS)[0] for p in prompts], llm
+        finally:
+            llm.close()
+    want, single = run("one")
+    got, llm = run("tp", tensor_parallel_size=2)
+    assert got[1].metrics[f"prefix_cached_tokens_{tier}"] == want[1].metrics[f"prefix_cached_tokens_{tier}"] >= 32
+    assert_same_greedy(want, got, logprob_tolerance(single))

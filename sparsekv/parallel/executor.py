@@ -20,7 +20,7 @@ from ..config import ConfigError, EngineConfig, ModelConfig
 from ..executor import Executor, InProcessExecutor, ModelOutput
 from ..scheduler import SchedulerOutput
 from ..speculative import MTPPlan
-from .launch import RankGroup, exchange_status, join_group, layout_of
+from .launch import RankGroup, control_group, exchange_status, join_group, layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,10 @@ class MultiRankExecutor(Executor):
         getattr(self.local, method)(*args)
 
     def execute(self, step: SchedulerOutput) -> ModelOutput:
-        return self._together("execute", step, run=lambda: self.local.execute(step))
+        def run():
+            mirror_pages(self.local, step.restored_page_ids)
+            return self.local.execute(step)
+        return self._together("execute", step, run=run)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.contiguous()
@@ -116,6 +119,7 @@ class RankWorker:
         self.executor, self.pool, self.control = executor, pool, control
 
     def execute(self, step: SchedulerOutput) -> None:
+        mirror_pages(self.executor, step.restored_page_ids)
         self.executor.execute(step)
 
     def logits(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -144,6 +148,27 @@ class RankWorker:
         dist.gather_object(self.executor.local_stats(), None, dst=0, group=self.control)
 
 
+def mirror_pages(executor: InProcessExecutor, page_ids: list[int]) -> None:
+    """Rank 0's rows of `page_ids` (written by a prefix-cache restore from its host or disk tier, which
+    only rank 0 has) copied into every rank's cache: every slot-indexed tensor of the pool and of the
+    selectors, one broadcast per tensor (host tensors over the gloo control group)."""
+    if not page_ids:
+        return
+    rank = dist.get_rank()
+    executor.pool.flush()
+    tensors = executor.pool.slot_tensors() + [t for s in executor.model.selectors() for t in s.slot_tensors()]
+    page_size = executor.runner.page_size
+    for t, per_row in tensors:
+        n = page_size // per_row
+        rows = torch.cat([torch.arange(p * n, (p + 1) * n) for p in page_ids]).to(t.device)
+        values = t.index_select(0, rows) if rank == 0 else torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype,
+                                                                         device=t.device)
+        group = None if t.device.type == "cuda" else control_group()
+        dist.broadcast(values, src=0, group=group)
+        if rank != 0:
+            t.index_copy_(0, rows, values)
+
+
 def worker_config(config: EngineConfig, rank: int) -> EngineConfig:
     """A worker's view of the config: no prefix cache of its own (rank 0's decides which pages are
     shared; the pages' rows are the same on every rank) and its own host store file."""
@@ -165,8 +190,7 @@ def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
     until told to stop."""
     torch.set_num_threads(config.num_threads or 1)
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
-    join_group(config, rank, init_method)
-    control = dist.new_group(backend="gloo") if config.device.startswith("cuda") else dist.group.WORLD
+    control = join_group(config, rank, init_method)
     worker, error = None, None
     try:
         worker = _build_worker(config, rank, control)

@@ -37,8 +37,7 @@ class RankGroup:
     def __init__(self, config: EngineConfig, layout: ParallelLayout, processes: list):
         self.config, self.layout, self.processes = config, layout, processes
         self.comm = TensorParallel(dist.group.WORLD, layout.world_size, layout.rank)
-        cuda = config.device.startswith("cuda")
-        self.control = dist.new_group(backend="gloo") if cuda else dist.group.WORLD  # step commands (objects)
+        self.control = control_group()
         self.closed = False
 
     @classmethod
@@ -108,11 +107,22 @@ def exchange_status(mine: str | None, world_size: int, group) -> list[str | None
     return statuses
 
 
-def join_group(config: EngineConfig, rank: int, init_method: str) -> None:
+_control = []  # this process's control group (step commands, host tensors), once it joined
+
+
+def join_group(config: EngineConfig, rank: int, init_method: str):
+    """Join the world's group; returns the gloo group for step commands and host tensors (the world
+    itself on CPU, a second group beside NCCL on CUDA)."""
     world = config.tensor_parallel_size * config.data_parallel_size
-    backend = "nccl" if config.device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+    cuda = config.device.startswith("cuda")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=config.dist_timeout_s))
+    _control[:] = [dist.new_group(backend="gloo") if cuda else dist.group.WORLD]
+    return _control[0]
+
+
+def control_group():
+    return _control[0]
 
 
 def _init_method(config: EngineConfig) -> str:
