@@ -27,14 +27,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, lane: int | None = None):
+        """`lane`: this engine is that data-parallel rank's (parallel/data_parallel.py starts it)."""
         config.validate()
         config = resolve_config(config)  # a model or tokenizer given as a Hub repo id -> a local snapshot
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype, self.device = DTYPES[config.dtype], torch.device(config.device)
-        self.executor, self.kv = start_executor(config, self.dtype, self.device)
+        self.executor, self.kv = start_executor(config, self.dtype, self.device, lane)
         self.model = self.executor.model  # this rank's shard
         self.model_config: ModelConfig = self.model.cfg
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)

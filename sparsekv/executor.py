@@ -96,8 +96,10 @@ class InProcessExecutor(Executor):
     def local_stats(self) -> dict:
         """This process's figures (one rank's)."""
         import resource
+
+        import torch.distributed as dist
         comm = self.model.comm
-        return {"rank": comm.rank, "weight_bytes": self.model.weight_bytes,
+        return {"rank": dist.get_rank() if dist.is_initialized() else 0, "weight_bytes": self.model.weight_bytes,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "bytes_sent": dict(getattr(comm, "bytes_sent", {}))}
 

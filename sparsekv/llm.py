@@ -6,12 +6,21 @@ from .engine import LLMEngine
 from .request import RequestOutput, SamplingParams
 
 
+def build_engine(config: EngineConfig):
+    """The engine for `config`: an `LLMEngine`, or with data_parallel_size > 1 the front end over that
+    many data-parallel ranks (parallel/data_parallel.py), which answers the same calls."""
+    if config.data_parallel_size > 1:
+        from .parallel.data_parallel import DataParallelEngine
+        return DataParallelEngine(config)
+    return LLMEngine(config)
+
+
 class LLM:
     """LLM(model, dtype=..., max_model_len=..., ...).generate(prompts, SamplingParams(...))."""
 
     def __init__(self, model: str | None = None, **engine_options):
         from .paths import default_model_path
-        self.engine = LLMEngine(EngineConfig(model=model or default_model_path(), **engine_options))
+        self.engine = build_engine(EngineConfig(model=model or default_model_path(), **engine_options))
 
     @property
     def tokenizer(self):

@@ -97,6 +97,7 @@ def test_tensor_parallel_bundled_model_tiered_mtp():
 @pytest.mark.parametrize("options, message", [
     (dict(tensor_parallel_size=3), "num_attention_heads (4) is not divisible by tensor_parallel_size (3)"),
     (dict(tensor_parallel_size=2, nnodes=2), "needs dist_init_addr"),
+    (dict(tensor_parallel_size=2, data_parallel_size=2), "runs with tensor_parallel_size 1"),
     (dict(tensor_parallel_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1"), "only hosts ranks"),
     (dict(tensor_parallel_size=2, dist_init_addr="nohost"), "HOST:PORT"),
 ])
@@ -222,3 +223,100 @@ def test_prefix_cache_hits_from_rank_0s_host_and_disk_tiers_reach_every_rank(glm
     got, llm = run("tp", tensor_parallel_size=2)
     assert got[1].metrics[f"prefix_cached_tokens_{tier}"] == want[1].metrics[f"prefix_cached_tokens_{tier}"] >= 32
     assert_same_greedy(want, got, logprob_tolerance(single))
+
+
+def _compare_data_parallel(path: str, prompts: list[list[int]], tol_model=None, **options) -> None:
+    single = LLM(path, **BASE, **{k: v for k, v in options.items() if k != "enable_expert_parallel"})
+    want = single.generate(prompts, PARAMS)
+    llm = LLM(path, **BASE, data_parallel_size=2, **options)
+    try:
+        got = llm.generate(prompts, PARAMS)
+        llm.engine.check_integrity()
+        stats = llm.stats()
+    finally:
+        llm.close()
+    assert not _rank_processes(), "close() left a worker running"
+    tol = logprob_tolerance(single, extra_layers=1 if options.get("num_speculative_tokens") else 0)
+    assert_same_greedy(want, got, tol)
+    by_rank = stats["by_data_parallel_rank"]
+    assert all(r["generation_tokens"] > 0 for r in by_rank), f"one rank got no request: {by_rank}"
+    assert stats["generation_tokens"] == sum(len(o.token_ids) for o in got)
+    assert [r["rank"] for r in stats["ranks"]] == [0, 1]
+    if options.get("enable_expert_parallel"):
+        whole = single.engine.model.weight_bytes
+        assert all(r["weight_bytes"] < whole for r in stats["ranks"]), "expert parallelism spreads the experts"
+        assert all(r["bytes_sent"]["all_gather"] > 0 for r in stats["ranks"])
+
+
+def _rank_processes() -> list:
+    import multiprocessing
+    return [p for p in multiprocessing.active_children() if p.name.startswith("sparsekv-rank")]
+
+
+@pytest.mark.parametrize("family", ["glm", "ds"])
+@pytest.mark.parametrize("options", [dict(enable_expert_parallel=True), {},
+                                     dict(enable_expert_parallel=True, kv_tiering=True, device_buffer_tokens=16)],
+                         ids=["ep", "replicas", "ep-tiered"])
+def test_data_parallel_attention_equals_one_process(family, options, glm_ckpt, ds_ckpt):
+    """Each data-parallel rank serves its own requests from its own cache; with expert parallelism the
+    ranks' tokens meet at every MoE layer (all-gather, own experts, reduce-scatter), the rank without
+    rows in a pass taking part with none."""
+    path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
+    g = torch.Generator().manual_seed(11)
+    prompts = _prompts(256) + [torch.randint(1, 256, (n,), generator=g).tolist() for n in (25, 4)]
+    _compare_data_parallel(path, prompts, **options)
+
+
+def test_data_parallel_with_mtp_drafting_and_tiering_on_the_bundled_model():
+    prompts = _prompts(4096) + [[7, 8, 9] * 11]
+    _compare_data_parallel(default_model_path(), prompts, enable_expert_parallel=True, kv_tiering=True,
+                           num_speculative_tokens=2)
+
+
+def test_data_parallel_routes_a_repeated_prompt_to_the_rank_holding_its_prefix(glm_ckpt):
+    prompt = _prompts(256)[0]
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        first = llm.generate([prompt, [9] * 30], PARAMS)
+        again = llm.generate([[9] * 30, prompt], PARAMS)
+    finally:
+        llm.close()
+    assert first[0].num_cached_tokens == 0
+    assert again[1].metrics["prefix_cached_tokens_device"] == again[1].num_cached_tokens >= 32
+    assert again[0].num_cached_tokens >= 28
+
+
+def test_router_prefers_the_longest_cached_prefix_then_the_least_loaded():
+    from sparsekv.parallel.router import PrefixAffinityRouter
+    router = PrefixAffinityRouter(num_ranks=2, page_size=4)
+    a, b = list(range(1, 13)), list(range(50, 62))
+    assert router.choose(a) == 0 and router.choose(b) == 1  # nothing cached: the least loaded, then the lowest
+    assert router.choose(a + [99]) == 0  # three pages cached on rank 0
+    assert router.choose(b[:8] + [7, 7, 7, 7]) == 1  # two on rank 1 beat none on rank 0, though rank 1 is busier
+    assert router.choose(a, tenant="other") == 0 and router.in_flight == [3, 2]  # another tenant: no match
+    assert router.choose(a, cache_salt="s") == 1  # a salt is its own namespace: rank 1 is now less loaded
+    router.finished(0)
+    assert router.in_flight == [2, 3]
+    assert router.choose(list(range(200, 203))) == 0  # shorter than a page: by load alone
+
+
+def test_serve_with_data_parallel_attention_and_expert_parallelism():
+    """`sparsekv serve -dp 2 --enable-expert-parallel` answers the OpenAI API: two requests, one per rank."""
+    import httpx
+
+    from test_server_util import free_port, start_subprocess_server, wait_healthy
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_subprocess_server(default_model_path(), port, "-dp", "2", "--enable-expert-parallel")
+    try:
+        wait_healthy(url, proc, timeout=120)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        for prompt in ("def fibonacci(n):", "import os"):
+            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 8,
+                                                          "temperature": 0}, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        metrics = httpx.get(url + "/metrics").text
+        assert 'sparsekv:rank_weight_bytes{model_name=' in metrics and 'rank="1"' in metrics
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -141,17 +141,21 @@ class MoE:
         return route_experts(self.cfg, x, self.router, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.routed(x) + self.shared(x)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum (this rank's experts only: a None expert is another's)."""
         ids, weights = self.route(x)
         out = torch.zeros_like(x)
         if x.shape[0] == 1:  # decode: no scatter needed
             for e, w in sorted(zip(ids[0].tolist(), weights[0])):
                 if self.experts[e] is not None:
                     out += (self.experts[e](x) * w).to(out.dtype)
-            return out + self.shared(x)
+            return out
         for e in torch.unique(ids).tolist():  # ascending expert id, as the reference iterates
             if self.experts[e] is None:  # another rank's (expert parallelism): its share of the sum comes there
                 continue
             token_idx, slot = torch.where(ids == e)
             y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
-        return out + self.shared(x)
+        return out

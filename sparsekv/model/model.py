@@ -30,7 +30,13 @@ class DecoderLayer:
     def forward(self, h: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
         h = h + self.comm.all_reduce(self.attn.forward(rms_norm(h, self.input_norm, eps), ctx, cache))
-        return h + self.comm.all_reduce(self.ffn(rms_norm(h, self.post_norm, eps)))
+        return h + self.comm.all_reduce(self.comm.ffn(self.ffn, rms_norm(h, self.post_norm, eps)))
+
+    def idle(self) -> None:
+        """This rank has no rows in a pass the others run: take part in its collectives that span
+        data-parallel ranks (the MoE's token exchange), with nothing of its own."""
+        self.comm.ffn(self.ffn, torch.zeros(0, self.cfg.hidden_size, dtype=self.post_norm.dtype,
+                                            device=self.post_norm.device))
 
 
 @dataclass
@@ -59,7 +65,7 @@ class DSAModel:
         self.norm = tensors["model.norm.weight"]
         self.lm_head = tensors["lm_head.weight"] if "lm_head.weight" in tensors else self.embed
         self.index_scratch = ScoreScratch()   # shared by every indexer: layers run one at a time
-        local = replace(cfg, num_attention_heads=cfg.num_attention_heads // comm.world_size)
+        local = replace(cfg, num_attention_heads=cfg.num_attention_heads // comm.tp_size)
         self.layers = [build_layer(local, i, tensors, cfg.indexer_types[i] == "full", cfg.mlp_layer_types[i],
                                    self.index_scratch, comm) for i in range(cfg.num_hidden_layers)]
         self.mtp = build_mtp(local, tensors, self.index_scratch, comm)

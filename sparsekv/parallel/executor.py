@@ -228,11 +228,17 @@ def _build_worker(config: EngineConfig, rank: int, control) -> RankWorker:
     return RankWorker(InProcessExecutor(model, kv.pool, local), kv.pool, control)
 
 
-def start_executor(config: EngineConfig, dtype: torch.dtype, device: torch.device):
+def start_executor(config: EngineConfig, dtype: torch.dtype, device: torch.device, lane: int | None = None):
     """(executor, cache manager): the model in this process on one device, or, with more than one
-    rank, rank 0's shard here and the other ranks' in the worker processes this starts."""
+    rank, rank 0's shard here and the other ranks' in the worker processes this starts. `lane`: this
+    process is that data-parallel rank (its process group joined already)."""
     from ..cache.manager import CacheManager
     from ..model.checkpoint import load_model
+    if lane is not None:
+        return _start_lane(config, dtype, device, lane)
+    if config.data_parallel_size > 1:
+        raise ConfigError("data_parallel_size > 1 is served by parallel.data_parallel.DataParallelEngine "
+                          "(LLM(...) and `sparsekv serve` build it: llm.build_engine)")
     if config.node_rank > 0:
         raise ConfigError(f"node_rank {config.node_rank} only hosts ranks for node 0's engine: run "
                           f"`sparsekv serve --node-rank {config.node_rank} ...` there (parallel.executor.host_node)")
@@ -268,3 +274,76 @@ def host_node(config: EngineConfig) -> int:
     for p in ranks.processes:
         p.join()
     return next((p.exitcode for p in ranks.processes if p.exitcode), 0)
+
+
+class LaneExecutor(InProcessExecutor):
+    """The executor of one data-parallel rank (its own requests, cache and scheduler).
+
+    With expert parallelism every rank must run every MoE layer of a pass together (their tokens meet
+    there), so each engine step is a fixed sequence of passes: the target's, then with drafting the MTP
+    extend pass and draft steps 2..K. Before each pass the ranks agree (a one-element all-reduce)
+    whether any has rows for it; a rank without rows then runs its MoE layers with none
+    (`DecoderLayer.idle`), and a pass nobody has is skipped. `finish_step` runs the passes this rank's
+    engine did not reach. Without expert parallelism the ranks share nothing and never wait."""
+
+    def __init__(self, model, pool, config: EngineConfig, group):
+        super().__init__(model, pool, config)
+        self.group, self.lockstep = group, config.enable_expert_parallel
+        self.num_passes = 1 + (config.num_speculative_tokens if self.drafter is not None else 0)
+        self.next_pass = 0
+
+    def execute(self, step: SchedulerOutput) -> ModelOutput:
+        return self._pass(0, lambda: super(LaneExecutor, self).execute(step))
+
+    def draft_extend(self, plan: MTPPlan) -> torch.Tensor:
+        return self._pass(1, lambda: super(LaneExecutor, self).draft_extend(plan))
+
+    def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:
+        return self._pass(1 + step, lambda: super(LaneExecutor, self).draft_step(step, tokens))
+
+    def finish_step(self) -> None:
+        while self.next_pass < self.num_passes:
+            self._agree(self.next_pass, None)
+        self.next_pass = 0
+
+    def _pass(self, index: int, work):
+        while self.next_pass < index:
+            self._agree(self.next_pass, None)
+        return self._agree(index, work)
+
+    def _agree(self, index: int, work):
+        self.next_pass = index + 1
+        if not self.lockstep:
+            return work() if work is not None else None
+        anyone = torch.tensor([int(work is not None)])
+        dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=self.group)
+        if work is not None:
+            return work()
+        if anyone.item():
+            for layer in (self.model.layers if index == 0 else [self.model.mtp.layer]):
+                layer.idle()
+        return None
+
+
+def lane_config(config: EngineConfig, lane: int) -> EngineConfig:
+    """A data-parallel rank's own files: its host store file and its prefix cache's disk directory."""
+    import os
+    host, disk = config.host_store_path, config.prefix_cache_disk_path
+    if host is not None and not os.path.isdir(host):
+        host = f"{host}.dp{lane}"
+    return replace(config, host_store_path=host,
+                   prefix_cache_disk_path=None if disk is None else os.path.join(disk, f"dp{lane}"))
+
+
+def _start_lane(config: EngineConfig, dtype: torch.dtype, device: torch.device, lane: int):
+    from ..cache.manager import CacheManager
+    from ..model.checkpoint import load_model
+    from .comm import ExpertParallelDP
+    layout = layout_of(config, lane)
+    comm = ExpertParallelDP(dist.group.WORLD, layout.world_size, lane) if config.enable_expert_parallel else None
+    model = load_model(config.model, dtype, device, config.hf_overrides, config.selector, config.quest_page_tokens,
+                       layout=layout, comm=comm)
+    config.validate_for_model(model.cfg.index_topk)
+    local = lane_config(config, lane)
+    kv = CacheManager(local, model, dtype, device, config.max_model_len or model.cfg.max_position_embeddings)
+    return LaneExecutor(model, kv.pool, local, control_group()), kv

@@ -52,9 +52,10 @@ class ParallelLayout:
     def check_model(self, cfg: ModelConfig) -> None:
         """ConfigError unless every sharded dimension divides evenly (before any weight loads)."""
         tp, world = self.tensor_parallel_size, self.world_size
-        if self.data_parallel_size > 1:
-            raise ConfigError("data_parallel_size > 1 (data-parallel attention) is not supported yet; "
-                              "use tensor_parallel_size")
+        if self.data_parallel_size > 1 and tp > 1:
+            raise ConfigError("data_parallel_size > 1 runs with tensor_parallel_size 1 (data-parallel attention: "
+                              "each rank holds whole attention and its own requests); combining both is not "
+                              "supported yet")
         checks = [("num_attention_heads", cfg.num_attention_heads, tp, "tensor_parallel_size"),
                   ("vocab_size", cfg.vocab_size, tp, "tensor_parallel_size"),
                   ("intermediate_size", cfg.intermediate_size, tp, "tensor_parallel_size")]

@@ -110,7 +110,7 @@ def host_ranks(args) -> int:
 
 def build_app(args):
     from ..config import EngineConfig
-    from ..engine import LLMEngine
+    from ..llm import build_engine
     from ..paths import default_model_path
     from .app import ServerSettings, create_app
     from .auth import load_api_keys, parse_metrics_keys
@@ -129,7 +129,7 @@ def build_app(args):
     if args.chat_template is not None:  # read first: a wrong path fails before the model loads
         with open(args.chat_template) as f:
             template = f.read()
-    engine = LLMEngine(EngineConfig(model=model, tokenizer=args.tokenizer, **engine_options(args)))
+    engine = build_engine(EngineConfig(model=model, tokenizer=args.tokenizer, **engine_options(args)))
     settings = ServerSettings(names, keys, args.max_queued_requests, args.default_max_tokens, template,
                               args.max_queued_per_tenant, args.reasoning_parser, args.max_request_body_bytes,
                               args.max_prompts_per_request, metrics_keys)

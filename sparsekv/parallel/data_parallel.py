@@ -1,0 +1,278 @@
+"""Data-parallel attention: `data_parallel_size` ranks, each a whole engine of its own (scheduler,
+paged latent cache, tiered host store, prefix cache with its tiers) over its own requests, with the
+routed experts spread across all of them under expert parallelism (docs/parallel.md).
+
+`DataParallelEngine` is rank 0's front end and answers the `LLMEngine` calls. It routes each request
+to a rank (`PrefixAffinityRouter`: the longest prefix sent there before, then the fewest requests in
+flight) and steps every rank together: one broadcast carries the step's new requests and aborts to
+every rank, each rank runs its engine's step (its `LaneExecutor` keeps the passes in lockstep for the
+MoE, a rank with nothing running an empty one), and the ranks' outputs are gathered back.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+from ..config import ConfigError, EngineConfig, ModelConfig
+from ..engine import LLMEngine
+from ..hub import resolve_config
+from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
+from .executor import RankFailure
+from .launch import RankGroup, control_group, exchange_status, join_group, layout_of
+from .router import PrefixAffinityRouter
+
+logger = logging.getLogger(__name__)
+
+
+class DataParallelEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        config = resolve_config(config)
+        layout_of(config).check_model(ModelConfig.from_json(config.model, config.hf_overrides))
+        self.config, self.num_ranks = config, config.data_parallel_size
+        self.ranks = RankGroup.start(config, serve_lane)
+        error = None
+        try:
+            self.local = LLMEngine(config, lane=0)
+        except BaseException as e:
+            error = e
+        self.ranks.check_started(error)
+        self.router = PrefixAffinityRouter(self.num_ranks, config.kv_page_size)
+        self.rank_of: dict[str, int] = {}  # requests in flight -> their rank
+        self._adds: list[list] = [[] for _ in range(self.num_ranks)]
+        self._aborts: list[list[str]] = [[] for _ in range(self.num_ranks)]
+        self._summaries: list[dict] = [{"waiting": {}, "running": 0, "counters": {}} for _ in range(self.num_ranks)]
+        self._next_id = 0
+        self.failure: RankFailure | None = None
+
+    # -- what the local rank's engine knows for all ------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.local.tokenizer
+
+    @property
+    def model_config(self):
+        return self.local.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.local.max_model_len
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """What one request can be given: one rank's cache."""
+        return self.local.kv_capacity_tokens
+
+    def cache_config(self) -> dict[str, str]:
+        return {**self.local.cache_config(), "data_parallel_size": str(self.num_ranks)}
+
+    @property
+    def counters(self) -> dict:
+        totals = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        for summary in self._summaries:
+            for key, value in summary.get("counters", {}).items():
+                totals[key] += value
+        return totals
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    tenant: str = "default", cache_salt: str | None = None) -> Request:
+        params = params or SamplingParams()
+        params.validate()
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+        if request_id in self.rank_of:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        token_ids = self.local.inputs.process(prompt, params)
+        if params.structured_output is not None:
+            self.local.outputs.grammar_for(params.structured_output)  # a bad grammar fails here, not on a rank
+        rank = self.router.choose(token_ids, tenant, cache_salt)
+        self.rank_of[request_id] = rank
+        if rank == 0:
+            return self.local.add_request(request_id, token_ids, params, tenant, cache_salt)
+        self._adds[rank].append((request_id, token_ids, params, tenant, cache_salt))
+        return Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)
+
+    def abort(self, request_id: str) -> bool:
+        rank = self.rank_of.pop(request_id, None)
+        if rank is None:
+            return False
+        self.router.finished(rank)
+        if rank == 0:
+            return self.local.abort(request_id)
+        queued = [a for a in self._adds[rank] if a[0] == request_id]
+        if queued:
+            self._adds[rank].remove(queued[0])
+        else:
+            self._aborts[rank].append(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.rank_of)
+
+    def num_waiting_requests(self, tenant: str | None = None) -> int:
+        """Queued on every rank as of the last step, plus those not sent to their rank yet."""
+        queued = sum(s["waiting"].get(tenant, 0) if tenant is not None else sum(s["waiting"].values())
+                     for s in self._summaries[1:])
+        pending = sum(1 for adds in self._adds for a in adds if tenant is None or a[3] == tenant)
+        return self.local.num_waiting_requests(tenant) + queued + pending
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        message = {"adds": self._adds, "aborts": self._aborts}
+        self._adds = [[] for _ in range(self.num_ranks)]
+        self._aborts = [[] for _ in range(self.num_ranks)]
+        gathered = self._together("step", message, run=lambda: step_lane(self.local, 0))
+        outputs = []
+        for rank, (outs, summary) in enumerate(gathered):
+            self._summaries[rank] = summary
+            for out in outs:
+                if out.finished and self.rank_of.pop(out.request_id, None) is not None:
+                    self.router.finished(rank)
+                outputs.append(out)
+        return outputs
+
+    def _together(self, command: str, *args, run):
+        """Broadcast a command, run rank 0's part, gather every rank's answer."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            dist.broadcast_object_list([(command, args)], src=0, group=self.ranks.control)
+            mine = run()
+            gathered = [None] * self.num_ranks
+            dist.gather_object(mine, gathered, dst=0, group=self.ranks.control)
+            return gathered
+        except RuntimeError as e:
+            exited = self.ranks.failed_workers()
+            self.failure = RankFailure(f"{command} failed across data-parallel ranks "
+                                       f"({', '.join(exited) or 'no worker exited'}): {e}")
+            raise self.failure from e
+
+    def expire_prefix_cache(self) -> int:
+        return sum(self._together("expire_prefix_cache", run=self.local.expire_prefix_cache))
+
+    def reset_prefix_cache(self, tenant: str | None = None) -> int:
+        return sum(self._together("reset_prefix_cache", tenant, run=lambda: self.local.reset_prefix_cache(tenant)))
+
+    # -- observability -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Every rank's figures added up (rates recomputed from the sums); `ranks` lists each rank's."""
+        if self.failure is not None:
+            return self.local.stats()
+        merged = merge_stats(self._together("stats", run=self.local.stats))
+        merged["by_data_parallel_rank"] = [{"running": s["running"], "waiting": s["waiting"], **s["counters"]}
+                                           for s in self._summaries]
+        return merged
+
+    def check_integrity(self) -> None:
+        problems = [p for p in self._together("check_integrity", run=lambda: lane_integrity(self.local)) if p]
+        assert not problems, "; ".join(problems)
+        assert set(self.rank_of) >= {r.request_id for r in self.local.scheduler.running}
+
+    def close(self) -> None:
+        """Close every rank's engine (each saves its prefix cache's disk tier) and stop the workers."""
+        if self.ranks.closed:
+            return
+        self.local.close()
+        self.ranks.close(notify=self.failure is None)
+
+
+def step_lane(engine: LLMEngine, rank: int, message: dict | None = None) -> tuple[list[RequestOutput], dict]:
+    """One data-parallel rank's part of a step: its new requests and aborts, its engine's step (the
+    passes it does not run, empty), and what the front end needs back."""
+    if message is not None:
+        for request_id in message["aborts"][rank]:
+            engine.abort(request_id)
+        for request_id, token_ids, params, tenant, cache_salt in message["adds"][rank]:
+            engine.add_request(request_id, token_ids, params, tenant, cache_salt)
+    outs = engine.step() if engine.has_unfinished_requests() else []
+    engine.executor.finish_step()
+    waiting: dict[str, int] = {}
+    for req in engine.scheduler.waiting:
+        waiting[req.tenant] = waiting.get(req.tenant, 0) + 1
+    return outs, {"waiting": waiting, "running": len(engine.scheduler.running), "counters": dict(engine.counters)}
+
+
+def lane_integrity(engine: LLMEngine) -> str | None:
+    try:
+        engine.check_integrity()
+    except AssertionError as e:
+        return f"data-parallel rank {engine.executor.model.comm.rank}: {e}"
+    return None
+
+
+def serve_lane(config: EngineConfig, rank: int, init_method: str) -> None:
+    """A data-parallel rank other than 0 (a spawned process): join, build its engine, report, then
+    answer the front end's commands until told to stop."""
+    import torch
+    torch.set_num_threads(config.num_threads or 1)
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
+    control = join_group(config, rank, init_method)
+    engine, error = None, None
+    try:
+        engine = LLMEngine(config, lane=rank)
+    except Exception as e:
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    statuses = exchange_status(error, config.data_parallel_size, control)
+    if any(s is not None for s in statuses):
+        dist.destroy_process_group()
+        return
+    commands = {"step": lambda message: step_lane(engine, rank, message), "stats": engine.stats,
+                "expire_prefix_cache": engine.expire_prefix_cache, "reset_prefix_cache": engine.reset_prefix_cache,
+                "check_integrity": lambda: lane_integrity(engine)}
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=control_group())
+        command, args = message[0]
+        if command == "close":
+            engine.close()
+            break
+        dist.gather_object(commands[command](*args), None, dst=0, group=control_group())
+    dist.destroy_process_group()
+
+
+# -- stats -----------------------------------------------------------------------------------------
+PER_REQUEST = {"device_buffer_tokens"}  # a setting, the same on every rank
+
+
+def merge_stats(all_stats: list[dict]) -> dict:
+    out = {}
+    for key, value in all_stats[0].items():
+        values = [s.get(key) for s in all_stats]
+        if key == "ranks":
+            out[key] = [r for s in all_stats for r in s["ranks"]]
+        elif key in PER_REQUEST or isinstance(value, (str, bool)) or value is None:
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = _merge_dicts(values)
+        elif isinstance(value, list):
+            out[key] = [sum(parts) for parts in zip(*values)]
+        elif isinstance(value, int):
+            out[key] = sum(values)
+        else:
+            out[key] = value  # rates: recomputed below
+    return _rates(out)
+
+
+def _merge_dicts(dicts: list[dict]) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for key, value in d.items():
+            out[key] = _merge_dicts([out.get(key, {}), value]) if isinstance(value, dict) else out.get(key, 0) + value
+    return out
+
+
+def _rates(s: dict) -> dict:
+    def ratio(a, b):
+        return a / b if b else 0.0
+    if "tier_miss_rate" in s:
+        s["tier_miss_rate"] = ratio(s["tier_misses"], s["tier_hits"] + s["tier_misses"])
+    if "prefix_cache_hit_rate" in s:
+        hits = sum(v for k, v in s.items() if k.startswith("prefix_cache_hits_"))
+        s["prefix_cache_hit_rate"] = ratio(hits, s["prefix_cache_queries"])
+    if "spec_decode_acceptance_rate" in s:
+        s["spec_decode_acceptance_rate"] = ratio(s["spec_decode_num_accepted_tokens"], s["spec_decode_num_draft_tokens"])
+        drafts = s["spec_decode_num_drafts"]
+        s["spec_decode_mean_acceptance_length"] = 1 + ratio(s["spec_decode_num_accepted_tokens"], drafts) if drafts else 0.0
+    return s
