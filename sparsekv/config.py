@@ -245,8 +245,8 @@ class EngineConfig:
     # (its computed pages stay in the prefix cache; it is recomputed from them later), as vLLM does.
     kv_admission: str = "reserve"
     attention: str = "sparse"
-    # Decodes in the dense regime (contexts within top-k) attend as one padded batch; False: one
-    # request at a time (the baseline `sparsekv bench batch` measures against).
+    # A step's decodes run as one batch: selection, gather and attention (model/decode_plan.py); False:
+    # one request at a time (the baseline `sparsekv bench batch` measures against).
     batch_dense_decodes: bool = True
     seed: int = 0
     tokenizer: str | None = None

@@ -67,6 +67,10 @@ class ForwardContext:
     draft_step: bool = False
     # Device index tensors of token rows, made once per step and shared by the layers.
     row_indices: dict = field(default_factory=dict)
+    # How the layers split this step's rows (model/attention.py's `DecodePlan`), made by the first layer.
+    decode_plan: object = None
+    # The batched decodes' selections [rows, k], in the plan's row order: the last full layer's.
+    decode_selection: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +83,24 @@ class ForwardContext:
         if index is None:
             index = self.row_indices[key] = index_tensor(rows, self.input_ids.device)
         return index
+
+
+@dataclass
+class DecodePicks:
+    """A batch of decode rows and the k positions each attends to, for one gather from the cache.
+
+    `seqs` own consecutive rows of `selected` [rows, k] (seq.num_new_tokens each, in order). Row r's
+    positions live in the flat history table `history` (every seq's `slots`, concatenated) from
+    `row_start[r]` on, so `slots()` is one [rows, k] slot table built in two ops, whatever the batch."""
+
+    seqs: list[SeqSlice]
+    selected: torch.Tensor   # [rows, k] positions
+    history: torch.Tensor    # [sum of context_len] slots of every seq's positions, back to back
+    row_start: torch.Tensor  # [rows] where each row's request starts in `history`
+
+    def slots(self) -> torch.Tensor:
+        """[rows, k] cache slots of the selected positions."""
+        return self.history[self.row_start[:, None] + self.selected]
 
 
 def index_tensor(values, device: torch.device) -> torch.Tensor:

@@ -165,8 +165,9 @@ class KVPool:
         slots = padded_slots(seqs, length)
         return self.fmt.decode(self.latent[layer].index_select(0, slots.reshape(-1))).view(*slots.shape, -1)
 
-    def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
-        """Each request's decode rows and their k selected positions [n, k] -> [sum n, k, latent_dim], one gather."""
-        rows = torch.cat([seq.slots[positions.reshape(-1)] for seq, positions in picks])
-        latents = self.fmt.decode(self.latent[layer].index_select(0, rows))
-        return latents.view(-1, picks[0][1].shape[-1], latents.shape[-1])
+    def gather_decode_latents(self, layer: int, picks) -> torch.Tensor:
+        """A batch of decode rows' selected entries (context.DecodePicks) -> [rows, k, latent_dim]: one
+        gather through the batch's [rows, k] slot table."""
+        slots = picks.slots()
+        latents = self.fmt.decode(self.latent[layer].index_select(0, slots.reshape(-1)))
+        return latents.view(*slots.shape, latents.shape[-1])

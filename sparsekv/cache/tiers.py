@@ -148,12 +148,12 @@ class TieredKVPool:
         self._mtp_step = self._begin("mtp", rows, len(self.mtp_layers))
 
     def _begin(self, name: str, chunks: list[tuple[str, list[int], int, int]], layers: int) -> _StepState:
-        step, ws_rows, new_rows, row = _StepState(), [], [], 0
+        step, ws_rows, new_rows, row, moves = _StepState(), [], [], 0, {}
         for rid, pages, first, n in chunks:
             self._count(rid, d2h=n * self.host.row_bytes * layers)
             if n <= self.new_rows:
                 ws = self._working_set(rid)
-                self._promote(ws, name, first)
+                self._promote(ws, name, first, moves)
                 ws.new[name] = (first, n)
                 step.decoding[rid] = pages
                 ws_rows.extend(range(row, row + n))
@@ -162,6 +162,7 @@ class TieredKVPool:
             elif rid in self._resident:
                 self._resident[rid].new.pop(name, None)
             row += n
+        self._move(moves)
         if ws_rows:
             step.ws_rows, step.new_rows = self.link.index(ws_rows), self.link.index(new_rows)
         return step
@@ -258,26 +259,31 @@ class TieredKVPool:
         rows = padded_rows([seq.context_len for seq in seqs], length, flat.device)
         return flat.index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
 
-    def gather_decode_latents(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
-        """Each request's decode rows, k selected positions per row [n, k] -> [sum n, k, latent_dim]. The
+    def gather_decode_latents(self, layer: int, picks) -> torch.Tensor:
+        """A batch of decode rows' selected entries (context.DecodePicks) -> [rows, k, latent_dim]. The
         whole batch is resolved together: one device -> host read of the selections, one host -> device
         copy of every request's misses, per full layer; its shared layers replay that plan without
         reading the selections again (no synchronisation on an accelerator)."""
-        k = picks[0][1].shape[-1]
+        k = picks.selected.shape[-1]
         return self.fmt.decode(self._decode_rows(layer, picks)).view(-1, k, self.cfg.latent_dim)
 
-    def _decode_rows(self, layer: int, picks: list[tuple[SeqSlice, torch.Tensor]]) -> torch.Tensor:
+    def _decode_rows(self, layer: int, picks) -> torch.Tensor:
         """`gather_decode_latents`' stored rows, flat (not decoded)."""
-        seqs = [seq for seq, _ in picks]
-        if not all(self._uses_working_set(layer, seq) for seq in seqs):  # not decodes of this step: stream
-            return torch.cat([self._rows_at(layer, seq, p.reshape(-1)) for seq, p in picks])
-        plan = self._replay(layer, seqs, [p.numel() for _, p in picks])
+        seqs, k = picks.seqs, picks.selected.shape[-1]
+        uses = [self._uses_working_set(layer, seq) for seq in seqs]
+        if not any(uses):  # not decodes of this step: stream them all through the slot table
+            for seq in seqs:
+                self._count(seq.request_id, h2d=seq.num_new_tokens * k * self.host.row_bytes)
+            return self.link.read(layer, picks.slots().reshape(-1))
+        sizes = [seq.num_new_tokens * k for seq in seqs]
+        plan = self._replay(layer, seqs, sizes) if all(uses) else None
         if plan is not None and not plan.streamed:
             return self.ws[layer].index_select(0, plan.rows)
-        flat = torch.cat([p.reshape(-1) for _, p in picks]).cpu().numpy()  # the one device -> host read
-        ends = list(accumulate(p.numel() for _, p in picks))
-        positions = [flat[end - p.numel():end] for end, (_, p) in zip(ends, picks)]
-        return self._gather(layer, seqs, positions)
+        flat = picks.selected.reshape(-1).cpu().numpy()  # the one device -> host read
+        positions = [flat[end - n:end] for end, n in zip(accumulate(sizes), sizes)]
+        if all(uses):
+            return self._gather(layer, seqs, positions)
+        return torch.cat([self._rows_at(layer, seq, torch.from_numpy(p)) for seq, p in zip(seqs, positions)])
 
     def _gather(self, layer: int, seqs: list[SeqSlice], positions: list[np.ndarray]) -> torch.Tensor:
         """[sum of len(positions), row width]: working-set rows, or the host store's for streamed requests."""
@@ -359,9 +365,10 @@ class TieredKVPool:
         rows[~is_older] = base + self.device_buffer_tokens - first_new + positions[~is_older]
         return rows
 
-    def _promote(self, ws: _WorkingSet, name: str, upto: int) -> None:
+    def _promote(self, ws: _WorkingSet, name: str, upto: int, moves: dict[int, list]) -> None:
         """The pass's last new tokens before position `upto` are final and on the device: keep them, as
-        most recently used (a device copy, no host traffic). The others were rejected drafts: dropped."""
+        most recently used (a device copy, no host traffic; appended to `moves` per group leader, as
+        (new-token rows, LRU rows)). The others were rejected drafts: dropped."""
         start, count = ws.new.pop(name, (None, 0))
         if start is None or upto <= start:
             return
@@ -369,15 +376,15 @@ class TieredKVPool:
         base = self._base(ws)
         for leader in self.passes[name]:
             res = ws.lrus[leader].resolve(final)
-            if res.miss_positions.size == 1:  # a plain decode's one token: a row copy per layer
-                src, dst = base + self.device_buffer_tokens + int(res.miss_positions[0]) - start, base + int(res.miss_slots[0])
-                for layer in self.groups[leader]:
-                    self.ws[layer][dst] = self.ws[layer][src]
-                continue
-            if not res.miss_positions.size:
-                continue
-            src = self.link.index(base + self.device_buffer_tokens + res.miss_positions - start)
-            dst = self.link.index(base + res.miss_slots)
+            if res.miss_positions.size:
+                moves.setdefault(leader, []).append((base + self.device_buffer_tokens + res.miss_positions - start,
+                                                     base + res.miss_slots))
+
+    def _move(self, moves: dict[int, list]) -> None:
+        """Every request's promotions at once: one row copy per layer for the whole step."""
+        for leader, pairs in moves.items():
+            src = self.link.index(np.concatenate([p[0] for p in pairs]))
+            dst = self.link.index(np.concatenate([p[1] for p in pairs]))
             for layer in self.groups[leader]:
                 self.ws[layer].index_copy_(0, dst, self.ws[layer].index_select(0, src))
 

@@ -13,29 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..context import ForwardContext, SeqSlice, index_tensor
+from ..context import DecodePicks, ForwardContext, SeqSlice, index_tensor
 from ..kernels.attention import fill_blocks, latent_attention, query_block_size
-from .indexer import INDEX_SCORE_ELEMENTS_GPU, LightningIndexer, keys_major
+from .decode_plan import DecodePlan, dense_length, groups_within as _groups_within, plan_of  # noqa: F401
+from .indexer import LightningIndexer
 from .layers import rms_norm, rope_interleaved
 from .selectors import DSASelector
-
-
-def _groups_within(seqs: list[SeqSlice], budget: int) -> list[list[SeqSlice]]:
-    """Consecutive groups of `seqs` (sorted by length) whose padded size, rows x longest history,
-    stays within `budget` elements."""
-    groups, current = [], []
-    for seq in seqs:
-        if current and (len(current) + 1) * seq.context_len > budget:
-            groups.append(current)
-            current = []
-        current.append(seq)
-    return groups + [current] if current else groups
-
-
-def dense_length(context_len: int, index_topk: int) -> int:
-    """The padded history length of a dense-regime decode: the next power of two (at least 16), at
-    most top-k (a dense-regime context is never longer)."""
-    return min(index_topk, max(16, 1 << (context_len - 1).bit_length()))
 
 
 @dataclass
@@ -84,40 +67,63 @@ class MLAttention:
         return F.linear(out.reshape(n, -1), w.o)
 
     def _attention(self, q: torch.Tensor, index_q, ctx: ForwardContext, cache) -> torch.Tensor:
-        """Latent attention output [N, H, C] for every row of the step.
-
-        Decode rows in the sparse regime (a request's 1 new token, or 1 + its drafts) attend to
-        exactly k gathered entries each, so their attention runs as one batch for the whole step;
-        selection and gathering stay per request (each request has its own keys, and the tiered
-        cache resolves per request).
-        """
+        """Latent attention output [N, H, C] for every row of the step, by the step's plan
+        (decode_plan.py): the decodes in the sparse regime (a request's 1 new token, or 1 + its drafts)
+        are selected, gathered and attended as one batch; those in the dense regime as one batch per
+        length bucket; prefill chunks one request at a time."""
         o_lat = q.new_empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank)
-        decode_rows, picks, valid = [], [], []
-        dense_decodes: dict[int, list[SeqSlice]] = {}  # padded length -> decodes that attend to every entry
-        batched = self._select_decode_batch(index_q, ctx, cache)
-        batch_dense = ctx.batch_dense_decodes and ctx.attention != "dense"
-        for seq in ctx.seqs:
-            is_decode = seq.num_new_tokens <= ctx.decode_rows
-            if batch_dense and is_decode and seq.context_len <= self.cfg.index_topk:
-                dense_decodes.setdefault(dense_length(seq.context_len, self.cfg.index_topk), []).append(seq)
-                continue
+        plan = plan_of(ctx, self.cfg)
+        for seq in plan.single:
             rows = slice(seq.token_start, seq.token_end)
             iq = None if index_q is None else self.selector.rows(index_q, rows)
-            q_seq, positions = q[rows], ctx.positions[rows]
-            if not is_decode or not self._sparse(seq, ctx):
-                o_lat[rows] = self._attend(seq, q_seq, positions, iq, ctx, cache)
-                continue
-            selected = self._select(seq, q_seq, positions, iq, ctx, cache, done=seq.request_id in batched)
-            decode_rows.extend(range(seq.token_start, seq.token_end))
-            picks.append((seq, selected))
-            valid.append(selected <= positions[:, None])
-        if decode_rows:
-            rows = ctx.rows_index(decode_rows)
-            keys = cache.gather_decode_latents(self.layer_idx, picks)                 # [B, k, D]
-            o_lat[rows] = latent_attention(q[rows], keys, torch.cat(valid), self.scale, self.cfg.kv_lora_rank)
-        for length, seqs in dense_decodes.items():
+            o_lat[rows] = self._attend(seq, q[rows], ctx.positions[rows], iq, ctx, cache)
+        if plan.sparse:
+            self._attend_sparse_decodes(plan, q, index_q, ctx, cache, o_lat)
+        for length, seqs in plan.dense.items():
             self._attend_dense_decodes(seqs, length, q, ctx, cache, o_lat)
         return o_lat
+
+    def _attend_sparse_decodes(self, plan: DecodePlan, q: torch.Tensor, index_q, ctx: ForwardContext, cache,
+                               o_lat: torch.Tensor) -> None:
+        """Every sparse-regime decode row at once: k selected entries each, one gather through a
+        [rows, k] slot table, one attention."""
+        rows = plan.row_index(ctx)
+        selected = self._decode_selection(plan, q, index_q, ctx, cache)               # [rows, k]
+        keys = cache.gather_decode_latents(self.layer_idx, DecodePicks(plan.sparse, selected, *plan.history(ctx)))
+        valid = selected <= plan.positions(ctx)[:, None]
+        o_lat[rows] = latent_attention(q[rows], keys, valid, self.scale, self.cfg.kv_lora_rank)
+
+    def _decode_selection(self, plan: DecodePlan, q: torch.Tensor, index_q, ctx: ForwardContext, cache) -> torch.Tensor:
+        """The sparse decodes' selections [rows, k]: a full layer's own (also kept per request in
+        ctx.selection, for the shared layers of chunks and for MTP drafting); a shared layer's or a
+        draft step's, reused."""
+        if ctx.draft_step and ctx.decode_selection is None:
+            missing = [s.request_id for s in plan.sparse if s.request_id not in ctx.selection]
+            if missing:
+                raise RuntimeError(f"draft step without the drafting row's selection for {missing}")
+            ctx.decode_selection = torch.cat([ctx.selection[s.request_id] for s in plan.sparse])
+        elif self.selector is not None and not ctx.draft_step:
+            ctx.decode_selection = self._select_decodes(plan, q, index_q, ctx, cache)
+            ctx.selection.update(zip([s.request_id for s in plan.sparse], ctx.decode_selection.split(plan.sizes)))
+        if ctx.decode_selection is None:
+            raise RuntimeError(f"layer {self.layer_idx} is 'shared' but no earlier full layer selected tokens")
+        if ctx.record_selection is not None:
+            for seq, part in zip(plan.sparse, ctx.decode_selection.split(plan.sizes)):
+                ctx.record_selection(self.layer_idx, seq, part)
+        return ctx.decode_selection
+
+    def _select_decodes(self, plan: DecodePlan, q: torch.Tensor, index_q, ctx: ForwardContext, cache) -> torch.Tensor:
+        """A full layer's selections of the plan's sparse decodes, in plan order: each group of two or
+        more in one batched pass where the selector batches (`DSASelector.batches`), the rest alone."""
+        batches, parts, done = self.selector.batches(index_q[0].device), [], 0
+        for major, group in plan.groups:
+            if batches and len(group) > 1:
+                parts.append(self._select_group(group, index_q, ctx, cache, major))
+            else:
+                parts.extend(self._select_alone(seq, q, index_q, ctx, cache) for seq in group)
+            done += len(group)
+        parts.extend(self._select_alone(seq, q, index_q, ctx, cache) for seq in plan.sparse[done:])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _attend_dense_decodes(self, seqs: list[SeqSlice], length: int, q: torch.Tensor, ctx: ForwardContext,
                               cache, o_lat: torch.Tensor) -> None:
@@ -141,35 +147,21 @@ class MLAttention:
             valid = torch.arange(length, device=q.device)[None, :] <= visible[:, None]
             o_lat[rows] = latent_attention(q[rows], keys, valid, self.scale, self.cfg.kv_lora_rank)
 
-    def _select_decode_batch(self, index_q, ctx: ForwardContext, cache) -> set[str]:
-        """A full DSA layer's decodes (1 row, or 1 + drafts), selected together into `ctx.selection`
-        where the selector batches them (`DSASelector.batch_decode`: on accelerators); returns their
-        request ids (none otherwise). Groups keep the padded scores and keys under
-        INDEX_SCORE_ELEMENTS_GPU fp32 elements each. A decode whose first row sees at most k keys
-        stays per request."""
-        if self.selector is None or ctx.draft_step or not self.selector.batches(index_q[0].device):
-            return set()
-        seqs = sorted((s for s in ctx.seqs if s.num_new_tokens <= ctx.decode_rows and self._sparse(s, ctx)
-                       and s.first_new_position >= self.cfg.index_topk), key=lambda s: s.context_len)
-        out = {}
-        per_position = ctx.decode_rows * max(self.cfg.index_n_heads, self.cfg.index_head_dim)
-        by_layout = {False: [], True: []}  # never mix the two scoring layouts in one batch (see `keys_major`)
-        for s in seqs:
-            by_layout[keys_major(index_q[0].device, s.num_new_tokens, s.context_len)].append(s)
-        for major, alike in by_layout.items():
-            for group in _groups_within(alike, INDEX_SCORE_ELEMENTS_GPU // per_position):
-                if len(group) >= 2:
-                    out.update(self._select_group(group, index_q, ctx, cache, major))
-        ctx.selection.update(out)
-        return set(out)
+    def _select_alone(self, seq: SeqSlice, q: torch.Tensor, index_q, ctx: ForwardContext, cache) -> torch.Tensor:
+        rows = slice(seq.token_start, seq.token_end)
+        return self.selector.select(self.layer_idx, seq, self.selector.rows(index_q, rows), q[rows],
+                                    ctx.positions[rows], self.cfg.index_topk, cache)
 
-    def _select_group(self, group: list[SeqSlice], index_q, ctx: ForwardContext, cache, major: bool) -> dict:
-        r = max(s.num_new_tokens for s in group)  # shorter decodes repeat their last row
+    def _select_group(self, group: list[SeqSlice], index_q, ctx: ForwardContext, cache, major: bool) -> torch.Tensor:
+        """One group's selections [its rows, k], scored over padded key histories in one pass."""
+        k, r = self.cfg.index_topk, max(s.num_new_tokens for s in group)  # shorter decodes repeat their last row
         rows = ctx.rows_index([[s.token_start + min(i, s.num_new_tokens - 1) for i in range(r)] for s in group])
         keys = cache.index_keys_batch(self.layer_idx, group)
         selected = self.selector.indexer.select_decode_batch(index_q[0][rows], index_q[1][rows], keys,
-                                                             ctx.positions[rows], self.cfg.index_topk, major)
-        return {s.request_id: selected[i, :s.num_new_tokens] for i, s in enumerate(group)}
+                                                             ctx.positions[rows], k, major).view(-1, k)
+        if all(s.num_new_tokens == r for s in group):
+            return selected
+        return selected[ctx.rows_index([i * r + j for i, s in enumerate(group) for j in range(s.num_new_tokens)])]
 
     def _sparse(self, seq: SeqSlice, ctx) -> bool:
         return ctx.attention != "dense" and seq.context_len > self.cfg.index_topk
@@ -180,11 +172,9 @@ class MLAttention:
         selected = self._select(seq, q, positions, index_q, ctx, cache)
         return self._attend_selected(seq, q, positions, selected, cache)
 
-    def _select(self, seq: SeqSlice, q: torch.Tensor, positions: torch.Tensor, index_q, ctx, cache,
-                done: bool = False) -> torch.Tensor:
-        """This layer's selection for the request: its own (full layer) or its group's (shared layer).
-        `done`: already in ctx.selection (the batched decode selection)."""
-        if self.selector is not None and not ctx.draft_step and not done:
+    def _select(self, seq: SeqSlice, q: torch.Tensor, positions: torch.Tensor, index_q, ctx, cache) -> torch.Tensor:
+        """This layer's selection for the request: its own (full layer) or its group's (shared layer)."""
+        if self.selector is not None and not ctx.draft_step:
             ctx.selection[seq.request_id] = self.selector.select(self.layer_idx, seq, index_q, q, positions,
                                                                  self.cfg.index_topk, cache)
         selected = ctx.selection.get(seq.request_id)

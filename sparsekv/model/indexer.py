@@ -29,6 +29,9 @@ INDEX_QUERY_BLOCK_CPU_MAX = 128
 INDEX_SCORE_ELEMENTS_CPU = 1 << 27
 INDEX_TILE_ELEMENTS_CPU = 1 << 19
 INDEX_SCORE_ELEMENTS_GPU = 1 << 28  # on an accelerator, larger blocks amortise launches (1 GiB fp32)
+# A CPU scores a group of decodes at once (model/decode_plan.py) within this many padded elements
+# (64 MB fp32): past it, a group's transients leave the cache and a second group costs a few ops.
+INDEX_DECODE_BATCH_ELEMENTS_CPU = 1 << 24
 # A decode row (one query) scores keys-major from this many keys on (`decode_head_scores`). On a CPU
 # below 32K keys a layer's keys stay in cache and the query-major GEMM is as fast or faster. On an
 # accelerator keys-major has not been measured yet (`sparsekv bench indexer --decode --device cuda`,

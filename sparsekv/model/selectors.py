@@ -47,7 +47,7 @@ class TokenSelector:
         """Size the state kept per slot for a cache of `num_slots` (the cache manager calls it)."""
 
     def batches(self, device: torch.device) -> bool:
-        """Whether a step's one-row decodes are selected in one batched pass (DSASelector)."""
+        """Whether a step's decodes are selected in one batched pass (DSASelector)."""
         return False
 
     def check_integrity(self, active: set[str]) -> None:
@@ -57,19 +57,19 @@ class TokenSelector:
 class DSASelector(TokenSelector):
     """The lightning indexer: keys in the cache pool, queries computed per step.
 
-    `batch_decode`: select all one-row decodes of a step in one batched pass over padded key
-    histories (`LightningIndexer.select_decode_batch`). None (default): on accelerators only, where
-    per-request launches dominate a decode step; on a CPU the padded copy costs more than it saves.
+    `batch_decode`: select a step's decodes in one batched pass per group of similar lengths over
+    padded key histories (`LightningIndexer.select_decode_batch`, groups: model/decode_plan.py), on
+    every device: a fixed number of ops per layer whatever the batch. False: one request at a time.
     """
 
     name = "dsa"
-    batch_decode: bool | None = None
+    batch_decode: bool = True
 
     def __init__(self, indexer):
         self.indexer = indexer
 
     def batches(self, device: torch.device) -> bool:
-        return device.type != "cpu" if self.batch_decode is None else self.batch_decode
+        return self.batch_decode
 
     def prepare(self, layer, ctx, x, q_resid, latent, cache):
         cache.write_index_keys(layer, ctx.slot_mapping, self.indexer.keys(x, ctx.cos, ctx.sin))
