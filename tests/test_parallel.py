@@ -142,7 +142,8 @@ def test_a_worker_failing_at_load_fails_start_up_with_its_message(glm_ckpt, tmp_
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("sparsekv-rank")]
 
 
-def test_two_nodes_of_one_process_each_equal_one_process(glm_ckpt):
+@pytest.mark.parametrize("layout", [["-tp", "2"], ["-dp", "2", "--enable-expert-parallel"]], ids=["tp2", "dp2-ep"])
+def test_two_nodes_of_one_process_each_equal_one_process(glm_ckpt, layout):
     """--nnodes 2 on localhost: node 1 is `sparsekv serve --node-rank 1` in another process (it hosts
     rank 1 and serves nothing); node 0 is the engine."""
     import subprocess
@@ -150,20 +151,23 @@ def test_two_nodes_of_one_process_each_equal_one_process(glm_ckpt):
 
     from test_server_util import REPO, free_port
     path, port = glm_ckpt[0], free_port()
-    dist = ["-tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
+    dist = [*layout, "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
+    options = (dict(tensor_parallel_size=2) if layout[0] == "-tp" else
+               dict(data_parallel_size=2, enable_expert_parallel=True))
     node1 = subprocess.Popen([sys.executable, "-m", "sparsekv", "serve", path, "--node-rank", "1", "--kv-page-size", "4",
                               "--max-model-len", "128", *dist], env={**os.environ, "PYTHONPATH": REPO},
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         prompts = _prompts(256)
-        want = LLM(path, **BASE).generate(prompts, PARAMS)
-        llm = LLM(path, **BASE, tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
+        single = LLM(path, **BASE)
+        want = single.generate(prompts, PARAMS)
+        llm = LLM(path, **BASE, **options, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
         try:
-            assert llm.engine.executor.ranks.processes == []  # rank 1 lives on the other "node"
+            assert not _rank_processes()  # rank 1 lives on the other "node"
             got = llm.generate(prompts, PARAMS)
         finally:
             llm.close()
-        assert_same_greedy(want, got, logprob_tolerance(llm))
+        assert_same_greedy(want, got, logprob_tolerance(single))
         assert node1.wait(timeout=60) == 0, node1.stdout.read()
     finally:
         if node1.poll() is None:

@@ -27,15 +27,17 @@ def _workers() -> list:
 
 
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
-def test_a_rank_failure_ends_the_step_with_a_clear_error(glm_ckpt, fault):
-    llm = LLM(glm_ckpt[0], kv_page_size=4, max_model_len=128, num_threads=1, tensor_parallel_size=2,
-              dist_timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "dp2-ep"])
+def test_a_rank_failure_ends_the_step_with_a_clear_error(glm_ckpt, fault, layout):
+    llm = LLM(glm_ckpt[0], kv_page_size=4, max_model_len=128, num_threads=1, dist_timeout_s=TIMEOUT_S, **layout)
     engine = llm.engine
     try:
         req = engine.add_request(None, list(range(1, 30)), LONG)
+        engine.add_request(None, list(range(40, 60)), LONG)  # data-parallel: one request per rank
         engine.step()
         engine.step()
-        os.kill(engine.executor.ranks.processes[0].pid, fault)
+        os.kill(_workers()[0].pid, fault)
         t0 = time.monotonic()
         with pytest.raises(RankFailure, match="exited|failed across ranks"):
             while engine.has_unfinished_requests():

@@ -18,7 +18,7 @@ from ..config import ConfigError, EngineConfig, ModelConfig
 from ..engine import LLMEngine
 from ..hub import resolve_config
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
-from .executor import RankFailure
+from .executor import RankFailure, serve_rank
 from .launch import RankGroup, control_group, exchange_status, join_group, layout_of
 from .router import PrefixAffinityRouter
 
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 class DataParallelEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
+        if config.node_rank > 0:
+            raise ConfigError(f"node_rank {config.node_rank} only hosts ranks for node 0's engine: run "
+                              f"`sparsekv serve --node-rank {config.node_rank} ...` there")
         config = resolve_config(config)
         layout_of(config).check_model(ModelConfig.from_json(config.model, config.hf_overrides))
         self.config, self.num_ranks = config, config.data_parallel_size
@@ -230,6 +233,20 @@ def serve_lane(config: EngineConfig, rank: int, init_method: str) -> None:
             break
         dist.gather_object(commands[command](*args), None, dst=0, group=control_group())
     dist.destroy_process_group()
+
+
+def host_node(config: EngineConfig) -> int:
+    """Node `config.node_rank` (> 0) of a multi-node world: run this node's ranks until node 0's engine
+    stops them. Returns 0, or the first failed rank's exit code."""
+    config.validate()
+    if config.node_rank == 0:
+        raise ValueError("node 0 runs the engine itself; host_node is for the other nodes")
+    layout_of(config).check_model(ModelConfig.from_json(config.model, config.hf_overrides))
+    target = serve_lane if config.data_parallel_size > 1 else serve_rank
+    ranks = RankGroup.start(config, target)
+    for p in ranks.processes:
+        p.join()
+    return next((p.exitcode for p in ranks.processes if p.exitcode), 0)
 
 
 # -- stats -----------------------------------------------------------------------------------------

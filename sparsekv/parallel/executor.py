@@ -263,19 +263,6 @@ def start_executor(config: EngineConfig, dtype: torch.dtype, device: torch.devic
     return MultiRankExecutor(local, ranks), kv
 
 
-def host_node(config: EngineConfig) -> int:
-    """Node `config.node_rank` (> 0) of a multi-node world: run this node's ranks until node 0's engine
-    stops them. Returns 0, or the first failed rank's exit code."""
-    config.validate()
-    if config.node_rank == 0:
-        raise ValueError("node 0 runs the engine itself; host_node is for the other nodes")
-    layout_of(config).check_model(ModelConfig.from_json(config.model, config.hf_overrides))
-    ranks = RankGroup.start(config, serve_rank)
-    for p in ranks.processes:
-        p.join()
-    return next((p.exitcode for p in ranks.processes if p.exitcode), 0)
-
-
 class LaneExecutor(InProcessExecutor):
     """The executor of one data-parallel rank (its own requests, cache and scheduler).
 

@@ -99,7 +99,7 @@ def startup_settings(parser: argparse.ArgumentParser, args) -> dict:
 
 def host_ranks(args) -> int:
     from ..config import EngineConfig
-    from ..parallel.executor import host_node
+    from ..parallel.data_parallel import host_node
     from ..paths import default_model_path
     try:
         return host_node(EngineConfig(model=args.model or default_model_path(), **engine_options(args)))
