@@ -100,17 +100,17 @@ def test_bench_serve_url_defaults_to_sparsekv_serves_address():
 
 def test_bench_parallel_measures_the_collectives_the_planner_predicts(tmp_path, capsys):
     """Each layout runs in its own process; every layout's greedy tokens equal one rank's, and the bytes
-    each rank all-reduced and all-gathered per token are exactly the planner's figures."""
+    each rank sent per token fed and per sampled row are exactly the planner's figures."""
     out = tmp_path / "parallel.json"
     assert main(["parallel", "--batch", "2", "--prompt-tokens", "40", "--steps", "3", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())["summary"]
-    assert set(summary) == {"1 rank", "tp 2", "tp 2 + ep"}
+    assert set(summary) == {"1 rank", "tp 2", "tp 2 + ep", "dp 2 + ep"}
     whole = summary["1 rank"]["weight_bytes"][0]
     for name, s in summary.items():
         assert s["identical_tokens"], name
-        assert s["all_reduce_per_token"] == s["predicted"]["all_reduce"]
-        assert s["all_gather_per_row"] == s["predicted"]["all_gather"]
+        assert s["sent_per_token"] == s["predicted"]["per_token"]  # equal requests per rank: no padding
+        assert s["sent_per_sampled_row"] == s["predicted"]["per_sampled_row"]
         if name != "1 rank":
-            assert s["all_reduce_per_token"] > 0 and len(s["weight_bytes"]) == 2
+            assert s["sent_per_token"] > 0 and len(s["weight_bytes"]) == 2
             assert all(w < whole for w in s["weight_bytes"])
     assert "tp 2 + ep" in capsys.readouterr().out

@@ -249,7 +249,7 @@ def _compare_data_parallel(path: str, prompts: list[list[int]], tol_model=None, 
     if options.get("enable_expert_parallel"):
         whole = single.engine.model.weight_bytes
         assert all(r["weight_bytes"] < whole for r in stats["ranks"]), "expert parallelism spreads the experts"
-        assert all(r["bytes_sent"]["all_gather"] > 0 for r in stats["ranks"])
+        assert all(r["bytes_sent"]["moe_all_gather"] > 0 for r in stats["ranks"])
 
 
 def _rank_processes() -> list:

@@ -81,7 +81,7 @@ class ExpertParallelDP(SingleRank):
 
     def __init__(self, group, world_size: int, rank: int):
         self.group, self.world_size, self.rank = group, world_size, rank
-        self.bytes_sent = {"all_gather": 0, "reduce_scatter": 0}
+        self.bytes_sent = {"moe_all_gather": 0, "moe_reduce_scatter": 0}
 
     def ffn(self, ffn, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(ffn, "routed"):  # a dense MLP: whole here
@@ -103,7 +103,7 @@ class ExpertParallelDP(SingleRank):
         padded = torch.zeros(widest, x.shape[1], dtype=x.dtype, device=x.device)
         padded[:x.shape[0]] = x
         gathered = torch.empty(self.world_size * widest, x.shape[1], dtype=x.dtype, device=x.device)
-        self.bytes_sent["all_gather"] += (self.world_size - 1) * padded.numel() * padded.element_size()
+        self.bytes_sent["moe_all_gather"] += (self.world_size - 1) * padded.numel() * padded.element_size()
         dist.all_gather_single(gathered, padded, group=self.group)
         return torch.cat([gathered[r * widest:r * widest + n] for r, n in enumerate(counts)])
 
@@ -114,6 +114,6 @@ class ExpertParallelDP(SingleRank):
             padded[r * widest:r * widest + n] = y[start:start + n]
             start += n
         mine = torch.empty(widest, y.shape[1], dtype=y.dtype, device=y.device)
-        self.bytes_sent["reduce_scatter"] += (self.world_size - 1) * mine.numel() * mine.element_size()
+        self.bytes_sent["moe_reduce_scatter"] += (self.world_size - 1) * mine.numel() * mine.element_size()
         dist.reduce_scatter_single(mine, padded, group=self.group)
         return mine[:counts[self.rank]]

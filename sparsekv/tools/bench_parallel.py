@@ -1,11 +1,13 @@
-"""`sparsekv bench parallel`: the same workload on one rank, at tensor parallelism 2, and at tensor
-parallelism 2 with expert parallelism (torch.distributed, gloo on CPU).
+"""`sparsekv bench parallel`: the same workload on one rank, at tensor parallelism 2 (with and without
+expert parallelism), and with data-parallel attention on 2 ranks with expert parallelism
+(torch.distributed, gloo on CPU).
 
 `--batch` requests of `--prompt-tokens` random tokens are prefilled, then `--steps` decode steps are
 timed. Each layout runs in a fresh process (peak memory is per process). Printed per layout: ms per
-decode step against the one-rank run, the bytes each rank all-reduced and all-gathered per token
-next to the planner's prediction (cache/sizing.py `collectives`), the weight bytes and peak RSS of
-each rank, and whether the greedy tokens equal the one-rank run's.
+decode step against the one-rank run, the bytes each rank sent per token it ran (all-reduces; the MoE's
+all-gather and reduce-scatter with data parallelism) and per sampled row (the lm_head's all-gather),
+next to the planner's prediction (cache/sizing.py), the weight bytes and peak RSS of each rank, and
+whether the greedy tokens equal the one-rank run's.
 
 On a CPU with two cores no speed-up is expected: the figures that matter are the communication
 volume matching the model, and each rank's weights being about 1/N of the sharded part.
@@ -25,11 +27,13 @@ from rich.table import Table
 from .bench import report_console, run_bench
 
 LAYOUTS = {"1 rank": {}, "tp 2": dict(tensor_parallel_size=2),
-           "tp 2 + ep": dict(tensor_parallel_size=2, enable_expert_parallel=True)}
+           "tp 2 + ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+           "dp 2 + ep": dict(data_parallel_size=2, enable_expert_parallel=True)}
 
 
 def run_layout(args) -> dict:
-    """One layout in this process: prefill, timed decode steps, per-rank figures."""
+    """One layout in this process: prefill, timed decode steps, per-rank figures (public calls only:
+    a data-parallel engine answers the same ones)."""
     import torch
     from sparsekv import LLM, SamplingParams
     from sparsekv.paths import default_model_path
@@ -43,35 +47,46 @@ def run_layout(args) -> dict:
         g = torch.Generator().manual_seed(0)
         params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
         vocab = engine.model_config.vocab_size
-        for i in range(args.batch):
-            engine.add_request(f"r{i}", torch.randint(1, vocab, (args.prompt_tokens,), generator=g).tolist(), params)
-        outs = {}
-        while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
-            engine.step()
+        ids = [f"r{i}" for i in range(args.batch)]
+        for rid in ids:
+            engine.add_request(rid, torch.randint(1, vocab, (args.prompt_tokens,), generator=g).tolist(), params)
+        outs, started = {}, set()
+        while len(started) < args.batch:  # every prompt prefilled, its first token out
+            for o in engine.step():
+                started.add(o.request_id)
+                outs[o.request_id] = o
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            outs.update({o.request_id: o for o in engine.step() if o.finished})
+            outs.update({o.request_id: o for o in engine.step()})
         ms = 1000 * (time.perf_counter() - t0) / args.steps
         while engine.has_unfinished_requests():
-            outs.update({o.request_id: o for o in engine.step() if o.finished})
-        ranks = engine.executor.rank_stats()
+            outs.update({o.request_id: o for o in engine.step()})
+        ranks = llm.stats()["ranks"]
     finally:
         llm.close()
     fed = args.batch * (args.prompt_tokens + args.steps)  # rows the model ran (the last token is never fed)
     sampled = args.batch * (args.steps + 1)
-    return {"ms_per_step": ms, "tokens": [outs[f"r{i}"].token_ids for i in range(args.batch)], "ranks": ranks,
+    return {"ms_per_step": ms, "tokens": [outs[r].token_ids for r in ids], "ranks": ranks,
             "rows_fed": fed, "rows_sampled": sampled}
 
 
 def _predicted(model: str, layout: dict) -> dict:
-    """The planner's bytes per token per rank (all-reduces per fed row, the all-gather per sampled row)."""
-    from sparsekv.cache.sizing import Parallelism, collectives
+    """The planner's bytes per rank: per token fed (all-reduces; with data parallelism the MoE's
+    all-gather + reduce-scatter, the exchange this engine uses), and per sampled row (the lm_head's
+    all-gather)."""
+    from sparsekv.cache.sizing import Parallelism, collectives, gather_scatter_bytes
     from sparsekv.config import ModelConfig
     cfg = ModelConfig.from_json(model)
-    par = Parallelism(tp=layout.get("tensor_parallel_size", 1), dp=1, ep=layout.get("enable_expert_parallel", False))
-    out = {"all_reduce": 0.0, "all_gather": 0.0}
+    dp = layout.get("data_parallel_size", 1)
+    par = Parallelism(tp=layout.get("tensor_parallel_size", 1), dp=dp, ep=layout.get("enable_expert_parallel", False))
+    out = {"per_token": 0.0, "per_sampled_row": 0.0}
     for c in collectives(cfg, par, "fp32"):
-        out[c.op] += c.per_token_all
+        if c.op == "all_reduce":
+            out["per_token"] += c.per_token_all
+        elif c.op == "all_gather":
+            out["per_sampled_row"] += c.per_token_all
+    if dp > 1 and par.ep:
+        out["per_token"] += gather_scatter_bytes(cfg, dp, 4) * cfg.mlp_layer_types.count("sparse")
     return out
 
 
@@ -96,20 +111,22 @@ def report(result: dict) -> dict:
     layouts, base = result["layouts"], result["layouts"]["1 rank"]
     table = Table(title=f"{result['batch']} requests x {result['prompt_tokens']} prompt tokens, "
                         f"{result['steps']} decode steps timed")
-    for col in ("layout", "ms / step", "vs 1 rank", "all-reduce B/token (planner)", "all-gather B/sampled row "
-                "(planner)", "weights per rank", "peak RSS per rank", "same tokens"):
+    for col in ("layout", "ms / step", "vs 1 rank", "sent per token run (planner)", "sent per sampled row (planner)",
+                "weights per rank", "peak RSS per rank", "same tokens"):
         table.add_column(col)
     summary = {}
     for name, r in layouts.items():
         sent = r["ranks"][0]["bytes_sent"]
-        ar = sent.get("all_reduce", 0) / r["rows_fed"]
-        ag = sent.get("all_gather", 0) / r["rows_sampled"]
+        held = r["rows_fed"] / LAYOUTS[name].get("data_parallel_size", 1)  # rows rank 0 ran (equal shares)
+        per_token = sum(v for k, v in sent.items() if k != "all_gather") / held
+        per_row = sent.get("all_gather", 0) / r["rows_sampled"]
         same = r["tokens"] == base["tokens"]
-        summary[name] = {"ms_per_step": r["ms_per_step"], "all_reduce_per_token": ar, "all_gather_per_row": ag,
+        summary[name] = {"ms_per_step": r["ms_per_step"], "sent_per_token": per_token, "sent_per_sampled_row": per_row,
                          "predicted": r["predicted"], "weight_bytes": [x["weight_bytes"] for x in r["ranks"]],
                          "peak_rss_bytes": [x["peak_rss_bytes"] for x in r["ranks"]], "identical_tokens": same}
         table.add_row(name, f"{r['ms_per_step']:.1f}", f"{base['ms_per_step'] / r['ms_per_step']:.2f}x",
-                      f"{ar:,.0f} ({r['predicted']['all_reduce']:,.0f})", f"{ag:,.0f} ({r['predicted']['all_gather']:,.0f})",
+                      f"{per_token:,.0f} ({r['predicted']['per_token']:,.0f})",
+                      f"{per_row:,.0f} ({r['predicted']['per_sampled_row']:,.0f})",
                       " / ".join(f"{x['weight_bytes'] / 1e6:.1f} MB" for x in r["ranks"]),
                       " / ".join(f"{x['peak_rss_bytes'] / 1e6:.0f} MB" for x in r["ranks"]), str(same))
     report_console().print(table)
