@@ -324,3 +324,21 @@ def test_serve_with_data_parallel_attention_and_expert_parallelism():
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_tensor_parallel_fp8_cache_and_structured_output_equal_one_process():
+    """FP8 latents are written by every rank from the same (all-reduced) hidden states; structured
+    outputs are decided on rank 0 from the all-gathered logits (the bundled model: it has a tokenizer)."""
+    from sparsekv.sampling_params import SamplingParams as Params
+    prompts = _prompts(4096)
+    choice = Params(max_tokens=8, temperature=0.0, structured_output={"type": "choice", "choices": ["yes", "no"]})
+    results = []
+    for options in ({}, dict(tensor_parallel_size=2)):
+        llm = LLM(default_model_path(), **BASE, kv_cache_dtype="fp8", **options)
+        try:
+            results.append((llm.generate(prompts, PARAMS), llm.generate(["Answer:"], choice)[0].text, llm))
+        finally:
+            llm.close()
+    (want, want_choice, single), (got, got_choice, _) = results
+    assert_same_greedy(want, got, logprob_tolerance(single))
+    assert got_choice == want_choice and got_choice in ("yes", "no")
