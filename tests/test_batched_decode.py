@@ -37,7 +37,15 @@ def record_selections(monkeypatch) -> list:
 
 
 def generate(path, batched: bool, monkeypatch, **options):
-    trace = record_selections(monkeypatch)
+    """(outputs, trace, llm). The trace: each full layer's selections, and each step's chunks as
+    (request, token ids): with speculative decoding those hold the drafts being verified."""
+    from sparsekv.runner import ModelRunner
+    trace, real = record_selections(monkeypatch), ModelRunner.build_context
+
+    def build_context(self, chunks):
+        trace.append(("step", [(ch.request_id, list(ch.token_ids)) for ch in chunks]))
+        return real(self, chunks)
+    monkeypatch.setattr(ModelRunner, "build_context", build_context)
     llm = LLM(path, batch_dense_decodes=batched, **MIXED, **options)
     outs = llm.generate(prompts(), GREEDY)
     llm.engine.check_integrity()
@@ -63,7 +71,11 @@ def test_batched_selection_equals_per_request(family, glm_ckpt, ds_ckpt, monkeyp
     assert max(groups) >= 4  # the shortest finishes before the longest is prefilled
     assert len(got_trace) == len(want_trace)
     for (layer_a, a), (layer_b, b) in zip(want_trace, got_trace):
-        assert layer_a == layer_b and a.keys() == b.keys()
+        assert layer_a == layer_b
+        if layer_a == "step":  # the same chunks scheduled
+            assert a == b
+            continue
+        assert a.keys() == b.keys()
         for rid in a:
             assert torch.equal(a[rid], b[rid]), (layer_a, rid)
     assert_same_greedy(want, got, logprob_tolerance(llm))
@@ -121,3 +133,43 @@ def test_decode_step_ops_do_not_grow_with_the_batch(family, options, glm_ckpt, d
     one, many = decode_ops(path, 1, **options).total, decode_ops(path, 32, **options).total
     assert many <= WHOLE_STEP_RATIO[family] * one, (one, many)
     assert decode_ops(path, 8, batched=False, **options).total > 2 * one  # the counter sees a per-request loop
+
+
+def with_mtp_layer(src: str, dst: str) -> str:
+    """A copy of a tiny checkpoint with a NextN layer: a copy of layer 1 with layer 0's indexer."""
+    import os
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    hidden = tensors["model.norm.weight"].shape[0]
+    n = 1 + max(int(name.split(".")[2]) for name in tensors if name.startswith("model.layers."))
+    for name, t in list(tensors.items()):
+        if name.startswith("model.layers.1.") and ".indexer." not in name:
+            tensors[name.replace("layers.1.", f"layers.{n}.")] = t.clone()
+        if name.startswith("model.layers.0.self_attn.indexer."):
+            tensors[name.replace("layers.0.", f"layers.{n}.")] = t.clone()
+    g, p = torch.Generator().manual_seed(3), f"model.layers.{n}."
+    tensors.update({p + "enorm.weight": torch.ones(hidden), p + "hnorm.weight": torch.ones(hidden),
+                    p + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.1,
+                    p + "shared_head.norm.weight": torch.ones(hidden)})
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("selector", ["dsa", "quest"])
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True)], ids=["untiered", "tiered"])
+@pytest.mark.parametrize("family", ["glm", "ds"])
+def test_batched_step_equals_per_request_with_chunks_and_drafts(family, options, selector, glm_ckpt, ds_ckpt,
+                                                                tmp_path, monkeypatch):
+    """Steps mixing prefill chunks, decodes and MTP verification rows (2 drafts), with draft steps:
+    the same greedy tokens as one request at a time, logprobs within the bound of regrouped rows."""
+    src = (glm_ckpt if family == "glm" else ds_ckpt)[0]
+    path = with_mtp_layer(src, str(tmp_path / family))
+    options = dict(options, selector=selector, num_speculative_tokens=2)
+    want, want_trace, _ = generate(path, False, monkeypatch, **options)
+    got, got_trace, llm = generate(path, True, monkeypatch, **options)
+    steps = [t for t in want_trace if t[0] == "step"]
+    assert steps == [t for t in got_trace if t[0] == "step"]  # the same drafts verified at every step
+    assert llm.engine.speculator.stats()["spec_decode_num_draft_tokens"] > 0
+    assert_same_greedy(want, got, logprob_tolerance(llm))
