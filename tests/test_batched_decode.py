@@ -173,3 +173,23 @@ def test_batched_step_equals_per_request_with_chunks_and_drafts(family, options,
     assert steps == [t for t in got_trace if t[0] == "step"]  # the same drafts verified at every step
     assert llm.engine.speculator.stats()["spec_decode_num_draft_tokens"] > 0
     assert_same_greedy(want, got, logprob_tolerance(llm))
+
+
+def test_bench_batch_counts_ops_per_step(tmp_path):
+    """`sparsekv bench batch` prints ops per step for both paths; its sparse-regime runs (past top-k,
+    untiered and tiered) count batch 1 and batch 4, with the same greedy tokens on both paths, and
+    only one request at a time grows with the batch."""
+    import json
+    from sparsekv.tools.bench import main
+    out = tmp_path / "batch.json"
+    assert main(["batch", "--batch", "2", "--prompt-tokens", "20", "--steps", "2", "--repeats", "1",
+                 "--sparse-prompt-tokens", "300", "--sparse-batch", "4", "--sparse-steps", "1",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert all(s["ops_per_step"] > 0 for s in result["summary"].values())
+    sparse = result["sparse"]
+    assert sparse["identical_tokens"] and sum(sparse["ops_by_kind_batch_1"].values()) == \
+        sparse["paths"]["untiered/batched"]["ops_1"]
+    for cache in ("untiered", "tiered"):
+        batched, alone = sparse["paths"][f"{cache}/batched"], sparse["paths"][f"{cache}/one request at a time"]
+        assert batched["ops_ratio"] < 1.25 < 1.5 < alone["ops_ratio"], (cache, batched, alone)

@@ -1,12 +1,17 @@
-"""`sparsekv bench batch`: continuous-batching decode of many short requests, the case most chat
-traffic is in: contexts below top-k, where DSA attends to every entry (the dense regime).
+"""`sparsekv bench batch`: continuous-batching decode of many requests, batched against one request
+at a time (`batch_dense_decodes=False`, the baseline), both in the same run.
 
-`--batch` requests of `--prompt-tokens` random tokens each are prefilled, then `--steps` decode
-steps of the whole batch are timed, twice per run and interleaved: with the dense-regime decodes
-batched (`batch_dense_decodes`, the default) and one request at a time (the path before
-it, the baseline). Printed: ms per step, tokens/s, the speed-up, achieved bandwidth (weights plus
-every request's latents and indexer keys read per step, over the step time) against the machine's,
-and whether the two paths produced the same greedy tokens and logprobs.
+Dense regime (contexts below top-k, where DSA attends to every entry: most chat traffic): `--batch`
+requests of `--prompt-tokens` random tokens each are prefilled, then `--steps` decode steps of the
+whole batch are timed, twice per run and interleaved. Printed: ms per step, tokens/s, torch ops
+dispatched per step (tools/op_count.py), the speed-up, achieved bandwidth (weights plus every
+request's latents and indexer keys read per step, over the step time) against the machine's, and
+whether the two paths produced the same greedy tokens and logprobs.
+
+Sparse regime (`--sparse-prompt-tokens`, past top-k: selection, gather, tiers): torch ops per decode
+step at batch 1 and `--sparse-batch`, untiered and tiered, for both paths, their ratio (what a per
+request loop makes grow with the batch), ms per step and aggregate tokens/s; and the ops of one
+batch-1 step by op kind.
 """
 from __future__ import annotations
 
@@ -25,36 +30,47 @@ def decode_run(engine, args, batched: bool, run: int) -> dict:
     """Prefill the batch, time `--steps` decode steps, finish; ms/step and the outputs."""
     import torch
     from sparsekv import SamplingParams
+    from .op_count import decode_step_ops
     g = torch.Generator().manual_seed(run)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=args.steps + 2, temperature=0.0, ignore_eos=True, logprobs=1)
     ids = [f"{run}-{batched}-{i}" for i in range(args.batch)]
     for rid in ids:
         engine.add_request(rid, torch.randint(1, vocab, (args.prompt_tokens,), generator=g).tolist(), params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill (and the first token)
     assert len(engine.scheduler.running) == args.batch, "the whole batch decodes together"
+    ops = decode_step_ops(engine).total  # one step counted, outside the timed ones
     outs, t0 = {}, time.perf_counter()
     for _ in range(args.steps):
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     ms = 1000 * (time.perf_counter() - t0) / args.steps
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
-    return {"ms_per_step": ms, "tokens": [outs[r].token_ids for r in ids], "logprobs": [outs[r].logprobs for r in ids]}
+    return {"ms_per_step": ms, "ops_per_step": ops, "tokens": [outs[r].token_ids for r in ids],
+            "logprobs": [outs[r].logprobs for r in ids]}
+
+
+SPARSE_PATHS = {"one request at a time": False, "batched": True}
+CACHES = {"untiered": {}, "tiered": {"kv_tiering": True}}
+
+
+def _engine(args, batch: int, max_len: int, batched: bool, **options):
+    from sparsekv import LLM
+    from sparsekv.paths import default_model_path
+    return LLM(args.model or default_model_path(), device=args.device, max_model_len=max_len, max_num_seqs=batch,
+               max_num_batched_tokens=max(4096, max_len), enable_prefix_caching=False,
+               num_kv_pages=batch * -(-max_len // 64),  # the whole batch
+               batch_dense_decodes=batched, **options).engine
 
 
 def run(args) -> dict:
     import torch
-    from sparsekv import LLM
-    from sparsekv.paths import default_model_path
     from .bench_tiers import device_bandwidth_gbps
     from .bench_worker import decode_bytes_per_step
     torch.set_num_threads(args.threads)
     max_len = args.prompt_tokens + args.steps + 8
-    engines = {name: LLM(args.model or default_model_path(), device=args.device, max_model_len=max_len,
-                         max_num_seqs=args.batch, max_num_batched_tokens=max(4096, args.prompt_tokens),
-                         enable_prefix_caching=False, num_kv_pages=args.batch * -(-max_len // 64),  # the whole batch
-                         batch_dense_decodes=batched).engine for name, batched in MODES.items()}
+    engines = {name: _engine(args, args.batch, max_len, batched) for name, batched in MODES.items()}
     engine = engines["batched"]
     topk = engine.model_config.index_topk
     if args.prompt_tokens + args.steps > topk:
@@ -66,7 +82,41 @@ def run(args) -> dict:
     context = args.prompt_tokens + args.steps // 2
     return {"runs": runs, "batch": args.batch, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
             "step_bytes": decode_bytes_per_step(engine, context, args.batch),
-            "machine_gbps": device_bandwidth_gbps(args)}
+            "machine_gbps": device_bandwidth_gbps(args), "sparse": sparse_runs(args) if args.sparse_prompt_tokens else None}
+
+
+def sparse_decode(engine, args, batch: int) -> dict:
+    """`batch` requests of --sparse-prompt-tokens random tokens decoding: one step's ops (by kind), then
+    --sparse-steps timed steps; the greedy tokens."""
+    import torch
+    from sparsekv import SamplingParams
+    from .op_count import decode_step_ops, fill_decoding
+    g = torch.Generator().manual_seed(batch)
+    vocab = engine.model_config.vocab_size
+    prompts = [torch.randint(1, vocab, (args.sparse_prompt_tokens,), generator=g).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=args.sparse_steps + 4, temperature=0.0, ignore_eos=True)  # ends after the timed steps
+    ids = fill_decoding(engine, prompts, params)
+    engine.step()  # the first decode step also promotes the prefill's last token into the working set
+    ops = decode_step_ops(engine)
+    t0 = time.perf_counter()
+    for _ in range(args.sparse_steps):
+        engine.step()
+    ms = 1000 * (time.perf_counter() - t0) / args.sparse_steps
+    tokens = {}
+    while engine.has_unfinished_requests():
+        tokens.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return {"ops": ops.total, "by_kind": dict(ops.by_kind), "ms_per_step": ms, "tokens": [tokens[r] for r in ids]}
+
+
+def sparse_runs(args) -> dict:
+    """Every (cache, path) at batch 1 and --sparse-batch, one engine each."""
+    max_len = args.sparse_prompt_tokens + args.sparse_steps + 8
+    out = {}
+    for cache, options in CACHES.items():
+        for name, batched in SPARSE_PATHS.items():
+            engine = _engine(args, args.sparse_batch, max_len, batched, **options)
+            out[f"{cache}/{name}"] = {b: sparse_decode(engine, args, b) for b in (1, args.sparse_batch)}
+    return out
 
 
 def _logprob_gap(a: list, b: list) -> float:
@@ -78,33 +128,66 @@ def report(result: dict) -> dict:
     for name, rs in runs.items():
         ms = statistics.median(r["ms_per_step"] for r in rs)
         summary[name] = {"ms_per_step": ms, "tokens_per_s": 1000 * result["batch"] / ms,
-                         "gbps": result["step_bytes"] / ms / 1e6}
+                         "gbps": result["step_bytes"] / ms / 1e6, "ops_per_step": rs[0]["ops_per_step"]}
     base, new = runs["one request at a time"], runs["batched"]
     same_tokens = all(a["tokens"] == b["tokens"] for a, b in zip(base, new))
     gap = max(_logprob_gap(a["logprobs"], b["logprobs"]) for a, b in zip(base, new))
     table = Table(title=f"decode of {result['batch']} requests of {result['prompt_tokens']} prompt tokens "
                         f"(below top-k: every entry is read), {result['steps']} steps, medians of {len(base)} runs")
-    for col in ("dense-regime decodes", "ms / step", "tokens / s", "achieved bandwidth", "speed-up"):
+    for col in ("dense-regime decodes", "ms / step", "tokens / s", "ops / step", "achieved bandwidth", "speed-up"):
         table.add_column(col)
     ref = summary["one request at a time"]["ms_per_step"]
     for name, s in summary.items():
-        table.add_row(name, f"{s['ms_per_step']:.2f}", f"{s['tokens_per_s']:.0f}",
+        table.add_row(name, f"{s['ms_per_step']:.2f}", f"{s['tokens_per_s']:.0f}", f"{s['ops_per_step']:,}",
                       f"{s['gbps']:.2f} GB/s ({100 * s['gbps'] / result['machine_gbps']:.0f}%)",
                       f"{ref / s['ms_per_step']:.2f}x")
     console = report_console()
     console.print(table)
     console.print(f"greedy tokens identical: {same_tokens}; largest logprob difference: {gap:.2e}")
-    return {"summary": summary, "batch": result["batch"], "prompt_tokens": result["prompt_tokens"],
-            "steps": result["steps"], "identical_tokens": same_tokens, "max_logprob_diff": gap}
+    out = {"summary": summary, "batch": result["batch"], "prompt_tokens": result["prompt_tokens"],
+           "steps": result["steps"], "identical_tokens": same_tokens, "max_logprob_diff": gap}
+    if result["sparse"]:
+        out["sparse"] = report_sparse(result["sparse"], console)
+    return out
+
+
+def report_sparse(sparse: dict, console) -> dict:
+    b = max(next(iter(sparse.values())))
+    table = Table(title=f"sparse-regime decode step (past top-k): torch ops and time, batch 1 and {b}")
+    for col in ("cache / decode path", "ops / step, batch 1", f"ops / step, batch {b}", f"ops ratio {b} / 1",
+                "ms / step, batch 1", f"ms / step, batch {b}", "aggregate tokens/s ratio"):
+        table.add_column(col)
+    summary = {}
+    for name, r in sparse.items():
+        one, many = r[1], r[b]
+        summary[name] = {"ops_1": one["ops"], f"ops_{b}": many["ops"], "ops_ratio": many["ops"] / one["ops"],
+                         "ms_1": one["ms_per_step"], f"ms_{b}": many["ms_per_step"],
+                         "throughput_ratio": b * one["ms_per_step"] / many["ms_per_step"]}
+        s = summary[name]
+        table.add_row(name, f"{one['ops']:,}", f"{many['ops']:,}", f"{s['ops_ratio']:.2f}", f"{s['ms_1']:.2f}",
+                      f"{s[f'ms_{b}']:.2f}", f"{s['throughput_ratio']:.2f}x")
+    console.print(table)
+    same = all(sparse[f"{c}/batched"][n]["tokens"] == sparse[f"{c}/one request at a time"][n]["tokens"]
+               for c in CACHES for n in (1, b))
+    console.print(f"greedy tokens identical (batched / one request at a time): {same}")
+    kinds = sorted(sparse["untiered/batched"][1]["by_kind"].items(), key=lambda kv: -kv[1])
+    console.print("ops of one batch-1 decode step by kind (untiered, batched): "
+                  + ", ".join(f"{k} {n}" for k, n in kinds))
+    return {"paths": summary, "identical_tokens": same, "ops_by_kind_batch_1": dict(kinds)}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sparsekv bench batch", description=__doc__)
+    p = argparse.ArgumentParser(prog="sparsekv bench batch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
     p.add_argument("--batch", type=int, default=32, help="concurrent requests")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sparse-prompt-tokens", type=int, default=0,
+                   help="prompt tokens of the sparse-regime runs, past top-k (e.g. 1024); 0 (default) skips them")
+    p.add_argument("--sparse-batch", type=int, default=32, help="concurrent requests of the sparse-regime runs")
+    p.add_argument("--sparse-steps", type=int, default=8, help="decode steps timed in the sparse-regime runs")
     p.add_argument("--device", default="cpu", help="cpu or cuda (on an accelerator the saving is in launches)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
@@ -112,4 +195,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_bench(build_parser(), argv, ("batch", "prompt_tokens", "steps", "repeats"), run, report)
+    return run_bench(build_parser(), argv, ("batch", "prompt_tokens", "steps", "repeats", "sparse_batch", "sparse_steps"),
+                     run, report)
