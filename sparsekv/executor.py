@@ -58,7 +58,8 @@ class Executor(ABC):
 
     @abstractmethod
     def rank_stats(self) -> list[dict]:
-        """Per rank, in rank order: weight bytes, peak resident memory, bytes sent by each collective."""
+        """Per rank, in rank order: weight bytes, KV pool bytes (latents and indexer keys, every slot),
+        peak resident memory, bytes sent by each collective."""
 
     def add_observer(self, observer: Callable[[SchedulerOutput, ModelOutput], None]) -> None:
         """Call `observer(step, output)` after every step (benchmarks and tools record through this)."""
@@ -101,6 +102,7 @@ class InProcessExecutor(Executor):
         comm = self.model.comm
         return {"rank": dist.get_rank() if dist.is_initialized() else 0, "weight_bytes": self.model.weight_bytes,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "kv_pool_bytes": sum(t.numel() * t.element_size() for t, _ in self.pool.slot_tensors()),
                 "bytes_sent": dict(getattr(comm, "bytes_sent", {}))}
 
     def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:

@@ -200,6 +200,11 @@ def test_each_rank_reports_its_weights_memory_and_collective_bytes(glm_ckpt):
         assert r["peak_rss_bytes"] > r["weight_bytes"] > 0
     planned = weight_bytes_per_rank(cfg, Parallelism(tp=2, dp=1, ep=False), "fp32")
     assert [r["weight_bytes"] for r in ranks] == [planned.total] * 2
+    # the KV cache is whole on every tensor rank: what sizing (and so the planner) counts per token
+    from sparsekv.cache.sizing import index_bytes_per_token, latent_bytes_per_token
+    per_token = latent_bytes_per_token(cfg, cfg.latent_dim * fp32) + index_bytes_per_token(cfg, "fp32")
+    slots = llm.engine.kv.allocator.num_pages * llm.engine.kv.page_size
+    assert [r["kv_pool_bytes"] for r in ranks] == [slots * per_token] * 2
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
@@ -342,3 +347,37 @@ def test_tensor_parallel_fp8_cache_and_structured_output_equal_one_process():
     (want, want_choice, single), (got, got_choice, _) = results
     assert_same_greedy(want, got, logprob_tolerance(single))
     assert got_choice == want_choice and got_choice in ("yes", "no")
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
+def test_each_rank_loads_exactly_its_slice_of_an_fp8_checkpoint(glm_ckpt, tmp_path, expert_parallel):
+    """Every tensor a rank loads equals its slice of the whole dequantized tensor, bit for bit: FP8 block
+    scales follow their blocks wherever a slice starts (here inside a 128-row block, and at 128)."""
+    from test_engine import QUANTIZED, _quantize
+
+    from sparsekv.config import ModelConfig
+    from sparsekv.model.checkpoint import load_tensors
+    from sparsekv.parallel.layout import ParallelLayout
+    path = tmp_path / "fp8"
+    shutil.copytree(glm_ckpt[0], path)
+    tensors = load_file(path / "model.safetensors")
+    for name in list(tensors):
+        if any(f"{q}.weight" in name for q in QUANTIZED) or name in ("model.embed_tokens.weight", "lm_head.weight"):
+            tensors[name], tensors[name + "_scale_inv"] = _quantize(tensors[name])
+    save_file(tensors, path / "model.safetensors")
+    cfg = ModelConfig.from_json(str(path))
+    whole = load_tensors(str(path), cfg, torch.float32, torch.device("cpu"))
+    assert any(n.endswith("q_b_proj.weight") for n in whole) and "lm_head.weight" in whole
+    split = 0
+    for rank in (0, 1):
+        layout = ParallelLayout(2, 1, expert_parallel, rank)
+        mine = load_tensors(str(path), cfg, torch.float32, torch.device("cpu"), layout=layout)
+        for name, t in whole.items():
+            if not layout.holds(name, cfg):
+                assert name not in mine
+                continue
+            shard = layout.shard(name, tuple(t.shape))
+            want = t if shard is None else (t[shard[1]:shard[2]] if shard[0] == 0 else t[:, shard[1]:shard[2]])
+            split += shard is not None
+            assert torch.equal(mine[name], want), f"rank {rank}: {name}"
+    assert split > 0

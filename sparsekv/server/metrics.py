@@ -217,6 +217,8 @@ class EngineStatsCollector:
     def _ranks(self, ranks: list[dict]):
         """Each rank's weights and peak memory (a parallel engine's ranks hold different slices)."""
         for key, doc in (("weight_bytes", "Model weight bytes held by the rank."),
+                         ("kv_pool_bytes", "KV pool bytes of the rank (latents and indexer keys of every slot; "
+                                           "with tiering the host store's latents)."),
                          ("peak_rss_bytes", "Peak resident memory of the rank's process.")):
             fam = GaugeMetricFamily(P + "rank_" + key, doc, labels=["model_name", "rank"])
             for figures in ranks:
