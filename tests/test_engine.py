@@ -426,3 +426,15 @@ def test_optimistic_admission_preempts_and_recomputes_exactly(glm_ckpt, random_p
     _idle(llm)
     with pytest.raises(ConfigError, match="kv_admission"):
         LLM(path, kv_admission="lazy")
+
+
+def test_default_cache_holds_max_num_seqs_requests_of_max_model_len_each():
+    """Whole pages per request: 2 requests of 80 positions at 64 per page need 2 pages each (4), not
+    the 3 pages that 160 tokens round up to."""
+    llm = LLM(max_model_len=80, max_num_seqs=2, kv_page_size=64)
+    assert llm.engine.kv.allocator.num_pages == 4
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm.engine.add_request("a", list(range(1, 65)), params)
+    llm.engine.add_request("b", list(range(2, 66)), params)
+    llm.engine.step()
+    assert len(llm.engine.scheduler.running) == 2

@@ -65,8 +65,9 @@ class CacheManager:
             from .sizing import format_of, untiered_pages
             return untiered_pages(config, self.model.cfg, format_of(self.dtype.itemsize),
                                   self._latent_format().row_bytes)
-        tokens = min(self.max_model_len * config.max_num_seqs, max(DEFAULT_KV_CACHE_TOKENS, self.max_model_len))
-        return -(-tokens // self.page_size)
+        # max_num_seqs requests of max_model_len each (whole pages each), up to the default budget
+        per_request = -(-self.max_model_len // self.page_size)
+        return min(per_request * config.max_num_seqs, -(-max(DEFAULT_KV_CACHE_TOKENS, self.max_model_len) // self.page_size))
 
     def _build_prefix_cache(self):
         from .prefix import PrefixCache
@@ -143,9 +144,6 @@ class CacheManager:
                                  f"(tenant_kv_share {self.config.tenant_kv_share})", "max_tokens")
 
     # -- the step ------------------------------------------------------------------------------
-    def begin_step(self, chunks) -> None:
-        self.pool.begin_step(chunks)
-
     def register(self, req: Request) -> None:
         """Name the request's newly full, computed pages for the prefix cache."""
         if self.prefix is not None:
