@@ -15,7 +15,6 @@ import time
 import torch
 
 from sparsekv import LLM, SamplingParams
-from sparsekv.cache.prefix import PrefixCache
 from sparsekv.paths import default_model_path
 
 PREFIX_TOKENS = 8192
@@ -54,13 +53,11 @@ def main() -> None:
         prefix = torch.randint(1, vocab, (PREFIX_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
         filler.generate([prefix + [1]], SamplingParams(max_tokens=1))
         page_kib = filler.engine.kv.prefix.tiers["disk"].page_bytes / 1024
-    read_ahead, results = PrefixCache.read_ahead, {"sync": [], "ahead": []}
+    results = {"sync": [], "ahead": []}
     for mode in ["sync", "ahead"] * 3:
-        PrefixCache.read_ahead = read_ahead if mode == "ahead" else (lambda self, req, names: True)
-        gap, cached = largest_gap(path, opts, prefix)
+        gap, cached = largest_gap(path, {**opts, "prefix_cache_disk_read_ahead": mode == "ahead"}, prefix)
         results[mode].append(gap)
         print(f"{mode}: largest gap {1000 * gap:.1f} ms; disk hit {cached} tokens", flush=True)
-    PrefixCache.read_ahead = read_ahead
     print(f"pages of {page_kib:.0f} KiB; median largest gap: sync {1000 * statistics.median(results['sync']):.1f} ms, "
           f"ahead {1000 * statistics.median(results['ahead']):.1f} ms")
 

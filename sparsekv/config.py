@@ -248,6 +248,9 @@ class EngineConfig:
     # A step's decodes run as one batch: selection, gather and attention (model/decode_plan.py); False:
     # one request at a time (the baseline `sparsekv bench batch` measures against).
     batch_dense_decodes: bool = True
+    # Disk-tier prefix pages are read ahead of admission while the engine steps on (False: read at
+    # admission, stalling the step; the baseline scripts/prefix_read_ahead.py measures against).
+    prefix_cache_disk_read_ahead: bool = True
     seed: int = 0
     tokenizer: str | None = None
     # The Hub revision (branch, tag or commit) of a `model` given as a repo id (hub.py); ignored for a directory.

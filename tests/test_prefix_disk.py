@@ -749,3 +749,21 @@ def test_a_tenant_share_bounds_every_tier_and_keeps_the_quiet_tenants_prefix(ckp
     for share in (0, 1.5):
         with pytest.raises(ConfigError, match="prefix_cache_tenant_share"):
             make(ckpt, enable_prefix_caching=True, prefix_cache_tenant_share=share)
+
+
+def test_without_read_ahead_the_admitting_step_reads_the_disk_pages(ckpt, tmp_path):
+    """prefix_cache_disk_read_ahead=False: the request is admitted in its first step and its disk pages
+    are read there (no step of waiting); the hit is the same and so is the output."""
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    with disk_engine(ckpt, tmp_path) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+    with disk_engine(ckpt, tmp_path, prefix_cache_disk_read_ahead=False) as llm:
+        engine = llm.engine
+        engine.add_request("sync", PROMPTS[0], GREEDY)
+        engine.step()
+        assert [r.request_id for r in engine.scheduler.running] == ["sync"] and not engine.kv.prefix._reading
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["sync"].metrics["prefix_cached_tokens_disk"] == 64
+    assert_close([want], [outs["sync"]], bitwise=True)

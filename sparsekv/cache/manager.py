@@ -88,7 +88,7 @@ class CacheManager:
         if disk is not None:
             tiers["disk"] = disk
         return PrefixCache(self.allocator, lookahead=lookahead, tiers=tiers, before_copy=self.pool.flush,
-                           ttl_s=config.prefix_cache_ttl_s)
+                           ttl_s=config.prefix_cache_ttl_s, disk_read_ahead=config.prefix_cache_disk_read_ahead)
 
     def _tenant_quota(self, tier_pages: int) -> int | None:
         """A tenant's share of a prefix-cache tier of `tier_pages` pages, in pages (None: no bound)."""

@@ -58,8 +58,9 @@ class PrefixCache:
     `ttl_s`: a page no request has used for that long is forgotten in every tier (`expire`)."""
 
     def __init__(self, allocator: PageAllocator, lookahead: int = 0, tiers: dict | None = None,
-                 before_copy=lambda: None, ttl_s: float | None = None):
+                 before_copy=lambda: None, ttl_s: float | None = None, disk_read_ahead: bool = True):
         self.allocator, self.page_size, self.lookahead = allocator, allocator.page_size, lookahead
+        self.disk_read_ahead = disk_read_ahead
         self.tiers, self.before_copy, self.ttl_s = tiers or {}, before_copy, ttl_s
         self.expired_pages = 0
         self._page_of: dict[bytes, int] = {}
@@ -189,7 +190,7 @@ class PrefixCache:
         """Start reading the disk-tier pages among a hit's `names`; True once they are in memory (the
         request is admitted then; until then it waits and the engine steps on without it)."""
         disk = self.tiers.get("disk")
-        if disk is None:
+        if disk is None or not self.disk_read_ahead:  # without read-ahead the restore reads them, in the step
             return True
         on_disk = [n for n in names if self._tier_of(n) == "disk"]
         if disk.prefetch(on_disk):
