@@ -148,8 +148,10 @@ class KVPool:
         return history_segments(self.index_keys[layer], seq)
 
     def index_keys_batch(self, layer: int, seqs: list[SeqSlice]) -> torch.Tensor:
-        """Indexer keys of several requests' histories, padded: [B, T_max, D_I]."""
-        return self.index_keys[layer][padded_slots(seqs)]
+        """Indexer keys of several requests' histories, padded: [B, T_max, D_I] (index_select on the flat
+        slots: a CPU runs it several times faster than the same [B, T_max] advanced index)."""
+        slots = padded_slots(seqs)
+        return self.index_keys[layer].index_select(0, slots.reshape(-1)).view(*slots.shape, -1)
 
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim]: only k entries are read."""

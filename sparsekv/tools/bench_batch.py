@@ -94,7 +94,9 @@ def sparse_decode(engine, args, batch: int) -> dict:
     g = torch.Generator().manual_seed(batch)
     vocab = engine.model_config.vocab_size
     prompts = [torch.randint(1, vocab, (args.sparse_prompt_tokens,), generator=g).tolist() for _ in range(batch)]
-    params = SamplingParams(max_tokens=args.sparse_steps + 4, temperature=0.0, ignore_eos=True)  # ends after the timed steps
+    # no request ends before the timed steps: the first ones decode while the last ones are prefilled
+    prefill_steps = -(-batch * args.sparse_prompt_tokens // engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=args.sparse_steps + prefill_steps + 4, temperature=0.0, ignore_eos=True)
     ids = fill_decoding(engine, prompts, params)
     engine.step()  # the first decode step also promotes the prefill's last token into the working set
     ops = decode_step_ops(engine)
@@ -110,7 +112,8 @@ def sparse_decode(engine, args, batch: int) -> dict:
 
 def sparse_runs(args) -> dict:
     """Every (cache, path) at batch 1 and --sparse-batch, one engine each."""
-    max_len = args.sparse_prompt_tokens + args.sparse_steps + 8
+    prefill_steps = -(-args.sparse_batch * args.sparse_prompt_tokens // max(4096, args.sparse_prompt_tokens))
+    max_len = args.sparse_prompt_tokens + args.sparse_steps + prefill_steps + 8  # see `sparse_decode`
     out = {}
     for cache, options in CACHES.items():
         for name, batched in SPARSE_PATHS.items():
