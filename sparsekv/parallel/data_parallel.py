@@ -19,7 +19,7 @@ from ..engine import LLMEngine
 from ..hub import resolve_config
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
 from .executor import RankFailure, serve_rank
-from .launch import RankGroup, control_group, exchange_status, join_group, layout_of
+from .launch import RankGroup, control_group, exchange_status, join_group, layout_of, leave
 from .router import PrefixAffinityRouter
 
 logger = logging.getLogger(__name__)
@@ -230,9 +230,8 @@ def serve_lane(config: EngineConfig, rank: int, init_method: str) -> None:
         command, args = message[0]
         if command == "close":
             engine.close()
-            break
+            leave(control)
         dist.gather_object(commands[command](*args), None, dst=0, group=control_group())
-    dist.destroy_process_group()
 
 
 def host_node(config: EngineConfig) -> int:

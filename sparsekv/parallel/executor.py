@@ -11,6 +11,7 @@ The logits come back to rank 0 from the lm_head's all-gather; workers return not
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 
 import torch
@@ -20,7 +21,7 @@ from ..config import ConfigError, EngineConfig, ModelConfig
 from ..executor import Executor, InProcessExecutor, ModelOutput
 from ..scheduler import SchedulerOutput
 from ..speculative import MTPPlan
-from .launch import RankGroup, control_group, exchange_status, join_group, layout_of
+from .launch import RankGroup, control_group, exchange_status, join_group, layout_of, leave
 
 logger = logging.getLogger(__name__)
 
@@ -174,15 +175,10 @@ def worker_config(config: EngineConfig, rank: int) -> EngineConfig:
     shared; the pages' rows are the same on every rank) and its own host store file."""
     path = config.host_store_path
     if path is not None:
-        path = path if _is_dir(path) else f"{path}.rank{rank}"
+        path = path if os.path.isdir(path) else f"{path}.rank{rank}"
     return replace(config, enable_prefix_caching=False, prefix_cache_host_bytes=None, prefix_cache_disk_path=None,
                    prefix_cache_disk_bytes=None, prefix_cache_disk_key_file=None, prefix_cache_disk_old_key_files=None,
                    prefix_cache_disk_unencrypted=False, host_store_path=path)
-
-
-def _is_dir(path: str) -> bool:
-    import os
-    return os.path.isdir(path)
 
 
 def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
@@ -205,9 +201,8 @@ def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
         dist.broadcast_object_list(message, src=0, group=control)
         method, args = message[0]
         if method == "close":
-            break
+            leave(control)
         getattr(worker, method)(*args)
-    dist.destroy_process_group()
 
 
 def _build_worker(config: EngineConfig, rank: int, control) -> RankWorker:
@@ -241,7 +236,7 @@ def start_executor(config: EngineConfig, dtype: torch.dtype, device: torch.devic
                           "(LLM(...) and `sparsekv serve` build it: llm.build_engine)")
     if config.node_rank > 0:
         raise ConfigError(f"node_rank {config.node_rank} only hosts ranks for node 0's engine: run "
-                          f"`sparsekv serve --node-rank {config.node_rank} ...` there (parallel.executor.host_node)")
+                          f"`sparsekv serve --node-rank {config.node_rank} ...` there (parallel.data_parallel.host_node)")
     layout = layout_of(config)
     if layout.world_size > 1:  # a layout the model cannot take fails here, before any process starts
         layout.check_model(ModelConfig.from_json(config.model, config.hf_overrides))
@@ -314,7 +309,6 @@ class LaneExecutor(InProcessExecutor):
 
 def lane_config(config: EngineConfig, lane: int) -> EngineConfig:
     """A data-parallel rank's own files: its host store file and its prefix cache's disk directory."""
-    import os
     host, disk = config.host_store_path, config.prefix_cache_disk_path
     if host is not None and not os.path.isdir(host):
         host = f"{host}.dp{lane}"
@@ -327,6 +321,9 @@ def _start_lane(config: EngineConfig, dtype: torch.dtype, device: torch.device, 
     from ..model.checkpoint import load_model
     from .comm import ExpertParallelDP
     layout = layout_of(config, lane)
+    if device.type == "cuda":  # one GPU per rank
+        device = torch.device("cuda", lane % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     comm = ExpertParallelDP(dist.group.WORLD, layout.world_size, lane) if config.enable_expert_parallel else None
     model = load_model(config.model, dtype, device, config.hf_overrides, config.selector, config.quest_page_tokens,
                        layout=layout, comm=comm)

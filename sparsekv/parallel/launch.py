@@ -90,6 +90,7 @@ class RankGroup:
         if notify:
             try:
                 dist.broadcast_object_list([("close", ())], src=0, group=self.control)
+                dist.barrier(group=self.control)  # every rank has closed its engine
             except RuntimeError as e:  # a rank already gone: it cannot be told
                 logger.warning("telling the workers to stop failed: %s", e)
         _stop(self.processes, timeout_s=10.0 if notify else 0.0)
@@ -146,3 +147,15 @@ def _stop(processes, timeout_s: float = 10.0) -> None:
             if p.is_alive():
                 end()
                 p.join(2.0)
+
+
+def leave(control) -> None:
+    """A worker's end once told to close: meet every rank at a barrier (all have closed their
+    engines), then exit at once. Tearing the group down instead would race rank 0's, whose store the
+    others' connections use, and abort in C++ at interpreter exit."""
+    import os
+    import sys
+    dist.barrier(group=control)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
