@@ -119,8 +119,8 @@ def attention_ops(path, batch: int, monkeypatch, **options) -> int:
 
 # Batch 32 / batch 1, whole decode step. What still grows: the runner's three ops per request (its
 # position range and two slot slices) and the MoE layers' per-expert loop until every expert is
-# touched; the DeepSeek model has twice the experts.
-WHOLE_STEP_RATIO = {"glm": 1.25, "ds": 1.35}
+# touched; the DeepSeek model has twice the experts and an indexer in every layer.
+WHOLE_STEP_RATIO = {"glm": 1.25, "ds": 1.40}
 
 
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True)], ids=["untiered", "tiered"])
