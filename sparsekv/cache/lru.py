@@ -57,14 +57,36 @@ class WorkingSetLRU:
     id first, then residents least recently used first. One access costs a handful of numpy calls,
     whatever k (top-k is 2048 on GLM-5)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, table: LRUTable | None = None, row: int = 0):
         if capacity < 1:
             raise ValueError(f"working-set capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._position = np.full(capacity, -1, dtype=np.int64)        # slot -> position, -1 free
-        self._stamp = np.arange(capacity, dtype=np.int64) - capacity  # recency; free slots < 0
-        self._slot_of = np.full(1024, -1, dtype=np.int64)              # position -> slot, -1 not resident
-        self._clock = 0
+        # its state is row `row` of `table` (one of many working sets resolved together), or its own
+        self.table, self.row = (LRUTable(1, capacity) if table is None else table), row
+
+    @property
+    def _position(self) -> np.ndarray:  # slot -> position, -1 free
+        return self.table.position[self.row]
+
+    @property
+    def _stamp(self) -> np.ndarray:     # recency; free slots < 0
+        return self.table.stamp[self.row]
+
+    @property
+    def _slot_of(self) -> np.ndarray:   # position -> slot, -1 not resident
+        return self.table.slot_of[self.row]
+
+    @_slot_of.setter
+    def _slot_of(self, table: np.ndarray) -> None:
+        self.table.slot_of[self.row] = table
+
+    @property
+    def _clock(self) -> int:
+        return int(self.table.clock[self.row])
+
+    @_clock.setter
+    def _clock(self, value: int) -> None:
+        self.table.clock[self.row] = value
 
     def __len__(self) -> int:
         return int((self._position >= 0).sum())
@@ -160,6 +182,96 @@ class WorkingSetLRU:
         resident = np.flatnonzero(self._position >= 0)
         assert (self._slot_of[self._position[resident]] == resident).all(), "position table disagrees with slots"
         assert (self._slot_of >= 0).sum() == resident.size, "position table holds an evicted position"
+
+
+class LRUTable:
+    """The state of many working sets' LRUs, one row each ([rows, capacity] slot positions and
+    recency stamps, a clock per row), so that one step's accesses to all of them resolve in one
+    batched pass (`resolve`), exactly as each row's `WorkingSetLRU.resolve` would, in a fixed number of
+    array operations plus three small lookups per row (each row's position table keeps its own size)."""
+
+    def __init__(self, rows: int, capacity: int):
+        self.capacity = capacity
+        self.position = np.full((rows, capacity), -1, dtype=np.int64)
+        self.stamp = np.empty((rows, capacity), dtype=np.int64)
+        self.clock = np.zeros(rows, dtype=np.int64)
+        self.slot_of: list[np.ndarray] = [_EMPTY_TABLE] * rows
+        for row in range(rows):
+            self.reset(row)
+
+    def reset(self, row: int) -> None:
+        """Row `row` empty, as a new WorkingSetLRU."""
+        self.position[row] = -1
+        self.stamp[row] = np.arange(self.capacity, dtype=np.int64) - self.capacity
+        self.clock[row] = 0
+        self.slot_of[row] = np.full(1024, -1, dtype=np.int64)
+
+    def lru(self, row: int) -> WorkingSetLRU:
+        return WorkingSetLRU(self.capacity, self, row)
+
+    def resolve(self, rows: list[int], positions: list[np.ndarray]) -> list[Resolution]:
+        """`WorkingSetLRU.resolve(positions[i])` of each row rows[i] (distinct rows; each access distinct
+        positions, ascending), all at once: the same Resolutions and the same state afterwards."""
+        if len(set(rows)) != len(rows):
+            raise ValueError("a working set accessed twice in one batch")
+        sizes = np.array([p.size for p in positions], dtype=np.int64)
+        if not rows or not sizes.any():
+            return [self.lru(r).resolve(p) for r, p in zip(rows, positions)]
+        r, n = np.asarray(rows, dtype=np.int64), int(sizes.max())
+        valid = np.arange(n)[None, :] < sizes[:, None]
+        padded = np.full(valid.shape, _NEVER, dtype=np.int64)
+        padded[valid] = np.concatenate(positions)
+        self._check(padded, sizes, valid)
+        slots = np.full((len(rows), n), -1, dtype=np.int64)
+        for i, (row, pos) in enumerate(zip(rows, positions)):
+            if pos.size:
+                self._cover(row, int(pos[-1]) + 1)
+                slots[i, :pos.size] = self.slot_of[row][pos]
+        missing = valid & (slots < 0)
+        stamps = self.stamp[r]                                    # a copy: hit slots are not candidates
+        hit_i, hit_j = np.nonzero(valid & ~missing)
+        stamps[hit_i, slots[hit_i, hit_j]] = _NEVER
+        oldest = np.argsort(stamps, axis=1, kind="stable")        # free slots first, then least recent
+        miss_i, miss_j = np.nonzero(missing)                      # each row's misses, ascending position
+        victims = oldest[miss_i, (np.cumsum(missing, axis=1) - 1)[miss_i, miss_j]]
+        miss_positions = padded[miss_i, miss_j]
+        evicted = self.position[r[miss_i], victims]
+        self.position[r[miss_i], victims] = miss_positions
+        slots[miss_i, miss_j] = victims
+        ends = np.cumsum(missing.sum(axis=1))
+        for i, row in enumerate(rows):
+            part = slice(ends[i - 1] if i else 0, ends[i])
+            was = evicted[part] >= 0
+            self.slot_of[row][evicted[part][was]] = -1
+            self.slot_of[row][miss_positions[part]] = victims[part]
+        at_i, at_j = np.nonzero(valid)
+        self.stamp[r[at_i], slots[at_i, at_j]] = self.clock[r][at_i] + at_j   # ascending position order
+        self.clock[r] += sizes
+        out = []
+        for i in range(len(rows)):
+            part = slice(ends[i - 1] if i else 0, ends[i])
+            was = evicted[part] >= 0
+            out.append(Resolution(slots[i, :sizes[i]].copy(), int(sizes[i] - (part.stop - part.start)),
+                                  miss_positions[part], victims[part], evicted[part][was], victims[part][was]))
+        return out
+
+    def _check(self, padded: np.ndarray, sizes: np.ndarray, valid: np.ndarray) -> None:
+        if int(sizes.max()) > self.capacity:
+            raise ValueError(f"{int(sizes.max())} positions accessed at once, working set holds {self.capacity}")
+        if padded.min() < 0:
+            raise ValueError("positions must be >= 0")
+        if not (padded[:, 1:] > padded[:, :-1])[valid[:, 1:]].all():
+            raise ValueError("positions of a batched access must be distinct and ascending")
+
+    def _cover(self, row: int, end: int) -> None:
+        table = self.slot_of[row]
+        if end > table.size:
+            grown = np.full(max(end, 2 * table.size), -1, dtype=np.int64)
+            grown[:table.size] = table
+            self.slot_of[row] = grown
+
+
+_EMPTY_TABLE = np.empty(0, dtype=np.int64)
 
 
 @dataclass
