@@ -231,7 +231,7 @@ class LRUTable:
         stamps = self.stamp[r]                                    # a copy: hit slots are not candidates
         hit_i, hit_j = np.nonzero(valid & ~missing)
         stamps[hit_i, slots[hit_i, hit_j]] = _NEVER
-        oldest = np.argsort(stamps, axis=1, kind="stable")        # free slots first, then least recent
+        oldest = _oldest(stamps, int(missing.sum(axis=1).max()))  # free slots first, then least recent
         miss_i, miss_j = np.nonzero(missing)                      # each row's misses, ascending position
         victims = oldest[miss_i, (np.cumsum(missing, axis=1) - 1)[miss_i, miss_j]]
         miss_positions = padded[miss_i, miss_j]
@@ -272,6 +272,17 @@ class LRUTable:
 
 
 _EMPTY_TABLE = np.empty(0, dtype=np.int64)
+
+
+def _oldest(stamps: np.ndarray, count: int) -> np.ndarray:
+    """Each row's `count` slots of oldest stamp, oldest first ([rows, count]): a partition, then a sort
+    of only those (a step's misses are few; the stamps of a row are distinct below _NEVER)."""
+    if count <= 1:
+        return stamps.argmin(axis=1)[:, None] if count else np.empty((stamps.shape[0], 0), dtype=np.int64)
+    if count >= stamps.shape[1]:
+        return np.argsort(stamps, axis=1, kind="stable")
+    part = np.argpartition(stamps, count - 1, axis=1)[:, :count]
+    return np.take_along_axis(part, np.argsort(np.take_along_axis(stamps, part, 1), axis=1, kind="stable"), 1)
 
 
 @dataclass

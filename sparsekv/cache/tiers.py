@@ -46,7 +46,7 @@ from ..context import SeqSlice
 from .host_store import HostLink, TieredHostStore, make_host_store
 from .index_keys import IndexKeyCache
 from .latent_format import PlainLatent, latent_format
-from .lru import TierCounters, WorkingSetLRU
+from .lru import LRUTable, TierCounters, WorkingSetLRU
 from .sizing import (TierSizes, format_of, index_bytes_per_token, indexer_bytes_per_token_layer,
                      latent_bytes_per_token, plan_tier_sizes, quest_bytes_per_token)
 from .pages import PageAllocator
@@ -100,10 +100,13 @@ class TieredKVPool:
         rows = sizes.num_buffers * (self.device_buffer_tokens + new_rows)
         self.ws = {l: torch.empty(rows, fmt.row_width, dtype=fmt.row_dtype, device=self.device) for l in self.layers}
         self.buffers = PageAllocator(sizes.num_buffers, self.device_buffer_tokens + new_rows)  # one "page" = one working set
+        # every working set's LRU state, per group, one row per buffer: a step resolves them together
+        self.lru_tables = {g: LRUTable(sizes.num_buffers, self.device_buffer_tokens) for g in self.groups}
         self.index = IndexKeyCache((cfg.full_layers if keep_index_keys else []) + self.mtp_layers, self.num_slots,
                                    cfg.index_head_dim, dtype, self.device, fp8_index_keys)
         self.selector_bytes_per_token = self.index.bytes_per_token()  # Quest adds its page bounds (engine)
         self._resident: dict[str, _WorkingSet] = {}
+        self._resolved: dict = {}  # request -> (`_older`, its Resolution): `_resolve` hands them to `_plan`
         self._counters: dict[str, TierCounters] = {}
         self.totals = TierCounters()
         self._step = _StepState()      # the target's forward
@@ -148,12 +151,12 @@ class TieredKVPool:
         self._mtp_step = self._begin("mtp", rows, len(self.mtp_layers))
 
     def _begin(self, name: str, chunks: list[tuple[str, list[int], int, int]], layers: int) -> _StepState:
-        step, ws_rows, new_rows, row, moves = _StepState(), [], [], 0, {}
+        step, ws_rows, new_rows, row, final = _StepState(), [], [], 0, []
         for rid, pages, first, n in chunks:
             self._count(rid, d2h=n * self.host.row_bytes * layers)
             if n <= self.new_rows:
                 ws = self._working_set(rid)
-                self._promote(ws, name, first, moves)
+                self._promote(ws, name, first, final)
                 ws.new[name] = (first, n)
                 step.decoding[rid] = pages
                 ws_rows.extend(range(row, row + n))
@@ -162,7 +165,7 @@ class TieredKVPool:
             elif rid in self._resident:
                 self._resident[rid].new.pop(name, None)
             row += n
-        self._move(moves)
+        self._move(name, final)
         if ws_rows:
             step.ws_rows, step.new_rows = self.link.index(ws_rows), self.link.index(new_rows)
         return step
@@ -326,7 +329,13 @@ class TieredKVPool:
         return plan
 
     def _resolve(self, leader: int, seqs: list[SeqSlice], positions: list[np.ndarray]) -> _Plan:
-        """LRU-resolve every request's positions for the whole group; copy all misses at once."""
+        """LRU-resolve every request's positions for the whole group, all requests in one batched pass
+        (`LRUTable.resolve`, kept for `_plan`); copy all misses at once."""
+        wanted = [self._older(leader, seq, pos) for seq, pos in zip(seqs, positions)]
+        kept = [i for i, (_, _, older, _) in enumerate(wanted) if older.size <= self.device_buffer_tokens]
+        resolved = self.lru_tables[leader].resolve([self._resident[seqs[i].request_id].buffer for i in kept],
+                                                   [wanted[i][2] for i in kept])
+        self._resolved = {seqs[i].request_id: (wanted[i], res) for i, res in zip(kept, resolved)}
         rows, streamed, src, dst = [], set(), [], []
         for i, (seq, pos) in enumerate(zip(seqs, positions)):
             planned = self._plan(leader, seq, pos, src, dst)
@@ -339,61 +348,71 @@ class TieredKVPool:
                             self.link.index(np.concatenate(dst)))
         return _Plan(self.link.index(np.concatenate(rows)) if rows else None, frozenset(streamed))
 
+    def _older(self, leader: int, seq: SeqSlice, positions: np.ndarray):
+        """(first new position, which `positions` are older, the distinct older ones ascending, whether
+        those had to be made distinct): what the request's LRU resolves."""
+        first_new = self._resident[seq.request_id].new["mtp" if leader in self.mtp_layers else "target"][0]
+        is_older = positions < first_new  # a draft step's rows: the pass's
+        older = positions[is_older]
+        # several rows select overlapping positions: resolve their union (one row's come ascending)
+        merged = seq.num_new_tokens > 1 or not (older[1:] > older[:-1]).all()
+        return first_new, is_older, (np.unique(older) if merged else older), merged
+
     def _plan(self, leader: int, seq: SeqSlice, positions: np.ndarray, src: list, dst: list) -> np.ndarray | None:
         """One request's working-set rows for `positions` (None when its older positions exceed N: it
-        streams instead); appends its misses' host slots and rows."""
-        ws, group = self._resident[seq.request_id], self.groups[leader]
-        first_new = ws.new["mtp" if leader in self.mtp_layers else "target"][0]  # a draft step's rows: the pass's
-        is_older = positions < first_new
-        older, several_rows = positions[is_older], seq.num_new_tokens > 1
-        if several_rows:  # the rows select overlapping positions: resolve their union
-            older = np.unique(older)
-        if older.size > self.device_buffer_tokens:
+        streams instead), from its LRU's resolution in `_resolve`; counts, and appends its misses' host
+        slots and rows."""
+        found = self._resolved.pop(seq.request_id, None)
+        if found is None:
             return None
-        res = ws.lrus[leader].resolve(older)
+        (first_new, is_older, older, merged), res = found
+        ws, group = self._resident[seq.request_id], self.groups[leader]
         base, misses = self._base(ws), res.miss_positions
-        distinct = np.unique(positions).size if several_rows else positions.size
+        distinct = np.unique(positions).size if merged else positions.size
         new_hits = distinct - older.size  # this step's new tokens, on their own rows
         self._count(seq.request_id, hits=(res.hits + new_hits) * len(group), misses=misses.size * len(group),
                     h2d=misses.size * len(group) * self.host.row_bytes)
         pages, ps = self._step_of(leader).decoding[seq.request_id], self.page_size
         src.append(np.array([pages[i] for i in (misses // ps).tolist()], dtype=np.int64) * ps + misses % ps)
         dst.append(base + res.miss_slots)
-        slots = res.slots[np.searchsorted(older, positions[is_older])] if several_rows else res.slots
+        slots = res.slots[np.searchsorted(older, positions[is_older])] if merged else res.slots
         rows = np.empty(positions.size, dtype=np.int64)
         rows[is_older] = base + slots
         rows[~is_older] = base + self.device_buffer_tokens - first_new + positions[~is_older]
         return rows
 
-    def _promote(self, ws: _WorkingSet, name: str, upto: int, moves: dict[int, list]) -> None:
-        """The pass's last new tokens before position `upto` are final and on the device: keep them, as
-        most recently used (a device copy, no host traffic; appended to `moves` per group leader, as
-        (new-token rows, LRU rows)). The others were rejected drafts: dropped."""
+    def _promote(self, ws: _WorkingSet, name: str, upto: int, final: list) -> None:
+        """The pass's last new tokens before position `upto` are final and on the device: noted in
+        `final` as (working set, first new position, final positions), kept by `_move`. The others
+        were rejected drafts: dropped."""
         start, count = ws.new.pop(name, (None, 0))
-        if start is None or upto <= start:
-            return
-        final = np.arange(start, min(start + count, upto))
-        base = self._base(ws)
-        for leader in self.passes[name]:
-            res = ws.lrus[leader].resolve(final)
-            if res.miss_positions.size:
-                moves.setdefault(leader, []).append((base + self.device_buffer_tokens + res.miss_positions - start,
-                                                     base + res.miss_slots))
+        if start is not None and upto > start:
+            final.append((ws, start, np.arange(start, min(start + count, upto))))
 
-    def _move(self, moves: dict[int, list]) -> None:
-        """Every request's promotions at once: one row copy per layer for the whole step."""
-        for leader, pairs in moves.items():
-            src = self.link.index(np.concatenate([p[0] for p in pairs]))
-            dst = self.link.index(np.concatenate([p[1] for p in pairs]))
-            for layer in self.groups[leader]:
-                self.ws[layer].index_copy_(0, dst, self.ws[layer].index_select(0, src))
+    def _move(self, name: str, final: list) -> None:
+        """Keep every request's final new tokens, as most recently used: each group's LRUs resolve them
+        in one batched pass, then one row copy per layer for the whole step (a device copy, no host
+        traffic)."""
+        if not final:
+            return
+        for leader in self.passes[name]:
+            resolved = self.lru_tables[leader].resolve([ws.buffer for ws, _, _ in final], [p for _, _, p in final])
+            src = [self._base(ws) + self.device_buffer_tokens + res.miss_positions - start
+                   for (ws, start, _), res in zip(final, resolved)]
+            dst = [self._base(ws) + res.miss_slots for (ws, _, _), res in zip(final, resolved)]
+            if sum(d.size for d in dst):
+                src, dst = self.link.index(np.concatenate(src)), self.link.index(np.concatenate(dst))
+                for layer in self.groups[leader]:
+                    self.ws[layer].index_copy_(0, dst, self.ws[layer].index_select(0, src))
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _working_set(self, request_id: str) -> _WorkingSet:
         ws = self._resident.get(request_id)
         if ws is None:
             buffer = self.buffers.allocate(request_id, 1)[0]
-            ws = _WorkingSet(buffer, {g: WorkingSetLRU(self.device_buffer_tokens) for g in self.groups})
+            for table in self.lru_tables.values():
+                table.reset(buffer)
+            ws = _WorkingSet(buffer, {g: table.lru(buffer) for g, table in self.lru_tables.items()})
             self._resident[request_id] = ws
         return ws
 
