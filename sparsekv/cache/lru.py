@@ -4,7 +4,8 @@ and Belady's optimum. The sizes the budgets allow are in sizing.py.
 
 One `WorkingSetLRU` per (request, index group): the layers of an IndexShare group attend to the
 same positions every step, so their working sets stay in lockstep and one resolver serves them all
-(the group's later layers replay the leader's plan: the same hits, misses and slots).
+(the group's later layers replay the leader's plan: the same hits, misses and slots). The LRUs of a
+group are rows of one `LRUTable`, so a step resolves every request's access in one batched pass.
 
 The policy, exactly (tests/test_lru.py checks it against a brute-force reference):
 

@@ -17,7 +17,8 @@ A step, as the engine drives it:
      are dropped, never read again.
   2. `write_latent`: every new latent goes to the host store; a decode's also to its new rows.
   3. A full layer's `gather_latent` (sparse regime) or `latent_for` (dense regime, T <= top-k <= N)
-     resolves the positions through the group's LRU: hits stay, misses are copied host -> device into
+     resolves the positions through the group's LRU (every decode of the step in one batched pass,
+     `LRUTable`): hits stay, misses are copied host -> device into
      the least-recently-used slots, for the full layer *and* its IndexShare shared layers at once
      (shared layers' copies on a CUDA side stream, waited on by the shared layer). Attention then
      reads the working set rows in the order it asked for: same values, same order, so it is exact.
