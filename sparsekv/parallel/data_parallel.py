@@ -138,6 +138,9 @@ class DataParallelEngine:
 
     def _together(self, command: str, *args, run):
         """Broadcast a command, run rank 0's part, gather every rank's answer."""
+        exited = self.ranks.failed_workers()
+        if self.failure is None and exited:
+            self.failure = RankFailure(f"worker rank(s) exited: {', '.join(exited)}")
         if self.failure is not None:
             raise self.failure
         try:
@@ -148,8 +151,8 @@ class DataParallelEngine:
             return gathered
         except RuntimeError as e:
             exited = self.ranks.failed_workers()
-            self.failure = RankFailure(f"{command} failed across data-parallel ranks "
-                                       f"({', '.join(exited) or 'no worker exited'}): {e}")
+            self.failure = RankFailure(f"{command} failed across ranks ({', '.join(exited) or 'no worker exited'}; "
+                                       f"dist_timeout_s {self.config.dist_timeout_s}): {e}")
             raise self.failure from e
 
     def expire_prefix_cache(self) -> int:
