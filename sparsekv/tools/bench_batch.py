@@ -118,8 +118,14 @@ def sparse_runs(args) -> dict:
     for cache, options in CACHES.items():
         for name, batched in SPARSE_PATHS.items():
             engine = _engine(args, args.sparse_batch, max_len, batched, **options)
-            out[f"{cache}/{name}"] = {b: sparse_decode(engine, args, b) for b in (1, args.sparse_batch)}
+            out[f"{cache}/{name}"] = {b: _median_of(engine, args, b) for b in (1, args.sparse_batch)}
     return out
+
+
+def _median_of(engine, args, batch: int) -> dict:
+    """`sparse_decode` --repeats times: the first run's ops and tokens, the median ms per step."""
+    runs = [sparse_decode(engine, args, batch) for _ in range(args.repeats)]
+    return {**runs[0], "ms_per_step": statistics.median(r["ms_per_step"] for r in runs)}
 
 
 def _logprob_gap(a: list, b: list) -> float:
@@ -156,7 +162,7 @@ def report(result: dict) -> dict:
 
 def report_sparse(sparse: dict, console) -> dict:
     b = max(next(iter(sparse.values())))
-    table = Table(title=f"sparse-regime decode step (past top-k): torch ops and time, batch 1 and {b}")
+    table = Table(title=f"sparse-regime decode step (past top-k): torch ops and time (median ms), batch 1 and {b}")
     for col in ("cache / decode path", "ops / step, batch 1", f"ops / step, batch {b}", f"ops ratio {b} / 1",
                 "ms / step, batch 1", f"ms / step, batch {b}", "aggregate tokens/s ratio"):
         table.add_column(col)
