@@ -9,6 +9,8 @@ selects the same positions (the indexer is replicated and reads all-reduced hidd
 """
 import os
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -381,3 +383,48 @@ def test_each_rank_loads_exactly_its_slice_of_an_fp8_checkpoint(glm_ckpt, tmp_pa
             split += shard is not None
             assert torch.equal(mine[name], want), f"rank {rank}: {name}"
     assert split > 0
+
+
+@pytest.mark.parametrize("launcher", ["nnodes", "torchrun"])
+def test_serve_across_two_launched_processes(launcher):
+    """`sparsekv serve` as node 0 of `--nnodes 2` (node 1: `serve --node-rank 1`), or as rank 0 of a world
+    torchrun started (rank 1: the same command with RANK=1): the API answers with the one-process tokens."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from test_server_util import REPO, free_port, tiny_checkpoint, wait_healthy
+    model = tiny_checkpoint(Path(tempfile.mkdtemp()))
+    addr, port = f"127.0.0.1:{free_port()}", free_port()
+    common = [sys.executable, "-m", "sparsekv", "serve", model, "-tp", "2", "--kv-page-size", "16",
+              "--max-model-len", "256", "--log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    if launcher == "nnodes":
+        dist = ["--nnodes", "2", "--dist-init-addr", addr]
+        envs = [env, env]
+        cmds = [common + dist + ["--port", str(port)], common + dist + ["--node-rank", "1"]]
+    else:
+        host, master_port = addr.split(":")
+        torchrun = dict(WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=host, MASTER_PORT=master_port)
+        envs = [{**env, **torchrun, "RANK": "0"}, {**env, **torchrun, "RANK": "1"}]
+        cmds = [common + ["--port", str(port)], common]
+    procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c, e in zip(cmds, envs)]
+    prompt = [5, 17, 33, 2, 9, 41, 7, 12]
+    want = LLM(model, kv_page_size=16, max_model_len=256).generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, procs[0], timeout=120)
+        name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        r = httpx.post(url + "/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 8,
+                                                      "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
+        procs[0].terminate()
+        assert procs[0].wait(timeout=60) == 0
+        assert procs[1].wait(timeout=60) == 0, procs[1].stdout.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -11,6 +11,7 @@ MoE, a rank with nothing running an empty one), and the ranks' outputs are gathe
 from __future__ import annotations
 
 import logging
+import os
 
 import torch.distributed as dist
 
@@ -19,7 +20,7 @@ from ..engine import LLMEngine
 from ..hub import resolve_config
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
 from .executor import RankFailure, serve_rank
-from .launch import RankGroup, control_group, exchange_status, join_group, layout_of, leave
+from .launch import RankGroup, control_group, exchange_status, join_group, layout_of, leave, torchrun_rank
 from .router import PrefixAffinityRouter
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,18 @@ def serve_lane(config: EngineConfig, rank: int, init_method: str) -> None:
             engine.close()
             leave(control)
         dist.gather_object(commands[command](*args), None, dst=0, group=control_group())
+
+
+def host_torchrun_rank(config: EngineConfig) -> bool:
+    """Under torchrun, rank R > 0 of the world runs that rank here (until rank 0's engine stops it) and
+    this returns True; rank 0, or no torchrun, returns False (the engine runs here)."""
+    rank = torchrun_rank(config)
+    if not rank:
+        return False
+    layout_of(config).check_model(ModelConfig.from_json(config.model, config.hf_overrides))
+    target = serve_lane if config.data_parallel_size > 1 else serve_rank
+    target(config, rank, f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    return True
 
 
 def host_node(config: EngineConfig) -> int:

@@ -48,6 +48,9 @@ class RankGroup:
             raise ConfigError("this process already runs a parallel engine: close() it before starting another")
         layout = layout_of(config)
         init_method = _init_method(config)
+        if torchrun_rank(config) is not None:  # torchrun started every rank: join as rank 0, spawn nothing
+            join_group(config, 0, init_method)
+            return cls(config, layout, [])
         per_node = layout.world_size // config.nnodes
         first = config.node_rank * per_node
         ctx = multiprocessing.get_context("spawn")
@@ -124,6 +127,21 @@ def join_group(config: EngineConfig, rank: int, init_method: str):
 
 def control_group():
     return _control[0]
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_rank(config: EngineConfig) -> int | None:
+    """This process's rank when torchrun (or any launcher setting its environment) started one process
+    per rank of a parallel world; None otherwise (the engine then starts its ranks itself)."""
+    world = config.tensor_parallel_size * config.data_parallel_size
+    if world == 1 or not all(name in os.environ for name in TORCHRUN_ENV):
+        return None
+    if int(os.environ["WORLD_SIZE"]) != world:
+        raise ConfigError(f"torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']} is not tensor_parallel_size x "
+                          f"data_parallel_size = {world}")
+    return int(os.environ["RANK"])
 
 
 def _init_method(config: EngineConfig) -> str:

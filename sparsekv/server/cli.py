@@ -78,8 +78,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("sparsekv %s, non-default args: %s", importlib.metadata.version("sparsekv"),
              startup_settings(parser, args))
-    if args.node_rank > 0:  # another node's ranks: no server here, node 0's engine drives them
-        return host_ranks(args)
+    hosted = host_ranks(args)  # another node's ranks, or torchrun's rank > 0: no server here
+    if hosted is not None:
+        return hosted
     try:
         app, state = build_app(args)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
@@ -97,12 +98,17 @@ def startup_settings(parser: argparse.ArgumentParser, args) -> dict:
     return settings
 
 
-def host_ranks(args) -> int:
+def host_ranks(args) -> int | None:
+    """This process's part when it only hosts ranks for node 0's engine: node `--node-rank` > 0, or
+    rank > 0 under torchrun. None: the engine and the server run here."""
     from ..config import EngineConfig
-    from ..parallel.data_parallel import host_node
+    from ..parallel.data_parallel import host_node, host_torchrun_rank
     from ..paths import default_model_path
     try:
-        return host_node(EngineConfig(model=args.model or default_model_path(), **engine_options(args)))
+        config = EngineConfig(model=args.model or default_model_path(), **engine_options(args))
+        if args.node_rank > 0:
+            return host_node(config)
+        return 0 if host_torchrun_rank(config) else None
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"sparsekv serve: error: {e}", file=sys.stderr)
         return 2
