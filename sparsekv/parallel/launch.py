@@ -48,7 +48,11 @@ class RankGroup:
             raise ConfigError("this process already runs a parallel engine: close() it before starting another")
         layout = layout_of(config)
         init_method = _init_method(config)
-        if torchrun_rank(config) is not None:  # torchrun started every rank: join as rank 0, spawn nothing
+        launched = torchrun_rank(config)
+        if launched:
+            raise ConfigError(f"under torchrun, rank {launched} hosts its rank for rank 0's engine: run "
+                              f"`sparsekv serve ...` on every rank (parallel.data_parallel.host_torchrun_rank)")
+        if launched == 0:  # torchrun started every rank: join as rank 0, spawn nothing
             join_group(config, 0, init_method)
             return cls(config, layout, [])
         per_node = layout.world_size // config.nnodes
