@@ -100,6 +100,7 @@ def test_tensor_parallel_bundled_model_tiered_mtp():
     (dict(tensor_parallel_size=3), "num_attention_heads (4) is not divisible by tensor_parallel_size (3)"),
     (dict(tensor_parallel_size=2, nnodes=2), "needs dist_init_addr"),
     (dict(tensor_parallel_size=2, data_parallel_size=2), "runs with tensor_parallel_size 1"),
+    (dict(tensor_parallel_size=2, selector="quest", quest_page_tokens=2), "selector 'quest' scores pages with every query head"),
     (dict(tensor_parallel_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1"), "only hosts ranks"),
     (dict(tensor_parallel_size=2, dist_init_addr="nohost"), "HOST:PORT"),
 ])
@@ -266,8 +267,9 @@ def _rank_processes() -> list:
 
 @pytest.mark.parametrize("family", ["glm", "ds"])
 @pytest.mark.parametrize("options", [dict(enable_expert_parallel=True), {},
-                                     dict(enable_expert_parallel=True, kv_tiering=True, device_buffer_tokens=16)],
-                         ids=["ep", "replicas", "ep-tiered"])
+                                     dict(enable_expert_parallel=True, kv_tiering=True, device_buffer_tokens=16),
+                                     dict(enable_expert_parallel=True, selector="quest", quest_page_tokens=2)],
+                         ids=["ep", "replicas", "ep-tiered", "ep-quest"])
 def test_data_parallel_attention_equals_one_process(family, options, glm_ckpt, ds_ckpt):
     """Each data-parallel rank serves its own requests from its own cache; with expert parallelism the
     ranks' tokens meet at every MoE layer (all-gather, own experts, reduce-scatter), the rank without
