@@ -118,7 +118,7 @@ class MLAttention:
         batches, parts, done = self.selector.batches(index_q[0].device), [], 0
         for major, group in plan.groups:
             if batches and len(group) > 1:
-                parts.append(self._select_group(group, index_q, ctx, cache, major))
+                parts.append(self._select_group(group, q, index_q, ctx, cache, major))
             else:
                 parts.extend(self._select_alone(seq, q, index_q, ctx, cache) for seq in group)
             done += len(group)
@@ -152,13 +152,13 @@ class MLAttention:
         return self.selector.select(self.layer_idx, seq, self.selector.rows(index_q, rows), q[rows],
                                     ctx.positions[rows], self.cfg.index_topk, cache)
 
-    def _select_group(self, group: list[SeqSlice], index_q, ctx: ForwardContext, cache, major: bool) -> torch.Tensor:
-        """One group's selections [its rows, k], scored over padded key histories in one pass."""
+    def _select_group(self, group: list[SeqSlice], q: torch.Tensor, index_q, ctx: ForwardContext, cache,
+                      major: bool) -> torch.Tensor:
+        """One group's selections [its rows, k], in one batched pass of the selector (`select_group`)."""
         k, r = self.cfg.index_topk, max(s.num_new_tokens for s in group)  # shorter decodes repeat their last row
         rows = ctx.rows_index([[s.token_start + min(i, s.num_new_tokens - 1) for i in range(r)] for s in group])
-        keys = cache.index_keys_batch(self.layer_idx, group)
-        selected = self.selector.indexer.select_decode_batch(index_q[0][rows], index_q[1][rows], keys,
-                                                             ctx.positions[rows], k, major).view(-1, k)
+        selected = self.selector.select_group(self.layer_idx, group, self.selector.rows(index_q, rows), q[rows],
+                                              ctx.positions[rows], k, cache, major).view(-1, k)
         if all(s.num_new_tokens == r for s in group):
             return selected
         return selected[ctx.rows_index([i * r + j for i, s in enumerate(group) for j in range(s.num_new_tokens)])]

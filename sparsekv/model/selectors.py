@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..context import index_tensor
 from ..kernels.attention import causal_mask_scores, fill_blocks, query_block_size, select_topk
 
 
@@ -47,8 +48,15 @@ class TokenSelector:
         """Size the state kept per slot for a cache of `num_slots` (the cache manager calls it)."""
 
     def batches(self, device: torch.device) -> bool:
-        """Whether a step's decodes are selected in one batched pass (DSASelector)."""
+        """Whether a step's decodes are selected in batched passes (`select_group`)."""
         return False
+
+    def select_group(self, layer: int, seqs: list, state, q: torch.Tensor, positions: torch.Tensor, k: int,
+                     cache, major: bool) -> torch.Tensor:
+        """`select` of several decodes at once: their rows padded to R each (state, q and positions
+        [B, R, ...]; every row sees more than k keys), sorted positions [B, R, k]; the same sets as
+        `select` one request at a time. `major`: the group's scoring layout (indexer.keys_major)."""
+        raise NotImplementedError
 
     def check_integrity(self, active: set[str]) -> None:
         """Nothing is kept for requests that are not running."""
@@ -81,6 +89,9 @@ class DSASelector(TokenSelector):
     def select(self, layer, seq, state, q, positions, k, cache):
         return self.indexer.select(*state, cache.index_key_segments(layer, seq), positions, k)
 
+    def select_group(self, layer, seqs, state, q, positions, k, cache, major):
+        return self.indexer.select_decode_batch(*state, cache.index_keys_batch(layer, seqs), positions, k, major)
+
 
 class QuestSelector(TokenSelector):
     """Quest page bounds, device-resident, indexed by logical page (slot // page_tokens).
@@ -95,6 +106,7 @@ class QuestSelector(TokenSelector):
     """
 
     name = "quest"
+    batch_decode: bool = True  # False: a step's decodes select one request at a time
 
     def __init__(self, cfg: ModelConfig, num_slots: int, page_tokens: int, device, layers: list[int]):
         self.page_tokens, self.dim, self.device, self.layers = page_tokens, cfg.latent_dim, device, layers
@@ -197,6 +209,30 @@ class QuestSelector(TokenSelector):
     def _bound(q: torch.Tensor, lo_t: torch.Tensor, hi_t: torch.Tensor) -> torch.Tensor:
         qf = q.float()
         return (qf.clamp(min=0) @ hi_t + qf.clamp(max=0) @ lo_t).amax(dim=-2)   # [S, H, P] -> [S, P]
+
+    def batches(self, device: torch.device) -> bool:
+        return self.batch_decode
+
+    def select_group(self, layer, seqs, state, q, positions, k, cache, major):
+        """Every request's pages padded to the longest (repeating its last page), scored in one pass;
+        positions past a row's own are masked, as `select` does."""
+        pt, (b, r) = self.page_tokens, positions.shape
+        lengths = index_tensor([s.context_len for s in seqs], positions.device)
+        starts, pages = lengths.cumsum(0) - lengths, (lengths + pt - 1) // pt
+        width = max(-(-s.context_len // pt) for s in seqs)
+        at = starts[:, None] + torch.minimum(torch.arange(width, device=q.device)[None, :], pages[:, None] - 1) * pt
+        page_ids = torch.cat([s.slots for s in seqs])[at] // pt                                # [B, P]
+        lo, hi = (t.index_select(0, page_ids.reshape(-1)).view(b, width, -1) for t in (self.lo[layer], self.hi[layer]))
+        qf = q.float().view(b, -1, q.shape[-1])                                                 # [B, R * H, D]
+        scores = (torch.bmm(qf.clamp(min=0), hi.transpose(1, 2)) + torch.bmm(qf.clamp(max=0), lo.transpose(1, 2)))
+        scores = scores.view(b * r, q.shape[2], width).amax(dim=-2)                             # [B * R, P]
+        flat_q, flat_pos = q.reshape(b * r, *q.shape[2:]), positions.reshape(-1)
+        own = self._bound(flat_q, state[0].reshape(b * r, -1, 1), state[1].reshape(b * r, -1, 1)).squeeze(-1)
+        scores.scatter_(1, (flat_pos // pt)[:, None], own[:, None])
+        total = max(s.context_len for s in seqs)
+        scores = scores.repeat_interleave(pt, dim=1)[:, :total]
+        later = torch.arange(total, device=q.device)[None, :] > flat_pos[:, None]
+        return select_topk(scores.masked_fill_(later, float("-inf")), k).view(b, r, k)
 
     def select(self, layer, seq, state, q, positions, k, cache):
         total, own_lo, own_hi = seq.context_len, state[0], state[1]
