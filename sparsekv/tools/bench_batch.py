@@ -82,7 +82,8 @@ def run(args) -> dict:
     context = args.prompt_tokens + args.steps // 2
     return {"runs": runs, "batch": args.batch, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
             "step_bytes": decode_bytes_per_step(engine, context, args.batch),
-            "machine_gbps": device_bandwidth_gbps(args), "sparse": sparse_runs(args) if args.sparse_prompt_tokens else None}
+            "machine_gbps": device_bandwidth_gbps(args),
+            "sparse": sparse_runs(args) if args.sparse_prompt_tokens else None}
 
 
 def sparse_decode(engine, args, batch: int) -> dict:
@@ -204,5 +205,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_bench(build_parser(), argv, ("batch", "prompt_tokens", "steps", "repeats", "sparse_batch", "sparse_steps"),
-                     run, report)
+    positive = ("batch", "prompt_tokens", "steps", "repeats", "sparse_batch", "sparse_steps")
+    return run_bench(build_parser(), argv, positive, run, report)
