@@ -198,3 +198,18 @@ def test_bench_batch_counts_ops_per_step(tmp_path):
     for cache in ("untiered", "tiered"):
         batched, alone = sparse["paths"][f"{cache}/batched"], sparse["paths"][f"{cache}/one request at a time"]
         assert batched["ops_ratio"] < 1.25 < 1.5 < alone["ops_ratio"], (cache, batched, alone)
+
+
+def test_groups_pad_each_history_at_most_twice_beyond_the_pad_free_length():
+    """Decodes scored together come in runs of similar lengths: the longest at most twice the shortest
+    unless all fit in GROUP_PAD_FREE_KEYS, so a group's count grows with the spread of lengths, not
+    with the number of requests."""
+    from types import SimpleNamespace
+    from sparsekv.model.decode_plan import GROUP_PAD_FREE_KEYS, length_buckets
+    lengths = [100, 3000, 4096, 5000, 9000, 10000, 18000, 50000, 60000, 70000]
+    buckets = length_buckets([SimpleNamespace(context_len=n) for n in lengths])
+    assert [[s.context_len for s in b] for b in buckets] == [[100, 3000, 4096], [5000, 9000, 10000], [18000],
+                                                            [50000, 60000, 70000]]
+    assert all(b[-1].context_len <= max(2 * b[0].context_len, GROUP_PAD_FREE_KEYS) for b in buckets)
+    many = length_buckets([SimpleNamespace(context_len=1000 + i) for i in range(256)])
+    assert len(many) == 1
