@@ -114,6 +114,17 @@ class LLMEngine:
         running requests hold stay. Returns how many pages were forgotten."""
         return self.kv.reset(tenant)
 
+    # -- prefill/decode disaggregation (docs/disaggregation.md) ---------------------------------------
+    def export_prefix(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None,
+                      skip: int = 0) -> list:
+        return self.kv.prefix_cache().export(token_ids, tenant, cache_salt, skip)
+
+    def held_prefix(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None) -> int:
+        return self.kv.prefix_cache().held(token_ids, tenant, cache_salt)
+
+    def import_prefix(self, pages: list, tenant: str = "default") -> int:
+        return self.kv.prefix_cache().import_pages(pages, tenant)
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.kv.expire()

@@ -88,7 +88,8 @@ class CacheManager:
         if disk is not None:
             tiers["disk"] = disk
         return PrefixCache(self.allocator, lookahead=lookahead, tiers=tiers, before_copy=self.pool.flush,
-                           ttl_s=config.prefix_cache_ttl_s, disk_read_ahead=config.prefix_cache_disk_read_ahead)
+                           ttl_s=config.prefix_cache_ttl_s, disk_read_ahead=config.prefix_cache_disk_read_ahead,
+                           rows=rows)
 
     def _tenant_quota(self, tier_pages: int) -> int | None:
         """A tenant's share of a prefix-cache tier of `tier_pages` pages, in pages (None: no bound)."""
@@ -158,6 +159,12 @@ class CacheManager:
                 self.prefix.register(req)
             self.prefix.forget_request(req.request_id, keep_served=keep_counters)
         self.pool.release(req.request_id, keep_counters=keep_counters)
+
+    def prefix_cache(self):
+        """The prefix cache (ValueError without one): what prefill/decode transfers go through."""
+        if self.prefix is None:
+            raise ValueError("moving KV pages between engines needs enable_prefix_caching")
+        return self.prefix
 
     def expire(self) -> int:
         return self.prefix.expire() if self.prefix is not None else 0

@@ -58,9 +58,11 @@ class PrefixCache:
     `ttl_s`: a page no request has used for that long is forgotten in every tier (`expire`)."""
 
     def __init__(self, allocator: PageAllocator, lookahead: int = 0, tiers: dict | None = None,
-                 before_copy=lambda: None, ttl_s: float | None = None, disk_read_ahead: bool = True):
+                 before_copy=lambda: None, ttl_s: float | None = None, disk_read_ahead: bool = True,
+                 rows=None):
         self.allocator, self.page_size, self.lookahead = allocator, allocator.page_size, lookahead
         self.disk_read_ahead = disk_read_ahead
+        self.rows = rows  # PageRows of the pool: what a page's contents are (export)
         self.tiers, self.before_copy, self.ttl_s = tiers or {}, before_copy, ttl_s
         self.expired_pages = 0
         self._page_of: dict[bytes, int] = {}
@@ -85,9 +87,52 @@ class PrefixCache:
         while len(chain) < num_pages:
             start, end, n = len(chain) * ps, (len(chain) + 1) * ps + self.lookahead, req.num_prompt_tokens
             tokens = req.prompt_token_ids[start:end] + req.output_token_ids[max(0, start - n):max(0, end - n)]
-            parent = chain[-1] if chain else hashlib.sha256(repr((req.tenant, req.cache_salt)).encode()).digest()
-            chain.append(hashlib.sha256(parent + array("q", tokens).tobytes()).digest())
+            chain.append(_next_name(chain[-1] if chain else _root(req.tenant, req.cache_salt), tokens))
         return chain[:num_pages]
+
+    def prompt_names(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> list[bytes]:
+        """The names of a prompt's pages that can be cached: every full page but the last token's."""
+        ps, chain = self.page_size, []
+        for i in range((len(token_ids) - 1) // ps):
+            chain.append(_next_name(chain[-1] if chain else _root(tenant, cache_salt),
+                                    token_ids[i * ps:(i + 1) * ps + self.lookahead]))
+        return chain
+
+    def held(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> int:
+        """How many of a prompt's first pages this cache holds, in any tier (what a transfer can skip)."""
+        n = 0
+        for name in self.prompt_names(token_ids, tenant, cache_salt):
+            if name not in self._page_of and self._tier_of(name) is None:
+                break
+            n += 1
+        return n
+
+    def export(self, token_ids: list[int], tenant: str, cache_salt: str | None, skip: int = 0) -> list:
+        """(name, rows) of a prompt's cached pages after its first `skip`, up to the first page not held:
+        the rows of every slot-indexed tensor (latents, indexer keys, the MTP layer's, the selector's)."""
+        out = []
+        for name in self.prompt_names(token_ids, tenant, cache_salt)[skip:]:
+            page, tier = self._page_of.get(name), self._tier_of(name)
+            if page is None and tier is None:
+                break
+            if page is not None:
+                self.before_copy()
+            out.append((name, self.rows.copy_out(page) if page is not None else self.tiers[tier].take(name)))
+        return out
+
+    def import_pages(self, pages: list, tenant: str) -> int:
+        """Keep another engine's exported pages in the host tier, all or none (ValueError: a page whose
+        rows do not fit this cache's layout). Returns how many."""
+        host = self.tiers.get("host")
+        if host is None:
+            raise ValueError("importing KV pages needs the prefix cache's host tier (prefix_cache_host_bytes)")
+        for i, (name, rows) in enumerate(pages):
+            if not isinstance(name, bytes) or not host.rows.fits(rows):
+                raise ValueError(f"page {i}: its rows do not fit this cache's layout "
+                                 f"({[(tuple(r.shape), r.dtype) for r in rows]} against {host.rows.layout})")
+        for name, rows in pages:
+            host.put(name, rows, tenant)
+        return len(pages)
 
     def match(self, req: Request) -> PrefixHit | None:
         """What the request's known tokens hit, or None while it must wait: a running request computes
@@ -309,3 +354,11 @@ class PrefixCache:
         stale = (set(self._chains) | set(self._named) | set(self._inflight.values()) | set(self._claims)
                  | set(self._reading) | set(self._served)) - active
         assert not stale, f"prefix chains kept for finished requests {sorted(stale)}"
+
+
+def _root(tenant: str, cache_salt: str | None) -> bytes:
+    return hashlib.sha256(repr((tenant, cache_salt)).encode()).digest()
+
+
+def _next_name(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()

@@ -111,19 +111,26 @@ class PrefixHostStore:
     def save(self, name: bytes, page: int, tenant: str) -> None:
         """Keep a copy of pool page `page`'s rows under `name`; copies over the budget or the tenant's
         quota go to the spill tier (or are dropped), a page that cannot stay goes there at once."""
+        self._keep(name, lambda: self.rows.copy_out(page), tenant)
+
+    def put(self, name: bytes, rows: list[torch.Tensor], tenant: str) -> None:
+        """Keep a page's rows made elsewhere (another engine's export, checked with `rows.fits`)."""
+        self._keep(name, lambda: [r.to("cpu", copy=True) for r in rows], tenant)
+
+    def _keep(self, name: bytes, rows, tenant: str) -> None:
         if name in self._pages:
             self.touch(name)
             return
         quota = self.max_pages_per_tenant
         if self.page_bytes > self.capacity_bytes or quota == 0:
             if self.spill is not None:
-                self.spill(name, self.rows.copy_out(page), tenant)
+                self.spill(name, rows(), tenant)
             return
         for old in self._lru.over(tenant, None if quota is None else quota - 1):
             self._push_out(old)
         while self.bytes_used + self.page_bytes > self.capacity_bytes:
             self._push_out(self._lru.victim(adding=tenant))
-        self._pages[name] = self.rows.copy_out(page)
+        self._pages[name] = rows()
         self._lru.add(name, tenant, self.clock())
         self.saved += 1
 
