@@ -350,9 +350,6 @@ class EngineConfig:
             raise ConfigError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
         if not self.dist_timeout_s > 0:
             raise ConfigError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s!r}")
-        if self.tensor_parallel_size > 1 and self.selector == "quest":
-            raise ConfigError("selector 'quest' scores pages with every query head, which tensor parallelism "
-                              "splits across ranks: use the DSA selector, or data parallelism")
         if world > 1 and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"parallelism runs on cpu (gloo) or cuda (NCCL), not {self.device!r}")
 

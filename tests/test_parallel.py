@@ -74,7 +74,9 @@ def _with_mtp_layer(src: str, dst: str, own_embed_and_head: bool) -> str:
 
 
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16),
-                                     dict(enable_expert_parallel=True)], ids=["tp2", "tp2-tiered", "tp2-ep"])
+                                     dict(enable_expert_parallel=True),
+                                     dict(selector="quest", quest_page_tokens=2, kv_tiering=True, device_buffer_tokens=16)],
+                         ids=["tp2", "tp2-tiered", "tp2-ep", "tp2-quest-tiered"])
 def test_tensor_parallel_glm_equals_one_process(glm_ckpt, options):
     _compare(glm_ckpt[0], 256, tensor_parallel_size=2, **options)
 
@@ -100,7 +102,6 @@ def test_tensor_parallel_bundled_model_tiered_mtp():
     (dict(tensor_parallel_size=3), "num_attention_heads (4) is not divisible by tensor_parallel_size (3)"),
     (dict(tensor_parallel_size=2, nnodes=2), "needs dist_init_addr"),
     (dict(tensor_parallel_size=2, data_parallel_size=2), "runs with tensor_parallel_size 1"),
-    (dict(tensor_parallel_size=2, selector="quest", quest_page_tokens=2), "selector 'quest' scores pages with every query head"),
     (dict(tensor_parallel_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1"), "only hosts ranks"),
     (dict(tensor_parallel_size=2, dist_init_addr="nohost"), "HOST:PORT"),
 ])

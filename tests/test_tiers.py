@@ -426,7 +426,7 @@ def test_quest_page_bounds_upper_bound_every_true_score(kv_cache_dtype, dtype):
         for page in range(bound.shape[1]):
             keys_of_page = slice(page * pt, min(n, (page + 1) * pt))
             assert (bound[:, page:page + 1] >= (true - slack)[:, keys_of_page]).all(), (trial, page)
-        own = QuestSelector._bound(q, own_lo[:, :, None], own_hi[:, :, None]).squeeze(-1).double()  # [S]
+        own = quest._bound(q, own_lo[:, :, None], own_hi[:, :, None]).squeeze(-1).double()  # [S]
         for row in range(n):
             mine = slice(row - row % pt, row + 1)
             assert (own[row] >= (true - slack)[row, mine]).all(), (trial, row)

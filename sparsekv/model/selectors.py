@@ -110,6 +110,9 @@ class QuestSelector(TokenSelector):
 
     def __init__(self, cfg: ModelConfig, num_slots: int, page_tokens: int, device, layers: list[int]):
         self.page_tokens, self.dim, self.device, self.layers = page_tokens, cfg.latent_dim, device, layers
+        # a page's score is the maximum over the query heads; under tensor parallelism each rank holds
+        # some heads, and an all-reduce of the maximum gives every rank the whole (exact: max)
+        self.heads_max = lambda scores: scores
         self.reserve_slots(num_slots)
         # Speculative decoding rewrites positions a rejected draft wrote, and min/max cannot forget a
         # value. So each request's last decode keeps, per layer and page it wrote, the page's bounds
@@ -205,10 +208,9 @@ class QuestSelector(TokenSelector):
         lo, hi = self.lo[layer].index_select(0, pages), self.hi[layer].index_select(0, pages)
         return self._bound(q, lo.t(), hi.t())
 
-    @staticmethod
-    def _bound(q: torch.Tensor, lo_t: torch.Tensor, hi_t: torch.Tensor) -> torch.Tensor:
+    def _bound(self, q: torch.Tensor, lo_t: torch.Tensor, hi_t: torch.Tensor) -> torch.Tensor:
         qf = q.float()
-        return (qf.clamp(min=0) @ hi_t + qf.clamp(max=0) @ lo_t).amax(dim=-2)   # [S, H, P] -> [S, P]
+        return self.heads_max((qf.clamp(min=0) @ hi_t + qf.clamp(max=0) @ lo_t).amax(dim=-2))  # [S, H, P] -> [S, P]
 
     def batches(self, device: torch.device) -> bool:
         return self.batch_decode
@@ -225,7 +227,7 @@ class QuestSelector(TokenSelector):
         lo, hi = (t.index_select(0, page_ids.reshape(-1)).view(b, width, -1) for t in (self.lo[layer], self.hi[layer]))
         qf = q.float().view(b, -1, q.shape[-1])                                                 # [B, R * H, D]
         scores = (torch.bmm(qf.clamp(min=0), hi.transpose(1, 2)) + torch.bmm(qf.clamp(max=0), lo.transpose(1, 2)))
-        scores = scores.view(b * r, q.shape[2], width).amax(dim=-2)                             # [B * R, P]
+        scores = self.heads_max(scores.view(b * r, q.shape[2], width).amax(dim=-2))             # [B * R, P]
         flat_q, flat_pos = q.reshape(b * r, *q.shape[2:]), positions.reshape(-1)
         own = self._bound(flat_q, state[0].reshape(b * r, -1, 1), state[1].reshape(b * r, -1, 1)).squeeze(-1)
         scores.scatter_(1, (flat_pos // pt)[:, None], own[:, None])
@@ -251,6 +253,7 @@ class QuestSelector(TokenSelector):
 def install_quest(model, page_tokens: int) -> QuestSelector:
     """Replace the DSA selector of every full layer by one Quest selector (sized later: `reserve_slots`)."""
     quest = QuestSelector(model.cfg, 0, page_tokens, model.device, model.cfg.full_layers)
+    quest.heads_max = model.comm.all_reduce_max
     use_selector(model, quest)
     return quest
 

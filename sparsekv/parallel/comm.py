@@ -20,6 +20,9 @@ class SingleRank:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
     def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, table)
 
@@ -42,6 +45,12 @@ class TensorParallel:
         n = self.world_size
         self.bytes_sent["all_reduce"] += 2 * (n - 1) * x.numel() * x.element_size() // n
         dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum over the ranks (a score over all query heads from each rank's)."""
+        self.bytes_sent["all_reduce"] += 2 * (self.world_size - 1) * x.numel() * x.element_size() // self.world_size
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         return x
 
     def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
