@@ -36,6 +36,13 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.dtype, self.device = DTYPES[config.dtype], torch.device(config.device)
         self.executor, self.kv = start_executor(config, self.dtype, self.device, lane)
+        try:
+            self._build(config)
+        except BaseException:
+            self.executor.close()  # a parallel engine's ranks stop with it
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         self.model = self.executor.model  # this rank's shard
         self.model_config: ModelConfig = self.model.cfg
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
@@ -113,17 +120,6 @@ class LLMEngine:
         """Forget a tenant's prefix-cache pages in every tier (every tenant's with None); pages that
         running requests hold stay. Returns how many pages were forgotten."""
         return self.kv.reset(tenant)
-
-    # -- prefill/decode disaggregation (docs/disaggregation.md) ---------------------------------------
-    def export_prefix(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None,
-                      skip: int = 0) -> list:
-        return self.kv.prefix_cache().export(token_ids, tenant, cache_salt, skip)
-
-    def held_prefix(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None) -> int:
-        return self.kv.prefix_cache().held(token_ids, tenant, cache_salt)
-
-    def import_prefix(self, pages: list, tenant: str = "default") -> int:
-        return self.kv.prefix_cache().import_pages(pages, tenant)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -26,9 +26,9 @@ def _disaggregated(path: str, prompt: list[int], prefill_options: dict, decode_o
     # first token writes them, and a request that ends at its first token skips that pass
     tokens = 3 if prefill_options.get("num_speculative_tokens") else 1
     prefill.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
-    pages = prefill.engine.export_prefix(prompt)
+    pages = prefill.engine.kv.export_prefix(prompt)
     decode = LLM(path, **BASE, **DECODE, **decode_options)
-    assert decode.engine.import_prefix(pages) == len(pages)
+    assert decode.engine.kv.import_prefix(pages) == len(pages)
     return pages, decode.generate([prompt], GREEDY)[0], decode
 
 
@@ -65,11 +65,11 @@ def test_pages_the_decode_side_holds_are_not_sent_again(glm_ckpt):
     prefill.generate([prompt], SamplingParams(max_tokens=1))
     decode = LLM(path, **BASE, **DECODE)
     decode.generate([prompt[:21]], SamplingParams(max_tokens=1))  # the first 5 pages are in its pool
-    held = decode.engine.held_prefix(prompt)
+    held = decode.engine.kv.held_prefix(prompt)
     assert held == 5
-    pages = prefill.engine.export_prefix(prompt, skip=held)
+    pages = prefill.engine.kv.export_prefix(prompt, skip=held)
     assert len(pages) == (len(prompt) - 1) // PAGE - held
-    assert decode.engine.import_prefix(pages) == len(pages)
+    assert decode.engine.kv.import_prefix(pages) == len(pages)
     out = decode.generate([prompt], GREEDY)[0]
     assert out.metrics["prefix_cached_tokens_device"] == held * PAGE
     assert out.metrics["prefix_cached_tokens_host"] == len(pages) * PAGE
@@ -80,12 +80,12 @@ def test_rows_that_do_not_fit_the_decode_cache_are_refused_whole(glm_ckpt):
     path, prompt = glm_ckpt[0], _prompt(256)
     prefill = LLM(path, **BASE)
     prefill.generate([prompt], SamplingParams(max_tokens=1))
-    pages = prefill.engine.export_prefix(prompt)
+    pages = prefill.engine.kv.export_prefix(prompt)
     name, rows = pages[3]
     bad = pages[:3] + [(name, [rows[0][:, :-1]] + rows[1:])] + pages[4:]
     decode = LLM(path, **BASE, **DECODE)
     with pytest.raises(ValueError, match="page 3"):
-        decode.engine.import_prefix(bad)
+        decode.engine.kv.import_prefix(bad)
     assert decode.stats()["prefix_host_pages"] == 0
     decode.engine.check_integrity()
     out = decode.generate([prompt], GREEDY)[0]

@@ -431,3 +431,16 @@ def test_serve_across_two_launched_processes(launcher):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_an_engine_failing_after_its_ranks_started_stops_them(glm_ckpt):
+    """Drafting asked of a checkpoint without an MTP layer fails once the model is loaded, after the
+    ranks started: the error is the ConfigError, every worker stops, and the next engine can start."""
+    with pytest.raises(ConfigError, match="needs a checkpoint with an MTP layer"):
+        LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, num_speculative_tokens=2)
+    assert not _rank_processes()
+    llm = LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2)
+    try:
+        assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
+    finally:
+        llm.close()

@@ -160,8 +160,18 @@ class CacheManager:
             self.prefix.forget_request(req.request_id, keep_served=keep_counters)
         self.pool.release(req.request_id, keep_counters=keep_counters)
 
-    def prefix_cache(self):
-        """The prefix cache (ValueError without one): what prefill/decode transfers go through."""
+    # -- prefill/decode disaggregation (docs/disaggregation.md): pages move through the prefix cache --
+    def export_prefix(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None,
+                      skip: int = 0) -> list:
+        return self._prefix_cache().export(token_ids, tenant, cache_salt, skip)
+
+    def held_prefix(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None) -> int:
+        return self._prefix_cache().held(token_ids, tenant, cache_salt)
+
+    def import_prefix(self, pages: list, tenant: str = "default") -> int:
+        return self._prefix_cache().import_pages(pages, tenant)
+
+    def _prefix_cache(self):
         if self.prefix is None:
             raise ValueError("moving KV pages between engines needs enable_prefix_caching")
         return self.prefix
