@@ -15,12 +15,12 @@ import os
 
 import torch.distributed as dist
 
-from ..config import ConfigError, EngineConfig, ModelConfig
+from ..config import ConfigError, EngineConfig
 from ..engine import LLMEngine
 from ..hub import resolve_config
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
-from .executor import RankFailure, serve_rank
-from .launch import RankGroup, control_group, exchange_status, join_group, layout_of, leave, torchrun_rank
+from .executor import serve_rank
+from .launch import RankGroup, check_layout, control_group, leave, start_worker, torchrun_rank
 from .router import PrefixAffinityRouter
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class DataParallelEngine:
             raise ConfigError(f"node_rank {config.node_rank} only hosts ranks for node 0's engine: run "
                               f"`sparsekv serve --node-rank {config.node_rank} ...` there")
         config = resolve_config(config)
-        layout_of(config).check_model(ModelConfig.from_json(config.model, config.hf_overrides))
+        check_layout(config)
         self.config, self.num_ranks = config, config.data_parallel_size
         self.ranks = RankGroup.start(config, serve_lane)
         error = None
@@ -48,7 +48,6 @@ class DataParallelEngine:
         self._aborts: list[list[str]] = [[] for _ in range(self.num_ranks)]
         self._summaries: list[dict] = [{"waiting": {}, "running": 0, "counters": {}} for _ in range(self.num_ranks)]
         self._next_id = 0
-        self.failure: RankFailure | None = None
 
     # -- what the local rank's engine knows for all ------------------------------------------------
     @property
@@ -139,11 +138,7 @@ class DataParallelEngine:
 
     def _together(self, command: str, *args, run):
         """Broadcast a command, run rank 0's part, gather every rank's answer."""
-        exited = self.ranks.failed_workers()
-        if self.failure is None and exited:
-            self.failure = RankFailure(f"worker rank(s) exited: {', '.join(exited)}")
-        if self.failure is not None:
-            raise self.failure
+        self.ranks.check_alive()
         try:
             dist.broadcast_object_list([(command, args)], src=0, group=self.ranks.control)
             mine = run()
@@ -151,10 +146,7 @@ class DataParallelEngine:
             dist.gather_object(mine, gathered, dst=0, group=self.ranks.control)
             return gathered
         except RuntimeError as e:
-            exited = self.ranks.failed_workers()
-            self.failure = RankFailure(f"{command} failed across ranks ({', '.join(exited) or 'no worker exited'}; "
-                                       f"dist_timeout_s {self.config.dist_timeout_s}): {e}")
-            raise self.failure from e
+            raise self.ranks.fail(command, e) from e
 
     def expire_prefix_cache(self) -> int:
         return sum(self._together("expire_prefix_cache", run=self.local.expire_prefix_cache))
@@ -165,7 +157,7 @@ class DataParallelEngine:
     # -- observability -----------------------------------------------------------------------------
     def stats(self) -> dict:
         """Every rank's figures added up (rates recomputed from the sums); `ranks` lists each rank's."""
-        if self.failure is not None:
+        if self.ranks.failure is not None:
             return self.local.stats()
         merged = merge_stats(self._together("stats", run=self.local.stats))
         merged["by_data_parallel_rank"] = [{"running": s["running"], "waiting": s["waiting"], **s["counters"]}
@@ -182,7 +174,7 @@ class DataParallelEngine:
         if self.ranks.closed:
             return
         self.local.close()
-        self.ranks.close(notify=self.failure is None)
+        self.ranks.close(notify=self.ranks.failure is None)
 
 
 def step_lane(engine: LLMEngine, rank: int, message: dict | None = None) -> tuple[list[RequestOutput], dict]:
@@ -212,19 +204,10 @@ def lane_integrity(engine: LLMEngine) -> str | None:
 def serve_lane(config: EngineConfig, rank: int, init_method: str) -> None:
     """A data-parallel rank other than 0 (a spawned process): join, build its engine, report, then
     answer the front end's commands until told to stop."""
-    import torch
-    torch.set_num_threads(config.num_threads or 1)
-    logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
-    control = join_group(config, rank, init_method)
-    engine, error = None, None
-    try:
-        engine = LLMEngine(config, lane=rank)
-    except Exception as e:
-        error = f"rank {rank}: {type(e).__name__}: {e}"
-    statuses = exchange_status(error, config.data_parallel_size, control)
-    if any(s is not None for s in statuses):
-        dist.destroy_process_group()
+    started = start_worker(config, rank, init_method, lambda control: LLMEngine(config, lane=rank))
+    if started is None:
         return
+    engine, control = started
     commands = {"step": lambda message: step_lane(engine, rank, message), "stats": engine.stats,
                 "expire_prefix_cache": engine.expire_prefix_cache, "reset_prefix_cache": engine.reset_prefix_cache,
                 "check_integrity": lambda: lane_integrity(engine)}
@@ -244,7 +227,7 @@ def host_torchrun_rank(config: EngineConfig) -> bool:
     rank = torchrun_rank(config)
     if not rank:
         return False
-    layout_of(config).check_model(ModelConfig.from_json(config.model, config.hf_overrides))
+    check_layout(config)
     target = serve_lane if config.data_parallel_size > 1 else serve_rank
     target(config, rank, f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     return True
@@ -256,7 +239,7 @@ def host_node(config: EngineConfig) -> int:
     config.validate()
     if config.node_rank == 0:
         raise ValueError("node 0 runs the engine itself; host_node is for the other nodes")
-    layout_of(config).check_model(ModelConfig.from_json(config.model, config.hf_overrides))
+    check_layout(config)
     target = serve_lane if config.data_parallel_size > 1 else serve_rank
     ranks = RankGroup.start(config, target)
     for p in ranks.processes:

@@ -17,17 +17,13 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, EngineConfig, ModelConfig
+from ..config import ConfigError, EngineConfig
 from ..executor import Executor, InProcessExecutor, ModelOutput
 from ..scheduler import SchedulerOutput
 from ..speculative import MTPPlan
-from .launch import RankGroup, control_group, exchange_status, join_group, layout_of, leave
+from .launch import RankFailure, RankGroup, check_layout, control_group, layout_of, leave, start_worker
 
 logger = logging.getLogger(__name__)
-
-
-class RankFailure(RuntimeError):
-    """A rank died or stopped answering (past `dist_timeout_s`): the engine cannot step any more."""
 
 
 class MultiRankExecutor(Executor):
@@ -42,27 +38,18 @@ class MultiRankExecutor(Executor):
         self.local, self.ranks = local, ranks
         self.observers = local.observers
         self.runner, self.model = local.runner, local.model
-        self.failure: RankFailure | None = None
 
     def _together(self, method: str, *args, run):
         """Broadcast the call, then run it here; a failure of either is a RankFailure."""
-        if self.failure is None:
-            exited = self.ranks.failed_workers()
-            if exited:
-                self.failure = RankFailure(f"worker rank(s) exited: {', '.join(exited)}")
-        if self.failure is not None:
-            raise self.failure
+        self.ranks.check_alive()
         try:
             dist.broadcast_object_list([(method, args)], src=0, group=self.ranks.control)
             return run()
-        except RuntimeError as e:  # gloo/NCCL: a peer closed its connection, or the timeout passed
-            exited = self.ranks.failed_workers()
-            self.failure = RankFailure(f"{method} failed across ranks ({', '.join(exited) or 'no worker exited'}; "
-                                       f"dist_timeout_s {self.ranks.config.dist_timeout_s}): {e}")
-            raise self.failure from e
+        except RuntimeError as e:
+            raise self.ranks.fail(method, e) from e
 
     def _release(self, method: str, *args) -> None:
-        if self.failure is None:
+        if self.ranks.failure is None:
             try:
                 self._together(method, *args, run=lambda: None)
             except RankFailure:
@@ -100,7 +87,7 @@ class MultiRankExecutor(Executor):
 
     def rank_stats(self) -> list[dict]:
         """Every rank's figures, gathered on rank 0 (after a rank failure: rank 0's alone)."""
-        if self.failure is not None:
+        if self.ranks.failure is not None:
             return [self.local.local_stats()]
 
         def run():
@@ -110,7 +97,7 @@ class MultiRankExecutor(Executor):
         return self._together("rank_stats", run=run)
 
     def close(self) -> None:
-        self.ranks.close(notify=self.failure is None)
+        self.ranks.close(notify=self.ranks.failure is None)
 
 
 class RankWorker:
@@ -173,29 +160,25 @@ def mirror_pages(executor: InProcessExecutor, page_ids: list[int]) -> None:
 def worker_config(config: EngineConfig, rank: int) -> EngineConfig:
     """A worker's view of the config: no prefix cache of its own (rank 0's decides which pages are
     shared; the pages' rows are the same on every rank) and its own host store file."""
-    path = config.host_store_path
-    if path is not None:
-        path = path if os.path.isdir(path) else f"{path}.rank{rank}"
     return replace(config, enable_prefix_caching=False, prefix_cache_host_bytes=None, prefix_cache_disk_path=None,
                    prefix_cache_disk_bytes=None, prefix_cache_disk_key_file=None, prefix_cache_disk_old_key_files=None,
-                   prefix_cache_disk_unencrypted=False, host_store_path=path)
+                   prefix_cache_disk_unencrypted=False, host_store_path=_own_host_store(config, f"rank{rank}"))
+
+
+def _own_host_store(config: EngineConfig, tag: str) -> str | None:
+    """The tiered host store path of one rank: a directory is shared (each store makes a fresh file in
+    it), a file name gets the rank's tag (an existing file is refused)."""
+    path = config.host_store_path
+    return path if path is None or os.path.isdir(path) else f"{path}.{tag}"
 
 
 def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
     """A worker rank's whole life (a spawned process): join, load its shard, report, then run calls
     until told to stop."""
-    torch.set_num_threads(config.num_threads or 1)
-    logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
-    control = join_group(config, rank, init_method)
-    worker, error = None, None
-    try:
-        worker = _build_worker(config, rank, control)
-    except Exception as e:  # reported to rank 0, which raises it
-        error = f"rank {rank}: {type(e).__name__}: {e}"
-    statuses = exchange_status(error, config.tensor_parallel_size * config.data_parallel_size, control)
-    if any(s is not None for s in statuses):
-        dist.destroy_process_group()
+    started = start_worker(config, rank, init_method, lambda control: _build_worker(config, rank, control))
+    if started is None:
         return
+    worker, control = started
     while True:
         message = [None]
         dist.broadcast_object_list(message, src=0, group=control)
@@ -239,7 +222,7 @@ def start_executor(config: EngineConfig, dtype: torch.dtype, device: torch.devic
                           f"`sparsekv serve --node-rank {config.node_rank} ...` there (parallel.data_parallel.host_node)")
     layout = layout_of(config)
     if layout.world_size > 1:  # a layout the model cannot take fails here, before any process starts
-        layout.check_model(ModelConfig.from_json(config.model, config.hf_overrides))
+        check_layout(config)
     ranks = RankGroup.start(config, serve_rank) if layout.world_size > 1 else None
     error = None
     try:
@@ -309,10 +292,8 @@ class LaneExecutor(InProcessExecutor):
 
 def lane_config(config: EngineConfig, lane: int) -> EngineConfig:
     """A data-parallel rank's own files: its host store file and its prefix cache's disk directory."""
-    host, disk = config.host_store_path, config.prefix_cache_disk_path
-    if host is not None and not os.path.isdir(host):
-        host = f"{host}.dp{lane}"
-    return replace(config, host_store_path=host,
+    disk = config.prefix_cache_disk_path
+    return replace(config, host_store_path=_own_host_store(config, f"dp{lane}"),
                    prefix_cache_disk_path=None if disk is None else os.path.join(disk, f"dp{lane}"))
 
 

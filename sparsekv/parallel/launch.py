@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..config import ConfigError, EngineConfig
+from ..config import ConfigError, EngineConfig, ModelConfig
 from .comm import TensorParallel
 from .layout import ParallelLayout
 
@@ -31,6 +31,15 @@ class StartupError(RuntimeError):
     """A rank failed to start; the message names the rank and its error."""
 
 
+class RankFailure(RuntimeError):
+    """A rank died or stopped answering (past `dist_timeout_s`): the engine cannot step any more."""
+
+
+def check_layout(config: EngineConfig) -> None:
+    """ConfigError unless the model takes `config`'s layout: read from config.json, before any weight loads."""
+    layout_of(config).check_model(ModelConfig.from_json(config.model, config.hf_overrides))
+
+
 class RankGroup:
     """This process's membership of the world's process group, and the workers it spawned."""
 
@@ -39,6 +48,7 @@ class RankGroup:
         self.comm = TensorParallel(dist.group.WORLD, layout.world_size, layout.rank)
         self.control = control_group()
         self.closed = False
+        self.failure: RankFailure | None = None  # once a call across the ranks failed, every later one does
 
     @classmethod
     def start(cls, config: EngineConfig, worker_main) -> "RankGroup":
@@ -76,7 +86,7 @@ class RankGroup:
     @classmethod
     def _detached(cls, config, processes) -> "RankGroup":
         group = cls.__new__(cls)
-        group.config, group.processes, group.closed = config, processes, False
+        group.config, group.processes, group.closed, group.failure = config, processes, False, None
         return group
 
     def check_started(self, error: BaseException | None) -> None:
@@ -108,11 +118,47 @@ class RankGroup:
         """The workers that exited, with their exit codes."""
         return [f"{p.name} (exit code {p.exitcode})" for p in self.processes if not p.is_alive()]
 
+    def check_alive(self) -> None:
+        """RankFailure if a call across the ranks failed before, or a worker process exited."""
+        exited = self.failed_workers()
+        if self.failure is None and exited:
+            self.failure = RankFailure(f"worker rank(s) exited: {', '.join(exited)}")
+        if self.failure is not None:
+            raise self.failure
+
+    def fail(self, command: str, error: RuntimeError) -> RankFailure:
+        """The RankFailure of a collective that raised (gloo/NCCL: a peer closed its connection, or the
+        timeout passed), remembered."""
+        exited = self.failed_workers()
+        self.failure = RankFailure(f"{command} failed across ranks ({', '.join(exited) or 'no worker exited'}; "
+                                   f"dist_timeout_s {self.config.dist_timeout_s}): {error}")
+        return self.failure
+
 
 def exchange_status(mine: str | None, world_size: int, group) -> list[str | None]:
     statuses: list = [None] * world_size
     dist.all_gather_object(statuses, mine, group=group)
     return statuses
+
+
+def start_worker(config: EngineConfig, rank: int, init_method: str, build):
+    """A spawned worker's start: join the group, `build(control group)`, and exchange every rank's
+    start-up status. Returns (what build made, the control group), or None when a rank failed (this
+    process then leaves; rank 0 raises that rank's message)."""
+    import torch
+    torch.set_num_threads(config.num_threads or 1)
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
+    control = join_group(config, rank, init_method)
+    built, error = None, None
+    try:
+        built = build(control)
+    except Exception as e:  # reported to rank 0, which raises it
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    statuses = exchange_status(error, config.tensor_parallel_size * config.data_parallel_size, control)
+    if any(s is not None for s in statuses):
+        dist.destroy_process_group()
+        return None
+    return built, control
 
 
 _control = []  # this process's control group (step commands, host tensors), once it joined
