@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import disagg
 from ..request import InvalidRequest, SamplingParams
 from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware, tenant_for
 from .errors import APIError, bad_request, error_body, error_response
@@ -56,6 +57,7 @@ class ServerSettings:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # past it, 413 before the body is read
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # a completion's batch of prompts
     metrics_api_keys: dict[bytes, str] = field(default_factory=dict)  # these see /metrics' per-tenant series
+    disaggregation: disagg.DisaggSettings | None = None  # a prefill or decode worker's role (None: colocated)
 
 
 class ServerState:
@@ -85,6 +87,7 @@ class ServerState:
         self.loop = EngineLoop(engine, None, settings.max_queued_requests, settings.max_queued_per_tenant)
         self.metrics = ServerMetrics(self.model_name, self.loop.stats, lambda: self.loop.healthy, engine.cache_config())
         self.loop.metrics = self.metrics
+        self.disagg = disagg.build_worker(self, settings.disaggregation)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.settings.served_model_names:
@@ -239,6 +242,8 @@ async def _generate(request: Request, body: SamplingFields, kind: str, prompts: 
     builder.max_calls = None if getattr(body, "parallel_tool_calls", True) else 1
     job = Job(RequestGroup(rid, len(subs)), subs, _tenant(request), body.cache_salt, builder, body.stream,
               body.include_usage)
+    if state.disagg is not None or body.disaggregation is not None:
+        return await disagg.serve(state, request, job, body.disaggregation, prompts)
     return await run(request, state.loop, job, state.metrics)
 
 
@@ -351,6 +356,11 @@ async def models(request: Request):
         for name in state.settings.served_model_names]}
 
 
+async def disaggregation(request: Request):
+    """This worker's prefill/decode role and load, for `sparsekv router`."""
+    return disagg.describe(_state(request))
+
+
 async def version(request: Request):
     return {"version": importlib.metadata.version("sparsekv")}
 
@@ -380,7 +390,7 @@ ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", c
           ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
           ("/reset_prefix_cache", reset_prefix_cache, ["POST"]),
           ("/v1/models", models, ["GET"]), ("/health", health, ["GET"]), ("/metrics", metrics, ["GET"]),
-          ("/version", version, ["GET"])]
+          ("/version", version, ["GET"]), ("/disaggregation", disaggregation, ["GET"])]
 
 
 def create_app(engine, settings: ServerSettings) -> FastAPI:
@@ -396,6 +406,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(state.loop.abort_all("the server is shutting down"), 5.0)
             state.loop.stop()
+            if state.disagg is not None:
+                state.disagg.close()
             if state.tokenizing is not None:
                 state.tokenizing.close()
             if not state.loop.healthy:  # the loop thread is gone: nothing else touches the engine

@@ -68,8 +68,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat: split the model's <think>...</think> out of the content into reasoning_content "
                         "(vLLM's names; GLM-5 and DeepSeek-V3.2 share the format)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_disaggregation_args(p)
     add_engine_args(p)
     return p
+
+
+def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    from ..disagg import DEFAULT_TIMEOUT_S, MODES
+    g = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    g.add_argument("--disaggregation-mode", default="null", choices=MODES,
+                   help="prefill: compute prompts and send their KV; decode: take the KV and generate (requests "
+                        "come through `sparsekv router`); null: a colocated server")
+    g.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+                   help="prefill worker: the port of its bootstrap store, where decode workers claim a request's "
+                        "KV (0: any free port)")
+    g.add_argument("--disaggregation-bootstrap-host", default=None,
+                   help="the address the other worker reaches this one at for the transfer (default: --host, or "
+                        "this machine's host name when --host is a wildcard)")
+    g.add_argument("--disaggregation-secret-file", default=None, metavar="PATH",
+                   help="the secret both workers share to authenticate every transfer (required with a mode; "
+                        "private file, at least 16 bytes)")
+    g.add_argument("--disaggregation-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds a worker waits for the other side of a transfer, the prefill of the prompt "
+                        "included, before the request fails with 503")
 
 
 def main(argv: list[str]) -> int:
@@ -118,6 +139,7 @@ def build_app(args):
     from ..config import EngineConfig
     from ..llm import build_engine
     from ..paths import default_model_path
+    from ..disagg import DEFAULT_DECODE_HOST_BYTES
     from .app import ServerSettings, create_app
     from .auth import load_api_keys, parse_metrics_keys
 
@@ -135,12 +157,31 @@ def build_app(args):
     if args.chat_template is not None:  # read first: a wrong path fails before the model loads
         with open(args.chat_template) as f:
             template = f.read()
-    engine = build_engine(EngineConfig(model=model, tokenizer=args.tokenizer, **engine_options(args)))
+    role = disaggregation_settings(args)  # read first: a missing secret fails before the model loads
+    options = engine_options(args)
+    if role is not None and role.mode == "decode" and options.get("prefix_cache_host_bytes") is None:
+        options["prefix_cache_host_bytes"] = DEFAULT_DECODE_HOST_BYTES  # where transferred pages land
+    engine = build_engine(EngineConfig(model=model, tokenizer=args.tokenizer, **options))
     settings = ServerSettings(names, keys, args.max_queued_requests, args.default_max_tokens, template,
                               args.max_queued_per_tenant, args.reasoning_parser, args.max_request_body_bytes,
-                              args.max_prompts_per_request, metrics_keys)
+                              args.max_prompts_per_request, metrics_keys, role)
     app = create_app(engine, settings)
     return app, app.state.server
+
+
+def disaggregation_settings(args):
+    """The worker's prefill or decode role from the --disaggregation-* flags (None: colocated)."""
+    from ..disagg import DisaggSettings, default_bootstrap_host
+    from ..disagg.wire import load_secret
+    if args.disaggregation_mode == "null":
+        return None
+    if args.disaggregation_secret_file is None:
+        raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} needs --disaggregation-secret-file (the "
+                         f"secret the prefill and decode workers share)")
+    host = args.disaggregation_bootstrap_host or default_bootstrap_host(args.host)
+    port = args.disaggregation_bootstrap_port if args.disaggregation_mode == "prefill" else None
+    return DisaggSettings(args.disaggregation_mode, host, port, load_secret(args.disaggregation_secret_file),
+                          args.disaggregation_timeout)
 
 
 def serve(app, state, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> int:

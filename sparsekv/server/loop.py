@@ -64,6 +64,7 @@ class RequestGroup:
         self.request_ids = [f"{group_id}-{i}" for i in range(size)]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival = time.monotonic()
+        self.first_scheduled: float | None = None  # when the engine first scheduled one of its requests
         self.num_finished = 0
 
     @property
@@ -273,8 +274,11 @@ class EngineLoop:
 
     def _route_output(self, out: RequestOutput, now: float):
         route = self._routes[out.request_id]
+        scheduled = getattr(route.request, "first_scheduled_time", None)
         if self.metrics:
-            self.metrics.observe(route.timer, out, now, getattr(route.request, "first_scheduled_time", None))
+            self.metrics.observe(route.timer, out, now, scheduled)
+        if route.group.first_scheduled is None:
+            route.group.first_scheduled = scheduled
         if out.finished:
             del self._routes[out.request_id]
         return route.group, route.index, out

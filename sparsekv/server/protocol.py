@@ -50,6 +50,25 @@ UNSUPPORTED = {
 }
 
 
+class Disaggregation(_Body):
+    """The router's `disaggregation` field (docs/disaggregation.md): the request's room and the
+    prefill worker's bootstrap address, the same on the prefill and the decode worker."""
+
+    room: str
+    bootstrap_host: str
+    bootstrap_port: int
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", self.room):
+            raise ValueError("disaggregation.room: 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+        if not self.bootstrap_host:
+            raise ValueError("disaggregation.bootstrap_host: must be a non-empty host name or address")
+        if not 1 <= self.bootstrap_port <= 65535:
+            raise ValueError(f"disaggregation.bootstrap_port: must be in [1, 65535], got {self.bootstrap_port}")
+        return self
+
+
 class SamplingFields(_Body):
     """Fields shared by completions and chat; `sampling_params()` in app.py maps them to the engine."""
 
@@ -81,6 +100,7 @@ class SamplingFields(_Body):
     ignore_eos: bool = False
     user: str | None = None
     cache_salt: str | None = None
+    disaggregation: Disaggregation | None = None  # set by `sparsekv router` for prefill/decode workers
 
     SUPPORTED_HERE: ClassVar[tuple[str, ...]] = ()  # UNSUPPORTED fields a subclass implements
 

@@ -13,6 +13,7 @@ other figure is the latest reported.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ..request import RequestOutput
@@ -77,6 +78,7 @@ class ChoiceState:
         self.sent_tokens = 0
         self.text_offset = 0
         self.peak: dict = {}
+        self.first_output_at: float | None = None  # monotonic
 
     @property
     def finished(self) -> bool:
@@ -84,6 +86,8 @@ class ChoiceState:
 
     def update(self, out: RequestOutput) -> None:
         self.out = out
+        if self.first_output_at is None:
+            self.first_output_at = time.monotonic()
         for key, value in (out.metrics or {}).items():
             if key.endswith("_bytes") and _is_number(value):  # bytes held: the peak, not the 0 after release
                 self.peak[key] = max(self.peak.get(key, value), value)
@@ -137,6 +141,7 @@ class ResponseBuilder:
         self.forced = forced  # a tool_choice forcing a call: the function's name, or "required"
         self.max_calls: int | None = None  # parallel_tool_calls=false: 1
         self.continuous_usage = False  # stream_options.continuous_usage_stats: usage so far in every chunk
+        self.disaggregation = None  # a decode worker's: states -> the request's transfer figures
 
     def choice_state(self, index: int, stop_strings: list[str]) -> ChoiceState:
         return ChoiceState(index, stop_strings, self.tools, self.reasoning, self.forced, self.max_calls)
@@ -197,9 +202,12 @@ class ResponseBuilder:
             for key, value in s.peak.items():
                 if isinstance(value, int) and not isinstance(value, bool):
                     total[key] = total.get(key, 0) + value
-        return {"tenant": self.tenant, "tiers": total,
-                "choices": [{"index": s.index, "token_ids": self._generated(s.out)[0], "tiers": dict(s.peak)}
-                            for s in states]}
+        ext = {"tenant": self.tenant, "tiers": total,
+               "choices": [{"index": s.index, "token_ids": self._generated(s.out)[0], "tiers": dict(s.peak)}
+                           for s in states]}
+        if self.disaggregation is not None:
+            ext["disaggregation"] = self.disaggregation(states)
+        return ext
 
     # -- stream chunks -------------------------------------------------------------------------
     def chunk(self, s: ChoiceState, first: bool, include_usage: bool) -> dict:
@@ -232,6 +240,8 @@ class ResponseBuilder:
             body["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         if finish is not None:
             body["sparsekv"] = {"tenant": self.tenant, "tiers": dict(s.peak), "index": s.index}
+            if self.disaggregation is not None:
+                body["sparsekv"]["disaggregation"] = self.disaggregation([s])
         return body
 
     @staticmethod

@@ -1,0 +1,142 @@
+"""The decode worker: takes a request's KV from the prefill worker, then generates as asked.
+
+Before the request reaches its engine it claims the room on the prefill worker's bootstrap store,
+telling it how many of each prompt's first pages it already holds (`engine.kv.held_prefix`: those
+are not sent), receives the rest and checks every tensor's size and digest. The pages go into its
+prefix cache's host tier all or none (`engine.kv.import_prefix`), so the request then runs as a
+prefix hit there: it computes the page holding the last token and samples the first token itself.
+Nothing is kept from a transfer that fails.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+from ..server.serving import Job, run
+from .transfer import DECODE_RANK, Room, connect, recv_tensors
+from .wire import TransferError, check_received, prompt_digest, sign, tensors_to_pages, verify
+from .worker import Worker
+
+log = logging.getLogger("sparsekv.disagg")
+
+
+class DecodeWorker(Worker):
+    async def serve(self, request, job: Job, field, prompts: list[list[int]]):
+        room = self.open_room(field)
+        started = time.monotonic()
+        try:
+            figures = await self._take_kv(field, job, prompts)
+        except TransferError as e:
+            raise self.failed(room, e) from None
+        finally:
+            self.close_room(room)
+        figures["transfer_s"] = time.monotonic() - started - figures.pop("waited_s")
+        self.metrics.bytes.inc(figures["bytes"])
+        self.metrics.pages_skipped.inc(figures["pages_skipped"])
+        self.metrics.seconds.observe(figures["transfer_s"])
+        log.info("disaggregation room %s received: %s", room, figures)
+        job.builder.disaggregation = DecodeFigures(figures, job.group, time.monotonic())
+        return await run(request, self.state.loop, job, self.state.metrics)
+
+    async def _take_kv(self, field, job: Job, prompts: list[list[int]]) -> dict:
+        kv, loop = self.state.engine.kv, self.state.loop
+        held = await _on_engine(loop, lambda: [kv.held_prefix(p, job.tenant, job.cache_salt) for p in prompts])
+        self.rooms[field.room] = "claim"
+        claim = {"room": field.room, "nonce": secrets.token_hex(16), "tenant": job.tenant,
+                 "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held}
+        link, meta, pages, waited = await self.blocking(self._receive, field, claim)
+        try:
+            self.rooms[field.room] = "import"
+            await _on_engine(loop, kv.import_prefix, pages, job.tenant)  # all or none
+        except TransferError as e:
+            await self.blocking(self._verdict, link, meta, str(e))
+            raise
+        await self.blocking(self._verdict, link, meta, None)
+        return {"role": "decode", "room": field.room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
+                "waited_s": waited, "bytes": sum(t["nbytes"] for t in meta["tensors"]), "pages_sent": len(pages),
+                "pages_skipped": sum(held)}
+
+    def _receive(self, field, claim: dict):
+        """Claim the room, wait for the prefill worker's metadata, receive and check the tensors.
+        Returns (room link, metadata, pages, seconds spent waiting for the prefill)."""
+        secret, timeout = self.settings.secret, self.settings.timeout_s
+        link = Room(connect(field.bootstrap_host, field.bootstrap_port, timeout), field.room)
+        waiting = time.monotonic()
+        try:
+            link.put("claim", sign(secret, claim))
+            meta = verify(secret, link.take("meta", timeout, "KV from the prefill worker"), "prefill worker's metadata")
+            if "error" in meta:
+                raise TransferError(f"the prefill worker failed: {meta['error']}")
+        except TransferError:
+            link.forget()  # NOTE: the prefill worker is gone, or failed and left the room to this side
+            raise
+        waited = time.monotonic() - waiting
+        try:
+            self._check_meta(meta, claim)
+            pages = self._recv(link, meta) if meta["tensors"] else []
+        except TransferError as e:
+            self._verdict(link, meta, str(e))
+            raise
+        return link, meta, pages, waited
+
+    @staticmethod
+    def _check_meta(meta: dict, claim: dict) -> None:
+        if meta.get("nonce") != claim["nonce"] or meta.get("room") != claim["room"]:
+            raise TransferError("the prefill worker's metadata answers another claim")
+        names, per_prompt = meta.get("names"), meta.get("pages")
+        if not (isinstance(names, list) and isinstance(per_prompt, list) and len(per_prompt) == len(claim["held"])
+                and sum(per_prompt) == len(names) and isinstance(meta.get("tensors"), list)):
+            raise TransferError("the prefill worker's metadata is malformed")
+        if not names and meta["tensors"]:
+            raise TransferError("the prefill worker announced tensors for no pages")
+
+    def _recv(self, link: Room, meta: dict) -> list:
+        secret, timeout = self.settings.secret, self.settings.timeout_s
+        try:
+            names = [bytes.fromhex(n) for n in meta["names"]]
+            sizes = [int(t["nbytes"]) for t in meta["tensors"]]
+        except (ValueError, TypeError, KeyError):
+            raise TransferError("the prefill worker's metadata is malformed") from None
+        group = link.pair_group(DECODE_RANK, self.settings.bootstrap_host, timeout)
+        try:
+            received = recv_tensors(group, sizes)
+        finally:
+            del group
+        tensors = [check_received(secret, spec, data, i) for i, (spec, data) in enumerate(zip(meta["tensors"], received))]
+        return tensors_to_pages(names, tensors)
+
+    def _verdict(self, link: Room, meta: dict | None, error: str | None) -> None:
+        """Tell the prefill worker whether the KV was kept (it answers its own request from that)."""
+        body = {"room": link.name, "nonce": (meta or {}).get("nonce"), "ok": error is None}
+        if error is not None:
+            body["error"] = error
+        try:
+            link.put("done", sign(self.settings.secret, body))
+        except TransferError:
+            pass  # the prefill worker is gone: it learns nothing, and needs nothing
+
+
+async def _on_engine(loop, fn, *args):
+    try:
+        return await loop.call(fn, *args)
+    except Exception as e:  # rows that do not fit this cache (ValueError), or the engine going away
+        raise TransferError(f"the engine could not take the KV: {e}") from None
+
+
+class DecodeFigures:
+    """The request's time to first token split by where it went, for the response's extension:
+    the prefill worker's queue and prefill, the transfer, this worker's queue and first decode step."""
+
+    def __init__(self, transfer: dict, group, submitted: float):
+        self.transfer, self.group, self.submitted = transfer, group, submitted
+
+    def __call__(self, states) -> dict:
+        firsts = [s.first_output_at for s in states if s.first_output_at is not None]
+        scheduled = self.group.first_scheduled
+        figures = dict(self.transfer)
+        if scheduled is not None:
+            figures["decode_queue_s"] = max(0.0, scheduled - self.submitted)
+            if firsts:
+                figures["first_decode_s"] = min(firsts) - scheduled
+        return figures

@@ -1,0 +1,101 @@
+"""A server's prefill or decode role (`sparsekv serve --disaggregation-mode prefill|decode`).
+
+The router sends the same OpenAI request to a prefill worker and to a decode worker, each with a
+`disaggregation` field naming the room and the prefill worker's bootstrap address. The prefill
+worker computes the prompt (prefill.py) and the decode worker takes its KV before it generates
+(decode.py). Both run blocking transport calls on a small thread pool of their own and engine calls
+on the engine loop, so the event loop never waits on a peer.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..server.errors import APIError, bad_request
+from .metrics import TransferMetrics
+from .wire import TransferError
+
+log = logging.getLogger("sparsekv.disagg")
+MODES = ("null", "prefill", "decode")
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_DECODE_HOST_BYTES = 4 << 30  # the decode worker's prefix host tier, where transferred pages land
+MAX_TRANSFER_THREADS = 8
+ROOM_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@dataclass(frozen=True)
+class DisaggSettings:
+    """A worker's role. `bootstrap_host`: the address the other worker reaches this one at (its
+    transfer connections too); `bootstrap_port`: the prefill worker's store (0: a free port)."""
+
+    mode: str
+    bootstrap_host: str
+    bootstrap_port: int | None
+    secret: bytes
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self):
+        if self.mode not in ("prefill", "decode"):
+            raise ValueError(f"--disaggregation-mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--disaggregation-timeout must be > 0 seconds, got {self.timeout_s}")
+        port = self.bootstrap_port
+        if self.mode == "prefill" and (port is None or not 0 <= port <= 65535):
+            raise ValueError(f"--disaggregation-bootstrap-port must be in [0, 65535] on a prefill worker, got {port}")
+
+
+def default_bootstrap_host(serve_host: str) -> str:
+    """The address the other worker reaches this one at: the serve host, unless it is a wildcard."""
+    return serve_host if serve_host not in ("0.0.0.0", "::", "") else socket.gethostname()
+
+
+class Worker:
+    """What both roles share: the rooms in flight, the thread pool, the metrics, GET /disaggregation."""
+
+    def __init__(self, state, settings: DisaggSettings):
+        engine = state.engine
+        if getattr(engine, "kv", None) is None or engine.kv.prefix is None:
+            raise ValueError("--disaggregation-mode needs one engine (no --data-parallel-size) with its prefix "
+                             "cache on (pages move through it)")
+        self.state, self.settings = state, settings
+        self.metrics = TransferMetrics(state.metrics.registry, state.model_name)
+        self.rooms: dict[str, str] = {}  # room -> its phase, while a request of this worker is in it
+        self.pool = ThreadPoolExecutor(MAX_TRANSFER_THREADS, thread_name_prefix="sparsekv-disagg")
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        return None
+
+    def describe(self) -> dict:
+        stats = self.state.loop.stats()
+        return {"mode": self.settings.mode, "bootstrap_host": self.settings.bootstrap_host,
+                "bootstrap_port": self.bootstrap_port, "num_running": int(stats.get("running", 0)),
+                "num_waiting": int(stats.get("waiting", 0))}
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def blocking(self, fn, *args):
+        """`fn(*args)` on the transfer threads (store and gloo calls block)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def open_room(self, field) -> str:
+        room = field.room
+        if room in self.rooms:
+            raise bad_request(f"disaggregation.room {room!r} is already in use on this worker", "disaggregation")
+        self.rooms[room] = "open"
+        self.metrics.in_flight.inc()
+        return room
+
+    def close_room(self, room: str) -> None:
+        if self.rooms.pop(room, None) is not None:
+            self.metrics.in_flight.dec()
+
+    def failed(self, room: str, e: TransferError) -> APIError:
+        self.metrics.failed.inc()
+        log.warning("disaggregation room %s failed on the %s worker: %s", room, self.settings.mode, e)
+        return APIError(503, f"the KV transfer failed ({self.settings.mode} worker, room {room}): {e}")

@@ -1,0 +1,102 @@
+"""Helpers for the prefill/decode worker tests (no tests here): a worker server in a thread of this
+process, a worker as a `sparsekv serve` subprocess, and one request sent to a prefill and a decode
+worker at once, as `sparsekv router` sends it."""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+
+from test_server_util import REPO, free_port
+
+SECRET = b"a-shared-test-secret-0123456789"
+
+
+def secret_file(tmp_path, secret: bytes = SECRET) -> str:
+    path = os.path.join(str(tmp_path), f"secret-{uuid.uuid4().hex[:6]}")
+    with open(path, "wb") as f:
+        f.write(secret)
+    os.chmod(path, 0o600)
+    return path
+
+
+class WorkerServer:
+    """A prefill or decode worker (`mode`) served by uvicorn in a background thread."""
+
+    def __init__(self, model: str, mode: str, secret: bytes = SECRET, timeout_s: float = 20.0,
+                 api_keys: list[str] = (), **engine_options):
+        from sparsekv.config import EngineConfig
+        from sparsekv.disagg import DisaggSettings
+        from sparsekv.engine import LLMEngine
+        from sparsekv.server.app import ServerSettings, create_app
+        from sparsekv.server.auth import parse_api_keys
+        if mode == "decode":
+            engine_options.setdefault("prefix_cache_host_bytes", 1 << 24)
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        role = DisaggSettings(mode, "127.0.0.1", 0 if mode == "prefill" else None, secret, timeout_s)
+        self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), disaggregation=role))
+        self.state = self.app.state.server
+        self.worker = self.state.disagg
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        import uvicorn
+        from sparsekv.server.cli import DrainingServer
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=5)
+        self.server = DrainingServer(config, self.state, 5.0)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(15)
+        assert not self.thread.is_alive(), "server thread did not stop"
+
+    def check_clean(self) -> None:
+        """Everything of the transfers is gone: no room, no request, the pools' integrity holds."""
+        assert self.worker.rooms == {}
+        self.engine.check_integrity()
+        assert not self.engine.has_unfinished_requests()
+
+
+def start_worker_process(model: str, mode: str, secret_path: str, bootstrap_port: int = 0, *args: str,
+                         env: dict | None = None):
+    import subprocess
+    port = free_port()
+    cmd = [sys.executable, "-m", "sparsekv", "serve", model, "--port", str(port), "--max-model-len", "128",
+           "--kv-page-size", "4", "--num-threads", "1", "--log-level", "warning", "--disaggregation-mode", mode,
+           "--disaggregation-secret-file", secret_path, "--disaggregation-bootstrap-host", "127.0.0.1",
+           "--disaggregation-bootstrap-port", str(bootstrap_port), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **(env or {})}
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def field(prefill_info: dict, room: str | None = None) -> dict:
+    return {"room": room or uuid.uuid4().hex, "bootstrap_host": prefill_info["bootstrap_host"],
+            "bootstrap_port": prefill_info["bootstrap_port"]}
+
+
+def send_pair(prefill_url: str, decode_url: str, body: dict, path: str = "/v1/completions", headers=None,
+              timeout: float = 60.0, room: str | None = None) -> tuple[httpx.Response, httpx.Response]:
+    """One request to both workers at once, as the router sends it: (prefill's answer, decode's)."""
+    info = httpx.get(prefill_url + "/disaggregation", timeout=5).json()
+    tagged = {**body, "disaggregation": field(info, room)}
+
+    async def both():
+        async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
+            return await asyncio.gather(client.post(prefill_url + path, json={**tagged, "stream": False}),
+                                        client.post(decode_url + path, json=tagged))
+    return tuple(asyncio.run(both()))
