@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -21,6 +22,7 @@ from .output_processor import OutputProcessor
 from .outputs import token_counts
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler
+from .threads import resolve_num_threads
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,8 +34,9 @@ class LLMEngine:
         config.validate()
         config = resolve_config(config)  # a model or tokenizer given as a Hub repo id -> a local snapshot
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads = resolve_num_threads(config, ModelConfig.from_json(config.model, config.hf_overrides))
+        if threads:
+            torch.set_num_threads(threads)
         self.dtype, self.device = DTYPES[config.dtype], torch.device(config.device)
         self.executor, self.kv = start_executor(config, self.dtype, self.device, lane)
         try:
@@ -61,6 +64,11 @@ class LLMEngine:
                                        self.max_model_len, config.seed, self.request_metrics, self.speculator)
         self._ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.weights_version = 0  # weight updates applied since the engine started
+        self.paused = False
+        self._pending_update = None  # (update, checkpoint) waiting for the running requests to finish (drain)
+        self._held: deque[Request] = deque()  # requests not started, kept out of the scheduler while it drains
+        self.weight_update_error: Exception | None = None  # why the last deferred update failed to load
 
     def _build_speculator(self):
         from .speculative import Speculator
@@ -85,14 +93,25 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.scheduler.find(request_id) is not None:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        if params.return_routed_experts and self.config.enable_expert_parallel:
+            raise InvalidRequest("return_routed_experts is not available with expert parallelism", "return_routed_experts")
         token_ids = self.inputs.process(prompt, params)
         grammar = self.outputs.grammar_for(params.structured_output) if params.structured_output is not None else None
         req = Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)
         self.outputs.add(req, grammar)
-        self.scheduler.add(req)
+        if self._pending_update is not None:
+            self._held.append(req)  # the scheduler drains the requests that run under the old weights first
+        else:
+            self.scheduler.add(req)
         return req
 
     def abort(self, request_id: str) -> bool:
+        held = next((r for r in self._held if r.request_id == request_id), None)
+        if held is not None:  # never scheduled: nothing of it is in the cache
+            self._held.remove(held)
+            held.status, held.finish_reason = RequestStatus.ABORTED, "abort"
+            self.outputs.forget(request_id)
+            return True
         req = self.scheduler.find(request_id)
         if req is None:
             return False
@@ -101,10 +120,10 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._held)
 
     def num_waiting_requests(self, tenant: str | None = None) -> int:
-        return self.scheduler.num_waiting(tenant)
+        return self.scheduler.num_waiting(tenant) + sum(tenant is None or r.tenant == tenant for r in self._held)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -123,6 +142,8 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.paused:
+            return []
         self.kv.expire()
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:  # only requests waiting for disk reads: wait for one, do not spin
@@ -131,13 +152,16 @@ class LLMEngine:
         now = time.monotonic()
         for ch in scheduled.chunks:
             ch.request.first_scheduled_time = ch.request.first_scheduled_time or now
+        self.executor.capture_routed_experts(any(ch.request.params.return_routed_experts for ch in scheduled.chunks))
         out = self.executor.execute(scheduled.for_executor())
-        result = self.outputs.process(scheduled.chunks, out.logits, out.hidden, self.executor.logits)
+        result = self.outputs.process(scheduled.chunks, out.logits, out.hidden, self.executor.logits,
+                                      out.routed_experts)
         self.scheduler.update(scheduled, result.accepted_drafts, result.finished)
         if self.speculator is not None:
             self.speculator.draft(scheduled.chunks, self.outputs.generators)
         self._count(scheduled, result.num_generated_tokens)
         self._release_idle_buffers()
+        self._apply_pending_update()
         return result.outputs
 
     def _count(self, scheduled, generated: int) -> None:
@@ -171,10 +195,95 @@ class LLMEngine:
         self.executor.forget(req.request_id)
         self.outputs.preempted(req.request_id)  # its prompt logprobs are recorded again
 
+    # -- weights and generation control, for RL trainers (docs/rl.md) ---------------------------
+    def update_weights(self, named_tensors, policy: str = "drain") -> list[RequestOutput]:
+        """Load (Hugging Face name, tensor) pairs (FP8 weights with their `weight_scale_inv`), checked
+        whole first (weights.WeightUpdateError: nothing changed). `policy` "drain": requests already
+        started finish under the old weights while the others wait, and the update loads after them
+        (within the step that finishes the last; at once if none runs); "abort": started requests are
+        aborted now, and their final outputs (finish_reason "abort") returned. No request ever mixes
+        weights; no prefix-cache page of the old weights is served after (cache.manager.new_weights)."""
+        from .weights import check_tensor_update, model_weight_shapes
+        return self._update(check_tensor_update(model_weight_shapes(self.model), named_tensors), None, policy)
+
+    def update_weights_from_disk(self, path: str, policy: str = "drain") -> list[RequestOutput]:
+        """`update_weights` from a checkpoint directory of the same architecture (every tensor)."""
+        from .weights import check_disk_update, model_weight_shapes
+        update = check_disk_update(path, self.model_config, self.config.hf_overrides, model_weight_shapes(self.model))
+        return self._update(update, path, policy)
+
+    def _update(self, update, checkpoint: str | None, policy: str) -> list[RequestOutput]:
+        from .weights import WEIGHT_UPDATE_POLICIES, WeightUpdateConflict
+        if policy not in WEIGHT_UPDATE_POLICIES:
+            raise ValueError(f"weight update policy must be one of {WEIGHT_UPDATE_POLICIES}, got {policy!r}")
+        if self._pending_update is not None:
+            raise WeightUpdateConflict("another weight update is waiting for the running requests to finish")
+        self.executor.check_weight_update(update)
+        started = self._started_requests()
+        if started and policy == "drain" and self.paused:
+            raise WeightUpdateConflict(f"generation is paused with {len(started)} started request(s), which must "
+                                       f"finish under the old weights (drain): continue generation first, or abort them")
+        aborted = [self._abort_started(r) for r in started] if policy == "abort" else []
+        self._pending_update, self.weight_update_error = (update, checkpoint), None
+        # NOTE: the requests not started leave the scheduler's queue until the update loads, so that the
+        # scheduler admits none of them under the old weights; they come back first, in their order.
+        self._held.extendleft(reversed(self.scheduler.waiting))
+        self.scheduler.waiting.clear()
+        self._apply_pending_update()
+        if self.weight_update_error is not None:
+            raise self.weight_update_error
+        return aborted
+
+    def _started_requests(self) -> list[Request]:
+        """Running, or preempted after running: some of their KV or tokens come from the current weights."""
+        return [r for r in [*self.scheduler.running, *self.scheduler.waiting] if r.first_scheduled_time is not None]
+
+    def _abort_started(self, req: Request) -> RequestOutput:
+        req.finish_reason = "abort"
+        out = self.outputs.final_output(req)
+        self.scheduler.finish(req, RequestStatus.ABORTED, "abort")
+        self._release_idle_buffers()
+        return out
+
+    def _apply_pending_update(self) -> None:
+        """Load the waiting update once no started request is left; then the held requests queue again."""
+        if self._pending_update is None or self._started_requests():
+            return
+        update, checkpoint = self._pending_update
+        try:
+            self.executor.update_weights(update)
+        except Exception as e:  # the old weights still serve (or a rank failure: the next step raises it)
+            logger.error("weight update failed; the previous weights keep serving: %r", e)
+            self.weight_update_error = e
+        else:
+            self.weights_version += 1
+            self.kv.new_weights(checkpoint)
+        finally:
+            self._pending_update = None
+            self.scheduler.waiting.extend(self._held)
+            self._held.clear()
+
+    @property
+    def weight_update_pending(self) -> bool:
+        return self._pending_update is not None
+
+    def pause_generation(self) -> None:
+        """Stop stepping: running and waiting requests keep their KV pages and state (SGLang's
+        pause_generation); requests may still be added. `step` returns nothing until continue."""
+        self.paused = True
+
+    def continue_generation(self) -> None:
+        self.paused = False
+
+    def flush_cache(self) -> int:
+        """Forget every tenant's prefix-cache pages in every tier (SGLang's flush_cache); pages running
+        requests hold stay. Returns how many were forgotten."""
+        return self.kv.reset(None)
+
     # -- observability -------------------------------------------------------------------------
     def request_metrics(self, req: Request) -> dict:
         spec = self.speculator.request_metrics(req.request_id) if self.speculator is not None else {}
-        return {**token_counts(req), **self.kv.request_metrics(req), **spec}
+        return {**token_counts(req), **self.kv.request_metrics(req), **spec, "weights_version": self.weights_version}
 
     def cache_config(self) -> dict[str, str]:
         return {**self.kv.layout(), "num_speculative_tokens": str(self.config.num_speculative_tokens)}
@@ -185,7 +294,8 @@ class LLMEngine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), **self.kv.stats(),
                 **self.counters, "indexer_scratch_bytes": self.model.index_scratch.nbytes,
                 "preemptions": self.scheduler.num_preemptions, "kv_by_tenant": self.scheduler.tenant_stats(),
-                "ranks": self.executor.rank_stats(), **spec}
+                "ranks": self.executor.rank_stats(), "weights_version": self.weights_version,
+                "paused": self.paused, "weight_update_pending": self._pending_update is not None, **spec}
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

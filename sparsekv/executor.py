@@ -22,6 +22,7 @@ from .speculative import MTPDrafter, MTPPlan
 class ModelOutput:
     logits: torch.Tensor  # fp32 on the CPU: 1 + drafts rows per chunk that samples, in chunk order
     hidden: torch.Tensor  # the final hidden state of every row of the step (on the device)
+    routed_experts: torch.Tensor | None = None  # [logits rows, MoE layers, top-k] when captured (routing.py)
 
 
 class Executor(ABC):
@@ -61,6 +62,18 @@ class Executor(ABC):
         """Per rank, in rank order: weight bytes, KV pool bytes (latents and indexer keys, every slot),
         peak resident memory, bytes sent by each collective."""
 
+    def update_weights(self, update) -> None:
+        """Load a checked weight update (weights.py: TensorUpdate or DiskUpdate) on every rank, each its
+        own slices; nothing changes if it fails."""
+        raise NotImplementedError(f"{type(self).__name__} does not update weights")
+
+    def check_weight_update(self, update) -> None:
+        """WeightUpdateError if a checked update still cannot be applied whole (its source changed)."""
+
+    def capture_routed_experts(self, on: bool) -> None:
+        """Whether the next steps' ModelOutput carries the sampling rows' routed experts."""
+        raise NotImplementedError(f"{type(self).__name__} does not capture routed experts")
+
     def add_observer(self, observer: Callable[[SchedulerOutput, ModelOutput], None]) -> None:
         """Call `observer(step, output)` after every step (benchmarks and tools record through this)."""
         self.observers.append(observer)
@@ -70,7 +83,11 @@ class InProcessExecutor(Executor):
     """The model and its cache in this process, on one device."""
 
     def __init__(self, model, pool, config):
+        from .routing import RoutedExpertsRecorder
+        from .weights import WeightSource
         self.model, self.pool = model, pool
+        self.weights = WeightSource(config.model, config.hf_overrides, model.dtype, _layout(config))
+        self.routing, self.capture_routing = RoutedExpertsRecorder(model), False
         self.runner = ModelRunner(model, pool, config.kv_page_size, config.attention,
                                   decode_rows=1 + config.num_speculative_tokens,
                                   batch_dense_decodes=config.batch_dense_decodes)
@@ -81,9 +98,10 @@ class InProcessExecutor(Executor):
 
     def execute(self, step: SchedulerOutput) -> ModelOutput:
         self.pool.begin_step(step.chunks)
+        self.routing.begin(self.capture_routing)
         logits, hidden = self.runner.execute(step.chunks)
         self._hidden = hidden if self.drafter is not None else None
-        out = ModelOutput(logits, hidden)
+        out = ModelOutput(logits, hidden, self.routing.take(step.chunks))
         for observe in self.observers:
             observe(step, out)
         return out
@@ -121,3 +139,25 @@ class InProcessExecutor(Executor):
     def check_integrity(self, running: set[str]) -> None:
         for selector in self.model.selectors():
             selector.check_integrity(running)
+
+    def update_weights(self, update) -> None:
+        """Load a checked weight update (weights.py) into this rank's model, in place."""
+        self.weights.apply(self.model, update)
+
+    def check_weight_update(self, update) -> None:
+        """WeightUpdateError if the update cannot be applied whole (here, before any rank starts)."""
+        self.weights.check(self.model, update)
+
+    def capture_routed_experts(self, on: bool) -> None:
+        """Whether the next steps return their sampling rows' routed experts (on rank 0 only)."""
+        self.capture_routing = on
+
+
+def _layout(config):
+    """This process's rank layout (None: one rank holds the whole model)."""
+    import torch.distributed as dist
+
+    from .parallel.launch import layout_of
+    if config.tensor_parallel_size * config.data_parallel_size == 1:
+        return None
+    return layout_of(config, dist.get_rank() if dist.is_initialized() else 0)

@@ -33,6 +33,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if getattr(self.engine, "paused", False):
+            raise RuntimeError("generation is paused (pause_generation): continue_generation first")
         requests = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
         ids = [r.request_id for r in requests]
         finished: dict[str, RequestOutput] = {}
@@ -50,6 +52,34 @@ class LLM:
         finally:
             progress and progress.close(len(finished))
         return [finished[rid] for rid in ids]
+
+    # -- for RL trainers (docs/rl.md) ----------------------------------------------------------
+    def update_weights(self, named_tensors, policy: str = "drain") -> int:
+        """Load (Hugging Face name, tensor) pairs into the running model (FP8 weights with their
+        `weight_scale_inv`; names left out keep their values), checked whole first: a bad update raises
+        `WeightUpdateError` and the old weights keep serving. The prefix cache forgets what the old
+        weights computed. Returns the new `weights_version`."""
+        self._weights_engine().update_weights(named_tensors, policy)
+        return self.engine.weights_version
+
+    def update_weights_from_disk(self, path: str, policy: str = "drain") -> int:
+        """`update_weights` from a checkpoint directory of the same architecture."""
+        self._weights_engine().update_weights_from_disk(path, policy)
+        return self.engine.weights_version
+
+    @property
+    def weights_version(self) -> int:
+        """How many weight updates this engine has loaded (0: the weights it started with)."""
+        return self.engine.weights_version
+
+    def flush_cache(self) -> int:
+        """Forget every prefix-cache page in every tier; returns how many."""
+        return self.engine.flush_cache()
+
+    def _weights_engine(self):
+        if not hasattr(self.engine, "update_weights"):
+            raise NotImplementedError("weight updates with data_parallel_size > 1 are not supported yet")
+        return self.engine
 
     def stats(self) -> dict:
         return self.engine.stats()

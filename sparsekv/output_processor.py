@@ -30,6 +30,7 @@ class OutputState:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # params.prompt_logprobs: None for the first prompt token, then one entry per prompt token
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    routed_experts: list[list[list[int]]] = field(default_factory=list)  # params.return_routed_experts
 
 
 @dataclass
@@ -100,9 +101,11 @@ class OutputProcessor:
             "sampling state of a finished request"
 
     # -- the step ------------------------------------------------------------------------------
-    def process(self, chunks, logits: torch.Tensor, hidden: torch.Tensor, logits_of) -> StepResult:
+    def process(self, chunks, logits: torch.Tensor, hidden: torch.Tensor, logits_of,
+                routed: torch.Tensor | None = None) -> StepResult:
         """The step's tokens. `logits`: 1 + drafts rows per sampling chunk, in order; `hidden`: every
-        row's final hidden state; `logits_of(hidden rows)`: their fp32 logits (prompt logprobs)."""
+        row's final hidden state; `logits_of(hidden rows)`: their fp32 logits (prompt logprobs);
+        `routed`: the routed experts of the logits rows (routing.py), when a request asked for them."""
         result = StepResult()
         plain = self._decide_plain_rows(chunks, logits)
         row, first_row = 0, 0
@@ -119,6 +122,8 @@ class OutputProcessor:
             else:
                 rows = 1 + ch.num_draft_tokens
                 new = self._sample(req, logits[row:row + rows], result)
+            if req.params.return_routed_experts:  # token j was sampled from the chunk's row j
+                self._states[req.request_id].routed_experts.extend(routed[row:row + len(new)].tolist())
             row += rows
             result.outputs.append(self._output(req, new))
             result.num_generated_tokens += len(new)
@@ -263,9 +268,14 @@ class OutputProcessor:
         state.text = full[:cut + (len(stop) if req.params.include_stop_str_in_output else 0)]
         return True
 
+    def final_output(self, req: Request) -> RequestOutput:
+        """The output of a request ended outside a step (aborted for a weight update), before it is forgotten."""
+        return self._output(req, [])
+
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         state, params = self._states[req.request_id], req.params
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), state.text,
                              list(state.logprobs) if params.logprobs is not None else None,
                              req.finish_reason, new_tokens, req.num_cached_tokens, self.metrics(req),
-                             state.prompt_logprobs if params.prompt_logprobs is not None else None)
+                             state.prompt_logprobs if params.prompt_logprobs is not None else None,
+                             state.routed_experts if params.return_routed_experts else None)

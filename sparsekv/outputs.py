@@ -20,6 +20,10 @@ class RequestOutput:
     # With params.prompt_logprobs: None, then each later prompt token's logprob and alternatives
     # (filled while the prompt is prefilled; shared with the request, never copied per step).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # With params.return_routed_experts: per generated token, per MoE layer (in layer order), the top-k
+    # expert ids (ascending) the router chose at the position whose logits sampled the token (the last
+    # prompt token's for the first one); shared with the request, never copied per step.
+    routed_experts: list[list[list[int]]] | None = None
 
     @property
     def finished(self) -> bool:

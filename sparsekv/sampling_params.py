@@ -51,6 +51,8 @@ class SamplingParams:
     # vLLM's (V0) logits processors: each `f(output_token_ids, logits) -> logits`, on a copy of the raw
     # row, before the penalties and bias (e.g. teacher forcing: only the next given token finite)
     logits_processors: list | None = None
+    # SGLang's: each generated token's routed expert ids per MoE layer (RequestOutput.routed_experts)
+    return_routed_experts: bool = False
 
     MAX_LOGPROBS = 20
 
@@ -92,7 +94,7 @@ class SamplingParams:
         need(all(isinstance(s, str) and s for s in stops), "stop", "must be a non-empty string or a list of them")
         need(self.stop_token_ids is None or all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be a list of token ids (integers >= 0)")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "return_routed_experts"):
             need(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
         need(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")
         need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",

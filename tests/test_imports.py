@@ -40,7 +40,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("model",)),                   # the network: reads the cache only through context.py
     ("cache", ("cache",)),                   # page allocator, prefix cache and its tiers, pools, tiering
     ("scheduling", ("scheduler", "runner", "speculative", "structured")),
-    ("engine", ("engine", "llm", "executor", "parallel", "input_processor", "output_processor", "__init__")),
+    ("engine", ("engine", "llm", "executor", "parallel", "input_processor", "output_processor", "__init__",
+                "weights", "routing", "threads")),
     ("server", ("server",)),
     ("train", ("train",)),                   # the bundled model's training: uses model/, not the engine
     ("tools", ("tools",)),                   # benchmarks, planner, evals; they also use train/ (data, stages)

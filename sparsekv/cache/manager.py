@@ -8,6 +8,7 @@ observability calls.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -181,6 +182,24 @@ class CacheManager:
 
     def reset(self, tenant: str | None = None) -> int:
         return self.prefix.reset(tenant) if self.prefix is not None else 0
+
+    def new_weights(self, checkpoint: str | None) -> int:
+        """The weights changed (`checkpoint`: the directory they came from; None for tensors given in
+        process): no page computed with the old ones is served again (PrefixCache.new_weights). The disk
+        tier reopens in the new checkpoint's namespace, or stays off until weights come from one."""
+        if self.prefix is None:
+            return 0
+        disk = None
+        if checkpoint is not None and self.config.prefix_cache_disk_path:
+            self.config = replace(self.config, model=checkpoint)
+            old = self.prefix.tiers.pop("disk", None)
+            if old is not None:
+                old.close()  # first: the same weights again name the same directory, which one engine locks
+            try:
+                disk = self._build_disk_tier(self.prefix.rows, self.prefix.lookahead)
+            except ConfigError as e:
+                logger.warning("prefix cache disk tier: not reopened for the new weights: %s", e)
+        return self.prefix.new_weights(disk)
 
     def wait_for_reads(self, timeout: float) -> None:
         if self.prefix is not None:

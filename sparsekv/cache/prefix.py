@@ -304,6 +304,25 @@ class PrefixCache:
             self._unname(page)
         return len(pages) + sum(store.drop(tenant) for store in self.tiers.values())
 
+    def new_weights(self, disk=None) -> int:
+        """The model's weights changed: forget every cached page in the pool and the host tier, of every
+        tenant (their KV was computed with the old weights), and replace the disk tier by `disk` (one
+        for the new weights' checkpoint, or None). The old disk tier is closed, its files kept: they are
+        named by the old checkpoint's identity, so only an engine with those weights reads them again.
+        Pages held by running requests stay (the engine updates weights with none running). Returns how
+        many pages were forgotten."""
+        old = self.tiers.pop("disk", None)
+        if old is not None:
+            old.close()
+        self._reading.clear()  # reads from the old disk tier: a waiting request looks its prefix up again
+        n = self.reset(None)
+        if "host" in self.tiers:
+            self.tiers["host"].spill = disk.save_rows if disk is not None else None
+        if disk is not None:
+            disk.clock = self.allocator.cached.clock
+            self.tiers["disk"] = disk
+        return n
+
     def persist(self) -> None:
         """Before the engine closes: save the pool's cached pages and the host tier's copies to the disk
         tier (least recently used first, so the budget keeps the newest), so a restart finds them."""

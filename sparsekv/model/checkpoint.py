@@ -183,20 +183,25 @@ def _load_one(files, name: str, shape: tuple, handles: dict, path: str, layout) 
     return t
 
 
+def as_stored(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor as the model keeps it: the model dtype, but fp32 for the router's correction bias and
+    the indexer's head weights (as the reference computes them)."""
+    keep_fp32 = name.endswith("e_score_correction_bias") or name.endswith("weights_proj.weight")
+    return t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype).contiguous()
+
+
 def load_tensors(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 drop_extra_indexers: bool = False, layout=None) -> dict[str, torch.Tensor]:
-    """Every tensor the model needs, checked against the config; with a `ParallelLayout`, only this
-    rank's slices (no rank ever reads the whole model)."""
+                 drop_extra_indexers: bool = False, layout=None, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor the model needs (or the names in `only` among them), checked against the config;
+    with a `ParallelLayout`, only this rank's slices (no rank ever reads the whole model)."""
     files = list_tensor_files(path)
     want = check_names(cfg, set(files), path, drop_extra_indexers)
     handles: dict = {}
     out = {}
     for name, shape in want.items():
-        if layout is not None and not layout.holds(name, cfg):
+        if (layout is not None and not layout.holds(name, cfg)) or (only is not None and name not in only):
             continue
-        t = _load_one(files, name, shape, handles, path, layout)
-        keep_fp32 = name.endswith("e_score_correction_bias") or name.endswith("weights_proj.weight")
-        out[name] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype).contiguous()
+        out[name] = as_stored(name, _load_one(files, name, shape, handles, path, layout), dtype, device)
     return out
 
 

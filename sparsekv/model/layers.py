@@ -137,8 +137,13 @@ class MoE:
         self.cfg, self.router, self.bias = cfg, router.float(), bias.float()
         self.experts, self.shared = experts, shared
 
+    record = None  # a callable given each call's expert ids [rows, k] (the engine's return_routed_experts)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route_experts(self.cfg, x, self.router, self.bias)
+        ids, weights = route_experts(self.cfg, x, self.router, self.bias)
+        if self.record is not None:
+            self.record(ids)
+        return ids, weights
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed(x) + self.shared(x)

@@ -85,6 +85,24 @@ class MultiRankExecutor(Executor):
     def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:
         return self._together("draft_step", step, tokens, run=lambda: self.local.draft_step(step, tokens))
 
+    def update_weights(self, update) -> None:
+        """Every rank loads its slices of the update (an in-process update's tensors travel pickled on
+        the control group); then the ranks agree that all of them did, before anyone serves again."""
+        def run():
+            try:
+                self.local.update_weights(update)
+            except Exception as e:  # checked before: an I/O or memory failure, and the others may have loaded it
+                _agree_on_update(self.ranks.control, ok=False)
+                raise RuntimeError(f"rank 0 failed to load the weight update: {e!r}") from e
+            _agree_on_update(self.ranks.control, ok=True)
+        self._together("update_weights", update, run=run)
+
+    def check_weight_update(self, update) -> None:
+        self.local.check_weight_update(update)
+
+    def capture_routed_experts(self, on: bool) -> None:
+        self.local.capture_routed_experts(on)  # every rank routes the same rows alike: rank 0 records
+
     def rank_stats(self) -> list[dict]:
         """Every rank's figures, gathered on rank 0 (after a rank failure: rank 0's alone)."""
         if self.ranks.failure is not None:
@@ -134,6 +152,24 @@ class RankWorker:
 
     def rank_stats(self) -> None:
         dist.gather_object(self.executor.local_stats(), None, dst=0, group=self.control)
+
+    def update_weights(self, update) -> None:
+        try:
+            self.executor.update_weights(update)
+        except Exception:
+            logger.exception("rank %d: the weight update failed", dist.get_rank())
+            _agree_on_update(self.control, ok=False)
+            raise
+        _agree_on_update(self.control, ok=True)
+
+
+def _agree_on_update(control, ok: bool) -> None:
+    """Every rank says whether its update loaded; RuntimeError on rank 0 if one did not (the ranks may
+    now hold other weights than rank 0: a rank failure, the engine serves no more)."""
+    flag = torch.tensor([0 if ok else 1])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
+    if ok and flag.item() and dist.get_rank() == 0:
+        raise RuntimeError("a worker rank failed to load the weight update")
 
 
 def mirror_pages(executor: InProcessExecutor, page_ids: list[int]) -> None:

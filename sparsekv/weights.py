@@ -1,0 +1,259 @@
+"""Weight updates without a restart: check an update whole, then load it into the running model.
+
+An update is plain data, checked on rank 0 before anything changes (`check_tensor_update`,
+`check_disk_update`): every name must be one of the loaded model's tensors, every shape the whole
+tensor's, an FP8 weight must come with its `weight_scale_inv` (and a scale with its weight). A bad
+update raises `WeightUpdateError` and the old weights keep serving.
+
+Applying it (`WeightSource.apply`, on every rank, each on its own slices) builds a second model from
+the new tensors with the model's own constructor, on the host, then copies every tensor of it into
+the running model in place (`copy_weights`). Derived tensors (fused gate/up, transposed latent
+projections, fp32 router copies) are thus made exactly as a fresh load makes them, and the running
+model keeps its identity: the runner, the drafter, the cache and its selectors hold the same objects.
+The copy starts only once the new model is whole, so a failure while reading or building leaves the
+old weights in place.
+
+A partial in-process update needs the tensors it leaves out: they are read again from the checkpoint
+the engine loaded (refused if that directory changed since), plus the tensors earlier in-process
+updates gave (`overlay`, host memory; an update from disk clears it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .model.checkpoint import (CheckpointError, as_stored, check_names, dequantize_fp8, expected_shapes,
+                               list_tensor_files, load_tensors, mtp_shapes)
+
+SCALE_SUFFIX = "_scale_inv"
+# attributes of the model's objects that hold no weights: per-request and per-slot state (selectors,
+# Quest bounds), scratch buffers, the collectives, the routed-expert recorder, the config
+NOT_WEIGHTS = frozenset({"selector", "comm", "scratch", "index_scratch", "record", "cfg", "policy"})
+
+
+class WeightUpdateError(ValueError):
+    """A weight update refused whole (unknown name, wrong shape, FP8 weight without its scale, another
+    architecture); the message names the tensors. The old weights keep serving."""
+
+
+class WeightUpdateConflict(RuntimeError):
+    """A weight update that cannot start now (another is waiting; generation is paused with requests
+    that must finish under the old weights). Nothing changed."""
+
+
+WEIGHT_UPDATE_POLICIES = ("drain", "abort")
+
+
+@dataclass
+class TensorUpdate:
+    """Tensors by Hugging Face name, whole (not sliced), FP8 already dequantised, on the host."""
+
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DiskUpdate:
+    """A whole checkpoint directory of the same architecture, checked by its headers."""
+
+    path: str
+
+
+def model_weight_shapes(model) -> dict[str, tuple]:
+    """Every tensor name the running model was loaded from, with the whole tensor's shape."""
+    cfg = model.cfg
+    shapes = expected_shapes(cfg, tie_lm_head=model.lm_head is model.embed)
+    if model.mtp is not None:
+        required, optional = mtp_shapes(cfg)
+        shapes.update(required)
+        p = f"model.layers.{cfg.num_hidden_layers}"
+        shapes.update({k: v for k, v in optional.items()
+                       if (k == f"{p}.embed_tokens.weight" and model.mtp.embed is not None)
+                       or (k == f"{p}.shared_head.head.weight" and model.mtp.head is not None)})
+    return shapes
+
+
+def _names(items, limit: int = 6) -> str:
+    items = sorted(items)
+    return ", ".join(items[:limit]) + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def check_tensor_update(shapes: dict[str, tuple], named_tensors) -> TensorUpdate:
+    """An iterable of (name, tensor) checked against the model's `shapes`; FP8 weights dequantised."""
+    given: dict[str, torch.Tensor] = {}
+    for item in named_tensors:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise WeightUpdateError("update_weights takes an iterable of (name, torch.Tensor) pairs")
+        name, tensor = item
+        if name in given:
+            raise WeightUpdateError(f"tensor {name} is given twice")
+        given[name] = tensor.detach()
+    if not given:
+        raise WeightUpdateError("the update has no tensors")
+    scales = {n for n in given if n.endswith(SCALE_SUFFIX)}
+    weights = {n: t for n, t in given.items() if n not in scales}
+    unknown = set(weights) - set(shapes)
+    if unknown:
+        raise WeightUpdateError(f"unknown tensor(s) {_names(unknown)}: not in the loaded model")
+    orphans = {s for s in scales if s[:-len(SCALE_SUFFIX)] not in weights}
+    if orphans:
+        raise WeightUpdateError(f"FP8 scale(s) {_names(orphans)} without their weight in the same update")
+    wrong = {n: tuple(t.shape) for n, t in weights.items() if tuple(t.shape) != tuple(shapes[n])}
+    if wrong:
+        raise WeightUpdateError("wrong shape(s): " + ", ".join(
+            f"{n} {s}, the model's {tuple(shapes[n])}" for n, s in sorted(wrong.items())[:6]))
+    out = {}
+    for name, t in weights.items():
+        out[name] = _dequantized(name, t, given.get(name + SCALE_SUFFIX))
+    return TensorUpdate(out)
+
+
+def _dequantized(name: str, t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    fp8 = t.dtype == torch.float8_e4m3fn
+    if fp8 and scale is None:
+        raise WeightUpdateError(f"FP8 tensor {name} has no {name}{SCALE_SUFFIX} in the update")
+    if not fp8 and scale is not None:
+        raise WeightUpdateError(f"{name}{SCALE_SUFFIX} given, but {name} is {t.dtype}, not float8_e4m3fn")
+    if not (t.is_floating_point()):
+        raise WeightUpdateError(f"tensor {name} is {t.dtype}, not a floating-point type")
+    try:
+        return dequantize_fp8(t.cpu(), scale.cpu(), name) if fp8 else t.cpu()
+    except CheckpointError as e:
+        raise WeightUpdateError(str(e)) from None
+
+
+def check_disk_update(path: str, cfg: ModelConfig, overrides: dict | None, shapes: dict[str, tuple]) -> DiskUpdate:
+    """A checkpoint directory of the same architecture holding exactly the model's tensors, checked by
+    config.json and the safetensors headers (shapes, FP8 scales) without reading the weights."""
+    try:
+        other = ModelConfig.from_json(path, overrides)
+        files = list_tensor_files(path)
+        want = check_names(other, set(files), path, bool(overrides))
+    except (OSError, ValueError, KeyError) as e:
+        raise WeightUpdateError(f"{path}: {e}") from None
+    if other != cfg:
+        fields = [f for f in cfg.__dataclass_fields__ if getattr(cfg, f) != getattr(other, f)]
+        raise WeightUpdateError(f"{path}: another architecture; config fields differ: {', '.join(fields)}")
+    if set(want) != set(shapes):
+        raise WeightUpdateError(f"{path}: its tensors differ from the loaded model's: missing "
+                                f"{_names(set(shapes) - set(want)) or 'none'}; extra {_names(set(want) - set(shapes)) or 'none'}")
+    _check_headers(path, files, want)
+    return DiskUpdate(path)
+
+
+def _check_headers(path: str, files: dict[str, str], want: dict[str, tuple]) -> None:
+    from safetensors import safe_open
+    handles = {}
+    try:
+        for name, shape in want.items():
+            f = handles.setdefault(files[name], safe_open(files[name], "pt"))
+            part = f.get_slice(name)
+            if tuple(part.get_shape()) != tuple(shape):
+                raise WeightUpdateError(f"{path}: tensor {name} has shape {tuple(part.get_shape())}, the model's {shape}")
+            if part.get_dtype() in ("F8_E4M3", "float8_e4m3fn") and name + SCALE_SUFFIX not in files:
+                raise WeightUpdateError(f"{path}: FP8 tensor {name} has no {name}{SCALE_SUFFIX}")
+    except OSError as e:
+        raise WeightUpdateError(f"{path}: {e}") from None
+
+
+class WeightSource:
+    """Where one rank's weights came from: the checkpoint directory it loaded (and its identity then),
+    and the tensors in-process updates gave since (this rank's slices, on the host)."""
+
+    def __init__(self, path: str, overrides: dict | None, dtype: torch.dtype, layout=None):
+        from .cache.prefix_disk import checkpoint_identity
+        self.path, self.overrides, self.dtype, self.layout = path, overrides, dtype, layout
+        self.identity = checkpoint_identity(path)
+        self.overlay: dict[str, torch.Tensor] = {}
+
+    def apply(self, model, update: TensorUpdate | DiskUpdate) -> None:
+        """Build the updated weights beside the model, then copy them in (nothing changes on failure)."""
+        tensors, overlay = self._tensors(model, update)
+        copy_weights(model, self._build(model, tensors))
+        if isinstance(update, DiskUpdate):
+            from .cache.prefix_disk import checkpoint_identity
+            self.path, self.identity = update.path, checkpoint_identity(update.path)
+        self.overlay = overlay
+
+    def _tensors(self, model, update) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(every tensor of this rank's model after the update, the in-process overlay after it)."""
+        cpu, cfg = torch.device("cpu"), model.cfg
+        if isinstance(update, DiskUpdate):
+            return load_tensors(update.path, cfg, self.dtype, cpu, bool(self.overrides), self.layout), {}
+        mine = {n: self._slice(n, t, cfg) for n, t in update.tensors.items() if self._holds(n, cfg)}
+        overlay = {**self.overlay, **mine}
+        missing = set(model_weight_shapes(model)) - set(overlay)
+        read = {}
+        if any(self._holds(n, cfg) for n in missing):
+            read = load_tensors(self.path, cfg, self.dtype, cpu, bool(self.overrides), self.layout, only=missing)
+        return {**read, **overlay}, overlay
+
+    def _holds(self, name: str, cfg) -> bool:
+        return self.layout is None or self.layout.holds(name, cfg)
+
+    def _slice(self, name: str, t: torch.Tensor, cfg) -> torch.Tensor:
+        shard = self.layout.shard(name, tuple(t.shape)) if self.layout is not None else None
+        if shard is not None:
+            dim, start, end = shard
+            t = t.narrow(dim, start, end - start)
+        return as_stored(name, t, self.dtype, torch.device("cpu"))
+
+    def check(self, model, update) -> None:
+        """A partial in-process update reads the tensors it leaves out from the loaded checkpoint:
+        refused if that directory changed since it was loaded."""
+        if isinstance(update, DiskUpdate) or not set(model_weight_shapes(model)) - set(self.overlay) - set(update.tensors):
+            return
+        from .cache.prefix_disk import checkpoint_identity
+        if checkpoint_identity(self.path) != self.identity:
+            raise WeightUpdateError(f"{self.path}: the checkpoint this engine loaded changed on disk since, so the "
+                                    f"tensors this update leaves out cannot be read back; give every tensor, "
+                                    f"or update from disk")
+
+    def _build(self, model, tensors: dict[str, torch.Tensor]):
+        from .model.model import DSAModel
+        return DSAModel(model.cfg, tensors, self.dtype, torch.device("cpu"), model.comm)
+
+
+def copy_weights(model, fresh) -> int:
+    """Copy every tensor of `fresh` (a model built like `model`, from other weights) into the same
+    place of `model`, in place. Pairs are found by walking both object graphs in step; any difference
+    of structure, shape or dtype raises before anything is copied. Returns how many tensors were copied."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    _pair(model, fresh, "model", pairs, set())
+    with torch.no_grad():
+        for old, new in pairs:
+            old.copy_(new)
+    return len(pairs)
+
+
+def _pair(old, new, where: str, pairs: list, seen: set) -> None:
+    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
+        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or \
+                old.shape != new.shape or old.dtype != new.dtype:
+            raise WeightUpdateError(f"{where}: the updated model's tensor does not match the running one's "
+                                    f"({_describe(new)} against {_describe(old)})")
+        pairs.append((old, new))
+        return
+    if id(old) in seen:
+        return
+    if isinstance(old, (list, tuple)):
+        if not isinstance(new, (list, tuple)) or len(old) != len(new):
+            raise WeightUpdateError(f"{where}: the updated model's structure differs from the running one's")
+        seen.add(id(old))
+        for i, (a, b) in enumerate(zip(old, new)):
+            _pair(a, b, f"{where}[{i}]", pairs, seen)
+        return
+    if not type(old).__module__.startswith("sparsekv.model"):
+        return  # plain values, functions, collectives: nothing to copy
+    if type(old) is not type(new):
+        raise WeightUpdateError(f"{where}: {type(new).__name__} against {type(old).__name__}")
+    seen.add(id(old))
+    for name, value in vars(old).items():
+        if name not in NOT_WEIGHTS:
+            _pair(value, vars(new).get(name), f"{where}.{name}", pairs, seen)
+
+
+def _describe(t) -> str:
+    return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
