@@ -14,7 +14,7 @@ import time
 from fastapi.responses import JSONResponse
 
 from ..request import SamplingParams
-from ..server.errors import bad_request
+from ..server.errors import APIError, bad_request
 from ..server.loop import RequestGroup, Submission
 from ..server.serving import Job, run
 from .transfer import PREFILL_RANK, Room, connect, host_bootstrap, send_tensors
@@ -39,7 +39,11 @@ class PrefillWorker(Worker):
                               f"({self.bootstrap_port})", "disaggregation")
         room = self.open_room(field)
         try:
-            response, group = await self._prefill(request, job, prompts)
+            try:
+                response, group = await self._prefill(request, job, prompts)
+            except APIError as e:  # refused (bad input, queue full): the decode worker learns it at once
+                await self.blocking(self._refuse, room, e.message)
+                raise
             times = _times(group, time.monotonic())
             if response.status_code != 200:  # the decode worker learns it at once instead of at its timeout
                 await self.blocking(self._refuse, room, "the prefill worker could not compute the prompt")

@@ -1,0 +1,103 @@
+"""Prefill and decode workers as servers (`--disaggregation-mode`), driven over plain HTTP the way
+`sparsekv router` drives them: the same request to both with a `disaggregation` field. The decode
+worker's greedy tokens and logprobs must be one colocated engine's, whatever the decode worker held
+beforehand and whatever the prefill worker's prefix cache served; the transfer's figures (bytes,
+pages sent and skipped, the time to first token split) reach the response and /metrics."""
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from disagg_util import WorkerServer, send_pair
+from sparsekv import LLM, SamplingParams
+from sparsekv.paths import default_model_path
+from test_server_util import scrape
+from tolerances import assert_clear_lead, assert_logprobs_close, logprob_tolerance
+
+PAGE = 4
+BASE = dict(kv_page_size=PAGE, max_model_len=128, num_threads=1)
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=3, ignore_eos=True)
+BODY = {"max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 3, "ignore_eos": True}
+
+
+def assert_as_colocated(want, body: dict, server: WorkerServer, tol: float) -> None:
+    """The decode worker's answer against one engine's output: the same greedy tokens (where they
+    lead clearly) and logprobs within tol, keyed by token text as the API reports them."""
+    assert_clear_lead(want, tol)
+    assert body["sparsekv"]["choices"][0]["token_ids"] == want.token_ids
+    text = server.state.token_text
+    assert_logprobs_close([{text(t): v for t, v in lp.items()} for lp in want.logprobs],
+                          body["choices"][0]["logprobs"]["top_logprobs"], tol)
+
+
+def _prompt(vocab: int, n: int = 41, seed: int = 3) -> list[int]:
+    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _decode(p: WorkerServer, d: WorkerServer, prompt: list[int], **extra) -> dict:
+    rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt, **extra})
+    assert rp.status_code == 200, rp.text
+    assert rd.status_code == 200, rd.text
+    return rd.json()
+
+
+@pytest.mark.parametrize("family", ["glm", "ds"])
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16), dict(kv_cache_dtype="fp8")],
+                         ids=["plain", "decode-tiered", "fp8"])
+def test_prefill_and_decode_workers_answer_as_one_engine(family, options, glm_ckpt, ds_ckpt):
+    path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
+    prompt = _prompt(256)
+    colocated = LLM(path, **BASE, **options)
+    want = colocated.generate([prompt], GREEDY)[0]
+    prefill_options = {k: v for k, v in options.items() if k == "kv_cache_dtype"}
+    with WorkerServer(path, "prefill", **BASE, **prefill_options) as p, WorkerServer(path, "decode", **BASE, **options) as d:
+        body = _decode(p, d, prompt)
+        assert_as_colocated(want, body, d, logprob_tolerance(colocated))
+        figures = body["sparsekv"]["disaggregation"]
+        assert figures["pages_sent"] == (len(prompt) - 1) // PAGE and figures["pages_skipped"] == 0
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == figures["pages_sent"] * PAGE
+        assert figures["bytes"] == figures["pages_sent"] * d.engine.kv.prefix.tiers["host"].page_bytes
+        p.check_clean()
+        d.check_clean()
+
+
+def test_with_mtp_drafting_on_both_sides():
+    """The pages carry the MTP layer's entries; the prefill worker runs the tokens that name them."""
+    path, prompt = default_model_path(), _prompt(4096, 50)
+    colocated = LLM(path, **BASE, num_speculative_tokens=2)
+    want = colocated.generate([prompt], GREEDY)[0]
+    with WorkerServer(path, "prefill", **BASE, num_speculative_tokens=2) as p, \
+            WorkerServer(path, "decode", **BASE, num_speculative_tokens=2) as d:
+        body = _decode(p, d, prompt)
+        assert body["sparsekv"]["disaggregation"]["pages_sent"] == (len(prompt) - 1) // PAGE
+        assert body["sparsekv"]["tiers"]["spec_decode_num_drafts"] > 0
+        assert_as_colocated(want, body, d, logprob_tolerance(colocated, extra_layers=1))
+        d.check_clean()
+
+
+def test_prefix_hits_on_either_side_and_pages_not_sent(glm_ckpt):
+    """The decode worker's held pages are skipped (all, or the first few); the prefill worker's
+    prefix cache serves a prompt it computed before. The tokens never change."""
+    path, prompt = glm_ckpt[0], _prompt(256)
+    full = (len(prompt) - 1) // PAGE
+    want = LLM(path, **BASE).generate([prompt], GREEDY)[0]
+    with WorkerServer(path, "prefill", **BASE) as p, WorkerServer(path, "decode", **BASE) as d:
+        first = _decode(p, d, prompt[:21])["sparsekv"]["disaggregation"]  # the decode worker now holds 5 pages
+        assert (first["pages_sent"], first["pages_skipped"]) == (5, 0)
+        body = _decode(p, d, prompt)
+        figures = body["sparsekv"]["disaggregation"]
+        assert (figures["pages_sent"], figures["pages_skipped"]) == (full - 5, 5)
+        assert body["sparsekv"]["choices"][0]["token_ids"] == want.token_ids
+        again = _decode(p, d, prompt)  # it holds them all: nothing is sent
+        figures = again["sparsekv"]["disaggregation"]
+        assert (figures["pages_sent"], figures["bytes"], figures["pages_skipped"]) == (0, 0, full)
+        assert again["sparsekv"]["choices"][0]["token_ids"] == want.token_ids
+        httpx.post(d.url + "/reset_prefix_cache", timeout=5).raise_for_status()
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt})  # the prefill worker's cache serves it
+        assert rp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == full * PAGE
+        assert rd.json()["sparsekv"]["disaggregation"]["pages_sent"] == full
+        assert rd.json()["sparsekv"]["choices"][0]["token_ids"] == want.token_ids
+        p.check_clean()
+        d.check_clean()
