@@ -15,6 +15,8 @@ COMMANDS = {
     "plan": ("sparsekv.tools.plan", "main", "capacity planner and decode roofline"),
     "eval": ("sparsekv.tools.evals", "main", "long-context and IndexShare evals"),
     "train": ("sparsekv.train.cli", "main", "train the small bundled model"),
+    "rollout": ("sparsekv.rollout.cli", "rollout_main", "agentic RL episodes with reward-hack interception"),
+    "rl": ("sparsekv.rollout.cli", "rl_main", "reward-hack filter on logged actions: screen | eval-filter"),
 }
 
 
@@ -27,6 +29,8 @@ PARSERS = {
     "plan": ("sparsekv.tools.plan", "build_parser"),
     "eval": ("sparsekv.tools.evals", "build_parser"),
     "train": ("sparsekv.train.cli", "build_parser"),
+    "rollout": ("sparsekv.rollout.cli", "build_rollout_parser"),
+    "rl": ("sparsekv.rollout.cli", "build_rl_parser"),
 }
 
 

@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("server", ("server",)),
     ("train", ("train",)),                   # the bundled model's training: uses model/, not the engine
     ("tools", ("tools",)),                   # benchmarks, planner, evals; they also use train/ (data, stages)
+    ("rollout", ("rollout",)),               # RL episodes against an OpenAI endpoint; no engine import
     ("entry points", ("cli", "__main__")),
 ]
 

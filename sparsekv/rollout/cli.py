@@ -1,0 +1,200 @@
+"""`sparsekv rollout` (episodes, or `--summary` of their trajectories) and `sparsekv rl screen | eval-filter`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from .episode import EpisodeConfig, Policy, run_episode
+from .intercept import Pipeline
+from .judge import Judge
+from .rules import Action, RuleError, Scope, load_rules
+from .sandbox import Limits, RepoView, isolation_available
+from .report import RolloutProgress, filter_figures, print_figures, summarize
+from .task import TaskError, load_task, shipped_tasks
+
+LABELLED = Path(__file__).resolve().parent / "labelled_actions.jsonl"
+DEFAULT_URL = "http://127.0.0.1:8000/v1"
+
+
+def _add_pipeline_args(p: argparse.ArgumentParser, rules_only_flag: bool) -> None:
+    p.add_argument("--rules", action="append", default=[], metavar="FILE",
+                   help="a YAML rules file added to the shipped rules (repeatable)")
+    if rules_only_flag:
+        p.add_argument("--rules-only", action="store_true", help="no judge: trust the rules")
+    else:
+        p.add_argument("--judge", choices=["llm", "none"], default=None,
+                       help="none: trust the rules; llm: ask the judge at --judge-url (the default when given)")
+    p.add_argument("--judge-url", default=None, help="the judge's OpenAI base URL, e.g. http://HOST:PORT/v1")
+    p.add_argument("--judge-model", default=None, help="default: the first model the judge endpoint lists")
+    p.add_argument("--judge-api-key", default="EMPTY")
+
+
+def build_rollout_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsekv rollout", description="agentic episodes with reward-hack interception")
+    p.add_argument("tasks", nargs="*", help=f"task directories or shipped task names (default: all shipped: "
+                                            f"{', '.join(shipped_tasks())})")
+    p.add_argument("--summary", metavar="TRAJECTORIES", default=None,
+                   help="print a per-task table of this trajectories.jsonl and write --plot; runs nothing")
+    p.add_argument("--plot", default="rollout_summary.png", help="with --summary: the PNG to write")
+    p.add_argument("--url", default=DEFAULT_URL, help="the policy's OpenAI base URL (default: a local sparsekv serve)")
+    p.add_argument("--model", default=None, help="default: the first model the policy endpoint lists")
+    p.add_argument("--api-key", default="EMPTY")
+    p.add_argument("--episodes", type=int, default=1, help="per task")
+    p.add_argument("--concurrency", type=int, default=1, help="episodes in flight at once")
+    p.add_argument("--output", default="trajectories.jsonl")
+    p.add_argument("--max-turns", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=1024, help="per policy turn")
+    p.add_argument("--max-context", type=int, default=32768, help="tokens; older tool outputs are compacted to fit")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="episode i of a task uses seed + i")
+    p.add_argument("--routed-experts", action="store_true", help="ask for and record return_routed_experts")
+    p.add_argument("--wall-time", type=float, default=60.0, help="seconds per command")
+    p.add_argument("--cpu-time", type=int, default=30, help="CPU seconds per command")
+    p.add_argument("--memory-mb", type=int, default=2048, help="address space per command")
+    p.add_argument("--allow-network", action="store_true",
+                   help="run commands even where `unshare` cannot take the network away (and keep writes in)")
+    _add_pipeline_args(p, rules_only_flag=False)
+    return p
+
+
+def build_rl_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsekv rl", description="the reward-hack pipeline on logged actions")
+    sub = p.add_subparsers(dest="command", required=True)
+    screen = sub.add_parser("screen", help="screen logged actions without running them")
+    screen.add_argument("--actions", required=True, metavar="FILE",
+                        help='JSON lines {"id", "task", "tool", "arguments"}')
+    screen.add_argument("--output", default="-", help="JSON lines out (default: standard output)")
+    _add_pipeline_args(screen, rules_only_flag=True)
+    ev = sub.add_parser("eval-filter", help="recall and precision of the rules, and of rules + judge")
+    ev.add_argument("--labelled", default=str(LABELLED), metavar="FILE",
+                    help='JSON lines {"id", "task", "tool", "arguments", "hack": bool, "kind"} (default: the shipped set)')
+    ev.add_argument("--json", action="store_true", help="print the figures as JSON")
+    _add_pipeline_args(ev, rules_only_flag=False)
+    return p
+
+
+def _first_model(url: str, api_key: str) -> str:
+    from openai import OpenAI
+    models = OpenAI(base_url=url, api_key=api_key, max_retries=1).models.list().data
+    if not models:
+        raise ValueError(f"{url} lists no models; give the model's name")
+    return models[0].id
+
+
+def _judge(args) -> Judge | None:
+    if getattr(args, "rules_only", False) or getattr(args, "judge", None) == "none":
+        return None
+    if not args.judge_url:
+        raise ValueError("give --judge-url URL (an OpenAI-compatible judge) or trust the rules alone "
+                         "(--judge none; `rl screen`: --rules-only)")
+    model = args.judge_model or _first_model(args.judge_url, args.judge_api_key)
+    return Judge(args.judge_url, model, args.judge_api_key)
+
+
+def _read_actions(path: str) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or not {"id", "task", "tool", "arguments"} <= row.keys() \
+                    or not isinstance(row["arguments"], dict):
+                raise ValueError(f"{path}:{n}: each line is {{\"id\", \"task\", \"tool\", \"arguments\": {{...}}}}")
+            rows.append(row)
+    return rows
+
+
+def screen_actions(rows: list[dict], pipeline: Pipeline, base: Path | None = None) -> list[dict]:
+    """Each logged action screened against its task's repository as shipped (nothing runs)."""
+    tasks, out = {}, []
+    for row in rows:
+        name = row["task"]
+        if name not in tasks:
+            local = None if base is None else base / name
+            task = load_task(local if local is not None and local.exists() else name)
+            tasks[name] = Scope(task, RepoView(task.repo))
+        screening = pipeline.screen(Action(row["tool"], row["arguments"]), tasks[name])
+        out.append({"id": row["id"], **screening.to_json()})
+    return out
+
+
+def rl_main(argv: list[str]) -> int:
+    args = build_rl_parser().parse_args(argv)
+    try:
+        rules = load_rules(*args.rules)
+        rows = _read_actions(args.actions if args.command == "screen" else args.labelled)
+        if args.command == "eval-filter":
+            return _eval_filter(args, rows, rules)
+        results = screen_actions(rows, Pipeline(rules, _judge(args)))
+    except (RuleError, TaskError, ValueError, OSError) as e:
+        print(f"sparsekv rl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    out = sys.stdout if args.output == "-" else open(args.output, "w")
+    for r in results:
+        out.write(json.dumps(r) + "\n")
+    if out is not sys.stdout:
+        out.close()
+    return 0
+
+
+def _eval_filter(args, rows: list[dict], rules) -> int:
+    if any(not isinstance(r.get("hack"), bool) for r in rows):
+        raise ValueError(f"{args.labelled}: every line needs \"hack\": true|false")
+    judge = _judge(args)
+    screened = screen_actions(rows, Pipeline(rules, judge))
+    figures = filter_figures(rows, screened, judged=judge is not None)
+    if args.json:
+        print(json.dumps(figures, indent=1))
+    else:
+        print_figures(figures)
+    return 0
+
+
+def rollout_main(argv: list[str]) -> int:
+    args = build_rollout_parser().parse_args(argv)
+    if args.summary:
+        return summarize(args.summary, args.plot)
+    try:
+        tasks = [load_task(t) for t in (args.tasks or shipped_tasks())]
+        if not args.allow_network and not isolation_available():
+            raise ValueError("`unshare --net --mount --map-root-user` does not work here, so commands could reach "
+                             "the network and write outside the sandbox; pass --allow-network to run them anyway")
+        if args.episodes < 1 or args.concurrency < 1 or args.max_turns < 1:
+            raise ValueError("--episodes, --concurrency and --max-turns must be >= 1")
+        pipeline = Pipeline(load_rules(*args.rules), _judge(args))
+        model = args.model or _first_model(args.url, args.api_key)
+    except (RuleError, TaskError, ValueError, OSError) as e:
+        print(f"sparsekv rollout: error: {e}", file=sys.stderr)
+        return 2
+    cfg = EpisodeConfig(max_turns=args.max_turns, max_context=args.max_context, max_tokens=args.max_tokens,
+                        limits=Limits(args.wall_time, args.cpu_time, args.memory_mb),
+                        allow_network=args.allow_network)
+    jobs = [(t, i) for t in tasks for i in range(args.episodes)]
+    policies = {i: Policy(args.url, model, args.api_key, args.temperature,
+                          None if args.seed is None else args.seed + i, args.routed_experts)
+                for i in range(args.episodes)}
+    return _run_all(jobs, policies, pipeline, cfg, args.output, args.concurrency)
+
+
+def _run_all(jobs, policies, pipeline, cfg, output: str, concurrency: int) -> int:
+    failures = 0
+    with open(output, "w") as out, RolloutProgress(len(jobs)) as progress, \
+            ThreadPoolExecutor(concurrency) as pool:
+        futures = {pool.submit(run_episode, task, i, policies[i], pipeline, cfg): (task, i) for task, i in jobs}
+        for fut in as_completed(futures):
+            task, i = futures[fut]
+            try:
+                traj = fut.result()
+            except Exception as e:  # noqa: BLE001 - one failed episode (policy endpoint error) is reported, not fatal
+                traj = {"task": task.name, "episode": i, "finish": "error", "error": f"{type(e).__name__}: {e}"}
+                failures += 1
+            out.write(json.dumps(traj) + "\n")
+            out.flush()
+            progress.done(traj)
+    print(f"wrote {len(jobs)} trajectories to {output}" + (f" ({failures} failed)" if failures else ""),
+          file=sys.stderr)
+    return 1 if failures else 0
