@@ -94,9 +94,10 @@ def send_pair(prefill_url: str, decode_url: str, body: dict, path: str = "/v1/co
     """One request to both workers at once, as the router sends it: (prefill's answer, decode's)."""
     info = httpx.get(prefill_url + "/disaggregation", timeout=5).json()
     tagged = {**body, "disaggregation": field(info, room)}
+    to_prefill = {k: v for k, v in tagged.items() if k != "stream_options"} | {"stream": False}
 
     async def both():
         async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
-            return await asyncio.gather(client.post(prefill_url + path, json={**tagged, "stream": False}),
+            return await asyncio.gather(client.post(prefill_url + path, json=to_prefill),
                                         client.post(decode_url + path, json=tagged))
     return tuple(asyncio.run(both()))

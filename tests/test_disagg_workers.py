@@ -5,6 +5,8 @@ beforehand and whatever the prefill worker's prefix cache served; the transfer's
 pages sent and skipped, the time to first token split) reach the response and /metrics."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -101,3 +103,71 @@ def test_prefix_hits_on_either_side_and_pages_not_sent(glm_ckpt):
         assert rd.json()["sparsekv"]["choices"][0]["token_ids"] == want.token_ids
         p.check_clean()
         d.check_clean()
+
+
+@pytest.fixture(scope="module")
+def pair(glm_ckpt):
+    keys = ["sk-alice:alice", "sk-bob:bob"]
+    with WorkerServer(glm_ckpt[0], "prefill", api_keys=keys, **BASE) as p, \
+            WorkerServer(glm_ckpt[0], "decode", api_keys=keys, **BASE) as d:
+        yield p, d
+
+
+def test_each_worker_describes_its_role(pair):
+    p, d = pair
+    info = httpx.get(p.url + "/disaggregation", timeout=5).json()
+    assert info == {"mode": "prefill", "bootstrap_host": "127.0.0.1", "bootstrap_port": p.worker.store.port,
+                    "num_running": 0, "num_waiting": 0}
+    assert httpx.get(d.url + "/disaggregation", timeout=5).json() == {
+        "mode": "decode", "bootstrap_host": "127.0.0.1", "bootstrap_port": None, "num_running": 0, "num_waiting": 0}
+
+
+@pytest.mark.parametrize("worker", [0, 1], ids=["prefill", "decode"])
+def test_a_request_without_its_room_is_refused(pair, worker):
+    url = pair[worker].url
+    r = httpx.post(url + "/v1/completions", json={**BODY, "prompt": [1, 2, 3]},
+                   headers={"Authorization": "Bearer sk-alice"}, timeout=10)
+    assert r.status_code == 400 and "disaggregation" in r.json()["error"]["message"]
+    bad = {**BODY, "prompt": [1, 2, 3], "disaggregation": {"room": "a b", "bootstrap_host": "h", "bootstrap_port": 1}}
+    r = httpx.post(url + "/v1/completions", json=bad, headers={"Authorization": "Bearer sk-alice"}, timeout=10)
+    assert r.status_code == 400 and "disaggregation.room" in r.json()["error"]["message"]
+
+
+def test_streaming_n_and_tenants_through_the_pair(pair):
+    """The decode worker answers as the client asked (a stream of n choices); the tenant and
+    cache_salt name the pages on both sides, so another tenant's request is sent every page again."""
+    p, d = pair
+    prompt = _prompt(256, 33, seed=5)
+    alice = {"Authorization": "Bearer sk-alice"}
+    rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt, "n": 2, "stream": True, "cache_salt": "s1",
+                                      "stream_options": {"include_usage": True}}, headers=alice)
+    assert rp.status_code == 200 and rd.status_code == 200
+    chunks = [json.loads(line[6:]) for line in rd.text.splitlines() if line.startswith("data: {")]
+    assert {c["choices"][0]["index"] for c in chunks if c["choices"]} == {0, 1}
+    usage = chunks[-1]
+    assert usage["usage"]["completion_tokens"] == 2 * MAX_TOKENS
+    assert usage["sparsekv"]["tenant"] == "alice" and usage["sparsekv"]["disaggregation"]["pages_sent"] == 8
+    assert rp.json()["sparsekv"]["tenant"] == "alice"
+    bob = {"Authorization": "Bearer sk-bob"}
+    _, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt, "cache_salt": "s1"}, headers=bob)
+    assert rd.json()["sparsekv"]["disaggregation"]["pages_skipped"] == 0  # alice's pages are not bob's
+    p.check_clean()
+    d.check_clean()
+
+
+def test_transfer_figures_reach_the_response_and_metrics(pair):
+    p, d = pair
+    before = {w: scrape(w.url) for w in pair}
+    _, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt(256, 29, seed=7)},
+                      headers={"Authorization": "Bearer sk-alice"})
+    figures = rd.json()["sparsekv"]["disaggregation"]
+    assert figures["role"] == "decode" and figures["pages_sent"] == 7
+    for key in ("queue_s", "prefill_s", "transfer_s", "decode_queue_s", "first_decode_s"):
+        assert figures[key] >= 0, key
+    for w in pair:
+        after = scrape(w.url)
+        assert after["sparsekv:disagg_transfer_bytes_total"] - before[w]["sparsekv:disagg_transfer_bytes_total"] \
+            == figures["bytes"] > 0
+        assert after["sparsekv:disagg_transfer_seconds_count"] - before[w]["sparsekv:disagg_transfer_seconds_count"] == 1
+        assert after["sparsekv:disagg_transfers_failed_total"] == before[w]["sparsekv:disagg_transfers_failed_total"]
+        assert after["sparsekv:disagg_transfers_in_flight"] == 0

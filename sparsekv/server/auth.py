@@ -24,7 +24,7 @@ import os
 import secrets
 import stat
 
-PUBLIC_PATHS = ("/health", "/metrics", "/ping", "/version")
+PUBLIC_PATHS = ("/health", "/metrics", "/ping", "/version", "/disaggregation")  # the last: for `sparsekv router`
 DEFAULT_TENANT = "default"
 TENANT_SCOPE_KEY = "sparsekv.tenant"
 API_KEY_ENV = "SPARSEKV_API_KEY"
