@@ -255,8 +255,8 @@ class EngineConfig:
     tokenizer: str | None = None
     # The Hub revision (branch, tag or commit) of a `model` given as a repo id (hub.py); ignored for a directory.
     revision: str | None = None
-    # torch intra-op threads (None: torch's default). On a small shared CPU, 1 avoids ops that wait
-    # for a busy core: 2 threads made a tiny-model decode step 40x slower there.
+    # torch intra-op threads. None: derived from the weights a decode token reads (threads.py), the
+    # same for LLM() and the CLI; 0: torch's default.
     num_threads: int | None = None
     # Like vLLM's --hf-overrides: config.json fields replaced at load, e.g. {"index_topk_pattern": "FSSS"}
     # turns a checkpoint with an indexer in every layer into an IndexShare model (training-free IndexCache).
@@ -330,6 +330,8 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ConfigError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 0):
+            raise ConfigError(f"num_threads must be an integer >= 0 (0 = torch's default), got {self.num_threads!r}")
         if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 8:
             raise ConfigError(f"num_speculative_tokens must be an integer in [0, 8] (0 = off), "
                               f"got {self.num_speculative_tokens!r}")

@@ -22,6 +22,7 @@ from .output_processor import OutputProcessor
 from .outputs import token_counts
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler
+from .threads import resolve_num_threads
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,8 +34,9 @@ class LLMEngine:
         config.validate()
         config = resolve_config(config)  # a model or tokenizer given as a Hub repo id -> a local snapshot
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads = resolve_num_threads(config, ModelConfig.from_json(config.model, config.hf_overrides))
+        if threads:
+            torch.set_num_threads(threads)
         self.dtype, self.device = DTYPES[config.dtype], torch.device(config.device)
         self.executor, self.kv = start_executor(config, self.dtype, self.device, lane)
         try:

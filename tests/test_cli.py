@@ -80,3 +80,22 @@ def test_bench_flags_out_of_range_are_usage_errors(capsys):
             main(argv)
         assert exit_info.value.code == 2, argv
         assert argv[2] in capsys.readouterr().err, argv
+
+
+@pytest.mark.parametrize("command, required", [("generate", ["--prompt", "x"]), ("serve", [])])
+def test_cli_thread_default_is_llms(command, required):
+    """Every command that builds an engine leaves num_threads to the engine's rule, as LLM(path) does:
+    both resolve to the same count (threads.py)."""
+    from sparsekv.__main__ import parser_for
+    from sparsekv.config import EngineConfig, ModelConfig
+    from sparsekv.engine_args import engine_options
+    from sparsekv.paths import default_model_path
+    from sparsekv.threads import resolve_num_threads
+    parser, argv = parser_for([command])
+    options = engine_options(parser.parse_args(argv + required))
+    path = default_model_path()
+    cli, llm = EngineConfig(model=path, **options), EngineConfig(model=path)
+    cfg = ModelConfig.from_json(path)
+    assert options["num_threads"] is None
+    for cores in (1, 2, 64):
+        assert resolve_num_threads(cli, cfg, cores) == resolve_num_threads(llm, cfg, cores) == 1

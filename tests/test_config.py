@@ -56,3 +56,39 @@ def test_glm_scale_is_one_sixteenth():
 def test_bad_configs(change, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict({**BASE, **change})
+
+
+def test_thread_default_is_one_per_256_mib_a_decode_token_reads():
+    """None resolves by the model's size: small models 1 (small ops only wait on more threads), a big
+    one a thread per BYTES_PER_THREAD up to the cores; an accelerator 1; 0 leaves torch's default."""
+    from sparsekv.config import EngineConfig
+    from sparsekv.threads import BYTES_PER_THREAD, auto_num_threads, decode_weight_bytes, resolve_num_threads
+    small = ModelConfig.from_dict(BASE)
+    big = ModelConfig.from_dict({**BASE, "hidden_size": 4096, "intermediate_size": 16384, "moe_intermediate_size": 2048,
+                                 "num_hidden_layers": 4, "vocab_size": 32768})
+    assert decode_weight_bytes(small, "float32") < BYTES_PER_THREAD
+    per_token = decode_weight_bytes(big, "float32")
+    assert per_token // BYTES_PER_THREAD >= 2 and decode_weight_bytes(big, "bfloat16") == per_token // 2
+    assert auto_num_threads(small, "float32", "cpu", cores=64) == 1
+    assert auto_num_threads(big, "float32", "cpu", cores=64) == per_token // BYTES_PER_THREAD
+    assert auto_num_threads(big, "float32", "cpu", cores=2) == 2
+    assert auto_num_threads(big, "float32", "cuda:0", cores=64) == 1
+    config = EngineConfig(model="m")
+    assert resolve_num_threads(config, big, cores=64) == per_token // BYTES_PER_THREAD
+    assert resolve_num_threads(EngineConfig(model="m", num_threads=3), big) == 3
+    assert resolve_num_threads(EngineConfig(model="m", num_threads=0), small) is None
+
+
+def test_routed_experts_count_only_the_picked_ones():
+    from sparsekv.threads import decode_weight_bytes
+    two, four = (ModelConfig.from_dict({**BASE, "num_experts_per_tok": k}) for k in (2, 4))
+    expert = 3 * 32 * ModelConfig.from_dict(BASE).moe_intermediate_size * 4
+    moe_layers = two.mlp_layer_types.count("sparse")
+    assert decode_weight_bytes(four, "float32") - decode_weight_bytes(two, "float32") == 2 * expert * moe_layers
+
+
+@pytest.mark.parametrize("threads", [-1, 1.5])
+def test_bad_thread_counts_are_config_errors(threads):
+    from sparsekv.config import EngineConfig
+    with pytest.raises(ConfigError, match="num_threads"):
+        EngineConfig(model="m", num_threads=threads).validate()

@@ -438,3 +438,17 @@ def test_default_cache_holds_max_num_seqs_requests_of_max_model_len_each():
     llm.engine.add_request("b", list(range(2, 66)), params)
     llm.engine.step()
     assert len(llm.engine.scheduler.running) == 2
+
+
+def test_an_engine_without_a_thread_option_sets_the_rules_count(glm_ckpt):
+    """LLM(path) applies threads.py's count (a small model: 1), whatever torch had; 0 leaves torch's."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        LLM(glm_ckpt[0], max_model_len=64)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        LLM(glm_ckpt[0], max_model_len=64, num_threads=0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

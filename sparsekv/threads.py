@@ -1,0 +1,53 @@
+"""How many torch intra-op threads an engine uses when none is asked for (`num_threads=None`).
+
+`LLM(path)`, `sparsekv generate` and `sparsekv serve` all leave `num_threads` at None, so all three
+resolve it here, from the checkpoint's config.json, and agree.
+
+The rule: one thread per `BYTES_PER_THREAD` of weights a decode token reads, at least one, at most
+the cores this process may run on; on an accelerator, one (the CPU only launches and keeps books).
+
+Why: a decode step is a chain of small ops (norms, RoPE, routing, selection on a few rows) plus
+matrix-vector products that stream the weights once. Extra threads only shorten the streaming
+part, and every parallel op pays a fork/join across the threads; on a shared CPU an op split onto a
+busy core waits for that core. So threads pay only when the weights a token reads are large enough
+that streaming them outweighs those costs. On a 2-core machine the bundled model (~14 MB a token)
+and tiny-bench decode fastest with one thread, and so does glm5-geometry (~180 MB a token);
+BENCHMARKS.md (`sparsekv bench decode`) has the figures.
+"""
+from __future__ import annotations
+
+import os
+
+from .cache.sizing import Parallelism, params_per_rank
+from .config import EngineConfig, ModelConfig
+
+BYTES_PER_THREAD = 256 * 2 ** 20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def decode_weight_bytes(cfg: ModelConfig, dtype: str) -> int:
+    """Bytes of weights one decode token reads: every weight but the embedding table (one row of it)
+    and the routed experts the router does not pick (num_experts_per_tok of n_routed_experts)."""
+    params = params_per_rank(cfg, Parallelism())
+    unpicked = params.experts * (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) if cfg.n_routed_experts else 0
+    return int((params.total - unpicked - cfg.vocab_size * cfg.hidden_size) * DTYPE_BYTES[dtype])
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def auto_num_threads(cfg: ModelConfig, dtype: str, device: str, cores: int | None = None) -> int:
+    """The rule in the module docstring."""
+    if not device.startswith("cpu"):
+        return 1
+    cores = available_cores() if cores is None else cores
+    return max(1, min(cores, decode_weight_bytes(cfg, dtype) // BYTES_PER_THREAD))
+
+
+def resolve_num_threads(config: EngineConfig, cfg: ModelConfig, cores: int | None = None) -> int | None:
+    """The threads an engine sets: `config.num_threads` when given (0: leave torch's default, None
+    returned), else the rule's."""
+    if config.num_threads is None:
+        return auto_num_threads(cfg, config.dtype, config.device, cores)
+    return config.num_threads or None
