@@ -1,0 +1,259 @@
+"""`sparsekv router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...] [--host H] [--port P]`:
+the OpenAI-compatible front end of prefill/decode disaggregation.
+
+Each completion or chat request goes to one prefill worker P and one decode worker D, chosen by load and
+prefix-cache affinity (router_workers.py). Both get the client's body, Authorization header included
+(API keys and tenants are the workers' business), with one field added, the same for both:
+
+    "disaggregation": {"room": <a new id>, "bootstrap_host": <P's>, "bootstrap_port": <P's>}
+
+P gets it with `stream: false` and answers once the prompt's KV has gone to D; D gets it as the client
+sent it, and its answer (an SSE stream or one JSON body) goes back to the client byte for byte. A
+worker's 4xx (bad input, a wrong key) is the client's answer as it is. A worker that fails (a 5xx, a
+connection error, a timeout) ends the request: the router cancels the other worker's call (closing its
+connection, which aborts the request there) and answers 503 in the OpenAI error envelope, or, once a
+stream has started, one error event with the envelope, then `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import logging
+import sys
+import time
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..server.errors import APIError, error_response
+from ..server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
+from ..server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from .router_exchange import Exchange, WorkerFailure
+from .router_metrics import RouterMetrics
+from .router_workers import NoWorker, RouterConfigError, WorkerPool, affinity_key, check_modes
+
+log = logging.getLogger("sparsekv.router")
+FORWARDED_HEADERS = ("authorization", "x-request-id")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class Router:
+    """What the routes share: the worker pool, one HTTP client to the workers, metrics, settings."""
+
+    def __init__(self, pool: WorkerPool, prefix_chars: int = 1024, request_timeout: float = 600.0,
+                 health_interval: float = 2.0):
+        self.pool, self.prefix_chars = pool, prefix_chars
+        self.request_timeout, self.health_interval = request_timeout, health_interval
+        self.metrics = RouterMetrics(pool)
+        self.client: httpx.AsyncClient | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def background(self, task: asyncio.Future) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def poll_forever(self) -> None:
+        async with httpx.AsyncClient(timeout=max(1.0, self.health_interval)) as client:
+            while True:
+                await self.pool.poll(client)
+                await asyncio.sleep(self.health_interval)
+
+    @contextlib.asynccontextmanager
+    async def running(self):
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=self.request_timeout, limits=limits) as self.client:
+            poller = asyncio.ensure_future(self.poll_forever())
+            try:
+                yield
+            finally:
+                poller.cancel()
+                for task in list(self._tasks):
+                    task.cancel()
+
+
+def _router(request: Request) -> Router:
+    return request.app.state.router
+
+
+async def _generate(request: Request, path: str, model: type) -> Response:
+    router = _router(request)
+    metrics, start = router.metrics, time.perf_counter()
+    metrics.in_flight.inc()
+    try:
+        exchange, stream = await _start(request, router, path, model)
+    except APIError as e:
+        _observe(metrics, path, e.status, start)
+        raise
+    return await _answer(router, exchange, path, stream, start)
+
+
+async def _start(request: Request, router: Router, path: str, model: type) -> tuple[Exchange, bool]:
+    raw = await request.body()
+    parse_body(raw, model)  # a bad body is a 400 here, before any worker is asked
+    body = json.loads(raw)
+    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+    key = affinity_key(body, request.headers.get("authorization"), router.prefix_chars)
+    try:
+        prefill, decode = router.pool.choose("prefill", key), router.pool.choose("decode", key)
+    except NoWorker as e:
+        raise APIError(503, str(e)) from None
+    return Exchange(router, prefill, decode, path, body, headers), bool(body.get("stream"))
+
+
+async def _answer(router: Router, exchange: Exchange, path: str, stream: bool, start: float) -> Response:
+    status, handed_over = 200, False
+    try:
+        response = await exchange.open_decode()
+        if not stream:
+            return Response(await exchange.decode_body(), media_type=response.headers.get("content-type"))
+        chunks = exchange.relay()
+        first = await anext(chunks, b"")  # a failure before the first event is still a plain 503
+        handed_over = True
+        return StreamingResponse(_stream(router, exchange, path, start, first, chunks),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    except WorkerFailure as failure:
+        status = failure.status
+        return failure.response()
+    finally:
+        if not handed_over:
+            exchange.close(failed=status != 200)
+            _observe(router.metrics, path, status, start)
+
+
+async def _stream(router: Router, exchange: Exchange, path: str, start: float, first: bytes, chunks):
+    status = 499  # the client went away, unless the stream ends otherwise
+    try:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+        status = 200
+    except WorkerFailure as failure:
+        status = failure.body["error"]["code"]
+        yield failure.event()
+    finally:
+        exchange.close(failed=status != 200)
+        _observe(router.metrics, path, status, start)
+
+
+def _observe(metrics: RouterMetrics, path: str, status: int, start: float) -> None:
+    metrics.in_flight.dec()
+    metrics.requests.labels(path, str(status)).inc()
+    metrics.seconds.labels(path).observe(time.perf_counter() - start)
+
+
+async def completions(request: Request):
+    return await _generate(request, "/v1/completions", CompletionRequest)
+
+
+async def chat_completions(request: Request):
+    return await _generate(request, "/v1/chat/completions", ChatCompletionRequest)
+
+
+async def models(request: Request):
+    """A decode worker's model list (the decode workers serve the model's names)."""
+    router = _router(request)
+    for worker in router.pool.up("decode"):
+        try:
+            r = await router.client.get(worker.url + "/v1/models", headers={
+                k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS})
+        except httpx.HTTPError as e:
+            router.pool.mark_down(worker, f"{type(e).__name__}: {e}")
+            continue
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+    raise APIError(503, "no decode worker is up")
+
+
+async def health(request: Request):
+    pool = _router(request).pool
+    up = {role: [w.url for w in pool.up(role)] for role in ("prefill", "decode")}
+    ok = all(up.values())
+    return JSONResponse({"status": "ok" if ok else "no_worker", **up}, status_code=200 if ok else 503)
+
+
+async def metrics(request: Request):
+    return Response(_router(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def version(request: Request):
+    return {"version": importlib.metadata.version("sparsekv")}
+
+
+ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
+          ("/v1/models", models, ["GET"]), ("/health", health, ["GET"]), ("/metrics", metrics, ["GET"]),
+          ("/version", version, ["GET"])]
+
+
+def create_app(router: Router, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+    """The router's app; its lifespan opens the client to the workers and runs the health polling."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async with router.running():
+            yield
+
+    app = FastAPI(title="sparsekv router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router = router
+    for path, fn, methods in ROUTES:
+        app.add_api_route(path, fn, methods=methods)
+    app.add_exception_handler(APIError, lambda req, exc: error_response(exc))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    return app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsekv router", description="OpenAI-compatible front end of "
+                                "prefill/decode disaggregation: each request to a prefill and a decode worker")
+    p.add_argument("--prefill", action="append", required=True, metavar="URL",
+                   help="a prefill worker (`sparsekv serve --disaggregation-mode prefill`), e.g. http://H:P; repeat")
+    p.add_argument("--decode", action="append", required=True, metavar="URL",
+                   help="a decode worker (`sparsekv serve --disaggregation-mode decode`); repeat")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between polls of every worker")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a worker may take to answer, or between two chunks of a stream")
+    p.add_argument("--worker-startup-timeout", type=float, default=300.0,
+                   help="seconds to wait at start-up for every worker to answer (they may be loading a model)")
+    p.add_argument("--affinity-prefix-chars", type=int, default=1024,
+                   help="requests whose prompt (or messages) share this many leading characters go to the same "
+                        "workers, for their prefix caches")
+    p.add_argument("--affinity-load-slack", type=int, default=4,
+                   help="a request follows its prefix only to a worker within this many requests of the "
+                        "least-loaded one")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def worker_urls(flag: str, urls: list[str]) -> list[str]:
+    out = [u.rstrip("/") for u in urls]
+    bad = next((u for u in out if not u.startswith(("http://", "https://"))), None)
+    if bad is not None:
+        raise RouterConfigError(f"{flag} {bad}: a worker is a URL, http://HOST:PORT")
+    if len(set(out)) != len(out):
+        raise RouterConfigError(f"{flag}: a worker is given twice")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    import uvicorn
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        prefill, decode = worker_urls("--prefill", args.prefill), worker_urls("--decode", args.decode)
+        if set(prefill) & set(decode):
+            raise RouterConfigError("a worker cannot be both --prefill and --decode")
+        pool = WorkerPool(prefill, decode, args.affinity_load_slack)
+        check_modes(pool, args.worker_startup_timeout)
+    except RouterConfigError as e:
+        print(f"sparsekv router: error: {e}", file=sys.stderr)
+        return 2
+    router = Router(pool, args.affinity_prefix_chars, args.request_timeout, args.health_interval)
+    uvicorn.run(create_app(router, args.max_request_body_bytes), host=args.host, port=args.port,
+                log_level=args.log_level, access_log=args.log_level == "debug")
+    return 0

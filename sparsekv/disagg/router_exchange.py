@@ -1,0 +1,160 @@
+"""One routed request's two worker calls, and how either failing ends the other.
+
+The prefill call is a plain POST run as a task; the decode call is streamed, so that its SSE events go
+back to the client as they come. Every wait on the decode side races the prefill call: a prefill
+failure cancels the decode call at once (closing its connection, which aborts the request on the
+worker) instead of leaving it to wait for KV that will not come.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+
+import httpx
+from fastapi.responses import JSONResponse
+
+from ..server.errors import error_body
+from .router_workers import Worker
+
+
+class WorkerFailure(Exception):
+    """A worker's call failed; `status` and `body` are what the client gets."""
+
+    def __init__(self, status: int, body: dict, headers: dict | None = None):
+        super().__init__(body["error"]["message"])
+        self.status, self.body, self.headers = status, body, headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
+    def event(self) -> bytes:
+        return f"data: {json.dumps(self.body, separators=(',', ':'))}\n\ndata: [DONE]\n\n".encode()
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
+
+
+class Exchange:
+    """One request's two worker calls: the prefill call (a plain POST, run as a task) and the decode call
+    (streamed), and how either failing ends the other."""
+
+    def __init__(self, router, prefill: Worker, decode: Worker, path: str, body: dict, headers: dict):
+        self.router, self.prefill, self.decode = router, prefill, decode
+        tag = {"room": uuid.uuid4().hex, "bootstrap_host": prefill.bootstrap_host,
+               "bootstrap_port": prefill.bootstrap_port}
+        p_body = {k: v for k, v in body.items() if k != "stream_options"}  # only allowed with stream: true
+        client = router.client
+        prefill.in_flight += 1
+        decode.in_flight += 1
+        self.p_task = asyncio.ensure_future(client.post(prefill.url + path, json={**p_body, "stream": False,
+                                                                                   "disaggregation": tag},
+                                                        headers=headers))
+        self.p_task.add_done_callback(lambda _: self._ended(prefill))
+        request = client.build_request("POST", decode.url + path, json={**body, "disaggregation": tag},
+                                       headers=headers)
+        self.d_task = asyncio.ensure_future(client.send(request, stream=True))
+        self.d_response: httpx.Response | None = None
+
+    def _ended(self, worker: Worker) -> None:
+        worker.in_flight -= 1
+
+    def _failure(self, worker: Worker, response: httpx.Response | None = None,
+                 error: BaseException | None = None) -> WorkerFailure:
+        if response is not None and response.status_code < 500:
+            return WorkerFailure(response.status_code, response.json() if _is_json(response) else
+                                 error_body(response.status_code, response.text[:200]))
+        self.router.metrics.failures.labels(worker.role).inc()
+        if response is not None:
+            why = f"answered {response.status_code}: {_message(response)}"
+            headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+        else:
+            why = f"failed: {type(error).__name__}: {error}"
+            headers = {}
+            if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)):
+                self.router.pool.mark_down(worker, why)
+        return WorkerFailure(503, error_body(503, f"{worker.role} worker {worker.url} {why}"), headers)
+
+    def prefill_failure(self) -> WorkerFailure | None:
+        """The prefill call's failure once it has ended (None while it runs, or if it succeeded)."""
+        if not self.p_task.done() or self.p_task.cancelled():
+            return None
+        if self.p_task.exception() is not None:
+            return self._failure(self.prefill, error=self.p_task.exception())
+        response = self.p_task.result()
+        return None if response.status_code == 200 else self._failure(self.prefill, response)
+
+    async def unless_prefill_fails(self, awaitable):
+        """`awaitable`'s result, unless the prefill call fails first: then it is cancelled and the
+        prefill call's WorkerFailure raised."""
+        task = asyncio.ensure_future(awaitable)
+        if not self.p_task.done():
+            await asyncio.wait({task, self.p_task}, return_when=asyncio.FIRST_COMPLETED)
+        failure = self.prefill_failure()
+        if failure is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise failure
+        return await task
+
+    async def open_decode(self) -> httpx.Response:
+        """D's response with status 200, its body not read yet; WorkerFailure otherwise."""
+        try:
+            self.d_response = response = await self.unless_prefill_fails(self.d_task)
+        except httpx.HTTPError as e:
+            raise self._failure(self.decode, error=e) from None
+        if response.status_code != 200:
+            await response.aread()
+            raise self._failure(self.decode, response)
+        return response
+
+    async def decode_body(self) -> bytes:
+        try:
+            return await self.unless_prefill_fails(self.d_response.aread())
+        except httpx.HTTPError as e:
+            raise self._failure(self.decode, error=e) from None
+
+    async def relay(self):
+        """D's SSE bytes as they come, cut at event boundaries so that an error event can follow cleanly."""
+        pending, chunks = b"", self.d_response.aiter_raw()
+        while True:
+            try:
+                chunk = await self.unless_prefill_fails(anext(chunks))
+            except StopAsyncIteration:
+                break
+            except httpx.HTTPError as e:
+                raise self._failure(self.decode, error=e) from None
+            pending += chunk
+            cut = pending.rfind(b"\n\n") + 2
+            if cut >= 2:
+                yield pending[:cut]
+                pending = pending[cut:]
+        if pending:
+            yield pending
+
+    def close(self, failed: bool) -> None:
+        """End D's call; cancel P's too when the request failed or was abandoned (P finishes by itself
+        when D has answered). NOTE: synchronous, because it runs in the `finally` of a stream that the
+        client abandoned, where every await would be cancelled again; the closing awaits run as tasks."""
+        if not self.d_task.done():
+            self.d_task.cancel()
+        elif not self.d_task.cancelled() and self.d_task.exception() is None:
+            self.router.background(asyncio.ensure_future(self.d_task.result().aclose()))
+        self._ended(self.decode)
+        if failed and not self.p_task.done():
+            self.p_task.cancel()
+        else:
+            self.router.background(self.p_task)
+
+
+def _is_json(response: httpx.Response) -> bool:
+    try:
+        return isinstance(response.json(), dict)
+    except ValueError:
+        return False

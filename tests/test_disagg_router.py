@@ -1,0 +1,376 @@
+"""`sparsekv router` against fake prefill and decode workers (small FastAPI apps in threads that keep the
+workers' HTTP contract and record what they receive): routing by load and prefix affinity, one room per
+request on both sides, SSE passthrough, failures of either side (503, or an error event once streaming,
+and the other side's call cancelled), dead workers skipped, the start-up mode check, /metrics."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from sparsekv.disagg.router import Router, create_app, main
+from sparsekv.disagg.router_workers import RouterConfigError, WorkerPool, check_modes
+from sparsekv.server.errors import error_body
+from test_server_util import free_port, scrape_labelled, wait_until
+
+TOKENS = ["He", "llo", " wor", "ld"]
+SYSTEM = "You are a careful assistant. " * 60  # a shared system prompt, longer than the affinity window
+
+
+class FakeWorker:
+    """A worker's HTTP contract. `fail`: answer the generation routes with this status; `hang`: wait for
+    `release` (prefill: before answering; decode: after `hang_after` stream events, or before a JSON
+    answer) until `let_go()` was called once more than for the calls before, counting in `cancelled` the
+    calls whose client went away meanwhile."""
+
+    def __init__(self, mode: str, running: int = 0):
+        self.mode, self.running = mode, running
+        self.bootstrap_port = free_port()
+        self.bodies: list[dict] = []
+        self.headers: list[dict] = []
+        self.fail: int | None = None
+        self.hang, self.hang_after = False, 0
+        self.released = 0
+        self.cancelled = 0
+        self.app = FastAPI()
+        self.app.add_api_route("/disaggregation", self.info, methods=["GET"])
+        self.app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
+        self.app.add_api_route("/v1/models", lambda: {"object": "list", "data": [{"id": "fake"}]}, methods=["GET"])
+        self.app.add_api_route("/v1/completions", self.generate, methods=["POST"])
+        self.app.add_api_route("/v1/chat/completions", self.generate, methods=["POST"])
+
+    def let_go(self) -> None:
+        self.released += 1
+
+    def info(self):
+        return {"mode": self.mode, "bootstrap_host": "127.0.0.1" if self.mode == "prefill" else None,
+                "bootstrap_port": self.bootstrap_port if self.mode == "prefill" else None,
+                "num_running": self.running, "num_waiting": 0}
+
+    async def generate(self, request: Request):
+        body = await request.json()
+        index = len(self.bodies)
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        if self.fail is not None and not self.hang:
+            return JSONResponse(error_body(self.fail, f"{self.mode} says no"), status_code=self.fail)
+        if self.mode == "decode" and body.get("stream"):
+            return StreamingResponse(self.events(index), media_type="text/event-stream")
+        if not await self._wait(request, index):
+            return JSONResponse(error_body(499, "gone"), status_code=499)
+        if self.fail is not None:
+            return JSONResponse(error_body(self.fail, f"{self.mode} says no"), status_code=self.fail)
+        return {"id": "cmpl-1", "object": "text_completion",
+                "choices": [{"index": 0, "text": "".join(TOKENS) if self.mode == "decode" else "H",
+                             "finish_reason": "length"}]}
+
+    async def _wait(self, request: Request, index: int) -> bool:
+        while self.hang and self.released <= index:
+            if await request.is_disconnected():
+                self.cancelled += 1
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def events(self, index: int):
+        try:
+            for i, token in enumerate(TOKENS):
+                while self.hang and i == self.hang_after and self.released <= index:
+                    await asyncio.sleep(0.01)
+                yield f'data: {{"choices":[{{"index":0,"text":"{token}"}}]}}\n\n'
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+class Served:
+    """An ASGI app served by uvicorn in a thread on a free port."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        assert wait_until(lambda: self.server.started or not self.thread.is_alive(), 20) and self.server.started
+        return self
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+    def __exit__(self, *exc):
+        if self.thread.is_alive():
+            self.stop()
+
+
+@contextlib.contextmanager
+def deployment(prefill: list[FakeWorker], decode: list[FakeWorker], load_slack: int = 4):
+    """The fakes served, and a router in front of them: yields (router URL, router, served fakes by role)."""
+    with contextlib.ExitStack() as stack:
+        served = {"prefill": [stack.enter_context(Served(w.app)) for w in prefill],
+                  "decode": [stack.enter_context(Served(w.app)) for w in decode]}
+        pool = WorkerPool([s.url for s in served["prefill"]], [s.url for s in served["decode"]], load_slack)
+        check_modes(pool, timeout=10, interval=0.05)
+        router = Router(pool, prefix_chars=256, request_timeout=10, health_interval=0.05)
+        url = stack.enter_context(Served(create_app(router))).url
+        yield url, router, served
+
+
+def complete(url: str, prompt, **extra) -> httpx.Response:
+    body = {"model": "fake", "prompt": prompt, "max_tokens": 4, **extra}
+    return httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k1"}, timeout=20)
+
+
+def test_one_room_on_both_sides_and_the_decode_answer_unchanged():
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    with deployment([p], [d]) as (url, _, _):
+        r = complete(url, "hello", cache_salt="s1", logprobs=2, n=2)
+        r2 = complete(url, "hello")
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "".join(TOKENS)
+    assert len(p.bodies) == len(d.bodies) == 2
+    pb, db = p.bodies[0], d.bodies[0]
+    assert pb["disaggregation"] == db["disaggregation"]
+    tag = db["disaggregation"]
+    assert tag["bootstrap_host"] == "127.0.0.1" and tag["bootstrap_port"] == p.bootstrap_port
+    assert tag["room"] != d.bodies[1]["disaggregation"]["room"]  # a new room per request
+    sent = {"model": "fake", "prompt": "hello", "max_tokens": 4, "cache_salt": "s1", "logprobs": 2, "n": 2}
+    assert {k: v for k, v in db.items() if k != "disaggregation"} == sent
+    assert {k: v for k, v in pb.items() if k != "disaggregation"} == {**sent, "stream": False}
+    assert p.headers[0]["authorization"] == d.headers[0]["authorization"] == "Bearer k1"
+    assert r2.status_code == 200
+
+
+def test_stream_passes_through_byte_for_byte():
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "stream_options": {"include_usage": True}}
+    with deployment([p], [d]) as (url, _, served):
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=20) as r:
+            got = r.read()
+        with httpx.stream("POST", served["decode"][0].url + "/v1/chat/completions", json=body, timeout=20) as r:
+            direct = r.read()
+    assert got == direct and got.endswith(b"data: [DONE]\n\n")
+    assert d.bodies[0]["stream"] is True and d.bodies[0]["stream_options"] == {"include_usage": True}
+    assert p.bodies[0]["stream"] is False and "stream_options" not in p.bodies[0]  # only allowed with a stream
+
+
+def test_routes_by_load_then_by_prefix_affinity():
+    busy, idle = FakeWorker("prefill", running=10), FakeWorker("prefill")
+    d1, d2 = FakeWorker("decode"), FakeWorker("decode")
+    with deployment([busy, idle], [d1, d2], load_slack=4) as (url, _, _):
+        for i in range(6):  # the same leading prompt: one decode worker; the busy prefill worker never
+            assert complete(url, SYSTEM + f"question {i}").status_code == 200
+        assert len(busy.bodies) == 0 and len(idle.bodies) == 6
+        assert sorted([len(d1.bodies), len(d2.bodies)]) == [0, 6]
+        busy.running = 0
+        for i in range(32):  # distinct prompts spread over the workers
+            assert complete(url, f"{i} distinct prompt").status_code == 200
+    assert len(busy.bodies) > 0 and len(d1.bodies) > 0 and len(d2.bodies) > 0
+
+
+def test_affinity_yields_to_load_past_the_slack():
+    d1, d2 = FakeWorker("decode"), FakeWorker("decode")
+    with deployment([FakeWorker("prefill")], [d1, d2], load_slack=4) as (url, _, _):
+        complete(url, SYSTEM + "first")
+        home, other = (d1, d2) if d1.bodies else (d2, d1)
+        home.running = 4  # within the slack: stays
+        assert wait_until(lambda: complete(url, SYSTEM + "again").status_code == 200 and len(home.bodies) == 2)
+        home.running = 5  # past it: goes elsewhere once the router's poll has seen it
+        assert wait_until(lambda: complete(url, SYSTEM + "more").status_code == 200 and len(other.bodies) > 0)
+
+
+def in_background(fn, *args, **kwargs) -> concurrent.futures.Future:
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(fn, *args, **kwargs)
+    pool.shutdown(wait=False)
+    return future
+
+
+def stream_completion(url: str, prompt: str) -> tuple[int, bytes]:
+    with httpx.stream("POST", url + "/v1/completions", timeout=20,
+                      json={"prompt": prompt, "max_tokens": 4, "stream": True}) as s:
+        return s.status_code, s.read()
+
+
+def fail_once_both_have_it(failing: FakeWorker, other: FakeWorker, n: int) -> None:
+    """Let `failing` answer its error once `other` has received request `n` too."""
+    assert wait_until(lambda: len(other.bodies) == n)
+    failing.let_go()
+
+
+def test_failing_prefill_is_a_503_and_cancels_the_decode_call():
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    p.fail, p.hang, d.hang = 500, True, True  # the decode worker waits for KV that never comes
+    with deployment([p], [d]) as (url, router, _):
+        r = in_background(complete, url, "hello")
+        fail_once_both_have_it(p, d, 1)
+        assert wait_until(lambda: d.cancelled == 1)
+        s = in_background(stream_completion, url, "hello")
+        fail_once_both_have_it(p, d, 2)
+        assert wait_until(lambda: d.cancelled == 2)
+        failures = scrape_labelled(url, "role")["sparsekv:router_transfer_failures_total"]
+    r, (status, text) = r.result(), s.result()
+    assert r.status_code == 503 and status == 503
+    for err in (r.json()["error"], json.loads(text)["error"]):
+        assert err["code"] == 503 and err["type"] == "ServiceUnavailableError" and "prefill worker" in err["message"]
+        assert "prefill says no" in err["message"]
+    assert failures == {"prefill": 2.0}
+
+
+def test_prefill_failing_mid_stream_ends_it_with_an_error_event():
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    p.fail, p.hang = 500, True      # fails once released
+    d.hang, d.hang_after = True, 2  # two events, then waits
+    with deployment([p], [d]) as (url, _, _):
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=20,
+                          json={"prompt": "hello", "max_tokens": 4, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 2 and not p.released:
+                    p.let_go()  # only now: the client has both events
+        assert wait_until(lambda: d.cancelled == 1)
+    assert s.status_code == 200 and len(events) == 4
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == TOKENS[:2]
+    assert json.loads(events[2])["error"]["code"] == 503 and events[3] == "[DONE]"
+
+
+@pytest.mark.parametrize("status", [502, 401])
+def test_failing_decode_cancels_the_prefill_call(status):
+    """A decode worker's 5xx is a 503; its 4xx (a wrong key, bad input) is the client's answer as it is."""
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    p.hang, d.hang, d.fail = True, True, status
+    with deployment([p], [d]) as (url, _, _):
+        r = in_background(complete, url, "hello")
+        fail_once_both_have_it(d, p, 1)
+        assert wait_until(lambda: p.cancelled == 1)
+    r = r.result()
+    if status >= 500:
+        assert r.status_code == 503 and "decode worker" in r.json()["error"]["message"]
+    else:
+        assert r.status_code == 401 and r.json() == error_body(401, "decode says no")
+
+
+def test_a_bad_body_is_a_400_before_any_worker_is_asked():
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    with deployment([p], [d]) as (url, _, _):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": "four"}, timeout=20)
+        r2 = httpx.post(url + "/v1/chat/completions", content=b"{not json", timeout=20)
+    assert r.status_code == r2.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert p.bodies == d.bodies == []
+
+
+def test_a_dead_worker_is_skipped():
+    d1, d2 = FakeWorker("decode"), FakeWorker("decode")
+    with deployment([FakeWorker("prefill")], [d1, d2]) as (url, _, served):
+        dead = served["decode"][0]
+        dead.stop()
+        assert wait_until(lambda: httpx.get(url + "/health").json()["decode"] == [served["decode"][1].url])
+        codes = [complete(url, f"{i} distinct prompt").status_code for i in range(12)]
+        up = scrape_labelled(url, "worker")["sparsekv:router_worker_up"]
+        served["decode"][1].stop()
+        assert wait_until(lambda: httpx.get(url + "/health").status_code == 503)
+        none = complete(url, "hello")
+    assert codes == [200] * 12 and len(d2.bodies) == 12
+    assert up == {dead.url: 0.0, served["decode"][1].url: 1.0, served["prefill"][0].url: 1.0}
+    assert none.status_code == 503 and "no decode worker is up" in none.json()["error"]["message"]
+
+
+def test_startup_refuses_a_worker_in_the_wrong_mode(capsys):
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    with Served(p.app) as sp, Served(d.app) as sd:
+        code = main(["--prefill", sd.url, "--decode", sp.url + "/", "--worker-startup-timeout", "5"])
+        err = capsys.readouterr().err
+        pool = WorkerPool([sp.url], [f"http://127.0.0.1:{free_port()}"])
+        with pytest.raises(RouterConfigError, match="did not answer GET /disaggregation within 0.2 s"):
+            check_modes(pool, timeout=0.2, interval=0.05)
+    assert code == 2 and f"--prefill {sd.url} is not a prefill worker" in err and "mode 'decode'" in err
+    assert main(["--prefill", "localhost:1", "--decode", sd.url]) == 2
+    assert "a worker is a URL" in capsys.readouterr().err
+
+
+def test_metrics_and_models():
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    with deployment([p], [d]) as (url, _, served):
+        for _ in range(3):
+            complete(url, "hello")
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=20) as s:
+            s.read()
+        httpx.post(url + "/v1/completions", json={"prompt": 1}, timeout=20)
+        by_status = scrape_labelled(url, "status")["sparsekv:router_requests_total"]
+        by_endpoint = scrape_labelled(url, "endpoint")
+        flat = {name: sum(v.values()) for name, v in scrape_labelled(url, "role").items()}
+        models = httpx.get(url + "/v1/models", timeout=20).json()
+        health = httpx.get(url + "/health").json()
+    assert by_status == {"200": 4.0, "400": 1.0}
+    assert by_endpoint["sparsekv:router_request_seconds_count"] == {"/v1/completions": 5.0}
+    assert flat["sparsekv:router_worker_up"] == 2.0 and flat["sparsekv:router_worker_requests_in_flight"] == 0.0
+    assert models["data"][0]["id"] == "fake"
+    assert health == {"status": "ok", "prefill": [served["prefill"][0].url], "decode": [served["decode"][0].url]}
+
+
+class Answer:
+    """A completion's first choice as `assert_same_greedy` reads it: token ids and logprob dicts."""
+
+    def __init__(self, body: dict):
+        self.token_ids = body["sparsekv"]["choices"][0]["token_ids"]
+        self.logprobs = _top_logprobs(body["choices"][0]["logprobs"]["top_logprobs"])
+
+    @classmethod
+    def from_events(cls, events: list[dict]) -> "Answer":
+        """The same from a stream's events (the ids from their `token_id:N` logprob tokens)."""
+        out = cls.__new__(cls)
+        logprobs = [e["choices"][0]["logprobs"] for e in events]
+        out.token_ids = [int(t.removeprefix("token_id:")) for lp in logprobs for t in lp["tokens"]]
+        out.logprobs = _top_logprobs([top for lp in logprobs for top in lp["top_logprobs"]])
+        return out
+
+
+def _top_logprobs(tops: list[dict]) -> list[dict]:
+    return [{int(k.removeprefix("token_id:")): v for k, v in top.items()} for top in tops]
+
+
+def test_router_with_real_workers_answers_as_one_engine(glm_ckpt):
+    """Router + a real prefill worker + a real decode worker: greedy tokens and logprobs of one
+    colocated engine, streamed or not, and both workers clean afterwards."""
+    import torch
+    from disagg_util import WorkerServer
+    from sparsekv import LLM, SamplingParams
+    from tolerances import assert_same_greedy, logprob_tolerance
+    base = dict(kv_page_size=4, max_model_len=128, num_threads=1)
+    body = {"max_tokens": 8, "temperature": 0, "logprobs": 3, "ignore_eos": True}
+    path = glm_ckpt[0]
+    prompt = torch.randint(1, 256, (41,), generator=torch.Generator().manual_seed(5)).tolist()
+    colocated = LLM(path, **base)
+    want = colocated.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True))[0]
+    with WorkerServer(path, "prefill", **base) as p, WorkerServer(path, "decode", **base) as d:
+        pool = WorkerPool([p.url], [d.url])
+        check_modes(pool, timeout=10, interval=0.05)
+        with Served(create_app(Router(pool, request_timeout=60, health_interval=0.2))) as router:
+            answer = httpx.post(router.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=60).json()
+            with httpx.stream("POST", router.url + "/v1/completions", timeout=60,
+                              json={**body, "prompt": prompt, "stream": True}) as s:
+                events = [json.loads(line[6:]) for line in s.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+        streamed = Answer.from_events([e for e in events if e["choices"]])
+        assert_same_greedy([want, want], [Answer(answer), streamed], logprob_tolerance(colocated))
+        assert answer["sparsekv"]["disaggregation"]["pages_sent"] == (len(prompt) - 1) // base["kv_page_size"]
+        p.check_clean()
+        d.check_clean()
