@@ -108,7 +108,8 @@ def _against_transformers(args, job: dict) -> tuple[dict, dict]:
 def bench_decode(args, ckpt: str) -> list[dict]:
     console, bw = report_console(), _machine_bandwidth(args.threads)
     predict = _planner(args, ckpt)
-    table = Table(title=f"decode, {args.preset}, {args.threads} threads (machine stream bandwidth {bw:.1f} GB/s)")
+    threads = f"{args.threads} threads" if args.threads else "each engine's default threads"
+    table = Table(title=f"decode, {args.preset}, {threads} (machine stream bandwidth {bw:.1f} GB/s)")
     for col in ("context", "sparsekv ms/token", "tokens/s", "peak RSS MB", "achieved bandwidth",
                 "transformers ms/token", "transformers RSS MB", "speed-up", "plan ms (measured/plan)"):
         table.add_column(col)
@@ -238,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for `prefill`: then decode this many tokens on the prefilled cache (median ms/token)")
     p.add_argument("--attention", default="sparse", choices=["sparse", "dense"])
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch threads of every run (0: each engine at its defaults, as LLM(path) and transformers)")
     p.add_argument("--transformers-max-context", type=transformers_limit_arg, default=parse_tokens("16K"),
                    help="run the transformers baseline up to this context (default 16K; 0: never)")
     p.add_argument("--include-dense-prefill", action="store_true")

@@ -160,7 +160,8 @@ JOBS = {("decode", "sparsekv"): sparsekv_decode, ("prefill", "sparsekv"): sparse
 def main() -> None:
     import torch
     job, threads = json.loads(sys.argv[1]), int(sys.argv[2])
-    torch.set_num_threads(threads)
+    if threads:  # 0: each engine at its own default (sparsekv's threads.py rule, torch's for transformers)
+        torch.set_num_threads(threads)
     result = JOBS[(job["kind"], job["engine"])](job)
     result["peak_rss_mb"] = peak_rss_mb()
     print(json.dumps(result))
