@@ -76,7 +76,7 @@ def start_worker_process(model: str, mode: str, secret_path: str, bootstrap_port
     import subprocess
     port = free_port()
     cmd = [sys.executable, "-m", "sparsekv", "serve", model, "--port", str(port), "--max-model-len", "128",
-           "--kv-page-size", "4", "--num-threads", "1", "--log-level", "warning", "--disaggregation-mode", mode,
+           "--kv-page-size", "4", "--log-level", "warning", "--disaggregation-mode", mode,
            "--disaggregation-secret-file", secret_path, "--disaggregation-bootstrap-host", "127.0.0.1",
            "--disaggregation-bootstrap-port", str(bootstrap_port), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **(env or {})}
@@ -91,7 +91,8 @@ def field(prefill_info: dict, room: str | None = None) -> dict:
 
 def send_pair(prefill_url: str, decode_url: str, body: dict, path: str = "/v1/completions", headers=None,
               timeout: float = 60.0, room: str | None = None) -> tuple[httpx.Response, httpx.Response]:
-    """One request to both workers at once, as the router sends it: (prefill's answer, decode's)."""
+    """One request to both workers at once, as the router sends it: (prefill's answer, decode's); an
+    answer that never came (a worker killed) is its exception."""
     info = httpx.get(prefill_url + "/disaggregation", timeout=5).json()
     tagged = {**body, "disaggregation": field(info, room)}
     to_prefill = {k: v for k, v in tagged.items() if k != "stream_options"} | {"stream": False}
@@ -99,5 +100,5 @@ def send_pair(prefill_url: str, decode_url: str, body: dict, path: str = "/v1/co
     async def both():
         async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
             return await asyncio.gather(client.post(prefill_url + path, json=to_prefill),
-                                        client.post(decode_url + path, json=tagged))
+                                        client.post(decode_url + path, json=tagged), return_exceptions=True)
     return tuple(asyncio.run(both()))

@@ -101,7 +101,7 @@ def send_tensors(group, tensors: list[torch.Tensor]) -> None:
         if corrupt is not None and int(corrupt) == i:  # test hook: a layer damaged after its digest
             t = t.clone()
             t[0] ^= 0xFF
-        _wait(group.send([t], DECODE_RANK, i), f"sending tensor {i}")
+        _run(lambda: group.send([t], DECODE_RANK, i), f"sending tensor {i}")
 
 
 def recv_tensors(group, sizes: list[int]) -> list[torch.Tensor]:
@@ -109,14 +109,14 @@ def recv_tensors(group, sizes: list[int]) -> list[torch.Tensor]:
     out = []
     for i, n in enumerate(sizes):
         t = torch.empty(n, dtype=torch.uint8)
-        _wait(group.recv([t], PREFILL_RANK, i), f"receiving tensor {i}")
+        _run(lambda: group.recv([t], PREFILL_RANK, i), f"receiving tensor {i}")
         out.append(t)
     return out
 
 
-def _wait(work, what: str) -> None:
+def _run(op, what: str) -> None:
     try:
-        work.wait()
+        op().wait()
     except Exception as e:  # the peer closed the connection, or the group's timeout passed
         raise TransferError(f"{what} failed: {_first_line(e)}") from None
 

@@ -1,0 +1,154 @@
+"""Faults between a prefill and a decode worker: a worker killed mid-transfer or mid-prompt, a
+corrupted layer, a wrong secret, a peer that never comes. Each time the request ends with an error
+(503 in the OpenAI envelope), the surviving worker keeps nothing of it (no room, no request, no
+imported page, its pools' integrity holds, its bootstrap store holds no key of the room) and serves
+the next request; no wait outlives --disaggregation-timeout (the HTTP clients' own timeouts would
+fail the test)."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+
+from disagg_util import SECRET, WorkerServer, field, secret_file, send_pair, start_worker_process
+from sparsekv.disagg.transfer import CORRUPT_ENV, DELAY_ENV
+from test_server_util import scrape, wait_healthy, wait_until
+
+BASE = dict(kv_page_size=4, max_model_len=128, num_threads=1)
+BODY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+TIMEOUT_S = 8.0
+
+
+def _prompt(seed: int = 3) -> list[int]:
+    return torch.randint(1, 256, (41,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _failed(r: httpx.Response, *words: str) -> str:
+    assert r.status_code == 503, r.text
+    message = r.json()["error"]["message"]
+    assert all(w in message for w in words), message
+    return message
+
+
+def _clean(w: WorkerServer) -> None:
+    w.check_clean()
+    if hasattr(w.worker, "store"):
+        assert w.worker.store.num_keys() == 0
+
+
+def test_a_corrupted_layer_fails_the_request_on_both_sides(glm_ckpt, monkeypatch):
+    with WorkerServer(glm_ckpt[0], "prefill", **BASE) as p, WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
+        monkeypatch.setenv(CORRUPT_ENV, "1")
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
+        _failed(rd, "tensor 1", "digest")
+        _failed(rp, "refused the KV", "tensor 1")
+        assert d.engine.stats()["prefix_host_pages"] == 0  # nothing of it was kept
+        for w in (p, d):
+            assert scrape(w.url)["sparsekv:disagg_transfers_failed_total"] == 1
+            _clean(w)
+        monkeypatch.delenv(CORRUPT_ENV)
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
+        assert (rp.status_code, rd.status_code) == (200, 200)
+        assert rd.json()["sparsekv"]["disaggregation"]["pages_sent"] == 10
+
+
+def test_a_wrong_secret_is_refused_before_any_kv_moves(glm_ckpt):
+    with WorkerServer(glm_ckpt[0], "prefill", **BASE) as p, \
+            WorkerServer(glm_ckpt[0], "decode", secret=b"another-secret-of-enough-bytes", **BASE) as d:
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
+        _failed(rp, "claim failed authentication")
+        _failed(rd, "failed authentication")
+        assert d.engine.stats()["prefix_host_pages"] == 0
+        assert p.worker.metrics.bytes._value.get() == 0
+        _clean(p)
+        _clean(d)
+
+
+def test_a_peer_that_never_comes_fails_within_the_timeout(glm_ckpt):
+    with WorkerServer(glm_ckpt[0], "prefill", timeout_s=1.0, **BASE) as p, \
+            WorkerServer(glm_ckpt[0], "decode", timeout_s=1.0, **BASE) as d:
+        info = httpx.get(p.url + "/disaggregation", timeout=5).json()
+        r = httpx.post(p.url + "/v1/completions", json={**BODY, "prompt": _prompt(), "disaggregation": field(info)},
+                       timeout=30)
+        _failed(r, "no claim from a decode worker within 1 s")
+        lone = {**field(info), "bootstrap_port": info["bootstrap_port"]}
+        r = httpx.post(d.url + "/v1/completions", json={**BODY, "prompt": _prompt(), "disaggregation": lone},
+                       timeout=30)
+        _failed(r, "no KV from the prefill worker within 1 s")
+        p.worker.store.set("probe", b"")  # the decode worker's claim is gone: only this key is left
+        assert p.worker.store.num_keys() == 1
+        p.worker.store.delete_key("probe")
+        _clean(p)
+        _clean(d)
+
+
+def _kill(proc) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def test_the_decode_worker_killed_mid_transfer(glm_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv(DELAY_ENV, "0.5")  # each tensor waits: the transfer is under way long enough
+    proc, decode_url = start_worker_process(glm_ckpt[0], "decode", secret_file(tmp_path), 0,
+                                            "--disaggregation-timeout", str(TIMEOUT_S))
+    try:
+        wait_healthy(decode_url, proc)
+        with WorkerServer(glm_ckpt[0], "prefill", timeout_s=TIMEOUT_S, **BASE) as p, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(send_pair, p.url, decode_url, {**BODY, "prompt": _prompt()}, timeout=3 * TIMEOUT_S)
+            assert wait_until(lambda: "send" in p.worker.rooms.values(), 30)
+            time.sleep(0.7)  # inside the tensors' sends
+            _kill(proc)
+            rp, rd = sent.result()
+            _failed(rp, "prefill worker")
+            assert isinstance(rd, httpx.HTTPError)  # the decode worker died without answering
+            _clean(p)
+            assert scrape(p.url)["sparsekv:disagg_transfers_in_flight"] == 0
+            monkeypatch.delenv(DELAY_ENV)
+            r = httpx.post(p.url + "/v1/completions", json={**BODY, "prompt": _prompt()}, timeout=10)
+            assert r.status_code == 400  # still serving: a request without its room is refused as always
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+
+
+def test_the_prefill_worker_killed_mid_prompt(glm_ckpt, tmp_path):
+    proc, prefill_url = start_worker_process(glm_ckpt[0], "prefill", secret_file(tmp_path), 0,
+                                             "--disaggregation-timeout", str(TIMEOUT_S),
+                                             env={"SPARSEKV_INJECT_STEP_DELAY": "2"})
+    try:
+        wait_healthy(prefill_url, proc)
+        with WorkerServer(glm_ckpt[0], "decode", timeout_s=TIMEOUT_S, **BASE) as d, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(send_pair, prefill_url, d.url, {**BODY, "prompt": _prompt()}, timeout=3 * TIMEOUT_S)
+            assert wait_until(lambda: "claim" in d.worker.rooms.values(), 30)
+            _kill(proc)
+            rp, rd = sent.result()
+            assert isinstance(rp, httpx.HTTPError)
+            _failed(rd, "decode worker")
+            assert d.engine.stats()["prefix_host_pages"] == 0
+            _clean(d)
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_serve_refuses_a_role_without_a_private_secret(glm_ckpt, tmp_path, mode):
+    import subprocess
+    import sys
+    from test_server_util import REPO
+    base = [sys.executable, "-m", "sparsekv", "serve", glm_ckpt[0], "--disaggregation-mode", mode]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    out = subprocess.run(base, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "needs --disaggregation-secret-file" in out.stderr
+    loose = secret_file(tmp_path, SECRET)
+    os.chmod(loose, 0o644)
+    out = subprocess.run(base + ["--disaggregation-secret-file", loose], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "chmod 600" in out.stderr
