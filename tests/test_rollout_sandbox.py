@@ -1,0 +1,136 @@
+"""The rollout sandbox: escapes refused (`..`, absolute paths, symlinks out, network, writes outside by a
+command) and the limits enforced (wall time, CPU time, memory)."""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from sparsekv.rollout import sandbox as sandbox_mod
+from sparsekv.rollout.sandbox import Limits, NetworkUnavailable, PathRefused, Sandbox, isolation_available
+from sparsekv.rollout.task import TaskError, load_task
+
+needs_isolation = pytest.mark.skipif(not isolation_available(), reason="unshare cannot isolate commands here")
+
+
+@pytest.fixture
+def sandbox():
+    with Sandbox(load_task("fizzbuzz")) as sb:
+        yield sb
+
+
+def test_the_copy_is_per_episode(sandbox):
+    task = sandbox.task
+    sandbox.write_file("fizzbuzz.py", "changed\n")
+    assert (task.repo / "fizzbuzz.py").read_text() != "changed\n"
+    with Sandbox(task) as other:
+        assert other.read_file("fizzbuzz.py") == (task.repo / "fizzbuzz.py").read_text()
+    root = sandbox.root
+    sandbox.close()
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("path", ["../outside.txt", "tests/../../outside.txt", "/etc/passwd", "/tmp/x", "~/x"])
+def test_paths_out_of_the_repository_are_refused(sandbox, path):
+    for call in (lambda: sandbox.read_file(path), lambda: sandbox.write_file(path, "x"),
+                 lambda: sandbox.list_dir(path)):
+        with pytest.raises(PathRefused):
+            call()
+    assert not (sandbox.root.parent.parent / "outside.txt").exists()
+
+
+def test_symlinks_out_are_refused(sandbox, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("secret")
+    (sandbox.root / "link.txt").symlink_to(secret)
+    (sandbox.root / "linkdir").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(PathRefused):
+        sandbox.read_file("link.txt")
+    with pytest.raises(PathRefused):
+        sandbox.write_file("link.txt", "overwritten")
+    with pytest.raises(PathRefused):
+        sandbox.write_file("linkdir/new.txt", "x")
+    with pytest.raises(PathRefused):
+        sandbox.list_dir("linkdir")
+    assert secret.read_text() == "secret" and not (tmp_path / "new.txt").exists()
+
+
+def test_paths_inside_work(sandbox):
+    assert sandbox.write_file("pkg/../notes.txt", "hello") == "wrote 5 bytes to pkg/../notes.txt"
+    assert sandbox.read_file("./notes.txt") == "hello"
+    (sandbox.root / "alias.txt").symlink_to(sandbox.root / "notes.txt")
+    assert sandbox.read_file("alias.txt") == "hello"
+    assert "fizzbuzz.py" in sandbox.list_dir(".").splitlines()
+
+
+@needs_isolation
+def test_commands_have_no_network(sandbox):
+    result = sandbox.run_command("python -c \"import socket; socket.create_connection(('1.1.1.1', 53), timeout=3)\"")
+    assert result.exit_code != 0 and "unreachable" in result.output.lower()
+    inside = sandbox.run_command("readlink /proc/self/ns/net").output.strip()
+    assert inside.startswith("net:[") and inside != os.readlink("/proc/self/ns/net")  # a namespace of its own
+
+
+@needs_isolation
+def test_commands_cannot_write_outside(sandbox):
+    name = f"sparsekv-escape-{uuid.uuid4().hex}"
+    targets = [f"/tmp/{name}", f"{sandbox.root.parent.parent}/{name}", f"/dev/shm/{name}", f"{Path.home()}/{name}"]
+    result = sandbox.run_command("; ".join(f"touch {t}" for t in targets) + "; touch inside.txt && echo made")
+    assert result.output.count("Read-only file system") == len(targets)
+    assert "made" in result.output and (sandbox.root / "inside.txt").exists()
+    assert not any(os.path.exists(t) for t in targets)
+
+
+def test_wall_time_limit(sandbox, monkeypatch):
+    monkeypatch.setattr(sandbox_mod, "isolation_available", lambda: False)
+    sandbox.allow_network = True
+    result = sandbox.run("sleep 30; echo not reached", Limits(wall_s=0.5))
+    assert result.timed_out and "not reached" not in result.output
+    assert "killed: wall-time limit" in result.text()
+
+
+def test_cpu_time_limit(sandbox):
+    sandbox.allow_network = True
+    result = sandbox.run("python -c 'while True: pass'", Limits(cpu_s=1, wall_s=60))
+    assert not result.timed_out and result.exit_code != 0  # SIGXCPU, well before the wall limit
+
+
+def test_memory_limit(sandbox):
+    sandbox.allow_network = True
+    code = "python -c 'x = bytearray(512 << 20); print(\"allocated\")'"
+    small = sandbox.run(code, Limits(memory_mb=256))
+    assert small.exit_code != 0 and "MemoryError" in small.output
+    assert "allocated" in sandbox.run(code, Limits(memory_mb=2048)).output
+
+
+def test_without_isolation_commands_are_refused_unless_allowed(sandbox, monkeypatch):
+    monkeypatch.setattr(sandbox_mod, "isolation_available", lambda: False)
+    with pytest.raises(NetworkUnavailable, match="--allow-network"):
+        sandbox.run_command("echo hi")
+    sandbox.allow_network = True
+    assert sandbox.run_command("echo hi").output == "hi\n"
+
+
+def test_the_check_runs_in_the_sandbox(sandbox):
+    sandbox.allow_network = True
+    assert sandbox.run(sandbox.task.check).exit_code != 0  # the stub raises NotImplementedError
+    sandbox.write_file("fizzbuzz.py", 'def fizzbuzz(n):\n    return "Fizz" * (n % 3 == 0) + "Buzz" * (n % 5 == 0) or str(n)\n')
+    assert sandbox.run(sandbox.task.check).exit_code == 0
+
+
+def test_bad_task_specs(tmp_path):
+    with pytest.raises(TaskError, match="no task at"):
+        load_task(tmp_path / "missing")
+    (tmp_path / "task.yaml").write_text("instruction: x\ncheck: true\ncolour: red\n")
+    with pytest.raises(TaskError, match="unknown keys"):
+        load_task(tmp_path)
+    (tmp_path / "task.yaml").write_text("instruction: x\n")
+    with pytest.raises(TaskError, match="'check' is required"):
+        load_task(tmp_path)
+    (tmp_path / "task.yaml").write_text("instruction: x\ncheck: 'true'\n")
+    with pytest.raises(TaskError, match="repository directory"):
+        load_task(tmp_path)
+    (tmp_path / "repo").mkdir()
+    assert load_task(tmp_path).check == "true"
