@@ -1,0 +1,293 @@
+"""The engine API an RL trainer uses (docs/rl.md): weight updates in process and from disk, no stale
+prefix-cache page in any tier after one, drain and abort policies, pause/continue, routed experts.
+
+After an update the model holds the very values a fresh load of the new weights makes and runs the same
+operations on them, but in the memory the old weights had: CPU matrix kernels pick their code path by
+the operands' alignment, so the rounding may differ, and logprobs are compared within the bound of
+tests/tolerances.py (greedy tokens equal, where the inputs leave a clear lead)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sparsekv import LLM, SamplingParams
+from sparsekv.paths import default_model_path
+from sparsekv.tools.tiny import save_reference_checkpoint
+from sparsekv.weights import WeightUpdateConflict, WeightUpdateError
+from tolerances import assert_same_greedy, logprob_tolerance
+
+PAGE = 4
+OPTIONS = dict(max_model_len=256, kv_page_size=PAGE, prefill_chunk_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+PROMPT = [(7 * i) % 250 + 1 for i in range(37)]
+OTHER = [(11 * i) % 250 + 3 for i in range(37)]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Two checkpoints of one architecture (A, B: other random weights) and B's reference model."""
+    root = tmp_path_factory.mktemp("rl")
+    a, b = str(root / "a"), str(root / "b")
+    save_reference_checkpoint(a, "glm_moe_dsa", seed=0, index_topk=8)
+    ref_b = save_reference_checkpoint(b, "glm_moe_dsa", seed=1, index_topk=8)
+    return a, b, ref_b
+
+
+def _same(x, y, model=None):
+    """Equal tokens; logprobs bit for bit (the same weights in the same memory), or with `model` (an
+    updated LLM or DSAModel) within its rounding bound, greedy tokens where the lead is clear."""
+    if model is None:
+        assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
+        return
+    assert_same_greedy([y], [x], logprob_tolerance(model))
+
+
+def _tensors(path):
+    return load_file(f"{path}/model.safetensors")
+
+
+def test_update_from_disk_serves_what_a_fresh_engine_of_b_serves(ckpts):
+    a, b, _ = ckpts
+    llm = LLM(a, **OPTIONS)
+    before = llm.generate([PROMPT], GREEDY)[0]
+    assert before.metrics["weights_version"] == 0
+    assert llm.update_weights_from_disk(b) == 1
+    after = llm.generate([PROMPT, OTHER], GREEDY)
+    fresh = LLM(b, **OPTIONS).generate([PROMPT, OTHER], GREEDY)
+    for x, y in zip(after, fresh):
+        _same(x, y, llm)
+    assert after[0].token_ids != before.token_ids
+    assert after[0].metrics["weights_version"] == 1 and llm.stats()["weights_version"] == 1
+    llm.engine.check_integrity()
+
+
+def test_update_from_tensors_with_fp8_scales_and_a_partial_update(ckpts, tmp_path):
+    a, b, _ = ckpts
+    tensors = _tensors(b)
+    name = "model.layers.1.self_attn.q_b_proj.weight"  # stored as FP8 with 128x128 block scales in C
+    w = tensors[name].float()
+    scale = torch.full((-(-w.shape[0] // 128), -(-w.shape[1] // 128)), w.abs().max().item() / 448.0)
+    w8 = (w / scale[0, 0]).to(torch.float8_e4m3fn)
+    c = tmp_path / "c"
+    c.mkdir()
+    for f in ("config.json",):
+        (c / f).write_bytes(open(f"{b}/{f}", "rb").read())
+    save_file({**{k: v for k, v in tensors.items() if k != name}, name: w8, name + "_scale_inv": scale},
+              str(c / "model.safetensors"))
+    fresh = LLM(str(c), **OPTIONS).generate([PROMPT], GREEDY)[0]
+    llm = LLM(a, **OPTIONS)
+    update = [(k, v) for k, v in tensors.items() if k != name] + [(name, w8), (name + "_scale_inv", scale)]
+    assert llm.update_weights(update) == 1
+    _same(llm.generate([PROMPT], GREEDY)[0], fresh, llm)
+    # partial: only the FP8 tensor, back to B's own values; the rest keep what the last update gave
+    llm.update_weights([(name, tensors[name])])
+    _same(llm.generate([PROMPT], GREEDY)[0], LLM(b, **OPTIONS).generate([PROMPT], GREEDY)[0], llm)
+    assert llm.weights_version == 2
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda t: [("model.layers.0.self_attn.q_a_proj.weight", torch.zeros(3, 3))], "wrong shape"),
+    (lambda t: [("model.layers.9.mlp.gate.weight", torch.zeros(3, 3))], "unknown tensor"),
+    (lambda t: [("model.norm.weight", t["model.norm.weight"].to(torch.float8_e4m3fn))], "no model.norm.weight_scale_inv"),
+    (lambda t: [("model.norm.weight_scale_inv", torch.ones(1, 1))], "not float8_e4m3fn"),
+    (lambda t: [("model.norm.weight", t["model.norm.weight"])] * 2, "given twice"),
+])
+def test_a_bad_update_is_refused_whole_and_a_keeps_serving(ckpts, bad, match):
+    """The rest of the update is B's whole, good: nothing of it loads."""
+    a, b, _ = ckpts
+    llm = LLM(a, **OPTIONS)
+    want = llm.generate([PROMPT], GREEDY)[0]
+    tensors = _tensors(b)
+    wrong = bad(tensors)
+    update = [(k, v) for k, v in tensors.items() if k not in {n for n, _ in wrong}] + wrong
+    with pytest.raises(WeightUpdateError, match=match):
+        llm.update_weights(update)
+    with pytest.raises(WeightUpdateError, match="no tensors"):
+        llm.update_weights([])
+    with pytest.raises(WeightUpdateError, match="without their weight"):
+        llm.update_weights([("model.norm.weight_scale_inv", torch.ones(1, 1))])
+    _same(llm.generate([PROMPT], GREEDY)[0], want)
+    assert llm.weights_version == 0
+
+
+def test_a_checkpoint_of_another_architecture_is_refused(ckpts, tmp_path):
+    a, _, _ = ckpts
+    other = str(tmp_path / "other")
+    save_reference_checkpoint(other, "glm_moe_dsa", seed=2, index_topk=4)  # the same tensors, another top-k
+    llm = LLM(a, **OPTIONS)
+    want = llm.generate([PROMPT], GREEDY)[0]
+    with pytest.raises(WeightUpdateError, match="index_topk"):
+        llm.update_weights_from_disk(other)
+    with pytest.raises(WeightUpdateError):
+        llm.update_weights_from_disk(str(tmp_path / "missing"))
+    _same(llm.generate([PROMPT], GREEDY)[0], want)
+
+
+def _tier_options(tier: str, tmp_path, page_bytes: int | None = None) -> dict:
+    options = dict(OPTIONS, enable_prefix_caching=True, max_num_seqs=1)
+    if tier in ("host", "disk"):
+        options.update(num_kv_pages=12, prefix_cache_host_bytes=1 << 24)
+    if tier == "disk":
+        options.update(prefix_cache_host_bytes=page_bytes, prefix_cache_disk_path=str(tmp_path / "disk"),
+                       prefix_cache_disk_bytes=1 << 24)
+    return options
+
+
+def _cache_prompt(llm, tier: str) -> None:
+    """PROMPT's pages cached, then (host, disk) pushed out of the pool by another prompt."""
+    llm.generate([PROMPT], GREEDY)
+    if tier != "device":
+        llm.generate([OTHER], GREEDY)
+    if tier == "disk":
+        llm.engine.kv.prefix.tiers["disk"].flush()
+
+
+@pytest.mark.parametrize("how", ["disk", "tensors"])
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+def test_a_prompt_cached_under_a_is_recomputed_under_b_in_every_tier(ckpts, tmp_path, tier, how):
+    a, b, _ = ckpts
+    page_bytes = LLM(a, **dict(OPTIONS, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 20)) \
+        .engine.kv.prefix.tiers["host"].page_bytes
+    control = LLM(a, **_tier_options(tier, tmp_path / "control", page_bytes))
+    _cache_prompt(control, tier)
+    hit = control.generate([PROMPT], GREEDY)[0]
+    assert hit.metrics[f"prefix_cached_tokens_{tier}"] > 0  # without an update the tier serves the prompt
+    control.close()
+    llm = LLM(a, **_tier_options(tier, tmp_path / "updated", page_bytes))
+    _cache_prompt(llm, tier)
+    if how == "disk":
+        llm.update_weights_from_disk(b)
+    else:
+        llm.update_weights(_tensors(b).items())
+    out = llm.generate([PROMPT], GREEDY)[0]
+    assert out.num_cached_tokens == 0
+    fresh = LLM(b, **_tier_options(tier, tmp_path / "fresh", page_bytes)).generate([PROMPT], GREEDY)[0]
+    _same(out, fresh, llm)
+    llm.engine.check_integrity()
+    llm.close()
+
+
+def _run_until_done(engine, outs: dict) -> None:
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+
+
+def test_drain_finishes_started_requests_under_a_and_holds_new_ones_for_b(ckpts):
+    a, b, _ = ckpts
+    only_a = LLM(a, **OPTIONS).generate([PROMPT], GREEDY)[0]
+    only_b = LLM(b, **OPTIONS).generate([OTHER], GREEDY)[0]
+    engine = LLM(a, **OPTIONS).engine
+    engine.add_request("r1", PROMPT, GREEDY)
+    for _ in range(4):  # prefill and a few decodes under A
+        engine.step()
+    assert engine.update_weights_from_disk(b, policy="drain") == []
+    assert engine.weight_update_pending and engine.weights_version == 0
+    engine.add_request("r2", OTHER, GREEDY)
+    outs = {}
+    _run_until_done(engine, outs)
+    _same(outs["r1"], only_a)  # all under A, in A's memory: bit for bit
+    _same(outs["r2"], only_b, engine.model)
+    assert outs["r1"].metrics["weights_version"] == 0 and outs["r2"].metrics["weights_version"] == 1
+    engine.check_integrity()
+
+
+def test_abort_ends_started_requests_and_runs_the_queued_ones_under_b(ckpts):
+    a, b, _ = ckpts
+    only_b = LLM(b, **OPTIONS).generate([OTHER], GREEDY)[0]
+    engine = LLM(a, **OPTIONS).engine
+    engine.add_request("r1", PROMPT, GREEDY)
+    engine.step()
+    engine.step()
+    engine.add_request("r2", OTHER, GREEDY)  # queued behind, not started: it runs under B
+    engine.pause_generation()
+    with pytest.raises(WeightUpdateConflict, match="paused"):
+        engine.update_weights_from_disk(b, policy="drain")
+    aborted = engine.update_weights_from_disk(b, policy="abort")
+    engine.continue_generation()
+    assert [o.request_id for o in aborted] == ["r1"] and aborted[0].finish_reason == "abort"
+    assert aborted[0].metrics["weights_version"] == 0 and engine.weights_version == 1
+    outs = {}
+    _run_until_done(engine, outs)
+    assert set(outs) == {"r2"}
+    _same(outs["r2"], only_b, engine.model)
+    engine.check_integrity()
+
+
+def test_pause_keeps_requests_and_kv_and_continue_gives_the_uninterrupted_outputs(ckpts):
+    a, _, _ = ckpts
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, logprobs=1)
+    want = LLM(a, **OPTIONS).generate([PROMPT, OTHER], params)
+    engine = LLM(a, **OPTIONS).engine
+    engine.add_request("p", PROMPT, params)
+    engine.add_request("o", OTHER, params)
+    engine.step()
+    engine.step()
+    engine.pause_generation()
+    free = engine.stats()["kv_pages_free"]
+    for _ in range(3):
+        assert engine.step() == []
+    assert engine.stats()["kv_pages_free"] == free and engine.stats()["running"] == 2
+    engine.continue_generation()
+    outs = {}
+    _run_until_done(engine, outs)
+    _same(outs["p"], want[0])
+    _same(outs["o"], want[1])
+
+
+def test_seeded_tokens_do_not_depend_on_the_batch_after_an_update(ckpts):
+    a, b, _ = ckpts
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
+    llm = LLM(a, **OPTIONS)
+    llm.generate([PROMPT], params)
+    llm.update_weights_from_disk(b)
+    alone = llm.generate([PROMPT], params)[0]
+    batched = llm.generate([OTHER, PROMPT, OTHER[:20]], params)[1]
+    assert alone.token_ids == batched.token_ids
+    assert alone.token_ids == LLM(b, **OPTIONS).generate([PROMPT], params)[0].token_ids
+
+
+def _reference_routing(ref, token_ids: list[int]) -> list[torch.Tensor]:
+    """Each MoE layer's top-k expert ids per position, from transformers' router on its own forward."""
+    found = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, args, out: found.append(out[2].sort(-1).values))
+             for layer in ref.model.layers if hasattr(layer.mlp, "gate")]
+    try:
+        with torch.no_grad():
+            ref(torch.tensor([token_ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return found
+
+
+def test_routed_experts_are_the_ones_the_reference_router_picks(ckpts):
+    a, b, ref_b = ckpts
+    params = SamplingParams(max_tokens=8, temperature=0.0, return_routed_experts=True)
+    llm = LLM(a, **OPTIONS)
+    llm.update_weights_from_disk(b)  # under B: its reference model recomputes the routing
+    outs = llm.generate([PROMPT, OTHER[:23]], params)
+    for prompt, out in zip([PROMPT, OTHER[:23]], outs):
+        routing = _reference_routing(ref_b, prompt + out.token_ids)
+        assert len(out.routed_experts) == len(out.token_ids) and len(out.routed_experts[0]) == len(routing)
+        for i in range(len(out.token_ids)):  # token i was sampled at position len(prompt) - 1 + i
+            want = [layer[len(prompt) - 1 + i].tolist() for layer in routing]
+            assert out.routed_experts[i] == want, f"token {i}"
+    assert llm.generate([PROMPT], GREEDY)[0].routed_experts is None
+
+
+def test_routed_experts_of_verified_drafts_equal_plain_decoding():
+    """MTP verification rows (the bundled model has an MTP layer): the experts of each accepted token's
+    row are those plain decoding routes the same token with."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, return_routed_experts=True)
+    options = dict(max_model_len=512, prefill_chunk_tokens=8, max_num_seqs=2)
+    prompts = ["def fibonacci(n):", "import os\nimport sys\n"]
+    plain = LLM(default_model_path(), **options).generate(prompts, params)
+    llm = LLM(default_model_path(), num_speculative_tokens=2, **options)
+    spec = llm.generate(prompts, params)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    for x, y in zip(plain, spec):
+        assert x.token_ids == y.token_ids
+        assert x.routed_experts == y.routed_experts
