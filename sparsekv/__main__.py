@@ -10,6 +10,7 @@ COMMANDS = {
     "generate": ("sparsekv.cli", "generate_main", "generate text from a prompt"),
     "make-tiny-model": ("sparsekv.cli", "make_tiny_main", "write a tiny random-weight checkpoint"),
     "serve": ("sparsekv.server.cli", "main", "OpenAI-compatible server"),
+    "router": ("sparsekv.disagg.router", "main", "prefill/decode disaggregation's front end"),
     "bench": ("sparsekv.tools.bench", "main",
               "benchmarks: decode | prefill | modes | tiers | spec | indexer | serve | prefix | batch | sampling | admission | kv-dtype"),
     "plan": ("sparsekv.tools.plan", "main", "capacity planner and decode roofline"),
@@ -25,6 +26,7 @@ PARSERS = {
     "generate": ("sparsekv.cli", "generate_parser"),
     "make-tiny-model": ("sparsekv.cli", "make_tiny_parser"),
     "serve": ("sparsekv.server.cli", "build_parser"),
+    "router": ("sparsekv.disagg.router", "build_parser"),
     "bench": ("sparsekv.tools.bench", "parser_for"),   # takes the arguments: each sub-benchmark has its own
     "plan": ("sparsekv.tools.plan", "build_parser"),
     "eval": ("sparsekv.tools.evals", "build_parser"),

@@ -31,7 +31,7 @@ class WorkerServer:
     def __init__(self, model: str, mode: str, secret: bytes = SECRET, timeout_s: float = 20.0,
                  api_keys: list[str] = (), **engine_options):
         from sparsekv.config import EngineConfig
-        from sparsekv.disagg import DisaggSettings
+        from sparsekv.disagg.worker import DisaggSettings
         from sparsekv.engine import LLMEngine
         from sparsekv.server.app import ServerSettings, create_app
         from sparsekv.server.auth import parse_api_keys

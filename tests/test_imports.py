@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("scheduling", ("scheduler", "runner", "speculative", "structured")),
     ("engine", ("engine", "llm", "executor", "parallel", "input_processor", "output_processor", "__init__",
                 "weights", "routing", "threads")),
-    ("server", ("server",)),
+    ("server", ("server", "disagg")),        # disagg: the prefill/decode roles of a server, and the router
     ("train", ("train",)),                   # the bundled model's training: uses model/, not the engine
     ("tools", ("tools",)),                   # benchmarks, planner, evals; they also use train/ (data, stages)
     ("rollout", ("rollout",)),               # RL episodes against an OpenAI endpoint; no engine import
