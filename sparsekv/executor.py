@@ -92,7 +92,7 @@ class InProcessExecutor(Executor):
                                   decode_rows=1 + config.num_speculative_tokens,
                                   batch_dense_decodes=config.batch_dense_decodes)
         drafting = config.num_speculative_tokens and model.mtp is not None
-        self.drafter = MTPDrafter(model, self.runner, pool) if drafting else None
+        self.drafter = MTPDrafter(model, self.runner, pool, config.num_speculative_tokens) if drafting else None
         self.observers: list[Callable[[SchedulerOutput, ModelOutput], None]] = []
         self._hidden: torch.Tensor | None = None  # the last step's final hidden states (the MTP pass reads them)
 

@@ -32,7 +32,9 @@ the tokens a verification step yields (the form GLM reports MTP results in).
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -110,23 +112,25 @@ class MTPDrafter:
     """Runs the MTP layer, in the executor (on every rank): the extend pass over the rows whose next
     token became known, then the draft steps chained on its own output."""
 
-    def __init__(self, model, runner, cache):
+    def __init__(self, model, runner, cache, num_tokens: int):
         self.model, self.mtp, self.cfg = model, model.mtp, model.cfg
-        self.runner, self.cache = runner, cache
-        self._chain: tuple[list, dict, torch.Tensor] | None = None  # the drafting rows' (seqs, selection, h)
+        self.runner, self.cache, self.k = runner, cache, num_tokens
+        self._chain: DraftChain | None = None
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, ctx: ForwardContext,
-                cache) -> tuple[torch.Tensor, torch.Tensor]:
+                cache, every_row_drafts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: final hidden states [N, H] at ctx.positions (the target's after model.norm, or the
-        previous draft step's); next_tokens: the token at position + 1 of each row.
-        Returns (fp32 logits, hidden after shared_head.norm) of ctx.logits_rows."""
+        previous draft step's); next_tokens: the token at position + 1 of each row; ctx.cos / ctx.sin
+        already set or computed here. Returns (fp32 logits, hidden after shared_head.norm) of
+        ctx.logits_rows (`every_row_drafts`: those are all the rows, in order)."""
         mtp, eps = self.mtp, self.cfg.rms_norm_eps
         e = self.model.comm.embed(next_tokens, mtp.embed if mtp.embed is not None else self.model.embed)
         x = F.linear(torch.cat([rms_norm(e, mtp.enorm, eps), rms_norm(hidden, mtp.hnorm, eps)], -1), mtp.eh_proj)
-        ctx.cos, ctx.sin = self.model.rotary.cos_sin(ctx.positions)
+        if ctx.cos is None:
+            ctx.cos, ctx.sin = self.model.rotary.cos_sin(ctx.positions)
         x = mtp.layer.forward(x, ctx, cache)
-        h = rms_norm(x[ctx.logits_rows], mtp.head_norm, eps)
+        h = rms_norm(x if every_row_drafts else x[ctx.logits_rows], mtp.head_norm, eps)
         return self.model.logits(h, mtp.head), h
 
     @torch.inference_mode()
@@ -135,21 +139,57 @@ class MTPDrafter:
         rows (draft 1). Keeps what the draft steps chain on."""
         ctx = self.runner.build_mtp_context(plan.parts, plan.logits_rows)
         self.cache.begin_mtp_pass(ctx.seqs, {request_id: pages for request_id, pages, _, _ in plan.parts})
-        logits, h = self.forward(hidden[torch.tensor(plan.rows, device=hidden.device)], ctx.input_ids, ctx, self.cache)
+        logits, h = self.forward(_rows_of(hidden, plan.rows), ctx.input_ids, ctx, self.cache)
         seqs = [ctx.seqs[i] for i in plan.drafting]
         selection = {s.request_id: ctx.selection[s.request_id][-1:] for s in seqs if s.request_id in ctx.selection}
-        self._chain = (seqs, selection, h)
+        self._chain = DraftChain(seqs, selection, h, self._chain_rope(seqs))
         return logits
+
+    def _chain_rope(self, seqs: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos / sin [K - 1, B, R] of draft steps 2..K (one row per drafting request past its
+        history), computed once for the whole chain."""
+        if self.k < 2 or not seqs:
+            return None
+        positions = [s.context_len - 1 + step for step in range(1, self.k) for s in seqs]
+        cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=self.model.device))
+        return cos.view(self.k - 1, len(seqs), -1), sin.view(self.k - 1, len(seqs), -1)
 
     @torch.inference_mode()
     def step(self, step: int, tokens: list[int]) -> torch.Tensor:
         """Draft step `step` (1-based after the extend pass) from the previous drafts `tokens`: reads,
         never writes."""
-        seqs, selection, h = self._chain
-        ctx = self.runner.build_draft_step_context(seqs, step, tokens, selection)
-        logits, h = self.forward(h, ctx.input_ids, ctx, self.cache)
-        self._chain = (seqs, selection, h)
+        chain = self._chain
+        ctx = self.runner.build_draft_step_context(chain.seqs, step, tokens, chain.selection)
+        ctx.cos, ctx.sin = chain.cos[step - 1], chain.sin[step - 1]
+        logits, chain.hidden = self.forward(chain.hidden, ctx.input_ids, ctx, self.cache, every_row_drafts=True)
         return logits
+
+
+@dataclass
+class DraftChain:
+    """What draft steps 2..K chain on: the drafting requests' slices of the extend pass, their
+    drafting row's selection (MTP index reuse), the last hidden state (after shared_head.norm) and
+    every step's cos / sin."""
+
+    seqs: list
+    selection: dict
+    hidden: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.rope[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.rope[1]
+
+
+def _rows_of(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows]: a view when the rows are consecutive (one request's, or a whole batch's)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return hidden[rows[0]:rows[0] + len(rows)]
+    return hidden[torch.tensor(rows, device=hidden.device)]
 
 
 @dataclass
@@ -178,6 +218,19 @@ class Speculator:
         self.drafts: dict[str, list[Draft]] = {}
         self.counts: dict[str, SpecDecodingCounts] = {}
         self.totals = SpecDecodingCounts(num_tokens)
+        self._pass_observers: list[Callable[[str], ContextManager]] = []
+
+    def add_pass_observer(self, observer: Callable[[str], ContextManager]) -> None:
+        """Enter `observer(name)` around each MTP pass the engine runs: "extend" (the MTP cache over the
+        step's final rows, and draft 1) and "draft step" (each of drafts 2..K). Benchmarks and tests
+        count or time the passes through this."""
+        self._pass_observers.append(observer)
+
+    def _observed(self, name: str) -> ExitStack:
+        stack = ExitStack()
+        for observer in self._pass_observers:
+            stack.enter_context(observer(name))
+        return stack
 
     def begin_verification(self, request_id: str, num_draft_tokens: int) -> None:
         """A step feeds the target the request's first `num_draft_tokens` drafts (the ones that fitted)."""
@@ -226,7 +279,8 @@ class Speculator:
             row += ch.num_new_tokens
         if not plan.rows:
             return
-        logits = self.executor.draft_extend(plan)
+        with self._observed("extend"):
+            logits = self.executor.draft_extend(plan)
         if drafting:
             self._chain(drafting, logits, generators)
 
@@ -235,7 +289,8 @@ class Speculator:
         drafts = [[] for _ in reqs]
         for step in range(self.k):
             if step:
-                logits = self.executor.draft_step(step, [d[-1].token for d in drafts])
+                with self._observed("draft step"):
+                    logits = self.executor.draft_step(step, [d[-1].token for d in drafts])
             greedy = logits.argmax(-1).tolist()  # every greedy draft in one op; B ints cross to the host, not B x V
             for i, req in enumerate(reqs):
                 drafts[i].append(Draft(greedy[i], None) if req.params.greedy else

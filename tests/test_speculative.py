@@ -144,7 +144,7 @@ def test_drafts_equal_the_mtp_layer_over_the_whole_sequence(model, repeat):
     with torch.inference_mode():
         hidden = m.hidden_states(ctx_for(n, torch.arange(n)), cache)
         ctx = ctx_for(n - 1, torch.arange(n - 1))
-        logits, _ = MTPDrafter(m, None, None).forward(hidden[:n - 1], torch.tensor(ids[1:n]), ctx, cache)
+        logits, _ = MTPDrafter(m, None, None, 1).forward(hidden[:n - 1], torch.tensor(ids[1:n]), ctx, cache)
     predicted = {p + 2: int(logits[p].argmax()) for p in range(n - 1)}  # row p predicts token p + 2
     assert len(drafts) > 10
     for position, token in drafts:
@@ -488,3 +488,17 @@ def test_batched_selection_of_drafting_decodes_equals_per_request(model, tiering
         key = "spec_decode_num_accepted_tokens_per_pos"
         assert a.metrics[key] == b.metrics[key]
     assert any(rows == 3 for _, rows in shapes), "no batch held a verification chunk"
+
+
+def test_a_draft_step_dispatches_at_most_30_percent_of_a_target_steps_ops(model):
+    """Counted, not timed (tools/op_count.py), on the bundled model with one request past top-k: a draft
+    step (each of drafts 2..K) dispatches at most 30 % of the torch ops of a target decode step, and a
+    step's whole drafting (the MTP extend pass and K - 1 draft steps) at most 30 % per draft token."""
+    from sparsekv.tools.bench_spec import pass_ops
+    k, options = 3, dict(max_model_len=1024, max_num_seqs=1)
+    plain, drafting = LLM(model, **options).engine, LLM(model, num_speculative_tokens=k, **options).engine
+    prompt = [5 + (7 * i) % 4000 for i in range(600)]
+    assert len(prompt) > plain.model_config.index_topk
+    ops = pass_ops(plain, drafting, prompt, steps=3)
+    assert 0 < ops["draft step"] <= 0.30 * ops["target"], ops
+    assert ops["extend"] + (k - 1) * ops["draft step"] <= k * 0.30 * ops["target"], ops

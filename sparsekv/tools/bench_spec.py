@@ -7,12 +7,19 @@ acceptance rate and mean acceptance length (vLLM's definitions, speculative.py: 
 tokens verified, and 1 + accepted / verification steps), the acceptance rate of each draft position,
 achieved bandwidth (bytes a target step reads / its time), whether greedy outputs are identical, and
 the speed-up of drafting.
+
+Then what each pass costs against a target decode step (plain decoding's, one request), in torch ops
+(tools/op_count.py, counted on the first prompt) and in median time (over every timed step): the
+verification step (1 + K rows), the MTP extend pass (the MTP cache over the step's final rows, and
+draft 1) and a draft step (each of drafts 2..K); and the speed-up those op counts allow at the
+measured acceptance length L: L x target / (verification + extend + (K - 1) x draft step).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from contextlib import contextmanager
 
 from rich.table import Table
 
@@ -61,7 +68,8 @@ def run(args) -> dict:
     from .bench_worker import decode_bytes_per_step
     torch.set_num_threads(args.threads)
     path = args.model or default_model_path()
-    common = dict(max_model_len=args.prompt_tokens + args.max_tokens + 8, max_num_seqs=1)
+    room = max(args.max_tokens, pass_ops_tokens(args.num_speculative_tokens))
+    common = dict(max_model_len=args.prompt_tokens + room + 8, max_num_seqs=1)
     if args.kv_tiering:  # both modes tiered: drafting's cost and gain with the tiered cache
         common.update(kv_tiering=True, device_buffer_tokens=args.device_buffer_tokens)
     modes = {"plain": LLM(path, **common).engine,
@@ -69,12 +77,67 @@ def run(args) -> dict:
     prompts = held_out_prompts(modes["plain"].tokenizer, args.prompts, args.prompt_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     runs = {name: [] for name in modes}
+    pass_seconds = {"extend": [], "draft step": []}
+    modes["MTP draft"].speculator.add_pass_observer(_timer(pass_seconds))
     for prompt in prompts:  # interleaved, so machine noise hits both modes alike
         for name, engine in modes.items():
             runs[name].append(decode_one(engine, prompt, params))
     bytes_per_step = decode_bytes_per_step(modes["plain"], args.prompt_tokens + args.max_tokens // 2)
+    pass_ms = {name: 1000 * statistics.median(t) for name, t in pass_seconds.items() if t}
+    ops = pass_ops(modes["plain"], modes["MTP draft"], prompts[0])  # after the timing: counting slows ops
     return {"prompts": len(prompts), "kv_tiering": args.kv_tiering, "runs": runs, "bytes_per_step": bytes_per_step, "k": args.num_speculative_tokens,
-            "machine_gbps": _machine_bandwidth(args.threads)}
+            "machine_gbps": _machine_bandwidth(args.threads), "pass_ops": ops, "pass_ms": pass_ms}
+
+
+def _timer(seconds: dict):
+    @contextmanager
+    def observe(name: str):
+        start = time.perf_counter()
+        yield
+        seconds[name].append(time.perf_counter() - start)
+    return observe
+
+
+def pass_ops_tokens(k: int, steps: int = 6) -> int:
+    """The tokens `pass_ops` decodes: every counted step runs while the request is unfinished."""
+    return (steps + 2) * (k + 1)
+
+
+def pass_ops(plain, drafting, prompt: list[int], steps: int = 6) -> dict:
+    """Median torch ops over `steps` engine steps of `prompt`, one request: a target decode step
+    ("target", the plain engine's step), and the drafting engine's "verification" step (its step less
+    its MTP passes: the 1 + K rows and the step's bookkeeping), "extend" and "draft step" passes."""
+    from sparsekv import SamplingParams
+    from .op_count import OpCounter, decode_step_ops, fill_decoding
+    params = SamplingParams(max_tokens=pass_ops_tokens(drafting.config.num_speculative_tokens, steps),
+                            temperature=0.0, ignore_eos=True)
+    fill_decoding(plain, [prompt], params)
+    target = [decode_step_ops(plain).total for _ in range(steps)]
+    counts, counting = {"step": [], "extend": [], "draft step": []}, [False]
+
+    @contextmanager
+    def count(name: str):
+        if not counting[0]:
+            yield
+            return
+        with OpCounter() as ops:
+            yield
+        counts[name].append(ops.total)
+    drafting.speculator.add_pass_observer(count)
+    fill_decoding(drafting, [prompt], params)
+    counting[0] = True
+    for _ in range(steps):
+        counts["step"].append(decode_step_ops(drafting).total)
+    counting[0] = False
+    for engine in (plain, drafting):
+        while engine.has_unfinished_requests():
+            engine.step()
+    per_step = len(counts["draft step"]) // steps
+    verification = [total - e - sum(counts["draft step"][i * per_step:(i + 1) * per_step])
+                    for i, (total, e) in enumerate(zip(counts["step"], counts["extend"]))]
+    return {"target": statistics.median(target), "verification": statistics.median(verification),
+            "extend": statistics.median(counts["extend"]),
+            "draft step": statistics.median(counts["draft step"]) if counts["draft step"] else 0}
 
 
 def acceptance(rs: list[dict]) -> dict:
@@ -123,8 +186,36 @@ def report(result: dict) -> dict:
     for name, s in summary.items():
         if "h2d_mb_per_token" in s:
             print(f"{name}: host -> device {s['h2d_mb_per_token']:.3f} MB per decoded token")
+    passes = report_passes(result, summary)
     return {"summary": summary, "identical": identical, "prompts": result["prompts"], "k": result["k"],
-            "kv_tiering": result.get("kv_tiering", False)}
+            "kv_tiering": result.get("kv_tiering", False), "passes": passes}
+
+
+def report_passes(result: dict, summary: dict) -> dict:
+    """Each pass against a target decode step, in torch ops and in time (module docstring)."""
+    ops, ms, k = result["pass_ops"], dict(result["pass_ms"]), result["k"]
+    plain, spec = summary["plain"], summary["MTP draft"]
+    ms["target"] = plain["ms_per_token"] * plain["steps_per_token"]
+    step_ms = spec["ms_per_token"] * spec["steps_per_token"]
+    ms["verification"] = step_ms - ms.get("extend", 0) - (k - 1) * ms.get("draft step", 0)
+    table = Table(title="each pass against a target decode step (plain decoding's, one request)")
+    for col in ("pass", "torch ops", "of a target step", "ms", "of a target step "):
+        table.add_column(col)
+    names = {"target": "target decode step", "verification": f"verification step (1 + {k} rows, bookkeeping)",
+             "extend": "MTP extend (its cache, and draft 1)", "draft step": "draft step (each of drafts 2..K)"}
+    for key, label in names.items():
+        if key == "draft step" and k < 2:
+            continue
+        table.add_row(label, f"{ops[key]:.0f}", f"{100 * ops[key] / ops['target']:.0f}%", f"{ms[key]:.2f}",
+                      f"{100 * ms[key] / ms['target']:.0f}%")
+    report_console().print(table)
+    drafting = ops["extend"] + (k - 1) * ops["draft step"]
+    length = spec["mean_acceptance_length"] or 1.0
+    bound = length * ops["target"] / (ops["verification"] + drafting)
+    print(f"draft/target torch ops: draft step {ops['draft step'] / ops['target']:.2f}, extend "
+          f"{ops['extend'] / ops['target']:.2f}, all drafting per step {drafting / ops['target']:.2f}; "
+          f"speed-up these op counts allow at L = {length:.2f}: {bound:.2f}x")
+    return {"ops": ops, "ms": ms, "op_bound_speedup": bound}
 
 
 def build_parser() -> argparse.ArgumentParser:
