@@ -75,18 +75,21 @@ class ThreadServer:
 
     def __init__(self, model: str, api_keys: list[str] = (), max_queued: int | None = None,
                  shutdown_timeout: float = 5.0, max_queued_per_tenant: int | None = None,
-                 reasoning_parser: str | None = None, metrics_api_keys: list[str] = (), **engine_options):
+                 reasoning_parser: str | None = None, metrics_api_keys: list[str] = (), admin_api_keys: list[str] = (),
+                 weight_update_policy: str = "drain", **engine_options):
         from sparsekv.config import EngineConfig
         from sparsekv.engine import LLMEngine
         from sparsekv.server.app import ServerSettings, create_app
-        from sparsekv.server.auth import parse_api_keys, parse_metrics_keys
+        from sparsekv.server.auth import load_admin_keys, parse_api_keys, parse_metrics_keys
         opts = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "kv_page_size": 16, **engine_options}
         self.engine = LLMEngine(EngineConfig(model=model, **opts))
         self.delay = slow_steps(self.engine)
         self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), max_queued,
                                                           max_queued_per_tenant=max_queued_per_tenant,
                                                           reasoning_parser=reasoning_parser,
-                                                          metrics_api_keys=parse_metrics_keys(list(metrics_api_keys))))
+                                                          metrics_api_keys=parse_metrics_keys(list(metrics_api_keys)),
+                                                          admin_api_keys=load_admin_keys(list(admin_api_keys), [], {}),
+                                                          weight_update_policy=weight_update_policy))
         self.state = self.app.state.server
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -59,6 +59,8 @@ class ServerSettings:
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # a completion's batch of prompts
     metrics_api_keys: dict[bytes, str] = field(default_factory=dict)  # these see /metrics' per-tenant series
     disaggregation: DisaggSettings | None = None  # a prefill or decode worker's role (None: colocated)
+    admin_api_keys: dict[bytes, str] = field(default_factory=dict)  # open the admin endpoints (admin.py)
+    weight_update_policy: str = "drain"  # running requests on /update_weights_from_disk: "drain" or "abort"
 
 
 class ServerState:
@@ -200,7 +202,8 @@ def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs
     top_k = body.top_k if body.top_k is not None else 0
     given = {name: getattr(body, name) for name in ("min_p", "presence_penalty", "frequency_penalty",
                                                      "repetition_penalty", "min_tokens", "allowed_token_ids",
-                                                     "truncate_prompt_tokens", "include_stop_str_in_output")
+                                                     "truncate_prompt_tokens", "include_stop_str_in_output",
+                                                     "return_routed_experts")
              if getattr(body, name) is not None}
     bias = {int(token): value for token, value in body.logit_bias.items()} if body.logit_bias else None
     try:
@@ -416,13 +419,14 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="sparsekv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
-    for path, fn, methods in ROUTES:
+    from .admin import ADMIN_ROUTES
+    for path, fn, methods in ROUTES + ADMIN_ROUTES:
         app.add_api_route(path, fn, methods=methods)
     app.add_exception_handler(APIError, lambda req, exc: error_response(exc))
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
-    app.add_middleware(AuthMiddleware, keys=settings.api_keys)  # added last: runs first, before any body is read
+    app.add_middleware(AuthMiddleware, keys=settings.api_keys, admin_keys=settings.admin_api_keys)  # added last: runs first, before any body is read
     return app
 
 

@@ -11,6 +11,12 @@ share entries across tenants. A key given without a tenant gets its own tenant, 
 sha256(key)>`, so two such keys never share and the key itself never appears in logs or metrics.
 Without any key every request is tenant `default`.
 
+Admin keys (`--admin-api-key KEY`, repeatable; `--admin-api-key-file PATH`, one a line, private like
+the other key file; `SPARSEKV_ADMIN_API_KEY`) are a separate set: they open the endpoints that change
+what the server serves for everyone (`ADMIN_PATHS`: weight updates, pause/continue, flush_cache) and
+nothing else, and no tenant key opens those. Without an admin key those endpoints are refused (403),
+also on a server without --api-key: one that answers anyone must not let anyone swap its weights.
+
 Keys are kept as SHA-256 digests and compared in constant time (`secrets.compare_digest`, which is
 `hmac.compare_digest`) against all of them, as vLLM does. /health and /metrics stay public, as in vLLM
 and SGLang (/metrics' per-tenant series only with a --metrics-api-key: app.metrics). Two Authorization
@@ -26,6 +32,8 @@ import stat
 
 PUBLIC_PATHS = ("/health", "/metrics", "/ping", "/version", "/disaggregation")  # the last: for `sparsekv router`
 DEFAULT_TENANT = "default"
+ADMIN_PATHS = ("/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache")
+ADMIN_API_KEY_ENV = "SPARSEKV_ADMIN_API_KEY"
 TENANT_SCOPE_KEY = "sparsekv.tenant"
 API_KEY_ENV = "SPARSEKV_API_KEY"
 OTHERS_MAY_ACCESS = stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH
@@ -84,6 +92,19 @@ def parse_metrics_keys(specs: list[str]) -> dict[bytes, str]:
     return {_digest(key): "metrics" for key in specs}
 
 
+def load_admin_keys(flags: list[str], files: list[str], environ: dict) -> dict[bytes, str]:
+    """The admin keys of --admin-api-key, each --admin-api-key-file and SPARSEKV_ADMIN_API_KEY, as
+    {sha256(KEY): "admin"} (the whole value is the key); ValueError on an empty one."""
+    keys = list(flags)
+    for path in files:
+        keys += [line for line, _ in read_api_key_file(path)]
+    if environ.get(ADMIN_API_KEY_ENV):
+        keys.append(environ[ADMIN_API_KEY_ENV])
+    if not all(keys):
+        raise ValueError("--admin-api-key must not be empty")
+    return {_digest(key): "admin" for key in keys}
+
+
 def tenant_for(keys: dict[bytes, str], authorization: str | None) -> str | None:
     """The tenant of a `Bearer KEY` header, or None if it matches no key."""
     scheme, _, token = (authorization or "").partition(" ")
@@ -100,8 +121,8 @@ def tenant_for(keys: dict[bytes, str], authorization: str | None) -> str | None:
 class AuthMiddleware:
     """Plain ASGI (not BaseHTTPMiddleware, which interferes with streaming and disconnects)."""
 
-    def __init__(self, app, keys: dict[bytes, str]):
-        self.app, self.keys = app, keys
+    def __init__(self, app, keys: dict[bytes, str], admin_keys: dict[bytes, str] | None = None):
+        self.app, self.keys, self.admin_keys = app, keys, admin_keys or {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -109,6 +130,8 @@ class AuthMiddleware:
         if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
             # a singleton field (RFC 9110): taking either one would let a proxy and the server disagree on the key
             return await _reject(send, 400, "BadRequestError", "more than one Authorization header")
+        if scope["path"] in ADMIN_PATHS and scope["method"] != "OPTIONS":
+            return await self._admin(scope, receive, send)
         if not self.keys:
             scope[TENANT_SCOPE_KEY] = DEFAULT_TENANT
             return await self.app(scope, receive, send)
@@ -120,6 +143,17 @@ class AuthMiddleware:
             return await _reject(send, 401, "AuthenticationError",
                                  "missing or invalid API key (send 'Authorization: Bearer KEY')")
         scope[TENANT_SCOPE_KEY] = tenant
+        return await self.app(scope, receive, send)
+
+
+    async def _admin(self, scope, receive, send):
+        if not self.admin_keys:
+            return await _reject(send, 403, "PermissionDeniedError",
+                                 "admin endpoints are off: start the server with --admin-api-key")
+        headers = dict(scope["headers"])
+        if tenant_for(self.admin_keys, headers.get(b"authorization", b"").decode("latin-1")) is None:
+            return await _reject(send, 401, "AuthenticationError", "this endpoint needs an admin API key")
+        scope[TENANT_SCOPE_KEY] = DEFAULT_TENANT
         return await self.app(scope, receive, send)
 
 

@@ -26,7 +26,7 @@ from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BY
 from .reasoning import PARSERS
 
 log = logging.getLogger("sparsekv.server")
-SECRET_ARGS = ("api_key", "metrics_api_key")  # never printed, not even in the startup line
+SECRET_ARGS = ("api_key", "metrics_api_key", "admin_api_key")  # never printed, not even in the startup line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
                    help="API keys, one KEY[:TENANT] a line ('#' comments); refused if other users may read it. "
                         "SPARSEKV_API_KEY in the environment adds one more")
+    p.add_argument("--admin-api-key", action="append", default=[], metavar="KEY",
+                   help="opens the admin endpoints (/update_weights_from_disk, /pause_generation, "
+                        "/continue_generation, /flush_cache: docs/rl.md), which are refused without one; "
+                        "repeatable (prefer --admin-api-key-file or SPARSEKV_ADMIN_API_KEY)")
+    p.add_argument("--admin-api-key-file", action="append", default=[], metavar="PATH",
+                   help="admin keys, one a line; refused if other users may read it")
+    p.add_argument("--weight-update-policy", default="drain", choices=["drain", "abort"],
+                   help="requests running when weights update: drain (they finish under the old weights, new "
+                        "ones wait) or abort (they end with finish_reason abort; the client retries)")
     p.add_argument("--metrics-api-key", action="append", default=[], metavar="KEY",
                    help="a scrape of /metrics sending 'Authorization: Bearer KEY' also gets the per-tenant series "
                         "(without it they are public only when there is no --api-key); repeatable")
@@ -141,10 +150,11 @@ def build_app(args):
     from ..paths import default_model_path
     from ..disagg.worker import DEFAULT_DECODE_HOST_BYTES
     from .app import ServerSettings, create_app
-    from .auth import load_api_keys, parse_metrics_keys
+    from .auth import load_admin_keys, load_api_keys, parse_metrics_keys
 
     keys = load_api_keys(args.api_key, args.api_key_file, os.environ)
     metrics_keys = parse_metrics_keys(args.metrics_api_key)
+    admin_keys = load_admin_keys(args.admin_api_key, args.admin_api_key_file, os.environ)
     for flag, value in (("--max-queued-requests", args.max_queued_requests),
                         ("--max-queued-requests-per-tenant", args.max_queued_per_tenant),
                         ("--max-request-body-bytes", args.max_request_body_bytes),
@@ -165,6 +175,7 @@ def build_app(args):
     settings = ServerSettings(names, keys, args.max_queued_requests, args.default_max_tokens, template,
                               args.max_queued_per_tenant, args.reasoning_parser, args.max_request_body_bytes,
                               args.max_prompts_per_request, metrics_keys, role)
+    settings.admin_api_keys, settings.weight_update_policy = admin_keys, args.weight_update_policy
     app = create_app(engine, settings)
     return app, app.state.server
 

@@ -170,13 +170,23 @@ class EngineLoop:
     # -- the loop thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped:
-            busy = self.dead is None and self.engine.has_unfinished_requests()
+            busy = self.dead is None and self._has_work()
             if self._run_commands(block=not busy):
                 self._refresh_stats()
             if not busy and self.dead is None:
                 self._expire()
-            if self.dead is None and self.engine.has_unfinished_requests():
+            if self.dead is None and self._has_work():
                 self._step()
+
+    def _has_work(self) -> bool:
+        """Requests to step, and generation not paused (/pause_generation: they wait, KV kept)."""
+        return self.engine.has_unfinished_requests() and not getattr(self.engine, "paused", False)
+
+    def deliver_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Outputs the engine made outside a step (requests a weight update aborted), to their clients.
+        On the loop thread."""
+        now = time.monotonic()
+        self._deliver([self._route_output(out, now) for out in outputs if out.request_id in self._routes])
 
     def _run_commands(self, block: bool) -> bool:
         try:

@@ -37,6 +37,7 @@ ENGINE_GAUGES = {
     "kv_pages_total": ("kv_pages_total", "Device KV pages in the pool."),
     "kv_pages_free": ("kv_pages_free", "Device KV pages free (prefix-cached pages included: reusable until evicted)."),
     "prefix_cached_pages": ("prefix_cached_pages", "KV pages no request holds, kept for prefix-cache hits."),
+    "weights_version": ("weights_version", "Weight updates loaded since the engine started (0: its first weights)."),
     "indexer_scratch_bytes": ("indexer_scratch_bytes",
                               "Bytes of the indexer's prefill score buffer (CPU; freed when no request is left)."),
 }

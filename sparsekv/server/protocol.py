@@ -100,6 +100,7 @@ class SamplingFields(_Body):
     ignore_eos: bool = False
     user: str | None = None
     cache_salt: str | None = None
+    return_routed_experts: bool = False  # SGLang's: each token's routed experts in the response's "sparsekv"
     disaggregation: Disaggregation | None = None  # set by `sparsekv router` for prefill/decode workers
 
     SUPPORTED_HERE: ClassVar[tuple[str, ...]] = ()  # UNSUPPORTED fields a subclass implements

@@ -123,6 +123,15 @@ class ChoiceState:
         return reasoning_delta, delta, tokens, lps
 
 
+def weights_fields(out) -> dict:
+    """For RL trainers (docs/rl.md): the weights version that computed the choice, and with
+    return_routed_experts its tokens' routed experts ([token][MoE layer][top-k], SGLang's field name)."""
+    fields = {"weights_version": out.metrics.get("weights_version")}
+    if out.routed_experts is not None:
+        fields["routed_experts"] = out.routed_experts
+    return fields
+
+
 def _holdback(text: str, markers: list[str]) -> int:
     """Trailing characters to hold: a half multi-byte character, or the start of a marker."""
     return max([len(text) - len(text.rstrip("\ufffd"))] + [marker_start(text, m) for m in markers])
@@ -203,8 +212,8 @@ class ResponseBuilder:
                 if isinstance(value, int) and not isinstance(value, bool):
                     total[key] = total.get(key, 0) + value
         ext = {"tenant": self.tenant, "tiers": total,
-               "choices": [{"index": s.index, "token_ids": self._generated(s.out)[0], "tiers": dict(s.peak)}
-                           for s in states]}
+               "choices": [{"index": s.index, "token_ids": self._generated(s.out)[0], "tiers": dict(s.peak),
+                            **weights_fields(s.out)} for s in states]}
         if self.disaggregation is not None:
             ext["disaggregation"] = self.disaggregation(states)
         return ext
@@ -239,7 +248,7 @@ class ResponseBuilder:
             prompt, done = len(s.out.prompt_token_ids), len(self._generated(s.out)[0])
             body["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         if finish is not None:
-            body["sparsekv"] = {"tenant": self.tenant, "tiers": dict(s.peak), "index": s.index}
+            body["sparsekv"] = {"tenant": self.tenant, "tiers": dict(s.peak), "index": s.index, **weights_fields(s.out)}
             if self.disaggregation is not None:
                 body["sparsekv"]["disaggregation"] = self.disaggregation([s])
         return body

@@ -1,0 +1,76 @@
+"""The admin endpoints an RL trainer drives (SGLang's names; docs/rl.md), open only to admin keys
+(auth.ADMIN_PATHS): POST /update_weights_from_disk, /pause_generation, /continue_generation,
+/flush_cache. Each runs on the engine loop's thread, between steps.
+
+/update_weights_from_disk answers once the update has loaded: at once with the "abort" policy or when
+nothing runs, else after the requests already started have finished under the old weights ("drain").
+A refused update (another architecture, a missing tensor) is a 400 and the old weights keep serving.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+
+from ..weights import WeightUpdateConflict, WeightUpdateError
+from .errors import APIError
+from .loop import EngineDead, ShuttingDown
+from .protocol import _Body, parse_body
+
+POLL_S = 0.05  # how often a drain's progress is read (on the loop thread)
+
+
+class UpdateWeightsFromDisk(_Body):
+    model_path: str
+
+
+async def _call(state, fn, *args):
+    try:
+        return await state.loop.call(fn, *args)
+    except (ShuttingDown, EngineDead) as e:
+        raise APIError(503, str(e)) from None
+
+
+async def update_weights_from_disk(request: Request):
+    state = request.app.state.server
+    body = parse_body(await request.body(), UpdateWeightsFromDisk)
+    engine, policy = state.engine, state.settings.weight_update_policy
+
+    def start():
+        state.loop.deliver_outputs(engine.update_weights_from_disk(body.model_path, policy))
+    try:
+        await _call(state, start)
+    except WeightUpdateError as e:
+        raise APIError(400, str(e), "model_path") from None
+    except WeightUpdateConflict as e:
+        raise APIError(409, str(e)) from None
+    while await _call(state, lambda: engine.weight_update_pending):
+        await asyncio.sleep(POLL_S)
+    version, error = await _call(state, lambda: (engine.weights_version, engine.weight_update_error))
+    if error is not None:
+        raise APIError(500, f"the weight update failed to load; the previous weights keep serving: {error}")
+    return {"success": True, "message": f"loaded {body.model_path}", "weights_version": version}
+
+
+async def pause_generation(request: Request):
+    state = request.app.state.server
+    await _call(state, state.engine.pause_generation)
+    return {"success": True, "paused": True}
+
+
+async def continue_generation(request: Request):
+    state = request.app.state.server
+    await _call(state, state.engine.continue_generation)
+    return {"success": True, "paused": False}
+
+
+async def flush_cache(request: Request):
+    """Every tenant's prefix-cache pages in every tier (/reset_prefix_cache is one tenant's)."""
+    state = request.app.state.server
+    return {"success": True, "pages_removed": await _call(state, state.engine.flush_cache)}
+
+
+ADMIN_ROUTES = [("/update_weights_from_disk", update_weights_from_disk, ["POST"]),
+                ("/pause_generation", pause_generation, ["POST"]),
+                ("/continue_generation", continue_generation, ["POST"]),
+                ("/flush_cache", flush_cache, ["POST"])]

@@ -1,0 +1,111 @@
+"""The RL trainer's endpoints on a live server (docs/rl.md): /update_weights_from_disk, /pause_generation,
+/continue_generation and /flush_cache open to admin keys only; weights_version in responses and
+/metrics; return_routed_experts through the OpenAI request extension."""
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import torch
+
+from sparsekv import LLM, SamplingParams
+from sparsekv.tools.tiny import save_reference_checkpoint
+from test_server_util import MAX_MODEL_LEN, ThreadServer, scrape, tiny_checkpoint, wait_until
+
+KEY, ADMIN = "sk-alice", "sk-admin"
+PROMPT = [(7 * i) % 250 + 1 for i in range(30)]
+BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+ADMIN_PATHS = ["/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    a = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    b = str(tmp_path_factory.mktemp("rl") / "b")
+    save_reference_checkpoint(b, seed=1)  # the same architecture, other weights
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def server(ckpts):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with ThreadServer(ckpts[0], api_keys=[f"{KEY}:alice"], admin_api_keys=[ADMIN], enable_prefix_caching=True) as srv:
+        yield srv
+    torch.set_num_threads(threads)
+
+
+def _post(server, path, body=None, key=KEY):
+    return httpx.post(server.url + path, json=body if body is not None else {}, timeout=60,
+                      headers={"Authorization": f"Bearer {key}"} if key else {})
+
+
+def _complete(server, **extra):
+    r = _post(server, "/v1/completions", {**BODY, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _engine_tokens(path, **params):
+    llm = LLM(path, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_page_size=16)
+    return llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, **params))[0]
+
+
+@pytest.mark.parametrize("path", ADMIN_PATHS)
+def test_admin_endpoints_refuse_every_other_key(server, path):
+    for key in (None, KEY, "sk-wrong"):
+        r = _post(server, path, {"model_path": "x"}, key=key)
+        assert r.status_code == 401, (key, r.text)
+    assert _post(server, "/v1/completions", BODY, key=ADMIN).status_code == 401  # no tenant key either
+
+
+def test_admin_endpoints_are_off_without_an_admin_key(ckpts):
+    with ThreadServer(ckpts[0], api_keys=[KEY]) as srv:
+        for path in ADMIN_PATHS:
+            assert _post(srv, path, {}, key=KEY).status_code == 403
+            assert _post(srv, path, {}, key=None).status_code == 403
+
+
+def test_update_weights_from_disk_serves_b_and_reports_the_version(server, ckpts):
+    a, b = ckpts
+    first = _complete(server)
+    assert first["sparsekv"]["choices"][0]["weights_version"] == 0
+    assert first["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(a).token_ids
+    bad = _post(server, "/update_weights_from_disk", {"model_path": a + "-missing"}, key=ADMIN)
+    assert bad.status_code == 400 and "model_path" in bad.text
+    assert _complete(server)["sparsekv"]["choices"][0]["token_ids"] == first["sparsekv"]["choices"][0]["token_ids"]
+    r = _post(server, "/update_weights_from_disk", {"model_path": b}, key=ADMIN)
+    assert r.status_code == 200 and r.json()["success"] and r.json()["weights_version"] == 1, r.text
+    after = _complete(server)  # the prompt was cached under A: computed again under B
+    assert after["sparsekv"]["choices"][0]["weights_version"] == 1
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert after["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(b).token_ids
+    assert scrape(server.url)["sparsekv:weights_version"] == 1
+    flushed = _post(server, "/flush_cache", key=ADMIN)
+    assert flushed.status_code == 200 and flushed.json()["pages_removed"] > 0
+
+
+def test_pause_then_continue_gives_the_uninterrupted_output(server):
+    want = _complete(server)["sparsekv"]["choices"][0]["token_ids"]
+    assert _post(server, "/pause_generation", key=ADMIN).status_code == 200
+    box = []
+    worker = threading.Thread(target=lambda: box.append(_complete(server)))
+    worker.start()
+    engine = server.engine
+    assert wait_until(lambda: engine.has_unfinished_requests())
+    generated = engine.counters["generation_tokens"]
+    assert _post(server, "/flush_cache", key=ADMIN).status_code == 200  # the loop keeps answering commands
+    assert engine.counters["generation_tokens"] == generated and not box
+    assert _post(server, "/continue_generation", key=ADMIN).status_code == 200
+    worker.join(60)
+    assert box[0]["sparsekv"]["choices"][0]["token_ids"] == want
+
+
+def test_routed_experts_through_the_openai_extension(server, ckpts):
+    got = _complete(server, return_routed_experts=True)["sparsekv"]["choices"][0]
+    assert len(got["routed_experts"]) == len(got["token_ids"]) == 6
+    path = ckpts[got["weights_version"]]  # A, or B once the update test ran
+    assert got["routed_experts"] == _engine_tokens(path, return_routed_experts=True).routed_experts
+    assert "routed_experts" not in _complete(server)["sparsekv"]["choices"][0]
+    assert _post(server, "/v1/completions", {**BODY, "return_routed_experts": "yes"}).status_code == 400
