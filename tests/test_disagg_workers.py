@@ -14,7 +14,7 @@ import torch
 from disagg_util import WorkerServer, send_pair
 from sparsekv import LLM, SamplingParams
 from sparsekv.paths import default_model_path
-from test_server_util import scrape
+from test_server_util import scrape, tiny_checkpoint
 from tolerances import assert_clear_lead, assert_logprobs_close, logprob_tolerance
 
 PAGE = 4
@@ -171,3 +171,21 @@ def test_transfer_figures_reach_the_response_and_metrics(pair):
         assert after["sparsekv:disagg_transfer_seconds_count"] - before[w]["sparsekv:disagg_transfer_seconds_count"] == 1
         assert after["sparsekv:disagg_transfers_failed_total"] == before[w]["sparsekv:disagg_transfers_failed_total"]
         assert after["sparsekv:disagg_transfers_in_flight"] == 0
+
+
+def test_chat_through_the_pair(tmp_path_factory):
+    """A chat request: both workers render the same template; the answer is one engine's."""
+    path = tiny_checkpoint(tmp_path_factory.mktemp("chat"))
+    messages = [{"role": "user", "content": "the rain in spain stays mainly in the plain"}]
+    with WorkerServer(path, "prefill", **BASE) as p, WorkerServer(path, "decode", **BASE) as d:
+        ids = httpx.post(d.url + "/tokenize", json={"messages": messages}, timeout=10).json()["tokens"]
+        want = LLM(path, **BASE).generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                ignore_eos=True))[0]
+        rp, rd = send_pair(p.url, d.url, {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                          "ignore_eos": True}, path="/v1/chat/completions")
+        assert (rp.status_code, rd.status_code) == (200, 200), rd.text
+        body = rd.json()
+        assert body["object"] == "chat.completion"
+        assert body["sparsekv"]["choices"][0]["token_ids"] == want.token_ids
+        assert body["sparsekv"]["disaggregation"]["pages_sent"] == (len(ids) - 1) // PAGE > 0
+        d.check_clean()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ MODES = ("null", "prefill", "decode")
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_DECODE_HOST_BYTES = 4 << 30  # the decode worker's prefix host tier, where transferred pages land
 MAX_TRANSFER_THREADS = 8
-ROOM_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclass(frozen=True)
