@@ -39,12 +39,17 @@ def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return prompts
 
 
-def decode_one(engine, prompt: list[int], params) -> dict:
-    """Greedy decode of one prompt; decode time counts from the first token to the last."""
+def decode_one(engine, prompt: list[int], params, passes: list | None = None) -> dict:
+    """Greedy decode of one prompt; decode time counts from the first token to the last. `passes`: the
+    (name, seconds) a pass timer appends to; each decode step's time less its passes' is its
+    "verification" time (the target's pass and the step's bookkeeping)."""
     engine.add_request("p", prompt, params)
-    steps, first, outs, emitted, mark = 0, None, [], 0, None
+    steps, first, outs, emitted, mark, verification = 0, None, [], 0, None, []
     while engine.has_unfinished_requests():
+        seen, start = len(passes or ()), time.perf_counter()
         outs = engine.step() or outs
+        if first is not None and passes is not None:
+            verification.append(time.perf_counter() - start - sum(t for _, t in passes[seen:]))
         if outs and first is None:
             first, steps = time.perf_counter(), 0
         emitted += bool(outs)
@@ -56,7 +61,7 @@ def decode_one(engine, prompt: list[int], params) -> dict:
     mark = mark or (out.metrics.get("h2d_bytes", 0), n)
     return {"tokens": out.token_ids, "ms_per_token": (end - first) * 1000 / max(n - 1, 1),
             "steps_per_token": (steps - 1) / max(n - 1, 1), "decode_steps": steps - 1, "decode_tokens": n - 1,
-            "metrics": out.metrics,
+            "metrics": out.metrics, "verification_s": verification,
             "decode_h2d_bytes": out.metrics.get("h2d_bytes", 0) - mark[0], "decode_h2d_tokens": n - mark[1]}
 
 
@@ -76,25 +81,26 @@ def run(args) -> dict:
              "MTP draft": LLM(path, num_speculative_tokens=args.num_speculative_tokens, **common).engine}
     prompts = held_out_prompts(modes["plain"].tokenizer, args.prompts, args.prompt_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    runs = {name: [] for name in modes}
-    pass_seconds = {"extend": [], "draft step": []}
-    modes["MTP draft"].speculator.add_pass_observer(_timer(pass_seconds))
+    runs, passes = {name: [] for name in modes}, []
+    modes["MTP draft"].speculator.add_pass_observer(_timer(passes))
     for prompt in prompts:  # interleaved, so machine noise hits both modes alike
         for name, engine in modes.items():
-            runs[name].append(decode_one(engine, prompt, params))
+            runs[name].append(decode_one(engine, prompt, params, passes if name == "MTP draft" else None))
     bytes_per_step = decode_bytes_per_step(modes["plain"], args.prompt_tokens + args.max_tokens // 2)
-    pass_ms = {name: 1000 * statistics.median(t) for name, t in pass_seconds.items() if t}
+    pass_ms = {name: 1000 * statistics.median(t for n, t in passes if n == name) for name in ("extend", "draft step")
+               if any(n == name for n, _ in passes)}
+    pass_ms["verification"] = 1000 * statistics.median(t for r in runs["MTP draft"] for t in r["verification_s"])
     ops = pass_ops(modes["plain"], modes["MTP draft"], prompts[0])  # after the timing: counting slows ops
     return {"prompts": len(prompts), "kv_tiering": args.kv_tiering, "runs": runs, "bytes_per_step": bytes_per_step, "k": args.num_speculative_tokens,
             "machine_gbps": _machine_bandwidth(args.threads), "pass_ops": ops, "pass_ms": pass_ms}
 
 
-def _timer(seconds: dict):
+def _timer(passes: list):
     @contextmanager
     def observe(name: str):
         start = time.perf_counter()
         yield
-        seconds[name].append(time.perf_counter() - start)
+        passes.append((name, time.perf_counter() - start))
     return observe
 
 
@@ -195,9 +201,8 @@ def report_passes(result: dict, summary: dict) -> dict:
     """Each pass against a target decode step, in torch ops and in time (module docstring)."""
     ops, ms, k = result["pass_ops"], dict(result["pass_ms"]), result["k"]
     plain, spec = summary["plain"], summary["MTP draft"]
-    ms["target"] = plain["ms_per_token"] * plain["steps_per_token"]
-    step_ms = spec["ms_per_token"] * spec["steps_per_token"]
-    ms["verification"] = step_ms - ms.get("extend", 0) - (k - 1) * ms.get("draft step", 0)
+    # ms: medians over the timed decode steps; the verification step's is each step's time less its passes
+    ms["target"] = plain["ms_per_token"] / plain["steps_per_token"]  # ms per plain decode step
     table = Table(title="each pass against a target decode step (plain decoding's, one request)")
     for col in ("pass", "torch ops", "of a target step", "ms", "of a target step "):
         table.add_column(col)
