@@ -291,3 +291,27 @@ def test_routed_experts_of_verified_drafts_equal_plain_decoding():
     for x, y in zip(plain, spec):
         assert x.token_ids == y.token_ids
         assert x.routed_experts == y.routed_experts
+
+
+@pytest.mark.parametrize("options", [{}, dict(enable_expert_parallel=True)], ids=["tp2", "tp2-ep"])
+def test_tensor_parallel_ranks_each_load_their_slices(ckpts, options):
+    """Under tensor (and expert) parallelism the update goes through the executor: every rank loads its
+    own slices, from disk or from the tensors rank 0 was given; outputs are then one process's under B."""
+    a, b, _ = ckpts
+    single = LLM(b, **OPTIONS)
+    want = single.generate([PROMPT, OTHER], GREEDY)
+    tol = logprob_tolerance(single)
+    llm = LLM(a, tensor_parallel_size=2, **OPTIONS, **options)
+    try:
+        llm.generate([PROMPT], GREEDY)
+        llm.update_weights_from_disk(b)
+        assert_same_greedy(want, llm.generate([PROMPT, OTHER], GREEDY), tol)
+        with pytest.raises(WeightUpdateError, match="wrong shape"):
+            llm.update_weights([("model.norm.weight", torch.zeros(3))])
+        llm.update_weights_from_disk(a)
+        llm.update_weights(_tensors(b).items())
+        assert_same_greedy(want, llm.generate([PROMPT, OTHER], GREEDY), tol)
+        assert llm.weights_version == 3
+        llm.engine.check_integrity()
+    finally:
+        llm.close()
