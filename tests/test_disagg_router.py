@@ -52,8 +52,9 @@ class FakeWorker:
         self.released += 1
 
     def info(self):
-        return {"mode": self.mode, "bootstrap_host": "127.0.0.1" if self.mode == "prefill" else None,
-                "bootstrap_port": self.bootstrap_port if self.mode == "prefill" else None,
+        prefill = self.mode == "prefill" and self.bootstrap_port is not None
+        return {"mode": self.mode, "bootstrap_host": "127.0.0.1" if prefill else None,
+                "bootstrap_port": self.bootstrap_port if prefill else None,
                 "num_running": self.running, "num_waiting": 0}
 
     async def generate(self, request: Request):
@@ -127,7 +128,7 @@ def deployment(prefill: list[FakeWorker], decode: list[FakeWorker], load_slack: 
                   "decode": [stack.enter_context(Served(w.app)) for w in decode]}
         pool = WorkerPool([s.url for s in served["prefill"]], [s.url for s in served["decode"]], load_slack)
         check_modes(pool, timeout=10, interval=0.05)
-        router = Router(pool, prefix_chars=256, request_timeout=10, health_interval=0.05)
+        router = Router(pool, prefix_chars=256, request_timeout=60, health_interval=0.05)  # no timeout in a test
         url = stack.enter_context(Served(create_app(router))).url
         yield url, router, served
 
@@ -174,10 +175,13 @@ def test_routes_by_load_then_by_prefix_affinity():
     busy, idle = FakeWorker("prefill", running=10), FakeWorker("prefill")
     d1, d2 = FakeWorker("decode"), FakeWorker("decode")
     with deployment([busy, idle], [d1, d2], load_slack=4) as (url, _, _):
-        for i in range(6):  # the same leading prompt: one decode worker; the busy prefill worker never
+        for i in range(8):  # the busy prefill worker never, whatever the prompt
+            assert complete(url, f"{i} prompt under load").status_code == 200
+        assert len(busy.bodies) == 0 and len(idle.bodies) == 8
+        before = len(d1.bodies), len(d2.bodies)
+        for i in range(6):  # the same leading prompt: always the same decode worker
             assert complete(url, SYSTEM + f"question {i}").status_code == 200
-        assert len(busy.bodies) == 0 and len(idle.bodies) == 6
-        assert sorted([len(d1.bodies), len(d2.bodies)]) == [0, 6]
+        assert sorted([len(d1.bodies) - before[0], len(d2.bodies) - before[1]]) == [0, 6]
         busy.running = 0
         for i in range(32):  # distinct prompts spread over the workers
             assert complete(url, f"{i} distinct prompt").status_code == 200
@@ -186,13 +190,16 @@ def test_routes_by_load_then_by_prefix_affinity():
 
 def test_affinity_yields_to_load_past_the_slack():
     d1, d2 = FakeWorker("decode"), FakeWorker("decode")
-    with deployment([FakeWorker("prefill")], [d1, d2], load_slack=4) as (url, _, _):
+    with deployment([FakeWorker("prefill")], [d1, d2], load_slack=4) as (url, router, served):
         complete(url, SYSTEM + "first")
         home, other = (d1, d2) if d1.bodies else (d2, d1)
-        home.running = 4  # within the slack: stays
-        assert wait_until(lambda: complete(url, SYSTEM + "again").status_code == 200 and len(home.bodies) == 2)
-        home.running = 5  # past it: goes elsewhere once the router's poll has seen it
-        assert wait_until(lambda: complete(url, SYSTEM + "more").status_code == 200 and len(other.bodies) > 0)
+        seen = next(w for w in router.pool.workers["decode"] if w.url == served["decode"][(d1, d2).index(home)].url)
+        for running, expect in ((4, home), (5, other)):  # within the slack it stays, past it it goes
+            home.running = running
+            assert wait_until(lambda: seen.load == running)
+            count = len(expect.bodies)
+            assert complete(url, SYSTEM + f"at load {running}").status_code == 200
+            assert len(expect.bodies) == count + 1
 
 
 def in_background(fn, *args, **kwargs) -> concurrent.futures.Future:
@@ -249,7 +256,8 @@ def test_prefill_failing_mid_stream_ends_it_with_an_error_event():
         assert wait_until(lambda: d.cancelled == 1)
     assert s.status_code == 200 and len(events) == 4
     assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == TOKENS[:2]
-    assert json.loads(events[2])["error"]["code"] == 503 and events[3] == "[DONE]"
+    error = json.loads(events[2])["error"]
+    assert error["code"] == 503 and "prefill worker" in error["message"] and events[3] == "[DONE]"
 
 
 @pytest.mark.parametrize("status", [502, 401])
@@ -294,16 +302,21 @@ def test_a_dead_worker_is_skipped():
 
 
 def test_startup_refuses_a_worker_in_the_wrong_mode(capsys):
-    p, d = FakeWorker("prefill"), FakeWorker("decode")
-    with Served(p.app) as sp, Served(d.app) as sd:
-        code = main(["--prefill", sd.url, "--decode", sp.url + "/", "--worker-startup-timeout", "5"])
-        err = capsys.readouterr().err
-        pool = WorkerPool([sp.url], [f"http://127.0.0.1:{free_port()}"])
+    p, d, no_address = FakeWorker("prefill"), FakeWorker("decode"), FakeWorker("prefill")
+    no_address.bootstrap_port = None
+    with Served(p.app) as sp, Served(d.app) as sd, Served(no_address.app) as sn:
+        with pytest.raises(RouterConfigError, match=rf"--prefill {sd.url} is not a prefill worker: GET "
+                                                    r"/disaggregation says mode 'decode'"):
+            check_modes(WorkerPool([sd.url], [sp.url + "/"]), timeout=5)
+        with pytest.raises(RouterConfigError, match="names no bootstrap address"):
+            check_modes(WorkerPool([sn.url], [sd.url]), timeout=5)
         with pytest.raises(RouterConfigError, match="did not answer GET /disaggregation within 0.2 s"):
-            check_modes(pool, timeout=0.2, interval=0.05)
-    assert code == 2 and f"--prefill {sd.url} is not a prefill worker" in err and "mode 'decode'" in err
-    assert main(["--prefill", "localhost:1", "--decode", sd.url]) == 2
-    assert "a worker is a URL" in capsys.readouterr().err
+            check_modes(WorkerPool([sp.url], [f"http://127.0.0.1:{free_port()}"]), timeout=0.2, interval=0.05)
+        check_modes(WorkerPool([sp.url], [sd.url]), timeout=5)
+    assert main(["--prefill", "localhost:1", "--decode", "http://h:2"]) == 2
+    assert "--prefill localhost:1: a worker is a URL" in capsys.readouterr().err
+    assert main(["--prefill", "http://h:1", "--decode", "http://h:1/", "--worker-startup-timeout", "0"]) == 2
+    assert "both --prefill and --decode" in capsys.readouterr().err
 
 
 def test_metrics_and_models():
