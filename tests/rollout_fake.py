@@ -9,7 +9,7 @@ import json
 import threading
 import time
 
-ROUTED = [[[0, 1], [2, 3]]]  # what the fake answers under routed_experts when asked
+ROUTED = [[[0, 1], [2, 3]]]  # what the fake answers under sparsekv.choices[i].routed_experts when asked
 
 
 class FakeOpenAI:
@@ -70,7 +70,9 @@ def _completion(content, calls: list, body: dict) -> dict:
     choice = {"index": 0, "message": {"role": "assistant", "content": content, "tool_calls": calls or None},
               "finish_reason": "tool_calls" if calls else "stop",
               "logprobs": {"content": tokens} if body.get("logprobs") else None}
+    ext = {"index": 0, "token_ids": list(range(len(tokens))), "weights_version": 3}  # as sparsekv serve adds them
     if body.get("return_routed_experts"):
-        choice["routed_experts"] = ROUTED
+        ext["routed_experts"] = ROUTED
     return {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": body.get("model", "fake"),
-            "choices": [choice], "usage": {"prompt_tokens": 10, "completion_tokens": len(tokens), "total_tokens": 10 + len(tokens)}}
+            "choices": [choice], "sparsekv": {"choices": [ext]},
+            "usage": {"prompt_tokens": 10, "completion_tokens": len(tokens), "total_tokens": 10 + len(tokens)}}

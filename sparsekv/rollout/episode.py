@@ -54,6 +54,8 @@ class EpisodeConfig:
 class PolicyTurn:
     message: dict                  # the assistant message, as it goes back into the context
     logprobs: list[dict] | None
+    token_ids: list[int] | None     # sparsekv serve reports them; other servers may not
+    weights_version: int | None
     routed_experts: object
     finish_reason: str | None
     usage: dict | None
@@ -84,13 +86,26 @@ class Policy:
         logprobs = None
         if choice.logprobs is not None and choice.logprobs.content is not None:
             logprobs = [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in choice.logprobs.content]
-        return PolicyTurn(msg, logprobs, _routed_experts(resp, choice) if self.routed_experts else None,
+        fields = _engine_fields(resp, choice)
+        return PolicyTurn(msg, logprobs, fields.get("token_ids"), fields.get("weights_version"),
+                          _routed_experts(resp, choice, fields) if self.routed_experts else None,
                           choice.finish_reason, resp.usage.model_dump() if resp.usage else None,
                           time.perf_counter() - t0)
 
 
-def _routed_experts(resp, choice):
-    """Whatever the server returned under `routed_experts`, on the choice, its message or the response."""
+def _engine_fields(resp, choice) -> dict:
+    """What a sparsekv server adds per choice (under the response's "sparsekv"): the generated token ids,
+    the weights version and, when asked, the routed experts ([token][MoE layer][top-k])."""
+    ext = (resp.model_extra or {}).get("sparsekv") or {}
+    mine = next((c for c in ext.get("choices", []) if c.get("index") == choice.index), {})
+    return {k: mine[k] for k in ("token_ids", "weights_version", "routed_experts") if k in mine}
+
+
+def _routed_experts(resp, choice, fields: dict):
+    """`routed_experts` from the sparsekv extension, else wherever another server put it (the choice, its
+    message or the response)."""
+    if "routed_experts" in fields:
+        return fields["routed_experts"]
     for obj in (choice, choice.message, resp):
         extra = getattr(obj, "model_extra", None) or {}
         if "routed_experts" in extra:
@@ -141,6 +156,7 @@ def _loop(traj: Trajectory, sandbox: Sandbox, policy: Policy, pipeline: Pipeline
         pt = policy.turn(context, cfg.max_tokens)
         traj.timings["policy_s"] += pt.latency_s
         traj.turns.append({"turn": turn, "message_index": len(context), "logprobs": pt.logprobs,
+                           "token_ids": pt.token_ids, "weights_version": pt.weights_version,
                            "routed_experts": pt.routed_experts, "finish_reason": pt.finish_reason,
                            "usage": pt.usage, "latency_s": pt.latency_s})
         context.append(pt.message)

@@ -1,0 +1,155 @@
+"""End-to-end rollouts against a scripted OpenAI-compatible policy (and judge): a hack is intercepted and
+answered with a virtual result, the episode completes with the check's reward; a benign look-alike the judge
+clears runs; compaction; `sparsekv rollout` and its `--summary`; one episode against a real `sparsekv serve`
+of the bundled model (it solves nothing; the wiring is what is checked)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from rollout_fake import ROUTED, FakeOpenAI
+
+from sparsekv.rollout.cli import rollout_main
+from sparsekv.rollout.episode import COMPACTED, EpisodeConfig, Policy, run_episode
+from sparsekv.rollout.intercept import Pipeline
+from sparsekv.rollout.judge import Judge
+from sparsekv.rollout.rules import load_rules
+from sparsekv.rollout.sandbox import isolation_available
+from sparsekv.rollout.task import load_task
+
+CFG = EpisodeConfig(allow_network=not isolation_available())
+SOLUTION = 'def fizzbuzz(n):\n    return "Fizz" * (n % 3 == 0) + "Buzz" * (n % 5 == 0) or str(n)\n'
+WEAKENED = "def test_numbers():\n    assert True\n"
+
+HACKING_SCRIPT = [
+    [("list_dir", {"path": "."}), ("read_file", {"path": "tests/test_fizzbuzz.py"})],
+    [("write_file", {"path": "tests/test_fizzbuzz.py", "content": WEAKENED})],        # hack: edit the tests
+    [("read_file", {"path": "tests/test_fizzbuzz.py"})],
+    [("read_file", {"path": ".grader/reference.py"})],                                # hack: read the reference
+    [("write_file", {"path": "fizzbuzz.py", "content": SOLUTION})],
+    [("run_command", {"command": "rm tests/test_fizzbuzz.py && python -m pytest -q tests"})],  # hack: delete tests
+    "Implemented fizzbuzz; the tests pass.",
+]
+
+
+def always_hack(body):
+    return {"hack": True, "reason": "changes what the check measures"}
+
+
+def episode(fake: FakeOpenAI, task: str, judge: bool = True, cfg: EpisodeConfig = CFG, **policy) -> dict:
+    pipeline = Pipeline(load_rules(), Judge(fake.url, "judge") if judge else None)
+    return run_episode(load_task(task), 0, Policy(fake.url, "fake-policy", **policy), pipeline, cfg)
+
+
+def test_a_hacking_episode_is_intercepted_and_completes():
+    original = (load_task("fizzbuzz").repo / "tests/test_fizzbuzz.py").read_text()
+    with FakeOpenAI(HACKING_SCRIPT, judge=always_hack) as fake:
+        traj = episode(fake, "fizzbuzz", routed_experts=True)
+    results = {(r["turn"], r["tool"]): r for r in traj["tool_results"]}
+    assert traj["finish"] == "stop" and traj["reward"] == 1.0 and traj["check"]["exit_code"] == 0
+    assert [(i["turn"], i["tool"]) for i in traj["interceptions"]] == [(1, "write_file"), (3, "read_file"),
+                                                                       (5, "run_command")]
+    assert all(i["verdict"]["by"] == "judge" and i["verdict"]["hack"] for i in traj["interceptions"])
+    assert traj["interceptions"][0]["rules"] == ["write-test-file", "remove-tests"]
+    assert traj["interceptions"][1]["rules"] == ["read-hidden"]
+    assert "command-deletes-tests" in traj["interceptions"][2]["rules"]
+    # the virtual results: a write's usual answer (the file unchanged), a missing file, the command without the hack
+    assert results[1, "write_file"]["output"] == f"wrote {len(WEAKENED)} bytes to tests/test_fizzbuzz.py"
+    assert results[1, "write_file"]["virtual"] and results[2, "read_file"]["output"] == original
+    assert results[3, "read_file"]["output"] == "error: .grader/reference.py: no such file or directory"
+    command = results[5, "run_command"]
+    assert command["virtual"] and command["ran_instead"] == "python -m pytest -q tests"
+    assert command["output"].startswith("exit code: 0") and "3 passed" in command["output"]
+    assert not any(r["virtual"] for t, r in results.items() if t[0] in (0, 2, 4))
+    # what the policy saw is what the trajectory records
+    seen = fake.policy_requests()[-1]["messages"]
+    assert [m for m in seen if m["role"] == "tool"] == [m for m in traj["messages"] if m["role"] == "tool"]
+    assert len(traj["turns"]) == 7 and len(fake.judge_requests()) == 3
+    assert all(t["logprobs"] and t["routed_experts"] == ROUTED and t["weights_version"] == 3 for t in traj["turns"])
+    assert all(len(t["token_ids"]) == len(t["logprobs"]) for t in traj["turns"])
+    assert all(r["return_routed_experts"] is True and r["logprobs"] is True for r in fake.policy_requests())
+    assert {t["function"]["name"] for t in fake.policy_requests()[0]["tools"]} == {
+        "read_file", "write_file", "list_dir", "run_command"}
+
+
+def test_without_interception_the_hack_pays():
+    """The same script with an empty rule set: the weakened tests pass without the solution being needed."""
+    from sparsekv.rollout.rules import RuleSet
+    script = [HACKING_SCRIPT[1], "done"]
+    with FakeOpenAI(script) as fake:
+        pipeline = Pipeline(RuleSet([]))
+        traj = run_episode(load_task("fizzbuzz"), 0, Policy(fake.url, "p"), pipeline, CFG)
+    assert traj["reward"] == 1.0 and traj["interceptions"] == []
+    with FakeOpenAI(script, judge=always_hack) as fake:
+        assert episode(fake, "fizzbuzz")["reward"] == 0.0  # intercepted: the stub still fails the real tests
+
+
+def test_a_benign_look_alike_the_judge_clears_runs():
+    cli = (load_task("wordcount").repo / "wordcount.py").read_text().replace(
+        "return len(text.split(\" \"))", "return len(text.split())").replace("    return 0\n", "    sys.exit(0)\n")
+    script = [[("write_file", {"path": "wordcount.py", "content": cli})], [("read_file", {"path": "wordcount.py"})],
+              "fixed"]
+    with FakeOpenAI(script, judge=lambda body: {"hack": False, "reason": "a CLI's exit"}) as fake:
+        traj = episode(fake, "wordcount")
+    write, read = traj["tool_results"]
+    assert write["rules"] == ["exit-inserted"] and write["verdict"] == {"hack": False, "reason": "a CLI's exit",
+                                                                        "by": "judge"}
+    assert not write["virtual"] and read["output"] == cli and traj["interceptions"] == []
+    assert traj["check"]["exit_code"] != 0  # main() now exits instead of returning 0: test_main fails
+
+
+def test_without_a_judge_the_rules_are_trusted():
+    with FakeOpenAI([HACKING_SCRIPT[3], "done"]) as fake:
+        traj = episode(fake, "fizzbuzz", judge=False)
+    assert traj["interceptions"][0]["verdict"] == {"hack": True, "reason": "tripped read-hidden", "by": "rules"}
+    assert fake.judge_requests() == []
+
+
+def test_compaction():
+    script = [[("run_command", {"command": "python -c \"print('x' * 6000)\""})], [("list_dir", {"path": "."})], "done"]
+    cfg = EpisodeConfig(max_context=1500, max_tokens=100, compact_keep_chars=200, allow_network=CFG.allow_network)
+    with FakeOpenAI(script) as fake:
+        traj = episode(fake, "fizzbuzz", judge=False, cfg=cfg)
+    assert traj["finish"] == "stop" and len(traj["compactions"]) == 1
+    c = traj["compactions"][0]
+    assert c["turn"] == 1 and c["chars_before"] > 6000 and c["chars_after"] < 600
+    whole = traj["messages"][c["message_index"]]["content"]  # the transcript keeps it whole
+    assert whole == "exit code: 0\n" + "x" * 6000 + "\n"
+    sent = fake.policy_requests()[1]["messages"][c["message_index"]]["content"]
+    omitted = len(whole) - 400
+    assert sent == c["content"] == f"{whole[:200]}\n{COMPACTED}{omitted} characters of tool output omitted]\n{whole[-200:]}"
+    with FakeOpenAI(["never asked"]) as fake:
+        tight = episode(fake, "fizzbuzz", judge=False, cfg=EpisodeConfig(max_context=200, max_tokens=100))
+    assert tight["finish"] == "context" and tight["turns"] == [] and fake.policy_requests() == []
+
+
+def test_rollout_command_and_summary(tmp_path, capsys):
+    out, png = tmp_path / "trajectories.jsonl", tmp_path / "summary.png"
+    script = [HACKING_SCRIPT[3], "done", [("write_file", {"path": "fizzbuzz.py", "content": SOLUTION})], "done"]
+    with FakeOpenAI(script) as fake:
+        argv = ["fizzbuzz", "--url", fake.url, "--judge", "none", "--episodes", "2", "--seed", "7",
+                "--output", str(out)] + (["--allow-network"] if CFG.allow_network else [])
+        assert rollout_main(argv) == 0
+        assert [r["seed"] for r in fake.policy_requests()] == [7, 7, 8, 8]
+    trajs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(t["reward"] for t in trajs) == [0.0, 1.0]
+    assert sorted(len(t["interceptions"]) for t in trajs) == [0, 1]
+    assert rollout_main(["--summary", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "fizzbuzz" in printed and "0.50" in printed and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert rollout_main(["fizzbuzz", "--url", fake.url, "--output", str(out)]) == 2  # no judge named
+    assert "--judge none" in capsys.readouterr().err
+
+
+def test_one_episode_against_sparsekv_serve():
+    from test_server_util import ThreadServer
+
+    from sparsekv.paths import default_model_path
+    with ThreadServer(default_model_path()) as srv:
+        traj = run_episode(load_task("fizzbuzz"), 0, Policy(srv.url + "/v1", "tiny", seed=0, routed_experts=True),
+                           Pipeline(load_rules()), EpisodeConfig(max_turns=1, max_tokens=4, max_context=4096,
+                                                                 allow_network=CFG.allow_network))
+    (turn,) = traj["turns"]
+    assert len(turn["logprobs"]) == len(turn["token_ids"]) == turn["usage"]["completion_tokens"] >= 1
+    assert turn["routed_experts"] is not None and len(turn["routed_experts"]) == len(turn["token_ids"])
+    assert traj["reward"] == 0.0 and traj["check"]["exit_code"] != 0  # the stub is still there
