@@ -91,7 +91,7 @@ class LLMEngine:
         params = params or SamplingParams()
         params.validate()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if self.scheduler.find(request_id) is not None:
+        if self.scheduler.find(request_id) is not None or any(r.request_id == request_id for r in self._held):
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         if params.return_routed_experts and self.config.enable_expert_parallel:
             raise InvalidRequest("return_routed_experts is not available with expert parallelism", "return_routed_experts")
@@ -300,7 +300,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         running = {r.request_id for r in self.scheduler.running}
-        waiting = {r.request_id for r in self.scheduler.waiting}
+        waiting = {r.request_id for r in [*self.scheduler.waiting, *self._held]}
         self.kv.check_integrity(self.scheduler.running, waiting)
         self.outputs.check_integrity(running | waiting)
         self.executor.check_integrity(running)

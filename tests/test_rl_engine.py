@@ -186,6 +186,9 @@ def test_drain_finishes_started_requests_under_a_and_holds_new_ones_for_b(ckpts)
     assert engine.update_weights_from_disk(b, policy="drain") == []
     assert engine.weight_update_pending and engine.weights_version == 0
     engine.add_request("r2", OTHER, GREEDY)
+    engine.check_integrity()  # r2 held out of the scheduler, its sampling state kept
+    with pytest.raises(Exception, match="already in use"):
+        engine.add_request("r2", OTHER, GREEDY)
     outs = {}
     _run_until_done(engine, outs)
     _same(outs["r1"], only_a)  # all under A, in A's memory: bit for bit
