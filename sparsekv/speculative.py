@@ -146,13 +146,14 @@ class MTPDrafter:
         return logits
 
     def _chain_rope(self, seqs: list) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """cos / sin [K - 1, B, R] of draft steps 2..K (one row per drafting request past its
-        history), computed once for the whole chain."""
-        if self.k < 2 or not seqs:
+        """cos / sin of draft steps 2..K (one row per drafting request past its history), computed
+        once for the whole chain; None with fewer than two draft steps (each computes its own)."""
+        if self.k < 3 or not seqs:
             return None
         positions = [s.context_len - 1 + step for step in range(1, self.k) for s in seqs]
         cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=self.model.device))
-        return cos.view(self.k - 1, len(seqs), -1), sin.view(self.k - 1, len(seqs), -1)
+        shape = (self.k - 1, len(seqs), *cos.shape[1:])  # step-major: step s's rows are [s - 1]
+        return cos.view(shape), sin.view(shape)
 
     @torch.inference_mode()
     def step(self, step: int, tokens: list[int]) -> torch.Tensor:
@@ -160,7 +161,8 @@ class MTPDrafter:
         never writes."""
         chain = self._chain
         ctx = self.runner.build_draft_step_context(chain.seqs, step, tokens, chain.selection)
-        ctx.cos, ctx.sin = chain.cos[step - 1], chain.sin[step - 1]
+        if chain.rope is not None:
+            ctx.cos, ctx.sin = chain.rope[0][step - 1], chain.rope[1][step - 1]
         logits, chain.hidden = self.forward(chain.hidden, ctx.input_ids, ctx, self.cache, every_row_drafts=True)
         return logits
 
@@ -175,14 +177,6 @@ class DraftChain:
     selection: dict
     hidden: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor] | None
-
-    @property
-    def cos(self) -> torch.Tensor:
-        return self.rope[0]
-
-    @property
-    def sin(self) -> torch.Tensor:
-        return self.rope[1]
 
 
 def _rows_of(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
