@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import socket
 import threading
 import time
 
@@ -274,6 +275,24 @@ def test_failing_decode_cancels_the_prefill_call(status):
         assert r.status_code == 503 and "decode worker" in r.json()["error"]["message"]
     else:
         assert r.status_code == 401 and r.json() == error_body(401, "decode says no")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_ends_both_calls(stream):
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    p.hang, d.hang, d.hang_after = True, True, 1  # a stream: one event, then waits
+    with deployment([p], [d]) as (url, _, _):
+        body = json.dumps({"prompt": "hello", "max_tokens": 4, "stream": stream}).encode()
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert wait_until(lambda: len(d.bodies) == len(p.bodies) == 1)
+            received = b""
+            while stream and b"data: " not in received:  # the first event has reached the client
+                received += sock.recv(4096)
+        assert wait_until(lambda: p.cancelled == d.cancelled == 1)
+        statuses = scrape_labelled(url, "status")["sparsekv:router_requests_total"]
+    assert statuses == {"499": 1.0}
 
 
 def test_a_bad_body_is_a_400_before_any_worker_is_asked():

@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..server.errors import APIError, error_response
+from ..server.errors import APIError, error_body, error_response
 from ..server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from ..server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from .router_exchange import Exchange, WorkerFailure
@@ -89,7 +89,7 @@ async def _generate(request: Request, path: str, model: type) -> Response:
     except APIError as e:
         _observe(metrics, path, e.status, start)
         raise
-    return await _answer(router, exchange, path, stream, start)
+    return await _answer(request, router, exchange, path, stream, start)
 
 
 async def _start(request: Request, router: Router, path: str, model: type) -> tuple[Exchange, bool]:
@@ -105,24 +105,53 @@ async def _start(request: Request, router: Router, path: str, model: type) -> tu
     return Exchange(router, prefill, decode, path, body, headers), bool(body.get("stream"))
 
 
-async def _answer(router: Router, exchange: Exchange, path: str, stream: bool, start: float) -> Response:
+class ClientGone(Exception):
+    pass
+
+
+async def _answer(request: Request, router: Router, exchange: Exchange, path: str, stream: bool,
+                  start: float) -> Response:
+    """D's answer, or the failure's; until a stream is handed over, a client that goes away ends both
+    calls (a plain response is not cancelled when it does, a stream is)."""
     status, handed_over = 200, False
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        response = await exchange.open_decode()
+        response = await _unless_gone(watcher, exchange.open_decode())
         if not stream:
-            return Response(await exchange.decode_body(), media_type=response.headers.get("content-type"))
+            body = await _unless_gone(watcher, exchange.decode_body())
+            return Response(body, media_type=response.headers.get("content-type"))
         chunks = exchange.relay()
-        first = await anext(chunks, b"")  # a failure before the first event is still a plain 503
+        first = await _unless_gone(watcher, anext(chunks, b""))  # a failure before the first event: a plain 503
         handed_over = True
         return StreamingResponse(_stream(router, exchange, path, start, first, chunks),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     except WorkerFailure as failure:
         status = failure.status
         return failure.response()
+    except ClientGone:
+        status = 499
+        return JSONResponse(error_body(499, "client closed the request"), status_code=499)
     finally:
+        watcher.cancel()
         if not handed_over:
             exchange.close(failed=status != 200)
             _observe(router.metrics, path, status, start)
+
+
+async def _unless_gone(watcher: asyncio.Future, awaitable):
+    task = asyncio.ensure_future(awaitable)
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientGone
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream(router: Router, exchange: Exchange, path: str, start: float, first: bytes, chunks):
