@@ -119,7 +119,7 @@ def pass_ops(plain, drafting, prompt: list[int], steps: int = 6) -> dict:
                             temperature=0.0, ignore_eos=True)
     fill_decoding(plain, [prompt], params)
     target = [decode_step_ops(plain).total for _ in range(steps)]
-    counts, counting = {"step": [], "extend": [], "draft step": []}, [False]
+    counts, counting, kinds = {"step": [], "extend": [], "draft step": []}, [False], {}
 
     @contextmanager
     def count(name: str):
@@ -129,6 +129,7 @@ def pass_ops(plain, drafting, prompt: list[int], steps: int = 6) -> dict:
         with OpCounter() as ops:
             yield
         counts[name].append(ops.total)
+        kinds[name] = dict(ops.by_kind.most_common())
     drafting.speculator.add_pass_observer(count)
     fill_decoding(drafting, [prompt], params)
     counting[0] = True
@@ -143,7 +144,8 @@ def pass_ops(plain, drafting, prompt: list[int], steps: int = 6) -> dict:
                     for i, (total, e) in enumerate(zip(counts["step"], counts["extend"]))]
     return {"target": statistics.median(target), "verification": statistics.median(verification),
             "extend": statistics.median(counts["extend"]),
-            "draft step": statistics.median(counts["draft step"]) if counts["draft step"] else 0}
+            "draft step": statistics.median(counts["draft step"]) if counts["draft step"] else 0,
+            "by_kind": kinds}
 
 
 def acceptance(rs: list[dict]) -> dict:
@@ -217,6 +219,9 @@ def report_passes(result: dict, summary: dict) -> dict:
     drafting = ops["extend"] + (k - 1) * ops["draft step"]
     length = spec["mean_acceptance_length"] or 1.0
     bound = length * ops["target"] / (ops["verification"] + drafting)
+    for name, kinds in ops["by_kind"].items():
+        print(f"{name} ops by kind (the last one counted): "
+              + ", ".join(f"{kind} {n}" for kind, n in list(kinds.items())[:12]))
     print(f"draft/target torch ops: draft step {ops['draft step'] / ops['target']:.2f}, extend "
           f"{ops['extend'] / ops['target']:.2f}, all drafting per step {drafting / ops['target']:.2f}; "
           f"speed-up these op counts allow at L = {length:.2f}: {bound:.2f}x")
