@@ -57,14 +57,14 @@ def summarize(path: str, plot: str) -> int:
     with open(path) as f:
         rows = task_rows([json.loads(line) for line in f if line.strip()])
     table = Table(title=f"rollouts: {path}")
-    for col in ("task", "episodes", "reward", "interception rate", "interceptions/episode",
-                "compactions/episode", "failed"):
+    # intercepted: the share of episodes with an interception; per ep: per episode
+    for col in ("task", "episodes", "reward", "intercepted", "interceptions/ep", "compactions/ep", "failed"):
         table.add_column(col, justify="left" if col == "task" else "right")
     for r in rows:
         table.add_row(r["task"], str(r["episodes"]), f"{r['reward']:.2f}", f"{r['interception_rate']:.2f}",
                       f"{r['interceptions_per_episode']:.2f}", f"{r['compactions_per_episode']:.2f}",
                       str(r["failed"]))
-    Console().print(table)
+    Console(width=max(Console().width, 100)).print(table)  # a pipe's 80 columns would cut the headers
     _plot(rows, plot)
     print(f"wrote {plot}")
     return 0
