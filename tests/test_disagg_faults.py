@@ -152,3 +152,18 @@ def test_serve_refuses_a_role_without_a_private_secret(glm_ckpt, tmp_path, mode)
     out = subprocess.run(base + ["--disaggregation-secret-file", loose], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "chmod 600" in out.stderr
+
+
+def test_a_client_that_goes_away_frees_the_room_before_the_timeout(glm_ckpt):
+    """The router cancels one side when the other failed: the waiting worker lets the room go then,
+    not at its (long) timeout, and deletes its claim from the prefill worker's store."""
+    with WorkerServer(glm_ckpt[0], "prefill", timeout_s=300, **BASE) as p, \
+            WorkerServer(glm_ckpt[0], "decode", timeout_s=300, **BASE) as d:
+        info = httpx.get(p.url + "/disaggregation", timeout=5).json()
+        body = {**BODY, "prompt": _prompt(), "disaggregation": field(info)}
+        with pytest.raises(httpx.TimeoutException):  # the prefill worker never gets its half
+            httpx.post(d.url + "/v1/completions", json=body, timeout=1.0)
+        assert wait_until(lambda: d.worker.rooms == {}, 20)
+        assert wait_until(lambda: p.worker.store.num_keys() == 0, 5)
+        assert scrape(d.url)["sparsekv:disagg_transfers_failed_total"] == 1
+        _clean(d)

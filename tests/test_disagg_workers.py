@@ -189,3 +189,23 @@ def test_chat_through_the_pair(tmp_path_factory):
         assert body["sparsekv"]["choices"][0]["token_ids"] == want.token_ids
         assert body["sparsekv"]["disaggregation"]["pages_sent"] == (len(ids) - 1) // PAGE > 0
         d.check_clean()
+
+
+def test_rooms_waiting_for_each_other_hold_no_transfer_thread(pair):
+    """More rooms at once than transfer threads: a room waiting for its peer holds no thread, so
+    rooms whose halves arrive in any order all complete (one thread per worker here)."""
+    from concurrent.futures import ThreadPoolExecutor
+    p, d = pair
+    pools = p.worker.pool, d.worker.pool
+    p.worker.pool, d.worker.pool = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+    try:
+        alice = {"Authorization": "Bearer sk-alice"}
+        with ThreadPoolExecutor(4) as clients:
+            answers = list(clients.map(lambda seed: send_pair(p.url, d.url, {**BODY, "prompt": _prompt(256, 25, seed)},
+                                                              headers=alice), range(10, 14)))
+        assert all((rp.status_code, rd.status_code) == (200, 200) for rp, rd in answers)
+        assert [rd.json()["sparsekv"]["disaggregation"]["pages_sent"] for _, rd in answers] == [6] * 4
+    finally:
+        p.worker.pool, d.worker.pool = pools
+    p.check_clean()
+    d.check_clean()

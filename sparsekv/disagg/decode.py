@@ -26,7 +26,7 @@ class DecodeWorker(Worker):
         room = self.open_room(field)
         started = time.monotonic()
         try:
-            figures = await self._take_kv(field, job, prompts)
+            figures = await self._take_kv(request, field, job, prompts)
         except TransferError as e:
             raise self.failed(room, e) from None
         finally:
@@ -39,14 +39,17 @@ class DecodeWorker(Worker):
         job.builder.disaggregation = DecodeFigures(figures, job.group, time.monotonic())
         return await run(request, self.state.loop, job, self.state.metrics)
 
-    async def _take_kv(self, field, job: Job, prompts: list[list[int]]) -> dict:
+    async def _take_kv(self, request, field, job: Job, prompts: list[list[int]]) -> dict:
         kv, loop = self.state.engine.kv, self.state.loop
         held = await _on_engine(loop, lambda: [kv.held_prefix(p, job.tenant, job.cache_salt) for p in prompts])
         self.rooms[field.room] = "claim"
         claim = {"room": field.room, "nonce": secrets.token_hex(16), "tenant": job.tenant,
                  "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held}
-        link, meta, pages, waited = await self.blocking(self._receive, field, claim)
+        link, meta, waited = await self._claim(request, field, claim)
         try:
+            self._check_meta(meta, claim)
+            self.rooms[field.room] = "receive"
+            pages = await self.blocking(self._recv, link, meta) if meta["tensors"] else []
             self.rooms[field.room] = "import"
             await _on_engine(loop, kv.import_prefix, pages, job.tenant)  # all or none
         except TransferError as e:
@@ -57,28 +60,22 @@ class DecodeWorker(Worker):
                 "waited_s": waited, "bytes": sum(t["nbytes"] for t in meta["tensors"]), "pages_sent": len(pages),
                 "pages_skipped": sum(held)}
 
-    def _receive(self, field, claim: dict):
-        """Claim the room, wait for the prefill worker's metadata, receive and check the tensors.
-        Returns (room link, metadata, pages, seconds spent waiting for the prefill)."""
+    async def _claim(self, request, field, claim: dict):
+        """Claim the room and wait for the prefill worker's metadata: (room link, metadata, seconds
+        spent waiting for the prefill)."""
         secret, timeout = self.settings.secret, self.settings.timeout_s
-        link = Room(connect(field.bootstrap_host, field.bootstrap_port, timeout), field.room)
+        link = await self.blocking(lambda: Room(connect(field.bootstrap_host, field.bootstrap_port, timeout), field.room))
         waiting = time.monotonic()
         try:
-            link.put("claim", sign(secret, claim))
-            meta = verify(secret, link.take("meta", timeout, "KV from the prefill worker"), "prefill worker's metadata")
+            await self.blocking(link.put, "claim", sign(secret, claim))
+            raw = await self.take(link, "meta", "KV from the prefill worker", request)
+            meta = verify(secret, raw, "prefill worker's metadata")
             if "error" in meta:
                 raise TransferError(f"the prefill worker failed: {meta['error']}")
         except TransferError:
-            link.forget()  # NOTE: the prefill worker is gone, or failed and left the room to this side
+            await self.blocking(link.forget)  # NOTE: the prefill worker is gone, or failed and left the room to us
             raise
-        waited = time.monotonic() - waiting
-        try:
-            self._check_meta(meta, claim)
-            pages = self._recv(link, meta) if meta["tensors"] else []
-        except TransferError as e:
-            self._verdict(link, meta, str(e))
-            raise
-        return link, meta, pages, waited
+        return link, meta, time.monotonic() - waiting
 
     @staticmethod
     def _check_meta(meta: dict, claim: dict) -> None:

@@ -48,7 +48,7 @@ class PrefillWorker(Worker):
             if response.status_code != 200:  # the decode worker learns it at once instead of at its timeout
                 await self.blocking(self._refuse, room, "the prefill worker could not compute the prompt")
                 return response
-            figures = await self._transfer(room, job, prompts, times)
+            figures = await self._transfer(request, room, job, prompts, times)
         except TransferError as e:
             raise self.failed(room, e) from None
         finally:
@@ -66,14 +66,13 @@ class PrefillWorker(Worker):
         prefill = Job(group, subs, job.tenant, job.cache_salt, job.builder, False, False)
         return await run(request, self.state.loop, prefill, self.state.metrics), group
 
-    async def _transfer(self, room: str, job: Job, prompts: list[list[int]], times: dict) -> dict:
+    async def _transfer(self, request, room: str, job: Job, prompts: list[list[int]], times: dict) -> dict:
         started = time.monotonic()
         self.rooms[room] = "claim"
-        link = await self.blocking(lambda: Room(connect(self.settings.bootstrap_host, self.bootstrap_port,
-                                                        self.settings.timeout_s), room))
-        waiting = claim = None  # a decode worker waits for the metadata once its claim was read
+        link = await self.blocking(self._link, room)
+        waiting = None  # a decode worker waits for the metadata once its claim was read
         try:
-            raw = await self.blocking(link.take, "claim", self.settings.timeout_s, "claim from a decode worker")
+            raw = await self.take(link, "claim", "claim from a decode worker", request)
             waiting = True
             claim = self._check_claim(raw, room, job, prompts)
             self.rooms[room] = "export"
@@ -83,6 +82,8 @@ class PrefillWorker(Worker):
                     "pages": per_prompt, "skipped": claim["held"], **times}
             waiting = False
             nbytes = await self.blocking(self._send, link, meta, pages)
+            _check_verdict(await self.take(link, "done", "verdict from the decode worker", request), meta,
+                           self.settings.secret)
         except TransferError as e:
             if waiting:  # NOTE: the decode worker reads the error and cleans the room up itself
                 await self.blocking(_tell_error, link, self.settings.secret, room, str(e))
@@ -126,8 +127,11 @@ class PrefillWorker(Worker):
             raise TransferError(f"exporting the prompt's pages failed: {e}") from None
         return [page for pages in per_prompt for page in pages], [len(pages) for pages in per_prompt]
 
+    def _link(self, room: str) -> Room:
+        return Room(connect(self.settings.bootstrap_host, self.bootstrap_port, self.settings.timeout_s), room)
+
     def _send(self, link: Room, meta: dict, pages: list) -> int:
-        """Publish the signed metadata, send the tensors, and wait for the decode worker's verdict."""
+        """Publish the signed metadata and send the tensors; returns their bytes."""
         secret, timeout = self.settings.secret, self.settings.timeout_s
         stacked = pages_to_tensors(pages)
         meta["tensors"] = tensor_specs(secret, stacked)
@@ -139,14 +143,11 @@ class PrefillWorker(Worker):
                 send_tensors(group, tensors)
             finally:
                 del group
-        verdict = verify(secret, link.take("done", timeout, "verdict from the decode worker"), "decode worker's verdict")
-        if verdict.get("nonce") != meta["nonce"] or not verdict.get("ok"):
-            raise TransferError(f"the decode worker refused the KV: {verdict.get('error', 'no reason given')}")
         return sum(t.numel() for t in tensors)
 
     def _refuse(self, room: str, reason: str) -> None:
         try:
-            link = Room(connect(self.settings.bootstrap_host, self.bootstrap_port, self.settings.timeout_s), room)
+            link = self._link(room)
         except TransferError:
             return
         _tell_error(link, self.settings.secret, room, reason)
@@ -154,6 +155,12 @@ class PrefillWorker(Worker):
     def close(self) -> None:
         super().close()
         del self.store
+
+
+def _check_verdict(raw: bytes, meta: dict, secret: bytes) -> None:
+    verdict = verify(secret, raw, "decode worker's verdict")
+    if verdict.get("nonce") != meta["nonce"] or not verdict.get("ok"):
+        raise TransferError(f"the decode worker refused the KV: {verdict.get('error', 'no reason given')}")
 
 
 def _tell_error(link: Room, secret: bytes, room: str, reason: str) -> None:

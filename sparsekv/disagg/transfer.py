@@ -15,6 +15,8 @@ the room's keys::
 The tensors go over a gloo group of the two processes made for the room from the same store
 (`ProcessGroupGloo` over a `PrefixStore`), closed after it. Every wait is bounded by the
 transfer timeout; a peer that dies breaks its group's connections, which fails that room only.
+Waiting for a key is polled from the event loop (`Worker.take`), so a room waiting for its peer holds
+no thread: rooms waiting on each other's workers can never exhaust the transfer threads.
 """
 from __future__ import annotations
 
@@ -64,13 +66,18 @@ class Room:
         except Exception as e:
             raise TransferError(f"room {self.name}: the bootstrap store failed: {e}") from None
 
-    def take(self, part: str, timeout_s: float, waiting_for: str) -> bytes:
-        """The value under `part` once it is there; TransferError after `timeout_s` or if the store is gone."""
+    def ready(self, part: str) -> bool:
+        """Whether `part` is there yet (no wait: `Worker.take` polls, holding no thread while it waits)."""
         try:
-            self.store.wait([self.key(part)], _timeout(timeout_s))
+            return self.store.check([self.key(part)])
+        except Exception as e:  # a connection error: the prefill worker's store is gone
+            raise TransferError(f"room {self.name}: the bootstrap store is gone ({_first_line(e)})") from None
+
+    def get(self, part: str) -> bytes:
+        try:
             return self.store.get(self.key(part))
-        except Exception as e:  # DistStoreError on a timeout, a connection error when the peer is gone
-            raise TransferError(f"room {self.name}: no {waiting_for} within {timeout_s:g} s ({_first_line(e)})") from None
+        except Exception as e:
+            raise TransferError(f"room {self.name}: the bootstrap store failed: {_first_line(e)}") from None
 
     def forget(self) -> None:
         """Delete every key of the room, the pair group's rendezvous keys included."""

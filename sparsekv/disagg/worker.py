@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ log = logging.getLogger("sparsekv.disagg")
 MODES = ("null", "prefill", "decode")
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_DECODE_HOST_BYTES = 4 << 30  # the decode worker's prefix host tier, where transferred pages land
-MAX_TRANSFER_THREADS = 8
+MAX_TRANSFER_THREADS = 8  # store calls and gloo transfers; a room waiting for its peer holds none
+POLL_MAX_S = 0.02  # the longest pause between two looks at a key a room waits for
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,21 @@ class Worker:
     async def blocking(self, fn, *args):
         """`fn(*args)` on the transfer threads (store and gloo calls block)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def take(self, link, part: str, waiting_for: str, request) -> bytes:
+        """The value of the room's key `part` once the other worker has written it. TransferError past
+        the timeout, when the store is gone, or when the client went away (the router cancels one
+        side when the other failed)."""
+        timeout = self.settings.timeout_s
+        deadline, pause = time.monotonic() + timeout, 0.001
+        while not await self.blocking(link.ready, part):
+            if await request.is_disconnected():
+                raise TransferError(f"room {link.name}: the client went away while this worker waited for {waiting_for}")
+            if time.monotonic() > deadline:
+                raise TransferError(f"room {link.name}: no {waiting_for} within {timeout:g} s")
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
+        return await self.blocking(link.get, part)
 
     def open_room(self, field) -> str:
         room = field.room
