@@ -209,3 +209,8 @@ def test_rooms_waiting_for_each_other_hold_no_transfer_thread(pair):
         p.worker.pool, d.worker.pool = pools
     p.check_clean()
     d.check_clean()
+
+
+def test_a_role_needs_the_prefix_cache(glm_ckpt):
+    with pytest.raises(ValueError, match="needs the prefix cache"):
+        WorkerServer(glm_ckpt[0], "decode", enable_prefix_caching=False, prefix_cache_host_bytes=None, **BASE)

@@ -58,9 +58,11 @@ class Worker:
 
     def __init__(self, state, settings: DisaggSettings):
         engine = state.engine
-        if getattr(engine, "kv", None) is None or engine.kv.prefix is None:
-            raise ValueError("--disaggregation-mode needs one engine (no --data-parallel-size) with its prefix "
-                             "cache on (pages move through it)")
+        if engine.config.tensor_parallel_size > 1 or engine.config.data_parallel_size > 1:
+            raise ValueError("--disaggregation-mode with -tp or -dp > 1 is not built: a worker is one rank")
+        if engine.kv.prefix is None:
+            raise ValueError("--disaggregation-mode needs the prefix cache (pages move through it): drop "
+                             "--no-enable-prefix-caching")
         self.state, self.settings = state, settings
         self.metrics = TransferMetrics(state.metrics.registry, state.model_name)
         self.rooms: dict[str, str] = {}  # room -> its phase, while a request of this worker is in it
