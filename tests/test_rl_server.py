@@ -47,9 +47,9 @@ def _complete(server, **extra):
     return r.json()
 
 
-def _engine_tokens(path, **params):
+def _engine_tokens(path, max_tokens: int = 6, **params):
     llm = LLM(path, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_page_size=16)
-    return llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, **params))[0]
+    return llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params))[0]
 
 
 @pytest.mark.parametrize("path", ADMIN_PATHS)
@@ -109,3 +109,29 @@ def test_routed_experts_through_the_openai_extension(server, ckpts):
     assert got["routed_experts"] == _engine_tokens(path, return_routed_experts=True).routed_experts
     assert "routed_experts" not in _complete(server)["sparsekv"]["choices"][0]
     assert _post(server, "/v1/completions", {**BODY, "return_routed_experts": "yes"}).status_code == 400
+
+
+@pytest.mark.parametrize("policy", ["drain", "abort"])
+def test_a_request_in_flight_during_an_update_never_mixes_weights(ckpts, policy):
+    """drain: the request finishes under A and the update answers after it; abort: the request ends
+    with finish_reason "abort" (the client resubmits) and the update answers at once."""
+    a, b = ckpts
+    want_a = _engine_tokens(a, 12).token_ids
+    with ThreadServer(a, admin_api_keys=[ADMIN], weight_update_policy=policy) as srv:
+        srv.delay[0] = 0.2  # keep the request in flight while the update arrives
+        box = []
+        worker = threading.Thread(target=lambda: box.append(_complete(srv, max_tokens=12)))
+        worker.start()
+        assert wait_until(lambda: srv.engine.counters["generation_tokens"] > 0, timeout=30)
+        r = _post(srv, "/update_weights_from_disk", {"model_path": b}, key=ADMIN)
+        worker.join(60)
+        srv.delay[0] = 0.0
+        assert r.status_code == 200 and r.json()["weights_version"] == 1, r.text
+        choice, ext = box[0]["choices"][0], box[0]["sparsekv"]["choices"][0]
+        assert ext["weights_version"] == 0
+        if policy == "drain":
+            assert choice["finish_reason"] == "length" and ext["token_ids"] == want_a
+        else:
+            assert choice["finish_reason"] == "abort" and 0 < len(ext["token_ids"]) < 12
+            assert ext["token_ids"] == want_a[:len(ext["token_ids"])]
+        assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(b).token_ids
