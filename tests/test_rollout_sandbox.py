@@ -83,6 +83,16 @@ def test_commands_cannot_write_outside(sandbox):
     assert not any(os.path.exists(t) for t in targets)
 
 
+@needs_isolation
+def test_commands_leave_no_process_behind(sandbox):
+    """A background process (even in a session of its own) dies with its command, so nothing changes the
+    sandbox between tool calls."""
+    started = sandbox.run_command("(sleep 1; touch late1) >/dev/null 2>&1 & "
+                                  "setsid sh -c 'sleep 1; touch late2' >/dev/null 2>&1 & echo started")
+    assert started.output == "started\n"
+    assert sandbox.run_command("sleep 2; ls late1 late2 2>&1").output.count("No such file") == 2
+
+
 def test_wall_time_limit(sandbox, monkeypatch):
     monkeypatch.setattr(sandbox_mod, "isolation_available", lambda: False)
     sandbox.allow_network = True

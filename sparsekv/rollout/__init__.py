@@ -6,5 +6,5 @@ rules.py    the recall filter: rules as data (rules.yaml, extensible), each with
 judge.py    the precision stage: an OpenAI-compatible judge answering a JSON-schema verdict
 intercept.py  rules -> judge -> a virtual tool result for a confirmed hack
 episode.py  the agent loop: policy turns, tools, compaction, reward; one trajectory per episode
-cli.py      `sparsekv rollout` and `sparsekv rl screen | eval-filter`
+cli.py      `sparsekv rollout` and `sparsekv rl screen | eval-filter`; report.py: progress, summary, figures
 """

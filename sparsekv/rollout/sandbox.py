@@ -3,9 +3,9 @@
 Paths given to `read_file`, `write_file` and `list_dir` are resolved inside the copy: absolute paths,
 `..` that climbs out and symlinks that lead out are refused (`PathRefused`). Commands (`run_command` and
 the check) run in a subprocess with limits on wall time, CPU time, memory and file size (`resource`, set
-in the child before exec), inside `unshare --net --mount --map-root-user`: no network interface but
-loopback, and every mount read-only except the sandbox directory, so a command cannot write outside it
-either. Without a working `unshare`, commands are refused unless the sandbox was made with
+in the child before exec), inside `unshare --net --mount --pid --fork --map-root-user`: no network
+interface but loopback; every mount read-only except the sandbox directory, so a command cannot write
+outside it either; and a PID namespace, so no process a command started outlives it. Without a working `unshare`, commands are refused unless the sandbox was made with
 `allow_network=True` (then they run with the limits only).
 """
 from __future__ import annotations
@@ -80,11 +80,12 @@ def clip(text: str, limit: int = MAX_OUTPUT_CHARS) -> str:
 
 @functools.cache
 def isolation_available() -> bool:
-    """Whether `unshare` can give a command no network and a read-only view outside the sandbox here."""
+    """Whether `unshare` can give a command no network, a read-only view outside the sandbox and its own
+    PID namespace here."""
     if shutil.which("unshare") is None:
         return False
     try:
-        probe = subprocess.run(["unshare", "--net", "--mount", "--map-root-user", "/bin/sh", "-c",
+        probe = subprocess.run(["unshare", "--net", "--mount", "--pid", "--fork", "--map-root-user", "/bin/sh", "-c",
                                 _ISOLATE, "probe", "true"],
                                env={**os.environ, "SANDBOX": tempfile.gettempdir(), "REPO": "/"},
                                capture_output=True, timeout=30)
@@ -185,7 +186,7 @@ class Sandbox(RepoView):
                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": str(Path(self._tmp, "tmp")),
                "SANDBOX": str(Path(self._tmp).resolve()), "REPO": str(self.root)}
         if isolation_available():
-            argv = ["unshare", "--net", "--mount", "--map-root-user", "/bin/sh", "-c", _ISOLATE, "sandbox", command]
+            argv = ["unshare", "--net", "--mount", "--pid", "--fork", "--map-root-user", "/bin/sh", "-c", _ISOLATE, "sandbox", command]
         elif self.allow_network:
             argv = ["/bin/sh", "-c", command]
         else:
