@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from .context import ForwardContext
 from .model.layers import rms_norm
 from .request import SamplingParams
-from .sampling import draw, filter_logits
+from .sampling import draw, draw_rows, filter_logits, filter_logits_rows
 
 
 @dataclass
@@ -51,12 +51,18 @@ class Draft:
     probs: torch.Tensor | None  # the draft distribution q (None when greedy)
 
 
-def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> Draft:
-    """A draft from the MTP logits of one request, processed as the target's will be."""
-    if params.greedy:
-        return Draft(int(logits.argmax()), None)
-    q = filter_logits(logits, params).softmax(-1)
-    return Draft(draw(q, generator), q)
+def draft_rows(logits: torch.Tensor, reqs: list, generators: dict) -> list[Draft]:
+    """Each drafting request's draft from the MTP logits [B, V], processed as the target's will be:
+    one argmax for all (B ints cross to the host, not B x V); for the sampled ones one filter, softmax
+    and draw, each row drawn with its request's generator (row-wise: a row gets what it gets alone)."""
+    tokens = logits.argmax(-1)
+    sampled = [i for i, req in enumerate(reqs) if not req.params.greedy]
+    probs = {}
+    if sampled:
+        q = filter_logits_rows(logits[sampled], [reqs[i].params for i in sampled]).softmax(-1)
+        tokens[sampled] = draw_rows(q, [generators[reqs[i].request_id] for i in sampled]).to(tokens.device)
+        probs = dict(zip(sampled, q))
+    return [Draft(token, probs.get(i)) for i, token in enumerate(tokens.tolist())]
 
 
 def verify_draft(target_logits: torch.Tensor, draft: Draft, params: SamplingParams,
@@ -285,10 +291,8 @@ class Speculator:
             if step:
                 with self._observed("draft step"):
                     logits = self.executor.draft_step(step, [d[-1].token for d in drafts])
-            greedy = logits.argmax(-1).tolist()  # every greedy draft in one op; B ints cross to the host, not B x V
-            for i, req in enumerate(reqs):
-                drafts[i].append(Draft(greedy[i], None) if req.params.greedy else
-                                 draft_token(logits[i], req.params, generators[req.request_id]))
+            for d, draft in zip(drafts, draft_rows(logits, reqs, generators)):
+                d.append(draft)
         for req, d in zip(reqs, drafts):
             # a step emits at most drafts + 1 tokens: no draft past max_tokens or max_model_len
             room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1

@@ -502,3 +502,22 @@ def test_a_draft_step_dispatches_at_most_30_percent_of_a_target_steps_ops(model)
     ops = pass_ops(plain, drafting, prompt, steps=3)
     assert 0 < ops["draft step"] <= 0.30 * ops["target"], ops
     assert ops["extend"] + (k - 1) * ops["draft step"] <= k * 0.30 * ops["target"], ops
+
+
+def test_a_batch_of_drafts_is_each_requests_own_draft():
+    """draft_rows decides a step's drafts at once (one argmax; one filter, softmax and draw for the
+    sampled rows): each row's token and q are what that request would draw alone with its generator."""
+    from types import SimpleNamespace
+    from sparsekv.sampling import draw, make_generator
+    from sparsekv.speculative import draft_rows
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=10, seed=1),
+              SamplingParams(temperature=1.3, top_p=0.8, seed=2), SamplingParams(temperature=1.0, min_p=0.1, seed=3)]
+    reqs = [SimpleNamespace(request_id=str(i), params=p) for i, p in enumerate(params)]
+    for trial in range(20):
+        batch = draft_rows(logits, reqs, {str(i): make_generator(100 * trial + i) for i in range(4)})
+        assert batch[0].token == int(logits[0].argmax()) and batch[0].probs is None
+        for i in range(1, 4):
+            q = filter_logits(logits[i], params[i]).softmax(-1)
+            assert torch.equal(batch[i].probs, q)
+            assert batch[i].token == draw(q, make_generator(100 * trial + i))
