@@ -13,6 +13,10 @@ the server's tier figures from /metrics before and after the run. `--api-key` ma
 request is sent with one of the keys, drawn with `--tenant-weights` (equal by default), and the
 latencies are also reported per key (per tenant: "key 1" is the first `--api-key`), e.g. a noisy
 tenant sending 90 % of the requests against a quiet one.
+
+`--workload interference` (bench_serve_interference.py) is another workload: running streams, alone and
+then while long prompts arrive at a steady rate, and their inter-token latency under that prefill load
+against its value without it; for a colocated server and for `sparsekv router` alike.
 """
 from __future__ import annotations
 
@@ -73,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    w = p.add_argument_group("--workload interference (bench_serve_interference.py): --streams running streams of "
+                             "--input-len + --output-len tokens, alone, then while long prompts arrive")
+    w.add_argument("--workload", choices=["requests", "interference"], default="requests")
+    w.add_argument("--streams", type=int, default=4, help="running streams")
+    w.add_argument("--long-prompt-len", type=int, default=16384)
+    w.add_argument("--long-prompt-rate", type=float, default=0.1, help="long prompts per second, evenly spaced")
+    w.add_argument("--num-long-prompts", type=int, default=3)
+    w.add_argument("--long-output-len", type=int, default=1, help="tokens each long prompt generates")
     return p
 
 
@@ -87,6 +99,8 @@ def main(argv: list[str]) -> int:
         print("sparsekv bench serve: shared-prefix needs 0 < --prefix-len < --input-len and --num-prefixes >= 1",
               file=sys.stderr)
         return 2
+    if args.workload == "interference":
+        return _interference(args)
     keys = args.api_key or [None]
     if args.tenant_weights is not None and (len(args.tenant_weights) != len(keys) or min(args.tenant_weights) < 0
                                             or not sum(args.tenant_weights) > 0):
@@ -103,6 +117,25 @@ def main(argv: list[str]) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0 if report["completed"] else 1
+
+
+def _interference(args) -> int:
+    from . import bench_serve_interference as bench
+    if min(args.streams, args.num_long_prompts, args.long_prompt_len, args.long_output_len) < 1 or \
+            not args.long_prompt_rate > 0:
+        print("sparsekv bench serve: --streams, --num-long-prompts, --long-prompt-len, --long-output-len must be "
+              ">= 1 and --long-prompt-rate > 0", file=sys.stderr)
+        return 2
+    try:
+        report = asyncio.run(bench.run(args))
+    except httpx.HTTPError as e:
+        print(f"sparsekv bench serve: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 1
+    print(bench.format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["loaded"]["streams_ok"] == args.streams and not report["loaded"]["errors"] else 1
 
 
 async def run(args) -> dict:

@@ -1,0 +1,38 @@
+"""`sparsekv bench serve --workload interference`: which inter-token gaps count, and one run against a
+server (every stream and long prompt answered, the quiet phase's gaps all counted)."""
+from __future__ import annotations
+
+import asyncio
+
+from sparsekv.tools.bench_serve import build_parser, main
+from sparsekv.tools.bench_serve_interference import Stream, format_report, run, summarize_phase
+
+
+def test_only_the_gaps_that_end_under_load_count():
+    long = Stream(sent=2.0, times=[3.0], output_tokens=1)
+    streams = [Stream(sent=0.0, times=[1.0, 2.0, 3.5, 4.0], output_tokens=4),
+               Stream(sent=0.0, times=[1.5, 2.5, 2.75], output_tokens=3)]
+    phase = summarize_phase(streams, [long], window=(2.0, 3.5), duration=5.0)
+    assert phase["itl_ms"]["count"] == 4  # 1.0->2.0, 2.0->3.5, 1.5->2.5, 2.5->2.75; not 3.5->4.0
+    assert phase["itl_ms"]["p99"] == 1500.0 and phase["itl_ms"]["p50"] == 1000.0
+    assert phase["stream_ttft_ms"]["count"] == 2 and phase["long_ttft_ms"]["p50"] == 1000.0
+    assert phase["stream_output_throughput"] == 7 / 5.0
+    assert phase["streams_outlasted_load"] is False  # the second stream ended at 2.75, before 3.5
+    quiet = summarize_phase(streams, [], window=(float("-inf"), float("inf")), duration=5.0)
+    assert quiet["itl_ms"]["count"] == 5 and quiet["long_ttft_ms"]["count"] == 0
+
+
+def test_interference_run_against_a_server(tmp_path_factory, capsys):
+    from test_server_util import ThreadServer, tiny_checkpoint
+    argv = ["--workload", "interference", "--streams", "2", "--input-len", "8", "--output-len", "12",
+            "--long-prompt-len", "100", "--num-long-prompts", "2", "--long-prompt-rate", "50"]
+    with ThreadServer(tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))) as server:
+        rep = asyncio.run(run(build_parser().parse_args(["--url", server.url, *argv])))
+        assert main(["--url", server.url, *argv]) == 0
+    quiet, loaded = rep["quiet"], rep["loaded"]
+    assert quiet["streams_ok"] == loaded["streams_ok"] == 2 and loaded["long_prompts_ok"] == 2
+    assert quiet["errors"] == loaded["errors"] == [] and loaded["streams_started_before_load"]
+    assert quiet["itl_ms"]["count"] == 2 * (12 - 1)  # every gap of both streams
+    assert loaded["itl_ms"]["count"] <= 2 * (12 - 1) and loaded["long_ttft_ms"]["count"] == 2
+    assert "ITL p99, loaded / quiet" in format_report(rep) and "ITL p99, loaded / quiet" in capsys.readouterr().out
+    assert main(["--url", server.url, "--workload", "interference", "--streams", "0"]) == 2
