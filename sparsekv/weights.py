@@ -219,16 +219,23 @@ class WeightSource:
 def copy_weights(model, fresh) -> int:
     """Copy every tensor of `fresh` (a model built like `model`, from other weights) into the same
     place of `model`, in place. Pairs are found by walking both object graphs in step; any difference
-    of structure, shape or dtype raises before anything is copied. Returns how many tensors were copied."""
+    of structure, shape or dtype raises before anything is copied. Returns how many tensors were copied.
+
+    One difference is allowed: a part the running model has and `fresh` lacks (None there), when its
+    tensors are all views of tensors copied anyway. The fresh model is built on the host, and a part
+    that depends on the device (experts stacked for a grouped GEMM that the host may lack, whose
+    experts hold views of the stack) is then updated through those views."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    _pair(model, fresh, "model", pairs, set())
+    unpaired: list[tuple[str, object]] = []
+    _pair(model, fresh, "model", pairs, set(), unpaired)
+    _check_views(pairs, unpaired)
     with torch.no_grad():
         for old, new in pairs:
             old.copy_(new)
     return len(pairs)
 
 
-def _pair(old, new, where: str, pairs: list, seen: set) -> None:
+def _pair(old, new, where: str, pairs: list, seen: set, unpaired: list) -> None:
     if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
         if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or \
                 old.shape != new.shape or old.dtype != new.dtype:
@@ -243,16 +250,31 @@ def _pair(old, new, where: str, pairs: list, seen: set) -> None:
             raise WeightUpdateError(f"{where}: the updated model's structure differs from the running one's")
         seen.add(id(old))
         for i, (a, b) in enumerate(zip(old, new)):
-            _pair(a, b, f"{where}[{i}]", pairs, seen)
+            _pair(a, b, f"{where}[{i}]", pairs, seen, unpaired)
         return
     if not type(old).__module__.startswith("sparsekv.model"):
         return  # plain values, functions, collectives: nothing to copy
+    if new is None:
+        unpaired.append((where, old))
+        return
     if type(old) is not type(new):
         raise WeightUpdateError(f"{where}: {type(new).__name__} against {type(old).__name__}")
     seen.add(id(old))
     for name, value in vars(old).items():
         if name not in NOT_WEIGHTS:
-            _pair(value, vars(new).get(name), f"{where}.{name}", pairs, seen)
+            _pair(value, vars(new).get(name), f"{where}.{name}", pairs, seen, unpaired)
+
+
+def _check_views(pairs: list, unpaired: list) -> None:
+    """Every tensor of a running part that the fresh model lacks shares its memory with a tensor copied."""
+    copied = {old.untyped_storage().data_ptr() for old, _ in pairs}
+    for where, part in unpaired:
+        found: list = []
+        _pair(part, part, where, found, set(), [])
+        alone = [t for t, _ in found if t.untyped_storage().data_ptr() not in copied]
+        if alone:
+            raise WeightUpdateError(f"{where}: the updated model has no such part, and it holds weights of its "
+                                    f"own ({_describe(alone[0])}) that the update would leave stale")
 
 
 def _describe(t) -> str:

@@ -318,3 +318,25 @@ def test_tensor_parallel_ranks_each_load_their_slices(ckpts, options):
         llm.engine.check_integrity()
     finally:
         llm.close()
+
+
+class _Part:
+    """A stand-in for one of the model's objects (copy_weights walks sparsekv.model's classes)."""
+
+    __module__ = "sparsekv.model.fake"
+
+    def __init__(self, **fields):
+        vars(self).update(fields)
+
+
+def test_copy_weights_allows_a_missing_part_only_when_it_holds_views():
+    from sparsekv.weights import copy_weights
+    base = torch.zeros(2, 4)
+    old = _Part(experts=[_Part(w=base[0]), _Part(w=base[1])], stacked=_Part(w=base, t=base.t()))
+    new = _Part(experts=[_Part(w=torch.ones(4)), _Part(w=torch.full((4,), 2.0))], stacked=None)
+    assert copy_weights(old, new) == 2
+    assert old.stacked.t.tolist() == [[1.0, 2.0]] * 4  # updated through the views
+    own = _Part(experts=[_Part(w=torch.zeros(4))], stacked=_Part(w=torch.zeros(3)))
+    with pytest.raises(WeightUpdateError, match="stale"):
+        copy_weights(own, _Part(experts=[_Part(w=torch.ones(4))], stacked=None))
+    assert own.experts[0].w.tolist() == [0.0] * 4  # refused before anything was copied
