@@ -29,7 +29,7 @@ class WorkerServer:
     """A prefill or decode worker (`mode`) served by uvicorn in a background thread."""
 
     def __init__(self, model: str, mode: str, secret: bytes = SECRET, timeout_s: float = 20.0,
-                 api_keys: list[str] = (), **engine_options):
+                 api_keys: list[str] = (), bootstrap_port: int = 0, **engine_options):
         from sparsekv.config import EngineConfig
         from sparsekv.disagg.worker import DisaggSettings
         from sparsekv.engine import LLMEngine
@@ -38,7 +38,7 @@ class WorkerServer:
         if mode == "decode":
             engine_options.setdefault("prefix_cache_host_bytes", 1 << 24)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
-        role = DisaggSettings(mode, "127.0.0.1", 0 if mode == "prefill" else None, secret, timeout_s)
+        role = DisaggSettings(mode, "127.0.0.1", bootstrap_port if mode == "prefill" else None, secret, timeout_s)
         self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), disaggregation=role))
         self.state = self.app.state.server
         self.worker = self.state.disagg

@@ -211,6 +211,9 @@ def test_rooms_waiting_for_each_other_hold_no_transfer_thread(pair):
     d.check_clean()
 
 
-def test_a_role_needs_the_prefix_cache(glm_ckpt):
+def test_a_role_needs_the_prefix_cache_and_a_free_bootstrap_port(glm_ckpt, pair):
     with pytest.raises(ValueError, match="needs the prefix cache"):
         WorkerServer(glm_ckpt[0], "decode", enable_prefix_caching=False, prefix_cache_host_bytes=None, **BASE)
+    taken = pair[0].worker.store.port
+    with pytest.raises(ValueError, match=f"--disaggregation-bootstrap-port {taken}: cannot listen"):
+        WorkerServer(glm_ckpt[0], "prefill", bootstrap_port=taken, **BASE)

@@ -27,7 +27,11 @@ log = logging.getLogger("sparsekv.disagg")
 class PrefillWorker(Worker):
     def __init__(self, state, settings):
         super().__init__(state, settings)
-        self.store = host_bootstrap(settings.bootstrap_host, settings.bootstrap_port, settings.timeout_s)
+        try:
+            self.store = host_bootstrap(settings.bootstrap_host, settings.bootstrap_port, settings.timeout_s)
+        except Exception as e:  # the port is taken, or the host is not this machine's
+            raise ValueError(f"--disaggregation-bootstrap-port {settings.bootstrap_port}: cannot listen on "
+                             f"{settings.bootstrap_host}: {str(e).strip().splitlines()[0]}") from None
 
     @property
     def bootstrap_port(self) -> int:
