@@ -226,9 +226,11 @@ class LLMEngine:
         aborted = [self._abort_started(r) for r in started] if policy == "abort" else []
         self._pending_update, self.weight_update_error = (update, checkpoint), None
         # NOTE: the requests not started leave the scheduler's queue until the update loads, so that the
-        # scheduler admits none of them under the old weights; they come back first, in their order.
-        self._held.extendleft(reversed(self.scheduler.waiting))
-        self.scheduler.waiting.clear()
+        # scheduler admits none of them under the old weights (a preempted one stays: it has started).
+        fresh = [r for r in self.scheduler.waiting if r.first_scheduled_time is None]
+        for req in fresh:
+            self.scheduler.waiting.remove(req)
+        self._held.extend(fresh)
         self._apply_pending_update()
         if self.weight_update_error is not None:
             raise self.weight_update_error

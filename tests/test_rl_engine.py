@@ -197,6 +197,27 @@ def test_drain_finishes_started_requests_under_a_and_holds_new_ones_for_b(ckpts)
     engine.check_integrity()
 
 
+def test_drain_finishes_a_preempted_request_under_a(ckpts):
+    """A request preempted before the update waits with tokens A computed: it is drained, not held."""
+    a, b, _ = ckpts
+    ref = LLM(a, **OPTIONS)
+    only_a = ref.generate([PROMPT], GREEDY)[0]
+    engine = LLM(a, **OPTIONS).engine
+    req = engine.add_request("r1", PROMPT, GREEDY)
+    for _ in range(5):
+        engine.step()
+    engine.scheduler.preempt(req)
+    assert req in engine.scheduler.waiting and req.num_output_tokens > 0
+    engine.update_weights_from_disk(b, policy="drain")
+    assert engine.weight_update_pending
+    outs = {}
+    _run_until_done(engine, outs)
+    assert outs["r1"].metrics["weights_version"] == 0 and engine.weights_version == 1
+    assert outs["r1"].metrics["num_preemptions"] == 1
+    _same(outs["r1"], only_a, ref)  # recomputed in other row groups: within the bound
+    engine.check_integrity()
+
+
 def test_abort_ends_started_requests_and_runs_the_queued_ones_under_b(ckpts):
     a, b, _ = ckpts
     only_b = LLM(b, **OPTIONS).generate([OTHER], GREEDY)[0]
