@@ -130,6 +130,20 @@ def test_the_check_runs_in_the_sandbox(sandbox):
     assert sandbox.run(sandbox.task.check).exit_code == 0
 
 
+def test_hidden_files_only_for_the_check(sandbox, tmp_path):
+    assert sandbox.hidden == [".grader/reference.py"]
+    assert sandbox.read_file(".grader/reference.py") == "error: .grader/reference.py: no such file or directory"
+    sandbox.write_file(".grader/reference.py", "tampered")
+    sandbox.restore_hidden()
+    assert sandbox.read_file(".grader/reference.py") == (sandbox.task.repo / ".grader/reference.py").read_text()
+    (sandbox.root / ".grader/reference.py").unlink()
+    (sandbox.root / ".grader").rmdir()
+    (sandbox.root / ".grader").symlink_to(tmp_path, target_is_directory=True)  # a way out, left by a command
+    sandbox.restore_hidden()
+    assert list(tmp_path.iterdir()) == [] and not (sandbox.root / ".grader").is_symlink()
+    assert (sandbox.root / ".grader/reference.py").is_file()
+
+
 def test_bad_task_specs(tmp_path):
     with pytest.raises(TaskError, match="no task at"):
         load_task(tmp_path / "missing")

@@ -137,6 +137,7 @@ def run_episode(task: Task, episode: int, policy: Policy, pipeline: Pipeline, cf
     with Sandbox(task, cfg.limits, cfg.allow_network) as sandbox:
         _loop(traj, sandbox, policy, pipeline, cfg)
         t_check = time.perf_counter()
+        sandbox.restore_hidden()
         check = sandbox.run(task.check)
         traj.timings["check_s"] = time.perf_counter() - t_check
     traj.check = {"command": task.check, "exit_code": check.exit_code, "timed_out": check.timed_out,

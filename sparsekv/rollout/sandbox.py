@@ -1,4 +1,5 @@
 """The per-episode sandbox: a copy of the task's repository, and the four tools the policy acts through.
+The task's hidden files (grader, reference solution) are left out of the copy until the check runs.
 
 Paths given to `read_file`, `write_file` and `list_dir` are resolved inside the copy: absolute paths,
 `..` that climbs out and symlinks that lead out are refused (`PathRefused`). Commands (`run_command` and
@@ -10,6 +11,7 @@ outside it either; and a PID namespace, so no process a command started outlives
 """
 from __future__ import annotations
 
+import fnmatch
 import functools
 import os
 import resource
@@ -140,6 +142,27 @@ class Sandbox(RepoView):
         super().__init__(Path(self._tmp, "repo"))
         shutil.copytree(task.repo, self.root, symlinks=True)
         Path(self._tmp, "tmp").mkdir()
+        self.hidden = [f for f in RepoView(task.repo).files()
+                       if any(fnmatch.fnmatchcase(f, g) for g in task.hidden)]
+        for f in self.hidden:
+            (self.root / f).unlink()
+
+    def restore_hidden(self) -> None:
+        """Put the task's hidden files (grader, reference) back as shipped, over anything written there, for
+        the check: the policy never sees them, and cannot change them."""
+        for f in self.hidden:
+            here = self.root
+            for part in Path(f).parts[:-1]:  # a symlink or file in the way is removed, never followed
+                here = here / part
+                if here.is_symlink() or (here.exists() and not here.is_dir()):
+                    here.unlink()
+                here.mkdir(exist_ok=True)
+            dest = here / Path(f).name
+            if dest.is_dir() and not dest.is_symlink():
+                shutil.rmtree(dest)
+            elif dest.is_symlink() or dest.exists():
+                dest.unlink()
+            shutil.copy2(self.task.repo / f, dest)
 
     def __enter__(self) -> Sandbox:
         return self
