@@ -222,9 +222,9 @@ def report_passes(result: dict, summary: dict) -> dict:
     for name, kinds in ops["by_kind"].items():
         print(f"{name} ops by kind (the last one counted): "
               + ", ".join(f"{kind} {n}" for kind, n in list(kinds.items())[:12]))
-    print(f"draft/target torch ops: draft step {ops['draft step'] / ops['target']:.2f}, extend "
-          f"{ops['extend'] / ops['target']:.2f}, all drafting per step {drafting / ops['target']:.2f}; "
-          f"speed-up these op counts allow at L = {length:.2f}: {bound:.2f}x")
+    step = f"draft step {ops['draft step'] / ops['target']:.2f}, " if k > 1 else ""
+    print(f"draft/target torch ops: {step}extend {ops['extend'] / ops['target']:.2f}, all drafting per step "
+          f"{drafting / ops['target']:.2f}; speed-up these op counts allow at L = {length:.2f}: {bound:.2f}x")
     return {"ops": ops, "ms": ms, "op_bound_speedup": bound}
 
 
