@@ -11,6 +11,11 @@ from .context import ForwardContext, SeqSlice
 from .scheduler import ScheduledChunk
 
 
+# A chunk of at most this many new tokens (a decode) has its new slots computed in Python and sent with
+# the step's other ints; a longer one (a prefill chunk) takes them from its slot table, as one slice.
+SMALL_CHUNK_TOKENS = 64
+
+
 def clip_runs(runs: list[list[int]], num_positions: int) -> tuple[tuple[int, int, int], ...]:
     """The runs covering positions 0 .. num_positions - 1."""
     out = []
@@ -60,43 +65,65 @@ class ModelRunner:
         return SeqSlice(request_id, token_start, token_end, context_len, slots[:context_len],
                         runs=clip_runs(runs, context_len))
 
+    def new_slots(self, page_ids: list[int], seq: SeqSlice) -> list[int] | torch.Tensor:
+        """The slots of `seq`'s new positions: Python ints for a few, a view of its table for many."""
+        if seq.num_new_tokens > SMALL_CHUNK_TOKENS:
+            return seq.slots[seq.first_new_position:]
+        ps = self.page_size
+        return [page_ids[p // ps] * ps + p % ps for p in range(seq.first_new_position, seq.context_len)]
+
+    def flat_tensors(self, ids: list[int], positions: list[int], slot_parts: list, logits_rows: list[int]):
+        """(input ids, positions, slot mapping, logits rows) as device tensors, the ints in one transfer."""
+        small = [s for part in slot_parts if isinstance(part, list) for s in part]
+        everything = torch.tensor(ids + positions + logits_rows + small, dtype=torch.long, device=self.device)
+        input_ids, pos, rows, small = everything.split([len(ids), len(positions), len(logits_rows), len(small)])
+        if len(small) == len(positions):
+            return input_ids, pos, small, rows
+        pieces, used = [], 0
+        for part in slot_parts:
+            if isinstance(part, list):
+                pieces.append(small[used:used + len(part)])
+                used += len(part)
+            else:
+                pieces.append(part)
+        return input_ids, pos, torch.cat(pieces), rows
+
     def forget(self, request_id: str) -> None:
         self._tables.pop(request_id, None)
         for selector in self.model.selectors():
             selector.forget(request_id)
 
     def build_context(self, chunks: list[ScheduledChunk]) -> ForwardContext:
-        ids, positions, seqs, logits_rows = [], [], [], []
+        ids, positions, seqs, slots, logits_rows = [], [], [], [], []
         row = 0
         for ch in chunks:
             start, end = ch.first_position, ch.context_len
             ids.extend(ch.token_ids)
-            positions.append(torch.arange(start, end))
+            positions.extend(range(start, end))
             seqs.append(self.seq_slice(ch.request_id, ch.page_ids, row, row + ch.num_new_tokens, end))
+            slots.append(self.new_slots(ch.page_ids, seqs[-1]))
             row += ch.num_new_tokens
             if ch.samples_token:  # the last known token's row, then one per draft token
                 logits_rows.extend(range(row - 1 - ch.num_draft_tokens, row))
-        pos = torch.cat(positions).to(self.device)
-        slot_mapping = torch.cat([s.slots[s.first_new_position:] for s in seqs])
-        return ForwardContext(torch.tensor(ids, dtype=torch.long, device=self.device), pos, slot_mapping, seqs,
-                              torch.tensor(logits_rows, dtype=torch.long, device=self.device), self.attention,
+        input_ids, pos, slot_mapping, rows = self.flat_tensors(ids, positions, slots, logits_rows)
+        return ForwardContext(input_ids, pos, slot_mapping, seqs, rows, self.attention,
                               decode_rows=self.decode_rows, batch_dense_decodes=self.batch_dense_decodes)
 
     def build_mtp_context(self, parts: list[tuple[str, list[int], int, list[int]]],
                           logits_rows: list[int]) -> ForwardContext:
         """The MTP layer's pass ("extend") over the positions whose next token became known. parts, one
         per request in batch order: (request id, its pages, first position, the next token of each)."""
-        ids, positions, seqs, row = [], [], [], 0
+        ids, positions, seqs, slots, row = [], [], [], [], 0
         for request_id, page_ids, start, next_tokens in parts:
             end = start + len(next_tokens)
             ids.extend(next_tokens)
             positions.extend(range(start, end))
             seqs.append(self.seq_slice(request_id, page_ids, row, row + len(next_tokens), end))
+            slots.append(self.new_slots(page_ids, seqs[-1]))
             row += len(next_tokens)
-        slot_mapping = torch.cat([s.slots[s.first_new_position:] for s in seqs])
-        return ForwardContext(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                              slot_mapping, seqs, torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-                              self.attention, decode_rows=self.decode_rows, batch_dense_decodes=self.batch_dense_decodes)
+        input_ids, pos, slot_mapping, rows = self.flat_tensors(ids, positions, slots, list(logits_rows))
+        return ForwardContext(input_ids, pos, slot_mapping, seqs, rows, self.attention, decode_rows=self.decode_rows,
+                              batch_dense_decodes=self.batch_dense_decodes)
 
     def build_draft_step_context(self, seqs: list[SeqSlice], step: int, tokens: list[int],
                                  selection: dict) -> ForwardContext:
@@ -115,4 +142,6 @@ class ModelRunner:
         (on the device, for the MTP drafter)."""
         ctx = self.build_context(chunks)
         hidden = self.model.hidden_states(ctx, self.cache)
-        return self.model.logits(hidden[ctx.logits_rows]).cpu(), hidden
+        sampled = hidden if ctx.logits_rows.numel() == hidden.shape[0] else hidden[ctx.logits_rows]  # rows ascend
+        logits = self.model.logits(sampled)
+        return logits if logits.device.type == "cpu" else logits.cpu(), hidden

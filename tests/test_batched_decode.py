@@ -140,6 +140,68 @@ def test_decode_step_ops_do_not_grow_with_the_batch(family, options, glm_ckpt, d
     assert decode_ops(path, 8, batched=False, **options).total > 2 * one  # the counter sees a per-request loop
 
 
+# The bundled model's decode step (tools/bench_batch.py measures the same): at most this many ops at batch 1,
+# and batch 32 at most BUNDLED_RATIO x that, untiered and tiered.
+BUNDLED_STEP_OPS = 500
+BUNDLED_RATIO = 1.25
+
+
+def bundled_decode_ops(batch: int, **options) -> OpCounter:
+    """One decode step of the bundled model with `batch` requests of 1,024 random tokens (past its top-k
+    of 256: the sparse regime; `sparsekv bench batch --sparse-prompt-tokens 1024`), all decoding."""
+    from sparsekv.paths import default_model_path
+    llm = LLM(default_model_path(), max_num_seqs=batch, enable_prefix_caching=False, max_model_len=1040,
+              max_num_batched_tokens=8192, num_kv_pages=batch * 17, **options)
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(1, llm.engine.model_config.vocab_size, (1024,), generator=g).tolist() for _ in range(batch)]
+    fill_decoding(llm.engine, prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    llm.engine.step()  # the first decode step also promotes the prefill's last token
+    return decode_step_ops(llm.engine)
+
+
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True)], ids=["untiered", "tiered"])
+def test_bundled_model_decode_step_ops(options):
+    """Counted, not timed: the bundled model's whole decode step (sparse regime) dispatches at most
+    BUNDLED_STEP_OPS torch ops at batch 1 untiered, and at batch 32 at most BUNDLED_RATIO x its batch 1."""
+    one, many = bundled_decode_ops(1, **options), bundled_decode_ops(32, **options)
+    if not options:
+        assert one.total <= BUNDLED_STEP_OPS, sorted(one.by_kind.items(), key=lambda kv: -kv[1])
+    assert many.total <= BUNDLED_RATIO * one.total, (one.total, many.total)
+
+
+def test_rms_norm_is_the_reference_bitwise():
+    """fp32 RMSNorm in one call computes exactly the reference's ops (fp32 norm, weight multiply)."""
+    from sparsekv.model.layers import rms_norm
+    g = torch.Generator().manual_seed(0)
+    for rows, dim in ((1, 256), (32, 64), (5, 6144)):
+        x, w = torch.randn(rows, dim, generator=g) * 3, torch.rand(dim, generator=g) + 0.5
+        ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+        assert torch.equal(rms_norm(x, w, 1e-5), ref)
+
+
+def test_stacked_experts_equal_one_expert_at_a_time():
+    """The grouped routed sum equals the per-expert loop bit for bit (ascending expert id per token),
+    for no rows, one row and many, with k = 3 of 8 experts; the experts' own weights are views of the stack."""
+    from sparsekv.model.layers import DenseMLP, StackedExperts
+    g = torch.Generator().manual_seed(1)
+    experts = [DenseMLP(*(torch.randn(*shape, generator=g) for shape in ((16, 32), (16, 32), (32, 16))))
+               for _ in range(8)]
+    loose = [(e.gate_up.clone(), e.down.clone()) for e in experts]
+    stacked = StackedExperts.of(experts)
+    assert all(e.gate_up.data_ptr() == stacked.gate_up[i].data_ptr() for i, e in enumerate(experts))
+    for rows in (0, 1, 2, 40):
+        x, weights = torch.randn(rows, 32, generator=g), torch.rand(rows, 3, generator=g)
+        ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(rows)]) if rows else \
+            torch.zeros(0, 3, dtype=torch.long)
+        want = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            token, slot = torch.where(ids == e)
+            gate, up = torch.nn.functional.linear(x[token], loose[e][0]).split(16, dim=-1)
+            y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, loose[e][1])
+            want.index_add_(0, token, y * weights[token, slot, None])
+        assert torch.equal(stacked(x, ids, weights), want), rows
+
+
 def with_mtp_layer(src: str, dst: str) -> str:
     """A copy of a tiny checkpoint with a NextN layer: a copy of layer 1 with layer 0's indexer."""
     import os

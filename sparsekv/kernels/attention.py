@@ -31,6 +31,8 @@ def fill_blocks(num_rows: int, block: int, compute) -> torch.Tensor:
     out = None
     for start in range(0, num_rows, block):
         part = compute(start, min(start + block, num_rows))
+        if start == 0 and part.shape[0] == num_rows and part.is_contiguous():
+            return part  # one block: nothing to assemble (a broadcast view is still copied)
         if out is None:
             out = part.new_empty((num_rows, *part.shape[1:]))
         out[start:start + part.shape[0]] = part
@@ -115,12 +117,13 @@ def causal_mask_scores(scores: torch.Tensor, query_positions: torch.Tensor) -> t
     return scores
 
 
-def latent_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float,
-                     value_dim: int) -> torch.Tensor:
+def latent_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, scale: float,
+                     value_dim: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA (MQA mode) over given latent entries.
 
     q: [S, H, D] (D = kv_lora_rank + rope), keys: [S, K, D] or [K, D] shared by all queries,
-    valid: [S, K] bool. Returns the latent output [S, H, value_dim] (W_UV is applied by the caller).
+    valid: [S, K] bool (or instead `hidden` [S, 1, K], its negation, made once for several layers).
+    Returns the latent output [S, H, value_dim] (W_UV is applied by the caller).
     Softmax in fp32 as the reference; masked entries get finfo.min, never -inf, so no NaN.
     """
     if keys.dim() == 2:
@@ -128,8 +131,10 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
     else:
         scores = torch.einsum("shd,skd->shk", q, keys)
     scores = scores * scale
-    scores = scores.masked_fill(~valid[:, None, :], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    scores = scores.masked_fill(~valid[:, None, :] if hidden is None else hidden, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if probs.dtype != q.dtype:
+        probs = probs.to(q.dtype)
     values = keys[..., :value_dim]
     if keys.dim() == 2:
         return torch.einsum("shk,kc->shc", probs, values)

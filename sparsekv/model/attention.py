@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..context import DecodePicks, ForwardContext, SeqSlice, index_tensor
+from ..context import ForwardContext, SeqSlice, index_tensor
 from ..kernels.attention import fill_blocks, latent_attention, query_block_size
 from .decode_plan import DecodePlan, dense_length, groups_within as _groups_within, plan_of  # noqa: F401
 from .indexer import LightningIndexer
-from .layers import rms_norm, rope_interleaved
+from .layers import rms_norm, rotate
 from .selectors import DSASelector
 
 
@@ -44,26 +44,31 @@ class MLAttention:
         self.w_uk = kv_b[:, :cfg.qk_nope_head_dim]   # [H, nope, C]
         self.w_uv = kv_b[:, cfg.qk_nope_head_dim:]   # [H, v, C]
         self.w_uv_t = self.w_uv.transpose(1, 2).contiguous()  # [H, C, v] for the batched GEMM
+        # W_DQ and W_DKV both read x: one GEMM (q_a and kv_a become views of it)
+        self.w_a = torch.cat([w.q_a, w.kv_a])
+        w.q_a, w.kv_a = self.w_a[:w.q_a.shape[0]], self.w_a[w.q_a.shape[0]:]
         self.scale = cfg.softmax_scale
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
-        cfg, w, n = self.cfg, self.w, x.shape[0]
-        q_resid = rms_norm(F.linear(x, w.q_a), w.q_a_norm, cfg.attention_norm_eps)
-        q = F.linear(q_resid, w.q_b).view(n, cfg.num_attention_heads, cfg.qk_head_dim)
+        cfg, w, n, heads = self.cfg, self.w, x.shape[0], self.cfg.num_attention_heads
+        q_a, c, k_rot = F.linear(x, self.w_a).split([cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+        q_resid = rms_norm(q_a, w.q_a_norm, cfg.attention_norm_eps)
+        q = F.linear(q_resid, w.q_b).view(n, heads, cfg.qk_head_dim)
         q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        c, k_rot = F.linear(x, w.kv_a).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c = rms_norm(c, w.kv_a_norm, cfg.attention_norm_eps)
-        q_rot, k_rot = rope_interleaved(q_rot, ctx.cos, ctx.sin), rope_interleaved(k_rot, ctx.cos, ctx.sin)
+        # the query heads and the shared key rotated together, as H + 1 heads
+        rotated = rotate(torch.cat([q_rot, k_rot.unsqueeze(1)], dim=1), ctx.cos, ctx.sin, interleaved=True)
+        q_rot, k_rot = rotated[:, :heads], rotated[:, heads]
         latent = torch.cat([c, k_rot], dim=-1)
         index_q = None
         if not ctx.draft_step:
             cache.write_latent(self.layer_idx, ctx.slot_mapping, latent)
             if self.selector is not None:
                 index_q = self.selector.prepare(self.layer_idx, ctx, x, q_resid, latent, cache)
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # W_UK absorbed: [N, H, C]
+        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, self.w_uk)  # W_UK absorbed: [N, H, C] (one batched GEMM)
         q_cat = torch.cat([q_lat, q_rot], dim=-1)
         o_lat = self._attention(q_cat, index_q, ctx, cache)
-        out = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # W_UV after attention, all rows
+        out = torch.einsum("nhc,hcv->nhv", o_lat, self.w_uv_t)  # W_UV after attention, all rows
         return F.linear(out.reshape(n, -1), w.o)
 
     def _attention(self, q: torch.Tensor, index_q, ctx: ForwardContext, cache) -> torch.Tensor:
@@ -71,8 +76,10 @@ class MLAttention:
         (decode_plan.py): the decodes in the sparse regime (a request's 1 new token, or 1 + its drafts)
         are selected, gathered and attended as one batch; those in the dense regime as one batch per
         length bucket; prefill chunks one request at a time."""
-        o_lat = q.new_empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank)
         plan = plan_of(ctx, self.cfg)
+        if plan.only_sparse(ctx):  # every row a sparse decode (a plain decode step): no scatter into o_lat
+            return self._sparse_decodes(plan, q, index_q, ctx, cache, ordered=True)
+        o_lat = q.new_empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank)
         for seq in plan.single:
             rows = slice(seq.token_start, seq.token_end)
             iq = None if index_q is None else self.selector.rows(index_q, rows)
@@ -85,13 +92,18 @@ class MLAttention:
 
     def _attend_sparse_decodes(self, plan: DecodePlan, q: torch.Tensor, index_q, ctx: ForwardContext, cache,
                                o_lat: torch.Tensor) -> None:
-        """Every sparse-regime decode row at once: k selected entries each, one gather through a
-        [rows, k] slot table, one attention."""
-        rows = plan.row_index(ctx)
+        o_lat[plan.row_index(ctx)] = self._sparse_decodes(plan, q, index_q, ctx, cache, ordered=False)
+
+    def _sparse_decodes(self, plan: DecodePlan, q: torch.Tensor, index_q, ctx: ForwardContext, cache,
+                        ordered: bool) -> torch.Tensor:
+        """Every sparse-regime decode row at once, in plan order: k selected entries each, one gather
+        through a [rows, k] slot table, one attention. `ordered`: the plan's rows are all of q's, in order.
+        The slot table and the mask are made once per selection (a shared layer reuses both)."""
         selected = self._decode_selection(plan, q, index_q, ctx, cache)               # [rows, k]
-        keys = cache.gather_decode_latents(self.layer_idx, DecodePicks(plan.sparse, selected, *plan.history(ctx)))
-        valid = selected <= plan.positions(ctx)[:, None]
-        o_lat[rows] = latent_attention(q[rows], keys, valid, self.scale, self.cfg.kv_lora_rank)
+        picks, hidden = plan.picks(ctx, selected)
+        keys = cache.gather_decode_latents(self.layer_idx, picks)
+        q_rows = q if ordered else q[plan.row_index(ctx)]
+        return latent_attention(q_rows, keys, None, self.scale, self.cfg.kv_lora_rank, hidden=hidden)
 
     def _decode_selection(self, plan: DecodePlan, q: torch.Tensor, index_q, ctx: ForwardContext, cache) -> torch.Tensor:
         """The sparse decodes' selections [rows, k]: a full layer's own (also kept per request in

@@ -19,7 +19,7 @@ from itertools import accumulate
 
 import torch
 
-from ..context import ForwardContext, SeqSlice, index_tensor
+from ..context import DecodePicks, ForwardContext, SeqSlice, index_tensor
 from .indexer import INDEX_DECODE_BATCH_ELEMENTS_CPU, INDEX_SCORE_ELEMENTS_GPU, keys_major
 
 # A group of decodes scored together pads each history to the group's longest: at most this factor
@@ -84,6 +84,19 @@ class DecodePlan:
             self._tensors["positions"] = ctx.positions[self.row_index(ctx)]
         return self._tensors["positions"]
 
+    def only_sparse(self, ctx: ForwardContext) -> bool:
+        """Every row of the step is a sparse decode's, in flat-batch order (a plain decode step)."""
+        return not self.single and not self.dense and self.rows == list(range(ctx.num_tokens))
+
+    def picks(self, ctx: ForwardContext, selected: torch.Tensor) -> tuple[DecodePicks, torch.Tensor]:
+        """The rows' slot table for `selected` [rows, k] and its mask of the picks past each row's position
+        [rows, 1, k], made once per selection: the shared layers after a full layer reuse both."""
+        made = self._tensors.get("picks")
+        if made is None or made[0] is not selected:
+            hidden = (selected > self.positions(ctx)[:, None]).unsqueeze(1)
+            made = self._tensors["picks"] = (selected, _SlotTable(self.sparse, selected, *self.history(ctx)), hidden)
+        return made[1], made[2]
+
     def history(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(every sparse decode's slots back to back, [rows] where each row's request starts in them)."""
         if "history" not in self._tensors:
@@ -92,6 +105,17 @@ class DecodePlan:
             flat = torch.cat([s.slots for s in self.sparse])
             self._tensors["history"] = (flat, index_tensor(row_start, flat.device))
         return self._tensors["history"]
+
+
+class _SlotTable(DecodePicks):
+    """DecodePicks whose [rows, k] slot table is made at the first read and kept."""
+
+    _slots: torch.Tensor | None = None
+
+    def slots(self) -> torch.Tensor:
+        if self._slots is None:
+            self._slots = super().slots()
+        return self._slots
 
 
 def make_plan(ctx: ForwardContext, cfg) -> DecodePlan:

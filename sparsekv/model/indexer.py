@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..kernels.attention import causal_mask_scores, fill_blocks, query_block_size, select_topk
-from .layers import layer_norm, rope_half_split, rope_interleaved
+from .layers import layer_norm, rotate
 
 # On a CPU, queries are scored a block at a time against key tiles: the [block x H, tile] GEMM output
 # (INDEX_TILE_ELEMENTS_CPU, 2 MB) stays in cache, and the block is as large as the [block, T] score rows
@@ -131,20 +131,18 @@ class LightningIndexer:
         self.cfg, self.w, self.policy = cfg, w, policy
         self.scratch = ScoreScratch() if scratch is None else scratch
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.rope = rope_interleaved if cfg.indexer_rope_interleave else rope_half_split
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.cfg.qk_rope_head_dim
-        return torch.cat([self.rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
-
-    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def keys_and_queries(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(keys [N, D_I] to cache, (queries [N, H_I, D_I] fp32, head weights [N, H_I] fp32)) of the new
+        rows; cos/sin: `RotaryTable.cos_sin`. The key is rotated with the queries, as head H_I."""
         k = layer_norm(F.linear(x, self.w.wk), self.w.k_norm_weight, self.w.k_norm_bias, 1e-6)
-        return self._rotate(k, cos, sin)
-
-    def queries(self, q_resid: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         q = F.linear(q_resid, self.w.wq_b).view(x.shape[0], self.n_heads, self.head_dim)
-        weights = F.linear(x.float(), self.w.weights_proj).float() * self.n_heads ** -0.5
-        return self._rotate(q, cos, sin).float(), weights
+        weights = F.linear(x if x.dtype == torch.float32 else x.float(), self.w.weights_proj)
+        both, r = torch.cat([q, k.unsqueeze(1)], dim=1), self.cfg.qk_rope_head_dim
+        rope = rotate(both[..., :r], cos, sin, self.cfg.indexer_rope_interleave)
+        both = torch.cat([rope, both[..., r:]], dim=-1)
+        q = both[:, :self.n_heads]
+        return both[:, self.n_heads], (q if q.dtype == torch.float32 else q.float(), weights * self.n_heads ** -0.5)
 
     def scores(self, q: torch.Tensor, weights: torch.Tensor, segments, total: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,7 +183,7 @@ class LightningIndexer:
 
     @staticmethod
     def _score_tile(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, major: bool) -> torch.Tensor:
-        keys = keys.float()
+        keys = keys if keys.dtype == torch.float32 else keys.float()
         if major:  # a decode row over a long history
             return torch.mm(decode_head_scores(keys, q[0].t()), w[0][:, None]).t()
         if q.shape[0] == 1:  # a decode row over a short history: [H, D] x [D, T]

@@ -14,6 +14,10 @@ from ..config import ModelConfig, yarn_mscale
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # no casts to make: torch's rms_norm runs the same ops in one call (bitwise equal on a CPU:
+        # tests/test_batched_decode.py)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -67,9 +71,25 @@ class RotaryTable:
         self.dtype = dtype
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scale).to(self.dtype), (emb.sin() * self.scale).to(self.dtype)
+        """cos and sin [N, 1, R/2] of each position, for `rotate` (a full [N, R] table's two halves are
+        equal; the middle dim broadcasts over heads)."""
+        freqs = positions.view(-1, 1, 1).float() * self.inv_freq
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        if cos.dtype != self.dtype:
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        return cos, sin
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE of x [N, M, R] by a step's cos/sin [N, 1, R/2] (`RotaryTable.cos_sin`): the pairs (2i, 2i+1)
+    de-interleaved into [evens' | odds'] (`rope_interleaved`) or the pairs (i, i + R/2)
+    (`rope_half_split`); bitwise what those compute from full tables."""
+    if cos.dim() == 2:  # [N, R/2]: a table viewed without its heads' dim
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -111,19 +131,90 @@ def route_experts(cfg: ModelConfig, x: torch.Tensor, router: torch.Tensor, bias:
     """(expert ids [N, k], weights [N, k] fp32) exactly as the reference router: sigmoid scores in
     fp32; the correction bias only chooses experts; group-limited top-k; normalise, then scale.
     Shared by the engine and the training model (weights stay differentiable there)."""
-    scores = F.linear(x.float(), router.float()).sigmoid()
-    choice = (scores + bias).detach()
+    fp32 = lambda t: t if t.dtype == torch.float32 else t.float()  # noqa: E731 (no cast op when already fp32)
+    scores = F.linear(fp32(x), fp32(router)).sigmoid()
+    choice = scores + bias
+    if choice.requires_grad:
+        choice = choice.detach()
+    if cfg.topk_group < cfg.n_group:  # otherwise every group is kept: the mask would change nothing
+        choice = _best_groups_only(cfg, choice)
+    ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights if cfg.routed_scaling_factor == 1 else weights * cfg.routed_scaling_factor
+
+
+def _best_groups_only(cfg: ModelConfig, choice: torch.Tensor) -> torch.Tensor:
+    """`choice` with the experts outside each token's topk_group best groups at -inf (a group's score:
+    its two best experts' sum)."""
     n, per_group = choice.shape[0], cfg.n_routed_experts // cfg.n_group
     group_scores = choice.view(n, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(-1)
     group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
     expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(n, -1)
-    choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
-    ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return ids, weights * cfg.routed_scaling_factor
+    return choice.masked_fill(~expert_mask.bool(), float("-inf"))
+
+
+class StackedExperts:
+    """Every routed expert's weights stacked ([E, 2I, D] gate/up, [E, D, I] down; the experts' own
+    DenseMLPs hold views of them): the routed sum of all rows in a fixed number of ops, whatever the
+    number of rows or of experts they reach.
+
+    The rows are sorted by expert (ascending id, tokens in order within one), each expert's rows go
+    through its weights in one grouped GEMM (the same products as one F.linear per expert), and each
+    token's terms are added in ascending expert id, as the reference's per-expert loop adds them."""
+
+    def __init__(self, experts: list[DenseMLP]):
+        self.gate_up = torch.stack([e.gate_up for e in experts])
+        self.down = torch.stack([e.down for e in experts])
+        for e, gate_up, down in zip(experts, self.gate_up, self.down):
+            e.gate_up, e.down = gate_up, down
+        self.intermediate = experts[0].intermediate
+        self.gate_up_t, self.down_t = self.gate_up.transpose(1, 2), self.down.transpose(1, 2)  # [E, in, out] views
+
+    @staticmethod
+    def of(experts: list) -> StackedExperts | None:
+        """Stacked experts, or None where some are another rank's or the device has no grouped GEMM."""
+        if not experts or any(e is None for e in experts) or not _grouped_mm_runs(experts[0].down):
+            return None
+        return StackedExperts(experts)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k = ids.shape[1]
+        ids, order = ids.sort(dim=-1)                  # each token's experts ascending: the order of its sum
+        weights = weights.gather(1, order)
+        flat = ids.view(-1)
+        by_expert = flat.argsort(stable=True)          # (token, slot) entries grouped by expert
+        ends = flat.bincount(minlength=self.gate_up.shape[0]).cumsum(0, dtype=torch.int32)
+        rows = x.index_select(0, by_expert // k)
+        gate, up = torch._grouped_mm(rows, self.gate_up_t, offs=ends).split(self.intermediate, -1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.down_t, offs=ends)
+        terms = y.new_empty(y.shape).index_copy_(0, by_expert, y).view(-1, k, y.shape[-1]) * weights.unsqueeze(-1)
+        if terms.dtype != x.dtype:
+            terms = terms.to(x.dtype)
+        terms = terms.unbind(1)
+        out = terms[0]
+        for term in terms[1:]:
+            out = out + term
+        return out
+
+
+_GROUPED_MM: dict[tuple, bool] = {}
+
+
+def _grouped_mm_runs(like: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM runs for this device and dtype (not every accelerator takes fp32)."""
+    key = (like.device.type, like.dtype)
+    if key not in _GROUPED_MM:
+        a = torch.zeros(2, 16, dtype=like.dtype, device=like.device)
+        try:
+            torch._grouped_mm(a, torch.zeros(2, 16, 16, dtype=like.dtype, device=like.device).transpose(1, 2),
+                              offs=torch.tensor([1, 2], dtype=torch.int32, device=like.device))
+            _GROUPED_MM[key] = True
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_MM[key] = False
+    return _GROUPED_MM[key]
 
 
 class MoE:
@@ -136,6 +227,8 @@ class MoE:
                  experts: list[DenseMLP], shared: DenseMLP):
         self.cfg, self.router, self.bias = cfg, router.float(), bias.float()
         self.experts, self.shared = experts, shared
+        # every expert here: one grouped pass for all rows (else, expert parallelism: one expert at a time)
+        self.stacked = StackedExperts.of(experts)
 
     record = None  # a callable given each call's expert ids [rows, k] (the engine's return_routed_experts)
 
@@ -151,6 +244,8 @@ class MoE:
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum (this rank's experts only: a None expert is another's)."""
         ids, weights = self.route(x)
+        if self.stacked is not None:
+            return self.stacked(x, ids, weights)
         out = torch.zeros_like(x)
         if x.shape[0] == 1:  # decode: no scatter needed
             for e, w in sorted(zip(ids[0].tolist(), weights[0])):

@@ -80,8 +80,9 @@ class DSASelector(TokenSelector):
         return self.batch_decode
 
     def prepare(self, layer, ctx, x, q_resid, latent, cache):
-        cache.write_index_keys(layer, ctx.slot_mapping, self.indexer.keys(x, ctx.cos, ctx.sin))
-        return self.indexer.queries(q_resid, x, ctx.cos, ctx.sin)
+        keys, queries = self.indexer.keys_and_queries(x, q_resid, ctx.cos, ctx.sin)
+        cache.write_index_keys(layer, ctx.slot_mapping, keys)
+        return queries
 
     def rows(self, state, rows):
         return state[0][rows], state[1][rows]

@@ -181,9 +181,20 @@ def report_sparse(sparse: dict, console) -> dict:
                for c in CACHES for n in (1, b))
     console.print(f"greedy tokens identical (batched / one request at a time): {same}")
     kinds = sorted(sparse["untiered/batched"][1]["by_kind"].items(), key=lambda kv: -kv[1])
-    console.print("ops of one batch-1 decode step by kind (untiered, batched): "
-                  + ", ".join(f"{k} {n}" for k, n in kinds))
+    console.print(ops_by_kind_table(kinds, "ops of one batch-1 decode step by kind (untiered, batched)"))
     return {"paths": summary, "identical_tokens": same, "ops_by_kind_batch_1": dict(kinds)}
+
+
+def ops_by_kind_table(kinds: list[tuple[str, int]], title: str, rows: int = 16) -> Table:
+    """The `rows` most frequent op kinds with their count and share, then the rest together."""
+    total = sum(n for _, n in kinds)
+    table = Table(title=f"{title}: {total:,} ops")
+    for col in ("op kind", "ops", "share"):
+        table.add_column(col)
+    rest = kinds[rows:]
+    for kind, n in kinds[:rows] + ([(f"{len(rest)} other kinds", sum(n for _, n in rest))] if rest else []):
+        table.add_row(kind, f"{n:,}", f"{100 * n / total:.1f}%")
+    return table
 
 
 def build_parser() -> argparse.ArgumentParser:
