@@ -1,7 +1,8 @@
 """A scripted OpenAI-compatible endpoint for the rollout tests: a FastAPI app run by uvicorn in a thread.
 
 Chat requests with a `response_format` go to the judge function; the others take the next scripted policy
-turn (a list of (tool, arguments) calls, or a string: the final answer without calls). Every request body is
+turn (a list of (tool, arguments) calls, a string: the final answer without calls, or an int: an HTTP
+error status). Every request body is
 kept in `requests`, so a test sees what the policy and the judge were sent."""
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class FakeOpenAI:
         if body.get("response_format") is not None:
             return _completion(json.dumps(self.judge(body)), [], body)
         turn = self.script.pop(0) if self.script else "done"
+        if isinstance(turn, int):  # an HTTP error status
+            from fastapi.responses import JSONResponse
+            return JSONResponse({"error": {"message": "scripted failure", "type": "invalid_request_error"}}, turn)
         if isinstance(turn, str):
             return _completion(turn, [], body)
         calls = [{"id": f"call_{len(self.requests)}_{i}", "type": "function",

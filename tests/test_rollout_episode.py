@@ -10,7 +10,7 @@ import pytest
 from rollout_fake import ROUTED, FakeOpenAI
 
 from sparsekv.rollout.cli import rollout_main
-from sparsekv.rollout.episode import COMPACTED, EpisodeConfig, Policy, run_episode
+from sparsekv.rollout.episode import COMPACTED, TOOLS, ContextMeter, EpisodeConfig, Policy, run_episode
 from sparsekv.rollout.intercept import Pipeline
 from sparsekv.rollout.judge import Judge
 from sparsekv.rollout.rules import load_rules
@@ -140,6 +140,24 @@ def test_compaction():
     with FakeOpenAI(["never asked"]) as fake:
         tight = episode(fake, "fizzbuzz", judge=False, cfg=EpisodeConfig(max_context=200, max_tokens=100))
     assert tight["finish"] == "context" and tight["turns"] == [] and fake.policy_requests() == []
+
+
+def test_a_policy_error_ends_the_episode_which_is_still_checked():
+    with FakeOpenAI([[("write_file", {"path": "fizzbuzz.py", "content": SOLUTION})], 400]) as fake:
+        traj = episode(fake, "fizzbuzz", judge=False)
+    assert traj["finish"] == "error" and "scripted failure" in traj["error"] and len(traj["turns"]) == 1
+    assert traj["reward"] == 1.0
+
+
+def test_the_context_meter_counts_from_the_servers_usage():
+    meter, ctx = ContextMeter(3.0), [{"role": "user", "content": "x" * 297}]
+    assert meter.tokens(ctx) == int((len(json.dumps(TOOLS)) + len(json.dumps(ctx))) / 3.0) + 1  # tools included
+    meter.measured(ctx, {"prompt_tokens": 500, "completion_tokens": 20})
+    assert meter.tokens(ctx) == 521
+    ctx.append({"role": "tool", "content": "y" * 300})
+    assert meter.tokens(ctx) == 521 + int(len(json.dumps(ctx[-1:])) / 3.0)
+    meter.measured(ctx, None)  # a server without usage: the estimate goes on from the last count
+    assert meter.tokens(ctx) == 521 + int(len(json.dumps(ctx[-1:])) / 3.0)
 
 
 def test_rollout_command_and_summary(tmp_path, capsys):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import time
+
+import openai
 from dataclasses import dataclass, field
 
 from .intercept import Pipeline, ToolResult, execute
@@ -44,7 +46,7 @@ class EpisodeConfig:
     max_turns: int = 16
     max_context: int = 32768       # tokens the policy's context may hold, its reply included
     max_tokens: int = 1024         # per policy turn
-    chars_per_token: float = 3.0   # the context estimate: characters of the messages' JSON per token
+    chars_per_token: float = 3.0   # the context estimate between the server's counts (ContextMeter)
     compact_keep_chars: int = 400  # of a compacted tool output: head and tail, this many characters each
     limits: Limits = Limits()
     allow_network: bool = False
@@ -67,8 +69,7 @@ class Policy:
 
     def __init__(self, url: str, model: str, api_key: str = "EMPTY", temperature: float = 1.0,
                  seed: int | None = None, routed_experts: bool = False, timeout_s: float = 600.0):
-        from openai import OpenAI
-        self.client = OpenAI(base_url=url, api_key=api_key, timeout=timeout_s, max_retries=1)
+        self.client = openai.OpenAI(base_url=url, api_key=api_key, timeout=timeout_s, max_retries=1)
         self.model, self.temperature, self.seed, self.routed_experts = model, temperature, seed, routed_experts
 
     def turn(self, messages: list[dict], max_tokens: int) -> PolicyTurn:
@@ -123,6 +124,7 @@ class Trajectory:
     interceptions: list[dict] = field(default_factory=list)
     compactions: list[dict] = field(default_factory=list)
     finish: str = "max_turns"
+    error: str | None = None
     check: dict | None = None
     reward: float = 0.0
     timings: dict = field(default_factory=lambda: {"policy_s": 0.0, "screen_s": 0.0, "tools_s": 0.0})
@@ -150,11 +152,16 @@ def run_episode(task: Task, episode: int, policy: Policy, pipeline: Pipeline, cf
 def _loop(traj: Trajectory, sandbox: Sandbox, policy: Policy, pipeline: Pipeline, cfg: EpisodeConfig) -> None:
     context = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": sandbox.task.instruction}]
     traj.messages = [dict(m) for m in context]
+    meter = ContextMeter(cfg.chars_per_token)
     for turn in range(cfg.max_turns):
-        if not compact(context, turn, cfg, traj.compactions):
+        if not compact(context, turn, cfg, meter, traj.compactions):
             traj.finish = "context"
             return
-        pt = policy.turn(context, cfg.max_tokens)
+        try:
+            pt = policy.turn(context, cfg.max_tokens)
+        except openai.APIError as e:  # the episode ends; the check still gives its reward
+            traj.finish, traj.error = "error", f"policy: {type(e).__name__}: {e}"
+            return
         traj.timings["policy_s"] += pt.latency_s
         traj.turns.append({"turn": turn, "message_index": len(context), "logprobs": pt.logprobs,
                            "token_ids": pt.token_ids, "weights_version": pt.weights_version,
@@ -162,6 +169,7 @@ def _loop(traj: Trajectory, sandbox: Sandbox, policy: Policy, pipeline: Pipeline
                            "usage": pt.usage, "latency_s": pt.latency_s})
         context.append(pt.message)
         traj.messages.append(pt.message)
+        meter.measured(context, pt.usage)
         if not pt.message.get("tool_calls"):
             traj.finish = "stop"
             return
@@ -199,16 +207,31 @@ def _act(call: dict, turn: int, traj: Trajectory, sandbox: Sandbox, pipeline: Pi
     return result.output
 
 
-def context_tokens(messages: list[dict], cfg: EpisodeConfig) -> int:
-    """The context's size in tokens, estimated from its JSON's length."""
-    return int(len(json.dumps(messages)) / cfg.chars_per_token) + 1
+class ContextMeter:
+    """The context's size in tokens: the server's count for the last turn (its usage: prompt and reply),
+    plus the characters of JSON added or removed since at `chars_per_token`. Before any usage: the
+    messages' and the tools' JSON at that rate."""
+
+    def __init__(self, chars_per_token: float):
+        self.chars_per_token = chars_per_token
+        self.base_tokens, self.base_chars = len(json.dumps(TOOLS)) / chars_per_token, 0
+
+    def tokens(self, context: list[dict]) -> int:
+        return int(self.base_tokens + (len(json.dumps(context)) - self.base_chars) / self.chars_per_token) + 1
+
+    def measured(self, context: list[dict], usage: dict | None) -> None:
+        """`context` (the reply included) holds `usage`'s prompt and completion tokens."""
+        if usage and usage.get("prompt_tokens"):
+            self.base_tokens = usage["prompt_tokens"] + (usage.get("completion_tokens") or 0)
+            self.base_chars = len(json.dumps(context))
 
 
-def compact(context: list[dict], turn: int, cfg: EpisodeConfig, log: list[dict]) -> bool:
+def compact(context: list[dict], turn: int, cfg: EpisodeConfig, meter: ContextMeter, log: list[dict]) -> bool:
     """Shrink the oldest tool outputs to their head and tail until the context and a reply fit in
     `max_context`; False if they still do not. Each compaction is appended to `log`."""
+    fits = lambda: meter.tokens(context) + cfg.max_tokens <= cfg.max_context
     for i, msg in enumerate(context):
-        if context_tokens(context, cfg) + cfg.max_tokens <= cfg.max_context:
+        if fits():
             return True
         keep = cfg.compact_keep_chars
         if msg["role"] != "tool" or COMPACTED in msg["content"] or len(msg["content"]) <= 2 * keep + 80:
@@ -218,4 +241,4 @@ def compact(context: list[dict], turn: int, cfg: EpisodeConfig, log: list[dict])
         context[i] = {**msg, "content": short}
         log.append({"turn": turn, "message_index": i, "tool_call_id": msg.get("tool_call_id"),
                     "chars_before": len(text), "chars_after": len(short), "content": short})
-    return context_tokens(context, cfg) + cfg.max_tokens <= cfg.max_context
+    return fits()
