@@ -189,9 +189,9 @@ def _run_all(jobs, policies, pipeline, cfg, output: str, concurrency: int) -> in
             task, i = futures[fut]
             try:
                 traj = fut.result()
-            except Exception as e:  # noqa: BLE001 - one failed episode (policy endpoint error) is reported, not fatal
+            except Exception as e:  # noqa: BLE001 - one failed episode is reported, not fatal
                 traj = {"task": task.name, "episode": i, "finish": "error", "error": f"{type(e).__name__}: {e}"}
-                failures += 1
+            failures += traj.get("finish") == "error"
             out.write(json.dumps(traj) + "\n")
             out.flush()
             progress.done(traj)
