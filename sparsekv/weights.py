@@ -159,13 +159,12 @@ def _check_headers(path: str, files: dict[str, str], want: dict[str, tuple]) -> 
 
 
 class WeightSource:
-    """Where one rank's weights came from: the checkpoint directory it loaded (and its identity then),
+    """Where one rank's weights came from: the checkpoint directory it loaded (and its files then),
     and the tensors in-process updates gave since (this rank's slices, on the host)."""
 
     def __init__(self, path: str, overrides: dict | None, dtype: torch.dtype, layout=None):
-        from .cache.prefix_disk import checkpoint_identity
         self.path, self.overrides, self.dtype, self.layout = path, overrides, dtype, layout
-        self.identity = checkpoint_identity(path)
+        self.identity = files_stamp(path)
         self.overlay: dict[str, torch.Tensor] = {}
 
     def apply(self, model, update: TensorUpdate | DiskUpdate) -> None:
@@ -173,8 +172,7 @@ class WeightSource:
         tensors, overlay = self._tensors(model, update)
         copy_weights(model, self._build(model, tensors))
         if isinstance(update, DiskUpdate):
-            from .cache.prefix_disk import checkpoint_identity
-            self.path, self.identity = update.path, checkpoint_identity(update.path)
+            self.path, self.identity = update.path, files_stamp(update.path)
         self.overlay = overlay
 
     def _tensors(self, model, update) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -205,8 +203,7 @@ class WeightSource:
         refused if that directory changed since it was loaded."""
         if isinstance(update, DiskUpdate) or not set(model_weight_shapes(model)) - set(self.overlay) - set(update.tensors):
             return
-        from .cache.prefix_disk import checkpoint_identity
-        if checkpoint_identity(self.path) != self.identity:
+        if files_stamp(self.path) != self.identity:
             raise WeightUpdateError(f"{self.path}: the checkpoint this engine loaded changed on disk since, so the "
                                     f"tensors this update leaves out cannot be read back; give every tensor, "
                                     f"or update from disk")
@@ -214,6 +211,15 @@ class WeightSource:
     def _build(self, model, tensors: dict[str, torch.Tensor]):
         from .model.model import DSAModel
         return DSAModel(model.cfg, tensors, self.dtype, torch.device("cpu"), model.comm)
+
+
+def files_stamp(path: str) -> list:
+    """What tells whether a checkpoint directory changed since: name, size, inode and modification
+    time of config.json and of each safetensors file (stat calls only, no reads)."""
+    import os
+    names = sorted(n for n in os.listdir(path) if n == "config.json" or n.endswith((".safetensors", ".json")))
+    stats = [(n, os.stat(os.path.join(path, n))) for n in names]
+    return [(n, st.st_size, st.st_ino, st.st_mtime_ns) for n, st in stats]
 
 
 def copy_weights(model, fresh) -> int:

@@ -361,3 +361,23 @@ def test_copy_weights_allows_a_missing_part_only_when_it_holds_views():
     with pytest.raises(WeightUpdateError, match="stale"):
         copy_weights(own, _Part(experts=[_Part(w=torch.ones(4))], stacked=None))
     assert own.experts[0].w.tolist() == [0.0] * 4  # refused before anything was copied
+
+
+def test_a_partial_update_is_refused_once_the_loaded_checkpoint_changed_on_disk(ckpts, tmp_path):
+    """The tensors a partial update leaves out are read back from the loaded checkpoint: if a trainer
+    wrote other weights there since, they would be the wrong ones, so the update is refused. The
+    running weights stay A's meanwhile (they are no view of the file's pages)."""
+    import shutil
+    a, b, _ = ckpts
+    path = shutil.copytree(a, tmp_path / "ckpt")
+    llm = LLM(str(path), **OPTIONS)
+    want = llm.generate([PROMPT], GREEDY)[0]
+    shutil.copyfile(f"{b}/model.safetensors", path / "model.safetensors")  # B written over A
+    norm = ("model.norm.weight", _tensors(b)["model.norm.weight"])
+    with pytest.raises(WeightUpdateError, match="changed on disk"):
+        llm.update_weights([norm])
+    _same(llm.generate([PROMPT], GREEDY)[0], want)
+    llm.update_weights(_tensors(b).items())  # every tensor: nothing to read back
+    llm.update_weights_from_disk(str(path))  # the directory as it is now
+    llm.update_weights([norm])
+    assert llm.weights_version == 3

@@ -201,7 +201,11 @@ def load_tensors(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.
     for name, shape in want.items():
         if (layout is not None and not layout.holds(name, cfg)) or (only is not None and name not in only):
             continue
-        out[name] = as_stored(name, _load_one(files, name, shape, handles, path, layout), dtype, device)
+        read = _load_one(files, name, shape, handles, path, layout)
+        t = as_stored(name, read, dtype, device)
+        # NOTE: a tensor read whole on the host may be the file's mapped pages: a trainer writing a new
+        # checkpoint over this one would change the weights being served, so keep a copy instead
+        out[name] = t.clone() if t.untyped_storage().data_ptr() == read.untyped_storage().data_ptr() else t
     return out
 
 
