@@ -135,3 +135,30 @@ def test_a_request_in_flight_during_an_update_never_mixes_weights(ckpts, policy)
             assert choice["finish_reason"] == "abort" and 0 < len(ext["token_ids"]) < 12
             assert ext["token_ids"] == want_a[:len(ext["token_ids"])]
         assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(b).token_ids
+
+
+def test_a_stream_carries_the_version_and_routed_experts_in_its_final_chunk(server):
+    import json
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+                      json={**BODY, "stream": True, "return_routed_experts": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    final = [c for c in chunks if "sparsekv" in c]
+    assert len(final) == 1 and len(final[0]["sparsekv"]["routed_experts"]) == 6
+    assert final[0]["sparsekv"]["weights_version"] in (0, 1)
+
+
+def test_admin_keys_from_flags_files_and_the_environment(tmp_path):
+    import os
+
+    from sparsekv.server.auth import ADMIN_API_KEY_ENV, load_admin_keys, tenant_for
+    path = tmp_path / "admin.key"
+    path.write_text("# trainer\nsk-one\nsk-two\n")
+    os.chmod(path, 0o600)
+    keys = load_admin_keys(["sk-flag"], [str(path)], {ADMIN_API_KEY_ENV: "sk-env"})
+    assert all(tenant_for(keys, f"Bearer {k}") == "admin" for k in ("sk-flag", "sk-one", "sk-two", "sk-env"))
+    assert tenant_for(keys, "Bearer sk-other") is None
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        load_admin_keys([], [str(path)], {})
+    with pytest.raises(ValueError, match="must not be empty"):
+        load_admin_keys([""], [], {})
