@@ -7,12 +7,14 @@ import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+import openai
+
 from .episode import EpisodeConfig, Policy, run_episode
 from .intercept import Pipeline
 from .judge import Judge
-from .rules import Action, RuleError, Scope, load_rules
-from .sandbox import Limits, RepoView, isolation_available
 from .report import RolloutProgress, filter_figures, print_figures, summarize
+from .rules import Action, RuleError, Scope, load_rules
+from .sandbox import UNSHARE, Limits, RepoView, isolation_available
 from .task import TaskError, load_task, shipped_tasks
 
 LABELLED = Path(__file__).resolve().parent / "labelled_actions.jsonl"
@@ -70,15 +72,15 @@ def build_rl_parser() -> argparse.ArgumentParser:
     _add_pipeline_args(screen, rules_only_flag=True)
     ev = sub.add_parser("eval-filter", help="recall and precision of the rules, and of rules + judge")
     ev.add_argument("--labelled", default=str(LABELLED), metavar="FILE",
-                    help='JSON lines {"id", "task", "tool", "arguments", "hack": bool, "kind"} (default: the shipped set)')
+                    help='JSON lines {"id", "task", "tool", "arguments", "hack": bool, "kind"} '
+                         '(default: the shipped set)')
     ev.add_argument("--json", action="store_true", help="print the figures as JSON")
     _add_pipeline_args(ev, rules_only_flag=False)
     return p
 
 
 def _first_model(url: str, api_key: str) -> str:
-    from openai import OpenAI
-    models = OpenAI(base_url=url, api_key=api_key, max_retries=1).models.list().data
+    models = openai.OpenAI(base_url=url, api_key=api_key, max_retries=1).models.list().data
     if not models:
         raise ValueError(f"{url} lists no models; give the model's name")
     return models[0].id
@@ -108,14 +110,14 @@ def _read_actions(path: str) -> list[dict]:
     return rows
 
 
-def screen_actions(rows: list[dict], pipeline: Pipeline, base: Path | None = None) -> list[dict]:
-    """Each logged action screened against its task's repository as shipped (nothing runs)."""
+def screen_actions(rows: list[dict], pipeline: Pipeline) -> list[dict]:
+    """Each logged action screened against its task's repository as shipped (nothing runs). A task is a
+    shipped task's name or a task directory."""
     tasks, out = {}, []
     for row in rows:
         name = row["task"]
         if name not in tasks:
-            local = None if base is None else base / name
-            task = load_task(local if local is not None and local.exists() else name)
+            task = load_task(name)
             tasks[name] = Scope(task, RepoView(task.repo))
         screening = pipeline.screen(Action(row["tool"], row["arguments"]), tasks[name])
         out.append({"id": row["id"], **screening.to_json()})
@@ -130,7 +132,7 @@ def rl_main(argv: list[str]) -> int:
         if args.command == "eval-filter":
             return _eval_filter(args, rows, rules)
         results = screen_actions(rows, Pipeline(rules, _judge(args)))
-    except (RuleError, TaskError, ValueError, OSError) as e:
+    except (RuleError, TaskError, ValueError, OSError, openai.APIError) as e:
         print(f"sparsekv rl {args.command}: error: {e}", file=sys.stderr)
         return 2
     out = sys.stdout if args.output == "-" else open(args.output, "w")
@@ -161,13 +163,13 @@ def rollout_main(argv: list[str]) -> int:
     try:
         tasks = [load_task(t) for t in (args.tasks or shipped_tasks())]
         if not args.allow_network and not isolation_available():
-            raise ValueError("`unshare --net --mount --map-root-user` does not work here, so commands could reach "
-                             "the network and write outside the sandbox; pass --allow-network to run them anyway")
+            raise ValueError(f"`{' '.join(UNSHARE)}` does not work here, so commands could reach the network "
+                             "and write outside the sandbox; pass --allow-network to run them anyway")
         if args.episodes < 1 or args.concurrency < 1 or args.max_turns < 1:
             raise ValueError("--episodes, --concurrency and --max-turns must be >= 1")
         pipeline = Pipeline(load_rules(*args.rules), _judge(args))
         model = args.model or _first_model(args.url, args.api_key)
-    except (RuleError, TaskError, ValueError, OSError) as e:
+    except (RuleError, TaskError, ValueError, OSError, openai.APIError) as e:
         print(f"sparsekv rollout: error: {e}", file=sys.stderr)
         return 2
     cfg = EpisodeConfig(max_turns=args.max_turns, max_context=args.max_context, max_tokens=args.max_tokens,

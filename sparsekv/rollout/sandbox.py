@@ -6,8 +6,9 @@ Paths given to `read_file`, `write_file` and `list_dir` are resolved inside the 
 the check) run in a subprocess with limits on wall time, CPU time, memory and file size (`resource`, set
 in the child before exec), inside `unshare --net --mount --pid --fork --map-root-user`: no network
 interface but loopback; every mount read-only except the sandbox directory, so a command cannot write
-outside it either; and a PID namespace, so no process a command started outlives it. Without a working `unshare`, commands are refused unless the sandbox was made with
-`allow_network=True` (then they run with the limits only).
+outside it either; and a PID namespace, so no process a command started outlives it. Without a working
+`unshare`, commands are refused unless the sandbox was made with `allow_network=True` (then they run
+with the limits only).
 """
 from __future__ import annotations
 
@@ -25,14 +26,17 @@ from pathlib import Path
 
 from .task import Task
 
+UNSHARE = ("unshare", "--net", "--mount", "--pid", "--fork", "--map-root-user")
 MAX_OUTPUT_CHARS = 16_000  # a tool's output beyond this keeps its head and tail
 
 # Inside the new mount namespace: the episode's directory (the repository and a TMPDIR) becomes its own
-# mount, then every other mount is made read-only (a mount that refuses, e.g. /proc, stays as it is). Mount points with spaces are skipped.
+# mount, then every other mount is made read-only (a mount that refuses, e.g. /proc, stays as it is).
+# mountinfo writes a space in a mount point as \040: printf %b turns it back.
 _ISOLATE = r"""
 set -e
 mount --bind "$SANDBOX" "$SANDBOX"
 for m in $(cut -d' ' -f5 /proc/self/mountinfo | sort -u); do
+  m=$(printf '%b' "$m")
   [ "$m" = "$SANDBOX" ] || mount -o remount,bind,ro "$m" 2>/dev/null || true
 done
 cd "$REPO"
@@ -86,13 +90,14 @@ def isolation_available() -> bool:
     PID namespace here."""
     if shutil.which("unshare") is None:
         return False
+    where = tempfile.mkdtemp(prefix="sparsekv-probe-")  # as a sandbox's: an empty directory of its own
     try:
-        probe = subprocess.run(["unshare", "--net", "--mount", "--pid", "--fork", "--map-root-user", "/bin/sh", "-c",
-                                _ISOLATE, "probe", "true"],
-                               env={**os.environ, "SANDBOX": tempfile.gettempdir(), "REPO": "/"},
-                               capture_output=True, timeout=30)
+        probe = subprocess.run([*UNSHARE, "/bin/sh", "-c", _ISOLATE, "probe", "true"],
+                               env={**os.environ, "SANDBOX": where, "REPO": where}, capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return False
+    finally:
+        os.rmdir(where)
     return probe.returncode == 0
 
 
@@ -209,11 +214,11 @@ class Sandbox(RepoView):
                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": str(Path(self._tmp, "tmp")),
                "SANDBOX": str(Path(self._tmp).resolve()), "REPO": str(self.root)}
         if isolation_available():
-            argv = ["unshare", "--net", "--mount", "--pid", "--fork", "--map-root-user", "/bin/sh", "-c", _ISOLATE, "sandbox", command]
+            argv = [*UNSHARE, "/bin/sh", "-c", _ISOLATE, "sandbox", command]
         elif self.allow_network:
             argv = ["/bin/sh", "-c", command]
         else:
-            raise NetworkUnavailable("run_command refused: `unshare --net --mount --map-root-user` does not work "
+            raise NetworkUnavailable(f"run_command refused: `{' '.join(UNSHARE)}` does not work "
                                      "here, so the command could reach the network and write outside the "
                                      "sandbox (allow it explicitly with --allow-network)")
         return _run(argv, self.root, env, limits)
