@@ -9,7 +9,8 @@ from sparsekv.tools.bench_serve_interference import Stream, format_report, run, 
 
 
 def test_only_the_gaps_that_end_under_load_count():
-    long = Stream(sent=2.0, times=[3.0], output_tokens=1)
+    split = {"queue_s": 0.0, "prefill_s": 0.5, "transfer_s": 0.25, "decode_queue_s": 0.0, "first_decode_s": 0.25}
+    long = Stream(sent=2.0, times=[3.0], output_tokens=1, split=split)
     streams = [Stream(sent=0.0, times=[1.0, 2.0, 3.5, 4.0], output_tokens=4),
                Stream(sent=0.0, times=[1.5, 2.5, 2.75], output_tokens=3)]
     phase = summarize_phase(streams, [long], window=(2.0, 3.5), duration=5.0)
@@ -18,6 +19,7 @@ def test_only_the_gaps_that_end_under_load_count():
     assert phase["stream_ttft_ms"]["count"] == 2 and phase["long_ttft_ms"]["p50"] == 1000.0
     assert phase["stream_output_throughput"] == 7 / 5.0
     assert phase["streams_outlasted_load"] is False  # the second stream ended at 2.75, before 3.5
+    assert phase["long_ttft_split_s"] == split
     quiet = summarize_phase(streams, [], window=(float("-inf"), float("inf")), duration=5.0)
     assert quiet["itl_ms"]["count"] == 5 and quiet["long_ttft_ms"]["count"] == 0
 
@@ -34,5 +36,6 @@ def test_interference_run_against_a_server(tmp_path_factory, capsys):
     assert quiet["errors"] == loaded["errors"] == [] and loaded["streams_started_before_load"]
     assert quiet["itl_ms"]["count"] == 2 * (12 - 1)  # every gap of both streams
     assert loaded["itl_ms"]["count"] <= 2 * (12 - 1) and loaded["long_ttft_ms"]["count"] == 2
+    assert loaded["long_ttft_split_s"] == {}  # a colocated server reports no transfer
     assert "ITL p99, loaded / quiet" in format_report(rep) and "ITL p99, loaded / quiet" in capsys.readouterr().out
     assert main(["--url", server.url, "--workload", "interference", "--streams", "0"]) == 2

@@ -385,6 +385,8 @@ def test_router_with_real_workers_answers_as_one_engine(glm_ckpt):
     import torch
     from disagg_util import WorkerServer
     from sparsekv import LLM, SamplingParams
+    from sparsekv.tools.bench_serve import build_parser as bench_parser
+    from sparsekv.tools.bench_serve_interference import run as run_interference
     from tolerances import assert_same_greedy, logprob_tolerance
     base = dict(kv_page_size=4, max_model_len=128, num_threads=1)
     body = {"max_tokens": 8, "temperature": 0, "logprobs": 3, "ignore_eos": True}
@@ -401,7 +403,12 @@ def test_router_with_real_workers_answers_as_one_engine(glm_ckpt):
                               json={**body, "prompt": prompt, "stream": True}) as s:
                 events = [json.loads(line[6:]) for line in s.iter_lines()
                           if line.startswith("data: ") and line != "data: [DONE]"]
+            bench = asyncio.run(run_interference(bench_parser().parse_args([
+                "--url", router.url, "--workload", "interference", "--streams", "2", "--input-len", "8",
+                "--output-len", "12", "--long-prompt-len", "60", "--num-long-prompts", "2", "--long-prompt-rate", "20"])))
         streamed = Answer.from_events([e for e in events if e["choices"]])
+        assert bench["quiet"]["itl_ms"]["count"] == 2 * 11 and bench["loaded"]["long_prompts_ok"] == 2
+        assert bench["loaded"]["long_ttft_split_s"]["transfer_s"] > 0  # the decode worker's figures, through the router
         assert_same_greedy([want, want], [Answer(answer), streamed], logprob_tolerance(colocated))
         assert answer["sparsekv"]["disaggregation"]["pages_sent"] == (len(prompt) - 1) // base["kv_page_size"]
         p.check_clean()

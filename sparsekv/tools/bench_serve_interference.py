@@ -31,6 +31,7 @@ class Stream:
     times: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+    split: dict = field(default_factory=dict)  # a decode worker's `sparsekv.disaggregation` figures
 
     @property
     def ttft(self) -> float | None:
@@ -65,6 +66,7 @@ async def consume(client: httpx.AsyncClient, model: str, prompt: list[int], max_
                         on_first()
                 if chunk.get("usage"):
                     out.output_tokens = chunk["usage"]["completion_tokens"]
+                out.split = (chunk.get("sparsekv") or {}).get("disaggregation") or out.split
     except httpx.HTTPError as e:
         out.error = f"{type(e).__name__}: {e}"
     return out
@@ -115,7 +117,19 @@ def summarize_phase(streams: list[Stream], longs: list[Stream], window: tuple[fl
             "stream_output_throughput": sum(s.output_tokens for s in done) / duration,
             "streams_outlasted_load": all(s.times and s.times[-1] >= window[1] for s in done),
             "streams_started_before_load": all(s.times and s.times[0] <= window[0] for s in done),
+            "long_ttft_split_s": _split(longs),
             "errors": sorted({s.error for s in streams + longs if s.error})[:5]}
+
+
+SPLIT = ("queue_s", "prefill_s", "transfer_s", "decode_queue_s", "first_decode_s")
+
+
+def _split(longs: list[Stream]) -> dict:
+    """The median of each part of the long prompts' TTFT, as the decode worker reports it (behind a router)."""
+    splits = [s.split for s in longs if all(k in s.split for k in SPLIT)]
+    if not splits:
+        return {}
+    return {k: sorted(x[k] for x in splits)[len(splits) // 2] for k in SPLIT}
 
 
 async def run(args) -> dict:
@@ -149,6 +163,10 @@ def format_report(rep: dict) -> str:
     for label, a, b in rows:
         fmt = "d" if isinstance(b, int) else ".2f"
         lines.append(f"{label:<34} {'-' if a is None else format(a, fmt):>14} {format(b, fmt):>14}")
+    split = l["long_ttft_split_s"]
+    if split:
+        lines.append("long prompts' TTFT split (median s): " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f}"
+                                                                          for k, v in split.items()))
     ratio = rep["itl_p99_ratio"]
     lines.append(f"{'ITL p99, loaded / quiet':<34} {'-' if ratio is None else f'{ratio:.2f}x':>29}")
     if not l["streams_outlasted_load"]:
