@@ -258,6 +258,13 @@ def _pair(old, new, where: str, pairs: list, seen: set, unpaired: list) -> None:
         for i, (a, b) in enumerate(zip(old, new)):
             _pair(a, b, f"{where}[{i}]", pairs, seen, unpaired)
         return
+    if isinstance(old, dict):
+        if not isinstance(new, dict) or old.keys() != new.keys():
+            raise WeightUpdateError(f"{where}: the updated model's structure differs from the running one's")
+        seen.add(id(old))
+        for key in old:
+            _pair(old[key], new[key], f"{where}[{key!r}]", pairs, seen, unpaired)
+        return
     if not type(old).__module__.startswith("sparsekv.model"):
         return  # plain values, functions, collectives: nothing to copy
     if new is None:

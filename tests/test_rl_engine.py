@@ -357,6 +357,8 @@ def test_copy_weights_allows_a_missing_part_only_when_it_holds_views():
     new = _Part(experts=[_Part(w=torch.ones(4)), _Part(w=torch.full((4,), 2.0))], stacked=None)
     assert copy_weights(old, new) == 2
     assert old.stacked.t.tolist() == [[1.0, 2.0]] * 4  # updated through the views
+    by_name = _Part(table={"w": torch.zeros(2)})  # tensors kept in a dict are weights too
+    assert copy_weights(by_name, _Part(table={"w": torch.ones(2)})) == 1 and by_name.table["w"].tolist() == [1.0, 1.0]
     own = _Part(experts=[_Part(w=torch.zeros(4))], stacked=_Part(w=torch.zeros(3)))
     with pytest.raises(WeightUpdateError, match="stale"):
         copy_weights(own, _Part(experts=[_Part(w=torch.ones(4))], stacked=None))
