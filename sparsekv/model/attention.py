@@ -116,7 +116,8 @@ class MLAttention:
             ctx.decode_selection = torch.cat([ctx.selection[s.request_id] for s in plan.sparse])
         elif self.selector is not None and not ctx.draft_step:
             ctx.decode_selection = self._select_decodes(plan, q, index_q, ctx, cache)
-            ctx.selection.update(zip([s.request_id for s in plan.sparse], ctx.decode_selection.split(plan.sizes)))
+            parts = ctx.decode_selection.split(plan.sizes) if len(plan.sparse) > 1 else [ctx.decode_selection]
+            ctx.selection.update(zip([s.request_id for s in plan.sparse], parts))
         if ctx.decode_selection is None:
             raise RuntimeError(f"layer {self.layer_idx} is 'shared' but no earlier full layer selected tokens")
         if ctx.record_selection is not None:
@@ -160,6 +161,8 @@ class MLAttention:
             o_lat[rows] = latent_attention(q[rows], keys, valid, self.scale, self.cfg.kv_lora_rank)
 
     def _select_alone(self, seq: SeqSlice, q: torch.Tensor, index_q, ctx: ForwardContext, cache) -> torch.Tensor:
+        if seq.token_start == 0 and seq.token_end == q.shape[0]:  # the step's only rows: nothing to cut
+            return self.selector.select(self.layer_idx, seq, index_q, q, ctx.positions, self.cfg.index_topk, cache)
         rows = slice(seq.token_start, seq.token_end)
         return self.selector.select(self.layer_idx, seq, self.selector.rows(index_q, rows), q[rows],
                                     ctx.positions[rows], self.cfg.index_topk, cache)
