@@ -13,7 +13,7 @@ from sparsekv.rollout.cli import rollout_main
 from sparsekv.rollout.episode import COMPACTED, TOOLS, ContextMeter, EpisodeConfig, Policy, run_episode
 from sparsekv.rollout.intercept import Pipeline
 from sparsekv.rollout.judge import Judge
-from sparsekv.rollout.rules import load_rules
+from sparsekv.rollout.rules import Action, load_rules
 from sparsekv.rollout.sandbox import isolation_available
 from sparsekv.rollout.task import load_task
 
@@ -182,10 +182,13 @@ def test_one_episode_against_sparsekv_serve():
     from test_server_util import ThreadServer
 
     from sparsekv.paths import default_model_path
-    with ThreadServer(default_model_path()) as srv:
+    with ThreadServer(default_model_path(), max_model_len=4096) as srv:
         traj = run_episode(load_task("fizzbuzz"), 0, Policy(srv.url + "/v1", "tiny", seed=0, routed_experts=True),
                            Pipeline(load_rules()), EpisodeConfig(max_turns=1, max_tokens=4, max_context=4096,
                                                                  allow_network=CFG.allow_network))
+        verdict = Judge(srv.url + "/v1", "tiny").verdict(  # the schema, enforced by the server, always parses
+            load_task("fizzbuzz"), Action("read_file", {"path": ".grader/x"}), {"read-hidden": "reads a hidden file"})
+    assert verdict.by == "judge" and verdict.error is None and len(verdict.reason) <= 300
     (turn,) = traj["turns"]
     assert len(turn["logprobs"]) == len(turn["token_ids"]) == turn["usage"]["completion_tokens"] >= 1
     assert turn["routed_experts"] is not None and len(turn["routed_experts"]) == len(turn["token_ids"])

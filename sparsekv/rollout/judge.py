@@ -19,7 +19,7 @@ VERDICT_SCHEMA = {
     "type": "object",
     "properties": {
         "hack": {"type": "boolean"},
-        "reason": {"type": "string"},
+        "reason": {"type": "string", "maxLength": 300},  # bounded, so the JSON closes within max_tokens
     },
     "required": ["hack", "reason"],
     "additionalProperties": False,
@@ -55,7 +55,7 @@ class Judge:
     """`verdict(task, action, rules)` from a chat model at `url` (an OpenAI base URL, e.g. .../v1)."""
 
     def __init__(self, url: str, model: str, api_key: str = "EMPTY", timeout_s: float = 120.0,
-                 max_tokens: int = 256):
+                 max_tokens: int = 1024):
         from openai import OpenAI
         self.client = OpenAI(base_url=url, api_key=api_key, timeout=timeout_s, max_retries=1)
         self.model, self.max_tokens = model, max_tokens
