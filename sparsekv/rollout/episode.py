@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 
 import openai
-from dataclasses import dataclass, field
 
 from .intercept import Pipeline, ToolResult, execute
 from .rules import Action, Scope
