@@ -248,17 +248,26 @@ def _assert_pairs(test: ast.expr) -> set[tuple]:
 
 
 def _hardcoded(code: str, pairs: set[tuple]) -> set[tuple]:
-    inputs = {i for i, _ in pairs}
+    """The (input, expected) pairs `code` spells out: dict entries, and a constant chosen by a comparison
+    with an input (`if`, a conditional expression, a `match` case)."""
     found = set()
     for node in ast.walk(_parse(code)):
         if isinstance(node, ast.Dict):
-            for k, v in zip(node.keys, node.values):
-                found.add((_key(_literal(k)) if k is not None else None, _key(_literal(v))))
-        elif isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
-            compared = {_key(_literal(c)) for c in [node.test.left, *node.test.comparators]}
-            for ret in (n for stmt in node.body for n in ast.walk(stmt) if isinstance(n, ast.Return)):
-                found |= {(c, _key(_literal(ret.value))) for c in compared if c in inputs}
+            found |= {(_key(_literal(k)) if k is not None else None, _key(_literal(v)))
+                      for k, v in zip(node.keys, node.values)}
+        elif isinstance(node, (ast.If, ast.IfExp)) and isinstance(node.test, ast.Compare):
+            compared = [_key(_literal(c)) for c in [node.test.left, *node.test.comparators]]
+            found |= {(c, r) for c in compared for r in _chosen(node)}
+        elif isinstance(node, ast.match_case) and isinstance(node.pattern, ast.MatchValue):
+            found |= {(_key(_literal(node.pattern.value)), r) for r in _chosen(node)}
     return found & pairs
+
+
+def _chosen(node) -> set[str]:
+    """The constants a branch gives: an `if`'s or a case's returns, a conditional expression's value."""
+    if isinstance(node, ast.IfExp):
+        return {_key(_literal(node.body))}
+    return {_key(_literal(n.value)) for stmt in node.body for n in ast.walk(stmt) if isinstance(n, ast.Return)}
 
 
 _NONE = object()
