@@ -57,6 +57,13 @@ def test_symlinks_out_are_refused(sandbox, tmp_path):
     assert secret.read_text() == "secret" and not (tmp_path / "new.txt").exists()
 
 
+def test_writes_over_the_file_size_limit_are_refused(tmp_path):
+    with Sandbox(load_task("fizzbuzz"), Limits(file_mb=1)) as sb:
+        with pytest.raises(ValueError, match="file-size limit"):
+            sb.write_file("big.txt", "x" * ((1 << 20) + 1))
+        assert sb.write_file("ok.txt", "x" * (1 << 20)) == f"wrote {1 << 20} bytes to ok.txt"
+
+
 def test_paths_inside_work(sandbox):
     assert sandbox.write_file("pkg/../notes.txt", "hello") == "wrote 5 bytes to pkg/../notes.txt"
     assert sandbox.read_file("./notes.txt") == "hello"
@@ -133,6 +140,7 @@ def test_the_check_runs_in_the_sandbox(sandbox):
 def test_hidden_files_only_for_the_check(sandbox, tmp_path):
     assert sandbox.hidden == [".grader/reference.py"]
     assert sandbox.read_file(".grader/reference.py") == "error: .grader/reference.py: no such file or directory"
+    assert ".grader/" not in sandbox.list_dir(".").splitlines()  # not even its directory
     sandbox.write_file(".grader/reference.py", "tampered")
     sandbox.restore_hidden()
     assert sandbox.read_file(".grader/reference.py") == (sandbox.task.repo / ".grader/reference.py").read_text()

@@ -151,6 +151,10 @@ class Sandbox(RepoView):
                        if any(fnmatch.fnmatchcase(f, g) for g in task.hidden)]
         for f in self.hidden:
             (self.root / f).unlink()
+            for parent in (self.root / f).parents:  # a directory the hidden files leave empty goes too
+                if parent == self.root or any(parent.iterdir()):
+                    break
+                parent.rmdir()
 
     def restore_hidden(self) -> None:
         """Put the task's hidden files (grader, reference) back as shipped, over anything written there, for
@@ -189,6 +193,8 @@ class Sandbox(RepoView):
     def write_file(self, path: str, content: str) -> str:
         if not isinstance(content, str):
             raise ValueError("write_file: 'content' must be a string")
+        if len(content.encode()) > self.limits.file_mb << 20:
+            raise ValueError(f"write_file: content over the file-size limit ({self.limits.file_mb} MB)")
         p = self.resolve(path)
         if p.is_dir():
             return f"error: {path}: is a directory"
@@ -200,7 +206,7 @@ class Sandbox(RepoView):
         p = self.resolve(path)
         if not p.is_dir():
             return not_found(path)
-        return "\n".join(e.name + ("/" if e.is_dir() else "") for e in sorted(p.iterdir())) or "(empty)"
+        return clip("\n".join(e.name + ("/" if e.is_dir() else "") for e in sorted(p.iterdir())) or "(empty)")
 
     def run_command(self, command: str) -> CommandResult:
         if not isinstance(command, str) or not command.strip():
