@@ -80,7 +80,10 @@ def build_rl_parser() -> argparse.ArgumentParser:
 
 
 def _first_model(url: str, api_key: str) -> str:
-    models = openai.OpenAI(base_url=url, api_key=api_key, max_retries=1).models.list().data
+    try:
+        models = openai.OpenAI(base_url=url, api_key=api_key, max_retries=1).models.list().data
+    except openai.APIError as e:
+        raise ValueError(f"{url}: cannot list its models ({e}); is the server up?") from None
     if not models:
         raise ValueError(f"{url} lists no models; give the model's name")
     return models[0].id
