@@ -35,8 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="dense turns top-k selection off (baseline for measuring the mechanism)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", dest="num_threads", type=int, default=None,
-                   help="torch threads (default: LLM()'s, one per 256 MiB of weights a decode token reads, so 1 "
-                        "for small models, whose small ops only wait on more; threads.py; 0 = torch's default)")
+                   help="torch threads (default: LLM()'s, one per GiB of weights a decode token reads, so 1 for "
+                        "small models, whose small ops only wait on more; threads.py; 0 = torch's default)")
     g.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="MTP draft tokens per step (0 = off; 1 = one draft, verified exactly)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -9,10 +9,12 @@ the cores this process may run on; on an accelerator, one (the CPU only launches
 Why: a decode step is a chain of small ops (norms, RoPE, routing, selection on a few rows) plus
 matrix-vector products that stream the weights once. Extra threads only shorten the streaming
 part, and every parallel op pays a fork/join across the threads; on a shared CPU an op split onto a
-busy core waits for that core. So threads pay only when the weights a token reads are large enough
-that streaming them outweighs those costs. On a 2-core machine the bundled model (~14 MB a token)
-and tiny-bench decode fastest with one thread, and so does glm5-geometry (~180 MB a token);
-BENCHMARKS.md (`sparsekv bench decode`) has the figures.
+busy core waits for that core. So threads pay only when a step streams enough bytes that splitting
+the streaming outweighs those costs: the bundled model, tiny-bench and glm5-geometry decode fastest
+with one thread on a shared two-core machine, and so does glm5.2-proportions (~1.2 GB of weights a
+token) while the other core is busy; a decode at 1M tokens of context (its indexer scan streaming
+~128 MB of keys) ran faster on two with that core free. BENCHMARKS.md (`sparsekv bench decode`) has
+the figures.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import os
 from .cache.sizing import Parallelism, params_per_rank
 from .config import EngineConfig, ModelConfig
 
-BYTES_PER_THREAD = 256 * 2 ** 20
+BYTES_PER_THREAD = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 

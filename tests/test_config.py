@@ -58,7 +58,7 @@ def test_bad_configs(change, message):
         ModelConfig.from_dict({**BASE, **change})
 
 
-def test_thread_default_is_one_per_256_mib_a_decode_token_reads():
+def test_thread_default_is_one_per_gib_a_decode_token_reads():
     """None resolves by the model's size: small models 1 (small ops only wait on more threads), a big
     one a thread per BYTES_PER_THREAD up to the cores; an accelerator 1; 0 leaves torch's default."""
     from sparsekv.config import EngineConfig
