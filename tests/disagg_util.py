@@ -15,6 +15,7 @@ import httpx
 from test_server_util import REPO, free_port
 
 SECRET = b"a-shared-test-secret-0123456789"
+ADMIN_KEY = "sk-admin-of-the-test-workers"
 
 
 def secret_file(tmp_path, secret: bytes = SECRET) -> str:
@@ -34,12 +35,13 @@ class WorkerServer:
         from sparsekv.disagg.worker import DisaggSettings
         from sparsekv.engine import LLMEngine
         from sparsekv.server.app import ServerSettings, create_app
-        from sparsekv.server.auth import parse_api_keys
+        from sparsekv.server.auth import load_admin_keys, parse_api_keys
         if mode == "decode":
             engine_options.setdefault("prefix_cache_host_bytes", 1 << 24)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         role = DisaggSettings(mode, "127.0.0.1", bootstrap_port if mode == "prefill" else None, secret, timeout_s)
-        self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), disaggregation=role))
+        self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), disaggregation=role,
+                                                          admin_api_keys=load_admin_keys([ADMIN_KEY], [], {})))
         self.state = self.app.state.server
         self.worker = self.state.disagg
         self.port = free_port()
@@ -63,6 +65,14 @@ class WorkerServer:
         self.server.should_exit = True
         self.thread.join(15)
         assert not self.thread.is_alive(), "server thread did not stop"
+
+    def update_weights_from_disk(self, path: str) -> int:
+        """The engine's weights from `path`, as an RL trainer loads them (POST /update_weights_from_disk);
+        the new weights_version."""
+        r = httpx.post(self.url + "/update_weights_from_disk", json={"model_path": path}, timeout=60,
+                       headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert r.status_code == 200, r.text
+        return r.json()["weights_version"]
 
     def check_clean(self) -> None:
         """Everything of the transfers is gone: no room, no request, the pools' integrity holds."""

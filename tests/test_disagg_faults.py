@@ -1,5 +1,5 @@
 """Faults between a prefill and a decode worker: a worker killed mid-transfer or mid-prompt, a
-corrupted layer, a wrong secret, a peer that never comes. Each time the request ends with an error
+corrupted layer, a wrong secret, a peer that never comes, KV of other weights. Each time the request ends with an error
 (503 in the OpenAI envelope), the surviving worker keeps nothing of it (no room, no request, no
 imported page, its pools' integrity holds, its bootstrap store holds no key of the room) and serves
 the next request; no wait outlives --disaggregation-timeout (the HTTP clients' own timeouts would
@@ -67,6 +67,43 @@ def test_a_wrong_secret_is_refused_before_any_kv_moves(glm_ckpt):
         assert p.worker.metrics.bytes._value.get() == 0
         _clean(p)
         _clean(d)
+
+
+def _refused(p: WorkerServer, d: WorkerServer, *words: str) -> None:
+    """A request through the pair fails on both sides naming `words`; nothing of it is kept."""
+    rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
+    _failed(rd, "decode worker", *words)
+    _failed(rp, "refused the KV", *words)
+    assert d.engine.stats()["prefix_host_pages"] == 0
+    _clean(p)
+    _clean(d)
+
+
+def test_kv_of_other_weights_is_refused(glm_ckpt):
+    """An RL trainer updates one worker's weights before the other's: until both hold the same
+    weights_version, the decode worker takes no KV from the prefill worker."""
+    with WorkerServer(glm_ckpt[0], "prefill", **BASE) as p, WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
+        assert d.update_weights_from_disk(glm_ckpt[0]) == 1  # the same checkpoint, loaded again: version 1
+        _refused(p, d, "weights_version 0", "weights_version 1")
+        assert scrape(d.url)["sparsekv:disagg_transfers_failed_total"] == 1
+        assert p.update_weights_from_disk(glm_ckpt[0]) == 1
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
+        assert (rp.status_code, rd.status_code) == (200, 200), rd.text
+        assert rd.json()["sparsekv"]["disaggregation"]["pages_sent"] == 10
+        _clean(p)
+        _clean(d)
+
+
+def test_kv_of_another_checkpoint_is_refused(glm_ckpt, tmp_path):
+    """Both workers at weights_version 0, started from checkpoints with other weights."""
+    from sparsekv.tools.tiny import save_reference_checkpoint
+    other = str(tmp_path / "other")
+    save_reference_checkpoint(other, "glm_moe_dsa", seed=1)
+    with WorkerServer(glm_ckpt[0], "prefill", **BASE) as p, WorkerServer(other, "decode", **BASE) as d:
+        _refused(p, d, "checkpoint", "weights_version 0")
+        assert d.update_weights_from_disk(glm_ckpt[0]) == 1 and p.update_weights_from_disk(glm_ckpt[0]) == 1
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
+        assert (rp.status_code, rd.status_code) == (200, 200), rd.text
 
 
 def test_a_peer_that_never_comes_fails_within_the_timeout(glm_ckpt):

@@ -162,6 +162,7 @@ def test_transfer_figures_reach_the_response_and_metrics(pair):
                       headers={"Authorization": "Bearer sk-alice"})
     figures = rd.json()["sparsekv"]["disaggregation"]
     assert figures["role"] == "decode" and figures["pages_sent"] == 7
+    assert figures["backend"] == "gloo"  # two CPU workers
     for key in ("queue_s", "prefill_s", "transfer_s", "decode_queue_s", "first_decode_s"):
         assert figures[key] >= 0, key
     for w in pair:
@@ -217,3 +218,43 @@ def test_a_role_needs_the_prefix_cache_and_a_free_bootstrap_port(glm_ckpt, pair)
     taken = pair[0].worker.store.port
     with pytest.raises(ValueError, match=f"--disaggregation-bootstrap-port {taken}: cannot listen"):
         WorkerServer(glm_ckpt[0], "prefill", bootstrap_port=taken, **BASE)
+
+
+def test_the_transfer_backend_is_nccl_only_when_both_workers_run_on_cuda(monkeypatch):
+    """NCCL moves CUDA tensors only: a pair with a CPU worker, an older decode worker that names no
+    device, or a torch without NCCL takes gloo, and gloo's tensors are on the host."""
+    import torch.distributed as dist
+    from sparsekv.disagg.transfer import transfer_backend, transfer_device
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert transfer_backend("cuda", "cuda") == "nccl"
+    for pair in [("cuda", "cpu"), ("cpu", "cuda"), ("cpu", "cpu"), ("cuda", None)]:
+        assert transfer_backend(*pair) == "gloo", pair
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    assert transfer_backend("cuda", "cuda") == "gloo"
+    gpu = torch.device("cuda", 1)
+    assert transfer_device("nccl", gpu) == gpu
+    assert transfer_device("gloo", gpu) == torch.device("cpu")
+
+
+def test_a_weights_stamp_names_the_checkpoint_while_its_files_are_what_was_loaded(glm_ckpt, tmp_path):
+    """The checkpoint's digest is compared only where both sides know it: once the directory changed
+    on disk after the load, its files no longer say what was loaded, and only the version is compared."""
+    import shutil
+    from sparsekv.disagg.weights_stamp import WeightsStamp, check_same_weights
+    from sparsekv.disagg.wire import TransferError
+    from sparsekv.weights import files_stamp
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(glm_ckpt[0], path)
+    loaded = (0, path, files_stamp(path))
+    known = WeightsStamp().stamp(loaded)
+    original = WeightsStamp().stamp((0, glm_ckpt[0], files_stamp(glm_ckpt[0])))
+    assert known == original and known["checkpoint"] is not None  # named by content, not by directory
+    with open(f"{path}/config.json", "a") as f:
+        f.write(" ")
+    unknown = WeightsStamp().stamp(loaded)
+    assert unknown == {"weights_version": 0, "checkpoint": None}
+    check_same_weights(unknown, known)
+    with pytest.raises(TransferError, match="weights_version 1, this decode worker holds weights_version 0"):
+        check_same_weights({**unknown, "weights_version": 1}, known)
+    with pytest.raises(TransferError, match="weights_version None"):
+        check_same_weights(None, known)  # metadata without the field

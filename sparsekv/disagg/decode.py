@@ -14,7 +14,8 @@ import secrets
 import time
 
 from ..server.serving import Job, run
-from .transfer import DECODE_RANK, Room, connect, recv_tensors
+from .transfer import BACKENDS, DECODE_RANK, Room, connect, recv_tensors, transfer_device
+from .weights_stamp import check_same_weights, loaded_weights
 from .wire import TransferError, check_received, prompt_digest, sign, tensors_to_pages, verify
 from .worker import Worker
 
@@ -44,21 +45,22 @@ class DecodeWorker(Worker):
         held = await _on_engine(loop, lambda: [kv.held_prefix(p, job.tenant, job.cache_salt) for p in prompts])
         self.rooms[field.room] = "claim"
         claim = {"room": field.room, "nonce": secrets.token_hex(16), "tenant": job.tenant,
-                 "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held}
+                 "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held,
+                 "device": self.device.type}
         link, meta, waited = await self._claim(request, field, claim)
         try:
             self._check_meta(meta, claim)
             self.rooms[field.room] = "receive"
             pages = await self.blocking(self._recv, link, meta) if meta["tensors"] else []
             self.rooms[field.room] = "import"
-            await _on_engine(loop, kv.import_prefix, pages, job.tenant)  # all or none
+            await self._import(meta, pages, job.tenant)
         except TransferError as e:
             await self.blocking(self._verdict, link, meta, str(e))
             raise
         await self.blocking(self._verdict, link, meta, None)
         return {"role": "decode", "room": field.room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
-                "waited_s": waited, "bytes": sum(t["nbytes"] for t in meta["tensors"]), "pages_sent": len(pages),
-                "pages_skipped": sum(held)}
+                "waited_s": waited, "backend": meta["backend"], "bytes": sum(t["nbytes"] for t in meta["tensors"]),
+                "pages_sent": len(pages), "pages_skipped": sum(held)}
 
     async def _claim(self, request, field, claim: dict):
         """Claim the room and wait for the prefill worker's metadata: (room link, metadata, seconds
@@ -77,6 +79,21 @@ class DecodeWorker(Worker):
             raise
         return link, meta, time.monotonic() - waiting
 
+    async def _import(self, meta: dict, pages: list, tenant: str) -> None:
+        """Keep the pages, all or none, if the prefill worker computed them under this worker's
+        weights (TransferError naming both otherwise). The version is read again with the import, on
+        the engine loop: an update in between forgets the cached pages, so none may be kept after it."""
+        engine, loop = self.state.engine, self.state.loop
+        mine = await self.blocking(self.weights.stamp, await _on_engine(loop, loaded_weights, engine))
+        check_same_weights(meta.get("weights"), mine)
+
+        def keep():
+            if engine.weights_version != mine["weights_version"]:
+                raise TransferError(f"this decode worker's weights changed during the transfer (weights_version "
+                                    f"{mine['weights_version']} -> {engine.weights_version})")
+            engine.kv.import_prefix(pages, tenant)
+        await _on_engine(loop, keep)
+
     @staticmethod
     def _check_meta(meta: dict, claim: dict) -> None:
         if meta.get("nonce") != claim["nonce"] or meta.get("room") != claim["room"]:
@@ -87,6 +104,8 @@ class DecodeWorker(Worker):
             raise TransferError("the prefill worker's metadata is malformed")
         if not names and meta["tensors"]:
             raise TransferError("the prefill worker announced tensors for no pages")
+        if meta.get("backend") not in BACKENDS:
+            raise TransferError(f"the prefill worker named an unknown transfer backend {meta.get('backend')!r}")
 
     def _recv(self, link: Room, meta: dict) -> list:
         secret, timeout = self.settings.secret, self.settings.timeout_s
@@ -95,9 +114,10 @@ class DecodeWorker(Worker):
             sizes = [int(t["nbytes"]) for t in meta["tensors"]]
         except (ValueError, TypeError, KeyError):
             raise TransferError("the prefill worker's metadata is malformed") from None
-        group = link.pair_group(DECODE_RANK, self.settings.bootstrap_host, timeout)
+        backend = meta["backend"]
+        group = link.pair_group(DECODE_RANK, self.settings.bootstrap_host, timeout, backend)
         try:
-            received = recv_tensors(group, sizes)
+            received = recv_tensors(group, sizes, transfer_device(backend, self.device))
         finally:
             del group
         tensors = [check_received(secret, spec, data, i) for i, (spec, data) in enumerate(zip(meta["tensors"], received))]
@@ -117,6 +137,8 @@ class DecodeWorker(Worker):
 async def _on_engine(loop, fn, *args):
     try:
         return await loop.call(fn, *args)
+    except TransferError:
+        raise
     except Exception as e:  # rows that do not fit this cache (ValueError), or the engine going away
         raise TransferError(f"the engine could not take the KV: {e}") from None
 

@@ -17,7 +17,8 @@ from ..request import SamplingParams
 from ..server.errors import APIError, bad_request
 from ..server.loop import RequestGroup, Submission
 from ..server.serving import Job, run
-from .transfer import PREFILL_RANK, Room, connect, host_bootstrap, send_tensors
+from .transfer import PREFILL_RANK, Room, connect, host_bootstrap, send_tensors, transfer_backend, transfer_device
+from .weights_stamp import loaded_weights
 from .wire import (TransferError, as_bytes, pages_to_tensors, prompt_digest, sign, tensor_specs, verify)
 from .worker import Worker
 
@@ -80,10 +81,12 @@ class PrefillWorker(Worker):
             waiting = True
             claim = self._check_claim(raw, room, job, prompts)
             self.rooms[room] = "export"
-            pages, per_prompt = await self._export(job, prompts, claim["held"])
+            pages, per_prompt, loaded = await self._export(job, prompts, claim["held"])
             self.rooms[room] = "send"
             meta = {"room": room, "nonce": claim["nonce"], "names": [name.hex() for name, _ in pages],
-                    "pages": per_prompt, "skipped": claim["held"], **times}
+                    "pages": per_prompt, "skipped": claim["held"], **times,
+                    "weights": await self.blocking(self.weights.stamp, loaded),
+                    "backend": transfer_backend(self.device.type, claim.get("device"))}
             waiting = False
             nbytes = await self.blocking(self._send, link, meta, pages)
             _check_verdict(await self.take(link, "done", "verdict from the decode worker", request), meta,
@@ -96,7 +99,8 @@ class PrefillWorker(Worker):
             if not waiting:
                 await self.blocking(link.forget)
         figures = {"role": "prefill", "room": room, **times, "transfer_s": time.monotonic() - started,
-                   "bytes": nbytes, "pages_sent": len(pages), "pages_skipped": sum(claim["held"])}
+                   "backend": meta["backend"], "bytes": nbytes, "pages_sent": len(pages),
+                   "pages_skipped": sum(claim["held"])}
         self.metrics.bytes.inc(nbytes)
         self.metrics.pages_skipped.inc(figures["pages_skipped"])
         self.metrics.seconds.observe(figures["transfer_s"])
@@ -120,16 +124,18 @@ class PrefillWorker(Worker):
         return claim
 
     async def _export(self, job: Job, prompts: list[list[int]], held: list[int]):
-        """The pages of each prompt after those the decode worker holds (on the engine loop)."""
-        kv = self.state.engine.kv
+        """The pages of each prompt after those the decode worker holds, and the weights that computed
+        them (read together on the engine loop: a weight update forgets every cached page)."""
+        engine = self.state.engine
 
         def export():
-            return [kv.export_prefix(p, job.tenant, job.cache_salt, skip=n) for p, n in zip(prompts, held)]
+            pages = [engine.kv.export_prefix(p, job.tenant, job.cache_salt, skip=n) for p, n in zip(prompts, held)]
+            return pages, loaded_weights(engine)
         try:
-            per_prompt = await self.state.loop.call(export)
+            per_prompt, loaded = await self.state.loop.call(export)
         except Exception as e:  # the engine going away (ShuttingDown, EngineDead)
             raise TransferError(f"exporting the prompt's pages failed: {e}") from None
-        return [page for pages in per_prompt for page in pages], [len(pages) for pages in per_prompt]
+        return [page for pages in per_prompt for page in pages], [len(pages) for pages in per_prompt], loaded
 
     def _link(self, room: str) -> Room:
         return Room(connect(self.settings.bootstrap_host, self.bootstrap_port, self.settings.timeout_s), room)
@@ -142,9 +148,10 @@ class PrefillWorker(Worker):
         tensors = [as_bytes(t) for t in stacked]
         link.put("meta", sign(secret, meta))
         if tensors:
-            group = link.pair_group(PREFILL_RANK, self.settings.bootstrap_host, timeout)
+            backend = meta["backend"]
+            group = link.pair_group(PREFILL_RANK, self.settings.bootstrap_host, timeout, backend)
             try:
-                send_tensors(group, tensors)
+                send_tensors(group, tensors, transfer_device(backend, self.device))
             finally:
                 del group
         return sum(t.numel() for t in tensors)

@@ -8,13 +8,15 @@ the room's keys::
     held_prefix -> claim ------------->  room/R/claim  ---------------------->  (after its prefill)
                                          room/R/meta   <----------------------  export_prefix(skip=held)
     <----------------------------------  (names, shapes, digests, timings)
-    2-rank gloo group (rank 1)   <====== send/recv, one tensor per kind of row ======>  (rank 0)
+    2-rank group (rank 1)        <====== send/recv, one tensor per kind of row ======>  (rank 0)
     check digests, import_prefix
     verdict --------------------------> room/R/done   ---------------------->  success or failure
 
-The tensors go over a gloo group of the two processes made for the room from the same store
-(`ProcessGroupGloo` over a `PrefixStore`), closed after it. Every wait is bounded by the
-transfer timeout; a peer that dies breaks its group's connections, which fails that room only.
+The tensors go over a 2-rank group of the two processes made for the room from the same store (over
+a `PrefixStore`), closed after it: NCCL when both engines run on CUDA, gloo otherwise
+(`transfer_backend`: the prefill worker picks it from its device and the one the claim names, and
+its metadata tells the decode worker). Every wait is bounded by the transfer timeout; a peer that
+dies breaks its group's connections, which fails that room only.
 Waiting for a key is polled from the event loop (`Worker.take`), so a room waiting for its peer holds
 no thread: rooms waiting on each other's workers can never exhaust the transfer threads.
 """
@@ -31,6 +33,21 @@ from .wire import TransferError
 
 CORRUPT_ENV, DELAY_ENV = "SPARSEKV_INJECT_TRANSFER_CORRUPTION", "SPARSEKV_INJECT_TRANSFER_DELAY"  # test hooks
 PREFILL_RANK, DECODE_RANK = 0, 1
+BACKENDS = ("gloo", "nccl")
+NCCL_P2P_KEY = f"{PREFILL_RANK}:{DECODE_RANK}"  # where ProcessGroupNCCL publishes a send/recv pair's NCCL id
+
+
+def transfer_backend(prefill_device: str | None, decode_device: str | None) -> str:
+    """The pair's torch.distributed backend, from each engine's device type: NCCL when both run on
+    CUDA (and this torch has it), gloo otherwise. One backend per device: NCCL moves CUDA tensors
+    only, gloo host tensors, so a pair with a CPU worker (or a torch without NCCL) takes gloo."""
+    both_cuda = prefill_device == "cuda" and decode_device == "cuda"
+    return "nccl" if both_cuda and dist.is_nccl_available() else "gloo"
+
+
+def transfer_device(backend: str, engine_device: torch.device) -> torch.device:
+    """Where the tensors are while they move: the engine's CUDA device for NCCL, the host for gloo."""
+    return engine_device if backend == "nccl" else torch.device("cpu")
 
 
 def _timeout(seconds: float) -> datetime.timedelta:
@@ -81,43 +98,64 @@ class Room:
 
     def forget(self) -> None:
         """Delete every key of the room, the pair group's rendezvous keys included."""
-        for part in ("claim", "meta", "done", *(f"pg/0/{rank}" for rank in (PREFILL_RANK, DECODE_RANK))):
+        gloo = [f"pg/0/{rank}" for rank in (PREFILL_RANK, DECODE_RANK)]
+        for part in ("claim", "meta", "done", *gloo, f"pg/{NCCL_P2P_KEY}"):
             try:
                 self.store.delete_key(self.key(part))
             except Exception:  # the store is gone: nothing is left to clean
                 return
 
-    def pair_group(self, rank: int, hostname: str, timeout_s: float) -> dist.ProcessGroup:
-        """The room's 2-rank gloo group (prefill rank 0, decode rank 1); `hostname`: this side's address."""
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = _timeout(timeout_s)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+    def pair_group(self, rank: int, hostname: str, timeout_s: float, backend: str) -> dist.ProcessGroup:
+        """The room's 2-rank group (prefill rank 0, decode rank 1); `hostname`: this side's address."""
+        store = dist.PrefixStore(self.key("pg"), self.store)
         try:
-            return dist.ProcessGroupGloo(dist.PrefixStore(self.key("pg"), self.store), rank, 2, opts)
+            if backend == "nccl":
+                return _nccl_group(store, rank, timeout_s)
+            return _gloo_group(store, rank, hostname, timeout_s)
         except Exception as e:
-            raise TransferError(f"room {self.name}: the workers could not connect for the transfer: "
+            raise TransferError(f"room {self.name}: the workers could not connect for the transfer ({backend}): "
                                 f"{_first_line(e)}") from None
 
 
-def send_tensors(group, tensors: list[torch.Tensor]) -> None:
-    """Prefill side: each flat uint8 tensor to the decode rank, in order (tag = its index)."""
+def _gloo_group(store, rank: int, hostname: str, timeout_s: float) -> dist.ProcessGroup:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = _timeout(timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+    return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
+def _nccl_group(store, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    """NOTE: NCCL connects on the first send/recv (the NCCL id goes through the store under
+    NCCL_P2P_KEY), on the device of the tensors given; NCCL finds its own network interfaces."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = _timeout(timeout_s)
+    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+
+
+def send_tensors(group, tensors: list[torch.Tensor], device: torch.device) -> None:
+    """Prefill side: each flat uint8 tensor to the decode rank, in order (tag = its index), from
+    `device` (transfer_device); returns once they are sent."""
     corrupt, delay = os.environ.get(CORRUPT_ENV), float(os.environ.get(DELAY_ENV) or 0)
     for i, t in enumerate(tensors):
         if delay:
             time.sleep(delay)
+        t = t.to(device)
         if corrupt is not None and int(corrupt) == i:  # test hook: a layer damaged after its digest
             t = t.clone()
             t[0] ^= 0xFF
         _run(lambda: group.send([t], DECODE_RANK, i), f"sending tensor {i}")
+    if device.type == "cuda":  # NOTE: an NCCL wait() orders the CUDA stream only; the group closes after
+        torch.cuda.synchronize(device)
 
 
-def recv_tensors(group, sizes: list[int]) -> list[torch.Tensor]:
-    """Decode side: flat uint8 tensors of `sizes` bytes from the prefill rank, in order."""
+def recv_tensors(group, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
+    """Decode side: flat uint8 tensors of `sizes` bytes from the prefill rank, in order, received
+    on `device` (transfer_device) and returned in host memory (the digests and the host tier read them there)."""
     out = []
     for i, n in enumerate(sizes):
-        t = torch.empty(n, dtype=torch.uint8)
+        t = torch.empty(n, dtype=torch.uint8, device=device)
         _run(lambda: group.recv([t], PREFILL_RANK, i), f"receiving tensor {i}")
-        out.append(t)
+        out.append(t.cpu())  # after wait(): the copy is ordered after the receive on the current stream
     return out
 
 

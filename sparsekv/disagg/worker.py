@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 from ..server.errors import APIError, bad_request
 from .metrics import TransferMetrics
+from .weights_stamp import WeightsStamp, loaded_weights
 from .wire import TransferError
 
 log = logging.getLogger("sparsekv.disagg")
 MODES = ("null", "prefill", "decode")
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_DECODE_HOST_BYTES = 4 << 30  # the decode worker's prefix host tier, where transferred pages land
-MAX_TRANSFER_THREADS = 8  # store calls and gloo transfers; a room waiting for its peer holds none
+MAX_TRANSFER_THREADS = 8  # store calls and tensor transfers; a room waiting for its peer holds none
 POLL_MAX_S = 0.02  # the longest pause between two looks at a key a room waits for
 
 
@@ -67,6 +68,9 @@ class Worker:
         self.metrics = TransferMetrics(state.metrics.registry, state.model_name)
         self.rooms: dict[str, str] = {}  # room -> its phase, while a request of this worker is in it
         self.pool = ThreadPoolExecutor(MAX_TRANSFER_THREADS, thread_name_prefix="sparsekv-disagg")
+        self.device = engine.device  # the transfer's backend and where its tensors are (transfer.py)
+        self.weights = WeightsStamp()
+        self.weights.stamp(loaded_weights(engine))  # the checkpoint's digest now, not on the first transfer
 
     @property
     def bootstrap_port(self) -> int | None:
@@ -82,7 +86,7 @@ class Worker:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def blocking(self, fn, *args):
-        """`fn(*args)` on the transfer threads (store and gloo calls block)."""
+        """`fn(*args)` on the transfer threads (store and transfer calls block)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def take(self, link, part: str, waiting_for: str, request) -> bytes:
