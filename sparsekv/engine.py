@@ -125,6 +125,10 @@ class LLMEngine:
     def num_waiting_requests(self, tenant: str | None = None) -> int:
         return self.scheduler.num_waiting(tenant) + sum(tenant is None or r.tenant == tenant for r in self._held)
 
+    def waiting_requests(self) -> list[Request]:
+        """Queued in the scheduler, and held out of it until a weight update loads."""
+        return [*self.scheduler.waiting, *self._held]
+
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens the KV cache can hold at once (the pool's, or the tiered cache's page table)."""
@@ -219,26 +223,25 @@ class LLMEngine:
         if self._pending_update is not None:
             raise WeightUpdateConflict("another weight update is waiting for the running requests to finish")
         self.executor.check_weight_update(update)
-        started = self._started_requests()
+        started = self.started_requests()
         if started and policy == "drain" and self.paused:
             raise WeightUpdateConflict(f"generation is paused with {len(started)} started request(s), which must "
                                        f"finish under the old weights (drain): continue generation first, or abort them")
-        aborted = [self._abort_started(r) for r in started] if policy == "abort" else []
+        aborted = self.abort_started_requests() if policy == "abort" else []
         self._pending_update, self.weight_update_error = (update, checkpoint), None
-        # NOTE: the requests not started leave the scheduler's queue until the update loads, so that the
-        # scheduler admits none of them under the old weights (a preempted one stays: it has started).
-        fresh = [r for r in self.scheduler.waiting if r.first_scheduled_time is None]
-        for req in fresh:
-            self.scheduler.waiting.remove(req)
-        self._held.extend(fresh)
+        self.hold_unstarted_requests()
         self._apply_pending_update()
         if self.weight_update_error is not None:
             raise self.weight_update_error
         return aborted
 
-    def _started_requests(self) -> list[Request]:
+    def started_requests(self) -> list[Request]:
         """Running, or preempted after running: some of their KV or tokens come from the current weights."""
         return [r for r in [*self.scheduler.running, *self.scheduler.waiting] if r.first_scheduled_time is not None]
+
+    def abort_started_requests(self) -> list[RequestOutput]:
+        """Abort every started request; their final outputs (finish_reason "abort")."""
+        return [self._abort_started(r) for r in self.started_requests()]
 
     def _abort_started(self, req: Request) -> RequestOutput:
         req.finish_reason = "abort"
@@ -247,9 +250,22 @@ class LLMEngine:
         self._release_idle_buffers()
         return out
 
+    def hold_unstarted_requests(self) -> None:
+        """Move the requests never scheduled out of the scheduler's queue until `release_held_requests`,
+        so that the scheduler admits none of them under the old weights (a preempted one stays: it has
+        started). A data-parallel lane is told to before each step of a drain."""
+        fresh = [r for r in self.scheduler.waiting if r.first_scheduled_time is None]
+        for req in fresh:
+            self.scheduler.waiting.remove(req)
+        self._held.extend(fresh)
+
+    def release_held_requests(self) -> None:
+        self.scheduler.waiting.extend(self._held)
+        self._held.clear()
+
     def _apply_pending_update(self) -> None:
         """Load the waiting update once no started request is left; then the held requests queue again."""
-        if self._pending_update is None or self._started_requests():
+        if self._pending_update is None or self.started_requests():
             return
         update, checkpoint = self._pending_update
         try:
@@ -262,8 +278,7 @@ class LLMEngine:
             self.kv.new_weights(checkpoint)
         finally:
             self._pending_update = None
-            self.scheduler.waiting.extend(self._held)
-            self._held.clear()
+            self.release_held_requests()
 
     @property
     def weight_update_pending(self) -> bool:
@@ -302,7 +317,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         running = {r.request_id for r in self.scheduler.running}
-        waiting = {r.request_id for r in [*self.scheduler.waiting, *self._held]}
+        waiting = {r.request_id for r in self.waiting_requests()}
         self.kv.check_integrity(self.scheduler.running, waiting)
         self.outputs.check_integrity(running | waiting)
         self.executor.check_integrity(running)

@@ -59,12 +59,12 @@ class LLM:
         `weight_scale_inv`; names left out keep their values), checked whole first: a bad update raises
         `WeightUpdateError` and the old weights keep serving. The prefix cache forgets what the old
         weights computed. Returns the new `weights_version`."""
-        self._weights_engine().update_weights(named_tensors, policy)
+        self.engine.update_weights(named_tensors, policy)
         return self.engine.weights_version
 
     def update_weights_from_disk(self, path: str, policy: str = "drain") -> int:
         """`update_weights` from a checkpoint directory of the same architecture."""
-        self._weights_engine().update_weights_from_disk(path, policy)
+        self.engine.update_weights_from_disk(path, policy)
         return self.engine.weights_version
 
     @property
@@ -75,11 +75,6 @@ class LLM:
     def flush_cache(self) -> int:
         """Forget every prefix-cache page in every tier; returns how many."""
         return self.engine.flush_cache()
-
-    def _weights_engine(self):
-        if not hasattr(self.engine, "update_weights"):
-            raise NotImplementedError("weight updates with data_parallel_size > 1 are not supported yet")
-        return self.engine
 
     def stats(self) -> dict:
         return self.engine.stats()

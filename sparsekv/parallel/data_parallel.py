@@ -7,6 +7,10 @@ to a rank (`PrefixAffinityRouter`: the longest prefix sent there before, then th
 flight) and steps every rank together: one broadcast carries the step's new requests and aborts to
 every rank, each rank runs its engine's step (its `LaneExecutor` keeps the passes in lockstep for the
 MoE, a rank with nothing running an empty one), and the ranks' outputs are gathered back.
+
+Weight updates (docs/rl.md) are checked whole on rank 0, then loaded by every rank in one broadcast
+command between two steps (`load_lane`): under expert parallelism the ranks' tokens meet at every MoE
+layer, so all of them must switch at the same step, or a token would mix old and new experts.
 """
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ from ..config import ConfigError, EngineConfig
 from ..engine import LLMEngine
 from ..hub import resolve_config
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
+from ..weights import WEIGHT_UPDATE_POLICIES, WeightUpdateConflict, WeightUpdateError
 from .executor import serve_rank
-from .launch import RankGroup, check_layout, control_group, leave, start_worker, torchrun_rank
+from .launch import RankFailure, RankGroup, check_layout, control_group, leave, start_worker, torchrun_rank
 from .router import PrefixAffinityRouter
 
 logger = logging.getLogger(__name__)
@@ -46,8 +51,13 @@ class DataParallelEngine:
         self.rank_of: dict[str, int] = {}  # requests in flight -> their rank
         self._adds: list[list] = [[] for _ in range(self.num_ranks)]
         self._aborts: list[list[str]] = [[] for _ in range(self.num_ranks)]
-        self._summaries: list[dict] = [{"waiting": {}, "running": 0, "counters": {}} for _ in range(self.num_ranks)]
+        self._summaries: list[dict] = [{"waiting": {}, "running": 0, "started": 0, "counters": {}}
+                                       for _ in range(self.num_ranks)]
         self._next_id = 0
+        self.weights_version = 0  # updates every rank loaded (each rank's engine counts the same)
+        self.paused = False
+        self.weight_update_error: Exception | None = None  # why the last deferred update failed to load
+        self._pending_update = None  # (update, checkpoint) waiting for every rank's started requests (drain)
 
     # -- what the local rank's engine knows for all ------------------------------------------------
     @property
@@ -87,6 +97,8 @@ class DataParallelEngine:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self.rank_of:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        if params.return_routed_experts and self.config.enable_expert_parallel:  # else refused on its rank, mid-step
+            raise InvalidRequest("return_routed_experts is not available with expert parallelism", "return_routed_experts")
         token_ids = self.local.inputs.process(prompt, params)
         if params.structured_output is not None:
             self.local.outputs.grammar_for(params.structured_output)  # a bad grammar fails here, not on a rank
@@ -112,7 +124,9 @@ class DataParallelEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.rank_of)
+        """Requests in flight, or a drain waiting: its update loads in a step once the ranks report no
+        started request, also when the last of them was aborted rather than finished."""
+        return bool(self.rank_of) or self._pending_update is not None
 
     def num_waiting_requests(self, tenant: str | None = None) -> int:
         """Queued on every rank as of the last step, plus those not sent to their rank yet."""
@@ -123,10 +137,17 @@ class DataParallelEngine:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        message = {"adds": self._adds, "aborts": self._aborts}
+        """One step of every rank. While a drain waits, every rank first holds its requests never
+        scheduled (`LLMEngine.hold_unstarted_requests`; new ones are still sent, and held there), and
+        the update loads at the end of the step after which no rank reports a started request."""
+        if self.paused:
+            return []
+        draining = self._pending_update is not None
+        # rank 0's adds and aborts went to its engine directly: its lists here stay empty
+        message = {"adds": self._adds, "aborts": self._aborts, "hold": draining}
         self._adds = [[] for _ in range(self.num_ranks)]
         self._aborts = [[] for _ in range(self.num_ranks)]
-        gathered = self._together("step", message, run=lambda: step_lane(self.local, 0))
+        gathered = self._together("step", message, run=lambda: step_lane(self.local, 0, message))
         outputs = []
         for rank, (outs, summary) in enumerate(gathered):
             self._summaries[rank] = summary
@@ -134,6 +155,8 @@ class DataParallelEngine:
                 if out.finished and self.rank_of.pop(out.request_id, None) is not None:
                     self.router.finished(rank)
                 outputs.append(out)
+        if draining and not any(s["started"] for s in self._summaries):
+            outputs += self._load(*self._pending_update)
         return outputs
 
     def _together(self, command: str, *args, run):
@@ -154,6 +177,95 @@ class DataParallelEngine:
     def reset_prefix_cache(self, tenant: str | None = None) -> int:
         return sum(self._together("reset_prefix_cache", tenant, run=lambda: self.local.reset_prefix_cache(tenant)))
 
+    # -- weights and generation control, for RL trainers (docs/rl.md) -------------------------------
+    def update_weights(self, named_tensors, policy: str = "drain") -> list[RequestOutput]:
+        """`LLMEngine.update_weights` over every rank: checked whole here (WeightUpdateError: no rank
+        changed), then every rank loads its slices in the same command (`_load`)."""
+        from ..weights import check_tensor_update, model_weight_shapes
+        return self._update(check_tensor_update(model_weight_shapes(self.local.model), named_tensors), None, policy)
+
+    def update_weights_from_disk(self, path: str, policy: str = "drain") -> list[RequestOutput]:
+        from ..weights import check_disk_update, model_weight_shapes
+        update = check_disk_update(path, self.local.model_config, self.config.hf_overrides,
+                                   model_weight_shapes(self.local.model))
+        return self._update(update, path, policy)
+
+    def _update(self, update, checkpoint: str | None, policy: str) -> list[RequestOutput]:
+        """"abort", or nothing started anywhere: load now. "drain": remember the update; `step` holds
+        the requests never scheduled on every rank and loads it once no rank has a started one. A rank
+        cannot load by itself when its own requests finish, as `LLMEngine` does: the others may still
+        be running theirs under the old experts."""
+        if policy not in WEIGHT_UPDATE_POLICIES:
+            raise ValueError(f"weight update policy must be one of {WEIGHT_UPDATE_POLICIES}, got {policy!r}")
+        if self._pending_update is not None:
+            raise WeightUpdateConflict("another weight update is waiting for the running requests to finish")
+        self.local.executor.check_weight_update(update)
+        started = self._num_started()
+        if started and policy == "drain" and self.paused:
+            raise WeightUpdateConflict(f"generation is paused with {started} started request(s), which must "
+                                       f"finish under the old weights (drain): continue generation first, or abort them")
+        self.weight_update_error = None
+        if started and policy == "drain":
+            self._pending_update = (update, checkpoint)
+            return []
+        aborted = self._load(update, checkpoint)
+        if self.weight_update_error is not None:
+            raise self.weight_update_error
+        return aborted
+
+    def _num_started(self) -> int:
+        """Started requests: rank 0's now, the others' as of their last answer (nothing runs on a rank
+        between two commands; one aborted here since is counted until the next step)."""
+        return len(self.local.started_requests()) + sum(s["started"] for s in self._summaries[1:])
+
+    def _load(self, update, checkpoint: str | None) -> list[RequestOutput]:
+        """Every rank loads the update in one command, so all switch at the same step; returns the
+        outputs of the started requests it aborted (none after a drain)."""
+        self._pending_update = None
+        gathered = self._together("load_weights", update, checkpoint,
+                                  run=lambda: load_lane(self.local, update, checkpoint))
+        errors = [f"data-parallel rank {rank}: {error}" for rank, (_, error, _) in enumerate(gathered) if error]
+        self._settle_load(errors)
+        outputs = []
+        for rank, (aborted, _, summary) in enumerate(gathered):
+            self._summaries[rank] = summary
+            for out in aborted:  # a request aborted here already (its abort still queued) is not answered twice
+                if self.rank_of.pop(out.request_id, None) is not None:
+                    self.router.finished(rank)
+                    outputs.append(out)
+        return outputs
+
+    def _settle_load(self, errors: list[str]) -> None:
+        """All ranks loaded: a new version. None did: the old weights keep serving everywhere
+        (`weight_update_error`; a load builds the new weights whole before copying them in). Some did:
+        the ranks' weights differ, and the engine serves no more (RankFailure)."""
+        if not errors:
+            self.weights_version += 1
+        elif len(errors) == self.num_ranks:
+            self.weight_update_error = WeightUpdateError("no rank loaded the weight update; the previous weights "
+                                                         "keep serving: " + "; ".join(errors))
+            logger.error("%s", self.weight_update_error)
+        else:
+            self.ranks.failure = RankFailure("the weight update loaded on some data-parallel ranks and failed on "
+                                             "others, whose weights now differ: " + "; ".join(errors))
+            raise self.ranks.failure
+
+    @property
+    def weight_update_pending(self) -> bool:
+        return self._pending_update is not None
+
+    def pause_generation(self) -> None:
+        """Stop stepping: the front end sends no step, so every rank keeps its requests and KV as they
+        are (`LLMEngine.pause_generation`); requests may still be added."""
+        self.paused = True
+
+    def continue_generation(self) -> None:
+        self.paused = False
+
+    def flush_cache(self) -> int:
+        """Forget every tenant's prefix-cache pages on every rank, in every tier; returns how many."""
+        return self.reset_prefix_cache(None)
+
     # -- observability -----------------------------------------------------------------------------
     def stats(self) -> dict:
         """Every rank's figures added up (rates recomputed from the sums); `ranks` lists each rank's."""
@@ -162,6 +274,8 @@ class DataParallelEngine:
         merged = merge_stats(self._together("stats", run=self.local.stats))
         merged["by_data_parallel_rank"] = [{"running": s["running"], "waiting": s["waiting"], **s["counters"]}
                                            for s in self._summaries]
+        merged.update(weights_version=self.weights_version, paused=self.paused,
+                      weight_update_pending=self.weight_update_pending)
         return merged
 
     def check_integrity(self) -> None:
@@ -177,20 +291,45 @@ class DataParallelEngine:
         self.ranks.close(notify=self.ranks.failure is None)
 
 
-def step_lane(engine: LLMEngine, rank: int, message: dict | None = None) -> tuple[list[RequestOutput], dict]:
-    """One data-parallel rank's part of a step: its new requests and aborts, its engine's step (the
-    passes it does not run, empty), and what the front end needs back."""
-    if message is not None:
-        for request_id in message["aborts"][rank]:
-            engine.abort(request_id)
-        for request_id, token_ids, params, tenant, cache_salt in message["adds"][rank]:
-            engine.add_request(request_id, token_ids, params, tenant, cache_salt)
-    outs = engine.step() if engine.has_unfinished_requests() else []
+def step_lane(engine: LLMEngine, rank: int, message: dict) -> tuple[list[RequestOutput], dict]:
+    """One data-parallel rank's part of a step: its new requests and aborts, during a drain its
+    requests never scheduled held, its engine's step (the passes it does not run, empty), and what the
+    front end needs back."""
+    for request_id in message["aborts"][rank]:
+        engine.abort(request_id)
+    for request_id, token_ids, params, tenant, cache_salt in message["adds"][rank]:
+        engine.add_request(request_id, token_ids, params, tenant, cache_salt)
+    if message["hold"]:
+        engine.hold_unstarted_requests()
+    outs = engine.step() if engine.scheduler.has_unfinished() else []
     engine.executor.finish_step()
+    return outs, lane_summary(engine)
+
+
+def lane_summary(engine: LLMEngine) -> dict:
     waiting: dict[str, int] = {}
-    for req in engine.scheduler.waiting:
+    for req in engine.waiting_requests():
         waiting[req.tenant] = waiting.get(req.tenant, 0) + 1
-    return outs, {"waiting": waiting, "running": len(engine.scheduler.running), "counters": dict(engine.counters)}
+    return {"waiting": waiting, "running": len(engine.scheduler.running), "started": len(engine.started_requests()),
+            "counters": dict(engine.counters)}
+
+
+def load_lane(engine: LLMEngine, update, checkpoint: str | None) -> tuple[list[RequestOutput], str | None, dict]:
+    """One rank's part of a weight update: abort its started requests (none after a drain), then load
+    through its engine's own update call, which finds nothing started and so loads at once (never
+    deferred: that would let this rank switch at another step than the others). Returns (the aborted
+    outputs, the error if it failed to load, the rank's summary)."""
+    aborted = engine.abort_started_requests()  # first: a failed load below must not lose their outputs
+    try:
+        if checkpoint is not None:
+            aborted += engine.update_weights_from_disk(checkpoint, policy="abort")
+        else:
+            aborted += engine.update_weights(update.tensors.items(), policy="abort")
+    except Exception as e:  # this rank keeps its old weights (an update builds whole before copying)
+        logger.exception("data-parallel rank: the weight update failed")
+        engine.release_held_requests()  # refused before its engine took them back itself
+        return aborted, f"{type(e).__name__}: {e}", lane_summary(engine)
+    return aborted, None, lane_summary(engine)
 
 
 def lane_integrity(engine: LLMEngine) -> str | None:
@@ -209,6 +348,7 @@ def serve_lane(config: EngineConfig, rank: int, init_method: str) -> None:
         return
     engine, control = started
     commands = {"step": lambda message: step_lane(engine, rank, message), "stats": engine.stats,
+                "load_weights": lambda update, checkpoint: load_lane(engine, update, checkpoint),
                 "expire_prefix_cache": engine.expire_prefix_cache, "reset_prefix_cache": engine.reset_prefix_cache,
                 "check_integrity": lambda: lane_integrity(engine)}
     while True:

@@ -35,8 +35,6 @@ async def update_weights_from_disk(request: Request):
     state = request.app.state.server
     body = parse_body(await request.body(), UpdateWeightsFromDisk)
     engine, policy = state.engine, state.settings.weight_update_policy
-    if not hasattr(engine, "update_weights_from_disk"):
-        raise APIError(501, "weight updates with data_parallel_size > 1 are not supported yet")
 
     def start():
         state.loop.deliver_outputs(engine.update_weights_from_disk(body.model_path, policy))

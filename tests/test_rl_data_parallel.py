@@ -1,0 +1,152 @@
+"""Weight updates with data-parallel attention (docs/rl.md, docs/parallel.md): two ranks (gloo), expert
+parallelism on, so each rank holds half of the routed experts and the ranks' tokens meet at every MoE
+layer. Every rank must switch weights at the same step; a token computed while one rank had switched
+and the other not would mix A's experts with B's, and its logprobs would be neither A's nor B's.
+
+The data-parallel engine computes in other row groups than one process (its MoE all-gathers the two
+ranks' rows), so outputs are compared with one process's within tests/tolerances.py's bound; the
+same engine before and after a refused update is compared bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sparsekv import LLM, SamplingParams
+from sparsekv.parallel.launch import RankFailure
+from sparsekv.tools.tiny import save_reference_checkpoint
+from sparsekv.weights import WeightUpdateError
+from tolerances import assert_same_greedy, logprob_tolerance
+
+OPTIONS = dict(max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_num_seqs=4,
+               enable_prefix_caching=False, num_threads=1)
+DP = dict(data_parallel_size=2, enable_expert_parallel=True)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+LONGER = SamplingParams(max_tokens=14, temperature=0.0, logprobs=2, ignore_eos=True)
+PROMPT = [(7 * i) % 250 + 1 for i in range(37)]
+OTHER = [(11 * i) % 250 + 3 for i in range(37)]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Two checkpoints of one architecture (A, B: other random weights), 4 routed experts per layer."""
+    root = tmp_path_factory.mktemp("rl_dp")
+    a, b = str(root / "a"), str(root / "b")
+    save_reference_checkpoint(a, "glm_moe_dsa", seed=0, index_topk=8)
+    save_reference_checkpoint(b, "glm_moe_dsa", seed=1, index_topk=8)
+    return a, b
+
+
+def _run_until_done(engine, outs: dict, finished_at: dict) -> list[int]:
+    """Step until nothing is left, noting the step (0-based) each request finished in; returns the
+    steps in which the pending update loaded."""
+    loaded, step = [], 0
+    while engine.has_unfinished_requests():
+        pending = engine.weight_update_pending
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id], finished_at[o.request_id] = o, step
+        if pending and not engine.weight_update_pending:
+            loaded.append(step)
+        step += 1
+    return loaded
+
+
+def test_abort_disk_and_tensor_updates_serve_what_one_process_of_b_serves(ckpts):
+    a, b = ckpts
+    single = LLM(b, **OPTIONS)
+    want = single.generate([PROMPT, OTHER], GREEDY)
+    tol = logprob_tolerance(single)
+    llm = LLM(a, **OPTIONS, **DP)
+    try:
+        engine = llm.engine
+        engine.add_request("r1", PROMPT, GREEDY)
+        engine.add_request("r2", OTHER, GREEDY)
+        engine.step()
+        engine.step()
+        assert set(engine.rank_of.values()) == {0, 1}  # one started request on each rank
+        aborted = engine.update_weights_from_disk(b, policy="abort")
+        assert sorted(o.request_id for o in aborted) == ["r1", "r2"]
+        assert all(o.finish_reason == "abort" and o.metrics["weights_version"] == 0 for o in aborted)
+        assert not engine.has_unfinished_requests() and engine.weights_version == 1
+        got = llm.generate([PROMPT, OTHER], GREEDY)
+        assert_same_greedy(want, got, tol)
+        assert [o.metrics["weights_version"] for o in got] == [1, 1]
+        assert llm.update_weights_from_disk(a) == 2
+        assert llm.update_weights(load_file(f"{b}/model.safetensors").items()) == 3  # tensors sent to rank 1
+        assert_same_greedy(want, llm.generate([PROMPT, OTHER], GREEDY), tol)
+        stats = llm.stats()
+        assert stats["weights_version"] == 3 and not stats["weight_update_pending"]
+        assert all(r["generation_tokens"] > 0 for r in stats["by_data_parallel_rank"]), "a rank served nothing"
+        assert isinstance(llm.flush_cache(), int)
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_drain_switches_every_rank_at_the_step_the_last_started_request_finishes(ckpts):
+    """r1 (rank 0) and r1b (rank 1, six tokens longer) start under A; r2 and r3, added after the
+    update call, are held on their ranks. Rank 0 runs out of started requests first and must keep
+    A's experts until r1b, on rank 1, is done: then both ranks load B in the same step."""
+    a, b = ckpts
+    only_a = LLM(a, **OPTIONS)
+    want_a = only_a.generate([PROMPT, OTHER], [GREEDY, LONGER])
+    want_b = LLM(b, **OPTIONS).generate([OTHER, PROMPT], GREEDY)
+    tol = logprob_tolerance(only_a)
+    llm = LLM(a, **OPTIONS, **DP)
+    try:
+        engine = llm.engine
+        engine.add_request("r1", PROMPT, GREEDY)
+        engine.add_request("r1b", OTHER, LONGER)
+        for _ in range(4):  # prefill and a few decodes under A
+            engine.step()
+        assert engine.update_weights_from_disk(b, policy="drain") == []
+        assert engine.weight_update_pending and engine.weights_version == 0
+        engine.add_request("r2", OTHER, GREEDY)
+        engine.add_request("r3", PROMPT, GREEDY)
+        assert engine.rank_of == {"r1": 0, "r1b": 1, "r2": 1, "r3": 0}  # a held request on each rank
+        outs, finished_at = {}, {}
+        loaded = _run_until_done(engine, outs, finished_at)
+        assert finished_at["r1"] < finished_at["r1b"] and loaded == [finished_at["r1b"]]
+        assert engine.weights_version == 1
+        assert_same_greedy(want_a, [outs["r1"], outs["r1b"]], tol)
+        assert_same_greedy(want_b, [outs["r2"], outs["r3"]], tol)
+        assert [outs[r].metrics["weights_version"] for r in ("r1", "r1b", "r2", "r3")] == [0, 0, 1, 1]
+        assert llm.stats()["weights_version"] == 1
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
+def _with_bad_scales(src: str, dst, experts: list[int]):
+    """A copy of `src` whose layer-1 `experts` are FP8 with block scales of the wrong shape: the
+    headers pass rank 0's check; loading fails on the rank holding those experts (rank 0: 0-1, rank 1: 2-3)."""
+    dst.mkdir()
+    (dst / "config.json").write_bytes(open(f"{src}/config.json", "rb").read())
+    tensors = load_file(f"{src}/model.safetensors")
+    for e in experts:
+        name = f"model.layers.1.mlp.experts.{e}.gate_proj.weight"
+        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = torch.ones(2, 2)  # (1, 1) for a 32 x 64 weight
+    save_file(tensors, str(dst / "model.safetensors"))
+    return str(dst)
+
+
+def test_a_refused_or_failed_update_keeps_a_on_both_ranks_and_a_split_one_stops_the_engine(ckpts, tmp_path):
+    a, b = ckpts
+    llm = LLM(a, **OPTIONS, **DP)
+    try:
+        want = llm.generate([PROMPT, OTHER], GREEDY)
+        with pytest.raises(WeightUpdateError, match="wrong shape"):
+            llm.update_weights([("model.norm.weight", torch.zeros(3))])
+        with pytest.raises(WeightUpdateError, match="no rank loaded .*rank 0: .*rank 1: "):
+            llm.update_weights_from_disk(_with_bad_scales(b, tmp_path / "both", [0, 2]))
+        again = llm.generate([PROMPT, OTHER], GREEDY)
+        assert [(o.token_ids, o.logprobs) for o in again] == [(o.token_ids, o.logprobs) for o in want]
+        assert llm.weights_version == 0 and [o.metrics["weights_version"] for o in again] == [0, 0]
+        with pytest.raises(RankFailure, match="rank 1: .*scale_inv"):
+            llm.update_weights_from_disk(_with_bad_scales(b, tmp_path / "rank1", [2]))
+        with pytest.raises(RankFailure):  # rank 0 has B's experts, rank 1 A's: it never steps again
+            llm.generate([PROMPT], GREEDY)
+    finally:
+        llm.close()
