@@ -265,8 +265,8 @@ def _drafting_run(model, base, prompts, lookahead=None, **options):
         llm.engine.kv.prefix.lookahead = lookahead
     logits, real = [], MTPDrafter.forward
 
-    def spy(self, *args):
-        out = real(self, *args)
+    def spy(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
         if out[0].shape[0]:
             logits.append(out[0].clone())
         return out

@@ -126,7 +126,35 @@ def bench_decode(args, ckpt: str) -> list[dict]:
     for r in ok[1:]:
         console.print(f"flat decode: step time at {r['context']} / at {ok[0]['context']} = "
                       f"{r['sparsekv']['ms'] / ok[0]['sparsekv']['ms']:.2f}x")
+    if args.profile:
+        rows.append(profile_decode(args, ckpt, args.contexts[-1], console))
     return rows
+
+
+def profile_decode(args, ckpt: str, context: int, console: Console) -> dict:
+    """The decode step at `context` by torch op kind (bench_worker.profile_steps), the kinds under 2 %
+    of the step summed in one row, and what the ops leave of the step: Python and dispatch."""
+    job = {"kind": "decode", "engine": "sparsekv", "ckpt": ckpt, "context": context, "steps": 4,
+           "attention": args.attention, "profile": args.profile}
+    r = _worker(job, args.threads)
+    if "error" in r:
+        console.print(f"profile at {context}: {r['error']}")
+        return {"context": context, "profile": r}
+    step, ops = r["profile"]["step_ms"], r["profile"]["ops"]
+    table = Table(title=f"decode step at {context} by op kind ({args.profile} steps under the profiler: "
+                        f"{step:.2f} ms/step, its overhead included; {r['ms']:.2f} ms without)")
+    for col in ("op kind", "self ms / step", "share of the step", "calls / step"):
+        table.add_column(col)
+    shown = [o for o in ops if o[1] >= 0.02 * step]
+    rest = [o for o in ops if o[1] < 0.02 * step]
+    for name, ms, calls in shown:
+        table.add_row(name, f"{ms:.3f}", f"{100 * ms / step:.1f} %", f"{calls:.0f}")
+    table.add_row(f"{len(rest)} other kinds", f"{sum(o[1] for o in rest):.3f}",
+                  f"{100 * sum(o[1] for o in rest) / step:.1f} %", f"{sum(o[2] for o in rest):.0f}")
+    outside = step - sum(o[1] for o in ops)
+    table.add_row("outside torch ops (Python, dispatch, profiler)", f"{outside:.3f}", f"{100 * outside / step:.1f} %", "")
+    console.print(table)
+    return {"context": context, "profile": r["profile"]}
 
 
 def index_flops_per_pair(cfg) -> int:
@@ -244,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transformers-max-context", type=transformers_limit_arg, default=parse_tokens("16K"),
                    help="run the transformers baseline up to this context (default 16K; 0: never)")
     p.add_argument("--include-dense-prefill", action="store_true")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="for `decode`: profile this many steps at the largest context and print their time by op kind")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return p
 

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from .serve_client import server_model
+
 TIER_METRICS = ("num_requests_running", "num_requests_waiting", "kv_pages_free", "device_kv_bytes",
                 "device_latent_bytes", "device_indexer_bytes", "host_kv_bytes", "host_kv_budget_bytes",
                 "tier_hits_total", "tier_misses_total", "h2d_bytes_total", "d2h_bytes_total",
@@ -165,13 +167,6 @@ async def sample_peaks(client: httpx.AsyncClient, peak: dict, interval: float = 
                 peak[name] = pick(peak.get(name, value), value)
         except httpx.HTTPError:
             pass
-
-
-async def server_model(client: httpx.AsyncClient, model: str | None) -> tuple[str, int]:
-    r = await client.get("/v1/models")
-    r.raise_for_status()
-    first = r.json()["data"][0]
-    return model or first["id"], int(first.get("vocab_size") or 256)
 
 
 def make_prompts(args, vocab: int) -> list[list[int]]:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from .serve_client import server_model
+
 
 @dataclass
 class Stream:
@@ -133,7 +135,6 @@ def _split(longs: list[Stream]) -> dict:
 
 
 async def run(args) -> dict:
-    from .bench_serve import server_model
     limits = httpx.Limits(max_connections=args.streams + args.num_long_prompts + 4)
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout, limits=limits) as client:
         model, vocab = await server_model(client, args.model)

@@ -84,9 +84,10 @@ def _all_tensors(m):
 
 def sparsekv_decode(job: dict) -> dict:
     from sparsekv import SamplingParams
-    ctx, steps = job["context"], job["steps"]
-    engine = _engine(job, ctx + steps + 8)
-    req = engine.add_request("bench", [1] * (ctx + 1), SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+    ctx, steps, profiled = job["context"], job["steps"], job.get("profile", 0)
+    engine = _engine(job, ctx + steps + profiled + 8)
+    req = engine.add_request("bench", [1] * (ctx + 1),
+                             SamplingParams(max_tokens=steps + profiled + 2, temperature=0.0, ignore_eos=True))
     synthetic_prefill(engine, req, ctx)
     times = []
     for _ in range(steps):
@@ -94,7 +95,26 @@ def sparsekv_decode(job: dict) -> dict:
         engine.step()
         times.append(time.perf_counter() - t0)
     ms = statistics.median(times[2:] or times) * 1000
-    return {"ms": ms, "tokens_per_s": 1000 / ms, "bytes_per_step": decode_bytes_per_step(engine, ctx)}
+    out = {"ms": ms, "tokens_per_s": 1000 / ms, "bytes_per_step": decode_bytes_per_step(engine, ctx)}
+    if profiled:
+        out["profile"] = profile_steps(engine, profiled)
+    return out
+
+
+def profile_steps(engine, steps: int) -> dict:
+    """Where `steps` more decode steps spend their time, by torch op kind: each kind's self time (its
+    own kernel, not the ops it calls) and calls per step, and the step's wall time under the profiler
+    (its own overhead included); what the ops leave of it is Python and dispatch."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall_ms = (time.perf_counter() - t0) * 1000 / steps
+    kinds = [(e.key, e.self_cpu_time_total / 1000 / steps, e.count / steps) for e in prof.key_averages()
+             if e.key.startswith("aten::")]
+    kinds.sort(key=lambda k: -k[1])
+    return {"step_ms": wall_ms, "ops": kinds}
 
 
 def sparsekv_prefill(job: dict) -> dict:
