@@ -176,10 +176,10 @@ def test_index_score_scratch_is_reused_across_calls_and_shared_by_indexers(monke
         return indexer.select(q, w, [(0, keys)], positions, k), (q, w, keys, positions)
 
     got, inputs = call(first, 200, 20)
-    storage, size = scratch._buffer.data_ptr(), scratch.nbytes
+    storage, size = scratch._buffers["scores"].data_ptr(), scratch.nbytes
     assert size == 8 * 200 * 4                       # one block of 8 rows x 200 keys
     got2, inputs2 = call(second, 150, 20)            # smaller: same storage
-    assert scratch._buffer.data_ptr() == storage and scratch.nbytes == size
+    assert scratch._buffers["scores"].data_ptr() == storage and scratch.nbytes == size
     q, w, keys, positions = inputs2
     assert torch.equal(got2, alone.select(q, w, [(0, keys)], positions, k))
     call(first, 300, 20)                             # larger: grows by doubling

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..context import SeqSlice
+from ..model.indexer import gather_rows
 from .pool import history_segments, padded_slots
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -42,14 +43,14 @@ class IndexKeyCache:
             return pieces
         return [(pos, self._dequantise(layer, seq, pos, k)) for pos, k in pieces]
 
-    def padded(self, layer: int, seqs: list[SeqSlice]) -> torch.Tensor:
-        """Several requests' keys, padded (pool.padded_slots): [B, T_max, D_I]; fp8 dequantised."""
+    def padded(self, layer: int, seqs: list[SeqSlice], scratch=None) -> torch.Tensor:
+        """Several requests' keys, padded (pool.padded_slots): [B, T_max, D_I]; fp8 dequantised. Plain
+        keys go into `scratch`'s kept buffer when given (model/indexer.py: gather_rows)."""
         slots = padded_slots(seqs)
-        flat = slots.reshape(-1)  # index_select: a CPU runs it several times faster than a [B, T] index
-        raw = self.keys[layer].index_select(0, flat).view(*slots.shape, -1)
+        raw = gather_rows(self.keys[layer], slots, None if self.fp8 else scratch)
         if not self.fp8:
             return raw
-        scales = self.scales[layer].index_select(0, flat).view(slots.shape)
+        scales = self.scales[layer].index_select(0, slots.reshape(-1)).view(slots.shape)
         return (raw.view(torch.float8_e4m3fn).float() * scales[..., None]).to(self.dtype)
 
     def _dequantise(self, layer: int, seq: SeqSlice, positions, raw: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 
 from ..config import ModelConfig
 from ..context import SeqSlice, index_tensor
+from ..model.indexer import gather_rows
 from .latent_format import PlainLatent
 
 
@@ -147,11 +148,11 @@ class KVPool:
     def index_key_segments(self, layer: int, seq: SeqSlice) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
         return history_segments(self.index_keys[layer], seq)
 
-    def index_keys_batch(self, layer: int, seqs: list[SeqSlice]) -> torch.Tensor:
+    def index_keys_batch(self, layer: int, seqs: list[SeqSlice], scratch=None) -> torch.Tensor:
         """Indexer keys of several requests' histories, padded: [B, T_max, D_I] (index_select on the flat
-        slots: a CPU runs it several times faster than the same [B, T_max] advanced index)."""
-        slots = padded_slots(seqs)
-        return self.index_keys[layer].index_select(0, slots.reshape(-1)).view(*slots.shape, -1)
+        slots: a CPU runs it several times faster than the same [B, T_max] advanced index), into
+        `scratch`'s kept buffer when given (model/indexer.py: gather_rows)."""
+        return gather_rows(self.index_keys[layer], padded_slots(seqs), scratch)
 
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim]: only k entries are read."""

@@ -204,8 +204,8 @@ class TieredKVPool:
     def index_key_segments(self, layer: int, seq: SeqSlice) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
         return self.index.segments(layer, seq)
 
-    def index_keys_batch(self, layer: int, seqs: list[SeqSlice]) -> torch.Tensor:
-        return self.index.padded(layer, seqs)
+    def index_keys_batch(self, layer: int, seqs: list[SeqSlice], scratch=None) -> torch.Tensor:
+        return self.index.padded(layer, seqs, scratch)
 
     def _step_of(self, layer: int) -> _StepState:
         return self._mtp_step if layer in self.mtp_layers else self._step
