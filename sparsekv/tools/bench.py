@@ -131,9 +131,12 @@ def bench_decode(args, ckpt: str) -> list[dict]:
     return rows
 
 
+PROFILE_KINDS = 12
+
+
 def profile_decode(args, ckpt: str, context: int, console: Console) -> dict:
-    """The decode step at `context` by torch op kind (bench_worker.profile_steps), the kinds under 2 %
-    of the step summed in one row, and what the ops leave of the step: Python and dispatch."""
+    """The decode step at `context` by torch op kind (bench_worker.profile_steps): the PROFILE_KINDS
+    costliest, the rest summed in one row, and what the ops leave of the step: Python and dispatch."""
     job = {"kind": "decode", "engine": "sparsekv", "ckpt": ckpt, "context": context, "steps": 4,
            "attention": args.attention, "profile": args.profile}
     r = _worker(job, args.threads)
@@ -145,8 +148,7 @@ def profile_decode(args, ckpt: str, context: int, console: Console) -> dict:
                         f"{step:.2f} ms/step, its overhead included; {r['ms']:.2f} ms without)")
     for col in ("op kind", "self ms / step", "share of the step", "calls / step"):
         table.add_column(col)
-    shown = [o for o in ops if o[1] >= 0.02 * step]
-    rest = [o for o in ops if o[1] < 0.02 * step]
+    shown, rest = ops[:PROFILE_KINDS], ops[PROFILE_KINDS:]
     for name, ms, calls in shown:
         table.add_row(name, f"{ms:.3f}", f"{100 * ms / step:.1f} %", f"{calls:.0f}")
     table.add_row(f"{len(rest)} other kinds", f"{sum(o[1] for o in rest):.3f}",
