@@ -15,7 +15,6 @@ layer, so all of them must switch at the same step, or a token would mix old and
 from __future__ import annotations
 
 import logging
-import os
 
 import torch.distributed as dist
 
@@ -24,8 +23,8 @@ from ..engine import LLMEngine
 from ..hub import resolve_config
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
 from ..weights import WEIGHT_UPDATE_POLICIES, WeightUpdateConflict, WeightUpdateError
-from .executor import serve_rank
-from .launch import RankFailure, RankGroup, check_layout, control_group, leave, start_worker, torchrun_rank
+from .lanes import lane_integrity, load_lane, merge_stats, serve_lane, step_lane
+from .launch import RankFailure, RankGroup, check_layout
 from .router import PrefixAffinityRouter
 
 logger = logging.getLogger(__name__)
@@ -289,145 +288,3 @@ class DataParallelEngine:
             return
         self.local.close()
         self.ranks.close(notify=self.ranks.failure is None)
-
-
-def step_lane(engine: LLMEngine, rank: int, message: dict) -> tuple[list[RequestOutput], dict]:
-    """One data-parallel rank's part of a step: its new requests and aborts, during a drain its
-    requests never scheduled held, its engine's step (the passes it does not run, empty), and what the
-    front end needs back."""
-    for request_id in message["aborts"][rank]:
-        engine.abort(request_id)
-    for request_id, token_ids, params, tenant, cache_salt in message["adds"][rank]:
-        engine.add_request(request_id, token_ids, params, tenant, cache_salt)
-    if message["hold"]:
-        engine.hold_unstarted_requests()
-    outs = engine.step() if engine.scheduler.has_unfinished() else []
-    engine.executor.finish_step()
-    return outs, lane_summary(engine)
-
-
-def lane_summary(engine: LLMEngine) -> dict:
-    waiting: dict[str, int] = {}
-    for req in engine.waiting_requests():
-        waiting[req.tenant] = waiting.get(req.tenant, 0) + 1
-    return {"waiting": waiting, "running": len(engine.scheduler.running), "started": len(engine.started_requests()),
-            "counters": dict(engine.counters)}
-
-
-def load_lane(engine: LLMEngine, update, checkpoint: str | None) -> tuple[list[RequestOutput], str | None, dict]:
-    """One rank's part of a weight update: abort its started requests (none after a drain), then load
-    through its engine's own update call, which finds nothing started and so loads at once (never
-    deferred: that would let this rank switch at another step than the others). Returns (the aborted
-    outputs, the error if it failed to load, the rank's summary)."""
-    aborted = engine.abort_started_requests()  # first: a failed load below must not lose their outputs
-    try:
-        if checkpoint is not None:
-            aborted += engine.update_weights_from_disk(checkpoint, policy="abort")
-        else:
-            aborted += engine.update_weights(update.tensors.items(), policy="abort")
-    except Exception as e:  # this rank keeps its old weights (an update builds whole before copying)
-        logger.exception("data-parallel rank: the weight update failed")
-        engine.release_held_requests()  # refused before its engine took them back itself
-        return aborted, f"{type(e).__name__}: {e}", lane_summary(engine)
-    return aborted, None, lane_summary(engine)
-
-
-def lane_integrity(engine: LLMEngine) -> str | None:
-    try:
-        engine.check_integrity()
-    except AssertionError as e:
-        return f"data-parallel rank {engine.executor.model.comm.rank}: {e}"
-    return None
-
-
-def serve_lane(config: EngineConfig, rank: int, init_method: str) -> None:
-    """A data-parallel rank other than 0 (a spawned process): join, build its engine, report, then
-    answer the front end's commands until told to stop."""
-    started = start_worker(config, rank, init_method, lambda control: LLMEngine(config, lane=rank))
-    if started is None:
-        return
-    engine, control = started
-    commands = {"step": lambda message: step_lane(engine, rank, message), "stats": engine.stats,
-                "load_weights": lambda update, checkpoint: load_lane(engine, update, checkpoint),
-                "expire_prefix_cache": engine.expire_prefix_cache, "reset_prefix_cache": engine.reset_prefix_cache,
-                "check_integrity": lambda: lane_integrity(engine)}
-    while True:
-        message = [None]
-        dist.broadcast_object_list(message, src=0, group=control_group())
-        command, args = message[0]
-        if command == "close":
-            engine.close()
-            leave(control)
-        dist.gather_object(commands[command](*args), None, dst=0, group=control_group())
-
-
-def host_torchrun_rank(config: EngineConfig) -> bool:
-    """Under torchrun, rank R > 0 of the world runs that rank here (until rank 0's engine stops it) and
-    this returns True; rank 0, or no torchrun, returns False (the engine runs here)."""
-    rank = torchrun_rank(config)
-    if not rank:
-        return False
-    check_layout(config)
-    target = serve_lane if config.data_parallel_size > 1 else serve_rank
-    target(config, rank, f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
-    return True
-
-
-def host_node(config: EngineConfig) -> int:
-    """Node `config.node_rank` (> 0) of a multi-node world: run this node's ranks until node 0's engine
-    stops them. Returns 0, or the first failed rank's exit code."""
-    config.validate()
-    if config.node_rank == 0:
-        raise ValueError("node 0 runs the engine itself; host_node is for the other nodes")
-    check_layout(config)
-    target = serve_lane if config.data_parallel_size > 1 else serve_rank
-    ranks = RankGroup.start(config, target)
-    for p in ranks.processes:
-        p.join()
-    return next((p.exitcode for p in ranks.processes if p.exitcode), 0)
-
-
-# -- stats -----------------------------------------------------------------------------------------
-PER_REQUEST = {"device_buffer_tokens"}  # a setting, the same on every rank
-
-
-def merge_stats(all_stats: list[dict]) -> dict:
-    out = {}
-    for key, value in all_stats[0].items():
-        values = [s.get(key) for s in all_stats]
-        if key == "ranks":
-            out[key] = [r for s in all_stats for r in s["ranks"]]
-        elif key in PER_REQUEST or isinstance(value, (str, bool)) or value is None:
-            out[key] = value
-        elif isinstance(value, dict):
-            out[key] = _merge_dicts(values)
-        elif isinstance(value, list):
-            out[key] = [sum(parts) for parts in zip(*values)]
-        elif isinstance(value, int):
-            out[key] = sum(values)
-        else:
-            out[key] = value  # rates: recomputed below
-    return _rates(out)
-
-
-def _merge_dicts(dicts: list[dict]) -> dict:
-    out: dict = {}
-    for d in dicts:
-        for key, value in d.items():
-            out[key] = _merge_dicts([out.get(key, {}), value]) if isinstance(value, dict) else out.get(key, 0) + value
-    return out
-
-
-def _rates(s: dict) -> dict:
-    def ratio(a, b):
-        return a / b if b else 0.0
-    if "tier_miss_rate" in s:
-        s["tier_miss_rate"] = ratio(s["tier_misses"], s["tier_hits"] + s["tier_misses"])
-    if "prefix_cache_hit_rate" in s:
-        hits = sum(v for k, v in s.items() if k.startswith("prefix_cache_hits_"))
-        s["prefix_cache_hit_rate"] = ratio(hits, s["prefix_cache_queries"])
-    if "spec_decode_acceptance_rate" in s:
-        s["spec_decode_acceptance_rate"] = ratio(s["spec_decode_num_accepted_tokens"], s["spec_decode_num_draft_tokens"])
-        drafts = s["spec_decode_num_drafts"]
-        s["spec_decode_mean_acceptance_length"] = 1 + ratio(s["spec_decode_num_accepted_tokens"], drafts) if drafts else 0.0
-    return s

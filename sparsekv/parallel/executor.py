@@ -255,7 +255,7 @@ def start_executor(config: EngineConfig, dtype: torch.dtype, device: torch.devic
                           "(LLM(...) and `sparsekv serve` build it: llm.build_engine)")
     if config.node_rank > 0:
         raise ConfigError(f"node_rank {config.node_rank} only hosts ranks for node 0's engine: run "
-                          f"`sparsekv serve --node-rank {config.node_rank} ...` there (parallel.data_parallel.host_node)")
+                          f"`sparsekv serve --node-rank {config.node_rank} ...` there (parallel.lanes.host_node)")
     layout = layout_of(config)
     if layout.world_size > 1:  # a layout the model cannot take fails here, before any process starts
         check_layout(config)

@@ -61,7 +61,7 @@ class RankGroup:
         launched = torchrun_rank(config)
         if launched:
             raise ConfigError(f"under torchrun, rank {launched} hosts its rank for rank 0's engine: run "
-                              f"`sparsekv serve ...` on every rank (parallel.data_parallel.host_torchrun_rank)")
+                              f"`sparsekv serve ...` on every rank (parallel.lanes.host_torchrun_rank)")
         if launched == 0:  # torchrun started every rank: join as rank 0, spawn nothing
             join_group(config, 0, init_method)
             return cls(config, layout, [])

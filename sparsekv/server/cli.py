@@ -132,7 +132,7 @@ def host_ranks(args) -> int | None:
     """This process's part when it only hosts ranks for node 0's engine: node `--node-rank` > 0, or
     rank > 0 under torchrun. None: the engine and the server run here."""
     from ..config import EngineConfig
-    from ..parallel.data_parallel import host_node, host_torchrun_rank
+    from ..parallel.lanes import host_node, host_torchrun_rank
     from ..paths import default_model_path
     try:
         config = EngineConfig(model=args.model or default_model_path(), **engine_options(args))
