@@ -258,3 +258,33 @@ def test_a_weights_stamp_names_the_checkpoint_while_its_files_are_what_was_loade
         check_same_weights({**unknown, "weights_version": 1}, known)
     with pytest.raises(TransferError, match="weights_version None"):
         check_same_weights(None, known)  # metadata without the field
+
+
+@pytest.mark.parametrize("tp_side", ["prefill", "decode"])
+def test_a_tensor_parallel_worker_on_either_side(tp_side, glm_ckpt, tmp_path):
+    """A worker of two tensor-parallel ranks (`-tp 2`, a `sparsekv serve` process of its own: one
+    process holds one torch.distributed world) pairs with a one-rank worker: the KV leaves from rank 0's
+    pages or lands in rank 0's host tier and reaches every rank as a prefix hit does; the answer is one
+    colocated engine's."""
+    from disagg_util import secret_file, start_worker_process
+    from test_server_util import wait_healthy
+    path, prompt = glm_ckpt[0], _prompt(256)
+    colocated = LLM(path, **BASE)
+    want = colocated.generate([prompt], GREEDY)[0]
+    other = "decode" if tp_side == "prefill" else "prefill"
+    secret = secret_file(tmp_path)
+    proc, url = start_worker_process(path, tp_side, secret, 0, "-tp", "2", "--threads", "1")
+    try:
+        wait_healthy(url, proc)
+        with open(secret, "rb") as f:
+            key = f.read()
+        with WorkerServer(path, other, secret=key, **BASE) as local:
+            p_url, d_url = (url, local.url) if tp_side == "prefill" else (local.url, url)
+            rp, rd = send_pair(p_url, d_url, {**BODY, "prompt": prompt})
+            assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+            assert_as_colocated(want, rd.json(), local, logprob_tolerance(colocated))
+            assert rd.json()["sparsekv"]["disaggregation"]["pages_sent"] == (len(prompt) - 1) // PAGE
+            local.check_clean()
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -23,7 +23,7 @@ from .wire import TransferError
 
 def loaded_weights(engine) -> tuple:
     """(weights_version, checkpoint directory, its files' stat stamp when loaded); on the engine loop.
-    A worker is one rank, so its engine's executor runs in process and knows where its weights came from."""
+    The executor (rank 0's, under tensor parallelism) knows where its weights came from."""
     source = engine.executor.weights
     return engine.weights_version, source.path, source.identity
 

@@ -38,6 +38,7 @@ class MultiRankExecutor(Executor):
         self.local, self.ranks = local, ranks
         self.observers = local.observers
         self.runner, self.model = local.runner, local.model
+        self.weights = local.weights  # where every rank's weights came from (each loads its slices)
 
     def _together(self, method: str, *args, run):
         """Broadcast the call, then run it here; a failure of either is a RankFailure."""
