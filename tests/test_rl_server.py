@@ -162,3 +162,29 @@ def test_admin_keys_from_flags_files_and_the_environment(tmp_path):
         load_admin_keys([], [str(path)], {})
     with pytest.raises(ValueError, match="must not be empty"):
         load_admin_keys([""], [], {})
+
+
+def test_a_data_parallel_server_updates_every_rank(ckpts):
+    """-dp 2 with expert parallelism behind the server: /update_weights_from_disk loads B on both ranks
+    (a batch of two prompts runs one on each), the answers are one B engine's, the version is reported."""
+    a, b = ckpts
+    other = [(11 * i) % 250 + 1 for i in range(24)]
+    with ThreadServer(a, api_keys=[f"{KEY}:alice"], admin_api_keys=[ADMIN], enable_prefix_caching=True,
+                      data_parallel_size=2, enable_expert_parallel=True, num_threads=1) as srv:
+        before = _complete(srv, prompt=[PROMPT, other])
+        assert [c["token_ids"] for c in before["sparsekv"]["choices"]] == \
+            [_engine_tokens(a).token_ids, _engine_tokens_of(a, other)]
+        r = _post(srv, "/update_weights_from_disk", {"model_path": b}, key=ADMIN)
+        assert r.status_code == 200 and r.json()["weights_version"] == 1, r.text
+        after = _complete(srv, prompt=[PROMPT, other])
+        assert [c["token_ids"] for c in after["sparsekv"]["choices"]] == \
+            [_engine_tokens(b).token_ids, _engine_tokens_of(b, other)]
+        assert _engine_tokens_of(a, other) != _engine_tokens_of(b, other)  # so each rank's answer tells A from B
+        assert {c["weights_version"] for c in after["sparsekv"]["choices"]} == {1}
+        assert srv.engine.stats()["by_data_parallel_rank"][1]["generation_tokens"] > 0  # rank 1 answered one
+        assert scrape(srv.url)["sparsekv:weights_version"] == 1
+
+
+def _engine_tokens_of(path, prompt):
+    llm = LLM(path, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_page_size=16)
+    return llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids

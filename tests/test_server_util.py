@@ -78,11 +78,11 @@ class ThreadServer:
                  reasoning_parser: str | None = None, metrics_api_keys: list[str] = (), admin_api_keys: list[str] = (),
                  weight_update_policy: str = "drain", **engine_options):
         from sparsekv.config import EngineConfig
-        from sparsekv.engine import LLMEngine
+        from sparsekv.llm import build_engine
         from sparsekv.server.app import ServerSettings, create_app
         from sparsekv.server.auth import load_admin_keys, parse_api_keys, parse_metrics_keys
         opts = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "kv_page_size": 16, **engine_options}
-        self.engine = LLMEngine(EngineConfig(model=model, **opts))
+        self.engine = build_engine(EngineConfig(model=model, **opts))  # data-parallel too (-dp)
         self.delay = slow_steps(self.engine)
         self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), max_queued,
                                                           max_queued_per_tenant=max_queued_per_tenant,
