@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("model",)),                   # the network: reads the cache only through context.py
     ("cache", ("cache",)),                   # page allocator, prefix cache and its tiers, pools, tiering
     ("scheduling", ("scheduler", "runner", "speculative", "structured")),
-    ("engine", ("engine", "llm", "executor", "parallel", "input_processor", "output_processor", "__init__",
+    ("engine", ("engine", "engine_weights", "llm", "executor", "parallel", "input_processor", "output_processor", "__init__",
                 "weights", "routing", "threads")),
     ("server", ("server", "disagg")),        # disagg: the prefill/decode roles of a server, and the router
     ("train", ("train",)),                   # the bundled model's training: uses model/, not the engine
