@@ -6,13 +6,11 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import threading
-import time
 import uuid
 
 import httpx
 
-from test_server_util import REPO, free_port
+from test_server_util import REPO, free_port, serve_in_thread, stop_thread_server
 
 SECRET = b"a-shared-test-secret-0123456789"
 ADMIN_KEY = "sk-admin-of-the-test-workers"
@@ -48,23 +46,11 @@ class WorkerServer:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self):
-        import uvicorn
-        from sparsekv.server.cli import DrainingServer
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=5)
-        self.server = DrainingServer(config, self.state, 5.0)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
+        self.server, self.thread = serve_in_thread(self.app, self.state, self.port, 5.0)
         return self
 
     def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(15)
-        assert not self.thread.is_alive(), "server thread did not stop"
+        stop_thread_server(self.server, self.thread)
 
     def update_weights_from_disk(self, path: str) -> int:
         """The engine's weights from `path`, as an RL trainer loads them (POST /update_weights_from_disk);

@@ -96,23 +96,32 @@ class ThreadServer:
         self.shutdown_timeout = shutdown_timeout
 
     def __enter__(self):
-        import uvicorn
-        from sparsekv.server.cli import DrainingServer
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=5)
-        self.server = DrainingServer(config, self.state, self.shutdown_timeout)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
+        self.server, self.thread = serve_in_thread(self.app, self.state, self.port, self.shutdown_timeout)
         return self
 
     def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(15)
-        assert not self.thread.is_alive(), "server thread did not stop"
+        stop_thread_server(self.server, self.thread)
+
+
+def serve_in_thread(app, state, port: int, shutdown_timeout: float):
+    """uvicorn serving `app` (a DrainingServer) in a daemon thread, once it has started: (server, thread)."""
+    import uvicorn
+    from sparsekv.server.cli import DrainingServer
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
+    server = DrainingServer(config, state, shutdown_timeout)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    return server, thread
+
+
+def stop_thread_server(server, thread) -> None:
+    server.should_exit = True
+    thread.join(15)
+    assert not thread.is_alive(), "server thread did not stop"
 
 
 def start_subprocess_server(model: str, port: int, *args: str, env: dict | None = None) -> subprocess.Popen:

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from .serve_client import server_model
+from .serve_client import StreamError, server_model, stream_chunks
 
 TIER_METRICS = ("num_requests_running", "num_requests_waiting", "kv_pages_free", "device_kv_bytes",
                 "device_latent_bytes", "device_indexer_bytes", "host_kv_bytes", "host_kv_budget_bytes",
@@ -206,32 +206,21 @@ async def send_all(client, model: str, prompts: list[list[int]], args) -> list[R
 async def send_one(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int, key: int = 0,
                    api_keys: list[str] | None = None) -> RequestResult:
     res = RequestResult(len(prompt), key)
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    headers = {"Authorization": f"Bearer {api_keys[key]}"} if api_keys else {}
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now, chunk = time.perf_counter(), json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = chunk["error"].get("message", "error")
-                    return res
-                if chunk.get("choices"):
-                    if res.ttft == 0.0:
-                        res.ttft = now - start
-                    else:
-                        res.itls.append(now - last)
-                    last = now
-                if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
+        async for now, chunk in stream_chunks(client, model, prompt, output_len, api_keys[key] if api_keys else None):
+            if chunk.get("choices"):
+                if res.ttft == 0.0:
+                    res.ttft = now - start
+                else:
+                    res.itls.append(now - last)
+                last = now
+            if chunk.get("usage"):
+                res.output_tokens = chunk["usage"]["completion_tokens"]
         res.e2e = time.perf_counter() - start
         res.ok = res.output_tokens > 0
+    except StreamError as e:
+        res.error = str(e)
     except httpx.HTTPError as e:
         res.error = f"{type(e).__name__}: {e}"
     return res

@@ -15,14 +15,13 @@ against `sparsekv router` it runs on the prefill worker.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
-from .serve_client import server_model
+from .serve_client import StreamError, server_model, stream_chunks
 
 
 @dataclass
@@ -46,29 +45,18 @@ class Stream:
 
 async def consume(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, key: str | None,
                   on_first=None) -> Stream:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
     out = Stream(time.perf_counter())
     try:
-        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                return out
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    out.error = chunk["error"].get("message", "error")
-                    return out
-                if chunk.get("choices"):
-                    out.times.append(time.perf_counter())
-                    if len(out.times) == 1 and on_first is not None:
-                        on_first()
-                if chunk.get("usage"):
-                    out.output_tokens = chunk["usage"]["completion_tokens"]
-                out.split = (chunk.get("sparsekv") or {}).get("disaggregation") or out.split
+        async for now, chunk in stream_chunks(client, model, prompt, max_tokens, key):
+            if chunk.get("choices"):
+                out.times.append(now)
+                if len(out.times) == 1 and on_first is not None:
+                    on_first()
+            if chunk.get("usage"):
+                out.output_tokens = chunk["usage"]["completion_tokens"]
+            out.split = (chunk.get("sparsekv") or {}).get("disaggregation") or out.split
+    except StreamError as e:
+        out.error = str(e)
     except httpx.HTTPError as e:
         out.error = f"{type(e).__name__}: {e}"
     return out
