@@ -32,7 +32,7 @@ class WeightControl:
         return self._update(update, path, policy)
 
     def _update(self, update, checkpoint: str | None, policy: str) -> list[RequestOutput]:
-        from .weights import WEIGHT_UPDATE_POLICIES, WeightUpdateConflict
+        from .weights import WEIGHT_UPDATE_POLICIES, WeightLoadError, WeightUpdateConflict
         if policy not in WEIGHT_UPDATE_POLICIES:
             raise ValueError(f"weight update policy must be one of {WEIGHT_UPDATE_POLICIES}, got {policy!r}")
         if self._pending_update is not None:
@@ -46,8 +46,9 @@ class WeightControl:
         self._pending_update, self.weight_update_error = (update, checkpoint), None
         self.hold_unstarted_requests()
         self._apply_pending_update()
-        if self.weight_update_error is not None:
-            raise self.weight_update_error
+        if self.weight_update_error is not None:  # the requests it aborted still get their final outputs
+            raise WeightLoadError(f"the weight update failed to load; the previous weights keep serving: "
+                                  f"{self.weight_update_error!r}", aborted) from self.weight_update_error
         return aborted
 
     def started_requests(self) -> list[Request]:

@@ -43,6 +43,16 @@ class WeightUpdateConflict(RuntimeError):
     that must finish under the old weights). Nothing changed."""
 
 
+class WeightLoadError(RuntimeError):
+    """A checked weight update that failed to load (I/O, memory; on every rank that tried): the old
+    weights keep serving. `aborted`: the final outputs of the requests the "abort" policy ended before
+    the load, which the caller must still deliver to their clients."""
+
+    def __init__(self, message: str, aborted: list | None = None):
+        super().__init__(message)
+        self.aborted = list(aborted or [])
+
+
 WEIGHT_UPDATE_POLICIES = ("drain", "abort")
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from sparsekv import LLM, SamplingParams
 from sparsekv.parallel.launch import RankFailure
 from sparsekv.tools.tiny import save_reference_checkpoint
-from sparsekv.weights import WeightUpdateError
+from sparsekv.weights import WeightLoadError, WeightUpdateError
 from tolerances import assert_same_greedy, logprob_tolerance
 
 OPTIONS = dict(max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_num_seqs=4,
@@ -139,7 +139,7 @@ def test_a_refused_or_failed_update_keeps_a_on_both_ranks_and_a_split_one_stops_
         want = llm.generate([PROMPT, OTHER], GREEDY)
         with pytest.raises(WeightUpdateError, match="wrong shape"):
             llm.update_weights([("model.norm.weight", torch.zeros(3))])
-        with pytest.raises(WeightUpdateError, match="no rank loaded .*rank 0: .*rank 1: "):
+        with pytest.raises(WeightLoadError, match="no rank loaded .*rank 0: .*rank 1: "):
             llm.update_weights_from_disk(_with_bad_scales(b, tmp_path / "both", [0, 2]))
         again = llm.generate([PROMPT, OTHER], GREEDY)
         assert [(o.token_ids, o.logprobs) for o in again] == [(o.token_ids, o.logprobs) for o in want]

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from sparsekv import LLM, SamplingParams
 from sparsekv.paths import default_model_path
 from sparsekv.tools.tiny import save_reference_checkpoint
-from sparsekv.weights import WeightUpdateConflict, WeightUpdateError
+from sparsekv.weights import WeightLoadError, WeightUpdateConflict, WeightUpdateError
 from tolerances import assert_same_greedy, logprob_tolerance
 
 PAGE = 4
@@ -237,6 +237,30 @@ def test_abort_ends_started_requests_and_runs_the_queued_ones_under_b(ckpts):
     _run_until_done(engine, outs)
     assert set(outs) == {"r2"}
     _same(outs["r2"], only_b, engine.model)
+    engine.check_integrity()
+
+
+def test_a_load_that_fails_after_abort_still_returns_the_aborted_outputs_and_a_serves(ckpts, monkeypatch):
+    """The "abort" policy ends the started requests before loading; if the load itself then fails (an
+    I/O or memory error past the checks), their final outputs come with the WeightLoadError, nothing
+    is left running, and A keeps serving."""
+    a, b, _ = ckpts
+    engine = LLM(a, **OPTIONS).engine
+    want = LLM(a, **OPTIONS).generate([OTHER], GREEDY)[0]
+    engine.add_request("r1", PROMPT, GREEDY)
+    engine.step()
+
+    def fail(update):
+        raise OSError("disk gone")
+    monkeypatch.setattr(engine.executor, "update_weights", fail)
+    with pytest.raises(WeightLoadError, match="disk gone") as failed:
+        engine.update_weights_from_disk(b, policy="abort")
+    assert [(o.request_id, o.finish_reason) for o in failed.value.aborted] == [("r1", "abort")]
+    assert engine.weights_version == 0 and not engine.has_unfinished_requests()
+    engine.add_request("r2", OTHER, GREEDY)
+    outs = {}
+    _run_until_done(engine, outs)
+    assert outs["r2"].token_ids == want.token_ids
     engine.check_integrity()
 
 

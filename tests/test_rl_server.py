@@ -137,6 +137,28 @@ def test_a_request_in_flight_during_an_update_never_mixes_weights(ckpts, policy)
         assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(b).token_ids
 
 
+def test_a_failed_load_answers_500_and_still_ends_the_aborted_request(ckpts):
+    """abort: the request in flight is ended before the load; the load then fails (past the checks):
+    the update answers 500, the request's client still gets its final answer, and A keeps serving."""
+    a, b = ckpts
+    with ThreadServer(a, admin_api_keys=[ADMIN], weight_update_policy="abort") as srv:
+        def fail(update):
+            raise OSError("disk gone")
+        srv.engine.executor.update_weights = fail
+        srv.delay[0] = 0.2
+        box = []
+        worker = threading.Thread(target=lambda: box.append(_complete(srv, max_tokens=12)))
+        worker.start()
+        assert wait_until(lambda: srv.engine.counters["generation_tokens"] > 0, timeout=30)
+        r = _post(srv, "/update_weights_from_disk", {"model_path": b}, key=ADMIN)
+        worker.join(60)
+        srv.delay[0] = 0.0
+        assert r.status_code == 500 and "disk gone" in r.text, r.text
+        assert not worker.is_alive() and box[0]["choices"][0]["finish_reason"] == "abort"
+        assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(a).token_ids
+        assert scrape(srv.url)["sparsekv:weights_version"] == 0
+
+
 def test_a_stream_carries_the_version_and_routed_experts_in_its_final_chunk(server):
     import json
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},

@@ -22,7 +22,7 @@ from ..config import ConfigError, EngineConfig
 from ..engine import LLMEngine
 from ..hub import resolve_config
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
-from ..weights import WEIGHT_UPDATE_POLICIES, WeightUpdateConflict, WeightUpdateError
+from ..weights import WEIGHT_UPDATE_POLICIES, WeightLoadError, WeightUpdateConflict
 from .lanes import lane_integrity, load_lane, merge_stats, serve_lane, step_lane
 from .launch import RankFailure, RankGroup, check_layout
 from .router import PrefixAffinityRouter
@@ -208,8 +208,8 @@ class DataParallelEngine:
             self._pending_update = (update, checkpoint)
             return []
         aborted = self._load(update, checkpoint)
-        if self.weight_update_error is not None:
-            raise self.weight_update_error
+        if self.weight_update_error is not None:  # the requests it aborted still get their final outputs
+            raise WeightLoadError(str(self.weight_update_error), aborted) from self.weight_update_error
         return aborted
 
     def _num_started(self) -> int:
@@ -241,7 +241,7 @@ class DataParallelEngine:
         if not errors:
             self.weights_version += 1
         elif len(errors) == self.num_ranks:
-            self.weight_update_error = WeightUpdateError("no rank loaded the weight update; the previous weights "
+            self.weight_update_error = WeightLoadError("no rank loaded the weight update; the previous weights "
                                                          "keep serving: " + "; ".join(errors))
             logger.error("%s", self.weight_update_error)
         else:

@@ -12,7 +12,7 @@ import asyncio
 
 from fastapi import Request
 
-from ..weights import WeightUpdateConflict, WeightUpdateError
+from ..weights import WeightLoadError, WeightUpdateConflict, WeightUpdateError
 from .errors import APIError
 from .loop import EngineDead, ShuttingDown
 from .protocol import _Body, parse_body
@@ -37,13 +37,20 @@ async def update_weights_from_disk(request: Request):
     engine, policy = state.engine, state.settings.weight_update_policy
 
     def start():
-        state.loop.deliver_outputs(engine.update_weights_from_disk(body.model_path, policy))
+        try:
+            aborted = engine.update_weights_from_disk(body.model_path, policy)
+        except WeightLoadError as e:
+            state.loop.deliver_outputs(e.aborted)  # the aborted requests' clients get their final chunks
+            raise
+        state.loop.deliver_outputs(aborted)
     try:
         await _call(state, start)
     except WeightUpdateError as e:
         raise APIError(400, str(e), "model_path") from None
     except WeightUpdateConflict as e:
         raise APIError(409, str(e)) from None
+    except WeightLoadError as e:
+        raise APIError(500, str(e)) from None
     while await _call(state, lambda: engine.weight_update_pending):
         await asyncio.sleep(POLL_S)
     version, error = await _call(state, lambda: (engine.weights_version, engine.weight_update_error))
