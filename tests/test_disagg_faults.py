@@ -73,7 +73,7 @@ def _refused(p: WorkerServer, d: WorkerServer, *words: str) -> None:
     """A request through the pair fails on both sides naming `words`; nothing of it is kept."""
     rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
     _failed(rd, "decode worker", *words)
-    _failed(rp, "refused the KV", *words)
+    assert "refused the KV" not in _failed(rp, "prefill worker", *words)  # at the claim: nothing was sent
     assert d.engine.stats()["prefix_host_pages"] == 0
     _clean(p)
     _clean(d)

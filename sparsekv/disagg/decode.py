@@ -41,12 +41,13 @@ class DecodeWorker(Worker):
         return await run(request, self.state.loop, job, self.state.metrics)
 
     async def _take_kv(self, request, field, job: Job, prompts: list[list[int]]) -> dict:
-        kv, loop = self.state.engine.kv, self.state.loop
-        held = await _on_engine(loop, lambda: [kv.held_prefix(p, job.tenant, job.cache_salt) for p in prompts])
+        engine, loop = self.state.engine, self.state.loop
+        held = await _on_engine(loop, lambda: [engine.kv.held_prefix(p, job.tenant, job.cache_salt) for p in prompts])
+        weights = await self.blocking(self.weights.stamp, await _on_engine(loop, loaded_weights, engine))
         self.rooms[field.room] = "claim"
         claim = {"room": field.room, "nonce": secrets.token_hex(16), "tenant": job.tenant,
                  "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held,
-                 "device": self.device.type}
+                 "device": self.device.type, "weights": weights}  # the prefill worker refuses other weights early
         link, meta, waited = await self._claim(request, field, claim)
         try:
             self._check_meta(meta, claim)

@@ -18,7 +18,7 @@ from ..server.errors import APIError, bad_request
 from ..server.loop import RequestGroup, Submission
 from ..server.serving import Job, run
 from .transfer import PREFILL_RANK, Room, connect, host_bootstrap, send_tensors, transfer_backend, transfer_device
-from .weights_stamp import loaded_weights
+from .weights_stamp import check_same_weights, loaded_weights
 from .wire import (TransferError, as_bytes, pages_to_tensors, prompt_digest, sign, tensor_specs, verify)
 from .worker import Worker
 
@@ -80,6 +80,7 @@ class PrefillWorker(Worker):
             raw = await self.take(link, "claim", "claim from a decode worker", request)
             waiting = True
             claim = self._check_claim(raw, room, job, prompts)
+            await self._check_weights(claim)
             self.rooms[room] = "export"
             pages, per_prompt, loaded = await self._export(job, prompts, claim["held"])
             self.rooms[room] = "send"
@@ -122,6 +123,15 @@ class PrefillWorker(Worker):
         if not (isinstance(held, list) and len(held) == len(prompts) and all(isinstance(n, int) and n >= 0 for n in held)):
             raise TransferError(f"the claim's held page counts are malformed: {held!r}")
         return claim
+
+    async def _check_weights(self, claim: dict) -> None:
+        """Refuse a decode worker of other weights before exporting or sending anything (it checks
+        the metadata's stamp again on import: either side may load new weights in between)."""
+        theirs = claim.get("weights")
+        if isinstance(theirs, dict) and "weights_version" in theirs and "checkpoint" in theirs:
+            engine = self.state.engine
+            mine = await self.blocking(self.weights.stamp, await self.state.loop.call(lambda: loaded_weights(engine)))
+            check_same_weights(mine, theirs)
 
     async def _export(self, job: Job, prompts: list[list[int]], held: list[int]):
         """The pages of each prompt after those the decode worker holds, and the weights that computed
