@@ -111,6 +111,20 @@ def test_routed_experts_through_the_openai_extension(server, ckpts):
     assert _post(server, "/v1/completions", {**BODY, "return_routed_experts": "yes"}).status_code == 400
 
 
+def _update_during_a_request(srv, path):
+    """POST /update_weights_from_disk while a 12-token completion is generating (steps slowed so it
+    stays in flight); (the update's answer, [the completion's answer], its thread, joined)."""
+    srv.delay[0] = 0.2
+    box = []
+    worker = threading.Thread(target=lambda: box.append(_complete(srv, max_tokens=12)))
+    worker.start()
+    assert wait_until(lambda: srv.engine.counters["generation_tokens"] > 0, timeout=30)
+    r = _post(srv, "/update_weights_from_disk", {"model_path": path}, key=ADMIN)
+    worker.join(60)
+    srv.delay[0] = 0.0
+    return r, box, worker
+
+
 @pytest.mark.parametrize("policy", ["drain", "abort"])
 def test_a_request_in_flight_during_an_update_never_mixes_weights(ckpts, policy):
     """drain: the request finishes under A and the update answers after it; abort: the request ends
@@ -118,14 +132,7 @@ def test_a_request_in_flight_during_an_update_never_mixes_weights(ckpts, policy)
     a, b = ckpts
     want_a = _engine_tokens(a, 12).token_ids
     with ThreadServer(a, admin_api_keys=[ADMIN], weight_update_policy=policy) as srv:
-        srv.delay[0] = 0.2  # keep the request in flight while the update arrives
-        box = []
-        worker = threading.Thread(target=lambda: box.append(_complete(srv, max_tokens=12)))
-        worker.start()
-        assert wait_until(lambda: srv.engine.counters["generation_tokens"] > 0, timeout=30)
-        r = _post(srv, "/update_weights_from_disk", {"model_path": b}, key=ADMIN)
-        worker.join(60)
-        srv.delay[0] = 0.0
+        r, box, worker = _update_during_a_request(srv, b)
         assert r.status_code == 200 and r.json()["weights_version"] == 1, r.text
         choice, ext = box[0]["choices"][0], box[0]["sparsekv"]["choices"][0]
         assert ext["weights_version"] == 0
@@ -145,14 +152,7 @@ def test_a_failed_load_answers_500_and_still_ends_the_aborted_request(ckpts):
         def fail(update):
             raise OSError("disk gone")
         srv.engine.executor.update_weights = fail
-        srv.delay[0] = 0.2
-        box = []
-        worker = threading.Thread(target=lambda: box.append(_complete(srv, max_tokens=12)))
-        worker.start()
-        assert wait_until(lambda: srv.engine.counters["generation_tokens"] > 0, timeout=30)
-        r = _post(srv, "/update_weights_from_disk", {"model_path": b}, key=ADMIN)
-        worker.join(60)
-        srv.delay[0] = 0.0
+        r, box, worker = _update_during_a_request(srv, b)
         assert r.status_code == 500 and "disk gone" in r.text, r.text
         assert not worker.is_alive() and box[0]["choices"][0]["finish_reason"] == "abort"
         assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(a).token_ids

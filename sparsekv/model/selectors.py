@@ -91,7 +91,7 @@ class DSASelector(TokenSelector):
         return self.indexer.select(*state, cache.index_key_segments(layer, seq), positions, k)
 
     def select_group(self, layer, seqs, state, q, positions, k, cache, major):
-        keys = cache.index_keys_batch(layer, seqs, self.indexer.scratch)  # valid until the next layer's
+        keys = cache.index_keys_batch(layer, seqs, self.indexer.scratch)  # valid until the next gather
         return self.indexer.select_decode_batch(*state, keys, positions, k, major)
 
 
