@@ -186,7 +186,7 @@ class StackedExperts:
         weights = weights.gather(1, order)
         flat = ids.view(-1)
         by_expert = flat.argsort(stable=True)          # (token, slot) entries grouped by expert
-        ends = flat.bincount(minlength=self.gate_up.shape[0]).cumsum(0, dtype=torch.int32)
+        ends = self._group_ends(flat.index_select(0, by_expert))
         rows = x.index_select(0, by_expert // k)
         gate, up = torch._grouped_mm(rows, self.gate_up_t, offs=ends).split(self.intermediate, -1)
         y = torch._grouped_mm(F.silu(gate) * up, self.down_t, offs=ends)
@@ -198,6 +198,14 @@ class StackedExperts:
         for term in terms[1:]:
             out = out + term
         return out
+
+
+    def _group_ends(self, sorted_ids: torch.Tensor) -> torch.Tensor:
+        """[E] int32: where each expert's rows end among the sorted entries. A search of the sorted
+        ids, not `bincount`: bincount sizes its output from the ids' maximum, a read back to the host
+        that a CUDA graph cannot hold (docs/exactness.md, "Graph-ready pieces")."""
+        experts = torch.arange(self.gate_up.shape[0], device=sorted_ids.device, dtype=sorted_ids.dtype)
+        return torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
 
 
 _GROUPED_MM: dict[tuple, bool] = {}
