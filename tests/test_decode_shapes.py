@@ -58,6 +58,7 @@ class PieceRecorder(TorchDispatchMode):
 def record_decode_step(path, lengths: list[int], monkeypatch, **options) -> PieceRecorder:
     """The graph pieces of one plain decode step of requests with prompts of `lengths` tokens (all past
     top-k), each having decoded one token already."""
+    from sparsekv.cache import pool
     from sparsekv.cache.tiers import TieredKVPool
     from sparsekv.model.attention import MLAttention
     from sparsekv.model.decode_plan import DecodePlan, _SlotTable
@@ -93,7 +94,8 @@ def record_decode_step(path, lengths: list[int], monkeypatch, **options) -> Piec
     wrap(DSAModel, "logits", piece=True)
     wrap(MTPDrafter, "step", piece=True)
     for cls, name in ((MLAttention, "_select_decodes"), (DecodePlan, "history"), (_SlotTable, "slots"),
-                      (TieredKVPool, "gather_decode_latents"), (MTPDrafter, "extend")):
+                      (pool, "padded_slots"), (TieredKVPool, "gather_decode_latents"),
+                      (TieredKVPool, "dense_decode_latents"), (MTPDrafter, "extend")):
         wrap(cls, name, piece=False)
     with recorder:
         llm.engine.step()
@@ -118,6 +120,14 @@ def test_decode_pieces_depend_only_on_the_rows(family, options, glm_ckpt, ds_ckp
     path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
     assert_same_pieces(record_decode_step(path, [24, 27, 30, 33], monkeypatch, **options),
                        record_decode_step(path, [60, 71, 90, 117], monkeypatch, **options))
+
+
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True)], ids=["untiered", "tiered"])
+def test_dense_regime_pieces_depend_only_on_the_rows(options, glm_ckpt, monkeypatch):
+    """Decodes below top-k (8) attend every entry of their history padded to a power of two, at most
+    k: contexts of 4-7 and of 5-8 tokens give the same pieces."""
+    assert_same_pieces(record_decode_step(glm_ckpt[0], [2, 3, 4, 5], monkeypatch, **options),
+                       record_decode_step(glm_ckpt[0], [3, 4, 5, 6], monkeypatch, **options))
 
 
 def test_verification_and_draft_step_pieces_depend_only_on_the_rows(monkeypatch):
