@@ -59,8 +59,8 @@ class Worker:
 
     def __init__(self, state, settings: DisaggSettings):
         engine = state.engine
-        if engine.config.data_parallel_size > 1:  # each rank's own cache: pages would need routing to a rank
-            raise ValueError("--disaggregation-mode with -dp > 1 is not built: use -tp, or one worker per rank")
+        if engine.config.data_parallel_size > 1:  # a claim outlives no transfer (parallel/dp_kv.py)
+            engine.kv.claim_ttl_s = 2 * settings.timeout_s
         if engine.kv.prefix is None:
             raise ValueError("--disaggregation-mode needs the prefix cache (pages move through it): drop "
                              "--no-enable-prefix-caching")

@@ -23,6 +23,7 @@ from ..engine import LLMEngine
 from ..hub import resolve_config
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
 from ..weights import WEIGHT_UPDATE_POLICIES, WeightLoadError, WeightUpdateConflict
+from .dp_kv import DataParallelKV, kv_call
 from .lanes import lane_integrity, load_lane, merge_stats, serve_lane, step_lane
 from .launch import RankFailure, RankGroup, check_layout
 from .router import PrefixAffinityRouter
@@ -47,6 +48,7 @@ class DataParallelEngine:
             error = e
         self.ranks.check_started(error)
         self.router = PrefixAffinityRouter(self.num_ranks, config.kv_page_size)
+        self.kv = DataParallelKV(self)  # prefix-cache calls routed to a rank (disaggregation)
         self.rank_of: dict[str, int] = {}  # requests in flight -> their rank
         self._adds: list[list] = [[] for _ in range(self.num_ranks)]
         self._aborts: list[list[str]] = [[] for _ in range(self.num_ranks)]
@@ -70,6 +72,15 @@ class DataParallelEngine:
     @property
     def max_model_len(self) -> int:
         return self.local.max_model_len
+
+    @property
+    def device(self):
+        return self.local.device
+
+    @property
+    def executor(self):
+        """Rank 0's executor (what every rank loaded is the same: `weights` names where from)."""
+        return self.local.executor
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -101,7 +112,11 @@ class DataParallelEngine:
         token_ids = self.local.inputs.process(prompt, params)
         if params.structured_output is not None:
             self.local.outputs.grammar_for(params.structured_output)  # a bad grammar fails here, not on a rank
-        rank = self.router.choose(token_ids, tenant, cache_salt)
+        rank = self.kv.take_claim(token_ids, tenant, cache_salt)  # a disaggregated request: where its pages landed
+        if rank is None:
+            rank = self.router.choose(token_ids, tenant, cache_salt)
+        else:
+            self.router.assign(rank, token_ids, tenant, cache_salt)
         self.rank_of[request_id] = rank
         if rank == 0:
             return self.local.add_request(request_id, token_ids, params, tenant, cache_salt)
@@ -169,6 +184,11 @@ class DataParallelEngine:
             return gathered
         except RuntimeError as e:
             raise self.ranks.fail(command, e) from e
+
+    def kv_call(self, rank: int | None, method: str, args, kwargs) -> list:
+        """`engine.kv.<method>` on `rank` (None: every rank), each rank's answer as `dp_kv.kv_call`'s."""
+        return self._together("kv", rank, method, args, kwargs,
+                              run=lambda: kv_call(self.local, 0, rank, method, args, kwargs))
 
     def expire_prefix_cache(self) -> int:
         return sum(self._together("expire_prefix_cache", run=self.local.expire_prefix_cache))

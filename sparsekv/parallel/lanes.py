@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..request import RequestOutput
+from .dp_kv import kv_call
 from .executor import serve_rank
 from .launch import RankGroup, check_layout, control_group, leave, start_worker, torchrun_rank
 
@@ -76,7 +77,8 @@ def serve_lane(config: EngineConfig, rank: int, init_method: str) -> None:
     commands = {"step": lambda message: step_lane(engine, rank, message), "stats": engine.stats,
                 "load_weights": lambda update, checkpoint: load_lane(engine, update, checkpoint),
                 "expire_prefix_cache": engine.expire_prefix_cache, "reset_prefix_cache": engine.reset_prefix_cache,
-                "check_integrity": lambda: lane_integrity(engine)}
+                "check_integrity": lambda: lane_integrity(engine),
+                "kv": lambda wanted, method, args, kwargs: kv_call(engine, rank, wanted, method, args, kwargs)}
     while True:
         message = [None]
         dist.broadcast_object_list(message, src=0, group=control_group())

@@ -33,16 +33,28 @@ class PrefixAffinityRouter:
 
     def choose(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None) -> int:
         """The rank for a new request (counted as in flight there until `finished`)."""
+        rank = self.peek(token_ids, tenant, cache_salt)
+        self.assign(rank, token_ids, tenant, cache_salt)
+        return rank
+
+    def peek(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None) -> int:
+        """The rank `choose` would give the prompt now, changing nothing."""
         keys = self.chain(token_ids, tenant, cache_salt)
-        rank = min(range(len(self.seen)), key=lambda r: (-self.matched_pages(r, keys), self.in_flight[r], r))
+        return min(range(len(self.seen)), key=lambda r: (-self.matched_pages(r, keys), self.in_flight[r], r))
+
+    def assign(self, rank: int, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None) -> None:
+        """A request goes to `rank`: its pages are remembered there, and it is in flight until `finished`."""
         seen = self.seen[rank]
-        for key in keys:
+        for key in self.chain(token_ids, tenant, cache_salt):
             seen[key] = None
             seen.move_to_end(key)
         while len(seen) > self.max_pages:
             seen.popitem(last=False)
+        self.reserve(rank)
+
+    def reserve(self, rank: int) -> None:
+        """Count one more request in flight on `rank` (a claim for a request still to come)."""
         self.in_flight[rank] += 1
-        return rank
 
     def finished(self, rank: int) -> None:
         self.in_flight[rank] -= 1

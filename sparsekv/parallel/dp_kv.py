@@ -1,0 +1,117 @@
+"""`engine.kv`'s prefix-cache calls on a data-parallel engine, for prefill/decode disaggregation
+(docs/disaggregation.md), which moves a prompt's pages through them. Each rank has its own cache, so
+each call goes to one rank:
+
+- a decode worker's `held_prefix` *claims* the rank the prompt will run on: the router's choice at
+  that moment, counted in that rank's load from then on. The pages it counts are that rank's, its
+  `import_prefix` lands them there, and the request, once added, runs there (`take_claim`);
+- a prefill worker's `export_prefix` reads the rank that holds most of the prompt's pages (the one
+  that computed it).
+
+A claim whose request never comes (its transfer failed) stops counting after `claim_ttl_s`: the
+disaggregation worker sets it from its timeout, past which no transfer waits.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+MAX_CLAIMS = 1 << 16  # a bound on the claims kept; the oldest goes first
+
+
+def claim_key(token_ids: list[int], tenant: str, cache_salt: str | None) -> tuple:
+    return tenant, cache_salt, len(token_ids), hash(tuple(token_ids))
+
+
+class DataParallelKV:
+    def __init__(self, engine, claim_ttl_s: float = 600.0):
+        self.engine, self.claim_ttl_s = engine, claim_ttl_s  # engine: a DataParallelEngine
+        self._claims: OrderedDict[tuple, tuple[int, float]] = OrderedDict()  # key -> (rank, expiry)
+
+    @property
+    def prefix(self):
+        """Rank 0's prefix cache (every rank's engine has one alike, or none)."""
+        return self.engine.local.kv.prefix
+
+    # -- decode side -------------------------------------------------------------------------------
+    def held_prefix(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None) -> int:
+        """How many of the prompt's first pages the rank it is claimed to holds, claiming one first."""
+        return self.on_rank(self._claim(token_ids, tenant, cache_salt), "held_prefix", token_ids, tenant, cache_salt)
+
+    def import_prefix(self, pages: list, tenant: str = "default", prompts: list[list[int]] = (),
+                      cache_salt: str | None = None, **options) -> int:
+        """Keep the pages on the rank each prompt claimed (all or none there). Prompts claimed by
+        different ranks each get every page: a page a rank does not need is only cached there."""
+        ranks: dict[int, list] = {}
+        for prompt in prompts or [[]]:
+            ranks.setdefault(self._claim(prompt, tenant, cache_salt), []).append(prompt)
+        kept = [self.on_rank(rank, "import_prefix", pages, tenant, mine if prompts else (), cache_salt, **options)
+                for rank, mine in ranks.items()]
+        return max(kept)
+
+    def take_claim(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> int | None:
+        """The rank a prompt claimed, its claim ended (the caller assigns the request there), or None."""
+        self._expire()
+        entry = self._claims.pop(claim_key(token_ids, tenant, cache_salt), None)
+        if entry is None:
+            return None
+        self.engine.router.finished(entry[0])
+        return entry[0]
+
+    def _claim(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> int:
+        self._expire()
+        key = claim_key(token_ids, tenant, cache_salt)
+        if key in self._claims:
+            return self._claims[key][0]
+        router = self.engine.router
+        rank = router.peek(token_ids, tenant, cache_salt)
+        router.reserve(rank)
+        self._claims[key] = (rank, time.monotonic() + self.claim_ttl_s)
+        while len(self._claims) > MAX_CLAIMS:
+            self.engine.router.finished(self._claims.popitem(last=False)[1][0])
+        return rank
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._claims and next(iter(self._claims.values()))[1] < now:
+            self.engine.router.finished(self._claims.popitem(last=False)[1][0])
+
+    @property
+    def num_claims(self) -> int:
+        return len(self._claims)
+
+    # -- prefill side ------------------------------------------------------------------------------
+    def export_prefix(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None,
+                      skip: int = 0) -> list:
+        """The prompt's pages from the rank that holds most of them (ties: the lowest rank)."""
+        held = self.on_every_rank("held_prefix", token_ids, tenant, cache_salt)
+        rank = max(range(len(held)), key=lambda r: (held[r], -r))
+        return self.on_rank(rank, "export_prefix", token_ids, tenant, cache_salt, skip=skip)
+
+    # -- the calls -----------------------------------------------------------------------------------
+    def on_rank(self, rank: int, method: str, *args, **kwargs):
+        """`engine.kv.<method>(...)` on one rank; an exception there is raised here."""
+        if rank == 0:
+            return getattr(self.engine.local.kv, method)(*args, **kwargs)
+        return _result(self.engine.kv_call(rank, method, args, kwargs)[rank])
+
+    def on_every_rank(self, method: str, *args, **kwargs) -> list:
+        return [_result(r) for r in self.engine.kv_call(None, method, args, kwargs)]
+
+
+def kv_call(engine, rank: int, wanted: int | None, method: str, args, kwargs):
+    """A rank's side of `DataParallelKV`'s calls: ("ok", value) or ("error", exception), None when
+    another rank is wanted."""
+    if wanted is not None and wanted != rank:
+        return None
+    try:
+        return "ok", getattr(engine.kv, method)(*args, **kwargs)
+    except Exception as e:  # bad pages (ValueError) fail the call, never the rank
+        return "error", e
+
+
+def _result(answer):
+    status, value = answer
+    if status == "error":
+        raise value
+    return value

@@ -1,0 +1,154 @@
+"""A data-parallel prefill or decode worker (`-dp 2`, parallel/dp_kv.py): each rank has its own cache,
+so a decode worker's pages land on the rank its request then runs on, and a prefill worker's leave from
+the rank that computed them. Answers are one colocated engine's; the routing itself is checked in
+process (`DataParallelKV` over a fake engine) and through a decode worker that skips the pages one of
+its ranks holds."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from disagg_util import WorkerServer, secret_file, send_pair, start_worker_process
+from sparsekv import LLM
+from sparsekv.parallel.dp_kv import DataParallelKV, kv_call
+from sparsekv.parallel.router import PrefixAffinityRouter
+from test_disagg_workers import BASE, BODY, GREEDY, PAGE, _prompt, assert_as_colocated
+from test_server_util import wait_healthy
+from tolerances import logprob_tolerance
+
+
+class FakeKV:
+    """One rank's `engine.kv`: which prompts' pages it holds, what it imported."""
+
+    def __init__(self):
+        self.prefix, self.held, self.imported = object(), {}, []
+
+    def held_prefix(self, token_ids, tenant, cache_salt):
+        return self.held.get(tuple(token_ids), 0)
+
+    def import_prefix(self, pages, tenant, prompts, cache_salt):
+        if pages == "bad":
+            raise ValueError("page 0: its rows do not fit")
+        self.imported.append((pages, [tuple(p) for p in prompts]))
+        return len(pages)
+
+    def export_prefix(self, token_ids, tenant, cache_salt, skip=0):
+        return [f"page {i}" for i in range(skip, self.held.get(tuple(token_ids), 0))]
+
+
+class FakeEngine:
+    """What `DataParallelKV` reads of a DataParallelEngine: the router, rank 0, and `kv_call`."""
+
+    def __init__(self, ranks: int = 2):
+        self.ranks = [type("Engine", (), {"kv": FakeKV()})() for _ in range(ranks)]
+        self.local, self.router = self.ranks[0], PrefixAffinityRouter(ranks, PAGE)
+
+    def kv_call(self, wanted, method, args, kwargs):
+        return [kv_call(engine, rank, wanted, method, args, kwargs) for rank, engine in enumerate(self.ranks)]
+
+
+def test_claims_spread_the_load_and_pin_the_request_to_its_pages():
+    engine = FakeEngine()
+    kv = DataParallelKV(engine)
+    a, b = list(range(1, 10)), list(range(20, 29))
+    engine.ranks[1].kv.held[tuple(b)] = 2
+    assert kv.held_prefix(a, "t", None) == 0  # claims rank 0 (nothing cached anywhere, both idle)
+    assert kv.held_prefix(b, "t", None) == 2  # claims rank 1: rank 0 now has a claim in flight
+    assert engine.router.in_flight == [1, 1]
+    assert kv.import_prefix(["p0", "p1"], "t", [b], None) == 2
+    assert engine.ranks[1].kv.imported == [(["p0", "p1"], [tuple(b)])] and engine.ranks[0].kv.imported == []
+    with pytest.raises(ValueError, match="do not fit"):  # an error on the rank is raised here
+        kv.import_prefix("bad", "t", [b], None)
+    assert kv.take_claim(b, "t", None) == 1 and engine.router.in_flight == [1, 0]  # the caller assigns it
+    assert kv.take_claim(b, "t", None) is None  # taken once
+    assert kv.take_claim(a, "t", "another salt") is None  # a claim is per tenant and cache_salt
+
+
+def test_a_claim_whose_request_never_comes_stops_counting():
+    engine = FakeEngine()
+    kv = DataParallelKV(engine, claim_ttl_s=0.0)
+    kv.held_prefix([1, 2, 3], "t", None)
+    assert kv.num_claims == 1
+    assert kv.take_claim([9], "t", None) is None  # any call expires the old claims
+    assert kv.num_claims == 0 and engine.router.in_flight == [0, 0]
+
+
+def test_export_reads_the_rank_that_holds_most_of_the_prompt():
+    engine = FakeEngine()
+    engine.ranks[0].kv.held[(1, 2)] = 1
+    engine.ranks[1].kv.held[(1, 2)] = 3
+    assert DataParallelKV(engine).export_prefix([1, 2], "t", None, skip=1) == ["page 1", "page 2"]
+
+
+def _pairs(p_url: str, d_url: str, prompts: list[list[int]]) -> list:
+    """One request per prompt, all at once (each as the router sends it); the decode workers' bodies."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda prompt: send_pair(p_url, d_url, {**BODY, "prompt": prompt}), prompts))
+    for rp, rd in answers:
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+    return [rd.json() for _, rd in answers]
+
+
+@pytest.mark.parametrize("dp_side", ["prefill", "decode"])
+def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
+    """Two requests at once reach both ranks of a `-dp 2` worker (a `sparsekv serve` process of its
+    own) paired with a one-rank worker: every page is sent, from the rank that computed it or to the
+    rank that decodes, and the answers are one colocated engine's. Decode side: a third request for
+    the second prompt claims the rank that holds its pages, and none is sent."""
+    path = glm_ckpt[0]
+    prompts = [_prompt(256, 41, seed) for seed in (3, 4)]
+    colocated = LLM(path, **BASE)
+    want = colocated.generate(prompts, GREEDY)
+    other = "decode" if dp_side == "prefill" else "prefill"
+    secret = secret_file(tmp_path)
+    proc, url = start_worker_process(path, dp_side, secret, 0, "-dp", "2", "--threads", "1")
+    try:
+        wait_healthy(url, proc)
+        with open(secret, "rb") as f:
+            key = f.read()
+        with WorkerServer(path, other, secret=key, **BASE) as local:
+            p_url, d_url = (url, local.url) if dp_side == "prefill" else (local.url, url)
+            bodies = _pairs(p_url, d_url, prompts)
+            for body, expected in zip(bodies, want):
+                figures = body["sparsekv"]["disaggregation"]
+                assert figures["pages_sent"] == (len(prompts[0]) - 1) // PAGE and figures["pages_skipped"] == 0
+                assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == figures["pages_sent"] * PAGE
+                if dp_side == "prefill":
+                    assert_as_colocated(expected, body, local, logprob_tolerance(colocated))
+                else:
+                    assert body["sparsekv"]["choices"][0]["token_ids"] == expected.token_ids
+            if dp_side == "decode":
+                again = _pairs(p_url, d_url, prompts[1:])[0]
+                assert again["sparsekv"]["disaggregation"]["pages_sent"] == 0
+                assert again["sparsekv"]["disaggregation"]["pages_skipped"] == (len(prompts[1]) - 1) // PAGE
+                assert again["sparsekv"]["choices"][0]["token_ids"] == want[1].token_ids
+            local.check_clean()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_claimed_prompt_runs_on_the_rank_its_pages_landed_on(glm_ckpt):
+    """In process, a `DataParallelEngine` of two ranks: the second prompt's claim takes rank 1 (rank 0
+    has a claim in flight), its pages (exported by another engine) land there and nowhere else, and
+    the request, added later, runs there as a host-tier hit, although the router alone would now
+    send it to rank 0 (both ranks have one request in flight)."""
+    path = glm_ckpt[0]
+    a, b = _prompt(256, 41, 3), _prompt(256, 41, 4)
+    source = LLM(path, **BASE)
+    want = source.generate([b], GREEDY)[0]
+    pages = source.engine.kv.export_prefix(b)
+    llm = LLM(path, **BASE, data_parallel_size=2, prefix_cache_host_bytes=1 << 24)
+    try:
+        kv = llm.engine.kv
+        assert kv.held_prefix(a) == 0 and kv.held_prefix(b) == 0  # claims: rank 0, then rank 1
+        assert kv.import_prefix(pages, "default", [b]) == len(pages) == (len(b) - 1) // PAGE
+        assert [kv.on_rank(rank, "held_prefix", b) for rank in (0, 1)] == [0, len(pages)]
+        got = llm.generate([b], GREEDY)[0]
+        assert llm.engine.router.in_flight == [1, 0]  # a's claim is still waiting for its request
+        llm.engine.check_integrity()
+    finally:
+        llm.close()
+    assert got.metrics["prefix_cached_tokens_host"] == len(pages) * PAGE
+    assert got.token_ids == want.token_ids
