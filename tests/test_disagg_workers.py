@@ -61,6 +61,9 @@ def test_prefill_and_decode_workers_answer_as_one_engine(family, options, glm_ck
         assert figures["pages_sent"] == (len(prompt) - 1) // PAGE and figures["pages_skipped"] == 0
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == figures["pages_sent"] * PAGE
         assert figures["bytes"] == figures["pages_sent"] * d.engine.kv.prefix.tiers["host"].page_bytes
+        if options.get("kv_tiering"):  # the rows landed in the pool's host store only, not in the host tier too
+            assert d.engine.stats()["prefix_host_pages"] == 0
+            assert body["sparsekv"]["tiers"]["prefix_cached_tokens_device"] == figures["pages_sent"] * PAGE
         p.check_clean()
         d.check_clean()
 
@@ -260,20 +263,22 @@ def test_a_weights_stamp_names_the_checkpoint_while_its_files_are_what_was_loade
         check_same_weights(None, known)  # metadata without the field
 
 
-@pytest.mark.parametrize("tp_side", ["prefill", "decode"])
+@pytest.mark.parametrize("tp_side", ["prefill", "decode", "decode-tiered"])
 def test_a_tensor_parallel_worker_on_either_side(tp_side, glm_ckpt, tmp_path):
     """A worker of two tensor-parallel ranks (`-tp 2`, a `sparsekv serve` process of its own: one
     process holds one torch.distributed world) pairs with a one-rank worker: the KV leaves from rank 0's
-    pages or lands in rank 0's host tier and reaches every rank as a prefix hit does; the answer is one
-    colocated engine's."""
+    pages, or lands in rank 0's host tier (tiered: its pool) and reaches every rank as a prefix hit's
+    restored pages do; the answer is one colocated engine's."""
     from disagg_util import secret_file, start_worker_process
     from test_server_util import wait_healthy
     path, prompt = glm_ckpt[0], _prompt(256)
     colocated = LLM(path, **BASE)
     want = colocated.generate([prompt], GREEDY)[0]
+    tiered = ("--kv-tiering", "--device-buffer-tokens", "16") if tp_side == "decode-tiered" else ()
+    tp_side = tp_side.split("-")[0]
     other = "decode" if tp_side == "prefill" else "prefill"
     secret = secret_file(tmp_path)
-    proc, url = start_worker_process(path, tp_side, secret, 0, "-tp", "2", "--threads", "1")
+    proc, url = start_worker_process(path, tp_side, secret, 0, "-tp", "2", "--threads", "1", *tiered)
     try:
         wait_healthy(url, proc)
         with open(secret, "rb") as f:

@@ -90,7 +90,7 @@ class CacheManager:
             tiers["disk"] = disk
         return PrefixCache(self.allocator, lookahead=lookahead, tiers=tiers, before_copy=self.pool.flush,
                            ttl_s=config.prefix_cache_ttl_s, disk_read_ahead=config.prefix_cache_disk_read_ahead,
-                           rows=rows)
+                           rows=rows, land_in_pool=config.kv_tiering)
 
     def _tenant_quota(self, tier_pages: int) -> int | None:
         """A tenant's share of a prefix-cache tier of `tier_pages` pages, in pages (None: no bound)."""
@@ -169,8 +169,13 @@ class CacheManager:
     def held_prefix(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None) -> int:
         return self._prefix_cache().held(token_ids, tenant, cache_salt)
 
-    def import_prefix(self, pages: list, tenant: str = "default") -> int:
-        return self._prefix_cache().import_pages(pages, tenant)
+    def import_prefix(self, pages: list, tenant: str = "default", prompts: list[list[int]] = (),
+                      cache_salt: str | None = None) -> int:
+        """Keep exported pages, all or none. With `kv_tiering` they land in the pool (its latents in the
+        host store the request decodes from), with the pages of `prompts` this cache already held before
+        them; untiered, in the prefix cache's host tier (a hit copies them into device pages)."""
+        prefix = self._prefix_cache()
+        return prefix.import_pages(pages, tenant, [prefix.prompt_names(p, tenant, cache_salt) for p in prompts])
 
     def _prefix_cache(self):
         if self.prefix is None:

@@ -59,8 +59,10 @@ class PrefixCache:
 
     def __init__(self, allocator: PageAllocator, lookahead: int = 0, tiers: dict | None = None,
                  before_copy=lambda: None, ttl_s: float | None = None, disk_read_ahead: bool = True,
-                 rows=None):
+                 rows=None, land_in_pool: bool = False):
         self.allocator, self.page_size, self.lookahead = allocator, allocator.page_size, lookahead
+        self.land_in_pool = land_in_pool  # imports land in pool pages (the tiered pool: its latents are host rows)
+        self._unmirrored: set[int] = set()  # pool pages an import wrote on this rank only (see `take`)
         self.disk_read_ahead = disk_read_ahead
         self.rows = rows  # PageRows of the pool: what a page's contents are (export)
         self.tiers, self.before_copy, self.ttl_s = tiers or {}, before_copy, ttl_s
@@ -120,19 +122,74 @@ class PrefixCache:
             out.append((name, self.rows.copy_out(page) if page is not None else self.tiers[tier].take(name)))
         return out
 
-    def import_pages(self, pages: list, tenant: str) -> int:
-        """Keep another engine's exported pages in the host tier, all or none (ValueError: a page whose
-        rows do not fit this cache's layout). Returns how many."""
+    def import_pages(self, pages: list, tenant: str, chains: list[list[bytes]] = ()) -> int:
+        """Keep another engine's exported pages, all or none (ValueError: a page whose rows do not fit
+        this cache's layout). Returns how many. With `land_in_pool` they land in pool pages when the
+        pool has room (`_land`), else, like every import without it, in the host tier."""
+        for i, (name, rows) in enumerate(pages):
+            if not isinstance(name, bytes) or self.rows is None or not self.rows.fits(rows):
+                raise ValueError(f"page {i}: its rows do not fit this cache's layout "
+                                 f"({[(tuple(r.shape), r.dtype) for r in rows]} against "
+                                 f"{None if self.rows is None else self.rows.layout})")
+        if self.land_in_pool and self._land(pages, tenant, chains):
+            return len(pages)
         host = self.tiers.get("host")
         if host is None:
             raise ValueError("importing KV pages needs the prefix cache's host tier (prefix_cache_host_bytes)")
-        for i, (name, rows) in enumerate(pages):
-            if not isinstance(name, bytes) or not host.rows.fits(rows):
-                raise ValueError(f"page {i}: its rows do not fit this cache's layout "
-                                 f"({[(tuple(r.shape), r.dtype) for r in rows]} against {host.rows.layout})")
         for name, rows in pages:
             host.put(name, rows, tenant)
         return len(pages)
+
+    def _land(self, pages: list, tenant: str, chains: list[list[bytes]]) -> bool:
+        """Write imported pages' rows into pool pages and name them, cached like pages a request computed
+        and released: a request hits them in the pool it decodes from, and no host-tier copy is kept
+        (with the tiered pool their latents are host-store rows, held once). Each of `chains` (a
+        prompt's page names) has its pages before the imported ones kept in the pool too, so the hit
+        runs from page 0 without leaving it (a lookup stops at a pool page after lower-tier copies):
+        pool pages are held while the new ones are allocated (no eviction takes them), lower-tier
+        copies land with the imported rows. False, and nothing changed, when the pool has no room."""
+        walk, pinned, sources = self._landing(dict(pages), chains)
+        owner = _IMPORTING
+        if not self.allocator.share_and_reserve(owner, pinned, len(sources)):
+            return False
+        # NOTE: lower-tier rows are read before allocating: its evictions may push them out of their tier
+        saved = [rows if tier is None else self.tiers[tier].take(name) for name, tier, rows in sources]
+        if any(rows is None for rows in saved):  # a disk copy that did not read back
+            self.allocator.free(owner, pinned)
+            return False
+        landed = self.allocator.allocate(owner, len(sources))
+        try:
+            self.before_copy()
+            self.rows.copy_in(landed, saved)
+        except BaseException:
+            self.allocator.free(owner, pinned + landed)
+            raise
+        for (name, _, _), page in zip(sources, landed):
+            self._page_of[name], self._name_of[page], self._tenant_of[page] = page, name, tenant
+        self._unmirrored.update(landed)
+        # NOTE: a chain's last pages released first are evicted first, so its pool run stays from page 0
+        self.allocator.free(owner, [self._page_of[name] for name in reversed(walk)])
+        return True
+
+    def _landing(self, given: dict, chains: list[list[bytes]]):
+        """What `_land` does: (every page name it keeps, in chain order; the pool pages among them, to
+        hold; (name, lower tier or None, given rows) of those to write)."""
+        walk, pinned, sources, seen = [], [], [], set()
+        for chain in chains:
+            for name in chain:
+                tier = None if name in self._page_of or name in given else self._tier_of(name)
+                if name not in self._page_of and name not in given and tier is None:
+                    break
+                if name not in seen:
+                    seen.add(name)
+                    walk.append(name)
+        walk += [name for name in given if name not in seen]  # pages on no chain given (or past a gap)
+        for name in walk:
+            if name in self._page_of:
+                pinned.append(self._page_of[name])
+            else:
+                sources.append((name, None if name in given else self._tier_of(name), given.get(name)))
+        return walk, pinned, sources
 
     def match(self, req: Request) -> PrefixHit | None:
         """What the request's known tokens hit, or None while it must wait: a running request computes
@@ -154,7 +211,9 @@ class PrefixCache:
             self._count_hit(req, len(hit.pages), tiers)
         self._served.setdefault(req.request_id, {t: tiers.count(t) * self.page_size for t in ("host", "disk")})
         self._claim(req)
-        return CachedPrefix(hit.pages + pages, len(hit.pages) + len(tiers), pages[:len(tiers)], tiers)
+        landed = [p for p in hit.pages if p in self._unmirrored]  # written by an import: copied to every rank
+        self._unmirrored.difference_update(landed)
+        return CachedPrefix(hit.pages + pages, len(hit.pages) + len(tiers), landed + pages[:len(tiers)], tiers)
 
     def lookup(self, req: Request) -> PrefixHit:
         """The pages the request's known tokens start with (its prompt; after a preemption, its output
@@ -275,6 +334,7 @@ class PrefixCache:
     def _unname(self, page: int) -> None:
         del self._page_of[self._name_of.pop(page)]
         del self._tenant_of[page]
+        self._unmirrored.discard(page)
 
     def set_clock(self, clock) -> None:
         """The time source of release and use times (time.time; a test's fake clock)."""
@@ -368,11 +428,15 @@ class PrefixCache:
         assert all(self._name_of[p] == n for n, p in self._page_of.items()), "a page is named twice"
         for page in self._name_of:
             assert page in self.allocator.cached or self.allocator.num_owners(page), "a named page is free"
+        assert self._unmirrored <= self._name_of.keys(), "an imported page is not named"
         for store in self.tiers.values():
             store.check_integrity()
         stale = (set(self._chains) | set(self._named) | set(self._inflight.values()) | set(self._claims)
                  | set(self._reading) | set(self._served)) - active
         assert not stale, f"prefix chains kept for finished requests {sorted(stale)}"
+
+
+_IMPORTING = "\x00prefix-import"  # the allocator owner of pages an import is writing (no request id)
 
 
 def _root(tenant: str, cache_salt: str | None) -> bytes:

@@ -2,10 +2,12 @@
 
 Before the request reaches its engine it claims the room on the prefill worker's bootstrap store,
 telling it how many of each prompt's first pages it already holds (`engine.kv.held_prefix`: those
-are not sent), receives the rest and checks every tensor's size and digest. The pages go into its
-prefix cache's host tier all or none (`engine.kv.import_prefix`), so the request then runs as a
-prefix hit there: it computes the page holding the last token and samples the first token itself.
-Nothing is kept from a transfer that fails.
+are not sent), receives the rest and checks every tensor's size and digest. The pages are kept all
+or none (`engine.kv.import_prefix`): with `--kv-tiering` in pool pages, whose latents are rows of the
+host store the request decodes from; untiered, in the prefix cache's host tier. The request then runs
+as a prefix hit: it computes the page holding the last token (the positions those rows select also
+fill its device working set) and samples the first token itself. Nothing is kept from a transfer that
+fails.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class DecodeWorker(Worker):
             self.rooms[field.room] = "receive"
             pages = await self.blocking(self._recv, link, meta) if meta["tensors"] else []
             self.rooms[field.room] = "import"
-            await self._import(meta, pages, job.tenant)
+            await self._import(meta, pages, job, prompts)
         except TransferError as e:
             await self.blocking(self._verdict, link, meta, str(e))
             raise
@@ -80,7 +82,7 @@ class DecodeWorker(Worker):
             raise
         return link, meta, time.monotonic() - waiting
 
-    async def _import(self, meta: dict, pages: list, tenant: str) -> None:
+    async def _import(self, meta: dict, pages: list, job: Job, prompts: list[list[int]]) -> None:
         """Keep the pages, all or none, if the prefill worker computed them under this worker's
         weights (TransferError naming both otherwise). The version is read again with the import, on
         the engine loop: an update in between forgets the cached pages, so none may be kept after it."""
@@ -92,7 +94,7 @@ class DecodeWorker(Worker):
             if engine.weights_version != mine["weights_version"]:
                 raise TransferError(f"this decode worker's weights changed during the transfer (weights_version "
                                     f"{mine['weights_version']} -> {engine.weights_version})")
-            engine.kv.import_prefix(pages, tenant)
+            engine.kv.import_prefix(pages, job.tenant, prompts, job.cache_salt)
         await _on_engine(loop, keep)
 
     @staticmethod

@@ -1,0 +1,151 @@
+"""Imported pages landing in the pool (`PrefixCache(land_in_pool=True)`, the tiered decode side of
+prefill/decode disaggregation): the rows are written once, into pool pages named and cached like pages
+a request computed, and no host-tier copy is kept; the prompt's pages the cache already held join them
+in the pool so that a lookup runs from page 0 through the pool; no room: the host tier, as untiered;
+a refused import changes nothing. Small tensors, no model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv import SamplingParams
+from sparsekv.cache.pages import PageAllocator
+from sparsekv.cache.prefix import PrefixCache
+from sparsekv.cache.prefix_host import PageRows, PrefixHostStore
+from sparsekv.request import Request
+
+PAGE = 4
+PROMPT = list(range(1, 23))  # 5 full pages, then the page holding the last token
+
+
+def _cache(num_pages: int = 8, host_pages: int = 16):
+    """(cache, its pool tensor, allocator): one slot-indexed tensor of 2 values per token."""
+    allocator = PageAllocator(num_pages, PAGE)
+    pool = torch.zeros(num_pages * PAGE, 2)
+    rows = PageRows([(pool, 1)], PAGE)
+    host = PrefixHostStore(rows, host_pages * rows.page_bytes)
+    return PrefixCache(allocator, tiers={"host": host}, rows=rows, land_in_pool=True), pool, allocator
+
+
+def _exported(cache: PrefixCache, prompt=PROMPT, first: int = 0) -> list:
+    """(name, rows) of the prompt's pages from `first` on, as another engine exports them: page i's
+    rows all hold i + 1."""
+    names = cache.prompt_names(prompt, "default", None)
+    return [(name, [torch.full((PAGE, 2), float(i + 1))]) for i, name in enumerate(names)][first:]
+
+
+def _hit(cache: PrefixCache, rid: str = "r"):
+    return cache.lookup(Request(rid, PROMPT, SamplingParams(max_tokens=1)))
+
+
+def _chains(cache: PrefixCache, prompt=PROMPT):
+    return [cache.prompt_names(prompt, "default", None)]
+
+
+def _check(cache: PrefixCache, allocator: PageAllocator) -> None:
+    allocator.check_integrity()
+    cache.check_integrity(set())
+
+
+def test_imported_pages_land_once_in_the_pool():
+    cache, pool, allocator = _cache()
+    assert cache.import_pages(_exported(cache), "default", _chains(cache)) == 5
+    hit = _hit(cache)
+    assert len(hit.pages) == 5 and not hit.lower_names  # a pool hit: nothing copied back at admission
+    assert cache.tiers["host"].num_pages == 0            # and no host-tier copy held beside the pool's
+    assert len(allocator.cached) == 5 and allocator.num_free == allocator.num_pages
+    for i, page in enumerate(hit.pages):
+        assert torch.equal(pool[page * PAGE:(page + 1) * PAGE], torch.full((PAGE, 2), float(i + 1)))
+    cache.forget_request("r")
+    _check(cache, allocator)
+
+
+def test_a_hit_on_landed_pages_names_them_for_every_rank():
+    """Only this rank's pool was written: the hit lists them with the restored pages (mirrored to
+    every tensor-parallel rank at the step), once."""
+    cache, _, allocator = _cache()
+    cache.import_pages(_exported(cache), "default", _chains(cache))
+    for rid, mirrored in (("a", 5), ("b", 0)):
+        req = Request(rid, PROMPT, SamplingParams(max_tokens=1))
+        hit = cache.lookup(req)
+        assert allocator.share_and_reserve(rid, hit.pages, 1)
+        assert len(cache.take(req, hit).restored_page_ids) == mirrored
+    for rid in ("a", "b"):
+        cache.forget_request(rid)
+        allocator.free(rid, hit.pages)
+    _check(cache, allocator)
+
+
+def test_held_pages_in_the_host_tier_join_the_imported_ones():
+    """The decode side held pages 0-1 in its host tier (so they were not sent): they land in the pool
+    with pages 2-4, and the hit runs from page 0 through the pool."""
+    cache, _, allocator = _cache()
+    for name, rows in _exported(cache)[:2]:
+        cache.tiers["host"].put(name, rows, "default")
+    assert cache.held(PROMPT, "default", None) == 2
+    cache.import_pages(_exported(cache, first=2), "default", _chains(cache))
+    hit = _hit(cache)
+    assert len(hit.pages) == 5 and not hit.lower_names
+    cache.forget_request("r")
+    _check(cache, allocator)
+
+
+def test_held_pool_pages_are_not_evicted_by_the_landing():
+    """Pages 0-1 are the oldest cached pool pages and every other page is cached too: the landing's
+    allocations evict other pages, not these, and the landed tail is released before them (an eviction
+    takes a chain's last pages first)."""
+    cache, _, allocator = _cache(num_pages=7)
+    cache.import_pages(_exported(cache)[:2], "default", [])
+    other = [list(range(100, 123))]
+    cache.import_pages(_exported(cache, other[0])[:5], "default", [cache.prompt_names(other[0], "default", None)])
+    assert allocator.num_free == 7 and len(allocator.cached) == 7
+    cache.import_pages(_exported(cache, first=2), "default", _chains(cache))
+    hit = _hit(cache)
+    assert len(hit.pages) == 5 and not hit.lower_names
+    assert cache.tiers["host"].num_pages == 3  # the other prompt's evicted pages, saved there
+    cache.forget_request("r")
+    taken = allocator.allocate("x", 3)  # the other prompt's last two cached pages, then this chain's tail
+    hit = _hit(cache)
+    assert len(hit.pages) == 4 and len(hit.lower_names) == 1
+    cache.forget_request("r")
+    allocator.free("x", taken)
+    _check(cache, allocator)
+
+
+def test_without_room_in_the_pool_the_pages_go_to_the_host_tier():
+    cache, _, allocator = _cache(num_pages=6)
+    held = allocator.allocate("running", 4)
+    cache.import_pages(_exported(cache), "default", _chains(cache))
+    assert cache.tiers["host"].num_pages == 5 and len(allocator.cached) == 0
+    hit = _hit(cache)
+    assert not hit.pages and len(hit.lower_names) == 5
+    cache.forget_request("r")
+    allocator.free("running", held)
+    _check(cache, allocator)
+
+
+@pytest.mark.parametrize("bad", ["shape", "name"])
+def test_a_refused_import_keeps_nothing(bad):
+    cache, pool, allocator = _cache()
+    pages = _exported(cache)
+    name, rows = pages[3]
+    pages[3] = (name, [rows[0][:, :1]]) if bad == "shape" else (name.hex(), rows)
+    with pytest.raises(ValueError, match="page 3"):
+        cache.import_pages(pages, "default", _chains(cache))
+    assert cache.tiers["host"].num_pages == 0 and len(allocator.cached) == 0
+    assert not _hit(cache).pages and not pool.any()
+    cache.forget_request("r")
+    _check(cache, allocator)
+
+
+def test_a_copy_that_fails_frees_its_pages():
+    cache, _, allocator = _cache()
+
+    def broken(pages, saved):
+        raise RuntimeError("copy failed")
+    cache.rows.copy_in = broken
+    with pytest.raises(RuntimeError, match="copy failed"):
+        cache.import_pages(_exported(cache), "default", _chains(cache))
+    assert len(allocator.cached) == 0 and allocator.num_free == allocator.num_pages
+    assert cache.tiers["host"].num_pages == 0
+    _check(cache, allocator)
