@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation's core, in one process: a prefill engine computes a prompt, its named
 KV pages (latents, indexer keys, the MTP layer's entries, the selector's per-page state) are exported
-as plain rows, and a decode engine imports them into its prefix cache's host tier; the request then
-runs there as a host-tier hit, computing only what was not sent (the last, partial page and on).
-Greedy tokens and logprobs must be those of one colocated engine."""
+as plain rows, and a decode engine imports them: into its prefix cache's host tier, or with
+kv_tiering into its pool (latents in the host store it decodes from, held once). The request then runs
+as a prefix hit, computing only what was not sent (the last, partial page and on), whose rows' selections
+warm its device working set. Greedy tokens and logprobs must be those of one colocated engine."""
 import pytest
 import torch
 
@@ -28,7 +29,7 @@ def _disaggregated(path: str, prompt: list[int], prefill_options: dict, decode_o
     prefill.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
     pages = prefill.engine.kv.export_prefix(prompt)
     decode = LLM(path, **BASE, **DECODE, **decode_options)
-    assert decode.engine.kv.import_prefix(pages) == len(pages)
+    assert decode.engine.kv.import_prefix(pages, prompts=[prompt]) == len(pages)
     return pages, decode.generate([prompt], GREEDY)[0], decode
 
 
@@ -43,8 +44,25 @@ def test_a_prompt_prefilled_elsewhere_decodes_as_one_engine_would(family, option
     prefill_options = {k: v for k, v in options.items() if k == "kv_cache_dtype"}
     pages, got, decode = _disaggregated(path, prompt, prefill_options, options)
     assert len(pages) == (len(prompt) - 1) // PAGE  # every full page but the one holding the last token
-    assert got.metrics["prefix_cached_tokens_host"] == got.num_cached_tokens == len(pages) * PAGE
+    landing = "device" if options.get("kv_tiering") else "host"  # tiered: the pool, whose latents are host rows
+    assert got.metrics[f"prefix_cached_tokens_{landing}"] == got.num_cached_tokens == len(pages) * PAGE
     assert_same_greedy([want], [got], logprob_tolerance(colocated))
+    decode.engine.check_integrity()
+
+
+def test_a_tiered_decode_side_holds_the_imported_rows_once(glm_ckpt):
+    """The rows land in pool pages (their latents in the host store the request decodes from), not in
+    the prefix cache's host tier as well; they are the bytes sent, and stay so after the request."""
+    path, prompt = glm_ckpt[0], _prompt(256)
+    tiered = dict(kv_tiering=True, device_buffer_tokens=16)
+    pages, out, decode = _disaggregated(path, prompt, {}, tiered)
+    stats = decode.stats()
+    assert stats["prefix_host_pages"] == stats["prefix_host_bytes"] == 0
+    assert stats["prefix_cached_pages"] >= len(pages) and stats["prefix_cache_hits_host"] == 0
+    assert out.metrics["prefix_cached_tokens_device"] == len(pages) * PAGE
+    held = decode.engine.kv.export_prefix(prompt)[:len(pages)]  # read back from the pool
+    assert [name for name, _ in held] == [name for name, _ in pages]
+    assert all(torch.equal(a, b) for (_, x), (_, y) in zip(held, pages) for a, b in zip(x, y, strict=True))
     decode.engine.check_integrity()
 
 
@@ -75,18 +93,60 @@ def test_pages_the_decode_side_holds_are_not_sent_again(glm_ckpt):
     assert out.metrics["prefix_cached_tokens_host"] == len(pages) * PAGE
 
 
-def test_rows_that_do_not_fit_the_decode_cache_are_refused_whole(glm_ckpt):
-    """A corrupted layer (a row of the wrong shape) or another tenant's name: nothing is imported."""
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16)], ids=["plain", "tiered"])
+def test_rows_that_do_not_fit_the_decode_cache_are_refused_whole(options, glm_ckpt):
+    """A corrupted layer (a row of the wrong shape): nothing is imported, in any tier."""
     path, prompt = glm_ckpt[0], _prompt(256)
     prefill = LLM(path, **BASE)
     prefill.generate([prompt], SamplingParams(max_tokens=1))
     pages = prefill.engine.kv.export_prefix(prompt)
     name, rows = pages[3]
     bad = pages[:3] + [(name, [rows[0][:, :-1]] + rows[1:])] + pages[4:]
-    decode = LLM(path, **BASE, **DECODE)
+    decode = LLM(path, **BASE, **DECODE, **options)
     with pytest.raises(ValueError, match="page 3"):
-        decode.engine.kv.import_prefix(bad)
-    assert decode.stats()["prefix_host_pages"] == 0
+        decode.engine.kv.import_prefix(bad, prompts=[prompt])
+    stats = decode.stats()
+    assert stats["prefix_host_pages"] == stats["prefix_cached_pages"] == 0
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
     decode.engine.check_integrity()
     out = decode.generate([prompt], GREEDY)[0]
     assert out.num_cached_tokens == 0
+
+
+def test_the_decode_side_starts_decoding_warm(monkeypatch):
+    """A tiered decode side computes only the page holding the last token; placing every position its
+    rows selected in the working set (rows read for that chunk anyway) makes its first decode step miss
+    far fewer entries than from the last row's selections alone, and than from an empty working set.
+    The bundled model, past top-k (256): the sparse regime. Placement never changes outputs."""
+    from sparsekv.cache.tiers import TieredKVPool
+    from sparsekv.tools.bench_kv_dtype import default_text
+    path = default_model_path()
+    prefill = LLM(path, max_model_len=1024)
+    prompt = prefill.engine.tokenizer.encode(default_text())[:600]  # a last chunk of 600 - 9 * 64 = 24 rows
+    prefill.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    pages = prefill.engine.kv.export_prefix(prompt)
+
+    def first_decode_misses():
+        decode = LLM(path, max_model_len=1024, kv_tiering=True, prefix_cache_host_bytes=1 << 28)
+        engine = decode.engine
+        engine.kv.import_prefix(pages, prompts=[prompt])
+        req = engine.add_request(None, prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        while req.is_prefilling or not req.output_token_ids:
+            engine.step()
+        assert req.num_cached_tokens == len(pages) * 64
+        before = engine.stats()["tier_misses"]
+        engine.step()
+        misses = engine.stats()["tier_misses"] - before
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.check_integrity()
+        return misses, list(req.output_token_ids)
+    warm, tokens = first_decode_misses()
+    monkeypatch.setattr(TieredKVPool, "_prime_block", lambda self, layer, seq, positions, distinct, inverse, stored:
+                        self._prime(layer, seq, positions[-1], stored.index_select(0, inverse[-positions.shape[1]:])))
+    last_row, last_row_tokens = first_decode_misses()
+    monkeypatch.setattr(TieredKVPool, "_prime", lambda *args: None)
+    cold, cold_tokens = first_decode_misses()
+    assert cold > 250 * 4  # nearly every one of the 256 selected positions, in each layer
+    assert warm < last_row / 4 and last_row < cold
+    assert tokens == last_row_tokens == cold_tokens

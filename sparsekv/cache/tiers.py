@@ -226,17 +226,28 @@ class TieredKVPool:
             stored = self._stream(layer, seq, seq.slots[distinct.to(seq.slots.device)])
             inverse = inverse.to(stored.device)
             if positions.dim() == 2 and seq.request_id in self._step.priming and layer not in self.mtp_layers:
-                last = positions.shape[1]
-                self._prime(layer, seq, positions[-1], stored.index_select(0, inverse[-last:]))
+                self._prime_block(layer, seq, positions, distinct, inverse, stored)
             return self.fmt.decode(stored).index_select(0, inverse).view(*positions.shape, -1)
         return self.fmt.decode(self._rows_at(layer, seq, flat)).view(*positions.shape, -1)
 
+    def _prime_block(self, layer: int, seq: SeqSlice, positions: torch.Tensor, distinct: torch.Tensor,
+                     inverse: torch.Tensor, stored: torch.Tensor) -> None:
+        """Place a prefill block's selected rows (stored form, already on the device: `stored` holds
+        `distinct`'s) in the request's working set: every position the block selected when they fit in
+        it, then its last row's again (the most recently used), else its last row's alone. The
+        prompt's last rows select much of what the first decode will, so that step starts warm instead
+        of missing up to k entries per layer (no host traffic: the rows were read for the prefill). A
+        short last chunk (the page a prefix hit leaves to compute, as on a disaggregated decode side)
+        fills it from all its rows, as a long prefill does from its last blocks. The last block's call
+        is the one that stays."""
+        last = positions.shape[1]
+        if distinct.numel() <= self.device_buffer_tokens:
+            self._prime(layer, seq, distinct, stored)
+        self._prime(layer, seq, positions[-1], stored.index_select(0, inverse[-last:]))
+
     def _prime(self, layer: int, seq: SeqSlice, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """Place a prefill block's last row's selected rows (stored form, already on the device) in the
-        request's working set: the full layer resolves them in its group's LRU, each shared layer fills
-        the slots its group holds them in. The prompt's last row selects much of what the first decode
-        will, so that step starts warm instead of missing up to k entries per layer (no host traffic:
-        the rows were read for the prefill). The last block's call is the one that stays."""
+        """Place the rows of `positions` in the request's working set: the full layer resolves them in
+        its group's LRU, each shared layer fills the slots its group holds them in."""
         ws, wanted = self._resident[seq.request_id], positions.cpu().numpy().astype(np.int64)
         if wanted.size > self.device_buffer_tokens:
             return
