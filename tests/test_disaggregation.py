@@ -66,14 +66,18 @@ def test_a_tiered_decode_side_holds_the_imported_rows_once(glm_ckpt):
     decode.engine.check_integrity()
 
 
-def test_with_mtp_drafting_on_both_sides():
-    """The pages carry the MTP layer's entries: drafting on the decode side reads them."""
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True)], ids=["plain", "decode-tiered"])
+def test_with_mtp_drafting_on_both_sides(options):
+    """The pages carry the MTP layer's entries: drafting on the decode side reads them (tiered: from the
+    pool pages they landed in)."""
     path, prompt = default_model_path(), _prompt(4096, 50)
-    colocated = LLM(path, **BASE, num_speculative_tokens=2)
+    colocated = LLM(path, **BASE, num_speculative_tokens=2, **options)
     want = colocated.generate([prompt], GREEDY)[0]
-    pages, got, decode = _disaggregated(path, prompt, dict(num_speculative_tokens=2), dict(num_speculative_tokens=2))
+    pages, got, decode = _disaggregated(path, prompt, dict(num_speculative_tokens=2),
+                                        dict(num_speculative_tokens=2, **options))
     assert got.num_cached_tokens == len(pages) * PAGE > 0
     assert got.metrics["spec_decode_num_drafts"] > 0
+    assert decode.stats()["prefix_host_pages"] == (0 if options else len(pages))
     assert_same_greedy([want], [got], logprob_tolerance(colocated, extra_layers=1))
 
 
