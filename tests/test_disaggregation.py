@@ -154,3 +154,25 @@ def test_the_decode_side_starts_decoding_warm(monkeypatch):
     assert cold > 250 * 4  # nearly every one of the 256 selected positions, in each layer
     assert warm < last_row / 4 and last_row < cold
     assert tokens == last_row_tokens == cold_tokens
+
+
+def test_landed_pages_serve_only_their_tenant_and_salt(glm_ckpt):
+    """Pages that landed in a tiered decode side's pool keep their names: another tenant, or the same
+    tenant with another cache_salt, computes the prompt; the tenant and salt they were sent for hit them."""
+    path, prompt = glm_ckpt[0], _prompt(256)
+    prefill = LLM(path, **BASE)
+    prefill.engine.add_request(None, prompt, SamplingParams(max_tokens=1), tenant="a", cache_salt="s")
+    while prefill.engine.has_unfinished_requests():
+        prefill.engine.step()
+    pages = prefill.engine.kv.export_prefix(prompt, "a", "s")
+    decode = LLM(path, **BASE, **DECODE, kv_tiering=True, device_buffer_tokens=16)
+    decode.engine.kv.import_prefix(pages, "a", [prompt], "s")
+    assert decode.stats()["prefix_cached_pages"] == len(pages) > 0
+    cached = {}
+    for tenant, salt in (("b", "s"), ("a", None), ("a", "s")):
+        req = decode.engine.add_request(None, prompt, SamplingParams(max_tokens=2), tenant=tenant, cache_salt=salt)
+        while decode.engine.has_unfinished_requests():
+            decode.engine.step()
+        cached[tenant, salt] = req.num_cached_tokens
+    assert cached == {("b", "s"): 0, ("a", None): 0, ("a", "s"): len(pages) * PAGE}
+    decode.engine.check_integrity()
