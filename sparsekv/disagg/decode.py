@@ -16,7 +16,7 @@ import secrets
 import time
 
 from ..server.serving import Job, run
-from .transfer import BACKENDS, DECODE_RANK, Room, connect, recv_tensors, transfer_device
+from .transfer import BACKENDS, DECODE_RANK, Room, connect, meta_key, recv_tensors, transfer_device
 from .weights_stamp import check_same_weights, loaded_weights
 from .wire import TransferError, check_received, prompt_digest, sign, tensors_to_pages, verify
 from .worker import Worker
@@ -27,14 +27,12 @@ log = logging.getLogger("sparsekv.disagg")
 class DecodeWorker(Worker):
     async def serve(self, request, job: Job, field, prompts: list[list[int]]):
         room = self.open_room(field)
-        started = time.monotonic()
         try:
             figures = await self._take_kv(request, field, job, prompts)
         except TransferError as e:
             raise self.failed(room, e) from None
         finally:
             self.close_room(room)
-        figures["transfer_s"] = time.monotonic() - started - figures.pop("waited_s")
         self.metrics.bytes.inc(figures["bytes"])
         self.metrics.pages_skipped.inc(figures["pages_skipped"])
         self.metrics.seconds.observe(figures["transfer_s"])
@@ -50,37 +48,55 @@ class DecodeWorker(Worker):
         claim = {"room": field.room, "nonce": secrets.token_hex(16), "tenant": job.tenant,
                  "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held,
                  "device": self.device.type, "weights": weights}  # the prefill worker refuses other weights early
-        link, meta, waited = await self._claim(request, field, claim)
+        link, meta = await self._claim(request, field, claim)
+        inbox = Inbox(link, self.settings, self.device)
         try:
-            self._check_meta(meta, claim)
-            self.rooms[field.room] = "receive"
-            pages = await self.blocking(self._recv, link, meta) if meta["tensors"] else []
+            while True:  # the batches, each checked as it comes; the pages kept once the last is in
+                self._check_meta(meta, claim, inbox.weights)
+                self.rooms[field.room] = "receive"
+                await self.blocking(inbox.receive, meta)
+                if meta.get("last"):
+                    break
+                meta = await self._next_batch(request, inbox)
+            prefill_ended = time.monotonic()
             self.rooms[field.room] = "import"
-            await self._import(meta, pages, job, prompts)
+            await self._import(meta, inbox.pages, job, prompts)
         except TransferError as e:
             await self.blocking(self._verdict, link, meta, str(e))
             raise
+        finally:
+            inbox.close()
         await self.blocking(self._verdict, link, meta, None)
         return {"role": "decode", "room": field.room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
-                "waited_s": waited, "backend": meta["backend"], "bytes": sum(t["nbytes"] for t in meta["tensors"]),
-                "pages_sent": len(pages), "pages_skipped": sum(held)}
+                "transfer_s": time.monotonic() - prefill_ended, "backend": meta["backend"], "bytes": inbox.nbytes,
+                "pages_sent": len(inbox.pages), "pages_streamed": meta.get("streamed", 0),
+                "pages_skipped": sum(held), "batches": inbox.batches}
 
     async def _claim(self, request, field, claim: dict):
-        """Claim the room and wait for the prefill worker's metadata: (room link, metadata, seconds
-        spent waiting for the prefill)."""
+        """Claim the room and wait for the prefill worker's first batch: (room link, its metadata)."""
         secret, timeout = self.settings.secret, self.settings.timeout_s
         link = await self.blocking(lambda: Room(connect(field.bootstrap_host, field.bootstrap_port, timeout), field.room))
-        waiting = time.monotonic()
         try:
             await self.blocking(link.put, "claim", sign(secret, claim))
-            raw = await self.take(link, "meta", "KV from the prefill worker", request)
-            meta = verify(secret, raw, "prefill worker's metadata")
-            if "error" in meta:
-                raise TransferError(f"the prefill worker failed: {meta['error']}")
+            meta = await self._batch_meta(request, link, 0)
         except TransferError:
             await self.blocking(link.forget)  # NOTE: the prefill worker is gone, or failed and left the room to us
             raise
-        return link, meta, time.monotonic() - waiting
+        return link, meta
+
+    async def _next_batch(self, request, inbox: "Inbox") -> dict:
+        try:
+            return await self._batch_meta(request, inbox.link, inbox.batches)
+        except TransferError:
+            await self.blocking(inbox.link.forget, inbox.batches + 1)
+            raise
+
+    async def _batch_meta(self, request, link: Room, batch: int) -> dict:
+        raw = await self.take(link, meta_key(batch), "KV from the prefill worker", request)
+        meta = verify(self.settings.secret, raw, "prefill worker's metadata")
+        if "error" in meta:
+            raise TransferError(f"the prefill worker failed: {meta['error']}")
+        return meta
 
     async def _import(self, meta: dict, pages: list, job: Job, prompts: list[list[int]]) -> None:
         """Keep the pages, all or none, if the prefill worker computed them under this worker's
@@ -98,7 +114,9 @@ class DecodeWorker(Worker):
         await _on_engine(loop, keep)
 
     @staticmethod
-    def _check_meta(meta: dict, claim: dict) -> None:
+    def _check_meta(meta: dict, claim: dict, weights: dict | None) -> None:
+        """One batch's metadata: it answers this claim, its lists agree, and its pages were computed
+        under the weights of the batches before it."""
         if meta.get("nonce") != claim["nonce"] or meta.get("room") != claim["room"]:
             raise TransferError("the prefill worker's metadata answers another claim")
         names, per_prompt = meta.get("names"), meta.get("pages")
@@ -109,22 +127,8 @@ class DecodeWorker(Worker):
             raise TransferError("the prefill worker announced tensors for no pages")
         if meta.get("backend") not in BACKENDS:
             raise TransferError(f"the prefill worker named an unknown transfer backend {meta.get('backend')!r}")
-
-    def _recv(self, link: Room, meta: dict) -> list:
-        secret, timeout = self.settings.secret, self.settings.timeout_s
-        try:
-            names = [bytes.fromhex(n) for n in meta["names"]]
-            sizes = [int(t["nbytes"]) for t in meta["tensors"]]
-        except (ValueError, TypeError, KeyError):
-            raise TransferError("the prefill worker's metadata is malformed") from None
-        backend = meta["backend"]
-        group = link.pair_group(DECODE_RANK, self.settings.bootstrap_host, timeout, backend)
-        try:
-            received = recv_tensors(group, sizes, transfer_device(backend, self.device))
-        finally:
-            del group
-        tensors = [check_received(secret, spec, data, i) for i, (spec, data) in enumerate(zip(meta["tensors"], received))]
-        return tensors_to_pages(names, tensors)
+        if weights is not None and meta.get("weights") != weights:
+            raise TransferError("the prefill worker's weights changed during the transfer")
 
     def _verdict(self, link: Room, meta: dict | None, error: str | None) -> None:
         """Tell the prefill worker whether the KV was kept (it answers its own request from that)."""
@@ -135,6 +139,40 @@ class DecodeWorker(Worker):
             link.put("done", sign(self.settings.secret, body))
         except TransferError:
             pass  # the prefill worker is gone: it learns nothing, and needs nothing
+
+
+class Inbox:
+    """The decode side of a room: the batches received so far, checked, and the pair group they came
+    over (made at the first tensor, kept for the room)."""
+
+    def __init__(self, link: Room, settings, device):
+        self.link, self.settings, self.device = link, settings, device
+        self.pages, self.batches, self.tags, self.nbytes = [], 0, 0, 0
+        self.weights, self.group = None, None
+
+    def receive(self, meta: dict) -> None:
+        """One batch's tensors, each checked against its size and digest, as pages."""
+        try:
+            names = [bytes.fromhex(n) for n in meta["names"]]
+            specs = meta["tensors"]
+            sizes = [int(t["nbytes"]) for t in specs]
+        except (ValueError, TypeError, KeyError):
+            raise TransferError("the prefill worker's metadata is malformed") from None
+        self.batches += 1
+        self.weights = meta.get("weights")
+        if not sizes:
+            return
+        backend, secret = meta["backend"], self.settings.secret
+        if self.group is None:
+            self.group = self.link.pair_group(DECODE_RANK, self.settings.bootstrap_host, self.settings.timeout_s, backend)
+        received = recv_tensors(self.group, sizes, transfer_device(backend, self.device), self.tags)
+        tensors = [check_received(secret, spec, data, self.tags + i) for i, (spec, data) in enumerate(zip(specs, received))]
+        self.tags += len(sizes)
+        self.nbytes += sum(sizes)
+        self.pages += tensors_to_pages(names, tensors)
+
+    def close(self) -> None:
+        self.group = None
 
 
 async def _on_engine(loop, fn, *args):

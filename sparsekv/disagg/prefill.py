@@ -7,6 +7,7 @@ It answers with that short completion, plus the transfer's figures in the `spars
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -17,12 +18,14 @@ from ..request import SamplingParams
 from ..server.errors import APIError, bad_request
 from ..server.loop import RequestGroup, Submission
 from ..server.serving import Job, run
-from .transfer import PREFILL_RANK, Room, connect, host_bootstrap, send_tensors, transfer_backend, transfer_device
+from .transfer import (PREFILL_RANK, Room, connect, host_bootstrap, meta_key, send_tensors, transfer_backend,
+                       transfer_device)
 from .weights_stamp import check_same_weights, loaded_weights
 from .wire import (TransferError, as_bytes, pages_to_tensors, prompt_digest, sign, tensor_specs, verify)
 from .worker import Worker
 
 log = logging.getLogger("sparsekv.disagg")
+STREAM_POLL_S = 0.005  # the longest pause between two looks for pages named since the last batch
 
 
 class PrefillWorker(Worker):
@@ -43,24 +46,33 @@ class PrefillWorker(Worker):
             raise bad_request(f"disaggregation.bootstrap_port {field.bootstrap_port} is not this prefill worker's "
                               f"({self.bootstrap_port})", "disaggregation")
         room = self.open_room(field)
+        prefill = asyncio.ensure_future(self._prefill(request, job, prompts))
+        ended: list[float] = []  # when the prefill ended
+        prefill.add_done_callback(lambda _: ended.append(time.monotonic()))
         try:
-            try:
-                response, group = await self._prefill(request, job, prompts)
-            except APIError as e:  # refused (bad input, queue full): the decode worker learns it at once
-                await self.blocking(self._refuse, room, e.message)
-                raise
-            times = _times(group, time.monotonic())
-            if response.status_code != 200:  # the decode worker learns it at once instead of at its timeout
-                await self.blocking(self._refuse, room, "the prefill worker could not compute the prompt")
-                return response
-            figures = await self._transfer(request, room, job, prompts, times)
+            figures = await self._transfer(request, room, job, prompts, prefill, ended)
         except TransferError as e:
             raise self.failed(room, e) from None
         finally:
+            if not prefill.done():
+                await self._cancel(prefill)
             self.close_room(room)
+        response, _ = prefill.result()  # a prefill refused (APIError) is raised here, after the decode worker learnt it
+        if figures is None:
+            return response
         body = json.loads(response.body)
         body["sparsekv"]["disaggregation"] = figures
         return JSONResponse(body)
+
+    async def _cancel(self, prefill) -> None:
+        """End a prefill whose transfer failed, its requests aborted on the engine before this returns
+        (serving.collect queues the abort; a command queued after it runs after it)."""
+        prefill.cancel()
+        await asyncio.wait([prefill])
+        try:
+            await self.state.loop.call(lambda: None)
+        except Exception:  # the engine loop is closing: nothing is left to wait for
+            pass
 
     async def _prefill(self, request, job: Job, prompts: list[list[int]]):
         """Each prompt once, greedily, for the tokens that name all its full pages."""
@@ -71,37 +83,78 @@ class PrefillWorker(Worker):
         prefill = Job(group, subs, job.tenant, job.cache_salt, job.builder, False, False)
         return await run(request, self.state.loop, prefill, self.state.metrics), group
 
-    async def _transfer(self, request, room: str, job: Job, prompts: list[list[int]], times: dict) -> dict:
-        started = time.monotonic()
+    async def _transfer(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list) -> dict | None:
+        """The room's pages to the decode worker that claims it, streamed while the prefill runs
+        (`_stream`). Returns the transfer's figures, or None when the prefill failed (the decode worker
+        is told; the caller answers the prefill's own error)."""
         self.rooms[room] = "claim"
-        link = await self.blocking(self._link, room)
-        waiting = None  # a decode worker waits for the metadata once its claim was read
+        out = Batches(await self.blocking(self._link, room), self.settings, self.device)
         try:
-            raw = await self.take(link, "claim", "claim from a decode worker", request)
-            waiting = True
+            raw = await self._claim_or_failed_prefill(request, out.link, prefill)
+            if raw is None:
+                await self.blocking(out.error, _prefill_failure(prefill))
+                return None
+            out.claimed = True
             claim = self._check_claim(raw, room, job, prompts)
             await self._check_weights(claim)
-            self.rooms[room] = "export"
-            pages, per_prompt, loaded = await self._export(job, prompts, claim["held"])
             self.rooms[room] = "send"
-            meta = {"room": room, "nonce": claim["nonce"], "names": [name.hex() for name, _ in pages],
-                    "pages": per_prompt, "skipped": claim["held"], **times,
-                    "weights": await self.blocking(self.weights.stamp, loaded),
-                    "backend": transfer_backend(self.device.type, claim.get("device"))}
-            waiting = False
-            nbytes = await self.blocking(self._send, link, meta, pages)
-            _check_verdict(await self.take(link, "done", "verdict from the decode worker", request), meta,
-                           self.settings.secret)
+            return await self._stream(request, room, job, prompts, prefill, ended, claim, out)
         except TransferError as e:
-            if waiting:  # NOTE: the decode worker reads the error and cleans the room up itself
-                await self.blocking(_tell_error, link, self.settings.secret, room, str(e))
+            if out.peer_waiting:  # NOTE: the decode worker reads the error and cleans the room up itself
+                await self.blocking(out.error_unless_answered, str(e))
             raise
         finally:
-            if not waiting:
-                await self.blocking(link.forget)
-        figures = {"role": "prefill", "room": room, **times, "transfer_s": time.monotonic() - started,
-                   "backend": meta["backend"], "bytes": nbytes, "pages_sent": len(pages),
-                   "pages_skipped": sum(claim["held"])}
+            out.close()
+            if not out.peer_waiting and not out.told_error:
+                await self.blocking(out.link.forget, out.index + 1)
+
+    async def _claim_or_failed_prefill(self, request, link: Room, prefill) -> bytes | None:
+        """The decode worker's claim, waited for while the prefill runs; None if the prefill fails first."""
+        claim = asyncio.ensure_future(self.take(link, "claim", "claim from a decode worker", request))
+        try:
+            while not claim.done():
+                await asyncio.wait([claim] if prefill.done() else [claim, prefill], return_when=asyncio.FIRST_COMPLETED)
+                if prefill.done() and _prefill_failure(prefill) is not None:
+                    return None
+            return claim.result()
+        finally:
+            claim.cancel()
+
+    async def _stream(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
+                      claim: dict, out: "Batches") -> dict | None:
+        """While the prefill runs, each look (every STREAM_POLL_S, on the engine loop between two steps)
+        sends the prompts' pages named since the last one as a batch: a page is named in the step that
+        fills it (its MTP entries included), so chunk c's pages travel while chunk c + 1 computes. The
+        last batch, after the prefill's end, carries the rest and the prefill's timings."""
+        sent, streamed, nbytes = list(claim["held"]), 0, 0
+        backend = transfer_backend(self.device.type, claim.get("device"))
+        while True:
+            finished = prefill.done()
+            if await self.blocking(out.answered):  # the decode worker failed this room already
+                _check_verdict(await self.blocking(out.link.get, "done"), {"nonce": claim["nonce"]}, self.settings.secret)
+            if finished and _prefill_failure(prefill) is not None:
+                await self.blocking(out.error, _prefill_failure(prefill))
+                return None
+            pages, per_prompt, loaded = await self._export(job, prompts, sent)
+            weights = await self.blocking(self.weights.stamp, loaded)
+            if pages or finished:
+                meta = {"room": room, "nonce": claim["nonce"], "names": [name.hex() for name, _ in pages],
+                        "pages": per_prompt, "weights": weights, "backend": backend, "last": finished}
+                if finished:
+                    ended.append(time.monotonic())  # NOTE: its done callback may not have run yet
+                    meta.update(skipped=claim["held"], streamed=streamed, **_times(prefill.result()[1], ended[0]))
+                nbytes += await self.blocking(out.send, meta, pages)
+                sent = [n + more for n, more in zip(sent, per_prompt)]
+                streamed += 0 if finished else len(pages)
+            if finished:
+                break
+            await asyncio.wait([prefill], timeout=STREAM_POLL_S)
+        _check_verdict(await self.take(out.link, "done", "verdict from the decode worker", request), meta,
+                       self.settings.secret)
+        figures = {"role": "prefill", "room": room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
+                   "transfer_s": time.monotonic() - ended[0], "backend": backend, "bytes": nbytes,
+                   "pages_sent": sum(sent) - sum(claim["held"]), "pages_streamed": streamed,
+                   "pages_skipped": sum(claim["held"]), "batches": out.index}
         self.metrics.bytes.inc(nbytes)
         self.metrics.pages_skipped.inc(figures["pages_skipped"])
         self.metrics.seconds.observe(figures["transfer_s"])
@@ -133,13 +186,13 @@ class PrefillWorker(Worker):
             mine = await self.blocking(self.weights.stamp, await self.state.loop.call(lambda: loaded_weights(engine)))
             check_same_weights(mine, theirs)
 
-    async def _export(self, job: Job, prompts: list[list[int]], held: list[int]):
-        """The pages of each prompt after those the decode worker holds, and the weights that computed
-        them (read together on the engine loop: a weight update forgets every cached page)."""
+    async def _export(self, job: Job, prompts: list[list[int]], skip: list[int]):
+        """The pages of each prompt named after its first `skip`, and the weights that computed them
+        (read together on the engine loop: a weight update forgets every cached page)."""
         engine = self.state.engine
 
         def export():
-            pages = [engine.kv.export_prefix(p, job.tenant, job.cache_salt, skip=n) for p, n in zip(prompts, held)]
+            pages = [engine.kv.export_prefix(p, job.tenant, job.cache_salt, skip=n) for p, n in zip(prompts, skip)]
             return pages, loaded_weights(engine)
         try:
             per_prompt, loaded = await self.state.loop.call(export)
@@ -149,29 +202,6 @@ class PrefillWorker(Worker):
 
     def _link(self, room: str) -> Room:
         return Room(connect(self.settings.bootstrap_host, self.bootstrap_port, self.settings.timeout_s), room)
-
-    def _send(self, link: Room, meta: dict, pages: list) -> int:
-        """Publish the signed metadata and send the tensors; returns their bytes."""
-        secret, timeout = self.settings.secret, self.settings.timeout_s
-        stacked = pages_to_tensors(pages)
-        meta["tensors"] = tensor_specs(secret, stacked)
-        tensors = [as_bytes(t) for t in stacked]
-        link.put("meta", sign(secret, meta))
-        if tensors:
-            backend = meta["backend"]
-            group = link.pair_group(PREFILL_RANK, self.settings.bootstrap_host, timeout, backend)
-            try:
-                send_tensors(group, tensors, transfer_device(backend, self.device))
-            finally:
-                del group
-        return sum(t.numel() for t in tensors)
-
-    def _refuse(self, room: str, reason: str) -> None:
-        try:
-            link = self._link(room)
-        except TransferError:
-            return
-        _tell_error(link, self.settings.secret, room, reason)
 
     def close(self) -> None:
         super().close()
@@ -184,12 +214,75 @@ def _check_verdict(raw: bytes, meta: dict, secret: bytes) -> None:
         raise TransferError(f"the decode worker refused the KV: {verdict.get('error', 'no reason given')}")
 
 
-def _tell_error(link: Room, secret: bytes, room: str, reason: str) -> None:
-    """Let a decode worker waiting on the room fail now rather than at its timeout."""
-    try:
-        link.put("meta", sign(secret, {"room": room, "error": reason}))
-    except TransferError:
-        pass
+def _prefill_failure(prefill) -> str | None:
+    """Why a finished prefill has nothing to send (None: it computed the prompts)."""
+    if prefill.cancelled():
+        return "the prefill was cancelled"
+    if prefill.exception() is not None:
+        e = prefill.exception()
+        return e.message if isinstance(e, APIError) else f"the prefill failed: {e}"
+    response, _ = prefill.result()
+    return None if response.status_code == 200 else "the prefill worker could not compute the prompt"
+
+
+class Batches:
+    """The prefill side of a room: its metadata batches (`meta/0`, `meta/1`, ...), each followed by
+    its tensors over the room's pair group (made at the first tensor, kept for the room)."""
+
+    def __init__(self, link: Room, settings, device):
+        self.link, self.settings, self.device = link, settings, device
+        self.index, self.tags, self.group = 0, 0, None
+        self.claimed = self.told_error = self.ended = False
+
+    @property
+    def peer_waiting(self) -> bool:
+        """A decode worker claimed the room and waits for a batch still to come."""
+        return self.claimed and not self.ended
+
+    def send(self, meta: dict, pages: list) -> int:
+        """Publish one batch's signed metadata, then send its tensors; returns their bytes."""
+        secret = self.settings.secret
+        stacked = pages_to_tensors(pages)
+        meta["tensors"] = tensor_specs(secret, stacked)
+        tensors = [as_bytes(t) for t in stacked]
+        self.link.put(meta_key(self.index), sign(secret, meta))
+        self.index += 1
+        self.ended = bool(meta["last"])
+        if tensors:
+            backend = meta["backend"]
+            if self.group is None:
+                self.group = self.link.pair_group(PREFILL_RANK, self.settings.bootstrap_host, self.settings.timeout_s,
+                                                  backend)
+            send_tensors(self.group, tensors, transfer_device(backend, self.device), self.tags)
+            self.tags += len(tensors)
+        return sum(t.numel() for t in tensors)
+
+    def answered(self) -> bool:
+        """Whether the decode worker wrote its verdict (before the last batch only when it failed);
+        it then waits for nothing more."""
+        if self.link.ready("done"):
+            self.ended = True
+            return True
+        return False
+
+    def error_unless_answered(self, reason: str) -> None:
+        try:
+            if self.answered():
+                return
+        except TransferError:  # the store is gone: nobody reads an error
+            return
+        self.error(reason)
+
+    def error(self, reason: str) -> None:
+        """Let a decode worker waiting on the room fail now rather than at its timeout."""
+        try:
+            self.link.put(meta_key(self.index), sign(self.settings.secret, {"room": self.link.name, "error": reason}))
+            self.told_error, self.ended = True, True
+        except TransferError:
+            pass
+
+    def close(self) -> None:
+        self.group = None
 
 
 def _times(group: RequestGroup, finished: float) -> dict:

@@ -96,10 +96,12 @@ class Room:
         except Exception as e:
             raise TransferError(f"room {self.name}: the bootstrap store failed: {_first_line(e)}") from None
 
-    def forget(self) -> None:
-        """Delete every key of the room, the pair group's rendezvous keys included."""
+    def forget(self, batches: int = 1) -> None:
+        """Delete every key of the room, the pair group's rendezvous keys included (`batches`: how many
+        metadata keys were written, at most)."""
         gloo = [f"pg/0/{rank}" for rank in (PREFILL_RANK, DECODE_RANK)]
-        for part in ("claim", "meta", "done", *gloo, f"pg/{NCCL_P2P_KEY}"):
+        metas = [meta_key(j) for j in range(batches)]
+        for part in ("claim", *metas, "done", *gloo, f"pg/{NCCL_P2P_KEY}"):
             try:
                 self.store.delete_key(self.key(part))
             except Exception:  # the store is gone: nothing is left to clean
@@ -117,6 +119,11 @@ class Room:
                                 f"{_first_line(e)}") from None
 
 
+def meta_key(batch: int) -> str:
+    """The room's key of the metadata of its `batch`-th batch of pages (docs/disaggregation.md)."""
+    return f"meta/{batch}"
+
+
 def _gloo_group(store, rank: int, hostname: str, timeout_s: float) -> dist.ProcessGroup:
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = _timeout(timeout_s)
@@ -132,11 +139,11 @@ def _nccl_group(store, rank: int, timeout_s: float) -> dist.ProcessGroup:
     return dist.ProcessGroupNCCL(store, rank, 2, opts)
 
 
-def send_tensors(group, tensors: list[torch.Tensor], device: torch.device) -> None:
-    """Prefill side: each flat uint8 tensor to the decode rank, in order (tag = its index), from
-    `device` (transfer_device); returns once they are sent."""
+def send_tensors(group, tensors: list[torch.Tensor], device: torch.device, first: int = 0) -> None:
+    """Prefill side: each flat uint8 tensor to the decode rank, in order (tag = its index in the room,
+    from `first`), from `device` (transfer_device); returns once they are sent."""
     corrupt, delay = os.environ.get(CORRUPT_ENV), float(os.environ.get(DELAY_ENV) or 0)
-    for i, t in enumerate(tensors):
+    for i, t in enumerate(tensors, start=first):
         if delay:
             time.sleep(delay)
         t = t.to(device)
@@ -148,11 +155,12 @@ def send_tensors(group, tensors: list[torch.Tensor], device: torch.device) -> No
         torch.cuda.synchronize(device)
 
 
-def recv_tensors(group, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
-    """Decode side: flat uint8 tensors of `sizes` bytes from the prefill rank, in order, received
-    on `device` (transfer_device) and returned in host memory (the digests and the host tier read them there)."""
+def recv_tensors(group, sizes: list[int], device: torch.device, first: int = 0) -> list[torch.Tensor]:
+    """Decode side: flat uint8 tensors of `sizes` bytes from the prefill rank, in order (tags from
+    `first`), received on `device` (transfer_device) and returned in host memory (the digests and the
+    host tier read them there)."""
     out = []
-    for i, n in enumerate(sizes):
+    for i, n in enumerate(sizes, start=first):
         t = torch.empty(n, dtype=torch.uint8, device=device)
         _run(lambda: group.recv([t], PREFILL_RANK, i), f"receiving tensor {i}")
         out.append(t.cpu())  # after wait(): the copy is ordered after the receive on the current stream
