@@ -204,3 +204,24 @@ def test_a_client_that_goes_away_frees_the_room_before_the_timeout(glm_ckpt):
         assert wait_until(lambda: p.worker.store.num_keys() == 0, 5)
         assert scrape(d.url)["sparsekv:disagg_transfers_failed_total"] == 1
         _clean(d)
+
+
+def test_a_corrupted_batch_mid_prompt_ends_the_prefill_too(glm_ckpt, monkeypatch):
+    """The first batch of a prompt still being computed (chunks of 8 tokens, slowed steps) is
+    corrupted: the decode worker refuses it, and the prefill worker, seeing the refusal at its next
+    look, stops sending and aborts the prefill; both answer 503 and keep nothing."""
+    from test_disagg_workers import _slowed
+    chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)
+    with WorkerServer(glm_ckpt[0], "prefill", **BASE, **chunked) as p, WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
+        _slowed(p.engine, monkeypatch)
+        monkeypatch.setenv(CORRUPT_ENV, "0")
+        steps = []
+        real = p.engine.step
+        monkeypatch.setattr(p.engine, "step", lambda: steps.append(1) or real())
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
+        _failed(rd, "tensor 0", "digest")
+        _failed(rp, "refused the KV", "tensor 0")
+        assert len(steps) < 6  # ended before the prompt's sixth chunk
+        assert d.engine.stats()["prefix_host_pages"] == 0
+        _clean(p)
+        _clean(d)

@@ -6,6 +6,7 @@ pages sent and skipped, the time to first token split) reach the response and /m
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -293,3 +294,31 @@ def test_a_tensor_parallel_worker_on_either_side(tp_side, glm_ckpt, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _slowed(engine, monkeypatch, seconds: float = 0.1) -> None:
+    """Each step of `engine` waits `seconds` first: a prefill of several chunks lasts long enough for
+    the prefill worker to look for new pages between its steps."""
+    real = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(seconds), real())[1])
+
+
+def test_pages_stream_while_the_prompt_is_computed(glm_ckpt, monkeypatch):
+    """A prompt prefilled in chunks of 8 tokens (2 pages each): the pages of a chunk leave while the
+    next one computes, in batches the decode worker checks one by one; the answer is one engine's."""
+    path, prompt = glm_ckpt[0], _prompt(256, 47)
+    colocated = LLM(path, **BASE)
+    want = colocated.generate([prompt], GREEDY)[0]
+    chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)
+    with WorkerServer(path, "prefill", **BASE, **chunked) as p, WorkerServer(path, "decode", **BASE) as d:
+        _slowed(p.engine, monkeypatch)
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt})
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        body = rd.json()
+        assert_as_colocated(want, body, d, logprob_tolerance(colocated))
+        sent, got = rp.json()["sparsekv"]["disaggregation"], body["sparsekv"]["disaggregation"]
+        assert sent["pages_sent"] == got["pages_sent"] == (len(prompt) - 1) // PAGE
+        assert got["batches"] == sent["batches"] >= 3  # six chunks, looked at between steps
+        assert got["pages_streamed"] == sent["pages_streamed"] >= 4  # sent before the prefill ended
+        p.check_clean()
+        d.check_clean()

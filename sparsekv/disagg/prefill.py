@@ -1,9 +1,10 @@
-"""The prefill worker: computes a request's prompts, then hands their KV to the decode worker that
-claims the room.
+"""The prefill worker: computes a request's prompts and, while it does, streams their KV to the
+decode worker that claims the room.
 
 It runs each prompt once (n choices share it) for one token, or three with MTP drafting: a page is
-named once the MTP layer's entries for it exist, which the MTP pass after the first token writes.
-It answers with that short completion, plus the transfer's figures in the `sparsekv` extension.
+named once the MTP layer's entries for it exist, which the MTP pass after the first token writes for
+the prompt's last page. Pages go in batches as they are named (`_stream`), the last after the
+prefill. It answers with that short completion, plus the transfer's figures in the `sparsekv` extension.
 """
 from __future__ import annotations
 

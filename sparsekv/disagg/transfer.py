@@ -5,17 +5,18 @@ the router) the decode worker connects to it and the two exchange signed message
 the room's keys::
 
     decode                               store (prefill's)                     prefill
-    held_prefix -> claim ------------->  room/R/claim  ---------------------->  (after its prefill)
-                                         room/R/meta   <----------------------  export_prefix(skip=held)
-    <----------------------------------  (names, shapes, digests, timings)
+    held_prefix -> claim ------------->  room/R/claim  ---------------------->  (while its prefill runs)
+                                         room/R/meta/0 <----------------------  export_prefix(skip=sent)
+    <----------------------------------  (names, shapes, digests, weights)
     2-rank group (rank 1)        <====== send/recv, one tensor per kind of row ======>  (rank 0)
-    check digests, import_prefix
+                                         room/R/meta/1 ... the last (after the prefill, with its timings)
+    check each batch, import_prefix
     verdict --------------------------> room/R/done   ---------------------->  success or failure
 
-The tensors go over a 2-rank group of the two processes made for the room from the same store (over
-a `PrefixStore`), closed after it: NCCL when both engines run on CUDA, gloo otherwise
-(`transfer_backend`: the prefill worker picks it from its device and the one the claim names, and
-its metadata tells the decode worker). Every wait is bounded by the transfer timeout; a peer that
+Each batch holds the pages named since the last (prefill.py). The tensors go over a 2-rank group of
+the two processes made for the room from the same store (over a `PrefixStore`), closed after it:
+NCCL when both engines run on CUDA, gloo otherwise (`transfer_backend`: the prefill worker picks it
+from its device and the one the claim names, and its metadata tells the decode worker). Every wait is bounded by the transfer timeout; a peer that
 dies breaks its group's connections, which fails that room only.
 Waiting for a key is polled from the event loop (`Worker.take`), so a room waiting for its peer holds
 no thread: rooms waiting on each other's workers can never exhaust the transfer threads.
