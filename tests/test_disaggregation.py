@@ -117,6 +117,22 @@ def test_rows_that_do_not_fit_the_decode_cache_are_refused_whole(options, glm_ck
     assert out.num_cached_tokens == 0
 
 
+def test_more_pages_than_the_host_tier_holds_are_refused_whole(glm_ckpt):
+    """An import the host tier cannot hold whole would push its first pages out with its last (the
+    hit would be empty, the transfer wasted): refused, naming the option to raise; nothing kept."""
+    path, prompt = glm_ckpt[0], _prompt(256)
+    prefill = LLM(path, **BASE)
+    prefill.generate([prompt], SamplingParams(max_tokens=1))
+    pages = prefill.engine.kv.export_prefix(prompt)
+    page_bytes = sum(r.numel() * r.element_size() for r in pages[0][1])
+    decode = LLM(path, **BASE, prefix_cache_host_bytes=(len(pages) - 1) * page_bytes)
+    with pytest.raises(ValueError, match="prefix-cache-host-bytes"):
+        decode.engine.kv.import_prefix(pages, prompts=[prompt])
+    assert decode.stats()["prefix_host_pages"] == 0
+    assert decode.engine.kv.import_prefix(pages[:-1], prompts=[prompt]) == len(pages) - 1  # what fits is kept
+    decode.engine.check_integrity()
+
+
 def test_the_decode_side_starts_decoding_warm(monkeypatch):
     """A tiered decode side computes only the page holding the last token; placing every position its
     rows selected in the working set (rows read for that chunk anyway) makes its first decode step miss

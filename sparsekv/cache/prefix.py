@@ -136,6 +136,13 @@ class PrefixCache:
         host = self.tiers.get("host")
         if host is None:
             raise ValueError("importing KV pages needs the prefix cache's host tier (prefix_cache_host_bytes)")
+        room = host.capacity_bytes // host.page_bytes
+        if host.max_pages_per_tenant is not None:
+            room = min(room, host.max_pages_per_tenant)
+        if len(pages) > room:  # the first pages would be pushed out by the last: the hit would be empty
+            raise ValueError(f"{len(pages)} pages of {host.page_bytes} bytes do not fit the prefix cache's host tier, "
+                             f"which holds {room} for this tenant (raise prefix_cache_host_bytes, "
+                             f"--prefix-cache-host-bytes)")
         for name, rows in pages:
             host.put(name, rows, tenant)
         return len(pages)

@@ -97,7 +97,6 @@ class PrefillWorker(Worker):
                 return None
             out.claimed = True
             claim = self._check_claim(raw, room, job, prompts)
-            await self._check_weights(claim)
             self.rooms[room] = "send"
             return await self._stream(request, room, job, prompts, prefill, ended, claim, out)
         except TransferError as e:
@@ -138,6 +137,7 @@ class PrefillWorker(Worker):
                 return None
             pages, per_prompt, loaded = await self._export(job, prompts, sent)
             weights = await self.blocking(self.weights.stamp, loaded)
+            self._check_weights(claim, weights)
             if pages or finished:
                 meta = {"room": room, "nonce": claim["nonce"], "names": [name.hex() for name, _ in pages],
                         "pages": per_prompt, "weights": weights, "backend": backend, "last": finished}
@@ -178,13 +178,12 @@ class PrefillWorker(Worker):
             raise TransferError(f"the claim's held page counts are malformed: {held!r}")
         return claim
 
-    async def _check_weights(self, claim: dict) -> None:
-        """Refuse a decode worker of other weights before exporting or sending anything (it checks
-        the metadata's stamp again on import: either side may load new weights in between)."""
+    @staticmethod
+    def _check_weights(claim: dict, mine: dict) -> None:
+        """Refuse a decode worker of other weights at every look, before sending anything of them (it
+        checks each batch's stamp again, and on import: either side may load new weights in between)."""
         theirs = claim.get("weights")
         if isinstance(theirs, dict) and "weights_version" in theirs and "checkpoint" in theirs:
-            engine = self.state.engine
-            mine = await self.blocking(self.weights.stamp, await self.state.loop.call(lambda: loaded_weights(engine)))
             check_same_weights(mine, theirs)
 
     async def _export(self, job: Job, prompts: list[list[int]], skip: list[int]):
