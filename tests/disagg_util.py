@@ -7,10 +7,11 @@ import asyncio
 import os
 import sys
 import uuid
+from contextlib import contextmanager
 
 import httpx
 
-from test_server_util import REPO, free_port, serve_in_thread, stop_thread_server
+from test_server_util import REPO, free_port, serve_in_thread, stop_thread_server, wait_healthy
 
 SECRET = b"a-shared-test-secret-0123456789"
 ADMIN_KEY = "sk-admin-of-the-test-workers"
@@ -78,6 +79,25 @@ def start_worker_process(model: str, mode: str, secret_path: str, bootstrap_port
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **(env or {})}
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def process_and_local_pair(model: str, side: str, tmp_path, args: tuple, **local_options):
+    """A `side` worker as a `sparsekv serve` process of its own (started with `args`: one process holds
+    one torch.distributed world), paired with a worker of the other role served in this process:
+    yields (prefill url, decode url, the local WorkerServer)."""
+    other = "decode" if side == "prefill" else "prefill"
+    secret = secret_file(tmp_path)
+    proc, url = start_worker_process(model, side, secret, 0, *args)
+    try:
+        wait_healthy(url, proc)
+        with open(secret, "rb") as f:
+            key = f.read()
+        with WorkerServer(model, other, secret=key, **local_options) as local:
+            yield (url, local.url, local) if side == "prefill" else (local.url, url, local)
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def field(prefill_info: dict, room: str | None = None) -> dict:

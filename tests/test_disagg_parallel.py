@@ -9,12 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from disagg_util import WorkerServer, secret_file, send_pair, start_worker_process
+from disagg_util import process_and_local_pair, send_pair
 from sparsekv import LLM
 from sparsekv.parallel.dp_kv import DataParallelKV, kv_call
 from sparsekv.parallel.router import PrefixAffinityRouter
 from test_disagg_workers import BASE, BODY, GREEDY, PAGE, _prompt, assert_as_colocated
-from test_server_util import wait_healthy
 from tolerances import logprob_tolerance
 
 
@@ -100,33 +99,22 @@ def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
     prompts = [_prompt(256, 41, seed) for seed in (3, 4)]
     colocated = LLM(path, **BASE)
     want = colocated.generate(prompts, GREEDY)
-    other = "decode" if dp_side == "prefill" else "prefill"
-    secret = secret_file(tmp_path)
-    proc, url = start_worker_process(path, dp_side, secret, 0, "-dp", "2", "--threads", "1")
-    try:
-        wait_healthy(url, proc)
-        with open(secret, "rb") as f:
-            key = f.read()
-        with WorkerServer(path, other, secret=key, **BASE) as local:
-            p_url, d_url = (url, local.url) if dp_side == "prefill" else (local.url, url)
-            bodies = _pairs(p_url, d_url, prompts)
-            for body, expected in zip(bodies, want):
-                figures = body["sparsekv"]["disaggregation"]
-                assert figures["pages_sent"] == (len(prompts[0]) - 1) // PAGE and figures["pages_skipped"] == 0
-                assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == figures["pages_sent"] * PAGE
-                if dp_side == "prefill":
-                    assert_as_colocated(expected, body, local, logprob_tolerance(colocated))
-                else:
-                    assert body["sparsekv"]["choices"][0]["token_ids"] == expected.token_ids
-            if dp_side == "decode":
-                again = _pairs(p_url, d_url, prompts[1:])[0]
-                assert again["sparsekv"]["disaggregation"]["pages_sent"] == 0
-                assert again["sparsekv"]["disaggregation"]["pages_skipped"] == (len(prompts[1]) - 1) // PAGE
-                assert again["sparsekv"]["choices"][0]["token_ids"] == want[1].token_ids
-            local.check_clean()
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with process_and_local_pair(path, dp_side, tmp_path, ("-dp", "2", "--threads", "1"), **BASE) as (p_url, d_url, local):
+        bodies = _pairs(p_url, d_url, prompts)
+        for body, expected in zip(bodies, want):
+            figures = body["sparsekv"]["disaggregation"]
+            assert figures["pages_sent"] == (len(prompts[0]) - 1) // PAGE and figures["pages_skipped"] == 0
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == figures["pages_sent"] * PAGE
+            if dp_side == "prefill":
+                assert_as_colocated(expected, body, local, logprob_tolerance(colocated))
+            else:
+                assert body["sparsekv"]["choices"][0]["token_ids"] == expected.token_ids
+        if dp_side == "decode":
+            again = _pairs(p_url, d_url, prompts[1:])[0]
+            assert again["sparsekv"]["disaggregation"]["pages_sent"] == 0
+            assert again["sparsekv"]["disaggregation"]["pages_skipped"] == (len(prompts[1]) - 1) // PAGE
+            assert again["sparsekv"]["choices"][0]["token_ids"] == want[1].token_ids
+        local.check_clean()
 
 
 def test_a_claimed_prompt_runs_on_the_rank_its_pages_landed_on(glm_ckpt):

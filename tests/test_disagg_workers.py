@@ -270,30 +270,18 @@ def test_a_tensor_parallel_worker_on_either_side(tp_side, glm_ckpt, tmp_path):
     process holds one torch.distributed world) pairs with a one-rank worker: the KV leaves from rank 0's
     pages, or lands in rank 0's host tier (tiered: its pool) and reaches every rank as a prefix hit's
     restored pages do; the answer is one colocated engine's."""
-    from disagg_util import secret_file, start_worker_process
-    from test_server_util import wait_healthy
+    from disagg_util import process_and_local_pair
     path, prompt = glm_ckpt[0], _prompt(256)
     colocated = LLM(path, **BASE)
     want = colocated.generate([prompt], GREEDY)[0]
     tiered = ("--kv-tiering", "--device-buffer-tokens", "16") if tp_side == "decode-tiered" else ()
-    tp_side = tp_side.split("-")[0]
-    other = "decode" if tp_side == "prefill" else "prefill"
-    secret = secret_file(tmp_path)
-    proc, url = start_worker_process(path, tp_side, secret, 0, "-tp", "2", "--threads", "1", *tiered)
-    try:
-        wait_healthy(url, proc)
-        with open(secret, "rb") as f:
-            key = f.read()
-        with WorkerServer(path, other, secret=key, **BASE) as local:
-            p_url, d_url = (url, local.url) if tp_side == "prefill" else (local.url, url)
-            rp, rd = send_pair(p_url, d_url, {**BODY, "prompt": prompt})
-            assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
-            assert_as_colocated(want, rd.json(), local, logprob_tolerance(colocated))
-            assert rd.json()["sparsekv"]["disaggregation"]["pages_sent"] == (len(prompt) - 1) // PAGE
-            local.check_clean()
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    args = ("-tp", "2", "--threads", "1", *tiered)
+    with process_and_local_pair(path, tp_side.split("-")[0], tmp_path, args, **BASE) as (p_url, d_url, local):
+        rp, rd = send_pair(p_url, d_url, {**BODY, "prompt": prompt})
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        assert_as_colocated(want, rd.json(), local, logprob_tolerance(colocated))
+        assert rd.json()["sparsekv"]["disaggregation"]["pages_sent"] == (len(prompt) - 1) // PAGE
+        local.check_clean()
 
 
 def _slowed(engine, monkeypatch, seconds: float = 0.1) -> None:
