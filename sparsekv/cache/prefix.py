@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from ..request import Request
 from .pages import PageAllocator
+from .prefix_transfer import PageTransfer
 
 
 @dataclass
@@ -50,7 +51,7 @@ class CachedPrefix:
     tiers: list[str] = field(default_factory=list)
 
 
-class PrefixCache:
+class PrefixCache(PageTransfer):
     """`lookahead` 1 (speculative decoding): a page's name also covers the token after it, since the
     MTP layer's entry at the page's last position is made from that token. `tiers`: the lower tiers by
     name, in order ({"host": PrefixHostStore, "disk": PrefixDiskStore}, either or both, or none), with
@@ -99,104 +100,6 @@ class PrefixCache:
             chain.append(_next_name(chain[-1] if chain else _root(tenant, cache_salt),
                                     token_ids[i * ps:(i + 1) * ps + self.lookahead]))
         return chain
-
-    def held(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> int:
-        """How many of a prompt's first pages this cache holds, in any tier (what a transfer can skip)."""
-        n = 0
-        for name in self.prompt_names(token_ids, tenant, cache_salt):
-            if name not in self._page_of and self._tier_of(name) is None:
-                break
-            n += 1
-        return n
-
-    def export(self, token_ids: list[int], tenant: str, cache_salt: str | None, skip: int = 0) -> list:
-        """(name, rows) of a prompt's cached pages after its first `skip`, up to the first page not held:
-        the rows of every slot-indexed tensor (latents, indexer keys, the MTP layer's, the selector's)."""
-        out = []
-        for name in self.prompt_names(token_ids, tenant, cache_salt)[skip:]:
-            page, tier = self._page_of.get(name), self._tier_of(name)
-            if page is None and tier is None:
-                break
-            if page is not None:
-                self.before_copy()
-            out.append((name, self.rows.copy_out(page) if page is not None else self.tiers[tier].take(name)))
-        return out
-
-    def import_pages(self, pages: list, tenant: str, chains: list[list[bytes]] = ()) -> int:
-        """Keep another engine's exported pages, all or none (ValueError: a page whose rows do not fit
-        this cache's layout). Returns how many. With `land_in_pool` they land in pool pages when the
-        pool has room (`_land`), else, like every import without it, in the host tier."""
-        for i, (name, rows) in enumerate(pages):
-            if not isinstance(name, bytes) or self.rows is None or not self.rows.fits(rows):
-                raise ValueError(f"page {i}: its rows do not fit this cache's layout "
-                                 f"({[(tuple(r.shape), r.dtype) for r in rows]} against "
-                                 f"{None if self.rows is None else self.rows.layout})")
-        if self.land_in_pool and self._land(pages, tenant, chains):
-            return len(pages)
-        host = self.tiers.get("host")
-        if host is None:
-            raise ValueError("importing KV pages needs the prefix cache's host tier (prefix_cache_host_bytes)")
-        room = host.capacity_bytes // host.page_bytes
-        if host.max_pages_per_tenant is not None:
-            room = min(room, host.max_pages_per_tenant)
-        if len(pages) > room:  # the first pages would be pushed out by the last: the hit would be empty
-            raise ValueError(f"{len(pages)} pages of {host.page_bytes} bytes do not fit the prefix cache's host tier, "
-                             f"which holds {room} for this tenant (raise prefix_cache_host_bytes, "
-                             f"--prefix-cache-host-bytes)")
-        for name, rows in pages:
-            host.put(name, rows, tenant)
-        return len(pages)
-
-    def _land(self, pages: list, tenant: str, chains: list[list[bytes]]) -> bool:
-        """Write imported pages' rows into pool pages and name them, cached like pages a request computed
-        and released: a request hits them in the pool it decodes from, and no host-tier copy is kept
-        (with the tiered pool their latents are host-store rows, held once). Each of `chains` (a
-        prompt's page names) has its pages before the imported ones kept in the pool too, so the hit
-        runs from page 0 without leaving it (a lookup stops at a pool page after lower-tier copies):
-        pool pages are held while the new ones are allocated (no eviction takes them), lower-tier
-        copies land with the imported rows. False, and nothing changed, when the pool has no room."""
-        walk, pinned, sources = self._landing(dict(pages), chains)
-        owner = _IMPORTING
-        if not self.allocator.share_and_reserve(owner, pinned, len(sources)):
-            return False
-        # NOTE: lower-tier rows are read before allocating: its evictions may push them out of their tier
-        saved = [rows if tier is None else self.tiers[tier].take(name) for name, tier, rows in sources]
-        if any(rows is None for rows in saved):  # a disk copy that did not read back
-            self.allocator.free(owner, pinned)
-            return False
-        landed = self.allocator.allocate(owner, len(sources))
-        try:
-            self.before_copy()
-            self.rows.copy_in(landed, saved)
-        except BaseException:
-            self.allocator.free(owner, pinned + landed)
-            raise
-        for (name, _, _), page in zip(sources, landed):
-            self._page_of[name], self._name_of[page], self._tenant_of[page] = page, name, tenant
-        self._unmirrored.update(landed)
-        # NOTE: a chain's last pages released first are evicted first, so its pool run stays from page 0
-        self.allocator.free(owner, [self._page_of[name] for name in reversed(walk)])
-        return True
-
-    def _landing(self, given: dict, chains: list[list[bytes]]):
-        """What `_land` does: (every page name it keeps, in chain order; the pool pages among them, to
-        hold; (name, lower tier or None, given rows) of those to write)."""
-        walk, pinned, sources, seen = [], [], [], set()
-        for chain in chains:
-            for name in chain:
-                tier = None if name in self._page_of or name in given else self._tier_of(name)
-                if name not in self._page_of and name not in given and tier is None:
-                    break
-                if name not in seen:
-                    seen.add(name)
-                    walk.append(name)
-        walk += [name for name in given if name not in seen]  # pages on no chain given (or past a gap)
-        for name in walk:
-            if name in self._page_of:
-                pinned.append(self._page_of[name])
-            else:
-                sources.append((name, None if name in given else self._tier_of(name), given.get(name)))
-        return walk, pinned, sources
 
     def match(self, req: Request) -> PrefixHit | None:
         """What the request's known tokens hit, or None while it must wait: a running request computes
@@ -443,7 +346,6 @@ class PrefixCache:
         assert not stale, f"prefix chains kept for finished requests {sorted(stale)}"
 
 
-_IMPORTING = "\x00prefix-import"  # the allocator owner of pages an import is writing (no request id)
 
 
 def _root(tenant: str, cache_salt: str | None) -> bytes:
