@@ -153,3 +153,35 @@ def test_the_recorder_sees_a_synchronising_op():
         with recorder.eager():
             x.nonzero()
     assert recorder.synchronising == ["bincount", "index"]
+
+
+def _decode_step_forward(llm: LLM):
+    """The engine's next step (a decode step) as a closure over its context: the model's logits of
+    its rows. Calling it again writes the same cache entries again."""
+    engine = llm.engine
+    runner = engine.executor.runner
+    ctx = runner.build_context(engine.scheduler.schedule().chunks)
+    return lambda: runner.model.logits(runner.model.hidden_states(ctx, runner.cache))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py --tiers runs it)")
+def test_a_dense_regime_decode_step_captures_as_one_cuda_graph_on_cuda(glm_ckpt):
+    """On CUDA: decodes below top-k select nothing, so their whole forward is one piece. It captures
+    (a synchronising op fails the capture) and the replay's logits are the eager ones bit for bit."""
+    llm = LLM(glm_ckpt[0], device="cuda", max_num_seqs=4, kv_page_size=16, enable_prefix_caching=False,
+              max_model_len=256)
+    prompts = [[(7 * i + 13 * j) % 250 + 1 for i in range(n)] for j, n in enumerate((2, 3, 4, 5))]
+    fill_decoding(llm.engine, prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    forward = _decode_step_forward(llm)
+    eager = forward()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graphs asks
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
