@@ -42,12 +42,13 @@ class DataParallelKV:
                       cache_salt: str | None = None, **options) -> int:
         """Keep the pages on the rank each prompt claimed (all or none there). Prompts claimed by
         different ranks each get every page: a page a rank does not need is only cached there."""
+        if not prompts:  # pages for no prompt in particular: rank 0 keeps them
+            return self.on_rank(0, "import_prefix", pages, tenant, (), cache_salt, **options)
         ranks: dict[int, list] = {}
-        for prompt in prompts or [[]]:
+        for prompt in prompts:
             ranks.setdefault(self._claim(prompt, tenant, cache_salt), []).append(prompt)
-        kept = [self.on_rank(rank, "import_prefix", pages, tenant, mine if prompts else (), cache_salt, **options)
-                for rank, mine in ranks.items()]
-        return max(kept)
+        return max(self.on_rank(rank, "import_prefix", pages, tenant, mine, cache_salt, **options)
+                   for rank, mine in ranks.items())
 
     def take_claim(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> int | None:
         """The rank a prompt claimed, its claim ended (the caller assigns the request there), or None."""
