@@ -225,3 +225,30 @@ def test_a_corrupted_batch_mid_prompt_ends_the_prefill_too(glm_ckpt, monkeypatch
         assert d.engine.stats()["prefix_host_pages"] == 0
         _clean(p)
         _clean(d)
+
+
+def test_a_prefill_that_fails_mid_prompt_fails_the_decode_side_at_once(glm_ckpt, monkeypatch):
+    """The prefill engine fails at its third chunk after two batches went: the prefill worker writes
+    the failure as the next batch, the decode worker answers 503 at once (not at its timeout) and
+    cleans the room's keys up; nothing of it is kept."""
+    from test_disagg_workers import _slowed
+    chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)
+    with WorkerServer(glm_ckpt[0], "prefill", timeout_s=TIMEOUT_S, **BASE, **chunked) as p, \
+            WorkerServer(glm_ckpt[0], "decode", timeout_s=TIMEOUT_S, **BASE) as d:
+        _slowed(p.engine, monkeypatch)
+        steps, real = [], p.engine.step
+
+        def failing():
+            steps.append(1)
+            if len(steps) == 3:
+                raise RuntimeError("an injected engine failure")
+            return real()
+        monkeypatch.setattr(p.engine, "step", failing)
+        started = time.monotonic()
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
+        assert time.monotonic() - started < TIMEOUT_S
+        assert rp.status_code >= 500
+        _failed(rd, "prefill worker failed")
+        assert d.engine.stats()["prefix_host_pages"] == 0
+        _clean(d)
+        assert p.worker.rooms == {} and p.worker.store.num_keys() == 0

@@ -62,7 +62,10 @@ class DecodeWorker(Worker):
             self.rooms[field.room] = "import"
             await self._import(meta, inbox.pages, job, prompts)
         except TransferError as e:
-            await self.blocking(self._verdict, link, meta, str(e))
+            if inbox.peer_failed:  # NOTE: the prefill worker failed and left the room to us
+                await self.blocking(link.forget, inbox.batches + 1)
+            else:
+                await self.blocking(self._verdict, link, meta, str(e))
             raise
         finally:
             inbox.close()
@@ -88,7 +91,7 @@ class DecodeWorker(Worker):
         try:
             return await self._batch_meta(request, inbox.link, inbox.batches)
         except TransferError:
-            await self.blocking(inbox.link.forget, inbox.batches + 1)
+            inbox.peer_failed = True  # gone, failed or timed out: it reads no verdict
             raise
 
     async def _batch_meta(self, request, link: Room, batch: int) -> dict:
@@ -149,6 +152,7 @@ class Inbox:
         self.link, self.settings, self.device = link, settings, device
         self.pages, self.batches, self.tags, self.nbytes = [], 0, 0, 0
         self.weights, self.group = None, None
+        self.peer_failed = False  # no next batch came: the prefill worker reads no verdict
 
     def receive(self, meta: dict) -> None:
         """One batch's tensors, each checked against its size and digest, as pages."""

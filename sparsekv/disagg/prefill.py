@@ -232,12 +232,13 @@ class Batches:
     def __init__(self, link: Room, settings, device):
         self.link, self.settings, self.device = link, settings, device
         self.index, self.tags, self.group = 0, 0, None
-        self.claimed = self.told_error = self.ended = False
+        self.claimed = self.told_error = self.ended = self.sending = False
 
     @property
     def peer_waiting(self) -> bool:
-        """A decode worker claimed the room and waits for a batch still to come."""
-        return self.claimed and not self.ended
+        """A decode worker claimed the room and waits for the metadata of a batch still to come (not
+        while a batch's tensors move: a send that fails there fails its receive too)."""
+        return self.claimed and not self.ended and not self.sending
 
     def send(self, meta: dict, pages: list) -> int:
         """Publish one batch's signed metadata, then send its tensors; returns their bytes."""
@@ -249,12 +250,14 @@ class Batches:
         self.index += 1
         self.ended = bool(meta["last"])
         if tensors:
+            self.sending = True
             backend = meta["backend"]
             if self.group is None:
                 self.group = self.link.pair_group(PREFILL_RANK, self.settings.bootstrap_host, self.settings.timeout_s,
                                                   backend)
             send_tensors(self.group, tensors, transfer_device(backend, self.device), self.tags)
             self.tags += len(tensors)
+            self.sending = False
         return sum(t.numel() for t in tensors)
 
     def answered(self) -> bool:
