@@ -16,9 +16,9 @@ the room's keys::
 Each batch holds the pages named since the last (prefill.py). The tensors go over a 2-rank group of
 the two processes made for the room from the same store (over a `PrefixStore`), closed after it:
 NCCL when both engines run on CUDA, gloo otherwise (`transfer_backend`: the prefill worker picks it
-from its device and the one the claim names, and its metadata tells the decode worker). Every wait is bounded by the transfer timeout; a peer that
-dies breaks its group's connections, which fails that room only.
-Waiting for a key is polled from the event loop (`Worker.take`), so a room waiting for its peer holds
+from its device and the one the claim names, and its metadata tells the decode worker). Every wait
+is bounded by the transfer timeout; a peer that dies breaks its group's connections, which fails
+that room only. Waiting for a key is polled from the event loop (`Worker.take`), so a room waiting for its peer holds
 no thread: rooms waiting on each other's workers can never exhaust the transfer threads.
 """
 from __future__ import annotations
