@@ -346,8 +346,6 @@ class PrefixCache(PageTransfer):
         assert not stale, f"prefix chains kept for finished requests {sorted(stale)}"
 
 
-
-
 def _root(tenant: str, cache_salt: str | None) -> bytes:
     return hashlib.sha256(repr((tenant, cache_salt)).encode()).digest()
 

@@ -94,8 +94,7 @@ class PageTransfer:
         walk, pinned, sources, seen = [], [], [], set()
         for chain in chains:
             for name in chain:
-                tier = None if name in self._page_of or name in given else self._tier_of(name)
-                if name not in self._page_of and name not in given and tier is None:
+                if name not in self._page_of and name not in given and self._tier_of(name) is None:
                     break
                 if name not in seen:
                     seen.add(name)

@@ -132,8 +132,9 @@ class PrefillWorker(Worker):
             finished = prefill.done()
             if await self.blocking(out.answered):  # the decode worker failed this room already
                 _check_verdict(await self.blocking(out.link.get, "done"), {"nonce": claim["nonce"]}, self.settings.secret)
-            if finished and _prefill_failure(prefill) is not None:
-                await self.blocking(out.error, _prefill_failure(prefill))
+            failure = _prefill_failure(prefill) if finished else None
+            if failure is not None:
+                await self.blocking(out.error, failure)
                 return None
             pages, per_prompt, loaded = await self._export(job, prompts, sent)
             weights = await self.blocking(self.weights.stamp, loaded)

@@ -172,6 +172,7 @@ class StackedExperts:
             e.gate_up, e.down = gate_up, down
         self.intermediate = experts[0].intermediate
         self.gate_up_t, self.down_t = self.gate_up.transpose(1, 2), self.down.transpose(1, 2)  # [E, in, out] views
+        self.expert_ids = torch.arange(self.gate_up.shape[0], device=self.gate_up.device)  # made once, not per call
 
     @staticmethod
     def of(experts: list) -> StackedExperts | None:
@@ -199,13 +200,11 @@ class StackedExperts:
             out = out + term
         return out
 
-
     def _group_ends(self, sorted_ids: torch.Tensor) -> torch.Tensor:
         """[E] int32: where each expert's rows end among the sorted entries. A search of the sorted
         ids, not `bincount`: bincount sizes its output from the ids' maximum, a read back to the host
         that a CUDA graph cannot hold (docs/exactness.md, "Graph-ready pieces")."""
-        experts = torch.arange(self.gate_up.shape[0], device=sorted_ids.device, dtype=sorted_ids.dtype)
-        return torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+        return torch.searchsorted(sorted_ids, self.expert_ids, right=True).to(torch.int32)
 
 
 _GROUPED_MM: dict[tuple, bool] = {}

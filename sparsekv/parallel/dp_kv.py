@@ -53,6 +53,8 @@ class DataParallelKV:
     def take_claim(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> int | None:
         """The rank a prompt claimed, its claim ended (the caller assigns the request there), or None."""
         self._expire()
+        if not self._claims:  # no disaggregated request waits: nothing to hash
+            return None
         entry = self._claims.pop(claim_key(token_ids, tenant, cache_salt), None)
         if entry is None:
             return None
@@ -69,13 +71,17 @@ class DataParallelKV:
         router.reserve(rank)
         self._claims[key] = (rank, time.monotonic() + self.claim_ttl_s)
         while len(self._claims) > MAX_CLAIMS:
-            self.engine.router.finished(self._claims.popitem(last=False)[1][0])
+            self._drop_oldest()
         return rank
 
     def _expire(self) -> None:
         now = time.monotonic()
         while self._claims and next(iter(self._claims.values()))[1] < now:
-            self.engine.router.finished(self._claims.popitem(last=False)[1][0])
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        """The oldest claim ends without its request: its rank stops counting it."""
+        self.engine.router.finished(self._claims.popitem(last=False)[1][0])
 
     @property
     def num_claims(self) -> int:
