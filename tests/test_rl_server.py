@@ -11,7 +11,7 @@ import torch
 
 from sparsekv import LLM, SamplingParams
 from sparsekv.tools.tiny import save_reference_checkpoint
-from test_server_util import MAX_MODEL_LEN, ThreadServer, scrape, tiny_checkpoint, wait_until
+from test_server_util import MAX_MODEL_LEN, ThreadServer, on_engine_loop, scrape, tiny_checkpoint, wait_until
 
 KEY, ADMIN = "sk-alice", "sk-admin"
 PROMPT = [(7 * i) % 250 + 1 for i in range(30)]
@@ -203,7 +203,8 @@ def test_a_data_parallel_server_updates_every_rank(ckpts):
             [_engine_tokens(b).token_ids, _engine_tokens_of(b, other)]
         assert _engine_tokens_of(a, other) != _engine_tokens_of(b, other)  # so each rank's answer tells A from B
         assert {c["weights_version"] for c in after["sparsekv"]["choices"]} == {1}
-        assert srv.engine.stats()["by_data_parallel_rank"][1]["generation_tokens"] > 0  # rank 1 answered one
+        stats = on_engine_loop(srv, srv.engine.stats)
+        assert stats["by_data_parallel_rank"][1]["generation_tokens"] > 0  # rank 1 answered one
         assert scrape(srv.url)["sparsekv:weights_version"] == 1
 
 

@@ -181,6 +181,15 @@ def wait_until(predicate, timeout: float = 10, interval: float = 0.05) -> bool:
     return predicate()
 
 
+def on_engine_loop(srv, fn, timeout: float = 30):
+    """`fn()` on a served engine's loop thread, from a test's thread. A data-parallel engine's calls
+    are collectives over its ranks: only the loop thread may make them, or two threads' collectives
+    would interleave and hang."""
+    import asyncio
+    loop = srv.state.loop
+    return asyncio.run_coroutine_threadsafe(loop.call(fn), loop._aloop).result(timeout)
+
+
 def pages_all_free(url: str) -> bool:
     m = scrape(url)
     return m["sparsekv:kv_pages_free"] == m["sparsekv:kv_pages_total"] and m["sparsekv:num_requests_running"] == 0
