@@ -26,10 +26,11 @@ def secret_file(tmp_path, secret: bytes = SECRET) -> str:
 
 
 class WorkerServer:
-    """A prefill or decode worker (`mode`) served by uvicorn in a background thread."""
+    """A prefill or decode worker (`mode`) served by uvicorn in a background thread (`transfer`: its
+    --disaggregation-transfer-backend)."""
 
     def __init__(self, model: str, mode: str, secret: bytes = SECRET, timeout_s: float = 20.0,
-                 api_keys: list[str] = (), bootstrap_port: int = 0, **engine_options):
+                 api_keys: list[str] = (), bootstrap_port: int = 0, transfer: str = "torch", **engine_options):
         from sparsekv.config import EngineConfig
         from sparsekv.disagg.worker import DisaggSettings
         from sparsekv.engine import LLMEngine
@@ -38,7 +39,8 @@ class WorkerServer:
         if mode == "decode":
             engine_options.setdefault("prefix_cache_host_bytes", 1 << 24)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
-        role = DisaggSettings(mode, "127.0.0.1", bootstrap_port if mode == "prefill" else None, secret, timeout_s)
+        role = DisaggSettings(mode, "127.0.0.1", bootstrap_port if mode == "prefill" else None, secret, timeout_s,
+                              transfer)
         self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), disaggregation=role,
                                                           admin_api_keys=load_admin_keys([ADMIN_KEY], [], {})))
         self.state = self.app.state.server

@@ -33,8 +33,8 @@ class FakeWorker:
     answer) until `let_go()` was called once more than for the calls before, counting in `cancelled` the
     calls whose client went away meanwhile."""
 
-    def __init__(self, mode: str, running: int = 0):
-        self.mode, self.running = mode, running
+    def __init__(self, mode: str, running: int = 0, transfer: str = "torch"):
+        self.mode, self.running, self.transfer = mode, running, transfer
         self.bootstrap_port = free_port()
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
@@ -55,7 +55,7 @@ class FakeWorker:
     def info(self):
         prefill = self.mode == "prefill" and self.bootstrap_port is not None
         return {"mode": self.mode, "bootstrap_host": "127.0.0.1" if prefill else None,
-                "bootstrap_port": self.bootstrap_port if prefill else None,
+                "bootstrap_port": self.bootstrap_port if prefill else None, "transfer_backend": self.transfer,
                 "num_running": self.running, "num_waiting": 0}
 
     async def generate(self, request: Request):
@@ -332,6 +332,11 @@ def test_startup_refuses_a_worker_in_the_wrong_mode(capsys):
         with pytest.raises(RouterConfigError, match="did not answer GET /disaggregation within 0.2 s"):
             check_modes(WorkerPool([sp.url], [f"http://127.0.0.1:{free_port()}"]), timeout=0.2, interval=0.05)
         check_modes(WorkerPool([sp.url], [sd.url]), timeout=5)
+    other = FakeWorker("decode", transfer="nixl")
+    with Served(p.app) as sp, Served(other.app) as so:
+        with pytest.raises(RouterConfigError, match=rf"different --disaggregation-transfer-backend \({sp.url}: torch, "
+                                                    rf"{so.url}: nixl\)"):
+            check_modes(WorkerPool([sp.url], [so.url]), timeout=5)
     assert main(["--prefill", "localhost:1", "--decode", "http://h:2"]) == 2
     assert "--prefill localhost:1: a worker is a URL" in capsys.readouterr().err
     assert main(["--prefill", "http://h:1", "--decode", "http://h:1/", "--worker-startup-timeout", "0"]) == 2

@@ -121,9 +121,10 @@ def test_each_worker_describes_its_role(pair):
     p, d = pair
     info = httpx.get(p.url + "/disaggregation", timeout=5).json()
     assert info == {"mode": "prefill", "bootstrap_host": "127.0.0.1", "bootstrap_port": p.worker.store.port,
-                    "num_running": 0, "num_waiting": 0}
+                    "transfer_backend": "torch", "num_running": 0, "num_waiting": 0}
     assert httpx.get(d.url + "/disaggregation", timeout=5).json() == {
-        "mode": "decode", "bootstrap_host": "127.0.0.1", "bootstrap_port": None, "num_running": 0, "num_waiting": 0}
+        "mode": "decode", "bootstrap_host": "127.0.0.1", "bootstrap_port": None, "transfer_backend": "torch",
+        "num_running": 0, "num_waiting": 0}
 
 
 @pytest.mark.parametrize("worker", [0, 1], ids=["prefill", "decode"])

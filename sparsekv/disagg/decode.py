@@ -16,7 +16,7 @@ import secrets
 import time
 
 from ..server.serving import Job, run
-from .transfer import BACKENDS, DECODE_RANK, Room, connect, meta_key, recv_tensors, transfer_device
+from .transfer import BACKENDS, Room, connect, meta_key, receiver
 from .weights_stamp import check_same_weights, loaded_weights
 from .wire import TransferError, check_received, prompt_digest, sign, tensors_to_pages, verify
 from .worker import Worker
@@ -47,9 +47,9 @@ class DecodeWorker(Worker):
         self.rooms[field.room] = "claim"
         claim = {"room": field.room, "nonce": secrets.token_hex(16), "tenant": job.tenant,
                  "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held,
-                 "device": self.device.type, "weights": weights}  # the prefill worker refuses other weights early
+                 "device": self.device.type, "transfer": self.settings.transfer, "weights": weights}  # the prefill worker refuses other weights early
         link, meta = await self._claim(request, field, claim)
-        inbox = Inbox(link, self.settings, self.device)
+        inbox = Inbox(link, self.settings, self.device, self.nixl)
         try:
             while True:  # the batches, each checked as it comes; the pages kept once the last is in
                 self._check_meta(meta, claim, inbox.weights)
@@ -145,13 +145,13 @@ class DecodeWorker(Worker):
 
 
 class Inbox:
-    """The decode side of a room: the batches received so far, checked, and the pair group they came
-    over (made at the first tensor, kept for the room)."""
+    """The decode side of a room: the batches received so far, checked, and the data path they came
+    over (transfer.receiver, made at the first tensor, kept for the room)."""
 
-    def __init__(self, link: Room, settings, device):
-        self.link, self.settings, self.device = link, settings, device
+    def __init__(self, link: Room, settings, device, agent):
+        self.link, self.settings, self.device, self.agent = link, settings, device, agent
         self.pages, self.batches, self.tags, self.nbytes = [], 0, 0, 0
-        self.weights, self.group = None, None
+        self.weights, self.path = None, None
         self.peer_failed = False  # no next batch came: the prefill worker reads no verdict
 
     def receive(self, meta: dict) -> None:
@@ -166,17 +166,18 @@ class Inbox:
         self.weights = meta.get("weights")
         if not sizes:
             return
-        backend, secret = meta["backend"], self.settings.secret
-        if self.group is None:
-            self.group = self.link.pair_group(DECODE_RANK, self.settings.bootstrap_host, self.settings.timeout_s, backend)
-        received = recv_tensors(self.group, sizes, transfer_device(backend, self.device), self.tags)
+        if self.path is None:
+            self.path = receiver(meta["backend"], self.link, self.settings, self.device, self.agent)
+        received = self.path.pull(meta, sizes, self.tags)
+        secret = self.settings.secret
         tensors = [check_received(secret, spec, data, self.tags + i) for i, (spec, data) in enumerate(zip(specs, received))]
         self.tags += len(sizes)
         self.nbytes += sum(sizes)
         self.pages += tensors_to_pages(names, tensors)
 
     def close(self) -> None:
-        self.group = None
+        if self.path is not None:
+            self.path.close()
 
 
 async def _on_engine(loop, fn, *args):

@@ -19,8 +19,7 @@ from ..request import SamplingParams
 from ..server.errors import APIError, bad_request
 from ..server.loop import RequestGroup, Submission
 from ..server.serving import Job, run
-from .transfer import (PREFILL_RANK, Room, connect, host_bootstrap, meta_key, send_tensors, transfer_backend,
-                       transfer_device)
+from .transfer import Room, as_sent, connect, host_bootstrap, meta_key, pair_backend, sender
 from .weights_stamp import check_same_weights, loaded_weights
 from .wire import (TransferError, as_bytes, pages_to_tensors, prompt_digest, sign, tensor_specs, verify)
 from .worker import Worker
@@ -89,7 +88,7 @@ class PrefillWorker(Worker):
         (`_stream`). Returns the transfer's figures, or None when the prefill failed (the decode worker
         is told; the caller answers the prefill's own error)."""
         self.rooms[room] = "claim"
-        out = Batches(await self.blocking(self._link, room), self.settings, self.device)
+        out = Batches(await self.blocking(self._link, room), self.settings, self.device, self.nixl)
         try:
             raw = await self._claim_or_failed_prefill(request, out.link, prefill)
             if raw is None:
@@ -127,7 +126,7 @@ class PrefillWorker(Worker):
         fills it (its MTP entries included), so chunk c's pages travel while chunk c + 1 computes. The
         last batch, after the prefill's end, carries the rest and the prefill's timings."""
         sent, streamed, nbytes = list(claim["held"]), 0, 0
-        backend = transfer_backend(self.device.type, claim.get("device"))
+        backend = pair_backend(self.settings.transfer, self.device.type, claim)
         while True:
             finished = prefill.done()
             if await self.blocking(out.answered):  # the decode worker failed this room already
@@ -228,11 +227,11 @@ def _prefill_failure(prefill) -> str | None:
 
 class Batches:
     """The prefill side of a room: its metadata batches (`meta/0`, `meta/1`, ...), each followed by
-    its tensors over the room's pair group (made at the first tensor, kept for the room)."""
+    its tensors over the room's data path (transfer.sender, made at the first tensor, kept for the room)."""
 
-    def __init__(self, link: Room, settings, device):
-        self.link, self.settings, self.device = link, settings, device
-        self.index, self.tags, self.group = 0, 0, None
+    def __init__(self, link: Room, settings, device, agent):
+        self.link, self.settings, self.device, self.agent = link, settings, device, agent
+        self.index, self.tags, self.path = 0, 0, None
         self.claimed = self.told_error = self.ended = self.sending = False
 
     @property
@@ -246,17 +245,17 @@ class Batches:
         secret = self.settings.secret
         stacked = pages_to_tensors(pages)
         meta["tensors"] = tensor_specs(secret, stacked)
-        tensors = [as_bytes(t) for t in stacked]
+        tensors = as_sent([as_bytes(t) for t in stacked], self.tags)
+        if tensors and self.path is None:
+            self.path = sender(meta["backend"], self.link, self.settings, self.device, self.agent)
+        if tensors:
+            meta.update(self.path.offer(tensors))
         self.link.put(meta_key(self.index), sign(secret, meta))
         self.index += 1
         self.ended = bool(meta["last"])
         if tensors:
             self.sending = True
-            backend = meta["backend"]
-            if self.group is None:
-                self.group = self.link.pair_group(PREFILL_RANK, self.settings.bootstrap_host, self.settings.timeout_s,
-                                                  backend)
-            send_tensors(self.group, tensors, transfer_device(backend, self.device), self.tags)
+            self.path.push(tensors, self.tags)
             self.tags += len(tensors)
             self.sending = False
         return sum(t.numel() for t in tensors)
@@ -286,7 +285,8 @@ class Batches:
             pass
 
     def close(self) -> None:
-        self.group = None
+        if self.path is not None:
+            self.path.close()
 
 
 def _times(group: RequestGroup, finished: float) -> dict:

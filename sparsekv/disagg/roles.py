@@ -21,7 +21,7 @@ def describe(state) -> dict:
     if state.disagg is not None:
         return state.disagg.describe()
     stats = state.loop.stats()
-    return {"mode": "null", "bootstrap_host": None, "bootstrap_port": None,
+    return {"mode": "null", "bootstrap_host": None, "bootstrap_port": None, "transfer_backend": None,
             "num_running": int(stats.get("running", 0)), "num_waiting": int(stats.get("waiting", 0))}
 
 

@@ -38,6 +38,7 @@ class WorkerInfo(BaseModel):
     mode: Literal["prefill", "decode", "null"]
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
+    transfer_backend: str | None = None
     num_running: int = 0
     num_waiting: int = 0
 
@@ -57,6 +58,7 @@ class Worker:
     up: bool = False
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
+    transfer_backend: str | None = None
     num_running: int = 0
     num_waiting: int = 0
     in_flight: int = 0  # requests this router sent here that have not ended
@@ -77,6 +79,7 @@ class Worker:
 
     def update(self, info: WorkerInfo) -> None:
         self.bootstrap_host, self.bootstrap_port = info.bootstrap_host, info.bootstrap_port
+        self.transfer_backend = info.transfer_backend
         self.num_running, self.num_waiting = info.num_running, info.num_waiting
 
 
@@ -155,7 +158,8 @@ def _parse_info(response: httpx.Response) -> WorkerInfo:
 
 def check_modes(pool: WorkerPool, timeout: float, interval: float = 1.0) -> None:
     """Wait up to `timeout` seconds for every worker to answer GET /disaggregation (they may still be
-    loading a model) and check that each says the role it was given; RouterConfigError otherwise.
+    loading a model) and check that each says the role it was given and that all move KV the same way;
+    RouterConfigError otherwise.
     The workers that answer are marked up."""
     deadline = time.monotonic() + timeout
     pending = list(pool.all())
@@ -183,3 +187,14 @@ def check_modes(pool: WorkerPool, timeout: float, interval: float = 1.0) -> None
                                         f"within {timeout:g} s ({last_error[worker.url]})")
             if pending:
                 time.sleep(interval)
+    _check_one_backend(pool)
+
+
+def _check_one_backend(pool: WorkerPool) -> None:
+    """Every worker moves KV the same way: a prefill worker refuses a decode worker of another
+    --disaggregation-transfer-backend, so a mixed set would fail requests at random."""
+    backends = {w.transfer_backend for w in pool.all() if w.transfer_backend is not None}
+    if len(backends) > 1:
+        named = ", ".join(f"{w.url}: {w.transfer_backend}" for w in pool.all())
+        raise RouterConfigError(f"the workers run different --disaggregation-transfer-backend ({named}); start them "
+                                f"all with the same one")

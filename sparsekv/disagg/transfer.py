@@ -1,4 +1,5 @@
-"""The transport between a prefill worker and a decode worker: torch.distributed, nothing hand-made.
+"""The transport between a prefill worker and a decode worker: torch.distributed or NIXL, nothing
+hand-made.
 
 The prefill worker hosts a `TCPStore` on its bootstrap port. For each request (a *room*, named by
 the router) the decode worker connects to it and the two exchange signed messages (wire.py) under
@@ -16,7 +17,10 @@ the room's keys::
 Each batch holds the pages named since the last (prefill.py). The tensors go over a 2-rank group of
 the two processes made for the room from the same store (over a `PrefixStore`), closed after it:
 NCCL when both engines run on CUDA, gloo otherwise (`transfer_backend`: the prefill worker picks it
-from its device and the one the claim names, and its metadata tells the decode worker). Every wait
+from its device and the one the claim names, and its metadata tells the decode worker). With
+`--disaggregation-transfer-backend nixl` on both workers the decode worker instead reads each batch
+out of the prefill worker's registered memory (nixl.py); `sender` and `receiver` give either data
+path behind the same two calls, `offer` and `push` on the prefill side, `pull` on the decode side. Every wait
 is bounded by the transfer timeout; a peer that dies breaks its group's connections, which fails
 that room only. Waiting for a key is polled from the event loop (`Worker.take`), so a room waiting for its peer holds
 no thread: rooms waiting on each other's workers can never exhaust the transfer threads.
@@ -30,11 +34,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from .nixl import NixlReceiver, NixlSender
 from .wire import TransferError
 
 CORRUPT_ENV, DELAY_ENV = "SPARSEKV_INJECT_TRANSFER_CORRUPTION", "SPARSEKV_INJECT_TRANSFER_DELAY"  # test hooks
 PREFILL_RANK, DECODE_RANK = 0, 1
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "nixl")  # what a batch's metadata may name
+TRANSFERS = ("torch", "nixl")  # --disaggregation-transfer-backend: torch.distributed (gloo or NCCL) or NIXL
 NCCL_P2P_KEY = f"{PREFILL_RANK}:{DECODE_RANK}"  # where ProcessGroupNCCL publishes a send/recv pair's NCCL id
 
 
@@ -44,6 +50,34 @@ def transfer_backend(prefill_device: str | None, decode_device: str | None) -> s
     only, gloo host tensors, so a pair with a CPU worker (or a torch without NCCL) takes gloo."""
     both_cuda = prefill_device == "cuda" and decode_device == "cuda"
     return "nccl" if both_cuda and dist.is_nccl_available() else "gloo"
+
+
+def pair_backend(transfer: str, prefill_device: str, claim: dict) -> str:
+    """The backend a room's tensors take: NIXL when both workers run with
+    `--disaggregation-transfer-backend nixl`, else torch.distributed's for the two devices. Workers set
+    differently refuse the room (the claim names the decode worker's)."""
+    theirs = claim.get("transfer", "torch")
+    if theirs != transfer:
+        raise TransferError(f"the prefill worker runs --disaggregation-transfer-backend {transfer}, the decode "
+                            f"worker {theirs}: set the same on both")
+    return "nixl" if transfer == "nixl" else transfer_backend(prefill_device, claim.get("device"))
+
+
+def sender(backend: str, link: "Room", settings, device: torch.device, agent):
+    """The prefill side of a room's data path (`agent`: the worker's NixlAgent, for NIXL)."""
+    if backend == "nixl":
+        return NixlSender(agent)
+    return TorchSender(link, settings, device, backend)
+
+
+def receiver(backend: str, link: "Room", settings, device: torch.device, agent):
+    """The decode side of a room's data path: TransferError if this worker has no NIXL agent for it."""
+    if backend == "nixl":
+        if agent is None:
+            raise TransferError("the prefill worker sends over NIXL and this decode worker runs "
+                                "--disaggregation-transfer-backend torch: set the same on both")
+        return NixlReceiver(agent, settings.timeout_s)
+    return TorchReceiver(link, settings, device, backend)
 
 
 def transfer_device(backend: str, engine_device: torch.device) -> torch.device:
@@ -140,17 +174,26 @@ def _nccl_group(store, rank: int, timeout_s: float) -> dist.ProcessGroup:
     return dist.ProcessGroupNCCL(store, rank, 2, opts)
 
 
-def send_tensors(group, tensors: list[torch.Tensor], device: torch.device, first: int = 0) -> None:
-    """Prefill side: each flat uint8 tensor to the decode rank, in order (tag = its index in the room,
-    from `first`), from `device` (transfer_device); returns once they are sent."""
+def as_sent(tensors: list[torch.Tensor], first: int) -> list[torch.Tensor]:
+    """The tensors as the prefill side hands them to its backend, after the test hooks: a pause
+    before each, and the tensor whose room index is CORRUPT_ENV damaged after its digest."""
     corrupt, delay = os.environ.get(CORRUPT_ENV), float(os.environ.get(DELAY_ENV) or 0)
+    out = []
     for i, t in enumerate(tensors, start=first):
         if delay:
             time.sleep(delay)
-        t = t.to(device)
-        if corrupt is not None and int(corrupt) == i:  # test hook: a layer damaged after its digest
+        if corrupt is not None and int(corrupt) == i:
             t = t.clone()
             t[0] ^= 0xFF
+        out.append(t)
+    return out
+
+
+def send_tensors(group, tensors: list[torch.Tensor], device: torch.device, first: int = 0) -> None:
+    """Prefill side: each flat uint8 tensor to the decode rank, in order (tag = its index in the room,
+    from `first`), from `device` (transfer_device); returns once they are sent."""
+    for i, t in enumerate(tensors, start=first):
+        t = t.to(device)
         _run(lambda: group.send([t], DECODE_RANK, i), f"sending tensor {i}")
     if device.type == "cuda":  # NOTE: an NCCL wait() orders the CUDA stream only; the group closes after
         torch.cuda.synchronize(device)
@@ -166,6 +209,45 @@ def recv_tensors(group, sizes: list[int], device: torch.device, first: int = 0) 
         _run(lambda: group.recv([t], PREFILL_RANK, i), f"receiving tensor {i}")
         out.append(t.cpu())  # after wait(): the copy is ordered after the receive on the current stream
     return out
+
+
+class TorchSender:
+    """The prefill side of a room over torch.distributed: its pair group, made at the first tensor and
+    kept for the room; each batch's tensors sent in order, the decode worker receiving them."""
+
+    def __init__(self, link: Room, settings, device: torch.device, backend: str):
+        self.link, self.settings, self.backend = link, settings, backend
+        self.device, self.group = transfer_device(backend, device), None
+
+    def offer(self, tensors: list[torch.Tensor]) -> dict:
+        """What the batch's metadata names for the backend: nothing, the tags follow the room's order."""
+        return {}
+
+    def push(self, tensors: list[torch.Tensor], first: int) -> None:
+        if self.group is None:
+            self.group = self.link.pair_group(PREFILL_RANK, self.settings.bootstrap_host, self.settings.timeout_s,
+                                              self.backend)
+        send_tensors(self.group, tensors, self.device, first)
+
+    def close(self) -> None:
+        self.group = None
+
+
+class TorchReceiver:
+    """The decode side of a room over torch.distributed (TorchSender's peer)."""
+
+    def __init__(self, link: Room, settings, device: torch.device, backend: str):
+        self.link, self.settings, self.backend = link, settings, backend
+        self.device, self.group = transfer_device(backend, device), None
+
+    def pull(self, meta: dict, sizes: list[int], first: int) -> list[torch.Tensor]:
+        if self.group is None:
+            self.group = self.link.pair_group(DECODE_RANK, self.settings.bootstrap_host, self.settings.timeout_s,
+                                              self.backend)
+        return recv_tensors(self.group, sizes, self.device, first)
+
+    def close(self) -> None:
+        self.group = None
 
 
 def _run(op, what: str) -> None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from ..server.errors import APIError, bad_request
 from .metrics import TransferMetrics
+from .nixl import NixlAgent
+from .transfer import TRANSFERS
 from .weights_stamp import WeightsStamp, loaded_weights
 from .wire import TransferError
 
@@ -38,10 +40,14 @@ class DisaggSettings:
     bootstrap_port: int | None
     secret: bytes
     timeout_s: float = DEFAULT_TIMEOUT_S
+    transfer: str = "torch"  # the data path: torch.distributed or NIXL (transfer.TRANSFERS)
 
     def __post_init__(self):
         if self.mode not in ("prefill", "decode"):
             raise ValueError(f"--disaggregation-mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.transfer not in TRANSFERS:
+            raise ValueError(f"--disaggregation-transfer-backend must be one of {', '.join(TRANSFERS)}, got "
+                             f"{self.transfer!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"--disaggregation-timeout must be > 0 seconds, got {self.timeout_s}")
         port = self.bootstrap_port
@@ -69,6 +75,7 @@ class Worker:
         self.rooms: dict[str, str] = {}  # room -> its phase, while a request of this worker is in it
         self.pool = ThreadPoolExecutor(MAX_TRANSFER_THREADS, thread_name_prefix="sparsekv-disagg")
         self.device = engine.device  # the transfer's backend and where its tensors are (transfer.py)
+        self.nixl = NixlAgent(settings.mode) if settings.transfer == "nixl" else None  # one for the worker's life
         self.weights = WeightsStamp()
         self.weights.stamp(loaded_weights(engine))  # the checkpoint's digest now, not on the first transfer
 
@@ -79,7 +86,8 @@ class Worker:
     def describe(self) -> dict:
         stats = self.state.loop.stats()
         return {"mode": self.settings.mode, "bootstrap_host": self.settings.bootstrap_host,
-                "bootstrap_port": self.bootstrap_port, "num_running": int(stats.get("running", 0)),
+                "bootstrap_port": self.bootstrap_port, "transfer_backend": self.settings.transfer,
+                "num_running": int(stats.get("running", 0)),
                 "num_waiting": int(stats.get("waiting", 0))}
 
     def close(self) -> None:

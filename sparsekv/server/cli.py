@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    from ..disagg.transfer import TRANSFERS
     from ..disagg.worker import DEFAULT_TIMEOUT_S, MODES
     g = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
     g.add_argument("--disaggregation-mode", default="null", choices=MODES,
@@ -100,6 +101,10 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disaggregation-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds a worker waits for the other side of a transfer, the prefill of the prompt "
                         "included, before the request fails with 503")
+    g.add_argument("--disaggregation-transfer-backend", default="torch", choices=TRANSFERS,
+                   help="how the KV's bytes move, the same on both workers: torch (torch.distributed: NCCL when "
+                        "both run on CUDA, gloo otherwise) or nixl (the decode worker reads them from the "
+                        "prefill worker's memory over NIXL's UCX backend; needs NIXL installed)")
 
 
 def main(argv: list[str]) -> int:
@@ -192,7 +197,7 @@ def disaggregation_settings(args):
     host = args.disaggregation_bootstrap_host or default_bootstrap_host(args.host)
     port = args.disaggregation_bootstrap_port if args.disaggregation_mode == "prefill" else None
     return DisaggSettings(args.disaggregation_mode, host, port, load_secret(args.disaggregation_secret_file),
-                          args.disaggregation_timeout)
+                          args.disaggregation_timeout, args.disaggregation_transfer_backend)
 
 
 def serve(app, state, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> int:

@@ -1,0 +1,202 @@
+"""NIXL as the data path of a transfer (`--disaggregation-transfer-backend nixl`), the form vLLM's
+NIXL connector takes: the decode worker READs each batch's tensors straight out of the prefill
+worker's registered memory, over UCX (RDMA where the network has it, shared memory or TCP otherwise).
+
+Each worker holds one NIXL agent for its lifetime, so a pair of workers connects once, not once per
+room. The prefill worker registers a batch's tensors and names them in the batch's signed metadata
+(its agent's name and metadata, the serialized descriptors); it never waits on the read, and
+deregisters them when the room closes. The decode worker checks the descriptors against the sizes
+the metadata announces, reads them into one buffer of its own and checks every digest as for any
+backend (wire.py). The room's keys, claim and verdict stay on the bootstrap store (transfer.py).
+
+The tensors are host memory on both sides, as the torch.distributed backends deliver them to the
+decode worker's host tier.
+"""
+from __future__ import annotations
+
+import base64
+import importlib
+import threading
+import time
+import uuid
+
+import torch
+
+from .wire import TransferError
+
+UCX = "UCX"
+INSTALL_HINT = "pip install nixl-cu12 (or nixl-cu13, after the torch of your choice)"
+
+
+def _nixl_api():
+    """NIXL's Python API: the `nixl` meta package's, else a CUDA-specific wheel's (the meta package
+    needs the one matching this machine's CUDA; on a CPU-only machine either wheel runs over UCX)."""
+    for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ValueError(f"--disaggregation-transfer-backend nixl needs NIXL, which is not installed: {INSTALL_HINT}")
+
+
+def nixl_available() -> bool:
+    try:
+        _nixl_api()
+    except ValueError:
+        return False
+    return True
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+class NixlAgent:
+    """A worker's NIXL agent: its memory registrations, the peers it has read from, and one lock
+    (the transfer threads share it; NIXL's own thread-sync mode is left at its default)."""
+
+    def __init__(self, role: str):
+        api = _nixl_api()
+        self.name = f"sparsekv-{role}-{uuid.uuid4().hex[:12]}"
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=[UCX]))
+        if UCX not in self.agent.backends:
+            raise ValueError("--disaggregation-transfer-backend nixl: NIXL's UCX backend did not start (see NIXL's log)")
+        self.lock = threading.Lock()
+        self.peers: dict[str, bytes] = {}  # agent name -> its metadata as last added
+        self.exposed = 0  # registrations of the prefill side not released yet (each room releases its own)
+
+    def expose(self, tensors: list[torch.Tensor]) -> tuple[dict, object]:
+        """Prefill side: register flat uint8 host tensors for a peer to read. Returns what the batch's
+        metadata names (agent, its metadata, the descriptors, their sizes) and the registration."""
+        with self.lock:
+            registration = self.agent.register_memory(tensors)
+            descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs(tensors))
+            metadata = self.agent.get_agent_metadata()
+            self.exposed += 1
+        return {"agent": self.name, "metadata": _b64(metadata), "descs": _b64(descs),
+                "sizes": [t.numel() for t in tensors]}, registration
+
+    def release(self, registration) -> None:
+        with self.lock:
+            self.agent.deregister_memory(registration)
+            self.exposed -= 1
+
+    def read(self, remote: dict, sizes: list[int], timeout_s: float) -> list[torch.Tensor]:
+        """Decode side: the tensors a peer exposed, `sizes` bytes each, read into host memory of this
+        worker; TransferError if the descriptors do not match the sizes, the read fails or it takes
+        longer than `timeout_s`."""
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        parts = list(buffer.split(sizes))
+        with self.lock:
+            registration = self.agent.register_memory(buffer)
+        try:
+            handle = self._start_read(remote, parts, sizes)
+            try:
+                self._wait(handle, remote["agent"], timeout_s)
+            finally:
+                with self.lock:
+                    self.agent.release_xfer_handle(handle)
+        finally:
+            with self.lock:
+                self.agent.deregister_memory(registration)
+        return parts
+
+    def _start_read(self, remote: dict, parts: list[torch.Tensor], sizes: list[int]):
+        try:
+            name, metadata = str(remote["agent"]), base64.b64decode(remote["metadata"])
+            serialized = base64.b64decode(remote["descs"])
+        except (KeyError, TypeError, ValueError):
+            raise TransferError("the prefill worker's NIXL descriptors are malformed") from None
+        with self.lock:
+            try:
+                peer = self._peer(name, metadata)
+                descs = self.agent.deserialize_descs(serialized)
+                lengths = [descs[i][1] for i in range(descs.descCount())]
+                if lengths != sizes:
+                    raise TransferError(f"the prefill worker exposed {lengths} bytes for tensors of {sizes}")
+                handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(parts), descs, peer)
+                state = self.agent.transfer(handle)
+            except TransferError:
+                raise
+            except Exception as e:  # NIXL's own errors: a stale peer, descriptors it cannot reach
+                self._forget(name)
+                raise TransferError(f"the NIXL read from {name} could not start: {e}") from None
+        if state == "ERR":
+            self._forget_locked(name, handle)
+            raise TransferError(f"the NIXL read from {name} failed")
+        return handle
+
+    def _wait(self, handle, name: str, timeout_s: float) -> None:
+        deadline, pause = time.monotonic() + timeout_s, 1e-4
+        while True:
+            with self.lock:
+                state = self.agent.check_xfer_state(handle)
+            if state == "DONE":
+                return
+            if state == "ERR":
+                self._forget_locked(name)
+                raise TransferError(f"the NIXL read from {name} failed (the prefill worker gone?)")
+            if time.monotonic() > deadline:
+                raise TransferError(f"the NIXL read from {name} took longer than {timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
+
+    def _peer(self, name: str, metadata: bytes) -> bytes:
+        """The peer's agent, added from its metadata once (again if it restarted under a new name)."""
+        if self.peers.get(name) != metadata:
+            if name in self.peers:
+                self.agent.remove_remote_agent(name)
+            self.agent.add_remote_agent(metadata)
+            self.peers[name] = metadata
+        return name.encode()
+
+    def _forget(self, name: str) -> None:
+        """Drop a peer whose read failed: the next batch from it adds it again from its metadata."""
+        if self.peers.pop(name, None) is not None:
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:  # NIXL never added it, or already dropped it
+                pass
+
+    def _forget_locked(self, name: str, handle=None) -> None:
+        with self.lock:
+            if handle is not None:
+                self.agent.release_xfer_handle(handle)
+            self._forget(name)
+
+
+class NixlSender:
+    """The prefill side of a room over NIXL: each batch's tensors registered until the room closes."""
+
+    def __init__(self, agent: NixlAgent):
+        self.agent, self.exposed = agent, []  # (registration, the tensors it keeps alive)
+
+    def offer(self, tensors: list[torch.Tensor]) -> dict:
+        names, registration = self.agent.expose(tensors)
+        self.exposed.append((registration, tensors))
+        return {"nixl": names}
+
+    def push(self, tensors: list[torch.Tensor], first: int) -> None:
+        """Nothing to do: the decode worker reads what `offer` exposed."""
+
+    def close(self) -> None:
+        for registration, _ in self.exposed:
+            try:
+                self.agent.release(registration)
+            except Exception:  # NOTE: a failed deregistration leaves the memory pinned, nothing else
+                pass
+        self.exposed = []
+
+
+class NixlReceiver:
+    def __init__(self, agent: NixlAgent, timeout_s: float):
+        self.agent, self.timeout_s = agent, timeout_s
+
+    def pull(self, meta: dict, sizes: list[int], first: int) -> list[torch.Tensor]:
+        remote = meta.get("nixl")
+        if not isinstance(remote, dict):
+            raise TransferError("the prefill worker named NIXL but no descriptors")
+        return self.agent.read(remote, sizes, self.timeout_s)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,150 @@
+"""The NIXL data path between a prefill and a decode worker (`--disaggregation-transfer-backend nixl`):
+the decode worker reads each batch out of the prefill worker's registered host memory over NIXL's
+UCX backend, which runs on a CPU (shared memory or TCP between two agents). The answer is one
+engine's, faults fail the request only, and a pair of workers connects once, not per room. Skipped
+where NIXL is not installed (the test extra installs it on Linux x86-64)."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+
+import httpx
+import pytest
+import torch
+
+from disagg_util import WorkerServer, secret_file, send_pair, start_worker_process
+from sparsekv import LLM
+from sparsekv.disagg.nixl import NixlAgent, nixl_available
+from sparsekv.disagg.transfer import CORRUPT_ENV, DELAY_ENV
+from sparsekv.disagg.wire import TransferError
+from test_disagg_workers import BASE, BODY, GREEDY, PAGE, _prompt, _slowed, assert_as_colocated
+from test_server_util import scrape, wait_healthy, wait_until
+from tolerances import logprob_tolerance
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+TIMEOUT_S = 8.0
+
+
+def _pair(path: str, prefill: dict = {}, decode: dict = {}, transfer=("nixl", "nixl"), timeout_s: float = 20.0):
+    return (WorkerServer(path, "prefill", transfer=transfer[0], timeout_s=timeout_s, **BASE, **prefill),
+            WorkerServer(path, "decode", transfer=transfer[1], timeout_s=timeout_s, **BASE, **decode))
+
+
+def _failed(r, *words: str) -> None:
+    assert r.status_code == 503, r.text
+    message = r.json()["error"]["message"]
+    assert all(w in message for w in words), message
+
+
+@pytest.mark.parametrize("family", ["glm", "ds"])
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16)], ids=["plain", "decode-tiered"])
+def test_nixl_workers_answer_as_one_engine(family, options, glm_ckpt, ds_ckpt):
+    path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
+    prompt = _prompt(256)
+    colocated = LLM(path, **BASE, **options)
+    want = colocated.generate([prompt], GREEDY)[0]
+    p, d = _pair(path, decode=options)
+    with p, d:
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt})
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        body = rd.json()
+        assert_as_colocated(want, body, d, logprob_tolerance(colocated))
+        figures = body["sparsekv"]["disaggregation"]
+        assert figures["backend"] == rp.json()["sparsekv"]["disaggregation"]["backend"] == "nixl"
+        assert figures["pages_sent"] == (len(prompt) - 1) // PAGE
+        assert figures["bytes"] == figures["pages_sent"] * d.engine.kv.prefix.tiers["host"].page_bytes
+        assert httpx.get(d.url + "/disaggregation", timeout=5).json()["transfer_backend"] == "nixl"
+        p.check_clean()
+        d.check_clean()
+
+
+def test_pages_stream_in_batches_over_one_connection(glm_ckpt, monkeypatch):
+    """Chunks of 8 tokens: each batch is read as it is named, every registration is released once its
+    room closes, and the second room reuses the first's connection (the decode worker's agent added
+    the prefill worker's once)."""
+    path, prompt = glm_ckpt[0], _prompt(256, 47)
+    colocated = LLM(path, **BASE)
+    want = colocated.generate([prompt], GREEDY)[0]
+    p, d = _pair(path, prefill=dict(prefill_chunk_tokens=8, max_num_batched_tokens=8))
+    with p, d:
+        _slowed(p.engine, monkeypatch)
+        answers = [send_pair(p.url, d.url, {**BODY, "prompt": prompt}), send_pair(p.url, d.url, {**BODY, "prompt": _prompt(256, 47, seed=5)})]
+        for rp, rd in answers:
+            assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+            figures = rd.json()["sparsekv"]["disaggregation"]
+            assert figures["pages_sent"] == (len(prompt) - 1) // PAGE
+            assert figures["batches"] >= 3 and figures["pages_streamed"] >= 4
+        assert_as_colocated(want, answers[0][1].json(), d, logprob_tolerance(colocated))
+        assert list(d.worker.nixl.peers) == [p.worker.nixl.name]
+        assert p.worker.nixl.exposed == 0
+        p.check_clean()
+        d.check_clean()
+
+
+def test_a_corrupted_layer_fails_the_request_and_the_pair_serves_on(glm_ckpt, monkeypatch):
+    p, d = _pair(glm_ckpt[0])
+    with p, d:
+        monkeypatch.setenv(CORRUPT_ENV, "1")
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt(256)})
+        _failed(rd, "tensor 1", "digest")
+        _failed(rp, "refused the KV", "tensor 1")
+        assert d.engine.stats()["prefix_host_pages"] == 0
+        for w in (p, d):
+            assert scrape(w.url)["sparsekv:disagg_transfers_failed_total"] == 1
+            w.check_clean()
+        monkeypatch.delenv(CORRUPT_ENV)
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt(256)})
+        assert (rp.status_code, rd.status_code) == (200, 200)
+
+
+@pytest.mark.parametrize("transfer", [("nixl", "torch"), ("torch", "nixl")], ids=["prefill-nixl", "decode-nixl"])
+def test_workers_on_different_backends_refuse_the_room(glm_ckpt, transfer):
+    p, d = _pair(glm_ckpt[0], transfer=transfer)
+    with p, d:
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt(256)})
+        _failed(rd, "--disaggregation-transfer-backend")
+        _failed(rp, "--disaggregation-transfer-backend")
+        p.check_clean()
+        d.check_clean()
+
+
+def test_the_decode_worker_killed_mid_transfer(glm_ckpt, tmp_path, monkeypatch):
+    """The prefill worker exposed its batches and waits for a verdict that never comes: it fails the
+    request within its timeout and releases every registration."""
+    monkeypatch.setenv(DELAY_ENV, "0.5")
+    proc, decode_url = start_worker_process(glm_ckpt[0], "decode", secret_file(tmp_path), 0, "--disaggregation-timeout",
+                                            str(TIMEOUT_S), "--disaggregation-transfer-backend", "nixl")
+    try:
+        wait_healthy(decode_url, proc)
+        with WorkerServer(glm_ckpt[0], "prefill", transfer="nixl", timeout_s=TIMEOUT_S, **BASE) as p, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(send_pair, p.url, decode_url, {**BODY, "prompt": _prompt(256)}, timeout=3 * TIMEOUT_S)
+            assert wait_until(lambda: "send" in p.worker.rooms.values(), 30)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            rp, rd = sent.result()
+            _failed(rp, "prefill worker")
+            assert isinstance(rd, httpx.HTTPError)
+            p.check_clean()
+            assert p.worker.store.num_keys() == 0 and p.worker.nixl.exposed == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def test_an_agent_refuses_descriptors_that_do_not_match_the_announced_sizes():
+    """The sizes come from the signed metadata; the descriptors must name exactly those bytes."""
+    exposing, reading = NixlAgent("prefill"), NixlAgent("decode")
+    tensors = [torch.arange(10, dtype=torch.uint8), torch.arange(20, dtype=torch.uint8)]
+    remote, registration = exposing.expose(tensors)
+    try:
+        with pytest.raises(TransferError, match="exposed"):
+            reading.read(remote, [10, 21], 5.0)
+        with pytest.raises(TransferError, match="malformed"):
+            reading.read({**remote, "descs": 7}, [10, 20], 5.0)
+        got = reading.read(remote, [10, 20], 5.0)
+        assert [t.tolist() for t in got] == [t.tolist() for t in tensors]
+    finally:
+        exposing.release(registration)
