@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -78,6 +79,25 @@ def test_pages_stream_in_batches_over_one_connection(glm_ckpt, monkeypatch):
         assert_as_colocated(want, answers[0][1].json(), d, logprob_tolerance(colocated))
         assert list(d.worker.nixl.peers) == [p.worker.nixl.name]
         assert p.worker.nixl.exposed == 0
+        p.check_clean()
+        d.check_clean()
+
+
+def test_concurrent_rooms_of_one_pair_and_no_progress_while_idle(glm_ckpt):
+    """Rooms of the same two workers read at once (each batch's registration reloads the prefill
+    worker's metadata on the decode side); once they closed, nothing is exposed and the prefill
+    side's progress thread stops calling NIXL."""
+    p, d = _pair(glm_ckpt[0])
+    with p, d, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        sent = [pool.submit(send_pair, p.url, d.url, {**BODY, "prompt": _prompt(256, 41, seed)}) for seed in range(4)]
+        for rp, rd in (f.result() for f in sent):
+            assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+            assert rd.json()["sparsekv"]["disaggregation"]["pages_sent"] == 10
+        agent = p.worker.nixl
+        assert agent.exposed == 0 and agent.progress_calls > 0
+        calls = agent.progress_calls
+        time.sleep(0.2)
+        assert agent.progress_calls <= calls + 1  # at most the call under way when the last room closed
         p.check_clean()
         d.check_clean()
 

@@ -241,6 +241,36 @@ def test_the_transfer_backend_is_nccl_only_when_both_workers_run_on_cuda(monkeyp
     assert transfer_device("gloo", gpu) == torch.device("cpu")
 
 
+def test_nixl_only_when_both_workers_say_so(monkeypatch):
+    """The claim names the decode worker's --disaggregation-transfer-backend (a claim without one is
+    torch's); the prefill worker takes NIXL when both say nixl, torch.distributed's backend when both
+    say torch, and refuses a pair set differently."""
+    import torch.distributed as dist
+    from sparsekv.disagg.transfer import pair_backend
+    from sparsekv.disagg.wire import TransferError
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert pair_backend("nixl", "cpu", {"transfer": "nixl", "device": "cpu"}) == "nixl"
+    assert pair_backend("nixl", "cuda", {"transfer": "nixl", "device": "cuda"}) == "nixl"
+    assert pair_backend("torch", "cuda", {"transfer": "torch", "device": "cuda"}) == "nccl"
+    assert pair_backend("torch", "cpu", {"device": "cpu"}) == "gloo"
+    for mine, theirs in [("nixl", {"device": "cpu"}), ("torch", {"transfer": "nixl"}), ("nixl", {"transfer": "torch"})]:
+        with pytest.raises(TransferError, match="--disaggregation-transfer-backend"):
+            pair_backend(mine, "cpu", theirs)
+
+
+def test_a_nixl_worker_without_nixl_says_what_to_install(monkeypatch):
+    import importlib
+
+    from sparsekv.disagg import nixl
+
+    def missing(name):
+        raise ImportError(f"No module named {name!r}")
+    monkeypatch.setattr(importlib, "import_module", missing)
+    with pytest.raises(ValueError, match="needs NIXL, which is not installed: pip install nixl-cu12"):
+        nixl.NixlAgent("decode")
+    assert not nixl.nixl_available()
+
+
 def test_a_weights_stamp_names_the_checkpoint_while_its_files_are_what_was_loaded(glm_ckpt, tmp_path):
     """The checkpoint's digest is compared only where both sides know it: once the directory changed
     on disk after the load, its files no longer say what was loaded, and only the version is compared."""

@@ -9,6 +9,11 @@ deregisters them when the room closes. The decode worker checks the descriptors 
 the metadata announces, reads them into one buffer of its own and checks every digest as for any
 backend (wire.py). The room's keys, claim and verdict stay on the bootstrap store (transfer.py).
 
+The agents run without NIXL's progress thread, which polls without pause and would take a core
+from the engine: the reading side progresses its own transfers while it waits on them, and the
+prefill side's agent is progressed by a thread of its own every PUMP_S, only while some batch is
+exposed (a read over TCP or shared memory completes only when its target progresses too).
+
 The tensors are host memory on both sides, as the torch.distributed backends deliver them to the
 decode worker's host tier.
 """
@@ -25,6 +30,7 @@ import torch
 from .wire import TransferError
 
 UCX = "UCX"
+PUMP_S = 0.001  # the prefill side's pause between two progress calls while a batch is exposed
 INSTALL_HINT = "pip install nixl-cu12 (or nixl-cu13, after the torch of your choice)"
 
 
@@ -58,12 +64,14 @@ class NixlAgent:
     def __init__(self, role: str):
         api = _nixl_api()
         self.name = f"sparsekv-{role}-{uuid.uuid4().hex[:12]}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=[UCX]))
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False, backends=[UCX]))
         if UCX not in self.agent.backends:
             raise ValueError("--disaggregation-transfer-backend nixl: NIXL's UCX backend did not start (see NIXL's log)")
         self.lock = threading.Lock()
-        self.peers: dict[str, bytes] = {}  # agent name -> its metadata as last added
+        self.peers: dict[str, bytes] = {}  # agent name -> its metadata as last loaded
         self.exposed = 0  # registrations of the prefill side not released yet (each room releases its own)
+        self.pumping = threading.Condition()
+        self.pump, self.progress_calls = None, 0
 
     def expose(self, tensors: list[torch.Tensor]) -> tuple[dict, object]:
         """Prefill side: register flat uint8 host tensors for a peer to read. Returns what the batch's
@@ -72,19 +80,43 @@ class NixlAgent:
             registration = self.agent.register_memory(tensors)
             descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs(tensors))
             metadata = self.agent.get_agent_metadata()
+        with self.pumping:
             self.exposed += 1
+            self.pumping.notify()
+            if self.pump is None:
+                self.pump = threading.Thread(target=self._progress, name="sparsekv-nixl-progress", daemon=True)
+                self.pump.start()
         return {"agent": self.name, "metadata": _b64(metadata), "descs": _b64(descs),
                 "sizes": [t.numel() for t in tensors]}, registration
 
     def release(self, registration) -> None:
         with self.lock:
             self.agent.deregister_memory(registration)
+        with self.pumping:
             self.exposed -= 1
+
+    def _progress(self) -> None:
+        """The prefill side's progress: every PUMP_S while a batch is exposed, asleep otherwise."""
+        while True:
+            with self.pumping:
+                self.pumping.wait_for(lambda: self.exposed > 0)
+            with self.lock:
+                self.agent.get_new_notifs()  # NOTE: progresses the backend's workers; no notification is used
+                self.progress_calls += 1
+            time.sleep(PUMP_S)
 
     def read(self, remote: dict, sizes: list[int], timeout_s: float) -> list[torch.Tensor]:
         """Decode side: the tensors a peer exposed, `sizes` bytes each, read into host memory of this
         worker; TransferError if the descriptors do not match the sizes, the read fails or it takes
         longer than `timeout_s`."""
+        try:
+            return self._read(remote, sizes, timeout_s)
+        except TransferError:
+            raise
+        except Exception as e:  # NIXL's own errors (releasing a handle, deregistering): this room fails
+            raise TransferError(f"the NIXL read failed: {e}") from None
+
+    def _read(self, remote: dict, sizes: list[int], timeout_s: float) -> list[torch.Tensor]:
         buffer = torch.empty(sum(sizes), dtype=torch.uint8)
         parts = list(buffer.split(sizes))
         with self.lock:
@@ -115,15 +147,12 @@ class NixlAgent:
                 if lengths != sizes:
                     raise TransferError(f"the prefill worker exposed {lengths} bytes for tensors of {sizes}")
                 handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(parts), descs, peer)
-                state = self.agent.transfer(handle)
+                self.agent.transfer(handle)  # NOTE: its state ("ERR" included) is read again by _wait
             except TransferError:
                 raise
             except Exception as e:  # NIXL's own errors: a stale peer, descriptors it cannot reach
-                self._forget(name)
+                self.peers.pop(name, None)  # NOTE: reloaded from the next batch (_peer)
                 raise TransferError(f"the NIXL read from {name} could not start: {e}") from None
-        if state == "ERR":
-            self._forget_locked(name, handle)
-            raise TransferError(f"the NIXL read from {name} failed")
         return handle
 
     def _wait(self, handle, name: str, timeout_s: float) -> None:
@@ -134,7 +163,8 @@ class NixlAgent:
             if state == "DONE":
                 return
             if state == "ERR":
-                self._forget_locked(name)
+                with self.lock:
+                    self.peers.pop(name, None)  # NOTE: reloaded from the next batch (_peer)
                 raise TransferError(f"the NIXL read from {name} failed (the prefill worker gone?)")
             if time.monotonic() > deadline:
                 raise TransferError(f"the NIXL read from {name} took longer than {timeout_s:g} s")
@@ -142,28 +172,13 @@ class NixlAgent:
             pause = min(2 * pause, 0.005)
 
     def _peer(self, name: str, metadata: bytes) -> bytes:
-        """The peer's agent, added from its metadata once (again if it restarted under a new name)."""
+        """The peer's agent, loaded from its metadata whenever that changed (each registration of the
+        peer's adds to it; loading it again updates a known agent). Never removed: that would break
+        another room's read in flight from the same peer."""
         if self.peers.get(name) != metadata:
-            if name in self.peers:
-                self.agent.remove_remote_agent(name)
             self.agent.add_remote_agent(metadata)
             self.peers[name] = metadata
         return name.encode()
-
-    def _forget(self, name: str) -> None:
-        """Drop a peer whose read failed: the next batch from it adds it again from its metadata."""
-        if self.peers.pop(name, None) is not None:
-            try:
-                self.agent.remove_remote_agent(name)
-            except Exception:  # NIXL never added it, or already dropped it
-                pass
-
-    def _forget_locked(self, name: str, handle=None) -> None:
-        with self.lock:
-            if handle is not None:
-                self.agent.release_xfer_handle(handle)
-            self._forget(name)
-
 
 class NixlSender:
     """The prefill side of a room over NIXL: each batch's tensors registered until the room closes."""
