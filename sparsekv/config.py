@@ -309,7 +309,8 @@ class EngineConfig:
     tenant_kv_share: float | None = None
     # Parallelism (parallel/, docs/parallel.md): ranks = tensor x data parallel, started and supervised
     # by the engine (torch.multiprocessing spawn) on this node; with nnodes > 1 the other nodes' ranks
-    # join at dist_init_addr ("HOST:PORT"). A collective that waits longer than dist_timeout_s fails.
+    # join at dist_init_addr ("HOST:PORT"). A collective that waits longer than dist_timeout_s fails;
+    # start-up (every rank joining, loading its shard and reporting) may take dist_startup_timeout_s.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -317,6 +318,7 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout_s: float = 60.0
+    dist_startup_timeout_s: float = 900.0
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -350,8 +352,9 @@ class EngineConfig:
                               f"(tensor_parallel_size x data_parallel_size = {world}) divisible by it")
         if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
             raise ConfigError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
-        if not self.dist_timeout_s > 0:
-            raise ConfigError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s!r}")
+        for name in ("dist_timeout_s", "dist_startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if world > 1 and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"parallelism runs on cpu (gloo) or cuda (NCCL), not {self.device!r}")
 

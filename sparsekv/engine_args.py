@@ -78,6 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="node 0's rendezvous address (default: MASTER_ADDR:MASTER_PORT, else a free local port)")
     d.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=60.0, metavar="SECONDS",
                    help="a collective waiting longer than this fails the engine instead of hanging")
+    d.add_argument("--dist-startup-timeout", dest="dist_startup_timeout_s", type=float, default=900.0, metavar="SECONDS",
+                   help="how long the ranks may take to join, load their shards and report (start-up fails after)")
     t = p.add_argument_group("tiered KV cache (docs/tiers.md)")
     t.add_argument("--kv-tiering", action="store_true", help="device working set per request, history in a host store")
     t.add_argument("--device-buffer-tokens", type=int, default=None, help="latent slots of each device working set per request and layer (default 2 x top-k)")
@@ -98,7 +100,7 @@ ENGINE_ARG_NAMES = ("dtype", "revision", "device", "max_model_len", "max_num_seq
                     "prefix_cache_disk_old_key_files", "prefix_cache_disk_unencrypted", "prefix_cache_ttl_s",
                     "prefix_cache_max_pages_per_tenant", "prefix_cache_tenant_share", "tenant_kv_share",
                     "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "nnodes", "node_rank",
-                    "dist_init_addr", "dist_timeout_s")
+                    "dist_init_addr", "dist_timeout_s", "dist_startup_timeout_s")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

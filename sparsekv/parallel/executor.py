@@ -209,10 +209,10 @@ def _own_host_store(config: EngineConfig, tag: str) -> str | None:
     return path if path is None or os.path.isdir(path) else f"{path}.{tag}"
 
 
-def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
+def serve_rank(config: EngineConfig, rank: int, addr: str) -> None:
     """A worker rank's whole life (a spawned process): join, load its shard, report, then run calls
     until told to stop."""
-    started = start_worker(config, rank, init_method, lambda control: _build_worker(config, rank, control))
+    started = start_worker(config, rank, addr, lambda control: _build_worker(config, rank, control))
     if started is None:
         return
     worker, control = started

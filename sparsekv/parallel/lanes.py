@@ -67,10 +67,10 @@ def lane_integrity(engine: LLMEngine) -> str | None:
     return None
 
 
-def serve_lane(config: EngineConfig, rank: int, init_method: str) -> None:
+def serve_lane(config: EngineConfig, rank: int, addr: str) -> None:
     """A data-parallel rank other than 0 (a spawned process): join, build its engine, report, then
     answer the front end's commands until told to stop."""
-    started = start_worker(config, rank, init_method, lambda control: LLMEngine(config, lane=rank))
+    started = start_worker(config, rank, addr, lambda control: LLMEngine(config, lane=rank))
     if started is None:
         return
     engine, control = started
@@ -97,7 +97,7 @@ def host_torchrun_rank(config: EngineConfig) -> bool:
         return False
     check_layout(config)
     target = serve_lane if config.data_parallel_size > 1 else serve_rank
-    target(config, rank, f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    target(config, rank, f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     return True
 
 

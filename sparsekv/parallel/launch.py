@@ -5,22 +5,32 @@ NCCL on CUDA for tensors with a gloo group beside it for the step commands.
 Start-up is all or nothing: every rank loads its shard, then the ranks exchange their status, and
 if any failed (a missing shard, a bad config) every rank stops and the engine raises that rank's
 message.
+
+Start-up has its own timeout (`dist_startup_timeout_s`): ranks start at different times (a spawned
+process imports torch, another node starts later, shards load at different speeds), which a short
+`dist_timeout_s` must not fail. Node 0's rank 0 hosts the rendezvous store (on a port the system picks
+and it holds, unless an address is given); every rank first waits there until all have arrived
+(rank 0 also watching the processes it spawned, so one that dies before joining fails the start at
+once), then the groups are made and the statuses exchanged under the start-up timeout, and only then
+does every collective take `dist_timeout_s`.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import os
-import socket
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..config import ConfigError, EngineConfig, ModelConfig
 from .comm import TensorParallel
 from .layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
+ARRIVAL_POLL_S = 0.05  # how often a rank waiting for the others at start-up looks again
 
 
 def layout_of(config: EngineConfig, rank: int = 0) -> ParallelLayout:
@@ -43,8 +53,9 @@ def check_layout(config: EngineConfig) -> None:
 class RankGroup:
     """This process's membership of the world's process group, and the workers it spawned."""
 
-    def __init__(self, config: EngineConfig, layout: ParallelLayout, processes: list):
+    def __init__(self, config: EngineConfig, layout: ParallelLayout, processes: list, store=None):
         self.config, self.layout, self.processes = config, layout, processes
+        self.store = store  # the rendezvous store this process hosts (kept for the group's life)
         self.comm = TensorParallel(dist.group.WORLD, layout.world_size, layout.rank)
         self.control = control_group()
         self.closed = False
@@ -52,41 +63,42 @@ class RankGroup:
 
     @classmethod
     def start(cls, config: EngineConfig, worker_main) -> "RankGroup":
-        """Spawn this node's other ranks, each running `worker_main(config, rank, init_method)`, and
-        join the group as rank 0 (on node 0) of `config`'s world."""
+        """Spawn this node's other ranks, each running `worker_main(config, rank, addr)` (addr: the
+        rendezvous store's HOST:PORT), and join the group as rank 0 (on node 0) of `config`'s world."""
         if dist.is_initialized():
             raise ConfigError("this process already runs a parallel engine: close() it before starting another")
         layout = layout_of(config)
-        init_method = _init_method(config)
         launched = torchrun_rank(config)
         if launched:
             raise ConfigError(f"under torchrun, rank {launched} hosts its rank for rank 0's engine: run "
                               f"`sparsekv serve ...` on every rank (parallel.lanes.host_torchrun_rank)")
-        if launched == 0:  # torchrun started every rank: join as rank 0, spawn nothing
-            join_group(config, 0, init_method)
-            return cls(config, layout, [])
         per_node = layout.world_size // config.nnodes
-        first = config.node_rank * per_node
+        first = 0 if launched == 0 else config.node_rank * per_node
+        store = host_store(config) if first == 0 else None
+        addr = _configured_addr(config) or f"127.0.0.1:{store.port}"
+        if launched == 0:  # torchrun started every rank: join as rank 0, spawn nothing
+            join_group(config, 0, addr, store)
+            return cls(config, layout, [], store)
         ctx = multiprocessing.get_context("spawn")
         processes = []
         for rank in range(first + 1 if first == 0 else first, first + per_node):
-            p = ctx.Process(target=worker_main, args=(config, rank, init_method), daemon=True,
-                            name=f"sparsekv-rank{rank}")
+            p = ctx.Process(target=worker_main, args=(config, rank, addr), daemon=True, name=f"sparsekv-rank{rank}")
             p.start()
             processes.append(p)
         if first != 0:
             return cls._detached(config, processes)
         try:
-            join_group(config, 0, init_method)
+            join_group(config, 0, addr, store, lambda: _check_spawned(processes))
         except BaseException:
             _stop(processes)
             raise
-        return cls(config, layout, processes)
+        return cls(config, layout, processes, store)
 
     @classmethod
     def _detached(cls, config, processes) -> "RankGroup":
         group = cls.__new__(cls)
         group.config, group.processes, group.closed, group.failure = config, processes, False, None
+        group.store = None
         return group
 
     def check_started(self, error: BaseException | None) -> None:
@@ -99,6 +111,7 @@ class RankGroup:
             if error is not None:
                 raise error
             raise StartupError("a rank failed to start: " + "; ".join(failed))
+        use_operation_timeout(self.config)
 
     def close(self, notify: bool = True) -> None:
         if self.closed:
@@ -113,6 +126,7 @@ class RankGroup:
         _stop(self.processes, timeout_s=10.0 if notify else 0.0)
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.store = None
 
     def failed_workers(self) -> list[str]:
         """The workers that exited, with their exit codes."""
@@ -141,14 +155,14 @@ def exchange_status(mine: str | None, world_size: int, group) -> list[str | None
     return statuses
 
 
-def start_worker(config: EngineConfig, rank: int, init_method: str, build):
-    """A spawned worker's start: join the group, `build(control group)`, and exchange every rank's
-    start-up status. Returns (what build made, the control group), or None when a rank failed (this
-    process then leaves; rank 0 raises that rank's message)."""
+def start_worker(config: EngineConfig, rank: int, addr: str, build):
+    """A worker's start: join the group at the rendezvous store `addr` (HOST:PORT), `build(control
+    group)`, and exchange every rank's start-up status. Returns (what build made, the control group),
+    or None when a rank failed (this process then leaves; rank 0 raises that rank's message)."""
     import torch
     torch.set_num_threads(config.num_threads or 1)
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
-    control = join_group(config, rank, init_method)
+    control = join_group(config, rank, addr, None, _check_parent)
     built, error = None, None
     try:
         built = build(control)
@@ -158,21 +172,68 @@ def start_worker(config: EngineConfig, rank: int, init_method: str, build):
     if any(s is not None for s in statuses):
         dist.destroy_process_group()
         return None
+    use_operation_timeout(config)
     return built, control
 
 
 _control = []  # this process's control group (step commands, host tensors), once it joined
 
 
-def join_group(config: EngineConfig, rank: int, init_method: str):
-    """Join the world's group; returns the gloo group for step commands and host tensors (the world
-    itself on CPU, a second group beside NCCL on CUDA)."""
+def join_group(config: EngineConfig, rank: int, addr: str, store=None, alive=None):
+    """Join the world's group through the rendezvous store at `addr` (`store`: this process hosts it),
+    once every rank has arrived there (`alive()` raises if a rank can no longer come). Returns the gloo
+    group for step commands and host tensors (the world itself on CPU, a second group beside NCCL on
+    CUDA). Both take the start-up timeout until `use_operation_timeout`."""
     world = config.tensor_parallel_size * config.data_parallel_size
     cuda = config.device.startswith("cuda")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=config.dist_timeout_s))
-    _control[:] = [dist.new_group(backend="gloo") if cuda else dist.group.WORLD]
+    startup = timedelta(seconds=config.dist_startup_timeout_s)
+    if store is None:
+        host, port = addr.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=startup)
+    wait_for_ranks(store, rank, world, config.dist_startup_timeout_s, alive)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=startup)
+    _control[:] = [dist.new_group(backend="gloo", timeout=startup) if cuda else dist.group.WORLD]
     return _control[0]
+
+
+def wait_for_ranks(store, rank: int, world: int, timeout_s: float, alive=None) -> None:
+    """Mark `rank` arrived in the rendezvous store and wait until all `world` ranks have; StartupError
+    past `timeout_s`, or as soon as `alive()` raises."""
+    store.set(_arrived(rank), b"1")
+    keys = [_arrived(r) for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if alive is not None:
+            alive()
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise StartupError(f"rank {rank}: rank(s) {missing} did not join within {timeout_s:g} s "
+                               f"(--dist-startup-timeout)")
+        time.sleep(ARRIVAL_POLL_S)
+
+
+def _arrived(rank: int) -> str:
+    return f"sparsekv/arrived/{rank}"
+
+
+def use_operation_timeout(config: EngineConfig) -> None:
+    """Every rank started: from now on a collective waiting longer than `dist_timeout_s` fails."""
+    timeout = timedelta(seconds=config.dist_timeout_s)
+    for group in {dist.group.WORLD, control_group()}:
+        _set_pg_timeout(timeout, group)
+
+
+def _check_spawned(processes) -> None:
+    exited = [f"{p.name} (exit code {p.exitcode})" for p in processes if not p.is_alive()]
+    if exited:
+        raise StartupError(f"worker rank(s) exited before joining: {', '.join(exited)}")
+
+
+def _check_parent() -> None:
+    """In a spawned worker: StartupError if the engine's process that spawned it is gone."""
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive():
+        raise StartupError("the engine's process exited while this rank was starting")
 
 
 def control_group():
@@ -194,16 +255,26 @@ def torchrun_rank(config: EngineConfig) -> int | None:
     return int(os.environ["RANK"])
 
 
-def _init_method(config: EngineConfig) -> str:
-    """tcp://HOST:PORT: dist_init_addr, else torchrun's MASTER_ADDR/MASTER_PORT, else a free local port."""
-    addr = config.dist_init_addr
-    if addr is None and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    if addr is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            addr = f"127.0.0.1:{s.getsockname()[1]}"
-    return f"tcp://{addr}"
+def _configured_addr(config: EngineConfig) -> str | None:
+    """node 0's rendezvous HOST:PORT: dist_init_addr, else torchrun's MASTER_ADDR:MASTER_PORT, else None
+    (a local port the system picks, see host_store)."""
+    if config.dist_init_addr is not None:
+        return config.dist_init_addr
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        return f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    return None
+
+
+def host_store(config: EngineConfig) -> dist.TCPStore:
+    """Node 0's rendezvous store, in rank 0's process: listening on the configured address, or on a
+    free local port it binds and holds (choosing a port and binding it later could lose it to another
+    process in between). Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) the agent hosts it
+    and rank 0 connects like every other rank."""
+    addr = _configured_addr(config)
+    host, port = addr.rsplit(":", 1) if addr else ("127.0.0.1", "0")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    return dist.TCPStore(host, int(port), is_master=not agent, wait_for_workers=False,
+                         timeout=timedelta(seconds=config.dist_startup_timeout_s), use_libuv=True)
 
 
 def _stop(processes, timeout_s: float = 10.0) -> None:

@@ -1,0 +1,94 @@
+"""Starting the ranks (parallel/launch.py): start-up waits `dist_startup_timeout_s`, not the collective
+timeout; a rank that dies before joining fails the start at once; the rendezvous port is held from
+the moment it is chosen. Two local processes on gloo."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sparsekv.config import EngineConfig
+from sparsekv.parallel.launch import RankGroup, StartupError, host_store, leave, start_worker
+
+COLLECTIVE_TIMEOUT_S = 1.0
+LATE_S = 4 * COLLECTIVE_TIMEOUT_S  # a rank this late fails a start bounded by the collective timeout
+
+
+def _config(**overrides) -> EngineConfig:
+    settings = dict(model="unused", tensor_parallel_size=2, num_threads=1, dist_timeout_s=COLLECTIVE_TIMEOUT_S,
+                    dist_startup_timeout_s=120.0)
+    return EngineConfig(**{**settings, **overrides})
+
+
+def _timeout_s(group) -> float:
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def late_rank(config: EngineConfig, rank: int, addr: str) -> None:
+    """A worker rank that arrives LATE_S late, sums a tensor with rank 0, and leaves when told to."""
+    time.sleep(LATE_S)
+    started = start_worker(config, rank, addr, lambda control: None)
+    assert started is not None
+    _, control = started
+    summed = torch.ones(1)
+    dist.all_reduce(summed)
+    message = [None]
+    dist.broadcast_object_list(message, src=0, group=control)
+    assert message[0][0] == "close"
+    leave(control)
+
+
+def dead_rank(config: EngineConfig, rank: int, addr: str) -> None:
+    os._exit(3)
+
+
+def absent_rank(config: EngineConfig, rank: int, addr: str) -> None:
+    time.sleep(60)
+
+
+def test_a_rank_later_than_the_collective_timeout_still_starts_and_then_collectives_take_it():
+    ranks = RankGroup.start(_config(), late_rank)
+    try:
+        assert _timeout_s(dist.group.WORLD) == 120.0  # joined under the start-up timeout
+        ranks.check_started(None)
+        assert _timeout_s(dist.group.WORLD) == COLLECTIVE_TIMEOUT_S
+        summed = torch.ones(1)
+        dist.all_reduce(summed)
+        assert summed.item() == 2.0
+    finally:
+        ranks.close()
+    assert not dist.is_initialized()
+    assert all(p.exitcode == 0 for p in ranks.processes)
+
+
+def test_a_rank_that_dies_before_joining_fails_the_start_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(StartupError, match=r"sparsekv-rank1 \(exit code 3\)"):
+        RankGroup.start(_config(dist_startup_timeout_s=600.0), dead_rank)
+    assert time.monotonic() - t0 < 120, "the start waited for its timeout instead of seeing the rank exit"
+    assert not dist.is_initialized()
+
+
+def test_a_rank_that_never_joins_fails_the_start_at_the_startup_timeout_naming_it():
+    with pytest.raises(StartupError, match=r"rank\(s\) \[1\] did not join within 3 s"):
+        RankGroup.start(_config(dist_startup_timeout_s=3.0), absent_rank)
+    assert not dist.is_initialized()
+
+
+def test_the_automatic_rendezvous_port_is_held_by_its_store():
+    store = host_store(_config())
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", store.port))
+    store.set("k", b"v")
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
+    assert client.get("k") == b"v"
+
+
+def test_startup_timeout_must_be_positive():
+    with pytest.raises(Exception, match="dist_startup_timeout_s must be > 0"):
+        _config(dist_startup_timeout_s=0.0).validate()
