@@ -16,7 +16,7 @@ import torch
 
 from disagg_util import WorkerServer, secret_file, send_pair, start_worker_process
 from sparsekv import LLM
-from sparsekv.disagg.nixl import NixlAgent, nixl_available
+from sparsekv.disagg.nixl import NixlAgent, NixlSender, nixl_available
 from sparsekv.disagg.transfer import CORRUPT_ENV, DELAY_ENV
 from sparsekv.disagg.wire import TransferError
 from test_disagg_workers import BASE, BODY, GREEDY, PAGE, _prompt, _slowed, assert_as_colocated
@@ -168,3 +168,21 @@ def test_an_agent_refuses_descriptors_that_do_not_match_the_announced_sizes():
         assert [t.tolist() for t in got] == [t.tolist() for t in tensors]
     finally:
         exposing.release(registration)
+
+
+@pytest.mark.parametrize("failing", ["register_memory", "get_agent_metadata"])
+def test_memory_nixl_refuses_fails_the_room_and_stays_unregistered(failing, monkeypatch):
+    """NIXL's own errors while exposing a batch are the room's TransferError (a 503), not the worker's;
+    a registration made before the failure is released."""
+    agent = NixlAgent("prefill")
+    registered = []
+    real_register, real_deregister = agent.agent.register_memory, agent.agent.deregister_memory
+    monkeypatch.setattr(agent.agent, "register_memory", lambda t: registered.append(real_register(t)) or registered[-1])
+    monkeypatch.setattr(agent.agent, "deregister_memory", lambda r: registered.remove(r) or real_deregister(r))
+
+    def refuse(*args):
+        raise RuntimeError("NIXL_ERR_BACKEND")
+    monkeypatch.setattr(agent.agent, failing, refuse)
+    with pytest.raises(TransferError, match="NIXL could not .*NIXL_ERR_BACKEND"):
+        NixlSender(agent).offer([torch.arange(10, dtype=torch.uint8)])
+    assert registered == [] and agent.exposed == 0

@@ -75,11 +75,19 @@ class NixlAgent:
 
     def expose(self, tensors: list[torch.Tensor]) -> tuple[dict, object]:
         """Prefill side: register flat uint8 host tensors for a peer to read. Returns what the batch's
-        metadata names (agent, its metadata, the descriptors, their sizes) and the registration."""
+        metadata names (agent, its metadata, the descriptors, their sizes) and the registration;
+        TransferError if NIXL refuses them (nothing stays registered)."""
         with self.lock:
-            registration = self.agent.register_memory(tensors)
-            descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs(tensors))
-            metadata = self.agent.get_agent_metadata()
+            try:
+                registration = self.agent.register_memory(tensors)
+            except Exception as e:  # NIXL's own errors (memory it cannot pin): this room fails
+                raise TransferError(f"NIXL could not register the batch's memory: {e}") from None
+            try:
+                descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs(tensors))
+                metadata = self.agent.get_agent_metadata()
+            except Exception as e:
+                self.agent.deregister_memory(registration)
+                raise TransferError(f"NIXL could not describe the batch's memory: {e}") from None
         with self.pumping:
             self.exposed += 1
             self.pumping.notify()
@@ -179,6 +187,7 @@ class NixlAgent:
             self.agent.add_remote_agent(metadata)
             self.peers[name] = metadata
         return name.encode()
+
 
 class NixlSender:
     """The prefill side of a room over NIXL: each batch's tensors registered until the room closes."""

@@ -67,7 +67,7 @@ def sender(backend: str, link: "Room", settings, device: torch.device, agent):
     """The prefill side of a room's data path (`agent`: the worker's NixlAgent, for NIXL)."""
     if backend == "nixl":
         return NixlSender(agent)
-    return TorchSender(link, settings, device, backend)
+    return TorchPath(link, settings, device, backend, PREFILL_RANK)
 
 
 def receiver(backend: str, link: "Room", settings, device: torch.device, agent):
@@ -77,7 +77,7 @@ def receiver(backend: str, link: "Room", settings, device: torch.device, agent):
             raise TransferError("the prefill worker sends over NIXL and this decode worker runs "
                                 "--disaggregation-transfer-backend torch: set the same on both")
         return NixlReceiver(agent, settings.timeout_s)
-    return TorchReceiver(link, settings, device, backend)
+    return TorchPath(link, settings, device, backend, DECODE_RANK)
 
 
 def transfer_device(backend: str, engine_device: torch.device) -> torch.device:
@@ -211,40 +211,29 @@ def recv_tensors(group, sizes: list[int], device: torch.device, first: int = 0) 
     return out
 
 
-class TorchSender:
-    """The prefill side of a room over torch.distributed: its pair group, made at the first tensor and
-    kept for the room; each batch's tensors sent in order, the decode worker receiving them."""
+class TorchPath:
+    """One side of a room over torch.distributed (`rank`: PREFILL_RANK sends, DECODE_RANK receives):
+    the pair group, made at the first tensor and kept for the room; each batch's tensors in order."""
 
-    def __init__(self, link: Room, settings, device: torch.device, backend: str):
-        self.link, self.settings, self.backend = link, settings, backend
+    def __init__(self, link: Room, settings, device: torch.device, backend: str, rank: int):
+        self.link, self.settings, self.backend, self.rank = link, settings, backend, rank
         self.device, self.group = transfer_device(backend, device), None
+
+    def _group(self) -> dist.ProcessGroup:
+        if self.group is None:
+            self.group = self.link.pair_group(self.rank, self.settings.bootstrap_host, self.settings.timeout_s,
+                                              self.backend)
+        return self.group
 
     def offer(self, tensors: list[torch.Tensor]) -> dict:
         """What the batch's metadata names for the backend: nothing, the tags follow the room's order."""
         return {}
 
     def push(self, tensors: list[torch.Tensor], first: int) -> None:
-        if self.group is None:
-            self.group = self.link.pair_group(PREFILL_RANK, self.settings.bootstrap_host, self.settings.timeout_s,
-                                              self.backend)
-        send_tensors(self.group, tensors, self.device, first)
-
-    def close(self) -> None:
-        self.group = None
-
-
-class TorchReceiver:
-    """The decode side of a room over torch.distributed (TorchSender's peer)."""
-
-    def __init__(self, link: Room, settings, device: torch.device, backend: str):
-        self.link, self.settings, self.backend = link, settings, backend
-        self.device, self.group = transfer_device(backend, device), None
+        send_tensors(self._group(), tensors, self.device, first)
 
     def pull(self, meta: dict, sizes: list[int], first: int) -> list[torch.Tensor]:
-        if self.group is None:
-            self.group = self.link.pair_group(DECODE_RANK, self.settings.bootstrap_host, self.settings.timeout_s,
-                                              self.backend)
-        return recv_tensors(self.group, sizes, self.device, first)
+        return recv_tensors(self._group(), sizes, self.device, first)
 
     def close(self) -> None:
         self.group = None
