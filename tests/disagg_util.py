@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from test_server_util import REPO, free_port, serve_in_thread, stop_thread_server, wait_healthy
+from test_server_util import REPO, free_port, listening_socket, serve_in_thread, stop_thread_server, wait_healthy
 
 SECRET = b"a-shared-test-secret-0123456789"
 ADMIN_KEY = "sk-admin-of-the-test-workers"
@@ -45,11 +45,12 @@ class WorkerServer:
                                                           admin_api_keys=load_admin_keys([ADMIN_KEY], [], {})))
         self.state = self.app.state.server
         self.worker = self.state.disagg
-        self.port = free_port()
+        self.sock = listening_socket()
+        self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self):
-        self.server, self.thread = serve_in_thread(self.app, self.state, self.port, 5.0)
+        self.server, self.thread = serve_in_thread(self.app, self.state, self.sock, 5.0)
         return self
 
     def __exit__(self, *exc):

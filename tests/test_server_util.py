@@ -51,9 +51,19 @@ def tiny_checkpoint(root, with_tokenizer: bool = True) -> str:
 
 
 def free_port() -> int:
+    """A port free now, for a server in another process (it may be taken before that server binds it;
+    a server in this process takes a `listening_socket` instead)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def listening_socket() -> socket.socket:
+    """A socket bound to a port the system picked, held until uvicorn serves on it."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 def slow_steps(engine) -> list[float]:
@@ -91,25 +101,27 @@ class ThreadServer:
                                                           admin_api_keys=load_admin_keys(list(admin_api_keys), [], {}),
                                                           weight_update_policy=weight_update_policy))
         self.state = self.app.state.server
-        self.port = free_port()
+        self.sock = listening_socket()
+        self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.shutdown_timeout = shutdown_timeout
 
     def __enter__(self):
-        self.server, self.thread = serve_in_thread(self.app, self.state, self.port, self.shutdown_timeout)
+        self.server, self.thread = serve_in_thread(self.app, self.state, self.sock, self.shutdown_timeout)
         return self
 
     def __exit__(self, *exc):
         stop_thread_server(self.server, self.thread)
 
 
-def serve_in_thread(app, state, port: int, shutdown_timeout: float):
-    """uvicorn serving `app` (a DrainingServer) in a daemon thread, once it has started: (server, thread)."""
+def serve_in_thread(app, state, sock: socket.socket, shutdown_timeout: float):
+    """uvicorn serving `app` (a DrainingServer) on `sock` (a listening_socket) in a daemon thread, once
+    it has started: (server, thread)."""
     import uvicorn
     from sparsekv.server.cli import DrainingServer
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
     server = DrainingServer(config, state, shutdown_timeout)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started:
