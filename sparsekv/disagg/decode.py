@@ -67,8 +67,8 @@ class DecodeWorker(Worker):
             else:
                 await self.blocking(self._verdict, link, meta, str(e))
             raise
-        finally:
-            inbox.close()
+        finally:  # NOTE: a group's teardown takes ms; neither the event loop nor the request waits for it
+            self.pool.submit(inbox.close)
         await self.blocking(self._verdict, link, meta, None)
         return {"role": "decode", "room": field.room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
                 "transfer_s": time.monotonic() - prefill_ended, "backend": meta["backend"], "bytes": inbox.nbytes,

@@ -103,7 +103,7 @@ class PrefillWorker(Worker):
                 await self.blocking(out.error_unless_answered, str(e))
             raise
         finally:
-            out.close()
+            await self.blocking(out.close)  # NOTE: off the event loop (a group's teardown takes ms)
             if not out.peer_waiting and not out.told_error:
                 await self.blocking(out.link.forget, out.index + 1)
 
