@@ -92,3 +92,14 @@ def test_the_automatic_rendezvous_port_is_held_by_its_store():
 def test_startup_timeout_must_be_positive():
     with pytest.raises(Exception, match="dist_startup_timeout_s must be > 0"):
         _config(dist_startup_timeout_s=0.0).validate()
+
+
+def test_the_serve_flag_sets_the_startup_timeout():
+    import argparse
+    from sparsekv.engine_args import add_engine_args, engine_options
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    options = engine_options(parser.parse_args(["--dist-startup-timeout", "45", "--dist-timeout", "5"]))
+    config = EngineConfig(model="unused", **{k: v for k, v in options.items() if k != "model"})
+    assert (config.dist_startup_timeout_s, config.dist_timeout_s) == (45.0, 5.0)
+    assert engine_options(parser.parse_args([]))["dist_startup_timeout_s"] == 900.0
