@@ -114,3 +114,22 @@ def test_bench_parallel_measures_the_collectives_the_planner_predicts(tmp_path, 
             assert s["sent_per_token"] > 0 and len(s["weight_bytes"]) == 2
             assert all(w < whole for w in s["weight_bytes"])
     assert "tp 2 + ep" in capsys.readouterr().out
+
+
+def test_bench_transfer_streams_during_the_prefill_against_one_batch_after_it(tmp_path, capsys):
+    """The baseline sends every page in one batch after the prefill; streaming sends the same pages,
+    in more batches, some during it. Both through a real prefill/decode pair in this process."""
+    out = tmp_path / "transfer.json"
+    assert main(["transfer", "--prompt-tokens", "600", "--repeats", "1", "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["backends"]["torch"]
+    streamed, after = modes["streamed"], modes["after"]
+    assert streamed["backend"] == after["backend"] == "gloo"
+    assert streamed["pages_sent"] == after["pages_sent"] > 0 and streamed["mb"] == after["mb"]
+    assert (after["pages_streamed"], after["batches"]) == (0, 1)
+    assert streamed["batches"] >= 2  # at least the pages, then the last batch with the prefill's figures
+    assert modes["streamed_over_after"] > 0 and "after the prefill" in capsys.readouterr().out
+
+
+def test_bench_transfer_refuses_an_unknown_backend(capsys):
+    assert main(["transfer", "--backends", "rdma"]) == 2
+    assert "--backends" in capsys.readouterr().err

@@ -12,10 +12,11 @@ import socket
 import string
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
+
+from sparsekv.server.threaded import listening_socket, serve_in_thread, stop_thread_server  # noqa: F401 (shared)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_MODEL_LEN = 256
@@ -56,14 +57,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def listening_socket() -> socket.socket:
-    """A socket bound to a port the system picked, held until uvicorn serves on it."""
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", 0))
-    return s
 
 
 def slow_steps(engine) -> list[float]:
@@ -112,28 +105,6 @@ class ThreadServer:
 
     def __exit__(self, *exc):
         stop_thread_server(self.server, self.thread)
-
-
-def serve_in_thread(app, state, sock: socket.socket, shutdown_timeout: float):
-    """uvicorn serving `app` (a DrainingServer) on `sock` (a listening_socket) in a daemon thread, once
-    it has started: (server, thread)."""
-    import uvicorn
-    from sparsekv.server.cli import DrainingServer
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-    server = DrainingServer(config, state, shutdown_timeout)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    return server, thread
-
-
-def stop_thread_server(server, thread) -> None:
-    server.should_exit = True
-    thread.join(15)
-    assert not thread.is_alive(), "server thread did not stop"
 
 
 def start_subprocess_server(model: str, port: int, *args: str, env: dict | None = None) -> subprocess.Popen:

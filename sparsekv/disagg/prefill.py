@@ -31,6 +31,7 @@ STREAM_POLL_S = 0.005  # the longest pause between two looks for pages named sin
 class PrefillWorker(Worker):
     def __init__(self, state, settings):
         super().__init__(state, settings)
+        self.stream_poll_s: float | None = STREAM_POLL_S  # None: one look, after the prefill (bench transfer)
         try:
             self.store = host_bootstrap(settings.bootstrap_host, settings.bootstrap_port, settings.timeout_s)
         except Exception as e:  # the port is taken, or the host is not this machine's
@@ -127,6 +128,8 @@ class PrefillWorker(Worker):
         last batch, after the prefill's end, carries the rest and the prefill's timings."""
         sent, streamed, nbytes = list(claim["held"]), 0, 0
         backend = pair_backend(self.settings.transfer, self.device.type, claim)
+        if self.stream_poll_s is None:  # one look, after the prefill
+            await asyncio.wait([prefill])
         while True:
             finished = prefill.done()
             if await self.blocking(out.answered):  # the decode worker failed this room already
@@ -149,7 +152,7 @@ class PrefillWorker(Worker):
                 streamed += 0 if finished else len(pages)
             if finished:
                 break
-            await asyncio.wait([prefill], timeout=STREAM_POLL_S)
+            await asyncio.wait([prefill], timeout=self.stream_poll_s)
         _check_verdict(await self.take(out.link, "done", "verdict from the decode worker", request), meta,
                        self.settings.secret)
         figures = {"role": "prefill", "room": room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],

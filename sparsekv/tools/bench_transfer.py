@@ -1,0 +1,166 @@
+"""`sparsekv bench transfer`: one prompt's KV from a prefill worker to a decode worker, streamed while
+the prefill computes (the default) against sent after it (one look at the prefill's end), in the same
+run, per transfer backend.
+
+A prefill worker and a decode worker are served in this process (each its own engine, uvicorn in a
+thread, bootstrap store and transfer as `sparsekv serve --disaggregation-mode` runs them), and each
+prompt is sent to both at once, as `sparsekv router` sends it. Random prompts of `--prompt-tokens`
+tokens, each new to both prefix caches. Printed per backend and mode, medians over `--repeats`: the
+prefill's time, the transfer left after it (from its end to the decode worker's verdict, as the
+prefill worker reports it), pages sent and streamed during the prefill, MB, batches, and the
+transfer left after the prefill, streamed over after. Both modes alternate, so machine noise hits
+both alike. The two workers share this machine's cores: pin the process (`taskset`) to compare runs.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import statistics
+import uuid
+
+from rich.table import Table
+
+from .bench import report_console, run_bench
+
+MODES = ("streamed", "after")
+SERVED_NAME = "bench"
+
+
+class InProcessWorker:
+    """A prefill or decode worker (`mode`) served in this process."""
+
+    def __init__(self, model: str, mode: str, secret: bytes, transfer: str, **engine_options):
+        from ..config import EngineConfig
+        from ..disagg.worker import DisaggSettings
+        from ..engine import LLMEngine
+        from ..server.app import ServerSettings, create_app
+        from ..server.threaded import listening_socket, serve_in_thread
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        role = DisaggSettings(mode, "127.0.0.1", 0 if mode == "prefill" else None, secret, 120.0, transfer)
+        app = create_app(self.engine, ServerSettings([SERVED_NAME], disaggregation=role))
+        self.state = app.state.server
+        sock = listening_socket()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server, self.thread = serve_in_thread(app, self.state, sock, 5.0)
+
+    @property
+    def worker(self):
+        return self.state.disagg
+
+    def close(self) -> None:
+        from ..server.threaded import stop_thread_server
+        stop_thread_server(self.server, self.thread)
+
+
+def send_pair(prefill_url: str, decode_url: str, body: dict, timeout: float = 600.0) -> tuple[dict, dict]:
+    """One completion request to both workers at once, as the router sends it: (prefill's answer,
+    decode's); RuntimeError if either failed."""
+    import httpx
+    info = httpx.get(prefill_url + "/disaggregation", timeout=5).json()
+    field = {"room": uuid.uuid4().hex, "bootstrap_host": info["bootstrap_host"], "bootstrap_port": info["bootstrap_port"]}
+    tagged = {**body, "disaggregation": field}
+
+    async def both():
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            return await asyncio.gather(client.post(prefill_url + "/v1/completions", json=tagged),
+                                        client.post(decode_url + "/v1/completions", json=tagged))
+    answers = asyncio.run(both())
+    for side, r in zip(("prefill", "decode"), answers):
+        if r.status_code != 200:
+            raise RuntimeError(f"the {side} worker answered {r.status_code}: {r.text[:300]}")
+    return answers[0].json(), answers[1].json()
+
+
+def one_prompt(pair, mode: str, prompt: list[int]) -> dict:
+    """The prompt through the pair in `mode`; the prefill worker's transfer figures."""
+    from ..disagg.prefill import STREAM_POLL_S
+    prefill, decode = pair
+    prefill.worker.stream_poll_s = None if mode == "after" else STREAM_POLL_S
+    answer, _ = send_pair(prefill.url, decode.url, {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0})
+    return answer["sparsekv"]["disaggregation"]
+
+
+def backends(wanted: str) -> list[str]:
+    from ..disagg.nixl import nixl_available
+    from ..disagg.transfer import TRANSFERS
+    names = [b.strip() for b in wanted.split(",") if b.strip()]
+    unknown = [b for b in names if b not in TRANSFERS]
+    if unknown or not names:
+        raise ValueError(f"--backends: {unknown or wanted!r}: use {', '.join(TRANSFERS)}")
+    if "nixl" in names and not nixl_available():
+        raise ValueError("--backends nixl: NIXL is not installed (pip install 'sparsekv[nixl]')")
+    return names
+
+
+def run(args) -> dict:
+    import torch
+    from ..paths import default_model_path
+    torch.set_num_threads(args.threads)
+    model = args.model or default_model_path()
+    options = dict(max_model_len=args.prompt_tokens + 64, num_threads=args.threads,
+                   prefix_cache_host_bytes=args.host_bytes)
+    g = torch.Generator().manual_seed(0)
+    secret = secrets.token_bytes(32)
+    results = {}
+    for backend in backends(args.backends):
+        pair = (InProcessWorker(model, "prefill", secret, backend, **options),
+                InProcessWorker(model, "decode", secret, backend, **options))
+        try:
+            vocab = pair[0].engine.model_config.vocab_size
+            runs = {mode: [] for mode in MODES}
+            for _ in range(args.repeats):
+                for mode in MODES:
+                    prompt = torch.randint(1, vocab, (args.prompt_tokens,), generator=g).tolist()
+                    runs[mode].append(one_prompt(pair, mode, prompt))
+            results[backend] = {mode: summarize(figures) for mode, figures in runs.items()}
+        finally:
+            for worker in pair:
+                worker.close()
+    return {"model": model, "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "backends": results}
+
+
+def summarize(figures: list[dict]) -> dict:
+    def median(key):
+        return statistics.median(f[key] for f in figures)
+    return {"prefill_s": median("prefill_s"), "after_prefill_ms": 1e3 * median("transfer_s"),
+            "after_prefill_ms_each": [round(1e3 * f["transfer_s"], 1) for f in figures],
+            "pages_sent": median("pages_sent"), "pages_streamed": median("pages_streamed"),
+            "mb": median("bytes") / 1e6, "batches": median("batches"), "backend": figures[0]["backend"]}
+
+
+def report(out: dict) -> dict:
+    table = Table(title=f"{out['model']}: one prompt of {out['prompt_tokens']} tokens, a prefill and a decode worker in "
+                        f"this process, medians of {out['repeats']}")
+    for column in ("backend", "sent", "prefill s", "transfer after the prefill (ms), each run", "pages sent / streamed",
+                   "MB", "batches", "after the prefill, streamed / after"):
+        table.add_column(column)
+    for name, modes in out["backends"].items():
+        ratio = modes["streamed"]["after_prefill_ms"] / modes["after"]["after_prefill_ms"]
+        for mode in MODES:
+            r = modes[mode]
+            table.add_row(f"{name} ({r['backend']})", "while the prefill computes" if mode == "streamed" else "after it",
+                          f"{r['prefill_s']:.2f}",
+                          f"{r['after_prefill_ms']:.1f} ({', '.join(map(str, r['after_prefill_ms_each']))})",
+                          f"{r['pages_sent']:g} / {r['pages_streamed']:g}", f"{r['mb']:.1f}", f"{r['batches']:g}",
+                          f"x{ratio:.2f}" if mode == "streamed" else "")
+        modes["streamed_over_after"] = ratio
+    report_console().print(table)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsekv bench transfer", description=__doc__)
+    p.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
+    p.add_argument("--prompt-tokens", type=int, default=16384)
+    p.add_argument("--repeats", type=int, default=2, help="prompts per backend and mode")
+    p.add_argument("--backends", default="torch", help="comma-separated --disaggregation-transfer-backend values: "
+                                                        "torch, nixl")
+    p.add_argument("--host-bytes", type=int, default=1 << 30, help="each worker's prefix-cache host tier, bytes")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the two engines share them)")
+    p.add_argument("--json", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench(build_parser(), argv, ("prompt_tokens", "repeats", "threads"), run, report)
