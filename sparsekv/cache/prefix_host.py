@@ -39,21 +39,41 @@ class PageRows:
         return [t[self._rows(page, per_row)].to("cpu", copy=True) for t, per_row in self.tensors]
 
     def copy_in(self, pages: list[int], saved: list[list[torch.Tensor]]) -> None:
-        """Write each page's saved rows into pool page `pages[i]`: one copy per tensor for all the pages
-        (on CUDA one staged host -> device transfer each, not one per page and tensor)."""
+        """Write each page's saved rows into pool page `pages[i]`. In host memory each run of
+        consecutive pages is one `cat` straight into the pool's rows (a single copy of the bytes); on
+        CUDA one staged host -> device transfer per tensor for all the pages, not one per page and tensor."""
         if not pages:
             return
         for j, (t, per_row) in enumerate(self.tensors):
             n = self.page_size // per_row
-            rows = torch.cat([torch.arange(p * n, (p + 1) * n) for p in pages]).to(t.device)
-            values = torch.cat([page_rows[j] for page_rows in saved])
             if t.device.type == "cuda":
-                values = values.pin_memory().to(t.device, non_blocking=True)
-            t.index_copy_(0, rows, values.to(t.device))
+                rows = torch.cat([torch.arange(p * n, (p + 1) * n) for p in pages]).to(t.device)
+                values = torch.cat([page_rows[j] for page_rows in saved]).pin_memory()
+                t.index_copy_(0, rows, values.to(t.device, non_blocking=True))
+                continue
+            for first, count in _runs(pages):
+                start = pages[first] * n
+                torch.cat([page_rows[j] for page_rows in saved[first:first + count]], out=t[start:start + count * n])
 
     def fits(self, rows: list[torch.Tensor]) -> bool:
         return len(rows) == len(self.layout) and all(
             tuple(r.shape) == shape and r.dtype == dtype for r, (shape, dtype) in zip(rows, self.layout))
+
+
+def _owns_host_memory(t: torch.Tensor) -> bool:
+    return (t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """(index of its first, length) of each run of consecutive page numbers in `pages`."""
+    runs = []
+    for i, page in enumerate(pages):
+        if runs and page == pages[i - 1] + 1:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
 
 
 class PrefixHostStore:
@@ -114,8 +134,11 @@ class PrefixHostStore:
         self._keep(name, lambda: self.rows.copy_out(page), tenant)
 
     def put(self, name: bytes, rows: list[torch.Tensor], tenant: str) -> None:
-        """Keep a page's rows made elsewhere (another engine's export, checked with `rows.fits`)."""
-        self._keep(name, lambda: [r.to("cpu", copy=True) for r in rows], tenant)
+        """Keep a page's rows made elsewhere (another engine's export, checked with `rows.fits`). A row
+        that is a host tensor owning all of its memory is kept as it is (the caller hands it over);
+        any other (a view into a larger tensor, a device tensor) is copied, so a copy holds its page's
+        bytes and nothing more."""
+        self._keep(name, lambda: [r if _owns_host_memory(r) else r.to("cpu", copy=True) for r in rows], tenant)
 
     def _keep(self, name: bytes, rows, tenant: str) -> None:
         if name in self._pages:

@@ -49,7 +49,7 @@ class DecodeWorker(Worker):
                  "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held,
                  "device": self.device.type, "transfer": self.settings.transfer, "weights": weights}  # the prefill worker refuses other weights early
         link, meta = await self._claim(request, field, claim)
-        inbox = Inbox(link, self.settings, self.device, self.nixl)
+        inbox = Inbox(link, self.settings, self.device, self.nixl, owned_rows=not engine.config.kv_tiering)
         try:
             while True:  # the batches, each checked as it comes; the pages kept once the last is in
                 self._check_meta(meta, claim, inbox.weights)
@@ -146,10 +146,13 @@ class DecodeWorker(Worker):
 
 class Inbox:
     """The decode side of a room: the batches received so far, checked, and the data path they came
-    over (transfer.receiver, made at the first tensor, kept for the room)."""
+    over (transfer.receiver, made at the first tensor, kept for the room). `owned_rows`: each page's
+    rows copied apart here, on a transfer thread, for an engine that keeps them as they are (an
+    untiered one's prefix host tier); a tiered engine copies them into its pool and host store."""
 
-    def __init__(self, link: Room, settings, device, agent):
+    def __init__(self, link: Room, settings, device, agent, owned_rows: bool = False):
         self.link, self.settings, self.device, self.agent = link, settings, device, agent
+        self.owned_rows = owned_rows
         self.pages, self.batches, self.tags, self.nbytes = [], 0, 0, 0
         self.weights, self.path = None, None
         self.peer_failed = False  # no next batch came: the prefill worker reads no verdict
@@ -173,7 +176,7 @@ class Inbox:
         tensors = [check_received(secret, spec, data, self.tags + i) for i, (spec, data) in enumerate(zip(specs, received))]
         self.tags += len(sizes)
         self.nbytes += sum(sizes)
-        self.pages += tensors_to_pages(names, tensors)
+        self.pages += tensors_to_pages(names, tensors, self.owned_rows)
 
     def close(self) -> None:
         if self.path is not None:
