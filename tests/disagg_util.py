@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from test_server_util import REPO, free_port, listening_socket, serve_in_thread, stop_thread_server, wait_healthy
+from test_server_util import listening_socket, serve_in_thread, serve_subprocess, stop_thread_server, wait_healthy
 
 SECRET = b"a-shared-test-secret-0123456789"
 ADMIN_KEY = "sk-admin-of-the-test-workers"
@@ -73,15 +73,11 @@ class WorkerServer:
 
 def start_worker_process(model: str, mode: str, secret_path: str, bootstrap_port: int = 0, *args: str,
                          env: dict | None = None):
-    import subprocess
-    port = free_port()
-    cmd = [sys.executable, "-m", "sparsekv", "serve", model, "--port", str(port), "--max-model-len", "128",
-           "--kv-page-size", "4", "--log-level", "warning", "--disaggregation-mode", mode,
-           "--disaggregation-secret-file", secret_path, "--disaggregation-bootstrap-host", "127.0.0.1",
-           "--disaggregation-bootstrap-port", str(bootstrap_port), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **(env or {})}
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc, f"http://127.0.0.1:{port}"
+    """A `sparsekv serve` worker of `mode` in a process of its own: (it, its URL)."""
+    return serve_subprocess([sys.executable, "-m", "sparsekv", "serve", model, "--max-model-len", "128",
+                             "--kv-page-size", "4", "--log-level", "warning", "--disaggregation-mode", mode,
+                             "--disaggregation-secret-file", secret_path, "--disaggregation-bootstrap-host",
+                             "127.0.0.1", "--disaggregation-bootstrap-port", str(bootstrap_port), *args], env)
 
 
 @contextmanager

@@ -10,7 +10,7 @@ import pytest
 
 from sparsekv.server import auth
 from sparsekv.server.auth import API_KEY_ENV, load_api_keys, read_api_key_file, tenant_for
-from test_server_util import free_port, start_subprocess_server, tiny_checkpoint, wait_healthy
+from test_server_util import start_subprocess_server, tiny_checkpoint, wait_healthy
 
 FILE_KEYS = "# team keys\nsk-file-alice:alice\n\n   sk-file-plain  \n"
 
@@ -89,9 +89,7 @@ def test_serve_with_a_key_file_and_the_environment_never_prints_a_key(tmp_path_f
     the startup line lists the settings with the keys redacted, and no key is in any output."""
     model = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
     path = _key_file(tmp_path)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_subprocess_server(model, port, "--api-key-file", path, "--api-key", "sk-flag:flagteam",
+    proc, url = start_subprocess_server(model, "--api-key-file", path, "--api-key", "sk-flag:flagteam",
                                    "--log-level", "info", env={API_KEY_ENV: "sk-env:envteam"})
     try:
         wait_healthy(url, proc)
@@ -106,5 +104,5 @@ def test_serve_with_a_key_file_and_the_environment_never_prints_a_key(tmp_path_f
         output = proc.communicate(timeout=30)[0]
     line = next(line for line in output.splitlines() if "non-default args" in line)
     assert f"'api_key_file': ['{path}']" in line and "'api_key': '<redacted>'" in line
-    assert f"'{API_KEY_ENV}': '<redacted>'" in line and f"'port': {port}" in line
+    assert f"'{API_KEY_ENV}': '<redacted>'" in line and f"'fd': {proc.args[proc.args.index('--fd') + 1]}" in line
     assert "sk-" not in output, output

@@ -10,7 +10,6 @@ import contextlib
 import json
 import socket
 import threading
-import time
 
 import httpx
 import pytest

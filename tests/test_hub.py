@@ -18,7 +18,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from huggingface_hub.utils import filter_repo_objects
 
 from sparsekv.hub import MODEL_FILES, ModelNotFound, resolve_model
-from test_server_util import free_port, start_subprocess_server, tiny_checkpoint, wait_healthy
+from test_server_util import start_subprocess_server, tiny_checkpoint, wait_healthy
 
 REPO_ID = "zai-org/GLM-tiny"
 COMMIT, OTHER_COMMIT = "a" * 40, "b" * 40
@@ -156,9 +156,7 @@ def test_generate_by_repo_id_and_a_clear_error_for_an_unknown_one(hf_home, capsy
 
 def test_serve_by_repo_id_from_hf_home_offline(hf_home):
     """The real process: HF_HOME and HF_HUB_OFFLINE from its environment, the id served under its name."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_subprocess_server(REPO_ID, port, env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
+    proc, url = start_subprocess_server(REPO_ID, env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
     try:
         wait_healthy(url, proc)
         assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [REPO_ID]

@@ -318,10 +318,8 @@ def test_serve_with_data_parallel_attention_and_expert_parallelism():
     """`sparsekv serve -dp 2 --enable-expert-parallel` answers the OpenAI API: two requests, one per rank."""
     import httpx
 
-    from test_server_util import free_port, start_subprocess_server, wait_healthy
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_subprocess_server(default_model_path(), port, "-dp", "2", "--enable-expert-parallel")
+    from test_server_util import start_subprocess_server, wait_healthy
+    proc, url = start_subprocess_server(default_model_path(), "-dp", "2", "--enable-expert-parallel")
     try:
         wait_healthy(url, proc, timeout=120)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]

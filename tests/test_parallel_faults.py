@@ -16,7 +16,7 @@ import pytest
 
 from sparsekv import LLM, SamplingParams
 from sparsekv.parallel.executor import RankFailure
-from test_server_util import free_port, start_subprocess_server, tiny_checkpoint, wait_healthy
+from test_server_util import start_subprocess_server, tiny_checkpoint, wait_healthy
 
 TIMEOUT_S = 3.0
 LONG = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
@@ -63,9 +63,7 @@ def _children(pid: int) -> list[int]:
 
 def test_server_answers_503_turns_unhealthy_and_exits_non_zero_when_a_rank_dies(tmp_path_factory):
     model = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_subprocess_server(model, port, "-tp", "2", "--dist-timeout", str(TIMEOUT_S))
+    proc, url = start_subprocess_server(model, "-tp", "2", "--dist-timeout", str(TIMEOUT_S))
     try:
         wait_healthy(url, proc, timeout=120)
         body = {"model": httpx.get(url + "/v1/models").json()["data"][0]["id"], "prompt": "hello", "max_tokens": 4}

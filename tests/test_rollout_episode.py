@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from rollout_fake import ROUTED, FakeOpenAI
 
 from sparsekv.rollout.cli import rollout_main

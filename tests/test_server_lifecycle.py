@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from test_server_util import (ThreadServer, free_port, scrape, scrape_samples, start_subprocess_server,
+from test_server_util import (ThreadServer, scrape, scrape_samples, start_subprocess_server,
                               tiny_checkpoint, wait_healthy, wait_until)
 
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 150, "ignore_eos": True}
@@ -52,9 +52,8 @@ def _post(url: str, body: dict, out: dict, headers=None) -> None:
 
 
 def test_sigterm_drains_in_flight_and_refuses_new(model):
-    port = free_port()
-    url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k1"}
-    proc = start_subprocess_server(model, port, "--api-key", "k1:team", "--shutdown-timeout", "30",
+    auth = {"Authorization": "Bearer k1"}
+    proc, url = start_subprocess_server(model, "--api-key", "k1:team", "--shutdown-timeout", "30",
                                    env={"SPARSEKV_INJECT_STEP_DELAY": "0.01"})
     try:
         wait_healthy(url, proc)
@@ -204,9 +203,7 @@ def test_memory_goes_back_after_max_size_requests(model):
     chat refused as longer than max_model_len) left RSS gigabytes up for good: glibc kept the
     tokenizer's freed buffers in its arenas. After them RSS is back within 20 % of before."""
     from sparsekv.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_subprocess_server(model, port)
+    proc, url = start_subprocess_server(model)
     text = ("the rain in spain falls mainly on the plain " * (DEFAULT_MAX_REQUEST_BODY_BYTES // 44))
     room = DEFAULT_MAX_REQUEST_BODY_BYTES - 100  # the JSON around the text
     requests = [("/tokenize", {"prompt": text[:room]}, 200)] * 2 + [
@@ -312,3 +309,25 @@ def test_serve_cli_rejects_bad_options(capsys):
         with pytest.raises(SystemExit) as exit_:  # argparse: not one of the choices
             main([flag, value])
         assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_serve_cli_refuses_an_fd_that_is_not_a_listening_tcp_socket(tmp_path, capsys, monkeypatch):
+    """--fd is checked before the weights load: a file, a socket not listening, a closed descriptor."""
+    import os
+    import socket
+
+    from sparsekv.server import cli
+    from sparsekv.server.cli import main
+
+    def loading(args):
+        raise AssertionError("the weights load: --fd was not refused first")
+    monkeypatch.setattr(cli, "build_app", loading)
+    with open(tmp_path / "f", "w") as f, socket.socket() as idle:
+        for fd, why in ((f.fileno(), "not an open socket"), (idle.fileno(), "not a listening TCP socket")):
+            assert main(["--fd", str(fd)]) == 2
+            assert f"--fd {fd}: {why}" in capsys.readouterr().err
+        closed = os.dup(f.fileno())
+        os.close(closed)
+        assert main(["--fd", str(closed)]) == 2
+        assert f"--fd {closed}: not an open socket" in capsys.readouterr().err
+        assert not f.closed and idle.fileno() >= 0  # the descriptors refused are left as they were

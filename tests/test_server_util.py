@@ -107,11 +107,25 @@ class ThreadServer:
         stop_thread_server(self.server, self.thread)
 
 
-def start_subprocess_server(model: str, port: int, *args: str, env: dict | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sparsekv", "serve", model, "--port", str(port),
-           "--max-model-len", str(MAX_MODEL_LEN), "--kv-page-size", "16", "--log-level", "warning", *args]
+def serve_subprocess(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`cmd`, a `sparsekv serve` command line, serving on a socket bound and listening here, handed over
+    with --fd: no other process can take its port between its choice and the server's start (a port
+    merely found free could be). Returns (the process, its URL)."""
+    sock = listening_socket()
+    sock.listen()
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **(env or {})}
-    return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        proc = subprocess.Popen([*cmd, "--fd", str(sock.fileno())], pass_fds=(sock.fileno(),), env=full_env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return proc, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()  # the server holds its own copy
+
+
+def start_subprocess_server(model: str, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`sparsekv serve MODEL` with the tests' settings and `args`, in a process of its own: (it, its URL)."""
+    return serve_subprocess([sys.executable, "-m", "sparsekv", "serve", model, "--max-model-len", str(MAX_MODEL_LEN),
+                             "--kv-page-size", "16", "--log-level", "warning", *args], env)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 60) -> None:

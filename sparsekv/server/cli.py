@@ -16,6 +16,7 @@ import asyncio
 import importlib.metadata
 import logging
 import os
+import socket
 import sys
 
 import uvicorn
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint directory or Hugging Face repo id ORG/NAME (default: the bundled model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--fd", type=int, default=None, metavar="FD",
+                   help="serve on this inherited, listening TCP socket (a file descriptor, as uvicorn's --fd: "
+                        "sockets handed over by a supervisor); --host and --port are then not bound")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",
                    help="require 'Authorization: Bearer KEY'; repeat for several keys; TENANT names the key's tenant "
                         "(visible in `ps`: prefer --api-key-file or SPARSEKV_API_KEY)")
@@ -117,11 +121,25 @@ def main(argv: list[str]) -> int:
     if hosted is not None:
         return hosted
     try:
+        sock = None if args.fd is None else inherited_socket(args.fd)  # NOTE: before the weights load
         app, state = build_app(args)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"sparsekv serve: error: {e}", file=sys.stderr)
         return 2
-    return serve(app, state, args.host, args.port, args.shutdown_timeout, args.log_level)
+    return serve(app, state, args.host, args.port, args.shutdown_timeout, args.log_level, sock)
+
+
+def inherited_socket(fd: int) -> socket.socket:
+    """The listening TCP socket open as file descriptor `fd`; ValueError naming --fd otherwise."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        raise ValueError(f"--fd {fd}: not an open socket ({e.strerror or e})") from None
+    listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6) or not listening:
+        sock.detach()
+        raise ValueError(f"--fd {fd}: not a listening TCP socket")
+    return sock
 
 
 def startup_settings(parser: argparse.ArgumentParser, args) -> dict:
@@ -200,11 +218,13 @@ def disaggregation_settings(args):
                           args.disaggregation_timeout, args.disaggregation_transfer_backend)
 
 
-def serve(app, state, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> int:
+def serve(app, state, host: str, port: int, shutdown_timeout: float, log_level: str = "info",
+          sock: socket.socket | None = None) -> int:
+    """Serve until a signal drains the engine; on `sock` (already listening) when given, else on host:port."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             access_log=log_level == "debug")
     server = DrainingServer(config, state, shutdown_timeout)
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     return server.exit_code
 
 
