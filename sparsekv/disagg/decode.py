@@ -16,12 +16,14 @@ import secrets
 import time
 
 from ..server.serving import Job, run
-from .transfer import BACKENDS, Room, connect, meta_key, receiver
+from .transfer import BACKENDS, Room, at_once, connect, meta_key, receiver
 from .weights_stamp import check_same_weights, loaded_weights
-from .wire import TransferError, check_received, prompt_digest, sign, tensors_to_pages, verify
+from .wire import TransferError, check_received, owned_copies, prompt_digest, sign, tensors_to_pages, verify
 from .worker import Worker
 
 log = logging.getLogger("sparsekv.disagg")
+PACE_DUTY = 0.2  # the share of the core a batch's receive work takes while the engine has requests running
+OWN_SLICE_PAGES = 32  # pages copied apart in one paced slice
 
 
 class DecodeWorker(Worker):
@@ -49,7 +51,8 @@ class DecodeWorker(Worker):
                  "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held,
                  "device": self.device.type, "transfer": self.settings.transfer, "weights": weights}  # the prefill worker refuses other weights early
         link, meta = await self._claim(request, field, claim)
-        inbox = Inbox(link, self.settings, self.device, self.nixl, owned_rows=not engine.config.kv_tiering)
+        inbox = Inbox(link, self.settings, self.device, self.nixl, owned_rows=not engine.config.kv_tiering,
+                      pacer=Pacer(lambda: loop.stats().get("running", 0) > 0))
         try:
             while True:  # the batches, each checked as it comes; the pages kept once the last is in
                 self._check_meta(meta, claim, inbox.weights)
@@ -73,7 +76,7 @@ class DecodeWorker(Worker):
         return {"role": "decode", "room": field.room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
                 "transfer_s": time.monotonic() - prefill_ended, "backend": meta["backend"], "bytes": inbox.nbytes,
                 "pages_sent": len(inbox.pages), "pages_streamed": meta.get("streamed", 0),
-                "pages_skipped": sum(held), "batches": inbox.batches}
+                "pages_skipped": sum(held), "batches": inbox.batches, "paced_s": inbox.pacer.paused_s}
 
     async def _claim(self, request, field, claim: dict):
         """Claim the room and wait for the prefill worker's first batch: (room link, its metadata)."""
@@ -148,11 +151,13 @@ class Inbox:
     """The decode side of a room: the batches received so far, checked, and the data path they came
     over (transfer.receiver, made at the first tensor, kept for the room). `owned_rows`: each page's
     rows copied apart here, on a transfer thread, for an engine that keeps them as they are (an
-    untiered one's prefix host tier); a tiered engine copies them into its pool and host store."""
+    untiered one's prefix host tier); a tiered engine copies them into its pool and host store.
+    `pacer`: spreads a batch's receives, digests and copies over the engine's steps (Pacer), all but
+    the last batch's (the request waits for that one)."""
 
-    def __init__(self, link: Room, settings, device, agent, owned_rows: bool = False):
+    def __init__(self, link: Room, settings, device, agent, owned_rows: bool = False, pacer: "Pacer | None" = None):
         self.link, self.settings, self.device, self.agent = link, settings, device, agent
-        self.owned_rows = owned_rows
+        self.owned_rows, self.pacer = owned_rows, pacer
         self.pages, self.batches, self.tags, self.nbytes = [], 0, 0, 0
         self.weights, self.path = None, None
         self.peer_failed = False  # no next batch came: the prefill worker reads no verdict
@@ -171,16 +176,45 @@ class Inbox:
             return
         if self.path is None:
             self.path = receiver(meta["backend"], self.link, self.settings, self.device, self.agent)
-        received = self.path.pull(meta, sizes, self.tags)
+        pace = self.pacer if self.pacer is not None and not meta.get("last") else at_once  # NOTE: the last is awaited
+        received = self.path.pull(meta, sizes, self.tags, pace)
         secret = self.settings.secret
-        tensors = [check_received(secret, spec, data, self.tags + i) for i, (spec, data) in enumerate(zip(specs, received))]
+        tensors = [pace(lambda: check_received(secret, spec, data, self.tags + i))
+                   for i, (spec, data) in enumerate(zip(specs, received))]
         self.tags += len(sizes)
         self.nbytes += sum(sizes)
-        self.pages += tensors_to_pages(names, tensors, self.owned_rows)
+        pages = tensors_to_pages(names, tensors)
+        if self.owned_rows:
+            pages = [page for i in range(0, len(pages), OWN_SLICE_PAGES)
+                     for page in pace(lambda: owned_copies(pages[i:i + OWN_SLICE_PAGES]))]
+        self.pages += pages
 
     def close(self) -> None:
         if self.path is not None:
             self.path.close()
+
+
+class Pacer:
+    """Spreads a batch's work on the decode worker's core (receives, digests, copies) over the engine's
+    steps: after each slice, while the engine has requests running (`busy()`), it pauses long enough
+    for the slices to take at most `duty` of the core. A running stream's step then waits for a slice
+    or so, not for the whole batch (several ms), so the streams' inter-token latency tail stays where it
+    is; the batches of a long prompt still arrive well within its prefill."""
+
+    def __init__(self, busy, duty: float = PACE_DUTY, clock=time.perf_counter, sleep=time.sleep):
+        if not 0 < duty <= 1:
+            raise ValueError(f"a pacer's duty must be in (0, 1], got {duty}")
+        self.busy, self.duty, self.clock, self.sleep = busy, duty, clock, sleep
+        self.paused_s = 0.0
+
+    def __call__(self, fn):
+        start = self.clock()
+        out = fn()
+        if self.duty < 1 and self.busy():
+            pause = (self.clock() - start) * (1 - self.duty) / self.duty
+            self.sleep(pause)
+            self.paused_s += pause
+        return out
 
 
 async def _on_engine(loop, fn, *args):

@@ -216,7 +216,8 @@ class NixlReceiver:
     def __init__(self, agent: NixlAgent, timeout_s: float):
         self.agent, self.timeout_s = agent, timeout_s
 
-    def pull(self, meta: dict, sizes: list[int], first: int) -> list[torch.Tensor]:
+    def pull(self, meta: dict, sizes: list[int], first: int, pace=None) -> list[torch.Tensor]:
+        """One read of the batch's tensors (`pace`: not used, NIXL reads them in one transfer)."""
         remote = meta.get("nixl")
         if not isinstance(remote, dict):
             raise TransferError("the prefill worker named NIXL but no descriptors")

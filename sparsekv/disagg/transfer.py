@@ -199,16 +199,21 @@ def send_tensors(group, tensors: list[torch.Tensor], device: torch.device, first
         torch.cuda.synchronize(device)
 
 
-def recv_tensors(group, sizes: list[int], device: torch.device, first: int = 0) -> list[torch.Tensor]:
+def recv_tensors(group, sizes: list[int], device: torch.device, first: int = 0, pace=None) -> list[torch.Tensor]:
     """Decode side: flat uint8 tensors of `sizes` bytes from the prefill rank, in order (tags from
     `first`), received on `device` (transfer_device) and returned in host memory (the digests and the
-    host tier read them there)."""
+    host tier read them there). `pace(fn)`: runs each receive (decode.Pacer)."""
     out = []
     for i, n in enumerate(sizes, start=first):
         t = torch.empty(n, dtype=torch.uint8, device=device)
-        _run(lambda: group.recv([t], PREFILL_RANK, i), f"receiving tensor {i}")
+        (pace or at_once)(lambda: _run(lambda: group.recv([t], PREFILL_RANK, i), f"receiving tensor {i}"))
         out.append(t.cpu())  # after wait(): the copy is ordered after the receive on the current stream
     return out
+
+
+def at_once(fn):
+    """Run `fn` now: the pace of work nobody spreads out (decode.Pacer spreads it)."""
+    return fn()
 
 
 class TorchPath:
@@ -232,8 +237,8 @@ class TorchPath:
     def push(self, tensors: list[torch.Tensor], first: int) -> None:
         send_tensors(self._group(), tensors, self.device, first)
 
-    def pull(self, meta: dict, sizes: list[int], first: int) -> list[torch.Tensor]:
-        return recv_tensors(self._group(), sizes, self.device, first)
+    def pull(self, meta: dict, sizes: list[int], first: int, pace=None) -> list[torch.Tensor]:
+        return recv_tensors(self._group(), sizes, self.device, first, pace)
 
     def close(self) -> None:
         self.group = None

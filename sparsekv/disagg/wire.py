@@ -111,13 +111,18 @@ def check_received(secret: bytes, spec: dict, data: torch.Tensor, index: int) ->
     return data.view(parse_dtype(spec["dtype"])).reshape(spec["shape"])
 
 
-def tensors_to_pages(names: list[bytes], tensors: list[torch.Tensor], owned: bool = False) -> list:
-    """`pages_to_tensors` undone: (name, rows) pairs for `engine.kv.import_prefix`. Each row is a view
-    into its received tensor, or with `owned` a copy of its own (the prefix cache's host tier keeps
-    such rows as they are, without a copy of its own on the engine's thread)."""
+def tensors_to_pages(names: list[bytes], tensors: list[torch.Tensor]) -> list:
+    """`pages_to_tensors` undone: (name, rows) pairs for `engine.kv.import_prefix`, each row a view into
+    its received tensor."""
     if any(t.shape[0] != len(names) for t in tensors):
         raise TransferError(f"{len(names)} pages named but tensors of {[t.shape[0] for t in tensors]} pages received")
-    return [(name, [t[i].clone() if owned else t[i] for t in tensors]) for i, name in enumerate(names)]
+    return [(name, [t[i] for t in tensors]) for i, name in enumerate(names)]
+
+
+def owned_copies(pages: list) -> list:
+    """The pages with each row copied into memory of its own (the prefix cache's host tier keeps such
+    rows as they are, so the engine's thread copies nothing at import)."""
+    return [(name, [r.clone() for r in rows]) for name, rows in pages]
 
 
 def prompt_digest(token_ids: list[int]) -> str:
