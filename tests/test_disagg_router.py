@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sparsekv.disagg.router import Router, create_app, main
 from sparsekv.disagg.router_workers import RouterConfigError, WorkerPool, check_modes
 from sparsekv.server.errors import error_body
-from test_server_util import free_port, scrape_labelled, wait_until
+from test_server_util import free_port, listening_socket, scrape_labelled, wait_until
 
 TOKENS = ["He", "llo", " wor", "ld"]
 SYSTEM = "You are a careful assistant. " * 60  # a shared system prompt, longer than the affinity window
@@ -95,15 +95,15 @@ class FakeWorker:
 
 
 class Served:
-    """An ASGI app served by uvicorn in a thread on a free port."""
+    """An ASGI app served by uvicorn in a thread, on a socket bound when its port is chosen."""
 
     def __init__(self, app):
-        self.port = free_port()
+        self.sock = listening_socket()
+        self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self):
         self.thread.start()

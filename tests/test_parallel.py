@@ -395,27 +395,26 @@ def test_serve_across_two_launched_processes(launcher):
 
     import httpx
 
-    from test_server_util import REPO, free_port, tiny_checkpoint, wait_healthy
+    from test_server_util import REPO, free_port, serve_subprocess, tiny_checkpoint, wait_healthy
     model = tiny_checkpoint(Path(tempfile.mkdtemp()))
-    addr, port = f"127.0.0.1:{free_port()}", free_port()
+    addr = f"127.0.0.1:{free_port()}"  # NOTE: the configured rendezvous address is what this test is about
     common = [sys.executable, "-m", "sparsekv", "serve", model, "-tp", "2", "--kv-page-size", "16",
               "--max-model-len", "256", "--log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     if launcher == "nnodes":
         dist = ["--nnodes", "2", "--dist-init-addr", addr]
         envs = [env, env]
-        cmds = [common + dist + ["--port", str(port)], common + dist + ["--node-rank", "1"]]
+        cmds = [common + dist, common + dist + ["--node-rank", "1"]]
     else:
         host, master_port = addr.split(":")
         torchrun = dict(WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=host, MASTER_PORT=master_port)
         envs = [{**env, **torchrun, "RANK": "0"}, {**env, **torchrun, "RANK": "1"}]
-        cmds = [common + ["--port", str(port)], common]
-    procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c, e in zip(cmds, envs)]
+        cmds = [common, common]
+    node0, url = serve_subprocess(cmds[0], envs[0])
+    procs = [node0, subprocess.Popen(cmds[1], env=envs[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     prompt = [5, 17, 33, 2, 9, 41, 7, 12]
     want = LLM(model, kv_page_size=16, max_model_len=256).generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
     try:
-        url = f"http://127.0.0.1:{port}"
         wait_healthy(url, procs[0], timeout=120)
         name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         r = httpx.post(url + "/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 8,
