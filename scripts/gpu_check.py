@@ -1,6 +1,6 @@
 """One prepared accelerator check (run by hand on a lent GPU; CI never runs it).
 
-  python scripts/gpu_check.py CKPT OUT.json [cuda|cpu] [--long N] [--tiers] [--needle LENGTHS]
+  python scripts/gpu_check.py CKPT OUT.json [cuda|cpu] [--long N] [--tiers] [--disagg] [--needle LENGTHS]
 
 1. exactness on the device: greedy tokens and logprobs of the engine on the device against the
    engine on the CPU (float32) for a prompt far longer than index_topk, with chunked prefill;
@@ -17,13 +17,16 @@
    ratio of weight bytes to one request's cache reads per step).
 5. dense-regime decodes batched against one request at a time (`sparsekv bench batch`, 64 and 256
    requests of 128 tokens, OUT.batch64.json / OUT.batch256.json): the launches saved on a device;
-6. with --needle LENGTHS (e.g. 1M or 256K,1M): issue 5's passkey eval of the bundled model at those
+6. with --disagg: prefill/decode disaggregation on the device (`tests/test_disagg_workers.py -k
+   on_cuda`): a prefill and a decode worker sharing the GPU, over torch.distributed (gloo: NCCL refuses
+   two ranks on one GPU) and over NIXL, against one engine on it;
+7. with --needle LENGTHS (e.g. 1M or 256K,1M): issue 5's passkey eval of the bundled model at those
    lengths, needle depths 0, 0.5 and 1, sparse attention with the tiered cache on the device, written
    to OUT.needle.json (and a heatmap next to it). One 1M prompt takes about 1.8 hours on this
    project's 2-core CPU (two threads, estimated; 3.5 on one); it is what a lent GPU is for.
 
 With little device time left, `--long 4096 --tiers` skips the 1M prefill and keeps the tiering checks.
-Stages run in the order exactness, tiers, batch, decode, indexer decode, long prefill, needle; OUT.json is
+Stages run in the order exactness, tiers, disagg, batch, decode, indexer decode, long prefill, needle; OUT.json is
 rewritten after each, so a run cut short by its time limit keeps what it measured.
 """
 from __future__ import annotations
@@ -73,6 +76,8 @@ def main() -> None:
     stages = [("exactness", lambda: exactness(ckpt, device))]
     if "--tiers" in sys.argv:  # the open issue's figures first: a run cut short by its time limit keeps them
         stages.append(("tiers", lambda: tiers(ckpt, device, stem + ".tiers.json")))
+    if "--disagg" in sys.argv:
+        stages.append(("disagg", disaggregation))
     stages.append(("batch", lambda: batch_decode(device, stem + ".batch.json")))
     stages += [("decode", lambda: {c: sparsekv_decode({"ckpt": ckpt, "context": c, "steps": 16, "device": device})
                                    for c in contexts}),
@@ -110,6 +115,12 @@ def tiers(ckpt: str, device: str, out_path: str) -> dict:
                                capture_output=True, text=True)
         result[f"bench{name}_rc"], result[f"bench{name}_tail"] = bench.returncode, bench.stdout.strip().splitlines()[-4:]
     return result
+
+
+def disaggregation() -> dict:
+    test = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_disagg_workers.py", "-k", "on_cuda"],
+                          capture_output=True, text=True)
+    return {"rc": test.returncode, "tail": (test.stdout + test.stderr).strip().splitlines()[-8:]}
 
 
 def batch_decode(device: str, out_path: str) -> dict:

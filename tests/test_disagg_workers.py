@@ -241,6 +241,41 @@ def test_the_transfer_backend_is_nccl_only_when_both_workers_run_on_cuda(monkeyp
     assert transfer_device("gloo", gpu) == torch.device("cpu")
 
 
+def test_two_workers_sharing_one_gpu_pair_over_gloo(monkeypatch):
+    """NCCL refuses two ranks on one GPU: the claim names the decode worker's GPU (gpu_identity), and a
+    prefill worker on the same one picks gloo; on different GPUs, or with a decode worker naming none,
+    NCCL; NIXL is not concerned."""
+    import torch.distributed as dist
+    from sparsekv.disagg.transfer import gpu_identity, pair_backend
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    claim = {"transfer": "torch", "device": "cuda", "gpu": "GPU-1"}
+    assert pair_backend("torch", "cuda", claim, "GPU-1") == "gloo"
+    assert pair_backend("torch", "cuda", claim, "GPU-2") == "nccl"
+    assert pair_backend("torch", "cuda", {"transfer": "torch", "device": "cuda"}, "GPU-1") == "nccl"
+    assert pair_backend("nixl", "cuda", {**claim, "transfer": "nixl"}, "GPU-1") == "nixl"
+    assert gpu_identity(torch.device("cpu")) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("transfer", ["torch", "nixl"])
+def test_two_workers_sharing_one_gpu_answer_as_one_engine_on_cuda(transfer, glm_ckpt):
+    """Both workers' engines on the one GPU (a development box): the pair takes gloo over NCCL (or
+    NIXL), and the decode worker answers as one engine on that GPU."""
+    from sparsekv.disagg.nixl import nixl_available
+    if transfer == "nixl" and not nixl_available():
+        pytest.skip("NIXL is not installed")
+    path, prompt = glm_ckpt[0], _prompt(256)
+    colocated = LLM(path, **BASE, device="cuda")
+    want = colocated.generate([prompt], GREEDY)[0]
+    with WorkerServer(path, "prefill", transfer=transfer, **BASE, device="cuda") as p, \
+            WorkerServer(path, "decode", transfer=transfer, **BASE, device="cuda") as d:
+        body = _decode(p, d, prompt)
+        assert_as_colocated(want, body, d, logprob_tolerance(colocated))
+        assert body["sparsekv"]["disaggregation"]["backend"] == ("gloo" if transfer == "torch" else "nixl")
+        p.check_clean()
+        d.check_clean()
+
+
 def test_nixl_only_when_both_workers_say_so(monkeypatch):
     """The claim names the decode worker's --disaggregation-transfer-backend (a claim without one is
     torch's); the prefill worker takes NIXL when both say nixl, torch.distributed's backend when both

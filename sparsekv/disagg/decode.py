@@ -49,7 +49,7 @@ class DecodeWorker(Worker):
         self.rooms[field.room] = "claim"
         claim = {"room": field.room, "nonce": secrets.token_hex(16), "tenant": job.tenant,
                  "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held,
-                 "device": self.device.type, "transfer": self.settings.transfer, "weights": weights}  # the prefill worker refuses other weights early
+                 "device": self.device.type, "gpu": self.gpu, "transfer": self.settings.transfer, "weights": weights}  # the prefill worker refuses other weights early
         link, meta = await self._claim(request, field, claim)
         inbox = Inbox(link, self.settings, self.device, self.nixl, owned_rows=not engine.config.kv_tiering,
                       pacer=Pacer(lambda: loop.stats().get("running", 0) > 0))

@@ -127,7 +127,7 @@ class PrefillWorker(Worker):
         fills it (its MTP entries included), so chunk c's pages travel while chunk c + 1 computes. The
         last batch, after the prefill's end, carries the rest and the prefill's timings."""
         sent, streamed, nbytes = list(claim["held"]), 0, 0
-        backend = pair_backend(self.settings.transfer, self.device.type, claim)
+        backend = pair_backend(self.settings.transfer, self.device.type, claim, self.gpu)
         if self.stream_poll_s is None:  # one look, after the prefill
             await asyncio.wait([prefill])
         while True:

@@ -16,8 +16,9 @@ the room's keys::
 
 Each batch holds the pages named since the last (prefill.py). The tensors go over a 2-rank group of
 the two processes made for the room from the same store (over a `PrefixStore`), closed after it:
-NCCL when both engines run on CUDA, gloo otherwise (`transfer_backend`: the prefill worker picks it
-from its device and the one the claim names, and its metadata tells the decode worker). With
+NCCL when both engines run on CUDA on different GPUs, gloo otherwise (`transfer_backend`: the prefill
+worker picks it from its device and the one the claim names, and its metadata tells the decode
+worker). With
 `--disaggregation-transfer-backend nixl` on both workers the decode worker instead reads each batch
 out of the prefill worker's registered memory (nixl.py); `sender` and `receiver` give either data
 path behind the same two calls, `offer` and `push` on the prefill side, `pull` on the decode side. Every wait
@@ -44,23 +45,37 @@ TRANSFERS = ("torch", "nixl")  # --disaggregation-transfer-backend: torch.distri
 NCCL_P2P_KEY = f"{PREFILL_RANK}:{DECODE_RANK}"  # where ProcessGroupNCCL publishes a send/recv pair's NCCL id
 
 
-def transfer_backend(prefill_device: str | None, decode_device: str | None) -> str:
+def transfer_backend(prefill_device: str | None, decode_device: str | None, same_gpu: bool = False) -> str:
     """The pair's torch.distributed backend, from each engine's device type: NCCL when both run on
     CUDA (and this torch has it), gloo otherwise. One backend per device: NCCL moves CUDA tensors
-    only, gloo host tensors, so a pair with a CPU worker (or a torch without NCCL) takes gloo."""
+    only, gloo host tensors, so a pair with a CPU worker (or a torch without NCCL) takes gloo. NCCL
+    refuses two ranks on one GPU ("Duplicate GPU detected"), so two workers sharing a GPU
+    (`same_gpu`) take gloo too."""
     both_cuda = prefill_device == "cuda" and decode_device == "cuda"
-    return "nccl" if both_cuda and dist.is_nccl_available() else "gloo"
+    return "nccl" if both_cuda and not same_gpu and dist.is_nccl_available() else "gloo"
 
 
-def pair_backend(transfer: str, prefill_device: str, claim: dict) -> str:
+def pair_backend(transfer: str, prefill_device: str, claim: dict, prefill_gpu: str | None = None) -> str:
     """The backend a room's tensors take: NIXL when both workers run with
-    `--disaggregation-transfer-backend nixl`, else torch.distributed's for the two devices. Workers set
+    `--disaggregation-transfer-backend nixl`, else torch.distributed's for the two devices
+    (`prefill_gpu`: this worker's `gpu_identity`, against the one the claim names). Workers set
     differently refuse the room (the claim names the decode worker's)."""
     theirs = claim.get("transfer", "torch")
     if theirs != transfer:
         raise TransferError(f"the prefill worker runs --disaggregation-transfer-backend {transfer}, the decode "
                             f"worker {theirs}: set the same on both")
-    return "nixl" if transfer == "nixl" else transfer_backend(prefill_device, claim.get("device"))
+    if transfer == "nixl":
+        return "nixl"
+    same_gpu = prefill_gpu is not None and claim.get("gpu") == prefill_gpu
+    return transfer_backend(prefill_device, claim.get("device"), same_gpu)
+
+
+def gpu_identity(device: torch.device) -> str | None:
+    """The physical GPU an engine runs on (its UUID, the same whatever CUDA_VISIBLE_DEVICES numbers
+    it), or None off CUDA: two workers naming the same one share it."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def sender(backend: str, link: "Room", settings, device: torch.device, agent):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..server.errors import APIError, bad_request
 from .metrics import TransferMetrics
 from .nixl import NixlAgent
-from .transfer import TRANSFERS
+from .transfer import TRANSFERS, gpu_identity
 from .weights_stamp import WeightsStamp, loaded_weights
 from .wire import TransferError
 
@@ -75,6 +75,7 @@ class Worker:
         self.rooms: dict[str, str] = {}  # room -> its phase, while a request of this worker is in it
         self.pool = ThreadPoolExecutor(MAX_TRANSFER_THREADS, thread_name_prefix="sparsekv-disagg")
         self.device = engine.device  # the transfer's backend and where its tensors are (transfer.py)
+        self.gpu = gpu_identity(self.device)  # two workers on one GPU cannot pair over NCCL
         self.nixl = NixlAgent(settings.mode) if settings.transfer == "nixl" else None  # one for the worker's life
         self.weights = WeightsStamp()
         self.weights.stamp(loaded_weights(engine))  # the checkpoint's digest now, not on the first transfer
