@@ -257,18 +257,20 @@ def test_two_workers_sharing_one_gpu_pair_over_gloo(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("transfer", ["torch", "nixl"])
-def test_two_workers_sharing_one_gpu_answer_as_one_engine_on_cuda(transfer, glm_ckpt):
+@pytest.mark.parametrize("transfer, options", [("torch", {}), ("torch", dict(kv_tiering=True, device_buffer_tokens=16)),
+                                               ("nixl", {})], ids=["torch", "torch-decode-tiered", "nixl"])
+def test_two_workers_sharing_one_gpu_answer_as_one_engine_on_cuda(transfer, options, glm_ckpt):
     """Both workers' engines on the one GPU (a development box): the pair takes gloo over NCCL (or
-    NIXL), and the decode worker answers as one engine on that GPU."""
+    NIXL), and the decode worker (untiered, or tiered: the rows land in its host store and device
+    working set) answers as one engine on that GPU."""
     from sparsekv.disagg.nixl import nixl_available
     if transfer == "nixl" and not nixl_available():
         pytest.skip("NIXL is not installed")
     path, prompt = glm_ckpt[0], _prompt(256)
-    colocated = LLM(path, **BASE, device="cuda")
+    colocated = LLM(path, **BASE, **options, device="cuda")
     want = colocated.generate([prompt], GREEDY)[0]
     with WorkerServer(path, "prefill", transfer=transfer, **BASE, device="cuda") as p, \
-            WorkerServer(path, "decode", transfer=transfer, **BASE, device="cuda") as d:
+            WorkerServer(path, "decode", transfer=transfer, **BASE, **options, device="cuda") as d:
         body = _decode(p, d, prompt)
         assert_as_colocated(want, body, d, logprob_tolerance(colocated))
         assert body["sparsekv"]["disaggregation"]["backend"] == ("gloo" if transfer == "torch" else "nixl")
