@@ -103,3 +103,25 @@ def test_the_serve_flag_sets_the_startup_timeout():
     config = EngineConfig(model="unused", **{k: v for k, v in options.items() if k != "model"})
     assert (config.dist_startup_timeout_s, config.dist_timeout_s) == (45.0, 5.0)
     assert engine_options(parser.parse_args([]))["dist_startup_timeout_s"] == 900.0
+
+
+@pytest.mark.parametrize("env, gpus, ok", [({}, 1, False), ({}, 2, True),
+                                           ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, 1, True)],
+                         ids=["one-gpu-two-ranks", "a-gpu-each", "torchrun-one-rank-per-node"])
+def test_cuda_ranks_need_a_gpu_each_on_their_node(monkeypatch, env, gpus, ok):
+    """NCCL refuses two ranks on one GPU after every rank loaded its shard: a node seeing fewer GPUs than
+    the ranks it hosts (torchrun's LOCAL_WORLD_SIZE under torchrun) is refused before anything starts."""
+    from sparsekv.config import ConfigError
+    from sparsekv.parallel.launch import check_gpus
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    config = _config(device="cuda")
+    if ok:
+        check_gpus(config)
+    else:
+        with pytest.raises(ConfigError, match="puts 2 ranks on this node, one GPU each, and it sees 1"):
+            check_gpus(config)

@@ -22,6 +22,7 @@ import os
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
@@ -46,8 +47,25 @@ class RankFailure(RuntimeError):
 
 
 def check_layout(config: EngineConfig) -> None:
-    """ConfigError unless the model takes `config`'s layout: read from config.json, before any weight loads."""
+    """ConfigError unless the model takes `config`'s layout (read from config.json) and, on CUDA, this
+    node has a GPU for each of its ranks: before any process starts or any weight loads."""
     layout_of(config).check_model(ModelConfig.from_json(config.model, config.hf_overrides))
+    if config.device.startswith("cuda"):
+        check_gpus(config)
+
+
+def check_gpus(config: EngineConfig) -> None:
+    """ConfigError unless this node sees a GPU per rank it hosts (NCCL refuses two ranks on one GPU,
+    "Duplicate GPU detected", at the first collective, after every rank loaded its shard)."""
+    if torchrun_rank(config) is not None and "LOCAL_WORLD_SIZE" in os.environ:
+        ranks, where = int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun's LOCAL_WORLD_SIZE"
+    else:
+        ranks = config.tensor_parallel_size * config.data_parallel_size // config.nnodes
+        where = f"-tp {config.tensor_parallel_size} -dp {config.data_parallel_size} over {config.nnodes} node(s)"
+    gpus = torch.cuda.device_count()
+    if gpus < ranks:
+        raise ConfigError(f"{where} puts {ranks} ranks on this node, one GPU each, and it sees {gpus} "
+                          f"(CUDA_VISIBLE_DEVICES): NCCL cannot place two ranks on one GPU")
 
 
 class RankGroup:
