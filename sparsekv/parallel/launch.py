@@ -57,7 +57,9 @@ def check_layout(config: EngineConfig) -> None:
 def check_gpus(config: EngineConfig) -> None:
     """ConfigError unless this node sees a GPU per rank it hosts (NCCL refuses two ranks on one GPU,
     "Duplicate GPU detected", at the first collective, after every rank loaded its shard)."""
-    if torchrun_rank(config) is not None and "LOCAL_WORLD_SIZE" in os.environ:
+    if torchrun_rank(config) is not None:  # a launcher started the ranks: it says how many are here
+        if "LOCAL_WORLD_SIZE" not in os.environ:
+            return
         ranks, where = int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun's LOCAL_WORLD_SIZE"
     else:
         ranks = config.tensor_parallel_size * config.data_parallel_size // config.nnodes
