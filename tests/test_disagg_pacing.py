@@ -41,9 +41,28 @@ def test_a_slice_is_followed_by_a_pause_keeping_it_to_the_duty_while_the_engine_
     busy[0] = False
     pacer(_work(clock, 0.002))
     assert len(clock.slept) == 1 and pacer.paused_s == pytest.approx(0.008)  # nothing running: no pause
+    pacer.max_pause_s, busy[0] = 0.005, True
+    pacer(_work(clock, 0.002))
+    assert clock.slept[-1] == pytest.approx(0.005)  # at most max_pause_s
     for duty in (0, 1.5):
         with pytest.raises(ValueError, match="duty"):
             Pacer(lambda: True, duty)
+
+
+def test_a_slice_is_measured_in_the_threads_cpu_time_not_in_waiting():
+    """A receive that waits for bytes still on the wire takes no pause after it; work on the CPU does."""
+    import time
+    slept = []
+    pacer = Pacer(lambda: True, duty=0.5, sleep=slept.append)
+    pacer(lambda: time.sleep(0.05))
+    assert slept[0] < 0.01  # 50 ms of waiting, almost no CPU
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+    pacer(lambda: burn(0.003))
+    assert slept[1] >= 0.003  # at least the 3 ms of CPU at a 50 % duty
 
 
 class FakePath:

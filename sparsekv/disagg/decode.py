@@ -23,6 +23,7 @@ from .worker import Worker
 
 log = logging.getLogger("sparsekv.disagg")
 PACE_DUTY = 0.2  # the share of the core a batch's receive work takes while the engine has requests running
+PACE_MAX_PAUSE_S = 0.05  # the longest pause after one slice
 OWN_SLICE_PAGES = 32  # pages copied apart in one paced slice
 
 
@@ -199,19 +200,24 @@ class Pacer:
     steps: after each slice, while the engine has requests running (`busy()`), it pauses long enough
     for the slices to take at most `duty` of the core. A running stream's step then waits for a slice
     or so, not for the whole batch (several ms), so the streams' inter-token latency tail stays where it
-    is; the batches of a long prompt still arrive well within its prefill."""
+    is; the batches of a long prompt still arrive well within its prefill.
 
-    def __init__(self, busy, duty: float = PACE_DUTY, clock=time.perf_counter, sleep=time.sleep):
+    A slice is measured in this thread's CPU time (`clock`), not in wall time: a receive waiting for
+    bytes still on the wire costs the core nothing, and pausing for it would only slow the transfer
+    down on a slow link. Each pause is at most `max_pause_s`."""
+
+    def __init__(self, busy, duty: float = PACE_DUTY, clock=time.thread_time, sleep=time.sleep,
+                 max_pause_s: float = PACE_MAX_PAUSE_S):
         if not 0 < duty <= 1:
             raise ValueError(f"a pacer's duty must be in (0, 1], got {duty}")
-        self.busy, self.duty, self.clock, self.sleep = busy, duty, clock, sleep
+        self.busy, self.duty, self.clock, self.sleep, self.max_pause_s = busy, duty, clock, sleep, max_pause_s
         self.paused_s = 0.0
 
     def __call__(self, fn):
         start = self.clock()
         out = fn()
         if self.duty < 1 and self.busy():
-            pause = (self.clock() - start) * (1 - self.duty) / self.duty
+            pause = min((self.clock() - start) * (1 - self.duty) / self.duty, self.max_pause_s)
             self.sleep(pause)
             self.paused_s += pause
         return out
