@@ -39,3 +39,19 @@ def test_interference_run_against_a_server(tmp_path_factory, capsys):
     assert loaded["long_ttft_split_s"] == {}  # a colocated server reports no transfer
     assert "ITL p99, loaded / quiet" in format_report(rep) and "ITL p99, loaded / quiet" in capsys.readouterr().out
     assert main(["--url", server.url, "--workload", "interference", "--streams", "0"]) == 2
+
+
+def test_long_prompts_sent_to_another_server(tmp_path_factory, capsys):
+    """--long-prompt-url: the streams run on --url, the long prompts on the other server only."""
+    from test_server_util import ThreadServer, scrape, tiny_checkpoint
+    model = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    with ThreadServer(model) as streams, ThreadServer(model) as neighbour:
+        argv = ["--url", streams.url, "--long-prompt-url", neighbour.url, "--workload", "interference",
+                "--streams", "2", "--input-len", "8", "--output-len", "12", "--long-prompt-len", "100",
+                "--num-long-prompts", "2", "--long-prompt-rate", "50"]
+        rep = asyncio.run(run(build_parser().parse_args(argv)))
+        prompt_tokens = {name: scrape(s.url)["sparsekv:prompt_tokens_total"]
+                         for name, s in (("streams", streams), ("neighbour", neighbour))}
+    assert rep["loaded"]["long_prompts_ok"] == 2 and rep["loaded"]["streams_ok"] == 2
+    assert prompt_tokens == {"streams": 2 * 2 * 8, "neighbour": 2 * 100}  # two phases of two streams; two long prompts
+    assert f"sent to {rep['long_prompt_url']}" in format_report(rep)

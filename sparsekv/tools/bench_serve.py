@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--long-prompt-rate", type=float, default=0.1, help="long prompts per second, evenly spaced")
     w.add_argument("--num-long-prompts", type=int, default=3)
     w.add_argument("--long-output-len", type=int, default=1, help="tokens each long prompt generates")
+    w.add_argument("--long-prompt-url", default=None, metavar="URL",
+                   help="send the long prompts to this server instead of --url (the streams see its load, not "
+                        "its transfers)")
     return p
 
 

@@ -10,7 +10,10 @@ served count (from the first one's arrival to the last one's end): the streams m
 the report says when they did not.
 
 Against a colocated server every long prompt's prefill shares the engine's steps with the streams;
-against `sparsekv router` it runs on the prefill worker.
+against `sparsekv router` it runs on the prefill worker. `--long-prompt-url URL` sends the long prompts
+to another server instead: the streams then see that server's load on its cores (shared caches, memory
+bandwidth, a host's other tenants) without anything reaching their own server, which separates what
+the transfer costs them from what a busy neighbour does.
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ async def consume(client: httpx.AsyncClient, model: str, prompt: list[int], max_
     return out
 
 
-async def run_phase(client, model: str, args, vocab: int, loaded: bool) -> dict:
+async def run_phase(client, model: str, args, vocab: int, loaded: bool, longs_to=None) -> dict:
+    """One phase; `longs_to`: (client, model) the long prompts go to (default: the streams' server)."""
     rng = random.Random(args.seed + (7 if loaded else 0))
     key = args.api_key[0] if args.api_key else None
     all_first, firsts = asyncio.Event(), [0]
@@ -76,12 +80,13 @@ async def run_phase(client, model: str, args, vocab: int, loaded: bool) -> dict:
     streams = [asyncio.create_task(consume(client, model, [rng.randrange(vocab) for _ in range(args.input_len)],
                                            args.output_len, key, first)) for _ in range(args.streams)]
     longs, window = [], (float("-inf"), float("inf"))
+    long_client, long_model = longs_to or (client, model)
     if loaded:
         await all_first.wait()
         start = time.perf_counter()
         for i in range(args.num_long_prompts):
             prompt = [rng.randrange(vocab) for _ in range(args.long_prompt_len)]
-            longs.append(asyncio.create_task(consume(client, model, prompt, args.long_output_len, key)))
+            longs.append(asyncio.create_task(consume(long_client, long_model, prompt, args.long_output_len, key)))
             if i + 1 < args.num_long_prompts:
                 await asyncio.sleep(1.0 / args.long_prompt_rate)
         longs = list(await asyncio.gather(*longs))
@@ -124,12 +129,16 @@ def _split(longs: list[Stream]) -> dict:
 
 async def run(args) -> dict:
     limits = httpx.Limits(max_connections=args.streams + args.num_long_prompts + 4)
-    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout, limits=limits) as client:
+    long_url = args.long_prompt_url or args.url
+    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout, limits=limits) as client, \
+            httpx.AsyncClient(base_url=long_url, timeout=args.timeout, limits=limits) as long_client:
         model, vocab = await server_model(client, args.model)
+        longs_to = (long_client, (await server_model(long_client, args.model))[0]) if args.long_prompt_url else None
         quiet = await run_phase(client, model, args, vocab, loaded=False)
-        loaded = await run_phase(client, model, args, vocab, loaded=True)
+        loaded = await run_phase(client, model, args, vocab, loaded=True, longs_to=longs_to)
     p99 = quiet["itl_ms"]["p99"]
-    return {"workload": "interference", "url": args.url, "model": model, "streams": args.streams,
+    return {"workload": "interference", "url": args.url, "long_prompt_url": long_url, "model": model,
+            "streams": args.streams,
             "input_len": args.input_len, "output_len": args.output_len, "long_prompt_len": args.long_prompt_len,
             "long_prompt_rate": args.long_prompt_rate, "num_long_prompts": args.num_long_prompts,
             "quiet": quiet, "loaded": loaded, "itl_p99_ratio": loaded["itl_ms"]["p99"] / p99 if p99 else None}
@@ -139,7 +148,8 @@ def format_report(rep: dict) -> str:
     lines = ["{s:{c}^64}".format(s=" Running streams under prefill load ", c="="),
              f"{rep['url']}  model {rep['model']}: {rep['streams']} streams of {rep['input_len']} + "
              f"{rep['output_len']} tokens; {rep['num_long_prompts']} prompts of {rep['long_prompt_len']} tokens "
-             f"at {rep['long_prompt_rate']:g}/s",
+             f"at {rep['long_prompt_rate']:g}/s" + ("" if rep["long_prompt_url"] == rep["url"]
+                                                   else f", sent to {rep['long_prompt_url']}"),
              f"{'':<34} {'quiet':>14} {'loaded':>14}"]
     q, l = rep["quiet"], rep["loaded"]
     rows = [("streams' ITL p50 (ms)", q["itl_ms"]["p50"], l["itl_ms"]["p50"]),
