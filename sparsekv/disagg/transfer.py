@@ -18,9 +18,8 @@ Each batch holds the pages named since the last (prefill.py). The tensors go ove
 the two processes made for the room from the same store (over a `PrefixStore`), closed after it:
 NCCL when both engines run on CUDA on different GPUs, gloo otherwise (`transfer_backend`: the prefill
 worker picks it from its device and the one the claim names, and its metadata tells the decode
-worker). With
-`--disaggregation-transfer-backend nixl` on both workers the decode worker instead reads each batch
-out of the prefill worker's registered memory (nixl.py); `sender` and `receiver` give either data
+worker). With `--disaggregation-transfer-backend nixl` on both workers the decode worker instead
+reads each batch out of the prefill worker's registered memory (nixl.py); `sender` and `receiver` give either data
 path behind the same two calls, `offer` and `push` on the prefill side, `pull` on the decode side. Every wait
 is bounded by the transfer timeout; a peer that dies breaks its group's connections, which fails
 that room only. Waiting for a key is polled from the event loop (`Worker.take`), so a room waiting for its peer holds
