@@ -155,7 +155,8 @@ def test_the_decode_worker_killed_mid_transfer(glm_ckpt, tmp_path, monkeypatch):
 
 
 def test_an_agent_refuses_descriptors_that_do_not_match_the_announced_sizes():
-    """The sizes come from the signed metadata; the descriptors must name exactly those bytes."""
+    """The sizes come from the signed metadata; the descriptors must name exactly those bytes. A batch is
+    read tensor by tensor, each read paced."""
     exposing, reading = NixlAgent("prefill"), NixlAgent("decode")
     tensors = [torch.arange(10, dtype=torch.uint8), torch.arange(20, dtype=torch.uint8)]
     remote, registration = exposing.expose(tensors)
@@ -164,8 +165,10 @@ def test_an_agent_refuses_descriptors_that_do_not_match_the_announced_sizes():
             reading.read(remote, [10, 21], 5.0)
         with pytest.raises(TransferError, match="malformed"):
             reading.read({**remote, "descs": 7}, [10, 20], 5.0)
-        got = reading.read(remote, [10, 20], 5.0)
+        paced = []
+        got = reading.read(remote, [10, 20], 5.0, pace=lambda fn: paced.append(fn) or fn())
         assert [t.tolist() for t in got] == [t.tolist() for t in tensors]
+        assert len(paced) == 2  # a read per tensor, each through the pace (decode.Pacer)
     finally:
         exposing.release(registration)
 

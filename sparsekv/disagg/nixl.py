@@ -113,35 +113,35 @@ class NixlAgent:
                 self.progress_calls += 1
             time.sleep(PUMP_S)
 
-    def read(self, remote: dict, sizes: list[int], timeout_s: float) -> list[torch.Tensor]:
+    def read(self, remote: dict, sizes: list[int], timeout_s: float, pace=None) -> list[torch.Tensor]:
         """Decode side: the tensors a peer exposed, `sizes` bytes each, read into host memory of this
-        worker; TransferError if the descriptors do not match the sizes, the read fails or it takes
-        longer than `timeout_s`."""
+        worker, one read per tensor, each run through `pace(fn)` (decode.Pacer; at once without
+        one); TransferError if the descriptors do not match the sizes, a read fails or takes longer
+        than `timeout_s`."""
         try:
-            return self._read(remote, sizes, timeout_s)
+            return self._read(remote, sizes, timeout_s, pace or (lambda fn: fn()))
         except TransferError:
             raise
         except Exception as e:  # NIXL's own errors (releasing a handle, deregistering): this room fails
             raise TransferError(f"the NIXL read failed: {e}") from None
 
-    def _read(self, remote: dict, sizes: list[int], timeout_s: float) -> list[torch.Tensor]:
+    def _read(self, remote: dict, sizes: list[int], timeout_s: float, pace) -> list[torch.Tensor]:
         buffer = torch.empty(sum(sizes), dtype=torch.uint8)
         parts = list(buffer.split(sizes))
         with self.lock:
             registration = self.agent.register_memory(buffer)
         try:
-            handle = self._start_read(remote, parts, sizes)
-            try:
-                self._wait(handle, remote["agent"], timeout_s)
-            finally:
-                with self.lock:
-                    self.agent.release_xfer_handle(handle)
+            name, peer, descs = self._remote(remote, sizes)
+            deadline = time.monotonic() + timeout_s
+            for i, part in enumerate(parts):
+                pace(lambda: self._read_one(name, peer, part, descs[i], deadline))
         finally:
             with self.lock:
                 self.agent.deregister_memory(registration)
         return parts
 
-    def _start_read(self, remote: dict, parts: list[torch.Tensor], sizes: list[int]):
+    def _remote(self, remote: dict, sizes: list[int]):
+        """The peer's agent (loaded), its name and the exposed tensors' descriptors, checked against `sizes`."""
         try:
             name, metadata = str(remote["agent"]), base64.b64decode(remote["metadata"])
             serialized = base64.b64decode(remote["descs"])
@@ -151,20 +151,32 @@ class NixlAgent:
             try:
                 peer = self._peer(name, metadata)
                 descs = self.agent.deserialize_descs(serialized)
-                lengths = [descs[i][1] for i in range(descs.descCount())]
-                if lengths != sizes:
-                    raise TransferError(f"the prefill worker exposed {lengths} bytes for tensors of {sizes}")
-                handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(parts), descs, peer)
+                descs = [descs[i] for i in range(descs.descCount())]
+            except Exception as e:  # NIXL's own errors: metadata or descriptors it cannot take
+                self.peers.pop(name, None)  # NOTE: reloaded from the next batch (_peer)
+                raise TransferError(f"the NIXL descriptors from {name} could not be loaded: {e}") from None
+        lengths = [d[1] for d in descs]
+        if lengths != sizes:
+            raise TransferError(f"the prefill worker exposed {lengths} bytes for tensors of {sizes}")
+        return name, peer, descs
+
+    def _read_one(self, name: str, peer: bytes, part: torch.Tensor, desc: tuple, deadline: float) -> None:
+        with self.lock:
+            try:
+                handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs([part]),
+                                                    self.agent.get_xfer_descs([tuple(desc)], "DRAM"), peer)
                 self.agent.transfer(handle)  # NOTE: its state ("ERR" included) is read again by _wait
-            except TransferError:
-                raise
             except Exception as e:  # NIXL's own errors: a stale peer, descriptors it cannot reach
                 self.peers.pop(name, None)  # NOTE: reloaded from the next batch (_peer)
                 raise TransferError(f"the NIXL read from {name} could not start: {e}") from None
-        return handle
+        try:
+            self._wait(handle, name, deadline)
+        finally:
+            with self.lock:
+                self.agent.release_xfer_handle(handle)
 
-    def _wait(self, handle, name: str, timeout_s: float) -> None:
-        deadline, pause = time.monotonic() + timeout_s, 1e-4
+    def _wait(self, handle, name: str, deadline: float) -> None:
+        pause = 1e-4
         while True:
             with self.lock:
                 state = self.agent.check_xfer_state(handle)
@@ -175,7 +187,7 @@ class NixlAgent:
                     self.peers.pop(name, None)  # NOTE: reloaded from the next batch (_peer)
                 raise TransferError(f"the NIXL read from {name} failed (the prefill worker gone?)")
             if time.monotonic() > deadline:
-                raise TransferError(f"the NIXL read from {name} took longer than {timeout_s:g} s")
+                raise TransferError(f"the NIXL read from {name} did not end within the transfer timeout")
             time.sleep(pause)
             pause = min(2 * pause, 0.005)
 
@@ -217,11 +229,11 @@ class NixlReceiver:
         self.agent, self.timeout_s = agent, timeout_s
 
     def pull(self, meta: dict, sizes: list[int], first: int, pace=None) -> list[torch.Tensor]:
-        """One read of the batch's tensors (`pace`: not used, NIXL reads them in one transfer)."""
+        """The batch's tensors, a read each, paced by `pace` (decode.Pacer)."""
         remote = meta.get("nixl")
         if not isinstance(remote, dict):
             raise TransferError("the prefill worker named NIXL but no descriptors")
-        return self.agent.read(remote, sizes, self.timeout_s)
+        return self.agent.read(remote, sizes, self.timeout_s, pace)
 
     def close(self) -> None:
         pass
