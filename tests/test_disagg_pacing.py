@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from sparsekv.disagg.decode import Inbox, Pacer
-from sparsekv.disagg.transfer import at_once
-from sparsekv.disagg.wire import as_bytes, pages_to_tensors, tensor_specs
+from sparsekv.disagg.wire import as_bytes, at_once, pages_to_tensors, tensor_specs
 
 SECRET = b"s" * 32
 

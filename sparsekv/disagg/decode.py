@@ -16,9 +16,9 @@ import secrets
 import time
 
 from ..server.serving import Job, run
-from .transfer import BACKENDS, Room, at_once, connect, meta_key, receiver
+from .transfer import BACKENDS, Room, connect, meta_key, receiver
 from .weights_stamp import check_same_weights, loaded_weights
-from .wire import TransferError, check_received, owned_copies, prompt_digest, sign, tensors_to_pages, verify
+from .wire import TransferError, at_once, check_received, owned_copies, prompt_digest, sign, tensors_to_pages, verify
 from .worker import Worker
 
 log = logging.getLogger("sparsekv.disagg")

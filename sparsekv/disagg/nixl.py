@@ -27,7 +27,7 @@ import uuid
 
 import torch
 
-from .wire import TransferError
+from .wire import TransferError, at_once
 
 UCX = "UCX"
 PUMP_S = 0.001  # the prefill side's pause between two progress calls while a batch is exposed
@@ -119,7 +119,7 @@ class NixlAgent:
         one); TransferError if the descriptors do not match the sizes, a read fails or takes longer
         than `timeout_s`."""
         try:
-            return self._read(remote, sizes, timeout_s, pace or (lambda fn: fn()))
+            return self._read(remote, sizes, timeout_s, pace or at_once)
         except TransferError:
             raise
         except Exception as e:  # NIXL's own errors (releasing a handle, deregistering): this room fails

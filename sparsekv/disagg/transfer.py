@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .nixl import NixlReceiver, NixlSender
-from .wire import TransferError
+from .wire import TransferError, at_once
 
 CORRUPT_ENV, DELAY_ENV = "SPARSEKV_INJECT_TRANSFER_CORRUPTION", "SPARSEKV_INJECT_TRANSFER_DELAY"  # test hooks
 PREFILL_RANK, DECODE_RANK = 0, 1
@@ -223,11 +223,6 @@ def recv_tensors(group, sizes: list[int], device: torch.device, first: int = 0, 
         (pace or at_once)(lambda: _run(lambda: group.recv([t], PREFILL_RANK, i), f"receiving tensor {i}"))
         out.append(t.cpu())  # after wait(): the copy is ordered after the receive on the current stream
     return out
-
-
-def at_once(fn):
-    """Run `fn` now: the pace of work nobody spreads out (decode.Pacer spreads it)."""
-    return fn()
 
 
 class TorchPath:
