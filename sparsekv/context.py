@@ -12,6 +12,7 @@ The flat batch holds the new tokens of every scheduled request back to back::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -71,6 +72,9 @@ class ForwardContext:
     decode_plan: object = None
     # The batched decodes' selections [rows, k], in the plan's row order: the last full layer's.
     decode_selection: torch.Tensor | None = None
+    # Called with each decoder layer's index once its forward has written its cache entries (a prefill
+    # worker's layer-by-layer send, cache/layer_tap.py); None: nothing to call.
+    after_layer: Callable[[int], None] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -145,6 +145,17 @@ class LLMEngine(WeightControl):
         running requests hold stay. Returns how many pages were forgotten."""
         return self.kv.reset(tenant)
 
+    def tap_layers(self, request_id: str, num_prompt_tokens: int, skip: int, deliver) -> list[int]:
+        """Hand the rows of request `request_id`'s cacheable prompt pages after its first `skip` to
+        `deliver` layer by layer, as the steps that complete them run (cache/layer_tap.py), until
+        `untap_layers`. Returns the kinds (positions in `kv.page_tensors()`) handed out."""
+        taps = self.executor.layer_taps(self.kv.page_tensors())
+        taps.add(request_id, self.kv.prefix.cacheable_pages(num_prompt_tokens), skip, deliver)
+        return taps.kinds
+
+    def untap_layers(self, request_id: str) -> None:
+        self.executor.layer_taps(self.kv.page_tensors()).remove(request_id)
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.paused:

@@ -57,6 +57,10 @@ class Executor(ABC):
     def close(self) -> None:
         """Let go of worker processes, if any."""
 
+    def layer_taps(self, tensors: list):
+        """cache/layer_tap.py's `LayerTaps` of the runner that holds the pages (a prefill worker's send)."""
+        raise NotImplementedError(f"{type(self).__name__} hands out no rows layer by layer")
+
     @abstractmethod
     def rank_stats(self) -> list[dict]:
         """Per rank, in rank order: weight bytes, KV pool bytes (latents and indexer keys, every slot),
@@ -125,6 +129,15 @@ class InProcessExecutor(Executor):
 
     def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:
         return self.drafter.step(step, tokens)
+
+    def layer_taps(self, tensors: list):
+        """The runner's layer taps (made at the first call), over `tensors`: a page's slot-indexed tensors
+        in the order they are exported (the prefix cache's `PageRows.tensors`)."""
+        if self.runner.taps is None:
+            from .cache.layer_tap import LayerTaps
+            layers = {l: self.pool.layer_slot_tensors(l) for l in range(len(self.model.layers))}
+            self.runner.taps = LayerTaps(tensors, layers, self.runner.page_size, self.pool.flush)
+        return self.runner.taps
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)

@@ -35,6 +35,7 @@ class ModelRunner:
         self.device = model.device
         self._offsets = torch.arange(page_size, device=self.device)
         self._tables: dict[str, tuple[int, torch.Tensor, list]] = {}
+        self.taps = None  # LayerTaps: prompt pages handed out layer by layer (a prefill worker's)
 
     def slots_of(self, page_ids: list[int], num_positions: int) -> torch.Tensor:
         pages = torch.tensor(page_ids, dtype=torch.long, device=self.device)
@@ -141,6 +142,8 @@ class ModelRunner:
         rows per chunk whose `samples_token` is True, in order; and the final hidden states of every row
         (on the device, for the MTP drafter)."""
         ctx = self.build_context(chunks)
+        if self.taps:
+            ctx.after_layer = self.taps.begin_step(chunks)
         hidden = self.model.hidden_states(ctx, self.cache)
         sampled = hidden if ctx.logits_rows.numel() == hidden.shape[0] else hidden[ctx.logits_rows]  # rows ascend
         logits = self.model.logits(sampled)

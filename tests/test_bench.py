@@ -116,18 +116,21 @@ def test_bench_parallel_measures_the_collectives_the_planner_predicts(tmp_path, 
     assert "tp 2 + ep" in capsys.readouterr().out
 
 
-def test_bench_transfer_streams_during_the_prefill_against_one_batch_after_it(tmp_path, capsys):
-    """The baseline sends every page in one batch after the prefill; streaming sends the same pages,
-    in more batches, some during it. Both through a real prefill/decode pair in this process."""
+def test_bench_transfer_sends_during_the_prefill_against_one_batch_after_it(tmp_path, capsys):
+    """The baseline sends every page in one batch after the prefill; chunk by chunk and layer by layer
+    send the same pages in more batches, some during it, the second each layer's rows at once. All
+    through a real prefill/decode pair in this process."""
     out = tmp_path / "transfer.json"
     assert main(["transfer", "--prompt-tokens", "600", "--repeats", "1", "--json", str(out)]) == 0
     modes = json.loads(out.read_text())["backends"]["torch"]
-    streamed, after = modes["streamed"], modes["after"]
-    assert streamed["backend"] == after["backend"] == "gloo"
-    assert streamed["pages_sent"] == after["pages_sent"] > 0 and streamed["mb"] == after["mb"]
-    assert (after["pages_streamed"], after["batches"]) == (0, 1)
-    assert streamed["batches"] >= 2  # at least the pages, then the last batch with the prefill's figures
-    assert modes["streamed_over_after"] > 0 and "after the prefill" in capsys.readouterr().out
+    layers, chunks, after = modes["layers"], modes["chunks"], modes["after"]
+    assert layers["backend"] == chunks["backend"] == after["backend"] == "gloo"
+    assert layers["pages_sent"] == chunks["pages_sent"] == after["pages_sent"] == 599 // 64
+    assert layers["mb"] == chunks["mb"] == after["mb"]
+    assert (after["pages_streamed"], after["batches"], after["pages_by_layer"]) == (0, 1, 0)
+    assert chunks["batches"] >= 2 and chunks["pages_by_layer"] == 0  # the pages, then the last with the figures
+    assert layers["pages_by_layer"] == layers["pages_sent"] and layers["batches"] >= 3  # layers, names, the last
+    assert layers["over_after"] > 0 and chunks["over_after"] > 0 and "after the prefill" in capsys.readouterr().out
 
 
 def test_bench_transfer_refuses_an_unknown_backend(capsys):

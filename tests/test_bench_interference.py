@@ -55,3 +55,20 @@ def test_long_prompts_sent_to_another_server(tmp_path_factory, capsys):
     assert rep["loaded"]["long_prompts_ok"] == 2 and rep["loaded"]["streams_ok"] == 2
     assert prompt_tokens == {"streams": 2 * 2 * 8, "neighbour": 2 * 100}  # two phases of two streams; two long prompts
     assert f"sent to {rep['long_prompt_url']}" in format_report(rep)
+
+
+def test_a_phase_whose_streams_fail_before_their_first_token_ends():
+    """The long prompts wait for every stream's first token: a stream that fails first (a 503 from a
+    router whose transfer failed) must not leave the phase waiting for it."""
+    import httpx
+
+    from sparsekv.tools.bench_serve_interference import run_phase
+    args = build_parser().parse_args(["--url", "http://server", "--workload", "interference", "--streams", "2",
+                                      "--num-long-prompts", "1", "--long-prompt-len", "8"])
+
+    async def phase():
+        transport = httpx.MockTransport(lambda request: httpx.Response(503, json={"error": {"message": "down"}}))
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            return await asyncio.wait_for(run_phase(client, "m", args, 100, loaded=True), timeout=30)
+    out = asyncio.run(phase())
+    assert out["streams_ok"] == 0 and out["long_prompts_ok"] == 0 and out["errors"]

@@ -78,8 +78,8 @@ class FakePath:
 def _batch(names: list[bytes], last: bool):
     pages = [(n, [torch.full((4, 3), float(i)), torch.full((4,), i, dtype=torch.int32)]) for i, n in enumerate(names)]
     tensors = pages_to_tensors(pages)
-    meta = {"names": [n.hex() for n in names], "tensors": tensor_specs(SECRET, tensors), "backend": "gloo",
-            "last": last}
+    meta = {"names": [n.hex() for n in names], "pages": [len(names)], "tensors": tensor_specs(SECRET, tensors),
+            "backend": "gloo", "last": last}
     return meta, tensors, pages
 
 
@@ -92,7 +92,8 @@ def test_every_batch_but_the_last_is_paced_slice_by_slice(owned_rows):
             calls.append(fn)
             return fn()
     settings = type("Settings", (), {"secret": SECRET})()
-    inbox = Inbox(None, settings, torch.device("cpu"), None, owned_rows=owned_rows, pacer=Counting(lambda: True))
+    inbox = Inbox(None, settings, torch.device("cpu"), None, owned_rows=owned_rows, pacer=Counting(lambda: True),
+                  held=[0])
     meta, tensors, pages = _batch([b"a" * 8, b"b" * 8], last=False)
     inbox.path = FakePath(tensors)
     inbox.receive(meta)

@@ -53,6 +53,9 @@ class TieredHostStore:
     def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
         return [(self._rows[l], 1) for l in self.layers]
 
+    def layer_slot_tensors(self, layer: int) -> list[torch.Tensor]:
+        return [self._rows[layer]] if layer in self._rows else []
+
     def write(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self._rows[layer].index_copy_(0, slots.cpu(), values.to("cpu", self.dtype))
 

@@ -23,6 +23,9 @@ class IndexKeyCache:
     def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
         return [(t, 1) for t in list(self.keys.values()) + list(self.scales.values())]
 
+    def layer_slot_tensors(self, layer: int) -> list[torch.Tensor]:
+        return [t[layer] for t in (self.keys, self.scales) if layer in t]
+
     def bytes_per_token(self) -> int:
         return sum(t.shape[1] * t.element_size() + (4 if self.fp8 else 0) for t in self.keys.values())
 

@@ -166,6 +166,10 @@ class CacheManager:
                       skip: int = 0) -> list:
         return self._prefix_cache().export(token_ids, tenant, cache_salt, skip)
 
+    def page_tensors(self) -> list:
+        """A page's slot-indexed tensors with their tokens per row, in the order export_prefix gives its rows."""
+        return self._prefix_cache().rows.tensors
+
     def held_prefix(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None) -> int:
         return self._prefix_cache().held(token_ids, tenant, cache_salt)
 

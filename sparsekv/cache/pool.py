@@ -90,6 +90,10 @@ class KVPool:
         prefix cache's host copies)."""
         return [(t, 1) for t in list(self.latent.values()) + list(self.index_keys.values())]
 
+    def layer_slot_tensors(self, layer: int) -> list[torch.Tensor]:
+        """The slot-indexed tensors layer `layer`'s forward writes (its latents, its indexer keys)."""
+        return [self.latent[layer]] + ([self.index_keys[layer]] if layer in self.index_keys else [])
+
     # -- sizes ---------------------------------------------------------------------------------
     def latent_bytes_per_token(self) -> int:
         return self._latent_bpt

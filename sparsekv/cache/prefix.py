@@ -31,6 +31,12 @@ from .pages import PageAllocator
 from .prefix_transfer import PageTransfer
 
 
+def cacheable_pages(num_tokens: int, page_size: int) -> int:
+    """How many of a prompt's pages can be cached: every full page but the one holding its last token
+    (a hit must leave that token to compute, for its logits)."""
+    return (num_tokens - 1) // page_size
+
+
 @dataclass
 class PrefixHit:
     pages: list[int] = field(default_factory=list)         # pool pages to share, in order from page 0
@@ -93,10 +99,13 @@ class PrefixCache(PageTransfer):
             chain.append(_next_name(chain[-1] if chain else _root(req.tenant, req.cache_salt), tokens))
         return chain[:num_pages]
 
+    def cacheable_pages(self, num_tokens: int) -> int:
+        return cacheable_pages(num_tokens, self.page_size)
+
     def prompt_names(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> list[bytes]:
         """The names of a prompt's pages that can be cached: every full page but the last token's."""
         ps, chain = self.page_size, []
-        for i in range((len(token_ids) - 1) // ps):
+        for i in range(cacheable_pages(len(token_ids), ps)):
             chain.append(_next_name(chain[-1] if chain else _root(tenant, cache_salt),
                                     token_ids[i * ps:(i + 1) * ps + self.lookahead]))
         return chain

@@ -119,6 +119,10 @@ class TieredKVPool:
         per request, not per slot. Flush the link before reading or writing a page's rows in them."""
         return self.host.slot_tensors() + self.index.slot_tensors()
 
+    def layer_slot_tensors(self, layer: int) -> list[torch.Tensor]:
+        """The slot-indexed tensors layer `layer`'s forward writes (its host latents, its indexer keys)."""
+        return self.host.layer_slot_tensors(layer) + self.index.layer_slot_tensors(layer)
+
     # -- sizes ---------------------------------------------------------------------------------
     def latent_bytes_per_token(self) -> int:
         return self.host.bytes_per_token

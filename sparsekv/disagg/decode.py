@@ -15,6 +15,8 @@ import logging
 import secrets
 import time
 
+import torch
+
 from ..server.serving import Job, run
 from .transfer import BACKENDS, Room, connect, meta_key, receiver
 from .weights_stamp import check_same_weights, loaded_weights
@@ -53,7 +55,7 @@ class DecodeWorker(Worker):
                  "device": self.device.type, "gpu": self.gpu, "transfer": self.settings.transfer, "weights": weights}  # the prefill worker refuses other weights early
         link, meta = await self._claim(request, field, claim)
         inbox = Inbox(link, self.settings, self.device, self.nixl, owned_rows=not engine.config.kv_tiering,
-                      pacer=Pacer(lambda: loop.stats().get("running", 0) > 0))
+                      pacer=Pacer(lambda: loop.stats().get("running", 0) > 0), held=held)
         try:
             while True:  # the batches, each checked as it comes; the pages kept once the last is in
                 self._check_meta(meta, claim, inbox.weights)
@@ -77,7 +79,8 @@ class DecodeWorker(Worker):
         return {"role": "decode", "room": field.room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
                 "transfer_s": time.monotonic() - prefill_ended, "backend": meta["backend"], "bytes": inbox.nbytes,
                 "pages_sent": len(inbox.pages), "pages_streamed": meta.get("streamed", 0),
-                "pages_skipped": sum(held), "batches": inbox.batches, "paced_s": inbox.pacer.paused_s}
+                "pages_skipped": sum(held), "batches": inbox.batches, "paced_s": inbox.pacer.paused_s,
+                "pages_by_layer": inbox.pages_by_layer, "layer_batches": inbox.layer_batches}
 
     async def _claim(self, request, field, claim: dict):
         """Claim the room and wait for the prefill worker's first batch: (room link, its metadata)."""
@@ -130,7 +133,7 @@ class DecodeWorker(Worker):
         if not (isinstance(names, list) and isinstance(per_prompt, list) and len(per_prompt) == len(claim["held"])
                 and sum(per_prompt) == len(names) and isinstance(meta.get("tensors"), list)):
             raise TransferError("the prefill worker's metadata is malformed")
-        if not names and meta["tensors"]:
+        if not names and meta["tensors"] and "layer_rows" not in meta:
             raise TransferError("the prefill worker announced tensors for no pages")
         if meta.get("backend") not in BACKENDS:
             raise TransferError(f"the prefill worker named an unknown transfer backend {meta.get('backend')!r}")
@@ -156,15 +159,20 @@ class Inbox:
     `pacer`: spreads a batch's receives, digests and copies over the engine's steps (Pacer), all but
     the last batch's (the request waits for that one)."""
 
-    def __init__(self, link: Room, settings, device, agent, owned_rows: bool = False, pacer: "Pacer | None" = None):
+    def __init__(self, link: Room, settings, device, agent, owned_rows: bool = False, pacer: "Pacer | None" = None,
+                 held: list[int] = ()):
         self.link, self.settings, self.device, self.agent = link, settings, device, agent
         self.owned_rows, self.pacer = owned_rows, pacer
         self.pages, self.batches, self.tags, self.nbytes = [], 0, 0, 0
         self.weights, self.path = None, None
         self.peer_failed = False  # no next batch came: the prefill worker reads no verdict
+        self.next_page = list(held)  # per prompt, the page its next named page is
+        self.partial: dict[tuple[int, int], dict[int, torch.Tensor]] = {}  # (prompt, page) -> rows by kind, layer by layer
+        self.pages_by_layer = self.layer_batches = 0
 
     def receive(self, meta: dict) -> None:
-        """One batch's tensors, each checked against its size and digest, as pages."""
+        """One batch's tensors, each checked against its size and digest: a layer batch's rows kept
+        until their pages are named, a named batch's pages (with their rows that came layer by layer)."""
         try:
             names = [bytes.fromhex(n) for n in meta["names"]]
             specs = meta["tensors"]
@@ -173,22 +181,61 @@ class Inbox:
             raise TransferError("the prefill worker's metadata is malformed") from None
         self.batches += 1
         self.weights = meta.get("weights")
-        if not sizes:
-            return
+        pace = self.pacer if self.pacer is not None and not meta.get("last") else at_once  # NOTE: the last is awaited
+        tensors = self._tensors(meta, specs, sizes, pace) if sizes else []
+        if "layer_rows" in meta:
+            self._keep_layer_rows(meta, tensors, pace)
+        else:
+            self.pages += self._named_pages(meta, names, tensors, pace)
+        if meta.get("last") and self.partial:
+            raise TransferError(f"rows came layer by layer for {len(self.partial)} pages the prefill worker never named")
+
+    def _tensors(self, meta: dict, specs: list, sizes: list[int], pace) -> list[torch.Tensor]:
         if self.path is None:
             self.path = receiver(meta["backend"], self.link, self.settings, self.device, self.agent)
-        pace = self.pacer if self.pacer is not None and not meta.get("last") else at_once  # NOTE: the last is awaited
         received = self.path.pull(meta, sizes, self.tags, pace)
         secret = self.settings.secret
         tensors = [pace(lambda: check_received(secret, spec, data, self.tags + i))
                    for i, (spec, data) in enumerate(zip(specs, received))]
         self.tags += len(sizes)
         self.nbytes += sum(sizes)
+        return tensors
+
+    def _keep_layer_rows(self, meta: dict, tensors: list[torch.Tensor], pace) -> None:
+        """Rows of some layers for pages [first, first + count) of a prompt, kept until the pages are named."""
+        prompt, first, count, kinds = _layer_rows_of(meta, len(self.next_page))
+        if len(kinds) != len(tensors) or any(t.shape[0] != count for t in tensors):
+            raise TransferError(f"{len(kinds)} kinds of {count} pages announced, tensors of "
+                                f"{[tuple(t.shape[:1]) for t in tensors]} received")
+        if first < self.next_page[prompt]:
+            raise TransferError(f"layer rows came for page {first} of prompt {prompt}, already named")
+        if self.owned_rows:  # NOTE: each page's rows in memory of its own (see owned_copies)
+            tensors = pace(lambda: [[t[i].clone() for i in range(count)] for t in tensors])
+        for i in range(count):
+            rows = self.partial.setdefault((prompt, first + i), {})
+            self.pages_by_layer += not rows
+            for kind, t in zip(kinds, tensors):
+                if kind in rows:
+                    raise TransferError(f"rows of kind {kind} came twice for page {first + i} of prompt {prompt}")
+                rows[kind] = t[i]
+        self.layer_batches += 1
+
+    def _named_pages(self, meta: dict, names: list[bytes], tensors: list[torch.Tensor], pace) -> list:
+        """(name, rows) of a named batch's pages, each completed by the rows that came layer by layer."""
         pages = tensors_to_pages(names, tensors)
         if self.owned_rows:
             pages = [page for i in range(0, len(pages), OWN_SLICE_PAGES)
                      for page in pace(lambda: owned_copies(pages[i:i + OWN_SLICE_PAGES]))]
-        self.pages += pages
+        kinds, num_kinds = _kinds_of(meta, len(tensors))
+        out = iter(pages)
+        complete = []
+        for prompt, count in enumerate(meta["pages"]):
+            for _ in range(count):
+                name, carried = next(out)
+                early = self.partial.pop((prompt, self.next_page[prompt]), {})
+                self.next_page[prompt] += 1
+                complete.append((name, _merged(dict(zip(kinds, carried)), early, num_kinds, prompt)))
+        return complete
 
     def close(self) -> None:
         if self.path is not None:
@@ -221,6 +268,44 @@ class Pacer:
             self.sleep(pause)
             self.paused_s += pause
         return out
+
+
+def _layer_rows_of(meta: dict, num_prompts: int) -> tuple[int, int, int, list[int]]:
+    """A layer batch's (prompt, first page, pages, kinds), checked."""
+    try:
+        rows, kinds = meta["layer_rows"], meta["kinds"]
+        prompt, first, count = (rows[k] for k in ("prompt", "first", "count"))
+        ok = (all(type(v) is int for v in (prompt, first, count, *kinds)) and 0 <= prompt < num_prompts
+              and first >= 0 and count >= 1 and len(set(kinds)) == len(kinds))
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise TransferError("the prefill worker's layer rows metadata is malformed")
+    return prompt, first, count, kinds
+
+
+def _kinds_of(meta: dict, num_tensors: int) -> tuple[list[int], int]:
+    """A named batch's kinds of row, in its tensors' order, and how many kinds a page has."""
+    kinds, num_kinds = meta.get("kinds"), meta.get("num_kinds")
+    if kinds is None:
+        return list(range(num_tensors)), num_tensors
+    if not (isinstance(kinds, list) and type(num_kinds) is int and len(kinds) == num_tensors
+            and all(type(k) is int and 0 <= k < num_kinds for k in kinds) and len(set(kinds)) == len(kinds)):
+        raise TransferError("the prefill worker's kinds of row are malformed")
+    return kinds, num_kinds
+
+
+def _merged(carried: dict, early: dict, num_kinds: int, prompt: int) -> list:
+    """A page's rows by kind: those of its named batch and those that came layer by layer before it."""
+    if not early:
+        rows = carried
+    elif carried.keys() & early.keys():
+        raise TransferError(f"a page of prompt {prompt} got rows of kinds {sorted(carried.keys() & early.keys())} twice")
+    else:
+        rows = {**carried, **early}
+    if rows.keys() != set(range(num_kinds)):
+        raise TransferError(f"a page of prompt {prompt} has rows of kinds {sorted(rows)}, not 0 to {num_kinds - 1}")
+    return [rows[k] for k in range(num_kinds)]
 
 
 async def _on_engine(loop, fn, *args):

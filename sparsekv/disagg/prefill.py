@@ -9,6 +9,7 @@ prefill. It answers with that short completion, plus the transfer's figures in t
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -32,6 +33,7 @@ class PrefillWorker(Worker):
     def __init__(self, state, settings):
         super().__init__(state, settings)
         self.stream_poll_s: float | None = STREAM_POLL_S  # None: one look, after the prefill (bench transfer)
+        self.layer_by_layer = True  # False: a page's rows go once every layer computed them (bench transfer)
         try:
             self.store = host_bootstrap(settings.bootstrap_host, settings.bootstrap_port, settings.timeout_s)
         except Exception as e:  # the port is taken, or the host is not this machine's
@@ -47,11 +49,12 @@ class PrefillWorker(Worker):
             raise bad_request(f"disaggregation.bootstrap_port {field.bootstrap_port} is not this prefill worker's "
                               f"({self.bootstrap_port})", "disaggregation")
         room = self.open_room(field)
-        prefill = asyncio.ensure_future(self._prefill(request, job, prompts))
+        group = RequestGroup(job.group.request_ids[0].rsplit("-", 1)[0], len(prompts))
+        prefill = asyncio.ensure_future(self._prefill(request, job, prompts, group))
         ended: list[float] = []  # when the prefill ended
         prefill.add_done_callback(lambda _: ended.append(time.monotonic()))
         try:
-            figures = await self._transfer(request, room, job, prompts, prefill, ended)
+            figures = await self._transfer(request, room, job, prompts, prefill, ended, group.request_ids)
         except TransferError as e:
             raise self.failed(room, e) from None
         finally:
@@ -75,20 +78,29 @@ class PrefillWorker(Worker):
         except Exception:  # the engine loop is closing: nothing is left to wait for
             pass
 
-    async def _prefill(self, request, job: Job, prompts: list[list[int]]):
-        """Each prompt once, greedily, for the tokens that name all its full pages."""
+    async def _prefill(self, request, job: Job, prompts: list[list[int]], group: RequestGroup):
+        """Each prompt once (engine request `group.request_ids[i]`), greedily, for the tokens that name
+        all its full pages."""
         tokens = 3 if self.state.engine.config.num_speculative_tokens else 1
         subs = [Submission(p, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)) for p in prompts]
-        group = RequestGroup(job.group.request_ids[0].rsplit("-", 1)[0], len(subs))
         job.builder.n = 1
         prefill = Job(group, subs, job.tenant, job.cache_salt, job.builder, False, False)
         return await run(request, self.state.loop, prefill, self.state.metrics), group
 
-    async def _transfer(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list) -> dict | None:
+    async def _transfer(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
+                        request_ids: list[str]) -> dict | None:
         """The room's pages to the decode worker that claims it, streamed while the prefill runs
         (`_stream`). Returns the transfer's figures, or None when the prefill failed (the decode worker
         is told; the caller answers the prefill's own error)."""
         self.rooms[room] = "claim"
+        feed = await self._tap(request_ids, prompts)  # NOTE: before the claim: the first step may start before it
+        try:
+            return await self._claim_and_send(request, room, job, prompts, prefill, ended, feed)
+        finally:
+            await self._untap(request_ids, feed)
+
+    async def _claim_and_send(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
+                              feed: "LayerFeed | None") -> dict | None:
         out = Batches(await self.blocking(self._link, room), self.settings, self.device, self.nixl)
         try:
             raw = await self._claim_or_failed_prefill(request, out.link, prefill)
@@ -98,7 +110,7 @@ class PrefillWorker(Worker):
             out.claimed = True
             claim = self._check_claim(raw, room, job, prompts)
             self.rooms[room] = "send"
-            return await self._stream(request, room, job, prompts, prefill, ended, claim, out)
+            return await self._stream(request, room, job, prompts, prefill, ended, claim, out, feed)
         except TransferError as e:
             if out.peer_waiting:  # NOTE: the decode worker reads the error and cleans the room up itself
                 await self.blocking(out.error_unless_answered, str(e))
@@ -121,15 +133,20 @@ class PrefillWorker(Worker):
             claim.cancel()
 
     async def _stream(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
-                      claim: dict, out: "Batches") -> dict | None:
+                      claim: dict, out: "Batches", feed: "LayerFeed | None") -> dict | None:
         """While the prefill runs, each look (every STREAM_POLL_S, on the engine loop between two steps)
-        sends the prompts' pages named since the last one as a batch: a page is named in the step that
-        fills it (its MTP entries included), so chunk c's pages travel while chunk c + 1 computes. The
+        sends the prompts' pages named since the last one: a page is named in the step that fills it
+        (its MTP entries included), so chunk c's pages travel while chunk c + 1 computes. With a layer
+        feed, the rows each layer writes go as it computes them, between the looks (layer i's while
+        layer i + 1 computes), and a look sends the rest of those pages' rows with their names. The
         last batch, after the prefill's end, carries the rest and the prefill's timings."""
         sent, streamed, nbytes = list(claim["held"]), 0, 0
-        backend = pair_backend(self.settings.transfer, self.device.type, claim, self.gpu)
+        base = {"room": room, "nonce": claim["nonce"], "backend": pair_backend(self.settings.transfer, self.device.type,
+                                                                               claim, self.gpu)}
         if self.stream_poll_s is None:  # one look, after the prefill
             await asyncio.wait([prefill])
+        if feed is not None:
+            base["weights"] = feed.weights
         while True:
             finished = prefill.done()
             if await self.blocking(out.answered):  # the decode worker failed this room already
@@ -138,32 +155,108 @@ class PrefillWorker(Worker):
             if failure is not None:
                 await self.blocking(out.error, failure)
                 return None
-            pages, per_prompt, loaded = await self._export(job, prompts, sent)
-            weights = await self.blocking(self.weights.stamp, loaded)
-            self._check_weights(claim, weights)
-            if pages or finished:
-                meta = {"room": room, "nonce": claim["nonce"], "names": [name.hex() for name, _ in pages],
-                        "pages": per_prompt, "weights": weights, "backend": backend, "last": finished}
-                if finished:
+            look = asyncio.ensure_future(self._export(job, prompts, sent))  # NOTE: it runs once the step ends
+            if feed is not None:
+                nbytes += await self._send_layers_until(look, feed, out, base, claim["held"])
+            pages, per_prompt, loaded = await look
+            base["weights"] = await self.blocking(self.weights.stamp, loaded)
+            self._check_weights(claim, base["weights"])
+            if feed is not None:  # NOTE: the rows of the pages just named were queued before their names
+                nbytes += await self._send_layers(feed, out, base, claim["held"])
+            parts = _named_parts(pages, per_prompt, sent, feed) or ([(per_prompt, pages, None)] if finished else [])
+            for i, (counts, part, kinds) in enumerate(parts):
+                meta = {**base, "names": [name.hex() for name, _ in part], "pages": counts, "kinds": kinds,
+                        "num_kinds": None if kinds is None else feed.num_kinds, "last": finished and i == len(parts) - 1}
+                if meta["last"]:
                     ended.append(time.monotonic())  # NOTE: its done callback may not have run yet
                     meta.update(skipped=claim["held"], streamed=streamed, **_times(prefill.result()[1], ended[0]))
-                nbytes += await self.blocking(out.send, meta, pages)
-                sent = [n + more for n, more in zip(sent, per_prompt)]
-                streamed += 0 if finished else len(pages)
+                nbytes += await self._send(out, meta, _kinds_of(part, kinds))
+                streamed += 0 if finished else len(part)
+            sent = [n + more for n, more in zip(sent, per_prompt)]
             if finished:
                 break
-            await asyncio.wait([prefill], timeout=self.stream_poll_s)
+            await (feed.wait([prefill], self.stream_poll_s) if feed is not None
+                   else asyncio.wait([prefill], timeout=self.stream_poll_s))
         _check_verdict(await self.take(out.link, "done", "verdict from the decode worker", request), meta,
                        self.settings.secret)
         figures = {"role": "prefill", "room": room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
-                   "transfer_s": time.monotonic() - ended[0], "backend": backend, "bytes": nbytes,
+                   "transfer_s": time.monotonic() - ended[0], "backend": base["backend"], "bytes": nbytes,
                    "pages_sent": sum(sent) - sum(claim["held"]), "pages_streamed": streamed,
-                   "pages_skipped": sum(claim["held"]), "batches": out.index}
+                   "pages_skipped": sum(claim["held"]), "batches": out.index,
+                   "pages_by_layer": 0 if feed is None else len(feed.tapped),
+                   "layer_batches": 0 if feed is None else feed.batches}
         self.metrics.bytes.inc(nbytes)
         self.metrics.pages_skipped.inc(figures["pages_skipped"])
         self.metrics.seconds.observe(figures["transfer_s"])
         log.info("disaggregation room %s sent: %s", room, figures)
         return figures
+
+    async def _send_layers_until(self, look, feed: "LayerFeed", out: "Batches", base: dict, held: list[int]) -> int:
+        """Send the layer rows of the step that runs while the look waits for its end."""
+        nbytes = 0
+        try:
+            while not look.done():
+                await feed.wait([look], None)
+                nbytes += await self._send_layers(feed, out, base, held)
+        except BaseException:
+            look.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now
+            raise
+        return nbytes
+
+    async def _send_layers(self, feed: "LayerFeed", out: "Batches", base: dict, held: list[int]) -> int:
+        """The layer rows queued so far, a batch per prompt and step (the layers it computed since the
+        last), less the pages the decode worker holds."""
+        nbytes = 0
+        for prompt, first, count, deliveries in feed.take():
+            cut = min(max(0, held[prompt] - first), count)
+            if cut == count:
+                continue
+            meta = {**base, "names": [], "pages": [0] * len(held), "last": False,
+                    "layer_rows": {"prompt": prompt, "first": first + cut, "count": count - cut,
+                                   "layers": [d.layer for d in deliveries]},
+                    "kinds": [k for d in deliveries for k in d.kinds], "num_kinds": feed.num_kinds}
+            nbytes += await self._send(out, meta, [r[cut:] for d in deliveries for r in d.ready()])
+            feed.batches += 1
+        return nbytes
+
+    async def _send(self, out: "Batches", meta: dict, tensors: list) -> int:
+        """One batch (Batches.send). A send that fails because the decode worker refused an earlier
+        batch and left raises its refusal, which says why."""
+        try:
+            return await self.blocking(out.send, meta, tensors)
+        except TransferError:
+            if await self.blocking(out.refused):
+                _check_verdict(await self.blocking(out.link.get, "done"), meta, self.settings.secret)
+            raise
+
+    async def _tap(self, request_ids: list[str], prompts: list[list[int]]) -> "LayerFeed | None":
+        """Have the engine hand each prompt's pages out layer by layer as its steps compute them, queued
+        until the claim says which the decode worker holds (None: not with data-parallel ranks, whose
+        caches are in other processes, nor in one-look mode)."""
+        engine = self.state.engine
+        if not self.layer_by_layer or self.stream_poll_s is None or engine.config.data_parallel_size > 1:
+            return None
+        feed = LayerFeed(asyncio.get_running_loop(), len(engine.kv.page_tensors()))
+
+        def tap():  # NOTE: with the weights they are computed under (read together, between two steps)
+            for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
+                feed.tap_kinds = engine.tap_layers(request_id, len(prompt), 0, feed.deliver_for(i))
+            return loaded_weights(engine)
+        try:
+            loaded = await self.state.loop.call(tap)
+        except Exception as e:  # the engine going away (ShuttingDown, EngineDead)
+            raise TransferError(f"tapping the prompt's layers failed: {e}") from None
+        feed.weights = await self.blocking(self.weights.stamp, loaded)
+        return feed
+
+    async def _untap(self, request_ids: list[str], feed: "LayerFeed | None") -> None:
+        if feed is None:
+            return
+        engine = self.state.engine
+        try:
+            await self.state.loop.call(lambda: [engine.untap_layers(r) for r in request_ids])
+        except Exception:  # the engine loop is closing: its taps go with it
+            pass
 
     def _check_claim(self, raw: bytes, room: str, job: Job, prompts: list[list[int]]) -> dict:
         """The decode worker's signed claim on the room, checked against this request."""
@@ -228,6 +321,81 @@ def _prefill_failure(prefill) -> str | None:
     return None if response.status_code == 200 else "the prefill worker could not compute the prompt"
 
 
+def _named_parts(pages: list, per_prompt: list[int], sent: list[int], feed: "LayerFeed | None") -> list:
+    """The pages of a look as batches: (pages per prompt, pages, the kinds they carry, None: all). Pages
+    whose layers' rows went layer by layer carry the other kinds only; they follow a prompt's pages
+    that did not (a prompt's pages are tapped from some page on), so each batch keeps each prompt's
+    pages in order."""
+    if not pages:
+        return []
+    tapped = [[(p, sent[p] + i) in feed.tapped for i in range(n)] if feed is not None else [False] * n
+              for p, n in enumerate(per_prompt)]
+    whole = [flags.index(True) if True in flags else len(flags) for flags in tapped]
+    if not all(all(flags[w:]) for flags, w in zip(tapped, whole)):
+        raise TransferError("a prompt's pages were handed out layer by layer out of order")
+    rest = [n - w for n, w in zip(per_prompt, whole)]
+    starts = [sum(per_prompt[:p]) for p in range(len(per_prompt))]
+    first = [page for p, w in enumerate(whole) for page in pages[starts[p]:starts[p] + w]]
+    second = [page for p, w in enumerate(whole) for page in pages[starts[p] + w:starts[p] + per_prompt[p]]]
+    parts = [(whole, first, None)] if first else []
+    if second:
+        parts.append((rest, second, [k for k in range(feed.num_kinds) if k not in feed.tap_kinds]))
+    return parts
+
+
+def _kinds_of(pages: list, kinds: list[int] | None) -> list:
+    """One tensor per kind of row for the pages (kinds: which, in order; None: all)."""
+    if kinds is not None:
+        pages = [(name, [rows[k] for k in kinds]) for name, rows in pages]
+    return pages_to_tensors(pages)
+
+
+class LayerFeed:
+    """A room's rows handed out layer by layer on the engine's thread (cache/layer_tap.py), queued for
+    the event loop, which sends them. `tapped`: the (prompt, page) pairs whose layer rows were taken."""
+
+    def __init__(self, loop, num_kinds: int):
+        self.loop, self.num_kinds = loop, num_kinds
+        self.items: collections.deque = collections.deque()
+        self.wake = asyncio.Event()
+        self.tapped: set[tuple[int, int]] = set()
+        self.tap_kinds: list[int] = []
+        self.weights: dict | None = None
+        self.batches = 0
+
+    def deliver_for(self, prompt: int):
+        def deliver(rows) -> None:  # on the engine's thread
+            self.items.append((prompt, rows))
+            try:
+                self.loop.call_soon_threadsafe(self.wake.set)
+            except RuntimeError:  # the event loop closed: nobody sends these
+                pass
+        return deliver
+
+    def take(self) -> list:
+        """The queued deliveries as (prompt, first page, pages, deliveries), one per prompt and step."""
+        groups = []
+        while self.items:
+            prompt, rows = self.items.popleft()
+            if groups and groups[-1][:3] == (prompt, rows.first, rows.count):
+                groups[-1][3].append(rows)
+            else:
+                groups.append((prompt, rows.first, rows.count, [rows]))
+            self.tapped.update((prompt, rows.first + i) for i in range(rows.count))
+        return groups
+
+    async def wait(self, aws: list, timeout: float | None) -> None:
+        """Until a delivery is queued, one of `aws` is done, or `timeout`."""
+        self.wake.clear()
+        if self.items:
+            return
+        waiter = asyncio.ensure_future(self.wake.wait())
+        try:
+            await asyncio.wait([*aws, waiter], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+
+
 class Batches:
     """The prefill side of a room: its metadata batches (`meta/0`, `meta/1`, ...), each followed by
     its tensors over the room's data path (transfer.sender, made at the first tensor, kept for the room)."""
@@ -243,10 +411,9 @@ class Batches:
         while a batch's tensors move: a send that fails there fails its receive too)."""
         return self.claimed and not self.ended and not self.sending
 
-    def send(self, meta: dict, pages: list) -> int:
-        """Publish one batch's signed metadata, then send its tensors; returns their bytes."""
+    def send(self, meta: dict, stacked: list) -> int:
+        """Publish one batch's signed metadata, then send its tensors (contiguous); returns their bytes."""
         secret = self.settings.secret
-        stacked = pages_to_tensors(pages)
         meta["tensors"] = tensor_specs(secret, stacked)
         tensors = as_sent([as_bytes(t) for t in stacked], self.tags)
         if tensors and self.path is None:
@@ -270,6 +437,13 @@ class Batches:
             self.ended = True
             return True
         return False
+
+    def refused(self) -> bool:
+        """Whether the decode worker wrote its verdict (False when the store is gone too)."""
+        try:
+            return self.answered()
+        except TransferError:
+            return False
 
     def error_unless_answered(self, reason: str) -> None:
         try:

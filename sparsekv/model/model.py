@@ -75,8 +75,10 @@ class DSAModel:
     def hidden_states(self, ctx: ForwardContext, cache) -> torch.Tensor:
         ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions)
         h = self.comm.embed(ctx.input_ids, self.embed)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = layer.forward(h, ctx, cache)
+            if ctx.after_layer is not None:
+                ctx.after_layer(i)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, h: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:

@@ -86,6 +86,10 @@ class MultiRankExecutor(Executor):
     def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:
         return self._together("draft_step", step, tokens, run=lambda: self.local.draft_step(step, tokens))
 
+    def layer_taps(self, tensors: list):
+        """Rank 0's: the pages of a transfer leave from its cache (every rank holds the whole latent)."""
+        return self.local.layer_taps(tensors)
+
     def update_weights(self, update) -> None:
         """Every rank loads its slices of the update (an in-process update's tensors travel pickled on
         the control group); then the ranks agree that all of them did, before anyone serves again."""

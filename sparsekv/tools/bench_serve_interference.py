@@ -62,6 +62,8 @@ async def consume(client: httpx.AsyncClient, model: str, prompt: list[int], max_
         out.error = str(e)
     except httpx.HTTPError as e:
         out.error = f"{type(e).__name__}: {e}"
+    if not out.times and on_first is not None:  # NOTE: ended with no token: nobody waits for its first
+        on_first()
     return out
 
 

@@ -1,15 +1,16 @@
-"""`sparsekv bench transfer`: one prompt's KV from a prefill worker to a decode worker, streamed while
-the prefill computes (the default) against sent after it (one look at the prefill's end), in the same
-run, per transfer backend.
+"""`sparsekv bench transfer`: one prompt's KV from a prefill worker to a decode worker, sent layer by
+layer while the prefill computes (the default), streamed chunk by chunk (a chunk's pages once every
+layer computed them), and sent after it (one look at the prefill's end), in the same run, per transfer
+backend.
 
 A prefill worker and a decode worker are served in this process (each its own engine, uvicorn in a
 thread, bootstrap store and transfer as `sparsekv serve --disaggregation-mode` runs them), and each
 prompt is sent to both at once, as `sparsekv router` sends it. Random prompts of `--prompt-tokens`
 tokens, each new to both prefix caches. Printed per backend and mode, medians over `--repeats`: the
 prefill's time, the transfer left after it (from its end to the decode worker's verdict, as the
-prefill worker reports it), pages sent and streamed during the prefill, MB, batches, and the
-transfer left after the prefill, streamed over after. Both modes alternate, so machine noise hits
-both alike. The two workers share this machine's cores: pin the process (`taskset`) to compare runs.
+prefill worker reports it), pages sent, streamed during the prefill and sent layer by layer, MB,
+batches, and the transfer left after the prefill against sending after it. The modes alternate, so
+machine noise hits them alike. The two workers share this machine's cores: pin the process (`taskset`) to compare runs.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from rich.table import Table
 
 from .bench import report_console, run_bench
 
-MODES = ("streamed", "after")
+MODES = ("layers", "chunks", "after")
+MODE_NAMES = {"layers": "layer by layer while the prefill computes", "chunks": "chunk by chunk while it computes",
+              "after": "after it"}
 SERVED_NAME = "bench"
 
 
@@ -77,6 +80,7 @@ def one_prompt(pair, mode: str, prompt: list[int]) -> dict:
     from ..disagg.prefill import STREAM_POLL_S
     prefill, decode = pair
     prefill.worker.stream_poll_s = None if mode == "after" else STREAM_POLL_S
+    prefill.worker.layer_by_layer = mode == "layers"
     answer, _ = send_pair(prefill.url, decode.url, {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0})
     return answer["sparsekv"]["disaggregation"]
 
@@ -126,25 +130,25 @@ def summarize(figures: list[dict]) -> dict:
     return {"prefill_s": median("prefill_s"), "after_prefill_ms": 1e3 * median("transfer_s"),
             "after_prefill_ms_each": [round(1e3 * f["transfer_s"], 1) for f in figures],
             "pages_sent": median("pages_sent"), "pages_streamed": median("pages_streamed"),
+            "pages_by_layer": median("pages_by_layer"),
             "mb": median("bytes") / 1e6, "batches": median("batches"), "backend": figures[0]["backend"]}
 
 
 def report(out: dict) -> dict:
     table = Table(title=f"{out['model']}: one prompt of {out['prompt_tokens']} tokens, a prefill and a decode worker in "
                         f"this process, medians of {out['repeats']}")
-    for column in ("backend", "sent", "prefill s", "transfer after the prefill (ms), each run", "pages sent / streamed",
-                   "MB", "batches", "after the prefill, streamed / after"):
+    for column in ("backend", "sent", "prefill s", "transfer after the prefill (ms), each run",
+                   "pages sent / streamed / by layer", "MB", "batches", "after the prefill, against after"):
         table.add_column(column)
     for name, modes in out["backends"].items():
-        ratio = modes["streamed"]["after_prefill_ms"] / modes["after"]["after_prefill_ms"]
+        after = modes["after"]["after_prefill_ms"]
         for mode in MODES:
             r = modes[mode]
-            table.add_row(f"{name} ({r['backend']})", "while the prefill computes" if mode == "streamed" else "after it",
-                          f"{r['prefill_s']:.2f}",
+            r["over_after"] = r["after_prefill_ms"] / after
+            table.add_row(f"{name} ({r['backend']})", MODE_NAMES[mode], f"{r['prefill_s']:.2f}",
                           f"{r['after_prefill_ms']:.1f} ({', '.join(map(str, r['after_prefill_ms_each']))})",
-                          f"{r['pages_sent']:g} / {r['pages_streamed']:g}", f"{r['mb']:.1f}", f"{r['batches']:g}",
-                          f"x{ratio:.2f}" if mode == "streamed" else "")
-        modes["streamed_over_after"] = ratio
+                          f"{r['pages_sent']:g} / {r['pages_streamed']:g} / {r['pages_by_layer']:g}", f"{r['mb']:.1f}",
+                          f"{r['batches']:g}", f"x{r['over_after']:.2f}" if mode != "after" else "")
     report_console().print(table)
     return out
 

@@ -1,0 +1,162 @@
+"""The layer-by-layer send (docs/disaggregation.md): the engine hands a prompt's page rows out layer
+by layer as its steps compute them (cache/layer_tap.py), the prefill worker sends them at once, and
+the decode worker keeps them until the pages are named, then completes each page with the rest of
+its rows. The rows handed out are the ones the page exports; every page of every layer once; the
+decode worker's pages are the prefill engine's, and the answer is one colocated engine's."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from disagg_util import WorkerServer, send_pair
+from sparsekv import LLM, SamplingParams
+from sparsekv.disagg.decode import Inbox
+from sparsekv.disagg.prefill import LayerFeed, _named_parts
+from sparsekv.disagg.wire import TransferError, at_once
+from sparsekv.paths import default_model_path
+from test_disagg_workers import BASE, BODY, GREEDY, PAGE, _prompt, _slowed, assert_as_colocated
+from tolerances import logprob_tolerance
+
+CHUNKED = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)  # two pages a step
+
+
+def _finish(engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16), dict(kv_cache_dtype="fp8")],
+                         ids=["plain", "tiered", "fp8"])
+def test_each_page_is_handed_out_once_per_layer_with_the_rows_it_exports(glm_ckpt, options):
+    engine = LLM(glm_ckpt[0], **BASE, **CHUNKED, **options).engine
+    prompt, skip = _prompt(256, 42), 3  # 10 full pages, the first 3 held by the other side
+    got = []
+    kinds = engine.tap_layers("r", len(prompt), skip, got.append)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    _finish(engine)
+    layers = len(engine.model.layers)
+    for layer in range(layers):
+        pages = [d.first + i for d in got if d.layer == layer for i in range(d.count)]
+        assert pages == list(range(skip, len(prompt) // PAGE)), layer  # in order, once, none past the prompt
+    assert sorted({k for d in got for k in d.kinds}) == kinds
+    assert kinds == list(range(len(engine.kv.page_tensors())))  # no MTP layer, no selector state: every kind
+    exported = engine.kv.export_prefix(prompt, skip=skip)
+    for d in got:
+        for i in range(d.count):
+            rows = exported[d.first - skip + i][1]
+            assert all(torch.equal(rows[k], d.ready()[j][i]) for j, k in enumerate(d.kinds))
+    engine.untap_layers("r")
+    engine.add_request("s", _prompt(256, 42, seed=5), SamplingParams(max_tokens=1))
+    _finish(engine)
+    assert len(got) == layers * 4  # four steps of 8 tokens completed pages; nothing since the untap
+
+
+def test_the_mtp_layers_entries_are_left_to_the_pages_export():
+    engine = LLM(default_model_path(), **BASE, num_speculative_tokens=2).engine
+    kinds = engine.tap_layers("r", 40, 0, lambda rows: None)
+    tensors = [t for t, _ in engine.kv.page_tensors()]
+    mtp = engine.model_config.num_hidden_layers
+    mtp_kinds = [j for j, t in enumerate(tensors) if any(t is m for m in engine.executor.pool.layer_slot_tensors(mtp))]
+    assert mtp_kinds and not set(mtp_kinds) & set(kinds)
+    assert sorted(set(kinds) | set(mtp_kinds)) == list(range(len(tensors)))
+
+
+# -- the decode side: rows kept until their pages are named ------------------------------------------------
+
+def _inbox(held=(0,)) -> Inbox:
+    return Inbox(None, None, torch.device("cpu"), None, held=list(held))
+
+
+def _page(i: int) -> list[torch.Tensor]:
+    return [torch.full((PAGE, 2), float(10 * i + k)) for k in range(3)]  # three kinds of row
+
+
+def _layer(prompt: int, first: int, pages: list[int], kinds: list[int]) -> tuple[dict, list]:
+    meta = {"layer_rows": {"prompt": prompt, "first": first, "count": len(pages)}, "kinds": kinds}
+    return meta, [torch.stack([_page(i)[k] for i in pages]) for k in kinds]
+
+
+def _named(pages: list[int], kinds: list[int] | None, counts: list[int]) -> tuple[dict, list[bytes], list]:
+    carried = kinds if kinds is not None else [0, 1, 2]
+    meta = {"pages": counts, "kinds": kinds, "num_kinds": None if kinds is None else 3}
+    return meta, [bytes([i]) * 4 for i in pages], [torch.stack([_page(i)[k] for i in pages]) for k in carried]
+
+
+def test_rows_that_came_layer_by_layer_complete_their_pages_when_named():
+    inbox = _inbox(held=(2,))
+    inbox._keep_layer_rows(*_layer(0, 2, [2, 3], [0]), at_once)
+    inbox._keep_layer_rows(*_layer(0, 2, [2, 3], [2]), at_once)
+    inbox._keep_layer_rows(*_layer(0, 4, [4], [0, 2]), at_once)  # the next step's, before the names
+    pages = inbox._named_pages(*_named([2, 3], [1], [2]), at_once)
+    assert [name for name, _ in pages] == [b"\x02" * 4, b"\x03" * 4]
+    assert all(torch.equal(r, w) for i, (_, rows) in zip((2, 3), pages) for r, w in zip(rows, _page(i)))
+    assert list(inbox.partial) == [(0, 4)] and (inbox.pages_by_layer, inbox.layer_batches) == (3, 3)
+    pages = inbox._named_pages(*_named([4], [1], [1]), at_once)
+    assert all(torch.equal(r, w) for r, w in zip(pages[0][1], _page(4))) and not inbox.partial
+
+
+def test_a_page_whose_rows_do_not_add_up_fails_the_room():
+    inbox = _inbox()
+    inbox._keep_layer_rows(*_layer(0, 0, [0], [0]), at_once)
+    with pytest.raises(TransferError, match="twice"):
+        inbox._keep_layer_rows(*_layer(0, 0, [0], [0]), at_once)
+    with pytest.raises(TransferError, match="not 0 to 2"):  # kind 2 never came
+        inbox._named_pages(*_named([0], [1], [1]), at_once)
+    inbox = _inbox()
+    inbox._keep_layer_rows(*_layer(0, 0, [0], [0]), at_once)
+    with pytest.raises(TransferError, match="twice"):  # a whole page named over rows that came before
+        inbox._named_pages(*_named([0], None, [1]), at_once)
+    with pytest.raises(TransferError, match="already named"):
+        inbox._keep_layer_rows(*_layer(0, 0, [0], [1]), at_once)
+    for bad in ({"prompt": 1, "first": 1, "count": 1}, {"prompt": 0, "first": 1, "count": 0}, {"prompt": 0}):
+        with pytest.raises(TransferError, match="malformed"):
+            inbox._keep_layer_rows({"layer_rows": bad, "kinds": [0]}, [], at_once)
+
+
+def test_rows_for_pages_never_named_fail_the_last_batch():
+    inbox = _inbox()
+    inbox._keep_layer_rows(*_layer(0, 3, [3], [0]), at_once)
+    with pytest.raises(TransferError, match="never named"):
+        inbox.receive({"names": [], "pages": [0], "tensors": [], "last": True})
+
+
+# -- the prefill side: a look's pages split by what went layer by layer ------------------------------------
+
+def test_a_looks_pages_go_whole_then_with_the_kinds_not_sent_layer_by_layer():
+    feed = LayerFeed(asyncio.new_event_loop(), 3)
+    feed.tap_kinds, feed.tapped = [0, 2], {(0, 4), (0, 5), (1, 1)}
+    pages = [(bytes([i]), _page(i)) for i in range(5)]  # prompt 0: pages 3, 4, 5; prompt 1: pages 0, 1
+    parts = _named_parts(pages, [3, 2], [3, 0], feed)
+    assert [(counts, [name for name, _ in part], kinds) for counts, part, kinds in parts] == [
+        ([1, 1], [b"\x00", b"\x03"], None), ([2, 1], [b"\x01", b"\x02", b"\x04"], [1])]
+    assert _named_parts(pages, [3, 2], [3, 0], None) == [([3, 2], pages, None)]
+    feed.tapped = {(0, 3), (0, 5)}
+    with pytest.raises(TransferError, match="out of order"):
+        _named_parts(pages, [3, 2], [3, 0], feed)
+
+
+# -- through two workers --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("setup", ["plain", "prefill-tiered", "fp8", "mtp"])
+def test_rows_go_layer_by_layer_and_the_answer_is_one_engines(setup, glm_ckpt, monkeypatch):
+    path = default_model_path() if setup == "mtp" else glm_ckpt[0]
+    options = {"prefill-tiered": dict(kv_tiering=True, device_buffer_tokens=16), "fp8": dict(kv_cache_dtype="fp8"),
+               "mtp": dict(num_speculative_tokens=2)}.get(setup, {})
+    decode_options = {k: v for k, v in options.items() if k != "device_buffer_tokens" and k != "kv_tiering"}
+    prompt = _prompt(256, 48)  # page-aligned: the page of its last token is not sent
+    colocated = LLM(path, **BASE, **decode_options)
+    want = colocated.generate([prompt], GREEDY)[0]
+    with WorkerServer(path, "prefill", **BASE, **CHUNKED, **options) as p, \
+            WorkerServer(path, "decode", **BASE, **decode_options) as d:
+        _slowed(p.engine, monkeypatch, 0.02)
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt})
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        assert_as_colocated(want, rd.json(), d, logprob_tolerance(colocated, extra_layers=setup == "mtp"))
+        sent, got = rp.json()["sparsekv"]["disaggregation"], rd.json()["sparsekv"]["disaggregation"]
+        assert sent["pages_sent"] == got["pages_sent"] == got["pages_by_layer"] == sent["pages_by_layer"] == 11
+        assert got["layer_batches"] == sent["layer_batches"] >= 5  # at least one per chunk that completed pages
+        assert got["batches"] == sent["batches"] > got["layer_batches"]
+        p.check_clean()
+        d.check_clean()
