@@ -13,7 +13,7 @@ import torch
 from disagg_util import WorkerServer, send_pair
 from sparsekv import LLM, SamplingParams
 from sparsekv.disagg.decode import Inbox
-from sparsekv.disagg.prefill import LayerFeed, _named_parts
+from sparsekv.disagg.layers import LayerFeed, named_parts
 from sparsekv.disagg.wire import TransferError, at_once
 from sparsekv.paths import default_model_path
 from test_disagg_workers import BASE, BODY, GREEDY, PAGE, _prompt, _slowed, assert_as_colocated
@@ -128,13 +128,13 @@ def test_a_looks_pages_go_whole_then_with_the_kinds_not_sent_layer_by_layer():
     feed = LayerFeed(asyncio.new_event_loop(), 3)
     feed.tap_kinds, feed.tapped = [0, 2], {(0, 4), (0, 5), (1, 1)}
     pages = [(bytes([i]), _page(i)) for i in range(5)]  # prompt 0: pages 3, 4, 5; prompt 1: pages 0, 1
-    parts = _named_parts(pages, [3, 2], [3, 0], feed)
+    parts = named_parts(pages, [3, 2], [3, 0], feed)
     assert [(counts, [name for name, _ in part], kinds) for counts, part, kinds in parts] == [
         ([1, 1], [b"\x00", b"\x03"], None), ([2, 1], [b"\x01", b"\x02", b"\x04"], [1])]
-    assert _named_parts(pages, [3, 2], [3, 0], None) == [([3, 2], pages, None)]
+    assert named_parts(pages, [3, 2], [3, 0], None) == [([3, 2], pages, None)]
     feed.tapped = {(0, 3), (0, 5)}
     with pytest.raises(TransferError, match="out of order"):
-        _named_parts(pages, [3, 2], [3, 0], feed)
+        named_parts(pages, [3, 2], [3, 0], feed)
 
 
 # -- through two workers --------------------------------------------------------------------------------
@@ -160,3 +160,23 @@ def test_rows_go_layer_by_layer_and_the_answer_is_one_engines(setup, glm_ckpt, m
         assert got["batches"] == sent["batches"] > got["layer_batches"]
         p.check_clean()
         d.check_clean()
+
+
+def test_rows_past_the_unclaimed_bound_are_dropped_and_the_pages_go_whole():
+    from sparsekv.cache.layer_tap import LayerRows
+    loop = asyncio.new_event_loop()
+    rows = lambda first: LayerRows(0, first, 1, [0], [torch.zeros(1, PAGE, 8)])  # noqa: E731 (128 bytes)
+    feed = LayerFeed(loop, 3, unclaimed_max_bytes=200)
+    feed.deliver_for(0)(rows(0))
+    assert len(feed.items) == 1
+    feed.deliver_for(0)(rows(1))  # 256 bytes before any claim: everything goes
+    feed.claim()
+    feed.deliver_for(0)(rows(2))  # and nothing after it, or the pages would be part layer by layer
+    assert feed.dropped and feed.take() == [] and not feed.tapped
+    feed = LayerFeed(loop, 3, unclaimed_max_bytes=200)
+    feed.claim()
+    for first in range(3):
+        feed.deliver_for(0)(rows(first))  # claimed: no bound
+    assert [(p, first, n) for p, first, n, _ in feed.take()] == [(0, 0, 1), (0, 1, 1), (0, 2, 1)]
+    assert feed.tapped == {(0, 0), (0, 1), (0, 2)}
+    loop.close()

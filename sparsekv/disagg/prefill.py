@@ -9,7 +9,6 @@ prefill. It answers with that short completion, plus the transfer's figures in t
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import time
@@ -20,9 +19,11 @@ from ..request import SamplingParams
 from ..server.errors import APIError, bad_request
 from ..server.loop import RequestGroup, Submission
 from ..server.serving import Job, run
-from .transfer import Room, as_sent, connect, host_bootstrap, meta_key, pair_backend, sender
+from .transfer import Room, connect, host_bootstrap, pair_backend
 from .weights_stamp import check_same_weights, loaded_weights
-from .wire import (TransferError, as_bytes, pages_to_tensors, prompt_digest, sign, tensor_specs, verify)
+from .layers import LayerFeed, kinds_of, named_parts
+from .outbox import Batches
+from .wire import TransferError, prompt_digest, verify
 from .worker import Worker
 
 log = logging.getLogger("sparsekv.disagg")
@@ -100,7 +101,7 @@ class PrefillWorker(Worker):
             await self._untap(request_ids, feed)
 
     async def _claim_and_send(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
-                              feed: "LayerFeed | None") -> dict | None:
+                              feed: LayerFeed | None) -> dict | None:
         out = Batches(await self.blocking(self._link, room), self.settings, self.device, self.nixl)
         try:
             raw = await self._claim_or_failed_prefill(request, out.link, prefill)
@@ -133,7 +134,7 @@ class PrefillWorker(Worker):
             claim.cancel()
 
     async def _stream(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
-                      claim: dict, out: "Batches", feed: "LayerFeed | None") -> dict | None:
+                      claim: dict, out: "Batches", feed: LayerFeed | None) -> dict | None:
         """While the prefill runs, each look (every STREAM_POLL_S, on the engine loop between two steps)
         sends the prompts' pages named since the last one: a page is named in the step that fills it
         (its MTP entries included), so chunk c's pages travel while chunk c + 1 computes. With a layer
@@ -147,6 +148,7 @@ class PrefillWorker(Worker):
             await asyncio.wait([prefill])
         if feed is not None:
             base["weights"] = feed.weights
+            feed.claim()
         while True:
             finished = prefill.done()
             if await self.blocking(out.answered):  # the decode worker failed this room already
@@ -163,14 +165,14 @@ class PrefillWorker(Worker):
             self._check_weights(claim, base["weights"])
             if feed is not None:  # NOTE: the rows of the pages just named were queued before their names
                 nbytes += await self._send_layers(feed, out, base, claim["held"])
-            parts = _named_parts(pages, per_prompt, sent, feed) or ([(per_prompt, pages, None)] if finished else [])
+            parts = named_parts(pages, per_prompt, sent, feed) or ([(per_prompt, pages, None)] if finished else [])
             for i, (counts, part, kinds) in enumerate(parts):
                 meta = {**base, "names": [name.hex() for name, _ in part], "pages": counts, "kinds": kinds,
                         "num_kinds": None if kinds is None else feed.num_kinds, "last": finished and i == len(parts) - 1}
                 if meta["last"]:
                     ended.append(time.monotonic())  # NOTE: its done callback may not have run yet
                     meta.update(skipped=claim["held"], streamed=streamed, **_times(prefill.result()[1], ended[0]))
-                nbytes += await self._send(out, meta, _kinds_of(part, kinds))
+                nbytes += await self._send(out, meta, kinds_of(part, kinds))
                 streamed += 0 if finished else len(part)
             sent = [n + more for n, more in zip(sent, per_prompt)]
             if finished:
@@ -179,19 +181,23 @@ class PrefillWorker(Worker):
                    else asyncio.wait([prefill], timeout=self.stream_poll_s))
         _check_verdict(await self.take(out.link, "done", "verdict from the decode worker", request), meta,
                        self.settings.secret)
-        figures = {"role": "prefill", "room": room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
-                   "transfer_s": time.monotonic() - ended[0], "backend": base["backend"], "bytes": nbytes,
-                   "pages_sent": sum(sent) - sum(claim["held"]), "pages_streamed": streamed,
-                   "pages_skipped": sum(claim["held"]), "batches": out.index,
+        return self._sent(meta, time.monotonic() - ended[0], nbytes, sum(sent) - sum(claim["held"]), streamed, out, feed)
+
+    def _sent(self, meta: dict, transfer_s: float, nbytes: int, pages: int, streamed: int, out: "Batches",
+              feed: LayerFeed | None) -> dict:
+        """The transfer's figures (the response's and the log's), counted in the metrics."""
+        figures = {"role": "prefill", "room": meta["room"], "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
+                   "transfer_s": transfer_s, "backend": meta["backend"], "bytes": nbytes, "pages_sent": pages,
+                   "pages_streamed": streamed, "pages_skipped": sum(meta["skipped"]), "batches": out.index,
                    "pages_by_layer": 0 if feed is None else len(feed.tapped),
                    "layer_batches": 0 if feed is None else feed.batches}
         self.metrics.bytes.inc(nbytes)
         self.metrics.pages_skipped.inc(figures["pages_skipped"])
         self.metrics.seconds.observe(figures["transfer_s"])
-        log.info("disaggregation room %s sent: %s", room, figures)
+        log.info("disaggregation room %s sent: %s", meta["room"], figures)
         return figures
 
-    async def _send_layers_until(self, look, feed: "LayerFeed", out: "Batches", base: dict, held: list[int]) -> int:
+    async def _send_layers_until(self, look, feed: LayerFeed, out: "Batches", base: dict, held: list[int]) -> int:
         """Send the layer rows of the step that runs while the look waits for its end."""
         nbytes = 0
         try:
@@ -203,7 +209,7 @@ class PrefillWorker(Worker):
             raise
         return nbytes
 
-    async def _send_layers(self, feed: "LayerFeed", out: "Batches", base: dict, held: list[int]) -> int:
+    async def _send_layers(self, feed: LayerFeed, out: "Batches", base: dict, held: list[int]) -> int:
         """The layer rows queued so far, a batch per prompt and step (the layers it computed since the
         last), less the pages the decode worker holds."""
         nbytes = 0
@@ -229,7 +235,7 @@ class PrefillWorker(Worker):
                 _check_verdict(await self.blocking(out.link.get, "done"), meta, self.settings.secret)
             raise
 
-    async def _tap(self, request_ids: list[str], prompts: list[list[int]]) -> "LayerFeed | None":
+    async def _tap(self, request_ids: list[str], prompts: list[list[int]]) -> LayerFeed | None:
         """Have the engine hand each prompt's pages out layer by layer as its steps compute them, queued
         until the claim says which the decode worker holds (None: not with data-parallel ranks, whose
         caches are in other processes, nor in one-look mode)."""
@@ -249,7 +255,7 @@ class PrefillWorker(Worker):
         feed.weights = await self.blocking(self.weights.stamp, loaded)
         return feed
 
-    async def _untap(self, request_ids: list[str], feed: "LayerFeed | None") -> None:
+    async def _untap(self, request_ids: list[str], feed: LayerFeed | None) -> None:
         if feed is None:
             return
         engine = self.state.engine
@@ -319,151 +325,6 @@ def _prefill_failure(prefill) -> str | None:
         return e.message if isinstance(e, APIError) else f"the prefill failed: {e}"
     response, _ = prefill.result()
     return None if response.status_code == 200 else "the prefill worker could not compute the prompt"
-
-
-def _named_parts(pages: list, per_prompt: list[int], sent: list[int], feed: "LayerFeed | None") -> list:
-    """The pages of a look as batches: (pages per prompt, pages, the kinds they carry, None: all). Pages
-    whose layers' rows went layer by layer carry the other kinds only; they follow a prompt's pages
-    that did not (a prompt's pages are tapped from some page on), so each batch keeps each prompt's
-    pages in order."""
-    if not pages:
-        return []
-    tapped = [[(p, sent[p] + i) in feed.tapped for i in range(n)] if feed is not None else [False] * n
-              for p, n in enumerate(per_prompt)]
-    whole = [flags.index(True) if True in flags else len(flags) for flags in tapped]
-    if not all(all(flags[w:]) for flags, w in zip(tapped, whole)):
-        raise TransferError("a prompt's pages were handed out layer by layer out of order")
-    rest = [n - w for n, w in zip(per_prompt, whole)]
-    starts = [sum(per_prompt[:p]) for p in range(len(per_prompt))]
-    first = [page for p, w in enumerate(whole) for page in pages[starts[p]:starts[p] + w]]
-    second = [page for p, w in enumerate(whole) for page in pages[starts[p] + w:starts[p] + per_prompt[p]]]
-    parts = [(whole, first, None)] if first else []
-    if second:
-        parts.append((rest, second, [k for k in range(feed.num_kinds) if k not in feed.tap_kinds]))
-    return parts
-
-
-def _kinds_of(pages: list, kinds: list[int] | None) -> list:
-    """One tensor per kind of row for the pages (kinds: which, in order; None: all)."""
-    if kinds is not None:
-        pages = [(name, [rows[k] for k in kinds]) for name, rows in pages]
-    return pages_to_tensors(pages)
-
-
-class LayerFeed:
-    """A room's rows handed out layer by layer on the engine's thread (cache/layer_tap.py), queued for
-    the event loop, which sends them. `tapped`: the (prompt, page) pairs whose layer rows were taken."""
-
-    def __init__(self, loop, num_kinds: int):
-        self.loop, self.num_kinds = loop, num_kinds
-        self.items: collections.deque = collections.deque()
-        self.wake = asyncio.Event()
-        self.tapped: set[tuple[int, int]] = set()
-        self.tap_kinds: list[int] = []
-        self.weights: dict | None = None
-        self.batches = 0
-
-    def deliver_for(self, prompt: int):
-        def deliver(rows) -> None:  # on the engine's thread
-            self.items.append((prompt, rows))
-            try:
-                self.loop.call_soon_threadsafe(self.wake.set)
-            except RuntimeError:  # the event loop closed: nobody sends these
-                pass
-        return deliver
-
-    def take(self) -> list:
-        """The queued deliveries as (prompt, first page, pages, deliveries), one per prompt and step."""
-        groups = []
-        while self.items:
-            prompt, rows = self.items.popleft()
-            if groups and groups[-1][:3] == (prompt, rows.first, rows.count):
-                groups[-1][3].append(rows)
-            else:
-                groups.append((prompt, rows.first, rows.count, [rows]))
-            self.tapped.update((prompt, rows.first + i) for i in range(rows.count))
-        return groups
-
-    async def wait(self, aws: list, timeout: float | None) -> None:
-        """Until a delivery is queued, one of `aws` is done, or `timeout`."""
-        self.wake.clear()
-        if self.items:
-            return
-        waiter = asyncio.ensure_future(self.wake.wait())
-        try:
-            await asyncio.wait([*aws, waiter], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-
-
-class Batches:
-    """The prefill side of a room: its metadata batches (`meta/0`, `meta/1`, ...), each followed by
-    its tensors over the room's data path (transfer.sender, made at the first tensor, kept for the room)."""
-
-    def __init__(self, link: Room, settings, device, agent):
-        self.link, self.settings, self.device, self.agent = link, settings, device, agent
-        self.index, self.tags, self.path = 0, 0, None
-        self.claimed = self.told_error = self.ended = self.sending = False
-
-    @property
-    def peer_waiting(self) -> bool:
-        """A decode worker claimed the room and waits for the metadata of a batch still to come (not
-        while a batch's tensors move: a send that fails there fails its receive too)."""
-        return self.claimed and not self.ended and not self.sending
-
-    def send(self, meta: dict, stacked: list) -> int:
-        """Publish one batch's signed metadata, then send its tensors (contiguous); returns their bytes."""
-        secret = self.settings.secret
-        meta["tensors"] = tensor_specs(secret, stacked)
-        tensors = as_sent([as_bytes(t) for t in stacked], self.tags)
-        if tensors and self.path is None:
-            self.path = sender(meta["backend"], self.link, self.settings, self.device, self.agent)
-        if tensors:
-            meta.update(self.path.offer(tensors))
-        self.link.put(meta_key(self.index), sign(secret, meta))
-        self.index += 1
-        self.ended = bool(meta["last"])
-        if tensors:
-            self.sending = True
-            self.path.push(tensors, self.tags)
-            self.tags += len(tensors)
-            self.sending = False
-        return sum(t.numel() for t in tensors)
-
-    def answered(self) -> bool:
-        """Whether the decode worker wrote its verdict (before the last batch only when it failed);
-        it then waits for nothing more."""
-        if self.link.ready("done"):
-            self.ended = True
-            return True
-        return False
-
-    def refused(self) -> bool:
-        """Whether the decode worker wrote its verdict (False when the store is gone too)."""
-        try:
-            return self.answered()
-        except TransferError:
-            return False
-
-    def error_unless_answered(self, reason: str) -> None:
-        try:
-            if self.answered():
-                return
-        except TransferError:  # the store is gone: nobody reads an error
-            return
-        self.error(reason)
-
-    def error(self, reason: str) -> None:
-        """Let a decode worker waiting on the room fail now rather than at its timeout."""
-        try:
-            self.link.put(meta_key(self.index), sign(self.settings.secret, {"room": self.link.name, "error": reason}))
-            self.told_error, self.ended = True, True
-        except TransferError:
-            pass
-
-    def close(self) -> None:
-        if self.path is not None:
-            self.path.close()
 
 
 def _times(group: RequestGroup, finished: float) -> dict:

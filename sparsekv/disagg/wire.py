@@ -12,6 +12,10 @@ tensor of the cache) go as one tensor per kind of row, the pages stacked along a
 
     pages  [(name_0, [lat_0, idx_0, ...]), (name_1, [lat_1, idx_1, ...]), ...]
     wire   [stack(lat_0, lat_1, ...), stack(idx_0, idx_1, ...), ...]   each sent as flat bytes
+
+A batch's metadata names the kinds its tensors hold (`kinds`, positions in a page's rows; None: all):
+a layer batch holds some layers' kinds for pages of one prompt, not yet named (`layer_rows`), and the
+named batch of those pages the other kinds (prefill.py, decode.py).
 """
 from __future__ import annotations
 

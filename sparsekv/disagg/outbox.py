@@ -1,0 +1,76 @@
+"""The prefill side of a room's transfer: its signed metadata batches under the room's keys, each
+followed by its tensors over the room's data path (decode.py's `Inbox` is the other side)."""
+from __future__ import annotations
+
+from .transfer import Room, as_sent, meta_key, sender
+from .wire import TransferError, as_bytes, sign, tensor_specs
+
+
+class Batches:
+    """The prefill side of a room: its metadata batches (`meta/0`, `meta/1`, ...), each followed by
+    its tensors over the room's data path (transfer.sender, made at the first tensor, kept for the room)."""
+
+    def __init__(self, link: Room, settings, device, agent):
+        self.link, self.settings, self.device, self.agent = link, settings, device, agent
+        self.index, self.tags, self.path = 0, 0, None
+        self.claimed = self.told_error = self.ended = self.sending = False
+
+    @property
+    def peer_waiting(self) -> bool:
+        """A decode worker claimed the room and waits for the metadata of a batch still to come (not
+        while a batch's tensors move: a send that fails there fails its receive too)."""
+        return self.claimed and not self.ended and not self.sending
+
+    def send(self, meta: dict, stacked: list) -> int:
+        """Publish one batch's signed metadata, then send its tensors (contiguous); returns their bytes."""
+        secret = self.settings.secret
+        meta["tensors"] = tensor_specs(secret, stacked)
+        tensors = as_sent([as_bytes(t) for t in stacked], self.tags)
+        if tensors and self.path is None:
+            self.path = sender(meta["backend"], self.link, self.settings, self.device, self.agent)
+        if tensors:
+            meta.update(self.path.offer(tensors))
+        self.link.put(meta_key(self.index), sign(secret, meta))
+        self.index += 1
+        self.ended = bool(meta["last"])
+        if tensors:
+            self.sending = True
+            self.path.push(tensors, self.tags)
+            self.tags += len(tensors)
+            self.sending = False
+        return sum(t.numel() for t in tensors)
+
+    def answered(self) -> bool:
+        """Whether the decode worker wrote its verdict (before the last batch only when it failed);
+        it then waits for nothing more."""
+        if self.link.ready("done"):
+            self.ended = True
+            return True
+        return False
+
+    def refused(self) -> bool:
+        """Whether the decode worker wrote its verdict (False when the store is gone too)."""
+        try:
+            return self.answered()
+        except TransferError:
+            return False
+
+    def error_unless_answered(self, reason: str) -> None:
+        try:
+            if self.answered():
+                return
+        except TransferError:  # the store is gone: nobody reads an error
+            return
+        self.error(reason)
+
+    def error(self, reason: str) -> None:
+        """Let a decode worker waiting on the room fail now rather than at its timeout."""
+        try:
+            self.link.put(meta_key(self.index), sign(self.settings.secret, {"room": self.link.name, "error": reason}))
+            self.told_error, self.ended = True, True
+        except TransferError:
+            pass
+
+    def close(self) -> None:
+        if self.path is not None:
+            self.path.close()
