@@ -19,7 +19,8 @@
    requests of 128 tokens, OUT.batch64.json / OUT.batch256.json): the launches saved on a device;
 6. with --disagg: prefill/decode disaggregation on the device (`tests/test_disagg_workers.py -k
    on_cuda`): a prefill and a decode worker sharing the GPU, over torch.distributed (gloo: NCCL refuses
-   two ranks on one GPU) and over NIXL, against one engine on it;
+   two ranks on one GPU) and over NIXL, against one engine on it; and the layer taps' rows copied off
+   the device asynchronously (`tests/test_disagg_layers.py -k cuda`);
 7. with --needle LENGTHS (e.g. 1M or 256K,1M): issue 5's passkey eval of the bundled model at those
    lengths, needle depths 0, 0.5 and 1, sparse attention with the tiered cache on the device, written
    to OUT.needle.json (and a heatmap next to it). One 1M prompt takes about 1.8 hours on this
@@ -120,6 +121,10 @@ def tiers(ckpt: str, device: str, out_path: str) -> dict:
 def disaggregation() -> dict:
     test = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_disagg_workers.py", "-k", "on_cuda"],
                           capture_output=True, text=True)
+    layers = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_disagg_layers.py", "-k", "cuda"],
+                            capture_output=True, text=True)
+    if test.returncode == 0:
+        test = layers
     return {"rc": test.returncode, "tail": (test.stdout + test.stderr).strip().splitlines()[-8:]}
 
 

@@ -30,7 +30,8 @@ class WorkerServer:
     --disaggregation-transfer-backend)."""
 
     def __init__(self, model: str, mode: str, secret: bytes = SECRET, timeout_s: float = 20.0,
-                 api_keys: list[str] = (), bootstrap_port: int = 0, transfer: str = "torch", **engine_options):
+                 api_keys: list[str] = (), bootstrap_port: int = 0, transfer: str = "torch", send: str = "layers",
+                 **engine_options):
         from sparsekv.config import EngineConfig
         from sparsekv.disagg.worker import DisaggSettings
         from sparsekv.engine import LLMEngine
@@ -40,7 +41,7 @@ class WorkerServer:
             engine_options.setdefault("prefix_cache_host_bytes", 1 << 24)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         role = DisaggSettings(mode, "127.0.0.1", bootstrap_port if mode == "prefill" else None, secret, timeout_s,
-                              transfer)
+                              transfer, send)
         self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), disaggregation=role,
                                                           admin_api_keys=load_admin_keys([ADMIN_KEY], [], {})))
         self.state = self.app.state.server

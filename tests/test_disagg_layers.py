@@ -27,10 +27,16 @@ def _finish(engine) -> None:
         engine.step()
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                    reason="needs CUDA (scripts/gpu_check.py --disagg runs it)"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16), dict(kv_cache_dtype="fp8")],
                          ids=["plain", "tiered", "fp8"])
-def test_each_page_is_handed_out_once_per_layer_with_the_rows_it_exports(glm_ckpt, options):
-    engine = LLM(glm_ckpt[0], **BASE, **CHUNKED, **options).engine
+def test_each_page_is_handed_out_once_per_layer_with_the_rows_it_exports(glm_ckpt, options, device):
+    """On CUDA the rows are copied to pinned host memory asynchronously; `ready()` waits for them."""
+    engine = LLM(glm_ckpt[0], **BASE, **CHUNKED, **options, device=device).engine
     prompt, skip = _prompt(256, 42), 3  # 10 full pages, the first 3 held by the other side
     got = []
     kinds = engine.tap_layers("r", len(prompt), skip, got.append)
@@ -180,3 +186,21 @@ def test_rows_past_the_unclaimed_bound_are_dropped_and_the_pages_go_whole():
     assert [(p, first, n) for p, first, n, _ in feed.take()] == [(0, 0, 1), (0, 1, 1), (0, 2, 1)]
     assert feed.tapped == {(0, 0), (0, 1), (0, 2)}
     loop.close()
+
+
+def test_disaggregation_send_chunks_sends_no_layer_rows(glm_ckpt, tmp_path):
+    """`--disaggregation-send chunks`: the pages go once every layer computed them, none layer by layer."""
+    from disagg_util import secret_file
+    from sparsekv.server.cli import build_parser, disaggregation_settings
+    flags = ["--disaggregation-mode", "prefill", "--disaggregation-secret-file", secret_file(tmp_path)]
+    assert disaggregation_settings(build_parser().parse_args(["m", *flags])).send == "layers"
+    settings = disaggregation_settings(build_parser().parse_args(["m", *flags, "--disaggregation-send", "chunks"]))
+    assert settings.send == "chunks"
+    with pytest.raises(ValueError, match="--disaggregation-send"):
+        type(settings)(**{**settings.__dict__, "send": "pages"})
+    prompt = _prompt(256, 48)
+    with WorkerServer(glm_ckpt[0], "prefill", send=settings.send, **BASE, **CHUNKED) as p, \
+            WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt})
+        figures = rd.json()["sparsekv"]["disaggregation"]
+        assert (figures["pages_sent"], figures["pages_by_layer"], figures["layer_batches"]) == (11, 0, 0)

@@ -34,7 +34,7 @@ class PrefillWorker(Worker):
     def __init__(self, state, settings):
         super().__init__(state, settings)
         self.stream_poll_s: float | None = STREAM_POLL_S  # None: one look, after the prefill (bench transfer)
-        self.layer_by_layer = True  # False: a page's rows go once every layer computed them (bench transfer)
+        self.layer_by_layer = settings.send == "layers"  # else a page's rows go once every layer computed them
         try:
             self.store = host_bootstrap(settings.bootstrap_host, settings.bootstrap_port, settings.timeout_s)
         except Exception as e:  # the port is taken, or the host is not this machine's

@@ -24,6 +24,7 @@ from .wire import TransferError
 
 log = logging.getLogger("sparsekv.disagg")
 MODES = ("null", "prefill", "decode")
+SENDS = ("layers", "chunks")  # --disaggregation-send
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_DECODE_HOST_BYTES = 4 << 30  # the decode worker's prefix host tier, where transferred pages land
 MAX_TRANSFER_THREADS = 8  # store calls and tensor transfers; a room waiting for its peer holds none
@@ -41,6 +42,7 @@ class DisaggSettings:
     secret: bytes
     timeout_s: float = DEFAULT_TIMEOUT_S
     transfer: str = "torch"  # the data path: torch.distributed or NIXL (transfer.TRANSFERS)
+    send: str = "layers"  # prefill: each layer's rows as it computes them, or a chunk's pages once all did (SENDS)
 
     def __post_init__(self):
         if self.mode not in ("prefill", "decode"):
@@ -48,6 +50,8 @@ class DisaggSettings:
         if self.transfer not in TRANSFERS:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {', '.join(TRANSFERS)}, got "
                              f"{self.transfer!r}")
+        if self.send not in SENDS:
+            raise ValueError(f"--disaggregation-send must be one of {', '.join(SENDS)}, got {self.send!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"--disaggregation-timeout must be > 0 seconds, got {self.timeout_s}")
         port = self.bootstrap_port

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
     from ..disagg.transfer import TRANSFERS
-    from ..disagg.worker import DEFAULT_TIMEOUT_S, MODES
+    from ..disagg.worker import DEFAULT_TIMEOUT_S, MODES, SENDS
     g = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
     g.add_argument("--disaggregation-mode", default="null", choices=MODES,
                    help="prefill: compute prompts and send their KV; decode: take the KV and generate (requests "
@@ -109,6 +109,9 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
                    help="how the KV's bytes move, the same on both workers: torch (torch.distributed: NCCL when "
                         "both run on CUDA, gloo otherwise) or nixl (the decode worker reads them from the "
                         "prefill worker's memory over NIXL's UCX backend; needs NIXL installed)")
+    g.add_argument("--disaggregation-send", default="layers", choices=SENDS,
+                   help="prefill worker: when a prompt's KV leaves, layers (each layer's rows while the next layer "
+                        "computes) or chunks (a chunk's pages once every layer computed them)")
 
 
 def main(argv: list[str]) -> int:
@@ -215,7 +218,7 @@ def disaggregation_settings(args):
     host = args.disaggregation_bootstrap_host or default_bootstrap_host(args.host)
     port = args.disaggregation_bootstrap_port if args.disaggregation_mode == "prefill" else None
     return DisaggSettings(args.disaggregation_mode, host, port, load_secret(args.disaggregation_secret_file),
-                          args.disaggregation_timeout, args.disaggregation_transfer_backend)
+                          args.disaggregation_timeout, args.disaggregation_transfer_backend, args.disaggregation_send)
 
 
 def serve(app, state, host: str, port: int, shutdown_timeout: float, log_level: str = "info",
