@@ -61,9 +61,26 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(data_parallel_size=2)], ids=["tp2", "dp2"])
+def test_worker_ranks_outlast_an_idle_spell_longer_than_the_collective_timeout(glm_ckpt, layout):
+    """An idle server or LLM sends its ranks nothing for as long as it is idle: a worker waiting for its
+    next command must not time out (only collectives are bounded by dist_timeout_s)."""
+    llm = LLM(glm_ckpt[0], kv_page_size=4, max_model_len=128, num_threads=1, dist_timeout_s=TIMEOUT_S, **layout)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    try:
+        first = llm.generate([[1, 2, 3]], greedy)[0].token_ids
+        time.sleep(2 * TIMEOUT_S + 1)
+        assert all(p.is_alive() for p in _workers())
+        assert llm.generate([[1, 2, 3]], greedy)[0].token_ids == first
+    finally:
+        llm.close()
+
+
 def test_server_answers_503_turns_unhealthy_and_exits_non_zero_when_a_rank_dies(tmp_path_factory):
     model = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    proc, url = start_subprocess_server(model, "-tp", "2", "--dist-timeout", str(TIMEOUT_S))
+    # NOTE: a killed rank closes its connections, which fails the next collective at once; the timeout
+    # only bounds how long the idle worker waits for rank 0's first command while its server starts up
+    proc, url = start_subprocess_server(model, "-tp", "2", "--dist-timeout", str(10 * TIMEOUT_S))
     try:
         wait_healthy(url, proc, timeout=120)
         body = {"model": httpx.get(url + "/v1/models").json()["data"][0]["id"], "prompt": "hello", "max_tokens": 4}

@@ -21,7 +21,7 @@ from ..config import ConfigError, EngineConfig
 from ..executor import Executor, InProcessExecutor, ModelOutput
 from ..scheduler import SchedulerOutput
 from ..speculative import MTPPlan
-from .launch import RankFailure, RankGroup, check_layout, control_group, layout_of, leave, start_worker
+from .launch import RankFailure, RankGroup, check_layout, control_group, layout_of, leave, next_command, start_worker
 
 logger = logging.getLogger(__name__)
 
@@ -221,9 +221,7 @@ def serve_rank(config: EngineConfig, rank: int, addr: str) -> None:
         return
     worker, control = started
     while True:
-        message = [None]
-        dist.broadcast_object_list(message, src=0, group=control)
-        method, args = message[0]
+        method, args = next_command(config, control)
         if method == "close":
             leave(control)
         getattr(worker, method)(*args)

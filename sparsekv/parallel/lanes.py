@@ -13,7 +13,7 @@ from ..engine import LLMEngine
 from ..request import RequestOutput
 from .dp_kv import kv_call
 from .executor import serve_rank
-from .launch import RankGroup, check_layout, control_group, leave, start_worker, torchrun_rank
+from .launch import RankGroup, check_layout, control_group, leave, next_command, start_worker, torchrun_rank
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +80,7 @@ def serve_lane(config: EngineConfig, rank: int, addr: str) -> None:
                 "check_integrity": lambda: lane_integrity(engine),
                 "kv": lambda wanted, method, args, kwargs: kv_call(engine, rank, wanted, method, args, kwargs)}
     while True:
-        message = [None]
-        dist.broadcast_object_list(message, src=0, group=control_group())
-        command, args = message[0]
+        command, args = next_command(config, control_group())
         if command == "close":
             engine.close()
             leave(control)

@@ -243,6 +243,23 @@ def use_operation_timeout(config: EngineConfig) -> None:
         _set_pg_timeout(timeout, group)
 
 
+COMMAND_WAIT = timedelta(days=365)  # a worker rank waits for rank 0's next command this long
+
+
+def next_command(config: EngineConfig, control):
+    """A worker rank's next command from rank 0 (a broadcast on the control group). Rank 0 may stay idle
+    for any time between two (an idle server, an offline LLM between calls), so the wait itself is
+    not bounded by `dist_timeout_s`; rank 0 exiting closes its connections, which ends it at once. Every
+    other collective keeps the bound."""
+    message = [None]
+    _set_pg_timeout(COMMAND_WAIT, control)
+    try:
+        dist.broadcast_object_list(message, src=0, group=control)
+    finally:
+        _set_pg_timeout(timedelta(seconds=config.dist_timeout_s), control)
+    return message[0]
+
+
 def _check_spawned(processes) -> None:
     exited = [f"{p.name} (exit code {p.exitcode})" for p in processes if not p.is_alive()]
     if exited:
