@@ -149,8 +149,9 @@ class LLMEngine(WeightControl):
         """Hand the rows of request `request_id`'s cacheable prompt pages after its first `skip` to
         `deliver` layer by layer, as the steps that complete them run (cache/layer_tap.py), until
         `untap_layers`. Returns the kinds (positions in `kv.page_tensors()`) handed out."""
+        from .cache.prefix import cacheable_pages
         taps = self.executor.layer_taps(self.kv.page_tensors())
-        taps.add(request_id, self.kv.prefix.cacheable_pages(num_prompt_tokens), skip, deliver)
+        taps.add(request_id, cacheable_pages(num_prompt_tokens, self.config.kv_page_size), skip, deliver)
         return taps.kinds
 
     def untap_layers(self, request_id: str) -> None:

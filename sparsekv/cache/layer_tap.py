@@ -5,9 +5,10 @@ A tap is set per request (`LayerTaps.add`). For each step, `begin_step` finds th
 tapped chunk completes; after every decoder layer's forward (`ForwardContext.after_layer`) the rows of
 those pages in the tensors that layer wrote (its latents, its indexer keys) are copied out of the
 pool and handed to the tap's `deliver`. Each page is handed out once per layer, and never a page
-before `skip` or one the prefix cache does not name (the page of the prompt's last token). The kinds (indices into the cache's `PageRows`
-tensors, the order a page's rows are exported in) name what each delivery holds; the other kinds (the
-MTP layer's entries, a selector's page state) are left to the page's export once it is named::
+before `skip` or one the prefix cache does not name (the page of the prompt's last token). The kinds
+(indices into the cache's `PageRows` tensors, the order a page's rows are exported in) name what each
+delivery holds; the other kinds (the MTP layer's entries, a selector's page state) are left to the
+page's export once it is named::
 
     chunk [first_position, context_len)     pages completed: first_position // P .. context_len // P - 1
     layer 0 forward -> deliver(0, pages, [latent_0, index_keys_0])
@@ -49,14 +50,15 @@ class _Tap:
 
 class LayerTaps:
     """The taps of an engine's runner. `layer_kinds[l]`: the kinds layer l writes (the positions of its
-    tensors in `tensors`, a cache's `PageRows.tensors`); `flush` makes every slot row current."""
+    tensors in `tensors`, a cache's `PageRows.tensors`); `slots_of(pages, n)`: the first n slots of
+    those pages (the runner's); `flush` makes every slot row current."""
 
     def __init__(self, tensors: list[tuple[torch.Tensor, int]], layer_tensors: dict[int, list[torch.Tensor]],
-                 page_size: int, flush: Callable[[], None]):
+                 page_size: int, slots_of: Callable[[list[int], int], torch.Tensor], flush: Callable[[], None]):
         position = {id(t): j for j, (t, per_row) in enumerate(tensors) if per_row == 1}
         self.layer_kinds = {l: [position[id(t)] for t in ts if id(t) in position] for l, ts in layer_tensors.items()}
         self.tensors = [t for t, _ in tensors]
-        self.page_size, self.flush = page_size, flush
+        self.page_size, self.slots_of, self.flush = page_size, slots_of, flush
         self._taps: dict[str, _Tap] = {}
 
     @property
@@ -85,14 +87,11 @@ class LayerTaps:
             end = min(ch.context_len // self.page_size, tap.num_pages)
             if end > first:
                 tap.next_page = end
-                work.append((tap, first, end - first, self._slots(ch.page_ids[first:end])))
+                count = end - first
+                work.append((tap, first, count, self.slots_of(ch.page_ids[first:end], count * self.page_size)))
         if not work:
             return None
         return lambda layer: self._after_layer(layer, work)
-
-    def _slots(self, pages: list[int]) -> torch.Tensor:
-        device = self.tensors[0].device if self.tensors else "cpu"
-        return (torch.tensor(pages)[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1).to(device)
 
     def _after_layer(self, layer: int, work: list) -> None:
         kinds = self.layer_kinds.get(layer, [])

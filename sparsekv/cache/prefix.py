@@ -99,9 +99,6 @@ class PrefixCache(PageTransfer):
             chain.append(_next_name(chain[-1] if chain else _root(req.tenant, req.cache_salt), tokens))
         return chain[:num_pages]
 
-    def cacheable_pages(self, num_tokens: int) -> int:
-        return cacheable_pages(num_tokens, self.page_size)
-
     def prompt_names(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> list[bytes]:
         """The names of a prompt's pages that can be cached: every full page but the last token's."""
         ps, chain = self.page_size, []
