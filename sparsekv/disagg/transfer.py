@@ -22,8 +22,10 @@ worker). With `--disaggregation-transfer-backend nixl` on both workers the decod
 reads each batch out of the prefill worker's registered memory (nixl.py); `sender` and `receiver` give either data
 path behind the same two calls, `offer` and `push` on the prefill side, `pull` on the decode side. Every wait
 is bounded by the transfer timeout; a peer that dies breaks its group's connections, which fails
-that room only. Waiting for a key is polled from the event loop (`Worker.take`), so a room waiting for its peer holds
-no thread: rooms waiting on each other's workers can never exhaust the transfer threads.
+that room only. A room waiting for a key of its peer blocks in the store's own wait (`Room.wait_for`,
+woken the moment the key is written, with no polling) on a connection and a thread pool of its own
+(`Worker.take`), so rooms waiting on each other's workers can never exhaust the transfer threads, and
+a room's other store calls never queue behind its wait.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ PREFILL_RANK, DECODE_RANK = 0, 1
 BACKENDS = ("gloo", "nccl", "nixl")  # what a batch's metadata may name
 TRANSFERS = ("torch", "nixl")  # --disaggregation-transfer-backend: torch.distributed (gloo or NCCL) or NIXL
 NCCL_P2P_KEY = f"{PREFILL_RANK}:{DECODE_RANK}"  # where ProcessGroupNCCL publishes a send/recv pair's NCCL id
+WOKEN = b"sparsekv:woken"  # what a room's own side writes under a key to end its wait for it (Room.wake)
+ABSENT = b"sparsekv:absent"  # compare_set(key, ABSENT, ABSENT) reads a key without waiting for it: ABSENT if none
 
 
 def transfer_backend(prefill_device: str | None, decode_device: str | None, same_gpu: bool = False) -> str:
@@ -122,6 +126,7 @@ class Room:
     def __init__(self, store: dist.TCPStore, room: str):
         self.store, self.name = store, room
         self.prefix = f"sparsekv/room/{room}/"
+        self.waiting: dist.TCPStore | None = None  # wait_for's connection (a TCPStore client runs one call at a time)
 
     def key(self, part: str) -> str:
         return self.prefix + part
@@ -133,11 +138,34 @@ class Room:
             raise TransferError(f"room {self.name}: the bootstrap store failed: {e}") from None
 
     def ready(self, part: str) -> bool:
-        """Whether `part` is there yet (no wait: `Worker.take` polls, holding no thread while it waits)."""
+        """Whether `part` is there yet (no wait)."""
         try:
             return self.store.check([self.key(part)])
         except Exception as e:  # a connection error: the prefill worker's store is gone
             raise TransferError(f"room {self.name}: the bootstrap store is gone ({_first_line(e)})") from None
+
+    def wait_for(self, part: str, timeout_s: float) -> bytes | None:
+        """`part`'s value once it is written, or None when `wake(part)` ended the wait first. Blocks in
+        the store's wait, on a connection of the room's own, so its other calls go on meanwhile."""
+        key = self.key(part)
+        try:
+            if self.waiting is None:
+                self.waiting = dist.TCPStore(self.store.host, self.store.port, is_master=False,
+                                             wait_for_workers=False, timeout=_timeout(timeout_s))
+            self.waiting.wait([key], _timeout(timeout_s))
+            value = self.waiting.compare_set(key, ABSENT, ABSENT)  # NOTE: not get, which waits if forget() came first
+            if value == WOKEN:  # nobody else writes it, so the key is this wait's to delete
+                self.waiting.delete_key(key)
+            return None if value in (WOKEN, ABSENT) else value
+        except Exception as e:  # the store gone (a connection error), or past timeout_s
+            raise TransferError(f"room {self.name}: waiting for {part} failed: {_first_line(e)}") from None
+
+    def wake(self, part: str) -> None:
+        """End a wait for `part` (in another thread) that nobody will answer, unless it was written already."""
+        try:
+            self.store.compare_set(self.key(part), "", WOKEN)
+        except Exception:  # the store is gone: the wait has ended with an error already
+            pass
 
     def get(self, part: str) -> bytes:
         try:

@@ -3,8 +3,9 @@
 The router sends the same OpenAI request to a prefill worker and to a decode worker, each with a
 `disaggregation` field naming the room and the prefill worker's bootstrap address. The prefill
 worker computes the prompt (prefill.py) and the decode worker takes its KV before it generates
-(decode.py). Both run blocking transport calls on a small thread pool of their own and engine calls
-on the engine loop, so the event loop never waits on a peer.
+(decode.py). Both run blocking transport calls on a small thread pool of their own, each room's wait
+for its peer on a thread of its own, and engine calls on the engine loop, so the event loop never
+waits on a peer.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import time
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,8 +29,9 @@ MODES = ("null", "prefill", "decode")
 SENDS = ("layers", "chunks")  # --disaggregation-send
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_DECODE_HOST_BYTES = 4 << 30  # the decode worker's prefix host tier, where transferred pages land
-MAX_TRANSFER_THREADS = 8  # store calls and tensor transfers; a room waiting for its peer holds none
-POLL_MAX_S = 0.02  # the longest pause between two looks at a key a room waits for
+MAX_TRANSFER_THREADS = 8  # store calls and tensor transfers; a room waiting for its peer holds none of them
+WAIT_CHECK_S = 0.5  # how often a waiting room looks whether its client left or its time is up
+WAIT_MARGIN_S = 5.0  # the store's own bound on a wait, past the room's: the room wakes it first
 
 
 @dataclass(frozen=True)
@@ -103,19 +106,33 @@ class Worker:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def take(self, link, part: str, waiting_for: str, request) -> bytes:
-        """The value of the room's key `part` once the other worker has written it. TransferError past
-        the timeout, when the store is gone, or when the client went away (the router cancels one
-        side when the other failed)."""
+        """The value of the room's key `part` once the other worker has written it, the moment it is
+        (Room.wait_for, on a thread of its own). TransferError past the timeout, when the store is gone,
+        or when the client went away (the router cancels one side when the other failed); the wait is
+        woken then, so it holds its thread no longer."""
         timeout = self.settings.timeout_s
-        deadline, pause = time.monotonic() + timeout, 0.001
-        while not await self.blocking(link.ready, part):
-            if await request.is_disconnected():
-                raise TransferError(f"room {link.name}: the client went away while this worker waited for {waiting_for}")
-            if time.monotonic() > deadline:
-                raise TransferError(f"room {link.name}: no {waiting_for} within {timeout:g} s")
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, POLL_MAX_S)
-        return await self.blocking(link.get, part)
+        deadline = time.monotonic() + timeout
+        wait = _on_daemon_thread(link.wait_for, part, timeout + WAIT_MARGIN_S)
+        try:
+            while not (await asyncio.wait([wait], timeout=WAIT_CHECK_S))[0]:
+                if await request.is_disconnected():
+                    raise TransferError(f"room {link.name}: the client went away while this worker waited for {waiting_for}")
+                if time.monotonic() > deadline:
+                    raise TransferError(f"room {link.name}: no {waiting_for} within {timeout:g} s")
+        finally:
+            if not wait.done():
+                wait.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now
+                self._submit(link.wake, part)
+        value = wait.result()
+        if value is None:
+            raise TransferError(f"room {link.name}: the wait for {waiting_for} was ended by this worker")
+        return value
+
+    def _submit(self, fn, *args) -> None:
+        try:
+            self.pool.submit(fn, *args)
+        except RuntimeError:  # the worker is closing: its rooms go with it
+            pass
 
     def open_room(self, field) -> str:
         room = field.room
@@ -133,3 +150,27 @@ class Worker:
         self.metrics.failed.inc()
         log.warning("disaggregation room %s failed on the %s worker: %s", room, self.settings.mode, e)
         return APIError(503, f"the KV transfer failed ({self.settings.mode} worker, room {room}): {e}")
+
+
+def _on_daemon_thread(fn, *args) -> asyncio.Future:
+    """`fn(*args)` on a daemon thread of its own, as a future of the running loop. A room's wait holds
+    a thread for as long as its peer takes (a long prompt's prefill): a pool could run out of them,
+    and a pool's threads would hold the process's exit up while a wait lasts."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome = (fn(*args), None)
+        except Exception as e:
+            outcome = (None, e)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the event loop closed: nobody waits for it
+            pass
+    threading.Thread(target=run, name="sparsekv-disagg-wait", daemon=True).start()
+    return future

@@ -1,0 +1,138 @@
+"""A room's wait for a key of its peer (`Worker.take`, `Room.wait_for`): woken by the key itself, not
+by polling; the room's other store calls go on meanwhile; a client that leaves, a deadline that
+passes or a store that goes away end it, and the wait leaves no key and no thread behind."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sparsekv.disagg import worker as worker_module
+from sparsekv.disagg.transfer import Room, connect, host_bootstrap
+from sparsekv.disagg.wire import TransferError
+from sparsekv.disagg.worker import DisaggSettings, Worker
+
+HANG_S = 20.0  # a bound on each wait below that only a hang reaches
+
+
+class Client:
+    """The HTTP request a worker serves, as `take` sees it."""
+
+    def __init__(self):
+        self.gone = False
+
+    async def is_disconnected(self) -> bool:
+        return self.gone
+
+
+def _worker(timeout_s: float) -> Worker:
+    """A worker's waits and nothing else (no engine: `take` needs its settings and its transfer pool)."""
+    w = Worker.__new__(Worker)
+    w.settings = DisaggSettings("decode", "127.0.0.1", None, b"s" * 32, timeout_s=timeout_s)
+    w.pool = ThreadPoolExecutor(2)
+    return w
+
+
+@pytest.fixture
+def room():
+    store = host_bootstrap("127.0.0.1", 0, 30)
+    yield store, Room(connect("127.0.0.1", store.port, 30), "r1"), Room(connect("127.0.0.1", store.port, 30), "r1")
+    del store
+
+
+def _waits() -> int:
+    return sum(t.name == "sparsekv-disagg-wait" for t in threading.enumerate())
+
+
+def _ended(condition, seconds: float = HANG_S) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_wait_is_woken_by_the_key_and_never_polls(room, monkeypatch):
+    """With the room's checks every hour, only the key's arrival can end the wait; `ready` (a poll)
+    is never called; and the room's own side writes its keys while it waits."""
+    _, mine, peer = room
+    monkeypatch.setattr(worker_module, "WAIT_CHECK_S", 3600.0)
+    monkeypatch.setattr(Room, "ready", lambda *a: pytest.fail("take polled the store"))
+    w = _worker(timeout_s=3600)
+
+    async def scenario():
+        take = asyncio.ensure_future(w.take(mine, "meta/0", "the batch", Client()))
+        await asyncio.sleep(0.2)
+        assert not take.done()
+        await asyncio.wait_for(w.blocking(mine.put, "claim", b"mine"), HANG_S)  # not queued behind the wait
+        await w.blocking(peer.put, "meta/0", b"batch 0")
+        return await asyncio.wait_for(take, HANG_S)
+    assert asyncio.run(scenario()) == b"batch 0"
+    assert peer.get("claim") == b"mine"
+    assert _ended(lambda: _waits() == 0)
+
+
+@pytest.mark.parametrize("why", ["client", "deadline"])
+def test_a_wait_that_ends_unanswered_leaves_no_key_and_no_thread(room, monkeypatch, why):
+    store, mine, peer = room
+    monkeypatch.setattr(worker_module, "WAIT_CHECK_S", 0.05)
+    w = _worker(timeout_s=0.3 if why == "deadline" else 3600)
+    client = Client()
+
+    async def scenario():
+        take = asyncio.ensure_future(w.take(mine, "done", "the verdict", client))
+        await asyncio.sleep(0.2)
+        client.gone = why == "client"
+        with pytest.raises(TransferError, match="went away" if why == "client" else "no the verdict within"):
+            await asyncio.wait_for(take, HANG_S)
+    asyncio.run(scenario())
+    assert _ended(lambda: _waits() == 0)
+    assert _ended(lambda: store.num_keys() == 0)  # the wake is the wait's own to delete
+    peer.put("done", b"late")  # the peer answering after it is nobody's business now
+    assert mine.store.get(mine.key("done")) == b"late"
+
+
+class ForgottenInBetween:
+    """The room's waiting connection, with the room forgotten (its key deleted, as `Room.forget` does)
+    between the wait's end and its read of the key."""
+
+    def __init__(self, waiting, other):
+        self.waiting, self.other = waiting, other
+
+    def wait(self, keys, timeout):
+        self.waiting.wait(keys, timeout)
+        self.other.delete_key(keys[0])
+
+    def __getattr__(self, name):
+        return getattr(self.waiting, name)
+
+
+def test_a_wait_whose_key_is_deleted_before_its_read_ends_without_waiting_again(room):
+    store, mine, peer = room
+    mine.waiting = ForgottenInBetween(connect("127.0.0.1", store.port, 30), peer.store)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(mine.wait_for, "meta/3", HANG_S)
+        time.sleep(0.2)
+        mine.wake("meta/3")
+        assert future.result(timeout=HANG_S) is None  # a get() would wait for the key again
+    assert store.num_keys() == 0
+
+
+def test_a_store_that_goes_away_ends_the_wait():
+    """The prefill worker's store closing (its process gone) ends the decode side's wait at once."""
+    w = _worker(timeout_s=3600)
+    stores = [host_bootstrap("127.0.0.1", 0, 30)]
+    mine = Room(connect("127.0.0.1", stores[0].port, 30), "r1")
+
+    async def scenario():
+        take = asyncio.ensure_future(w.take(mine, "meta/0", "the batch", Client()))
+        await asyncio.sleep(0.2)
+        stores.clear()  # its last reference: the server closes
+        with pytest.raises(TransferError, match="waiting for meta/0 failed"):
+            await asyncio.wait_for(take, HANG_S)
+    asyncio.run(scenario())
+    assert _ended(lambda: _waits() == 0)
