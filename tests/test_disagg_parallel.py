@@ -5,12 +5,14 @@ process (`DataParallelKV` over a fake engine) and through a decode worker that s
 its ranks holds."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from disagg_util import process_and_local_pair, send_pair
-from sparsekv import LLM
+from sparsekv import LLM, SamplingParams
 from sparsekv.parallel.dp_kv import DataParallelKV, kv_call
 from sparsekv.parallel.router import PrefixAffinityRouter
 from test_disagg_workers import BASE, BODY, GREEDY, PAGE, _prompt, assert_as_colocated
@@ -92,8 +94,8 @@ def _pairs(p_url: str, d_url: str, prompts: list[list[int]]) -> list:
 @pytest.mark.parametrize("dp_side", ["prefill", "decode"])
 def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
     """Two requests at once reach both ranks of a `-dp 2` worker (a `sparsekv serve` process of its
-    own) paired with a one-rank worker: every page is sent, from the rank that computed it or to the
-    rank that decodes, and the answers are one colocated engine's. Decode side: a third request for
+    own) paired with a one-rank worker: every page is sent, from the rank that computed it (layer by
+    layer) or to the rank that decodes, and the answers are one colocated engine's. Decode side: a third request for
     the second prompt claims the rank that holds its pages, and none is sent."""
     path = glm_ckpt[0]
     prompts = [_prompt(256, 41, seed) for seed in (3, 4)]
@@ -105,7 +107,8 @@ def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
             figures = body["sparsekv"]["disaggregation"]
             assert figures["pages_sent"] == (len(prompts[0]) - 1) // PAGE and figures["pages_skipped"] == 0
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == figures["pages_sent"] * PAGE
-            if dp_side == "prefill":
+            if dp_side == "prefill":  # each rank's rows went layer by layer (rank 1's through rank 0)
+                assert figures["pages_by_layer"] == figures["pages_sent"] and figures["layer_batches"] >= 1
                 assert_as_colocated(expected, body, local, logprob_tolerance(colocated))
             else:
                 assert body["sparsekv"]["choices"][0]["token_ids"] == expected.token_ids
@@ -140,3 +143,47 @@ def test_a_claimed_prompt_runs_on_the_rank_its_pages_landed_on(glm_ckpt):
         llm.close()
     assert got.metrics["prefix_cached_tokens_host"] == len(pages) * PAGE
     assert got.token_ids == want.token_ids
+
+
+def test_layer_rows_of_every_data_parallel_rank_reach_rank_0_before_their_pages_are_named(glm_ckpt):
+    """In process, a `DataParallelEngine` of two ranks with both prompts tapped: rank 1's prompt's rows
+    come over the taps' group (parallel/dp_taps.py), rank 0's from its own engine. Each page once per
+    layer, in order, each delivery the rows the page exports from the rank that computed it, and all
+    of a step's rows in before the step returns (so before any page of it is named). Nothing after
+    the untap. Each delivery is slow here, as on a busy machine."""
+    path = glm_ckpt[0]
+    prompts = [_prompt(256, 42, seed) for seed in (3, 4)]  # 10 full pages each
+    llm = LLM(path, **BASE, prefill_chunk_tokens=8, max_num_batched_tokens=16, data_parallel_size=2)
+    engine, got = llm.engine, {0: [], 1: []}
+    slow = {i: (lambda rows, i=i: (time.sleep(0.02), got[i].append(rows))) for i in got}
+    try:
+        kinds = [engine.tap_layers(f"r{i}", len(p), 0, slow[i]) for i, p in enumerate(prompts)]
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=2, temperature=0.0))
+        assert sorted(engine.rank_of.values()) == [0, 1]
+        ranks = dict(engine.rank_of)
+        while engine.has_unfinished_requests():
+            engine.step()
+            for i, p in enumerate(prompts):  # every page named on its rank by now has all its layers' rows
+                named = engine.kv.on_rank(ranks[f"r{i}"], "held_prefix", p)
+                layers = len(engine.local.model.layers)
+                pages = [d.first + j for d in got[i] for j in range(d.count)]
+                assert all(pages.count(page) == layers for page in range(named)), (i, named)
+        for i, p in enumerate(prompts):
+            exported = engine.kv.on_rank(ranks[f"r{i}"], "export_prefix", p)
+            for layer in range(len(engine.local.model.layers)):
+                pages = [d.first + j for d in got[i] if d.layer == layer for j in range(d.count)]
+                assert pages == list(range((len(p) - 1) // PAGE)), (i, layer)
+            for d in got[i]:
+                for j in range(d.count):
+                    rows = exported[d.first + j][1]
+                    assert all(torch.equal(rows[k], d.ready()[n][j]) for n, k in enumerate(d.kinds))
+        assert kinds[0] == kinds[1] and sorted({k for d in got[1] for k in d.kinds}) == kinds[1]
+        counts = {i: len(got[i]) for i in got}
+        for i in range(2):
+            engine.untap_layers(f"r{i}")
+        llm.generate([_prompt(256, 42, seed=5), _prompt(256, 42, seed=6)], SamplingParams(max_tokens=1))
+        assert {i: len(got[i]) for i in got} == counts
+        engine.check_integrity()
+    finally:
+        llm.close()

@@ -237,10 +237,10 @@ class PrefillWorker(Worker):
 
     async def _tap(self, request_ids: list[str], prompts: list[list[int]]) -> LayerFeed | None:
         """Have the engine hand each prompt's pages out layer by layer as its steps compute them, queued
-        until the claim says which the decode worker holds (None: not with data-parallel ranks, whose
-        caches are in other processes, nor in one-look mode)."""
+        until the claim says which the decode worker holds (None: chunk-by-chunk or one-look mode). On
+        a data-parallel engine, another rank's rows come through rank 0 (parallel/dp_taps.py)."""
         engine = self.state.engine
-        if not self.layer_by_layer or self.stream_poll_s is None or engine.config.data_parallel_size > 1:
+        if not self.layer_by_layer or self.stream_poll_s is None:
             return None
         feed = LayerFeed(asyncio.get_running_loop(), len(engine.kv.page_tensors()))
 

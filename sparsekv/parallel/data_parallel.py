@@ -24,6 +24,7 @@ from ..hub import resolve_config
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
 from ..weights import WEIGHT_UPDATE_POLICIES, WeightLoadError, WeightUpdateConflict
 from .dp_kv import DataParallelKV, kv_call
+from .dp_taps import DataParallelTaps, TapReceiver, open_group
 from .lanes import lane_integrity, load_lane, merge_stats, serve_lane, step_lane
 from .launch import RankFailure, RankGroup, check_layout
 from .router import PrefixAffinityRouter
@@ -49,6 +50,7 @@ class DataParallelEngine:
         self.ranks.check_started(error)
         self.router = PrefixAffinityRouter(self.num_ranks, config.kv_page_size)
         self.kv = DataParallelKV(self)  # prefix-cache calls routed to a rank (disaggregation)
+        self.taps: DataParallelTaps | None = None  # layer taps (a prefill worker's), opened by the first tap
         self.rank_of: dict[str, int] = {}  # requests in flight -> their rank
         self._adds: list[list] = [[] for _ in range(self.num_ranks)]
         self._aborts: list[list[str]] = [[] for _ in range(self.num_ranks)]
@@ -161,7 +163,11 @@ class DataParallelEngine:
         message = {"adds": self._adds, "aborts": self._aborts, "hold": draining}
         self._adds = [[] for _ in range(self.num_ranks)]
         self._aborts = [[] for _ in range(self.num_ranks)]
+        if self.taps is not None:
+            message["taps"], message["untaps"] = self.taps.for_step(self.rank_of)
         gathered = self._together("step", message, run=lambda: step_lane(self.local, 0, message))
+        if self.taps is not None:
+            self._receive_taps([summary.get("taps_sent", 0) for _, summary in gathered])
         outputs = []
         for rank, (outs, summary) in enumerate(gathered):
             self._summaries[rank] = summary
@@ -184,6 +190,31 @@ class DataParallelEngine:
             return gathered
         except RuntimeError as e:
             raise self.ranks.fail(command, e) from e
+
+    # -- layer taps (disaggregation's layer-by-layer send: parallel/dp_taps.py) -----------------------
+    def tap_layers(self, request_id: str, num_prompt_tokens: int, skip: int, deliver) -> list[int]:
+        """`LLMEngine.tap_layers` on the rank the request runs on, set at the step after its add."""
+        if self.taps is None:
+            self.taps = self._open_taps()
+        self.taps.add(request_id, num_prompt_tokens, skip, deliver)
+        return self.local.executor.layer_taps(self.local.kv.page_tensors()).kinds
+
+    def untap_layers(self, request_id: str) -> None:
+        if self.taps is not None:
+            self.taps.remove(request_id)
+
+    def _open_taps(self) -> DataParallelTaps:
+        groups = []
+        self._together("open_taps", run=lambda: groups.append(open_group(self.config.dist_timeout_s)))
+        receiver = TapReceiver(groups[0], self.num_ranks, self.local.kv.page_tensors(), self.config.kv_page_size)
+        return DataParallelTaps(self.local, receiver, self.num_ranks)
+
+    def _receive_taps(self, sent: list[int]) -> None:
+        """Until rank 0 holds every row the step's ranks sent (so none comes after its page is named)."""
+        try:
+            self.taps.receiver.wait_for(sent, self.config.dist_timeout_s)
+        except RuntimeError as e:
+            raise self.ranks.fail("step", e) from e
 
     def kv_call(self, rank: int | None, method: str, args, kwargs) -> list:
         """`engine.kv.<method>` on `rank` (None: every rank), each rank's answer as `dp_kv.kv_call`'s."""

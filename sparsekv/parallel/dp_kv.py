@@ -95,6 +95,10 @@ class DataParallelKV:
         rank = max(range(len(held)), key=lambda r: (held[r], -r))
         return self.on_rank(rank, "export_prefix", token_ids, tenant, cache_salt, skip=skip)
 
+    def page_tensors(self) -> list:
+        """Rank 0's (every rank's cache has the same tensors)."""
+        return self.engine.local.kv.page_tensors()
+
     # -- the calls -----------------------------------------------------------------------------------
     def on_rank(self, rank: int, method: str, *args, **kwargs):
         """`engine.kv.<method>(...)` on one rank; an exception there is raised here."""

@@ -12,25 +12,33 @@ from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..request import RequestOutput
 from .dp_kv import kv_call
+from .dp_taps import TapSender, open_group, set_lane_taps
 from .executor import serve_rank
 from .launch import RankGroup, check_layout, control_group, leave, next_command, start_worker, torchrun_rank
 
 logger = logging.getLogger(__name__)
 
 
-def step_lane(engine: LLMEngine, rank: int, message: dict) -> tuple[list[RequestOutput], dict]:
+def step_lane(engine: LLMEngine, rank: int, message: dict, taps: TapSender | None = None
+              ) -> tuple[list[RequestOutput], dict]:
     """One data-parallel rank's part of a step: its new requests and aborts, during a drain its
-    requests never scheduled held, its engine's step (the passes it does not run, empty), and what the
-    front end needs back."""
+    requests never scheduled held, its layer taps (`taps`: on a rank > 0 once they opened), its
+    engine's step (the passes it does not run, empty), and what the front end needs back: with taps,
+    once every row the step handed out has left (dp_taps.py)."""
     for request_id in message["aborts"][rank]:
         engine.abort(request_id)
     for request_id, token_ids, params, tenant, cache_salt in message["adds"][rank]:
         engine.add_request(request_id, token_ids, params, tenant, cache_salt)
+    if taps is not None:
+        set_lane_taps(engine, taps, message, rank)
     if message["hold"]:
         engine.hold_unstarted_requests()
     outs = engine.step() if engine.scheduler.has_unfinished() else []
     engine.executor.finish_step()
-    return outs, lane_summary(engine)
+    summary = lane_summary(engine)
+    if taps is not None:
+        summary["taps_sent"] = taps.drain()
+    return outs, summary
 
 
 def lane_summary(engine: LLMEngine) -> dict:
@@ -74,7 +82,12 @@ def serve_lane(config: EngineConfig, rank: int, addr: str) -> None:
     if started is None:
         return
     engine, control = started
-    commands = {"step": lambda message: step_lane(engine, rank, message), "stats": engine.stats,
+    taps: list[TapSender] = []  # opened by rank 0's first layer tap
+
+    def open_taps() -> None:
+        taps.append(TapSender(open_group(config.dist_timeout_s)))
+    commands = {"step": lambda message: step_lane(engine, rank, message, taps[0] if taps else None),
+                "open_taps": open_taps, "stats": engine.stats,
                 "load_weights": lambda update, checkpoint: load_lane(engine, update, checkpoint),
                 "expire_prefix_cache": engine.expire_prefix_cache, "reset_prefix_cache": engine.reset_prefix_cache,
                 "check_integrity": lambda: lane_integrity(engine),
@@ -83,6 +96,8 @@ def serve_lane(config: EngineConfig, rank: int, addr: str) -> None:
         command, args = next_command(config, control_group())
         if command == "close":
             engine.close()
+            for sender in taps:
+                sender.close()
             leave(control)
         dist.gather_object(commands[command](*args), None, dst=0, group=control_group())
 
