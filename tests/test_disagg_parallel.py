@@ -109,6 +109,7 @@ def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == figures["pages_sent"] * PAGE
             if dp_side == "prefill":  # each rank's rows went layer by layer (rank 1's through rank 0)
                 assert figures["pages_by_layer"] == figures["pages_sent"] and figures["layer_batches"] >= 1
+                assert figures["prefill_s"] > 0  # rank 1's request too: its first step is known on rank 0
                 assert_as_colocated(expected, body, local, logprob_tolerance(colocated))
             else:
                 assert body["sparsekv"]["choices"][0]["token_ids"] == expected.token_ids

@@ -10,6 +10,7 @@ selects the same positions (the indexer is replicated and reads all-reduced hidd
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -298,6 +299,31 @@ def test_data_parallel_routes_a_repeated_prompt_to_the_rank_holding_its_prefix(g
     assert first[0].num_cached_tokens == 0
     assert again[1].metrics["prefix_cached_tokens_device"] == again[1].num_cached_tokens >= 32
     assert again[0].num_cached_tokens >= 28
+
+
+def test_a_request_on_another_rank_is_first_scheduled_in_the_step_that_ran_it(glm_ckpt):
+    """Rank 0's view of a request on rank 1 (what the server's queue and prefill figures read) takes
+    the start of the step in which rank 1 first scheduled it: the first step for the first, a step
+    after the first finished for the one queued behind it (one sequence per rank)."""
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, max_num_seqs=1)
+    engine = llm.engine
+    try:
+        prompts = [_prompts(256)[0][i:i + 30] for i in range(4)]
+        requests = [engine.add_request(f"r{i}", prompt, PARAMS) for i, prompt in enumerate(prompts)]
+        remote = [r for r in requests if engine.rank_of[r.request_id] == 1]
+        assert len(remote) == 2 and all(r.first_scheduled_time is None for r in remote)
+        steps, finished = [], {}
+        while engine.has_unfinished_requests():
+            before = time.monotonic()
+            outs = engine.step()
+            steps.append((before, time.monotonic()))
+            finished.update({o.request_id: len(steps) - 1 for o in outs if o.finished})
+        step_of = [next(i for i, (a, b) in enumerate(steps) if a <= r.first_scheduled_time <= b) for r in remote]
+        assert step_of[0] == 0 and step_of[1] == finished[remote[0].request_id] + 1
+        assert not engine._remote
+        engine.check_integrity()
+    finally:
+        llm.close()
 
 
 def test_router_prefers_the_longest_cached_prefix_then_the_least_loaded():

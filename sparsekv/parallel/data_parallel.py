@@ -15,6 +15,7 @@ layer, so all of them must switch at the same step, or a token would mix old and
 from __future__ import annotations
 
 import logging
+import time
 
 import torch.distributed as dist
 
@@ -52,6 +53,7 @@ class DataParallelEngine:
         self.kv = DataParallelKV(self)  # prefix-cache calls routed to a rank (disaggregation)
         self.taps: DataParallelTaps | None = None  # layer taps (a prefill worker's), opened by the first tap
         self.rank_of: dict[str, int] = {}  # requests in flight -> their rank
+        self._remote: dict[str, Request] = {}  # rank 0's view of the requests in flight on other ranks
         self._adds: list[list] = [[] for _ in range(self.num_ranks)]
         self._aborts: list[list[str]] = [[] for _ in range(self.num_ranks)]
         self._summaries: list[dict] = [{"waiting": {}, "running": 0, "started": 0, "counters": {}}
@@ -123,10 +125,12 @@ class DataParallelEngine:
         if rank == 0:
             return self.local.add_request(request_id, token_ids, params, tenant, cache_salt)
         self._adds[rank].append((request_id, token_ids, params, tenant, cache_salt))
-        return Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)
+        self._remote[request_id] = Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)
+        return self._remote[request_id]
 
     def abort(self, request_id: str) -> bool:
         rank = self.rank_of.pop(request_id, None)
+        self._remote.pop(request_id, None)
         if rank is None:
             return False
         self.router.finished(rank)
@@ -165,19 +169,30 @@ class DataParallelEngine:
         self._aborts = [[] for _ in range(self.num_ranks)]
         if self.taps is not None:
             message["taps"], message["untaps"] = self.taps.for_step(self.rank_of)
+        started = time.monotonic()
         gathered = self._together("step", message, run=lambda: step_lane(self.local, 0, message))
         if self.taps is not None:
             self._receive_taps([summary.get("taps_sent", 0) for _, summary in gathered])
         outputs = []
         for rank, (outs, summary) in enumerate(gathered):
             self._summaries[rank] = summary
+            self._scheduled(summary["scheduled"] if rank else [], started)
             for out in outs:
                 if out.finished and self.rank_of.pop(out.request_id, None) is not None:
                     self.router.finished(rank)
+                    self._remote.pop(out.request_id, None)
                 outputs.append(out)
         if draining and not any(s["started"] for s in self._summaries):
             outputs += self._load(*self._pending_update)
         return outputs
+
+    def _scheduled(self, request_ids: list[str], started: float) -> None:
+        """Another rank first scheduled these in the step that started at `started` (rank 0's clock):
+        the time the server's queue figures read (`Request.first_scheduled_time`)."""
+        for request_id in request_ids:
+            request = self._remote.get(request_id)
+            if request is not None and request.first_scheduled_time is None:
+                request.first_scheduled_time = started
 
     def _together(self, command: str, *args, run):
         """Broadcast a command, run rank 0's part, gather every rank's answer."""
@@ -282,6 +297,7 @@ class DataParallelEngine:
             for out in aborted:  # a request aborted here already (its abort still queued) is not answered twice
                 if self.rank_of.pop(out.request_id, None) is not None:
                     self.router.finished(rank)
+                    self._remote.pop(out.request_id, None)
                     outputs.append(out)
         return outputs
 
@@ -332,6 +348,7 @@ class DataParallelEngine:
         problems = [p for p in self._together("check_integrity", run=lambda: lane_integrity(self.local)) if p]
         assert not problems, "; ".join(problems)
         assert set(self.rank_of) >= {r.request_id for r in self.local.scheduler.running}
+        assert set(self._remote) <= set(self.rank_of)
 
     def close(self) -> None:
         """Close every rank's engine (each saves its prefix cache's disk tier) and stop the workers."""

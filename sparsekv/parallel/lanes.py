@@ -23,8 +23,9 @@ def step_lane(engine: LLMEngine, rank: int, message: dict, taps: TapSender | Non
               ) -> tuple[list[RequestOutput], dict]:
     """One data-parallel rank's part of a step: its new requests and aborts, during a drain its
     requests never scheduled held, its layer taps (`taps`: on a rank > 0 once they opened), its
-    engine's step (the passes it does not run, empty), and what the front end needs back: with taps,
-    once every row the step handed out has left (dp_taps.py)."""
+    engine's step (the passes it does not run, empty), and what the front end needs back (the
+    requests first scheduled in this step among them); with taps, once every row the step handed out
+    has left (dp_taps.py)."""
     for request_id in message["aborts"][rank]:
         engine.abort(request_id)
     for request_id, token_ids, params, tenant, cache_salt in message["adds"][rank]:
@@ -33,9 +34,11 @@ def step_lane(engine: LLMEngine, rank: int, message: dict, taps: TapSender | Non
         set_lane_taps(engine, taps, message, rank)
     if message["hold"]:
         engine.hold_unstarted_requests()
+    fresh = [r for r in engine.scheduler.waiting if r.first_scheduled_time is None]
     outs = engine.step() if engine.scheduler.has_unfinished() else []
     engine.executor.finish_step()
     summary = lane_summary(engine)
+    summary["scheduled"] = [r.request_id for r in fresh if r.first_scheduled_time is not None]
     if taps is not None:
         summary["taps_sent"] = taps.drain()
     return outs, summary
