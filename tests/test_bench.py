@@ -133,6 +133,15 @@ def test_bench_transfer_sends_during_the_prefill_against_one_batch_after_it(tmp_
     assert layers["over_after"] > 0 and chunks["over_after"] > 0 and "after the prefill" in capsys.readouterr().out
 
 
+def test_bench_transfer_with_a_data_parallel_prefill_worker_sends_a_prompt_per_rank_layer_by_layer(tmp_path, capsys):
+    out = tmp_path / "transfer.json"
+    assert main(["transfer", "--prompt-tokens", "600", "--repeats", "1", "--prefill-dp", "2", "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["backends"]["torch"]
+    assert all(len(m["after_prefill_ms_each"]) == 2 for m in modes.values())  # a prompt per rank, each measured
+    assert modes["layers"]["pages_by_layer"] == modes["layers"]["pages_sent"] == 599 // 64
+    assert modes["chunks"]["pages_by_layer"] == 0 and "a prompt per rank" in capsys.readouterr().out
+
+
 def test_bench_transfer_refuses_an_unknown_backend(capsys):
     assert main(["transfer", "--backends", "rdma"]) == 2
     assert "--backends" in capsys.readouterr().err

@@ -10,7 +10,8 @@ tokens, each new to both prefix caches. Printed per backend and mode, medians ov
 prefill's time, the transfer left after it (from its end to the decode worker's verdict, as the
 prefill worker reports it), pages sent, streamed during the prefill and sent layer by layer, MB,
 batches, and the transfer left after the prefill against sending after it. The modes alternate, so
-machine noise hits them alike. The two workers share this machine's cores: pin the process (`taskset`) to compare runs.
+machine noise hits them alike. With `--prefill-dp N` the prefill worker is data-parallel and N prompts
+go at once, one per rank (each rank's rows reach the decode worker through rank 0). The two workers share this machine's cores: pin the process (`taskset`) to compare runs.
 """
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ class InProcessWorker:
     def __init__(self, model: str, mode: str, secret: bytes, transfer: str, **engine_options):
         from ..config import EngineConfig
         from ..disagg.worker import DisaggSettings
-        from ..engine import LLMEngine
+        from ..llm import build_engine
         from ..server.app import ServerSettings, create_app
         from ..server.threaded import listening_socket, serve_in_thread
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine = build_engine(EngineConfig(model=model, **engine_options))
         role = DisaggSettings(mode, "127.0.0.1", 0 if mode == "prefill" else None, secret, 120.0, transfer)
         app = create_app(self.engine, ServerSettings([SERVED_NAME], disaggregation=role))
         self.state = app.state.server
@@ -54,6 +55,7 @@ class InProcessWorker:
     def close(self) -> None:
         from ..server.threaded import stop_thread_server
         stop_thread_server(self.server, self.thread)
+        self.engine.close()
 
 
 def send_pair(prefill_url: str, decode_url: str, body: dict, timeout: float = 600.0) -> tuple[dict, dict]:
@@ -75,14 +77,18 @@ def send_pair(prefill_url: str, decode_url: str, body: dict, timeout: float = 60
     return answers[0].json(), answers[1].json()
 
 
-def one_prompt(pair, mode: str, prompt: list[int]) -> dict:
-    """The prompt through the pair in `mode`; the prefill worker's transfer figures."""
+def prompts_at_once(pair, mode: str, prompts: list[list[int]]) -> list[dict]:
+    """The prompts through the pair in `mode`, all at once; the prefill worker's transfer figures of each."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from ..disagg.prefill import STREAM_POLL_S
     prefill, decode = pair
     prefill.worker.stream_poll_s = None if mode == "after" else STREAM_POLL_S
     prefill.worker.layer_by_layer = mode == "layers"
-    answer, _ = send_pair(prefill.url, decode.url, {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0})
-    return answer["sparsekv"]["disaggregation"]
+    body = {"model": SERVED_NAME, "max_tokens": 1, "temperature": 0.0}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: send_pair(prefill.url, decode.url, {**body, "prompt": p}), prompts))
+    return [answer["sparsekv"]["disaggregation"] for answer, _ in answers]
 
 
 def backends(wanted: str) -> list[str]:
@@ -108,20 +114,22 @@ def run(args) -> dict:
     secret = secrets.token_bytes(32)
     results = {}
     for backend in backends(args.backends):
-        pair = (InProcessWorker(model, "prefill", secret, backend, **options),
+        pair = (InProcessWorker(model, "prefill", secret, backend, **options, data_parallel_size=args.prefill_dp),
                 InProcessWorker(model, "decode", secret, backend, **options))
         try:
             vocab = pair[0].engine.model_config.vocab_size
             runs = {mode: [] for mode in MODES}
             for _ in range(args.repeats):
-                for mode in MODES:
-                    prompt = torch.randint(1, vocab, (args.prompt_tokens,), generator=g).tolist()
-                    runs[mode].append(one_prompt(pair, mode, prompt))
+                for mode in MODES:  # with -dp, a prompt per rank at once (the router spreads them)
+                    prompts = [torch.randint(1, vocab, (args.prompt_tokens,), generator=g).tolist()
+                               for _ in range(args.prefill_dp)]
+                    runs[mode] += prompts_at_once(pair, mode, prompts)
             results[backend] = {mode: summarize(figures) for mode, figures in runs.items()}
         finally:
             for worker in pair:
                 worker.close()
-    return {"model": model, "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "backends": results}
+    return {"model": model, "prompt_tokens": args.prompt_tokens, "repeats": args.repeats,
+            "prefill_dp": args.prefill_dp, "backends": results}
 
 
 def summarize(figures: list[dict]) -> dict:
@@ -135,8 +143,10 @@ def summarize(figures: list[dict]) -> dict:
 
 
 def report(out: dict) -> dict:
-    table = Table(title=f"{out['model']}: one prompt of {out['prompt_tokens']} tokens, a prefill and a decode worker in "
-                        f"this process, medians of {out['repeats']}")
+    dp = out.get("prefill_dp", 1)
+    prompts = "one prompt" if dp == 1 else f"{dp} prompts at once (a data-parallel prefill worker, a prompt per rank)"
+    table = Table(title=f"{out['model']}: {prompts} of {out['prompt_tokens']} tokens, a prefill and a decode worker in "
+                        f"this process, medians of {out['repeats'] * dp}")
     for column in ("backend", "sent", "prefill s", "transfer after the prefill (ms), each run",
                    "pages sent / streamed / by layer", "MB", "batches", "after the prefill, against after"):
         table.add_column(column)
@@ -162,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "torch, nixl")
     p.add_argument("--host-bytes", type=int, default=1 << 30, help="each worker's prefix-cache host tier, bytes")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the two engines share them)")
+    p.add_argument("--prefill-dp", type=int, default=1,
+                   help="the prefill worker's data-parallel ranks (-dp); as many prompts go at once, one per rank")
     p.add_argument("--json", default=None)
     return p
 
