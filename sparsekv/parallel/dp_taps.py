@@ -22,7 +22,6 @@ engine that never sends layer by layer opens nothing.
 """
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from datetime import timedelta
@@ -31,8 +30,6 @@ import torch
 import torch.distributed as dist
 
 from ..cache.layer_tap import LayerRows
-
-logger = logging.getLogger(__name__)
 
 HEADER_LEN = 16  # tap id, layer, first, count, number of kinds, then up to 11 kinds
 LEAVE = -1  # a header's tap id: the sending rank closes
