@@ -23,16 +23,20 @@ class FakeKV:
     """One rank's `engine.kv`: which prompts' pages it holds, what it imported."""
 
     def __init__(self):
-        self.prefix, self.held, self.imported = object(), {}, []
+        self.prefix, self.held, self.imported, self.forgotten, self.refuse = object(), {}, [], [], False
 
     def held_prefix(self, token_ids, tenant, cache_salt):
         return self.held.get(tuple(token_ids), 0)
 
     def import_prefix(self, pages, tenant, prompts, cache_salt):
-        if pages == "bad":
+        if pages == "bad" or self.refuse:
             raise ValueError("page 0: its rows do not fit")
         self.imported.append((pages, [tuple(p) for p in prompts]))
         return len(pages)
+
+    def forget_prefix(self, names):
+        self.forgotten.append(names)
+        return len(names)
 
     def export_prefix(self, token_ids, tenant, cache_salt, skip=0):
         return [f"page {i}" for i in range(skip, self.held.get(tuple(token_ids), 0))]
@@ -64,6 +68,25 @@ def test_claims_spread_the_load_and_pin_the_request_to_its_pages():
     assert kv.take_claim(b, "t", None) == 1 and engine.router.in_flight == [1, 0]  # the caller assigns it
     assert kv.take_claim(b, "t", None) is None  # taken once
     assert kv.take_claim(a, "t", "another salt") is None  # a claim is per tenant and cache_salt
+
+
+def test_pages_refused_by_one_rank_are_kept_by_none():
+    """Two prompts claimed by different ranks get the same pages on each: when the second rank refuses
+    them, the first forgets what it kept (all or none across the ranks)."""
+    engine = FakeEngine()
+    kv = DataParallelKV(engine)
+    a, b = [1, 2, 3], [4, 5, 6]
+    kv.held_prefix(a, "t", None)
+    kv.held_prefix(b, "t", None)  # claims: rank 0, then rank 1
+    engine.ranks[1].kv.refuse = True
+    pages = [(b"p0", []), (b"p1", [])]
+    with pytest.raises(ValueError, match="do not fit"):
+        kv.import_prefix(pages, "t", [a, b], None)
+    assert len(engine.ranks[0].kv.imported) == 1 and engine.ranks[0].kv.forgotten == [[b"p0", b"p1"]]
+    assert engine.ranks[1].kv.imported == [] and engine.ranks[1].kv.forgotten == []
+    engine.ranks[1].kv.refuse = False
+    assert kv.import_prefix(pages, "t", [a, b], None) == 2
+    assert engine.ranks[0].kv.forgotten == [[b"p0", b"p1"]]  # nothing undone when every rank kept them
 
 
 def test_a_claim_whose_request_never_comes_stops_counting():

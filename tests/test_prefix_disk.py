@@ -713,6 +713,10 @@ def test_the_disk_tier_evicts_fairly_holds_quotas_and_applies_them_after_a_resta
     restarted.flush()
     restarted.check_integrity()
     assert len(_files(tmp_path)) == 2
+    assert restarted.drop_page(b"q1".ljust(32, b"\0")) and not restarted.drop_page(b"q1".ljust(32, b"\0"))
+    restarted.flush()
+    restarted.check_integrity()
+    assert len(_files(tmp_path)) == 1 and not restarted.has(b"q1".ljust(32, b"\0"))
     restarted.close()
 
 

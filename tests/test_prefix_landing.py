@@ -149,3 +149,33 @@ def test_a_copy_that_fails_frees_its_pages():
     assert len(allocator.cached) == 0 and allocator.num_free == allocator.num_pages
     assert cache.tiers["host"].num_pages == 0
     _check(cache, allocator)
+
+
+@pytest.mark.parametrize("room", ["pool", "host"])
+def test_forgetting_an_import_drops_its_pages_in_every_tier_but_those_a_request_holds(room):
+    """An import undone (a data-parallel rank's, when another rank refused the same pages): the pages
+    landed in the pool, or in the host tier when the pool had no room, are forgotten; a pool page a
+    request holds stays named, and its host copy goes."""
+    cache, _, allocator = _cache(num_pages=8 if room == "pool" else 6)
+    held = allocator.allocate("running", 4) if room == "host" else []
+    other = list(range(100, 123))
+    cache.import_pages(_exported(cache, other)[:2], "default", [])  # another prompt's pages stay
+    pages = _exported(cache)
+    cache.import_pages(pages, "default", _chains(cache))
+    assert cache.held(PROMPT, "default", None) == 5
+    names = [name for name, _ in pages]
+    assert cache.forget(names) == 5
+    assert cache.held(PROMPT, "default", None) == 0 and cache.held(other, "default", None) == 2
+    assert cache.forget(names) == 0
+    _check(cache, allocator)
+    allocator.free("running", held)
+    cache.import_pages(pages, "default", _chains(cache))
+    req = Request("r", PROMPT, SamplingParams(max_tokens=1))
+    hit = cache.lookup(req)
+    assert allocator.share_and_reserve("r", hit.pages, 1) and len(hit.pages) == 5
+    cache.take(req, hit)
+    assert cache.forget(names) == 0  # the request holds every page: all stay
+    assert cache.held(PROMPT, "default", None) == 5
+    cache.forget_request("r")
+    allocator.free("r", hit.pages)
+    _check(cache, allocator)

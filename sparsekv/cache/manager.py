@@ -181,6 +181,10 @@ class CacheManager:
         prefix = self._prefix_cache()
         return prefix.import_pages(pages, tenant, [prefix.prompt_names(p, tenant, cache_salt) for p in prompts])
 
+    def forget_prefix(self, names: list[bytes]) -> int:
+        """Forget the named pages in every tier unless a request holds one (an import undone)."""
+        return self._prefix_cache().forget(names)
+
     def _prefix_cache(self):
         if self.prefix is None:
             raise ValueError("moving KV pages between engines needs enable_prefix_caching")

@@ -281,6 +281,14 @@ class PrefixDiskStore:
         self._prefetched.pop(name, None)
         self._writer.submit(self._unlink, name)
 
+    def drop_page(self, name: bytes) -> bool:
+        """Remove one page's file; whether there was one."""
+        with self._lock:
+            if name not in self._files:
+                return False
+            self._drop(name)
+        return True
+
     def drop(self, tenant: str | None = None) -> int:
         """Remove a tenant's pages (every tenant's with None); returns how many."""
         digest = None if tenant is None else self.tenant_digest(tenant)

@@ -122,6 +122,13 @@ class PrefixHostStore:
             self._forget(name)
         return len(names)
 
+    def drop_page(self, name: bytes) -> bool:
+        """Forget one copy, not spilled; whether there was one."""
+        if name not in self._pages:
+            return False
+        self._forget(name)
+        return True
+
     def _push_out(self, name: bytes) -> None:
         rows, tenant = self._forget(name)
         self.dropped += 1

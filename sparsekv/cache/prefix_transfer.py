@@ -57,6 +57,15 @@ class PageTransfer:
             host.put(name, rows, tenant)
         return len(pages)
 
+    def forget(self, names: list[bytes]) -> int:
+        """Forget the pages of these names in every tier, unless a request holds one (a failed import's
+        pages, undone where it had succeeded: parallel/dp_kv.py). Returns how many were forgotten."""
+        pool = [self._page_of[name] for name in names if name in self._page_of]
+        dropped = self.allocator.cached.drop([page for page in pool if page in self.allocator.cached])
+        for page in dropped:
+            self._unname(page)
+        return len(dropped) + sum(store.drop_page(name) for store in self.tiers.values() for name in names)
+
     def _land(self, pages: list, tenant: str, chains: list[list[bytes]]) -> bool:
         """Write imported pages' rows into pool pages and name them, cached like pages a request computed
         and released: a request hits them in the pool it decodes from, and no host-tier copy is kept

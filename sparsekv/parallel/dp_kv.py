@@ -40,15 +40,25 @@ class DataParallelKV:
 
     def import_prefix(self, pages: list, tenant: str = "default", prompts: list[list[int]] = (),
                       cache_salt: str | None = None, **options) -> int:
-        """Keep the pages on the rank each prompt claimed (all or none there). Prompts claimed by
-        different ranks each get every page: a page a rank does not need is only cached there."""
+        """Keep the pages on the rank each prompt claimed, all or none: on every such rank, or, when one
+        refuses them, on none (the ranks that had kept them forget them again, unless a request holds
+        one). Prompts claimed by different ranks each get every page: a page a rank does not need is
+        only cached there."""
         if not prompts:  # pages for no prompt in particular: rank 0 keeps them
             return self.on_rank(0, "import_prefix", pages, tenant, (), cache_salt, **options)
         ranks: dict[int, list] = {}
         for prompt in prompts:
             ranks.setdefault(self._claim(prompt, tenant, cache_salt), []).append(prompt)
-        return max(self.on_rank(rank, "import_prefix", pages, tenant, mine, cache_salt, **options)
-                   for rank, mine in ranks.items())
+        kept: list[int] = []
+        try:
+            for rank, mine in ranks.items():
+                self.on_rank(rank, "import_prefix", pages, tenant, mine, cache_salt, **options)
+                kept.append(rank)
+        except Exception:
+            for rank in kept:
+                self.on_rank(rank, "forget_prefix", [name for name, _ in pages])
+            raise
+        return len(pages)
 
     def take_claim(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> int | None:
         """The rank a prompt claimed, its claim ended (the caller assigns the request there), or None."""
