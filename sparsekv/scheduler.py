@@ -122,7 +122,8 @@ class Scheduler:
             return False
         cached = self.prefix.take(req, hit) if self.prefix is not None else CachedPrefix()
         self._restored += cached.restored_page_ids
-        req.page_ids, req.num_computed_tokens = cached.page_ids, cached.num_pages * self.allocator.page_size
+        req.page_ids = cached.page_ids
+        req.num_computed_tokens = cached.num_pages * self.allocator.page_size + cached.num_tail_tokens
         if not req.num_preemptions:  # the prompt's cached tokens, as first admitted (the usage reports them)
             req.num_cached_tokens = req.num_computed_tokens
         self.tenants.admit(req)

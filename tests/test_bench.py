@@ -126,7 +126,7 @@ def test_bench_transfer_sends_during_the_prefill_against_one_batch_after_it(tmp_
     layers, chunks, after = modes["layers"], modes["chunks"], modes["after"]
     assert layers["backend"] == chunks["backend"] == after["backend"] == "gloo"
     assert layers["pages_sent"] == chunks["pages_sent"] == after["pages_sent"] == 599 // 64
-    assert layers["mb"] == chunks["mb"] == after["mb"]
+    assert chunks["mb"] == after["mb"] < layers["mb"]  # layer by layer, the last page's rows before the last token too
     assert (after["pages_streamed"], after["batches"], after["pages_by_layer"]) == (0, 1, 0)
     assert chunks["batches"] >= 2 and chunks["pages_by_layer"] == 0  # the pages, then the last with the figures
     assert layers["pages_by_layer"] == layers["pages_sent"] and layers["batches"] >= 3  # layers, names, the last

@@ -43,20 +43,25 @@ def test_each_page_is_handed_out_once_per_layer_with_the_rows_it_exports(glm_ckp
     engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0))
     _finish(engine)
     layers = len(engine.model.layers)
+    full, tails = [d for d in got if not d.tail], [d for d in got if d.tail]
     for layer in range(layers):
-        pages = [d.first + i for d in got if d.layer == layer for i in range(d.count)]
+        pages = [d.first + i for d in full if d.layer == layer for i in range(d.count)]
         assert pages == list(range(skip, len(prompt) // PAGE)), layer  # in order, once, none past the prompt
+    # the last token's page (10) before that token (position 41): one row, once per layer, every kind
+    assert [(d.layer, d.first, d.count, d.tail) for d in tails] == [(layer, 10, 1, 1) for layer in range(layers)]
+    assert all(r.shape[:2] == (1, 1) for d in tails for r in d.ready())
+    assert sorted(k for d in tails for k in d.kinds) == kinds  # each kind once, from the layer that writes it
     assert sorted({k for d in got for k in d.kinds}) == kinds
     assert kinds == list(range(len(engine.kv.page_tensors())))  # no MTP layer, no selector state: every kind
     exported = engine.kv.export_prefix(prompt, skip=skip)
-    for d in got:
+    for d in full:
         for i in range(d.count):
             rows = exported[d.first - skip + i][1]
             assert all(torch.equal(rows[k], d.ready()[j][i]) for j, k in enumerate(d.kinds))
     engine.untap_layers("r")
     engine.add_request("s", _prompt(256, 42, seed=5), SamplingParams(max_tokens=1))
     _finish(engine)
-    assert len(got) == layers * 4  # four steps of 8 tokens completed pages; nothing since the untap
+    assert len(got) == layers * 5  # four steps of 8 tokens completed pages, the last one the tail; none since
 
 
 def test_the_mtp_layers_entries_are_left_to_the_pages_export():
@@ -121,6 +126,35 @@ def test_a_page_whose_rows_do_not_add_up_fails_the_room():
             inbox._keep_layer_rows({"layer_rows": bad, "kinds": [0]}, [], at_once)
 
 
+def _tail(prompt: int, page: int, rows: int, kinds: list[int]) -> tuple[dict, list]:
+    meta = {"layer_rows": {"prompt": prompt, "first": page, "count": 1, "tail": rows}, "kinds": kinds}
+    return meta, [torch.stack([_page(page)[k][:rows]]) for k in kinds]
+
+
+def test_a_prompts_tail_is_kept_whole_for_the_import_or_fails_the_room():
+    """The rows of a prompt's last token's page before that token: complete when every kind came once,
+    at the page after its cacheable ones and as long as the rows before its last token."""
+    prompt = list(range(1, 12))  # 11 tokens: 2 cacheable pages, then page 2 with 2 rows before the last token
+    inbox = _inbox()
+    inbox._keep_layer_rows(*_tail(0, 2, 2, [0, 2]), at_once)
+    assert inbox.complete_tails([prompt], PAGE, 3) == [None]  # kind 1 has not come
+    inbox._keep_layer_rows(*_tail(0, 2, 2, [1]), at_once)
+    tails = inbox.complete_tails([prompt], PAGE, 3)
+    assert all(torch.equal(t, _page(2)[k][:2]) for k, t in enumerate(tails[0]))
+    with pytest.raises(TransferError, match="twice"):
+        inbox._keep_layer_rows(*_tail(0, 2, 2, [1]), at_once)
+    assert not inbox.partial  # a tail is no page to be named
+    for page, rows in ((3, 2), (2, 1)):  # another page, or another length, than the prompt's
+        inbox = _inbox()
+        inbox._keep_layer_rows(*_tail(0, page, rows, [0, 1, 2]), at_once)
+        with pytest.raises(TransferError, match="tail came as"):
+            inbox.complete_tails([prompt], PAGE, 3)
+    meta, tensors = _tail(0, 2, 2, [0])
+    meta["layer_rows"]["tail"] = 3  # announced longer than the rows received
+    with pytest.raises(TransferError, match="rows announced"):
+        _inbox()._keep_layer_rows(meta, tensors, at_once)
+
+
 def test_rows_for_pages_never_named_fail_the_last_batch():
     inbox = _inbox()
     inbox._keep_layer_rows(*_layer(0, 3, [3], [0]), at_once)
@@ -164,6 +198,11 @@ def test_rows_go_layer_by_layer_and_the_answer_is_one_engines(setup, glm_ckpt, m
         assert sent["pages_sent"] == got["pages_sent"] == got["pages_by_layer"] == sent["pages_by_layer"] == 11
         assert got["layer_batches"] == sent["layer_batches"] >= 5  # at least one per chunk that completed pages
         assert got["batches"] == sent["batches"] > got["layer_batches"]
+        # the last page's 3 rows before the last token came too (with an MTP layer, whose entries no layer
+        # hands out, they do not): the decode engine computed the last token alone
+        tail = 0 if setup == "mtp" else 3
+        assert got["tail_tokens"] == tail
+        assert rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 11 * PAGE + tail
         p.check_clean()
         d.check_clean()
 

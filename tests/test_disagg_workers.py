@@ -337,9 +337,10 @@ def test_a_tensor_parallel_worker_on_either_side(tp_side, glm_ckpt, tmp_path):
     """A worker of two tensor-parallel ranks (`-tp 2`, a `sparsekv serve` process of its own: one
     process holds one torch.distributed world) pairs with a one-rank worker: the KV leaves from rank 0's
     pages, or lands in rank 0's host tier (tiered: its pool) and reaches every rank as a prefix hit's
-    restored pages do; the answer is one colocated engine's."""
+    restored pages do; the answer is one colocated engine's. The last page's rows before the last token
+    come too (from rank 0's taps; to every rank with the restored pages): the last token alone is computed."""
     from disagg_util import process_and_local_pair
-    path, prompt = glm_ckpt[0], _prompt(256)
+    path, prompt = glm_ckpt[0], _prompt(256, 44)
     colocated = LLM(path, **BASE)
     want = colocated.generate([prompt], GREEDY)[0]
     tiered = ("--kv-tiering", "--device-buffer-tokens", "16") if tp_side == "decode-tiered" else ()
@@ -349,6 +350,8 @@ def test_a_tensor_parallel_worker_on_either_side(tp_side, glm_ckpt, tmp_path):
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
         assert_as_colocated(want, rd.json(), local, logprob_tolerance(colocated))
         assert rd.json()["sparsekv"]["disaggregation"]["pages_sent"] == (len(prompt) - 1) // PAGE
+        assert rd.json()["sparsekv"]["disaggregation"]["tail_tokens"] == 3
+        assert rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
         local.check_clean()
 
 

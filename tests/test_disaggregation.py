@@ -50,6 +50,57 @@ def test_a_prompt_prefilled_elsewhere_decodes_as_one_engine_would(family, option
     decode.engine.check_integrity()
 
 
+@pytest.mark.parametrize("family", ["glm", "ds"])
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16), dict(kv_cache_dtype="fp8")],
+                         ids=["plain", "decode-tiered", "fp8"])
+@pytest.mark.parametrize("length", [41, 44])  # the last token alone in its page (no tail); 3 rows before it
+def test_with_the_last_pages_rows_before_the_last_token_the_decode_side_computes_that_token_alone(
+        family, options, length, glm_ckpt, ds_ckpt):
+    """The prefill engine's layer taps hand out the rows of the last token's page before that token
+    (a tail); imported with the pages, the decode engine's hit takes them too and computes the last
+    token alone, and decodes as one engine would."""
+    path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
+    prompt = _prompt(256, length)
+    colocated = LLM(path, **BASE, **options)
+    want = colocated.generate([prompt], GREEDY)[0]
+    prefill = LLM(path, **BASE, **{k: v for k, v in options.items() if k == "kv_cache_dtype"})
+    got_rows = []
+    prefill.engine.tap_layers("p", len(prompt), 0, got_rows.append)
+    prefill.engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while prefill.engine.has_unfinished_requests():
+        prefill.engine.step()
+    num_kinds = len(prefill.engine.kv.page_tensors())
+    by_kind = {k: r[0] for d in got_rows if d.tail for k, r in zip(d.kinds, d.ready())}
+    tail = (len(prompt) - 1) % PAGE
+    assert sorted(by_kind) == (list(range(num_kinds)) if tail else [])
+    pages = prefill.engine.kv.export_prefix(prompt)
+    decode = LLM(path, **BASE, **DECODE, **options)
+    tails = [[by_kind[k] for k in range(num_kinds)] if tail else None]
+    assert decode.engine.kv.import_prefix(pages, prompts=[prompt], tails=tails) == len(pages)
+    got = decode.generate([prompt], GREEDY)[0]
+    assert got.num_cached_tokens == len(prompt) - 1  # the last token alone was computed
+    assert_same_greedy([want], [got], logprob_tolerance(colocated))
+    decode.engine.check_integrity()
+    again = decode.generate([prompt], GREEDY)[0]  # a tail serves one request: the next computes the page
+    assert again.num_cached_tokens == len(pages) * PAGE and again.token_ids == got.token_ids
+
+
+def test_a_tail_that_does_not_fit_refuses_the_import_whole(glm_ckpt):
+    path = glm_ckpt[0]
+    prompt = _prompt(256, 44)
+    prefill = LLM(path, **BASE)
+    prefill.generate([prompt], SamplingParams(max_tokens=1))
+    pages = prefill.engine.kv.export_prefix(prompt)
+    decode = LLM(path, **BASE, **DECODE)
+    tensors = [t for t, _ in decode.engine.kv.page_tensors()]
+    for bad in ([t[:3, :1] for t in tensors], [t[:PAGE] for t in tensors], [t[:3] for t in tensors[:1]]):
+        # a row's width, a whole page, a kind missing
+        with pytest.raises(ValueError, match="tail 0"):
+            decode.engine.kv.import_prefix(pages, prompts=[prompt], tails=[bad])
+        assert decode.engine.kv.held_prefix(prompt) == 0
+    decode.engine.check_integrity()
+
+
 def test_a_tiered_decode_side_holds_the_imported_rows_once(glm_ckpt):
     """The rows land in pool pages (their latents in the host store the request decodes from), not in
     the prefix cache's host tier as well; they are the bytes sent, and stay so after the request."""

@@ -5,7 +5,8 @@ A tap is set per request (`LayerTaps.add`). For each step, `begin_step` finds th
 tapped chunk completes; after every decoder layer's forward (`ForwardContext.after_layer`) the rows of
 those pages in the tensors that layer wrote (its latents, its indexer keys) are copied out of the
 pool and handed to the tap's `deliver`. Each page is handed out once per layer, and never a page
-before `skip` or one the prefix cache does not name (the page of the prompt's last token). The kinds
+before `skip`; of the page the prefix cache does not name (the prompt's last token's), the rows
+before that token, once (a tail: the decode side then computes the last token alone). The kinds
 (indices into the cache's `PageRows` tensors, the order a page's rows are exported in) name what each
 delivery holds; the other kinds (the MTP layer's entries, a selector's page state) are left to the
 page's export once it is named::
@@ -26,7 +27,8 @@ import torch
 @dataclass
 class LayerRows:
     """One delivery: pages [first, first + count) of a prompt, `rows[i]` the rows of kind `kinds[i]`,
-    shaped [count, page_size, ...]. On CUDA the copy is asynchronous: `ready()` waits for it."""
+    shaped [count, page_size, ...]; or, with `tail` > 0, the first `tail` rows of page `first` (count
+    1), shaped [1, tail, ...]. On CUDA the copy is asynchronous: `ready()` waits for it."""
 
     layer: int
     first: int
@@ -34,6 +36,7 @@ class LayerRows:
     kinds: list[int]
     rows: list[torch.Tensor]
     event: object = None
+    tail: int = 0
 
     def ready(self) -> list[torch.Tensor]:
         if self.event is not None:
@@ -46,6 +49,7 @@ class _Tap:
     deliver: Callable[[LayerRows], None]
     next_page: int  # the first page not handed out yet
     num_pages: int  # the prompt's pages a prefix cache names (every full page but its last token's)
+    tail: int = 0  # rows of page num_pages before the prompt's last token, handed out once computed
 
 
 class LayerTaps:
@@ -66,9 +70,16 @@ class LayerTaps:
         """Every kind some layer hands out (a tapped page's export carries the others)."""
         return sorted({j for kinds in self.layer_kinds.values() for j in kinds})
 
-    def add(self, request_id: str, num_pages: int, skip: int, deliver: Callable[[LayerRows], None]) -> None:
-        """Hand out pages [skip, num_pages) of the request's prompt as its steps complete them."""
-        self._taps[request_id] = _Tap(deliver, skip, num_pages)
+    @property
+    def every_kind(self) -> bool:
+        """Whether the layers hand out every kind of a page's rows (no MTP layer, no selector page state)."""
+        return len(self.kinds) == len(self.tensors)
+
+    def add(self, request_id: str, num_pages: int, skip: int, deliver: Callable[[LayerRows], None],
+            tail: int = 0) -> None:
+        """Hand out pages [skip, num_pages) of the request's prompt as its steps complete them, then
+        the first `tail` rows of page num_pages (the prompt's last token's page, before that token)."""
+        self._taps[request_id] = _Tap(deliver, skip, num_pages, tail)
 
     def remove(self, request_id: str) -> None:
         self._taps.pop(request_id, None)
@@ -88,7 +99,11 @@ class LayerTaps:
             if end > first:
                 tap.next_page = end
                 count = end - first
-                work.append((tap, first, count, self.slots_of(ch.page_ids[first:end], count * self.page_size)))
+                work.append((tap, first, count, 0, self.slots_of(ch.page_ids[first:end], count * self.page_size)))
+            tail_end = tap.num_pages * self.page_size + tap.tail
+            if tap.tail and ch.context_len >= tail_end and ch.first_position < tail_end:
+                work.append((tap, tap.num_pages, 1, tap.tail, self.slots_of(ch.page_ids[tap.num_pages:tap.num_pages + 1], tap.tail)))
+                tap.tail = 0
         if not work:
             return None
         return lambda layer: self._after_layer(layer, work)
@@ -98,12 +113,12 @@ class LayerTaps:
         if not kinds:
             return
         self.flush()
-        for tap, first, count, slots in work:
+        for tap, first, count, tail, slots in work:
             rows = [self.tensors[j].index_select(0, slots) for j in kinds]
-            rows = [r.view(count, self.page_size, *r.shape[1:]) for r in rows]
+            rows = [r.view(count, tail or self.page_size, *r.shape[1:]) for r in rows]
             event = None
             if rows and rows[0].device.type == "cuda":  # NOTE: the engine's thread does not wait for the copy
                 rows = [torch.empty(r.shape, dtype=r.dtype, pin_memory=True).copy_(r, non_blocking=True) for r in rows]
                 event = torch.cuda.Event()
                 event.record()
-            tap.deliver(LayerRows(layer, first, count, kinds, rows, event))
+            tap.deliver(LayerRows(layer, first, count, kinds, rows, event, tail))

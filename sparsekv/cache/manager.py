@@ -174,12 +174,18 @@ class CacheManager:
         return self._prefix_cache().held(token_ids, tenant, cache_salt)
 
     def import_prefix(self, pages: list, tenant: str = "default", prompts: list[list[int]] = (),
-                      cache_salt: str | None = None) -> int:
+                      cache_salt: str | None = None, tails: list | None = None) -> int:
         """Keep exported pages, all or none. With `kv_tiering` they land in the pool (its latents in the
         host store the request decodes from), with the pages of `prompts` this cache already held before
-        them; untiered, in the prefix cache's host tier (a hit copies them into device pages)."""
+        them; untiered, in the prefix cache's host tier (a hit copies them into device pages). `tails`:
+        per prompt, None or the rows of its last token's page before that token, one tensor per kind;
+        its request then computes that token alone (`PrefixCache.take`)."""
         prefix = self._prefix_cache()
-        return prefix.import_pages(pages, tenant, [prefix.prompt_names(p, tenant, cache_salt) for p in prompts])
+        padded = prefix.padded_tails([(prefix.tail_name(p, tenant, cache_salt), rows)
+                                      for p, rows in zip(prompts, tails or ()) if rows])
+        n = prefix.import_pages(pages, tenant, [prefix.prompt_names(p, tenant, cache_salt) for p in prompts])
+        prefix.keep_tails(padded)
+        return n
 
     def forget_prefix(self, names: list[bytes]) -> int:
         """Forget the named pages in every tier unless a request holds one (an import undone)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..request import Request
@@ -55,6 +56,7 @@ class CachedPrefix:
     num_pages: int = 0
     restored_page_ids: list[int] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)
+    num_tail_tokens: int = 0  # cached tokens of the page after the `num_pages` (an imported tail)
 
 
 class PrefixCache(PageTransfer):
@@ -83,6 +85,7 @@ class PrefixCache(PageTransfer):
         self._claims: dict[str, list[bytes]] = {}  # request -> the names it claimed
         self._reading: dict[str, list[bytes]] = {}  # waiting request -> its disk pages being read ahead
         self._served: dict[str, dict[str, int]] = {}  # request -> its cached tokens by lower tier, as first admitted
+        self._tails: OrderedDict[bytes, list] = OrderedDict()  # imported tails by `tail_name`: rows, padded
         allocator.cached.tenant_of_named = self._tenant_of.get
         allocator.cached.on_evict = self._forget_page
         self.queried_tokens = 0
@@ -107,6 +110,13 @@ class PrefixCache(PageTransfer):
                                     token_ids[i * ps:(i + 1) * ps + self.lookahead]))
         return chain
 
+    def tail_name(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> bytes:
+        """The key of a prompt's tail (`keep_tails`): its last cacheable page's name (or the root) and
+        the tokens after that page."""
+        chain = self.prompt_names(token_ids, tenant, cache_salt)
+        parent = chain[-1] if chain else _root(tenant, cache_salt)
+        return _next_name(parent + b"tail", token_ids[len(chain) * self.page_size:])
+
     def match(self, req: Request) -> PrefixHit | None:
         """What the request's known tokens hit, or None while it must wait: a running request computes
         its next page, or its pages on the disk tier are being read (the read is started here). A
@@ -129,7 +139,25 @@ class PrefixCache(PageTransfer):
         self._claim(req)
         landed = [p for p in hit.pages if p in self._unmirrored]  # written by an import: copied to every rank
         self._unmirrored.difference_update(landed)
-        return CachedPrefix(hit.pages + pages, len(hit.pages) + len(tiers), landed + pages[:len(tiers)], tiers)
+        num_pages = len(hit.pages) + len(tiers)
+        tail = self._take_tail(req, num_pages)
+        return CachedPrefix(hit.pages + pages + tail, num_pages, landed + pages[:len(tiers)] + tail, tiers,
+                            (req.num_prompt_tokens - 1) % self.page_size if tail else 0)
+
+    def _take_tail(self, req: Request, num_pages: int) -> list[int]:
+        """The prompt's imported tail (its last token's page before that token, `keep_tails`), written
+        into a page of the request's reservation when the hit covers every page before it: [that page],
+        or [] (the request computes the page). Its first admission takes the tail either way."""
+        if not self._tails or req.num_output_tokens:
+            return []
+        rows = self._tails.pop(self.tail_name(req.prompt_token_ids, req.tenant, req.cache_salt), None)  # used or not
+        if rows is None or num_pages != cacheable_pages(req.num_prompt_tokens, self.page_size) \
+                or req.params.prompt_logprobs is not None:
+            return []
+        page = self.allocator.allocate(req.request_id, 1)
+        self.before_copy()
+        self.rows.copy_in(page, [rows])
+        return page
 
     def lookup(self, req: Request) -> PrefixHit:
         """The pages the request's known tokens start with (its prompt; after a preemption, its output
@@ -278,6 +306,7 @@ class PrefixCache(PageTransfer):
         pages = self.allocator.cached.drop(self.allocator.cached.pages(tenant))
         for page in pages:
             self._unname(page)
+        self._tails.clear()  # keyed by digests: every tenant's go (a request without its tail computes the page)
         return len(pages) + sum(store.drop(tenant) for store in self.tiers.values())
 
     def new_weights(self, disk=None) -> int:

@@ -5,6 +5,7 @@ are opaque to it: the pool's `PageRows` copies them)."""
 from __future__ import annotations
 
 _IMPORTING = "\x00prefix-import"  # the allocator owner of pages an import is writing (no request id)
+MAX_TAILS = 64  # imported tails waiting for their requests; past it the oldest goes (its request computes the page)
 
 
 class PageTransfer:
@@ -56,6 +57,28 @@ class PageTransfer:
         for name, rows in pages:
             host.put(name, rows, tenant)
         return len(pages)
+
+    def padded_tails(self, tails: list[tuple[bytes, list]]) -> list[tuple[bytes, list]]:
+        """Prompts' tails (`tail_name`, rows of each kind [n, ...]: a prompt's last token's page before
+        that token) padded to whole pages, checked (ValueError: rows that do not fit this cache)."""
+        padded = []
+        for i, (key, rows) in enumerate(tails):
+            if not all(0 < r.shape[0] < self.page_size for r in rows):
+                raise ValueError(f"tail {i}: {[r.shape[0] for r in rows]} rows, not 1 to {self.page_size - 1}")
+            rows = [_padded(r, self.page_size) for r in rows]
+            if self.rows is None or not self.rows.fits(rows):
+                raise ValueError(f"tail {i}: its rows do not fit this cache's layout")
+            padded.append((key, rows))
+        return padded
+
+    def keep_tails(self, padded: list[tuple[bytes, list]]) -> None:
+        """Keep checked tails (`padded_tails`) until their request is admitted (`PrefixCache.take`).
+        Not named: a partial page is never a hit for another request."""
+        for key, rows in padded:
+            self._tails[key] = rows
+            self._tails.move_to_end(key)
+        while len(self._tails) > MAX_TAILS:
+            self._tails.popitem(last=False)
 
     def forget(self, names: list[bytes]) -> int:
         """Forget the pages of these names in every tier, unless a request holds one (a failed import's
@@ -115,3 +138,10 @@ class PageTransfer:
             else:
                 sources.append((name, None if name in given else self._tier_of(name), given.get(name)))
         return walk, pinned, sources
+
+
+def _padded(rows, n: int):
+    """`rows` [k, ...] as the first k of n rows, the rest zeros (a tensor method: no torch import here)."""
+    out = rows.new_zeros(n, *rows.shape[1:])
+    out[:rows.shape[0]] = rows
+    return out

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ..cache.prefix import cacheable_pages
 from ..server.serving import Job, run
 from .transfer import BACKENDS, Room, connect, meta_key, receiver
 from .weights_stamp import check_same_weights, loaded_weights
@@ -66,7 +67,9 @@ class DecodeWorker(Worker):
                 meta = await self._next_batch(request, inbox)
             prefill_ended = time.monotonic()
             self.rooms[field.room] = "import"
-            await self._import(meta, inbox.pages, job, prompts)
+            engine = self.state.engine
+            tails = inbox.complete_tails(prompts, engine.config.kv_page_size, len(engine.kv.page_tensors()))
+            await self._import(meta, inbox.pages, job, prompts, tails)
         except TransferError as e:
             if inbox.peer_failed:  # NOTE: the prefill worker failed and left the room to us
                 await self.blocking(link.forget, inbox.batches + 1)
@@ -80,7 +83,8 @@ class DecodeWorker(Worker):
                 "transfer_s": time.monotonic() - prefill_ended, "backend": meta["backend"], "bytes": inbox.nbytes,
                 "pages_sent": len(inbox.pages), "pages_streamed": meta.get("streamed", 0),
                 "pages_skipped": sum(held), "batches": inbox.batches, "paced_s": inbox.pacer.paused_s,
-                "pages_by_layer": inbox.pages_by_layer, "layer_batches": inbox.layer_batches}
+                "pages_by_layer": inbox.pages_by_layer, "layer_batches": inbox.layer_batches,
+                "tail_tokens": sum(t[0].shape[0] for t in tails if t is not None)}
 
     async def _claim(self, request, field, claim: dict):
         """Claim the room and wait for the prefill worker's first batch: (room link, its metadata)."""
@@ -108,7 +112,7 @@ class DecodeWorker(Worker):
             raise TransferError(f"the prefill worker failed: {meta['error']}")
         return meta
 
-    async def _import(self, meta: dict, pages: list, job: Job, prompts: list[list[int]]) -> None:
+    async def _import(self, meta: dict, pages: list, job: Job, prompts: list[list[int]], tails: list) -> None:
         """Keep the pages, all or none, if the prefill worker computed them under this worker's
         weights (TransferError naming both otherwise). The version is read again with the import, on
         the engine loop: an update in between forgets the cached pages, so none may be kept after it."""
@@ -120,7 +124,7 @@ class DecodeWorker(Worker):
             if engine.weights_version != mine["weights_version"]:
                 raise TransferError(f"this decode worker's weights changed during the transfer (weights_version "
                                     f"{mine['weights_version']} -> {engine.weights_version})")
-            engine.kv.import_prefix(pages, job.tenant, prompts, job.cache_salt)
+            engine.kv.import_prefix(pages, job.tenant, prompts, job.cache_salt, tails=tails)
         await _on_engine(loop, keep)
 
     @staticmethod
@@ -168,6 +172,7 @@ class Inbox:
         self.peer_failed = False  # no next batch came: the prefill worker reads no verdict
         self.next_page = list(held)  # per prompt, the page its next named page is
         self.partial: dict[tuple[int, int], dict[int, torch.Tensor]] = {}  # (prompt, page) -> rows by kind, layer by layer
+        self.tails: dict[int, tuple[int, int, dict[int, torch.Tensor]]] = {}  # prompt -> (page, rows, rows by kind)
         self.pages_by_layer = self.layer_batches = 0
 
     def receive(self, meta: dict) -> None:
@@ -202,11 +207,17 @@ class Inbox:
         return tensors
 
     def _keep_layer_rows(self, meta: dict, tensors: list[torch.Tensor], pace) -> None:
-        """Rows of some layers for pages [first, first + count) of a prompt, kept until the pages are named."""
+        """Rows of some layers for pages [first, first + count) of a prompt, kept until the pages are
+        named; or a prompt's tail (the first rows of the page after its named ones), kept for the import."""
         prompt, first, count, kinds = _layer_rows_of(meta, len(self.next_page))
         if len(kinds) != len(tensors) or any(t.shape[0] != count for t in tensors):
             raise TransferError(f"{len(kinds)} kinds of {count} pages announced, tensors of "
                                 f"{[tuple(t.shape[:1]) for t in tensors]} received")
+        tail = meta["layer_rows"].get("tail", 0)
+        if tail:
+            self._keep_tail(prompt, first, tail, kinds, tensors)
+            self.layer_batches += 1
+            return
         if first < self.next_page[prompt]:
             raise TransferError(f"layer rows came for page {first} of prompt {prompt}, already named")
         if self.owned_rows:  # NOTE: each page's rows in memory of its own (see owned_copies)
@@ -219,6 +230,34 @@ class Inbox:
                     raise TransferError(f"rows of kind {kind} came twice for page {first + i} of prompt {prompt}")
                 rows[kind] = t[i]
         self.layer_batches += 1
+
+    def _keep_tail(self, prompt: int, page: int, tail: int, kinds: list[int], tensors: list[torch.Tensor]) -> None:
+        if type(tail) is not int or {t.shape[1] for t in tensors} != {tail}:
+            raise TransferError(f"a tail of {tail!r} rows announced for prompt {prompt}, tensors of "
+                                f"{[tuple(t.shape[:2]) for t in tensors]} received")
+        first, rows, by_kind = self.tails.setdefault(prompt, (page, tail, {}))
+        if (first, rows) != (page, tail):
+            raise TransferError(f"prompt {prompt}'s tail came as page {page} of {tail} rows, then as page {first} "
+                                f"of {rows}")
+        for kind, t in zip(kinds, tensors):
+            if kind in by_kind:
+                raise TransferError(f"rows of kind {kind} came twice for prompt {prompt}'s tail")
+            by_kind[kind] = t[0].clone()
+
+    def complete_tails(self, prompts: list[list[int]], page_size: int, num_kinds: int) -> list:
+        """Per prompt, its tail's rows (one tensor per kind, in kind order) when it came whole, at the
+        page after the prompt's cacheable ones and as long as the rows before its last token, else
+        None (the decode engine computes that page)."""
+        out = []
+        for prompt, token_ids in enumerate(prompts):
+            page, rows, by_kind = self.tails.get(prompt, (None, 0, {}))
+            expected = cacheable_pages(len(token_ids), page_size)
+            if page is not None and (page != expected or rows != len(token_ids) - 1 - expected * page_size):
+                raise TransferError(f"prompt {prompt}'s tail came as page {page} of {rows} rows, not page "
+                                    f"{expected} of {len(token_ids) - 1 - expected * page_size}")
+            whole = page is not None and sorted(by_kind) == list(range(num_kinds))
+            out.append([by_kind[k] for k in range(num_kinds)] if whole else None)
+        return out
 
     def _named_pages(self, meta: dict, names: list[bytes], tensors: list[torch.Tensor], pace) -> list:
         """(name, rows) of a named batch's pages, each completed by the rows that came layer by layer."""

@@ -59,7 +59,8 @@ class LayerFeed:
             self.claimed = True
 
     def take(self) -> list:
-        """The queued deliveries as (prompt, first page, pages, deliveries), one per prompt and step."""
+        """The queued deliveries as (prompt, first page, pages, deliveries), one per prompt and step (a
+        prompt's tail apart: its page follows the named ones)."""
         with self.lock:
             items = list(self.items)
             self.items.clear()
@@ -69,7 +70,8 @@ class LayerFeed:
                 groups[-1][3].append(rows)
             else:
                 groups.append((prompt, rows.first, rows.count, [rows]))
-            self.tapped.update((prompt, rows.first + i) for i in range(rows.count))
+            if not rows.tail:  # a tail's page is never named
+                self.tapped.update((prompt, rows.first + i) for i in range(rows.count))
         return groups
 
     async def wait(self, aws: list, timeout: float | None) -> None:

@@ -219,7 +219,7 @@ class PrefillWorker(Worker):
                 continue
             meta = {**base, "names": [], "pages": [0] * len(held), "last": False,
                     "layer_rows": {"prompt": prompt, "first": first + cut, "count": count - cut,
-                                   "layers": [d.layer for d in deliveries]},
+                                   "layers": [d.layer for d in deliveries], "tail": deliveries[0].tail},
                     "kinds": [k for d in deliveries for k in d.kinds], "num_kinds": feed.num_kinds}
             nbytes += await self._send(out, meta, [r[cut:] for d in deliveries for r in d.ready()])
             feed.batches += 1

@@ -15,7 +15,8 @@ tensor of the cache) go as one tensor per kind of row, the pages stacked along a
 
 A batch's metadata names the kinds its tensors hold (`kinds`, positions in a page's rows; None: all):
 a layer batch holds some layers' kinds for pages of one prompt, not yet named (`layer_rows`), and the
-named batch of those pages the other kinds (prefill.py, decode.py).
+named batch of those pages the other kinds (prefill.py, decode.py); a tail batch (`layer_rows.tail`: n)
+the first n rows of the page after a prompt's cacheable ones, which is never named.
 """
 from __future__ import annotations
 

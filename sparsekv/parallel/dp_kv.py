@@ -46,13 +46,15 @@ class DataParallelKV:
         only cached there."""
         if not prompts:  # pages for no prompt in particular: rank 0 keeps them
             return self.on_rank(0, "import_prefix", pages, tenant, (), cache_salt, **options)
-        ranks: dict[int, list] = {}
-        for prompt in prompts:
-            ranks.setdefault(self._claim(prompt, tenant, cache_salt), []).append(prompt)
+        tails = options.pop("tails", None) or [None] * len(prompts)
+        ranks: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            ranks.setdefault(self._claim(prompt, tenant, cache_salt), []).append(i)
         kept: list[int] = []
         try:
             for rank, mine in ranks.items():
-                self.on_rank(rank, "import_prefix", pages, tenant, mine, cache_salt, **options)
+                self.on_rank(rank, "import_prefix", pages, tenant, [prompts[i] for i in mine], cache_salt,
+                             tails=[tails[i] for i in mine], **options)
                 kept.append(rank)
         except Exception:
             for rank in kept:

@@ -9,7 +9,7 @@ tap's `deliver` there::
     rank r: layer i forward -> deliver -> queue -> sender thread: send(header), send(rows...) --+
     rank 0: receiving thread: recv(header, any rank), recv(rows...) from that rank -> deliver <-+
 
-    header (int64): tap id, layer, first page, pages, number of kinds, kinds... (-1: the rank leaves)
+    header (int64): tap id, layer, first page, pages, tail rows, number of kinds, kinds... (-1: the rank leaves)
 
 The rows' shapes follow from the header and rank 0's own page tensors (every rank's cache is alike).
 A step's rows reach `deliver` before the step returns on rank 0: each rank drains its queue before
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..cache.layer_tap import LayerRows
 
-HEADER_LEN = 16  # tap id, layer, first, count, number of kinds, then up to 11 kinds
+HEADER_LEN = 16  # tap id, layer, first, count, tail, number of kinds, then up to 10 kinds
 LEAVE = -1  # a header's tap id: the sending rank closes
 
 
@@ -41,16 +41,16 @@ def open_group(timeout_s: float):
 
 
 def encode_header(tap_id: int, rows: LayerRows) -> torch.Tensor:
-    fields = [tap_id, rows.layer, rows.first, rows.count, len(rows.kinds), *rows.kinds]
+    fields = [tap_id, rows.layer, rows.first, rows.count, rows.tail, len(rows.kinds), *rows.kinds]
     if len(fields) > HEADER_LEN:
         raise ValueError(f"a layer hands out {len(rows.kinds)} kinds of row; a tap header holds at most "
-                         f"{HEADER_LEN - 5}")
+                         f"{HEADER_LEN - 6}")
     return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
 
 
-def decode_header(header: torch.Tensor) -> tuple[int, int, int, int, list[int]]:
-    tap_id, layer, first, count, num_kinds, *rest = header.tolist()
-    return tap_id, layer, first, count, rest[:num_kinds]
+def decode_header(header: torch.Tensor) -> tuple[int, int, int, int, int, list[int]]:
+    tap_id, layer, first, count, tail, num_kinds, *rest = header.tolist()
+    return tap_id, layer, first, count, tail, rest[:num_kinds]
 
 
 class TapSender:
@@ -139,19 +139,19 @@ class TapReceiver:
     def _receive_one(self) -> None:
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         src = dist.recv(header, group=self.group)  # NOTE: any rank; its rows follow from that rank alone
-        tap_id, layer, first, count, kinds = decode_header(header)
+        tap_id, layer, first, count, tail, kinds = decode_header(header)
         if tap_id == LEAVE:
             self._left.add(src)
             return
         rows = []
         for kind in kinds:
             shape, dtype = self.kinds[kind]
-            t = torch.empty((count, self.page_size, *shape), dtype=dtype)
+            t = torch.empty((count, tail or self.page_size, *shape), dtype=dtype)
             dist.recv(t.view(torch.uint8), src=src, group=self.group)
             rows.append(t)
         deliver = self.delivers.get(tap_id)
         if deliver is not None:
-            deliver(LayerRows(layer, first, count, kinds, rows))
+            deliver(LayerRows(layer, first, count, kinds, rows, tail=tail))
         with self._cond:
             self.received[src] += 1
             self._cond.notify_all()
