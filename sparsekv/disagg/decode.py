@@ -232,7 +232,7 @@ class Inbox:
         self.layer_batches += 1
 
     def _keep_tail(self, prompt: int, page: int, tail: int, kinds: list[int], tensors: list[torch.Tensor]) -> None:
-        if type(tail) is not int or {t.shape[1] for t in tensors} != {tail}:
+        if type(tail) is not int or page < 0 or {tuple(t.shape[:2]) for t in tensors} != {(1, tail)}:
             raise TransferError(f"a tail of {tail!r} rows announced for prompt {prompt}, tensors of "
                                 f"{[tuple(t.shape[:2]) for t in tensors]} received")
         first, rows, by_kind = self.tails.setdefault(prompt, (page, tail, {}))
