@@ -150,11 +150,10 @@ class LLMEngine(WeightControl):
         `deliver` layer by layer, as the steps that complete them run (cache/layer_tap.py), until
         `untap_layers`; then, when the layers hand out every kind of row, the rows of the last token's
         page before that token (a tail). Returns the kinds (positions in `kv.page_tensors()`) handed out."""
-        from .cache.prefix import cacheable_pages
-        taps = self.executor.layer_taps(self.kv.page_tensors())
-        num_pages = cacheable_pages(num_prompt_tokens, self.config.kv_page_size)
-        tail = num_prompt_tokens - 1 - num_pages * self.config.kv_page_size if taps.every_kind else 0
-        taps.add(request_id, num_pages, skip, deliver, tail)
+        from .cache.prefix import cacheable_pages, tail_tokens
+        taps, page_size = self.executor.layer_taps(self.kv.page_tensors()), self.config.kv_page_size
+        tail = tail_tokens(num_prompt_tokens, page_size) if taps.every_kind else 0
+        taps.add(request_id, cacheable_pages(num_prompt_tokens, page_size), skip, deliver, tail)
         return taps.kinds
 
     def untap_layers(self, request_id: str) -> None:

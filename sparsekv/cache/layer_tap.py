@@ -102,7 +102,8 @@ class LayerTaps:
                 work.append((tap, first, count, 0, self.slots_of(ch.page_ids[first:end], count * self.page_size)))
             tail_end = tap.num_pages * self.page_size + tap.tail
             if tap.tail and ch.context_len >= tail_end and ch.first_position < tail_end:
-                work.append((tap, tap.num_pages, 1, tap.tail, self.slots_of(ch.page_ids[tap.num_pages:tap.num_pages + 1], tap.tail)))
+                page = ch.page_ids[tap.num_pages:tap.num_pages + 1]
+                work.append((tap, tap.num_pages, 1, tap.tail, self.slots_of(page, tap.tail)))
                 tap.tail = 0
         if not work:
             return None

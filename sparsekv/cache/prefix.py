@@ -38,6 +38,11 @@ def cacheable_pages(num_tokens: int, page_size: int) -> int:
     return (num_tokens - 1) // page_size
 
 
+def tail_tokens(num_tokens: int, page_size: int) -> int:
+    """A prompt's tail: the tokens of its last token's page before that token (0 to page_size - 1)."""
+    return (num_tokens - 1) % page_size
+
+
 @dataclass
 class PrefixHit:
     pages: list[int] = field(default_factory=list)         # pool pages to share, in order from page 0
@@ -113,7 +118,9 @@ class PrefixCache(PageTransfer):
     def tail_name(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> bytes:
         """The key of a prompt's tail (`keep_tails`): its last cacheable page's name (or the root) and
         the tokens after that page."""
-        chain = self.prompt_names(token_ids, tenant, cache_salt)
+        return self._tail_key(self.prompt_names(token_ids, tenant, cache_salt), token_ids, tenant, cache_salt)
+
+    def _tail_key(self, chain: list[bytes], token_ids: list[int], tenant: str, cache_salt: str | None) -> bytes:
         parent = chain[-1] if chain else _root(tenant, cache_salt)
         return _next_name(parent + b"tail", token_ids[len(chain) * self.page_size:])
 
@@ -142,7 +149,7 @@ class PrefixCache(PageTransfer):
         num_pages = len(hit.pages) + len(tiers)
         tail = self._take_tail(req, num_pages)
         return CachedPrefix(hit.pages + pages + tail, num_pages, landed + pages[:len(tiers)] + tail, tiers,
-                            (req.num_prompt_tokens - 1) % self.page_size if tail else 0)
+                            tail_tokens(req.num_prompt_tokens, self.page_size) if tail else 0)
 
     def _take_tail(self, req: Request, num_pages: int) -> list[int]:
         """The prompt's imported tail (its last token's page before that token, `keep_tails`), written
@@ -150,9 +157,10 @@ class PrefixCache(PageTransfer):
         or [] (the request computes the page). Its first admission takes the tail either way."""
         if not self._tails or req.num_output_tokens:
             return []
-        rows = self._tails.pop(self.tail_name(req.prompt_token_ids, req.tenant, req.cache_salt), None)  # used or not
-        if rows is None or num_pages != cacheable_pages(req.num_prompt_tokens, self.page_size) \
-                or req.params.prompt_logprobs is not None:
+        cacheable = cacheable_pages(req.num_prompt_tokens, self.page_size)
+        key = self._tail_key(self._names(req, cacheable), req.prompt_token_ids, req.tenant, req.cache_salt)
+        rows = self._tails.pop(key, None)  # used or not
+        if rows is None or num_pages != cacheable or req.params.prompt_logprobs is not None:
             return []
         page = self.allocator.allocate(req.request_id, 1)
         self.before_copy()

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..cache.prefix import cacheable_pages
+from ..cache.prefix import cacheable_pages, tail_tokens
 from ..server.serving import Job, run
 from .transfer import BACKENDS, Room, connect, meta_key, receiver
 from .weights_stamp import check_same_weights, loaded_weights
@@ -67,7 +67,6 @@ class DecodeWorker(Worker):
                 meta = await self._next_batch(request, inbox)
             prefill_ended = time.monotonic()
             self.rooms[field.room] = "import"
-            engine = self.state.engine
             tails = inbox.complete_tails(prompts, engine.config.kv_page_size, len(engine.kv.page_tensors()))
             await self._import(meta, inbox.pages, job, prompts, tails)
         except TransferError as e:
@@ -251,10 +250,10 @@ class Inbox:
         out = []
         for prompt, token_ids in enumerate(prompts):
             page, rows, by_kind = self.tails.get(prompt, (None, 0, {}))
-            expected = cacheable_pages(len(token_ids), page_size)
-            if page is not None and (page != expected or rows != len(token_ids) - 1 - expected * page_size):
+            expected = (cacheable_pages(len(token_ids), page_size), tail_tokens(len(token_ids), page_size))
+            if page is not None and (page, rows) != expected:
                 raise TransferError(f"prompt {prompt}'s tail came as page {page} of {rows} rows, not page "
-                                    f"{expected} of {len(token_ids) - 1 - expected * page_size}")
+                                    f"{expected[0]} of {expected[1]}")
             whole = page is not None and sorted(by_kind) == list(range(num_kinds))
             out.append([by_kind[k] for k in range(num_kinds)] if whole else None)
         return out

@@ -23,7 +23,7 @@ reads each batch out of the prefill worker's registered memory (nixl.py); `sende
 path behind the same two calls, `offer` and `push` on the prefill side, `pull` on the decode side. Every wait
 is bounded by the transfer timeout; a peer that dies breaks its group's connections, which fails
 that room only. A room waiting for a key of its peer blocks in the store's own wait (`Room.wait_for`,
-woken the moment the key is written, with no polling) on a connection and a thread pool of its own
+woken the moment the key is written, with no polling) on a connection and a thread of its own
 (`Worker.take`), so rooms waiting on each other's workers can never exhaust the transfer threads, and
 a room's other store calls never queue behind its wait.
 """

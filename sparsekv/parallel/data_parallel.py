@@ -176,7 +176,7 @@ class DataParallelEngine:
         outputs = []
         for rank, (outs, summary) in enumerate(gathered):
             self._summaries[rank] = summary
-            self._scheduled(summary["scheduled"] if rank else [], started)
+            self._scheduled(summary["scheduled"], started)  # rank 0's is empty: its requests are its own
             for out in outs:
                 if out.finished and self.rank_of.pop(out.request_id, None) is not None:
                     self.router.finished(rank)

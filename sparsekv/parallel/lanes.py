@@ -34,7 +34,7 @@ def step_lane(engine: LLMEngine, rank: int, message: dict, taps: TapSender | Non
         set_lane_taps(engine, taps, message, rank)
     if message["hold"]:
         engine.hold_unstarted_requests()
-    fresh = [r for r in engine.scheduler.waiting if r.first_scheduled_time is None]
+    fresh = [r for r in engine.scheduler.waiting if r.first_scheduled_time is None] if rank else []
     outs = engine.step() if engine.scheduler.has_unfinished() else []
     engine.executor.finish_step()
     summary = lane_summary(engine)
