@@ -20,7 +20,7 @@ from .hub import resolve_config
 from .input_processor import InputProcessor, load_tokenizer
 from .parallel.executor import start_executor
 from .output_processor import OutputProcessor
-from .outputs import token_counts
+from .outputs import FirstToken, token_counts
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler
 from .threads import resolve_num_threads
@@ -69,6 +69,8 @@ class LLMEngine(WeightControl):
         self.paused = False
         self._pending_update = None  # (update, checkpoint) waiting for the running requests to finish (drain)
         self._held: deque[Request] = deque()  # requests not started, kept out of the scheduler while it drains
+        self._ready: list[RequestOutput] = []  # outputs of given first tokens (add_request), for the next step
+        self._ready_step = False  # the last step only output those
         self.weight_update_error: Exception | None = None  # why the last deferred update failed to load
 
     def _build_speculator(self):
@@ -88,7 +90,11 @@ class LLMEngine(WeightControl):
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    tenant: str = "default", cache_salt: str | None = None) -> Request:
+                    tenant: str = "default", cache_salt: str | None = None,
+                    first_token: FirstToken | None = None) -> Request:
+        """Queue a request. `first_token`: its first token, sampled by another engine from the same
+        prompt and weights (a disaggregated prefill worker), output by the next `step()` with no
+        compute of its own; the request then computes from there."""
         params = params or SamplingParams()
         params.validate()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -99,7 +105,13 @@ class LLMEngine(WeightControl):
         token_ids = self.inputs.process(prompt, params)
         grammar = self.outputs.grammar_for(params.structured_output) if params.structured_output is not None else None
         req = Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)
-        self.outputs.add(req, grammar)
+        self.outputs.add(req, grammar, first_token)
+        if first_token is not None:
+            self._ready.append(self.outputs.carried_output(req))
+        if req.finish_reason is not None:  # its first token ended it: nothing to compute
+            req.status = RequestStatus.FINISHED
+            self.outputs.forget(request_id)
+            return req
         if self._pending_update is not None:
             self._held.append(req)  # the scheduler drains the requests that run under the old weights first
         else:
@@ -121,7 +133,12 @@ class LLMEngine(WeightControl):
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._held)
+        return self.scheduler.has_unfinished() or bool(self._held) or self.has_ready_outputs
+
+    @property
+    def has_ready_outputs(self) -> bool:
+        """Outputs of given first tokens wait for the next step (which computes nothing for them)."""
+        return bool(self._ready)
 
     def num_waiting_requests(self, tenant: str | None = None) -> int:
         return self.scheduler.num_waiting(tenant) + sum(tenant is None or r.tenant == tenant for r in self._held)
@@ -149,7 +166,7 @@ class LLMEngine(WeightControl):
         """Hand the rows of request `request_id`'s cacheable prompt pages after its first `skip` to
         `deliver` layer by layer, as the steps that complete them run (cache/layer_tap.py), until
         `untap_layers`; then, when the layers hand out every kind of row, the rows of the last token's
-        page before that token (a tail). Returns the kinds (positions in `kv.page_tensors()`) handed out."""
+        page through that token (a tail). Returns the kinds (positions in `kv.page_tensors()`) handed out."""
         from .cache.prefix import cacheable_pages, tail_tokens
         taps, page_size = self.executor.layer_taps(self.kv.page_tensors()), self.config.kv_page_size
         tail = tail_tokens(num_prompt_tokens, page_size) if taps.every_kind else 0
@@ -161,13 +178,17 @@ class LLMEngine(WeightControl):
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.paused:
-            return []
+        ready, self._ready = self._ready, []  # given first tokens: out at once, not after a step's compute
+        if (ready and not self._ready_step) or self.paused:
+            self._ready_step = True  # NOTE: the next call computes, whatever tokens arrive meanwhile
+            return ready
+        self._ready_step = False
         self.kv.expire()
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:  # only requests waiting for disk reads: wait for one, do not spin
-            self.kv.wait_for_reads(0.01)
-            return []
+            if not ready:
+                self.kv.wait_for_reads(0.01)
+            return ready
         now = time.monotonic()
         for ch in scheduled.chunks:
             ch.request.first_scheduled_time = ch.request.first_scheduled_time or now
@@ -181,7 +202,7 @@ class LLMEngine(WeightControl):
         self._count(scheduled, result.num_generated_tokens)
         self._release_idle_buffers()
         self._apply_pending_update()
-        return result.outputs
+        return ready + result.outputs
 
     def _count(self, scheduled, generated: int) -> None:
         self.counters["steps"] += 1

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenize import IncrementalDetokenizer, find_stop, stop_match
+from .outputs import FirstToken
 from .request import InvalidRequest, Request, RequestOutput
-from .sampling import (LogitAdjuster, draw_rows, filter_logits_rows, make_generator, sample_token, token_logprobs,
-                       token_logprobs_rows)
+from .sampling import (LogitAdjuster, draw_rows, filter_logits_rows, make_generator, sample_token, skip_draw,
+                       token_logprobs, token_logprobs_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,12 @@ class OutputProcessor:
         return GrammarState(self._grammar_compiler, self._grammar_compiler.compile(spec), spec.get("after"),
                             lambda token: tokenizer.decode([token]))
 
-    def add(self, req: Request, grammar=None) -> None:
+    def add(self, req: Request, grammar=None, first: FirstToken | None = None) -> None:
+        """A new request's sampling state; with `first`, its first token appended as if sampled here
+        (its generator moved past that token's draw; output with `carried_output`)."""
         params, rid = req.params, req.request_id
+        if first is not None:
+            self.check_first(params, first)
         self._states[rid] = OutputState()
         if grammar is not None:
             self._grammars[rid] = grammar
@@ -81,6 +86,29 @@ class OutputProcessor:
             stops = {t for t in params.stop_token_ids or () if 0 <= t < vocab}
             stops |= set() if params.ignore_eos else {t for t in self.eos_token_ids if 0 <= t < vocab}
             self._adjusters[rid] = LogitAdjuster(params, req.prompt_token_ids, vocab, stops)
+        if first is not None:
+            self._carry(req, first)
+
+    def check_first(self, params, first: FirstToken) -> None:
+        """InvalidRequest unless `first` could be the token these params sampled (in the vocabulary, with
+        logprobs and routed experts exactly when they are asked for)."""
+        if not 0 <= first.token_id < self.vocab_size:
+            raise InvalidRequest(f"first token {first.token_id} is outside the vocabulary", "first_token")
+        if (first.logprobs is None) != (params.logprobs is None) or \
+                (first.logprobs is not None and first.token_id not in first.logprobs):
+            raise InvalidRequest("a first token's logprobs must come with it exactly when the request asks for "
+                                 "logprobs", "first_token")
+        if (first.routed_experts is None) == params.return_routed_experts:
+            raise InvalidRequest("a first token's routed experts must come with it exactly when the request asks "
+                                 "for them", "first_token")
+
+    def _carry(self, req: Request, first: FirstToken) -> None:
+        params, rid = req.params, req.request_id
+        if not params.greedy:
+            skip_draw(self._generators[rid])
+        if first.routed_experts is not None:
+            self._states[rid].routed_experts.append(first.routed_experts)
+        self._emit(req, first.token_id, None, first.logprobs)
 
     def preempted(self, request_id: str) -> None:
         """A preempted request's prompt logprobs are recorded again as its prompt is recomputed."""
@@ -267,6 +295,10 @@ class OutputProcessor:
             cut, stop = stop_match(full, len(full), req.params.stop_strings)
         state.text = full[:cut + (len(stop) if req.params.include_stop_str_in_output else 0)]
         return True
+
+    def carried_output(self, req: Request) -> RequestOutput:
+        """The output of a request's given first token (`add`), before any step of it."""
+        return self._output(req, list(req.output_token_ids))
 
     def final_output(self, req: Request) -> RequestOutput:
         """The output of a request ended outside a step (aborted for a weight update), before it is forgotten."""

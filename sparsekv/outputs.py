@@ -30,6 +30,17 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class FirstToken:
+    """A request's first token sampled elsewhere (a disaggregated prefill worker), with what its step
+    would have recorded: its logprobs (with `params.logprobs`) and its routed experts (with
+    `params.return_routed_experts`). The engine emits it first and computes the request from there."""
+
+    token_id: int
+    logprobs: dict[int, float] | None = None
+    routed_experts: list[list[int]] | None = None
+
+
 def token_counts(req) -> dict[str, int]:
     """A request's lengths (its outputs' metrics; the cache manager adds where its cached tokens came from)."""
     return {"num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,

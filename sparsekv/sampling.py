@@ -129,6 +129,12 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.T
     return inside_support(picked, probs)
 
 
+def skip_draw(generator: torch.Generator) -> None:
+    """Move `generator` past one token's draw (a token sampled elsewhere with the same seed): each
+    token `draw_rows` samples takes one uniform of its row's generator."""
+    torch.rand(1, generator=generator)
+
+
 def inside_support(picked: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """`picked`, with a pick past the end (u x total rounded up to the total: about once in 2^24
     draws) moved to the row's last token of non-zero probability."""

@@ -47,9 +47,9 @@ def test_each_page_is_handed_out_once_per_layer_with_the_rows_it_exports(glm_ckp
     for layer in range(layers):
         pages = [d.first + i for d in full if d.layer == layer for i in range(d.count)]
         assert pages == list(range(skip, len(prompt) // PAGE)), layer  # in order, once, none past the prompt
-    # the last token's page (10) before that token (position 41): one row, once per layer, every kind
-    assert [(d.layer, d.first, d.count, d.tail) for d in tails] == [(layer, 10, 1, 1) for layer in range(layers)]
-    assert all(r.shape[:2] == (1, 1) for d in tails for r in d.ready())
+    # the last token's page (10) through that token (position 41): two rows, once per layer, every kind
+    assert [(d.layer, d.first, d.count, d.tail) for d in tails] == [(layer, 10, 1, 2) for layer in range(layers)]
+    assert all(r.shape[:2] == (1, 2) for d in tails for r in d.ready())
     assert sorted(k for d in tails for k in d.kinds) == kinds  # each kind once, from the layer that writes it
     assert sorted({k for d in got for k in d.kinds}) == kinds
     assert kinds == list(range(len(engine.kv.page_tensors())))  # no MTP layer, no selector state: every kind
@@ -132,19 +132,19 @@ def _tail(prompt: int, page: int, rows: int, kinds: list[int]) -> tuple[dict, li
 
 
 def test_a_prompts_tail_is_kept_whole_for_the_import_or_fails_the_room():
-    """The rows of a prompt's last token's page before that token: complete when every kind came once,
-    at the page after its cacheable ones and as long as the rows before its last token."""
-    prompt = list(range(1, 12))  # 11 tokens: 2 cacheable pages, then page 2 with 2 rows before the last token
+    """The rows of a prompt's last token's page through that token: complete when every kind came once,
+    at the page after its cacheable ones and as long as that page's rows of the prompt."""
+    prompt = list(range(1, 12))  # 11 tokens: 2 cacheable pages, then page 2 with 3 rows through the last token
     inbox = _inbox()
-    inbox._keep_layer_rows(*_tail(0, 2, 2, [0, 2]), at_once)
+    inbox._keep_layer_rows(*_tail(0, 2, 3, [0, 2]), at_once)
     assert inbox.complete_tails([prompt], PAGE, 3) == [None]  # kind 1 has not come
-    inbox._keep_layer_rows(*_tail(0, 2, 2, [1]), at_once)
+    inbox._keep_layer_rows(*_tail(0, 2, 3, [1]), at_once)
     tails = inbox.complete_tails([prompt], PAGE, 3)
-    assert all(torch.equal(t, _page(2)[k][:2]) for k, t in enumerate(tails[0]))
+    assert all(torch.equal(t, _page(2)[k][:3]) for k, t in enumerate(tails[0]))
     with pytest.raises(TransferError, match="twice"):
-        inbox._keep_layer_rows(*_tail(0, 2, 2, [1]), at_once)
+        inbox._keep_layer_rows(*_tail(0, 2, 3, [1]), at_once)
     assert not inbox.partial  # a tail is no page to be named
-    for page, rows in ((3, 2), (2, 1)):  # another page, or another length, than the prompt's
+    for page, rows in ((3, 3), (2, 2)):  # another page, or another length, than the prompt's
         inbox = _inbox()
         inbox._keep_layer_rows(*_tail(0, page, rows, [0, 1, 2]), at_once)
         with pytest.raises(TransferError, match="tail came as"):
@@ -185,7 +185,7 @@ def test_rows_go_layer_by_layer_and_the_answer_is_one_engines(setup, glm_ckpt, m
     options = {"prefill-tiered": dict(kv_tiering=True, device_buffer_tokens=16), "fp8": dict(kv_cache_dtype="fp8"),
                "mtp": dict(num_speculative_tokens=2)}.get(setup, {})
     decode_options = {k: v for k, v in options.items() if k != "device_buffer_tokens" and k != "kv_tiering"}
-    prompt = _prompt(256, 48)  # page-aligned: the page of its last token is not sent
+    prompt = _prompt(256, 48)  # page-aligned: the page of its last token is not named
     colocated = LLM(path, **BASE, **decode_options)
     want = colocated.generate([prompt], GREEDY)[0]
     with WorkerServer(path, "prefill", **BASE, **CHUNKED, **options) as p, \
@@ -198,10 +198,11 @@ def test_rows_go_layer_by_layer_and_the_answer_is_one_engines(setup, glm_ckpt, m
         assert sent["pages_sent"] == got["pages_sent"] == got["pages_by_layer"] == sent["pages_by_layer"] == 11
         assert got["layer_batches"] == sent["layer_batches"] >= 5  # at least one per chunk that completed pages
         assert got["batches"] == sent["batches"] > got["layer_batches"]
-        # the last page's 3 rows before the last token came too (with an MTP layer, whose entries no layer
-        # hands out, they do not): the decode engine computed the last token alone
-        tail = 0 if setup == "mtp" else 3
-        assert got["tail_tokens"] == tail
+        # the last page's rows came too, with the first token (with an MTP layer, whose entries no layer
+        # hands out, neither does: the decode engine computes the page and samples it): that token alone
+        # was computed
+        tail = 0 if setup == "mtp" else PAGE
+        assert (got["tail_tokens"], got["first_tokens"]) == (tail, int(setup != "mtp"))
         assert rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 11 * PAGE + tail
         p.check_clean()
         d.check_clean()

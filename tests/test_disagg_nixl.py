@@ -54,7 +54,8 @@ def test_nixl_workers_answer_as_one_engine(family, options, glm_ckpt, ds_ckpt):
         figures = body["sparsekv"]["disaggregation"]
         assert figures["backend"] == rp.json()["sparsekv"]["disaggregation"]["backend"] == "nixl"
         assert figures["pages_sent"] == (len(prompt) - 1) // PAGE
-        assert figures["bytes"] == figures["pages_sent"] * d.engine.kv.prefix.tiers["host"].page_bytes
+        row_bytes = d.engine.kv.prefix.tiers["host"].page_bytes // PAGE  # the pages', then the tail's rows
+        assert figures["bytes"] == (figures["pages_sent"] * PAGE + figures["tail_tokens"]) * row_bytes
         assert httpx.get(d.url + "/disaggregation", timeout=5).json()["transfer_backend"] == "nixl"
         p.check_clean()
         d.check_clean()

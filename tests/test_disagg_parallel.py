@@ -121,7 +121,7 @@ def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
     layer) or to the rank that decodes, and the answers are one colocated engine's. Decode side: a third request for
     the second prompt claims the rank that holds its pages, and none is sent."""
     path = glm_ckpt[0]
-    prompts = [_prompt(256, 44, seed) for seed in (3, 4)]  # 10 cacheable pages, then 3 rows before the last token
+    prompts = [_prompt(256, 44, seed) for seed in (3, 4)]  # 10 cacheable pages, then the last token's full page
     colocated = LLM(path, **BASE)
     want = colocated.generate(prompts, GREEDY)
     with process_and_local_pair(path, dp_side, tmp_path, ("-dp", "2", "--threads", "1"), **BASE) as (p_url, d_url, local):
@@ -129,8 +129,9 @@ def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
         for body, expected in zip(bodies, want):
             figures = body["sparsekv"]["disaggregation"]
             assert figures["pages_sent"] == (len(prompts[0]) - 1) // PAGE and figures["pages_skipped"] == 0
-            assert figures["tail_tokens"] == 3  # the last token alone computed, on the rank that decodes
-            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == figures["pages_sent"] * PAGE + 3
+            # the first token alone computed, on the rank that decodes
+            assert (figures["tail_tokens"], figures["first_tokens"]) == (PAGE, 1)
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompts[0])
             if dp_side == "prefill":  # each rank's rows went layer by layer (rank 1's through rank 0)
                 assert figures["pages_by_layer"] == figures["pages_sent"] and figures["layer_batches"] >= 1
                 assert figures["prefill_s"] > 0  # rank 1's request too: its first step is known on rank 0
@@ -201,9 +202,9 @@ def test_layer_rows_of_every_data_parallel_rank_reach_rank_0_before_their_pages_
             for layer in range(layers):
                 pages = [d.first + j for d in full if d.layer == layer for j in range(d.count)]
                 assert pages == list(range((len(p) - 1) // PAGE)), (i, layer)
-            # the last token's page before it (page 10, one row), through rank 0 for rank 1's prompt
-            assert [(d.layer, d.first, d.tail) for d in tails] == [(layer, 10, 1) for layer in range(layers)]
-            assert all(r.shape[:2] == (1, 1) for d in tails for r in d.ready())
+            # the last token's page through it (page 10, two rows), through rank 0 for rank 1's prompt
+            assert [(d.layer, d.first, d.tail) for d in tails] == [(layer, 10, 2) for layer in range(layers)]
+            assert all(r.shape[:2] == (1, 2) for d in tails for r in d.ready())
             for d in full:
                 for j in range(d.count):
                     rows = exported[d.first + j][1]

@@ -60,11 +60,14 @@ def test_prefill_and_decode_workers_answer_as_one_engine(family, options, glm_ck
         assert_as_colocated(want, body, d, logprob_tolerance(colocated))
         figures = body["sparsekv"]["disaggregation"]
         assert figures["pages_sent"] == (len(prompt) - 1) // PAGE and figures["pages_skipped"] == 0
-        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == figures["pages_sent"] * PAGE
-        assert figures["bytes"] == figures["pages_sent"] * d.engine.kv.prefix.tiers["host"].page_bytes
+        # the first token came from the prefill worker, with the last page's rows through the prompt's end
+        assert (figures["first_tokens"], figures["tail_tokens"]) == (1, len(prompt) - figures["pages_sent"] * PAGE)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
+        row_bytes = d.engine.kv.prefix.tiers["host"].page_bytes // PAGE
+        assert figures["bytes"] == (figures["pages_sent"] * PAGE + figures["tail_tokens"]) * row_bytes
         if options.get("kv_tiering"):  # the rows landed in the pool's host store only, not in the host tier too
             assert d.engine.stats()["prefix_host_pages"] == 0
-            assert body["sparsekv"]["tiers"]["prefix_cached_tokens_device"] == figures["pages_sent"] * PAGE
+            assert body["sparsekv"]["tiers"]["prefix_cached_tokens_device"] == len(prompt)
         p.check_clean()
         d.check_clean()
 
@@ -96,9 +99,10 @@ def test_prefix_hits_on_either_side_and_pages_not_sent(glm_ckpt):
         figures = body["sparsekv"]["disaggregation"]
         assert (figures["pages_sent"], figures["pages_skipped"]) == (full - 5, 5)
         assert body["sparsekv"]["choices"][0]["token_ids"] == want.token_ids
-        again = _decode(p, d, prompt)  # it holds them all: nothing is sent
+        again = _decode(p, d, prompt)  # it holds them all: only the last page's rows are sent
         figures = again["sparsekv"]["disaggregation"]
-        assert (figures["pages_sent"], figures["bytes"], figures["pages_skipped"]) == (0, 0, full)
+        row_bytes = d.engine.kv.prefix.tiers["host"].page_bytes // PAGE
+        assert (figures["pages_sent"], figures["bytes"], figures["pages_skipped"]) == (0, row_bytes, full)
         assert again["sparsekv"]["choices"][0]["token_ids"] == want.token_ids
         httpx.post(d.url + "/reset_prefix_cache", timeout=5).raise_for_status()
         rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt})  # the prefill worker's cache serves it
@@ -156,6 +160,26 @@ def test_streaming_n_and_tenants_through_the_pair(pair):
     bob = {"Authorization": "Bearer sk-bob"}
     _, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt, "cache_salt": "s1"}, headers=bob)
     assert rd.json()["sparsekv"]["disaggregation"]["pages_skipped"] == 0  # alice's pages are not bob's
+    p.check_clean()
+    d.check_clean()
+
+
+def test_sampled_choices_start_from_the_first_tokens_the_prefill_worker_sampled(pair, glm_ckpt):
+    """n = 2 seeded, sampled choices with logprobs: the prefill worker samples each choice's first token
+    with its own parameters (seed + choice), and the decode worker continues each from it: the tokens
+    of one engine given the same parameters."""
+    p, d = pair
+    prompt = _prompt(256, 35, seed=8)
+    extra = {"n": 2, "temperature": 0.9, "top_p": 0.95, "seed": 11, "logprobs": 2}
+    rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt, **extra}, headers={"Authorization": "Bearer sk-alice"})
+    assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=11 + i, logprobs=2,
+                             ignore_eos=True) for i in range(2)]
+    want = LLM(glm_ckpt[0], **BASE).generate([prompt, prompt], params)
+    got = rd.json()
+    assert [c["token_ids"] for c in got["sparsekv"]["choices"]] == [w.token_ids for w in want]
+    assert want[0].token_ids != want[1].token_ids  # the choices differ, from their first tokens on
+    assert got["sparsekv"]["disaggregation"]["first_tokens"] == 2
     p.check_clean()
     d.check_clean()
 
@@ -337,8 +361,9 @@ def test_a_tensor_parallel_worker_on_either_side(tp_side, glm_ckpt, tmp_path):
     """A worker of two tensor-parallel ranks (`-tp 2`, a `sparsekv serve` process of its own: one
     process holds one torch.distributed world) pairs with a one-rank worker: the KV leaves from rank 0's
     pages, or lands in rank 0's host tier (tiered: its pool) and reaches every rank as a prefix hit's
-    restored pages do; the answer is one colocated engine's. The last page's rows before the last token
-    come too (from rank 0's taps; to every rank with the restored pages): the last token alone is computed."""
+    restored pages do; the answer is one colocated engine's. The last page's rows through the last token
+    come too (from rank 0's taps; to every rank with the restored pages), with the first token: that
+    token alone is computed."""
     from disagg_util import process_and_local_pair
     path, prompt = glm_ckpt[0], _prompt(256, 44)
     colocated = LLM(path, **BASE)
@@ -350,8 +375,8 @@ def test_a_tensor_parallel_worker_on_either_side(tp_side, glm_ckpt, tmp_path):
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
         assert_as_colocated(want, rd.json(), local, logprob_tolerance(colocated))
         assert rd.json()["sparsekv"]["disaggregation"]["pages_sent"] == (len(prompt) - 1) // PAGE
-        assert rd.json()["sparsekv"]["disaggregation"]["tail_tokens"] == 3
-        assert rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+        assert rd.json()["sparsekv"]["disaggregation"]["tail_tokens"] == PAGE  # the prompt's last page is full
+        assert rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
         local.check_clean()
 
 

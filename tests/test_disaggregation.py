@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from sparsekv import LLM, SamplingParams
+from sparsekv.outputs import FirstToken
 from sparsekv.paths import default_model_path
-from tolerances import assert_same_greedy, logprob_tolerance
+from sparsekv.request import InvalidRequest
+from tolerances import assert_logprobs_close, assert_same_greedy, logprob_tolerance
 
 PAGE = 4
 BASE = dict(kv_page_size=PAGE, max_model_len=128, num_threads=1)
@@ -53,12 +55,13 @@ def test_a_prompt_prefilled_elsewhere_decodes_as_one_engine_would(family, option
 @pytest.mark.parametrize("family", ["glm", "ds"])
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16), dict(kv_cache_dtype="fp8")],
                          ids=["plain", "decode-tiered", "fp8"])
-@pytest.mark.parametrize("length", [41, 44])  # the last token alone in its page (no tail); 3 rows before it
-def test_with_the_last_pages_rows_before_the_last_token_the_decode_side_computes_that_token_alone(
+@pytest.mark.parametrize("length", [41, 44])  # the last token alone in its page; its page full
+def test_with_the_last_pages_rows_and_the_first_token_the_decode_side_computes_from_that_token(
         family, options, length, glm_ckpt, ds_ckpt):
-    """The prefill engine's layer taps hand out the rows of the last token's page before that token
-    (a tail); imported with the pages, the decode engine's hit takes them too and computes the last
-    token alone, and decodes as one engine would."""
+    """The prefill engine's layer taps hand out the rows of the last token's page through that token
+    (a tail); imported with the pages, the decode engine's hit takes them too for a request given the
+    first token the prefill engine sampled, which computes that token alone and decodes as one engine
+    would."""
     path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
     prompt = _prompt(256, length)
     colocated = LLM(path, **BASE, **options)
@@ -66,35 +69,120 @@ def test_with_the_last_pages_rows_before_the_last_token_the_decode_side_computes
     prefill = LLM(path, **BASE, **{k: v for k, v in options.items() if k == "kv_cache_dtype"})
     got_rows = []
     prefill.engine.tap_layers("p", len(prompt), 0, got_rows.append)
-    prefill.engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    while prefill.engine.has_unfinished_requests():
-        prefill.engine.step()
+    first = _first_token(prefill, prompt, GREEDY)
     num_kinds = len(prefill.engine.kv.page_tensors())
     by_kind = {k: r[0] for d in got_rows if d.tail for k, r in zip(d.kinds, d.ready())}
-    tail = (len(prompt) - 1) % PAGE
-    assert sorted(by_kind) == (list(range(num_kinds)) if tail else [])
+    assert sorted(by_kind) == list(range(num_kinds))
+    assert {r.shape[0] for r in by_kind.values()} == {(len(prompt) - 1) % PAGE + 1}  # through the last token
     pages = prefill.engine.kv.export_prefix(prompt)
     decode = LLM(path, **BASE, **DECODE, **options)
-    tails = [[by_kind[k] for k in range(num_kinds)] if tail else None]
+    tails = [[by_kind[k] for k in range(num_kinds)]]
     assert decode.engine.kv.import_prefix(pages, prompts=[prompt], tails=tails) == len(pages)
-    got = decode.generate([prompt], GREEDY)[0]
-    assert got.num_cached_tokens == len(prompt) - 1  # the last token alone was computed
+    got = _generate_from(decode.engine, prompt, GREEDY, first)
+    assert got.num_cached_tokens == len(prompt)  # the first token alone was computed
     assert_same_greedy([want], [got], logprob_tolerance(colocated))
     decode.engine.check_integrity()
-    again = decode.generate([prompt], GREEDY)[0]  # a tail serves one request: the next computes the page
+    # a tail serves one request; the next hits the prompt's full pages, its last one too once the first named it
+    again = _generate_from(decode.engine, prompt, GREEDY, first, "again")
+    assert again.num_cached_tokens == len(prompt) // PAGE * PAGE and again.token_ids == got.token_ids
+    again = decode.generate([prompt], GREEDY)[0]  # one that samples its first token computes the page
     assert again.num_cached_tokens == len(pages) * PAGE and again.token_ids == got.token_ids
+
+
+def _first_token(engine: LLM, prompt: list[int], params: SamplingParams):
+    """The first token a prefill worker would send: sampled with the request's own parameters."""
+    from sparsekv.disagg.first_token import first_token_of, first_token_params
+    engine.engine.add_request("p", prompt, first_token_params(params))
+    outs = [out for _ in range(len(prompt)) if engine.engine.has_unfinished_requests() for out in engine.engine.step()]
+    return first_token_of(outs[-1], params)
+
+
+def _generate_from(engine, prompt: list[int], params: SamplingParams, first, request_id: str = "d"):
+    """Run a request given its first token to its end: (its last output, the token ids of each output)."""
+    engine.add_request(request_id, prompt, params, first_token=first)
+    last, news = None, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last = out
+            news.append(out.new_token_ids)
+    last.news = news
+    return last
+
+
+SAMPLED = [
+    SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=11, logprobs=2, ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=0.7, seed=5, presence_penalty=0.5, frequency_penalty=0.3,
+                   repetition_penalty=1.2, logit_bias={7: 2.0}, min_tokens=3, logprobs=1),
+]
+
+
+@pytest.mark.parametrize("params", [GREEDY, *SAMPLED], ids=["greedy", "seeded", "adjusted"])
+def test_a_request_started_from_a_first_token_sampled_elsewhere_generates_what_one_engine_would(params, glm_ckpt):
+    """The first token sampled by a prefill engine with the request's own parameters (seed, logprobs,
+    penalties, bias, min_tokens), then given to a decode engine that computes the rest: the same
+    tokens and logprobs as one engine, the first token output by a step of its own that computes nothing."""
+    path = glm_ckpt[0]
+    prompt = _prompt(256, 43)
+    colocated = LLM(path, **BASE)
+    want = colocated.generate([prompt], params)[0]
+    first = _first_token(LLM(path, **BASE), prompt, params)
+    assert first.token_id == want.token_ids[0] and first.logprobs == want.logprobs[0]
+    decode = LLM(path, **BASE)
+    got = _generate_from(decode.engine, prompt, params, first)
+    assert got.news[:2] == [[first.token_id], [want.token_ids[1]]]
+    assert decode.engine.counters["steps"] == params.max_tokens - 1  # one compute step per token after the first
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert_logprobs_close(want.logprobs, got.logprobs, logprob_tolerance(colocated))
+    decode.engine.check_integrity()
+
+
+def test_a_first_token_under_a_grammar_and_stop_strings_continues_as_one_engine_would():
+    """The bundled model (a tokenizer, so grammars and stop strings): a sampled, seeded request under a
+    regex, cut by a stop string. The decode engine's grammar and text start from the given token."""
+    path = default_model_path()
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, stop=["-"], logprobs=1,
+                            structured_output={"type": "regex", "pattern": "[0-9]{3}-[a-z]{2}"})
+    prompt = "def fibonacci(n):"
+    want = LLM(path, max_model_len=256, num_threads=1).generate([prompt], params)[0]
+    assert want.finish_reason == "stop" and len(want.text) == 3 and want.text.isdigit()  # cut at the stop string
+    first = _first_token(LLM(path, max_model_len=256, num_threads=1), prompt, params)
+    assert first.token_id == want.token_ids[0]
+    decode = LLM(path, max_model_len=256, num_threads=1)
+    got = _generate_from(decode.engine, prompt, params, first)
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    decode.engine.check_integrity()
+
+
+def test_a_first_token_that_ends_its_request_is_output_without_a_step_and_a_bad_one_is_refused(glm_ckpt):
+    path = glm_ckpt[0]
+    prompt = _prompt(256, 43)
+    engine = LLM(path, **BASE).engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1)
+    first = _first_token(LLM(path, **BASE), prompt, params)
+    for ending, reason in ((dict(max_tokens=1), "length"), (dict(stop_token_ids=[first.token_id]), "stop")):
+        got = _generate_from(engine, prompt, SamplingParams(**{**vars(params), **ending}), first, reason)
+        assert (got.token_ids, got.news, got.finish_reason) == ([first.token_id], [[first.token_id]], reason)
+        assert got.logprobs == [first.logprobs] and engine.counters["steps"] == 0  # nothing computed
+    engine.check_integrity()
+    bad = [FirstToken(10 ** 6, first.logprobs), FirstToken(first.token_id), FirstToken(first.token_id, {0: -1.0}),
+           FirstToken(first.token_id, first.logprobs, [[0]])]
+    for token in bad:  # outside the vocabulary; logprobs asked for and missing, or without the token; experts unasked
+        with pytest.raises(InvalidRequest, match="first token"):
+            engine.add_request("bad", prompt, params, first_token=token)
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
 
 
 def test_a_tail_that_does_not_fit_refuses_the_import_whole(glm_ckpt):
     path = glm_ckpt[0]
-    prompt = _prompt(256, 44)
+    prompt = _prompt(256, 43)
     prefill = LLM(path, **BASE)
     prefill.generate([prompt], SamplingParams(max_tokens=1))
     pages = prefill.engine.kv.export_prefix(prompt)
     decode = LLM(path, **BASE, **DECODE)
     tensors = [t for t, _ in decode.engine.kv.page_tensors()]
     for bad in ([t[:3, :1] for t in tensors], [t[:PAGE] for t in tensors], [t[:3] for t in tensors[:1]]):
-        # a row's width, a whole page, a kind missing
+        # a row's width, a whole page (not this prompt's last), a kind missing
         with pytest.raises(ValueError, match="tail 0"):
             decode.engine.kv.import_prefix(pages, prompts=[prompt], tails=[bad])
         assert decode.engine.kv.held_prefix(prompt) == 0

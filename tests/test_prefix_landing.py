@@ -181,44 +181,50 @@ def test_forgetting_an_import_drops_its_pages_in_every_tier_but_those_a_request_
     _check(cache, allocator)
 
 
-def _admit(cache: PrefixCache, allocator: PageAllocator, rid: str, **params):
-    req = Request(rid, PROMPT, SamplingParams(max_tokens=1, **params))
+def _admit(cache: PrefixCache, allocator: PageAllocator, rid: str, first_token: bool = True, **params):
+    """Admit a request for PROMPT; `first_token`: with its first token sampled elsewhere (a tail's user)."""
+    req = Request(rid, PROMPT, SamplingParams(max_tokens=2, **params), output_token_ids=[7] if first_token else [])
     hit = cache.lookup(req)
-    assert allocator.share_and_reserve(rid, hit.pages, allocator.pages_for(len(PROMPT) + 1) - len(hit.pages))
+    assert allocator.share_and_reserve(rid, hit.pages, allocator.pages_for(len(PROMPT) + 2) - len(hit.pages))
     return cache.take(req, hit)
 
 
 def test_an_imported_tail_fills_the_last_tokens_page_for_the_first_request_admitted():
-    """A prompt's tail (here the 1 row of page 5 before the last token) is written into a page of the
+    """A prompt's tail (here the 2 rows of page 5 through the last token) is written into a page of the
     first admitted request's reservation, after the hit's pages, listed with the restored pages (every
     rank copies it); the next request for the prompt computes the page."""
     cache, pool, allocator = _cache()
-    tail = [torch.full((1, 2), 9.0)]
-    cache.keep_tails(cache.padded_tails([(cache.tail_name(PROMPT, "default", None), tail)]))
+    tail = [torch.full((2, 2), 9.0)]
+    cache.keep_tails(cache.padded_tails([(cache.tail_name(PROMPT, "default", None), tail, len(PROMPT))]))
     cache.import_pages(_exported(cache), "default", _chains(cache))
     taken = _admit(cache, allocator, "a")
-    assert (taken.num_pages, taken.num_tail_tokens, len(taken.page_ids)) == (5, 1, 6)
+    assert (taken.num_pages, taken.num_tail_tokens, len(taken.page_ids)) == (5, 2, 6)
     page = taken.page_ids[5]
-    assert page in taken.restored_page_ids and torch.equal(pool[page * PAGE], torch.full((2,), 9.0))
+    assert page in taken.restored_page_ids and torch.equal(pool[page * PAGE:page * PAGE + 2], torch.full((2, 2), 9.0))
     again = _admit(cache, allocator, "b")
     assert again.num_tail_tokens == 0 and len(again.page_ids) == 5
     for rid, pages in (("a", taken.page_ids), ("b", again.page_ids)):
         cache.forget_request(rid)
         allocator.free(rid, pages)
     _check(cache, allocator)
-    with pytest.raises(ValueError, match="tail 0"):  # a whole page is no tail
-        cache.padded_tails([(b"x", [torch.zeros(PAGE, 2)])])
+    for rows, length in ((1, len(PROMPT)), (PAGE, len(PROMPT)), (3, 4 * PAGE)):  # not the prompt's last page
+        with pytest.raises(ValueError, match="tail 0"):
+            cache.padded_tails([(b"x", [torch.zeros(rows, 2)], length)])
+    assert len(cache.padded_tails([(b"x", [torch.zeros(PAGE, 2)], 4 * PAGE)])) == 1  # a whole last page
 
 
 def test_a_request_that_cannot_use_its_tail_takes_it_and_the_tails_kept_are_bounded():
     from sparsekv.cache.prefix_transfer import MAX_TAILS
     cache, _, allocator = _cache()
     key = cache.tail_name(PROMPT, "default", None)
-    cache.keep_tails(cache.padded_tails([(key, [torch.ones(1, 2)])]))
+    cache.keep_tails(cache.padded_tails([(key, [torch.ones(2, 2)], len(PROMPT))]))
     cache.import_pages(_exported(cache), "default", _chains(cache))
+    # a request that samples its first token computes the last page: it leaves the tail to one that does not
+    assert _admit(cache, allocator, "z", first_token=False).num_tail_tokens == 0 and key in cache._tails
     assert _admit(cache, allocator, "a", prompt_logprobs=1).num_tail_tokens == 0  # every prompt row is computed
     assert _admit(cache, allocator, "b").num_tail_tokens == 0  # taken by the first
-    cache.keep_tails(cache.padded_tails([(bytes([i]) * 32, [torch.ones(1, 2)]) for i in range(MAX_TAILS + 1)]))
+    cache.keep_tails(cache.padded_tails([(bytes([i]) * 32, [torch.ones(2, 2)], len(PROMPT))
+                                         for i in range(MAX_TAILS + 1)]))
     assert len(cache._tails) == MAX_TAILS and bytes([0]) * 32 not in cache._tails
     cache.reset()
     assert not cache._tails

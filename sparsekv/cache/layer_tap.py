@@ -6,7 +6,8 @@ tapped chunk completes; after every decoder layer's forward (`ForwardContext.aft
 those pages in the tensors that layer wrote (its latents, its indexer keys) are copied out of the
 pool and handed to the tap's `deliver`. Each page is handed out once per layer, and never a page
 before `skip`; of the page the prefix cache does not name (the prompt's last token's), the rows
-before that token, once (a tail: the decode side then computes the last token alone). The kinds
+through that token, once (a tail: the decode side, given the first token sampled here, then computes
+from that token on). The kinds
 (indices into the cache's `PageRows` tensors, the order a page's rows are exported in) name what each
 delivery holds; the other kinds (the MTP layer's entries, a selector's page state) are left to the
 page's export once it is named::
@@ -49,7 +50,7 @@ class _Tap:
     deliver: Callable[[LayerRows], None]
     next_page: int  # the first page not handed out yet
     num_pages: int  # the prompt's pages a prefix cache names (every full page but its last token's)
-    tail: int = 0  # rows of page num_pages before the prompt's last token, handed out once computed
+    tail: int = 0  # rows of page num_pages through the prompt's last token, handed out once computed
 
 
 class LayerTaps:
@@ -78,7 +79,7 @@ class LayerTaps:
     def add(self, request_id: str, num_pages: int, skip: int, deliver: Callable[[LayerRows], None],
             tail: int = 0) -> None:
         """Hand out pages [skip, num_pages) of the request's prompt as its steps complete them, then
-        the first `tail` rows of page num_pages (the prompt's last token's page, before that token)."""
+        the first `tail` rows of page num_pages (the prompt's last token's page, through that token)."""
         self._taps[request_id] = _Tap(deliver, skip, num_pages, tail)
 
     def remove(self, request_id: str) -> None:

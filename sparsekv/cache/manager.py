@@ -178,10 +178,11 @@ class CacheManager:
         """Keep exported pages, all or none. With `kv_tiering` they land in the pool (its latents in the
         host store the request decodes from), with the pages of `prompts` this cache already held before
         them; untiered, in the prefix cache's host tier (a hit copies them into device pages). `tails`:
-        per prompt, None or the rows of its last token's page before that token, one tensor per kind;
-        its request then computes that token alone (`PrefixCache.take`)."""
+        per prompt, None or the rows of its last token's page through that token, one tensor per kind;
+        its request, added with the first token sampled where the prompt was computed, then computes
+        from that token on (`PrefixCache.take`)."""
         prefix = self._prefix_cache()
-        padded = prefix.padded_tails([(prefix.tail_name(p, tenant, cache_salt), rows)
+        padded = prefix.padded_tails([(prefix.tail_name(p, tenant, cache_salt), rows, len(p))
                                       for p, rows in zip(prompts, tails or ()) if rows])
         n = prefix.import_pages(pages, tenant, [prefix.prompt_names(p, tenant, cache_salt) for p in prompts])
         prefix.keep_tails(padded)

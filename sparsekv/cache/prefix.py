@@ -29,18 +29,13 @@ from dataclasses import dataclass, field
 
 from ..request import Request
 from .pages import PageAllocator
-from .prefix_transfer import PageTransfer
+from .prefix_transfer import PageTransfer, tail_tokens  # noqa: F401  (importable from here too)
 
 
 def cacheable_pages(num_tokens: int, page_size: int) -> int:
     """How many of a prompt's pages can be cached: every full page but the one holding its last token
     (a hit must leave that token to compute, for its logits)."""
     return (num_tokens - 1) // page_size
-
-
-def tail_tokens(num_tokens: int, page_size: int) -> int:
-    """A prompt's tail: the tokens of its last token's page before that token (0 to page_size - 1)."""
-    return (num_tokens - 1) % page_size
 
 
 @dataclass
@@ -152,10 +147,11 @@ class PrefixCache(PageTransfer):
                             tail_tokens(req.num_prompt_tokens, self.page_size) if tail else 0)
 
     def _take_tail(self, req: Request, num_pages: int) -> list[int]:
-        """The prompt's imported tail (its last token's page before that token, `keep_tails`), written
-        into a page of the request's reservation when the hit covers every page before it: [that page],
+        """The prompt's imported tail (its last token's page through that token, `keep_tails`), for a
+        request whose first token was sampled where the prompt was computed (its one output token):
+        written into a page of its reservation when the hit covers every page before it: [that page],
         or [] (the request computes the page). Its first admission takes the tail either way."""
-        if not self._tails or req.num_output_tokens:
+        if not self._tails or req.num_output_tokens != 1:
             return []
         cacheable = cacheable_pages(req.num_prompt_tokens, self.page_size)
         key = self._tail_key(self._names(req, cacheable), req.prompt_token_ids, req.tenant, req.cache_salt)

@@ -8,6 +8,11 @@ _IMPORTING = "\x00prefix-import"  # the allocator owner of pages an import is wr
 MAX_TAILS = 64  # imported tails waiting for their requests; past it the oldest goes (its request computes the page)
 
 
+def tail_tokens(num_tokens: int, page_size: int) -> int:
+    """A prompt's tail: the tokens of its last token's page, that token included (1 to page_size)."""
+    return (num_tokens - 1) % page_size + 1
+
+
 class PageTransfer:
     """`PrefixCache`'s export and import (it provides the names, tiers, rows and allocator used here)."""
 
@@ -58,13 +63,16 @@ class PageTransfer:
             host.put(name, rows, tenant)
         return len(pages)
 
-    def padded_tails(self, tails: list[tuple[bytes, list]]) -> list[tuple[bytes, list]]:
-        """Prompts' tails (`tail_name`, rows of each kind [n, ...]: a prompt's last token's page before
-        that token) padded to whole pages, checked (ValueError: rows that do not fit this cache)."""
+    def padded_tails(self, tails: list[tuple[bytes, list, int]]) -> list[tuple[bytes, list]]:
+        """Prompts' tails (`tail_name`, rows of each kind [n, ...]: a prompt's last token's page through
+        that token, the prompt's length) padded to whole pages, checked (ValueError: rows that do not
+        fit this cache, or not as many as that page holds of the prompt)."""
         padded = []
-        for i, (key, rows) in enumerate(tails):
-            if not all(0 < r.shape[0] < self.page_size for r in rows):
-                raise ValueError(f"tail {i}: {[r.shape[0] for r in rows]} rows, not 1 to {self.page_size - 1}")
+        for i, (key, rows, num_tokens) in enumerate(tails):
+            expected = tail_tokens(num_tokens, self.page_size)
+            if not all(r.shape[0] == expected for r in rows):
+                raise ValueError(f"tail {i}: {[r.shape[0] for r in rows]} rows, not the {expected} of a "
+                                 f"{num_tokens}-token prompt's last page")
             rows = [_padded(r, self.page_size) for r in rows]
             if self.rows is None or not self.rows.fits(rows):
                 raise ValueError(f"tail {i}: its rows do not fit this cache's layout")

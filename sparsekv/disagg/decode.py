@@ -5,12 +5,15 @@ telling it how many of each prompt's first pages it already holds (`engine.kv.he
 are not sent), receives the rest and checks every tensor's size and digest. The pages are kept all
 or none (`engine.kv.import_prefix`): with `--kv-tiering` in pool pages, whose latents are rows of the
 host store the request decodes from; untiered, in the prefix cache's host tier. The request then runs
-as a prefix hit: it computes the page holding the last token (the positions those rows select also
-fill its device working set) and samples the first token itself. Nothing is kept from a transfer that
+as a prefix hit, from the first token the prefill worker sampled (`first_token`): with the last
+page's rows (a tail) it computes that token alone, else the page holding the prompt's last token too
+(the positions those rows select also fill its device working set). With MTP drafting on the prefill
+side no first token comes, and it samples the first token itself. Nothing is kept from a transfer that
 fails.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -19,6 +22,7 @@ import torch
 
 from ..cache.prefix import cacheable_pages, tail_tokens
 from ..server.serving import Job, run
+from .first_token import first_tokens_from_wire
 from .transfer import BACKENDS, Room, connect, meta_key, receiver
 from .weights_stamp import check_same_weights, loaded_weights
 from .wire import TransferError, at_once, check_received, owned_copies, prompt_digest, sign, tensors_to_pages, verify
@@ -67,7 +71,10 @@ class DecodeWorker(Worker):
                 meta = await self._next_batch(request, inbox)
             prefill_ended = time.monotonic()
             self.rooms[field.room] = "import"
+            firsts = first_tokens_from_wire(meta["first"], len(job.subs)) if "first" in meta else None
             tails = inbox.complete_tails(prompts, engine.config.kv_page_size, len(engine.kv.page_tensors()))
+            if firsts is None and any(t is not None for t in tails):
+                raise TransferError("the prefill worker sent a prompt's last rows without its first token")
             await self._import(meta, inbox.pages, job, prompts, tails)
         except TransferError as e:
             if inbox.peer_failed:  # NOTE: the prefill worker failed and left the room to us
@@ -78,12 +85,15 @@ class DecodeWorker(Worker):
         finally:  # NOTE: a group's teardown takes ms; neither the event loop nor the request waits for it
             self.pool.submit(inbox.close)
         await self.blocking(self._verdict, link, meta, None)
+        if firsts is not None:
+            job.subs = [dataclasses.replace(sub, first_token=first) for sub, first in zip(job.subs, firsts)]
         return {"role": "decode", "room": field.room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
                 "transfer_s": time.monotonic() - prefill_ended, "backend": meta["backend"], "bytes": inbox.nbytes,
                 "pages_sent": len(inbox.pages), "pages_streamed": meta.get("streamed", 0),
                 "pages_skipped": sum(held), "batches": inbox.batches, "paced_s": inbox.pacer.paused_s,
                 "pages_by_layer": inbox.pages_by_layer, "layer_batches": inbox.layer_batches,
-                "tail_tokens": sum(t[0].shape[0] for t in tails if t is not None)}
+                "tail_tokens": sum(t[0].shape[0] for t in tails if t is not None),
+                "first_tokens": 0 if firsts is None else sum(f is not None for f in firsts)}
 
     async def _claim(self, request, field, claim: dict):
         """Claim the room and wait for the prefill worker's first batch: (room link, its metadata)."""
@@ -245,7 +255,7 @@ class Inbox:
 
     def complete_tails(self, prompts: list[list[int]], page_size: int, num_kinds: int) -> list:
         """Per prompt, its tail's rows (one tensor per kind, in kind order) when it came whole, at the
-        page after the prompt's cacheable ones and as long as the rows before its last token, else
+        page after the prompt's cacheable ones and as long as its rows through its last token, else
         None (the decode engine computes that page)."""
         out = []
         for prompt, token_ids in enumerate(prompts):
@@ -357,7 +367,8 @@ async def _on_engine(loop, fn, *args):
 
 class DecodeFigures:
     """The request's time to first token split by where it went, for the response's extension:
-    the prefill worker's queue and prefill, the transfer, this worker's queue and first decode step."""
+    the prefill worker's queue and prefill, the transfer, this worker's queue and first decode step
+    (none when the prefill worker's first token came: the queue then ends with its output)."""
 
     def __init__(self, transfer: dict, group, submitted: float):
         self.transfer, self.group, self.submitted = transfer, group, submitted
@@ -366,7 +377,9 @@ class DecodeFigures:
         firsts = [s.first_output_at for s in states if s.first_output_at is not None]
         scheduled = self.group.first_scheduled
         figures = dict(self.transfer)
-        if scheduled is not None:
+        if figures.get("first_tokens") and firsts:  # the prefill worker's, output once the engine took them
+            figures["decode_queue_s"], figures["first_decode_s"] = max(0.0, min(firsts) - self.submitted), 0.0
+        elif scheduled is not None:
             figures["decode_queue_s"] = max(0.0, scheduled - self.submitted)
             if firsts:
                 figures["first_decode_s"] = min(firsts) - scheduled

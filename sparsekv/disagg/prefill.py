@@ -1,10 +1,15 @@
 """The prefill worker: computes a request's prompts and, while it does, streams their KV to the
 decode worker that claims the room.
 
-It runs each prompt once (n choices share it) for one token, or three with MTP drafting: a page is
-named once the MTP layer's entries for it exist, which the MTP pass after the first token writes for
-the prompt's last page. Pages go in batches as they are named (`_stream`), the last after the
-prefill. It answers with that short completion, plus the transfer's figures in the `sparsekv` extension.
+It runs each of the request's choices for its first token, sampled with the request's own parameters
+(its seed, logprobs, grammar, penalties), and sends those tokens with the last batch: the decode worker
+starts each choice from its first token (`first_token`). A choice's prompt pages are computed once:
+the other choices of a prompt hit them and compute its last page again. With MTP drafting it runs each
+prompt once, greedily, for three tokens instead: a page is named once the MTP layer's entries for it
+exist, which the MTP pass after the first token writes for the prompt's last page, and the decode
+worker samples the first token itself. Pages go in batches as they are named (`_stream`), the last
+after the prefill. It answers with that short completion, plus the transfer's figures in the
+`sparsekv` extension.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from ..server.loop import RequestGroup, Submission
 from ..server.serving import Job, run
 from .transfer import Room, connect, host_bootstrap, pair_backend
 from .weights_stamp import check_same_weights, loaded_weights
+from .first_token import first_token_of, first_token_params, first_token_wire
 from .layers import LayerFeed, kinds_of, named_parts
 from .outbox import Batches
 from .wire import TransferError, prompt_digest, verify
@@ -50,19 +56,21 @@ class PrefillWorker(Worker):
             raise bad_request(f"disaggregation.bootstrap_port {field.bootstrap_port} is not this prefill worker's "
                               f"({self.bootstrap_port})", "disaggregation")
         room = self.open_room(field)
-        group = RequestGroup(job.group.request_ids[0].rsplit("-", 1)[0], len(prompts))
-        prefill = asyncio.ensure_future(self._prefill(request, job, prompts, group))
+        subs = self._prefill_subs(job, prompts)
+        group = RequestGroup(job.group.request_ids[0].rsplit("-", 1)[0], len(subs))
+        tapped = group.request_ids[::len(subs) // len(prompts)]  # each prompt's first choice
+        prefill = asyncio.ensure_future(self._prefill(request, job, subs, group))
         ended: list[float] = []  # when the prefill ended
         prefill.add_done_callback(lambda _: ended.append(time.monotonic()))
         try:
-            figures = await self._transfer(request, room, job, prompts, prefill, ended, group.request_ids)
+            figures = await self._transfer(request, room, job, prompts, prefill, ended, tapped)
         except TransferError as e:
             raise self.failed(room, e) from None
         finally:
             if not prefill.done():
                 await self._cancel(prefill)
             self.close_room(room)
-        response, _ = prefill.result()  # a prefill refused (APIError) is raised here, after the decode worker learnt it
+        response = prefill.result()[0]  # a prefill refused (APIError) is raised here, after the decode worker learnt it
         if figures is None:
             return response
         body = json.loads(response.body)
@@ -79,14 +87,22 @@ class PrefillWorker(Worker):
         except Exception:  # the engine loop is closing: nothing is left to wait for
             pass
 
-    async def _prefill(self, request, job: Job, prompts: list[list[int]], group: RequestGroup):
-        """Each prompt once (engine request `group.request_ids[i]`), greedily, for the tokens that name
-        all its full pages."""
-        tokens = 3 if self.state.engine.config.num_speculative_tokens else 1
-        subs = [Submission(p, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)) for p in prompts]
-        job.builder.n = 1
+    def _prefill_subs(self, job: Job, prompts: list[list[int]]) -> list[Submission]:
+        """What the engine runs: each choice for its first token; with MTP drafting, each prompt once,
+        greedily, for the tokens that name all its full pages."""
+        if self.state.engine.config.num_speculative_tokens:
+            job.builder.n = 1
+            return [Submission(p, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)) for p in prompts]
+        return [Submission(s.prompt, first_token_params(s.params)) for s in job.subs]
+
+    async def _prefill(self, request, job: Job, subs: list[Submission], group: RequestGroup):
+        """(response, group, each choice's first token or None) of the prefill's engine requests
+        (`group.request_ids`); the first tokens are None with MTP drafting (none is sent)."""
         prefill = Job(group, subs, job.tenant, job.cache_salt, job.builder, False, False)
-        return await run(request, self.state.loop, prefill, self.state.metrics), group
+        states = []
+        response = await run(request, self.state.loop, prefill, self.state.metrics, states)
+        carried = not self.state.engine.config.num_speculative_tokens
+        return response, group, [first_token_of(s.out, sub.params) for s, sub in zip(states, subs)] if carried else None
 
     async def _transfer(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
                         request_ids: list[str]) -> dict | None:
@@ -172,6 +188,8 @@ class PrefillWorker(Worker):
                 if meta["last"]:
                     ended.append(time.monotonic())  # NOTE: its done callback may not have run yet
                     meta.update(skipped=claim["held"], streamed=streamed, **_times(prefill.result()[1], ended[0]))
+                    if prefill.result()[2] is not None:
+                        meta["first"] = [first_token_wire(f) for f in prefill.result()[2]]
                 nbytes += await self._send(out, meta, kinds_of(part, kinds))
                 streamed += 0 if finished else len(part)
             sent = [n + more for n, more in zip(sent, per_prompt)]
@@ -323,7 +341,7 @@ def _prefill_failure(prefill) -> str | None:
     if prefill.exception() is not None:
         e = prefill.exception()
         return e.message if isinstance(e, APIError) else f"the prefill failed: {e}"
-    response, _ = prefill.result()
+    response = prefill.result()[0]
     return None if response.status_code == 200 else "the prefill worker could not compute the prompt"
 
 

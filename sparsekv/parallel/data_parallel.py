@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..config import ConfigError, EngineConfig
 from ..engine import LLMEngine
 from ..hub import resolve_config
+from ..outputs import FirstToken
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
 from ..weights import WEIGHT_UPDATE_POLICIES, WeightLoadError, WeightUpdateConflict
 from .dp_kv import DataParallelKV, kv_call
@@ -104,7 +105,8 @@ class DataParallelEngine:
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    tenant: str = "default", cache_salt: str | None = None) -> Request:
+                    tenant: str = "default", cache_salt: str | None = None,
+                    first_token: FirstToken | None = None) -> Request:
         params = params or SamplingParams()
         params.validate()
         if request_id is None:
@@ -116,6 +118,8 @@ class DataParallelEngine:
         token_ids = self.local.inputs.process(prompt, params)
         if params.structured_output is not None:
             self.local.outputs.grammar_for(params.structured_output)  # a bad grammar fails here, not on a rank
+        if first_token is not None:
+            self.local.outputs.check_first(params, first_token)
         rank = self.kv.take_claim(token_ids, tenant, cache_salt)  # a disaggregated request: where its pages landed
         if rank is None:
             rank = self.router.choose(token_ids, tenant, cache_salt)
@@ -123,8 +127,8 @@ class DataParallelEngine:
             self.router.assign(rank, token_ids, tenant, cache_salt)
         self.rank_of[request_id] = rank
         if rank == 0:
-            return self.local.add_request(request_id, token_ids, params, tenant, cache_salt)
-        self._adds[rank].append((request_id, token_ids, params, tenant, cache_salt))
+            return self.local.add_request(request_id, token_ids, params, tenant, cache_salt, first_token)
+        self._adds[rank].append((request_id, token_ids, params, tenant, cache_salt, first_token))
         self._remote[request_id] = Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)
         return self._remote[request_id]
 

@@ -28,14 +28,14 @@ def step_lane(engine: LLMEngine, rank: int, message: dict, taps: TapSender | Non
     has left (dp_taps.py)."""
     for request_id in message["aborts"][rank]:
         engine.abort(request_id)
-    for request_id, token_ids, params, tenant, cache_salt in message["adds"][rank]:
-        engine.add_request(request_id, token_ids, params, tenant, cache_salt)
+    for request_id, token_ids, params, tenant, cache_salt, first_token in message["adds"][rank]:
+        engine.add_request(request_id, token_ids, params, tenant, cache_salt, first_token)
     if taps is not None:
         set_lane_taps(engine, taps, message, rank)
     if message["hold"]:
         engine.hold_unstarted_requests()
     fresh = [r for r in engine.scheduler.waiting if r.first_scheduled_time is None] if rank else []
-    outs = engine.step() if engine.scheduler.has_unfinished() else []
+    outs = engine.step() if engine.scheduler.has_unfinished() or engine.has_ready_outputs else []
     engine.executor.finish_step()
     summary = lane_summary(engine)
     summary["scheduled"] = [r.request_id for r in fresh if r.first_scheduled_time is not None]

@@ -22,6 +22,7 @@ import time
 from ..parallel.executor import RankFailure
 from dataclasses import dataclass
 
+from ..outputs import FirstToken
 from ..request import RequestOutput, SamplingParams
 from .metrics import RequestTimer
 
@@ -52,6 +53,7 @@ class Submission:
 
     prompt: str | list[int]
     params: SamplingParams
+    first_token: FirstToken | None = None  # sampled by a disaggregated prefill worker
 
 
 class RequestGroup:
@@ -224,7 +226,7 @@ class EngineLoop:
             added = []
             try:
                 for i, (rid, sub) in enumerate(zip(group.request_ids, subs)):
-                    req = self.engine.add_request(rid, sub.prompt, sub.params, tenant=tenant, cache_salt=cache_salt)
+                    req = self.engine.add_request(rid, sub.prompt, sub.params, tenant, cache_salt, sub.first_token)
                     added.append(rid)
                     self._routes[rid] = _Route(group, i, req, RequestTimer(group.arrival, tenant))
             except BaseException:

@@ -58,8 +58,10 @@ async def admit(loop: EngineLoop, job: Job, metrics) -> None:
                             "server log)") from None
 
 
-async def run(request: Request, loop: EngineLoop, job: Job, metrics):
-    states = [job.builder.choice_state(i, s.params.stop_strings) for i, s in enumerate(job.subs)]
+async def run(request: Request, loop: EngineLoop, job: Job, metrics, states: list | None = None):
+    """`states`: a list to fill with the choices' states (what each output), for a caller that reads them."""
+    states = states if states is not None else []
+    states += [job.builder.choice_state(i, s.params.stop_strings) for i, s in enumerate(job.subs)]
     try:
         await admit(loop, job, metrics)
         if not job.stream:
