@@ -113,10 +113,11 @@ SAMPLED = [
     SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=11, logprobs=2, ignore_eos=True),
     SamplingParams(max_tokens=8, temperature=0.7, seed=5, presence_penalty=0.5, frequency_penalty=0.3,
                    repetition_penalty=1.2, logit_bias={7: 2.0}, min_tokens=3, logprobs=1),
+    SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, prompt_logprobs=2),  # the decode side computes them
 ]
 
 
-@pytest.mark.parametrize("params", [GREEDY, *SAMPLED], ids=["greedy", "seeded", "adjusted"])
+@pytest.mark.parametrize("params", [GREEDY, *SAMPLED], ids=["greedy", "seeded", "adjusted", "prompt-logprobs"])
 def test_a_request_started_from_a_first_token_sampled_elsewhere_generates_what_one_engine_would(params, glm_ckpt):
     """The first token sampled by a prefill engine with the request's own parameters (seed, logprobs,
     penalties, bias, min_tokens), then given to a decode engine that computes the rest: the same
@@ -133,6 +134,9 @@ def test_a_request_started_from_a_first_token_sampled_elsewhere_generates_what_o
     assert decode.engine.counters["steps"] == params.max_tokens - 1  # one compute step per token after the first
     assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
     assert_logprobs_close(want.logprobs, got.logprobs, logprob_tolerance(colocated))
+    if params.prompt_logprobs is not None:
+        assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(prompt)
+        assert_logprobs_close(want.prompt_logprobs[1:], got.prompt_logprobs[1:], logprob_tolerance(colocated))
     decode.engine.check_integrity()
 
 
