@@ -94,7 +94,9 @@ class LLMEngine(WeightControl):
                     first_token: FirstToken | None = None) -> Request:
         """Queue a request. `first_token`: its first token, sampled by another engine from the same
         prompt and weights (a disaggregated prefill worker), output by the next `step()` with no
-        compute of its own; the request then computes from there."""
+        compute of its own; the request then computes from there. A token of weights this engine no
+        longer has, or will not run the request under (an update waits), is dropped: the request
+        samples its first token itself."""
         params = params or SamplingParams()
         params.validate()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -105,6 +107,9 @@ class LLMEngine(WeightControl):
         token_ids = self.inputs.process(prompt, params)
         grammar = self.outputs.grammar_for(params.structured_output) if params.structured_output is not None else None
         req = Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)
+        if first_token is not None and not self._same_weights(first_token):
+            logger.info("request %s: its first token was sampled under other weights; sampling it again", request_id)
+            first_token = None
         self.outputs.add(req, grammar, first_token)
         if first_token is not None:
             self._ready.append(self.outputs.carried_output(req))
@@ -117,6 +122,11 @@ class LLMEngine(WeightControl):
         else:
             self.scheduler.add(req)
         return req
+
+    def _same_weights(self, first_token: FirstToken) -> bool:
+        """Whether the request would run under the weights that sampled its given first token."""
+        version = first_token.weights_version
+        return version is None or (version == self.weights_version and self._pending_update is None)
 
     def abort(self, request_id: str) -> bool:
         held = next((r for r in self._held if r.request_id == request_id), None)

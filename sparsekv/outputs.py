@@ -39,6 +39,7 @@ class FirstToken:
     token_id: int
     logprobs: dict[int, float] | None = None
     routed_experts: list[list[int]] | None = None
+    weights_version: int | None = None  # the engine's weights it was sampled under; None: the current ones
 
 
 def token_counts(req) -> dict[str, int]:

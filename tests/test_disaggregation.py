@@ -177,6 +177,22 @@ def test_a_first_token_that_ends_its_request_is_output_without_a_step_and_a_bad_
     engine.check_integrity()
 
 
+def test_a_first_token_of_other_weights_is_dropped_and_the_request_samples_its_own(glm_ckpt):
+    """A decode engine whose weights changed since the KV was kept (a weight update between the import
+    and the request's add) does not trust the token: it computes the prompt's last row and samples."""
+    path = glm_ckpt[0]
+    prompt = _prompt(256, 43)
+    want = LLM(path, **BASE).generate([prompt], GREEDY)[0]
+    first = _first_token(LLM(path, **BASE), prompt, GREEDY)
+    engine = LLM(path, **BASE).engine
+    stale = FirstToken(want.token_ids[1], {want.token_ids[1]: -0.5}, None, weights_version=engine.weights_version + 1)
+    got = _generate_from(engine, prompt, GREEDY, stale)
+    assert got.news[0] == [want.token_ids[0]] and got.token_ids == want.token_ids  # its own first token, computed
+    assert engine.counters["steps"] == GREEDY.max_tokens
+    current = FirstToken(first.token_id, first.logprobs, None, weights_version=engine.weights_version)
+    assert _generate_from(engine, prompt, GREEDY, current, "current").token_ids == want.token_ids
+
+
 def test_a_tail_that_does_not_fit_refuses_the_import_whole(glm_ckpt):
     path = glm_ckpt[0]
     prompt = _prompt(256, 43)

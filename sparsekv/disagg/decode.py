@@ -75,7 +75,7 @@ class DecodeWorker(Worker):
             tails = inbox.complete_tails(prompts, engine.config.kv_page_size, len(engine.kv.page_tensors()))
             if firsts is None and any(t is not None for t in tails):
                 raise TransferError("the prefill worker sent a prompt's last rows without its first token")
-            await self._import(meta, inbox.pages, job, prompts, tails)
+            version = await self._import(meta, inbox.pages, job, prompts, tails)
         except TransferError as e:
             if inbox.peer_failed:  # NOTE: the prefill worker failed and left the room to us
                 await self.blocking(link.forget, inbox.batches + 1)
@@ -85,8 +85,9 @@ class DecodeWorker(Worker):
         finally:  # NOTE: a group's teardown takes ms; neither the event loop nor the request waits for it
             self.pool.submit(inbox.close)
         await self.blocking(self._verdict, link, meta, None)
-        if firsts is not None:
-            job.subs = [dataclasses.replace(sub, first_token=first) for sub, first in zip(job.subs, firsts)]
+        if firsts is not None:  # NOTE: an update before the request's add drops them (add_request)
+            stamped = [None if f is None else dataclasses.replace(f, weights_version=version) for f in firsts]
+            job.subs = [dataclasses.replace(sub, first_token=first) for sub, first in zip(job.subs, stamped)]
         return {"role": "decode", "room": field.room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
                 "transfer_s": time.monotonic() - prefill_ended, "backend": meta["backend"], "bytes": inbox.nbytes,
                 "pages_sent": len(inbox.pages), "pages_streamed": meta.get("streamed", 0),
@@ -121,10 +122,11 @@ class DecodeWorker(Worker):
             raise TransferError(f"the prefill worker failed: {meta['error']}")
         return meta
 
-    async def _import(self, meta: dict, pages: list, job: Job, prompts: list[list[int]], tails: list) -> None:
+    async def _import(self, meta: dict, pages: list, job: Job, prompts: list[list[int]], tails: list) -> int:
         """Keep the pages, all or none, if the prefill worker computed them under this worker's
         weights (TransferError naming both otherwise). The version is read again with the import, on
-        the engine loop: an update in between forgets the cached pages, so none may be kept after it."""
+        the engine loop: an update in between forgets the cached pages, so none may be kept after it.
+        Returns that weights version."""
         engine, loop = self.state.engine, self.state.loop
         mine = await self.blocking(self.weights.stamp, await _on_engine(loop, loaded_weights, engine))
         check_same_weights(meta.get("weights"), mine)
@@ -135,6 +137,7 @@ class DecodeWorker(Worker):
                                     f"{mine['weights_version']} -> {engine.weights_version})")
             engine.kv.import_prefix(pages, job.tenant, prompts, job.cache_salt, tails=tails)
         await _on_engine(loop, keep)
+        return mine["weights_version"]
 
     @staticmethod
     def _check_meta(meta: dict, claim: dict, weights: dict | None) -> None:
