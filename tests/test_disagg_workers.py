@@ -184,6 +184,23 @@ def test_sampled_choices_start_from_the_first_tokens_the_prefill_worker_sampled(
     d.check_clean()
 
 
+def test_a_request_that_ends_at_its_first_token_is_answered_from_the_prefill_workers_token(pair, glm_ckpt):
+    """max_tokens 1: the decode worker keeps the KV (its prefix cache), outputs the prefill worker's
+    token, and computes nothing for the request."""
+    p, d = pair
+    prompt = _prompt(256, 37, seed=9)
+    want = LLM(glm_ckpt[0], **BASE).generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=3))[0]
+    steps = d.engine.counters["steps"]
+    rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt, "max_tokens": 1}, headers={"Authorization": "Bearer sk-alice"})
+    assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+    got = rd.json()
+    assert got["sparsekv"]["choices"][0]["token_ids"] == want.token_ids and got["choices"][0]["finish_reason"] == "length"
+    assert got["sparsekv"]["disaggregation"]["first_tokens"] == 1 and d.engine.counters["steps"] == steps
+    assert got["usage"]["completion_tokens"] == 1
+    p.check_clean()
+    d.check_clean()
+
+
 def test_transfer_figures_reach_the_response_and_metrics(pair):
     p, d = pair
     before = {w: scrape(w.url) for w in pair}
