@@ -83,8 +83,7 @@ def _batch(names: list[bytes], last: bool):
     return meta, tensors, pages
 
 
-@pytest.mark.parametrize("owned_rows", [False, True])
-def test_every_batch_but_the_last_is_paced_slice_by_slice(owned_rows):
+def test_every_batch_but_the_last_is_paced_slice_by_slice():
     calls = []
 
     class Counting(Pacer):
@@ -92,16 +91,15 @@ def test_every_batch_but_the_last_is_paced_slice_by_slice(owned_rows):
             calls.append(fn)
             return fn()
     settings = type("Settings", (), {"secret": SECRET})()
-    inbox = Inbox(None, settings, torch.device("cpu"), None, owned_rows=owned_rows, pacer=Counting(lambda: True),
-                  held=[0])
+    inbox = Inbox(None, settings, torch.device("cpu"), None, pacer=Counting(lambda: True), held=[0])
     meta, tensors, pages = _batch([b"a" * 8, b"b" * 8], last=False)
     inbox.path = FakePath(tensors)
     inbox.receive(meta)
     assert inbox.path.paces == [inbox.pacer]
-    assert len(calls) == 2 + owned_rows  # a digest per tensor, the pages' copies in one slice
+    assert len(calls) == 2  # a digest per tensor
     meta, tensors, more = _batch([b"c" * 8], last=True)
     inbox.path = FakePath(tensors)
     inbox.receive(meta)
-    assert inbox.path.paces == [at_once] and len(calls) == 2 + owned_rows  # the last: not paced
+    assert inbox.path.paces == [at_once] and len(calls) == 2  # the last: not paced
     for (name, rows), (want_name, want) in zip(inbox.pages, pages + more):
         assert name == want_name and all(torch.equal(r, w) for r, w in zip(rows, want))

@@ -149,7 +149,7 @@ def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
 def test_a_claimed_prompt_runs_on_the_rank_its_pages_landed_on(glm_ckpt):
     """In process, a `DataParallelEngine` of two ranks: the second prompt's claim takes rank 1 (rank 0
     has a claim in flight), its pages (exported by another engine) land there and nowhere else, and
-    the request, added later, runs there as a host-tier hit, although the router alone would now
+    the request, added later, runs there as a pool hit, although the router alone would now
     send it to rank 0 (both ranks have one request in flight)."""
     path = glm_ckpt[0]
     a, b = _prompt(256, 41, 3), _prompt(256, 41, 4)
@@ -167,7 +167,7 @@ def test_a_claimed_prompt_runs_on_the_rank_its_pages_landed_on(glm_ckpt):
         llm.engine.check_integrity()
     finally:
         llm.close()
-    assert got.metrics["prefix_cached_tokens_host"] == len(pages) * PAGE
+    assert got.metrics["prefix_cached_tokens_device"] == len(pages) * PAGE  # landed in rank 1's pool
     assert got.token_ids == want.token_ids
 
 

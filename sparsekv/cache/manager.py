@@ -90,7 +90,7 @@ class CacheManager:
             tiers["disk"] = disk
         return PrefixCache(self.allocator, lookahead=lookahead, tiers=tiers, before_copy=self.pool.flush,
                            ttl_s=config.prefix_cache_ttl_s, disk_read_ahead=config.prefix_cache_disk_read_ahead,
-                           rows=rows, land_in_pool=config.kv_tiering)
+                           rows=rows, land_in_pool=True)  # imports: in pool pages, as admission would take them
 
     def _tenant_quota(self, tier_pages: int) -> int | None:
         """A tenant's share of a prefix-cache tier of `tier_pages` pages, in pages (None: no bound)."""
@@ -175,9 +175,10 @@ class CacheManager:
 
     def import_prefix(self, pages: list, tenant: str = "default", prompts: list[list[int]] = (),
                       cache_salt: str | None = None, tails: list | None = None) -> int:
-        """Keep exported pages, all or none. With `kv_tiering` they land in the pool (its latents in the
+        """Keep exported pages, all or none. They land in the pool (with `kv_tiering` its latents in the
         host store the request decodes from), with the pages of `prompts` this cache already held before
-        them; untiered, in the prefix cache's host tier (a hit copies them into device pages). `tails`:
+        them; when the pool has no room, in the prefix cache's host tier (a hit copies them into pool
+        pages). `tails`:
         per prompt, None or the rows of its last token's page through that token, one tensor per kind;
         its request, added with the first token sampled where the prompt was computed, then computes
         from that token on (`PrefixCache.take`)."""

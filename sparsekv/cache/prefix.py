@@ -70,7 +70,7 @@ class PrefixCache(PageTransfer):
                  before_copy=lambda: None, ttl_s: float | None = None, disk_read_ahead: bool = True,
                  rows=None, land_in_pool: bool = False):
         self.allocator, self.page_size, self.lookahead = allocator, allocator.page_size, lookahead
-        self.land_in_pool = land_in_pool  # imports land in pool pages (the tiered pool: its latents are host rows)
+        self.land_in_pool = land_in_pool  # imports land in pool pages (else in the host tier)
         self._unmirrored: set[int] = set()  # pool pages an import wrote on this rank only (see `take`)
         self.disk_read_ahead = disk_read_ahead
         self.rows = rows  # PageRows of the pool: what a page's contents are (export)

@@ -3,8 +3,9 @@
 Before the request reaches its engine it claims the room on the prefill worker's bootstrap store,
 telling it how many of each prompt's first pages it already holds (`engine.kv.held_prefix`: those
 are not sent), receives the rest and checks every tensor's size and digest. The pages are kept all
-or none (`engine.kv.import_prefix`): with `--kv-tiering` in pool pages, whose latents are rows of the
-host store the request decodes from; untiered, in the prefix cache's host tier. The request then runs
+or none (`engine.kv.import_prefix`), in pool pages (with `--kv-tiering` their latents are rows of the
+host store the request decodes from), or in the prefix cache's host tier when the pool has no room.
+The request then runs
 as a prefix hit, from the first token the prefill worker sampled (`first_token`): with the last
 page's rows (a tail) it computes that token alone, else the page holding the prompt's last token too
 (the positions those rows select also fill its device working set). With MTP drafting on the prefill
@@ -25,13 +26,12 @@ from ..server.serving import Job, run
 from .first_token import first_tokens_from_wire
 from .transfer import BACKENDS, Room, connect, meta_key, receiver
 from .weights_stamp import check_same_weights, loaded_weights
-from .wire import TransferError, at_once, check_received, owned_copies, prompt_digest, sign, tensors_to_pages, verify
+from .wire import TransferError, at_once, check_received, prompt_digest, sign, tensors_to_pages, verify
 from .worker import Worker
 
 log = logging.getLogger("sparsekv.disagg")
 PACE_DUTY = 0.2  # the share of the core a batch's receive work takes while the engine has requests running
 PACE_MAX_PAUSE_S = 0.05  # the longest pause after one slice
-OWN_SLICE_PAGES = 32  # pages copied apart in one paced slice
 
 
 class DecodeWorker(Worker):
@@ -59,8 +59,7 @@ class DecodeWorker(Worker):
                  "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held,
                  "device": self.device.type, "gpu": self.gpu, "transfer": self.settings.transfer, "weights": weights}  # the prefill worker refuses other weights early
         link, meta = await self._claim(request, field, claim)
-        inbox = Inbox(link, self.settings, self.device, self.nixl, owned_rows=not engine.config.kv_tiering,
-                      pacer=Pacer(lambda: loop.stats().get("running", 0) > 0), held=held)
+        inbox = Inbox(link, self.settings, self.device, self.nixl, pacer=Pacer(lambda: loop.stats().get("running", 0) > 0), held=held)
         try:
             while True:  # the batches, each checked as it comes; the pages kept once the last is in
                 self._check_meta(meta, claim, inbox.weights)
@@ -169,16 +168,13 @@ class DecodeWorker(Worker):
 
 class Inbox:
     """The decode side of a room: the batches received so far, checked, and the data path they came
-    over (transfer.receiver, made at the first tensor, kept for the room). `owned_rows`: each page's
-    rows copied apart here, on a transfer thread, for an engine that keeps them as they are (an
-    untiered one's prefix host tier); a tiered engine copies them into its pool and host store.
-    `pacer`: spreads a batch's receives, digests and copies over the engine's steps (Pacer), all but
-    the last batch's (the request waits for that one)."""
+    over (transfer.receiver, made at the first tensor, kept for the room); the engine copies the rows
+    into its pool when it keeps them. `pacer`: spreads a batch's receives and digests over the engine's
+    steps (Pacer), all but the last batch's (the request waits for that one)."""
 
-    def __init__(self, link: Room, settings, device, agent, owned_rows: bool = False, pacer: "Pacer | None" = None,
-                 held: list[int] = ()):
+    def __init__(self, link: Room, settings, device, agent, pacer: "Pacer | None" = None, held: list[int] = ()):
         self.link, self.settings, self.device, self.agent = link, settings, device, agent
-        self.owned_rows, self.pacer = owned_rows, pacer
+        self.pacer = pacer
         self.pages, self.batches, self.tags, self.nbytes = [], 0, 0, 0
         self.weights, self.path = None, None
         self.peer_failed = False  # no next batch came: the prefill worker reads no verdict
@@ -232,8 +228,6 @@ class Inbox:
             return
         if first < self.next_page[prompt]:
             raise TransferError(f"layer rows came for page {first} of prompt {prompt}, already named")
-        if self.owned_rows:  # NOTE: each page's rows in memory of its own (see owned_copies)
-            tensors = pace(lambda: [[t[i].clone() for i in range(count)] for t in tensors])
         for i in range(count):
             rows = self.partial.setdefault((prompt, first + i), {})
             self.pages_by_layer += not rows
@@ -274,9 +268,6 @@ class Inbox:
     def _named_pages(self, meta: dict, names: list[bytes], tensors: list[torch.Tensor], pace) -> list:
         """(name, rows) of a named batch's pages, each completed by the rows that came layer by layer."""
         pages = tensors_to_pages(names, tensors)
-        if self.owned_rows:
-            pages = [page for i in range(0, len(pages), OWN_SLICE_PAGES)
-                     for page in pace(lambda: owned_copies(pages[i:i + OWN_SLICE_PAGES]))]
         kinds, num_kinds = _kinds_of(meta, len(tensors))
         out = iter(pages)
         complete = []
@@ -294,7 +285,7 @@ class Inbox:
 
 
 class Pacer:
-    """Spreads a batch's work on the decode worker's core (receives, digests, copies) over the engine's
+    """Spreads a batch's work on the decode worker's core (receives, digests) over the engine's
     steps: after each slice, while the engine has requests running (`busy()`), it pauses long enough
     for the slices to take at most `duty` of the core. A running stream's step then waits for a slice
     or so, not for the whole batch (several ms), so the streams' inter-token latency tail stays where it

@@ -15,7 +15,7 @@ prefill side's agent is progressed by a thread of its own every PUMP_S, only whi
 exposed (a read over TCP or shared memory completes only when its target progresses too).
 
 The tensors are host memory on both sides, as the torch.distributed backends deliver them to the
-decode worker's host tier.
+decode worker's engine, which copies them into its pool.
 """
 from __future__ import annotations
 

@@ -244,7 +244,7 @@ def send_tensors(group, tensors: list[torch.Tensor], device: torch.device, first
 def recv_tensors(group, sizes: list[int], device: torch.device, first: int = 0, pace=None) -> list[torch.Tensor]:
     """Decode side: flat uint8 tensors of `sizes` bytes from the prefill rank, in order (tags from
     `first`), received on `device` (transfer_device) and returned in host memory (the digests and the
-    host tier read them there). `pace(fn)`: runs each receive (decode.Pacer)."""
+    import read them there). `pace(fn)`: runs each receive (decode.Pacer)."""
     out = []
     for i, n in enumerate(sizes, start=first):
         t = torch.empty(n, dtype=torch.uint8, device=device)

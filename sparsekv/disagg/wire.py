@@ -124,12 +124,6 @@ def tensors_to_pages(names: list[bytes], tensors: list[torch.Tensor]) -> list:
     return [(name, [t[i] for t in tensors]) for i, name in enumerate(names)]
 
 
-def owned_copies(pages: list) -> list:
-    """The pages with each row copied into memory of its own (the prefix cache's host tier keeps such
-    rows as they are, so the engine's thread copies nothing at import)."""
-    return [(name, [r.clone() for r in rows]) for name, rows in pages]
-
-
 def prompt_digest(token_ids: list[int]) -> str:
     """Names a prompt's token ids, so the two workers can check they hold the same prompt."""
     return hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()

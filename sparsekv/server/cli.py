@@ -196,7 +196,7 @@ def build_app(args):
     role = disaggregation_settings(args)  # read first: a missing secret fails before the model loads
     options = engine_options(args)
     if role is not None and role.mode == "decode" and options.get("prefix_cache_host_bytes") is None:
-        options["prefix_cache_host_bytes"] = DEFAULT_DECODE_HOST_BYTES  # where transferred pages land
+        options["prefix_cache_host_bytes"] = DEFAULT_DECODE_HOST_BYTES  # transferred pages, when the pool has no room
     engine = build_engine(EngineConfig(model=model, tokenizer=args.tokenizer, **options))
     settings = ServerSettings(names, keys, args.max_queued_requests, args.default_max_tokens, template,
                               args.max_queued_per_tenant, args.reasoning_parser, args.max_request_body_bytes,
