@@ -41,13 +41,19 @@ def _clean(w: WorkerServer) -> None:
         assert w.worker.store.num_keys() == 0
 
 
+def _nothing_kept(d: WorkerServer, prompt: list[int]) -> None:
+    """No page of the prompt in any tier of the decode worker (those kept as their batches came are
+    forgotten again when the room fails)."""
+    assert d.engine.kv.held_prefix(prompt) == 0 and d.engine.stats()["prefix_host_pages"] == 0
+
+
 def test_a_corrupted_layer_fails_the_request_on_both_sides(glm_ckpt, monkeypatch):
     with WorkerServer(glm_ckpt[0], "prefill", **BASE) as p, WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
         monkeypatch.setenv(CORRUPT_ENV, "1")
         rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
         _failed(rd, "tensor 1", "digest")
         _failed(rp, "refused the KV", "tensor 1")
-        assert d.engine.stats()["prefix_host_pages"] == 0  # nothing of it was kept
+        _nothing_kept(d, _prompt())
         for w in (p, d):
             assert scrape(w.url)["sparsekv:disagg_transfers_failed_total"] == 1
             _clean(w)
@@ -63,7 +69,7 @@ def test_a_wrong_secret_is_refused_before_any_kv_moves(glm_ckpt):
         rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
         _failed(rp, "claim failed authentication")
         _failed(rd, "failed authentication")
-        assert d.engine.stats()["prefix_host_pages"] == 0
+        _nothing_kept(d, _prompt())
         assert p.worker.metrics.bytes._value.get() == 0
         _clean(p)
         _clean(d)
@@ -74,7 +80,7 @@ def _refused(p: WorkerServer, d: WorkerServer, *words: str) -> None:
     rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
     _failed(rd, "decode worker", *words)
     assert "refused the KV" not in _failed(rp, "prefill worker", *words)  # at the claim: nothing was sent
-    assert d.engine.stats()["prefix_host_pages"] == 0
+    _nothing_kept(d, _prompt())
     _clean(p)
     _clean(d)
 
@@ -168,7 +174,7 @@ def test_the_prefill_worker_killed_mid_prompt(glm_ckpt, tmp_path):
             rp, rd = sent.result()
             assert isinstance(rp, httpx.HTTPError)
             _failed(rd, "decode worker")
-            assert d.engine.stats()["prefix_host_pages"] == 0
+            _nothing_kept(d, _prompt())
             _clean(d)
     finally:
         if proc.poll() is None:
@@ -222,7 +228,7 @@ def test_a_corrupted_batch_mid_prompt_ends_the_prefill_too(glm_ckpt, monkeypatch
         _failed(rd, "tensor 0", "digest")
         _failed(rp, "refused the KV", "tensor 0")
         assert len(steps) < 6  # ended before the prompt's sixth chunk
-        assert d.engine.stats()["prefix_host_pages"] == 0
+        _nothing_kept(d, _prompt())
         _clean(p)
         _clean(d)
 
@@ -244,11 +250,14 @@ def test_a_prefill_that_fails_mid_prompt_fails_the_decode_side_at_once(glm_ckpt,
                 raise RuntimeError("an injected engine failure")
             return real()
         monkeypatch.setattr(p.engine, "step", failing)
+        forgotten, forget = [], d.engine.kv.forget_prefix
+        monkeypatch.setattr(d.engine.kv, "forget_prefix", lambda names: forgotten.extend(names) or forget(names))
         started = time.monotonic()
         rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
         assert time.monotonic() - started < TIMEOUT_S
         assert rp.status_code >= 500
         _failed(rd, "prefill worker failed")
-        assert d.engine.stats()["prefix_host_pages"] == 0
+        assert len(forgotten) >= 2  # the pages of the batches that came, kept as they came, then forgotten
+        _nothing_kept(d, _prompt())
         _clean(d)
         assert p.worker.rooms == {} and p.worker.store.num_keys() == 0

@@ -198,6 +198,7 @@ def test_rows_go_layer_by_layer_and_the_answer_is_one_engines(setup, glm_ckpt, m
         assert sent["pages_sent"] == got["pages_sent"] == got["pages_by_layer"] == sent["pages_by_layer"] == 11
         assert got["layer_batches"] == sent["layer_batches"] >= 5  # at least one per chunk that completed pages
         assert got["batches"] == sent["batches"] > got["layer_batches"]
+        assert 0 < got["pages_kept_early"] <= got["pages_sent"]  # kept as their batches came, during the prefill
         # the last page's rows came too, with the first token (with an MTP layer, whose entries no layer
         # hands out, neither does: the decode engine computes the page and samples it): that token alone
         # was computed

@@ -60,13 +60,17 @@ class DecodeWorker(Worker):
                  "device": self.device.type, "gpu": self.gpu, "transfer": self.settings.transfer, "weights": weights}  # the prefill worker refuses other weights early
         link, meta = await self._claim(request, field, claim)
         inbox = Inbox(link, self.settings, self.device, self.nixl, pacer=Pacer(lambda: loop.stats().get("running", 0) > 0), held=held)
+        kept: list[bytes] = []  # names of the pages kept so far
+        early = 0  # of them, kept before the last batch came
         try:
-            while True:  # the batches, each checked as it comes; the pages kept once the last is in
+            while True:  # the batches, each checked as it comes, its pages kept (all of the room's, or none)
                 self._check_meta(meta, claim, inbox.weights)
                 self.rooms[field.room] = "receive"
                 await self.blocking(inbox.receive, meta)
                 if meta.get("last"):
                     break
+                await self._keep(meta, inbox, job, prompts, None, kept)
+                early = len(kept)
                 meta = await self._next_batch(request, inbox)
             prefill_ended = time.monotonic()
             self.rooms[field.room] = "import"
@@ -74,8 +78,11 @@ class DecodeWorker(Worker):
             tails = inbox.complete_tails(prompts, engine.config.kv_page_size, len(engine.kv.page_tensors()))
             if firsts is None and any(t is not None for t in tails):
                 raise TransferError("the prefill worker sent a prompt's last rows without its first token")
-            version = await self._import(meta, inbox.pages, job, prompts, tails)
-        except TransferError as e:
+            version = await self._keep(meta, inbox, job, prompts, tails, kept)
+        except BaseException as e:
+            await self._forget(kept)
+            if not isinstance(e, TransferError):
+                raise
             if inbox.peer_failed:  # NOTE: the prefill worker failed and left the room to us
                 await self.blocking(link.forget, inbox.batches + 1)
             else:
@@ -89,7 +96,7 @@ class DecodeWorker(Worker):
             job.subs = [dataclasses.replace(sub, first_token=first) for sub, first in zip(job.subs, stamped)]
         return {"role": "decode", "room": field.room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
                 "transfer_s": time.monotonic() - prefill_ended, "backend": meta["backend"], "bytes": inbox.nbytes,
-                "pages_sent": len(inbox.pages), "pages_streamed": meta.get("streamed", 0),
+                "pages_sent": len(kept), "pages_streamed": meta.get("streamed", 0), "pages_kept_early": early,
                 "pages_skipped": sum(held), "batches": inbox.batches, "paced_s": inbox.pacer.paused_s,
                 "pages_by_layer": inbox.pages_by_layer, "layer_batches": inbox.layer_batches,
                 "tail_tokens": sum(t[0].shape[0] for t in tails if t is not None),
@@ -120,6 +127,27 @@ class DecodeWorker(Worker):
         if "error" in meta:
             raise TransferError(f"the prefill worker failed: {meta['error']}")
         return meta
+
+    async def _keep(self, meta: dict, inbox: "Inbox", job: Job, prompts: list[list[int]], tails: list | None,
+                    kept: list[bytes]) -> int:
+        """Land the pages received since the last call (a batch's as it comes: its copies into the pool
+        spread over the prefill, between the engine's steps), adding their names to `kept`; with the
+        last batch, the tails too. Returns the weights version they were kept under."""
+        pages = inbox.take_pages()
+        if not pages and tails is None:
+            return -1
+        version = await self._import(meta, pages, job, prompts, tails or [])
+        kept += [name for name, _ in pages]
+        return version
+
+    async def _forget(self, names: list[bytes]) -> None:
+        """A failed room's pages kept so far, forgotten again (unless a request holds one)."""
+        if names:
+            engine = self.state.engine
+            try:
+                await _on_engine(self.state.loop, engine.kv.forget_prefix, names)
+            except TransferError:  # the engine is going away: its cache with it
+                pass
 
     async def _import(self, meta: dict, pages: list, job: Job, prompts: list[list[int]], tails: list) -> int:
         """Keep the pages, all or none, if the prefill worker computed them under this worker's
@@ -175,7 +203,7 @@ class Inbox:
     def __init__(self, link: Room, settings, device, agent, pacer: "Pacer | None" = None, held: list[int] = ()):
         self.link, self.settings, self.device, self.agent = link, settings, device, agent
         self.pacer = pacer
-        self.pages, self.batches, self.tags, self.nbytes = [], 0, 0, 0
+        self.pages, self.batches, self.tags, self.nbytes = [], 0, 0, 0  # pages: named, complete, not taken yet
         self.weights, self.path = None, None
         self.peer_failed = False  # no next batch came: the prefill worker reads no verdict
         self.next_page = list(held)  # per prompt, the page its next named page is
@@ -278,6 +306,11 @@ class Inbox:
                 self.next_page[prompt] += 1
                 complete.append((name, _merged(dict(zip(kinds, carried)), early, num_kinds, prompt)))
         return complete
+
+    def take_pages(self) -> list:
+        """The complete pages received since the last call, for the engine to keep (their rows freed here)."""
+        pages, self.pages = self.pages, []
+        return pages
 
     def close(self) -> None:
         if self.path is not None:

@@ -62,6 +62,11 @@ class DataParallelKV:
             raise
         return len(pages)
 
+    def forget_prefix(self, names: list[bytes]) -> int:
+        """Forget the named pages on every rank, in every tier, unless a request holds one (a failed
+        transfer's pages kept so far, wherever they landed). Returns how many."""
+        return sum(self.on_every_rank("forget_prefix", names))
+
     def take_claim(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> int | None:
         """The rank a prompt claimed, its claim ended (the caller assigns the request there), or None."""
         self._expire()
