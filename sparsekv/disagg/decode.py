@@ -2,15 +2,14 @@
 
 Before the request reaches its engine it claims the room on the prefill worker's bootstrap store,
 telling it how many of each prompt's first pages it already holds (`engine.kv.held_prefix`: those
-are not sent), receives the rest and checks every tensor's size and digest. The pages are kept all
-or none (`engine.kv.import_prefix`), in pool pages (with `--kv-tiering` their latents are rows of the
-host store the request decodes from), or in the prefix cache's host tier when the pool has no room.
-The request then runs
-as a prefix hit, from the first token the prefill worker sampled (`first_token`): with the last
-page's rows (a tail) it computes that token alone, else the page holding the prompt's last token too
-(the positions those rows select also fill its device working set). With MTP drafting on the prefill
-side no first token comes, and it samples the first token itself. Nothing is kept from a transfer that
-fails.
+are not sent), receives the rest and checks every tensor's size and digest. Each batch's pages are
+kept as the batch comes (`engine.kv.import_prefix`), in pool pages (with `--kv-tiering` their latents
+are rows of the host store the request decodes from), or in the prefix cache's host tier when the
+pool has no room; a room that fails forgets them again. The request then runs as a prefix hit, from
+the first token the prefill worker sampled (`first_token`): with the last page's rows (a tail) it
+computes that token alone, else the page holding the prompt's last token too (the positions those
+rows select also fill its device working set). With MTP drafting on the prefill side no first token
+comes, and it samples the first token itself.
 """
 from __future__ import annotations
 
@@ -59,7 +58,8 @@ class DecodeWorker(Worker):
                  "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held,
                  "device": self.device.type, "gpu": self.gpu, "transfer": self.settings.transfer, "weights": weights}  # the prefill worker refuses other weights early
         link, meta = await self._claim(request, field, claim)
-        inbox = Inbox(link, self.settings, self.device, self.nixl, pacer=Pacer(lambda: loop.stats().get("running", 0) > 0), held=held)
+        inbox = Inbox(link, self.settings, self.device, self.nixl,
+                      pacer=Pacer(lambda: loop.stats().get("running", 0) > 0), held=held)
         kept: list[bytes] = []  # names of the pages kept so far
         early = 0  # of them, kept before the last batch came
         try:
