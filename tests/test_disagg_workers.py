@@ -167,10 +167,11 @@ def test_streaming_n_and_tenants_through_the_pair(pair):
 def test_sampled_choices_start_from_the_first_tokens_the_prefill_worker_sampled(pair, glm_ckpt):
     """n = 2 seeded, sampled choices with logprobs: the prefill worker samples each choice's first token
     with its own parameters (seed + choice), and the decode worker continues each from it: the tokens
-    of one engine given the same parameters."""
+    of one engine given the same parameters. The prompt's tail serves both choices."""
     p, d = pair
     prompt = _prompt(256, 35, seed=8)
     extra = {"n": 2, "temperature": 0.9, "top_p": 0.95, "seed": 11, "logprobs": 2}
+    prompt_rows = d.engine.counters["prompt_tokens"]
     rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt, **extra}, headers={"Authorization": "Bearer sk-alice"})
     assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=11 + i, logprobs=2,
@@ -180,6 +181,7 @@ def test_sampled_choices_start_from_the_first_tokens_the_prefill_worker_sampled(
     assert [c["token_ids"] for c in got["sparsekv"]["choices"]] == [w.token_ids for w in want]
     assert want[0].token_ids != want[1].token_ids  # the choices differ, from their first tokens on
     assert got["sparsekv"]["disaggregation"]["first_tokens"] == 2
+    assert d.engine.counters["prompt_tokens"] == prompt_rows  # the tail served both choices: no prompt row computed
     p.check_clean()
     d.check_clean()
 

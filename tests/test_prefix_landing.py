@@ -207,6 +207,17 @@ def test_an_imported_tail_fills_the_last_tokens_page_for_the_first_request_admit
         cache.forget_request(rid)
         allocator.free(rid, pages)
     _check(cache, allocator)
+    # a prompt of two choices: each takes the rows into a page of its own, a third computes the page
+    cache.keep_tails(cache.padded_tails([(cache.tail_name(PROMPT, "default", None), tail, len(PROMPT))]), uses=2)
+    taken = [_admit(cache, allocator, rid) for rid in ("c", "d", "e")]
+    assert [t.num_tail_tokens for t in taken] == [2, 2, 0] and taken[0].page_ids[5] != taken[1].page_ids[5]
+    assert all(torch.equal(pool[t.page_ids[5] * PAGE:t.page_ids[5] * PAGE + 2], tail[0]) for t in taken[:2])
+    for rid, t in zip(("c", "d", "e"), taken):
+        cache.forget_request(rid)
+        allocator.free(rid, t.page_ids)
+    _check(cache, allocator)
+    with pytest.raises(ValueError, match="at least one use"):
+        cache.keep_tails([], uses=0)
     for rows, length in ((1, len(PROMPT)), (PAGE, len(PROMPT)), (3, 4 * PAGE)):  # not the prompt's last page
         with pytest.raises(ValueError, match="tail 0"):
             cache.padded_tails([(b"x", [torch.zeros(rows, 2)], length)])

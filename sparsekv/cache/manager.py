@@ -174,19 +174,21 @@ class CacheManager:
         return self._prefix_cache().held(token_ids, tenant, cache_salt)
 
     def import_prefix(self, pages: list, tenant: str = "default", prompts: list[list[int]] = (),
-                      cache_salt: str | None = None, tails: list | None = None) -> int:
+                      cache_salt: str | None = None, tails: list | None = None, tail_uses: int = 1) -> int:
         """Keep exported pages, all or none. They land in the pool (with `kv_tiering` its latents in the
         host store the request decodes from), with the pages of `prompts` this cache already held before
         them; when the pool has no room, in the prefix cache's host tier (a hit copies them into pool
         pages). `tails`:
         per prompt, None or the rows of its last token's page through that token, one tensor per kind;
-        its request, added with the first token sampled where the prompt was computed, then computes
-        from that token on (`PrefixCache.take`)."""
+        its requests (`tail_uses`: the prompt's choices), each added with the first token sampled where
+        the prompt was computed, then compute from that token on (`PrefixCache.take`)."""
         prefix = self._prefix_cache()
+        if tail_uses < 1:
+            raise ValueError(f"tail_uses must be >= 1, got {tail_uses}")
         padded = prefix.padded_tails([(prefix.tail_name(p, tenant, cache_salt), rows, len(p))
                                       for p, rows in zip(prompts, tails or ()) if rows])
         n = prefix.import_pages(pages, tenant, [prefix.prompt_names(p, tenant, cache_salt) for p in prompts])
-        prefix.keep_tails(padded)
+        prefix.keep_tails(padded, tail_uses)
         return n
 
     def forget_prefix(self, names: list[bytes]) -> int:

@@ -85,7 +85,7 @@ class PrefixCache(PageTransfer):
         self._claims: dict[str, list[bytes]] = {}  # request -> the names it claimed
         self._reading: dict[str, list[bytes]] = {}  # waiting request -> its disk pages being read ahead
         self._served: dict[str, dict[str, int]] = {}  # request -> its cached tokens by lower tier, as first admitted
-        self._tails: OrderedDict[bytes, list] = OrderedDict()  # imported tails by `tail_name`: rows, padded
+        self._tails: OrderedDict[bytes, list] = OrderedDict()  # imported tails by `tail_name`: [rows, padded; uses left]
         allocator.cached.tenant_of_named = self._tenant_of.get
         allocator.cached.on_evict = self._forget_page
         self.queried_tokens = 0
@@ -150,13 +150,19 @@ class PrefixCache(PageTransfer):
         """The prompt's imported tail (its last token's page through that token, `keep_tails`), for a
         request whose first token was sampled where the prompt was computed (its one output token):
         written into a page of its reservation when the hit covers every page before it: [that page],
-        or [] (the request computes the page). Its first admission takes the tail either way."""
+        or [] (the request computes the page). Each admission takes one of the tail's uses either way
+        (one per choice of the prompt), the last one the tail."""
         if not self._tails or req.num_output_tokens != 1:
             return []
         cacheable = cacheable_pages(req.num_prompt_tokens, self.page_size)
         key = self._tail_key(self._names(req, cacheable), req.prompt_token_ids, req.tenant, req.cache_salt)
-        rows = self._tails.pop(key, None)  # used or not
-        if rows is None or num_pages != cacheable or req.params.prompt_logprobs is not None:
+        entry = self._tails.get(key)
+        if entry is None:
+            return []
+        rows, entry[1] = entry[0], entry[1] - 1  # used or not
+        if entry[1] == 0:
+            del self._tails[key]
+        if num_pages != cacheable or req.params.prompt_logprobs is not None:
             return []
         page = self.allocator.allocate(req.request_id, 1)
         self.before_copy()

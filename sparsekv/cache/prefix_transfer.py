@@ -79,11 +79,13 @@ class PageTransfer:
             padded.append((key, rows))
         return padded
 
-    def keep_tails(self, padded: list[tuple[bytes, list]]) -> None:
-        """Keep checked tails (`padded_tails`) until their request is admitted (`PrefixCache.take`).
-        Not named: a partial page is never a hit for another request."""
+    def keep_tails(self, padded: list[tuple[bytes, list]], uses: int = 1) -> None:
+        """Keep checked tails (`padded_tails`) until `uses` requests (a prompt's choices) were admitted
+        (`PrefixCache.take`). Not named: a partial page is never a hit for another request."""
+        if uses < 1:
+            raise ValueError(f"a tail needs at least one use, got {uses}")
         for key, rows in padded:
-            self._tails[key] = rows
+            self._tails[key] = [rows, uses]
             self._tails.move_to_end(key)
         while len(self._tails) > MAX_TAILS:
             self._tails.popitem(last=False)

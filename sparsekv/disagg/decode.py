@@ -162,7 +162,8 @@ class DecodeWorker(Worker):
             if engine.weights_version != mine["weights_version"]:
                 raise TransferError(f"this decode worker's weights changed during the transfer (weights_version "
                                     f"{mine['weights_version']} -> {engine.weights_version})")
-            engine.kv.import_prefix(pages, job.tenant, prompts, job.cache_salt, tails=tails)
+            engine.kv.import_prefix(pages, job.tenant, prompts, job.cache_salt, tails=tails,
+                                    tail_uses=len(job.subs) // len(prompts))  # each choice of a prompt
         await _on_engine(loop, keep)
         return mine["weights_version"]
 
