@@ -200,10 +200,10 @@ def test_rows_go_layer_by_layer_and_the_answer_is_one_engines(setup, glm_ckpt, m
         assert got["batches"] == sent["batches"] > got["layer_batches"]
         assert 0 < got["pages_kept_early"] <= got["pages_sent"]  # kept as their batches came, during the prefill
         # the last page's rows came too, with the first token (with an MTP layer, whose entries no layer
-        # hands out, neither does: the decode engine computes the page and samples it): that token alone
-        # was computed
+        # hands out, the rows do not: the decode engine computes the page and the first token): that
+        # token alone was computed
         tail = 0 if setup == "mtp" else PAGE
-        assert (got["tail_tokens"], got["first_tokens"]) == (tail, int(setup != "mtp"))
+        assert (got["tail_tokens"], got["first_tokens"]) == (tail, 1)
         assert rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 11 * PAGE + tail
         p.check_clean()
         d.check_clean()

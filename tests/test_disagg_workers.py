@@ -73,16 +73,24 @@ def test_prefill_and_decode_workers_answer_as_one_engine(family, options, glm_ck
 
 
 def test_with_mtp_drafting_on_both_sides():
-    """The pages carry the MTP layer's entries; the prefill worker runs the tokens that name them."""
+    """The pages carry the MTP layer's entries; the prefill worker runs the tokens that name them,
+    greedily. A greedy request's first token is that run's (sent); a sampled one's is sampled on the
+    decode side, which drafts from it as one engine does (the same seeded tokens)."""
     path, prompt = default_model_path(), _prompt(4096, 50)
     colocated = LLM(path, **BASE, num_speculative_tokens=2)
     want = colocated.generate([prompt], GREEDY)[0]
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=5, ignore_eos=True)
+    want_sampled = colocated.generate([prompt], sampled)[0]
     with WorkerServer(path, "prefill", **BASE, num_speculative_tokens=2) as p, \
             WorkerServer(path, "decode", **BASE, num_speculative_tokens=2) as d:
         body = _decode(p, d, prompt)
         assert body["sparsekv"]["disaggregation"]["pages_sent"] == (len(prompt) - 1) // PAGE
+        assert body["sparsekv"]["disaggregation"]["first_tokens"] == 1
         assert body["sparsekv"]["tiers"]["spec_decode_num_drafts"] > 0
         assert_as_colocated(want, body, d, logprob_tolerance(colocated, extra_layers=1))
+        body = _decode(p, d, prompt, temperature=0.8, seed=5, logprobs=None)
+        assert body["sparsekv"]["disaggregation"]["first_tokens"] == 0
+        assert body["sparsekv"]["choices"][0]["token_ids"] == want_sampled.token_ids
         d.check_clean()
 
 

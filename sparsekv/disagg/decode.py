@@ -8,8 +8,8 @@ are rows of the host store the request decodes from), or in the prefix cache's h
 pool has no room; a room that fails forgets them again. The request then runs as a prefix hit, from
 the first token the prefill worker sampled (`first_token`): with the last page's rows (a tail) it
 computes that token alone, else the page holding the prompt's last token too (the positions those
-rows select also fill its device working set). With MTP drafting on the prefill side no first token
-comes, and it samples the first token itself.
+rows select also fill its device working set). With MTP drafting on the prefill side a first token
+comes only for greedy choices; otherwise it samples the first token itself.
 """
 from __future__ import annotations
 

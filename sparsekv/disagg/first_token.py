@@ -24,6 +24,13 @@ def first_token_params(params: SamplingParams) -> SamplingParams:
                                prompt_logprobs=None)
 
 
+def plain_greedy(params: SamplingParams) -> bool:
+    """Whether the first token is the argmax of the raw logits (no bias, penalty, min_tokens, grammar
+    or processor), so that any greedy run of the prompt samples it (a drafting prefill engine's)."""
+    return params.greedy and not params.adjusts_logits and params.structured_output is None and \
+        not params.return_routed_experts
+
+
 def first_token_of(out: RequestOutput | None, params: SamplingParams) -> FirstToken | None:
     """The first token of a prefill's output (None: it ended with no token, e.g. a grammar this
     vocabulary cannot continue; the decode worker then computes the prompt's last page itself)."""

@@ -6,8 +6,9 @@ It runs each of the request's choices for its first token, sampled with the requ
 starts each choice from its first token (`first_token`). A choice's prompt pages are computed once:
 the other choices of a prompt hit them and compute its last page again. With MTP drafting it runs each
 prompt once, greedily, for three tokens instead: a page is named once the MTP layer's entries for it
-exist, which the MTP pass after the first token writes for the prompt's last page, and the decode
-worker samples the first token itself. Pages go in batches as they are named (`_stream`), the last
+exist, which the MTP pass after the first token writes for the prompt's last page; that run's first
+token is sent only when every choice would sample it (`plain_greedy`), else the decode worker samples
+the first token itself. Pages go in batches as they are named (`_stream`), the last
 after the prefill. It answers with that short completion, plus the transfer's figures in the
 `sparsekv` extension.
 """
@@ -26,7 +27,7 @@ from ..server.loop import RequestGroup, Submission
 from ..server.serving import Job, run
 from .transfer import Room, connect, host_bootstrap, pair_backend
 from .weights_stamp import check_same_weights, loaded_weights
-from .first_token import first_token_of, first_token_params, first_token_wire
+from .first_token import first_token_of, first_token_params, first_token_wire, plain_greedy
 from .layers import LayerFeed, kinds_of, named_parts
 from .outbox import Batches
 from .wire import TransferError, prompt_digest, verify
@@ -89,20 +90,28 @@ class PrefillWorker(Worker):
 
     def _prefill_subs(self, job: Job, prompts: list[list[int]]) -> list[Submission]:
         """What the engine runs: each choice for its first token; with MTP drafting, each prompt once,
-        greedily, for the tokens that name all its full pages."""
+        greedily, for the tokens that name all its full pages (with the request's logprobs when its
+        first token is that greedy one: `plain_greedy`)."""
         if self.state.engine.config.num_speculative_tokens:
             job.builder.n = 1
-            return [Submission(p, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)) for p in prompts]
+            logprobs = job.subs[0].params.logprobs if all(plain_greedy(s.params) for s in job.subs) else None
+            return [Submission(p, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=logprobs))
+                    for p in prompts]
         return [Submission(s.prompt, first_token_params(s.params)) for s in job.subs]
 
     async def _prefill(self, request, job: Job, subs: list[Submission], group: RequestGroup):
         """(response, group, each choice's first token or None) of the prefill's engine requests
-        (`group.request_ids`); the first tokens are None with MTP drafting (none is sent)."""
+        (`group.request_ids`). With MTP drafting the prompt's greedy first token serves every choice
+        when each samples greedily from unadjusted logits; else none is sent."""
         prefill = Job(group, subs, job.tenant, job.cache_salt, job.builder, False, False)
         states = []
         response = await run(request, self.state.loop, prefill, self.state.metrics, states)
-        carried = not self.state.engine.config.num_speculative_tokens
-        return response, group, [first_token_of(s.out, sub.params) for s, sub in zip(states, subs)] if carried else None
+        if not self.state.engine.config.num_speculative_tokens:
+            return response, group, [first_token_of(s.out, sub.params) for s, sub in zip(states, subs)]
+        if not all(plain_greedy(s.params) for s in job.subs):
+            return response, group, None
+        n = len(job.subs) // len(states)
+        return response, group, [first_token_of(states[i // n].out, sub.params) for i, sub in enumerate(job.subs)]
 
     async def _transfer(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
                         request_ids: list[str]) -> dict | None:
