@@ -178,10 +178,10 @@ class CacheManager:
         """Keep exported pages, all or none. They land in the pool (with `kv_tiering` its latents in the
         host store the request decodes from), with the pages of `prompts` this cache already held before
         them; when the pool has no room, in the prefix cache's host tier (a hit copies them into pool
-        pages). `tails`:
-        per prompt, None or the rows of its last token's page through that token, one tensor per kind;
-        its requests (`tail_uses`: the prompt's choices), each added with the first token sampled where
-        the prompt was computed, then compute from that token on (`PrefixCache.take`)."""
+        pages). `tails`: per prompt, None or the rows of its last token's page through that token, one
+        tensor per kind; its requests (`tail_uses`: the prompt's choices), each added with the first
+        token sampled where the prompt was computed, then compute from that token on
+        (`PrefixCache.take`)."""
         prefix = self._prefix_cache()
         if tail_uses < 1:
             raise ValueError(f"tail_uses must be >= 1, got {tail_uses}")

@@ -57,10 +57,10 @@ class PrefillWorker(Worker):
             raise bad_request(f"disaggregation.bootstrap_port {field.bootstrap_port} is not this prefill worker's "
                               f"({self.bootstrap_port})", "disaggregation")
         room = self.open_room(field)
-        subs = self._prefill_subs(job, prompts)
+        subs, sends_first = self._prefill_subs(job, prompts)
         group = RequestGroup(job.group.request_ids[0].rsplit("-", 1)[0], len(subs))
         tapped = group.request_ids[::len(subs) // len(prompts)]  # each prompt's first choice
-        prefill = asyncio.ensure_future(self._prefill(request, job, subs, group))
+        prefill = asyncio.ensure_future(self._prefill(request, job, subs, group, sends_first))
         ended: list[float] = []  # when the prefill ended
         prefill.add_done_callback(lambda _: ended.append(time.monotonic()))
         try:
@@ -88,29 +88,28 @@ class PrefillWorker(Worker):
         except Exception:  # the engine loop is closing: nothing is left to wait for
             pass
 
-    def _prefill_subs(self, job: Job, prompts: list[list[int]]) -> list[Submission]:
-        """What the engine runs: each choice for its first token; with MTP drafting, each prompt once,
-        greedily, for the tokens that name all its full pages (with the request's logprobs when its
-        first token is that greedy one: `plain_greedy`)."""
-        if self.state.engine.config.num_speculative_tokens:
-            job.builder.n = 1
-            logprobs = job.subs[0].params.logprobs if all(plain_greedy(s.params) for s in job.subs) else None
-            return [Submission(p, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=logprobs))
-                    for p in prompts]
-        return [Submission(s.prompt, first_token_params(s.params)) for s in job.subs]
+    def _prefill_subs(self, job: Job, prompts: list[list[int]]) -> tuple[list[Submission], bool]:
+        """What the engine runs, and whether its first tokens are the choices' (sent): each choice for
+        its first token; with MTP drafting, each prompt once, greedily, for the tokens that name all
+        its full pages, whose first token is every choice's when each samples greedily from unadjusted
+        logits (`plain_greedy`; that run then reports the request's logprobs)."""
+        if not self.state.engine.config.num_speculative_tokens:
+            return [Submission(s.prompt, first_token_params(s.params)) for s in job.subs], True
+        job.builder.n = 1
+        greedy = all(plain_greedy(s.params) for s in job.subs)
+        logprobs = job.subs[0].params.logprobs if greedy else None
+        return [Submission(p, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=logprobs))
+                for p in prompts], greedy
 
-    async def _prefill(self, request, job: Job, subs: list[Submission], group: RequestGroup):
-        """(response, group, each choice's first token or None) of the prefill's engine requests
-        (`group.request_ids`). With MTP drafting the prompt's greedy first token serves every choice
-        when each samples greedily from unadjusted logits; else none is sent."""
+    async def _prefill(self, request, job: Job, subs: list[Submission], group: RequestGroup, sends_first: bool):
+        """(response, group, each choice's first token, or None when `sends_first` is not set) of the
+        prefill's engine requests (`group.request_ids`: a choice each, or with MTP drafting a prompt each)."""
         prefill = Job(group, subs, job.tenant, job.cache_salt, job.builder, False, False)
         states = []
         response = await run(request, self.state.loop, prefill, self.state.metrics, states)
-        if not self.state.engine.config.num_speculative_tokens:
-            return response, group, [first_token_of(s.out, sub.params) for s, sub in zip(states, subs)]
-        if not all(plain_greedy(s.params) for s in job.subs):
+        if not sends_first:
             return response, group, None
-        n = len(job.subs) // len(states)
+        n = len(job.subs) // len(states)  # choices per engine request
         return response, group, [first_token_of(states[i // n].out, sub.params) for i, sub in enumerate(job.subs)]
 
     async def _transfer(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
