@@ -20,7 +20,7 @@ from .hub import resolve_config
 from .input_processor import InputProcessor, load_tokenizer
 from .parallel.executor import start_executor
 from .output_processor import OutputProcessor
-from .outputs import FirstToken, token_counts
+from .outputs import FirstToken, check_warm, token_counts
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler
 from .threads import resolve_num_threads
@@ -110,8 +110,12 @@ class LLMEngine(WeightControl):
         if first_token is not None and not self._same_weights(first_token):
             logger.info("request %s: its first token was sampled under other weights; sampling it again", request_id)
             first_token = None
+        if first_token is not None:
+            cfg = self.model_config
+            check_warm(first_token.warm, cfg.full_layers, cfg.index_topk, len(token_ids))
         self.outputs.add(req, grammar, first_token)
         if first_token is not None:
+            req.warm = first_token.warm
             self._ready.append(self.outputs.carried_output(req))
         if req.finish_reason is not None:  # its first token ended it: nothing to compute
             req.status = RequestStatus.FINISHED

@@ -136,7 +136,8 @@ class InProcessExecutor(Executor):
         if self.runner.taps is None:
             from .cache.layer_tap import LayerTaps
             layers = {l: self.pool.layer_slot_tensors(l) for l in range(len(self.model.layers))}
-            self.runner.taps = LayerTaps(tensors, layers, self.runner.page_size, self.runner.slots_of, self.pool.flush)
+            self.runner.taps = LayerTaps(tensors, layers, self.runner.page_size, self.runner.slots_of, self.pool.flush,
+                                         frozenset(self.model.cfg.full_layers))
         return self.runner.taps
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

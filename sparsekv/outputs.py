@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .sampling_params import InvalidRequest
+
 
 @dataclass
 class RequestOutput:
@@ -40,6 +42,23 @@ class FirstToken:
     logprobs: dict[int, float] | None = None
     routed_experts: list[list[int]] | None = None
     weights_version: int | None = None  # the engine's weights it was sampled under; None: the current ones
+    # per full layer, (layer, the distinct positions the prompt's tail rows selected, ascending, the last
+    # row's selection): a tiered engine places them in the request's working set before its first decode
+    warm: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+
+
+def check_warm(warm, full_layers: list[int], top_k: int, num_prompt_tokens: int) -> None:
+    """InvalidRequest unless `warm` (FirstToken.warm) names distinct full layers, each with distinct
+    prompt positions: its union ascending, its last row's at most top-k."""
+    layers = [entry[0] for entry in warm]
+    if len(set(layers)) != len(layers) or not set(layers) <= set(full_layers):
+        raise InvalidRequest(f"a first token's warm selections name layers {layers}, not distinct full layers "
+                             f"of {full_layers}", "first_token")
+    for layer, union, last in warm:
+        inside = all(type(p) is int and 0 <= p < num_prompt_tokens for p in (*union, *last))
+        if not (inside and all(a < b for a, b in zip(union, union[1:])) and len(set(last)) == len(last) <= top_k):
+            raise InvalidRequest(f"layer {layer}'s warm selections are not distinct positions of the prompt's "
+                                 f"{num_prompt_tokens} (at most {top_k} for its last row)", "first_token")
 
 
 def token_counts(req) -> dict[str, int]:

@@ -40,6 +40,7 @@ class Request:
     finish_reason: str | None = None
     first_scheduled_time: float | None = None
     draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts after the known tokens: run, never output
+    warm: tuple = ()  # FirstToken.warm, until its first chunk is scheduled (ScheduledChunk.warm)
 
     @property
     def num_prompt_tokens(self) -> int:

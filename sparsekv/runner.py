@@ -143,7 +143,7 @@ class ModelRunner:
         (on the device, for the MTP drafter)."""
         ctx = self.build_context(chunks)
         if self.taps:
-            ctx.after_layer = self.taps.begin_step(chunks)
+            ctx.after_layer, ctx.record_selection = self.taps.begin_step(chunks)
         hidden = self.model.hidden_states(ctx, self.cache)
         sampled = hidden if ctx.logits_rows.numel() == hidden.shape[0] else hidden[ctx.logits_rows]  # rows ascend
         logits = self.model.logits(sampled)

@@ -185,8 +185,9 @@ class Scheduler:
             req.page_ids.extend(self.allocator.allocate(req.request_id, needed))
         start = req.num_computed_tokens
         drafts = max(0, start + n - req.num_tokens)
+        warm, req.warm = req.warm, ()  # its first chunk's alone
         return ScheduledChunk(req.request_id, start, n, tuple(req.token_at(p) for p in range(start, start + n)),
-                              req.page_ids, start + n >= req.num_tokens, drafts, request=req)
+                              req.page_ids, start + n >= req.num_tokens, drafts, warm, request=req)
 
     def finish(self, req: Request, status: RequestStatus, reason: str | None) -> None:
         """Release every page of a finished or aborted request, running or waiting."""

@@ -22,6 +22,9 @@ class ScheduledChunk:
     page_ids: list[int]  # the request's pages (read only; in process, the request's own list)
     samples_token: bool  # the chunk reaches the end of the known tokens, so the step samples a new one
     num_draft_tokens: int = 0  # speculative tokens at the chunk's end (verified, not sampled from)
+    # a request's first chunk after a disaggregated prefill: per full layer, (layer, the distinct
+    # positions its prompt's tail rows selected, its last row's selection), to warm a tiered cache
+    warm: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
     request: Request | None = field(default=None, compare=False)
 
     @property

@@ -155,6 +155,26 @@ def test_a_prompts_tail_is_kept_whole_for_the_import_or_fails_the_room():
         _inbox()._keep_layer_rows(meta, tensors, at_once)
 
 
+def test_a_tails_selections_come_with_its_rows_or_fail_the_room():
+    """A full layer's tail batch carries its rows' selections (union, last row's) after the rows: kept
+    by layer for FirstToken.warm; with rows that are no tail, twice, or not 1-D int64, they fail."""
+    inbox = _inbox()
+    union, last = torch.tensor([1, 4, 6]), torch.tensor([6, 1])
+    meta, tensors = _tail(0, 2, 3, [0])
+    meta["layer_rows"]["selected"] = [3]
+    inbox._keep_layer_rows(meta, tensors + [union, last], at_once)
+    assert inbox.warm(0) == ((3, (1, 4, 6), (6, 1)),) and inbox.warm(1) == ()
+    for target, bad in ((inbox, [union, last]), (_inbox(), [union.float(), last]), (_inbox(), [union[None], last])):
+        meta, tensors = _tail(0, 2, 3, [1])  # layer 3's again; floats; 2-D
+        meta["layer_rows"]["selected"] = [3]
+        with pytest.raises(TransferError, match="selections"):
+            target._keep_layer_rows(meta, tensors + bad, at_once)
+    meta, tensors = _layer(0, 0, [0], [0])
+    meta["layer_rows"]["selected"] = [3]
+    with pytest.raises(TransferError, match="not a prompt's tail"):
+        _inbox()._keep_layer_rows(meta, tensors + [union, last], at_once)
+
+
 def test_rows_for_pages_never_named_fail_the_last_batch():
     inbox = _inbox()
     inbox._keep_layer_rows(*_layer(0, 3, [3], [0]), at_once)

@@ -205,11 +205,20 @@ def test_layer_rows_of_every_data_parallel_rank_reach_rank_0_before_their_pages_
             # the last token's page through it (page 10, two rows), through rank 0 for rank 1's prompt
             assert [(d.layer, d.first, d.tail) for d in tails] == [(layer, 10, 2) for layer in range(layers)]
             assert all(r.shape[:2] == (1, 2) for d in tails for r in d.ready())
+            # a full layer's tail carries its rows' selections: their union and the last row's
+            assert [d.layer for d in tails if d.selected is not None] == engine.model_config.full_layers
+            for union, last in (d.selected for d in tails if d.selected is not None):
+                assert torch.equal(union, torch.unique(union)) and set(last.tolist()) <= set(union.tolist())
+                assert last.numel() == engine.model_config.index_topk < len(p)
             for d in full:
                 for j in range(d.count):
                     rows = exported[d.first + j][1]
                     assert all(torch.equal(rows[k], d.ready()[n][j]) for n, k in enumerate(d.kinds))
         assert kinds[0] == kinds[1] and sorted({k for d in got[1] for k in d.kinds}) == kinds[1]
+        alone = _tail_selections(path, prompts[1], prefill_chunk_tokens=8, max_num_batched_tokens=16)
+        assert {d.layer: d.selected for d in got[1] if d.selected is not None}.keys() == alone.keys()
+        assert all(torch.equal(a, b) for d in got[1] if d.selected is not None
+                   for a, b in zip(d.selected, alone[d.layer]))  # rank 1's, through rank 0, as one engine's
         counts = {i: len(got[i]) for i in got}
         for i in range(2):
             engine.untap_layers(f"r{i}")
@@ -218,3 +227,13 @@ def test_layer_rows_of_every_data_parallel_rank_reach_rank_0_before_their_pages_
         engine.check_integrity()
     finally:
         llm.close()
+
+
+def _tail_selections(path: str, prompt: list[int], **options) -> dict:
+    """One engine's tail selections of `prompt` by full layer (LayerRows.selected)."""
+    llm, got = LLM(path, **BASE, **options), []
+    llm.engine.tap_layers("r", len(prompt), 0, got.append)
+    llm.engine.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    return {d.layer: d.selected for d in got if d.tail and d.selected is not None}

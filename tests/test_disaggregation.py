@@ -4,6 +4,7 @@ as plain rows, and a decode engine imports them: into its prefix cache's host ti
 kv_tiering into its pool (latents in the host store it decodes from, held once). The request then runs
 as a prefix hit, computing only what was not sent (the last, partial page and on), whose rows' selections
 warm its device working set. Greedy tokens and logprobs must be those of one colocated engine."""
+import numpy as np
 import pytest
 import torch
 
@@ -174,6 +175,14 @@ def test_a_first_token_that_ends_its_request_is_output_without_a_step_and_a_bad_
     for token in bad:  # outside the vocabulary; logprobs asked for and missing, or without the token; experts unasked
         with pytest.raises(InvalidRequest, match="first token"):
             engine.add_request("bad", prompt, params, first_token=token)
+    cfg = engine.model_config
+    full, shared, k = cfg.full_layers[0], next(l for l in range(cfg.num_hidden_layers) if l not in cfg.full_layers), \
+        cfg.index_topk
+    bad_warm = [((shared, (0, 1), (1,)),), ((full, (0, len(prompt)), (0,)),), ((full, (2, 1), (1,)),),
+                ((full, (0,), (0,)), (full, (0,), (0,))), ((full, tuple(range(k + 1)), tuple(range(k + 1))),)]
+    for warm in bad_warm:  # a shared layer; past the prompt; not ascending; a layer twice; past top-k
+        with pytest.raises(InvalidRequest, match="warm selections"):
+            engine.add_request("bad", prompt, params, first_token=FirstToken(first.token_id, first.logprobs, warm=warm))
     assert not engine.has_unfinished_requests()
     engine.check_integrity()
 
@@ -336,6 +345,65 @@ def test_the_decode_side_starts_decoding_warm(monkeypatch):
     assert cold > 250 * 4  # nearly every one of the 256 selected positions, in each layer
     assert warm < last_row / 4 and last_row < cold
     assert tokens == last_row_tokens == cold_tokens
+
+
+def test_a_tail_warms_the_working_set_with_the_prefill_sides_selections(monkeypatch):
+    """With a tail the decode side computes no prompt row: the prefill engine's taps hand out, with a
+    full layer's tail rows, the positions those rows selected (their union, and the last row's), and a
+    tiered decode engine given them with the first token (FirstToken.warm) places exactly the union in
+    each group's working set before the first decode, as computing that page there would. That step
+    then misses a handful of entries instead of nearly every selected one; outputs are unchanged. The
+    bundled model, past top-k (256): the sparse regime."""
+    import dataclasses
+
+    from sparsekv.cache.tiers import TieredKVPool
+    from sparsekv.tools.bench_kv_dtype import default_text
+    path = default_model_path()
+    prefill = LLM(path, max_model_len=1024)
+    prompt = prefill.engine.tokenizer.encode(default_text())[:600]  # a tail of 600 - 9 * 64 = 24 rows
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    rows = []
+    prefill.engine.tap_layers("p", len(prompt), 0, rows.append)
+    first = _first_token(prefill, prompt, params)
+    cfg, num_kinds = prefill.engine.model_config, len(prefill.engine.kv.page_tensors())
+    tails = [d for d in rows if d.tail]
+    assert [d.layer for d in tails if d.selected is not None] == cfg.full_layers
+    warm = tuple((d.layer, tuple(d.selected[0].tolist()), tuple(d.selected[1].tolist())) for d in tails
+                 if d.selected is not None)
+    pages = prefill.engine.kv.export_prefix(prompt)
+    tail = [{k: r[0] for d in tails for k, r in zip(d.kinds, d.ready())}[k] for k in range(num_kinds)]
+    held, groups = {}, {}
+    warm_of = TieredKVPool._warm
+
+    def watched(self, ch):  # each group's residents right after the warm
+        warm_of(self, ch)
+        groups.update(self.groups)
+        held.update({g: set(np.flatnonzero(lru.slots_of(np.arange(len(prompt))) >= 0).tolist())
+                     for g, lru in self._resident[ch.request_id].lrus.items()})
+    monkeypatch.setattr(TieredKVPool, "_warm", watched)
+
+    def first_decode(selections):
+        decode = LLM(path, max_model_len=1024, kv_tiering=True, prefix_cache_host_bytes=1 << 28)
+        engine = decode.engine
+        engine.kv.import_prefix(pages, prompts=[prompt], tails=[tail])
+        req = engine.add_request("d", prompt, params, first_token=dataclasses.replace(first, warm=selections))
+        engine.step()  # the first token's output, no compute
+        engine.step()  # the first decode
+        stats = engine.stats()
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert req.num_cached_tokens == len(prompt)
+        engine.check_integrity()
+        return stats, list(req.output_token_ids)
+    warmed, tokens = first_decode(warm)
+    union = {layer: set(u) for layer, u, _ in warm}
+    assert all(len(u) <= 512 for u in union.values())  # the default working set holds each union
+    assert held == union  # the union, the last row's among it (only full layers' groups: no MTP layer)
+    cold, cold_tokens = first_decode(())
+    assert warmed["tier_warmed"] == sum(len(union[g]) * len(groups[g]) for g in union) and cold["tier_warmed"] == 0
+    assert cold["tier_misses"] > 250 * cfg.num_hidden_layers  # nearly every one of the 256 selected, in each layer
+    assert warmed["tier_misses"] < cold["tier_misses"] / 10
+    assert tokens == cold_tokens
 
 
 def test_landed_pages_serve_only_their_tenant_and_salt(glm_ckpt):

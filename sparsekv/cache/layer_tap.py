@@ -7,7 +7,9 @@ those pages in the tensors that layer wrote (its latents, its indexer keys) are 
 pool and handed to the tap's `deliver`. Each page is handed out once per layer, and never a page
 before `skip`; of the page the prefix cache does not name (the prompt's last token's), the rows
 through that token, once (a tail: the decode side, given the first token sampled here, then computes
-from that token on). The kinds
+from that token on). A full layer's tail delivery also carries the positions the tail's rows
+selected (their union, and the last row's), which warm the decode side's device working set as the
+rows of a last chunk computed there would (cache/tiers.py, `TieredKVPool.begin_step`). The kinds
 (indices into the cache's `PageRows` tensors, the order a page's rows are exported in) name what each
 delivery holds; the other kinds (the MTP layer's entries, a selector's page state) are left to the
 page's export once it is named::
@@ -38,6 +40,9 @@ class LayerRows:
     rows: list[torch.Tensor]
     event: object = None
     tail: int = 0
+    # a tail's on a full layer (sparse regime): the distinct positions its rows selected, ascending,
+    # and the last row's selection (int64, on the CPU); None otherwise
+    selected: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def ready(self) -> list[torch.Tensor]:
         if self.event is not None:
@@ -59,12 +64,15 @@ class LayerTaps:
     those pages (the runner's); `flush` makes every slot row current."""
 
     def __init__(self, tensors: list[tuple[torch.Tensor, int]], layer_tensors: dict[int, list[torch.Tensor]],
-                 page_size: int, slots_of: Callable[[list[int], int], torch.Tensor], flush: Callable[[], None]):
+                 page_size: int, slots_of: Callable[[list[int], int], torch.Tensor], flush: Callable[[], None],
+                 full_layers: frozenset[int] = frozenset()):
         position = {id(t): j for j, (t, per_row) in enumerate(tensors) if per_row == 1}
         self.layer_kinds = {l: [position[id(t)] for t in ts if id(t) in position] for l, ts in layer_tensors.items()}
         self.tensors = [t for t, _ in tensors]
-        self.page_size, self.slots_of, self.flush = page_size, slots_of, flush
+        self.page_size, self.slots_of, self.flush, self.full_layers = page_size, slots_of, flush, full_layers
         self._taps: dict[str, _Tap] = {}
+        self._tails: dict[str, int] = {}  # this step's tails: request -> the tail's first position
+        self._selected: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (request, layer) -> its tail's
 
     @property
     def kinds(self) -> list[int]:
@@ -88,9 +96,12 @@ class LayerTaps:
     def __bool__(self) -> bool:
         return bool(self._taps)
 
-    def begin_step(self, chunks) -> Callable[[int], None] | None:
-        """The step's `after_layer` hook, or None when no tapped chunk completes a page to hand out."""
+    def begin_step(self, chunks) -> tuple[Callable[[int], None] | None, Callable | None]:
+        """The step's `after_layer` hook, or None when no tapped chunk completes a page to hand out; and
+        its `record_selection` hook, or None when no tapped chunk completes a tail."""
         work = []
+        self._tails.clear()
+        self._selected.clear()
         for ch in chunks:
             tap = self._taps.get(ch.request_id)
             if tap is None:
@@ -100,22 +111,36 @@ class LayerTaps:
             if end > first:
                 tap.next_page = end
                 count = end - first
-                work.append((tap, first, count, 0, self.slots_of(ch.page_ids[first:end], count * self.page_size)))
+                work.append((tap, ch.request_id, first, count, 0, self.slots_of(ch.page_ids[first:end], count * self.page_size)))
             tail_end = tap.num_pages * self.page_size + tap.tail
             if tap.tail and ch.context_len >= tail_end and ch.first_position < tail_end:
                 page = ch.page_ids[tap.num_pages:tap.num_pages + 1]
-                work.append((tap, tap.num_pages, 1, tap.tail, self.slots_of(page, tap.tail)))
+                work.append((tap, ch.request_id, tap.num_pages, 1, tap.tail, self.slots_of(page, tap.tail)))
+                self._tails[ch.request_id] = tap.num_pages * self.page_size
                 tap.tail = 0
         if not work:
-            return None
-        return lambda layer: self._after_layer(layer, work)
+            return None, None
+        return (lambda layer: self._after_layer(layer, work)), (self._record if self._tails else None)
+
+    def _record(self, layer: int, seq, selected: torch.Tensor) -> None:
+        """A layer's selections [rows, k] of a chunk's rows (ForwardContext.record_selection): a full
+        layer's for a tail completed this step are kept for its delivery, as (the distinct positions
+        the tail's rows selected, ascending; the last row's selection)."""
+        start = self._tails.get(seq.request_id)
+        if start is None or layer not in self.full_layers:
+            return
+        first_row = seq.context_len - selected.shape[0]  # the position of selected's first row
+        rows = selected[max(0, start - first_row):]
+        positions = torch.arange(seq.context_len - rows.shape[0], seq.context_len, device=rows.device)
+        union = torch.unique(rows[rows <= positions[:, None]])  # an early row's selection past itself is padding
+        self._selected[(seq.request_id, layer)] = (union.to("cpu", torch.int64), rows[-1].to("cpu", torch.int64))
 
     def _after_layer(self, layer: int, work: list) -> None:
         kinds = self.layer_kinds.get(layer, [])
         if not kinds:
             return
         self.flush()
-        for tap, first, count, tail, slots in work:
+        for tap, request_id, first, count, tail, slots in work:
             rows = [self.tensors[j].index_select(0, slots) for j in kinds]
             rows = [r.view(count, tail or self.page_size, *r.shape[1:]) for r in rows]
             event = None
@@ -123,4 +148,5 @@ class LayerTaps:
                 rows = [torch.empty(r.shape, dtype=r.dtype, pin_memory=True).copy_(r, non_blocking=True) for r in rows]
                 event = torch.cuda.Event()
                 event.record()
-            tap.deliver(LayerRows(layer, first, count, kinds, rows, event, tail))
+            selected = self._selected.pop((request_id, layer), None) if tail else None
+            tap.deliver(LayerRows(layer, first, count, kinds, rows, event, tail, selected))

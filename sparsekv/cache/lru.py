@@ -294,18 +294,20 @@ class TierCounters:
     misses: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    warmed: int = 0  # entries (one per position and layer) placed before a first decode, not looked up
 
-    def add(self, hits: int = 0, misses: int = 0, h2d: int = 0, d2h: int = 0) -> None:
+    def add(self, hits: int = 0, misses: int = 0, h2d: int = 0, d2h: int = 0, warmed: int = 0) -> None:
         self.hits += hits
         self.misses += misses
         self.h2d_bytes += h2d
         self.d2h_bytes += d2h
+        self.warmed += warmed
 
     def as_dict(self) -> dict:
         lookups = self.hits + self.misses
         return {"tier_hits": self.hits, "tier_misses": self.misses,
                 "tier_miss_rate": self.misses / lookups if lookups else 0.0,
-                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes}
+                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "tier_warmed": self.warmed}
 
 
 @dataclass

@@ -149,6 +149,8 @@ class TieredKVPool:
             if ch.samples_token and ch.num_new_tokens > self.new_rows:
                 self._working_set(ch.request_id)
                 self._step.priming.add(ch.request_id)
+            elif ch.warm and ch.request_id in self._step.decoding:
+                self._warm(ch)
 
     def begin_mtp_pass(self, seqs: list[SeqSlice], page_ids: dict[str, list[int]]) -> None:
         """Before the MTP layer's pass over `seqs` (speculative.py): the same for its working set."""
@@ -260,6 +262,28 @@ class TieredKVPool:
         held = slots >= 0
         self.ws[layer].index_copy_(0, self.link.index(self._base(ws) + slots[held]),
                                    rows[self.link.index(np.flatnonzero(held))])
+
+    def _warm(self, ch) -> None:
+        """A first decode's working set, filled before it runs from the selections a disaggregated
+        prefill's tail made (`ch.warm`: per full layer, the distinct positions the tail's rows selected
+        and the last row's), as `_prime_block` fills it from a last chunk computed here: the union when
+        it fits, then the last row's as the most recently used. The rows come from the host store
+        (counted as host -> device bytes and as warmed entries, not as lookups); on CUDA a group's
+        shared layers copy on the side stream, as a step's misses do."""
+        ws, pages = self._resident[ch.request_id], np.asarray(ch.page_ids, dtype=np.int64)
+        base, ps = self._base(ws), self.page_size
+        for leader, union, last in ch.warm:
+            group = self.groups[leader]
+            for positions in ((union, last) if len(union) <= self.device_buffer_tokens else (last,)):
+                if len(positions) > self.device_buffer_tokens:
+                    continue
+                res = ws.lrus[leader].resolve(np.asarray(positions, dtype=np.int64))
+                moved = res.miss_positions
+                if moved.size:
+                    self.link.fetch(group, torch.from_numpy(pages[moved // ps] * ps + moved % ps), self.ws,
+                                    self.link.index(base + res.miss_slots))
+                    self._count(ch.request_id, h2d=moved.size * len(group) * self.host.row_bytes,
+                                warmed=moved.size * len(group))
 
     def _rows_at(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Stored rows of the positions [n] (not decoded)."""
@@ -435,9 +459,10 @@ class TieredKVPool:
     def _base(self, ws: _WorkingSet) -> int:
         return ws.buffer * (self.device_buffer_tokens + self.new_rows)
 
-    def _count(self, request_id: str, hits: int = 0, misses: int = 0, h2d: int = 0, d2h: int = 0) -> None:
-        self._counters.setdefault(request_id, TierCounters()).add(hits, misses, h2d, d2h)
-        self.totals.add(hits, misses, h2d, d2h)
+    def _count(self, request_id: str, hits: int = 0, misses: int = 0, h2d: int = 0, d2h: int = 0,
+               warmed: int = 0) -> None:
+        self._counters.setdefault(request_id, TierCounters()).add(hits, misses, h2d, d2h, warmed)
+        self.totals.add(hits, misses, h2d, d2h, warmed)
 
     # -- observability -------------------------------------------------------------------------
     def request_metrics(self, request_id: str, held_tokens: int) -> dict:

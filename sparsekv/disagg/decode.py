@@ -21,6 +21,8 @@ import time
 import torch
 
 from ..cache.prefix import cacheable_pages, tail_tokens
+from ..outputs import check_warm
+from ..sampling_params import InvalidRequest
 from ..server.serving import Job, run
 from .first_token import first_tokens_from_wire
 from .transfer import BACKENDS, Room, connect, meta_key, receiver
@@ -56,7 +58,9 @@ class DecodeWorker(Worker):
         self.rooms[field.room] = "claim"
         claim = {"room": field.room, "nonce": secrets.token_hex(16), "tenant": job.tenant,
                  "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held,
-                 "device": self.device.type, "gpu": self.gpu, "transfer": self.settings.transfer, "weights": weights}  # the prefill worker refuses other weights early
+                 "device": self.device.type, "gpu": self.gpu, "transfer": self.settings.transfer,
+                 "weights": weights,  # the prefill worker refuses other weights early
+                 "warm": bool(engine.config.kv_tiering)}  # a tail's selections warm a tiered cache
         link, meta = await self._claim(request, field, claim)
         inbox = Inbox(link, self.settings, self.device, self.nixl,
                       pacer=Pacer(lambda: loop.stats().get("running", 0) > 0), held=held)
@@ -78,6 +82,7 @@ class DecodeWorker(Worker):
             tails = inbox.complete_tails(prompts, engine.config.kv_page_size, len(engine.kv.page_tensors()))
             if firsts is None and any(t is not None for t in tails):
                 raise TransferError("the prefill worker sent a prompt's last rows without its first token")
+            warm = self._warm(inbox, prompts, tails)
             version = await self._keep(meta, inbox, job, prompts, tails, kept)
         except BaseException as e:
             await self._forget(kept)
@@ -92,7 +97,9 @@ class DecodeWorker(Worker):
             self.pool.submit(inbox.close)
         await self.blocking(self._verdict, link, meta, None)
         if firsts is not None:  # NOTE: an update before the request's add drops them (add_request)
-            stamped = [None if f is None else dataclasses.replace(f, weights_version=version) for f in firsts]
+            per_prompt = len(job.subs) // len(prompts)
+            stamped = [None if f is None else dataclasses.replace(f, weights_version=version, warm=warm[i // per_prompt])
+                       for i, f in enumerate(firsts)]
             job.subs = [dataclasses.replace(sub, first_token=first) for sub, first in zip(job.subs, stamped)]
         return {"role": "decode", "room": field.room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
                 "transfer_s": time.monotonic() - prefill_ended, "backend": meta["backend"], "bytes": inbox.nbytes,
@@ -167,6 +174,18 @@ class DecodeWorker(Worker):
         await _on_engine(loop, keep)
         return mine["weights_version"]
 
+    def _warm(self, inbox: "Inbox", prompts: list[list[int]], tails: list) -> list[tuple]:
+        """Per prompt, the selections its tail's rows made (FirstToken.warm), checked against this
+        worker's model and the prompt; none for a prompt without a whole tail (its page is computed here)."""
+        cfg, warm = self.state.engine.model_config, []
+        for p, (prompt, tail) in enumerate(zip(prompts, tails)):
+            warm.append(inbox.warm(p) if tail is not None else ())
+            try:
+                check_warm(warm[-1], cfg.full_layers, cfg.index_topk, len(prompt))
+            except InvalidRequest as e:
+                raise TransferError(f"the prefill worker's selections for prompt {p} do not fit: {e}") from None
+        return warm
+
     @staticmethod
     def _check_meta(meta: dict, claim: dict, weights: dict | None) -> None:
         """One batch's metadata: it answers this claim, its lists agree, and its pages were computed
@@ -210,6 +229,7 @@ class Inbox:
         self.next_page = list(held)  # per prompt, the page its next named page is
         self.partial: dict[tuple[int, int], dict[int, torch.Tensor]] = {}  # (prompt, page) -> rows by kind, layer by layer
         self.tails: dict[int, tuple[int, int, dict[int, torch.Tensor]]] = {}  # prompt -> (page, rows, rows by kind)
+        self.selections: dict[int, dict[int, tuple]] = {}  # prompt -> layer -> its tail's (union, last row's)
         self.pages_by_layer = self.layer_batches = 0
 
     def receive(self, meta: dict) -> None:
@@ -246,13 +266,17 @@ class Inbox:
     def _keep_layer_rows(self, meta: dict, tensors: list[torch.Tensor], pace) -> None:
         """Rows of some layers for pages [first, first + count) of a prompt, kept until the pages are
         named; or a prompt's tail (the first rows of the page after its named ones), kept for the import."""
-        prompt, first, count, kinds = _layer_rows_of(meta, len(self.next_page))
+        prompt, first, count, kinds, selected = _layer_rows_of(meta, len(self.next_page))
+        tensors, selections = tensors[:len(tensors) - 2 * len(selected)], tensors[len(tensors) - 2 * len(selected):]
         if len(kinds) != len(tensors) or any(t.shape[0] != count for t in tensors):
             raise TransferError(f"{len(kinds)} kinds of {count} pages announced, tensors of "
                                 f"{[tuple(t.shape[:1]) for t in tensors]} received")
         tail = meta["layer_rows"].get("tail", 0)
+        if selected and not tail:
+            raise TransferError("selections came with layer rows that are not a prompt's tail")
         if tail:
             self._keep_tail(prompt, first, tail, kinds, tensors)
+            self._keep_selections(prompt, selected, selections)
             self.layer_batches += 1
             return
         if first < self.next_page[prompt]:
@@ -278,6 +302,20 @@ class Inbox:
             if kind in by_kind:
                 raise TransferError(f"rows of kind {kind} came twice for prompt {prompt}'s tail")
             by_kind[kind] = t[0].clone()
+
+    def _keep_selections(self, prompt: int, layers: list[int], tensors: list[torch.Tensor]) -> None:
+        """A tail's selections on its full layers (the positions its rows selected, the last row's), as
+        FirstToken.warm takes them; checked against the prompt and the model with the first token."""
+        kept = self.selections.setdefault(prompt, {})
+        for layer, union, last in zip(layers, tensors[0::2], tensors[1::2]):
+            if layer in kept or union.dtype != torch.int64 or last.dtype != torch.int64 or union.dim() != 1 \
+                    or last.dim() != 1:
+                raise TransferError(f"prompt {prompt}'s tail selections of layer {layer} came twice or malformed")
+            kept[layer] = (tuple(union.tolist()), tuple(last.tolist()))
+
+    def warm(self, prompt: int) -> tuple:
+        """FirstToken.warm for the choices of `prompt`: its tail's selections by layer."""
+        return tuple((layer, union, last) for layer, (union, last) in sorted(self.selections.get(prompt, {}).items()))
 
     def complete_tails(self, prompts: list[list[int]], page_size: int, num_kinds: int) -> list:
         """Per prompt, its tail's rows (one tensor per kind, in kind order) when it came whole, at the
@@ -346,18 +384,19 @@ class Pacer:
         return out
 
 
-def _layer_rows_of(meta: dict, num_prompts: int) -> tuple[int, int, int, list[int]]:
-    """A layer batch's (prompt, first page, pages, kinds), checked."""
+def _layer_rows_of(meta: dict, num_prompts: int) -> tuple[int, int, int, list[int], list[int]]:
+    """A layer batch's (prompt, first page, pages, kinds, layers whose tail selections follow), checked."""
     try:
         rows, kinds = meta["layer_rows"], meta["kinds"]
         prompt, first, count = (rows[k] for k in ("prompt", "first", "count"))
-        ok = (all(type(v) is int for v in (prompt, first, count, *kinds)) and 0 <= prompt < num_prompts
-              and first >= 0 and count >= 1 and len(set(kinds)) == len(kinds))
+        selected = rows.get("selected", [])
+        ok = (all(type(v) is int for v in (prompt, first, count, *kinds, *selected)) and 0 <= prompt < num_prompts
+              and first >= 0 and count >= 1 and len(set(kinds)) == len(kinds) and len(set(selected)) == len(selected))
     except (KeyError, TypeError):
         ok = False
     if not ok:
         raise TransferError("the prefill worker's layer rows metadata is malformed")
-    return prompt, first, count, kinds
+    return prompt, first, count, kinds, selected
 
 
 def _kinds_of(meta: dict, num_tensors: int) -> tuple[list[int], int]:

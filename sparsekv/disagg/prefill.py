@@ -183,12 +183,12 @@ class PrefillWorker(Worker):
                 return None
             look = asyncio.ensure_future(self._export(job, prompts, sent))  # NOTE: it runs once the step ends
             if feed is not None:
-                nbytes += await self._send_layers_until(look, feed, out, base, claim["held"])
+                nbytes += await self._send_layers_until(look, feed, out, base, claim)
             pages, per_prompt, loaded = await look
             base["weights"] = await self.blocking(self.weights.stamp, loaded)
             self._check_weights(claim, base["weights"])
             if feed is not None:  # NOTE: the rows of the pages just named were queued before their names
-                nbytes += await self._send_layers(feed, out, base, claim["held"])
+                nbytes += await self._send_layers(feed, out, base, claim)
             parts = named_parts(pages, per_prompt, sent, feed) or ([(per_prompt, pages, None)] if finished else [])
             for i, (counts, part, kinds) in enumerate(parts):
                 meta = {**base, "names": [name.hex() for name, _ in part], "pages": counts, "kinds": kinds,
@@ -223,31 +223,35 @@ class PrefillWorker(Worker):
         log.info("disaggregation room %s sent: %s", meta["room"], figures)
         return figures
 
-    async def _send_layers_until(self, look, feed: LayerFeed, out: "Batches", base: dict, held: list[int]) -> int:
+    async def _send_layers_until(self, look, feed: LayerFeed, out: "Batches", base: dict, claim: dict) -> int:
         """Send the layer rows of the step that runs while the look waits for its end."""
         nbytes = 0
         try:
             while not look.done():
                 await feed.wait([look], None)
-                nbytes += await self._send_layers(feed, out, base, held)
+                nbytes += await self._send_layers(feed, out, base, claim)
         except BaseException:
             look.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now
             raise
         return nbytes
 
-    async def _send_layers(self, feed: LayerFeed, out: "Batches", base: dict, held: list[int]) -> int:
+    async def _send_layers(self, feed: LayerFeed, out: "Batches", base: dict, claim: dict) -> int:
         """The layer rows queued so far, a batch per prompt and step (the layers it computed since the
-        last), less the pages the decode worker holds."""
-        nbytes = 0
+        last), less the pages the decode worker holds; a tail's with its full layers' selections when
+        the decode worker warms a tiered cache with them (its claim's `warm`)."""
+        nbytes, held = 0, claim["held"]
         for prompt, first, count, deliveries in feed.take():
             cut = min(max(0, held[prompt] - first), count)
             if cut == count:
                 continue
+            selecting = [d for d in deliveries if d.selected is not None] if claim.get("warm") is True else []
             meta = {**base, "names": [], "pages": [0] * len(held), "last": False,
                     "layer_rows": {"prompt": prompt, "first": first + cut, "count": count - cut,
-                                   "layers": [d.layer for d in deliveries], "tail": deliveries[0].tail},
+                                   "layers": [d.layer for d in deliveries], "tail": deliveries[0].tail,
+                                   "selected": [d.layer for d in selecting]},
                     "kinds": [k for d in deliveries for k in d.kinds], "num_kinds": feed.num_kinds}
-            nbytes += await self._send(out, meta, [r[cut:] for d in deliveries for r in d.ready()])
+            rows = [r[cut:] for d in deliveries for r in d.ready()]
+            nbytes += await self._send(out, meta, rows + [t for d in selecting for t in d.selected])
             feed.batches += 1
         return nbytes
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..config import ConfigError, EngineConfig
 from ..engine import LLMEngine
 from ..hub import resolve_config
-from ..outputs import FirstToken
+from ..outputs import FirstToken, check_warm
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
 from ..weights import WEIGHT_UPDATE_POLICIES, WeightLoadError, WeightUpdateConflict
 from .dp_kv import DataParallelKV, kv_call
@@ -120,6 +120,8 @@ class DataParallelEngine:
             self.local.outputs.grammar_for(params.structured_output)  # a bad grammar fails here, not on a rank
         if first_token is not None:
             self.local.outputs.check_first(params, first_token)
+            cfg = self.local.model_config
+            check_warm(first_token.warm, cfg.full_layers, cfg.index_topk, len(token_ids))
         rank = self.kv.take_claim(token_ids, tenant, cache_salt)  # a disaggregated request: where its pages landed
         if rank is None:
             rank = self.router.choose(token_ids, tenant, cache_salt)

@@ -9,7 +9,8 @@ tap's `deliver` there::
     rank r: layer i forward -> deliver -> queue -> sender thread: send(header), send(rows...) --+
     rank 0: receiving thread: recv(header, any rank), recv(rows...) from that rank -> deliver <-+
 
-    header (int64): tap id, layer, first page, pages, tail rows, number of kinds, kinds... (-1: the rank leaves)
+    header (int64): tap id (-1: the rank leaves), layer, first page, pages, tail rows, the lengths of a
+                    tail's selections (-1: none), number of kinds, kinds...
 
 The rows' shapes follow from the header and rank 0's own page tensors (every rank's cache is alike).
 A step's rows reach `deliver` before the step returns on rank 0: each rank drains its queue before
@@ -31,7 +32,8 @@ import torch.distributed as dist
 
 from ..cache.layer_tap import LayerRows
 
-HEADER_LEN = 16  # tap id, layer, first, count, tail, number of kinds, then up to 10 kinds
+HEADER_LEN = 16  # tap id, layer, first, count, tail, two selection lengths, number of kinds, then up to 8 kinds
+FIELDS = 8
 LEAVE = -1  # a header's tap id: the sending rank closes
 
 
@@ -41,16 +43,18 @@ def open_group(timeout_s: float):
 
 
 def encode_header(tap_id: int, rows: LayerRows) -> torch.Tensor:
-    fields = [tap_id, rows.layer, rows.first, rows.count, rows.tail, len(rows.kinds), *rows.kinds]
+    selected = [t.numel() for t in rows.selected] if rows.selected is not None else [-1, -1]
+    fields = [tap_id, rows.layer, rows.first, rows.count, rows.tail, *selected, len(rows.kinds), *rows.kinds]
     if len(fields) > HEADER_LEN:
         raise ValueError(f"a layer hands out {len(rows.kinds)} kinds of row; a tap header holds at most "
-                         f"{HEADER_LEN - 6}")
+                         f"{HEADER_LEN - FIELDS}")
     return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
 
 
-def decode_header(header: torch.Tensor) -> tuple[int, int, int, int, int, list[int]]:
-    tap_id, layer, first, count, tail, num_kinds, *rest = header.tolist()
-    return tap_id, layer, first, count, tail, rest[:num_kinds]
+def decode_header(header: torch.Tensor) -> tuple[int, int, int, int, int, list[int] | None, list[int]]:
+    """(tap id, layer, first page, pages, tail rows, the selections' lengths or None, kinds)."""
+    tap_id, layer, first, count, tail, union, last, num_kinds, *rest = header.tolist()
+    return tap_id, layer, first, count, tail, None if union < 0 else [union, last], rest[:num_kinds]
 
 
 class TapSender:
@@ -96,6 +100,8 @@ class TapSender:
         dist.send(encode_header(tap_id, rows), dst=0, group=self.group)
         for t in tensors:  # as bytes: gloo has no float8 types
             dist.send(t.contiguous().view(torch.uint8), dst=0, group=self.group)
+        for t in rows.selected or ():
+            dist.send(t.contiguous(), dst=0, group=self.group)
         self.sent += 1
 
 
@@ -139,7 +145,7 @@ class TapReceiver:
     def _receive_one(self) -> None:
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         src = dist.recv(header, group=self.group)  # NOTE: any rank; its rows follow from that rank alone
-        tap_id, layer, first, count, tail, kinds = decode_header(header)
+        tap_id, layer, first, count, tail, selected, kinds = decode_header(header)
         if tap_id == LEAVE:
             self._left.add(src)
             return
@@ -149,9 +155,13 @@ class TapReceiver:
             t = torch.empty((count, tail or self.page_size, *shape), dtype=dtype)
             dist.recv(t.view(torch.uint8), src=src, group=self.group)
             rows.append(t)
+        if selected is not None:
+            selected = tuple(torch.empty(n, dtype=torch.int64) for n in selected)
+            for t in selected:
+                dist.recv(t, src=src, group=self.group)
         deliver = self.delivers.get(tap_id)
         if deliver is not None:
-            deliver(LayerRows(layer, first, count, kinds, rows, tail=tail))
+            deliver(LayerRows(layer, first, count, kinds, rows, tail=tail, selected=selected))
         with self._cond:
             self.received[src] += 1
             self._cond.notify_all()

@@ -47,6 +47,8 @@ ENGINE_COUNTERS = {
     "steps": ("engine_steps", "Engine steps run."),
     "tier_hits": ("tier_hits", "Selected KV entries (one per position and layer) found in the device working set."),
     "tier_misses": ("tier_misses", "Selected KV entries (one per position and layer) copied in from the host tier."),
+    "tier_warmed": ("tier_warmed", "KV entries (one per position and layer) placed in a device working set before "
+                                   "its first decode, from a disaggregated prefill's selections."),
     "h2d_bytes": ("h2d_bytes", "Bytes copied host to device."),
     "d2h_bytes": ("d2h_bytes", "Bytes copied device to host."),
     "preemptions": ("num_preemptions", "Requests preempted."),
