@@ -118,3 +118,14 @@ def send_pair(prefill_url: str, decode_url: str, body: dict, path: str = "/v1/co
             return await asyncio.gather(client.post(prefill_url + path, json=to_prefill),
                                         client.post(decode_url + path, json=tagged), return_exceptions=True)
     return tuple(asyncio.run(both()))
+
+
+def assert_transfer_bytes(figures: dict, decode_engine, page_size: int) -> None:
+    """A transfer's bytes: the pages' rows, the tail's rows and, for a tiered decode worker, the tail's
+    selections (a one-row tail in the sparse regime: its row's top-k twice per full layer, int64)."""
+    row_bytes = decode_engine.kv.prefix.tiers["host"].page_bytes // page_size
+    rows = (figures["pages_sent"] * page_size + figures["tail_tokens"]) * row_bytes
+    cfg = decode_engine.model_config
+    tiered = decode_engine.config.kv_tiering
+    assert not tiered or figures["tail_tokens"] == 1, "a one-row tail: its selections' size is known"
+    assert figures["bytes"] == rows + (2 * cfg.index_topk * 8 * len(cfg.full_layers) if tiered else 0)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from disagg_util import WorkerServer, secret_file, send_pair, start_worker_process
+from disagg_util import WorkerServer, assert_transfer_bytes, secret_file, send_pair, start_worker_process
 from sparsekv import LLM
 from sparsekv.disagg.nixl import NixlAgent, NixlSender, nixl_available
 from sparsekv.disagg.transfer import CORRUPT_ENV, DELAY_ENV
@@ -54,8 +54,7 @@ def test_nixl_workers_answer_as_one_engine(family, options, glm_ckpt, ds_ckpt):
         figures = body["sparsekv"]["disaggregation"]
         assert figures["backend"] == rp.json()["sparsekv"]["disaggregation"]["backend"] == "nixl"
         assert figures["pages_sent"] == (len(prompt) - 1) // PAGE
-        row_bytes = d.engine.kv.prefix.tiers["host"].page_bytes // PAGE  # the pages', then the tail's rows
-        assert figures["bytes"] == (figures["pages_sent"] * PAGE + figures["tail_tokens"]) * row_bytes
+        assert_transfer_bytes(figures, d.engine, PAGE)
         assert httpx.get(d.url + "/disaggregation", timeout=5).json()["transfer_backend"] == "nixl"
         p.check_clean()
         d.check_clean()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from disagg_util import WorkerServer, send_pair
+from disagg_util import WorkerServer, assert_transfer_bytes, send_pair
 from sparsekv import LLM, SamplingParams
 from sparsekv.paths import default_model_path
 from test_server_util import scrape, tiny_checkpoint
@@ -63,19 +63,13 @@ def test_prefill_and_decode_workers_answer_as_one_engine(family, options, glm_ck
         # the first token came from the prefill worker, with the last page's rows through the prompt's end
         assert (figures["first_tokens"], figures["tail_tokens"]) == (1, len(prompt) - figures["pages_sent"] * PAGE)
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
-        row_bytes = d.engine.kv.prefix.tiers["host"].page_bytes // PAGE
-        selections = figures["bytes"] - (figures["pages_sent"] * PAGE + figures["tail_tokens"]) * row_bytes
-        cfg = d.engine.model_config
+        assert_transfer_bytes(figures, d.engine, PAGE)  # selections only for a tiered decode worker
         if options.get("kv_tiering"):  # the rows landed in the pool's host store only, not in the host tier too
             assert d.engine.stats()["prefix_host_pages"] == 0
             assert body["sparsekv"]["tiers"]["prefix_cached_tokens_device"] == len(prompt)
-            # a one-row tail: per full layer its row's top-k twice (the union, the row), int64; the
-            # working set is warmed with them in every layer before the first decode
-            assert figures["tail_tokens"] == 1 and len(prompt) > cfg.index_topk
-            assert selections == 2 * cfg.index_topk * 8 * len(cfg.full_layers)
+            cfg = d.engine.model_config  # the tail's selections warmed every layer before the first decode
+            assert len(prompt) > cfg.index_topk
             assert body["sparsekv"]["tiers"]["tier_warmed"] == cfg.index_topk * cfg.num_hidden_layers
-        else:  # no selections for a decode worker that would not use them
-            assert selections == 0
         p.check_clean()
         d.check_clean()
 

@@ -132,6 +132,8 @@ class LayerTaps:
         first_row = seq.context_len - selected.shape[0]  # the position of selected's first row
         rows = selected[max(0, start - first_row):]
         positions = torch.arange(seq.context_len - rows.shape[0], seq.context_len, device=rows.device)
+        # NOTE: on CUDA the union's size waits for the layer's kernels: once per full layer, in the step
+        # that ends a tapped prompt
         union = torch.unique(rows[rows <= positions[:, None]])  # an early row's selection past itself is padding
         self._selected[(seq.request_id, layer)] = (union.to("cpu", torch.int64), rows[-1].to("cpu", torch.int64))
 
