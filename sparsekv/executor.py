@@ -111,7 +111,10 @@ class InProcessExecutor(Executor):
         return out
 
     def draft_extend(self, plan: MTPPlan) -> torch.Tensor:
-        return self.drafter.extend(self._hidden, plan)
+        logits = self.drafter.extend(self._hidden, plan)
+        if self.runner.taps:  # a tail's MTP layer rows, written by this pass
+            self.runner.taps.after_mtp()
+        return logits
 
     def rank_stats(self) -> list[dict]:
         return [self.local_stats()]
@@ -136,8 +139,9 @@ class InProcessExecutor(Executor):
         if self.runner.taps is None:
             from .cache.layer_tap import LayerTaps
             layers = {l: self.pool.layer_slot_tensors(l) for l in range(len(self.model.layers))}
+            mtp = {len(self.model.layers): self.pool.layer_slot_tensors(len(self.model.layers))} if self.drafter else {}
             self.runner.taps = LayerTaps(tensors, layers, self.runner.page_size, self.runner.slots_of, self.pool.flush,
-                                         frozenset(self.model.cfg.full_layers))
+                                         frozenset(self.model.cfg.full_layers), mtp)
         return self.runner.taps
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -219,12 +219,10 @@ def test_rows_go_layer_by_layer_and_the_answer_is_one_engines(setup, glm_ckpt, m
         assert got["layer_batches"] == sent["layer_batches"] >= 5  # at least one per chunk that completed pages
         assert got["batches"] == sent["batches"] > got["layer_batches"]
         assert 0 < got["pages_kept_early"] <= got["pages_sent"]  # kept as their batches came, during the prefill
-        # the last page's rows came too, with the first token (with an MTP layer, whose entries no layer
-        # hands out, the rows do not: the decode engine computes the page and the first token): that
-        # token alone was computed
-        tail = 0 if setup == "mtp" else PAGE
-        assert (got["tail_tokens"], got["first_tokens"]) == (tail, 1)
-        assert rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 11 * PAGE + tail
+        # the last page's rows came too (with an MTP layer, its entries after the MTP pass), with the
+        # first token: that token alone was computed
+        assert (got["tail_tokens"], got["first_tokens"]) == (PAGE, 1)
+        assert rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 12 * PAGE
         p.check_clean()
         d.check_clean()
 

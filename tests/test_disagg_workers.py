@@ -76,8 +76,10 @@ def test_prefill_and_decode_workers_answer_as_one_engine(family, options, glm_ck
 
 def test_with_mtp_drafting_on_both_sides():
     """The pages carry the MTP layer's entries; the prefill worker runs the tokens that name them,
-    greedily. A greedy request's first token is that run's (sent); a sampled one's is sampled on the
-    decode side, which drafts from it as one engine does (the same seeded tokens)."""
+    greedily. A greedy request's first token is that run's (sent), with the tail, whose MTP layer's
+    rows that run's pass after its first token wrote: the decode side computes that token alone. A
+    sampled one's is sampled on the decode side, which computes the last page and drafts from it as
+    one engine does (the same seeded tokens); no tail goes then."""
     path, prompt = default_model_path(), _prompt(4096, 50)
     colocated = LLM(path, **BASE, num_speculative_tokens=2)
     want = colocated.generate([prompt], GREEDY)[0]
@@ -87,11 +89,14 @@ def test_with_mtp_drafting_on_both_sides():
             WorkerServer(path, "decode", **BASE, num_speculative_tokens=2) as d:
         body = _decode(p, d, prompt)
         assert body["sparsekv"]["disaggregation"]["pages_sent"] == (len(prompt) - 1) // PAGE
-        assert body["sparsekv"]["disaggregation"]["first_tokens"] == 1
+        figures = body["sparsekv"]["disaggregation"]
+        assert (figures["first_tokens"], figures["tail_tokens"]) == (1, len(prompt) - figures["pages_sent"] * PAGE)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
         assert body["sparsekv"]["tiers"]["spec_decode_num_drafts"] > 0
         assert_as_colocated(want, body, d, logprob_tolerance(colocated, extra_layers=1))
         body = _decode(p, d, prompt, temperature=0.8, seed=5, logprobs=None)
-        assert body["sparsekv"]["disaggregation"]["first_tokens"] == 0
+        assert (body["sparsekv"]["disaggregation"]["first_tokens"], body["sparsekv"]["disaggregation"]["tail_tokens"]) \
+            == (0, 0)
         assert body["sparsekv"]["choices"][0]["token_ids"] == want_sampled.token_ids
         d.check_clean()
 

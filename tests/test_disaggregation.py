@@ -250,6 +250,39 @@ def test_with_mtp_drafting_on_both_sides(options):
     assert_same_greedy([want], [got], logprob_tolerance(colocated, extra_layers=1))
 
 
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True)], ids=["plain", "decode-tiered"])
+def test_with_mtp_drafting_a_tail_carries_the_mtp_layers_rows_and_the_decode_side_computes_the_first_token_alone(
+        options):
+    """With drafting, the prefill engine's greedy run writes the MTP layer's entries of its last rows
+    in the MTP pass after its first token (the last one from that token); the taps hand them out with
+    the tail, so the tail holds every kind and a request given that first token computes it alone,
+    then drafts, as one engine would."""
+    path, prompt = default_model_path(), _prompt(4096, 50)  # 12 full pages and a 2-row tail
+    colocated = LLM(path, **BASE, num_speculative_tokens=2, **options)
+    want = colocated.generate([prompt], GREEDY)[0]
+    prefill = LLM(path, **BASE, num_speculative_tokens=2)
+    rows = []
+    prefill.engine.tap_layers("p", len(prompt), 0, rows.append)
+    run = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=GREEDY.logprobs)
+    prefill.engine.add_request("p", prompt, run)  # as the prefill worker runs it (the pass after the first token)
+    outs = [out for _ in range(8) if prefill.engine.has_unfinished_requests() for out in prefill.engine.step()]
+    first = FirstToken(outs[-1].token_ids[0], outs[-1].logprobs[0])
+    mtp_layer = prefill.engine.model_config.num_hidden_layers
+    tails = [d for d in rows if d.tail]
+    assert [d.layer for d in tails][-1] == mtp_layer and {d.tail for d in tails} == {(len(prompt) - 1) % PAGE + 1}
+    num_kinds = len(prefill.engine.kv.page_tensors())
+    by_kind = {k: r[0] for d in tails for k, r in zip(d.kinds, d.ready())}
+    assert sorted(by_kind) == list(range(num_kinds))
+    pages = prefill.engine.kv.export_prefix(prompt)
+    decode = LLM(path, **BASE, **DECODE, num_speculative_tokens=2, **options)
+    decode.engine.kv.import_prefix(pages, prompts=[prompt], tails=[[by_kind[k] for k in range(num_kinds)]])
+    got = _generate_from(decode.engine, prompt, GREEDY, first)
+    assert got.num_cached_tokens == len(prompt)  # the first token alone was computed
+    assert got.metrics["spec_decode_num_drafts"] > 0
+    assert_same_greedy([want], [got], logprob_tolerance(colocated, extra_layers=1))
+    decode.engine.check_integrity()
+
+
 def test_pages_the_decode_side_holds_are_not_sent_again(glm_ckpt):
     path, prompt = glm_ckpt[0], _prompt(256)
     prefill = LLM(path, **BASE)

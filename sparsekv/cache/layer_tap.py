@@ -12,7 +12,8 @@ selected (their union, and the last row's), which warm the decode side's device 
 rows of a last chunk computed there would (cache/tiers.py, `TieredKVPool.begin_step`). The kinds
 (indices into the cache's `PageRows` tensors, the order a page's rows are exported in) name what each
 delivery holds; the other kinds (the MTP layer's entries, a selector's page state) are left to the
-page's export once it is named::
+page's export once it is named, except a tail's MTP layer's rows, handed out after the step's MTP
+pass has written them (`after_mtp`)::
 
     chunk [first_position, context_len)     pages completed: first_position // P .. context_len // P - 1
     layer 0 forward -> deliver(0, pages, [latent_0, index_keys_0])
@@ -65,14 +66,16 @@ class LayerTaps:
 
     def __init__(self, tensors: list[tuple[torch.Tensor, int]], layer_tensors: dict[int, list[torch.Tensor]],
                  page_size: int, slots_of: Callable[[list[int], int], torch.Tensor], flush: Callable[[], None],
-                 full_layers: frozenset[int] = frozenset()):
+                 full_layers: frozenset[int] = frozenset(), mtp_tensors: dict[int, list[torch.Tensor]] | None = None):
         position = {id(t): j for j, (t, per_row) in enumerate(tensors) if per_row == 1}
         self.layer_kinds = {l: [position[id(t)] for t in ts if id(t) in position] for l, ts in layer_tensors.items()}
+        self.mtp_kinds = {l: [position[id(t)] for t in ts if id(t) in position] for l, ts in (mtp_tensors or {}).items()}
         self.tensors = [t for t, _ in tensors]
         self.page_size, self.slots_of, self.flush, self.full_layers = page_size, slots_of, flush, full_layers
         self._taps: dict[str, _Tap] = {}
         self._tails: dict[str, int] = {}  # this step's tails: request -> the tail's first position
         self._selected: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (request, layer) -> its tail's
+        self._mtp_tails: list = []  # this step's tails, whose MTP layer's rows its MTP pass writes (`after_mtp`)
 
     @property
     def kinds(self) -> list[int]:
@@ -81,8 +84,9 @@ class LayerTaps:
 
     @property
     def every_kind(self) -> bool:
-        """Whether the layers hand out every kind of a page's rows (no MTP layer, no selector page state)."""
-        return len(self.kinds) == len(self.tensors)
+        """Whether a tail's rows come in every kind: the layers' and the MTP pass's (no selector page state)."""
+        mtp = {j for kinds in self.mtp_kinds.values() for j in kinds}
+        return len(set(self.kinds) | mtp) == len(self.tensors)
 
     def add(self, request_id: str, num_pages: int, skip: int, deliver: Callable[[LayerRows], None],
             tail: int = 0) -> None:
@@ -102,6 +106,7 @@ class LayerTaps:
         work = []
         self._tails.clear()
         self._selected.clear()
+        self._mtp_tails.clear()
         for ch in chunks:
             tap = self._taps.get(ch.request_id)
             if tap is None:
@@ -116,6 +121,7 @@ class LayerTaps:
             if tap.tail and ch.context_len >= tail_end and ch.first_position < tail_end:
                 page = ch.page_ids[tap.num_pages:tap.num_pages + 1]
                 work.append((tap, ch.request_id, tap.num_pages, 1, tap.tail, self.slots_of(page, tap.tail)))
+                self._mtp_tails.append(work[-1])
                 self._tails[ch.request_id] = tap.num_pages * self.page_size
                 tap.tail = 0
         if not work:
@@ -137,9 +143,17 @@ class LayerTaps:
         union = torch.unique(rows[rows <= positions[:, None]])  # an early row's selection past itself is padding
         self._selected[(seq.request_id, layer)] = (union.to("cpu", torch.int64), rows[-1].to("cpu", torch.int64))
 
-    def _after_layer(self, layer: int, work: list) -> None:
-        kinds = self.layer_kinds.get(layer, [])
-        if not kinds:
+    def after_mtp(self) -> None:
+        """After the step's MTP pass (its extend, which writes the MTP layer's entries of the rows whose
+        next token is known: a tail's, the last with the token sampled here): hand out the tails'
+        rows of the MTP layer."""
+        work, self._mtp_tails = self._mtp_tails, []
+        for layer in self.mtp_kinds:
+            self._after_layer(layer, work, self.mtp_kinds)
+
+    def _after_layer(self, layer: int, work: list, layer_kinds: dict | None = None) -> None:
+        kinds = (self.layer_kinds if layer_kinds is None else layer_kinds).get(layer, [])
+        if not kinds or not work:
             return
         self.flush()
         for tap, request_id, first, count, tail, slots in work:

@@ -7,9 +7,10 @@ kept as the batch comes (`engine.kv.import_prefix`), in pool pages (with `--kv-t
 are rows of the host store the request decodes from), or in the prefix cache's host tier when the
 pool has no room; a room that fails forgets them again. The request then runs as a prefix hit, from
 the first token the prefill worker sampled (`first_token`): with the last page's rows (a tail) it
-computes that token alone, else the page holding the prompt's last token too (the positions those
-rows select also fill its device working set). With MTP drafting on the prefill side a first token
-comes only for greedy choices; otherwise it samples the first token itself.
+computes that token alone (with `--kv-tiering` the positions the tail's rows selected on the prefill
+side fill its device working set first), else the page holding the prompt's last token too (the
+positions those rows select fill it). With MTP drafting on the prefill side a first token and a tail
+come only for greedy choices; otherwise it samples the first token itself.
 """
 from __future__ import annotations
 

@@ -15,12 +15,13 @@ UNCLAIMED_MAX_BYTES = 256 << 20  # rows kept for a room no decode worker claimed
 class LayerFeed:
     """A room's rows handed out layer by layer on the engine's thread (cache/layer_tap.py), queued for
     the event loop, which sends them once the room is claimed. `tapped`: the (prompt, page) pairs
-    whose layer rows were taken. Before the claim at most `unclaimed_max_bytes` are kept: past that
-    (a decode worker slow to claim a long prompt) every row is dropped, and the room's pages go
-    whole, by name, as they would without a feed."""
+    whose layer rows were taken; a prompt's tail is dropped unless `tails`. Before the claim at most
+    `unclaimed_max_bytes` are kept: past that (a decode worker slow to claim a long prompt) every row
+    is dropped, and the room's pages go whole, by name, as they would without a feed."""
 
-    def __init__(self, loop, num_kinds: int, unclaimed_max_bytes: int = UNCLAIMED_MAX_BYTES):
+    def __init__(self, loop, num_kinds: int, unclaimed_max_bytes: int = UNCLAIMED_MAX_BYTES, tails: bool = True):
         self.loop, self.num_kinds, self.unclaimed_max_bytes = loop, num_kinds, unclaimed_max_bytes
+        self.tails = tails  # whether a prompt's tail goes (only with the first tokens)
         self.items: collections.deque = collections.deque()
         self.wake = asyncio.Event()
         self.tapped: set[tuple[int, int]] = set()
@@ -42,7 +43,7 @@ class LayerFeed:
 
     def _keep(self, prompt: int, rows) -> bool:
         with self.lock:
-            if self.dropped:
+            if self.dropped or (rows.tail and not self.tails):
                 return False
             if not self.claimed:
                 self.unclaimed_bytes += sum(r.numel() * r.element_size() for r in rows.rows)

@@ -7,8 +7,8 @@ starts each choice from its first token (`first_token`). A choice's prompt pages
 the other choices of a prompt hit them and compute its last page again. With MTP drafting it runs each
 prompt once, greedily, for three tokens instead: a page is named once the MTP layer's entries for it
 exist, which the MTP pass after the first token writes for the prompt's last page; that run's first
-token is sent only when every choice would sample it (`plain_greedy`), else the decode worker samples
-the first token itself. Pages go in batches as they are named (`_stream`), the last
+token is sent only when every choice would sample it (`plain_greedy`), with the tail, else the decode
+worker samples the first token itself. Pages go in batches as they are named (`_stream`), the last
 after the prefill. It answers with that short completion, plus the transfer's figures in the
 `sparsekv` extension.
 """
@@ -64,7 +64,7 @@ class PrefillWorker(Worker):
         ended: list[float] = []  # when the prefill ended
         prefill.add_done_callback(lambda _: ended.append(time.monotonic()))
         try:
-            figures = await self._transfer(request, room, job, prompts, prefill, ended, tapped)
+            figures = await self._transfer(request, room, job, prompts, prefill, ended, tapped, sends_first)
         except TransferError as e:
             raise self.failed(room, e) from None
         finally:
@@ -113,12 +113,13 @@ class PrefillWorker(Worker):
         return response, group, [first_token_of(states[i // n].out, sub.params) for i, sub in enumerate(job.subs)]
 
     async def _transfer(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
-                        request_ids: list[str]) -> dict | None:
+                        request_ids: list[str], sends_first: bool) -> dict | None:
         """The room's pages to the decode worker that claims it, streamed while the prefill runs
-        (`_stream`). Returns the transfer's figures, or None when the prefill failed (the decode worker
-        is told; the caller answers the prefill's own error)."""
+        (`_stream`), with each prompt's tail when the choices' first tokens go too (`sends_first`).
+        Returns the transfer's figures, or None when the prefill failed (the decode worker is told;
+        the caller answers the prefill's own error)."""
         self.rooms[room] = "claim"
-        feed = await self._tap(request_ids, prompts)  # NOTE: before the claim: the first step may start before it
+        feed = await self._tap(request_ids, prompts, sends_first)  # NOTE: before the claim: the first step may start before it
         try:
             return await self._claim_and_send(request, room, job, prompts, prefill, ended, feed)
         finally:
@@ -265,14 +266,14 @@ class PrefillWorker(Worker):
                 _check_verdict(await self.blocking(out.link.get, "done"), meta, self.settings.secret)
             raise
 
-    async def _tap(self, request_ids: list[str], prompts: list[list[int]]) -> LayerFeed | None:
+    async def _tap(self, request_ids: list[str], prompts: list[list[int]], tails: bool) -> LayerFeed | None:
         """Have the engine hand each prompt's pages out layer by layer as its steps compute them, queued
         until the claim says which the decode worker holds (None: chunk-by-chunk or one-look mode). On
         a data-parallel engine, another rank's rows come through rank 0 (parallel/dp_taps.py)."""
         engine = self.state.engine
         if not self.layer_by_layer or self.stream_poll_s is None:
             return None
-        feed = LayerFeed(asyncio.get_running_loop(), len(engine.kv.page_tensors()))
+        feed = LayerFeed(asyncio.get_running_loop(), len(engine.kv.page_tensors()), tails=tails)
 
         def tap():  # NOTE: with the weights they are computed under (read together, between two steps)
             for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
