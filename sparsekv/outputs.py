@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .sampling_params import InvalidRequest
 
 
@@ -43,8 +45,9 @@ class FirstToken:
     routed_experts: list[list[int]] | None = None
     weights_version: int | None = None  # the engine's weights it was sampled under; None: the current ones
     # per full layer, (layer, the distinct positions the prompt's tail rows selected, ascending, the last
-    # row's selection): a tiered engine places them in the request's working set before its first decode
-    warm: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+    # row's selection; int sequences, numpy arrays from a decode worker): a tiered engine places them in
+    # the request's working set before its first decode
+    warm: tuple = ()
 
 
 def check_warm(warm, full_layers: list[int], top_k: int, num_prompt_tokens: int) -> None:
@@ -55,10 +58,16 @@ def check_warm(warm, full_layers: list[int], top_k: int, num_prompt_tokens: int)
         raise InvalidRequest(f"a first token's warm selections name layers {layers}, not distinct full layers "
                              f"of {full_layers}", "first_token")
     for layer, union, last in warm:
-        inside = all(type(p) is int and 0 <= p < num_prompt_tokens for p in (*union, *last))
-        if not (inside and all(a < b for a, b in zip(union, union[1:])) and len(set(last)) == len(last) <= top_k):
+        if not (_positions(union, num_prompt_tokens) and _positions(last, num_prompt_tokens)
+                and bool(np.all(np.diff(np.asarray(union)) > 0)) and np.unique(np.asarray(last)).size == len(last) <= top_k):
             raise InvalidRequest(f"layer {layer}'s warm selections are not distinct positions of the prompt's "
                                  f"{num_prompt_tokens} (at most {top_k} for its last row)", "first_token")
+
+
+def _positions(values, num_tokens: int) -> bool:
+    """Whether `values` are integers in [0, num_tokens), one-dimensional."""
+    a = np.asarray(values)
+    return a.ndim == 1 and (a.size == 0 or (a.dtype.kind in "iu" and int(a.min()) >= 0 and int(a.max()) < num_tokens))
 
 
 def token_counts(req) -> dict[str, int]:

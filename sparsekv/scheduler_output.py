@@ -24,7 +24,7 @@ class ScheduledChunk:
     num_draft_tokens: int = 0  # speculative tokens at the chunk's end (verified, not sampled from)
     # a request's first chunk after a disaggregated prefill: per full layer, (layer, the distinct
     # positions its prompt's tail rows selected, its last row's selection), to warm a tiered cache
-    warm: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+    warm: tuple = field(default=(), compare=False)
     request: Request | None = field(default=None, compare=False)
 
     @property

@@ -163,7 +163,8 @@ def test_a_tails_selections_come_with_its_rows_or_fail_the_room():
     meta, tensors = _tail(0, 2, 3, [0])
     meta["layer_rows"]["selected"] = [3]
     inbox._keep_layer_rows(meta, tensors + [union, last], at_once)
-    assert inbox.warm(0) == ((3, (1, 4, 6), (6, 1)),) and inbox.warm(1) == ()
+    assert [(layer, u.tolist(), r.tolist()) for layer, u, r in inbox.warm(0)] == [(3, [1, 4, 6], [6, 1])]
+    assert inbox.warm(1) == ()
     for target, bad in ((inbox, [union, last]), (_inbox(), [union.float(), last]), (_inbox(), [union[None], last])):
         meta, tensors = _tail(0, 2, 3, [1])  # layer 3's again; floats; 2-D
         meta["layer_rows"]["selected"] = [3]

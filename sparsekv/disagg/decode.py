@@ -312,7 +312,7 @@ class Inbox:
             if layer in kept or union.dtype != torch.int64 or last.dtype != torch.int64 or union.dim() != 1 \
                     or last.dim() != 1:
                 raise TransferError(f"prompt {prompt}'s tail selections of layer {layer} came twice or malformed")
-            kept[layer] = (tuple(union.tolist()), tuple(last.tolist()))
+            kept[layer] = (union.numpy().copy(), last.numpy().copy())
 
     def warm(self, prompt: int) -> tuple:
         """FirstToken.warm for the choices of `prompt`: its tail's selections by layer."""
