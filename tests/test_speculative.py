@@ -469,18 +469,17 @@ def test_device_budget_counts_the_mtp_layer(model):
 def test_batched_selection_of_drafting_decodes_equals_per_request(model, tiering, monkeypatch):
     """Verification rows (the newest token and its drafts) join the accelerator's batched decode
     selection; forced on here, drafting gives the same tokens, logprobs and drafts bit for bit."""
-    from sparsekv.model.indexer import LightningIndexer
     from sparsekv.model.selectors import DSASelector
     prompts = [LONG[0], PROMPTS[0], LONG[1]]
     options = dict(OPTIONS, prefill_chunk_tokens=64, max_num_batched_tokens=72, num_speculative_tokens=2,
                    kv_tiering=tiering)
     ref = LLM(model, **options).generate(prompts, GREEDY)
-    shapes, real = [], LightningIndexer.select_decode_batch
+    shapes, real = [], DSASelector.select_group
 
-    def spy(self, q, weights, keys, positions, k, major=False):
-        shapes.append(tuple(q.shape[:2]))
-        return real(self, q, weights, keys, positions, k, major)
-    monkeypatch.setattr(LightningIndexer, "select_decode_batch", spy)
+    def spy(self, layer, seqs, state, q, positions, k, cache, major):
+        shapes.append(tuple(state[0].shape[:2]))
+        return real(self, layer, seqs, state, q, positions, k, cache, major)
+    monkeypatch.setattr(DSASelector, "select_group", spy)
     monkeypatch.setattr(DSASelector, "batch_decode", True)
     outs = LLM(model, **options).generate(prompts, GREEDY)
     for a, b in zip(ref, outs, strict=True):

@@ -443,17 +443,16 @@ def test_batched_decode_selection_equals_per_request(ckpt, options, keys_major_f
     at 45 keys the prompts of 39 and 23 tokens cross it while decoding and the one of 60 starts past it,
     so steps batch both scoring layouts (never mixed in one batch)."""
     from sparsekv.model import indexer
-    from sparsekv.model.indexer import LightningIndexer
     from sparsekv.model.selectors import DSASelector
     if keys_major_from is not None:
         monkeypatch.setattr(indexer, "DECODE_KEYS_MAJOR_MIN_KEYS_CPU", keys_major_from)
     reference, _ = generate(ckpt["glm_moe_dsa"], **options)
-    calls, real = [], LightningIndexer.select_decode_batch
+    calls, real = [], DSASelector.select_group
 
-    def spy(self, q, weights, keys, lengths, k, major=False):
-        calls.append((q.shape[0], major))
-        return real(self, q, weights, keys, lengths, k, major)
-    monkeypatch.setattr(LightningIndexer, "select_decode_batch", spy)
+    def spy(self, layer, seqs, state, q, positions, k, cache, major):
+        calls.append((len(seqs), major))
+        return real(self, layer, seqs, state, q, positions, k, cache, major)
+    monkeypatch.setattr(DSASelector, "select_group", spy)
     monkeypatch.setattr(DSASelector, "batch_decode", True)
     outs, _ = generate(ckpt["glm_moe_dsa"], **options)
     assert_same(reference, outs)

@@ -6,7 +6,7 @@ import torch
 
 from ..context import SeqSlice
 from ..model.indexer import gather_rows
-from .pool import history_segments, padded_slots
+from .pool import history_pages, history_segments, padded_slots, paged_keys
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -55,6 +55,17 @@ class IndexKeyCache:
             return raw
         scales = self.scales[layer].index_select(0, slots.reshape(-1)).view(slots.shape)
         return (raw.view(torch.float8_e4m3fn).float() * scales[..., None]).to(self.dtype)
+
+    def pages(self, layer: int, seqs: list[SeqSlice], page_size: int) -> tuple[torch.Tensor, list[int] | None, list[int]]:
+        """Several requests' keys by page (model/indexer.py: paged_keys; fp8 pages gathered and
+        dequantised), and how many pages each."""
+        if not self.fp8:
+            return paged_keys(self.keys[layer], seqs, page_size)
+        pages, counts = history_pages(seqs, page_size), [-(-s.context_len // page_size) for s in seqs]
+        dim = self.keys[layer].shape[1]
+        raw = self.keys[layer].view(-1, page_size * dim).index_select(0, pages).view(-1, page_size, dim)
+        scales = self.scales[layer].view(-1, page_size).index_select(0, pages)
+        return (raw.view(torch.float8_e4m3fn).float() * scales[..., None]).to(self.dtype), None, counts
 
     def _dequantise(self, layer: int, seq: SeqSlice, positions, raw: torch.Tensor) -> torch.Tensor:
         slots = seq.slots[positions:positions + raw.shape[0]] if isinstance(positions, int) else seq.slots[positions]

@@ -55,6 +55,41 @@ def padded_slots(seqs: list[SeqSlice], length: int | None = None) -> torch.Tenso
     return flat[padded_rows(lengths, length or max(lengths), flat.device)]
 
 
+def paged_keys(table: torch.Tensor, seqs: list[SeqSlice], page_size: int) -> tuple[torch.Tensor, list[int] | None, list[int]]:
+    """Several requests' rows of a slot-indexed `table` by page ([m, page_size, D]), for scoring page by
+    page (model/indexer.py: select_decode_pages): where each (request, page) pair's page is among
+    them (a list; None: the i-th pair is the i-th), and how many pages each request has. On a CPU, when the
+    pages are distinct and fill at least half of the pool span they cover, that span itself (a view:
+    no row is copied); else the pages gathered. Worked out from the requests' runs, on the host."""
+    counts = [-(-s.context_len // page_size) for s in seqs]
+    runs = [(slot // page_size, -(-length // page_size)) for s in seqs for _, slot, length in s.runs]
+    dim = table.shape[1]
+    if table.device.type == "cpu" and sum(n for _, n in runs) == sum(counts):
+        lo, hi = min(f for f, _ in runs), max(f + n for f, n in runs)
+        span = table[lo * page_size:hi * page_size].view(hi - lo, page_size, dim)
+        if len(seqs) == 1 and all(f + n == nxt for (f, n), (nxt, _) in zip(runs, runs[1:])):
+            return span, None, counts  # one request's pages in order: the span is its history
+        ordered = sorted(runs)
+        if hi - lo <= 2 * sum(counts) and all(f + n <= nxt for (f, n), (nxt, _) in zip(ordered, ordered[1:])):
+            return span, [f - lo + i for f, n in runs for i in range(n)], counts
+    pages = history_pages(seqs, page_size)
+    return table.view(-1, page_size * dim).index_select(0, pages).view(-1, page_size, dim), None, counts
+
+
+def history_pages(seqs: list[SeqSlice], page_size: int) -> torch.Tensor:
+    """The pages holding each request's history, in order, concatenated (page ids): the slots of each
+    history's page-aligned positions, in a fixed number of ops however many requests."""
+    counts = [-(-s.context_len // page_size) for s in seqs]
+    if len(seqs) == 1:
+        return seqs[0].slots[::page_size] // page_size
+    flat = torch.cat([s.slots for s in seqs])
+    device, per = flat.device, index_tensor(counts, flat.device)
+    history = torch.repeat_interleave(index_tensor([0, *accumulate(s.context_len for s in seqs[:-1])], device), per)
+    first = torch.repeat_interleave(index_tensor([0, *accumulate(counts[:-1])], device), per)
+    page = torch.arange(sum(counts), device=device) - first  # each pair's page index within its request
+    return flat.index_select(0, history + page * page_size) // page_size
+
+
 def distinct_positions(flat: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The distinct positions among `flat` (ascending) and each pick's index among them, through a mask
     over the history instead of a sort (torch.unique's sort is the slow part on a CPU)."""
@@ -157,6 +192,11 @@ class KVPool:
         slots: a CPU runs it several times faster than the same [B, T_max] advanced index), into
         `scratch`'s kept buffer when given (model/indexer.py: gather_rows)."""
         return gather_rows(self.index_keys[layer], padded_slots(seqs), scratch)
+
+    def index_key_pages(self, layer: int, seqs: list[SeqSlice]) -> tuple[torch.Tensor, list[int] | None, list[int]]:
+        """Indexer keys of several requests' histories by page (model/indexer.py: paged_keys), and how
+        many pages each."""
+        return paged_keys(self.index_keys[layer], seqs, self.page_size)
 
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim]: only k entries are read."""

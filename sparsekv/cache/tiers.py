@@ -213,6 +213,9 @@ class TieredKVPool:
     def index_keys_batch(self, layer: int, seqs: list[SeqSlice], scratch=None) -> torch.Tensor:
         return self.index.padded(layer, seqs, scratch)
 
+    def index_key_pages(self, layer: int, seqs: list[SeqSlice]):
+        return self.index.pages(layer, seqs, self.page_size)
+
     def _step_of(self, layer: int) -> _StepState:
         return self._mtp_step if layer in self.mtp_layers else self._step
 

@@ -162,10 +162,11 @@ class MLAttention:
 
     def _select_alone(self, seq: SeqSlice, q: torch.Tensor, index_q, ctx: ForwardContext, cache) -> torch.Tensor:
         if seq.token_start == 0 and seq.token_end == q.shape[0]:  # the step's only rows: nothing to cut
-            return self.selector.select(self.layer_idx, seq, index_q, q, ctx.positions, self.cfg.index_topk, cache)
+            return self.selector.select_decode(self.layer_idx, seq, index_q, q, ctx.positions, self.cfg.index_topk,
+                                               cache)
         rows = slice(seq.token_start, seq.token_end)
-        return self.selector.select(self.layer_idx, seq, self.selector.rows(index_q, rows), q[rows],
-                                    ctx.positions[rows], self.cfg.index_topk, cache)
+        return self.selector.select_decode(self.layer_idx, seq, self.selector.rows(index_q, rows), q[rows],
+                                           ctx.positions[rows], self.cfg.index_topk, cache)
 
     def _select_group(self, group: list[SeqSlice], q: torch.Tensor, index_q, ctx: ForwardContext, cache,
                       major: bool) -> torch.Tensor:
@@ -190,8 +191,8 @@ class MLAttention:
     def _select(self, seq: SeqSlice, q: torch.Tensor, positions: torch.Tensor, index_q, ctx, cache) -> torch.Tensor:
         """This layer's selection for the request: its own (full layer) or its group's (shared layer)."""
         if self.selector is not None and not ctx.draft_step:
-            ctx.selection[seq.request_id] = self.selector.select(self.layer_idx, seq, index_q, q, positions,
-                                                                 self.cfg.index_topk, cache)
+            select = self.selector.select_decode if seq.num_new_tokens <= ctx.decode_rows else self.selector.select
+            ctx.selection[seq.request_id] = select(self.layer_idx, seq, index_q, q, positions, self.cfg.index_topk, cache)
         selected = ctx.selection.get(seq.request_id)
         if selected is None:
             raise RuntimeError(f"layer {self.layer_idx} is 'shared' but no earlier full layer selected tokens")

@@ -8,11 +8,13 @@ assembly (model.py); the selector interface around it is selectors.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..context import index_tensor
 from ..kernels.attention import causal_mask_scores, fill_blocks, query_block_size, select_topk
 from .layers import layer_norm, rotate
 
@@ -127,6 +129,19 @@ def gather_rows(table: torch.Tensor, slots: torch.Tensor, scratch: ScoreScratch 
     return torch.index_select(table, 0, flat, out=out).view(*slots.shape, -1)
 
 
+def at_owners(counts: list[int], at, rows: int, device: torch.device) -> torch.Tensor:
+    """Which request owns each of `rows` key pages (`paged_keys`' result): the pairs' requests in
+    order, placed at `at` (None: row i is pair i). A page of the span no request owns is scored with
+    the first request's query, and its scores are never read."""
+    owners = [i for i, n in enumerate(counts) for _ in range(n)]
+    if at is None:
+        return index_tensor(owners, device)
+    placed = [0] * rows
+    for row, owner in zip(at, owners):
+        placed[row] = owner
+    return index_tensor(placed, device)
+
+
 @dataclass
 class IndexerWeights:
     wq_b: torch.Tensor          # [H_I * D_I, q_lora]
@@ -224,6 +239,39 @@ class LightningIndexer:
             scores = torch.bmm(w.view(b * r, 1, h), s.view(b * r, h, -1)).view(b, r, -1)       # [B, R, T]
         later = torch.arange(keys.shape[1], device=keys.device)[None, None, :] > positions[:, :, None]
         return select_topk(scores.masked_fill_(later, float("-inf")).view(b * r, -1), k).view(b, r, k)
+
+    def select_decode_pages(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, at, counts: list[int],
+                            lengths: list[int], positions: torch.Tensor, k: int) -> torch.Tensor:
+        """Sorted top-k positions [B, R, k] of the decode rows of B requests, each scored page by page:
+        one [R x H, D] x [D, page] GEMM per (request, page) pair, the same bits for a request alone
+        or in any batch. q [B, R, H, D], weights [B, R, H], positions [B, R] (each >= k); `keys`,
+        `at`, `counts`: the requests' pages in order (cache `index_key_pages`); `lengths`: their
+        histories (context lengths)."""
+        b, r, h, d = q.shape
+        m, page = keys.shape[0], keys.shape[1]
+        qs, ws = q.float().reshape(b, r * h, d), (weights * self.head_dim ** -0.5).reshape(b, r, h)
+        if b == 1 and at is None:  # one request's pages, in order: its query for each
+            qs, ws = qs.expand(m, r * h, d), ws.expand(m, r, h)
+        else:
+            owner = at_owners(counts, at, m, q.device)
+            qs, ws = qs.index_select(0, owner), ws.index_select(0, owner)
+        s = torch.bmm(qs, keys.float().transpose(1, 2)).relu_()                               # [m, R*H, page]
+        scores = torch.bmm(ws.reshape(m * r, 1, h), s.view(m * r, h, page)).view(m, r, page)   # [m, R, page]
+        if at is not None:
+            scores = scores.index_select(0, index_tensor(at, q.device))                       # [pairs, R, page]
+        flat = scores.view(1, -1) if r == 1 else scores.transpose(0, 1).reshape(r, -1)         # [R, pairs * page]
+        if b == 1:
+            padded = flat[:, :lengths[0]]                                                      # [R, T]
+        else:
+            longest = max(lengths)
+            starts = index_tensor([0, *accumulate(n * page for n in counts[:-1])], q.device)
+            last = index_tensor(lengths, q.device) - 1
+            cols = starts[:, None] + torch.minimum(torch.arange(longest, device=q.device)[None, :], last[:, None])
+            padded = flat.index_select(1, cols.view(-1)).view(r, b, longest).transpose(0, 1)  # [B, R, T]
+        if r > 1 or b > 1:  # a row past which keys are padding or later drafts
+            later = torch.arange(padded.shape[-1], device=q.device)[None, :] > positions.view(b * r, 1)
+            padded = padded.reshape(b * r, -1).masked_fill(later, float("-inf"))
+        return select_topk(padded, k).view(b, r, k)
 
     def select(self, q, weights, segments, query_positions, k: int) -> torch.Tensor:
         """Sorted top-k positions [S, k] for each query; peak memory O(block x T), never T x T.

@@ -20,6 +20,7 @@ import torch
 from ..config import ModelConfig
 from ..context import index_tensor
 from ..kernels.attention import causal_mask_scores, fill_blocks, query_block_size, select_topk
+from .indexer import keys_major
 
 
 class TokenSelector:
@@ -36,6 +37,12 @@ class TokenSelector:
 
     def select(self, layer: int, seq, state, q: torch.Tensor, positions: torch.Tensor, k: int, cache) -> torch.Tensor:
         raise NotImplementedError
+
+    def select_decode(self, layer: int, seq, state, q: torch.Tensor, positions: torch.Tensor, k: int,
+                      cache) -> torch.Tensor:
+        """`select` of one decode's rows (1 + drafts, each seeing more than k keys), scored as
+        `select_group` scores them, so a decode selects the same alone or batched."""
+        return self.select(layer, seq, state, q, positions, k, cache)
 
     def forget(self, request_id: str) -> None:
         """The request finished: drop anything kept for it."""
@@ -90,7 +97,18 @@ class DSASelector(TokenSelector):
     def select(self, layer, seq, state, q, positions, k, cache):
         return self.indexer.select(*state, cache.index_key_segments(layer, seq), positions, k)
 
+    def select_decode(self, layer, seq, state, q, positions, k, cache):
+        if seq.first_new_position < k or keys_major(q.device, seq.num_new_tokens, seq.context_len):
+            return self.select(layer, seq, state, q, positions, k, cache)  # as no group scores them
+        index_q, weights = state
+        return self.select_group(layer, [seq], (index_q[None], weights[None]), q, positions[None], k, cache, False)[0]
+
     def select_group(self, layer, seqs, state, q, positions, k, cache, major):
+        """Keys-major groups over their padded key histories (gathered); the others page by page
+        (`LightningIndexer.select_decode_pages`: in place on a CPU when the pages allow)."""
+        if not major:
+            keys, at, counts = cache.index_key_pages(layer, seqs)
+            return self.indexer.select_decode_pages(*state, keys, at, counts, [s.context_len for s in seqs], positions, k)
         keys = cache.index_keys_batch(layer, seqs, self.indexer.scratch)  # valid until the next gather
         return self.indexer.select_decode_batch(*state, keys, positions, k, major)
 
@@ -270,7 +288,8 @@ def use_selector(model, selector: TokenSelector) -> None:
 class ObservedSelector:
     """Passes every call to `inner` and reports each selection to `observe(layer, seq, positions,
     selected)` (the evals and benchmarks that look at what was selected). Decode rows are never
-    batched, so that every selection goes through `select` (the batched path selects the same sets)."""
+    batched, so that every selection goes through `select` or `select_decode` (the batched path selects
+    the same sets)."""
 
     def __init__(self, inner: TokenSelector, observe):
         self.inner, self.observe, self.name = inner, observe, inner.name
@@ -283,6 +302,11 @@ class ObservedSelector:
 
     def select(self, layer, seq, state, q, positions, k, cache):
         out = self.inner.select(layer, seq, state, q, positions, k, cache)
+        self.observe(layer, seq, positions, out)
+        return out
+
+    def select_decode(self, layer, seq, state, q, positions, k, cache):
+        out = self.inner.select_decode(layer, seq, state, q, positions, k, cache)
         self.observe(layer, seq, positions, out)
         return out
 
