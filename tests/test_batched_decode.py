@@ -274,3 +274,52 @@ def test_groups_pad_each_history_at_most_twice_beyond_the_pad_free_length():
     assert all(b[-1].context_len <= max(2 * b[0].context_len, GROUP_PAD_FREE_KEYS) for b in buckets)
     many = length_buckets([SimpleNamespace(context_len=1000 + i) for i in range(256)])
     assert len(many) == 1
+
+
+def _seq(name: str, pages: list[int], length: int, page: int):
+    """A SeqSlice of one decode row whose history of `length` tokens lies in `pages` (its runs as the
+    runner makes them: consecutive pages merged)."""
+    from sparsekv.context import SeqSlice
+    slots = torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages])[:length]
+    runs = []
+    for i, p in enumerate(pages):
+        if runs and runs[-1][1] + runs[-1][2] == p * page:
+            runs[-1][2] += page
+        else:
+            runs.append([i * page, p * page, page])
+    runs[-1][2] -= len(pages) * page - length
+    return SeqSlice(name, 0, 1, length, slots, runs=tuple(tuple(r) for r in runs))
+
+
+@pytest.mark.parametrize("layout", ["in-order", "interleaved", "shared-page", "sparse-span"])
+def test_decode_selection_is_the_same_alone_and_batched_whatever_the_pages(layout):
+    """Decode rows are scored page by page (`select_decode_pages`): in place over the pool span when
+    the pages are distinct and fill half of it, else gathered. Every (request, page) pair scores its
+    own page's keys either way, and a request selects the same positions, bit for bit, alone and in
+    the batch."""
+    from sparsekv.cache.pool import paged_keys
+    from sparsekv.model.indexer import LightningIndexer
+    page, dim, heads, k = 4, 16, 4, 8
+    table = torch.randn(64 * page, dim, generator=torch.Generator().manual_seed(0))
+    pages = {"in-order": [[0, 1, 2], [3, 4, 5, 6], [7, 8]], "interleaved": [[0, 3, 6], [1, 4, 7, 9], [2, 5]],
+             "shared-page": [[0, 1, 2], [0, 1, 3, 4], [5, 6]], "sparse-span": [[0, 20, 2], [40, 4, 5, 6], [60, 8]]}[layout]
+    lengths = [11, 15, 8]
+    seqs = [_seq(f"r{i}", p, n, page) for i, (p, n) in enumerate(zip(pages, lengths))]
+    keys, at, counts = paged_keys(table, seqs, page)
+    in_place = layout in ("in-order", "interleaved")  # distinct pages filling their span: read where they are
+    assert counts == [3, 4, 2] and (at is not None) == in_place
+    assert (keys.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()) == in_place
+    pairs = [p for ps in pages for p in ps]
+    for i, p in enumerate(pairs):  # the pair's page, wherever it is among the keys
+        assert torch.equal(keys[at[i] if at is not None else i], table[p * page:(p + 1) * page])
+    indexer = LightningIndexer.__new__(LightningIndexer)  # select_decode_pages needs its head sizes only
+    indexer.head_dim, indexer.n_heads = dim, heads
+    g = torch.Generator().manual_seed(1)
+    q, w = torch.randn(3, 1, heads, dim, generator=g), torch.randn(3, 1, heads, generator=g)
+    positions = torch.tensor(lengths)[:, None] - 1
+    together = indexer.select_decode_pages(q, w, keys, at, counts, lengths, positions, k)
+    for i, seq in enumerate(seqs):
+        alone = indexer.select_decode_pages(q[i:i + 1], w[i:i + 1], *paged_keys(table, [seq], page), [lengths[i]],
+                                            positions[i:i + 1], k)
+        assert torch.equal(alone, together[i:i + 1]), layout
+        assert bool((alone < lengths[i]).all())
