@@ -2,7 +2,7 @@
 
 I[t,s] = sum_h w_h(x_t) H^-1/2 * ReLU(<q_{t,h}, k_s> D^-1/2), top-k over s <= t. A prefill scores a
 block of queries at a time against tiles of keys (never an L x L tensor); a decode row scores its
-keys once, keys-major past a threshold. `IndexerWeights` and `ScoreScratch` are shared with MLA's
+keys once, page by page (`select_decode_pages`), or keys-major past a threshold. `IndexerWeights` and `ScoreScratch` are shared with MLA's
 assembly (model.py); the selector interface around it is selectors.py.
 """
 from __future__ import annotations

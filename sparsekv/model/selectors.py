@@ -72,9 +72,9 @@ class TokenSelector:
 class DSASelector(TokenSelector):
     """The lightning indexer: keys in the cache pool, queries computed per step.
 
-    `batch_decode`: select a step's decodes in one batched pass per group of similar lengths over
-    padded key histories (`LightningIndexer.select_decode_batch`, groups: model/decode_plan.py), on
-    every device: a fixed number of ops per layer whatever the batch. False: one request at a time.
+    `batch_decode`: select a step's decodes in one batched pass per group of similar lengths
+    (`select_group`, groups: model/decode_plan.py), on every device: a fixed number of ops per layer
+    whatever the batch. False: one request at a time, scored as a group of one (`select_decode`).
     """
 
     name = "dsa"
