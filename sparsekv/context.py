@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 
@@ -111,5 +112,8 @@ def index_tensor(values, device: torch.device) -> torch.Tensor:
     """A small int64 index tensor (from ints, nested lists or a numpy array) on `device`, without
     draining the GPU queue: on an accelerator it goes through pinned memory with non_blocking (a plain
     torch.tensor(..., device=) would wait for every queued kernel)."""
-    t = torch.as_tensor(values, dtype=torch.long)
+    if isinstance(values, np.ndarray) and values.dtype == np.int64:
+        t = torch.from_numpy(values)  # shares the array's memory: no copy, no op dispatched
+    else:
+        t = torch.as_tensor(values, dtype=torch.long)
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)

@@ -2,6 +2,7 @@
 the lightning indexer scores all of them at every step, so they cannot be tiered. Optionally FP8."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..context import SeqSlice
@@ -56,7 +57,7 @@ class IndexKeyCache:
         scales = self.scales[layer].index_select(0, slots.reshape(-1)).view(slots.shape)
         return (raw.view(torch.float8_e4m3fn).float() * scales[..., None]).to(self.dtype)
 
-    def pages(self, layer: int, seqs: list[SeqSlice], page_size: int) -> tuple[torch.Tensor, list[int] | None, list[int]]:
+    def pages(self, layer: int, seqs: list[SeqSlice], page_size: int) -> tuple[torch.Tensor, np.ndarray | None, list[int]]:
         """Several requests' keys by page (model/indexer.py: paged_keys; fp8 pages gathered and
         dequantised), and how many pages each."""
         if not self.fp8:

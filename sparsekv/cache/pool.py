@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from ..config import ModelConfig
@@ -55,10 +56,10 @@ def padded_slots(seqs: list[SeqSlice], length: int | None = None) -> torch.Tenso
     return flat[padded_rows(lengths, length or max(lengths), flat.device)]
 
 
-def paged_keys(table: torch.Tensor, seqs: list[SeqSlice], page_size: int) -> tuple[torch.Tensor, list[int] | None, list[int]]:
+def paged_keys(table: torch.Tensor, seqs: list[SeqSlice], page_size: int) -> tuple[torch.Tensor, np.ndarray | None, list[int]]:
     """Several requests' rows of a slot-indexed `table` by page ([m, page_size, D]), for scoring page by
     page (model/indexer.py: select_decode_pages): where each (request, page) pair's page is among
-    them (a list; None: the i-th pair is the i-th), and how many pages each request has. On a CPU, when the
+    them (None: the i-th pair is the i-th), and how many pages each request has. On a CPU, when the
     pages are distinct and fill at least half of the pool span they cover, that span itself (a view:
     no row is copied); else the pages gathered. Worked out from the requests' runs, on the host."""
     counts = [-(-s.context_len // page_size) for s in seqs]
@@ -71,7 +72,7 @@ def paged_keys(table: torch.Tensor, seqs: list[SeqSlice], page_size: int) -> tup
             return span, None, counts  # one request's pages in order: the span is its history
         ordered = sorted(runs)
         if hi - lo <= 2 * sum(counts) and all(f + n <= nxt for (f, n), (nxt, _) in zip(ordered, ordered[1:])):
-            return span, [f - lo + i for f, n in runs for i in range(n)], counts
+            return span, np.concatenate([np.arange(f - lo, f - lo + n) for f, n in runs]), counts
     pages = history_pages(seqs, page_size)
     return table.view(-1, page_size * dim).index_select(0, pages).view(-1, page_size, dim), None, counts
 
@@ -193,7 +194,7 @@ class KVPool:
         `scratch`'s kept buffer when given (model/indexer.py: gather_rows)."""
         return gather_rows(self.index_keys[layer], padded_slots(seqs), scratch)
 
-    def index_key_pages(self, layer: int, seqs: list[SeqSlice]) -> tuple[torch.Tensor, list[int] | None, list[int]]:
+    def index_key_pages(self, layer: int, seqs: list[SeqSlice]) -> tuple[torch.Tensor, np.ndarray | None, list[int]]:
         """Indexer keys of several requests' histories by page (model/indexer.py: paged_keys), and how
         many pages each."""
         return paged_keys(self.index_keys[layer], seqs, self.page_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -133,12 +134,11 @@ def at_owners(counts: list[int], at, rows: int, device: torch.device) -> torch.T
     """Which request owns each of `rows` key pages (`paged_keys`' result): the pairs' requests in
     order, placed at `at` (None: row i is pair i). A page of the span no request owns is scored with
     the first request's query, and its scores are never read."""
-    owners = [i for i, n in enumerate(counts) for _ in range(n)]
+    owners = np.repeat(np.arange(len(counts)), counts)
     if at is None:
         return index_tensor(owners, device)
-    placed = [0] * rows
-    for row, owner in zip(at, owners):
-        placed[row] = owner
+    placed = np.zeros(rows, dtype=np.int64)
+    placed[at] = owners
     return index_tensor(placed, device)
 
 
@@ -269,7 +269,7 @@ class LightningIndexer:
             cols = starts[:, None] + torch.minimum(torch.arange(longest, device=q.device)[None, :], last[:, None])
             padded = flat.index_select(1, cols.view(-1)).view(r, b, longest).transpose(0, 1)  # [B, R, T]
         if r > 1 or b > 1:  # a row past which keys are padding or later drafts
-            later = torch.arange(padded.shape[-1], device=q.device)[None, :] > positions.view(b * r, 1)
+            later = torch.arange(padded.shape[-1], device=q.device)[None, :] > positions.reshape(b * r, 1)
             padded = padded.reshape(b * r, -1).masked_fill(later, float("-inf"))
         return select_topk(padded, k).view(b, r, k)
 
