@@ -10,7 +10,8 @@
    (`DECODE_KEYS_MAJOR_MIN_KEYS_GPU`; on a CPU it does from 32K keys);
 3. a real N-token prefill (default 1M) followed by 32 decode tokens: time and peak device memory;
 4. with --tiers: the CUDA tests (tiering exactness, plain and speculative decoding; a dense-regime
-   decode step captured as one CUDA graph and replayed), and issue 3's
+   decode step captured as one CUDA graph and replayed; decode selection page by page the same alone
+   and batched, pages gathered on the device), and issue 3's
    fixed-device-budget benchmark (`sparsekv bench tiers --concurrency`: admitted, aggregate decode
    tokens/s, the batching ceiling and p99 at concurrency 1, tiering on vs off), written to
    OUT.tiers.json for CKPT and OUT.tiers-glm52.json for the glm5.2-proportions stand-in (GLM-5.2's
@@ -107,7 +108,7 @@ def indexer_decode(device: str, out_path: str) -> dict:
 def tiers(ckpt: str, device: str, out_path: str) -> dict:
     test = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_tiers.py", "tests/test_speculative.py",
                            "tests/test_prefix_cache.py", "tests/test_dense_decode_batch.py", "tests/test_kv_cache_dtype.py",
-                           "tests/test_decode_shapes.py",
+                           "tests/test_decode_shapes.py", "tests/test_batched_decode.py",
                            "-k", "on_cuda"], capture_output=True, text=True)
     result = {"cuda_exactness_test": test.stdout.strip().splitlines()[-1:]}
     for name, model in (("", ["--model", ckpt]), ("-glm52", ["--preset", "glm5.2-proportions"])):

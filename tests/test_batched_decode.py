@@ -276,11 +276,11 @@ def test_groups_pad_each_history_at_most_twice_beyond_the_pad_free_length():
     assert len(many) == 1
 
 
-def _seq(name: str, pages: list[int], length: int, page: int):
+def _seq(name: str, pages: list[int], length: int, page: int, device: str = "cpu"):
     """A SeqSlice of one decode row whose history of `length` tokens lies in `pages` (its runs as the
     runner makes them: consecutive pages merged)."""
     from sparsekv.context import SeqSlice
-    slots = torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages])[:length]
+    slots = torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages])[:length].to(device)
     runs = []
     for i, p in enumerate(pages):
         if runs and runs[-1][1] + runs[-1][2] == p * page:
@@ -291,22 +291,25 @@ def _seq(name: str, pages: list[int], length: int, page: int):
     return SeqSlice(name, 0, 1, length, slots, runs=tuple(tuple(r) for r in runs))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py --tiers runs it)"))],
+    ids=["cpu", "on_cuda"])
 @pytest.mark.parametrize("layout", ["in-order", "interleaved", "shared-page", "sparse-span"])
-def test_decode_selection_is_the_same_alone_and_batched_whatever_the_pages(layout):
-    """Decode rows are scored page by page (`select_decode_pages`): in place over the pool span when
-    the pages are distinct and fill half of it, else gathered. Every (request, page) pair scores its
-    own page's keys either way, and a request selects the same positions, bit for bit, alone and in
-    the batch."""
+def test_decode_selection_is_the_same_alone_and_batched_whatever_the_pages(layout, device):
+    """Decode rows are scored page by page (`select_decode_pages`): on a CPU in place over the pool
+    span when the pages are distinct and fill half of it, else (and on an accelerator) gathered.
+    Every (request, page) pair scores its own page's keys either way, and a request selects the same
+    positions, bit for bit, alone and in the batch."""
     from sparsekv.cache.pool import paged_keys
     from sparsekv.model.indexer import LightningIndexer
     page, dim, heads, k = 4, 16, 4, 8
-    table = torch.randn(64 * page, dim, generator=torch.Generator().manual_seed(0))
+    table = torch.randn(64 * page, dim, generator=torch.Generator().manual_seed(0)).to(device)
     pages = {"in-order": [[0, 1, 2], [3, 4, 5, 6], [7, 8]], "interleaved": [[0, 3, 6], [1, 4, 7, 9], [2, 5]],
              "shared-page": [[0, 1, 2], [0, 1, 3, 4], [5, 6]], "sparse-span": [[0, 20, 2], [40, 4, 5, 6], [60, 8]]}[layout]
     lengths = [11, 15, 8]
-    seqs = [_seq(f"r{i}", p, n, page) for i, (p, n) in enumerate(zip(pages, lengths))]
+    seqs = [_seq(f"r{i}", p, n, page, device) for i, (p, n) in enumerate(zip(pages, lengths))]
     keys, at, counts = paged_keys(table, seqs, page)
-    in_place = layout in ("in-order", "interleaved")  # distinct pages filling their span: read where they are
+    in_place = device == "cpu" and layout in ("in-order", "interleaved")  # distinct pages filling their span
     assert counts == [3, 4, 2] and (at is not None) == in_place
     assert (keys.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()) == in_place
     pairs = [p for ps in pages for p in ps]
@@ -315,8 +318,8 @@ def test_decode_selection_is_the_same_alone_and_batched_whatever_the_pages(layou
     indexer = LightningIndexer.__new__(LightningIndexer)  # select_decode_pages needs its head sizes only
     indexer.head_dim, indexer.n_heads = dim, heads
     g = torch.Generator().manual_seed(1)
-    q, w = torch.randn(3, 1, heads, dim, generator=g), torch.randn(3, 1, heads, generator=g)
-    positions = torch.tensor(lengths)[:, None] - 1
+    q, w = torch.randn(3, 1, heads, dim, generator=g).to(device), torch.randn(3, 1, heads, generator=g).to(device)
+    positions = torch.tensor(lengths, device=device)[:, None] - 1
     together = indexer.select_decode_pages(q, w, keys, at, counts, lengths, positions, k)
     for i, seq in enumerate(seqs):
         alone = indexer.select_decode_pages(q[i:i + 1], w[i:i + 1], *paged_keys(table, [seq], page), [lengths[i]],
