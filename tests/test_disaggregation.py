@@ -415,18 +415,21 @@ def test_a_tail_warms_the_working_set_with_the_prefill_sides_selections(monkeypa
                      for g, lru in self._resident[ch.request_id].lrus.items()})
     monkeypatch.setattr(TieredKVPool, "_warm", watched)
 
-    def first_decode(selections):
-        decode = LLM(path, max_model_len=1024, kv_tiering=True, prefix_cache_host_bytes=1 << 28)
-        engine = decode.engine
-        engine.kv.import_prefix(pages, prompts=[prompt], tails=[tail])
-        req = engine.add_request("d", prompt, params, first_token=dataclasses.replace(first, warm=selections))
-        engine.step()  # the first token's output, no compute
-        engine.step()  # the first decode
-        stats = engine.stats()
-        while engine.has_unfinished_requests():
-            engine.step()
-        assert req.num_cached_tokens == len(prompt)
-        engine.check_integrity()
+    def first_decode(selections, **options):
+        decode = LLM(path, max_model_len=1024, kv_tiering=True, prefix_cache_host_bytes=1 << 28, **options)
+        try:
+            engine = decode.engine
+            engine.kv.import_prefix(pages, prompts=[prompt], tails=[tail])
+            req = engine.add_request("d", prompt, params, first_token=dataclasses.replace(first, warm=selections))
+            engine.step()  # the first token's output, no compute
+            engine.step()  # the first decode
+            stats = engine.stats()
+            while engine.has_unfinished_requests():
+                engine.step()
+            assert req.num_cached_tokens == len(prompt)
+            engine.check_integrity()
+        finally:
+            decode.close()
         return stats, list(req.output_token_ids)
     warmed, tokens = first_decode(warm)
     union = {layer: set(u) for layer, u, _ in warm}
@@ -437,6 +440,12 @@ def test_a_tail_warms_the_working_set_with_the_prefill_sides_selections(monkeypa
     assert cold["tier_misses"] > 250 * cfg.num_hidden_layers  # nearly every one of the 256 selected, in each layer
     assert warmed["tier_misses"] < cold["tier_misses"] / 10
     assert tokens == cold_tokens
+    # a tensor-parallel decode side (the tail's page copied to every rank at that step, each rank
+    # warming from the same chunk): rank 0 warms the same entries, misses as many, same tokens
+    held.clear()
+    parallel, parallel_tokens = first_decode(warm, tensor_parallel_size=2)
+    assert held == union and parallel_tokens == tokens
+    assert (parallel["tier_warmed"], parallel["tier_misses"]) == (warmed["tier_warmed"], warmed["tier_misses"])
 
 
 def test_landed_pages_serve_only_their_tenant_and_salt(glm_ckpt):
