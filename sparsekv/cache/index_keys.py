@@ -7,7 +7,7 @@ import torch
 
 from ..context import SeqSlice
 from ..model.indexer import gather_rows
-from .pool import history_pages, history_segments, padded_slots, paged_keys
+from .pool import history_pages, history_segments, padded_slots, page_counts, paged_keys
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -62,7 +62,7 @@ class IndexKeyCache:
         dequantised), and how many pages each."""
         if not self.fp8:
             return paged_keys(self.keys[layer], seqs, page_size)
-        pages, counts = history_pages(seqs, page_size), [-(-s.context_len // page_size) for s in seqs]
+        pages, counts = history_pages(seqs, page_size), page_counts(seqs, page_size)
         dim = self.keys[layer].shape[1]
         raw = self.keys[layer].view(-1, page_size * dim).index_select(0, pages).view(-1, page_size, dim)
         scales = self.scales[layer].view(-1, page_size).index_select(0, pages)

@@ -62,7 +62,7 @@ def paged_keys(table: torch.Tensor, seqs: list[SeqSlice], page_size: int) -> tup
     them (None: the i-th pair is the i-th), and how many pages each request has. On a CPU, when the
     pages are distinct and fill at least half of the pool span they cover, that span itself (a view:
     no row is copied); else the pages gathered. Worked out from the requests' runs, on the host."""
-    counts = [-(-s.context_len // page_size) for s in seqs]
+    counts = page_counts(seqs, page_size)
     runs = [(slot // page_size, -(-length // page_size)) for s in seqs for _, slot, length in s.runs]
     dim = table.shape[1]
     if table.device.type == "cpu" and sum(n for _, n in runs) == sum(counts):
@@ -77,10 +77,15 @@ def paged_keys(table: torch.Tensor, seqs: list[SeqSlice], page_size: int) -> tup
     return table.view(-1, page_size * dim).index_select(0, pages).view(-1, page_size, dim), None, counts
 
 
+def page_counts(seqs: list[SeqSlice], page_size: int) -> list[int]:
+    """How many pages each request's history spans."""
+    return [-(-s.context_len // page_size) for s in seqs]
+
+
 def history_pages(seqs: list[SeqSlice], page_size: int) -> torch.Tensor:
     """The pages holding each request's history, in order, concatenated (page ids): the slots of each
     history's page-aligned positions, in a fixed number of ops however many requests."""
-    counts = [-(-s.context_len // page_size) for s in seqs]
+    counts = page_counts(seqs, page_size)
     if len(seqs) == 1:
         return seqs[0].slots[::page_size] // page_size
     flat = torch.cat([s.slots for s in seqs])

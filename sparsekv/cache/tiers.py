@@ -273,8 +273,8 @@ class TieredKVPool:
         it fits, then the last row's as the most recently used. The rows come from the host store
         (counted as host -> device bytes and as warmed entries, not as lookups); on CUDA a group's
         shared layers copy on the side stream, as a step's misses do."""
-        ws, pages = self._resident[ch.request_id], np.asarray(ch.page_ids, dtype=np.int64)
-        base, ps = self._base(ws), self.page_size
+        ws = self._resident[ch.request_id]
+        base = self._base(ws)
         for leader, union, last in ch.warm:
             group = self.groups[leader]
             for positions in ((union, last) if len(union) <= self.device_buffer_tokens else (last,)):
@@ -283,7 +283,7 @@ class TieredKVPool:
                 res = ws.lrus[leader].resolve(np.asarray(positions, dtype=np.int64))
                 moved = res.miss_positions
                 if moved.size:
-                    self.link.fetch(group, torch.from_numpy(pages[moved // ps] * ps + moved % ps), self.ws,
+                    self.link.fetch(group, torch.from_numpy(self._host_slots(ch.page_ids, moved)), self.ws,
                                     self.link.index(base + res.miss_slots))
                     self._count(ch.request_id, h2d=moved.size * len(group) * self.host.row_bytes,
                                 warmed=moved.size * len(group))
@@ -415,14 +415,18 @@ class TieredKVPool:
         new_hits = distinct - older.size  # this step's new tokens, on their own rows
         self._count(seq.request_id, hits=(res.hits + new_hits) * len(group), misses=misses.size * len(group),
                     h2d=misses.size * len(group) * self.host.row_bytes)
-        pages, ps = self._step_of(leader).decoding[seq.request_id], self.page_size
-        src.append(np.array([pages[i] for i in (misses // ps).tolist()], dtype=np.int64) * ps + misses % ps)
+        src.append(self._host_slots(self._step_of(leader).decoding[seq.request_id], misses))
         dst.append(base + res.miss_slots)
         slots = res.slots[np.searchsorted(older, positions[is_older])] if merged else res.slots
         rows = np.empty(positions.size, dtype=np.int64)
         rows[is_older] = base + slots
         rows[~is_older] = base + self.device_buffer_tokens - first_new + positions[~is_older]
         return rows
+
+    def _host_slots(self, page_ids: list[int], positions: np.ndarray) -> np.ndarray:
+        """The logical slots (host rows) of a request's `positions`, through its page ids."""
+        ps = self.page_size
+        return np.array([page_ids[i] for i in (positions // ps).tolist()], dtype=np.int64) * ps + positions % ps
 
     def _promote(self, ws: _WorkingSet, name: str, upto: int, final: list) -> None:
         """The pass's last new tokens before position `upto` are final and on the device: noted in

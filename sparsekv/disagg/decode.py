@@ -268,7 +268,8 @@ class Inbox:
         """Rows of some layers for pages [first, first + count) of a prompt, kept until the pages are
         named; or a prompt's tail (the first rows of the page after its named ones), kept for the import."""
         prompt, first, count, kinds, selected = _layer_rows_of(meta, len(self.next_page))
-        tensors, selections = tensors[:len(tensors) - 2 * len(selected)], tensors[len(tensors) - 2 * len(selected):]
+        rows_end = len(tensors) - 2 * len(selected)  # a tail's selections follow its rows, two per layer
+        tensors, selections = tensors[:rows_end], tensors[rows_end:]
         if len(kinds) != len(tensors) or any(t.shape[0] != count for t in tensors):
             raise TransferError(f"{len(kinds)} kinds of {count} pages announced, tensors of "
                                 f"{[tuple(t.shape[:1]) for t in tensors]} received")
