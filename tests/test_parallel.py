@@ -447,8 +447,8 @@ def test_serve_across_two_launched_processes(launcher):
                                                       "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
         procs[0].terminate()
-        assert procs[0].wait(timeout=60) == 0
-        assert procs[1].wait(timeout=60) == 0, procs[1].stdout.read()
+        codes = [p.wait(timeout=60) for p in procs]
+        assert codes == [0, 0], "\n".join(f"node {i} (exit {c}):\n{p.stdout.read()}" for i, (p, c) in enumerate(zip(procs, codes)))
     finally:
         for p in procs:
             if p.poll() is None:

@@ -143,6 +143,8 @@ class RankGroup:
                 dist.barrier(group=self.control)  # every rank has closed its engine
             except RuntimeError as e:  # a rank already gone: it cannot be told
                 logger.warning("telling the workers to stop failed: %s", e)
+            else:
+                await_departures(self.control, self.layout.world_size)
         _stop(self.processes, timeout_s=10.0 if notify else 0.0)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -323,6 +325,25 @@ def _stop(processes, timeout_s: float = 10.0) -> None:
             if p.is_alive():
                 end()
                 p.join(2.0)
+
+
+DEPARTURE_WAIT_S = 10.0  # how long rank 0 waits for a worker told to close to exit
+
+
+def await_departures(control, world_size: int, timeout_s: float = DEPARTURE_WAIT_S) -> None:
+    """Rank 0, once every worker met it at `leave`'s barrier: wait until each has exited, so that this
+    process shuts its group down alone. A receive from a rank fails as soon as its connections close
+    (it never sends); a spawned worker's exit is also awaited by joining it, but a rank on another node
+    or under torchrun can only be seen this way. Shutting the group down while a peer's connections
+    close under it can abort this process in C++ (gloo)."""
+    _set_pg_timeout(timedelta(seconds=timeout_s), control)
+    probe = torch.zeros(1)
+    for rank in range(1, world_size):
+        try:
+            dist.recv(probe, src=rank, group=control)
+        except RuntimeError:  # its connection closed (or the wait timed out): either way, go on
+            continue
+        logger.warning("rank %d sent data after it was told to close", rank)
 
 
 def leave(control) -> None:
