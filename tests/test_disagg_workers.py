@@ -5,6 +5,7 @@ beforehand and whatever the prefill worker's prefix cache served; the transfer's
 pages sent and skipped, the time to first token split) reach the response and /metrics."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -78,8 +79,9 @@ def test_with_mtp_drafting_on_both_sides():
     """The pages carry the MTP layer's entries; the prefill worker runs the tokens that name them,
     greedily. A greedy request's first token is that run's (sent), with the tail, whose MTP layer's
     rows that run's pass after its first token wrote: the decode side computes that token alone. A
-    sampled one's is sampled on the decode side, which computes the last page and drafts from it as
-    one engine does (the same seeded tokens); no tail goes then."""
+    sampled one's is sampled on the decode side, which drafts from it as one engine does (the same
+    seeded tokens): the tail goes short, less the prompt's last token, which the decode side computes
+    alone (its MTP-layer entry depends on the token sampled after it)."""
     path, prompt = default_model_path(), _prompt(4096, 50)
     colocated = LLM(path, **BASE, num_speculative_tokens=2)
     want = colocated.generate([prompt], GREEDY)[0]
@@ -94,10 +96,18 @@ def test_with_mtp_drafting_on_both_sides():
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
         assert body["sparsekv"]["tiers"]["spec_decode_num_drafts"] > 0
         assert_as_colocated(want, body, d, logprob_tolerance(colocated, extra_layers=1))
+        tail = figures["tail_tokens"]
         body = _decode(p, d, prompt, temperature=0.8, seed=5, logprobs=None)
         assert (body["sparsekv"]["disaggregation"]["first_tokens"], body["sparsekv"]["disaggregation"]["tail_tokens"]) \
-            == (0, 0)
+            == (0, tail - 1)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
         assert body["sparsekv"]["choices"][0]["token_ids"] == want_sampled.token_ids
+        rows = d.engine.counters["prompt_tokens"]  # n = 2: the short tail serves both choices
+        body = _decode(p, d, _prompt(4096, 47, seed=4), n=2, temperature=0.8, seed=7, logprobs=None)
+        assert d.engine.counters["prompt_tokens"] - rows == 2  # each choice computed the last token alone
+        params = [dataclasses.replace(sampled, seed=7 + i) for i in range(2)]
+        want_n = colocated.generate([_prompt(4096, 47, seed=4)] * 2, params)
+        assert [c["token_ids"] for c in body["sparsekv"]["choices"]] == [w.token_ids for w in want_n]
         d.check_clean()
 
 

@@ -283,6 +283,59 @@ def test_with_mtp_drafting_a_tail_carries_the_mtp_layers_rows_and_the_decode_sid
     decode.engine.check_integrity()
 
 
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED[0]], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("options", [{}, dict(kv_tiering=True)], ids=["plain", "decode-tiered"])
+def test_with_mtp_drafting_and_no_first_token_a_short_tail_leaves_the_last_token_to_the_decode_side(params, options):
+    """Choices whose first token the prefill side does not sample (MTP drafting, sampled choices) get
+    the tail less its last row, whose MTP-layer entry depends on the token after it: the decode side
+    computes the prompt's last token alone, samples the first token from it with the request's seed,
+    and drafts, as one engine would."""
+    from sparsekv.disagg.layers import short_tail
+    path, prompt = default_model_path(), _prompt(4096, 50)  # 12 full pages and a 2-row tail
+    colocated = LLM(path, **BASE, num_speculative_tokens=2, **options)
+    want = colocated.generate([prompt], params)[0]
+    prefill = LLM(path, **BASE, num_speculative_tokens=2)
+    rows = []
+    prefill.engine.tap_layers("p", len(prompt), 0, rows.append)
+    prefill.engine.add_request("p", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))  # as the worker
+    while prefill.engine.has_unfinished_requests():
+        prefill.engine.step()
+    num_kinds = len(prefill.engine.kv.page_tensors())
+    by_kind = {k: r[0] for d in rows if d.tail for k, r in zip(d.kinds, short_tail(d.ready(), d.tail))}
+    assert sorted(by_kind) == list(range(num_kinds)) and {r.shape[0] for r in by_kind.values()} == {1}
+    pages = prefill.engine.kv.export_prefix(prompt)
+    decode = LLM(path, **BASE, **DECODE, num_speculative_tokens=2, **options)
+    decode.engine.kv.import_prefix(pages, prompts=[prompt], tails=[[by_kind[k] for k in range(num_kinds)]])
+    got = _generate_from(decode.engine, prompt, params, None)
+    assert got.num_cached_tokens == len(prompt) - 1  # the last token alone was computed
+    assert got.metrics["spec_decode_num_drafts"] > 0
+    assert got.token_ids == want.token_ids
+    assert_same_greedy([want], [got], logprob_tolerance(colocated, extra_layers=1), lead=params.greedy)
+    decode.engine.check_integrity()
+
+
+def test_a_tail_fits_only_the_requests_it_was_cut_for(glm_ckpt):
+    """A whole tail serves a request given its first token, a short one a request without: each
+    other request computes the last page, and the tail's uses are not spent on it."""
+    path, prompt = glm_ckpt[0], _prompt(256, 43)  # a 3-row tail
+    prefill = LLM(path, **BASE)
+    rows = []
+    prefill.engine.tap_layers("p", len(prompt), 0, rows.append)
+    first = _first_token(prefill, prompt, GREEDY)
+    whole = {k: r[0] for d in rows if d.tail for k, r in zip(d.kinds, d.ready())}
+    pages = prefill.engine.kv.export_prefix(prompt)
+    num_kinds = len(prefill.engine.kv.page_tensors())
+    for tail, given, cached in [(whole, None, 40), ({k: r[:2] for k, r in whole.items()}, first, 40),
+                                ({k: r[:2] for k, r in whole.items()}, None, 42), (whole, first, 43)]:
+        decode = LLM(path, **BASE, **DECODE)
+        decode.engine.kv.import_prefix(pages, prompts=[prompt], tails=[[tail[k] for k in range(num_kinds)]])
+        got = _generate_from(decode.engine, prompt, GREEDY, given)
+        assert got.num_cached_tokens == cached
+        decode.engine.check_integrity()
+    with pytest.raises(ValueError, match="not the 3 \\(or 2\\)"):
+        decode.engine.kv.import_prefix([], prompts=[prompt], tails=[[whole[k][:1] for k in range(num_kinds)]])
+
+
 def test_pages_the_decode_side_holds_are_not_sent_again(glm_ckpt):
     path, prompt = glm_ckpt[0], _prompt(256)
     prefill = LLM(path, **BASE)

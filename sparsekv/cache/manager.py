@@ -181,7 +181,8 @@ class CacheManager:
         pages). `tails`: per prompt, None or the rows of its last token's page through that token, one
         tensor per kind; its requests (`tail_uses`: the prompt's choices), each added with the first
         token sampled where the prompt was computed, then compute from that token on
-        (`PrefixCache.take`)."""
+        (`PrefixCache.take`). Or a short tail, through the token before: its requests, added without
+        a first token, compute the last token and sample from it."""
         prefix = self._prefix_cache()
         if tail_uses < 1:
             raise ValueError(f"tail_uses must be >= 1, got {tail_uses}")

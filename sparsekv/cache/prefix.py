@@ -142,32 +142,34 @@ class PrefixCache(PageTransfer):
         landed = [p for p in hit.pages if p in self._unmirrored]  # written by an import: copied to every rank
         self._unmirrored.difference_update(landed)
         num_pages = len(hit.pages) + len(tiers)
-        tail = self._take_tail(req, num_pages)
-        return CachedPrefix(hit.pages + pages + tail, num_pages, landed + pages[:len(tiers)] + tail, tiers,
-                            tail_tokens(req.num_prompt_tokens, self.page_size) if tail else 0)
+        tail, tail_rows = self._take_tail(req, num_pages)
+        return CachedPrefix(hit.pages + pages + tail, num_pages, landed + pages[:len(tiers)] + tail, tiers, tail_rows)
 
-    def _take_tail(self, req: Request, num_pages: int) -> list[int]:
-        """The prompt's imported tail (its last token's page through that token, `keep_tails`), for a
-        request whose first token was sampled where the prompt was computed (its one output token):
-        written into a page of its reservation when the hit covers every page before it: [that page],
-        or [] (the request computes the page). Each admission takes one of the tail's uses either way
-        (one per choice of the prompt), the last one the tail."""
-        if not self._tails or req.num_output_tokens != 1:
-            return []
+    def _take_tail(self, req: Request, num_pages: int) -> tuple[list[int], int]:
+        """The prompt's imported tail (`keep_tails`) for a request that fits it: a whole tail (its last
+        token's page through that token) for one whose first token was sampled where the prompt was
+        computed (its one output token), a short tail (through the token before) for one that samples
+        its first token here (none yet). Written into a page of its reservation when the hit covers
+        every page before it: ([that page], its rows), or ([], 0) (the request computes the page). Each
+        admission that fits takes one of the tail's uses either way (one per choice of the prompt), the
+        last one the tail."""
+        if not self._tails or req.num_output_tokens > 1:
+            return [], 0
         cacheable = cacheable_pages(req.num_prompt_tokens, self.page_size)
         key = self._tail_key(self._names(req, cacheable), req.prompt_token_ids, req.tenant, req.cache_salt)
         entry = self._tails.get(key)
-        if entry is None:
-            return []
+        whole = tail_tokens(req.num_prompt_tokens, self.page_size)
+        if entry is None or entry[2] != whole - 1 + req.num_output_tokens:
+            return [], 0
         rows, entry[1] = entry[0], entry[1] - 1  # used or not
         if entry[1] == 0:
             del self._tails[key]
         if num_pages != cacheable or req.params.prompt_logprobs is not None:
-            return []
+            return [], 0
         page = self.allocator.allocate(req.request_id, 1)
         self.before_copy()
         self.rows.copy_in(page, [rows])
-        return page
+        return page, entry[2]
 
     def lookup(self, req: Request) -> PrefixHit:
         """The pages the request's known tokens start with (its prompt; after a preemption, its output

@@ -63,29 +63,32 @@ class PageTransfer:
             host.put(name, rows, tenant)
         return len(pages)
 
-    def padded_tails(self, tails: list[tuple[bytes, list, int]]) -> list[tuple[bytes, list]]:
-        """Prompts' tails (`tail_name`, rows of each kind [n, ...]: a prompt's last token's page through
-        that token, the prompt's length) padded to whole pages, checked (ValueError: rows that do not
-        fit this cache, or not as many as that page holds of the prompt)."""
+    def padded_tails(self, tails: list[tuple[bytes, list, int]]) -> list[tuple[bytes, list, int]]:
+        """Prompts' tails (`tail_name`, rows of each kind [n, ...], the prompt's length) padded to whole
+        pages, with their row counts, checked (ValueError: rows that do not fit this cache, or a count
+        that is neither kind of tail). A tail holds the rows of a prompt's last token's page through that
+        token (its requests come with their first token), or through the token before it, a short tail
+        (its requests compute that last token: their first token is sampled here)."""
         padded = []
         for i, (key, rows, num_tokens) in enumerate(tails):
-            expected = tail_tokens(num_tokens, self.page_size)
-            if not all(r.shape[0] == expected for r in rows):
-                raise ValueError(f"tail {i}: {[r.shape[0] for r in rows]} rows, not the {expected} of a "
-                                 f"{num_tokens}-token prompt's last page")
+            whole = tail_tokens(num_tokens, self.page_size)
+            count = rows[0].shape[0] if rows else 0
+            if count not in (whole, whole - 1) or count == 0 or any(r.shape[0] != count for r in rows):
+                raise ValueError(f"tail {i}: {[r.shape[0] for r in rows]} rows, not the {whole} (or {whole - 1}) "
+                                 f"of a {num_tokens}-token prompt's last page")
             rows = [_padded(r, self.page_size) for r in rows]
             if self.rows is None or not self.rows.fits(rows):
                 raise ValueError(f"tail {i}: its rows do not fit this cache's layout")
-            padded.append((key, rows))
+            padded.append((key, rows, count))
         return padded
 
-    def keep_tails(self, padded: list[tuple[bytes, list]], uses: int = 1) -> None:
+    def keep_tails(self, padded: list[tuple[bytes, list, int]], uses: int = 1) -> None:
         """Keep checked tails (`padded_tails`) until `uses` requests (a prompt's choices) were admitted
         (`PrefixCache.take`). Not named: a partial page is never a hit for another request."""
         if uses < 1:
             raise ValueError(f"a tail needs at least one use, got {uses}")
-        for key, rows in padded:
-            self._tails[key] = [rows, uses]
+        for key, rows, count in padded:
+            self._tails[key] = [rows, uses, count]
             self._tails.move_to_end(key)
         while len(self._tails) > MAX_TAILS:
             self._tails.popitem(last=False)

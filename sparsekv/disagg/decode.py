@@ -10,7 +10,9 @@ the first token the prefill worker sampled (`first_token`): with the last page's
 computes that token alone (with `--kv-tiering` the positions the tail's rows selected on the prefill
 side fill its device working set first), else the page holding the prompt's last token too (the
 positions those rows select fill it). With MTP drafting on the prefill side a first token and a tail
-come only for greedy choices; otherwise it samples the first token itself.
+come only for greedy choices; otherwise it samples the first token itself, after computing the
+prompt's last token alone from a short tail (the page's rows before that token; the MTP layer's entry
+at the last token depends on the token sampled after it).
 """
 from __future__ import annotations
 
@@ -80,9 +82,8 @@ class DecodeWorker(Worker):
             prefill_ended = time.monotonic()
             self.rooms[field.room] = "import"
             firsts = first_tokens_from_wire(meta["first"], len(job.subs)) if "first" in meta else None
-            tails = inbox.complete_tails(prompts, engine.config.kv_page_size, len(engine.kv.page_tensors()))
-            if firsts is None and any(t is not None for t in tails):
-                raise TransferError("the prefill worker sent a prompt's last rows without its first token")
+            tails = inbox.complete_tails(prompts, engine.config.kv_page_size, len(engine.kv.page_tensors()),
+                                         short=firsts is None)
             warm = self._warm(inbox, prompts, tails)
             version = await self._keep(meta, inbox, job, prompts, tails, kept)
         except BaseException as e:
@@ -319,17 +320,18 @@ class Inbox:
         """FirstToken.warm for the choices of `prompt`: its tail's selections by layer."""
         return tuple((layer, union, last) for layer, (union, last) in sorted(self.selections.get(prompt, {}).items()))
 
-    def complete_tails(self, prompts: list[list[int]], page_size: int, num_kinds: int) -> list:
+    def complete_tails(self, prompts: list[list[int]], page_size: int, num_kinds: int, short: bool = False) -> list:
         """Per prompt, its tail's rows (one tensor per kind, in kind order) when it came whole, at the
-        page after the prompt's cacheable ones and as long as its rows through its last token, else
-        None (the decode engine computes that page)."""
+        page after the prompt's cacheable ones and as long as its rows through its last token (`short`:
+        through the token before, when no first token came: the decode engine computes the last token
+        and samples it), else None (the decode engine computes that page)."""
         out = []
         for prompt, token_ids in enumerate(prompts):
             page, rows, by_kind = self.tails.get(prompt, (None, 0, {}))
-            expected = (cacheable_pages(len(token_ids), page_size), tail_tokens(len(token_ids), page_size))
+            expected = (cacheable_pages(len(token_ids), page_size), tail_tokens(len(token_ids), page_size) - short)
             if page is not None and (page, rows) != expected:
                 raise TransferError(f"prompt {prompt}'s tail came as page {page} of {rows} rows, not page "
-                                    f"{expected[0]} of {expected[1]}")
+                                    f"{expected[0]} of {expected[1]}" + (" (no first token came)" if short else ""))
             whole = page is not None and sorted(by_kind) == list(range(num_kinds))
             out.append([by_kind[k] for k in range(num_kinds)] if whole else None)
         return out

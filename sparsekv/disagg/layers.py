@@ -15,13 +15,14 @@ UNCLAIMED_MAX_BYTES = 256 << 20  # rows kept for a room no decode worker claimed
 class LayerFeed:
     """A room's rows handed out layer by layer on the engine's thread (cache/layer_tap.py), queued for
     the event loop, which sends them once the room is claimed. `tapped`: the (prompt, page) pairs
-    whose layer rows were taken; a prompt's tail is dropped unless `tails`. Before the claim at most
+    whose layer rows were taken; a prompt's tail goes whole when the choices' first tokens go too
+    (`first_tokens`), else short (`short_tail`). Before the claim at most
     `unclaimed_max_bytes` are kept: past that (a decode worker slow to claim a long prompt) every row
     is dropped, and the room's pages go whole, by name, as they would without a feed."""
 
-    def __init__(self, loop, num_kinds: int, unclaimed_max_bytes: int = UNCLAIMED_MAX_BYTES, tails: bool = True):
+    def __init__(self, loop, num_kinds: int, unclaimed_max_bytes: int = UNCLAIMED_MAX_BYTES, first_tokens: bool = True):
         self.loop, self.num_kinds, self.unclaimed_max_bytes = loop, num_kinds, unclaimed_max_bytes
-        self.tails = tails  # whether a prompt's tail goes (only with the first tokens)
+        self.first_tokens = first_tokens  # whether the choices' first tokens go (else a tail goes short)
         self.items: collections.deque = collections.deque()
         self.wake = asyncio.Event()
         self.tapped: set[tuple[int, int]] = set()
@@ -43,8 +44,8 @@ class LayerFeed:
 
     def _keep(self, prompt: int, rows) -> bool:
         with self.lock:
-            if self.dropped or (rows.tail and not self.tails):
-                return False
+            if self.dropped or (rows.tail and not self.first_tokens and rows.tail == 1):
+                return False  # a short tail of no rows
             if not self.claimed:
                 self.unclaimed_bytes += sum(r.numel() * r.element_size() for r in rows.rows)
                 if self.unclaimed_bytes > self.unclaimed_max_bytes:
@@ -85,6 +86,13 @@ class LayerFeed:
             await asyncio.wait([*aws, waiter], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
+
+
+def short_tail(rows: list, tail: int) -> list:
+    """A tail's rows less its last (the prompt's last token's): without the first token sampled after it,
+    that token's MTP-layer entry is not the decode side's, which computes that token itself. The
+    rows before it hold the prompt's tokens only, so they are every choice's."""
+    return [r[:, :tail - 1] for r in rows]
 
 
 def named_parts(pages: list, per_prompt: list[int], sent: list[int], feed: LayerFeed | None) -> list:

@@ -8,7 +8,8 @@ the other choices of a prompt hit them and compute its last page again. With MTP
 prompt once, greedily, for three tokens instead: a page is named once the MTP layer's entries for it
 exist, which the MTP pass after the first token writes for the prompt's last page; that run's first
 token is sent only when every choice would sample it (`plain_greedy`), with the tail, else the decode
-worker samples the first token itself. Pages go in batches as they are named (`_stream`), the last
+worker samples the first token itself after computing the prompt's last token from a short tail (the
+tail less that token's rows, which are every choice's). Pages go in batches as they are named (`_stream`), the last
 after the prefill. It answers with that short completion, plus the transfer's figures in the
 `sparsekv` extension.
 """
@@ -28,7 +29,7 @@ from ..server.serving import Job, run
 from .transfer import Room, connect, host_bootstrap, pair_backend
 from .weights_stamp import check_same_weights, loaded_weights
 from .first_token import first_token_of, first_token_params, first_token_wire, plain_greedy
-from .layers import LayerFeed, kinds_of, named_parts
+from .layers import LayerFeed, kinds_of, named_parts, short_tail
 from .outbox import Batches
 from .wire import TransferError, prompt_digest, verify
 from .worker import Worker
@@ -115,7 +116,8 @@ class PrefillWorker(Worker):
     async def _transfer(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
                         request_ids: list[str], sends_first: bool) -> dict | None:
         """The room's pages to the decode worker that claims it, streamed while the prefill runs
-        (`_stream`), with each prompt's tail when the choices' first tokens go too (`sends_first`).
+        (`_stream`), with each prompt's tail: whole when the choices' first tokens go too
+        (`sends_first`), else short (`layers.short_tail`).
         Returns the transfer's figures, or None when the prefill failed (the decode worker is told;
         the caller answers the prefill's own error)."""
         self.rooms[room] = "claim"
@@ -245,13 +247,16 @@ class PrefillWorker(Worker):
             cut = min(max(0, held[prompt] - first), count)
             if cut == count:
                 continue
-            selecting = [d for d in deliveries if d.selected is not None] if claim.get("warm") is True else []
+            tail, warm = deliveries[0].tail, claim.get("warm") is True
+            rows = [r[cut:] for d in deliveries for r in d.ready()]
+            if tail and not feed.first_tokens:  # the decode side computes the last token: no selections
+                rows, tail, warm = short_tail(rows, tail), tail - 1, False
+            selecting = [d for d in deliveries if d.selected is not None] if warm else []
             meta = {**base, "names": [], "pages": [0] * len(held), "last": False,
                     "layer_rows": {"prompt": prompt, "first": first + cut, "count": count - cut,
-                                   "layers": [d.layer for d in deliveries], "tail": deliveries[0].tail,
+                                   "layers": [d.layer for d in deliveries], "tail": tail,
                                    "selected": [d.layer for d in selecting]},
                     "kinds": [k for d in deliveries for k in d.kinds], "num_kinds": feed.num_kinds}
-            rows = [r[cut:] for d in deliveries for r in d.ready()]
             nbytes += await self._send(out, meta, rows + [t for d in selecting for t in d.selected])
             feed.batches += 1
         return nbytes
@@ -266,14 +271,14 @@ class PrefillWorker(Worker):
                 _check_verdict(await self.blocking(out.link.get, "done"), meta, self.settings.secret)
             raise
 
-    async def _tap(self, request_ids: list[str], prompts: list[list[int]], tails: bool) -> LayerFeed | None:
+    async def _tap(self, request_ids: list[str], prompts: list[list[int]], first_tokens: bool) -> LayerFeed | None:
         """Have the engine hand each prompt's pages out layer by layer as its steps compute them, queued
         until the claim says which the decode worker holds (None: chunk-by-chunk or one-look mode). On
         a data-parallel engine, another rank's rows come through rank 0 (parallel/dp_taps.py)."""
         engine = self.state.engine
         if not self.layer_by_layer or self.stream_poll_s is None:
             return None
-        feed = LayerFeed(asyncio.get_running_loop(), len(engine.kv.page_tensors()), tails=tails)
+        feed = LayerFeed(asyncio.get_running_loop(), len(engine.kv.page_tensors()), first_tokens=first_tokens)
 
         def tap():  # NOTE: with the weights they are computed under (read together, between two steps)
             for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
