@@ -9,9 +9,9 @@ prompt once, greedily, for three tokens instead: a page is named once the MTP la
 exist, which the MTP pass after the first token writes for the prompt's last page; that run's first
 token is sent only when every choice would sample it (`plain_greedy`), with the tail, else the decode
 worker samples the first token itself after computing the prompt's last token from a short tail (the
-tail less that token's rows, which are every choice's). Pages go in batches as they are named (`_stream`), the last
-after the prefill. It answers with that short completion, plus the transfer's figures in the
-`sparsekv` extension.
+tail less that token's rows, which are every choice's). Pages go in batches as they are named
+(`_stream`), the last after the prefill. It answers with that short completion, plus the transfer's
+figures in the `sparsekv` extension.
 """
 from __future__ import annotations
 
