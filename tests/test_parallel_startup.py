@@ -66,6 +66,39 @@ def test_a_rank_later_than_the_collective_timeout_still_starts_and_then_collecti
     assert all(p.exitcode == 0 for p in ranks.processes)
 
 
+def lingering_rank(config: EngineConfig, rank: int, addr: str) -> None:
+    """A worker rank that, told to close, meets rank 0 at the barrier, then takes a second to exit,
+    marking the file `config.model` just before it does."""
+    started = start_worker(config, rank, addr, lambda control: None)
+    assert started is not None
+    _, control = started
+    message = [None]
+    dist.broadcast_object_list(message, src=0, group=control)
+    dist.barrier(group=control)
+    time.sleep(1.0)
+    with open(config.model, "w") as f:
+        f.write("left")
+    os._exit(0)
+
+
+def test_rank_0_shuts_its_group_down_only_after_a_rank_it_did_not_spawn_has_exited(tmp_path):
+    """A rank on another node, or started by torchrun, is no process of rank 0's to join: rank 0's
+    close waits until that rank's connections close (it exited) before shutting its own group down,
+    since the two at once can abort rank 0 in gloo."""
+    marker = tmp_path / "left"
+    ranks = RankGroup.start(_config(model=str(marker)), lingering_rank)
+    spawned, ranks.processes = ranks.processes, []  # as if another node hosted rank 1
+    try:
+        ranks.check_started(None)
+        ranks.close()
+        assert marker.exists()  # rank 1 had reached its exit when close returned
+        assert not dist.is_initialized()
+    finally:
+        for p in spawned:
+            p.join(10)
+    assert [p.exitcode for p in spawned] == [0]
+
+
 def test_a_rank_that_dies_before_joining_fails_the_start_at_once():
     t0 = time.monotonic()
     with pytest.raises(StartupError, match=r"sparsekv-rank1 \(exit code 3\)"):

@@ -218,10 +218,24 @@ def test_an_imported_tail_fills_the_last_tokens_page_for_the_first_request_admit
     _check(cache, allocator)
     with pytest.raises(ValueError, match="at least one use"):
         cache.keep_tails([], uses=0)
-    for rows, length in ((1, len(PROMPT)), (PAGE, len(PROMPT)), (3, 4 * PAGE)):  # not the prompt's last page
+    for rows, length in ((3, len(PROMPT)), (PAGE, len(PROMPT)), (2, 4 * PAGE)):  # not the prompt's last page
         with pytest.raises(ValueError, match="tail 0"):
             cache.padded_tails([(b"x", [torch.zeros(rows, 2)], length)])
-    assert len(cache.padded_tails([(b"x", [torch.zeros(PAGE, 2)], 4 * PAGE)])) == 1  # a whole last page
+    for rows in (PAGE, PAGE - 1):  # a whole last page; a short tail, through the token before the last
+        assert [count for _, _, count in cache.padded_tails([(b"x", [torch.zeros(rows, 2)], 4 * PAGE)])] == [rows]
+
+
+def test_a_short_tail_serves_a_request_without_a_first_token():
+    """A short tail (the last page's rows before the last token) is taken by a request that samples its
+    first token here: it computes the last token alone. A request given its first token leaves it."""
+    cache, pool, allocator = _cache()
+    key = cache.tail_name(PROMPT, "default", None)
+    cache.keep_tails(cache.padded_tails([(key, [torch.full((1, 2), 5.0)], len(PROMPT))]))
+    cache.import_pages(_exported(cache), "default", _chains(cache))
+    assert _admit(cache, allocator, "a", first_token=True).num_tail_tokens == 0 and key in cache._tails
+    taken = _admit(cache, allocator, "b", first_token=False)
+    assert (taken.num_pages, taken.num_tail_tokens) == (5, 1) and key not in cache._tails
+    assert torch.equal(pool[taken.page_ids[5] * PAGE:taken.page_ids[5] * PAGE + 1], torch.full((1, 2), 5.0))
 
 
 def test_a_request_that_cannot_use_its_tail_takes_it_and_the_tails_kept_are_bounded():
