@@ -250,6 +250,20 @@ def test_with_mtp_drafting_on_both_sides(options):
     assert_same_greedy([want], [got], logprob_tolerance(colocated, extra_layers=1))
 
 
+def _mtp_prefill(path: str, prompt: list[int], logprobs: int | None = None):
+    """A drafting prefill engine's run of `prompt` as the prefill worker runs it (greedily, for the MTP
+    pass after the first token): (the tail's deliveries, the prompt's pages, the number of kinds of
+    row, the run's last output)."""
+    prefill = LLM(path, **BASE, num_speculative_tokens=2)
+    rows = []
+    prefill.engine.tap_layers("p", len(prompt), 0, rows.append)
+    prefill.engine.add_request("p", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                                                           logprobs=logprobs))
+    outs = [out for _ in range(8) if prefill.engine.has_unfinished_requests() for out in prefill.engine.step()]
+    return ([d for d in rows if d.tail], prefill.engine.kv.export_prefix(prompt),
+            len(prefill.engine.kv.page_tensors()), outs[-1])
+
+
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True)], ids=["plain", "decode-tiered"])
 def test_with_mtp_drafting_a_tail_carries_the_mtp_layers_rows_and_the_decode_side_computes_the_first_token_alone(
         options):
@@ -260,20 +274,12 @@ def test_with_mtp_drafting_a_tail_carries_the_mtp_layers_rows_and_the_decode_sid
     path, prompt = default_model_path(), _prompt(4096, 50)  # 12 full pages and a 2-row tail
     colocated = LLM(path, **BASE, num_speculative_tokens=2, **options)
     want = colocated.generate([prompt], GREEDY)[0]
-    prefill = LLM(path, **BASE, num_speculative_tokens=2)
-    rows = []
-    prefill.engine.tap_layers("p", len(prompt), 0, rows.append)
-    run = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=GREEDY.logprobs)
-    prefill.engine.add_request("p", prompt, run)  # as the prefill worker runs it (the pass after the first token)
-    outs = [out for _ in range(8) if prefill.engine.has_unfinished_requests() for out in prefill.engine.step()]
-    first = FirstToken(outs[-1].token_ids[0], outs[-1].logprobs[0])
-    mtp_layer = prefill.engine.model_config.num_hidden_layers
-    tails = [d for d in rows if d.tail]
+    tails, pages, num_kinds, last = _mtp_prefill(path, prompt, GREEDY.logprobs)
+    first = FirstToken(last.token_ids[0], last.logprobs[0])
+    mtp_layer = colocated.engine.model_config.num_hidden_layers
     assert [d.layer for d in tails][-1] == mtp_layer and {d.tail for d in tails} == {(len(prompt) - 1) % PAGE + 1}
-    num_kinds = len(prefill.engine.kv.page_tensors())
     by_kind = {k: r[0] for d in tails for k, r in zip(d.kinds, d.ready())}
     assert sorted(by_kind) == list(range(num_kinds))
-    pages = prefill.engine.kv.export_prefix(prompt)
     decode = LLM(path, **BASE, **DECODE, num_speculative_tokens=2, **options)
     decode.engine.kv.import_prefix(pages, prompts=[prompt], tails=[[by_kind[k] for k in range(num_kinds)]])
     got = _generate_from(decode.engine, prompt, GREEDY, first)
@@ -294,16 +300,9 @@ def test_with_mtp_drafting_and_no_first_token_a_short_tail_leaves_the_last_token
     path, prompt = default_model_path(), _prompt(4096, 50)  # 12 full pages and a 2-row tail
     colocated = LLM(path, **BASE, num_speculative_tokens=2, **options)
     want = colocated.generate([prompt], params)[0]
-    prefill = LLM(path, **BASE, num_speculative_tokens=2)
-    rows = []
-    prefill.engine.tap_layers("p", len(prompt), 0, rows.append)
-    prefill.engine.add_request("p", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))  # as the worker
-    while prefill.engine.has_unfinished_requests():
-        prefill.engine.step()
-    num_kinds = len(prefill.engine.kv.page_tensors())
-    by_kind = {k: r[0] for d in rows if d.tail for k, r in zip(d.kinds, short_tail(d.ready(), d.tail))}
+    tails, pages, num_kinds, _ = _mtp_prefill(path, prompt)
+    by_kind = {k: r[0] for d in tails for k, r in zip(d.kinds, short_tail(d.ready(), d.tail))}
     assert sorted(by_kind) == list(range(num_kinds)) and {r.shape[0] for r in by_kind.values()} == {1}
-    pages = prefill.engine.kv.export_prefix(prompt)
     decode = LLM(path, **BASE, **DECODE, num_speculative_tokens=2, **options)
     decode.engine.kv.import_prefix(pages, prompts=[prompt], tails=[[by_kind[k] for k in range(num_kinds)]])
     got = _generate_from(decode.engine, prompt, params, None)
