@@ -450,3 +450,25 @@ def test_pages_stream_while_the_prompt_is_computed(glm_ckpt, monkeypatch):
         assert got["pages_streamed"] == sent["pages_streamed"] >= 4  # sent before the prefill ended
         p.check_clean()
         d.check_clean()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mtp_drafting_workers_on_one_gpu_answer_as_one_engine_greedy_and_seeded_on_cuda():
+    """Drafting workers on the GPU: a greedy request gets its tail and first token (the MTP layer's rows
+    copied off the device after the MTP pass), a seeded sampled one a short tail, whose last token
+    the decode side computes and samples from: one engine's tokens on that GPU either way."""
+    path, prompt = default_model_path(), _prompt(4096, 50)
+    colocated = LLM(path, **BASE, num_speculative_tokens=2, device="cuda")
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=5, ignore_eos=True)
+    want, want_sampled = (colocated.generate([prompt], params)[0] for params in (GREEDY, sampled))
+    with WorkerServer(path, "prefill", **BASE, num_speculative_tokens=2, device="cuda") as p, \
+            WorkerServer(path, "decode", **BASE, num_speculative_tokens=2, device="cuda") as d:
+        body = _decode(p, d, prompt)
+        tail = body["sparsekv"]["disaggregation"]["tail_tokens"]
+        assert body["sparsekv"]["disaggregation"]["first_tokens"] == 1 and tail > 1
+        assert_as_colocated(want, body, d, logprob_tolerance(colocated, extra_layers=1))
+        body = _decode(p, d, prompt, temperature=0.8, seed=5, logprobs=None)
+        assert body["sparsekv"]["disaggregation"]["tail_tokens"] == tail - 1
+        assert body["sparsekv"]["choices"][0]["token_ids"] == want_sampled.token_ids
+        p.check_clean()
+        d.check_clean()
