@@ -44,7 +44,7 @@ class LayerFeed:
 
     def _keep(self, prompt: int, rows) -> bool:
         with self.lock:
-            if self.dropped or (rows.tail and not self.first_tokens and rows.tail == 1):
+            if self.dropped or (rows.tail == 1 and not self.first_tokens):
                 return False  # a short tail of no rows
             if not self.claimed:
                 self.unclaimed_bytes += sum(r.numel() * r.element_size() for r in rows.rows)
