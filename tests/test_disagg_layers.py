@@ -248,6 +248,23 @@ def test_rows_past_the_unclaimed_bound_are_dropped_and_the_pages_go_whole():
     loop.close()
 
 
+def test_without_first_tokens_a_tail_goes_short_and_one_of_a_single_row_not_at_all():
+    """A feed whose choices' first tokens do not go keeps a tail (sent less its last row, `short_tail`)
+    unless that tail is the last token's row alone; with the first tokens it keeps any."""
+    from sparsekv.cache.layer_tap import LayerRows
+    from sparsekv.disagg.layers import short_tail
+    loop = asyncio.new_event_loop()
+    tail = lambda n: LayerRows(0, 3, 1, [0], [torch.arange(n * 2.0).view(1, n, 2)], tail=n)  # noqa: E731
+    for first_tokens, kept in ((False, [2, 3]), (True, [1, 2, 3])):
+        feed = LayerFeed(loop, 3, first_tokens=first_tokens)
+        for n in (1, 2, 3):
+            feed.deliver_for(0)(tail(n))
+        assert [d.tail for _, _, _, deliveries in feed.take() for d in deliveries] == kept
+    assert [r.shape for r in short_tail(tail(3).rows, 3)] == [(1, 2, 2)]
+    assert torch.equal(short_tail(tail(3).rows, 3)[0], tail(3).rows[0][:, :2])
+    loop.close()
+
+
 def test_disaggregation_send_chunks_sends_no_layer_rows(glm_ckpt, tmp_path):
     """`--disaggregation-send chunks`: the pages go once every layer computed them, none layer by layer."""
     from disagg_util import secret_file
