@@ -335,10 +335,10 @@ def await_departures(control, world_size: int, timeout_s: float = DEPARTURE_WAIT
     process shuts its group down alone. A receive from a rank fails as soon as its connections close
     (it never sends); a spawned worker's exit is also awaited by joining it, but a rank on another node
     or under torchrun can only be seen this way. Shutting the group down while a peer's connections
-    close under it can abort this process in C++ (gloo)."""
-    _set_pg_timeout(timedelta(seconds=timeout_s), control)
-    probe = torch.zeros(1)
+    close under it can abort this process in C++ (gloo). `timeout_s` bounds the whole wait."""
+    probe, deadline = torch.zeros(1), time.monotonic() + timeout_s
     for rank in range(1, world_size):
+        _set_pg_timeout(timedelta(seconds=max(deadline - time.monotonic(), 0.01)), control)
         try:
             dist.recv(probe, src=rank, group=control)
         except RuntimeError:  # its connection closed (or the wait timed out): either way, go on
