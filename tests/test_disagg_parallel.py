@@ -105,10 +105,10 @@ def test_export_reads_the_rank_that_holds_most_of_the_prompt():
     assert DataParallelKV(engine).export_prefix([1, 2], "t", None, skip=1) == ["page 1", "page 2"]
 
 
-def _pairs(p_url: str, d_url: str, prompts: list[list[int]]) -> list:
+def _pairs(p_url: str, d_url: str, prompts: list[list[int]], **extra) -> list:
     """One request per prompt, all at once (each as the router sends it); the decode workers' bodies."""
     with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda prompt: send_pair(p_url, d_url, {**BODY, "prompt": prompt}), prompts))
+        answers = list(pool.map(lambda prompt: send_pair(p_url, d_url, {**BODY, "prompt": prompt, **extra}), prompts))
     for rp, rd in answers:
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
     return [rd.json() for _, rd in answers]
@@ -143,6 +143,28 @@ def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
             assert again["sparsekv"]["disaggregation"]["pages_sent"] == 0
             assert again["sparsekv"]["disaggregation"]["pages_skipped"] == (len(prompts[1]) - 1) // PAGE
             assert again["sparsekv"]["choices"][0]["token_ids"] == want[1].token_ids
+        local.check_clean()
+
+
+def test_a_data_parallel_drafting_prefill_worker_sends_short_tails_for_sampled_choices(tmp_path):
+    """Drafting on both sides, a `-dp 2` prefill worker: two seeded, sampled requests at once (the
+    worker spreads them over its ranks; rank 1's rows reach the decode worker through rank 0). Each
+    prompt's tail goes short, no first token goes, and the decode worker computes each prompt's last
+    token alone: one engine's seeded tokens."""
+    from sparsekv.paths import default_model_path
+    path = default_model_path()
+    prompts = [_prompt(4096, n, seed) for n, seed in ((46, 3), (47, 4))]  # tails of 2 and 3 rows
+    sampled = dict(temperature=0.8, seed=5, logprobs=None)
+    want = LLM(path, **BASE, num_speculative_tokens=2).generate(
+        prompts, SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.8, seed=5, ignore_eos=True))
+    args = ("-dp", "2", "--threads", "1", "--num-speculative-tokens", "2")
+    with process_and_local_pair(path, "prefill", tmp_path, args, **BASE, num_speculative_tokens=2) as (p_url, d_url, local):
+        bodies = _pairs(p_url, d_url, prompts, **sampled)
+        for prompt, body, expected in zip(prompts, bodies, want):
+            figures = body["sparsekv"]["disaggregation"]
+            assert (figures["first_tokens"], figures["tail_tokens"]) == (0, (len(prompt) - 1) % PAGE)
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+            assert body["sparsekv"]["choices"][0]["token_ids"] == expected.token_ids
         local.check_clean()
 
 
