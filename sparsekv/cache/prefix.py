@@ -159,7 +159,7 @@ class PrefixCache(PageTransfer):
         key = self._tail_key(self._names(req, cacheable), req.prompt_token_ids, req.tenant, req.cache_salt)
         entry = self._tails.get(key)
         whole = tail_tokens(req.num_prompt_tokens, self.page_size)
-        if entry is None or entry[2] != whole - 1 + req.num_output_tokens:
+        if entry is None or entry[2] != (whole if req.num_output_tokens else whole - 1):  # whole, or short
             return [], 0
         rows, entry[1] = entry[0], entry[1] - 1  # used or not
         if entry[1] == 0:
