@@ -452,6 +452,37 @@ def test_pages_stream_while_the_prompt_is_computed(glm_ckpt, monkeypatch):
         d.check_clean()
 
 
+def test_a_batch_before_the_last_is_kept_a_slice_at_a_time_and_the_last_at_once(glm_ckpt, monkeypatch):
+    """While the prompt is computed, each batch's pages are kept a few per engine call (a running
+    request's step waits for one slice, not a batch), under page names hashed once for the room; the
+    last batch, which the request waits for, at once with the tail. The answer is one engine's."""
+    from sparsekv.disagg import decode as decode_module
+    monkeypatch.setattr(decode_module, "KEEP_SLICE_PAGES", 1)
+    path, prompt = glm_ckpt[0], _prompt(256, 47)
+    colocated = LLM(path, **BASE)
+    want = colocated.generate([prompt], GREEDY)[0]
+    chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)  # 2 pages a chunk
+    with WorkerServer(path, "prefill", **BASE, **chunked) as p, WorkerServer(path, "decode", **BASE) as d:
+        _slowed(p.engine, monkeypatch)
+        calls, real = [], d.engine.kv.import_prefix
+        names = d.engine.kv.prefix.prompt_names(prompt, "default", None)
+
+        def spy(pages, *args, **options):
+            calls.append((len(pages), bool(options.get("tails")), options.get("chains")))
+            return real(pages, *args, **options)
+        monkeypatch.setattr(d.engine.kv, "import_prefix", spy)
+        body = _decode(p, d, prompt)
+        assert_as_colocated(want, body, d, logprob_tolerance(colocated))
+        got = body["sparsekv"]["disaggregation"]
+        assert sum(n for n, _, _ in calls) == got["pages_sent"] == (len(prompt) - 1) // PAGE
+        assert all(chains == [names] for _, _, chains in calls)
+        *early, last = calls
+        assert [n for n, _, _ in early] == [1] * len(early) and len(early) >= 4  # two pages a chunk, one a call
+        assert last[1] and got["tail_tokens"] == len(prompt) - PAGE * ((len(prompt) - 1) // PAGE)
+        assert got["pages_kept_early"] == len(early)
+        d.check_clean()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_mtp_drafting_workers_on_one_gpu_answer_as_one_engine_greedy_and_seeded_on_cuda():
     """Drafting workers on the GPU: a greedy request gets its tail and first token (the MTP layer's rows

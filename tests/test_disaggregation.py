@@ -335,6 +335,26 @@ def test_a_tail_fits_only_the_requests_it_was_cut_for(glm_ckpt):
         decode.engine.kv.import_prefix([], prompts=[prompt], tails=[[whole[k][:1] for k in range(num_kinds)]])
 
 
+def test_a_prompts_pages_imported_a_few_at_a_time_under_its_chains_land_as_one_import(glm_ckpt):
+    """The decode worker keeps a batch a slice at a time, naming the prompt's page chain it hashed once:
+    the hit is the whole prompt's, as after one import; chains that do not match the prompts are refused."""
+    path, prompt = glm_ckpt[0], _prompt(256)
+    prefill = LLM(path, **BASE)
+    prefill.generate([prompt], SamplingParams(max_tokens=1))
+    pages = prefill.engine.kv.export_prefix(prompt)
+    decode = LLM(path, **BASE, **DECODE)
+    chains = decode.engine.kv.prompt_chains([prompt])
+    assert chains == [[name for name, _ in pages]]
+    with pytest.raises(ValueError, match="2 chains of page names for 1 prompts"):
+        decode.engine.kv.import_prefix(pages[:1], prompts=[prompt], chains=chains * 2)
+    for start in range(0, len(pages), 3):
+        assert decode.engine.kv.import_prefix(pages[start:start + 3], prompts=[prompt], chains=chains) == \
+            len(pages[start:start + 3])
+    out = decode.generate([prompt], GREEDY)[0]
+    assert out.metrics["prefix_cached_tokens_device"] == len(pages) * PAGE
+    decode.engine.check_integrity()
+
+
 def test_pages_the_decode_side_holds_are_not_sent_again(glm_ckpt):
     path, prompt = glm_ckpt[0], _prompt(256)
     prefill = LLM(path, **BASE)

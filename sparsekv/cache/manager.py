@@ -174,7 +174,8 @@ class CacheManager:
         return self._prefix_cache().held(token_ids, tenant, cache_salt)
 
     def import_prefix(self, pages: list, tenant: str = "default", prompts: list[list[int]] = (),
-                      cache_salt: str | None = None, tails: list | None = None, tail_uses: int = 1) -> int:
+                      cache_salt: str | None = None, tails: list | None = None, tail_uses: int = 1,
+                      chains: list[list[bytes]] | None = None) -> int:
         """Keep exported pages, all or none. They land in the pool (with `kv_tiering` its latents in the
         host store the request decodes from), with the pages of `prompts` this cache already held before
         them; when the pool has no room, in the prefix cache's host tier (a hit copies them into pool
@@ -182,15 +183,26 @@ class CacheManager:
         tensor per kind; its requests (`tail_uses`: the prompt's choices), each added with the first
         token sampled where the prompt was computed, then compute from that token on
         (`PrefixCache.take`). Or a short tail, through the token before: its requests, added without
-        a first token, compute the last token and sample from it."""
+        a first token, compute the last token and sample from it. `chains`: the prompts' page names
+        (`prompt_chains`), for a caller that imports a prompt's pages in several calls."""
         prefix = self._prefix_cache()
         if tail_uses < 1:
             raise ValueError(f"tail_uses must be >= 1, got {tail_uses}")
-        padded = prefix.padded_tails([(prefix.tail_name(p, tenant, cache_salt), rows, len(p))
-                                      for p, rows in zip(prompts, tails or ()) if rows])
-        n = prefix.import_pages(pages, tenant, [prefix.prompt_names(p, tenant, cache_salt) for p in prompts])
+        if chains is None:
+            chains = self.prompt_chains(prompts, tenant, cache_salt)
+        elif len(chains) != len(prompts):
+            raise ValueError(f"{len(chains)} chains of page names for {len(prompts)} prompts")
+        padded = prefix.padded_tails([(prefix.tail_name(p, tenant, cache_salt, chain), rows, len(p))
+                                      for p, chain, rows in zip(prompts, chains, tails or ()) if rows])
+        n = prefix.import_pages(pages, tenant, chains)
         prefix.keep_tails(padded, tail_uses)
         return n
+
+    def prompt_chains(self, prompts: list[list[int]], tenant: str = "default",
+                      cache_salt: str | None = None) -> list[list[bytes]]:
+        """The names of each prompt's cacheable pages (hashes of its tokens: no engine state is read)."""
+        prefix = self._prefix_cache()
+        return [prefix.prompt_names(p, tenant, cache_salt) for p in prompts]
 
     def forget_prefix(self, names: list[bytes]) -> int:
         """Forget the named pages in every tier unless a request holds one (an import undone)."""

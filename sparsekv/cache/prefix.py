@@ -110,10 +110,13 @@ class PrefixCache(PageTransfer):
                                     token_ids[i * ps:(i + 1) * ps + self.lookahead]))
         return chain
 
-    def tail_name(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> bytes:
+    def tail_name(self, token_ids: list[int], tenant: str, cache_salt: str | None,
+                  chain: list[bytes] | None = None) -> bytes:
         """The key of a prompt's tail (`keep_tails`): its last cacheable page's name (or the root) and
-        the tokens after that page."""
-        return self._tail_key(self.prompt_names(token_ids, tenant, cache_salt), token_ids, tenant, cache_salt)
+        the tokens after that page (`chain`: the prompt's `prompt_names`, if the caller has them)."""
+        if chain is None:
+            chain = self.prompt_names(token_ids, tenant, cache_salt)
+        return self._tail_key(chain, token_ids, tenant, cache_salt)
 
     def _tail_key(self, chain: list[bytes], token_ids: list[int], tenant: str, cache_salt: str | None) -> bytes:
         parent = chain[-1] if chain else _root(tenant, cache_salt)

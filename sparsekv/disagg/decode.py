@@ -36,6 +36,7 @@ from .worker import Worker
 log = logging.getLogger("sparsekv.disagg")
 PACE_DUTY = 0.2  # the share of the core a batch's receive work takes while the engine has requests running
 PACE_MAX_PAUSE_S = 0.05  # the longest pause after one slice
+KEEP_SLICE_PAGES = 8  # a batch before the last is kept this many pages per engine call (a step may run between)
 
 
 class DecodeWorker(Worker):
@@ -57,6 +58,7 @@ class DecodeWorker(Worker):
     async def _take_kv(self, request, field, job: Job, prompts: list[list[int]]) -> dict:
         engine, loop = self.state.engine, self.state.loop
         held = await _on_engine(loop, lambda: [engine.kv.held_prefix(p, job.tenant, job.cache_salt) for p in prompts])
+        chains = await self.blocking(engine.kv.prompt_chains, prompts, job.tenant, job.cache_salt)
         weights = await self.blocking(self.weights.stamp, await _on_engine(loop, loaded_weights, engine))
         self.rooms[field.room] = "claim"
         claim = {"room": field.room, "nonce": secrets.token_hex(16), "tenant": job.tenant,
@@ -67,8 +69,8 @@ class DecodeWorker(Worker):
         link, meta = await self._claim(request, field, claim)
         inbox = Inbox(link, self.settings, self.device, self.nixl,
                       pacer=Pacer(lambda: loop.stats().get("running", 0) > 0), held=held)
-        kept: list[bytes] = []  # names of the pages kept so far
-        early = 0  # of them, kept before the last batch came
+        keep = Keep(job, prompts, chains, kept=[])
+        early = 0  # pages kept before the last batch came
         try:
             while True:  # the batches, each checked as it comes, its pages kept (all of the room's, or none)
                 self._check_meta(meta, claim, inbox.weights)
@@ -76,8 +78,8 @@ class DecodeWorker(Worker):
                 await self.blocking(inbox.receive, meta)
                 if meta.get("last"):
                     break
-                await self._keep(meta, inbox, job, prompts, None, kept)
-                early = len(kept)
+                await self._keep(meta, inbox, keep)
+                early = len(keep.kept)
                 meta = await self._next_batch(request, inbox)
             prefill_ended = time.monotonic()
             self.rooms[field.room] = "import"
@@ -85,9 +87,9 @@ class DecodeWorker(Worker):
             tails = inbox.complete_tails(prompts, engine.config.kv_page_size, len(engine.kv.page_tensors()),
                                          short=firsts is None)
             warm = self._warm(inbox, prompts, tails)
-            version = await self._keep(meta, inbox, job, prompts, tails, kept)
+            version = await self._keep(meta, inbox, keep, tails)
         except BaseException as e:
-            await self._forget(kept)
+            await self._forget(keep.kept)
             if not isinstance(e, TransferError):
                 raise
             if inbox.peer_failed:  # NOTE: the prefill worker failed and left the room to us
@@ -105,7 +107,7 @@ class DecodeWorker(Worker):
             job.subs = [dataclasses.replace(sub, first_token=first) for sub, first in zip(job.subs, stamped)]
         return {"role": "decode", "room": field.room, "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
                 "transfer_s": time.monotonic() - prefill_ended, "backend": meta["backend"], "bytes": inbox.nbytes,
-                "pages_sent": len(kept), "pages_streamed": meta.get("streamed", 0), "pages_kept_early": early,
+                "pages_sent": len(keep.kept), "pages_streamed": meta.get("streamed", 0), "pages_kept_early": early,
                 "pages_skipped": sum(held), "batches": inbox.batches, "paced_s": inbox.pacer.paused_s,
                 "pages_by_layer": inbox.pages_by_layer, "layer_batches": inbox.layer_batches,
                 "tail_tokens": sum(t[0].shape[0] for t in tails if t is not None),
@@ -137,17 +139,22 @@ class DecodeWorker(Worker):
             raise TransferError(f"the prefill worker failed: {meta['error']}")
         return meta
 
-    async def _keep(self, meta: dict, inbox: "Inbox", job: Job, prompts: list[list[int]], tails: list | None,
-                    kept: list[bytes]) -> int:
-        """Land the pages received since the last call (a batch's as it comes: its copies into the pool
-        spread over the prefill, between the engine's steps), adding their names to `kept`; with the
-        last batch, the tails too. Returns the weights version they were kept under."""
+    async def _keep(self, meta: dict, inbox: "Inbox", keep: "Keep", tails: list | None = None) -> int:
+        """Land the pages received since the last call, adding their names to `keep.kept`: a batch's as
+        it comes, `KEEP_SLICE_PAGES` per engine call, so that its copies into the pool spread over the
+        prefill between the engine's steps (a running request's step waits for a slice, not a batch);
+        the last batch's at once (the request waits for it), with the tails. Returns the weights
+        version they were kept under."""
         pages = inbox.take_pages()
         if not pages and tails is None:
             return -1
-        version = await self._import(meta, pages, job, prompts, tails or [])
-        kept += [name for name, _ in pages]
-        return version
+        mine = await self._weights_of(meta)
+        size = KEEP_SLICE_PAGES if tails is None else max(1, len(pages))
+        for start in range(0, max(1, len(pages)), size):
+            part = pages[start:start + size]
+            await self._import(mine, part, keep, tails if start + size >= len(pages) else None)
+            keep.kept += [name for name, _ in part]
+        return mine["weights_version"]
 
     async def _forget(self, names: list[bytes]) -> None:
         """A failed room's pages kept so far, forgotten again (unless a request holds one)."""
@@ -158,23 +165,28 @@ class DecodeWorker(Worker):
             except TransferError:  # the engine is going away: its cache with it
                 pass
 
-    async def _import(self, meta: dict, pages: list, job: Job, prompts: list[list[int]], tails: list) -> int:
-        """Keep the pages, all or none, if the prefill worker computed them under this worker's
-        weights (TransferError naming both otherwise). The version is read again with the import, on
-        the engine loop: an update in between forgets the cached pages, so none may be kept after it.
-        Returns that weights version."""
+    async def _weights_of(self, meta: dict) -> dict:
+        """This worker's weights stamp, if the prefill worker computed the batch under the same weights
+        (TransferError naming both otherwise)."""
         engine, loop = self.state.engine, self.state.loop
         mine = await self.blocking(self.weights.stamp, await _on_engine(loop, loaded_weights, engine))
         check_same_weights(meta.get("weights"), mine)
+        return mine
 
-        def keep():
+    async def _import(self, mine: dict, pages: list, keep: "Keep", tails: list | None) -> None:
+        """Keep the pages, all or none, under the weights of `mine`. The version is read again with the
+        import, on the engine loop: an update in between forgets the cached pages, so none may be kept
+        after it."""
+        engine, job = self.state.engine, keep.job
+
+        def land():
             if engine.weights_version != mine["weights_version"]:
                 raise TransferError(f"this decode worker's weights changed during the transfer (weights_version "
                                     f"{mine['weights_version']} -> {engine.weights_version})")
-            engine.kv.import_prefix(pages, job.tenant, prompts, job.cache_salt, tails=tails,
-                                    tail_uses=len(job.subs) // len(prompts))  # each choice of a prompt
-        await _on_engine(loop, keep)
-        return mine["weights_version"]
+            engine.kv.import_prefix(pages, job.tenant, keep.prompts, job.cache_salt, tails=tails or [],
+                                    tail_uses=len(job.subs) // len(keep.prompts),  # each choice of a prompt
+                                    chains=keep.chains)
+        await _on_engine(self.state.loop, land)
 
     def _warm(self, inbox: "Inbox", prompts: list[list[int]], tails: list) -> list[tuple]:
         """Per prompt, the selections its tail's rows made (FirstToken.warm), checked against this
@@ -214,6 +226,16 @@ class DecodeWorker(Worker):
             link.put("done", sign(self.settings.secret, body))
         except TransferError:
             pass  # the prefill worker is gone: it learns nothing, and needs nothing
+
+
+@dataclasses.dataclass
+class Keep:
+    """What a room's pages are kept for: its request, its prompts and their page names (hashed once
+    per room, for every call that keeps some), and the names of the pages kept so far."""
+    job: Job
+    prompts: list[list[int]]
+    chains: list[list[bytes]]
+    kept: list[bytes]
 
 
 class Inbox:

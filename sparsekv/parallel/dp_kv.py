@@ -47,6 +47,7 @@ class DataParallelKV:
         if not prompts:  # pages for no prompt in particular: rank 0 keeps them
             return self.on_rank(0, "import_prefix", pages, tenant, (), cache_salt, **options)
         tails = options.pop("tails", None) or [None] * len(prompts)
+        chains = options.pop("chains", None)
         ranks: dict[int, list[int]] = {}
         for i, prompt in enumerate(prompts):
             ranks.setdefault(self._claim(prompt, tenant, cache_salt), []).append(i)
@@ -54,7 +55,7 @@ class DataParallelKV:
         try:
             for rank, mine in ranks.items():
                 self.on_rank(rank, "import_prefix", pages, tenant, [prompts[i] for i in mine], cache_salt,
-                             tails=[tails[i] for i in mine], **options)
+                             tails=[tails[i] for i in mine], **options, **_chains_of(chains, mine))
                 kept.append(rank)
         except Exception:
             for rank in kept:
@@ -112,6 +113,11 @@ class DataParallelKV:
         rank = max(range(len(held)), key=lambda r: (held[r], -r))
         return self.on_rank(rank, "export_prefix", token_ids, tenant, cache_salt, skip=skip)
 
+    def prompt_chains(self, prompts: list[list[int]], tenant: str = "default",
+                      cache_salt: str | None = None) -> list[list[bytes]]:
+        """Rank 0's (page names hash the tokens alone: every rank names a prompt's pages alike)."""
+        return self.engine.local.kv.prompt_chains(prompts, tenant, cache_salt)
+
     def page_tensors(self) -> list:
         """Rank 0's (every rank's cache has the same tensors)."""
         return self.engine.local.kv.page_tensors()
@@ -136,6 +142,11 @@ def kv_call(engine, rank: int, wanted: int | None, method: str, args, kwargs):
         return "ok", getattr(engine.kv, method)(*args, **kwargs)
     except Exception as e:  # bad pages (ValueError) fail the call, never the rank
         return "error", e
+
+
+def _chains_of(chains: list | None, prompts: list[int]) -> dict:
+    """`import_prefix`'s chains of the prompts it lands on a rank, when the caller named them."""
+    return {} if chains is None else {"chains": [chains[i] for i in prompts]}
 
 
 def _result(answer):
