@@ -557,3 +557,22 @@ def test_the_first_decode_step_starts_warm(monkeypatch):
     cold, cold_tokens = first_decode_misses()
     assert cold > 250 * 5  # nearly every one of the 256 selected positions, in each of the 5 layers
     assert warm < cold / 4 and tokens == cold_tokens
+
+
+def test_a_host_fetch_outside_inference_mode_reuses_the_buffer_a_forward_grew():
+    """A decode step's forward (inference mode) grows the link's reused staging buffer; a fetch outside
+    inference mode (a transferred tail warming a working set, in begin_step) then writes into it. It
+    must stay a normal tensor: writing an inference tensor outside inference mode raises, and that
+    killed a tiered decode worker's engine."""
+    from sparsekv.cache.host_store import HostLink, RamTieredHostStore
+    host = RamTieredHostStore([0, 1], num_slots=64, dim=8, dtype=torch.float32)
+    for layer in (0, 1):
+        host.write(layer, torch.arange(64), torch.arange(64 * 8, dtype=torch.float32).view(64, 8) + layer)
+    link = HostLink(host, torch.device("cpu"))
+    dst = {layer: torch.zeros(16, 8) for layer in (0, 1)}
+    with torch.inference_mode():
+        link.fetch([0, 1], torch.arange(16), dst, torch.arange(16))  # grows the buffer to 16 rows
+    src = torch.tensor([5, 9, 63])
+    link.fetch([0, 1], src, dst, torch.tensor([0, 1, 2]))  # reuses it, outside inference mode
+    for layer in (0, 1):
+        assert torch.equal(dst[layer][:3], host.read(layer, src))

@@ -220,7 +220,10 @@ class HostLink:
 
     def _staging(self, rows: int) -> torch.Tensor:
         if self._scratch is None or self._scratch.shape[0] < rows:
-            self._scratch = torch.empty(rows, self.host.dim, dtype=self.host.dtype)
+            # NOTE: a normal tensor even when a step's forward (inference mode) grows it: a fetch outside
+            # it (a tail's warm-up in begin_step) writes it too, which an inference tensor refuses
+            with torch.inference_mode(False):
+                self._scratch = torch.empty(rows, self.host.dim, dtype=self.host.dtype)
         return self._scratch[:rows]
 
     def wait(self, layer: int) -> None:
