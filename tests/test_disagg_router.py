@@ -294,6 +294,28 @@ def test_a_client_gone_ends_both_calls(stream):
     assert statuses == {"499": 1.0}
 
 
+def test_a_client_gone_mid_stream_after_the_prefill_answered_ends_the_decode_call():
+    """The usual case: the prefill call has answered and the decode worker is streaming when the client
+    goes away. The router must close its connection to the decode worker (which then aborts the
+    request), not leave it half closed with the request generating."""
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    d.hang, d.hang_after = True, 1  # one event, then waits
+    with deployment([p], [d]) as (url, router, _):
+        for i in range(3):
+            body = json.dumps({"prompt": f"hello {i}", "max_tokens": 4, "stream": True}).encode()
+            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                received = b""
+                while b"data: " not in received:  # the first event has reached the client
+                    received += sock.recv(4096)
+                assert wait_until(lambda: len(p.bodies) == i + 1)
+        assert wait_until(lambda: d.cancelled == 3), d.cancelled
+        assert wait_until(lambda: not router._tasks)  # the closing tasks ended
+        statuses = scrape_labelled(url, "status")["sparsekv:router_requests_total"]
+    assert statuses == {"499": 3.0}
+
+
 def test_a_bad_body_is_a_400_before_any_worker_is_asked():
     p, d = FakeWorker("prefill"), FakeWorker("decode")
     with deployment([p], [d]) as (url, _, _):

@@ -60,6 +60,7 @@ class Exchange:
                                        headers=headers)
         self.d_task = asyncio.ensure_future(client.send(request, stream=True))
         self.d_response: httpx.Response | None = None
+        self.d_reading: asyncio.Future | None = None  # the decode call's wait in progress (unless_prefill_fails)
 
     def _ended(self, worker: Worker) -> None:
         worker.in_flight -= 1
@@ -90,18 +91,23 @@ class Exchange:
         return None if response.status_code == 200 else self._failure(self.prefill, response)
 
     async def unless_prefill_fails(self, awaitable):
-        """`awaitable`'s result, unless the prefill call fails first: then it is cancelled and the
-        prefill call's WorkerFailure raised."""
-        task = asyncio.ensure_future(awaitable)
-        if not self.p_task.done():
-            await asyncio.wait({task, self.p_task}, return_when=asyncio.FIRST_COMPLETED)
+        """`awaitable`'s result (a wait on the decode call), unless the prefill call fails first: then
+        it is cancelled and the prefill call's WorkerFailure raised. NOTE: the wait runs as a task that
+        only `asyncio.wait` awaits, so a cancel of this call (a streaming client gone: Starlette cancels
+        the stream) never reaches the decode call's read; `close` ends it, one cancel, after which httpx
+        closes the connection and the decode worker aborts the request. A cancel delivered inside the
+        read left its connection half closed and the request generating."""
+        task = self.d_reading = asyncio.ensure_future(awaitable)
+        await asyncio.wait({task} if self.p_task.done() else {task, self.p_task}, return_when=asyncio.FIRST_COMPLETED)
         failure = self.prefill_failure()
         if failure is not None:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
             raise failure
-        return await task
+        if not task.done():  # the prefill call succeeded first
+            await asyncio.wait({task})
+        return task.result()
 
     async def open_decode(self) -> httpx.Response:
         """D's response with status 200, its body not read yet; WorkerFailure otherwise."""
@@ -142,15 +148,25 @@ class Exchange:
         """End D's call; cancel P's too when the request failed or was abandoned (P finishes by itself
         when D has answered). NOTE: synchronous, because it runs in the `finally` of a stream that the
         client abandoned, where every await would be cancelled again; the closing awaits run as tasks."""
+        reading = self.d_reading
+        if reading is not None and not reading.done():
+            reading.cancel()
         if not self.d_task.done():
             self.d_task.cancel()
         elif not self.d_task.cancelled() and self.d_task.exception() is None:
-            self.router.background(asyncio.ensure_future(self.d_task.result().aclose()))
+            self.router.background(asyncio.ensure_future(_closed(self.d_task.result(), reading)))
         self._ended(self.decode)
         if failed and not self.p_task.done():
             self.p_task.cancel()
         else:
             self.router.background(self.p_task)
+
+
+async def _closed(response: httpx.Response, reading: asyncio.Future | None) -> None:
+    """Close the decode call's response once its read in progress, if any, has ended."""
+    if reading is not None:
+        await asyncio.wait({reading})
+    await response.aclose()
 
 
 def _is_json(response: httpx.Response) -> bool:
