@@ -316,6 +316,19 @@ def test_a_client_gone_mid_stream_after_the_prefill_answered_ends_the_decode_cal
     assert statuses == {"499": 3.0}
 
 
+def test_several_authorization_headers_are_a_400_before_any_worker_is_asked():
+    """As on any server: the router forwards the header and hashes it for affinity, so it may not pick one."""
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    with deployment([p], [d]) as (url, _, _):
+        body = json.dumps({"model": "fake", "prompt": "x", "max_tokens": 4})
+        r = httpx.post(url + "/v1/completions", content=body, timeout=20,
+                       headers=[("Content-Type", "application/json"), ("Authorization", "Bearer key-a"),
+                                ("Authorization", "Bearer key-b")])
+        assert r.status_code == 400 and "more than one Authorization header" in r.json()["error"]["message"]
+        assert complete(url, "x").status_code == 200  # one header passes
+        assert len(p.bodies) == len(d.bodies) == 1
+
+
 def test_a_bad_body_is_a_400_before_any_worker_is_asked():
     p, d = FakeWorker("prefill"), FakeWorker("decode")
     with deployment([p], [d]) as (url, _, _):

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..server.auth import OneAuthorization
 from ..server.errors import APIError, error_body, error_response
 from ..server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from ..server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -231,6 +232,7 @@ def create_app(router: Router, max_request_body_bytes: int = DEFAULT_MAX_REQUEST
         app.add_api_route(path, fn, methods=methods)
     app.add_exception_handler(APIError, lambda req, exc: error_response(exc))
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    app.add_middleware(OneAuthorization)
     return app
 
 

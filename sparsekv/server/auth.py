@@ -118,6 +118,29 @@ def tenant_for(keys: dict[bytes, str], authorization: str | None) -> str | None:
     return found
 
 
+def several_authorizations(scope) -> bool:
+    """More than one Authorization header: a singleton field (RFC 9110), where taking either one would
+    let a proxy and the server disagree on the key."""
+    return sum(name == b"authorization" for name, _ in scope["headers"]) > 1
+
+
+async def reject_several_authorizations(send) -> None:
+    await _reject(send, 400, "BadRequestError", "more than one Authorization header")
+
+
+class OneAuthorization:
+    """Plain ASGI: a request with several Authorization headers is a 400 (`sparsekv router`, which
+    forwards the header to its workers and hashes it for affinity, must not pick one)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and several_authorizations(scope):
+            return await reject_several_authorizations(send)
+        return await self.app(scope, receive, send)
+
+
 class AuthMiddleware:
     """Plain ASGI (not BaseHTTPMiddleware, which interferes with streaming and disconnects)."""
 
@@ -127,9 +150,8 @@ class AuthMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
-            # a singleton field (RFC 9110): taking either one would let a proxy and the server disagree on the key
-            return await _reject(send, 400, "BadRequestError", "more than one Authorization header")
+        if several_authorizations(scope):
+            return await reject_several_authorizations(send)
         if scope["path"] in ADMIN_PATHS and scope["method"] != "OPTIONS":
             return await self._admin(scope, receive, send)
         if not self.keys:
