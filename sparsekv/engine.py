@@ -96,7 +96,8 @@ class LLMEngine(WeightControl):
         prompt and weights (a disaggregated prefill worker), output by the next `step()` with no
         compute of its own; the request then computes from there. A token of weights this engine no
         longer has, or will not run the request under (an update waits), is dropped: the request
-        samples its first token itself."""
+        samples its first token itself, and so does a request with prompt logprobs (it computes every
+        prompt row for them, and would end at a first token that ends it with none computed)."""
         params = params or SamplingParams()
         params.validate()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -110,6 +111,8 @@ class LLMEngine(WeightControl):
         if first_token is not None and not self._same_weights(first_token):
             logger.info("request %s: its first token was sampled under other weights; sampling it again", request_id)
             first_token = None
+        if first_token is not None and params.prompt_logprobs is not None:
+            first_token = None  # the same token, sampled after the prompt rows its logprobs need
         if first_token is not None:
             cfg = self.model_config
             check_warm(first_token.warm, cfg.full_layers, cfg.index_topk, len(token_ids))

@@ -228,6 +228,29 @@ def test_a_request_that_ends_at_its_first_token_is_answered_from_the_prefill_wor
     d.check_clean()
 
 
+@pytest.mark.parametrize("max_tokens", [2, 0], ids=["completion", "prompt-only"])
+def test_echo_with_logprobs_answers_as_one_engine(pair, glm_ckpt, max_tokens):
+    """echo with logprobs (lm-eval's loglikelihood request with max_tokens 0): the decode worker
+    echoes the prompt with its logprobs, which it computes (the prefill worker's own answer echoes
+    nothing, as it computes no prompt logprobs)."""
+    p, d = pair
+    prompt = _prompt(256, 26, seed=12)
+    want = LLM(glm_ckpt[0], **BASE).generate([prompt], SamplingParams(max_tokens=max(1, max_tokens), temperature=0.0,
+                                                                     logprobs=1, prompt_logprobs=1))[0]
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "echo": True, "logprobs": 1}
+    rp, rd = send_pair(p.url, d.url, body, headers={"Authorization": "Bearer sk-alice"})
+    assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+    lps = rd.json()["choices"][0]["logprobs"]
+    generated = want.token_ids[:max_tokens]
+    assert len(lps["tokens"]) == len(prompt) + len(generated) and lps["token_logprobs"][0] is None
+    tol = logprob_tolerance(LLM(glm_ckpt[0], **BASE))
+    text = d.state.token_text
+    prompt_rows = [{text(t): v for t, v in row.items()} for row in want.prompt_logprobs[1:]]
+    assert_logprobs_close(prompt_rows, lps["top_logprobs"][1:len(prompt)], tol)
+    p.check_clean()
+    d.check_clean()
+
+
 def test_transfer_figures_reach_the_response_and_metrics(pair):
     p, d = pair
     before = {w: scrape(w.url) for w in pair}

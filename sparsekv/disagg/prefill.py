@@ -58,6 +58,7 @@ class PrefillWorker(Worker):
             raise bad_request(f"disaggregation.bootstrap_port {field.bootstrap_port} is not this prefill worker's "
                               f"({self.bootstrap_port})", "disaggregation")
         room = self.open_room(field)
+        job.builder.echo = None  # its answer is the prefill's own: the decode worker echoes (prompt logprobs too)
         subs, sends_first = self._prefill_subs(job, prompts)
         group = RequestGroup(job.group.request_ids[0].rsplit("-", 1)[0], len(subs))
         tapped = group.request_ids[::len(subs) // len(prompts)]  # each prompt's first choice
