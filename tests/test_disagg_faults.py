@@ -233,6 +233,22 @@ def test_a_corrupted_batch_mid_prompt_ends_the_prefill_too(glm_ckpt, monkeypatch
         _clean(d)
 
 
+@pytest.mark.parametrize("body", [{"prompt": [5, 6, 99999]}, {"prompt": [5, 6], "max_tokens": 0, "echo": False}],
+                         ids=["token-outside-the-vocabulary", "max-tokens-0-without-echo"])
+def test_a_request_the_prefill_worker_refuses_is_the_same_400_on_both_sides(glm_ckpt, body):
+    """Bad input is the prefill worker's 400, and the decode worker, told by it, answers the same 400
+    (status, message, param) rather than a failed transfer's 503: the router passes on whichever
+    answers first. No transfer counts as failed."""
+    with WorkerServer(glm_ckpt[0], "prefill", timeout_s=TIMEOUT_S, **BASE) as p, \
+            WorkerServer(glm_ckpt[0], "decode", timeout_s=TIMEOUT_S, **BASE) as d:
+        rp, rd = send_pair(p.url, d.url, {**BODY, **body})
+        assert rp.status_code == rd.status_code == 400, (rp.text, rd.text)
+        assert rd.json()["error"] == rp.json()["error"] and rd.json()["error"]["param"] in ("prompt", "max_tokens")
+        assert scrape(d.url)["sparsekv:disagg_transfers_failed_total"] == 0
+        _clean(p)
+        _clean(d)
+
+
 def test_a_prefill_that_fails_mid_prompt_fails_the_decode_side_at_once(glm_ckpt, monkeypatch):
     """The prefill engine fails at its third chunk after two batches went: the prefill worker writes
     the failure as the next batch, the decode worker answers 503 at once (not at its timeout) and

@@ -234,7 +234,7 @@ def test_echo_with_logprobs_answers_as_one_engine(pair, glm_ckpt, max_tokens):
     echoes the prompt with its logprobs, which it computes (the prefill worker's own answer echoes
     nothing, as it computes no prompt logprobs)."""
     p, d = pair
-    prompt = _prompt(256, 26, seed=12)
+    prompt = _prompt(256, 26, seed=21)
     want = LLM(glm_ckpt[0], **BASE).generate([prompt], SamplingParams(max_tokens=max(1, max_tokens), temperature=0.0,
                                                                      logprobs=1, prompt_logprobs=1))[0]
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "echo": True, "logprobs": 1}

@@ -116,14 +116,18 @@ SAMPLED = [
     SamplingParams(max_tokens=8, temperature=0.7, seed=5, presence_penalty=0.5, frequency_penalty=0.3,
                    repetition_penalty=1.2, logit_bias={7: 2.0}, min_tokens=3, logprobs=1),
     SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, prompt_logprobs=2),  # the decode side computes them
+    SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1),  # echo's prompt-only scoring
 ]
 
 
-@pytest.mark.parametrize("params", [GREEDY, *SAMPLED], ids=["greedy", "seeded", "adjusted", "prompt-logprobs"])
+@pytest.mark.parametrize("params", [GREEDY, *SAMPLED],
+                         ids=["greedy", "seeded", "adjusted", "prompt-logprobs", "prompt-logprobs-one-token"])
 def test_a_request_started_from_a_first_token_sampled_elsewhere_generates_what_one_engine_would(params, glm_ckpt):
     """The first token sampled by a prefill engine with the request's own parameters (seed, logprobs,
     penalties, bias, min_tokens), then given to a decode engine that computes the rest: the same
-    tokens and logprobs as one engine, the first token output by a step of its own that computes nothing."""
+    tokens and logprobs as one engine, the first token output by a step of its own that computes nothing.
+    A request with prompt logprobs computes every prompt row for them, so it samples its first token
+    there (given one that ends it, it would end with none computed)."""
     path = glm_ckpt[0]
     prompt = _prompt(256, 43)
     colocated = LLM(path, **BASE)
@@ -132,8 +136,9 @@ def test_a_request_started_from_a_first_token_sampled_elsewhere_generates_what_o
     assert first.token_id == want.token_ids[0] and first.logprobs == want.logprobs[0]
     decode = LLM(path, **BASE)
     got = _generate_from(decode.engine, prompt, params, first)
-    assert got.news[:2] == [[first.token_id], [want.token_ids[1]]]
-    assert decode.engine.counters["steps"] == params.max_tokens - 1  # one compute step per token after the first
+    assert got.news[:2] == [[t] for t in want.token_ids[:2]]
+    samples_first = params.prompt_logprobs is not None
+    assert decode.engine.counters["steps"] == params.max_tokens - 1 + samples_first  # a compute step a token after the first
     assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
     assert_logprobs_close(want.logprobs, got.logprobs, logprob_tolerance(colocated))
     if params.prompt_logprobs is not None:

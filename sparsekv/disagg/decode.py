@@ -26,11 +26,12 @@ import torch
 from ..cache.prefix import cacheable_pages, tail_tokens
 from ..outputs import check_warm
 from ..sampling_params import InvalidRequest
+from ..server.errors import APIError
 from ..server.serving import Job, run
 from .first_token import first_tokens_from_wire
 from .transfer import BACKENDS, Room, connect, meta_key, receiver
 from .weights_stamp import check_same_weights, loaded_weights
-from .wire import TransferError, at_once, check_received, prompt_digest, sign, tensors_to_pages, verify
+from .wire import PrefillRefused, TransferError, at_once, check_received, prompt_digest, sign, tensors_to_pages, verify
 from .worker import Worker
 
 log = logging.getLogger("sparsekv.disagg")
@@ -44,6 +45,8 @@ class DecodeWorker(Worker):
         room = self.open_room(field)
         try:
             figures = await self._take_kv(request, field, job, prompts)
+        except PrefillRefused as e:
+            raise APIError(e.status, e.message, e.param) from None
         except TransferError as e:
             raise self.failed(room, e) from None
         finally:
@@ -136,6 +139,9 @@ class DecodeWorker(Worker):
         raw = await self.take(link, meta_key(batch), "KV from the prefill worker", request)
         meta = verify(self.settings.secret, raw, "prefill worker's metadata")
         if "error" in meta:
+            status, param = meta.get("status"), meta.get("param")
+            if type(status) is int and 400 <= status < 500:
+                raise PrefillRefused(status, str(meta["error"]), param if isinstance(param, str) else None)
             raise TransferError(f"the prefill worker failed: {meta['error']}")
         return meta
 

@@ -63,10 +63,13 @@ class Batches:
             return
         self.error(reason)
 
-    def error(self, reason: str) -> None:
-        """Let a decode worker waiting on the room fail now rather than at its timeout."""
+    def error(self, reason: str, refusal: dict | None = None) -> None:
+        """Let a decode worker waiting on the room fail now rather than at its timeout. `refusal`: the
+        prefill's own refusal of the request (`status` below 500, `param`), which the decode worker
+        answers with as one server would."""
         try:
-            self.link.put(meta_key(self.index), sign(self.settings.secret, {"room": self.link.name, "error": reason}))
+            meta = {"room": self.link.name, "error": reason, **(refusal or {})}
+            self.link.put(meta_key(self.index), sign(self.settings.secret, meta))
             self.told_error, self.ended = True, True
         except TransferError:
             pass

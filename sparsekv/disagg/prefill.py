@@ -134,7 +134,7 @@ class PrefillWorker(Worker):
         try:
             raw = await self._claim_or_failed_prefill(request, out.link, prefill)
             if raw is None:
-                await self.blocking(out.error, _prefill_failure(prefill))
+                await self.blocking(out.error, _prefill_failure(prefill), _prefill_refusal(prefill))
                 return None
             out.claimed = True
             claim = self._check_claim(raw, room, job, prompts)
@@ -183,7 +183,7 @@ class PrefillWorker(Worker):
                 _check_verdict(await self.blocking(out.link.get, "done"), {"nonce": claim["nonce"]}, self.settings.secret)
             failure = _prefill_failure(prefill) if finished else None
             if failure is not None:
-                await self.blocking(out.error, failure)
+                await self.blocking(out.error, failure, _prefill_refusal(prefill))
                 return None
             look = asyncio.ensure_future(self._export(job, prompts, sent))  # NOTE: it runs once the step ends
             if feed is not None:
@@ -361,7 +361,31 @@ def _prefill_failure(prefill) -> str | None:
         e = prefill.exception()
         return e.message if isinstance(e, APIError) else f"the prefill failed: {e}"
     response = prefill.result()[0]
-    return None if response.status_code == 200 else "the prefill worker could not compute the prompt"
+    if response.status_code == 200:
+        return None
+    return _error_of(response).get("message") or "the prefill worker could not compute the prompt"
+
+
+def _prefill_refusal(prefill) -> dict | None:
+    """A failed prefill's status and param when it refused the request itself (bad input: a status
+    below 500), for the decode worker to answer with as one server would; None for any other failure."""
+    if prefill.cancelled():
+        return None
+    e = prefill.exception()
+    if e is not None and not isinstance(e, APIError):
+        return None
+    status = e.status if e is not None else prefill.result()[0].status_code
+    param = e.param if e is not None else _error_of(prefill.result()[0]).get("param")
+    return {"status": status, "param": param} if 400 <= status < 500 else None
+
+
+def _error_of(response) -> dict:
+    """An error response's OpenAI error object ({} if its body is not one)."""
+    try:
+        error = json.loads(response.body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return {}
+    return error if isinstance(error, dict) else {}
 
 
 def _times(group: RequestGroup, finished: float) -> dict:

@@ -37,6 +37,15 @@ class TransferError(RuntimeError):
     with a 503, the worker goes on."""
 
 
+class PrefillRefused(TransferError):
+    """The prefill worker refused the request itself (bad input): the decode worker answers with the
+    prefill worker's status, message and param, as one server would, and counts no failed transfer."""
+
+    def __init__(self, status: int, message: str, param: str | None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
 def load_secret(path: str) -> bytes:
     """The shared secret of a --disaggregation-secret-file: its bytes, surrounding whitespace removed.
     Refused if other users may read or write it, or if it is shorter than SECRET_MIN_BYTES."""
