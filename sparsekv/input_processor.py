@@ -15,6 +15,21 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def check_prompt_tokens(token_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:
+    """A prompt's token ids against the vocabulary, and its length with max_tokens against max_model_len
+    (InvalidRequest naming the first that fails)."""
+    if not token_ids:
+        raise InvalidRequest("prompt is empty", "prompt")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
+    if len(token_ids) > max_model_len:
+        raise InvalidRequest(f"prompt has {len(token_ids)} tokens, longer than max_model_len {max_model_len}", "prompt")
+    if len(token_ids) + max_tokens > max_model_len:
+        raise InvalidRequest(f"prompt ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len {max_model_len}", "max_tokens")
+
+
 class InputProcessor:
     """`check_fits(num_prompt_tokens, max_tokens)`: the cache manager's capacity check."""
 
@@ -40,17 +55,8 @@ class InputProcessor:
         return list(prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        vocab, limit = self.vocab_size, self.max_model_len
-        if not token_ids:
-            raise InvalidRequest("prompt is empty", "prompt")
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
-        if len(token_ids) > limit:
-            raise InvalidRequest(f"prompt has {len(token_ids)} tokens, longer than max_model_len {limit}", "prompt")
-        if len(token_ids) + params.max_tokens > limit:
-            raise InvalidRequest(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                                 f"max_model_len {limit}", "max_tokens")
+        vocab = self.vocab_size
+        check_prompt_tokens(token_ids, params.max_tokens, vocab, self.max_model_len)
         self.check_fits(len(token_ids), params.max_tokens)
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this checkpoint has none", "stop")

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 
+from sparsekv import LLM, InvalidRequest, SamplingParams
 from disagg_util import SECRET, WorkerServer, field, secret_file, send_pair, start_worker_process
 from sparsekv.disagg.transfer import CORRUPT_ENV, DELAY_ENV
 from test_server_util import scrape, wait_healthy, wait_until
@@ -233,17 +234,25 @@ def test_a_corrupted_batch_mid_prompt_ends_the_prefill_too(glm_ckpt, monkeypatch
         _clean(d)
 
 
-@pytest.mark.parametrize("body", [{"prompt": [5, 6, 99999]}, {"prompt": [5, 6], "max_tokens": 0, "echo": False}],
-                         ids=["token-outside-the-vocabulary", "max-tokens-0-without-echo"])
-def test_a_request_the_prefill_worker_refuses_is_the_same_400_on_both_sides(glm_ckpt, body):
-    """Bad input is the prefill worker's 400, and the decode worker, told by it, answers the same 400
-    (status, message, param) rather than a failed transfer's 503: the router passes on whichever
-    answers first. No transfer counts as failed."""
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [5, 6, 99999]}, "prompt"),  # both workers check the prompt's tokens and length first
+    ({"prompt": [5, 6] * 60, "max_tokens": 9}, "max_tokens"),  # with the client's max_tokens, not the prefill's 1
+    ({"prompt": [5, 6], "logit_bias": {"300": 1.0}}, "logit_bias"),  # the prefill engine refuses it: the decode worker is told
+], ids=["token-outside-the-vocabulary", "too-long-with-max-tokens", "logit-bias-outside-the-vocabulary"])
+def test_a_request_the_prefill_worker_refuses_is_the_same_400_on_both_sides(glm_ckpt, body, param):
+    """Bad input is a 400 on both workers, with the message and param one server gives, never a failed
+    transfer's 503 (the router passes on whichever answers first); no transfer counts as failed."""
     with WorkerServer(glm_ckpt[0], "prefill", timeout_s=TIMEOUT_S, **BASE) as p, \
             WorkerServer(glm_ckpt[0], "decode", timeout_s=TIMEOUT_S, **BASE) as d:
         rp, rd = send_pair(p.url, d.url, {**BODY, **body})
         assert rp.status_code == rd.status_code == 400, (rp.text, rd.text)
-        assert rd.json()["error"] == rp.json()["error"] and rd.json()["error"]["param"] in ("prompt", "max_tokens")
+        one = LLM(glm_ckpt[0], **BASE)
+        params = SamplingParams(max_tokens=body.get("max_tokens", BODY["max_tokens"]),
+                                logit_bias={int(t): v for t, v in body.get("logit_bias", {}).items()} or None)
+        with pytest.raises(InvalidRequest) as refused:
+            one.engine.add_request("r", body["prompt"], params)
+        assert rd.json()["error"] == rp.json()["error"]
+        assert rd.json()["error"]["message"] == str(refused.value) and rd.json()["error"]["param"] == param
         assert scrape(d.url)["sparsekv:disagg_transfers_failed_total"] == 0
         _clean(p)
         _clean(d)

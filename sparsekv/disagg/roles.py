@@ -2,7 +2,9 @@
 completion or chat request on a worker with a role."""
 from __future__ import annotations
 
-from ..server.errors import bad_request
+from ..input_processor import check_prompt_tokens
+from ..request import InvalidRequest
+from ..server.errors import APIError, bad_request
 from .decode import DecodeWorker
 from .prefill import PrefillWorker
 from .worker import DisaggSettings, Worker
@@ -35,4 +37,10 @@ async def serve(state, request, job, field, prompts: list[list[int]]):
                           f"{state.disagg.settings.mode}): a request needs the `disaggregation` field (room, "
                           f"bootstrap_host, bootstrap_port); send requests through `sparsekv router`",
                           "disaggregation")
+    vocab = state.engine.model_config.vocab_size
+    try:  # as the engine would, before a worker changes the parameters it runs (max_tokens)
+        for sub in job.subs:
+            check_prompt_tokens(sub.prompt, sub.params.max_tokens, vocab, state.max_model_len)
+    except InvalidRequest as e:
+        raise APIError(400, str(e), e.param) from None
     return await state.disagg.serve(request, job, field, prompts)
