@@ -326,6 +326,59 @@ def test_a_request_on_another_rank_is_first_scheduled_in_the_step_that_ran_it(gl
         llm.close()
 
 
+def test_an_abort_reaches_its_rank_without_another_request(glm_ckpt):
+    """Aborting the requests of rank 1 leaves work for the engine loop: the next step sends the aborts,
+    and that rank frees their pages and stops counting them, with no other request to step for."""
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2)
+    engine = llm.engine
+    try:
+        params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(_prompts(256)):
+            engine.add_request(f"r{i}", prompt, params)
+        assert sorted(engine.rank_of.values()) == [0, 1]
+        engine.step()
+        assert engine.stats()["running"] == 2
+        for request_id in list(engine.rank_of):
+            engine.abort(request_id)
+        assert engine.has_unfinished_requests()  # rank 1's abort is not sent yet
+        while engine.has_unfinished_requests():
+            engine.step()
+        stats = engine.stats()
+        assert stats["running"] == stats["waiting"] == 0 and engine.num_waiting_requests() == 0
+        assert [(r["running"], sum(r["waiting"].values())) for r in stats["by_data_parallel_rank"]] == [(0, 0), (0, 0)]
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_a_request_with_a_logits_processor_runs_on_rank_0(glm_ckpt):
+    """A logits processor is a Python callable given in this process (a closure here, which no other
+    process could load): its requests run on rank 0, with the others spread as usual, and answer as
+    one process does."""
+    long, short = _prompts(256)
+    prompts = [long, short, long[5:], short[3:]]
+    single = LLM(glm_ckpt[0], **BASE)
+    banned = single.generate(prompts[1:2], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
+
+    def ban(token_ids, logits):
+        logits[banned] = float("-inf")
+        return logits
+    params = [SamplingParams(max_tokens=6, temperature=0.0, logits_processors=[ban] if i % 2 else None)
+              for i in range(4)]
+    want = single.generate(prompts, params)
+    assert want[1].token_ids[0] != banned
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2)
+    try:
+        got = llm.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert llm.engine.stats()["by_data_parallel_rank"][1]["generation_tokens"] > 0  # the others spread
+        again = llm.generate(prompts[:1], params[:1])  # the engine serves on
+        assert again[0].token_ids == want[0].token_ids
+        llm.engine.check_integrity()
+    finally:
+        llm.close()
+
+
 def test_router_prefers_the_longest_cached_prefix_then_the_least_loaded():
     from sparsekv.parallel.router import PrefixAffinityRouter
     router = PrefixAffinityRouter(num_ranks=2, page_size=4)

@@ -123,6 +123,8 @@ class DataParallelEngine:
             cfg = self.local.model_config
             check_warm(first_token.warm, cfg.full_layers, cfg.index_topk, len(token_ids))
         rank = self.kv.take_claim(token_ids, tenant, cache_salt)  # a disaggregated request: where its pages landed
+        if rank is None and params.logits_processors:
+            rank = 0  # Python callables run in the process they were given to: no other rank could load them
         if rank is None:
             rank = self.router.choose(token_ids, tenant, cache_salt)
         else:
@@ -150,9 +152,10 @@ class DataParallelEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """Requests in flight, or a drain waiting: its update loads in a step once the ranks report no
-        started request, also when the last of them was aborted rather than finished."""
-        return bool(self.rank_of) or self._pending_update is not None
+        """Requests in flight, aborts not sent to their rank yet (a step sends them, and the rank frees
+        their pages), or a drain waiting: its update loads in a step once the ranks report no started
+        request, also when the last of them was aborted rather than finished."""
+        return bool(self.rank_of) or any(self._aborts) or self._pending_update is not None
 
     def num_waiting_requests(self, tenant: str | None = None) -> int:
         """Queued on every rank as of the last step, plus those not sent to their rank yet."""
