@@ -35,7 +35,7 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if getattr(self.engine, "paused", False):
             raise RuntimeError("generation is paused (pause_generation): continue_generation first")
-        requests = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        requests = self._add_all(prompts, params)
         ids = [r.request_id for r in requests]
         finished: dict[str, RequestOutput] = {}
         progress = GenerateProgress(self.engine, requests) if use_tqdm else None
@@ -52,6 +52,18 @@ class LLM:
         finally:
             progress and progress.close(len(finished))
         return [finished[rid] for rid in ids]
+
+    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list:
+        """Every prompt's request, or none: one refused (InvalidRequest) takes back those added before it."""
+        requests = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                requests.append(self.engine.add_request(None, prompt, sp))
+        except BaseException:
+            for request in requests:
+                self.engine.abort(request.request_id)
+            raise
+        return requests
 
     # -- for RL trainers (docs/rl.md) ----------------------------------------------------------
     def update_weights(self, named_tensors, policy: str = "drain") -> int:

@@ -132,6 +132,14 @@ def test_bad_prompts_rejected_and_engine_unaffected(llm, random_prompt):
     assert len(llm.generate([random_prompt(6)], GREEDY)[0].token_ids) == 8
 
 
+def test_generate_with_one_bad_prompt_adds_none_of_them(llm, random_prompt):
+    """The prompts before a refused one are taken back: nothing of the call stays queued or runs."""
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        llm.generate([random_prompt(6), random_prompt(7), [1, 2, 999]], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    _idle(llm)
+
+
 def _copy_with_config(src: str, dst: str, **changes) -> str:
     shutil.copytree(src, dst)
     cfg = json.load(open(os.path.join(dst, "config.json")))
