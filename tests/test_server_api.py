@@ -378,6 +378,20 @@ def test_bad_request(server, name, path, body, status, param):
         assert "200" in r.json()["error"]["message"] and "100" in r.json()["error"]["message"]
 
 
+def test_null_is_the_default_for_fields_openai_types_as_nullable(server):
+    """Clients that send every field send null for those they leave unset: n, stream, echo, logprobs,
+    parallel_tool_calls answer as if left out."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    for path, body, nulls in [(C, {**OK, "max_tokens": 3, "temperature": 0}, ("n", "stream", "echo", "logprobs")),
+                              (CHAT, {**MSG, "max_tokens": 3, "temperature": 0},
+                               ("n", "stream", "logprobs", "parallel_tool_calls"))]:
+        plain = httpx.post(server.url + path, json=body, headers=h, timeout=30)
+        given = httpx.post(server.url + path, json={**body, **dict.fromkeys(nulls)}, headers=h, timeout=30)
+        assert plain.status_code == given.status_code == 200, given.text
+        assert [c.get("text", c.get("message")) for c in given.json()["choices"]] == \
+            [c.get("text", c.get("message")) for c in plain.json()["choices"]]
+
+
 @pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Basic {KEY}", "Bearer", KEY])
 def test_bad_key(server, auth):
     h = {"Authorization": auth} if auth else {}

@@ -50,6 +50,12 @@ UNSUPPORTED = {
 }
 
 
+# Fields OpenAI's API types as nullable that have a non-null default here: null means that default
+# (clients that send every field send null for those they leave unset).
+NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs", "parallel_tool_calls", "ignore_eos", "include_reasoning",
+                   "return_routed_experts")
+
+
 class Disaggregation(_Body):
     """The router's `disaggregation` field (docs/disaggregation.md): the request's room and the
     prefill worker's bootstrap address, the same on the prefill and the decode worker."""
@@ -109,6 +115,7 @@ class SamplingFields(_Body):
     @classmethod
     def _refuse_unsupported(cls, data):
         if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
             for name, harmless in UNSUPPORTED.items():
                 if name in data and name not in cls.SUPPORTED_HERE and not harmless(data[name]):
                     raise ValueError(f"{name}: not supported by this server (only its default is accepted)")
