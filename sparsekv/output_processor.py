@@ -260,6 +260,8 @@ class OutputProcessor:
             stop_token, may_stop = True, True
         if may_stop and stop_token:
             self._final_text(req, req.output_token_ids[:-1])  # the stop token is not part of the text
+            eos = token in self.eos_token_ids and (not params.ignore_eos or (grammar is not None and grammar.finished))
+            req.stop_reason = None if eos else token  # vLLM: EOS first, then a stop token id
             return "stop"
         if self.tokenizer is not None and self._stop_string_completed(req, may_stop):
             return "stop"
@@ -294,6 +296,7 @@ class OutputProcessor:
         if cut < 0:  # the full decode placed the text differently from the incremental one: search it all
             cut, stop = stop_match(full, len(full), req.params.stop_strings)
         state.text = full[:cut + (len(stop) if req.params.include_stop_str_in_output else 0)]
+        req.stop_reason = stop
         return True
 
     def carried_output(self, req: Request) -> RequestOutput:
@@ -310,4 +313,4 @@ class OutputProcessor:
                              list(state.logprobs) if params.logprobs is not None else None,
                              req.finish_reason, new_tokens, req.num_cached_tokens, self.metrics(req),
                              state.prompt_logprobs if params.prompt_logprobs is not None else None,
-                             state.routed_experts if params.return_routed_experts else None)
+                             state.routed_experts if params.return_routed_experts else None, req.stop_reason)

@@ -28,6 +28,7 @@ class RequestOutput:
     # expert ids (ascending) the router chose at the position whose logits sampled the token (the last
     # prompt token's for the first one); shared with the request, never copied per step.
     routed_experts: list[list[list[int]]] | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it (None: EOS, length)
 
     @property
     def finished(self) -> bool:

@@ -38,6 +38,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0  # times its pages were taken back (kv_admission="optimistic") and it recomputed
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it (None: EOS, length)
     first_scheduled_time: float | None = None
     draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts after the known tokens: run, never output
     warm: tuple = ()  # FirstToken.warm, until its first chunk is scheduled (ScheduledChunk.warm)

@@ -67,6 +67,7 @@ def test_max_tokens_and_stop_token_ids(llm, random_prompt):
     first = greedy.token_ids.index(stop_at)
     out = llm.generate([random_prompt(10)], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_at]))[0]
     assert out.finish_reason == "stop" and out.token_ids == greedy.token_ids[:first + 1]
+    assert out.stop_reason == stop_at and greedy.stop_reason is None  # vLLM's: which stop ended it
     _idle(llm)
 
 

@@ -118,10 +118,15 @@ def test_stop_string(client):
     full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     stop = full[len(full) // 2:len(full) // 2 + 2]
     expected = full[:full.index(stop)]
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], logprobs=1)
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
-    chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True)
+    assert r.choices[0].stop_reason == stop  # vLLM's: the stop string that matched
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                            stream=True, logprobs=1))
     assert "".join(c.choices[0].text for c in chunks) == expected  # no stop-string prefix leaked mid-stream
+    assert chunks[-1].choices[0].stop_reason == stop
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == r.choices[0].logprobs.text_offset  # the tokens' offsets, though text was held back
     kept = dict(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
                 extra_body={"include_stop_str_in_output": True})
     assert client.completions.create(**kept).choices[0].text == expected + stop

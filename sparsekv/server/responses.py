@@ -172,7 +172,7 @@ class ResponseBuilder:
         lps = self.logprobs(tokens, entries, 0) if entries is not None else None
         if self.kind == "completion":
             return {"index": s.index, "text": text, "logprobs": lps, "finish_reason": out.finish_reason,
-                    "stop_reason": None}
+                    "stop_reason": out.stop_reason}
         reasoning, text = s.split(text)
         message, finish = {"role": "assistant", "content": text}, out.finish_reason
         calls = forced_calls(text, self.forced) if self.forced is not None else None
@@ -222,11 +222,11 @@ class ResponseBuilder:
     def chunk(self, s: ChoiceState, first: bool, include_usage: bool) -> dict:
         reasoning, text, tokens, lps = s.take_delta()
         logprobs = self.logprobs(tokens, lps, s.text_offset) if lps is not None else None
-        s.text_offset += len(text)
+        s.text_offset += sum(len(self.token_text(t)) for t in tokens)  # NOTE: not len(text), which a stop string may hold back
         finish = s.out.finish_reason
         if self.kind == "completion":
             choice = {"index": s.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                      "stop_reason": None}
+                      "stop_reason": s.out.stop_reason if finish is not None else None}
         else:
             delta = {"role": "assistant"} if first else {}
             if reasoning and self.reasoning.include:
