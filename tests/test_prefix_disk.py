@@ -150,6 +150,37 @@ def test_an_unreadable_page_is_recomputed_and_removed(ckpt, tmp_path):
     llm.close()
 
 
+def test_every_unreadable_page_of_a_chain_is_removed_and_saved_anew(ckpt, tmp_path):
+    """Every page file truncated: the reads ahead find each unreadable, also those after the first that
+    fails (no admission takes them), so each is counted and removed; the recomputed pages are then saved
+    anew, and the next restart hits the whole prompt."""
+    prompt = PROMPTS[0]
+    want = make(ckpt, **SMALL_POOL).generate([prompt], GREEDY)[0]
+    with disk_engine(ckpt, tmp_path, host_pages=0) as llm:
+        llm.generate([prompt], GREEDY)
+    disk_dir = next(e for e in os.scandir(tmp_path) if e.is_dir()).path
+    pages = [n for n in os.listdir(disk_dir) if n.endswith(".safetensors")]
+    assert len(pages) >= (len(prompt) - 1) // PAGE  # the prompt's full pages, and the output's
+    for name in pages:
+        with open(os.path.join(disk_dir, name), "r+b") as f:
+            f.truncate(100)
+    with disk_engine(ckpt, tmp_path, host_pages=0) as llm:
+        out = llm.generate([prompt], GREEDY)[0]
+        assert_close([want], [out], bitwise=True)
+        disk = llm.engine.kv.prefix.tiers["disk"]
+        disk.flush()
+        assert out.num_cached_tokens == 0 and disk.failed == (len(prompt) - 1) // PAGE  # each read ahead
+        chain = [os.path.join(disk_dir, name.hex() + ".safetensors") for name in llm.engine.kv.prompt_chains([prompt])[0]]
+        assert not any(os.path.exists(path) for path in chain)  # removed; its recomputed pages are in the pool
+        assert_idle(llm)
+    assert all(os.path.getsize(path) > 100 for path in chain)  # saved anew at close
+    with disk_engine(ckpt, tmp_path, host_pages=0) as llm:
+        again = llm.generate([prompt], GREEDY)[0]
+        assert_close([want], [again], bitwise=True)
+        assert again.num_cached_tokens == (len(prompt) - 1) // PAGE * PAGE
+        assert llm.engine.kv.prefix.tiers["disk"].failed == 0
+
+
 def test_one_engine_per_directory_and_bad_options_are_refused(ckpt, tmp_path):
     llm = disk_engine(ckpt, tmp_path)
     with pytest.raises(ConfigError, match="in use by another engine"):
@@ -394,7 +425,7 @@ def test_another_key_or_an_altered_file_reads_as_a_miss(ckpt, tmp_path):
         llm.generate([BASE + [3]], GREEDY)
     with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=_key(tmp_path, "other", b"z" * 40)) as llm:
         out = llm.generate([PROMPTS[0]], GREEDY)[0]  # the same namespace: the key is not part of it
-        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 1
+        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 4  # each page read ahead
         assert_close([want], [out], bitwise=True)
     with disk_engine(ckpt, disk_dir, prefix_cache_disk_unencrypted=True) as llm:  # another namespace: nothing found
         assert llm.stats()["prefix_disk_pages"] == 0
@@ -409,7 +440,7 @@ def test_another_key_or_an_altered_file_reads_as_a_miss(ckpt, tmp_path):
         open(path, "wb").write(bytes(data))
     with disk_engine(ckpt, altered, prefix_cache_disk_key_file=_key(tmp_path)) as llm:
         out = llm.generate([PROMPTS[0]], GREEDY)[0]
-        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 1
+        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 4  # each page read ahead
         assert_close([want], [out], bitwise=True)
     with pytest.raises(ConfigError, match="at least 32"):
         disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=_key(tmp_path, "short", b"x" * 8))
@@ -455,7 +486,7 @@ def test_rotating_the_key_reseals_every_page_and_keeps_the_hits(ckpt, tmp_path):
     assert old_id != new_id
     with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=old) as llm:  # the retired key opens nothing
         out = llm.generate([PROMPTS[0]], GREEDY)[0]
-        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 1
+        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 4  # each page read ahead
     with pytest.raises(ConfigError, match="prefix_cache_disk_unencrypted contradicts"):
         disk_engine(ckpt, disk_dir, prefix_cache_disk_old_key_files=[old], prefix_cache_disk_unencrypted=True)
 

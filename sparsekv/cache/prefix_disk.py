@@ -396,17 +396,32 @@ class PrefixDiskStore:
         os.utime(path, ns=(self._last_ns, self._last_ns))
 
     def _read(self, name: bytes) -> list[torch.Tensor] | None:
+        """The page's rows, or None: gone from the tier, or unreadable (then counted and its file removed,
+        so that the page, once recomputed, is saved anew)."""
         with self._lock:
-            pending = self._pending.get(name)
+            pending, indexed = self._pending.get(name), name in self._files
         if pending is not None:
             return pending[1]
+        if not indexed:
+            return None
         try:
             with open(self._path(name), "rb") as f:  # one read, the GIL released: reads ahead run beside steps
                 rows = self._decode(f.read(), name, self._digest_of(name))
+            if not self.rows.fits(rows):
+                raise ValueError("its rows do not fit this cache's layout")
         except Exception as e:  # noqa: BLE001 - a page that cannot be read is recomputed
             logger.warning("prefix cache disk tier: %s is unreadable (%s); recomputing it", self._path(name), e)
+            self._forget_unreadable(name)
             return None
-        return rows if self.rows.fits(rows) else None
+        return rows
+
+    def _forget_unreadable(self, name: bytes) -> None:
+        """NOTE: on the reader thread for a read ahead, where each page of a chain is read, also those
+        after the first that fails, which no admission then takes."""
+        with self._lock:
+            self.failed += 1
+            if name in self._files:
+                self._drop(name)
 
     def _decode(self, data: bytes, name: bytes, tenant: str) -> list[torch.Tensor]:
         """A page file's rows; raises if it is not one of ours, was not written under `name` for
@@ -484,10 +499,6 @@ class PrefixDiskStore:
         future = self._prefetched.pop(name, None)
         rows = future.result() if future is not None and not future.cancelled() else self._read(name)
         if rows is None:
-            with self._lock:
-                self.failed += 1
-                if name in self._files:
-                    self._drop(name)
             return None
         self.touch(name)
         self.loaded += 1
