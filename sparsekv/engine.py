@@ -202,7 +202,8 @@ class LLMEngine(WeightControl):
         self._ready_step = False
         self.kv.expire()
         scheduled = self.scheduler.schedule()
-        if not scheduled.chunks:  # only requests waiting for disk reads: wait for one, do not spin
+        if not scheduled.chunks:  # requests waiting for disk reads (wait for one, do not spin), or held for
+            self._apply_pending_update()  # an update whose last started request was aborted: it loads now
             if not ready:
                 self.kv.wait_for_reads(0.01)
             return ready

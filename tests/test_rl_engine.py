@@ -197,6 +197,28 @@ def test_drain_finishes_started_requests_under_a_and_holds_new_ones_for_b(ckpts)
     engine.check_integrity()
 
 
+def test_a_drain_loads_once_its_last_started_request_is_aborted(ckpts):
+    """The only started request is aborted (its client went away) while a drain waits: the next step
+    loads the update, and the held request runs under B."""
+    a, b, _ = ckpts
+    only_b = LLM(b, **OPTIONS).generate([OTHER], GREEDY)[0]
+    engine = LLM(a, **OPTIONS).engine
+    engine.add_request("r1", PROMPT, GREEDY)
+    for _ in range(3):
+        engine.step()
+    engine.update_weights_from_disk(b, policy="drain")
+    engine.add_request("r2", OTHER, GREEDY)
+    engine.abort("r1")
+    assert engine.has_unfinished_requests()
+    engine.step()
+    assert engine.weights_version == 1 and not engine.weight_update_pending
+    outs = {}
+    _run_until_done(engine, outs)
+    _same(outs["r2"], only_b, engine.model)
+    assert outs["r2"].metrics["weights_version"] == 1
+    engine.check_integrity()
+
+
 def test_drain_finishes_a_preempted_request_under_a(ckpts):
     """A request preempted before the update waits with tokens A computed: it is drained, not held."""
     a, b, _ = ckpts
