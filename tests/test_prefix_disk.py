@@ -103,6 +103,23 @@ def test_another_checkpoint_or_setting_never_reads_the_pages(ckpt, tmp_path, tmp
     assert len([e for e in os.scandir(tmp_path) if e.is_dir()]) == 4
 
 
+def test_a_weights_file_rewritten_in_place_is_another_checkpoint(ckpt, tmp_path, tmp_path_factory):
+    """A file rewritten where no sampled block looks (a partial update in place) keeps its size and
+    samples but not its modification time: its pages are never read under the new weights."""
+    import shutil
+    copy = str(tmp_path_factory.mktemp("rewritten"))
+    shutil.copytree(ckpt, copy, dirs_exist_ok=True, copy_function=shutil.copy2)  # times kept: the same checkpoint
+    with disk_engine(copy, tmp_path) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+    with disk_engine(copy, tmp_path) as llm:
+        assert llm.generate([PROMPTS[0]], GREEDY)[0].num_cached_tokens == 64
+    weights = os.path.join(copy, "model.safetensors")
+    os.utime(weights, ns=(os.stat(weights).st_atime_ns, os.stat(weights).st_mtime_ns + 10 ** 9))
+    with disk_engine(copy, tmp_path) as llm:
+        assert llm.stats()["prefix_disk_pages"] == 0
+        assert llm.generate([PROMPTS[0]], GREEDY)[0].num_cached_tokens == 0
+
+
 def _mode(path):
     return stat.S_IMODE(os.stat(path).st_mode)
 

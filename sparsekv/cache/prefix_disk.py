@@ -58,9 +58,12 @@ TENANT_KEY_PURPOSE = b"sparsekv-prefix-disk-tenant-key"
 SAMPLES_PER_FILE, SAMPLE_BYTES = 256, 4096
 
 
-def checkpoint_identity(path: str) -> list:
+def checkpoint_identity(path: str, with_times: bool = False) -> list:
     """config.json, and each safetensors file's name, size and 256 sampled 4 KiB blocks (its header
-    and last bytes included): what tells two checkpoints apart without reading all their weights."""
+    and last bytes included): what tells two checkpoints apart without reading all their weights, the
+    same for a copy on another machine. `with_times`: each file's modification time too, so that a file
+    rewritten in place between the sampled blocks (a partial update) is another checkpoint; a copy that
+    does not keep the times then is one too."""
     with open(os.path.join(path, "config.json"), "rb") as f:
         identity: list = [hashlib.sha256(f.read()).hexdigest()]
     for name in sorted(os.listdir(path)):
@@ -72,7 +75,7 @@ def checkpoint_identity(path: str) -> list:
             for i in range(SAMPLES_PER_FILE):
                 f.seek(max(0, (size - SAMPLE_BYTES) * i // (SAMPLES_PER_FILE - 1)))
                 digest.update(f.read(SAMPLE_BYTES))
-        identity.append((name, size, digest.hexdigest()))
+        identity.append((name, size, digest.hexdigest(), *([os.stat(file).st_mtime_ns] if with_times else [])))
     return identity
 
 
@@ -118,8 +121,9 @@ def tenant_hmac(secret: bytes, tenant: str) -> str:
 
 def namespace(config, rows: PageRows, lookahead: int, sealed: bool = False) -> str:
     """The directory name for pages this engine computes: equal only for engines whose pages hold the
-    same bytes for the same names."""
-    key = {"format": FORMAT, "checkpoint": checkpoint_identity(config.model), "dtype": config.dtype,
+    same bytes for the same names (the checkpoint's files with their times: a page never outlives a
+    file rewritten in place, whatever bytes changed)."""
+    key = {"format": FORMAT, "checkpoint": checkpoint_identity(config.model, with_times=True), "dtype": config.dtype,
            "device": torch.device(config.device).type, "page": config.kv_page_size, "attention": config.attention,
            "overrides": config.hf_overrides, "selector": config.selector, "quest": config.quest_page_tokens,
            "index_keys": config.indexer_key_dtype, "latents": config.kv_cache_dtype, "lookahead": lookahead,
