@@ -337,8 +337,20 @@ class EngineConfig:
         if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 8:
             raise ConfigError(f"num_speculative_tokens must be an integer in [0, 8] (0 = off), "
                               f"got {self.num_speculative_tokens!r}")
+        self._validate_device()
         self._validate_tiering()
         self._validate_parallel()
+
+    def _validate_device(self) -> None:
+        import torch
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r}: this torch sees no CUDA device (a CPU build, or no GPU)")
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 
     def _validate_parallel(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):

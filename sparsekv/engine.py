@@ -50,6 +50,8 @@ class LLMEngine(WeightControl):
         self.model = self.executor.model  # this rank's shard
         self.model_config: ModelConfig = self.model.cfg
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        if self.tokenizer is None and config.tokenizer is not None:  # asked for: never silently none
+            raise ConfigError(f"tokenizer {config.tokenizer!r}: no tokenizer.json or tokenizer_config.json there")
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)

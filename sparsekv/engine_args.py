@@ -8,6 +8,34 @@ import argparse
 from .units import parse_bytes
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port (0: any free one)."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {port}")
+    return port
+
+
+def at_least(low, kind=int):
+    """An argparse type: a number of `kind` that is >= low."""
+    def parse(text: str):
+        value = kind(text)
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
+    return parse
+
+
+def output_path(text: str) -> str:
+    """An argparse type: a file to write, in a directory that exists (checked before any work runs)."""
+    import os
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text}: its directory {parent} does not exist")
+    return text
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine options of `generate` and `serve` (names match the LLM(...) keywords)."""
     g = p.add_argument_group("engine")

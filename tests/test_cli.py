@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from sparsekv.__main__ import main
 
@@ -80,6 +81,41 @@ def test_bench_flags_out_of_range_are_usage_errors(capsys):
             main(argv)
         assert exit_info.value.code == 2, argv
         assert argv[2] in capsys.readouterr().err, argv
+
+
+def test_flags_out_of_range_are_usage_errors_before_any_work(capsys):
+    """Each names its flag, exits 2, prints no traceback, and runs nothing first (no model load, no
+    benchmark whose results could not be written)."""
+    for argv, flag in ((["serve", "--port", "70000"], "--port"), (["serve", "--port", "-1"], "--port"),
+                       (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout"),
+                       (["serve", "--default-max-tokens", "0"], "--default-max-tokens"),
+                       (["router", "--prefill", "http://a:1", "--decode", "http://b:2", "--port", "70000"], "--port"),
+                       (["bench", "decode", "--repeats", "0"], "--repeats"), (["bench", "decode", "--steps", "0"], "--steps"),
+                       (["bench", "prefill", "--chunk", "0"], "--chunk"),
+                       (["bench", "decode", "--json", "/nonexistent/x.json"], "--json"),
+                       (["plan", "glm-5.2", "--plot", "/nonexistent/x.png"], "--plot")):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's usage error (plan returns its code instead)
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and flag in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_device_this_torch_cannot_use_is_one_clear_line(glm_ckpt, capsys):
+    for device, words in (("foo", "cpu, cuda or cuda:N"), ("cuda", "no CUDA device")):
+        if device == "cuda" and torch.cuda.is_available():
+            continue
+        assert main(["generate", glm_ckpt[0], "--prompt-token-ids", "1,2", "--device", device]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, err
+
+
+def test_a_tokenizer_asked_for_and_not_found_is_an_error(glm_ckpt, tmp_path):
+    from sparsekv import LLM
+    from sparsekv.config import ConfigError
+    with pytest.raises(ConfigError, match="no tokenizer.json"):
+        LLM(glm_ckpt[0], tokenizer=str(tmp_path), max_model_len=64)
 
 
 @pytest.mark.parametrize("command, required", [("generate", ["--prompt", "x"]), ("serve", [])])

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..engine_args import port_number
 from ..server.auth import OneAuthorization
 from ..server.errors import APIError, error_body, error_response
 from ..server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
@@ -244,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="append", required=True, metavar="URL",
                    help="a decode worker (`sparsekv serve --disaggregation-mode decode`); repeat")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between polls of every worker")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a worker may take to answer, or between two chunks of a stream")

@@ -59,18 +59,19 @@ def parse_api_keys(specs: list[str], sources: list[str] | None = None) -> dict[b
     return keys
 
 
-def read_api_key_file(path: str) -> list[tuple[str, str]]:
-    """The `KEY[:TENANT]` lines of an --api-key-file, each with where it is (`PATH line N`). Refused
-    if group or others may read or write it (they could read the keys, or add one)."""
+def read_api_key_file(path: str, flag: str = "--api-key-file") -> list[tuple[str, str]]:
+    """The `KEY[:TENANT]` lines of an --api-key-file (`flag`: the option that named it), each with where
+    it is (`PATH line N`). Refused if group or others may read or write it (they could read the keys,
+    or add one)."""
     with open(path) as f:
         mode = os.fstat(f.fileno()).st_mode  # of the file opened, not of whatever the path names later
         if mode & OTHERS_MAY_ACCESS:
-            raise ValueError(f"--api-key-file {path}: other users may read or write it (mode "
+            raise ValueError(f"{flag} {path}: other users may read or write it (mode "
                              f"{stat.S_IMODE(mode):04o}); make it private: chmod 600 {path}")
-        entries = [(line.strip(), f"--api-key-file {path} line {n}") for n, line in enumerate(f, 1)
+        entries = [(line.strip(), f"{flag} {path} line {n}") for n, line in enumerate(f, 1)
                    if line.strip() and not line.lstrip().startswith("#")]
     if not entries:
-        raise ValueError(f"--api-key-file {path}: no keys in it")
+        raise ValueError(f"{flag} {path}: no keys in it")
     return entries
 
 
@@ -97,7 +98,7 @@ def load_admin_keys(flags: list[str], files: list[str], environ: dict) -> dict[b
     {sha256(KEY): "admin"} (the whole value is the key); ValueError on an empty one."""
     keys = list(flags)
     for path in files:
-        keys += [line for line, _ in read_api_key_file(path)]
+        keys += [line for line, _ in read_api_key_file(path, "--admin-api-key-file")]
     if environ.get(ADMIN_API_KEY_ENV):
         keys.append(environ[ADMIN_API_KEY_ENV])
     if not all(keys):

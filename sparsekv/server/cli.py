@@ -22,7 +22,7 @@ import sys
 import uvicorn
 
 from ..config import ConfigError
-from ..engine_args import add_engine_args, engine_options, non_default_args
+from ..engine_args import add_engine_args, at_least, engine_options, non_default_args, port_number
 from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES
 from .reasoning import PARSERS
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory or Hugging Face repo id ORG/NAME (default: the bundled model)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--fd", type=int, default=None, metavar="FD",
                    help="serve on this inherited, listening TCP socket (a file descriptor, as uvicorn's --fd: "
                         "sockets handed over by a supervisor); --host and --port are then not bound")
@@ -68,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests-per-tenant", dest="max_queued_per_tenant", type=int, default=None,
                    help="at most this many of one tenant's requests waiting; beyond it that tenant gets 503 + "
                         "Retry-After while others are still queued")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=at_least(0.0, float), default=30.0,
                    help="seconds to drain in-flight requests after SIGTERM before aborting them")
-    p.add_argument("--default-max-tokens", type=int, default=None,
+    p.add_argument("--default-max-tokens", type=at_least(1), default=None,
                    help="max_tokens when a request gives none (default: 16 for completions; for chat the rest "
                         "of the context, at most KV pool tokens / max-num-seqs)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import ConfigError
+from ..engine_args import at_least, output_path
 from .plan_workload import parse_tokens, token_list_arg
 
 BENCH_PRESETS = ("tiny-bench", "glm5-geometry", "glm5.2-proportions")
@@ -263,12 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode-kind", dest="mode_kind", default="decode", choices=["decode", "prefill"],
                    help="for `modes`: compare decode or prefill")
     p.add_argument("--contexts", type=token_list_arg, default="4K,16K", help="comma-separated token counts, e.g. 4K,16K,128K,1M")
-    p.add_argument("--steps", type=int, default=16, help="decode steps measured per run")
-    p.add_argument("--chunk", type=int, default=4096, help="prefill chunk tokens")
+    p.add_argument("--steps", type=at_least(1), default=16, help="decode steps measured per run")
+    p.add_argument("--chunk", type=at_least(1), default=4096, help="prefill chunk tokens")
     p.add_argument("--decode-steps", type=int, default=0,
                    help="for `prefill`: then decode this many tokens on the prefilled cache (median ms/token)")
     p.add_argument("--attention", default="sparse", choices=["sparse", "dense"])
-    p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="runs per figure; the median is reported")
     p.add_argument("--threads", type=int, default=2,
                    help="torch threads of every run (0: each engine at its defaults, as LLM(path) and transformers)")
     p.add_argument("--transformers-max-context", type=transformers_limit_arg, default=parse_tokens("16K"),
@@ -276,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-dense-prefill", action="store_true")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="for `decode`: profile this many steps at the largest context and print their time by op kind")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--json", type=output_path, default=None, help="also write the results to this JSON file")
     return p
 
 

@@ -22,6 +22,7 @@ import time
 
 from rich.table import Table
 
+from ..engine_args import at_least, output_path
 from .bench import _machine_bandwidth, report_console, run_bench
 
 MODES = ("reserve", "optimistic")
@@ -112,10 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--fit", type=int, default=4, help="requests the pool holds at prompt + max_tokens")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=at_least(1), default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_path, default=None)
     return p
 
 

@@ -21,6 +21,7 @@ import time
 
 from rich.table import Table
 
+from ..engine_args import at_least, output_path
 from .bench import report_console, run_bench
 
 MODES = {"one request at a time": False, "batched": True}
@@ -203,15 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
     p.add_argument("--batch", type=int, default=32, help="concurrent requests")
     p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--steps", type=int, default=32, help="decode steps timed")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=at_least(1), default=32, help="decode steps timed")
+    p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--sparse-prompt-tokens", type=int, default=0,
                    help="prompt tokens of the sparse-regime runs, past top-k (e.g. 1024); 0 (default) skips them")
     p.add_argument("--sparse-batch", type=int, default=32, help="concurrent requests of the sparse-regime runs")
     p.add_argument("--sparse-steps", type=int, default=8, help="decode steps timed in the sparse-regime runs")
     p.add_argument("--device", default="cpu", help="cpu or cuda (on an accelerator the saving is in launches)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_path, default=None)
     return p
 
 

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from ..engine_args import at_least, output_path
 from ..model.indexer import MODULE_POLICY, BlockPolicy, LightningIndexer, index_key_tile, index_query_block
 from .bench import index_flops_per_pair, report_console
 from .hardware import device_read_bandwidth
@@ -169,14 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=token_list_arg, default="256K,1M", help="keys in the history, e.g. 64K,256K,1M")
     p.add_argument("--queries", type=int, default=512, help="queries scored (the end of a prefill chunk)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per policy; the median is reported")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="timed calls per policy; the median is reported")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", choices=sorted(BASELINES), default="small-tiles",
                    help="earlier block policy timed in the same run (see the module docstring)")
     p.add_argument("--decode", action="store_true",
                    help="time one decode row in both score layouts instead of a prefill block")
     p.add_argument("--device", default="cpu", help="with --decode: cpu or cuda")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_path, default=None)
     return p
 
 

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 from rich.table import Table
 
+from ..engine_args import at_least, output_path
 from .bench import _machine_bandwidth, report_console, run_bench
 
 DTYPES = ("auto", "fp8")
@@ -166,9 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--device-budget", type=parse_bytes, default=parse_bytes("1G"))
     p.add_argument("--kv-tiering", action="store_true", help="both engines tiered (working sets + host store)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_path, default=None)
     return p
 
 

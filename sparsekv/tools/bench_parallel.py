@@ -24,6 +24,7 @@ import time
 
 from rich.table import Table
 
+from ..engine_args import at_least, output_path
 from .bench import report_console, run_bench
 
 LAYOUTS = {"1 rank": {}, "tp 2": dict(tensor_parallel_size=2),
@@ -144,10 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
     p.add_argument("--batch", type=int, default=4, help="concurrent requests")
     p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--steps", type=int, default=32, help="decode steps timed")
+    p.add_argument("--steps", type=at_least(1), default=32, help="decode steps timed")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--layout", default=None, choices=list(LAYOUTS), help=argparse.SUPPRESS)  # one layout, in-process
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_path, default=None)
     return p
 
 

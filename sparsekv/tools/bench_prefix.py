@@ -19,6 +19,7 @@ import time
 
 from rich.table import Table
 
+from ..engine_args import at_least, output_path
 from ..units import parse_bytes
 from .bench import report_console, run_bench
 
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-tokens", type=int, default=2048)
     p.add_argument("--suffix-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
+    p.add_argument("--chunk", type=at_least(1), default=512, help="prefill chunk tokens")
     p.add_argument("--rotate", type=int, default=1,
                    help="prefixes taken in turn, with a pool that holds one (> 1 also measures the host tier)")
     p.add_argument("--host-bytes", type=parse_bytes, default=1 << 30, help="the host tier's budget with --rotate")
@@ -162,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also a fresh engine on a disk tier an earlier engine filled: its first requests hit disk")
     p.add_argument("--kv-tiering", action="store_true", help="both modes with the tiered KV cache")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_path, default=None)
     return p
 
 

@@ -23,6 +23,7 @@ import time
 
 from rich.table import Table
 
+from ..engine_args import at_least, output_path
 from .bench import _machine_bandwidth, report_console, run_bench
 
 
@@ -116,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=154880)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--spreads", type=float, nargs="+", default=[8.0, 5.0, 3.0])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=at_least(1), default=5)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_path, default=None)
     return p
 
 

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from ..engine_args import output_path
 from .serve_client import StreamError, server_model, stream_chunks
 
 TIER_METRICS = ("num_requests_running", "num_requests_waiting", "kv_pages_free", "device_kv_bytes",
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--json", type=output_path, default=None, metavar="FILE", help="also write the results as JSON")
     w = p.add_argument_group("--workload interference (bench_serve_interference.py): --streams running streams of "
                              "--input-len + --output-len tokens, alone, then while long prompts arrive")
     w.add_argument("--workload", choices=["requests", "interference"], default="requests")

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 from rich.table import Table
 
+from ..engine_args import output_path
 from .bench import report_console, run_bench
 
 
@@ -238,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-tiering", action="store_true", help="both modes with the tiered KV cache")
     p.add_argument("--device-buffer-tokens", type=int, default=None, help="with --kv-tiering (default 2 x top-k)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_path, default=None)
     return p
 
 

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from datetime import date
 
+from ..engine_args import at_least, output_path
 from .bench import BENCH_PRESETS
 from .bench_tiers_natural import natural
 from .bench_tiers_setup import MB, delta, interleaved_step_ms, make_engine, miss_rate, p99, synthetic_admit
@@ -193,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffers", type=multiples_arg, default="1,2,4",
                    help="device buffer sizes as multiples of top-k (each >= 1: N >= top-k)")
     p.add_argument("--selector", default="dsa", choices=["dsa", "quest"])
-    p.add_argument("--steps", type=int, default=32, help="decode steps measured per figure")
+    p.add_argument("--steps", type=at_least(1), default=32, help="decode steps measured per figure")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--latency-steps", type=int, default=1000, help="--concurrency: steps for p99 at concurrency 1")
@@ -211,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit", type=int, default=4, help="requests the budget holds with tiering off")
     p.add_argument("--max-requests", type=int, default=32, help="requests submitted in --concurrency mode")
     p.add_argument("--plot-dir", default="bench_tiers_plots")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_path, default=None)
     return p
 
 

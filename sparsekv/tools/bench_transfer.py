@@ -23,6 +23,7 @@ import uuid
 
 from rich.table import Table
 
+from ..engine_args import at_least, output_path
 from .bench import report_console, run_bench
 
 MODES = ("layers", "chunks", "after")
@@ -167,14 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench transfer", description=__doc__)
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
     p.add_argument("--prompt-tokens", type=int, default=16384)
-    p.add_argument("--repeats", type=int, default=2, help="prompts per backend and mode")
+    p.add_argument("--repeats", type=at_least(1), default=2, help="prompts per backend and mode")
     p.add_argument("--backends", default="torch", help="comma-separated --disaggregation-transfer-backend values: "
                                                         "torch, nixl")
     p.add_argument("--host-bytes", type=int, default=1 << 30, help="each worker's prefix-cache host tier, bytes")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the two engines share them)")
     p.add_argument("--prefill-dp", type=int, default=1,
                    help="the prefill worker's data-parallel ranks (-dp); as many prompts go at once, one per rank")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_path, default=None)
     return p
 
 

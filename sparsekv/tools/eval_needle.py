@@ -20,6 +20,7 @@ import sys
 import time
 from collections import defaultdict
 
+from ..engine_args import output_path
 from ..train.tasks import TASKS, TaskBuilder, score
 from .plan_workload import parse_token_list, parse_tokens
 
@@ -73,7 +74,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="latents in the model dtype, or FP8 (FlashMLA's rows): does retrieval survive the quantization?")
     p.add_argument("--device", default="cpu", help="engine device (cpu, cuda)")
     p.add_argument("--heatmap", default="needle_heatmap.png", help="depth x length heatmap PNG")
-    p.add_argument("--json", default=None, help="write every sample's result here")
+    p.add_argument("--json", type=output_path, default=None, help="write every sample's result here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-progress", action="store_true",

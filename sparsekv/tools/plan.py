@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from ..engine_args import output_path
 from sparsekv.config import ConfigError, ModelConfig
 from sparsekv.tools.hardware import PRESETS as HW_PRESETS
 from sparsekv.tools.hardware import Hardware, load_hardware
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--parallel-only", action="store_true",
                    help="print only the parallel layout: weights and KV per GPU, requests per node, collectives")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of the concurrency x context sweep")
+    p.add_argument("--plot", type=output_path, metavar="PATH", help="write a PNG of the concurrency x context sweep")
     p.add_argument("--sweep", action="store_true", help="concurrency x context table, with and without tiering")
     return p
 
