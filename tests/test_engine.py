@@ -133,6 +133,15 @@ def test_bad_prompts_rejected_and_engine_unaffected(llm, random_prompt):
     assert len(llm.generate([random_prompt(6)], GREEDY)[0].token_ids) == 8
 
 
+def test_a_kv_pool_larger_than_the_devices_memory_is_a_config_error(glm_ckpt):
+    """Sized from max_model_len past the machine's memory, the pool is refused before any allocation,
+    naming what sized it (it failed deep in an allocation, or the process was killed for memory)."""
+    from sparsekv.cache.manager import device_memory_bytes
+    tokens = 2 * device_memory_bytes(torch.device("cpu"))  # at least a byte a token: past the memory
+    with pytest.raises(ConfigError, match="the KV cache would take .* max_model_len"):
+        LLM(glm_ckpt[0], max_model_len=tokens, max_num_seqs=1)
+
+
 def test_generate_with_one_bad_prompt_adds_none_of_them(llm, random_prompt):
     """The prompts before a refused one are taken back: nothing of the call stays queued or runs."""
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):

@@ -8,6 +8,7 @@ observability calls.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 
 import torch
@@ -20,6 +21,15 @@ from .pool import KVPool
 
 logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_TOKENS = 1 << 21  # pool size when neither num_kv_pages nor a budget is given
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """The memory a pool on `device` could take at most: the machine's RAM, or the GPU's free memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
 
 
 class CacheManager:
@@ -44,11 +54,25 @@ class CacheManager:
             from .tiers import build_tiered_cache
             pool = build_tiered_cache(config, self.model, self.dtype, self.device, self._num_pages())
             return pool, PageAllocator(pool.sizes.num_pages, self.page_size)
-        allocator = PageAllocator(self._num_pages(), self.page_size)
+        allocator = PageAllocator(self._fitting(self._num_pages()), self.page_size)
         mtp = self._mtp_layers()
         pool = KVPool(cfg, allocator.num_pages, self.page_size, self.dtype, self.device,
                       list(range(cfg.num_hidden_layers)) + mtp, cfg.full_layers + mtp, self._latent_format())
         return pool, allocator
+
+    def _fitting(self, num_pages: int) -> int:
+        """`num_pages`, once checked against the device's memory (ConfigError if the pool could never be
+        allocated there, rather than failing deep in an allocation or being killed for memory)."""
+        from .sizing import format_of, untiered_bytes_per_token
+        per_token = untiered_bytes_per_token(self.config, self.model.cfg, format_of(self.dtype.itemsize),
+                                             self._latent_format().row_bytes)
+        need, have = num_pages * self.page_size * per_token, device_memory_bytes(self.device)
+        if have is not None and need > have:
+            raise ConfigError(f"the KV cache would take {need / 2 ** 30:.1f} GiB ({num_pages} pages of "
+                              f"{self.page_size} tokens: max_num_seqs x max_model_len={self.max_model_len}, or "
+                              f"num_kv_pages) and the {self.device.type} has {have / 2 ** 30:.1f} GiB; lower "
+                              f"max_model_len or max_num_seqs, or set num_kv_pages or device_kv_budget_bytes")
+        return num_pages
 
     def _mtp_layers(self) -> list[int]:
         drafting = self.config.num_speculative_tokens and self.model.mtp is not None

@@ -98,12 +98,18 @@ def plan_tier_sizes(config: EngineConfig, cfg: ModelConfig, latent_per_token: in
     return TierSizes(pages, buffers, n, limit)
 
 
-def untiered_pages(config: EngineConfig, cfg: ModelConfig, key_fmt: str, latent_row_bytes: int) -> int:
-    """Pages of a fully device-resident cache that fit in `device_kv_budget_bytes`."""
+def untiered_bytes_per_token(config: EngineConfig, cfg: ModelConfig, key_fmt: str, latent_row_bytes: int) -> int:
+    """A fully device-resident cache's bytes per token: every layer's latent, the indexer keys, and
+    with drafting the MTP layer's own."""
     per_token = latent_bytes_per_token(cfg, latent_row_bytes) + index_bytes_per_token(cfg, key_fmt)
     if config.num_speculative_tokens:  # the MTP layer's own latent and indexer keys
         per_token += latent_row_bytes + indexer_bytes_per_token_layer(cfg, key_fmt)
-    per_page = config.kv_page_size * per_token
+    return per_token
+
+
+def untiered_pages(config: EngineConfig, cfg: ModelConfig, key_fmt: str, latent_row_bytes: int) -> int:
+    """Pages of a fully device-resident cache that fit in `device_kv_budget_bytes`."""
+    per_page = config.kv_page_size * untiered_bytes_per_token(config, cfg, key_fmt, latent_row_bytes)
     if config.device_kv_budget_bytes < per_page:
         raise ConfigError(f"device_kv_budget_bytes={config.device_kv_budget_bytes} holds less than one "
                           f"{config.kv_page_size}-token page ({per_page} B)")
