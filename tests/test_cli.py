@@ -93,7 +93,10 @@ def test_flags_out_of_range_are_usage_errors_before_any_work(capsys):
                        (["bench", "decode", "--repeats", "0"], "--repeats"), (["bench", "decode", "--steps", "0"], "--steps"),
                        (["bench", "prefill", "--chunk", "0"], "--chunk"),
                        (["bench", "decode", "--json", "/nonexistent/x.json"], "--json"),
-                       (["plan", "glm-5.2", "--plot", "/nonexistent/x.png"], "--plot")):
+                       (["plan", "glm-5.2", "--plot", "/nonexistent/x.png"], "--plot"),
+                       (["rollout", "--output", "/nonexistent/ro.jsonl"], "--output"),
+                       (["rollout", "--max-tokens", "-1"], "--max-tokens"), (["rollout", "--memory-mb", "0"], "--memory-mb"),
+                       (["rollout", "--summary", "/nonexistent/t.jsonl"], "--summary")):
         try:
             code = main(argv)
         except SystemExit as e:  # argparse's usage error (plan returns its code instead)

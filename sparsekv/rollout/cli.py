@@ -9,6 +9,7 @@ from pathlib import Path
 
 import openai
 
+from ..engine_args import at_least, output_path
 from .episode import EpisodeConfig, Policy, run_episode
 from .intercept import Pipeline
 from .judge import Judge
@@ -40,22 +41,22 @@ def build_rollout_parser() -> argparse.ArgumentParser:
                                             f"{', '.join(shipped_tasks())})")
     p.add_argument("--summary", metavar="TRAJECTORIES", default=None,
                    help="print a per-task table of this trajectories.jsonl and write --plot; runs nothing")
-    p.add_argument("--plot", default="rollout_summary.png", help="with --summary: the PNG to write")
+    p.add_argument("--plot", type=output_path, default="rollout_summary.png", help="with --summary: the PNG to write")
     p.add_argument("--url", default=DEFAULT_URL, help="the policy's OpenAI base URL (default: a local sparsekv serve)")
     p.add_argument("--model", default=None, help="default: the first model the policy endpoint lists")
     p.add_argument("--api-key", default="EMPTY")
     p.add_argument("--episodes", type=int, default=1, help="per task")
     p.add_argument("--concurrency", type=int, default=1, help="episodes in flight at once")
-    p.add_argument("--output", default="trajectories.jsonl")
+    p.add_argument("--output", type=output_path, default="trajectories.jsonl")
     p.add_argument("--max-turns", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=1024, help="per policy turn")
-    p.add_argument("--max-context", type=int, default=32768, help="tokens; older tool outputs are compacted to fit")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=at_least(1), default=1024, help="per policy turn")
+    p.add_argument("--max-context", type=at_least(1), default=32768, help="tokens; older tool outputs are compacted to fit")
+    p.add_argument("--temperature", type=at_least(0.0, float), default=1.0)
     p.add_argument("--seed", type=int, default=None, help="episode i of a task uses seed + i")
     p.add_argument("--routed-experts", action="store_true", help="ask for and record return_routed_experts")
-    p.add_argument("--wall-time", type=float, default=60.0, help="seconds per command")
-    p.add_argument("--cpu-time", type=int, default=30, help="CPU seconds per command")
-    p.add_argument("--memory-mb", type=int, default=2048, help="address space per command")
+    p.add_argument("--wall-time", type=at_least(0.0, float), default=60.0, help="seconds per command")
+    p.add_argument("--cpu-time", type=at_least(1), default=30, help="CPU seconds per command")
+    p.add_argument("--memory-mb", type=at_least(1), default=2048, help="address space per command")
     p.add_argument("--allow-network", action="store_true",
                    help="run commands even where `unshare` cannot take the network away (and keep writes in)")
     _add_pipeline_args(p, rules_only_flag=False)
@@ -162,7 +163,11 @@ def _eval_filter(args, rows: list[dict], rules) -> int:
 def rollout_main(argv: list[str]) -> int:
     args = build_rollout_parser().parse_args(argv)
     if args.summary:
-        return summarize(args.summary, args.plot)
+        try:
+            return summarize(args.summary, args.plot)
+        except (OSError, ValueError) as e:  # missing, not UTF-8, not JSON lines
+            print(f"sparsekv rollout: error: --summary {args.summary}: {e}", file=sys.stderr)
+            return 2
     try:
         tasks = [load_task(t) for t in (args.tasks or shipped_tasks())]
         if not args.allow_network and not isolation_available():
