@@ -258,7 +258,8 @@ def transformers_limit_arg(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sparsekv bench")
+    p = argparse.ArgumentParser(prog="sparsekv bench", epilog="other benchmarks, each with its own options "
+                                f"(sparsekv bench NAME --help): {', '.join(SUB_BENCHMARKS)}")
     p.add_argument("kind", choices=["decode", "prefill", "modes"])
     p.add_argument("--preset", default="tiny-bench", choices=BENCH_PRESETS)
     p.add_argument("--mode-kind", dest="mode_kind", default="decode", choices=["decode", "prefill"],
