@@ -89,6 +89,8 @@ def test_flags_out_of_range_are_usage_errors_before_any_work(capsys):
     for argv, flag in ((["serve", "--port", "70000"], "--port"), (["serve", "--port", "-1"], "--port"),
                        (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout"),
                        (["serve", "--default-max-tokens", "0"], "--default-max-tokens"),
+                       (["serve", "--disaggregation-secret-file", "s"], "--disaggregation-secret-file"),
+                       (["serve", "--disaggregation-send", "chunks"], "--disaggregation-send"),
                        (["router", "--prefill", "http://a:1", "--decode", "http://b:2", "--port", "70000"], "--port"),
                        (["bench", "decode", "--repeats", "0"], "--repeats"), (["bench", "decode", "--steps", "0"], "--steps"),
                        (["bench", "prefill", "--chunk", "0"], "--chunk"),

@@ -120,6 +120,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("sparsekv %s, non-default args: %s", importlib.metadata.version("sparsekv"),
              startup_settings(parser, args))
+    idle = unused_disaggregation_flags(parser, args)
+    if idle:
+        parser.error(f"{', '.join(idle)} only apply with --disaggregation-mode prefill or decode")
     hosted = host_ranks(args)  # another node's ranks, or torchrun's rank > 0: no server here
     if hosted is not None:
         return hosted
@@ -204,6 +207,14 @@ def build_app(args):
     settings.admin_api_keys, settings.weight_update_policy = admin_keys, args.weight_update_policy
     app = create_app(engine, settings)
     return app, app.state.server
+
+
+def unused_disaggregation_flags(parser: argparse.ArgumentParser, args) -> list[str]:
+    """The --disaggregation-* flags given to a colocated server, which would ignore them."""
+    if args.disaggregation_mode != "null":
+        return []
+    return [f"--{name.replace('_', '-')}" for name, value in sorted(vars(args).items())
+            if name.startswith("disaggregation_") and name != "disaggregation_mode" and value != parser.get_default(name)]
 
 
 def disaggregation_settings(args):
