@@ -35,7 +35,7 @@ def _structured_output(args) -> dict | None:
         return {"type": "json_object"}
     if args.regex:
         return {"type": "regex", "pattern": args.regex}
-    if args.choice:
+    if args.choice is not None:  # NOTE: not truthiness: --choice '' must not generate free text
         return {"type": "choice", "choices": args.choice.split(",")}
     return None
 

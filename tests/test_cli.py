@@ -52,6 +52,8 @@ def test_generate_bad_input_is_one_clear_line(glm_ckpt, capsys):
     assert "does not compile" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x = ", "--choice", "red,green", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"] in ("red", "green")
+    assert main(["generate", "--prompt", "x = ", "--choice", ""]) == 2  # an empty choice, not free text
+    assert "choices must be non-empty strings" in capsys.readouterr().err
     assert main(["generate", glm_ckpt[0], "--prompt-token-ids", "1,2", "--repetition-penalty", "3"]) == 2
     assert "repetition_penalty" in capsys.readouterr().err
     assert main(["generate", "/nonexistent", "--prompt-token-ids", "1"]) == 2
