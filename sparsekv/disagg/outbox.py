@@ -61,14 +61,14 @@ class Batches:
                 return
         except TransferError:  # the store is gone: nobody reads an error
             return
-        self.error(reason)
+        self.error({"error": reason})
 
-    def error(self, reason: str, refusal: dict | None = None) -> None:
-        """Let a decode worker waiting on the room fail now rather than at its timeout. `refusal`: the
-        prefill's own refusal of the request (`status` below 500, `param`), which the decode worker
-        answers with as one server would."""
+    def error(self, failure: dict) -> None:
+        """Let a decode worker waiting on the room fail now rather than at its timeout. `failure`: the
+        batch metadata that says why (`error`; for the prefill's own refusal of the request its
+        `status` below 500 and `param`, which the decode worker answers with as one server would)."""
         try:
-            meta = {"room": self.link.name, "error": reason, **(refusal or {})}
+            meta = {"room": self.link.name, **failure}
             self.link.put(meta_key(self.index), sign(self.settings.secret, meta))
             self.told_error, self.ended = True, True
         except TransferError:

@@ -134,7 +134,7 @@ class PrefillWorker(Worker):
         try:
             raw = await self._claim_or_failed_prefill(request, out.link, prefill)
             if raw is None:
-                await self.blocking(out.error, _prefill_failure(prefill), _prefill_refusal(prefill))
+                await self.blocking(out.error, _prefill_failure(prefill))
                 return None
             out.claimed = True
             claim = self._check_claim(raw, room, job, prompts)
@@ -183,7 +183,7 @@ class PrefillWorker(Worker):
                 _check_verdict(await self.blocking(out.link.get, "done"), {"nonce": claim["nonce"]}, self.settings.secret)
             failure = _prefill_failure(prefill) if finished else None
             if failure is not None:
-                await self.blocking(out.error, failure, _prefill_refusal(prefill))
+                await self.blocking(out.error, failure)
                 return None
             look = asyncio.ensure_future(self._export(job, prompts, sent))  # NOTE: it runs once the step ends
             if feed is not None:
@@ -353,30 +353,25 @@ def _check_verdict(raw: bytes, meta: dict, secret: bytes) -> None:
         raise TransferError(f"the decode worker refused the KV: {verdict.get('error', 'no reason given')}")
 
 
-def _prefill_failure(prefill) -> str | None:
-    """Why a finished prefill has nothing to send (None: it computed the prompts)."""
+def _prefill_failure(prefill) -> dict | None:
+    """Why a finished prefill has nothing to send, as the failed batch's metadata (None: it computed the
+    prompts): `error`, and when it refused the request itself (bad input: a status below 500) `status`
+    and `param`, which the decode worker answers with as one server would."""
     if prefill.cancelled():
-        return "the prefill was cancelled"
-    if prefill.exception() is not None:
-        e = prefill.exception()
-        return e.message if isinstance(e, APIError) else f"the prefill failed: {e}"
-    response = prefill.result()[0]
-    if response.status_code == 200:
-        return None
-    return _error_of(response).get("message") or "the prefill worker could not compute the prompt"
-
-
-def _prefill_refusal(prefill) -> dict | None:
-    """A failed prefill's status and param when it refused the request itself (bad input: a status
-    below 500), for the decode worker to answer with as one server would; None for any other failure."""
-    if prefill.cancelled():
-        return None
+        return {"error": "the prefill was cancelled"}
     e = prefill.exception()
     if e is not None and not isinstance(e, APIError):
-        return None
-    status = e.status if e is not None else prefill.result()[0].status_code
-    param = e.param if e is not None else _error_of(prefill.result()[0]).get("param")
-    return {"status": status, "param": param} if 400 <= status < 500 else None
+        return {"error": f"the prefill failed: {e}"}
+    if e is not None:
+        message, status, param = e.message, e.status, e.param
+    else:
+        response = prefill.result()[0]
+        if response.status_code == 200:
+            return None
+        error = _error_of(response)
+        message = error.get("message") or "the prefill worker could not compute the prompt"
+        status, param = response.status_code, error.get("param")
+    return {"error": message, **({"status": status, "param": param} if 400 <= status < 500 else {})}
 
 
 def _error_of(response) -> dict:
