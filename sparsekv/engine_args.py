@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from .config import ConfigError
 from .units import parse_bytes
 
 
@@ -115,7 +116,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--device-kv-budget-bytes", type=parse_bytes, default=None, help="e.g. 8G (also without tiering)")
     t.add_argument("--host-store-path", default=None, help="memory-map the host store: a directory (a fresh file is made in it) or a new file name")
     t.add_argument("--selector", default="dsa", choices=["dsa", "quest"], help="token selector of full layers")
-    t.add_argument("--quest-page-tokens", type=int, default=16)
+    t.add_argument("--quest-page-tokens", type=int, default=None,
+                   help="positions per Quest page, dividing --kv-page-size (--selector quest only; default 16)")
     t.add_argument("--indexer-key-dtype", default="auto", choices=["auto", "fp8_e4m3"])
 
 
@@ -132,8 +134,14 @@ ENGINE_ARG_NAMES = ("dtype", "revision", "device", "max_model_len", "max_num_seq
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """The parsed engine options as LLM(...) / EngineConfig keywords."""
-    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES if hasattr(args, name)}
+    """The parsed engine options as LLM(...) / EngineConfig keywords. ConfigError for an option that
+    only applies with another one which is not given (the engine would ignore it)."""
+    options = {name: getattr(args, name) for name in ENGINE_ARG_NAMES if hasattr(args, name)}
+    if options.get("quest_page_tokens", 0) is None:
+        del options["quest_page_tokens"]  # the engine's default
+    elif "quest_page_tokens" in options and options.get("selector") != "quest":
+        raise ConfigError("--quest-page-tokens only applies with --selector quest")
+    return options
 
 
 def non_default_args(parser: argparse.ArgumentParser, args: argparse.Namespace, secret: tuple[str, ...] = (),

@@ -93,6 +93,8 @@ def test_flags_out_of_range_are_usage_errors_before_any_work(capsys):
                        (["serve", "--default-max-tokens", "0"], "--default-max-tokens"),
                        (["serve", "--disaggregation-secret-file", "s"], "--disaggregation-secret-file"),
                        (["serve", "--disaggregation-send", "chunks"], "--disaggregation-send"),
+                       (["serve", "--quest-page-tokens", "8"], "--quest-page-tokens"),  # without --selector quest
+                       (["generate", "--prompt", "x", "--quest-page-tokens", "8"], "--quest-page-tokens"),
                        (["router", "--prefill", "http://a:1", "--decode", "http://b:2", "--port", "70000"], "--port"),
                        (["bench", "decode", "--repeats", "0"], "--repeats"), (["bench", "decode", "--steps", "0"], "--steps"),
                        (["bench", "prefill", "--chunk", "0"], "--chunk"),
