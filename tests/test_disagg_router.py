@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sparsekv.disagg.router import Router, create_app, main
-from sparsekv.disagg.router_workers import RouterConfigError, WorkerPool, check_modes
+from sparsekv.disagg.router_workers import POLL_TIMEOUTS_BEFORE_DOWN, RouterConfigError, WorkerPool, check_modes
 from sparsekv.server.errors import error_body
 from test_server_util import free_port, listening_socket, scrape_labelled, wait_until
 
@@ -43,13 +43,18 @@ class FakeWorker:
         self.cancelled = 0
         self.app = FastAPI()
         self.app.add_api_route("/disaggregation", self.info, methods=["GET"])
-        self.app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
+        self.health_delay = 0.0  # seconds /health takes to answer
+        self.app.add_api_route("/health", self.health, methods=["GET"])
         self.app.add_api_route("/v1/models", lambda: {"object": "list", "data": [{"id": "fake"}]}, methods=["GET"])
         self.app.add_api_route("/v1/completions", self.generate, methods=["POST"])
         self.app.add_api_route("/v1/chat/completions", self.generate, methods=["POST"])
 
     def let_go(self) -> None:
         self.released += 1
+
+    async def health(self):
+        await asyncio.sleep(self.health_delay)
+        return {"status": "ok"}
 
     def info(self):
         prefill = self.mode == "prefill" and self.bootstrap_port is not None
@@ -354,6 +359,24 @@ def test_a_dead_worker_is_skipped():
     assert codes == [200] * 12 and len(d2.bodies) == 12
     assert up == {dead.url: 0.0, served["decode"][1].url: 1.0, served["prefill"][0].url: 1.0}
     assert none.status_code == 503 and "no decode worker is up" in none.json()["error"]["message"]
+
+
+def test_a_worker_answering_polls_late_stays_up_until_several_time_out():
+    """A loaded worker may miss one poll's timeout (1 s here): it is busy, not gone. Only
+    POLL_TIMEOUTS_BEFORE_DOWN timeouts in a row take it out, and one answer brings it back."""
+    d = FakeWorker("decode")
+    with deployment([FakeWorker("prefill")], [d]) as (url, router, _):
+        worker = router.pool.workers["decode"][0]
+        d.health_delay = 1.5
+        assert wait_until(lambda: worker.polls_timed_out == POLL_TIMEOUTS_BEFORE_DOWN - 1, 20)
+        assert worker.up and complete(url, "served while the polls time out").status_code == 200
+        d.health_delay = 0.0
+        assert wait_until(lambda: worker.polls_timed_out == 0) and worker.up
+        d.health_delay = 1.5
+        assert wait_until(lambda: not worker.up, 20)
+        assert complete(url, "hello").status_code == 503
+        d.health_delay = 0.0
+        assert wait_until(lambda: worker.up)
 
 
 def test_startup_refuses_a_worker_in_the_wrong_mode(capsys):

@@ -3,8 +3,11 @@
 Every worker answers `GET /disaggregation` with its mode, its bootstrap address (where a decode worker
 fetches a prompt's KV from a prefill worker) and its load. The router checks the modes once at start-up
 (`check_modes`), then polls every worker (`WorkerPool.poll`): a worker is up while `/health` answers 200
-and `/disaggregation` names the role it was given. A worker that refuses a connection is marked down at
-once; the next poll that finds it healthy brings it back.
+and `/disaggregation` names the role it was given. A worker that refuses a connection, answers an error
+or names another role is marked down at once; one that does not answer in time is busy, not gone, and
+is marked down only after `POLL_TIMEOUTS_BEFORE_DOWN` polls in a row time out (a loaded worker
+answering one poll late must not turn every request away). The next poll that finds it healthy brings
+it back.
 
 Choosing a worker (`WorkerPool.choose`) weighs prefix-cache affinity against load. A request's
 affinity key is its leading prompt (`affinity_key`): requests that share it share prefix-cache pages,
@@ -29,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 log = logging.getLogger("sparsekv.router")
 ROLES = ("prefill", "decode")
 DISAGGREGATION_PATH = "/disaggregation"
+POLL_TIMEOUTS_BEFORE_DOWN = 3
 
 
 class WorkerInfo(BaseModel):
@@ -62,6 +66,7 @@ class Worker:
     num_running: int = 0
     num_waiting: int = 0
     in_flight: int = 0  # requests this router sent here that have not ended
+    polls_timed_out: int = 0  # polls in a row that got no answer in time
 
     @property
     def load(self) -> int:
@@ -132,8 +137,14 @@ class WorkerPool:
         try:
             health = await client.get(worker.url + "/health")
             info = _parse_info(await client.get(worker.url + DISAGGREGATION_PATH))
+        except httpx.TimeoutException as e:
+            worker.polls_timed_out += 1
+            if worker.polls_timed_out >= POLL_TIMEOUTS_BEFORE_DOWN:
+                self.mark_down(worker, f"{worker.polls_timed_out} polls in a row timed out ({type(e).__name__})")
+            return None
         except (httpx.HTTPError, ValueError) as e:
             return self.mark_down(worker, f"{type(e).__name__}: {e}")
+        worker.polls_timed_out = 0
         mismatch = worker.mismatch(info)
         if mismatch is not None:
             return self.mark_down(worker, mismatch)
