@@ -109,12 +109,12 @@ class Scheduler:
         if self.tenant_pages is not None and not self.optimistic and \
                 self.pages_by_tenant.get(req.tenant, 0) + self.tenants.footprint(req) > self.tenant_pages:
             return None
-        entitled = self._reclaimer
-        if entitled is not None and req.tenant != entitled.tenant and not self._within_share(req, self._held):
-            return None  # a tenant within its share waits for pages: those over theirs wait for it
         hit = self.prefix.match(req) if self.prefix is not None else PrefixHit()
         if hit is None:
             return None  # a running request computes its next page, or its disk pages are being read
+        entitled = self._reclaimer
+        if entitled is not None and req.tenant != entitled.tenant and not self._within_share(req, self._held, hit):
+            return None  # a tenant within its share waits for pages: those over theirs wait for it
         tokens = min(req.num_tokens + 1, req.max_total_tokens) if self.optimistic else req.max_total_tokens
         keep_free = self.watermark if self.running else 0
         if not self.allocator.share_and_reserve(req.request_id, hit.pages,
@@ -146,8 +146,11 @@ class Scheduler:
     def _admission_pages(self, req: Request) -> int:
         return self.allocator.pages_for(min(req.num_tokens + 1, req.max_total_tokens))
 
-    def _within_share(self, req: Request, held: dict[str, int]) -> bool:
-        return held.get(req.tenant, 0) + self._admission_pages(req) <= self.tenant_pages
+    def _within_share(self, req: Request, held: dict[str, int], hit: PrefixHit | None = None) -> bool:
+        """Whether admitting `req` keeps its tenant within its share. The pages of its prefix hit that
+        running requests hold are already the tenant's (a hit is within one tenant's namespace)."""
+        held_already = 0 if hit is None else sum(self.allocator.num_owners(p) > 0 for p in hit.pages)
+        return held.get(req.tenant, 0) + self._admission_pages(req) - held_already <= self.tenant_pages
 
     def _reclaim(self) -> Request | None:
         """Optimistic admission with tenant shares: the first waiting request whose tenant stays within its

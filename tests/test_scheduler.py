@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from sparsekv.cache.pages import OutOfPages, PageAllocator
+from sparsekv.cache.prefix import PrefixCache
 from sparsekv.request import Request, RequestStatus, SamplingParams
 from sparsekv.scheduler import Scheduler
 
@@ -179,6 +180,31 @@ def test_with_optimistic_admission_a_tenant_share_is_a_guarantee_not_a_cap():
     sched.check_integrity()
     alloc.check_integrity()
     assert sched.tenant_stats()["light"]["kv_pages"] == 5
+
+
+def test_a_tenants_pages_shared_by_a_prefix_hit_count_once_toward_its_share():
+    """Optimistic admission, tenant_pages 8 of 16, pages of 4 tokens. h1 hits the 3 pages h0 computed
+    and adds 2: the heavy tenant holds 7 distinct pages (within its share), not 5 + 5. So h1 is
+    admitted, the tenant's figure is 7, and when a third tenant finds no room nobody is preempted:
+    every tenant is within its share (counted per request, heavy's 10 would make h1 the victim)."""
+    alloc = PageAllocator(16, 4)
+    sched = Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=200, prefill_chunk_tokens=200,
+                      prefix=PrefixCache(alloc), tenant_pages=8, optimistic=True)
+    prompt = list(range(16))
+    h0, h1 = (Request(f"h{i}", prompt, SamplingParams(max_tokens=8), tenant="heavy") for i in range(2))
+    sched.add(h0)
+    run_step(sched)
+    sched.add(h1)
+    sched.add(Request("m", list(range(100, 116)), SamplingParams(max_tokens=8), tenant="mid"))
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["h0", "h1", "m"] and h1.num_cached_tokens == 12
+    assert sched.tenant_stats()["heavy"]["kv_pages"] == len(set(h0.page_ids) | set(h1.page_ids)) + \
+        alloc.reserved("h0") + alloc.reserved("h1") == 7
+    sched.add(Request("l", list(range(200, 216)), SamplingParams(max_tokens=8), tenant="light"))
+    run_step(sched)
+    assert h1.num_preemptions == 0 and [r.request_id for r in sched.waiting] == ["l"]
+    sched.check_integrity()
+    alloc.check_integrity()
 
 
 def test_the_admission_policy_loads_without_torch():

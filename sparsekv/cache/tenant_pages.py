@@ -28,10 +28,19 @@ class TenantPages:
             del self.reserved[req.tenant]
 
     def held(self, running) -> dict[str, int]:
-        """Pages each tenant's running requests hold or have reserved."""
+        """Pages each tenant's running requests hold or have reserved, a page that several of them share
+        (a prefix hit, the choices of n > 1) counted once. Shared pages lead a request's page table (a
+        hit is a prompt's first pages), so only requests whose first page is shared are merged as sets."""
         held: dict[str, int] = {}
+        shared: dict[str, set[int]] = {}
         for r in running:
-            held[r.tenant] = held.get(r.tenant, 0) + len(r.page_ids) + self.allocator.reserved(r.request_id)
+            held[r.tenant] = held.get(r.tenant, 0) + self.allocator.reserved(r.request_id)
+            if r.page_ids and self.allocator.num_owners(r.page_ids[0]) > 1:
+                shared.setdefault(r.tenant, set()).update(r.page_ids)
+            else:
+                held[r.tenant] += len(r.page_ids)
+        for tenant, pages in shared.items():
+            held[tenant] += len(pages)
         return held
 
     def stats(self, running, waiting, optimistic: bool) -> dict[str, dict[str, int]]:
