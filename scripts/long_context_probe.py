@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sparsekv.tools.eval_common import heldout_stream, load_parts, load_text_tokenizer  # noqa: E402
 from sparsekv.train.model import GlmDsaForTraining, Rope  # noqa: E402
 from sparsekv.train.tasks import TaskBuilder  # noqa: E402
-from sparsekv.tools.bench_worker import parse_tokens  # noqa: E402
+from sparsekv.tools.plan_workload import parse_tokens  # noqa: E402
 
 
 def load(model_dir: str) -> GlmDsaForTraining:

@@ -60,6 +60,16 @@ def test_generate_bad_input_is_one_clear_line(glm_ckpt, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
+def test_make_tiny_model_writes_a_checkpoint_the_engine_runs(family, tmp_path, capsys):
+    """docs/features.md's `sparsekv make-tiny-model DIR --family F`, then generate from it (transformers'
+    DeepSeek defaults, 8 expert groups, do not divide the tiny model's 4 experts)."""
+    path = str(tmp_path / family)
+    assert main(["make-tiny-model", path, "--family", family]) == 0
+    assert main(["generate", path, "--prompt-token-ids", "1,2,3", "--max-tokens", "3", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]) == 3
+
+
 def test_unknown_command(capsys):
     assert main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err

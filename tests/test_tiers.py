@@ -505,20 +505,20 @@ def test_bench_tiers_teacher_forced_natural_continuation(tmp_path):
     text = tmp_path / "prompt.py"
     text.write_text(open(json.__file__).read())
     ids = load_tokenizer(model).encode(text.read_text(), add_special_tokens=False)
-    args = parse_args(["--model", model, "--prompt-file", str(text), "--natural-context", "300",
+    args = parse_args(["--prompt-file", str(text), "--natural-context", "300",  # no --model: the bundled one
                        "--natural-steps", "12", "--teacher-forced"])
-    assert _prompt(args, 0) == (ids[:300], ids[300:312])
+    assert _prompt(args, model, 0) == (ids[:300], ids[300:312])
     out = tmp_path / "forced.json"
-    assert main(["--model", model, "--skip-sweep", "--prompt-file", str(text), "--natural-context", "300",
+    assert main(["--skip-sweep", "--prompt-file", str(text), "--natural-context", "300",
                  "--natural-steps", "12", "--warmup", "2", "--buffers", "2", "--teacher-forced",
                  "--json", str(out)]) == 0
     natural = json.loads(out.read_text())["natural"]
     assert natural["teacher_forced"] and natural["exact"] and natural["prompt_tokens"] == 300
     with pytest.raises(SystemExit, match="needs 1000000 tokens"):
         _prompt(parse_args(["--model", model, "--prompt-file", str(text), "--natural-context", "999990",
-                            "--natural-steps", "10", "--teacher-forced"]), 0)
+                            "--natural-steps", "10", "--teacher-forced"]), model, 0)
     with pytest.raises(SystemExit, match="needs --prompt-file"):
-        _prompt(parse_args(["--teacher-forced"]), 1000)
+        _prompt(parse_args(["--teacher-forced"]), model, 1000)
 
 
 def test_distinct_positions_equals_torch_unique():

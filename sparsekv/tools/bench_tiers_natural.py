@@ -11,7 +11,7 @@ from .bench_tiers_setup import make_engine, miss_rate
 
 def natural(args, ckpt: str, topk: int) -> dict:
     from sparsekv.config import ModelConfig
-    prompt, force = _prompt(args, ModelConfig.from_json(ckpt).vocab_size)
+    prompt, force = _prompt(args, ckpt, ModelConfig.from_json(ckpt).vocab_size)
     steps = args.natural_steps
     on = _continue(ckpt, prompt, steps, args.warmup, force, selector=args.selector, device=args.device,
                    kv_tiering=True)
@@ -68,12 +68,12 @@ def miss_breakdown(selections: list, cfg, capacity: int, warmup: int) -> list[di
     return out
 
 
-def _prompt(args, vocab_size: int) -> tuple[list[int], list[int] | None]:
+def _prompt(args, ckpt: str, vocab_size: int) -> tuple[list[int], list[int] | None]:
     """The prompt's tokens, and with --teacher-forced the tokens that follow it in the file."""
     if args.prompt_file:
         from sparsekv.input_processor import load_tokenizer
         with open(args.prompt_file) as f:
-            ids = load_tokenizer(args.model).encode(f.read(), add_special_tokens=False)
+            ids = load_tokenizer(ckpt).encode(f.read(), add_special_tokens=False)
         n = args.natural_context
         if args.teacher_forced and len(ids) < n + args.natural_steps:
             raise SystemExit(f"sparsekv bench tiers: error: --teacher-forced needs {n + args.natural_steps} tokens "

@@ -44,6 +44,8 @@ def reference_model(family: str = "glm_moe_dsa", seed: int = 0, **overrides):
     if family == "deepseek_v32":
         opts.pop("index_topk_pattern", None)
         opts.pop("indexer_types", None)
+        opts.setdefault("n_group", 1)  # transformers' defaults (8 groups, 4 kept) do not divide a tiny model's experts
+        opts.setdefault("topk_group", 1)
         cfg, cls = DeepseekV32Config(**opts), DeepseekV32ForCausalLM
     else:
         cfg, cls = GlmMoeDsaConfig(**opts), GlmMoeDsaForCausalLM
