@@ -136,10 +136,24 @@ def test_bad_prompts_rejected_and_engine_unaffected(llm, random_prompt):
 def test_a_kv_pool_larger_than_the_devices_memory_is_a_config_error(glm_ckpt):
     """Sized from max_model_len past the machine's memory, the pool is refused before any allocation,
     naming what sized it (it failed deep in an allocation, or the process was killed for memory)."""
-    from sparsekv.cache.manager import device_memory_bytes
+    from sparsekv.cache.memory import device_memory_bytes
     tokens = 2 * device_memory_bytes(torch.device("cpu"))  # at least a byte a token: past the memory
     with pytest.raises(ConfigError, match="the KV cache would take .* max_model_len"):
         LLM(glm_ckpt[0], max_model_len=tokens, max_num_seqs=1)
+
+
+def test_a_tiered_cache_larger_than_the_machine_is_a_config_error(glm_ckpt, tmp_path, monkeypatch):
+    """The tiered cache's host store is checked against the RAM, or with host_store_path against the
+    disk it is made on, before it is allocated (it failed in the allocator with a traceback)."""
+    from sparsekv.cache.memory import device_memory_bytes
+    tokens = 2 * device_memory_bytes(torch.device("cpu"))
+    with pytest.raises(ConfigError, match="the tiered KV cache needs .* GiB of RAM .* sized by the default"):
+        LLM(glm_ckpt[0], max_model_len=tokens, max_num_seqs=1, kv_tiering=True)
+    import shutil
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1 << 10))
+    with pytest.raises(ConfigError, match="GiB of free disk space at .* sized by host_kv_budget_bytes"):
+        LLM(glm_ckpt[0], max_model_len=256, kv_tiering=True, host_kv_budget_bytes=1 << 20,
+            host_store_path=str(tmp_path))
 
 
 def test_generate_with_one_bad_prompt_adds_none_of_them(llm, random_prompt):

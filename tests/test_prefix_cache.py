@@ -124,6 +124,8 @@ def test_the_tenant_quota_through_the_engine_keeps_outputs_and_feeds_the_host_ti
     assert_idle(llm)
     with pytest.raises(ConfigError, match="prefix_cache_max_pages_per_tenant"):
         make(ckpt, enable_prefix_caching=True, prefix_cache_max_pages_per_tenant=-1)
+    with pytest.raises(ConfigError, match="prefix_cache_host_bytes=10 holds less than one 16-token page"):
+        make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=10)  # a tier that could never hold a page
 
 
 def test_lookup_follows_the_chain_per_tenant_and_salt_and_never_the_last_token():

@@ -8,7 +8,6 @@ observability calls.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 
 import torch
@@ -16,20 +15,12 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..request import Request
 from ..sampling_params import InvalidRequest
+from .memory import device_memory_bytes
 from .pages import PageAllocator
 from .pool import KVPool
 
 logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_TOKENS = 1 << 21  # pool size when neither num_kv_pages nor a budget is given
-
-
-def device_memory_bytes(device: torch.device) -> int | None:
-    """The memory a pool on `device` could take at most: the machine's RAM, or the GPU's free memory."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu" and hasattr(os, "sysconf"):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return None
 
 
 class CacheManager:
@@ -104,6 +95,11 @@ class CacheManager:
         quotas = [q for q in (config.prefix_cache_max_pages_per_tenant, self._tenant_quota(self.allocator.num_pages))
                   if q is not None]
         self.allocator.cached.max_per_tenant = min(quotas, default=None)
+        for name in ("prefix_cache_host_bytes", "prefix_cache_disk_bytes"):
+            budget = getattr(config, name)
+            if budget is not None and budget < rows.page_bytes:
+                raise ConfigError(f"{name}={budget} holds less than one {self.page_size}-token page of the "
+                                  f"prefix cache ({rows.page_bytes} B); raise it")
         disk = self._build_disk_tier(rows, lookahead) if config.prefix_cache_disk_path else None
         if config.prefix_cache_host_bytes:
             tiers["host"] = PrefixHostStore(rows, config.prefix_cache_host_bytes,

@@ -48,6 +48,7 @@ from .host_store import HostLink, TieredHostStore, make_host_store
 from .index_keys import IndexKeyCache
 from .latent_format import PlainLatent, latent_format
 from .lru import LRUTable, TierCounters, WorkingSetLRU
+from .memory import check_tiered_fits
 from .sizing import (TierSizes, format_of, index_bytes_per_token, indexer_bytes_per_token_layer,
                      latent_bytes_per_token, plan_tier_sizes, quest_bytes_per_token)
 from .pages import PageAllocator
@@ -533,6 +534,10 @@ def build_tiered_cache(config: EngineConfig, model, dtype: torch.dtype, device, 
                                         else index_bytes_per_token(cfg, key_fmt))
     latent_bytes = latent_bytes_per_token(cfg, fmt.row_bytes) + len(mtp) * fmt.row_bytes
     sizes = plan_tier_sizes(config, cfg, latent_bytes, selector_bytes, default_pages)
+    rows = sizes.device_buffer_tokens + 1 + config.num_speculative_tokens  # a working set's slots
+    tokens = sizes.num_pages * config.kv_page_size
+    check_tiered_fits(tokens * latent_bytes, tokens * selector_bytes + sizes.num_buffers * rows * latent_bytes,
+                      torch.device(device), config.host_store_path, sizes.limit)
     host = make_host_store(list(range(cfg.num_hidden_layers)) + mtp, sizes.num_pages * config.kv_page_size,
                            fmt.row_width, fmt.row_dtype, config.host_store_path, pin=torch.device(device).type == "cuda")
     pool = TieredKVPool(cfg, sizes, config.kv_page_size, dtype, device, host, fp8, keep_index_keys=not quest,
