@@ -113,6 +113,17 @@ def test_kv_of_another_checkpoint_is_refused(glm_ckpt, tmp_path):
         assert (rp.status_code, rd.status_code) == (200, 200), rd.text
 
 
+def test_a_decode_worker_with_pages_of_another_layout_is_refused_naming_the_flag():
+    """Drafting on one side only (the bundled model has an MTP layer): the decode worker's pages hold
+    the MTP layer's rows too. Refused at the claim, naming the flags to make the same (it failed at
+    import, naming row shapes)."""
+    from sparsekv.paths import default_model_path
+    with WorkerServer(default_model_path(), "prefill", **BASE) as p, \
+            WorkerServer(default_model_path(), "decode", num_speculative_tokens=1, **BASE) as d:
+        _refused(p, d, "KV pages differ", "--num-speculative-tokens")
+        assert scrape(d.url)["sparsekv:disagg_transfers_failed_total"] == 1
+
+
 def test_a_peer_that_never_comes_fails_within_the_timeout(glm_ckpt):
     with WorkerServer(glm_ckpt[0], "prefill", timeout_s=1.0, **BASE) as p, \
             WorkerServer(glm_ckpt[0], "decode", timeout_s=1.0, **BASE) as d:

@@ -32,8 +32,9 @@ class FakeWorker:
     answer) until `let_go()` was called once more than for the calls before, counting in `cancelled` the
     calls whose client went away meanwhile."""
 
-    def __init__(self, mode: str, running: int = 0, transfer: str = "torch"):
+    def __init__(self, mode: str, running: int = 0, transfer: str = "torch", layout: list | None = None):
         self.mode, self.running, self.transfer = mode, running, transfer
+        self.layout = layout or [[[4, 96], "float32"]]
         self.bootstrap_port = free_port()
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
@@ -60,6 +61,7 @@ class FakeWorker:
         prefill = self.mode == "prefill" and self.bootstrap_port is not None
         return {"mode": self.mode, "bootstrap_host": "127.0.0.1" if prefill else None,
                 "bootstrap_port": self.bootstrap_port if prefill else None, "transfer_backend": self.transfer,
+                "kv_layout": self.layout,
                 "num_running": self.running, "num_waiting": 0}
 
     async def generate(self, request: Request):
@@ -391,6 +393,10 @@ def test_startup_refuses_a_worker_in_the_wrong_mode(capsys):
         with pytest.raises(RouterConfigError, match="did not answer GET /disaggregation within 0.2 s"):
             check_modes(WorkerPool([sp.url], [f"http://127.0.0.1:{free_port()}"]), timeout=0.2, interval=0.05)
         check_modes(WorkerPool([sp.url], [sd.url]), timeout=5)
+    drafting = FakeWorker("decode", layout=[[[4, 96], "float32"], [[4, 96], "float32"]])
+    with Served(p.app) as sp, Served(d.app) as sd, Served(drafting.app) as sx:
+        with pytest.raises(RouterConfigError, match=r"KV pages differ .* --num-speculative-tokens"):
+            check_modes(WorkerPool([sp.url], [sd.url, sx.url]), timeout=5)
     other = FakeWorker("decode", transfer="nixl")
     with Served(p.app) as sp, Served(other.app) as so:
         with pytest.raises(RouterConfigError, match=rf"different --disaggregation-transfer-backend \({sp.url}: torch, "

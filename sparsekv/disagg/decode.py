@@ -68,7 +68,8 @@ class DecodeWorker(Worker):
                  "cache_salt": job.cache_salt, "prompts": [prompt_digest(p) for p in prompts], "held": held,
                  "device": self.device.type, "gpu": self.gpu, "transfer": self.settings.transfer,
                  "weights": weights,  # the prefill worker refuses other weights early
-                 "warm": bool(engine.config.kv_tiering)}  # a tail's selections warm a tiered cache
+                 "warm": bool(engine.config.kv_tiering),  # a tail's selections warm a tiered cache
+                 "layout": self.layout}  # the prefill worker refuses pages of another layout before sending
         link, meta = await self._claim(request, field, claim)
         inbox = Inbox(link, self.settings, self.device, self.nixl,
                       pacer=Pacer(lambda: loop.stats().get("running", 0) > 0), held=held)

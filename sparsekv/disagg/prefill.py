@@ -31,6 +31,7 @@ from .weights_stamp import check_same_weights, loaded_weights
 from .first_token import first_token_of, first_token_params, first_token_wire, plain_greedy
 from .layers import LayerFeed, kinds_of, named_parts, short_tail
 from .outbox import Batches
+from .router_workers import layout_mismatch
 from .wire import TransferError, prompt_digest, verify
 from .worker import Worker
 
@@ -312,6 +313,9 @@ class PrefillWorker(Worker):
         if claim.get("prompts") != [prompt_digest(p) for p in prompts]:
             raise TransferError("the two workers tokenized the prompt differently (another tokenizer or chat "
                                 "template?)")
+        mismatch = layout_mismatch({"this prefill worker": self.layout, "the decode worker": claim.get("layout")})
+        if mismatch is not None:
+            raise TransferError(mismatch)
         held = claim.get("held")
         if not (isinstance(held, list) and len(held) == len(prompts) and all(isinstance(n, int) and n >= 0 for n in held)):
             raise TransferError(f"the claim's held page counts are malformed: {held!r}")

@@ -43,6 +43,7 @@ class WorkerInfo(BaseModel):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     transfer_backend: str | None = None
+    kv_layout: list | None = None
     num_running: int = 0
     num_waiting: int = 0
 
@@ -63,6 +64,7 @@ class Worker:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     transfer_backend: str | None = None
+    kv_layout: list | None = None
     num_running: int = 0
     num_waiting: int = 0
     in_flight: int = 0  # requests this router sent here that have not ended
@@ -85,7 +87,18 @@ class Worker:
     def update(self, info: WorkerInfo) -> None:
         self.bootstrap_host, self.bootstrap_port = info.bootstrap_host, info.bootstrap_port
         self.transfer_backend = info.transfer_backend
+        self.kv_layout = info.kv_layout
         self.num_running, self.num_waiting = info.num_running, info.num_waiting
+
+
+def layout_mismatch(named: dict[str, list]) -> str | None:
+    """Why workers whose page layouts are `named` (who: layout) cannot move pages (None: they can)."""
+    if len({repr(layout) for layout in named.values()}) < 2:
+        return None
+    kinds = "; ".join(f"{who}: {len(layout)} kinds of rows {layout}" for who, layout in named.items())
+    return (f"the workers' KV pages differ ({kinds}); start them with the same --num-speculative-tokens (0 on "
+            f"all, or more on all: drafting adds the MTP layer's rows), --kv-cache-dtype, --kv-page-size, "
+            f"--dtype, --selector and --indexer-key-dtype")
 
 
 def affinity_key(body: dict, authorization: str | None, prefix_chars: int) -> bytes:
@@ -199,6 +212,9 @@ def check_modes(pool: WorkerPool, timeout: float, interval: float = 1.0) -> None
             if pending:
                 time.sleep(interval)
     _check_one_backend(pool)
+    mismatch = layout_mismatch({w.url: w.kv_layout for w in pool.all() if w.kv_layout is not None})
+    if mismatch is not None:
+        raise RouterConfigError(mismatch)
 
 
 def _check_one_backend(pool: WorkerPool) -> None:

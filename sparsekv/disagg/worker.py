@@ -62,6 +62,13 @@ class DisaggSettings:
             raise ValueError(f"--disaggregation-bootstrap-port must be in [0, 65535] on a prefill worker, got {port}")
 
 
+def page_layout(engine) -> list[list]:
+    """The rows of one KV page in the prefix cache, as JSON: [shape, dtype] per kind of row (each
+    layer's latents, indexer keys, with drafting the MTP layer's). A page moves between two workers
+    only when their layouts are the same."""
+    return [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in engine.kv.prefix.rows.layout]
+
+
 def default_bootstrap_host(serve_host: str) -> str:
     """The address the other worker reaches this one at: the serve host, unless it is a wildcard."""
     return serve_host if serve_host not in ("0.0.0.0", "::", "") else socket.gethostname()
@@ -86,6 +93,7 @@ class Worker:
         self.nixl = NixlAgent(settings.mode) if settings.transfer == "nixl" else None  # one for the worker's life
         self.weights = WeightsStamp()
         self.weights.stamp(loaded_weights(engine))  # the checkpoint's digest now, not on the first transfer
+        self.layout = page_layout(engine)  # what a page's rows are: both workers' must be the same
 
     @property
     def bootstrap_port(self) -> int | None:
@@ -95,6 +103,7 @@ class Worker:
         stats = self.state.loop.stats()
         return {"mode": self.settings.mode, "bootstrap_host": self.settings.bootstrap_host,
                 "bootstrap_port": self.bootstrap_port, "transfer_backend": self.settings.transfer,
+                "kv_layout": self.layout,
                 "num_running": int(stats.get("running", 0)),
                 "num_waiting": int(stats.get("waiting", 0))}
 
