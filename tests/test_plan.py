@@ -134,9 +134,9 @@ def test_tiering_moves_the_capacity_limit():
     cfg = model("glm-5.2")
     dep = Deployment(HW["h200"], latent_format="bf16", indexer_format="bf16")
     cap = capacity(cfg, dep, Workload(((K128, 1.0),), concurrency=8))
-    assert cap.per_node["no_tiering"] == 8            # 12.5 GB per request, ~15.8 GB budget per GPU
-    assert cap.per_node["tiering"] >= 10 * cap.per_node["no_tiering"]
-    assert cap.per_node["tiering"] <= cap.host_limit
+    assert cap.per_unit["no_tiering"] == 8            # 12.5 GB per request, ~15.8 GB budget per GPU
+    assert cap.per_unit["tiering"] >= 10 * cap.per_unit["no_tiering"]
+    assert cap.per_unit["tiering"] <= cap.host_limit
 
 
 def test_decode_reads_only_activated_experts():
@@ -319,7 +319,7 @@ def test_prefix_cache_tiers_count_warm_contexts_and_restore_time(capsys):
     assert "disk" not in json.loads(_json_plan("glm-5.2", "--prefix-cache-host-gb", "10"))["prefix_cache"]["tiers"]
     assert "prefix_cache" not in json.loads(_json_plan("glm-5.2"))
     assert main(["glm-5.2", "--prefix-cache-disk-tb", "-1"]) == 2
-    assert "--prefix-cache-host-gb" in capsys.readouterr().err
+    assert "--prefix-cache-disk-tb" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- parallel layout (--tp/--dp/--ep/--nodes)
@@ -345,12 +345,13 @@ def test_parallel_weights_are_sizings_per_rank_bytes():
 
 def test_tp_does_not_divide_kv_dp_multiplies_requests():
     # GLM-5.2 in FP8: a token costs 78 x 656 B of latent + 21 x 132 B of indexer keys on every GPU that
-    # holds its request, whatever tp is; requests per node = requests per dp rank x dp / nodes.
+    # holds its request, whatever tp is; requests per node = requests per dp rank x dp / nodes, and
+    # per replica = requests per dp rank x dp where a TP group spans the nodes.
     per_token = 78 * 656 + 21 * 132
     layouts = [("--tp", "8"), ("--tp", "2", "--dp", "4"), (), ("--nodes", "2"), ("--nodes", "2", "--tp", "16")]
     for argv in layouts:
         par = _parallel("glm-5.2", *argv)
-        dp, nodes = par["dp"], par["nodes"]
+        dp, nodes = par["dp"], 1 if "16" in argv else par["nodes"]
         for row in par["kv_per_gpu"]:
             assert row["kv_per_request"] == row["context"] * per_token
             for policy in ("no_tiering", "tiering"):
@@ -400,3 +401,121 @@ def test_parallel_only_report(capsys):
 def test_bad_parallel_layout_is_one_line_exit_2(capsys, argv, words):
     rc, out, err = run(capsys, *argv)
     assert rc == 2 and out == "" and words in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- review: inputs, host DRAM, layouts
+
+@pytest.mark.parametrize("context", ["1M:nan", "1M:inf,128K:1", "1M:1e308,128K:1e308"])
+def test_context_weights_must_be_finite(capsys, context):
+    rc, out, err = run(capsys, "glm-5", "--context", context)
+    assert rc == 2 and out == "" and "--context" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag, values", [
+    ("--disk-gbps", ["inf", "nan", "0", "-1"]), ("--host-dram-gb", ["inf", "nan", "-1", "1e305"]),
+    ("--prefix-cache-host-gb", ["nan", "inf", "-1"]), ("--prefix-cache-disk-tb", ["nan", "inf", "-1"]),
+    ("--miss-rate", ["nan", "inf", "-0.1", "1.5"]), ("--mem-fraction", ["nan", "inf", "0", "1.1"]),
+])
+def test_float_flags_must_be_finite_and_in_range(capsys, flag, values):
+    for value in values:
+        argv = ["glm-5", "--tiering", "--prefix-cache-host-gb", "1", "--prefix-cache-disk-tb", "1", flag, value]
+        rc, out, err = run(capsys, *argv)
+        assert rc == 2 and out == "", (flag, value)
+        assert f"argument {flag}:" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def _profile(tmp_path, **changes):
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({**HW["h200"].to_dict(), **changes}))
+    return str(path)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("mem_bw", 0), ("link_bw", 0), ("flops_fp8", 0), ("flops_bf16", -1), ("mem_bw", "4.8e12"),
+    ("device_mem_bytes", -141e9), ("gpus_per_node", 8.5), ("host_dram_bytes", None), ("measured", "no"),
+    ("name", 3),
+])
+def test_bad_hardware_profile_names_file_and_field(capsys, tmp_path, field, value):
+    path = _profile(tmp_path, **{field: value})
+    rc, out, err = run(capsys, "glm-5", "--hardware", path)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert path in err and repr(field) in err
+
+
+def test_hardware_profile_with_nan_is_refused(capsys, tmp_path):
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(HW["h200"].to_dict()).replace("4800000000000.0", "NaN"))
+    rc, _, err = run(capsys, "glm-5", "--hardware", str(path))
+    assert rc == 2 and "'mem_bw'" in err
+
+
+def test_host_dram_where_a_tp_group_spans_nodes():
+    """GLM-5 in FP8 at 1M with tiering: a request's latent history is 78 x 656 B x 2^20 = 53.65 GB on
+    the host per copy, and every TP rank keeps its own copy; a node has 0.9 x 2048 GB = 1843.2 GB usable.
+
+    2 nodes, TP 16 (DP 1): --concurrency 3 counts the replica's requests, all on its one DP rank; each
+    node holds 8 of that rank's 16 TP ranks, so 3 x 8 x 53.65 = 1287.7 GB per node. A node backs
+    floor(1843.2 / (8 x 53.65)) = 4 requests of its DP rank: 4 per replica.
+
+    4 nodes, TP 16 (DP 2): --concurrency 6 is 3 per DP rank; a node holds 8 TP ranks of one DP rank,
+    so again 3 x 8 x 53.65 = 1287.7 GB per node (not 6 x 8), and the replica backs 4 x 2 = 8 requests;
+    9 need 5 on one DP rank, 5 x 8 x 53.65 = 2146 GB on its nodes: host capacity binds.
+    """
+    copy = 78 * 656 * M1
+    two = json.loads(_json_plan("glm-5", "--nodes", "2", "--tp", "16", "--context", "1M", "--tiering",
+                                "--concurrency", "3"))
+    assert two["deployment"]["capacity_unit"] == "replica"
+    assert two["memory"]["host_needed"] == 3 * 8 * copy == pytest.approx(1287.7e9, rel=1e-4)
+    assert two["memory"]["host_limit_requests"] == 4 and two["decode"]["requests_per_gpu"] == 3
+    four = json.loads(_json_plan("glm-5", "--nodes", "4", "--tp", "16", "--context", "1M", "--tiering",
+                                 "--concurrency", "6"))
+    assert four["memory"]["host_needed"] == 3 * 8 * copy and four["memory"]["host_limit_requests"] == 8
+    assert four["verdict"]["fits"]
+    over = json.loads(_json_plan("glm-5", "--nodes", "4", "--tp", "16", "--context", "1M", "--tiering",
+                                 "--concurrency", "9"))
+    assert over["memory"]["host_needed"] == 5 * 8 * copy and over["verdict"]["binding"] == "host capacity"
+
+
+def test_tp_group_must_fit_a_node_or_span_whole_nodes(capsys):
+    rc, out, err = run(capsys, "glm-5", "--gpus-per-node", "12", "--nodes", "2", "--tp", "8", "--no-ep")
+    assert rc == 2 and "--tp 8 must divide --gpus-per-node 12" in err and err.count("\n") == 1
+
+
+def test_dense_attention_with_tiering_is_a_usage_error(capsys):
+    rc, out, err = run(capsys, "glm-5", "--attention", "dense", "--tiering")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "--tiering needs --attention sparse" in err
+    assert main(["glm-5", "--attention", "dense", "--context", "8K", "--concurrency", "1", "--json"]) == 0
+
+
+def test_capacity_is_per_replica_where_a_tp_group_spans_nodes(capsys):
+    """GLM-5 on 2 nodes at TP 16 has one DP rank over both nodes: one 1M request fits on it, and
+    --concurrency 1 is that one request, reported as 1 per replica (not 0 per node)."""
+    rc, out, _ = run(capsys, "glm-5", "--nodes", "2", "--tp", "16", "--context", "1M", "--concurrency", "1",
+                     "--json")
+    plan = json.loads(out)
+    assert rc == 0 and plan["verdict"]["fits"] and "1 requests per replica" in plan["verdict"]["message"]
+    assert plan["memory"]["max_requests_per_gpu"]["no_tiering"] == 1
+    assert plan["memory"]["max_requests_per_node"]["no_tiering"] == 1
+    rc, out, _ = run(capsys, "glm-5", "--nodes", "2", "--tp", "16", "--context", "1M", "--concurrency", "2")
+    assert rc == 1 and "max 1 per replica" in out and "max/replica" in out
+    one = json.loads(_json_plan("glm-5", "--nodes", "2", "--tp", "8"))
+    assert one["deployment"]["capacity_unit"] == "node"
+
+
+@pytest.mark.parametrize("argv, rc", [(["glm-5", "--nodes", "2", "--tp", "8"], 1), (["glm-5"], 1),
+                                      (["glm-5.2", "--nodes", "2", "--concurrency", "8"], 0)])
+def test_parallel_only_prints_the_verdict(capsys, argv, rc):
+    got, out, _ = run(capsys, *argv, "--parallel-only")
+    verdict = json.loads(_json_plan(*argv))["verdict"]
+    assert got == rc and verdict["message"] in out
+    assert ("does not fit" in out) == (rc == 1)
+
+
+def test_layout_the_engine_refuses_gets_a_note(capsys):
+    rc, out, _ = run(capsys, "glm-5", "--nodes", "2", "--tp", "8", "--parallel-only")
+    assert "note: sparsekv's engine does not run TP 8 x DP 2 yet" in out
+    assert json.loads(_json_plan("glm-5", "--nodes", "2", "--tp", "8"))["notes"]
+    for argv in (("glm-5",), ("glm-5", "--tp", "8"), ("glm-5", "--nodes", "2", "--tp", "16")):
+        assert json.loads(_json_plan(*argv))["notes"] == []
+        assert "note:" not in run(capsys, *argv)[1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -208,10 +209,43 @@ def load_hardware(spec: str) -> Hardware:
                      "or a JSON profile file")
 
 
+# Numeric fields of a profile: (lowest value, whether the lowest is excluded, whether it must be an int).
+_PROFILE_NUMBERS = {"device_mem_bytes": (0, True, False), "mem_bw": (0, True, False), "link_bw": (0, True, False),
+                    "flops_bf16": (0, True, False), "flops_fp8": (0, True, False), "gpus_per_node": (1, False, True),
+                    "host_dram_bytes": (0, False, False), "op_overhead_s": (0, False, False),
+                    "topk_s_per_key": (0, False, False), "parallel_op_s": (0, False, False),
+                    "threads": (0, False, True)}
+_PROFILE_STRINGS = ("name", "description", "link_name")
+
+
 def _load_profile(path: str) -> Hardware:
     try:
         with open(path) as f:
             raw = json.load(f)
-        return Hardware(**raw)
+        hw = Hardware(**raw)
     except (OSError, json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"{path}: not a hardware profile ({e})") from None
+    _check_profile(path, raw)
+    return hw
+
+
+def _check_profile(path: str, raw: dict) -> None:
+    """ValueError naming the file and the field unless every field has a usable type and value."""
+    for field, (low, low_open, integer) in _PROFILE_NUMBERS.items():
+        if field in raw:
+            _check_number(path, field, raw[field], low, low_open, integer)
+    for field in _PROFILE_STRINGS:
+        if not isinstance(raw[field], str):
+            raise ValueError(f"{path}: field {field!r} must be a string, got {raw[field]!r}")
+    if not isinstance(raw.get("measured", False), bool):
+        raise ValueError(f"{path}: field 'measured' must be true or false, got {raw['measured']!r}")
+
+
+def _check_number(path: str, field: str, value, low: float, low_open: bool, integer: bool) -> None:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{path}: field {field!r} must be {kind}, got {value!r}")
+    if not (math.isfinite(value) and (value > low if low_open else value >= low)):
+        raise ValueError(f"{path}: field {field!r} must be a finite number {'>' if low_open else '>='} {low}, "
+                         f"got {value!r}")

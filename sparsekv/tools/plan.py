@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from ..engine_args import output_path
@@ -38,13 +39,35 @@ class _Parser(argparse.ArgumentParser):
         raise PlanError(message)
 
 
+def _range_text(low: float, low_open: bool, high: float | None) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+
+
+def float_flag(low: float, low_open: bool = False, high: float | None = None, unit: float = 1.0):
+    """An argparse type for a finite number in range whose value in bytes (x `unit`) is finite too;
+    anything else is a usage error naming the flag."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        in_range = (value > low if low_open else value >= low) and (high is None or value <= high)
+        if not (math.isfinite(value * unit) and in_range):
+            raise argparse.ArgumentTypeError(f"must be a finite number {_range_text(low, low_open, high)}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sparsekv plan", description="Capacity planner and decode roofline for DSA models.")
     p.add_argument("model", help=f"preset ({', '.join(MODEL_PRESETS)}) or a config.json / checkpoint dir")
     p.add_argument("--hardware", default="h200", help=f"{', '.join(HW_PRESETS)}, this-cpu, or a JSON profile")
     p.add_argument("--nodes", type=int, default=1, help="nodes serving one model replica (default 1)")
     p.add_argument("--gpus-per-node", type=int, help="default: the hardware preset's")
-    p.add_argument("--host-dram-gb", type=float, help="host DRAM per node (default: the preset's)")
+    p.add_argument("--host-dram-gb", type=float_flag(0, unit=1e9), help="host DRAM per node (default: the preset's)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1); tp x dp = GPUs")
     p.add_argument("--dp", type=int, help="data-parallel attention ranks (default: GPUs / tp)")
     p.add_argument("--ep", action=argparse.BooleanOptionalAction, default=True,
@@ -59,14 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiering", action=argparse.BooleanOptionalAction, default=False,
                    help="device hot buffer + host DRAM store (HiSparse)")
     p.add_argument("--device-buffer-tokens", type=int, help="hot-buffer slots per layer (default 2 x top-k)")
-    p.add_argument("--miss-rate", type=float, default=0.1, help="fraction of selected tokens not on the device")
-    p.add_argument("--mem-fraction", type=float, default=0.9, help="share of device memory for weights + cache")
+    p.add_argument("--miss-rate", type=float_flag(0, high=1), default=0.1, help="fraction of selected tokens not on the device")
+    p.add_argument("--mem-fraction", type=float_flag(0, low_open=True, high=1), default=0.9, help="share of device memory for weights + cache")
     p.add_argument("--attention", choices=("sparse", "dense"), default="sparse")
     p.add_argument("--profile", choices=tuple(PROFILES), help="engine profile (default: torch-eager on this-cpu)")
-    p.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
+    p.add_argument("--prefix-cache-host-gb", type=float_flag(0, unit=1e9), default=0.0,
                    help="host DRAM for the prefix cache's host tier: contexts kept warm, restore vs recompute")
-    p.add_argument("--prefix-cache-disk-tb", type=float, default=0.0, help="disk for its disk tier")
-    p.add_argument("--disk-gbps", type=float, default=DEFAULT_DISK_GBPS,
+    p.add_argument("--prefix-cache-disk-tb", type=float_flag(0, unit=1e12), default=0.0, help="disk for its disk tier")
+    p.add_argument("--disk-gbps", type=float_flag(0, low_open=True, unit=1e9), default=DEFAULT_DISK_GBPS,
                    help=f"disk read bandwidth (default {DEFAULT_DISK_GBPS}, one PCIe Gen4 NVMe drive)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--parallel-only", action="store_true",
@@ -112,6 +135,13 @@ def warnings(cfg: ModelConfig, wl: Workload) -> list[str]:
     return []
 
 
+def notes(dep: Deployment) -> list[str]:
+    if dep.engine_runs_layout:
+        return []
+    return [f"sparsekv's engine does not run TP {dep.tp} x DP {dep.dp} yet (DP > 1 only with TP 1, "
+            "docs/parallel.md); planned for engines that do"]
+
+
 def model_summary(name: str, cfg: ModelConfig) -> dict:
     counts = param_counts(cfg)
     return {"name": name, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
@@ -129,7 +159,7 @@ def memory_section(cfg: ModelConfig, dep: Deployment, wl: Workload) -> dict:
             "weights_per_gpu": cap.weights_per_gpu, "cache_budget_per_gpu": max(cap.usable_per_gpu, 0.0),
             "device_per_request": cap.device_per_request, "hot_buffer_per_request": hot_buffer_bytes(cfg, dep, wl),
             "host_per_request": cap.host_per_request, "max_requests_per_gpu": cap.per_gpu,
-            "max_requests_per_node": cap.per_node, "host_limit_requests": cap.host_limit,
+            "max_requests_per_node": cap.per_unit, "host_limit_requests": cap.host_limit,
             "host_needed": cap.host_needed if wl.tiering else 0.0,
             "host_available": dep.hardware.host_dram_bytes * dep.host_fraction}
 
@@ -152,7 +182,7 @@ def verdict(cfg: ModelConfig, dep: Deployment, wl: Workload, memory: dict, decod
     over = capacity_limit(cap, dep, wl)
     if over is None:
         return {"fits": True, "binding": decode["binding"],
-                "message": f"fits: {wl.concurrency} requests per node; decode is bound by {decode['binding']}"}
+                "message": f"fits: {wl.concurrency} requests per {dep.capacity_unit}; decode is bound by {decode['binding']}"}
     return {"fits": False, "binding": over, "message": _misfit_message(cap, dep, wl, over, memory)}
 
 
@@ -164,16 +194,17 @@ def _misfit_message(cap, dep: Deployment, wl: Workload, over: str, memory: dict)
                 f"{dep.hardware.device_mem_bytes * dep.mem_fraction / gb:.1f} GB usable; spread them over more "
                 f"GPUs (--nodes, --gpus-per-node, --tp, --ep){fp8} (binding: HBM capacity)")
     if over == "host capacity":
-        return (f"does not fit even with tiering: {wl.concurrency} requests need {cap.host_needed / gb:.0f} GB "
-                f"of host DRAM, the node has {memory['host_available'] / gb:.0f} GB usable; max "
-                f"{cap.per_node['tiering']} per node (binding: host capacity)")
+        return (f"does not fit even with tiering: {wl.concurrency} requests per {dep.capacity_unit} need "
+                f"{cap.host_needed / gb:.0f} GB of host DRAM per node, a node has "
+                f"{memory['host_available'] / gb:.0f} GB usable; max "
+                f"{cap.per_unit['tiering']} per {dep.capacity_unit} (binding: host capacity)")
     policy = "tiering" if wl.tiering else "no_tiering"
     need = dep.requests_per_rank(wl.concurrency)
     text = (f"{need} requests per GPU x {cap.device_per_request[policy] / gb:.2f} GB exceed the "
-            f"{cap.usable_per_gpu / gb:.1f} GB cache budget; max {cap.per_node[policy]} per node")
+            f"{cap.usable_per_gpu / gb:.1f} GB cache budget; max {cap.per_unit[policy]} per {dep.capacity_unit}")
     if wl.tiering:
         return f"does not fit even with tiering: {text} (binding: HBM capacity; indexer keys stay on the device)"
-    return f"does not fit: {text} (binding: HBM capacity; with --tiering max {cap.per_node['tiering']})"
+    return f"does not fit: {text} (binding: HBM capacity; with --tiering max {cap.per_unit['tiering']})"
 
 
 def build_plan(name: str, cfg: ModelConfig, dep: Deployment, wl: Workload, profile: EngineProfile) -> dict:
@@ -184,7 +215,7 @@ def build_plan(name: str, cfg: ModelConfig, dep: Deployment, wl: Workload, profi
             "deployment": {"nodes": dep.nodes, "gpus_per_node": dep.gpus_per_node, "tp": dep.tp, "dp": dep.dp,
                            "ep": dep.ep, "attention_ranks": dep.attention_ranks, "weights": dep.weight_format,
                            "latent_cache": dep.latent_format, "indexer_cache": dep.indexer_format,
-                           "mem_fraction": dep.mem_fraction},
+                           "mem_fraction": dep.mem_fraction, "capacity_unit": dep.capacity_unit},
             "workload": {"contexts": [list(c) for c in wl.contexts], "mean_context": wl.mean_context,
                          "concurrency": wl.concurrency, "topk": wl.topk or cfg.index_topk,
                          "tiering": wl.tiering, "device_buffer_tokens": wl.device_buffer_tokens or
@@ -192,7 +223,7 @@ def build_plan(name: str, cfg: ModelConfig, dep: Deployment, wl: Workload, profi
                          "attention": wl.attention_mode},
             "memory": memory, "parallel": parallel_section(cfg, dep, wl), "decode": decode,
             "verdict": verdict(cfg, dep, wl, memory, decode),
-            "warnings": warnings(cfg, wl),
+            "warnings": warnings(cfg, wl), "notes": notes(dep),
             "flops_per_token": flop_table(cfg), "published": published_comparisons(cfg, name)}
 
 
@@ -214,8 +245,6 @@ def _run(args) -> int:
     dep.parallelism.check(cfg)
     profile = PROFILES[args.profile] if args.profile else (TORCH_EAGER if hw.measured else FUSED)
     plan = build_plan(name, cfg, dep, wl, profile)
-    if args.prefix_cache_host_gb < 0 or args.prefix_cache_disk_tb < 0 or args.disk_gbps <= 0:
-        raise PlanError("--prefix-cache-host-gb and --prefix-cache-disk-tb must be >= 0, --disk-gbps > 0")
     if args.prefix_cache_host_gb or args.prefix_cache_disk_tb:
         plan["prefix_cache"] = prefix_cache_section(cfg, dep, wl, args.prefix_cache_host_gb,
                                                     args.prefix_cache_disk_tb, args.disk_gbps)

@@ -1,5 +1,6 @@
 """Memory: what each cache kind costs per token, per request on the device (with and without a
-tiered cache), in host DRAM, and how many requests a GPU and a node can hold."""
+tiered cache), in host DRAM, and how many requests a GPU and a node (or a replica whose TP groups
+span nodes) can hold."""
 from __future__ import annotations
 
 import math
@@ -85,22 +86,26 @@ def hot_buffer_bytes(cfg: ModelConfig, dep: Deployment, wl: Workload) -> float:
 
 
 def host_bytes_per_request(cfg: ModelConfig, dep: Deployment, wl: Workload) -> float:
-    """With tiering the host pool holds every request's full latent history (no host eviction), one
-    copy per tp rank (each rank's cache is whole)."""
+    """Host bytes of one request on a node that holds it: with tiering the host pool holds every
+    request's full latent history (no host eviction), one copy per TP rank of its attention rank on
+    that node (each rank's cache is whole)."""
     sizes = cache_sizes(cfg, dep, wl.attention_mode)
     return wl.mean_context * sizes.latent_per_token * dep.host_copies
 
 
 @dataclass(frozen=True)
 class Capacity:
+    """Request counts per capacity unit (`Deployment.capacity_unit`: a node, or the replica where a
+    TP group spans nodes); host figures are per node."""
+
     weights_per_gpu: float
     usable_per_gpu: float           # device memory left for the cache
     device_per_request: dict        # {"no_tiering": bytes, "tiering": bytes}
     host_per_request: float
     per_gpu: dict                   # max requests per GPU (per attention rank), by policy
-    per_node: dict                  # max requests per node, by policy (host-limited with tiering)
-    host_limit: int                 # requests the node's host DRAM can back with tiering
-    host_needed: float              # for the workload's concurrency, with tiering
+    per_unit: dict                  # max requests per capacity unit, by policy (host-limited with tiering)
+    host_limit: int                 # requests per capacity unit that host DRAM can back with tiering
+    host_needed: float              # per node for the workload's concurrency, with tiering
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -114,11 +119,11 @@ def capacity(cfg: ModelConfig, dep: Deployment, wl: Workload) -> Capacity:
            "tiering": device_bytes_per_request(cfg, dep, wl, tiered=True)}
     per_gpu = {k: _fit(usable, v) for k, v in dev.items()}
     host_req = host_bytes_per_request(cfg, dep, wl)
-    host_limit = _fit(hw.host_dram_bytes * dep.host_fraction, host_req)
-    per_node = {"no_tiering": dep.per_node(per_gpu["no_tiering"]),
-                "tiering": min(dep.per_node(per_gpu["tiering"]), host_limit)}
-    return Capacity(w, usable, dev, host_req, per_gpu, per_node, host_limit,
-                    wl.concurrency * host_req)
+    host_limit = dep.per_unit_from_node(_fit(hw.host_dram_bytes * dep.host_fraction, host_req))
+    per_unit = {"no_tiering": dep.per_unit(per_gpu["no_tiering"]),
+                "tiering": min(dep.per_unit(per_gpu["tiering"]), host_limit)}
+    return Capacity(w, usable, dev, host_req, per_gpu, per_unit, host_limit,
+                    dep.requests_on_node(wl.concurrency) * host_req)
 
 
 def _fit(budget: float, per_item: float) -> int:

@@ -98,7 +98,7 @@ def weight_stages(cfg: ModelConfig, dep: Deployment, wl: Workload, batch_rank: f
     dense = Stage("weights", flops=2 * batch_rank * (params.replicated + params.sharded - lookup - unread),
                   bytes=(rank.replicated + rank.sharded - weight_bytes(lookup, vocab_weight_format(fmt))
                          - weight_bytes(unread, fmt)))
-    tokens = wl.concurrency * dep.nodes if dep.ep else batch_rank
+    tokens = dep.replica_requests(wl.concurrency) if dep.ep else batch_rank
     hit = unique_experts(c.n_routed, c.k_routed, tokens) / dep.expert_shards
     experts = Stage("experts", flops=2 * tokens * c.k_routed * c.expert * c.num_moe / dep.expert_shards,
                     bytes=weight_bytes(c.num_moe * hit * c.expert, fmt))
@@ -139,7 +139,7 @@ def overhead_stage(cfg: ModelConfig, hw: Hardware, profile: EngineProfile) -> St
 
 def estimate_step(cfg: ModelConfig, dep: Deployment, wl: Workload,
                   profile: EngineProfile = FUSED) -> StepEstimate:
-    """Decode step for `wl.concurrency` requests per node spread over the attention ranks."""
+    """Decode step for `wl.concurrency` requests per capacity unit spread over the attention ranks."""
     hw = dep.hardware
     batch_rank = dep.requests_per_rank(wl.concurrency)
     stages = (weight_stages(cfg, dep, wl, batch_rank)

@@ -27,7 +27,7 @@ def kv_rows(cfg: ModelConfig, dep: Deployment, wl: Workload) -> list[dict]:
         cap = capacity(cfg, dep, replace(wl, contexts=((tokens, 1.0),)))
         rows.append({"context": tokens, "kv_per_request": cap.device_per_request["no_tiering"],
                      "kv_per_request_tiering": cap.device_per_request["tiering"],
-                     "per_gpu": cap.per_gpu, "per_node": cap.per_node, "host_limit": cap.host_limit,
+                     "per_gpu": cap.per_gpu, "per_node": cap.per_unit, "host_limit": cap.host_limit,
                      "beyond_model": tokens > cfg.max_position_embeddings})
     return rows
 

@@ -22,13 +22,17 @@ def header(plan: dict) -> str:
             f"{_nodes(d)}{d['gpus_per_node']}x {hw['description']}; TP {d['tp']} x DP {d['dp']}, EP "
             f"{'on' if d['ep'] else 'off'}; weights {d['weights']}, latent {d['latent_cache']}, "
             f"indexer {d['indexer_cache']}\n"
-            f"context {ctx}, {w['concurrency']} concurrent, top-k {w['topk']}, attention {w['attention']}, "
+            f"context {ctx}, {w['concurrency']} concurrent per {d['capacity_unit']}, top-k {w['topk']}, attention {w['attention']}, "
             f"tiering {'on' if w['tiering'] else 'off'} (buffer {w['device_buffer_tokens']}, miss rate "
             f"{w['miss_rate']:.0%})")
 
 
 def _nodes(d: dict) -> str:
     return f"{d['nodes']} nodes x " if d["nodes"] > 1 else ""
+
+
+def _unit(plan: dict) -> str:
+    return plan["deployment"]["capacity_unit"]
 
 
 def cache_table(plan: dict) -> Table:
@@ -49,7 +53,7 @@ def capacity_table(plan: dict) -> Table:
     mem = plan["memory"]
     t = Table(title=f"Device memory: weights {_gb(mem['weights_per_gpu'])}/GPU, "
                     f"cache budget {_gb(mem['cache_budget_per_gpu'])}/GPU")
-    for col in ("policy", "device/request", "max/GPU", "max/node", "host/request", "host needed"):
+    for col in ("policy", "device/request", "max/GPU", f"max/{_unit(plan)}", "host/request/node", "host needed/node"):
         t.add_column(col, justify="right")
     t.add_row("no tiering", _gb(mem["device_per_request"]["no_tiering"]),
               str(mem["max_requests_per_gpu"]["no_tiering"]), str(mem["max_requests_per_node"]["no_tiering"]),
@@ -71,7 +75,7 @@ def decode_table(plan: dict) -> Table:
                   f"{s['fixed_s'] * 1e3:.3f}")
     times = ", ".join(f"{k} {v:.2f} ms" for k, v in dec["times_ms"].items())
     t.caption = (f"step {dec['step_ms']:.2f} ms ({times}); {dec['tok_s_per_request']:,.1f} tok/s per request, "
-                 f"{dec['tok_s_aggregate']:,.0f} tok/s per node; binding: {dec['binding']}")
+                 f"{dec['tok_s_aggregate']:,.0f} tok/s per {_unit(plan)}; binding: {dec['binding']}")
     return t
 
 
@@ -130,8 +134,9 @@ def parallel_kv_table(plan: dict) -> Table:
     par = plan["parallel"]
     t = Table(title=f"KV cache per GPU and requests (latent and indexer keys whole on each of the "
                     f"{par['tp']} TP rank(s) of a DP rank; {par['dp']} DP ranks)")
-    for col in ("context", "KV/request/GPU", "tiered: device/request", "max/DP rank", "max/node",
-                "tiered max/DP rank", "tiered max/node"):
+    unit = _unit(plan)
+    for col in ("context", "KV/request/GPU", "tiered: device/request", "max/DP rank", f"max/{unit}",
+                "tiered max/DP rank", f"tiered max/{unit}"):
         t.add_column(col, justify="right")
     for r in par["kv_per_gpu"]:
         note = " *" if r["beyond_model"] else ""
@@ -167,13 +172,22 @@ def collectives_table(plan: dict) -> Table:
     return t
 
 
+def print_footer(plan: dict, con: Console) -> None:
+    """Notes, warnings and the verdict, which the exit status reports."""
+    for note in plan.get("notes", []):
+        con.print(f"[cyan]note: {note}[/]", soft_wrap=True)
+    for warning in plan.get("warnings", []):
+        con.print(f"[yellow]warning: {warning}[/]", soft_wrap=True)
+    v = plan["verdict"]
+    con.print(f"[bold {'green' if v['fits'] else 'red'}]{v['message']}[/]", soft_wrap=True)
+
+
 def print_parallel(plan: dict, console: Console | None = None) -> None:
     con = console or Console(width=140)
     con.print(header(plan))
     for table in (parallel_weights_table(plan), parallel_kv_table(plan), collectives_table(plan)):
         con.print(table)
-    for warning in plan.get("warnings", []):
-        con.print(f"[yellow]warning: {warning}[/]")
+    print_footer(plan, con)
 
 
 def print_plan(plan: dict, sweep_points: list[dict] | None = None, console: Console | None = None) -> None:
@@ -186,10 +200,8 @@ def print_plan(plan: dict, sweep_points: list[dict] | None = None, console: Cons
     if "prefix_cache" in plan:
         con.print(prefix_table(plan))
     if sweep_points:
-        con.print(sweep_table(sweep_points, False, "Sweep, no tiering: limit per (context, requests per node)"))
-        con.print(sweep_table(sweep_points, True, "Sweep, tiering: limit per (context, requests per node)"))
+        unit = _unit(plan)
+        con.print(sweep_table(sweep_points, False, f"Sweep, no tiering: limit per (context, requests per {unit})"))
+        con.print(sweep_table(sweep_points, True, f"Sweep, tiering: limit per (context, requests per {unit})"))
         con.print(LEGEND)
-    for warning in plan.get("warnings", []):
-        con.print(f"[yellow]warning: {warning}[/]")
-    v = plan["verdict"]
-    con.print(f"[bold {'green' if v['fits'] else 'red'}]{v['message']}[/]")
+    print_footer(plan, con)

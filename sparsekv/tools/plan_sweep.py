@@ -14,7 +14,7 @@ from sparsekv.tools.plan_decode import EngineProfile, estimate_step
 from sparsekv.tools.plan_workload import Deployment, Workload, format_tokens
 
 SWEEP_CONTEXTS = (8 << 10, 32 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20)
-SWEEP_CONCURRENCY = tuple(2 ** i for i in range(11))  # 1 .. 1024 per node
+SWEEP_CONCURRENCY = tuple(2 ** i for i in range(11))  # 1 .. 1024 per capacity unit
 CODES = {"HBM capacity": "H", "host capacity": "D", "compute": "C", "HBM bandwidth": "M",
          "link bandwidth": "L", "dispatch overhead": "O"}
 LEGEND = ("H: does not fit in device memory   D: does not fit in host DRAM   "
@@ -28,13 +28,13 @@ def sweep_point(cfg: ModelConfig, dep: Deployment, wl: Workload, profile: Engine
     step = estimate_step(cfg, dep, wl, profile)
     over = capacity_limit(cap, dep, wl)
     limit, fits = over or step.binding, over is None
-    device_limit = dep.per_node(cap.per_gpu[policy])
+    device_limit = dep.per_unit(cap.per_gpu[policy])
     return {"context": wl.contexts[0][0], "concurrency": wl.concurrency, "tiering": wl.tiering,
             "fits": fits, "limit": limit, "step_ms": step.step_s * 1e3,
             "tok_s_aggregate": wl.concurrency / step.step_s,
-            "link_share": step.times["link"] / step.step_s, "max_per_node": cap.per_node[policy],
-            "max_limited_by": "host" if cap.per_node[policy] < device_limit else "device",
-            "host_limit": cap.host_limit}
+            "link_share": step.times["link"] / step.step_s, "max_per_node": cap.per_unit[policy],
+            "max_limited_by": "host" if cap.per_unit[policy] < device_limit else "device",
+            "host_limit": cap.host_limit, "unit": dep.capacity_unit}
 
 
 def link_bound_miss_rate(cfg: ModelConfig, dep: Deployment, wl: Workload, profile: EngineProfile) -> float | None:
@@ -80,7 +80,7 @@ def sweep_table(points: list[dict], tiering: bool, title: str):
     concurrencies = sorted({p["concurrency"] for p in points})
     table = Table(title=title)
     table.add_column("context")
-    table.add_column("max/node", justify="right")
+    table.add_column(f"max/{points[0]['unit']}", justify="right")
     for n in concurrencies:
         table.add_column(str(n), justify="center")
     if tiering:
@@ -104,7 +104,7 @@ def _cell(point: dict) -> str:
 
 
 def plot_sweep(points: list[dict], path: str, title: str) -> None:
-    """Left: max requests per node against context. Right: aggregate tok/s against concurrency
+    """Left: max requests per capacity unit against context. Right: aggregate tok/s against concurrency
     with tiering, one line per context, drawn only where the point fits; x marks link-bound."""
     import matplotlib
     matplotlib.use("Agg")
@@ -116,7 +116,8 @@ def plot_sweep(points: list[dict], path: str, title: str) -> None:
         left.plot(contexts, [p["max_per_node"] or float("nan") for p in first], style,
                   label="tiering" if tiering else "no tiering (gap: none fit)")
     left.plot(contexts, [p["host_limit"] for p in first], ":", color="gray", label="host DRAM limit")
-    _axes(left, "context (tokens)", "max concurrent requests per node", contexts)
+    unit = points[0]["unit"]
+    _axes(left, "context (tokens)", f"max concurrent requests per {unit}", contexts)
     for T in contexts:
         row = sorted((p for p in points if p["context"] == T and p["tiering"] and p["fits"]),
                      key=lambda p: p["concurrency"])
@@ -126,7 +127,7 @@ def plot_sweep(points: list[dict], path: str, title: str) -> None:
             linked = [p for p in row if p["limit"] == "link bandwidth"]
             right.plot([p["concurrency"] for p in linked], [p["tok_s_aggregate"] for p in linked], "x",
                        color=line.get_color(), markersize=9)
-    _axes(right, "concurrent requests per node (tiering on)", "decode tokens/s per node (x: link-bound)")
+    _axes(right, f"concurrent requests per {unit} (tiering on)", f"decode tokens/s per {unit} (x: link-bound)")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

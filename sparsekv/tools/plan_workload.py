@@ -3,6 +3,7 @@ workload (context lengths, concurrency, cache policy). Plain data plus input par
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from dataclasses import dataclass
 
@@ -20,7 +21,8 @@ class Deployment:
 
     `dp` (default: every GPU / tp) attention ranks each serve their own requests; MLA caches a single
     latent per token shared by all heads, so the tp ranks of one attention rank each hold its whole
-    cache (replicated, not split). Routed experts are split over every rank with `ep`, else over tp
+    cache (replicated, not split). A TP group fits in a node or spans whole nodes; requests are
+    counted per node, or per replica where a TP group spans nodes (`capacity_unit`). Routed experts are split over every rank with `ep`, else over tp
     like the other sharded weights (cache/sizing.py says which). `mem_fraction` of device memory is
     usable (the rest is activations, graphs and fragmentation, as SGLang's mem_fraction_static);
     `host_fraction` of host DRAM.
@@ -59,18 +61,51 @@ class Deployment:
         """Ranks with their own requests and KV cache, over all nodes."""
         return self.dp
 
-    def requests_per_rank(self, per_node: int) -> int:
-        """Requests each attention rank serves when every node serves `per_node`."""
-        return -(-per_node * self.nodes // self.dp)
+    @property
+    def tp_spans_nodes(self) -> bool:
+        """Whether one TP group (one attention rank) is spread over several nodes."""
+        return self.tp > self.gpus_per_node
 
-    def per_node(self, per_rank: int) -> int:
-        """Requests per node when every attention rank serves `per_rank`."""
-        return per_rank * self.dp // self.nodes
+    @property
+    def capacity_unit(self) -> str:
+        """What `--concurrency` and the capacity figures count requests per: a node, or the whole
+        replica where a TP group spans nodes (no node then holds a request of its own)."""
+        return "replica" if self.tp_spans_nodes else "node"
+
+    @property
+    def nodes_per_unit(self) -> int:
+        return self.nodes if self.tp_spans_nodes else 1
+
+    def replica_requests(self, per_unit: int) -> int:
+        """Requests the whole replica serves when every capacity unit serves `per_unit`."""
+        return per_unit * self.nodes // self.nodes_per_unit
+
+    def requests_per_rank(self, per_unit: int) -> int:
+        """Requests each attention rank serves when every capacity unit serves `per_unit`."""
+        return -(-self.replica_requests(per_unit) // self.dp)
+
+    def per_unit(self, per_rank: int) -> int:
+        """Requests per capacity unit when every attention rank serves `per_rank`."""
+        return per_rank * self.dp * self.nodes_per_unit // self.nodes
+
+    def requests_on_node(self, per_unit: int) -> int:
+        """Requests whose cache a node's GPUs hold: the node's own, or where a TP group spans nodes,
+        every request of the one attention rank the node's GPUs belong to."""
+        return self.requests_per_rank(per_unit) if self.tp_spans_nodes else per_unit
+
+    def per_unit_from_node(self, on_node: int) -> int:
+        """Requests per capacity unit when a node can hold the cache of `on_node` requests."""
+        return self.per_unit(on_node) if self.tp_spans_nodes else on_node
 
     @property
     def host_copies(self) -> int:
-        """Copies of one request's host history a node holds: one per tp rank of its attention rank there."""
+        """Copies of one request's host history a node holds: one per TP rank of its attention rank there."""
         return min(self.tp, self.gpus_per_node)
+
+    @property
+    def engine_runs_layout(self) -> bool:
+        """sparsekv's engine runs data-parallel attention only with TP 1 (docs/parallel.md)."""
+        return self.dp == 1 or self.tp == 1
 
     @property
     def expert_shards(self) -> int:
@@ -90,11 +125,14 @@ class Deployment:
             raise PlanError("--tp, --dp, --nodes and --gpus-per-node must be >= 1")
         if not 0 < self.mem_fraction <= 1:
             raise PlanError(f"--mem-fraction must be in (0, 1], got {self.mem_fraction}")
-        if self.hardware.host_dram_bytes < 0:
-            raise PlanError("--host-dram-gb must be >= 0")
+        if not (math.isfinite(self.hardware.host_dram_bytes) and self.hardware.host_dram_bytes >= 0):
+            raise PlanError("--host-dram-gb must be a finite number >= 0")
         if self.gpus % self.tp:
             raise PlanError(f"--tp {self.tp} must divide the {self.gpus} GPUs (--nodes {self.nodes} x "
                             f"--gpus-per-node {self.gpus_per_node})")
+        if self.gpus_per_node % self.tp and self.tp % self.gpus_per_node:
+            raise PlanError(f"--tp {self.tp} must divide --gpus-per-node {self.gpus_per_node} or be a multiple of "
+                            "it: a TP group fits in one node or spans whole nodes")
         if self.tp * self.dp != self.gpus:
             raise PlanError(f"--tp {self.tp} x --dp {self.dp} = {self.tp * self.dp} ranks, but --nodes {self.nodes} "
                             f"x --gpus-per-node {self.gpus_per_node} = {self.gpus} GPUs (one rank per GPU)")
@@ -102,7 +140,8 @@ class Deployment:
 
 @dataclass(frozen=True)
 class Workload:
-    """Concurrent decoding requests on one node, their context lengths, and the cache policy.
+    """Concurrent decoding requests per capacity unit (a node, or the replica where a TP group spans
+    nodes), their context lengths, and the cache policy.
 
     `contexts` is a distribution [(tokens, probability)]: per-request costs are linear in the
     context, so the planner works with their expectation. With `tiering`, each request keeps a
@@ -131,6 +170,9 @@ class Workload:
             raise PlanError(f"--topk must be >= 1, got {self.topk}")
         if self.attention_mode not in ("sparse", "dense"):
             raise PlanError(f"attention mode {self.attention_mode!r}: use sparse or dense")
+        if self.tiering and self.attention_mode == "dense":
+            raise PlanError("--tiering needs --attention sparse: dense attention reads every key each step, "
+                            "which a bounded device buffer cannot hold (the engine refuses it too)")
 
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
@@ -160,6 +202,16 @@ def token_list_arg(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _context_weight(weight: str, text: str) -> float:
+    try:
+        w = float(weight) if weight else 1.0
+    except ValueError:
+        raise PlanError(f"cannot read weight {weight!r} in --context {text!r}") from None
+    if not (math.isfinite(w) and w > 0):
+        raise PlanError(f"weights in --context must be finite numbers > 0, got {weight!r}")
+    return w
+
+
 def parse_contexts(text: str) -> tuple[tuple[int, float], ...]:
     """'128K' or a distribution '64K:0.5,1M:0.5' (weights are normalised to sum to 1)."""
     parts = [p for p in text.split(",") if p.strip()]
@@ -168,14 +220,10 @@ def parse_contexts(text: str) -> tuple[tuple[int, float], ...]:
     pairs = []
     for part in parts:
         tokens, _, weight = part.partition(":")
-        try:
-            w = float(weight) if weight else 1.0
-        except ValueError:
-            raise PlanError(f"cannot read weight {weight!r} in --context {text!r}") from None
-        if w <= 0:
-            raise PlanError(f"weights in --context must be > 0, got {weight!r}")
-        pairs.append((parse_tokens(tokens), w))
+        pairs.append((parse_tokens(tokens), _context_weight(weight, text)))
     total = sum(w for _, w in pairs)
+    if not math.isfinite(total):
+        raise PlanError(f"weights in --context {text!r} are too large to add up")
     return tuple((t, w / total) for t, w in pairs)
 
 
