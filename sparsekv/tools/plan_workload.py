@@ -22,7 +22,8 @@ class Deployment:
     `dp` (default: every GPU / tp) attention ranks each serve their own requests; MLA caches a single
     latent per token shared by all heads, so the tp ranks of one attention rank each hold its whole
     cache (replicated, not split). A TP group fits in a node or spans whole nodes; requests are
-    counted per node, or per replica where a TP group spans nodes (`capacity_unit`). Routed experts are split over every rank with `ep`, else over tp
+    counted per node, or per replica where a TP group spans nodes (`capacity_unit`). Routed experts
+    are split over every rank with `ep`, else over tp
     like the other sharded weights (cache/sizing.py says which). `mem_fraction` of device memory is
     usable (the rest is activations, graphs and fragmentation, as SGLang's mem_fraction_static);
     `host_fraction` of host DRAM.
