@@ -381,6 +381,18 @@ def test_a_worker_answering_polls_late_stays_up_until_several_time_out():
         assert wait_until(lambda: worker.up)
 
 
+def test_the_router_drops_idle_connections_before_a_worker_closes_them():
+    """Equal idle timeouts race: the router would reuse a connection the worker is closing just then,
+    and the request fails (a POST is not retried)."""
+    from sparsekv.disagg.router import KEEPALIVE_EXPIRY_S
+    router = Router(WorkerPool(["http://p:1"], ["http://d:2"]))
+
+    async def expiry():
+        async with router.running():
+            return router.client._transport._pool._keepalive_expiry
+    assert asyncio.run(expiry()) == KEEPALIVE_EXPIRY_S <= uvicorn.Config(app=None).timeout_keep_alive / 2
+
+
 def test_startup_refuses_a_worker_in_the_wrong_mode(capsys):
     p, d, no_address = FakeWorker("prefill"), FakeWorker("decode"), FakeWorker("prefill")
     no_address.bootstrap_port = None

@@ -42,6 +42,10 @@ from .router_workers import NoWorker, RouterConfigError, WorkerPool, affinity_ke
 log = logging.getLogger("sparsekv.router")
 FORWARDED_HEADERS = ("authorization", "x-request-id")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# An idle connection to a worker is dropped after this many seconds, well before the worker's server
+# (uvicorn: 5 s) closes it: a request sent on a connection the server is closing at that moment fails
+# (ReadError), and a POST is not retried.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class Router:
@@ -67,7 +71,7 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def running(self):
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_EXPIRY_S)
         async with httpx.AsyncClient(timeout=self.request_timeout, limits=limits) as self.client:
             poller = asyncio.ensure_future(self.poll_forever())
             try:
