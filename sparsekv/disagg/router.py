@@ -64,7 +64,8 @@ class Router:
         task.add_done_callback(self._tasks.discard)
 
     async def poll_forever(self) -> None:
-        async with httpx.AsyncClient(timeout=max(1.0, self.health_interval)) as client:
+        async with httpx.AsyncClient(timeout=max(1.0, self.health_interval),
+                                     limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)) as client:
             while True:
                 await self.pool.poll(client)
                 await asyncio.sleep(self.health_interval)
