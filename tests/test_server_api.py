@@ -625,4 +625,6 @@ def test_bench_serve_shared_prefix_reports_reuse_by_tier(server, capsys):
     device, host, disk, total = map(float, re.search(r"Prefix reuse, device / host / disk / total:\s+([\d.]+)% / "
                                                      r"([\d.]+)% / ([\d.]+)% / ([\d.]+)%", out).groups())
     assert device > 0 and host == disk == 0 and total == device   # the server has no host or disk tier
+    rows = [line for line in out.splitlines() if line.startswith("sparsekv:")]
+    assert any("prefix_cache_hits_total:device" in r for r in rows) and len({len(r) for r in rows}) == 1  # aligned
     assert main(["--url", server.url, "--dataset", "shared-prefix", "--input-len", "8", "--prefix-len", "8"]) == 2

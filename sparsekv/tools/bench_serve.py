@@ -327,13 +327,14 @@ def format_report(rep: dict) -> str:
                          f"{k['ttft_ms']['median']:>12.1f} / {k['ttft_ms']['p99']:<11.1f} "
                          f"{k['tpot_ms']['median']:>8.2f} / {k['tpot_ms']['p99']:<9.2f} {k['e2e_ms']['p99']:>10.1f}")
     lines.append("{s:{c}^50}".format(s="Tier figures from /metrics", c="-"))
-    lines.append(f"{'metric':<36} {'before':>13} {'after':>13} {'delta':>13} {'peak in run':>13}")
     before, after, peak = rep["tiers_before"], rep["tiers_after"], rep["tiers_peak"]
-    for name in TIER_METRICS:
-        if name in before or name in after:
-            b, a = before.get(name, 0.0), after.get(name, 0.0)
-            p = f"{peak[name]:>13.0f}" if name in peak else f"{'-':>13}"
-            lines.append(f"{'sparsekv:' + name:<36} {b:>13.0f} {a:>13.0f} {a - b:>+13.0f} {p}")
+    shown = [name for name in TIER_METRICS if name in before or name in after]
+    width = max([36] + [len("sparsekv:" + name) + 1 for name in shown])
+    lines.append(f"{'metric':<{width}} {'before':>13} {'after':>13} {'delta':>13} {'peak in run':>13}")
+    for name in shown:
+        b, a = before.get(name, 0.0), after.get(name, 0.0)
+        p = f"{peak[name]:>13.0f}" if name in peak else f"{'-':>13}"
+        lines.append(f"{'sparsekv:' + name:<{width}} {b:>13.0f} {a:>13.0f} {a - b:>+13.0f} {p}")
     reuse = rep["prefix_reuse"]
     if reuse["prompt_tokens"]:
         lines.append(row("Prefix reuse, device / host / disk / total:", f"{100 * reuse['device']:.1f}% / "

@@ -17,7 +17,8 @@ def load_text_tokenizer(path: str):
     from tokenizers import Tokenizer
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
-        raise FileNotFoundError(f"{path}: no tokenizer.json; the needle tasks need the model's tokenizer")
+        raise FileNotFoundError(f"{path}: no tokenizer.json; this eval tokenizes its texts with the model's "
+                                f"tokenizer")
     return Tokenizer.from_file(file)
 
 
