@@ -9,7 +9,7 @@ import sys
 import time
 
 from .config import ConfigError
-from .engine_args import add_engine_args, engine_options, non_default_args
+from .engine_args import add_engine_args, engine_options, non_default_args, read_text_option
 from .request import InvalidRequest
 
 PROMPT_ARGS = ("prompt", "prompt_file", "prompt_token_ids")  # data, not settings: left out of the startup line
@@ -22,15 +22,13 @@ def _prompt(args) -> str | list[int]:
         except ValueError:
             raise InvalidRequest(f"--prompt-token-ids must be comma-separated integers, got {args.prompt_token_ids!r}")
     if args.prompt_file:
-        with open(args.prompt_file) as f:
-            return f.read()
+        return read_text_option(args.prompt_file, "--prompt-file")
     return args.prompt
 
 
 def _structured_output(args) -> dict | None:
     if args.json_schema:
-        with open(args.json_schema) as f:
-            return {"type": "json_schema", "schema": f.read()}
+        return {"type": "json_schema", "schema": read_text_option(args.json_schema, "--json-schema")}
     if args.json_object:
         return {"type": "json_object"}
     if args.regex:

@@ -133,6 +133,17 @@ ENGINE_ARG_NAMES = ("dtype", "revision", "device", "max_model_len", "max_num_seq
                     "dist_init_addr", "dist_timeout_s", "dist_startup_timeout_s")
 
 
+def read_text_option(path: str, flag: str) -> str:
+    """The UTF-8 text of the file an option names; ValueError naming the option when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """The parsed engine options as LLM(...) / EngineConfig keywords. ConfigError for an option that
     only applies with another one which is not given (the engine would ignore it)."""

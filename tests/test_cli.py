@@ -121,6 +121,22 @@ def test_flags_out_of_range_are_usage_errors_before_any_work(capsys):
         assert code == 2 and flag in err and "Traceback" not in err, (argv, err)
 
 
+def test_an_option_file_that_is_not_utf8_or_missing_is_one_line_naming_its_flag(tmp_path, capsys):
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"\xff\xfe not text")
+    bad.chmod(0o600)
+    for argv, flag in ((["generate", "--prompt-file", str(bad)], "--prompt-file"),
+                       (["generate", "--prompt", "x", "--json-schema", str(bad)], "--json-schema"),
+                       (["serve", "--chat-template", str(bad)], "--chat-template"),
+                       (["serve", "--api-key-file", str(bad)], "--api-key-file"),
+                       (["serve", "--admin-api-key-file", str(bad)], "--admin-api-key-file"),
+                       (["generate", "--prompt-file", str(tmp_path / "none")], "--prompt-file")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{flag} {argv[-1]}: " in err and ("not UTF-8 text" in err or "No such file" in err), err
+        assert "Traceback" not in err
+
+
 def test_a_device_this_torch_cannot_use_is_one_clear_line(glm_ckpt, capsys):
     for device, words in (("foo", "cpu, cuda or cuda:N"), ("cuda", "no CUDA device")):
         if device == "cuda" and torch.cuda.is_available():

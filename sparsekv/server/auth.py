@@ -63,13 +63,20 @@ def read_api_key_file(path: str, flag: str = "--api-key-file") -> list[tuple[str
     """The `KEY[:TENANT]` lines of an --api-key-file (`flag`: the option that named it), each with where
     it is (`PATH line N`). Refused if group or others may read or write it (they could read the keys,
     or add one)."""
-    with open(path) as f:
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+    with f:
         mode = os.fstat(f.fileno()).st_mode  # of the file opened, not of whatever the path names later
         if mode & OTHERS_MAY_ACCESS:
             raise ValueError(f"{flag} {path}: other users may read or write it (mode "
                              f"{stat.S_IMODE(mode):04o}); make it private: chmod 600 {path}")
-        entries = [(line.strip(), f"{flag} {path} line {n}") for n, line in enumerate(f, 1)
-                   if line.strip() and not line.lstrip().startswith("#")]
+        try:
+            entries = [(line.strip(), f"{flag} {path} line {n}") for n, line in enumerate(f, 1)
+                       if line.strip() and not line.lstrip().startswith("#")]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{flag} {path}: not UTF-8 text (byte {e.start})") from None
     if not entries:
         raise ValueError(f"{flag} {path}: no keys in it")
     return entries

@@ -22,7 +22,7 @@ import sys
 import uvicorn
 
 from ..config import ConfigError
-from ..engine_args import add_engine_args, at_least, engine_options, non_default_args, port_number
+from ..engine_args import add_engine_args, at_least, engine_options, non_default_args, port_number, read_text_option
 from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES
 from .reasoning import PARSERS
 
@@ -194,8 +194,7 @@ def build_app(args):
     names = args.served_model_name or [args.model or os.path.basename(os.path.normpath(model))]
     template = None
     if args.chat_template is not None:  # read first: a wrong path fails before the model loads
-        with open(args.chat_template) as f:
-            template = f.read()
+        template = read_text_option(args.chat_template, "--chat-template")
     role = disaggregation_settings(args)  # read first: a missing secret fails before the model loads
     options = engine_options(args)
     if role is not None and role.mode == "decode" and options.get("prefix_cache_host_bytes") is None:
