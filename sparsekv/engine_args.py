@@ -28,6 +28,14 @@ def at_least(low, kind=int):
     return parse
 
 
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def output_path(text: str) -> str:
     """An argparse type: a file to write, in a directory that exists (checked before any work runs)."""
     import os

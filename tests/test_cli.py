@@ -106,6 +106,10 @@ def test_flags_out_of_range_are_usage_errors_before_any_work(capsys):
                        (["serve", "--quest-page-tokens", "8"], "--quest-page-tokens"),  # without --selector quest
                        (["generate", "--prompt", "x", "--quest-page-tokens", "8"], "--quest-page-tokens"),
                        (["router", "--prefill", "http://a:1", "--decode", "http://b:2", "--port", "70000"], "--port"),
+                       *((["router", "--prefill", "http://a:1", "--decode", "http://b:2", flag, value], flag)
+                         for flag, value in (("--health-interval", "0"), ("--request-timeout", "nan"),
+                                             ("--worker-startup-timeout", "-1"), ("--affinity-prefix-chars", "-1"),
+                                             ("--affinity-load-slack", "-2"), ("--max-request-body-bytes", "0"))),
                        (["bench", "decode", "--repeats", "0"], "--repeats"), (["bench", "decode", "--steps", "0"], "--steps"),
                        (["bench", "prefill", "--chunk", "0"], "--chunk"),
                        (["bench", "decode", "--json", "/nonexistent/x.json"], "--json"),
