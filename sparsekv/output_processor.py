@@ -246,9 +246,15 @@ class OutputProcessor:
         req.output_token_ids.append(token)
         if req.request_id in self._adjusters:
             self._adjusters[req.request_id].note(token)
-        if req.request_id in self._grammars:
-            self._grammars[req.request_id].accept(token)
-        req.finish_reason = self._finish_reason(req, token)
+        grammar = self._grammars.get(req.request_id)
+        if grammar is not None:
+            grammar.accept(token)
+        if grammar is not None and grammar.dead_end is not None:
+            logger.warning("request %s: %s; ending it", req.request_id, grammar.dead_end)
+            self._final_text(req, req.output_token_ids)
+            req.finish_reason = "stop"
+        else:
+            req.finish_reason = self._finish_reason(req, token)
         return [token]
 
     def _finish_reason(self, req: Request, token: int) -> str | None:

@@ -92,6 +92,7 @@ class GrammarState:
         self.xgr, self.matcher = xgr, xgr.GrammarMatcher(compiled)
         self.bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
         self.waiting_for, self.token_text, self._tail = after, token_text, ""
+        self.dead_end: str | None = None  # why no output can match the grammar any more (the request ends)
 
     @property
     def active(self) -> bool:
@@ -118,12 +119,12 @@ class GrammarState:
         marker = self.waiting_for
         self._tail += self.token_text(token)
         at = self._tail.find(marker)
-        if at < 0:
-            self._tail = self._tail[len(self._tail) - len(marker) + 1:] if len(marker) > 1 else ""
+        if at < 0:  # keep what could be the start of the marker, split over tokens
+            self._tail = self._tail[-(len(marker) - 1):] if len(marker) > 1 else ""
             return
         rest, self.waiting_for = self._tail[at + len(marker):].lstrip(), None
-        if rest and not self.matcher.accept_string(rest):
-            raise RuntimeError(f"{rest!r}, written with {marker!r}, does not start the request's grammar")
+        if rest and not self.matcher.accept_string(rest):  # the model's text, not a fault of the engine's
+            self.dead_end = f"{rest!r}, written with {marker!r}, does not start the request's grammar"
 
     @property
     def finished(self) -> bool:

@@ -117,3 +117,40 @@ def test_a_grammar_after_a_marker_leaves_the_text_before_it_free(llm):
                                                           structured_output={**spec, "after": "never written"}))[0]
     assert unconstrained.text == free  # the marker never comes: the grammar never holds
     llm.engine.check_integrity()
+
+
+def _ids(llm, text: str) -> list[int]:
+    return llm.engine.outputs.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_marker_written_in_short_tokens_starts_the_grammar(llm):
+    """A marker split into tokens shorter than itself ("</", "th", "ink", ">"): the text kept while
+    waiting is its last len(marker) - 1 characters, so the marker is found across them."""
+    grammar = llm.engine.outputs.grammar_for({"type": "json_object", "after": "</think>"})
+    tokens = _ids(llm, "</think>")
+    assert len(tokens) == 4
+    for token in tokens:
+        grammar.accept(token)
+    assert grammar.active and grammar.dead_end is None
+
+
+def test_text_after_the_marker_that_cannot_start_the_grammar_ends_that_request_only(llm):
+    """The token closing the marker also writes ">" (">>" after "</think"), which no JSON starts with:
+    the model's doing, so that request ends ("stop", its text), not the engine (it raised in the step)."""
+    spec = {"type": "json_object", "after": "</think>"}
+    prompt, closing = _ids(llm, "reasoning"), _ids(llm, "</think")
+    double = _ids(llm, ">>")
+    assert len(double) == 1
+    forced = closing + double  # each step may take only the next forced token
+
+    def force(output_ids, logits):
+        out = torch.full_like(logits, float("-inf"))
+        out[forced[min(len(output_ids), len(forced) - 1)]] = 0.0
+        return out
+    outs = llm.generate([prompt, PROMPTS[0]], [
+        SamplingParams(max_tokens=16, temperature=0.0, structured_output=spec, logits_processors=[force]),
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])
+    assert outs[0].token_ids == forced and outs[0].finish_reason == "stop" and outs[0].text == "</think>>"
+    assert len(outs[1].token_ids) == 6 and outs[1].finish_reason == "length"
+    llm.engine.check_integrity()
+    assert len(llm.generate([PROMPTS[1]], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids) == 3
