@@ -69,8 +69,9 @@ class GrammarCompiler:
         return self.compiler.compile_regex("|".join(re.escape(c) for c in spec["choices"]))
 
 
-# xgrammar prefixes its messages with a time and its C++ source file: "[12:00:00] /src/x.cc:94: reason"
-_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# xgrammar prefixes its messages with a time and its C++ source file: "[12:00:00] /src/x.cc:94: reason",
+# and an assertion's condition: "Check failed: (error.empty()) is false: reason"
+_XGRAMMAR_PREFIX = re.compile(r"^(?:\[[\d:]+\] \S+:\d+: )?(?:Check failed: \(.*?\) is false: )?")
 _SOURCE_PATH = re.compile(r"\S+\.(?:cc|cpp|h|hpp|py):\d+|Traceback|Stack trace")
 
 

@@ -304,7 +304,7 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("response_format-unknown-type", CHAT, {**MSG, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("response_format-and-guided_regex", C, {**OK, "response_format": {"type": "json_object"}, "guided_regex": "a"},
      400, "response_format"),
-    ("guided_regex-does-not-compile", C, {**OK, "guided_regex": "(ab"}, 400, "structured_output"),
+    ("guided_regex-does-not-compile", C, {**OK, "guided_regex": "(ab"}, 400, "guided_regex"),
     ("tools-on-completions", C, {**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("tools-malformed", CHAT, {**MSG, "tools": [{"type": "function"}]}, 400, "tools"),
     ("tool_choice-required-without-tools", CHAT, {**MSG, "tool_choice": "required"}, 400, "tool_choice"),
@@ -359,9 +359,20 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("nested-100-deep", C, b'{"prompt": "x", "foo": ' + b'{"a": ' * 100 + b"1" + b"}" * 100 + b"}", 400, "foo"),
     ("guided_json-nested-deep", C, {**OK, "guided_json": json.loads('{"a": ' * 80 + "1" + "}" * 80)}, 400,
      "guided_json"),
-    ("guided_regex-unbalanced", C, {**OK, "guided_regex": "a(b"}, 400, "structured_output"),
+    ("guided_regex-unbalanced", C, {**OK, "guided_regex": "a(b"}, 400, "guided_regex"),
+    ("guided_json-a-string-that-is-not-json", C, {**OK, "guided_json": "{not json"}, 400, "guided_json"),
     ("json_schema-unknown-type", CHAT, {**MSG, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "nope"}}}}, 400, "structured_output"),
+        "name": "x", "schema": {"type": "nope"}}}}, 400, "response_format"),
+    ("forced-tool-schema-does-not-compile", CHAT, {**MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "objekt"}}}], "tool_choice": "required"}, 400, "tools"),
+    ("tool-name-not-a-string", CHAT, {**MSG, "tools": [{"type": "function", "function": {"name": 123}}]}, 400,
+     "tools[0].function.name"),
+    ("tool-name-with-spaces", CHAT, {**MSG, "tools": [{"type": "function", "function": {"name": "has space"}}]}, 400,
+     "tools[0].function.name"),
+    ("tool-names-twice", CHAT, {**MSG, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, 400,
+     "tools[1].function.name"),
+    ("tool-parameters-not-an-object", CHAT, {**MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": "abc"}}]}, 400, "tools[0].function.parameters"),
     ("prompt-lone-surrogate", C, b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
     ("prompt-batch-lone-surrogate", C, b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', 400, "prompt"),
     ("chat-lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
@@ -369,7 +380,7 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("stop-lone-surrogate", C, b'{"prompt": "hi", "stop": ["\\ud83d"], "max_tokens": 2}', 400, "stop"),
     ("body-over-cap", C, {**OK, "prompt": "a" * DEFAULT_MAX_REQUEST_BODY_BYTES}, 413, None),
 ]
-INTERNALS = re.compile(r"\.(cc|cpp|h|py):\d+|\[\d\d:\d\d:\d\d\]|Traceback|TextEncodeInput|Union\[")
+INTERNALS = re.compile(r"\.(cc|cpp|h|py):\d+|\[\d\d:\d\d:\d\d\]|Traceback|TextEncodeInput|Union\[|Check failed")
 
 
 @pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])

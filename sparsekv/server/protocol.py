@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .errors import bad_request
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_N = 128
 MAX_JSON_DEPTH = 64  # a request body's nesting; JSON schemas and tool parameters stay far below it
@@ -154,6 +156,11 @@ class SamplingFields(_Body):
         raise ValueError("response_format: type must be 'text', 'json_object' or 'json_schema' (with "
                          "json_schema.schema)")
 
+    def structured_output_param(self) -> str:
+        """The field the client gave the structured output in (what a 400 about it names)."""
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(self, name) is not None]
+        return given[0] if given else "response_format"
+
     def engine_structured_output(self) -> dict | None:
         if self.guided_json is not None:
             return {"type": "json_schema", "schema": self.guided_json}
@@ -286,8 +293,24 @@ class ChatCompletionRequest(_ChatTemplateFields, SamplingFields):
         if self.tools and not all(t.get("type") == "function" and isinstance(t.get("function"), dict)
                                   and t["function"].get("name") for t in self.tools):
             raise ValueError("tools: each must be {'type': 'function', 'function': {'name': ..., ...}}")
+        self._check_tool_functions()
         self._check_tool_choice()
         return self
+
+    def _check_tool_functions(self) -> None:
+        """OpenAI's rules for a function: a name of 1-64 letters, digits, '_' or '-', unique among the
+        tools (a named tool_choice must find one), and parameters, if given, a JSON Schema object."""
+        seen = set()
+        for i, tool in enumerate(self.tools or []):
+            function = tool["function"]
+            name = function["name"]
+            if not (isinstance(name, str) and TOOL_NAME.fullmatch(name)):
+                raise ValueError(f"tools[{i}].function.name: 1 to 64 letters, digits, '_' or '-', got {name!r}")
+            if name in seen:
+                raise ValueError(f"tools[{i}].function.name: {name!r} names two tools")
+            seen.add(name)
+            if "parameters" in function and not isinstance(function["parameters"], dict):
+                raise ValueError(f"tools[{i}].function.parameters: must be a JSON Schema object")
 
     def _check_tool_choice(self) -> None:
         choice = self.tool_choice
@@ -318,6 +341,9 @@ class ChatCompletionRequest(_ChatTemplateFields, SamplingFields):
         if isinstance(self.tool_choice, dict):
             return self.tool_choice["function"]["name"]
         return "required" if self.tool_choice == "required" else None
+
+    def structured_output_param(self) -> str:
+        return "tools" if self.forced_tool is not None else super().structured_output_param()
 
     def engine_structured_output(self) -> dict | None:
         """A forced tool call is written as JSON under a schema, as vLLM does: the named function's

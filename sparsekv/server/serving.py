@@ -35,6 +35,7 @@ class Job:
     builder: ResponseBuilder
     stream: bool
     include_usage: bool
+    structured_output_param: str = "structured_output"  # the client's field a grammar error names
 
 
 async def admit(loop: EngineLoop, job: Job, metrics) -> None:
@@ -42,7 +43,7 @@ async def admit(loop: EngineLoop, job: Job, metrics) -> None:
     try:
         await loop.submit(job.group, job.subs, job.tenant, job.cache_salt)
     except InvalidRequest as e:
-        raise APIError(400, str(e), e.param) from None
+        raise APIError(400, str(e), job.structured_output_param if e.param == "structured_output" else e.param) from None
     except QueueFull as e:
         metrics.reject("queue_full")
         raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
