@@ -90,7 +90,7 @@ def process_and_local_pair(model: str, side: str, tmp_path, args: tuple, **local
     secret = secret_file(tmp_path)
     proc, url = start_worker_process(model, side, secret, 0, *args)
     try:
-        wait_healthy(url, proc)
+        wait_healthy(url, proc, timeout=180)  # -dp 2 / -tp 2: a second rank spawned, torch imported twice, gloo set up
         with open(secret, "rb") as f:
             key = f.read()
         with WorkerServer(model, other, secret=key, **local_options) as local:

@@ -225,21 +225,29 @@ def test_a_client_that_goes_away_frees_the_room_before_the_timeout(glm_ckpt):
 
 
 def test_a_corrupted_batch_mid_prompt_ends_the_prefill_too(glm_ckpt, monkeypatch):
-    """The first batch of a prompt still being computed (chunks of 8 tokens, slowed steps) is
-    corrupted: the decode worker refuses it, and the prefill worker, seeing the refusal at its next
-    look, stops sending and aborts the prefill; both answer 503 and keep nothing."""
-    from test_disagg_workers import _slowed
+    """The first batch of a prompt still being computed (chunks of 8 tokens) is corrupted: the decode
+    worker refuses it, and the prefill worker, seeing the refusal at its next look, stops sending and
+    aborts the prefill; both answer 503 and keep nothing. The steps after the first wait for that (30 s
+    at most: a step held returns no output, the engine loop's commands run meanwhile), so the prefill
+    cannot end first however long the refusal takes to come back; one that is never aborted runs its
+    six chunks once the wait ran out."""
     chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)
     with WorkerServer(glm_ckpt[0], "prefill", **BASE, **chunked) as p, WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
-        _slowed(p.engine, monkeypatch)
         monkeypatch.setenv(CORRUPT_ENV, "0")
-        steps = []
-        real = p.engine.step
-        monkeypatch.setattr(p.engine, "step", lambda: steps.append(1) or real())
+        steps, real, hold_until = [], p.engine.step, time.monotonic() + 30
+
+        def held():  # the first chunk's rows (its batch corrupted) need no later step to leave
+            if steps and time.monotonic() < hold_until:
+                time.sleep(0.002)
+                return []
+            steps.append(1)
+            return real()
+        monkeypatch.setattr(p.engine, "step", held)
         rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
         _failed(rd, "tensor 0", "digest")
         _failed(rp, "refused the KV", "tensor 0")
-        assert len(steps) < 6  # ended before the prompt's sixth chunk
+        assert scrape(d.url)["sparsekv:disagg_transfers_failed_total"] == 1
+        assert len(steps) < 6 and time.monotonic() < hold_until  # aborted before the prompt's sixth chunk
         _nothing_kept(d, _prompt())
         _clean(p)
         _clean(d)

@@ -19,7 +19,7 @@ from sparsekv import LLM
 from sparsekv.disagg.nixl import NixlAgent, NixlSender, nixl_available
 from sparsekv.disagg.transfer import CORRUPT_ENV, DELAY_ENV
 from sparsekv.disagg.wire import TransferError
-from test_disagg_workers import BASE, BODY, GREEDY, PAGE, _prompt, _slowed, assert_as_colocated
+from test_disagg_workers import BASE, BODY, GREEDY, PAGE, _prompt, _StepGate, assert_as_colocated
 from test_server_util import scrape, wait_healthy, wait_until
 from tolerances import logprob_tolerance
 
@@ -69,8 +69,11 @@ def test_pages_stream_in_batches_over_one_connection(glm_ckpt, monkeypatch):
     want = colocated.generate([prompt], GREEDY)[0]
     p, d = _pair(path, prefill=dict(prefill_chunk_tokens=8, max_num_batched_tokens=8))
     with p, d:
-        _slowed(p.engine, monkeypatch)
-        answers = [send_pair(p.url, d.url, {**BODY, "prompt": prompt}), send_pair(p.url, d.url, {**BODY, "prompt": _prompt(256, 47, seed=5)})]
+        gate = _StepGate(p.engine, d.engine, monkeypatch, steps=6)  # chunk c + 1 computes once chunk c's pages came
+        answers = []
+        for seed in (3, 5):
+            gate.reset()
+            answers.append(send_pair(p.url, d.url, {**BODY, "prompt": _prompt(256, 47, seed=seed)}))
         for rp, rd in answers:
             assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
             figures = rd.json()["sparsekv"]["disaggregation"]

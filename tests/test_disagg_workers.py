@@ -454,6 +454,44 @@ def _slowed(engine, monkeypatch, seconds: float = 0.1) -> None:
     monkeypatch.setattr(engine, "step", lambda: (time.sleep(seconds), real())[1])
 
 
+class _StepGate:
+    """Each step of the prefill worker's engine `prefill` after its first waits until the decode worker's
+    engine `decode` kept the pages the steps before it named (`pages_per_step` a step, through step
+    `steps - 1`): a prompt prefilled in chunks streams its pages whatever the speed of the transfer
+    (the first send making the pair's group, a loaded machine), not because the steps are slow. A step
+    that may not run yet returns no output and the engine loop's commands (the prefill worker's looks
+    for pages) run meanwhile; a wait is bounded (`timeout_s`), and after one ran out the steps go
+    ungated (pages that never stream early then fail the test's figures, not its time). `reset` before
+    each request."""
+
+    def __init__(self, prefill, decode, monkeypatch, steps: int, pages_per_step: int = 2, timeout_s: float = 20.0):
+        self.limit, self.per, self.timeout_s, self.gave_up = steps, pages_per_step, timeout_s, False
+        self.reset()
+        step, keep = prefill.step, decode.kv.import_prefix
+
+        def gated_step():
+            if 0 < self.steps < self.limit and self.kept < self.per * self.steps and not self.gave_up:
+                if time.monotonic() < self.deadline:
+                    time.sleep(0.002)
+                    return []
+                self.gave_up = True
+            self.steps += 1
+            try:
+                return step()
+            finally:
+                self.deadline = time.monotonic() + self.timeout_s
+
+        def counted_keep(pages, *args, **options):
+            out = keep(pages, *args, **options)
+            self.kept += len(pages)
+            return out
+        monkeypatch.setattr(prefill, "step", gated_step)
+        monkeypatch.setattr(decode.kv, "import_prefix", counted_keep)
+
+    def reset(self) -> None:
+        self.steps, self.kept, self.deadline = 0, 0, time.monotonic() + self.timeout_s
+
+
 def test_pages_stream_while_the_prompt_is_computed(glm_ckpt, monkeypatch):
     """A prompt prefilled in chunks of 8 tokens (2 pages each): the pages of a chunk leave while the
     next one computes, in batches the decode worker checks one by one; the answer is one engine's."""
@@ -462,7 +500,7 @@ def test_pages_stream_while_the_prompt_is_computed(glm_ckpt, monkeypatch):
     want = colocated.generate([prompt], GREEDY)[0]
     chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)
     with WorkerServer(path, "prefill", **BASE, **chunked) as p, WorkerServer(path, "decode", **BASE) as d:
-        _slowed(p.engine, monkeypatch)
+        _StepGate(p.engine, d.engine, monkeypatch, steps=6)  # chunk c + 1 computes once chunk c's pages came
         rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt})
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
         body = rd.json()
@@ -486,7 +524,7 @@ def test_a_batch_before_the_last_is_kept_a_slice_at_a_time_and_the_last_at_once(
     want = colocated.generate([prompt], GREEDY)[0]
     chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)  # 2 pages a chunk
     with WorkerServer(path, "prefill", **BASE, **chunked) as p, WorkerServer(path, "decode", **BASE) as d:
-        _slowed(p.engine, monkeypatch)
+        _StepGate(p.engine, d.engine, monkeypatch, steps=6)  # chunk c + 1 computes once chunk c's pages came
         calls, real = [], d.engine.kv.import_prefix
         names = d.engine.kv.prefix.prompt_names(prompt, "default", None)
 

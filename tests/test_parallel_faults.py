@@ -18,7 +18,7 @@ from sparsekv import LLM, SamplingParams
 from sparsekv.parallel.executor import RankFailure
 from test_server_util import start_subprocess_server, tiny_checkpoint, wait_healthy
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 8.0  # every collective before the injected fault must finish within it, on a loaded machine too
 LONG = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
 
 

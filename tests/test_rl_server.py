@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -112,16 +113,36 @@ def test_routed_experts_through_the_openai_extension(server, ckpts):
 
 
 def _update_during_a_request(srv, path):
-    """POST /update_weights_from_disk while a 12-token completion is generating (steps slowed so it
-    stays in flight); (the update's answer, [the completion's answer], its thread, joined)."""
-    srv.delay[0] = 0.2
-    box = []
-    worker = threading.Thread(target=lambda: box.append(_complete(srv, max_tokens=12)))
-    worker.start()
-    assert wait_until(lambda: srv.engine.counters["generation_tokens"] > 0, timeout=30)
-    r = _post(srv, "/update_weights_from_disk", {"model_path": path}, key=ADMIN)
-    worker.join(60)
-    srv.delay[0] = 0.0
+    """POST /update_weights_from_disk while a 12-token completion is generating: once it has a token,
+    its steps hold until the update reached the engine (a held step returns no output; the engine
+    loop's commands run meanwhile; 30 s at most), so it is still in flight then however slow the
+    update's round trip. (the update's answer, [the completion's answer], its thread, joined)."""
+    engine = srv.engine
+    step, update, updating, timed_out = engine.step, engine.update_weights_from_disk, threading.Event(), []
+    held_until = time.monotonic() + 30
+
+    def held():
+        if engine.counters["generation_tokens"] > 0 and not updating.is_set():
+            if time.monotonic() < held_until:
+                time.sleep(0.005)
+                return []
+            timed_out.append(True)
+        return step()
+
+    def update_called(*args, **options):
+        updating.set()
+        return update(*args, **options)
+    engine.step, engine.update_weights_from_disk = held, update_called
+    try:
+        box = []
+        worker = threading.Thread(target=lambda: box.append(_complete(srv, max_tokens=12)))
+        worker.start()
+        assert wait_until(lambda: engine.counters["generation_tokens"] > 0, timeout=30)
+        r = _post(srv, "/update_weights_from_disk", {"model_path": path}, key=ADMIN)
+        worker.join(60)
+    finally:
+        engine.step, engine.update_weights_from_disk = step, update
+    assert updating.is_set() and not timed_out  # the request was still in flight when the update came
     return r, box, worker
 
 

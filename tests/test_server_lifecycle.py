@@ -137,25 +137,41 @@ def _checks_without_tokenizer(url: str) -> None:
 
 def test_one_tenants_burst_cannot_fill_the_queue_for_the_others(model):
     """--max-queued-requests-per-tenant 1 with one batch slot: alice's first request runs, her second
-    waits, her third is refused (503 + Retry-After), and bob's request is still queued and served."""
+    waits, her third is refused (503 + Retry-After), and bob's request is still queued and served.
+    Alice's first request runs one step, then the steps hold (a held step returns no output; the engine
+    loop's commands, adding and refusing requests, run meanwhile) until bob's request is queued too:
+    it cannot end before the others came, however slow their round trips."""
     with ThreadServer(model, api_keys=["sk-a:alice", "sk-b:bob"], max_queued_per_tenant=1, max_num_seqs=1) as srv:
-        srv.delay[0] = 0.02
+        release, stepped, step, held_until = threading.Event(), [], srv.engine.step, time.monotonic() + 30
+
+        def held():
+            if stepped and not release.is_set() and time.monotonic() < held_until:
+                time.sleep(0.005)
+                return []
+            stepped.append(1)
+            return step()
+        srv.engine.step = held
+
         def post(key):
             return httpx.post(srv.url + "/v1/completions", json={**BODY, "max_tokens": 60},
-                              headers={"Authorization": f"Bearer {key}"}, timeout=30)
+                              headers={"Authorization": f"Bearer {key}"}, timeout=90)
         results = {}
-        threads = [threading.Thread(target=lambda i=i: results.setdefault(i, post("sk-a"))) for i in range(2)]
+        threads = [threading.Thread(target=lambda i=i, key=key: results.setdefault(i, post(key)))
+                   for i, key in enumerate(["sk-a", "sk-a", "sk-b"])]
         threads[0].start()
-        assert wait_until(lambda: srv.engine.stats()["running"] == 1, 10)
+        assert wait_until(lambda: srv.engine.stats()["running"] == 1, 30)
         threads[1].start()
-        assert wait_until(lambda: srv.engine.stats()["waiting"] == 1, 10)
+        assert wait_until(lambda: srv.engine.stats()["waiting"] == 1, 30)
         refused = post("sk-a")
         assert refused.status_code == 503 and refused.headers["retry-after"]
         assert "this tenant already has 1 requests waiting" in refused.json()["error"]["message"]
-        served = post("sk-b")
+        threads[2].start()  # bob's
+        assert wait_until(lambda: srv.engine.stats()["waiting"] == 2, 30)
+        assert len(stepped) == 1 and srv.engine.stats()["running"] == 1  # alice's first still ran throughout
+        release.set()
         for t in threads:
-            t.join(30)
-        assert served.status_code == 200 and all(r.status_code == 200 for r in results.values())
+            t.join(90)
+        assert [results[i].status_code for i in range(3)] == [200] * 3
     srv.engine.check_integrity()
 
 
