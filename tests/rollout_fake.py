@@ -1,8 +1,8 @@
 """A scripted OpenAI-compatible endpoint for the rollout tests: a FastAPI app run by uvicorn in a thread.
 
 Chat requests with a `response_format` go to the judge function; the others take the next scripted policy
-turn (a list of (tool, arguments) calls, a string: the final answer without calls, or an int: an HTTP
-error status). Every request body is
+turn (a list of (tool, arguments) calls, a string: the final answer without calls, a dict {"content",
+"finish_reason"}: an answer ending as given, or an int: an HTTP error status). Every request body is
 kept in `requests`, so a test sees what the policy and the judge were sent."""
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ class FakeOpenAI:
             return JSONResponse({"error": {"message": "scripted failure", "type": "invalid_request_error"}}, turn)
         if isinstance(turn, str):
             return _completion(turn, [], body)
+        if isinstance(turn, dict):
+            return _completion(turn["content"], [], body, turn["finish_reason"])
         calls = [{"id": f"call_{len(self.requests)}_{i}", "type": "function",
                   "function": {"name": name, "arguments": json.dumps(args)}} for i, (name, args) in enumerate(turn)]
         return _completion(None, calls, body)
@@ -68,11 +70,11 @@ class FakeOpenAI:
         return [r for r in self.requests if r.get("response_format") is not None]
 
 
-def _completion(content, calls: list, body: dict) -> dict:
+def _completion(content, calls: list, body: dict, finish_reason: str | None = None) -> dict:
     tokens = [{"token": t, "logprob": -0.5, "bytes": list(t.encode()), "top_logprobs": []}
               for t in (content or "call").split()]
     choice = {"index": 0, "message": {"role": "assistant", "content": content, "tool_calls": calls or None},
-              "finish_reason": "tool_calls" if calls else "stop",
+              "finish_reason": finish_reason or ("tool_calls" if calls else "stop"),
               "logprobs": {"content": tokens} if body.get("logprobs") else None}
     ext = {"index": 0, "token_ids": list(range(len(tokens))), "weights_version": 3}  # as sparsekv serve adds them
     if body.get("return_routed_experts"):

@@ -116,6 +116,8 @@ def test_flags_out_of_range_are_usage_errors_before_any_work(capsys):
                        (["plan", "glm-5.2", "--plot", "/nonexistent/x.png"], "--plot"),
                        (["rollout", "--output", "/nonexistent/ro.jsonl"], "--output"),
                        (["rollout", "--max-tokens", "-1"], "--max-tokens"), (["rollout", "--memory-mb", "0"], "--memory-mb"),
+                       (["rollout", "--memory-mb", "1"], "--memory-mb"),
+                       (["rl", "screen", "--actions", "a.jsonl", "--output", "/nonexistent/s.jsonl"], "--output"),
                        (["rollout", "--summary", "/nonexistent/t.jsonl"], "--summary")):
         try:
             code = main(argv)
@@ -174,3 +176,20 @@ def test_cli_thread_default_is_llms(command, required):
     assert options["num_threads"] is None
     for cores in (1, 2, 64):
         assert resolve_num_threads(cli, cfg, cores) == resolve_num_threads(llm, cfg, cores) == 1
+
+
+def test_rl_screen_and_summary_name_the_file_and_line_of_a_bad_line(tmp_path, capsys):
+    """A line that is not JSON, or names an unknown tool, is one error naming the file and the line."""
+    good = json.dumps({"id": 1, "task": "fizzbuzz", "tool": "read_file", "arguments": {"path": "fizzbuzz.py"}})
+    bad_tool = json.dumps({"id": 2, "task": "fizzbuzz", "tool": "delete_file", "arguments": {"path": "x"}})
+    for second, says in (("{not json", "not a JSON line"), (bad_tool, "unknown tool 'delete_file'")):
+        actions = tmp_path / "actions.jsonl"
+        actions.write_text(f"{good}\n{second}\n")
+        assert main(["rl", "screen", "--actions", str(actions), "--rules-only"]) == 2
+        err = capsys.readouterr().err
+        assert f"{actions}:2:" in err and says in err and "Traceback" not in err, err
+    trajectories = tmp_path / "t.jsonl"
+    trajectories.write_text('{"task": "fizzbuzz", "episode": 0}\n{oops\n')
+    assert main(["rollout", "--summary", str(trajectories), "--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"{trajectories}:2:" in err and "Traceback" not in err, err

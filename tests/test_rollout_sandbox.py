@@ -112,6 +112,7 @@ def test_cpu_time_limit(sandbox):
     sandbox.allow_network = True
     result = sandbox.run("python -c 'while True: pass'", Limits(cpu_s=1, wall_s=60))
     assert not result.timed_out and result.exit_code != 0  # SIGXCPU, well before the wall limit
+    assert "killed: CPU-time limit" in result.text()
 
 
 def test_memory_limit(sandbox):
@@ -166,3 +167,61 @@ def test_bad_task_specs(tmp_path):
         load_task(tmp_path)
     (tmp_path / "repo").mkdir()
     assert load_task(tmp_path).check == "true"
+
+
+def _returns_promptly(call, fifo: Path) -> object:
+    """`call()`'s result or exception, failing if it blocks; a blocked opener of `fifo` is released."""
+    import threading
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(out=_outcome(call)), daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():
+        os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))  # a reader and a writer: the blocked open returns
+        worker.join(5)
+        pytest.fail("a file tool blocked on a FIFO")
+    return box["out"]
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - the test looks at which
+        return e
+
+
+def test_file_tools_refuse_a_fifo(sandbox):
+    """A FIFO a command left in the copy is refused by the file tools and the rules' reads, never opened
+    in a way that blocks the host."""
+    from sparsekv.rollout.sandbox import NotRegularFile
+    fifo = sandbox.root / "p"
+    os.mkfifo(fifo)
+    assert isinstance(_returns_promptly(lambda: sandbox.write_file("p", "x"), fifo), NotRegularFile)
+    assert isinstance(_returns_promptly(lambda: sandbox.read_file("p"), fifo), NotRegularFile)
+    assert _returns_promptly(lambda: sandbox.text("p"), fifo) is None
+    assert sandbox.write_file("fizzbuzz.py", "x = 1\n") and sandbox.read_file("fizzbuzz.py") == "x = 1\n"
+
+
+@needs_isolation
+def test_commands_cannot_read_the_shipped_tasks_or_see_host_processes():
+    """The host's copy of the task (its grader) and the sparsekv package are covered, and /proc shows only
+    the command's own PID namespace."""
+    task = load_task("stack")
+    with Sandbox(task) as sb:
+        grader = sb.run_command(f"cat {task.repo}/.grader/check_tests.py; ls {task.repo.parent.parent}")
+        assert "EmptyStackError" not in grader.output and "fizzbuzz" not in grader.output
+        found = sb.run_command("cat $(python -c 'import sparsekv.rollout.task as t; print(t.SHIPPED)')"
+                               "/stack/repo/.g?ader/*")
+        assert "EmptyStackError" not in found.output
+        pids = sb.run_command("ls /proc | grep -c '^[0-9]'").output.split()
+        assert int(pids[-1]) < 10 and str(os.getpid()) not in sb.run_command("ls /proc").output.split()
+        assert "1 passed" in sb.run_command("python -m pytest -q tests").output  # the tools still work
+
+
+@pytest.mark.skipif(not sandbox_mod.process_cap_available(), reason="no pids cgroup can be made here")
+def test_a_command_cannot_start_more_than_the_process_cap(sandbox):
+    sandbox.allow_network = True
+    result = sandbox.run("n=0; for i in $(seq 200); do sleep 3 & n=$((n+1)); done; "
+                         "echo running $(ps -e 2>/dev/null | grep -c sleep || ls /proc | grep -c '^[0-9]')",
+                         Limits(processes=32, wall_s=30))
+    assert "fork" in result.output.lower()  # the shell's "Cannot fork" once the cap is reached

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
@@ -14,12 +15,18 @@ from .episode import EpisodeConfig, Policy, run_episode
 from .intercept import Pipeline
 from .judge import Judge
 from .report import RolloutProgress, filter_figures, print_figures, summarize
-from .rules import Action, RuleError, Scope, load_rules
+from .rules import TOOLS, Action, RuleError, Scope, load_rules
 from .sandbox import UNSHARE, Limits, RepoView, isolation_available
 from .task import TaskError, load_task, shipped_tasks
 
 LABELLED = Path(__file__).resolve().parent / "labelled_actions.jsonl"
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
+MIN_MEMORY_MB = 64   # below this /bin/sh and python fail to start, and every command fails obscurely
+INTERRUPTED = 130    # the shell's exit status for a command stopped by SIGINT
+
+
+def _output_or_stdout(text: str) -> str:
+    return text if text == "-" else output_path(text)
 
 
 def _add_pipeline_args(p: argparse.ArgumentParser, rules_only_flag: bool) -> None:
@@ -56,7 +63,8 @@ def build_rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--routed-experts", action="store_true", help="ask for and record return_routed_experts")
     p.add_argument("--wall-time", type=at_least(0.0, float), default=60.0, help="seconds per command")
     p.add_argument("--cpu-time", type=at_least(1), default=30, help="CPU seconds per command")
-    p.add_argument("--memory-mb", type=at_least(1), default=2048, help="address space per command")
+    p.add_argument("--memory-mb", type=at_least(MIN_MEMORY_MB), default=2048,
+                   help=f"address space per command (at least {MIN_MEMORY_MB}: less and a shell cannot start)")
     p.add_argument("--allow-network", action="store_true",
                    help="run commands even where `unshare` cannot take the network away (and keep writes in)")
     _add_pipeline_args(p, rules_only_flag=False)
@@ -69,7 +77,7 @@ def build_rl_parser() -> argparse.ArgumentParser:
     screen = sub.add_parser("screen", help="screen logged actions without running them")
     screen.add_argument("--actions", required=True, metavar="FILE",
                         help='JSON lines {"id", "task", "tool", "arguments"}')
-    screen.add_argument("--output", default="-", help="JSON lines out (default: standard output)")
+    screen.add_argument("--output", type=_output_or_stdout, default="-", help="JSON lines out (default: standard output)")
     _add_pipeline_args(screen, rules_only_flag=True)
     ev = sub.add_parser("eval-filter", help="recall and precision of the rules, and of rules + judge")
     ev.add_argument("--labelled", default=str(LABELLED), metavar="FILE",
@@ -106,10 +114,15 @@ def _read_actions(path: str) -> list[dict]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
             if not isinstance(row, dict) or not {"id", "task", "tool", "arguments"} <= row.keys() \
                     or not isinstance(row["arguments"], dict):
                 raise ValueError(f"{path}:{n}: each line is {{\"id\", \"task\", \"tool\", \"arguments\": {{...}}}}")
+            if row["tool"] not in TOOLS:
+                raise ValueError(f"{path}:{n}: unknown tool {row['tool']!r} (tools: {', '.join(TOOLS)})")
             rows.append(row)
     return rows
 
@@ -191,20 +204,39 @@ def rollout_main(argv: list[str]) -> int:
 
 
 def _run_all(jobs, policies, pipeline, cfg, output: str, concurrency: int) -> int:
-    failures = 0
-    with open(output, "w") as out, RolloutProgress(len(jobs)) as progress, \
-            ThreadPoolExecutor(concurrency) as pool:
-        futures = {pool.submit(run_episode, task, i, policies[i], pipeline, cfg): (task, i) for task, i in jobs}
-        for fut in as_completed(futures):
-            task, i = futures[fut]
-            try:
-                traj = fut.result()
-            except Exception as e:  # noqa: BLE001 - one failed episode is reported, not fatal
-                traj = {"task": task.name, "episode": i, "finish": "error", "error": f"{type(e).__name__}: {e}"}
-            failures += traj.get("finish") == "error"
-            out.write(json.dumps(traj) + "\n")
-            out.flush()
-            progress.done(traj)
+    """Every episode, `concurrency` at a time, each trajectory written as it finishes. Ctrl-C cancels the
+    episodes not started, stops the running ones before their next policy call, keeps what was written,
+    and exits 130."""
+    stop = threading.Event()
+    for policy in policies.values():
+        policy.stop = stop
+    written = failures = 0
+    pool = ThreadPoolExecutor(concurrency)
+    with open(output, "w") as out, RolloutProgress(len(jobs)) as progress:
+        try:
+            futures = {pool.submit(run_episode, task, i, policies[i], pipeline, cfg): (task, i) for task, i in jobs}
+            for fut in as_completed(futures):
+                traj = _trajectory(fut, *futures[fut])
+                failures += traj.get("finish") == "error"
+                out.write(json.dumps(traj) + "\n")
+                out.flush()
+                written += 1
+                progress.done(traj)
+        except KeyboardInterrupt:
+            stop.set()
+            pool.shutdown(wait=False, cancel_futures=True)
+            print(f"\nsparsekv rollout: interrupted; {written} of {len(jobs)} trajectories written to {output}",
+                  file=sys.stderr)
+            return INTERRUPTED
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
     print(f"wrote {len(jobs)} trajectories to {output}" + (f" ({failures} failed)" if failures else ""),
           file=sys.stderr)
     return 1 if failures else 0
+
+
+def _trajectory(fut, task, i: int) -> dict:
+    try:
+        return fut.result()
+    except Exception as e:  # noqa: BLE001 - one failed episode is reported, not fatal
+        return {"task": task.name, "episode": i, "finish": "error", "error": f"{type(e).__name__}: {e}"}

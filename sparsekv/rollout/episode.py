@@ -9,11 +9,13 @@ which turn on), the check's result and reward, and timings.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 
 import openai
 
+from .check import run_check
 from .intercept import Pipeline, ToolResult, execute
 from .rules import Action, Scope
 from .sandbox import Limits, Sandbox
@@ -52,6 +54,10 @@ class EpisodeConfig:
     allow_network: bool = False
 
 
+class Interrupted(Exception):
+    """The rollout is stopping: the episode ends where it is, unchecked."""
+
+
 @dataclass
 class PolicyTurn:
     message: dict                  # the assistant message, as it goes back into the context
@@ -71,8 +77,11 @@ class Policy:
                  seed: int | None = None, routed_experts: bool = False, timeout_s: float = 600.0):
         self.client = openai.OpenAI(base_url=url, api_key=api_key, timeout=timeout_s, max_retries=1)
         self.model, self.temperature, self.seed, self.routed_experts = model, temperature, seed, routed_experts
+        self.stop: threading.Event | None = None  # set: no new policy call starts (Ctrl-C in `rollout`)
 
     def turn(self, messages: list[dict], max_tokens: int) -> PolicyTurn:
+        if self.stop is not None and self.stop.is_set():
+            raise Interrupted("the rollout was interrupted")
         t0 = time.perf_counter()
         resp = self.client.chat.completions.create(
             model=self.model, messages=messages, tools=TOOLS, tool_choice="auto", max_tokens=max_tokens,
@@ -139,12 +148,10 @@ def run_episode(task: Task, episode: int, policy: Policy, pipeline: Pipeline, cf
     with Sandbox(task, cfg.limits, cfg.allow_network) as sandbox:
         _loop(traj, sandbox, policy, pipeline, cfg)
         t_check = time.perf_counter()
-        sandbox.restore_hidden()
-        check = sandbox.run(task.check)
+        check = run_check(sandbox)
         traj.timings["check_s"] = time.perf_counter() - t_check
-    traj.check = {"command": task.check, "exit_code": check.exit_code, "timed_out": check.timed_out,
-                  "output": check.text()}
-    traj.reward = 1.0 if check.exit_code == 0 else 0.0
+    traj.check = check.to_json(task.check)
+    traj.reward = 1.0 if check.ok else 0.0
     traj.timings["total_s"] = time.perf_counter() - t0
     return traj.to_json()
 
@@ -171,7 +178,7 @@ def _loop(traj: Trajectory, sandbox: Sandbox, policy: Policy, pipeline: Pipeline
         traj.messages.append(pt.message)
         meter.measured(context, pt.usage)
         if not pt.message.get("tool_calls"):
-            traj.finish = "stop"
+            traj.finish = "length" if pt.finish_reason == "length" else "stop"  # a reply cut by max_tokens
             return
         for call in pt.message["tool_calls"]:
             reply = {"role": "tool", "tool_call_id": call["id"], "content": _act(call, turn, traj, sandbox, pipeline)}

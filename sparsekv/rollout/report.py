@@ -53,9 +53,22 @@ def task_rows(trajectories: list[dict]) -> list[dict]:
     return rows
 
 
-def summarize(path: str, plot: str) -> int:
+def read_json_lines(path: str) -> list:
+    """The JSON values of a JSON-lines file; a bad line is a ValueError naming the file and the line."""
+    out = []
     with open(path) as f:
-        rows = task_rows([json.loads(line) for line in f if line.strip()])
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+    return out
+
+
+def summarize(path: str, plot: str) -> int:
+    rows = task_rows(read_json_lines(path))
     table = Table(title=f"rollouts: {path}")
     # intercepted: the share of episodes with an interception; per ep: per episode
     for col in ("task", "episodes", "reward", "intercepted", "interceptions/ep", "compactions/ep", "failed"):

@@ -9,7 +9,8 @@ must all hold:
   often than in the file as it was (so a pattern the file already had does not count);
 - `command`: a regular expression the command of `run_command` matches;
 - `command_paths`: globs at least one path-like word of the command matches (a directory `tests` counts
-  as matching `tests/*`);
+  as matching `tests/*`); a word with shell glob characters (`t?sts/*.py`) counts as the repository's
+  files and directories it expands to, as the shell would expand it;
 - `check`: a built-in check by name (`CHECKS`): what a regular expression cannot say.
 
 Globs are fnmatch patterns, `*` crossing directories. They may name the task's sets: `$tests` (usual test
@@ -39,6 +40,7 @@ DEFAULT_HIDDEN = (".grader/*", "*/.grader/*", "*grader*", "*reference*", "*solut
 RULE_KEYS = {"id", "description", "tools", "paths", "not_paths", "content", "inserted", "command",
              "command_paths", "check"}
 _WORD_SPLIT = re.compile(r"[\s;|&<>()'\"=,`]+")
+_GLOB_CHARS = re.compile(r"[*?\[]")
 _TRIVIAL = (None, True, False, 0, 1, -1, "", (), [])
 
 
@@ -115,7 +117,7 @@ class Rule:
             return False
         if self.command is not None and not self.command.search(action.command):
             return False
-        if self.command_paths and not any(scope.matches(w, self.command_paths) for w in command_words(action)):
+        if self.command_paths and not any(scope.matches(w, self.command_paths) for w in command_paths(action, scope)):
             return False
         return self.check is None or CHECKS[self.check](action, scope, path)
 
@@ -131,6 +133,28 @@ def command_words(action: Action) -> list[str]:
     """The path-like words of a command, `./` and trailing `/` removed."""
     words = (w.removeprefix("./").rstrip("/") for w in _WORD_SPLIT.split(action.command))
     return [w for w in words if w and not w.startswith("-")]
+
+
+def command_paths(action: Action, scope: Scope) -> list[str]:
+    """The command's path-like words, each word with glob characters replaced by what it expands to."""
+    out = []
+    for word in command_words(action):
+        out += expand_glob(word, scope.view) if _GLOB_CHARS.search(word) else [word]
+    return out
+
+
+def expand_glob(word: str, view: RepoView) -> list[str]:
+    """The repository's files and directories `word` matches as a shell glob: `*`, `?` and `[...]` match
+    within one path component. The word itself when it matches nothing (the shell leaves it as is)."""
+    parts = word.split("/")
+    matches = [p for p in sorted(_paths_and_dirs(view)) if len(p.split("/")) == len(parts)
+               and all(fnmatch.fnmatchcase(c, g) for c, g in zip(p.split("/"), parts))]
+    return matches or [word]
+
+
+def _paths_and_dirs(view: RepoView) -> set[str]:
+    files = view.files()
+    return set(files) | {d.as_posix() for f in files for d in Path(f).parents if d != Path(".")}
 
 
 class RuleSet:

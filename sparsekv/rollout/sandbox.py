@@ -6,21 +6,30 @@ Paths given to `read_file`, `write_file` and `list_dir` are resolved inside the 
 the check) run in a subprocess with limits on wall time, CPU time, memory and file size (`resource`, set
 in the child before exec), inside `unshare --net --mount --pid --fork --map-root-user`: no network
 interface but loopback; every mount read-only except the sandbox directory, so a command cannot write
-outside it either; and a PID namespace, so no process a command started outlives it. Without a working
-`unshare`, commands are refused unless the sandbox was made with `allow_network=True` (then they run
-with the limits only).
+outside it either; the sparsekv package (shipped tasks, graders) and the task's own directory hidden
+under empty tmpfs mounts; and a PID namespace with its own /proc, so no process a command started
+outlives it and the host's processes are not visible. Where a pids cgroup can be made, a command and
+everything it starts are capped at `Limits.processes`. Without a working `unshare`, commands are
+refused unless the sandbox was made with `allow_network=True` (then they run with the limits only).
+
+The file tools (and the rules' reads) run on the host: they open only regular files, never following a
+symlink at the last step and never blocking on a FIFO or a device a command left in the copy.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import fnmatch
 import functools
 import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,11 +39,23 @@ UNSHARE = ("unshare", "--net", "--mount", "--pid", "--fork", "--map-root-user")
 MAX_OUTPUT_CHARS = 16_000  # a tool's output beyond this keeps its head and tail
 
 # Inside the new mount namespace: the episode's directory (the repository and a TMPDIR) becomes its own
-# mount, then every other mount is made read-only (a mount that refuses, e.g. /proc, stays as it is).
-# mountinfo writes a space in a mount point as \040: printf %b turns it back.
+# mount; each directory in $HIDE (newline-separated: the sparsekv package, the task's directory) is
+# covered by an empty tmpfs, so neither the shipped graders nor the host's copy of a task can be read by
+# an absolute path; a fresh /proc shows only the new PID namespace (where the kernel allows it: a
+# container's masked /proc may refuse); then every other mount is made
+# read-only (a mount that refuses stays as it is). mountinfo writes a space in a mount point as \040:
+# printf %b turns it back.
 _ISOLATE = r"""
 set -e
 mount --bind "$SANDBOX" "$SANDBOX"
+old_ifs=$IFS
+IFS='
+'
+for d in $HIDE; do
+  [ -d "$d" ] && mount -t tmpfs -o ro,size=4k sparsekv-hidden "$d"
+done
+IFS=$old_ifs
+mount -t proc proc /proc 2>/dev/null || true
 for m in $(cut -d' ' -f5 /proc/self/mountinfo | sort -u); do
   m=$(printf '%b' "$m")
   [ "$m" = "$SANDBOX" ] || mount -o remount,bind,ro "$m" 2>/dev/null || true
@@ -48,6 +69,10 @@ class PathRefused(ValueError):
     """A path that is absolute, climbs out of the sandbox, or leads out through a symlink."""
 
 
+class NotRegularFile(ValueError):
+    """A file tool's path that names a FIFO, socket or device: opening it could block the episode."""
+
+
 class NetworkUnavailable(RuntimeError):
     """run_command without a network-less namespace, and the network not explicitly allowed."""
 
@@ -58,10 +83,12 @@ class Limits:
     cpu_s: int = 30
     memory_mb: int = 2048
     file_mb: int = 64
+    processes: int = 128  # a command and everything it starts, where a pids cgroup can be made
 
     def apply(self) -> None:  # runs in the child between fork and exec
         mb = 1 << 20
-        resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s))
+        # SIGXCPU at the soft limit says which limit killed the command; SIGKILL a second later if caught
+        resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_AS, (self.memory_mb * mb, self.memory_mb * mb))
         resource.setrlimit(resource.RLIMIT_FSIZE, (self.file_mb * mb, self.file_mb * mb))
 
@@ -71,9 +98,14 @@ class CommandResult:
     exit_code: int
     output: str
     timed_out: bool = False
+    cpu_limited: bool = False  # killed by SIGXCPU/SIGKILL after using up its CPU-time limit
 
     def text(self) -> str:
-        head = f"exit code: {self.exit_code}" + (" (killed: wall-time limit)" if self.timed_out else "")
+        head = f"exit code: {self.exit_code}"
+        if self.timed_out:
+            head += " (killed: wall-time limit)"
+        elif self.cpu_limited:
+            head += " (killed: CPU-time limit)"
         return f"{head}\n{clip(self.output)}"
 
 
@@ -91,14 +123,46 @@ def isolation_available() -> bool:
     if shutil.which("unshare") is None:
         return False
     where = tempfile.mkdtemp(prefix="sparsekv-probe-")  # as a sandbox's: an empty directory of its own
+    covered = tempfile.mkdtemp(prefix="sparsekv-probe-hidden-")  # as the package a command must not see
     try:
         probe = subprocess.run([*UNSHARE, "/bin/sh", "-c", _ISOLATE, "probe", "true"],
-                               env={**os.environ, "SANDBOX": where, "REPO": where}, capture_output=True, timeout=30)
+                               env={**os.environ, "SANDBOX": where, "REPO": where, "HIDE": covered},
+                               capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return False
     finally:
         os.rmdir(where)
+        os.rmdir(covered)
     return probe.returncode == 0
+
+
+def open_regular(path: Path, flags: int) -> int:
+    """A descriptor for `path` if it is a regular file (NotRegularFile otherwise). Opened without blocking
+    and without following a symlink at the last step, so a FIFO or a symlink swapped in by a command
+    cannot hang or redirect the host; blocking I/O is turned back on for the regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ENXIO, errno.ELOOP):  # a FIFO with no reader or a socket; a symlink
+            raise NotRegularFile(f"{path.name}: not a regular file (refused)") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegularFile(f"{path.name}: not a regular file (refused)")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
+
+
+def read_regular(path: Path) -> str:
+    with os.fdopen(open_regular(path, os.O_RDONLY), "r", errors="replace") as f:
+        return f.read()
+
+
+def write_regular(path: Path, content: str) -> None:
+    fd = open_regular(path, os.O_WRONLY | os.O_CREAT)
+    with os.fdopen(fd, "w") as f:
+        f.truncate(0)  # after the type check: truncating on open would act on whatever the path is
+        f.write(content)
 
 
 class RepoView:
@@ -128,8 +192,8 @@ class RepoView:
     def text(self, path: str) -> str | None:
         """A file's current text, None if it does not exist or cannot be read."""
         try:
-            return self.resolve(path).read_text(errors="replace")
-        except (OSError, PathRefused):
+            return read_regular(self.resolve(path))
+        except (OSError, PathRefused, NotRegularFile):
             return None
 
     def files(self) -> list[str]:
@@ -160,18 +224,28 @@ class Sandbox(RepoView):
         """Put the task's hidden files (grader, reference) back as shipped, over anything written there, for
         the check: the policy never sees them, and cannot change them."""
         for f in self.hidden:
-            here = self.root
-            for part in Path(f).parts[:-1]:  # a symlink or file in the way is removed, never followed
-                here = here / part
-                if here.is_symlink() or (here.exists() and not here.is_dir()):
-                    here.unlink()
-                here.mkdir(exist_ok=True)
-            dest = here / Path(f).name
-            if dest.is_dir() and not dest.is_symlink():
-                shutil.rmtree(dest)
-            elif dest.is_symlink() or dest.exists():
-                dest.unlink()
-            shutil.copy2(self.task.repo / f, dest)
+            self.restore_file(f)
+
+    def restore_file(self, f: str) -> None:
+        """The task's file `f` back as shipped, over whatever is there (a symlink or directory in the way is
+        removed, never followed)."""
+        here = self.root
+        for part in Path(f).parts[:-1]:
+            here = here / part
+            if here.is_symlink() or (here.exists() and not here.is_dir()):
+                here.unlink()
+            here.mkdir(exist_ok=True)
+        dest = here / Path(f).name
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        elif dest.is_symlink() or dest.exists():
+            dest.unlink()
+        shutil.copy2(self.task.repo / f, dest)
+
+    @property
+    def scratch(self) -> Path:
+        """The episode's directory beside the repository (commands may write there too)."""
+        return Path(self._tmp)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -186,9 +260,11 @@ class Sandbox(RepoView):
 
     def read_file(self, path: str) -> str:
         p = self.resolve(path)
-        if not p.is_file():
+        if not p.exists():
             return not_found(path)
-        return clip(p.read_text(errors="replace"))
+        if p.is_dir():
+            return f"error: {path}: is a directory"
+        return clip(read_regular(p))
 
     def write_file(self, path: str, content: str) -> str:
         if not isinstance(content, str):
@@ -199,7 +275,7 @@ class Sandbox(RepoView):
         if p.is_dir():
             return f"error: {path}: is a directory"
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(content)
+        write_regular(p, content)
         return wrote(path, content)
 
     def list_dir(self, path: str = ".") -> str:
@@ -213,12 +289,13 @@ class Sandbox(RepoView):
             raise ValueError("run_command: 'command' must be a non-empty string")
         return self.run(command)
 
-    def run(self, command: str, limits: Limits | None = None) -> CommandResult:
-        """`command` under /bin/sh in the sandbox, under the limits, without network."""
+    def run(self, command: str, limits: Limits | None = None, env: dict | None = None) -> CommandResult:
+        """`command` under /bin/sh in the sandbox, under the limits, without network; `env` adds variables."""
         limits = limits or self.limits
-        env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(self.root),
+        env = {**(env or {}), "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(self.root),
                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": str(Path(self._tmp, "tmp")),
-               "SANDBOX": str(Path(self._tmp).resolve()), "REPO": str(self.root)}
+               "SANDBOX": str(Path(self._tmp).resolve()), "REPO": str(self.root),
+               "HIDE": "\n".join(str(d) for d in hidden_dirs(self.task, Path(self._tmp).resolve()))}
         if isolation_available():
             argv = [*UNSHARE, "/bin/sh", "-c", _ISOLATE, "sandbox", command]
         elif self.allow_network:
@@ -230,16 +307,102 @@ class Sandbox(RepoView):
         return _run(argv, self.root, env, limits)
 
 
+def hidden_dirs(task: Task, sandbox_dir: Path) -> list[Path]:
+    """What a command must not see by an absolute path: the sparsekv package (its shipped tasks and
+    graders) and the task's repository (the host's copy, hidden files included), with the directory of
+    its task.yaml when that holds it. A directory that holds the sandbox itself is left visible, as
+    covering it would hide the sandbox."""
+    package = Path(__file__).resolve().parent.parent
+    repo = task.repo.resolve()
+    spec_dir = [repo.parent] if (repo.parent / "task.yaml").is_file() else []
+    candidates = [package, repo, *spec_dir, *_sandbox_python_packages()]
+    return [d for d in dict.fromkeys(candidates) if not sandbox_dir.is_relative_to(d) and d != Path("/")]
+
+
+@functools.cache
+def _sandbox_python_packages() -> tuple[Path, ...]:
+    """Where the sandbox's python finds sparsekv when it is not this copy (another checkout or install)."""
+    code = "import importlib.util as u; s = u.find_spec('sparsekv'); print(*(s.submodule_search_locations or []))"
+    try:
+        found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                               env={"PATH": os.environ.get("PATH", ""), "PYTHONNOUSERSITE": "1"}, cwd="/")
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return tuple(Path(p).resolve() for p in found.stdout.split() if Path(p).is_dir())
+
+
+class ProcessCap:
+    """A pids cgroup (v2, or v1's pids controller) capping a command and all it starts; a no-op where no
+    cgroup can be made (no permission, no controller)."""
+
+    ROOTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/pids"))
+
+    def __init__(self, limit: int):
+        self.path: Path | None = None
+        for root in self.ROOTS:
+            if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
+                continue
+            path = root / f"sparsekv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                path.mkdir()
+                (path / "pids.max").write_text(str(limit))
+            except OSError:
+                if path.is_dir():
+                    path.rmdir()
+                continue
+            self.path = path
+            return
+
+    def join(self) -> None:  # runs in the child between fork and exec
+        if self.path is not None:
+            (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def close(self) -> None:
+        if self.path is not None:
+            try:
+                self.path.rmdir()
+            except OSError:  # a process still leaving: the kernel frees it with the last one
+                pass
+
+
+@functools.cache
+def process_cap_available() -> bool:
+    cap = ProcessCap(8)
+    try:
+        return cap.path is not None
+    finally:
+        cap.close()
+
+
 def _run(argv: list[str], cwd: Path, env: dict, limits: Limits) -> CommandResult:
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, preexec_fn=limits.apply, start_new_session=True)
+    cap = ProcessCap(limits.processes)
+
+    def in_child() -> None:
+        cap.join()
+        limits.apply()
+
+    try:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, preexec_fn=in_child, start_new_session=True)
+        return _wait(proc, limits)
+    finally:
+        cap.close()
+
+
+def _wait(proc: subprocess.Popen, limits: Limits) -> CommandResult:
     try:
         out, _ = proc.communicate(timeout=limits.wall_s)
-        return CommandResult(proc.returncode, out.decode(errors="replace"))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return CommandResult(proc.returncode, out.decode(errors="replace"), timed_out=True)
+    return CommandResult(proc.returncode, out.decode(errors="replace"), cpu_limited=_cpu_limited(proc))
+
+
+def _cpu_limited(proc: subprocess.Popen) -> bool:
+    """Whether the command died of SIGXCPU: sent only at the soft CPU-time limit (`Limits.apply`), so it
+    names that limit; a shell reports it as 128 + the signal."""
+    return proc.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
 
 
 def not_found(path: str) -> str:
