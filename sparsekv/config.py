@@ -279,8 +279,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Host bytes for the prefix cache's evicted pages (cache/prefix_host.py); None = no host tier.
     prefix_cache_host_bytes: int | None = None
-    # A directory for the prefix cache's disk tier (cache/prefix_disk.py), with its budget in bytes:
-    # pages pushed out of the host tier (or the pool, without one), kept across restarts.
+    # A directory for the prefix cache's disk tier (cache/prefix_disk.py), with its budget in bytes (whole
+    # page files, over every namespace in the directory that no live engine holds): pages pushed out of
+    # the host tier (or the pool, without one), kept across restarts.
     prefix_cache_disk_path: str | None = None
     prefix_cache_disk_bytes: int | None = None
     # The disk tier's pages are encrypted (AES-256-GCM) with a key derived from this file's secret (at

@@ -36,6 +36,14 @@ def _page_bytes(ckpt, **options):
     return llm.engine.kv.prefix.tiers["host"].page_bytes
 
 
+def _file_bytes(ckpt, sealed=True):
+    """The size of one page file (metadata included): the disk budget's unit."""
+    from sparsekv.cache.page_cipher import PageCipher
+    from sparsekv.cache.prefix_disk import page_file_bytes
+    llm = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 24, **SMALL_POOL)
+    return page_file_bytes(llm.engine.kv.prefix.tiers["host"].rows, PageCipher(b"k" * 32, "space") if sealed else None)
+
+
 def _files(root):
     return sorted(f for _, _, names in os.walk(root) for f in names if f.endswith(".safetensors"))
 
@@ -131,7 +139,7 @@ def test_files_are_private_and_the_budget_holds(ckpt, tmp_path):
     umask = os.umask(0o022)
     try:
         llm = make(ckpt, enable_prefix_caching=True, prefix_cache_disk_path=str(root),
-                   prefix_cache_disk_bytes=budget_pages * _page_bytes(ckpt), **SMALL_POOL)
+                   prefix_cache_disk_bytes=budget_pages * _file_bytes(ckpt), **SMALL_POOL)
     finally:
         os.umask(umask)
     _evict_then_hit(llm, [BASE + [9]])
@@ -150,11 +158,11 @@ def test_an_unreadable_page_is_recomputed_and_removed(ckpt, tmp_path):
     want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
     with disk_engine(ckpt, tmp_path) as llm:
         llm.generate([BASE + [3]], GREEDY)
-    disk_dir = next(e for e in os.scandir(tmp_path) if e.is_dir()).path
-    names = sorted(os.listdir(disk_dir))
-    page1 = next(n for n in names if n.endswith(".safetensors"))
-    with open(os.path.join(disk_dir, page1), "r+b") as f:  # one page truncated, as a crash or a full disk might
+        page1 = llm.engine.kv.prefix.tiers["disk"].path_of(llm.engine.kv.prompt_chains([PROMPTS[0]])[0][1])
+    disk_dir = os.path.dirname(page1)
+    with open(page1, "r+b") as f:  # one page truncated, as a crash or a full disk might
         f.truncate(100)
+    page1 = os.path.basename(page1)
     llm = disk_engine(ckpt, tmp_path)
     out = llm.generate([PROMPTS[0]], GREEDY)[0]
     assert_close([want], [out], bitwise=True)
@@ -187,7 +195,7 @@ def test_every_unreadable_page_of_a_chain_is_removed_and_saved_anew(ckpt, tmp_pa
         disk = llm.engine.kv.prefix.tiers["disk"]
         disk.flush()
         assert out.num_cached_tokens == 0 and disk.failed == (len(prompt) - 1) // PAGE  # each read ahead
-        chain = [os.path.join(disk_dir, name.hex() + ".safetensors") for name in llm.engine.kv.prompt_chains([prompt])[0]]
+        chain = [disk.path_of(name) for name in llm.engine.kv.prompt_chains([prompt])[0]]
         assert not any(os.path.exists(path) for path in chain)  # removed; its recomputed pages are in the pool
         assert_idle(llm)
     assert all(os.path.getsize(path) > 100 for path in chain)  # saved anew at close
@@ -224,7 +232,7 @@ def test_a_restart_keeps_the_most_recently_used_pages_within_a_smaller_budget(ck
             llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
         llm.generate([BASE + [3]], GREEDY)
     with make(ckpt, enable_prefix_caching=True, prefix_cache_disk_path=str(tmp_path),
-              prefix_cache_disk_bytes=4 * _page_bytes(ckpt), **SMALL_POOL) as llm:
+              prefix_cache_disk_bytes=4 * _file_bytes(ckpt), **SMALL_POOL) as llm:
         assert llm.stats()["prefix_disk_pages"] == 4
         assert llm.generate([PROMPTS[0]], GREEDY)[0].metrics["prefix_cached_tokens_disk"] == 64
 
@@ -390,9 +398,9 @@ def test_a_failed_write_drops_the_page_and_serving_goes_on(ckpt, tmp_path, monke
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(prefix_disk, "save_file", full)
     want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
     llm = disk_engine(ckpt, tmp_path, host_pages=0)
+    monkeypatch.setattr(prefix_disk, "write_private_file", full)
     disk = llm.engine.kv.prefix.tiers["disk"]
     llm.generate([BASE + [3]], GREEDY)
     for prompt in OTHERS:  # evict BASE's pages: their writes fail
@@ -412,6 +420,7 @@ def test_a_failed_write_drops_the_page_and_serving_goes_on(ckpt, tmp_path, monke
 def _key(tmp_path, name="key", secret=b"k" * 40):
     path = tmp_path / name
     path.write_bytes(secret)
+    path.chmod(0o600)
     return str(path)
 
 
@@ -441,8 +450,10 @@ def test_another_key_or_an_altered_file_reads_as_a_miss(ckpt, tmp_path):
     with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=_key(tmp_path)) as llm:
         llm.generate([BASE + [3]], GREEDY)
     with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=_key(tmp_path, "other", b"z" * 40)) as llm:
-        out = llm.generate([PROMPTS[0]], GREEDY)[0]  # the same namespace: the key is not part of it
-        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 4  # each page read ahead
+        stats = llm.stats()  # the same namespace (the key is not part of it): its files are removed at start
+        assert stats["prefix_disk_discarded"] == 5 and stats["prefix_disk_pages"] == 0 and _page_paths(disk_dir) == []
+        out = llm.generate([PROMPTS[0]], GREEDY)[0]
+        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 0
         assert_close([want], [out], bitwise=True)
     with disk_engine(ckpt, disk_dir, prefix_cache_disk_unencrypted=True) as llm:  # another namespace: nothing found
         assert llm.stats()["prefix_disk_pages"] == 0
@@ -502,8 +513,9 @@ def test_rotating_the_key_reseals_every_page_and_keeps_the_hits(ckpt, tmp_path):
         assert_close([want], [out], bitwise=True)
     assert old_id != new_id
     with disk_engine(ckpt, disk_dir, prefix_cache_disk_key_file=old) as llm:  # the retired key opens nothing
+        assert llm.stats()["prefix_disk_discarded"] >= 5  # removed at start
         out = llm.generate([PROMPTS[0]], GREEDY)[0]
-        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 4  # each page read ahead
+        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 0
     with pytest.raises(ConfigError, match="prefix_cache_disk_unencrypted contradicts"):
         disk_engine(ckpt, disk_dir, prefix_cache_disk_old_key_files=[old], prefix_cache_disk_unencrypted=True)
 
@@ -581,8 +593,8 @@ def test_pages_are_encrypted_by_default_under_a_generated_key_a_restart_reuses(c
 
 
 def _store(rows, root, cipher=None, old=()):
-    from sparsekv.cache.prefix_disk import PrefixDiskStore
-    return PrefixDiskStore(rows, str(root), "space", 4 * rows.page_bytes, cipher, old_ciphers=list(old))
+    from sparsekv.cache.prefix_disk import PrefixDiskStore, page_file_bytes
+    return PrefixDiskStore(rows, str(root), "space", 4 * page_file_bytes(rows, cipher), cipher, old_ciphers=list(old))
 
 
 def test_tenant_digests_are_keyed_with_a_secret_kept_with_the_tier(tmp_path):
@@ -646,8 +658,7 @@ def test_a_renamed_file_or_a_rewritten_tenant_field_is_never_served(tmp_path, se
     alice, mallory = disk.tenant_digest("alice"), disk.tenant_digest("mallory")
     disk.close()
 
-    def path(name):
-        return os.path.join(tmp_path, "space", name.hex() + ".safetensors")
+    path = disk.path_of
     os.replace(path(names[0]), path(names[1]))
     _rewrite_tenant(path(names[2]), alice, mallory)
     disk = _store(rows, tmp_path, cipher)
@@ -740,10 +751,11 @@ def test_the_host_tier_evicts_the_largest_tenants_oldest_copy_and_holds_quotas()
 
 
 def test_the_disk_tier_evicts_fairly_holds_quotas_and_applies_them_after_a_restart(tmp_path):
-    from sparsekv.cache.prefix_disk import PrefixDiskStore
+    from sparsekv.cache.prefix_disk import PrefixDiskStore, page_file_bytes
     rows = _rows()
     copy = [rows.copy_out(0)]
-    disk = PrefixDiskStore(rows, str(tmp_path), "space", 4 * rows.page_bytes)
+    budget = 4 * page_file_bytes(rows, None)
+    disk = PrefixDiskStore(rows, str(tmp_path), "space", budget)
     for name, tenant in ((b"q0", "quiet"), (b"q1", "quiet"), *((b"n%d" % i, "noisy") for i in range(4))):
         disk.save_rows(name.ljust(32, b"\0"), copy[0], tenant)
     digests = {disk.tenant_digest(t): t for t in ("quiet", "noisy")}
@@ -753,7 +765,7 @@ def test_the_disk_tier_evicts_fairly_holds_quotas_and_applies_them_after_a_resta
     disk.close()
     assert len(_files(tmp_path)) == 4
 
-    restarted = PrefixDiskStore(rows, str(tmp_path), "space", 4 * rows.page_bytes, max_pages_per_tenant=1)
+    restarted = PrefixDiskStore(rows, str(tmp_path), "space", budget, max_pages_per_tenant=1)
     assert {digests[d]: n for d, n in restarted.pages_by_tenant().items()} == {"quiet": 1, "noisy": 1}
     assert restarted.has(b"q1".ljust(32, b"\0")) and restarted.has(b"n3".ljust(32, b"\0"))  # each tenant's newest
     restarted.save_rows(b"n4".ljust(32, b"\0"), copy[0], "noisy")
@@ -775,7 +787,7 @@ def test_a_tenant_share_bounds_every_tier_and_keeps_the_quiet_tenants_prefix(ckp
     page_bytes = _page_bytes(ckpt)
     want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
     llm = make(ckpt, enable_prefix_caching=True, prefix_cache_tenant_share=0.5, prefix_cache_host_bytes=4 * page_bytes,
-               prefix_cache_disk_path=str(tmp_path), prefix_cache_disk_bytes=8 * page_bytes, **SMALL_POOL)
+               prefix_cache_disk_path=str(tmp_path), prefix_cache_disk_bytes=8 * _file_bytes(ckpt), **SMALL_POOL)
     engine = llm.engine
     engine.add_request("quiet", BASE + [3], GREEDY, tenant="quiet")
     while engine.has_unfinished_requests():
@@ -819,3 +831,232 @@ def test_without_read_ahead_the_admitting_step_reads_the_disk_pages(ckpt, tmp_pa
             outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert outs["sync"].metrics["prefix_cached_tokens_disk"] == 64
     assert_close([want], [outs["sync"]], bitwise=True)
+
+
+# -- file names, MACs, retention at close, the whole directory's budget, hostile entries ----------------
+def _flip_last_data_byte(path):
+    data = bytearray(open(path, "rb").read())
+    data[-5] ^= 0x40  # inside the last tensor's bytes
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("options", [{}, dict(prefix_cache_disk_unencrypted=True)], ids=["sealed", "plain"])
+def test_file_names_do_not_reveal_the_pages_a_guessed_prompt_would_name(ckpt, tmp_path, options):
+    """Anyone can compute a (tenant, prompt)'s page names (sha256 chains from the tenant); the files are
+    named by an HMAC of them under the tier's secret, so a listing matches none of a guessed chain,
+    while the engine still finds every page after a restart."""
+    with disk_engine(ckpt, tmp_path, **options) as llm:
+        llm.engine.add_request("a", BASE + [3], GREEDY, tenant="alice")
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        guessed = llm.engine.kv.prompt_chains([PROMPTS[0]], tenant="alice")[0]
+        disk = llm.engine.kv.prefix.tiers["disk"]
+    stems = {os.path.basename(p)[:-len(".safetensors")] for p in _page_paths(tmp_path)}
+    assert len(stems) == 5 and len(guessed) == 4
+    assert not stems & {name.hex() for name in guessed}
+    assert all(os.path.exists(disk.path_of(name)) for name in guessed)
+    with disk_engine(ckpt, tmp_path, **options) as llm:
+        llm.engine.add_request("again", PROMPTS[0], GREEDY, tenant="alice")
+        out = None
+        while llm.engine.has_unfinished_requests():
+            out = next((o for o in llm.engine.step() if o.finished), out)
+        assert out.metrics["prefix_cached_tokens_disk"] == 64
+
+
+def test_a_changed_byte_of_a_plain_files_rows_is_a_counted_miss(ckpt, tmp_path):
+    """Unencrypted files carry an HMAC of their rows too: a flipped data byte in every file reads as a
+    miss (counted, the file removed), and the output equals a run without the cache."""
+    want = make(ckpt, **SMALL_POOL).generate([PROMPTS[0]], GREEDY)[0]
+    with disk_engine(ckpt, tmp_path, prefix_cache_disk_unencrypted=True) as llm:
+        llm.generate([BASE + [3]], GREEDY)
+    for path in _page_paths(tmp_path):
+        _flip_last_data_byte(path)
+    with disk_engine(ckpt, tmp_path, prefix_cache_disk_unencrypted=True) as llm:
+        out = llm.generate([PROMPTS[0]], GREEDY)[0]
+        assert out.num_cached_tokens == 0 and llm.stats()["prefix_disk_failures"] == 4  # each page read ahead
+        assert_close([want], [out], bitwise=True)
+
+
+def test_an_unencrypted_tier_warns_and_says_so(ckpt, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="sparsekv.cache.manager"):
+        llm = disk_engine(ckpt, tmp_path, prefix_cache_disk_unencrypted=True)
+    assert any("unencrypted" in r.getMessage() for r in caplog.records)
+    assert llm.stats()["prefix_disk_encrypted"] == 0
+    assert llm.engine.cache_config()["prefix_cache_disk_encrypted"] == "False"
+    llm.close()
+    with disk_engine(ckpt, tmp_path / "sealed") as llm:
+        assert llm.stats()["prefix_disk_encrypted"] == 1
+        assert llm.engine.cache_config()["prefix_cache_disk_encrypted"] == "True"
+
+
+def test_closing_persists_no_expired_page_and_stamps_files_with_their_last_use(ckpt, tmp_path):
+    """With a 60 s TTL on a clock 100 s behind: pages last used 70 s before the engine closes are not
+    saved; pages used 40 s before it are saved with their time of last use, so a restart (the real
+    clock, 100 s later) expires them instead of serving them."""
+    import time
+    now = [time.time() - 100]
+    llm = disk_engine(ckpt, tmp_path, prefix_cache_ttl_s=60)
+    llm.engine.kv.prefix.set_clock(lambda: now[0])
+    llm.generate([BASE + [3]], GREEDY)
+    now[0] += 70
+    llm.close()
+    assert _files(tmp_path) == []
+
+    now[0] = time.time() - 100
+    llm = disk_engine(ckpt, tmp_path, prefix_cache_ttl_s=60)
+    llm.engine.kv.prefix.set_clock(lambda: now[0])
+    used = now[0]
+    llm.generate([BASE + [3]], GREEDY)
+    now[0] += 40
+    llm.close()
+    assert len(_files(tmp_path)) == 5
+    assert all(os.stat(p).st_mtime <= used + 1 for p in _page_paths(tmp_path))
+    with disk_engine(ckpt, tmp_path, prefix_cache_ttl_s=60) as later:
+        assert later.generate([PROMPTS[0]], GREEDY)[0].num_cached_tokens == 0
+        assert later.stats()["prefix_cache_expired_pages"] == 5
+
+
+def _sizes(root):
+    return sum(os.path.getsize(p) for p in _page_paths(root))
+
+
+def test_the_budget_covers_every_namespace_of_the_directory(ckpt, tmp_path):
+    """An engine with another page size (another namespace) on a directory an earlier one filled:
+    the earlier namespace's files count against the budget and go first, its emptied directory is
+    removed, and the page files of the whole directory stay within the budget, counted whole."""
+    with disk_engine(ckpt, tmp_path, host_pages=0) as llm:
+        for prompt in [BASE + [3], *OTHERS]:
+            llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    first = [e.path for e in os.scandir(tmp_path) if e.is_dir()]
+    assert len(first) == 1 and len(_page_paths(tmp_path)) > 6
+    options = dict(kv_page_size=2 * PAGE, prefill_chunk_tokens=2 * PAGE)
+    budget = 3 * _file_bytes_of(ckpt, **options)
+    with make(ckpt, enable_prefix_caching=True, prefix_cache_disk_path=str(tmp_path), prefix_cache_disk_bytes=budget,
+              **dict(SMALL_POOL, **options)) as llm:
+        llm.engine.kv.prefix.tiers["disk"].flush()  # the removals, queued at start
+        assert _sizes(tmp_path) <= budget
+        for prompt in [BASE + [3], *OTHERS]:
+            llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+            llm.engine.kv.prefix.tiers["disk"].flush()
+            assert _sizes(tmp_path) <= budget
+        disk = llm.engine.kv.prefix.tiers["disk"]
+        assert disk.bytes_used == sum(os.path.getsize(p) for p in _page_paths(disk.dir)) > 0
+    assert _sizes(tmp_path) <= budget
+    assert not os.path.exists(first[0])
+    assert len([e for e in os.scandir(tmp_path) if e.is_dir()]) == 1
+
+
+def _file_bytes_of(ckpt, **options):
+    from sparsekv.cache.page_cipher import PageCipher
+    from sparsekv.cache.prefix_disk import page_file_bytes
+    llm = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 24, **dict(SMALL_POOL, **options))
+    return page_file_bytes(llm.engine.kv.prefix.tiers["host"].rows, PageCipher(b"k" * 32, "space"))
+
+
+def _in_thread(fn, timeout=20):
+    """fn() on a daemon thread: (finished within `timeout`, its result)."""
+    import threading
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return not thread.is_alive(), result[0] if result else None
+
+
+def test_a_fifo_or_directory_named_like_a_page_never_hangs_the_tier(tmp_path):
+    """A FIFO and a directory named like page files are ignored at start (a blocking open would hang
+    it); a page file replaced by a FIFO while the engine runs reads as a miss, without blocking."""
+    rows = _rows()
+    space = tmp_path / "space"
+    space.mkdir(mode=0o700)
+    os.mkfifo(space / ("ab" * 32 + ".safetensors"))
+    (space / ("cd" * 32 + ".safetensors")).mkdir()
+    done, disk = _in_thread(lambda: _store(rows, tmp_path))
+    assert done and disk.num_pages == 0
+    name = b"\1" * 32
+    disk.save_rows(name, rows.copy_out(0), "alice")
+    disk.flush()
+    os.unlink(disk.path_of(name))
+    os.mkfifo(disk.path_of(name))
+    done, got = _in_thread(lambda: disk.take(name))
+    assert done and got is None and disk.failed == 1
+    disk.close()
+
+
+def test_temporary_files_never_follow_a_planted_symlink(tmp_path, monkeypatch):
+    """Every file is written under a temporary name created O_EXCL|O_NOFOLLOW: a symlink planted at
+    that name makes the write fail (the tenant key at start, a page later: counted), and its target
+    is never written."""
+    import sparsekv.cache.prefix_disk as prefix_disk
+    rows = _rows()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "tier" / "space").mkdir(parents=True, mode=0o700)
+    planted = str(tmp_path / "tier" / "space" / ".planted.tmp")
+    os.symlink(victim, planted)
+    with monkeypatch.context() as m:
+        m.setattr(prefix_disk, "temporary_path", lambda directory: planted)
+        with pytest.raises(OSError):
+            _store(rows, tmp_path / "tier")
+    assert victim.read_text() == "precious"
+    disk = _store(rows, tmp_path / "tier")  # a fresh name each time: the tier starts (and sweeps the .tmp)
+    os.symlink(victim, planted)
+    monkeypatch.setattr(prefix_disk, "temporary_path", lambda directory: planted)
+    disk.save_rows(b"\1" * 32, rows.copy_out(0), "alice")
+    disk.flush()
+    assert disk.failed == 1 and not disk.has(b"\1" * 32) and victim.read_text() == "precious"
+    disk.close()
+
+
+def test_a_key_file_others_may_read_is_refused_and_a_shared_directory_warned_about(ckpt, tmp_path, caplog):
+    key = _key(tmp_path)
+    os.chmod(key, 0o640)
+    with pytest.raises(ConfigError, match=f"prefix_cache_disk_key_file: {key} may be read.*chmod 600"):
+        disk_engine(ckpt, tmp_path / "a", prefix_cache_disk_key_file=key)
+    disk_engine(ckpt, tmp_path / "b").close()
+    os.chmod(tmp_path / "b" / ".prefix-cache.key", 0o644)  # the generated one, loosened
+    with pytest.raises(ConfigError, match="chmod 600"):
+        disk_engine(ckpt, tmp_path / "b")
+    os.chmod(key, 0o600)
+    old = _key(tmp_path, "old", b"o" * 40)
+    os.chmod(old, 0o604)
+    with pytest.raises(ConfigError, match="prefix_cache_disk_old_key_files: .* may be read"):
+        disk_engine(ckpt, tmp_path / "a", prefix_cache_disk_key_file=key, prefix_cache_disk_old_key_files=[old])
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with caplog.at_level("WARNING", logger="sparsekv.cache.prefix_disk"):
+        disk_engine(ckpt, shared, prefix_cache_disk_key_file=key).close()
+    assert any("may be written by group or others" in r.getMessage() for r in caplog.records)
+
+
+def test_a_full_disk_evicts_the_oldest_pages_and_retries_the_write_once(tmp_path, monkeypatch):
+    """ENOSPC below the budget: the oldest file is removed and the write tried again, which succeeds;
+    a disk that stays full counts the write as failed."""
+    import errno
+
+    import sparsekv.cache.prefix_disk as prefix_disk
+    rows, write = _rows(), prefix_disk.write_private_file
+    disk = _store(rows, tmp_path)
+    names = [bytes([i + 1]) * 32 for i in range(4)]
+    for name in names[:2]:
+        disk.save_rows(name, rows.copy_out(0), "alice")
+    disk.flush()
+    full = [1]
+
+    def full_once(*args, **kwargs):
+        if full[0]:
+            full[0] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(*args, **kwargs)
+    monkeypatch.setattr(prefix_disk, "write_private_file", full_once)
+    disk.save_rows(names[2], rows.copy_out(1), "alice")
+    disk.flush()
+    assert disk.failed == 0 and disk.has(names[2]) and not disk.has(names[0]) and disk.has(names[1])
+    assert torch.equal(disk.take(names[2])[0], rows.copy_out(1)[0]) and len(_files(tmp_path)) == 2
+    full[0] = 2
+    disk.save_rows(names[3], rows.copy_out(2), "alice")
+    disk.flush()
+    assert disk.failed == 1 and not disk.has(names[3]) and len(_files(tmp_path)) == len(disk._files)
+    disk.check_integrity()
+    disk.close()

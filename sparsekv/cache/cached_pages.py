@@ -46,6 +46,9 @@ class TenantLRU:
         group.move_to_end(key)
         group[key] = now
 
+    def last_used(self, key: Hashable) -> float:
+        return self._groups[self._tenant[key]][key]
+
     def remove(self, key: Hashable) -> str:
         """Forget `key`; returns its tenant."""
         tenant = self._tenant.pop(key)
@@ -140,6 +143,10 @@ class CachedPages:
 
     def unused_since(self, cutoff: float) -> list[int]:
         return self._lru.unused_since(cutoff)
+
+    def last_used(self, page: int) -> float:
+        """When the page was released (or last hit)."""
+        return self._lru.last_used(page)
 
     def pages(self, tenant: str | None = None) -> list[int]:
         """A tenant's cached pages (every tenant's with None), each tenant's oldest first."""

@@ -8,6 +8,8 @@ observability calls.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from dataclasses import replace
 
 import torch
@@ -134,17 +136,24 @@ class CacheManager:
         return path
 
     def _build_disk_tier(self, rows, lookahead: int):
-        from .prefix_disk import PrefixDiskStore, namespace
+        from .prefix_disk import PrefixDiskStore, namespace, page_file_bytes
         config, key = self.config, self._disk_key_file()
         space = namespace(config, rows, lookahead, sealed=key is not None)
         option = "prefix_cache_disk_key_file" if config.prefix_cache_disk_key_file else "prefix_cache_disk_path's key"
         cipher = None if key is None else _page_cipher(option, key, space)
         old = [_page_cipher("prefix_cache_disk_old_key_files", path, space)
                for path in config.prefix_cache_disk_old_key_files or ()]
+        if cipher is None:
+            logger.warning("prefix cache disk tier %s is unencrypted (prefix_cache_disk_unencrypted): anyone who "
+                           "can read its files reads the cached prompts' KV", config.prefix_cache_disk_path)
+        file_bytes = page_file_bytes(rows, cipher)
+        if config.prefix_cache_disk_bytes < file_bytes:
+            raise ConfigError(f"prefix_cache_disk_bytes={config.prefix_cache_disk_bytes} holds less than one page "
+                              f"file of the prefix cache ({file_bytes} B, metadata included); raise it")
+        quota = self._tenant_quota(config.prefix_cache_disk_bytes // file_bytes)
         try:
             return PrefixDiskStore(rows, config.prefix_cache_disk_path, space, config.prefix_cache_disk_bytes, cipher,
-                                   max_pages_per_tenant=self._tenant_quota(config.prefix_cache_disk_bytes // rows.page_bytes),
-                                   old_ciphers=old)
+                                   max_pages_per_tenant=quota, old_ciphers=old)
         except (ValueError, OSError) as e:
             raise ConfigError(f"prefix_cache_disk_path: {e}") from None
 
@@ -295,7 +304,8 @@ class CacheManager:
         return {"block_size": str(self.page_size), "cache_dtype": config.kv_cache_dtype,
                 "num_gpu_blocks": str(self.allocator.num_pages), "enable_prefix_caching": str(self.prefix is not None),
                 **self.pool.layout(), "indexer_key_dtype": config.indexer_key_dtype, "selector": config.selector,
-                "prefix_cache_tiers": ",".join(["device", *tiers]), "kv_admission": config.kv_admission}
+                "prefix_cache_tiers": ",".join(["device", *tiers]), "kv_admission": config.kv_admission,
+                **({"prefix_cache_disk_encrypted": str(tiers["disk"].cipher is not None)} if "disk" in tiers else {})}
 
     def check_integrity(self, running: list[Request], waiting: set[str]) -> None:
         self.allocator.check_integrity()
@@ -318,6 +328,14 @@ def _page_cipher(option: str, path: str, space: str):
     from .page_cipher import PageCipher
     try:
         with open(path, "rb") as f:
+            _refuse_shared_key_file(path, os.fstat(f.fileno()).st_mode)
             return PageCipher(f.read(), space)
     except (ValueError, OSError) as e:
         raise ConfigError(f"{option}: {e}") from None
+
+
+def _refuse_shared_key_file(path: str, mode: int) -> None:
+    """A key file group or others may read (or replace) protects nothing: refused, not used."""
+    if mode & 0o077:
+        raise ValueError(f"{path} may be read or written by group or others (mode {stat.S_IMODE(mode):o}); "
+                         f"`chmod 600 {path}`")

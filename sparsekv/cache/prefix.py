@@ -345,16 +345,28 @@ class PrefixCache(PageTransfer):
 
     def persist(self) -> None:
         """Before the engine closes: save the pool's cached pages and the host tier's copies to the disk
-        tier (least recently used first, so the budget keeps the newest), so a restart finds them."""
+        tier, so a restart finds them. Expired pages first go (a restart must not serve a page older
+        than the TTL); the rest are saved least recently used first (the budget keeps the newest), each
+        file stamped with its page's last use, so the TTL after a restart counts from there."""
         disk = self.tiers.get("disk")
         if disk is None:
             return
+        self.expire()
         self.before_copy()
-        for name, rows, tenant in self.tiers["host"].items() if "host" in self.tiers else ():
-            disk.save_rows(name, rows, tenant)
-        for page in self.allocator.cached.pages():
-            disk.save(self._name_of[page], page, self._tenant_of[page])
+        for used_at, name, held, tenant in sorted(self._pages_to_persist(), key=lambda entry: entry[0]):
+            if isinstance(held, int):
+                disk.save(name, held, tenant, used_at)
+            else:
+                disk.save_rows(name, held, tenant, used_at)
         disk.flush()
+
+    def _pages_to_persist(self) -> list[tuple[float, bytes, int | list, str]]:
+        """(last use, name, pool page or host copy's rows, tenant) of every page the pool and the host
+        tier hold."""
+        host, cached = self.tiers.get("host"), self.allocator.cached
+        copies = [(host.last_used(name), name, rows, tenant) for name, rows, tenant in host.items()] if host else []
+        return copies + [(cached.last_used(page), self._name_of[page], page, self._tenant_of[page])
+                         for page in cached.pages()]
 
     def stats(self) -> dict:
         hits = sum(self.hit_tokens.values())

@@ -2,32 +2,42 @@
 later engine on the same model, after a restart) reads them back instead of recomputing them. The
 third tier of SGLang's HiCache and LMCache's local disk, for the prefix cache.
 
-Each page is one safetensors file, `<dir>/<namespace>/<page name in hex>.safetensors`, holding the
-page's rows of every slot-indexed tensor (prefix_host.PageRows). The page name is the prefix cache's
-hash chain, rooted at (tenant, cache_salt), so a tenant's files are found only by the same tenant and
-salt; the namespace (`namespace()`) is a hash of everything that decides a page's bytes: the
+Each page is one safetensors file, `<dir>/<namespace>/<file name>.safetensors`, holding the page's
+rows of every slot-indexed tensor (prefix_host.PageRows). The page's own name is the prefix cache's
+hash chain, rooted at (tenant, cache_salt), which anyone can compute from a guessed tenant and prompt;
+so the file is named by an HMAC of it under the namespace's secret (`TENANT_KEY_FILE`, sealed with the
+tier's key when the tier is encrypted), and a listing of the directory cannot be tested against
+guesses. The namespace (`namespace()`) is a hash of everything that decides a page's bytes: the
 checkpoint (config.json, shard names, sizes and sampled contents), dtype, device type, page size,
 attention mode, selector, indexer key dtype, drafting and the tensor layout. Another model, or the
-same one run another way, never reads these files. Files are written 0600 in a 0700 directory.
+same one run another way, never reads these files. Files are written 0600 in a 0700 directory, each
+under a fresh temporary name opened O_EXCL|O_NOFOLLOW and renamed into place; page files are opened
+O_NOFOLLOW|O_NONBLOCK and read only if they are regular files.
 
 Pages are encrypted at rest unless the engine is told otherwise (page_cipher.py; the engine passes
 a cipher from its key file, or from one generated in the tier's directory, `default_key_file`). A
-file records its tenant as an HMAC of the tenant's name under a secret kept with the tier
-(`TENANT_KEY_FILE`, itself sealed when the tier is), so the files do not say whose they are to a
-reader who can guess tenant names. A file is served only under the page name and tenant digest it
-was written with: sealed files authenticate both with their bytes, and plain ones carry an HMAC of
-both, so a file renamed to another page's name or with its tenant field rewritten is a miss.
+file records its tenant as an HMAC of the tenant's name under the same secret, so the files do not
+say whose they are to a reader who can guess tenant names. A file is served only under the file name
+and tenant digest it was written with, with the bytes it was written with: sealed files authenticate
+all three with AES-GCM, plain ones carry an HMAC of them (tensor dtypes, shapes and bytes included),
+so a file renamed, with its tenant field rewritten or a byte of its rows changed is a miss.
 
 Writes, deletions and touches run in order on one background thread, so an eviction costs the engine
 step a host copy, not a disk write. A page being written is read from memory. Reads run ahead of
 admission on another thread (`prefetch`): a request whose prefix is on disk waits in the queue while
-its pages are read, and the requests running meanwhile keep stepping. Budgeted by
-`capacity_bytes` (tensor bytes), least recently saved or hit first out, and that order survives a
-restart (file mtimes). A file that cannot be read back, or does not match the layout, is a miss: the
-page is computed instead and the file removed. One engine per directory: a lock file refuses a second.
+its pages are read, and the requests running meanwhile keep stepping. Budgeted by `capacity_bytes`,
+counted in whole file sizes over the whole tier directory: the namespaces of other settings or
+checkpoints that no engine holds are counted too and evicted first, oldest file first, and removed
+once empty. Least recently saved or hit first out, and that order survives a restart (file mtimes,
+which are each page's time of last use). A file that cannot be read back, or does not match the
+layout, is a miss: the page is computed instead and the file removed; files sealed with a key the
+engine no longer holds are removed at start. A full disk evicts the oldest pages and retries the
+write once. One engine per namespace: a lock file refuses a second.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import hmac
@@ -35,27 +45,31 @@ import itertools
 import json
 import logging
 import os
+import secrets
+import stat
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 from safetensors.torch import load as load_page
-from safetensors.torch import save_file
+from safetensors.torch import save as encode_safetensors
 
 from .page_cipher import KEY_BYTES, PageCipher, create_key_file
 from .cached_pages import TenantLRU
 from .prefix_host import PageRows
 
 logger = logging.getLogger(__name__)
-# v2: tenant digests are keyed HMACs and plain files carry a MAC of their name and tenant; v1 files
-# (plain SHA-256 tenant digests) sit in other namespaces and are never read
-FORMAT = "sparsekv-prefix-page-v2"
+# v3: files named by a keyed HMAC of the page name, plain files' MAC covering their rows; files of
+# earlier formats sit in other namespaces, never read, and count against the budget until evicted
+FORMAT = "sparsekv-prefix-page-v3"
 SUFFIX = ".safetensors"
 DEFAULT_KEY_FILE = ".prefix-cache.key"   # in the tier's directory, beside the namespaces
 TENANT_KEY_FILE = ".tenant-key"          # in each namespace directory
 TENANT_KEY_PURPOSE = b"sparsekv-prefix-disk-tenant-key"
 SAMPLES_PER_FILE, SAMPLE_BYTES = 256, 4096
+HEX = frozenset("0123456789abcdef")
+NAMESPACE_CHARS, FILE_NAME_CHARS = 32, 64
 
 
 def checkpoint_identity(path: str, with_times: bool = False) -> list:
@@ -131,44 +145,203 @@ def namespace(config, rows: PageRows, lookahead: int, sealed: bool = False) -> s
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def _is_hex_name(name: str, length: int) -> bool:
+    return len(name) == length and set(name) <= HEX
+
+
+def _is_page_file_name(name: str) -> bool:
+    return name.endswith(SUFFIX) and _is_hex_name(name[:-len(SUFFIX)], FILE_NAME_CHARS)
+
+
+def open_regular(path: str):
+    """`path` opened for reading if it is a regular file (not followed if a symlink): a FIFO planted
+    under a page's name would block an open or a read forever, a device or directory would not be a
+    page. Raises OSError (ELOOP for a symlink) or ValueError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError("not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def temporary_path(directory: str) -> str:
+    """A fresh, unguessable temporary name in `directory` (swept at the next start: `.tmp`)."""
+    return os.path.join(directory, f".{secrets.token_hex(16)}.tmp")
+
+
+def write_private_file(path: str, data: bytes, mtime_ns: int | None = None) -> None:
+    """Write `data` to `path` (0600), atomically: a reader sees the whole file or none. The temporary
+    file is created O_EXCL|O_NOFOLLOW, so a symlink or file planted at its name fails the write rather
+    than redirecting it to the planted target."""
+    tmp = temporary_path(os.path.dirname(path))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mtime_ns is not None:
+            os.utime(tmp, ns=(mtime_ns, mtime_ns))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def page_mac(secret: bytes, file_id: bytes, tenant: str, rows: list[torch.Tensor]) -> str:
+    """A plain file's binding of its rows (dtype, shape and bytes of each) to its file name and tenant
+    digest (sealed files authenticate all of it with AES-GCM instead)."""
+    mac = hmac.new(secret, b"sparsekv-page\0" + file_id + b"\0" + tenant.encode() + b"\0", hashlib.sha256)
+    for row in rows:
+        mac.update(json.dumps([str(row.dtype), list(row.shape)]).encode() + b"\0")
+        mac.update(row.contiguous().view(-1).view(torch.uint8).numpy())
+    return mac.hexdigest()
+
+
+def encode_page(rows: list[torch.Tensor], file_id: bytes, tenant: str, cipher: PageCipher | None,
+                mac_secret: bytes) -> bytes:
+    """A page file's bytes: sealed with `cipher`, or plain with a MAC under `mac_secret`."""
+    if cipher is not None:
+        tensors, extra = cipher.seal(rows, file_id, tenant)
+    else:
+        tensors = {str(i): r.contiguous() for i, r in enumerate(rows)}
+        extra = {"mac": page_mac(mac_secret, file_id, tenant, rows)}
+    return encode_safetensors(tensors, metadata={"format": FORMAT, "tenant": tenant, **extra})
+
+
+def page_file_bytes(rows: PageRows, cipher: PageCipher | None) -> int:
+    """The size of one page file, metadata included: the same for every page of a namespace (its
+    digests, nonce and MAC have fixed lengths). What the byte budget counts per page."""
+    zeros = [torch.zeros(shape, dtype=dtype) for shape, dtype in rows.layout]
+    return len(encode_page(zeros, bytes(32), "0" * 32, cipher, bytes(32)))
+
+
+@contextlib.contextmanager
+def _namespace_if_free(path: str):
+    """Yields whether no engine holds the namespace at `path` (its lock file taken meanwhile, so none
+    starts on it while its files are counted or removed)."""
+    try:
+        fd = os.open(os.path.join(path, ".lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        yield True
+        return
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _page_files(directory: str) -> list[tuple[int, str, int]]:
+    """(mtime_ns, path, size) of the regular page files in `directory`."""
+    found = []
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if _is_page_file_name(entry.name) and entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
+                found.append((st.st_mtime_ns, entry.path, st.st_size))
+    return found
+
+
+def _remove_namespace_if_empty(path: str) -> bool:
+    """Remove a namespace directory left with no page files (its lock, tenant key and temporaries
+    too); whether it is gone. Anything else found in it keeps it."""
+    if _page_files(path):
+        return False
+    with contextlib.suppress(OSError), os.scandir(path) as entries:
+        for entry in entries:
+            if entry.name in (".lock", TENANT_KEY_FILE) or entry.name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+    try:
+        os.rmdir(path)
+    except OSError:
+        return False
+    return True
+
+
 class PrefixDiskStore:
     """`max_pages_per_tenant`: a tenant's files beyond this many are removed, oldest first (None: no
-    bound). Over budget, the oldest file of the tenant holding the most goes first (cached_pages.TenantLRU).
-    `old_ciphers`: keys being rotated out; files sealed with one are read with it, and re-sealed with
-    `cipher` in the background from the start (`rekeyed`), each keeping its place in the LRU order."""
+    bound). Over budget, the other namespaces' files go first, oldest first, then the oldest file of
+    the tenant holding the most (cached_pages.TenantLRU). `old_ciphers`: keys being rotated out; files
+    sealed with one are read with it, and re-sealed with `cipher` in the background from the start
+    (`rekeyed`), each keeping its name and its place in the LRU order.
+
+    Pages are named by the prefix cache's names; the index and the files by `_file_id(name)`."""
 
     def __init__(self, rows: PageRows, root: str, space: str, capacity_bytes: int, cipher: PageCipher | None = None,
                  max_pages_per_tenant: int | None = None, old_ciphers: list[PageCipher] = ()):
         self.rows, self.page_bytes, self.capacity_bytes, self.cipher = rows, rows.page_bytes, capacity_bytes, cipher
         self._ciphers = {c.key_id: c for c in [*old_ciphers, *([cipher] if cipher is not None else [])]}
         self.max_pages_per_tenant = max_pages_per_tenant
-        self.dir = os.path.join(root, space)
+        self.root, self.space, self.dir = root, space, os.path.join(root, space)
         make_private_dir(root)
         make_private_dir(self.dir)
+        self._warn_if_others_may_write()
         self._lock_file = self._take_lock()
-        self._tenant_secret = self._load_tenant_secret()
-        # pages on disk or being written, by tenant_digest() of the tenant that computed them, with the
-        # time each was last saved or hit (clock())
+        self._tenant_secret, self._secret_is_new = self._load_tenant_secret()
+        self.file_bytes = page_file_bytes(rows, cipher)
+        # pages on disk or being written, by file id, grouped by tenant_digest() of the tenant that
+        # computed them, with the time each was last saved or hit (clock())
         self._files = TenantLRU()
+        self._sizes: dict[bytes, int] = {}  # file id -> its file's size, what the budget counts
+        self._bytes = 0
+        # other namespaces' files no engine holds, oldest first: [mtime_ns, path, size]
+        self._others: list[tuple[int, str, int]] = []
+        self._others_bytes = 0
         self.clock = time.time
         self._pending: dict[bytes, tuple[int, list[torch.Tensor]]] = {}  # being written: (ticket, rows)
-        self._lock = threading.Lock()  # _files and _pending, shared with the writer thread
+        self._lock = threading.Lock()  # the index, sizes and _pending, shared with the writer thread
         self._tickets = itertools.count()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="sparsekv-prefix-disk")
-        # Reads ahead of admission (`prefetch`): page -> its rows being read (None if unreadable)
+        # Reads ahead of admission (`prefetch`): file id -> its rows being read (None if unreadable)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="sparsekv-prefix-disk-read")
         self._prefetched: dict[bytes, Future] = {}
-        self.saved = self.loaded = self.dropped = self.failed = self.rekeyed = 0
+        self.saved = self.loaded = self.dropped = self.failed = self.rekeyed = self.discarded = 0
         self._last_ns = 0  # file times, strictly increasing: the filesystem clock is too coarse to order
         self._scan()
+        self._scan_other_namespaces()
+        self._make_room(0)
 
-    def _path(self, name: bytes) -> str:
-        return os.path.join(self.dir, name.hex() + SUFFIX)
+    # -- names ---------------------------------------------------------------------------------
+    def _file_id(self, name: bytes) -> bytes:
+        """The id a page's file is named by: an HMAC of the page's name under the namespace's secret, so
+        a listing of the directory tells nothing to one who can compute names from guessed prompts."""
+        return hmac.new(self._tenant_secret, b"sparsekv-file\0" + name, hashlib.sha256).digest()
+
+    def _file(self, file_id: bytes) -> str:
+        return os.path.join(self.dir, file_id.hex() + SUFFIX)
+
+    def path_of(self, name: bytes) -> str:
+        """Where the page named `name` is (or would be) kept."""
+        return self._file(self._file_id(name))
+
+    def tenant_digest(self, tenant: str) -> str:
+        return tenant_hmac(self._tenant_secret, tenant)
+
+    # -- start ---------------------------------------------------------------------------------
+    def _warn_if_others_may_write(self) -> None:
+        """A tier directory others may write is served from all the same (a file they plant fails its
+        MAC or AES-GCM tag and is a miss; FIFOs and symlinks are never followed), with a warning: they
+        may still remove pages or fill the disk."""
+        for path in (self.root, self.dir):
+            if os.stat(path).st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                logger.warning("prefix cache disk tier: %s may be written by group or others; `chmod 700 %s` "
+                               "so they cannot remove its pages or fill its disk", path, path)
 
     def _take_lock(self):
         """The namespace's lock file (0600, even one an earlier version made 0644), held for this
         engine's life; raises if another engine holds it."""
-        fd = os.open(os.path.join(self.dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(os.path.join(self.dir, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         lock_file = os.fdopen(fd, "w")
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -178,18 +351,16 @@ class PrefixDiskStore:
         os.fchmod(fd, 0o600)
         return lock_file
 
-    def tenant_digest(self, tenant: str) -> str:
-        return tenant_hmac(self._tenant_secret, tenant)
-
-    def _load_tenant_secret(self) -> bytes:
-        """The namespace's tenant secret (made on first use; the lock held). Sealed with the current
-        key when the tier is encrypted, so the digests cannot be tested against guessed names without
-        the key; one sealed with a key being rotated out is re-sealed with the current one. One no
-        held key opens is replaced: the files it named are then unreadable anyway."""
+    def _load_tenant_secret(self) -> tuple[bytes, bool]:
+        """The namespace's secret (made on first use; the lock held), and whether it was made now: it
+        keys tenant digests, file names and plain files' MACs. Sealed with the current key when the
+        tier is encrypted, so neither can be tested against guesses without the key; one sealed with
+        a key being rotated out is re-sealed with the current one (file names stay). One no held key
+        opens is replaced: the files it named are then unreadable anyway (removed by `_scan`)."""
         path = os.path.join(self.dir, TENANT_KEY_FILE)
         record, secret = None, None
         try:
-            with open(path) as f:
+            with open_regular(path) as f:
                 record = json.load(f)
             secret = self._open_tenant_secret(record)
         except FileNotFoundError:
@@ -201,7 +372,7 @@ class PrefixDiskStore:
             secret = os.urandom(KEY_BYTES)
         if fresh or record.get("key") != (self.cipher.key_id if self.cipher is not None else None):
             self._write_tenant_secret(path, secret)
-        return secret
+        return secret, fresh
 
     def _open_tenant_secret(self, record: dict) -> bytes:
         if self.cipher is None:
@@ -214,101 +385,169 @@ class PrefixDiskStore:
     def _write_tenant_secret(self, path: str, secret: bytes) -> None:
         record = ({"secret": secret.hex()} if self.cipher is None
                   else self.cipher.seal_bytes(secret, TENANT_KEY_PURPOSE))
-        tmp = f"{path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
-    def _page_mac(self, name: bytes, tenant: str) -> str:
-        """A plain file's binding of its bytes to its page name and tenant digest (sealed files
-        authenticate both with their bytes instead)."""
-        return hmac.new(self._tenant_secret, b"sparsekv-page\0" + name + tenant.encode(), hashlib.sha256).hexdigest()
+        write_private_file(path, json.dumps(record).encode())
 
     def _scan(self) -> None:
-        """Index the pages an earlier engine left, oldest first; remove half-written files and what
-        exceeds the budget."""
-        found = []
-        for entry in os.scandir(self.dir):
-            stem = entry.name[:-len(SUFFIX)]
-            if entry.name.endswith(SUFFIX) and len(stem) == 64 and all(c in "0123456789abcdef" for c in stem):
-                found.append((entry.stat().st_mtime_ns, bytes.fromhex(stem)))
-            elif entry.name.endswith(".tmp"):
-                os.unlink(entry.path)
-        for mtime, name in sorted(found):
-            metadata = self._stored_metadata(name)
-            self._files.add(name, metadata.get("tenant", ""), mtime / 1e9)
+        """Index the pages an earlier engine left, oldest first; remove temporaries, and files that no
+        key held opens or that were named under a secret since lost (they only take room)."""
+        found, odd = [], []
+        with os.scandir(self.dir) as entries:
+            for entry in entries:
+                if entry.name.endswith(".tmp"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+                elif _is_page_file_name(entry.name):
+                    st = entry.stat(follow_symlinks=False)
+                    if not stat.S_ISREG(st.st_mode):
+                        odd.append(entry.name)
+                        continue
+                    found.append((st.st_mtime_ns, bytes.fromhex(entry.name[:-len(SUFFIX)]), st.st_size))
+        if odd:
+            logger.warning("prefix cache disk tier: ignoring %d entries of %s that are not regular files (%s...)",
+                           len(odd), self.dir, odd[0])
+        unopenable = []
+        for mtime, file_id, size in sorted(found):
+            metadata = self._stored_metadata(file_id)
+            if self._secret_is_new or ("key" in metadata and metadata["key"] not in self._ciphers):
+                unopenable.append(file_id)
+                continue
+            self._index(file_id, metadata.get("tenant", ""), mtime / 1e9, size)
             self._last_ns = max(self._last_ns, mtime)
             if self.cipher is not None and metadata.get("key") != self.cipher.key_id:
-                self._writer.submit(self._rekey, name)  # sealed with an old key (or unreadable: left alone)
+                self._writer.submit(self._rekey, file_id)  # sealed with an old key (or unreadable: left alone)
+        self._remove_unopenable(unopenable)
         with self._lock:
             for tenant in self._files.counts():
                 self._hold_quota(tenant, 0)
-        self._make_room(0)
 
+    def _remove_unopenable(self, file_ids: list[bytes]) -> None:
+        for file_id in file_ids:
+            with contextlib.suppress(OSError):
+                os.unlink(self._file(file_id))
+        self.discarded += len(file_ids)
+        if file_ids:
+            logger.warning("prefix cache disk tier: removed %d files of %s that no key this engine holds opens "
+                           "(sealed with a retired key, or named under a lost secret)", len(file_ids), self.dir)
+
+    def _scan_other_namespaces(self) -> None:
+        """Count the page files of the tier's other namespaces that no engine holds (other checkpoints,
+        settings, formats): the budget covers the whole directory. Empty ones are removed."""
+        with os.scandir(self.root) as entries:
+            spaces = [e.path for e in entries if e.name != self.space and _is_hex_name(e.name, NAMESPACE_CHARS)
+                      and e.is_dir(follow_symlinks=False)]
+        for path in spaces:
+            with _namespace_if_free(path) as free:
+                if free and not _remove_namespace_if_empty(path):
+                    self._others.extend(_page_files(path))
+        self._others.sort()
+        self._others_bytes = sum(size for _, _, size in self._others)
+
+    def _index(self, file_id: bytes, tenant: str, when: float, size: int) -> None:
+        """(the lock held, or at start)"""
+        self._files.add(file_id, tenant, when)
+        self._sizes[file_id] = size
+        self._bytes += size
+
+    # -- figures -------------------------------------------------------------------------------
     @property
     def num_pages(self) -> int:
         return len(self._files)
 
     @property
     def bytes_used(self) -> int:
-        return len(self._files) * self.page_bytes
+        """This namespace's files' sizes."""
+        return self._bytes
+
+    @property
+    def tier_bytes_used(self) -> int:
+        """With the other namespaces' files still counted: what the budget bounds."""
+        return self._bytes + self._others_bytes
 
     def has(self, name: bytes) -> bool:
-        return name in self._files
+        return self._file_id(name) in self._files
 
-    def touch(self, name: bytes) -> None:
+    def touch(self, name: bytes, when: float | None = None) -> None:
+        """Mark the page used now (or at `when`, if later than its last use)."""
+        self._touch(self._file_id(name), when)
+
+    def _touch(self, file_id: bytes, when: float | None = None) -> None:
         with self._lock:
-            if name not in self._files:
+            if file_id not in self._files:
                 return
-            self._files.touch(name, self.clock())
-        self._writer.submit(self._utime, name)
+            when = self.clock() if when is None else max(when, self._files.last_used(file_id))
+            self._files.touch(file_id, when)
+        self._writer.submit(self._utime, file_id, when)
 
-    def _make_room(self, page_bytes: int, adding: str | None = None) -> None:
+    # -- eviction ------------------------------------------------------------------------------
+    def _make_room(self, room: int, adding: str | None = None) -> None:
+        """Evict until `room` more bytes fit the budget: other namespaces' files first, then ours."""
         with self._lock:
-            while len(self._files) and self.bytes_used + page_bytes > self.capacity_bytes:
+            while self._others and self.tier_bytes_used + room > self.capacity_bytes:
+                self._drop_other()
+            while len(self._files) and self.tier_bytes_used + room > self.capacity_bytes:
                 self._drop(self._files.victim(adding))
                 self.dropped += 1
+
+    def _drop_other(self) -> None:
+        """Forget another namespace's oldest file and remove it (the lock held)."""
+        _, path, size = self._others.pop(0)
+        self._others_bytes -= size
+        self.dropped += 1
+        self._writer.submit(self._unlink_other, path)
+
+    def _unlink_other(self, path: str) -> None:
+        """On the writer thread: remove another namespace's file, unless an engine has taken that
+        namespace since; its directory too once empty."""
+        space = os.path.dirname(path)
+        with _namespace_if_free(space) as free:
+            if free:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                _remove_namespace_if_empty(space)
 
     def _hold_quota(self, digest: str, room: int) -> None:
         """Remove the tenant's oldest files beyond its quota less `room` (the lock held)."""
         quota = self.max_pages_per_tenant
-        for name in self._files.over(digest, None if quota is None else max(0, quota - room)):
-            self._drop(name)
+        for file_id in self._files.over(digest, None if quota is None else max(0, quota - room)):
+            self._drop(file_id)
             self.dropped += 1
 
-    def _drop(self, name: bytes) -> None:
-        self._files.remove(name)
-        self._pending.pop(name, None)
-        self._prefetched.pop(name, None)
-        self._writer.submit(self._unlink, name)
+    def _forget(self, file_id: bytes) -> None:
+        """Drop a file from the index (the lock held); its file is the caller's to remove."""
+        self._files.remove(file_id)
+        self._bytes -= self._sizes.pop(file_id)
+        self._pending.pop(file_id, None)
+        self._prefetched.pop(file_id, None)
+
+    def _drop(self, file_id: bytes) -> None:
+        self._forget(file_id)
+        self._writer.submit(self._unlink, file_id)
 
     def drop_page(self, name: bytes) -> bool:
         """Remove one page's file; whether there was one."""
+        file_id = self._file_id(name)
         with self._lock:
-            if name not in self._files:
+            if file_id not in self._files:
                 return False
-            self._drop(name)
+            self._drop(file_id)
         return True
 
     def drop(self, tenant: str | None = None) -> int:
         """Remove a tenant's pages (every tenant's with None); returns how many."""
         digest = None if tenant is None else self.tenant_digest(tenant)
         with self._lock:
-            names = self._files.keys(digest)
-            for name in names:
-                self._drop(name)
-        return len(names)
+            file_ids = self._files.keys(digest)
+            for file_id in file_ids:
+                self._drop(file_id)
+        return len(file_ids)
 
-    def _digest_of(self, name: bytes) -> str:
+    def _digest_of(self, file_id: bytes) -> str:
         with self._lock:
-            return self._files.tenant(name) if name in self._files else ""
+            return self._files.tenant(file_id) if file_id in self._files else ""
 
-    def _stored_metadata(self, name: bytes) -> dict:
+    def _stored_metadata(self, file_id: bytes) -> dict:
         try:
-            with open(self._path(name), "rb") as f:  # the header only
+            with open_regular(self._file(file_id)) as f:  # the header only
                 return _header_metadata(f.read(int.from_bytes(f.read(8), "little")))
         except Exception:  # noqa: BLE001 - unreadable: a miss when looked up, removed then
             return {}
@@ -316,155 +555,186 @@ class PrefixDiskStore:
     def expire(self, cutoff: float) -> int:
         """Remove the pages last used before `cutoff`; returns how many."""
         with self._lock:
-            names = self._files.unused_since(cutoff)
-            for name in names:
-                self._drop(name)
-        return len(names)
+            file_ids = self._files.unused_since(cutoff)
+            for file_id in file_ids:
+                self._drop(file_id)
+        return len(file_ids)
 
-    def save(self, name: bytes, page: int, tenant: str) -> None:
-        """Keep pool page `page`'s rows under `name`."""
-        if name in self._files:
-            self.touch(name)
-        elif self.page_bytes <= self.capacity_bytes:
-            self.save_rows(name, self.rows.copy_out(page), tenant)
+    # -- writes --------------------------------------------------------------------------------
+    def save(self, name: bytes, page: int, tenant: str, used_at: float | None = None) -> None:
+        """Keep pool page `page`'s rows under `name`, last used now (or at `used_at`)."""
+        if self.has(name):
+            self.touch(name, used_at)
+        elif self.file_bytes <= self.capacity_bytes:
+            self.save_rows(name, self.rows.copy_out(page), tenant, used_at)
 
-    def save_rows(self, name: bytes, rows: list[torch.Tensor], tenant: str) -> None:
-        """Keep `rows` (host copies, not changed afterwards) under `name`: written in the background."""
-        if name in self._files:
-            self.touch(name)
+    def save_rows(self, name: bytes, rows: list[torch.Tensor], tenant: str, used_at: float | None = None) -> None:
+        """Keep `rows` (host copies, not changed afterwards) under `name`: written in the background,
+        the file's time the page's last use (now, or `used_at`: what the TTL measures after a restart)."""
+        file_id = self._file_id(name)
+        if file_id in self._files:
+            self._touch(file_id, used_at)
             return
         digest = self.tenant_digest(tenant)
-        if self.page_bytes > self.capacity_bytes or self.max_pages_per_tenant == 0:
+        if self.file_bytes > self.capacity_bytes or self.max_pages_per_tenant == 0:
             return
         with self._lock:
             self._hold_quota(digest, 1)
-        self._make_room(self.page_bytes, digest)
+        self._make_room(self.file_bytes, digest)
+        when = self.clock() if used_at is None else used_at
         with self._lock:
             ticket = next(self._tickets)
-            self._files.add(name, digest, self.clock())
-            self._pending[name] = (ticket, rows)
+            self._index(file_id, digest, when, self.file_bytes)
+            self._pending[file_id] = (ticket, rows)
         self.saved += 1
-        self._writer.submit(self._write, name, ticket, rows, digest)
+        self._writer.submit(self._write, file_id, ticket, rows, digest, when, used_at is not None)
 
-    def _write_file(self, name: bytes, rows: list[torch.Tensor], tenant: str, tag: str, mtime_ns: int | None = None):
-        """Write the page file (sealed with the current key, if any) under a temporary name, then rename
-        it into place (atomic: a reader sees the whole file or none); stamped now, or `mtime_ns`."""
-        path = self._path(name)
-        tmp = f"{path}.{tag}.tmp"
-        try:
-            if self.cipher is not None:
-                tensors, extra = self.cipher.seal(rows, name, tenant)
-            else:
-                tensors = {str(i): r.contiguous() for i, r in enumerate(rows)}
-                extra = {"mac": self._page_mac(name, tenant)}
-            save_file(tensors, tmp, metadata={"format": FORMAT, "tenant": tenant, **extra})
-            os.chmod(tmp, 0o600)
-            if mtime_ns is None:
-                self._stamp(tmp)
-            else:
-                os.utime(tmp, ns=(mtime_ns, mtime_ns))
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+    def _encode(self, file_id: bytes, rows: list[torch.Tensor], tenant: str) -> bytes:
+        return encode_page(rows, file_id, tenant, self.cipher, self._tenant_secret)
 
-    def _write(self, name: bytes, ticket: int, rows: list[torch.Tensor], tenant: str) -> None:
+    def _write(self, file_id: bytes, ticket: int, rows: list[torch.Tensor], tenant: str, when: float,
+               exact_time: bool) -> None:
+        """On the writer thread. A full disk: the oldest pages are removed and the write tried once more."""
         try:
-            self._write_file(name, rows, tenant, str(ticket))
+            data = self._encode(file_id, rows, tenant)
+            mtime_ns = int(when * 1e9) if exact_time else self._next_stamp(when)
+            try:
+                write_private_file(self._file(file_id), data, mtime_ns)
+            except OSError as e:
+                if e.errno != errno.ENOSPC or not self._free_now(len(data), keep=file_id):
+                    raise
+                write_private_file(self._file(file_id), data, mtime_ns)
         except Exception as e:  # noqa: BLE001 - disk full, permissions: the page is only lost
-            logger.warning("prefix cache disk tier: writing %s failed (%s); the page is dropped", self._path(name), e)
+            logger.warning("prefix cache disk tier: writing %s failed (%s); the page is dropped",
+                           self._file(file_id), e)
             with self._lock:
                 self.failed += 1
-                if self._pending.get(name, (None,))[0] == ticket and name in self._files:
-                    self._files.remove(name)
+                if self._pending.get(file_id, (None,))[0] == ticket and file_id in self._files:
+                    self._forget(file_id)
         with self._lock:
-            if self._pending.get(name, (None,))[0] == ticket:
-                del self._pending[name]
+            if self._pending.get(file_id, (None,))[0] == ticket:
+                del self._pending[file_id]
 
-    def _unlink(self, name: bytes) -> None:
-        try:
-            os.unlink(self._path(name))
-        except FileNotFoundError:
-            pass
+    def _free_now(self, room: int, keep: bytes) -> bool:
+        """On the writer thread, the disk full below the budget: remove the oldest files (other
+        namespaces' first, never `keep` or a page being written) until `room` bytes are freed;
+        whether any was."""
+        freed = 0
+        while freed < room:
+            victim = self._forget_oldest(keep)
+            if victim is None:
+                break
+            path, size, ours = victim
+            if ours:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            else:
+                self._unlink_other(path)
+            freed += size
+        return freed > 0
 
-    def _utime(self, name: bytes) -> None:
-        try:
-            self._stamp(self._path(name))
-        except FileNotFoundError:
-            pass
+    def _forget_oldest(self, keep: bytes) -> tuple[str, int, bool] | None:
+        """Forget the oldest file, another namespace's first, never `keep` or a page being written:
+        (its path, size, whether it is this namespace's), or None if there is none."""
+        with self._lock:
+            if self._others:
+                _, path, size = self._others.pop(0)
+                self._others_bytes -= size
+                ours = False
+            else:
+                file_id = next((f for f in self._files.oldest_first() if f != keep and f not in self._pending), None)
+                if file_id is None:
+                    return None
+                path, size, ours = self._file(file_id), self._sizes[file_id], True
+                self._forget(file_id)
+            self.dropped += 1
+            return path, size, ours
 
-    def _stamp(self, path: str) -> None:
-        """Mark the file used now, after every file marked before (the writer thread's order)."""
-        self._last_ns = max(time.time_ns(), self._last_ns + 1)
-        os.utime(path, ns=(self._last_ns, self._last_ns))
+    def _unlink(self, file_id: bytes) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._file(file_id))
 
-    def _read(self, name: bytes) -> list[torch.Tensor] | None:
+    def _utime(self, file_id: bytes, when: float) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            ns = self._next_stamp(when)
+            os.utime(self._file(file_id), ns=(ns, ns), follow_symlinks=False)
+
+    def _next_stamp(self, when: float) -> int:
+        """A file time for a use at `when`, after every one given before (the writer thread's order:
+        the filesystem clock is too coarse to order them)."""
+        self._last_ns = max(int(when * 1e9), self._last_ns + 1)
+        return self._last_ns
+
+    # -- reads ---------------------------------------------------------------------------------
+    def _read(self, file_id: bytes) -> list[torch.Tensor] | None:
         """The page's rows, or None: gone from the tier, or unreadable (then counted and its file removed,
         so that the page, once recomputed, is saved anew)."""
         with self._lock:
-            pending, indexed = self._pending.get(name), name in self._files
+            pending, indexed = self._pending.get(file_id), file_id in self._files
         if pending is not None:
             return pending[1]
         if not indexed:
             return None
         try:
-            with open(self._path(name), "rb") as f:  # one read, the GIL released: reads ahead run beside steps
-                rows = self._decode(f.read(), name, self._digest_of(name))
+            with open_regular(self._file(file_id)) as f:  # one read, the GIL released: reads ahead run beside steps
+                rows = self._decode(f.read(), file_id, self._digest_of(file_id))
             if not self.rows.fits(rows):
                 raise ValueError("its rows do not fit this cache's layout")
         except Exception as e:  # noqa: BLE001 - a page that cannot be read is recomputed
-            logger.warning("prefix cache disk tier: %s is unreadable (%s); recomputing it", self._path(name), e)
-            self._forget_unreadable(name)
+            logger.warning("prefix cache disk tier: %s is unreadable (%s); recomputing it", self._file(file_id), e)
+            self._forget_unreadable(file_id)
             return None
         return rows
 
-    def _forget_unreadable(self, name: bytes) -> None:
+    def _forget_unreadable(self, file_id: bytes) -> None:
         """NOTE: on the reader thread for a read ahead, where each page of a chain is read, also those
         after the first that fails, which no admission then takes."""
         with self._lock:
             self.failed += 1
-            if name in self._files:
-                self._drop(name)
+            if file_id in self._files:
+                self._drop(file_id)
 
-    def _decode(self, data: bytes, name: bytes, tenant: str) -> list[torch.Tensor]:
-        """A page file's rows; raises if it is not one of ours, was not written under `name` for
-        `tenant` (the digest it was indexed with), or does not authenticate under the key it names (a
-        file without a key name, from before key rotation: under any key held)."""
+    def _decode(self, data: bytes, file_id: bytes, tenant: str) -> list[torch.Tensor]:
+        """A page file's rows; raises if it is not one of ours, was not written under `file_id` for
+        `tenant` (the digest it was indexed with), has other rows than it was written with, or does not
+        authenticate under the key it names (a file without a key name: under any key held)."""
         metadata, tensors = _page_metadata(data), load_page(data)
         if metadata.get("format") != FORMAT:
             raise ValueError("not a sparsekv prefix page")
         if metadata.get("tenant") != tenant:
             raise ValueError("the file's tenant field was changed")
         if self.cipher is None:
-            if not hmac.compare_digest(metadata.get("mac", ""), self._page_mac(name, tenant)):
-                raise ValueError("the file was written for another page name or tenant")
-            return [tensors[str(i)] for i in range(len(self.rows.layout))]
+            rows = [tensors[str(i)] for i in range(len(self.rows.layout))]
+            if len(tensors) != len(rows) or not hmac.compare_digest(
+                    metadata.get("mac", ""), page_mac(self._tenant_secret, file_id, tenant, rows)):
+                raise ValueError("the file was altered, or written for another page or tenant")
+            return rows
         key = metadata.get("key")
         if key is not None and key not in self._ciphers:
             raise ValueError("sealed with a key this engine does not hold")
         ciphers = [self._ciphers[key]] if key is not None else list(self._ciphers.values())[::-1]  # current first
         for cipher in ciphers[:-1]:
             try:
-                return cipher.open(metadata, tensors["sealed"], self.rows.layout, name, tenant)
+                return cipher.open(metadata, tensors["sealed"], self.rows.layout, file_id, tenant)
             except Exception:  # noqa: BLE001 - InvalidTag: another key may open it
                 pass
-        return ciphers[-1].open(metadata, tensors["sealed"], self.rows.layout, name, tenant)
+        return ciphers[-1].open(metadata, tensors["sealed"], self.rows.layout, file_id, tenant)
 
-    def _rekey(self, name: bytes) -> None:
-        """Re-seal a file sealed with an old key under the current one, keeping its file time (its
-        place in the LRU order after a restart). On the writer thread; a file that no held key opens
-        is left as it is (a miss when looked up)."""
+    def _rekey(self, file_id: bytes) -> None:
+        """Re-seal a file sealed with an old key under the current one, keeping its name (the
+        namespace's secret survives a rotation) and its file time (its place in the LRU order after a
+        restart). On the writer thread; a file that no held key opens is left as it is (a miss when
+        looked up)."""
         with self._lock:
-            if name not in self._files or name in self._pending:
+            if file_id not in self._files or file_id in self._pending:
                 return
-            tenant = self._files.tenant(name)
-        path = self._path(name)
+            tenant = self._files.tenant(file_id)
+        path = self._file(file_id)
         try:
-            mtime_ns = os.stat(path).st_mtime_ns
-            with open(path, "rb") as f:
-                rows = self._decode(f.read(), name, tenant)
-            self._write_file(name, rows, tenant, "rekey", mtime_ns)
+            with open_regular(path) as f:
+                mtime_ns = os.fstat(f.fileno()).st_mtime_ns
+                rows = self._decode(f.read(), file_id, tenant)
+            write_private_file(path, self._encode(file_id, rows, tenant), mtime_ns)
         except Exception as e:  # noqa: BLE001 - unreadable or unwritable: left as it is
             logger.warning("prefix cache disk tier: re-sealing %s failed (%s)", path, e)
             return
@@ -476,18 +746,19 @@ class PrefixDiskStore:
         engine step never waits on the disk; True once all are in memory (read, or being written)."""
         ready = True
         for name in names:
-            if name in self._pending or name not in self._files:
+            file_id = self._file_id(name)
+            if file_id in self._pending or file_id not in self._files:
                 continue
-            future = self._prefetched.get(name)
+            future = self._prefetched.get(file_id)
             if future is None:
-                future = self._prefetched[name] = self._reader.submit(self._read, name)
+                future = self._prefetched[file_id] = self._reader.submit(self._read, file_id)
             ready = ready and future.done()
         return ready
 
     def discard(self, names: list[bytes]) -> None:
         """Forget read-ahead rows no admission will load (its request was aborted)."""
         for name in names:
-            future = self._prefetched.pop(name, None)
+            future = self._prefetched.pop(self._file_id(name), None)
             if future is not None:
                 future.cancel()
 
@@ -500,11 +771,12 @@ class PrefixDiskStore:
     def take(self, name: bytes) -> list[torch.Tensor] | None:
         """The rows of the page saved under `name` (read ahead, or now), for `PageRows.copy_in`; None
         (and the file is removed) if it cannot be read back."""
-        future = self._prefetched.pop(name, None)
-        rows = future.result() if future is not None and not future.cancelled() else self._read(name)
+        file_id = self._file_id(name)
+        future = self._prefetched.pop(file_id, None)
+        rows = future.result() if future is not None and not future.cancelled() else self._read(file_id)
         if rows is None:
             return None
-        self.touch(name)
+        self._touch(file_id)
         self.loaded += 1
         return rows
 
@@ -525,14 +797,18 @@ class PrefixDiskStore:
 
     def stats(self) -> dict:
         return {"prefix_disk_pages": self.num_pages, "prefix_disk_bytes": self.bytes_used,
-                "prefix_disk_budget_bytes": self.capacity_bytes, "prefix_disk_writes": self.saved,
-                "prefix_disk_reads": self.loaded, "prefix_disk_evictions": self.dropped,
-                "prefix_disk_failures": self.failed, "prefix_disk_rekeyed": self.rekeyed}
+                "prefix_disk_other_bytes": self._others_bytes, "prefix_disk_budget_bytes": self.capacity_bytes,
+                "prefix_disk_writes": self.saved, "prefix_disk_reads": self.loaded,
+                "prefix_disk_evictions": self.dropped, "prefix_disk_failures": self.failed,
+                "prefix_disk_rekeyed": self.rekeyed, "prefix_disk_discarded": self.discarded,
+                "prefix_disk_encrypted": int(self.cipher is not None)}
 
     def check_integrity(self) -> None:
         with self._lock:
-            assert self.bytes_used <= self.capacity_bytes, "the prefix disk tier is over its budget"
-            assert all(name in self._files for name in self._pending), "a page being written is not indexed"
+            assert self.tier_bytes_used <= self.capacity_bytes, "the prefix disk tier is over its budget"
+            assert all(f in self._files for f in self._pending), "a page being written is not indexed"
+            assert self._bytes == sum(self._sizes.values()) and self._sizes.keys() == set(self._files.keys()), \
+                "file sizes and the index disagree"
             self._files.check_integrity()
             quota = self.max_pages_per_tenant
             assert quota is None or all(n <= quota for n in self._files.counts().values()), "a tenant is over its quota"

@@ -174,6 +174,9 @@ class PrefixHostStore:
         """(name, rows, tenant) of every copy, least recently used first."""
         return [(name, self._pages[name], self._lru.tenant(name)) for name in self._lru.oldest_first()]
 
+    def last_used(self, name: bytes) -> float:
+        return self._lru.last_used(name)
+
     def pages_by_tenant(self) -> dict[str, int]:
         return self._lru.counts()
 
