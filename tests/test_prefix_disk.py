@@ -987,7 +987,7 @@ def test_temporary_files_never_follow_a_planted_symlink(tmp_path, monkeypatch):
     """Every file is written under a temporary name created O_EXCL|O_NOFOLLOW: a symlink planted at
     that name makes the write fail (the tenant key at start, a page later: counted), and its target
     is never written."""
-    import sparsekv.cache.prefix_disk as prefix_disk
+    import sparsekv.cache.prefix_disk_files as prefix_disk_files
     rows = _rows()
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
@@ -995,13 +995,13 @@ def test_temporary_files_never_follow_a_planted_symlink(tmp_path, monkeypatch):
     planted = str(tmp_path / "tier" / "space" / ".planted.tmp")
     os.symlink(victim, planted)
     with monkeypatch.context() as m:
-        m.setattr(prefix_disk, "temporary_path", lambda directory: planted)
+        m.setattr(prefix_disk_files, "temporary_path", lambda directory: planted)
         with pytest.raises(OSError):
             _store(rows, tmp_path / "tier")
     assert victim.read_text() == "precious"
     disk = _store(rows, tmp_path / "tier")  # a fresh name each time: the tier starts (and sweeps the .tmp)
     os.symlink(victim, planted)
-    monkeypatch.setattr(prefix_disk, "temporary_path", lambda directory: planted)
+    monkeypatch.setattr(prefix_disk_files, "temporary_path", lambda directory: planted)
     disk.save_rows(b"\1" * 32, rows.copy_out(0), "alice")
     disk.flush()
     assert disk.failed == 1 and not disk.has(b"\1" * 32) and victim.read_text() == "precious"

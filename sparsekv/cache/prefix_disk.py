@@ -45,7 +45,6 @@ import itertools
 import json
 import logging
 import os
-import secrets
 import stat
 import threading
 import time
@@ -57,19 +56,19 @@ from safetensors.torch import save as encode_safetensors
 
 from .page_cipher import KEY_BYTES, PageCipher, create_key_file
 from .cached_pages import TenantLRU
+from .prefix_disk_files import (SUFFIX, TENANT_KEY_FILE, is_hex_name, is_page_file_name, make_private_dir,
+                                namespace_if_free, open_regular, page_files, remove_namespace_if_empty,
+                                write_private_file)
 from .prefix_host import PageRows
 
 logger = logging.getLogger(__name__)
 # v3: files named by a keyed HMAC of the page name, plain files' MAC covering their rows; files of
 # earlier formats sit in other namespaces, never read, and count against the budget until evicted
 FORMAT = "sparsekv-prefix-page-v3"
-SUFFIX = ".safetensors"
 DEFAULT_KEY_FILE = ".prefix-cache.key"   # in the tier's directory, beside the namespaces
-TENANT_KEY_FILE = ".tenant-key"          # in each namespace directory
 TENANT_KEY_PURPOSE = b"sparsekv-prefix-disk-tenant-key"
 SAMPLES_PER_FILE, SAMPLE_BYTES = 256, 4096
-HEX = frozenset("0123456789abcdef")
-NAMESPACE_CHARS, FILE_NAME_CHARS = 32, 64
+NAMESPACE_CHARS = 32
 
 
 def checkpoint_identity(path: str, with_times: bool = False) -> list:
@@ -119,14 +118,6 @@ def default_key_file(root: str) -> tuple[str, bool]:
     return path, create_key_file(path)
 
 
-def make_private_dir(path: str) -> None:
-    """Create `path` (with its missing parents) if needed, the directory itself 0700: only the
-    engine's user may list or read the tier. An existing directory keeps its mode (the operator's)."""
-    if not os.path.isdir(path):
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        os.chmod(path, 0o700)  # whatever the umask
-
-
 def tenant_hmac(secret: bytes, tenant: str) -> str:
     """What a page file records of its tenant: enough to remove a tenant's pages, neither its name nor
     a hash anyone can compute from a guessed name (keyed with the tier's tenant secret)."""
@@ -143,50 +134,6 @@ def namespace(config, rows: PageRows, lookahead: int, sealed: bool = False) -> s
            "index_keys": config.indexer_key_dtype, "latents": config.kv_cache_dtype, "lookahead": lookahead,
            "layout": [(shape, str(dtype)) for shape, dtype in rows.layout], "sealed": sealed}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
-def _is_hex_name(name: str, length: int) -> bool:
-    return len(name) == length and set(name) <= HEX
-
-
-def _is_page_file_name(name: str) -> bool:
-    return name.endswith(SUFFIX) and _is_hex_name(name[:-len(SUFFIX)], FILE_NAME_CHARS)
-
-
-def open_regular(path: str):
-    """`path` opened for reading if it is a regular file (not followed if a symlink): a FIFO planted
-    under a page's name would block an open or a read forever, a device or directory would not be a
-    page. Raises OSError (ELOOP for a symlink) or ValueError."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ValueError("not a regular file")
-    return os.fdopen(fd, "rb")
-
-
-def temporary_path(directory: str) -> str:
-    """A fresh, unguessable temporary name in `directory` (swept at the next start: `.tmp`)."""
-    return os.path.join(directory, f".{secrets.token_hex(16)}.tmp")
-
-
-def write_private_file(path: str, data: bytes, mtime_ns: int | None = None) -> None:
-    """Write `data` to `path` (0600), atomically: a reader sees the whole file or none. The temporary
-    file is created O_EXCL|O_NOFOLLOW, so a symlink or file planted at its name fails the write rather
-    than redirecting it to the planted target."""
-    tmp = temporary_path(os.path.dirname(path))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if mtime_ns is not None:
-            os.utime(tmp, ns=(mtime_ns, mtime_ns))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def page_mac(secret: bytes, file_id: bytes, tenant: str, rows: list[torch.Tensor]) -> str:
@@ -215,58 +162,6 @@ def page_file_bytes(rows: PageRows, cipher: PageCipher | None) -> int:
     digests, nonce and MAC have fixed lengths). What the byte budget counts per page."""
     zeros = [torch.zeros(shape, dtype=dtype) for shape, dtype in rows.layout]
     return len(encode_page(zeros, bytes(32), "0" * 32, cipher, bytes(32)))
-
-
-@contextlib.contextmanager
-def _namespace_if_free(path: str):
-    """Yields whether no engine holds the namespace at `path` (its lock file taken meanwhile, so none
-    starts on it while its files are counted or removed)."""
-    try:
-        fd = os.open(os.path.join(path, ".lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        yield True
-        return
-    except OSError:
-        yield False
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        os.close(fd)
-
-
-def _page_files(directory: str) -> list[tuple[int, str, int]]:
-    """(mtime_ns, path, size) of the regular page files in `directory`."""
-    found = []
-    with contextlib.suppress(OSError), os.scandir(directory) as entries:
-        for entry in entries:
-            if _is_page_file_name(entry.name) and entry.is_file(follow_symlinks=False):
-                st = entry.stat(follow_symlinks=False)
-                found.append((st.st_mtime_ns, entry.path, st.st_size))
-    return found
-
-
-def _remove_namespace_if_empty(path: str) -> bool:
-    """Remove a namespace directory left with no page files (its lock, tenant key and temporaries
-    too); whether it is gone. Anything else found in it keeps it."""
-    if _page_files(path):
-        return False
-    with contextlib.suppress(OSError), os.scandir(path) as entries:
-        for entry in entries:
-            if entry.name in (".lock", TENANT_KEY_FILE) or entry.name.endswith(".tmp"):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-    try:
-        os.rmdir(path)
-    except OSError:
-        return False
-    return True
 
 
 class PrefixDiskStore:
@@ -396,7 +291,7 @@ class PrefixDiskStore:
                 if entry.name.endswith(".tmp"):
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
-                elif _is_page_file_name(entry.name):
+                elif is_page_file_name(entry.name):
                     st = entry.stat(follow_symlinks=False)
                     if not stat.S_ISREG(st.st_mode):
                         odd.append(entry.name)
@@ -433,12 +328,12 @@ class PrefixDiskStore:
         """Count the page files of the tier's other namespaces that no engine holds (other checkpoints,
         settings, formats): the budget covers the whole directory. Empty ones are removed."""
         with os.scandir(self.root) as entries:
-            spaces = [e.path for e in entries if e.name != self.space and _is_hex_name(e.name, NAMESPACE_CHARS)
+            spaces = [e.path for e in entries if e.name != self.space and is_hex_name(e.name, NAMESPACE_CHARS)
                       and e.is_dir(follow_symlinks=False)]
         for path in spaces:
-            with _namespace_if_free(path) as free:
-                if free and not _remove_namespace_if_empty(path):
-                    self._others.extend(_page_files(path))
+            with namespace_if_free(path) as free:
+                if free and not remove_namespace_if_empty(path):
+                    self._others.extend(page_files(path))
         self._others.sort()
         self._others_bytes = sum(size for _, _, size in self._others)
 
@@ -499,11 +394,11 @@ class PrefixDiskStore:
         """On the writer thread: remove another namespace's file, unless an engine has taken that
         namespace since; its directory too once empty."""
         space = os.path.dirname(path)
-        with _namespace_if_free(space) as free:
+        with namespace_if_free(space) as free:
             if free:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-                _remove_namespace_if_empty(space)
+                remove_namespace_if_empty(space)
 
     def _hold_quota(self, digest: str, room: int) -> None:
         """Remove the tenant's oldest files beyond its quota less `room` (the lock held)."""
