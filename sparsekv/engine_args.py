@@ -28,6 +28,17 @@ def at_least(low, kind=int):
     return parse
 
 
+def above(low, kind=float):
+    """An argparse type: a number of `kind` that is > low (infinity allowed, NaN not)."""
+    def parse(text: str):
+        value = kind(text)
+        if not value > low:
+            raise argparse.ArgumentTypeError(f"must be > {low}, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def positive_seconds(text: str) -> float:
     """An argparse type: a finite number of seconds > 0."""
     value = float(text)

@@ -112,6 +112,18 @@ def test_flags_out_of_range_are_usage_errors_before_any_work(capsys):
                                              ("--affinity-load-slack", "-2"), ("--max-request-body-bytes", "0"))),
                        (["bench", "decode", "--repeats", "0"], "--repeats"), (["bench", "decode", "--steps", "0"], "--steps"),
                        (["bench", "prefill", "--chunk", "0"], "--chunk"),
+                       (["bench", "decode", "--threads", "-1"], "--threads"),
+                       *((["bench", name, "--threads", "0"], "--threads")
+                         for name in ("spec", "tiers", "indexer", "transfer", "batch", "prefix", "sampling",
+                                      "admission", "kv-dtype", "parallel")),
+                       (["bench", "spec", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+                       (["bench", "tiers", "--latency-steps", "0"], "--latency-steps"),
+                       (["bench", "decode", "--profile", "-3"], "--profile"),
+                       (["bench", "prefill", "--decode-steps", "-2"], "--decode-steps"),
+                       *((["bench", "serve", flag, value], flag)
+                         for flag, value in (("--request-rate", "0"), ("--request-rate", "-1"), ("--request-rate", "nan"),
+                                             ("--max-concurrency", "-1"), ("--max-concurrency", "0"),
+                                             ("--timeout", "0"))),
                        (["bench", "decode", "--json", "/nonexistent/x.json"], "--json"),
                        (["plan", "glm-5.2", "--plot", "/nonexistent/x.png"], "--plot"),
                        (["rollout", "--output", "/nonexistent/ro.jsonl"], "--output"),

@@ -61,10 +61,17 @@ def _median_runs(job: dict, threads: int, repeats: int) -> dict:
     if not ok:
         return runs[0]
     out = dict(ok[0])
-    for key in ("ms", "tokens_per_s", "peak_rss_mb", "bytes_per_step", "decode_ms"):
+    for key in ("ms", "peak_rss_mb", "bytes_per_step", "decode_ms"):
         if key in out:
             out[key] = statistics.median(r[key] for r in ok)
+    out["tokens_per_s"] = tokens_timed(ok[0]) / (out["ms"] / 1000)
     return out
+
+
+def tokens_timed(run: dict) -> float:
+    """Tokens one timed `ms` covers (1 for a decode step, the context for a prefill). The median run's
+    rate is derived from the median ms: medians taken apart disagree with an even number of runs."""
+    return run["tokens_per_s"] * run["ms"] / 1000
 
 
 def _fmt(r: dict, key: str, spec: str = ".2f") -> str:
@@ -99,11 +106,12 @@ def _planner(args, ckpt: str):
 
 
 def _against_transformers(args, job: dict) -> tuple[dict, dict]:
-    """sparsekv (median of --repeats) and transformers (one run, a few decode steps) on the same job."""
+    """sparsekv (median of --repeats) and transformers (one run) on the same job: the same decode steps,
+    of which both drop the same warm-up (bench_worker.steady_ms)."""
     ours = _median_runs({**job, "engine": "sparsekv", "attention": args.attention}, args.threads, args.repeats)
     if job["context"] > args.transformers_max_context:
         return ours, {"error": "skipped"}
-    return ours, _worker({**job, "engine": "transformers", "steps": 4}, args.threads)
+    return ours, _worker({**job, "engine": "transformers"}, args.threads)  # the same steps and warm-up
 
 
 def bench_decode(args, ckpt: str) -> list[dict]:
@@ -267,16 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=token_list_arg, default="4K,16K", help="comma-separated token counts, e.g. 4K,16K,128K,1M")
     p.add_argument("--steps", type=at_least(1), default=16, help="decode steps measured per run")
     p.add_argument("--chunk", type=at_least(1), default=4096, help="prefill chunk tokens")
-    p.add_argument("--decode-steps", type=int, default=0,
+    p.add_argument("--decode-steps", type=at_least(0), default=0,
                    help="for `prefill`: then decode this many tokens on the prefilled cache (median ms/token)")
     p.add_argument("--attention", default="sparse", choices=["sparse", "dense"])
     p.add_argument("--repeats", type=at_least(1), default=3, help="runs per figure; the median is reported")
-    p.add_argument("--threads", type=int, default=2,
+    p.add_argument("--threads", type=at_least(0), default=2,
                    help="torch threads of every run (0: each engine at its defaults, as LLM(path) and transformers)")
     p.add_argument("--transformers-max-context", type=transformers_limit_arg, default=parse_tokens("16K"),
                    help="run the transformers baseline up to this context (default 16K; 0: never)")
     p.add_argument("--include-dense-prefill", action="store_true")
-    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+    p.add_argument("--profile", type=at_least(0), default=0, metavar="STEPS",
                    help="for `decode`: profile this many steps at the largest context and print their time by op kind")
     p.add_argument("--json", type=output_path, default=None, help="also write the results to this JSON file")
     return p

@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit", type=int, default=4, help="requests the pool holds at prompt + max_tokens")
     p.add_argument("--repeats", type=at_least(1), default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--json", type=output_path, default=None)
     return p
 

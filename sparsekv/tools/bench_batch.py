@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparse-batch", type=int, default=32, help="concurrent requests of the sparse-regime runs")
     p.add_argument("--sparse-steps", type=int, default=8, help="decode steps timed in the sparse-regime runs")
     p.add_argument("--device", default="cpu", help="cpu or cuda (on an accelerator the saving is in launches)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--json", type=output_path, default=None)
     return p
 

@@ -38,22 +38,27 @@ BASELINES = {"small-tiles": BlockPolicy(tile_elements_cpu=1 << 17),
                                          tile_elements_cpu=1 << 17)}
 
 
-def time_select(indexer, inputs, k: int, repeats: int) -> tuple[float, torch.Tensor, int, int]:
-    """(median seconds, selected positions, query block, keys per tile) of one `select` call under the
-    indexer's block policy."""
-    q, weights, segments, positions = inputs
+def block_and_tile(indexer, inputs) -> tuple[int, int]:
+    """(queries per block, keys per tile) `select` uses on these inputs under the indexer's policy: the
+    block is the policy's, cut to the queries there are."""
+    q, _, _, positions = inputs
     total = int(positions.max()) + 1
-    rows = index_query_block(q.device, indexer.n_heads, total, indexer.policy)
-    tile = index_key_tile(q.device, min(rows, q.shape[0]), indexer.n_heads, total, indexer.policy)
-    indexer.scratch.release()
-    indexer.scratch.take(min(rows, q.shape[0]) * total, q.device)   # the score buffer, allocated untimed
-    times, selected = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        selected = indexer.select(q, weights, segments, positions, k)
-        times.append(time.perf_counter() - t0)
-    indexer.scratch.release()
-    return statistics.median(times), selected, rows, tile
+    block = min(index_query_block(q.device, indexer.n_heads, total, indexer.policy), q.shape[0])
+    return block, index_key_tile(q.device, block, indexer.n_heads, total, indexer.policy)
+
+
+def time_prefill_scan(indexers: list, inputs, k: int, repeats: int) -> list[tuple[float, torch.Tensor]]:
+    """(median seconds, selection) of a prefill block's `select` by each indexer, timed as `time_decode`
+    times (an untimed call each, then turns). Their shared score buffer is allocated first, at the
+    largest block's size, so no timed call allocates it."""
+    q, _, _, positions = inputs
+    total = int(positions.max()) + 1
+    scratch = indexers[0].scratch
+    scratch.release()
+    scratch.take(max(block_and_tile(indexer, inputs)[0] for indexer in indexers) * total, q.device)
+    timed = time_decode(indexers, inputs, k, repeats)
+    scratch.release()
+    return timed
 
 
 def random_inputs(cfg, context: int, queries: int, seed: int, device: torch.device | str = "cpu"):
@@ -68,8 +73,9 @@ LAYOUTS = {"keys-major": BlockPolicy(keys_major_min_keys=0), "query-major": Bloc
 
 
 def time_decode(indexers: list, inputs, k: int, repeats: int) -> list[tuple[float, torch.Tensor]]:
-    """(median seconds, selection) of one decode row's `select` by each indexer (block policy); they take
-    turns call by call (after one untimed call each), so drifts of a noisy machine hit them alike."""
+    """(median seconds, selection) of one `select` call (a decode row, or a prefill block) by each
+    indexer (block policy); they take turns call by call (after one untimed call each), so drifts of a
+    noisy machine hit them alike."""
     q, weights, segments, positions = inputs
     times, selected = [[] for _ in indexers], [None] * len(indexers)
     for repeat in range(repeats + 1):
@@ -138,8 +144,9 @@ def bench(args) -> list[dict]:
     for context in args.contexts:
         inputs = random_inputs(cfg, context, args.queries, args.seed)
         flops = index_flops_per_pair(cfg) * args.queries * context
-        ours_s, ours_sel, ours_rows, ours_tile = time_select(ours, inputs, cfg.index_topk, args.repeats)
-        base_s, base_sel, base_rows, base_tile = time_select(baseline, inputs, cfg.index_topk, args.repeats)
+        (ours_s, ours_sel), (base_s, base_sel) = time_prefill_scan([ours, baseline], inputs, cfg.index_topk,
+                                                                  args.repeats)
+        (ours_rows, ours_tile), (base_rows, base_tile) = block_and_tile(ours, inputs), block_and_tile(baseline, inputs)
         rows.append({"context": context, "queries": args.queries, "block": ours_rows, "tile": ours_tile,
                      "ms_per_query": 1e3 * ours_s / args.queries, "gflops": flops / ours_s / 1e9,
                      "baseline": args.baseline, "baseline_block": base_rows, "baseline_tile": base_tile,
@@ -169,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None, help="checkpoint whose indexer shape to use (default: bundled)")
     p.add_argument("--contexts", type=token_list_arg, default="256K,1M", help="keys in the history, e.g. 64K,256K,1M")
     p.add_argument("--queries", type=int, default=512, help="queries scored (the end of a prefill chunk)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--repeats", type=at_least(1), default=3, help="timed calls per policy; the median is reported")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", choices=sorted(BASELINES), default="small-tiles",

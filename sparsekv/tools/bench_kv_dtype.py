@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-budget", type=parse_bytes, default=parse_bytes("1G"))
     p.add_argument("--kv-tiering", action="store_true", help="both engines tiered (working sets + host store)")
     p.add_argument("--repeats", type=at_least(1), default=3)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--json", type=output_path, default=None)
     return p
 

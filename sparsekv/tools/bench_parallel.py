@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4, help="concurrent requests")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--steps", type=at_least(1), default=32, help="decode steps timed")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--threads", type=at_least(1), default=1, help="torch threads per rank")
     p.add_argument("--layout", default=None, choices=list(LAYOUTS), help=argparse.SUPPRESS)  # one layout, in-process
     p.add_argument("--json", type=output_path, default=None)
     return p

@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", action="store_true",
                    help="also a fresh engine on a disk tier an earlier engine filled: its first requests hit disk")
     p.add_argument("--kv-tiering", action="store_true", help="both modes with the tiered KV cache")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--json", type=output_path, default=None)
     return p
 

@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--spreads", type=float, nargs="+", default=[8.0, 5.0, 3.0])
     p.add_argument("--repeats", type=at_least(1), default=5)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--json", type=output_path, default=None)
     return p
 

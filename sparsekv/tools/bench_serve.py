@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from ..engine_args import output_path
+from ..engine_args import above, at_least, output_path, positive_seconds
 from .serve_client import StreamError, server_model, stream_chunks
 
 TIER_METRICS = ("num_requests_running", "num_requests_waiting", "kv_pages_free", "device_kv_bytes",
@@ -75,10 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.5, help="random dataset: lengths in [L(1-r), L(1+r)]")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--request-rate", type=above(0.0), default=float("inf"), help="requests/s (Poisson); inf = all at once")
+    p.add_argument("--max-concurrency", type=at_least(1), default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per request")
     p.add_argument("--json", type=output_path, default=None, metavar="FILE", help="also write the results as JSON")
     w = p.add_argument_group("--workload interference (bench_serve_interference.py): --streams running streams of "
                              "--input-len + --output-len tokens, alone, then while long prompts arrive")

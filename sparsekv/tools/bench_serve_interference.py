@@ -6,8 +6,9 @@ the running streams. In the loaded phase `--num-long-prompts K` prompts of `--lo
 once every stream has its first token. The same streams first run alone (the quiet phase), so that
 the report sets the streams' inter-token latency under the prefill load against its value without it,
 measured in the same run. In the loaded phase only the gaps that end while the long prompts are being
-served count (from the first one's arrival to the last one's end): the streams must outlast them, and
-the report says when they did not.
+served count (from the first one's arrival, once every stream has its first token, to the last one's
+end): the streams must outlast them, and the report says when they did not. The quiet phase counts
+the gaps from the same moment on (every stream has its first token) to the streams' end.
 
 Against a colocated server every long prompt's prefill shares the engine's steps with the streams;
 against `sparsekv router` it runs on the prefill worker. `--long-prompt-url URL` sends the long prompts
@@ -71,17 +72,18 @@ async def run_phase(client, model: str, args, vocab: int, loaded: bool, longs_to
     """One phase; `longs_to`: (client, model) the long prompts go to (default: the streams' server)."""
     rng = random.Random(args.seed + (7 if loaded else 0))
     key = args.api_key[0] if args.api_key else None
-    all_first, firsts = asyncio.Event(), [0]
+    all_first, firsts, all_first_at = asyncio.Event(), [0], [float("inf")]
 
     def first():
         firsts[0] += 1
         if firsts[0] == args.streams:
+            all_first_at[0] = time.perf_counter()
             all_first.set()
 
     t0 = time.perf_counter()
     streams = [asyncio.create_task(consume(client, model, [rng.randrange(vocab) for _ in range(args.input_len)],
                                            args.output_len, key, first)) for _ in range(args.streams)]
-    longs, window = [], (float("-inf"), float("inf"))
+    longs = []
     long_client, long_model = longs_to or (client, model)
     if loaded:
         await all_first.wait()
@@ -92,8 +94,11 @@ async def run_phase(client, model: str, args, vocab: int, loaded: bool, longs_to
             if i + 1 < args.num_long_prompts:
                 await asyncio.sleep(1.0 / args.long_prompt_rate)
         longs = list(await asyncio.gather(*longs))
-        window = (start, time.perf_counter())
+        end = time.perf_counter()
     streams = list(await asyncio.gather(*streams))
+    # both phases count from when every stream has its first token: the quiet phase's start-up gaps
+    # (streams still prefilling one another) have no counterpart in the loaded window
+    window = (start, end) if loaded else (all_first_at[0], float("inf"))
     return summarize_phase(streams, longs, window, time.perf_counter() - t0)
 
 
@@ -112,7 +117,8 @@ def summarize_phase(streams: list[Stream], longs: list[Stream], window: tuple[fl
             "stream_ttft_ms": _ms([s.ttft for s in done if s.ttft is not None]),
             "long_ttft_ms": _ms([s.ttft for s in longs if s.ttft is not None]),
             "stream_output_throughput": sum(s.output_tokens for s in done) / duration,
-            "streams_outlasted_load": all(s.times and s.times[-1] >= window[1] for s in done),
+            "streams_outlasted_load": (all(s.times and s.times[-1] >= window[1] for s in done)
+                                       if window[1] < float("inf") else None),   # None: no load to outlast
             "streams_started_before_load": all(s.times and s.times[0] <= window[0] for s in done),
             "long_ttft_split_s": _split(longs),
             "errors": sorted({s.error for s in streams + longs if s.error})[:5]}

@@ -5,11 +5,12 @@ evaluation split), decoded one request at a time (latency, the case drafting is 
 mode: decode ms/token (median over prompts), target forward steps per generated token, the draft
 acceptance rate and mean acceptance length (vLLM's definitions, speculative.py: accepted / draft
 tokens verified, and 1 + accepted / verification steps), the acceptance rate of each draft position,
-achieved bandwidth (bytes a target step reads / its time), whether greedy outputs are identical, and
-the speed-up of drafting.
+the megabytes a decoded token reads (its target steps', a drafting step's 1 + K rows touching more
+experts, plus its MTP passes' weights, one row each: a lower bound), achieved bandwidth (those bytes
+over the time per token), whether greedy outputs are identical, and the speed-up of drafting.
 
 Then what each pass costs against a target decode step (plain decoding's, one request), in torch ops
-(tools/op_count.py, counted on the first prompt) and in median time (over every timed step): the
+(tools/op_count.py, counted on the first prompt) and in median time (over every decode step): the
 verification step (1 + K rows), the MTP extend pass (the MTP cache over the step's final rows, and
 draft 1) and a draft step (each of drafts 2..K); and the speed-up those op counts allow at the
 measured acceptance length L: L x target / (verification + extend + (K - 1) x draft step).
@@ -23,7 +24,7 @@ from contextlib import contextmanager
 
 from rich.table import Table
 
-from ..engine_args import output_path
+from ..engine_args import at_least, output_path
 from .bench import report_console, run_bench
 
 
@@ -42,13 +43,17 @@ def held_out_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 
 def decode_one(engine, prompt: list[int], params, passes: list | None = None) -> dict:
     """Greedy decode of one prompt; decode time counts from the first token to the last. `passes`: the
-    (name, seconds) a pass timer appends to; each decode step's time less its passes' is its
+    (name, seconds) a pass timer appends to, kept from the decode steps only (an extend over the
+    prompt's rows is not a decode pass); each decode step's time less its passes' is its
     "verification" time (the target's pass and the step's bookkeeping)."""
     engine.add_request("p", prompt, params)
     steps, first, outs, emitted, mark, verification = 0, None, [], 0, None, []
+    kept_before = len(passes or ())
     while engine.has_unfinished_requests():
         seen, start = len(passes or ()), time.perf_counter()
         outs = engine.step() or outs
+        if first is None and passes is not None:
+            del passes[seen:]   # a prompt step's passes
         if first is not None and passes is not None:
             verification.append(time.perf_counter() - start - sum(t for _, t in passes[seen:]))
         if outs and first is None:
@@ -63,6 +68,7 @@ def decode_one(engine, prompt: list[int], params, passes: list | None = None) ->
     return {"tokens": out.token_ids, "ms_per_token": (end - first) * 1000 / max(n - 1, 1),
             "steps_per_token": (steps - 1) / max(n - 1, 1), "decode_steps": steps - 1, "decode_tokens": n - 1,
             "metrics": out.metrics, "verification_s": verification,
+            "mtp_passes": len(passes or ()) - kept_before,
             "decode_h2d_bytes": out.metrics.get("h2d_bytes", 0) - mark[0], "decode_h2d_tokens": n - mark[1]}
 
 
@@ -71,7 +77,7 @@ def run(args) -> dict:
     from sparsekv import LLM, SamplingParams
     from sparsekv.paths import default_model_path
     from .bench import _machine_bandwidth
-    from .bench_worker import decode_bytes_per_step
+    from .bench_worker import decode_bytes_per_step, mtp_pass_weight_bytes
     torch.set_num_threads(args.threads)
     path = args.model or default_model_path()
     room = max(args.max_tokens, pass_ops_tokens(args.num_speculative_tokens))
@@ -87,13 +93,36 @@ def run(args) -> dict:
     for prompt in prompts:  # interleaved, so machine noise hits both modes alike
         for name, engine in modes.items():
             runs[name].append(decode_one(engine, prompt, params, passes if name == "MTP draft" else None))
-    bytes_per_step = decode_bytes_per_step(modes["plain"], args.prompt_tokens + args.max_tokens // 2)
+    context = args.prompt_tokens + args.max_tokens // 2
+    bytes_per_step = decode_bytes_per_step(modes["plain"], context)
+    verification_bytes = verification_bytes_per_step(modes["MTP draft"], context, 1 + args.num_speculative_tokens)
     pass_ms = {name: 1000 * statistics.median(t for n, t in passes if n == name) for name in ("extend", "draft step")
                if any(n == name for n, _ in passes)}
     pass_ms["verification"] = 1000 * statistics.median(t for r in runs["MTP draft"] for t in r["verification_s"])
     ops = pass_ops(modes["plain"], modes["MTP draft"], prompts[0])  # after the timing: counting slows ops
     return {"prompts": len(prompts), "kv_tiering": args.kv_tiering, "runs": runs, "bytes_per_step": bytes_per_step, "k": args.num_speculative_tokens,
+            "verification_bytes_per_step": verification_bytes, "mtp_pass_bytes": mtp_pass_weight_bytes(modes["MTP draft"]),
             "machine_gbps": _machine_bandwidth(args.threads), "pass_ops": ops, "pass_ms": pass_ms}
+
+
+def verification_bytes_per_step(engine, context: int, rows: int) -> int:
+    """Bytes a verification step of one request reads: the weights its `rows` rows touch (the routed
+    experts' expected union) and one request's selected latents and indexer keys."""
+    from .bench_worker import _weight_bytes_per_step, decode_bytes_per_step
+    one_row = decode_bytes_per_step(engine, context)
+    return int(one_row - _weight_bytes_per_step(engine, 1) + _weight_bytes_per_step(engine, rows))
+
+
+def bytes_per_token(result: dict, drafting: bool, steps_per_token: float, mtp_passes_per_token: float) -> dict:
+    """Bytes a decoded token reads, by part: its target steps' (a drafting step verifies 1 + K rows) and
+    its MTP passes' weights (one row each: a lower bound)."""
+    step = result["verification_bytes_per_step"] if drafting else result["bytes_per_step"]
+    return {"target": step * steps_per_token, "mtp": result.get("mtp_pass_bytes", 0) * mtp_passes_per_token}
+
+
+def achieved_gbps(token_bytes: dict, ms_per_token: float) -> float:
+    """Bytes per token over time per token (a drafting token's target steps and passes all share it)."""
+    return sum(token_bytes.values()) / (ms_per_token / 1000) / 1e9
 
 
 def _timer(passes: list):
@@ -167,8 +196,11 @@ def report(result: dict) -> dict:
     for name, rs in runs.items():
         ms = statistics.median(r["ms_per_token"] for r in rs)
         steps = statistics.median(r["steps_per_token"] for r in rs)
-        gbps = result["bytes_per_step"] / (ms * steps / 1000) / 1e9
-        summary[name] = {"ms_per_token": ms, "steps_per_token": steps, "gbps": gbps, **acceptance(rs),
+        passes = sum(r.get("mtp_passes", 0) for r in rs) / max(sum(r["decode_tokens"] for r in rs), 1)
+        token_bytes = bytes_per_token(result, name == "MTP draft", steps, passes)
+        summary[name] = {"ms_per_token": ms, "steps_per_token": steps, "mtp_passes_per_token": passes,
+                         "target_mb_per_token": token_bytes["target"] / 1e6, "mtp_mb_per_token": token_bytes["mtp"] / 1e6,
+                         "gbps": achieved_gbps(token_bytes, ms), **acceptance(rs),
                          "decode_steps": sum(r["decode_steps"] for r in rs),
                          "decode_tokens": sum(r["decode_tokens"] for r in rs)}
         if result.get("kv_tiering"):  # host -> device bytes per token, from the second decode step on
@@ -179,7 +211,7 @@ def report(result: dict) -> dict:
     table = Table(title=f"MTP speculative decoding ({result['k']} drafts per step{tiering}), {result['prompts']} "
                         "held-out prompts, greedy, one request at a time")
     for col in ("mode", "decode ms/token", "target steps/token", "draft acceptance", "mean acceptance length",
-                "acceptance by position", "achieved bandwidth", "speed-up"):
+                "acceptance by position", "MB read per token (target + MTP)", "achieved bandwidth", "speed-up"):
         table.add_column(col)
     base = summary["plain"]["ms_per_token"]
     for name, s in summary.items():
@@ -188,6 +220,7 @@ def report(result: dict) -> dict:
         length = f"{s['mean_acceptance_length']:.2f}" if drafting else "-"
         by_position = " ".join(f"{100 * a:.0f}%" for a in s["acceptance_per_pos"]) if drafting else "-"
         table.add_row(name, f"{s['ms_per_token']:.2f}", f"{s['steps_per_token']:.2f}", acc, length, by_position,
+                      f"{s['target_mb_per_token']:.1f} + {s['mtp_mb_per_token']:.1f}",
                       f"{s['gbps']:.2f} GB/s ({100 * s['gbps'] / result['machine_gbps']:.0f}%)",
                       f"{base / s['ms_per_token']:.2f}x")
     report_console().print(table)
@@ -235,10 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--num-speculative-tokens", type=int, default=3, help="MTP draft tokens per step")
+    p.add_argument("--num-speculative-tokens", type=at_least(1), default=3, help="MTP draft tokens per step")
     p.add_argument("--kv-tiering", action="store_true", help="both modes with the tiered KV cache")
     p.add_argument("--device-buffer-tokens", type=int, default=None, help="with --kv-tiering (default 2 x top-k)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--json", type=output_path, default=None)
     return p
 

@@ -10,8 +10,11 @@ tokens, each new to both prefix caches. Printed per backend and mode, medians ov
 prefill's time, the transfer left after it (from its end to the decode worker's verdict, as the
 prefill worker reports it), pages sent, streamed during the prefill and sent layer by layer, MB,
 batches, and the transfer left after the prefill against sending after it. The modes alternate, so
-machine noise hits them alike. With `--prefill-dp N` the prefill worker is data-parallel and N prompts
-go at once, one per rank (each rank's rows reach the decode worker through rank 0). The two workers share this machine's cores: pin the process (`taskset`) to compare runs.
+machine noise hits them alike: after one untimed prompt per backend (its first request sets up the
+pair's links), each repeat sends one prompt in every mode, the order rotated repeat by repeat. With
+`--prefill-dp N` the prefill worker is data-parallel and N prompts go at once, one per rank (each
+rank's rows reach the decode worker through rank 0). The two workers share this machine's cores: pin
+the process (`taskset`) to compare runs.
 """
 from __future__ import annotations
 
@@ -119,18 +122,28 @@ def run(args) -> dict:
                 InProcessWorker(model, "decode", secret, backend, **options))
         try:
             vocab = pair[0].engine.model_config.vocab_size
+
+            def new_prompts():  # with -dp, a prompt per rank at once (the router spreads them)
+                return [torch.randint(1, vocab, (args.prompt_tokens,), generator=g).tolist()
+                        for _ in range(args.prefill_dp)]
+            prompts_at_once(pair, MODES[0], new_prompts())  # untimed: the pair's first request sets up its links
             runs = {mode: [] for mode in MODES}
-            for _ in range(args.repeats):
-                for mode in MODES:  # with -dp, a prompt per rank at once (the router spreads them)
-                    prompts = [torch.randint(1, vocab, (args.prompt_tokens,), generator=g).tolist()
-                               for _ in range(args.prefill_dp)]
-                    runs[mode] += prompts_at_once(pair, mode, prompts)
+            for repeat in range(args.repeats):
+                for mode in mode_order(repeat):
+                    runs[mode] += prompts_at_once(pair, mode, new_prompts())
             results[backend] = {mode: summarize(figures) for mode, figures in runs.items()}
         finally:
             for worker in pair:
                 worker.close()
     return {"model": model, "prompt_tokens": args.prompt_tokens, "repeats": args.repeats,
             "prefill_dp": args.prefill_dp, "backends": results}
+
+
+def mode_order(repeat: int) -> tuple[str, ...]:
+    """The modes in the order repeat `repeat` sends them: rotated each repeat, so none always goes first
+    (after the other modes' prompts) or last."""
+    shift = repeat % len(MODES)
+    return MODES[shift:] + MODES[:shift]
 
 
 def summarize(figures: list[dict]) -> dict:
@@ -172,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", default="torch", help="comma-separated --disaggregation-transfer-backend values: "
                                                         "torch, nixl")
     p.add_argument("--host-bytes", type=int, default=1 << 30, help="each worker's prefix-cache host tier, bytes")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (the two engines share them)")
+    p.add_argument("--threads", type=at_least(1), default=1, help="torch threads (the two engines share them)")
     p.add_argument("--prefill-dp", type=int, default=1,
                    help="the prefill worker's data-parallel ranks (-dp); as many prompts go at once, one per rank")
     p.add_argument("--json", type=output_path, default=None)

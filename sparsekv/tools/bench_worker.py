@@ -12,8 +12,32 @@ import sys
 import time
 
 
+WARMUP_STEPS = 2  # untimed-in-effect first decode steps of either engine: allocator and kernel warm-up
+
+
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's own peak resident set. Not getrusage's ru_maxrss: on Linux a child keeps its
+    parent's peak across fork and exec, so a worker would report the bench's (which measured the
+    machine first) instead of its own."""
+    own = vm_hwm_mb()
+    return own if own is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def vm_hwm_mb(status_path: str = "/proc/self/status") -> float | None:
+    """VmHWM (the resident high-water mark since this program's exec) in MB; None without /proc."""
+    try:
+        with open(status_path) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def steady_ms(step_seconds: list[float]) -> float:
+    """Median ms of the steps after the warm-up ones (all of them when there are no more)."""
+    return statistics.median(step_seconds[WARMUP_STEPS:] or step_seconds) * 1000
 
 
 def _engine(job: dict, max_model_len: int):
@@ -55,7 +79,7 @@ def decode_bytes_per_step(engine, context: int, batch: int = 1) -> int:
 def _weight_bytes_per_step(engine, batch: int) -> float:
     from .plan_decode import unique_experts
     cfg, m = engine.model_config, engine.model
-    total = sum(t.numel() * t.element_size() for t in _all_tensors(m))
+    total = _bytes_of([m.embed, m.norm, m.lm_head, m.layers])
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * m.embed.element_size()
     moe_layers = cfg.mlp_layer_types.count("sparse")
     touched = unique_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) if moe_layers else 0
@@ -63,7 +87,25 @@ def _weight_bytes_per_step(engine, batch: int) -> float:
     return total - unused - m.embed.numel() * m.embed.element_size() + batch * cfg.hidden_size * m.embed.element_size()
 
 
-def _all_tensors(m):
+def mtp_pass_weight_bytes(engine) -> int:
+    """Weight bytes one MTP pass (an extend or a draft step) reads for one row: the MTP decoder layer
+    less the routed experts one row does not pick, its glue (enorm, hnorm, eh_proj, the head's norm) and
+    the vocabulary head. A lower bound for an extend over several rows (they may pick more experts)."""
+    cfg, m = engine.model_config, engine.model
+    mtp = m.mtp
+    head = mtp.head if mtp.head is not None else m.lm_head
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * m.embed.element_size()
+    unpicked = (cfg.n_routed_experts - cfg.num_experts_per_tok) * expert if cfg.n_routed_experts else 0
+    return _bytes_of([mtp.layer]) - unpicked + _bytes_of([mtp.enorm, mtp.hnorm, mtp.eh_proj, mtp.head_norm, head])
+
+
+def _bytes_of(roots: list) -> int:
+    return sum(t.numel() * t.element_size() for t in _all_tensors(roots))
+
+
+def _all_tensors(roots):
+    """Every distinct tensor reachable from `roots` (a model's layers, norms, heads); not the MTP layer
+    unless a root is it."""
     import torch
     seen = {}
     def walk(obj, depth=0):
@@ -78,7 +120,7 @@ def _all_tensors(m):
             for k, v in vars(obj).items():
                 if k not in ("cfg", "mtp"):
                     walk(v, depth + 1)
-    walk([m.embed, m.norm, m.lm_head, m.layers])
+    walk(roots)
     return list(seen.values())
 
 
@@ -94,7 +136,7 @@ def sparsekv_decode(job: dict) -> dict:
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    ms = statistics.median(times[2:] or times) * 1000
+    ms = steady_ms(times)
     out = {"ms": ms, "tokens_per_s": 1000 / ms, "bytes_per_step": decode_bytes_per_step(engine, ctx)}
     if profiled:
         out["profile"] = profile_steps(engine, profiled)
@@ -136,7 +178,7 @@ def sparsekv_prefill(job: dict) -> dict:
         engine.step()
         times.append(time.perf_counter() - t0)
     if times:
-        out["decode_ms"] = statistics.median(times) * 1000
+        out["decode_ms"] = steady_ms(times)
     return out
 
 
@@ -158,7 +200,7 @@ def transformers_decode(job: dict) -> dict:
             out = model(tok, past_key_values=past, use_cache=True)
             times.append(time.perf_counter() - t0)
             past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    ms = statistics.median(times) * 1000
+    ms = steady_ms(times)
     return {"ms": ms, "tokens_per_s": 1000 / ms}
 
 
