@@ -149,11 +149,13 @@ def pair(glm_ckpt):
 def test_each_worker_describes_its_role(pair):
     p, d = pair
     info = httpx.get(p.url + "/disaggregation", timeout=5).json()
+    layout = p.worker.layout  # a page's rows, [shape, dtype] per kind: the same on both sides
+    assert layout == d.worker.layout and all(kind[1] == "float32" for kind in layout)
     assert info == {"mode": "prefill", "bootstrap_host": "127.0.0.1", "bootstrap_port": p.worker.store.port,
-                    "transfer_backend": "torch", "num_running": 0, "num_waiting": 0}
+                    "transfer_backend": "torch", "kv_layout": layout, "num_running": 0, "num_waiting": 0}
     assert httpx.get(d.url + "/disaggregation", timeout=5).json() == {
         "mode": "decode", "bootstrap_host": "127.0.0.1", "bootstrap_port": None, "transfer_backend": "torch",
-        "num_running": 0, "num_waiting": 0}
+        "kv_layout": layout, "num_running": 0, "num_waiting": 0}
 
 
 @pytest.mark.parametrize("worker", [0, 1], ids=["prefill", "decode"])

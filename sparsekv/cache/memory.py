@@ -37,13 +37,22 @@ def check_tiered_fits(host_bytes: int, device_bytes: int, device: torch.device, 
     if device.type == "cuda":
         places.append((f"{device} memory", device_bytes, device_memory_bytes(device)))
     if store_path:
-        places.append((f"free disk space at {store_path}", host_bytes, shutil.disk_usage(_existing_dir(store_path)).free))
+        places.append((f"free disk space at {store_path}", host_bytes, _free_disk_bytes(store_path)))
     for where, need, have in places:
         if have is not None and need > have:
             raise ConfigError(f"the tiered KV cache needs {need / GiB:.1f} GiB of {where} (host store "
                               f"{host_bytes / GiB:.1f} GiB, device part {device_bytes / GiB:.1f} GiB; sized by "
                               f"{sized_by}) and there are {have / GiB:.1f} GiB; lower max_model_len, max_num_seqs "
                               f"or host_kv_budget_bytes")
+
+
+def _free_disk_bytes(path: str) -> int | None:
+    """Free bytes where the store's file would be made; None where that directory does not exist (the
+    store itself then refuses the path, naming it)."""
+    try:
+        return shutil.disk_usage(_existing_dir(path)).free
+    except OSError:
+        return None
 
 
 def _existing_dir(path: str) -> str:
