@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.cookiejar
 import importlib.metadata
 import json
 import logging
@@ -73,7 +74,7 @@ class Router:
     @contextlib.asynccontextmanager
     async def running(self):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_EXPIRY_S)
-        async with httpx.AsyncClient(timeout=self.request_timeout, limits=limits) as self.client:
+        async with httpx.AsyncClient(timeout=self.request_timeout, limits=limits, cookies=_no_cookies()) as self.client:
             poller = asyncio.ensure_future(self.poll_forever())
             try:
                 yield
@@ -81,6 +82,12 @@ class Router:
                 poller.cancel()
                 for task in list(self._tasks):
                     task.cancel()
+
+
+def _no_cookies() -> http.cookiejar.CookieJar:
+    """A jar that keeps nothing: the client is shared by every tenant's requests, so a cookie a worker
+    set would go out with all of them."""
+    return http.cookiejar.CookieJar(policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
 
 
 def _router(request: Request) -> Router:
@@ -96,6 +103,10 @@ async def _generate(request: Request, path: str, model: type) -> Response:
     except APIError as e:
         _observe(metrics, path, e.status, start)
         raise
+    except Exception:  # the router's own fault: still counted, still the OpenAI envelope
+        log.exception("starting a request failed")
+        _observe(metrics, path, 500, start)
+        raise APIError(500, "the router could not start the request") from None
     return await _answer(request, router, exchange, path, stream, start)
 
 
@@ -104,6 +115,9 @@ async def _start(request: Request, router: Router, path: str, model: type) -> tu
     parse_body(raw, model)  # a bad body is a 400 here, before any worker is asked
     body = json.loads(raw)
     headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+    for name, value in headers.items():
+        if not value.isascii():  # not sendable on to a worker (nor a key any worker holds)
+            raise APIError(400, f"the {name} header holds bytes that are not ASCII", name)
     key = affinity_key(body, request.headers.get("authorization"), router.prefix_chars)
     try:
         prefill, decode = router.pool.choose("prefill", key), router.pool.choose("decode", key)

@@ -50,15 +50,15 @@ class Exchange:
                "bootstrap_port": prefill.bootstrap_port}
         p_body = {k: v for k, v in body.items() if k != "stream_options"}  # only allowed with stream: true
         client = router.client
+        p_request = client.build_request("POST", prefill.url + path, headers=headers,
+                                         json={**p_body, "stream": False, "disaggregation": tag})
+        d_request = client.build_request("POST", decode.url + path, json={**body, "disaggregation": tag},
+                                         headers=headers)  # NOTE: both built before any count or task starts
         prefill.in_flight += 1
         decode.in_flight += 1
-        self.p_task = asyncio.ensure_future(client.post(prefill.url + path, json={**p_body, "stream": False,
-                                                                                   "disaggregation": tag},
-                                                        headers=headers))
+        self.p_task = asyncio.ensure_future(client.send(p_request))
         self.p_task.add_done_callback(lambda _: self._ended(prefill))
-        request = client.build_request("POST", decode.url + path, json={**body, "disaggregation": tag},
-                                       headers=headers)
-        self.d_task = asyncio.ensure_future(client.send(request, stream=True))
+        self.d_task = asyncio.ensure_future(client.send(d_request, stream=True))
         self.d_response: httpx.Response | None = None
         self.d_reading: asyncio.Future | None = None  # the decode call's wait in progress (unless_prefill_fails)
 
