@@ -135,6 +135,18 @@ def _checks_without_tokenizer(url: str) -> None:
     assert ok["choices"][0]["text"] == "" and len(ok["sparsekv"]["choices"][0]["token_ids"]) == 3
 
 
+def test_a_request_larger_than_the_queue_bound_is_a_400_not_a_503_to_retry(model):
+    """n = 3 against a per-tenant bound of 2 could never be admitted: a 503 with Retry-After sent a
+    client retrying forever. At the bound it is served."""
+    with ThreadServer(model, api_keys=["sk-a:alice"], max_queued_per_tenant=2) as srv:
+        def post(n):
+            return httpx.post(srv.url + "/v1/completions", json={**BODY, "n": n},
+                              headers={"Authorization": "Bearer sk-a"}, timeout=90)
+        too_many, fits = post(3), post(2)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    assert "3 sequences" in too_many.json()["error"]["message"] and fits.status_code == 200
+
+
 def test_one_tenants_burst_cannot_fill_the_queue_for_the_others(model):
     """--max-queued-requests-per-tenant 1 with one batch slot: alice's first request runs, her second
     waits, her third is refused (503 + Retry-After), and bob's request is still queued and served.

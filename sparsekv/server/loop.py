@@ -23,6 +23,7 @@ from ..parallel.executor import RankFailure
 from dataclasses import dataclass
 
 from ..outputs import FirstToken
+from ..sampling_params import InvalidRequest
 from ..request import RequestOutput, SamplingParams
 from .metrics import RequestTimer
 
@@ -243,6 +244,10 @@ class EngineLoop:
         """503 past the queue's bound, or past the tenant's share of it: one tenant's burst cannot fill
         the queue and turn every other tenant away."""
         engine = self.engine
+        bound = min(b for b in (self.max_queued_requests, self.max_queued_per_tenant, adding) if b is not None)
+        if adding > bound:  # never admissible, however long the client waits: not a 503 to retry
+            raise InvalidRequest(f"this request is {adding} sequences (prompts x n), more than the {bound} the queue "
+                                 f"may hold waiting (--max-queued-requests / --max-queued-requests-per-tenant)", "n")
         if self.max_queued_requests is not None and engine.num_waiting_requests() + adding > self.max_queued_requests:
             raise QueueFull(f"the request queue is full ({self.max_queued_requests} requests waiting); retry later")
         if self.max_queued_per_tenant is not None and \
