@@ -7,6 +7,7 @@ fail the test)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import time
@@ -122,6 +123,32 @@ def test_a_decode_worker_with_pages_of_another_layout_is_refused_naming_the_flag
             WorkerServer(default_model_path(), "decode", num_speculative_tokens=1, **BASE) as d:
         _refused(p, d, "KV pages differ", "--num-speculative-tokens")
         assert scrape(d.url)["sparsekv:disagg_transfers_failed_total"] == 1
+
+
+def test_a_bootstrap_address_that_answers_something_else_says_nothing_of_it(glm_ckpt):
+    """The request names the address the decode worker connects to: the 503 says it could not reach a
+    bootstrap there, never what answered (that would make the worker a probe of its network)."""
+    import socket
+    import threading
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer_as_http():
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    threading.Thread(target=answer_as_http, daemon=True).start()
+    try:
+        with WorkerServer(glm_ckpt[0], "decode", timeout_s=2.0, **BASE) as d:
+            tag = {"room": "probe", "bootstrap_host": "127.0.0.1", "bootstrap_port": listener.getsockname()[1]}
+            r = httpx.post(d.url + "/v1/completions", json={**BODY, "prompt": _prompt(), "disaggregation": tag},
+                           timeout=60)
+            message = _failed(r, "cannot reach the prefill worker's bootstrap")
+            assert "Ping" not in message and "Got" not in message and "HTTP" not in message, message
+            _clean(d)
+    finally:
+        listener.close()
 
 
 def test_a_peer_that_never_comes_fails_within_the_timeout(glm_ckpt):

@@ -30,6 +30,7 @@ a room's other store calls never queue behind its wait.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import time
 
@@ -38,6 +39,8 @@ import torch.distributed as dist
 
 from .nixl import NixlReceiver, NixlSender
 from .wire import TransferError, at_once
+
+log = logging.getLogger("sparsekv.disagg")
 
 CORRUPT_ENV, DELAY_ENV = "SPARSEKV_INJECT_TRANSFER_CORRUPTION", "SPARSEKV_INJECT_TRANSFER_DELAY"  # test hooks
 PREFILL_RANK, DECODE_RANK = 0, 1
@@ -117,7 +120,10 @@ def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     try:
         return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=_timeout(timeout_s))
     except Exception as e:  # refused, unreachable, timed out: this request's bootstrap is not there
-        raise TransferError(f"cannot reach the prefill worker's bootstrap at {host}:{port}: {e}") from None
+        # the cause goes to the log only: told to the client, it would say what answers at an address the
+        # request named (a probe of the worker's network)
+        log.warning("cannot reach a prefill worker's bootstrap at %s:%s: %s", host, port, e)
+        raise TransferError(f"cannot reach the prefill worker's bootstrap at {host}:{port}") from None
 
 
 class Room:
