@@ -106,3 +106,20 @@ def test_serve_with_a_key_file_and_the_environment_never_prints_a_key(tmp_path_f
     assert f"'api_key_file': ['{path}']" in line and "'api_key': '<redacted>'" in line
     assert f"'{API_KEY_ENV}': '<redacted>'" in line and f"'fd': {proc.args[proc.args.index('--fd') + 1]}" in line
     assert "sk-" not in output, output
+
+
+def test_metrics_keys_from_flags_files_and_the_environment(tmp_path):
+    """As the admin keys: kept off the command line in a private file or SPARSEKV_METRICS_API_KEY (the
+    deployment's Prometheus scrapes with one), each line or value a whole key."""
+    import os
+
+    from sparsekv.server.auth import METRICS_API_KEY_ENV, load_metrics_keys, tenant_for
+    path = tmp_path / "metrics.key"
+    path.write_text("# prometheus\nmk-one:with-colon\n")
+    os.chmod(path, 0o600)
+    keys = load_metrics_keys(["mk-flag"], [str(path)], {METRICS_API_KEY_ENV: "mk-env"})
+    assert all(tenant_for(keys, f"Bearer {k}") == "metrics" for k in ("mk-flag", "mk-one:with-colon", "mk-env"))
+    assert tenant_for(keys, "Bearer mk-one") is None
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="--metrics-api-key-file .*chmod 600"):
+        load_metrics_keys([], [str(path)], {})

@@ -34,6 +34,7 @@ PUBLIC_PATHS = ("/health", "/metrics", "/ping", "/version", "/disaggregation")  
 DEFAULT_TENANT = "default"
 ADMIN_PATHS = ("/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache")
 ADMIN_API_KEY_ENV = "SPARSEKV_ADMIN_API_KEY"
+METRICS_API_KEY_ENV = "SPARSEKV_METRICS_API_KEY"
 TENANT_SCOPE_KEY = "sparsekv.tenant"
 API_KEY_ENV = "SPARSEKV_API_KEY"
 OTHERS_MAY_ACCESS = stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH
@@ -98,6 +99,17 @@ def parse_metrics_keys(specs: list[str]) -> dict[bytes, str]:
     if not all(specs):
         raise ValueError("--metrics-api-key must not be empty")
     return {_digest(key): "metrics" for key in specs}
+
+
+def load_metrics_keys(flags: list[str], files: list[str], environ: dict) -> dict[bytes, str]:
+    """The keys of --metrics-api-key, each --metrics-api-key-file and SPARSEKV_METRICS_API_KEY (the whole
+    value is the key): a key kept off the command line, as the API and admin keys may be."""
+    keys = list(flags)
+    for path in files:
+        keys += [line for line, _ in read_api_key_file(path, "--metrics-api-key-file")]
+    if environ.get(METRICS_API_KEY_ENV):
+        keys.append(environ[METRICS_API_KEY_ENV])
+    return parse_metrics_keys(keys)
 
 
 def load_admin_keys(flags: list[str], files: list[str], environ: dict) -> dict[bytes, str]:

@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "ones wait) or abort (they end with finish_reason abort; the client retries)")
     p.add_argument("--metrics-api-key", action="append", default=[], metavar="KEY",
                    help="a scrape of /metrics sending 'Authorization: Bearer KEY' also gets the per-tenant series "
-                        "(without it they are public only when there is no --api-key); repeatable")
+                        "(without it they are public only when there is no --api-key); repeatable (prefer "
+                        "--metrics-api-key-file or SPARSEKV_METRICS_API_KEY)")
+    p.add_argument("--metrics-api-key-file", action="append", default=[], metavar="PATH",
+                   help="metrics keys, one a line; refused if other users may read it")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="a larger request body is refused with 413 before it is read (default 4 MiB)")
     p.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
@@ -179,10 +182,10 @@ def build_app(args):
     from ..paths import default_model_path
     from ..disagg.worker import DEFAULT_DECODE_HOST_BYTES
     from .app import ServerSettings, create_app
-    from .auth import load_admin_keys, load_api_keys, parse_metrics_keys
+    from .auth import load_admin_keys, load_api_keys, load_metrics_keys
 
     keys = load_api_keys(args.api_key, args.api_key_file, os.environ)
-    metrics_keys = parse_metrics_keys(args.metrics_api_key)
+    metrics_keys = load_metrics_keys(args.metrics_api_key, args.metrics_api_key_file, os.environ)
     admin_keys = load_admin_keys(args.admin_api_key, args.admin_api_key_file, os.environ)
     for flag, value in (("--max-queued-requests", args.max_queued_requests),
                         ("--max-queued-requests-per-tenant", args.max_queued_per_tenant),
