@@ -259,3 +259,32 @@ def _tail_selections(path: str, prompt: list[int], **options) -> dict:
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     return {d.layer: d.selected for d in got if d.tail and d.selected is not None}
+
+
+def test_layer_taps_outlast_an_idle_spell_longer_than_the_collective_timeout(glm_ckpt):
+    """Rank 0's tap receiver waits for the next delivery however long the worker stays idle: bounded
+    by the collective timeout, it timed out, closed the taps' group, and rank 1's next tapped prompt
+    killed the engine (a prefill worker idle for a minute, by default)."""
+    timeout_s = 2.0
+    llm = LLM(glm_ckpt[0], **BASE, prefill_chunk_tokens=8, max_num_batched_tokens=16, data_parallel_size=2,
+              dist_timeout_s=timeout_s)
+    engine, got = llm.engine, []
+
+    def tapped_round(tag: str, seeds: tuple[int, int]) -> None:
+        prompts = [_prompt(64, 42, seed) for seed in seeds]  # not cached: every layer computes every page
+        for i, p in enumerate(prompts):
+            engine.tap_layers(f"{tag}{i}", len(p), 0, got.append)
+            engine.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=2, temperature=0.0))
+        assert sorted(engine.rank_of[f"{tag}{i}"] for i in range(2)) == [0, 1]  # one prompt on rank 1
+        while engine.has_unfinished_requests():
+            engine.step()
+        for i in range(2):
+            engine.untap_layers(f"{tag}{i}")
+    try:
+        tapped_round("a", (3, 4))
+        first = len(got)
+        time.sleep(2 * timeout_s + 1)
+        tapped_round("b", (5, 6))
+        assert first > 0 and len(got) == 2 * first
+    finally:
+        llm.close()

@@ -37,9 +37,18 @@ FIELDS = 8
 LEAVE = -1  # a header's tap id: the sending rank closes
 
 
+IDLE_WAIT = timedelta(days=365)  # rank 0's receiver waits this long for a rank's next delivery
+
+
 def open_group(timeout_s: float):
-    """The taps' gloo group: every rank of the world calls this, in the same order as any other group."""
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    """The taps' gloo group: every rank of the world calls this, in the same order as any other group.
+    Its operations wait unbounded (gloo bounds a point-to-point wait by the timeout the group was made
+    with, so it is made with IDLE_WAIT): rank 0's receiver waits for the next delivery however long the
+    worker stays idle (bounded, it timed out and closed the group, and the next prompt a rank r > 0
+    tapped killed the engine). A rank that dies closes its connections, which ends any wait at once; a
+    step waits for its rows within `timeout_s` (`TapReceiver.wait_for`), and a rank that hangs fails
+    the step's own collectives."""
+    return dist.new_group(backend="gloo", timeout=IDLE_WAIT)
 
 
 def encode_header(tap_id: int, rows: LayerRows) -> torch.Tensor:
