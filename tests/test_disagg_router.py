@@ -40,6 +40,7 @@ class FakeWorker:
         self.headers: list[dict] = []
         self.fail: int | None = None
         self.hang, self.hang_after = False, 0
+        self.error_event_after: int | None = None  # decode: end a stream with an error event after N tokens
         self.released = 0
         self.cancelled = 0
         self.app = FastAPI()
@@ -94,6 +95,9 @@ class FakeWorker:
             for i, token in enumerate(TOKENS):
                 while self.hang and i == self.hang_after and self.released <= index:
                     await asyncio.sleep(0.01)
+                if i == self.error_event_after:  # as a worker whose engine failed mid-stream
+                    yield f"data: {json.dumps(error_body(503, 'the engine failed'), separators=(',', ':'))}\n\n"
+                    return
                 yield f'data: {{"choices":[{{"index":0,"text":"{token}"}}]}}\n\n'
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
@@ -366,6 +370,20 @@ def test_a_cookie_a_worker_sets_goes_out_with_no_later_request():
         assert complete(url, "first").status_code == 200
         assert complete(url, "second").status_code == 200
     assert "cookie" not in d.headers[1] and "cookie" not in p.headers[-1]
+
+
+def test_a_stream_the_decode_worker_ends_with_an_error_event_counts_as_that_error():
+    """The error event passes through as the worker sent it; the router counts the request under its
+    code and as the decode side's failure, not as a 200."""
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    d.error_event_after = 2
+    with deployment([p], [d]) as (url, _, _):
+        status, text = stream_completion(url, "hello")
+        assert wait_until(lambda: "503" in scrape_labelled(url, "status")["sparsekv:router_requests_total"])
+        statuses = scrape_labelled(url, "status")["sparsekv:router_requests_total"]
+        failures = scrape_labelled(url, "role")["sparsekv:router_transfer_failures_total"]
+    assert status == 200 and b'"code":503' in text and b"the engine failed" in text
+    assert statuses == {"503": 1.0} and failures == {"decode": 1.0}
 
 
 def test_a_bad_body_is_a_400_before_any_worker_is_asked():

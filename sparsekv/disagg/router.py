@@ -177,17 +177,35 @@ async def _wait_disconnect(request: Request) -> None:
 
 async def _stream(router: Router, exchange: Exchange, path: str, start: float, first: bytes, chunks):
     status = 499  # the client went away, unless the stream ends otherwise
+    worker_error = None  # the code of an error event the decode worker ended the stream with
     try:
+        worker_error = _error_code(first)
         yield first
         async for chunk in chunks:
+            worker_error = _error_code(chunk) or worker_error
             yield chunk
-        status = 200
+        status = 200 if worker_error is None else worker_error
+        if worker_error is not None and worker_error >= 500:
+            router.metrics.failures.labels("decode").inc()
     except WorkerFailure as failure:
         status = failure.body["error"]["code"]
         yield failure.event()
     finally:
         exchange.close(failed=status != 200)
         _observe(router.metrics, path, status, start)
+
+
+def _error_code(chunk: bytes) -> int | None:
+    """The code of an error event among a chunk's events (the relay cuts chunks at event boundaries),
+    None if it holds none: a stream the worker ended with one is counted under it, not as a 200."""
+    for event in chunk.split(b"\n\n"):
+        if event.startswith(b'data: {"error"'):
+            try:
+                code = json.loads(event[len(b"data: "):])["error"].get("code")
+            except (ValueError, AttributeError, TypeError):
+                return 500
+            return code if isinstance(code, int) else 500
+    return None
 
 
 def _observe(metrics: RouterMetrics, path: str, status: int, start: float) -> None:
