@@ -225,6 +225,18 @@ def test_an_imported_tail_fills_the_last_tokens_page_for_the_first_request_admit
         assert [count for _, _, count in cache.padded_tails([(b"x", [torch.zeros(rows, 2)], 4 * PAGE)])] == [rows]
 
 
+def test_the_same_prompts_tail_from_two_transfers_serves_both_requests():
+    """Two requests of one prompt transferred at once: the second import's tail adds its use to the
+    first's (it replaced it, and one of the two requests recomputed the last page)."""
+    cache, pool, allocator = _cache()
+    key, tail = cache.tail_name(PROMPT, "default", None), [torch.full((2, 2), 9.0)]
+    for _ in range(2):
+        cache.keep_tails(cache.padded_tails([(key, tail, len(PROMPT))]))
+        cache.import_pages(_exported(cache), "default", _chains(cache))
+    taken = [_admit(cache, allocator, rid) for rid in ("a", "b", "c")]
+    assert [t.num_tail_tokens for t in taken] == [2, 2, 0] and key not in cache._tails
+
+
 def test_a_short_tail_serves_a_request_without_a_first_token():
     """A short tail (the last page's rows before the last token) is taken by a request that samples its
     first token here: it computes the last token alone. A request given its first token leaves it."""

@@ -88,7 +88,11 @@ class PageTransfer:
         if uses < 1:
             raise ValueError(f"a tail needs at least one use, got {uses}")
         for key, rows, count in padded:
-            self._tails[key] = [rows, uses, count]
+            kept = self._tails.get(key)
+            if kept is not None and kept[2] == count:  # the same prompt's tail from another transfer: the
+                kept[1] += uses                        # same rows, and the requests before still need theirs
+            else:
+                self._tails[key] = [rows, uses, count]
             self._tails.move_to_end(key)
         while len(self._tails) > MAX_TAILS:
             self._tails.popitem(last=False)
