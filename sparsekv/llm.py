@@ -1,9 +1,11 @@
 """`LLM`: the offline batch API, shaped like vLLM's."""
 from __future__ import annotations
 
+import threading
+
 from .config import EngineConfig
 from .engine import LLMEngine
-from .request import RequestOutput, SamplingParams
+from .request import InvalidRequest, RequestOutput, SamplingParams
 
 
 def build_engine(config: EngineConfig):
@@ -15,12 +17,26 @@ def build_engine(config: EngineConfig):
     return LLMEngine(config)
 
 
+def _prompt_of(prompt):
+    """A prompt as the engine takes it: text or token ids, also given as vLLM's TextPrompt
+    ({"prompt": text}) or TokensPrompt ({"prompt_token_ids": ids})."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"}:
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"]
+    raise InvalidRequest(f"a dict prompt is {{'prompt': text}} or {{'prompt_token_ids': [ids]}}, got keys "
+                         f"{sorted(prompt)}", "prompt")
+
+
 class LLM:
     """LLM(model, dtype=..., max_model_len=..., ...).generate(prompts, SamplingParams(...))."""
 
     def __init__(self, model: str | None = None, **engine_options):
         from .paths import default_model_path
         self.engine = build_engine(EngineConfig(model=model or default_model_path(), **engine_options))
+        self._generating = threading.Lock()  # one generate at a time: each steps the engine to its end
 
     @property
     def tokenizer(self):
@@ -28,11 +44,19 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        prompts = [_prompt_of(p) for p in prompts]
+        if isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        with self._generating:  # NOTE: two threads stepping one engine at once corrupt its counts
+            return self._generate(prompts, params, use_tqdm)
+
+    def _generate(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         if getattr(self.engine, "paused", False):
             raise RuntimeError("generation is paused (pause_generation): continue_generation first")
         requests = self._add_all(prompts, params)

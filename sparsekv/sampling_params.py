@@ -57,6 +57,10 @@ class SamplingParams:
     MAX_LOGPROBS = 20
 
     def __post_init__(self):
+        if self.top_k == -1:  # vLLM's "off", as 0 is here
+            self.top_k = 0
+        if self.seed == -1:  # vLLM's "random", as None is here
+            self.seed = None
         self.validate()
 
     @property

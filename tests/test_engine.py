@@ -484,3 +484,36 @@ def test_an_engine_without_a_thread_option_sets_the_rules_count(glm_ckpt):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_vllm_prompt_dicts_and_off_values_are_taken_as_vllm_takes_them(llm):
+    """{"prompt": text} and {"prompt_token_ids": ids} (vLLM's TextPrompt, TokensPrompt) alone or in a
+    list; a single dict walked its keys, generating from the text "prompt"; top_k=-1 is off and
+    seed=-1 random, as in vLLM."""
+    ids = [5, 6, 7, 8]
+    want = llm.generate([ids], GREEDY)[0].token_ids
+    assert llm.generate({"prompt_token_ids": ids}, GREEDY)[0].token_ids == want
+    assert [o.token_ids for o in llm.generate([{"prompt_token_ids": ids}, ids], GREEDY)] == [want, want]
+    with pytest.raises(InvalidRequest, match="prompt_token_ids"):
+        llm.generate({"prompt_ids": ids}, GREEDY)
+    params = SamplingParams(max_tokens=8, top_k=-1, seed=-1)
+    assert params.top_k == 0 and params.seed is None
+    draws = {tuple(llm.generate([ids], params)[0].token_ids) for _ in range(4)}
+    assert len(draws) > 1  # not one fixed seed
+    _idle(llm)
+
+
+def test_generate_from_two_threads_runs_one_call_at_a_time(llm):
+    """Two threads stepping one engine at once advanced its counts twice and left both spinning."""
+    import threading
+    results: dict[int, list[int]] = {}
+    want = llm.generate([[5, 6, 7, 8]], GREEDY)[0].token_ids
+    threads = [threading.Thread(target=lambda i=i: results.setdefault(i, llm.generate([[5, 6, 7, 8]] * 2, GREEDY)),
+                                daemon=True) for i in range(2)]  # daemon: a livelock fails the test, not the run
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert all(o.token_ids == want for outs in results.values() for o in outs) and len(results) == 2
+    _idle(llm)
