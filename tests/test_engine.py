@@ -105,7 +105,7 @@ def test_index_score_buffer_is_freed_when_the_engine_goes_idle(llm, random_promp
 @pytest.mark.parametrize("kwargs, param", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
     (dict(temperature=-1.0), "temperature"), (dict(temperature="hot"), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(logprobs=-1), "logprobs"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(logprobs=-1), "logprobs"),
     (dict(logprobs=100), "logprobs"), (dict(seed="x"), "seed"), (dict(stop=[""]), "stop"),
     (dict(ignore_eos="yes"), "ignore_eos"),
 ])
