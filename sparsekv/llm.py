@@ -56,6 +56,28 @@ class LLM:
         with self._generating:  # NOTE: two threads stepping one engine at once corrupt its counts
             return self._generate(prompts, params, use_tqdm)
 
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: a conversation (a list of {"role", "content"} messages), or a list of them,
+        rendered with the tokenizer's chat template (or `chat_template`), then generated. The reply's
+        text is the model's, unparsed (the server splits reasoning and tool calls out of it)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self._chat_prompt(c, chat_template, add_generation_prompt, tools, chat_template_kwargs or {})
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_prompt(self, conversation: list[dict], template: str | None, add_generation_prompt: bool,
+                     tools, kwargs: dict) -> list[int]:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise InvalidRequest("chat needs the checkpoint's tokenizer; this one has none", "messages")
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequest("the tokenizer has no chat template; pass chat_template=", "messages")
+        text = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **kwargs)
+        return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+
     def _generate(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         if getattr(self.engine, "paused", False):
             raise RuntimeError("generation is paused (pause_generation): continue_generation first")

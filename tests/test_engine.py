@@ -517,3 +517,24 @@ def test_generate_from_two_threads_runs_one_call_at_a_time(llm):
     assert not any(t.is_alive() for t in threads)
     assert all(o.token_ids == want for outs in results.values() for o in outs) and len(results) == 2
     _idle(llm)
+
+
+def test_chat_renders_the_chat_template_and_generates_as_from_its_ids(llm):
+    """vLLM's LLM.chat: one conversation or several, the tokenizer's template (the bundled model ships
+    one), then generate: the same tokens as generating from the rendered ids. Without a tokenizer it is
+    a clear error."""
+    from sparsekv.paths import default_model_path
+    chat_llm = LLM(default_model_path(), max_model_len=256, num_threads=1)
+    conversation = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    tokenizer = chat_llm.tokenizer
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    want = chat_llm.generate([ids], params)[0]
+    got = chat_llm.chat(conversation, params)
+    both = chat_llm.chat([conversation, [{"role": "user", "content": "hello"}]], params)
+    assert got[0].prompt_token_ids == ids and got[0].token_ids == want.token_ids
+    assert len(both) == 2 and both[0].token_ids == want.token_ids
+    chat_llm.close()
+    with pytest.raises(InvalidRequest, match="tokenizer"):
+        llm.chat(conversation, params)  # the tiny test checkpoint has no tokenizer
