@@ -126,6 +126,10 @@ def test_flags_out_of_range_are_usage_errors_before_any_work(capsys):
                                              ("--timeout", "0"))),
                        (["bench", "decode", "--json", "/nonexistent/x.json"], "--json"),
                        (["plan", "glm-5.2", "--plot", "/nonexistent/x.png"], "--plot"),
+                       (["eval", "needle", "--json", "/tmp"], "--json"),  # a directory, not a file
+                       (["eval", "needle", "--heatmap", "/nonexistent/h.png"], "--heatmap"),
+                       (["eval", "loss", "--num-seqs", "0"], "--num-seqs"), (["eval", "loss", "--seq-len", "0"], "--seq-len"),
+                       (["eval", "indexshare", "--num-seqs", "0"], "--num-seqs"),
                        (["rollout", "--output", "/nonexistent/ro.jsonl"], "--output"),
                        (["rollout", "--max-tokens", "-1"], "--max-tokens"), (["rollout", "--memory-mb", "0"], "--memory-mb"),
                        (["rollout", "--memory-mb", "1"], "--memory-mb"),

@@ -230,6 +230,28 @@ def test_resume_is_exact(trained, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_an_output_that_holds_files_or_bad_numbers_are_refused_before_any_work(tmp_path, capsys):
+    """--out defaults to the bundled model: writing over a directory that holds files needs --overwrite.
+    Sizes, learning rates and intervals out of range are usage errors, checked as parsed."""
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "config.json").write_text("{}")
+    work = str(tmp_path / "w")
+    assert train_main(COMMON + ["--out", str(held), "--work-dir", work]) == 2  # (a regression trains briefly)
+    assert "--overwrite" in capsys.readouterr().err and not os.path.exists(work)
+    (tmp_path / "file").write_text("x")
+    assert train_main(COMMON + ["--out", str(tmp_path / "file"), "--work-dir", work]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert train_main(COMMON + ["--out", str(tmp_path / "file" / "sub"), "--work-dir", work]) == 2
+    assert "not a writable directory" in capsys.readouterr().err
+    for flag, value in (("--lr", "nan"), ("--lr", "0"), ("--batch-size", "0"), ("--seq-len", "1"),
+                        ("--checkpoint-every", "0"), ("--heldout-rows", "0"), ("--threads", "0")):
+        with pytest.raises(SystemExit) as exit_info:
+            train_main([flag, value, "--out", str(tmp_path / "x"), "--work-dir", work])
+        assert exit_info.value.code == 2 and flag in capsys.readouterr().err, flag
+    assert not os.path.exists(work)
+
+
 def test_bad_steps_flag_is_an_error(tmp_path, capsys):
     assert train_main(["--steps", "1,2", "--out", str(tmp_path / "x"), "--work-dir", str(tmp_path / "w")]) == 2
     assert "--steps" in capsys.readouterr().err

@@ -18,11 +18,13 @@ import sys
 
 import torch
 
+from ..engine_args import at_least
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("--seq-len", type=int, default=2048, help="held-out sequence length (> index_topk)")
-    p.add_argument("--num-seqs", type=int, default=2)
+    p.add_argument("--num-seqs", type=at_least(1), default=2)
     p.add_argument("--num-shared", type=int, default=None,
                    help="report the pattern with this many shared layers (default: as many as the checkpoint)")
     p.add_argument("--no-search", action="store_true")

@@ -73,7 +73,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="latents in the model dtype, or FP8 (FlashMLA's rows): does retrieval survive the quantization?")
     p.add_argument("--device", default="cpu", help="engine device (cpu, cuda)")
-    p.add_argument("--heatmap", default="needle_heatmap.png", help="depth x length heatmap PNG")
+    p.add_argument("--heatmap", type=output_path, default="needle_heatmap.png", help="depth x length heatmap PNG")
     p.add_argument("--json", type=output_path, default=None, help="write every sample's result here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)

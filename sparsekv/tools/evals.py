@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from ..config import ConfigError
+from ..engine_args import at_least
 
 
 def loss_main(args: argparse.Namespace) -> int:
@@ -18,6 +19,10 @@ def loss_main(args: argparse.Namespace) -> int:
     cfg, tensors = load_parts(path)
     model = build_model(cfg, tensors)
     seqs = calibration_set(load_text_tokenizer(path), args.seq_len, args.num_seqs)
+    if not seqs:
+        print(f"sparsekv eval loss: error: the held-out text holds no sequence of --seq-len {args.seq_len} tokens",
+              file=sys.stderr)
+        return 2
     skip = min(cfg.index_topk, args.seq_len - 2) if args.skip_dense_prefix else 0
     result = {}
     for attention in ("dense", "sparse"):
@@ -31,11 +36,11 @@ def loss_main(args: argparse.Namespace) -> int:
 
 def _loss_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--num-seqs", type=int, default=4)
+    p.add_argument("--seq-len", type=at_least(2), default=4096)
+    p.add_argument("--num-seqs", type=at_least(1), default=4)
     p.add_argument("--skip-dense-prefix", action="store_true",
                    help="score only positions that see more than index_topk keys (where sparse differs)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=at_least(1), default=1)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from ..engine_args import at_least
+
 PRESETS = {
     # The bundled model: ~8M parameters (about 4M active per token), 5 layers, IndexShare FSFSS.
     # 32 RoPE dimensions per head: with 16, retrieval broke past 4K tokens (docs/training.md).
@@ -33,7 +35,9 @@ PRESETS = {
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv train", description=__doc__)
-    p.add_argument("--out", default=None, help="output HF directory (default: the bundled models/sparsekv-tiny)")
+    p.add_argument("--out", default=None, help="output HF directory (default: the bundled models/sparsekv-tiny); "
+                   "one that holds files is refused unless --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="replace what --out holds (e.g. the bundled model)")
     p.add_argument("--work-dir", default=None, help="tokenizer, token cache and resumable state (default runs/train-NAME)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--steps", default="700,100,500,150",
@@ -41,13 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "far, 0 when not given, needs --far-negatives)")
     p.add_argument("--time-budget-minutes", type=float, default=None,
                    help="wall budget; stages shrink to fit (shares 50/10/30/10%%)")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--vocab-size", type=int, default=4096, help="BPE tokens learned from the corpus")
+    p.add_argument("--seq-len", type=at_least(2), default=512)
+    p.add_argument("--batch-size", type=at_least(1), default=8)
+    p.add_argument("--vocab-size", type=at_least(1), default=4096, help="BPE tokens learned from the corpus")
     p.add_argument("--digit-group", type=int, default=1, choices=(1, 2, 3),
                    help="digits per number token, cut from the left (3: as DeepSeek-V3 and GLM; adds the "
                         "1100 groups of 2 and 3 digits to the vocabulary)")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=positive_finite, default=3e-3)
     p.add_argument("--synth-frac", type=float, default=0.6, help="share of rows that are retrieval documents")
     p.add_argument("--pose-max-position", type=int, default=1 << 20)
     p.add_argument("--doc-min-frac", type=float, default=1.0,
@@ -82,17 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", default=None,
                    help="start from this exported directory (its config, weights and tokenizer) instead of "
                         "random weights, e.g. with --steps 0,0,0,0,N to run only the far stage")
-    p.add_argument("--heldout-rows", type=int, default=32)
+    p.add_argument("--heldout-rows", type=at_least(1), default=32)
     p.add_argument("--probe-length", type=int, default=384,
                    help="length of the fixed held-out retrieval prompts scored after each stage (0: none)")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files (tests)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="storage dtype of model.safetensors (router bias and indexer weights_proj stay fp32)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--device", default="cpu", help="cpu (the shipped model) or cuda")
-    p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--checkpoint-every", type=at_least(1), default=50)
+    p.add_argument("--log-every", type=at_least(1), default=10)
     p.add_argument("--no-aux-indexers", action="store_true",
                    help="do not train indexers for shared layers (they feed only the IndexShare search)")
     p.add_argument("--stop-after-steps", type=int, default=None,
@@ -232,6 +236,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def check_output_dir(out: str, overwrite: bool) -> None:
+    """Before any work: --out is a directory this run may write (made at export), empty unless
+    --overwrite (the default is the bundled model: a bare `sparsekv train` replaced it)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out}: not a directory")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise UsageError(f"--out {out} already holds files (a checkpoint?); pass --overwrite to replace them")
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):  # the directory the export's makedirs would start in
+        existing = os.path.dirname(existing)
+    if not (os.path.isdir(existing) and os.access(existing, os.W_OK)):
+        raise UsageError(f"--out {out}: {existing} is not a writable directory")
+
+
+def positive_finite(text: str) -> float:
+    """An argparse type: a finite number > 0 (a learning rate)."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def train(args, log) -> None:
     """Every stage from the flags, resuming from the work directory; writes the HF directory when done."""
     from ..paths import DEFAULT_MODEL_DIR
@@ -239,6 +265,7 @@ def train(args, log) -> None:
     from .trainer import Trainer
     steps, far_layers = checked_options(args, STAGES)
     out = args.out or DEFAULT_MODEL_DIR
+    check_output_dir(out, args.overwrite)
     work_dir = args.work_dir or os.path.join("runs", f"train-{os.path.basename(os.path.normpath(out))}")
     os.makedirs(work_dir, exist_ok=True)
     t0 = time.time()
