@@ -39,11 +39,11 @@ def above(low, kind=float):
     return parse
 
 
-def positive_seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0."""
+def positive_finite(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds, a learning rate)."""
     value = float(text)
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 

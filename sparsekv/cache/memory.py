@@ -32,8 +32,8 @@ def check_tiered_fits(host_bytes: int, device_bytes: int, device: torch.device, 
                       sized_by: str) -> None:
     """A tiered cache's host store (`host_bytes`, in RAM, or in a file at `store_path`) and its device
     part (indexer keys and working sets) against the machine's RAM, the GPU's memory and the disk."""
-    ram = {"host store": 0 if store_path else host_bytes, "device part": device_bytes if device.type == "cpu" else 0}
-    places = [("RAM", sum(ram.values()), host_memory_bytes())]
+    in_ram = (0 if store_path else host_bytes) + (device_bytes if device.type == "cpu" else 0)
+    places = [("RAM", in_ram, host_memory_bytes())]
     if device.type == "cuda":
         places.append((f"{device} memory", device_bytes, device_memory_bytes(device)))
     if store_path:

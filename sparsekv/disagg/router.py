@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..engine_args import at_least, port_number, positive_seconds
+from ..engine_args import at_least, port_number, positive_finite
 from ..server.auth import OneAuthorization
 from ..server.errors import APIError, error_body, error_response
 from ..server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
@@ -283,8 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a decode worker (`sparsekv serve --disaggregation-mode decode`); repeat")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000)
-    p.add_argument("--health-interval", type=positive_seconds, default=2.0, help="seconds between polls of every worker")
-    p.add_argument("--request-timeout", type=positive_seconds, default=600.0,
+    p.add_argument("--health-interval", type=positive_finite, default=2.0, help="seconds between polls of every worker")
+    p.add_argument("--request-timeout", type=positive_finite, default=600.0,
                    help="seconds a worker may take to answer, or between two chunks of a stream")
     p.add_argument("--worker-startup-timeout", type=at_least(0.0, float), default=300.0,
                    help="seconds to wait at start-up for every worker to answer (they may be loading a model)")

@@ -244,7 +244,7 @@ class EngineLoop:
         """503 past the queue's bound, or past the tenant's share of it: one tenant's burst cannot fill
         the queue and turn every other tenant away."""
         engine = self.engine
-        bound = min(b for b in (self.max_queued_requests, self.max_queued_per_tenant, adding) if b is not None)
+        bound = min((b for b in (self.max_queued_requests, self.max_queued_per_tenant) if b is not None), default=adding)
         if adding > bound:  # never admissible, however long the client waits: not a 503 to retry
             raise InvalidRequest(f"this request is {adding} sequences (prompts x n), more than the {bound} the queue "
                                  f"may hold waiting (--max-queued-requests / --max-queued-requests-per-tenant)", "n")

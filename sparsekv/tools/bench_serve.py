@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from ..engine_args import above, at_least, output_path, positive_seconds
+from ..engine_args import above, at_least, output_path, positive_finite
 from .serve_client import StreamError, server_model, stream_chunks
 
 TIER_METRICS = ("num_requests_running", "num_requests_waiting", "kv_pages_free", "device_kv_bytes",
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=above(0.0), default=float("inf"), help="requests/s (Poisson); inf = all at once")
     p.add_argument("--max-concurrency", type=at_least(1), default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per request")
+    p.add_argument("--timeout", type=positive_finite, default=600.0, help="seconds per request")
     p.add_argument("--json", type=output_path, default=None, metavar="FILE", help="also write the results as JSON")
     w = p.add_argument_group("--workload interference (bench_serve_interference.py): --streams running streams of "
                              "--input-len + --output-len tokens, alone, then while long prompts arrive")

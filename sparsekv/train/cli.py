@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from ..engine_args import at_least
+from ..engine_args import at_least, positive_finite
 
 PRESETS = {
     # The bundled model: ~8M parameters (about 4M active per token), 5 layers, IndexShare FSFSS.
@@ -248,14 +248,6 @@ def check_output_dir(out: str, overwrite: bool) -> None:
         existing = os.path.dirname(existing)
     if not (os.path.isdir(existing) and os.access(existing, os.W_OK)):
         raise UsageError(f"--out {out}: {existing} is not a writable directory")
-
-
-def positive_finite(text: str) -> float:
-    """An argparse type: a finite number > 0 (a learning rate)."""
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def train(args, log) -> None:
