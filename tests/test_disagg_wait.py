@@ -4,14 +4,19 @@ passes or a store that goes away end it, and the wait leaves no key and no threa
 from __future__ import annotations
 
 import asyncio
+import datetime
+import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from sparsekv.disagg import transfer as transfer_module
 from sparsekv.disagg import worker as worker_module
-from sparsekv.disagg.transfer import Room, connect, host_bootstrap
+from sparsekv.disagg.transfer import PREFILL_RANK, Room, connect, host_bootstrap
 from sparsekv.disagg.wire import TransferError
 from sparsekv.disagg.worker import DisaggSettings, Worker
 
@@ -136,3 +141,61 @@ def test_a_store_that_goes_away_ends_the_wait():
             await asyncio.wait_for(take, HANG_S)
     asyncio.run(scenario())
     assert _ended(lambda: _waits() == 0)
+
+
+
+PEER = """
+import sys, time
+from sparsekv.disagg.transfer import DECODE_RANK, Room, connect
+Room(connect("127.0.0.1", int(sys.argv[1]), 30), sys.argv[2]).pair_group(DECODE_RANK, "127.0.0.1", 30, "gloo")
+time.sleep(3600)
+"""
+
+
+def _connect_to_a_stopped_peer(store, name: str, timeout_s: float):
+    """This side's pair_group for room `name` (prefill rank) against a decode rank that published its
+    address and was then stopped: the group, or the TransferError it raised and the seconds it took."""
+    peer = subprocess.Popen([sys.executable, "-c", PEER, str(store.port), name])
+    mine = Room(connect("127.0.0.1", store.port, 30), name)
+    try:
+        store.wait([mine.key("pg/0/1")], datetime.timedelta(seconds=HANG_S))
+        peer.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            return mine.pair_group(PREFILL_RANK, "127.0.0.1", timeout_s, "gloo"), None
+        except TransferError as e:
+            return e, time.monotonic() - started
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+def test_a_pair_group_whose_peer_stops_answering_fails_within_the_timeout():
+    """A decode worker that published its address for the room's group and then stopped answering (hung,
+    or its host gone) leaves gloo's full-mesh connect retrying for about five times its timeout when
+    this side is the one that waits for the peer's connection (gloo picks it by the two addresses, so
+    a room may take a few tries); the room fails at the timeout instead, and the connect's thread ends
+    when gloo gives up."""
+    store, timeout_s = host_bootstrap("127.0.0.1", 0, 30), 2.0
+    for attempt in range(8):
+        error, seconds = _connect_to_a_stopped_peer(store, f"r{attempt}", timeout_s)
+        if seconds is not None:
+            break
+    else:
+        pytest.fail("gloo never made this side wait for the stopped peer")
+    assert "could not connect for the transfer" in str(error)
+    assert seconds < 2.5 * timeout_s  # gloo alone: about 5 x timeout_s
+    assert _ended(lambda: not any(t.name == "sparsekv-pair-connect" for t in threading.enumerate()))
+
+
+def test_a_pair_connect_that_does_not_return_fails_the_room_at_the_timeout(room, monkeypatch):
+    """The bound itself, whatever gloo does: a connect that never returns fails the room at the timeout."""
+    _, mine, _ = room
+    stuck = threading.Event()
+    monkeypatch.setattr(transfer_module, "_gloo_group", lambda *a: stuck.wait(HANG_S))
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="could not connect for the transfer.*no connection within 0.5 s"):
+        mine.pair_group(PREFILL_RANK, "127.0.0.1", 0.5, "gloo")
+    assert time.monotonic() - started < HANG_S / 2
+    stuck.set()
+    assert _ended(lambda: not any(t.name == "sparsekv-pair-connect" for t in threading.enumerate()))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -196,7 +197,7 @@ class Room:
         try:
             if backend == "nccl":
                 return _nccl_group(store, rank, timeout_s)
-            return _gloo_group(store, rank, hostname, timeout_s)
+            return _within(lambda: _gloo_group(store, rank, hostname, timeout_s), timeout_s)
         except Exception as e:
             raise TransferError(f"room {self.name}: the workers could not connect for the transfer ({backend}): "
                                 f"{_first_line(e)}") from None
@@ -212,6 +213,28 @@ def _gloo_group(store, rank: int, hostname: str, timeout_s: float) -> dist.Proce
     opts._timeout = _timeout(timeout_s)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
     return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
+def _within(make, timeout_s: float):
+    """make()'s result, made in a thread of its own and waited for at most `timeout_s`. gloo's full-mesh
+    connect to a peer that published its address and then stopped answering retries for about five
+    times the group's timeout; past `timeout_s` the room fails and the thread is left to gloo, which
+    ends it, and the group it may still make is dropped."""
+    done, out = threading.Event(), {}
+
+    def run():
+        try:
+            out["group"] = make()
+        except BaseException as e:  # handed to the caller
+            out["error"] = e
+        done.set()
+
+    threading.Thread(target=run, name="sparsekv-pair-connect", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"no connection within {timeout_s:g} s")
+    if "error" in out:
+        raise out["error"]
+    return out["group"]
 
 
 def _nccl_group(store, rank: int, timeout_s: float) -> dist.ProcessGroup:
