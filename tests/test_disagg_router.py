@@ -405,6 +405,7 @@ def test_a_dead_worker_is_skipped():
         up = scrape_labelled(url, "worker")["sparsekv:router_worker_up"]
         served["decode"][1].stop()
         assert wait_until(lambda: httpx.get(url + "/health").status_code == 503)
+        assert httpx.head(url + "/health").status_code == 503  # a load balancer's HEAD probe sees it too
         none = complete(url, "hello")
     assert codes == [200] * 12 and len(d2.bodies) == 12
     assert up == {dead.url: 0.0, served["decode"][1].url: 1.0, served["prefill"][0].url: 1.0}

@@ -230,6 +230,7 @@ def test_plain_key_gets_its_own_tenant(server):
 
 def test_health_and_metrics_are_public(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.head(server.url + "/health").status_code == 200  # load balancers' probes may send HEAD
     assert httpx.get(server.url + "/version").json()["version"] == __import__("importlib.metadata").metadata.version(
         "sparsekv")
     m = scrape(server.url)

@@ -252,7 +252,7 @@ async def version(request: Request):
 
 
 ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
-          ("/v1/models", models, ["GET"]), ("/health", health, ["GET"]), ("/metrics", metrics, ["GET"]),
+          ("/v1/models", models, ["GET"]), ("/health", health, ["GET", "HEAD"]), ("/metrics", metrics, ["GET"]),
           ("/version", version, ["GET"])]
 
 
