@@ -491,3 +491,57 @@ def test_far_stage_flags_are_checked(tmp_path, capsys):
     assert "--init-from" in capsys.readouterr().err
     assert train_main(["--steps", "0,0,0,0,5", "--far-negatives", "8", "--far-layers", "0,x"] + base) == 2
     assert "--far-layers" in capsys.readouterr().err
+
+
+def _no_steps(tmp_path, name: str, *extra) -> list[str]:
+    common = [a for a in COMMON if a not in ("--steps", STEPS)]
+    return common + ["--steps", "0,0,0,0", "--out", str(tmp_path / name), "--work-dir", str(tmp_path / "w"), *extra]
+
+
+def test_a_work_dir_whose_state_does_not_load_or_a_bare_init_from_is_a_usage_error(tmp_path, capsys):
+    """A truncated state (or another model's) and an --init-from directory without weights: one line, exit 2."""
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / STATE_FILE).write_bytes(b"not a checkpoint")
+    assert train_main(_no_steps(tmp_path, "a")) == 2
+    err = capsys.readouterr().err
+    assert "does not resume this run" in err and "--fresh" in err and "Traceback" not in err
+    assert train_main(_no_steps(tmp_path, "a", "--fresh")) == 0  # --fresh starts over
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    assert train_main(_no_steps(tmp_path, "b", "--init-from", str(bare))) == 2
+    assert "no model.safetensors there" in capsys.readouterr().err
+
+
+def test_the_export_replaces_the_output_whole_or_not_at_all(tmp_path, monkeypatch):
+    """With --overwrite the output becomes the new export: files only the old one had go, and an export cut
+    short (a full disk, Ctrl-C) leaves the old directory as it was, with no partial directory beside it."""
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    (out / "stale.safetensors").write_text("old")
+    from sparsekv.train import export as export_module
+
+    def cut_short(model, raw, tok, out_dir, *a, **kw):
+        os.makedirs(out_dir, exist_ok=True)
+        open(os.path.join(out_dir, "config.json"), "w").write("half")
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(export_module, "export", cut_short)
+        with pytest.raises(OSError, match="No space"):
+            train_main(_no_steps(tmp_path, "m", "--overwrite"))
+    assert sorted(os.listdir(out)) == ["config.json", "stale.safetensors"] and (out / "config.json").read_text() == "old"
+    assert sorted(os.listdir(tmp_path)) == ["m", "w"]
+    assert train_main(_no_steps(tmp_path, "m", "--overwrite")) == 0
+    assert "stale.safetensors" not in os.listdir(out) and json.loads((out / "config.json").read_text())["model_type"]
+    assert sorted(os.listdir(tmp_path)) == ["m", "w"]
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    from sparsekv.train import trainer as trainer_module
+
+    def interrupted(self, log=print):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(trainer_module.Trainer, "run", interrupted)
+    assert train_main(_no_steps(tmp_path, "m")) == 130
+    assert "the same command resumes" in capsys.readouterr().err

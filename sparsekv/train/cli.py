@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -178,8 +179,9 @@ def checked_options(args, stages) -> tuple[dict, tuple[int, ...]]:
     far_layers = parse_far_layers(args.far_layers)
     if far_layers is None:
         raise UsageError(f"--far-layers must be comma-separated layer numbers, got {args.far_layers!r}")
-    if args.init_from and not os.path.exists(os.path.join(args.init_from, "config.json")):
-        raise UsageError(f"--init-from {args.init_from}: no config.json there")
+    for needed in ("config.json", "model.safetensors") if args.init_from else ():
+        if not os.path.isfile(os.path.join(args.init_from, needed)):
+            raise UsageError(f"--init-from {args.init_from}: no {needed} there (a directory `sparsekv train` wrote)")
     if not 0 <= args.copy_warmup_steps <= steps["pretrain"]:
         raise UsageError("--copy-warmup-steps must be between 0 and the pretrain steps")
     if not 0.0 <= args.copy_warmup_repeat_frac <= 1.0:
@@ -228,11 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     torch.set_num_threads(args.threads)
     log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    from .trainer import UnusableState
     try:
         train(args, log)
-    except UsageError as e:
+    except (UsageError, UnusableState) as e:
         print(f"sparsekv train: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("sparsekv train: interrupted; the same command resumes from the work directory's last checkpoint",
+              file=sys.stderr)
+        return 130
     return 0
 
 
@@ -321,4 +328,31 @@ def write_model(args, model, raw: dict, tok, out: str, state) -> None:
     if args.init_from and os.path.exists(os.path.join(args.init_from, "training.json")):
         with open(os.path.join(args.init_from, "training.json")) as f:
             summary["init_from"] = {"path": args.init_from, "training": json.load(f)}
-    export(model, raw, tok, out, summary, dtype=torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32)
+    staging = _sibling(out, "partial")
+    try:
+        export(model, raw, tok, staging, summary, dtype=torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32)
+        _replace_dir(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _sibling(path: str, what: str) -> str:
+    """A hidden name next to `path` (the same file system, so a rename moves it)."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{what}-{os.getpid()}")
+
+
+def _replace_dir(new: str, out: str) -> None:
+    """`out` becomes `new` by renames: an export cut short leaves the old directory whole, and files
+    only the old one had (an IndexShare file a run without auxiliary indexers does not write) go."""
+    old = _sibling(out, "old") if os.path.exists(out) else None
+    if old:
+        os.rename(out, old)
+    try:
+        os.rename(new, out)
+    except OSError:
+        if old:
+            os.rename(old, out)
+        raise
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
