@@ -33,6 +33,7 @@ rewritten after each, so a run cut short by its time limit keeps what it measure
 """
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -64,14 +65,16 @@ def long_prefill(ckpt: str, device: str, n: int) -> dict:
         if engine.step():
             first = first or time.perf_counter()
     end = time.perf_counter()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+    if first is None:
+        return {"tokens": n, "error": "no output came back"}
     return {"tokens": n, "prefill_s": first - t0, "decode_ms_per_token": (end - first) * 1000 / 31,
             "peak_device_gib": peak}
 
 
 def main() -> None:
     ckpt, out_path = sys.argv[1], sys.argv[2]
-    device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
+    device = sys.argv[3] if len(sys.argv) > 3 and not sys.argv[3].startswith("--") else "cuda"
     n = int(sys.argv[sys.argv.index("--long") + 1]) if "--long" in sys.argv else 1 << 20
     contexts = [c for c in (4096, 131072, 1 << 20) if c <= n]
     stem = out_path.removesuffix(".json")
@@ -88,8 +91,9 @@ def main() -> None:
     if "--needle" in sys.argv:
         lengths = sys.argv[sys.argv.index("--needle") + 1]
         stages.append(("needle", lambda: needle(device, lengths, stem + ".needle.json")))
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    result = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"}
     for name, run in stages:
+        release_device_memory(device)  # the peak and the memory held are each stage's own
         t0 = time.perf_counter()
         result[name] = run()
         result[f"{name}_s"] = round(time.perf_counter() - t0, 1)
@@ -98,8 +102,20 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
 
+def release_device_memory(device: str) -> None:
+    """Free what earlier stages' engines held (reference cycles keep an engine until a collection)
+    and restart the peak count."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+SPARSEKV = [sys.executable, "-m", "sparsekv"]  # this interpreter's, whether or not its venv is on PATH
+
+
 def indexer_decode(device: str, out_path: str) -> dict:
-    run = subprocess.run(["sparsekv", "bench", "indexer", "--decode", "--device", device, "--contexts",
+    run = subprocess.run([*SPARSEKV, "bench", "indexer", "--decode", "--device", device, "--contexts",
                           "16K,64K,256K,1M", "--repeats", "20", "--threads", "16", "--json", out_path],
                          capture_output=True, text=True)
     return {"rc": run.returncode, "tail": (run.stdout + run.stderr).strip().splitlines()[-8:]}
@@ -112,7 +128,7 @@ def tiers(ckpt: str, device: str, out_path: str) -> dict:
                            "-k", "on_cuda"], capture_output=True, text=True)
     result = {"cuda_exactness_test": test.stdout.strip().splitlines()[-1:]}
     for name, model in (("", ["--model", ckpt]), ("-glm52", ["--preset", "glm5.2-proportions"])):
-        bench = subprocess.run(["sparsekv", "bench", "tiers", "--concurrency", *model, "--device", device,
+        bench = subprocess.run([*SPARSEKV, "bench", "tiers", "--concurrency", *model, "--device", device,
                                 "--threads", "16", "--json", out_path.replace(".tiers", f".tiers{name}")],
                                capture_output=True, text=True)
         result[f"bench{name}_rc"], result[f"bench{name}_tail"] = bench.returncode, bench.stdout.strip().splitlines()[-4:]
@@ -133,14 +149,14 @@ def batch_decode(device: str, out_path: str) -> dict:
     """Dense-regime decodes batched against one request at a time, at 64 and 256 requests."""
     result = {}
     for batch in (64, 256):
-        run = subprocess.run(["sparsekv", "bench", "batch", "--device", device, "--batch", str(batch), "--threads", "16",
+        run = subprocess.run([*SPARSEKV, "bench", "batch", "--device", device, "--batch", str(batch), "--threads", "16",
                               "--json", out_path.replace(".batch", f".batch{batch}")], capture_output=True, text=True)
         result[batch] = {"rc": run.returncode, "tail": (run.stdout + run.stderr).strip().splitlines()[-5:]}
     return result
 
 
 def needle(device: str, lengths: str, out_path: str) -> dict:
-    run = subprocess.run(["sparsekv", "eval", "needle", "--tasks", "passkey", "--lengths", lengths,
+    run = subprocess.run([*SPARSEKV, "eval", "needle", "--tasks", "passkey", "--lengths", lengths,
                           "--depths", "0,0.5,1", "--samples", "1", "--dense-max-length", "0", "--device", device,
                           "--threads", "16", "--heatmap", out_path.removesuffix(".json") + ".png", "--json", out_path],
                          capture_output=True, text=True)

@@ -352,6 +352,8 @@ class EngineConfig:
             raise ConfigError(f"device {self.device!r}: this torch sees no CUDA device (a CPU build, or no GPU)")
         if device.type not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
     def _validate_parallel(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
@@ -370,6 +372,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if world > 1 and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"parallelism runs on cpu (gloo) or cuda (NCCL), not {self.device!r}")
+        if world > 1 and self.device.startswith("cuda:"):  # rank r takes GPU r % count (parallel/executor.py)
+            raise ConfigError(f"device {self.device!r} with {world} ranks: each rank takes its own GPU, so pass "
+                              f"cuda and choose the GPUs with CUDA_VISIBLE_DEVICES")
 
     def _validate_disk_encryption(self) -> None:
         disk = self.prefix_cache_disk_path

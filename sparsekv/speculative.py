@@ -61,7 +61,7 @@ def draft_rows(logits: torch.Tensor, reqs: list, generators: dict) -> list[Draft
     if sampled:
         q = filter_logits_rows(logits[sampled], [reqs[i].params for i in sampled]).softmax(-1)
         tokens[sampled] = draw_rows(q, [generators[reqs[i].request_id] for i in sampled]).to(tokens.device)
-        probs = dict(zip(sampled, q))
+        probs = dict(zip(sampled, q.cpu()))  # where the target's probabilities are (runner.execute)
     return [Draft(token, probs.get(i)) for i, token in enumerate(tokens.tolist())]
 
 

@@ -92,3 +92,19 @@ def test_bad_thread_counts_are_config_errors(threads):
     from sparsekv.config import EngineConfig
     with pytest.raises(ConfigError, match="num_threads"):
         EngineConfig(model="m", num_threads=threads).validate()
+
+
+def test_a_numbered_gpu_with_several_ranks_or_past_the_machines_gpus_is_refused(monkeypatch):
+    """Rank r takes GPU r % count, so `cuda:1` with two ranks would put ranks 0 and 1 on one GPU (NCCL:
+    "Duplicate GPU detected"); and `cuda:N` past the machine's GPUs failed later as an invalid ordinal.
+    (No CUDA here: torch is told there are two GPUs.)"""
+    import torch
+    from sparsekv.config import EngineConfig
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):
+        EngineConfig(model="m", device="cuda:1", tensor_parallel_size=2).validate()
+    EngineConfig(model="m", device="cuda", tensor_parallel_size=2).validate()
+    with pytest.raises(ConfigError, match="has 2 CUDA device"):
+        EngineConfig(model="m", device="cuda:2").validate()
+    EngineConfig(model="m", device="cuda:1").validate()

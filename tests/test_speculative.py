@@ -298,9 +298,11 @@ def test_seeded_sampling_with_drafts_is_reproducible_and_aborts_free_everything(
 LONG = [PROMPTS[1] * 24, PROMPTS[2] * 12]  # 384 and 300 tokens: past index_topk (256), so full layers select
 
 
+SAMPLED = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=5, logprobs=2)
+
+
 @pytest.mark.parametrize("selector, buffer", [("dsa", 256), ("dsa", 512), ("quest", 256)])
-@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=5,
-                                                           logprobs=2)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_tiering_with_drafts_is_exact(model, params, selector, buffer, monkeypatch):
     """The tiered cache with speculative decoding computes what the device-only cache computes, bit for
     bit, with either selector (the MTP layer keeps its own DSA indexer under Quest). A verification
@@ -322,8 +324,10 @@ def test_tiering_with_drafts_is_exact(model, params, selector, buffer, monkeypat
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py --tiers runs it)")
-def test_tiering_with_drafts_is_exact_on_cuda(model):
-    _check_tiered_drafting(model, GREEDY, "dsa", 256, "cuda")
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_tiering_with_drafts_is_exact_on_cuda(model, params):
+    """Sampled too: a rejected sampled draft compares the target's probabilities with the draft's."""
+    _check_tiered_drafting(model, params, "dsa", 256, "cuda")
 
 
 def test_tiering_with_drafts_is_exact_under_emulated_cuda_ordering(model, emulated_cuda):

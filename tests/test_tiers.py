@@ -576,3 +576,29 @@ def test_a_host_fetch_outside_inference_mode_reuses_the_buffer_a_forward_grew():
     link.fetch([0, 1], src, dst, torch.tensor([0, 1, 2]))  # reuses it, outside inference mode
     for layer in (0, 1):
         assert torch.equal(dst[layer][:3], host.read(layer, src))
+
+
+def test_a_pinned_host_store_is_page_locked_in_place_at_its_own_size(monkeypatch):
+    """On CUDA the host store is page-locked (for asynchronous copies) with cudaHostRegister over its own
+    bytes, and unlocked at close: torch's pinned allocator would round it up to a power of two (a 33 GiB
+    store locking 64 GiB), past what the tiered cache's size check counted. A stand-in cudart records
+    the calls (this machine has no CUDA)."""
+    from sparsekv.cache.host_store import RamTieredHostStore
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    store = RamTieredHostStore([0, 2, 3], num_slots=100, dim=24, dtype=torch.float32, pin=True)
+    first = store.slot_tensors()[0][0]
+    assert calls == [("register", first.data_ptr(), 3 * 100 * 24 * 4, 1)]
+    store.close()
+    assert calls[1:] == [("unregister", first.data_ptr())]
+    RamTieredHostStore([0], num_slots=4, dim=2, dtype=torch.float32).close()  # off CUDA: nothing locked
+    assert len(calls) == 2

@@ -77,11 +77,33 @@ class RamTieredHostStore(TieredHostStore):
     kind = "ram"
 
     def __init__(self, layers, num_slots, dim, dtype, pin: bool = False):
-        self.pin = pin
+        self.pin, self._locked = pin, None
         super().__init__(layers, num_slots, dim, dtype)
 
     def _allocate(self, numel: int) -> torch.Tensor:
-        return torch.empty(numel, dtype=self.dtype, pin_memory=self.pin)
+        """NOTE: `pin_memory=True` would take the store from torch's pinned caching allocator, which rounds
+        every request up to a power of two (a 33 GiB store would lock 64 GiB); the store is page-locked
+        in place instead (cudaHostRegister), its own size."""
+        backing = torch.empty(numel, dtype=self.dtype)
+        if self.pin:
+            _check_cuda(torch.cuda.cudart().cudaHostRegister(backing.data_ptr(), backing.nbytes, HOST_REGISTER_PORTABLE),
+                        "page-locking the host store")
+            self._locked = backing
+        return backing
+
+    def close(self) -> None:
+        locked, self._locked = self._locked, None
+        super().close()
+        if locked is not None:
+            _check_cuda(torch.cuda.cudart().cudaHostUnregister(locked.data_ptr()), "unlocking the host store")
+
+
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
+
+
+def _check_cuda(error, what: str) -> None:
+    if int(error) != 0:
+        raise RuntimeError(f"{what} failed: CUDA error {int(error)}")
 
 
 class MmapTieredHostStore(TieredHostStore):

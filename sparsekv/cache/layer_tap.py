@@ -157,12 +157,24 @@ class LayerTaps:
             return
         self.flush()
         for tap, request_id, first, count, tail, slots in work:
-            rows = [self.tensors[j].index_select(0, slots) for j in kinds]
+            # a tiered pool's latents are in host memory and its indexer keys on the device: each kind
+            # is read where it is
+            rows = [self.tensors[j].index_select(0, slots.to(self.tensors[j].device)) for j in kinds]
             rows = [r.view(count, tail or self.page_size, *r.shape[1:]) for r in rows]
-            event = None
-            if rows and rows[0].device.type == "cuda":  # NOTE: the engine's thread does not wait for the copy
-                rows = [torch.empty(r.shape, dtype=r.dtype, pin_memory=True).copy_(r, non_blocking=True) for r in rows]
-                event = torch.cuda.Event()
-                event.record()
+            rows, event = _off_device(rows)
             selected = self._selected.pop((request_id, layer), None) if tail else None
             tap.deliver(LayerRows(layer, first, count, kinds, rows, event, tail, selected))
+
+
+def _off_device(rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], "torch.cuda.Event | None"]:
+    """The rows in host memory: those on a CUDA device copied into pinned memory without waiting (the
+    engine's thread goes on), with the event that marks the copies done, recorded on that device's
+    stream (the engine's thread may have another current device); None when nothing was copied."""
+    on_device = [r.device for r in rows if r.device.type == "cuda"]
+    if not on_device:
+        return rows, None
+    rows = [torch.empty(r.shape, dtype=r.dtype, pin_memory=True).copy_(r, non_blocking=True)
+            if r.device.type == "cuda" else r for r in rows]
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(on_device[0]))
+    return rows, event

@@ -95,7 +95,7 @@ class ExpertParallelDP(SingleRank):
     def ffn(self, ffn, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(ffn, "routed"):  # a dense MLP: whole here
             return ffn(x)
-        counts = self._counts(x.shape[0])
+        counts = self._counts(x.shape[0], x.device)
         widest = max(counts)
         if widest == 0:
             return x
@@ -103,9 +103,10 @@ class ExpertParallelDP(SingleRank):
         mine = self._reduce_scatter(ffn.routed(everyone), widest, counts)
         return mine + ffn.shared(x)
 
-    def _counts(self, n: int) -> list[int]:
-        out = torch.zeros(self.world_size, dtype=torch.long)
-        dist.all_gather_single(out, torch.tensor([n]), group=self.group)
+    def _counts(self, n: int, device: torch.device) -> list[int]:
+        """Every rank's row count (on `device`: the group is NCCL on CUDA, which moves CUDA tensors only)."""
+        out = torch.zeros(self.world_size, dtype=torch.long, device=device)
+        dist.all_gather_single(out, torch.tensor([n], device=device), group=self.group)
         return out.tolist()
 
     def _all_gather(self, x: torch.Tensor, widest: int, counts: list[int]) -> torch.Tensor:

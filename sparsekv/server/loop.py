@@ -19,6 +19,8 @@ import queue
 import threading
 import time
 
+import torch
+
 from ..parallel.executor import RankFailure
 from dataclasses import dataclass
 
@@ -172,6 +174,9 @@ class EngineLoop:
 
     # -- the loop thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        device = getattr(self.engine, "device", None)
+        if device is not None and device.type == "cuda":  # a new thread's current device is cuda:0
+            torch.cuda.set_device(device)
         while not self._stopped:
             busy = self.dead is None and self._has_work()
             if self._run_commands(block=not busy):
