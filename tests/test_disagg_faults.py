@@ -332,3 +332,59 @@ def test_a_prefill_that_fails_mid_prompt_fails_the_decode_side_at_once(glm_ckpt,
         _nothing_kept(d, _prompt())
         _clean(d)
         assert p.worker.rooms == {} and p.worker.store.num_keys() == 0
+
+
+def test_a_prefill_its_client_left_deletes_the_rooms_keys_when_no_decode_worker_will(glm_ckpt, monkeypatch):
+    """The prefill's client goes away mid-prompt (the router cancels it) and no decode worker holds the
+    room (it left already, or never came): the error the prefill worker writes for a decode worker
+    nobody will read, so it deletes the room's keys itself (they stayed in its store for good)."""
+    chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)
+    with WorkerServer(glm_ckpt[0], "prefill", timeout_s=TIMEOUT_S, **BASE, **chunked) as p:
+        real = p.engine.step
+
+        def slow():
+            time.sleep(0.2)
+            return real()
+        monkeypatch.setattr(p.engine, "step", slow)
+        info = httpx.get(p.url + "/disaggregation", timeout=5).json()
+        with pytest.raises(httpx.TimeoutException):  # the client leaves during the prompt's six chunks
+            httpx.post(p.url + "/v1/completions", json={**BODY, "prompt": _prompt(), "disaggregation": field(info)},
+                       timeout=0.5)
+        assert wait_until(lambda: p.worker.rooms == {}, TIMEOUT_S)
+        assert wait_until(lambda: p.worker.store.num_keys() == 0, 5), p.worker.store.num_keys()
+        _clean(p)
+
+
+def test_a_room_whose_peer_never_joins_the_transfer_holds_no_transfer_thread(glm_ckpt, monkeypatch):
+    """With one transfer thread per worker, room A's decode side hangs as it joins the pair group (a
+    worker that hung), so A's prefill side waits for its peer there; room B, sent meanwhile, is served at
+    once: the joins wait on threads of their own (they held the transfer threads, and every other room
+    queued behind them until A's timeout)."""
+    import threading
+    from sparsekv.disagg import transfer as transfer_module
+    from sparsekv.disagg import worker as worker_module
+    monkeypatch.setattr(worker_module, "MAX_TRANSFER_THREADS", 1)
+    entered, release, real = threading.Event(), threading.Event(), transfer_module._gloo_group
+
+    def hangs_once(store, rank, hostname, timeout_s):
+        if rank == transfer_module.DECODE_RANK and not entered.is_set():
+            entered.set()
+            release.wait(60)
+            raise RuntimeError("the hung join was let go")
+        return real(store, rank, hostname, timeout_s)
+    monkeypatch.setattr(transfer_module, "_gloo_group", hangs_once)
+    with WorkerServer(glm_ckpt[0], "prefill", timeout_s=TIMEOUT_S, **BASE) as p, \
+            WorkerServer(glm_ckpt[0], "decode", timeout_s=TIMEOUT_S, **BASE) as d, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            a = pool.submit(send_pair, p.url, d.url, {**BODY, "prompt": _prompt(1)})
+            assert entered.wait(TIMEOUT_S)
+            rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt(2)})
+            assert (rp.status_code, rd.status_code) == (200, 200) and not a.done()
+        finally:
+            release.set()
+        for r in a.result(timeout=3 * TIMEOUT_S):
+            _failed(r)
+        assert wait_until(lambda: p.worker.rooms == {} == d.worker.rooms, TIMEOUT_S)
+        _clean(p)
+        _clean(d)

@@ -79,6 +79,8 @@ class DecodeWorker(Worker):
             while True:  # the batches, each checked as it comes, its pages kept (all of the room's, or none)
                 self._check_meta(meta, claim, inbox.weights)
                 self.rooms[field.room] = "receive"
+                if inbox.open(meta):  # the room's first tensors: join the prefill worker's data path
+                    await self.connected(inbox.path, link, request)
                 await self.blocking(inbox.receive, meta)
                 if meta.get("last"):
                     break
@@ -283,9 +285,15 @@ class Inbox:
         if meta.get("last") and self.partial:
             raise TransferError(f"rows came layer by layer for {len(self.partial)} pages the prefill worker never named")
 
+    def open(self, meta: dict) -> bool:
+        """Make the room's data path at the first batch with tensors; whether it was made now."""
+        if self.path is not None or not meta.get("tensors"):
+            return False
+        self.path = receiver(meta["backend"], self.link, self.settings, self.device, self.agent)
+        return True
+
     def _tensors(self, meta: dict, specs: list, sizes: list[int], pace) -> list[torch.Tensor]:
-        if self.path is None:
-            self.path = receiver(meta["backend"], self.link, self.settings, self.device, self.agent)
+        self.open(meta)
         received = self.path.pull(meta, sizes, self.tags, pace)
         secret = self.settings.secret
         tensors = [pace(lambda: check_received(secret, spec, data, self.tags + i))

@@ -204,6 +204,8 @@ class NixlAgent:
 class NixlSender:
     """The prefill side of a room over NIXL: each batch's tensors registered until the room closes."""
 
+    needs_connect = False  # the agents know each other from the metadata: no rendezvous per room
+
     def __init__(self, agent: NixlAgent):
         self.agent, self.exposed = agent, []  # (registration, the tensors it keeps alive)
 
@@ -225,6 +227,8 @@ class NixlSender:
 
 
 class NixlReceiver:
+    needs_connect = False  # the agents know each other from the metadata: no rendezvous per room
+
     def __init__(self, agent: NixlAgent, timeout_s: float):
         self.agent, self.timeout_s = agent, timeout_s
 

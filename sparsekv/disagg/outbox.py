@@ -21,8 +21,10 @@ class Batches:
         while a batch's tensors move: a send that fails there fails its receive too)."""
         return self.claimed and not self.ended and not self.sending
 
-    def send(self, meta: dict, stacked: list) -> int:
-        """Publish one batch's signed metadata, then send its tensors (contiguous); returns their bytes."""
+    def publish(self, meta: dict, stacked: list) -> list:
+        """Publish one batch's signed metadata; returns its tensors as they go (contiguous bytes), for
+        `push` once the data path is connected (`path.needs_connect`: the decode worker joins it when
+        it reads the metadata)."""
         secret = self.settings.secret
         meta["tensors"] = tensor_specs(secret, stacked)
         tensors = as_sent([as_bytes(t) for t in stacked], self.tags)
@@ -33,11 +35,15 @@ class Batches:
         self.link.put(meta_key(self.index), sign(secret, meta))
         self.index += 1
         self.ended = bool(meta["last"])
+        self.sending = bool(tensors)
+        return tensors
+
+    def push(self, tensors: list) -> int:
+        """Send the published batch's tensors; returns their bytes."""
         if tensors:
-            self.sending = True
             self.path.push(tensors, self.tags)
             self.tags += len(tensors)
-            self.sending = False
+        self.sending = False
         return sum(t.numel() for t in tensors)
 
     def answered(self) -> bool:
@@ -66,11 +72,17 @@ class Batches:
     def error(self, failure: dict) -> None:
         """Let a decode worker waiting on the room fail now rather than at its timeout. `failure`: the
         batch metadata that says why (`error`; for the prefill's own refusal of the request its
-        `status` below 500 and `param`, which the decode worker answers with as one server would)."""
+        `status` below 500 and `param`, which the decode worker answers with as one server would).
+        The decode worker deletes the room's keys once it has read it; one that left the room before
+        (its claim deleted first: `Room.forget`), or never claimed it, never reads it, so then this
+        side deletes them (a decode worker that claims later waits for the error until its own
+        timeout, or until its client goes away)."""
         try:
             meta = {"room": self.link.name, **failure}
             self.link.put(meta_key(self.index), sign(self.settings.secret, meta))
             self.told_error, self.ended = True, True
+            if not self.link.written_by_peer("claim"):
+                self.link.forget(self.index + 1)
         except TransferError:
             pass
 

@@ -188,12 +188,12 @@ class PrefillWorker(Worker):
                 return None
             look = asyncio.ensure_future(self._export(job, prompts, sent))  # NOTE: it runs once the step ends
             if feed is not None:
-                nbytes += await self._send_layers_until(look, feed, out, base, claim)
+                nbytes += await self._send_layers_until(look, feed, out, base, claim, request)
             pages, per_prompt, loaded = await look
             base["weights"] = await self.blocking(self.weights.stamp, loaded)
             self._check_weights(claim, base["weights"])
             if feed is not None:  # NOTE: the rows of the pages just named were queued before their names
-                nbytes += await self._send_layers(feed, out, base, claim)
+                nbytes += await self._send_layers(feed, out, base, claim, request)
             parts = named_parts(pages, per_prompt, sent, feed) or ([(per_prompt, pages, None)] if finished else [])
             for i, (counts, part, kinds) in enumerate(parts):
                 meta = {**base, "names": [name.hex() for name, _ in part], "pages": counts, "kinds": kinds,
@@ -203,7 +203,7 @@ class PrefillWorker(Worker):
                     meta.update(skipped=claim["held"], streamed=streamed, **_times(prefill.result()[1], ended[0]))
                     if prefill.result()[2] is not None:
                         meta["first"] = [first_token_wire(f) for f in prefill.result()[2]]
-                nbytes += await self._send(out, meta, kinds_of(part, kinds))
+                nbytes += await self._send(out, meta, kinds_of(part, kinds), request)
                 streamed += 0 if finished else len(part)
             sent = [n + more for n, more in zip(sent, per_prompt)]
             if finished:
@@ -228,19 +228,20 @@ class PrefillWorker(Worker):
         log.info("disaggregation room %s sent: %s", meta["room"], figures)
         return figures
 
-    async def _send_layers_until(self, look, feed: LayerFeed, out: "Batches", base: dict, claim: dict) -> int:
+    async def _send_layers_until(self, look, feed: LayerFeed, out: "Batches", base: dict, claim: dict,
+                                 request) -> int:
         """Send the layer rows of the step that runs while the look waits for its end."""
         nbytes = 0
         try:
             while not look.done():
                 await feed.wait([look], None)
-                nbytes += await self._send_layers(feed, out, base, claim)
+                nbytes += await self._send_layers(feed, out, base, claim, request)
         except BaseException:
             look.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now
             raise
         return nbytes
 
-    async def _send_layers(self, feed: LayerFeed, out: "Batches", base: dict, claim: dict) -> int:
+    async def _send_layers(self, feed: LayerFeed, out: "Batches", base: dict, claim: dict, request) -> int:
         """The layer rows queued so far, a batch per prompt and step (the layers it computed since the
         last), less the pages the decode worker holds; a tail's with its full layers' selections when
         the decode worker warms a tiered cache with them (its claim's `warm`)."""
@@ -259,15 +260,19 @@ class PrefillWorker(Worker):
                                    "layers": [d.layer for d in deliveries], "tail": tail,
                                    "selected": [d.layer for d in selecting]},
                     "kinds": [k for d in deliveries for k in d.kinds], "num_kinds": feed.num_kinds}
-            nbytes += await self._send(out, meta, rows + [t for d in selecting for t in d.selected])
+            nbytes += await self._send(out, meta, rows + [t for d in selecting for t in d.selected], request)
             feed.batches += 1
         return nbytes
 
-    async def _send(self, out: "Batches", meta: dict, tensors: list) -> int:
-        """One batch (Batches.send). A send that fails because the decode worker refused an earlier
-        batch and left raises its refusal, which says why."""
+    async def _send(self, out: "Batches", meta: dict, tensors: list, request) -> int:
+        """One batch: its metadata published, the data path connected at the room's first tensors (a
+        wait for the decode worker, `Worker.connected`), its tensors sent. A send that fails because
+        the decode worker refused an earlier batch and left raises its refusal, which says why."""
         try:
-            return await self.blocking(out.send, meta, tensors)
+            sent = await self.blocking(out.publish, meta, tensors)
+            if sent:
+                await self.connected(out.path, out.link, request)
+            return await self.blocking(out.push, sent)
         except TransferError:
             if await self.blocking(out.refused):
                 _check_verdict(await self.blocking(out.link.get, "done"), meta, self.settings.secret)

@@ -151,6 +151,13 @@ class Room:
         except Exception as e:  # a connection error: the prefill worker's store is gone
             raise TransferError(f"room {self.name}: the bootstrap store is gone ({_first_line(e)})") from None
 
+    def written_by_peer(self, part: str) -> bool:
+        """Whether `part` holds a value (not this side's own wake marker), without waiting."""
+        try:
+            return self.store.compare_set(self.key(part), ABSENT, ABSENT) not in (ABSENT, WOKEN)
+        except Exception as e:
+            raise TransferError(f"room {self.name}: the bootstrap store is gone ({_first_line(e)})") from None
+
     def wait_for(self, part: str, timeout_s: float) -> bytes | None:
         """`part`'s value once it is written, or None when `wake(part)` ended the wait first. Blocks in
         the store's wait, on a connection of the room's own, so its other calls go on meanwhile."""
@@ -289,6 +296,15 @@ class TorchPath:
     def __init__(self, link: Room, settings, device: torch.device, backend: str, rank: int):
         self.link, self.settings, self.backend, self.rank = link, settings, backend, rank
         self.device, self.group = transfer_device(backend, device), None
+
+    @property
+    def needs_connect(self) -> bool:
+        return self.group is None
+
+    def connect(self) -> None:
+        """Form the pair group: its rendezvous waits for the peer, so the workers run it as a wait for
+        the peer (`Worker.connected`), off their transfer threads."""
+        self._group()
 
     def _group(self) -> dist.ProcessGroup:
         if self.group is None:

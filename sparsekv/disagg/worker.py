@@ -119,9 +119,33 @@ class Worker:
         (Room.wait_for, on a thread of its own). TransferError past the timeout, when the store is gone,
         or when the client went away (the router cancels one side when the other failed); the wait is
         woken then, so it holds its thread no longer."""
+        wait = _on_daemon_thread(link.wait_for, part, self.settings.timeout_s + WAIT_MARGIN_S)
+        try:
+            await self._while_peer_works(wait, link, waiting_for, request)
+        finally:
+            if not wait.done():
+                self._submit(link.wake, part)
+        value = wait.result()
+        if value is None:
+            raise TransferError(f"room {link.name}: the wait for {waiting_for} was ended by this worker")
+        return value
+
+    async def connected(self, path, link, request) -> None:
+        """The room's data path joined to the peer's (`path.needs_connect`: a torch.distributed pair
+        group, whose rendezvous waits for the peer), on a thread of its own like a wait for a key: a
+        room whose peer hangs or died holds no transfer thread meanwhile (rooms with other peers would
+        queue behind it), and it ends when its client goes away or at the timeout. gloo ends the
+        connect's own thread later (transfer._within)."""
+        if path.needs_connect:
+            wait = _on_daemon_thread(path.connect)
+            await self._while_peer_works(wait, link, "the peer's transfer connection", request)
+            wait.result()
+
+    async def _while_peer_works(self, wait: asyncio.Future, link, waiting_for: str, request) -> None:
+        """Until `wait` is done; TransferError past the timeout or when the client went away (the router
+        cancels one side when the other failed), `wait` then left to end on its own."""
         timeout = self.settings.timeout_s
         deadline = time.monotonic() + timeout
-        wait = _on_daemon_thread(link.wait_for, part, timeout + WAIT_MARGIN_S)
         try:
             while not (await asyncio.wait([wait], timeout=WAIT_CHECK_S))[0]:
                 if await request.is_disconnected():
@@ -131,11 +155,6 @@ class Worker:
         finally:
             if not wait.done():
                 wait.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now
-                self._submit(link.wake, part)
-        value = wait.result()
-        if value is None:
-            raise TransferError(f"room {link.name}: the wait for {waiting_for} was ended by this worker")
-        return value
 
     def _submit(self, fn, *args) -> None:
         try:
