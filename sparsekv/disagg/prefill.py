@@ -266,13 +266,17 @@ class PrefillWorker(Worker):
 
     async def _send(self, out: "Batches", meta: dict, tensors: list, request) -> int:
         """One batch: its metadata published, the data path connected at the room's first tensors (a
-        wait for the decode worker, `Worker.connected`), its tensors sent. A send that fails because
+        wait for the decode worker, `Worker.connected`), its tensors sent (another). A send that fails because
         the decode worker refused an earlier batch and left raises its refusal, which says why."""
         try:
             sent = await self.blocking(out.publish, meta, tensors)
-            if sent:
-                await self.connected(out.path, out.link, request)
-            return await self.blocking(out.push, sent)
+            if not sent:
+                return out.push(sent)
+            await self.connected(out.path, out.link, request)
+            # NOTE: a send ends when the decode worker receives it: on a transfer thread it could wait for
+            # a receive queued behind another room's on the decode worker, while that room's send waits
+            # behind it here
+            return await self.with_peer(out.link, "the decode worker's receive", request, out.push, sent)
         except TransferError:
             if await self.blocking(out.refused):
                 _check_verdict(await self.blocking(out.link.get, "done"), meta, self.settings.secret)

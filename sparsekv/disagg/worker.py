@@ -3,9 +3,10 @@
 The router sends the same OpenAI request to a prefill worker and to a decode worker, each with a
 `disaggregation` field naming the room and the prefill worker's bootstrap address. The prefill
 worker computes the prompt (prefill.py) and the decode worker takes its KV before it generates
-(decode.py). Both run blocking transport calls on a small thread pool of their own, each room's wait
-for its peer on a thread of its own, and engine calls on the engine loop, so the event loop never
-waits on a peer.
+(decode.py). Both run blocking transport calls on a small thread pool of their own; each room's waits
+for its peer (for a key, to join the pair group, for a send to be received) on a thread of their own,
+so rooms never wait for each other's threads; and engine calls on the engine loop, so the event loop
+never waits on a peer.
 """
 from __future__ import annotations
 
@@ -137,9 +138,15 @@ class Worker:
         queue behind it), and it ends when its client goes away or at the timeout. gloo ends the
         connect's own thread later (transfer._within)."""
         if path.needs_connect:
-            wait = _on_daemon_thread(path.connect)
-            await self._while_peer_works(wait, link, "the peer's transfer connection", request)
-            wait.result()
+            await self.with_peer(link, "the peer's transfer connection", request, path.connect)
+
+    async def with_peer(self, link, waiting_for: str, request, fn, *args):
+        """`fn(*args)`, a call that waits for the peer (joining the pair group, sending tensors the peer
+        receives), on a thread of its own: TransferError past the timeout or when the client went away,
+        the call then left to end on its own (at its group's timeout, or when the group closes)."""
+        wait = _on_daemon_thread(fn, *args)
+        await self._while_peer_works(wait, link, waiting_for, request)
+        return wait.result()
 
     async def _while_peer_works(self, wait: asyncio.Future, link, waiting_for: str, request) -> None:
         """Until `wait` is done; TransferError past the timeout or when the client went away (the router
