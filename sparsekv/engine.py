@@ -171,6 +171,13 @@ class LLMEngine(WeightControl):
         """Tokens the KV cache can hold at once (the pool's, or the tiered cache's page table)."""
         return self.kv.capacity_tokens
 
+    def check_ranks(self) -> None:
+        """RankFailure if a worker rank of a parallel engine exited or a call across the ranks failed;
+        nothing for an engine of one rank."""
+        ranks = getattr(self.executor, "ranks", None)
+        if ranks is not None:
+            ranks.check_alive()
+
     def expire_prefix_cache(self) -> int:
         """Forget prefix-cache pages past their retention (`prefix_cache_ttl_s`); each step does it
         first, and the server's loop when idle. Returns how many."""

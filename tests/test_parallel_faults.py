@@ -97,3 +97,43 @@ def test_server_answers_503_turns_unhealthy_and_exits_non_zero_when_a_rank_dies(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_rank_failure_found_by_the_steps_stats_ends_its_requests_with_503(tmp_path_factory):
+    """The figures read after each step are a call across the ranks too (TP: their stats, DP: a gather):
+    a rank failing there ends the requests in flight with 503 and turns /health to engine_dead (the
+    loop's thread died there and every client hung). The step's own outputs still reach their clients.
+    A stand-in engine of one rank raises what a parallel engine raises."""
+    from test_server_util import ThreadServer
+    model = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    with ThreadServer(model) as srv:
+        real, calls = srv.engine.stats, []
+
+        def failing_stats():
+            calls.append(1)
+            if len(calls) > 3:
+                raise RankFailure("stats failed across ranks (stand-in)")
+            return real()
+        srv.engine.stats = failing_stats
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 30, "ignore_eos": True}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and "stand-in" in r.json()["error"]["message"]
+        health = httpx.get(srv.url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "engine_dead"
+
+
+def test_an_idle_server_turns_unhealthy_and_exits_when_a_rank_dies(tmp_path_factory):
+    """Nothing runs when rank 1 dies: /health turns 503 (engine_dead) and the server exits 1 without a
+    request having to find out (it answered 200 for as long as it stayed idle)."""
+    model = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    proc, url = start_subprocess_server(model, "-tp", "2", "--dist-timeout", str(10 * TIMEOUT_S))
+    try:
+        wait_healthy(url, proc, timeout=120)
+        workers = [pid for pid in _children(proc.pid) if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(workers) == 1, f"expected rank 1's process, found {workers}"
+        os.kill(workers[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1, "the server must exit non-zero after a rank failure"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

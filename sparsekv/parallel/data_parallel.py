@@ -245,6 +245,10 @@ class DataParallelEngine:
         return self._together("kv", rank, method, args, kwargs,
                               run=lambda: kv_call(self.local, 0, rank, method, args, kwargs))
 
+    def check_ranks(self) -> None:
+        """RankFailure if a rank exited or a call across the ranks failed (LLMEngine.check_ranks)."""
+        self.ranks.check_alive()
+
     def expire_prefix_cache(self) -> int:
         return sum(self._together("expire_prefix_cache", run=self.local.expire_prefix_cache))
 

@@ -178,13 +178,19 @@ class EngineLoop:
         if device is not None and device.type == "cuda":  # a new thread's current device is cuda:0
             torch.cuda.set_device(device)
         while not self._stopped:
-            busy = self.dead is None and self._has_work()
-            if self._run_commands(block=not busy):
-                self._refresh_stats()
-            if not busy and self.dead is None:
-                self._expire()
-            if self.dead is None and self._has_work():
-                self._step()
+            try:
+                self._turn()
+            except RankFailure as e:  # a rank died or stopped answering, found outside a step
+                self._die(e)
+
+    def _turn(self) -> None:
+        busy = self.dead is None and self._has_work()
+        if self._run_commands(block=not busy):
+            self._refresh_stats()
+        if not busy and self.dead is None:
+            self._expire()
+        if self.dead is None and self._has_work():
+            self._step()
 
     def _has_work(self) -> bool:
         """Requests to step, and generation not paused (/pause_generation: they wait, KV kept)."""
@@ -212,16 +218,24 @@ class EngineLoop:
                 return True
 
     def _expire(self) -> None:
-        """Idle: the prefix cache's retention still runs (a step does it when busy)."""
+        """Idle: the prefix cache's retention still runs (a step does it when busy), and the ranks of a
+        parallel engine are looked at, so that a rank that died while nothing ran turns /health to 503
+        (RankFailure) rather than failing the next request."""
+        self.engine.check_ranks()
         try:
             if self.engine.expire_prefix_cache():
                 self._refresh_stats()
+        except RankFailure:
+            raise
         except Exception:
             log.exception("prefix cache expiry failed")
 
     def _refresh_stats(self) -> None:
+        """The figures /metrics and the queue bounds read; RankFailure when the ranks are gone."""
         try:
             self._stats = self.engine.stats()
+        except RankFailure:
+            raise
         except Exception:  # a broken engine keeps its last figures
             log.exception("engine.stats() failed")
 
@@ -291,8 +305,10 @@ class EngineLoop:
             return
         now = time.monotonic()
         batch = [self._route_output(out, now) for out in outputs if out.request_id in self._routes]
-        self._stats = self.engine.stats()
-        self._deliver(batch)
+        try:
+            self._refresh_stats()
+        finally:  # the step's outputs reach their clients even when the ranks failed after it
+            self._deliver(batch)
 
     def _route_output(self, out: RequestOutput, now: float):
         route = self._routes[out.request_id]
