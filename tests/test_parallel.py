@@ -393,6 +393,27 @@ def test_router_prefers_the_longest_cached_prefix_then_the_least_loaded():
     assert router.choose(list(range(200, 203))) == 0  # shorter than a page: by load alone
 
 
+def test_router_spreads_prompts_sharing_a_prefix_once_one_rank_is_busier():
+    """Chat traffic shares its first pages (a system prompt): affinity holds while the rank holding them
+    has at most BALANCE_SLACK more requests in flight than the least loaded, then the least loaded rank
+    takes one, holds the shared pages too, and load decides between equals (all 16 went to rank 0)."""
+    from sparsekv.parallel.router import BALANCE_SLACK, PrefixAffinityRouter
+    router = PrefixAffinityRouter(num_ranks=2, page_size=4)
+    system = list(range(1, 9))
+    ranks = [router.choose(system + [100 + i, 7, 7, 7]) for i in range(16)]
+    assert ranks[:BALANCE_SLACK + 1] == [0] * (BALANCE_SLACK + 1) and ranks[BALANCE_SLACK + 1] == 1
+    assert router.in_flight == [8, 8]
+    for _ in range(8):
+        router.finished(1)
+    assert router.choose(system + [5, 5, 5, 5]) == 1  # the shared pages are on both: the less loaded
+    big = PrefixAffinityRouter(num_ranks=2, page_size=4)
+    big.in_flight = [100, 90]
+    big.assign(0, system)  # rank 0 holds the prefix with 101 in flight: within 1.25 x 90
+    assert big.peek(system) == 0
+    big.in_flight = [120, 90]
+    assert big.peek(system) == 1
+
+
 def test_serve_with_data_parallel_attention_and_expert_parallelism():
     """`sparsekv serve -dp 2 --enable-expert-parallel` answers the OpenAI API: two requests, one per rank."""
     import httpx

@@ -5,10 +5,20 @@ Each rank has its own prefix cache, so a prompt is sent where its longest prefix
 equals to the rank with the fewest requests in flight. The router remembers the page chains it
 routed, up to `max_pages_per_rank` per rank (least recently used first out): an approximation of each
 rank's cache, which may have evicted them since (a miss then costs what it costs anyway).
+
+Affinity yields to load, as in SGLang's cache-aware router: only ranks within `BALANCE_SLACK` requests
+in flight of the least loaded rank, or within `BALANCE_RATIO` times its count, take a request for its
+prefix; past that the prefix is recomputed on a less loaded rank. Without it every prompt sharing a
+page with the first one (a system prompt, a chat template's opening) went to one rank while the
+others idled; once a rank has taken such a prompt it holds the shared pages too.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+
+
+BALANCE_SLACK = 4  # requests in flight a rank may have over the least loaded one and still be preferred for its prefix
+BALANCE_RATIO = 1.25  # or this many times the least loaded rank's, whichever is more
 
 
 class PrefixAffinityRouter:
@@ -40,7 +50,10 @@ class PrefixAffinityRouter:
     def peek(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None) -> int:
         """The rank `choose` would give the prompt now, changing nothing."""
         keys = self.chain(token_ids, tenant, cache_salt)
-        return min(range(len(self.seen)), key=lambda r: (-self.matched_pages(r, keys), self.in_flight[r], r))
+        least = min(self.in_flight)
+        bound = max(least + BALANCE_SLACK, BALANCE_RATIO * least)
+        eligible = [r for r in range(len(self.seen)) if self.in_flight[r] <= bound]
+        return min(eligible, key=lambda r: (-self.matched_pages(r, keys), self.in_flight[r], r))
 
     def assign(self, rank: int, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None) -> None:
         """A request goes to `rank`: its pages are remembered there, and it is in flight until `finished`."""
