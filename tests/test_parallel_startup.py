@@ -158,3 +158,19 @@ def test_cuda_ranks_need_a_gpu_each_on_their_node(monkeypatch, env, gpus, ok):
     else:
         with pytest.raises(ConfigError, match="puts 2 ranks on this node, one GPU each, and it sees 1"):
             check_gpus(config)
+
+
+def test_a_start_up_error_only_a_worker_rank_hits_is_one_line(tmp_path, glm_ckpt):
+    """Rank 1's own host store file exists (each rank makes its own): the command says so in one line and
+    exits 1, without a traceback (it printed rank 0's StartupError traceback, exit 1)."""
+    import subprocess
+    import sys
+    store = tmp_path / "hs"
+    (tmp_path / "hs.rank1").write_text("someone's file")
+    out = subprocess.run([sys.executable, "-m", "sparsekv", "generate", glm_ckpt[0], "--prompt-token-ids", "1,2,3",
+                          "--max-tokens", "1", "-tp", "2", "--threads", "1", "--kv-page-size", "4",
+                          "--max-model-len", "128", "--kv-tiering", "--device-buffer-tokens", "16",
+                          "--host-store-path", str(store)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and "rank 1" in out.stderr and "hs.rank1" in out.stderr
+    assert (tmp_path / "hs.rank1").read_text() == "someone's file"

@@ -129,12 +129,16 @@ def main(argv: list[str]) -> int:
     hosted = host_ranks(args)  # another node's ranks, or torchrun's rank > 0: no server here
     if hosted is not None:
         return hosted
+    from ..parallel.launch import StartupError
     try:
         sock = None if args.fd is None else inherited_socket(args.fd)  # NOTE: before the weights load
         app, state = build_app(args)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"sparsekv serve: error: {e}", file=sys.stderr)
         return 2
+    except StartupError as e:  # a worker rank's own error (its option, its file), or a rank that never came
+        print(f"sparsekv serve: error: {e}", file=sys.stderr)
+        return 1
     return serve(app, state, args.host, args.port, args.shutdown_timeout, args.log_level, sock)
 
 
@@ -165,6 +169,7 @@ def host_ranks(args) -> int | None:
     rank > 0 under torchrun. None: the engine and the server run here."""
     from ..config import EngineConfig
     from ..parallel.lanes import host_node, host_torchrun_rank
+    from ..parallel.launch import StartupError
     from ..paths import default_model_path
     try:
         config = EngineConfig(model=args.model or default_model_path(), **engine_options(args))
@@ -174,6 +179,9 @@ def host_ranks(args) -> int | None:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"sparsekv serve: error: {e}", file=sys.stderr)
         return 2
+    except StartupError as e:
+        print(f"sparsekv serve: error: {e}", file=sys.stderr)
+        return 1
 
 
 def build_app(args):
