@@ -58,13 +58,17 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: a conversation (a list of {"role", "content"} messages), or a list of them,
         rendered with the tokenizer's chat template (or `chat_template`), then generated. The reply's
         text is the model's, unparsed (the server splits reasoning and tool calls out of it)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self._chat_prompt(c, chat_template, add_generation_prompt, tools, chat_template_kwargs or {})
-                   for c in conversations]
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true",
+                                 "continue_final_message")
+        options = {**(chat_template_kwargs or {}), "continue_final_message": continue_final_message}
+        prompts = [self._chat_prompt(c, chat_template, add_generation_prompt, tools, options) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _chat_prompt(self, conversation: list[dict], template: str | None, add_generation_prompt: bool,

@@ -48,6 +48,7 @@ class FakeWorker:
         self.health_delay = 0.0  # seconds /health takes to answer
         self.app.add_api_route("/health", self.health, methods=["GET"])
         self.app.add_api_route("/v1/models", lambda: {"object": "list", "data": [{"id": "fake"}]}, methods=["GET"])
+        self.app.add_api_route("/v1/models/{model:path}", lambda model: {"id": model, "object": "model"}, methods=["GET"])
         self.app.add_api_route("/v1/completions", self.generate, methods=["POST"])
         self.app.add_api_route("/v1/chat/completions", self.generate, methods=["POST"])
 
@@ -483,11 +484,12 @@ def test_metrics_and_models():
         by_endpoint = scrape_labelled(url, "endpoint")
         flat = {name: sum(v.values()) for name, v in scrape_labelled(url, "role").items()}
         models = httpx.get(url + "/v1/models", timeout=20).json()
+        one = [httpx.get(url + path, timeout=20).json()["id"] for path in ("/v1/models/fake", "/v1/models/org%2F..%2Fx")]
         health = httpx.get(url + "/health").json()
     assert by_status == {"200": 4.0, "400": 1.0}
     assert by_endpoint["sparsekv:router_request_seconds_count"] == {"/v1/completions": 5.0}
     assert flat["sparsekv:router_worker_up"] == 2.0 and flat["sparsekv:router_worker_requests_in_flight"] == 0.0
-    assert models["data"][0]["id"] == "fake"
+    assert models["data"][0]["id"] == "fake" and one == ["fake", "org/../x"]  # a name is never a path on the worker
     assert health == {"status": "ok", "prefill": [served["prefill"][0].url], "decode": [served["decode"][0].url]}
 
 

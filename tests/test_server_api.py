@@ -102,6 +102,7 @@ def test_n_choices_and_seed_reproducible(client):
     assert first == again
     assert first != other
     assert len(set(first)) > 1  # seed + i per choice: the choices differ
+    assert run(-2) == run(-2)  # a negative seed's choices count down, never onto -1 ("random")
 
 
 def test_n_choices_stream(client):
@@ -640,3 +641,40 @@ def test_bench_serve_shared_prefix_reports_reuse_by_tier(server, capsys):
     rows = [line for line in out.splitlines() if line.startswith("sparsekv:")]
     assert any("prefix_cache_hits_total:device" in r for r in rows) and len({len(r) for r in rows}) == 1  # aligned
     assert main(["--url", server.url, "--dataset", "shared-prefix", "--input-len", "8", "--prefix-len", "8"]) == 2
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_assistants_message(server, client):
+    """vLLM's assistant prefill: with add_generation_prompt false and continue_final_message true the prompt
+    ends with the assistant's text, which the model continues (the field was ignored: a closed message, or
+    a new assistant turn after it); both true, a last message not the assistant's, or a request-supplied
+    chat_template are 400s."""
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the rain in"}]
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def tokens(**fields):
+        r = httpx.post(server.url + "/tokenize", json={"messages": messages, **fields}, headers=auth, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+    continued = tokens(add_generation_prompt=False, continue_final_message=True)
+    closed = tokens(add_generation_prompt=False)
+    decode = server.engine.tokenizer.decode
+    assert decode(continued).endswith("the rain in") and not decode(closed).endswith("the rain in")
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0,
+                                       extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert r.usage.prompt_tokens == len(continued)
+    for fields, param in (({"continue_final_message": True}, "continue_final_message"),
+                          ({"chat_template": "{{ messages }}"}, "chat_template")):
+        r = httpx.post(server.url + "/v1/chat/completions", headers=auth, timeout=10,
+                       json={"model": "tiny", "messages": messages, "max_tokens": 2, **fields})
+        assert r.status_code == 400 and param in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/chat/completions", headers=auth, timeout=10,
+                   json={"model": "tiny", "messages": messages[:1], "max_tokens": 2, "add_generation_prompt": False,
+                         "continue_final_message": True})
+    assert r.status_code == 400 and "assistant" in r.json()["error"]["message"]
+
+
+def test_a_model_is_retrieved_by_its_name(client):
+    """OpenAI's retrieve-a-model (`client.models.retrieve`): the served name's card, 404 for another."""
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")

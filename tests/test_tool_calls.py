@@ -254,8 +254,9 @@ def test_required_tool_choice_array_becomes_calls_whole_and_streamed():
     assert _joined(stream.update(text[20:], text, True)) == calls
     assert forced_calls(text[:-1], "required") is None       # cut off: no calls
     named = ForcedCallStream("get_weather")
-    assert _joined(named.update('{"city"', '{"city"', False) + named.update(': "Rome"}', '{"city": "Rome"}', True)) \
-        == [("get_weather", '{"city": "Rome"}')]
+    first = named.update('{"city"', '{"city"', False)
+    assert len(first) == 1 and first[0]["function"] == {"name": "get_weather", "arguments": '{"city"'}  # one entry a delta
+    assert _joined(first + named.update(': "Rome"}', '{"city": "Rome"}', True)) == [("get_weather", '{"city": "Rome"}')]
 
 
 def test_required_without_parallel_calls_allows_one_call():

@@ -25,6 +25,7 @@ import json
 import logging
 import sys
 import time
+import urllib.parse
 
 import httpx
 from fastapi import FastAPI, Request
@@ -223,17 +224,22 @@ async def chat_completions(request: Request):
 
 
 async def models(request: Request):
-    """A decode worker's model list (the decode workers serve the model's names)."""
+    """A decode worker's model list, or one model of it (the decode workers serve the model's names)."""
     router = _router(request)
     for worker in router.pool.up("decode"):
         try:
-            r = await router.client.get(worker.url + "/v1/models", headers={
+            r = await router.client.get(worker.url + _models_path(request.path_params.get("model")), headers={
                 k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS})
         except httpx.HTTPError as e:
             router.pool.mark_down(worker, f"{type(e).__name__}: {e}")
             continue
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
     raise APIError(503, "no decode worker is up")
+
+
+def _models_path(name: str | None) -> str:
+    """The list, or one model's path with its name quoted whole (a name is no path on the worker)."""
+    return "/v1/models" if name is None else "/v1/models/" + urllib.parse.quote(name, safe="")
 
 
 async def health(request: Request):
@@ -252,7 +258,8 @@ async def version(request: Request):
 
 
 ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
-          ("/v1/models", models, ["GET"]), ("/health", health, ["GET", "HEAD"]), ("/metrics", metrics, ["GET"]),
+          ("/v1/models", models, ["GET"]), ("/v1/models/{model:path}", models, ["GET"]),
+          ("/health", health, ["GET", "HEAD"]), ("/metrics", metrics, ["GET"]),
           ("/version", version, ["GET"])]
 
 

@@ -111,7 +111,10 @@ class ServerState:
             msgs = [m.template_dict() for m in body.messages]
         except ValueError as e:  # a content part that is not text
             raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
-        return msgs, tools, body.add_generation_prompt, body.chat_template_kwargs or {}
+        if body.continue_final_message and (not msgs or msgs[-1].get("role") != "assistant"):
+            raise bad_request("continue_final_message continues the last message, which must be the assistant's",
+                              "messages")
+        return msgs, tools, body.add_generation_prompt, body.template_options()
 
     async def pooled(self, fn, *args):
         """`fn(encoder, *args)` in the tokenizer pool: off the event loop and off the engine thread."""
@@ -121,6 +124,14 @@ class ServerState:
             return await self.tokenizing.run(fn, *args)
         except InvalidRequest as e:
             raise APIError(400, str(e), e.param) from None
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """Choice `choice`'s seed of a request seeded `seed`: its own, away from -1 (vLLM's "random", as is
+    the request's -1 itself), so a seeded request repeats whole (seed -2's second choice was -1)."""
+    if seed is None or seed == -1:
+        return None
+    return seed + choice if seed >= 0 else seed - choice
 
 
 def chat_prompt_ids(encoder: Encoder, msgs: list[dict], tools, add_generation_prompt: bool, kwargs: dict,
@@ -210,7 +221,7 @@ def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if top_k == -1 else top_k,
-            seed=None if body.seed is None else body.seed + choice, logprobs=logprobs, stop=body.stop,
+            seed=choice_seed(body.seed, choice), logprobs=logprobs, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logit_bias=bias,
             prompt_logprobs=prompt_logprobs, structured_output=grammar, **given)
     except InvalidRequest as e:
@@ -354,11 +365,21 @@ def _detokenize(encoder: Encoder, tokens: list[int], vocab: int) -> str:
 
 async def models(request: Request):
     state = _state(request)
-    created = int(time.time())
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": created, "owned_by": "sparsekv", "root": state.engine.config.model,
-         "max_model_len": state.max_model_len, "vocab_size": state.engine.model_config.vocab_size}
-        for name in state.settings.served_model_names]}
+    return {"object": "list", "data": [_model_card(state, name) for name in state.settings.served_model_names]}
+
+
+async def model(request: Request):
+    """OpenAI's retrieve-a-model (`client.models.retrieve`): one of the served names, else 404."""
+    state = _state(request)
+    name = request.path_params["model"]
+    state.check_model(name)
+    return _model_card(state, name)
+
+
+def _model_card(state, name: str) -> dict:
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "sparsekv",
+            "root": state.engine.config.model, "max_model_len": state.max_model_len,
+            "vocab_size": state.engine.model_config.vocab_size}
 
 
 async def disaggregation(request: Request):
@@ -394,7 +415,7 @@ async def metrics(request: Request):
 ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
           ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
           ("/reset_prefix_cache", reset_prefix_cache, ["POST"]),
-          ("/v1/models", models, ["GET"]), ("/health", health, ["GET", "HEAD"]), ("/metrics", metrics, ["GET"]),
+          ("/v1/models", models, ["GET"]), ("/v1/models/{model:path}", model, ["GET"]), ("/health", health, ["GET", "HEAD"]), ("/metrics", metrics, ["GET"]),
           ("/version", version, ["GET"]), ("/disaggregation", disaggregation, ["GET"])]
 
 

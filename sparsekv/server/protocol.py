@@ -48,7 +48,7 @@ UNSUPPORTED = {
     "tools": _off, "functions": _off, "tool_choice": lambda v: _off(v) or v == "none",
     "function_call": lambda v: _off(v) or v == "none", "suffix": _off, "best_of": lambda v: _off(v) or v == 1,
     "use_beam_search": _off, "structured_outputs": _off, "guided_grammar": _off, "bad_words": _off,
-    "prompt_logprobs": _off,
+    "prompt_logprobs": _off, "chat_template": _off,  # a template from the request: not rendered here (the model's is)
 }
 
 
@@ -263,6 +263,7 @@ _TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents"
 
 class _ChatTemplateFields(_Body):
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the prompt ends inside the last (assistant) message, to continue it
     chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the template, e.g. {"thinking": true}
 
     @model_validator(mode="after")
@@ -271,7 +272,14 @@ class _ChatTemplateFields(_Body):
         if taken:
             raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (a request field or "
                              "the server decides it)")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: continuing the "
+                             "last message needs add_generation_prompt false")
         return self
+
+    def template_options(self) -> dict:
+        """apply_chat_template's keyword arguments besides the messages and tools."""
+        return {**(self.chat_template_kwargs or {}), "continue_final_message": self.continue_final_message}
 
 
 class ChatCompletionRequest(_ChatTemplateFields, SamplingFields):

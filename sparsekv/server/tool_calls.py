@@ -191,9 +191,12 @@ class ForcedCallStream:
 
     def update(self, new_text: str, text: str, finished: bool) -> list[dict]:
         if self.forced != "required":
-            deltas = [] if self.started else [_new_call(0, self.forced)]
-            self.started = True
-            return deltas + ([{"index": 0, "function": {"arguments": new_text}}] if new_text else [])
+            if not self.started:  # one entry per call and delta: its id and name with the first arguments
+                self.started = True
+                head = _new_call(0, self.forced)
+                head["function"]["arguments"] = new_text
+                return [head]
+            return [{"index": 0, "function": {"arguments": new_text}}] if new_text else []
         if not finished:
             return []
         return [{"index": i, **call} for i, call in enumerate(forced_calls(text, "required") or [])]
