@@ -535,6 +535,11 @@ def test_chat_renders_the_chat_template_and_generates_as_from_its_ids(llm):
     both = chat_llm.chat([conversation, [{"role": "user", "content": "hello"}]], params)
     assert got[0].prompt_token_ids == ids and got[0].token_ids == want.token_ids
     assert len(both) == 2 and both[0].token_ids == want.token_ids
+    prefilled = conversation + [{"role": "assistant", "content": "def add(a, b):"}]
+    continued = chat_llm.chat(prefilled, params, add_generation_prompt=False, continue_final_message=True)[0]
+    assert tokenizer.decode(continued.prompt_token_ids).endswith("def add(a, b):")  # vLLM's assistant prefill
+    with pytest.raises(InvalidRequest, match="continue_final_message"):
+        chat_llm.chat(prefilled, params, continue_final_message=True)
     chat_llm.close()
     with pytest.raises(InvalidRequest, match="tokenizer"):
         llm.chat(conversation, params)  # the tiny test checkpoint has no tokenizer
