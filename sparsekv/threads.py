@@ -4,7 +4,10 @@
 resolve it here, from the checkpoint's config.json, and agree.
 
 The rule: one thread per `BYTES_PER_THREAD` of weights a decode token reads, at least one, at most
-the cores this process may run on; on an accelerator, one (the CPU only launches and keeps books).
+the cores this process may run on; on an accelerator, up to `ACCELERATOR_THREADS` cores: the model
+runs on the device, but a step's logits are decided on the host (sampling, logprobs), and at a real
+vocabulary that is large work: 64 rows of GLM-5's 154,880 logits take 81 ms to filter by top-p and 27
+ms to draw from on one thread, 44 and 18 ms on two (`sparsekv bench sampling --rows 64`, BENCHMARKS.md).
 
 Why: a decode step is a chain of small ops (norms, RoPE, routing, selection on a few rows) plus
 matrix-vector products that stream the weights once. Extra threads only shorten the streaming
@@ -24,6 +27,7 @@ from .cache.sizing import Parallelism, params_per_rank
 from .config import EngineConfig, ModelConfig
 
 BYTES_PER_THREAD = 2 ** 30
+ACCELERATOR_THREADS = 8  # host threads for the step's decisions when the model runs on an accelerator
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -41,9 +45,9 @@ def available_cores() -> int:
 
 def auto_num_threads(cfg: ModelConfig, dtype: str, device: str, cores: int | None = None) -> int:
     """The rule in the module docstring."""
-    if not device.startswith("cpu"):
-        return 1
     cores = available_cores() if cores is None else cores
+    if not device.startswith("cpu"):
+        return max(1, min(cores, ACCELERATOR_THREADS))
     return max(1, min(cores, decode_weight_bytes(cfg, dtype) // BYTES_PER_THREAD))
 
 

@@ -60,9 +60,11 @@ def test_bad_configs(change, message):
 
 def test_thread_default_is_one_per_gib_a_decode_token_reads():
     """None resolves by the model's size: small models 1 (small ops only wait on more threads), a big
-    one a thread per BYTES_PER_THREAD up to the cores; an accelerator 1; 0 leaves torch's default."""
+    one a thread per BYTES_PER_THREAD up to the cores; an accelerator up to ACCELERATOR_THREADS cores (the
+    host samples); 0 leaves torch's default."""
     from sparsekv.config import EngineConfig
-    from sparsekv.threads import BYTES_PER_THREAD, auto_num_threads, decode_weight_bytes, resolve_num_threads
+    from sparsekv.threads import (ACCELERATOR_THREADS, BYTES_PER_THREAD, auto_num_threads, decode_weight_bytes,
+                                  resolve_num_threads)
     small = ModelConfig.from_dict(BASE)
     big = ModelConfig.from_dict({**BASE, "hidden_size": 4096, "intermediate_size": 16384, "moe_intermediate_size": 2048,
                                  "num_hidden_layers": 4, "vocab_size": 32768})
@@ -72,7 +74,8 @@ def test_thread_default_is_one_per_gib_a_decode_token_reads():
     assert auto_num_threads(small, "float32", "cpu", cores=64) == 1
     assert auto_num_threads(big, "float32", "cpu", cores=64) == per_token // BYTES_PER_THREAD
     assert auto_num_threads(big, "float32", "cpu", cores=2) == 2
-    assert auto_num_threads(big, "float32", "cuda:0", cores=64) == 1
+    assert auto_num_threads(big, "float32", "cuda:0", cores=64) == ACCELERATOR_THREADS  # the host decides the logits
+    assert auto_num_threads(small, "float32", "cuda", cores=2) == 2
     config = EngineConfig(model="m")
     assert resolve_num_threads(config, big, cores=64) == per_token // BYTES_PER_THREAD
     assert resolve_num_threads(EngineConfig(model="m", num_threads=3), big) == 3
