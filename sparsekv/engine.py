@@ -24,6 +24,8 @@ from .outputs import FirstToken, check_warm, token_counts
 from .request import InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler
 from .threads import resolve_num_threads
+from .weights import UpdateOutcomes
+
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -74,6 +76,7 @@ class LLMEngine(WeightControl):
         self._ready: list[RequestOutput] = []  # outputs of given first tokens (add_request), for the next step
         self._ready_step = False  # the last step only output those
         self.weight_update_error: Exception | None = None  # why the last deferred update failed to load
+        self.weight_updates = UpdateOutcomes()  # each accepted update's result, for the one who asked for it
 
     def _build_speculator(self):
         from .speculative import Speculator

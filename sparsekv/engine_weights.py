@@ -43,6 +43,7 @@ class WeightControl:
             raise WeightUpdateConflict(f"generation is paused with {len(started)} started request(s), which must "
                                        f"finish under the old weights (drain): continue generation first, or abort them")
         aborted = self.abort_started_requests() if policy == "abort" else []
+        self.weight_updates.accept()
         self._pending_update, self.weight_update_error = (update, checkpoint), None
         self.hold_unstarted_requests()
         self._apply_pending_update()
@@ -89,9 +90,11 @@ class WeightControl:
         except Exception as e:  # the old weights still serve (or a rank failure: the next step raises it)
             logger.error("weight update failed; the previous weights keep serving: %r", e)
             self.weight_update_error = e
+            self.weight_updates.settle(None, e)
         else:
             self.weights_version += 1
             self.kv.new_weights(checkpoint)
+            self.weight_updates.settle(self.weights_version, None)
         finally:
             self._pending_update = None
             self.release_held_requests()

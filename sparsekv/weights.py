@@ -137,11 +137,12 @@ def _dequantized(name: str, t: torch.Tensor, scale: torch.Tensor | None) -> torc
 def check_disk_update(path: str, cfg: ModelConfig, overrides: dict | None, shapes: dict[str, tuple]) -> DiskUpdate:
     """A checkpoint directory of the same architecture holding exactly the model's tensors, checked by
     config.json and the safetensors headers (shapes, FP8 scales) without reading the weights."""
+    from safetensors import SafetensorError
     try:
         other = ModelConfig.from_json(path, overrides)
         files = list_tensor_files(path)
         want = check_names(other, set(files), path, bool(overrides))
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # the last: a file that is not safetensors
         raise WeightUpdateError(f"{path}: {e}") from None
     if other != cfg:
         fields = [f for f in cfg.__dataclass_fields__ if getattr(cfg, f) != getattr(other, f)]
@@ -154,7 +155,7 @@ def check_disk_update(path: str, cfg: ModelConfig, overrides: dict | None, shape
 
 
 def _check_headers(path: str, files: dict[str, str], want: dict[str, tuple]) -> None:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     handles = {}
     try:
         for name, shape in want.items():
@@ -164,8 +165,34 @@ def _check_headers(path: str, files: dict[str, str], want: dict[str, tuple]) -> 
                 raise WeightUpdateError(f"{path}: tensor {name} has shape {tuple(part.get_shape())}, the model's {shape}")
             if part.get_dtype() in ("F8_E4M3", "float8_e4m3fn") and name + SCALE_SUFFIX not in files:
                 raise WeightUpdateError(f"{path}: FP8 tensor {name} has no {name}{SCALE_SUFFIX}")
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         raise WeightUpdateError(f"{path}: {e}") from None
+
+
+class UpdateOutcomes:
+    """Each accepted weight update's result, by its ticket (the count of updates accepted so far), for
+    whoever waits for that update (the server's /update_weights_from_disk): (weights_version, None) once
+    it loaded, (None, the error) if it failed. One update at a time can wait to load, so the one that
+    settles is always the last accepted. The last KEEP results are kept."""
+
+    KEEP = 64
+
+    def __init__(self):
+        self.accepted = 0
+        self._settled: dict[int, tuple] = {}
+
+    def accept(self) -> int:
+        self.accepted += 1
+        return self.accepted
+
+    def settle(self, version: int | None, error: BaseException | None) -> None:
+        self._settled[self.accepted] = (version, error)
+        while len(self._settled) > self.KEEP:
+            del self._settled[min(self._settled)]
+
+    def outcome(self, ticket: int) -> tuple | None:
+        """The update's (version, error), or None while it waits to load."""
+        return self._settled.get(ticket)
 
 
 class WeightSource:

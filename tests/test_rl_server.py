@@ -232,3 +232,49 @@ def test_a_data_parallel_server_updates_every_rank(ckpts):
 def _engine_tokens_of(path, prompt):
     llm = LLM(path, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_page_size=16)
     return llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+
+
+def test_each_drain_update_answers_its_own_result(ckpts, monkeypatch):
+    """Under drain, update 1 (B) waits for the request in flight, loads as version 1, and a second update
+    (A, whose load fails) comes before update 1's answer is read: update 1 answers 200 with version 1,
+    update 2 a 500 (both read whichever update settled last: version 2 or the other's failure)."""
+    from sparsekv.server import admin
+    a, b = ckpts
+    monkeypatch.setattr(admin, "POLL_S", 2.0)  # update 1's answer is read 2 s after its load at the latest
+    with ThreadServer(a, admin_api_keys=[ADMIN], weight_update_policy="drain") as srv:
+        engine, answers = srv.engine, {}
+        srv.delay[0] = 0.05  # the request stays in flight while update 1 comes
+        worker = threading.Thread(target=lambda: _complete(srv, max_tokens=12))
+        worker.start()
+        assert wait_until(lambda: engine.counters["generation_tokens"] > 0, timeout=30)
+        first = threading.Thread(target=lambda: answers.setdefault(1, _post(srv, "/update_weights_from_disk",
+                                                                            {"model_path": b}, key=ADMIN)))
+        first.start()
+        assert wait_until(lambda: engine.weights_version == 1, timeout=30)  # update 1 loaded: its answer is pending
+        real = engine.executor.update_weights
+
+        def fails(update):
+            raise OSError("disk gone")
+        engine.executor.update_weights = fails
+        answers[2] = _post(srv, "/update_weights_from_disk", {"model_path": a}, key=ADMIN)
+        engine.executor.update_weights = real
+        first.join(30)
+        worker.join(60)
+    assert answers[2].status_code == 500 and "disk gone" in answers[2].text
+    assert answers[1].status_code == 200 and answers[1].json()["weights_version"] == 1, answers[1].text
+
+
+def test_a_file_that_is_not_safetensors_is_a_refused_update(ckpts, tmp_path):
+    """A model.safetensors that is garbage or cut short is refused (400, WeightUpdateError), not a 500."""
+    import shutil
+    from sparsekv.weights import WeightUpdateError
+    a, _ = ckpts
+    for name, damage in (("garbage", lambda data: b"\xff" * 64), ("truncated", lambda data: data[:len(data) // 2])):
+        bad = tmp_path / name
+        shutil.copytree(a, bad)
+        weights = bad / "model.safetensors"
+        weights.write_bytes(damage(weights.read_bytes()))
+        llm = LLM(a, max_model_len=MAX_MODEL_LEN, kv_page_size=16)
+        with pytest.raises(WeightUpdateError, match=str(bad)):
+            llm.engine.update_weights_from_disk(str(bad))
+        llm.close()

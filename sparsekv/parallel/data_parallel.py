@@ -24,7 +24,7 @@ from ..engine import LLMEngine
 from ..hub import resolve_config
 from ..outputs import FirstToken, check_warm
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
-from ..weights import WEIGHT_UPDATE_POLICIES, WeightLoadError, WeightUpdateConflict
+from ..weights import WEIGHT_UPDATE_POLICIES, UpdateOutcomes, WeightLoadError, WeightUpdateConflict
 from .dp_kv import DataParallelKV, kv_call
 from .dp_taps import DataParallelTaps, TapReceiver, open_group
 from .lanes import lane_integrity, load_lane, merge_stats, serve_lane, step_lane
@@ -63,6 +63,7 @@ class DataParallelEngine:
         self.weights_version = 0  # updates every rank loaded (each rank's engine counts the same)
         self.paused = False
         self.weight_update_error: Exception | None = None  # why the last deferred update failed to load
+        self.weight_updates = UpdateOutcomes()  # each accepted update's result, for the one who asked for it
         self._pending_update = None  # (update, checkpoint) waiting for every rank's started requests (drain)
 
     # -- what the local rank's engine knows for all ------------------------------------------------
@@ -283,6 +284,7 @@ class DataParallelEngine:
             raise WeightUpdateConflict(f"generation is paused with {started} started request(s), which must "
                                        f"finish under the old weights (drain): continue generation first, or abort them")
         self.weight_update_error = None
+        self.weight_updates.accept()
         if started and policy == "drain":
             self._pending_update = (update, checkpoint)
             return []
@@ -320,13 +322,16 @@ class DataParallelEngine:
         the ranks' weights differ, and the engine serves no more (RankFailure)."""
         if not errors:
             self.weights_version += 1
+            self.weight_updates.settle(self.weights_version, None)
         elif len(errors) == self.num_ranks:
             self.weight_update_error = WeightLoadError("no rank loaded the weight update; the previous weights "
                                                          "keep serving: " + "; ".join(errors))
             logger.error("%s", self.weight_update_error)
+            self.weight_updates.settle(None, self.weight_update_error)
         else:
             self.ranks.failure = RankFailure("the weight update loaded on some data-parallel ranks and failed on "
                                              "others, whose weights now differ: " + "; ".join(errors))
+            self.weight_updates.settle(None, self.ranks.failure)
             raise self.ranks.failure
 
     @property

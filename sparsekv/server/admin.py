@@ -36,24 +36,27 @@ async def update_weights_from_disk(request: Request):
     body = parse_body(await request.body(), UpdateWeightsFromDisk)
     engine, policy = state.engine, state.settings.weight_update_policy
 
-    def start():
+    def start() -> int:
+        """The update started (or loaded); its ticket, read in the same command (UpdateOutcomes)."""
         try:
             aborted = engine.update_weights_from_disk(body.model_path, policy)
         except WeightLoadError as e:
             state.loop.deliver_outputs(e.aborted)  # the aborted requests' clients get their final chunks
             raise
         state.loop.deliver_outputs(aborted)
+        return engine.weight_updates.accepted
     try:
-        await _call(state, start)
+        ticket = await _call(state, start)
     except WeightUpdateError as e:
         raise APIError(400, str(e), "model_path") from None
     except WeightUpdateConflict as e:
         raise APIError(409, str(e)) from None
     except WeightLoadError as e:
         raise APIError(500, str(e)) from None
-    while await _call(state, lambda: engine.weight_update_pending):
+    # NOTE: this update's own result: another update may load (or fail) before this answer is read
+    while (outcome := await _call(state, lambda: engine.weight_updates.outcome(ticket))) is None:
         await asyncio.sleep(POLL_S)
-    version, error = await _call(state, lambda: (engine.weights_version, engine.weight_update_error))
+    version, error = outcome
     if error is not None:
         raise APIError(500, f"the weight update failed to load; the previous weights keep serving: {error}")
     return {"success": True, "message": f"loaded {body.model_path}", "weights_version": version}
