@@ -180,6 +180,36 @@ def test_two_nodes_of_one_process_each_equal_one_process(glm_ckpt, layout):
             node1.wait()
 
 
+def test_a_node_started_with_other_options_fails_the_start_naming_them(glm_ckpt, tmp_path):
+    """Each node parses its own flags: node 1 with expert parallelism, or another checkpoint of the same
+    shapes, computed other tokens without a word. The start fails on both nodes, naming the difference."""
+    import shutil
+    import subprocess
+    import sys
+
+    from sparsekv.parallel.launch import StartupError
+    from sparsekv.tools.tiny import save_reference_checkpoint
+    from test_server_util import REPO, free_port
+    copy, reseeded = tmp_path / "copy", str(tmp_path / "reseeded")
+    shutil.copytree(glm_ckpt[0], copy)  # the same checkpoint elsewhere: a path may differ between nodes
+    save_reference_checkpoint(reseeded, "glm_moe_dsa", seed=1)  # the same shapes, other weights
+    for extra, path, words in ((["--enable-expert-parallel"], str(copy), "enable_expert_parallel True against False"),
+                               ([], reseeded, "another checkpoint")):
+        port = free_port()
+        node1 = subprocess.Popen([sys.executable, "-m", "sparsekv", "serve", path, "--node-rank", "1", "--kv-page-size",
+                                  "4", "--max-model-len", "128", "-tp", "2", "--nnodes", "2", "--dist-init-addr",
+                                  f"127.0.0.1:{port}", *extra], env={**os.environ, "PYTHONPATH": REPO},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            with pytest.raises(StartupError, match=f"rank 1 was started with other options.*{words}"):
+                LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
+            assert node1.wait(timeout=60) != 0
+        finally:
+            if node1.poll() is None:
+                node1.kill()
+                node1.wait()
+
+
 def test_each_rank_reports_its_weights_memory_and_collective_bytes(glm_ckpt):
     """Counts, not timings: each of the L layers all-reduces its attention and FFN outputs and the
     embedding one more time, [rows, hidden] fp32 each; a ring all-reduce sends 2 (N-1)/N of it per

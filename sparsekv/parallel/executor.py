@@ -218,7 +218,7 @@ def serve_rank(config: EngineConfig, rank: int, addr: str) -> None:
     until told to stop."""
     started = start_worker(config, rank, addr, lambda control: _build_worker(config, rank, control))
     if started is None:
-        return
+        raise SystemExit(1)  # the start failed (start_worker said why): node 1's command exits 1
     worker, control = started
     while True:
         method, args = next_command(config, control)

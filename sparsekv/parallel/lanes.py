@@ -83,7 +83,7 @@ def serve_lane(config: EngineConfig, rank: int, addr: str) -> None:
     answer the front end's commands until told to stop."""
     started = start_worker(config, rank, addr, lambda control: LLMEngine(config, lane=rank))
     if started is None:
-        return
+        raise SystemExit(1)  # the start failed (start_worker said why): node 1's command exits 1
     engine, control = started
     taps: list[TapSender] = []  # opened by rank 0's first layer tap
 

@@ -124,7 +124,7 @@ class RankGroup:
     def check_started(self, error: BaseException | None) -> None:
         """Every rank's start-up status; raises (and stops every rank) if any failed."""
         mine = None if error is None else f"rank 0: {type(error).__name__}: {error}"
-        statuses = exchange_status(mine, self.layout.world_size, self.control)
+        statuses = exchange_status(mine, launch_fingerprint(self.config), self.layout.world_size, self.control)
         failed = [s for s in statuses if s is not None]
         if failed:
             self.close(notify=False)
@@ -171,16 +171,53 @@ class RankGroup:
         return self.failure
 
 
-def exchange_status(mine: str | None, world_size: int, group) -> list[str | None]:
-    statuses: list = [None] * world_size
-    dist.all_gather_object(statuses, mine, group=group)
+# options each node's command may set for itself: where its files are, its threads, its place
+PER_NODE_OPTIONS = frozenset({"model", "tokenizer", "num_threads", "node_rank", "host_store_path",
+                              "prefix_cache_disk_path", "prefix_cache_disk_key_file",
+                              "prefix_cache_disk_old_key_files", "dist_startup_timeout_s"})
+
+
+def launch_fingerprint(config: EngineConfig) -> dict:
+    """What every rank's command must agree on: its options but PER_NODE_OPTIONS, and the checkpoint
+    by what it holds (config.json and sampled blocks of its weights), not by its path. Each node parses
+    its own flags: a node started with other ones (expert parallelism, another checkpoint of the same
+    shapes, another dtype) computed other tokens silently, or failed at the first request."""
+    import dataclasses
+    from ..cache.prefix_disk import checkpoint_identity
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in PER_NODE_OPTIONS}
+    try:
+        options["checkpoint"] = checkpoint_identity(config.model) if os.path.isdir(config.model) else config.model
+    except OSError as e:
+        options["checkpoint"] = f"unreadable: {e}"
+    return options
+
+
+def exchange_status(mine: str | None, fingerprint: dict, world_size: int, group) -> list[str | None]:
+    """Every rank's start-up error or None, the same list on every rank; a rank whose options differ
+    from rank 0's (`launch_fingerprint`) has failed, naming them."""
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (mine, fingerprint), group=group)
+    reference = gathered[0][1]
+    statuses = []
+    for rank, (error, theirs) in enumerate(gathered):
+        differ = [k for k in sorted(set(reference) | set(theirs)) if reference.get(k) != theirs.get(k)]
+        if error is None and differ:
+            error = (f"rank {rank} was started with other options than rank 0 (run the same command on every node): "
+                     + "; ".join(_difference(k, theirs.get(k), reference.get(k)) for k in differ))
+        statuses.append(error)
     return statuses
+
+
+def _difference(option: str, theirs, ours) -> str:
+    if option == "checkpoint":
+        return "another checkpoint (its config.json or weights differ)"
+    return f"{option} {theirs!r} against {ours!r}"
 
 
 def start_worker(config: EngineConfig, rank: int, addr: str, build):
     """A worker's start: join the group at the rendezvous store `addr` (HOST:PORT), `build(control
     group)`, and exchange every rank's start-up status. Returns (what build made, the control group),
-    or None when a rank failed (this process then leaves; rank 0 raises that rank's message)."""
+    or None when a rank failed (this process then exits 1; rank 0 raises that rank's message)."""
     import torch
     torch.set_num_threads(config.num_threads or 1)
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
@@ -190,8 +227,11 @@ def start_worker(config: EngineConfig, rank: int, addr: str, build):
         built = build(control)
     except Exception as e:  # reported to rank 0, which raises it
         error = f"rank {rank}: {type(e).__name__}: {e}"
-    statuses = exchange_status(error, config.tensor_parallel_size * config.data_parallel_size, control)
-    if any(s is not None for s in statuses):
+    statuses = exchange_status(error, launch_fingerprint(config), config.tensor_parallel_size * config.data_parallel_size,
+                               control)
+    failed = [s for s in statuses if s is not None]
+    if failed:  # rank 0 raises it; said here too, for a node whose own output is all its operator sees
+        logger.error("the start failed: %s", "; ".join(failed))
         dist.destroy_process_group()
         return None
     use_operation_timeout(config)
