@@ -26,6 +26,8 @@ from .scheduler import Scheduler
 from .threads import resolve_num_threads
 from .weights import UpdateOutcomes
 
+RANK_PROBE_S = 2.0  # how often an idle parallel engine asks its ranks whether they are there (check_ranks)
+
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,6 +79,7 @@ class LLMEngine(WeightControl):
         self._ready_step = False  # the last step only output those
         self.weight_update_error: Exception | None = None  # why the last deferred update failed to load
         self.weight_updates = UpdateOutcomes()  # each accepted update's result, for the one who asked for it
+        self._ranks_probed = time.monotonic()  # when check_ranks last asked every rank
 
     def _build_speculator(self):
         from .speculative import Speculator
@@ -176,10 +179,17 @@ class LLMEngine(WeightControl):
 
     def check_ranks(self) -> None:
         """RankFailure if a worker rank of a parallel engine exited or a call across the ranks failed;
-        nothing for an engine of one rank."""
+        nothing for an engine of one rank. A rank on another node has no process here to look at, so
+        every RANK_PROBE_S this also asks every rank for its figures (a round trip; the idle server
+        calls it, so a dead node is found without a request)."""
         ranks = getattr(self.executor, "ranks", None)
-        if ranks is not None:
-            ranks.check_alive()
+        if ranks is None:
+            return
+        ranks.check_alive()
+        now = time.monotonic()
+        if now - self._ranks_probed >= RANK_PROBE_S:
+            self._ranks_probed = now
+            self.executor.rank_stats()
 
     def expire_prefix_cache(self) -> int:
         """Forget prefix-cache pages past their retention (`prefix_cache_ttl_s`); each step does it

@@ -180,6 +180,44 @@ def test_two_nodes_of_one_process_each_equal_one_process(glm_ckpt, layout):
             node1.wait()
 
 
+def test_an_idle_engine_finds_a_dead_node_without_a_request(glm_ckpt):
+    """Node 1's ranks have no process on node 0 to look at: an idle engine's check_ranks (what the idle
+    server calls) asks every rank every RANK_PROBE_S, so node 1 killed while nothing runs is a
+    RankFailure there (the server's /health then turns 503); it stayed healthy until a request came."""
+    import signal
+    import subprocess
+    import sys
+
+    from sparsekv.engine import RANK_PROBE_S
+    from sparsekv.parallel.launch import RankFailure
+    from test_server_util import REPO, free_port, wait_until
+    port = free_port()
+    node1 = subprocess.Popen([sys.executable, "-m", "sparsekv", "serve", glm_ckpt[0], "--node-rank", "1", "--kv-page-size",
+                              "4", "--max-model-len", "128", "-tp", "2", "--nnodes", "2", "--dist-init-addr",
+                              f"127.0.0.1:{port}"], env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    llm = None
+    try:
+        llm = LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
+        llm.engine.check_ranks()  # everyone there
+        os.killpg(node1.pid, signal.SIGKILL)
+        node1.wait(timeout=30)
+
+        def found() -> bool:
+            try:
+                llm.engine.check_ranks()
+            except RankFailure:
+                return True
+            return False
+        assert wait_until(found, timeout=RANK_PROBE_S + 30, interval=0.1)
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait()
+        if llm is not None:
+            llm.close()
+
+
 def test_a_node_started_with_other_options_fails_the_start_naming_them(glm_ckpt, tmp_path):
     """Each node parses its own flags: node 1 with expert parallelism, or another checkpoint of the same
     shapes, computed other tokens without a word. The start fails on both nodes, naming the difference."""
