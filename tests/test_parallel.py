@@ -218,6 +218,39 @@ def test_an_idle_engine_finds_a_dead_node_without_a_request(glm_ckpt):
             llm.close()
 
 
+def test_sigterm_to_a_node_stops_its_ranks(glm_ckpt):
+    """SIGTERM to node 1's command (its launcher, as a supervisor sends it) stops the rank it started (the
+    rank was orphaned and went on serving node 0's engine); the command exits 143."""
+    import signal
+    import subprocess
+    import sys
+
+    from test_server_util import REPO, free_port, wait_until
+    port = free_port()
+    node1 = subprocess.Popen([sys.executable, "-m", "sparsekv", "serve", glm_ckpt[0], "--node-rank", "1", "--kv-page-size",
+                              "4", "--max-model-len", "128", "-tp", "2", "--nnodes", "2", "--dist-init-addr",
+                              f"127.0.0.1:{port}"], env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    llm = None
+    try:
+        llm = LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
+        children = subprocess.run(["pgrep", "-P", str(node1.pid)], capture_output=True, text=True).stdout.split()
+        ranks = [pid for pid in children if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(ranks) == 1, children
+        node1.send_signal(signal.SIGTERM)
+        assert node1.wait(timeout=30) == 128 + signal.SIGTERM
+        assert wait_until(lambda: not os.path.exists(f"/proc/{ranks[0]}") or
+                          open(f"/proc/{ranks[0]}/stat").read().split()[2] == "Z", timeout=30)
+    finally:
+        try:
+            os.killpg(node1.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        node1.wait()
+        if llm is not None:
+            llm.close()
+
+
 def test_a_node_started_with_other_options_fails_the_start_naming_them(glm_ckpt, tmp_path):
     """Each node parses its own flags: node 1 with expert parallelism, or another checkpoint of the same
     shapes, computed other tokens without a word. The start fails on both nodes, naming the difference."""

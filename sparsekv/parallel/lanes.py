@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 import torch.distributed as dist
 
@@ -126,9 +127,25 @@ def host_node(config: EngineConfig) -> int:
     check_layout(config)
     target = serve_lane if config.data_parallel_size > 1 else serve_rank
     ranks = RankGroup.start(config, target)
+    stopped = _stop_ranks_on_sigterm(ranks.processes)
     for p in ranks.processes:
         p.join()
-    return next((p.exitcode for p in ranks.processes if p.exitcode), 0)
+    return 128 + signal.SIGTERM if stopped else next((p.exitcode for p in ranks.processes if p.exitcode), 0)
+
+
+def _stop_ranks_on_sigterm(processes) -> list:
+    """SIGTERM to this node's command stops its ranks too (they are its children: left running, they
+    went on serving node 0's engine after a supervisor saw the node go, and restarted it into a world
+    that was still there). Returns a list that holds True once it came."""
+    came = []
+
+    def stop(signum, frame):
+        came.append(True)
+        for p in processes:
+            if p.is_alive():
+                p.terminate()
+    signal.signal(signal.SIGTERM, stop)
+    return came
 
 
 # -- stats -------------------------------------------------------------------------------------------
