@@ -174,3 +174,19 @@ def test_a_start_up_error_only_a_worker_rank_hits_is_one_line(tmp_path, glm_ckpt
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr and "rank 1" in out.stderr and "hs.rank1" in out.stderr
     assert (tmp_path / "hs.rank1").read_text() == "someone's file"
+
+
+def test_a_node_whose_node_0_never_comes_says_so_in_one_line(glm_ckpt):
+    """Node 1 started alone: its rank cannot reach node 0's rendezvous store within the start-up timeout;
+    the command exits 1 with one line naming the address, not a Python traceback."""
+    import subprocess
+    import sys
+
+    from test_server_util import free_port
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "sparsekv", "serve", glm_ckpt[0], "--node-rank", "1", "-tp", "2",
+                          "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}", "--dist-startup-timeout", "3",
+                          "--kv-page-size", "4", "--max-model-len", "128"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert f"rank 1 could not join the world at 127.0.0.1:{port}" in out.stderr
+    assert "Traceback (most recent call last)" not in out.stderr

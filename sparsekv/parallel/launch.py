@@ -221,7 +221,11 @@ def start_worker(config: EngineConfig, rank: int, addr: str, build):
     import torch
     torch.set_num_threads(config.num_threads or 1)
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
-    control = join_group(config, rank, addr, None, _check_parent)
+    try:
+        control = join_group(config, rank, addr, None, _check_parent)
+    except RuntimeError as e:  # rank 0's store never answered, a rank never came (StartupError), the parent left
+        logger.error("rank %d could not join the world at %s: %s", rank, addr, str(e).strip().splitlines()[0])
+        raise SystemExit(1) from None
     built, error = None, None
     try:
         built = build(control)
