@@ -190,3 +190,22 @@ def test_a_node_whose_node_0_never_comes_says_so_in_one_line(glm_ckpt):
     assert out.returncode == 1, out.stderr[-2000:]
     assert f"rank 1 could not join the world at 127.0.0.1:{port}" in out.stderr
     assert "Traceback (most recent call last)" not in out.stderr
+
+
+def test_nodes_that_count_other_world_sizes_fail_the_start_at_once():
+    """Node 0 counts 2 ranks, node 1 (another -tp) 4, so its ranks are 2 and 3: node 0's rank 0 waited for
+    a rank 1 that never comes until the start-up timeout, naming it. A rank that sees another world size
+    says so in the store, and every rank fails at once with that message."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sparsekv.parallel.launch import wait_for_ranks
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        node0 = pool.submit(wait_for_ranks, store, 0, 2, 60.0)
+        time.sleep(0.3)
+        node1 = pool.submit(wait_for_ranks, store, 2, 4, 60.0)
+        for future in (node0, node1):
+            with pytest.raises(StartupError, match=r"counts a world of 4 ranks, rank\(s\) \[0\] of \[2\]"):
+                future.result(timeout=30)
+    assert time.monotonic() - started < 30  # not the start-up timeout

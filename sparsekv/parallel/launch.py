@@ -265,10 +265,11 @@ def join_group(config: EngineConfig, rank: int, addr: str, store=None, alive=Non
 def wait_for_ranks(store, rank: int, world: int, timeout_s: float, alive=None) -> None:
     """Mark `rank` arrived in the rendezvous store and wait until all `world` ranks have; StartupError
     past `timeout_s`, or as soon as `alive()` raises."""
-    store.set(_arrived(rank), b"1")
+    store.set(_arrived(rank), str(world).encode())  # each rank's world size: nodes started otherwise never meet
     keys = [_arrived(r) for r in range(world)]
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
+        _check_same_world(store, rank, world)
         if alive is not None:
             alive()
         if time.monotonic() > deadline:
@@ -276,6 +277,25 @@ def wait_for_ranks(store, rank: int, world: int, timeout_s: float, alive=None) -
             raise StartupError(f"rank {rank}: rank(s) {missing} did not join within {timeout_s:g} s "
                                f"(--dist-startup-timeout)")
         time.sleep(ARRIVAL_POLL_S)
+    _check_same_world(store, rank, world)
+
+
+def _check_same_world(store, rank: int, world: int) -> None:
+    """StartupError once a rank that arrived counts another world size, or another rank found one (it
+    says so under START_FAILED_KEY: node 0's ranks would never see node 1's, whose numbers are past
+    their world, and waited for the start-up timeout)."""
+    if store.check([START_FAILED_KEY]):
+        raise StartupError(store.get(START_FAILED_KEY).decode())
+    other = {r: int(store.get(_arrived(r))) for r in range(world) if store.check([_arrived(r)])}
+    wrong = {r: w for r, w in other.items() if w != world}
+    if wrong:
+        message = (f"rank {rank} counts a world of {world} ranks, rank(s) {sorted(wrong)} of "
+                   f"{sorted(set(wrong.values()))} (tensor x data parallel size): run the same command on every node")
+        store.set(START_FAILED_KEY, message.encode())
+        raise StartupError(message)
+
+
+START_FAILED_KEY = "sparsekv/start-failed"
 
 
 def _arrived(rank: int) -> str:
