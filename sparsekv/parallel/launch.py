@@ -268,8 +268,12 @@ def wait_for_ranks(store, rank: int, world: int, timeout_s: float, alive=None) -
     store.set(_arrived(rank), str(world).encode())  # each rank's world size: nodes started otherwise never meet
     keys = [_arrived(r) for r in range(world)]
     deadline = time.monotonic() + timeout_s
+    seen: set[int] = set()  # the ranks whose world size was read already
+    keys_then = -1
     while not store.check(keys):
-        _check_same_world(store, rank, world)
+        if store.num_keys() != keys_then:  # a rank arrived (or another key came): read the new ones
+            keys_then = store.num_keys()
+            _check_same_world(store, rank, world, seen)
         if alive is not None:
             alive()
         if time.monotonic() > deadline:
@@ -277,16 +281,18 @@ def wait_for_ranks(store, rank: int, world: int, timeout_s: float, alive=None) -
             raise StartupError(f"rank {rank}: rank(s) {missing} did not join within {timeout_s:g} s "
                                f"(--dist-startup-timeout)")
         time.sleep(ARRIVAL_POLL_S)
-    _check_same_world(store, rank, world)
+    _check_same_world(store, rank, world, seen)
 
 
-def _check_same_world(store, rank: int, world: int) -> None:
+def _check_same_world(store, rank: int, world: int, seen: set[int]) -> None:
     """StartupError once a rank that arrived counts another world size, or another rank found one (it
     says so under START_FAILED_KEY: node 0's ranks would never see node 1's, whose numbers are past
-    their world, and waited for the start-up timeout)."""
+    their world, and waited for the start-up timeout). `seen`: the ranks read already, updated."""
     if store.check([START_FAILED_KEY]):
         raise StartupError(store.get(START_FAILED_KEY).decode())
-    other = {r: int(store.get(_arrived(r))) for r in range(world) if store.check([_arrived(r)])}
+    new = [r for r in range(world) if r not in seen and store.check([_arrived(r)])]
+    other = {r: int(store.get(_arrived(r))) for r in new}
+    seen.update(new)
     wrong = {r: w for r, w in other.items() if w != world}
     if wrong:
         message = (f"rank {rank} counts a world of {world} ranks, rank(s) {sorted(wrong)} of "
