@@ -225,6 +225,19 @@ def test_an_imported_tail_fills_the_last_tokens_page_for_the_first_request_admit
         assert [count for _, _, count in cache.padded_tails([(b"x", [torch.zeros(rows, 2)], 4 * PAGE)])] == [rows]
 
 
+def test_resetting_one_tenant_drops_its_tails_only():
+    """A tenant's reset_prefix_cache drops its own imported tails; another tenant's waiting for their
+    requests stay (every tenant's went, and their requests each computed a page again)."""
+    cache, _, _ = _cache()
+    tail = [torch.full((2, 2), 9.0)]
+    for tenant in ("alice", "bob"):
+        cache.keep_tails(cache.padded_tails([(cache.tail_name(PROMPT, tenant, None), tail, len(PROMPT))]), tenant=tenant)
+    cache.reset("alice")
+    assert [kept[3] for kept in cache._tails.values()] == ["bob"]
+    cache.reset()
+    assert not cache._tails
+
+
 def test_the_same_prompts_tail_from_two_transfers_serves_both_requests():
     """Two requests of one prompt transferred at once: the second import's tail adds its use to the
     first's (it replaced it, and one of the two requests recomputed the last page)."""

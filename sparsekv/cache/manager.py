@@ -224,7 +224,7 @@ class CacheManager:
         padded = prefix.padded_tails([(prefix.tail_name(p, tenant, cache_salt, chain), rows, len(p))
                                       for p, chain, rows in zip(prompts, chains, tails or ()) if rows])
         n = prefix.import_pages(pages, tenant, chains)
-        prefix.keep_tails(padded, tail_uses)
+        prefix.keep_tails(padded, tail_uses, tenant)
         return n
 
     def prompt_chains(self, prompts: list[list[int]], tenant: str = "default",

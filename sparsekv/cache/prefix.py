@@ -321,7 +321,8 @@ class PrefixCache(PageTransfer):
         pages = self.allocator.cached.drop(self.allocator.cached.pages(tenant))
         for page in pages:
             self._unname(page)
-        self._tails.clear()  # keyed by digests: every tenant's go (a request without its tail computes the page)
+        for key in [k for k, kept in self._tails.items() if tenant is None or kept[3] == tenant]:
+            del self._tails[key]  # a request without its tail computes the page
         return len(pages) + sum(store.drop(tenant) for store in self.tiers.values())
 
     def new_weights(self, disk=None) -> int:

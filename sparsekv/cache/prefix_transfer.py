@@ -82,9 +82,10 @@ class PageTransfer:
             padded.append((key, rows, count))
         return padded
 
-    def keep_tails(self, padded: list[tuple[bytes, list, int]], uses: int = 1) -> None:
+    def keep_tails(self, padded: list[tuple[bytes, list, int]], uses: int = 1, tenant: str = "default") -> None:
         """Keep checked tails (`padded_tails`) until `uses` requests (a prompt's choices) were admitted
-        (`PrefixCache.take`). Not named: a partial page is never a hit for another request."""
+        (`PrefixCache.take`). Not named: a partial page is never a hit for another request. `tenant`:
+        whose they are (`reset` of one tenant drops its own)."""
         if uses < 1:
             raise ValueError(f"a tail needs at least one use, got {uses}")
         for key, rows, count in padded:
@@ -92,7 +93,7 @@ class PageTransfer:
             if kept is not None and kept[2] == count:  # the same prompt's tail from another transfer: the
                 kept[1] += uses                        # same rows, and the requests before still need theirs
             else:
-                self._tails[key] = [rows, uses, count]
+                self._tails[key] = [rows, uses, count, tenant]
             self._tails.move_to_end(key)
         while len(self._tails) > MAX_TAILS:
             self._tails.popitem(last=False)
