@@ -127,6 +127,44 @@ def test_a_wait_whose_key_is_deleted_before_its_read_ends_without_waiting_again(
     assert store.num_keys() == 0
 
 
+def test_a_wake_after_the_wait_ended_writes_no_marker(room):
+    """A wait can end before the wake that gives it up (at its own deadline, or woken by a compare_set
+    on its missing key, which the store treats as a write); the wake then writes nothing (its marker
+    would stay in the store for good)."""
+    store, mine, peer = room
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(mine.wait_for, "claim", HANG_S)
+        absent = transfer_module.ABSENT
+        # NOTE: repeated, as a compare_set before the wait reaches the store wakes nothing
+        assert _ended(lambda: peer.store.compare_set(peer.key("claim"), absent, absent) and future.done())
+        assert future.result() is None
+        mine.wake("claim")
+    assert store.num_keys() == 0
+
+
+def test_asking_whether_the_peer_wrote_a_key_does_not_end_a_wait_for_it(room):
+    store, mine, peer = room
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(mine.wait_for, "claim", HANG_S)
+        assert _ended(lambda: mine.waiting is not None)
+        time.sleep(0.5)  # the wait reaches the store
+        assert not peer.written_by_peer("claim")
+        time.sleep(0.2)
+        assert not future.done()
+        peer.put("claim", b"the claim")
+        assert future.result(timeout=HANG_S) == b"the claim"
+        assert peer.written_by_peer("claim")
+
+
+def test_a_wake_before_the_wait_began_ends_it_at_once(room):
+    store, mine, _ = room
+    mine.wake("claim")
+    started = time.monotonic()
+    assert mine.wait_for("claim", HANG_S) is None
+    assert time.monotonic() - started < HANG_S / 2  # a wait that began would last until HANG_S
+    assert store.num_keys() == 0
+
+
 def test_a_store_that_goes_away_ends_the_wait():
     """The prefill worker's store closing (its process gone) ends the decode side's wait at once."""
     w = _worker(timeout_s=3600)

@@ -134,6 +134,11 @@ class Room:
         self.store, self.name = store, room
         self.prefix = f"sparsekv/room/{room}/"
         self.waiting: dist.TCPStore | None = None  # wait_for's connection (a TCPStore client runs one call at a time)
+        # NOTE: a wait may end before a wake (at its own deadline, or woken by a compare_set on its missing
+        # key): the lock orders a wait's end against a wake, which then writes no marker nobody would delete
+        self.wait_lock = threading.Lock()
+        self.waiting_on: str | None = None
+        self.woken: set[str] = set()
 
     def key(self, part: str) -> str:
         return self.prefix + part
@@ -152,9 +157,11 @@ class Room:
             raise TransferError(f"room {self.name}: the bootstrap store is gone ({_first_line(e)})") from None
 
     def written_by_peer(self, part: str) -> bool:
-        """Whether `part` holds a value (not this side's own wake marker), without waiting."""
+        """Whether `part` holds a value (not this side's own wake marker), without waiting. NOTE: checked
+        first, because a compare_set on a missing key wakes the store's waits for it (libuv's store)."""
+        key = self.key(part)
         try:
-            return self.store.compare_set(self.key(part), ABSENT, ABSENT) not in (ABSENT, WOKEN)
+            return self.store.check([key]) and self.store.compare_set(key, ABSENT, ABSENT) not in (ABSENT, WOKEN)
         except Exception as e:
             raise TransferError(f"room {self.name}: the bootstrap store is gone ({_first_line(e)})") from None
 
@@ -162,24 +169,38 @@ class Room:
         """`part`'s value once it is written, or None when `wake(part)` ended the wait first. Blocks in
         the store's wait, on a connection of the room's own, so its other calls go on meanwhile."""
         key = self.key(part)
+        with self.wait_lock:
+            if part in self.woken:  # woken before it began
+                return None
+            self.waiting_on = part
         try:
             if self.waiting is None:
                 self.waiting = dist.TCPStore(self.store.host, self.store.port, is_master=False,
                                              wait_for_workers=False, timeout=_timeout(timeout_s))
             self.waiting.wait([key], _timeout(timeout_s))
-            value = self.waiting.compare_set(key, ABSENT, ABSENT)  # NOTE: not get, which waits if forget() came first
-            if value == WOKEN:  # nobody else writes it, so the key is this wait's to delete
-                self.waiting.delete_key(key)
+            with self.wait_lock:
+                self.waiting_on = None
+                value = self.waiting.compare_set(key, ABSENT, ABSENT)  # NOTE: not get, which waits if forget() came first
+                if value == WOKEN:  # nobody else writes it, so the key is this wait's to delete
+                    self.waiting.delete_key(key)
             return None if value in (WOKEN, ABSENT) else value
         except Exception as e:  # the store gone (a connection error), or past timeout_s
             raise TransferError(f"room {self.name}: waiting for {part} failed: {_first_line(e)}") from None
+        finally:
+            with self.wait_lock:
+                self.waiting_on = None
 
     def wake(self, part: str) -> None:
-        """End a wait for `part` (in another thread) that nobody will answer, unless it was written already."""
-        try:
-            self.store.compare_set(self.key(part), "", WOKEN)
-        except Exception:  # the store is gone: the wait has ended with an error already
-            pass
+        """End a wait for `part` (in another thread) that nobody will answer, unless it was written
+        already. The marker it writes is the wait's to delete, so none is written once the wait is over."""
+        with self.wait_lock:
+            self.woken.add(part)
+            if self.waiting_on != part:  # the wait is over, or has not begun (it then returns at once)
+                return
+            try:
+                self.store.compare_set(self.key(part), "", WOKEN)
+            except Exception:  # the store is gone: the wait has ended with an error already
+                pass
 
     def get(self, part: str) -> bytes:
         try:
