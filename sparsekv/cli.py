@@ -89,7 +89,7 @@ def generate_main(argv: list[str]) -> int:
     except StartupError as e:  # a worker rank's own error, or a rank that never came
         print(f"sparsekv generate: error: {e}", file=sys.stderr)
         return 1
-    _print_output(out, args.json)
+    _print_output(out, args.json, llm.tokenizer is not None)
     print(timing, file=sys.stderr)
     return 0
 
@@ -113,14 +113,14 @@ def _timed_generate(llm, prompt, params):
     return out, timing
 
 
-def _print_output(out, as_json: bool) -> None:
+def _print_output(out, as_json: bool, has_tokenizer: bool) -> None:
     if as_json:
         logprobs = None if out.logprobs is None else [{str(k): v for k, v in d.items()} for d in out.logprobs]
         print(json.dumps({"token_ids": out.token_ids, "text": out.text, "logprobs": logprobs,
                           "finish_reason": out.finish_reason, "cached_tokens": out.num_cached_tokens,
                           "cached_tokens_disk": (out.metrics or {}).get("prefix_cached_tokens_disk", 0)}))
     else:
-        print(out.text if out.text else " ".join(map(str, out.token_ids)))
+        print(out.text if has_tokenizer else " ".join(map(str, out.token_ids)))  # no tokenizer: no text
 
 
 def make_tiny_parser() -> argparse.ArgumentParser:

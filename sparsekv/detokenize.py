@@ -14,14 +14,14 @@ REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     """Text of one request's output tokens, kept up to date one step at a time."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.text = ""
         self.prefix_offset = 0  # first token of the decode window
         self.read_offset = 0    # tokens whose text is already in `self.text`
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, token_ids: list[int]) -> str:
         """`token_ids`: every output token so far. Appends and returns the text that became final."""

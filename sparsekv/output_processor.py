@@ -265,11 +265,14 @@ class OutputProcessor:
         if grammar is not None and grammar.finished and token in self.eos_token_ids:  # the match is complete
             stop_token, may_stop = True, True
         if may_stop and stop_token:
-            self._final_text(req, req.output_token_ids[:-1])  # the stop token is not part of the text
+            # vLLM: the stop token's text is the output's only with include_stop_str_in_output (EOS, a
+            # special token, decodes to nothing unless skip_special_tokens is off)
+            self._final_text(req, req.output_token_ids if params.include_stop_str_in_output else req.output_token_ids[:-1])
             eos = token in self.eos_token_ids and (not params.ignore_eos or (grammar is not None and grammar.finished))
             req.stop_reason = None if eos else token  # vLLM: EOS first, then a stop token id
             return "stop"
-        if self.tokenizer is not None and self._stop_string_completed(req, may_stop):
+        # vLLM: a stop string counts from token min_tokens + 1, where EOS and stop ids can first come
+        if self.tokenizer is not None and self._stop_string_completed(req, req.num_output_tokens > params.min_tokens):
             return "stop"
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             self._final_text(req, req.output_token_ids)
@@ -284,7 +287,7 @@ class OutputProcessor:
     def _text_state(self, req: Request) -> OutputState:
         state = self._states[req.request_id]
         if state.detokenizer is None:
-            state.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            state.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
         return state
 
     def _stop_string_completed(self, req: Request, may_stop: bool = True) -> bool:

@@ -180,4 +180,16 @@ def token_logprobs_rows(logits: torch.Tensor, tokens: list[int], num_tops: list[
 
 
 def make_generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator().manual_seed(generator_seed(seed))
+
+
+def generator_seed(seed: int) -> int:
+    """The 32 bits a CPU generator keeps of `seed` (mt19937 reads only the low 32): seeds in [0, 2**32)
+    as they are, any other 64-bit seed mixed down (splitmix64's finaliser), so seeds that differ only
+    above bit 31 sample differently."""
+    if 0 <= seed < 2 ** 32:
+        return seed
+    z = seed % 2 ** 64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2 ** 64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2 ** 64
+    return (z ^ (z >> 31)) % 2 ** 32

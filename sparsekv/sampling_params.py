@@ -12,6 +12,9 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
 @dataclass
 class SamplingParams:
     """Shaped like vLLM's. `seed` makes one request reproducible whatever else shares the batch.
@@ -44,7 +47,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
-    include_stop_str_in_output: bool = False  # a matched stop string ends the text instead of being cut
+    include_stop_str_in_output: bool = False  # a matched stop string (or stop token's text) ends the text instead of being cut
+    skip_special_tokens: bool = True  # the text leaves special tokens out (vLLM's)
     # {"type": "json_object"} | {"type": "json_schema", "schema": ...} | {"type": "regex", "pattern": ...}
     # | {"type": "choice", "choices": [...]}: the output must match it (structured.py)
     structured_output: dict | None = None
@@ -89,7 +93,8 @@ class SamplingParams:
              f"must be a number in [0, 100], got {self.temperature!r}")
         need(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         need(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        need(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
+        need(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX), "seed",
+             f"must be a signed 64-bit integer or None, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             need(value is None or (_is_int(value) and 0 <= value <= self.MAX_LOGPROBS), name,
@@ -98,7 +103,7 @@ class SamplingParams:
         need(all(isinstance(s, str) and s for s in stops), "stop", "must be a non-empty string or a list of them")
         need(self.stop_token_ids is None or all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be a list of token ids (integers >= 0)")
-        for name in ("ignore_eos", "include_stop_str_in_output", "return_routed_experts"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "return_routed_experts"):
             need(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
         need(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")
         need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",

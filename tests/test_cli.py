@@ -209,3 +209,13 @@ def test_rl_screen_and_summary_name_the_file_and_line_of_a_bad_line(tmp_path, ca
     assert main(["rollout", "--summary", str(trajectories), "--plot", str(tmp_path / "p.png")]) == 2
     err = capsys.readouterr().err
     assert f"{trajectories}:2:" in err and "Traceback" not in err, err
+
+
+def test_generate_prints_the_text_even_when_empty_and_token_ids_without_a_tokenizer(capsys):
+    from types import SimpleNamespace
+    from sparsekv.cli import _print_output
+    ended_at_once = SimpleNamespace(text="", token_ids=[0])  # EOS first: no text
+    _print_output(ended_at_once, as_json=False, has_tokenizer=True)
+    assert capsys.readouterr().out == "\n"
+    _print_output(SimpleNamespace(text="", token_ids=[5, 6]), as_json=False, has_tokenizer=False)
+    assert capsys.readouterr().out == "5 6\n"

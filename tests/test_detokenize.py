@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from sparsekv.detokenize import IncrementalDetokenizer, find_stop
 from sparsekv.input_processor import load_tokenizer
@@ -68,9 +69,9 @@ def test_engine_text_is_the_full_decode_and_stops_cut_exactly(tokenizer):
 
 
 def test_stop_strings_written_before_min_tokens_do_not_count():
-    """vLLM's min_tokens: stop strings are looked for only once min_tokens are out, so an occurrence
+    """vLLM's min_tokens: stop strings are looked for only after min_tokens are out, so an occurrence
     completed before then stays in the text and the cut is at the first one completed after (the
-    text streamed before min_tokens is never taken back)."""
+    text streamed before is never taken back)."""
     from sparsekv import LLM, SamplingParams
     llm = LLM(default_model_path(), max_model_len=256)
     out = llm.generate(["def f(x):"], SamplingParams(max_tokens=5, temperature=0.0))[0]
@@ -78,8 +79,54 @@ def test_stop_strings_written_before_min_tokens_do_not_count():
     assert "\n" in first_token_text  # the first token writes a newline: a stop string at once
     assert llm.generate(["def f(x):"], SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"]))[0].text == \
         out.text[:out.text.index("\n")]
-    held = llm.generate(["def f(x):"], SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"], min_tokens=3))[0]
+    held = llm.generate(["def f(x):"], SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"], min_tokens=2))[0]
     assert held.finish_reason == "stop" and len(held.token_ids) >= 3
     early = len(llm.engine.tokenizer.decode(out.token_ids[:2]))  # text out before the third token
     assert held.text == out.text[:out.text.index("\n", early - len("\n") + 1)]
     assert held.text.startswith(out.text[:early])
+
+
+def _forcing(token_ids: list[int]):
+    """A logits processor that makes the output exactly `token_ids` (then EOS)."""
+    def force(output_ids, logits):
+        forced = torch.full_like(logits, -float("inf"))
+        forced[token_ids[len(output_ids)] if len(output_ids) < len(token_ids) else 0] = 0.0
+        return forced
+    return [force]
+
+
+@pytest.fixture(scope="module")
+def small_llm():
+    from sparsekv import LLM
+    return LLM(default_model_path(), max_model_len=256, num_threads=1)
+
+
+def _forced(llm, token_ids: list[int], **params):
+    from sparsekv import SamplingParams
+    return llm.generate(["x"], SamplingParams(temperature=0.0, logits_processors=_forcing(token_ids), **params))[0]
+
+
+def test_a_stop_string_counts_from_token_min_tokens_plus_one(small_llm, tokenizer):
+    """vLLM's min_tokens: stop strings, like EOS and stop token ids, can end the output from token
+    min_tokens + 1 on; one completed by token min_tokens stays in the text."""
+    ab, newline, cd = tokenizer.encode("ab\ncd", add_special_tokens=False)
+    tokens = [ab, newline, cd, newline, cd]
+    assert _forced(small_llm, tokens, max_tokens=5, stop=["\n"], min_tokens=1).text == "ab"
+    held = _forced(small_llm, tokens, max_tokens=5, stop=["\n"], min_tokens=2)
+    assert held.text == "ab\ncd" and held.finish_reason == "stop" and len(held.token_ids) == 4
+
+
+def test_a_stop_token_is_in_the_text_with_include_stop_str_in_output(small_llm, tokenizer):
+    ab, newline, cd = tokenizer.encode("ab\ncd", add_special_tokens=False)
+    cut = _forced(small_llm, [ab, newline, cd], max_tokens=5, stop_token_ids=[newline])
+    assert cut.text == "ab" and cut.stop_reason == newline
+    kept = _forced(small_llm, [ab, newline, cd], max_tokens=5, stop_token_ids=[newline],
+                   include_stop_str_in_output=True)
+    assert kept.text == "ab\n" and kept.stop_reason == newline and kept.token_ids == cut.token_ids
+
+
+def test_special_tokens_are_in_the_text_with_skip_special_tokens_off(small_llm, tokenizer):
+    ab, _, cd = tokenizer.encode("ab\ncd", add_special_tokens=False)
+    user = tokenizer.convert_tokens_to_ids("<|user|>")
+    assert _forced(small_llm, [ab, user, cd], max_tokens=3).text == "abcd"
+    assert _forced(small_llm, [ab, user, cd], max_tokens=3, skip_special_tokens=False).text == "ab<|user|>cd"

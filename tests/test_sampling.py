@@ -279,3 +279,19 @@ def test_draw_rows_matches_one_row_at_a_time_and_the_distribution():
         assert abs(counts[token] / 4000 - p) < 4 * (p * (1 - p) / 4000) ** 0.5
     over = inside_support(torch.tensor([5, 2]), torch.stack([row, row]))
     assert over.tolist() == [3, 2]
+
+
+def test_seeds_differing_above_bit_31_sample_differently_and_small_seeds_keep_theirs():
+    from sparsekv.sampling import generator_seed, make_generator
+    def draws(seed):
+        return torch.rand(8, generator=make_generator(seed)).tolist()
+    assert draws(5) == torch.rand(8, generator=torch.Generator().manual_seed(5)).tolist()
+    assert draws(5) != draws(5 + 2 ** 32) and draws(-1 - 2 ** 32) != draws(-1)
+    assert len({generator_seed(s) for s in [*range(-300, 300), *(2 ** 32 + i for i in range(300))]}) == 900
+    assert all(0 <= generator_seed(s) < 2 ** 32 for s in (-(2 ** 63), 2 ** 63 - 1, -5, 2 ** 40))
+
+
+@pytest.mark.parametrize("seed", [2 ** 63, -(2 ** 63) - 1, 2 ** 64])
+def test_a_seed_outside_64_bits_is_refused(seed):
+    with pytest.raises(InvalidRequest, match="seed"):
+        SamplingParams(seed=seed)

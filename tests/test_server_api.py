@@ -103,6 +103,7 @@ def test_n_choices_and_seed_reproducible(client):
     assert first != other
     assert len(set(first)) > 1  # seed + i per choice: the choices differ
     assert run(-2) == run(-2)  # a negative seed's choices count down, never onto -1 ("random")
+    assert run(-2 ** 63) == run(-2 ** 63) and run(2 ** 63 - 1) == run(2 ** 63 - 1)  # choices wrap around, in range
 
 
 def test_n_choices_stream(client):
@@ -126,6 +127,12 @@ def test_stop_string(client):
                                             stream=True, logprobs=1))
     assert "".join(c.choices[0].text for c in chunks) == expected  # no stop-string prefix leaked mid-stream
     assert chunks[-1].choices[0].stop_reason == stop
+    chat = dict(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0)
+    said = client.chat.completions.create(**chat).choices[0].message.content
+    chat_stop = said[len(said) // 2:len(said) // 2 + 2]
+    assert client.chat.completions.create(**chat, stop=[chat_stop]).choices[0].model_extra["stop_reason"] == chat_stop
+    last = list(client.chat.completions.create(**chat, stop=[chat_stop], stream=True))[-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == chat_stop
     offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert offsets == r.choices[0].logprobs.text_offset  # the tokens' offsets, though text was held back
     kept = dict(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
@@ -321,6 +328,11 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
                                                       "tool_choice": "required", "response_format": {"type": "json_object"}},
      400, "tool_choice"),
     ("best_of-3", C, {**OK, "best_of": 3}, 400, "best_of"),
+    ("chat-echo", CHAT, {**MSG, "echo": True}, 400, "echo"),
+    ("return_tokens_as_token_ids", C, {**OK, "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
+    ("spaces_between_special_tokens-off", C, {**OK, "spaces_between_special_tokens": False}, 400,
+     "spaces_between_special_tokens"),
+    ("skip_special_tokens-str", C, {**OK, "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
     ("suffix", C, {**OK, "suffix": "end"}, 400, "suffix"),
     ("guided_grammar", C, {**OK, "guided_grammar": "root ::= 'a'"}, 400, "guided_grammar"),
     ("include_stop_str_in_output-str", C, {**OK, "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output"),

@@ -33,8 +33,8 @@ from .errors import APIError, bad_request, error_body, error_response
 from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from .loop import EngineDead, EngineLoop, RequestGroup, ShuttingDown, Submission
 from .metrics import ServerMetrics
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
-                       TokenizeRequest, parse_body)
+from .protocol import (INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                       SamplingFields, TokenizeRequest, parse_body)
 from .reasoning import THINK_CLOSE, prompt_opens_reasoning
 from .responses import Echo, Reasoning, ResponseBuilder, TokenText
 from .tool_calls import FORMATS as TOOL_CALL_FORMATS
@@ -131,7 +131,8 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     the request's -1 itself), so a seeded request repeats whole (seed -2's second choice was -1)."""
     if seed is None or seed == -1:
         return None
-    return seed + choice if seed >= 0 else seed - choice
+    seed = seed + choice if seed >= 0 else seed - choice
+    return seed - 2 ** 64 if seed > INT64_MAX else seed + 2 ** 64 if seed < INT64_MIN else seed  # in range, never -1
 
 
 def chat_prompt_ids(encoder: Encoder, msgs: list[dict], tools, add_generation_prompt: bool, kwargs: dict,
@@ -214,7 +215,7 @@ def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs
     given = {name: getattr(body, name) for name in ("min_p", "presence_penalty", "frequency_penalty",
                                                      "repetition_penalty", "min_tokens", "allowed_token_ids",
                                                      "truncate_prompt_tokens", "include_stop_str_in_output",
-                                                     "return_routed_experts")
+                                                     "skip_special_tokens", "return_routed_experts")
              if getattr(body, name) is not None}
     bias = {int(token): value for token, value in body.logit_bias.items()} if body.logit_bias else None
     try:

@@ -49,6 +49,9 @@ UNSUPPORTED = {
     "function_call": lambda v: _off(v) or v == "none", "suffix": _off, "best_of": lambda v: _off(v) or v == 1,
     "use_beam_search": _off, "structured_outputs": _off, "guided_grammar": _off, "bad_words": _off,
     "prompt_logprobs": _off, "chat_template": _off,  # a template from the request: not rendered here (the model's is)
+    "return_tokens_as_token_ids": _off, "echo": _off,  # chat's echo (completions implement theirs)
+    # the tokenizer's own spacing is kept (vLLM's fast tokenizers ignore the field too)
+    "spaces_between_special_tokens": lambda v: v is None or v is True,
 }
 
 
@@ -95,6 +98,7 @@ class SamplingFields(_Body):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     # Structured outputs (sparsekv/structured.py): OpenAI's response_format, or vLLM's guided_* fields
     response_format: dict | None = None
     guided_json: dict | str | None = None
@@ -180,6 +184,8 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
+    SUPPORTED_HERE: ClassVar[tuple[str, ...]] = ("echo",)
+
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False

@@ -189,7 +189,8 @@ class ResponseBuilder:
                 message["content"] = None
             if self.reasoning.include:
                 message["reasoning_content"] = reasoning
-        return {"index": s.index, "message": message, "logprobs": lps, "finish_reason": finish}
+        return {"index": s.index, "message": message, "logprobs": lps, "finish_reason": finish,
+                "stop_reason": out.stop_reason}
 
     def _generated(self, out: RequestOutput) -> tuple[list[int], list[dict] | None, str]:
         """The choice's generated tokens, their logprob entries and text (none when echoing a prompt only)."""
@@ -242,7 +243,8 @@ class ResponseBuilder:
                     delta["content"] = text or None
                 if finish == "stop" and s.tool_stream.num_calls:
                     finish = "tool_calls"
-            choice = {"index": s.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": s.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": s.out.stop_reason if finish is not None else None}
         body = self._chunk_head([choice], include_usage)
         if self.continuous_usage:
             prompt, done = len(s.out.prompt_token_ids), len(self._generated(s.out)[0])
