@@ -20,11 +20,17 @@ class ConfigError(ValueError):
 
 
 def derive_indexer_types(raw: dict, num_layers: int) -> list[str]:
-    """IndexShare schedule: explicit list > `index_topk_pattern` > freq/offset (transformers rule)."""
+    """IndexShare schedule: explicit list > `index_topk_pattern` > freq/offset (transformers rule);
+    DeepSeek-V3.2's config has no schedule: every layer its own indexer, unless the list is given."""
     if raw.get("model_type") == "deepseek_v32":
         return list(raw.get("indexer_types") or ["full"] * num_layers)
     if raw.get("indexer_types") is not None:
         return list(raw["indexer_types"])
+    return indexshare_schedule(raw, num_layers)
+
+
+def indexshare_schedule(raw: dict, num_layers: int) -> list[str]:
+    """GLM's IndexShare schedule from `index_topk_pattern`, else from freq/offset (transformers rule)."""
     pattern = raw.get("index_topk_pattern")
     if pattern is not None:
         if isinstance(pattern, str):
@@ -176,12 +182,15 @@ class ModelConfig:
         try:
             with open(file) as f:
                 raw = json.load(f)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{file}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{file}: must hold a JSON object, got a {type(raw).__name__}")
         if overrides:
-            if "index_topk_pattern" in overrides or "index_topk_freq" in overrides:
-                raw.pop("indexer_types", None)  # a pattern override replaces the checkpoint's schedule
             raw = {**raw, **overrides}
+            if ("index_topk_pattern" in overrides or "index_topk_freq" in overrides) and "indexer_types" not in overrides:
+                # a pattern override replaces the checkpoint's schedule, for either family
+                raw["indexer_types"] = indexshare_schedule(raw, int(raw.get("num_hidden_layers") or 0))
         return cls.from_dict(raw, where=file)
 
     def validate(self, where: str = "config.json") -> None:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
-from .model.checkpoint import (CheckpointError, as_stored, check_names, dequantize_fp8, expected_shapes,
-                               list_tensor_files, load_tensors, mtp_shapes)
+from .model.checkpoint import (CheckpointError, as_stored, check_header, check_names, check_stored_format,
+                               dequantize_fp8, expected_shapes, list_tensor_files, load_tensors, mtp_shapes)
 
 SCALE_SUFFIX = "_scale_inv"
 # attributes of the model's objects that hold no weights: per-request and per-slot state (selectors,
@@ -102,6 +102,7 @@ def check_tensor_update(shapes: dict[str, tuple], named_tensors) -> TensorUpdate
         given[name] = tensor.detach()
     if not given:
         raise WeightUpdateError("the update has no tensors")
+    given = _as_checkpoint_names(given, shapes)
     scales = {n for n in given if n.endswith(SCALE_SUFFIX)}
     weights = {n: t for n, t in given.items() if n not in scales}
     unknown = set(weights) - set(shapes)
@@ -120,16 +121,43 @@ def check_tensor_update(shapes: dict[str, tuple], named_tensors) -> TensorUpdate
     return TensorUpdate(out)
 
 
+# torch's dtypes by safetensors' names (model/checkpoint.py: check_stored_format)
+STORED_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                torch.float8_e4m3fn: "F8_E4M3"}
+
+
+FUSED_GATE_UP, FUSED_DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
+
+
+def _as_checkpoint_names(given: dict[str, torch.Tensor], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """A transformers model's `state_dict()` in the checkpoint's names: its fused routed experts
+    (`experts.gate_up_proj` [E, 2I, D], `experts.down_proj` [E, D, I]) split per expert, and a tied
+    `lm_head.weight` (the embedding itself) left out."""
+    out = {}
+    for name, t in given.items():
+        if name.endswith(FUSED_GATE_UP) and t.dim() == 3:
+            prefix, inter = name[:-len(FUSED_GATE_UP)] + ".mlp.experts", t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = t[e, :inter], t[e, inter:]
+        elif name.endswith(FUSED_DOWN) and t.dim() == 3:
+            prefix = name[:-len(FUSED_DOWN)] + ".mlp.experts"
+            out.update({f"{prefix}.{e}.down_proj.weight": t[e] for e in range(t.shape[0])})
+        else:
+            out[name] = t
+    head, embed = out.get("lm_head.weight"), out.get("model.embed_tokens.weight")
+    if head is not None and "lm_head.weight" not in shapes:
+        if embed is None or not torch.equal(head, embed):
+            raise WeightUpdateError("lm_head.weight: this model ties it to model.embed_tokens.weight; give that "
+                                    "(lm_head.weight may come too, equal to it)")
+        del out["lm_head.weight"]
+    return out
+
+
 def _dequantized(name: str, t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    fp8 = t.dtype == torch.float8_e4m3fn
-    if fp8 and scale is None:
-        raise WeightUpdateError(f"FP8 tensor {name} has no {name}{SCALE_SUFFIX} in the update")
-    if not fp8 and scale is not None:
-        raise WeightUpdateError(f"{name}{SCALE_SUFFIX} given, but {name} is {t.dtype}, not float8_e4m3fn")
-    if not (t.is_floating_point()):
-        raise WeightUpdateError(f"tensor {name} is {t.dtype}, not a floating-point type")
     try:
-        return dequantize_fp8(t.cpu(), scale.cpu(), name) if fp8 else t.cpu()
+        check_stored_format("the update", name, STORED_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape),
+                            None if scale is None else tuple(scale.shape))
+        return dequantize_fp8(t.cpu(), scale.cpu(), name) if t.dtype == torch.float8_e4m3fn else t.cpu()
     except CheckpointError as e:
         raise WeightUpdateError(str(e)) from None
 
@@ -144,8 +172,9 @@ def check_disk_update(path: str, cfg: ModelConfig, overrides: dict | None, shape
         want = check_names(other, set(files), path, bool(overrides))
     except (OSError, ValueError, KeyError, SafetensorError) as e:  # the last: a file that is not safetensors
         raise WeightUpdateError(f"{path}: {e}") from None
-    if other != cfg:
-        fields = [f for f in cfg.__dataclass_fields__ if getattr(cfg, f) != getattr(other, f)]
+    # NOTE: not its quantization: FP8 weights are dequantised at load, into the same model
+    fields = [f for f in cfg.__dataclass_fields__ if f != "quantization" and getattr(cfg, f) != getattr(other, f)]
+    if fields:
         raise WeightUpdateError(f"{path}: another architecture; config fields differ: {', '.join(fields)}")
     if set(want) != set(shapes):
         raise WeightUpdateError(f"{path}: its tensors differ from the loaded model's: missing "
@@ -155,18 +184,25 @@ def check_disk_update(path: str, cfg: ModelConfig, overrides: dict | None, shape
 
 
 def _check_headers(path: str, files: dict[str, str], want: dict[str, tuple]) -> None:
-    from safetensors import SafetensorError, safe_open
     handles = {}
     try:
         for name, shape in want.items():
-            f = handles.setdefault(files[name], safe_open(files[name], "pt"))
-            part = f.get_slice(name)
-            if tuple(part.get_shape()) != tuple(shape):
-                raise WeightUpdateError(f"{path}: tensor {name} has shape {tuple(part.get_shape())}, the model's {shape}")
-            if part.get_dtype() in ("F8_E4M3", "float8_e4m3fn") and name + SCALE_SUFFIX not in files:
-                raise WeightUpdateError(f"{path}: FP8 tensor {name} has no {name}{SCALE_SUFFIX}")
-    except (OSError, SafetensorError) as e:
-        raise WeightUpdateError(f"{path}: {e}") from None
+            check_header(files, name, shape, handles, path)
+    except CheckpointError as e:
+        raise WeightUpdateError(str(e)) from None
+    finally:
+        handles.clear()
+
+
+def without_frames(error: BaseException | None) -> BaseException | None:
+    """`error` to keep, its tracebacks dropped (along its causes): their frames would keep alive what
+    the failed load held, a copy of the weights and the files' mappings among it."""
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error
 
 
 class UpdateOutcomes:
@@ -186,7 +222,7 @@ class UpdateOutcomes:
         return self.accepted
 
     def settle(self, version: int | None, error: BaseException | None) -> None:
-        self._settled[self.accepted] = (version, error)
+        self._settled[self.accepted] = (version, without_frames(error))
         while len(self._settled) > self.KEEP:
             del self._settled[min(self._settled)]
 
@@ -247,7 +283,7 @@ class WeightSource:
 
     def _build(self, model, tensors: dict[str, torch.Tensor]):
         from .model.model import DSAModel
-        return DSAModel(model.cfg, tensors, self.dtype, torch.device("cpu"), model.comm)
+        return DSAModel(model.cfg, tensors, self.dtype, torch.device("cpu"), model.comm, release=True)
 
 
 def files_stamp(path: str) -> list:

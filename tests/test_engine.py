@@ -202,6 +202,91 @@ def test_checkpoint_errors_name_the_tensor(glm_ckpt, tmp_path):
         LLM(d)
 
 
+def _with_tensors(src: str, dst: str, change) -> str:
+    """A copy of the checkpoint whose tensors `change(tensors)` edited (in place)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    change(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+O_PROJ = "model.layers.1.self_attn.o_proj.weight"
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda t: t.update({O_PROJ: t[O_PROJ].to(torch.int32)}), "is I32: a weight must be a float"),
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"] > 0}), "is BOOL: a weight must be a float"),
+    (lambda t: t.update({O_PROJ: t[O_PROJ].to(torch.float8_e5m2)}), "is F8_E5M2"),
+    (lambda t: t.update({O_PROJ + "_scale_inv": torch.ones(1, 1)}), "given, but .*o_proj.weight is F32"),
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.float8_e4m3fn),
+                         "model.norm.weight_scale_inv": torch.ones(1)}), "a 2-D FP8 tensor"),
+    (lambda t: t.update({O_PROJ: t[O_PROJ].to(torch.float8_e4m3fn), O_PROJ + "_scale_inv": torch.ones(2, 1)}),
+     r"o_proj.weight_scale_inv has shape \(2, 1\)"),
+])
+def test_a_weight_stored_as_another_kind_of_number_is_refused(glm_ckpt, tmp_path, change, match):
+    """An int, a bool, e5m2 or a scale that does not belong would load as some other number."""
+    with pytest.raises(CheckpointError, match=match):
+        LLM(_with_tensors(glm_ckpt[0], str(tmp_path / "c"), change))
+
+
+def test_a_damaged_checkpoint_is_a_checkpoint_error(glm_ckpt, tmp_path):
+    src = glm_ckpt[0]
+    cut = str(tmp_path / "cut")
+    shutil.copytree(src, cut)
+    data = open(os.path.join(src, "model.safetensors"), "rb").read()
+    with open(os.path.join(cut, "model.safetensors"), "wb") as f:
+        f.write(data[:len(data) // 2])  # a copy cut short
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        LLM(cut)
+    indexed = str(tmp_path / "indexed")
+    shutil.copytree(src, indexed)
+    names = list(load_file(os.path.join(src, "model.safetensors")))
+    index = os.path.join(indexed, "model.safetensors.index.json")
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    save_file({n: t for n, t in tensors.items() if n != O_PROJ}, os.path.join(indexed, "model.safetensors"))
+    for body, match in [({"weight_map": {n: "model.safetensors" for n in names}}, f"does not hold {O_PROJ}"),
+                        ({"metadata": {}}, "weight_map must map"), ({"weight_map": list(names)}, "weight_map must map"),
+                        ([1, 2], "not a JSON object")]:
+        json.dump(body, open(index, "w"))
+        with pytest.raises(CheckpointError, match=match):
+            LLM(indexed)
+    listed = _copy_with_config(src, str(tmp_path / "listed"))
+    json.dump([1], open(os.path.join(listed, "config.json"), "w"))
+    with pytest.raises(ConfigError, match="must hold a JSON object"):
+        LLM(listed)
+
+
+def test_an_indexshare_override_applies_to_deepseek_too(ds_ckpt):
+    llm = LLM(ds_ckpt[0], max_model_len=64, hf_overrides={"index_topk_pattern": "FSSF"})
+    assert llm.engine.model_config.indexer_types == ("full", "shared", "shared", "full")
+
+
+def test_loading_holds_one_copy_of_each_layer_at_a_time(glm_ckpt, monkeypatch):
+    """The model's fused and stacked weights are copies (q_a with kv_a; gate with up; the routed
+    experts stacked): each layer's checkpoint tensors go once it is built, so loading never holds the
+    whole model twice."""
+    import weakref
+    from sparsekv.model import checkpoint, model as model_module
+    copied = ("self_attn.q_a_proj.weight", "mlp.gate_proj.weight", "mlp.experts.0.up_proj.weight")
+    refs, alive_while_building = [], []
+    real_load, real_build = checkpoint.load_tensors, model_module.build_layer
+
+    def load(*args, **kwargs):
+        tensors = real_load(*args, **kwargs)
+        refs.extend((name, weakref.ref(t)) for name, t in tensors.items() if name.endswith(copied))
+        return tensors
+
+    def build(cfg, i, *args, **kwargs):
+        alive_while_building.append({n.split(".")[2] for n, r in refs if r() is not None})
+        return real_build(cfg, i, *args, **kwargs)
+    monkeypatch.setattr(checkpoint, "load_tensors", load)
+    monkeypatch.setattr(model_module, "build_layer", build)
+    LLM(glm_ckpt[0], max_model_len=64)
+    assert alive_while_building[0] == {"0", "1", "2", "3"}
+    assert alive_while_building[3] == {"3"}  # layers 0-2 built: their copied tensors gone
+
+
 def test_dequantize_fp8_blocks():
     w = torch.randn(200, 300)
     scale = torch.rand(2, 3) + 0.5

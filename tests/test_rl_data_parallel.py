@@ -8,11 +8,14 @@ ranks' rows), so outputs are compared with one process's within tests/tolerances
 same engine before and after a refused update is compared bit for bit."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from sparsekv import LLM, SamplingParams
+from sparsekv.model.checkpoint import LOAD_FAULT_ENV
 from sparsekv.parallel.launch import RankFailure
 from sparsekv.tools.tiny import save_reference_checkpoint
 from sparsekv.weights import WeightLoadError, WeightUpdateError
@@ -118,34 +121,33 @@ def test_drain_switches_every_rank_at_the_step_the_last_started_request_finishes
         llm.close()
 
 
-def _with_bad_scales(src: str, dst, experts: list[int]):
-    """A copy of `src` whose layer-1 `experts` are FP8 with block scales of the wrong shape: the
-    headers pass rank 0's check; loading fails on the rank holding those experts (rank 0: 0-1, rank 1: 2-3)."""
-    dst.mkdir()
-    (dst / "config.json").write_bytes(open(f"{src}/config.json", "rb").read())
-    tensors = load_file(f"{src}/model.safetensors")
-    for e in experts:
-        name = f"model.layers.1.mlp.experts.{e}.gate_proj.weight"
-        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
-        tensors[name + "_scale_inv"] = torch.ones(2, 2)  # (1, 1) for a 32 x 64 weight
-    save_file(tensors, str(dst / "model.safetensors"))
+def _expert(e: int) -> str:
+    return f"model.layers.1.mlp.experts.{e}.gate_proj.weight"
+
+
+def _copy(src: str, dst) -> str:
+    """A copy of `src` whose name LOAD_FAULT_ENV may give: reading the experts it names fails; the
+    headers pass rank 0's check, so the load fails on the rank holding them (rank 0: 0-1, rank 1: 2-3)."""
+    shutil.copytree(src, dst)
     return str(dst)
 
 
-def test_a_refused_or_failed_update_keeps_a_on_both_ranks_and_a_split_one_stops_the_engine(ckpts, tmp_path):
+def test_a_refused_or_failed_update_keeps_a_on_both_ranks_and_a_split_one_stops_the_engine(ckpts, tmp_path,
+                                                                                             monkeypatch):
     a, b = ckpts
+    monkeypatch.setenv(LOAD_FAULT_ENV, f"both:{_expert(0)},both:{_expert(2)},rank1:{_expert(2)}")  # the ranks' own
     llm = LLM(a, **OPTIONS, **DP)
     try:
         want = llm.generate([PROMPT, OTHER], GREEDY)
         with pytest.raises(WeightUpdateError, match="wrong shape"):
             llm.update_weights([("model.norm.weight", torch.zeros(3))])
         with pytest.raises(WeightLoadError, match="no rank loaded .*rank 0: .*rank 1: "):
-            llm.update_weights_from_disk(_with_bad_scales(b, tmp_path / "both", [0, 2]))
+            llm.update_weights_from_disk(_copy(b, tmp_path / "both"))
         again = llm.generate([PROMPT, OTHER], GREEDY)
         assert [(o.token_ids, o.logprobs) for o in again] == [(o.token_ids, o.logprobs) for o in want]
         assert llm.weights_version == 0 and [o.metrics["weights_version"] for o in again] == [0, 0]
-        with pytest.raises(RankFailure, match="rank 1: .*scale_inv"):
-            llm.update_weights_from_disk(_with_bad_scales(b, tmp_path / "rank1", [2]))
+        with pytest.raises(RankFailure, match="rank 1: .*an injected fault"):
+            llm.update_weights_from_disk(_copy(b, tmp_path / "rank1"))
         with pytest.raises(RankFailure):  # rank 0 has B's experts, rank 1 A's: it never steps again
             llm.generate([PROMPT], GREEDY)
     finally:

@@ -90,7 +90,12 @@ def test_update_from_tensors_with_fp8_scales_and_a_partial_update(ckpts, tmp_pat
     (lambda t: [("model.layers.0.self_attn.q_a_proj.weight", torch.zeros(3, 3))], "wrong shape"),
     (lambda t: [("model.layers.9.mlp.gate.weight", torch.zeros(3, 3))], "unknown tensor"),
     (lambda t: [("model.norm.weight", t["model.norm.weight"].to(torch.float8_e4m3fn))], "no model.norm.weight_scale_inv"),
-    (lambda t: [("model.norm.weight_scale_inv", torch.ones(1, 1))], "not float8_e4m3fn"),
+    (lambda t: [("model.norm.weight_scale_inv", torch.ones(1, 1))], "not F8_E4M3"),
+    (lambda t: [("model.norm.weight", t["model.norm.weight"].to(torch.int32))], "is torch.int32: a weight must be"),
+    (lambda t: [("model.layers.0.self_attn.o_proj.weight",
+                 t["model.layers.0.self_attn.o_proj.weight"].to(torch.float8_e5m2))], "float8_e5m2: a weight must be"),
+    (lambda t: [("model.norm.weight", t["model.norm.weight"].to(torch.float8_e4m3fn)),
+                ("model.norm.weight_scale_inv", torch.ones(1))], "a 2-D FP8 tensor"),
     (lambda t: [("model.norm.weight", t["model.norm.weight"])] * 2, "given twice"),
 ])
 def test_a_bad_update_is_refused_whole_and_a_keeps_serving(ckpts, bad, match):
@@ -429,3 +434,82 @@ def test_a_partial_update_is_refused_once_the_loaded_checkpoint_changed_on_disk(
     llm.update_weights_from_disk(str(path))  # the directory as it is now
     llm.update_weights([norm])
     assert llm.weights_version == 3
+
+
+def test_a_transformers_state_dict_updates_the_engine_as_docs_rl_shows(ckpts, tmp_path):
+    """`llm.update_weights(model.state_dict().items())` with a transformers model: its routed experts
+    fused (`experts.gate_up_proj`, `experts.down_proj`) and, tied, `lm_head.weight` the embedding."""
+    a, b, ref_b = ckpts
+    names = ref_b.state_dict()
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in names)  # what makes this test one
+    llm = LLM(a, **OPTIONS)
+    assert llm.update_weights(ref_b.state_dict().items()) == 1
+    _same(llm.generate([PROMPT], GREEDY)[0], LLM(b, **OPTIONS).generate([PROMPT], GREEDY)[0], llm)
+    tied_dir = str(tmp_path / "tied")
+    tied = save_reference_checkpoint(tied_dir, "glm_moe_dsa", seed=3, index_topk=8, tie_word_embeddings=True)
+    assert "lm_head.weight" in tied.state_dict()
+    engine = LLM(tied_dir, **OPTIONS)
+    assert engine.update_weights(tied.state_dict().items()) == 1
+    other = {k: v.clone() for k, v in tied.state_dict().items()}
+    other["lm_head.weight"] += 1.0  # no longer the embedding: not what this model can hold
+    with pytest.raises(WeightUpdateError, match="ties it to model.embed_tokens.weight"):
+        engine.update_weights(other.items())
+
+
+def test_an_fp8_checkpoint_updates_a_bf16_loaded_engine_and_back(ckpts, tmp_path):
+    """FP8 weights are dequantised at load: the same architecture, whatever `quantization_config` says."""
+    import json
+    import shutil
+    a, b, _ = ckpts
+    fp8 = str(tmp_path / "b-fp8")
+    shutil.copytree(b, fp8)
+    tensors = _tensors(b)
+    name = "model.layers.0.self_attn.q_b_proj.weight"
+    scale = torch.full((1, 1), 0.01)
+    tensors[name + "_scale_inv"], tensors[name] = scale, (tensors[name] / 0.01).to(torch.float8_e4m3fn)
+    save_file(tensors, f"{fp8}/model.safetensors")
+    with open(f"{fp8}/config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with open(f"{fp8}/config.json", "w") as f:
+        json.dump(config, f)
+    llm = LLM(a, **OPTIONS)
+    assert llm.update_weights_from_disk(fp8) == 1
+    _same(llm.generate([PROMPT], GREEDY)[0], LLM(fp8, **OPTIONS).generate([PROMPT], GREEDY)[0], llm)
+    assert llm.update_weights_from_disk(a) == 2
+
+
+def test_a_failed_update_keeps_no_copy_of_the_weights(ckpts, monkeypatch):
+    """The error kept for the one who asked holds no traceback: its frames held the failed load's
+    tensors (a near-full copy of the weights per failed update) and the files' mappings."""
+    import gc
+    import weakref
+    from sparsekv.model import checkpoint
+    a, b, _ = ckpts
+    llm = LLM(a, **OPTIONS)
+    loaded, order = [], []
+    real_stored, real_names, real_load = checkpoint.as_stored, checkpoint.check_names, checkpoint._load_one
+
+    def stored(name, t, dtype, device):
+        out = real_stored(name, t, dtype, device)
+        loaded.append(weakref.ref(out))
+        return out
+
+    def names(*args, **kwargs):
+        want = real_names(*args, **kwargs)
+        order[:] = list(want)
+        return want
+
+    def load_one(files, name, *args):
+        if name == order[-1]:  # the last tensor: every other one is loaded by then
+            raise checkpoint.CheckpointError(f"{name}: bad bytes")
+        return real_load(files, name, *args)
+    monkeypatch.setattr(checkpoint, "as_stored", stored)
+    monkeypatch.setattr(checkpoint, "check_names", names)
+    monkeypatch.setattr(checkpoint, "_load_one", load_one)
+    with pytest.raises(WeightLoadError, match="bad bytes"):
+        llm.update_weights_from_disk(b)
+    assert len(loaded) == len(order) - 1
+    gc.collect()
+    assert sum(ref() is not None for ref in loaded) == 0, "a failed update's tensors are still referenced"
+    assert llm.weights_version == 0

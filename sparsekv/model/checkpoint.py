@@ -11,11 +11,15 @@ import os
 from glob import glob
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
 
 FP8_BLOCK = 128
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names of the dtypes a weight may be stored in
+FP8_DTYPE = "F8_E4M3"  # with its block scales (`{name}_scale_inv`)
+# test hook: "<checkpoint directory's name>:<tensor>,...": reading those tensors fails as bad bytes would
+LOAD_FAULT_ENV = "SPARSEKV_INJECT_LOAD_FAULT"
 
 
 class CheckpointError(ValueError):
@@ -84,8 +88,13 @@ def list_tensor_files(path: str) -> dict[str, str]:
     """tensor name -> safetensors file, from model.safetensors.index.json or by scanning the shards."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:  # the last two: not a JSON object
+            raise CheckpointError(f"{index}: not a JSON object with a weight_map ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
         missing_files = sorted({v for v in weight_map.values() if not os.path.exists(os.path.join(path, v))})
         if missing_files:
             raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(missing_files[:5])}")
@@ -95,9 +104,35 @@ def list_tensor_files(path: str) -> dict[str, str]:
         raise CheckpointError(f"{path}: no *.safetensors files found")
     names = {}
     for file in files:
-        with safe_open(file, "pt") as f:
+        with _opened(file) as f:
             names.update({k: file for k in f.keys()})
     return names
+
+
+def _opened(file: str):
+    """safe_open(file), a file that is not safetensors (truncated, corrupt) a CheckpointError."""
+    try:
+        return safe_open(file, "pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def check_stored_format(where: str, name: str, dtype: str, shape: tuple, scale_shape: tuple | None) -> None:
+    """A weight stored as a float, or as FP8 e4m3 with its 128x128 block scales (`scale_shape`: its
+    `_scale_inv`'s, None without one); `dtype` is safetensors' name. Anything else would load as some
+    other number (an int, a bool, e5m2 without scales) or ignore a scale, and compute other tokens."""
+    if dtype == FP8_DTYPE:
+        if scale_shape is None:
+            raise CheckpointError(f"{where}: FP8 tensor {name} has no {name}_scale_inv")
+        blocks = tuple(-(-n // FP8_BLOCK) for n in shape)
+        if len(shape) != 2 or tuple(scale_shape) != blocks:
+            raise CheckpointError(f"{where}: {name}_scale_inv has shape {tuple(scale_shape)}; a 2-D FP8 tensor of "
+                                  f"shape {tuple(shape)} needs {blocks} (128x128 blocks)")
+    elif dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"{where}: tensor {name} is {dtype}: a weight must be a float "
+                              f"({', '.join(FLOAT_DTYPES)}) or {FP8_DTYPE} with 128x128 block scales")
+    elif scale_shape is not None:
+        raise CheckpointError(f"{where}: {name}_scale_inv given, but {name} is {dtype}, not {FP8_DTYPE}")
 
 
 def _names(items, limit: int = 6) -> str:
@@ -155,8 +190,27 @@ def dequantize_fp8(w8: torch.Tensor, scale_inv: torch.Tensor, name: str,
 def _handle(files: dict[str, str], name: str, handles: dict):
     file = files[name]
     if file not in handles:
-        handles[file] = safe_open(file, "pt")
+        handles[file] = _opened(file)
     return handles[file]
+
+
+def _header(files: dict[str, str], name: str, handles: dict, path: str):
+    """The tensor's slice handle (its header), a file that does not hold it a CheckpointError."""
+    try:
+        return _handle(files, name, handles).get_slice(name)
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: {files[name]} does not hold {name} as its index says ({e})") from None
+
+
+def check_header(files: dict[str, str], name: str, shape: tuple, handles: dict, path: str) -> None:
+    """The tensor's stored shape and format, from the safetensors headers (no weights read)."""
+    part = _header(files, name, handles, path)
+    found = tuple(part.get_shape())
+    if found != tuple(shape):
+        raise CheckpointError(f"{path}: tensor {name} has shape {found}, config implies {tuple(shape)}")
+    scale = name + "_scale_inv"
+    scale_shape = tuple(_header(files, scale, handles, path).get_shape()) if scale in files else None
+    check_stored_format(path, name, part.get_dtype(), found, scale_shape)
 
 
 def _read(files: dict[str, str], name: str, handles: dict, shard: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -169,17 +223,17 @@ def _read(files: dict[str, str], name: str, handles: dict, shard: tuple[int, int
 
 
 def _load_one(files, name: str, shape: tuple, handles: dict, path: str, layout) -> torch.Tensor:
-    found = tuple(_handle(files, name, handles).get_slice(name).get_shape())
-    if found != tuple(shape):
-        raise CheckpointError(f"{path}: tensor {name} has shape {found}, config implies {tuple(shape)}")
-    shard = layout.shard(name, found) if layout is not None else None
-    t = _read(files, name, handles, shard)
-    if t.dtype == torch.float8_e4m3fn:
-        scale_name = name + "_scale_inv"
-        if scale_name not in files:
-            raise CheckpointError(f"{path}: FP8 tensor {name} has no {scale_name}")
-        offset = (0, 0) if shard is None else ((shard[1], 0) if shard[0] == 0 else (0, shard[1]))
-        t = dequantize_fp8(t, _read(files, scale_name, handles), name, found, offset)
+    check_header(files, name, shape, handles, path)
+    if f"{os.path.basename(os.path.normpath(path))}:{name}" in os.environ.get(LOAD_FAULT_ENV, "").split(","):
+        raise CheckpointError(f"{path}: cannot read {name} (an injected fault)")
+    shard = layout.shard(name, tuple(shape)) if layout is not None else None
+    try:
+        t = _read(files, name, handles, shard)
+        if t.dtype == torch.float8_e4m3fn:
+            offset = (0, 0) if shard is None else ((shard[1], 0) if shard[0] == 0 else (0, shard[1]))
+            t = dequantize_fp8(t, _read(files, name + "_scale_inv", handles), name, tuple(shape), offset)
+    except SafetensorError as e:  # bytes missing past a valid header: a file cut short
+        raise CheckpointError(f"{path}: {files[name]}: cannot read {name} ({e})") from None
     return t
 
 
@@ -198,14 +252,17 @@ def load_tensors(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.
     want = check_names(cfg, set(files), path, drop_extra_indexers)
     handles: dict = {}
     out = {}
-    for name, shape in want.items():
-        if (layout is not None and not layout.holds(name, cfg)) or (only is not None and name not in only):
-            continue
-        read = _load_one(files, name, shape, handles, path, layout)
-        t = as_stored(name, read, dtype, device)
-        # NOTE: a tensor read whole on the host may be the file's mapped pages: a trainer writing a new
-        # checkpoint over this one would change the weights being served, so keep a copy instead
-        out[name] = t.clone() if t.untyped_storage().data_ptr() == read.untyped_storage().data_ptr() else t
+    try:
+        for name, shape in want.items():
+            if (layout is not None and not layout.holds(name, cfg)) or (only is not None and name not in only):
+                continue
+            read = _load_one(files, name, shape, handles, path, layout)
+            t = as_stored(name, read, dtype, device)
+            # NOTE: a tensor read whole on the host may be the file's mapped pages: a trainer writing a new
+            # checkpoint over this one would change the weights being served, so keep a copy instead
+            out[name] = t.clone() if t.untyped_storage().data_ptr() == read.untyped_storage().data_ptr() else t
+    finally:
+        handles.clear()  # the files' mappings go now, not with a kept error's frames
     return out
 
 
@@ -220,7 +277,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, overrides: d
     if layout is not None:
         layout.check_model(cfg)
     tensors = load_tensors(path, cfg, dtype, device, bool(overrides), layout)
-    model = DSAModel(cfg, tensors, dtype, device, comm or SINGLE_RANK)
+    model = DSAModel(cfg, tensors, dtype, device, comm or SINGLE_RANK, release=True)
+    del tensors
     if selector == "quest":
         install_quest(model, quest_page_tokens)
     return model

@@ -56,21 +56,27 @@ class DSAModel:
     """Weights plus forward. Holds no cache: the cache pool is passed in with each step.
 
     Under tensor parallelism `tensors` holds this rank's slices (parallel/layout.py) and `comm` the
-    group's collectives; `cfg` stays the whole model's config."""
+    group's collectives; `cfg` stays the whole model's config. `release`: each layer's entries leave
+    `tensors` once the layer is built (its fused and stacked weights are copies), so building never
+    holds two copies of the whole model."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 comm=SINGLE_RANK):
+                 comm=SINGLE_RANK, release: bool = False):
         self.cfg, self.dtype, self.device, self.comm = cfg, dtype, device, comm
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self.embed = tensors["model.embed_tokens.weight"]
         self.norm = tensors["model.norm.weight"]
         self.lm_head = tensors["lm_head.weight"] if "lm_head.weight" in tensors else self.embed
         self.index_scratch = ScoreScratch()   # shared by every indexer: layers run one at a time
         local = replace(cfg, num_attention_heads=cfg.num_attention_heads // comm.tp_size)
-        self.layers = [build_layer(local, i, tensors, cfg.indexer_types[i] == "full", cfg.mlp_layer_types[i],
-                                   self.index_scratch, comm) for i in range(cfg.num_hidden_layers)]
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            self.layers.append(build_layer(local, i, tensors, cfg.indexer_types[i] == "full", cfg.mlp_layer_types[i],
+                                           self.index_scratch, comm))
+            if release:
+                _release_layer(tensors, i)
         self.mtp = build_mtp(local, tensors, self.index_scratch, comm)
         self.rotary = RotaryTable(cfg, dtype, device)
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     def hidden_states(self, ctx: ForwardContext, cache) -> torch.Tensor:
         ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions)
@@ -94,6 +100,12 @@ class DSAModel:
     def forward(self, ctx: ForwardContext, cache) -> torch.Tensor:
         """Logits (fp32) for `ctx.logits_rows`."""
         return self.logits(self.hidden_states(ctx, cache)[ctx.logits_rows])
+
+
+def _release_layer(tensors: dict, i: int) -> None:
+    prefix = f"model.layers.{i}."
+    for name in [n for n in tensors if n.startswith(prefix)]:
+        del tensors[name]
 
 
 def _p(tensors: dict, prefix: str, name: str) -> torch.Tensor:
