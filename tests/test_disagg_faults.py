@@ -355,6 +355,23 @@ def test_a_prefill_its_client_left_deletes_the_rooms_keys_when_no_decode_worker_
         p.check_clean()
 
 
+def test_a_room_naming_a_dead_bootstrap_ends_when_its_client_leaves(glm_ckpt):
+    """The decode worker's connect to a prefill worker's bootstrap that nobody answers (its worker
+    died) retries for up to twice the timeout: it ends with the client instead, and holds no transfer
+    thread meanwhile."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # nobody listens there once closed
+    with WorkerServer(glm_ckpt[0], "decode", timeout_s=60.0, **BASE) as d:
+        room = {"room": "dead-bootstrap", "bootstrap_host": "127.0.0.1", "bootstrap_port": dead}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(d.url + "/v1/completions", json={**BODY, "prompt": _prompt(), "disaggregation": room}, timeout=1.0)
+        assert wait_until(lambda: d.worker.rooms == {}, 10)  # not the minutes of the connect's retries
+        assert d.worker.pool._work_queue.qsize() == 0
+        d.check_clean()
+
+
 def test_a_room_whose_peer_never_joins_the_transfer_holds_no_transfer_thread(glm_ckpt, monkeypatch):
     """With one transfer thread per worker, room A's decode side hangs as it joins the pair group (a
     worker that hung), so A's prefill side waits for its peer there; room B, sent meanwhile, is served at

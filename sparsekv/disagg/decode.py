@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import secrets
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -122,7 +123,10 @@ class DecodeWorker(Worker):
     async def _claim(self, request, field, claim: dict):
         """Claim the room and wait for the prefill worker's first batch: (room link, its metadata)."""
         secret, timeout = self.settings.secret, self.settings.timeout_s
-        link = await self.blocking(lambda: Room(connect(field.bootstrap_host, field.bootstrap_port, timeout), field.room))
+        # NOTE: a TCPStore client retries its connect for up to twice `timeout`: on a thread of its own,
+        # so a dead prefill worker's address holds no transfer thread, and the wait ends with the client
+        link = await self.with_peer(SimpleNamespace(name=field.room), "the prefill worker's bootstrap", request,
+                                    lambda: Room(connect(field.bootstrap_host, field.bootstrap_port, timeout), field.room))
         try:
             await self.blocking(link.put, "claim", sign(secret, claim))
             meta = await self._batch_meta(request, link, 0)
