@@ -286,9 +286,9 @@ class LLMEngine(WeightControl):
     def stats(self) -> dict:
         """Engine-wide figures; `ranks`: each rank's (weights, peak memory, bytes sent per collective)."""
         spec = self.speculator.stats() if self.speculator is not None else {}
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting), **self.kv.stats(),
+        return {"running": len(self.scheduler.running), "waiting": len(self.waiting_requests()), **self.kv.stats(),
                 **self.counters, "indexer_scratch_bytes": self.model.index_scratch.nbytes,
-                "preemptions": self.scheduler.num_preemptions, "kv_by_tenant": self.scheduler.tenant_stats(),
+                "preemptions": self.scheduler.num_preemptions, "kv_by_tenant": self.scheduler.tenant_stats(self._held),
                 "ranks": self.executor.rank_stats(), "weights_version": self.weights_version,
                 "paused": self.paused, "weight_update_pending": self._pending_update is not None, **spec}
 

@@ -210,8 +210,9 @@ class Scheduler:
         self.allocator.free(req.request_id, req.page_ids[::-1])
         req.page_ids = []
 
-    def tenant_stats(self) -> dict[str, dict[str, int]]:
-        return self.tenants.stats(self.running, self.waiting, self.optimistic)
+    def tenant_stats(self, held: list[Request] = ()) -> dict[str, dict[str, int]]:
+        """Per tenant; `held`: requests held out of the queue (a weight update's), waiting too."""
+        return self.tenants.stats(self.running, [*self.waiting, *held], self.optimistic)
 
     def check_integrity(self) -> None:
         self.tenants.check_integrity(self.running, None if self.optimistic else self.tenant_pages)

@@ -256,8 +256,8 @@ def test_echo_with_logprobs_answers_as_one_engine(pair, glm_ckpt, max_tokens):
 def test_transfer_figures_reach_the_response_and_metrics(pair):
     p, d = pair
     before = {w: scrape(w.url) for w in pair}
-    _, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt(256, 29, seed=7)},
-                      headers={"Authorization": "Bearer sk-alice"})
+    prompt = _prompt(256, 29, seed=7)
+    _, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt}, headers={"Authorization": "Bearer sk-alice"})
     figures = rd.json()["sparsekv"]["disaggregation"]
     assert figures["role"] == "decode" and figures["pages_sent"] == 7
     assert figures["backend"] == "gloo"  # two CPU workers
@@ -270,6 +270,15 @@ def test_transfer_figures_reach_the_response_and_metrics(pair):
         assert after["sparsekv:disagg_transfer_seconds_count"] - before[w]["sparsekv:disagg_transfer_seconds_count"] == 1
         assert after["sparsekv:disagg_transfers_failed_total"] == before[w]["sparsekv:disagg_transfers_failed_total"]
         assert after["sparsekv:disagg_transfers_in_flight"] == 0
+    decode = {k: scrape(d.url)[k] - before[d][k] for k in (
+        "sparsekv:prefix_cache_queries_total", "sparsekv:prefix_cache_hits_total",
+        "sparsekv:request_queue_time_seconds_count")}
+    # the prompt once (not the first token it came with), served whole from the pool: pages and the
+    # imported tail (a fresh prompt: no host or disk tier holds it)
+    assert decode["sparsekv:prefix_cache_queries_total"] == len(prompt)
+    assert decode["sparsekv:prefix_cache_hits_total"] == rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] \
+        == len(prompt)
+    assert decode["sparsekv:request_queue_time_seconds_count"] == 1  # its first token came before it queued
 
 
 def test_chat_through_the_pair(tmp_path_factory):

@@ -313,7 +313,7 @@ def test_an_idle_server_still_forgets_expired_pages(tmp_path):
         import httpx
         httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "the rain in spain " * 10,
                                                       "max_tokens": 2}, timeout=30).raise_for_status()
-        assert wait_until(lambda: scrape(srv.url)["sparsekv:prefix_cache_expired_pages"] > 0, timeout=10)
+        assert wait_until(lambda: scrape(srv.url)["sparsekv:prefix_cache_expired_pages_total"] > 0, timeout=10)
         assert scrape(srv.url)["sparsekv:prefix_cached_pages"] == 0
     with pytest.raises(ConfigError, match="prefix_cache_ttl_s"):
         make(model, enable_prefix_caching=True, prefix_cache_ttl_s=0)

@@ -161,12 +161,15 @@ def test_a_prompt_cached_under_a_is_recomputed_under_b_in_every_tier(ckpts, tmp_
     control.close()
     llm = LLM(a, **_tier_options(tier, tmp_path / "updated", page_bytes))
     _cache_prompt(llm, tier)
+    written = llm.stats().get("prefix_disk_writes", 0)
     if how == "disk":
         llm.update_weights_from_disk(b)
     else:
         llm.update_weights(_tensors(b).items())
     out = llm.generate([PROMPT], GREEDY)[0]
     assert out.num_cached_tokens == 0
+    if tier == "disk" and how == "disk":  # the disk tier reopened for B: its counts go on from A's
+        assert llm.stats()["prefix_disk_writes"] >= written > 0
     fresh = LLM(b, **_tier_options(tier, tmp_path / "fresh", page_bytes)).generate([PROMPT], GREEDY)[0]
     _same(out, fresh, llm)
     llm.engine.check_integrity()
@@ -192,6 +195,9 @@ def test_drain_finishes_started_requests_under_a_and_holds_new_ones_for_b(ckpts)
     assert engine.weight_update_pending and engine.weights_version == 0
     engine.add_request("r2", OTHER, GREEDY)
     engine.check_integrity()  # r2 held out of the scheduler, its sampling state kept
+    stats = engine.stats()  # held, it waits: what /metrics and the router's load figure read
+    assert (stats["running"], stats["waiting"]) == (1, 1)
+    assert stats["kv_by_tenant"]["default"]["waiting"] == 1
     with pytest.raises(Exception, match="already in use"):
         engine.add_request("r2", OTHER, GREEDY)
     outs = {}

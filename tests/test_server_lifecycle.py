@@ -278,6 +278,25 @@ def test_per_tenant_kv_figures_are_exported_with_tenant_and_state_labels():
     assert not any(s.name.startswith("sparsekv:kv_by_tenant") for s in samples)
 
 
+def test_the_prefix_tiers_counts_are_counters():
+    """Counts since start are counters (`_total`), not gauges; the tiers' sizes are gauges."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sparsekv.server.metrics import EngineStatsCollector
+    stats = {"prefix_disk_writes": 3, "prefix_disk_reads": 2, "prefix_host_saves": 5, "prefix_cache_expired_pages": 1,
+             "prefix_disk_pages": 7}
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector("tiny", lambda: stats, lambda: True))
+    kinds = {f.name: f.type for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    for name in ("prefix_disk_writes", "prefix_disk_reads", "prefix_host_saves", "prefix_cache_expired_pages"):
+        assert kinds["sparsekv:" + name] == "counter", name
+    assert kinds["sparsekv:prefix_disk_pages"] == "gauge"
+    values = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry).decode())
+              for s in f.samples}
+    assert values["sparsekv:prefix_disk_writes_total"] == 3
+
+
 def test_stream_holds_back_a_possible_stop_string():
     from sparsekv.request import RequestOutput
     from sparsekv.server.responses import ChoiceState

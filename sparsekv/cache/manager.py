@@ -262,6 +262,8 @@ class CacheManager:
                 old.close()  # first: the same weights again name the same directory, which one engine locks
             try:
                 disk = self._build_disk_tier(self.prefix.rows, self.prefix.lookahead)
+                if old is not None:
+                    disk.carry_counts(old)  # the tier's counters count since the engine started
             except ConfigError as e:
                 logger.warning("prefix cache disk tier: not reopened for the new weights: %s", e)
         return self.prefix.new_weights(disk)

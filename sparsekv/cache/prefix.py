@@ -138,14 +138,15 @@ class PrefixCache(PageTransfer):
         hit's lower-tier pages back into pages of its reservation, count the hit, and claim the prompt
         pages it will compute."""
         pages, tiers = self._restore(req, hit.lower_names) if hit.lower_names else ([], [])
-        if req.params.prompt_logprobs is None:
-            self._count_hit(req, len(hit.pages), tiers)
         self._served.setdefault(req.request_id, {t: tiers.count(t) * self.page_size for t in ("host", "disk")})
         self._claim(req)
         landed = [p for p in hit.pages if p in self._unmirrored]  # written by an import: copied to every rank
         self._unmirrored.difference_update(landed)
         num_pages = len(hit.pages) + len(tiers)
         tail, tail_rows = self._take_tail(req, num_pages)
+        # NOTE: a preempted request's lookup again is no new query (vLLM's counters likewise)
+        if req.params.prompt_logprobs is None and req.num_preemptions == 0:
+            self._count_hit(req, len(hit.pages) * self.page_size + tail_rows, tiers)
         return CachedPrefix(hit.pages + pages + tail, num_pages, landed + pages[:len(tiers)] + tail, tiers, tail_rows)
 
     def _take_tail(self, req: Request, num_pages: int) -> tuple[list[int], int]:
@@ -226,14 +227,16 @@ class PrefixCache(PageTransfer):
             self.tiers[restored[0]].rows.copy_in(pages[:len(saved)], saved)
         return pages, restored
 
-    def _count_hit(self, req: Request, pool_pages: int, restored: list[str]) -> None:
-        self.queried_tokens += req.num_tokens
-        self.hit_tokens["device"] += pool_pages * self.page_size
+    def _count_hit(self, req: Request, device_tokens: int, restored: list[str]) -> None:
+        """One prompt's lookup: its prompt tokens queried (not a first token carried from a prefill
+        worker), the tokens served from the pool (an imported tail's included) and from each lower tier."""
+        self.queried_tokens += req.num_prompt_tokens
+        self.hit_tokens["device"] += device_tokens
         for tier in restored:
             self.hit_tokens[tier] += self.page_size
         tenant = self.by_tenant.setdefault(req.tenant, {"queries": 0, "hits": 0})
-        tenant["queries"] += req.num_tokens
-        tenant["hits"] += (pool_pages + len(restored)) * self.page_size
+        tenant["queries"] += req.num_prompt_tokens
+        tenant["hits"] += device_tokens + len(restored) * self.page_size
 
     def register(self, req: Request) -> None:
         """Name the request's full, computed pages; a name already held by another page keeps that page."""

@@ -685,6 +685,13 @@ class PrefixDiskStore:
         self._writer.shutdown(wait=True)
         self._lock_file.close()  # releases the lock
 
+    COUNTS = ("saved", "loaded", "dropped", "failed", "rekeyed", "discarded")
+
+    def carry_counts(self, old: "PrefixDiskStore") -> None:
+        """The counts of the tier this one replaces (reopened for new weights), added to its own."""
+        for name in self.COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(old, name))
+
     def pages_by_tenant(self) -> dict[str, int]:
         """Pages per tenant_digest()."""
         with self._lock:

@@ -42,7 +42,8 @@ ENGINE_GAUGES = {
                               "Bytes of the indexer's prefill score buffer (CPU; freed when no request is left)."),
 }
 ENGINE_COUNTERS = {
-    "prompt_tokens": ("prompt_tokens", "Prompt tokens prefilled."),
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens prefilled (recomputed after a preemption too; "
+                                       "prefix-cache hits not)."),
     "generation_tokens": ("generation_tokens", "Tokens generated."),
     "steps": ("engine_steps", "Engine steps run."),
     "tier_hits": ("tier_hits", "Selected KV entries (one per position and layer) found in the device working set."),
@@ -54,6 +55,16 @@ ENGINE_COUNTERS = {
     "preemptions": ("num_preemptions", "Requests preempted."),
     "prefix_cache_queries": ("prefix_cache_queries",
                              "Prompt tokens of admitted requests, looked up in the prefix cache."),
+    "prefix_cache_expired_pages": ("prefix_cache_expired_pages", "Prefix-cache pages dropped past their TTL."),
+    "prefix_host_saves": ("prefix_host_saves", "Pages saved to the prefix cache's host tier."),
+    "prefix_host_loads": ("prefix_host_loads", "Pages copied back from the prefix cache's host tier."),
+    "prefix_host_evictions": ("prefix_host_evictions", "Pages evicted from the prefix cache's host tier."),
+    "prefix_disk_writes": ("prefix_disk_writes", "Page files written to the prefix cache's disk tier."),
+    "prefix_disk_reads": ("prefix_disk_reads", "Page files read back from the prefix cache's disk tier."),
+    "prefix_disk_evictions": ("prefix_disk_evictions", "Page files evicted from the prefix cache's disk tier."),
+    "prefix_disk_failures": ("prefix_disk_failures", "Disk-tier page files that failed to write or read."),
+    "prefix_disk_rekeyed": ("prefix_disk_rekeyed", "Disk-tier page files sealed with an old key, sealed again with the current one."),
+    "prefix_disk_discarded": ("prefix_disk_discarded", "Disk-tier page files no key of this engine opens, removed at start."),
 }
 PREFIX_HITS = "prefix_cache_hits_"
 # Speculative decoding, vLLM's counters (engine key = metric name; speculative.py defines them); exported
@@ -74,6 +85,7 @@ class RequestTimer:
     tenant: str = "default"
     first_token: float | None = None
     last_token: float | None = None
+    queued: bool = False  # its queue time observed (a decode worker's first token comes before it is scheduled)
 
 
 class ServerMetrics:
@@ -116,12 +128,13 @@ class ServerMetrics:
             t.first_token = now
             self.ttft.observe(now - t.arrival)
             self.tenant_ttft.labels(self.model_name, t.tenant).observe(now - t.arrival)
-            if scheduled is not None:
-                self.queue.observe(max(0.0, scheduled - t.arrival))
         else:
             self.itl.observe(now - t.last_token)
             self.tenant_itl.labels(self.model_name, t.tenant).observe(now - t.last_token)
         t.last_token = now
+        if scheduled is not None and not t.queued:
+            t.queued = True
+            self.queue.observe(max(0.0, scheduled - t.arrival))
         if out.finished:
             self.e2e.observe(now - t.arrival)
             if len(out.token_ids) > 1:
