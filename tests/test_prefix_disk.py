@@ -1060,3 +1060,39 @@ def test_a_full_disk_evicts_the_oldest_pages_and_retries_the_write_once(tmp_path
     assert disk.failed == 1 and not disk.has(names[3]) and len(_files(tmp_path)) == len(disk._files)
     disk.check_integrity()
     disk.close()
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["whole", "damaged"])
+def test_a_page_leaving_the_tier_while_it_is_read_is_neither_served_nor_a_failure(ckpt, tmp_path, monkeypatch,
+                                                                                   caplog, damaged):
+    """A read of a page file that the tier drops meanwhile (a reset, an eviction, its TTL): the page is
+    not served, and it is no unreadable file (no failure counted, no warning), whether its bytes were
+    read whole or not (its file removed or replaced under the read)."""
+    from sparsekv.cache import prefix_disk
+    llm = disk_engine(ckpt, tmp_path, host_pages=0)
+    _evict_then_hit(llm, PROMPTS[:3])
+    disk = llm.engine.kv.prefix.tiers["disk"]
+    disk.flush()
+    file_id = disk._files.keys(None)[0]
+    real = prefix_disk.open_regular
+
+    class LeavesWhileRead:
+        def __init__(self, path):
+            self.f = real(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, *args):
+            data = self.f.read(*args)
+            disk.drop()  # the page leaves the tier while its bytes are in flight
+            return data[:len(data) // 2] if damaged else data
+    monkeypatch.setattr(prefix_disk, "open_regular", LeavesWhileRead)
+    assert disk._read(file_id) is None
+    assert disk.failed == 0 and "unreadable" not in caplog.text
+    monkeypatch.setattr(prefix_disk, "open_regular", real)
+    disk.flush()
+    llm.engine.check_integrity()

@@ -189,6 +189,9 @@ class PrefixDiskStore:
         # computed them, with the time each was last saved or hit (clock())
         self._files = TenantLRU()
         self._sizes: dict[bytes, int] = {}  # file id -> its file's size, what the budget counts
+        self._indexings = 0
+        self._indexing: dict[bytes, int] = {}  # file id -> which indexing of it this is (a read tells a page
+        # that left the tier, or left and came back, while it read from one that is unreadable)
         self._bytes = 0
         # other namespaces' files no engine holds, oldest first: [mtime_ns, path, size]
         self._others: list[tuple[int, str, int]] = []
@@ -342,6 +345,8 @@ class PrefixDiskStore:
         self._files.add(file_id, tenant, when)
         self._sizes[file_id] = size
         self._bytes += size
+        self._indexings += 1
+        self._indexing[file_id] = self._indexings
 
     # -- figures -------------------------------------------------------------------------------
     @property
@@ -411,6 +416,7 @@ class PrefixDiskStore:
         """Drop a file from the index (the lock held); its file is the caller's to remove."""
         self._files.remove(file_id)
         self._bytes -= self._sizes.pop(file_id)
+        del self._indexing[file_id]
         self._pending.pop(file_id, None)
         self._prefetched.pop(file_id, None)
 
@@ -435,10 +441,6 @@ class PrefixDiskStore:
             for file_id in file_ids:
                 self._drop(file_id)
         return len(file_ids)
-
-    def _digest_of(self, file_id: bytes) -> str:
-        with self._lock:
-            return self._files.tenant(file_id) if file_id in self._files else ""
 
     def _stored_metadata(self, file_id: bytes) -> dict:
         try:
@@ -562,32 +564,37 @@ class PrefixDiskStore:
 
     # -- reads ---------------------------------------------------------------------------------
     def _read(self, file_id: bytes) -> list[torch.Tensor] | None:
-        """The page's rows, or None: gone from the tier, or unreadable (then counted and its file removed,
-        so that the page, once recomputed, is saved anew)."""
+        """The page's rows, or None: gone from the tier (before or while it was read), or unreadable
+        (then counted and its file removed, so that the page, once recomputed, is saved anew)."""
         with self._lock:
-            pending, indexed = self._pending.get(file_id), file_id in self._files
+            pending, indexing = self._pending.get(file_id), self._indexing.get(file_id)
+            tenant = self._files.tenant(file_id) if indexing is not None else ""
         if pending is not None:
             return pending[1]
-        if not indexed:
+        if indexing is None:
             return None
         try:
             with open_regular(self._file(file_id)) as f:  # one read, the GIL released: reads ahead run beside steps
-                rows = self._decode(f.read(), file_id, self._digest_of(file_id))
+                rows = self._decode(f.read(), file_id, tenant)
             if not self.rows.fits(rows):
                 raise ValueError("its rows do not fit this cache's layout")
         except Exception as e:  # noqa: BLE001 - a page that cannot be read is recomputed
-            logger.warning("prefix cache disk tier: %s is unreadable (%s); recomputing it", self._file(file_id), e)
-            self._forget_unreadable(file_id)
+            self._forget_unreadable(file_id, indexing, e)
             return None
-        return rows
+        with self._lock:  # NOTE: a page that left the tier while it was read (a reset among them) is not served
+            return rows if self._indexing.get(file_id) == indexing else None
 
-    def _forget_unreadable(self, file_id: bytes) -> None:
-        """NOTE: on the reader thread for a read ahead, where each page of a chain is read, also those
-        after the first that fails, which no admission then takes."""
+    def _forget_unreadable(self, file_id: bytes, indexing: int, error: Exception) -> None:
+        """A read failed: the file is counted and removed, unless the page left the tier while it was
+        read (evicted, reset, expired: its file removed or replaced under the read), which is no
+        failure. NOTE: on the reader thread for a read ahead, where each page of a chain is read, also
+        those after the first that fails, which no admission then takes."""
         with self._lock:
+            if self._indexing.get(file_id) != indexing:
+                return
+            logger.warning("prefix cache disk tier: %s is unreadable (%s); recomputing it", self._file(file_id), error)
             self.failed += 1
-            if file_id in self._files:
-                self._drop(file_id)
+            self._drop(file_id)
 
     def _decode(self, data: bytes, file_id: bytes, tenant: str) -> list[torch.Tensor]:
         """A page file's rows; raises if it is not one of ours, was not written under `file_id` for
@@ -709,8 +716,8 @@ class PrefixDiskStore:
         with self._lock:
             assert self.tier_bytes_used <= self.capacity_bytes, "the prefix disk tier is over its budget"
             assert all(f in self._files for f in self._pending), "a page being written is not indexed"
-            assert self._bytes == sum(self._sizes.values()) and self._sizes.keys() == set(self._files.keys()), \
-                "file sizes and the index disagree"
+            assert self._bytes == sum(self._sizes.values()) and self._sizes.keys() == set(self._files.keys()) \
+                == self._indexing.keys(), "file sizes and the index disagree"
             self._files.check_integrity()
             quota = self.max_pages_per_tenant
             assert quota is None or all(n <= quota for n in self._files.counts().values()), "a tenant is over its quota"
