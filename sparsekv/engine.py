@@ -269,8 +269,6 @@ class LLMEngine(WeightControl):
     def _preempted(self, req: Request) -> None:
         """A preemption (scheduler.preempt): its full pages are named for the prefix cache first, so its
         recomputation hits them; its sampling state, counters and output stay."""
-        if self.speculator is not None:
-            self.speculator.drop_drafts(req.request_id)
         self.kv.release(req, name_pages=True, keep_counters=True)  # the last MTP pass wrote its pages
         self.executor.forget(req.request_id)
         self.outputs.preempted(req.request_id)  # its prompt logprobs are recorded again

@@ -36,6 +36,7 @@ class Scheduler:
         self._reclaimer: Request | None = None  # this step's waiting request taking pages back (optimistic shares)
         self._held: dict[str, int] = {}  # pages per tenant when this step's reclaim ran
         self._restored: list[int] = []  # pages this step's admissions restored from prefix-cache tiers
+        self._deferred: set[str] = set()  # requests whose drafts did not fit whole last step: first in line
         self.tenants = TenantPages(allocator)
         self.pages_by_tenant = self.tenants.reserved  # pages reserved (prompt + max_tokens) by running requests
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -57,12 +58,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks, self._restored = [], []
         self._reclaimer = self._reclaim() if self.optimistic and self.tenant_pages is not None else None
-        order = sorted(self.running, key=lambda r: r.is_prefilling)  # a decode never waits behind a prompt
+        # a decode never waits behind a prompt; a request whose drafts waited goes first
+        order = sorted(self.running, key=lambda r: (r.request_id not in self._deferred, r.is_prefilling))
+        self._deferred = set()
         while order:
             req = order.pop(0)
-            n = min(req.num_uncomputed_tokens + len(req.draft_token_ids), self.prefill_chunk_tokens, budget)
-            if n <= req.num_uncomputed_tokens:
-                req.draft_token_ids.clear()  # no room for the draft this step: a plain decode
+            n = self._tokens_to_run(req, min(self.prefill_chunk_tokens, budget))
             if n > 0 and self._room_for(req, n, order):
                 chunks.append(self._take(req, n))
                 budget -= n
@@ -81,10 +82,31 @@ class Scheduler:
             if req is self._reclaimer:
                 self._reclaimer = None  # admitted: the others are served first come, first served again
             n = min(req.num_uncomputed_tokens, self.prefill_chunk_tokens, budget)
-            chunks.append(self._take(req, n))
-            budget -= n
+            if req.draft_token_ids:  # a preempted request's drafts: verified with its last token, by the loop above
+                n = min(n, req.num_uncomputed_tokens - 1)
+                self._deferred.add(req.request_id)
+            if n > 0:
+                chunks.append(self._take(req, n))
+                budget -= n
         self.waiting.extendleft(reversed(deferred))  # still first in line, in their order
         return SchedulerOutput(chunks, self._restored)
+
+    def _tokens_to_run(self, req: Request, limit: int) -> int:
+        """How many of `req`'s next tokens (its uncomputed ones, then its drafts) run this step, within
+        `limit`. Drafts left out of a chunk that reaches the request's last token are dropped (it samples
+        there instead), unless its draws must not depend on the batch: a seeded, sampled request's
+        drafts are verified whole (its chunk stops short of its last token, or it waits a step), so it
+        draws the same whatever else shares the step."""
+        uncomputed, drafts = req.num_uncomputed_tokens, len(req.draft_token_ids)
+        if uncomputed + drafts <= limit:
+            return uncomputed + drafts
+        if drafts and req.params.seed is not None and not req.params.greedy and \
+                uncomputed + drafts <= min(self.prefill_chunk_tokens, self.max_num_batched_tokens):
+            self._deferred.add(req.request_id)
+            return min(uncomputed - 1, limit)
+        if limit == uncomputed:
+            req.draft_token_ids.clear()  # no room for them this step: a plain decode
+        return limit  # past its last token: the drafts that fit
 
     def update(self, output: SchedulerOutput, accepted_drafts: dict[str, int], finished: list[Request]) -> None:
         """After the step: each chunk's positions are computed (with the drafts accepted in it, whose
@@ -176,8 +198,7 @@ class Scheduler:
         pages stay cached)."""
         self.on_preempt(req)
         self._free(req)
-        req.num_computed_tokens, req.status = 0, RequestStatus.WAITING
-        req.draft_token_ids.clear()
+        req.num_computed_tokens, req.status = 0, RequestStatus.WAITING  # NOTE: its drafts stay, verified after
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0 if behind is None else self.waiting.index(behind) + 1, req)

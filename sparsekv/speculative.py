@@ -248,10 +248,6 @@ class Speculator:
     def _request_counts(self, request_id: str) -> SpecDecodingCounts:
         return self.counts.setdefault(request_id, SpecDecodingCounts(self.k))
 
-    def drop_drafts(self, request_id: str) -> None:
-        """A preempted request's drafts are never verified (its counts stay)."""
-        self.drafts.pop(request_id, None)
-
     def forget(self, request_id: str) -> dict:
         self.drafts.pop(request_id, None)
         return self.counts.pop(request_id, SpecDecodingCounts(self.k)).metrics()

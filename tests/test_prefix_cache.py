@@ -596,7 +596,7 @@ def test_a_request_waits_for_a_running_request_computing_its_prefix(ckpt):
 
 def test_a_preempted_request_is_looked_up_once_as_its_prompt(ckpt):
     """Queries and hits count each prompt once: the lookup of a preempted request coming back (which
-    finds its own pages, output tokens included) is no new query, as in vLLM."""
+    finds its own pages, output tokens included) is no new query; it is counted apart, as in vLLM."""
     prompts = [[(31 * i + 7 * j) % 200 + 20 for j in range(30 + 5 * i)] for i in range(3)]  # no shared page
     llm = make(ckpt, enable_prefix_caching=True, kv_admission="optimistic", num_kv_pages=6)
     llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
@@ -604,4 +604,5 @@ def test_a_preempted_request_is_looked_up_once_as_its_prompt(ckpt):
     assert stats["preemptions"] > 0  # what makes this test one
     assert stats["prefix_cache_queries"] == sum(map(len, prompts))
     assert stats["prefix_cache_hits_device"] == 0 and stats["prefix_cache_by_tenant"]["default"]["hits"] == 0
+    assert stats["prefix_cache_preempted_queries"] > 0  # counted apart: its own pages, output tokens included
     assert_idle(llm)

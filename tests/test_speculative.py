@@ -295,6 +295,20 @@ def test_seeded_sampling_with_drafts_is_reproducible_and_aborts_free_everything(
     _idle(llm)
 
 
+@pytest.mark.parametrize("budget", [6, 7])
+def test_a_seeded_request_draws_the_same_whatever_shares_its_steps(model, budget):
+    """`seed` makes a request reproducible whatever else shares the batch, with drafts too: a token
+    budget that cannot fit every request's 1 + K rows defers a seeded request's drafts whole (they had
+    been cut, and its verification then drew other numbers than alone)."""
+    llm = LLM(model, num_speculative_tokens=3, max_model_len=512, prefill_chunk_tokens=8,
+              max_num_batched_tokens=budget, max_num_seqs=4)
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=100 + i) for i in range(len(PROMPTS))]
+    alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(PROMPTS, params)]
+    together = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert together == alone
+    _idle(llm)
+
+
 LONG = [PROMPTS[1] * 24, PROMPTS[2] * 12]  # 384 and 300 tokens: past index_topk (256), so full layers select
 
 

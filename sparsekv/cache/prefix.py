@@ -90,6 +90,9 @@ class PrefixCache(PageTransfer):
         allocator.cached.on_evict = self._forget_page
         self.queried_tokens = 0
         self.hit_tokens = {"device": 0, "host": 0, "disk": 0}
+        # a preempted request's lookups again, apart (vLLM keeps them apart too): tokens looked up, served by tier
+        self.preempted_queried_tokens = 0
+        self.preempted_hit_tokens = {"device": 0, "host": 0, "disk": 0}
         self.by_tenant: dict[str, dict[str, int]] = {}  # tenant -> queried and hit prompt tokens
 
     def _names(self, req: Request, num_pages: int) -> list[bytes]:
@@ -144,8 +147,7 @@ class PrefixCache(PageTransfer):
         self._unmirrored.difference_update(landed)
         num_pages = len(hit.pages) + len(tiers)
         tail, tail_rows = self._take_tail(req, num_pages)
-        # NOTE: a preempted request's lookup again is no new query (vLLM's counters likewise)
-        if req.params.prompt_logprobs is None and req.num_preemptions == 0:
+        if req.params.prompt_logprobs is None:
             self._count_hit(req, len(hit.pages) * self.page_size + tail_rows, tiers)
         return CachedPrefix(hit.pages + pages + tail, num_pages, landed + pages[:len(tiers)] + tail, tiers, tail_rows)
 
@@ -229,7 +231,15 @@ class PrefixCache(PageTransfer):
 
     def _count_hit(self, req: Request, device_tokens: int, restored: list[str]) -> None:
         """One prompt's lookup: its prompt tokens queried (not a first token carried from a prefill
-        worker), the tokens served from the pool (an imported tail's included) and from each lower tier."""
+        worker), the tokens served from the pool (an imported tail's included) and from each lower tier.
+        A preempted request's lookup again is counted apart: it is no new prompt (and its tokens are its
+        output's too)."""
+        if req.num_preemptions:
+            self.preempted_queried_tokens += req.num_tokens
+            self.preempted_hit_tokens["device"] += device_tokens
+            for tier in restored:
+                self.preempted_hit_tokens[tier] += self.page_size
+            return
         self.queried_tokens += req.num_prompt_tokens
         self.hit_tokens["device"] += device_tokens
         for tier in restored:
@@ -375,7 +385,9 @@ class PrefixCache(PageTransfer):
     def stats(self) -> dict:
         hits = sum(self.hit_tokens.values())
         return {**{f"prefix_cache_hits_{tier}": n for tier, n in self.hit_tokens.items()},
+                **{f"prefix_cache_preempted_hits_{tier}": n for tier, n in self.preempted_hit_tokens.items()},
                 "prefix_cache_queries": self.queried_tokens, "prefix_cached_pages": len(self.allocator.cached),
+                "prefix_cache_preempted_queries": self.preempted_queried_tokens,
                 "prefix_cache_hit_rate": hits / self.queried_tokens if self.queried_tokens else 0.0,
                 "prefix_cache_expired_pages": self.expired_pages, "prefix_cache_by_tenant": self.tenant_stats(),
                 **{k: v for store in self.tiers.values() for k, v in store.stats().items()}}

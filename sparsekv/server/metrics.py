@@ -55,6 +55,8 @@ ENGINE_COUNTERS = {
     "preemptions": ("num_preemptions", "Requests preempted."),
     "prefix_cache_queries": ("prefix_cache_queries",
                              "Prompt tokens of admitted requests, looked up in the prefix cache."),
+    "prefix_cache_preempted_queries": ("prefix_cache_preempted_queries", "Tokens of preempted requests looked up in "
+                                       "the prefix cache again (not in prefix_cache_queries)."),
     "prefix_cache_expired_pages": ("prefix_cache_expired_pages", "Prefix-cache pages dropped past their TTL."),
     "prefix_host_saves": ("prefix_host_saves", "Pages saved to the prefix cache's host tier."),
     "prefix_host_loads": ("prefix_host_loads", "Pages copied back from the prefix cache's host tier."),
@@ -67,6 +69,10 @@ ENGINE_COUNTERS = {
     "prefix_disk_discarded": ("prefix_disk_discarded", "Disk-tier page files no key of this engine opens, removed at start."),
 }
 PREFIX_HITS = "prefix_cache_hits_"
+# engine.stats() key prefix -> a counter by tier (the rest of the key), and its help
+BY_TIER = {PREFIX_HITS: "Prefix-cache hit tokens, by tier.",
+           "prefix_cache_preempted_hits_": "Tokens of preempted requests served by the prefix cache again, by tier "
+                                           "(not in prefix_cache_hits)."}
 # Speculative decoding, vLLM's counters (engine key = metric name; speculative.py defines them); exported
 # only when the engine reports them (with drafting on), as vLLM does.
 SPEC_COUNTERS = {
@@ -247,15 +253,15 @@ class EngineStatsCollector:
         yield from self._tenant_kv(stats.pop("kv_by_tenant", {}))
         yield from self._spec(stats)
         numeric = {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        tiers = {k[len(PREFIX_HITS):]: v for k, v in numeric.items() if k.startswith(PREFIX_HITS)}
-        if tiers:
-            fam = CounterMetricFamily(P + "prefix_cache_hits", "Prefix-cache hit tokens, by tier.",
-                                      labels=["model_name", "tier"])
-            for tier, value in sorted(tiers.items()):
-                fam.add_metric([self.model_name, tier], value)
-            yield fam
+        for prefix, doc in BY_TIER.items():
+            tiers = {k[len(prefix):]: v for k, v in numeric.items() if k.startswith(prefix)}
+            if tiers:
+                fam = CounterMetricFamily(P + prefix.rstrip("_"), doc, labels=["model_name", "tier"])
+                for tier, value in sorted(tiers.items()):
+                    fam.add_metric([self.model_name, tier], value)
+                yield fam
         for key, value in sorted(numeric.items()):
-            if key.startswith(PREFIX_HITS):
+            if key.startswith(tuple(BY_TIER)):
                 continue
             yield self._gauge(key, f"engine figure {key}", value)
 
