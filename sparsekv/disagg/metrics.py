@@ -13,8 +13,9 @@ class TransferMetrics:
         label = ["model_name"]
         self.bytes = Counter(P + "disagg_transfer_bytes", "KV bytes transferred between prefill and decode "
                              "workers (tensor payload).", label, registry=registry).labels(model_name)
-        self.seconds = Histogram(P + "disagg_transfer_seconds", "Time of one KV transfer, from the claim to the "
-                                 "pages kept (decode) or the verdict (prefill).", label, buckets=LATENCY_BUCKETS,
+        self.seconds = Histogram(P + "disagg_transfer_seconds", "Time of one KV transfer past the prompt's "
+                                 "prefill: from its end to the pages kept (decode) or the verdict (prefill); what "
+                                 "streamed during the prefill is not in it.", label, buckets=LATENCY_BUCKETS,
                                  registry=registry).labels(model_name)
         self.failed = Counter(P + "disagg_transfers_failed", "KV transfers that failed (peer gone, timeout, "
                               "authentication, corruption).", label, registry=registry).labels(model_name)
