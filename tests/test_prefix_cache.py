@@ -70,11 +70,31 @@ def test_allocator_keeps_registered_pages_and_evicts_the_oldest_first():
     assert a.share_and_reserve("y", [1], 3) and a.num_owners(1) == 1 and a.num_available == 0
     assert not a.share_and_reserve("z", [2], 1)               # taking 2 leaves nothing for z's one page
     assert a.num_owners(2) == 0 and 2 in a.cached
-    assert a.allocate("y", 3) == [0, 3, 2] and evicted == [2]  # free pages first, then the cached one
+    assert a.allocate("y", 3) == [0, 2, 3] and evicted == [2]  # free pages first, then the cached one (in order)
     a.check_integrity()
     a.free("y", [1, 0, 3, 2])
     assert len(a.cached) == 2 and a.num_free == 4              # 1 and 2 kept again (still registered)
     a.check_integrity()
+
+
+def test_pages_freed_last_first_come_back_in_order_as_one_run(ckpt):
+    """A request's pages are freed last first (its tail evicted before its head): the next request
+    still gets them in ascending order, one run of slots that decode reads in place (in descending
+    order every page was a run of its own, and a long context's decode step several times slower)."""
+    a = PageAllocator(8, PAGE)
+    pages = a.allocate("x", 8)
+    a.free("x", pages[::-1])
+    assert a.allocate("y", 8) == list(range(8))
+    llm = make(ckpt, enable_prefix_caching=True, num_kv_pages=12, prefill_chunk_tokens=PAGE * 12,
+               max_num_batched_tokens=PAGE * 12)
+    engine = llm.engine
+    for rid, prompt in (("first", BASE + [1] * 60), ("second", [3] * 120)):  # no page of the first's hits
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0))
+        engine.step()
+        held = engine.scheduler.running[0].page_ids
+        assert held == sorted(held) and held == list(range(held[0], held[0] + len(held))), (rid, held)
+        while engine.has_unfinished_requests():
+            engine.step()
 
 
 def test_eviction_takes_from_the_tenant_holding_the_most_cached_pages():

@@ -76,6 +76,9 @@ class PageAllocator:
         if from_reservation:
             self._reserved[owner] -= from_reservation
         pages = [self._free.popleft() if self._free else self.cached.evict() for _ in range(n)]
+        # NOTE: in ascending order, whatever order they were freed or evicted in (a request's pages are
+        # freed last first): consecutive pages are one run of slots, which decode reads in place
+        pages.sort()
         for p in pages:
             self._owners[p] = {owner}
         return pages

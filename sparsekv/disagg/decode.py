@@ -33,7 +33,7 @@ from .first_token import first_tokens_from_wire
 from .transfer import BACKENDS, Room, connect, meta_key, receiver
 from .weights_stamp import check_same_weights, loaded_weights
 from .wire import PrefillRefused, TransferError, at_once, check_received, prompt_digest, sign, tensors_to_pages, verify
-from .worker import Worker
+from .worker import PeerTimeout, Worker
 
 log = logging.getLogger("sparsekv.disagg")
 PACE_DUTY = 0.2  # the share of the core a batch's receive work takes while the engine has requests running
@@ -125,8 +125,13 @@ class DecodeWorker(Worker):
         secret, timeout = self.settings.secret, self.settings.timeout_s
         # NOTE: a TCPStore client retries its connect for up to twice `timeout`: on a thread of its own,
         # so a dead prefill worker's address holds no transfer thread, and the wait ends with the client
-        link = await self.with_peer(SimpleNamespace(name=field.room), "the prefill worker's bootstrap", request,
-                                    lambda: Room(connect(field.bootstrap_host, field.bootstrap_port, timeout), field.room))
+        try:
+            link = await self.with_peer(SimpleNamespace(name=field.room), "answer from the prefill worker's bootstrap",
+                                        request, lambda: Room(connect(field.bootstrap_host, field.bootstrap_port, timeout),
+                                                              field.room))
+        except PeerTimeout:  # NOTE: what answered there, if anything, is not told (the request named the address)
+            raise TransferError(f"cannot reach the prefill worker's bootstrap at {field.bootstrap_host}:"
+                                f"{field.bootstrap_port} (no answer within {timeout:g} s)") from None
         try:
             await self.blocking(link.put, "claim", sign(secret, claim))
             meta = await self._batch_meta(request, link, 0)

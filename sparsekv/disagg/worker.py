@@ -158,7 +158,7 @@ class Worker:
                 if await request.is_disconnected():
                     raise TransferError(f"room {link.name}: the client went away while this worker waited for {waiting_for}")
                 if time.monotonic() > deadline:
-                    raise TransferError(f"room {link.name}: no {waiting_for} within {timeout:g} s")
+                    raise PeerTimeout(f"room {link.name}: no {waiting_for} within {timeout:g} s")
         finally:
             if not wait.done():
                 wait.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now
@@ -185,6 +185,10 @@ class Worker:
         self.metrics.failed.inc()
         log.warning("disaggregation room %s failed on the %s worker: %s", room, self.settings.mode, e)
         return APIError(503, f"the KV transfer failed ({self.settings.mode} worker, room {room}): {e}")
+
+
+class PeerTimeout(TransferError):
+    """The peer did not answer within --disaggregation-timeout."""
 
 
 def _on_daemon_thread(fn, *args) -> asyncio.Future:
