@@ -12,6 +12,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from .units import MAX_TIMEOUT_S
+
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 
 
@@ -377,8 +379,8 @@ class EngineConfig:
         if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
             raise ConfigError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
         for name in ("dist_timeout_s", "dist_startup_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+            if not 0 < getattr(self, name) <= MAX_TIMEOUT_S:
+                raise ConfigError(f"{name} must be in (0, {MAX_TIMEOUT_S}] seconds, got {getattr(self, name)!r}")
         if world > 1 and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"parallelism runs on cpu (gloo) or cuda (NCCL), not {self.device!r}")
         if world > 1 and self.device.startswith("cuda:"):  # rank r takes GPU r % count (parallel/executor.py)
@@ -442,6 +444,11 @@ class EngineConfig:
         if self.kv_tiering and self.attention == "dense":
             raise ConfigError("kv_tiering needs attention='sparse': dense attention reads every position, "
                               "which a bounded working set cannot hold")
+        if self.selector == "quest" and self.attention == "dense":
+            raise ConfigError("selector='quest' needs attention='sparse': dense attention selects nothing")
+        if self.selector == "quest" and self.indexer_key_dtype != "auto" and not self.num_speculative_tokens:
+            raise ConfigError("indexer_key_dtype applies to the lightning indexer's keys, which selector='quest' "
+                              "keeps only for MTP drafting (num_speculative_tokens > 0)")
         if self.num_kv_pages is not None and self.device_kv_budget_bytes is not None and not self.kv_tiering:
             raise ConfigError("give num_kv_pages or device_kv_budget_bytes, not both")
 

@@ -219,3 +219,9 @@ def test_generate_prints_the_text_even_when_empty_and_token_ids_without_a_tokeni
     assert capsys.readouterr().out == "\n"
     _print_output(SimpleNamespace(text="", token_ids=[5, 6]), as_json=False, has_tokenizer=False)
     assert capsys.readouterr().out == "5 6\n"
+
+
+def test_bench_spec_needs_decode_steps_that_draft(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "spec", "--max-tokens", "2"])
+    assert exit_.value.code == 2 and "--max-tokens" in capsys.readouterr().err

@@ -358,6 +358,39 @@ def test_serve_cli_rejects_bad_options(capsys):
         assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
+def test_serve_cli_gives_one_line_for_options_that_would_break_later(tmp_path, capsys):
+    """Values that parsed, then crashed, blamed another option or broke every request: one line, exit 2."""
+    from sparsekv.server.cli import main
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    bad_template = tmp_path / "bad.jinja"
+    bad_template.write_text("{{ messages[0] ")
+    cases = [
+        (["--prefix-cache-host-bytes", "inf"], "not a byte size"),
+        (["--dist-timeout", "inf"], "dist_timeout_s must be in (0, "),
+        (["--disaggregation-mode", "prefill", "--disaggregation-secret-file", str(secret),
+          "--disaggregation-timeout", "inf"], "--disaggregation-timeout must be in (0, "),
+        (["--disaggregation-mode", "prefill", "--disaggregation-secret-file", str(tmp_path)],
+         f"--disaggregation-secret-file {tmp_path}: Is a directory"),
+        (["--disaggregation-mode", "decode", "--disaggregation-secret-file", str(secret),
+          "--disaggregation-bootstrap-port", "18391"], "only apply with --disaggregation-mode prefill"),
+        (["--disaggregation-mode", "decode", "--disaggregation-secret-file", str(secret), "--no-enable-prefix-caching"],
+         "needs the prefix cache"),
+        (["--served-model-name", ""], "--served-model-name must not be empty"),
+        (["--chat-template", str(bad_template)], "--chat-template: not a Jinja template"),
+        (["--max-model-len", "64", "--default-max-tokens", "64"], "--default-max-tokens 64 leaves no room"),
+        (["--attention", "dense", "--selector", "quest"], "selector='quest' needs attention='sparse'"),
+    ]
+    for argv, message in cases:
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+
+
 def test_serve_cli_refuses_an_fd_that_is_not_a_listening_tcp_socket(tmp_path, capsys, monkeypatch):
     """--fd is checked before the weights load: a file, a socket not listening, a closed descriptor."""
     import os

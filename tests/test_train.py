@@ -545,3 +545,17 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(trainer_module.Trainer, "run", interrupted)
     assert train_main(_no_steps(tmp_path, "m")) == 130
     assert "the same command resumes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--embed-init-std", "-1", "--embed-init-std must be"), ("--max-files", "0", "--max-files"),
+    ("--device", "tpu", "--device must be cpu, cuda or cuda:N"), ("--synth-frac", "5", "--synth-frac must be in"),
+    ("--time-budget-minutes", "nan", "--time-budget-minutes"), ("--far-smoothing", "2", "--far-smoothing"),
+    ("--copy-warmup-seq-len", "0", "--copy-warmup-seq-len")])
+def test_a_bad_training_option_is_a_usage_error(tmp_path, capsys, flag, value, message):
+    try:
+        code = train_main(_no_steps(tmp_path, "a", flag, value))
+    except SystemExit as e:  # argparse's type checks
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err

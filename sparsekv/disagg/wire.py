@@ -49,12 +49,15 @@ class PrefillRefused(TransferError):
 def load_secret(path: str) -> bytes:
     """The shared secret of a --disaggregation-secret-file: its bytes, surrounding whitespace removed.
     Refused if other users may read or write it, or if it is shorter than SECRET_MIN_BYTES."""
-    with open(path, "rb") as f:
-        mode = os.fstat(f.fileno()).st_mode
-        if mode & OTHERS_MAY_ACCESS:
-            raise ValueError(f"--disaggregation-secret-file {path}: other users may read or write it (mode "
-                             f"{stat.S_IMODE(mode):04o}); make it private: chmod 600 {path}")
-        secret = f.read().strip()
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if mode & OTHERS_MAY_ACCESS:
+                raise ValueError(f"--disaggregation-secret-file {path}: other users may read or write it (mode "
+                                 f"{stat.S_IMODE(mode):04o}); make it private: chmod 600 {path}")
+            secret = f.read().strip()
+    except OSError as e:  # missing, a directory, unreadable
+        raise ValueError(f"--disaggregation-secret-file {path}: {e.strerror}") from None
     if len(secret) < SECRET_MIN_BYTES:
         raise ValueError(f"--disaggregation-secret-file {path}: the secret has {len(secret)} bytes, fewer than "
                          f"{SECRET_MIN_BYTES} (e.g. `openssl rand -hex 32 > {path}`)")

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..server.errors import APIError, bad_request
+from ..units import MAX_TIMEOUT_S
 from .metrics import TransferMetrics
 from .nixl import NixlAgent
 from .transfer import TRANSFERS, gpu_identity
@@ -56,8 +57,8 @@ class DisaggSettings:
                              f"{self.transfer!r}")
         if self.send not in SENDS:
             raise ValueError(f"--disaggregation-send must be one of {', '.join(SENDS)}, got {self.send!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"--disaggregation-timeout must be > 0 seconds, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"--disaggregation-timeout must be in (0, {MAX_TIMEOUT_S}] seconds, got {self.timeout_s}")
         port = self.bootstrap_port
         if self.mode == "prefill" and (port is None or not 0 <= port <= 65535):
             raise ValueError(f"--disaggregation-bootstrap-port must be in [0, 65535] on a prefill worker, got {port}")

@@ -125,7 +125,8 @@ def main(argv: list[str]) -> int:
              startup_settings(parser, args))
     idle = unused_disaggregation_flags(parser, args)
     if idle:
-        parser.error(f"{', '.join(idle)} only apply with --disaggregation-mode prefill or decode")
+        roles = "prefill" if args.disaggregation_mode == "decode" else "prefill or decode"
+        parser.error(f"{', '.join(idle)} only apply with --disaggregation-mode {roles}")
     hosted = host_ranks(args)  # another node's ranks, or torchrun's rank > 0: no server here
     if hosted is not None:
         return hosted
@@ -203,14 +204,24 @@ def build_app(args):
             raise ValueError(f"{flag} must be >= 1, got {value}")
     model = args.model or default_model_path()
     names = args.served_model_name or [args.model or os.path.basename(os.path.normpath(model))]
+    if not all(name.strip() for name in names):
+        raise ValueError("--served-model-name must not be empty")
     template = None
     if args.chat_template is not None:  # read first: a wrong path fails before the model loads
         template = read_text_option(args.chat_template, "--chat-template")
+        check_template(template)
     role = disaggregation_settings(args)  # read first: a missing secret fails before the model loads
     options = engine_options(args)
+    if role is not None and options.get("enable_prefix_caching") is False:
+        raise ValueError("--disaggregation-mode needs the prefix cache (pages move through it): drop "
+                         "--no-enable-prefix-caching")
     if role is not None and role.mode == "decode" and options.get("prefix_cache_host_bytes") is None:
         options["prefix_cache_host_bytes"] = DEFAULT_DECODE_HOST_BYTES  # transferred pages, when the pool has no room
     engine = build_engine(EngineConfig(model=model, tokenizer=args.tokenizer, **options))
+    if args.default_max_tokens is not None and args.default_max_tokens >= engine.max_model_len:
+        engine.close()
+        raise ValueError(f"--default-max-tokens {args.default_max_tokens} leaves no room for a prompt within "
+                         f"max_model_len {engine.max_model_len}")
     settings = ServerSettings(names, keys, args.max_queued_requests, args.default_max_tokens, template,
                               args.max_queued_per_tenant, args.reasoning_parser, args.max_request_body_bytes,
                               args.max_prompts_per_request, metrics_keys, role)
@@ -219,12 +230,26 @@ def build_app(args):
     return app, app.state.server
 
 
+PREFILL_ONLY = ("disaggregation_bootstrap_port", "disaggregation_send")  # a decode worker has no bootstrap, sends nothing
+
+
 def unused_disaggregation_flags(parser: argparse.ArgumentParser, args) -> list[str]:
-    """The --disaggregation-* flags given to a colocated server, which would ignore them."""
-    if args.disaggregation_mode != "null":
+    """The --disaggregation-* flags given to a server whose role would ignore them: any to a colocated
+    server, a prefill worker's own to a decode worker."""
+    if args.disaggregation_mode == "prefill":
         return []
-    return [f"--{name.replace('_', '-')}" for name, value in sorted(vars(args).items())
-            if name.startswith("disaggregation_") and name != "disaggregation_mode" and value != parser.get_default(name)]
+    names = [name for name in vars(args) if name.startswith("disaggregation_") and name != "disaggregation_mode"] \
+        if args.disaggregation_mode == "null" else list(PREFILL_ONLY)
+    return [f"--{name.replace('_', '-')}" for name in sorted(names) if getattr(args, name) != parser.get_default(name)]
+
+
+def check_template(template: str) -> None:
+    """A --chat-template that does not compile is the operator's error, at start (not each request's 400)."""
+    import jinja2
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a Jinja template: {e.message} (line {e.lineno})") from None
 
 
 def disaggregation_settings(args):

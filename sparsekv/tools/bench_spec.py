@@ -265,9 +265,10 @@ def report_passes(result: dict, summary: dict) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench spec", description=__doc__)
     p.add_argument("--model", default=None, help="checkpoint with an MTP layer (default: the bundled model)")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=at_least(1), default=8)
+    p.add_argument("--prompt-tokens", type=at_least(1), default=512)
+    p.add_argument("--max-tokens", type=at_least(3), default=64,
+                   help="at least 3: the passes are timed on decode steps that draft")
     p.add_argument("--num-speculative-tokens", type=at_least(1), default=3, help="MTP draft tokens per step")
     p.add_argument("--kv-tiering", action="store_true", help="both modes with the tiered KV cache")
     p.add_argument("--device-buffer-tokens", type=int, default=None, help="with --kv-tiering (default 2 x top-k)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", default="700,100,500,150",
                    help="steps per stage: pretrain,warmup,sparse,mtp[,far] (PoSE applies in all of them; "
                         "far, 0 when not given, needs --far-negatives)")
-    p.add_argument("--time-budget-minutes", type=float, default=None,
+    p.add_argument("--time-budget-minutes", type=positive_finite, default=None,
                    help="wall budget; stages shrink to fit (shares 50/10/30/10%%)")
     p.add_argument("--seq-len", type=at_least(2), default=512)
     p.add_argument("--batch-size", type=at_least(1), default=8)
@@ -54,27 +55,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "1100 groups of 2 and 3 digits to the vocabulary)")
     p.add_argument("--lr", type=positive_finite, default=3e-3)
     p.add_argument("--synth-frac", type=float, default=0.6, help="share of rows that are retrieval documents")
-    p.add_argument("--pose-max-position", type=int, default=1 << 20)
+    p.add_argument("--pose-max-position", type=at_least(1), default=1 << 20)
     p.add_argument("--doc-min-frac", type=float, default=1.0,
                    help="retrieval documents take a random length in [F, 1] x the row, at a random offset in "
                         "code (1.0: the document fills the row and its answers end it)")
     p.add_argument("--copy-warmup-steps", type=int, default=0,
                    help="the first N pretraining steps use short retrieval-only rows without PoSE "
                         "(counted in the pretrain steps)")
-    p.add_argument("--copy-warmup-seq-len", type=int, default=128, help="row length of the copy warm-up")
+    p.add_argument("--copy-warmup-seq-len", type=at_least(2), default=128, help="row length of the copy warm-up")
     p.add_argument("--copy-warmup-repeat-frac", type=float, default=0.0,
                    help="share of copy warm-up rows that repeat random digit strings (the induction task)")
-    p.add_argument("--copy-warmup-lr", type=float, default=1e-3, help="constant learning rate of the copy warm-up")
+    p.add_argument("--copy-warmup-lr", type=positive_finite, default=1e-3, help="constant learning rate of the copy warm-up")
     p.add_argument("--copy-warmup-freeze-mlp", action="store_true",
                    help="MLPs and experts do not train during the copy warm-up (attention forms the copy circuit)")
     p.add_argument("--embed-init-std", type=float, default=0.02,
                    help="std of the initial token embeddings (other weights: 0.02)")
-    p.add_argument("--answer-weight", type=float, default=3.0, help="loss weight of answer tokens")
-    p.add_argument("--far-negatives", type=int, default=0,
+    p.add_argument("--answer-weight", type=positive_finite, default=3.0, help="loss weight of answer tokens")
+    p.add_argument("--far-negatives", type=at_least(0), default=0,
                    help="far stage: negatives per row and layer (layer 0: copies of the batch's tokens "
                         "--far-min-distance to --pose-max-position positions back; a later full layer: other "
                         "rows' tokens interleaved with the row)")
-    p.add_argument("--far-min-distance", type=int, default=512,
+    p.add_argument("--far-min-distance", type=at_least(0), default=512,
                    help="far stage, layer 0: the nearest far copy's distance before the row (default 512, the "
                         "row length: layers 0-1 never attend further in training; 4096 let layer 0 keep "
                         "picking copies within a few thousand tokens, docs/training.md, \"Layer 0's churn\")")
@@ -83,24 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "bundled model ran it twice: 0 with --far-smoothing 0.3, then 2 with --far-smoothing 0)")
     p.add_argument("--far-smoothing", type=float, default=0.3,
                    help="far stage: share of the uniform distribution over the row in the indexer's target")
-    p.add_argument("--far-lr", type=float, default=2e-3, help="far stage: peak learning rate")
+    p.add_argument("--far-lr", type=positive_finite, default=2e-3, help="far stage: peak learning rate")
     p.add_argument("--init-from", default=None,
                    help="start from this exported directory (its config, weights and tokenizer) instead of "
                         "random weights, e.g. with --steps 0,0,0,0,N to run only the far stage")
     p.add_argument("--heldout-rows", type=at_least(1), default=32)
-    p.add_argument("--probe-length", type=int, default=384,
+    p.add_argument("--probe-length", type=at_least(1), default=384,
                    help="length of the fixed held-out retrieval prompts scored after each stage (0: none)")
-    p.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files (tests)")
+    p.add_argument("--max-files", type=at_least(1), default=None, help="use only the first N stdlib files (tests)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="storage dtype of model.safetensors (router bias and indexer weights_proj stay fp32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=at_least(1), default=1)
-    p.add_argument("--device", default="cpu", help="cpu (the shipped model) or cuda")
+    p.add_argument("--device", default="cpu", help="cpu (the shipped model), cuda or cuda:N")
     p.add_argument("--checkpoint-every", type=at_least(1), default=50)
     p.add_argument("--log-every", type=at_least(1), default=10)
     p.add_argument("--no-aux-indexers", action="store_true",
                    help="do not train indexers for shared layers (they feed only the IndexShare search)")
-    p.add_argument("--stop-after-steps", type=int, default=None,
+    p.add_argument("--stop-after-steps", type=at_least(1), default=None,
                    help="save the state and exit after this many steps (rerun the same command to continue)")
     p.add_argument("--fresh", action="store_true", help="ignore a saved state in the work dir")
     p.add_argument("--quiet", action="store_true")
@@ -188,6 +189,14 @@ def checked_options(args, stages) -> tuple[dict, tuple[int, ...]]:
         raise UsageError("--copy-warmup-repeat-frac must be in [0, 1]")
     if not 0.0 < args.doc_min_frac <= 1.0:
         raise UsageError("--doc-min-frac must be in (0, 1]")
+    if not 0.0 <= args.synth_frac <= 1.0:
+        raise UsageError("--synth-frac must be in [0, 1]")
+    if not 0.0 <= args.far_smoothing < 1.0:
+        raise UsageError("--far-smoothing must be in [0, 1)")
+    if not 0.0 <= args.embed_init_std < float("inf"):
+        raise UsageError("--embed-init-std must be a finite number >= 0")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     return steps, far_layers
 
 
