@@ -229,6 +229,7 @@ class ModelConfig:
 
 
 ATTENTION_MODES = ("sparse", "dense")
+QUEST_PAGE_TOKENS = 16  # Quest's page (its default): positions per page whose key bounds it keeps
 SELECTORS = ("dsa", "quest")
 INDEXER_KEY_DTYPES = ("auto", "fp8_e4m3")
 KV_CACHE_DTYPES = ("auto", "fp8")  # latents: the model dtype, or FlashMLA's 656 B FP8 rows (cache/latent_format.py)
@@ -281,7 +282,7 @@ class EngineConfig:
     device_kv_budget_bytes: int | None = None  # also sizes the untiered cache when given
     host_store_path: str | None = None
     selector: str = "dsa"                      # token selector: 'dsa' (lightning indexer) or 'quest'
-    quest_page_tokens: int = 16
+    quest_page_tokens: int = QUEST_PAGE_TOKENS
     indexer_key_dtype: str = "auto"            # 'auto' (the model dtype) or 'fp8_e4m3' (tiering only)
     # Speculative decoding with the checkpoint's MTP layer (speculative.py): draft tokens per step.
     num_speculative_tokens: int = 0
@@ -333,6 +334,7 @@ class EngineConfig:
     dist_startup_timeout_s: float = 900.0
 
     def validate(self) -> None:
+        _check_field_types(self)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16")
         if self.attention not in ATTENTION_MODES:
@@ -444,6 +446,8 @@ class EngineConfig:
         if self.kv_tiering and self.attention == "dense":
             raise ConfigError("kv_tiering needs attention='sparse': dense attention reads every position, "
                               "which a bounded working set cannot hold")
+        if self.selector != "quest" and self.quest_page_tokens != QUEST_PAGE_TOKENS:
+            raise ConfigError("quest_page_tokens only applies with selector='quest'")
         if self.selector == "quest" and self.attention == "dense":
             raise ConfigError("selector='quest' needs attention='sparse': dense attention selects nothing")
         if self.selector == "quest" and self.indexer_key_dtype != "auto" and not self.num_speculative_tokens:
@@ -458,6 +462,27 @@ class EngineConfig:
         if self.kv_tiering and n is not None and n < index_topk:
             raise ConfigError(f"device_buffer_tokens ({n}) must be >= the model's index_topk ({index_topk}): "
                               f"one step attends to top-k positions, which must all fit in the working set")
+
+
+_KINDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "dict": (dict,), "list[str]": (list,)}
+
+
+def _check_field_types(config) -> None:
+    """Each option of a plain kind (a dataclass field annotated bool, int, float, str, dict or a list,
+    or None where it may be) holds one: LLM(kv_tiering="false") would turn tiering on, a string count
+    fail deep in the engine."""
+    for f in dataclasses.fields(config):
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        value = getattr(config, f.name)
+        if value is None and "None" in kinds:
+            continue
+        allowed = [t for k in kinds for t in _KINDS.get(k, ())]
+        if not allowed or len(allowed) < sum(k != "None" for k in kinds):
+            continue  # a kind not checked here
+        if isinstance(value, bool) and bool not in allowed or not isinstance(value, tuple(allowed)):
+            raise ConfigError(f"{f.name} must be {' or '.join(kinds)}, got {value!r}")
+        if isinstance(value, list) and not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{f.name} must be a list of strings, got {value!r}")
 
 
 def _is_host_port(addr: str) -> bool:

@@ -183,6 +183,16 @@ def test_config_errors(glm_ckpt, tmp_path):
         LLM(glm_ckpt[0], attention="flash")
 
 
+@pytest.mark.parametrize("option, match", [
+    (dict(kv_tiering="false"), "kv_tiering must be bool, got 'false'"),  # a truthy string: tiering would turn on
+    (dict(max_num_seqs="4"), "max_num_seqs must be int"), (dict(kv_page_size=64.5), "kv_page_size must be int"),
+    (dict(tenant_kv_share="0.5"), "tenant_kv_share must be float or None"), (dict(seed=None), "seed must be int"),
+    (dict(prefix_cache_disk_old_key_files="path"), "must be list"), (dict(quest_page_tokens=8), "only applies with")])
+def test_an_option_of_the_wrong_kind_is_a_config_error(glm_ckpt, option, match):
+    with pytest.raises(ConfigError, match=match):
+        LLM(glm_ckpt[0], **option)
+
+
 def test_checkpoint_errors_name_the_tensor(glm_ckpt, tmp_path):
     src = glm_ckpt[0]
     # An indexer on a layer the config calls shared -> unexpected tensors, with a hint.
