@@ -105,7 +105,12 @@ class WeightControl:
 
     def pause_generation(self) -> None:
         """Stop stepping: running and waiting requests keep their KV pages and state (SGLang's
-        pause_generation); requests may still be added. `step` returns nothing until continue."""
+        pause_generation); requests may still be added. `step` returns nothing until continue.
+        WeightUpdateConflict while a drain update waits for started requests: paused, they would never finish."""
+        from .weights import WeightUpdateConflict
+        if self._pending_update is not None and self.started_requests():
+            raise WeightUpdateConflict("a drain weight update waits for the started requests to finish; pausing "
+                                       "would hold it: pause once it has loaded")
         self.paused = True
 
     def continue_generation(self) -> None:

@@ -18,7 +18,7 @@ from sparsekv import LLM, SamplingParams
 from sparsekv.model.checkpoint import LOAD_FAULT_ENV
 from sparsekv.parallel.launch import RankFailure
 from sparsekv.tools.tiny import save_reference_checkpoint
-from sparsekv.weights import WeightLoadError, WeightUpdateError
+from sparsekv.weights import WeightLoadError, WeightUpdateConflict, WeightUpdateError
 from tolerances import assert_same_greedy, logprob_tolerance
 
 OPTIONS = dict(max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_num_seqs=4,
@@ -108,6 +108,8 @@ def test_drain_switches_every_rank_at_the_step_the_last_started_request_finishes
         engine.add_request("r2", OTHER, GREEDY)
         engine.add_request("r3", PROMPT, GREEDY)
         assert engine.rank_of == {"r1": 0, "r1b": 1, "r2": 1, "r3": 0}  # a held request on each rank
+        with pytest.raises(WeightUpdateConflict, match="pausing would hold it"):
+            engine.pause_generation()
         outs, finished_at = {}, {}
         loaded = _run_until_done(engine, outs, finished_at)
         assert finished_at["r1"] < finished_at["r1b"] and loaded == [finished_at["r1b"]]

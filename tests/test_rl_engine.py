@@ -195,6 +195,8 @@ def test_drain_finishes_started_requests_under_a_and_holds_new_ones_for_b(ckpts)
     assert engine.weight_update_pending and engine.weights_version == 0
     engine.add_request("r2", OTHER, GREEDY)
     engine.check_integrity()  # r2 held out of the scheduler, its sampling state kept
+    with pytest.raises(WeightUpdateConflict, match="pausing would hold it"):  # r1 would never finish
+        engine.pause_generation()
     stats = engine.stats()  # held, it waits: what /metrics and the router's load figure read
     assert (stats["running"], stats["waiting"]) == (1, 1)
     assert stats["kv_by_tenant"]["default"]["waiting"] == 1

@@ -340,7 +340,11 @@ class DataParallelEngine:
 
     def pause_generation(self) -> None:
         """Stop stepping: the front end sends no step, so every rank keeps its requests and KV as they
-        are (`LLMEngine.pause_generation`); requests may still be added."""
+        are (`LLMEngine.pause_generation`); requests may still be added. WeightUpdateConflict while a
+        drain update waits for started requests."""
+        if self._pending_update is not None and self._num_started():
+            raise WeightUpdateConflict("a drain weight update waits for the started requests to finish; pausing "
+                                       "would hold it: pause once it has loaded")
         self.paused = True
 
     def continue_generation(self) -> None:

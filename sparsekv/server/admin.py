@@ -64,7 +64,10 @@ async def update_weights_from_disk(request: Request):
 
 async def pause_generation(request: Request):
     state = request.app.state.server
-    await _call(state, state.engine.pause_generation)
+    try:
+        await _call(state, state.engine.pause_generation)
+    except WeightUpdateConflict as e:
+        raise APIError(409, str(e)) from None
     return {"success": True, "paused": True}
 
 
