@@ -124,9 +124,11 @@ def main(argv: list[str]) -> int:
     log.info("sparsekv %s, non-default args: %s", importlib.metadata.version("sparsekv"),
              startup_settings(parser, args))
     idle = unused_disaggregation_flags(parser, args)
-    if idle:
-        roles = "prefill" if args.disaggregation_mode == "decode" else "prefill or decode"
-        parser.error(f"{', '.join(idle)} only apply with --disaggregation-mode {roles}")
+    if idle and args.disaggregation_mode == "decode":  # NOTE: a launcher may give both roles the same flags
+        print(f"sparsekv serve: warning: {', '.join(idle)} only apply to a prefill worker; this decode worker "
+              f"ignores them", file=sys.stderr)
+    elif idle:
+        parser.error(f"{', '.join(idle)} only apply with --disaggregation-mode prefill or decode")
     hosted = host_ranks(args)  # another node's ranks, or torchrun's rank > 0: no server here
     if hosted is not None:
         return hosted
