@@ -72,7 +72,7 @@ def generate_main(argv: list[str]) -> int:
     print(f"sparsekv {importlib.metadata.version('sparsekv')}, non-default args: "
           f"{non_default_args(parser, args, inputs=PROMPT_ARGS)}", file=sys.stderr)
     from .llm import LLM
-    from .parallel.launch import StartupError
+    from .parallel.launch import RankFailure, StartupError
     from .request import SamplingParams
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -86,7 +86,7 @@ def generate_main(argv: list[str]) -> int:
     except (InvalidRequest, ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"sparsekv generate: error: {e}", file=sys.stderr)
         return 2
-    except StartupError as e:  # a worker rank's own error, or a rank that never came
+    except (StartupError, RankFailure) as e:  # a worker rank's own error, one that never came, or one that died
         print(f"sparsekv generate: error: {e}", file=sys.stderr)
         return 1
     _print_output(out, args.json, llm.tokenizer is not None)
