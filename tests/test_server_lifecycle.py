@@ -387,6 +387,11 @@ def test_serve_cli_gives_one_line_for_options_that_would_break_later(tmp_path, c
             code = e.code
         err = capsys.readouterr().err
         assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # a port in use: said before the weights load
+        port = str(taken.getsockname()[1])
+        assert main(["/nonexistent/model", "--host", "127.0.0.1", "--port", port]) == 2
+        assert f"--host 127.0.0.1 --port {port}: cannot listen there" in capsys.readouterr().err
     # a launcher may give both roles the same flags: a decode worker says which it ignores, and starts
     assert main(["--disaggregation-mode", "decode", "--disaggregation-secret-file", str(secret),
                  "--disaggregation-bootstrap-port", "18391", "--served-model-name", ""]) == 2

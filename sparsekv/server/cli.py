@@ -134,7 +134,8 @@ def main(argv: list[str]) -> int:
         return hosted
     from ..parallel.launch import StartupError
     try:
-        sock = None if args.fd is None else inherited_socket(args.fd)  # NOTE: before the weights load
+        # NOTE: before the weights load: a port in use is said at once, not after minutes of loading
+        sock = listening_socket(args.host, args.port) if args.fd is None else inherited_socket(args.fd)
         app, state = build_app(args)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"sparsekv serve: error: {e}", file=sys.stderr)
@@ -143,6 +144,15 @@ def main(argv: list[str]) -> int:
         print(f"sparsekv serve: error: {e}", file=sys.stderr)
         return 1
     return serve(app, state, args.host, args.port, args.shutdown_timeout, args.log_level, sock)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port (as uvicorn would bind it); ValueError naming --host/--port."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:  # in use, not this machine's address, a name that does not resolve
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
 
 
 def inherited_socket(fd: int) -> socket.socket:
@@ -275,6 +285,9 @@ def serve(app, state, host: str, port: int, shutdown_timeout: float, log_level: 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             access_log=log_level == "debug")
     server = DrainingServer(config, state, shutdown_timeout)
+    if sock is not None:  # uvicorn names no address for a socket it was given
+        address = sock.getsockname()
+        log.info("serving on http://%s:%d", f"[{address[0]}]" if ":" in address[0] else address[0], address[1])
     server.run(sockets=None if sock is None else [sock])
     return server.exit_code
 
