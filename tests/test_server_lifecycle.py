@@ -382,7 +382,7 @@ def test_serve_cli_gives_one_line_for_options_that_would_break_later(tmp_path, c
     ]
     for argv, message in cases:
         try:
-            code = main(argv)
+            code = main([*argv, "--port", "0"])  # NOTE: not the default port, which another server may hold
         except SystemExit as e:  # argparse's usage errors
             code = e.code
         err = capsys.readouterr().err
@@ -394,7 +394,7 @@ def test_serve_cli_gives_one_line_for_options_that_would_break_later(tmp_path, c
         assert f"--host 127.0.0.1 --port {port}: cannot listen there" in capsys.readouterr().err
     # a launcher may give both roles the same flags: a decode worker says which it ignores, and starts
     assert main(["--disaggregation-mode", "decode", "--disaggregation-secret-file", str(secret),
-                 "--disaggregation-bootstrap-port", "18391", "--served-model-name", ""]) == 2
+                 "--disaggregation-bootstrap-port", "18391", "--served-model-name", "", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "--disaggregation-bootstrap-port only apply to a prefill worker" in err and "warning" in err
 
@@ -407,7 +407,8 @@ def test_serve_cli_refuses_an_fd_that_is_not_a_listening_tcp_socket(tmp_path, ca
     from sparsekv.server import cli
     from sparsekv.server.cli import main
 
-    def loading(args):
+    def loading(args, bind):
+        bind()  # what build_app does before the weights load
         raise AssertionError("the weights load: --fd was not refused first")
     monkeypatch.setattr(cli, "build_app", loading)
     with open(tmp_path / "f", "w") as f, socket.socket() as idle:

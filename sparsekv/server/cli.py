@@ -133,17 +133,27 @@ def main(argv: list[str]) -> int:
     if hosted is not None:
         return hosted
     from ..parallel.launch import StartupError
+    bound: list[socket.socket] = []
+
+    def bind() -> None:  # NOTE: before the weights load: a port in use is said at once, not after minutes
+        bound.append(listening_socket(args.host, args.port) if args.fd is None else inherited_socket(args.fd))
     try:
-        # NOTE: before the weights load: a port in use is said at once, not after minutes of loading
-        sock = listening_socket(args.host, args.port) if args.fd is None else inherited_socket(args.fd)
-        app, state = build_app(args)
+        app, state = build_app(args, bind)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+        _close(bound)
         print(f"sparsekv serve: error: {e}", file=sys.stderr)
         return 2
     except StartupError as e:  # a worker rank's own error (its option, its file), or a rank that never came
+        _close(bound)
         print(f"sparsekv serve: error: {e}", file=sys.stderr)
         return 1
+    sock = bound[0] if bound else None
     return serve(app, state, args.host, args.port, args.shutdown_timeout, args.log_level, sock)
+
+
+def _close(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        sock.close()
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -197,7 +207,9 @@ def host_ranks(args) -> int | None:
         return 1
 
 
-def build_app(args):
+def build_app(args, bind=None):
+    """The app and its state from the serve options; `bind()` takes the listening socket once the cheap
+    checks passed, before the weights load."""
     from ..config import EngineConfig
     from ..llm import build_engine
     from ..paths import default_model_path
@@ -229,7 +241,11 @@ def build_app(args):
                          "--no-enable-prefix-caching")
     if role is not None and role.mode == "decode" and options.get("prefix_cache_host_bytes") is None:
         options["prefix_cache_host_bytes"] = DEFAULT_DECODE_HOST_BYTES  # transferred pages, when the pool has no room
-    engine = build_engine(EngineConfig(model=model, tokenizer=args.tokenizer, **options))
+    config = EngineConfig(model=model, tokenizer=args.tokenizer, **options)
+    config.validate()  # NOTE: the options' own errors first, then the port's
+    if bind is not None:
+        bind()
+    engine = build_engine(config)
     if args.default_max_tokens is not None and args.default_max_tokens >= engine.max_model_len:
         engine.close()
         raise ValueError(f"--default-max-tokens {args.default_max_tokens} leaves no room for a prompt within "
