@@ -130,3 +130,15 @@ def test_special_tokens_are_in_the_text_with_skip_special_tokens_off(small_llm, 
     user = tokenizer.convert_tokens_to_ids("<|user|>")
     assert _forced(small_llm, [ab, user, cd], max_tokens=3).text == "abcd"
     assert _forced(small_llm, [ab, user, cd], max_tokens=3, skip_special_tokens=False).text == "ab<|user|>cd"
+
+
+def test_eos_ends_the_output_after_min_tokens_with_no_stop_reason(small_llm, tokenizer):
+    """EOS (made the most probable by a bias): the output ends there, stop_reason None (vLLM: set
+    for a stop string or a stop token id only); min_tokens holds EOS back for that many tokens."""
+    from sparsekv import SamplingParams
+    eos = min(small_llm.engine.outputs.eos_token_ids)
+    for min_tokens in (0, 3):
+        out = small_llm.generate(["x"], SamplingParams(max_tokens=10, temperature=0.0, logit_bias={eos: 100.0},
+                                                       min_tokens=min_tokens))[0]
+        assert out.token_ids[-1] == eos and len(out.token_ids) == min_tokens + 1, (min_tokens, out.token_ids)
+        assert out.finish_reason == "stop" and out.stop_reason is None

@@ -64,6 +64,25 @@ def test_min_p_keeps_tokens_within_min_p_of_the_top():
     assert kept.tolist() == (probs >= 0.2 * probs.max()).tolist() and 1 < int(kept.sum()) < 5
 
 
+def test_min_p_is_relative_to_the_top_token():
+    """A flat row (top probability ~0.1): min_p 0.5 keeps the tokens within half of the top's, where an
+    absolute threshold of 0.5 would keep none."""
+    logits = torch.tensor([0.0, -0.1, -0.2, -1.5, -3.0] + [-0.3] * 7)
+    probs = logits.softmax(-1)
+    assert probs.max() < 0.2
+    kept = filter_logits(logits, SamplingParams(temperature=1.0, min_p=0.5)).isfinite()
+    assert kept.tolist() == (probs >= 0.5 * probs.max()).tolist() and 3 < int(kept.sum()) < len(logits)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_top_k_keeps_exactly_the_k_most_probable_and_ties_at_the_kth(k):
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.0, 1.0, 2.5, -2.0, 0.0])
+    kept = filter_logits(logits.clone(), SamplingParams(temperature=1.0, top_k=k)).isfinite()
+    assert kept.tolist() == [v in sorted(logits.tolist(), reverse=True)[:k] for v in logits.tolist()]
+    tied = torch.tensor([1.0, 2.0, 2.0, 0.0])  # two tokens tie for the second place: both stay
+    assert filter_logits(tied, SamplingParams(temperature=1.0, top_k=2)).isfinite().tolist() == [False, True, True, False]
+
+
 @pytest.mark.parametrize("kwargs, param", [
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(frequency_penalty="x"), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),

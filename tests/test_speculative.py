@@ -47,6 +47,27 @@ def test_greedy_with_drafts_equals_plain_greedy(model, k):
     _idle(llm)
 
 
+def test_a_stop_inside_accepted_drafts_ends_the_output_there(model):
+    """A stop token id or a stop string that an accepted draft completes ends the output where plain
+    decoding ends it: the drafts accepted after it are not output."""
+    plain_llm, llm = LLM(model, **OPTIONS), LLM(model, num_speculative_tokens=3, **OPTIONS)
+    full = plain_llm.generate(PROMPTS, GREEDY)
+    params = []
+    for out in full:
+        mid = out.token_ids[len(out.token_ids) // 2]
+        params.append(SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=[mid]))
+        text = out.text[len(out.text) // 2:len(out.text) // 2 + 2]
+        params.append(SamplingParams(max_tokens=32, temperature=0.0, stop=[text]))
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    want, got = plain_llm.generate(prompts, params), llm.generate(prompts, params)
+    assert all(w.finish_reason == "stop" for w in want)  # what makes this test one
+    for w, g in zip(want, got):
+        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (w.token_ids, w.text, w.finish_reason,
+                                                                           w.stop_reason)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    _idle(llm)
+
+
 def _vllm_counters(steps: list[tuple[int, int]], k: int) -> dict:
     """vLLM's counters from (drafts fed to the target, drafts accepted) of each verification step."""
     return {"spec_decode_num_drafts": len(steps), "spec_decode_num_draft_tokens": sum(n for n, _ in steps),
