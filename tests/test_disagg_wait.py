@@ -237,3 +237,32 @@ def test_a_pair_connect_that_does_not_return_fails_the_room_at_the_timeout(room,
     assert time.monotonic() - started < HANG_S / 2
     stuck.set()
     assert _ended(lambda: not any(t.name == "sparsekv-pair-connect" for t in threading.enumerate()))
+
+
+def _claim_checker():
+    """A prefill worker's claim check alone (no engine): its secret and page layout."""
+    from sparsekv.disagg.prefill import PrefillWorker
+    w = PrefillWorker.__new__(PrefillWorker)
+    w.settings = DisaggSettings("prefill", "127.0.0.1", 0, b"s" * 32)
+    w.layout = [["latent", 8]]
+    return w
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("room", "another", "names room 'another'"), ("tenant", "bob", "another tenant or cache_salt"),
+    ("cache_salt", "x", "another tenant or cache_salt"), ("prompts", ["0" * 16], "tokenized the prompt differently"),
+    ("layout", [["latent", 4]], "pages differ"), ("held", [-1], "held page counts are malformed"),
+    ("held", [0, 0], "held page counts are malformed")])
+def test_a_signed_claim_that_does_not_match_the_request_is_refused(field, value, match):
+    """A decode worker's claim, signed with the shared secret, that differs from the request in one
+    field: another room (a replay), another tenant or salt (isolation), another prompt, layout or a
+    malformed count of held pages."""
+    from types import SimpleNamespace
+    from sparsekv.disagg.wire import prompt_digest, sign
+    w, prompts = _claim_checker(), [[5, 6, 7]]
+    job = SimpleNamespace(tenant="alice", cache_salt=None)
+    good = {"room": "r1", "tenant": "alice", "cache_salt": None, "prompts": [prompt_digest(prompts[0])],
+            "layout": w.layout, "held": [0]}
+    assert w._check_claim(sign(w.settings.secret, good), "r1", job, prompts)["held"] == [0]
+    with pytest.raises(TransferError, match=match):
+        w._check_claim(sign(w.settings.secret, {**good, field: value}), "r1", job, prompts)
