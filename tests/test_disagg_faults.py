@@ -363,7 +363,7 @@ def test_a_room_naming_a_dead_bootstrap_ends_when_its_client_leaves(glm_ckpt):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]  # nobody listens there once closed
-    with WorkerServer(glm_ckpt[0], "decode", timeout_s=60.0, **BASE) as d:
+    with WorkerServer(glm_ckpt[0], "decode", timeout_s=20.0, **BASE) as d:
         room = {"room": "dead-bootstrap", "bootstrap_host": "127.0.0.1", "bootstrap_port": dead}
         with pytest.raises(httpx.TimeoutException):
             httpx.post(d.url + "/v1/completions", json={**BODY, "prompt": _prompt(), "disaggregation": room}, timeout=1.0)

@@ -128,7 +128,7 @@ class DecodeWorker(Worker):
         try:
             link = await self.with_peer(SimpleNamespace(name=field.room), "answer from the prefill worker's bootstrap",
                                         request, lambda: Room(connect(field.bootstrap_host, field.bootstrap_port, timeout),
-                                                              field.room))
+                                                              field.room), thread="sparsekv-disagg-connect")
         except PeerTimeout:  # NOTE: what answered there, if anything, is not told (the request named the address)
             raise TransferError(f"cannot reach the prefill worker's bootstrap at {field.bootstrap_host}:"
                                 f"{field.bootstrap_port} (no answer within {timeout:g} s)") from None

@@ -141,11 +141,11 @@ class Worker:
         if path.needs_connect:
             await self.with_peer(link, "the peer's transfer connection", request, path.connect)
 
-    async def with_peer(self, link, waiting_for: str, request, fn, *args):
+    async def with_peer(self, link, waiting_for: str, request, fn, *args, thread: str = "sparsekv-disagg-wait"):
         """`fn(*args)`, a call that waits for the peer (joining the pair group, sending tensors the peer
         receives), on a thread of its own: TransferError past the timeout or when the client went away,
         the call then left to end on its own (at its group's timeout, or when the group closes)."""
-        wait = _on_daemon_thread(fn, *args)
+        wait = _on_daemon_thread(fn, *args, name=thread)
         await self._while_peer_works(wait, link, waiting_for, request)
         return wait.result()
 
@@ -192,7 +192,7 @@ class PeerTimeout(TransferError):
     """The peer did not answer within --disaggregation-timeout."""
 
 
-def _on_daemon_thread(fn, *args) -> asyncio.Future:
+def _on_daemon_thread(fn, *args, name: str = "sparsekv-disagg-wait") -> asyncio.Future:
     """`fn(*args)` on a daemon thread of its own, as a future of the running loop. A room's wait holds
     a thread for as long as its peer takes (a long prompt's prefill): a pool could run out of them,
     and a pool's threads would hold the process's exit up while a wait lasts."""
@@ -212,5 +212,5 @@ def _on_daemon_thread(fn, *args) -> asyncio.Future:
             loop.call_soon_threadsafe(settle, *outcome)
         except RuntimeError:  # the event loop closed: nobody waits for it
             pass
-    threading.Thread(target=run, name="sparsekv-disagg-wait", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return future
