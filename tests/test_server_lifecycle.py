@@ -77,6 +77,55 @@ def test_sigterm_drains_in_flight_and_refuses_new(model):
             proc.wait()
 
 
+def test_a_second_sigterm_aborts_the_drain_and_a_third_exits_quietly(model):
+    """Second signal: what is in flight ends now with an error to its clients (not after
+    --shutdown-timeout), and the process exits 0. Third: it exits without waiting, and without a
+    traceback."""
+    proc, url = start_subprocess_server(model, "--shutdown-timeout", "120", env={"SPARSEKV_INJECT_STEP_DELAY": "0.05"})
+    try:
+        wait_healthy(url, proc)
+        s_out, p_out, first = {}, {}, threading.Event()
+        threads = [threading.Thread(target=_stream, args=(url, BODY, s_out, first)),
+                   threading.Thread(target=_post, args=(url, BODY, p_out))]
+        [t.start() for t in threads]
+        assert first.wait(20)
+        proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: httpx.get(url + "/health").status_code == 503, 5)
+        proc.send_signal(signal.SIGTERM)
+        [t.join(30) for t in threads]
+        assert proc.wait(30) == 0
+        output = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    events = s_out["events"]
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503
+    assert sum(1 for e in events[:-1] if e.get("choices")) < 150  # cut short, not drained
+    assert p_out["status"] == 503 and "shutting down" in p_out["body"]["error"]["message"]
+    assert "a second signal: aborting" in output and "Traceback" not in output, output
+
+    proc, url = start_subprocess_server(model, "--shutdown-timeout", "120", "--log-level", "info",
+                                        env={"SPARSEKV_INJECT_STEP_DELAY": "0.05"})
+    try:
+        wait_healthy(url, proc)
+        out, first = {}, threading.Event()
+        t = threading.Thread(target=_stream, args=(url, BODY, out, first))
+        t.start()
+        assert first.wait(20)
+        for _ in range(3):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        proc.wait(30)
+        t.join(30)
+        output = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in output and "CancelledError" not in output, output
+
+
 def test_shutdown_timeout_aborts_the_rest(model):
     srv = ThreadServer(model, shutdown_timeout=0.3)
     with srv:

@@ -429,6 +429,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         state.loop.start()
         try:
             yield
+        except asyncio.CancelledError:  # a forced exit (a third signal): uvicorn skips the lifespan's end
+            log.warning("forced exit: the requests in flight were cut off")
         finally:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(state.loop.abort_all("the server is shutting down"), 5.0)

@@ -6,8 +6,10 @@ version and every option that differs from its default, keys redacted (`startup_
 Shutdown: the first SIGTERM/SIGINT starts a drain (new requests get 503 and /health turns 503 so a
 load balancer stops routing here; requests in flight run on for up to --shutdown-timeout seconds;
 whatever is left is then aborted, its clients get an error) and the process then exits 0. A second
-signal exits at once. uvicorn's own shutdown would just wait for connections with no engine-side
-abort, so `DrainingServer` runs the drain before handing over to it.
+signal ends the drain at once: what is in flight is aborted with an error to its clients, and the
+process exits 0 as soon as they have it. A third exits without waiting for anything. uvicorn's own
+shutdown would just wait for connections with no engine-side abort, so `DrainingServer` runs the
+drain before handing over to it.
 """
 from __future__ import annotations
 
@@ -312,7 +314,8 @@ RANK_FAILURE_GRACE_S = 3.0
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn.Server that drains the engine on the first signal and exits on the second. When a rank
+    """uvicorn.Server that drains the engine on the first signal, aborts what is left on the second and
+    exits without waiting on the third. When a rank
     of a parallel engine fails, it exits by itself with code 1 once the clients have their errors (a
     supervisor restarts it; the engine cannot step again)."""
 
@@ -322,13 +325,16 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config, state, shutdown_timeout: float):
         super().__init__(config)
         self.state, self.shutdown_timeout = state, shutdown_timeout
-        self._drain_requested = False
+        self._drain_requested = self._abort_requested = False
         self._drain_task = None
 
     def handle_exit(self, sig, frame) -> None:
-        if self._drain_requested:
+        # NOTE: runs inside a signal handler; the drain itself starts on the next tick
+        if self._abort_requested:
             self.should_exit = self.force_exit = True
-        else:  # NOTE: runs inside a signal handler; the drain itself starts on the next tick
+        elif self._drain_requested:
+            self._abort_requested = True
+        else:
             self._drain_requested = True
 
     async def on_tick(self, counter: int) -> bool:
@@ -348,8 +354,9 @@ class DrainingServer(uvicorn.Server):
         loop = self.state.loop
         loop.draining = True
         log.info("draining %d request(s) for up to %.1f s", loop.num_active, self.shutdown_timeout)
-        if not await loop.wait_idle(self.shutdown_timeout):
-            log.warning("shutdown timeout: aborting %d request(s)", loop.num_active)
+        if not await loop.wait_idle(self.shutdown_timeout, lambda: self._abort_requested):
+            why = "a second signal" if self._abort_requested else "shutdown timeout"
+            log.warning("%s: aborting %d request(s)", why, loop.num_active)
             await loop.abort_all("the server is shutting down; the request was aborted")
         await asyncio.sleep(0.2)  # let the handlers send their last bytes
         self.should_exit = True

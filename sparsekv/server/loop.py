@@ -160,9 +160,11 @@ class EngineLoop:
         self._commands.put((self._abort_everything, (reason, fut)))
         await fut
 
-    async def wait_idle(self, timeout: float) -> bool:
+    async def wait_idle(self, timeout: float, cut_short=lambda: False) -> bool:
+        """Whether every request finished within `timeout` seconds (waiting ends early once the engine
+        is dead or `cut_short()` is true)."""
         deadline = time.monotonic() + timeout
-        while self._routes and self.dead is None and time.monotonic() < deadline:
+        while self._routes and self.dead is None and time.monotonic() < deadline and not cut_short():
             await asyncio.sleep(0.05)
         return not self._routes
 
