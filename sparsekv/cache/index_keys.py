@@ -7,6 +7,7 @@ import torch
 
 from ..context import SeqSlice
 from ..model.indexer import gather_rows
+from .latent_format import e4m3_values
 from .pool import history_pages, history_segments, padded_slots, page_counts, paged_keys
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -55,7 +56,7 @@ class IndexKeyCache:
         if not self.fp8:
             return raw
         scales = self.scales[layer].index_select(0, slots.reshape(-1)).view(slots.shape)
-        return (raw.view(torch.float8_e4m3fn).float() * scales[..., None]).to(self.dtype)
+        return e4m3_values(raw).mul_(scales[..., None]).to(self.dtype)
 
     def pages(self, layer: int, seqs: list[SeqSlice], page_size: int) -> tuple[torch.Tensor, np.ndarray | None, list[int]]:
         """Several requests' keys by page (model/indexer.py: paged_keys; fp8 pages gathered and
@@ -66,9 +67,9 @@ class IndexKeyCache:
         dim = self.keys[layer].shape[1]
         raw = self.keys[layer].view(-1, page_size * dim).index_select(0, pages).view(-1, page_size, dim)
         scales = self.scales[layer].view(-1, page_size).index_select(0, pages)
-        return (raw.view(torch.float8_e4m3fn).float() * scales[..., None]).to(self.dtype), None, counts
+        return e4m3_values(raw).mul_(scales[..., None]).to(self.dtype), None, counts
 
     def _dequantise(self, layer: int, seq: SeqSlice, positions, raw: torch.Tensor) -> torch.Tensor:
         slots = seq.slots[positions:positions + raw.shape[0]] if isinstance(positions, int) else seq.slots[positions]
         scale = self.scales[layer].index_select(0, slots)
-        return (raw.view(torch.float8_e4m3fn).float() * scale[:, None]).to(self.dtype)
+        return e4m3_values(raw).mul_(scale[:, None]).to(self.dtype)

@@ -58,7 +58,6 @@ class FP8Latent:
         self.tiles = self.rank // self.tile
         self.scale_at, self.rope_at = self.rank, self.rank + 4 * self.tiles
         self.row_width = self.row_bytes = self.rope_at + 2 * self.rope
-        self._table: torch.Tensor | None = None  # e4m3 code -> float32, on a CPU
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """[N, latent_dim] -> [N, row_bytes] uint8."""
@@ -74,7 +73,7 @@ class FP8Latent:
         shape, flat = rows.shape[:-1], rows.reshape(-1, self.row_bytes)
         n = flat.shape[0]
         out = torch.empty(n, self.rank + self.rope, dtype=self.dtype, device=rows.device)
-        nope = self._e4m3_values(flat[:, :self.rank]).view(n, self.tiles, self.tile)
+        nope = e4m3_values(flat[:, :self.rank]).view(n, self.tiles, self.tile)
         scale = _as(flat[:, self.scale_at:self.rope_at], torch.float32)
         torch.mul(nope, scale[..., None], out=out[:, :self.rank].view(n, self.tiles, self.tile))
         out[:, self.rank:] = _as(flat[:, self.rope_at:], torch.bfloat16)
@@ -84,14 +83,16 @@ class FP8Latent:
         """The values a read will return for `values` written now (Quest bounds what attention reads)."""
         return self.decode(self.encode(values))
 
-    def _e4m3_values(self, codes: torch.Tensor) -> torch.Tensor:
-        """uint8 e4m3 codes -> float32. A CPU converts float8 one element at a time (3.5 ns each): a
-        256-entry table is 5x faster there; an accelerator converts natively."""
-        if codes.device.type != "cpu":
-            return codes.view(torch.float8_e4m3fn).float()
-        if self._table is None:
-            self._table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-        return self._table.index_select(0, codes.reshape(-1).int())
+_E4M3_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code -> its value
+
+
+def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 e4m3 codes -> float32 of the same shape, the values `.view(float8_e4m3fn).float()` gives.
+    A CPU converts float8 one element at a time; a 256-entry table is several times faster there. An
+    accelerator converts natively."""
+    if codes.device.type != "cpu":
+        return codes.view(torch.float8_e4m3fn).float()
+    return _E4M3_TABLE.index_select(0, codes.reshape(-1).int()).view(codes.shape)
 
 
 def _as(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
