@@ -422,23 +422,42 @@ def test_a_query_sees_only_the_haystack_negatives_placed_before_it():
 
 def test_kl_with_far_negatives():
     from sparsekv.train.stages import kl_to_index
+    from tolerances import chain_tolerance
     torch.manual_seed(0)
     index, target = torch.randn(2, 5, 5), torch.rand(2, 5, 5)
     allowed = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 5, 5)
+
+    def size(p, scores):
+        """The terms' magnitudes of kl_to_index: p |log p| and p |log q| (log q = s - max - log sum
+        exp, both parts' sizes), summed over keys and averaged over queries, in float64."""
+        p = (p * allowed).double()
+        p = p / p.sum(-1, keepdim=True)
+        log_q = torch.log_softmax(scores.double(), -1)[..., :5]
+        return float((p * (p.log().where(p > 0, 0.0).abs() + log_q.abs())).sum(-1).mean())
+
+    def close(got, want, scores, magnitude):
+        """Both sides in float32, each at most n roundings deep: the softmax's sum over the scores,
+        the KL's over 5 keys, the mean over 10 queries and about 7 elementwise steps (exp, log,
+        subtraction, product, p's normalisation); `magnitude`: the two sides' terms, averaged."""
+        return abs(float(got) - float(want)) <= chain_tolerance(magnitude, scores.shape[-1] + 5 + 10 + 7)
     plain = kl_to_index(target, index, allowed)
-    # sums of at most 10 terms of size ~1 grouped two ways: LAMBDA sqrt(10) eps ~ 1e-6 relative
-    # (tests/tolerances.py), within allclose's rtol of 1e-5
-    assert torch.allclose(kl_to_index(target, index, allowed, torch.full((2, 5, 3), -1e30), 10.0), plain)
-    far = torch.randn(2, 5, 3)
-    # the negatives add log(1 + sum exp(far + w) / sum exp(index)) per query, target unchanged
     row = index.masked_fill(~allowed, -1e30)
-    extra = (torch.logsumexp(torch.cat([row, far + 2.0], -1), -1) - torch.logsumexp(row, -1)).mean()
-    assert torch.allclose(kl_to_index(target, index, allowed, far, 2.0), plain + extra, atol=1e-5)
+    none = torch.full((2, 5, 3), -1e30)  # negatives of weight 0: the same KL
+    scores = torch.cat([row, none + 10.0], -1)
+    assert close(kl_to_index(target, index, allowed, none, 10.0), plain, scores, size(target, scores))
+    far = torch.randn(2, 5, 3)
+    # the negatives add log(1 + sum exp(far + w) / sum exp(index)) per query, target unchanged; that
+    # side's terms also hold the two logsumexps
+    everything = torch.cat([row, far + 2.0], -1)
+    extra = (torch.logsumexp(everything, -1) - torch.logsumexp(row, -1)).mean()
+    sums = float((torch.logsumexp(everything, -1).abs() + torch.logsumexp(row, -1).abs()).mean())
+    assert close(kl_to_index(target, index, allowed, far, 2.0), plain + extra, everything,
+                 (size(target, everything) + size(target, row) + sums) / 2)
     # smoothing 1: the target is uniform over each query's allowed keys, KL = -log n - mean log q
-    log_q = torch.log_softmax(index.masked_fill(~allowed, -1e30), -1)
+    log_q = torch.log_softmax(row, -1)
     count = allowed.sum(-1)
     uniform = (-count.log() - (log_q * allowed).sum(-1) / count).mean()
-    assert torch.allclose(kl_to_index(target, index, allowed, smoothing=1.0), uniform, atol=1e-6)
+    assert close(kl_to_index(target, index, allowed, smoothing=1.0), uniform, row, size(allowed.float(), row))
 
 
 def test_far_stage_from_an_exported_model_trains_only_layer_0s_indexer(trained, tmp_path):

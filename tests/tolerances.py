@@ -30,7 +30,7 @@ Discrete decisions (the indexer's top-k, MoE routing, the greedy argmax, a value
 bf16 for storage) are not covered by a tolerance: where the two values sit a rounding apart on
 either side of a boundary, the outcomes differ by a whole step. `assert_same_greedy` checks that the
 inputs leave a clear top-1 lead before it requires equal tokens; FP8 latents are compared as stored
-rows instead (tests/test_kv_cache_dtype.py).
+rows instead (tests/test_kv_cache_dtype.py), FP8 indexer keys by their selections (tests/test_tiers.py).
 """
 from __future__ import annotations
 
@@ -40,6 +40,33 @@ import torch
 
 LAMBDA = 3.0
 EPS32 = torch.finfo(torch.float32).eps
+U32 = EPS32 / 2  # float32's unit roundoff: one correctly rounded operation is off by at most U32 relative
+
+
+def gamma(n: int, eps: float = EPS32) -> float:
+    """Higham's gamma_n = n u / (1 - n u), u = eps / 2: a length-n sum or dot product, computed in any
+    order, is off by at most gamma_n times the sum of its terms' magnitudes (products included). For
+    one-sided checks that must hold on every input (a bound that must stay a bound)."""
+    return n * eps / 2 / (1 - n * eps / 2)
+
+
+def chain_tolerance(magnitude: float, n: int, eps: float = EPS32) -> float:
+    """Two computations of one value in the same precision that round differently (another grouping
+    or another formula), each at most n rounded operations deep (a sum's terms count one each), on
+    terms whose magnitudes add up to `magnitude`: LAMBDA sqrt(n) eps x magnitude, the module's bound
+    (each side about sqrt(n) u, rarely LAMBDA times more; two sides: 2 u = eps)."""
+    return LAMBDA * math.sqrt(n) * eps * magnitude
+
+
+def e4m3_error(values: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """Elementwise bound (float64) of |fl(e4m3(values / scale) * scale) - values| as float32 computes
+    it: half a step of e4m3 (3 mantissa bits: at most 2^-4 of the value in the normal range; below it
+    the subnormal spacing 2^-9, so 2^-10 of the scale), plus the division, the multiplication back
+    and the test's subtraction, each rounded to float32 (U32 relative: 3 U32 = 1.5 eps of the value,
+    and the factor 1 + eps on the rest)."""
+    v = values.double().abs()
+    s = scale.double() if isinstance(scale, torch.Tensor) else float(scale)
+    return torch.maximum(v / 16, s * 2 ** -10 * torch.ones_like(v)) * (1 + EPS32) + 1.5 * EPS32 * v
 
 
 def _parts(model):
