@@ -464,8 +464,8 @@ def test_a_tenant_kv_share_admits_other_tenants_past_a_flood_and_keeps_outputs(g
     """tenant_kv_share=0.5 on a 40-page pool: the heavy tenant's four 12-page requests run one at a
     time (two would hold 24 of its 20), the light tenant's request behind them is admitted in the first
     step (unbounded, three heavy ones would take 36 pages and it would wait), every output equals
-    the unbounded engine's, per-tenant figures are reported, and a request bigger than the share is
-    refused with a clear error (nothing else is affected)."""
+    the unbounded engine's, per-tenant figures are reported, a request of exactly the share is served,
+    and a request bigger than the share is refused with a clear error (nothing else is affected)."""
     prompts = [random_prompt(40, seed=s) for s in range(5)]
     want = llm.generate(prompts, GREEDY)
     shared = LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_num_batched_tokens=40,
@@ -485,6 +485,8 @@ def test_a_tenant_kv_share_admits_other_tenants_past_a_flood_and_keeps_outputs(g
         engine.check_integrity()
     for i, w in enumerate(want):
         assert outs[f"r{i}"].token_ids == w.token_ids
+    at_share = shared.generate([random_prompt(72)], GREEDY)[0]  # 80 tokens: 20 pages, exactly the share
+    assert at_share.finish_reason == "length" and len(at_share.token_ids) == GREEDY.max_tokens
     with pytest.raises(InvalidRequest, match=r"needs 21 KV pages .* a tenant may hold 20 of the 40 \(tenant_kv_share 0.5\)"):
         shared.generate([random_prompt(76)], GREEDY)
     assert shared.stats()["kv_by_tenant"] == {}

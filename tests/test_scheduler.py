@@ -213,3 +213,183 @@ def test_the_admission_policy_loads_without_torch():
     code = "import sys, sparsekv.scheduler; assert 'torch' not in sys.modules, 'torch was imported'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def _chunks(chunks) -> list[tuple[str, int, int]]:
+    return [(c.request.request_id, c.first_position, c.num_new_tokens) for c in chunks]
+
+
+def test_a_decode_goes_before_an_older_requests_prefill_chunk():
+    """Budget 10, chunks of 8: p (40-token prompt) is admitted before d (2 tokens), so p is first in the
+    running list, yet from the next step on d's decode is scheduled before p's prefill chunk, which takes
+    what is left of the budget. With drafts (1 + 3 tokens) d still runs whole and p's chunk shrinks to 6,
+    rather than p taking 8 and d's drafts being cut to fit."""
+    sched = Scheduler(PageAllocator(100, 4), max_num_seqs=4, max_num_batched_tokens=10, prefill_chunk_tokens=8)
+    p, d = make("p", 40, max_tokens=8), make("d", 2, max_tokens=8)
+    sched.add(p)
+    sched.add(d)
+    assert _chunks(run_step(sched)) == [("p", 0, 8), ("d", 0, 2)]
+    assert [r.request_id for r in sched.running] == ["p", "d"] and p.is_prefilling and not d.is_prefilling
+    assert _chunks(run_step(sched)) == [("d", 2, 1), ("p", 8, 8)]
+    d.draft_token_ids[:] = [5, 6, 7]
+    chunks = run_step(sched)
+    assert _chunks(chunks) == [("d", 3, 4), ("p", 16, 6)] and chunks[0].num_draft_tokens == 3
+
+
+def test_optimistic_preemption_takes_the_newest_request_and_queues_it_first():
+    """Optimistic admission, 9 pages of 4 tokens: a, b, c, d (7-token prompts, 2 pages each) are
+    admitted, e waits. When they all cross into a third page the one free page goes to a; b finds none,
+    and of the requests after it (c, d) the newest, d, is preempted (not c, the next in line), which is
+    enough for b and c: nobody else is. d goes back to the front of the queue, ahead of e, which
+    waited longer in the queue but was never admitted."""
+    alloc = PageAllocator(9, 4)
+    sched = Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=100, prefill_chunk_tokens=100, optimistic=True)
+    preempted = []
+    sched.on_preempt = preempted.append
+    reqs = {rid: make(rid, 7, max_tokens=20) for rid in "abcde"}
+    for req in reqs.values():
+        sched.add(req)
+    run_step(sched)
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["a", "b", "c", "d"]
+    assert [r.request_id for r in sched.waiting] == ["e"]
+    assert not preempted and alloc.num_available == 1
+    assert _chunks(run_step(sched)) == [("a", 8, 1), ("b", 8, 1), ("c", 8, 1)]
+    assert preempted == [reqs["d"]] and sched.num_preemptions == 1
+    assert [r.request_id for r in sched.running] == ["a", "b", "c"]
+    assert [r.request_id for r in sched.waiting] == ["d", "e"]  # the preempted one first
+    assert reqs["d"].status is RequestStatus.WAITING and reqs["d"].page_ids == [] and reqs["d"].num_computed_tokens == 0
+    sched.check_integrity()
+    alloc.check_integrity()
+
+
+def test_optimistic_tenant_shares_at_their_exact_boundary():
+    """Optimistic admission, tenant_pages 10, pages of 4 tokens, the heavy tenant's 16-token requests
+    take 5 pages each (known tokens and one more), 1 page is kept free at admission.
+    * 21 pages, heavy holds 20 (h0..h3): a light request of exactly 10 pages (39 tokens) is within its
+      share (10 <= 10) and so preempts heavy's newest (h3, then h2) until it fits: it runs.
+    * 20 pages, heavy holds 15 (h0..h2): the same light request preempts h2; heavy then holds exactly
+      its share, which is not over it, so h1 is not preempted, and the light request waits (10 + 1 kept
+      free > 10 available).
+    * 21 pages, heavy holds 20: a 5-page light request preempts h3 alone: then 6 pages are available,
+      exactly its 5 and the one kept free."""
+    def heavy_then_light(num_pages: int, light_prompt: int):
+        alloc = PageAllocator(num_pages, 4)
+        sched = Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=200, prefill_chunk_tokens=200,
+                          tenant_pages=10, optimistic=True)
+        heavy = [Request(f"h{i}", list(range(16)), SamplingParams(max_tokens=8), tenant="heavy") for i in range(4)]
+        for req in heavy:
+            sched.add(req)
+        run_step(sched)
+        light = Request("l", list(range(light_prompt)), SamplingParams(max_tokens=8), tenant="light")
+        sched.add(light)
+        run_step(sched)
+        sched.check_integrity()
+        alloc.check_integrity()
+        return sched, [r.num_preemptions for r in heavy], light
+
+    sched, preemptions, light = heavy_then_light(21, 39)
+    assert light in sched.running and preemptions == [0, 0, 1, 1]
+    assert sched.tenant_stats() == {"heavy": {"running": 2, "waiting": 2, "kv_pages": 10},
+                                    "light": {"running": 1, "waiting": 0, "kv_pages": 10}}
+    sched, preemptions, light = heavy_then_light(20, 39)
+    assert preemptions == [0, 0, 1, 0] and [r.request_id for r in sched.running] == ["h0", "h1"]
+    assert [r.request_id for r in sched.waiting] == ["h3", "l", "h2"]  # h2 right behind the light request
+    assert sched.tenant_stats()["heavy"]["kv_pages"] == 10
+    sched, preemptions, light = heavy_then_light(21, 16)
+    assert light in sched.running and preemptions == [0, 0, 0, 1]
+
+
+def test_a_preempted_request_reports_the_cached_tokens_of_its_first_admission():
+    """num_cached_tokens is what the prefix cache served the prompt when the request was first admitted
+    (docs/prefix_cache.md): b hits 12 of its 16 prompt tokens; preempted once its output has filled two
+    more pages, it is recomputed from position 24 (its own pages, still cached), yet it still reports 12,
+    neither 24 nor 0."""
+    alloc = PageAllocator(12, 4)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=100, prefill_chunk_tokens=100,
+                      prefix=PrefixCache(alloc), optimistic=True)
+    preempted = []
+    sched.on_preempt = preempted.append
+    warm = make("w", 16, max_tokens=1)
+    sched.add(warm)
+    run_step(sched)
+    sched.finish(warm, RequestStatus.FINISHED, "length")
+    a = Request("a", list(range(100, 112)), SamplingParams(max_tokens=20))
+    b = Request("b", list(range(12)) + [50, 51, 52, 53], SamplingParams(max_tokens=20))  # its 4th page its own
+    sched.add(a)
+    sched.add(b)
+    assert _chunks(run_step(sched)) == [("a", 0, 12), ("b", 12, 4)]
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 12
+    while not preempted:
+        run_step(sched)
+    assert preempted == [b] and b.num_cached_tokens == 12
+    sched.finish(a, RequestStatus.ABORTED, "abort")
+    known = b.num_tokens
+    assert known == 25 and _chunks(run_step(sched)) == [("b", 24, known - 24)]
+    assert b.num_preemptions == 1 and b.num_cached_tokens == 12
+    sched.check_integrity()
+    alloc.check_integrity()
+
+
+def test_max_num_seqs_alone_bounds_the_running_requests():
+    """Memory and budget for all three: max_num_seqs 2 still admits two; the third waits for a slot."""
+    sched = Scheduler(PageAllocator(100, 4), max_num_seqs=2, max_num_batched_tokens=100, prefill_chunk_tokens=100)
+    for rid in "abc":
+        sched.add(make(rid, 4))
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["a", "b"] and [r.request_id for r in sched.waiting] == ["c"]
+    sched.finish(sched.running[0], RequestStatus.FINISHED, "length")
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["b", "c"]
+
+
+def test_a_request_without_room_holds_back_the_requests_behind_it():
+    """First come, first served: the 8-page request that does not fit beside the running one waits, and
+    the 1-page request behind it, which would fit, waits behind it rather than overtaking it (which
+    could starve the big one for ever)."""
+    sched = Scheduler(PageAllocator(10, 4), max_num_seqs=8, max_num_batched_tokens=100, prefill_chunk_tokens=100)
+    sched.add(make("a", 12, max_tokens=4))  # 4 pages
+    run_step(sched)
+    sched.add(make("big", 28, max_tokens=4))  # 8 pages
+    sched.add(make("small", 2, max_tokens=2))  # 1 page
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["a"] and [r.request_id for r in sched.waiting] == ["big", "small"]
+    sched.finish(sched.running[0], RequestStatus.FINISHED, "length")
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["big", "small"]
+
+
+def test_optimistic_admission_keeps_no_page_free_when_nothing_runs():
+    """The 1 % kept free is kept beside running requests: on an idle 10-page pool a request whose known
+    tokens and one more need all 10 pages is admitted (else it could never run)."""
+    alloc = PageAllocator(10, 4)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=100, prefill_chunk_tokens=100, optimistic=True)
+    whole = make("whole", 39, max_tokens=1)
+    sched.add(whole)
+    assert _chunks(run_step(sched)) == [("whole", 0, 39)] and alloc.num_available == 0
+    sched.add(make("next", 3, max_tokens=1))
+    run_step(sched)
+    assert [r.request_id for r in sched.waiting] == ["next"]
+
+
+def test_a_waiting_tenant_within_its_share_holds_back_only_other_tenants_and_only_until_admitted():
+    """Optimistic admission, tenant_pages 10 of 40 pages: heavy runs 15 pages (over its share). Queued:
+    light's 12-page request, light's 5-page one (the first request within its share: the one entitled),
+    then heavy's h3. The big light request is not held back (its tenant is the entitled one's), and once
+    the entitled request is admitted the others are served first come, first served again: h3, over its
+    tenant's share, is admitted too, as there is room for all."""
+    alloc = PageAllocator(40, 4)
+    sched = Scheduler(alloc, max_num_seqs=8, max_num_batched_tokens=400, prefill_chunk_tokens=400, tenant_pages=10,
+                      optimistic=True)
+    for i in range(3):
+        sched.add(Request(f"h{i}", list(range(16)), SamplingParams(max_tokens=8), tenant="heavy"))
+    run_step(sched)
+    assert sched.tenant_stats()["heavy"]["kv_pages"] == 15
+    sched.add(Request("l_big", list(range(47)), SamplingParams(max_tokens=8), tenant="light"))  # 12 pages
+    sched.add(Request("l_small", list(range(16)), SamplingParams(max_tokens=8), tenant="light"))  # 5 pages
+    sched.add(Request("h3", list(range(16)), SamplingParams(max_tokens=8), tenant="heavy"))
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["h0", "h1", "h2", "l_big", "l_small", "h3"]
+    assert not sched.waiting and sched.num_preemptions == 0
+    sched.check_integrity()
+    alloc.check_integrity()

@@ -2,6 +2,7 @@
 client without a hang; plus small pure-function checks (stop-string holdback, API keys)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
@@ -194,6 +195,84 @@ def test_a_request_larger_than_the_queue_bound_is_a_400_not_a_503_to_retry(model
         too_many, fits = post(3), post(2)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
     assert "3 sequences" in too_many.json()["error"]["message"] and fits.status_code == 200
+
+
+class _QueueOnlyEngine:
+    """Just what EngineLoop's queue bounds touch: requests are queued and never stepped."""
+
+    def __init__(self):
+        self.queued: list[tuple[str, str]] = []  # (request id, tenant)
+
+    def stats(self) -> dict:
+        return {}
+
+    def has_unfinished_requests(self) -> bool:
+        return False  # nothing is stepped: what was added stays waiting
+
+    def num_waiting_requests(self, tenant=None) -> int:
+        return sum(tenant is None or t == tenant for _, t in self.queued)
+
+    def add_request(self, rid, prompt, params, tenant, cache_salt, first_token):
+        self.queued.append((rid, tenant))
+        return object()
+
+    def abort(self, rid) -> bool:
+        self.queued = [q for q in self.queued if q[0] != rid]
+        return True
+
+    def check_ranks(self) -> None:
+        pass
+
+    def expire_prefix_cache(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("bound", ["max_queued_requests", "max_queued_per_tenant"])
+def test_the_queue_bounds_count_each_sequence_of_a_request(bound, monkeypatch):
+    """A request of n choices queues n sequences: with a bound of 4 and 2 waiting, n = 2 fits exactly
+    and then n = 2 more is refused (503 QueueFull), however many HTTP requests that is; the refused
+    request adds none of its sequences. n = 4 on an empty queue fits, n = 5 never could (400). A fake
+    engine that never steps: only EngineLoop's bookkeeping runs (sparsekv/server/loop.py, _add)."""
+    from sparsekv.sampling_params import InvalidRequest
+    from sparsekv.server.loop import FAULT_ENV, DELAY_ENV, EngineLoop, QueueFull, RequestGroup, Submission
+    from sparsekv.request import SamplingParams
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    monkeypatch.delenv(DELAY_ENV, raising=False)
+
+    async def scenario():
+        engine = _QueueOnlyEngine()
+        loop = EngineLoop(engine, **{bound: 4})
+        loop.start()
+        counter = iter(range(100))
+
+        async def submit(n, tenant="alice"):
+            group = RequestGroup(f"g{next(counter)}", n)
+            await loop.submit(group, [Submission([1, 2, 3], SamplingParams(max_tokens=2))] * n, tenant, None)
+
+        try:
+            await submit(2)
+            await submit(2)
+            assert engine.num_waiting_requests() == 4
+            with pytest.raises(QueueFull):
+                await submit(2)
+            with pytest.raises(QueueFull):
+                await submit(1)
+            assert engine.num_waiting_requests() == 4
+            if bound == "max_queued_per_tenant":  # another tenant's bound is its own
+                await submit(2, "bob")
+                assert engine.num_waiting_requests("bob") == 2
+            engine.queued.clear()
+            await submit(3)
+            with pytest.raises(QueueFull):
+                await submit(2)  # 3 + 2 > 4: one HTTP request, but two sequences
+            engine.queued.clear()
+            with pytest.raises(InvalidRequest, match="5 sequences"):
+                await submit(5)
+            await submit(4)
+            assert engine.num_waiting_requests() == 4
+        finally:
+            loop.stop()
+    asyncio.run(scenario())
 
 
 def test_one_tenants_burst_cannot_fill_the_queue_for_the_others(model):
