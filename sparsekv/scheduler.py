@@ -153,13 +153,17 @@ class Scheduler:
 
     def _room_for(self, req: Request, n: int, later: list[Request]) -> bool:
         """Pages for `req`'s next `n` tokens. With optimistic admission, while they are short, preempt the
-        requests after it in this step's order (the most recently admitted first), then `req` itself
-        (False: it does not run this step)."""
+        most recently admitted of `req` and the requests after it in this step's order (decodes go
+        first, so an older request's prefill chunk can come after a newer decode); False when that is
+        `req` itself (it does not run this step). The requests before it have their chunks already:
+        their reservations cover them, as a prompt's covers its prefill."""
         while self.optimistic:
             needed = self.allocator.pages_for(req.num_computed_tokens + n) - len(req.page_ids)
             if needed - min(needed, self.allocator.reserved(req.request_id)) <= self.allocator.num_available:
                 return True
-            victim = later.pop() if later else req
+            victim = max([req, *later], key=self.running.index)  # self.running is in admission order
+            if victim is not req:
+                later.remove(victim)
             self.preempt(victim)
             if victim is req:
                 return False

@@ -393,3 +393,23 @@ def test_a_waiting_tenant_within_its_share_holds_back_only_other_tenants_and_onl
     assert not sched.waiting and sched.num_preemptions == 0
     sched.check_integrity()
     alloc.check_integrity()
+
+
+
+def test_preemption_takes_the_newest_request_even_when_an_older_ones_prefill_runs_after_it():
+    """Decodes go first in a step, so a newer decode is scheduled before an older request's prefill
+    chunk. When the decode runs short of pages it is still the newest request that is preempted (the
+    decode itself): the older prompt keeps its progress."""
+    alloc = PageAllocator(23, 4)
+    old, new = make("old", 80, max_tokens=8), make("new", 2, max_tokens=40)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=10, prefill_chunk_tokens=8, optimistic=True)
+    preempted = []
+    sched.on_preempt = preempted.append
+    sched.add(old)
+    run_step(sched)
+    sched.add(new)
+    while not preempted and old.is_prefilling:
+        chunks = run_step(sched)
+    assert preempted == [new] and old.num_preemptions == 0 and old in sched.running
+    assert [c.request_id for c in chunks] == ["old"] and list(sched.waiting) == [new]
+    alloc.check_integrity()
