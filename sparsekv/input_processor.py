@@ -49,7 +49,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("text prompt given but the checkpoint has no tokenizer; pass token ids", "prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)  # with its special tokens (BOS), as vLLM's LLM.generate
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise InvalidRequest("prompt must be a string or a list of integer token ids", "prompt")
         return list(prompt)

@@ -50,7 +50,9 @@ def _ext(obj) -> dict:
 def test_completion_non_stream_shape(client):
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, user="u1", best_of=1,
                                   extra_body={"cache_salt": "s1", "presence_penalty": 0.0, "no_such_field": 1,
-                                              "response_format": {"type": "text"}, "tools": [], "suffix": None})
+                                              "response_format": {"type": "text"}, "tools": [], "suffix": None,
+                                              "priority": 0, "detokenize": True, "truncation_side": "left",
+                                              "kv_transfer_params": None, "add_special_tokens": True})
     assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == "tiny"
     assert r.choices[0].finish_reason == "length" and r.choices[0].text
     assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
@@ -218,6 +220,29 @@ def test_structured_outputs_through_the_api(server, client):
     assert re.fullmatch("[0-9]{4}", "".join(c.choices[0].text for c in digits))
 
 
+def _tokenizer_adding_bos():
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    inner = Tokenizer(models.WordLevel({"<s>": 0, "a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    inner.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", unk_token="[UNK]")
+
+
+def test_a_text_prompt_gets_the_tokenizers_special_tokens_unless_asked_not_to():
+    """vLLM's default for /v1/completions and LLM.generate: a tokenizer that adds BOS adds it; the
+    request's add_special_tokens=false leaves it out, on the bounded path and the truncating one."""
+    from sparsekv.input_processor import InputProcessor
+    from sparsekv.server.app import completion_prompt_ids
+    from sparsekv.server.tokenizing import Encoder
+    encoder = Encoder(_tokenizer_adding_bos())
+    for truncate in (None, 100):
+        assert completion_prompt_ids(encoder, ["a b", [2, 1]], 100, truncate) == [[0, 1, 2], [2, 1]]
+        assert completion_prompt_ids(encoder, ["a b"], 100, truncate, add_special_tokens=False) == [[1, 2]]
+    processor = InputProcessor(_tokenizer_adding_bos(), 4, 100, lambda *a: None)
+    assert processor.tokenize("b a") == [0, 2, 1]
+
+
 def test_models_tokenize_detokenize(server):
     h = {"Authorization": f"Bearer {KEY}"}
     models = httpx.get(server.url + "/v1/models", headers=h).json()
@@ -334,6 +359,17 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
      "spaces_between_special_tokens"),
     ("skip_special_tokens-str", C, {**OK, "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
     ("suffix", C, {**OK, "suffix": "end"}, 400, "suffix"),
+    ("priority", C, {**OK, "priority": 1}, 400, "priority"),
+    ("detokenize-off", C, {**OK, "detokenize": False}, 400, "detokenize"),
+    ("truncation_side-right", C, {**OK, "truncate_prompt_tokens": 2, "truncation_side": "right"}, 400, "truncation_side"),
+    ("kv_transfer_params", C, {**OK, "kv_transfer_params": {"do_remote_decode": True}}, 400, "kv_transfer_params"),
+    ("vllm_xargs", C, {**OK, "vllm_xargs": {"a": 1}}, 400, "vllm_xargs"),
+    ("logits_processors", C, {**OK, "logits_processors": ["p"]}, 400, "logits_processors"),
+    ("prompt_embeds", C, {**OK, "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
+    ("chat-documents", CHAT, {**MSG, "documents": [{"title": "t", "text": "x"}]}, 400, "documents"),
+    ("chat-add_special_tokens", CHAT, {**MSG, "add_special_tokens": True}, 400, "add_special_tokens"),
+    ("tokenize-chat-add_special_tokens", "/tokenize", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "add_special_tokens": True}, 400, "add_special_tokens"),
     ("guided_grammar", C, {**OK, "guided_grammar": "root ::= 'a'"}, 400, "guided_grammar"),
     ("include_stop_str_in_output-str", C, {**OK, "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output"),
     ("allowed_token_ids-outside-vocab", C, {**OK, "allowed_token_ids": [1, 999]}, 400, "allowed_token_ids"),

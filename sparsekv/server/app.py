@@ -159,9 +159,9 @@ def _encode(encoder: Encoder, text: str, param: str, add_special_tokens: bool = 
         raise InvalidRequest(f"the {param} could not be tokenized", param) from None
 
 
-def _encode_within(encoder: Encoder, text: str, limit: int, param: str) -> list[int]:
+def _encode_within(encoder: Encoder, text: str, limit: int, param: str, add_special_tokens: bool = False) -> list[int]:
     try:
-        ids = encoder.ids_within(text, limit)
+        ids = encoder.ids_within(text, limit, add_special_tokens)
     except Exception:
         log.warning("tokenizing a request's %s failed", param, exc_info=True)
         raise InvalidRequest(f"the {param} could not be tokenized", param) from None
@@ -176,9 +176,11 @@ def _check_length(ids: list[int], limit: int, param: str) -> None:
         raise InvalidRequest(f"prompt has {len(ids)} tokens, longer than max_model_len {limit}", param)
 
 
-def completion_prompt_ids(encoder: Encoder | None, prompts: list, limit: int, truncate: int | None) -> list[list[int]]:
+def completion_prompt_ids(encoder: Encoder | None, prompts: list, limit: int, truncate: int | None,
+                          add_special_tokens: bool = True) -> list[list[int]]:
     """Each prompt's token ids, cut to its last `truncate` tokens as the engine would (vLLM's left
-    truncation; -1: the last `limit`). Without truncation a prompt over `limit` is refused here."""
+    truncation; -1: the last `limit`). Without truncation a prompt over `limit` is refused here. Text
+    is tokenized with the tokenizer's special tokens (BOS) unless `add_special_tokens` is false."""
     out = []
     for prompt in prompts:
         if not isinstance(prompt, str):
@@ -186,9 +188,9 @@ def completion_prompt_ids(encoder: Encoder | None, prompts: list, limit: int, tr
         elif encoder is None:
             raise InvalidRequest("text prompt given but the checkpoint has no tokenizer; pass token ids", "prompt")
         elif truncate is None:
-            ids = _encode_within(encoder, prompt, limit, "prompt")
+            ids = _encode_within(encoder, prompt, limit, "prompt", add_special_tokens)
         else:
-            ids = _encode(encoder, prompt, "prompt")
+            ids = _encode(encoder, prompt, "prompt", add_special_tokens)
         if truncate is not None:
             ids = ids[-(limit if truncate == -1 else truncate):]
         _check_length(ids, limit, "prompt")
@@ -275,7 +277,8 @@ async def completions(request: Request):
                           f"{len(prompts)}", "prompt")
     max_tokens = body.max_tokens if body.max_tokens is not None else (
         state.settings.default_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
-    ids = await state.pooled(completion_prompt_ids, prompts, state.max_model_len, body.truncate_prompt_tokens)
+    ids = await state.pooled(completion_prompt_ids, prompts, state.max_model_len, body.truncate_prompt_tokens,
+                             body.add_special_tokens)
     echo = None
     if body.echo:  # vLLM: max_tokens 0 scores the prompt only (one token is generated, then dropped)
         echo = Echo([p if isinstance(p, str) else state.token_text.text(p) for p in prompts], max_tokens == 0)
@@ -319,12 +322,16 @@ async def tokenize(request: Request):
     body = await _body(request, TokenizeRequest)
     state.check_model(body.model)
     if body.messages is not None:
+        if body.add_special_tokens:
+            raise bad_request("add_special_tokens: the chat template writes the special tokens; only false is "
+                              "accepted with messages", "add_special_tokens")
         inputs = state.chat_inputs(body, body.tools)
         content = await state.pooled(_tokenize_answer, inputs, None, False, state.max_model_len)
     elif state.tokenizer is None:
         raise bad_request("this model has no tokenizer", "prompt")
     else:
-        content = await state.pooled(_tokenize_answer, None, body.prompt, body.add_special_tokens, state.max_model_len)
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        content = await state.pooled(_tokenize_answer, None, body.prompt, special, state.max_model_len)
     return Response(content, media_type="application/json")
 
 

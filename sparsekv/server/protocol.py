@@ -52,6 +52,12 @@ UNSUPPORTED = {
     "return_tokens_as_token_ids": _off, "echo": _off,  # chat's echo (completions implement theirs)
     # the tokenizer's own spacing is kept (vLLM's fast tokenizers ignore the field too)
     "spaces_between_special_tokens": lambda v: v is None or v is True,
+    "add_special_tokens": lambda v: v is None or v is False,  # chat: the template writes them
+    "documents": _off, "priority": lambda v: v is None or v == 0, "detokenize": lambda v: v is None or v is True,
+    "truncation_side": lambda v: v is None or v == "left", "length_penalty": lambda v: v is None or v == 1,
+    "logits_processors": _off, "logprob_token_ids": _off, "prompt_embeds": _off, "guided_whitespace_pattern": _off,
+    "vllm_xargs": _off, "kv_transfer_params": _off, "ec_transfer_params": _off, "repetition_detection": _off,
+    "thinking_token_budget": _off,
 }
 
 
@@ -184,11 +190,12 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    SUPPORTED_HERE: ClassVar[tuple[str, ...]] = ("echo",)
+    SUPPORTED_HERE: ClassVar[tuple[str, ...]] = ("echo", "add_special_tokens")
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS and the like
 
     @model_validator(mode="after")
     def _check_prompt(self):
@@ -388,7 +395,7 @@ class TokenizeRequest(_ChatTemplateFields):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[dict] | None = None  # rendered into the chat prompt, as /v1/chat/completions does
-    add_special_tokens: bool = False  # the engine tokenizes prompts without them; counts must agree
+    add_special_tokens: bool | None = None  # vLLM's default: a prompt as /v1/completions tokenizes it, messages without
 
     @model_validator(mode="after")
     def _one_of(self):

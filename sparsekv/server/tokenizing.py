@@ -64,7 +64,7 @@ class Encoder:
             return self.tokenizer.decode(ids)
         return self._fast_decode([ids], skip_special_tokens=False)[0]
 
-    def ids_within(self, text: str, limit: int) -> list[int] | None:
+    def ids_within(self, text: str, limit: int, add_special_tokens: bool = False) -> list[int] | None:
         """The token ids of `text`, or None once it is known to have more than `limit` tokens.
 
         Prefixes four times longer each time are tokenized first; one with more than limit + slack
@@ -73,10 +73,10 @@ class Encoder:
         ids returned may still be over `limit` (the caller reports the exact count)."""
         size = (limit + CUT_SLACK_TOKENS) * CHARS_PER_TOKEN_GUESS
         while size < len(text):
-            if len(self.encode(text[:size])) > limit + CUT_SLACK_TOKENS:
+            if len(self.encode(text[:size], add_special_tokens)) > limit + CUT_SLACK_TOKENS:
                 return None
             size *= 4
-        return self.encode(text)
+        return self.encode(text, add_special_tokens)
 
 
 class TokenizerPool:
