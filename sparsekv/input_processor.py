@@ -30,6 +30,12 @@ def check_prompt_tokens(token_ids: list[int], max_tokens: int, vocab_size: int, 
                              f"max_model_len {max_model_len}", "max_tokens")
 
 
+# apply_chat_template's arguments that chat() sets itself (the server refuses the same in chat_template_kwargs)
+TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                               "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                               "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                               "tokenizer_kwargs"})
+
 class InputProcessor:
     """`check_fits(num_prompt_tokens, max_tokens)`: the cache manager's capacity check."""
 
@@ -38,6 +44,9 @@ class InputProcessor:
         self.check_fits = check_fits
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        if params.n != 1:
+            raise InvalidRequest(f"n={params.n}: an engine request is one choice; LLM.generate and the server run "
+                                 f"one request per choice", "n")
         token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:  # vLLM's left truncation
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens

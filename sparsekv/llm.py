@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 from .config import EngineConfig
 from .engine import LLMEngine
+from .input_processor import TEMPLATE_RESERVED
 from .request import InvalidRequest, RequestOutput, SamplingParams
+from .sampling_params import choice_seed
 
 
 def build_engine(config: EngineConfig):
@@ -15,6 +18,86 @@ def build_engine(config: EngineConfig):
         from .parallel.data_parallel import DataParallelEngine
         return DataParallelEngine(config)
     return LLMEngine(config)
+
+
+def _prompt_list(prompts) -> list:
+    """`generate`'s prompts as a list: one prompt (text, token ids or a dict prompt) or a list of them."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and _is_token(prompts[0])):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts: a prompt (text, token ids, {{'prompt': ...}} or {{'prompt_token_ids': ...}}) "
+                        f"or a list of them, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _is_token(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _params_list(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    if isinstance(sampling_params, (list, tuple)):
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise ValueError(f"{num_prompts} prompts but {len(params)} sampling params")
+    else:
+        params = [sampling_params or SamplingParams()] * num_prompts
+    for sp in params:
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling_params: a SamplingParams or a list of them, got {type(sp).__name__}")
+    return params
+
+
+def _choices(prompts: list, params: list[SamplingParams]) -> tuple[list, list[SamplingParams]]:
+    """Each prompt once per choice, with that choice's params (n = 1, its own seed)."""
+    flat_prompts, flat_params = [], []
+    for prompt, sp in zip(prompts, params):
+        for i in range(sp.n):
+            flat_prompts.append(prompt)
+            flat_params.append(sp if sp.n == 1 else replace(sp, n=1, seed=choice_seed(sp.seed, i)))
+    return flat_prompts, flat_params
+
+
+def _by_prompt(outputs: list[RequestOutput], params: list[SamplingParams]) -> list[RequestOutput]:
+    """The choices' outputs grouped back per prompt: the first choice's output, holding all of them."""
+    grouped, at = [], 0
+    for sp in params:
+        choices = outputs[at:at + sp.n]
+        at += sp.n
+        for i, choice in enumerate(choices):
+            choice.index = i
+        if sp.n > 1:
+            choices[0].choices = choices
+        grouped.append(choices[0])
+    return grouped
+
+
+def _conversation_list(messages) -> list[list]:
+    """`chat`'s messages as a list of conversations: one conversation (a list of message dicts) or a
+    list of them."""
+    if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+        return [list(messages)]
+    if isinstance(messages, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in messages):
+        return [list(c) for c in messages]
+    raise InvalidRequest("messages: a conversation (a list of {'role': ..., 'content': ...} dicts) or a list of "
+                         "conversations", "messages")
+
+
+def _template_messages(conversation: list) -> list[dict]:
+    """A conversation as chat templates read it: each message a dict with a role, its content a string
+    (OpenAI's text parts joined, as the server does; other parts are refused)."""
+    out = []
+    for message in conversation:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"messages: each message is a dict with a 'role', got {message!r:.80}", "messages")
+        content = message.get("content")
+        if isinstance(content, (list, tuple)):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidRequest("messages: only text content parts ({'type': 'text', 'text': ...}) are "
+                                     "supported", "messages")
+            message = {**message, "content": "".join(p["text"] for p in content)}
+        out.append(message)
+    return out
 
 
 def _prompt_of(prompt):
@@ -44,17 +127,13 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = [_prompt_of(p) for p in prompts]
-        if isinstance(sampling_params, (list, tuple)):
-            params = list(sampling_params)
-        else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        """One RequestOutput per prompt, in order; with `n` > 1 its `outputs` hold the n choices (each
+        a request of its own, seeded `choice_seed(seed, i)` as the server seeds them)."""
+        prompts = [_prompt_of(p) for p in _prompt_list(prompts)]
+        params = _params_list(sampling_params, len(prompts))
         with self._generating:  # NOTE: two threads stepping one engine at once corrupt its counts
-            return self._generate(prompts, params, use_tqdm)
+            outputs = self._generate(*_choices(prompts, params), use_tqdm)
+        return _by_prompt(outputs, params)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -63,10 +142,14 @@ class LLM:
         """vLLM's `LLM.chat`: a conversation (a list of {"role", "content"} messages), or a list of them,
         rendered with the tokenizer's chat template (or `chat_template`), then generated. The reply's
         text is the model's, unparsed (the server splits reasoning and tool calls out of it)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = [_template_messages(c) for c in _conversation_list(messages)]
         if continue_final_message and add_generation_prompt:
             raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true",
                                  "continue_final_message")
+        taken = sorted(TEMPLATE_RESERVED & set(chat_template_kwargs or {}))
+        if taken:
+            raise InvalidRequest(f"chat_template_kwargs: {', '.join(taken)} cannot be set there (an argument of "
+                                 f"chat() or decided by it)", "chat_template_kwargs")
         options = {**(chat_template_kwargs or {}), "continue_final_message": continue_final_message}
         prompts = [self._chat_prompt(c, chat_template, add_generation_prompt, tools, options) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -29,6 +29,14 @@ class RequestOutput:
     # prompt token's for the first one); shared with the request, never copied per step.
     routed_experts: list[list[list[int]]] | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it (None: EOS, length)
+    index: int = 0  # its choice among the prompt's n (SamplingParams.n)
+    choices: list[RequestOutput] | None = None  # with n > 1 (LLM.generate): every choice, this one first
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """vLLM's `outputs`: the prompt's completions (n of them), each with its own text, token_ids,
+        logprobs, finish_reason, stop_reason and index."""
+        return self.choices or [self]
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,16 @@ class InvalidRequest(ValueError):
 
 
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+MAX_N = 128  # choices per prompt (`n`), as the server allows
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """Choice `choice`'s seed of a request seeded `seed`: its own, away from -1 (vLLM's "random", as is
+    the request's -1 itself), so a seeded request repeats whole (seed -2's second choice was -1)."""
+    if seed is None or seed == -1:
+        return None
+    seed = seed + choice if seed >= 0 else seed - choice
+    return seed - 2 ** 64 if seed > SEED_MAX else seed + 2 ** 64 if seed < SEED_MIN else seed  # in range, never -1
 
 
 @dataclass
@@ -29,6 +39,7 @@ class SamplingParams:
     tokens are used (-1: the last max_model_len).
     """
 
+    n: int = 1  # completions per prompt: `LLM.generate` runs one request per choice, seeded choice_seed(seed, i)
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -88,6 +99,7 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequest(f"invalid sampling parameter {param}: {msg}", param)
 
+        need(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         need(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
              f"must be a number in [0, 100], got {self.temperature!r}")
@@ -99,9 +111,12 @@ class SamplingParams:
             value = getattr(self, name)
             need(value is None or (_is_int(value) and 0 <= value <= self.MAX_LOGPROBS), name,
                  f"must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {value!r}")
+        need(self.stop is None or isinstance(self.stop, (str, list, tuple)), "stop",
+             "must be a non-empty string or a list of them")
         stops = self.stop_strings
         need(all(isinstance(s, str) and s for s in stops), "stop", "must be a non-empty string or a list of them")
-        need(self.stop_token_ids is None or all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        need(self.stop_token_ids is None or (isinstance(self.stop_token_ids, (list, tuple))
+                                              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)), "stop_token_ids",
              "must be a list of token ids (integers >= 0)")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "return_routed_experts"):
             need(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")

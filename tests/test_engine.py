@@ -107,7 +107,8 @@ def test_index_score_buffer_is_freed_when_the_engine_goes_idle(llm, random_promp
     (dict(temperature=-1.0), "temperature"), (dict(temperature="hot"), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(logprobs=-1), "logprobs"),
     (dict(logprobs=100), "logprobs"), (dict(seed="x"), "seed"), (dict(stop=[""]), "stop"),
-    (dict(ignore_eos="yes"), "ignore_eos"),
+    (dict(ignore_eos="yes"), "ignore_eos"), (dict(n=0), "n"), (dict(n=129), "n"), (dict(n=1.0), "n"),
+    (dict(stop_token_ids=5), "stop_token_ids"), (dict(stop=5), "stop"),
 ])
 def test_invalid_sampling_params(kwargs, param):
     with pytest.raises(InvalidRequest, match=param) as e:
@@ -154,6 +155,29 @@ def test_a_tiered_cache_larger_than_the_machine_is_a_config_error(glm_ckpt, tmp_
     with pytest.raises(ConfigError, match="GiB of free disk space at .* sized by host_kv_budget_bytes"):
         LLM(glm_ckpt[0], max_model_len=256, kv_tiering=True, host_kv_budget_bytes=1 << 20,
             host_store_path=str(tmp_path))
+
+
+def test_n_choices_per_prompt_as_vllm_returns_them(llm, random_prompt):
+    """SamplingParams(n=3): one output per prompt whose `outputs` are its 3 choices, each the request
+    the server would run for that choice (seed choice_seed(seed, i)); n=1 gives `outputs` = [itself]."""
+    from sparsekv.sampling_params import choice_seed
+    prompts = [random_prompt(5), random_prompt(7)]
+    sampled = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=11)
+    outs = llm.generate(prompts, [sampled, GREEDY])
+    assert len(outs) == 2 and len(outs[0].outputs) == 3 and outs[1].outputs == [outs[1]]
+    for i, choice in enumerate(outs[0].outputs):
+        alone = llm.generate([prompts[0]], SamplingParams(max_tokens=6, temperature=1.0, seed=choice_seed(11, i)))[0]
+        assert choice.index == i and choice.token_ids == alone.token_ids and choice.prompt_token_ids == prompts[0]
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+    assert outs[1].token_ids == llm.generate([prompts[1]], GREEDY)[0].token_ids
+    with pytest.raises(InvalidRequest, match="one choice"):
+        llm.engine.add_request(None, prompts[0], sampled)
+    for bad in (5, None):
+        with pytest.raises(TypeError, match="prompts"):
+            llm.generate(bad, GREEDY)
+    with pytest.raises(TypeError, match="sampling_params"):
+        llm.generate(prompts[0], {"max_tokens": 2})
+    _idle(llm)
 
 
 def test_generate_with_one_bad_prompt_adds_none_of_them(llm, random_prompt):
@@ -638,6 +662,15 @@ def test_chat_renders_the_chat_template_and_generates_as_from_its_ids(llm):
     assert tokenizer.decode(continued.prompt_token_ids).endswith("def add(a, b):")  # vLLM's assistant prefill
     with pytest.raises(InvalidRequest, match="continue_final_message"):
         chat_llm.chat(prefilled, params, continue_final_message=True)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Write a function "},
+                                          {"type": "text", "text": "that adds two numbers."}]}]
+    assert chat_llm.chat(parts, params)[0].prompt_token_ids == ids  # OpenAI's text parts, joined as the server does
+    for bad, match in [("hello", "conversation"), ([{"content": "hi"}], "role"), ([["hi"]], "role"),
+                       ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "text content parts")]:
+        with pytest.raises(InvalidRequest, match=match):
+            chat_llm.chat(bad, params)
+    with pytest.raises(InvalidRequest, match="tokenize"):
+        chat_llm.chat(conversation, params, chat_template_kwargs={"tokenize": True})
     chat_llm.close()
     with pytest.raises(InvalidRequest, match="tokenizer"):
         llm.chat(conversation, params)  # the tiny test checkpoint has no tokenizer

@@ -28,12 +28,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..disagg import roles as disagg
 from ..disagg.worker import DisaggSettings
 from ..request import InvalidRequest, SamplingParams
+from ..sampling_params import choice_seed
 from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware, tenant_for
 from .errors import APIError, bad_request, error_body, error_response
 from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from .loop import EngineDead, EngineLoop, RequestGroup, ShuttingDown, Submission
 from .metrics import ServerMetrics
-from .protocol import (INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        SamplingFields, TokenizeRequest, parse_body)
 from .reasoning import THINK_CLOSE, prompt_opens_reasoning
 from .responses import Echo, Reasoning, ResponseBuilder, TokenText
@@ -124,15 +125,6 @@ class ServerState:
             return await self.tokenizing.run(fn, *args)
         except InvalidRequest as e:
             raise APIError(400, str(e), e.param) from None
-
-
-def choice_seed(seed: int | None, choice: int) -> int | None:
-    """Choice `choice`'s seed of a request seeded `seed`: its own, away from -1 (vLLM's "random", as is
-    the request's -1 itself), so a seeded request repeats whole (seed -2's second choice was -1)."""
-    if seed is None or seed == -1:
-        return None
-    seed = seed + choice if seed >= 0 else seed - choice
-    return seed - 2 ** 64 if seed > INT64_MAX else seed + 2 ** 64 if seed < INT64_MIN else seed  # in range, never -1
 
 
 def chat_prompt_ids(encoder: Encoder, msgs: list[dict], tools, add_generation_prompt: bool, kwargs: dict,

@@ -15,12 +15,13 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..input_processor import TEMPLATE_RESERVED
+from ..sampling_params import MAX_N
 from .errors import bad_request
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
-MAX_N = 128
 MAX_JSON_DEPTH = 64  # a request body's nesting; JSON schemas and tool parameters stay far below it
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
@@ -268,10 +269,7 @@ def _template_call(call: dict) -> dict:
 
 
 # apply_chat_template's own parameters: chat_template_kwargs may not set them
-_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                                "add_generation_prompt", "continue_final_message", "padding", "truncation",
-                                "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                                "tokenizer_kwargs"})
+
 
 
 class _ChatTemplateFields(_Body):
@@ -281,7 +279,7 @@ class _ChatTemplateFields(_Body):
 
     @model_validator(mode="after")
     def _check_template_kwargs(self):
-        taken = sorted(_TEMPLATE_RESERVED & set(self.chat_template_kwargs or {}))
+        taken = sorted(TEMPLATE_RESERVED & set(self.chat_template_kwargs or {}))
         if taken:
             raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (a request field or "
                              "the server decides it)")
