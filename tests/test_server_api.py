@@ -392,6 +392,7 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("chat-content-int", CHAT, {**MSG, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
     ("chat-image-part", CHAT, {**MSG, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     ("chat-top_logprobs-without-logprobs", CHAT, {**MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat-top_logprobs-over-20", CHAT, {**MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("chat-max_completion_tokens-negative", CHAT, {**MSG, "max_completion_tokens": -5}, 400, "max_tokens"),
     ("chat-stream_options-without-stream", CHAT, {**MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("chat-unknown-model", CHAT, {**MSG, "model": "nope"}, 404, "model"),

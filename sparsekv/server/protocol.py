@@ -16,7 +16,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..input_processor import TEMPLATE_RESERVED
-from ..sampling_params import MAX_N
+from ..sampling_params import MAX_N, SamplingParams
 from .errors import bad_request
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -309,6 +309,9 @@ class ChatCompletionRequest(_ChatTemplateFields, SamplingFields):
     def _check_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
+        limit = SamplingParams.MAX_LOGPROBS
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= limit:
+            raise ValueError(f"top_logprobs: must be an integer in [0, {limit}], got {self.top_logprobs}")
         if self.tools and not all(t.get("type") == "function" and isinstance(t.get("function"), dict)
                                   and t["function"].get("name") for t in self.tools):
             raise ValueError("tools: each must be {'type': 'function', 'function': {'name': ..., ...}}")
