@@ -456,12 +456,18 @@ class EngineConfig:
         if self.num_kv_pages is not None and self.device_kv_budget_bytes is not None and not self.kv_tiering:
             raise ConfigError("give num_kv_pages or device_kv_budget_bytes, not both")
 
-    def validate_for_model(self, index_topk: int) -> None:
-        """Checks that need the model: the working set must hold one step's top-k selection."""
-        n = self.device_buffer_tokens
+    def validate_for_model(self, cfg: ModelConfig) -> None:
+        """Checks that need the model: the working set must hold one step's top-k selection, and
+        max_model_len stays within the positions the model was made for (as vLLM refuses it)."""
+        n, index_topk = self.device_buffer_tokens, cfg.index_topk
         if self.kv_tiering and n is not None and n < index_topk:
             raise ConfigError(f"device_buffer_tokens ({n}) must be >= the model's index_topk ({index_topk}): "
                               f"one step attends to top-k positions, which must all fit in the working set")
+        if self.max_model_len is not None and self.max_model_len > cfg.max_position_embeddings:
+            raise ConfigError(f"max_model_len ({self.max_model_len}) is beyond the model's max_position_embeddings "
+                              f"({cfg.max_position_embeddings}): positions past it are untrained; to run there "
+                              f"anyway, raise it with hf_overrides={{\"max_position_embeddings\": "
+                              f"{self.max_model_len}}} (--hf-overrides)")
 
 
 _KINDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "dict": (dict,), "list[str]": (list,)}

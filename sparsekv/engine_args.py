@@ -58,6 +58,18 @@ def output_path(text: str) -> str:
     return text
 
 
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object."""
+    import json
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine options of `generate` and `serve` (names match the LLM(...) keywords)."""
     g = p.add_argument_group("engine")
@@ -66,6 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the Hub branch, tag or commit of a MODEL given as a repo id ORG/NAME (default: main)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--hf-overrides", type=json_object, default=None, metavar="JSON",
+                   help="config.json fields to override, as vLLM's: e.g. '{\"max_position_embeddings\": 1048576}'")
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
     g.add_argument("--kv-page-size", type=int, default=64)
@@ -142,7 +156,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--indexer-key-dtype", default="auto", choices=["auto", "fp8_e4m3"])
 
 
-ENGINE_ARG_NAMES = ("dtype", "revision", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_page_size",
+ENGINE_ARG_NAMES = ("dtype", "revision", "device", "max_model_len", "hf_overrides", "max_num_seqs", "max_num_batched_tokens", "kv_page_size",
                     "prefill_chunk_tokens", "num_kv_pages", "kv_cache_dtype", "kv_admission", "attention", "seed", "num_threads",
                     "kv_tiering", "device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes",
                     "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",

@@ -205,6 +205,11 @@ def test_config_errors(glm_ckpt, tmp_path):
         LLM(glm_ckpt[0], kv_page_size=0)
     with pytest.raises(ConfigError, match="attention 'flash'"):
         LLM(glm_ckpt[0], attention="flash")
+    short = _copy_with_config(glm_ckpt[0], str(tmp_path / "c"), max_position_embeddings=128)
+    with pytest.raises(ConfigError, match=r"max_model_len \(129\) is beyond the model's max_position_embeddings \(128\)"):
+        LLM(short, max_model_len=129)  # untrained positions only when asked for, as vLLM
+    assert LLM(short, max_model_len=128).engine.max_model_len == 128
+    assert LLM(short, max_model_len=256, hf_overrides={"max_position_embeddings": 256}).engine.max_model_len == 256
 
 
 @pytest.mark.parametrize("option, match", [

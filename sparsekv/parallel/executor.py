@@ -267,7 +267,7 @@ def start_executor(config: EngineConfig, dtype: torch.dtype, device: torch.devic
     try:
         model = load_model(config.model, dtype, device, config.hf_overrides, config.selector, config.quest_page_tokens,
                            layout=layout if ranks else None, comm=ranks.comm if ranks else None)
-        config.validate_for_model(model.cfg.index_topk)
+        config.validate_for_model(model.cfg)
         kv = CacheManager(config, model, dtype, device, config.max_model_len or model.cfg.max_position_embeddings)
     except BaseException as e:
         if ranks is None:
@@ -347,7 +347,7 @@ def _start_lane(config: EngineConfig, dtype: torch.dtype, device: torch.device, 
     comm = ExpertParallelDP(dist.group.WORLD, layout.world_size, lane) if config.enable_expert_parallel else None
     model = load_model(config.model, dtype, device, config.hf_overrides, config.selector, config.quest_page_tokens,
                        layout=layout, comm=comm)
-    config.validate_for_model(model.cfg.index_topk)
+    config.validate_for_model(model.cfg)
     local = lane_config(config, lane)
     kv = CacheManager(local, model, dtype, device, config.max_model_len or model.cfg.max_position_embeddings)
     return LaneExecutor(model, kv.pool, local, control_group()), kv
