@@ -405,3 +405,45 @@ def test_a_room_whose_peer_never_joins_the_transfer_holds_no_transfer_thread(glm
         assert wait_until(lambda: p.worker.rooms == {} == d.worker.rooms, TIMEOUT_S)
         _clean(p)
         _clean(d)
+
+
+
+def test_a_batch_whose_metadata_the_decode_worker_refuses_fails_that_request_only(glm_ckpt, monkeypatch):
+    """One room's first batch of metadata reaches the decode worker naming a transfer backend it does not
+    know (`DecodeWorker._check_meta`) while another room's transfer runs beside it: the decode worker
+    answers 503 at once, naming why, and so does the prefill worker (from the decode worker's verdict,
+    once its wait for the peer's connection ends); nothing of the room is kept, the other request is
+    answered as always, and the pair serves the next."""
+    from sparsekv.disagg import decode as decode_module
+    real, bad = decode_module.verify, "bad-room"
+
+    def corrupting(secret, raw, what):
+        meta = real(secret, raw, what)
+        if what == "prefill worker's metadata" and meta.get("room") == bad and "error" not in meta:
+            meta["backend"] = "tcp"
+        return meta
+    monkeypatch.setattr(decode_module, "verify", corrupting)
+
+    def post(url: str, body: dict) -> tuple[httpx.Response, float]:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=3 * TIMEOUT_S)
+        return r, time.monotonic()
+    with WorkerServer(glm_ckpt[0], "prefill", timeout_s=TIMEOUT_S, **BASE) as p, \
+            WorkerServer(glm_ckpt[0], "decode", timeout_s=TIMEOUT_S, **BASE) as d, \
+            concurrent.futures.ThreadPoolExecutor(3) as pool:
+        tag = field(httpx.get(p.url + "/disaggregation", timeout=5).json(), bad)
+        body = {**BODY, "prompt": _prompt(), "disaggregation": tag}
+        started = time.monotonic()
+        refused_p, refused_d = pool.submit(post, p.url, {**body, "stream": False}), pool.submit(post, d.url, body)
+        served = pool.submit(send_pair, p.url, d.url, {**BODY, "prompt": _prompt(4)})
+        (rd, answered), (rp, _) = refused_d.result(), refused_p.result()
+        _failed(rd, "decode worker", "unknown transfer backend 'tcp'")
+        assert answered - started < TIMEOUT_S / 2  # not at the timeout: at the first batch
+        _failed(rp, "prefill worker", "refused the KV", "unknown transfer backend 'tcp'")
+        assert [r.status_code for r in served.result()] == [200, 200]
+        _nothing_kept(d, _prompt())
+        assert scrape(d.url)["sparsekv:disagg_transfers_failed_total"] == 1
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
+        assert (rp.status_code, rd.status_code) == (200, 200), rd.text
+        assert rd.json()["sparsekv"]["disaggregation"]["pages_sent"] == 10
+        _clean(p)
+        _clean(d)

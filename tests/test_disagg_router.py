@@ -550,3 +550,68 @@ def test_router_with_real_workers_answers_as_one_engine(glm_ckpt):
         assert answer["sparsekv"]["disaggregation"]["pages_sent"] == (len(prompt) - 1) // base["kv_page_size"]
         p.check_clean()
         d.check_clean()
+
+
+def test_in_flight_counts_end_with_each_call_however_it_ends_and_the_least_loaded_worker_takes_the_next():
+    """The router's count of its requests in flight on each worker (`Worker.in_flight`, which the choice
+    of a worker reads) goes back to what it was when a request is answered, fails on either side, ends
+    with an error event or its client goes away, streamed or not. With a request held on one decode
+    worker and no slack, each of those requests goes to the other, the least loaded: a count left up
+    there sent the next request to the held worker (and took the worker out of rotation for good)."""
+    p, d1, d2 = FakeWorker("prefill"), FakeWorker("decode"), FakeWorker("decode")
+    with deployment([p], [d1, d2], load_slack=0) as (url, router, served):
+        by_url = {w.url: w for w in router.pool.all()}
+        counts = lambda: {w.url: w.in_flight for w in router.pool.all()}
+        d1.hang = d2.hang = True  # the first request waits on its decode worker until let go
+        held = in_background(complete, url, "held")
+        assert wait_until(lambda: len(d1.bodies) + len(d2.bodies) == 1)
+        busy, free = (d1, d2) if d1.bodies else (d2, d1)
+        free.hang = False
+        seen = {fake: by_url[s.url] for fake, s in zip((p, d1, d2), served["prefill"] + served["decode"])}
+        assert wait_until(lambda: seen[p].in_flight == 0) and (seen[busy].in_flight, seen[free].in_flight) == (1, 0)
+
+        def one(prompt: str, stream: bool = False) -> int:
+            """A request that must go to the free decode worker; its status once every count is back. A
+            failing prefill worker fails once the decode worker has the request too."""
+            before = len(free.bodies)
+            answer = in_background(stream_completion if stream else complete, url, prompt)
+            assert wait_until(lambda: len(free.bodies) == before + 1 and len(p.bodies) == before + 2), prompt
+            p.let_go()
+            status = answer.result()[0] if stream else answer.result().status_code
+            assert len(busy.bodies) == 1, prompt
+            assert wait_until(lambda: seen[p].in_flight == 0 and seen[free].in_flight == 0), (prompt, counts())
+            assert seen[busy].in_flight == 1, (prompt, counts())
+            return status
+        assert one("answered") == 200 and one("answered, streamed", stream=True) == 200
+        p.fail, p.hang, p.released = 500, True, len(p.bodies)  # each call waits for its own let_go
+        free.hang, free.hang_after, free.released = True, 0, len(free.bodies)  # waits for KV that will not come
+        assert one("the prefill fails") == 503 and one("the prefill fails, streamed", stream=True) == 503
+        p.fail, p.hang, free.hang = None, False, False
+        free.fail = 502
+        assert one("the decode fails") == 503 and one("the decode fails, streamed", stream=True) == 503
+        free.fail = 401
+        assert one("the decode refuses") == 401
+        free.fail, free.error_event_after = None, 1
+        assert one("an error event", stream=True) == 200
+        free.error_event_after = None
+        free.hang, free.hang_after = True, 1  # one event, then waits: the client leaves
+        for stream in (False, True):
+            body = json.dumps({"prompt": f"client gone {stream}", "max_tokens": 4, "stream": stream}).encode()
+            before, cancelled = len(free.bodies), free.cancelled
+            assert len(p.bodies) == before + 1
+            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                assert wait_until(lambda: len(free.bodies) == before + 1)
+                received = b""
+                while stream and b"data: " not in received:
+                    received += sock.recv(4096)
+            assert wait_until(lambda: free.cancelled == cancelled + 1)
+            assert wait_until(lambda: seen[p].in_flight == 0 and seen[free].in_flight == 0), counts()
+            assert seen[busy].in_flight == 1 and len(busy.bodies) == 1
+        free.hang = False
+        busy.let_go()
+        assert held.result().status_code == 200
+        assert wait_until(lambda: all(w.in_flight == 0 for w in router.pool.all())), counts()
+        flat = {n: sum(v.values()) for n, v in scrape_labelled(url, "role").items()}
+    assert flat["sparsekv:router_worker_requests_in_flight"] == 0.0

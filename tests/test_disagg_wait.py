@@ -266,3 +266,87 @@ def test_a_signed_claim_that_does_not_match_the_request_is_refused(field, value,
     assert w._check_claim(sign(w.settings.secret, good), "r1", job, prompts)["held"] == [0]
     with pytest.raises(TransferError, match=match):
         w._check_claim(sign(w.settings.secret, {**good, field: value}), "r1", job, prompts)
+
+
+SECRET = b"s" * 32
+WEIGHTS = {"weights_version": 0, "checkpoint": "c" * 64}
+
+
+class _Link:
+    """A room's store as `Batches.publish` writes it: the signed metadata under its keys."""
+
+    def __init__(self):
+        self.name, self.keys = "r1", {}
+
+    def put(self, key: str, raw: bytes) -> None:
+        self.keys[key] = raw
+
+
+def _published(claim: dict) -> list[dict]:
+    """A room's batches as a prefill worker publishes them (prefill.py's `_stream` and `_send_layers`,
+    outbox.Batches) and a decode worker reads them back (verified): a prompt's layer rows (no pages named
+    yet), then its 2 pages past the one the decode worker holds, then the last batch, naming none."""
+    import torch
+    from sparsekv.disagg.outbox import Batches
+    from sparsekv.disagg.transfer import meta_key
+    from sparsekv.disagg.wire import verify
+    out = Batches(_Link(), DisaggSettings("prefill", "127.0.0.1", 0, SECRET), torch.device("cpu"), None)
+    base = {"room": claim["room"], "nonce": claim["nonce"], "backend": "gloo", "weights": WEIGHTS}
+    rows = [torch.arange(2 * 6, dtype=torch.float32).reshape(2, 6), torch.ones(2, 3)]
+    out.publish({**base, "names": [], "pages": [0], "last": False, "kinds": [0], "num_kinds": 2,
+                 "layer_rows": {"prompt": 0, "first": 1, "count": 2, "layers": [0], "tail": 0, "selected": []}},
+                rows[:1])
+    out.publish({**base, "names": [(b"a" * 16).hex(), (b"b" * 16).hex()], "pages": [2], "kinds": None,
+                 "num_kinds": None, "last": False}, rows)
+    out.publish({**base, "names": [], "pages": [0], "kinds": None, "num_kinds": None, "last": True,
+                 "skipped": claim["held"], "streamed": 2, "queue_s": 0.0, "prefill_s": 0.1}, [])
+    return [verify(SECRET, out.link.keys[meta_key(i)], "prefill worker's metadata") for i in range(out.index)]
+
+
+def _set(key, value):
+    return lambda meta: meta.update({key: value})
+
+
+def _drop(key):
+    return lambda meta: meta.pop(key)
+
+
+@pytest.mark.parametrize("batch, corrupt, weights, match", [
+    (1, _set("nonce", "0" * 32), None, "answers another claim"),  # a replay of another claim's batch
+    (1, _drop("nonce"), None, "answers another claim"),
+    (1, _set("room", "r2"), None, "answers another claim"),
+    (1, _set("names", "ab"), None, "is malformed"),  # not a list, though of the announced length
+    (1, _set("pages", {2: 0}), None, "is malformed"),  # not a list, though one entry summing to the names
+    (1, _set("pages", [1, 1]), None, "is malformed"),  # two prompts' counts for a claim of one
+    (1, _set("pages", [3]), None, "is malformed"),  # 3 pages announced, 2 named
+    (0, _set("pages", [1]), None, "is malformed"),  # a page announced, none named
+    (1, _set("tensors", {}), None, "is malformed"),  # not a list
+    (1, _drop("tensors"), None, "is malformed"),
+    (0, _drop("layer_rows"), None, "announced tensors for no pages"),  # rows of no named page, nor a layer's
+    (2, _set("tensors", [{"shape": [1], "dtype": "uint8", "nbytes": 1, "digest": "0" * 64}]), None,
+     "announced tensors for no pages"),
+    (1, _set("backend", "tcp"), None, "unknown transfer backend 'tcp'"),
+    (2, _drop("backend"), None, "unknown transfer backend None"),
+    (1, _set("weights", {**WEIGHTS, "weights_version": 1}), WEIGHTS, "weights changed during the transfer"),
+    (2, _set("weights", {**WEIGHTS, "checkpoint": "d" * 64}), WEIGHTS, "weights changed during the transfer"),
+    (1, _drop("weights"), WEIGHTS, "weights changed during the transfer"),
+], ids=["other-nonce", "no-nonce", "other-room", "names-not-a-list", "pages-not-a-list", "pages-per-other-prompts",
+        "pages-more-than-named", "pages-none-named", "tensors-not-a-list", "no-tensors", "tensors-for-no-pages",
+        "last-with-tensors", "unknown-backend", "no-backend", "other-weights-version", "other-checkpoint",
+        "no-weights"])
+def test_a_batch_whose_metadata_does_not_fit_the_claim_is_refused(batch, corrupt, weights, match):
+    """A decode worker's check of each batch's signed metadata (`DecodeWorker._check_meta`): the batches
+    a prefill worker publishes for the claim pass, first (no weights seen yet) and later (the earlier
+    batches' weights); each with one field wrong is refused, naming why (removing any of these checks,
+    or one clause of the malformed check, survived every test)."""
+    from sparsekv.disagg.decode import DecodeWorker
+    claim = {"room": "r1", "nonce": "a1" * 16, "held": [1]}
+    batches = _published(claim)
+    assert [bool(m["tensors"]) for m in batches] == [True, True, False] and batches[1]["pages"] == [2]
+    for meta in batches:
+        DecodeWorker._check_meta(meta, claim, None)  # the first batch: any weights
+        DecodeWorker._check_meta(meta, claim, WEIGHTS)  # a later one: the weights the batches before came under
+    meta = batches[batch]
+    corrupt(meta)
+    with pytest.raises(TransferError, match=match):
+        DecodeWorker._check_meta(meta, claim, weights)

@@ -455,6 +455,51 @@ def test_an_abort_reaches_its_rank_without_another_request(glm_ckpt):
         llm.close()
 
 
+
+def test_a_rank_counts_its_requests_in_flight_until_they_finish_are_aborted_or_an_update_aborts_them(glm_ckpt):
+    """The router's count of requests in flight per rank (`PrefixAffinityRouter.in_flight`) goes back to 0
+    when a request finishes, when it is aborted (sent to its rank, or still queued for it) and when a
+    weight update with policy "abort" ends it; each time the next request goes to the least loaded
+    rank. A count that stayed up sent every later request away from that rank."""
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2)
+    engine, router = llm.engine, llm.engine.router
+    g = torch.Generator().manual_seed(11)
+    prompts = iter([torch.randint(1, 256, (13,), generator=g).tolist() for _ in range(12)])  # no page shared
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def add(request_id: str, params: SamplingParams = long) -> int:
+        engine.add_request(request_id, next(prompts), params)
+        return engine.rank_of[request_id]
+    try:
+        assert [add(f"f{i}", short) for i in range(3)] == [0, 1, 0] and router.in_flight == [2, 1]
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert router.in_flight == [0, 0]
+        assert [add("a0"), add("a1"), add("a2")] == [0, 1, 0]  # each to the least loaded, the lowest of equals
+        engine.step()  # started on their ranks
+        assert engine.abort("a0") and engine.abort("a2") and router.in_flight == [0, 1]
+        assert add("a3") == 0 and router.in_flight == [1, 1]  # rank 0 is the less loaded again
+        assert add("a4") == 0 and add("a5") == 1 and router.in_flight == [2, 2]
+        assert engine.abort("a5") and engine.abort("a3") and engine.abort("a4")  # a5 before a step sent it
+        assert router.in_flight == [0, 1] and not engine.abort("a5")  # an abort counts once
+        assert add("a6") == 0 and router.in_flight == [1, 1]
+        outs = engine.step()
+        assert engine.abort("a1") and router.in_flight == [1, 0]  # its abort waits for the next step
+        aborted = engine.update_weights_from_disk(glm_ckpt[0], policy="abort")  # ends a1 on rank 1 too
+        assert [o.request_id for o in aborted] == ["a6"] and router.in_flight == [0, 0]  # a1 is not counted twice
+        assert add("u0") == 0 and add("u1") == 1
+        engine.abort("u0")
+        engine.abort("u1")
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert router.in_flight == [0, 0] and not engine.rank_of
+        assert "a5" not in {o.request_id for o in outs}  # never sent to its rank
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
 def test_a_request_with_a_logits_processor_runs_on_rank_0(glm_ckpt):
     """A logits processor is a Python callable given in this process (a closure here, which no other
     process could load): its requests run on rank 0, with the others spread as usual, and answer as
