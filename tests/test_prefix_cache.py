@@ -436,6 +436,56 @@ def test_evicted_pages_come_back_from_the_host_tier_exactly(ckpt, options, emula
     assert_idle(llm)
 
 
+def test_the_tiered_pool_lands_its_backups_before_a_prefix_tier_copies_rows(ckpt, emulated_cuda, monkeypatch):
+    """With kv_tiering a page's latents are host-store rows, and under CUDA's ordering (emulated) a
+    step's backups land in the store only at the link's next flush. The prefix cache must flush
+    (`before_copy`) before it copies a page out to the host tier (an eviction) and before it copies
+    a host copy back into a pool page (a restore): else it saves rows not yet written, or a pending
+    backup of the page's previous owner lands over the restored rows. The order of flushes and
+    copies is recorded: every copy sees no backup pending, and both kinds of copy happen right
+    after a flush that had backups to land (so the flush was needed, not just harmless)."""
+    from sparsekv.cache.host_store import HostLink
+    from sparsekv.cache.prefix_host import PageRows
+    log, links = [], []
+    real_flush, real_out, real_in = HostLink.flush, PageRows.copy_out, PageRows.copy_in
+
+    def flush(self):
+        log.append(("flush", len(self._pending)))
+        real_flush(self)
+
+    def copy_out(self, page):
+        log.append(("copy_out", len(links[0]._pending)))
+        return real_out(self, page)
+
+    def copy_in(self, pages, saved):
+        log.append(("copy_in", len(links[0]._pending)))
+        return real_in(self, pages, saved)
+    monkeypatch.setattr(HostLink, "flush", flush)
+    monkeypatch.setattr(PageRows, "copy_out", copy_out)
+    monkeypatch.setattr(PageRows, "copy_in", copy_in)
+    engine = make(ckpt, kv_tiering=True, device_buffer_tokens=8, host_kv_budget_bytes=40 * PAGE * 640, max_num_seqs=2,
+                  prefill_chunk_tokens=PAGE, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 24,
+                  prefix_cache_max_pages_per_tenant=0).engine  # released pages go straight to the host tier
+    links.append(engine.kv.pool.link)
+    engine.add_request("first", BASE + [3], GREEDY)
+    while engine.has_unfinished_requests():  # its pages are evicted as its last step ends
+        engine.step()
+    other = engine.add_request("other", OTHERS[0], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    while len(other.output_token_ids) < 3:  # decoding: a decode step leaves its backups pending
+        engine.step()
+    engine.add_request("hit", PROMPTS[0], GREEDY)  # restored from the host tier while "other"'s are pending
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["hit"].metrics["prefix_cached_tokens_host"] == outs["hit"].num_cached_tokens == 64
+    copies = [(i, kind, pending) for i, (kind, pending) in enumerate(log) if kind != "flush"]
+    assert {kind for _, kind, _ in copies} == {"copy_out", "copy_in"}
+    assert [c for c in copies if c[2]] == []  # (log index, kind, backups pending): a copy before its flush
+    for kind in ("copy_out", "copy_in"):  # a flush with backups to land came right before a copy of each kind
+        assert any(log[i - 1][0] == "flush" and log[i - 1][1] > 0 for i, k, _ in copies if k == kind), kind
+    engine.check_integrity()
+
+
 def test_the_host_tier_keeps_its_budget_and_a_broken_chain_stops_hits(ckpt):
     page_bytes = make(ckpt, num_kv_pages=12, enable_prefix_caching=True,
                       prefix_cache_host_bytes=1 << 24).engine.kv.prefix.tiers["host"].page_bytes

@@ -1096,3 +1096,46 @@ def test_a_page_leaving_the_tier_while_it_is_read_is_neither_served_nor_a_failur
     monkeypatch.setattr(prefix_disk, "open_regular", real)
     disk.flush()
     llm.engine.check_integrity()
+
+
+def test_host_and_disk_hits_are_counted_to_the_tenant_they_served(ckpt, tmp_path):
+    """Two tenants, one served from the host tier and the other from the disk tier: every figure of
+    `prefix_cache_by_tenant` exact. The pool keeps no page (quota 0: released pages go straight to a
+    host tier of 4 pages). bob's X fills the host tier, his Y pushes X out to disk, alice's Z pushes
+    two of Y's pages out (bob holds the most), so her Z again hits the host tier only and his X the
+    disk tier only."""
+    x = [(5 * i) % 250 + 1 for i in range(4 * PAGE + 3)]          # 4 cacheable pages
+    y = [(3 * i + 7) % 250 + 1 for i in range(4 * PAGE + 3)]      # 4 other pages
+    z = [(11 * i + 2) % 250 + 1 for i in range(2 * PAGE + 3)]     # 2 pages
+    engine = disk_engine(ckpt, tmp_path, host_pages=4, prefix_cache_max_pages_per_tenant=0).engine
+
+    def run(rid, prompt, tenant):
+        engine.add_request(rid, prompt, GREEDY, tenant=tenant)
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        return done[0]
+    for rid, prompt, tenant in (("x", x, "bob"), ("y", y, "bob"), ("z", z, "alice")):
+        assert run(rid, prompt, tenant).num_cached_tokens == 0
+    stats = engine.stats()
+    assert stats["prefix_host_pages"] == 4 and stats["prefix_disk_pages"] == 6  # X's 4 and Y's oldest 2
+    assert stats["prefix_cache_by_tenant"]["bob"]["host_pages"] == 2
+    assert stats["prefix_cache_by_tenant"]["alice"]["host_pages"] == 2
+    z_again = run("z2", z, "alice")
+    assert (z_again.metrics["prefix_cached_tokens_host"], z_again.metrics["prefix_cached_tokens_disk"]) == (2 * PAGE, 0)
+    x_again = run("x2", x, "bob")
+    assert (x_again.metrics["prefix_cached_tokens_host"], x_again.metrics["prefix_cached_tokens_disk"]) == (0, 4 * PAGE)
+    stats = engine.stats()
+    assert (stats["prefix_cache_hits_device"], stats["prefix_cache_hits_host"], stats["prefix_cache_hits_disk"]) == \
+        (0, 2 * PAGE, 4 * PAGE)
+    by_tenant = stats["prefix_cache_by_tenant"]
+    assert {t: (c["queries"], c["hits"]) for t, c in by_tenant.items()} == \
+        {"bob": (3 * len(x), 4 * PAGE), "alice": (2 * len(z), 2 * PAGE)}
+    # X's restored pages were named again as bob's: released, they pushed Y's last two pages out of
+    # the host tier (bob holds the most), then X3 and X2 (already on disk); Z stayed
+    assert by_tenant == {"alice": {"queries": 2 * len(z), "hits": 2 * PAGE, "cached_pages": 0, "host_pages": 2,
+                                   "disk_pages": 0},
+                         "bob": {"queries": 3 * len(x), "hits": 4 * PAGE, "cached_pages": 0, "host_pages": 2,
+                                 "disk_pages": 8}}
+    engine.check_integrity()
+    engine.close()

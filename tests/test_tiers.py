@@ -77,6 +77,153 @@ def test_tiering_is_exact(ckpt, family, selector):
         assert sum(o.metrics["h2d_bytes"] for o in outs) == stats["h2d_bytes"]
 
 
+def _working_set_accesses(monkeypatch, prompt_lengths: dict) -> list:
+    """Spy on what the model asks the tiered pool for, per full layer, in call order: ("decode",
+    request, layer, first new position, the positions asked for) for a chunk of one token (a decode,
+    which reads through its working set), ("prime", request, layer, [rows, k] selections) for each
+    query block of a prompt's last chunk (which places them in the working set: `_prime_block`), and,
+    for every layer, ("stream", request, layer, distinct positions) for each read of a longer chunk
+    (a prefill reads straight from the host store). Recorded before the pool resolves anything: the
+    model's selections, not the pool's bookkeeping."""
+    from sparsekv.cache.tiers import TieredKVPool
+    trace = []
+    real_decode, real_dense, real_gather = (TieredKVPool.gather_decode_latents, TieredKVPool.dense_decode_latents,
+                                            TieredKVPool.gather_latent)
+
+    def full(pool, layer):
+        return pool.leader[layer] == layer and layer not in pool.mtp_layers
+
+    def decode(pool, seq, layer, positions):
+        trace.append(("decode", seq.request_id, layer, seq.first_new_position, sorted(set(positions))))
+
+    def gather_decode_latents(self, layer, picks):
+        if full(self, layer):
+            rows = picks.selected.tolist()
+            for seq in picks.seqs:
+                part, rows = rows[:seq.num_new_tokens], rows[seq.num_new_tokens:]
+                if seq.num_new_tokens == 1:
+                    decode(self, seq, layer, part[0])
+        return real_decode(self, layer, picks)
+
+    def dense_decode_latents(self, layer, seqs, length):
+        if full(self, layer):
+            for seq in seqs:
+                if seq.num_new_tokens == 1:
+                    decode(self, seq, layer, range(seq.context_len))
+        return real_dense(self, layer, seqs, length)
+
+    def gather_latent(self, layer, seq, positions):
+        if seq.num_new_tokens > 1:
+            trace.append(("stream", seq.request_id, layer, len(set(positions.reshape(-1).tolist()))))
+        if full(self, layer):
+            if seq.num_new_tokens == 1:
+                decode(self, seq, layer, positions.reshape(-1).tolist())
+            elif positions.dim() == 2 and seq.context_len == prompt_lengths[seq.request_id]:
+                trace.append(("prime", seq.request_id, layer, positions.tolist()))
+        return real_gather(self, layer, seq, positions)
+    monkeypatch.setattr(TieredKVPool, "gather_decode_latents", gather_decode_latents)
+    monkeypatch.setattr(TieredKVPool, "dense_decode_latents", dense_decode_latents)
+    monkeypatch.setattr(TieredKVPool, "gather_latent", gather_latent)
+    return trace
+
+
+def _expected_tier_counts(trace: list, capacity: int, groups: dict) -> tuple[dict, int]:
+    """Per request (hits, misses, rows copied host -> device) by the documented policy, replayed on
+    tests/test_lru.py's brute-force LRU, one per (request, full layer); and how many decode accesses
+    filled the working set exactly.
+    * A prefill read streams each distinct position it asks for from the host store, once.
+    * A prompt's last chunk primes: per query block, the distinct positions its rows selected when
+      they fit, then its last row's (no lookup counted).
+    * Each decode first promotes the last decode's new token as most recently used (no lookup).
+    * A decode's positions before its new token are looked up (hits and misses, one per position and
+      layer of the group); its new token is on its own row: a hit for every layer of the group. Each
+      miss is copied from the host for every layer of the group."""
+    from test_lru import BruteForceLRU
+    lrus, last_new, counts, full = {}, {}, {}, 0
+    for kind, rid, layer, *rest in trace:
+        got = counts.setdefault(rid, [0, 0, 0])
+        if kind == "stream":
+            got[2] += rest[0]
+            continue
+        lru = lrus.setdefault((rid, layer), BruteForceLRU(capacity))
+        if kind == "prime":
+            (rows,) = rest
+            distinct = sorted({p for row in rows for p in row})
+            for positions in ([distinct] if len(distinct) <= capacity else []) + [rows[-1]]:
+                if len(positions) <= capacity:
+                    lru.access(positions)
+            continue
+        first_new, positions = rest
+        if (rid, layer) in last_new:
+            lru.access([last_new[rid, layer]])
+        last_new[rid, layer] = first_new
+        older = [p for p in positions if p < first_new]
+        assert len(older) <= capacity  # one decode row's k positions always fit N >= k: never streamed
+        full += len(older) == capacity
+        hits, misses, *_ = lru.access(older)
+        got[0] += (hits + len(positions) - len(older)) * len(groups[layer])
+        got[1] += len(misses) * len(groups[layer])
+        got[2] += len(misses) * len(groups[layer])
+    return counts, full
+
+
+@pytest.mark.parametrize("selector", ["dsa", "quest"])
+def test_a_working_set_of_exactly_top_k_counts_every_hit_and_miss(ckpt, selector, monkeypatch):
+    """N = index_topk, the smallest working set allowed: a sparse decode's k selections can fill it
+    entirely, so every access evicts all that it does not reuse. Outputs are bit-identical to tiering
+    off, and each request's hits and misses are exactly those of the documented LRU policy (the
+    brute-force reference of tests/test_lru.py) replayed on the model's own selections: chunked
+    prompts (the last chunk primes the working set), a prompt below top-k (dense decodes first),
+    and a batch resolving its working sets together."""
+    prompts = PROMPTS[1:3]  # 6 tokens (dense until past top-k), 23 (a chunk of 16, then 7 priming)
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3, ignore_eos=True)
+    reference, _ = generate(ckpt["glm_moe_dsa"], prompts, params, selector=selector)
+    llm = make(ckpt["glm_moe_dsa"], selector=selector, kv_tiering=True, device_buffer_tokens=TOPK)
+    pool = llm.engine.kv.pool
+    assert pool.device_buffer_tokens == TOPK and pool.groups == {0: [0, 1, 2], 3: [3]}
+    trace = _working_set_accesses(monkeypatch, {"a": len(prompts[0]), "b": len(prompts[1])})
+    for rid, prompt in zip("ab", prompts):
+        llm.engine.add_request(rid, prompt, params)
+    outs = {}
+    while llm.engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in llm.engine.step() if o.finished})
+    assert_back_to_initial(llm.engine)
+    assert_same(reference, [outs["a"], outs["b"]])
+    expected, full = _expected_tier_counts(trace, TOPK, pool.groups)
+    assert full > 0 and {kind for kind, *_ in trace} == {"prime", "decode", "stream"}
+    row = LATENT_BYTES_PER_TOKEN // 4  # one layer's latent row
+    for rid in "ab":
+        m = outs[rid].metrics
+        assert (m["tier_hits"], m["tier_misses"], m["h2d_bytes"]) == (expected[rid][0], expected[rid][1],
+                                                                      expected[rid][2] * row), rid
+    stats = llm.stats()
+    hits, misses, rows = map(sum, zip(*expected.values()))
+    assert (stats["tier_hits"], stats["tier_misses"], stats["h2d_bytes"]) == (hits, misses, rows * row)
+
+
+def test_a_reused_working_set_starts_empty(ckpt, monkeypatch):
+    """One working set (max_num_seqs=1) serves the requests one after another: each new owner's LRUs
+    start empty, so no position of the previous request counts as resident in its rows, and
+    outputs stay bit-identical to tiering off."""
+    from sparsekv.cache.tiers import TieredKVPool
+    one = dict(max_num_seqs=1)
+    reference = [generate(ckpt["glm_moe_dsa"], [p], **one)[0][0] for p in PROMPTS]
+    llm = make(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=TOPK, **one)
+    handed, real = [], TieredKVPool._working_set
+
+    def working_set(self, request_id):
+        new = request_id not in self._resident
+        ws = real(self, request_id)
+        if new:
+            handed.append((ws.buffer, [lru.lru_order() for lru in ws.lrus.values()]))
+        return ws
+    monkeypatch.setattr(TieredKVPool, "_working_set", working_set)
+    outs = [llm.generate([p], GREEDY)[0] for p in PROMPTS]
+    assert handed == [(0, [[], []])] * len(PROMPTS)  # the same buffer each time, nothing resident
+    assert_same(reference, outs)
+    assert_back_to_initial(llm.engine)
+
+
 def test_mmap_host_store_is_exact(ckpt, tmp_path):
     path = str(tmp_path / "host.kv")
     reference, _ = generate(ckpt["glm_moe_dsa"])
