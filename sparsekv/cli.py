@@ -9,7 +9,7 @@ import sys
 import time
 
 from .config import ConfigError
-from .engine_args import add_engine_args, engine_options, non_default_args, read_text_option
+from .engine_args import add_engine_args, engine_error, engine_options, non_default_args, read_text_option
 from .request import InvalidRequest
 
 PROMPT_ARGS = ("prompt", "prompt_file", "prompt_token_ids")  # data, not settings: left out of the startup line
@@ -84,7 +84,7 @@ def generate_main(argv: list[str]) -> int:
         with llm:  # saves the prefix cache to its disk tier, if one is given
             out, timing = _timed_generate(llm, _prompt(args), params)
     except (InvalidRequest, ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"sparsekv generate: error: {e}", file=sys.stderr)
+        print(f"sparsekv generate: error: {engine_error(e, parser)}", file=sys.stderr)
         return 2
     except (StartupError, RankFailure) as e:  # a worker rank's own error, one that never came, or one that died
         print(f"sparsekv generate: error: {e}", file=sys.stderr)
@@ -126,7 +126,9 @@ def _print_output(out, as_json: bool, has_tokenizer: bool) -> None:
 def make_tiny_parser() -> argparse.ArgumentParser:
     from .tools.tiny import PRESETS
     p = argparse.ArgumentParser(prog="sparsekv make-tiny-model")
-    p.add_argument("path")
+    p.add_argument("path", help="the checkpoint directory to write; one that holds files is refused unless --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace what PATH holds, whole: files only the old checkpoint had go")
     p.add_argument("--family", default="glm_moe_dsa", choices=["glm_moe_dsa", "deepseek_v32"])
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seed", type=int, default=0)
@@ -134,8 +136,16 @@ def make_tiny_parser() -> argparse.ArgumentParser:
 
 
 def make_tiny_main(argv: list[str]) -> int:
+    """As `sparsekv train --out`: PATH is checked before any work, and replaced whole or not at all."""
     from .tools.tiny import PRESETS, save_reference_checkpoint
+    from .train.cli import UsageError, check_output_dir, write_dir_whole
     args = make_tiny_parser().parse_args(argv)
-    save_reference_checkpoint(args.path, args.family, args.seed, **PRESETS[args.preset])
+    try:
+        check_output_dir(args.path, args.overwrite, label=args.path)
+    except UsageError as e:
+        print(f"sparsekv make-tiny-model: error: {e}", file=sys.stderr)
+        return 2
+    write_dir_whole(args.path, lambda staging: save_reference_checkpoint(
+        staging, args.family, args.seed, **PRESETS[args.preset]))
     print(f"wrote {args.preset} {args.family} checkpoint to {args.path}")
     return 0

@@ -356,17 +356,7 @@ class EngineConfig:
         self._validate_parallel()
 
     def _validate_device(self) -> None:
-        import torch
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError):
-            raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device {self.device!r}: this torch sees no CUDA device (a CPU build, or no GPU)")
-        if device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        check_device(self.device)
 
     def _validate_parallel(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
@@ -466,8 +456,24 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len ({self.max_model_len}) is beyond the model's max_position_embeddings "
                               f"({cfg.max_position_embeddings}): positions past it are untrained; to run there "
-                              f"anyway, raise it with hf_overrides={{\"max_position_embeddings\": "
-                              f"{self.max_model_len}}} (--hf-overrides)")
+                              f"anyway, raise that with hf_overrides {{\"max_position_embeddings\": "
+                              f"{self.max_model_len}}}")
+
+
+def check_device(device: str, name: str = "device") -> None:
+    """A device this torch can use (cpu, cuda, cuda:N of a GPU it sees); ConfigError starting with
+    `name` (the field, or the flag of a command that has no EngineConfig, as `sparsekv train`)."""
+    import torch
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{name} must be cpu, cuda or cuda:N, got {device!r}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{name} {device!r}: this torch sees no CUDA device (a CPU build, or no GPU)")
+    if parsed.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{name} must be cpu, cuda or cuda:N, got {device!r}")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ConfigError(f"{name} {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 _KINDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "dict": (dict,), "list[str]": (list,)}

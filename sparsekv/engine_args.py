@@ -4,6 +4,7 @@ arguments named after the LLM(...) / EngineConfig keywords. Below both `cli.py` 
 from __future__ import annotations
 
 import argparse
+import re
 
 from .config import ConfigError
 from .units import parse_bytes
@@ -188,6 +189,44 @@ def engine_options(args: argparse.Namespace) -> dict:
     elif "quest_page_tokens" in options and options.get("selector") != "quest":
         raise ConfigError("--quest-page-tokens only applies with --selector quest")
     return options
+
+
+def flags_by_dest(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each option's dest -> its long flag (`num_threads` -> `--threads`): the engine options' dests
+    are the EngineConfig fields, so this names the flag behind a field a ConfigError names."""
+    flags = {}
+    for action in parser._actions:
+        long = [s for s in action.option_strings if s.startswith("--")]
+        if long and action.dest not in flags:
+            flags[action.dest] = long[0]
+    return flags
+
+
+_FIELD_REFERENCE = re.compile(r"(?<![\w./-])([a-z][a-z0-9_]*)(?![\w-])(=True\b|='([^'\s]*)')?")
+
+
+def with_flag_names(message: str, flags: dict[str, str]) -> str:
+    """A ConfigError's message with the config fields it names replaced by their flags (`num_threads
+    must be ...` -> `--threads must be ...`, `kv_tiering=True` -> `--kv-tiering`, `selector='quest'` ->
+    `--selector quest`). A field name that is also an English word (device, seed) counts only as the
+    message's first word or before `=`."""
+    def replace(match: re.Match) -> str:
+        name, value = match.group(1), match.group(3)
+        is_field = "_" in name or match.start() == 0 or match.string.startswith("=", match.end(1))
+        if name not in flags or not is_field:
+            return match.group(0)
+        if value is not None:
+            return f"{flags[name]} {value}"
+        return flags[name]
+    return _FIELD_REFERENCE.sub(replace, message)
+
+
+def engine_error(error: Exception, parser: argparse.ArgumentParser) -> str:
+    """The text of an error building an engine from the command line: a ConfigError's fields named by
+    the parser's flags, any other error as it is."""
+    if isinstance(error, ConfigError):
+        return with_flag_names(str(error), flags_by_dest(parser))
+    return str(error)
 
 
 def non_default_args(parser: argparse.ArgumentParser, args: argparse.Namespace, secret: tuple[str, ...] = (),

@@ -70,6 +70,103 @@ def test_make_tiny_model_writes_a_checkpoint_the_engine_runs(family, tmp_path, c
     assert len(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]) == 3
 
 
+def test_make_tiny_model_refuses_a_directory_that_holds_files_or_a_file(tmp_path, capsys):
+    """As `sparsekv train --out`: a directory with files needs --overwrite, which replaces it whole (no
+    old tokenizer left beside the new weights); a file is refused; nothing is written when refused."""
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "config.json").write_text("old")
+    (held / "tokenizer.json").write_text("old")
+    assert main(["make-tiny-model", str(held)]) == 2
+    err = capsys.readouterr().err
+    assert "sparsekv make-tiny-model: error:" in err and "--overwrite" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in held.iterdir()) == ["config.json", "tokenizer.json"]
+    assert (held / "config.json").read_text() == "old"
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert main(["make-tiny-model", str(a_file)]) == 2
+    assert "not a directory" in capsys.readouterr().err and a_file.read_text() == "x"
+    assert main(["make-tiny-model", str(held), "--overwrite"]) == 0
+    assert "tokenizer.json" not in {p.name for p in held.iterdir()}
+    assert json.loads((held / "config.json").read_text())["model_type"] == "glm_moe_dsa"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "held"]  # no staging directory left
+
+
+def test_a_missing_default_model_says_a_make_tiny_model_command_that_works(tmp_path, monkeypatch, capsys):
+    import re
+    from sparsekv.paths import default_model_path
+    missing = tmp_path / "none"
+    monkeypatch.setenv("SPARSEKV_MODEL", str(missing))
+    with pytest.raises(FileNotFoundError) as error:
+        default_model_path()
+    command = re.search(r"`sparsekv (make-tiny-model [^`]*)`", str(error.value))
+    assert command and str(missing) in command.group(1), str(error.value)
+    assert main(command.group(1).split()) == 0
+    assert default_model_path() == str(missing)
+
+
+@pytest.mark.parametrize("command, required", [("generate", ["--prompt-token-ids", "1,2"]), ("serve", [])])
+@pytest.mark.parametrize("flag, value, field", [("--threads", "-2", "num_threads"),
+                                                ("--prefix-cache-ttl", "-5", "prefix_cache_ttl_s"),
+                                                ("--dist-timeout", "-1", "dist_timeout_s")])
+def test_an_engine_option_error_names_the_flag_not_the_config_field(command, required, flag, value, field, capsys):
+    assert main([command, *required, flag, value]) == 2
+    err = capsys.readouterr().err
+    error = [line for line in err.splitlines() if line.startswith(f"sparsekv {command}: error: ")]
+    assert len(error) == 1 and f"error: {flag} must be" in error[0] and field not in error[0], err
+    assert "Traceback" not in err
+
+
+def test_config_fields_in_a_message_become_flags():
+    from sparsekv.__main__ import parser_for
+    from sparsekv.engine_args import flags_by_dest, with_flag_names
+    flags = flags_by_dest(parser_for(["generate"])[0])
+    assert flags["num_threads"] == "--threads"
+    assert flags["prefix_cache_disk_old_key_files"] == "--prefix-cache-disk-old-key-file"
+    for message, named in (
+            ("device_buffer_tokens, host_store_path only apply with kv_tiering=True",
+             "--device-buffer-tokens, --host-store-path only apply with --kv-tiering"),
+            ("kv_tiering needs attention='sparse': dense attention reads every position",
+             "--kv-tiering needs --attention sparse: dense attention reads every position"),
+            ("device 'cuda': this torch sees no CUDA device", "--device 'cuda': this torch sees no CUDA device"),
+            ("quest_page_tokens 8 must divide kv_page_size 64", "--quest-page-tokens 8 must divide --kv-page-size 64"),
+            ("index_topk (256) at /tmp/seed/max_model_len", "index_topk (256) at /tmp/seed/max_model_len")):
+        assert with_flag_names(message, flags) == named
+
+
+def test_every_benchmark_is_named_in_the_error_the_help_and_the_synopsis(capsys):
+    """`sparsekv bench NAME` with a NAME that does not exist lists every benchmark, and so do `sparsekv
+    --help` and docs/features.md's synopsis."""
+    from pathlib import Path
+    from sparsekv.__main__ import usage
+    from sparsekv.tools.bench import SUB_BENCHMARKS
+    names = ["decode", "prefill", "modes", *SUB_BENCHMARKS]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "tier"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and all(f"'{name}'" in err for name in names), err
+    bench_help = next(line for line in usage().splitlines() if line.split()[:1] == ["bench"])
+    assert [name for name in names if name not in bench_help.replace("|", " ").split()] == []
+    features = (Path(__file__).resolve().parent.parent / "docs" / "features.md").read_text()
+    synopsis = next(line for line in features.splitlines() if line.startswith("sparsekv bench "))
+    assert sorted(synopsis.split()[2].split("|")) == sorted(names)
+    with pytest.raises(SystemExit) as exit_info:  # a sub-benchmark after an option: its options were never read
+        main(["bench", "--threads", "1", "tiers"])
+    assert exit_info.value.code == 2 and "sparsekv bench tiers [options]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag, default", [(["eval", "needle"], "--heatmap", "needle_heatmap.png"),
+                                                 (["rollout"], "--plot", "rollout_summary.png")])
+def test_a_png_written_by_default_is_named_in_the_help(argv, flag, default, capsys):
+    """eval needle's heatmap and rollout --summary's plot are written by default (docs/training.md,
+    docs/rl.md), into the current directory: --help says where."""
+    with pytest.raises(SystemExit):
+        main(argv + ["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    entry = help_text[help_text.rindex(flag):]
+    assert f"default: {default} in the current directory" in entry, entry
+
+
 def test_unknown_command(capsys):
     assert main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err

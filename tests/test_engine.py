@@ -140,7 +140,7 @@ def test_a_kv_pool_larger_than_the_devices_memory_is_a_config_error(glm_ckpt):
     from sparsekv.cache.memory import device_memory_bytes
     tokens = 2 * device_memory_bytes(torch.device("cpu"))  # at least a byte a token: past the memory
     with pytest.raises(ConfigError, match="the KV cache would take .* max_model_len"):
-        LLM(glm_ckpt[0], max_model_len=tokens, max_num_seqs=1)
+        LLM(glm_ckpt[0], max_model_len=tokens, max_num_seqs=1, hf_overrides={"max_position_embeddings": tokens})
 
 
 def test_a_tiered_cache_larger_than_the_machine_is_a_config_error(glm_ckpt, tmp_path, monkeypatch):
@@ -149,7 +149,8 @@ def test_a_tiered_cache_larger_than_the_machine_is_a_config_error(glm_ckpt, tmp_
     from sparsekv.cache.memory import device_memory_bytes
     tokens = 2 * device_memory_bytes(torch.device("cpu"))
     with pytest.raises(ConfigError, match="the tiered KV cache needs .* GiB of RAM .* sized by the default"):
-        LLM(glm_ckpt[0], max_model_len=tokens, max_num_seqs=1, kv_tiering=True)
+        LLM(glm_ckpt[0], max_model_len=tokens, max_num_seqs=1, kv_tiering=True,
+            hf_overrides={"max_position_embeddings": tokens})
     import shutil
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1 << 10))
     with pytest.raises(ConfigError, match="GiB of free disk space at .* sized by host_kv_budget_bytes"):

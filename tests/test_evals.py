@@ -265,3 +265,33 @@ def test_eval_needle_bad_flags_are_clear_errors(flags, named, capsys):
     add_args(p)
     assert main(p.parse_args(["/nonexistent-model"] + flags)) == 2
     assert named in capsys.readouterr().err
+
+
+def test_eval_needle_an_invalid_device_buffer_is_an_error_not_a_run_without_tiering(tmp_path, capsys):
+    """The user's own --device-buffer-tokens below the model's index_topk: exit 2 naming the flag,
+    before any prompt runs (it ran every length untiered and exited 0)."""
+    from sparsekv.paths import default_model_path
+    from sparsekv.tools.eval_needle import add_args, main
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args([default_model_path(), "--tasks", "passkey", "--lengths", "600", "--depths", "0",
+                         "--samples", "1", "--dense-max-length", "0", "--heatmap", str(tmp_path / "heat.png"),
+                         "--device-buffer-tokens", "1"])
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert "sparsekv eval needle: error: --device-buffer-tokens (1) must be >=" in captured.err, captured.err
+    assert "index_topk" in captured.err and "passkey" not in captured.out
+
+
+def test_eval_indexshare_refuses_more_shared_layers_than_the_model_has(capsys):
+    from sparsekv.__main__ import main
+    from sparsekv.config import ModelConfig
+    from sparsekv.paths import default_model_path
+    layers = ModelConfig.from_json(default_model_path()).num_hidden_layers
+    assert main(["eval", "indexshare", "--num-shared", "99", "--no-search"]) == 2
+    captured = capsys.readouterr()
+    assert "--num-shared 99" in captured.err and f"at most {layers - 1}" in captured.err, captured.err
+    assert "top-k overlap" not in captured.out   # refused before any work
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "indexshare", "--num-shared", "-1"])
+    assert exit_info.value.code == 2 and "--num-shared" in capsys.readouterr().err

@@ -181,6 +181,22 @@ def test_rollout_command_and_summary(tmp_path, capsys):
     assert "--judge none" in capsys.readouterr().err
 
 
+def test_a_model_the_server_does_not_serve_is_refused_before_any_episode(tmp_path, capsys):
+    """--model (and --judge-model) are checked against the endpoint's /v1/models: exit 2 naming the served
+    models, no episode run (each ended in a 404)."""
+    out = tmp_path / "trajectories.jsonl"
+    with FakeOpenAI(["done"]) as fake:
+        network = ["--allow-network"] if CFG.allow_network else []
+        assert rollout_main(["fizzbuzz", "--url", fake.url, "--judge", "none", "--model", "nosuch",
+                             "--output", str(out), *network]) == 2
+        err = capsys.readouterr().err
+        assert "sparsekv rollout: error: --model nosuch" in err and "fake-policy" in err, err
+        assert rollout_main(["fizzbuzz", "--url", fake.url, "--judge-url", fake.url, "--judge-model", "nosuch",
+                             "--output", str(out), *network]) == 2
+        assert "--judge-model nosuch" in capsys.readouterr().err
+        assert fake.policy_requests() == [] and not out.exists()
+
+
 def test_one_episode_against_sparsekv_serve():
     from test_server_util import ThreadServer
 

@@ -566,6 +566,19 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
     assert "the same command resumes" in capsys.readouterr().err
 
 
+def test_a_cuda_device_this_torch_lacks_is_refused_before_any_work_as_generate_says_it(tmp_path, monkeypatch, capsys):
+    """`train --device cuda` on a torch without CUDA: the line `generate --device cuda` prints, exit 2,
+    before the data is prepared (it was an AssertionError after it)."""
+    from sparsekv.__main__ import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train_main(_no_steps(tmp_path, "a", "--device", "cuda")) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and not (tmp_path / "w").exists(), err
+    assert main(["generate", "--prompt-token-ids", "1,2", "--device", "cuda"]) == 2
+    said_by_generate = capsys.readouterr().err.splitlines()[-1].removeprefix("sparsekv generate: ")
+    assert err.strip() == f"sparsekv train: {said_by_generate}" and "no CUDA device" in said_by_generate
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--embed-init-std", "-1", "--embed-init-std must be"), ("--max-files", "0", "--max-files"),
     ("--device", "tpu", "--device must be cpu, cuda or cuda:N"), ("--synth-frac", "5", "--synth-frac must be in"),

@@ -48,7 +48,9 @@ def build_rollout_parser() -> argparse.ArgumentParser:
                                             f"{', '.join(shipped_tasks())})")
     p.add_argument("--summary", metavar="TRAJECTORIES", default=None,
                    help="print a per-task table of this trajectories.jsonl and write --plot; runs nothing")
-    p.add_argument("--plot", type=output_path, default="rollout_summary.png", help="with --summary: the PNG to write")
+    p.add_argument("--plot", type=output_path, default="rollout_summary.png",
+                   help="with --summary: the PNG of reward and interception rate per task to write (default: "
+                        "%(default)s in the current directory)")
     p.add_argument("--url", default=DEFAULT_URL, help="the policy's OpenAI base URL (default: a local sparsekv serve)")
     p.add_argument("--model", default=None, help="default: the first model the policy endpoint lists")
     p.add_argument("--api-key", default="EMPTY")
@@ -88,14 +90,26 @@ def build_rl_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _first_model(url: str, api_key: str) -> str:
+def _served_models(url: str, api_key: str) -> list[str]:
+    """The model names `url` serves (GET /v1/models), in its order."""
     try:
         models = openai.OpenAI(base_url=url, api_key=api_key, max_retries=1).models.list().data
     except openai.APIError as e:
         raise ValueError(f"{url}: cannot list its models ({e}); is the server up?") from None
     if not models:
         raise ValueError(f"{url} lists no models; give the model's name")
-    return models[0].id
+    return [m.id for m in models]
+
+
+def _served_model(url: str, api_key: str, wanted: str | None, flag: str) -> str:
+    """`wanted` if `url` serves it, else its first model when none is given; ValueError naming `flag`
+    and the served models otherwise (before any episode starts: each would end in a 404)."""
+    served = _served_models(url, api_key)
+    if wanted is None:
+        return served[0]
+    if wanted not in served:
+        raise ValueError(f"{flag} {wanted}: {url} does not serve it (it serves: {', '.join(served)})")
+    return wanted
 
 
 def _judge(args) -> Judge | None:
@@ -104,7 +118,7 @@ def _judge(args) -> Judge | None:
     if not args.judge_url:
         raise ValueError("give --judge-url URL (an OpenAI-compatible judge) or trust the rules alone "
                          "(--judge none; `rl screen`: --rules-only)")
-    model = args.judge_model or _first_model(args.judge_url, args.judge_api_key)
+    model = _served_model(args.judge_url, args.judge_api_key, args.judge_model, "--judge-model")
     return Judge(args.judge_url, model, args.judge_api_key)
 
 
@@ -189,7 +203,7 @@ def rollout_main(argv: list[str]) -> int:
         if args.episodes < 1 or args.concurrency < 1 or args.max_turns < 1:
             raise ValueError("--episodes, --concurrency and --max-turns must be >= 1")
         pipeline = Pipeline(load_rules(*args.rules), _judge(args))
-        model = args.model or _first_model(args.url, args.api_key)
+        model = _served_model(args.url, args.api_key, args.model, "--model")
     except (RuleError, TaskError, ValueError, OSError, openai.APIError) as e:
         print(f"sparsekv rollout: error: {e}", file=sys.stderr)
         return 2

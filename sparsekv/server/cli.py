@@ -24,7 +24,8 @@ import sys
 import uvicorn
 
 from ..config import ConfigError
-from ..engine_args import add_engine_args, at_least, engine_options, non_default_args, port_number, read_text_option
+from ..engine_args import (add_engine_args, at_least, engine_error, engine_options, non_default_args, port_number,
+                           read_text_option)
 from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES
 from .reasoning import PARSERS
 
@@ -131,7 +132,7 @@ def main(argv: list[str]) -> int:
               f"ignores them", file=sys.stderr)
     elif idle:
         parser.error(f"{', '.join(idle)} only apply with --disaggregation-mode prefill or decode")
-    hosted = host_ranks(args)  # another node's ranks, or torchrun's rank > 0: no server here
+    hosted = host_ranks(parser, args)  # another node's ranks, or torchrun's rank > 0: no server here
     if hosted is not None:
         return hosted
     from ..parallel.launch import StartupError
@@ -143,7 +144,7 @@ def main(argv: list[str]) -> int:
         app, state = build_app(args, bind)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         _close(bound)
-        print(f"sparsekv serve: error: {e}", file=sys.stderr)
+        print(f"sparsekv serve: error: {engine_error(e, parser)}", file=sys.stderr)
         return 2
     except StartupError as e:  # a worker rank's own error (its option, its file), or a rank that never came
         _close(bound)
@@ -189,7 +190,7 @@ def startup_settings(parser: argparse.ArgumentParser, args) -> dict:
     return settings
 
 
-def host_ranks(args) -> int | None:
+def host_ranks(parser: argparse.ArgumentParser, args) -> int | None:
     """This process's part when it only hosts ranks for node 0's engine: node `--node-rank` > 0, or
     rank > 0 under torchrun. None: the engine and the server run here."""
     from ..config import EngineConfig
@@ -202,7 +203,7 @@ def host_ranks(args) -> int | None:
             return host_node(config)
         return 0 if host_torchrun_rank(config) else None
     except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"sparsekv serve: error: {e}", file=sys.stderr)
+        print(f"sparsekv serve: error: {engine_error(e, parser)}", file=sys.stderr)
         return 2
     except StartupError as e:
         print(f"sparsekv serve: error: {e}", file=sys.stderr)

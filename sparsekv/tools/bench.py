@@ -1,4 +1,5 @@
-"""`sparsekv bench decode | prefill | modes | tiers | serve | spec | indexer | prefix | batch`.
+"""`sparsekv bench decode | prefill | modes`, and the other benchmarks, each in its own module with its
+own options (SUB_BENCHMARKS: `sparsekv bench NAME --help`).
 
 Every figure is measured in a fresh subprocess (clean peak RSS, no allocator carry-over) and every
 table prints its ratio against the baseline measured in the same run, plus achieved bandwidth.
@@ -265,10 +266,20 @@ def transformers_limit_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+KINDS = ("decode", "prefill", "modes")  # the benchmarks of this parser; SUB_BENCHMARKS have their own
+
+
+def benchmark_names() -> list[str]:
+    """Every `sparsekv bench NAME`."""
+    return [*KINDS, *SUB_BENCHMARKS]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv bench", epilog="other benchmarks, each with its own options "
                                 f"(sparsekv bench NAME --help): {', '.join(SUB_BENCHMARKS)}")
-    p.add_argument("kind", choices=["decode", "prefill", "modes"])
+    p.add_argument("kind", metavar="BENCHMARK", choices=benchmark_names(),
+                   help=f"{', '.join(KINDS)} (the options below), or one of the others, named first, each with "
+                        f"its own options: {', '.join(SUB_BENCHMARKS)}")
     p.add_argument("--preset", default="tiny-bench", choices=BENCH_PRESETS)
     p.add_argument("--mode-kind", dest="mode_kind", default="decode", choices=["decode", "prefill"],
                    help="for `modes`: compare decode or prefill")
@@ -316,7 +327,10 @@ def main(argv: list[str]) -> int:
         except (FileNotFoundError, ConfigError, ValueError) as e:   # e.g. --model pointing at no checkpoint
             print(f"sparsekv bench {argv[0]}: error: {e}", file=sys.stderr)
             return 2
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.kind in SUB_BENCHMARKS:  # after an option: its own parser never saw the arguments
+        parser.error(f"{args.kind} takes its own options: put its name first, sparsekv bench {args.kind} [options]")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(args.preset, tmp, indexer_in_every_layer=args.kind == "modes")
         if args.kind == "modes":

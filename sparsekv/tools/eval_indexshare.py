@@ -25,8 +25,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("--seq-len", type=int, default=2048, help="held-out sequence length (> index_topk)")
     p.add_argument("--num-seqs", type=at_least(1), default=2)
-    p.add_argument("--num-shared", type=int, default=None,
-                   help="report the pattern with this many shared layers (default: as many as the checkpoint)")
+    p.add_argument("--num-shared", type=at_least(0), default=None,
+                   help="report the pattern with this many shared layers, at most the model's layers - 1 (layer 0 "
+                        "always runs its own indexer) (default: as many as the checkpoint)")
     p.add_argument("--no-search", action="store_true")
     p.add_argument("--threads", type=int, default=1)
 
@@ -113,15 +114,32 @@ def greedy_search(cfg, tensors, seqs, candidates: list[int], log) -> list[tuple[
     return steps
 
 
+def max_shared_layers(cfg) -> int:
+    """Every layer but layer 0 can share: its indexer is the first the others could reuse."""
+    return cfg.num_hidden_layers - 1
+
+
+def option_problem(args: argparse.Namespace, cfg) -> str | None:
+    """What is wrong with the flags for this model, before any work (None: nothing)."""
+    if args.seq_len <= cfg.index_topk:
+        return f"--seq-len must exceed index_topk {cfg.index_topk}"
+    if args.num_shared is not None and args.num_shared > max_shared_layers(cfg):
+        return (f"--num-shared {args.num_shared}: this {cfg.num_hidden_layers}-layer model shares at most "
+                f"{max_shared_layers(cfg)} layers (layer 0 always runs its own indexer)")
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    from ..config import ModelConfig
     from ..paths import default_model_path
     from .eval_common import build_model, layers_with_indexers, load_parts, load_text_tokenizer
     path = args.model or default_model_path()
-    cfg, tensors = load_parts(path)
-    if args.seq_len <= cfg.index_topk:
-        print(f"sparsekv eval indexshare: error: --seq-len must exceed index_topk {cfg.index_topk}", file=sys.stderr)
+    problem = option_problem(args, ModelConfig.from_json(path))  # before the weights load
+    if problem:
+        print(f"sparsekv eval indexshare: error: {problem}", file=sys.stderr)
         return 2
+    cfg, tensors = load_parts(path)
     log = lambda msg: print(msg, flush=True)
     seqs = calibration_set(load_text_tokenizer(path), args.seq_len, args.num_seqs)
     have = layers_with_indexers(cfg, tensors)

@@ -20,7 +20,7 @@ import sys
 import time
 from collections import defaultdict
 
-from ..engine_args import output_path
+from ..engine_args import engine_error, output_path
 from ..train.tasks import TASKS, TaskBuilder, score
 from .plan_workload import parse_token_list, parse_tokens
 
@@ -73,7 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="latents in the model dtype, or FP8 (FlashMLA's rows): does retrieval survive the quantization?")
     p.add_argument("--device", default="cpu", help="engine device (cpu, cuda)")
-    p.add_argument("--heatmap", type=output_path, default="needle_heatmap.png", help="depth x length heatmap PNG")
+    p.add_argument("--heatmap", type=output_path, default="needle_heatmap.png",
+                   help="the depth x length heatmap PNG to write (default: %(default)s in the current directory)")
     p.add_argument("--json", type=output_path, default=None, help="write every sample's result here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -81,21 +82,48 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"no prefill progress bar (shown for prompts of {length_label(PROGRESS_MIN_LENGTH)} tokens and more)")
 
 
-def make_llm(model: str, attention: str, max_len: int, args) -> tuple[object, str]:
-    """An engine for one length; tiering on when the engine accepts it (else says why not)."""
-    from ..config import ConfigError
-    from ..llm import LLM
-    opts = dict(max_model_len=max_len, attention=attention, prefill_chunk_tokens=args.prefill_chunk_tokens,
+def llm_options(args, attention: str, max_len: int) -> dict:
+    """The LLM(...) keywords of one length's engine, tiering aside."""
+    return dict(max_model_len=max_len, attention=attention, prefill_chunk_tokens=args.prefill_chunk_tokens,
                 max_num_seqs=1, max_num_batched_tokens=args.prefill_chunk_tokens, dtype=args.dtype,
                 kv_cache_dtype=args.kv_cache_dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching)
-    if attention == "sparse" and not args.no_tiering:
-        try:
-            return LLM(model, **opts, kv_tiering=True, device_buffer_tokens=args.device_buffer_tokens), "tiering on"
-        except (TypeError, ConfigError) as e:
-            note = f"tiering unavailable in this engine ({type(e).__name__}: {e}); ran without"
-    else:
-        note = "tiering off"
-    return LLM(model, **opts), note
+
+
+def tiering_options(args) -> dict:
+    return dict(kv_tiering=True, device_buffer_tokens=args.device_buffer_tokens)
+
+
+def check_engine_options(model: str, args, max_len: int) -> None:
+    """The engine options the flags make, checked against the model before any work (ConfigError
+    naming the field): an invalid --device-buffer-tokens is the user's error, not a reason to run
+    without tiering."""
+    from ..config import EngineConfig, ModelConfig
+    tiering = {} if args.no_tiering else tiering_options(args)
+    config = EngineConfig(model=model, **llm_options(args, "sparse", max_len), **tiering)
+    config.validate()
+    config.validate_for_model(ModelConfig.from_json(model))
+
+
+def needle_parser() -> argparse.ArgumentParser:
+    """`eval needle`'s options alone (for naming the flag behind an engine option)."""
+    p = argparse.ArgumentParser(prog="sparsekv eval needle")
+    add_args(p)
+    return p
+
+
+def make_llm(model: str, attention: str, max_len: int, args) -> tuple[object, str]:
+    """An engine for one length; tiering on unless the engine cannot hold a tiered cache here (its
+    options were checked by `check_engine_options`: what it refuses now is the machine's, e.g. the
+    host store's memory), in which case it runs without and says why."""
+    from ..config import ConfigError
+    from ..llm import LLM
+    opts = llm_options(args, attention, max_len)
+    if attention != "sparse" or args.no_tiering:
+        return LLM(model, **opts), "tiering off"
+    try:
+        return LLM(model, **opts, **tiering_options(args)), "tiering on"
+    except ConfigError as e:
+        return LLM(model, **opts), f"tiering not possible here ({e}); ran without"
 
 
 def build_samples(builder: TaskBuilder, tasks, length: int, depths, n: int):
@@ -242,8 +270,9 @@ def main(args: argparse.Namespace) -> int:
     model = args.model or default_model_path()
     try:
         tasks, lengths, depths, dense_max = checked_grid(args)
-    except ValueError as e:
-        print(f"sparsekv eval needle: error: {e}", file=sys.stderr)
+        check_engine_options(model, args, max(lengths) + max(MAX_TOKENS.values()))
+    except ValueError as e:  # a ConfigError too: named by its flag
+        print(f"sparsekv eval needle: error: {engine_error(e, needle_parser())}", file=sys.stderr)
         return 2
     log = lambda msg: print(msg, flush=True)
     tok = load_text_tokenizer(model)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -195,9 +194,18 @@ def checked_options(args, stages) -> tuple[dict, tuple[int, ...]]:
         raise UsageError("--far-smoothing must be in [0, 1)")
     if not 0.0 <= args.embed_init_std < float("inf"):
         raise UsageError("--embed-init-std must be a finite number >= 0")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
-        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    check_train_device(args.device)
     return steps, far_layers
+
+
+def check_train_device(device: str) -> None:
+    """--device as `generate --device` checks it: a device this torch can use, or the same one line
+    (training would otherwise prepare its data first, then fail moving the model)."""
+    from ..config import ConfigError, check_device
+    try:
+        check_device(device, "--device")
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def build(args, tok):
@@ -252,18 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def check_output_dir(out: str, overwrite: bool) -> None:
+def check_output_dir(out: str, overwrite: bool, label: str | None = None) -> None:
     """Before any work: --out is a directory this run may write (made at export), empty unless
-    --overwrite (the default is the bundled model: a bare `sparsekv train` replaced it)."""
+    --overwrite (the default is the bundled model: a bare `sparsekv train` replaced it). `label`
+    names the output in the message (default `--out OUT`)."""
+    label = f"--out {out}" if label is None else label
     if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"--out {out}: not a directory")
+        raise UsageError(f"{label}: not a directory")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise UsageError(f"--out {out} already holds files (a checkpoint?); pass --overwrite to replace them")
+        raise UsageError(f"{label} already holds files (a checkpoint?); pass --overwrite to replace them")
     existing = os.path.abspath(out)
     while not os.path.exists(existing):  # the directory the export's makedirs would start in
         existing = os.path.dirname(existing)
     if not (os.path.isdir(existing) and os.access(existing, os.W_OK)):
-        raise UsageError(f"--out {out}: {existing} is not a writable directory")
+        raise UsageError(f"{label}: {existing} is not a writable directory")
 
 
 def train(args, log) -> None:
@@ -337,9 +347,16 @@ def write_model(args, model, raw: dict, tok, out: str, state) -> None:
     if args.init_from and os.path.exists(os.path.join(args.init_from, "training.json")):
         with open(os.path.join(args.init_from, "training.json")) as f:
             summary["init_from"] = {"path": args.init_from, "training": json.load(f)}
+    dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32
+    write_dir_whole(out, lambda staging: export(model, raw, tok, staging, summary, dtype=dtype))
+
+
+def write_dir_whole(out: str, write) -> None:
+    """`write(directory)` fills a hidden directory beside `out`, which then replaces `out` whole: files
+    only the old `out` had go, and a write cut short leaves the old `out` as it was."""
     staging = _sibling(out, "partial")
     try:
-        export(model, raw, tok, staging, summary, dtype=torch.bfloat16 if args.save_dtype == "bfloat16" else torch.float32)
+        write(staging)
         _replace_dir(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
