@@ -145,7 +145,11 @@ def make_tiny_main(argv: list[str]) -> int:
     except UsageError as e:
         print(f"sparsekv make-tiny-model: error: {e}", file=sys.stderr)
         return 2
-    write_dir_whole(args.path, lambda staging: save_reference_checkpoint(
-        staging, args.family, args.seed, **PRESETS[args.preset]))
+    try:
+        write_dir_whole(args.path, lambda staging: save_reference_checkpoint(
+            staging, args.family, args.seed, **PRESETS[args.preset]))
+    except OSError as e:
+        print(f"sparsekv make-tiny-model: error: {args.path}: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {args.preset} {args.family} checkpoint to {args.path}")
     return 0

@@ -456,8 +456,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len ({self.max_model_len}) is beyond the model's max_position_embeddings "
                               f"({cfg.max_position_embeddings}): positions past it are untrained; to run there "
-                              f"anyway, raise that with hf_overrides {{\"max_position_embeddings\": "
-                              f"{self.max_model_len}}}")
+                              f"anyway, raise that with hf_overrides '{{\"max_position_embeddings\": "
+                              f"{self.max_model_len}}}'")
 
 
 def check_device(device: str, name: str = "device") -> None:

@@ -65,8 +65,7 @@ def _by_prompt(outputs: list[RequestOutput], params: list[SamplingParams]) -> li
         at += sp.n
         for i, choice in enumerate(choices):
             choice.index = i
-        if sp.n > 1:
-            choices[0].choices = choices
+        choices[0].other_choices = choices[1:]
         grouped.append(choices[0])
     return grouped
 

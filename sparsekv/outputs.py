@@ -30,13 +30,13 @@ class RequestOutput:
     routed_experts: list[list[list[int]]] | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it (None: EOS, length)
     index: int = 0  # its choice among the prompt's n (SamplingParams.n)
-    choices: list[RequestOutput] | None = None  # with n > 1 (LLM.generate): every choice, this one first
+    other_choices: list[RequestOutput] = field(default_factory=list)  # with n > 1 (LLM.generate): choices 1..n-1
 
     @property
     def outputs(self) -> list[RequestOutput]:
-        """vLLM's `outputs`: the prompt's completions (n of them), each with its own text, token_ids,
-        logprobs, finish_reason, stop_reason and index."""
-        return self.choices or [self]
+        """vLLM's `outputs`: the prompt's completions (n of them: this one, then the others), each with
+        its own text, token_ids, logprobs, finish_reason, stop_reason and index."""
+        return [self, *self.other_choices]
 
     @property
     def finished(self) -> bool:

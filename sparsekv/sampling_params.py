@@ -39,7 +39,6 @@ class SamplingParams:
     tokens are used (-1: the last max_model_len).
     """
 
-    n: int = 1  # completions per prompt: `LLM.generate` runs one request per choice, seeded choice_seed(seed, i)
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -68,6 +67,9 @@ class SamplingParams:
     logits_processors: list | None = None
     # SGLang's: each generated token's routed expert ids per MoE layer (RequestOutput.routed_experts)
     return_routed_experts: bool = False
+    # completions per prompt: `LLM.generate` runs one request per choice, seeded choice_seed(seed, i)
+    # (last, so that an older positional call keeps its meaning)
+    n: int = 1
 
     MAX_LOGPROBS = 20
 

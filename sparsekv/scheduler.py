@@ -161,7 +161,8 @@ class Scheduler:
             needed = self.allocator.pages_for(req.num_computed_tokens + n) - len(req.page_ids)
             if needed - min(needed, self.allocator.reserved(req.request_id)) <= self.allocator.num_available:
                 return True
-            victim = max([req, *later], key=self.running.index)  # self.running is in admission order
+            admitted = {id(r): i for i, r in enumerate(self.running)}  # self.running is in admission order
+            victim = max([req, *later], key=lambda r: admitted[id(r)])
             if victim is not req:
                 later.remove(victim)
             self.preempt(victim)

@@ -90,6 +90,9 @@ def test_make_tiny_model_refuses_a_directory_that_holds_files_or_a_file(tmp_path
     assert "tokenizer.json" not in {p.name for p in held.iterdir()}
     assert json.loads((held / "config.json").read_text())["model_type"] == "glm_moe_dsa"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "held"]  # no staging directory left
+    (tmp_path / "link").symlink_to(held)
+    assert main(["make-tiny-model", str(tmp_path / "link"), "--overwrite"]) == 2  # a rename would replace the link
+    assert "symbolic link" in capsys.readouterr().err and (tmp_path / "link").is_symlink()
 
 
 def test_a_missing_default_model_says_a_make_tiny_model_command_that_works(tmp_path, monkeypatch, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 import torch
@@ -281,6 +282,25 @@ def test_eval_needle_an_invalid_device_buffer_is_an_error_not_a_run_without_tier
     captured = capsys.readouterr()
     assert "sparsekv eval needle: error: --device-buffer-tokens (1) must be >=" in captured.err, captured.err
     assert "index_topk" in captured.err and "passkey" not in captured.out
+
+
+def test_eval_needle_past_the_models_positions_only_with_hf_overrides(tmp_path, capsys):
+    """A length past max_position_embeddings is refused up front, naming --hf-overrides, and runs with it."""
+    import shutil
+    from sparsekv.paths import default_model_path
+    from sparsekv.tools.eval_needle import add_args, main
+    model = str(tmp_path / "short")
+    shutil.copytree(default_model_path(), model)
+    config = json.load(open(os.path.join(model, "config.json")))
+    json.dump({**config, "max_position_embeddings": 512}, open(os.path.join(model, "config.json"), "w"))
+    p = argparse.ArgumentParser()
+    add_args(p)
+    flags = [model, "--tasks", "passkey", "--lengths", "600", "--depths", "0", "--samples", "1", "--no-tiering",
+             "--dense-max-length", "0", "--heatmap", str(tmp_path / "heat.png")]
+    assert main(p.parse_args(flags)) == 2
+    assert "max_position_embeddings (512)" in capsys.readouterr().err
+    assert main(p.parse_args(flags + ["--hf-overrides", '{"max_position_embeddings": 1024}'])) == 0
+    assert "passkey" in capsys.readouterr().out
 
 
 def test_eval_indexshare_refuses_more_shared_layers_than_the_model_has(capsys):

@@ -101,14 +101,23 @@ def _served_models(url: str, api_key: str) -> list[str]:
     return [m.id for m in models]
 
 
-def _served_model(url: str, api_key: str, wanted: str | None, flag: str) -> str:
-    """`wanted` if `url` serves it, else its first model when none is given; ValueError naming `flag`
-    and the served models otherwise (before any episode starts: each would end in a 404)."""
-    served = _served_models(url, api_key)
+def _served_model(url: str, api_key: str, wanted: str | None, flag: str, strict: bool = True) -> str:
+    """`wanted` if `url` serves it, else its first model when none is given. A name the endpoint does
+    not list is a ValueError naming `flag` and the served models (before any episode starts: each
+    would end in a 404), or with `strict` off a warning (a third-party judge may list other ids than
+    it accepts); an endpoint that cannot list its models is taken at its word for a given name."""
     if wanted is None:
-        return served[0]
+        return _served_models(url, api_key)[0]
+    try:
+        served = _served_models(url, api_key)
+    except ValueError as e:
+        print(f"warning: {flag} {wanted} not checked: {e}", file=sys.stderr)
+        return wanted
     if wanted not in served:
-        raise ValueError(f"{flag} {wanted}: {url} does not serve it (it serves: {', '.join(served)})")
+        message = f"{flag} {wanted}: {url} does not serve it (it serves: {', '.join(served)})"
+        if strict:
+            raise ValueError(message)
+        print(f"warning: {message}", file=sys.stderr)
     return wanted
 
 
@@ -118,7 +127,7 @@ def _judge(args) -> Judge | None:
     if not args.judge_url:
         raise ValueError("give --judge-url URL (an OpenAI-compatible judge) or trust the rules alone "
                          "(--judge none; `rl screen`: --rules-only)")
-    model = _served_model(args.judge_url, args.judge_api_key, args.judge_model, "--judge-model")
+    model = _served_model(args.judge_url, args.judge_api_key, args.judge_model, "--judge-model", strict=False)
     return Judge(args.judge_url, model, args.judge_api_key)
 
 

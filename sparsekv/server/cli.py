@@ -7,7 +7,8 @@ Shutdown: the first SIGTERM/SIGINT starts a drain (new requests get 503 and /hea
 load balancer stops routing here; requests in flight run on for up to --shutdown-timeout seconds;
 whatever is left is then aborted, its clients get an error) and the process then exits 0. A second
 signal ends the drain at once: what is in flight is aborted with an error to its clients, and the
-process exits 0 as soon as they have it. A third exits without waiting for anything. uvicorn's own
+process exits 0 as soon as they have it. A third (or a second once the drain is over) exits without
+waiting for clients. uvicorn's own
 shutdown would just wait for connections with no engine-side abort, so `DrainingServer` runs the
 drain before handing over to it.
 """
@@ -331,7 +332,7 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         # NOTE: runs inside a signal handler; the drain itself starts on the next tick
-        if self._abort_requested:
+        if self._abort_requested or self.should_exit:  # the drain is over: uvicorn waits for connections
             self.should_exit = self.force_exit = True
         elif self._drain_requested:
             self._abort_requested = True

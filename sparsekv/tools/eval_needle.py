@@ -20,7 +20,7 @@ import sys
 import time
 from collections import defaultdict
 
-from ..engine_args import engine_error, output_path
+from ..engine_args import engine_error, json_object, output_path
 from ..train.tasks import TASKS, TaskBuilder, score
 from .plan_workload import parse_token_list, parse_tokens
 
@@ -73,6 +73,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="latents in the model dtype, or FP8 (FlashMLA's rows): does retrieval survive the quantization?")
     p.add_argument("--device", default="cpu", help="engine device (cpu, cuda)")
+    p.add_argument("--hf-overrides", type=json_object, default=None, metavar="JSON",
+                   help="config.json fields to override (e.g. '{\"max_position_embeddings\": 2097152}' to "
+                        "test past the model's trained length)")
     p.add_argument("--heatmap", type=output_path, default="needle_heatmap.png",
                    help="the depth x length heatmap PNG to write (default: %(default)s in the current directory)")
     p.add_argument("--json", type=output_path, default=None, help="write every sample's result here")
@@ -86,7 +89,8 @@ def llm_options(args, attention: str, max_len: int) -> dict:
     """The LLM(...) keywords of one length's engine, tiering aside."""
     return dict(max_model_len=max_len, attention=attention, prefill_chunk_tokens=args.prefill_chunk_tokens,
                 max_num_seqs=1, max_num_batched_tokens=args.prefill_chunk_tokens, dtype=args.dtype,
-                kv_cache_dtype=args.kv_cache_dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching)
+                kv_cache_dtype=args.kv_cache_dtype, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
+                hf_overrides=args.hf_overrides)
 
 
 def tiering_options(args) -> dict:
@@ -101,7 +105,7 @@ def check_engine_options(model: str, args, max_len: int) -> None:
     tiering = {} if args.no_tiering else tiering_options(args)
     config = EngineConfig(model=model, **llm_options(args, "sparse", max_len), **tiering)
     config.validate()
-    config.validate_for_model(ModelConfig.from_json(model))
+    config.validate_for_model(ModelConfig.from_json(model, args.hf_overrides))
 
 
 def needle_parser() -> argparse.ArgumentParser:

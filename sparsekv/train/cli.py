@@ -269,8 +269,11 @@ def check_output_dir(out: str, overwrite: bool, label: str | None = None) -> Non
         raise UsageError(f"{label}: not a directory")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise UsageError(f"{label} already holds files (a checkpoint?); pass --overwrite to replace them")
-    existing = os.path.abspath(out)
-    while not os.path.exists(existing):  # the directory the export's makedirs would start in
+    if os.path.islink(out) or os.path.ismount(out):  # the export replaces the directory by renames
+        raise UsageError(f"{label}: a symbolic link or a mount point cannot be replaced whole; give a "
+                         f"directory inside it")
+    existing = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(existing):  # the export writes beside `out`, then renames it into place
         existing = os.path.dirname(existing)
     if not (os.path.isdir(existing) and os.access(existing, os.W_OK)):
         raise UsageError(f"{label}: {existing} is not a writable directory")
