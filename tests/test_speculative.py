@@ -186,14 +186,15 @@ def _target_hidden(model, ids: list[int]) -> torch.Tensor:
                                    cache)
 
 
-@pytest.mark.parametrize("repeat", [1, 20])  # 20: past index_topk (256), so the chain reuses a real top-k
-def test_every_draft_step_equals_a_reference_mtp_chain(model, repeat):
+# repeat 20: past index_topk (256), so the chain reuses a real top-k; K = 2: a single draft step, which
+# computes its own rotary embedding (K >= 3 computes every step's at once)
+@pytest.mark.parametrize("k, repeat", [(3, 1), (3, 20), (2, 1)])
+def test_every_draft_step_equals_a_reference_mtp_chain(model, k, repeat):
     """Every position of the engine's K-step draft chain against tests/mtp_reference.py (transformers'
     modules for the MTP layer, attention written out over the extend row's selection): steps 2..K
     take the previous step's normed hidden and draft, sit one position further, and attend to the
     extend row's positions only (index reuse; no draft-made entries)."""
     from mtp_reference import ReferenceMTP
-    k = 3
     llm = LLM(model, num_speculative_tokens=k, **OPTIONS)
     executor, chains = llm.engine.executor, []
     real_extend, real_step = executor.draft_extend, executor.draft_step
@@ -559,3 +560,100 @@ def test_a_batch_of_drafts_is_each_requests_own_draft():
             q = filter_logits(logits[i], params[i]).softmax(-1)
             assert torch.equal(batch[i].probs, q)
             assert batch[i].token == draw(q, make_generator(100 * trial + i))
+
+
+def test_sampled_verification_with_a_one_hot_target_gives_greedys_tokens(model):
+    """top_k=1 makes a sampled request's target distribution p one-hot on its (adjusted) argmax, so
+    rejection sampling must emit exactly plain greedy decoding's tokens whatever the drafts and the
+    draws: a draft is accepted iff it is the argmax, and a rejected position and the bonus token are
+    drawn from p (the argmax). Exercises the sampled path (p from the verified row after penalties, a
+    logit bias and min_tokens, as the MTP drafts are not adjusted; the token at a rejection; the bonus
+    row) with greedy's exact oracle."""
+    adjust = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3, logit_bias={11: 2.0},
+                  min_tokens=20)
+    plain, llm = LLM(model, **OPTIONS), LLM(model, num_speculative_tokens=3, **OPTIONS)
+    for extra in ({}, adjust):
+        greedy = SamplingParams(max_tokens=32, temperature=0.0, logprobs=2, **extra)
+        one_hot = SamplingParams(max_tokens=32, temperature=0.9, top_k=1, seed=3, logprobs=2, **extra)
+        before = llm.stats()
+        want, got = plain.generate(PROMPTS, greedy), llm.generate(PROMPTS, one_hot)
+        # penalised: the logprobs are the raw model's while the adjusted logits decide (no lead to check)
+        assert_same_greedy(want, got, logprob_tolerance(llm), lead=not extra)
+        assert [w.finish_reason for w in want] == [g.finish_reason for g in got]
+        stats = {key: llm.stats()[key] - before[key] for key in ("spec_decode_num_accepted_tokens",
+                                                                  "spec_decode_num_draft_tokens")}
+        # drafts both accepted and rejected, the rejections not only at the first position
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+        per_pos = "spec_decode_num_accepted_tokens_per_pos"
+        assert llm.stats()[per_pos][1] > before[per_pos][1]
+    _idle(llm)
+
+
+def test_sampled_tokens_with_drafts_follow_the_target_distribution(model):
+    """End to end, rejection sampling keeps every emitted token distributed as the target's: each
+    draft verified against the q it was drawn from and the target row of its position. 1000 unseeded
+    requests (the engine's seed: a fixed sample) of 3 tokens after the prompt at top_k=2, K = 2
+    (max_tokens 4 leaves room for both drafts after the first token), against the exact joint
+    distribution of those 3 tokens from plain decoding's logprobs (TV bound as above)."""
+    draws, temperature, top_k = 1000, 1.0, 2
+    options = dict(max_model_len=64, max_num_seqs=256, max_num_batched_tokens=2048, prefill_chunk_tokens=2048)
+    llm = LLM(model, num_speculative_tokens=2, **options)
+    outs = llm.generate([PROMPTS[0]] * draws, SamplingParams(max_tokens=4, temperature=temperature, top_k=top_k,
+                                                             ignore_eos=True))
+    stats = llm.stats()
+    # the second draft (the one the third token's verification judges) is accepted in some steps
+    assert stats["spec_decode_num_accepted_tokens_per_pos"][1] > draws // 10
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    plain = LLM(model, **options)
+    prompt = outs[0].prompt_token_ids
+
+    def target(prefixes):  # p of the token after each prefix: temperature and top-k over the raw logprobs
+        rows = plain.generate([prompt + list(p) for p in prefixes],
+                              SamplingParams(max_tokens=1, temperature=0.0, logprobs=top_k))
+        dists = []
+        for row in rows:
+            lp = row.logprobs[0]
+            tokens = sorted(lp, key=lp.get, reverse=True)[:top_k]
+            dists.append(dict(zip(tokens, (torch.tensor([lp[t] for t in tokens]) / temperature).softmax(-1).tolist())))
+        return dists
+    exact = {(): 1.0}
+    for _ in range(3):
+        prefixes = list(exact)
+        exact = {prefix + (t,): p * q for prefix, dist in zip(prefixes, target(prefixes)) for t, q in dist.items()
+                 for p in [exact[prefix]]}
+    counts = {}
+    for out in outs:
+        counts[tuple(out.token_ids[:3])] = counts.get(tuple(out.token_ids[:3]), 0) + 1
+    tv = 0.5 * sum(abs(counts.get(seq, 0) / draws - exact.get(seq, 0.0)) for seq in set(exact) | set(counts))
+    bound = _tv_bound(draws, len(exact) + 1, FAILURE)  # + 1: any sequence outside the target's support
+    assert tv < bound, f"3-token sequences: TV {tv:.4f} from the target, bound {bound:.4f}"
+    _idle(llm)
+
+
+def test_a_seeded_request_whose_drafts_waited_goes_first(model):
+    """A seeded, sampled request's drafts are verified whole: where they do not fit in what the
+    requests before it left of the token budget, it waits a step, and then goes first. Two greedy
+    decodes of 1 + 3 rows fill a budget of 8 every step: the seeded request must not wait behind them
+    step after step (it would stall until they finish)."""
+    llm = LLM(model, num_speculative_tokens=3, max_model_len=512, prefill_chunk_tokens=8, max_num_batched_tokens=8,
+              max_num_seqs=3)
+    engine, real_schedule, waits = llm.engine, llm.engine.scheduler.schedule, []
+
+    def schedule():
+        step = real_schedule()
+        seeded = engine.scheduler.find("seeded")
+        if seeded is not None and not seeded.is_prefilling and seeded.num_output_tokens:
+            waits.append(all(ch.request_id != "seeded" for ch in step.chunks))
+        return step
+    engine.scheduler.schedule = schedule
+    prompt = engine.inputs.tokenize(PROMPTS[0])[:3]  # 3 + 3 + 2 prompt tokens: one step prefills all three
+    for rid in ("a", "b"):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    engine.add_request("seeded", prompt[:2], SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert any(waits), "the seeded request never waited"  # what makes this test one
+    assert not any(a and b for a, b in zip(waits, waits[1:])), f"waited two steps in a row: {waits}"
+    assert len(outputs["seeded"].token_ids) == 24
+    _idle(llm)
