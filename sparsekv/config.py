@@ -31,6 +31,15 @@ def derive_indexer_types(raw: dict, num_layers: int) -> list[str]:
     return indexshare_schedule(raw, num_layers)
 
 
+INDEXER_SCHEDULE_FIELDS = ("indexer_types", "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset")
+
+
+def overrides_indexer_schedule(overrides: dict | None) -> bool:
+    """Whether config overrides may turn a checkpoint's own indexers into shared ones (their tensors are
+    then skipped, not refused: IndexShare applied to a checkpoint trained without it)."""
+    return bool(overrides) and any(name in overrides for name in INDEXER_SCHEDULE_FIELDS)
+
+
 def indexshare_schedule(raw: dict, num_layers: int) -> list[str]:
     """GLM's IndexShare schedule from `index_topk_pattern`, else from freq/offset (transformers rule)."""
     pattern = raw.get("index_topk_pattern")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from .config import ModelConfig, overrides_indexer_schedule
 from .model.checkpoint import (CheckpointError, as_stored, check_header, check_names, check_stored_format,
                                dequantize_fp8, expected_shapes, list_tensor_files, load_tensors, mtp_shapes)
 
@@ -169,7 +169,7 @@ def check_disk_update(path: str, cfg: ModelConfig, overrides: dict | None, shape
     try:
         other = ModelConfig.from_json(path, overrides)
         files = list_tensor_files(path)
-        want = check_names(other, set(files), path, bool(overrides))
+        want = check_names(other, set(files), path, overrides_indexer_schedule(overrides))
     except (OSError, ValueError, KeyError, SafetensorError) as e:  # the last: a file that is not safetensors
         raise WeightUpdateError(f"{path}: {e}") from None
     # NOTE: not its quantization: FP8 weights are dequantised at load, into the same model

@@ -297,9 +297,15 @@ def test_a_damaged_checkpoint_is_a_checkpoint_error(glm_ckpt, tmp_path):
         LLM(listed)
 
 
-def test_an_indexshare_override_applies_to_deepseek_too(ds_ckpt):
+def test_an_indexshare_override_applies_to_deepseek_too(ds_ckpt, tmp_path):
     llm = LLM(ds_ckpt[0], max_model_len=64, hf_overrides={"index_topk_pattern": "FSSF"})
     assert llm.engine.model_config.indexer_types == ("full", "shared", "shared", "full")
+    # the same schedule written into config.json: the checkpoint's extra indexers are refused, and an
+    # override of anything but the schedule (here the positions) does not skip them
+    shared = _copy_with_config(ds_ckpt[0], str(tmp_path / "shared"), indexer_types=["full", "shared", "shared", "full"])
+    for overrides in (None, {"max_position_embeddings": 1 << 21}):
+        with pytest.raises(CheckpointError, match="unexpected tensor"):
+            LLM(shared, max_model_len=64, hf_overrides=overrides)
 
 
 def test_loading_holds_one_copy_of_each_layer_at_a_time(glm_ckpt, monkeypatch):

@@ -13,7 +13,7 @@ from glob import glob
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..config import ModelConfig
+from ..config import ModelConfig, overrides_indexer_schedule
 
 FP8_BLOCK = 128
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names of the dtypes a weight may be stored in
@@ -276,7 +276,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, overrides: d
     cfg = ModelConfig.from_json(path, overrides)
     if layout is not None:
         layout.check_model(cfg)
-    tensors = load_tensors(path, cfg, dtype, device, bool(overrides), layout)
+    tensors = load_tensors(path, cfg, dtype, device, overrides_indexer_schedule(overrides), layout)
     model = DSAModel(cfg, tensors, dtype, device, comm or SINGLE_RANK, release=True)
     del tensors
     if selector == "quest":
