@@ -496,7 +496,7 @@ def test_serve_cli_gives_one_line_for_options_that_would_break_later(tmp_path, c
     bad_template.write_text("{{ messages[0] ")
     cases = [
         (["--prefix-cache-host-bytes", "inf"], "not a byte size"),
-        (["--dist-timeout", "inf"], "dist_timeout_s must be in (0, "),
+        (["--dist-timeout", "inf"], "--dist-timeout must be in (0, "),
         (["--disaggregation-mode", "prefill", "--disaggregation-secret-file", str(secret),
           "--disaggregation-timeout", "inf"], "--disaggregation-timeout must be in (0, "),
         (["--disaggregation-mode", "prefill", "--disaggregation-secret-file", str(tmp_path)],
