@@ -506,7 +506,7 @@ def test_serve_cli_gives_one_line_for_options_that_would_break_later(tmp_path, c
         (["--served-model-name", ""], "--served-model-name must not be empty"),
         (["--chat-template", str(bad_template)], "--chat-template: not a Jinja template"),
         (["--max-model-len", "64", "--default-max-tokens", "64"], "--default-max-tokens 64 leaves no room"),
-        (["--attention", "dense", "--selector", "quest"], "selector='quest' needs attention='sparse'"),
+        (["--attention", "dense", "--selector", "quest"], "--selector quest needs --attention sparse"),
     ]
     for argv, message in cases:
         try:
