@@ -35,7 +35,21 @@ REQUIRED = {
     "ITL by tenant": "sparsekv:tenant_inter_token_latency_seconds_bucket",
     "queue": "sparsekv:num_requests_waiting", "preemptions": "sparsekv:num_preemptions_total",
     "spec acceptance": "sparsekv:spec_decode_num_accepted_tokens_total",
+    "KV transfer bytes": "sparsekv:disagg_transfer_bytes_total",
+    "KV transfer time": "sparsekv:disagg_transfer_seconds_bucket",
+    "KV transfers failed": "sparsekv:disagg_transfers_failed_total",
 }
+
+
+def disaggregation_samples() -> list:
+    """What a prefill or decode worker adds to /metrics (its transfer metrics), as a scrape parses it:
+    the colocated server of these tests has none."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from sparsekv.disagg.metrics import TransferMetrics
+    registry = CollectorRegistry()
+    TransferMetrics(registry, "tiny")
+    return [s for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples]
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -74,7 +88,7 @@ def server():
 
 
 def test_every_metric_the_dashboard_queries_is_in_a_live_scrape(server):
-    samples = scrape_samples(server.url, METRICS_KEY)
+    samples = scrape_samples(server.url, METRICS_KEY) + disaggregation_samples()
     labels: dict[str, set] = {}
     for s in samples:
         labels.setdefault(s.name, set()).update(s.labels)
