@@ -36,12 +36,34 @@ TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents",
                                "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
                                "tokenizer_kwargs"})
 
+def special_token_ends(encode) -> tuple[int, int]:
+    """How many special tokens `encode(text, True)` puts before and after the text's own tokens (a BOS,
+    an EOS), found by encoding a short text with and without them."""
+    plain, full = encode("a", False), encode("a", True)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return start, len(full) - start - len(plain)
+    return 0, 0
+
+
+def truncate_left(ids: list[int], keep: int, ends: tuple[int, int] = (0, 0)) -> list[int]:
+    """vLLM's left truncation to `keep` tokens (truncate_prompt_tokens): the last ones, and the special
+    tokens the tokenizer put at either end (`ends`: how many) kept, as a tokenizer that truncates does."""
+    if len(ids) <= keep:
+        return ids
+    head, tail = ends
+    body = max(keep - head - tail, 0)
+    text = ids[head:len(ids) - tail]
+    return ids[:head] + (text[len(text) - body:] if body else []) + ids[len(ids) - tail:]
+
+
 class InputProcessor:
     """`check_fits(num_prompt_tokens, max_tokens)`: the cache manager's capacity check."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, check_fits):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.check_fits = check_fits
+        self._ends: tuple[int, int] | None = None  # special tokens the tokenizer adds before and after a text
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         if params.n != 1:
@@ -50,9 +72,14 @@ class InputProcessor:
         token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:  # vLLM's left truncation
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-            token_ids = token_ids[-keep:]
+            token_ids = truncate_left(token_ids, keep, self._special_ends() if isinstance(prompt, str) else (0, 0))
         self.validate(token_ids, params)
         return token_ids
+
+    def _special_ends(self) -> tuple[int, int]:
+        if self._ends is None:
+            self._ends = special_token_ends(lambda text, special: self.tokenizer.encode(text, add_special_tokens=special))
+        return self._ends
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

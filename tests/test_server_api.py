@@ -233,6 +233,7 @@ def test_a_text_prompt_gets_the_tokenizers_special_tokens_unless_asked_not_to():
     """vLLM's default for /v1/completions and LLM.generate: a tokenizer that adds BOS adds it; the
     request's add_special_tokens=false leaves it out, on the bounded path and the truncating one."""
     from sparsekv.input_processor import InputProcessor
+    from sparsekv.request import SamplingParams
     from sparsekv.server.app import completion_prompt_ids
     from sparsekv.server.tokenizing import Encoder
     encoder = Encoder(_tokenizer_adding_bos())
@@ -241,6 +242,11 @@ def test_a_text_prompt_gets_the_tokenizers_special_tokens_unless_asked_not_to():
         assert completion_prompt_ids(encoder, ["a b"], 100, truncate, add_special_tokens=False) == [[1, 2]]
     processor = InputProcessor(_tokenizer_adding_bos(), 4, 100, lambda *a: None)
     assert processor.tokenize("b a") == [0, 2, 1]
+    # truncated as a tokenizer truncates (vLLM's): the BOS kept, then the text's last tokens
+    assert completion_prompt_ids(encoder, ["a b a b", [0, 1, 2]], 100, 2) == [[0, 2], [1, 2]]
+    assert completion_prompt_ids(encoder, ["a b a b"], 100, 2, add_special_tokens=False) == [[1, 2]]
+    assert processor.process("a b a b", SamplingParams(truncate_prompt_tokens=3)) == [0, 1, 2]
+    assert processor.process([0, 1, 2, 1], SamplingParams(truncate_prompt_tokens=3)) == [1, 2, 1]
 
 
 def test_models_tokenize_detokenize(server):

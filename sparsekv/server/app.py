@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..disagg import roles as disagg
 from ..disagg.worker import DisaggSettings
 from ..request import InvalidRequest, SamplingParams
+from ..input_processor import truncate_left
 from ..sampling_params import choice_seed
 from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware, tenant_for
 from .errors import APIError, bad_request, error_body, error_response
@@ -183,8 +184,9 @@ def completion_prompt_ids(encoder: Encoder | None, prompts: list, limit: int, tr
             ids = _encode_within(encoder, prompt, limit, "prompt", add_special_tokens)
         else:
             ids = _encode(encoder, prompt, "prompt", add_special_tokens)
-        if truncate is not None:
-            ids = ids[-(limit if truncate == -1 else truncate):]
+        if truncate is not None:  # a text prompt keeps the special tokens the tokenizer put at its ends
+            ends = encoder.special_ends() if isinstance(prompt, str) and add_special_tokens else (0, 0)
+            ids = truncate_left(ids, limit if truncate == -1 else truncate, ends)
         _check_length(ids, limit, "prompt")
         out.append(ids)
     return out

@@ -21,6 +21,8 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from ..input_processor import special_token_ends
+
 log = logging.getLogger("sparsekv.server")
 TOKENIZER_THREADS = 2
 CHARS_PER_TOKEN_GUESS = 4  # the first prefix tried holds this many characters per token of the limit
@@ -37,6 +39,7 @@ class Encoder:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._ends: tuple[int, int] | None = None
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._fast_encode = getattr(backend, "encode_batch_fast", None)
         self._fast_decode = getattr(backend, "decode_batch", None)
@@ -63,6 +66,12 @@ class Encoder:
         if self._fast_decode is None:
             return self.tokenizer.decode(ids)
         return self._fast_decode([ids], skip_special_tokens=False)[0]
+
+    def special_ends(self) -> tuple[int, int]:
+        """How many special tokens encoding with them adds before and after a text (input_processor)."""
+        if self._ends is None:
+            self._ends = special_token_ends(self.encode)
+        return self._ends
 
     def ids_within(self, text: str, limit: int, add_special_tokens: bool = False) -> list[int] | None:
         """The token ids of `text`, or None once it is known to have more than `limit` tokens.
