@@ -1,0 +1,231 @@
+"""The disk tier's policies at their edges (cache/prefix_disk.py), on the store alone: a budget of
+exactly N files holds N, a hit keeps its page and its place after a restart, a page's time of last use
+never moves back and survives a restart and a key rotation (what the TTL measures), other namespaces'
+files go oldest first, and a namespace another engine holds is neither counted nor touched."""
+from __future__ import annotations
+
+import os
+import time
+
+from test_prefix_disk import _files, _rows
+
+
+def _name(i: int) -> bytes:
+    return bytes([i + 1]) * 32
+
+
+def _store(rows, root, pages, cipher=None, old=(), **kw):
+    """A store whose budget is exactly `pages` page files."""
+    from sparsekv.cache.prefix_disk import PrefixDiskStore, page_file_bytes
+    return PrefixDiskStore(rows, str(root), "space", pages * page_file_bytes(rows, cipher), cipher,
+                           old_ciphers=list(old), **kw)
+
+
+def test_a_budget_of_exactly_n_files_holds_n_pages(tmp_path):
+    """The budget is a bound, not a strict one: N files fit a budget of N files' bytes (a budget of one
+    file holds one page)."""
+    rows = _rows()
+    disk = _store(rows, tmp_path / "four", 4)
+    for i in range(4):
+        disk.save_rows(_name(i), rows.copy_out(i), "alice")
+    disk.flush()
+    assert all(disk.has(_name(i)) for i in range(4)) and disk.dropped == 0
+    assert disk.tier_bytes_used == disk.capacity_bytes and len(_files(tmp_path / "four")) == 4
+    disk.check_integrity()
+    disk.close()
+
+    one = _store(rows, tmp_path / "one", 1)
+    one.save_rows(_name(0), rows.copy_out(0), "alice")
+    one.flush()
+    assert one.has(_name(0)) and len(_files(tmp_path / "one")) == 1
+    one.save_rows(_name(1), rows.copy_out(1), "alice")  # the older one makes room
+    one.flush()
+    assert one.has(_name(1)) and not one.has(_name(0)) and len(_files(tmp_path / "one")) == 1
+    one.close()
+
+
+def test_a_hit_keeps_its_page_over_older_ones_also_after_a_restart(tmp_path):
+    """A page read back (`take`) is used now: the eviction takes the page saved after it but not hit,
+    and its file time records the hit, so a restart within a smaller budget keeps it."""
+    rows = _rows()
+    disk = _store(rows, tmp_path, 3)
+    for i in range(3):
+        disk.save_rows(_name(i), rows.copy_out(i), "alice")
+    disk.flush()
+    assert torch_equal(disk.take(_name(0)), rows.copy_out(0))
+    disk.save_rows(_name(3), rows.copy_out(3), "alice")  # over budget: page 1, the least recently used, goes
+    disk.flush()
+    assert disk.has(_name(0)) and not disk.has(_name(1)) and disk.has(_name(2)) and disk.has(_name(3))
+    assert torch_equal(disk.take(_name(2)), rows.copy_out(2))
+    disk.close()
+
+    smaller = _store(rows, tmp_path, 2)  # the two most recently used: 3 (saved), then 2 (hit)
+    assert smaller.has(_name(2)) and smaller.has(_name(3)) and not smaller.has(_name(0))
+    smaller.close()
+    smallest = _store(rows, tmp_path, 1)
+    assert smallest.has(_name(2)) and smallest.num_pages == 1  # the page hit last
+    smallest.close()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+    return a is not None and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_pages_time_of_last_use_never_moves_back(tmp_path):
+    """A touch with an earlier time than the page's last use (a copy spilled late from the host tier)
+    leaves it: the TTL measures from the latest use."""
+    rows = _rows()
+    disk = _store(rows, tmp_path, 4)
+    now = time.time()
+    disk.save_rows(_name(0), rows.copy_out(0), "alice", used_at=now)
+    disk.touch(_name(0), now - 1000)
+    assert disk.expire(now - 500) == 0 and disk.has(_name(0))
+    disk.close()
+
+
+def test_a_restart_expires_by_each_pages_own_last_use_saved_out_of_order(tmp_path):
+    """Pages saved with their last use (as at close) in any order: each file's time is its own last
+    use, so after a restart the TTL removes the old page and keeps the recent one."""
+    rows = _rows()
+    disk = _store(rows, tmp_path, 4)
+    now = time.time()
+    disk.save_rows(_name(0), rows.copy_out(0), "alice", used_at=now)
+    disk.save_rows(_name(1), rows.copy_out(1), "alice", used_at=now - 1000)
+    disk.close()
+    restarted = _store(rows, tmp_path, 4)
+    assert restarted.expire(now - 500) == 1
+    assert restarted.has(_name(0)) and not restarted.has(_name(1))
+    restarted.flush()
+    assert len(_files(tmp_path)) == 1
+    restarted.close()
+
+
+def test_a_key_rotation_keeps_each_pages_time_of_last_use(tmp_path):
+    """Re-sealing a file under the new key keeps its time: a page last used long ago still expires
+    after the rotation, and a recent one stays."""
+    from sparsekv.cache.page_cipher import PageCipher
+    rows = _rows()
+    k1, k2 = PageCipher(b"1" * 32, "space"), PageCipher(b"2" * 32, "space")
+    disk = _store(rows, tmp_path, 4, k1)
+    now = time.time()
+    disk.save_rows(_name(0), rows.copy_out(0), "alice", used_at=now - 1000)
+    disk.save_rows(_name(1), rows.copy_out(1), "alice", used_at=now)
+    disk.close()
+    rotating = _store(rows, tmp_path, 4, k2, old=[k1])
+    rotating.flush()
+    assert rotating.rekeyed == 2
+    rotating.close()
+    after = _store(rows, tmp_path, 4, k2)
+    assert after.expire(now - 500) == 1 and after.has(_name(1)) and not after.has(_name(0))
+    assert torch_equal(after.take(_name(1)), rows.copy_out(1))
+    after.close()
+
+
+def _plant_other_namespace(root, space, file_bytes, mtimes):
+    """Page-named files of `file_bytes` bytes with these times in another namespace directory."""
+    path = root / space
+    path.mkdir(parents=True, mode=0o700)
+    for i, mtime in enumerate(mtimes):
+        file = path / (f"{i:064x}" + ".safetensors")
+        file.write_bytes(b"\0" * file_bytes)
+        os.utime(file, ns=(mtime, mtime))
+    return path
+
+
+def test_other_namespaces_files_go_oldest_first(tmp_path):
+    """Another namespace no engine holds, over the budget: its oldest files are removed first, before
+    any of this namespace's, and the newest stays while room remains."""
+    from sparsekv.cache.prefix_disk import page_file_bytes
+    rows = _rows()
+    fb = page_file_bytes(rows, None)
+    other = _plant_other_namespace(tmp_path, "a" * 32, fb, [3_000_000_000, 1_000_000_000, 4_000_000_000, 2_000_000_000])
+    disk = _store(rows, tmp_path, 3)
+    disk.flush()  # the removals queued at start
+    assert sorted(p.name for p in other.iterdir() if p.name.endswith(".safetensors")) == [
+        f"{0:064x}.safetensors", f"{2:064x}.safetensors", f"{3:064x}.safetensors"]  # the file of time 1 went
+    disk.save_rows(_name(0), rows.copy_out(0), "alice")
+    disk.flush()
+    assert sorted(p.name for p in other.iterdir() if p.name.endswith(".safetensors")) == [
+        f"{0:064x}.safetensors", f"{2:064x}.safetensors"]  # then the file of time 2
+    disk.save_rows(_name(1), rows.copy_out(1), "alice")  # room left in the budget only with the other's files out
+    disk.flush()
+    assert sorted(p.name for p in other.iterdir() if p.name.endswith(".safetensors")) == [f"{2:064x}.safetensors"]
+    assert disk.has(_name(0)) and disk.has(_name(1)) and disk.tier_bytes_used <= disk.capacity_bytes
+    disk.close()
+
+
+def test_a_namespace_another_engine_holds_is_neither_counted_nor_removed(tmp_path):
+    """Another engine's namespace (its lock held) is not this engine's to evict: none of its files is
+    counted against this budget or removed, whatever this engine saves."""
+    rows = _rows()
+    other = _store(rows, tmp_path, 4)
+    held = type(other)(rows, str(tmp_path), "b" * 32, other.capacity_bytes)
+    for i in range(3):
+        held.save_rows(_name(i), rows.copy_out(i), "bob")
+    held.flush()
+    other.close()
+    os.rename(tmp_path / "space", tmp_path / "unused")  # only the held namespace beside the next one
+    disk = _store(rows, tmp_path, 2)
+    assert disk.tier_bytes_used == 0
+    for i in range(4):
+        disk.save_rows(_name(10 + i), rows.copy_out(i % 4), "alice")
+    disk.flush()
+    assert all(held.has(_name(i)) for i in range(3)) and len(_files(tmp_path / ("b" * 32))) == 3
+    assert all(torch_equal(held.take(_name(i)), rows.copy_out(i)) for i in range(3))
+    disk.close()
+    held.close()
+
+
+def test_files_named_under_a_lost_tenant_secret_are_removed_at_start(tmp_path):
+    """The namespace's secret lost (its file removed): the files it named can never be looked up
+    again, so a restart removes them instead of letting them hold the budget."""
+    rows = _rows()
+    disk = _store(rows, tmp_path, 4)
+    for i in range(2):
+        disk.save_rows(_name(i), rows.copy_out(i), "alice")
+    disk.close()
+    os.unlink(tmp_path / "space" / ".tenant-key")
+    restarted = _store(rows, tmp_path, 4)
+    assert restarted.num_pages == 0 and restarted.tier_bytes_used == 0 and restarted.discarded == 2
+    assert _files(tmp_path) == []
+    restarted.close()
+
+
+def test_files_still_sealed_with_a_retired_key_are_removed_at_start(tmp_path, monkeypatch):
+    """A rotation stopped before it re-sealed the files (the tenant key re-sealed already): an engine
+    with the new key alone removes the files it cannot open at start, not counting them as pages."""
+    from sparsekv.cache.page_cipher import PageCipher
+    from sparsekv.cache.prefix_disk import PrefixDiskStore
+    rows = _rows()
+    k1, k2 = PageCipher(b"1" * 32, "space"), PageCipher(b"2" * 32, "space")
+    disk = _store(rows, tmp_path, 4, k1)
+    for i in range(2):
+        disk.save_rows(_name(i), rows.copy_out(i), "alice")
+    disk.close()
+    with monkeypatch.context() as m:
+        m.setattr(PrefixDiskStore, "_rekey", lambda self, file_id: None)
+        _store(rows, tmp_path, 4, k2, old=[k1]).close()
+    after = _store(rows, tmp_path, 4, k2)
+    assert after.num_pages == 0 and after.discarded == 2 and after.tier_bytes_used == 0
+    assert _files(tmp_path) == [] and after.failed == 0
+    after.close()
+
+
+def test_resetting_a_tenant_removes_its_files_only_and_a_zero_quota_keeps_none(tmp_path):
+    """`drop(tenant)` removes that tenant's files and no other's; a tenant quota of 0 pages (a small
+    tenant share of a small tier) writes nothing."""
+    rows = _rows()
+    disk = _store(rows, tmp_path / "a", 4)
+    disk.save_rows(_name(0), rows.copy_out(0), "alice")
+    disk.save_rows(_name(1), rows.copy_out(1), "bob")
+    assert disk.drop("alice") == 1
+    disk.flush()
+    assert not disk.has(_name(0)) and disk.has(_name(1)) and len(_files(tmp_path / "a")) == 1
+    disk.close()
+    none = _store(rows, tmp_path / "b", 4, max_pages_per_tenant=0)
+    none.save_rows(_name(0), rows.copy_out(0), "alice")
+    none.flush()
+    assert none.num_pages == 0 and _files(tmp_path / "b") == []
+    none.check_integrity()
+    none.close()
