@@ -309,3 +309,26 @@ def test_random_chat_requests_stream_what_they_answer():
                 assert got["reasoning"] == (message.get("reasoning_content") or ""), (body, message, got)
         srv.engine.check_integrity()
     assert seen[200] > 30 and seen[400] > 5
+
+
+def test_only_the_first_close_ends_the_block():
+    """Content may mention `</think>` itself: the block ends at the first one."""
+    assert split_reasoning("a</think>b </think> c", True) == ("a", "b </think> c")
+    assert split_reasoning("<think>a</think>b</think>", False) == ("a", "b</think>")
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_whitespace_before_a_written_think_is_not_streamed_as_content(step):
+    """Leading whitespace may still turn out to precede `<think>`: it is held, and then dropped with it."""
+    text = "\n <think>hmm</think>answer"
+    assert _streamed(text, Reasoning(False), step=step)[:2] == ("hmm", "answer")
+
+
+def test_a_close_tag_piece_in_content_without_a_block_is_not_held():
+    """With no think block, content ending in a piece of `</think>` is content and goes out at once."""
+    state = ChoiceState(0, [], reasoning=Reasoning(False))
+    state.update(RequestOutput("r", [1], [], "x </th", None, None))
+    assert state.take_delta()[:2] == ("", "x </th")
+    after = ChoiceState(0, [], reasoning=Reasoning(True))  # after the block, the same
+    after.update(RequestOutput("r", [1], [], "a</think>b </th", None, None))
+    assert after.take_delta()[:2] == ("a", "b </th")

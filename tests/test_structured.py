@@ -154,3 +154,54 @@ def test_text_after_the_marker_that_cannot_start_the_grammar_ends_that_request_o
     assert len(outs[1].token_ids) == 6 and outs[1].finish_reason == "length"
     llm.engine.check_integrity()
     assert len(llm.generate([PROMPTS[1]], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids) == 3
+
+
+def _state(llm, spec: dict, texts: dict[int, str] | None = None):
+    """A grammar state for `spec` on the engine's compiler; `texts`: made-up token texts for `after`."""
+    from sparsekv.structured import GrammarState
+    llm.engine.outputs.grammar_for(spec)  # compiles it (and makes the engine's compiler)
+    compiler = llm.engine.outputs._grammar_compiler
+    return GrammarState(compiler, compiler.compile(spec), spec.get("after"), (texts or {}).get)
+
+
+def test_whitespace_after_the_marker_in_its_token_is_skipped(llm):
+    """The token closing the marker may carry whitespace ("</think>\\n") and the answer's start: the
+    whitespace is dropped and the rest starts the grammar (compact JSON takes no leading whitespace)."""
+    spec = {"type": "json_object", "after": "</think>"}
+    grammar = _state(llm, spec, {0: "hm</think>\n\n{"})
+    grammar.accept(0)
+    assert grammar.active and grammar.dead_end is None and not grammar.finished
+    assert grammar.matcher.accept_string('"a": 1}')
+    only_space = _state(llm, spec, {0: "</think>", 1: "\n"})
+    only_space.accept(0)
+    assert only_space.active and only_space.dead_end is None
+
+
+def test_choices_are_literal_text(llm):
+    """A choice is matched as written, not as a regular expression."""
+    spec = {"type": "choice", "choices": ["a+b", "c.d"]}
+    assert _state(llm, spec).matcher.accept_string("a+b")
+    assert not _state(llm, spec).matcher.accept_string("aab")
+    assert not _state(llm, spec).matcher.accept_string("cxd")
+
+
+def test_json_grammars_take_no_free_whitespace(llm):
+    """JSON is compact: a model cannot pad an object with whitespace forever."""
+    grammar = _state(llm, {"type": "json_object"})
+    assert grammar.matcher.accept_string("{")
+    assert not grammar.matcher.accept_string("\n")
+
+
+def test_a_schema_given_as_json_text_is_the_same_schema(llm):
+    spec = {"type": "json_schema", "schema": json.dumps(SCHEMA)}
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=48, temperature=0.0, structured_output=spec))[0]
+    assert out.finish_reason == "stop" and _matches_schema(out.text)
+
+
+def test_compiler_errors_keep_the_reason_and_drop_internals():
+    from sparsekv.structured import _reason
+    assert _reason(RuntimeError("[12:00:00] /src/x.cc:94: Check failed: (ok) is false: bad range\nmore")) == \
+        ": bad range"
+    assert _reason(RuntimeError("[12:00:00] /src/x.cc:94: failed in /src/y.cc:12")) == ""  # still internals
+    assert _reason(RuntimeError("Traceback (most recent call last):")) == ""
+    assert _reason(RuntimeError("")) == ""

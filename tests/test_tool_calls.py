@@ -292,3 +292,69 @@ def test_a_finished_message_streams_what_the_response_says(fmt, text):
     assert content == (message["content"] or "")
     assert _joined(deltas) == [(c["function"]["name"], c["function"]["arguments"])
                                for c in message.get("tool_calls") or []]
+
+
+def test_a_dsml_parameter_without_a_string_flag_is_json():
+    text = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="n">3</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="s">x</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+    [call] = parse_tool_calls(text, DSML)[1]
+    assert json.loads(call["function"]["arguments"]) == {"n": 3, "s": "x"}
+
+
+def test_a_nameless_dsml_invoke_is_skipped_whole_and_streamed():
+    text = '<｜DSML｜function_calls>\n<｜DSML｜invoke name="">\n</｜DSML｜invoke>\n' + DS_CALL[len("<｜DSML｜function_calls>\n"):]
+    want = [("get_weather", '{"city": "Paris", "days": 3}')]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in parse_tool_calls(text, DSML)[1]] == want
+    assert _joined(_stream(text, 1, DSML)) == want == _joined(_stream(text, 1000, DSML))
+
+
+def test_a_stream_limited_to_one_call_sends_only_the_first():
+    """parallel_tool_calls=false (max_calls=1): a second call written is not sent."""
+    stream, deltas, text = ToolCallStream(max_calls=1), [], CALL + CALL.replace("Paris", "Rome")
+    for end in range(1, len(text) + 1):
+        deltas += stream.update(text[:end], end == len(text))
+    assert _joined(deltas) == [("get_weather", '{"city": "Paris"}')] and stream.num_calls == 1
+
+
+def test_forced_streams_send_nothing_twice_and_nothing_empty():
+    """"required": the array's calls go out once, when the message finishes (even if the array was
+    already whole before); a named call sends no empty arguments deltas."""
+    from sparsekv.server.tool_calls import ForcedCallStream
+    text = '[{"name": "now", "parameters": {}}]'
+    stream = ForcedCallStream("required")
+    assert stream.update(text, text, False) == []
+    assert _joined(stream.update("", text, True)) == [("now", "{}")]
+    named = ForcedCallStream("f")
+    assert len(named.update("{", "{", False)) == 1
+    assert named.update("", "{", False) == []
+
+
+@pytest.mark.parametrize("text", ["<tool_call>\n</tool_call>" + CALL, "<tool_call>now<tool_call>" + CALL[len("<tool_call>"):]])
+def test_one_call_streamed_is_the_one_the_response_returns(text):
+    """parallel_tool_calls=false: the stream and the whole response keep the same call, the first that
+    has a name (a nameless first call is skipped by both)."""
+    from sparsekv.request import RequestOutput
+    from sparsekv.server.responses import ResponseBuilder, TokenText
+    from sparsekv.server.tool_calls import GLM
+    builder = ResponseBuilder("chat", "id", "m", 0, 1, TokenText(None), "t", tools=GLM)
+    builder.max_calls = 1  # parallel_tool_calls=false
+    state, deltas, finish = builder.choice_state(0, []), [], None
+    for end in range(1, len(text) + 1):
+        state.update(RequestOutput("r", [1], [], text[:end], None, "stop" if end == len(text) else None))
+        choice = builder.chunk(state, end == 1, False)["choices"][0]
+        deltas += choice["delta"].get("tool_calls") or []
+        finish = choice["finish_reason"] or finish
+    message = builder.response([state])["choices"][0]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["message"]["tool_calls"]]
+    assert _joined(deltas) == calls and len(calls) == 1
+    assert finish == message["finish_reason"] == "tool_calls"
+
+
+def test_a_streamed_message_without_calls_finishes_stop():
+    from sparsekv.request import RequestOutput
+    from sparsekv.server.responses import ResponseBuilder, TokenText
+    from sparsekv.server.tool_calls import GLM
+    builder = ResponseBuilder("chat", "id", "m", 0, 1, TokenText(None), "t", tools=GLM)
+    state = builder.choice_state(0, [])
+    state.update(RequestOutput("r", [1], [], "It is sunny.", None, "stop"))
+    assert builder.chunk(state, True, False)["choices"][0]["finish_reason"] == "stop"

@@ -126,13 +126,16 @@ class ToolCallStream:
 
     def update(self, text: str, finished: bool) -> list[dict]:
         deltas: list[dict] = []
-        bodies = _bodies(text, self.fmt)[:self.max_calls]
+        bodies = _bodies(text, self.fmt)
         for i, body in enumerate(bodies):
             if i == len(self._calls):
                 self._calls.append({"index": None, "sent": 0, "closed": False})
             call = self._calls[i]
-            if not call["closed"]:
-                deltas += self._advance(call, body, finished, i < len(bodies) - 1)
+            if call["closed"]:
+                continue
+            if call["index"] is None and self.max_calls is not None and self.num_calls >= self.max_calls:
+                break  # the limit counts calls that got a name, as the whole response's does
+            deltas += self._advance(call, body, finished, i < len(bodies) - 1)
         return deltas
 
     def _advance(self, call: dict, body: str, finished: bool, next_began: bool) -> list[dict]:
