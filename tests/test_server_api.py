@@ -118,6 +118,30 @@ def test_n_choices_stream(client):
     assert texts == {c.index: c.text for c in r.choices}
 
 
+def test_several_prompts_times_n_answer_in_prompt_order_and_count_each_prompt_once(server, client):
+    """Choice i answers prompt i // n: its index, echoed prompt and tokens are that prompt's, in the
+    response and the stream alike; usage counts each prompt once and every choice's tokens."""
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    args = dict(model="tiny", prompt=prompts, n=2, max_tokens=3, temperature=0, echo=True,
+                extra_body={"ignore_eos": True})
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=3, temperature=0,
+                                       extra_body={"ignore_eos": True}) for p in prompts]
+    r = client.completions.create(**args)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    want = [server.state.token_text.text(prompts[i // 2]) + alone[i // 2].choices[0].text for i in range(4)]
+    assert [c.text for c in r.choices] == want
+    assert [c["token_ids"] for c in _ext(r)["choices"]] == [_ext(alone[i // 2])["choices"][0]["token_ids"]
+                                                             for i in range(4)]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (8, 12, 20)
+    texts, events = {}, list(client.completions.create(**{**args, "echo": False}, stream=True,
+                                                        stream_options={"include_usage": True}))
+    for c in events:  # no echo in a stream (refused, as vLLM)
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert texts == {i: alone[i // 2].choices[0].text for i in range(4)}
+    assert events[-1].choices == [] and events[-1].usage.model_dump() == r.usage.model_dump()
+
+
 def test_stop_string(client):
     full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     stop = full[len(full) // 2:len(full) // 2 + 2]

@@ -1,0 +1,276 @@
+"""Response bodies, stream chunks and per-request metrics, from made-up engine outputs (no model).
+
+What a client or a dashboard reads: choices in order with their own index, text, finish and stop
+reasons; usage counting each prompt once however many choices it has; logprobs in the completions
+and chat shapes; the stream's role, usage, error and [DONE] events; the latency histograms and the
+finish-reason counter.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from sparsekv.outputs import RequestOutput
+from sparsekv.server.loop import EngineDead, RequestGroup
+from sparsekv.server.metrics import RequestTimer, ServerMetrics
+from sparsekv.server.responses import Echo, ResponseBuilder, TokenText
+from sparsekv.server.serving import sse
+
+VOCAB = {0: "z", 1: "a", 2: "bc", 3: "\u00e9", 4: "d", 5: "ef", 6: "g", 7: "hij", 8: "k"}
+
+
+class _Tokenizer:
+    def decode(self, ids):
+        return "".join(VOCAB[i] for i in ids)
+
+
+TEXT = TokenText(_Tokenizer())
+
+
+def _out(prompt, tokens, finish=None, stop_reason=None, cached=0, logprobs=None, prompt_logprobs=None):
+    text = "".join(VOCAB[t] for t in tokens)
+    return RequestOutput("r", list(prompt), list(tokens), text, logprobs, finish, num_cached_tokens=cached,
+                         prompt_logprobs=prompt_logprobs, stop_reason=stop_reason)
+
+
+def _lp(tokens, chosen=-1.0):
+    """One entry per token: the token at `chosen`, a likelier alternative and a less likely one."""
+    return [{8: -0.1, 0: -3.0, t: chosen} for t in tokens]  # 0 and 8 are never chosen here
+
+
+# two prompts x n=2; each choice its own tokens, reasons and cached count (prompt A: [1, 2], B: [4, 5, 6])
+PROMPTS = [[1, 2], [4, 5, 6]]
+CHOICES = [  # (prompt, tokens, finish, stop_reason, cached)
+    (PROMPTS[0], [1], "stop", "STOP", 16),
+    (PROMPTS[0], [2, 4, 5], "length", None, 32),
+    (PROMPTS[1], [6, 7], "stop", 7, 8),
+    (PROMPTS[1], [4, 4, 4, 4], "length", None, 48),
+]
+
+
+def _states(builder, with_logprobs=False):
+    states = []
+    for i, (prompt, tokens, finish, stop, cached) in enumerate(CHOICES):
+        s = builder.choice_state(i, [])
+        s.update(_out(prompt, tokens, finish, stop, cached, _lp(tokens) if with_logprobs else None,
+                      [None] + _lp(prompt[1:]) if with_logprobs else None))
+        states.append(s)
+    return states
+
+
+def _builder(kind="completion", n=2, **kw):
+    return ResponseBuilder(kind, "id", "m", 0, n, TEXT, "t", **kw)
+
+
+def test_choices_keep_their_order_index_and_own_reasons_with_several_prompts():
+    for kind in ("completion", "chat"):
+        body = _builder(kind).response(_states(_builder(kind)))
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+        assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length", "stop", "length"]
+        assert [c["stop_reason"] for c in body["choices"]] == ["STOP", None, 7, None]
+        texts = [c["text"] if kind == "completion" else c["message"]["content"] for c in body["choices"]]
+        assert texts == ["a", "bcdef", "ghij", "dddd"]
+        assert [c["index"] for c in body["sparsekv"]["choices"]] == [0, 1, 2, 3]
+        assert [c["token_ids"] for c in body["sparsekv"]["choices"]] == [c[1] for c in CHOICES]
+
+
+def test_usage_counts_each_prompt_once_and_every_choices_tokens():
+    """prompt_tokens and cached_tokens: one choice per prompt (the first); completion_tokens: all."""
+    usage = _builder().response(_states(_builder()))["usage"]
+    assert usage == {"prompt_tokens": 2 + 3, "completion_tokens": 1 + 3 + 2 + 4, "total_tokens": 5 + 10,
+                     "prompt_tokens_details": {"cached_tokens": 16 + 8}}
+    chunk = _builder().usage_chunk(_states(_builder()))
+    assert chunk["choices"] == [] and chunk["usage"] == usage
+
+
+def test_echo_puts_each_prompt_before_its_own_choices_with_prompt_logprobs():
+    texts = ["A-text", "B-text"]
+    builder = _builder(echo=Echo(texts, False))
+    body = builder.response(_states(builder, with_logprobs=True))
+    assert [c["text"] for c in body["choices"]] == ["A-texta", "A-textbcdef", "B-textghij", "B-textdddd"]
+    for choice, (prompt, tokens, *_) in zip(body["choices"], CHOICES):
+        lp = choice["logprobs"]
+        assert lp["tokens"] == [VOCAB[t] for t in prompt + tokens]
+        assert lp["token_logprobs"] == [None] + [-1.0] * (len(prompt) - 1 + len(tokens))
+        assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {VOCAB[prompt[1]]: -1.0, "k": -0.1, "z": -3.0}
+        lengths = [len(VOCAB[t]) for t in prompt + tokens]
+        assert lp["text_offset"] == [sum(lengths[:i]) for i in range(len(lengths))]
+    assert body["usage"]["completion_tokens"] == 10
+
+
+def test_echo_of_the_prompt_only_counts_and_returns_no_generated_token():
+    builder = _builder(echo=Echo(["A-text", "B-text"], True))
+    states = _states(builder, with_logprobs=True)
+    body = builder.response(states)
+    assert [c["text"] for c in body["choices"]] == ["A-text", "A-text", "B-text", "B-text"]
+    assert [len(c["logprobs"]["tokens"]) for c in body["choices"]] == [2, 2, 3, 3]
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["total_tokens"] == 5
+    assert [c["token_ids"] for c in body["sparsekv"]["choices"]] == [[]] * 4
+    builder.continuous_usage = True
+    s = builder.choice_state(0, [])
+    s.update(_out([1, 2], [4], "length"))
+    assert builder.chunk(s, True, True)["usage"] == {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
+
+
+def test_completion_logprobs_are_the_chosen_tokens_not_the_likeliest():
+    builder = _builder(n=1)
+    s = builder.choice_state(0, [])
+    s.update(_out([1], [3, 7], "length", logprobs=_lp([3, 7], chosen=-2.0)))
+    lp = builder.response([s])["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["\u00e9", "hij"] and lp["token_logprobs"] == [-2.0, -2.0]
+    assert lp["top_logprobs"] == [{"\u00e9": -2.0, "k": -0.1, "z": -3.0}, {"hij": -2.0, "k": -0.1, "z": -3.0}]
+    assert lp["text_offset"] == [0, 1]
+
+
+def test_chat_logprobs_top_n_likeliest_first_with_utf8_bytes():
+    builder = _builder("chat", n=1, top_logprobs=2)
+    s = builder.choice_state(0, [])
+    s.update(_out([1], [3, 7], "length", logprobs=_lp([3, 7], chosen=-2.0)))
+    content = builder.response([s])["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "\u00e9", "logprob": -2.0, "bytes": [0xC3, 0xA9],
+                          "top_logprobs": [{"token": "k", "logprob": -0.1, "bytes": [ord("k")]},
+                                           {"token": "\u00e9", "logprob": -2.0, "bytes": [0xC3, 0xA9]}]}
+    assert content[1]["token"] == "hij" and content[1]["bytes"] == [ord(c) for c in "hij"]
+    assert [t["token"] for t in content[1]["top_logprobs"]] == ["k", "hij"]
+    none = _builder("chat", n=1, top_logprobs=0)
+    assert none.response([s])["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
+
+
+def _stream(builder, outputs, include_usage, index=0):
+    s = builder.choice_state(index, [])
+    chunks = []
+    for i, out in enumerate(outputs):
+        s.update(out)
+        chunks.append(builder.chunk(s, i == 0, include_usage))
+    return chunks
+
+
+def test_stream_chunks_reasons_offsets_and_usage_so_far():
+    steps = [_out([1, 2, 4], [5]), _out([1, 2, 4], [5, 3]), _out([1, 2, 4], [5, 3, 7], "stop", "X")]
+    for kind in ("completion", "chat"):
+        builder = _builder(kind, n=1)
+        builder.continuous_usage = True
+        chunks = _stream(builder, steps, True, index=0)
+        choices = [c["choices"][0] for c in chunks]
+        assert [c["finish_reason"] for c in choices] == [None, None, "stop"]
+        assert [c["stop_reason"] for c in choices] == [None, None, "X"]
+        assert [c["usage"] for c in chunks] == [{"prompt_tokens": 3, "completion_tokens": k, "total_tokens": 3 + k}
+                                                for k in (1, 2, 3)]
+        assert ["sparsekv" in c for c in chunks] == [False, False, True] and chunks[-1]["sparsekv"]["index"] == 0
+        if kind == "chat":
+            assert [c["delta"].get("role") for c in choices] == ["assistant", None, None]
+            assert "".join(c["delta"]["content"] for c in choices) == "ef\u00e9hij"
+    builder = _builder("completion", n=1, top_logprobs=None)
+    steps = [_out([1], [5], logprobs=_lp([5])), _out([1], [5, 3], logprobs=_lp([5, 3])),
+             _out([1], [5, 3, 7], "length", logprobs=_lp([5, 3, 7]))]
+    chunks = _stream(builder, steps, False)
+    assert all("usage" not in c for c in chunks)  # neither include_usage nor continuous_usage_stats
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[0], [2], [3]]
+    assert [c["choices"][0]["logprobs"]["tokens"] for c in chunks] == [["ef"], ["\u00e9"], ["hij"]]
+    with_usage = _stream(_builder("completion", n=1), steps, True)
+    assert [c["usage"] for c in with_usage] == [None, None, None]  # include_usage: null until the last chunk
+
+
+def test_a_stream_chunk_carries_its_own_choices_index():
+    builder = _builder("completion", n=2)
+    chunks = _stream(builder, [_out([1], [5], "length")], False, index=3)
+    assert chunks[0]["choices"][0]["index"] == 3 and chunks[0]["sparsekv"]["index"] == 3
+
+
+class _Loop:
+    def __init__(self):
+        self.aborted = []
+
+    def abort(self, group):
+        self.aborted.append(group)
+
+
+def _events(builder, items, n_choices, include_usage):
+    async def go():
+        group = RequestGroup("g", n_choices)
+        for item in items:
+            group.queue.put_nowait(item)
+        loop = _Loop()
+        states = [builder.choice_state(i, []) for i in range(n_choices)]
+        events = [e async for e in sse(loop, group, states, builder, include_usage)]
+        assert loop.aborted == [group]
+        return [e[len("data: "):].strip() for e in events]
+    raw = asyncio.run(go())
+    assert all(e == "[DONE]" or isinstance(json.loads(e), dict) for e in raw)
+    return [e if e == "[DONE]" else json.loads(e) for e in raw]
+
+
+def test_sse_role_per_choice_usage_last_then_done():
+    builder = _builder("chat", n=2)
+    items = [(0, _out([1, 2], [5])), (1, _out([1, 2], [4])), (0, _out([1, 2], [5, 6], "length")),
+             (1, _out([1, 2], [4, 4, 4], "stop"))]
+    events = _events(builder, items, 2, True)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks, usage = events[:4], events[4]
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"].get("role")) for c in chunks] == \
+        [(0, "assistant"), (1, "assistant"), (0, None), (1, None)]
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+                                                          "prompt_tokens_details": {"cached_tokens": 0}}
+    plain = _events(_builder("chat", n=2), items, 2, False)
+    assert len(plain) == 5 and plain[-1] == "[DONE]" and all(c["choices"] for c in plain[:4])
+
+
+def test_sse_an_error_mid_stream_is_one_error_event_then_done_without_usage():
+    builder = _builder("completion", n=1)
+    items = [(0, _out([1], [5])), (None, EngineDead("engine gone", 500)), (0, _out([1], [5, 6], "length"))]
+    events = _events(builder, items, 1, True)
+    assert len(events) == 3 and events[0]["choices"][0]["text"] == "ef"
+    assert events[1]["error"]["code"] == 500 and "engine gone" in events[1]["error"]["message"]
+    assert events[2] == "[DONE]"
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+def _metrics():
+    return ServerMetrics("m", lambda: {}, lambda: True)
+
+
+def _sample(m, name, **labels):
+    return m.registry.get_sample_value("sparsekv:" + name, {"model_name": "m", **labels}) or 0.0
+
+
+def test_latency_histograms_observe_once_per_request_and_between_outputs():
+    m = _metrics()
+    t = RequestTimer(arrival=100.0, tenant="alice")
+    steps = [(100.5, [5]), (100.75, [5, 6]), (101.5, [5, 6, 7, 8]), (103.5, [5, 6, 7, 4, 1])]
+    for i, (now, tokens) in enumerate(steps):
+        m.observe(t, _out([1], tokens, "length" if i == len(steps) - 1 else None), now, scheduled=100.25)
+    assert _sample(m, "time_to_first_token_seconds_count") == 1
+    assert _sample(m, "time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert _sample(m, "tenant_time_to_first_token_seconds_count", tenant="alice") == 1
+    assert _sample(m, "inter_token_latency_seconds_count") == 3
+    assert _sample(m, "inter_token_latency_seconds_sum") == pytest.approx(0.25 + 0.75 + 2.0)
+    assert _sample(m, "inter_token_latency_seconds_bucket", le="0.5") == 1  # 0.25 alone; 0.75 and 2.0 above
+    assert _sample(m, "tenant_inter_token_latency_seconds_sum", tenant="alice") == pytest.approx(3.0)
+    assert _sample(m, "e2e_request_latency_seconds_sum") == pytest.approx(3.5)
+    assert _sample(m, "request_time_per_output_token_seconds_sum") == pytest.approx(3.0 / 4)
+    assert _sample(m, "request_queue_time_seconds_count") == 1
+    assert _sample(m, "request_queue_time_seconds_sum") == pytest.approx(0.25)
+
+
+def test_request_success_is_counted_once_by_its_finish_reason():
+    m = _metrics()
+    for reason in ("stop", "length", "length", "abort"):
+        t = RequestTimer(arrival=0.0)
+        m.observe(t, _out([1], [5]), 0.1, None)
+        m.observe(t, _out([1], [5, 6], reason), 0.2, None)
+    assert _sample(m, "request_success_total", finished_reason="stop") == 1
+    assert _sample(m, "request_success_total", finished_reason="length") == 2
+    assert _sample(m, "request_success_total", finished_reason="abort") == 1
+    m.abort("client_gone", 3)
+    m.abort("client_gone", 0)
+    assert _sample(m, "requests_aborted_total", reason="client_gone") == 3
+
+
+def test_the_engines_token_counters_are_exported_under_their_own_names():
+    m = ServerMetrics("m", lambda: {"prompt_tokens": 11, "generation_tokens": 7, "kv_pages_total": 4,
+                                    "kv_pages_free": 1}, lambda: True)
+    assert _sample(m, "prompt_tokens_total") == 11 and _sample(m, "generation_tokens_total") == 7
+    assert _sample(m, "kv_cache_usage_perc") == pytest.approx(0.75)
