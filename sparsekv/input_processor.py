@@ -36,6 +36,7 @@ TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents",
                                "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
                                "tokenizer_kwargs"})
 
+
 def special_token_ends(encode) -> tuple[int, int]:
     """How many special tokens `encode(text, True)` puts before and after the text's own tokens (a BOS,
     an EOS), found by encoding a short text with and without them."""

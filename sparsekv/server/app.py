@@ -27,8 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..disagg import roles as disagg
 from ..disagg.worker import DisaggSettings
-from ..request import InvalidRequest, SamplingParams
 from ..input_processor import truncate_left
+from ..request import InvalidRequest, SamplingParams
 from ..sampling_params import choice_seed
 from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware, tenant_for
 from .errors import APIError, bad_request, error_body, error_response

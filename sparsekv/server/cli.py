@@ -8,9 +8,8 @@ load balancer stops routing here; requests in flight run on for up to --shutdown
 whatever is left is then aborted, its clients get an error) and the process then exits 0. A second
 signal ends the drain at once: what is in flight is aborted with an error to its clients, and the
 process exits 0 as soon as they have it. A third (or a second once the drain is over) exits without
-waiting for clients. uvicorn's own
-shutdown would just wait for connections with no engine-side abort, so `DrainingServer` runs the
-drain before handing over to it.
+waiting for clients. uvicorn's own shutdown would just wait for connections with no engine-side
+abort, so `DrainingServer` runs the drain before handing over to it.
 """
 from __future__ import annotations
 
