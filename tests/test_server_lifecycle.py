@@ -548,3 +548,21 @@ def test_serve_cli_refuses_an_fd_that_is_not_a_listening_tcp_socket(tmp_path, ca
         assert main(["--fd", str(closed)]) == 2
         assert f"--fd {closed}: not an open socket" in capsys.readouterr().err
         assert not f.closed and idle.fileno() >= 0  # the descriptors refused are left as they were
+
+
+def test_signals_drain_then_abort_then_force_and_a_second_after_the_drain_forces():
+    """The signal handler's steps: the first starts a drain, the second aborts what is left, the third
+    forces the exit; once the drain is over (uvicorn waits for connections), the second forces it."""
+    import uvicorn
+    from sparsekv.server.cli import DrainingServer
+    server = DrainingServer(uvicorn.Config(app=lambda scope, receive, send: None), None, 1.0)
+    steps = []
+    for _ in range(3):
+        server.handle_exit(signal.SIGTERM, None)
+        steps.append((server._drain_requested, server._abort_requested, server.force_exit))
+    assert steps == [(True, False, False), (True, True, False), (True, True, True)]
+    drained = DrainingServer(uvicorn.Config(app=lambda scope, receive, send: None), None, 1.0)
+    drained.handle_exit(signal.SIGTERM, None)
+    drained.should_exit = True  # what drain() sets when it is done
+    drained.handle_exit(signal.SIGINT, None)
+    assert drained.force_exit
