@@ -2,6 +2,8 @@
 vLLM's definitions, and end to end against a greedy loop over transformers' logits."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -314,3 +316,80 @@ def test_seeds_differing_above_bit_31_sample_differently_and_small_seeds_keep_th
 def test_a_seed_outside_64_bits_is_refused(seed):
     with pytest.raises(InvalidRequest, match="seed"):
         SamplingParams(seed=seed)
+
+
+def test_adjustments_apply_to_raw_logits_before_temperature():
+    """Bias and penalties are added to the raw logits (vLLM's order), then the row is divided by the
+    temperature: the adjusted row does not depend on the temperature, and the sampled distribution is
+    softmax((raw + bias - penalties) / T). Small exact values (powers of two): every step exact."""
+    raw = torch.tensor([1.0, 2.0, -1.0, 0.5, 0.0, -2.0])
+    for temperature in (0.5, 2.0):
+        params = SamplingParams(temperature=temperature, logit_bias={3: 2.0}, frequency_penalty=0.5,
+                                presence_penalty=0.25)
+        adjust = LogitAdjuster(params, [0, 2], len(raw), set())
+        for token in (1, 1, 4):
+            adjust.note(token)
+        # token 1 twice: 2 - 2 x 0.5 - 0.25; token 4 once: 0 - 0.5 - 0.25; token 3 biased; prompt not counted
+        want = torch.tensor([1.0, 0.75, -1.0, 2.5, -0.75, -2.0])
+        got = adjust(raw)
+        assert torch.equal(got, want), temperature
+        assert torch.equal(filter_logits(got, params), want / temperature)
+
+
+def test_logit_bias_cannot_reopen_a_token_outside_allowed_token_ids():
+    """vLLM masks every token outside allowed_token_ids, then adds the bias: a biased token outside the
+    allowed set stays -inf, an allowed one gets its bias."""
+    params = SamplingParams(allowed_token_ids=[1, 3], logit_bias={3: 1.5, 4: 100.0})
+    got = LogitAdjuster(params, [0], 6, set())(torch.zeros(6))
+    assert got.tolist() == [float("-inf"), 0.0, float("-inf"), 1.5, float("-inf"), float("-inf")]
+
+
+def test_batched_logprobs_are_each_rows_own_from_the_raw_log_softmax():
+    """token_logprobs_rows, rows asking for different numbers of alternatives (or none): each row gets
+    what token_logprobs gives it alone: the sampled token's log_softmax value, even outside the top n,
+    plus exactly its own top n."""
+    from sparsekv.sampling import token_logprobs, token_logprobs_rows
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    tokens, tops = [4, 0, 0], [1, 3, None]
+    got = token_logprobs_rows(logits, tokens, tops)
+    assert got[2] is None
+    assert set(got[0]) == {4, 0} and set(got[1]) == {0, 4, 3, 2}  # the sampled token and its own top n
+    # float32 log_softmax of 5 logits (a max, 5 exps, a sum, a log, a subtraction) computed two ways:
+    # the chain bound of tests/tolerances.py on terms of magnitude |logit| + logsumexp <= 4 + 4.5
+    from tolerances import chain_tolerance
+    tol = chain_tolerance(8.5, 5 + 4)
+    for i in (0, 1):
+        alone = token_logprobs(torch.log_softmax(logits[i], -1), tokens[i], tops[i])
+        assert got[i].keys() == alone.keys()
+        assert all(got[i][t] == pytest.approx(alone[t], abs=tol) for t in alone)
+        # log_softmax of 5 logits spaced by 1: log(e^-k / sum e^-j)
+        exact = math.log(sum(math.exp(-k) for k in range(5)))
+        assert all(v == pytest.approx(-(4.0 - float(logits[i, t])) - exact, abs=tol) for t, v in got[i].items())
+    assert token_logprobs_rows(logits, tokens, [None] * 3) == [None] * 3
+
+
+def test_sampled_logprobs_are_the_raw_distribution_in_a_batch(llm, glm_ckpt, random_prompt):
+    """Two sampled requests decoding together (the batched plain-row path), temperature 0.5: every
+    reported logprob is the model's raw log_softmax (vLLM's default), not the tempered distribution's."""
+    from conftest import reference_logprobs
+    prompts = [random_prompt(9, seed=21), random_prompt(11, seed=22)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.5, seed=5, logprobs=2))
+    tol = logprob_tolerance(glm_ckpt[1])
+    for prompt, out in zip(prompts, outs):
+        lp = reference_logprobs(glm_ckpt[1], prompt + out.token_ids)
+        for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert token in entry and len(entry) in (2, 3)
+            assert max(abs(v - lp[len(prompt) - 1 + j, t].item()) for t, v in entry.items()) <= tol
+    llm.engine.check_integrity()
+
+
+def test_adjustments_hold_for_requests_decoding_together(llm, random_prompt):
+    """Several biased requests in one batch (plus a plain one): each biased row still gets its bias,
+    whatever the batch (the batched plain-row path is for rows with nothing to adjust)."""
+    prompts = [random_prompt(9, seed=31), random_prompt(10, seed=32), random_prompt(8, seed=33)]
+    forced = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logit_bias={17: 100.0})
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, [forced, forced, plain])
+    assert outs[0].token_ids == outs[1].token_ids == [17] * 4
+    assert len(outs[2].token_ids) == 4
+    llm.engine.check_integrity()
