@@ -84,7 +84,7 @@ class OutputProcessor:
         if params.adjusts_logits:
             vocab = self.vocab_size
             stops = {t for t in params.stop_token_ids or () if 0 <= t < vocab}
-            stops |= set() if params.ignore_eos else {t for t in self.eos_token_ids if 0 <= t < vocab}
+            stops |= {t for t in self.eos_token_ids if 0 <= t < vocab}  # with ignore_eos too, as vLLM's min_tokens
             self._adjusters[rid] = LogitAdjuster(params, req.prompt_token_ids, vocab, stops)
         if first is not None:
             self._carry(req, first)

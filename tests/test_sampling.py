@@ -177,6 +177,18 @@ def test_min_tokens_holds_back_stop_tokens(llm, random_prompt):
     assert not llm.engine.outputs._adjusters  # per-request state goes with the request
 
 
+def test_min_tokens_holds_back_eos_with_ignore_eos_too(llm, random_prompt):
+    """vLLM's min_tokens: EOS is not sampled before min_tokens tokens are out, ignore_eos or not (after
+    them, with ignore_eos, it is a token like any other and the request runs on)."""
+    from sparsekv.paths import default_model_path
+    bundled = LLM(default_model_path(), max_model_len=256, num_threads=1)  # a model with an EOS
+    eos = min(bundled.engine.eos_token_ids)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, min_tokens=3, logit_bias={eos: 100.0})
+    out = bundled.generate([random_prompt(10, seed=7)], params)[0]
+    assert eos not in out.token_ids[:3] and out.token_ids[3:] == [eos] * 3 and out.finish_reason == "length"
+    bundled.close()
+
+
 @pytest.mark.parametrize("chunk", [16, 5], ids=["one-chunk", "chunked"])
 def test_prompt_logprobs_equal_transformers(glm_ckpt, random_prompt, chunk):
     from conftest import reference_logprobs
