@@ -521,3 +521,103 @@ def test_a_failed_update_keeps_no_copy_of_the_weights(ckpts, monkeypatch):
     gc.collect()
     assert sum(ref() is not None for ref in loaded) == 0, "a failed update's tensors are still referenced"
     assert llm.weights_version == 0
+
+
+def _run_bounded(engine, outs: dict, steps: int = 200) -> None:
+    """`_run_until_done`, but failing (not hanging) if requests never finish."""
+    for _ in range(steps):
+        if not engine.has_unfinished_requests():
+            return
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    pytest.fail(f"requests still unfinished after {steps} steps: {engine.stats()}")
+
+
+def test_a_second_update_while_a_drain_waits_is_refused(ckpts):
+    a, b, _ = ckpts
+    engine = LLM(a, **OPTIONS).engine
+    engine.add_request("r1", PROMPT, GREEDY)
+    engine.step()
+    engine.update_weights_from_disk(b, policy="drain")
+    assert engine.weight_update_pending
+    for policy in ("drain", "abort"):
+        with pytest.raises(WeightUpdateConflict, match="another weight update"):
+            engine.update_weights_from_disk(a, policy=policy)
+    outs = {}
+    _run_bounded(engine, outs)
+    assert engine.weights_version == 1 and outs["r1"].metrics["weights_version"] == 0
+
+
+def test_a_request_queued_but_not_started_when_a_drain_begins_runs_under_b(ckpts):
+    """Added before the update and never scheduled: held with the ones added after, it runs under B."""
+    a, b, _ = ckpts
+    only_b = LLM(b, **OPTIONS).generate([OTHER], GREEDY)[0]
+    engine = LLM(a, **OPTIONS).engine
+    engine.add_request("r1", PROMPT, GREEDY)
+    engine.step()
+    engine.add_request("r2", OTHER, GREEDY)  # queued, not yet scheduled
+    engine.update_weights_from_disk(b, policy="drain")
+    outs = {}
+    _run_bounded(engine, outs)
+    assert outs["r1"].metrics["weights_version"] == 0 and outs["r2"].metrics["weights_version"] == 1
+    _same(outs["r2"], only_b, engine.model)
+    engine.check_integrity()
+
+
+def test_a_drain_load_that_fails_releases_the_held_requests_and_the_next_update_succeeds(ckpts, monkeypatch):
+    """The load fails after the drain: the held request still runs, under A, and a later good update
+    loads and reports success (no stale error from the failed one)."""
+    a, b, _ = ckpts
+    want = LLM(a, **OPTIONS).generate([OTHER], GREEDY)[0]
+    engine = LLM(a, **OPTIONS).engine
+    engine.add_request("r1", PROMPT, GREEDY)
+    engine.step()
+
+    def fail(update):
+        raise OSError("disk gone")
+    monkeypatch.setattr(engine.executor, "update_weights", fail)
+    assert engine.update_weights_from_disk(b, policy="drain") == []
+    engine.add_request("r2", OTHER, GREEDY)  # held for the update
+    outs = {}
+    _run_bounded(engine, outs)
+    assert engine.weights_version == 0 and not engine.weight_update_pending
+    assert outs["r2"].token_ids == want.token_ids and outs["r2"].metrics["weights_version"] == 0
+    monkeypatch.undo()
+    assert engine.update_weights_from_disk(b, policy="drain") == []
+    assert engine.weights_version == 1
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("how", ["disk", "tensors"])
+def test_a_load_that_fails_while_copying_leaves_no_trace_for_the_next_partial_update(ckpts, monkeypatch, how):
+    """A failed load changes nothing: a later partial update (A's own norm) fills the rest from A's
+    checkpoint, not from the failed update's tensors or directory."""
+    from sparsekv import weights
+    a, b, _ = ckpts
+    llm = LLM(a, **OPTIONS)
+    want = llm.generate([PROMPT], GREEDY)[0]
+
+    def fail(model, fresh):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(weights, "copy_weights", fail)
+    with pytest.raises(WeightLoadError, match="out of memory"):
+        if how == "disk":
+            llm.update_weights_from_disk(b)
+        else:
+            llm.update_weights([(k, v) for k, v in _tensors(b).items() if k != "model.norm.weight"])
+    monkeypatch.undo()
+    assert llm.weights_version == 0
+    _same(llm.generate([PROMPT], GREEDY)[0], want)
+    assert llm.update_weights([("model.norm.weight", _tensors(a)["model.norm.weight"])]) == 1
+    _same(llm.generate([PROMPT], GREEDY)[0], want, llm)
+
+
+def test_flush_cache_forgets_the_cached_prompt(ckpts):
+    a, _, _ = ckpts
+    llm = LLM(a, **dict(OPTIONS, enable_prefix_caching=True))
+    llm.generate([PROMPT], GREEDY)
+    assert llm.generate([PROMPT], GREEDY)[0].num_cached_tokens > 0
+    assert llm.flush_cache() > 0
+    assert llm.generate([PROMPT], GREEDY)[0].num_cached_tokens == 0
+    assert llm.weights_version == 0
