@@ -244,12 +244,40 @@ INDEXER_KEY_DTYPES = ("auto", "fp8_e4m3")
 KV_CACHE_DTYPES = ("auto", "fp8")  # latents: the model dtype, or FlashMLA's 656 B FP8 rows (cache/latent_format.py)
 
 
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def auto_dtype(checkpoint_dtype: str | None, device_type: str, bf16_supported: bool = True) -> str:
+    """What dtype "auto" computes in (vLLM's default, a CPU aside). On CPU, float32: the CPU paths
+    compute in float32 (bfloat16 matmuls there are slower without AMX, and outputs drift from the
+    float32 reference the parity tests hold). On CUDA, the checkpoint's dtype (config.json `dtype`, or
+    `torch_dtype`) when it is a 16-bit one; a float32 checkpoint, an FP8 one that names no 16-bit
+    dtype, or none named, computes in bfloat16, or float16 on a GPU without bfloat16."""
+    if device_type != "cuda":
+        return "float32"
+    if checkpoint_dtype in ("bfloat16", "float16") and (checkpoint_dtype == "float16" or bf16_supported):
+        return checkpoint_dtype
+    return "bfloat16" if bf16_supported else "float16"
+
+
+def checkpoint_dtype(model: str) -> str | None:
+    """The dtype a checkpoint directory's config.json names (`dtype`, or the older `torch_dtype`); None
+    when it names none or cannot be read (the checkpoint loader reports that)."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    named = raw.get("dtype", raw.get("torch_dtype")) if isinstance(raw, dict) else None
+    return named.removeprefix("torch.") if isinstance(named, str) else None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the checkpoint. Frozen: derived sizes live in runtime objects."""
 
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"  # the compute dtype (COMPUTE_DTYPES), or "auto": `auto_dtype` picks it (hub.resolve_config)
     device: str = "cpu"
     max_model_len: int | None = None
     max_num_seqs: int = 16
@@ -344,8 +372,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         _check_field_types(self)
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16")
+        if self.dtype not in ("auto", *COMPUTE_DTYPES):
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; use auto, {', '.join(COMPUTE_DTYPES)}")
         if self.attention not in ATTENTION_MODES:
             raise ConfigError(f"attention {self.attention!r} is not supported; use one of {ATTENTION_MODES}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_page_size", "prefill_chunk_tokens"):

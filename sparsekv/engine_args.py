@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from .config import ConfigError
+from .config import COMPUTE_DTYPES, ConfigError
 from .units import parse_bytes
 
 
@@ -74,7 +74,9 @@ def json_object(text: str) -> dict:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine options of `generate` and `serve` (names match the LLM(...) keywords)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", *COMPUTE_DTYPES],
+                   help="the compute dtype; auto (default): float32 on CPU, on CUDA the checkpoint's 16-bit dtype "
+                        "(bfloat16 for a float32 or FP8 checkpoint)")
     g.add_argument("--revision", default=None,
                    help="the Hub branch, tag or commit of a MODEL given as a repo id ORG/NAME (default: main)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .config import ConfigError
+from .config import ConfigError, auto_dtype, checkpoint_dtype
 
 # config, weights (sharded or not), tokenizer and chat template: what a checkpoint directory needs
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -83,10 +83,19 @@ def _not_found(name: str, searched: list[str]) -> str:
 
 
 def resolve_config(config):
-    """`config` with `model` (and a `tokenizer` given as a repo id) resolved to local directories; the
-    same object when there is nothing to resolve."""
+    """`config` with `model` (and a `tokenizer` given as a repo id) resolved to local directories and
+    dtype "auto" to the one it computes in (config.auto_dtype); the same object when there is nothing
+    to resolve. Every process of an engine resolves its own options so (each node parses its flags)."""
     model = resolve_model(config.model, config.revision)
     tokenizer = config.tokenizer and resolve_model(config.tokenizer, None, allow_patterns=TOKENIZER_FILES)
-    if (model, tokenizer) == (config.model, config.tokenizer):
+    dtype = config.dtype if config.dtype != "auto" else _auto_dtype(model, config.device)
+    if (model, tokenizer, dtype) == (config.model, config.tokenizer, config.dtype):
         return config
-    return dataclasses.replace(config, model=model, tokenizer=tokenizer)
+    return dataclasses.replace(config, model=model, tokenizer=tokenizer, dtype=dtype)
+
+
+def _auto_dtype(model: str, device: str) -> str:
+    import torch
+    device_type = torch.device(device).type
+    bf16 = device_type != "cuda" or torch.cuda.is_bf16_supported()
+    return auto_dtype(checkpoint_dtype(model), device_type, bf16)

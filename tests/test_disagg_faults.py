@@ -412,7 +412,7 @@ def test_a_batch_whose_metadata_the_decode_worker_refuses_fails_that_request_onl
     """One room's first batch of metadata reaches the decode worker naming a transfer backend it does not
     know (`DecodeWorker._check_meta`) while another room's transfer runs beside it: the decode worker
     answers 503 at once, naming why, and so does the prefill worker (from the decode worker's verdict,
-    once its wait for the peer's connection ends); nothing of the room is kept, the other request is
+    read while it waits for the peer's connection, which will never come); nothing of the room is kept, the other request is
     answered as always, and the pair serves the next."""
     from sparsekv.disagg import decode as decode_module
     real, bad = decode_module.verify, "bad-room"
@@ -435,9 +435,10 @@ def test_a_batch_whose_metadata_the_decode_worker_refuses_fails_that_request_onl
         started = time.monotonic()
         refused_p, refused_d = pool.submit(post, p.url, {**body, "stream": False}), pool.submit(post, d.url, body)
         served = pool.submit(send_pair, p.url, d.url, {**BODY, "prompt": _prompt(4)})
-        (rd, answered), (rp, _) = refused_d.result(), refused_p.result()
+        (rd, answered), (rp, prefill_answered) = refused_d.result(), refused_p.result()
         _failed(rd, "decode worker", "unknown transfer backend 'tcp'")
         assert answered - started < TIMEOUT_S / 2  # not at the timeout: at the first batch
+        assert prefill_answered - started < TIMEOUT_S / 2
         _failed(rp, "prefill worker", "refused the KV", "unknown transfer backend 'tcp'")
         assert [r.status_code for r in served.result()] == [200, 200]
         _nothing_kept(d, _prompt())

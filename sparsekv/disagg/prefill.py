@@ -272,7 +272,7 @@ class PrefillWorker(Worker):
             sent = await self.blocking(out.publish, meta, tensors)
             if not sent:
                 return out.push(sent)
-            await self.connected(out.path, out.link, request)
+            await self.connected(out.path, out.link, request, peer_left=out.refused)
             # NOTE: a send ends when the decode worker receives it: on a transfer thread it could wait for
             # a receive queued behind another room's on the decode worker, while that room's send waits
             # behind it here

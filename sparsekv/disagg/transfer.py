@@ -220,9 +220,12 @@ class Room:
                 return
 
     def pair_group(self, rank: int, hostname: str, timeout_s: float, backend: str) -> dist.ProcessGroup:
-        """The room's 2-rank group (prefill rank 0, decode rank 1); `hostname`: this side's address."""
-        store = dist.PrefixStore(self.key("pg"), self.store)
+        """The room's 2-rank group (prefill rank 0, decode rank 1); `hostname`: this side's address. Its
+        rendezvous runs on a store connection of its own: the room's stays free meanwhile, to read a
+        refusal that means the peer will never join (`Worker.connected`)."""
         try:
+            store = dist.PrefixStore(self.key("pg"), dist.TCPStore(
+                self.store.host, self.store.port, is_master=False, wait_for_workers=False, timeout=_timeout(timeout_s)))
             if backend == "nccl":
                 return _nccl_group(store, rank, timeout_s)
             return _within(lambda: _gloo_group(store, rank, hostname, timeout_s), timeout_s)

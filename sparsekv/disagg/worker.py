@@ -132,32 +132,37 @@ class Worker:
             raise TransferError(f"room {link.name}: the wait for {waiting_for} was ended by this worker")
         return value
 
-    async def connected(self, path, link, request) -> None:
+    async def connected(self, path, link, request, peer_left=None) -> None:
         """The room's data path joined to the peer's (`path.needs_connect`: a torch.distributed pair
         group, whose rendezvous waits for the peer), on a thread of its own like a wait for a key: a
         room whose peer hangs or died holds no transfer thread meanwhile (rooms with other peers would
-        queue behind it), and it ends when its client goes away or at the timeout. gloo ends the
-        connect's own thread later (transfer._within)."""
+        queue behind it), and it ends when its client goes away, when `peer_left()` (a store call, on
+        the transfer threads) says the peer will not join, or at the timeout. gloo ends the connect's
+        own thread later (transfer._within)."""
         if path.needs_connect:
-            await self.with_peer(link, "the peer's transfer connection", request, path.connect)
+            await self.with_peer(link, "the peer's transfer connection", request, path.connect, peer_left=peer_left)
 
-    async def with_peer(self, link, waiting_for: str, request, fn, *args, thread: str = "sparsekv-disagg-wait"):
+    async def with_peer(self, link, waiting_for: str, request, fn, *args, thread: str = "sparsekv-disagg-wait",
+                        peer_left=None):
         """`fn(*args)`, a call that waits for the peer (joining the pair group, sending tensors the peer
-        receives), on a thread of its own: TransferError past the timeout or when the client went away,
-        the call then left to end on its own (at its group's timeout, or when the group closes)."""
+        receives), on a thread of its own: TransferError past the timeout, when the client went away or
+        when `peer_left()`, the call then left to end on its own (at its group's timeout, or when the
+        group closes)."""
         wait = _on_daemon_thread(fn, *args, name=thread)
-        await self._while_peer_works(wait, link, waiting_for, request)
+        await self._while_peer_works(wait, link, waiting_for, request, peer_left)
         return wait.result()
 
-    async def _while_peer_works(self, wait: asyncio.Future, link, waiting_for: str, request) -> None:
-        """Until `wait` is done; TransferError past the timeout or when the client went away (the router
-        cancels one side when the other failed), `wait` then left to end on its own."""
+    async def _while_peer_works(self, wait: asyncio.Future, link, waiting_for: str, request, peer_left=None) -> None:
+        """Until `wait` is done; TransferError past the timeout, when the client went away (the router
+        cancels one side when the other failed) or when `peer_left()`, `wait` then left to end on its own."""
         timeout = self.settings.timeout_s
         deadline = time.monotonic() + timeout
         try:
             while not (await asyncio.wait([wait], timeout=WAIT_CHECK_S))[0]:
                 if await request.is_disconnected():
                     raise TransferError(f"room {link.name}: the client went away while this worker waited for {waiting_for}")
+                if peer_left is not None and await self.blocking(peer_left):
+                    raise TransferError(f"room {link.name}: the peer left the room while this worker waited for {waiting_for}")
                 if time.monotonic() > deadline:
                     raise PeerTimeout(f"room {link.name}: no {waiting_for} within {timeout:g} s")
         finally:

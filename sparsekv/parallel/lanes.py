@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..config import EngineConfig
 from ..engine import LLMEngine
+from ..hub import resolve_config
 from ..request import RequestOutput
 from .dp_kv import kv_call
 from .dp_taps import TapSender, open_group, set_lane_taps
@@ -112,6 +113,7 @@ def host_torchrun_rank(config: EngineConfig) -> bool:
     rank = torchrun_rank(config)
     if not rank:
         return False
+    config = resolve_config(config)  # as rank 0's engine does: the ranks' options must agree
     check_layout(config)
     target = serve_lane if config.data_parallel_size > 1 else serve_rank
     target(config, rank, f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
@@ -124,6 +126,7 @@ def host_node(config: EngineConfig) -> int:
     config.validate()
     if config.node_rank == 0:
         raise ValueError("node 0 runs the engine itself; host_node is for the other nodes")
+    config = resolve_config(config)  # as node 0's engine does: the ranks' options must agree
     check_layout(config)
     target = serve_lane if config.data_parallel_size > 1 else serve_rank
     ranks = RankGroup.start(config, target)

@@ -69,7 +69,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="compute every prompt in full (by default prompts of one length share their common prefix)")
     p.add_argument("--device-buffer-tokens", type=int, default=32768)
     p.add_argument("--prefill-chunk-tokens", type=int, default=4096)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto (default): float32 on CPU, the checkpoint's 16-bit dtype on CUDA")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="latents in the model dtype, or FP8 (FlashMLA's rows): does retrieval survive the quantization?")
     p.add_argument("--device", default="cpu", help="engine device (cpu, cuda)")
