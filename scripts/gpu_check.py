@@ -49,7 +49,8 @@ def exactness(ckpt: str, device: str) -> dict:
     prompt = [(7 * i) % 1000 + 1 for i in range(3000)]
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=5)
     ref = LLM(ckpt, max_model_len=4096, prefill_chunk_tokens=1024).generate([prompt], params)[0]
-    out = LLM(ckpt, device=device, max_model_len=4096, prefill_chunk_tokens=1024).generate([prompt], params)[0]
+    out = LLM(ckpt, device=device, dtype="float32", max_model_len=4096,  # against CPU's float32 (auto: bfloat16)
+              prefill_chunk_tokens=1024).generate([prompt], params)[0]
     diff = max(abs(a[t] - b[t]) for a, b in zip(ref.logprobs, out.logprobs) for t in a if t in b)
     return {"tokens_equal": ref.token_ids == out.token_ids, "max_logprob_diff": diff}
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 from .cache.sizing import Parallelism, params_per_rank
-from .config import EngineConfig, ModelConfig
+from .config import EngineConfig, ModelConfig, auto_dtype
 
 BYTES_PER_THREAD = 2 ** 30
 ACCELERATOR_THREADS = 8  # host threads for the step's decisions when the model runs on an accelerator
@@ -53,7 +53,9 @@ def auto_num_threads(cfg: ModelConfig, dtype: str, device: str, cores: int | Non
 
 def resolve_num_threads(config: EngineConfig, cfg: ModelConfig, cores: int | None = None) -> int | None:
     """The threads an engine sets: `config.num_threads` when given (0: leave torch's default, None
-    returned), else the rule's."""
+    returned), else the rule's (whose CPU branch needs the dtype, which "auto" is there whatever the
+    checkpoint names: `auto_dtype`)."""
     if config.num_threads is None:
-        return auto_num_threads(cfg, config.dtype, config.device, cores)
+        dtype = config.dtype if config.dtype != "auto" else auto_dtype(None, config.device.split(":")[0])
+        return auto_num_threads(cfg, dtype, config.device, cores)
     return config.num_threads or None

@@ -369,10 +369,11 @@ def test_two_workers_sharing_one_gpu_answer_as_one_engine_on_cuda(transfer, opti
     if transfer == "nixl" and not nixl_available():
         pytest.skip("NIXL is not installed")
     path, prompt = glm_ckpt[0], _prompt(256)
-    colocated = LLM(path, **BASE, **options, device="cuda")
+    cuda = dict(device="cuda", dtype="float32")  # the tolerance is float32's
+    colocated = LLM(path, **BASE, **options, **cuda)
     want = colocated.generate([prompt], GREEDY)[0]
-    with WorkerServer(path, "prefill", transfer=transfer, **BASE, device="cuda") as p, \
-            WorkerServer(path, "decode", transfer=transfer, **BASE, **options, device="cuda") as d:
+    with WorkerServer(path, "prefill", transfer=transfer, **BASE, **cuda) as p, \
+            WorkerServer(path, "decode", transfer=transfer, **BASE, **options, **cuda) as d:
         body = _decode(p, d, prompt)
         assert_as_colocated(want, body, d, logprob_tolerance(colocated))
         assert body["sparsekv"]["disaggregation"]["backend"] == ("gloo" if transfer == "torch" else "nixl")
