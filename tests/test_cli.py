@@ -120,6 +120,17 @@ def test_an_engine_option_error_names_the_flag_not_the_config_field(command, req
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, flag, field", [
+    (["bench", "spec", "--num-speculative-tokens", "9"], "--num-speculative-tokens", "num_speculative_tokens"),
+    (["bench", "batch", "--device", "cuda:99"], "error: --device 'cuda:99'", "error: device")])
+def test_a_benchmarks_engine_option_error_names_its_flag(argv, flag, field, capsys):
+    """A benchmark builds its engines from its own flags: an engine's ConfigError names them too."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    error = [line for line in err.splitlines() if line.startswith(f"sparsekv bench {argv[1]}: error: ")]
+    assert len(error) == 1 and flag in error[0] and field not in error[0], err
+
+
 def test_config_fields_in_a_message_become_flags():
     from sparsekv.__main__ import parser_for
     from sparsekv.engine_args import flags_by_dest, with_flag_names

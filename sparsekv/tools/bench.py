@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import ConfigError
+from ..engine_args import engine_error
 from ..engine_args import at_least, output_path
 from .plan_workload import parse_tokens, token_list_arg
 
@@ -325,7 +326,7 @@ def main(argv: list[str]) -> int:
         try:
             return module.main(argv[1:])
         except (FileNotFoundError, ConfigError, ValueError) as e:   # e.g. --model pointing at no checkpoint
-            print(f"sparsekv bench {argv[0]}: error: {e}", file=sys.stderr)
+            print(f"sparsekv bench {argv[0]}: error: {engine_error(e, module.build_parser())}", file=sys.stderr)
             return 2
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from ..config import ConfigError
-from ..engine_args import at_least
+from ..engine_args import at_least, engine_error
 
 
 def loss_main(args: argparse.Namespace) -> int:
@@ -56,10 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from . import eval_indexshare, eval_needle
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     run = {"needle": eval_needle.main, "indexshare": eval_indexshare.main, "loss": loss_main}[args.which]
     try:
         return run(args)
-    except (FileNotFoundError, ConfigError) as e:
-        print(f"sparsekv eval {args.which}: error: {e}", file=sys.stderr)
+    except (FileNotFoundError, ConfigError) as e:  # a ConfigError's fields named by the command's flags
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.which]
+        print(f"sparsekv eval {args.which}: error: {engine_error(e, command)}", file=sys.stderr)
         return 2
