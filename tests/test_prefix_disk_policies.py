@@ -229,3 +229,26 @@ def test_resetting_a_tenant_removes_its_files_only_and_a_zero_quota_keeps_none(t
     assert none.num_pages == 0 and _files(tmp_path / "b") == []
     none.check_integrity()
     none.close()
+
+
+def test_a_namespace_an_engine_takes_after_it_was_counted_is_not_removed(tmp_path):
+    """Another namespace counted free at start, then taken by an engine before this one runs out of
+    room: its files are no longer this engine's to remove (the lock is checked again at removal)."""
+    rows = _rows()
+    first = _store(rows, tmp_path, 3)
+    space = type(first)(rows, str(tmp_path), "c" * 32, first.capacity_bytes)
+    for i in range(2):
+        space.save_rows(_name(i), rows.copy_out(i), "bob")
+    space.close()
+    first.close()
+    disk = _store(rows, tmp_path, 3)  # room for the other's two files and one page of its own
+    disk.flush()
+    assert len(_files(tmp_path / ("c" * 32))) == 2  # counted, nothing removed yet
+    taken = type(disk)(rows, str(tmp_path), "c" * 32, disk.capacity_bytes)  # an engine starts on it
+    for i in range(3):
+        disk.save_rows(_name(10 + i), rows.copy_out(i), "alice")
+    disk.flush()
+    assert all(taken.has(_name(i)) for i in range(2)) and len(_files(tmp_path / ("c" * 32))) == 2
+    assert disk.has(_name(12))
+    taken.close()
+    disk.close()
