@@ -615,3 +615,72 @@ def test_in_flight_counts_end_with_each_call_however_it_ends_and_the_least_loade
         assert wait_until(lambda: all(w.in_flight == 0 for w in router.pool.all())), counts()
         flat = {n: sum(v.values()) for n, v in scrape_labelled(url, "role").items()}
     assert flat["sparsekv:router_worker_requests_in_flight"] == 0.0
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+
+
+def test_tools_and_structured_outputs_through_the_router_answer_as_a_colocated_server():
+    """A named tool choice and a JSON schema constrain the decode worker's tokens (its grammar starts at
+    the first token, which the prefill worker samples under the same grammar), streamed or not: the
+    router's answers are a colocated server's, tool calls and parsed JSON included."""
+    from disagg_util import WorkerServer
+    from sparsekv.config import EngineConfig
+    from sparsekv.engine import LLMEngine
+    from sparsekv.server.app import ServerSettings, create_app as create_server
+    from sparsekv.paths import default_model_path
+    from sparsekv.server.auth import parse_api_keys
+    path = default_model_path()  # its tokenizer spells JSON
+    base = dict(kv_page_size=16, max_model_len=256, num_threads=1)
+    messages = [{"role": "user", "content": "what is the weather in the plain of spain today"}]
+    bodies = [("/v1/chat/completions", {"messages": messages, "tools": TOOLS, "max_tokens": 48, "temperature": 0,
+                                        "tool_choice": {"type": "function", "function": {"name": "lookup"}}}),
+              ("/v1/chat/completions", {"messages": messages, "max_tokens": 48, "temperature": 0, "response_format": {
+                  "type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}}),
+              ("/v1/completions", {"prompt": "the answer is", "max_tokens": 24, "temperature": 0,
+                                   "response_format": {"type": "json_object"}})]
+
+    def answers(url: str) -> list:
+        out = []
+        for route, body in bodies:
+            plain = httpx.post(url + route, json=body, timeout=60)
+            assert plain.status_code == 200, plain.text
+            with httpx.stream("POST", url + route, json={**body, "stream": True}, timeout=60) as s:
+                events = [json.loads(line[6:]) for line in s.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            choice = plain.json()["choices"][0]
+            out.append((choice.get("message", {}).get("tool_calls"), choice.get("message", {}).get("content"),
+                        choice.get("text"), choice["finish_reason"], _streamed(events)))
+        return out
+    engine = LLMEngine(EngineConfig(model=path, **base))
+    with Served(create_server(engine, ServerSettings(["tiny"], parse_api_keys([])))) as colocated:
+        want = answers(colocated.url)
+    with WorkerServer(path, "prefill", **base) as p, WorkerServer(path, "decode", **base) as d:
+        pool = WorkerPool([p.url], [d.url])
+        check_modes(pool, timeout=10, interval=0.05)
+        with Served(create_app(Router(pool, request_timeout=60, health_interval=0.2))) as router:
+            got = answers(router.url)
+        p.check_clean()
+        d.check_clean()
+    tool_calls = want[0][0]
+    assert tool_calls and tool_calls[0]["function"]["name"] == "lookup"
+    assert tool_calls[0]["function"]["arguments"].startswith('{"city": "')  # the grammar's, whatever the tiny model writes
+    assert want[1][1].startswith('{"n": ')
+    for (w_calls, w_content, w_text, w_reason, w_stream), (g_calls, g_content, g_text, g_reason, g_stream) in zip(want, got):
+        strip = lambda calls: calls and [c["function"] for c in calls]  # noqa: E731 (ids are per response)
+        assert (strip(g_calls), g_content, g_text, g_reason) == (strip(w_calls), w_content, w_text, w_reason)
+        assert g_stream == w_stream
+
+
+def _streamed(events: list[dict]) -> tuple:
+    """A stream's text and tool-call arguments, joined, and its finish reason."""
+    text, arguments, reason = "", "", None
+    for event in events:
+        for choice in event.get("choices", []):
+            delta = choice.get("delta", {})
+            text += delta.get("content") or choice.get("text") or ""
+            arguments += "".join(c["function"].get("arguments") or "" for c in delta.get("tool_calls") or [])
+            reason = choice.get("finish_reason") or reason
+    return text, arguments, reason
