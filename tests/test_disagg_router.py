@@ -684,3 +684,342 @@ def _streamed(events: list[dict]) -> tuple:
             arguments += "".join(c["function"].get("arguments") or "" for c in delta.get("tool_calls") or [])
             reason = choice.get("finish_reason") or reason
     return text, arguments, reason
+
+
+# --- in-process checks of the pool, the polling and one exchange (no servers, no ports) -----------------
+
+
+def _pool(prefill: int = 1, decode: int = 2, load_slack: int = 4) -> WorkerPool:
+    """A pool whose workers are up, as check_modes leaves them (prefill workers with a bootstrap address)."""
+    pool = WorkerPool([f"http://p{i}:1" for i in range(prefill)], [f"http://d{i}:2" for i in range(decode)], load_slack)
+    for i, w in enumerate(pool.all()):
+        w.up = True
+        if w.role == "prefill":
+            w.bootstrap_host, w.bootstrap_port = f"10.0.0.{i}", 7000 + i
+    return pool
+
+
+def test_a_workers_load_counts_its_waiting_requests_and_this_routers_in_flight_ones():
+    """Load is running + waiting as last reported, or this router's own in-flight count if larger: a
+    worker with a deep queue (or with requests this router just sent, not yet in a report) must lose
+    the choice to an idle one whatever the affinity key says."""
+    from sparsekv.disagg.router_workers import Worker
+    w = Worker("http://d:1", "decode", num_running=2, num_waiting=3, in_flight=4)
+    assert w.load == 5
+    w.in_flight = 9
+    assert w.load == 9
+    pool = _pool(decode=2, load_slack=0)
+    queued, idle = pool.workers["decode"]
+    for attribute in ("num_waiting", "num_running", "in_flight"):
+        setattr(queued, attribute, 3)
+        assert {pool.choose("decode", f"key {i}".encode()).url for i in range(16)} == {idle.url}, attribute
+        setattr(queued, attribute, 0)
+    assert {pool.choose("decode", f"key {i}".encode()).url for i in range(32)} == {queued.url, idle.url}
+
+
+def test_the_affinity_key_holds_the_tenant_the_salt_and_the_leading_prompt_or_messages():
+    """Requests of different tenants or salts share no prefix-cache pages, so they must not be sent
+    together; chat messages are the prompt of a chat request (a key without them sent every chat request
+    of a tenant to one worker); only the leading `prefix_chars` characters count."""
+    from sparsekv.disagg.router_workers import affinity_key
+    chat = lambda text: {"messages": [{"role": "user", "content": text}]}
+    assert affinity_key({"prompt": "hi"}, "Bearer a", 64) != affinity_key({"prompt": "hi"}, "Bearer b", 64)
+    assert affinity_key({"prompt": "hi"}, "Bearer a", 64) != affinity_key({"prompt": "hi"}, None, 64)
+    assert affinity_key({"prompt": "hi", "cache_salt": "s1"}, None, 64) != \
+        affinity_key({"prompt": "hi", "cache_salt": "s2"}, None, 64)
+    assert affinity_key(chat("one question"), None, 64) != affinity_key(chat("another question"), None, 64)
+    lead = lambda text: affinity_key({"prompt": text}, None, 64)
+    assert lead("x" * 64 + "tail one") == lead("x" * 64 + "tail two")
+    assert lead("x" * 62 + "a") != lead("x" * 62 + "b")  # the 64th character of the JSON, its quote the first
+
+
+def test_a_prefill_worker_must_name_both_host_and_port_of_its_bootstrap_address():
+    """A decode worker needs both to fetch the KV: an answer missing either one is not a prefill worker's."""
+    from sparsekv.disagg.router_workers import Worker, WorkerInfo
+    w = Worker("http://p:1", "prefill")
+    assert w.mismatch(WorkerInfo(mode="prefill", bootstrap_host="h", bootstrap_port=5)) is None
+    for host, port in (("h", None), (None, 5), (None, None)):
+        assert "names no bootstrap address" in w.mismatch(WorkerInfo(mode="prefill", bootstrap_host=host,
+                                                                     bootstrap_port=port))
+    assert "says mode 'decode'" in w.mismatch(WorkerInfo(mode="decode"))
+    assert Worker("http://d:1", "decode").mismatch(WorkerInfo(mode="decode")) is None
+
+
+def test_worker_urls_drop_a_trailing_slash_and_refuse_a_worker_given_twice():
+    """`http://h:1/` + `/v1/completions` is a path no worker serves; the same worker twice (with and
+    without its slash) would count its load twice over."""
+    from sparsekv.disagg.router import worker_urls
+    assert worker_urls("--decode", ["http://h:1/", "https://g:2"]) == ["http://h:1", "https://g:2"]
+    with pytest.raises(RouterConfigError, match="--decode: a worker is given twice"):
+        worker_urls("--decode", ["http://h:1", "http://h:1/"])
+
+
+class _Polled:
+    """What a polled worker answers, per worker URL: `health` and `info` (a JSON body) or `error` (an
+    httpx exception to raise)."""
+
+    def __init__(self, pool: WorkerPool):
+        self.answers = {w.url: {"health": 200, "error": None, "info": {
+            "mode": w.role, "bootstrap_host": w.bootstrap_host, "bootstrap_port": w.bootstrap_port,
+            "num_running": 0, "num_waiting": 0}} for w in pool.all()}
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        answer = self.answers[f"{request.url.scheme}://{request.url.host}:{request.url.port}"]
+        if answer["error"] is not None:
+            raise answer["error"]("no answer", request=request)
+        if request.url.path == "/health":
+            return httpx.Response(answer["health"], json={})
+        return httpx.Response(200, json=answer["info"])
+
+
+def test_polling_marks_a_worker_down_on_an_error_or_another_role_and_after_the_third_timeout_in_a_row():
+    """What one poll does to a worker: a refused connection, a /health that is not 200, or a
+    /disaggregation naming another role takes it out at once; a timeout only counts, and the
+    POLL_TIMEOUTS_BEFORE_DOWN-th in a row takes it out; any answer resets the count, brings it back and
+    takes its reported load."""
+    pool = _pool(decode=1)
+    polled = _Polled(pool)
+    d = pool.workers["decode"][0]
+    answer = polled.answers[d.url]
+
+    async def poll(times: int = 1) -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(polled)) as client:
+            for _ in range(times):
+                await pool.poll(client)
+    answer["error"] = httpx.ReadTimeout
+    asyncio.run(poll(POLL_TIMEOUTS_BEFORE_DOWN - 1))
+    assert d.up and d.polls_timed_out == POLL_TIMEOUTS_BEFORE_DOWN - 1
+    asyncio.run(poll())
+    assert not d.up
+    answer["error"], answer["info"]["num_waiting"] = None, 7
+    asyncio.run(poll())
+    assert d.up and d.polls_timed_out == 0 and d.load == 7
+    answer["error"] = httpx.ReadTimeout
+    asyncio.run(poll(POLL_TIMEOUTS_BEFORE_DOWN - 1))
+    assert d.up  # the count started again from the answer
+    for why, change in (("refused", {"error": httpx.ConnectError}), ("unhealthy", {"health": 503}),
+                        ("another role", {"info": {**answer["info"], "mode": "prefill"}})):
+        answer.update({"error": None, "health": 200, "info": {**answer["info"], "mode": "decode"}})
+        asyncio.run(poll())
+        assert d.up, why
+        answer.update(change)
+        asyncio.run(poll())
+        assert not d.up, why
+    assert all(w.up for w in pool.workers["prefill"])
+
+
+def _exchange_app(pool: WorkerPool, handler):
+    """The router's app over `pool`, its client to the workers replaced by `handler` (an httpx
+    MockTransport handler): the lifespan does not run, so nothing polls and the pool stays as set."""
+    router = Router(pool, prefix_chars=64, request_timeout=60)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    app = create_app(router)
+    return router, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+
+
+def _role(request: httpx.Request) -> str:
+    return "prefill" if request.url.host.startswith("p") else "decode"
+
+
+def test_a_worker_that_refuses_the_connection_is_taken_out_at_once_and_the_next_request_avoids_it():
+    """A connection error on a request is proof the worker is gone: it is marked down there and then, so
+    the requests until the next poll go to the other worker instead of failing one after another."""
+    pool = _pool(decode=2, load_slack=0)
+    dead_url = pool.workers["decode"][0].url
+    sent = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        sent.append((_role(request), str(request.url.host)))
+        if str(request.url).startswith(dead_url):
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json={"role": _role(request)})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            body = {"model": "fake", "max_tokens": 2}
+            first = await client.post("/v1/completions", json={**body, "prompt": "x"})
+            later = [await client.post("/v1/completions", json={**body, "prompt": f"p{i}"}) for i in range(8)]
+        await router.client.aclose()
+        return first, later
+    # the first request goes to the dead worker: the only one within the (zero) slack of the least loaded
+    other = next(w for w in pool.workers["decode"] if w.url != dead_url)
+    other.in_flight = 1
+    first, later = asyncio.run(run())
+    assert first.status_code == 503 and "connection refused" in first.json()["error"]["message"]
+    dead = next(w for w in pool.workers["decode"] if w.url == dead_url)
+    assert not dead.up and other.up
+    assert [r.status_code for r in later] == [200] * 8
+
+
+def test_retry_after_and_x_request_id_and_the_key_reach_the_client_and_the_workers():
+    """The X-Request-Id and Authorization headers go to both workers (the request's id in both logs, the
+    tenant's key checked on both), and a decode worker's Retry-After on its 503 reaches the client with
+    the router's 503."""
+    pool = _pool(decode=1)
+    seen = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((_role(request), request.headers.get("x-request-id"), request.headers.get("authorization")))
+        if _role(request) == "decode":
+            return httpx.Response(503, json=error_body(503, "overloaded"), headers={"Retry-After": "7"})
+        return httpx.Response(200, json={})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x"},
+                                  headers={"X-Request-Id": "req-42", "Authorization": "Bearer tenant-a"})
+        await router.client.aclose()
+        return r
+    r = asyncio.run(run())
+    assert r.status_code == 503 and r.headers["retry-after"] == "7" and "overloaded" in r.json()["error"]["message"]
+    assert sorted(seen) == [("decode", "req-42", "Bearer tenant-a"), ("prefill", "req-42", "Bearer tenant-a")]
+
+
+def test_a_prefill_workers_4xx_is_the_clients_answer_not_the_decode_workers():
+    """A prefill worker refusing the request (bad input, a wrong key) ends it with that answer as it is,
+    even when the decode worker answers 200 afterwards: taking the prefill's 4xx for success handed the
+    client an answer computed without the prefill's KV."""
+    pool = _pool(decode=1)
+    prefill_answered = asyncio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if _role(request) == "prefill":
+            prefill_answered.set()
+            return httpx.Response(400, json=error_body(400, "prompt too long", "prompt"))
+        await prefill_answered.wait()
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "not from the prefill's KV"}]})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
+        await router.client.aclose()
+        return r
+    r = asyncio.run(run())
+    assert r.status_code == 400 and r.json() == error_body(400, "prompt too long", "prompt")
+    assert all(w.in_flight == 0 for w in pool.all())
+
+
+def test_a_stream_whose_error_event_is_followed_by_done_counts_as_that_error():
+    """A decode worker ends a failed stream with an error event and then `data: [DONE]`, which may come
+    in a chunk of its own: the request still counts under the error's code and as the decode side's
+    failure (the [DONE] chunk must not turn it back into a 200)."""
+    pool = _pool(decode=1)
+    error = f"data: {json.dumps(error_body(503, 'the engine failed'), separators=(',', ':'))}\n\n".encode()
+    chunks = [b'data: {"choices":[{"index":0,"text":"He"}]}\n\n', error, b"data: [DONE]\n\n"]
+
+    async def events():
+        for chunk in chunks:  # one chunk per event, as the worker flushes them
+            yield chunk
+            await asyncio.sleep(0)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if _role(request) == "prefill":
+            return httpx.Response(200, json={})
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "stream": True})
+        await router.client.aclose()
+        return router, r
+    router, r = asyncio.run(run())
+    assert r.status_code == 200 and r.content == b"".join(chunks)
+    value = router.metrics.registry.get_sample_value
+    assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": "503"}) == 1.0
+    assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": "200"}) is None
+    assert value("sparsekv:router_transfer_failures_total", {"role": "decode"}) == 1.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_call_still_running_when_the_decode_worker_has_answered_is_left_to_finish(stream):
+    """Once the decode worker has answered, the prefill worker has sent the KV and its own answer may
+    still be on the way: the router lets that call end by itself (cancelling it closed the connection,
+    and the prefill worker aborted a request that had succeeded)."""
+    pool = _pool(decode=1)
+    answered, prefill_cancelled, prefill_done = asyncio.Event(), [], []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if _role(request) == "prefill":
+            try:
+                await answered.wait()  # answers only after the client has the decode worker's answer
+            except asyncio.CancelledError:
+                prefill_cancelled.append(True)
+                raise
+            prefill_done.append(True)
+            return httpx.Response(200, json={})
+        if stream:
+            async def events():  # a generator: a streamed answer's bytes are read as they come
+                yield b'data: {"choices":[]}\n\ndata: [DONE]\n\n'
+            return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "decoded"}]})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "stream": stream})
+        answered.set()
+        for _ in range(500):  # the prefill call's end, in the router's background
+            if prefill_done or prefill_cancelled:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
+        await router.client.aclose()
+        return r
+    r = asyncio.run(run())
+    assert r.status_code == 200
+    assert prefill_cancelled == [] and prefill_done == [True]
+    assert all(w.in_flight == 0 for w in pool.all())
+
+
+def test_models_come_from_the_next_decode_worker_when_one_is_gone_and_the_gone_one_is_taken_out():
+    """GET /v1/models asks the up decode workers in turn: one that refuses the connection is skipped and
+    marked down at once (left up, generation requests kept going to it until the next poll)."""
+    pool = _pool(decode=2)
+    gone, alive = pool.workers["decode"]
+    asked = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.host)
+        if request.url.host == "d0":
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json={"object": "list", "data": [{"id": "served-by-d1"}]})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.get("/v1/models")
+        await router.client.aclose()
+        return r
+    r = asyncio.run(run())
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "served-by-d1" and asked == ["d0", "d1"]
+    assert not gone.up and alive.up
+
+
+def test_the_same_prompt_from_different_tenants_is_spread_and_from_one_tenant_kept_together():
+    """The router keys affinity by the request's Authorization too (a tenant's pages serve only that
+    tenant): each tenant's requests for one prompt stay on one decode worker, and the tenants together
+    use both (a key without the tenant sent every tenant's copy of a popular prompt to one worker)."""
+    pool = _pool(decode=2)
+    hosts: dict[str, list[str]] = {}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if _role(request) == "decode":
+            hosts.setdefault(request.headers["authorization"], []).append(request.url.host)
+        return httpx.Response(200, json={"choices": []})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            for tenant in range(12):
+                for _ in range(2):
+                    r = await client.post("/v1/completions", json={"model": "fake", "prompt": SYSTEM},
+                                          headers={"Authorization": f"Bearer tenant-{tenant}"})
+                    assert r.status_code == 200
+        await router.client.aclose()
+    asyncio.run(run())
+    assert len(hosts) == 12 and all(len(set(h)) == 1 for h in hosts.values())
+    assert {h[0] for h in hosts.values()} == {"d0", "d1"}

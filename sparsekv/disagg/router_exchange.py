@@ -98,7 +98,8 @@ class Exchange:
         closes the connection and the decode worker aborts the request. A cancel delivered inside the
         read left its connection half closed and the request generating."""
         task = self.d_reading = asyncio.ensure_future(awaitable)
-        await asyncio.wait({task} if self.p_task.done() else {task, self.p_task}, return_when=asyncio.FIRST_COMPLETED)
+        # the prefill call too when it has ended: it may have failed since the last wait (then this one ends at once)
+        await asyncio.wait({task, self.p_task}, return_when=asyncio.FIRST_COMPLETED)
         failure = self.prefill_failure()
         if failure is not None:
             task.cancel()
