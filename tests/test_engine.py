@@ -531,6 +531,20 @@ def test_a_tenant_kv_share_admits_other_tenants_past_a_flood_and_keeps_outputs(g
         LLM(glm_ckpt[0], tenant_kv_share=0)
 
 
+def test_a_tenant_share_is_the_floor_of_the_share_as_written(glm_ckpt):
+    """docs/server.md: a tenant may hold floor(F x the pool's pages). 0.29 of 100 pages is 29 pages
+    (0.29 * 100 is 28.999... in floating point: truncated, a request of exactly the share was refused
+    as needing more than 28); the prefix cache's per-tenant share rounds the same way."""
+    common = dict(max_model_len=256, kv_page_size=4, num_kv_pages=100)
+    kv = LLM(glm_ckpt[0], enable_prefix_caching=False, tenant_kv_share=0.29, **common).engine.kv
+    assert kv.tenant_pages == 29
+    kv.check_fits(112, 4)  # 116 tokens: 29 pages
+    with pytest.raises(InvalidRequest, match="needs 30 KV pages .* a tenant may hold 29 of the 100"):
+        kv.check_fits(113, 4)
+    cached = LLM(glm_ckpt[0], enable_prefix_caching=True, prefix_cache_tenant_share=0.29, **common).engine.kv
+    assert cached.allocator.cached.max_per_tenant == 29
+
+
 def _run_counting_peak(llm, prompts, params) -> tuple[list, int]:
     """Every request through the engine's step loop: outputs in order, and the most running at once."""
     engine, outs, peak = llm.engine, {}, 0
@@ -686,3 +700,103 @@ def test_chat_renders_the_chat_template_and_generates_as_from_its_ids(llm):
     chat_llm.close()
     with pytest.raises(InvalidRequest, match="tokenizer"):
         llm.chat(conversation, params)  # the tiny test checkpoint has no tokenizer
+
+
+def _token_bytes(cfg) -> tuple[int, int]:
+    """A token's float32 cache bytes from the model's dimensions, not from cache/sizing.py: (latent,
+    latent + indexer keys). Each layer keeps a latent row (kv_lora_rank + qk_rope_head_dim), each full
+    layer an indexer key (index_head_dim)."""
+    latent = 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
+    return latent, latent + 4 * cfg.index_head_dim * len(cfg.full_layers)
+
+
+def _ten_page_pool(glm_ckpt, **options) -> LLM:
+    """The tiny GLM in float32 on a pool of 10 pages of 4 tokens, no prefix cache."""
+    return LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, num_kv_pages=10, prefill_chunk_tokens=16,
+               max_num_batched_tokens=40, enable_prefix_caching=False, **options)
+
+
+def test_check_fits_admits_exactly_the_pool_and_a_tenant_share_rounded_down(glm_ckpt):
+    """CacheManager.check_fits at its boundaries: prompt + max_tokens of exactly the 10-page pool fits,
+    one token more is refused; tenant_kv_share 0.55 of 10 pages is 5 whole pages (rounded down: a sixth
+    would pass the share), so 20 tokens fit and 21 are refused; with optimistic admission the share is
+    a guarantee, not a cap, and only the pool bounds a request."""
+    kv = _ten_page_pool(glm_ckpt).engine.kv
+    kv.check_fits(36, 4)
+    with pytest.raises(InvalidRequest, match="needs 11 KV pages for 37 \\+ 4 tokens .* the pool has 10"):
+        kv.check_fits(37, 4)
+    shared = _ten_page_pool(glm_ckpt, tenant_kv_share=0.55).engine.kv
+    assert shared.tenant_pages == 5
+    shared.check_fits(16, 4)
+    with pytest.raises(InvalidRequest, match=r"needs 6 KV pages .* a tenant may hold 5 of the 10"):
+        shared.check_fits(17, 4)
+    optimistic = _ten_page_pool(glm_ckpt, tenant_kv_share=0.55, kv_admission="optimistic").engine.kv
+    optimistic.check_fits(36, 4)
+    with pytest.raises(InvalidRequest, match="the pool has 10"):
+        optimistic.check_fits(37, 4)
+
+
+def test_a_pool_of_exactly_the_devices_memory_is_built_and_a_byte_more_is_refused(glm_ckpt, monkeypatch):
+    """The pool's memory check counts every byte of it (10 pages x 4 tokens x a token's bytes): a device
+    with exactly that much builds it, one byte less is a ConfigError."""
+    import sparsekv.cache.manager as manager
+    from sparsekv.config import ModelConfig
+    pool_bytes = 10 * 4 * _token_bytes(ModelConfig.from_json(glm_ckpt[0]))[1]
+    monkeypatch.setattr(manager, "device_memory_bytes", lambda device: pool_bytes)
+    assert _ten_page_pool(glm_ckpt).engine.kv.allocator.num_pages == 10
+    monkeypatch.setattr(manager, "device_memory_bytes", lambda device: pool_bytes - 1)
+    with pytest.raises(ConfigError, match=r"the KV cache would take .* \(10 pages of 4 tokens"):
+        _ten_page_pool(glm_ckpt)
+
+
+def test_kv_capacity_and_byte_figures_count_tokens_not_pages(glm_ckpt, random_prompt):
+    """capacity_tokens (the server's context limit) is pages x page size; the device byte figures of the
+    cache and of a request are their pages' tokens x a token's bytes (each figure would be 4 times too
+    small if it counted pages as tokens)."""
+    llm = _ten_page_pool(glm_ckpt)
+    engine, kv = llm.engine, llm.engine.kv
+    latent_bytes, token_bytes = _token_bytes(engine.model_config)
+    assert kv.capacity_tokens == engine.kv_capacity_tokens == 40
+    engine.add_request("a", random_prompt(10), SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()
+    (req,) = engine.scheduler.running
+    used = kv.allocator.num_pages - kv.allocator.num_free
+    assert used == len(req.page_ids) >= 3
+    stats = kv.stats()
+    assert stats["device_kv_bytes"] == used * 4 * token_bytes and stats["device_latent_bytes"] == used * 4 * latent_bytes
+    assert kv.request_metrics(req)["device_kv_bytes"] == len(req.page_ids) * 4 * token_bytes
+    engine.abort("a")
+    _idle(llm)
+
+
+@pytest.mark.parametrize("corruption,message", [
+    ("page twice", "holds a page twice"),
+    ("unheld page", "allocator and requests disagree"),
+    ("extra owner", "page owners and requests disagree"),
+    ("unnamed shared page", "a shared page has no name"),
+    ("free page twice", "on the free list twice"),
+])
+def test_cache_check_integrity_catches_each_kind_of_corruption(glm_ckpt, random_prompt, corruption, message):
+    """CacheManager.check_integrity (the engine's) compares the running requests' page tables with the
+    allocator: each of its assertions fires on the disagreement it names (one that stopped checking
+    would let two requests write one page, or a page leak, unnoticed), and it runs the allocator's own."""
+    llm = _ten_page_pool(glm_ckpt)
+    engine, kv = llm.engine, llm.engine.kv
+    for rid, seed in (("a", 1), ("b", 2)):
+        engine.add_request(rid, random_prompt(6, seed=seed), SamplingParams(max_tokens=2, temperature=0.0))
+    engine.step()
+    a, b = engine.scheduler.running
+    kv.check_integrity([a, b], set())
+    if corruption == "page twice":
+        a.page_ids.append(a.page_ids[0])
+    elif corruption == "unheld page":
+        kv.allocator.allocate("ghost", 1)
+    elif corruption == "free page twice":
+        kv.allocator._free.append(kv.allocator._free[0])
+    elif corruption == "extra owner":
+        kv.allocator._owners[a.page_ids[0]].add("ghost")
+    else:  # b shares a's first page, as a prefix hit would, but no prefix cache names it
+        kv.allocator._owners[a.page_ids[0]].add(b.request_id)
+        b.page_ids.insert(0, a.page_ids[0])
+    with pytest.raises(AssertionError, match=message):
+        kv.check_integrity([a, b], set())

@@ -144,3 +144,54 @@ def test_replay_counts_a_cyclic_trace():
     assert (counts.lookups, counts.lru_misses, counts.compulsory_misses) == (12, 12, 4)
     assert counts.optimal_misses == 6   # 4 first accesses, then one miss per 3 accesses
     assert counts.rates()["lru_miss_rate"] == 1.0
+
+
+def test_lru_rejects_a_negative_position_among_several_and_changes_nothing():
+    """The several-position path checks for negatives too (not only the one-position fast path): a
+    negative position would index the position table from its end and corrupt another position's slot."""
+    import numpy as np
+    lru = WorkingSetLRU(4)
+    lru.resolve([5, 6])
+    for bad in ([-1, 2], np.array([7, -3, 1])):
+        with pytest.raises(ValueError, match=">= 0"):
+            lru.resolve(bad)
+        assert lru.lru_order() == [5, 6] and len(lru) == 2
+        lru.check_integrity()
+
+
+def test_slots_of_answers_positions_past_the_position_table_without_moving_anything():
+    """slots_of grows the position table to cover the largest position asked (it starts at 1024
+    entries): a position at or past the table's end is simply not resident, and nothing is accessed."""
+    import numpy as np
+    lru = WorkingSetLRU(4)
+    lru.resolve([3, 7])
+    assert lru.slots_of(np.array([7, 3, 1024, 5000, 9])).tolist() == [1, 0, -1, -1, -1]
+    assert lru.slots_of(np.array([], dtype=np.int64)).tolist() == []
+    assert lru.lru_order() == [3, 7] and len(lru) == 2
+    lru.check_integrity()
+
+
+def _populated_lru():
+    """Capacity 4, three positions resident (slots 0..2), slot 3 free."""
+    lru = WorkingSetLRU(4)
+    lru.resolve([10, 20])
+    lru.resolve([30])
+    lru.check_integrity()
+    return lru
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda lru: lru._position.__setitem__(1, 10), "holds two positions"),
+    (lambda lru: lru._stamp.__setitem__(1, lru._stamp[0]), "share a recency stamp"),
+    (lambda lru: lru._stamp.__setitem__(3, 1000), "free slot looks recently used"),
+    (lambda lru: lru._slot_of.__setitem__([10, 20], [1, 0]), "disagrees with slots"),
+    (lambda lru: lru._slot_of.__setitem__(99, 3), "holds an evicted position"),
+], ids=["two slots one position", "shared stamp", "free slot stamped", "swapped table", "stale table entry"])
+def test_lru_check_integrity_catches_each_kind_of_corruption(corrupt, message):
+    """check_integrity is what the engine's integrity checks rely on for the working sets: each of
+    its assertions must fire on the corruption it names (an assertion that stopped checking would let
+    a wrong slot be read silently)."""
+    lru = _populated_lru()
+    corrupt(lru)
+    with pytest.raises(AssertionError, match=message):
+        lru.check_integrity()

@@ -128,6 +128,33 @@ def test_a_tenant_holds_at_most_its_quota_of_cached_pages():
     a.check_integrity()
 
 
+def test_cached_pages_unused_since_a_cutoff_are_those_released_strictly_before_it():
+    """The TTL's selection (every tier's `expire`): the cached pages released before the cutoff, every
+    tenant's, a page released exactly at the cutoff kept; a hit (`touch`) makes a page its tenant's
+    newest, last used at the hit's time."""
+    from sparsekv.cache.cached_pages import TenantLRU
+    lru = TenantLRU()
+    for key, tenant, now in ((1, "a", 10.0), (2, "a", 20.0), (3, "b", 15.0), (4, "b", 30.0)):
+        lru.add(key, tenant, now)
+    assert lru.unused_since(20.0) == [1, 3]
+    assert lru.unused_since(20.5) == [1, 2, 3] and lru.unused_since(10.0) == []
+    lru.touch(1, 40.0)
+    assert lru.keys("a") == [2, 1] and lru.last_used(1) == 40.0
+    assert lru.unused_since(20.5) == [2, 3] and lru.oldest_first() == [3, 2, 4, 1]
+
+
+def test_a_host_tier_of_exactly_one_page_is_enough_and_a_byte_less_is_refused(ckpt):
+    """prefix_cache_host_bytes must hold one page of every slot-indexed tensor (latents and indexer keys:
+    a page of the pool's bytes per token): exactly that is a one-page host tier, a byte less a
+    ConfigError naming the option."""
+    pool = make(ckpt).engine.kv.pool
+    page_bytes = PAGE * (pool.latent_bytes_per_token() + pool.index_bytes_per_token())
+    llm = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=page_bytes)
+    assert llm.engine.kv.prefix.rows.page_bytes == page_bytes
+    with pytest.raises(ConfigError, match=f"prefix_cache_host_bytes={page_bytes - 1} holds less than one"):
+        make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=page_bytes - 1)
+
+
 def test_the_tenant_quota_through_the_engine_keeps_outputs_and_feeds_the_host_tier(ckpt):
     """With a quota of 2 pages per tenant, a long prompt leaves 2 pages cached in the pool; its other
     pages go to the host tier, so a repeat still hits them all, with the same tokens."""

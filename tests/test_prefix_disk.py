@@ -1139,3 +1139,14 @@ def test_host_and_disk_hits_are_counted_to_the_tenant_they_served(ckpt, tmp_path
                                  "disk_pages": 8}}
     engine.check_integrity()
     engine.close()
+
+
+def test_a_disk_tier_of_exactly_one_page_file_is_enough_and_a_byte_less_is_refused(ckpt, tmp_path):
+    """prefix_cache_disk_bytes counts whole page files, metadata included: a budget of exactly one file
+    makes a one-file tier, a byte less is a ConfigError naming the option and the file size."""
+    one = _file_bytes(ckpt, sealed=False)
+    options = dict(enable_prefix_caching=True, prefix_cache_disk_unencrypted=True, **SMALL_POOL)
+    with make(ckpt, prefix_cache_disk_path=str(tmp_path / "one"), prefix_cache_disk_bytes=one, **options) as llm:
+        assert "disk" in llm.engine.kv.prefix.tiers
+    with pytest.raises(ConfigError, match=f"prefix_cache_disk_bytes={one - 1} holds less than one page file .*{one} B"):
+        make(ckpt, prefix_cache_disk_path=str(tmp_path / "less"), prefix_cache_disk_bytes=one - 1, **options)

@@ -413,3 +413,82 @@ def test_preemption_takes_the_newest_request_even_when_an_older_ones_prefill_run
     assert preempted == [new] and old.num_preemptions == 0 and old in sched.running
     assert [c.request_id for c in chunks] == ["old"] and list(sched.waiting) == [new]
     alloc.check_integrity()
+
+
+def _allocator_with_a_cached_page() -> tuple[PageAllocator, list[int], int]:
+    """6 pages: 2 owned by "x", 1 cached (named for tenant "t"), 3 free, and all 4 allocatable pages
+    reserved by "w": consistent (reservations may reach the free pages, not pass them)."""
+    a = PageAllocator(6, page_size=4)
+    a.cached.tenant_of_named = lambda page: "t"
+    owned = a.allocate("x", 2)
+    (cached,) = a.allocate("y", 1)
+    a.free("y", [cached])
+    assert cached in a.cached and a.num_free == 4
+    assert a.reserve("w", 4) and a.num_available == 0
+    a.check_integrity()
+    return a, owned, cached
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda a, owned, cached: a._free.append(a._free[0]), "on the free list twice"),
+    (lambda a, owned, cached: a._free.append(owned[0]), "both free and owned"),
+    (lambda a, owned, cached: a._free.append(cached), "cached page is also free or owned"),
+    (lambda a, owned, cached: a._free.popleft(), r"free \+ cached \+ used != total"),
+    (lambda a, owned, cached: a._owners.__setitem__(owned[0], set()), "owned page with no owner"),
+    (lambda a, owned, cached: a._reserved.__setitem__("x", -1), "negative reservation"),
+    (lambda a, owned, cached: a._reserved.__setitem__("x", 1), "reservations exceed free pages"),
+], ids=["free twice", "free and owned", "cached and free", "page lost", "ownerless", "negative reservation",
+        "overreserved"])
+def test_allocator_check_integrity_catches_each_kind_of_corruption(corrupt, message):
+    """Each assertion of PageAllocator.check_integrity fires on the corruption it names (the engine's
+    and the scheduler tests' integrity checks rely on them: one that stopped checking would let a page
+    be handed to two requests, or leak, silently)."""
+    a, owned, cached = _allocator_with_a_cached_page()
+    corrupt(a, owned, cached)
+    with pytest.raises(AssertionError, match=message):
+        a.check_integrity()
+
+
+def _swap_two_tenants_keys(lru) -> None:
+    """A second tenant's key, then each key recorded under the other's tenant (the counts still agree)."""
+    lru.add(99, "u", 0.0)
+    (k1, t1), (k2, t2) = lru._tenant.items()
+    lru._tenant[k1], lru._tenant[k2] = t2, t1
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda lru: lru._groups.setdefault("u", {}), "an empty tenant group"),
+    (lambda lru: lru._groups.__setitem__("u", {next(iter(lru._tenant)): 0.0}), "a key is in two tenant groups"),
+    (_swap_two_tenants_keys, "not in its tenant's group"),
+], ids=["empty group", "two groups", "wrong group"])
+def test_cached_pages_check_integrity_catches_each_kind_of_corruption(corrupt, message):
+    """The allocator's integrity check covers its cached pages' tenant groups too (TenantLRU, the
+    eviction order of every prefix-cache tier): each assertion fires on the corruption it names."""
+    a, _, _ = _allocator_with_a_cached_page()
+    corrupt(a.cached._lru)
+    with pytest.raises(AssertionError, match=message):
+        a.check_integrity()
+
+
+def test_tenant_pages_check_integrity_catches_a_wrong_ledger_and_a_tenant_over_its_cap():
+    """TenantPages.check_integrity (the scheduler's): the ledger must equal the running requests'
+    footprints (prompt + max_tokens in pages: 12 + 4 tokens = 4 pages each), and with a cap no tenant
+    may reserve more than it: exactly the cap is fine, one page over is not."""
+    from sparsekv.cache.tenant_pages import TenantPages
+    ledger = TenantPages(PageAllocator(20, page_size=4))
+    running = [make("a", 12), make("b", 12)]
+    for r in running:
+        ledger.admit(r)
+    assert ledger.reserved == {"default": 8}
+    ledger.check_integrity(running, cap=8)
+    ledger.check_integrity(running, cap=None)
+    with pytest.raises(AssertionError, match="more than its share"):
+        ledger.check_integrity(running, cap=7)
+    ledger.release(running[1])
+    assert ledger.reserved == {"default": 4}
+    with pytest.raises(AssertionError, match="disagree"):
+        ledger.check_integrity(running, cap=None)
+    ledger.check_integrity(running[:1], cap=4)
+    ledger.release(running[0])
+    assert ledger.reserved == {}  # no tenant left with a zero entry
+    ledger.check_integrity([], cap=4)

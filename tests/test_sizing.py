@@ -151,3 +151,69 @@ def test_engine_loads_what_sizing_says_per_rank(request, tmp_path, family):
             want = weight_bytes_per_rank(cfg, Parallelism(tp=tp, ep=ep), "fp32", mtp=mtp).total
             for rank in range(tp):
                 assert loaded_bytes(where, torch.float32, layout=layout.ParallelLayout(tp, 1, ep, rank)) == want
+
+
+# ------------------------------------------------------------------ the tiers and pages a budget allows
+
+def _engine_config(**options):
+    from sparsekv.config import EngineConfig
+    return EngineConfig(model="unused", kv_page_size=16, max_num_seqs=2, **options)
+
+
+def test_tier_sizes_take_the_tightest_budget_by_hand():
+    """plan_tier_sizes with 100 B of latent and 10 B of indexer keys per token, 16-token pages, 2 working
+    sets of 2 x index_topk = 16 slots each plus 1 new-token row (17 rows): every budget by hand, the
+    smallest one binding and named (a larger or a rounded-up count would overrun a budget)."""
+    from sparsekv.cache.sizing import TierSizes, plan_tier_sizes
+    cfg = _tiny_cfg()
+    plan = lambda **options: plan_tier_sizes(_engine_config(**options), cfg, 100, 10, 7)  # noqa: E731
+    assert plan() == TierSizes(7, 2, 16, "the default cache size")
+    assert plan(device_buffer_tokens=12) == TierSizes(7, 2, 12, "the default cache size")
+    host = 40 * 16 * 100 + 1599  # 40 pages of host latent, not quite 41
+    assert plan(host_kv_budget_bytes=host) == TierSizes(40, 2, 16, f"host_kv_budget_bytes={host}")
+    assert plan(host_kv_budget_bytes=host, num_kv_pages=39).num_pages == 39
+    assert plan(host_kv_budget_bytes=host, num_kv_pages=41).limit == f"host_kv_budget_bytes={host}"
+    # the device holds 2 working sets of 17 rows (3400 B), then whole pages of indexer keys (160 B each)
+    device = 2 * 17 * 100 + 30 * 16 * 10 + 159
+    sizes = plan(device_kv_budget_bytes=device, host_kv_budget_bytes=host)
+    assert (sizes.num_pages, sizes.device_buffer_tokens) == (30, 16)
+    assert sizes.limit.startswith(f"device_kv_budget_bytes={device} ")
+    # a drafted token takes one more row per working set: 2 x 100 B less for indexer keys
+    assert plan(device_kv_budget_bytes=2 * 18 * 100 + 30 * 16 * 10, num_speculative_tokens=1).num_pages == 30
+    assert plan(device_kv_budget_bytes=2 * 18 * 100 + 30 * 16 * 10 - 1, num_speculative_tokens=1).num_pages == 29
+
+
+def test_tier_budgets_of_exactly_one_page_are_enough_and_one_byte_less_is_refused():
+    """The boundaries of plan_tier_sizes' errors: a budget holding exactly one page (after the working
+    sets, for the device) is valid; one byte less is a ConfigError naming the option."""
+    from sparsekv.cache.sizing import plan_tier_sizes
+    from sparsekv.config import ConfigError
+    cfg = _tiny_cfg()
+    plan = lambda **options: plan_tier_sizes(_engine_config(**options), cfg, 100, 10, 7)  # noqa: E731
+    assert plan(host_kv_budget_bytes=16 * 100).num_pages == 1
+    with pytest.raises(ConfigError, match="host_kv_budget_bytes=1599 holds less than one 16-token page"):
+        plan(host_kv_budget_bytes=16 * 100 - 1)
+    assert plan(device_kv_budget_bytes=2 * 17 * 100 + 16 * 10).num_pages == 1
+    with pytest.raises(ConfigError, match=r"device_kv_budget_bytes=3559 cannot hold 2 working sets of 17 tokens"):
+        plan(device_kv_budget_bytes=2 * 17 * 100 + 16 * 10 - 1)
+    # no indexer keys on the device (selector bytes 0) still counts a byte per token, never divides by 0
+    assert plan_tier_sizes(_engine_config(device_kv_budget_bytes=3400 + 5 * 16), cfg, 100, 0, 7).num_pages == 5
+
+
+def test_untiered_pages_and_quest_metadata_by_hand():
+    """A device-resident cache of the tiny model in fp32 (40-value latents, 160 B a layer): 4 layers of
+    latent + 2 full layers of 16 fp32 indexer keys = 768 B a token, 992 B with the MTP layer's own; a
+    budget of exactly one page fits one page, a byte less is refused. Quest keeps an fp32 min and max
+    of every latent value per page in the 2 full layers: 640 B a page."""
+    from sparsekv.cache.sizing import quest_bytes_per_token, untiered_bytes_per_token, untiered_pages
+    from sparsekv.config import ConfigError
+    cfg = _tiny_cfg()
+    assert untiered_bytes_per_token(_engine_config(), cfg, "fp32", 160) == 4 * 160 + 2 * 16 * 4 == 768
+    assert untiered_bytes_per_token(_engine_config(num_speculative_tokens=1), cfg, "fp32", 160) == 768 + 160 + 64
+    page = 16 * 768
+    assert untiered_pages(_engine_config(device_kv_budget_bytes=page), cfg, "fp32", 160) == 1
+    assert untiered_pages(_engine_config(device_kv_budget_bytes=6 * page - 1), cfg, "fp32", 160) == 5
+    with pytest.raises(ConfigError, match=f"device_kv_budget_bytes={page - 1} holds less than one 16-token page"):
+        untiered_pages(_engine_config(device_kv_budget_bytes=page - 1), cfg, "fp32", 160)
+    assert quest_bytes_per_token(cfg, 16) == 2 * 40 * 4 * 2 // 16 == 40
+    assert quest_bytes_per_token(cfg, 64) == 10

@@ -11,6 +11,7 @@ import logging
 import os
 import stat
 from dataclasses import replace
+from fractions import Fraction
 
 import torch
 
@@ -32,7 +33,7 @@ class CacheManager:
         self.pool, self.allocator = self._build_pool()
         self.prefix = self._build_prefix_cache() if config.enable_prefix_caching else None
         share = config.tenant_kv_share
-        self.tenant_pages = None if share is None else int(share * self.allocator.num_pages)
+        self.tenant_pages = None if share is None else _share_of(share, self.allocator.num_pages)
 
     # -- building ------------------------------------------------------------------------------
     def _build_pool(self):
@@ -117,7 +118,7 @@ class CacheManager:
     def _tenant_quota(self, tier_pages: int) -> int | None:
         """A tenant's share of a prefix-cache tier of `tier_pages` pages, in pages (None: no bound)."""
         share = self.config.prefix_cache_tenant_share
-        return None if share is None else int(share * tier_pages)
+        return None if share is None else _share_of(share, tier_pages)
 
     def _disk_key_file(self) -> str | None:
         """The disk tier's key file: the operator's, else one generated in the tier's directory
@@ -324,6 +325,12 @@ class CacheManager:
         self.pool.check_integrity(active, waiting)
         if self.prefix is not None:
             self.prefix.check_integrity(active | waiting)
+
+
+def _share_of(share: float, pages: int) -> int:
+    """floor(share x pages) of the share as written: 0.29 of 100 pages is 29 (0.29 * 100 is 28.999...
+    in binary floating point, which int() truncates to 28)."""
+    return int(Fraction(repr(share)) * pages)
 
 
 def _page_cipher(option: str, path: str, space: str):
