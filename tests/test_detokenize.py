@@ -142,3 +142,83 @@ def test_eos_ends_the_output_after_min_tokens_with_no_stop_reason(small_llm, tok
                                                        min_tokens=min_tokens))[0]
         assert out.token_ids[-1] == eos and len(out.token_ids) == min_tokens + 1, (min_tokens, out.token_ids)
         assert out.finish_reason == "stop" and out.stop_reason is None
+
+
+class _SentencePieceLike:
+    """A SentencePiece-style tokenizer: pieces joined, "▁" a space, and the decoded text's leading space
+    dropped, so a piece's text depends on what comes before it ("▁world" is " world" after "▁Hello",
+    "world" alone). <s> is special."""
+
+    PIECES = ["▁Hello", "▁world", "<s>", ","]
+    HELLO, WORLD, SPECIAL, COMMA = range(4)
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        text = "".join(self.PIECES[t] for t in token_ids
+                       if not (skip_special_tokens and t == self.SPECIAL)).replace("▁", " ")
+        return text[1:] if text.startswith(" ") else text
+
+
+def test_streamed_text_keeps_the_spaces_a_context_dependent_tokenizer_decodes_by_context():
+    """The new text of a step is decoded with the tokens before it in the window: decoding the new
+    tokens alone (no context window), or moving the window past a token that added no text (a skipped
+    special token), would drop the space that "▁world" has after a word: "Helloworld"."""
+    sp = _SentencePieceLike()
+    for ids in ([sp.HELLO, sp.WORLD, sp.COMMA, sp.WORLD], [sp.HELLO, sp.SPECIAL, sp.WORLD, sp.SPECIAL, sp.WORLD]):
+        detok = IncrementalDetokenizer(sp)
+        streamed = "".join(detok.update(ids[:n]) for n in range(1, len(ids) + 1))
+        assert streamed == detok.text == sp.decode(ids), ids
+        assert detok.finish(ids) == sp.decode(ids)
+
+
+def test_stop_match_takes_the_earliest_stop_and_the_first_listed_at_one_index():
+    """A stop string completed at a lower index wins over one listed before it; at one index (a
+    stop string and its own prefix completed by one token) the first listed wins, which decides the
+    stop_reason and, with include_stop_str_in_output, the text kept."""
+    from sparsekv.detokenize import stop_match
+    assert stop_match("xabc", 3, ["c", "b"]) == (2, "b")
+    assert stop_match("x\n\n", 2, ["\n\n", "\n"]) == (1, "\n\n")
+    assert stop_match("x\n\n", 2, ["\n", "\n\n"]) == (1, "\n")
+    # the new text is all the text: a stop string as long as the text is found at index 0
+    assert stop_match("ab", 2, ["ab"]) == (0, "ab") and find_stop("ab", 2, ["ab"]) == 0
+    assert stop_match("ab", 1, ["ab"]) == (0, "ab") and stop_match("ab", 2, ["abc"]) == (-1, "")
+
+
+def test_stop_strings_completed_together_end_at_the_first_listed(small_llm, tokenizer):
+    """One token ("\\n\\n") completes two stop strings at one index: the first listed is the
+    stop_reason and, with include_stop_str_in_output, the text kept."""
+    x, blank = tokenizer.encode("x\n\n", add_special_tokens=False)
+    assert tokenizer.decode([blank]) == "\n\n"
+    out = _forced(small_llm, [x, blank, x], max_tokens=3, stop=["\n\n", "\n"], include_stop_str_in_output=True)
+    assert (out.text, out.stop_reason, out.finish_reason) == ("x\n\n", "\n\n", "stop")
+    out = _forced(small_llm, [x, blank, x], max_tokens=3, stop=["\n", "\n\n"], include_stop_str_in_output=True)
+    assert (out.text, out.stop_reason, out.finish_reason) == ("x\n", "\n", "stop")
+
+
+def test_a_stop_string_inside_one_tokens_text_is_found(small_llm, tokenizer):
+    """The search covers all of a step's new text, not only its last character: a stop string at
+    the start of a multi-character token's text ends the output there."""
+    ab, newline, cd = tokenizer.encode("ab\ncd", add_special_tokens=False)
+    out = _forced(small_llm, [ab, newline, cd], max_tokens=3, stop=["a"])
+    assert (out.text, out.stop_reason, out.finish_reason, out.token_ids) == ("", "a", "stop", [ab])
+
+
+def test_an_output_cut_by_max_tokens_mid_character_has_the_full_decode_as_text(small_llm, tokenizer):
+    """max_tokens can end the output inside a multi-byte character: the final text is the full
+    decode of the tokens (its half character a U+FFFD), not the incremental text that held it back."""
+    ab = tokenizer.encode("ab", add_special_tokens=False)
+    half = tokenizer.encode("日", add_special_tokens=False)[:2]
+    assert tokenizer.decode(half).endswith("\ufffd")
+    out = _forced(small_llm, ab + half, max_tokens=len(ab) + len(half))
+    assert out.finish_reason == "length" and out.token_ids == ab + half
+    assert out.text == tokenizer.decode(ab + half) and out.text.startswith("ab") and out.text.endswith("\ufffd")
+
+
+def test_eos_named_as_a_stop_token_with_ignore_eos_is_the_stop_reason(small_llm, tokenizer):
+    """vLLM: with ignore_eos, EOS ends the output only as a listed stop token id, and then it is the
+    stop_reason (None is for EOS ending it as EOS)."""
+    ab = tokenizer.encode("ab", add_special_tokens=False)
+    eos = min(small_llm.engine.outputs.eos_token_ids)
+    out = _forced(small_llm, ab + [eos], max_tokens=5, ignore_eos=True, stop_token_ids=[eos])
+    assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == (ab + [eos], "stop", eos, "ab")
+    plain = _forced(small_llm, ab + [eos], max_tokens=5)
+    assert (plain.token_ids, plain.finish_reason, plain.stop_reason) == (ab + [eos], "stop", None)

@@ -175,9 +175,10 @@ def test_a_first_token_that_ends_its_request_is_output_without_a_step_and_a_bad_
         assert (got.token_ids, got.news, got.finish_reason) == ([first.token_id], [[first.token_id]], reason)
         assert got.logprobs == [first.logprobs] and engine.counters["steps"] == 0  # nothing computed
     engine.check_integrity()
-    bad = [FirstToken(10 ** 6, first.logprobs), FirstToken(first.token_id), FirstToken(first.token_id, {0: -1.0}),
-           FirstToken(first.token_id, first.logprobs, [[0]])]
-    for token in bad:  # outside the vocabulary; logprobs asked for and missing, or without the token; experts unasked
+    bad = [FirstToken(10 ** 6, first.logprobs), FirstToken(-1, {-1: -0.5}), FirstToken(first.token_id),
+           FirstToken(first.token_id, {0: -1.0}), FirstToken(first.token_id, first.logprobs, [[0]])]
+    for token in bad:  # outside the vocabulary (above, below); logprobs asked for and missing, or without the
+        # token; experts unasked
         with pytest.raises(InvalidRequest, match="first token"):
             engine.add_request("bad", prompt, params, first_token=token)
     cfg = engine.model_config

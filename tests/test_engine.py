@@ -49,6 +49,20 @@ def test_logprobs_hold_sampled_token_plus_top_alternatives(llm, random_prompt):
     _idle(llm)
 
 
+def test_logprobs_zero_gives_each_sampled_tokens_own_logprob(llm, random_prompt):
+    """logprobs=0 (vLLM's): no alternatives, but each sampled token's own logprob, one entry per token
+    (not None, as when logprobs are not asked for); alone and in a batch (plain rows decided together)."""
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=3, logprobs=0)
+    alone = llm.generate([random_prompt(9)], params)[0]
+    with_one = llm.generate([random_prompt(9)], SamplingParams(max_tokens=5, temperature=1.0, seed=3, logprobs=1))[0]
+    assert alone.token_ids == with_one.token_ids and alone.logprobs is not None and len(alone.logprobs) == 5
+    for tok, d, d1 in zip(alone.token_ids, alone.logprobs, with_one.logprobs):
+        assert list(d) == [tok] and d[tok] == d1[tok] <= 0  # the same row's log_softmax, computed alike
+    batch = llm.generate([random_prompt(9), random_prompt(5, seed=1)], [params, SamplingParams(max_tokens=3)])
+    assert [list(d) for d in batch[0].logprobs] == [[t] for t in batch[0].token_ids] and batch[1].logprobs is None
+    _idle(llm)
+
+
 def test_seed_reproducible_whatever_the_batch(llm, random_prompt):
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
     alone = llm.generate([random_prompt(11)], params)[0].token_ids
@@ -68,6 +82,24 @@ def test_max_tokens_and_stop_token_ids(llm, random_prompt):
     out = llm.generate([random_prompt(10)], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_at]))[0]
     assert out.finish_reason == "stop" and out.token_ids == greedy.token_ids[:first + 1]
     assert out.stop_reason == stop_at and greedy.stop_reason is None  # vLLM's: which stop ended it
+    _idle(llm)
+
+
+def test_each_step_output_is_a_snapshot_of_that_step(llm, random_prompt):
+    """An output `step` yields holds the tokens and logprobs out by that step: later steps do not
+    grow it (its lists are copies, not the request's own, which a streaming caller keeps)."""
+    engine = llm.engine
+    engine.add_request("snap", random_prompt(7), SamplingParams(max_tokens=5, temperature=0.0, logprobs=1,
+                                                                ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == "snap"]
+    final = outs[-1]
+    assert final.finish_reason == "length" and [len(o.token_ids) for o in outs] == [1, 2, 3, 4, 5]
+    for o in outs:
+        n = len(o.token_ids)
+        assert o.token_ids == final.token_ids[:n] and len(o.logprobs) == n and o.logprobs == final.logprobs[:n]
+        assert o.new_token_ids == o.token_ids[-1:]
     _idle(llm)
 
 
@@ -132,6 +164,61 @@ def test_bad_prompts_rejected_and_engine_unaffected(llm, random_prompt):
         engine.add_request(None, [1, "2"], GREEDY)
     _idle(llm)
     assert len(llm.generate([random_prompt(6)], GREEDY)[0].token_ids) == 8
+
+
+def test_prompt_length_limits_are_exact(llm, random_prompt):
+    """A prompt plus max_tokens of exactly max_model_len fits; one token more is refused, naming
+    max_tokens while the prompt alone fits (a prompt of max_model_len tokens still leaves no room
+    for max_tokens), and the prompt once it alone is longer. Negative token ids are outside the
+    vocabulary, and so is the vocabulary's size."""
+    engine = llm.engine
+    vocab = engine.outputs.vocab_size
+    fits = engine.add_request("fits", random_prompt(256 - GREEDY.max_tokens), GREEDY)
+    assert fits.num_prompt_tokens + GREEDY.max_tokens == 256 and engine.abort("fits")
+    for n, param in ((257 - GREEDY.max_tokens, "max_tokens"), (256, "max_tokens"), (257, "prompt")):
+        with pytest.raises(InvalidRequest) as e:
+            engine.add_request(None, random_prompt(n), GREEDY)
+        assert e.value.param == param, (n, str(e.value))
+    for token in (-1, vocab):
+        with pytest.raises(InvalidRequest, match="outside the vocabulary") as e:
+            engine.add_request(None, [1, token, 2], GREEDY)
+        assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequest, match="stop_token_ids") as e:
+        engine.add_request(None, [1, 2], SamplingParams(max_tokens=2, stop_token_ids=[vocab]))
+    _idle(llm)
+
+
+def test_a_request_the_kv_pool_can_never_hold_is_refused_at_once(glm_ckpt, random_prompt):
+    """Prompt + max_tokens past the whole pool (8 pages of 4 tokens): refused when added, naming
+    max_tokens, instead of waiting forever for pages that can never be free; one that fills the pool
+    exactly runs."""
+    llm = LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, num_kv_pages=8, enable_prefix_caching=False)
+    with pytest.raises(InvalidRequest, match=r"needs 9 KV pages .* the pool has 8") as e:
+        llm.engine.add_request(None, random_prompt(20), SamplingParams(max_tokens=16))
+    assert e.value.param == "max_tokens"
+    out = llm.generate([random_prompt(20)], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+    _idle(llm)
+
+
+def test_a_prompt_of_booleans_is_not_token_ids(llm):
+    """JSON true and false are bools, which Python counts as ints: a prompt holding one is refused,
+    not read as token ids 1 and 0."""
+    for prompt in ([1, True, 2], [False]):
+        with pytest.raises(InvalidRequest, match="integer token ids") as e:
+            llm.engine.add_request(None, prompt, GREEDY)
+        assert e.value.param == "prompt"
+    _idle(llm)
+
+
+def test_stop_strings_are_refused_without_a_tokenizer(llm):
+    """This checkpoint has no tokenizer, so no text to find a stop string in: the request is refused
+    (naming stop) rather than run to max_tokens as if it had no stop strings."""
+    assert llm.engine.tokenizer is None
+    with pytest.raises(InvalidRequest, match="tokenizer") as e:
+        llm.engine.add_request(None, [1, 2, 3], SamplingParams(max_tokens=2, stop=["x"]))
+    assert e.value.param == "stop"
+    _idle(llm)
 
 
 def test_a_kv_pool_larger_than_the_devices_memory_is_a_config_error(glm_ckpt):

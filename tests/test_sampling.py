@@ -205,6 +205,25 @@ def test_prompt_logprobs_equal_transformers(glm_ckpt, random_prompt, chunk):
     llm.engine.check_integrity()
 
 
+def test_prompt_logprobs_come_from_the_requests_own_rows_behind_another_prefill(glm_ckpt, random_prompt):
+    """A step's hidden rows are every chunk's, in order, whether it samples a token or not: a request's
+    prompt logprobs come from its own rows when another request's prefill chunk (no token sampled)
+    comes before it in the step, not from that request's rows."""
+    from conftest import reference_logprobs
+    llm = LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, prefill_chunk_tokens=5, max_num_batched_tokens=40,
+              enable_prefix_caching=False)
+    other, prompt = random_prompt(37, seed=8), random_prompt(12, seed=2)
+    out = llm.generate([other, prompt], [SamplingParams(max_tokens=2, temperature=0.0),
+                                         SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)])[1]
+    lp = reference_logprobs(glm_ckpt[1], prompt)
+    entries = out.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    for p, entry in enumerate(entries[1:], start=1):
+        assert prompt[p] in entry
+        assert max(abs(v - lp[p - 1, t].item()) for t, v in entry.items()) <= logprob_tolerance(glm_ckpt[1])
+    llm.engine.check_integrity()
+
+
 def test_prompt_logprobs_skip_the_prefix_cache(glm_ckpt, random_prompt):
     llm = LLM(glm_ckpt[0], max_model_len=256, kv_page_size=4, enable_prefix_caching=True)
     prompt = random_prompt(30, seed=9)

@@ -273,6 +273,35 @@ def test_a_text_prompt_gets_the_tokenizers_special_tokens_unless_asked_not_to():
     assert processor.process([0, 1, 2, 1], SamplingParams(truncate_prompt_tokens=3)) == [1, 2, 1]
 
 
+def _tokenizer_adding_bos_and_eos():
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    inner = Tokenizer(models.WordLevel({"<s>": 0, "a": 1, "b": 2, "[UNK]": 3, "</s>": 4}, unk_token="[UNK]"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    inner.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 4)])
+    return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
+
+
+def test_left_truncation_keeps_the_special_tokens_at_both_ends():
+    """A tokenizer that adds BOS and EOS: truncating to n tokens keeps both and the text's last
+    n - 2 tokens (as the tokenizer truncates), n tokens in all; truncate_prompt_tokens=-1 is
+    max_model_len (vLLM's), so a prompt cut to max_model_len leaves no room for max_tokens."""
+    from sparsekv.input_processor import InputProcessor, special_token_ends, truncate_left
+    from sparsekv.request import InvalidRequest, SamplingParams
+    tokenizer = _tokenizer_adding_bos_and_eos()
+    assert special_token_ends(lambda text, special: tokenizer.encode(text, add_special_tokens=special)) == (1, 1)
+    assert special_token_ends(lambda text, special: _tokenizer_adding_bos().encode(text, add_special_tokens=special)) \
+        == (1, 0)
+    assert truncate_left([0, 1, 2, 1, 2, 4], 4, (1, 1)) == [0, 1, 2, 4]
+    assert truncate_left([0, 1, 2, 1, 2, 4], 2, (1, 1)) == [0, 4]
+    processor = InputProcessor(tokenizer, 5, 6, lambda *a: None)
+    assert processor.process("a b a b", SamplingParams(max_tokens=1, truncate_prompt_tokens=4)) == [0, 1, 2, 4]
+    assert processor.process("a a b", SamplingParams(max_tokens=1, truncate_prompt_tokens=-1)) == [0, 1, 1, 2, 4]
+    with pytest.raises(InvalidRequest, match=r"prompt \(6 tokens\) plus max_tokens \(1\)") as e:
+        processor.process("a b a b a b a", SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))
+    assert e.value.param == "max_tokens"
+
+
 def test_models_tokenize_detokenize(server):
     h = {"Authorization": f"Bearer {KEY}"}
     models = httpx.get(server.url + "/v1/models", headers=h).json()
