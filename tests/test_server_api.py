@@ -390,6 +390,8 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("min_p-above-1", C, {**OK, "min_p": 1.5}, 400, "min_p"),
     ("min_tokens-over-max_tokens", C, {**OK, "min_tokens": 5}, 400, "min_tokens"),
     ("logit_bias-key-not-a-token-id", C, {**OK, "logit_bias": {"hello": 1}}, 400, "logit_bias"),
+    ("logit_bias-key-a-superscript-digit", C, {**OK, "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # int() fails: was a 500
+    ("logit_bias-key-a-non-ascii-digit", C, {**OK, "logit_bias": {"\u0663": 1}}, 400, "logit_bias"),  # was taken as token 3
     ("logit_bias-over-100", C, {**OK, "logit_bias": {"3": 150}}, 400, "logit_bias"),
     ("logit_bias-outside-vocab", C, {**OK, "logit_bias": {"999": 1}}, 400, "logit_bias"),
     ("chat-logit_bias-over-100", CHAT, {**MSG, "logit_bias": {"3": -101}}, 400, "logit_bias"),
@@ -452,6 +454,8 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("chat-image-part", CHAT, {**MSG, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     ("chat-top_logprobs-without-logprobs", CHAT, {**MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat-top_logprobs-over-20", CHAT, {**MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat-continue_final_message-with-add_generation_prompt", CHAT, {**MSG, "continue_final_message": True}, 400,
+     "continue_final_message"),
     ("chat-max_completion_tokens-negative", CHAT, {**MSG, "max_completion_tokens": -5}, 400, "max_tokens"),
     ("chat-stream_options-without-stream", CHAT, {**MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("chat-unknown-model", CHAT, {**MSG, "model": "nope"}, 404, "model"),

@@ -151,7 +151,7 @@ class SamplingFields(_Body):
         k = self.truncate_prompt_tokens  # checked here too: the server truncates before the engine sees the prompt
         if k is not None and k < 1 and k != -1:
             raise ValueError(f"truncate_prompt_tokens: must be an integer >= 1, or -1 for max_model_len, got {k}")
-        if self.logit_bias is not None and not all(key.isdigit() for key in self.logit_bias):
+        if self.logit_bias is not None and not all(key.isascii() and key.isdigit() for key in self.logit_bias):
             raise ValueError("logit_bias: keys must be token ids (decimal integers as strings)")
         return self
 
@@ -284,8 +284,8 @@ class _ChatTemplateFields(_Body):
             raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (a request field or "
                              "the server decides it)")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: continuing the "
-                             "last message needs add_generation_prompt false")
+            raise ValueError("continue_final_message: cannot be true together with add_generation_prompt (continuing "
+                             "the last message needs add_generation_prompt false)")
         return self
 
     def template_options(self) -> dict:
@@ -307,7 +307,7 @@ class ChatCompletionRequest(_ChatTemplateFields, SamplingFields):
 
     @model_validator(mode="after")
     def _check_logprobs(self):
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 asks for nothing: accepted alone, as vLLM accepts it
             raise ValueError("top_logprobs: requires logprobs=true")
         limit = SamplingParams.MAX_LOGPROBS
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= limit:

@@ -1,0 +1,516 @@
+"""The server's rules at their edges, each test failing on a small change to
+sparsekv/server/{protocol,loop,serving,auth}.py that the end-to-end tests let through: request ranges
+and the fields accepted only at their do-nothing value, the engine loop's queue bounds, aborts,
+draining and failures, the status each refusal maps to, and which keys open which routes.
+
+No live server and no model: request bodies go through `parse_body` (what every route calls first),
+the engine loop runs on a fake engine that only queues (as in test_server_lifecycle), and the auth
+middleware answers through an ASGI transport in this process. Each test runs in well under a second.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+
+from sparsekv.sampling_params import MAX_N, InvalidRequest, SamplingParams
+from sparsekv.server.errors import APIError
+from sparsekv.server.protocol import (INT64_MAX, INT64_MIN, MAX_JSON_DEPTH, ChatCompletionRequest,
+                                      CompletionRequest, TokenizeRequest, parse_body)
+
+OK = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+MSG = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
+def _parse(body: dict, model=CompletionRequest):
+    return parse_body(json.dumps(body).encode(), model)
+
+
+def _refused(body: dict, model, param: str) -> str:
+    with pytest.raises(APIError) as e:
+        _parse(body, model)
+    assert e.value.status == 400 and e.value.param == param, (e.value.status, e.value.param, e.value.message)
+    return e.value.message
+
+
+# -- protocol.py: the edges of each range are in it ------------------------------------------------
+
+@pytest.mark.parametrize("model,body", [
+    (CompletionRequest, {**OK, "n": MAX_N}),
+    (CompletionRequest, {**OK, "truncate_prompt_tokens": -1}),  # vLLM's "-1: truncate to max_model_len"
+    (CompletionRequest, {**OK, "truncate_prompt_tokens": 1}),
+    (ChatCompletionRequest, {**MSG, "logprobs": True, "top_logprobs": 0}),
+    (ChatCompletionRequest, {**MSG, "top_logprobs": 0}),  # asks for nothing: no logprobs needed (vLLM)
+    (ChatCompletionRequest, {**MSG, "logprobs": True, "top_logprobs": SamplingParams.MAX_LOGPROBS}),
+], ids=["n-max", "truncate-minus-1", "truncate-1", "top_logprobs-0", "top_logprobs-0-alone", "top_logprobs-max"])
+def test_the_edges_of_each_range_are_accepted(model, body):
+    """The last value inside each range is a valid request (OpenAI and vLLM take it): an off-by-one in a
+    bound would refuse n=128, truncate_prompt_tokens=-1, or top_logprobs 0 or 20. (The seed's edges are
+    test_server_api's test_n_choices_and_seed_reproducible.)"""
+    _parse(body, model)
+
+
+@pytest.mark.parametrize("model,body,param", [
+    (CompletionRequest, {**OK, "n": MAX_N + 1}, "n"),
+    (CompletionRequest, {**OK, "seed": INT64_MAX + 1}, "seed"),
+    (CompletionRequest, {**OK, "seed": INT64_MIN - 1}, "seed"),
+    (CompletionRequest, {**OK, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    (ChatCompletionRequest, {**MSG, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    (ChatCompletionRequest, {**MSG, "logprobs": True, "top_logprobs": SamplingParams.MAX_LOGPROBS + 1},
+     "top_logprobs"),
+], ids=["n-over", "seed-over", "seed-under", "truncate-minus-2", "top_logprobs-negative", "top_logprobs-over"])
+def test_one_past_each_edge_is_refused(model, body, param):
+    _refused(body, model, param)
+
+
+# -- protocol.py: UNSUPPORTED fields at their do-nothing value are accepted --------------------------
+
+@pytest.mark.parametrize("field,harmless,harmful", [
+    ("tool_choice", "none", "auto"),
+    ("function_call", "none", "auto"),
+    ("best_of", 1, 2),
+    ("spaces_between_special_tokens", True, False),
+    ("priority", 0, -1),
+    ("detokenize", True, False),
+    ("truncation_side", "left", "right"),
+    ("length_penalty", 1, 2),
+    ("echo", False, True),
+])
+def test_an_unsupported_field_at_its_do_nothing_value_is_accepted(field, harmless, harmful):
+    """Clients that send every field send these at their default: refusing the default would break them,
+    accepting anything else would answer a question the client did not ask. (echo: chat has none.)"""
+    model, body = (ChatCompletionRequest, MSG) if field == "echo" else (CompletionRequest, OK)
+    _parse({**body, field: harmless}, model)
+    _refused({**body, field: harmful}, model, field)
+
+
+def test_chat_add_special_tokens_false_is_accepted():
+    """Chat's template writes the special tokens; add_special_tokens=false (vLLM's chat default) is the
+    do-nothing value and must pass, true is refused."""
+    _parse({**MSG, "add_special_tokens": False}, ChatCompletionRequest)
+    _refused({**MSG, "add_special_tokens": True}, ChatCompletionRequest, "add_special_tokens")
+
+
+@pytest.mark.parametrize("model,body,field,default", [
+    (CompletionRequest, OK, "ignore_eos", False),
+    (CompletionRequest, OK, "return_routed_experts", False),
+    (ChatCompletionRequest, MSG, "include_reasoning", True),
+    (ChatCompletionRequest, MSG, "parallel_tool_calls", True),
+])
+def test_null_means_the_default_for_every_nullable_field(model, body, field, default):
+    """null is the default for each NULL_IS_DEFAULT field, not a 400 ("input should be a valid boolean")."""
+    assert getattr(_parse({**body, field: None}, model), field) is default
+
+
+def test_response_format_text_is_free_text():
+    """{"type": "text"} is OpenAI's default: no grammar, and it may be combined with guided_* fields."""
+    body = _parse({**MSG, "response_format": {"type": "text"}}, ChatCompletionRequest)
+    assert body.engine_structured_output() is None
+    both = _parse({**OK, "response_format": {"type": "text"}, "guided_regex": "a+"})
+    assert both.engine_structured_output() == {"type": "regex", "pattern": "a+"}
+
+
+def test_a_tool_must_be_of_type_function():
+    """A tool of another type (OpenAI's built-in ones) is not a function this server can call: refused,
+    not treated as one."""
+    _refused({**MSG, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, ChatCompletionRequest, "tools")
+
+
+def test_continuous_usage_needs_include_usage():
+    """vLLM's continuous_usage_stats adds usage to every chunk only with include_usage."""
+    base = {**MSG, "stream": True}
+    alone = _parse({**base, "stream_options": {"continuous_usage_stats": True}}, ChatCompletionRequest)
+    assert not alone.include_usage and not alone.continuous_usage
+    both = _parse({**base, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+                  ChatCompletionRequest)
+    assert both.include_usage and both.continuous_usage
+
+
+def test_continue_final_message_needs_add_generation_prompt_false():
+    """Both true would render a new assistant turn after the message to continue (vLLM refuses it too)."""
+    with pytest.raises(APIError) as e:  # add_generation_prompt defaults to true
+        _parse({**MSG, "continue_final_message": True}, ChatCompletionRequest)
+    assert e.value.status == 400 and "continue_final_message" in e.value.message
+    _parse({**MSG, "continue_final_message": True, "add_generation_prompt": False}, ChatCompletionRequest)
+
+
+def test_chat_template_kwargs_cannot_set_what_the_server_decides():
+    """chat_template_kwargs may add variables for the template, never override the messages or tools
+    the template is given, nor add_generation_prompt (a request field)."""
+    for key in ("messages", "tools", "add_generation_prompt"):
+        _refused({**MSG, "chat_template_kwargs": {key: 1}}, ChatCompletionRequest, "chat_template_kwargs")
+    assert _parse({**MSG, "chat_template_kwargs": {"thinking": True}},
+                  ChatCompletionRequest).template_options()["thinking"] is True
+
+
+def test_tokenize_takes_a_prompt_or_messages_not_both():
+    _refused({"prompt": "hi", "messages": MSG["messages"]}, TokenizeRequest, "prompt")
+    _parse({"prompt": "hi"}, TokenizeRequest)
+    _parse({"messages": MSG["messages"]}, TokenizeRequest)
+
+
+def _nested(depth: int) -> bytes:
+    """A body whose field "foo" holds `depth` nested lists (around a number)."""
+    return b'{"prompt": "x", "foo": ' + b"[" * depth + b"1" + b"]" * depth + b"}"
+
+
+def test_nesting_up_to_the_bound_is_accepted_and_one_deeper_is_refused():
+    """A field may nest MAX_JSON_DEPTH containers; one more is a 400 naming the field."""
+    parse_body(_nested(MAX_JSON_DEPTH), CompletionRequest)
+    with pytest.raises(APIError) as e:
+        parse_body(_nested(MAX_JSON_DEPTH + 1), CompletionRequest)
+    assert e.value.status == 400 and e.value.param == "foo"
+
+
+def test_a_disaggregation_bootstrap_port_is_a_real_port():
+    """Port 0 is no address to fetch KV from; 1 and 65535 are."""
+    spec = {"room": "r1", "bootstrap_host": "10.0.0.1"}
+    for port in (1, 65535):
+        assert _parse({**OK, "disaggregation": {**spec, "bootstrap_port": port}}).disaggregation.bootstrap_port == port
+    for port in (0, 65536):
+        _refused({**OK, "disaggregation": {**spec, "bootstrap_port": port}}, CompletionRequest,
+                 "disaggregation.bootstrap_port")
+
+
+# -- loop.py: the engine loop's bookkeeping, on an engine that only queues -------------------------
+
+class _QueueOnlyEngine:
+    """What EngineLoop touches: requests queue and are never stepped (unless `step_error` is set, then
+    the first step raises it, as a failing engine's would)."""
+
+    def __init__(self, fail_add_at: int | None = None, step_error: BaseException | None = None):
+        self.queued: list[tuple[str, str]] = []  # (request id, tenant)
+        self.aborted: list[str] = []
+        self.fail_add_at, self.step_error, self.adds = fail_add_at, step_error, 0
+
+    def stats(self) -> dict:
+        return {}
+
+    def has_unfinished_requests(self) -> bool:
+        return self.step_error is not None and bool(self.queued)
+
+    def step(self):
+        raise self.step_error
+
+    def num_waiting_requests(self, tenant=None) -> int:
+        return sum(tenant is None or t == tenant for _, t in self.queued)
+
+    def add_request(self, rid, prompt, params, tenant, cache_salt, first_token):
+        self.adds += 1
+        if self.adds == self.fail_add_at:
+            raise InvalidRequest("this prompt cannot be served", "prompt")
+        self.queued.append((rid, tenant))
+        return object()
+
+    def abort(self, rid) -> bool:
+        self.aborted.append(rid)
+        before = len(self.queued)
+        self.queued = [q for q in self.queued if q[0] != rid]
+        return len(self.queued) < before
+
+    def check_ranks(self) -> None:
+        pass
+
+    def expire_prefix_cache(self) -> int:
+        return 0
+
+
+class _Metrics:
+    def __init__(self):
+        self.aborted, self.rejected = [], []
+
+    def abort(self, reason, count=1):
+        self.aborted.append((reason, count))
+
+    def reject(self, reason):
+        self.rejected.append(reason)
+
+
+@pytest.fixture
+def on_loop(monkeypatch):
+    """Runs `scenario(loop, engine, submit)` against a started EngineLoop on a _QueueOnlyEngine."""
+    from sparsekv.server.loop import DELAY_ENV, FAULT_ENV, EngineLoop, RequestGroup, Submission
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    monkeypatch.delenv(DELAY_ENV, raising=False)
+
+    def go(scenario, engine=None, **loop_options):
+        engine = engine or _QueueOnlyEngine()
+        counter = iter(range(1000))
+
+        async def main():
+            loop = EngineLoop(engine, **loop_options)
+            loop.start()
+
+            async def submit(n, tenant="alice"):
+                group = RequestGroup(f"g{next(counter)}", n)
+                await loop.submit(group, [Submission([1, 2, 3], SamplingParams(max_tokens=2))] * n, tenant, None)
+                return group
+            try:
+                await asyncio.wait_for(scenario(loop, engine, submit), 10)
+            finally:
+                loop.stop()
+        asyncio.run(main())
+        return engine
+    return go
+
+
+def test_with_both_queue_bounds_the_smaller_decides_what_can_never_fit(on_loop):
+    """--max-queued-requests 4 and a per-tenant bound of 2: n = 3 can never be admitted for one tenant,
+    so it is a 400 (InvalidRequest), not a 503 QueueFull that a client would retry forever."""
+    async def scenario(loop, engine, submit):
+        with pytest.raises(InvalidRequest, match="3 sequences.*more than the 2"):
+            await submit(3)
+        assert engine.queued == []
+        await submit(2)
+    on_loop(scenario, max_queued_requests=4, max_queued_per_tenant=2)
+
+
+def test_abort_takes_the_groups_requests_out_of_the_engine(on_loop):
+    """A client gone (loop.abort) frees its requests in the engine, all n of them."""
+    async def scenario(loop, engine, submit):
+        kept, gone = await submit(1, "bob"), await submit(2)
+        assert len(engine.queued) == 3 and loop.num_active == 3
+        loop.abort(gone)
+        await loop.call(lambda: None)  # commands run in order: the abort has run
+        assert engine.queued == [(kept.request_ids[0], "bob")] and loop.num_active == 1
+    on_loop(scenario)
+
+
+def test_abort_all_aborts_every_request_and_tells_each_client_why(on_loop):
+    """Shutdown's abort_all: every request leaves the engine (pages freed), each waiting client gets
+    ShuttingDown with the reason, and the aborted requests are counted, each sequence once."""
+    from sparsekv.server.loop import ShuttingDown
+    metrics = _Metrics()
+
+    async def scenario(loop, engine, submit):
+        groups = [await submit(1), await submit(2, "bob")]
+        await loop.abort_all("the server is going away")
+        assert engine.queued == [] and sorted(engine.aborted) == sorted(r for g in groups for r in g.request_ids)
+        assert loop.num_active == 0
+        for g in groups:
+            index, error = await g.queue.get()
+            assert index is None and isinstance(error, ShuttingDown) and str(error) == "the server is going away"
+        assert metrics.aborted == [("shutdown", 3)]
+    on_loop(scenario, metrics=metrics)
+
+
+def test_a_group_that_fails_to_add_leaves_none_of_its_requests(on_loop):
+    """Submission is all or nothing: when the engine refuses the second of three, the first is aborted
+    and no route is left behind (it would hold pages and a place in the queue bound)."""
+    async def scenario(loop, engine, submit):
+        with pytest.raises(InvalidRequest, match="cannot be served"):
+            await submit(3)
+        assert engine.queued == [] and loop.num_active == 0 and engine.aborted == ["g0-0"]
+    on_loop(scenario, engine=_QueueOnlyEngine(fail_add_at=2))
+
+
+def test_a_draining_loop_admits_nothing_even_what_was_sent_before_the_drain(on_loop):
+    """After SIGTERM (draining) a submit is ShuttingDown; so is one that passed the check on the event
+    loop but reaches the loop thread after the drain began."""
+    from sparsekv.server.loop import ShuttingDown
+
+    async def scenario(loop, engine, submit):
+        hold, held = threading.Event(), threading.Event()
+
+        def block():  # keeps the loop thread busy while the submit queues behind it
+            held.set()
+            hold.wait(5)
+        blocker = asyncio.ensure_future(loop.call(block))
+        await asyncio.get_running_loop().run_in_executor(None, held.wait, 5)
+        late = asyncio.ensure_future(submit(1))
+        await asyncio.sleep(0)  # the submit has passed its own check and queued its command
+        loop.draining = True
+        hold.set()
+        await blocker
+        with pytest.raises(ShuttingDown):
+            await late
+        with pytest.raises(ShuttingDown):
+            await submit(1)
+        assert engine.queued == []
+    on_loop(scenario)
+
+
+@pytest.mark.parametrize("rank_failure", [False, True])
+def test_a_step_that_raises_kills_the_loop_and_reaches_every_client(on_loop, rank_failure):
+    """engine.step raising: the waiting client gets EngineDead (503 when a rank failed, 500 otherwise),
+    the loop reports itself unhealthy (/health 503) and refuses what comes next."""
+    from sparsekv.parallel.launch import RankFailure
+    from sparsekv.server.loop import EngineDead
+    error = RankFailure("rank 1 is gone") if rank_failure else RuntimeError("boom")
+
+    async def scenario(loop, engine, submit):
+        assert loop.healthy
+        group = await submit(1)
+        index, dead = await group.queue.get()
+        assert index is None and isinstance(dead, EngineDead) and dead.status == (503 if rank_failure else 500)
+        assert not loop.healthy and loop.dead is error
+        with pytest.raises(EngineDead):
+            await submit(1)
+    on_loop(scenario, engine=_QueueOnlyEngine(step_error=error))
+
+
+def test_a_group_is_done_only_when_each_request_finished():
+    """An unfinished output must not count: a group counted done too early is never aborted when its
+    client goes (loop.abort skips done groups), and its requests run on."""
+    from types import SimpleNamespace
+
+    from sparsekv.server.loop import EngineDead, RequestGroup, _put_all
+
+    async def main():
+        group = RequestGroup("g", 2)
+        _put_all([(group, 0, SimpleNamespace(finished=False)), (group, 1, SimpleNamespace(finished=False)),
+                  (group, None, EngineDead("x"))])
+        assert group.num_finished == 0 and not group.done
+        _put_all([(group, 0, SimpleNamespace(finished=True))])
+        assert group.num_finished == 1 and not group.done
+        _put_all([(group, 1, SimpleNamespace(finished=True))])
+        assert group.done and group.queue.qsize() == 5
+    asyncio.run(main())
+
+
+# -- serving.py: admission refusals map to their status, headers and metrics -------------------------
+
+class _RefusingLoop:
+    def __init__(self, error):
+        self.error, self.aborted = error, []
+
+    async def submit(self, group, subs, tenant, cache_salt):
+        raise self.error
+
+    def abort(self, group):
+        self.aborted.append(group)
+
+
+def _job(param="guided_json"):
+    from sparsekv.server.loop import RequestGroup
+    from sparsekv.server.serving import Job
+    return Job(RequestGroup("g", 1), [], "alice", None, builder=None, stream=False, include_usage=False,
+               structured_output_param=param)
+
+
+def _admit_error(error, param="guided_json"):
+    from sparsekv.server.serving import admit
+    metrics, job = _Metrics(), _job(param)
+    with pytest.raises(APIError) as e:
+        asyncio.run(admit(_RefusingLoop(error), job, metrics))
+    return e.value, metrics.rejected
+
+
+def test_admission_refusals_map_to_status_retry_after_and_reason():
+    """A full queue and a draining server are 503s a client should retry (Retry-After), each counted
+    under its own reason; a dead engine is a 503 without Retry-After; bad input is a 400."""
+    from sparsekv.server.loop import EngineDead, QueueFull, ShuttingDown
+    full, reasons = _admit_error(QueueFull("full"))
+    assert (full.status, full.headers.get("Retry-After"), reasons) == (503, "1", ["queue_full"])
+    draining, reasons = _admit_error(ShuttingDown("bye"))
+    assert (draining.status, draining.headers.get("Retry-After"), reasons) == (503, "1", ["shutting_down"])
+    dead, reasons = _admit_error(EngineDead("gone"))
+    assert (dead.status, "Retry-After" in dead.headers, reasons) == (503, False, ["engine_dead"])
+    bad, reasons = _admit_error(ValueError("engine internals"))
+    assert (bad.status, reasons) == (400, []) and "engine internals" not in bad.message
+
+
+def test_a_grammar_error_names_the_field_the_client_gave_it_in():
+    """The engine says "structured_output"; the client sent guided_json (or tools, response_format)."""
+    err, _ = _admit_error(InvalidRequest("the schema does not compile", "structured_output"), "guided_json")
+    assert (err.status, err.param) == (400, "guided_json")
+    err, _ = _admit_error(InvalidRequest("too long", "max_tokens"), "guided_json")
+    assert (err.status, err.param) == (400, "max_tokens")
+
+
+def test_a_refused_admission_aborts_its_group():
+    """run() aborts the group whenever admission fails: the add may have run on the loop thread."""
+    from sparsekv.server.loop import QueueFull
+    from sparsekv.server.serving import run
+    loop, job = _RefusingLoop(QueueFull("full")), _job()
+    with pytest.raises(APIError):
+        asyncio.run(run(None, loop, job, _Metrics()))
+    assert loop.aborted == [job.group]
+
+
+def test_an_error_item_becomes_its_status():
+    """On the group's queue: EngineDead keeps its status (503 for a failed rank, 500 otherwise);
+    ShuttingDown (aborted on shutdown) is a 503."""
+    from sparsekv.server.loop import EngineDead, ShuttingDown
+    from sparsekv.server.serving import _apply
+    for error, status in [(EngineDead("rank gone", 503), 503), (EngineDead("step failed", 500), 500),
+                          (ShuttingDown("bye"), 503)]:
+        with pytest.raises(APIError) as e:
+            _apply([], (None, error))
+        assert e.value.status == status and e.value.message == str(error)
+
+
+# -- auth.py: keys to tenants, admin keys, the middleware ------------------------------------------
+
+def test_a_plain_key_gets_the_tenant_named_by_its_digest():
+    """KEY alone: tenant key-<first 8 hex of sha256(KEY)>, as documented (dashboards and logs match it)."""
+    import hashlib
+
+    from sparsekv.server.auth import parse_api_keys, tenant_for
+    keys = parse_api_keys(["sk-one", "sk-two:team"])
+    assert tenant_for(keys, "Bearer sk-one") == "key-" + hashlib.sha256(b"sk-one").hexdigest()[:8]
+    assert tenant_for(keys, "Bearer sk-two") == "team"
+    assert parse_api_keys(["sk-two:team", "sk-two:team"]) == parse_api_keys(["sk-two:team"])  # the same twice: fine
+    for bad in (["sk-two:team", "sk-two:other"], ["sk-x:"], [":team"], [""]):
+        with pytest.raises(ValueError):
+            parse_api_keys(bad)
+
+
+def test_empty_admin_and_metrics_keys_are_refused():
+    """An empty key would be matched by no header, yet looks like a configured one."""
+    from sparsekv.server.auth import load_admin_keys, load_metrics_keys, parse_metrics_keys
+    with pytest.raises(ValueError, match="admin-api-key must not be empty"):
+        load_admin_keys([""], [], {})
+    with pytest.raises(ValueError, match="metrics-api-key must not be empty"):
+        parse_metrics_keys([""])
+    with pytest.raises(ValueError, match="metrics-api-key must not be empty"):
+        load_metrics_keys(["mk", ""], [], {})
+
+
+def _through_auth(requests, keys=("sk-a:alice",), admin=("sk-admin",)):
+    """(status, tenant the app saw or the error body, www-authenticate) for each (method, path, key)."""
+    from sparsekv.server.auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware, load_admin_keys, parse_api_keys
+
+    async def app(scope, receive, send):  # reads the tenant as app.py's _tenant does
+        body = json.dumps({"tenant": scope.get(TENANT_SCOPE_KEY, DEFAULT_TENANT)}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+    middleware = AuthMiddleware(app, parse_api_keys(list(keys)), load_admin_keys(list(admin), [], {}) if admin else {})
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=middleware), base_url="http://t") as client:
+            out = []
+            for method, path, key in requests:
+                r = await client.request(method, path, headers={"Authorization": f"Bearer {key}"} if key else {})
+                out.append((r.status_code, r.json().get("tenant") if r.status_code == 200 else None,
+                            r.headers.get("www-authenticate")))
+            return out
+    return asyncio.run(main())
+
+
+def test_admin_paths_open_to_admin_keys_only_and_run_as_the_default_tenant():
+    """An admin key opens /flush_cache, a tenant key does not, and an admin key is no tenant key; a
+    401 says how to authenticate (WWW-Authenticate: Bearer, RFC 6750)."""
+    out = _through_auth([("POST", "/flush_cache", "sk-admin"), ("POST", "/flush_cache", "sk-a"),
+                         ("POST", "/flush_cache", None), ("POST", "/v1/completions", "sk-admin"),
+                         ("POST", "/v1/completions", "sk-a")])
+    assert out == [(200, "default", None), (401, None, "Bearer"), (401, None, "Bearer"), (401, None, "Bearer"),
+                   (200, "alice", None)]
+
+
+def test_admin_paths_are_off_without_admin_keys_even_on_an_open_server():
+    out = _through_auth([("POST", "/flush_cache", None), ("POST", "/flush_cache", "sk-a"),
+                         ("POST", "/v1/completions", None)], keys=(), admin=())
+    assert [o[0] for o in out] == [403, 403, 200] and out[2][1] == "default"
+
+
+def test_only_options_and_the_public_paths_pass_without_a_key():
+    """CORS preflights (OPTIONS, which carry no Authorization) pass, admin paths included; HEAD and GET
+    of a protected path do not."""
+    out = _through_auth([("OPTIONS", "/v1/completions", None), ("OPTIONS", "/flush_cache", None),
+                         ("HEAD", "/v1/models", None), ("GET", "/v1/models", None), ("GET", "/health", None)])
+    assert [o[0] for o in out] == [200, 200, 401, 401, 200]
