@@ -155,15 +155,22 @@ def test_other_namespaces_files_go_oldest_first(tmp_path):
     disk.close()
 
 
+def _namespace_with_pages(beside, space: str, pages: int):
+    """A store of namespace `space` beside the store `beside` (its rows, root and budget), holding
+    `pages` of bob's pages, saved."""
+    store = type(beside)(beside.rows, beside.root, space, beside.capacity_bytes)
+    for i in range(pages):
+        store.save_rows(_name(i), beside.rows.copy_out(i), "bob")
+    store.flush()
+    return store
+
+
 def test_a_namespace_another_engine_holds_is_neither_counted_nor_removed(tmp_path):
     """Another engine's namespace (its lock held) is not this engine's to evict: none of its files is
     counted against this budget or removed, whatever this engine saves."""
     rows = _rows()
     other = _store(rows, tmp_path, 4)
-    held = type(other)(rows, str(tmp_path), "b" * 32, other.capacity_bytes)
-    for i in range(3):
-        held.save_rows(_name(i), rows.copy_out(i), "bob")
-    held.flush()
+    held = _namespace_with_pages(other, "b" * 32, 3)
     other.close()
     os.rename(tmp_path / "space", tmp_path / "unused")  # only the held namespace beside the next one
     disk = _store(rows, tmp_path, 2)
@@ -236,10 +243,7 @@ def test_a_namespace_an_engine_takes_after_it_was_counted_is_not_removed(tmp_pat
     room: its files are no longer this engine's to remove (the lock is checked again at removal)."""
     rows = _rows()
     first = _store(rows, tmp_path, 3)
-    space = type(first)(rows, str(tmp_path), "c" * 32, first.capacity_bytes)
-    for i in range(2):
-        space.save_rows(_name(i), rows.copy_out(i), "bob")
-    space.close()
+    _namespace_with_pages(first, "c" * 32, 2).close()
     first.close()
     disk = _store(rows, tmp_path, 3)  # room for the other's two files and one page of its own
     disk.flush()
