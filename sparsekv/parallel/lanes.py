@@ -113,6 +113,7 @@ def host_torchrun_rank(config: EngineConfig) -> bool:
     rank = torchrun_rank(config)
     if not rank:
         return False
+    config.validate()
     config = resolve_config(config)  # as rank 0's engine does: the ranks' options must agree
     check_layout(config)
     target = serve_lane if config.data_parallel_size > 1 else serve_rank

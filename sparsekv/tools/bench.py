@@ -23,8 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import ConfigError
-from ..engine_args import engine_error
-from ..engine_args import at_least, output_path
+from ..engine_args import at_least, engine_error, output_path
 from .plan_workload import parse_tokens, token_list_arg
 
 BENCH_PRESETS = ("tiny-bench", "glm5-geometry", "glm5.2-proportions")
