@@ -3,6 +3,7 @@ pass before it is queued (vocabulary, lengths, what the KV cache can ever hold).
 from __future__ import annotations
 
 import os
+from functools import cached_property
 
 from .request import InvalidRequest, SamplingParams
 
@@ -64,7 +65,6 @@ class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, check_fits):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.check_fits = check_fits
-        self._ends: tuple[int, int] | None = None  # special tokens the tokenizer adds before and after a text
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         if params.n != 1:
@@ -73,14 +73,14 @@ class InputProcessor:
         token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:  # vLLM's left truncation
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-            token_ids = truncate_left(token_ids, keep, self._special_ends() if isinstance(prompt, str) else (0, 0))
+            token_ids = truncate_left(token_ids, keep, self._special_ends if isinstance(prompt, str) else (0, 0))
         self.validate(token_ids, params)
         return token_ids
 
+    @cached_property
     def _special_ends(self) -> tuple[int, int]:
-        if self._ends is None:
-            self._ends = special_token_ends(lambda text, special: self.tokenizer.encode(text, add_special_tokens=special))
-        return self._ends
+        """The special tokens the tokenizer adds before and after a text."""
+        return special_token_ends(lambda text, special: self.tokenizer.encode(text, add_special_tokens=special))
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -185,7 +185,7 @@ def completion_prompt_ids(encoder: Encoder | None, prompts: list, limit: int, tr
         else:
             ids = _encode(encoder, prompt, "prompt", add_special_tokens)
         if truncate is not None:  # a text prompt keeps the special tokens the tokenizer put at its ends
-            ends = encoder.special_ends() if isinstance(prompt, str) and add_special_tokens else (0, 0)
+            ends = encoder.special_ends if isinstance(prompt, str) and add_special_tokens else (0, 0)
             ids = truncate_left(ids, limit if truncate == -1 else truncate, ends)
         _check_length(ids, limit, "prompt")
         out.append(ids)

@@ -20,6 +20,7 @@ import copy
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 
 from ..input_processor import special_token_ends
 
@@ -39,7 +40,6 @@ class Encoder:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._ends: tuple[int, int] | None = None
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._fast_encode = getattr(backend, "encode_batch_fast", None)
         self._fast_decode = getattr(backend, "decode_batch", None)
@@ -67,11 +67,10 @@ class Encoder:
             return self.tokenizer.decode(ids)
         return self._fast_decode([ids], skip_special_tokens=False)[0]
 
+    @cached_property
     def special_ends(self) -> tuple[int, int]:
         """How many special tokens encoding with them adds before and after a text (input_processor)."""
-        if self._ends is None:
-            self._ends = special_token_ends(self.encode)
-        return self._ends
+        return special_token_ends(self.encode)
 
     def ids_within(self, text: str, limit: int, add_special_tokens: bool = False) -> list[int] | None:
         """The token ids of `text`, or None once it is known to have more than `limit` tokens.
