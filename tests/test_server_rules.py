@@ -153,16 +153,20 @@ def test_tokenize_takes_a_prompt_or_messages_not_both():
     _parse({"messages": MSG["messages"]}, TokenizeRequest)
 
 
-def _nested(depth: int) -> bytes:
-    """A body whose field "foo" holds `depth` nested lists (around a number)."""
-    return b'{"prompt": "x", "foo": ' + b"[" * depth + b"1" + b"]" * depth + b"}"
+def _nested(depth: int, opening: bytes = b"[", leaf: bytes = b"1", closing: bytes = b"]") -> bytes:
+    """A body whose field "foo" holds `depth` nested containers around a leaf: lists by default,
+    objects with `opening=b'{"k": '` and `closing=b"}"`."""
+    return b'{"prompt": "x", "foo": ' + opening * depth + leaf + closing * depth + b"}"
 
 
-def test_nesting_up_to_the_bound_is_accepted_and_one_deeper_is_refused():
-    """A field may nest MAX_JSON_DEPTH containers; one more is a 400 naming the field."""
-    parse_body(_nested(MAX_JSON_DEPTH), CompletionRequest)
+@pytest.mark.parametrize("opening, closing", [(b"[", b"]"), (b'{"k": ', b"}")], ids=["lists", "objects"])
+@pytest.mark.parametrize("leaf", [b"1", b'"text"'])
+def test_nesting_up_to_the_bound_is_accepted_and_one_deeper_is_refused(opening, closing, leaf):
+    """A field may nest MAX_JSON_DEPTH containers, lists or objects alike, whatever leaf the innermost
+    holds (keys and leaves are no level of their own); one more is a 400 naming the field."""
+    parse_body(_nested(MAX_JSON_DEPTH, opening, leaf, closing), CompletionRequest)
     with pytest.raises(APIError) as e:
-        parse_body(_nested(MAX_JSON_DEPTH + 1), CompletionRequest)
+        parse_body(_nested(MAX_JSON_DEPTH + 1, opening, leaf, closing), CompletionRequest)
     assert e.value.status == 400 and e.value.param == "foo"
 
 

@@ -439,7 +439,7 @@ def _check_shape(raw: bytes, data: dict) -> None:
     stack = [(value, 1, key) for key, value in data.items()]
     while stack:
         value, depth, field = stack.pop()
-        if depth > MAX_JSON_DEPTH:
+        if isinstance(value, (dict, list)) and depth > MAX_JSON_DEPTH:  # the field's depth-th container
             raise bad_request(f"invalid parameter {field}: nested deeper than {MAX_JSON_DEPTH} levels", field)
         if isinstance(value, str):
             if surrogates and _LONE_SURROGATE.search(value):
