@@ -326,3 +326,60 @@ def test_decode_selection_is_the_same_alone_and_batched_whatever_the_pages(layou
                                             positions[i:i + 1], k)
         assert torch.equal(alone, together[i:i + 1]), layout
         assert bool((alone < lengths[i]).all())
+
+
+@pytest.mark.parametrize("layout", ["in-order", "shared-page"])
+def test_decode_pages_select_the_dense_top_k_when_histories_fill_whole_pages(layout):
+    """`select_decode_pages`, batched and alone, against top-k of each request's dense scores (the
+    other decode-selection tests compare its paths with each other), histories a whole number of
+    pages long. Integer queries, keys and head weights with D = 16 (D^-1/2 = 1/4) make every score
+    exact in fp32, so the sets must equal the reference's, ties included."""
+    from sparsekv.cache.pool import paged_keys
+    from sparsekv.kernels.attention import select_topk
+    from sparsekv.model.indexer import LightningIndexer
+    page, dim, heads, k = 4, 16, 4, 5
+    g = torch.Generator().manual_seed(2)
+    table = torch.randint(-3, 4, (64 * page, dim), generator=g).float()
+    pages = {"in-order": [[0, 1], [2, 3, 4], [5, 6, 7, 8]], "shared-page": [[0, 1], [0, 3, 4], [5, 6, 7, 9]]}[layout]
+    lengths = [8, 12, 16]
+    seqs = [_seq(f"r{i}", p, n, page) for i, (p, n) in enumerate(zip(pages, lengths))]
+    indexer = LightningIndexer.__new__(LightningIndexer)
+    indexer.head_dim, indexer.n_heads = dim, heads
+    q = torch.randint(-3, 4, (3, 1, heads, dim), generator=g).float()
+    w = torch.randint(-2, 3, (3, 1, heads), generator=g).float()
+    positions = torch.tensor(lengths)[:, None] - 1
+    got = indexer.select_decode_pages(q, w, *paged_keys(table, seqs, page), lengths, positions, k)
+    for i, seq in enumerate(seqs):
+        keys = table[seq.slots]
+        dense = ((torch.einsum("hd,td->ht", q[i, 0], keys).relu() * w[i, 0, :, None]).sum(0) * dim ** -0.5)
+        want = select_topk(dense[None], k)
+        alone = indexer.select_decode_pages(q[i:i + 1], w[i:i + 1], *paged_keys(table, [seq], page), [lengths[i]],
+                                            positions[i:i + 1], k)
+        assert torch.equal(got[i], want) and torch.equal(alone[0], want), (layout, i)
+
+
+def test_a_decode_alone_takes_the_scoring_path_its_batch_would():
+    """Batched, a decode joins a group (`select_group`, page by page) exactly when its row sees more
+    than k keys, first new position >= k (decode_plan `_groups`); alone (`select_decode`) it must
+    take the same path from the same position on, or a request's selection would depend on whether
+    its step was batched (different products round differently)."""
+    from types import SimpleNamespace
+    from sparsekv.context import SeqSlice
+    from sparsekv.model.selectors import DSASelector
+    k, calls = 8, []
+
+    class Indexer:
+        def select(self, *args):
+            calls.append("alone")
+            return torch.zeros(1, k, dtype=torch.long)
+
+        def select_decode_pages(self, *args):
+            calls.append("group")
+            return torch.zeros(1, 1, k, dtype=torch.long)
+    cache = SimpleNamespace(index_key_segments=lambda layer, seq: [], index_key_pages=lambda layer, seqs: (None, None, [1]))
+    selector = DSASelector(Indexer())
+    state = (torch.zeros(1, 2, 4), torch.zeros(1, 2))
+    for first in (k - 1, k, k + 1):
+        seq = SeqSlice("r", 0, 1, first + 1, torch.arange(first + 1))
+        selector.select_decode(0, seq, state, torch.zeros(1, 2, 4), torch.tensor([first]), k, cache)
+    assert calls == ["alone", "group", "group"]

@@ -192,3 +192,49 @@ def test_index_score_scratch_is_reused_across_calls_and_shared_by_indexers(monke
     model = load_model(DEFAULT_MODEL_DIR, torch.float32, torch.device("cpu"))   # FSFSS + an MTP layer
     indexers = [layer.attn.indexer for layer in model.layers + [model.mtp.layer] if layer.attn.indexer]
     assert len(indexers) >= 2 and all(ix.scratch is model.index_scratch for ix in indexers)
+
+
+def test_decode_rows_score_keys_major_from_the_threshold_on():
+    """`keys_major` is documented as "from this many keys on": a decode row over exactly
+    DECODE_KEYS_MAJOR_MIN_KEYS_CPU keys (or a policy's `keys_major_min_keys`) is keys-major, one key
+    fewer is not; verification chunks (more than one row) never are."""
+    from sparsekv.model import indexer as attn
+    cpu = torch.device("cpu")
+    least = attn.DECODE_KEYS_MAJOR_MIN_KEYS_CPU
+    assert attn.keys_major(cpu, 1, least) and not attn.keys_major(cpu, 1, least - 1)
+    assert not attn.keys_major(cpu, 3, 4 * least)
+    policy = attn.BlockPolicy(keys_major_min_keys=100)
+    assert attn.keys_major(cpu, 1, 100, policy) and not attn.keys_major(cpu, 1, 99, policy)
+
+
+def test_index_scores_and_head_weights_follow_the_papers_formula():
+    """I[t,s] = sum_h w_h(x_t) H^-1/2 ReLU(<q_{t,h}, k_s>) D^-1/2. The head weights `keys_and_queries`
+    returns carry H^-1/2 (the same op on the same values: bit for bit), and `scores` folds D^-1/2 in;
+    a positive scale never changes a selection, so only the scores show it. Integer queries and keys
+    make every dot product exact; the rest is a handful of float32 roundings against float64."""
+    from sparsekv.config import ModelConfig
+    from sparsekv.model import indexer as attn
+    from sparsekv.tools.tiny import TINY_GLM
+    from tolerances import gamma
+    cfg = ModelConfig.from_dict({**TINY_GLM, "model_type": "glm_moe_dsa"})
+    H, D, hidden = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
+    g = torch.Generator().manual_seed(4)
+    w = attn.IndexerWeights(wq_b=torch.randn(H * D, cfg.q_lora_rank, generator=g), wk=torch.randn(D, hidden, generator=g),
+                            k_norm_weight=torch.ones(D), k_norm_bias=torch.zeros(D),
+                            weights_proj=torch.randn(H, hidden, generator=g))
+    indexer = attn.LightningIndexer(cfg, w)
+    x, q_resid = torch.randn(5, hidden, generator=g), torch.randn(5, cfg.q_lora_rank, generator=g)
+    cos, sin = torch.ones(5, cfg.qk_rope_head_dim // 2), torch.zeros(5, cfg.qk_rope_head_dim // 2)
+    _, (_, weights) = indexer.keys_and_queries(x, q_resid, cos, sin)
+    assert torch.equal(weights, torch.nn.functional.linear(x, w.weights_proj) * H ** -0.5)
+
+    T = 40
+    q = torch.randint(-3, 4, (3, H, D), generator=g).float()
+    keys = torch.randint(-3, 4, (T, D), generator=g).float()
+    head_w = torch.randn(3, H, generator=g)
+    got = indexer.scores(q, head_w, [(0, keys)], T).double()
+    relu = torch.einsum("shd,td->sht", q.double(), keys.double()).relu()
+    want = (head_w.double()[:, :, None] * relu).sum(1) * D ** -0.5
+    # float32: the folded scale (1 rounding), each product (1) and the H-term sum: gamma_(H+2) of the magnitudes
+    slack = gamma(H + 2) * (head_w.double().abs()[:, :, None] * relu).sum(1) * D ** -0.5
+    assert ((got - want).abs() <= slack).all()

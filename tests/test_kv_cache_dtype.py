@@ -256,3 +256,17 @@ def test_quest_bounds_the_fp8_values_attention_reads():
     stored = fmt.decode(fmt.encode(latents))
     assert torch.equal(hi[3], stored[:4].amax(0)) and torch.equal(lo[7], stored[4:].amin(0))
     assert not torch.equal(stored, latents)
+
+
+def test_fp8_row_scales_are_each_tiles_largest_magnitude_over_448():
+    """The stored scale of every tile is FlashMLA's: the tile's largest magnitude / 448 (e4m3's
+    largest finite value), so the largest entry encodes as +-448 and the row reads back the same in a
+    kernel that decodes the layout. The round-trip error bound alone would also accept a smaller
+    divisor (less of e4m3's range used)."""
+    fmt = FP8Latent(SimpleNamespace(kv_lora_rank=256, qk_rope_head_dim=16), torch.float32)
+    values = torch.randn(4, 272, generator=torch.Generator().manual_seed(1))
+    rows = fmt.encode(values)
+    scales = rows[:, fmt.scale_at:fmt.rope_at].contiguous().view(torch.float32)
+    assert torch.equal(scales, values[:, :256].view(4, 2, 128).abs().amax(-1) / E4M3_MAX)
+    codes = rows[:, :256].contiguous().view(torch.float8_e4m3fn).float().view(4, 2, 128)
+    assert torch.equal(codes.abs().amax(-1), torch.full((4, 2), E4M3_MAX))

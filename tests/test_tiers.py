@@ -520,6 +520,29 @@ def test_index_key_segments_cover_the_history_in_order(fp8, monkeypatch):
     assert torch.equal(rebuilt, expected)
 
 
+def test_fp8_index_keys_keep_each_keys_scale_and_an_all_zero_key():
+    """FP8 indexer keys: e4m3 codes with one fp32 scale per key (its largest magnitude / 448, so that
+    entry is kept to two float32 roundings and none overflows e4m3); an all-zero key reads back as
+    zeros, not NaN (0 / 0), through every read path: segments, padded batches and pages."""
+    from sparsekv.cache.index_keys import FP8_MAX, IndexKeyCache
+    from sparsekv.context import SeqSlice
+    from tolerances import U32, e4m3_error
+    cache = IndexKeyCache([0], num_slots=8, dim=4, dtype=torch.float32, device="cpu", fp8=True)
+    keys = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, -2.0, 0.5, 3.0], [1e-3, 2e-3, -4e-3, 0.0], [500.0, 1.0, -7.0, 2.0],
+                         [0.0, 0.0, 0.0, 0.0], [-1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0], [9.0, 8.0, 7.0, 6.0]])
+    cache.write(0, torch.arange(8), keys)
+    assert torch.equal(cache.scales[0][1:4], keys[1:4].abs().amax(-1) / FP8_MAX)
+    seq = SeqSlice("r", 0, 1, 8, torch.arange(8), runs=((0, 0, 8),))
+    (_, read), = cache.segments(0, seq)
+    padded = cache.padded(0, [seq])[0]
+    paged, _, _ = cache.pages(0, [seq], 4)
+    for got in (read, padded, paged.reshape(8, 4)):
+        assert torch.equal(got[0], torch.zeros(4)) and torch.equal(got[4], torch.zeros(4))
+        scale = keys.abs().amax(-1, keepdim=True) / FP8_MAX
+        assert ((got - keys).abs() <= e4m3_error(keys, scale)).all()
+        assert (got.abs().amax(-1) <= keys.abs().amax(-1).double() * (1 + U32) ** 2).all()
+
+
 def test_bench_tiers_sweep_and_fixed_budget(ckpt, tmp_path, capsys):
     """`sparsekv bench tiers`: the sweep reports flat device latent bytes and writes its plots; the
     fixed-budget mode admits `--fit` requests with tiering off, more with it on, all of them unbounded."""
@@ -610,6 +633,58 @@ def test_quest_own_page_bounds_match_brute_force():
             start = p - (p + 8) % pt
             assert torch.equal(lo[i], latents[start:p + 1].amin(0)) and torch.equal(hi[i], latents[start:p + 1].amax(0))
         done += n
+
+
+def _quest_brute_force(latents, q, p, pt, total, k):
+    """Quest's documented selection for a query row at position p: every position takes its page's
+    bound over the page's positions <= p, max over heads of sum_i max(q_i m_i, q_i M_i); later
+    positions are masked; the top k by `select_topk`."""
+    from sparsekv.kernels.attention import select_topk
+    scores = torch.full((total,), float("-inf"))
+    for start in range(0, p + 1, pt):
+        seen = latents[start:min(start + pt, p + 1)]
+        lo, hi = seen.amin(0), seen.amax(0)
+        scores[start:min(start + pt, p + 1)] = torch.maximum(q * lo, q * hi).sum(-1).amax()
+    return select_topk(scores[None], k)[0]
+
+
+def test_quest_selects_its_documented_pages_in_prefill_and_batched_verification_rows():
+    """Quest's `select` (one request) and `select_group` (a batch of decodes) against the documented
+    rule, brute force, for a prefill chunk's rows and then a verification chunk's (the newest token
+    and two drafts). A draft after a row puts a large value in the row's page: each row must score
+    its own page over positions up to itself only, never over the later drafts. Small integer
+    latents and queries make every bound exact in fp32, so the sets must be equal, ties included."""
+    from types import SimpleNamespace
+    from sparsekv.cache.latent_format import PlainLatent
+    from sparsekv.context import SeqSlice
+    from sparsekv.model.selectors import QuestSelector
+    pt, dim, heads, k = 4, 3, 2, 4
+    cfg = SimpleNamespace(latent_dim=dim)
+    quest, cache = QuestSelector(cfg, 32, pt, "cpu", [0]), SimpleNamespace(fmt=PlainLatent(cfg, torch.float32))
+    g = torch.Generator().manual_seed(5)
+    latents = torch.randint(-3, 4, (11, dim), generator=g).float()
+    latents[8], latents[9, 0] = 0.0, 20.0        # the newest token scores 0; its first draft far above any page
+    q = torch.randint(-1, 2, (11, heads, dim), generator=g).float()
+    q[:, 0, 0] = 1.0
+    positions = torch.arange(11)
+    slots = torch.tensor([5, 2, 7])[positions // pt] * pt + positions % pt
+    prefill = SeqSlice("r", 0, 8, 8, slots[:8])
+    state = quest.prepare(0, SimpleNamespace(slot_mapping=slots[:8], seqs=[prefill], decode_rows=3), None, None,
+                          latents[:8], cache)
+    rows = slice(k, 8)  # rows that see more than k positions
+    got = quest.select(0, prefill, (state[0][rows], state[1][rows]), q[rows], positions[rows], k, None)
+    for row, p in zip(got, range(k, 8)):
+        assert torch.equal(row, _quest_brute_force(latents, q[p], p, pt, 8, k)), p
+    verify = SeqSlice("r", 0, 3, 11, slots)
+    own = quest.prepare(0, SimpleNamespace(slot_mapping=slots[8:], seqs=[verify], decode_rows=3), None, None,
+                        latents[8:], cache)
+    alone = quest.select(0, verify, own, q[8:], positions[8:], k, None)
+    batched = quest.select_group(0, [verify], (own[0][None], own[1][None]), q[None, 8:], positions[None, 8:], k,
+                                 None, False)[0]
+    for i, p in enumerate(range(8, 11)):
+        want = _quest_brute_force(latents, q[p], p, pt, 11, k)
+        assert torch.equal(alone[i], want) and torch.equal(batched[i], want), p
+    assert 8 not in alone[0].tolist()  # the newest token's page is not raised by its draft
 
 
 @pytest.mark.parametrize("kv_cache_dtype, dtype", [("auto", torch.float32), ("auto", torch.bfloat16),
@@ -801,6 +876,24 @@ def test_a_host_fetch_outside_inference_mode_reuses_the_buffer_a_forward_grew():
     link.fetch([0, 1], src, dst, torch.tensor([0, 1, 2]))  # reuses it, outside inference mode
     for layer in (0, 1):
         assert torch.equal(dst[layer][:3], host.read(layer, src))
+
+
+def test_emulated_backups_land_once_at_flush_and_reads_see_them(monkeypatch):
+    """With CUDA's ordering emulated, a backup reaches the host store at the next `flush()` (or a
+    link read, which flushes first), in issue order, and only once: a row written to the store after
+    that flush (a prefix-cache page copied in, a slot reused) is never overwritten by an old backup."""
+    from sparsekv.cache.host_store import HostLink, RamTieredHostStore
+    monkeypatch.setattr(HostLink, "emulate_async", True)
+    host = RamTieredHostStore([0], num_slots=8, dim=2, dtype=torch.float32)
+    host.write(0, torch.arange(8), torch.zeros(8, 2))
+    link = HostLink(host, torch.device("cpu"))
+    link.backup(0, torch.tensor([1, 2]), torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    link.backup(0, torch.tensor([2]), torch.tensor([[3.0, 3.0]]))       # a later write of slot 2 wins
+    assert torch.equal(host.read(0, torch.tensor([1, 2])), torch.zeros(2, 2))  # not landed yet
+    assert torch.equal(link.read(0, torch.tensor([1, 2])), torch.tensor([[1.0, 1.0], [3.0, 3.0]]))
+    host.write(0, torch.tensor([1]), torch.tensor([[7.0, 7.0]]))
+    link.flush()
+    assert torch.equal(host.read(0, torch.tensor([1, 2])), torch.tensor([[7.0, 7.0], [3.0, 3.0]]))
 
 
 def test_a_pinned_host_store_is_page_locked_in_place_at_its_own_size(monkeypatch):
