@@ -52,6 +52,13 @@ def test_glm_scale_is_one_sixteenth():
     ({"indexer_types": ["full"] * 3}, "indexer_types has 3 entries"),
     ({"n_group": 3}, "not divisible by n_group"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}}, "rope_type 'longrope'"),
+    ({"n_group": 2, "topk_group": 0}, r"topk_group 0 must be in \[1, n_group=2\]"),
+    ({"n_group": 2, "topk_group": 3}, r"topk_group 3 must be in \[1, n_group=2\]"),
+    ({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even"),
+    ({"qk_rope_head_dim": 32}, "<= index_head_dim"),
+    ({"index_topk": 0}, "index_topk must be >= 1"),
+    ({"mlp_layer_types": ["dense"] * 11 + ["moe"]}, "mlp_layer_types must list 'dense'/'sparse'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0, "factor": 4}}, "yarn rope needs"),
 ])
 def test_bad_configs(change, message):
     with pytest.raises(ConfigError, match=message):
@@ -111,3 +118,86 @@ def test_a_numbered_gpu_with_several_ranks_or_past_the_machines_gpus_is_refused(
     with pytest.raises(ConfigError, match="has 2 CUDA device"):
         EngineConfig(model="m", device="cuda:2").validate()
     EngineConfig(model="m", device="cuda:1").validate()
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
+def test_fields_a_config_leaves_out_take_transformers_defaults(family):
+    """A config.json without first_k_dense_replace, index_n_heads, n_group, ... reads as transformers
+    reads it: GlmMoeDsaConfig's or DeepseekV32Config's defaults."""
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig
+    raw = {**BASE, "model_type": family, "n_routed_experts": 256}
+    ref = (GlmMoeDsaConfig if family == "glm_moe_dsa" else DeepseekV32Config)(
+        **{k: v for k, v in raw.items() if k != "model_type"})
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.mlp_layer_types.count("dense") == ref.first_k_dense_replace
+    dense = ref.first_k_dense_replace
+    assert cfg.mlp_layer_types == ("dense",) * dense + ("sparse",) * (12 - dense)
+    for name in ("index_n_heads", "index_topk", "n_group", "topk_group", "intermediate_size", "moe_intermediate_size",
+                 "rms_norm_eps", "max_position_embeddings", "n_shared_experts", "num_experts_per_tok",
+                 "routed_scaling_factor"):
+        assert getattr(cfg, name) == getattr(ref, name), name
+
+
+def test_mtp_layer_sits_after_the_main_layers():
+    """The MTP (next-token prediction) layer is layer num_hidden_layers of the checkpoint, only if it has one."""
+    assert ModelConfig.from_dict({**BASE, "num_nextn_predict_layers": 1}).mtp_layer_index == 12
+    assert ModelConfig.from_dict(BASE).mtp_layer_index is None
+
+
+def test_eos_token_id_may_be_one_id_or_a_list():
+    assert ModelConfig.from_dict({**BASE, "eos_token_id": 5}).eos_token_ids == (5,)
+    assert ModelConfig.from_dict({**BASE, "eos_token_id": [5, 7]}).eos_token_ids == (5, 7)
+    assert ModelConfig.from_dict(BASE).eos_token_ids == ()
+
+
+def test_mla_latent_is_the_compressed_kv_plus_the_rope_key():
+    cfg = ModelConfig.from_dict(BASE)
+    assert cfg.latent_dim == 16 + 8 and cfg.qk_head_dim == 8 + 8
+
+
+def test_older_rope_scaling_with_type_reads_as_rope_parameters():
+    rope = {"type": "yarn", "factor": 4, "original_max_position_embeddings": 64}
+    cfg = ModelConfig.from_dict({**BASE, "rope_scaling": rope, "rope_theta": 50.0})
+    assert cfg.rope_parameters == {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
+                                   "rope_theta": 50.0}
+
+
+def test_deepseek_ignores_glms_schedule_fields():
+    """DeepSeek-V3.2 runs an indexer in every layer; GLM's IndexShare fields do not apply to it."""
+    cfg = ModelConfig.from_dict({**BASE, "model_type": "deepseek_v32", "n_routed_experts": 256,
+                                 "index_topk_freq": 4, "index_skip_topk_offset": 3})
+    assert cfg.indexer_types == ("full",) * 12
+
+
+def test_a_frequency_override_replaces_the_checkpoints_schedule(tmp_path):
+    """hf_overrides {"index_topk_freq": 2} turns a checkpoint with an explicit indexer_types list (here all
+    'full') into one indexer in two (offset 2 by default: layers 0, 1, 3, 5, ...), for either family."""
+    import json
+    raw = {**BASE, "indexer_types": ["full"] * 12}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = ModelConfig.from_json(str(tmp_path), overrides={"index_topk_freq": 2})
+    assert cfg.full_layers == [0, 1, 3, 5, 7, 9, 11]
+    assert ModelConfig.from_json(str(tmp_path)).full_layers == list(range(12))
+
+
+def test_num_local_experts_names_the_routed_experts_too():
+    raw = {k: v for k, v in BASE.items() if k != "n_routed_experts"}
+    assert ModelConfig.from_dict({**raw, "num_local_experts": 8}).n_routed_experts == 8
+
+
+def test_max_model_len_may_reach_the_models_positions_not_pass_them():
+    from sparsekv.config import EngineConfig
+    cfg = ModelConfig.from_dict({**BASE, "max_position_embeddings": 4096})
+    EngineConfig(model="m", max_model_len=4096).validate_for_model(cfg)
+    with pytest.raises(ConfigError, match="beyond the model's max_position_embeddings"):
+        EngineConfig(model="m", max_model_len=4097).validate_for_model(cfg)
+
+
+def test_yarn_scale_squares_the_mscale_of_mscale_all_dim():
+    """YaRN's attention scale: qk_head_dim^-0.5 x m^2, m = 0.1 x mscale_all_dim x ln(factor) + 1."""
+    import math
+    raw = {**BASE, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "index_head_dim": 128,
+           "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0, "factor": 40,
+                               "original_max_position_embeddings": 4096, "mscale_all_dim": 0.5}}
+    m = 0.1 * 0.5 * math.log(40) + 1
+    assert ModelConfig.from_dict(raw).softmax_scale == pytest.approx(192 ** -0.5 * m * m, rel=1e-12)

@@ -107,3 +107,12 @@ def test_another_node_resolves_auto_as_node_0s_engine_does(checkpoint, monkeypat
                           dist_init_addr="127.0.0.1:1")
     assert lanes.host_node(config) == 0
     assert [c.dtype for c in seen] == ["float32"]
+
+
+@pytest.mark.parametrize("bf16, picked", [(True, "bfloat16"), (False, "float16")])
+def test_resolve_config_on_a_gpu_asks_whether_it_has_bfloat16(checkpoint, tmp_path, monkeypatch, bf16, picked):
+    """On CUDA, "auto" is the checkpoint's bfloat16 only on a GPU that has it (float16 on one that does
+    not, as a V100 or T4). No GPU here: torch is told what the GPU supports; the config is not validated."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
+    bf16_checkpoint = _with_config(checkpoint, tmp_path / "bf16", dtype="bfloat16")
+    assert resolve_config(EngineConfig(model=bf16_checkpoint, device="cuda")).dtype == picked

@@ -165,3 +165,21 @@ def test_serve_by_repo_id_from_hf_home_offline(hf_home):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_downloaded_snapshot_without_config_json_is_not_a_model(hf_home, tmp_path, monkeypatch):
+    """A repo id that downloads but holds no config.json (a dataset-like or code-only repo) is refused
+    by name, not handed to the checkpoint loader."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    empty = tmp_path / "snapshot"
+    empty.mkdir()
+    (empty / "README.md").write_text("no model here")
+
+    def fake_snapshot_download(repo_id, revision=None, cache_dir=None, allow_patterns=None, local_files_only=False):
+        if local_files_only:
+            raise LocalEntryNotFoundError("not cached")
+        return str(empty)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    with pytest.raises(ModelNotFound, match="has no config.json"):
+        resolve_model("some-org/not-a-model")

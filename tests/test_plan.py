@@ -433,7 +433,7 @@ def _profile(tmp_path, **changes):
 @pytest.mark.parametrize("field, value", [
     ("mem_bw", 0), ("link_bw", 0), ("flops_fp8", 0), ("flops_bf16", -1), ("mem_bw", "4.8e12"),
     ("device_mem_bytes", -141e9), ("gpus_per_node", 8.5), ("host_dram_bytes", None), ("measured", "no"),
-    ("name", 3),
+    ("name", 3), ("gpus_per_node", 0), ("threads", 1.5), ("mem_bw", float("inf")), ("host_dram_bytes", -1),
 ])
 def test_bad_hardware_profile_names_file_and_field(capsys, tmp_path, field, value):
     path = _profile(tmp_path, **{field: value})
