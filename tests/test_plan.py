@@ -175,6 +175,17 @@ def test_predict_decode_step_ms_by_hand():
     assert dense[1] > 3 * sparse[1] and dense[1] / dense[0] > 3 * sparse[1] / sparse[0]
 
 
+def test_predicted_indexer_keys_stay_in_the_model_dtype_under_fp8_latents():
+    """As in the engine, FP8 latents (`kv_cache_dtype`) leave the indexer keys in the model dtype; only
+    `indexer_dtype` (the engine's `indexer_key_dtype`) makes them FP8. On a memory-bound machine at a
+    long context the keys' bytes show in the step."""
+    cfg = _tiny()
+    hw = Hardware("test", "", 1e12, 1e10, 1e9, "memcpy", 1e20, 1e20, 1, 1e12)
+    step = lambda **dtypes: predict_decode_step_ms(cfg, 100_000, hw, "sparse", profile=FUSED, **dtypes)  # noqa: E731
+    assert step(cache_dtype="fp8") == step(cache_dtype="fp8", indexer_dtype="float32")
+    assert step(cache_dtype="fp8", indexer_dtype="fp8") < step(cache_dtype="fp8")
+
+
 # ---------------------------------------------------------------- CLI and bad input
 
 def _json_plan(*argv):

@@ -165,7 +165,9 @@ def predict_decode_step_ms(model_cfg: ModelConfig, context_len: int, hardware: H
 
     `hardware` is normally `measure_this_cpu()`; `attention_mode` is the engine's ("sparse" runs
     the indexer and attends top-k, "dense" attends all keys and keeps no indexer keys). `dtype`
-    is the engine's weight dtype ("float32", "bfloat16", or "fp8"); the caches default to it.
+    is the engine's weight dtype ("float32", "bfloat16", or "fp8"); the latent cache defaults to it
+    (`cache_dtype`: the engine's `kv_cache_dtype`), and so do the indexer keys, whatever the latent
+    cache (`indexer_dtype`: the engine's `indexer_key_dtype`, as FP8 latents leave the keys alone).
     `profile` says how far the implementation is from fused kernels: it defaults to TORCH_EAGER
     on a measured machine and FUSED on a datasheet preset; calibrate by adjusting its fields
     (e.g. `dataclasses.replace(TORCH_EAGER, ops_per_layer=...)`) until measured and predicted
@@ -173,7 +175,7 @@ def predict_decode_step_ms(model_cfg: ModelConfig, context_len: int, hardware: H
     """
     hw = hardware.with_node(gpus_per_node=1)
     dep = Deployment(hw, tp=1, ep=False, weight_format=_fmt(dtype), latent_format=_fmt(cache_dtype or dtype),
-                     indexer_format=_fmt(indexer_dtype or cache_dtype or dtype))
+                     indexer_format=_fmt(indexer_dtype or dtype))
     wl = Workload(((int(context_len), 1.0),), concurrency=batch, topk=topk, tiering=tiering,
             device_buffer_tokens=device_buffer_tokens, miss_rate=miss_rate, attention_mode=attention_mode)
     dep.validate()

@@ -4,8 +4,9 @@ cache keeps warm in host DRAM and on disk, and what bringing one back costs agai
 A cached page holds every slot-indexed row of its tokens: the MLA latent of every layer and the
 indexer keys of the layers that run an indexer (docs/prefix_cache.md), so a cached token costs what a
 live one does. A hit copies those bytes back over the host link (host tier) or reads them from disk
-first (disk tier); a miss recomputes the prompt: its prefill FLOPs on the node's GPUs at their peak,
-an ideal bound (a real prefill is slower, so the ratios understate what the tiers save).
+first (disk tier); a miss recomputes the prompt: its prefill FLOPs on the deployment's GPUs (every
+node's) at their peak, an ideal bound (a real prefill is slower, so the ratios understate what the
+tiers save).
 """
 from __future__ import annotations
 
