@@ -276,6 +276,39 @@ def test_groups_pad_each_history_at_most_twice_beyond_the_pad_free_length():
     assert len(many) == 1
 
 
+def test_the_plan_groups_exactly_the_decodes_whose_every_row_sees_more_than_top_k():
+    """`make_plan` at the top-k boundaries: a decode of context exactly k is in the dense regime; a
+    sparse decode is in a group exactly when its first new row sees more than k keys (first new
+    position >= k), else it selects alone. The groups cover a prefix of the sparse batch, in its
+    order, each in ascending length (how `groups_within` and `length_buckets` expect them)."""
+    from types import SimpleNamespace
+    from sparsekv.context import SeqSlice
+    from sparsekv.model.decode_plan import make_plan
+    k, starts = 8, iter(range(0, 100, 2))
+
+    def seq(name, new, context):
+        start = next(starts)
+        return SeqSlice(name, start, start + new, context, torch.arange(context))
+    dense = seq("dense", 1, k)            # context k: every key is read
+    at_k = seq("at-k", 1, k + 1)           # first new position k: sees k + 1 keys
+    draft_below = seq("draft-below", 2, k + 1)  # first new position k - 1: its first row sees k keys
+    drafts = seq("drafts", 2, k + 2)       # first new position k
+    long = seq("long", 1, 3 * k)
+    seqs = [dense, long, draft_below, at_k, drafts]
+    ctx = SimpleNamespace(seqs=seqs, decode_rows=2, batch_dense_decodes=True, attention="sparse",
+                          input_ids=torch.zeros(100, dtype=torch.long))
+    cfg = SimpleNamespace(index_topk=k, index_n_heads=4, index_head_dim=16)
+    plan = make_plan(ctx, cfg)
+    assert plan.single == [] and plan.dense == {k: [dense]}
+    assert sorted(s.request_id for s in plan.sparse) == ["at-k", "draft-below", "drafts", "long"]
+    grouped = [s for _, group in plan.groups for s in group]
+    assert grouped == plan.sparse[:len(grouped)]
+    assert {s.request_id for s in grouped} == {s.request_id for s in plan.sparse if s.first_new_position >= k} \
+        == {"at-k", "drafts", "long"}
+    assert all([s.context_len for s in g] == sorted(s.context_len for s in g) for _, g in plan.groups)
+    assert plan.rows == [r for s in plan.sparse for r in range(s.token_start, s.token_end)]
+
+
 def _seq(name: str, pages: list[int], length: int, page: int, device: str = "cpu"):
     """A SeqSlice of one decode row whose history of `length` tokens lies in `pages` (its runs as the
     runner makes them: consecutive pages merged)."""

@@ -526,6 +526,52 @@ def test_a_tail_warms_the_working_set_with_the_prefill_sides_selections(monkeypa
     assert (parallel["tier_warmed"], parallel["tier_misses"]) == (warmed["tier_warmed"], warmed["tier_misses"])
 
 
+def test_a_warmed_working_set_keeps_the_last_rows_selections_as_the_most_recently_used(monkeypatch):
+    """`_warm` places the union of the tail's selections, then the last row's again, as a prefill
+    block primes: the last row's selections (what the first decode will mostly select) are the most
+    recently used entries of each group's working set, so they are evicted last; the rest of the
+    union comes before them."""
+    import dataclasses
+
+    from sparsekv.cache.tiers import TieredKVPool
+    from sparsekv.tools.bench_kv_dtype import default_text
+    path = default_model_path()
+    prefill = LLM(path, max_model_len=1024)
+    prompt = prefill.engine.tokenizer.encode(default_text())[:600]  # a tail of 600 - 9 * 64 = 24 rows
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    rows = []
+    prefill.engine.tap_layers("p", len(prompt), 0, rows.append)
+    first = _first_token(prefill, prompt, params)
+    num_kinds = len(prefill.engine.kv.page_tensors())
+    tails = [d for d in rows if d.tail]
+    warm = tuple((d.layer, tuple(d.selected[0].tolist()), tuple(d.selected[1].tolist())) for d in tails
+                 if d.selected is not None)
+    pages = prefill.engine.kv.export_prefix(prompt)
+    tail = [{k: r[0] for d in tails for k, r in zip(d.kinds, d.ready())}[k] for k in range(num_kinds)]
+    orders, warm_of = {}, TieredKVPool._warm
+
+    def watched(self, ch):  # each group's recency order right after the warm
+        warm_of(self, ch)
+        orders.update({g: lru.lru_order() for g, lru in self._resident[ch.request_id].lrus.items()})
+    monkeypatch.setattr(TieredKVPool, "_warm", watched)
+    decode = LLM(path, max_model_len=1024, kv_tiering=True, prefix_cache_host_bytes=1 << 28)
+    try:
+        engine = decode.engine
+        engine.kv.import_prefix(pages, prompts=[prompt], tails=[tail])
+        engine.add_request("d", prompt, params, first_token=dataclasses.replace(first, warm=warm))
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.check_integrity()
+    finally:
+        decode.close()
+    assert sorted(orders) == sorted(layer for layer, _, _ in warm)
+    for layer, union, last in warm:
+        assert len(set(union)) > len(last)  # the tail's rows select more than the last row does
+        order = orders[layer]
+        assert sorted(order) == sorted(union)
+        assert sorted(order[-len(last):]) == sorted(last)
+
+
 def test_landed_pages_serve_only_their_tenant_and_salt(glm_ckpt):
     """Pages that landed in a tiered decode side's pool keep their names: another tenant, or the same
     tenant with another cache_salt, computes the prompt; the tenant and salt they were sent for hit them."""

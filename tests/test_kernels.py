@@ -194,6 +194,23 @@ def test_index_score_scratch_is_reused_across_calls_and_shared_by_indexers(monke
     assert len(indexers) >= 2 and all(ix.scratch is model.index_scratch for ix in indexers)
 
 
+def test_index_score_scratch_serves_a_call_of_exactly_its_size_from_the_same_storage():
+    """`ScoreScratch.take` grows only when a call needs more than it holds: a call for exactly the
+    buffer's size (the same chunk shape again, the next full layer) gets the same storage, no new
+    allocation; one element more grows it by doubling. Each purpose and dtype keeps its own buffer."""
+    from sparsekv.model.indexer import ScoreScratch
+    cpu, scratch = torch.device("cpu"), ScoreScratch()
+    first = scratch.take(1000, cpu)
+    storage = first.data_ptr()
+    again = scratch.take(1000, cpu)
+    assert again.data_ptr() == storage and again.numel() == 1000 and scratch.nbytes == 1000 * 4
+    assert scratch.take(999, cpu).data_ptr() == storage and scratch.nbytes == 1000 * 4
+    keys = scratch.take(1000, cpu, torch.bfloat16, "keys")
+    assert scratch.take(1000, cpu, torch.bfloat16, "keys").data_ptr() == keys.data_ptr()
+    assert scratch.nbytes == 1000 * 4 + 1000 * 2
+    assert scratch.take(1001, cpu).numel() == 1001 and scratch.nbytes == 2000 * 4 + 1000 * 2
+
+
 def test_decode_rows_score_keys_major_from_the_threshold_on():
     """`keys_major` is documented as "from this many keys on": a decode row over exactly
     DECODE_KEYS_MAJOR_MIN_KEYS_CPU keys (or a policy's `keys_major_min_keys`) is keys-major, one key

@@ -201,6 +201,41 @@ def test_a_working_set_of_exactly_top_k_counts_every_hit_and_miss(ckpt, selector
     assert (stats["tier_hits"], stats["tier_misses"], stats["h2d_bytes"]) == (hits, misses, rows * row)
 
 
+def test_a_prompt_block_whose_selections_exactly_fill_the_working_set_primes_them_all(ckpt, monkeypatch):
+    """A prompt's last chunk places the distinct positions its query block selected in the working set
+    "when they fit", N of them included: with N set to exactly the number one full layer's last block
+    selected, the request's hits and misses are still the documented policy's (the brute-force LRU of
+    `_expected_tier_counts`), which primes that layer with all of them before the last row's."""
+    from sparsekv.cache.tiers import TieredKVPool
+    prompt = PROMPTS[2]  # 23 tokens: a chunk of 16, then 7 rows that prime the working set
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+    real = {name: getattr(TieredKVPool, name) for name in ("gather_decode_latents", "dense_decode_latents",
+                                                            "gather_latent")}
+
+    def run(n):
+        for name, method in real.items():  # each run traces once
+            monkeypatch.setattr(TieredKVPool, name, method)
+        llm = make(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=n)
+        trace = _working_set_accesses(monkeypatch, {"a": len(prompt)})
+        llm.engine.add_request("a", prompt, params)
+        outs = []
+        while llm.engine.has_unfinished_requests():
+            outs += [o for o in llm.engine.step() if o.finished]
+        assert_back_to_initial(llm.engine)
+        primed = [len({p for row in entry[3] for p in row}) for entry in trace if entry[0] == "prime"]
+        return trace, primed, outs[0], llm.engine.kv.pool.groups
+    _, primed, _, _ = run(4 * TOPK)
+    fill = primed[-1]  # the last full layer's last block: placed whole when N >= fill
+    assert TOPK < fill < 4 * TOPK
+    trace, primed_again, out, groups = run(fill)
+    assert primed_again == primed  # tiering never changes a selection
+    expected, _ = _expected_tier_counts(trace, fill, groups)
+    row = LATENT_BYTES_PER_TOKEN // 4  # one layer's latent row
+    m = out.metrics
+    assert (m["tier_hits"], m["tier_misses"], m["h2d_bytes"]) == (expected["a"][0], expected["a"][1],
+                                                                  expected["a"][2] * row)
+
+
 def test_a_reused_working_set_starts_empty(ckpt, monkeypatch):
     """One working set (max_num_seqs=1) serves the requests one after another: each new owner's LRUs
     start empty, so no position of the previous request counts as resident in its rows, and
@@ -769,6 +804,17 @@ def test_batched_decode_groups_stay_within_the_budget():
     assert all(len(g) * g[-1].context_len <= 90 or len(g) == 1 for g in groups)
 
 
+def test_batched_decode_groups_close_before_the_request_that_would_pass_the_budget():
+    """A group's padded size counts the request being added: 10 and 20 fit 60 as a pair (2 x 20),
+    but adding 25 would make 3 x 25 = 75 > 60 even though the two already grouped pad to 2 x 25 = 50."""
+    from types import SimpleNamespace
+    from sparsekv.model.attention import _groups_within
+    seqs = [SimpleNamespace(context_len=n) for n in (10, 20, 25)]
+    groups = _groups_within(seqs, 60)
+    assert [[s.context_len for s in g] for g in groups] == [[10, 20], [25]]
+    assert all(len(g) * g[-1].context_len <= 60 for g in groups)
+
+
 def test_shared_layers_replay_the_decode_plan_without_reading_selections(ckpt, monkeypatch):
     """A decode step reads its selections to the host once per full layer; the IndexShare shared
     layers reuse that plan (on an accelerator: one synchronisation per full layer, not per layer)."""
@@ -857,6 +903,29 @@ def test_the_first_decode_step_starts_warm(monkeypatch):
     cold, cold_tokens = first_decode_misses()
     assert cold > 250 * 5  # nearly every one of the 256 selected positions, in each of the 5 layers
     assert warm < cold / 4 and tokens == cold_tokens
+
+
+def test_a_decode_reads_its_working_set_rows_in_the_order_asked_for(ckpt, monkeypatch):
+    """`gather_latent` returns the selected positions' latents "in the order asked for", through the
+    working set too: a decode row's selections asked for in descending order (selectors give them
+    ascending) read the same rows, reversed, and the outputs stay bit-identical to tiering off."""
+    from sparsekv.cache.tiers import TieredKVPool
+    real, compared = TieredKVPool.gather_decode_latents, []
+
+    def gather_decode_latents(self, layer, picks):
+        (seq,) = picks.seqs
+        if self.leader[layer] != layer or layer in self.mtp_layers or seq.num_new_tokens != 1:
+            return real(self, layer, picks)
+        backwards = self.gather_latent(layer, seq, picks.selected.reshape(1, -1).flip(-1))
+        got = real(self, layer, picks)  # the same positions ascending: the plan its shared layers replay
+        compared.append(torch.equal(backwards.flip(1), got))
+        return got
+    prompt = PROMPTS[:1]
+    reference, _ = generate(ckpt["glm_moe_dsa"], prompt)
+    monkeypatch.setattr(TieredKVPool, "gather_decode_latents", gather_decode_latents)
+    outs, _ = generate(ckpt["glm_moe_dsa"], prompt, kv_tiering=True, device_buffer_tokens=TOPK)
+    assert compared and all(compared)
+    assert_same(reference, outs)
 
 
 def test_a_host_fetch_outside_inference_mode_reuses_the_buffer_a_forward_grew():
