@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from .parallel.launch import RankFailure
 from .request import Request, RequestOutput, RequestStatus
 
 logger = logging.getLogger("sparsekv.engine")
@@ -87,10 +88,13 @@ class WeightControl:
         update, checkpoint = self._pending_update
         try:
             self.executor.update_weights(update)
-        except Exception as e:  # the old weights still serve (or a rank failure: the next step raises it)
+        except Exception as e:  # the old weights still serve, unless the ranks failed (below)
+            self.weight_updates.settle(None, e)
+            if isinstance(e, RankFailure):  # some ranks may have loaded it: their weights differ, none serves again
+                logger.error("weight update failed across the ranks; the engine serves no more: %s", e)
+                raise
             logger.error("weight update failed; the previous weights keep serving: %r", e)
             self.weight_update_error = e
-            self.weight_updates.settle(None, e)
         else:
             self.weights_version += 1
             self.kv.new_weights(checkpoint)

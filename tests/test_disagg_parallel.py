@@ -105,6 +105,57 @@ def test_export_reads_the_rank_that_holds_most_of_the_prompt():
     assert DataParallelKV(engine).export_prefix([1, 2], "t", None, skip=1) == ["page 1", "page 2"]
 
 
+def test_export_ties_go_to_the_lowest_rank():
+    engine = FakeEngine(3)
+    for rank, e in enumerate(engine.ranks):
+        e.kv.export_prefix = lambda token_ids, tenant, cache_salt, skip=0, rank=rank: rank
+    kv = DataParallelKV(engine)
+    assert kv.export_prefix([1, 2], "t", None) == 0  # nobody holds it
+    for e in engine.ranks[1:]:
+        e.kv.held[(1, 2)] = 2
+    assert kv.export_prefix([1, 2], "t", None) == 1
+
+
+def test_each_rank_imports_with_the_tails_and_chains_of_its_own_prompts():
+    """Prompts claimed by two ranks: each rank gets its own prompts' tails and chains, in their order."""
+    engine = FakeEngine()
+    calls = {0: [], 1: []}
+    for rank, e in enumerate(engine.ranks):
+        e.kv.import_prefix = (lambda pages, tenant, prompts, cache_salt, tails=None, chains=None, rank=rank:
+                              calls[rank].append(([tuple(p) for p in prompts], tails, chains)) or len(pages))
+    kv = DataParallelKV(engine)
+    a, b, c = [1, 2, 3], [4, 5, 6], [7, 8, 9]
+    assert [kv.held_prefix(p, "t", None) for p in (a, b, c)] == [0, 0, 0]  # claims: ranks 0, 1, 0
+    assert kv.import_prefix([(b"p", [])], "t", [a, b, c], None, tails=["ta", "tb", "tc"],
+                            chains=[["ca"], ["cb"], ["cc"]]) == 1
+    assert calls == {0: [([tuple(a), tuple(c)], ["ta", "tc"], [["ca"], ["cc"]])], 1: [([tuple(b)], ["tb"], [["cb"]])]}
+
+
+def test_claims_are_bounded_and_the_oldest_stops_counting(monkeypatch):
+    from sparsekv.parallel import dp_kv
+    monkeypatch.setattr(dp_kv, "MAX_CLAIMS", 2)
+    engine = FakeEngine()
+    kv = DataParallelKV(engine)
+    for prompt in ([1], [2], [3]):
+        kv.held_prefix(prompt, "t", None)
+    assert kv.num_claims == 2 and sum(engine.router.in_flight) == 2
+    assert kv.take_claim([1], "t", None) is None and kv.take_claim([3], "t", None) is not None
+
+
+def test_a_tap_header_round_trips_and_holds_at_most_eight_kinds():
+    from sparsekv.cache.layer_tap import LayerRows
+    from sparsekv.parallel.dp_taps import HEADER_LEN, decode_header, encode_header
+    selected = (torch.arange(5), torch.arange(3))
+    full = encode_header(7, LayerRows(2, 10, 3, [0, 2], [], tail=0))
+    tail = encode_header(8, LayerRows(1, 4, 1, [1], [], tail=2, selected=selected))
+    assert full.shape == (HEADER_LEN,) and full.dtype == torch.int64
+    assert decode_header(full) == (7, 2, 10, 3, 0, None, [0, 2])
+    assert decode_header(tail) == (8, 1, 4, 1, 2, [5, 3], [1])
+    assert decode_header(encode_header(0, LayerRows(0, 0, 1, list(range(8)), [])))[-1] == list(range(8))
+    with pytest.raises(ValueError, match="at most 8"):
+        encode_header(0, LayerRows(0, 0, 1, list(range(9)), []))
+
+
 def _pairs(p_url: str, d_url: str, prompts: list[list[int]], **extra) -> list:
     """One request per prompt, all at once (each as the router sends it); the decode workers' bodies."""
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -251,6 +302,30 @@ def test_layer_rows_of_every_data_parallel_rank_reach_rank_0_before_their_pages_
         llm.close()
 
 
+def test_a_prompt_untapped_mid_prefill_on_rank_1_sends_no_more_rows(glm_ckpt):
+    """An untap reaches the rank the request runs on with the next step's command: from then on that rank
+    sends nothing more for it (rows it kept sending would cross the taps' group only to be dropped)."""
+    prompts = [_prompt(256, 42, seed) for seed in (3, 4)]  # 10 full pages each, 8 rows a step
+    llm = LLM(glm_ckpt[0], **BASE, prefill_chunk_tokens=8, max_num_batched_tokens=16, data_parallel_size=2)
+    engine, got = llm.engine, []
+    try:
+        engine.tap_layers("r1", len(prompts[1]), 0, got.append)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=2, temperature=0.0))
+        assert engine.rank_of["r1"] == 1
+        engine.step()
+        engine.step()
+        received = list(engine.taps.receiver.received)
+        assert received[1] > 0 and len(got) == received[1]
+        engine.untap_layers("r1")
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.taps.receiver.received == received and len(got) == received[1]
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
 def _tail_selections(path: str, prompt: list[int], **options) -> dict:
     """One engine's tail selections of `prompt` by full layer (LayerRows.selected)."""
     llm, got = LLM(path, **BASE, **options), []
@@ -286,5 +361,31 @@ def test_layer_taps_outlast_an_idle_spell_longer_than_the_collective_timeout(glm
         time.sleep(2 * timeout_s + 1)
         tapped_round("b", (5, 6))
         assert first > 0 and len(got) == 2 * first
+    finally:
+        llm.close()
+
+
+def test_a_claimed_prompt_with_a_logits_processor_runs_on_rank_0(glm_ckpt):
+    """A logits processor is a Python callable given in this process, which no other rank could load: its
+    request runs on rank 0 even when rank 1 claimed its prompt (rank 0 computes the pages again). Sent
+    to rank 1, it failed there and the engine served no more (RankFailure)."""
+    path = glm_ckpt[0]
+    a, b = _prompt(256, 41, 3), _prompt(256, 41, 4)
+    single = LLM(path, **BASE)
+    first = single.generate([b], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
+
+    def ban(token_ids, logits):
+        logits[first] = float("-inf")
+        return logits
+    params = SamplingParams(max_tokens=4, temperature=0.0, logits_processors=[ban])
+    want = single.generate([b], params)[0]
+    llm = LLM(path, **BASE, data_parallel_size=2)
+    try:
+        kv = llm.engine.kv
+        assert kv.held_prefix(a) == 0 and kv.held_prefix(b) == 0  # claims: rank 0, then rank 1
+        got = llm.generate([b], params)[0]
+        assert got.token_ids == want.token_ids and got.token_ids[0] != first
+        assert llm.engine.router.in_flight == [1, 0]  # a's claim still counts; b's ended on rank 0
+        llm.engine.check_integrity()
     finally:
         llm.close()

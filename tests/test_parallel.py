@@ -316,12 +316,16 @@ def test_each_rank_reports_its_weights_memory_and_collective_bytes(glm_ckpt):
     assert [r["kv_pool_bytes"] for r in ranks] == [slots * per_token] * 2
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("tier", ["host", "disk", "host-quest"])
 def test_prefix_cache_hits_from_rank_0s_host_and_disk_tiers_reach_every_rank(glm_ckpt, tmp_path, tier):
     """Only rank 0 has the prefix cache's lower tiers: the pages a hit restores there are broadcast to
     every rank before the step (SchedulerOutput.restored_page_ids). Released pages go straight to the
-    tier (no pool pages kept per tenant), so the second run of the prompt is served from it."""
+    tier (no pool pages kept per tenant), so the second run of the prompt is served from it. With Quest,
+    its page bounds (one row per 2 tokens, two rows per KV page) are restored and broadcast too."""
     options = dict(prefix_cache_max_pages_per_tenant=0)
+    if tier.endswith("-quest"):
+        tier = tier.removesuffix("-quest")
+        options.update(selector="quest", quest_page_tokens=2)
     if tier == "host":
         options["prefix_cache_host_bytes"] = 1 << 24
     else:
@@ -392,6 +396,44 @@ def test_data_parallel_with_mtp_drafting_and_tiering_on_the_bundled_model():
                            num_speculative_tokens=2)
 
 
+def test_expert_parallel_with_rank_1_wider_than_rank_0_and_then_alone_equals_one_process(glm_ckpt):
+    """The ranks' rows meet at each MoE layer, each rank's padded to the widest rank's count: here rank 1
+    has more rows than rank 0 (the longer prompt went there), then decodes alone while rank 0, done,
+    takes part with none. Each rank gets back exactly its own rows' expert outputs."""
+    short, long = _prompts(256)[1], _prompts(256)[0]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=3, ignore_eos=True) for n in (2, 10)]
+    single = LLM(glm_ckpt[0], **BASE)
+    want = single.generate([short, long], params)
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        got = llm.generate([short, long], params)
+        by_rank = llm.stats()["by_data_parallel_rank"]
+        llm.engine.check_integrity()
+    finally:
+        llm.close()
+    assert [(r["prompt_tokens"], r["generation_tokens"]) for r in by_rank] == [(len(short), 2), (len(long), 10)]
+    assert_same_greedy(want, got, logprob_tolerance(single))
+
+
+def test_each_data_parallel_rank_keeps_its_prefix_cache_disk_tier_in_a_directory_of_its_own(glm_ckpt, tmp_path):
+    """Each rank's engine has its own prefix cache: its disk tier lives in `dp<rank>` under the given
+    directory (one directory shared by two caches would mix their files), and a restarted engine serves
+    each rank's prompt from that rank's files."""
+    prompts = _prompts(256)
+    options = dict(prefix_cache_max_pages_per_tenant=0, prefix_cache_disk_bytes=1 << 24,
+                   prefix_cache_disk_unencrypted=True, prefix_cache_disk_path=str(tmp_path))
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    for run in range(2):
+        llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, **options)
+        try:
+            got = llm.generate(prompts, params)
+        finally:
+            llm.close()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["dp0", "dp1"]
+        assert all(any((tmp_path / d).iterdir()) for d in ("dp0", "dp1"))
+    assert all(o.metrics["prefix_cached_tokens_disk"] >= 4 for o in got)  # each prompt's pages, on its rank
+
+
 def test_data_parallel_routes_a_repeated_prompt_to_the_rank_holding_its_prefix(glm_ckpt):
     prompt = _prompts(256)[0]
     llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, enable_expert_parallel=True)
@@ -425,6 +467,42 @@ def test_a_request_on_another_rank_is_first_scheduled_in_the_step_that_ran_it(gl
         step_of = [next(i for i, (a, b) in enumerate(steps) if a <= r.first_scheduled_time <= b) for r in remote]
         assert step_of[0] == 0 and step_of[1] == finished[remote[0].request_id] + 1
         assert not engine._remote
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_data_parallel_front_end_refuses_counts_and_aborts_requests_no_rank_has_seen(glm_ckpt):
+    """Before a step sends them: a request id in use, and return_routed_experts under expert parallelism,
+    are refused with nothing routed or counted; the waiting requests are counted once per rank (rank 0's
+    from its engine, the others' from their last answer and the adds still to send), per tenant too; a
+    request aborted before a step sent it leaves nothing to send."""
+    from sparsekv.request import InvalidRequest
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, enable_expert_parallel=True, max_num_seqs=1)
+    engine, router = llm.engine, llm.engine.router
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 256, (13,), generator=g).tolist() for _ in range(6)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    try:
+        with pytest.raises(InvalidRequest, match="return_routed_experts"):
+            engine.add_request("x", prompts[0], SamplingParams(max_tokens=2, return_routed_experts=True))
+        assert not engine.rank_of and router.in_flight == [0, 0] and not engine.has_unfinished_requests()
+        for i in range(4):
+            engine.add_request(f"r{i}", prompts[i], params, tenant="a" if i < 2 else "b")
+        assert [engine.rank_of[f"r{i}"] for i in range(4)] == [0, 1, 0, 1]
+        with pytest.raises(InvalidRequest, match="already in use"):
+            engine.add_request("r1", prompts[4], params)
+        assert router.in_flight == [2, 2]
+        assert (engine.num_waiting_requests(), engine.num_waiting_requests("a"), engine.num_waiting_requests("b")) == (4, 2, 2)
+        engine.step()  # one sequence per rank: each runs its tenant a request, holds its tenant b one
+        assert (engine.num_waiting_requests(), engine.num_waiting_requests("a"), engine.num_waiting_requests("b")) == (2, 0, 2)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.add_request("p", prompts[4], params)
+        engine.add_request("q", prompts[5], params)
+        assert engine.rank_of == {"p": 0, "q": 1}
+        assert engine.abort("p") and engine.abort("q")
+        assert not engine.has_unfinished_requests() and router.in_flight == [0, 0]
         engine.check_integrity()
     finally:
         llm.close()
@@ -561,6 +639,56 @@ def test_router_spreads_prompts_sharing_a_prefix_once_one_rank_is_busier():
     assert big.peek(system) == 0
     big.in_flight = [120, 90]
     assert big.peek(system) == 1
+
+
+def test_router_counts_only_whole_pages_of_a_prompt():
+    from sparsekv.parallel.router import PrefixAffinityRouter
+    router = PrefixAffinityRouter(num_ranks=2, page_size=4)
+    assert [len(router.chain(list(range(n)), "t", None)) for n in (3, 4, 7, 8, 9)] == [0, 1, 1, 2, 2]
+    router.assign(1, [1, 2, 3, 4])  # exactly one page: remembered on rank 1
+    router.finished(1)
+    assert router.peek([1, 2, 3, 4, 5]) == 1
+
+
+def test_router_remembers_at_most_max_pages_per_rank_least_recently_used_first_out():
+    from sparsekv.parallel.router import PrefixAffinityRouter
+    router = PrefixAffinityRouter(num_ranks=2, page_size=2, max_pages_per_rank=4)
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]  # two pages each
+
+    def held(prompt):
+        return router.matched_pages(0, router.chain(prompt, "default", None))
+    router.assign(0, a)
+    router.assign(0, b)
+    router.assign(0, a)  # a used again: b's pages are now the least recently used
+    router.assign(0, c)  # two more pages than fit: b's go
+    assert (held(a), held(b), held(c)) == (2, 0, 2) and len(router.seen[0]) == 4
+
+
+def test_the_ranks_stats_add_up_and_their_rates_are_recomputed_from_the_sums():
+    """Counts add up (per-position lists element by element, per-tenant dicts key by key, a tenant only
+    one rank saw included), settings and names are rank 0's, each rank's own figures are listed, and
+    every rate is the sums' ratio, not a sum or a mean of the ranks' rates."""
+    from sparsekv.parallel.lanes import merge_stats
+
+    def rank(n, hits, queries, accepted, drafts, per_pos, tenants, misses):
+        return {"running": n, "device_buffer_tokens": 16, "dtype": "float32", "paused": False, "ranks": [{"rank": n}],
+                "prefix_cache_hits_device": hits, "prefix_cache_hits_host": 1, "prefix_cache_queries": queries,
+                "prefix_cache_hit_rate": (hits + 1) / queries, "prefix_cache_by_tenant": tenants,
+                "spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": 2 * drafts,
+                "spec_decode_num_accepted_tokens": accepted, "spec_decode_num_accepted_tokens_per_pos": per_pos,
+                "spec_decode_acceptance_rate": accepted / (2 * drafts),
+                "spec_decode_mean_acceptance_length": 1 + accepted / drafts,
+                "tier_hits": 3, "tier_misses": misses, "tier_miss_rate": misses / (3 + misses)}
+    merged = merge_stats([rank(0, 3, 8, 3, 2, [2, 1], {"a": {"served": 4}}, 1),
+                          rank(1, 0, 32, 1, 8, [1, 0], {"a": {"served": 1}, "b": {"served": 2}}, 9)])
+    assert merged["running"] == 1 and merged["device_buffer_tokens"] == 16 and merged["dtype"] == "float32"
+    assert merged["ranks"] == [{"rank": 0}, {"rank": 1}]
+    assert merged["spec_decode_num_accepted_tokens_per_pos"] == [3, 1]
+    assert merged["prefix_cache_by_tenant"] == {"a": {"served": 5}, "b": {"served": 2}}
+    assert merged["prefix_cache_hit_rate"] == (3 + 1 + 0 + 1) / 40
+    assert merged["spec_decode_acceptance_rate"] == 4 / 20
+    assert merged["spec_decode_mean_acceptance_length"] == 1 + 4 / 10
+    assert merged["tier_miss_rate"] == 10 / 16
 
 
 def test_serve_with_data_parallel_attention_and_expert_parallelism():

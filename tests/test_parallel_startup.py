@@ -209,3 +209,36 @@ def test_nodes_that_count_other_world_sizes_fail_the_start_at_once():
             with pytest.raises(StartupError, match=r"counts a world of 4 ranks, rank\(s\) \[0\] of \[2\]"):
                 future.result(timeout=30)
     assert time.monotonic() - started < 30  # not the start-up timeout
+
+
+def test_a_launcher_environment_is_torchrun_only_when_complete_and_of_the_worlds_size(monkeypatch):
+    """torchrun (or a launcher like it) sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT:
+    all of them make this process that rank; some alone (a MASTER_ADDR left in a shell) do not; a
+    WORLD_SIZE other than tp x dp is refused before anything starts."""
+    from sparsekv.config import ConfigError
+    from sparsekv.parallel.launch import TORCHRUN_ENV, torchrun_rank
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert torchrun_rank(_config()) is None
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    assert torchrun_rank(_config()) is None
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert torchrun_rank(_config()) == 1
+    assert torchrun_rank(_config(tensor_parallel_size=1)) is None  # one rank: nothing to launch
+    with pytest.raises(ConfigError, match="WORLD_SIZE 2 is not tensor_parallel_size x data_parallel_size = 4"):
+        torchrun_rank(_config(data_parallel_size=2))
+
+
+def test_a_node_needs_a_gpu_for_each_of_its_own_ranks_only(monkeypatch):
+    """-tp 2 over two nodes puts one rank on each: one GPU per node is enough."""
+    from sparsekv.config import ConfigError
+    from sparsekv.parallel.launch import TORCHRUN_ENV, check_gpus
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_gpus(_config(device="cuda", nnodes=2, dist_init_addr="127.0.0.1:1"))
+    with pytest.raises(ConfigError, match="puts 2 ranks on this node"):
+        check_gpus(_config(device="cuda", tensor_parallel_size=4, nnodes=2, dist_init_addr="127.0.0.1:1"))

@@ -123,6 +123,43 @@ def test_drain_switches_every_rank_at_the_step_the_last_started_request_finishes
         llm.close()
 
 
+def test_a_drain_update_whose_checkpoint_is_gone_by_its_load_keeps_a_and_runs_the_held_requests(ckpts, tmp_path):
+    """A drain update is checked when it is asked for and loaded steps later, once no rank has a started
+    request: here only rank 1 has one (r1 on rank 0 finished first), so the update waits for it. Its
+    directory gone by then, every rank refuses it (the old weights keep serving, `weight_update_error`
+    says why), and the requests each rank held during the drain run after it."""
+    a, b = ckpts
+    gone = str(shutil.copytree(b, tmp_path / "b"))
+    only_a = LLM(a, **OPTIONS)
+    want = only_a.generate([OTHER, PROMPT], GREEDY)
+    llm = LLM(a, **OPTIONS, **DP)
+    try:
+        engine = llm.engine
+        engine.add_request("r1", PROMPT, GREEDY)
+        engine.add_request("r1b", OTHER, LONGER)
+        outs = {}
+        while "r1" not in outs:
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        assert "r1b" not in outs and not engine.local.started_requests()  # rank 1's alone is started
+        assert engine.update_weights_from_disk(gone, policy="drain") == [] and engine.weight_update_pending
+        engine.add_request("r2", OTHER, GREEDY)
+        engine.add_request("r3", PROMPT, GREEDY)
+        assert engine.rank_of == {"r1b": 1, "r2": 1, "r3": 0}  # a held request on each rank
+        shutil.rmtree(gone)
+        for _ in range(4 * LONGER.max_tokens):  # bounded: requests held for good would never finish
+            if not engine.has_unfinished_requests():
+                break
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        assert sorted(outs) == ["r1", "r1b", "r2", "r3"] and not engine.has_unfinished_requests()
+        assert engine.weights_version == 0 and not engine.weight_update_pending
+        assert isinstance(engine.weight_update_error, WeightLoadError)
+        assert "no rank loaded" in str(engine.weight_update_error)
+        assert_same_greedy(want, [outs["r2"], outs["r3"]], logprob_tolerance(only_a))
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
 def _expert(e: int) -> str:
     return f"model.layers.1.mlp.experts.{e}.gate_proj.weight"
 

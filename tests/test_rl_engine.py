@@ -400,6 +400,28 @@ def test_tensor_parallel_ranks_each_load_their_slices(ckpts, options):
         llm.close()
 
 
+def test_a_tensor_parallel_worker_failing_to_load_an_update_fails_it_on_rank_0(ckpts, tmp_path, monkeypatch):
+    """Under expert parallelism rank 1 alone reads experts 2 and 3: reading one fails there (an injected
+    fault), while rank 0 loads its slices. Rank 0 learns it from the ranks' agreement: the update itself
+    fails, naming it, and since the ranks' weights now differ every later call raises RankFailure."""
+    import shutil
+
+    from sparsekv.model.checkpoint import LOAD_FAULT_ENV
+    from sparsekv.parallel.launch import RankFailure
+    a, b, _ = ckpts
+    monkeypatch.setenv(LOAD_FAULT_ENV, "rank1:model.layers.1.mlp.experts.2.gate_proj.weight")
+    shutil.copytree(b, tmp_path / "rank1")
+    llm = LLM(a, tensor_parallel_size=2, enable_expert_parallel=True, num_threads=1, **OPTIONS)
+    try:
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids
+        with pytest.raises(RankFailure, match="a worker rank failed to load the weight update"):
+            llm.update_weights_from_disk(str(tmp_path / "rank1"))
+        with pytest.raises(RankFailure):
+            llm.generate([PROMPT], GREEDY)
+    finally:
+        llm.close()
+
+
 class _Part:
     """A stand-in for one of the model's objects (copy_weights walks sparsekv.model's classes)."""
 

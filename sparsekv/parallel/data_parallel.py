@@ -124,7 +124,7 @@ class DataParallelEngine:
             cfg = self.local.model_config
             check_warm(first_token.warm, cfg.full_layers, cfg.index_topk, len(token_ids))
         rank = self.kv.take_claim(token_ids, tenant, cache_salt)  # a disaggregated request: where its pages landed
-        if rank is None and params.logits_processors:
+        if params.logits_processors:  # claimed by another rank too: it recomputes the pages that landed there
             rank = 0  # Python callables run in the process they were given to: no other rank could load them
         if rank is None:
             rank = self.router.choose(token_ids, tenant, cache_salt)
