@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sparsekv import LLM, SamplingParams
+from sparsekv.config import ModelConfig
 from sparsekv.outputs import FirstToken
 from sparsekv.paths import default_model_path
 from sparsekv.request import InvalidRequest
@@ -458,6 +459,29 @@ def test_the_decode_side_starts_decoding_warm(monkeypatch):
     assert tokens == last_row_tokens == cold_tokens
 
 
+def _tapped_prefill_with_a_tail(max_tokens: int):
+    """The bundled model's prefill of a 600-token prompt (a tail of 600 - 9 * 64 = 24 rows) with its
+    layers tapped, as a prefill worker sends it: (model path, prompt, greedy params, the first token,
+    each full layer's (layer, union of the tail rows' selections, the last row's), the exported pages,
+    the tail's rows by kind)."""
+    from sparsekv.tools.bench_kv_dtype import default_text
+    path = default_model_path()
+    prefill = LLM(path, max_model_len=1024)
+    prompt = prefill.engine.tokenizer.encode(default_text())[:600]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    prefill.engine.tap_layers("p", len(prompt), 0, rows.append)
+    first = _first_token(prefill, prompt, params)
+    tails = [d for d in rows if d.tail]
+    assert [d.layer for d in tails if d.selected is not None] == prefill.engine.model_config.full_layers
+    warm = tuple((d.layer, tuple(d.selected[0].tolist()), tuple(d.selected[1].tolist())) for d in tails
+                 if d.selected is not None)
+    pages = prefill.engine.kv.export_prefix(prompt)
+    num_kinds = len(prefill.engine.kv.page_tensors())
+    tail = [{k: r[0] for d in tails for k, r in zip(d.kinds, d.ready())}[k] for k in range(num_kinds)]
+    return path, prompt, params, first, warm, pages, tail
+
+
 def test_a_tail_warms_the_working_set_with_the_prefill_sides_selections(monkeypatch):
     """With a tail the decode side computes no prompt row: the prefill engine's taps hand out, with a
     full layer's tail rows, the positions those rows selected (their union, and the last row's), and a
@@ -468,21 +492,7 @@ def test_a_tail_warms_the_working_set_with_the_prefill_sides_selections(monkeypa
     import dataclasses
 
     from sparsekv.cache.tiers import TieredKVPool
-    from sparsekv.tools.bench_kv_dtype import default_text
-    path = default_model_path()
-    prefill = LLM(path, max_model_len=1024)
-    prompt = prefill.engine.tokenizer.encode(default_text())[:600]  # a tail of 600 - 9 * 64 = 24 rows
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    rows = []
-    prefill.engine.tap_layers("p", len(prompt), 0, rows.append)
-    first = _first_token(prefill, prompt, params)
-    cfg, num_kinds = prefill.engine.model_config, len(prefill.engine.kv.page_tensors())
-    tails = [d for d in rows if d.tail]
-    assert [d.layer for d in tails if d.selected is not None] == cfg.full_layers
-    warm = tuple((d.layer, tuple(d.selected[0].tolist()), tuple(d.selected[1].tolist())) for d in tails
-                 if d.selected is not None)
-    pages = prefill.engine.kv.export_prefix(prompt)
-    tail = [{k: r[0] for d in tails for k, r in zip(d.kinds, d.ready())}[k] for k in range(num_kinds)]
+    path, prompt, params, first, warm, pages, tail = _tapped_prefill_with_a_tail(max_tokens=4)
     held, groups = {}, {}
     warm_of = TieredKVPool._warm
 
@@ -515,7 +525,7 @@ def test_a_tail_warms_the_working_set_with_the_prefill_sides_selections(monkeypa
     assert held == union  # the union, the last row's among it (only full layers' groups: no MTP layer)
     cold, cold_tokens = first_decode(())
     assert warmed["tier_warmed"] == sum(len(union[g]) * len(groups[g]) for g in union) and cold["tier_warmed"] == 0
-    assert cold["tier_misses"] > 250 * cfg.num_hidden_layers  # nearly every one of the 256 selected, in each layer
+    assert cold["tier_misses"] > 250 * ModelConfig.from_json(path).num_hidden_layers  # nearly every one of the 256 selected, in each layer
     assert warmed["tier_misses"] < cold["tier_misses"] / 10
     assert tokens == cold_tokens
     # a tensor-parallel decode side (the tail's page copied to every rank at that step, each rank
@@ -534,20 +544,7 @@ def test_a_warmed_working_set_keeps_the_last_rows_selections_as_the_most_recentl
     import dataclasses
 
     from sparsekv.cache.tiers import TieredKVPool
-    from sparsekv.tools.bench_kv_dtype import default_text
-    path = default_model_path()
-    prefill = LLM(path, max_model_len=1024)
-    prompt = prefill.engine.tokenizer.encode(default_text())[:600]  # a tail of 600 - 9 * 64 = 24 rows
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    rows = []
-    prefill.engine.tap_layers("p", len(prompt), 0, rows.append)
-    first = _first_token(prefill, prompt, params)
-    num_kinds = len(prefill.engine.kv.page_tensors())
-    tails = [d for d in rows if d.tail]
-    warm = tuple((d.layer, tuple(d.selected[0].tolist()), tuple(d.selected[1].tolist())) for d in tails
-                 if d.selected is not None)
-    pages = prefill.engine.kv.export_prefix(prompt)
-    tail = [{k: r[0] for d in tails for k, r in zip(d.kinds, d.ready())}[k] for k in range(num_kinds)]
+    path, prompt, params, first, warm, pages, tail = _tapped_prefill_with_a_tail(max_tokens=2)
     orders, warm_of = {}, TieredKVPool._warm
 
     def watched(self, ch):  # each group's recency order right after the warm

@@ -145,6 +145,19 @@ def test_compaction():
     assert tight["finish"] == "context" and tight["turns"] == [] and fake.policy_requests() == []
 
 
+def test_compaction_leaves_room_for_the_reply():
+    """The context must fit with the turn's max_tokens on top: a context that fits alone but not with its
+    reply is compacted; one that fits with it exactly is left alone."""
+    from sparsekv.rollout.episode import compact
+    context = [{"role": "user", "content": "go"}, {"role": "tool", "tool_call_id": "c", "content": "x" * 3000}]
+    for reply_room, compacted in ((100, True), (99, False)):
+        meter, log = ContextMeter(3.0), []
+        meter.measured(context, {"prompt_tokens": 900, "completion_tokens": 0})
+        assert meter.tokens(context) == 901
+        cfg = EpisodeConfig(max_context=1000, max_tokens=reply_room)
+        assert compact(list(context), 1, cfg, meter, log) and bool(log) == compacted, reply_room
+
+
 def test_a_policy_error_ends_the_episode_which_is_still_checked():
     with FakeOpenAI([[("write_file", {"path": "fizzbuzz.py", "content": SOLUTION})], 400]) as fake:
         traj = episode(fake, "fizzbuzz", judge=False)
@@ -179,6 +192,34 @@ def test_rollout_command_and_summary(tmp_path, capsys):
     assert "fizzbuzz" in printed and "0.50" in printed and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert rollout_main(["fizzbuzz", "--url", fake.url, "--output", str(out)]) == 2  # no judge named
     assert "--judge none" in capsys.readouterr().err
+
+
+def test_the_summary_rows_per_task():
+    """Per task: the interception rate is the share of episodes with any interception (not interceptions per
+    episode, a column of its own), failed counts episodes that ended in an error."""
+    from sparsekv.rollout.report import task_rows
+    trajs = [{"task": "b", "reward": 1.0, "interceptions": [{}, {}, {}], "compactions": [{}], "finish": "stop"},
+             {"task": "b", "reward": 0.0, "interceptions": [], "compactions": [], "finish": "error"},
+             {"task": "a", "reward": 1.0, "interceptions": [], "compactions": [], "finish": "stop"}]
+    assert task_rows(trajs) == [
+        {"task": "a", "episodes": 1, "reward": 1.0, "interception_rate": 0.0, "interceptions_per_episode": 0.0,
+         "compactions_per_episode": 0.0, "failed": 0},
+        {"task": "b", "episodes": 2, "reward": 0.5, "interception_rate": 0.5, "interceptions_per_episode": 1.5,
+         "compactions_per_episode": 0.5, "failed": 1}]
+
+
+def test_rollout_exits_1_when_an_episode_failed_and_refuses_zero_turns(tmp_path, capsys):
+    """An episode that ended in an error is written and counted: the exit status says so. --max-turns 0
+    would run no turn at all: refused like --episodes 0."""
+    out = tmp_path / "trajectories.jsonl"
+    network = ["--allow-network"] if CFG.allow_network else []
+    with FakeOpenAI([500, 500]) as fake:  # the client retries once
+        assert rollout_main(["fizzbuzz", "--url", fake.url, "--judge", "none", "--output", str(out), *network]) == 1
+        assert "(1 failed)" in capsys.readouterr().err
+        assert [json.loads(line)["finish"] for line in out.read_text().splitlines()] == ["error"]
+        assert rollout_main(["fizzbuzz", "--url", fake.url, "--judge", "none", "--max-turns", "0",
+                             "--output", str(out), *network]) == 2
+    assert "--max-turns must be >= 1" in capsys.readouterr().err
 
 
 def test_a_model_the_server_does_not_serve_is_refused_before_any_episode(tmp_path, capsys):
@@ -248,6 +289,18 @@ def test_the_check_pays_a_real_solution_and_counts_its_tests():
     with FakeOpenAI([[("write_file", {"path": "fizzbuzz.py", "content": SOLUTION})], "done"]) as fake:
         traj = run_episode(load_task("fizzbuzz"), 0, Policy(fake.url, "p"), Pipeline(RuleSet([])), CFG)
     assert traj["reward"] == 1.0 and traj["check"]["tests_passed"] == 3 and traj["check"]["problems"] == []
+
+
+def test_tool_arguments_that_are_not_a_json_object_get_an_error_result():
+    """A tool call whose arguments are JSON but not an object (a list here) is answered with an error, as
+    unparsable ones are: nothing is screened or run, the raw arguments are recorded, the episode goes on."""
+    with FakeOpenAI([[("read_file", ["fizzbuzz.py"])], "done"]) as fake:
+        traj = episode(fake, "fizzbuzz", judge=False)
+    (result,) = traj["tool_results"]
+    assert result["error"] and not result["virtual"] and result["flagged"] is False
+    assert result["output"] == "error: read_file: bad arguments: arguments must be a JSON object"
+    assert result["arguments"] == {"_raw": '["fizzbuzz.py"]'}
+    assert traj["finish"] == "stop" and len(traj["turns"]) == 2
 
 
 def test_a_reply_cut_by_max_tokens_finishes_length():

@@ -2,6 +2,7 @@
 command) and the limits enforced (wall time, CPU time, memory)."""
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from pathlib import Path
@@ -62,6 +63,8 @@ def test_writes_over_the_file_size_limit_are_refused(tmp_path):
         with pytest.raises(ValueError, match="file-size limit"):
             sb.write_file("big.txt", "x" * ((1 << 20) + 1))
         assert sb.write_file("ok.txt", "x" * (1 << 20)) == f"wrote {1 << 20} bytes to ok.txt"
+        with pytest.raises(ValueError, match="file-size limit"):  # the limit is on bytes, not characters
+            sb.write_file("big.txt", "\u00e9" * ((1 << 19) + 1))
 
 
 def test_paths_inside_work(sandbox):
@@ -153,6 +156,91 @@ def test_hidden_files_only_for_the_check(sandbox, tmp_path):
     assert (sandbox.root / ".grader/reference.py").is_file()
 
 
+def test_the_check_restores_the_shipped_tests_and_keeps_only_the_requested_new_one(tmp_path):
+    """Before the check: a changed test file is back as shipped, an added test file and a symlinked
+    directory among the tests (a way to a conftest.py elsewhere) are removed, the link not followed, and a
+    new test file the task asks for (`editable`) is kept."""
+    import shutil
+
+    from sparsekv.rollout.check import restore_tests
+    shutil.copytree(load_task("fizzbuzz").repo.parent, tmp_path / "fizzbuzz")
+    spec = tmp_path / "fizzbuzz" / "task.yaml"
+    spec.write_text(spec.read_text() + 'editable: ["tests/test_edge_cases.py"]\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "conftest.py").write_text("def pytest_pyfunc_call(pyfuncitem):\n    return True\n")
+    with Sandbox(load_task(tmp_path / "fizzbuzz")) as sb:
+        shipped = sb.read_file("tests/test_fizzbuzz.py")
+        sb.write_file("tests/test_edge_cases.py", "def test_zero():\n    pass\n")
+        sb.write_file("tests/test_extra.py", "def test_ok():\n    pass\n")
+        sb.write_file("tests/test_fizzbuzz.py", "def test_nothing():\n    pass\n")
+        (sb.root / "tests" / "linked").symlink_to(elsewhere, target_is_directory=True)
+        restore_tests(sb)
+        assert sb.read_file("tests/test_fizzbuzz.py") == shipped
+        assert sb.read_file("tests/test_edge_cases.py") == "def test_zero():\n    pass\n"
+        assert not (sb.root / "tests" / "test_extra.py").exists()
+        assert not (sb.root / "tests" / "linked").is_symlink() and not (sb.root / "tests" / "linked").exists()
+    assert (elsewhere / "conftest.py").is_file()
+
+
+def test_the_check_expects_every_test_function_of_the_shipped_test_files(tmp_path):
+    """What the check requires to be called and passed: the test functions of every shipped test file
+    (test_*.py and *_test.py), methods of Test* classes included, not helpers, nested functions or
+    conftest.py's."""
+    import shutil
+
+    from sparsekv.rollout.check import expected_tests
+    shutil.copytree(load_task("fizzbuzz").repo.parent, tmp_path / "fizzbuzz")
+    tests = tmp_path / "fizzbuzz" / "repo" / "tests"
+    (tests / "edge_test.py").write_text("def helper():\n    pass\n\n\ndef test_zero():\n    def test_inner():\n"
+                                        "        pass\n\n\nclass TestLarge:\n    def test_big(self):\n        pass\n\n"
+                                        "    def setup_method(self):\n        pass\n\n\nclass Helper:\n"
+                                        "    def test_not_collected(self):\n        pass\n")
+    (tests / "conftest.py").write_text("def test_in_conftest():\n    pass\n")
+    task = load_task(tmp_path / "fizzbuzz")
+    with Sandbox(task) as sb:
+        assert expected_tests(task.repo, sb) == {
+            ("tests/test_fizzbuzz.py", None, "test_numbers"), ("tests/test_fizzbuzz.py", None, "test_fizz_and_buzz"),
+            ("tests/test_fizzbuzz.py", None, "test_fizzbuzz"), ("tests/edge_test.py", None, "test_zero"),
+            ("tests/edge_test.py", "TestLarge", "test_big")}
+
+
+def test_the_checks_files_are_those_inside_the_repository_it_names(tmp_path):
+    """check_paths: the check command's words that name files or directories of the repository (a
+    directory as everything under it); options, missing files and paths that climb out are not."""
+    from sparsekv.rollout.task import Task
+    (tmp_path / "repo" / "tests").mkdir(parents=True)
+    (tmp_path / "repo" / "check.py").write_text("")
+    (tmp_path / "outside.py").write_text("")
+    task = Task("t", "x", "python check.py --strict tests/ ../outside.py missing.py && pytest -q tests", tmp_path / "repo")
+    assert task.check_paths == ("check.py", "tests/*", "tests/*")
+
+
+def test_the_check_fails_a_test_that_failed_in_any_of_its_runs(tmp_path):
+    """A test function pytest ran more than once (parametrized, or by two pytest runs of the check) passes
+    only if no run failed: one passing case does not cover a failing one."""
+    from sparsekv.rollout.check import judge_results
+    key = ("tests/test_a.py", None, "test_x")
+    results = tmp_path / "results.jsonl"
+    run = lambda outcome: {"path": str(tmp_path / key[0]), "cls": None, "name": key[2], "called": True,
+                           "outcome": outcome}
+    results.write_text(json.dumps({"exitstatus": 1, "tests": [run("passed"), run("failed")]}) + "\n")
+    assert judge_results(results, {key}, tmp_path) == (1, ["tests/test_a.py::test_x: failed"])
+    results.write_text(json.dumps({"exitstatus": 0, "tests": [run("passed")]}) + "\n")
+    assert judge_results(results, {key}, tmp_path) == (1, [])
+
+
+def test_a_directory_that_holds_the_sandbox_is_not_hidden_from_its_commands(tmp_path):
+    """Commands must not see the package or the task's repository by an absolute path, but covering a
+    directory the sandbox itself lies in would hide the sandbox: such a directory stays visible."""
+    from sparsekv.rollout.sandbox import hidden_dirs
+    task = load_task("fizzbuzz")
+    package = Path(sandbox_mod.__file__).resolve().parent.parent
+    assert {package, task.repo.resolve()} <= set(hidden_dirs(task, tmp_path))
+    inside = hidden_dirs(task, package / "rollout" / "sandbox-1")
+    assert package not in inside and task.repo.resolve() in inside
+
+
 def test_bad_task_specs(tmp_path):
     with pytest.raises(TaskError, match="no task at"):
         load_task(tmp_path / "missing")
@@ -161,6 +249,9 @@ def test_bad_task_specs(tmp_path):
         load_task(tmp_path)
     (tmp_path / "task.yaml").write_text("instruction: x\n")
     with pytest.raises(TaskError, match="'check' is required"):
+        load_task(tmp_path)
+    (tmp_path / "task.yaml").write_text("instruction: '  '\ncheck: 'true'\n")
+    with pytest.raises(TaskError, match="'instruction' is required"):
         load_task(tmp_path)
     (tmp_path / "task.yaml").write_text("instruction: x\ncheck: 'true'\n")
     with pytest.raises(TaskError, match="repository directory"):

@@ -320,7 +320,8 @@ def test_plain_key_gets_its_own_tenant(server):
     assert tenant.startswith("key-") and KEY_PLAIN not in tenant
 
 
-def test_health_and_metrics_are_public(server):
+def test_health_and_metrics_are_public(server, client):
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)  # figures to read, run alone too
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.head(server.url + "/health").status_code == 200  # load balancers' probes may send HEAD
     assert httpx.get(server.url + "/version").json()["version"] == __import__("importlib.metadata").metadata.version(

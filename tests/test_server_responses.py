@@ -269,6 +269,92 @@ def test_request_success_is_counted_once_by_its_finish_reason():
     assert _sample(m, "requests_aborted_total", reason="client_gone") == 3
 
 
+def test_a_two_token_request_observes_its_time_per_output_token():
+    """TPOT is the decode time over the tokens after the first (vLLM's): a request of two tokens has one
+    such interval and is observed; a one-token request has none and is not."""
+    m = _metrics()
+    t = RequestTimer(arrival=10.0)
+    m.observe(t, _out([1], [5]), 10.5, None)
+    m.observe(t, _out([1], [5, 6], "length"), 11.25, None)
+    one = RequestTimer(arrival=20.0)
+    m.observe(one, _out([1], [5], "length"), 20.5, None)
+    assert _sample(m, "request_time_per_output_token_seconds_count") == 1
+    assert _sample(m, "request_time_per_output_token_seconds_sum") == pytest.approx(0.75)
+    assert _sample(m, "e2e_request_latency_seconds_count") == 2
+
+
+def test_queue_time_is_never_negative():
+    """A request another rank scheduled in a step that rank 0 started before the request's arrival (data
+    parallel: the step's clock) is observed as queued for 0 s, not a negative time."""
+    m = _metrics()
+    m.observe(RequestTimer(arrival=10.0), _out([1], [5]), 10.5, scheduled=9.75)
+    assert _sample(m, "request_queue_time_seconds_count") == 1
+    assert _sample(m, "request_queue_time_seconds_sum") == 0.0
+
+
+def test_a_series_labelled_by_tenant_is_left_out_of_the_public_view_whatever_its_name():
+    """The public exposition drops every family with a `tenant` label, not only those named tenant_*: a new
+    per-tenant series stays private without being listed anywhere."""
+    from prometheus_client import Counter
+    from prometheus_client.parser import text_string_to_metric_families
+    m = _metrics()
+    Counter("sparsekv:lookups", "a per-tenant series not named for tenants", ["model_name", "tenant"],
+            registry=m.registry).labels("m", "alice").inc()
+
+    def names(text):
+        return {s.name for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+    assert "sparsekv:lookups_total" in names(m.render())
+    public = names(m.render(per_tenant=False))
+    assert "sparsekv:lookups_total" not in public and "sparsekv:request_success_total" not in public
+    assert "sparsekv:engine_healthy" in public
+
+
+def test_every_engine_figure_is_exported_once_under_one_name():
+    """Each stats key reaches /metrics once: the tables' figures under their metric names, per-tier hits as
+    one counter labelled by tier, the speculative counters as counters, other numbers as gauges, and no
+    booleans or strings. No family is declared twice (Prometheus refuses a scrape with a second TYPE line
+    for a name)."""
+    from collections import Counter
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sparsekv.server.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, EngineStatsCollector, P
+    stats = {**{key: 1 for key in ENGINE_GAUGES}, **{key: 2 for key in ENGINE_COUNTERS},
+             "kv_pages_total": 8, "kv_pages_free": 2,
+             "prefix_cache_hits_device": 3, "prefix_cache_hits_host": 2, "prefix_cache_preempted_hits_device": 1,
+             "prefix_host_pages": 4, "tier_miss_rate": 0.25, "paused": False, "weight_update_pending": True,
+             "host_store": "ram", "spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 8,
+             "spec_decode_num_accepted_tokens": 4, "spec_decode_num_accepted_tokens_per_pos": [3, 1],
+             "spec_decode_acceptance_rate": 0.5, "spec_decode_mean_acceptance_length": 2.0 + 1 / 3,
+             "ranks": [{"rank": 0, "weight_bytes": 5, "kv_pool_bytes": 6, "peak_rss_bytes": 7}],
+             "kv_by_tenant": {"alice": {"running": 1, "waiting": 0, "kv_pages": 4}},
+             "prefix_cache_by_tenant": {"alice": {"queries": 9, "hits": 3, "cached_pages": 1}}}
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector("m", lambda: stats, lambda: True))
+    text = generate_latest(registry).decode()
+    declared = Counter(line.split()[2] for line in text.splitlines() if line.startswith("# TYPE "))
+    assert [name for name, n in declared.items() if n > 1] == []
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    keys = Counter((s.name, tuple(sorted(s.labels.items()))) for s in samples)
+    assert [key for key, n in keys.items() if n > 1] == []
+    expected = ({P + "engine_healthy", P + "kv_cache_usage_perc"} | {P + name for name, _ in ENGINE_GAUGES.values()}
+                | {P + name + "_total" for name, _ in ENGINE_COUNTERS.values()}
+                | {P + name for name in ("prefix_cache_hits_total", "prefix_cache_preempted_hits_total",
+                                         "prefix_host_pages", "tier_miss_rate", "spec_decode_num_drafts_total",
+                                         "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                                         "spec_decode_num_accepted_tokens_per_pos_total", "spec_decode_acceptance_rate",
+                                         "spec_decode_mean_acceptance_length", "rank_weight_bytes",
+                                         "rank_kv_pool_bytes", "rank_peak_rss_bytes", "tenant_requests",
+                                         "tenant_kv_pages", "prefix_cache_tenant_queries_total",
+                                         "prefix_cache_tenant_hits_total", "prefix_cache_tenant_cached_pages")})
+    assert {s.name for s in samples} == expected
+    hits = {s.labels["tier"]: s.value for s in samples if s.name == P + "prefix_cache_hits_total"}
+    assert hits == {"device": 3, "host": 2}
+    assert {s.labels["tier"]: s.value for s in samples if s.name == P + "prefix_cache_preempted_hits_total"} == \
+        {"device": 1}
+
+
 def test_the_engines_token_counters_are_exported_under_their_own_names():
     m = ServerMetrics("m", lambda: {"prompt_tokens": 11, "generation_tokens": 7, "kv_pages_total": 4,
                                     "kv_pages_free": 1}, lambda: True)

@@ -27,9 +27,11 @@ def model():
 
 
 def _idle(llm):
+    """No request left: every page free, and no drafts or per-request counters kept for a finished one."""
     llm.engine.check_integrity()
     s = llm.stats()
     assert s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0 and not llm.engine.speculator.drafts
+    assert not llm.engine.speculator.counts
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -468,6 +470,16 @@ def test_acceptance_counters_reach_prometheus_as_vllm_names():
                  'sparsekv:spec_decode_acceptance_rate{model_name="m"} 0.5',
                  'sparsekv:spec_decode_mean_acceptance_length{model_name="m"} 2.333'):
         assert line in text, line
+
+
+def test_before_any_verification_step_every_figure_reads_zero():
+    """No verification step yet: the counters are 0 and so are the rates (no acceptance length of 1 for
+    steps that never ran), as the data-parallel engine's merge of its lanes reports them (parallel/lanes.py)."""
+    from sparsekv.speculative import SpecDecodingCounts
+    assert SpecDecodingCounts(2).metrics() == {
+        "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
+        "spec_decode_num_accepted_tokens_per_pos": [0, 0], "spec_decode_acceptance_rate": 0.0,
+        "spec_decode_mean_acceptance_length": 0.0}
 
 
 def test_server_streams_drafted_tokens_and_exports_acceptance(model):

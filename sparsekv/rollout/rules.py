@@ -136,20 +136,30 @@ def command_words(action: Action) -> list[str]:
 
 
 def command_paths(action: Action, scope: Scope) -> list[str]:
-    """The command's path-like words, each word with glob characters replaced by what it expands to."""
-    out = []
+    """The command's path-like words, each word with glob characters replaced by what it expands to (a
+    command that names bash's `dotglob` option lets them match dotfiles)."""
+    out, dotglob = [], "dotglob" in action.command
     for word in command_words(action):
-        out += expand_glob(word, scope.view) if _GLOB_CHARS.search(word) else [word]
+        out += expand_glob(word, scope.view, dotglob) if _GLOB_CHARS.search(word) else [word]
     return out
 
 
-def expand_glob(word: str, view: RepoView) -> list[str]:
+def expand_glob(word: str, view: RepoView, dotglob: bool = False) -> list[str]:
     """The repository's files and directories `word` matches as a shell glob: `*`, `?` and `[...]` match
-    within one path component. The word itself when it matches nothing (the shell leaves it as is)."""
+    within one path component, and not a leading `.` unless `dotglob` (a dotfile is matched only by a
+    pattern that starts with `.`). The word itself when it matches nothing (the shell leaves it as is)."""
     parts = word.split("/")
     matches = [p for p in sorted(_paths_and_dirs(view)) if len(p.split("/")) == len(parts)
-               and all(fnmatch.fnmatchcase(c, g) for c, g in zip(p.split("/"), parts))]
+               and all(_component_matches(c, g, dotglob) for c, g in zip(p.split("/"), parts))]
     return matches or [word]
+
+
+def _component_matches(name: str, glob: str, dotglob: bool) -> bool:
+    """One path component against one glob component, as the shell matches it: a leading `.` only by a
+    literal leading `.` (not by `*`, `?` or a bracket expression), unless `dotglob`."""
+    if name.startswith(".") and not glob.startswith(".") and not dotglob:
+        return False
+    return fnmatch.fnmatchcase(name, glob)
 
 
 def _paths_and_dirs(view: RepoView) -> set[str]:
