@@ -158,6 +158,18 @@ def test_compaction_leaves_room_for_the_reply():
         assert compact(list(context), 1, cfg, meter, log) and bool(log) == compacted, reply_room
 
 
+def test_a_tool_output_quoting_the_compaction_marker_is_compacted_once():
+    """An output that merely contains the marker's text (the policy read a trajectories file) is long
+    and is shortened like any other; an output already shortened is never shortened again."""
+    from sparsekv.rollout.episode import COMPACTED, compact
+    quoted = f"{COMPACTED}12 characters of tool output omitted]\n" + "y" * 3000
+    context = [{"role": "user", "content": "go"}, {"role": "tool", "tool_call_id": "c", "content": quoted}]
+    cfg, log = EpisodeConfig(max_context=200, max_tokens=100, compact_keep_chars=100), []
+    assert not compact(context, 1, cfg, ContextMeter(3.0), log)  # still too long: it fails, shortened once
+    assert len(log) == 1 and log[0]["chars_before"] == len(quoted) and len(context[1]["content"]) < 300
+    assert not compact(context, 2, cfg, ContextMeter(3.0), log) and len(log) == 1
+
+
 def test_a_policy_error_ends_the_episode_which_is_still_checked():
     with FakeOpenAI([[("write_file", {"path": "fizzbuzz.py", "content": SOLUTION})], 400]) as fake:
         traj = episode(fake, "fizzbuzz", judge=False)

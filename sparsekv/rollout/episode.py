@@ -241,7 +241,9 @@ def compact(context: list[dict], turn: int, cfg: EpisodeConfig, meter: ContextMe
         if fits():
             return True
         keep = cfg.compact_keep_chars
-        if msg["role"] != "tool" or COMPACTED in msg["content"] or len(msg["content"]) <= 2 * keep + 80:
+        # a shortened output is 2 keep + under 80 characters, so it is never shortened again; an output
+        # that merely quotes the marker (a trajectories file read) is shortened as any other
+        if msg["role"] != "tool" or len(msg["content"]) <= 2 * keep + 80:
             continue
         text = msg["content"]
         short = f"{text[:keep]}\n{COMPACTED}{len(text) - 2 * keep} characters of tool output omitted]\n{text[-keep:]}"
