@@ -50,6 +50,13 @@ def gamma(n: int, eps: float = EPS32) -> float:
     return n * eps / 2 / (1 - n * eps / 2)
 
 
+EPS64 = torch.finfo(torch.float64).eps
+# Two float64 evaluations of one closed-form expression (a formula of the planner and the same formula
+# written out by hand in another order), each at most 32 rounded operations deep: 2 gamma_32 apart,
+# relative (no cancellation: every term is positive).
+REGROUPED64 = 2 * gamma(32, EPS64)
+
+
 def chain_tolerance(magnitude: float, n: int, eps: float = EPS32) -> float:
     """Two computations of one value in the same precision that round differently (another grouping
     or another formula), each at most n rounded operations deep (a sum's terms count one each), on
