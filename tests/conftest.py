@@ -67,6 +67,15 @@ def random_prompt():
 
 
 @pytest.fixture
+def serve_never_listens(monkeypatch):
+    """For tests of options `sparsekv serve` must refuse: it must stop before it binds its port, since an
+    option that got through would otherwise serve on the default port until the test's timeout."""
+    def listening_socket(host, port):
+        raise AssertionError(f"serve went on to listen on {host}:{port}")
+    monkeypatch.setattr("sparsekv.server.cli.listening_socket", listening_socket)
+
+
+@pytest.fixture
 def emulated_cuda(monkeypatch):
     """CUDA's configuration on this CPU: batched decode selection, query-major decode scores, and the
     tier link's copies landing as late as CUDA's stream ordering allows (HostLink.emulate_async:

@@ -206,9 +206,9 @@ def test_bench_flags_out_of_range_are_usage_errors(capsys):
         assert argv[2] in capsys.readouterr().err, argv
 
 
-def test_flags_out_of_range_are_usage_errors_before_any_work(capsys):
+def test_flags_out_of_range_are_usage_errors_before_any_work(capsys, serve_never_listens):
     """Each names its flag, exits 2, prints no traceback, and runs nothing first (no model load, no
-    benchmark whose results could not be written)."""
+    benchmark whose results could not be written, no port bound)."""
     for argv, flag in ((["serve", "--port", "70000"], "--port"), (["serve", "--port", "-1"], "--port"),
                        (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout"),
                        (["serve", "--default-max-tokens", "0"], "--default-max-tokens"),
@@ -344,3 +344,65 @@ def test_generate_says_a_rank_failure_in_one_line(glm_ckpt, capsys):
                  "--threads", "1", "-tp", "2", "--dist-timeout", "1e-9"])
     err = capsys.readouterr().err
     assert code == 1 and "sparsekv generate: error:" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command, required", [("generate", ["--prompt", "x"]), ("serve", [])])
+def test_every_engine_flag_defaults_to_the_engines_own_default_and_reaches_the_engine(command, required):
+    """The engine flags are the LLM(...) keywords: each one given reaches engine_options, and each one
+    left out is EngineConfig's own default (`sparsekv generate` builds the engine LLM(path) builds)."""
+    import dataclasses
+    from sparsekv.__main__ import parser_for
+    from sparsekv.config import EngineConfig
+    from sparsekv.engine_args import ENGINE_ARG_NAMES, engine_options
+    parser, argv = parser_for([command])
+    groups = [g for g in parser._action_groups if g.title == "engine" or (g.title or "").startswith(("parallelism", "tiered"))]
+    assert sorted(a.dest for g in groups for a in g._group_actions) == sorted(ENGINE_ARG_NAMES)
+    options = engine_options(parser.parse_args(argv + required))
+    assert sorted(options) == sorted(set(ENGINE_ARG_NAMES) - {"quest_page_tokens"})  # None: the engine's default
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    for name, value in options.items():
+        field = fields[name]
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        assert value == default, (name, value, default)
+
+
+def test_the_option_types_accept_their_edges_and_refuse_one_past():
+    import argparse
+    from sparsekv.engine_args import above, at_least, json_object, port_number, positive_finite
+    assert [port_number(t) for t in ("0", "65535")] == [0, 65535]
+    assert at_least(1)("1") == 1 and at_least(0.0, float)("0") == 0.0
+    assert above(0.0)("1e-9") == 1e-9 and above(0.0)("inf") == float("inf")
+    assert positive_finite("1e-9") == 1e-9 and json_object("{}") == {}
+    for parse, text in ((port_number, "65536"), (port_number, "-1"), (at_least(1), "0"), (at_least(0.0, float), "-0.1"),
+                        (above(0.0), "0"), (above(0.0), "nan"), (positive_finite, "0"), (positive_finite, "inf"),
+                        (positive_finite, "nan"), (json_object, "[1]"), (json_object, "1"), (json_object, "{x")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+
+
+def test_the_startup_line_redacts_every_key_and_leaves_out_the_prompt(monkeypatch):
+    """vLLM's "non-default args" line: serve's keys (flags and SPARSEKV_API_KEY) are '<redacted>', and a
+    generate prompt (data, not a setting) is not in it at all."""
+    from sparsekv.cli import PROMPT_ARGS, generate_parser
+    from sparsekv.engine_args import non_default_args
+    from sparsekv.server.auth import API_KEY_ENV
+    from sparsekv.server.cli import build_parser, startup_settings
+    monkeypatch.setenv(API_KEY_ENV, "env-secret")
+    parser = build_parser()
+    args = parser.parse_args(["--api-key", "k1", "--metrics-api-key", "k2", "--admin-api-key", "k3", "--max-num-seqs", "4"])
+    settings = startup_settings(parser, args)
+    assert settings == {"api_key": "<redacted>", "metrics_api_key": "<redacted>", "admin_api_key": "<redacted>",
+                        "max_num_seqs": 4, API_KEY_ENV: "<redacted>"}
+    parser = generate_parser()
+    for source in (["--prompt", "secret text"], ["--prompt-file", "secret.txt"], ["--prompt-token-ids", "7,8"]):
+        args = parser.parse_args([*source, "--max-tokens", "3"])
+        assert non_default_args(parser, args, inputs=PROMPT_ARGS) == {"max_tokens": 3}, source
+
+
+def test_generate_reads_every_prompt_token_id_and_an_empty_choice_is_still_a_choice():
+    from sparsekv.cli import _prompt, _structured_output, generate_parser
+    parser = generate_parser()
+    assert _prompt(parser.parse_args(["--prompt-token-ids", "1,22,333"])) == [1, 22, 333]
+    assert _structured_output(parser.parse_args(["--prompt", "x", "--choice", ""])) == {"type": "choice", "choices": [""]}
+    assert _structured_output(parser.parse_args(["--prompt", "x", "--choice", "a,b"])) == {"type": "choice", "choices": ["a", "b"]}
+    assert _structured_output(parser.parse_args(["--prompt", "x"])) is None

@@ -469,7 +469,7 @@ def test_a_long_prompt_is_refused_after_tokenizing_a_bounded_prefix():
         assert encoder.decode(tokenizer.encode(sample)) == tokenizer.decode(tokenizer.encode(sample))
 
 
-def test_serve_cli_rejects_bad_options(capsys):
+def test_serve_cli_rejects_bad_options(capsys, serve_never_listens):
     from sparsekv.server.cli import main
     assert main(["--api-key", "k:"]) == 2
     assert "KEY:TENANT" in capsys.readouterr().err
@@ -566,3 +566,41 @@ def test_signals_drain_then_abort_then_force_and_a_second_after_the_drain_forces
     drained.should_exit = True  # what drain() sets when it is done
     drained.handle_exit(signal.SIGINT, None)
     assert drained.force_exit
+
+
+def test_a_blank_served_model_name_is_refused_before_the_port_is_bound():
+    """Whitespace is no model name either: refused before anything is bound or loaded."""
+    from sparsekv.server.cli import build_app, build_parser
+
+    def bind():
+        raise AssertionError("bound: the blank name was not refused first")
+    for name in ("", " ", "\t"):
+        with pytest.raises(ValueError, match="--served-model-name must not be empty"):
+            build_app(build_parser().parse_args(["--served-model-name", "m", "--served-model-name", name]), bind)
+
+
+def test_disaggregation_flags_a_role_ignores_are_named_and_only_a_prefill_worker_gets_a_bootstrap_port(tmp_path):
+    from sparsekv.server.cli import build_parser, disaggregation_settings, unused_disaggregation_flags
+    parser = build_parser()
+    given = {"--disaggregation-bootstrap-port": "9", "--disaggregation-bootstrap-host": "h",
+             "--disaggregation-secret-file": "s", "--disaggregation-timeout": "5",
+             "--disaggregation-transfer-backend": "nixl", "--disaggregation-send": "chunks"}
+    for flag, value in given.items():  # a colocated server uses none of them
+        assert unused_disaggregation_flags(parser, parser.parse_args([flag, value])) == [flag]
+    argv = [part for pair in given.items() for part in pair]
+    assert unused_disaggregation_flags(parser, parser.parse_args(["--disaggregation-mode", "decode", *argv])) == \
+        ["--disaggregation-bootstrap-port", "--disaggregation-send"]
+    assert unused_disaggregation_flags(parser, parser.parse_args(["--disaggregation-mode", "prefill", *argv])) == []
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    for mode, port in (("prefill", 9), ("decode", None)):
+        args = parser.parse_args(["--disaggregation-mode", mode, "--disaggregation-secret-file", str(secret),
+                                  "--disaggregation-bootstrap-port", "9", "--disaggregation-bootstrap-host", "h"])
+        assert disaggregation_settings(args).bootstrap_port == port, mode
+
+
+def test_weight_updates_drain_by_default():
+    """docs/rl.md: `drain` (the default) lets the requests already started finish under the old weights."""
+    from sparsekv.server.cli import build_parser
+    assert build_parser().parse_args([]).weight_update_policy == "drain"

@@ -518,3 +518,104 @@ def test_only_options_and_the_public_paths_pass_without_a_key():
     out = _through_auth([("OPTIONS", "/v1/completions", None), ("OPTIONS", "/flush_cache", None),
                          ("HEAD", "/v1/models", None), ("GET", "/v1/models", None), ("GET", "/health", None)])
     assert [o[0] for o in out] == [200, 200, 401, 401, 200]
+
+
+def _through_body_limit(max_bytes: int, chunks: list[bytes], content_length: int | None = None,
+                        after: list | None = None):
+    """What BodyLimitMiddleware sends for a body arriving as `chunks`, and what the app behind it read."""
+    from sparsekv.server.limits import BodyLimitMiddleware
+    read, sent = [], []
+
+    async def app(scope, receive, send):
+        read.append(await receive())
+        if after is not None:
+            after.append(await receive())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    messages.append({"type": "http.disconnect"})
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+    headers = [] if content_length is None else [(b"content-length", str(content_length).encode())]
+    asyncio.run(BodyLimitMiddleware(app, max_bytes)({"type": "http", "headers": headers}, receive, send))
+    return sent, read
+
+
+def test_a_body_of_exactly_the_limit_is_read_whole_and_one_byte_more_is_a_413():
+    for chunks, declared in (([b"x" * 10], 10), ([b"xxxx", b"xxxxxx"], None)):
+        sent, read = _through_body_limit(10, chunks, declared)
+        assert sent[0]["status"] == 200 and read == [{"type": "http.request", "body": b"x" * 10, "more_body": False}]
+    for chunks, declared in (([b"x" * 11], 11), ([b"xxxx", b"xxxxxxx"], None), ([b""], 11)):  # declared: not read
+        sent, read = _through_body_limit(10, chunks, declared)
+        start, body = sent
+        assert start["status"] == 413 and read == [], chunks
+        assert dict(start["headers"])[b"content-length"] == str(len(body["body"])).encode()
+        error = json.loads(body["body"])["error"]
+        assert error["code"] == 413 and error["type"] == "RequestTooLargeError" and "10 bytes" in error["message"]
+
+
+def test_after_the_body_the_app_reads_the_connection_again():
+    """The disconnect watch: the body is handed out once, then receive() is the connection's own."""
+    after = []
+    sent, read = _through_body_limit(10, [b"ab", b"cd"], None, after)
+    assert read[0]["body"] == b"abcd" and after == [{"type": "http.disconnect"}]
+
+
+def test_every_error_is_the_openai_envelope_with_the_integer_status_and_its_headers():
+    from sparsekv.server.errors import APIError, bad_request, error_body, error_response
+    assert error_body(400, "no", "prompt") == {"error": {"message": "no", "type": "BadRequestError",
+                                                          "param": "prompt", "code": 400}}
+    err = bad_request("bad n", "n")
+    assert (err.status, err.message, err.param) == (400, "bad n", "n")
+    response = error_response(APIError(503, "busy", headers={"Retry-After": "2"}))
+    assert response.status_code == 503 and response.headers["retry-after"] == "2"
+    assert json.loads(response.body) == {"error": {"message": "busy", "type": "ServiceUnavailableError",
+                                                   "param": None, "code": 503}}
+
+
+def test_token_ids_are_written_as_one_json_array_across_pieces():
+    from sparsekv.server.tokenizing import JSON_IDS_PER_PIECE, ids_json
+    for n in (0, 1, JSON_IDS_PER_PIECE - 1, JSON_IDS_PER_PIECE, JSON_IDS_PER_PIECE + 1, 2 * JSON_IDS_PER_PIECE + 5):
+        ids = list(range(n))
+        assert json.loads(ids_json(ids)) == ids, n
+
+
+def test_large_bodies_give_memory_back_and_a_bad_content_length_is_counted(monkeypatch):
+    from sparsekv.server import limits
+    trims = []
+    monkeypatch.setattr(limits, "release_memory", lambda: trims.append(1))
+    sent, _ = _through_body_limit(limits.TRIM_AFTER_BYTES, [b"x" * (limits.TRIM_AFTER_BYTES - 1)])
+    assert sent[0]["status"] == 200 and trims == []
+    sent, _ = _through_body_limit(limits.TRIM_AFTER_BYTES, [b"x" * limits.TRIM_AFTER_BYTES])
+    assert sent[0]["status"] == 200 and trims == [1]
+    from sparsekv.server.limits import _declared_length
+    assert _declared_length({"headers": [(b"content-length", b"12x")]}) == 0
+
+
+def test_a_prompt_within_the_limit_is_never_refused_for_what_a_cut_adds():
+    """ids_within: a prefix cut mid-word may tokenize into more tokens than its part of the whole text;
+    only a prefix over limit + CUT_SLACK_TOKENS settles that the text is over the limit."""
+    from sparsekv.server.tokenizing import CHARS_PER_TOKEN_GUESS, CUT_SLACK_TOKENS, Encoder
+
+    class CutCostsTokens:  # 8 characters a token; a text not ending in "." costs CUT_SLACK_TOKENS more
+        def encode(self, text, add_special_tokens=False):
+            return [0] * (len(text) // 8 + (0 if text.endswith(".") else CUT_SLACK_TOKENS))
+    limit = 100
+    text = "a" * (8 * limit - 1) + "."  # exactly `limit` tokens
+    assert (limit + CUT_SLACK_TOKENS) * CHARS_PER_TOKEN_GUESS < len(text)  # a prefix is tried first
+    encoder = Encoder(CutCostsTokens())
+    assert len(encoder.ids_within(text, limit)) == limit
+    assert encoder.ids_within(text * 4, limit) is None
+
+
+def test_every_status_the_server_sends_has_its_error_type():
+    """The admin endpoints' 409 (docs/rl.md) and the auth middleware's 403 are typed as OpenAI's SDK
+    names them, like every other status, not the generic "Error"."""
+    from sparsekv.server.errors import error_body
+    assert error_body(409, "x")["error"]["type"] == "ConflictError"
+    assert error_body(403, "x")["error"]["type"] == "PermissionDeniedError"

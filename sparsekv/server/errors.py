@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
+               413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
