@@ -77,8 +77,9 @@ class Encoder:
 
         Prefixes four times longer each time are tokenized first; one with more than limit + slack
         tokens settles it. A long prompt is thus refused after tokenizing about what `limit` tokens
-        take, and a prompt within the limit costs at most a third more than tokenizing it once. The
-        ids returned may still be over `limit` (the caller reports the exact count)."""
+        take, and a prompt within the limit costs less than 2 1/3 times tokenizing it once (the
+        prefixes before it add up to under 4/3 of its length). The ids returned may still be over
+        `limit` (the caller reports the exact count)."""
         size = (limit + CUT_SLACK_TOKENS) * CHARS_PER_TOKEN_GUESS
         while size < len(text):
             if len(self.encode(text[:size], add_special_tokens)) > limit + CUT_SLACK_TOKENS:
