@@ -281,3 +281,79 @@ def test_disaggregation_send_chunks_sends_no_layer_rows(glm_ckpt, tmp_path):
         rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt})
         figures = rd.json()["sparsekv"]["disaggregation"]
         assert (figures["pages_sent"], figures["pages_by_layer"], figures["layer_batches"]) == (11, 0, 0)
+
+
+# -- the engine side: LayerTaps alone, on small tensors ----------------------------------------------------
+
+def _taps(page: int = 4, pages: int = 8):
+    """LayerTaps over three slot-indexed tensors: layer 0 writes kinds 0 and 1 (a full layer), layer 1
+    kind 2 and a page-indexed state (one row per page: not a kind handed out); row s of kind j holds
+    100 * j + s. Each flush is counted in `taps.flushes`."""
+    from sparsekv.cache.layer_tap import LayerTaps
+    tensors = [(torch.arange(pages * page, dtype=torch.float32)[:, None] + 100 * j, 1) for j in range(3)]
+    per_page = torch.zeros(pages, 1)
+    layers = {0: [tensors[0][0], tensors[1][0]], 1: [tensors[2][0], per_page]}
+    flushes = []
+
+    def slots_of(page_ids, n):
+        return torch.cat([torch.arange(p * page, (p + 1) * page) for p in page_ids])[:n]
+    taps = LayerTaps([*tensors, (per_page, page)], layers, page, slots_of, lambda: flushes.append(1),
+                     full_layers=frozenset({0}))
+    taps.flushes = flushes
+    return taps, tensors
+
+
+class _Chunk:
+    def __init__(self, first_position, context_len, page_ids, request_id="r"):
+        self.request_id, self.first_position, self.context_len, self.page_ids = (
+            request_id, first_position, context_len, page_ids)
+
+
+def _step(taps, chunk, layers=(0, 1)):
+    after_layer, _ = taps.begin_step([chunk])
+    if after_layer is not None:
+        for layer in layers:
+            after_layer(layer)
+
+
+def test_taps_hand_out_each_page_once_from_skip_then_the_tail_once():
+    """A 16-token prompt of pages of 4 (pool pages 5, 2, 7, 3): the cache names its first 3 pages, the
+    4th is its tail (4 rows through the last token). With skip 1, pages 1 and 2 go once per layer as
+    the chunks complete them, never page 0 nor the tail page as a whole page; the tail once, after the
+    chunk holding its last token; a step repeating a chunk hands out nothing again."""
+    taps, tensors = _taps()
+    got = []
+    taps.add("r", 3, 1, got.append, tail=4)
+    page_ids = [5, 2, 7, 3]
+    for first, end in ((0, 6), (6, 11), (6, 11), (11, 16), (11, 16)):
+        _step(taps, _Chunk(first, end, page_ids))
+    assert [(d.layer, d.first, d.count, d.kinds, d.tail) for d in got] == [
+        (0, 1, 1, [0, 1], 0), (1, 1, 1, [2], 0),
+        (0, 2, 1, [0, 1], 0), (0, 3, 1, [0, 1], 4), (1, 2, 1, [2], 0), (1, 3, 1, [2], 4)]
+    for d in got:
+        pool_page = page_ids[d.first]
+        for j, rows in zip(d.kinds, d.ready()):
+            want = tensors[j][0][pool_page * 4:pool_page * 4 + (d.tail or 4)]
+            assert torch.equal(rows, want.view(1, d.tail or 4, 1))
+    assert taps.kinds == [0, 1, 2] and len(taps.flushes) == 4  # before each copy: 2 steps, 2 layers
+
+
+def test_a_tails_delivery_on_a_full_layer_carries_the_positions_its_rows_selected():
+    """The tail (positions 12..15) completed by a chunk of positions 13..15: a full layer's selections of
+    the chunk's rows come with the tail's rows, as the union of the positions selected at or before each
+    row (a later one is padding) and the last row's selection; a layer that is not full carries none."""
+    from types import SimpleNamespace
+    taps, _ = _taps()
+    got = []
+    taps.add("r", 3, 0, got.append, tail=4)
+    _step(taps, _Chunk(0, 13, [5, 2, 7, 3]))
+    after_layer, record = taps.begin_step([_Chunk(13, 16, [5, 2, 7, 3])])
+    seq = SimpleNamespace(request_id="r", context_len=16)
+    selected = torch.tensor([[13, 2], [14, 20], [3, 15]])  # rows at positions 13, 14, 15
+    for layer in (0, 1):
+        record(layer, seq, selected)
+        after_layer(layer)
+    tails = [d for d in got if d.tail]
+    assert [(d.layer, d.first, d.tail) for d in tails] == [(0, 3, 4), (1, 3, 4)] and tails[1].selected is None
+    union, last = tails[0].selected
+    assert union.tolist() == [2, 3, 13, 14, 15] and last.tolist() == [3, 15]

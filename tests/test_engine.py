@@ -245,6 +245,28 @@ def test_a_tiered_cache_larger_than_the_machine_is_a_config_error(glm_ckpt, tmp_
             host_store_path=str(tmp_path))
 
 
+def test_the_tiered_fit_check_holds_at_exactly_the_memory_and_counts_a_file_store_on_its_disk(tmp_path, monkeypatch):
+    """A tiered cache needing exactly the RAM there is fits (a byte more does not); a store in a file
+    (not made yet: the free space of the directory it would be made in) counts against that disk, not
+    the RAM, and the device part on a CPU counts against the RAM."""
+    import shutil
+
+    from sparsekv.cache import memory
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 1000)
+    memory.check_tiered_fits(600, 400, cpu, None, "the test")
+    with pytest.raises(ConfigError, match="GiB of RAM"):
+        memory.check_tiered_fits(601, 400, cpu, None, "the test")
+    with pytest.raises(ConfigError, match="GiB of RAM"):
+        memory.check_tiered_fits(0, 1001, cpu, None, "the test")
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=5000))
+    store = str(tmp_path / "store.bin")  # a file to be made: its directory's free space
+    memory.check_tiered_fits(5000, 1000, cpu, store, "the test")  # the host store is on the disk, not in RAM
+    with pytest.raises(ConfigError, match="GiB of free disk space at .* sized by the test"):
+        memory.check_tiered_fits(5001, 0, cpu, store, "the test")
+
+
 def test_n_choices_per_prompt_as_vllm_returns_them(llm, random_prompt):
     """SamplingParams(n=3): one output per prompt whose `outputs` are its 3 choices, each the request
     the server would run for that choice (seed choice_seed(seed, i)); n=1 gives `outputs` = [itself]."""

@@ -597,6 +597,60 @@ def _store(rows, root, cipher=None, old=()):
     return PrefixDiskStore(rows, str(root), "space", 4 * page_file_bytes(rows, cipher), cipher, old_ciphers=list(old))
 
 
+def test_a_landing_whose_disk_page_does_not_read_back_goes_to_the_host_tier(tmp_path):
+    """Imported pages landing in the pool with the prompt's first pages held on disk: when one of those
+    files is gone at the read, nothing lands (no pool page is kept or named) and the imported pages go
+    to the host tier instead."""
+    from sparsekv.cache.pages import PageAllocator
+    from sparsekv.cache.prefix import PrefixCache
+    from sparsekv.cache.prefix_host import PrefixHostStore
+    rows = _rows(pages=8)
+    disk = _store(rows, tmp_path)
+    allocator = PageAllocator(8, PAGE)
+    host = PrefixHostStore(rows, 8 * rows.page_bytes)
+    cache = PrefixCache(allocator, tiers={"host": host, "disk": disk}, rows=rows, land_in_pool=True)
+    prompt = list(range(1, 4 * PAGE + 2))
+    names = cache.prompt_names(prompt, "default", None)
+    disk.save_rows(names[0], rows.copy_out(0), "default")
+    disk.flush()
+    (first,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".safetensors")]
+    disk.save_rows(names[1], rows.copy_out(1), "default")
+    disk.flush()
+    os.unlink(first)
+    given = [(name, rows.copy_out(i)) for i, name in enumerate(names)][2:]
+    assert cache.import_pages(given, "default", [names]) == 2
+    assert host.num_pages == 2 and len(allocator.cached) == 0 and not cache._page_of
+    allocator.check_integrity()
+    disk.close()
+
+
+def test_an_export_stops_at_a_disk_page_that_does_not_read_back(tmp_path):
+    """A prompt's pages exported from the disk tier (prefill/decode disaggregation): a page whose file is
+    gone when it is read ends the export there, as a page not held does, with the pages before it; never
+    a page without rows (the transfer failed on it, or sent pages past the gap)."""
+    from sparsekv.cache.pages import PageAllocator
+    from sparsekv.cache.prefix import PrefixCache
+    rows = _rows(pages=8)
+    disk = _store(rows, tmp_path)
+    cache = PrefixCache(PageAllocator(8, PAGE), tiers={"disk": disk}, rows=rows)
+    prompt = list(range(1, 3 * PAGE + 2))
+    names = cache.prompt_names(prompt, "default", None)
+    assert len(names) == 3
+    files = {}
+    for i, name in enumerate(names):
+        before = set(_files(tmp_path))
+        disk.save_rows(name, rows.copy_out(i), "default")
+        disk.flush()
+        (files[i],) = set(_files(tmp_path)) - before
+    assert [n for n, _ in cache.export(prompt, "default", None)] == names
+    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == files[1]]
+    os.unlink(path)
+    exported = cache.export(prompt, "default", None)
+    assert [n for n, _ in exported] == names[:1]
+    assert all(torch.equal(a, b) for a, b in zip(exported[0][1], rows.copy_out(0)))
+    disk.close()
+
+
 def test_tenant_digests_are_keyed_with_a_secret_kept_with_the_tier(tmp_path):
     """A file's tenant field is an HMAC under the tier's own secret: not the SHA-256 of the name that
     anyone can compute, different in another tier, the same after a restart. In a sealed tier the

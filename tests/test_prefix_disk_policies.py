@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from test_prefix_disk import _files, _rows
 
 
@@ -256,3 +258,82 @@ def test_a_namespace_an_engine_takes_after_it_was_counted_is_not_removed(tmp_pat
     assert disk.has(_name(12))
     taken.close()
     disk.close()
+
+
+def test_a_namespace_with_page_files_keeps_its_lock_and_tenant_key_and_an_emptied_one_goes(tmp_path):
+    """`remove_namespace_if_empty`: a namespace still holding a page file is left whole (its lock and
+    tenant key too: its pages stay readable under their names); once none is left it goes with its
+    lock, tenant key and temporaries."""
+    from sparsekv.cache.prefix_disk_files import SUFFIX, TENANT_KEY_FILE, remove_namespace_if_empty
+    space = tmp_path / "space"
+    space.mkdir()
+    page = space / ("a" * 64 + SUFFIX)
+    for path in (page, space / ".lock", space / TENANT_KEY_FILE, space / ".0123.tmp"):
+        path.write_bytes(b"x")
+    assert not remove_namespace_if_empty(str(space))
+    assert sorted(os.listdir(space)) == sorted([page.name, ".lock", TENANT_KEY_FILE, ".0123.tmp"])
+    page.unlink()
+    assert remove_namespace_if_empty(str(space)) and not space.exists()
+
+
+def test_only_regular_files_of_a_page_files_name_are_counted(tmp_path):
+    """`page_files`: a name of 64 hex characters and the suffix, a regular file: a longer or shorter
+    name, or a symlink named like a page (to a file elsewhere), is not a page of the tier."""
+    from sparsekv.cache.prefix_disk_files import SUFFIX, page_files
+    (tmp_path / ("b" * 64 + SUFFIX)).write_bytes(b"xy")
+    for name in ("c" * 63 + SUFFIX, "d" * 65 + SUFFIX):
+        (tmp_path / name).write_bytes(b"x")
+    outside = tmp_path.parent / f"{tmp_path.name}-target"
+    outside.write_bytes(b"xyz")
+    os.symlink(outside, tmp_path / ("e" * 64 + SUFFIX))
+    assert [(os.path.basename(path), size) for _, path, size in page_files(str(tmp_path))] == [("b" * 64 + SUFFIX, 2)]
+
+
+def test_a_private_file_is_synced_before_it_replaces_the_page_and_keeps_its_stamp(tmp_path, monkeypatch):
+    """`write_private_file`: the data reaches the disk (fsync) before the rename that makes it the page
+    (a crash leaves the old page or the new, never an empty one), 0600, stamped with the given time,
+    no temporary left."""
+    from sparsekv.cache import prefix_disk_files
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append("fsync") or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append("replace") or replace(a, b))
+    path = tmp_path / "page"
+    prefix_disk_files.write_private_file(str(path), b"rows", mtime_ns=123_000_000_000)
+    assert events == ["fsync", "replace"] and path.read_bytes() == b"rows" and os.listdir(tmp_path) == ["page"]
+    assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(path).st_mtime_ns == 123_000_000_000
+
+
+def test_a_failed_private_write_leaves_no_temporary_and_a_new_directory_is_private_whatever_the_umask(
+        tmp_path, monkeypatch):
+    """`write_private_file` failing (here its rename) removes its temporary; `make_private_dir` makes a
+    new directory 0700 even under a umask that would take the owner's write bit."""
+    from sparsekv.cache import prefix_disk_files
+
+    def refused(a, b):
+        raise OSError("refused")
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(OSError, match="refused"):
+        prefix_disk_files.write_private_file(str(tmp_path / "page"), b"rows")
+    assert os.listdir(tmp_path) == []
+    old = os.umask(0o277)  # would make the directory 0500: the tier could not write into it
+    try:
+        prefix_disk_files.make_private_dir(str(tmp_path / "tier"))
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "tier").st_mode & 0o777 == 0o700
+
+
+def test_only_a_regular_file_is_opened_for_reading_never_a_fifo_or_a_symlink(tmp_path):
+    """`open_regular`: a regular file opens; a FIFO (a read of it could block) is refused with
+    ValueError, and a symlink, even to a regular file, with OSError (it is not followed)."""
+    from sparsekv.cache.prefix_disk_files import open_regular
+    page = tmp_path / "page"
+    page.write_bytes(b"rows")
+    with open_regular(str(page)) as f:
+        assert f.read() == b"rows"
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match="not a regular file"):
+        open_regular(str(tmp_path / "fifo"))
+    os.symlink(page, tmp_path / "link")
+    with pytest.raises(OSError):
+        open_regular(str(tmp_path / "link"))

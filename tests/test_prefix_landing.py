@@ -124,12 +124,13 @@ def test_without_room_in_the_pool_the_pages_go_to_the_host_tier():
     _check(cache, allocator)
 
 
-@pytest.mark.parametrize("bad", ["shape", "name"])
+@pytest.mark.parametrize("bad", ["shape", "name", "dtype"])
 def test_a_refused_import_keeps_nothing(bad):
     cache, pool, allocator = _cache()
     pages = _exported(cache)
     name, rows = pages[3]
-    pages[3] = (name, [rows[0][:, :1]]) if bad == "shape" else (name.hex(), rows)
+    pages[3] = {"shape": (name, [rows[0][:, :1]]), "name": (name.hex(), rows),
+                "dtype": (name, [rows[0].to(torch.float64)])}[bad]
     with pytest.raises(ValueError, match="page 3"):
         cache.import_pages(pages, "default", _chains(cache))
     assert cache.tiers["host"].num_pages == 0 and len(allocator.cached) == 0
@@ -278,3 +279,86 @@ def test_a_request_that_cannot_use_its_tail_takes_it_and_the_tails_kept_are_boun
     assert len(cache._tails) == MAX_TAILS and bytes([0]) * 32 not in cache._tails
     cache.reset()
     assert not cache._tails
+
+
+def test_a_tail_kept_again_is_the_newest_when_the_oldest_go():
+    """A tail kept a second time (another transfer of its prompt) moves to the newest: past MAX_TAILS the
+    tails kept before it go first, not the one still awaited."""
+    from sparsekv.cache.prefix_transfer import MAX_TAILS
+    cache, _, _ = _cache()
+    tails = [(bytes([i]) * 32, [torch.ones(2, 2)], len(PROMPT)) for i in range(MAX_TAILS + 1)]
+    cache.keep_tails(cache.padded_tails(tails[:MAX_TAILS]))
+    cache.keep_tails(cache.padded_tails(tails[:1]))  # the first again: two uses, the newest
+    cache.keep_tails(cache.padded_tails(tails[MAX_TAILS:]))
+    assert len(cache._tails) == MAX_TAILS and bytes([1]) * 32 not in cache._tails
+    assert cache._tails[bytes([0]) * 32][1] == 2
+
+
+def test_an_import_of_exactly_the_host_tiers_room_is_kept_and_a_tenant_quota_bounds_it():
+    """Without landing, imported pages go to the host tier: as many as it holds are kept (a page more is
+    refused, all or none), and a tenant quota below the budget is the bound."""
+    allocator = PageAllocator(8, PAGE)
+    rows = PageRows([(torch.zeros(8 * PAGE, 2), 1)], PAGE)
+    host = PrefixHostStore(rows, 5 * rows.page_bytes)
+    cache = PrefixCache(allocator, tiers={"host": host}, rows=rows)
+    assert cache.import_pages(_exported(cache), "default") == 5 and host.num_pages == 5
+    assert len(_hit(cache).lower_names) == 5
+    cache.forget_request("r")
+    small = PrefixHostStore(rows, 4 * rows.page_bytes)
+    with pytest.raises(ValueError, match="holds 4"):
+        PrefixCache(allocator, tiers={"host": small}, rows=rows).import_pages(_exported(cache), "default")
+    assert small.num_pages == 0
+    quota = PrefixHostStore(rows, 16 * rows.page_bytes, max_pages_per_tenant=4)
+    with pytest.raises(ValueError, match="holds 4 for this tenant"):
+        PrefixCache(allocator, tiers={"host": quota}, rows=rows).import_pages(_exported(cache), "default")
+    assert quota.num_pages == 0
+
+
+def test_an_export_skips_the_pages_the_other_side_holds_and_stops_at_the_first_not_held():
+    """`held` counts a prompt's first pages held in any tier; `export(skip=n)` gives the pages after the
+    first n (those the other side holds), each with its rows, up to the first page not held."""
+    cache, _, allocator = _cache()
+    pages = _exported(cache)
+    cache.import_pages(pages[:2] + pages[3:], "default", _chains(cache))  # page 2 missing: a gap
+    assert cache.held(PROMPT, "default", None) == 2
+    assert [n for n, _ in cache.export(PROMPT, "default", None, skip=1)] == [pages[1][0]]
+    cache.import_pages(pages[2:3], "default", _chains(cache))
+    out = cache.export(PROMPT, "default", None, skip=2)
+    assert [n for n, _ in out] == [n for n, _ in pages[2:]]
+    assert all(torch.equal(got[0], want[0]) for (_, got), (_, want) in zip(out, pages[2:]))
+    _check(cache, allocator)
+
+
+def test_a_tail_of_no_rows_is_refused():
+    """A prompt whose last page holds its last token alone has a short tail of 0 rows: nothing to
+    keep, refused as no rows at all are."""
+    cache, _, _ = _cache()
+    for rows in ([torch.zeros(0, 2)], []):
+        with pytest.raises(ValueError, match="tail 0"):
+            cache.padded_tails([(b"x", rows, 4 * PAGE + 1)])
+    assert [count for _, _, count in cache.padded_tails([(b"x", [torch.zeros(1, 2)], 4 * PAGE + 1)])] == [1]
+
+
+def test_a_tail_of_another_length_replaces_the_kept_one():
+    """The same prompt's tail kept again with another row count (a short tail after a whole one) is not
+    the same rows: it replaces the kept tail, uses and all, instead of adding a use to it."""
+    cache, _, _ = _cache()
+    key = cache.tail_name(PROMPT, "default", None)
+    cache.keep_tails(cache.padded_tails([(key, [torch.full((2, 2), 9.0)], len(PROMPT))]))
+    cache.keep_tails(cache.padded_tails([(key, [torch.full((1, 2), 5.0)], len(PROMPT))]))
+    rows, uses, count, tenant = cache._tails[key]
+    assert (uses, count, tenant) == (1, 1, "default") and torch.equal(rows[0][:1], torch.full((1, 2), 5.0))
+
+
+def test_held_host_pages_after_the_imported_ones_land_with_them():
+    """The decode side held pages 3-4 in its host tier and was sent pages 0-2: the chain runs through
+    the imported pages to the held ones, and all five land in the pool (the hit never leaves it)."""
+    cache, _, allocator = _cache()
+    pages = _exported(cache)
+    for name, rows in pages[3:]:
+        cache.tiers["host"].put(name, rows, "default")
+    cache.import_pages(pages[:3], "default", _chains(cache))
+    hit = _hit(cache)
+    assert len(hit.pages) == 5 and not hit.lower_names
+    cache.forget_request("r")
+    _check(cache, allocator)

@@ -35,7 +35,10 @@ class PageTransfer:
                 break
             if page is not None:
                 self.before_copy()
-            out.append((name, self.rows.copy_out(page) if page is not None else self.tiers[tier].take(name)))
+            rows = self.rows.copy_out(page) if page is not None else self.tiers[tier].take(name)
+            if rows is None:  # a disk copy that did not read back (its file gone or damaged): not held
+                break
+            out.append((name, rows))
         return out
 
     def import_pages(self, pages: list, tenant: str, chains: list[list[bytes]] = ()) -> int:
