@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparsekv.config import ConfigError, EngineConfig, ModelConfig
+from sparsekv.config import ConfigError, ModelConfig
 from sparsekv.parallel.layout import ParallelLayout
 
 
