@@ -23,7 +23,11 @@ from sparsekv.paths import default_model_path
 from tolerances import assert_same_greedy, logprob_tolerance
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)
-BASE = dict(kv_page_size=4, max_model_len=128, num_threads=1)
+# A start-up that hangs (a rank that never joins) fails the test within STARTUP_S, not the 900 s default;
+# a rank of the tiny models here starts in seconds.
+STARTUP_S = 120.0
+STARTUP_FLAGS = ["--dist-startup-timeout", str(STARTUP_S)]
+BASE = dict(kv_page_size=4, max_model_len=128, num_threads=1, dist_startup_timeout_s=STARTUP_S)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -156,7 +160,7 @@ def test_two_nodes_of_one_process_each_equal_one_process(glm_ckpt, layout):
 
     from test_server_util import REPO, free_port
     path, port = glm_ckpt[0], free_port()
-    dist = [*layout, "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
+    dist = [*layout, "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}", *STARTUP_FLAGS]
     options = (dict(tensor_parallel_size=2) if layout[0] == "-tp" else
                dict(data_parallel_size=2, enable_expert_parallel=True))
     node1 = subprocess.Popen([sys.executable, "-m", "sparsekv", "serve", path, "--node-rank", "1", "--kv-page-size", "4",
@@ -188,7 +192,7 @@ def _tp2_node1(path: str, port: int, *extra: str):
     from test_server_util import REPO
     return subprocess.Popen([sys.executable, "-m", "sparsekv", "serve", path, "--node-rank", "1", "--kv-page-size", "4",
                              "--max-model-len", "128", "-tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}",
-                             *extra], env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True,
+                             *STARTUP_FLAGS, *extra], env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -272,7 +276,7 @@ def test_a_node_started_with_other_options_fails_the_start_naming_them(glm_ckpt,
         port = free_port()
         node1 = subprocess.Popen([sys.executable, "-m", "sparsekv", "serve", path, "--node-rank", "1", "--kv-page-size",
                                   "4", "--max-model-len", "128", "-tp", "2", "--nnodes", "2", "--dist-init-addr",
-                                  f"127.0.0.1:{port}", *extra], env={**os.environ, "PYTHONPATH": REPO},
+                                  f"127.0.0.1:{port}", *STARTUP_FLAGS, *extra], env={**os.environ, "PYTHONPATH": REPO},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             with pytest.raises(StartupError, match=f"rank 1 was started with other options.*{words}"):
@@ -776,7 +780,7 @@ def test_serve_across_two_launched_processes(launcher):
     model = tiny_checkpoint(Path(tempfile.mkdtemp()))
     addr = f"127.0.0.1:{free_port()}"  # NOTE: the configured rendezvous address is what this test is about
     common = [sys.executable, "-m", "sparsekv", "serve", model, "-tp", "2", "--kv-page-size", "16",
-              "--max-model-len", "256", "--log-level", "warning"]
+              "--max-model-len", "256", "--log-level", "warning", *STARTUP_FLAGS]
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     if launcher == "nnodes":
         dist = ["--nnodes", "2", "--dist-init-addr", addr]
