@@ -24,14 +24,17 @@ def _saved(i: int) -> list[torch.Tensor]:
     return [torch.full((PAGE, 3), float(i)) + torch.arange(PAGE)[:, None], torch.full((1, 2), i, dtype=torch.int32)]
 
 
-def test_copy_in_writes_each_page_in_runs_of_consecutive_pages_and_nothing_else():
+@pytest.mark.parametrize("pages, untouched", [([5, 6, 2, 3, 4, 0], (1, 7)), ([3, 2, 1], (0, 4))],
+                         ids=["runs", "descending"])
+def test_copy_in_writes_each_page_where_it_belongs_and_nothing_else(pages, untouched):
+    """Runs of consecutive pages (5-6, 2-4, 0) are copied together; pages listed in descending order
+    (3, 2, 1) are no run: each saved page goes to its own page, none shifted past it."""
     rows, tensors = _rows()
-    pages = [5, 6, 2, 3, 4, 0]  # runs: 5-6, 2-4, 0; pages 1 and 7 are not written
     saved = [_saved(i) for i in range(len(pages))]
     rows.copy_in(pages, saved)
     for page, page_rows in zip(pages, saved):
         assert all(torch.equal(got, want) for got, want in zip(rows.copy_out(page), page_rows))
-    for page in (1, 7):
+    for page in untouched:
         assert (tensors[0][page * PAGE:(page + 1) * PAGE] == -1).all() and (tensors[1][page] == -1).all()
 
 
@@ -57,19 +60,6 @@ def test_received_pages_are_views_into_their_batch():
     for (name, rows), (want_name, want) in zip(tensors_to_pages([b"a", b"b"], batch), pages):
         assert name == want_name and all(torch.equal(r, w) for r, w in zip(rows, want))
         assert {r.untyped_storage().nbytes() for r in rows} == whole
-
-
-def test_copy_in_of_descending_pages_writes_each_page_where_it_belongs():
-    """Pages listed in descending order (3, 2, 1) are no run: each saved page goes to its own page,
-    none shifted past it."""
-    rows, tensors = _rows()
-    pages = [3, 2, 1]
-    saved = [_saved(i) for i in range(len(pages))]
-    rows.copy_in(pages, saved)
-    for page, page_rows in zip(pages, saved):
-        assert all(torch.equal(got, want) for got, want in zip(rows.copy_out(page), page_rows))
-    for page in (0, 4):
-        assert (tensors[0][page * PAGE:(page + 1) * PAGE] == -1).all() and (tensors[1][page] == -1).all()
 
 
 def test_a_host_tier_of_exactly_n_pages_holds_n_and_pushes_out_the_oldest_past_them():
