@@ -282,6 +282,10 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 4096
+    # The most alternatives a request may ask for per token (`logprobs`, `prompt_logprobs`, the server's
+    # `top_logprobs`), vLLM's max_logprobs and its default. Each is a top-k over the vocabulary and a
+    # dict per token. vLLM's -1 (no bound) is not offered: the vocabulary's size does that (docs/server.md).
+    max_logprobs: int = 20
     kv_page_size: int = 64
     prefill_chunk_tokens: int = 2048
     num_kv_pages: int | None = None
@@ -381,6 +385,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"max_logprobs must be an integer >= 0 (alternatives per token), got {self.max_logprobs}; "
+                              f"-1 (the whole vocabulary, vLLM's no-cap) is not offered")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ConfigError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 0):

@@ -66,7 +66,7 @@ class LLMEngine(WeightControl):
         self.scheduler.on_preempt, self.scheduler.on_release = self._preempted, self._released
         self.speculator = self._build_speculator() if config.num_speculative_tokens else None
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                                     self.kv.check_fits)
+                                     self.kv.check_fits, config.max_logprobs)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size,
                                        self.max_model_len, config.seed, self.request_metrics, self.speculator)
         self._ids = itertools.count()

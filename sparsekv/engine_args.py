@@ -84,6 +84,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-overrides", type=json_object, default=None, metavar="JSON",
                    help="config.json fields to override, as vLLM's: e.g. '{\"max_position_embeddings\": 1048576}'")
     g.add_argument("--max-num-seqs", type=int, default=16)
+    g.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                   help="the most alternatives per token a request may ask for (logprobs, top_logprobs, "
+                        "prompt_logprobs; default 20, vLLM's)")
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
     g.add_argument("--kv-page-size", type=int, default=64)
     g.add_argument("--prefill-chunk-tokens", type=int, default=2048)
@@ -159,7 +162,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--indexer-key-dtype", default="auto", choices=["auto", "fp8_e4m3"])
 
 
-ENGINE_ARG_NAMES = ("dtype", "revision", "device", "max_model_len", "hf_overrides", "max_num_seqs", "max_num_batched_tokens", "kv_page_size",
+ENGINE_ARG_NAMES = ("dtype", "revision", "device", "max_model_len", "hf_overrides", "max_num_seqs", "max_logprobs", "max_num_batched_tokens", "kv_page_size",
                     "prefill_chunk_tokens", "num_kv_pages", "kv_cache_dtype", "kv_admission", "attention", "seed", "num_threads",
                     "kv_tiering", "device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes",
                     "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",

@@ -60,11 +60,12 @@ def truncate_left(ids: list[int], keep: int, ends: tuple[int, int] = (0, 0)) -> 
 
 
 class InputProcessor:
-    """`check_fits(num_prompt_tokens, max_tokens)`: the cache manager's capacity check."""
+    """`check_fits(num_prompt_tokens, max_tokens)`: the cache manager's capacity check; `max_logprobs`:
+    the most alternatives per token a request may ask for (EngineConfig.max_logprobs)."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, check_fits):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, check_fits, max_logprobs: int):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        self.check_fits = check_fits
+        self.check_fits, self.max_logprobs = check_fits, max_logprobs
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         if params.n != 1:
@@ -97,7 +98,18 @@ class InputProcessor:
         self.check_fits(len(token_ids), params.max_tokens)
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this checkpoint has none", "stop")
+        self._check_logprobs(params)
         for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             outside = [t for t in getattr(params, name) or () if t >= vocab]
             if outside:
                 raise InvalidRequest(f"{name} token id {outside[0]} is outside the vocabulary [0, {vocab})", name)
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        limit = min(self.max_logprobs, self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > limit:
+                bound = (f"max_logprobs ({self.max_logprobs}; --max-logprobs raises it)" if self.max_logprobs <= self.vocab_size
+                         else f"the vocabulary's {self.vocab_size} tokens")
+                raise InvalidRequest(f"invalid sampling parameter {name}: {asked} alternatives per token asked, more than "
+                                     f"{bound}", name)

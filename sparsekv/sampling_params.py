@@ -71,8 +71,6 @@ class SamplingParams:
     # (last, so that an older positional call keeps its meaning)
     n: int = 1
 
-    MAX_LOGPROBS = 20
-
     def __post_init__(self):
         if self.top_k == -1:  # vLLM's "off", as 0 is here
             self.top_k = 0
@@ -111,8 +109,8 @@ class SamplingParams:
              f"must be a signed 64-bit integer or None, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            need(value is None or (_is_int(value) and 0 <= value <= self.MAX_LOGPROBS), name,
-                 f"must be an integer in [0, {self.MAX_LOGPROBS}] or None, got {value!r}")
+            need(value is None or (_is_int(value) and value >= 0), name,
+                 f"must be an integer >= 0 (at most the engine's max_logprobs) or None, got {value!r}")
         need(self.stop is None or isinstance(self.stop, (str, list, tuple)), "stop",
              "must be a non-empty string or a list of them")
         stops = self.stop_strings

@@ -49,6 +49,36 @@ def test_logprobs_hold_sampled_token_plus_top_alternatives(llm, random_prompt):
     _idle(llm)
 
 
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_more_logprobs_than_max_logprobs_are_refused(llm, random_prompt, name):
+    """vLLM's max_logprobs, 20 by default: a request asking for more alternatives per token is refused
+    before it is admitted, naming its parameter and the option that raises the bound."""
+    with pytest.raises(InvalidRequest, match=r"21 alternatives per token asked, more than max_logprobs \(20; "
+                                             r"--max-logprobs raises it\)") as e:
+        llm.generate([random_prompt(9)], SamplingParams(max_tokens=2, **{name: 21}))
+    assert e.value.param == name
+    assert llm.generate([random_prompt(9)], SamplingParams(max_tokens=2, **{name: 20}))[0].finish_reason == "length"
+    _idle(llm)
+
+
+def test_max_logprobs_up_to_the_whole_vocabulary(glm_ckpt, random_prompt):
+    """Raised past the vocabulary, max_logprobs lets a request have every token's logprob (a distribution:
+    they sum to 1 within float32 rounding), and no more than the vocabulary has."""
+    llm = LLM(glm_ckpt[0], max_model_len=64, kv_page_size=4, max_logprobs=10_000, enable_prefix_caching=False)
+    vocab = llm.engine.model_config.vocab_size
+    assert vocab < 10_000
+    out = llm.generate([random_prompt(9)], SamplingParams(max_tokens=2, temperature=0.0, logprobs=vocab))[0]
+    for d in out.logprobs:
+        assert sorted(d) == list(range(vocab))
+        assert torch.tensor(list(d.values()), dtype=torch.float64).exp().sum().item() == \
+            pytest.approx(1.0, abs=vocab * torch.finfo(torch.float32).eps)
+    with pytest.raises(InvalidRequest, match=f"more than the vocabulary's {vocab} tokens"):
+        llm.generate([random_prompt(9)], SamplingParams(max_tokens=2, logprobs=vocab + 1))
+    with pytest.raises(ConfigError, match="max_logprobs must be an integer >= 0"):
+        LLM(glm_ckpt[0], max_logprobs=-1)
+    _idle(llm)
+
+
 def test_logprobs_zero_gives_each_sampled_tokens_own_logprob(llm, random_prompt):
     """logprobs=0 (vLLM's): no alternatives, but each sampled token's own logprob, one entry per token
     (not None, as when logprobs are not asked for); alone and in a batch (plain rows decided together)."""
@@ -138,7 +168,8 @@ def test_index_score_buffer_is_freed_when_the_engine_goes_idle(llm, random_promp
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
     (dict(temperature=-1.0), "temperature"), (dict(temperature="hot"), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(logprobs=-1), "logprobs"),
-    (dict(logprobs=100), "logprobs"), (dict(seed="x"), "seed"), (dict(stop=[""]), "stop"),
+    (dict(logprobs=True), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(seed="x"), "seed"),
+    (dict(stop=[""]), "stop"),
     (dict(ignore_eos="yes"), "ignore_eos"), (dict(n=0), "n"), (dict(n=129), "n"), (dict(n=1.0), "n"),
     (dict(stop_token_ids=5), "stop_token_ids"), (dict(stop=5), "stop"),
 ])

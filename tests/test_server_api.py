@@ -264,7 +264,7 @@ def test_a_text_prompt_gets_the_tokenizers_special_tokens_unless_asked_not_to():
     for truncate in (None, 100):
         assert completion_prompt_ids(encoder, ["a b", [2, 1]], 100, truncate) == [[0, 1, 2], [2, 1]]
         assert completion_prompt_ids(encoder, ["a b"], 100, truncate, add_special_tokens=False) == [[1, 2]]
-    processor = InputProcessor(_tokenizer_adding_bos(), 4, 100, lambda *a: None)
+    processor = InputProcessor(_tokenizer_adding_bos(), 4, 100, lambda *a: None, 20)
     assert processor.tokenize("b a") == [0, 2, 1]
     # truncated as a tokenizer truncates (vLLM's): the BOS kept, then the text's last tokens
     assert completion_prompt_ids(encoder, ["a b a b", [0, 1, 2]], 100, 2) == [[0, 2], [1, 2]]
@@ -294,7 +294,7 @@ def test_left_truncation_keeps_the_special_tokens_at_both_ends():
         == (1, 0)
     assert truncate_left([0, 1, 2, 1, 2, 4], 4, (1, 1)) == [0, 1, 2, 4]
     assert truncate_left([0, 1, 2, 1, 2, 4], 2, (1, 1)) == [0, 4]
-    processor = InputProcessor(tokenizer, 5, 6, lambda *a: None)
+    processor = InputProcessor(tokenizer, 5, 6, lambda *a: None, 20)
     assert processor.process("a b a b", SamplingParams(max_tokens=1, truncate_prompt_tokens=4)) == [0, 1, 2, 4]
     assert processor.process("a a b", SamplingParams(max_tokens=1, truncate_prompt_tokens=-1)) == [0, 1, 1, 2, 4]
     with pytest.raises(InvalidRequest, match=r"prompt \(6 tokens\) plus max_tokens \(1\)") as e:
@@ -455,6 +455,10 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, param)
     ("chat-image-part", CHAT, {**MSG, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     ("chat-top_logprobs-without-logprobs", CHAT, {**MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat-top_logprobs-over-20", CHAT, {**MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat-stream-top_logprobs-over-20", CHAT, {**MSG, "logprobs": True, "top_logprobs": 21, "stream": True}, 400,
+     "top_logprobs"),
+    ("logprobs-over-20", C, {**OK, "logprobs": 21}, 400, "logprobs"),
+    ("echo-logprobs-over-20", C, {**OK, "logprobs": 21, "echo": True}, 400, "logprobs"),
     ("chat-continue_final_message-with-add_generation_prompt", CHAT, {**MSG, "continue_final_message": True}, 400,
      "continue_final_message"),
     ("chat-max_completion_tokens-negative", CHAT, {**MSG, "max_completion_tokens": -5}, 400, "max_tokens"),

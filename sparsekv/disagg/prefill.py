@@ -107,7 +107,7 @@ class PrefillWorker(Worker):
     async def _prefill(self, request, job: Job, subs: list[Submission], group: RequestGroup, sends_first: bool):
         """(response, group, each choice's first token, or None when `sends_first` is not set) of the
         prefill's engine requests (`group.request_ids`: a choice each, or with MTP drafting a prompt each)."""
-        prefill = Job(group, subs, job.tenant, job.cache_salt, job.builder, False, False, job.structured_output_param)
+        prefill = Job(group, subs, job.tenant, job.cache_salt, job.builder, False, False, job.client_params)
         states = []
         response = await run(request, self.state.loop, prefill, self.state.metrics, states)
         if not sends_first:

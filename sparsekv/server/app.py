@@ -222,8 +222,7 @@ def sampling_params(body: SamplingFields, choice: int, max_tokens: int, logprobs
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logit_bias=bias,
             prompt_logprobs=prompt_logprobs, structured_output=grammar, **given)
     except InvalidRequest as e:
-        param = body.structured_output_param() if e.param == "structured_output" else e.param
-        raise APIError(400, str(e), param) from None
+        raise APIError(400, str(e), body.client_params().get(e.param, e.param)) from None
 
 
 def _state(request: Request) -> ServerState:
@@ -254,7 +253,7 @@ async def _generate(request: Request, body: SamplingFields, kind: str, prompts: 
     builder.continuous_usage = body.continuous_usage
     builder.max_calls = None if getattr(body, "parallel_tool_calls", True) else 1
     job = Job(RequestGroup(rid, len(subs)), subs, _tenant(request), body.cache_salt, builder, body.stream,
-              body.include_usage, body.structured_output_param())
+              body.include_usage, body.client_params())
     if state.disagg is not None or body.disaggregation is not None:
         return await disagg.serve(state, request, job, body.disaggregation, prompts)
     return await run(request, state.loop, job, state.metrics)

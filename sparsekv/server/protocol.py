@@ -16,7 +16,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..input_processor import TEMPLATE_RESERVED
-from ..sampling_params import MAX_N, SamplingParams
+from ..sampling_params import MAX_N
 from .errors import bad_request
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -172,6 +172,10 @@ class SamplingFields(_Body):
         given = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(self, name) is not None]
         return given[0] if given else "response_format"
 
+    def client_params(self) -> dict[str, str]:
+        """The client's field for each engine parameter named otherwise here (what a 400 names)."""
+        return {"structured_output": self.structured_output_param()}
+
     def engine_structured_output(self) -> dict | None:
         if self.guided_json is not None:
             return {"type": "json_schema", "schema": self.guided_json}
@@ -197,6 +201,9 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS and the like
+
+    def client_params(self) -> dict[str, str]:
+        return {**super().client_params(), "prompt_logprobs": "logprobs"}  # echo's prompt logprobs
 
     @model_validator(mode="after")
     def _check_prompt(self):
@@ -309,9 +316,9 @@ class ChatCompletionRequest(_ChatTemplateFields, SamplingFields):
     def _check_logprobs(self):
         if self.top_logprobs and not self.logprobs:  # 0 asks for nothing: accepted alone, as vLLM accepts it
             raise ValueError("top_logprobs: requires logprobs=true")
-        limit = SamplingParams.MAX_LOGPROBS
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= limit:
-            raise ValueError(f"top_logprobs: must be an integer in [0, {limit}], got {self.top_logprobs}")
+        if self.top_logprobs is not None and self.top_logprobs < 0:  # the bound is the engine's max_logprobs
+            raise ValueError(f"top_logprobs: must be an integer >= 0 (at most the server's --max-logprobs), "
+                             f"got {self.top_logprobs}")
         if self.tools and not all(t.get("type") == "function" and isinstance(t.get("function"), dict)
                                   and t["function"].get("name") for t in self.tools):
             raise ValueError("tools: each must be {'type': 'function', 'function': {'name': ..., ...}}")
@@ -366,6 +373,9 @@ class ChatCompletionRequest(_ChatTemplateFields, SamplingFields):
 
     def structured_output_param(self) -> str:
         return "tools" if self.forced_tool is not None else super().structured_output_param()
+
+    def client_params(self) -> dict[str, str]:
+        return {**super().client_params(), "logprobs": "top_logprobs"}
 
     def engine_structured_output(self) -> dict | None:
         """A forced tool call is written as JSON under a schema, as vLLM does: the named function's

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -35,7 +35,8 @@ class Job:
     builder: ResponseBuilder
     stream: bool
     include_usage: bool
-    structured_output_param: str = "structured_output"  # the client's field a grammar error names
+    # the client's field for an engine parameter named otherwise (SamplingFields.client_params)
+    client_params: dict[str, str] = field(default_factory=dict)
 
 
 async def admit(loop: EngineLoop, job: Job, metrics) -> None:
@@ -43,7 +44,7 @@ async def admit(loop: EngineLoop, job: Job, metrics) -> None:
     try:
         await loop.submit(job.group, job.subs, job.tenant, job.cache_salt)
     except InvalidRequest as e:
-        raise APIError(400, str(e), job.structured_output_param if e.param == "structured_output" else e.param) from None
+        raise APIError(400, str(e), job.client_params.get(e.param, e.param)) from None
     except QueueFull as e:
         metrics.reject("queue_full")
         raise APIError(503, str(e), headers={"Retry-After": RETRY_AFTER_S}) from None
