@@ -6,6 +6,12 @@ import torch
 
 torch.set_num_threads(1)  # tiny models gain nothing from more; a busy second core would stall ops
 
+# Multi-rank engines and commands in tests start with this start-up timeout: a start-up that hangs (a
+# rank that never joins) fails its test within it, not at the 900 s default; a rank of the tiny models
+# here starts in seconds.
+STARTUP_S = 120.0
+STARTUP_FLAGS = ["--dist-startup-timeout", str(STARTUP_S)]
+
 
 def reference_logprobs(ref_model, token_ids: list[int]) -> torch.Tensor:
     """log_softmax of a full transformers forward over the whole sequence: [len, vocab]."""

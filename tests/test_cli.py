@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from conftest import STARTUP_FLAGS
 from sparsekv.__main__ import main
 
 
@@ -341,7 +342,7 @@ def test_bench_spec_needs_decode_steps_that_draft(capsys):
 def test_generate_says_a_rank_failure_in_one_line(glm_ckpt, capsys):
     """A collective past --dist-timeout fails a rank: one line, exit 1 (it was a traceback)."""
     code = main(["generate", glm_ckpt[0], "--prompt-token-ids", "5,6,7", "--max-tokens", "2", "--max-model-len", "64",
-                 "--threads", "1", "-tp", "2", "--dist-timeout", "1e-9"])
+                 "--threads", "1", "-tp", "2", "--dist-timeout", "1e-9", *STARTUP_FLAGS])
     err = capsys.readouterr().err
     assert code == 1 and "sparsekv generate: error:" in err and "Traceback" not in err, err
 

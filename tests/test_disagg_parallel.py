@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from conftest import STARTUP_FLAGS, STARTUP_S
 from disagg_util import process_and_local_pair, send_pair
 from sparsekv import LLM, SamplingParams
 from sparsekv.parallel.dp_kv import DataParallelKV, kv_call
@@ -175,7 +176,7 @@ def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
     prompts = [_prompt(256, 44, seed) for seed in (3, 4)]  # 10 cacheable pages, then the last token's full page
     colocated = LLM(path, **BASE)
     want = colocated.generate(prompts, GREEDY)
-    with process_and_local_pair(path, dp_side, tmp_path, ("-dp", "2", "--threads", "1"), **BASE) as (p_url, d_url, local):
+    with process_and_local_pair(path, dp_side, tmp_path, ("-dp", "2", "--threads", "1", *STARTUP_FLAGS), **BASE) as (p_url, d_url, local):
         bodies = _pairs(p_url, d_url, prompts)
         for body, expected in zip(bodies, want):
             figures = body["sparsekv"]["disaggregation"]
@@ -208,7 +209,7 @@ def test_a_data_parallel_drafting_prefill_worker_sends_short_tails_for_sampled_c
     sampled = dict(temperature=0.8, seed=5, logprobs=None)
     want = LLM(path, **BASE, num_speculative_tokens=2).generate(
         prompts, SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.8, seed=5, ignore_eos=True))
-    args = ("-dp", "2", "--threads", "1", "--num-speculative-tokens", "2")
+    args = ("-dp", "2", "--threads", "1", "--num-speculative-tokens", "2", *STARTUP_FLAGS)
     with process_and_local_pair(path, "prefill", tmp_path, args, **BASE, num_speculative_tokens=2) as (p_url, d_url, local):
         bodies = _pairs(p_url, d_url, prompts, **sampled)
         for prompt, body, expected in zip(prompts, bodies, want):
@@ -229,7 +230,7 @@ def test_a_claimed_prompt_runs_on_the_rank_its_pages_landed_on(glm_ckpt):
     source = LLM(path, **BASE)
     want = source.generate([b], GREEDY)[0]
     pages = source.engine.kv.export_prefix(b)
-    llm = LLM(path, **BASE, data_parallel_size=2, prefix_cache_host_bytes=1 << 24)
+    llm = LLM(path, **BASE, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S, prefix_cache_host_bytes=1 << 24)
     try:
         kv = llm.engine.kv
         assert kv.held_prefix(a) == 0 and kv.held_prefix(b) == 0  # claims: rank 0, then rank 1
@@ -252,7 +253,7 @@ def test_layer_rows_of_every_data_parallel_rank_reach_rank_0_before_their_pages_
     the untap. Each delivery is slow here, as on a busy machine."""
     path = glm_ckpt[0]
     prompts = [_prompt(256, 42, seed) for seed in (3, 4)]  # 10 full pages each
-    llm = LLM(path, **BASE, prefill_chunk_tokens=8, max_num_batched_tokens=16, data_parallel_size=2)
+    llm = LLM(path, **BASE, prefill_chunk_tokens=8, max_num_batched_tokens=16, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S)
     engine, got = llm.engine, {0: [], 1: []}
     slow = {i: (lambda rows, i=i: (time.sleep(0.02), got[i].append(rows))) for i in got}
     try:
@@ -306,7 +307,7 @@ def test_a_prompt_untapped_mid_prefill_on_rank_1_sends_no_more_rows(glm_ckpt):
     """An untap reaches the rank the request runs on with the next step's command: from then on that rank
     sends nothing more for it (rows it kept sending would cross the taps' group only to be dropped)."""
     prompts = [_prompt(256, 42, seed) for seed in (3, 4)]  # 10 full pages each, 8 rows a step
-    llm = LLM(glm_ckpt[0], **BASE, prefill_chunk_tokens=8, max_num_batched_tokens=16, data_parallel_size=2)
+    llm = LLM(glm_ckpt[0], **BASE, prefill_chunk_tokens=8, max_num_batched_tokens=16, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S)
     engine, got = llm.engine, []
     try:
         engine.tap_layers("r1", len(prompts[1]), 0, got.append)
@@ -341,7 +342,7 @@ def test_layer_taps_outlast_an_idle_spell_longer_than_the_collective_timeout(glm
     by the collective timeout, it timed out, closed the taps' group, and rank 1's next tapped prompt
     killed the engine (a prefill worker idle for a minute, by default)."""
     timeout_s = 2.0
-    llm = LLM(glm_ckpt[0], **BASE, prefill_chunk_tokens=8, max_num_batched_tokens=16, data_parallel_size=2,
+    llm = LLM(glm_ckpt[0], **BASE, prefill_chunk_tokens=8, max_num_batched_tokens=16, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S,
               dist_timeout_s=timeout_s)
     engine, got = llm.engine, []
 
@@ -379,7 +380,7 @@ def test_a_claimed_prompt_with_a_logits_processor_runs_on_rank_0(glm_ckpt):
         return logits
     params = SamplingParams(max_tokens=4, temperature=0.0, logits_processors=[ban])
     want = single.generate([b], params)[0]
-    llm = LLM(path, **BASE, data_parallel_size=2)
+    llm = LLM(path, **BASE, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S)
     try:
         kv = llm.engine.kv
         assert kv.held_prefix(a) == 0 and kv.held_prefix(b) == 0  # claims: rank 0, then rank 1

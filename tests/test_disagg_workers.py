@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from conftest import STARTUP_FLAGS
 from disagg_util import WorkerServer, assert_transfer_bytes, send_pair
 from sparsekv import LLM, SamplingParams
 from sparsekv.paths import default_model_path
@@ -448,7 +449,7 @@ def test_a_tensor_parallel_worker_on_either_side(tp_side, glm_ckpt, tmp_path):
     colocated = LLM(path, **BASE)
     want = colocated.generate([prompt], GREEDY)[0]
     tiered = ("--kv-tiering", "--device-buffer-tokens", "16") if tp_side == "decode-tiered" else ()
-    args = ("-tp", "2", "--threads", "1", *tiered)
+    args = ("-tp", "2", "--threads", "1", *tiered, *STARTUP_FLAGS)
     with process_and_local_pair(path, tp_side.split("-")[0], tmp_path, args, **BASE) as (p_url, d_url, local):
         rp, rd = send_pair(p_url, d_url, {**BODY, "prompt": prompt})
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import STARTUP_S
 from sparsekv import LLM, SamplingParams
 from sparsekv.config import ModelConfig
 from sparsekv.outputs import FirstToken
@@ -531,7 +532,7 @@ def test_a_tail_warms_the_working_set_with_the_prefill_sides_selections(monkeypa
     # a tensor-parallel decode side (the tail's page copied to every rank at that step, each rank
     # warming from the same chunk): rank 0 warms the same entries, misses as many, same tokens
     held.clear()
-    parallel, parallel_tokens = first_decode(warm, tensor_parallel_size=2)
+    parallel, parallel_tokens = first_decode(warm, tensor_parallel_size=2, dist_startup_timeout_s=STARTUP_S)
     assert held == union and parallel_tokens == tokens
     assert (parallel["tier_warmed"], parallel["tier_misses"]) == (warmed["tier_warmed"], warmed["tier_misses"])
 

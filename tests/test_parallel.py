@@ -20,13 +20,10 @@ from safetensors.torch import load_file, save_file
 from sparsekv import LLM, SamplingParams
 from sparsekv.config import ConfigError
 from sparsekv.paths import default_model_path
+from conftest import STARTUP_FLAGS, STARTUP_S
 from tolerances import assert_same_greedy, logprob_tolerance
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)
-# A start-up that hangs (a rank that never joins) fails the test within STARTUP_S, not the 900 s default;
-# a rank of the tiny models here starts in seconds.
-STARTUP_S = 120.0
-STARTUP_FLAGS = ["--dist-startup-timeout", str(STARTUP_S)]
 BASE = dict(kv_page_size=4, max_model_len=128, num_threads=1, dist_startup_timeout_s=STARTUP_S)
 
 

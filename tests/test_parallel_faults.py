@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from conftest import STARTUP_FLAGS, STARTUP_S
 from sparsekv import LLM, SamplingParams
 from sparsekv.parallel.executor import RankFailure
 from test_server_util import start_subprocess_server, tiny_checkpoint, wait_healthy
@@ -30,7 +31,8 @@ def _workers() -> list:
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)],
                          ids=["tp2", "dp2-ep"])
 def test_a_rank_failure_ends_the_step_with_a_clear_error(glm_ckpt, fault, layout):
-    llm = LLM(glm_ckpt[0], kv_page_size=4, max_model_len=128, num_threads=1, dist_timeout_s=TIMEOUT_S, **layout)
+    llm = LLM(glm_ckpt[0], kv_page_size=4, max_model_len=128, num_threads=1, dist_timeout_s=TIMEOUT_S,
+              dist_startup_timeout_s=STARTUP_S, **layout)
     engine = llm.engine
     try:
         req = engine.add_request(None, list(range(1, 30)), LONG)
@@ -49,7 +51,8 @@ def test_a_rank_failure_ends_the_step_with_a_clear_error(glm_ckpt, fault, layout
     finally:
         llm.close()
     assert not _workers(), "close() left a worker process"
-    again = LLM(glm_ckpt[0], kv_page_size=4, max_model_len=128, num_threads=1, tensor_parallel_size=2)
+    again = LLM(glm_ckpt[0], kv_page_size=4, max_model_len=128, num_threads=1, tensor_parallel_size=2,
+                dist_startup_timeout_s=STARTUP_S)
     try:  # the process group was torn down: a new parallel engine starts in the same process
         assert again.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
     finally:
@@ -65,7 +68,8 @@ def _children(pid: int) -> list[int]:
 def test_worker_ranks_outlast_an_idle_spell_longer_than_the_collective_timeout(glm_ckpt, layout):
     """An idle server or LLM sends its ranks nothing for as long as it is idle: a worker waiting for its
     next command must not time out (only collectives are bounded by dist_timeout_s)."""
-    llm = LLM(glm_ckpt[0], kv_page_size=4, max_model_len=128, num_threads=1, dist_timeout_s=TIMEOUT_S, **layout)
+    llm = LLM(glm_ckpt[0], kv_page_size=4, max_model_len=128, num_threads=1, dist_timeout_s=TIMEOUT_S,
+              dist_startup_timeout_s=STARTUP_S, **layout)
     greedy = SamplingParams(max_tokens=3, temperature=0.0)
     try:
         first = llm.generate([[1, 2, 3]], greedy)[0].token_ids
@@ -80,7 +84,7 @@ def test_server_answers_503_turns_unhealthy_and_exits_non_zero_when_a_rank_dies(
     model = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
     # NOTE: a killed rank closes its connections, which fails the next collective at once; the timeout
     # only bounds how long the idle worker waits for rank 0's first command while its server starts up
-    proc, url = start_subprocess_server(model, "-tp", "2", "--dist-timeout", str(10 * TIMEOUT_S))
+    proc, url = start_subprocess_server(model, "-tp", "2", "--dist-timeout", str(10 * TIMEOUT_S), *STARTUP_FLAGS)
     try:
         wait_healthy(url, proc, timeout=120)
         body = {"model": httpx.get(url + "/v1/models").json()["data"][0]["id"], "prompt": "hello", "max_tokens": 4}

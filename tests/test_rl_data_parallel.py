@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import STARTUP_S
 from sparsekv import LLM, SamplingParams
 from sparsekv.model.checkpoint import LOAD_FAULT_ENV
 from sparsekv.parallel.launch import RankFailure
@@ -23,7 +24,7 @@ from tolerances import assert_same_greedy, logprob_tolerance
 
 OPTIONS = dict(max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_num_seqs=4,
                enable_prefix_caching=False, num_threads=1)
-DP = dict(data_parallel_size=2, enable_expert_parallel=True)
+DP = dict(data_parallel_size=2, enable_expert_parallel=True, dist_startup_timeout_s=STARTUP_S)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
 LONGER = SamplingParams(max_tokens=14, temperature=0.0, logprobs=2, ignore_eos=True)
 PROMPT = [(7 * i) % 250 + 1 for i in range(37)]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import STARTUP_S
 from sparsekv import LLM, SamplingParams
 from sparsekv.paths import default_model_path
 from sparsekv.tools.tiny import save_reference_checkpoint
@@ -384,7 +385,7 @@ def test_tensor_parallel_ranks_each_load_their_slices(ckpts, options):
     single = LLM(b, **OPTIONS)
     want = single.generate([PROMPT, OTHER], GREEDY)
     tol = logprob_tolerance(single)
-    llm = LLM(a, tensor_parallel_size=2, **OPTIONS, **options)
+    llm = LLM(a, tensor_parallel_size=2, dist_startup_timeout_s=STARTUP_S, **OPTIONS, **options)
     try:
         llm.generate([PROMPT], GREEDY)
         llm.update_weights_from_disk(b)
@@ -411,7 +412,8 @@ def test_a_tensor_parallel_worker_failing_to_load_an_update_fails_it_on_rank_0(c
     a, b, _ = ckpts
     monkeypatch.setenv(LOAD_FAULT_ENV, "rank1:model.layers.1.mlp.experts.2.gate_proj.weight")
     shutil.copytree(b, tmp_path / "rank1")
-    llm = LLM(a, tensor_parallel_size=2, enable_expert_parallel=True, num_threads=1, **OPTIONS)
+    llm = LLM(a, tensor_parallel_size=2, enable_expert_parallel=True, num_threads=1, dist_startup_timeout_s=STARTUP_S,
+              **OPTIONS)
     try:
         assert llm.generate([PROMPT], GREEDY)[0].token_ids
         with pytest.raises(RankFailure, match="a worker rank failed to load the weight update"):

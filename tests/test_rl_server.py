@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 
+from conftest import STARTUP_S
 from sparsekv import LLM, SamplingParams
 from sparsekv.tools.tiny import save_reference_checkpoint
 from test_server_util import MAX_MODEL_LEN, ThreadServer, on_engine_loop, scrape, tiny_checkpoint, wait_until
@@ -213,7 +214,8 @@ def test_a_data_parallel_server_updates_every_rank(ckpts):
     a, b = ckpts
     other = [(11 * i) % 250 + 1 for i in range(24)]
     with ThreadServer(a, api_keys=[f"{KEY}:alice"], admin_api_keys=[ADMIN], enable_prefix_caching=True,
-                      data_parallel_size=2, enable_expert_parallel=True, num_threads=1) as srv:
+                      data_parallel_size=2, enable_expert_parallel=True, num_threads=1,
+                      dist_startup_timeout_s=STARTUP_S) as srv:
         before = _complete(srv, prompt=[PROMPT, other])
         assert [c["token_ids"] for c in before["sparsekv"]["choices"]] == \
             [_engine_tokens(a).token_ids, _engine_tokens_of(a, other)]
