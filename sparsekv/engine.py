@@ -47,7 +47,10 @@ class LLMEngine(WeightControl):
         try:
             self._build(config)
         except BaseException:
-            self.executor.close()  # a parallel engine's ranks stop with it
+            try:
+                self.kv.close()  # its disk tier's directory lock goes now, not whenever gc finds the cycle
+            finally:
+                self.executor.close()  # a parallel engine's ranks stop with it
             raise
 
     def _build(self, config: EngineConfig) -> None:

@@ -940,3 +940,287 @@ def test_cache_check_integrity_catches_each_kind_of_corruption(glm_ckpt, random_
         b.page_ids.insert(0, a.page_ids[0])
     with pytest.raises(AssertionError, match=message):
         kv.check_integrity([a, b], set())
+
+
+def test_a_sampling_params_list_of_another_length_than_the_prompts_is_refused(llm, random_prompt):
+    """A list of params pairs with the prompts one to one (vLLM's): one short would silently drop a
+    prompt's output, so it is refused before any request is added."""
+    prompts = [random_prompt(5), random_prompt(6), random_prompt(7)]
+    for params in ([GREEDY], [GREEDY] * 4):
+        with pytest.raises(ValueError, match=f"3 prompts but {len(params)} sampling params"):
+            llm.generate(prompts, params)
+    assert not llm.engine.has_unfinished_requests()
+    _idle(llm)
+
+
+def test_a_generate_that_fails_mid_step_aborts_its_requests(llm, random_prompt, monkeypatch):
+    """An error (or Ctrl-C) out of a step ends the call's requests: none stays queued or holds pages,
+    and the engine serves the next call as before."""
+    want = llm.generate([random_prompt(9)], GREEDY)[0].token_ids
+    real_step, steps = llm.engine.step, []
+
+    def failing_step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([random_prompt(9), random_prompt(30, seed=4)], GREEDY)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    _idle(llm)
+    assert llm.generate([random_prompt(9)], GREEDY)[0].token_ids == want
+
+
+def test_the_tokenizers_eos_ends_generation_when_the_config_names_none(glm_ckpt):
+    """A checkpoint whose config.json has no eos_token_id, served with a tokenizer that names one:
+    that EOS ends the output (finish_reason "stop", no stop_reason), as in vLLM."""
+    from sparsekv.paths import default_model_path
+    llm = LLM(glm_ckpt[0], tokenizer=default_model_path(), max_model_len=64, kv_page_size=4,
+              enable_prefix_caching=False)
+    eos = llm.tokenizer.eos_token_id
+    assert llm.engine.model_config.eos_token_ids == () and eos is not None
+    assert llm.engine.eos_token_ids == {eos}
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.0, logit_bias={eos: 100.0}))[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop" and out.stop_reason is None
+    _idle(llm)
+
+
+class _Clock:
+    """time.monotonic for sparsekv.engine, advanced by hand."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_requests_first_scheduled_time_is_its_first_steps_not_its_latest(llm, random_prompt, monkeypatch):
+    """`first_scheduled_time` (what the server's queue-time figures read) is set by the step that
+    first schedules a request and kept through its later chunks and decodes."""
+    clock = _Clock()
+    monkeypatch.setattr("sparsekv.engine.time", clock)
+    req = llm.engine.add_request("sched", random_prompt(40, seed=2), GREEDY)
+    assert req.first_scheduled_time is None
+    llm.engine.step()
+    first = req.first_scheduled_time
+    assert first == clock.now
+    while llm.engine.has_unfinished_requests():
+        clock.now += 1.0
+        llm.engine.step()
+    assert req.finish_reason == "length" and req.first_scheduled_time == first
+    _idle(llm)
+
+
+def test_check_ranks_asks_every_rank_once_per_probe_interval(llm, monkeypatch):
+    """An idle server calls check_ranks in a tight loop: the rank round trip (rank_stats) runs once
+    every RANK_PROBE_S, not on every call; the liveness check runs on every call."""
+    from sparsekv.engine import RANK_PROBE_S
+    clock, alive, probes = _Clock(), [], []
+
+    class Ranks:
+        def check_alive(self):
+            alive.append(clock.now)
+    monkeypatch.setattr("sparsekv.engine.time", clock)
+    monkeypatch.setattr(llm.engine.executor, "ranks", Ranks(), raising=False)
+    monkeypatch.setattr(llm.engine.executor, "rank_stats", lambda: probes.append(clock.now) or [])
+    monkeypatch.setattr(llm.engine, "_ranks_probed", clock.now)
+    for _ in range(3):
+        llm.engine.check_ranks()
+    assert len(alive) == 3 and probes == []
+    clock.now += RANK_PROBE_S
+    for _ in range(3):
+        llm.engine.check_ranks()
+    assert len(alive) == 6 and probes == [clock.now]
+    clock.now += RANK_PROBE_S / 2
+    llm.engine.check_ranks()
+    assert probes == [clock.now - RANK_PROBE_S / 2]
+    clock.now += RANK_PROBE_S / 2
+    llm.engine.check_ranks()
+    assert len(probes) == 2
+
+
+def test_a_dict_prompt_with_other_keys_is_refused(llm):
+    """Only vLLM's TextPrompt {"prompt": text} and TokensPrompt {"prompt_token_ids": ids}: a dict with
+    other keys too (multi-modal data, both kinds) would have them silently ignored, so it is refused."""
+    for bad in ({"prompt": "hi", "multi_modal_data": {}}, {"prompt_token_ids": [5, 6], "prompt": "hi"},
+                {"prompt_token_ids": [5, 6], "mm_processor_kwargs": {}}):
+        with pytest.raises(InvalidRequest, match="a dict prompt is"):
+            llm.generate(bad, GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    _idle(llm)
+
+
+def test_the_tqdm_bar_never_passes_its_total_when_prompt_tokens_are_computed_again(monkeypatch):
+    """Prompt tokens recomputed after a preemption count again in the engine's counters: the bar is
+    clamped to the prompts' total (GenerateProgress's docstring)."""
+    import types
+
+    import tqdm
+    from sparsekv.llm import GenerateProgress
+    monkeypatch.setattr(tqdm, "tqdm", lambda *args, **kwargs: _Bar(**kwargs))
+    engine = types.SimpleNamespace(counters={"prompt_tokens": 100, "generation_tokens": 0, "steps": 0})
+    requests = [types.SimpleNamespace(num_prompt_tokens=n) for n in (30, 20)]
+    progress = GenerateProgress(engine, requests)
+    engine.counters["prompt_tokens"] += 40
+    progress.update(0)
+    assert progress.bar.n == 40
+    engine.counters["prompt_tokens"] += 30  # 20 of them recomputed after a preemption
+    progress.update(1)
+    assert progress.bar.n == progress.bar.total == 50
+    progress.close(2)
+    assert progress.bar.n == 50
+
+
+class _Bar:
+    """tqdm's counting, with nothing drawn."""
+
+    def __init__(self, total, **kwargs):
+        self.total, self.n, self.postfix = total, 0, None
+
+    def set_postfix(self, refresh=True, **kwargs):
+        self.postfix = kwargs
+
+    def update(self, n=1):
+        self.n += n
+
+    def close(self):
+        pass
+
+
+def test_a_requests_slot_table_is_runs_of_consecutive_pages_and_follows_its_pages():
+    """The runner's slot table (runner.py): every slot of a request's pages, with runs of consecutive
+    slots merged (long runs are read as views of the pool, context.SeqSlice.runs) and clipped to the
+    context; extended page by page, and built again when the request holds fewer pages than it knew."""
+    import types
+
+    from sparsekv.runner import ModelRunner
+    runner = ModelRunner(types.SimpleNamespace(device=torch.device("cpu")), None, 4, "sparse")
+    slots, runs = runner.slot_table("r", [3, 4, 5, 9])
+    assert slots.tolist() == [*range(12, 24), *range(36, 40)] and runs == [[0, 12, 12], [12, 36, 4]]
+    whole = runner.seq_slice("r", [3, 4, 5, 9], 0, 1, 12)  # the first three pages exactly
+    assert whole.runs == ((0, 12, 12),) and whole.contiguous_start == 12 and whole.slots.tolist() == [*range(12, 24)]
+    split = runner.seq_slice("r", [3, 4, 5, 9], 0, 2, 14)
+    assert split.runs == ((0, 12, 12), (12, 36, 2)) and split.contiguous_start is None
+    assert split.first_new_position == 12
+    slots, runs = runner.slot_table("r", [3, 4, 5, 9, 10])
+    assert slots.tolist()[-4:] == [*range(40, 44)] and runs == [[0, 12, 12], [12, 36, 8]]
+    slots, runs = runner.slot_table("r", [7])  # fewer pages than known: not the old table
+    assert slots.tolist() == [*range(28, 32)] and runs == [[0, 28, 4]]
+    slots, runs = runner.slot_table("r", [7, 2])
+    assert slots.tolist() == [*range(28, 32), *range(8, 12)] and runs == [[0, 28, 4], [4, 8, 4]]
+
+
+def test_chat_given_a_list_of_strings_says_what_a_conversation_is(llm):
+    """A list of plain strings (prompts, as generate takes them) is neither a conversation nor a list
+    of them: the error says what chat takes, not that the letter 'h' is no message."""
+    for bad in (["hello", "hi"], [[{"role": "user", "content": "hi"}], "hello"]):
+        with pytest.raises(InvalidRequest, match="a conversation .* or a list of conversations"):
+            llm.chat(bad, GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_token_counters_count_each_prompt_token_once_and_each_generated_token(llm, random_prompt):
+    """stats()' prompt_tokens and generation_tokens (the server's Prometheus counters): a prompt's
+    tokens once, whether prefilled in one chunk or several, none of its decode rows; each output token."""
+    before = llm.stats()
+    prompts = [random_prompt(n, seed=n) for n in (5, 37, 60)]
+    outs = llm.generate(prompts, GREEDY)
+    after = llm.stats()
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 5 + 37 + 60
+    assert after["generation_tokens"] - before["generation_tokens"] == sum(len(o.token_ids) for o in outs)
+    _idle(llm)
+
+
+def test_an_index_naming_shard_files_that_are_not_there_lists_them(glm_ckpt, tmp_path):
+    """A sharded checkpoint copied without some of its shards: the error lists the missing files (what
+    to copy again), before any tensor is read."""
+    src = glm_ckpt[0]
+    d = str(tmp_path / "partial")
+    shutil.copytree(src, d)
+    names = list(load_file(os.path.join(src, "model.safetensors")))
+    gone = ["model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]
+    weight_map = {n: "model.safetensors" for n in names}
+    weight_map.update({O_PROJ: gone[0], "model.norm.weight": gone[1]})
+    json.dump({"weight_map": weight_map}, open(os.path.join(d, "model.safetensors.index.json"), "w"))
+    with pytest.raises(CheckpointError, match=rf"shard file\(s\) missing: {gone[0]}, {gone[1]}"):
+        LLM(d)
+
+
+def test_a_tied_checkpoint_that_also_stores_its_lm_head_loads(glm_ckpt, tmp_path, random_prompt):
+    """tie_word_embeddings with lm_head.weight stored too (exporters that write shared tensors twice)
+    is a valid checkpoint: it loads and serves what the same checkpoint without the copy serves."""
+    def tied(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+    both = _with_tensors(glm_ckpt[0], str(tmp_path / "both"), tied)
+    only_embed = _with_tensors(glm_ckpt[0], str(tmp_path / "embed"), lambda t: t.pop("lm_head.weight"))
+    for d in (both, only_embed):
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        json.dump({**cfg, "tie_word_embeddings": True}, open(os.path.join(d, "config.json"), "w"))
+    prompt = random_prompt(12, seed=5)
+    llms = [LLM(d, max_model_len=64, kv_page_size=4) for d in (both, only_embed)]
+    outs = [llm.generate([prompt], GREEDY)[0] for llm in llms]
+    assert_same_greedy([outs[1]], [outs[0]], logprob_tolerance(llms[1]))  # equal weights, other memory
+
+
+def test_a_checkpoint_missing_many_tensors_names_some_and_counts_the_rest(glm_ckpt, tmp_path):
+    """Six names, then how many more: a checkpoint missing a whole layer gives a readable message."""
+    d = _with_tensors(glm_ckpt[0], str(tmp_path / "no-layer-1"),
+                      lambda t: [t.pop(n) for n in [n for n in t if n.startswith("model.layers.1.")]])
+    missing = len([n for n in load_file(os.path.join(glm_ckpt[0], "model.safetensors")) if n.startswith("model.layers.1.")])
+    assert missing > 6
+    with pytest.raises(CheckpointError, match=rf"missing tensor\(s\) (model\.layers\.1\.[^,]+, ){{5}}model\.layers\.1\.\S+ "
+                                              rf"\(\+{missing - 6} more\)$"):
+        LLM(d)
+
+
+def test_an_indexshare_override_still_refuses_a_tensor_no_layer_has(glm_ckpt, tmp_path):
+    """With indexers overridden to shared, the checkpoint's indexer tensors of those layers are skipped,
+    and only those: any other unexpected tensor is still an error."""
+    pattern = {"index_topk_pattern": "FSSS"}
+    assert LLM(glm_ckpt[0], max_model_len=64, hf_overrides=pattern).engine.model_config.indexer_types[1:] == ("shared",) * 3
+    d = _with_tensors(glm_ckpt[0], str(tmp_path / "extra"),
+                      lambda t: t.update({"model.layers.2.self_attn.extra.weight": torch.ones(4)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) model\.layers\.2\.self_attn\.extra\.weight"):
+        LLM(d, max_model_len=64, hf_overrides=pattern)
+
+
+def test_a_request_id_used_again_after_its_request_ended_computes_from_its_own_pages(llm, random_prompt):
+    """Clients reuse request ids: a finished (or aborted) request's per-request state in the runner and
+    selectors goes with it, so a later request of that id reads only its own pages."""
+    long_prompt = random_prompt(60, seed=6)
+    want = llm.generate([long_prompt], GREEDY)[0]
+    engine = llm.engine
+    for ending in ("finish", "abort"):
+        engine.add_request("dup", random_prompt(9, seed=7), GREEDY)
+        engine.step()
+        if ending == "abort":
+            assert engine.abort("dup")
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        engine.add_request("filler", random_prompt(20, seed=8), GREEDY)  # takes the pages "dup" held
+        engine.step()
+        engine.add_request("dup", long_prompt, GREEDY)
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert_same_greedy([want], [outs["dup"]], logprob_tolerance(llm))  # a batch groups rows differently
+        _idle(llm)
+
+
+def test_the_engines_check_integrity_catches_selector_state_of_a_request_not_running(glm_ckpt, random_prompt):
+    """LLMEngine.check_integrity asks each token selector too (the executor's part): Quest's page history
+    kept for a request that is not running is reported, not passed over."""
+    llm = LLM(glm_ckpt[0], max_model_len=64, kv_page_size=4, selector="quest", quest_page_tokens=2,
+              enable_prefix_caching=False)
+    engine = llm.engine
+    engine.add_request("a", random_prompt(6), SamplingParams(max_tokens=2, temperature=0.0))
+    engine.step()
+    engine.check_integrity()
+    (quest,) = engine.model.selectors()
+    quest._last["ghost"] = next(iter(quest._last.values()), {})
+    with pytest.raises(AssertionError, match=r"page history for finished requests \['ghost'\]"):
+        engine.check_integrity()

@@ -819,3 +819,21 @@ def test_an_engine_failing_after_its_ranks_started_stops_them(glm_ckpt):
         assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
     finally:
         llm.close()
+
+
+def test_an_engine_that_fails_to_build_after_its_ranks_started_stops_them(glm_ckpt, tmp_path, monkeypatch):
+    """An option found wrong once the ranks are up (a tokenizer asked for and not there): the error
+    comes back and the worker ranks it started have exited, none left running."""
+    from sparsekv.parallel import launch
+    started, real_start = [], launch.RankGroup.start.__func__
+
+    def start(cls, config, worker_main):
+        started.append(real_start(cls, config, worker_main))
+        return started[-1]
+    monkeypatch.setattr(launch.RankGroup, "start", classmethod(start))
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="no tokenizer.json"):
+        LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, tokenizer=str(empty))
+    assert len(started) == 1 and started[0].processes
+    assert all(not p.is_alive() for p in started[0].processes), "a failed build left a worker running"

@@ -224,6 +224,17 @@ def test_one_engine_per_directory_and_bad_options_are_refused(ckpt, tmp_path):
         make(ckpt, enable_prefix_caching=True, prefix_cache_disk_path=str(blocker), prefix_cache_disk_bytes=DISK)
 
 
+def test_an_engine_that_fails_to_build_lets_go_of_its_directory(ckpt, tmp_path):
+    """An option found wrong after the cache is built (a tokenizer asked for and not there) fails the
+    engine, and its disk tier's directory is free again at once: the retry with the option fixed is
+    built, not refused as another engine's (LLMEngine closes what it started when its build fails)."""
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="no tokenizer.json"):
+        disk_engine(ckpt, tmp_path / "tier", host_pages=0, tokenizer=str(empty))
+    disk_engine(ckpt, tmp_path / "tier", host_pages=0).close()
+
+
 def test_a_restart_keeps_the_most_recently_used_pages_within_a_smaller_budget(ckpt, tmp_path):
     """Pages are evicted least recently saved or hit first, and a restart keeps that order (file
     times): a new engine with room for 4 pages keeps BASE's, the ones hit last."""

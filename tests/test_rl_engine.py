@@ -645,3 +645,79 @@ def test_flush_cache_forgets_the_cached_prompt(ckpts):
     assert llm.flush_cache() > 0
     assert llm.generate([PROMPT], GREEDY)[0].num_cached_tokens == 0
     assert llm.weights_version == 0
+
+
+def test_a_first_token_given_while_a_drain_waits_is_sampled_again_under_b(ckpts):
+    """A first token sampled under A (weights_version 0) and given while a drain update to B waits: the
+    request is held and runs under B, so the token is dropped and B samples its own (no request mixes
+    weights), though weights_version still reads 0 when it is added."""
+    from sparsekv.outputs import FirstToken
+    a, b, _ = ckpts
+    only_b = LLM(b, **OPTIONS).generate([OTHER], GREEDY)[0]
+    engine = LLM(a, **OPTIONS).engine
+    engine.add_request("r1", PROMPT, GREEDY)
+    engine.step()
+    engine.update_weights_from_disk(b, policy="drain")
+    assert engine.weight_update_pending and engine.weights_version == 0
+    under_a = (only_b.token_ids[0] + 1) % engine.model_config.vocab_size  # any token but B's own
+    engine.add_request("r2", OTHER, GREEDY, first_token=FirstToken(under_a, {under_a: -0.5}, weights_version=0))
+    outs = {}
+    _run_bounded(engine, outs)
+    assert outs["r2"].metrics["weights_version"] == 1
+    _same(outs["r2"], only_b, engine.model)
+    engine.check_integrity()
+
+
+def test_generate_while_paused_is_refused_and_adds_nothing(ckpts, monkeypatch):
+    """A paused engine's step returns nothing until continue_generation: LLM.generate would step it
+    forever, so it is refused before adding any request; after continue it generates as before."""
+    a, _, _ = ckpts
+    llm = LLM(a, **OPTIONS)
+    want = llm.generate([PROMPT], GREEDY)[0]
+    llm.engine.pause_generation()
+    real_step, steps = llm.engine.step, []
+
+    def bounded_step():
+        steps.append(1)
+        assert len(steps) < 50, "generate stepped a paused engine"
+        return real_step()
+    monkeypatch.setattr(llm.engine, "step", bounded_step)
+    with pytest.raises(RuntimeError, match="paused"):
+        llm.generate([PROMPT], GREEDY)
+    assert steps == [] and not llm.engine.has_unfinished_requests()
+    llm.engine.continue_generation()
+    _same(llm.generate([PROMPT], GREEDY)[0], want)
+
+
+def test_a_request_held_for_a_drain_counts_as_waiting_and_aborts_leaving_nothing(ckpts):
+    """Held out of the scheduler while a drain waits, a request is still waiting (for every tenant and
+    its own: the server's queue figures) and its abort leaves no state behind; the update then loads."""
+    a, b, _ = ckpts
+    engine = LLM(a, **OPTIONS).engine
+    engine.add_request("r1", PROMPT, GREEDY)
+    engine.step()
+    engine.update_weights_from_disk(b, policy="drain")
+    engine.add_request("r2", OTHER, GREEDY, tenant="t2")
+    assert engine.num_waiting_requests() == 1 and engine.num_waiting_requests("t2") == 1
+    assert engine.num_waiting_requests("default") == 0
+    assert engine.abort("r2") and not engine.abort("r2")
+    assert engine.num_waiting_requests() == 0
+    engine.check_integrity()  # no sampling state of r2 left in the output processor
+    outs = {}
+    _run_bounded(engine, outs)
+    assert set(outs) == {"r1"} and engine.weights_version == 1
+    engine.check_integrity()
+
+
+def test_an_abort_update_frees_the_index_score_buffer_of_the_requests_it_ends(ckpts):
+    """The "abort" policy leaves the engine idle: the indexer's prefill score buffer (sized by the longest
+    prefill so far) is freed then, as when requests finish or are aborted one by one."""
+    a, b, _ = ckpts
+    engine = LLM(a, **OPTIONS).engine
+    engine.add_request("r1", PROMPT, GREEDY)
+    engine.step()  # a 16-token prefill chunk, more keys than top-k
+    assert engine.stats()["indexer_scratch_bytes"] > 0
+    aborted = engine.update_weights_from_disk(b, policy="abort")
+    assert [o.request_id for o in aborted] == ["r1"] and engine.weights_version == 1
+    assert not engine.has_unfinished_requests() and engine.stats()["indexer_scratch_bytes"] == 0
+    engine.check_integrity()
