@@ -6,6 +6,7 @@ the next request; no wait outlives --disaggregation-timeout (the HTTP clients' o
 fail the test)."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import os
@@ -280,6 +281,30 @@ def test_a_corrupted_batch_mid_prompt_ends_the_prefill_too(glm_ckpt, monkeypatch
         _clean(d)
 
 
+def test_a_failed_transfer_aborts_the_prefill_before_the_prefill_worker_answers(glm_ckpt, monkeypatch):
+    """The prefill worker aborts a prefill whose transfer failed before it answers its 503 (`_cancel`):
+    when the answer arrives, its engine holds no request of the room (not one ended later, once the
+    server sees its client gone)."""
+    chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)
+    with WorkerServer(glm_ckpt[0], "prefill", **BASE, **chunked) as p, WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
+        monkeypatch.setenv(CORRUPT_ENV, "0")
+        steps, real, hold_until = [], p.engine.step, time.monotonic() + 30
+
+        def held():  # after the first chunk, the steps wait (no output) until the prefill is aborted
+            if steps and time.monotonic() < hold_until:
+                time.sleep(0.002)
+                return []
+            steps.append(1)
+            return real()
+        monkeypatch.setattr(p.engine, "step", held)
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
+        assert not p.engine.has_unfinished_requests()
+        _failed(rp, "refused the KV", "tensor 0")
+        _failed(rd, "tensor 0", "digest")
+        _clean(p)
+        _clean(d)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": [5, 6, 99999]}, "prompt"),  # both workers check the prompt's tokens and length first
     ({"prompt": [5, 6] * 60, "max_tokens": 9}, "max_tokens"),  # with the client's max_tokens, not the prefill's 1
@@ -353,6 +378,38 @@ def test_a_prefill_its_client_left_deletes_the_rooms_keys_when_no_decode_worker_
         assert wait_until(lambda: p.worker.rooms == {}, TIMEOUT_S)
         assert wait_until(lambda: p.worker.store.num_keys() == 0, 5), p.worker.store.num_keys()
         p.check_clean()
+
+
+def test_a_refusal_that_comes_before_the_claim_is_the_same_400_on_a_decode_worker_that_claims_after_it(
+        glm_ckpt, monkeypatch):
+    """The prefill engine's refusal comes while the prefill worker waits for the claim (its engine loop
+    busy, say), and the decode worker claims the room only after it: the decode worker still answers
+    the same 400 (docs/disaggregation.md), not a 503 at its timeout, and no transfer counts as failed."""
+    import threading
+    with WorkerServer(glm_ckpt[0], "prefill", timeout_s=TIMEOUT_S, send="chunks", **BASE) as p, \
+            WorkerServer(glm_ckpt[0], "decode", timeout_s=TIMEOUT_S, **BASE) as d:
+        refused, add, claim = threading.Event(), p.engine.add_request, d.worker._claim
+
+        def add_once_waiting(*args, **kwargs):  # the refusal, once the prefill worker waits for the claim
+            wait_until(lambda: any(t.name == "sparsekv-disagg-wait" for t in threading.enumerate()), 30)
+            try:
+                return add(*args, **kwargs)
+            finally:
+                refused.set()
+
+        async def claim_after_the_refusal(*args):
+            await asyncio.to_thread(refused.wait, 30)
+            return await claim(*args)
+        monkeypatch.setattr(p.engine, "add_request", add_once_waiting)
+        monkeypatch.setattr(d.worker, "_claim", claim_after_the_refusal)
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": [5, 6], "logit_bias": {"300": 1.0}},
+                           timeout=3 * TIMEOUT_S)
+        assert rp.status_code == rd.status_code == 400, (rp.text, rd.text)
+        assert rd.json()["error"] == rp.json()["error"] and rp.json()["error"]["param"] == "logit_bias"
+        for w in (p, d):
+            assert scrape(w.url)["sparsekv:disagg_transfers_failed_total"] == 0
+        _clean(p)
+        _clean(d)
 
 
 def test_a_room_naming_a_dead_bootstrap_ends_when_its_client_leaves(glm_ckpt):

@@ -176,6 +176,26 @@ def test_a_tails_selections_come_with_its_rows_or_fail_the_room():
         _inbox()._keep_layer_rows(meta, tensors + [union, last], at_once)
 
 
+def test_a_tail_that_did_not_come_whole_warms_nothing():
+    """Selections that came with some kinds of a prompt's tail only (the rest never came): the decode
+    side computes that page itself, so its first tokens carry no warm selections (`DecodeWorker._warm`);
+    with the whole tail, they carry them."""
+    from types import SimpleNamespace
+    from sparsekv.disagg.decode import DecodeWorker
+    prompt = list(range(1, 12))  # 11 tokens: page 2's 3 rows are its tail
+    w = DecodeWorker.__new__(DecodeWorker)
+    w.state = SimpleNamespace(engine=SimpleNamespace(model_config=SimpleNamespace(full_layers=[3], index_topk=2)))
+    inbox = _inbox()
+    meta, tensors = _tail(0, 2, 3, [0])
+    meta["layer_rows"]["selected"] = [3]
+    inbox._keep_layer_rows(meta, tensors + [torch.tensor([1, 4, 6]), torch.tensor([6, 1])], at_once)
+    tails = inbox.complete_tails([prompt], PAGE, 3)
+    assert tails == [None] and w._warm(inbox, [prompt], tails) == [()]
+    inbox._keep_layer_rows(*_tail(0, 2, 3, [1, 2]), at_once)
+    tails = inbox.complete_tails([prompt], PAGE, 3)
+    assert [layer for layer, _, _ in w._warm(inbox, [prompt], tails)[0]] == [3]
+
+
 def test_rows_for_pages_never_named_fail_the_last_batch():
     inbox = _inbox()
     inbox._keep_layer_rows(*_layer(0, 3, [3], [0]), at_once)
@@ -228,6 +248,26 @@ def test_rows_go_layer_by_layer_and_the_answer_is_one_engines(setup, glm_ckpt, m
         d.check_clean()
 
 
+def test_each_prompt_of_a_request_of_n_choices_has_its_own_rows_tapped(glm_ckpt, monkeypatch):
+    """Two prompts of two choices each: each prompt's rows are tapped on its first choice's engine
+    request (the other choice hits its pages), so every page of both prompts goes layer by layer and
+    each choice gets its own prompt's answer."""
+    prompts = [_prompt(256, 24, seed=5), _prompt(256, 28, seed=6)]  # page-aligned: 5 and 6 pages named
+    colocated = LLM(glm_ckpt[0], **BASE)
+    want = colocated.generate(prompts, GREEDY)
+    with WorkerServer(glm_ckpt[0], "prefill", **BASE, **CHUNKED) as p, WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
+        _slowed(p.engine, monkeypatch, 0.02)
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompts, "n": 2})
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        choices = rd.json()["sparsekv"]["choices"]
+        assert [c["token_ids"] for c in choices] == [w.token_ids for w in want for _ in range(2)]
+        sent, got = rp.json()["sparsekv"]["disaggregation"], rd.json()["sparsekv"]["disaggregation"]
+        assert sent["pages_sent"] == got["pages_sent"] == got["pages_by_layer"] == sent["pages_by_layer"] == 11
+        assert (got["tail_tokens"], got["first_tokens"]) == (2 * PAGE, 4)
+        p.check_clean()
+        d.check_clean()
+
+
 def test_rows_past_the_unclaimed_bound_are_dropped_and_the_pages_go_whole():
     from sparsekv.cache.layer_tap import LayerRows
     loop = asyncio.new_event_loop()
@@ -246,6 +286,46 @@ def test_rows_past_the_unclaimed_bound_are_dropped_and_the_pages_go_whole():
     assert [(p, first, n) for p, first, n, _ in feed.take()] == [(0, 0, 1), (0, 1, 1), (0, 2, 1)]
     assert feed.tapped == {(0, 0), (0, 1), (0, 2)}
     loop.close()
+
+
+def test_rows_up_to_the_unclaimed_bound_are_kept():
+    """The bound is what may be kept before the claim: rows adding up to exactly it stay queued; the
+    next byte past it drops them all."""
+    from sparsekv.cache.layer_tap import LayerRows
+    loop = asyncio.new_event_loop()
+    rows = lambda first: LayerRows(0, first, 1, [0], [torch.zeros(1, PAGE, 8)])  # noqa: E731 (128 bytes)
+    feed = LayerFeed(loop, 3, unclaimed_max_bytes=256)
+    feed.deliver_for(0)(rows(0))
+    feed.deliver_for(0)(rows(1))  # 256 bytes: the bound itself
+    assert not feed.dropped and len(feed.items) == 2
+    feed.deliver_for(0)(LayerRows(0, 2, 1, [0], [torch.zeros(1)]))  # 4 bytes more
+    assert feed.dropped and not feed.items
+    loop.close()
+
+
+def test_a_wait_for_rows_returns_at_once_when_rows_are_queued():
+    """`LayerFeed.wait` clears its wake-up, then returns if rows are queued: rows whose wake-up an
+    earlier wait used (or cleared) are sent now, not after the next delivery or the wait's timeout."""
+    from sparsekv.cache.layer_tap import LayerRows
+
+    async def ended(feed, never) -> bool:
+        waiting = asyncio.ensure_future(feed.wait([never], None))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        done = waiting.done()
+        waiting.cancel()
+        return done
+
+    async def scenario():
+        never = asyncio.get_running_loop().create_future()
+        feed = LayerFeed(asyncio.get_running_loop(), 3)
+        assert not await ended(feed, never)  # nothing queued: it waits
+        feed.deliver_for(0)(LayerRows(0, 0, 1, [0], [torch.zeros(1, PAGE, 8)]))
+        assert await ended(feed, never)  # a row queued: it returns at once, its wake-up cleared
+        assert await ended(feed, never)  # and again, with the row still queued and no wake-up set
+        feed.take()
+        assert not await ended(feed, never)
+    asyncio.run(scenario())
 
 
 def test_without_first_tokens_a_tail_goes_short_and_one_of_a_single_row_not_at_all():

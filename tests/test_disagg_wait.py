@@ -350,3 +350,110 @@ def test_a_batch_whose_metadata_does_not_fit_the_claim_is_refused(batch, corrupt
     corrupt(meta)
     with pytest.raises(TransferError, match=match):
         DecodeWorker._check_meta(meta, claim, weights)
+
+
+class _EngineLoop:
+    """The engine loop as the decode worker's imports call it: `fn` run there, in order."""
+
+    async def call(self, fn, *args):
+        return fn(*args)
+
+
+def test_a_room_already_in_use_on_a_worker_is_refused():
+    """A second request naming a room this worker has in flight is refused (400), the room counted once;
+    once the first is done the room may be used again."""
+    from types import SimpleNamespace
+    from sparsekv.server.errors import APIError
+    counted = []
+    w = _worker(timeout_s=30)
+    w.rooms, w.metrics = {}, SimpleNamespace(in_flight=SimpleNamespace(inc=lambda: counted.append(1),
+                                                                         dec=lambda: counted.append(-1)))
+    field = SimpleNamespace(room="r1")
+    assert w.open_room(field) == "r1"
+    with pytest.raises(APIError) as refused:
+        w.open_room(field)
+    assert refused.value.status == 400 and "already in use" in refused.value.message
+    assert w.rooms == {"r1": "open"} and counted == [1]
+    w.close_room("r1")
+    assert w.open_room(field) == "r1" and counted == [1, -1, 1]
+
+
+def test_a_roles_settings_take_their_bounds_and_refuse_what_lies_past_them():
+    """--disaggregation-timeout in (0, max]: 0 is refused; a prefill worker's bootstrap port in
+    [0, 65535]: both ends taken, 65536 refused."""
+    from sparsekv.units import MAX_TIMEOUT_S
+    assert DisaggSettings("decode", "127.0.0.1", None, SECRET, timeout_s=MAX_TIMEOUT_S).timeout_s == MAX_TIMEOUT_S
+    with pytest.raises(ValueError, match="--disaggregation-timeout must be in"):
+        DisaggSettings("decode", "127.0.0.1", None, SECRET, timeout_s=0)
+    for port in (0, 65535):
+        assert DisaggSettings("prefill", "127.0.0.1", port, SECRET).bootstrap_port == port
+    with pytest.raises(ValueError, match="--disaggregation-bootstrap-port must be in"):
+        DisaggSettings("prefill", "127.0.0.1", 65536, SECRET)
+
+
+def test_pages_are_not_kept_under_weights_updated_after_their_batch_was_checked():
+    """`DecodeWorker._import` reads the weights version again on the engine loop, with the import: an
+    update that came after the batch's stamp was checked (it forgot the cached pages) fails the room,
+    and no page is kept under the new weights."""
+    from types import SimpleNamespace
+    from sparsekv.disagg.decode import DecodeWorker, Keep
+    imported = []
+    engine = SimpleNamespace(weights_version=1, kv=SimpleNamespace(import_prefix=lambda *a, **k: imported.append(a)))
+    w = DecodeWorker.__new__(DecodeWorker)
+    w.state = SimpleNamespace(engine=engine, loop=_EngineLoop())
+    keep = Keep(SimpleNamespace(tenant="default", cache_salt=None, subs=[None]), [[5, 6, 7, 8, 9]], [[b"a" * 16]], [])
+    pages = [(b"a" * 16, [])]
+    asyncio.run(w._import({"weights_version": 1}, pages, keep, None))  # the version the batch was checked under
+    assert len(imported) == 1
+    with pytest.raises(TransferError, match=r"weights changed during the transfer \(weights_version 0 -> 1\)"):
+        asyncio.run(w._import({"weights_version": 0}, pages, keep, None))
+    assert len(imported) == 1
+
+
+def test_a_wait_ended_by_a_read_of_its_missing_key_is_a_transfer_error(room, monkeypatch):
+    """`take` never hands its caller a value nobody wrote: a wait that ends without the key (here a
+    compare_set on the missing key, which the store treats as a write) fails the room."""
+    _, mine, peer = room
+    monkeypatch.setattr(worker_module, "WAIT_CHECK_S", 0.05)
+    w, absent = _worker(timeout_s=3600), transfer_module.ABSENT
+
+    async def scenario():
+        take = asyncio.ensure_future(w.take(mine, "claim", "the claim", Client()))
+        for _ in range(int(HANG_S / 0.05)):  # NOTE: repeated, as one before the wait reaches the store wakes nothing
+            if take.done():
+                break
+            await w.blocking(peer.store.compare_set, peer.key("claim"), absent, absent)
+            await asyncio.sleep(0.05)
+        with pytest.raises(TransferError, match="the wait for the claim was ended"):
+            await take
+    asyncio.run(scenario())
+    assert _ended(lambda: _waits() == 0)
+
+
+class _Room(_Link):
+    """A room's store as `Batches` reads and writes it: keys, the verdict's among them."""
+
+    def ready(self, key: str) -> bool:
+        return key in self.keys
+
+    def written_by_peer(self, key: str) -> bool:
+        return key in self.keys
+
+    def forget(self, batches: int = 1) -> None:
+        self.keys.clear()
+
+
+def test_a_prefill_side_that_read_the_verdict_waits_for_nothing_and_writes_no_error():
+    """Once the decode worker wrote its verdict (`Batches.answered`), the room's peer waits for no more
+    batches (`peer_waiting`: the prefill worker then cleans the room up itself), and a failure after it
+    writes no error batch that nobody would read or delete."""
+    import torch
+    from sparsekv.disagg.outbox import Batches
+    out = Batches(_Room(), DisaggSettings("prefill", "127.0.0.1", 0, SECRET), torch.device("cpu"), None)
+    out.claimed = True
+    out.link.keys = {"claim": b"claim"}
+    assert out.peer_waiting and not out.answered()
+    out.link.keys["done"] = b"verdict"
+    assert out.answered() and not out.peer_waiting
+    out.error_unless_answered("the decode worker refused the KV")
+    assert sorted(out.link.keys) == ["claim", "done"] and not out.told_error

@@ -147,6 +147,24 @@ def pair(glm_ckpt):
         yield p, d
 
 
+def test_the_prefill_worker_counts_no_held_page_as_sent_layer_by_layer(pair):
+    """The prefill worker computes the whole prompt again (its cache reset) while the decode worker holds
+    its first 5 pages: the rows of those pages are taken from the engine but not sent, so neither worker
+    counts them in `pages_by_layer` (pages whose rows went layer by layer, docs/disaggregation.md)."""
+    p, d = pair
+    prompt, alice = _prompt(256, 41, seed=33), {"Authorization": "Bearer sk-alice"}
+    rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt[:21]}, headers=alice)
+    assert rp.status_code == rd.status_code == 200, (rp.text, rd.text)
+    httpx.post(p.url + "/reset_prefix_cache", headers=alice, timeout=5).raise_for_status()
+    rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt}, headers=alice)
+    assert rp.status_code == rd.status_code == 200, (rp.text, rd.text)
+    sent, got = rp.json()["sparsekv"]["disaggregation"], rd.json()["sparsekv"]["disaggregation"]
+    assert (sent["pages_sent"], sent["pages_skipped"]) == (got["pages_sent"], got["pages_skipped"]) == (5, 5)
+    assert sent["pages_by_layer"] == got["pages_by_layer"] == 5
+    p.check_clean()
+    d.check_clean()
+
+
 def test_each_worker_describes_its_role(pair):
     p, d = pair
     info = httpx.get(p.url + "/disaggregation", timeout=5).json()
@@ -157,6 +175,16 @@ def test_each_worker_describes_its_role(pair):
     assert httpx.get(d.url + "/disaggregation", timeout=5).json() == {
         "mode": "decode", "bootstrap_host": "127.0.0.1", "bootstrap_port": None, "transfer_backend": "torch",
         "kv_layout": layout, "num_running": 0, "num_waiting": 0}
+
+
+def test_a_colocated_server_describes_its_load_as_a_worker_would():
+    """GET /disaggregation on a server without a role (mode "null"): its running and waiting requests,
+    each from its own count, as a worker reports them (the router reads both)."""
+    from types import SimpleNamespace
+    from sparsekv.disagg.roles import describe
+    state = SimpleNamespace(disagg=None, loop=SimpleNamespace(stats=lambda: {"running": 2, "waiting": 3}))
+    assert describe(state) == {"mode": "null", "bootstrap_host": None, "bootstrap_port": None,
+                               "transfer_backend": None, "num_running": 2, "num_waiting": 3}
 
 
 @pytest.mark.parametrize("worker", [0, 1], ids=["prefill", "decode"])
@@ -280,6 +308,62 @@ def test_transfer_figures_reach_the_response_and_metrics(pair):
     assert decode["sparsekv:prefix_cache_hits_total"] == rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] \
         == len(prompt)
     assert decode["sparsekv:request_queue_time_seconds_count"] == 1  # its first token came before it queued
+
+
+def test_without_the_prefill_workers_first_token_the_first_decode_step_is_timed_from_the_schedule():
+    """`DecodeFigures`: a first token that came from the prefill worker is output with no step of this
+    worker (its queue ends with that output, first_decode_s 0); one this worker samples itself (with MTP
+    drafting and sampled choices) is timed from the request's first step: queue to it, step to output."""
+    from types import SimpleNamespace
+    from sparsekv.disagg.decode import DecodeFigures
+    group, states = SimpleNamespace(first_scheduled=10.5), [SimpleNamespace(first_output_at=12.0)]
+    sampled_here = DecodeFigures({"first_tokens": 0}, group, 10.0)(states)
+    assert (sampled_here["decode_queue_s"], sampled_here["first_decode_s"]) == (0.5, 1.5)
+    came = DecodeFigures({"first_tokens": 1}, group, 10.0)(states)
+    assert (came["decode_queue_s"], came["first_decode_s"]) == (2.0, 0.0)
+
+
+def test_both_workers_report_the_pages_the_decode_worker_held_as_skipped_not_sent(pair):
+    """The prefill worker computes the whole prompt again (its cache reset) while the decode worker holds
+    its first pages: their rows go neither layer by layer nor by name, the prefill worker's own figures
+    (its response's extension) and both workers' metrics count them as skipped, and only the others as
+    sent."""
+    p, d = pair
+    prompt, alice = _prompt(256, 41, seed=31), {"Authorization": "Bearer sk-alice"}
+    rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt[:21]}, headers=alice)  # the decode worker now holds 5 pages
+    assert rp.status_code == rd.status_code == 200, (rp.text, rd.text)
+    httpx.post(p.url + "/reset_prefix_cache", headers=alice, timeout=5).raise_for_status()
+    before = {w: scrape(w.url)["sparsekv:disagg_pages_skipped_total"] for w in pair}
+    rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": prompt}, headers=alice)
+    assert rp.status_code == rd.status_code == 200, (rp.text, rd.text)
+    sent, got = rp.json()["sparsekv"]["disaggregation"], rd.json()["sparsekv"]["disaggregation"]
+    assert (sent["pages_sent"], sent["pages_skipped"]) == (got["pages_sent"], got["pages_skipped"]) == (5, 5)
+    assert got["pages_by_layer"] == 5  # the rows of the pages it held were not sent
+    for w in pair:
+        assert scrape(w.url)["sparsekv:disagg_pages_skipped_total"] - before[w] == 5
+    p.check_clean()
+    d.check_clean()
+
+
+def test_pages_sent_after_the_prefill_go_in_one_batch_kept_at_once_and_none_streamed(pair, monkeypatch):
+    """With one look after the prefill (the bench's transfer mode), every page goes in the last batch,
+    which the decode worker keeps in one engine call with the tail (the request waits for it), however
+    many pages a slice of an earlier batch holds; neither worker counts a page as streamed."""
+    from sparsekv.disagg import decode as decode_module
+    p, d = pair
+    monkeypatch.setattr(decode_module, "KEEP_SLICE_PAGES", 1)
+    calls, real = [], d.engine.kv.import_prefix
+    monkeypatch.setattr(d.engine.kv, "import_prefix",
+                        lambda pages, *a, **o: calls.append((len(pages), bool(o.get("tails")))) or real(pages, *a, **o))
+    monkeypatch.setattr(p.worker, "stream_poll_s", None)
+    rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt(256, 41, seed=32)},
+                       headers={"Authorization": "Bearer sk-alice"})
+    sent, got = rp.json()["sparsekv"]["disaggregation"], rd.json()["sparsekv"]["disaggregation"]
+    assert (sent["pages_sent"], sent["batches"]) == (got["pages_sent"], got["batches"]) == (10, 1)
+    assert calls == [(10, True)]
+    assert sent["pages_streamed"] == got["pages_streamed"] == got["pages_kept_early"] == 0
+    p.check_clean()
+    d.check_clean()
 
 
 def test_chat_through_the_pair(tmp_path_factory):
@@ -434,6 +518,26 @@ def test_a_weights_stamp_names_the_checkpoint_while_its_files_are_what_was_loade
         check_same_weights({**unknown, "weights_version": 1}, known)
     with pytest.raises(TransferError, match="weights_version None"):
         check_same_weights(None, known)  # metadata without the field
+
+
+def test_a_worker_reloading_a_rewritten_checkpoint_directory_stamps_the_new_weights(glm_ckpt, tmp_path):
+    """One worker's stamps (each digest computed once): a checkpoint written again into the directory
+    its weights came from, then loaded (an RL trainer's next update), is named by its own digest, not by
+    the one computed for the directory's earlier contents."""
+    import shutil
+    from sparsekv.disagg.weights_stamp import WeightsStamp
+    from sparsekv.tools.tiny import save_reference_checkpoint
+    from sparsekv.weights import files_stamp
+    path, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    shutil.copytree(glm_ckpt[0], path)
+    save_reference_checkpoint(other, "glm_moe_dsa", seed=1)
+    stamps = WeightsStamp()
+    first = stamps.stamp((0, path, files_stamp(path)))
+    shutil.rmtree(path)
+    shutil.copytree(other, path)
+    second = stamps.stamp((1, path, files_stamp(path)))
+    assert second == WeightsStamp().stamp((1, other, files_stamp(other)))  # the new contents' digest
+    assert second["checkpoint"] is not None and second["checkpoint"] != first["checkpoint"]
 
 
 @pytest.mark.parametrize("tp_side", ["prefill", "decode", "decode-tiered"])

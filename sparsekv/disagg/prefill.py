@@ -151,13 +151,19 @@ class PrefillWorker(Worker):
                 await self.blocking(out.link.forget, out.index + 1)
 
     async def _claim_or_failed_prefill(self, request, link: Room, prefill) -> bytes | None:
-        """The decode worker's claim, waited for while the prefill runs; None if the prefill fails first."""
+        """The decode worker's claim, waited for while the prefill runs; None if the prefill fails first.
+        A prefill that refused the request (a status below 500) waits for the claim however early it
+        came, so that the decode worker answers with the same refusal (one that claimed after the room's
+        keys were deleted would wait for it until its timeout)."""
         claim = asyncio.ensure_future(self.take(link, "claim", "claim from a decode worker", request))
         try:
             while not claim.done():
                 await asyncio.wait([claim] if prefill.done() else [claim, prefill], return_when=asyncio.FIRST_COMPLETED)
-                if prefill.done() and _prefill_failure(prefill) is not None:
+                failure = _prefill_failure(prefill) if prefill.done() else None
+                if failure is not None and "status" not in failure:
                     return None
+            if prefill.done() and _prefill_failure(prefill) is not None:
+                return None
             return claim.result()
         finally:
             claim.cancel()
@@ -220,7 +226,9 @@ class PrefillWorker(Worker):
         figures = {"role": "prefill", "room": meta["room"], "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
                    "transfer_s": transfer_s, "backend": meta["backend"], "bytes": nbytes, "pages_sent": pages,
                    "pages_streamed": streamed, "pages_skipped": sum(meta["skipped"]), "batches": out.index,
-                   "pages_by_layer": 0 if feed is None else len(feed.tapped),
+                   # NOTE: the rows of pages the decode worker held were taken, not sent (`_send_layers`)
+                   "pages_by_layer": 0 if feed is None else sum(page >= meta["skipped"][prompt]
+                                                                for prompt, page in feed.tapped),
                    "layer_batches": 0 if feed is None else feed.batches}
         self.metrics.bytes.inc(nbytes)
         self.metrics.pages_skipped.inc(figures["pages_skipped"])
