@@ -333,18 +333,19 @@ def test_a_prefill_that_fails_mid_prompt_fails_the_decode_side_at_once(glm_ckpt,
     """The prefill engine fails at its third chunk after two batches went: the prefill worker writes
     the failure as the next batch, the decode worker answers 503 at once (not at its timeout) and
     cleans the room's keys up; nothing of it is kept."""
-    from test_disagg_workers import _slowed
+    from test_disagg_workers import _StepGate
     chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)
     with WorkerServer(glm_ckpt[0], "prefill", timeout_s=TIMEOUT_S, **BASE, **chunked) as p, \
             WorkerServer(glm_ckpt[0], "decode", timeout_s=TIMEOUT_S, **BASE) as d:
-        _slowed(p.engine, monkeypatch)
-        steps, real = [], p.engine.step
+        # each chunk's step waits until the decode worker kept the pages of the chunks before it (not a
+        # sleep: a loaded machine can be slower than any), so two chunks' pages came before the third fails
+        gate = _StepGate(p.engine, d.engine, monkeypatch, steps=3)
+        gated = p.engine.step
 
         def failing():
-            steps.append(1)
-            if len(steps) == 3:
+            if gate.steps == 2 and (gate.kept >= 2 * gate.per or gate.gave_up):
                 raise RuntimeError("an injected engine failure")
-            return real()
+            return gated()
         monkeypatch.setattr(p.engine, "step", failing)
         forgotten, forget = [], d.engine.kv.forget_prefix
         monkeypatch.setattr(d.engine.kv, "forget_prefix", lambda names: forgotten.extend(names) or forget(names))
