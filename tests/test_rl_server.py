@@ -245,7 +245,7 @@ def test_each_drain_update_answers_its_own_result(ckpts, monkeypatch):
     monkeypatch.setattr(admin, "POLL_S", 2.0)  # update 1's answer is read 2 s after its load at the latest
     with ThreadServer(a, admin_api_keys=[ADMIN], weight_update_policy="drain") as srv:
         engine, answers = srv.engine, {}
-        srv.delay[0] = 0.05  # the request stays in flight while update 1 comes
+        srv.delay[0] = 0.2  # the request stays in flight while update 1 comes
         worker = threading.Thread(target=lambda: _complete(srv, max_tokens=12))
         worker.start()
         assert wait_until(lambda: engine.counters["generation_tokens"] > 0, timeout=30)
@@ -280,3 +280,89 @@ def test_a_file_that_is_not_safetensors_is_a_refused_update(ckpts, tmp_path):
         with pytest.raises(WeightUpdateError, match=str(bad)):
             llm.engine.update_weights_from_disk(str(bad))
         llm.close()
+
+
+def test_drain_conflicts_answer_409_and_change_nothing(ckpts):
+    """docs/rl.md: under drain, an update while generation is paused with a started request, and a pause
+    while a drain update waits for one, are conflicts: 409, and the request still ends under A."""
+    a, b = ckpts
+    want_a = _engine_tokens(a, 12).token_ids
+    with ThreadServer(a, admin_api_keys=[ADMIN], weight_update_policy="drain") as srv:
+        engine, box = srv.engine, {}
+        srv.delay[0] = 0.5  # the request stays in flight through the admin calls below (a loaded machine too)
+        worker = threading.Thread(target=lambda: box.setdefault("completion", _complete(srv, max_tokens=12)))
+        worker.start()
+        assert wait_until(lambda: engine.counters["generation_tokens"] > 0, timeout=30)
+        assert _post(srv, "/pause_generation", key=ADMIN).status_code == 200
+        refused = _post(srv, "/update_weights_from_disk", {"model_path": b}, key=ADMIN)
+        assert refused.status_code == 409 and "paused" in refused.json()["error"]["message"], refused.text
+        assert _post(srv, "/continue_generation", key=ADMIN).status_code == 200
+        update = threading.Thread(target=lambda: box.setdefault("update", _post(srv, "/update_weights_from_disk",
+                                                                                {"model_path": b}, key=ADMIN)))
+        update.start()
+        assert wait_until(lambda: engine.weight_update_pending, timeout=30)
+        paused = _post(srv, "/pause_generation", key=ADMIN)
+        assert paused.status_code == 409 and "drain" in paused.json()["error"]["message"], paused.text
+        worker.join(60)
+        update.join(60)
+        completion, loaded = box["completion"], box["update"]
+        assert completion["sparsekv"]["choices"][0]["token_ids"] == want_a
+        assert loaded.status_code == 200 and loaded.json()["weights_version"] == 1, loaded.text
+
+
+def test_each_drain_update_answers_its_own_version(ckpts, monkeypatch):
+    """Update 1 (B) waits for the request in flight and loads as version 1; update 2 (A) loads as version 2
+    before update 1's answer is read: each answers the version it loaded as, not the engine's latest."""
+    from sparsekv.server import admin
+    a, b = ckpts
+    monkeypatch.setattr(admin, "POLL_S", 2.0)  # update 1's answer is read 2 s after its load at the latest
+    with ThreadServer(a, admin_api_keys=[ADMIN], weight_update_policy="drain") as srv:
+        engine, answers = srv.engine, {}
+        srv.delay[0] = 0.05  # the request stays in flight while update 1 comes
+        worker = threading.Thread(target=lambda: _complete(srv, max_tokens=12))
+        worker.start()
+        assert wait_until(lambda: engine.counters["generation_tokens"] > 0, timeout=30)
+        first = threading.Thread(target=lambda: answers.setdefault(1, _post(srv, "/update_weights_from_disk",
+                                                                            {"model_path": b}, key=ADMIN)))
+        first.start()
+        assert wait_until(lambda: engine.weights_version == 1, timeout=30)  # update 1 loaded: its answer is pending
+        answers[2] = _post(srv, "/update_weights_from_disk", {"model_path": a}, key=ADMIN)
+        first.join(30)
+        worker.join(60)
+    assert answers[2].status_code == 200 and answers[2].json()["weights_version"] == 2, answers[2].text
+    assert answers[1].status_code == 200 and answers[1].json()["weights_version"] == 1, answers[1].text
+
+
+@pytest.mark.parametrize("path", ADMIN_PATHS)
+def test_admin_endpoints_answer_503_while_the_server_shuts_down(ckpts, path):
+    """A draining server (SIGTERM) refuses admin commands as it refuses requests: 503, not a 500."""
+    with ThreadServer(ckpts[0], admin_api_keys=[ADMIN]) as srv:
+        srv.state.loop.draining = True
+        r = _post(srv, path, {"model_path": ckpts[1]}, key=ADMIN)
+        srv.state.loop.draining = False
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] == 503
+
+
+def test_a_drain_update_whose_load_fails_after_the_wait_answers_500(ckpts):
+    """drain: the update waits for the request in flight, then its load fails: 500 (docs/rl.md, "failed
+    to load"), not a success without a version; the request ends under A and A keeps serving."""
+    a, b = ckpts
+    want_a = _engine_tokens(a, 12).token_ids
+    with ThreadServer(a, admin_api_keys=[ADMIN], weight_update_policy="drain") as srv:
+        engine, box = srv.engine, []
+        srv.delay[0] = 0.2  # the request stays in flight while the update comes
+
+        def fails(update):
+            raise OSError("disk gone")
+        engine.executor.update_weights = fails
+        worker = threading.Thread(target=lambda: box.append(_complete(srv, max_tokens=12)))
+        worker.start()
+        assert wait_until(lambda: engine.counters["generation_tokens"] > 0, timeout=30)
+        r = _post(srv, "/update_weights_from_disk", {"model_path": b}, key=ADMIN)
+        worker.join(60)
+        assert r.status_code == 500 and "disk gone" in r.json()["error"]["message"], r.text
+        assert box[0]["sparsekv"]["choices"][0]["token_ids"] == want_a
+        assert box[0]["choices"][0]["finish_reason"] == "length"  # it drained: finished, not aborted
+        assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(a).token_ids
+        assert scrape(srv.url)["sparsekv:weights_version"] == 0

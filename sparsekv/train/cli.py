@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="far stage: negatives per row and layer (layer 0: copies of the batch's tokens "
                         "--far-min-distance to --pose-max-position positions back; a later full layer: other "
                         "rows' tokens interleaved with the row)")
-    p.add_argument("--far-min-distance", type=at_least(0), default=512,
+    p.add_argument("--far-min-distance", type=at_least(1), default=512,
                    help="far stage, layer 0: the nearest far copy's distance before the row (default 512, the "
                         "row length: layers 0-1 never attend further in training; 4096 let layer 0 keep "
                         "picking copies within a few thousand tokens, docs/training.md, \"Layer 0's churn\")")
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from this exported directory (its config, weights and tokenizer) instead of "
                         "random weights, e.g. with --steps 0,0,0,0,N to run only the far stage")
     p.add_argument("--heldout-rows", type=at_least(1), default=32)
-    p.add_argument("--probe-length", type=at_least(1), default=384,
+    p.add_argument("--probe-length", type=at_least(0), default=384,
                    help="length of the fixed held-out retrieval prompts scored after each stage (0: none)")
     p.add_argument("--max-files", type=at_least(1), default=None, help="use only the first N stdlib files (tests)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"],
