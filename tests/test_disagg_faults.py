@@ -252,6 +252,21 @@ def test_a_client_that_goes_away_frees_the_room_before_the_timeout(glm_ckpt):
         _clean(d)
 
 
+def _hold_steps_after_the_first(engine, monkeypatch, hold_s: float = 30.0) -> tuple[list, float]:
+    """After its first step, each step of `engine` returns no output (the engine loop's commands run
+    meanwhile) until `hold_s` passed or the prefill was aborted. Returns (the steps run, the hold's end)."""
+    steps, real, hold_until = [], engine.step, time.monotonic() + hold_s
+
+    def held():
+        if steps and time.monotonic() < hold_until:
+            time.sleep(0.002)
+            return []
+        steps.append(1)
+        return real()
+    monkeypatch.setattr(engine, "step", held)
+    return steps, hold_until
+
+
 def test_a_corrupted_batch_mid_prompt_ends_the_prefill_too(glm_ckpt, monkeypatch):
     """The first batch of a prompt still being computed (chunks of 8 tokens) is corrupted: the decode
     worker refuses it, and the prefill worker, seeing the refusal at its next look, stops sending and
@@ -262,15 +277,7 @@ def test_a_corrupted_batch_mid_prompt_ends_the_prefill_too(glm_ckpt, monkeypatch
     chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)
     with WorkerServer(glm_ckpt[0], "prefill", **BASE, **chunked) as p, WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
         monkeypatch.setenv(CORRUPT_ENV, "0")
-        steps, real, hold_until = [], p.engine.step, time.monotonic() + 30
-
-        def held():  # the first chunk's rows (its batch corrupted) need no later step to leave
-            if steps and time.monotonic() < hold_until:
-                time.sleep(0.002)
-                return []
-            steps.append(1)
-            return real()
-        monkeypatch.setattr(p.engine, "step", held)
+        steps, hold_until = _hold_steps_after_the_first(p.engine, monkeypatch)  # the first chunk's rows leave alone
         rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
         _failed(rd, "tensor 0", "digest")
         _failed(rp, "refused the KV", "tensor 0")
@@ -288,15 +295,7 @@ def test_a_failed_transfer_aborts_the_prefill_before_the_prefill_worker_answers(
     chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)
     with WorkerServer(glm_ckpt[0], "prefill", **BASE, **chunked) as p, WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
         monkeypatch.setenv(CORRUPT_ENV, "0")
-        steps, real, hold_until = [], p.engine.step, time.monotonic() + 30
-
-        def held():  # after the first chunk, the steps wait (no output) until the prefill is aborted
-            if steps and time.monotonic() < hold_until:
-                time.sleep(0.002)
-                return []
-            steps.append(1)
-            return real()
-        monkeypatch.setattr(p.engine, "step", held)
+        _hold_steps_after_the_first(p.engine, monkeypatch)
         rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})
         assert not p.engine.has_unfinished_requests()
         _failed(rp, "refused the KV", "tensor 0")
