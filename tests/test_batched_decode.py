@@ -168,6 +168,20 @@ def test_bundled_model_decode_step_ops(options):
     assert many.total <= BUNDLED_RATIO * one.total, (one.total, many.total)
 
 
+def test_a_draft_step_without_its_drafting_rows_selection_names_the_requests():
+    """A draft step reuses each request's selection from its extend row (MTP index reuse): where one is
+    missing the step fails naming those requests, before any attention, not with a bare KeyError."""
+    from types import SimpleNamespace
+    plan = SimpleNamespace(sparse=[SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")], sizes=[1, 1])
+    ctx = SimpleNamespace(draft_step=True, decode_selection=None, selection={"a": torch.zeros(1, 4, dtype=torch.long)},
+                          record_selection=None)
+    layer = SimpleNamespace(selector=None, layer_idx=3)
+    with pytest.raises(RuntimeError, match=r"draft step without the drafting row's selection for \['b'\]"):
+        MLAttention._decode_selection(layer, plan, None, None, ctx, None)
+    ctx.selection["b"] = torch.ones(1, 4, dtype=torch.long)
+    assert torch.equal(MLAttention._decode_selection(layer, plan, None, None, ctx, None),
+                       torch.tensor([[0] * 4, [1] * 4]))
+
 def test_rms_norm_is_the_reference_bitwise():
     """fp32 RMSNorm in one call computes exactly the reference's ops (fp32 norm, weight multiply)."""
     from sparsekv.model.layers import rms_norm
@@ -177,6 +191,20 @@ def test_rms_norm_is_the_reference_bitwise():
         ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
         assert torch.equal(rms_norm(x, w, 1e-5), ref)
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_in_16_bits_is_the_reference_bitwise(dtype):
+    """16-bit RMSNorm: fp32 norm, cast back to the input dtype, then the weight multiply in that dtype
+    (transformers' DeepseekV3RMSNorm, the layers' reference), bit for bit: the weight is not applied in fp32."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+    from sparsekv.model.layers import rms_norm
+    g = torch.Generator().manual_seed(0)
+    for rows, dim in ((1, 256), (32, 64), (5, 6144)):
+        x = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+        ref = DeepseekV3RMSNorm(dim, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            ref.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+            assert torch.equal(rms_norm(x, ref.weight.detach(), 1e-6), ref(x))
 
 def test_stacked_experts_equal_one_expert_at_a_time():
     """The grouped routed sum equals the per-expert loop bit for bit (ascending expert id per token),
@@ -200,6 +228,30 @@ def test_stacked_experts_equal_one_expert_at_a_time():
             want.index_add_(0, token, y * weights[token, slot, None])
         assert torch.equal(stacked(x, ids, weights), want), rows
 
+
+def test_moe_without_stacked_experts_sums_this_ranks_experts_in_ascending_id():
+    """The one-expert-at-a-time MoE (expert parallelism: another rank's experts are None, so no stack)
+    skips the other rank's experts and adds each token's terms in ascending expert id, whatever order
+    the router's top-k returns them in, as the reference's per-expert loop does: bit for bit, for one
+    row (the decode path, one row's products) and many (one product per expert over its rows)."""
+    from types import SimpleNamespace
+    from sparsekv.model.layers import DenseMLP, MoE, route_experts
+    g = torch.Generator().manual_seed(2)
+    cfg = SimpleNamespace(n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1, norm_topk_prob=True,
+                          routed_scaling_factor=2.5)
+    experts = [DenseMLP(*(torch.randn(*shape, generator=g) for shape in ((16, 32), (16, 32), (32, 16))))
+               for _ in range(8)]
+    mine = [e if i % 2 == 0 else None for i, e in enumerate(experts)]  # rank 0 of 2, experts interleaved
+    moe = MoE(cfg, torch.randn(8, 32, generator=g), torch.randn(8, generator=g) * 0.1, mine, shared=None)
+    assert moe.stacked is None
+    for rows in [1] * 20 + [2, 40]:
+        x = torch.randn(rows, 32, generator=g)
+        ids, weights = route_experts(cfg, x, moe.router, moe.bias)
+        want = torch.zeros_like(x)
+        for e in range(0, 8, 2):
+            token, slot = torch.where(ids == e)
+            want.index_add_(0, token, mine[e](x[token]) * weights[token, slot, None])
+        assert torch.equal(moe.routed(x), want), rows
 
 def with_mtp_layer(src: str, dst: str) -> str:
     """A copy of a tiny checkpoint with a NextN layer: a copy of layer 1 with layer 0's indexer."""

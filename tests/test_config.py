@@ -202,3 +202,30 @@ def test_yarn_scale_squares_the_mscale_of_mscale_all_dim():
                                "original_max_position_embeddings": 4096, "mscale_all_dim": 0.5}}
     m = 0.1 * 0.5 * math.log(40) + 1
     assert ModelConfig.from_dict(raw).softmax_scale == pytest.approx(192 ** -0.5 * m * m, rel=REGROUPED64)
+
+
+@pytest.mark.parametrize("theta, orig, truncate", [(5.0, 256, True), (5.0, 256, False), (5.0, 256, None),
+                                                   (10000.0, 32, True), (50.0, 64, False), (10000.0, 1000, None)])
+def test_yarn_rotary_tables_are_transformers(theta, orig, truncate):
+    """YaRN's inverse frequencies, attention factor (here not 1: no mscale given) and the cos/sin it
+    scales equal transformers' own (`truncate` either way or left out; a small rope_theta puts the
+    ramp's upper end past the rotary dims, where it is clamped)."""
+    import torch
+    from transformers import DeepseekV32Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32RotaryEmbedding
+    from sparsekv.model.layers import RotaryTable, rope_inv_freq
+    rope = {"rope_type": "yarn", "rope_theta": theta, "factor": 4.0, "original_max_position_embeddings": orig,
+            "beta_fast": 32, "beta_slow": 1, **({} if truncate is None else {"truncate": truncate})}
+    raw = {**BASE, "model_type": "deepseek_v32", "n_routed_experts": 256, "rope_parameters": rope,
+           "max_position_embeddings": 4 * orig}
+    ref = DeepseekV32Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](ref)
+    cfg = ModelConfig.from_dict(raw)
+    ours, our_factor = rope_inv_freq(cfg)
+    assert torch.equal(ours, inv_freq) and our_factor == factor != 1
+    positions = torch.tensor([0, 1, 7, 4 * orig - 1])
+    cos, sin = DeepseekV32RotaryEmbedding(ref)(torch.zeros(1, dtype=torch.float32), positions[None])
+    our_cos, our_sin = RotaryTable(cfg, torch.float32, torch.device("cpu")).cos_sin(positions)
+    half = cfg.qk_rope_head_dim // 2
+    assert torch.equal(our_cos[:, 0], cos[0, :, :half]) and torch.equal(our_sin[:, 0], sin[0, :, :half])

@@ -483,6 +483,24 @@ def _tapped_prefill_with_a_tail(max_tokens: int):
     return path, prompt, params, first, warm, pages, tail
 
 
+def test_a_tail_completed_by_a_one_row_chunk_still_hands_out_its_selections():
+    """A prompt whose last prefill chunk is a single row past top-k (601 tokens in chunks of 40: 15 x 40
+    + 1) runs that row as a sparse decode row (decode_plan.py): its full layers' tail selections are
+    handed out all the same, each with the last row's k positions among the tail rows' union."""
+    from sparsekv.tools.bench_kv_dtype import default_text
+    prefill = LLM(default_model_path(), max_model_len=1024, prefill_chunk_tokens=40)
+    prompt = prefill.engine.tokenizer.encode(default_text())[:601]
+    assert len(prompt) == 601
+    rows = []
+    prefill.engine.tap_layers("p", len(prompt), 0, rows.append)
+    _first_token(prefill, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    cfg = prefill.engine.model_config
+    selected = [d for d in rows if d.tail and d.selected is not None]
+    assert [d.layer for d in selected] == cfg.full_layers
+    for d in selected:
+        union, last = d.selected
+        assert len(last) == cfg.index_topk and set(last.tolist()) <= set(union.tolist())
+
 def test_a_tail_warms_the_working_set_with_the_prefill_sides_selections(monkeypatch):
     """With a tail the decode side computes no prompt row: the prefill engine's taps hand out, with a
     full layer's tail rows, the positions those rows selected (their union, and the last row's), and a
