@@ -174,6 +174,15 @@ def test_completion_logprobs_and_token_prompt(client):
     assert all(len(t) >= 2 for t in lp.top_logprobs) and r.usage.prompt_tokens == 4
 
 
+def test_logprobs_without_echo_still_hit_the_prefix_cache(client):
+    """Only echo asks the engine for the prompt's logprobs (a request with them computes every prompt
+    row, as in vLLM); logprobs of the generated tokens alone leave the prefix cache in use."""
+    prompt = list(range(40, 80))
+    for _ in range(2):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=1)
+    assert r.usage.prompt_tokens_details.cached_tokens == 16 * ((len(prompt) - 1) // 16)
+
+
 def test_greedy_matches_llm_generate(server, client):
     from sparsekv.llm import LLM
     from sparsekv.request import SamplingParams
@@ -271,6 +280,69 @@ def test_a_text_prompt_gets_the_tokenizers_special_tokens_unless_asked_not_to():
     assert completion_prompt_ids(encoder, ["a b a b"], 100, 2, add_special_tokens=False) == [[1, 2]]
     assert processor.process("a b a b", SamplingParams(truncate_prompt_tokens=3)) == [0, 1, 2]
     assert processor.process([0, 1, 2, 1], SamplingParams(truncate_prompt_tokens=3)) == [1, 2, 1]
+
+
+def test_a_prompt_of_exactly_the_limit_passes_and_truncation_to_minus_one_keeps_the_last_limit_tokens():
+    """Only a prompt over the limit is refused here (one of exactly `limit` tokens is the engine's to
+    weigh against max_tokens); truncate_prompt_tokens=-1 keeps the last `limit` tokens, and a text
+    tokenized without special tokens has no BOS to keep, so its cut is the plain last tokens."""
+    from sparsekv.request import InvalidRequest
+    from sparsekv.server.app import completion_prompt_ids
+    from sparsekv.server.tokenizing import Encoder
+    encoder = Encoder(_tokenizer_adding_bos())
+    assert completion_prompt_ids(encoder, ["a b", [5, 6, 7]], 3, None) == [[0, 1, 2], [5, 6, 7]]
+    with pytest.raises(InvalidRequest, match="prompt has 4 tokens") as e:
+        completion_prompt_ids(encoder, [[5, 6, 7, 8]], 3, None)
+    assert e.value.param == "prompt"
+    assert completion_prompt_ids(encoder, [[5, 6, 7, 8, 9], "a b a b"], 3, -1) == [[7, 8, 9], [0, 1, 2]]
+    assert completion_prompt_ids(encoder, ["a b a b"], 3, -1, add_special_tokens=False) == [[2, 1, 2]]
+
+
+def _routes_over(tokenizer, vocab_size: int, routes):
+    """The app's `routes` over a stand-in for the server's state: the given tokenizer, no engine loop."""
+    import types
+
+    from fastapi import FastAPI
+
+    from sparsekv.server.app import ServerSettings, ServerState
+    from sparsekv.server.errors import APIError, error_response
+    from sparsekv.server.tokenizing import TokenizerPool
+
+    class State(ServerState):
+        def __init__(self):  # only what tokenize and detokenize read
+            self.tokenizer, self.tokenizing, self.max_model_len = tokenizer, TokenizerPool(tokenizer), 100
+            self.settings = ServerSettings(served_model_names=["tiny"])
+            self.engine = types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=vocab_size))
+    app = FastAPI()
+    app.state.server = State()
+    for path, fn in routes:
+        app.add_api_route(path, fn, methods=["POST"])
+    app.add_exception_handler(APIError, lambda req, exc: error_response(exc))
+    return app
+
+
+def test_tokenize_adds_the_special_tokens_by_default_and_detokenize_refuses_the_first_id_past_the_vocab():
+    """vLLM's /tokenize: a prompt gets the tokenizer's special tokens (BOS) unless add_special_tokens
+    is false; /detokenize takes ids in [0, vocab_size) and answers 400 for vocab_size itself."""
+    import asyncio
+
+    from sparsekv.server.app import detokenize, tokenize
+    app = _routes_over(_tokenizer_adding_bos(), 4, [("/tokenize", tokenize), ("/detokenize", detokenize)])
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return [await c.post(path, json=body) for path, body in [
+                ("/tokenize", {"prompt": "a b"}), ("/tokenize", {"prompt": "a b", "add_special_tokens": False}),
+                ("/detokenize", {"tokens": [0, 3]}), ("/detokenize", {"tokens": [1, 4]})]]
+    try:
+        bos, plain, last, past = asyncio.run(main())
+    finally:
+        app.state.server.tokenizing.close()
+    assert bos.json() == {"count": 3, "max_model_len": 100, "tokens": [0, 1, 2]}
+    assert plain.json()["tokens"] == [1, 2]
+    assert last.status_code == 200
+    _assert_envelope(past, 400, "tokens")
+    assert "token id 4 is outside the vocabulary [0, 4)" in past.json()["error"]["message"]
 
 
 def _tokenizer_adding_bos_and_eos():
@@ -511,6 +583,18 @@ def test_bad_request(server, name, path, body, status, param):
     assert not INTERNALS.search(r.json()["error"]["message"]), r.json()  # the details go to the log
     if name == "prompt-plus-max_tokens-over-context":
         assert "200" in r.json()["error"]["message"] and "100" in r.json()["error"]["message"]
+
+
+def test_a_forced_tool_call_needs_no_call_parser(server, monkeypatch):
+    """A model type without a tool-call parser: tools left to the model are a 400, but a forced call
+    (tool_choice "required" or a named function) is JSON under the tools' schemas and is served."""
+    monkeypatch.setattr("sparsekv.server.app.TOOL_CALL_FORMATS", {})
+    h = {"Authorization": f"Bearer {KEY}"}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    _assert_envelope(httpx.post(server.url + CHAT, json={**MSG, "tools": tools}, headers=h, timeout=30), 400, "tools")
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        r = httpx.post(server.url + CHAT, json={**MSG, "tools": tools, "tool_choice": choice}, headers=h, timeout=30)
+        assert r.status_code == 200, r.text
 
 
 def test_null_is_the_default_for_fields_openai_types_as_nullable(server):

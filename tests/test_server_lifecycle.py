@@ -169,10 +169,15 @@ def test_engine_fault_reaches_every_client(tmp_path_factory):
         health = httpx.get(srv.url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "engine_dead"
         assert httpx.post(srv.url + "/v1/completions", json=BODY).status_code == 503
+        _assert_503(httpx.post(srv.url + "/reset_prefix_cache"))  # a dead engine's cache: retry elsewhere
         assert "sparsekv:engine_healthy" in (m := httpx.get(srv.url + "/metrics").text)
         assert 'sparsekv:engine_healthy{model_name="tiny"} 0.0' in m
         t0 = time.monotonic()
     assert time.monotonic() - t0 < 10  # and the server still shuts down
+
+
+def _assert_503(r: httpx.Response) -> None:
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
 
 
 def _checks_without_tokenizer(url: str) -> None:
@@ -180,7 +185,8 @@ def _checks_without_tokenizer(url: str) -> None:
     assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
     text = httpx.post(url + "/v1/completions", json={"prompt": "hello"})
     assert text.status_code == 400 and text.json()["error"]["param"] == "prompt"
-    assert httpx.post(url + "/tokenize", json={"prompt": "hello"}).status_code == 400
+    tok = httpx.post(url + "/tokenize", json={"prompt": "hello"})
+    assert tok.status_code == 400 and "no tokenizer" in tok.json()["error"]["message"]
     ok = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}).json()
     assert ok["choices"][0]["text"] == "" and len(ok["sparsekv"]["choices"][0]["token_ids"]) == 3
 
@@ -328,6 +334,21 @@ def test_chat_default_max_tokens_is_capped_only_when_admission_reserves(model):
         state = create_app(engine, ServerSettings(["tiny"])).state.server
         caps[admission] = state.chat_default_cap, state.context_limit
     assert caps == {"reserve": (256, 512), "optimistic": (512, 512)}
+
+
+def test_chat_default_max_tokens_is_the_rest_of_the_context_after_the_prompt(model):
+    """Optimistic admission, no max_tokens: the default is context - prompt tokens (vLLM's), so the
+    request is answered, never refused for a prompt + max_tokens over the context; a prompt cut by
+    truncate_prompt_tokens counts as the tokens it keeps."""
+    body = {"messages": [{"role": "user", "content": "hi " * 8}], "temperature": 0, "ignore_eos": True}
+    with ThreadServer(model, max_model_len=64, kv_admission="optimistic") as srv:
+        whole, cut = (httpx.post(srv.url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
+                      for extra in ({}, {"truncate_prompt_tokens": 4}))
+    for r in (whole, cut):
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+    assert whole.json()["usage"]["prompt_tokens"] > 5 and cut.json()["usage"]["prompt_tokens"] == 4
 
 
 def test_tier_figures_reach_response_and_metrics(model):
@@ -604,3 +625,83 @@ def test_weight_updates_drain_by_default():
     """docs/rl.md: `drain` (the default) lets the requests already started finish under the old weights."""
     from sparsekv.server.cli import build_parser
     assert build_parser().parse_args([]).weight_update_policy == "drain"
+
+
+def test_an_in_process_server_whose_thread_dies_is_reported_at_once(monkeypatch):
+    """serve_in_thread stops waiting when the server's thread ends without starting (not only at its
+    deadline): here the clock never moves, so only the thread's end can stop the wait."""
+    import types
+
+    import sparsekv.server.cli as cli
+    import sparsekv.server.threaded as threaded
+
+    class ReturnsWithoutStarting:
+        started = False
+
+        def __init__(self, config, state, shutdown_timeout):
+            pass
+
+        def run(self, sockets):
+            pass
+    naps = []
+
+    def sleep(seconds):
+        naps.append(seconds)
+        assert len(naps) < 1000, "still waiting on a thread that has ended"
+    monkeypatch.setattr(cli, "DrainingServer", ReturnsWithoutStarting)
+    monkeypatch.setattr(threaded, "time", types.SimpleNamespace(monotonic=lambda: 0.0, sleep=sleep))
+    sock = threaded.listening_socket()
+    try:
+        with pytest.raises(RuntimeError, match="did not start"):
+            threaded.serve_in_thread(object(), None, sock, 1.0)
+    finally:
+        sock.close()
+
+
+def test_stopping_an_in_process_server_whose_thread_goes_on_is_an_error():
+    """stop_thread_server asks the server to exit, and raises if its thread is still running after the
+    wait; a thread that ends is stopped quietly."""
+    import types
+
+    from sparsekv.server.threaded import stop_thread_server
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, daemon=True)
+    stuck.start()
+    server = types.SimpleNamespace(should_exit=False)
+    try:
+        with pytest.raises(RuntimeError, match="did not stop"):
+            stop_thread_server(server, stuck, timeout_s=0.01)
+        assert server.should_exit
+    finally:
+        release.set()
+        stuck.join()
+    stop_thread_server(types.SimpleNamespace(should_exit=False), stuck)  # ended: no error
+
+
+def test_the_apps_end_closes_the_tokenizer_pool_and_the_engine(model):
+    """When the lifespan ends (the engine loop stopped), the tokenizer pool's threads are let go and the
+    engine is closed, once (its disk tier saved, a parallel engine's ranks stopped)."""
+    srv = ThreadServer(model)
+    closed, close = [], srv.engine.close
+    srv.engine.close = lambda: (closed.append(True), close())[1]
+    with srv:
+        assert httpx.post(srv.url + "/tokenize", json={"prompt": "hi"}, timeout=30).status_code == 200
+    assert closed == [True] and not srv.state.loop.healthy
+    with pytest.raises(RuntimeError):  # a pool shut down takes no more work
+        asyncio.run(srv.state.tokenizing.run(lambda encoder: None))
+
+
+def test_an_open_server_reports_max_model_len_and_shows_the_per_tenant_series_to_any_scrape(model):
+    """/v1/models' and /tokenize's max_model_len is the engine's (docs/server.md, vLLM's), not the
+    smaller context a small KV pool leaves; with no --api-key there is one tenant, nobody else's
+    activity to tell, so a plain scrape of /metrics gets the per-tenant series too."""
+    with ThreadServer(model, num_kv_pages=8) as srv:
+        card = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]
+        one = httpx.get(srv.url + "/v1/models/tiny", timeout=30).json()
+        tok = httpx.post(srv.url + "/tokenize", json={"prompt": "hi"}, timeout=30).json()
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1},
+                          timeout=30).status_code == 200
+        tenant = {s.name for s in scrape_samples(srv.url) if "tenant" in s.labels}
+    assert card["max_model_len"] == one["max_model_len"] == tok["max_model_len"] == srv.engine.max_model_len
+    assert srv.state.context_limit < srv.engine.max_model_len
+    assert "sparsekv:prefix_cache_tenant_queries_total" in tenant
