@@ -678,15 +678,24 @@ def test_stopping_an_in_process_server_whose_thread_goes_on_is_an_error():
     stop_thread_server(types.SimpleNamespace(should_exit=False), stuck)  # ended: no error
 
 
-def test_the_apps_end_closes_the_tokenizer_pool_and_the_engine(model):
+@pytest.mark.parametrize("disagg_close_fails", [False, True], ids=["colocated", "disagg-close-raises"])
+def test_the_apps_end_closes_the_tokenizer_pool_and_the_engine(model, disagg_close_fails):
     """When the lifespan ends (the engine loop stopped), the tokenizer pool's threads are let go and the
-    engine is closed, once (its disk tier saved, a parallel engine's ranks stopped)."""
+    engine is closed, once (its disk tier saved, a parallel engine's ranks stopped); also when a
+    disaggregation worker's close, which runs first, raises."""
+    import types
     srv = ThreadServer(model)
     closed, close = [], srv.engine.close
     srv.engine.close = lambda: (closed.append(True), close())[1]
+
+    def disagg_close():
+        closed.append("disagg")
+        raise RuntimeError("a transfer thread would not stop")
     with srv:
         assert httpx.post(srv.url + "/tokenize", json={"prompt": "hi"}, timeout=30).status_code == 200
-    assert closed == [True] and not srv.state.loop.healthy
+        if disagg_close_fails:
+            srv.state.disagg = types.SimpleNamespace(close=disagg_close)
+    assert closed == (["disagg", True] if disagg_close_fails else [True]) and not srv.state.loop.healthy
     with pytest.raises(RuntimeError):  # a pool shut down takes no more work
         asyncio.run(srv.state.tokenizing.run(lambda encoder: None))
 

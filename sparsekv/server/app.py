@@ -435,12 +435,12 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(state.loop.abort_all("the server is shutting down"), 5.0)
             state.loop.stop()
-            if state.disagg is not None:
-                state.disagg.close()
-            if state.tokenizing is not None:
-                state.tokenizing.close()
-            if not state.loop.healthy:  # the loop thread is gone: nothing else touches the engine
-                engine.close()
+            closes = [state.disagg.close if state.disagg is not None else None,
+                      state.tokenizing.close if state.tokenizing is not None else None,
+                      engine.close if not state.loop.healthy else None]  # the loop thread gone: nothing else touches it
+            with contextlib.ExitStack() as stack:  # in this order, each also when one before it raised
+                for close in reversed([c for c in closes if c is not None]):
+                    stack.callback(close)
 
     app = FastAPI(title="sparsekv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
