@@ -435,12 +435,13 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(state.loop.abort_all("the server is shutting down"), 5.0)
             state.loop.stop()
-            closes = [state.disagg.close if state.disagg is not None else None,
-                      state.tokenizing.close if state.tokenizing is not None else None,
-                      engine.close if not state.loop.healthy else None]  # the loop thread gone: nothing else touches it
-            with contextlib.ExitStack() as stack:  # in this order, each also when one before it raised
-                for close in reversed([c for c in closes if c is not None]):
-                    stack.callback(close)
+            with contextlib.ExitStack() as stack:  # run last-registered first, each also when one before it raised
+                if not state.loop.healthy:  # the loop thread is gone: nothing else touches the engine
+                    stack.callback(engine.close)
+                if state.tokenizing is not None:
+                    stack.callback(state.tokenizing.close)
+                if state.disagg is not None:
+                    stack.callback(state.disagg.close)
 
     app = FastAPI(title="sparsekv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
