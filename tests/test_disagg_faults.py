@@ -380,36 +380,51 @@ def test_a_prefill_its_client_left_deletes_the_rooms_keys_when_no_decode_worker_
         p.check_clean()
 
 
-def test_a_refusal_that_comes_before_the_claim_is_the_same_400_on_a_decode_worker_that_claims_after_it(
-        glm_ckpt, monkeypatch):
-    """The prefill engine's refusal comes while the prefill worker waits for the claim (its engine loop
-    busy, say), and the decode worker claims the room only after it: the decode worker still answers
-    the same 400 (docs/disaggregation.md), not a 503 at its timeout, and no transfer counts as failed."""
+@pytest.mark.parametrize("cause", ["refusal", "engine failure"])
+def test_a_prefill_that_ends_before_the_claim_answers_the_decode_worker_that_claims_after_it(
+        glm_ckpt, monkeypatch, cause):
+    """The prefill ends without KV while the prefill worker waits for the claim (its engine refused the
+    request, or failed), and the decode worker claims the room only after it: the decode worker still
+    answers as the prefill did, a refusal with the same 400 (docs/disaggregation.md) and a failure with
+    a 503 at once, not a 503 at its timeout. Only the decode worker's transfer of a failed prefill counts
+    as failed (no KV came; a refusal is the request's own fault)."""
     import threading
     with WorkerServer(glm_ckpt[0], "prefill", timeout_s=TIMEOUT_S, send="chunks", **BASE) as p, \
             WorkerServer(glm_ckpt[0], "decode", timeout_s=TIMEOUT_S, **BASE) as d:
-        refused, add, claim = threading.Event(), p.engine.add_request, d.worker._claim
+        ended, claim = threading.Event(), d.worker._claim
+        name, real = ("add_request", p.engine.add_request) if cause == "refusal" else ("step", p.engine.step)
 
-        def add_once_waiting(*args, **kwargs):  # the refusal, once the prefill worker waits for the claim
+        def ends_once_waiting(*args, **kwargs):  # the refusal or failure, once the worker waits for the claim
             wait_until(lambda: any(t.name == "sparsekv-disagg-wait" for t in threading.enumerate()), 30)
             try:
-                return add(*args, **kwargs)
+                if cause == "engine failure" and not ended.is_set():
+                    raise RuntimeError("an injected engine failure")
+                return real(*args, **kwargs)
             finally:
-                refused.set()
+                ended.set()
 
-        async def claim_after_the_refusal(*args):
-            await asyncio.to_thread(refused.wait, 30)
+        async def claim_after_the_end(*args):
+            await asyncio.to_thread(ended.wait, 30)
             return await claim(*args)
-        monkeypatch.setattr(p.engine, "add_request", add_once_waiting)
-        monkeypatch.setattr(d.worker, "_claim", claim_after_the_refusal)
-        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": [5, 6], "logit_bias": {"300": 1.0}},
-                           timeout=3 * TIMEOUT_S)
-        assert rp.status_code == rd.status_code == 400, (rp.text, rd.text)
-        assert rd.json()["error"] == rp.json()["error"] and rp.json()["error"]["param"] == "logit_bias"
-        for w in (p, d):
-            assert scrape(w.url)["sparsekv:disagg_transfers_failed_total"] == 0
-        _clean(p)
+        monkeypatch.setattr(p.engine, name, ends_once_waiting)
+        monkeypatch.setattr(d.worker, "_claim", claim_after_the_end)
+        refused = {"logit_bias": {"300": 1.0}} if cause == "refusal" else {}  # a token past the vocabulary
+        started = time.monotonic()
+        rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": [5, 6], **refused}, timeout=3 * TIMEOUT_S)
+        if cause == "refusal":
+            assert rp.status_code == rd.status_code == 400, (rp.text, rd.text)
+            assert rd.json()["error"] == rp.json()["error"] and rp.json()["error"]["param"] == "logit_bias"
+        else:
+            assert time.monotonic() - started < TIMEOUT_S
+            assert rp.status_code >= 500
+            assert "injected engine failure" in _failed(rd, "prefill worker failed")
+        assert scrape(p.url)["sparsekv:disagg_transfers_failed_total"] == 0
+        assert scrape(d.url)["sparsekv:disagg_transfers_failed_total"] == (cause == "engine failure")  # no KV came
         _clean(d)
+        if cause == "refusal":
+            _clean(p)
+        else:  # a failed engine stops generating (the server's loop): its requests stay, the room does not
+            assert p.worker.rooms == {} and p.worker.store.num_keys() == 0
 
 
 def test_a_room_naming_a_dead_bootstrap_ends_when_its_client_leaves(glm_ckpt):

@@ -151,22 +151,18 @@ class PrefillWorker(Worker):
                 await self.blocking(out.link.forget, out.index + 1)
 
     async def _claim_or_failed_prefill(self, request, link: Room, prefill) -> bytes | None:
-        """The decode worker's claim, waited for while the prefill runs; None if the prefill fails first.
-        A prefill that refused the request (a status below 500) waits for the claim however early it
-        came, so that the decode worker answers with the same refusal (one that claimed after the room's
-        keys were deleted would wait for it until its timeout)."""
-        claim = asyncio.ensure_future(self.take(link, "claim", "claim from a decode worker", request))
+        """The decode worker's claim, waited for while the prefill runs; None if the prefill failed. A
+        prefill that ends without KV (refused: a status below 500, or failed) waits for the claim however
+        early it came, so that the decode worker answers with the prefill's error at once: one that
+        claimed after the room's keys were deleted would wait for them until its timeout. When no claim
+        comes in time, the prefill's own error answers, not the missing claim."""
         try:
-            while not claim.done():
-                await asyncio.wait([claim] if prefill.done() else [claim, prefill], return_when=asyncio.FIRST_COMPLETED)
-                failure = _prefill_failure(prefill) if prefill.done() else None
-                if failure is not None and "status" not in failure:
-                    return None
+            raw = await self.take(link, "claim", "claim from a decode worker", request)
+        except TransferError:
             if prefill.done() and _prefill_failure(prefill) is not None:
                 return None
-            return claim.result()
-        finally:
-            claim.cancel()
+            raise
+        return None if prefill.done() and _prefill_failure(prefill) is not None else raw
 
     async def _stream(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
                       claim: dict, out: "Batches", feed: LayerFeed | None) -> dict | None:
