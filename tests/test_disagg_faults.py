@@ -520,3 +520,22 @@ def test_a_batch_whose_metadata_the_decode_worker_refuses_fails_that_request_onl
         assert rd.json()["sparsekv"]["disaggregation"]["pages_sent"] == 10
         _clean(p)
         _clean(d)
+
+
+@pytest.mark.parametrize("cause", ["refusal", "engine failure"])
+def test_a_prefill_that_ends_without_kv_and_no_claim_answers_its_own_error(glm_ckpt, monkeypatch, cause):
+    """No decode worker claims the room of a prefill that ended without KV: at the timeout the prefill
+    worker answers the prefill's own error (the refusal's 400 with its param, or the engine's failure),
+    not a missing claim, and deletes the room's keys."""
+    with WorkerServer(glm_ckpt[0], "prefill", timeout_s=1.0, **BASE) as p:
+        refused = {"logit_bias": {"300": 1.0}} if cause == "refusal" else {}  # a token past the vocabulary
+        if cause == "engine failure":
+            monkeypatch.setattr(p.engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("an injected engine failure")))
+        info = httpx.get(p.url + "/disaggregation", timeout=5).json()
+        r = httpx.post(p.url + "/v1/completions", json={**BODY, "prompt": [5, 6], **refused, "disaggregation": field(info)},
+                       timeout=30)
+        if cause == "refusal":
+            assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+        else:
+            assert r.status_code >= 500 and "injected engine failure" in r.json()["error"]["message"], r.text
+        assert p.worker.rooms == {} and p.worker.store.num_keys() == 0
