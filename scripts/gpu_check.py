@@ -11,7 +11,8 @@
 3. a real N-token prefill (default 1M) followed by 32 decode tokens: time and peak device memory;
 4. with --tiers: the CUDA tests (tiering exactness, plain and speculative decoding; a dense-regime
    decode step captured as one CUDA graph and replayed; decode selection page by page the same alone
-   and batched, pages gathered on the device), and issue 3's
+   and batched, pages gathered on the device; plain rows decided on the device and penalised rows on
+   the host against the CPU engine), and issue 3's
    fixed-device-budget benchmark (`sparsekv bench tiers --concurrency`: admitted, aggregate decode
    tokens/s, the batching ceiling and p99 at concurrency 1, tiering on vs off), written to
    OUT.tiers.json for CKPT and OUT.tiers-glm52.json for the glm5.2-proportions stand-in (GLM-5.2's

@@ -20,7 +20,7 @@ from .speculative import MTPDrafter, MTPPlan
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # fp32 on the CPU: 1 + drafts rows per chunk that samples, in chunk order
+    logits: torch.Tensor  # fp32 on the model's device: 1 + drafts rows per chunk that samples, in chunk order
     hidden: torch.Tensor  # the final hidden state of every row of the step (on the device)
     routed_experts: torch.Tensor | None = None  # [logits rows, MoE layers, top-k] when captured (routing.py)
 

@@ -136,6 +136,7 @@ class OutputProcessor:
         `routed`: the routed experts of the logits rows (routing.py), when a request asked for them."""
         result = StepResult()
         plain = self._decide_plain_rows(chunks, logits)
+        own = self._rows_on_host(chunks, logits, plain)
         row, first_row = 0, 0
         for ch in chunks:
             req = ch.request
@@ -149,7 +150,7 @@ class OutputProcessor:
                 new, rows = self._emit(req, *plain[req.request_id]), 1
             else:
                 rows = 1 + ch.num_draft_tokens
-                new = self._sample(req, logits[row:row + rows], result)
+                new = self._sample(req, own[req.request_id], result)
             if req.params.return_routed_experts:  # token j was sampled from the chunk's row j
                 self._states[req.request_id].routed_experts.extend(routed[row:row + len(new)].tolist())
             row += rows
@@ -184,6 +185,23 @@ class OutputProcessor:
         tokens = tokens.tolist()
         logprobs = token_logprobs_rows(picked, tokens, [r.params.logprobs for r in reqs])
         return {r.request_id: (t, None, lp) for r, t, lp in zip(reqs, tokens, logprobs)}
+
+    @staticmethod
+    def _rows_on_host(chunks, logits: torch.Tensor, plain: dict) -> dict[str, torch.Tensor]:
+        """The logits rows of the requests sampled one at a time (drafts to verify, penalties, bias,
+        grammars, logits processors), copied to the host in one transfer: request id -> its 1 + drafts
+        rows. The plain rows stay where the model computed them (`_decide_plain_rows` copies only their
+        tokens and logprobs), so a device step does not copy its [rows, vocab] logits."""
+        spans, row = {}, 0
+        for ch in chunks:
+            if ch.samples_token:
+                if ch.request.request_id not in plain:
+                    spans[ch.request.request_id] = (row, 1 + ch.num_draft_tokens)
+                row += 1 + ch.num_draft_tokens
+        if len(spans) < 2:
+            return {rid: logits[start:start + n].cpu() for rid, (start, n) in spans.items()}
+        index = torch.tensor([r for start, n in spans.values() for r in range(start, start + n)], device=logits.device)
+        return dict(zip(spans, logits[index].cpu().split([n for _, n in spans.values()])))
 
     def _sample(self, req: Request, logits: torch.Tensor, result: StepResult) -> list[int]:
         """The step's new token(s): one sampled, or the verified drafts (speculative.py) plus one more."""

@@ -138,13 +138,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Runs the step. Returns fp32 logits on the CPU (sampling generators live there), 1 + drafts
-        rows per chunk whose `samples_token` is True, in order; and the final hidden states of every row
-        (on the device, for the MTP drafter)."""
+        """Runs the step. Returns fp32 logits on the model's device, 1 + drafts rows per chunk whose
+        `samples_token` is True, in order (the output processor copies to the host what it samples
+        there); and the final hidden states of every row (on the device, for the MTP drafter)."""
         ctx = self.build_context(chunks)
         if self.taps:
             ctx.after_layer, ctx.record_selection = self.taps.begin_step(chunks)
         hidden = self.model.hidden_states(ctx, self.cache)
         sampled = hidden if ctx.logits_rows.numel() == hidden.shape[0] else hidden[ctx.logits_rows]  # rows ascend
         logits = self.model.logits(sampled)
-        return logits if logits.device.type == "cpu" else logits.cpu(), hidden
+        return logits, hidden

@@ -5,7 +5,8 @@ resolve it here, from the checkpoint's config.json, and agree.
 
 The rule: one thread per `BYTES_PER_THREAD` of weights a decode token reads, at least one, at most
 the cores this process may run on; on an accelerator, up to `ACCELERATOR_THREADS` cores: the model
-runs on the device, but a step's logits are decided on the host (sampling, logprobs), and at a real
+runs on the device, and so do a step's plain rows, but the rows sampled one at a time (penalties,
+bias, grammars, drafts to verify) and prompt logprobs are decided on the host, and at a real
 vocabulary that is large work: 64 rows of GLM-5's 154,880 logits take 81 ms to filter by top-p and 27
 ms to draw from on one thread, 44 and 18 ms on two (`sparsekv bench sampling --rows 64`, BENCHMARKS.md).
 

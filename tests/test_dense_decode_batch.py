@@ -79,6 +79,13 @@ def test_bench_batch_runs_both_paths_and_checks_they_agree(tmp_path, capsys):
     assert "top-k" in capsys.readouterr().err
 
 
+MIXED = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True),
+         SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True),
+         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+         SamplingParams(max_tokens=12, temperature=1.0, seed=5, logprobs=2, ignore_eos=True, top_p=0.9, top_k=50),
+         SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, logprobs=1, ignore_eos=True)]
+
+
 def test_plain_rows_decided_together_equal_one_row_at_a_time(ckpt, monkeypatch):
     """`OutputProcessor._decide_plain_rows`: plain rows, greedy and sampled (seeded, each with its own generator),
     take one argmax, one filter and softmax, one log_softmax for the batch; a penalised row and rows
@@ -86,11 +93,7 @@ def test_plain_rows_decided_together_equal_one_row_at_a_time(ckpt, monkeypatch):
     alone: the model's logits are the same, and each of these reduces over one row's vocabulary,
     which a row-wise kernel does the same way whatever the number of rows."""
     from sparsekv.output_processor import OutputProcessor
-    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=1.0, seed=5, logprobs=2, ignore_eos=True, top_p=0.9, top_k=50),
-              SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, logprobs=1, ignore_eos=True)]
+    params = MIXED
     batched_rows = []
     original = OutputProcessor._decide_plain_rows
 
@@ -102,7 +105,8 @@ def test_plain_rows_decided_together_equal_one_row_at_a_time(ckpt, monkeypatch):
     llm = LLM(ckpt, kv_page_size=16, max_num_seqs=8, enable_prefix_caching=False)
     got = llm.generate(PROMPTS, params)
     assert max(batched_rows) == 4  # the plain requests, greedy and sampled; never the penalised one
-    monkeypatch.setattr(OutputProcessor, "_decide_plain_rows", lambda self, chunks, logits: {})
+    monkeypatch.setattr(OutputProcessor, "_decide_plain_rows", lambda self, chunks, logits: {})  # every row
+    # through `_rows_on_host`, gathered from the step's logits (several requests' rows: one index)
     want = llm.generate(PROMPTS, params)
     for a, b in zip(want, got, strict=True):
         assert a.token_ids == b.token_ids
@@ -118,3 +122,22 @@ def test_batched_dense_decodes_on_cuda(ckpt, options, request):
     assert max(calls) > 1
     want, _ = run(ckpt, PROMPTS, device="cuda", dtype="float32", batch_dense_decodes=False, **options)
     assert_same_greedy(want, got, tolerance(ckpt))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py --tiers runs it)")
+def test_rows_decided_on_the_device_and_on_the_host_agree_with_the_cpu_on_cuda(ckpt):
+    """On a device the plain rows are decided where the model computed them and only the other rows
+    (the penalised ones here, two: gathered by one index) cross to the host
+    (`OutputProcessor._rows_on_host`): the greedy requests, plain and penalised, give the CPU engine's
+    tokens, logprobs within float32's tolerance; the seeded one samples beside them."""
+    penalised = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3, ignore_eos=True, repetition_penalty=1.3)
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=5, top_p=0.9, ignore_eos=True)
+    params = [GREEDY, GREEDY, penalised, penalised, seeded]
+    options = dict(dtype="float32", kv_page_size=16, max_num_seqs=8, enable_prefix_caching=False)
+    want = LLM(ckpt, **options).generate(PROMPTS, params)
+    llm = LLM(ckpt, device="cuda", **options)
+    got = llm.generate(PROMPTS, params)
+    llm.engine.check_integrity()
+    assert_same_greedy(want[:2], got[:2], tolerance(ckpt))
+    assert_same_greedy(want[2:4], got[2:4], tolerance(ckpt), lead=False)  # raw logprobs, penalties decided
+    assert len(got[4].token_ids) == 24
