@@ -226,7 +226,11 @@ class HostLink:
                 else:
                     dst[layer].index_copy_(0, rows, self.host.read(layer, src, out=staged))
             return
-        staged = torch.stack([self.host.read(layer, src) for layer in layers]).pin_memory()
+        # gathered straight into pinned memory (one copy, where a read, a stack and a pin made three); the
+        # caching host allocator hands the block out again only once the copies from it below are done
+        staged = torch.empty((len(layers), src.numel(), self.host.dim), dtype=self.host.dtype, pin_memory=True)
+        for i, layer in enumerate(layers):
+            self.host.read(layer, src, out=staged[i])
         dst[layers[0]].index_copy_(0, rows, staged[0].to(self.device, non_blocking=True))
         if len(layers) == 1:
             return
