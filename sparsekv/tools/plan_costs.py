@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sparsekv.cache.sizing import element_bytes
 from sparsekv.config import ModelConfig
 
 FP8_WEIGHT_TILE = 128 * 128  # one fp32 scale per 128x128 weight tile
