@@ -44,6 +44,11 @@ class StepResult:
     num_generated_tokens: int = 0
 
 
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the CPU: itself when it is there (`Tensor.cpu()` dispatches an op even then)."""
+    return t if t.device.type == "cpu" else t.cpu()
+
+
 class OutputProcessor:
     """`metrics(req)` gives a request's figures for its outputs; `speculator` verifies MTP drafts."""
 
@@ -199,9 +204,9 @@ class OutputProcessor:
                     spans[ch.request.request_id] = (row, 1 + ch.num_draft_tokens)
                 row += 1 + ch.num_draft_tokens
         if len(spans) < 2:
-            return {rid: logits[start:start + n].cpu() for rid, (start, n) in spans.items()}
+            return {rid: on_host(logits[start:start + n]) for rid, (start, n) in spans.items()}
         index = torch.tensor([r for start, n in spans.values() for r in range(start, start + n)], device=logits.device)
-        return dict(zip(spans, logits[index].cpu().split([n for _, n in spans.values()])))
+        return dict(zip(spans, on_host(logits[index]).split([n for _, n in spans.values()])))
 
     def _sample(self, req: Request, logits: torch.Tensor, result: StepResult) -> list[int]:
         """The step's new token(s): one sampled, or the verified drafts (speculative.py) plus one more."""
