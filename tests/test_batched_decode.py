@@ -168,6 +168,15 @@ def test_bundled_model_decode_step_ops(options):
     assert many.total <= BUNDLED_RATIO * one.total, (one.total, many.total)
 
 
+def test_decode_step_ops_counts_every_step_it_runs():
+    """`decode_step_ops(engine, steps)`: the ops of all `steps` steps together, each dispatch counted."""
+    from types import SimpleNamespace
+    x = torch.zeros(1)
+    engine = SimpleNamespace(step=lambda: x + x * x)
+    ops = decode_step_ops(engine, 3)
+    assert ops.total == 3 * decode_step_ops(engine).total == 6 and ops.by_kind == {"add": 3, "mul": 3}
+
+
 def test_a_draft_step_without_its_drafting_rows_selection_names_the_requests():
     """A draft step reuses each request's selection from its extend row (MTP index reuse): where one is
     missing the step fails naming those requests, before any attention, not with a bare KeyError."""

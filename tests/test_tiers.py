@@ -618,6 +618,64 @@ def test_bench_tiers_sweep_and_fixed_budget(ckpt, tmp_path, capsys):
     assert all(g["compulsory_miss_rate"] <= g["optimal_miss_rate"] <= g["lru_miss_rate"] for g in groups)
 
 
+def test_bench_tiers_fixed_budget_ratios_are_tiering_on_over_off(ckpt, monkeypatch, capsys):
+    """The fixed-budget figures on constructed measurements: tiering on admits 8 where off admits 4
+    (x2), at 30 decode tokens/s against 20 (x1.5), p99 at concurrency 1 of 2 ms against 1 ms (x2); the
+    unbounded ceiling's 40 tokens/s is x2 of off, of which tiering reaches 75 %."""
+    from sparsekv.tools import bench_tiers
+    figures = {"off": (4, 20.0, 1.0), "on": (8, 30.0, 2.0), "off_unbounded": (8, 40.0, 1.0)}
+
+    def interleaved(ckpt_, context, steps, submit, configs):
+        return {name: {"admitted": figures[name][0], "tokens_per_s": figures[name][1], "p99_ms": figures[name][2],
+                       "median_ms": 1.0, "device_kv_bytes": 1, "host_kv_bytes": 0, "achieved_gbps": 1.0}
+                for name in configs}
+    monkeypatch.setattr(bench_tiers, "_interleaved", interleaved)
+    monkeypatch.setattr(bench_tiers, "device_bandwidth_gbps", lambda args: 10.0)
+    args = bench_tiers.parse_args(["--concurrency", "--concurrency-context", "256", "--max-requests", "8"])
+    r = bench_tiers.concurrency(args, ckpt["glm_moe_dsa"])
+    assert (r["admitted_ratio"], r["throughput_ratio"], r["p99_ratio_c1"], r["ceiling_ratio"]) == (2.0, 1.5, 2.0, 2.0)
+    assert "tiering reaches 75% of it" in capsys.readouterr().out
+
+
+def test_bench_tiers_row_counts_transfers_both_ways_and_misses_after_the_first_step():
+    """3 MB host -> device and 3 MB device -> host over 3 steps: 2 MB a token; 30 misses and 90 hits
+    after the first step: 25 %, its 10 misses reported apart."""
+    from sparsekv.tools.bench_tiers import _row
+    before = {"tier_misses": 10, "tier_hits": 90, "h2d_bytes": 1e6, "d2h_bytes": 0}
+    after = {"tier_misses": 40, "tier_hits": 180, "h2d_bytes": 4e6, "d2h_bytes": 3e6, "device_kv_bytes": 5,
+             "device_latent_bytes": 4, "device_indexer_bytes": 1}
+    row = _row(512, [1.0, 3.0, 2.0], before, after, steps=3)
+    assert row["transfer_mb_per_token"] == 2.0 and row["miss_rate"] == 0.25 and row["first_step_misses"] == 10
+    assert (row["ms"], row["host_kv_bytes"]) == (2.0, 0)
+
+
+class FakeTierEngine:
+    """Its first step misses 100 times (a cold working set), every later one once in 4 lookups."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+
+    def stats(self) -> dict:
+        warm = max(self.steps - 1, 0)
+        return {"tier_misses": 100 * min(self.steps, 1) + warm, "tier_hits": 3 * warm, "device_kv_bytes": 1,
+                "device_latent_bytes": 1, "device_indexer_bytes": 0}
+
+
+def test_bench_tiers_sweep_reports_the_cold_first_step_apart(monkeypatch):
+    from sparsekv.tools import bench_tiers
+    engines = []
+    monkeypatch.setattr(bench_tiers, "make_engine", lambda ckpt, max_len, **opts: engines.append(FakeTierEngine())
+                        or engines[-1])
+    monkeypatch.setattr(bench_tiers, "synthetic_admit", lambda engine, request_id, context, max_tokens: True)
+    monkeypatch.setattr(bench_tiers, "decode_bytes_per_step", lambda engine, context: 0)
+    rows = bench_tiers.measure_together("ckpt", 512, 4, {"on": {}})
+    assert rows["on"]["first_step_misses"] == 100 and rows["on"]["miss_rate"] == 0.25
+    assert engines[0].steps == 1 + 4
+
+
 def test_fp8_effect_measures_overlap_logprob_change_and_greedy_agreement():
     """The FP8 comparison's figures on hand-made runs: selections paired by (layer, context) (one the
     reference lacks is skipped), overlap as the shared fraction, greedy agreement as the fraction of
