@@ -170,6 +170,22 @@ def test_every_benchmark_is_named_in_the_error_the_help_and_the_synopsis(capsys)
     assert exit_info.value.code == 2 and "sparsekv bench tiers [options]" in capsys.readouterr().err
 
 
+def test_a_benchmarks_sizes_below_one_are_usage_errors_before_it_runs(monkeypatch, capsys):
+    """The counts a sub-benchmark checks itself (run_bench's `positive`, plain integers to argparse)."""
+    from sparsekv.tools import bench_batch, bench_transfer
+    for module in (bench_batch, bench_transfer):
+        monkeypatch.setattr(module, "run", lambda args: pytest.fail("the benchmark ran"))
+    for argv, flag in ((["bench", "batch", "--batch", "0"], "--batch"),
+                       (["bench", "batch", "--prompt-tokens", "-1"], "--prompt-tokens"),
+                       (["bench", "batch", "--sparse-batch", "0"], "--sparse-batch"),
+                       (["bench", "batch", "--sparse-steps", "0"], "--sparse-steps"),
+                       (["bench", "transfer", "--prompt-tokens", "0"], "--prompt-tokens")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"error: {flag} must be at least 1" in err, (argv, err)
+
+
 @pytest.mark.parametrize("argv, flag, default", [(["eval", "needle"], "--heatmap", "needle_heatmap.png"),
                                                  (["rollout"], "--plot", "rollout_summary.png")])
 def test_a_png_written_by_default_is_named_in_the_help(argv, flag, default, capsys):
@@ -407,3 +423,46 @@ def test_generate_reads_every_prompt_token_id_and_an_empty_choice_is_still_a_cho
     assert _structured_output(parser.parse_args(["--prompt", "x", "--choice", ""])) == {"type": "choice", "choices": [""]}
     assert _structured_output(parser.parse_args(["--prompt", "x", "--choice", "a,b"])) == {"type": "choice", "choices": ["a", "b"]}
     assert _structured_output(parser.parse_args(["--prompt", "x"])) is None
+
+
+def test_bench_batch_refuses_a_negative_sparse_prompt_length_before_it_runs(monkeypatch, capsys):
+    """--sparse-prompt-tokens 0 skips the sparse-regime runs; below 0 is a usage error (it was a
+    traceback from torch.randint after the whole dense-regime benchmark had run)."""
+    from sparsekv.tools import bench_batch
+    monkeypatch.setattr(bench_batch, "run", lambda args: pytest.fail("the benchmark ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "batch", "--sparse-prompt-tokens", "-1"])
+    assert exit_info.value.code == 2 and "--sparse-prompt-tokens" in capsys.readouterr().err
+
+
+def test_bench_tiers_counts_out_of_range_are_usage_errors_naming_their_flag(monkeypatch, capsys):
+    """docs/tiers.md: the natural continuation reports the miss rate after --warmup steps, so a warmup of
+    --natural-steps or more leaves no steady state (the whole run's rate was printed as the steady
+    state's); --fit and --max-requests below 1 were engine errors naming config fields
+    (device_kv_budget_bytes, max_num_seqs) after the checkpoint was loaded."""
+    from sparsekv.tools import bench_tiers
+    for name in ("natural", "sweep", "concurrency"):
+        monkeypatch.setattr(bench_tiers, name, lambda *args: pytest.fail("the benchmark ran"))
+    for argv, flag in ((["--skip-sweep", "--natural-steps", "8", "--warmup", "8"], "--warmup"),
+                       (["--skip-sweep", "--natural-steps", "8", "--warmup", "20"], "--warmup"),
+                       (["--skip-sweep", "--warmup", "-1"], "--warmup"),
+                       (["--skip-sweep", "--natural-steps", "0"], "--natural-steps"),
+                       (["--concurrency", "--fit", "0"], "--fit"), (["--concurrency", "--max-requests", "0"], "--max-requests")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "tiers", *argv])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and flag in err and "Traceback" not in err, (argv, err)
+    # without the natural continuation, --warmup is not read
+    assert main(["bench", "tiers", "--skip-natural", "--skip-sweep", "--natural-steps", "8", "--warmup", "20"]) == 0
+
+
+def test_bench_transfer_worker_options_below_one_are_usage_errors_naming_their_flag(monkeypatch, capsys):
+    """--prefill-dp and --host-bytes below 1 were engine errors naming config fields (data_parallel_size,
+    prefix_cache_host_bytes), raised by the worker being built."""
+    from sparsekv.tools import bench_transfer
+    monkeypatch.setattr(bench_transfer, "run", lambda args: pytest.fail("the benchmark ran"))
+    for flag in ("--prefill-dp", "--host-bytes"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "transfer", flag, "0"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and flag in err and "Traceback" not in err, (flag, err)

@@ -79,6 +79,13 @@ def test_bench_batch_runs_both_paths_and_checks_they_agree(tmp_path, capsys):
     assert "top-k" in capsys.readouterr().err
 
 
+def test_bench_batch_refuses_a_dense_run_past_top_k_by_a_few_tokens(capsys):
+    """The refusal is exact: 250 prompt tokens + 7 steps on the bundled model (top-k 256)."""
+    from sparsekv.tools.bench import main
+    assert main(["batch", "--batch", "1", "--prompt-tokens", "250", "--steps", "7", "--repeats", "1"]) == 2
+    assert "top-k" in capsys.readouterr().err
+
+
 MIXED = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True),
          SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True),
          SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
@@ -141,3 +148,19 @@ def test_rows_decided_on_the_device_and_on_the_host_agree_with_the_cpu_on_cuda(c
     assert_same_greedy(want[:2], got[:2], tolerance(ckpt))
     assert_same_greedy(want[2:4], got[2:4], tolerance(ckpt), lead=False)  # raw logprobs, penalties decided
     assert len(got[4].token_ids) == 24
+
+
+def test_bench_batch_times_only_dense_regime_steps(capsys, monkeypatch):
+    """`sparsekv bench batch --prompt-tokens P --steps S`: its last timed step attends to P + S + 1
+    entries (the prompt, the prefill's token, the counted step's and the S timed steps'), so the dense
+    regime it measures needs P + S < top-k (256 on the bundled model): P + S = 256 is refused (its last
+    timed step went the sparse path, past top-k), and with P + S = 255 no step of either path does."""
+    from sparsekv.model.attention import MLAttention
+    from sparsekv.tools.bench import main
+    sparse, real = [], MLAttention._sparse
+    monkeypatch.setattr(MLAttention, "_sparse", lambda self, seq, ctx: sparse.append(real(self, seq, ctx)) or sparse[-1])
+    assert main(["batch", "--batch", "1", "--prompt-tokens", "250", "--steps", "6", "--repeats", "1"]) == 2
+    assert "top-k" in capsys.readouterr().err
+    sparse.clear()
+    assert main(["batch", "--batch", "1", "--prompt-tokens", "249", "--steps", "6", "--repeats", "1"]) == 0
+    assert sparse and not any(sparse)

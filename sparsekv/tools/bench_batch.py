@@ -74,8 +74,8 @@ def run(args) -> dict:
     engines = {name: _engine(args, args.batch, max_len, batched) for name, batched in MODES.items()}
     engine = engines["batched"]
     topk = engine.model_config.index_topk
-    if args.prompt_tokens + args.steps > topk:
-        raise ValueError(f"--prompt-tokens + --steps must stay within top-k ({topk}): the dense regime")
+    if args.prompt_tokens + args.steps >= topk:  # the last timed step attends to prompt + steps + 1 entries
+        raise ValueError(f"--prompt-tokens + --steps must stay below top-k ({topk}): the dense regime")
     runs = {name: [] for name in MODES}
     for i in range(args.repeats):
         for name, batched in MODES.items():
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--steps", type=at_least(1), default=32, help="decode steps timed")
     p.add_argument("--repeats", type=at_least(1), default=3)
-    p.add_argument("--sparse-prompt-tokens", type=int, default=0,
+    p.add_argument("--sparse-prompt-tokens", type=at_least(0), default=0,
                    help="prompt tokens of the sparse-regime runs, past top-k (e.g. 1024); 0 (default) skips them")
     p.add_argument("--sparse-batch", type=int, default=32, help="concurrent requests of the sparse-regime runs")
     p.add_argument("--sparse-steps", type=int, default=8, help="decode steps timed in the sparse-regime runs")

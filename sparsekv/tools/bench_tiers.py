@@ -199,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--latency-steps", type=at_least(1), default=1000, help="--concurrency: steps for p99 at concurrency 1")
     p.add_argument("--natural-context", type=parse_tokens, default=parse_tokens("2K"))
-    p.add_argument("--natural-steps", type=int, default=96)
-    p.add_argument("--warmup", type=int, default=16, help="decode steps before the steady state")
+    p.add_argument("--natural-steps", type=at_least(1), default=96)
+    p.add_argument("--warmup", type=at_least(0), default=16,
+                   help="decode steps before the steady state (fewer than --natural-steps)")
     p.add_argument("--prompt-file", default=None, help="text for the natural continuation (needs a tokenizer)")
     p.add_argument("--teacher-forced", action="store_true",
                    help="natural continuation: feed the prompt file's own next tokens instead of greedy ones")
@@ -209,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-natural", action="store_true")
     p.add_argument("--concurrency", action="store_true", help="fixed device budget mode")
     p.add_argument("--concurrency-context", type=parse_tokens, default=parse_tokens("64K"))
-    p.add_argument("--fit", type=int, default=4, help="requests the budget holds with tiering off")
-    p.add_argument("--max-requests", type=int, default=32, help="requests submitted in --concurrency mode")
+    p.add_argument("--fit", type=at_least(1), default=4, help="requests the budget holds with tiering off")
+    p.add_argument("--max-requests", type=at_least(1), default=32, help="requests submitted in --concurrency mode")
     p.add_argument("--plot-dir", default="bench_tiers_plots")
     p.add_argument("--json", type=output_path, default=None)
     return p
@@ -250,7 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from sparsekv.config import ModelConfig
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not (args.concurrency or args.skip_natural) and args.warmup >= args.natural_steps:
+        parser.error(f"--warmup ({args.warmup}) must be below --natural-steps ({args.natural_steps}): "
+                     "the steady-state miss rate is measured after the warm-up")
     torch.set_num_threads(args.threads)
     report = {"command": "sparsekv bench tiers " + " ".join(argv), "date": date.today().isoformat(),
               "threads": args.threads, "device": args.device}

@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=at_least(1), default=2, help="prompts per backend and mode")
     p.add_argument("--backends", default="torch", help="comma-separated --disaggregation-transfer-backend values: "
                                                         "torch, nixl")
-    p.add_argument("--host-bytes", type=int, default=1 << 30, help="each worker's prefix-cache host tier, bytes")
+    p.add_argument("--host-bytes", type=at_least(1), default=1 << 30, help="each worker's prefix-cache host tier, bytes")
     p.add_argument("--threads", type=at_least(1), default=1, help="torch threads (the two engines share them)")
     p.add_argument("--prefill-dp", type=int, default=1,
                    help="the prefill worker's data-parallel ranks (-dp); as many prompts go at once, one per rank")
@@ -193,4 +193,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_bench(build_parser(), argv, ("prompt_tokens", "repeats", "threads"), run, report)
+    return run_bench(build_parser(), argv, ("prompt_tokens", "repeats", "threads", "prefill_dp"), run, report)
