@@ -77,6 +77,8 @@ def test_bench_batch_runs_both_paths_and_checks_they_agree(tmp_path, capsys):
     assert result["identical_tokens"] and result["max_logprob_diff"] <= tolerance(None)  # the bundled model
     assert main(["batch", "--prompt-tokens", "250", "--steps", "32"]) == 2  # past top-k (256): refused
     assert "top-k" in capsys.readouterr().err
+    assert main(["batch", "--sparse-prompt-tokens", "256"]) == 2  # a "sparse" run that never selects: refused
+    assert "--sparse-prompt-tokens must be past top-k (256)" in capsys.readouterr().err
 
 
 def test_bench_batch_refuses_a_dense_run_past_top_k_by_a_few_tokens(capsys):

@@ -76,6 +76,8 @@ def run(args) -> dict:
     topk = engine.model_config.index_topk
     if args.prompt_tokens + args.steps >= topk:  # the last timed step attends to prompt + steps + 1 entries
         raise ValueError(f"--prompt-tokens + --steps must stay below top-k ({topk}): the dense regime")
+    if 0 < args.sparse_prompt_tokens <= topk:  # before any run: the dense one takes minutes at large batches
+        raise ValueError(f"--sparse-prompt-tokens must be past top-k ({topk}): the sparse regime")
     runs = {name: [] for name in MODES}
     for i in range(args.repeats):
         for name, batched in MODES.items():
