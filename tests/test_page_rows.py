@@ -119,3 +119,18 @@ def test_a_page_saved_again_is_used_again_and_outlives_older_copies():
     assert host.stats() == {"prefix_host_pages": 2, "prefix_host_bytes": 2 * rows.page_bytes,
                             "prefix_host_budget_bytes": 2 * rows.page_bytes, "prefix_host_saves": 3,
                             "prefix_host_loads": 1, "prefix_host_evictions": 1}
+
+
+def test_a_host_hit_keeps_its_copy_over_older_ones():
+    """A copy read back (`take`, a host-tier hit) is used now: the next page over the budget pushes out
+    the copy saved after it and not hit, not the one hit."""
+    rows, _ = _rows()
+    spilled = []
+    host = PrefixHostStore(rows, 2 * rows.page_bytes, spill=lambda name, r, tenant: spilled.append(name))
+    host.clock = iter(range(100)).__next__
+    host.save(b"a", 0, "default")
+    host.save(b"b", 1, "default")
+    assert torch.equal(host.take(b"a")[0], rows.copy_out(0)[0])
+    host.save(b"c", 2, "default")
+    assert spilled == [b"b"] and [name for name, _, _ in host.items()] == [b"a", b"c"]
+    host.check_integrity()

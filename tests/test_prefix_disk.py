@@ -635,6 +635,32 @@ def test_a_landing_whose_disk_page_does_not_read_back_goes_to_the_host_tier(tmp_
     disk.close()
 
 
+def test_a_landing_given_up_on_a_disk_page_lets_go_of_the_held_pool_pages(tmp_path):
+    """The prompt's first page in the pool, its second on disk and gone at the read, the rest imported:
+    the landing is given up and the imported pages go to the host tier, and the pool page it held
+    while reading is released again, with the pages it had reserved."""
+    from sparsekv.cache.pages import PageAllocator
+    from sparsekv.cache.prefix import PrefixCache
+    from sparsekv.cache.prefix_host import PrefixHostStore
+    rows = _rows(pages=8)
+    disk = _store(rows, tmp_path)
+    allocator = PageAllocator(8, PAGE)
+    host = PrefixHostStore(rows, 8 * rows.page_bytes)
+    cache = PrefixCache(allocator, tiers={"host": host, "disk": disk}, rows=rows, land_in_pool=True)
+    names = cache.prompt_names(list(range(1, 4 * PAGE + 2)), "default", None)
+    assert cache.import_pages([(names[0], rows.copy_out(0))], "default", []) == 1
+    (first,) = cache._page_of.values()
+    disk.save_rows(names[1], rows.copy_out(1), "default")
+    disk.flush()
+    os.unlink(disk.path_of(names[1]))
+    given = [(name, rows.copy_out(i)) for i, name in enumerate(names)][2:]
+    assert cache.import_pages(given, "default", [names]) == len(given)
+    assert host.num_pages == len(given) and list(cache._page_of) == [names[0]]
+    assert allocator.num_owners(first) == 0 and allocator.num_available == allocator.num_pages
+    allocator.check_integrity()
+    disk.close()
+
+
 def test_an_export_stops_at_a_disk_page_that_does_not_read_back(tmp_path):
     """A prompt's pages exported from the disk tier (prefill/decode disaggregation): a page whose file is
     gone when it is read ends the export there, as a page not held does, with the pages before it; never

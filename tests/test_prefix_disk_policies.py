@@ -337,3 +337,264 @@ def test_only_a_regular_file_is_opened_for_reading_never_a_fifo_or_a_symlink(tmp
     os.symlink(page, tmp_path / "link")
     with pytest.raises(OSError):
         open_regular(str(tmp_path / "link"))
+
+
+def test_every_eviction_and_read_back_is_counted(tmp_path):
+    """`prefix_disk_evictions` counts every file the budget removes, another namespace's as well as
+    this one's, and `prefix_disk_reads` every page read back."""
+    from sparsekv.cache.prefix_disk import page_file_bytes
+    rows = _rows()
+    _plant_other_namespace(tmp_path, "a" * 32, page_file_bytes(rows, None), [1_000_000_000, 2_000_000_000])
+    disk = _store(rows, tmp_path, 2)
+    assert disk.dropped == 0 and disk.tier_bytes_used == disk.capacity_bytes  # exactly full: nothing removed
+    for i in range(3):  # the other's two files go, then this namespace's oldest page
+        disk.save_rows(_name(i), rows.copy_out(i), "alice")
+    disk.flush()
+    assert disk.dropped == 3 and not disk.has(_name(0)) and _files(tmp_path) == _files(tmp_path / "space")
+    for i in (1, 2, 1):
+        assert torch_equal(disk.take(_name(i)), rows.copy_out(i))
+    assert disk.take(_name(0)) is None
+    stats = disk.stats()
+    assert (stats["prefix_disk_evictions"], stats["prefix_disk_reads"], stats["prefix_disk_writes"]) == (3, 3, 3)
+    disk.close()
+
+
+def _read_ahead(disk, names) -> None:
+    """Read `names` ahead and wait until they are in memory."""
+    while not disk.prefetch(names):
+        disk.wait_for_reads(1.0)
+
+
+def test_a_page_read_ahead_then_reset_is_not_served(tmp_path):
+    """A page read ahead of its admission and then removed from the tier (a reset of its tenant) is a
+    miss: its rows read ahead are forgotten with it, not served nor counted as a read."""
+    rows = _rows()
+    disk = _store(rows, tmp_path, 4)
+    for i in range(2):
+        disk.save_rows(_name(i), rows.copy_out(i), "alice")
+    disk.flush()
+    _read_ahead(disk, [_name(0), _name(1)])
+    assert disk.drop("alice") == 2
+    assert disk.take(_name(0)) is None and disk.take(_name(1)) is None and disk.loaded == 0
+    disk.flush()
+    assert _files(tmp_path) == [] and disk.num_pages == 0
+    disk.check_integrity()
+    disk.close()
+
+
+def test_a_read_ahead_is_ready_only_once_every_page_is_read(tmp_path, monkeypatch):
+    """`prefetch` is True only when all the pages asked for are in memory: one read earlier does not
+    make a chain ready while a page before it is still being read."""
+    import threading
+
+    from sparsekv.cache import prefix_disk
+    rows = _rows()
+    disk = _store(rows, tmp_path, 4)
+    for i in range(2):
+        disk.save_rows(_name(i), rows.copy_out(i), "alice")
+    disk.flush()
+    _read_ahead(disk, [_name(1)])
+    gate, real = threading.Event(), prefix_disk.open_regular
+
+    def held_back(path):
+        gate.wait()
+        return real(path)
+    monkeypatch.setattr(prefix_disk, "open_regular", held_back)
+    try:
+        ready = disk.prefetch([_name(0), _name(1)])  # page 0's read is held back, page 1 is in memory
+    finally:
+        gate.set()
+    assert not ready
+    _read_ahead(disk, [_name(0), _name(1)])
+    assert all(torch_equal(disk.take(_name(i)), rows.copy_out(i)) for i in range(2)) and disk.loaded == 2
+    disk.close()
+
+
+def test_a_page_that_left_and_came_back_while_it_was_read_is_kept(tmp_path, monkeypatch):
+    """A read that fails because its page was removed and saved again meanwhile (a reset, then the
+    page recomputed) is no failure of the new file: nothing counted, the page saved anew stays."""
+    from sparsekv.cache import prefix_disk
+    rows = _rows()
+    disk = _store(rows, tmp_path, 4)
+    disk.save_rows(_name(0), rows.copy_out(0), "alice")
+    disk.flush()
+    real = prefix_disk.open_regular
+
+    class ReplacedWhileRead:
+        def __init__(self, path):
+            self.f = real(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, *args):
+            data = self.f.read(*args)
+            disk.drop("alice")
+            disk.save_rows(_name(0), rows.copy_out(1), "alice")  # the page back, under a new write
+            return data[:len(data) // 2]  # the old file cut short under the read
+    monkeypatch.setattr(prefix_disk, "open_regular", ReplacedWhileRead)
+    assert disk.take(_name(0)) is None
+    monkeypatch.setattr(prefix_disk, "open_regular", real)
+    disk.flush()
+    assert disk.failed == 0 and disk.has(_name(0)) and len(_files(tmp_path)) == 1
+    assert torch_equal(disk.take(_name(0)), rows.copy_out(1))
+    disk.check_integrity()
+    disk.close()
+
+
+def test_a_discarded_read_ahead_that_has_not_started_never_reads_its_file(tmp_path, monkeypatch):
+    """`discard` (the request aborted): the pages whose reads are still queued are not read at all."""
+    import threading
+
+    from sparsekv.cache import prefix_disk
+    rows = _rows()
+    disk = _store(rows, tmp_path, 4)
+    for i in range(3):
+        disk.save_rows(_name(i), rows.copy_out(i), "alice")
+    disk.flush()
+    gate, real, opened = threading.Event(), prefix_disk.open_regular, []
+
+    def counted(path):
+        gate.wait()
+        opened.append(path)
+        return real(path)
+    monkeypatch.setattr(prefix_disk, "open_regular", counted)
+    try:
+        disk.prefetch([_name(i) for i in range(3)])  # page 0's read held back, 1 and 2 queued behind it
+        disk.discard([_name(1), _name(2)])
+    finally:
+        gate.set()
+    _read_ahead(disk, [_name(0)])
+    disk.flush()
+    assert opened == [disk.path_of(_name(0))] and disk.failed == 0 and disk.num_pages == 3
+    disk.close()
+
+
+def test_pages_removed_for_a_tenant_quota_are_counted_as_evictions(tmp_path):
+    """A tenant's files beyond its quota, removed when it saves another or at a restart with a smaller
+    quota, count in `prefix_disk_evictions` like those the byte budget removes."""
+    rows = _rows()
+    disk = _store(rows, tmp_path, 4, max_pages_per_tenant=2)
+    for i in range(3):
+        disk.save_rows(_name(i), rows.copy_out(i), "alice")
+    disk.save_rows(_name(3), rows.copy_out(3), "bob")
+    disk.flush()
+    assert disk.dropped == 1 and not disk.has(_name(0)) and disk.stats()["prefix_disk_evictions"] == 1
+    disk.close()
+    restarted = _store(rows, tmp_path, 4, max_pages_per_tenant=1)
+    assert restarted.dropped == 1 and restarted.num_pages == 2 and restarted.has(_name(2))
+    restarted.flush()
+    assert len(_files(tmp_path)) == 2
+    restarted.close()
+
+
+def test_a_namespace_whose_lock_cannot_be_opened_is_left_alone(tmp_path):
+    """Another namespace's lock that cannot be opened (here a symlink, never followed) may be held:
+    its files are neither counted against this budget nor removed."""
+    from sparsekv.cache.prefix_disk import page_file_bytes
+    rows = _rows()
+    other = _plant_other_namespace(tmp_path, "a" * 32, page_file_bytes(rows, None), [1_000_000_000, 2_000_000_000])
+    (tmp_path / "lock-target").write_bytes(b"")
+    os.symlink(tmp_path / "lock-target", other / ".lock")
+    disk = _store(rows, tmp_path, 2)
+    for i in range(3):
+        disk.save_rows(_name(i), rows.copy_out(i), "alice")
+    disk.flush()
+    assert disk.tier_bytes_used == disk.bytes_used == disk.capacity_bytes and len(_files(other)) == 2
+    disk.close()
+
+
+def test_a_checkpoints_first_and_last_bytes_are_part_of_its_identity(tmp_path):
+    """`checkpoint_identity` samples a weights file's header and its very last bytes: a change of
+    either alone is another checkpoint, without the files' times."""
+    from sparsekv.cache.prefix_disk import SAMPLE_BYTES, SAMPLES_PER_FILE, checkpoint_identity
+    (tmp_path / "config.json").write_text("{}")
+    weights = tmp_path / "model.safetensors"
+    data = bytearray(SAMPLE_BYTES + SAMPLES_PER_FILE * 16)  # the samples overlap: every byte is read
+    weights.write_bytes(bytes(data))
+    before = checkpoint_identity(str(tmp_path))
+    for at in (0, len(data) - 1):
+        changed = bytearray(data)
+        changed[at] = 1
+        weights.write_bytes(bytes(changed))
+        assert checkpoint_identity(str(tmp_path)) != before, at
+    weights.write_bytes(bytes(data))
+    assert checkpoint_identity(str(tmp_path)) == before
+
+
+def test_a_full_disk_with_nothing_to_evict_fails_the_write_without_retrying_it(tmp_path, monkeypatch):
+    """ENOSPC with no other file in the tier to remove: the write is tried once, counted as failed,
+    and the page is not indexed."""
+    import errno
+
+    import sparsekv.cache.prefix_disk as prefix_disk
+    rows, tries = _rows(), []
+
+    def full(*args, **kwargs):
+        tries.append(args[0])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    disk = _store(rows, tmp_path, 4)
+    monkeypatch.setattr(prefix_disk, "write_private_file", full)
+    disk.save_rows(_name(0), rows.copy_out(0), "alice")
+    disk.flush()
+    assert tries == [disk.path_of(_name(0))] and disk.failed == 1 and disk.dropped == 0 and disk.num_pages == 0
+    disk.check_integrity()
+    disk.close()
+
+
+def test_pages_saved_within_one_clock_tick_keep_their_order_after_a_restart(tmp_path):
+    """File times are strictly increasing even when the clock does not move between saves (a coarse
+    clock): a restart within a smaller budget keeps the pages saved last, whatever their file names.
+    Here the pages are saved in descending file name order, so an order by name alone keeps the wrong
+    ones."""
+    rows = _rows()
+    disk = _store(rows, tmp_path, 4)
+    now = time.time()
+    disk.clock = lambda: now
+    names = sorted((_name(i) for i in range(4)), key=disk.path_of, reverse=True)
+    for i, name in enumerate(names):
+        disk.save_rows(name, rows.copy_out(i), "alice")
+    disk.close()
+    smaller = _store(rows, tmp_path, 2)
+    assert [smaller.has(name) for name in names] == [False, False, True, True]
+    smaller.close()
+
+
+def test_a_lock_file_others_may_read_is_made_private_when_the_namespace_is_taken(tmp_path):
+    """A namespace's lock file left 0644 (by an earlier version) is 0600 once an engine takes it."""
+    space = tmp_path / "space"
+    space.mkdir(mode=0o700)
+    (space / ".lock").write_bytes(b"")
+    os.chmod(space / ".lock", 0o644)
+    disk = _store(_rows(), tmp_path, 1)
+    assert os.stat(space / ".lock").st_mode & 0o777 == 0o600
+    disk.close()
+
+
+def test_a_page_still_being_written_is_served_from_memory(tmp_path, monkeypatch):
+    """A hit on a page whose file is not written yet (the writer busy) gets the rows kept for the write:
+    served exactly, no failure counted, and the file written afterwards."""
+    import threading
+
+    from sparsekv.cache import prefix_disk
+    rows = _rows()
+    disk = _store(rows, tmp_path, 4)
+    gate, write = threading.Event(), prefix_disk.write_private_file
+
+    def held_back(*args, **kwargs):
+        gate.wait()
+        return write(*args, **kwargs)
+    monkeypatch.setattr(prefix_disk, "write_private_file", held_back)
+    try:
+        disk.save_rows(_name(0), rows.copy_out(0), "alice")
+        assert disk.prefetch([_name(0)])  # nothing to read ahead: the rows are in memory
+        served = disk.take(_name(0))
+    finally:
+        gate.set()
+    disk.flush()
+    assert torch_equal(served, rows.copy_out(0)) and disk.failed == 0 and disk.loaded == 1
+    assert disk.has(_name(0)) and len(_files(tmp_path)) == 1
+    disk.close()

@@ -152,6 +152,28 @@ def test_a_copy_that_fails_frees_its_pages():
     _check(cache, allocator)
 
 
+def test_a_copy_that_fails_lets_go_of_the_held_pool_pages_too():
+    """The prompt's first pages already in the pool (held while the rest are allocated) and the copy of
+    the imported rows failing: the held pages are released with the new ones, still cached and named,
+    so a hit finds them and every page of the pool can be taken again."""
+    cache, _, allocator = _cache()
+    cache.import_pages(_exported(cache)[:2], "default", [])
+    held = [cache._page_of[name] for name, _ in _exported(cache)[:2]]
+
+    def broken(pages, saved):
+        raise RuntimeError("copy failed")
+    cache.rows.copy_in = broken
+    with pytest.raises(RuntimeError, match="copy failed"):
+        cache.import_pages(_exported(cache, first=2), "default", _chains(cache))
+    assert [allocator.num_owners(page) for page in held] == [0, 0]
+    hit = _hit(cache)
+    assert hit.pages == held and len(allocator.cached) == 2
+    cache.forget_request("r")
+    _check(cache, allocator)
+    taken = allocator.allocate("x", allocator.num_pages)  # none is left owned by the failed import
+    allocator.free("x", taken)
+
+
 @pytest.mark.parametrize("room", ["pool", "host"])
 def test_forgetting_an_import_drops_its_pages_in_every_tier_but_those_a_request_holds(room):
     """An import undone (a data-parallel rank's, when another rank refused the same pages): the pages

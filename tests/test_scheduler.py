@@ -492,3 +492,19 @@ def test_tenant_pages_check_integrity_catches_a_wrong_ledger_and_a_tenant_over_i
     ledger.release(running[0])
     assert ledger.reserved == {}  # no tenant left with a zero entry
     ledger.check_integrity([], cap=4)
+
+
+def test_tenant_pages_keep_a_tenants_last_page_after_a_release():
+    """A release leaving the tenant one page reserved (a one-page request still running) keeps that
+    page in the ledger: only a tenant left with none loses its entry."""
+    from sparsekv.cache.tenant_pages import TenantPages
+    ledger = TenantPages(PageAllocator(20, page_size=4))
+    small, large = make("s", 2, max_tokens=2), make("l", 4, max_tokens=4)  # 1 page and 2 pages
+    for r in (small, large):
+        ledger.admit(r)
+    assert ledger.reserved == {"default": 3}
+    ledger.release(large)
+    assert ledger.reserved == {"default": 1}
+    ledger.check_integrity([small], cap=1)
+    ledger.release(small)
+    assert ledger.reserved == {}
