@@ -351,3 +351,15 @@ def test_ctrl_c_stops_a_rollout(tmp_path):
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
     assert 1 <= len(lines) < episodes and all(json.loads(line)["finish"] == "stop" for line in lines)
     assert calls_at_exit <= 2 * (len(lines) + 1)  # at most the episode in flight besides the finished ones
+
+
+def test_each_turn_points_at_its_message_in_the_transcript():
+    """A turn's message_index is where its assistant message is in the trajectory's messages (system and
+    user first, then each reply followed by its tool results)."""
+    script = [[("list_dir", {"path": "."}), ("read_file", {"path": "fizzbuzz.py"})], [("list_dir", {"path": "tests"})],
+              "done"]
+    with FakeOpenAI(script) as fake:
+        traj = episode(fake, "fizzbuzz", judge=False)
+    indices = [t["message_index"] for t in traj["turns"]]
+    assert indices == [2, 5, 7] and [traj["messages"][i]["role"] for i in indices] == ["assistant"] * 3
+    assert [traj["messages"][i].get("tool_calls") is not None for i in indices] == [True, True, False]
