@@ -111,6 +111,41 @@ def test_wall_time_limit(sandbox, monkeypatch):
     assert "killed: wall-time limit" in result.text()
 
 
+def test_the_wall_time_limit_holds_when_a_process_leaves_the_group(sandbox, monkeypatch):
+    """Without isolation, a process started in a session of its own (setsid) escapes the kill at the
+    wall-time limit and keeps the output open: the command still ends at the limit, with its output so
+    far, instead of waiting for that process to end (for ever, for `sleep infinity`)."""
+    import signal
+    import threading
+    monkeypatch.setattr(sandbox_mod, "isolation_available", lambda: False)
+    sandbox.allow_network = True
+    box = {}
+    command = "setsid sh -c 'echo $$ > bg.pid; exec sleep 600' & echo started; sleep 600"
+    worker = threading.Thread(target=lambda: box.update(out=sandbox.run(command, Limits(wall_s=1))), daemon=True)
+    worker.start()
+    worker.join(30)
+    hung = worker.is_alive()
+    try:
+        os.kill(int((sandbox.root / "bg.pid").read_text()), signal.SIGKILL)
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        pass
+    worker.join(10)
+    assert not hung, "the command outlived its wall-time limit"
+    assert box["out"].timed_out and box["out"].output == "started\n"
+
+
+def test_a_sandbox_that_cannot_be_made_leaves_no_directory_behind(tmp_path, monkeypatch):
+    """A failure while the episode's copy is made (the task's repository gone) removes what was made."""
+    import tempfile
+
+    from sparsekv.rollout.task import Task
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    with pytest.raises(FileNotFoundError):
+        Sandbox(Task("gone", "x", "true", tmp_path / "missing"))
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 def test_cpu_time_limit(sandbox):
     sandbox.allow_network = True
     result = sandbox.run("python -c 'while True: pass'", Limits(cpu_s=1, wall_s=60))
@@ -324,3 +359,137 @@ def test_a_command_cannot_start_more_than_the_process_cap(sandbox):
                          "echo running $(ps -e 2>/dev/null | grep -c sleep || ls /proc | grep -c '^[0-9]')",
                          Limits(processes=32, wall_s=30))
     assert "fork" in result.output.lower()  # the shell's "Cannot fork" once the cap is reached
+
+
+def test_a_directory_in_the_way_of_a_hidden_file_is_replaced_for_the_check(sandbox):
+    """A directory a command made where a hidden file belongs is removed, and the shipped file put back
+    (not copied inside the directory, where the check would not find it)."""
+    (sandbox.root / ".grader" / "reference.py").mkdir(parents=True)
+    (sandbox.root / ".grader" / "reference.py" / "planted.py").write_text("x = 1\n")
+    sandbox.restore_hidden()
+    restored = sandbox.root / ".grader" / "reference.py"
+    assert restored.is_file() and restored.read_text() == (sandbox.task.repo / ".grader/reference.py").read_text()
+
+
+def test_file_tools_on_a_directory_answer_with_an_error(sandbox):
+    """read_file and write_file on a directory answer with the tools' usual error; list_dir marks
+    directories with a trailing `/` and says when one is empty."""
+    assert sandbox.write_file("tests", "x") == "error: tests: is a directory"
+    assert sandbox.read_file("tests") == "error: tests: is a directory"
+    assert sandbox.list_dir(".").splitlines() == ["conftest.py", "fizzbuzz.py", "tests/"]
+    (sandbox.root / "empty").mkdir()
+    assert sandbox.list_dir("empty") == "(empty)"
+
+
+def test_an_empty_command_is_refused(sandbox):
+    for command in ("", "  \n", None):
+        with pytest.raises(ValueError, match="non-empty string"):
+            sandbox.run_command(command)
+
+
+def test_file_size_limit_for_commands(sandbox):
+    """A command cannot write a file over `Limits.file_mb` (RLIMIT_FSIZE): the write stops at the limit
+    and the command fails."""
+    sandbox.allow_network = True
+    result = sandbox.run("head -c 2097152 /dev/zero > big.bin", Limits(file_mb=1))
+    assert result.exit_code != 0 and (sandbox.root / "big.bin").stat().st_size <= 1 << 20
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie waiting to be reaped has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_a_command_past_its_wall_time_is_killed_with_everything_it_started(sandbox, monkeypatch):
+    """At the wall-time limit the whole process group goes, a background child that closed its output
+    included (it would otherwise outlive the tool call and change the sandbox later)."""
+    import signal
+    import time
+    monkeypatch.setattr(sandbox_mod, "isolation_available", lambda: False)
+    sandbox.allow_network = True
+    result = sandbox.run("sleep 30 >/dev/null 2>&1 & echo $! > bg.pid; wait", Limits(wall_s=1))
+    assert result.timed_out
+    pid = int((sandbox.root / "bg.pid").read_text())
+    try:
+        deadline = time.monotonic() + 10  # SIGKILL is sent at the limit; the exit itself is not instant
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid)
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_clip_keeps_an_output_of_exactly_the_limit_whole():
+    from sparsekv.rollout.sandbox import clip
+    assert clip("x" * 10, limit=10) == "x" * 10
+    assert clip("x" * 5 + "y" * 6, limit=10) == "xxxxx\n[... 1 characters omitted ...]\nyyyyy"
+
+
+@pytest.mark.skipif(not sandbox_mod.process_cap_available(), reason="no pids cgroup can be made here")
+def test_a_commands_process_cap_is_removed_after_it(sandbox):
+    """The pids cgroup made for a command is removed when the command ends: none is left per tool call."""
+    sandbox.allow_network = True
+    mine = lambda: sorted(p for root in sandbox_mod.ProcessCap.ROOTS if root.is_dir()
+                          for p in root.glob(f"sparsekv-{os.getpid()}-*"))
+    before = mine()
+    assert sandbox.run("echo hi", Limits(processes=16)).output == "hi\n"
+    assert mine() == before
+
+
+def test_the_judgement_counts_only_the_expected_tests(tmp_path):
+    """tests_passed counts the shipped test functions that passed, not other tests pytest ran (a test file
+    the task let the policy add); a task without test files needs no record at all."""
+    from sparsekv.rollout.check import judge_results
+    key, extra = ("tests/test_a.py", None, "test_x"), ("tests/test_new.py", None, "test_y")
+    results = tmp_path / "results.jsonl"
+    run = lambda k: {"path": str(tmp_path / k[0]), "cls": None, "name": k[2], "called": True, "outcome": "passed"}
+    results.write_text(json.dumps({"exitstatus": 0, "tests": [run(key), run(extra)]}) + "\n")
+    assert judge_results(results, {key}, tmp_path) == (1, [])
+    assert judge_results(tmp_path / "missing.jsonl", set(), tmp_path) == (0, [])
+
+
+def test_the_check_counts_a_test_whose_teardown_failed_as_failed(tmp_path):
+    """A test whose call passed but whose fixture teardown failed is failed, not passed; the check's
+    working directory (its plugin and records) is removed after it."""
+    from sparsekv.rollout.check import run_check
+    repo = tmp_path / "t" / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "test_t.py").write_text(
+        "import pytest\n\n\n@pytest.fixture\ndef res():\n    yield 1\n    raise RuntimeError('teardown')\n\n\n"
+        "def test_uses(res):\n    assert res == 1\n\n\ndef test_plain():\n    pass\n")
+    (tmp_path / "t" / "task.yaml").write_text("instruction: x\ncheck: python -m pytest -q tests\n")
+    with Sandbox(load_task(tmp_path / "t"), allow_network=not isolation_available()) as sb:
+        check = run_check(sb)
+        assert not check.ok and (check.expected, check.passed) == (2, 1)
+        assert check.problems == ["tests/test_t.py::test_uses: failed",
+                                  "tests/test_t.py::test_uses: not called and passed"]
+        assert list(sb.scratch.glob("check-*")) == []
+
+
+def test_the_repository_view_lists_regular_files_not_symlinks(sandbox, tmp_path):
+    """RepoView.files(): every regular file, repository-relative and sorted; a symlink (to a file inside
+    or outside) is not listed, nor followed into a directory."""
+    (tmp_path / "outside.py").write_text("x = 1\n")
+    (sandbox.root / "out.py").symlink_to(tmp_path / "outside.py")
+    (sandbox.root / "alias.py").symlink_to(sandbox.root / "fizzbuzz.py")
+    (sandbox.root / "linkdir").symlink_to(tmp_path, target_is_directory=True)
+    assert sandbox.files() == ["conftest.py", "fizzbuzz.py", "tests/test_fizzbuzz.py"]
+
+
+def test_a_check_that_runs_pytest_twice_is_judged_on_both_runs(tmp_path):
+    """Each pytest the check starts adds its record: the tests of the first run still count after a second
+    run of other files."""
+    from sparsekv.rollout.check import run_check
+    repo = tmp_path / "t" / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "test_a.py").write_text("def test_a():\n    pass\n")
+    (repo / "tests" / "test_b.py").write_text("def test_b():\n    pass\n")
+    (tmp_path / "t" / "task.yaml").write_text(
+        "instruction: x\ncheck: python -m pytest -q tests/test_a.py && python -m pytest -q tests/test_b.py\n")
+    with Sandbox(load_task(tmp_path / "t"), allow_network=not isolation_available()) as sb:
+        check = run_check(sb)
+    assert check.ok and (check.expected, check.passed, check.problems) == (2, 2, [])

@@ -97,14 +97,23 @@ def _virtual(action: Action, sandbox: Sandbox, pipeline: Pipeline, screening: Sc
 
 
 def without_hacks(command: str, pipeline: Pipeline, scope: Scope) -> str:
-    """`command` with the parts that trip a rule removed, the remaining parts joined as they were. Empty
-    when no single part trips a rule (the hack is in how they combine), so nothing of it runs."""
-    out, dropped = "", False
+    """`command` with the parts that trip a rule removed as if they had succeeded silently (each one as
+    `true`): the remaining parts joined by the operators they had, but a part after a dropped one runs as
+    it would after a success (`||` not at all, `&&` whatever came before), and a list that ends on a
+    dropped part exits 0. Empty when no single part trips a rule (the hack is in how they combine), so
+    nothing of it runs."""
+    out, dropped, succeeded = "", False, False  # succeeded: the status so far is a dropped part's success
     for op, part in split_command(command):
         if pipeline.rules.trips(Action("run_command", {"command": part}), scope):
             dropped = True
+            succeeded = succeeded or not out or op != "&&"  # after `&&` it ran only on a success already
             continue
-        out += f" {op} {part}" if out and op else (f"; {part}" if out else part)
+        if succeeded and op == "||":
+            continue  # after a success it does not run
+        out = f"{out} {';' if succeeded else op} {part}" if out else part
+        succeeded = False
+    if succeeded and out:
+        out += " ; true"
     return out.strip() if dropped else ""
 
 

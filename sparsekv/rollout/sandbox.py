@@ -37,6 +37,7 @@ from .task import Task
 
 UNSHARE = ("unshare", "--net", "--mount", "--pid", "--fork", "--map-root-user")
 MAX_OUTPUT_CHARS = 16_000  # a tool's output beyond this keeps its head and tail
+KILL_GRACE_S = 2.0  # after the kill at the wall-time limit: how long the output may take to close
 
 # Inside the new mount namespace: the episode's directory (the repository and a TMPDIR) becomes its own
 # mount; each directory in $HIDE (newline-separated: the sparsekv package, the task's directory) is
@@ -208,17 +209,21 @@ class Sandbox(RepoView):
     def __init__(self, task: Task, limits: Limits = Limits(), allow_network: bool = False):
         self.task, self.limits, self.allow_network = task, limits, allow_network
         self._tmp = tempfile.mkdtemp(prefix=f"sparsekv-{task.name}-")
-        super().__init__(Path(self._tmp, "repo"))
-        shutil.copytree(task.repo, self.root, symlinks=True)
-        Path(self._tmp, "tmp").mkdir()
-        self.hidden = [f for f in RepoView(task.repo).files()
-                       if any(fnmatch.fnmatchcase(f, g) for g in task.hidden)]
-        for f in self.hidden:
-            (self.root / f).unlink()
-            for parent in (self.root / f).parents:  # a directory the hidden files leave empty goes too
-                if parent == self.root or any(parent.iterdir()):
-                    break
-                parent.rmdir()
+        try:
+            super().__init__(Path(self._tmp, "repo"))
+            shutil.copytree(task.repo, self.root, symlinks=True)
+            Path(self._tmp, "tmp").mkdir()
+            self.hidden = [f for f in RepoView(task.repo).files()
+                           if any(fnmatch.fnmatchcase(f, g) for g in task.hidden)]
+            for f in self.hidden:
+                (self.root / f).unlink()
+                for parent in (self.root / f).parents:  # a directory the hidden files leave empty goes too
+                    if parent == self.root or any(parent.iterdir()):
+                        break
+                    parent.rmdir()
+        except BaseException:  # nothing of a copy that could not be made is left behind
+            self.close()
+            raise
 
     def restore_hidden(self) -> None:
         """Put the task's hidden files (grader, reference) back as shipped, over anything written there, for
@@ -394,7 +399,12 @@ def _wait(proc: subprocess.Popen, limits: Limits) -> CommandResult:
         out, _ = proc.communicate(timeout=limits.wall_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        try:
+            out, _ = proc.communicate(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired as e:  # a process that left the group (setsid) holds the output open
+            proc.stdout.close()
+            proc.wait()
+            out = e.output or b""
         return CommandResult(proc.returncode, out.decode(errors="replace"), timed_out=True)
     return CommandResult(proc.returncode, out.decode(errors="replace"), cpu_limited=_cpu_limited(proc))
 
