@@ -440,6 +440,28 @@ def test_a_commands_process_cap_is_removed_after_it(sandbox):
     assert mine() == before
 
 
+@pytest.mark.skipif(not sandbox_mod.process_cap_available(), reason="no pids cgroup can be made here")
+def test_what_a_command_leaves_running_ends_with_it_and_its_cgroup_goes(sandbox, monkeypatch):
+    """Without isolation (no pid namespace to take them down), a background job a command left behind,
+    its output closed, is killed through the command's pids cgroup when the command ends, and the
+    cgroup is removed (an empty cgroup stays until it is: one was left behind per such call)."""
+    import signal
+    monkeypatch.setattr(sandbox_mod, "isolation_available", lambda: False)
+    sandbox.allow_network = True
+    mine = lambda: sorted(p for root in sandbox_mod.ProcessCap.ROOTS if root.is_dir()
+                          for p in root.glob(f"sparsekv-{os.getpid()}-*"))
+    before = mine()
+    result = sandbox.run("setsid sleep 30 >/dev/null 2>&1 & echo $! > bg.pid; echo left", Limits(processes=16))
+    assert result.output == "left\n" and not result.timed_out
+    pid = int((sandbox.root / "bg.pid").read_text())
+    try:
+        assert not _alive(pid)  # gone before the call returned
+        assert mine() == before
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_the_judgement_counts_only_the_expected_tests(tmp_path):
     """tests_passed counts the shipped test functions that passed, not other tests pytest ran (a test file
     the task let the policy add); a task without test files needs no record at all."""

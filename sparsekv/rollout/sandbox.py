@@ -18,6 +18,7 @@ symlink at the last step and never blocking on a FIFO or a device a command left
 from __future__ import annotations
 
 import errno
+import logging
 import fcntl
 import fnmatch
 import functools
@@ -29,14 +30,18 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from .task import Task
 
+logger = logging.getLogger("sparsekv.rollout")
+
 UNSHARE = ("unshare", "--net", "--mount", "--pid", "--fork", "--map-root-user")
 MAX_OUTPUT_CHARS = 16_000  # a tool's output beyond this keeps its head and tail
+CAP_CLOSE_S = 5.0  # how long a command's pids cgroup waits for the processes it kills to exit
 KILL_GRACE_S = 2.0  # after the kill at the wall-time limit: how long the output may take to close
 
 # Inside the new mount namespace: the episode's directory (the repository and a TMPDIR) becomes its own
@@ -363,10 +368,33 @@ class ProcessCap:
             (self.path / "cgroup.procs").write_text(str(os.getpid()))
 
     def close(self) -> None:
-        if self.path is not None:
+        """End what the command left running in the cgroup (a background job, a process that left its
+        session: the kernel kills an isolated command's leftovers with its pid namespace, not these),
+        then remove the cgroup: the kernel keeps an empty one until it is removed. A process not gone
+        within CAP_CLOSE_S leaves it in place, with a warning."""
+        if self.path is None:
+            return
+        deadline = time.monotonic() + CAP_CLOSE_S
+        while True:
+            self._kill_members()
             try:
                 self.path.rmdir()
-            except OSError:  # a process still leaving: the kernel frees it with the last one
+                return
+            except OSError as e:  # EBUSY while a killed process is still exiting
+                if time.monotonic() >= deadline:
+                    logger.warning("pids cgroup %s not removed: %s", self.path, e)
+                    return
+            time.sleep(0.01)
+
+    def _kill_members(self) -> None:
+        try:
+            pids = (self.path / "cgroup.procs").read_text().split()
+        except OSError:
+            return
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
                 pass
 
 
