@@ -392,3 +392,83 @@ def test_tokens_meet_at_the_moe_only_with_several_dp_ranks():
 def test_parallel_kv_rows_flag_contexts_beyond_the_model():
     rows = _plan("glm-5")["parallel"]["kv_per_gpu"]     # GLM-5: 202,752 positions
     assert [(r["context"], r["beyond_model"]) for r in rows] == [(128 * 1024, False), (1 << 20, True)]
+
+
+# ---------------------------------------------------------------- review: bounds, defaults and what the JSON holds
+
+def test_fractions_at_their_upper_bound_are_accepted():
+    """--mem-fraction and --miss-rate take their closed upper bound 1 (all of device memory; every
+    selected token missing the device)."""
+    plan = _plan("glm-5.2", "--tiering", "--mem-fraction", "1", "--miss-rate", "1")
+    assert plan["deployment"]["mem_fraction"] == 1.0 and plan["workload"]["miss_rate"] == 1.0
+
+
+def test_weights_that_fill_the_usable_memory_exactly_leave_no_cache_budget(tmp_path):
+    """Device memory exactly the weights per GPU, all usable: a cache budget of 0 B is the weights'
+    fault, so the verdict says the weights need more GPUs (not that requests exceed a 0 GB budget)."""
+    weights = _plan("glm-5.2", "--weights", "fp32")["memory"]["weights_per_gpu"]
+    path = tmp_path / "exact.json"
+    path.write_text(json.dumps({**HW["h200"].to_dict(), "device_mem_bytes": weights}))
+    plan = _plan("glm-5.2", "--weights", "fp32", "--hardware", str(path), "--mem-fraction", "1")
+    assert plan["memory"]["weights_per_gpu"] == weights and plan["memory"]["cache_budget_per_gpu"] == 0.0
+    assert plan["memory"]["max_requests_per_gpu"] == {"no_tiering": 0, "tiering": 0}
+    v = plan["verdict"]
+    assert not v["fits"] and v["binding"] == "HBM capacity"
+    assert v["message"].startswith("does not fit: weights need") and "--weights fp8" in v["message"]
+
+
+def test_a_mixed_context_warns_about_its_longest_context():
+    """DeepSeek-V3.2 has 163,840 positions: half the requests at 1M are beyond it, whatever the other half."""
+    (warning,) = _plan("deepseek-v3.2", "--context", "64K:0.5,1M:0.5", "--concurrency", "1", "--tiering")["warnings"]
+    assert "context 1,048,576 is beyond" in warning
+
+
+def test_host_dram_is_needed_only_with_tiering():
+    """Without tiering the whole cache stays on the device: no host DRAM needed (the capacity figure
+    per request is still reported, for the tiered row)."""
+    flat, tiered = _plan("glm-5.2"), _plan("glm-5.2", "--tiering")
+    assert flat["memory"]["host_needed"] == 0.0 and flat["memory"]["host_per_request"] > 0
+    assert tiered["memory"]["host_needed"] == 16 * tiered["memory"]["host_per_request"]
+
+
+def test_prefix_cache_section_with_a_disk_tier_alone():
+    plan = _plan("glm-5.2", "--prefix-cache-disk-tb", "1")
+    assert list(plan["prefix_cache"]["tiers"]) == ["disk"]
+    assert plan["prefix_cache"]["tiers"]["disk"]["capacity_bytes"] == 1e12
+    assert "prefix_cache" not in _plan("glm-5.2")
+
+
+def test_measured_profile_defaults_to_the_torch_eager_engine(tmp_path):
+    """A measured machine runs the eager torch engine (docs/plan.md): its decode is predicted with that
+    profile unless --profile says otherwise; datasheet presets default to the fused one."""
+    from sparsekv.tools.plan_decode import TORCH_EAGER
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({**dataclasses.asdict(machine()), "measured": True}))
+    argv = ("glm-5.2", "--hardware", str(path), "--context", "8K", "--concurrency", "1")
+    assert _plan(*argv)["decode"]["profile"] == TORCH_EAGER.name
+    assert _plan(*argv, "--profile", "fused")["decode"]["profile"] == FUSED.name
+    assert _plan("glm-5.2")["decode"]["profile"] == FUSED.name
+
+
+def test_sweep_is_in_the_json_without_a_plot():
+    plan = _plan("glm-5.2", "--sweep")
+    assert plan["sweep"] and all({"context", "concurrency"} <= set(p) for p in plan["sweep"])
+    assert "sweep" not in _plan("glm-5.2")
+
+
+def test_plot_title_names_the_nodes(tmp_path, monkeypatch):
+    from sparsekv.tools import plan_sweep
+    titles = []
+    monkeypatch.setattr(plan_sweep, "plot_sweep", lambda points, path, title: titles.append(title))
+    _plan("glm-5.2", "--nodes", "2", "--concurrency", "8", "--plot", str(tmp_path / "a.png"))
+    _plan("glm-5.2", "--plot", str(tmp_path / "b.png"))
+    assert titles == ["glm-5.2 on 2x8x h200", "glm-5.2 on 8x h200"]
+
+
+def test_zero_host_dram_means_no_host_store():
+    """--host-dram-gb 0 is a node without host DRAM for the cache (not "the preset's"): tiering backs no
+    request, and host capacity binds."""
+    plan = _plan("glm-5.2", "--tiering", "--host-dram-gb", "0")
+    assert plan["hardware"]["host_dram_bytes"] == 0.0 and plan["memory"]["host_available"] == 0.0
+    assert plan["memory"]["host_limit_requests"] == 0 and plan["memory"]["max_requests_per_node"]["tiering"] == 0
+    assert not plan["verdict"]["fits"] and plan["verdict"]["binding"] == "host capacity"
