@@ -180,6 +180,17 @@ def test_key_positions_hand_made():
     assert key_positions([1, 2], [1, 2, 3]) == [] and key_positions([1, 2], []) == []
 
 
+def test_key_share_of_a_key_whose_occurrences_overlap_reaches_one():
+    """A key found twice overlapping ([1, 1] in 1, 1, 1) covers prompt positions 0, 1, 2 once each: a
+    selector that picked all three surfaced the whole key (share 1, not 3/4 from counting 1 twice)."""
+    from sparsekv.tools.eval_needle import AnswerRowSelections, key_positions
+    assert key_positions([7, 1, 1, 1, 7], [1, 1]) == [1, 2, 3]
+    rec = object.__new__(AnswerRowSelections)   # the recorder without an engine to wrap
+    rec.start(5)
+    rec._observe(0, None, torch.tensor([4]), torch.tensor([[1, 2, 3]]))
+    assert rec.key_share(key_positions([7, 1, 1, 1, 7], [1, 1])) == {"0": 1.0}
+
+
 def test_eval_needle_end_to_end_reports_the_key_selected_while_answering(tmp_path, capsys):
     """`sparsekv eval needle` on the bundled model: accuracy table, heatmap, JSON; for sparse runs the
     share of the key's tokens each full layer selected over the rows that wrote the output, equal to
@@ -315,3 +326,62 @@ def test_eval_indexshare_refuses_more_shared_layers_than_the_model_has(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "indexshare", "--num-shared", "-1"])
     assert exit_info.value.code == 2 and "--num-shared" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- review: eval needle's pieces by hand
+
+def test_eval_needle_empty_task_list_is_an_error(capsys):
+    from sparsekv.tools.eval_needle import add_args, main
+    p = argparse.ArgumentParser()
+    add_args(p)
+    assert main(p.parse_args(["/nonexistent-model", "--tasks", ","])) == 2
+    assert "unknown task" in capsys.readouterr().err
+
+
+def test_length_labels_only_name_whole_units():
+    assert length_label(1500) == "1500" and length_label(1536) == "1536" and length_label(3 << 19) == "1536K"
+    assert length_label(1024) == "1K" and length_label(3 << 20) == "3M"
+
+
+def test_key_positions_find_a_key_that_ends_the_prompt():
+    from sparsekv.tools.eval_needle import key_positions
+    assert key_positions([9, 1, 2], [1, 2]) == [1, 2] and key_positions([1, 2], [1, 2]) == [0, 1]
+
+
+def test_key_share_is_none_without_selections_and_counts_each_layer():
+    """No selection while answering (the context fits in the top-k) is None, not an empty report."""
+    from sparsekv.tools.eval_needle import AnswerRowSelections
+    rec = object.__new__(AnswerRowSelections)   # the recorder without an engine to wrap
+    rec.start(10)
+    assert rec.key_share([3, 4]) is None
+    rec._observe(0, None, torch.tensor([8, 9]), torch.tensor([[1, 2], [3, 5]]))   # row 8 is not answering
+    rec._observe(2, None, torch.tensor([9]), torch.tensor([[3, 4]]))
+    assert rec.key_share([3, 4]) == {"0": 0.5, "2": 1.0} and rec.key_share([]) is None
+
+
+def test_eval_needle_engine_options_follow_the_flags():
+    from sparsekv.tools.eval_needle import llm_options, needle_parser, tiering_options
+    args = needle_parser().parse_args(["m", "--no-prefix-caching", "--device-buffer-tokens", "4096"])
+    opts = llm_options(args, "dense", 1000)
+    assert opts["enable_prefix_caching"] is False and opts["attention"] == "dense" and opts["max_model_len"] == 1000
+    assert llm_options(needle_parser().parse_args(["m"]), "sparse", 1000)["enable_prefix_caching"] is True
+    assert tiering_options(args) == {"kv_tiering": True, "device_buffer_tokens": 4096}
+
+
+def test_make_llm_runs_untiered_and_says_why_when_the_machine_refuses_tiering(monkeypatch):
+    import sparsekv.llm
+    from sparsekv.config import ConfigError
+    from sparsekv.tools.eval_needle import make_llm, needle_parser
+    made = []
+
+    class FakeLLM:
+        def __init__(self, model, **opts):
+            if opts.get("kv_tiering"):
+                raise ConfigError("host store: not enough memory")
+            made.append(opts)
+    monkeypatch.setattr(sparsekv.llm, "LLM", FakeLLM)
+    args = needle_parser().parse_args(["m"])
+    llm, note = make_llm("m", "sparse", 1000, args)
+    assert isinstance(llm, FakeLLM) and "kv_tiering" not in made[-1]
+    assert note == "tiering not possible here (host store: not enough memory); ran without"
+    assert make_llm("m", "dense", 1000, args)[1] == "tiering off"

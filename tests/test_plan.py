@@ -241,6 +241,7 @@ def test_impossible_even_with_tiering_names_the_binding_resource(capsys):
     (["glm-5", "--weights", "int4"], "invalid choice"),
     (["glm-5", "--device-buffer-tokens", "100"], "must be >= top-k 2048"),
     (["glm-5", "--hardware", "this-cpu:x"], "must be a number"),
+    (["glm-5", "--hardware", "this-cpu:0"], "must be a number"),
     (["glm-5", "--mem-fraction", "1.5"], "--mem-fraction"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, words):
@@ -530,3 +531,159 @@ def test_layout_the_engine_refuses_gets_a_note(capsys):
     for argv in (("glm-5",), ("glm-5", "--tp", "8"), ("glm-5", "--nodes", "2", "--tp", "16")):
         assert json.loads(_json_plan(*argv))["notes"] == []
         assert "note:" not in run(capsys, *argv)[1]
+
+
+# ---------------------------------------------------------------- review: what each misfit message says
+
+def test_weights_misfit_suggests_fp8_only_when_weights_are_not_fp8(capsys):
+    """GLM-5 on one GPU does not fit in either format; only bf16 weights are told to try fp8."""
+    messages = {}
+    for fmt in ("bf16", "fp8"):
+        rc, out, _ = run(capsys, "glm-5", "--gpus-per-node", "1", "--weights", fmt, "--json")
+        messages[fmt] = json.loads(out)["verdict"]["message"]
+        assert rc == 1 and messages[fmt].startswith("does not fit: weights need")
+    assert "or use --weights fp8" in messages["bf16"] and "--weights fp8" not in messages["fp8"]
+
+
+def test_host_capacity_misfit_names_host_dram_and_the_max():
+    plan = json.loads(_json_plan("glm-5.2", "--context", "1M", "--concurrency", "16", "--tiering",
+                                 "--latent-cache", "bf16", "--indexer-cache", "bf16", "--host-dram-gb", "256"))
+    mem, v = plan["memory"], plan["verdict"]
+    assert v["binding"] == "host capacity"
+    assert v["message"] == (f"does not fit even with tiering: 16 requests per node need {mem['host_needed'] / 1e9:.0f} "
+                            f"GB of host DRAM per node, a node has {mem['host_available'] / 1e9:.0f} GB usable; max "
+                            f"{mem['max_requests_per_node']['tiering']} per node (binding: host capacity)")
+
+
+def test_tiered_hbm_misfit_counts_the_tiered_request_bytes():
+    """With tiering a request's device bytes are its hot buffer plus indexer keys, not its whole latent
+    history: the message's per-request figure and max are the tiered ones."""
+    plan = json.loads(_json_plan("glm-5.2", "--context", "1M", "--concurrency", "512", "--tiering",
+                                 "--latent-cache", "bf16", "--indexer-cache", "bf16"))
+    mem, v = plan["memory"], plan["verdict"]
+    per_rank = plan["decode"]["requests_per_gpu"]
+    assert v["binding"] == "HBM capacity" and mem["device_per_request"]["tiering"] < mem["device_per_request"]["no_tiering"]
+    assert v["message"].startswith(f"does not fit even with tiering: {per_rank} requests per GPU x "
+                                   f"{mem['device_per_request']['tiering'] / 1e9:.2f} GB exceed")
+    assert f"max {mem['max_requests_per_node']['tiering']} per node" in v["message"]
+
+
+def test_deployment_validate_refuses_a_zero_mem_fraction():
+    """The API checks what the CLI's --mem-fraction does: no usable device memory is not a deployment."""
+    with pytest.raises(PlanError, match="--mem-fraction must be in"):
+        Deployment(HW["h200"], mem_fraction=0.0).validate()
+    Deployment(HW["h200"], tp=8, mem_fraction=1.0).validate()
+
+
+def test_workload_validate_refuses_a_miss_rate_above_one():
+    with pytest.raises(PlanError, match="--miss-rate must be in"):
+        Workload(((1000, 1.0),), miss_rate=1.5).validate()
+    Workload(((1000, 1.0),), miss_rate=1.0).validate()
+
+
+@pytest.mark.parametrize("context", ["64K:0", "64K:0,1M:1"])
+def test_context_weights_must_be_positive(capsys, context):
+    rc, out, err = run(capsys, "glm-5", "--context", context)
+    assert rc == 2 and out == "" and "weights in --context must be finite numbers > 0" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- review: hardware profiles and presets
+
+@pytest.mark.parametrize("changes, field", [({"gpus_per_node": True}, "gpus_per_node"),
+                                            ({"mem_bw": False}, "mem_bw"),
+                                            ({"hbm_gb": 141}, "hbm_gb")])
+def test_hardware_profile_with_a_boolean_or_unknown_field_is_refused(capsys, tmp_path, changes, field):
+    """JSON true is not a GPU count, nor false a bandwidth (bool is an int in Python); a field the
+    profile does not have is a typo, not something to ignore."""
+    path = _profile(tmp_path, **changes)
+    rc, out, err = run(capsys, "glm-5", "--hardware", path)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert path in err and field in err
+
+
+def test_hardware_profile_without_host_dram_is_accepted(tmp_path):
+    """host_dram_bytes 0 is a node with no host DRAM for the cache: a valid profile (tiering backs nothing)."""
+    hw = load_hardware(_profile(tmp_path, host_dram_bytes=0))
+    assert hw.host_dram_bytes == 0 and hw.device_mem_bytes == HW["h200"].device_mem_bytes
+
+
+def test_hardware_preset_names_ignore_case():
+    assert load_hardware("H200") is HW["h200"] and load_hardware("GH200") is HW["gh200"]
+
+
+def test_measure_this_cpu_restores_the_thread_count():
+    """Measuring with the engine's thread count must not leave it set for the rest of the process."""
+    import torch
+    before = torch.get_num_threads()
+    measure_this_cpu(quick=True, threads=before + 1)
+    assert torch.get_num_threads() == before
+
+
+# ---------------------------------------------------------------- review: the tables print what the plan holds
+
+def _render(renderable) -> str:
+    import io
+    from rich.console import Console
+    con = Console(file=io.StringIO(), width=250)
+    con.print(renderable)
+    return con.file.getvalue()
+
+
+def _row(text: str, first_cell: str) -> list[str]:
+    line = next(ln for ln in text.splitlines() if ln.startswith("│") and ln.split("│")[1].strip() == first_cell)
+    return [cell.strip() for cell in line.split("│")[1:-1]]
+
+
+def test_sizes_switch_from_mb_to_gb_at_ten_megabytes():
+    from sparsekv.tools.plan_report import _gb
+    assert _gb(9_999_999) == "10.00 MB" and _gb(10_000_000) == "0.01 GB" and _gb(141e9) == "141.00 GB"
+
+
+def test_header_names_nodes_and_context_weights_only_where_there_are_several():
+    from sparsekv.tools.plan_report import header
+    one = header(json.loads(_json_plan("glm-5")))
+    assert "nodes x" not in one and "\n8x H200" in one and "context 128K, " in one and " x1.00" not in one
+    two = header(json.loads(_json_plan("glm-5.2", "--nodes", "2", "--context", "64K:1,1M:3", "--concurrency", "8")))
+    assert "\n2 nodes x 8x H200" in two and "context 64K x0.25, 1M x0.75, " in two
+
+
+def test_cache_table_rows_hold_their_own_cache_kind():
+    """GLM-5 in FP8: a latent row of 656 B x 78 layers, an indexer-key row of 132 B x 78 layers."""
+    from sparsekv.tools.plan_report import cache_table
+    text = _render(cache_table(json.loads(_json_plan("glm-5"))))
+    assert _row(text, "latent (MLA)")[:5] == ["latent (MLA)", "fp8", "656", "78", f"{656 * 78:,}"]
+    assert _row(text, "indexer keys")[:5] == ["indexer keys", "fp8", "132", "78", f"{132 * 78:,}"]
+
+
+def test_capacity_table_shows_the_host_limit_on_the_tiered_row():
+    from sparsekv.tools.plan_report import capacity_table
+    plan = json.loads(_json_plan("glm-5"))
+    row = _row(_render(capacity_table(plan)), "tiering")
+    assert row[3] == f"{plan['memory']['max_requests_per_node']['tiering']} (host allows " \
+                     f"{plan['memory']['host_limit_requests']})"
+
+
+def test_parallel_kv_caption_marks_rows_beyond_the_model():
+    """GLM-5's rows are 128K (within its 202,752 positions) and 1M (beyond): the * needs its caption."""
+    from sparsekv.tools.plan_report import parallel_kv_table
+    table = parallel_kv_table(json.loads(_json_plan("glm-5")))
+    assert table.caption == "* beyond the model's max_position_embeddings: a what-if"
+
+
+def test_collectives_table_of_a_single_rank():
+    """One GPU per replica (GH200): no collective to list, a 'none' row, and no EP caption."""
+    from sparsekv.tools.plan_report import collectives_table
+    plan = json.loads(_json_plan("glm-5.2", "--hardware", "gh200", "--context", "8K", "--concurrency", "1"))
+    assert plan["parallel"]["collectives"] == [] and plan["parallel"]["world"] == 1 and plan["parallel"]["ep"]
+    table = collectives_table(plan)
+    assert _row(_render(table), "none")[:4] == ["none", "-", "1", "one rank per replica"]
+    assert table.caption is None
+    assert collectives_table(json.loads(_json_plan("glm-5", "--tp", "8"))).caption.startswith("EP with DP 1")
+
+
+def test_table_report_prints_warnings_and_the_prefix_cache(capsys):
+    rc, out, _ = run(capsys, "deepseek-v3.2", "--context", "1M", "--concurrency", "8", "--tiering",
+                     "--prefix-cache-host-gb", "100")
+    assert rc == 0 and "warning: context 1,048,576 is beyond the model's max_position_embeddings" in out
+    assert "Prefix cache tiers" in out and "recompute (prefill, ideal)" in out

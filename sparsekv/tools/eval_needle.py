@@ -136,10 +136,10 @@ def build_samples(builder: TaskBuilder, tasks, length: int, depths, n: int):
 
 
 def key_positions(prompt: list[int], key_ids: list[int]) -> list[int]:
-    """Positions of every occurrence of the key's token sequence in the prompt."""
+    """Positions covered by any occurrence of the key's token sequence in the prompt, each once, in order."""
     n = len(key_ids)
     starts = [i for i in range(len(prompt) - n + 1) if prompt[i:i + n] == key_ids] if n else []
-    return [i + j for i in starts for j in range(n)]
+    return sorted({i + j for i in starts for j in range(n)})
 
 
 class AnswerRowSelections:

@@ -200,8 +200,8 @@ def load_hardware(spec: str) -> Hardware:
         return PRESETS[key]
     if key == "this-cpu" or key.startswith("this-cpu:"):
         threads = key.partition(":")[2]
-        if threads and not threads.isdigit():
-            raise ValueError(f"hardware {spec!r}: the thread count after 'this-cpu:' must be a number")
+        if threads and not (threads.isdigit() and int(threads) >= 1):
+            raise ValueError(f"hardware {spec!r}: the thread count after 'this-cpu:' must be a number >= 1")
         return measure_this_cpu(threads=int(threads) if threads else None)
     if os.path.isfile(spec):
         return _load_profile(spec)
