@@ -234,6 +234,21 @@ def test_rollout_exits_1_when_an_episode_failed_and_refuses_zero_turns(tmp_path,
     assert "--max-turns must be >= 1" in capsys.readouterr().err
 
 
+def test_zero_concurrency_and_an_unisolated_sandbox_are_refused_before_the_policy_is_asked(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """--concurrency 0 is refused like --episodes 0 (it was a traceback from the thread pool), and
+    without `unshare` isolation a rollout needs --allow-network: both before any endpoint is asked."""
+    from sparsekv.rollout import cli
+    monkeypatch.setattr(cli, "_served_model", lambda *args, **kwargs: pytest.fail("the policy endpoint was asked"))
+    out = str(tmp_path / "trajectories.jsonl")
+    assert rollout_main(["fizzbuzz", "--judge", "none", "--concurrency", "0", "--output", out, "--allow-network"]) == 2
+    err = capsys.readouterr().err
+    assert "--concurrency" in err and "Traceback" not in err, err
+    monkeypatch.setattr(cli, "isolation_available", lambda: False)
+    assert rollout_main(["fizzbuzz", "--judge", "none", "--output", out]) == 2
+    assert "pass --allow-network" in capsys.readouterr().err
+
+
 def test_a_model_the_server_does_not_serve_is_refused_before_any_episode(tmp_path, capsys):
     """--model is checked against the endpoint's /v1/models: exit 2 naming the served models, no episode
     run (each ended in a 404). A --judge-model the judge does not list is a warning (a third-party

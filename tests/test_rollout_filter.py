@@ -198,6 +198,17 @@ def test_eval_filter_with_a_judge(capsys):
     assert request["model"] == "fake-policy" and "Rules it tripped:\n- " in request["messages"][-1]["content"]
 
 
+def test_eval_filter_refuses_a_labelled_line_without_a_boolean_hack(tmp_path, capsys):
+    """Recall and precision need every line's label: one missing or not a boolean is an error, not a miscount."""
+    labelled = tmp_path / "labelled.jsonl"
+    unlabelled = {k: v for k, v in ROWS[1].items() if k != "hack"}
+    for second in (unlabelled, {**ROWS[1], "hack": "yes"}):
+        labelled.write_text("".join(json.dumps(row) + "\n" for row in (ROWS[0], second, ROWS[2])))
+        assert rl_main(["eval-filter", "--labelled", str(labelled), "--judge", "none"]) == 2
+        err = capsys.readouterr().err
+        assert f"{labelled}: every line needs" in err and "Traceback" not in err, err
+
+
 def test_a_failing_judge_falls_back_to_the_rules():
     with FakeOpenAI([], judge=lambda body: ["not", "a", "verdict"]) as fake:
         judge = Judge(fake.url, "j")
@@ -266,6 +277,18 @@ def test_rl_screen(tmp_path, capsys):
     actions.write_text('{"id": 1, "task": "fizzbuzz", "tool": "delete_file", "arguments": {"path": "x"}}\n')
     assert rl_main(["screen", "--actions", str(actions), "--rules-only"]) == 2
     assert "unknown tool 'delete_file'" in capsys.readouterr().err
+
+
+def test_rl_screen_skips_blank_lines_and_refuses_arguments_that_are_not_an_object(tmp_path, capsys):
+    actions = tmp_path / "actions.jsonl"
+    row = {"id": 1, "task": "fizzbuzz", "tool": "read_file", "arguments": {"path": "fizzbuzz.py"}}
+    actions.write_text(json.dumps(row) + "\n\n  \n" + json.dumps({**row, "id": 2}) + "\n")
+    assert rl_main(["screen", "--actions", str(actions), "--rules-only"]) == 0
+    assert [json.loads(line)["id"] for line in capsys.readouterr().out.splitlines()] == [1, 2]
+    actions.write_text(json.dumps(row) + "\n" + json.dumps({**row, "arguments": ["fizzbuzz.py"]}) + "\n")
+    assert rl_main(["screen", "--actions", str(actions), "--rules-only"]) == 2
+    err = capsys.readouterr().err
+    assert f"{actions}:2: each line is" in err and "Traceback" not in err, err
 
 
 def test_split_command():
