@@ -16,18 +16,18 @@ PROMPT_ARGS = ("prompt", "prompt_file", "prompt_token_ids")  # data, not setting
 
 
 def _prompt(args) -> str | list[int]:
-    if args.prompt_token_ids:
+    if args.prompt_token_ids is not None:  # NOTE: not truthiness: an empty value is an error, not no prompt
         try:
             return [int(t) for t in args.prompt_token_ids.split(",")]
         except ValueError:
             raise InvalidRequest(f"--prompt-token-ids must be comma-separated integers, got {args.prompt_token_ids!r}")
-    if args.prompt_file:
+    if args.prompt_file is not None:
         return read_text_option(args.prompt_file, "--prompt-file")
     return args.prompt
 
 
 def _structured_output(args) -> dict | None:
-    if args.json_schema:
+    if args.json_schema is not None:
         return {"type": "json_schema", "schema": read_text_option(args.json_schema, "--json-schema")}
     if args.json_object:
         return {"type": "json_object"}
@@ -80,9 +80,10 @@ def generate_main(argv: list[str]) -> int:
                                 repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                                 frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens,
                                 structured_output=_structured_output(args))
+        prompt = _prompt(args)  # read first: a wrong --prompt-file fails before the weights load
         llm = LLM(args.model, **engine_options(args))
         with llm:  # saves the prefix cache to its disk tier, if one is given
-            out, timing = _timed_generate(llm, _prompt(args), params)
+            out, timing = _timed_generate(llm, prompt, params)
     except (InvalidRequest, ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"sparsekv generate: error: {engine_error(e, parser)}", file=sys.stderr)
         return 2

@@ -96,6 +96,19 @@ def test_make_tiny_model_refuses_a_directory_that_holds_files_or_a_file(tmp_path
     assert "symbolic link" in capsys.readouterr().err and (tmp_path / "link").is_symlink()
 
 
+def test_make_tiny_model_that_cannot_write_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
+    """A write that fails after the checks (a full disk) is the run's failure, exit 1, not a usage error."""
+    import sparsekv.train.cli
+
+    def full_disk(path, write):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(sparsekv.train.cli, "write_dir_whole", full_disk)
+    path = str(tmp_path / "tiny")
+    assert main(["make-tiny-model", path]) == 1
+    err = capsys.readouterr().err
+    assert f"sparsekv make-tiny-model: error: {path}: " in err and "No space left" in err and "Traceback" not in err
+
+
 def test_a_missing_default_model_says_a_make_tiny_model_command_that_works(tmp_path, monkeypatch, capsys):
     import re
     from sparsekv.paths import default_model_path
@@ -147,6 +160,15 @@ def test_config_fields_in_a_message_become_flags():
             ("quest_page_tokens 8 must divide kv_page_size 64", "--quest-page-tokens 8 must divide --kv-page-size 64"),
             ("index_topk (256) at /tmp/seed/max_model_len", "index_topk (256) at /tmp/seed/max_model_len")):
         assert with_flag_names(message, flags) == named
+
+
+def test_a_flag_with_a_short_alias_is_named_by_its_long_flag():
+    """-tp/-dp are aliases: an error about tensor_parallel_size names --tensor-parallel-size, as the docs do."""
+    from sparsekv.__main__ import parser_for
+    from sparsekv.engine_args import flags_by_dest, with_flag_names
+    flags = flags_by_dest(parser_for(["serve"])[0])
+    assert (flags["tensor_parallel_size"], flags["data_parallel_size"]) == ("--tensor-parallel-size", "--data-parallel-size")
+    assert with_flag_names("tensor_parallel_size 3 must divide 8", flags) == "--tensor-parallel-size 3 must divide 8"
 
 
 def test_every_benchmark_is_named_in_the_error_the_help_and_the_synopsis(capsys):
@@ -271,6 +293,31 @@ def test_flags_out_of_range_are_usage_errors_before_any_work(capsys, serve_never
         assert code == 2 and flag in err and "Traceback" not in err, (argv, err)
 
 
+def test_generate_reads_its_prompt_and_schema_before_the_engine_is_built(tmp_path, monkeypatch, capsys):
+    """A prompt or schema option that cannot be read is a one-line error naming its flag before the
+    weights load (it came after them; an empty --prompt-file or --prompt-token-ids named no flag at all,
+    and an empty --json-schema generated free text)."""
+    import sparsekv.llm
+    monkeypatch.setattr(sparsekv.llm, "LLM", lambda *args, **kwargs: pytest.fail("the engine was built first"))
+    for argv, flag in ((["--prompt-file", str(tmp_path / "none")], "--prompt-file"), (["--prompt-file", ""], "--prompt-file"),
+                       (["--prompt-token-ids", "1,x"], "--prompt-token-ids"), (["--prompt-token-ids", ""], "--prompt-token-ids"),
+                       (["--prompt", "x", "--json-schema", ""], "--json-schema")):
+        assert main(["generate", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert f"sparsekv generate: error: {flag}" in err and "Traceback" not in err, (argv, err)
+
+
+def test_rollout_wall_time_must_be_finite_and_positive_before_any_episode(capsys):
+    """--wall-time inf was accepted, then every command failed inside the sandbox (subprocess's
+    communicate(timeout=inf) raises OverflowError, leaving the command running); --wall-time 0 killed
+    every command at once."""
+    for value in ("inf", "0", "-1", "nan"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["rollout", "--wall-time", value])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "--wall-time" in err and "Traceback" not in err, (value, err)
+
+
 def test_an_option_file_that_is_not_utf8_or_missing_is_one_line_naming_its_flag(tmp_path, capsys):
     bad = tmp_path / "bad"
     bad.write_bytes(b"\xff\xfe not text")
@@ -381,6 +428,19 @@ def test_every_engine_flag_defaults_to_the_engines_own_default_and_reaches_the_e
         field = fields[name]
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
         assert value == default, (name, value, default)
+
+
+@pytest.mark.parametrize("command, required", [("generate", ["--prompt", "x"]), ("serve", [])])
+def test_quest_page_tokens_with_selector_quest_reach_the_engine(command, required):
+    """docs/tiers.md: --quest-page-tokens is refused without --selector quest, and taken with it."""
+    from sparsekv.__main__ import parser_for
+    from sparsekv.config import EngineConfig
+    from sparsekv.engine_args import engine_options
+    from sparsekv.paths import default_model_path
+    parser, argv = parser_for([command])
+    options = engine_options(parser.parse_args(argv + required + ["--selector", "quest", "--quest-page-tokens", "8"]))
+    assert (options["selector"], options["quest_page_tokens"]) == ("quest", 8)
+    EngineConfig(model=default_model_path(), **options).validate()
 
 
 def test_the_option_types_accept_their_edges_and_refuse_one_past():

@@ -571,6 +571,77 @@ def test_serve_cli_refuses_an_fd_that_is_not_a_listening_tcp_socket(tmp_path, ca
         assert not f.closed and idle.fileno() >= 0  # the descriptors refused are left as they were
 
 
+def test_a_start_that_fails_after_the_port_is_bound_closes_the_port_and_the_built_engine(monkeypatch, capsys):
+    """Once the port is bound (before the weights load), a failure still gives back what start-up took:
+    the listening socket on every error path, and an engine already built when --default-max-tokens
+    leaves no room within its max_model_len."""
+    import sparsekv.llm
+    from sparsekv.parallel.launch import StartupError
+    from sparsekv.server import cli
+    bound, closed = [], []
+    listen = cli.listening_socket
+    monkeypatch.setattr(cli, "listening_socket", lambda host, port: bound.append(listen(host, port)) or bound[-1])
+
+    class Engine:
+        max_model_len = 64
+
+        def close(self):
+            closed.append(self)
+    for error, code in ((ValueError("no weights"), 2), (StartupError("rank 1 never came"), 1), (None, 2)):
+        def build_engine(config, error=error):
+            if error is not None:
+                raise error
+            return Engine()
+        monkeypatch.setattr(sparsekv.llm, "build_engine", build_engine)
+        assert cli.main(["--port", "0", "--default-max-tokens", "64"]) == code
+        err = capsys.readouterr().err
+        assert "sparsekv serve: error: " in err and "Traceback" not in err, err
+        assert len(bound) and bound[-1].fileno() == -1, (error, "the listening socket was left open")
+    assert len(bound) == 3 and len(closed) == 1
+
+
+def test_an_engine_option_error_is_said_before_the_port_is_bound(capsys, serve_never_listens):
+    """config.validate() runs before bind(): an option the engine refuses never holds the port first."""
+    from sparsekv.server.cli import main
+    for argv, flag in ((["--dist-timeout", "inf"], "--dist-timeout"), (["--threads", "-2"], "--threads")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"error: {flag} must be" in err and "Traceback" not in err, err
+
+
+def test_a_process_that_only_hosts_ranks_serves_nothing(monkeypatch):
+    """host_ranks returning 0 (this node's or torchrun rank's part done) ends the command: no server."""
+    from sparsekv.server import cli
+    monkeypatch.setattr(cli, "host_ranks", lambda parser, args: 0)
+    monkeypatch.setattr(cli, "build_app", lambda args, bind: pytest.fail("a process hosting ranks built a server"))
+    assert cli.main(["--port", "0"]) == 0
+
+
+def test_a_decode_worker_gets_a_host_tier_for_the_pages_it_is_sent_unless_one_is_given(tmp_path, monkeypatch):
+    """docs/disaggregation.md: a decode worker without --prefix-cache-host-bytes gets
+    DEFAULT_DECODE_HOST_BYTES (transferred pages the pool has no room for); a given size is kept, and a
+    prefill worker or a colocated server gets no host tier it was not asked for."""
+    from disagg_util import secret_file
+
+    import sparsekv.llm
+    from sparsekv.disagg.worker import DEFAULT_DECODE_HOST_BYTES
+    from sparsekv.server.cli import build_app, build_parser
+    configs = []
+
+    def build_engine(config):
+        configs.append(config)
+        raise ValueError("stop before the weights load")
+    monkeypatch.setattr(sparsekv.llm, "build_engine", build_engine)
+    secret = ["--disaggregation-secret-file", secret_file(tmp_path)]
+    for argv, host_bytes in ((["--disaggregation-mode", "decode", *secret], DEFAULT_DECODE_HOST_BYTES),
+                             (["--disaggregation-mode", "decode", *secret, "--prefix-cache-host-bytes", "1M"], 1 << 20),
+                             (["--disaggregation-mode", "prefill", *secret], None), ([], None)):
+        with pytest.raises(ValueError, match="stop before"):
+            build_app(build_parser().parse_args(argv))
+        assert configs[-1].prefix_cache_host_bytes == host_bytes, argv
+    assert len(configs) == 4
+
+
 def test_signals_drain_then_abort_then_force_and_a_second_after_the_drain_forces():
     """The signal handler's steps: the first starts a drain, the second aborts what is left, the third
     forces the exit; once the drain is over (uvicorn waits for connections), the second forces it."""
@@ -621,10 +692,26 @@ def test_disaggregation_flags_a_role_ignores_are_named_and_only_a_prefill_worker
         assert disaggregation_settings(args).bootstrap_port == port, mode
 
 
+def test_a_negative_fd_is_a_usage_error_naming_the_flag(capsys, serve_never_listens):
+    """--fd -1 was "error: negative file descriptor" (socket's ValueError, no flag named), after the checks."""
+    from sparsekv.server.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--fd", "-1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--fd" in err and "Traceback" not in err, err
+
+
 def test_weight_updates_drain_by_default():
     """docs/rl.md: `drain` (the default) lets the requests already started finish under the old weights."""
     from sparsekv.server.cli import build_parser
     assert build_parser().parse_args([]).weight_update_policy == "drain"
+
+
+def test_serve_listens_on_vllms_default_address():
+    """Without --host/--port, `sparsekv serve` is where vLLM's is and the README's curl goes: 127.0.0.1:8000."""
+    from sparsekv.server.cli import build_parser
+    args = build_parser().parse_args([])
+    assert (args.host, args.port, args.fd) == ("127.0.0.1", 8000, None)
 
 
 def test_an_in_process_server_whose_thread_dies_is_reported_at_once(monkeypatch):

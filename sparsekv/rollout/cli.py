@@ -10,7 +10,7 @@ from pathlib import Path
 
 import openai
 
-from ..engine_args import at_least, output_path
+from ..engine_args import at_least, output_path, positive_finite
 from .episode import EpisodeConfig, Policy, run_episode
 from .intercept import Pipeline
 from .judge import Judge
@@ -63,7 +63,7 @@ def build_rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=at_least(0.0, float), default=1.0)
     p.add_argument("--seed", type=int, default=None, help="episode i of a task uses seed + i")
     p.add_argument("--routed-experts", action="store_true", help="ask for and record return_routed_experts")
-    p.add_argument("--wall-time", type=at_least(0.0, float), default=60.0, help="seconds per command")
+    p.add_argument("--wall-time", type=positive_finite, default=60.0, help="seconds per command")
     p.add_argument("--cpu-time", type=at_least(1), default=30, help="CPU seconds per command")
     p.add_argument("--memory-mb", type=at_least(MIN_MEMORY_MB), default=2048,
                    help=f"address space per command (at least {MIN_MEMORY_MB}: less and a shell cannot start)")

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint directory or Hugging Face repo id ORG/NAME (default: the bundled model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000)
-    p.add_argument("--fd", type=int, default=None, metavar="FD",
+    p.add_argument("--fd", type=at_least(0), default=None, metavar="FD",
                    help="serve on this inherited, listening TCP socket (a file descriptor, as uvicorn's --fd: "
                         "sockets handed over by a supervisor); --host and --port are then not bound")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",
