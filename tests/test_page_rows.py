@@ -100,15 +100,22 @@ def test_the_host_tier_copies_a_view_at_the_start_of_a_larger_tensor():
         assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
 
 
-def test_a_page_saved_again_is_used_again_and_outlives_older_copies():
-    """A page the host tier holds, saved or put again, is not copied twice: it becomes the most recently
-    used, so the next page over the budget pushes out the copy saved after it, not it."""
+def _host_of_two_pages():
+    """(rows, a host tier of two pages' budget holding pages a and b saved in that order on a counting
+    clock, the names it spills)."""
     rows, _ = _rows()
     spilled = []
     host = PrefixHostStore(rows, 2 * rows.page_bytes, spill=lambda name, r, tenant: spilled.append(name))
     host.clock = iter(range(100)).__next__
     host.save(b"a", 0, "default")
     host.save(b"b", 1, "default")
+    return rows, host, spilled
+
+
+def test_a_page_saved_again_is_used_again_and_outlives_older_copies():
+    """A page the host tier holds, saved or put again, is not copied twice: it becomes the most recently
+    used, so the next page over the budget pushes out the copy saved after it, not it."""
+    rows, host, spilled = _host_of_two_pages()
     host.save(b"a", 2, "default")
     host.put(b"b", _saved(9), "default")
     host.save(b"a", 3, "default")
@@ -124,12 +131,7 @@ def test_a_page_saved_again_is_used_again_and_outlives_older_copies():
 def test_a_host_hit_keeps_its_copy_over_older_ones():
     """A copy read back (`take`, a host-tier hit) is used now: the next page over the budget pushes out
     the copy saved after it and not hit, not the one hit."""
-    rows, _ = _rows()
-    spilled = []
-    host = PrefixHostStore(rows, 2 * rows.page_bytes, spill=lambda name, r, tenant: spilled.append(name))
-    host.clock = iter(range(100)).__next__
-    host.save(b"a", 0, "default")
-    host.save(b"b", 1, "default")
+    rows, host, spilled = _host_of_two_pages()
     assert torch.equal(host.take(b"a")[0], rows.copy_out(0)[0])
     host.save(b"c", 2, "default")
     assert spilled == [b"b"] and [name for name, _, _ in host.items()] == [b"a", b"c"]

@@ -1153,6 +1153,24 @@ def test_a_full_disk_evicts_the_oldest_pages_and_retries_the_write_once(tmp_path
     disk.close()
 
 
+def files_that(open_file, during_read):
+    """A stand-in for `prefix_disk.open_regular` whose files hand each read's bytes to `during_read`
+    (which may change the tier meanwhile) and return what it returns."""
+    class File:
+        def __init__(self, path):
+            self.f = open_file(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, *args):
+            return during_read(self.f.read(*args))
+    return File
+
+
 @pytest.mark.parametrize("damaged", [False, True], ids=["whole", "damaged"])
 def test_a_page_leaving_the_tier_while_it_is_read_is_neither_served_nor_a_failure(ckpt, tmp_path, monkeypatch,
                                                                                    caplog, damaged):
@@ -1167,21 +1185,10 @@ def test_a_page_leaving_the_tier_while_it_is_read_is_neither_served_nor_a_failur
     file_id = disk._files.keys(None)[0]
     real = prefix_disk.open_regular
 
-    class LeavesWhileRead:
-        def __init__(self, path):
-            self.f = real(path)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def read(self, *args):
-            data = self.f.read(*args)
-            disk.drop()  # the page leaves the tier while its bytes are in flight
-            return data[:len(data) // 2] if damaged else data
-    monkeypatch.setattr(prefix_disk, "open_regular", LeavesWhileRead)
+    def leaves_while_read(data: bytes) -> bytes:
+        disk.drop()  # the page leaves the tier while its bytes are in flight
+        return data[:len(data) // 2] if damaged else data
+    monkeypatch.setattr(prefix_disk, "open_regular", files_that(real, leaves_while_read))
     assert disk._read(file_id) is None
     assert disk.failed == 0 and "unreadable" not in caplog.text
     monkeypatch.setattr(prefix_disk, "open_regular", real)

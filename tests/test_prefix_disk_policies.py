@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from test_prefix_disk import _files, _rows
+from test_prefix_disk import _files, _rows, files_that
 
 
 def _name(i: int) -> bytes:
@@ -420,22 +420,11 @@ def test_a_page_that_left_and_came_back_while_it_was_read_is_kept(tmp_path, monk
     disk.flush()
     real = prefix_disk.open_regular
 
-    class ReplacedWhileRead:
-        def __init__(self, path):
-            self.f = real(path)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def read(self, *args):
-            data = self.f.read(*args)
-            disk.drop("alice")
-            disk.save_rows(_name(0), rows.copy_out(1), "alice")  # the page back, under a new write
-            return data[:len(data) // 2]  # the old file cut short under the read
-    monkeypatch.setattr(prefix_disk, "open_regular", ReplacedWhileRead)
+    def replaced_while_read(data: bytes) -> bytes:
+        disk.drop("alice")
+        disk.save_rows(_name(0), rows.copy_out(1), "alice")  # the page back, under a new write
+        return data[:len(data) // 2]  # the old file cut short under the read
+    monkeypatch.setattr(prefix_disk, "open_regular", files_that(real, replaced_while_read))
     assert disk.take(_name(0)) is None
     monkeypatch.setattr(prefix_disk, "open_regular", real)
     disk.flush()
