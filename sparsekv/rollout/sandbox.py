@@ -18,10 +18,10 @@ symlink at the last step and never blocking on a FIFO or a device a command left
 from __future__ import annotations
 
 import errno
-import logging
 import fcntl
 import fnmatch
 import functools
+import logging
 import os
 import resource
 import shutil
