@@ -18,10 +18,12 @@ def port_number(text: str) -> int:
     return port
 
 
-def at_least(low, kind=int):
-    """An argparse type: a number of `kind` that is >= low."""
+def at_least(low, kind=int, high=None):
+    """An argparse type: a number of `kind` that is >= low (and <= high, where given)."""
     def parse(text: str):
         value = kind(text)
+        if high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {text}")
         if not value >= low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
         return value

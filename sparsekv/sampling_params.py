@@ -14,6 +14,7 @@ class InvalidRequest(ValueError):
 
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_N = 128  # choices per prompt (`n`), as the server allows
+MAX_TEMPERATURE = 100.0  # above it every distribution is flat to float precision
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:
@@ -101,8 +102,8 @@ class SamplingParams:
 
         need(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        need(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
-             f"must be a number in [0, 100], got {self.temperature!r}")
+        need(_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+             f"must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         need(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         need(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         need(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX), "seed",

@@ -318,6 +318,19 @@ def test_rollout_wall_time_must_be_finite_and_positive_before_any_episode(capsys
         assert exit_info.value.code == 2 and "--wall-time" in err and "Traceback" not in err, (value, err)
 
 
+def test_rollout_temperature_outside_what_the_server_accepts_is_refused_before_any_episode(capsys):
+    """--temperature inf or 1000 was accepted, then every policy call was refused by the server (it
+    accepts [0, 100]) and every episode ended in an error."""
+    for value in ("inf", "100.5", "-0.1", "nan"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["rollout", "--temperature", value])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "--temperature" in err and "Traceback" not in err, (value, err)
+    from sparsekv.rollout.cli import build_rollout_parser
+    args = build_rollout_parser().parse_args(["--temperature", "100"])
+    assert args.temperature == 100.0
+
+
 def test_an_option_file_that_is_not_utf8_or_missing_is_one_line_naming_its_flag(tmp_path, capsys):
     bad = tmp_path / "bad"
     bad.write_bytes(b"\xff\xfe not text")

@@ -234,8 +234,11 @@ def test_resetting_a_tenant_removes_its_files_only_and_a_zero_quota_keeps_none(t
     disk.close()
     none = _store(rows, tmp_path / "b", 4, max_pages_per_tenant=0)
     none.save_rows(_name(0), rows.copy_out(0), "alice")
+    copied = []
+    rows.copy_out = lambda page: copied.append(page)
+    none.save(_name(1), 1, "alice")  # and the pool page is not even read
     none.flush()
-    assert none.num_pages == 0 and _files(tmp_path / "b") == []
+    assert none.num_pages == 0 and _files(tmp_path / "b") == [] and copied == []
     none.check_integrity()
     none.close()
 

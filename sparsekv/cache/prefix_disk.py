@@ -462,8 +462,12 @@ class PrefixDiskStore:
         """Keep pool page `page`'s rows under `name`, last used now (or at `used_at`)."""
         if self.has(name):
             self.touch(name, used_at)
-        elif self.file_bytes <= self.capacity_bytes:
+        elif self._takes_pages():
             self.save_rows(name, self.rows.copy_out(page), tenant, used_at)
+
+    def _takes_pages(self) -> bool:
+        """Whether a page fits at all (the tier's capacity, a tenant's quota)."""
+        return self.file_bytes <= self.capacity_bytes and self.max_pages_per_tenant != 0
 
     def save_rows(self, name: bytes, rows: list[torch.Tensor], tenant: str, used_at: float | None = None) -> None:
         """Keep `rows` (host copies, not changed afterwards) under `name`: written in the background,
@@ -473,7 +477,7 @@ class PrefixDiskStore:
             self._touch(file_id, used_at)
             return
         digest = self.tenant_digest(tenant)
-        if self.file_bytes > self.capacity_bytes or self.max_pages_per_tenant == 0:
+        if not self._takes_pages():
             return
         with self._lock:
             self._hold_quota(digest, 1)

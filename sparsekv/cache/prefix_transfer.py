@@ -103,7 +103,8 @@ class PageTransfer:
 
     def forget(self, names: list[bytes]) -> int:
         """Forget the pages of these names in every tier, unless a request holds one (a failed import's
-        pages, undone where it had succeeded: parallel/dp_kv.py). Returns how many were forgotten."""
+        pages, undone where it had succeeded: parallel/dp_kv.py). Returns how many copies were forgotten (a
+        name held in two tiers counts in each)."""
         pool = [self._page_of[name] for name in names if name in self._page_of]
         dropped = self.allocator.cached.drop([page for page in pool if page in self.allocator.cached])
         for page in dropped:

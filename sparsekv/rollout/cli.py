@@ -11,6 +11,7 @@ from pathlib import Path
 import openai
 
 from ..engine_args import at_least, output_path, positive_finite
+from ..sampling_params import MAX_TEMPERATURE
 from .episode import EpisodeConfig, Policy, run_episode
 from .intercept import Pipeline
 from .judge import Judge
@@ -60,7 +61,7 @@ def build_rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-turns", type=int, default=16)
     p.add_argument("--max-tokens", type=at_least(1), default=1024, help="per policy turn")
     p.add_argument("--max-context", type=at_least(1), default=32768, help="tokens; older tool outputs are compacted to fit")
-    p.add_argument("--temperature", type=at_least(0.0, float), default=1.0)
+    p.add_argument("--temperature", type=at_least(0.0, float, high=MAX_TEMPERATURE), default=1.0)
     p.add_argument("--seed", type=int, default=None, help="episode i of a task uses seed + i")
     p.add_argument("--routed-experts", action="store_true", help="ask for and record return_routed_experts")
     p.add_argument("--wall-time", type=positive_finite, default=60.0, help="seconds per command")
