@@ -17,7 +17,7 @@ from ..context import ForwardContext, SeqSlice, index_tensor
 from ..kernels.attention import fill_blocks, latent_attention, query_block_size
 from .decode_plan import DecodePlan, dense_length, groups_within as _groups_within, plan_of  # noqa: F401
 from .indexer import LightningIndexer
-from .layers import rms_norm, rotate
+from .layers import gemm_layout, rms_norm, rotate
 from .selectors import DSASelector
 
 
@@ -45,8 +45,9 @@ class MLAttention:
         self.w_uv = kv_b[:, cfg.qk_nope_head_dim:]   # [H, v, C]
         self.w_uv_t = self.w_uv.transpose(1, 2).contiguous()  # [H, C, v] for the batched GEMM
         # W_DQ and W_DKV both read x: one GEMM (q_a and kv_a become views of it)
-        self.w_a = torch.cat([w.q_a, w.kv_a])
+        self.w_a = gemm_layout(torch.cat([w.q_a, w.kv_a]))
         w.q_a, w.kv_a = self.w_a[:w.q_a.shape[0]], self.w_a[w.q_a.shape[0]:]
+        w.q_b, w.o = gemm_layout(w.q_b), gemm_layout(w.o)
         self.scale = cfg.softmax_scale
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:

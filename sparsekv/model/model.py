@@ -14,7 +14,7 @@ from ..context import ForwardContext
 from ..parallel.comm import SingleRank
 from .attention import AttentionWeights, MLAttention
 from .indexer import IndexerWeights, LightningIndexer, ScoreScratch
-from .layers import MoE, DenseMLP, RotaryTable, rms_norm
+from .layers import MoE, DenseMLP, RotaryTable, gemm_layout, rms_norm
 
 
 SINGLE_RANK = SingleRank()
@@ -66,7 +66,8 @@ class DSAModel:
         self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self.embed = tensors["model.embed_tokens.weight"]
         self.norm = tensors["model.norm.weight"]
-        self.lm_head = tensors["lm_head.weight"] if "lm_head.weight" in tensors else self.embed
+        # a tied head stays the embedding table (a copy in the GEMM's layout would double it)
+        self.lm_head = gemm_layout(tensors["lm_head.weight"]) if "lm_head.weight" in tensors else self.embed
         self.index_scratch = ScoreScratch()   # shared by every indexer: layers run one at a time
         local = replace(cfg, num_attention_heads=cfg.num_attention_heads // comm.tp_size)
         self.layers = []
@@ -123,8 +124,9 @@ def build_layer(cfg: ModelConfig, i: int, tensors: dict, has_indexer: bool, mlp_
     if has_indexer:
         ix = f"{a}.indexer"
         indexer = LightningIndexer(cfg, IndexerWeights(
-            _p(tensors, ix, "wq_b.weight"), _p(tensors, ix, "wk.weight"), _p(tensors, ix, "k_norm.weight"),
-            _p(tensors, ix, "k_norm.bias"), _p(tensors, ix, "weights_proj.weight").float()), scratch)
+            gemm_layout(_p(tensors, ix, "wq_b.weight")), gemm_layout(_p(tensors, ix, "wk.weight")),
+            _p(tensors, ix, "k_norm.weight"), _p(tensors, ix, "k_norm.bias"),
+            gemm_layout(_p(tensors, ix, "weights_proj.weight").float())), scratch)
     ffn = build_ffn(cfg, f"{p}.mlp", tensors, mlp_type)
     return DecoderLayer(cfg, MLAttention(cfg, i, attn_w, indexer), ffn,
                         _p(tensors, p, "input_layernorm.weight"), _p(tensors, p, "post_attention_layernorm.weight"),
@@ -137,12 +139,12 @@ def _mlp(tensors: dict, prefix: str) -> DenseMLP:
 
 def build_ffn(cfg: ModelConfig, prefix: str, tensors: dict, mlp_type: str):
     if mlp_type == "dense":
-        return _mlp(tensors, prefix)
+        return _mlp(tensors, prefix).laid_out()
     # None: an expert another rank computes (expert parallelism)
     experts = [_mlp(tensors, f"{prefix}.experts.{e}") if f"{prefix}.experts.{e}.down_proj.weight" in tensors else None
                for e in range(cfg.n_routed_experts)]
     return MoE(cfg, _p(tensors, prefix, "gate.weight"), _p(tensors, prefix, "gate.e_score_correction_bias"),
-               experts, _mlp(tensors, f"{prefix}.shared_experts"))
+               experts, _mlp(tensors, f"{prefix}.shared_experts").laid_out())
 
 
 def build_mtp(cfg: ModelConfig, tensors: dict, scratch: ScoreScratch | None = None, comm=SINGLE_RANK) -> MTPHead | None:
@@ -151,6 +153,10 @@ def build_mtp(cfg: ModelConfig, tensors: dict, scratch: ScoreScratch | None = No
     if f"{p}.eh_proj.weight" not in tensors:
         return None
     return MTPHead(build_layer(cfg, i, tensors, True, "sparse" if cfg.n_routed_experts else "dense", scratch, comm),
-                   tensors[f"{p}.enorm.weight"], tensors[f"{p}.hnorm.weight"], tensors[f"{p}.eh_proj.weight"],
+                   tensors[f"{p}.enorm.weight"], tensors[f"{p}.hnorm.weight"], gemm_layout(tensors[f"{p}.eh_proj.weight"]),
                    tensors[f"{p}.shared_head.norm.weight"], tensors.get(f"{p}.embed_tokens.weight"),
-                   tensors.get(f"{p}.shared_head.head.weight"))
+                   _optional_gemm_layout(tensors.get(f"{p}.shared_head.head.weight")))
+
+
+def _optional_gemm_layout(w: torch.Tensor | None) -> torch.Tensor | None:
+    return None if w is None else gemm_layout(w)
