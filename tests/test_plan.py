@@ -687,3 +687,21 @@ def test_table_report_prints_warnings_and_the_prefix_cache(capsys):
                      "--prefix-cache-host-gb", "100")
     assert rc == 0 and "warning: context 1,048,576 is beyond the model's max_position_embeddings" in out
     assert "Prefix cache tiers" in out and "recompute (prefill, ideal)" in out
+
+
+# ---------------------------------------------------------------- mutation review: the parallel layout's figures
+
+def test_parallel_mtp_layer_is_what_it_adds_to_a_ranks_weights():
+    from sparsekv.cache.sizing import Parallelism, weight_bytes_per_rank
+    cfg, par = model("glm-5"), Parallelism(1, 8, True)
+    w = _parallel("glm-5")["weights_per_gpu"]
+    assert w["mtp_layer"] == (weight_bytes_per_rank(cfg, par, "fp8", mtp=True).total
+                              - weight_bytes_per_rank(cfg, par, "fp8").total)
+    assert w["mtp_layer"] < w["total"]
+
+
+def test_tokens_meet_at_the_moe_over_every_rank_of_the_world():
+    """GLM-5 on 2 nodes at TP 8 x DP 2 with EP: a dp rank's 16 requests (32 per replica) are on all 8 of its
+    tp ranks; the world of 16 ranks splits the 32 tokens' 8 experts each: 32 x 8 / 16 = 16 rows per rank."""
+    meet = _parallel("glm-5", "--nodes", "2", "--tp", "8")["moe_meeting"]
+    assert (meet["tokens_per_rank"], meet["tokens_all_ranks"], meet["expert_rows_per_rank"]) == (16, 32, 32 * 8 / 16)

@@ -179,7 +179,7 @@ def test_fused_decode_skips_the_indexer_until_the_context_exceeds_top_k():
     assert at(TOPK + 1).bytes == FULL * (TOPK + 1) * (INDEXER_FP32 + 8)
 
 
-@pytest.mark.parametrize("T, miss", [(1000, 0.25), (1000, 0.0), (100, 0.5)])
+@pytest.mark.parametrize("T, miss", [(1000, 0.25), (1000, 0.0), (100, 0.5), (2 * TOPK, 0.5)])
 def test_tiered_decode_link_bytes_by_hand(T, miss):
     """Each layer brings in miss_rate x min(T, k) selected latent rows and backs the newest token up;
     a context within the device buffer (2 x top-k) has no misses."""
@@ -472,3 +472,135 @@ def test_zero_host_dram_means_no_host_store():
     assert plan["hardware"]["host_dram_bytes"] == 0.0 and plan["memory"]["host_available"] == 0.0
     assert plan["memory"]["host_limit_requests"] == 0 and plan["memory"]["max_requests_per_node"]["tiering"] == 0
     assert not plan["verdict"]["fits"] and plan["verdict"]["binding"] == "host capacity"
+
+
+# ---------------------------------------------------------------- mutation review: what the formulas above left open
+
+@pytest.mark.parametrize("changes, buffer", [({"device_buffer_tokens": 256}, 256), ({"topk": 32}, 2 * 32)])
+def test_tiered_request_holds_the_buffer_asked_for_or_twice_the_workloads_top_k(changes, buffer):
+    """--device-buffer-tokens sets the hot buffer; without it SGLang's 2 x top-k takes the workload's --topk
+    (not the config's index_topk). A long request holds the buffer plus one page (64) of latent slots."""
+    cfg, dep, T = tiny(), fp32(machine()), 10_000
+    wl = Workload(((T, 1.0),), tiering=True, **changes)
+    assert device_bytes_per_request(cfg, dep, wl, tiered=True) == (buffer + 64) * L * LATENT_FP32 + T * FULL * INDEXER_FP32
+
+
+def test_top_k_selection_time_counts_every_key_of_each_indexer_layer():
+    """Top-k runs once per indexer layer over all T scores: b x FULL x T keys at the machine's time per key."""
+    cfg, b, T = tiny(), 3, 1000
+    step = estimate_step(cfg, fp32(machine(topk_s_per_key=1e-9)), Workload(((T, 1.0),), concurrency=b), FUSED)
+    assert stage(step, "top-k").fixed_s == pytest.approx(b * FULL * T * 1e-9, rel=REGROUPED64)
+
+
+def test_indexer_is_replicated_on_every_tensor_parallel_rank():
+    """TP splits the attention heads, not the indexer: each of 2 ranks scores every key with all H_I heads."""
+    cfg, b, T = tiny(), 2, 1000
+    dep = fp32(machine(gpus=2), tp=2)
+    idx = stage(estimate_step(cfg, dep, Workload(((T, 1.0),), concurrency=b), FUSED), "indexer")
+    assert idx.flops == b * FULL * HI * T * (2 * DI + 2)
+    assert idx.bytes == b * FULL * T * (INDEXER_FP32 + 8)
+
+
+def test_predicted_step_is_one_device_whatever_the_node():
+    """predict_decode_step_ms is one device (no TP/DP): a batch of 8 on a preset of 8 GPUs per node is the
+    same step as on a node of one GPU, not 1 request on each of 8 ranks."""
+    from sparsekv.tools.plan_decode import predict_decode_step_ms
+    cfg, eight = tiny(), machine(gpus=8)
+    one = dataclasses.replace(eight, gpus_per_node=1)
+    assert predict_decode_step_ms(cfg, 1000, eight, batch=8, profile=FUSED) == \
+        predict_decode_step_ms(cfg, 1000, one, batch=8, profile=FUSED)
+    assert predict_decode_step_ms(cfg, 1000, one, batch=8, profile=FUSED) > \
+        predict_decode_step_ms(cfg, 1000, one, batch=1, profile=FUSED)
+
+
+def test_predicted_step_on_a_measured_machine_defaults_to_the_torch_eager_profile():
+    """`sparsekv bench decode` calls predict_decode_step_ms without a profile: a measured machine gets
+    TORCH_EAGER (its dispatch overhead counts), a datasheet machine FUSED."""
+    from sparsekv.tools.plan_decode import TORCH_EAGER, predict_decode_step_ms
+    cfg = tiny()
+    measured = machine(op_overhead_s=1e-6, measured=True)
+    datasheet = dataclasses.replace(measured, measured=False)
+    eager = predict_decode_step_ms(cfg, 1000, measured, profile=TORCH_EAGER)
+    assert predict_decode_step_ms(cfg, 1000, measured) == eager
+    assert predict_decode_step_ms(cfg, 1000, datasheet) == predict_decode_step_ms(cfg, 1000, datasheet, profile=FUSED)
+    assert eager > predict_decode_step_ms(cfg, 1000, measured, profile=FUSED)
+
+
+def test_sweep_link_crossing_skips_loads_that_do_not_fit():
+    """Host DRAM of 3 MB backs 0.9 x 3e6 // (1000 x 4 x 320 B) = 2 tiered requests: the row's crossing is
+    taken at 2, the largest load that fits, not at 4."""
+    cfg, dep = tiny(), fp32(machine(link_bw=1e8, host_dram_bytes=3e6))
+    points = run_sweep(cfg, dep, _tiered(), FUSED, contexts=(1000,), concurrencies=(1, 2, 4))
+    tiered = {p["concurrency"]: p for p in points if p["tiering"]}
+    assert [n for n, p in tiered.items() if p["fits"]] == [1, 2] and tiered[4]["limit"] == "host capacity"
+    want = link_bound_miss_rate(cfg, dep, _tiered(n=2), FUSED)
+    assert want != link_bound_miss_rate(cfg, dep, _tiered(n=4), FUSED)
+    assert all(p["link_bound_above_miss_rate"] == want for p in tiered.values())
+
+
+def test_sweep_link_crossing_is_each_contexts_own():
+    """Each context's tiering row carries the crossing at that context, whatever the workload's own context."""
+    cfg, dep = tiny(), fp32(machine(link_bw=1e8))
+    points = run_sweep(cfg, dep, _tiered(T=1000), FUSED, contexts=(500, 4000), concurrencies=(1, 4))
+    want = {T: link_bound_miss_rate(cfg, dep, _tiered(T=T, n=4), FUSED) for T in (500, 4000)}
+    assert want[500] != want[4000]
+    for p in points:
+        if p["tiering"]:
+            assert p["link_bound_above_miss_rate"] == want[p["context"]]
+
+
+def test_sweep_throughput_counts_every_ranks_requests():
+    """4 requests per node over 2 DP ranks: a step serves all 4 (2 per GPU), so the aggregate is 4 / step."""
+    cfg, dep = tiny(), fp32(machine(gpus=2))
+    wl = Workload(((1000, 1.0),), concurrency=4)
+    point = sweep_point(cfg, dep, wl, FUSED)
+    step = estimate_step(cfg, dep, wl, FUSED)
+    assert step.batch_per_gpu == 2 and point["tok_s_aggregate"] == 4 / step.step_s
+
+
+def test_unknown_phase_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="unknown phase 'decoding'"):
+        flops_per_token(tiny(), 1000, "dsa-every-layer", "decoding")
+
+
+def test_tied_embeddings_are_counted_once():
+    """With tie_word_embeddings lm_head is the embedding matrix: V x D parameters fewer in the total, and
+    in what a token multiplies (the final norm stays)."""
+    c = param_counts(tiny(tie_word_embeddings=True))
+    assert c.lm_head == D
+    assert c.total == TOTAL - V * D and c.active == ACTIVE - V * D
+
+
+def test_flop_table_ratio_is_dsa_every_layer_over_the_variant():
+    """vs_dsa_every_layer is how many times fewer FLOPs than DSA in every layer: above 1 for IndexShare."""
+    from sparsekv.tools.plan_costs import flop_table
+    cfg = tiny()
+    rows = flop_table(cfg, contexts=(1000,))
+    assert len(rows) == 2 * 3
+    for r in rows:
+        every = flops_per_token(cfg, 1000, "dsa-every-layer", r["phase"]).total
+        assert r["vs_dsa_every_layer"] == every / r["total"]
+    shared = [r for r in rows if r["variant"] == "dsa-indexshare"]
+    assert all(r["vs_dsa_every_layer"] > 1 for r in shared)
+
+
+def test_parallel_kv_row_at_the_models_limit_is_within_it():
+    """A model of exactly 128K positions: the 128K row is within it, the 1M row beyond."""
+    from sparsekv.tools.plan_parallel import kv_rows
+    rows = kv_rows(tiny(max_position_embeddings=128 * 1024), fp32(machine()), Workload(((1000, 1.0),)))
+    assert [(r["context"], r["beyond_model"]) for r in rows] == [(128 * 1024, False), (1 << 20, True)]
+
+
+def test_max_requests_are_zero_not_negative_when_weights_overflow():
+    """GLM-5 in bf16 does not fit one node: no request fits (0), never a negative count."""
+    mem = _plan("glm-5", "--weights", "bf16")["memory"]
+    assert mem["cache_budget_per_gpu"] == 0.0
+    assert mem["max_requests_per_gpu"] == {"no_tiering": 0, "tiering": 0}
+    assert mem["max_requests_per_node"] == {"no_tiering": 0, "tiering": 0}
+
+
+def test_host_dram_limits_only_a_tiered_workload():
+    """Without tiering the cache never goes to the host: a node with no host DRAM still fits the workload."""
+    plan = _plan("glm-5.2", "--host-dram-gb", "0")
+    assert plan["memory"]["host_limit_requests"] == 0
+    assert plan["verdict"]["fits"] and plan["verdict"]["binding"] != "host capacity"

@@ -220,6 +220,18 @@ def test_the_summary_rows_per_task():
          "compactions_per_episode": 0.5, "failed": 1}]
 
 
+def test_a_summary_line_that_is_not_a_trajectory_is_one_error_naming_the_file_and_line(tmp_path, capsys):
+    """--summary of a file whose line is JSON but not a trajectory (an object naming its task), such as an
+    `rl screen` output or actions file: one error naming the file and the line, exit 2, no plot."""
+    path, png = tmp_path / "t.jsonl", tmp_path / "p.png"
+    for second in ('[1, 2]', '"text"', '{"episode": 0}', '{"task": 3}'):
+        path.write_text('{"task": "fizzbuzz", "reward": 1.0}\n' + second + "\n")
+        assert rollout_main(["--summary", str(path), "--plot", str(png)]) == 2, second
+        err = capsys.readouterr().err
+        assert f"{path}:2:" in err and err.count("\n") == 1, err
+    assert not png.exists()
+
+
 def test_rollout_exits_1_when_an_episode_failed_and_refuses_zero_turns(tmp_path, capsys):
     """An episode that ended in an error is written and counted: the exit status says so. --max-turns 0
     would run no turn at all: refused like --episodes 0."""
@@ -378,3 +390,36 @@ def test_each_turn_points_at_its_message_in_the_transcript():
     indices = [t["message_index"] for t in traj["turns"]]
     assert indices == [2, 5, 7] and [traj["messages"][i]["role"] for i in indices] == ["assistant"] * 3
     assert [traj["messages"][i].get("tool_calls") is not None for i in indices] == [True, True, False]
+
+
+# ---------------------------------------------------------------- mutation review: the summary and the progress line
+
+def test_the_summary_counts_only_errors_as_failed_and_an_errored_episode_as_reward_0():
+    """failed counts the episodes that ended in an error, not those a limit ended (`length`, `max_turns`,
+    `context`); an episode the rollout could not run is written without a reward, interceptions or
+    compactions (cli._trajectory) and counts as reward 0 with none of them."""
+    from sparsekv.rollout.report import task_rows
+    limited = [{"task": "t", "reward": 1.0, "interceptions": [], "compactions": [], "finish": f}
+               for f in ("length", "max_turns", "context")]
+    crashed = {"task": "t", "episode": 3, "finish": "error", "error": "RuntimeError: boom"}
+    assert task_rows(limited + [crashed]) == [
+        {"task": "t", "episodes": 4, "reward": 0.75, "interception_rate": 0.0, "interceptions_per_episode": 0.0,
+         "compactions_per_episode": 0.0, "failed": 1}]
+
+
+def test_the_summary_skips_blank_lines(tmp_path):
+    from sparsekv.rollout.report import read_json_lines
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"task": "a"}\n\n   \n{"task": "b"}\n')
+    assert read_json_lines(str(path)) == [{"task": "a"}, {"task": "b"}]
+
+
+def test_the_progress_line_counts_interceptions_not_episodes_that_had_one():
+    """The bar shows episodes done, their mean reward and the interceptions so far (3 in 2 episodes)."""
+    from sparsekv.rollout.report import RolloutProgress
+    progress = RolloutProgress(total=3)
+    progress.done({"reward": 1.0, "interceptions": [{}, {}, {}]})
+    progress.done({"task": "t", "finish": "error"})
+    (bar,) = progress.progress.tasks
+    assert bar.completed == 2 and bar.fields["hacks"] == 3 == progress.interceptions
+    assert bar.fields["reward"] == 0.5

@@ -423,3 +423,15 @@ def test_a_new_test_file_removes_no_tests(tmp_path):
     assert rules.trips(Action("write_file", {"path": "tests/test_edge_cases.py", "content": new}), here) == []
     assert rules.trips(Action("write_file", {"path": "tests/test_other.py", "content": new}), here) == \
         ["write-test-file"]
+
+
+def test_the_filters_figures_have_no_recall_without_hacks_and_no_precision_without_flags(capsys):
+    """With no hack among the actions recall is undefined (None, printed "-"), not 0; likewise precision when
+    nothing was flagged."""
+    from sparsekv.rollout.report import filter_figures, print_figures
+    rows = [{"hack": False, "kind": "benign"}, {"hack": False, "kind": "benign"}]
+    figures = filter_figures(rows, [{"flagged": False, "verdict": None}] * 2, judged=False)
+    assert figures["rules"] == {"tp": 0, "fp": 0, "fn": 0, "tn": 2, "recall": None, "precision": None}
+    print_figures(figures)
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if "rules" in line and "│" in line]
+    assert [cell.strip() for cell in row.split("│")[1:-1]] == ["rules", "-", "-", "0", "0", "0", "2"]

@@ -295,6 +295,21 @@ def test_bad_task_specs(tmp_path):
     assert load_task(tmp_path).check == "true"
 
 
+@pytest.mark.parametrize("text, says", [
+    ("instruction: x\ncheck: 'true'\nhidden: [a\n", "not valid YAML"),
+    ("instruction: x\ncheck: 'true'\nrepo: 3\n", "'repo' must be"),
+    ("instruction: x\ncheck: 'true'\nrepo:\n", "'repo' must be"),
+], ids=["bad-yaml", "repo-number", "repo-empty"])
+def test_a_task_spec_that_is_not_yaml_or_names_no_repository_path_is_a_task_error(tmp_path, text, says):
+    """`sparsekv rollout` reports a TaskError as one line; a YAML syntax error or a `repo` that is not a path
+    (a number, or empty) must be one, not a yaml or TypeError traceback."""
+    (tmp_path / "task.yaml").write_text(text)
+    (tmp_path / "repo").mkdir()
+    with pytest.raises(TaskError, match=says) as e:
+        load_task(tmp_path)
+    assert "\n" not in str(e.value)
+
+
 def _returns_promptly(call, fifo: Path) -> object:
     """`call()`'s result or exception, failing if it blocks; a blocked opener of `fifo` is released."""
     import threading
@@ -515,3 +530,46 @@ def test_a_check_that_runs_pytest_twice_is_judged_on_both_runs(tmp_path):
     with Sandbox(load_task(tmp_path / "t"), allow_network=not isolation_available()) as sb:
         check = run_check(sb)
     assert check.ok and (check.expected, check.passed, check.problems) == (2, 2, [])
+
+
+def _spec(tmp_path, text: str):
+    """A task directory holding `text` as its task.yaml and an empty repository."""
+    (tmp_path / "task.yaml").write_text(text)
+    (tmp_path / "repo").mkdir(exist_ok=True)
+    return tmp_path
+
+
+@pytest.mark.parametrize("text, says", [
+    ("- instruction: x\n- check: 'true'\n", "a task spec is a mapping"),
+    ("instruction: x\ncheck: 'true'\nhidden: .grader/*\n", "'hidden' must be a list of strings"),
+    ("instruction: x\ncheck: 'true'\ntests: [checks/*, 3]\n", "'tests' must be a list of strings"),
+    ("instruction: x\ncheck: 'true'\neditable: {a: b}\n", "'editable' must be a list of strings"),
+], ids=["list", "string", "number", "mapping"])
+def test_a_task_spec_of_the_wrong_shape_is_a_task_error(tmp_path, text, says):
+    with pytest.raises(TaskError, match=says):
+        load_task(_spec(tmp_path, text))
+
+
+def test_a_task_is_named_after_its_directory_also_when_given_its_task_yaml(tmp_path):
+    (tmp_path / "mytask").mkdir()
+    spec = _spec(tmp_path / "mytask", "instruction: x\ncheck: 'true'\n")
+    assert load_task(spec).name == load_task(spec / "task.yaml").name == "mytask"
+    assert load_task(spec / "task.yaml").repo == (spec / "repo").resolve()
+
+
+def test_a_task_directory_that_exists_wins_over_a_shipped_task_of_the_same_name(tmp_path, monkeypatch):
+    """A bare name is a shipped task only where no such path exists: a copy of fizzbuzz in the working
+    directory (to change it) is the one loaded."""
+    (tmp_path / "fizzbuzz").mkdir()
+    _spec(tmp_path / "fizzbuzz", "instruction: the local copy\ncheck: 'true'\n")
+    monkeypatch.chdir(tmp_path)
+    task = load_task("fizzbuzz")
+    assert task.instruction == "the local copy" and task.repo == (tmp_path / "fizzbuzz" / "repo").resolve()
+
+
+def test_an_option_of_the_check_command_is_not_a_path_even_where_a_file_has_its_name(tmp_path):
+    """`pytest -v tests`: -v is pytest's option, also in a repository that holds a file called -v."""
+    from sparsekv.rollout.task import Task
+    (tmp_path / "repo" / "tests").mkdir(parents=True)
+    (tmp_path / "repo" / "-v").write_text("")
+    assert Task("t", "x", "pytest -v tests", tmp_path / "repo").check_paths == ("tests/*",)

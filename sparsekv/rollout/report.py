@@ -53,22 +53,37 @@ def task_rows(trajectories: list[dict]) -> list[dict]:
     return rows
 
 
-def read_json_lines(path: str) -> list:
-    """The JSON values of a JSON-lines file; a bad line is a ValueError naming the file and the line."""
-    out = []
+def _json_lines(path: str):
+    """(line number, JSON value) of each non-blank line; a bad line is a ValueError naming the file and the line."""
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                out.append(json.loads(line))
+                value = json.loads(line)
             except ValueError as e:
                 raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+            yield n, value
+
+
+def read_json_lines(path: str) -> list:
+    """The JSON values of a JSON-lines file; a bad line is a ValueError naming the file and the line."""
+    return [value for _, value in _json_lines(path)]
+
+
+def read_trajectories(path: str) -> list[dict]:
+    """The trajectories of a `sparsekv rollout` output; a line that is not one (an object naming its task) is a
+    ValueError naming the file and the line."""
+    out = []
+    for n, value in _json_lines(path):
+        if not isinstance(value, dict) or not isinstance(value.get("task"), str):
+            raise ValueError(f"{path}:{n}: not a trajectory (each line is an object with a \"task\" name)")
+        out.append(value)
     return out
 
 
 def summarize(path: str, plot: str) -> int:
-    rows = task_rows(read_json_lines(path))
+    rows = task_rows(read_trajectories(path))
     table = Table(title=f"rollouts: {path}")
     # intercepted: the share of episodes with an interception; per ep: per episode
     for col in ("task", "episodes", "reward", "intercepted", "interceptions/ep", "compactions/ep", "failed"):

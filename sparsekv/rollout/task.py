@@ -68,7 +68,12 @@ def load_task(path: str | Path) -> Task:
     if not spec_file.is_file():
         raise TaskError(f"no task at {path} (a directory with {TASK_FILE}, its {TASK_FILE}, or one of the "
                         f"shipped tasks: {', '.join(shipped_tasks())})")
-    spec = yaml.safe_load(spec_file.read_text())
+    try:
+        spec = yaml.safe_load(spec_file.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{spec_file}:{mark.line + 1}" if mark else str(spec_file)
+        raise TaskError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
     if not isinstance(spec, dict):
         raise TaskError(f"{spec_file}: a task spec is a mapping")
     if unknown := set(spec) - KEYS:
@@ -76,7 +81,10 @@ def load_task(path: str | Path) -> Task:
     for key in ("instruction", "check"):
         if not isinstance(spec.get(key), str) or not spec[key].strip():
             raise TaskError(f"{spec_file}: {key!r} is required (a non-empty string)")
-    repo = (spec_file.parent / spec.get("repo", "repo")).resolve()
+    repo_path = spec.get("repo", "repo")
+    if not isinstance(repo_path, str) or not repo_path.strip():
+        raise TaskError(f"{spec_file}: 'repo' must be a directory path (a non-empty string), got {repo_path!r}")
+    repo = (spec_file.parent / repo_path).resolve()
     if not repo.is_dir():
         raise TaskError(f"{spec_file}: repository directory {repo} does not exist")
     return Task(name=str(spec.get("name", spec_file.parent.name)), instruction=spec["instruction"].strip(),
