@@ -468,6 +468,39 @@ def test_a_partial_update_is_refused_once_the_loaded_checkpoint_changed_on_disk(
     assert llm.weights_version == 3
 
 
+def _projections(model) -> dict[str, torch.Tensor]:
+    """The model's projection weights that `gemm_layout` lays out on a CPU, by name."""
+    out = {"lm_head": model.lm_head}
+    for i, layer in enumerate(model.layers):
+        attn, ffn = layer.attn, layer.ffn
+        out.update({f"{i}.w_a": attn.w_a, f"{i}.q_b": attn.w.q_b, f"{i}.o": attn.w.o})
+        if attn.indexer is not None:
+            w = attn.indexer.w
+            out.update({f"{i}.wq_b": w.wq_b, f"{i}.wk": w.wk, f"{i}.weights_proj": w.weights_proj})
+        mlp = getattr(ffn, "shared", ffn)
+        out.update({f"{i}.gate_up": mlp.gate_up, f"{i}.down": mlp.down})
+    return out
+
+
+def test_projections_are_column_major_on_a_cpu_and_a_weight_update_keeps_them_so(ckpts):
+    """On a CPU every projection is stored column-major (`model.layers.gemm_layout`: its transpose
+    contiguous, the shape and values the checkpoint's), the routed experts stay the row-major views of
+    their stack (the grouped GEMM's bits are the per-expert F.linear's); an update from disk writes the
+    new values through that layout: the same bits as a fresh engine of B, still column-major."""
+    a, b, _ = ckpts
+    llm, fresh = LLM(a, **OPTIONS), LLM(b, **OPTIONS)
+    model = llm.engine.model
+    laid_out = _projections(model)
+    assert len(laid_out) > 10 and all(w.t().is_contiguous() and not w.is_contiguous() for w in laid_out.values())
+    moe = next(layer.ffn for layer in model.layers if hasattr(layer.ffn, "stacked"))
+    assert moe.stacked is not None and all(e.gate_up.is_contiguous() and e.down.is_contiguous() for e in moe.experts)
+    assert llm.update_weights_from_disk(b) == 1
+    new = _projections(fresh.engine.model)
+    for name, w in _projections(model).items():
+        assert w.data_ptr() == laid_out[name].data_ptr() and w.t().is_contiguous(), name
+        assert torch.equal(w, new[name]), name
+
+
 def test_a_transformers_state_dict_updates_the_engine_as_docs_rl_shows(ckpts, tmp_path):
     """`llm.update_weights(model.state_dict().items())` with a transformers model: its routed experts
     fused (`experts.gate_up_proj`, `experts.down_proj`) and, tied, `lm_head.weight` the embedding."""
