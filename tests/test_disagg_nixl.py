@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -176,6 +177,21 @@ def test_an_agent_refuses_descriptors_that_do_not_match_the_announced_sizes():
         exposing.release(registration)
 
 
+def test_a_deregistration_nixl_refuses_still_ends_the_batchs_exposure(monkeypatch):
+    """A room whose deregistration fails leaves that memory pinned, nothing else: the batch no longer
+    counts as exposed, so the prefill side's progress thread goes back to sleep once the room closed."""
+    agent = NixlAgent("prefill")
+    sender = NixlSender(agent)
+    sender.offer([torch.arange(10, dtype=torch.uint8)])
+    assert agent.exposed == 1
+
+    def refuse(registration):
+        raise RuntimeError("NIXL_ERR_BACKEND")
+    monkeypatch.setattr(agent.agent, "deregister_memory", refuse)
+    sender.close()
+    assert agent.exposed == 0
+
+
 @pytest.mark.parametrize("failing", ["register_memory", "get_agent_metadata"])
 def test_memory_nixl_refuses_fails_the_room_and_stays_unregistered(failing, monkeypatch):
     """NIXL's own errors while exposing a batch are the room's TransferError (a 503), not the worker's;
@@ -192,3 +208,99 @@ def test_memory_nixl_refuses_fails_the_room_and_stays_unregistered(failing, monk
     with pytest.raises(TransferError, match="NIXL could not .*NIXL_ERR_BACKEND"):
         NixlSender(agent).offer([torch.arange(10, dtype=torch.uint8)])
     assert registered == [] and agent.exposed == 0
+
+
+def _counting(agent, monkeypatch, register="register_memory", release="deregister_memory"):
+    """What `agent` holds of `register` (a NIXL registration or transfer handle) not yet given to `release`."""
+    held = []
+    real_register, real_release = getattr(agent.agent, register), getattr(agent.agent, release)
+    monkeypatch.setattr(agent.agent, register, lambda *a: held.append(real_register(*a)) or held[-1])
+    monkeypatch.setattr(agent.agent, release, lambda r: held.remove(r) or real_release(r))
+    return held
+
+
+@pytest.mark.parametrize("failing", [None, "deserialize_descs", "initialize_xfer", "ERR"])
+def test_a_read_gives_back_its_buffer_and_handles_and_a_failed_one_forgets_the_peer(failing, monkeypatch):
+    """Whether a read succeeds or fails (descriptors NIXL cannot load, a read that cannot start, a read
+    NIXL reports failed), the decode side's buffer is deregistered and every transfer handle released;
+    after a failure the peer's metadata is forgotten (loaded again from the next batch), and a read
+    reported failed fails at once, not at the transfer timeout."""
+    exposing, reading = NixlAgent("prefill"), NixlAgent("decode")
+    tensors = [torch.arange(10, dtype=torch.uint8), torch.arange(20, dtype=torch.uint8)]
+    remote, registration = exposing.expose(tensors)
+    registered = _counting(reading, monkeypatch)
+    handles = _counting(reading, monkeypatch, "initialize_xfer", "release_xfer_handle")
+    try:
+        if failing == "ERR":  # the read completes, then NIXL says it failed (as for a peer gone)
+            real_state = reading.agent.check_xfer_state
+
+            def failed(handle):
+                while real_state(handle) != "DONE":
+                    time.sleep(1e-3)
+                return "ERR"
+            monkeypatch.setattr(reading.agent, "check_xfer_state", failed)
+        elif failing is not None:
+            def refuse(*args):
+                raise RuntimeError("NIXL_ERR_BACKEND")
+            monkeypatch.setattr(reading.agent, failing, refuse)
+        if failing is None:
+            got = reading.read(remote, [10, 20], TIMEOUT_S)
+            assert [t.tolist() for t in got] == [t.tolist() for t in tensors]
+            assert list(reading.peers) == [exposing.name]
+        else:
+            words = {"deserialize_descs": "could not be loaded", "initialize_xfer": "could not start",
+                     "ERR": "failed \\(the prefill worker gone"}[failing]
+            with pytest.raises(TransferError, match=words):
+                reading.read(remote, [10, 20], TIMEOUT_S)
+            assert reading.peers == {}
+        assert registered == [] and handles == []
+    finally:
+        exposing.release(registration)
+
+
+def test_closing_a_room_releases_each_registration_once_even_after_one_fails(monkeypatch):
+    """A deregistration NIXL refuses does not keep the room's other batches registered, and a room
+    closed twice deregisters nothing twice."""
+    agent = NixlAgent("prefill")
+    registered = _counting(agent, monkeypatch)
+    sender = NixlSender(agent)
+    for n in (10, 20):
+        sender.offer([torch.arange(n, dtype=torch.uint8)])
+    first, second = registered
+    real_deregister, calls = agent.agent.deregister_memory, []
+
+    def refuse_the_first(r):
+        calls.append(r)
+        if r is first:
+            raise RuntimeError("NIXL_ERR_BACKEND")
+        real_deregister(r)
+    monkeypatch.setattr(agent.agent, "deregister_memory", refuse_the_first)
+    sender.close()
+    assert registered == [first] and calls == [first, second]
+    sender.close()
+    assert calls == [first, second]
+
+
+def test_one_progress_thread_however_many_batches_and_none_for_a_reading_agent():
+    def pumps():
+        return sum(t.name == "sparsekv-nixl-progress" for t in threading.enumerate())
+    before = pumps()
+    exposing, reading = NixlAgent("prefill"), NixlAgent("decode")
+    tensors = [torch.arange(10, dtype=torch.uint8), torch.arange(20, dtype=torch.uint8)]
+    exposed = [exposing.expose([t]) for t in tensors]
+    try:
+        for (remote, _), t in zip(exposed, tensors):
+            assert reading.read(remote, [t.numel()], TIMEOUT_S)[0].tolist() == t.tolist()
+        assert pumps() == before + 1 and reading.pump is None
+    finally:
+        for _, registration in exposed:
+            exposing.release(registration)
+    assert exposing.exposed == 0
+
+
+def test_a_batch_naming_no_nixl_descriptors_fails_its_room():
+    from sparsekv.disagg.nixl import NixlReceiver
+    receiver = NixlReceiver(NixlAgent("decode"), TIMEOUT_S)
+    for meta in ({}, {"nixl": "not a dict"}):
+        with pytest.raises(TransferError, match="named NIXL but no descriptors"):
+            receiver.pull(meta, [10], 0)

@@ -660,6 +660,44 @@ def test_signals_drain_then_abort_then_force_and_a_second_after_the_drain_forces
     assert drained.force_exit
 
 
+class _IdleLoop:
+    """What DrainingServer reads of the engine loop: nothing in flight, and `dead`."""
+
+    def __init__(self, dead):
+        self.dead, self.draining, self.num_active = dead, False, 0
+
+    async def wait_idle(self, timeout, cut_short=lambda: False) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("dead", ["rank", "step"])
+def test_a_failed_rank_exits_1_after_the_grace_and_a_failed_step_keeps_serving_errors(dead, monkeypatch):
+    """A rank gone: /health answers 503 for RANK_FAILURE_GRACE_S, then the server drains and exits 1 (a
+    supervisor restarts it). A step that raised on a one-rank engine is no reason to exit by itself."""
+    import uvicorn
+    from types import SimpleNamespace
+
+    from sparsekv.parallel.launch import RankFailure
+    from sparsekv.server import cli
+    loop = _IdleLoop(RankFailure("rank 1 is gone") if dead == "rank" else RuntimeError("boom"))
+    server = cli.DrainingServer(uvicorn.Config(app=lambda scope, receive, send: None), SimpleNamespace(loop=loop), 1.0)
+
+    async def main():
+        assert not await server.on_tick(1)  # within the grace: still serving (its 503s)
+        assert (server.exit_code, server._drain_task, loop.draining) == (0, None, False)
+        monkeypatch.setattr(cli, "RANK_FAILURE_GRACE_S", -1.0)  # the grace is over
+        await server.on_tick(1)
+        if dead == "step":
+            assert (server.exit_code, server._drain_task, loop.draining) == (0, None, False)
+            return
+        assert server.exit_code == 1 and (drain := server._drain_task) is not None
+        await server.on_tick(1)
+        assert server._drain_task is drain  # one drain, however many ticks it takes
+        await drain
+        assert loop.draining and server.should_exit and await server.on_tick(1)
+    asyncio.run(main())
+
+
 def test_a_blank_served_model_name_is_refused_before_the_port_is_bound():
     """Whitespace is no model name either: refused before anything is bound or loaded."""
     from sparsekv.server.cli import build_app, build_parser

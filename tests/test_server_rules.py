@@ -355,6 +355,193 @@ def test_a_step_that_raises_kills_the_loop_and_reaches_every_client(on_loop, ran
     on_loop(scenario, engine=_QueueOnlyEngine(step_error=error))
 
 
+class _RanksFailWhileIdle(_QueueOnlyEngine):
+    """No request to step; the ranks fail in the call named `failing` (check_ranks or the prefix
+    cache's expiry, both of which the idle loop runs)."""
+
+    def __init__(self, failing: str, error: BaseException):
+        super().__init__()
+        self.failing, self.error, self.idle_calls = failing, error, []
+
+    def check_ranks(self) -> None:
+        self.idle_calls.append("check_ranks")
+        if self.failing == "check_ranks":
+            raise self.error
+
+    def expire_prefix_cache(self) -> int:
+        self.idle_calls.append("expire_prefix_cache")
+        if self.failing == "expire_prefix_cache":
+            raise self.error
+        return 0
+
+
+@pytest.mark.parametrize("failing", ["check_ranks", "expire_prefix_cache"])
+def test_ranks_that_fail_while_nothing_runs_kill_the_loop(on_loop, failing):
+    """Idle, the loop still looks at the ranks and runs the prefix cache's expiry: a rank that died
+    while nothing ran turns /health to 503 and refuses the next request (503), with the loop thread
+    still answering, rather than failing that request."""
+    from sparsekv.parallel.launch import RankFailure
+    from sparsekv.server.loop import EngineDead
+    error = RankFailure("rank 1 is gone")
+    engine = _RanksFailWhileIdle(failing, error)
+
+    async def scenario(loop, engine, submit):
+        while loop.dead is None:  # bounded by on_loop's wait
+            await asyncio.sleep(0.01)
+        assert loop.dead is error and not loop.healthy and loop._thread.is_alive()
+        assert engine.idle_calls[:2] == (["check_ranks"] if failing == "check_ranks" else ["check_ranks", failing])
+        with pytest.raises(EngineDead):
+            await submit(1)
+        await loop.abort_all("the server is going away")  # the loop thread still answers
+    on_loop(scenario, engine=engine)
+
+
+class _FailsOutsideAStep(_QueueOnlyEngine):
+    """`has_unfinished_requests` raises once a request is queued: an engine error outside any step."""
+
+    def has_unfinished_requests(self) -> bool:
+        if self.queued:
+            raise RuntimeError("the scheduler's state is broken")
+        return False
+
+
+def test_an_engine_error_outside_a_step_fails_the_requests_instead_of_ending_the_loop(on_loop):
+    """Any error of the engine on the loop thread, not only a rank's failure, kills the loop as a failed
+    step does: the waiting request gets the error (500), /health turns 503, the next request is refused,
+    and the thread still answers. The loop thread ended before, and the request waited for ever."""
+    from sparsekv.server.loop import EngineDead
+
+    async def scenario(loop, engine, submit):
+        group = await submit(1)
+        index, dead = await group.queue.get()
+        assert index is None and isinstance(dead, EngineDead) and dead.status == 500
+        assert "scheduler's state is broken" in str(dead)
+        assert not loop.healthy and loop._thread.is_alive()
+        with pytest.raises(EngineDead):
+            await submit(1)
+        await loop.abort_all("the server is going away")  # the loop thread still answers
+    on_loop(scenario, engine=_FailsOutsideAStep())
+
+
+def test_paused_generation_steps_nothing_until_it_continues(on_loop):
+    """/pause_generation: requests wait with their KV kept; the loop steps none of them (a step here
+    raises) until generation continues."""
+    from sparsekv.server.loop import EngineDead
+    engine = _QueueOnlyEngine(step_error=RuntimeError("stepped"))
+    engine.paused = True
+
+    async def scenario(loop, engine, submit):
+        group = await submit(1)
+        for _ in range(3):  # each round trip is one more turn of the loop, which must not step
+            await loop.call(lambda: None)
+        assert loop.dead is None and loop.num_active == 1 and group.queue.empty()
+        engine.paused = False
+        await loop.call(lambda: None)
+        index, dead = await group.queue.get()
+        assert index is None and isinstance(dead, EngineDead) and "stepped" in str(dead)
+    on_loop(scenario, engine=engine)
+
+
+class _StepsThenRanksFail(_QueueOnlyEngine):
+    """Each step outputs one token of every queued request, unfinished; the figures read after the
+    first step find the ranks gone."""
+
+    def __init__(self, error: BaseException):
+        super().__init__()
+        self.error, self.steps = error, 0
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.queued) and self.steps == 0
+
+    def step(self):
+        from types import SimpleNamespace
+        self.steps += 1
+        return [SimpleNamespace(request_id=rid, finished=False) for rid, _ in self.queued]
+
+    def stats(self) -> dict:
+        if self.steps:
+            raise self.error
+        return {}
+
+
+def test_a_steps_outputs_reach_their_clients_when_the_ranks_fail_after_it(on_loop):
+    """The step ran; reading the figures after it found a rank gone: the client gets the step's output,
+    then EngineDead (503), and no request is left routed."""
+    from sparsekv.parallel.launch import RankFailure
+    from sparsekv.server.loop import EngineDead
+    error = RankFailure("rank 1 is gone")
+
+    async def scenario(loop, engine, submit):
+        group = await submit(1)
+        index, out = await group.queue.get()
+        assert index == 0 and out.request_id == group.request_ids[0] and not out.finished
+        index, dead = await group.queue.get()
+        assert index is None and isinstance(dead, EngineDead) and dead.status == 503
+        assert loop.dead is error and loop.num_active == 0
+    on_loop(scenario, engine=_StepsThenRanksFail(error))
+
+
+class _OneRequestAStep(_QueueOnlyEngine):
+    """Step k schedules and finishes the k-th queued request, at time k + 1 (first_scheduled_time)."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests, self.steps = {}, 0
+
+    def add_request(self, rid, prompt, params, tenant, cache_salt, first_token):
+        from types import SimpleNamespace
+        super().add_request(rid, prompt, params, tenant, cache_salt, first_token)
+        self.requests[rid] = SimpleNamespace(first_scheduled_time=None)
+        return self.requests[rid]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.steps < len(self.queued)
+
+    def step(self):
+        from types import SimpleNamespace
+        rid = self.queued[self.steps][0]
+        self.steps += 1
+        self.requests[rid].first_scheduled_time = float(self.steps)
+        return [SimpleNamespace(request_id=rid, finished=True)]
+
+
+def test_a_groups_queue_time_ends_when_its_first_request_was_scheduled(on_loop):
+    """n = 2 scheduled one step apart: the group's first_scheduled (its queue time in the workers'
+    figures) is its first request's, not the last one's to output."""
+    async def scenario(loop, engine, submit):
+        group = await submit(2)
+        got = [await group.queue.get() for _ in range(2)]
+        assert [i for i, _ in got] == [0, 1] and group.done and loop.num_active == 0
+        assert group.first_scheduled == 1.0
+    on_loop(scenario, engine=_OneRequestAStep())
+
+
+def test_a_client_gone_counts_only_the_sequences_the_engine_still_had(on_loop):
+    """loop.abort of a group of 3 whose first request the engine no longer has: 2 counted as aborted."""
+    metrics = _Metrics()
+
+    async def scenario(loop, engine, submit):
+        group = await submit(3)
+        engine.queued = [q for q in engine.queued if q[0] != group.request_ids[0]]
+        loop.abort(group)
+        await loop.call(lambda: None)
+        assert metrics.aborted == [("client_disconnect", 2)] and loop.num_active == 0
+    on_loop(scenario, metrics=metrics)
+
+
+def test_the_injected_fault_fails_exactly_the_nth_step():
+    from sparsekv.server.loop import FAULT_ENV, install_test_hooks
+    from types import SimpleNamespace
+    steps = []
+    engine = SimpleNamespace(step=lambda: steps.append(1) or [])
+    install_test_hooks(engine, {FAULT_ENV: "3"})
+    engine.step()
+    engine.step()
+    with pytest.raises(RuntimeError, match=FAULT_ENV):
+        engine.step()
+    assert len(steps) == 2
+
+
 def test_a_group_is_done_only_when_each_request_finished():
     """An unfinished output must not count: a group counted done too early is never aborted when its
     client goes (loop.abort skips done groups), and its requests run on."""
@@ -444,6 +631,68 @@ def test_an_error_item_becomes_its_status():
         with pytest.raises(APIError) as e:
             _apply([], (None, error))
         assert e.value.status == status and e.value.message == str(error)
+
+
+class _AbortRecordingLoop:
+    def __init__(self):
+        self.aborted = []
+
+    def abort(self, group):
+        self.aborted.append(group)
+
+
+def test_a_client_gone_before_its_answer_gets_499_and_its_group_is_aborted():
+    """A plain (not streamed) response is not cancelled when the client leaves: collect sees the
+    disconnect, answers 499 and aborts the group, so its requests stop and free their pages."""
+    from types import SimpleNamespace
+
+    from sparsekv.server.loop import RequestGroup
+    from sparsekv.server.serving import collect
+
+    async def gone():
+        return {"type": "http.disconnect"}
+
+    async def main():
+        loop, group = _AbortRecordingLoop(), RequestGroup("g", 1)
+        response = await collect(SimpleNamespace(receive=gone), loop, group, [SimpleNamespace(finished=False)], None)
+        assert response.status_code == 499 and json.loads(response.body)["error"]["code"] == 499
+        assert loop.aborted == [group]
+    asyncio.run(main())
+
+
+def test_a_stream_ends_with_done_after_an_error_and_aborts_its_group_however_it_ends():
+    """An error item after the headers went: reported in-band, then [DONE]; the group is aborted when
+    the stream ends that way and when the client leaves mid-stream (the generator closed)."""
+    from types import SimpleNamespace
+
+    from sparsekv.server.loop import RequestGroup, ShuttingDown
+    from sparsekv.server.serving import sse
+
+    class Builder:
+        def chunk(self, state, first, include_usage):
+            return {"first": first}
+
+    def update(state):
+        return lambda out: state.__setattr__("finished", out.finished)
+
+    async def main():
+        loop, group = _AbortRecordingLoop(), RequestGroup("g", 1)
+        group.queue.put_nowait((None, ShuttingDown("the server is shutting down")))
+        events = [e async for e in sse(loop, group, [SimpleNamespace(finished=False)], Builder(), True)]
+        assert json.loads(events[0][len("data: "):])["error"]["code"] == 503
+        assert events[1:] == ["data: [DONE]\n\n"] and loop.aborted == [group]
+
+        loop, group = _AbortRecordingLoop(), RequestGroup("g", 1)
+        state = SimpleNamespace(finished=False)
+        state.update = update(state)
+        for _ in range(2):
+            group.queue.put_nowait((0, SimpleNamespace(finished=False)))
+        stream = sse(loop, group, [state], Builder(), False)
+        assert [json.loads((await stream.__anext__())[len("data: "):]) for _ in range(2)] == [{"first": True},
+                                                                                            {"first": False}]
+        await stream.aclose()  # the client went
+        assert loop.aborted == [group]
+    asyncio.run(main())
 
 
 # -- auth.py: keys to tenants, admin keys, the middleware ------------------------------------------
@@ -593,6 +842,46 @@ def test_large_bodies_give_memory_back_and_a_bad_content_length_is_counted(monke
     assert sent[0]["status"] == 200 and trims == [1]
     from sparsekv.server.limits import _declared_length
     assert _declared_length({"headers": [(b"content-length", b"12x")]}) == 0
+
+
+def test_a_body_message_without_more_body_is_the_last_and_the_disconnect_is_left_to_the_app():
+    """ASGI: more_body defaults to False. The body is one message; the connection's next message (the
+    disconnect the handler watches for) is not read by the middleware."""
+    from sparsekv.server.limits import BodyLimitMiddleware
+    messages = [{"type": "http.request", "body": b"abc"}, {"type": "http.disconnect"}]
+    read = []
+
+    async def receive():
+        return messages.pop(0)
+
+    async def app(scope, receive, send):
+        read.extend([await receive(), await receive()])
+
+    async def send(message):
+        pass
+    asyncio.run(BodyLimitMiddleware(app, 10)({"type": "http", "headers": []}, receive, send))
+    assert read == [{"type": "http.request", "body": b"abc", "more_body": False}, {"type": "http.disconnect"}]
+
+
+def test_memory_goes_back_after_a_large_request_whose_handler_raised(monkeypatch):
+    from sparsekv.server import limits
+    trims = []
+    monkeypatch.setattr(limits, "release_memory", lambda: trims.append(1))
+
+    async def app(scope, receive, send):
+        await receive()
+        raise RuntimeError("the handler failed")
+    messages = [{"type": "http.request", "body": b"x" * limits.TRIM_AFTER_BYTES}]
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        pass
+    with pytest.raises(RuntimeError, match="the handler failed"):
+        asyncio.run(limits.BodyLimitMiddleware(app, limits.TRIM_AFTER_BYTES)({"type": "http", "headers": []},
+                                                                               receive, send))
+    assert trims == [1]
 
 
 def test_a_prompt_within_the_limit_is_never_refused_for_what_a_cut_adds():

@@ -98,10 +98,14 @@ class NixlAgent:
                 "sizes": [t.numel() for t in tensors]}, registration
 
     def release(self, registration) -> None:
-        with self.lock:
-            self.agent.deregister_memory(registration)
-        with self.pumping:
-            self.exposed -= 1
+        """Prefill side: the batch is no longer exposed, also when NIXL refuses its deregistration
+        (that memory stays pinned; the progress thread must not poll on for it)."""
+        try:
+            with self.lock:
+                self.agent.deregister_memory(registration)
+        finally:
+            with self.pumping:
+                self.exposed -= 1
 
     def _progress(self) -> None:
         """The prefill side's progress: every PUMP_S while a batch is exposed, asleep otherwise."""

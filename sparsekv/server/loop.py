@@ -182,8 +182,8 @@ class EngineLoop:
         while not self._stopped:
             try:
                 self._turn()
-            except RankFailure as e:  # a rank died or stopped answering, found outside a step
-                self._die(e)
+            except Exception as e:  # noqa: BLE001 - a rank died or stopped answering, or the engine failed,
+                self._die(e)        # found outside a step: an ended thread would leave every client waiting
 
     def _turn(self) -> None:
         busy = self.dead is None and self._has_work()
