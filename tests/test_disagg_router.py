@@ -170,6 +170,30 @@ def test_one_room_on_both_sides_and_the_decode_answer_unchanged():
     assert r2.status_code == 200
 
 
+def test_the_health_poller_outlives_a_poll_that_fails(monkeypatch):
+    """An error no poll foresaw (here the pool's own) is logged and the next poll runs on time: the
+    poller ended before, and every worker's up/down state and load froze as they were."""
+    pool = WorkerPool(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], 4)
+    polls = []
+
+    async def poll(client):
+        polls.append(client)
+        if len(polls) == 1:
+            raise RuntimeError("something no poll foresaw")
+    monkeypatch.setattr(pool, "poll", poll)
+    router = Router(pool, request_timeout=60, health_interval=0.01)
+
+    async def main():
+        poller = asyncio.ensure_future(router.poll_forever())
+        try:
+            while len(polls) < 3 and not poller.done():  # bounded by the wait below
+                await asyncio.sleep(0.01)
+            return poller.done()
+        finally:
+            poller.cancel()
+    assert asyncio.run(asyncio.wait_for(main(), 10)) is False and len(polls) >= 3
+
+
 def test_stream_passes_through_byte_for_byte():
     p, d = FakeWorker("prefill"), FakeWorker("decode")
     body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,

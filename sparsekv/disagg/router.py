@@ -69,7 +69,10 @@ class Router:
         async with httpx.AsyncClient(timeout=max(1.0, self.health_interval),
                                      limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)) as client:
             while True:
-                await self.pool.poll(client)
+                try:
+                    await self.pool.poll(client)
+                except Exception:  # noqa: BLE001 - a poll that fails must not end polling: the workers' states would freeze
+                    log.exception("polling the workers' health failed")
                 await asyncio.sleep(self.health_interval)
 
     @contextlib.asynccontextmanager
