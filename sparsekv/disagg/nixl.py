@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import importlib
+import logging
 import threading
 import time
 import uuid
@@ -28,6 +29,8 @@ import uuid
 import torch
 
 from .wire import TransferError, at_once
+
+logger = logging.getLogger("sparsekv.disagg")
 
 UCX = "UCX"
 PUMP_S = 0.001  # the prefill side's pause between two progress calls while a batch is exposed
@@ -113,7 +116,10 @@ class NixlAgent:
             with self.pumping:
                 self.pumping.wait_for(lambda: self.exposed > 0)
             with self.lock:
-                self.agent.get_new_notifs()  # NOTE: progresses the backend's workers; no notification is used
+                try:
+                    self.agent.get_new_notifs()  # NOTE: progresses the backend's workers; no notification is used
+                except Exception:  # noqa: BLE001 - a thread that ended here would leave every later read unprogressed
+                    logger.exception("NIXL progress failed")
                 self.progress_calls += 1
             time.sleep(PUMP_S)
 
