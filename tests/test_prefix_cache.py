@@ -703,3 +703,27 @@ def test_a_preempted_request_is_looked_up_once_as_its_prompt(ckpt):
     assert stats["prefix_cache_hits_device"] == 0 and stats["prefix_cache_by_tenant"]["default"]["hits"] == 0
     assert stats["prefix_cache_preempted_queries"] > 0  # counted apart: its own pages, output tokens included
     assert_idle(llm)
+
+
+def test_a_preempted_request_reports_the_host_tier_tokens_of_its_first_admission(ckpt):
+    """prefix_cached_tokens_host is what the host tier served the prompt when the request was first
+    admitted, as num_cached_tokens is: b hits BASE's 4 pages in the host tier, is preempted (optimistic
+    admission, a 10-page pool it shares with a) and recomputed from what the cache kept of its own
+    pages, yet its metrics still say 64 host tokens, the device's share 0."""
+    llm = make(ckpt, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 24, kv_admission="optimistic",
+               prefix_cache_max_pages_per_tenant=0, num_kv_pages=10)  # released pages go straight to the host tier
+    llm.generate([BASE + [3]], GREEDY)
+    engine, outs = llm.engine, {}
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [(5 * i) % 200 + 3 for i in range(30)], SamplingParams(max_tokens=80, temperature=0.0,
+                                                                                     ignore_eos=True))
+    engine.step()
+    engine.add_request("b", BASE + [5, 6, 7], long)
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_integrity()
+    b = outs["b"]
+    assert b.metrics["num_preemptions"] >= 1  # what makes this test one
+    assert b.num_cached_tokens == b.metrics["prefix_cached_tokens_host"] == 64
+    assert b.metrics["prefix_cached_tokens_device"] == 0
+    assert_idle(llm)

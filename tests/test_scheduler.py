@@ -508,3 +508,65 @@ def test_tenant_pages_keep_a_tenants_last_page_after_a_release():
     ledger.check_integrity([small], cap=1)
     ledger.release(small)
     assert ledger.reserved == {}
+
+
+def test_a_seeded_requests_drafts_that_exactly_fill_the_chunk_run_whole_this_step():
+    """A seeded, sampled request's 1 + 3 rows exactly fill a 4-token budget: they fit, so they run
+    this step whole (the rule that defers its drafts is for rows that do not fit, not for rows that
+    just fit), and the step samples from its last row."""
+    sched = Scheduler(PageAllocator(100, 4), max_num_seqs=4, max_num_batched_tokens=4, prefill_chunk_tokens=4)
+    s = Request("s", [1, 2], SamplingParams(max_tokens=8, temperature=0.8, seed=1))
+    sched.add(s)
+    assert _chunks(run_step(sched)) == [("s", 0, 2)]
+    s.draft_token_ids[:] = [5, 6, 7]
+    chunks = sched.schedule().chunks
+    assert _chunks(chunks) == [("s", 2, 4)] and chunks[0].num_draft_tokens == 3 and chunks[0].samples_token
+
+
+def test_drafts_left_out_of_a_chunk_that_reaches_the_last_token_are_dropped():
+    """Budget 1: a decode with 3 drafts runs its newest token alone, a plain decode, and its drafts are
+    dropped (they were proposed to follow that token: no later step may verify them)."""
+    sched = Scheduler(PageAllocator(100, 4), max_num_seqs=4, max_num_batched_tokens=1, prefill_chunk_tokens=1)
+    d = make("d", 1, max_tokens=8)
+    sched.add(d)
+    assert _chunks(run_step(sched)) == [("d", 0, 1)]
+    d.draft_token_ids[:] = [5, 6, 7]
+    chunks = sched.schedule().chunks
+    assert _chunks(chunks) == [("d", 1, 1)] and chunks[0].num_draft_tokens == 0 and chunks[0].samples_token
+    assert d.draft_token_ids == []
+
+
+def test_a_finished_prompts_tail_page_is_evicted_before_its_head():
+    """A request's pages are freed last page first, so the prefix cache evicts a finished prompt's tail
+    before its head: after one cached page is taken for another request, the prompt's first two pages
+    still hit (a lookup walks a prompt from its first page, so an evicted head would lose them all)."""
+    alloc = PageAllocator(5, 4)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=100, prefill_chunk_tokens=100,
+                      prefix=PrefixCache(alloc))
+    warm = make("w", 13, max_tokens=1)  # 3 full pages named, and a partial one
+    sched.add(warm)
+    run_step(sched)
+    sched.finish(warm, RequestStatus.FINISHED, "length")
+    assert len(alloc.cached) == 3
+    other = Request("x", list(range(100, 112)), SamplingParams(max_tokens=1))  # 3 pages: 2 free, 1 evicted
+    sched.add(other)
+    run_step(sched)
+    assert len(alloc.cached) == 2
+    sched.finish(other, RequestStatus.FINISHED, "length")
+    again = make("b", 13, max_tokens=1)
+    sched.add(again)
+    run_step(sched)
+    assert again.num_cached_tokens == 8
+    sched.finish(again, RequestStatus.FINISHED, "length")
+    alloc.check_integrity()
+
+
+def test_allocated_pages_come_in_ascending_order_whatever_order_they_were_freed_in():
+    """A request's pages are freed last first; the next allocation still hands out ascending page ids
+    (consecutive pages are one run of slots, which decode reads in place)."""
+    a = PageAllocator(6, page_size=4)
+    pages = a.allocate("x", 3)
+    assert pages == [0, 1, 2]
+    a.free("x", pages[::-1])
+    assert a.allocate("y", 4) == [2, 3, 4, 5]
+    a.check_integrity()

@@ -1047,3 +1047,30 @@ def test_a_pinned_host_store_is_page_locked_in_place_at_its_own_size(monkeypatch
     assert calls[1:] == [("unregister", first.data_ptr())]
     RamTieredHostStore([0], num_slots=4, dim=2, dtype=torch.float32).close()  # off CUDA: nothing locked
     assert len(calls) == 2
+
+
+def test_tier_check_integrity_catches_state_kept_for_a_request_that_left(ckpt):
+    """TieredKVPool.check_integrity (which the engine's runs): a working set or tier counters kept for a
+    request neither running nor waiting is a leak, and fires; a preempted (waiting) request's kept
+    counters do not, and the check passes again once they are let go."""
+    llm = make(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=TOPK)
+    engine, pool = llm.engine, llm.engine.kv.pool
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while not pool.has_working_set("a"):
+        engine.step()
+    pool.check_integrity({"a"}, set())
+    with pytest.raises(AssertionError, match=r"tier state kept for finished requests \['a'\]"):
+        pool.check_integrity(set(), set())  # its working set
+    pool.release("a", keep_counters=True)  # as a preemption does
+    pool.check_integrity(set(), {"a"})
+    with pytest.raises(AssertionError, match=r"tier state kept for finished requests \['a'\]"):
+        pool.check_integrity(set(), set())  # its counters
+    pool.release("a")
+    pool.check_integrity(set(), set())
+    pool._count("ghost", hits=1)  # the engine's check runs the pool's: counters of a request it does not know
+    with pytest.raises(AssertionError, match=r"tier state kept for finished requests \['ghost'\]"):
+        engine.check_integrity()
+    pool.release("ghost")
+    engine.check_integrity()
+    engine.abort("a")
+    assert_back_to_initial(engine)
