@@ -112,14 +112,18 @@ class NixlAgent:
 
     def _progress(self) -> None:
         """The prefill side's progress: every PUMP_S while a batch is exposed, asleep otherwise."""
+        failing = False
         while True:
             with self.pumping:
                 self.pumping.wait_for(lambda: self.exposed > 0)
             with self.lock:
                 try:
                     self.agent.get_new_notifs()  # NOTE: progresses the backend's workers; no notification is used
+                    failing = False
                 except Exception:  # noqa: BLE001 - a thread that ended here would leave every later read unprogressed
-                    logger.exception("NIXL progress failed")
+                    if not failing:  # once per run of failures: this runs every PUMP_S
+                        logger.exception("NIXL progress failed (logged again only after it recovers)")
+                    failing = True
                 self.progress_calls += 1
             time.sleep(PUMP_S)
 

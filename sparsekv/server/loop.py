@@ -34,8 +34,8 @@ FAULT_ENV, DELAY_ENV = "SPARSEKV_INJECT_STEP_FAULT", "SPARSEKV_INJECT_STEP_DELAY
 
 
 class EngineDead(RuntimeError):
-    """The engine raised inside a step; the server can no longer generate. `status`: 503 when a rank of
-    a parallel engine failed (the service is down, not the request at fault), else 500."""
+    """The engine raised, in a step or between steps; the server can no longer generate. `status`: 503
+    when a rank of a parallel engine failed (the service is down, not the request at fault), else 500."""
 
     def __init__(self, message: str, status: int = 500):
         super().__init__(message)
@@ -182,8 +182,8 @@ class EngineLoop:
         while not self._stopped:
             try:
                 self._turn()
-            except Exception as e:  # noqa: BLE001 - a rank died or stopped answering, or the engine failed,
-                self._die(e)        # found outside a step: an ended thread would leave every client waiting
+            except Exception as e:  # noqa: BLE001 - outside a step: a rank died or stopped answering, or the engine
+                self._die(e)        # failed; an ended thread would leave every client waiting
 
     def _turn(self) -> None:
         busy = self.dead is None and self._has_work()
@@ -324,14 +324,14 @@ class EngineLoop:
         return route.group, route.index, out
 
     def _die(self, e: BaseException) -> None:
-        log.error("engine step failed; the server can no longer generate", exc_info=e)
+        log.error("the engine failed; the server can no longer generate", exc_info=e)
         self.dead = e
         routes = list(self._routes.values())
         self._routes.clear()
         if self.metrics:
             self.metrics.abort("engine_fault", len(routes))
         status = 503 if isinstance(e, RankFailure) else 500
-        self._deliver([(r.group, None, EngineDead(f"the engine failed during a step: {e!r}", status)) for r in routes])
+        self._deliver([(r.group, None, EngineDead(f"the engine failed: {e!r}", status)) for r in routes])
 
     # -- thread -> event loop ------------------------------------------------------------------
     def _deliver(self, batch: list) -> None:
