@@ -243,6 +243,30 @@ def test_resetting_a_tenant_removes_its_files_only_and_a_zero_quota_keeps_none(t
     none.close()
 
 
+def test_a_file_that_cannot_be_removed_is_reported_and_counted_again_at_the_next_start(tmp_path, monkeypatch, caplog):
+    """A dropped page whose file the writer cannot remove (permissions changed under the engine) is
+    logged, not lost in a future nobody reads; the file stays, and the next start counts it again."""
+    import sparsekv.cache.prefix_disk as prefix_disk
+    rows = _rows()
+    disk = _store(rows, tmp_path, 4)
+    disk.save_rows(_name(0), rows.copy_out(0), "alice")
+    disk.flush()
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+    with monkeypatch.context() as m:
+        m.setattr(prefix_disk.os, "unlink", refuse)
+        assert disk.drop("alice") == 1
+        disk.flush()
+    assert not disk.has(_name(0)) and disk.num_pages == 0 and len(_files(tmp_path)) == 1
+    assert any("removing" in r.getMessage() and "Permission denied" in r.getMessage() for r in caplog.records)
+    disk.close()
+    again = _store(rows, tmp_path, 4)
+    assert again.has(_name(0)) and again.num_pages == 1
+    again.check_integrity()
+    again.close()
+
+
 def test_a_namespace_an_engine_takes_after_it_was_counted_is_not_removed(tmp_path):
     """Another namespace counted free at start, then taken by an engine before this one runs out of
     room: its files are no longer this engine's to remove (the lock is checked again at removal)."""

@@ -552,8 +552,16 @@ class PrefixDiskStore:
             return path, size, ours
 
     def _unlink(self, file_id: bytes) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._file(file_id))
+        """On the writer thread: remove a dropped page's file. One that cannot be removed is reported (a
+        future's exception nobody reads would hide it): it stays on disk, outside the tier's count, until
+        the next start counts it again."""
+        path = self._file(file_id)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logger.warning("prefix cache disk tier: removing %s failed (%s); it stays on disk", path, e)
 
     def _utime(self, file_id: bytes, when: float) -> None:
         with contextlib.suppress(FileNotFoundError):
