@@ -243,9 +243,10 @@ def test_resetting_a_tenant_removes_its_files_only_and_a_zero_quota_keeps_none(t
     none.close()
 
 
-def test_a_file_that_cannot_be_removed_is_reported_and_counted_again_at_the_next_start(tmp_path, monkeypatch, caplog):
+def test_a_file_the_writer_cannot_remove_or_touch_is_reported_and_counted_again_at_the_next_start(tmp_path, monkeypatch, caplog):
     """A dropped page whose file the writer cannot remove (permissions changed under the engine) is
-    logged, not lost in a future nobody reads; the file stays, and the next start counts it again."""
+    logged, not lost in a future nobody reads; the file stays, and the next start counts it again. Any
+    other writer job's unhandled error is logged as well."""
     import sparsekv.cache.prefix_disk as prefix_disk
     rows = _rows()
     disk = _store(rows, tmp_path, 4)
@@ -264,6 +265,12 @@ def test_a_file_that_cannot_be_removed_is_reported_and_counted_again_at_the_next
     again = _store(rows, tmp_path, 4)
     assert again.has(_name(0)) and again.num_pages == 1
     again.check_integrity()
+    with monkeypatch.context() as m:  # any other job's unhandled error is logged too (here a file's time)
+        m.setattr(prefix_disk.os, "utime", refuse)
+        again.touch(_name(0))
+        again.flush()
+    assert any("background job failed" in r.getMessage() and "Permission denied" in r.getMessage()
+               for r in caplog.records)
     again.close()
 
 

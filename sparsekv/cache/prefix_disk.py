@@ -312,7 +312,7 @@ class PrefixDiskStore:
             self._index(file_id, metadata.get("tenant", ""), mtime / 1e9, size)
             self._last_ns = max(self._last_ns, mtime)
             if self.cipher is not None and metadata.get("key") != self.cipher.key_id:
-                self._writer.submit(self._rekey, file_id)  # sealed with an old key (or unreadable: left alone)
+                self._on_writer(self._rekey, file_id)  # sealed with an old key (or unreadable: left alone)
         self._remove_unopenable(unopenable)
         with self._lock:
             for tenant in self._files.counts():
@@ -376,7 +376,7 @@ class PrefixDiskStore:
                 return
             when = self.clock() if when is None else max(when, self._files.last_used(file_id))
             self._files.touch(file_id, when)
-        self._writer.submit(self._utime, file_id, when)
+        self._on_writer(self._utime, file_id, when)
 
     # -- eviction ------------------------------------------------------------------------------
     def _make_room(self, room: int, adding: str | None = None) -> None:
@@ -393,7 +393,7 @@ class PrefixDiskStore:
         _, path, size = self._others.pop(0)
         self._others_bytes -= size
         self.dropped += 1
-        self._writer.submit(self._unlink_other, path)
+        self._on_writer(self._unlink_other, path)
 
     def _unlink_other(self, path: str) -> None:
         """On the writer thread: remove another namespace's file, unless an engine has taken that
@@ -422,7 +422,7 @@ class PrefixDiskStore:
 
     def _drop(self, file_id: bytes) -> None:
         self._forget(file_id)
-        self._writer.submit(self._unlink, file_id)
+        self._on_writer(self._unlink, file_id)
 
     def drop_page(self, name: bytes) -> bool:
         """Remove one page's file; whether there was one."""
@@ -488,7 +488,7 @@ class PrefixDiskStore:
             self._index(file_id, digest, when, self.file_bytes)
             self._pending[file_id] = (ticket, rows)
         self.saved += 1
-        self._writer.submit(self._write, file_id, ticket, rows, digest, when, used_at is not None)
+        self._on_writer(self._write, file_id, ticket, rows, digest, when, used_at is not None)
 
     def _encode(self, file_id: bytes, rows: list[torch.Tensor], tenant: str) -> bytes:
         return encode_page(rows, file_id, tenant, self.cipher, self._tenant_secret)
@@ -550,6 +550,11 @@ class PrefixDiskStore:
                 self._forget(file_id)
             self.dropped += 1
             return path, size, ours
+
+    def _on_writer(self, fn, *args) -> None:
+        """`fn(*args)` on the writer thread; an error it did not handle is logged, not kept in a future
+        nobody reads."""
+        self._writer.submit(fn, *args).add_done_callback(_report_writer_failure)
 
     def _unlink(self, file_id: bytes) -> None:
         """On the writer thread: remove a dropped page's file. One that cannot be removed is reported (a
@@ -733,3 +738,9 @@ class PrefixDiskStore:
             self._files.check_integrity()
             quota = self.max_pages_per_tenant
             assert quota is None or all(n <= quota for n in self._files.counts().values()), "a tenant is over its quota"
+
+
+def _report_writer_failure(job: Future) -> None:
+    if not job.cancelled() and job.exception() is not None:
+        logger.warning("prefix cache disk tier: a background job failed (%r)", job.exception())
+
