@@ -14,7 +14,7 @@ class InvalidRequest(ValueError):
 
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_N = 128  # choices per prompt (`n`), as the server allows
-MAX_TEMPERATURE = 100.0  # above it every distribution is flat to float precision
+MAX_TEMPERATURE = 100.0  # the largest temperature a request may ask for (the server and rollout's --temperature)
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:

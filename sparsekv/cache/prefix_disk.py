@@ -557,9 +557,8 @@ class PrefixDiskStore:
         self._writer.submit(fn, *args).add_done_callback(_report_writer_failure)
 
     def _unlink(self, file_id: bytes) -> None:
-        """On the writer thread: remove a dropped page's file. One that cannot be removed is reported (a
-        future's exception nobody reads would hide it): it stays on disk, outside the tier's count, until
-        the next start counts it again."""
+        """On the writer thread: remove a dropped page's file. One that cannot be removed is reported with
+        what that leaves: the file on disk, outside the tier's count, until the next start counts it again."""
         path = self._file(file_id)
         try:
             os.unlink(path)
