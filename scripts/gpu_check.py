@@ -1,9 +1,12 @@
 """One prepared accelerator check (run by hand on a lent GPU; CI never runs it).
 
   python scripts/gpu_check.py CKPT OUT.json [cuda|cpu] [--long N] [--tiers] [--disagg] [--needle LENGTHS]
+                              [--stage-timeout S]
 
 1. exactness on the device: greedy tokens and logprobs of the engine on the device against the
-   engine on the CPU (float32) for a prompt far longer than index_topk, with chunked prefill;
+   engine on the CPU (float32) for a prompt far longer than index_topk, with chunked prefill; then
+   the server on plain `cuda` (`tests/test_server_lifecycle.py -k on_cuda`: its engine thread sets
+   the device by index and steps, one completion comes back);
 2. decode step time at 4K / 128K / 1M cached tokens (synthetic cache, as `sparsekv bench decode`),
    and the indexer's decode row in both score layouts (`sparsekv bench indexer --decode`, written to
    OUT.indexer-decode.json): whether keys-major should replace query-major on the device too
@@ -29,16 +32,23 @@
    project's 2-core CPU (two threads, estimated; 3.5 on one); it is what a lent GPU is for.
 
 With little device time left, `--long 4096 --tiers` skips the 1M prefill and keeps the tiering checks.
-Stages run in the order exactness, tiers, disagg, batch, decode, indexer decode, long prefill, needle; OUT.json is
-rewritten after each, so a run cut short by its time limit keeps what it measured.
+Stages run in the order exactness, serve, tiers, disagg, batch, decode, indexer decode, long prefill, needle;
+OUT.json is rewritten after each, so a run cut short by its time limit keeps what it measured. A stage that
+raises is recorded (its error and the traceback's tail) and the next one runs; every subprocess a stage
+starts (pytest, the benches) is killed with its process group after --stage-timeout seconds (default
+300), so one hung stage (a server whose engine thread died, a transfer that never ends) cannot spend
+the rest of the device time.
 """
 from __future__ import annotations
 
 import gc
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 
@@ -67,7 +77,7 @@ def long_prefill(ckpt: str, device: str, n: int) -> dict:
         if engine.step():
             first = first or time.perf_counter()
     end = time.perf_counter()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else None  # cuda:N's own
     if first is None:
         return {"tokens": n, "error": "no output came back"}
     return {"tokens": n, "prefill_s": first - t0, "decode_ms_per_token": (end - first) * 1000 / 31,
@@ -80,7 +90,12 @@ def main() -> None:
     n = int(sys.argv[sys.argv.index("--long") + 1]) if "--long" in sys.argv else 1 << 20
     contexts = [c for c in (4096, 131072, 1 << 20) if c <= n]
     stem = out_path.removesuffix(".json")
+    if "--stage-timeout" in sys.argv:
+        global STAGE_TIMEOUT_S
+        STAGE_TIMEOUT_S = float(sys.argv[sys.argv.index("--stage-timeout") + 1])
     stages = [("exactness", lambda: exactness(ckpt, device))]
+    if device.startswith("cuda"):
+        stages.append(("serve", serve))
     if "--tiers" in sys.argv:  # the open issue's figures first: a run cut short by its time limit keeps them
         stages.append(("tiers", lambda: tiers(ckpt, device, stem + ".tiers.json")))
     if "--disagg" in sys.argv:
@@ -97,7 +112,10 @@ def main() -> None:
     for name, run in stages:
         release_device_memory(device)  # the peak and the memory held are each stage's own
         t0 = time.perf_counter()
-        result[name] = run()
+        try:
+            result[name] = run()
+        except Exception as e:  # noqa: BLE001 - recorded, and the next stage runs: this script runs once per lent GPU
+            result[name] = {"error": repr(e), "traceback": traceback.format_exc().strip().splitlines()[-12:]}
         result[f"{name}_s"] = round(time.perf_counter() - t0, 1)
         print({name: result[name]}, flush=True)
         with open(out_path, "w") as f:  # after every stage, so a timed-out run still leaves its figures
@@ -114,55 +132,73 @@ def release_device_memory(device: str) -> None:
 
 
 SPARSEKV = [sys.executable, "-m", "sparsekv"]  # this interpreter's, whether or not its venv is on PATH
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-rs"]
+STAGE_TIMEOUT_S = 300.0  # --stage-timeout: the most one subprocess of a stage may run
+
+
+def run_bounded(cmd: list[str], lines: int = 8) -> dict:
+    """`cmd` run to its end or killed, with its whole process group (pytest's servers and workers),
+    after STAGE_TIMEOUT_S: {"rc", "tail": its output's last lines, "timed_out" when it was killed}."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=STAGE_TIMEOUT_S)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        timed_out = True
+    result = {"rc": proc.returncode, "tail": (out or "").strip().splitlines()[-lines:]}
+    if timed_out:
+        result["timed_out"] = STAGE_TIMEOUT_S
+    return result
+
+
+def serve() -> dict:
+    """The server on plain `cuda`: its engine thread (server/loop.py) steps on the device."""
+    return run_bounded([*PYTEST, "tests/test_server_lifecycle.py", "-k", "on_cuda"])
 
 
 def indexer_decode(device: str, out_path: str) -> dict:
-    run = subprocess.run([*SPARSEKV, "bench", "indexer", "--decode", "--device", device, "--contexts",
-                          "16K,64K,256K,1M", "--repeats", "20", "--threads", "16", "--json", out_path],
-                         capture_output=True, text=True)
-    return {"rc": run.returncode, "tail": (run.stdout + run.stderr).strip().splitlines()[-8:]}
+    return run_bounded([*SPARSEKV, "bench", "indexer", "--decode", "--device", device, "--contexts",
+                        "16K,64K,256K,1M", "--repeats", "20", "--threads", "16", "--json", out_path])
 
 
 def tiers(ckpt: str, device: str, out_path: str) -> dict:
-    test = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_tiers.py", "tests/test_speculative.py",
-                           "tests/test_prefix_cache.py", "tests/test_dense_decode_batch.py", "tests/test_kv_cache_dtype.py",
-                           "tests/test_decode_shapes.py", "tests/test_batched_decode.py",
-                           "-k", "on_cuda"], capture_output=True, text=True)
-    result = {"cuda_exactness_test": test.stdout.strip().splitlines()[-1:]}
+    test = run_bounded([*PYTEST, "tests/test_tiers.py", "tests/test_speculative.py",
+                        "tests/test_prefix_cache.py", "tests/test_dense_decode_batch.py", "tests/test_kv_cache_dtype.py",
+                        "tests/test_decode_shapes.py", "tests/test_batched_decode.py",
+                        "-k", "on_cuda"], lines=16)  # the failures' and skips' summary lines, not only the count
+    result = {"cuda_exactness_test": test}
     for name, model in (("", ["--model", ckpt]), ("-glm52", ["--preset", "glm5.2-proportions"])):
-        bench = subprocess.run([*SPARSEKV, "bench", "tiers", "--concurrency", *model, "--device", device,
-                                "--threads", "16", "--json", out_path.replace(".tiers", f".tiers{name}")],
-                               capture_output=True, text=True)
-        result[f"bench{name}_rc"], result[f"bench{name}_tail"] = bench.returncode, bench.stdout.strip().splitlines()[-4:]
+        bench = run_bounded([*SPARSEKV, "bench", "tiers", "--concurrency", *model, "--device", device,
+                             "--threads", "16", "--json", out_path.replace(".tiers", f".tiers{name}")], lines=4)
+        result[f"bench{name}_rc"], result[f"bench{name}_tail"] = bench["rc"], bench["tail"]
+        if "timed_out" in bench:
+            result[f"bench{name}_timed_out"] = bench["timed_out"]
     return result
 
 
 def disaggregation() -> dict:
-    test = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_disagg_workers.py", "-k", "on_cuda"],
-                          capture_output=True, text=True)
-    layers = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_disagg_layers.py", "-k", "cuda"],
-                            capture_output=True, text=True)
-    if test.returncode == 0:
-        test = layers
-    return {"rc": test.returncode, "tail": (test.stdout + test.stderr).strip().splitlines()[-8:]}
+    """Both test files' results (the layer taps' as well when the workers' fail: each costs device time)."""
+    workers = run_bounded([*PYTEST, "tests/test_disagg_workers.py", "-k", "on_cuda"])
+    layers = run_bounded([*PYTEST, "tests/test_disagg_layers.py", "-k", "cuda"])
+    return {"rc": workers["rc"] or layers["rc"], "workers": workers, "layers": layers}
 
 
 def batch_decode(device: str, out_path: str) -> dict:
     """Dense-regime decodes batched against one request at a time, at 64 and 256 requests."""
     result = {}
     for batch in (64, 256):
-        run = subprocess.run([*SPARSEKV, "bench", "batch", "--device", device, "--batch", str(batch), "--threads", "16",
-                              "--json", out_path.replace(".batch", f".batch{batch}")], capture_output=True, text=True)
-        result[batch] = {"rc": run.returncode, "tail": (run.stdout + run.stderr).strip().splitlines()[-5:]}
+        result[batch] = run_bounded([*SPARSEKV, "bench", "batch", "--device", device, "--batch", str(batch), "--threads",
+                                     "16", "--json", out_path.replace(".batch", f".batch{batch}")], lines=5)
     return result
 
 
 def needle(device: str, lengths: str, out_path: str) -> dict:
-    run = subprocess.run([*SPARSEKV, "eval", "needle", "--tasks", "passkey", "--lengths", lengths,
-                          "--depths", "0,0.5,1", "--samples", "1", "--dense-max-length", "0", "--device", device,
-                          "--threads", "16", "--heatmap", out_path.removesuffix(".json") + ".png", "--json", out_path],
-                         capture_output=True, text=True)
-    return {"rc": run.returncode, "tail": (run.stdout + run.stderr).strip().splitlines()[-12:]}
+    return run_bounded([*SPARSEKV, "eval", "needle", "--tasks", "passkey", "--lengths", lengths,
+                        "--depths", "0,0.5,1", "--samples", "1", "--dense-max-length", "0", "--device", device,
+                        "--threads", "16", "--heatmap", out_path.removesuffix(".json") + ".png", "--json", out_path],
+                       lines=12)
 
 
 if __name__ == "__main__":

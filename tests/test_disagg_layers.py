@@ -437,3 +437,55 @@ def test_a_tails_delivery_on_a_full_layer_carries_the_positions_its_rows_selecte
     assert [(d.layer, d.first, d.tail) for d in tails] == [(0, 3, 4), (1, 3, 4)] and tails[1].selected is None
     union, last = tails[0].selected
     assert union.tolist() == [2, 3, 13, 14, 15] and last.tolist() == [3, 15]
+
+
+def test_the_event_loop_polls_a_deliverys_device_copy_instead_of_blocking_in_it():
+    """On CUDA a delivery's rows land once the GPU has run its step up to their layer (`LayerRows.event`):
+    the prefill worker's send, on the server's event loop, polls `done()` (event.query) and reads the
+    rows only once they landed; it never waits in `ready()`'s event.synchronize(), which would hold
+    every other request's streaming meanwhile. A fake event stands for CUDA's."""
+    import asyncio
+    from sparsekv.cache.layer_tap import LayerRows
+    from sparsekv.disagg.layers import LayerFeed
+    from sparsekv.disagg.prefill import PrefillWorker
+
+    class Event:
+        def __init__(self, busy: int):
+            self.busy, self.queries = busy, 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.queries > self.busy
+
+        def synchronize(self) -> None:
+            assert self.queries > self.busy, "the event loop blocked in a copy still in flight"
+
+    sent = []
+
+    async def send(out, meta, tensors, request):
+        sent.append((meta["layer_rows"], tensors))
+        return sum(t.numel() for t in tensors)
+
+    async def scenario():
+        feed = LayerFeed(asyncio.get_running_loop(), 2)
+        events = [Event(3), Event(5)]
+        rows = [torch.full((2, 4, 3), float(layer)) for layer in range(2)]
+        for layer, (event, r) in enumerate(zip(events, rows)):
+            feed.deliver_for(0)(LayerRows(layer, 1, 2, [layer], [r], event))
+        worker = object.__new__(PrefillWorker)
+        worker._send = send
+        ticks = 0
+
+        async def other_work():  # the event loop's other tasks go on while the copies land
+            nonlocal ticks
+            while not sent:
+                ticks += 1
+                await asyncio.sleep(0)
+        _, nbytes = await asyncio.gather(other_work(), worker._send_layers(feed, None, {}, {"held": [2]}, None))
+        return events, nbytes, ticks
+
+    events, nbytes, ticks = asyncio.run(scenario())
+    assert all(e.queries > e.busy for e in events) and ticks > 0
+    (layer_rows, tensors), = sent
+    assert layer_rows["first"] == 2 and layer_rows["count"] == 1 and layer_rows["layers"] == [0, 1]
+    assert [t.shape for t in tensors] == [(1, 4, 3), (1, 4, 3)] and nbytes == 24

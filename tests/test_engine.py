@@ -1224,3 +1224,18 @@ def test_the_engines_check_integrity_catches_selector_state_of_a_request_not_run
     quest._last["ghost"] = next(iter(quest._last.values()), {})
     with pytest.raises(AssertionError, match=r"page history for finished requests \['ghost'\]"):
         engine.check_integrity()
+
+
+def test_a_cuda_pool_may_take_what_torchs_caching_allocator_holds_unused(monkeypatch):
+    """`mem_get_info`'s free memory leaves out the blocks torch's caching allocator keeps reserved after
+    an earlier engine in the process freed its pool (pytest and gpu_check build several): those are
+    available to the next pool too. No GPU needed: torch.cuda's figures are given."""
+    from sparsekv.cache import memory
+    gib = 2 ** 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 5 * gib)
+    assert memory.device_memory_bytes(torch.device("cuda")) == 35 * gib
+    memory.check_tiered_fits(0, 35 * gib, torch.device("cuda"), None, "the test")
+    with pytest.raises(ConfigError, match="cuda memory"):
+        memory.check_tiered_fits(0, 35 * gib + 1, torch.device("cuda"), None, "the test")

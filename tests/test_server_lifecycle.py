@@ -839,3 +839,54 @@ def test_an_open_server_reports_max_model_len_and_shows_the_per_tenant_series_to
     assert card["max_model_len"] == one["max_model_len"] == tok["max_model_len"] == srv.engine.max_model_len
     assert srv.state.context_limit < srv.engine.max_model_len
     assert "sparsekv:prefix_cache_tenant_queries_total" in tenant
+
+
+class _CudaQueueOnlyEngine(_QueueOnlyEngine):
+    """A queue-only engine as `--device cuda` makes it: a CUDA device without an index."""
+
+    device = torch.device("cuda")
+
+
+@pytest.mark.parametrize("device, index", [("cuda", 3), ("cuda:1", 1), ("cpu", None)])
+def test_the_engine_thread_takes_the_engines_cuda_device_by_index(device, index, monkeypatch):
+    """`torch.cuda.set_device` refuses a device without an index (ValueError "Expected a torch.device
+    with a specified index"): given `torch.device("cuda")`, the engine thread died before its first
+    turn, and every request waited forever. It takes the index (the current device of the thread that
+    made the loop, for an engine on plain "cuda"), and stays alive. Runs without a GPU: torch.cuda's
+    calls are replaced, set_device by one that refuses as torch's does."""
+    from torch.cuda._utils import _get_device_index
+    from sparsekv.server.loop import EngineLoop
+    chosen = []
+
+    def set_device(d):
+        chosen.append(_get_device_index(d))  # raises as torch's does for a device without an index
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    engine = _CudaQueueOnlyEngine()
+    engine.device = torch.device(device)
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        loop.start()
+        try:
+            for _ in range(3000):  # the thread's first act, once it runs (bounded: a loaded machine is slow)
+                if chosen or index is None or not loop.healthy:
+                    break
+                await asyncio.sleep(0.01)
+            assert loop.healthy
+        finally:
+            loop.stop()
+    asyncio.run(scenario())
+    assert chosen == ([] if index is None else [index])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py runs it)")
+def test_a_server_on_plain_cuda_answers_on_cuda(model):
+    """`sparsekv serve --device cuda` (no index): the engine thread sets its device and steps (it died
+    at `torch.cuda.set_device(torch.device("cuda"))` before its first turn), and a completion comes back."""
+    with ThreadServer(model, device="cuda", dtype="float32") as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={**BODY, "max_tokens": 8, "temperature": 0.0}, timeout=120)
+        assert srv.state.loop.healthy
+    assert r.status_code == 200, r.text
+    assert len(r.json()["sparsekv"]["choices"][0]["token_ids"]) == 8

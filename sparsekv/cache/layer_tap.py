@@ -50,6 +50,11 @@ class LayerRows:
             self.event.synchronize()
         return self.rows
 
+    def done(self) -> bool:
+        """Whether `ready()` would return at once (the copies landed), without waiting: an event
+        loop polls this rather than block in `ready()` while the GPU works through the step."""
+        return self.event is None or self.event.query()
+
 
 @dataclass
 class _Tap:

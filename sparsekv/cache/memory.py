@@ -14,9 +14,13 @@ GiB = 2 ** 30
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
-    """The memory a pool on `device` could take at most: the machine's RAM, or the GPU's free memory."""
+    """The memory a pool on `device` could take at most: the machine's RAM, or the GPU's free memory.
+    NOTE: on CUDA the driver's free memory (`mem_get_info`) leaves out what torch's caching allocator
+    holds reserved but unused (an earlier engine's pool, freed in this process): an allocation takes
+    it (the allocator releases its cached blocks and retries before it fails), so it is counted."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + max(cached, 0)
     if device.type == "cpu":
         return host_memory_bytes()
     return None

@@ -37,6 +37,7 @@ from .worker import Worker
 
 log = logging.getLogger("sparsekv.disagg")
 STREAM_POLL_S = 0.005  # the longest pause between two looks for pages named since the last batch
+COPY_POLL_S = 0.0005  # the pause between two looks at a layer delivery's device -> host copy (CUDA)
 
 
 class PrefillWorker(Worker):
@@ -255,6 +256,10 @@ class PrefillWorker(Worker):
             if cut == count:
                 continue
             tail, warm = deliveries[0].tail, claim.get("warm") is True
+            # NOTE: on CUDA the rows land when the GPU has run the step up to their layer: polled, so the
+            # event loop (every other request's streaming) never blocks in the copies' event
+            while not all(d.done() for d in deliveries):
+                await asyncio.sleep(COPY_POLL_S)
             rows = [r[cut:] for d in deliveries for r in d.ready()]
             if tail and not feed.first_tokens:  # the decode side computes the last token: no selections
                 rows, tail, warm = short_tail(rows, tail), tail - 1, False

@@ -98,6 +98,7 @@ class EngineLoop:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
+        self._cuda_index = _cuda_index(getattr(engine, "device", None))  # read here, on the thread that built the engine
         install_test_hooks(engine, os.environ)
 
     # -- called from the event loop ------------------------------------------------------------
@@ -176,9 +177,11 @@ class EngineLoop:
 
     # -- the loop thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        device = getattr(self.engine, "device", None)
-        if device is not None and device.type == "cuda":  # a new thread's current device is cuda:0
-            torch.cuda.set_device(device)
+        try:
+            if self._cuda_index is not None:  # a new thread's current device is cuda:0
+                torch.cuda.set_device(self._cuda_index)
+        except Exception as e:  # noqa: BLE001 - a loop that cannot take its device refuses every request
+            self._die(e)
         while not self._stopped:
             try:
                 self._turn()
@@ -384,3 +387,15 @@ def install_test_hooks(engine, environ) -> None:
         return real_step()
 
     engine.step = hooked_step
+
+
+def _cuda_index(device) -> int | None:
+    """The index of the CUDA device the engine runs on, or None off CUDA. NOTE: `torch.cuda.set_device`
+    refuses a device without an index (`torch.device("cuda")`, what `--device cuda` gives: ValueError
+    "Expected a torch.device with a specified index"); such an engine was built on the current device
+    of the thread that made it, which is read here, on that thread."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
