@@ -181,32 +181,36 @@ def test_two_nodes_of_one_process_each_equal_one_process(glm_ckpt, layout):
             node1.wait()
 
 
-def _tp2_node1(path: str, port: int, *extra: str):
-    """Node 1 of a -tp 2 world over two "nodes" on localhost, in a session of its own (killpg reaches its rank)."""
+def _node1(path: str, port: int, *extra: str, layout: tuple = ("-tp", "2")):
+    """Node 1 of a -tp 2 (or `layout`) world over two "nodes" on localhost, in a session of its own (killpg
+    reaches its rank)."""
     import subprocess
     import sys
 
     from test_server_util import REPO
     return subprocess.Popen([sys.executable, "-m", "sparsekv", "serve", path, "--node-rank", "1", "--kv-page-size", "4",
-                             "--max-model-len", "128", "-tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}",
+                             "--max-model-len", "128", *layout, "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}",
                              *STARTUP_FLAGS, *extra], env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def test_an_idle_engine_finds_a_dead_node_without_a_request(glm_ckpt):
+@pytest.mark.parametrize("layout", [("-tp", "2"), ("-dp", "2")], ids=["tp2", "dp2"])
+def test_an_idle_engine_finds_a_dead_node_without_a_request(glm_ckpt, layout):
     """Node 1's ranks have no process on node 0 to look at: an idle engine's check_ranks (what the idle
     server calls) asks every rank every RANK_PROBE_S, so node 1 killed while nothing runs is a
-    RankFailure there (the server's /health then turns 503); it stayed healthy until a request came."""
+    RankFailure there (the server's /health then turns 503); it stayed healthy until a request came.
+    Tensor- and data-parallel engines alike."""
     import signal
 
     from sparsekv.engine import RANK_PROBE_S
     from sparsekv.parallel.launch import RankFailure
     from test_server_util import free_port, wait_until
     port = free_port()
-    node1 = _tp2_node1(glm_ckpt[0], port)
+    node1 = _node1(glm_ckpt[0], port, layout=layout)
     llm = None
+    size = dict(tensor_parallel_size=2) if layout[0] == "-tp" else dict(data_parallel_size=2)
     try:
-        llm = LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
+        llm = LLM(glm_ckpt[0], **BASE, **size, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
         llm.engine.check_ranks()  # everyone there
         os.killpg(node1.pid, signal.SIGKILL)
         node1.wait(timeout=30)
@@ -234,7 +238,7 @@ def test_sigterm_to_a_node_stops_its_ranks(glm_ckpt):
 
     from test_server_util import free_port, wait_until
     port = free_port()
-    node1 = _tp2_node1(glm_ckpt[0], port)
+    node1 = _node1(glm_ckpt[0], port)
     llm = None
     try:
         llm = LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")

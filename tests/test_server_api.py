@@ -396,6 +396,7 @@ def test_health_and_metrics_are_public(server, client):
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)  # figures to read, run alone too
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.head(server.url + "/health").status_code == 200  # load balancers' probes may send HEAD
+    assert httpx.get(server.url + "/ping").json() == httpx.post(server.url + "/ping").json() == {"status": "ok"}  # vLLM's (SageMaker's)
     assert httpx.get(server.url + "/version").json()["version"] == __import__("importlib.metadata").metadata.version(
         "sparsekv")
     m = scrape(server.url)

@@ -20,7 +20,7 @@ import time
 import torch.distributed as dist
 
 from ..config import ConfigError, EngineConfig
-from ..engine import LLMEngine
+from ..engine import RANK_PROBE_S, LLMEngine
 from ..hub import resolve_config
 from ..outputs import FirstToken, check_warm
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
@@ -60,6 +60,7 @@ class DataParallelEngine:
         self._summaries: list[dict] = [{"waiting": {}, "running": 0, "started": 0, "counters": {}}
                                        for _ in range(self.num_ranks)]
         self._next_id = 0
+        self._ranks_probed = time.monotonic()  # when check_ranks last asked every rank
         self.weights_version = 0  # updates every rank loaded (each rank's engine counts the same)
         self.paused = False
         self.weight_update_error: Exception | None = None  # why the last deferred update failed to load
@@ -247,10 +248,18 @@ class DataParallelEngine:
                               run=lambda: kv_call(self.local, 0, rank, method, args, kwargs))
 
     def check_ranks(self) -> None:
-        """RankFailure if a rank exited or a call across the ranks failed (LLMEngine.check_ranks)."""
+        """RankFailure if a rank exited or a call across the ranks failed; every RANK_PROBE_S also a round
+        trip to every rank, which finds a dead rank on another node, where there is no process to look at
+        (LLMEngine.check_ranks)."""
         self.ranks.check_alive()
+        now = time.monotonic()
+        if now - self._ranks_probed >= RANK_PROBE_S:
+            self._ranks_probed = now
+            self._together("probe", run=lambda: None)
 
     def expire_prefix_cache(self) -> int:
+        if self.config.prefix_cache_ttl_s is None:  # nothing expires: no round trip (the idle server calls this often)
+            return 0
         return sum(self._together("expire_prefix_cache", run=self.local.expire_prefix_cache))
 
     def reset_prefix_cache(self, tenant: str | None = None) -> int:

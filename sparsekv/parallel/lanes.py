@@ -92,7 +92,7 @@ def serve_lane(config: EngineConfig, rank: int, addr: str) -> None:
     def open_taps() -> None:
         taps.append(TapSender(open_group(config.dist_timeout_s)))
     commands = {"step": lambda message: step_lane(engine, rank, message, taps[0] if taps else None),
-                "open_taps": open_taps, "stats": engine.stats,
+                "open_taps": open_taps, "stats": engine.stats, "probe": lambda: None,
                 "load_weights": lambda update, checkpoint: load_lane(engine, update, checkpoint),
                 "expire_prefix_cache": engine.expire_prefix_cache, "reset_prefix_cache": engine.reset_prefix_cache,
                 "check_integrity": lambda: lane_integrity(engine),

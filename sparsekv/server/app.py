@@ -416,7 +416,8 @@ async def metrics(request: Request):
 ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
           ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
           ("/reset_prefix_cache", reset_prefix_cache, ["POST"]),
-          ("/v1/models", models, ["GET"]), ("/v1/models/{model:path}", model, ["GET"]), ("/health", health, ["GET", "HEAD"]), ("/metrics", metrics, ["GET"]),
+          ("/v1/models", models, ["GET"]), ("/v1/models/{model:path}", model, ["GET"]), ("/health", health, ["GET", "HEAD"]),
+          ("/ping", health, ["GET", "POST"]), ("/metrics", metrics, ["GET"]),
           ("/version", version, ["GET"]), ("/disaggregation", disaggregation, ["GET"])]
 
 
