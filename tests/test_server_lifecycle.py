@@ -881,6 +881,33 @@ def test_the_engine_thread_takes_the_engines_cuda_device_by_index(device, index,
     assert chosen == ([] if index is None else [index])
 
 
+def test_an_engine_thread_that_cannot_take_its_device_refuses_requests(monkeypatch):
+    """set_device failing (a device the process cannot use) kills the loop as a failed step does: the
+    error is kept (/health 503 engine_dead, requests 500) instead of a thread that ended unseen."""
+    from sparsekv.server.loop import EngineLoop
+
+    def set_device(d):
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    engine = _CudaQueueOnlyEngine()
+    engine.device = torch.device("cuda:7")
+
+    async def scenario():
+        loop = EngineLoop(engine)
+        loop.start()
+        try:
+            for _ in range(3000):
+                if loop.dead is not None or not loop.healthy:
+                    break
+                await asyncio.sleep(0.01)
+            return loop.dead, loop.healthy
+        finally:
+            loop.stop()
+    dead, healthy = asyncio.run(scenario())
+    assert "invalid device ordinal" in repr(dead) and not healthy
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py runs it)")
 def test_a_server_on_plain_cuda_answers_on_cuda(model):
     """`sparsekv serve --device cuda` (no index): the engine thread sets its device and steps (it died
