@@ -100,7 +100,12 @@ def outside_nucleus(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     on how a sort orders equal values). Found by a partial sort of the `TOP_P_CANDIDATES` most probable
     tokens; only rows whose nucleus is wider are sorted whole. At GLM's 155K-token vocabulary a
     whole-row sort costs ~11 ms per row on a CPU core, the partial one ~1 ms (BENCHMARKS.md)."""
-    probs, vocab = logits.softmax(-1), logits.shape[-1]
+    return outside_nucleus_of(logits.softmax(-1), top_p)
+
+
+def outside_nucleus_of(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`outside_nucleus` of the rows' probabilities."""
+    vocab = probs.shape[-1]
     k = min(TOP_P_CANDIDATES, vocab)
     values = probs.topk(k, dim=-1).values  # descending
     size = ((values.cumsum(-1) - values) < top_p).sum(-1, keepdim=True)  # >= 1: top_p > 0

@@ -337,6 +337,18 @@ def test_groups_pad_each_history_at_most_twice_beyond_the_pad_free_length():
     assert len(many) == 1
 
 
+def test_groups_stay_within_the_padded_budget():
+    """`groups_within` closes a group exactly when the next decode would take its padded size, requests x
+    longest history, past the budget: every group of several fits, and none could take the next."""
+    from types import SimpleNamespace
+    from sparsekv.model.decode_plan import groups_within
+    budget, seqs = 60, [SimpleNamespace(context_len=n) for n in (10, 10, 12, 20, 25, 40, 100)]
+    groups = groups_within(seqs, budget)
+    assert [[s.context_len for s in g] for g in groups] == [[10, 10, 12], [20, 25], [40], [100]]
+    assert all(len(g) == 1 or len(g) * g[-1].context_len <= budget for g in groups)
+    assert all((len(g) + 1) * after[0].context_len > budget for g, after in zip(groups, groups[1:]))
+
+
 def test_the_plan_groups_exactly_the_decodes_whose_every_row_sees_more_than_top_k():
     """`make_plan` at the top-k boundaries: a decode of context exactly k is in the dense regime; a
     sparse decode is in a group exactly when its first new row sees more than k keys (first new

@@ -195,6 +195,19 @@ def test_a_first_token_that_ends_its_request_is_output_without_a_step_and_a_bad_
     engine.check_integrity()
 
 
+def test_a_first_token_is_checked_against_the_vocabulary_at_both_ends():
+    """A first token's id is one of 0 .. vocab_size - 1: both ends are taken, and one past either end
+    (vocab_size itself included, one past the embedding's last row) is refused."""
+    from sparsekv.output_processor import OutputProcessor
+    vocab = 8
+    outputs = OutputProcessor(None, set(), vocab, 64, 0, lambda req: {})
+    for token in (0, vocab - 1):
+        outputs.check_first(SamplingParams(), FirstToken(token))
+    for token in (-1, vocab):
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            outputs.check_first(SamplingParams(), FirstToken(token))
+
+
 def test_a_first_token_of_other_weights_is_dropped_and_the_request_samples_its_own(glm_ckpt):
     """A decode engine whose weights changed since the KV was kept (a weight update between the import
     and the request's add) does not trust the token: it computes the prompt's last row and samples."""

@@ -296,6 +296,27 @@ def test_top_p_keeps_the_nucleus_of_the_definition(monkeypatch, candidates):
     assert (sizes < candidates).any() and (sizes >= candidates).any()
 
 
+def test_a_nucleus_reached_exactly_stops_there():
+    """Probabilities 1/2, 1/4, 1/8, 1/8 (exact in float32, and their sums): a top_p the first tokens'
+    mass equals exactly is reached by them, so the nucleus stops there (vLLM's: the tail whose mass is
+    at most 1 - top_p goes); at 7/8 the third token is needed, and its tie with the fourth keeps both.
+    Given as probabilities: a softmax of their logarithms is exact only where exp rounds exactly,
+    which depends on the CPU's kernels."""
+    import sparsekv.sampling as sampling
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]])
+    for top_p, kept in ((0.5, [0]), (0.75, [0, 1]), (0.875, [0, 1, 2, 3])):
+        drop = sampling.outside_nucleus_of(probs, torch.tensor([[top_p]]))
+        assert (~drop[0]).nonzero()[:, 0].tolist() == kept, top_p
+
+
+def test_min_p_of_one_keeps_exactly_the_most_probable_tokens():
+    """min_p drops the tokens less probable than min_p x the top's probability (vLLM's `<`): at
+    min_p = 1 the most probable tokens, ties included, stay and every other goes."""
+    logits = torch.tensor([1.0, 3.0, 3.0, 0.0])
+    got = filter_logits(logits, SamplingParams(temperature=1.0, min_p=1.0))
+    assert got.isfinite().tolist() == [False, True, True, False]
+
+
 def test_bench_sampling_times_both_and_reports_agreement(tmp_path, capsys):
     """`sparsekv bench sampling`: both filters on the same rows; a peaked spread gives a small nucleus
     on which they agree, a flat one a nucleus wider than the partial sort (the whole-row path)."""
@@ -341,6 +362,25 @@ def test_seeds_differing_above_bit_31_sample_differently_and_small_seeds_keep_th
     assert draws(5) != draws(5 + 2 ** 32) and draws(-1 - 2 ** 32) != draws(-1)
     assert len({generator_seed(s) for s in [*range(-300, 300), *(2 ** 32 + i for i in range(300))]}) == 900
     assert all(0 <= generator_seed(s) < 2 ** 32 for s in (-(2 ** 63), 2 ** 63 - 1, -5, 2 ** 40))
+
+
+def test_seeds_at_the_32_bit_boundary_sample_as_the_rule_says():
+    """Seeds in [0, 2**32) are kept as they are, 0 and 2**32 - 1 too; 2**32, the first seed mixed
+    down, must not sample as seed 0 (its low 32 bits, all that a CPU generator reads of it)."""
+    from sparsekv.sampling import generator_seed, make_generator
+    assert generator_seed(0) == 0 and generator_seed(2 ** 32 - 1) == 2 ** 32 - 1
+    assert torch.rand(8, generator=make_generator(2 ** 32)).tolist() != \
+        torch.rand(8, generator=make_generator(0)).tolist()
+
+
+def test_a_uniform_of_zero_never_draws_a_leading_zero_probability_token(monkeypatch):
+    """draw_rows searches u x total in the cumulative sum: a uniform of exactly 0 (torch.rand's
+    smallest value) must still pick the first token of non-zero probability, not a filtered-out
+    token before it."""
+    from sparsekv.sampling import draw_rows
+    probs = torch.tensor([[0.0, 0.0, 0.25, 0.75], [0.0, 0.5, 0.5, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.zeros(1))
+    assert draw_rows(probs, [torch.Generator(), torch.Generator()]).tolist() == [2, 1]
 
 
 @pytest.mark.parametrize("seed", [2 ** 63, -(2 ** 63) - 1, 2 ** 64])

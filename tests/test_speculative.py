@@ -305,6 +305,25 @@ def test_greedy_verification_accepts_exactly_the_argmax():
     assert verify_draft(logits, Draft(2, None), SamplingParams(temperature=0.0), g) == (1, False)
 
 
+def test_a_rejection_where_q_covers_p_everywhere_draws_from_p():
+    """A draft whose q is at least p on every token (as where p == q up to rounding; here q's mass on
+    the draft is doubled) leaves no residual mass (p - q)+: a rejection there draws from p itself, so
+    the emitted token is always one p allows (top-k keeps 2 of 5 tokens here), never the token that
+    a division by the zero residual would pick."""
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    params = SamplingParams(temperature=1.0, top_k=2)
+    p = filter_logits(logits, params).softmax(-1)
+    q = p.clone()
+    q[0] = 2 * p[0]  # p(d) / q(d) = 1/2: rejected about half the time, and q >= p everywhere
+    support = set(p.nonzero()[:, 0].tolist())
+    rejected = 0
+    for seed in range(64):
+        token, accepted = verify_draft(logits, Draft(0, q), params, torch.Generator().manual_seed(seed))
+        assert token in support, (seed, token)
+        rejected += not accepted
+    assert rejected > 0  # what makes this test one
+
+
 def test_seeded_sampling_with_drafts_is_reproducible_and_aborts_free_everything(model):
     llm = LLM(model, num_speculative_tokens=3, **OPTIONS)
     params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=11)

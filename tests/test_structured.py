@@ -104,6 +104,20 @@ def test_a_grammar_that_cannot_go_on_ends_the_request_cleanly(llm):
     llm.engine.check_integrity()
 
 
+def test_a_grammar_that_cannot_go_on_ends_a_drafting_request_at_the_verified_row():
+    """The same dead end with MTP drafts: the row after the complete match is a draft's verification
+    row, and there too no token may come next; the output is plain decoding's, token for token."""
+    spec = {"type": "choice", "choices": ["yes"]}
+    params = SamplingParams(max_tokens=16, temperature=0.0, min_tokens=8, structured_output=spec)
+    options = dict(max_model_len=512, max_num_seqs=3, enable_prefix_caching=False)
+    plain = LLM(default_model_path(), **options).generate(PROMPTS[:1], params)[0]
+    spec_llm = LLM(default_model_path(), num_speculative_tokens=2, **options)
+    drafted = spec_llm.generate(PROMPTS[:1], params)[0]
+    assert (drafted.token_ids, drafted.text, drafted.finish_reason) == (plain.token_ids, "yes", "stop")
+    assert spec_llm.stats()["spec_decode_num_draft_tokens"] > 0
+    spec_llm.engine.check_integrity()
+
+
 def test_a_grammar_after_a_marker_leaves_the_text_before_it_free(llm):
     """`"after": TEXT` (the server's "</think>" for reasoning models): the output is the model's own
     until it writes TEXT, then the grammar's; here a call's "(" and then three digits."""
