@@ -245,6 +245,30 @@ def test_a_claimed_prompt_runs_on_the_rank_its_pages_landed_on(glm_ckpt):
     assert got.token_ids == want.token_ids
 
 
+def test_a_claimed_prompt_is_counted_and_remembered_on_its_claimed_rank(glm_ckpt):
+    """In process, two ranks: prompts a and b claim ranks 0 and 1; a's request comes and is aborted, so
+    rank 0 is now the less loaded. b's request still goes to rank 1, and the router counts it there and
+    remembers its pages there (not where it would send b now)."""
+    a, b = _prompt(256, 41, 3), _prompt(256, 41, 4)
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S)
+    engine = llm.engine
+    router = engine.router
+    try:
+        assert engine.kv.held_prefix(a) == 0 and engine.kv.held_prefix(b) == 0  # claims: rank 0, then rank 1
+        engine.add_request("a", a, GREEDY)
+        assert engine.rank_of["a"] == 0 and engine.abort("a") and router.in_flight == [0, 1]
+        engine.add_request("b", b, GREEDY)
+        assert engine.rank_of["b"] == 1 and router.in_flight == [0, 1] and engine.kv.num_claims == 0
+        chain = router.chain(b, "default", None)
+        assert [router.matched_pages(rank, chain) for rank in (0, 1)] == [0, len(b) // PAGE]
+        assert engine.abort("b") and router.in_flight == [0, 0]
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
 def test_layer_rows_of_every_data_parallel_rank_reach_rank_0_before_their_pages_are_named(glm_ckpt):
     """In process, a `DataParallelEngine` of two ranks with both prompts tapped: rank 1's prompt's rows
     come over the taps' group (parallel/dp_taps.py), rank 0's from its own engine. Each page once per

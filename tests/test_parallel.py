@@ -696,6 +696,21 @@ def test_the_ranks_stats_add_up_and_their_rates_are_recomputed_from_the_sums():
     assert merged["tier_miss_rate"] == 10 / 16
 
 
+def test_merged_stats_keep_rank_0s_flags_and_no_acceptance_length_without_drafts():
+    """A flag is a setting, rank 0's (True on every rank stays True, not a count of ranks); with no draft
+    on any rank the merged drafting figures are what one engine without a draft reports (a mean
+    acceptance length of 0.0, not 1.0)."""
+    from sparsekv.parallel.lanes import merge_stats
+    from sparsekv.speculative import SpecDecodingCounts
+
+    def rank(flag):
+        return {"paused": flag, "weight_update_pending": flag, **SpecDecodingCounts(k=2).metrics()}
+    merged = merge_stats([rank(True), rank(True)])
+    assert merged["paused"] is True and merged["weight_update_pending"] is True
+    assert merge_stats([rank(False), rank(False)])["paused"] is False
+    assert {k: v for k, v in merged.items() if k.startswith("spec_decode")} == SpecDecodingCounts(k=2).metrics()
+
+
 def test_serve_with_data_parallel_attention_and_expert_parallelism():
     """`sparsekv serve -dp 2 --enable-expert-parallel` answers the OpenAI API: two requests, one per rank."""
     import httpx

@@ -47,6 +47,7 @@ def test_a_rank_failure_ends_the_step_with_a_clear_error(glm_ckpt, fault, layout
         assert time.monotonic() - t0 < 4 * TIMEOUT_S + 10, "the failure was not detected within the timeout"
         with pytest.raises(RankFailure):  # every later step fails at once
             engine.step()
+        assert engine.stats()["running"] >= 0  # rank 0's own figures: no call to the failed rank, no error
         assert engine.abort(req.request_id)  # letting go of a request never waits for the dead rank
     finally:
         llm.close()
@@ -141,3 +142,22 @@ def test_an_idle_server_turns_unhealthy_and_exits_when_a_rank_dies(tmp_path_fact
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_idle_data_parallel_engine_finds_an_exited_rank_without_a_step(glm_ckpt):
+    """A data-parallel engine's check_ranks (what the idle server calls) sees a worker rank that exited,
+    naming it and its exit code, with no step or request to find it; stats() then gives rank 0's own
+    figures (the server's /metrics reads them), and close() leaves nothing."""
+    llm = LLM(glm_ckpt[0], kv_page_size=4, max_model_len=128, num_threads=1, dist_timeout_s=TIMEOUT_S,
+              dist_startup_timeout_s=STARTUP_S, data_parallel_size=2)
+    try:
+        llm.engine.check_ranks()  # every rank there
+        worker = _workers()[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=30)
+        with pytest.raises(RankFailure, match=r"worker rank\(s\) exited: sparsekv-rank1 \(exit code -9\)"):
+            llm.engine.check_ranks()
+        assert llm.engine.stats()["running"] == 0  # rank 0's own figures, with no call to the dead rank
+    finally:
+        llm.close()
+    assert not _workers(), "close() left a worker process"

@@ -113,6 +113,21 @@ def test_a_rank_that_never_joins_fails_the_start_at_the_startup_timeout_naming_i
     assert not dist.is_initialized()
 
 
+def test_the_start_up_wait_ends_at_the_first_look_past_its_timeout(monkeypatch):
+    """A clock that advances one second per look: a 3 s start-up timeout fails the wait at the fourth look
+    (the first past the deadline), naming the rank that never came; counted in looks, not in time."""
+    from types import SimpleNamespace
+
+    from sparsekv.parallel import launch
+    clock = iter(range(1000))
+    monkeypatch.setattr(launch, "time", SimpleNamespace(monotonic=lambda: next(clock), sleep=lambda s: None))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    looks = []
+    with pytest.raises(StartupError, match=r"rank\(s\) \[1\] did not join within 3 s"):
+        launch.wait_for_ranks(store, 0, 2, 3.0, alive=lambda: looks.append(1))
+    assert len(looks) == 4
+
+
 def test_the_automatic_rendezvous_port_is_held_by_its_store():
     store = host_store(_config())
     with socket.socket() as s, pytest.raises(OSError):
