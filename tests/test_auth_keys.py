@@ -123,3 +123,18 @@ def test_metrics_keys_from_flags_files_and_the_environment(tmp_path):
     os.chmod(path, 0o644)
     with pytest.raises(ValueError, match="--metrics-api-key-file .*chmod 600"):
         load_metrics_keys([], [str(path)], {})
+
+
+def test_an_indented_comment_line_is_skipped_not_taken_as_a_key(tmp_path):
+    """A `#` comment is skipped however it is indented: an indented one taken as a key would be a key
+    anyone who reads the comment convention could guess."""
+    path = _key_file(tmp_path, "  # rotated monthly\nsk-one\n\t# old: sk-two\n")
+    assert read_api_key_file(path) == [("sk-one", f"--api-key-file {path} line 2")]
+
+
+def test_the_bearer_scheme_is_matched_whatever_its_case():
+    """An authentication scheme is case-insensitive (RFC 9110 11.1): `bearer KEY` is the same key as
+    `Bearer KEY`; another scheme is not."""
+    keys = load_api_keys(["sk-a:alice"], [], {})
+    assert [tenant_for(keys, f"{scheme} sk-a") for scheme in ("Bearer", "bearer", "BEARER")] == ["alice"] * 3
+    assert tenant_for(keys, "Basic sk-a") is None

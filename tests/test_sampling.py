@@ -9,6 +9,7 @@ import torch
 
 from sparsekv import LLM, InvalidRequest, SamplingParams
 from sparsekv.sampling import LogitAdjuster, filter_logits
+from sparsekv.sampling_params import MAX_TEMPERATURE
 from tolerances import logprob_tolerance
 
 VOCAB = 40
@@ -100,6 +101,50 @@ def test_invalid_adjustments(kwargs, param):
         SamplingParams(**kwargs)
     assert e.value.param == param
 
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(top_p=1.0), dict(top_p=1e-9), dict(min_tokens=10, max_tokens=10), dict(repetition_penalty=2.0),
+    dict(logit_bias={3: -100.0, 4: 100.0}), dict(min_p=1.0), dict(presence_penalty=-2.0, frequency_penalty=2.0),
+    dict(temperature=MAX_TEMPERATURE),
+], ids=["top_p-1", "top_p-tiny", "min_tokens-max_tokens", "repetition_penalty-2", "logit_bias-100",
+        "min_p-1", "penalties-2", "temperature-max"])
+def test_the_edges_of_each_range_are_valid(kwargs):
+    """The last value inside each range (vLLM's bounds) is a valid request; one past it is not."""
+    params = SamplingParams(**kwargs)
+    assert all(getattr(params, k) == v for k, v in kwargs.items())
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(top_p=0.0), "top_p"), (dict(logit_bias={3: -100.5}), "logit_bias"), (dict(top_k=-2), "top_k"),
+    (dict(temperature=MAX_TEMPERATURE * 1.01), "temperature"),
+])
+def test_one_past_each_edge_is_invalid(kwargs, param):
+    with pytest.raises(InvalidRequest, match=param) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+
+
+def test_vllms_off_and_random_values_mean_the_defaults():
+    """top_k=-1 is vLLM's "off" (0 here) and seed=-1 its "random" (None here), in a request and in each
+    of its choices' seeds."""
+    from sparsekv.sampling_params import choice_seed
+    params = SamplingParams(top_k=-1, seed=-1)
+    assert params.top_k == 0 and params.seed is None
+    assert choice_seed(-1, 0) is None and choice_seed(-1, 3) is None and choice_seed(None, 1) is None
+
+
+def test_choice_seeds_wrap_around_within_64_bits_and_never_reach_minus_one():
+    """Choice i of a request seeded s is seeded s + i (s - i for a negative s), wrapping around the signed
+    64-bit range, so every choice's seed is itself a valid seed and none is -1 ("random")."""
+    from sparsekv.sampling_params import SEED_MAX, SEED_MIN, choice_seed
+    assert [choice_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert [choice_seed(-2, i) for i in range(3)] == [-2, -3, -4]
+    assert [choice_seed(SEED_MAX, i) for i in range(3)] == [SEED_MAX, SEED_MIN, SEED_MIN + 1]
+    assert [choice_seed(SEED_MIN, i) for i in range(3)] == [SEED_MIN, SEED_MAX, SEED_MAX - 1]
+    for seed in (SEED_MAX, SEED_MIN, -2, 0):
+        assert all(choice_seed(seed, i) != -1 and SamplingParams(seed=choice_seed(seed, i)).seed is not None
+                   for i in range(4))
 
 @pytest.fixture(scope="module")
 def llm(glm_ckpt):  # no prefix cache: the same prompt's logprobs are compared bit for bit

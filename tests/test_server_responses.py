@@ -85,6 +85,39 @@ def test_usage_counts_each_prompt_once_and_every_choices_tokens():
     assert chunk["choices"] == [] and chunk["usage"] == usage
 
 
+def test_a_bytes_figure_keeps_its_peak_and_every_other_figure_its_latest():
+    """The engine reports 0 bytes once a request's pages are released: the response carries the most
+    the request held, while counters are the latest reported."""
+    builder = _builder(n=1)
+    s = builder.choice_state(0, [])
+    for held, hits in ((4096, 1), (8192, 2), (0, 3)):
+        out = _out([1], [1])
+        out.metrics = {"device_bytes": held, "hits": hits}
+        s.update(out)
+    assert s.peak == {"device_bytes": 8192, "hits": 3}
+    assert builder.response([s])["sparsekv"]["tiers"] == {"device_bytes": 8192, "hits": 3}
+
+
+def _with_metrics(builder, metrics: list[dict]):
+    states = []
+    for i, figures in enumerate(metrics):
+        s = builder.choice_state(i, [])
+        out = _out([1], [1])
+        out.metrics = figures
+        s.update(out)
+        states.append(s)
+    return states
+
+
+def test_the_top_level_tiers_add_up_integer_figures_over_choices_and_leave_out_the_rest():
+    """Bytes, hits and token counts add up over the choices; a rate or a flag is per choice only."""
+    builder = _builder(n=2)
+    states = _with_metrics(builder, [{"device_bytes": 4096, "miss_rate": 0.5, "spilled": True},
+                                     {"device_bytes": 8192, "miss_rate": 0.25, "spilled": True}])
+    body = builder.response(states)["sparsekv"]
+    assert body["tiers"] == {"device_bytes": 12288}
+    assert [c["tiers"]["spilled"] for c in body["choices"]] == [True, True]
+
 def test_echo_puts_each_prompt_before_its_own_choices_with_prompt_logprobs():
     texts = ["A-text", "B-text"]
     builder = _builder(echo=Echo(texts, False))
@@ -172,6 +205,45 @@ def test_stream_chunks_reasons_offsets_and_usage_so_far():
     with_usage = _stream(_builder("completion", n=1), steps, True)
     assert [c["usage"] for c in with_usage] == [None, None, None]  # include_usage: null until the last chunk
 
+
+
+def test_a_streamed_text_offset_counts_the_text_a_stop_string_holds_back():
+    """A chunk's text may hold back the start of a stop string ("c" of "cdx"); the next chunk's token
+    offsets still count it, as the whole response's offsets do."""
+    builder = _builder("completion", n=1)
+    s = builder.choice_state(0, ["cdx"])
+    s.update(_out([1], [1, 2], logprobs=_lp([1, 2])))
+    first = builder.chunk(s, True, False)["choices"][0]
+    assert first["text"] == "ab" and first["logprobs"]["text_offset"] == [0, 1]
+    s.update(_out([1], [1, 2, 4], "length", logprobs=_lp([1, 2, 4])))
+    last = builder.chunk(s, False, False)["choices"][0]
+    assert last["text"] == "cd" and last["logprobs"]["text_offset"] == [3]
+
+
+def test_a_stream_holds_back_half_a_character_until_it_is_whole():
+    """A trailing U+FFFD is half of a multi-byte character: it is not sent, its whole character is."""
+    builder = _builder("completion", n=1)
+    s = builder.choice_state(0, [])
+    chunks = []
+    for text, finish in (("a\ufffd", None), ("a\u00e9", "length")):
+        s.update(RequestOutput("r", [1], [1, 3], text, None, finish))
+        chunks.append(builder.chunk(s, not chunks, False)["choices"][0]["text"])
+    assert chunks == ["a", "\u00e9"]
+
+
+def test_chat_content_is_null_only_when_reasoning_took_all_of_the_text():
+    """With a reasoning parser, a completion that only thought has content null; one with no think block
+    keeps its (here empty) text as content, reasoning_content null."""
+    from sparsekv.server.responses import Reasoning
+    builder = _builder("chat", n=1, reasoning=Reasoning(opened=False))
+
+    def message(text):
+        s = builder.choice_state(0, [])
+        s.update(RequestOutput("r", [1], [1], text, None, "stop"))
+        return builder.response([s])["choices"][0]["message"]
+    assert message("<think>hmm</think>") == {"role": "assistant", "content": None, "reasoning_content": "hmm"}
+    assert message("") == {"role": "assistant", "content": "", "reasoning_content": None}
+    assert message("<think>hmm</think>ok") == {"role": "assistant", "content": "ok", "reasoning_content": "hmm"}
 
 def test_a_stream_chunk_carries_its_own_choices_index():
     builder = _builder("completion", n=2)
@@ -360,3 +432,19 @@ def test_the_engines_token_counters_are_exported_under_their_own_names():
                                     "kv_pages_free": 1}, lambda: True)
     assert _sample(m, "prompt_tokens_total") == 11 and _sample(m, "generation_tokens_total") == 7
     assert _sample(m, "kv_cache_usage_perc") == pytest.approx(0.75)
+
+
+def test_the_top_level_tiers_never_add_up_the_choices_weights_version():
+    """weights_version names the weights that computed a choice (docs/rl.md), not an amount: two choices
+    computed by version 3 are not version 6 in the response's top-level tiers."""
+    builder = _builder(n=2)
+    states = []
+    for i, held in enumerate((4096, 8192)):
+        s = builder.choice_state(i, [])
+        out = _out([1], [1])
+        out.metrics = {"device_bytes": held, "weights_version": 3}
+        s.update(out)
+        states.append(s)
+    for ext in (builder.response(states)["sparsekv"], builder.usage_chunk(states)["sparsekv"]):
+        assert [c["weights_version"] for c in ext["choices"]] == [3, 3]
+        assert ext["tiers"]["device_bytes"] == 4096 + 8192 and ext["tiers"].get("weights_version", 3) == 3

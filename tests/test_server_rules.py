@@ -59,8 +59,9 @@ def test_the_edges_of_each_range_are_accepted(model, body):
     (CompletionRequest, {**OK, "seed": INT64_MAX + 1}, "seed"),
     (CompletionRequest, {**OK, "seed": INT64_MIN - 1}, "seed"),
     (CompletionRequest, {**OK, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    (CompletionRequest, {**OK, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),  # the server cuts first
     (ChatCompletionRequest, {**MSG, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
-], ids=["n-over", "seed-over", "seed-under", "truncate-minus-2", "top_logprobs-negative"])
+], ids=["n-over", "seed-over", "seed-under", "truncate-minus-2", "truncate-0", "top_logprobs-negative"])
 def test_one_past_each_edge_is_refused(model, body, param):
     _refused(body, model, param)
 
@@ -111,6 +112,44 @@ def test_response_format_text_is_free_text():
     both = _parse({**OK, "response_format": {"type": "text"}, "guided_regex": "a+"})
     assert both.engine_structured_output() == {"type": "regex", "pattern": "a+"}
 
+
+def _message(**fields) -> dict:
+    """The one message of a parsed chat request, as the chat template is given it."""
+    body = _parse({**MSG, "messages": [{"role": "assistant", **fields}]}, ChatCompletionRequest)
+    return body.messages[0].template_dict()
+
+
+def test_a_text_part_without_text_is_refused_as_a_part_that_is_not_text():
+    """Text parts join into the message's content; one without its text is the ValueError the chat
+    route turns into a 400 on messages (not a TypeError, a 500)."""
+    assert _message(content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])["content"] == "ab"
+    with pytest.raises(ValueError, match="only text content parts"):
+        _message(content=[{"type": "text", "text": "a"}, {"type": "text"}])
+
+
+def test_earlier_reasoning_reaches_the_template_by_either_name_reasoning_content_first():
+    """vLLM's `reasoning` and the older `reasoning_content` both reach the template as reasoning_content;
+    given both, reasoning_content is the one rendered."""
+    assert _message(content="2", reasoning="one plus one")["reasoning_content"] == "one plus one"
+    assert _message(content="2", reasoning_content="r-c")["reasoning_content"] == "r-c"
+    assert _message(content="2", reasoning_content="r-c", reasoning="r")["reasoning_content"] == "r-c"
+    assert "reasoning_content" not in _message(content="2")
+
+def test_max_completion_tokens_wins_over_the_deprecated_max_tokens():
+    """OpenAI's max_completion_tokens replaces max_tokens (vLLM reads it first): given both, it bounds the
+    completion; max_tokens alone still does."""
+    assert _parse({**MSG, "max_tokens": 5, "max_completion_tokens": 3}, ChatCompletionRequest).max_new_tokens == 3
+    assert _parse({**MSG, "max_tokens": 5}, ChatCompletionRequest).max_new_tokens == 5
+
+def test_a_json_schema_response_format_is_held_to_its_inner_schema():
+    """OpenAI's {"type": "json_schema", "json_schema": {"name", "schema"}}: the grammar is the schema
+    inside, not the wrapper (whose "name" and "schema" keys would constrain nothing)."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    wrapped = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": schema}}
+    body = _parse({**MSG, "response_format": wrapped}, ChatCompletionRequest)
+    assert body.engine_structured_output() == {"type": "json_schema", "schema": schema}
+    as_object = _parse({**OK, "response_format": {"type": "json_object"}})
+    assert as_object.engine_structured_output() == {"type": "json_object"}
 
 def test_a_tool_must_be_of_type_function():
     """A tool of another type (OpenAI's built-in ones) is not a function this server can call: refused,
@@ -767,6 +806,28 @@ def test_only_options_and_the_public_paths_pass_without_a_key():
     assert [o[0] for o in out] == [200, 200, 401, 401, 200]
 
 
+
+def test_two_authorization_headers_are_a_400_even_when_both_hold_a_valid_key():
+    """Authorization is a singleton field (RFC 9110): given twice, a proxy and the server could each
+    read another one, so it is a 400 on every path, public ones included, behind either middleware;
+    one header is served."""
+    from sparsekv.server.auth import AuthMiddleware, OneAuthorization, parse_api_keys
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def main():
+        out = []
+        for wrapped in (AuthMiddleware(app, parse_api_keys(["sk-a:alice"])), OneAuthorization(app)):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=wrapped), base_url="http://t") as client:
+                for path in ("/v1/models", "/health"):
+                    two = await client.get(path, headers=[("Authorization", "Bearer sk-a")] * 2)
+                    one = await client.get(path, headers=[("Authorization", "Bearer sk-a")])
+                    out.append((two.status_code, one.status_code))
+        return out
+    assert asyncio.run(main()) == [(400, 200)] * 4
+
 def _through_body_limit(max_bytes: int, chunks: list[bytes], content_length: int | None = None,
                         after: list | None = None):
     """What BodyLimitMiddleware sends for a body arriving as `chunks`, and what the app behind it read."""
@@ -899,6 +960,44 @@ def test_a_prompt_within_the_limit_is_never_refused_for_what_a_cut_adds():
     assert len(encoder.ids_within(text, limit)) == limit
     assert encoder.ids_within(text * 4, limit) is None
 
+
+class _CharTokenizer:
+    """Token ids are code points, BOS (0, text "<s>") in front with special tokens. It is its own
+    `backend_tokenizer`: the fast path, faithful, or with `fast_adds_bos=False` never adding BOS."""
+
+    def __init__(self, fast_adds_bos: bool = True):
+        self.backend_tokenizer, self.fast_adds_bos, self.fast_calls = self, fast_adds_bos, 0
+
+    def encode(self, text, add_special_tokens=False):
+        return [0] * add_special_tokens + [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join("<s>" if i == 0 else chr(i) for i in ids)
+
+    def encode_batch_fast(self, texts, add_special_tokens=False):
+        self.fast_calls += 1
+        return [type("Encoding", (), {"ids": self.encode(t, add_special_tokens and self.fast_adds_bos)}) for t in texts]
+
+    def decode_batch(self, batch, skip_special_tokens=False):
+        self.fast_calls += 1
+        return [self.decode([i for i in ids if not (skip_special_tokens and i == 0)]) for ids in batch]
+
+
+def test_the_fast_tokenizer_path_is_taken_only_where_it_gives_what_encode_and_decode_give():
+    """Encoder uses encode_batch_fast/decode_batch (GIL-free) only once they match encode and decode with
+    and without special tokens; decoding keeps special tokens, as tokenizer.decode does."""
+    from sparsekv.server.tokenizing import Encoder
+    faithful = _CharTokenizer()
+    encoder = Encoder(faithful)
+    faithful.fast_calls = 0
+    assert encoder.encode("ab", True) == [0, 97, 98] and encoder.encode("ab") == [97, 98]
+    assert encoder.decode([0, 97]) == "<s>a"
+    assert faithful.fast_calls == 3
+    unfaithful = _CharTokenizer(fast_adds_bos=False)  # right without special tokens only
+    encoder = Encoder(unfaithful)
+    unfaithful.fast_calls = 0
+    assert encoder.encode("ab", True) == [0, 97, 98] and encoder.decode([0, 97]) == "<s>a"
+    assert unfaithful.fast_calls == 0
 
 def test_every_status_the_server_sends_has_its_error_type():
     """The admin endpoints' 409 (docs/rl.md) and the auth middleware's 403 are typed as OpenAI's SDK

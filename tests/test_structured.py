@@ -219,3 +219,15 @@ def test_compiler_errors_keep_the_reason_and_drop_internals():
     assert _reason(RuntimeError("[12:00:00] /src/x.cc:94: failed in /src/y.cc:12")) == ""  # still internals
     assert _reason(RuntimeError("Traceback (most recent call last):")) == ""
     assert _reason(RuntimeError("")) == ""
+
+
+def test_a_spec_compiles_once_whatever_text_its_grammar_waits_for(llm):
+    """`after` only delays a grammar: specs that differ only in it share one compiled grammar (each
+    engine compiles a spec once)."""
+    outputs = llm.engine.outputs
+    spec = {"type": "regex", "pattern": "[a-c]{2}x"}
+    outputs.grammar_for(spec)
+    compiled = len(outputs._grammar_compiler._compiled)
+    for after in ("</think>", "END"):
+        outputs.grammar_for({**spec, "after": after})
+    assert len(outputs._grammar_compiler._compiled) == compiled

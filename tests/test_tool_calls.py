@@ -329,10 +329,11 @@ def test_forced_streams_send_nothing_twice_and_nothing_empty():
     assert named.update("", "{", False) == []
 
 
-@pytest.mark.parametrize("text", ["<tool_call>\n</tool_call>" + CALL, "<tool_call>now<tool_call>" + CALL[len("<tool_call>"):]])
+@pytest.mark.parametrize("text", ["<tool_call>\n</tool_call>" + CALL, "<tool_call>now<tool_call>" + CALL[len("<tool_call>"):],
+                                  "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value>" + CALL])
 def test_one_call_streamed_is_the_one_the_response_returns(text):
     """parallel_tool_calls=false: the stream and the whole response keep the same call, the first that
-    has a name (a nameless first call is skipped by both)."""
+    has a name (a nameless first call, closed or ended by the next call, is skipped by both)."""
     from sparsekv.request import RequestOutput
     from sparsekv.server.responses import ResponseBuilder, TokenText
     from sparsekv.server.tool_calls import GLM
@@ -358,3 +359,20 @@ def test_a_streamed_message_without_calls_finishes_stop():
     state = builder.choice_state(0, [])
     state.update(RequestOutput("r", [1], [], "It is sunny.", None, "stop"))
     assert builder.chunk(state, True, False)["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("finish, reason", [("stop", "tool_calls"), ("length", "length")])
+def test_a_call_cut_off_by_max_tokens_still_finishes_length(finish, reason):
+    """A message that ended after its calls finishes "tool_calls", streamed or not; one cut off by
+    max_tokens keeps "length", so a client knows the last call's arguments may be incomplete."""
+    from sparsekv.request import RequestOutput
+    from sparsekv.server.responses import ResponseBuilder, TokenText
+    from sparsekv.server.tool_calls import GLM
+    text = "So " + CALL[:-len("</tool_call>")]
+    builder = ResponseBuilder("chat", "id", "m", 0, 1, TokenText(None), "t", tools=GLM)
+    whole, streamed = builder.choice_state(0, []), builder.choice_state(0, [])
+    for state in (whole, streamed):
+        state.update(RequestOutput("r", [1], [], text, None, finish))
+    choice = builder.response([whole])["choices"][0]
+    assert choice["finish_reason"] == reason and choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert builder.chunk(streamed, True, False)["choices"][0]["finish_reason"] == reason

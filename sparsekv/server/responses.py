@@ -207,10 +207,10 @@ class ResponseBuilder:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def extension(self, states: list[ChoiceState]) -> dict:
-        total: dict = {}  # integer figures (bytes, hits, tokens) add up over choices; rates do not
-        for s in states:
+        total: dict = {}  # integer figures (bytes, hits, tokens) add up over choices; rates do not, nor
+        for s in states:  # weights_version, a name (each choice's is in its own entry, weights_fields)
             for key, value in s.peak.items():
-                if isinstance(value, int) and not isinstance(value, bool):
+                if isinstance(value, int) and not isinstance(value, bool) and key != "weights_version":
                     total[key] = total.get(key, 0) + value
         ext = {"tenant": self.tenant, "tiers": total,
                "choices": [{"index": s.index, "token_ids": self._generated(s.out)[0], "tiers": dict(s.peak),
