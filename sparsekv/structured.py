@@ -15,13 +15,16 @@ answer in JSON); the rest of the token that completes TEXT is fed to the grammar
 Before each sampled row the request's grammar masks every token that cannot continue a match (and
 EOS until the match is complete); the emitted token then advances it. Speculative verification rows
 are masked after the tokens before them, so drafting stays exact. Grammars compile once per engine
-and spec; whitespace in JSON is compact (a model cannot pad it forever).
+and spec while they are among the MAX_COMPILED_GRAMMARS used last (the specs are the clients': a
+cache of every one ever seen would grow for the server's life); whitespace in JSON is compact (a model
+cannot pad it forever).
 """
 from __future__ import annotations
 
 import json
 import logging
 import re
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -29,6 +32,7 @@ import torch
 from .request import InvalidRequest
 
 log = logging.getLogger("sparsekv.structured")
+MAX_COMPILED_GRAMMARS = 128  # compiled grammars kept per engine, the least recently used dropped first
 
 
 def spec_key(spec: dict) -> str:
@@ -44,18 +48,25 @@ class GrammarCompiler:
         self.xgr, self.vocab_size = xgr, vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info)
-        self._compiled: dict[str, object] = {}
+        # NOTE: bounded: each client's spec is a key. A request's GrammarState holds its own compiled grammar,
+        # so one dropped here while a request uses it stays alive for that request
+        self._compiled: OrderedDict[str, object] = OrderedDict()
 
     def compile(self, spec: dict):
         key = spec_key(spec)
-        if key not in self._compiled:
-            try:
-                self._compiled[key] = self._compile(spec)
-            except (RuntimeError, ValueError, TypeError) as e:
-                log.info("structured output %r does not compile: %s", spec.get("type"), e)
-                raise InvalidRequest(f"structured output {spec.get('type')!r} does not compile{_reason(e)}",
-                                     "structured_output") from None
-        return self._compiled[key]
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key]
+        try:
+            compiled = self._compile(spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            log.info("structured output %r does not compile: %s", spec.get("type"), e)
+            raise InvalidRequest(f"structured output {spec.get('type')!r} does not compile{_reason(e)}",
+                                 "structured_output") from None
+        self._compiled[key] = compiled
+        while len(self._compiled) > MAX_COMPILED_GRAMMARS:
+            self._compiled.popitem(last=False)
+        return compiled
 
     def _compile(self, spec: dict):
         kind = spec["type"]

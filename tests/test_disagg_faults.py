@@ -252,6 +252,33 @@ def test_a_client_that_goes_away_frees_the_room_before_the_timeout(glm_ckpt):
         _clean(d)
 
 
+def test_a_room_the_prefill_worker_left_first_leaves_no_key_once_the_decode_worker_fails_it(glm_ckpt, monkeypatch):
+    """The prefill's client goes away while the prefill worker waits for the decode worker to join the
+    transfer: it deletes the room's keys and leaves. The decode worker joins later, fails the room and
+    writes its verdict (and its side of the pair group's rendezvous) into the store: nobody would read
+    or delete those keys, which stayed in the prefill worker's store for good, two per such room."""
+    with WorkerServer(glm_ckpt[0], "prefill", timeout_s=3.0, **BASE) as p, \
+            WorkerServer(glm_ckpt[0], "decode", timeout_s=3.0, **BASE) as d:
+        real = d.worker.connected
+
+        async def late(*args, **kwargs):  # the decode worker joins after the prefill's client left
+            await asyncio.sleep(1.5)
+            return await real(*args, **kwargs)
+        monkeypatch.setattr(d.worker, "connected", late)
+        info = httpx.get(p.url + "/disaggregation", timeout=5).json()
+        for seed in range(2):
+            body = {**BODY, "prompt": _prompt(seed), "disaggregation": field(info)}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                decode = pool.submit(httpx.post, d.url + "/v1/completions", json=body, timeout=30)
+                with pytest.raises(httpx.TimeoutException):
+                    httpx.post(p.url + "/v1/completions", json=body, timeout=0.8)
+                _failed(decode.result(), "decode worker")
+        assert wait_until(lambda: p.worker.rooms == {} and d.worker.rooms == {}, 10)
+        assert wait_until(lambda: p.worker.store.num_keys() == 0, 10), p.worker.store.num_keys()
+        _clean(p)
+        _clean(d)
+
+
 def _hold_steps_after_the_first(engine, monkeypatch, hold_s: float = 30.0) -> tuple[list, float]:
     """After its first step, each step of `engine` returns no output (the engine loop's commands run
     meanwhile) until `hold_s` passed or the prefill was aborted. Returns (the steps run, the hold's end)."""

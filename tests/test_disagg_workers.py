@@ -540,6 +540,31 @@ def test_a_worker_reloading_a_rewritten_checkpoint_directory_stamps_the_new_weig
     assert second["checkpoint"] is not None and second["checkpoint"] != first["checkpoint"]
 
 
+def test_a_worker_keeps_the_stamps_of_its_last_weights_only_however_many_updates_it_loads(glm_ckpt, tmp_path,
+                                                                                          monkeypatch):
+    """An RL trainer updates a worker's weights from a new checkpoint at each step: one digest kept per
+    update would grow for the worker's life. The last MAX_STAMPS are kept (the current weights' among
+    them, computed once), and a stamp dropped and asked again is computed again, the same."""
+    import shutil
+    from sparsekv.disagg import weights_stamp
+    from sparsekv.weights import files_stamp
+    monkeypatch.setattr(weights_stamp, "MAX_STAMPS", 3, raising=False)
+    stamps, computed, real = weights_stamp.WeightsStamp(), [], weights_stamp._checkpoint_digest
+    monkeypatch.setattr(weights_stamp, "_checkpoint_digest", lambda path: computed.append(path) or real(path))
+    paths = [str(tmp_path / f"step-{i}") for i in range(10)]
+    first = None
+    for version, path in enumerate(paths):
+        shutil.copytree(glm_ckpt[0], path)
+        loaded = (version, path, files_stamp(path))
+        got = stamps.stamp(loaded)
+        assert stamps.stamp(loaded) == got and got["checkpoint"] is not None  # the second from the cache
+        first = first or got
+    assert len(computed) == len(paths)  # each update's digest computed once
+    assert len(stamps._digests) == 3
+    assert stamps.stamp((0, paths[0], files_stamp(paths[0]))) == first  # dropped, computed again
+    assert len(stamps._digests) == 3
+
+
 @pytest.mark.parametrize("tp_side", ["prefill", "decode", "decode-tiered"])
 def test_a_tensor_parallel_worker_on_either_side(tp_side, glm_ckpt, tmp_path):
     """A worker of two tensor-parallel ranks (`-tp 2`, a `sparsekv serve` process of its own: one

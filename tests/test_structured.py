@@ -231,3 +231,18 @@ def test_a_spec_compiles_once_whatever_text_its_grammar_waits_for(llm):
     for after in ("</think>", "END"):
         outputs.grammar_for({**spec, "after": after})
     assert len(outputs._grammar_compiler._compiled) == compiled
+
+
+def test_compiled_grammars_are_bounded_however_many_specs_clients_send(llm, monkeypatch):
+    """Each client's spec is a key of the engine's compiled grammars: a server that met every spec
+    kept them all for its life. The least recently used go past the bound; a spec in use stays."""
+    from sparsekv import structured
+    monkeypatch.setattr(structured, "MAX_COMPILED_GRAMMARS", 4, raising=False)
+    hot = {"type": "choice", "choices": ["alpha", "beta"]}
+    for i in range(10):
+        for spec in (hot, {"type": "choice", "choices": [f"alpha{i}", f"beta{i}"]}):
+            out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=16, temperature=0.0, structured_output=spec))[0]
+            assert out.text in spec["choices"]
+    compiled = llm.engine.outputs._grammar_compiler._compiled
+    assert len(compiled) == 4
+    assert structured.spec_key(hot) in compiled  # used at every other request: never the least recent

@@ -102,11 +102,11 @@ class DecodeWorker(Worker):
             if inbox.peer_failed:  # NOTE: the prefill worker failed and left the room to us
                 await self.blocking(link.forget, inbox.batches + 1)
             else:
-                await self.blocking(self._verdict, link, meta, str(e))
+                await self.blocking(self._verdict, link, meta, str(e), inbox.batches)
             raise
         finally:  # NOTE: a group's teardown takes ms; neither the event loop nor the request waits for it
             self.pool.submit(inbox.close)
-        await self.blocking(self._verdict, link, meta, None)
+        await self.blocking(self._verdict, link, meta, None, inbox.batches)
         if firsts is not None:  # NOTE: an update before the request's add drops them (add_request)
             per_prompt = len(job.subs) // len(prompts)
             stamped = [None if f is None else dataclasses.replace(f, weights_version=version, warm=warm[i // per_prompt])
@@ -235,13 +235,20 @@ class DecodeWorker(Worker):
         if weights is not None and meta.get("weights") != weights:
             raise TransferError("the prefill worker's weights changed during the transfer")
 
-    def _verdict(self, link: Room, meta: dict | None, error: str | None) -> None:
-        """Tell the prefill worker whether the KV was kept (it answers its own request from that)."""
+    def _verdict(self, link: Room, meta: dict | None, error: str | None, batches: int) -> None:
+        """Tell the prefill worker whether the KV was kept (it answers its own request from that, and
+        deletes the room's keys). A prefill worker that left the room before (its client gone: it deleted
+        the room's keys, the claim first) reads no verdict: the room's keys written since, the verdict and
+        the pair group's rendezvous key of this side, are then this side's to delete (`batches`: the
+        metadata keys read)."""
         body = {"room": link.name, "nonce": (meta or {}).get("nonce"), "ok": error is None}
         if error is not None:
             body["error"] = error
         try:
             link.put("done", sign(self.settings.secret, body))
+            # NOTE: after the put: a prefill worker that deletes the room after it deletes the verdict too
+            if not link.ready("claim"):
+                link.forget(batches + 1)
         except TransferError:
             pass  # the prefill worker is gone: it learns nothing, and needs nothing
 

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 
 from ..cache.prefix_disk import checkpoint_identity
 from ..weights import files_stamp
 from .wire import TransferError
+
+MAX_STAMPS = 8  # checkpoint digests kept: the weights loaded last (an RL trainer loads a new checkpoint at each update)
 
 
 def loaded_weights(engine) -> tuple:
@@ -32,7 +36,10 @@ class WeightsStamp:
     """A worker's stamps, each checkpoint digest computed once (it reads the checkpoint's files)."""
 
     def __init__(self):
-        self._digests: dict[tuple, str | None] = {}  # (path, files stamp when loaded) -> digest
+        # (path, files stamp when loaded) -> digest, for the MAX_STAMPS loaded last: a worker whose weights an
+        # RL trainer updates from a new checkpoint at each step would otherwise keep one per update for its life
+        self._digests: OrderedDict[tuple, str | None] = OrderedDict()
+        self._lock = threading.Lock()  # NOTE: stamps are taken on the transfer threads, several at once
 
     def stamp(self, loaded: tuple) -> dict:
         """The signed metadata's `weights` field for `loaded_weights(engine)` (off the engine loop)."""
@@ -41,10 +48,17 @@ class WeightsStamp:
 
     def _digest(self, path: str, files: list) -> str | None:
         key = (path, json.dumps(files))
-        if key not in self._digests:
-            same = _stat_stamp(path) == files  # the directory still holds what was loaded
-            self._digests[key] = _checkpoint_digest(path) if same else None
-        return self._digests[key]
+        with self._lock:
+            if key in self._digests:
+                self._digests.move_to_end(key)
+                return self._digests[key]
+        same = _stat_stamp(path) == files  # the directory still holds what was loaded
+        digest = _checkpoint_digest(path) if same else None  # NOTE: outside the lock (it reads the files)
+        with self._lock:
+            self._digests[key] = digest
+            while len(self._digests) > MAX_STAMPS:
+                self._digests.popitem(last=False)
+        return digest
 
 
 def check_same_weights(theirs, mine: dict) -> None:
