@@ -512,7 +512,10 @@ def test_a_batch_whose_metadata_the_decode_worker_refuses_fails_that_request_onl
     know (`DecodeWorker._check_meta`) while another room's transfer runs beside it: the decode worker
     answers 503 at once, naming why, and so does the prefill worker (from the decode worker's verdict,
     read while it waits for the peer's connection, which will never come); nothing of the room is kept, the other request is
-    answered as always, and the pair serves the next."""
+    answered as always, and the pair serves the next. The prefill side's wait for that connection ends
+    with the room: no thread of it is left (a gloo connect left waiting held a thread and its
+    connections until gloo gave up, about five times the timeout, per refused room)."""
+    import threading
     from sparsekv.disagg import decode as decode_module
     real, bad = decode_module.verify, "bad-room"
 
@@ -540,6 +543,8 @@ def test_a_batch_whose_metadata_the_decode_worker_refuses_fails_that_request_onl
         assert prefill_answered - started < TIMEOUT_S / 2
         _failed(rp, "prefill worker", "refused the KV", "unknown transfer backend 'tcp'")
         assert [r.status_code for r in served.result()] == [200, 200]
+        assert wait_until(lambda: not [t for t in threading.enumerate() if t.name in (
+            "sparsekv-pair-connect", "sparsekv-disagg-wait")], TIMEOUT_S / 2)
         _nothing_kept(d, _prompt())
         assert scrape(d.url)["sparsekv:disagg_transfers_failed_total"] == 1
         rp, rd = send_pair(p.url, d.url, {**BODY, "prompt": _prompt()})

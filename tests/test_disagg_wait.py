@@ -16,7 +16,7 @@ import pytest
 
 from sparsekv.disagg import transfer as transfer_module
 from sparsekv.disagg import worker as worker_module
-from sparsekv.disagg.transfer import PREFILL_RANK, Room, connect, host_bootstrap
+from sparsekv.disagg.transfer import DECODE_RANK, PREFILL_RANK, RENDEZVOUS, Room, connect, host_bootstrap
 from sparsekv.disagg.wire import TransferError
 from sparsekv.disagg.worker import DisaggSettings, Worker
 
@@ -228,15 +228,41 @@ def test_a_pair_group_whose_peer_stops_answering_fails_within_the_timeout():
 
 def test_a_pair_connect_that_does_not_return_fails_the_room_at_the_timeout(room, monkeypatch):
     """The bound itself, whatever gloo does: a connect that never returns fails the room at the timeout."""
-    _, mine, _ = room
+    _, mine, peer = room
     stuck = threading.Event()
     monkeypatch.setattr(transfer_module, "_gloo_group", lambda *a: stuck.wait(HANG_S))
+    peer.put(RENDEZVOUS[DECODE_RANK], b"the decode side's address")  # what the prefill side waits for first
     started = time.monotonic()
     with pytest.raises(TransferError, match="could not connect for the transfer.*no connection within 0.5 s"):
         mine.pair_group(PREFILL_RANK, "127.0.0.1", 0.5, "gloo")
     assert time.monotonic() - started < HANG_S / 2
     stuck.set()
     assert _ended(lambda: not any(t.name == "sparsekv-pair-connect" for t in threading.enumerate()))
+
+
+def test_the_prefill_sides_join_waits_for_the_decode_sides_address_and_ends_with_the_room(room, monkeypatch):
+    """The prefill side starts its gloo rendezvous only once the decode side's address is in the store (a
+    decode worker that refused the room never writes it): until then no connect runs, and the wait ends
+    as soon as the room gives up on it (`abandon_join`), or at the timeout, naming the wait."""
+    _, mine, _ = room
+    monkeypatch.setattr(transfer_module, "_gloo_group", lambda *a: pytest.fail("connected before the peer's address"))
+    ended = []
+
+    def join():
+        try:
+            mine.pair_group(PREFILL_RANK, "127.0.0.1", HANG_S, "gloo")
+        except TransferError as e:
+            ended.append(str(e))
+    joining = threading.Thread(target=join)
+    joining.start()
+    assert _ended(lambda: mine.waiting_on == RENDEZVOUS[DECODE_RANK])
+    mine.abandon_join()
+    joining.join(HANG_S)
+    assert not joining.is_alive() and ended == ["room r1: this worker stopped waiting for the peer's transfer connection"]
+    other = Room(mine.store, "r2")
+    with pytest.raises(TransferError, match=r"waiting for pg/0/1 failed"):
+        other.pair_group(PREFILL_RANK, "127.0.0.1", 0.5, "gloo")
+    assert not any(t.name == "sparsekv-pair-connect" for t in threading.enumerate())
 
 
 def _claim_checker():

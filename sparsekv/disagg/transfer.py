@@ -48,6 +48,7 @@ PREFILL_RANK, DECODE_RANK = 0, 1
 BACKENDS = ("gloo", "nccl", "nixl")  # what a batch's metadata may name
 TRANSFERS = ("torch", "nixl")  # --disaggregation-transfer-backend: torch.distributed (gloo or NCCL) or NIXL
 NCCL_P2P_KEY = f"{PREFILL_RANK}:{DECODE_RANK}"  # where ProcessGroupNCCL publishes a send/recv pair's NCCL id
+RENDEZVOUS = {rank: f"pg/0/{rank}" for rank in (PREFILL_RANK, DECODE_RANK)}  # where gloo publishes each side's address
 WOKEN = b"sparsekv:woken"  # what a room's own side writes under a key to end its wait for it (Room.wake)
 ABSENT = b"sparsekv:absent"  # compare_set(key, ABSENT, ABSENT) reads a key without waiting for it: ABSENT if none
 
@@ -208,12 +209,15 @@ class Room:
         except Exception as e:
             raise TransferError(f"room {self.name}: the bootstrap store failed: {_first_line(e)}") from None
 
+    def abandon_join(self) -> None:
+        """End the prefill side's wait for the decode side's rendezvous address (`pair_group`), if any."""
+        self.wake(RENDEZVOUS[DECODE_RANK])
+
     def forget(self, batches: int = 1) -> None:
         """Delete every key of the room, the pair group's rendezvous keys included (`batches`: how many
         metadata keys were written, at most)."""
-        gloo = [f"pg/0/{rank}" for rank in (PREFILL_RANK, DECODE_RANK)]
         metas = [meta_key(j) for j in range(batches)]
-        for part in ("claim", *metas, "done", *gloo, f"pg/{NCCL_P2P_KEY}"):
+        for part in ("claim", *metas, "done", *RENDEZVOUS.values(), f"pg/{NCCL_P2P_KEY}"):
             try:
                 self.store.delete_key(self.key(part))
             except Exception:  # the store is gone: nothing is left to clean
@@ -222,7 +226,13 @@ class Room:
     def pair_group(self, rank: int, hostname: str, timeout_s: float, backend: str) -> dist.ProcessGroup:
         """The room's 2-rank group (prefill rank 0, decode rank 1); `hostname`: this side's address. Its
         rendezvous runs on a store connection of its own: the room's stays free meanwhile, to read a
-        refusal that means the peer will never join (`Worker.connected`)."""
+        refusal that means the peer will never join (`Worker.connected`). Over gloo the prefill side
+        first waits for the decode side's rendezvous address, a wait `abandon_join` ends: a room the
+        decode worker never joins (it refused the first batch) then leaves no gloo connect behind, which
+        would hold a thread and its connections until gloo gave up (about five times the timeout). Only
+        one side waits first: the decode side's address is written by its own rendezvous."""
+        if backend == "gloo" and rank == PREFILL_RANK and self.wait_for(RENDEZVOUS[DECODE_RANK], timeout_s) is None:
+            raise TransferError(f"room {self.name}: this worker stopped waiting for the peer's transfer connection")
         try:
             store = dist.PrefixStore(self.key("pg"), dist.TCPStore(
                 self.store.host, self.store.port, is_master=False, wait_for_workers=False, timeout=_timeout(timeout_s)))
@@ -335,6 +345,10 @@ class TorchPath:
             self.group = self.link.pair_group(self.rank, self.settings.bootstrap_host, self.settings.timeout_s,
                                               self.backend)
         return self.group
+
+    def abandon(self) -> None:
+        """The room no longer waits for the peer to join (`Worker.connected`): end `connect`'s wait."""
+        self.link.abandon_join()
 
     def offer(self, tensors: list[torch.Tensor]) -> dict:
         """What the batch's metadata names for the backend: nothing, the tags follow the room's order."""

@@ -140,7 +140,11 @@ class Worker:
         the transfer threads) says the peer will not join, or at the timeout. gloo ends the connect's
         own thread later (transfer._within)."""
         if path.needs_connect:
-            await self.with_peer(link, "the peer's transfer connection", request, path.connect, peer_left=peer_left)
+            try:
+                await self.with_peer(link, "the peer's transfer connection", request, path.connect, peer_left=peer_left)
+            except BaseException:
+                path.abandon()  # a join still waiting for the peer ends now, not at the timeout
+                raise
 
     async def with_peer(self, link, waiting_for: str, request, fn, *args, thread: str = "sparsekv-disagg-wait",
                         peer_left=None):
