@@ -926,6 +926,33 @@ def test_a_prefill_workers_4xx_is_the_clients_answer_not_the_decode_workers():
     assert all(w.in_flight == 0 for w in pool.all())
 
 
+@pytest.mark.parametrize("body", [{"detail": "Not Found"}, {"error": "Not Found"}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_workers_4xx_whose_json_is_not_the_openai_envelope_is_still_the_clients_answer(stream, body):
+    """A 4xx whose JSON body is not the OpenAI error envelope (FastAPI's own `{"detail": ...}`, or a
+    proxy's in front of a worker) is still the client's answer with that status, in the envelope, and
+    counted under that status: it was a bare 500 counted as a 200."""
+    pool = _pool(decode=1)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if _role(request) == "prefill":
+            return httpx.Response(200, json={})
+        return httpx.Response(404, json=body)
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "stream": stream})
+        await router.client.aclose()
+        return router, r
+    router, r = asyncio.run(run())
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404 and "Not Found" in r.json()["error"]["message"]
+    value = router.metrics.registry.get_sample_value
+    assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": "404"}) == 1.0
+    assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": "200"}) is None
+    assert all(w.in_flight == 0 for w in pool.all())
+
+
 def test_a_stream_whose_error_event_is_followed_by_done_counts_as_that_error():
     """A decode worker ends a failed stream with an error event and then `data: [DONE]`, which may come
     in a chunk of its own: the request still counts under the error's code and as the decode side's
@@ -1047,3 +1074,235 @@ def test_the_same_prompt_from_different_tenants_is_spread_and_from_one_tenant_ke
     asyncio.run(run())
     assert len(hosts) == 12 and all(len(set(h)) == 1 for h in hosts.values())
     assert {h[0] for h in hosts.values()} == {"d0", "d1"}
+
+
+def _error_event(body) -> bytes:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+
+
+@pytest.mark.parametrize("chunks, status, decode_failures", [
+    # a 500 error event is a decode failure as a 503 is (>= 500, not > 500)
+    ([b'data: {"choices":[]}\n\n', _error_event(error_body(500, "boom")), b"data: [DONE]\n\n"], "500", 1.0),
+    # a 4xx error event (bad input found mid-stream) is counted under its code, not as the worker's failure
+    ([b'data: {"choices":[]}\n\n', _error_event(error_body(400, "bad")), b"data: [DONE]\n\n"], "400", None),
+    # an error event whose code is no int, or whose error is no object: the worker failed, counted as a 500
+    ([_error_event({"error": {"message": "boom", "code": "overloaded"}}), b"data: [DONE]\n\n"], "500", 1.0),
+    ([_error_event({"error": "boom"}), b"data: [DONE]\n\n"], "500", 1.0),
+    # an error event cut in two chunks by the transport: the relay joins it before looking at it
+    ([b'data: {"choices":[]}\n\ndata: {"err', _error_event(error_body(503, "boom"))[len(b'data: {"err'):],
+      b"data: [DONE]\n\n"], "503", 1.0),
+    # a last event with no blank line after it still reaches the client, byte for byte
+    ([b'data: {"choices":[]}\n\n', b"data: [DONE]"], "200", None),
+])
+def test_a_stream_is_counted_under_its_error_events_code_and_relayed_byte_for_byte(chunks, status, decode_failures):
+    """What a decode worker's stream is counted as, read from its error event (if any), whatever the
+    transport's chunking: the code of the event, a 500 for one the router cannot read, a decode failure
+    only for a code >= 500; the bytes reach the client unchanged."""
+    pool = _pool(decode=1)
+
+    async def events():
+        for chunk in chunks:
+            yield chunk
+            await asyncio.sleep(0)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if _role(request) == "prefill":
+            return httpx.Response(200, json={})
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "stream": True})
+        await router.client.aclose()
+        return router, r
+    router, r = asyncio.run(run())
+    assert r.status_code == 200 and r.content == b"".join(chunks)
+    value = router.metrics.registry.get_sample_value
+    assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": status}) == 1.0
+    assert value("sparsekv:router_transfer_failures_total", {"role": "decode"}) == decode_failures
+
+
+def test_a_prefill_failure_after_the_stream_began_is_counted_as_a_503_with_nothing_left_in_flight():
+    """The stream has been handed to the client when the prefill call fails: the client gets the error
+    event, and the request counts as a 503 (the code of the event it got) and as the prefill side's
+    failure, not as a 200 or a client gone."""
+    pool = _pool(decode=1)
+    first_sent, never = asyncio.Event(), asyncio.Event()
+
+    async def events():
+        yield b'data: {"choices":[{"index":0,"text":"He"}]}\n\n'
+        first_sent.set()
+        await never.wait()  # waits for KV that will not come, until its call is cancelled
+        yield b"data: [DONE]\n\n"
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if _role(request) == "prefill":
+            await first_sent.wait()
+            return httpx.Response(500, json=error_body(500, "prefill says no"))
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "stream": True})
+        await router.client.aclose()
+        return router, r
+    router, r = asyncio.run(run())
+    got = [e for e in r.content.split(b"\n\n") if e]
+    assert r.status_code == 200 and len(got) == 3 and got[-1] == b"data: [DONE]"
+    assert json.loads(got[1][len(b"data: "):])["error"]["code"] == 503
+    value = router.metrics.registry.get_sample_value
+    assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": "503"}) == 1.0
+    assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": "200"}) is None
+    assert value("sparsekv:router_transfer_failures_total", {"role": "prefill"}) == 1.0
+    assert value("sparsekv:router_requests_in_flight", {}) == 0.0
+
+
+def test_models_with_no_decode_worker_up_is_a_503_in_the_envelope():
+    """As a generation request with no worker up: a 503 a client and a load balancer can retry, not a 500."""
+    pool = _pool(decode=1)
+    pool.workers["decode"][0].up = False
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"no worker is up, yet {request.url} was asked")
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.get("/v1/models")
+        await router.client.aclose()
+        return r
+    r = asyncio.run(run())
+    assert r.status_code == 503 and r.json() == error_body(503, "no decode worker is up")
+
+
+@pytest.mark.parametrize("info", [(500, {"detail": "boom"}), (200, {"mode": "decode", "num_running": "many"})])
+def test_polling_marks_a_worker_down_whose_disaggregation_answer_is_an_error_or_malformed(info):
+    """A /disaggregation answering an error status or a body that is not a worker's is no worker in its
+    role: that poll takes it out (and the other workers' polls still run), as a refused connection does."""
+    pool = _pool(decode=2)
+    bad, good = pool.workers["decode"]
+    for w in (bad, good):
+        w.num_running = 3
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={})
+        if request.url.host == "d0":
+            return httpx.Response(info[0], json=info[1])
+        role = _role(request)
+        return httpx.Response(200, json={"mode": role, "bootstrap_host": "h" if role == "prefill" else None,
+                                          "bootstrap_port": 5 if role == "prefill" else None})
+
+    async def poll():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await pool.poll(client)
+    asyncio.run(poll())
+    assert not bad.up and good.up and good.load == 0 and all(w.up for w in pool.workers["prefill"])
+
+
+def test_startup_refuses_at_once_a_worker_whose_disaggregation_answer_is_an_error():
+    """A server with no /disaggregation route (not a sparsekv worker, or one started without
+    --disaggregation-mode) answers 404 at once: that is the error to report, not a wait until the
+    start-up timeout ends in "did not answer"."""
+    app = FastAPI()
+    app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
+    d = FakeWorker("decode")
+    with Served(app) as plain, Served(d.app) as sd:
+        with pytest.raises(RouterConfigError, match=rf"--prefill {plain.url}: GET /disaggregation answered 404 "
+                                                    r"\(is it a sparsekv worker"):
+            check_modes(WorkerPool([plain.url], [sd.url]), timeout=5, interval=0.05)
+
+
+def test_the_worker_series_report_each_workers_state_load_and_this_routers_requests_apart():
+    """`router_worker_up` is the poll's verdict, `router_worker_load` the larger of the reported load and
+    this router's requests there, `router_worker_requests_in_flight` only the latter."""
+    from sparsekv.disagg.router_metrics import RouterMetrics
+    pool = _pool(decode=2)
+    busy, down = pool.workers["decode"]
+    busy.num_running, busy.num_waiting, busy.in_flight = 5, 2, 1
+    down.up, down.in_flight = False, 3
+    value = RouterMetrics(pool).registry.get_sample_value
+    series = lambda name, w: value(f"sparsekv:router_worker_{name}", {"worker": w.url, "role": w.role})
+    assert [series("up", w) for w in (busy, down)] == [1.0, 0.0]
+    assert [series("load", w) for w in (busy, down)] == [7.0, 3.0]
+    assert [series("requests_in_flight", w) for w in (busy, down)] == [1.0, 3.0]
+
+
+@pytest.mark.parametrize("error, gone", [(httpx.RemoteProtocolError, True), (httpx.ConnectTimeout, True),
+                                         (httpx.ReadTimeout, False)])
+def test_a_decode_call_that_proves_the_worker_gone_takes_it_out_and_a_slow_one_does_not(error, gone):
+    """A connection dropped with no answer (the worker's process died) or one that could not be opened in
+    time takes the worker out at once, as a refused connection does; a read that timed out is a busy
+    worker's, which stays up. Either way the client gets a 503 naming the decode worker."""
+    pool = _pool(decode=1)
+    decode = pool.workers["decode"][0]
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if _role(request) == "decode":
+            raise error("no answer", request=request)
+        return httpx.Response(200, json={})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
+        await router.client.aclose()
+        return r
+    r = asyncio.run(run())
+    assert r.status_code == 503 and f"decode worker {decode.url} failed: {error.__name__}" in r.json()["error"]["message"]
+    assert decode.up is not gone and all(w.in_flight == 0 for w in pool.all())
+
+
+@pytest.mark.parametrize("interval, timeout", [(0.01, 1.0), (3.0, 3.0)])
+def test_a_health_poll_waits_at_least_a_second_however_often_the_workers_are_polled(interval, timeout):
+    """Each poll may take as long as the interval between polls, and never less than a second: with a
+    short --health-interval a poll timed out on any worker a little slow to answer, and three of them in a
+    row took a healthy worker out."""
+    pool = WorkerPool(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], 4)
+    clients = []
+
+    async def poll(client):
+        clients.append(client)
+    router = Router(pool, request_timeout=60, health_interval=interval)
+
+    async def main():
+        poller = asyncio.ensure_future(router.poll_forever())
+        try:
+            while not clients and not poller.done():  # bounded by the wait below
+                await asyncio.sleep(0.01)
+        finally:
+            poller.cancel()
+    pool.poll = poll
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert clients[0].timeout == httpx.Timeout(timeout)
+
+
+def test_a_prefill_worker_that_refuses_the_connection_ends_the_request_and_the_decode_call_at_once():
+    """A prefill call that fails with no answer at all (here a refused connection) is a prefill failure
+    like a 5xx: a 503 naming the prefill worker, which is taken out, and the decode call cancelled at
+    once, not left waiting for KV that will never come (until the request timeout)."""
+    pool = _pool(decode=1)
+    prefill = pool.workers["prefill"][0]
+    decode_cancelled = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if _role(request) == "prefill":
+            raise httpx.ConnectError("connection refused", request=request)
+        try:
+            await asyncio.Event().wait()  # for KV that never comes
+        except asyncio.CancelledError:
+            decode_cancelled.append(True)
+            raise
+        return httpx.Response(200, json={})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
+        await router.client.aclose()
+        return r
+    r = asyncio.run(asyncio.wait_for(run(), 20))  # at once, unless the decode call is left waiting
+    assert r.status_code == 503 and f"prefill worker {prefill.url} failed: ConnectError" in r.json()["error"]["message"]
+    assert not prefill.up and decode_cancelled == [True] and all(w.in_flight == 0 for w in pool.all())

@@ -50,3 +50,90 @@ def test_a_prefill_failure_before_the_decode_wait_begins_ends_the_decode_call_at
     assert asyncio.run(run()) == 503
     assert decode_cancelled == [True]
     assert all(w.in_flight == 0 for w in pool.all())
+
+
+def _up_pool() -> WorkerPool:
+    pool = WorkerPool(["http://p:1"], ["http://d:2"])
+    for w in pool.all():
+        w.up = True
+    pool.workers["prefill"][0].bootstrap_host, pool.workers["prefill"][0].bootstrap_port = "10.0.0.1", 7000
+    return pool
+
+
+def test_a_request_abandoned_before_the_decode_wait_began_cancels_both_calls():
+    """A client gone before the router first waits on the decode call (`close` with no read ever started):
+    both calls are cancelled, closing both connections, so that neither worker keeps the request."""
+    pool = _up_pool()
+    started, cancelled = [], []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        started.append(request.url.host)
+        try:
+            await asyncio.Event().wait()  # the workers answer only when their calls end
+        except asyncio.CancelledError:
+            cancelled.append(request.url.host)
+            raise
+        return httpx.Response(200, json={})
+
+    async def run():
+        router = Router(pool, prefix_chars=64, request_timeout=60)
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        exchange = Exchange(router, *pool.workers["prefill"], *pool.workers["decode"], "/v1/completions",
+                            {"model": "fake", "prompt": "x"}, {})
+        try:
+            while len(started) < 2:  # both calls have reached their worker (bounded by the wait_for below)
+                await asyncio.sleep(0)
+            exchange.close(failed=True)
+            await asyncio.wait({exchange.p_task, exchange.d_task}, timeout=10)  # at once, unless a call was left
+            return exchange.p_task.cancelled(), exchange.d_task.cancelled()
+        finally:
+            await router.client.aclose()
+    assert asyncio.run(asyncio.wait_for(run(), 20)) == (True, True)
+    assert sorted(cancelled) == ["d", "p"]
+    assert all(w.in_flight == 0 for w in pool.all())
+
+
+class _Events(httpx.AsyncByteStream):
+    """A decode worker's stream that sends one event, then waits until its connection is closed."""
+
+    def __init__(self):
+        self.closed = False
+
+    async def __aiter__(self):
+        yield b'data: {"choices":[{"index":0,"text":"He"}]}\n\n'
+        await asyncio.Event().wait()
+
+    async def aclose(self):
+        self.closed = True
+
+
+def test_a_stream_abandoned_between_two_reads_has_its_decode_connection_closed():
+    """The client may go away while no read of the decode worker's stream is in progress (the router is
+    passing a chunk on): `close` must still close the decode call's connection, which aborts the request
+    on the worker, rather than leave it open with the request generating."""
+    pool = _up_pool()
+    events = _Events()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "p":
+            return httpx.Response(200, json={})
+        return httpx.Response(200, stream=events, headers={"content-type": "text/event-stream"})
+
+    async def run():
+        router = Router(pool, prefix_chars=64, request_timeout=60)
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        exchange = Exchange(router, *pool.workers["prefill"], *pool.workers["decode"], "/v1/completions",
+                            {"model": "fake", "prompt": "x", "stream": True}, {})
+        try:
+            await exchange.open_decode()
+            chunks = exchange.relay()
+            first = await anext(chunks)  # read; the relay is held at its yield, as while a chunk is passed on
+            exchange.close(failed=True)
+            while router._tasks:  # the closing tasks
+                await asyncio.wait(set(router._tasks))
+            return first, chunks
+        finally:
+            await router.client.aclose()
+    first, _ = asyncio.run(run())
+    assert first.startswith(b"data: ") and events.closed
+    assert all(w.in_flight == 0 for w in pool.all())

@@ -184,6 +184,15 @@ def test_a_first_token_carries_logprobs_and_experts_only_when_asked_and_survives
     assert first_tokens_from_wire(wire, 2) == [asked, None]
 
 
+
+def test_a_first_token_asked_for_with_logprobs_0_carries_the_sampled_tokens_logprob():
+    """logprobs=0 asks for the sampled token's logprob and no alternatives (OpenAI's and vLLM's): it is
+    asked for, so the first token must carry it, or the decode worker refuses the first token (its
+    logprobs must come exactly when the request asks for them) and the request fails."""
+    from types import SimpleNamespace
+    out = SimpleNamespace(token_ids=[7], logprobs=[{7: -0.5}], routed_experts=None)
+    assert first_token_of(out, SamplingParams(logprobs=0)) == FirstToken(7, {7: -0.5}, None)
+
 @pytest.mark.parametrize("entries, num_choices", [
     ([[7, None, None]], 2),                       # fewer first tokens than choices
     ([[7, None, None]] * 3, 2),                   # more
