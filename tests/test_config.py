@@ -181,6 +181,20 @@ def test_a_frequency_override_replaces_the_checkpoints_schedule(tmp_path):
     assert ModelConfig.from_json(str(tmp_path)).full_layers == list(range(12))
 
 
+def test_an_offset_override_replaces_the_checkpoints_schedule_too(tmp_path):
+    """hf_overrides {"index_skip_topk_offset": 1} on a freq-2 checkpoint gives transformers' freq-2,
+    offset-1 schedule (layers 0, 2, 4, ...) also when its config.json lists the schedule it was saved
+    with (transformers' save_pretrained writes indexer_types), as a frequency override does."""
+    import json
+    raw = {**BASE, "index_topk_freq": 2}
+    saved = {**raw, "indexer_types": list(ModelConfig.from_dict(raw).indexer_types)}  # layers 0, 1, 3, 5, ...
+    for name, config in (("derived", raw), ("saved", saved)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        cfg = ModelConfig.from_json(str(tmp_path / name), overrides={"index_skip_topk_offset": 1})
+        assert cfg.full_layers == [0, 2, 4, 6, 8, 10], name
+
+
 def test_num_local_experts_names_the_routed_experts_too():
     raw = {k: v for k, v in BASE.items() if k != "n_routed_experts"}
     assert ModelConfig.from_dict({**raw, "num_local_experts": 8}).n_routed_experts == 8
@@ -192,6 +206,43 @@ def test_max_model_len_may_reach_the_models_positions_not_pass_them():
     EngineConfig(model="m", max_model_len=4096).validate_for_model(cfg)
     with pytest.raises(ConfigError, match="beyond the model's max_position_embeddings"):
         EngineConfig(model="m", max_model_len=4097).validate_for_model(cfg)
+
+
+MULTINODE = dict(tensor_parallel_size=2, nnodes=2, dist_init_addr="127.0.0.1:1")  # validated only: nothing binds
+
+
+@pytest.mark.parametrize("edge, past, message", [
+    (dict(MULTINODE, node_rank=1), dict(MULTINODE, node_rank=2), r"node_rank must be in \[0, nnodes=2\)"),
+    (dict(prefix_cache_host_bytes=1), dict(prefix_cache_host_bytes=1, enable_prefix_caching=False),
+     "prefix_cache_host_bytes must be >= 1 and needs enable_prefix_caching"),
+    (dict(prefix_cache_host_bytes=1), dict(prefix_cache_host_bytes=0), "prefix_cache_host_bytes must be >= 1"),
+    (dict(prefix_cache_max_pages_per_tenant=0), dict(prefix_cache_max_pages_per_tenant=-1),
+     "prefix_cache_max_pages_per_tenant must be >= 0"),
+    (dict(prefix_cache_tenant_share=1.0), dict(prefix_cache_tenant_share=1.5), r"prefix_cache_tenant_share must be in \(0, 1\]"),
+    (dict(prefix_cache_ttl_s=0.5), dict(prefix_cache_ttl_s=0.0), "prefix_cache_ttl_s must be > 0"),
+    (dict(tenant_kv_share=1.0), dict(tenant_kv_share=0.0), r"tenant_kv_share must be in \(0, 1\]"),
+    (dict(max_logprobs=0), dict(max_logprobs=-1), "max_logprobs must be an integer >= 0"),
+    (dict(max_num_seqs=1), dict(max_num_seqs=True), "max_num_seqs must be int"),  # a bool is no count
+    (dict(dist_init_addr="127.0.0.1:65535"), dict(dist_init_addr="127.0.0.1:65536"), "dist_init_addr must be HOST:PORT"),
+    (dict(dist_init_addr="127.0.0.1:1"), dict(dist_init_addr="127.0.0.1:0"), "dist_init_addr must be HOST:PORT"),
+    (dict(num_kv_pages=4, device_kv_budget_bytes=1 << 20, kv_tiering=True), dict(num_kv_pages=4, device_kv_budget_bytes=1 << 20),
+     "give num_kv_pages or device_kv_budget_bytes, not both"),  # tiered, the two bound different pools
+])
+def test_each_engine_bound_admits_its_edge_and_refuses_one_past_it(edge, past, message):
+    """Every bound of EngineConfig.validate at its edge: the last value it allows is a valid config, the
+    first one past it a ConfigError naming the option."""
+    from sparsekv.config import EngineConfig
+    EngineConfig(model="m", **edge).validate()
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(model="m", **past).validate()
+
+
+def test_a_working_set_of_exactly_index_topk_is_enough_and_one_less_is_refused():
+    from sparsekv.config import EngineConfig
+    cfg = ModelConfig.from_dict({**BASE, "index_topk": 8})
+    EngineConfig(model="m", kv_tiering=True, device_buffer_tokens=8).validate_for_model(cfg)
+    with pytest.raises(ConfigError, match=r"device_buffer_tokens \(7\) must be >= the model's index_topk \(8\)"):
+        EngineConfig(model="m", kv_tiering=True, device_buffer_tokens=7).validate_for_model(cfg)
 
 
 def test_yarn_scale_squares_the_mscale_of_mscale_all_dim():

@@ -196,6 +196,66 @@ def test_lookup_follows_the_chain_per_tenant_and_salt_and_never_the_last_token()
     assert len(a.cached) == 4
 
 
+def test_a_request_computing_every_prompt_row_leaves_the_prefix_to_the_request_that_claimed_it():
+    """A request with prompt_logprobs hits nothing and waits for nothing: admitted beside a request
+    computing the same prefix, it does not take that request's claim, so once it leaves (aborted),
+    a third request with the prefix still waits for the first's pages."""
+    cache = PrefixCache(PageAllocator(16, PAGE))
+    first = _request("a", BASE)
+    cache.take(first, cache.match(first))                      # claims pages 0-3, computing them
+    every_row = Request("b", BASE, SamplingParams(max_tokens=4, prompt_logprobs=1))
+    hit = cache.match(every_row)
+    assert hit is not None and not hit.pages and not hit.wait
+    cache.take(every_row, hit)
+    cache.forget_request("b")
+    assert cache.match(_request("c", BASE)) is None            # still the first's pages to wait for
+    for rid in "ac":
+        cache.forget_request(rid)
+    cache.check_integrity(set())
+
+
+def test_a_page_is_named_once_its_rows_are_computed_and_the_token_its_name_covers_is_known():
+    """`register` names a full page only once every row of it is computed (a decode step's sampled
+    token fills its row at the next step) and, with lookahead 1 (speculative decoding), once the token
+    after it is known too: a hit on it would read rows not yet written, or under another name."""
+    a = PageAllocator(8, PAGE)
+    for lookahead in (0, 1):
+        cache = PrefixCache(a, lookahead=lookahead)
+        req = _request("a", BASE[:2 * PAGE])
+        req.page_ids, req.num_computed_tokens = a.allocate("a", 2), 2 * PAGE - 1  # the last row not written
+        cache.register(req)
+        assert len(cache._page_of) == 1
+        req.num_computed_tokens = 2 * PAGE
+        cache.register(req)
+        assert len(cache._page_of) == 2 - lookahead              # page 1's name needs token 2 * PAGE
+        req.output_token_ids.append(5)
+        cache.register(req)
+        assert len(cache._page_of) == 2
+        cache.forget_request("a")
+        a.free("a", req.page_ids)
+        cache.reset()
+        cache.check_integrity(set())
+
+
+def test_the_names_a_prompt_exports_are_the_pages_a_lookup_can_hit():
+    """`prompt_names` (what an export sends and an import expects) is every full page but the one
+    holding the last token: a prompt filling its last page exactly leaves that page to compute, as a
+    lookup does."""
+    a = PageAllocator(16, PAGE)
+    cache = PrefixCache(a)
+    whole, longer = cache.prompt_names(BASE[:2 * PAGE], "default", None), cache.prompt_names(BASE[:2 * PAGE + 1], "default", None)
+    assert len(whole) == 1 and len(longer) == 2 and longer[:1] == whole
+    owner = _request("a", BASE[:2 * PAGE + 1])
+    owner.page_ids, owner.num_computed_tokens = a.allocate("a", 3), 2 * PAGE + 1
+    cache.register(owner)
+    assert set(cache._page_of) == set(longer)                  # the names a request registers
+    assert cache.lookup(_request("b", BASE[:2 * PAGE])).pages == owner.page_ids[:len(whole)]
+    for rid in "ab":
+        cache.forget_request(rid)
+    a.free("a", owner.page_ids)
+    cache.check_integrity(set())
+
+
 # -- the engine -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("chunk", [PAGE, 24], ids=["chunks-of-a-page", "chunks-across-pages"])
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=8), dict(selector="quest")],
@@ -576,6 +636,39 @@ def test_lookup_stops_at_a_pool_page_after_host_copies():
     a.cached.drop([owner.page_ids[0]])
     hit = cache.lookup(_request("b", BASE))
     assert hit == PrefixHit([], [cache._chains["b"][0]]) and cache._chains["b"][1] == second
+
+
+def test_a_lower_tier_copy_that_does_not_come_back_leaves_it_and_every_later_page_to_compute(monkeypatch):
+    """A restore stops at the first copy that does not come back (a disk file that fails to read, a copy
+    pushed out meanwhile): the pages before it hold their rows, and that page and every later one are
+    computed, even where a later copy is still there (the request computes from its first uncached
+    position on)."""
+    from sparsekv.cache.prefix_host import PageRows, PrefixHostStore
+    a = PageAllocator(8, PAGE)
+    pool = torch.zeros(8 * PAGE, 2)
+    rows = PageRows([(pool, 1)], PAGE)
+    cache = PrefixCache(a, tiers={"host": PrefixHostStore(rows, 8 * rows.page_bytes)}, rows=rows)
+    prompt = BASE[:3 * PAGE + 1]                                       # 3 cacheable pages
+    names = cache.prompt_names(prompt, "default", None)
+    assert cache.import_pages([(n, [torch.full((PAGE, 2), i + 1.0)]) for i, n in enumerate(names)], "default", [names]) == 3
+    host = cache.tiers["host"]
+    take = host.take
+    monkeypatch.setattr(host, "take", lambda name: None if name == names[1] else take(name))
+    req = _request("r", prompt)
+    hit = cache.lookup(req)
+    assert hit.lower_names == names
+    assert a.share_and_reserve("r", hit.pages, a.pages_for(len(prompt) + 4))
+    taken = cache.take(req, hit)
+    assert (taken.num_pages, taken.tiers, taken.restored_page_ids) == (1, ["host"], taken.page_ids[:1])
+    first = taken.page_ids[0]
+    assert torch.equal(pool[first * PAGE:(first + 1) * PAGE], torch.full((PAGE, 2), 1.0))
+    assert cache._page_of == {names[0]: first}                         # no page named for rows it does not hold
+    assert cache.hit_tokens == {"device": 0, "host": PAGE, "disk": 0}  # counted as served: the page that came back
+    assert cache.by_tenant == {"default": {"queries": len(prompt), "hits": PAGE}}
+    assert cache.stats()["prefix_cache_hit_rate"] == PAGE / len(prompt)  # lower-tier hits are hits too
+    cache.forget_request("r")
+    a.free("r", taken.page_ids)
+    cache.check_integrity(set())
 
 
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=8),

@@ -621,3 +621,75 @@ def test_a_page_still_being_written_is_served_from_memory(tmp_path, monkeypatch)
     assert torch_equal(served, rows.copy_out(0)) and disk.failed == 0 and disk.loaded == 1
     assert disk.has(_name(0)) and len(_files(tmp_path)) == 1
     disk.close()
+
+
+def test_closing_with_more_cached_pages_than_the_budget_keeps_the_most_recently_used(tmp_path):
+    """`persist` saves the pool's cached pages least recently used first, so a disk budget smaller than
+    the cache keeps the newest (each saved page makes room by removing an older one)."""
+    from sparsekv import SamplingParams
+    from sparsekv.cache.pages import PageAllocator
+    from sparsekv.cache.prefix import PrefixCache
+    from sparsekv.request import Request
+    from test_prefix_disk import PAGE
+    rows = _rows()
+    allocator, disk = PageAllocator(4, PAGE), _store(rows, tmp_path, 2)
+    cache = PrefixCache(allocator, tiers={"disk": disk}, rows=rows)
+    now = [time.time()]
+    cache.set_clock(lambda: now[0])
+    owner = Request("a", list(range(1, 3 * PAGE + 2)), SamplingParams(max_tokens=1))
+    owner.page_ids, owner.num_computed_tokens = allocator.allocate("a", 4), 3 * PAGE + 1
+    cache.register(owner)
+    names = [cache._name_of[p] for p in owner.page_ids[:3]]
+    cache.forget_request("a")
+    for page in owner.page_ids:                       # released a second apart: page 0 the least recent
+        allocator.free("a", [page])
+        now[0] += 1
+    cache.persist()
+    assert [disk.has(name) for name in names] == [False, True, True]
+    disk.check_integrity()
+    disk.close()
+
+
+def test_after_new_weights_the_host_tier_spills_to_the_new_disk_tier_only(tmp_path):
+    """`new_weights(disk)` replaces the disk tier: a copy the host tier pushes out afterwards goes to the
+    new one (never to the old tier, closed, whose files are named for the old weights); with no new disk
+    tier it is dropped."""
+    from sparsekv.cache.pages import PageAllocator
+    from sparsekv.cache.prefix import PrefixCache
+    from sparsekv.cache.prefix_host import PrefixHostStore
+    from test_prefix_disk import PAGE
+    rows = _rows()
+    old, new = _store(rows, tmp_path / "old", 4), _store(rows, tmp_path / "new", 4)
+    host = PrefixHostStore(rows, rows.page_bytes, spill=old.save_rows)  # room for one copy
+    cache = PrefixCache(PageAllocator(4, PAGE), tiers={"host": host, "disk": old}, rows=rows)
+    cache.new_weights(new)
+    host.save(_name(0), 0, "alice")
+    host.save(_name(1), 1, "alice")                     # pushes copy 0 out
+    new.flush()
+    assert new.has(_name(0)) and _files(tmp_path / "old") == []
+    cache.new_weights(None)
+    host.save(_name(2), 2, "alice")                     # pushes copy 1 out: no disk tier to take it
+    assert "disk" not in cache.tiers and not new.has(_name(1)) and _files(tmp_path / "old") == []
+    host.check_integrity()
+    new.close()
+
+
+def test_a_request_waiting_for_a_read_ahead_across_new_weights_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A request waiting for its disk pages to be read when the weights change (and the disk tier goes):
+    the read is forgotten with the old tier, so the request, aborted, leaves as one that waits for nothing."""
+    from sparsekv import SamplingParams
+    from sparsekv.cache.pages import PageAllocator
+    from sparsekv.cache.prefix import PrefixCache
+    from sparsekv.request import Request
+    from test_prefix_disk import PAGE
+    rows = _rows()
+    disk = _store(rows, tmp_path, 4)
+    cache = PrefixCache(PageAllocator(4, PAGE), tiers={"disk": disk}, rows=rows)
+    prompt = list(range(1, 2 * PAGE + 2))
+    disk.save_rows(cache.prompt_names(prompt, "default", None)[0], rows.copy_out(0), "default")
+    disk.flush()
+    monkeypatch.setattr(disk, "prefetch", lambda names: False)  # the read not done yet
+    assert cache.match(Request("r", prompt, SamplingParams(max_tokens=1))) is None
+    cache.new_weights(None)
+    cache.forget_request("r")                                  # aborted while it waited
+    cache.check_integrity(set())

@@ -130,6 +130,20 @@ def test_a_checkpoint_of_another_architecture_is_refused(ckpts, tmp_path):
     _same(llm.generate([PROMPT], GREEDY)[0], want)
 
 
+def test_a_checkpoint_without_the_running_models_mtp_layer_is_refused(ckpts, tmp_path):
+    """The drafter's MTP layer is part of the loaded model: a checkpoint of the same config without it
+    (whose headers a load alone would accept, the layer being optional) is refused by its tensor names,
+    before anything changes."""
+    from test_sizing import _with_mtp_layer
+    a, b, _ = ckpts
+    llm = LLM(_with_mtp_layer(a, str(tmp_path / "a_mtp")), **OPTIONS, num_speculative_tokens=1)
+    want = llm.generate([PROMPT], GREEDY)[0]
+    with pytest.raises(WeightUpdateError, match=r"its tensors differ from the loaded model's: missing model\.layers\.\d+\."):
+        llm.update_weights_from_disk(b)
+    _same(llm.generate([PROMPT], GREEDY)[0], want)
+    assert llm.weights_version == 0
+
+
 def _tier_options(tier: str, tmp_path, page_bytes: int | None = None) -> dict:
     options = dict(OPTIONS, enable_prefix_caching=True, max_num_seqs=1)
     if tier in ("host", "disk"):
@@ -446,6 +460,50 @@ def test_copy_weights_allows_a_missing_part_only_when_it_holds_views():
     with pytest.raises(WeightUpdateError, match="stale"):
         copy_weights(own, _Part(experts=[_Part(w=torch.ones(4))], stacked=None))
     assert own.experts[0].w.tolist() == [0.0] * 4  # refused before anything was copied
+
+
+def test_copy_weights_refuses_a_tensor_of_another_dtype_or_shape_before_copying_any():
+    """A fresh model's tensor is copied only into one of its very shape and dtype (copy_ would cast or
+    broadcast it silently); a mismatch anywhere raises before the first copy."""
+    from sparsekv.weights import copy_weights
+    for other in (torch.ones(3, dtype=torch.float64), torch.ones(1)):
+        running = _Part(a=torch.zeros(4), b=torch.zeros(3))
+        with pytest.raises(WeightUpdateError, match=r"model\.b: the updated model's tensor does not match"):
+            copy_weights(running, _Part(a=torch.ones(4), b=other))
+        assert running.a.tolist() == [0.0] * 4 and running.b.tolist() == [0.0] * 3
+
+
+def test_update_outcomes_keep_the_last_results_by_ticket():
+    """Each settled update's (version, error) by its ticket, the last KEEP of them: the oldest go first,
+    and one still waiting to load has none."""
+    from sparsekv.weights import UpdateOutcomes
+    outcomes = UpdateOutcomes()
+    error = WeightLoadError("disk gone")
+    for version in range(1, UpdateOutcomes.KEEP + 3):
+        ticket = outcomes.accept()
+        assert outcomes.outcome(ticket) is None
+        outcomes.settle(None, error) if version == 3 else outcomes.settle(version, None)
+    assert outcomes.outcome(1) is outcomes.outcome(2) is None
+    assert outcomes.outcome(3) == (None, error) and outcomes.outcome(UpdateOutcomes.KEEP + 2) == (UpdateOutcomes.KEEP + 2, None)
+    assert sum(outcomes.outcome(t) is not None for t in range(1, UpdateOutcomes.KEEP + 3)) == UpdateOutcomes.KEEP
+
+
+def test_a_partial_update_after_an_update_from_disk_builds_on_that_checkpoint(ckpts, tmp_path):
+    """An update from disk replaces what earlier in-process updates gave: a partial update after it takes
+    the tensors it leaves out from that checkpoint, neither from the one loaded first nor from tensors
+    given before it."""
+    import shutil
+    a, b, _ = ckpts
+    tensors_a, tensors_b = _tensors(a), _tensors(b)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    mixed = shutil.copytree(b, tmp_path / "mixed")
+    save_file({**tensors_b, name: tensors_a[name]}, str(mixed / "model.safetensors"))  # B with A's o_proj
+    llm = LLM(a, **OPTIONS)
+    llm.update_weights([("model.norm.weight", tensors_a["model.norm.weight"] * 2)])  # a norm of neither
+    llm.update_weights_from_disk(b)
+    llm.update_weights([(name, tensors_a[name])])
+    _same(llm.generate([PROMPT], GREEDY)[0], LLM(str(mixed), **OPTIONS).generate([PROMPT], GREEDY)[0], llm)
+    assert llm.weights_version == 3
 
 
 def test_a_partial_update_is_refused_once_the_loaded_checkpoint_changed_on_disk(ckpts, tmp_path):

@@ -309,6 +309,23 @@ def test_mmap_host_store_never_overwrites_a_file_and_takes_a_directory(ckpt, tmp
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"]  # each unlinked once mapped
 
 
+def test_the_mmap_host_stores_file_is_private_from_its_creation(tmp_path, monkeypatch):
+    """The store's file is made 0600 (no other user reads a conversation's KV in the moment before it
+    is unlinked), whatever the umask, named or made in a directory; none is left behind."""
+    import stat
+    from sparsekv.cache import host_store
+    modes, remove = [], host_store._remove_file
+    monkeypatch.setattr(host_store, "_remove_file",
+                        lambda path: (modes.append(stat.S_IMODE(os.stat(path).st_mode)), remove(path)))
+    umask = os.umask(0)
+    try:
+        for path in (tmp_path / "kv", tmp_path):
+            host_store.MmapTieredHostStore([0, 1], 4, 8, torch.float32, str(path)).close()
+    finally:
+        os.umask(umask)
+    assert modes == [0o600, 0o600] and os.listdir(tmp_path) == []
+
+
 def run_with_aborts(path, **options):
     engine = make(path, **options).engine
     for i, prompt in enumerate(PROMPTS):
@@ -1021,6 +1038,23 @@ def test_emulated_backups_land_once_at_flush_and_reads_see_them(monkeypatch):
     host.write(0, torch.tensor([1]), torch.tensor([[7.0, 7.0]]))
     link.flush()
     assert torch.equal(host.read(0, torch.tensor([1, 2])), torch.tensor([[7.0, 7.0], [3.0, 3.0]]))
+
+
+def test_an_emulated_backup_lands_the_rows_as_they_were_when_it_was_issued(monkeypatch):
+    """A backup copies its rows when issued (CUDA: into pinned staging on the backup stream), so a
+    device buffer reused before the flush (the next layer's, the next step's) does not change what
+    lands: the emulation keeps that too, or a caller relying on it would pass here and fail on a GPU."""
+    from sparsekv.cache.host_store import HostLink, RamTieredHostStore
+    monkeypatch.setattr(HostLink, "emulate_async", True)
+    host = RamTieredHostStore([0], num_slots=4, dim=2, dtype=torch.float32)
+    host.write(0, torch.arange(4), torch.zeros(4, 2))
+    link = HostLink(host, torch.device("cpu"))
+    slots, values = torch.tensor([1, 3]), torch.tensor([[1.0, 1.0], [3.0, 3.0]])
+    link.backup(0, slots, values)
+    slots.copy_(torch.tensor([0, 2]))
+    values.fill_(9.0)                                                    # the buffers reused
+    link.flush()
+    assert torch.equal(host.read(0, torch.arange(4)), torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0], [3.0, 3.0]]))
 
 
 def test_a_pinned_host_store_is_page_locked_in_place_at_its_own_size(monkeypatch):
