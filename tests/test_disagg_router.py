@@ -841,6 +841,19 @@ def _exchange_app(pool: WorkerPool, handler):
     return router, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
 
 
+def _routed(pool: WorkerPool, handler, body: dict | None, path: str = "/v1/completions",
+            bound_s: float | None = None) -> tuple[Router, httpx.Response]:
+    """One request through the router's app over `pool` (`_exchange_app`): `body` posted to `path`, or a
+    GET of `path` without one, within `bound_s` if given; the router and the client's response."""
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await (client.get(path) if body is None else client.post(path, json=body))
+        await router.client.aclose()
+        return router, r
+    return asyncio.run(run() if bound_s is None else asyncio.wait_for(run(), bound_s))
+
+
 def _role(request: httpx.Request) -> str:
     return "prefill" if request.url.host.startswith("p") else "decode"
 
@@ -939,50 +952,12 @@ def test_a_workers_4xx_whose_json_is_not_the_openai_envelope_is_still_the_client
             return httpx.Response(200, json={})
         return httpx.Response(404, json=body)
 
-    async def run():
-        router, client = _exchange_app(pool, handler)
-        async with client:
-            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "stream": stream})
-        await router.client.aclose()
-        return router, r
-    router, r = asyncio.run(run())
+    router, r = _routed(pool, handler, {"model": "fake", "prompt": "x", "stream": stream})
     assert r.status_code == 404 and r.json()["error"]["code"] == 404 and "Not Found" in r.json()["error"]["message"]
     value = router.metrics.registry.get_sample_value
     assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": "404"}) == 1.0
     assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": "200"}) is None
     assert all(w.in_flight == 0 for w in pool.all())
-
-
-def test_a_stream_whose_error_event_is_followed_by_done_counts_as_that_error():
-    """A decode worker ends a failed stream with an error event and then `data: [DONE]`, which may come
-    in a chunk of its own: the request still counts under the error's code and as the decode side's
-    failure (the [DONE] chunk must not turn it back into a 200)."""
-    pool = _pool(decode=1)
-    error = f"data: {json.dumps(error_body(503, 'the engine failed'), separators=(',', ':'))}\n\n".encode()
-    chunks = [b'data: {"choices":[{"index":0,"text":"He"}]}\n\n', error, b"data: [DONE]\n\n"]
-
-    async def events():
-        for chunk in chunks:  # one chunk per event, as the worker flushes them
-            yield chunk
-            await asyncio.sleep(0)
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        if _role(request) == "prefill":
-            return httpx.Response(200, json={})
-        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
-
-    async def run():
-        router, client = _exchange_app(pool, handler)
-        async with client:
-            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "stream": True})
-        await router.client.aclose()
-        return router, r
-    router, r = asyncio.run(run())
-    assert r.status_code == 200 and r.content == b"".join(chunks)
-    value = router.metrics.registry.get_sample_value
-    assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": "503"}) == 1.0
-    assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": "200"}) is None
-    assert value("sparsekv:router_transfer_failures_total", {"role": "decode"}) == 1.0
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -1039,13 +1014,7 @@ def test_models_come_from_the_next_decode_worker_when_one_is_gone_and_the_gone_o
             raise httpx.ConnectError("connection refused", request=request)
         return httpx.Response(200, json={"object": "list", "data": [{"id": "served-by-d1"}]})
 
-    async def run():
-        router, client = _exchange_app(pool, handler)
-        async with client:
-            r = await client.get("/v1/models")
-        await router.client.aclose()
-        return r
-    r = asyncio.run(run())
+    _, r = _routed(pool, handler, None, "/v1/models")
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "served-by-d1" and asked == ["d0", "d1"]
     assert not gone.up and alive.up
 
@@ -1091,6 +1060,10 @@ def _error_event(body) -> bytes:
     # an error event cut in two chunks by the transport: the relay joins it before looking at it
     ([b'data: {"choices":[]}\n\ndata: {"err', _error_event(error_body(503, "boom"))[len(b'data: {"err'):],
       b"data: [DONE]\n\n"], "503", 1.0),
+    # an error event and then `data: [DONE]` in a chunk of its own: counted under the error's code and as
+    # the decode side's failure (the [DONE] chunk must not turn it back into a 200)
+    ([b'data: {"choices":[{"index":0,"text":"He"}]}\n\n', _error_event(error_body(503, "the engine failed")),
+      b"data: [DONE]\n\n"], "503", 1.0),
     # a last event with no blank line after it still reaches the client, byte for byte
     ([b'data: {"choices":[]}\n\n', b"data: [DONE]"], "200", None),
 ])
@@ -1110,13 +1083,7 @@ def test_a_stream_is_counted_under_its_error_events_code_and_relayed_byte_for_by
             return httpx.Response(200, json={})
         return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
 
-    async def run():
-        router, client = _exchange_app(pool, handler)
-        async with client:
-            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "stream": True})
-        await router.client.aclose()
-        return router, r
-    router, r = asyncio.run(run())
+    router, r = _routed(pool, handler, {"model": "fake", "prompt": "x", "stream": True})
     assert r.status_code == 200 and r.content == b"".join(chunks)
     value = router.metrics.registry.get_sample_value
     assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": status}) == 1.0
@@ -1142,13 +1109,7 @@ def test_a_prefill_failure_after_the_stream_began_is_counted_as_a_503_with_nothi
             return httpx.Response(500, json=error_body(500, "prefill says no"))
         return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
 
-    async def run():
-        router, client = _exchange_app(pool, handler)
-        async with client:
-            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "stream": True})
-        await router.client.aclose()
-        return router, r
-    router, r = asyncio.run(run())
+    router, r = _routed(pool, handler, {"model": "fake", "prompt": "x", "stream": True})
     got = [e for e in r.content.split(b"\n\n") if e]
     assert r.status_code == 200 and len(got) == 3 and got[-1] == b"data: [DONE]"
     assert json.loads(got[1][len(b"data: "):])["error"]["code"] == 503
@@ -1167,13 +1128,7 @@ def test_models_with_no_decode_worker_up_is_a_503_in_the_envelope():
     async def handler(request: httpx.Request) -> httpx.Response:
         raise AssertionError(f"no worker is up, yet {request.url} was asked")
 
-    async def run():
-        router, client = _exchange_app(pool, handler)
-        async with client:
-            r = await client.get("/v1/models")
-        await router.client.aclose()
-        return r
-    r = asyncio.run(run())
+    _, r = _routed(pool, handler, None, "/v1/models")
     assert r.status_code == 503 and r.json() == error_body(503, "no decode worker is up")
 
 
@@ -1244,13 +1199,7 @@ def test_a_decode_call_that_proves_the_worker_gone_takes_it_out_and_a_slow_one_d
             raise error("no answer", request=request)
         return httpx.Response(200, json={})
 
-    async def run():
-        router, client = _exchange_app(pool, handler)
-        async with client:
-            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
-        await router.client.aclose()
-        return r
-    r = asyncio.run(run())
+    _, r = _routed(pool, handler, {"model": "fake", "prompt": "x"})
     assert r.status_code == 503 and f"decode worker {decode.url} failed: {error.__name__}" in r.json()["error"]["message"]
     assert decode.up is not gone and all(w.in_flight == 0 for w in pool.all())
 
@@ -1297,12 +1246,6 @@ def test_a_prefill_worker_that_refuses_the_connection_ends_the_request_and_the_d
             raise
         return httpx.Response(200, json={})
 
-    async def run():
-        router, client = _exchange_app(pool, handler)
-        async with client:
-            r = await client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
-        await router.client.aclose()
-        return r
-    r = asyncio.run(asyncio.wait_for(run(), 20))  # at once, unless the decode call is left waiting
+    _, r = _routed(pool, handler, {"model": "fake", "prompt": "x"}, bound_s=20)  # at once, unless the decode call is left waiting
     assert r.status_code == 503 and f"prefill worker {prefill.url} failed: ConnectError" in r.json()["error"]["message"]
     assert not prefill.up and decode_cancelled == [True] and all(w.in_flight == 0 for w in pool.all())

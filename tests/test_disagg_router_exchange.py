@@ -13,6 +13,15 @@ from sparsekv.disagg.router_workers import WorkerPool
 from sparsekv.server.errors import error_body
 
 
+def _exchange(pool: WorkerPool, handler, stream: bool = False) -> tuple[Router, Exchange]:
+    """A router whose client calls `handler`, and one request's exchange with the pool's two workers
+    (in the running event loop)."""
+    router = Router(pool, prefix_chars=64, request_timeout=60)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    body = {"model": "fake", "prompt": "x", **({"stream": True} if stream else {})}
+    return router, Exchange(router, *pool.workers["prefill"], *pool.workers["decode"], "/v1/completions", body, {})
+
+
 def test_a_prefill_failure_before_the_decode_wait_begins_ends_the_decode_call_at_once():
     """The prefill call may end (failed) between two waits on the decode call: before the first, or while
     a stream's chunk is being passed on. The next wait must see that failure at once and cancel the
@@ -35,10 +44,7 @@ def test_a_prefill_failure_before_the_decode_wait_begins_ends_the_decode_call_at
         return httpx.Response(200, json={})
 
     async def run():
-        router = Router(pool, prefix_chars=64, request_timeout=60)
-        router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        exchange = Exchange(router, *pool.workers["prefill"], *pool.workers["decode"], "/v1/completions",
-                            {"model": "fake", "prompt": "x"}, {})
+        router, exchange = _exchange(pool, handler)
         await asyncio.wait({exchange.p_task})  # the prefill call has failed before the decode wait begins
         try:
             with pytest.raises(WorkerFailure, match="prefill worker .* prefill engine failed") as failure:
@@ -76,10 +82,7 @@ def test_a_request_abandoned_before_the_decode_wait_began_cancels_both_calls():
         return httpx.Response(200, json={})
 
     async def run():
-        router = Router(pool, prefix_chars=64, request_timeout=60)
-        router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        exchange = Exchange(router, *pool.workers["prefill"], *pool.workers["decode"], "/v1/completions",
-                            {"model": "fake", "prompt": "x"}, {})
+        router, exchange = _exchange(pool, handler)
         try:
             while len(started) < 2:  # both calls have reached their worker (bounded by the wait_for below)
                 await asyncio.sleep(0)
@@ -120,10 +123,7 @@ def test_a_stream_abandoned_between_two_reads_has_its_decode_connection_closed()
         return httpx.Response(200, stream=events, headers={"content-type": "text/event-stream"})
 
     async def run():
-        router = Router(pool, prefix_chars=64, request_timeout=60)
-        router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        exchange = Exchange(router, *pool.workers["prefill"], *pool.workers["decode"], "/v1/completions",
-                            {"model": "fake", "prompt": "x", "stream": True}, {})
+        router, exchange = _exchange(pool, handler, stream=True)
         try:
             await exchange.open_decode()
             chunks = exchange.relay()
