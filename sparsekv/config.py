@@ -199,7 +199,7 @@ class ModelConfig:
             raise ConfigError(f"{file}: must hold a JSON object, got a {type(raw).__name__}")
         if overrides:
             raw = {**raw, **overrides}
-            if any(name in overrides for name in INDEXER_SCHEDULE_FIELDS[1:]) and "indexer_types" not in overrides:
+            if overrides_indexer_schedule(overrides) and "indexer_types" not in overrides:
                 # a pattern, frequency or offset override replaces the checkpoint's schedule, for either family
                 raw["indexer_types"] = indexshare_schedule(raw, int(raw.get("num_hidden_layers") or 0))
         return cls.from_dict(raw, where=file)
