@@ -19,13 +19,16 @@ def port_number(text: str) -> int:
 
 
 def at_least(low, kind=int, high=None):
-    """An argparse type: a number of `kind` that is >= low (and <= high, where given)."""
+    """An argparse type: a finite number of `kind` that is >= low (and <= high, where given). Infinity is
+    refused: the options taking it are timeouts, and a wait without end is what a timeout exists to stop."""
     def parse(text: str):
         value = kind(text)
         if high is not None and not low <= value <= high:
             raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {text}")
         if not value >= low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {low}, got {text}")
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
     return parse

@@ -250,6 +250,7 @@ def test_flags_out_of_range_are_usage_errors_before_any_work(capsys, serve_never
     benchmark whose results could not be written, no port bound)."""
     for argv, flag in ((["serve", "--port", "70000"], "--port"), (["serve", "--port", "-1"], "--port"),
                        (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout"),
+                       (["serve", "--shutdown-timeout", "inf"], "--shutdown-timeout"),  # a drain without end
                        (["serve", "--default-max-tokens", "0"], "--default-max-tokens"),
                        (["serve", "--disaggregation-secret-file", "s"], "--disaggregation-secret-file"),
                        (["serve", "--disaggregation-send", "chunks"], "--disaggregation-send"),
@@ -258,7 +259,8 @@ def test_flags_out_of_range_are_usage_errors_before_any_work(capsys, serve_never
                        (["router", "--prefill", "http://a:1", "--decode", "http://b:2", "--port", "70000"], "--port"),
                        *((["router", "--prefill", "http://a:1", "--decode", "http://b:2", flag, value], flag)
                          for flag, value in (("--health-interval", "0"), ("--request-timeout", "nan"),
-                                             ("--worker-startup-timeout", "-1"), ("--affinity-prefix-chars", "-1"),
+                                             ("--worker-startup-timeout", "-1"), ("--worker-startup-timeout", "inf"),
+                                             ("--affinity-prefix-chars", "-1"),
                                              ("--affinity-load-slack", "-2"), ("--max-request-body-bytes", "0"))),
                        (["bench", "decode", "--repeats", "0"], "--repeats"), (["bench", "decode", "--steps", "0"], "--steps"),
                        (["bench", "prefill", "--chunk", "0"], "--chunk"),
@@ -464,6 +466,7 @@ def test_the_option_types_accept_their_edges_and_refuse_one_past():
     assert above(0.0)("1e-9") == 1e-9 and above(0.0)("inf") == float("inf")
     assert positive_finite("1e-9") == 1e-9 and json_object("{}") == {}
     for parse, text in ((port_number, "65536"), (port_number, "-1"), (at_least(1), "0"), (at_least(0.0, float), "-0.1"),
+                        (at_least(0.0, float), "inf"),
                         (above(0.0), "0"), (above(0.0), "nan"), (positive_finite, "0"), (positive_finite, "inf"),
                         (positive_finite, "nan"), (json_object, "[1]"), (json_object, "1"), (json_object, "{x")):
         with pytest.raises(argparse.ArgumentTypeError):
