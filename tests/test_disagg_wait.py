@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from sparsekv.disagg import transfer as transfer_module
 from sparsekv.disagg import worker as worker_module
@@ -238,6 +239,35 @@ def test_a_pair_connect_that_does_not_return_fails_the_room_at_the_timeout(room,
     assert time.monotonic() - started < HANG_S / 2
     stuck.set()
     assert _ended(lambda: not any(t.name == "sparsekv-pair-connect" for t in threading.enumerate()))
+
+
+class _PairGroup:
+    """A made pair group as `TorchPath.close` sees it."""
+
+    def __init__(self):
+        self.aborted = 0
+
+    def abort(self):
+        self.aborted += 1
+
+
+@pytest.mark.parametrize("backend, aborts", [("nccl", 1), ("gloo", 0)])
+def test_closing_a_room_aborts_its_nccl_pair_and_drops_a_gloo_one(room, monkeypatch, backend, aborts):
+    """An NCCL pair's communicator is freed when the room closes (not left to the destructor); a gloo
+    pair is dropped; a room that never connected has nothing to free."""
+    _, mine, peer = room
+    made = _PairGroup()
+    monkeypatch.setattr(transfer_module, "_nccl_group", lambda *a: made)
+    monkeypatch.setattr(transfer_module, "_gloo_group", lambda *a: made)
+    settings = DisaggSettings("decode", "127.0.0.1", None, b"s" * 32, timeout_s=5.0)
+    never = transfer_module.TorchPath(peer, settings, torch.device("cpu"), backend, DECODE_RANK)
+    never.close()
+    path = transfer_module.TorchPath(mine, settings, torch.device("cpu"), backend, DECODE_RANK)
+    path.connect()
+    assert not path.needs_connect and made.aborted == 0
+    path.close()
+    path.close()
+    assert path.needs_connect and made.aborted == aborts
 
 
 def test_the_prefill_sides_join_waits_for_the_decode_sides_address_and_ends_with_the_room(room, monkeypatch):

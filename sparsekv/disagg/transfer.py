@@ -361,7 +361,14 @@ class TorchPath:
         return recv_tensors(self._group(), sizes, self.device, first, pace)
 
     def close(self) -> None:
-        self.group = None
+        """Drop the pair group. An NCCL pair's communicator (device buffers, a proxy thread) is aborted
+        here, not left to the group's destructor, which warns of a group never destroyed; abort, not
+        shutdown: a graceful finalize waits for the peer, which a failed room may have lost. Both sides'
+        operations have ended by then (a send synchronizes the device, a receive copies to host). A gloo
+        pair frees its connections when dropped."""
+        group, self.group = self.group, None
+        if group is not None and self.backend == "nccl":
+            group.abort()
 
 
 def _run(op, what: str) -> None:
