@@ -412,12 +412,18 @@ def test_expert_parallel_with_rank_1_wider_than_rank_0_and_then_alone_equals_one
     llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, enable_expert_parallel=True)
     try:
         got = llm.generate([short, long], params)
-        by_rank = llm.stats()["by_data_parallel_rank"]
+        stats = llm.stats()
+        by_rank = stats["by_data_parallel_rank"]
         llm.engine.check_integrity()
     finally:
         llm.close()
     assert [(r["prompt_tokens"], r["generation_tokens"]) for r in by_rank] == [(len(short), 2), (len(long), 10)]
     assert_same_greedy(want, got, logprob_tolerance(single))
+    from sparsekv.parallel.lanes import RANK_MEMORY
+    for key in set(RANK_MEMORY) & set(stats):  # each rank's memory apart, adding up to the engine's
+        assert sum(r[key] for r in by_rank) == stats[key], key
+    assert "kv_pages_free" in stats and by_rank[0]["kv_pages_total"] == single.stats()["kv_pages_total"]
+    assert 0 < by_rank[0]["prefix_cached_pages"] < by_rank[1]["prefix_cached_pages"]  # rank 1 kept the longer prompt
 
 
 def test_each_data_parallel_rank_keeps_its_prefix_cache_disk_tier_in_a_directory_of_its_own(glm_ckpt, tmp_path):

@@ -427,6 +427,39 @@ def test_per_tenant_kv_figures_are_exported_with_tenant_and_state_labels():
     assert not any(s.name.startswith("sparsekv:kv_by_tenant") for s in samples)
 
 
+def test_each_data_parallel_ranks_requests_and_kv_are_exported_with_a_dp_rank_label():
+    """A data-parallel engine's `by_data_parallel_rank` reaches /metrics per rank (the sums hide one rank
+    filling up): the usage fraction from its own pages, waiting requests summed over tenants, counters as
+    counters, any other figure as a gauge; the aggregate series stay unlabelled by rank."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sparsekv.server.metrics import EngineStatsCollector
+    stats = {"kv_pages_total": 80, "kv_pages_free": 50, "running": 3,
+             "by_data_parallel_rank": [
+                 {"running": 3, "waiting": {"a": 2, "b": 1}, "generation_tokens": 7, "kv_pages_total": 40,
+                  "kv_pages_free": 10, "prefix_host_bytes": 4096},
+                 {"running": 0, "waiting": {}, "generation_tokens": 0, "kv_pages_total": 40, "kv_pages_free": 40,
+                  "prefix_host_bytes": 0}]}
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector("tiny", lambda: stats, lambda: True))
+    families = list(text_string_to_metric_families(generate_latest(registry).decode()))
+    kinds = {f.name: f.type for f in families}
+    by_rank = {}
+    for s in (s for f in families for s in f.samples if "dp_rank" in s.labels):
+        by_rank.setdefault(s.name, {})[s.labels["dp_rank"]] = s.value
+    assert by_rank["sparsekv:dp_rank_kv_cache_usage_perc"] == {"0": 0.75, "1": 0.0}
+    assert by_rank["sparsekv:dp_rank_num_requests_running"] == {"0": 3, "1": 0}
+    assert by_rank["sparsekv:dp_rank_num_requests_waiting"] == {"0": 3, "1": 0}
+    assert by_rank["sparsekv:dp_rank_generation_tokens_total"] == {"0": 7, "1": 0}
+    assert by_rank["sparsekv:dp_rank_prefix_host_bytes"] == {"0": 4096, "1": 0}
+    assert kinds["sparsekv:dp_rank_generation_tokens"] == "counter" and kinds["sparsekv:dp_rank_kv_pages_free"] == "gauge"
+    aggregate = {s.name: s for f in families for s in f.samples if s.name == "sparsekv:kv_cache_usage_perc"}
+    assert aggregate["sparsekv:kv_cache_usage_perc"].value == 30 / 80 and "dp_rank" not in aggregate[
+        "sparsekv:kv_cache_usage_perc"].labels
+    assert not any(f.name.startswith("sparsekv:by_data_parallel_rank") for f in families)
+
+
 def test_the_prefix_tiers_counts_are_counters():
     """Counts since start are counters (`_total`), not gauges; the tiers' sizes are gauges."""
     from prometheus_client import CollectorRegistry, generate_latest

@@ -27,7 +27,7 @@ from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
 from ..weights import WEIGHT_UPDATE_POLICIES, UpdateOutcomes, WeightLoadError, WeightUpdateConflict
 from .dp_kv import DataParallelKV, kv_call
 from .dp_taps import DataParallelTaps, TapReceiver, open_group
-from .lanes import lane_integrity, load_lane, merge_stats, serve_lane, step_lane
+from .lanes import lane_integrity, load_lane, merge_stats, rank_memory, serve_lane, step_lane
 from .launch import RankFailure, RankGroup, check_layout
 from .router import PrefixAffinityRouter
 
@@ -365,12 +365,15 @@ class DataParallelEngine:
 
     # -- observability -----------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Every rank's figures added up (rates recomputed from the sums); `ranks` lists each rank's."""
+        """Every rank's figures added up (rates recomputed from the sums); `ranks` lists each rank's
+        weights and peak memory, `by_data_parallel_rank` each rank's requests (waiting: by tenant), token
+        counters and KV memory (lanes.RANK_MEMORY)."""
         if self.ranks.failure is not None:
             return self.local.stats()
-        merged = merge_stats(self._together("stats", run=self.local.stats))
-        merged["by_data_parallel_rank"] = [{"running": s["running"], "waiting": s["waiting"], **s["counters"]}
-                                           for s in self._summaries]
+        every = self._together("stats", run=self.local.stats)
+        merged = merge_stats(every)
+        merged["by_data_parallel_rank"] = [{"running": s["running"], "waiting": s["waiting"], **s["counters"],
+                                            **rank_memory(figures)} for s, figures in zip(self._summaries, every)]
         merged.update(weights_version=self.weights_version, paused=self.paused,
                       weight_update_pending=self.weight_update_pending)
         return merged

@@ -154,6 +154,14 @@ def _stop_ranks_on_sigterm(processes) -> list:
 
 # -- stats -------------------------------------------------------------------------------------------
 PER_REQUEST = {"device_buffer_tokens"}  # a setting, the same on every rank
+# each rank's memory figures, kept apart in `by_data_parallel_rank` (the sums hide one rank filling up)
+RANK_MEMORY = ("kv_pages_total", "kv_pages_free", "device_kv_bytes", "device_latent_bytes", "device_indexer_bytes",
+               "host_kv_bytes", "host_kv_budget_bytes", "prefix_cached_pages", "prefix_host_bytes", "prefix_disk_bytes")
+
+
+def rank_memory(stats: dict) -> dict:
+    """One rank's memory figures (those of RANK_MEMORY its engine reports)."""
+    return {key: stats[key] for key in RANK_MEMORY if key in stats}
 
 
 def merge_stats(all_stats: list[dict]) -> dict:

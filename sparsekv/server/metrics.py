@@ -247,8 +247,37 @@ class EngineStatsCollector:
                 fam.add_metric([self.model_name, str(figures["rank"])], float(figures[key]))
             yield fam
 
+    def _data_parallel_ranks(self, ranks: list[dict]):
+        """Each data-parallel rank's requests, KV use and token counts, labelled `dp_rank` (vLLM labels its
+        data-parallel engines' series `engine`): the sums hide one rank's pool filling up while another
+        idles. A figure of the engine tables keeps its name and type behind `dp_rank_`; any other number
+        is a gauge `dp_rank_<key>`."""
+        if not ranks:
+            return
+        usage = GaugeMetricFamily(P + "dp_rank_kv_cache_usage_perc", "Fraction of the rank's device KV pages in "
+                                  "use (0..1), by data-parallel rank.", labels=["model_name", "dp_rank"])
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for rank, figures in enumerate(ranks):
+            labels = [self.model_name, str(rank)]
+            total = figures.get("kv_pages_total") or 0
+            usage.add_metric(labels, 1.0 - figures.get("kv_pages_free", total) / total if total else 0.0)
+            for key, value in figures.items():
+                if isinstance(value, dict):  # waiting requests, by tenant
+                    value = sum(value.values())
+                if key in ENGINE_COUNTERS:
+                    kind, (name, doc) = CounterMetricFamily, ENGINE_COUNTERS[key]
+                else:
+                    kind, (name, doc) = GaugeMetricFamily, ENGINE_GAUGES.get(key, (key, f"engine figure {key}."))
+                if name not in families:
+                    families[name] = kind(P + "dp_rank_" + name, f"{doc} By data-parallel rank.",
+                                          labels=["model_name", "dp_rank"])
+                families[name].add_metric(labels, float(value))
+        yield usage
+        yield from families.values()
+
     def _extra(self, stats: dict):
         yield from self._ranks(stats.pop("ranks", []))
+        yield from self._data_parallel_ranks(stats.pop("by_data_parallel_rank", []))
         yield from self._tenants(stats.pop("prefix_cache_by_tenant", {}))
         yield from self._tenant_kv(stats.pop("kv_by_tenant", {}))
         yield from self._spec(stats)
