@@ -241,6 +241,50 @@ def test_a_pair_connect_that_does_not_return_fails_the_room_at_the_timeout(room,
     assert _ended(lambda: not any(t.name == "sparsekv-pair-connect" for t in threading.enumerate()))
 
 
+@pytest.mark.parametrize("first", ["decode", "prefill"])
+def test_a_room_both_workers_fail_at_once_leaves_no_key(room, first):
+    """The decode worker fails the room (its verdict) while the prefill worker fails it too (its error,
+    in the next batch's metadata): neither reads the other's key, and each used to leave the room's keys
+    to the other. Whichever writes second sees the first's key and deletes them, in either order."""
+    from sparsekv.disagg.decode import DecodeWorker
+    from sparsekv.disagg.outbox import Batches
+    from sparsekv.disagg.wire import sign
+    store, prefill_link, decode_link = room
+    settings = DisaggSettings("decode", "127.0.0.1", None, b"s" * 32, timeout_s=5.0)
+    decode = DecodeWorker.__new__(DecodeWorker)
+    decode.settings = settings
+    out = Batches(prefill_link, settings, torch.device("cpu"), None)
+    decode_link.put("claim", b"the claim")
+    meta = {"room": "r1", "nonce": "n", "names": []}
+    prefill_link.put(transfer_module.meta_key(0), sign(settings.secret, meta))  # one batch, read by the decode side
+    out.index, out.claimed = 1, True
+    if first == "decode":
+        decode._verdict(decode_link, meta, "a digest did not match", 1)
+        assert store.num_keys() > 0 and decode_link.ready("done")  # the prefill worker's to read: kept
+        out.error({"error": "the engine went away"})
+    else:
+        out.error({"error": "the engine went away"})
+        assert decode_link.ready(transfer_module.meta_key(1))  # the decode worker's to read: kept
+        decode._verdict(decode_link, meta, "its client went away", 1)
+    assert _ended(lambda: store.num_keys() == 0, 5), store.num_keys()
+
+
+def test_a_verdict_leaves_the_room_to_the_prefill_worker_when_no_error_of_its_came():
+    """Without an error from the prefill worker the verdict stays for it to read (a batch's metadata it
+    wrote, not an error, is not one)."""
+    from sparsekv.disagg.decode import DecodeWorker
+    from sparsekv.disagg.wire import sign
+    store = host_bootstrap("127.0.0.1", 0, 30)
+    link = Room(connect("127.0.0.1", store.port, 30), "r2")
+    decode = DecodeWorker.__new__(DecodeWorker)
+    decode.settings = DisaggSettings("decode", "127.0.0.1", None, b"s" * 32, timeout_s=5.0)
+    link.put("claim", b"the claim")
+    for batch in range(2):
+        link.put(transfer_module.meta_key(batch), sign(decode.settings.secret, {"room": "r2", "names": []}))
+    decode._verdict(link, {"nonce": "n"}, "a digest did not match", 1)
+    assert link.ready("done") and link.ready("claim") and link.ready(transfer_module.meta_key(1))
+
+
 class _PairGroup:
     """A made pair group as `TorchPath.close` sees it."""
 

@@ -240,7 +240,9 @@ class DecodeWorker(Worker):
         deletes the room's keys). A prefill worker that left the room before (its client gone: it deleted
         the room's keys, the claim first) reads no verdict: the room's keys written since, the verdict and
         the pair group's rendezvous key of this side, are then this side's to delete (`batches`: the
-        metadata keys read)."""
+        metadata keys read). So are they when the prefill worker failed too and wrote its error before
+        this verdict, unread here: it looks for the verdict after writing its error (`Batches.error`),
+        this side for an error after writing the verdict, so one of the two sees the other's key."""
         body = {"room": link.name, "nonce": (meta or {}).get("nonce"), "ok": error is None}
         if error is not None:
             body["error"] = error
@@ -249,8 +251,22 @@ class DecodeWorker(Worker):
             # NOTE: after the put: a prefill worker that deletes the room after it deletes the verdict too
             if not link.ready("claim"):
                 link.forget(batches + 1)
+            elif self._unread_error(link, batches):
+                link.forget(batches + 2)
         except TransferError:
             pass  # the prefill worker is gone: it learns nothing, and needs nothing
+
+    def _unread_error(self, link: Room, batches: int) -> bool:
+        """Whether the prefill worker wrote an error this side never read: the batch after the last one
+        read, or the one after it (this side may have failed between a batch's metadata and its tensors)."""
+        for part in (meta_key(batches), meta_key(batches + 1)):
+            raw = link.peek(part)  # NOTE: not get: the prefill worker may delete it meanwhile
+            try:
+                if raw is not None and "error" in verify(self.settings.secret, raw, "prefill worker's metadata"):
+                    return True
+            except TransferError:  # not signed with the room's secret: not the prefill worker's
+                continue
+        return False
 
 
 @dataclasses.dataclass

@@ -76,12 +76,13 @@ class Batches:
         The decode worker deletes the room's keys once it has read it; one that left the room before
         (its claim deleted first: `Room.forget`), or never claimed it, never reads it, so then this
         side deletes them (a decode worker that claims later waits for the error until its own
-        timeout, or until its client goes away)."""
+        timeout, or until its client goes away); as it does when the decode worker's verdict is there
+        after the put (it failed the room meanwhile, and reads nothing more: decode._verdict)."""
         try:
             meta = {"room": self.link.name, **failure}
             self.link.put(meta_key(self.index), sign(self.settings.secret, meta))
             self.told_error, self.ended = True, True
-            if not self.link.written_by_peer("claim"):
+            if not self.link.written_by_peer("claim") or self.link.ready("done"):
                 self.link.forget(self.index + 1)
         except TransferError:
             pass

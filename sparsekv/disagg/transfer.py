@@ -203,6 +203,14 @@ class Room:
             except Exception:  # the store is gone: the wait has ended with an error already
                 pass
 
+    def peek(self, part: str) -> bytes | None:
+        """`part`'s value, or None when it is not there (no wait, unlike `get`)."""
+        try:
+            value = self.store.compare_set(self.key(part), ABSENT, ABSENT)
+        except Exception as e:
+            raise TransferError(f"room {self.name}: the bootstrap store is gone ({_first_line(e)})") from None
+        return None if value in (ABSENT, WOKEN) else value
+
     def get(self, part: str) -> bytes:
         try:
             return self.store.get(self.key(part))
