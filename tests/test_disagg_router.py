@@ -558,6 +558,9 @@ def test_router_with_real_workers_answers_as_one_engine(glm_ckpt):
         check_modes(pool, timeout=10, interval=0.05)
         with Served(create_app(Router(pool, request_timeout=60, health_interval=0.2))) as router:
             answer = httpx.post(router.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=60).json()
+            for route, ask in (("/tokenize", {"prompt": "def f(x):"}), ("/detokenize", {"tokens": prompt[:5]})):
+                assert httpx.post(router.url + route, json=ask, timeout=30).json() == \
+                    httpx.post(d.url + route, json=ask, timeout=30).json(), route
             with httpx.stream("POST", router.url + "/v1/completions", timeout=60,
                               json={**body, "prompt": prompt, "stream": True}) as s:
                 events = [json.loads(line[6:]) for line in s.iter_lines()
@@ -1017,6 +1020,40 @@ def test_models_come_from_the_next_decode_worker_when_one_is_gone_and_the_gone_o
     _, r = _routed(pool, handler, None, "/v1/models")
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "served-by-d1" and asked == ["d0", "d1"]
     assert not gone.up and alive.up
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+def test_tokenizing_goes_to_an_up_decode_worker_with_the_body_and_the_key(path):
+    """/tokenize and /detokenize answer as on one server: a decode worker's answer, its status as it
+    is (a 4xx the client's), the body and the client's key forwarded; a worker that refuses the connection
+    is skipped and taken out."""
+    pool = _pool(decode=2)
+    gone, alive = pool.workers["decode"]
+    asked = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        asked.append((request.url.host, request.url.path, json.loads(request.content),
+                      request.headers.get("authorization"), request.headers.get("content-type")))
+        if request.url.host == "d0":
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(400, json={"error": {"message": "bad", "type": "BadRequestError", "param": "prompt",
+                                                   "code": 400}})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.post(path, json={"prompt": "hi"}, headers={"Authorization": "Bearer k"})
+        await router.client.aclose()
+        return r
+    r = asyncio.run(run())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert asked == [(host, path, {"prompt": "hi"}, "Bearer k", "application/json") for host in ("d0", "d1")]
+    assert not gone.up and alive.up and not any(h.startswith("p") for h, *_ in asked)
+
+
+def test_ping_answers_as_health():
+    _, r = _routed(_pool(), lambda request: httpx.Response(500), None, "/ping")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
 
 
 def test_the_same_prompt_from_different_tenants_is_spread_and_from_one_tenant_kept_together():

@@ -228,11 +228,30 @@ async def chat_completions(request: Request):
 
 async def models(request: Request):
     """A decode worker's model list, or one model of it (the decode workers serve the model's names)."""
+    return await _on_a_decode_worker(request, _models_path(request.path_params.get("model")))
+
+
+async def tokenize(request: Request):
+    """A decode worker's /tokenize (the workers share the tokenizer and chat template)."""
+    return await _on_a_decode_worker(request, "/tokenize")
+
+
+async def detokenize(request: Request):
+    return await _on_a_decode_worker(request, "/detokenize")
+
+
+async def _on_a_decode_worker(request: Request, path: str) -> Response:
+    """The request (its method, body, `Authorization` and `X-Request-Id`) answered by the first decode
+    worker up that takes the connection, as it answers; one that does not is marked down at once."""
     router = _router(request)
+    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+    body = None
+    if request.method == "POST":
+        body = await request.body()
+        headers["content-type"] = "application/json"
     for worker in router.pool.up("decode"):
         try:
-            r = await router.client.get(worker.url + _models_path(request.path_params.get("model")), headers={
-                k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS})
+            r = await router.client.request(request.method, worker.url + path, content=body, headers=headers)
         except httpx.HTTPError as e:
             router.pool.mark_down(worker, f"{type(e).__name__}: {e}")
             continue
@@ -261,8 +280,9 @@ async def version(request: Request):
 
 
 ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
+          ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
           ("/v1/models", models, ["GET"]), ("/v1/models/{model:path}", models, ["GET"]),
-          ("/health", health, ["GET", "HEAD"]), ("/metrics", metrics, ["GET"]),
+          ("/health", health, ["GET", "HEAD"]), ("/ping", health, ["GET", "POST"]), ("/metrics", metrics, ["GET"]),
           ("/version", version, ["GET"])]
 
 
