@@ -500,6 +500,19 @@ def test_dense_attention_with_tiering_is_a_usage_error(capsys):
     assert main(["glm-5", "--attention", "dense", "--context", "8K", "--concurrency", "1", "--json"]) == 0
 
 
+def test_dense_attention_misfit_does_not_suggest_tiering(capsys):
+    """GLM-5.2 at 1M with dense attention does not fit 2 requests per GPU; the verdict must not send the user to
+    --tiering, which dense attention refuses (exit 2), with a tiered max it cannot have."""
+    argv = ["glm-5.2", "--attention", "dense", "--context", "1M", "--concurrency", "16"]
+    rc, out, _ = run(capsys, *argv, "--json")
+    v = json.loads(out)["verdict"]
+    assert rc == 1 and v["binding"] == "HBM capacity" and v["message"].startswith("does not fit: 2 requests per GPU")
+    assert "--tiering" not in v["message"] and "binding: HBM capacity" in v["message"]
+    assert run(capsys, *argv, "--tiering")[0] == 2
+    sparse = json.loads(_json_plan("glm-5.2", "--context", "1M", "--concurrency", "16"))["verdict"]["message"]
+    assert "with --tiering max" in sparse
+
+
 def test_capacity_is_per_replica_where_a_tp_group_spans_nodes(capsys):
     """GLM-5 on 2 nodes at TP 16 has one DP rank over both nodes: one 1M request fits on it, and
     --concurrency 1 is that one request, reported as 1 per replica (not 0 per node)."""
@@ -705,3 +718,64 @@ def test_tokens_meet_at_the_moe_over_every_rank_of_the_world():
     tp ranks; the world of 16 ranks splits the 32 tokens' 8 experts each: 32 x 8 / 16 = 16 rows per rank."""
     meet = _parallel("glm-5", "--nodes", "2", "--tp", "8")["moe_meeting"]
     assert (meet["tokens_per_rank"], meet["tokens_all_ranks"], meet["expert_rows_per_rank"]) == (16, 32, 32 * 8 / 16)
+
+
+# ---------------------------------------------------------------- mutation review: experts per GPU, bad sizes, the API's checks
+
+@pytest.mark.parametrize("argv, experts", [(("--tp", "8"), 32), (("--tp", "2"), 32), (("--nodes", "2", "--tp", "8"), 16),
+                                           (("--tp", "8", "--no-ep"), 256)])
+def test_experts_per_gpu_are_split_over_every_rank_with_ep(argv, experts):
+    """GLM-5's 256 routed experts with EP: whole experts over all tp x dp ranks (8, or 16 on 2 nodes), whatever
+    the split between tp and dp; without EP every GPU holds a 1/tp slice of all 256."""
+    w = _parallel("glm-5", *argv)["weights_per_gpu"]
+    assert w["experts_per_gpu"] == experts
+
+
+def test_gather_scatter_alternative_counts_every_rank_of_the_world():
+    """TP 8 x DP 2 on 2 nodes: the all-gather + reduce-scatter alternative moves (16 - 1) hidden states of
+    6144 bf16 values each way per token, over the world of 16 ranks (not the 2 dp ranks)."""
+    meet = _parallel("glm-5", "--nodes", "2", "--tp", "8")["moe_meeting"]
+    assert meet["gather_scatter_per_token"] == 2 * 15 * 6144 * 2
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["glm-5", "--tp", "0"], "--tp, --dp, --nodes and --gpus-per-node must be >= 1"),
+    (["glm-5", "--dp", "0"], "--tp, --dp, --nodes and --gpus-per-node must be >= 1"),
+    (["glm-5", "--concurrency", "0"], "--concurrency must be >= 1, got 0"),
+    (["glm-5", "--context", ","], "--context is empty"),
+    (["glm-5", "--context", ""], "--context is empty"),
+])
+def test_zero_sizes_are_one_line_exit_2(capsys, argv, words):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and out == "" and words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_apis_validate_what_the_cli_parser_would():
+    """Deployment and Workload (and predict_decode_step_ms, which builds them) refuse what argparse keeps from
+    the CLI: an unknown number format or attention mode, and host DRAM that is not a finite size >= 0."""
+    with pytest.raises(PlanError, match="weight-format 'int4' is not one of"):
+        Deployment(HW["h200"], weight_format="int4").validate()
+    with pytest.raises(PlanError, match="latent-format 'e5m2' is not one of"):
+        Deployment(HW["h200"], latent_format="e5m2").validate()
+    for host_gb in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(PlanError, match="--host-dram-gb must be a finite number >= 0"):
+            Deployment(HW["h200"].with_node(host_dram_gb=host_gb)).validate()
+    with pytest.raises(PlanError, match="attention mode 'mla'"):
+        Workload(((1000, 1.0),), attention_mode="mla").validate()
+    cfg, hw = _tiny(), HW["h200"]
+    with pytest.raises(PlanError, match="attention mode 'Sparse'"):
+        predict_decode_step_ms(cfg, 1000, hw, attention_mode="Sparse")
+    with pytest.raises(PlanError, match="weight-format 'int8'"):
+        predict_decode_step_ms(cfg, 1000, hw, dtype="int8")
+
+
+def test_prefix_cache_example_in_docs_plan_md():
+    """docs/plan.md's example (GLM-5.2 at 1M on 8x H200, FP8): 56.6 GB per context; 1.8 TB of host DRAM keeps
+    31, restored in 1.03 s, 12.5x faster than the 12.8 s ideal prefill; 30 TB of disk keeps 530, restored in
+    9.4 s at 6 GB/s, 1.4x faster. The prefill counts GLM-5.2's own 21 indexer layers."""
+    plan = json.loads(_json_plan("glm-5.2", "--context", "1M", "--prefix-cache-host-gb", "1800",
+                                 "--prefix-cache-disk-tb", "30"))["prefix_cache"]
+    host, disk = plan["tiers"]["host"], plan["tiers"]["disk"]
+    assert f"{plan['bytes_per_context'] / 1e9:.1f}" == "56.6" and f"{plan['recompute_s']:.1f}" == "12.8"
+    assert (host["contexts"], f"{host['restore_s']:.2f}", f"{host['speedup_vs_recompute']:.1f}") == (31, "1.03", "12.5")
+    assert (disk["contexts"], f"{disk['restore_s']:.1f}", f"{disk['speedup_vs_recompute']:.1f}") == (530, "9.4", "1.4")

@@ -364,6 +364,9 @@ def test_token_counts_parse_and_print_in_binary_units():
     for text in ("0", "0.5"):
         with pytest.raises(PlanError, match="at least 1 token"):
             parse_tokens(text)
+    for text in ("1.9", "1.1K"):  # 1,126.4 tokens
+        with pytest.raises(PlanError, match="not a whole number of tokens"):
+            parse_tokens(text)
     assert format_tokens(1 << 20) == "1M" and format_tokens(1536 * 1024) == "1536K"
     assert format_tokens(100_000) == "100,000"
 
@@ -604,3 +607,78 @@ def test_host_dram_limits_only_a_tiered_workload():
     plan = _plan("glm-5.2", "--host-dram-gb", "0")
     assert plan["memory"]["host_limit_requests"] == 0
     assert plan["verdict"]["fits"] and plan["verdict"]["binding"] != "host capacity"
+
+
+# ---------------------------------------------------------------- mutation review: the step's time, the eager engine, recompute
+
+def test_each_stage_takes_the_larger_of_its_compute_and_memory_time():
+    """On a machine of 1e12 FLOP/s and 1e12 B/s, 3 requests of 1000 tokens: the weights (2 x 3 FLOPs per 4 B)
+    and attention (2 H (C + R + C) FLOPs per 320 B row) are compute bound, the indexer (H_I (2 D_I + 2) FLOPs
+    per 136 B key) and the experts (12 FLOPs per 4 x 4.6 B) memory bound; each adds only its larger time."""
+    cfg, b, T = tiny(), 3, 1000
+    step = estimate_step(cfg, fp32(machine(flops_bf16=1e12, mem_bw=1e12)), Workload(((T, 1.0),), concurrency=b), FUSED)
+    weights, attn, idx, experts = (stage(step, n) for n in ("weights", "attention", "indexer", "experts"))
+    assert weights.flops > weights.bytes > 0 and attn.flops > attn.bytes > 0
+    assert 0 < idx.flops < idx.bytes and 0 < experts.flops < experts.bytes
+    assert step.times["compute"] == pytest.approx((weights.flops + attn.flops) / 1e12, rel=REGROUPED64)
+    assert step.times["hbm"] == pytest.approx((idx.bytes + experts.bytes) / 1e12, rel=REGROUPED64)
+
+
+def test_the_host_link_time_is_added_on_top_of_the_step():
+    """HiSparse v1 swaps misses in on the compute stream: the step is compute + HBM + link time (+ overhead),
+    not the largest of them. 4 tiered requests at miss rate 0.1 bring in 4 x L x (0.1 x 64 + 1) rows."""
+    cfg, b = tiny(), 4
+    step = estimate_step(cfg, fp32(machine(link_bw=1e8)), _tiered(n=b, miss=0.1), FUSED)
+    link = b * L * (0.1 * TOPK + 1) * LATENT_FP32 / 1e8
+    assert step.times["link"] == pytest.approx(link, rel=REGROUPED64) and step.times["hbm"] > 0
+    assert step.step_s == pytest.approx(step.times["compute"] + step.times["hbm"] + link, rel=REGROUPED64)
+
+
+def test_the_eager_engine_skips_the_indexer_until_the_context_exceeds_top_k():
+    """sparsekv's indexer selects all keys without scoring them while a row sees at most top-k
+    (model/indexer.py, the dense regime): the TORCH_EAGER profile it is calibrated with skips the indexer
+    stage there too, its scores, its keys and the top-k selection."""
+    from sparsekv.tools.plan_decode import TORCH_EAGER
+    dep = fp32(machine(topk_s_per_key=1e-9))
+    at = lambda T: estimate_step(tiny(), dep, Workload(((T, 1.0),)), TORCH_EAGER)  # noqa: E731
+    assert (stage(at(TOPK), "indexer").flops, stage(at(TOPK), "indexer").bytes, stage(at(TOPK), "top-k").fixed_s) == (0, 0, 0)
+    assert stage(at(TOPK + 1), "indexer").flops > 0 and stage(at(TOPK + 1), "top-k").fixed_s > 0
+
+
+@pytest.mark.parametrize("attention", ["sparse", "dense"])
+def test_prefix_recompute_follows_the_configs_indexers_and_attention(attention):
+    """TINY's own schedule runs 2 indexers in 4 layers: a sparse recompute runs those 2 (not one per layer),
+    a dense one none, in MHA mode over all t keys, with no indexer weights; a dense cached token holds no
+    indexer keys. A 1 GB host tier keeps 1e9 / (bytes per token) tokens."""
+    cfg, T = tiny(), 1000
+    pc = prefix_cache_section(cfg, fp32(machine()), Workload(((T, 1.0),), attention_mode=attention),
+                              host_gb=1.0, disk_tb=0.0, disk_gbps=6.0)
+    if attention == "sparse":
+        per_token = L * LATENT_FP32 + FULL * INDEXER_FP32
+        flops = (2 * ACTIVE * T + L * 2 * H * sum(min(t, TOPK) for t in range(1, T + 1)) * ((C + R) + C)
+                 + FULL * HI * sum(range(1, T + 1)) * (2 * DI + 2))
+    else:
+        per_token = L * LATENT_FP32
+        flops = 2 * (ACTIVE - FULL * INDEXER) * T + L * 2 * H * sum(range(1, T + 1)) * ((NOPE + R) + VH)
+    assert pc["bytes_per_token"] == per_token and pc["tiers"]["host"]["tokens"] == 1e9 / per_token
+    assert pc["prefill_flops"] == pytest.approx(flops, rel=REGROUPED64)
+    assert pc["recompute_s"] == pytest.approx(flops / 1e14, rel=REGROUPED64)
+
+
+def test_a_context_mix_costs_its_expectation():
+    """--context 100:1,1000:3: a quarter of the requests at 100 tokens, three quarters at 1000 (mean 775). A
+    request's device bytes, a step's cache reads and a cached context are each the mix's expectation, not the
+    sum over its contexts nor its first context's. Tiered, the 100-token quarter holds 2 pages (128 slots),
+    the rest the 128-slot buffer + a page."""
+    cfg, dep, b = tiny(), fp32(machine()), 2
+    mix = ((100, 0.25), (1000, 0.75))
+    per_token = L * LATENT_FP32 + FULL * INDEXER_FP32
+    wl = Workload(mix, concurrency=b, tiering=True, miss_rate=0.0)
+    assert device_bytes_per_request(cfg, dep, wl, tiered=False) == pytest.approx(775 * per_token, rel=REGROUPED64)
+    tiered = 0.25 * (128 * L * LATENT_FP32 + 100 * FULL * INDEXER_FP32) + 0.75 * (192 * L * LATENT_FP32 + 1000 * FULL * INDEXER_FP32)
+    assert device_bytes_per_request(cfg, dep, wl, tiered=True) == pytest.approx(tiered, rel=REGROUPED64)
+    step = estimate_step(cfg, dep, dataclasses.replace(wl, tiering=False), FUSED)
+    assert stage(step, "attention").bytes == pytest.approx(b * L * TOPK * LATENT_FP32, rel=REGROUPED64)
+    assert stage(step, "indexer").bytes == pytest.approx(b * FULL * 775 * (INDEXER_FP32 + 8), rel=REGROUPED64)
+    pc = prefix_cache_section(cfg, dep, wl, host_gb=1.0, disk_tb=0.0, disk_gbps=6.0)
+    assert pc["context"] == 775 and pc["bytes_per_context"] == pytest.approx(775 * per_token, rel=REGROUPED64)

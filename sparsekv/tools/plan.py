@@ -204,6 +204,8 @@ def _misfit_message(cap, dep: Deployment, wl: Workload, over: str, memory: dict)
             f"{cap.usable_per_gpu / gb:.1f} GB cache budget; max {cap.per_unit[policy]} per {dep.capacity_unit}")
     if wl.tiering:
         return f"does not fit even with tiering: {text} (binding: HBM capacity; indexer keys stay on the device)"
+    if wl.attention_mode == "dense":  # --tiering needs --attention sparse: no tiered max to point to
+        return f"does not fit: {text} (binding: HBM capacity)"
     return f"does not fit: {text} (binding: HBM capacity; with --tiering max {cap.per_unit['tiering']})"
 
 

@@ -184,10 +184,12 @@ def parse_tokens(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", text)
     if not m:
         raise PlanError(f"cannot read {text!r} as a token count (examples: 131072, 128K, 1M)")
-    tokens = int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
-    if tokens < 1:
+    value = float(m.group(1)) * _SUFFIX[m.group(2).lower()]
+    if value < 1:
         raise PlanError(f"context {text!r} must be at least 1 token")
-    return tokens
+    if value != int(value):  # 1.9 or 1.1K: a count the plan would silently round down
+        raise PlanError(f"context {text!r} is not a whole number of tokens")
+    return int(value)
 
 
 def parse_token_list(text: str) -> list[int]:
