@@ -6,6 +6,7 @@ measurement is one quick run of the `this-cpu` micro-benchmark.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -498,6 +499,16 @@ def test_dense_attention_with_tiering_is_a_usage_error(capsys):
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "--tiering needs --attention sparse" in err
     assert main(["glm-5", "--attention", "dense", "--context", "8K", "--concurrency", "1", "--json"]) == 0
+
+
+def test_dense_attention_plan_shows_no_tiered_figures(capsys):
+    """Tiering selects from the indexer's top-k: with dense attention (which --tiering refuses) the
+    tables and the sweep leave out the tiered rows and columns; sparse attention keeps them."""
+    rc, out, _ = run(capsys, "glm-5.2", "--attention", "dense", "--context", "128K", "--sweep")
+    assert rc == 0 and "no tiering" in out and "Sweep, no tiering" in out
+    assert not re.search(r"│\s+tiering\s+│|tiered|Sweep, tiering", out), out
+    rc, out, _ = run(capsys, "glm-5.2", "--context", "128K", "--sweep")
+    assert rc == 0 and re.search(r"│\s+tiering\s+│", out) and "tiered max" in out and "Sweep, tiering" in out
 
 
 def test_dense_attention_misfit_does_not_suggest_tiering(capsys):

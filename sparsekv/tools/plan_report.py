@@ -27,6 +27,12 @@ def header(plan: dict) -> str:
             f"{w['miss_rate']:.0%})")
 
 
+def _tiers(plan: dict) -> bool:
+    """Whether the tiered figures apply: tiering selects from the indexer's top-k, so dense attention
+    (which `--tiering` refuses) has none to show."""
+    return plan["workload"]["attention"] != "dense"
+
+
 def _nodes(d: dict) -> str:
     return f"{d['nodes']} nodes x " if d["nodes"] > 1 else ""
 
@@ -58,6 +64,8 @@ def capacity_table(plan: dict) -> Table:
     t.add_row("no tiering", _gb(mem["device_per_request"]["no_tiering"]),
               str(mem["max_requests_per_gpu"]["no_tiering"]), str(mem["max_requests_per_node"]["no_tiering"]),
               "-", "-")
+    if not _tiers(plan):
+        return t
     host_limit = f" (host allows {mem['host_limit_requests']})"
     t.add_row("tiering", _gb(mem["device_per_request"]["tiering"]), str(mem["max_requests_per_gpu"]["tiering"]),
               str(mem["max_requests_per_node"]["tiering"]) + host_limit, _gb(mem["host_per_request"]),
@@ -134,15 +142,19 @@ def parallel_kv_table(plan: dict) -> Table:
     par = plan["parallel"]
     t = Table(title=f"KV cache per GPU and requests (latent and indexer keys whole on each of the "
                     f"{par['tp']} TP rank(s) of a DP rank; {par['dp']} DP ranks)")
-    unit = _unit(plan)
-    for col in ("context", "KV/request/GPU", "tiered: device/request", "max/DP rank", f"max/{unit}",
-                "tiered max/DP rank", f"tiered max/{unit}"):
+    unit, tiers = _unit(plan), _tiers(plan)
+    columns = ("context", "KV/request/GPU", "max/DP rank", f"max/{unit}")
+    for col in columns[:2] + ("tiered: device/request",) * tiers + columns[2:] + (
+            "tiered max/DP rank", f"tiered max/{unit}") * tiers:
         t.add_column(col, justify="right")
     for r in par["kv_per_gpu"]:
         note = " *" if r["beyond_model"] else ""
-        t.add_row(format_tokens(r["context"]) + note, _gb(r["kv_per_request"]), _gb(r["kv_per_request_tiering"]),
-                  str(r["per_gpu"]["no_tiering"]), str(r["per_node"]["no_tiering"]), str(r["per_gpu"]["tiering"]),
-                  f"{r['per_node']['tiering']} (host {r['host_limit']})")
+        untiered = (str(r["per_gpu"]["no_tiering"]), str(r["per_node"]["no_tiering"]))
+        if tiers:
+            t.add_row(format_tokens(r["context"]) + note, _gb(r["kv_per_request"]), _gb(r["kv_per_request_tiering"]),
+                      *untiered, str(r["per_gpu"]["tiering"]), f"{r['per_node']['tiering']} (host {r['host_limit']})")
+        else:
+            t.add_row(format_tokens(r["context"]) + note, _gb(r["kv_per_request"]), *untiered)
     if any(r["beyond_model"] for r in par["kv_per_gpu"]):
         t.caption = "* beyond the model's max_position_embeddings: a what-if"
     return t
@@ -202,6 +214,7 @@ def print_plan(plan: dict, sweep_points: list[dict] | None = None, console: Cons
     if sweep_points:
         unit = _unit(plan)
         con.print(sweep_table(sweep_points, False, f"Sweep, no tiering: limit per (context, requests per {unit})"))
-        con.print(sweep_table(sweep_points, True, f"Sweep, tiering: limit per (context, requests per {unit})"))
+        if _tiers(plan):
+            con.print(sweep_table(sweep_points, True, f"Sweep, tiering: limit per (context, requests per {unit})"))
         con.print(LEGEND)
     print_footer(plan, con)
