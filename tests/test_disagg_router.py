@@ -1051,6 +1051,31 @@ def test_tokenizing_goes_to_an_up_decode_worker_with_the_body_and_the_key(path):
     assert not gone.up and alive.up and not any(h.startswith("p") for h, *_ in asked)
 
 
+def test_a_body_with_an_infinity_reaches_both_workers_as_the_client_wrote_it():
+    """Python's json (the server's and the router's parser) reads NaN and infinities; the router writes
+    them back to the workers, who answer as one server would, rather than failing with a 500."""
+    pool = _pool(decode=1)
+    seen = {}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen[_role(request)] = request.content
+        return httpx.Response(200, json={"id": "cmpl-1", "choices": []})
+
+    raw = b'{"prompt": "hi", "max_tokens": 2, "guided_json": {"type": "number", "maximum": Infinity}}'
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        await router.client.aclose()
+        return r
+    r = asyncio.run(run())
+    assert r.status_code == 200, r.text
+    for role in ("prefill", "decode"):
+        assert b'"maximum":Infinity' in seen[role]
+        assert json.loads(seen[role])["guided_json"] == {"type": "number", "maximum": float("inf")}
+
+
 def test_ping_answers_as_health():
     _, r = _routed(_pool(), lambda request: httpx.Response(500), None, "/ping")
     assert r.status_code == 200 and r.json()["status"] == "ok"

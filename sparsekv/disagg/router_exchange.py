@@ -40,6 +40,12 @@ def _message(response: httpx.Response) -> str:
         return response.text[:200]
 
 
+def _encoded(body: dict) -> bytes:
+    """A body as the client's JSON had it: NaN and infinities, which a worker's parser takes as the
+    router's did (Python's json), are written back, not refused (httpx's `json=` refuses them)."""
+    return json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
+
+
 class Exchange:
     """One request's two worker calls: the prefill call (a plain POST, run as a task) and the decode call
     (streamed), and how either failing ends the other."""
@@ -50,9 +56,10 @@ class Exchange:
                "bootstrap_port": prefill.bootstrap_port}
         p_body = {k: v for k, v in body.items() if k != "stream_options"}  # only allowed with stream: true
         client = router.client
+        headers = {**headers, "content-type": "application/json"}
         p_request = client.build_request("POST", prefill.url + path, headers=headers,
-                                         json={**p_body, "stream": False, "disaggregation": tag})
-        d_request = client.build_request("POST", decode.url + path, json={**body, "disaggregation": tag},
+                                         content=_encoded({**p_body, "stream": False, "disaggregation": tag}))
+        d_request = client.build_request("POST", decode.url + path, content=_encoded({**body, "disaggregation": tag}),
                                          headers=headers)  # NOTE: both built before any count or task starts
         prefill.in_flight += 1
         decode.in_flight += 1
