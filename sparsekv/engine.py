@@ -114,8 +114,6 @@ class LLMEngine(WeightControl):
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.scheduler.find(request_id) is not None or any(r.request_id == request_id for r in self._held):
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
-        if params.return_routed_experts and self.config.enable_expert_parallel:
-            raise InvalidRequest("return_routed_experts is not available with expert parallelism", "return_routed_experts")
         token_ids = self.inputs.process(prompt, params)
         grammar = self.outputs.grammar_for(params.structured_output) if params.structured_output is not None else None
         req = Request(request_id, token_ids, params, tenant=tenant, cache_salt=cache_salt)

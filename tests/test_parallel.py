@@ -483,9 +483,28 @@ def test_a_request_on_another_rank_is_first_scheduled_in_the_step_that_ran_it(gl
         llm.close()
 
 
+@pytest.mark.parametrize("layout", [dict(data_parallel_size=2), dict(tensor_parallel_size=2)], ids=["dp2-ep", "tp2-ep"])
+def test_routed_experts_under_expert_parallelism_are_one_processes(glm_ckpt, layout):
+    """return_routed_experts with the experts spread over the ranks: every rank's router is the same, and
+    each request's recorded rows are its own (with data-parallel attention every rank routes all ranks'
+    rows at each MoE layer, its own among them); the experts of each token are one process's."""
+    prompts = _prompts(256)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, return_routed_experts=True)
+    want = LLM(glm_ckpt[0], **BASE).generate(prompts, params)
+    llm = LLM(glm_ckpt[0], **BASE, enable_expert_parallel=True, **layout)
+    try:
+        got = llm.generate(prompts, params)
+        if "data_parallel_size" in layout:
+            assert all(r["generation_tokens"] > 0 for r in llm.stats()["by_data_parallel_rank"])  # a prompt per rank
+    finally:
+        llm.close()
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and len(g.routed_experts) == len(g.token_ids)
+        assert g.routed_experts == w.routed_experts
+
+
 def test_data_parallel_front_end_refuses_counts_and_aborts_requests_no_rank_has_seen(glm_ckpt):
-    """Before a step sends them: a request id in use, and return_routed_experts under expert parallelism,
-    are refused with nothing routed or counted; the waiting requests are counted once per rank (rank 0's
+    """Before a step sends them: a request id in use is refused with nothing routed or counted; the waiting requests are counted once per rank (rank 0's
     from its engine, the others' from their last answer and the adds still to send), per tenant too; a
     request aborted before a step sent it leaves nothing to send."""
     from sparsekv.request import InvalidRequest
@@ -495,9 +514,6 @@ def test_data_parallel_front_end_refuses_counts_and_aborts_requests_no_rank_has_
     prompts = [torch.randint(1, 256, (13,), generator=g).tolist() for _ in range(6)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     try:
-        with pytest.raises(InvalidRequest, match="return_routed_experts"):
-            engine.add_request("x", prompts[0], SamplingParams(max_tokens=2, return_routed_experts=True))
-        assert not engine.rank_of and router.in_flight == [0, 0] and not engine.has_unfinished_requests()
         for i in range(4):
             engine.add_request(f"r{i}", prompts[i], params, tenant="a" if i < 2 else "b")
         assert [engine.rank_of[f"r{i}"] for i in range(4)] == [0, 1, 0, 1]

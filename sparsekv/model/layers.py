@@ -258,18 +258,20 @@ class MoE:
 
     record = None  # a callable given each call's expert ids [rows, k] (the engine's return_routed_experts)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, own: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's experts and weights; `own`: the rows of this rank's batch, the ones recorded
+        (data-parallel expert parallelism routes every rank's rows here: parallel/comm.py)."""
         ids, weights = route_experts(self.cfg, x, self.router, self.bias)
         if self.record is not None:
-            self.record(ids)
+            self.record(ids if own is None else ids[own])
         return ids, weights
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed(x) + self.shared(x)
 
-    def routed(self, x: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, own: slice | None = None) -> torch.Tensor:
         """The routed experts' weighted sum (this rank's experts only: a None expert is another's)."""
-        ids, weights = self.route(x)
+        ids, weights = self.route(x, own)
         if self.stacked is not None:
             return self.stacked(x, ids, weights)
         out = torch.zeros_like(x)

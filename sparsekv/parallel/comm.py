@@ -100,7 +100,8 @@ class ExpertParallelDP(SingleRank):
         if widest == 0:
             return x
         everyone = self._all_gather(x, widest, counts)
-        mine = self._reduce_scatter(ffn.routed(everyone), widest, counts)
+        first = sum(counts[:self.rank])  # this rank's rows among everyone's (the ones its routing records)
+        mine = self._reduce_scatter(ffn.routed(everyone, slice(first, first + counts[self.rank])), widest, counts)
         return mine + ffn.shared(x)
 
     def _counts(self, n: int, device: torch.device) -> list[int]:

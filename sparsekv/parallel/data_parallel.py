@@ -115,8 +115,6 @@ class DataParallelEngine:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self.rank_of:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
-        if params.return_routed_experts and self.config.enable_expert_parallel:  # else refused on its rank, mid-step
-            raise InvalidRequest("return_routed_experts is not available with expert parallelism", "return_routed_experts")
         token_ids = self.local.inputs.process(prompt, params)
         if params.structured_output is not None:
             self.local.outputs.grammar_for(params.structured_output)  # a bad grammar fails here, not on a rank
