@@ -143,9 +143,11 @@ def parallel_kv_table(plan: dict) -> Table:
     t = Table(title=f"KV cache per GPU and requests (latent and indexer keys whole on each of the "
                     f"{par['tp']} TP rank(s) of a DP rank; {par['dp']} DP ranks)")
     unit, tiers = _unit(plan), _tiers(plan)
-    columns = ("context", "KV/request/GPU", "max/DP rank", f"max/{unit}")
-    for col in columns[:2] + ("tiered: device/request",) * tiers + columns[2:] + (
-            "tiered max/DP rank", f"tiered max/{unit}") * tiers:
+    columns = ["context", "KV/request/GPU", "max/DP rank", f"max/{unit}"]
+    if tiers:
+        columns[2:2] = ["tiered: device/request"]
+        columns += ["tiered max/DP rank", f"tiered max/{unit}"]
+    for col in columns:
         t.add_column(col, justify="right")
     for r in par["kv_per_gpu"]:
         note = " *" if r["beyond_model"] else ""
