@@ -418,6 +418,62 @@ def test_taps_hand_out_each_page_once_from_skip_then_the_tail_once():
     assert taps.kinds == [0, 1, 2] and len(taps.flushes) == 4  # before each copy: 2 steps, 2 layers
 
 
+def test_a_step_that_completes_no_tail_asks_for_no_selections_and_one_past_the_prompt_hands_out_nothing():
+    """`begin_step`'s `record_selection` hook is None unless a chunk of the step completes its tail; a chunk
+    that starts at or after the prompt's end (a decode) computes none of its rows: it hands out
+    nothing, not even a tail still owed (a tap added once the prompt was computed)."""
+    taps, _ = _taps()
+    got = []
+    taps.add("r", 3, 0, got.append, tail=4)
+    after_layer, record = taps.begin_step([_Chunk(0, 8, [5, 2, 7, 3])])  # pages 0 and 1, no tail
+    assert after_layer is not None and record is None
+    after_layer, record = taps.begin_step([_Chunk(8, 16, [5, 2, 7, 3])])  # page 2 and the tail
+    assert after_layer is not None and record is not None
+    late = []
+    taps.add("s", 3, 3, late.append, tail=4)
+    assert taps.begin_step([_Chunk(16, 17, [5, 2, 7, 3], request_id="s")]) == (None, None)
+    assert late == []
+    taps.add("u", 3, 0, got.append)  # a later step completing pages only: no tail of any step before
+    after_layer, record = taps.begin_step([_Chunk(0, 4, [1, 4, 6, 0], request_id="u")])
+    assert after_layer is not None and record is None
+
+
+def test_a_removed_tap_hands_out_nothing_more():
+    """`remove` (a request untapped, finished or aborted) forgets the tap: the taps are empty again, and
+    a later chunk of that request id (a request resubmitted under it) hands none of its pages out."""
+    taps, _ = _taps()
+    got = []
+    taps.add("r", 3, 0, got.append, tail=4)
+    _step(taps, _Chunk(0, 4, [5, 2, 7, 3]))
+    assert [(d.layer, d.first) for d in got] == [(0, 0), (1, 0)]
+    taps.remove("r")
+    assert not taps
+    _step(taps, _Chunk(4, 16, [5, 2, 7, 3]))
+    assert len(got) == 2
+
+
+def test_a_tails_mtp_rows_go_once_after_its_own_steps_mtp_pass():
+    """The MTP layer's rows of a tail are handed out by `after_mtp`, once, after the MTP pass of the step
+    that completed the tail; a step whose MTP pass did not run (no draft was made) leaves nothing owed
+    to a later step's pass, whose rows are another step's."""
+    from sparsekv.cache.layer_tap import LayerTaps
+    target, mtp = (torch.arange(32, dtype=torch.float32)[:, None] + 100 * j for j in range(2))
+
+    def slots_of(page_ids, n):
+        return torch.cat([torch.arange(p * 4, (p + 1) * 4) for p in page_ids])[:n]
+    taps = LayerTaps([(target, 1), (mtp, 1)], {0: [target]}, 4, slots_of, lambda: None, mtp_tensors={1: [mtp]})
+    got = []
+    for rid, passes in (("r", 2), ("s", 0)):
+        taps.add(rid, 1, 0, got.append, tail=2)  # 6 tokens: page 0 named, the tail its 2 rows of page 1
+        _step(taps, _Chunk(0, 6, [5, 2], request_id=rid), layers=(0,))
+        for _ in range(passes):
+            taps.after_mtp()
+    _step(taps, _Chunk(0, 4, [6, 1], request_id="t"), layers=(0,))  # another step (untapped), then its pass
+    taps.after_mtp()
+    assert [(d.layer, d.first, d.tail) for d in got if d.layer == 1] == [(1, 1, 2)]
+    assert torch.equal(got[2].ready()[0], mtp[8:10].view(1, 2, 1))
+
+
 def test_a_tails_delivery_on_a_full_layer_carries_the_positions_its_rows_selected():
     """The tail (positions 12..15) completed by a chunk of positions 13..15: a full layer's selections of
     the chunk's rows come with the tail's rows, as the union of the positions selected at or before each

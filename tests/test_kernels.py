@@ -78,6 +78,16 @@ def test_fill_blocks_writes_each_block_in_place():
     assert torch.equal(out, torch.arange(10, dtype=torch.float64)[:, None].expand(10, 3) * 2)
 
 
+
+def test_fill_blocks_copies_a_single_broadcast_block():
+    """One block whose result is a broadcast view (stride 0, as an expanded row): the caller gets its
+    own contiguous rows, not the view, so writing one row changes no other."""
+    out = fill_blocks(3, 4, lambda start, end: torch.ones(1, 2).expand(end - start, 2))
+    assert out.is_contiguous()
+    out[0] = 7.0
+    assert torch.equal(out[1:], torch.ones(2, 2))
+
+
 _DENSE_PEAK = """
 import resource, torch
 from sparsekv.kernels.attention import fill_blocks, latent_attention, query_block_size

@@ -236,6 +236,32 @@ def test_a_prompt_block_whose_selections_exactly_fill_the_working_set_primes_the
                                                                   expected["a"][2] * row)
 
 
+def test_a_prompts_last_chunk_primes_the_working_set_in_query_blocks_of_one_row(ckpt, monkeypatch):
+    """A query block of one row (a CPU's block budget for a real geometry: k x (heads + latent width)
+    past BLOCK_ELEMENTS gives one row per block) primes the working set like a longer one: the prompt's
+    last row's selections are the last placed, so the hits and misses are the documented policy's
+    (`_expected_tier_counts`) and outputs stay bit-identical to tiering off."""
+    monkeypatch.setattr("sparsekv.kernels.attention.BLOCK_ELEMENTS", 1)  # every query block one row
+    prompt = PROMPTS[2]  # 23 tokens: a chunk of 16, then 7 rows that prime the working set
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+    reference, _ = generate(ckpt["glm_moe_dsa"], [prompt], params)
+    llm = make(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=TOPK)
+    trace = _working_set_accesses(monkeypatch, {"a": len(prompt)})
+    llm.engine.add_request("a", prompt, params)
+    outs = []
+    while llm.engine.has_unfinished_requests():
+        outs += [o for o in llm.engine.step() if o.finished]
+    assert_back_to_initial(llm.engine)
+    assert_same(reference, outs)
+    primes = [entry[3] for entry in trace if entry[0] == "prime"]
+    assert primes and all(len(rows) == 1 for rows in primes)
+    expected, _ = _expected_tier_counts(trace, TOPK, llm.engine.kv.pool.groups)
+    row = LATENT_BYTES_PER_TOKEN // 4  # one layer's latent row
+    m = outs[0].metrics
+    assert (m["tier_hits"], m["tier_misses"], m["h2d_bytes"]) == (expected["a"][0], expected["a"][1],
+                                                                  expected["a"][2] * row)
+
+
 def test_a_reused_working_set_starts_empty(ckpt, monkeypatch):
     """One working set (max_num_seqs=1) serves the requests one after another: each new owner's LRUs
     start empty, so no position of the previous request counts as resident in its rows, and
@@ -368,6 +394,23 @@ def test_device_latent_bytes_are_flat_and_host_holds_history(ckpt):
     for key in ("device_kv_bytes", "device_latent_bytes", "device_indexer_bytes", "host_kv_bytes",
                 "host_kv_budget_bytes", "tier_hits", "tier_misses", "tier_miss_rate", "h2d_bytes", "d2h_bytes"):
         assert key in stats
+
+
+def test_a_request_still_prefilling_holds_no_device_latent_bytes(ckpt):
+    """A chunked prompt's working set is made for its last chunk: until then the request's metrics count
+    no device latent bytes (its history is in the host store), from then on one working set's."""
+    llm = make(ckpt["glm_moe_dsa"], kv_tiering=True)
+    engine, pool = llm.engine, llm.engine.kv.pool
+    req = engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.step()  # the first of 39 prompt tokens' chunks of 16
+    assert req.is_prefilling and not pool.has_working_set("a")
+    assert engine.request_metrics(req)["device_latent_bytes"] == 0
+    while not pool.has_working_set("a"):
+        engine.step()
+    assert engine.request_metrics(req)["device_latent_bytes"] == pool.working_set_bytes() > 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_back_to_initial(engine)
 
 
 def test_a_prefill_block_reads_each_selected_row_from_the_host_once(ckpt, monkeypatch):
@@ -1003,6 +1046,75 @@ def test_a_decode_reads_its_working_set_rows_in_the_order_asked_for(ckpt, monkey
     assert_same(reference, outs)
 
 
+def test_a_decode_asking_again_for_its_selections_finds_them_all_in_its_working_set(ckpt, monkeypatch):
+    """`gather_latent` of a decode resolves through its working set (module docstring, step 3), as the
+    batched read does: right after a full layer's decode read, the same positions asked for again are
+    the same rows, every one a hit for each layer of the group, with no host -> device bytes."""
+    from sparsekv.cache.tiers import TieredKVPool
+    real, seen = TieredKVPool.gather_decode_latents, []
+
+    def gather_decode_latents(self, layer, picks):
+        got = real(self, layer, picks)
+        (seq,) = picks.seqs
+        if self.leader[layer] == layer and layer not in self.mtp_layers and seq.num_new_tokens == 1:
+            before = self.request_counters(seq.request_id)
+            again = self.gather_latent(layer, seq, picks.selected.reshape(1, -1))
+            after = self.request_counters(seq.request_id)
+            seen.append((torch.equal(again.view_as(got), got), after["h2d_bytes"] - before["h2d_bytes"],
+                         after["tier_misses"] - before["tier_misses"],
+                         after["tier_hits"] - before["tier_hits"] - picks.selected.numel() * len(self.groups[layer])))
+        return got
+    monkeypatch.setattr(TieredKVPool, "gather_decode_latents", gather_decode_latents)
+    generate(ckpt["glm_moe_dsa"], PROMPTS[:1], kv_tiering=True, device_buffer_tokens=TOPK)
+    assert seen and set(seen) == {(True, 0, 0, 0)}
+
+
+def test_a_new_position_that_several_draft_rows_select_is_counted_once(ckpt, monkeypatch):
+    """A decode with drafts resolves the union of its rows' selections: a position two rows select is
+    one lookup, the step's new token included, even where the rows' older positions come ascending
+    across the rows. Asked, in a decode step, for 2 rows selecting older positions 0, 1 then 2, 3 and
+    the new token both (layer 3, a full layer with no shared layer), the request counts 5 lookups."""
+    import dataclasses
+    from sparsekv.cache.tiers import TieredKVPool
+    real, counted = TieredKVPool.gather_decode_latents, []
+
+    def gather_decode_latents(self, layer, picks):
+        got = real(self, layer, picks)
+        (seq,) = picks.seqs
+        if layer == 3 and self.groups[layer] == [3] and seq.num_new_tokens == 1:
+            drafts = dataclasses.replace(seq, token_start=seq.token_start - 1)  # 2 rows: a draft's too
+            new = seq.first_new_position
+            before = self.request_counters(seq.request_id)
+            self.gather_latent(layer, drafts, torch.tensor([[0, 1, new], [2, 3, new]]))
+            after = self.request_counters(seq.request_id)
+            counted.append(after["tier_hits"] + after["tier_misses"] - before["tier_hits"] - before["tier_misses"])
+        return got
+    monkeypatch.setattr(TieredKVPool, "gather_decode_latents", gather_decode_latents)
+    generate(ckpt["glm_moe_dsa"], PROMPTS[:1], kv_tiering=True, device_buffer_tokens=TOPK)
+    assert counted and set(counted) == {5}
+
+
+def test_dense_decode_latents_of_a_decode_and_a_request_without_a_working_set_reads_each_where_it_is(ckpt, monkeypatch):
+    """`dense_decode_latents` resolves the requests as one group only when all of them use a working set;
+    with one that does not (here the decode's own history under another request id) each is read where
+    it is, the decode through its working set and the other from the host store: the same rows."""
+    import dataclasses
+    from sparsekv.cache.tiers import TieredKVPool
+    real, compared = TieredKVPool.dense_decode_latents, []
+
+    def dense_decode_latents(self, layer, seqs, length):
+        got = real(self, layer, seqs, length)
+        if len(seqs) == 1 and self.leader[layer] == layer and layer not in self.mtp_layers:
+            other = dataclasses.replace(seqs[0], request_id="not-decoding")
+            both = real(self, layer, [seqs[0], other], length)
+            self.release(other.request_id)  # the counters its host read made
+            compared.append(torch.equal(both[0], got[0]) and torch.equal(both[1], got[0]))
+        return got
+    monkeypatch.setattr(TieredKVPool, "dense_decode_latents", dense_decode_latents)
+    generate(ckpt["glm_moe_dsa"], PROMPTS[1:2], kv_tiering=True, device_buffer_tokens=TOPK)
+    assert compared and all(compared)
+
+
 def test_a_host_fetch_outside_inference_mode_reuses_the_buffer_a_forward_grew():
     """A decode step's forward (inference mode) grows the link's reused staging buffer; a fetch outside
     inference mode (a transferred tail warming a working set, in begin_step) then writes into it. It
@@ -1022,6 +1134,26 @@ def test_a_host_fetch_outside_inference_mode_reuses_the_buffer_a_forward_grew():
         assert torch.equal(dst[layer][:3], host.read(layer, src))
 
 
+def test_a_host_fetch_larger_than_any_before_grows_the_reused_buffer():
+    """The link's staging buffer grows to the largest fetch: a fetch of more rows than every earlier one
+    reads into a buffer of its size (no out= tensor resized under it, which torch warns about) and
+    lands every row."""
+    import warnings
+    from sparsekv.cache.host_store import HostLink, RamTieredHostStore
+    host = RamTieredHostStore([0, 1], num_slots=64, dim=8, dtype=torch.float32)
+    for layer in (0, 1):
+        host.write(layer, torch.arange(64), torch.arange(64 * 8, dtype=torch.float32).view(64, 8) + layer)
+    link = HostLink(host, torch.device("cpu"))
+    dst = {layer: torch.zeros(16, 8) for layer in (0, 1)}
+    link.fetch([0, 1], torch.tensor([3, 4]), dst, torch.tensor([0, 1]))
+    src = torch.arange(40, 56)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        link.fetch([0, 1], src, dst, torch.arange(16))
+    for layer in (0, 1):
+        assert torch.equal(dst[layer], host.read(layer, src))
+
+
 def test_emulated_backups_land_once_at_flush_and_reads_see_them(monkeypatch):
     """With CUDA's ordering emulated, a backup reaches the host store at the next `flush()` (or a
     link read, which flushes first), in issue order, and only once: a row written to the store after
@@ -1038,6 +1170,27 @@ def test_emulated_backups_land_once_at_flush_and_reads_see_them(monkeypatch):
     host.write(0, torch.tensor([1]), torch.tensor([[7.0, 7.0]]))
     link.flush()
     assert torch.equal(host.read(0, torch.tensor([1, 2])), torch.tensor([[7.0, 7.0], [3.0, 3.0]]))
+
+
+def test_an_emulated_fetch_lands_each_shared_layers_rows_only_at_its_wait(monkeypatch):
+    """With CUDA's ordering emulated, a fetch for a group lands the first layer's rows at once (the
+    current stream) and every other layer's (the side stream) only at that layer's `wait`, the second
+    layer's as late as the third's."""
+    from sparsekv.cache.host_store import HostLink, RamTieredHostStore
+    monkeypatch.setattr(HostLink, "emulate_async", True)
+    host = RamTieredHostStore([0, 1, 2], num_slots=8, dim=2, dtype=torch.float32)
+    for layer in (0, 1, 2):
+        host.write(layer, torch.arange(8), torch.arange(16, dtype=torch.float32).view(8, 2) + 100 * layer)
+    link = HostLink(host, torch.device("cpu"))
+    dst = {layer: torch.zeros(4, 2) for layer in (0, 1, 2)}
+    src, rows = torch.tensor([5, 6]), torch.tensor([0, 3])
+    link.fetch([0, 1, 2], src, dst, rows)
+    landed = lambda layer: torch.equal(dst[layer][rows], host.read(layer, src))  # noqa: E731
+    assert landed(0) and not dst[1].any() and not dst[2].any()
+    link.wait(1)
+    assert landed(1) and not dst[2].any()
+    link.wait(2)
+    assert landed(2)
 
 
 def test_an_emulated_backup_lands_the_rows_as_they_were_when_it_was_issued(monkeypatch):
@@ -1107,4 +1260,67 @@ def test_tier_check_integrity_catches_state_kept_for_a_request_that_left(ckpt):
     pool.release("ghost")
     engine.check_integrity()
     engine.abort("a")
+    assert_back_to_initial(engine)
+
+
+def test_tier_check_integrity_catches_a_working_set_owned_by_two_requests(ckpt):
+    """Two requests holding the same device buffer would overwrite each other's working-set rows: the
+    check names that, not only the allocator's count."""
+    llm = make(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=TOPK)
+    engine, pool = llm.engine, llm.engine.kv.pool
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while not pool.has_working_set("a"):
+        engine.step()
+    pool._resident["b"] = pool._resident["a"]
+    with pytest.raises(AssertionError, match="a working set is owned by two requests"):
+        pool.check_integrity()
+    del pool._resident["b"]
+    pool.check_integrity({"a"})
+    engine.abort("a")
+    assert_back_to_initial(engine)
+
+
+def test_the_tiered_size_check_counts_what_the_pool_holds(ckpt, monkeypatch):
+    """The memory check before the pool is made (`check_tiered_fits`) is given the host bytes and the
+    device bytes the pool then holds: every working set's rows, the new-token rows included, and the
+    indexer keys of every slot."""
+    from sparsekv.cache import tiers
+    checked, real = [], tiers.check_tiered_fits
+
+    def check(host_bytes, device_bytes, *args):
+        checked.append((host_bytes, device_bytes))
+        return real(host_bytes, device_bytes, *args)
+    monkeypatch.setattr(tiers, "check_tiered_fits", check)
+    pool = make(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=TOPK).engine.kv.pool
+    device = pool.buffers.num_pages * pool.working_set_bytes() + pool.num_slots * pool.selector_bytes_per_token
+    assert checked == [(pool.num_slots * pool.latent_bytes_per_token(), device)]
+
+
+def test_a_warm_up_whose_union_exactly_fills_the_working_set_places_it_whole(ckpt):
+    """`_warm` places a transferred tail's union of selections "when it fits", N of them included, then
+    the last row's: with N = TOPK and a union of TOPK positions, a fresh working set holds every one of
+    them, in each layer of the group the rows its host store holds, counted as warmed per layer."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    llm = make(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=TOPK)
+    engine, pool = llm.engine, llm.engine.kv.pool
+    req = engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while req.is_prefilling:
+        engine.step()
+    pool.flush()
+    union, last = tuple(range(TOPK)), (TOPK - 3, TOPK - 2, TOPK - 1)
+    ws = pool._working_set("w")  # a fresh working set over request a's pages
+    pool._warm(SimpleNamespace(request_id="w", page_ids=list(req.page_ids), warm=((0, union, last),)))
+    slots = ws.lrus[0].slots_of(np.arange(len(PROMPTS[0])))
+    assert np.flatnonzero(slots >= 0).tolist() == list(union)
+    base, page = pool._base(ws), pool.page_size
+    host_slots = torch.tensor([req.page_ids[p // page] * page + p % page for p in union])
+    for layer in pool.groups[0]:
+        stored = pool.host.read(layer, host_slots)
+        assert torch.equal(pool.ws[layer][base + torch.from_numpy(slots[:TOPK])], stored)
+    assert pool.request_counters("w")["tier_warmed"] == TOPK * len(pool.groups[0])
+    pool.release("w")
+    while engine.has_unfinished_requests():
+        engine.step()
     assert_back_to_initial(engine)

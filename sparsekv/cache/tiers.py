@@ -229,9 +229,10 @@ class TieredKVPool:
     def gather_latent(self, layer: int, seq: SeqSlice, positions: torch.Tensor) -> torch.Tensor:
         """Latents of the selected positions [S, k] -> [S, k, latent_dim], in the order asked for. The
         rows of a prefill block select overlapping positions: each distinct one is read from the host
-        (and decoded) once."""
+        (and decoded) once. A block of one row goes the same way: a prompt's last block may be one row
+        (a real geometry's CPU block budget holds one row), and it primes the working set too."""
         flat = positions.reshape(-1)
-        if not self._uses_working_set(layer, seq) and positions.shape[0] > 1:
+        if not self._uses_working_set(layer, seq):
             distinct, inverse = distinct_positions(flat, seq.context_len)
             stored = self._stream(layer, seq, seq.slots[distinct.to(seq.slots.device)])
             inverse = inverse.to(stored.device)
