@@ -159,7 +159,10 @@ class LLMEngine(WeightControl):
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._held) or self.has_ready_outputs
+        """Requests in flight, or a drain weight update waiting: its update loads in the next step once no
+        started request is left, also when the last of them was aborted (as the data-parallel engine's)."""
+        return (self.scheduler.has_unfinished() or bool(self._held) or self.has_ready_outputs
+                or self._pending_update is not None)
 
     @property
     def has_ready_outputs(self) -> bool:

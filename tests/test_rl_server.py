@@ -104,6 +104,15 @@ def test_pause_then_continue_gives_the_uninterrupted_output(server):
     assert box[0]["sparsekv"]["choices"][0]["token_ids"] == want
 
 
+def test_pause_and_continue_answer_the_state_they_left(server):
+    """SGLang's bodies: /pause_generation answers paused true, /continue_generation paused false (a
+    trainer reads them to know whether rollouts run)."""
+    paused = _post(server, "/pause_generation", key=ADMIN)
+    resumed = _post(server, "/continue_generation", key=ADMIN)
+    assert paused.json() == {"success": True, "paused": True}
+    assert resumed.json() == {"success": True, "paused": False} and not server.engine.paused
+
+
 def test_routed_experts_through_the_openai_extension(server, ckpts):
     got = _complete(server, return_routed_experts=True)["sparsekv"]["choices"][0]
     assert len(got["routed_experts"]) == len(got["token_ids"]) == 6
@@ -327,6 +336,20 @@ def test_admin_endpoints_answer_503_while_the_server_shuts_down(ckpts, path):
     assert r.json()["error"]["code"] == 503
 
 
+def test_admin_endpoints_answer_503_once_the_engine_is_dead(ckpts):
+    """A dead engine (a step raised: /health 503 engine_dead) refuses admin commands as it refuses
+    requests: 503, the service is down, not a 500 "internal server error"."""
+    with ThreadServer(ckpts[0], admin_api_keys=[ADMIN]) as srv:
+        srv.state.loop.dead = RuntimeError("injected engine fault")
+        try:
+            answers = [_post(srv, path, {"model_path": ckpts[1]}, key=ADMIN) for path in ADMIN_PATHS]
+        finally:
+            srv.state.loop.dead = None
+    for r in answers:
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
+        assert "engine failed" in r.json()["error"]["message"], r.text
+
+
 def test_a_drain_update_whose_load_fails_after_the_wait_answers_500(ckpts):
     """drain: the update waits for the request in flight, then its load fails: 500 (docs/rl.md, "failed
     to load"), not a success without a version; the request ends under A and A keeps serving."""
@@ -349,3 +372,26 @@ def test_a_drain_update_whose_load_fails_after_the_wait_answers_500(ckpts):
         assert box[0]["choices"][0]["finish_reason"] == "length"  # it drained: finished, not aborted
         assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(a).token_ids
         assert scrape(srv.url)["sparsekv:weights_version"] == 0
+
+
+def test_a_drain_update_loads_when_the_request_it_waits_for_is_aborted(ckpts):
+    """drain: the update waits for the one request in flight; that request's client leaves (its stream
+    closed: the request is aborted, not finished). Nothing is left to run, and the update loads then and
+    answers 200 with version 1, rather than waiting for some later request to step the engine."""
+    a, b = ckpts
+    with ThreadServer(a, admin_api_keys=[ADMIN], weight_update_policy="drain") as srv:
+        engine, box = srv.engine, {}
+        srv.delay[0] = 0.2  # the request stays in flight while the update comes
+        update = threading.Thread(target=lambda: box.setdefault("update", _post(srv, "/update_weights_from_disk",
+                                                                                {"model_path": b}, key=ADMIN)))
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**BODY, "max_tokens": 200, "stream": True},
+                          timeout=60) as r:
+            lines = r.iter_lines()  # held: a dropped iterator closes the stream
+            assert next(line for line in lines if line.startswith("data: {"))
+            update.start()
+            assert wait_until(lambda: engine.weight_update_pending and bool(engine.scheduler.running), timeout=30)
+        # the stream is closed: the server aborts its request, and no request is left
+        update.join(30)
+        assert "update" in box, "the update still waits, with nothing left to run"
+        assert box["update"].status_code == 200, box["update"].text
+        assert box["update"].json()["weights_version"] == 1 and engine.weights_version == 1

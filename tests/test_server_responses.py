@@ -427,6 +427,60 @@ def test_every_engine_figure_is_exported_once_under_one_name():
         {"device": 1}
 
 
+def test_each_labelled_engine_figure_carries_its_own_value_under_its_own_labels():
+    """Per rank, per tenant and tier, per draft position: each value reaches the series its labels name
+    (a dashboard reads rank 1's KV pool, alice's host-tier pages, the second draft's acceptances)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sparsekv.server.metrics import EngineStatsCollector, P
+    stats = {"ranks": [{"rank": 0, "weight_bytes": 5, "kv_pool_bytes": 6, "peak_rss_bytes": 7},
+                       {"rank": 1, "weight_bytes": 8, "kv_pool_bytes": 9, "peak_rss_bytes": 10}],
+             "prefix_cache_by_tenant": {"alice": {"queries": 9, "hits": 3, "cached_pages": 1, "host_pages": 2,
+                                                  "disk_pages": 4},
+                                        "bob": {"queries": 6, "hits": 0, "cached_pages": 5}},
+             "spec_decode_num_accepted_tokens_per_pos": [3, 1]}
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector("m", lambda: stats, lambda: True))
+    samples = [s for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples]
+
+    def by(name, *labels):
+        return {tuple(s.labels[k] for k in labels): s.value for s in samples if s.name == P + name}
+    assert by("rank_weight_bytes", "rank") == {("0",): 5, ("1",): 8}
+    assert by("rank_kv_pool_bytes", "rank") == {("0",): 6, ("1",): 9}
+    assert by("rank_peak_rss_bytes", "rank") == {("0",): 7, ("1",): 10}
+    assert by("prefix_cache_tenant_queries_total", "tenant") == {("alice",): 9, ("bob",): 6}
+    assert by("prefix_cache_tenant_hits_total", "tenant") == {("alice",): 3, ("bob",): 0}
+    assert by("prefix_cache_tenant_cached_pages", "tenant", "tier") == {
+        ("alice", "device"): 1, ("alice", "host"): 2, ("alice", "disk"): 4, ("bob", "device"): 5}
+    assert by("spec_decode_num_accepted_tokens_per_pos_total", "position") == {("0",): 3, ("1",): 1}
+
+
+def test_the_public_view_names_no_per_tenant_series_even_before_one_has_a_sample():
+    """Before any request the per-tenant families have no sample yet: the public exposition still
+    leaves them out, HELP and TYPE lines included (it names no tenant series at all)."""
+    public = _metrics().render(per_tenant=False).decode()
+    assert "sparsekv:engine_healthy" in public
+    assert [line for line in public.splitlines() if "tenant" in line] == []
+    assert "sparsekv:tenant_time_to_first_token_seconds" in _metrics().render().decode()
+
+
+def test_an_engine_without_data_parallel_ranks_exports_no_per_rank_family():
+    """The per-rank (dp_rank) families come only with a data-parallel engine's figures: one engine's
+    exposition names none, not even an empty HELP/TYPE pair."""
+    assert "dp_rank" not in _metrics().render().decode()
+
+
+def test_an_abort_of_no_sequence_adds_no_series():
+    """A client gone after its requests finished aborts none: no requests_aborted_total series appears for it."""
+    m = _metrics()
+    m.abort("client_disconnect", 0)
+    assert m.registry.get_sample_value("sparsekv:requests_aborted_total",
+                                       {"model_name": "m", "reason": "client_disconnect"}) is None
+    m.abort("client_disconnect", 2)
+    assert _sample(m, "requests_aborted_total", reason="client_disconnect") == 2
+
+
 def test_the_engines_token_counters_are_exported_under_their_own_names():
     m = ServerMetrics("m", lambda: {"prompt_tokens": 11, "generation_tokens": 7, "kv_pages_total": 4,
                                     "kv_pages_free": 1}, lambda: True)

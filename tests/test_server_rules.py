@@ -568,6 +568,134 @@ def test_a_client_gone_counts_only_the_sequences_the_engine_still_had(on_loop):
     on_loop(scenario, metrics=metrics)
 
 
+def test_a_failed_step_counts_each_request_it_cut_as_an_engine_fault_abort(on_loop):
+    """The requests a failed step leaves without an answer are counted, each sequence once, under
+    requests_aborted_total{reason="engine_fault"}."""
+    metrics = _Metrics()
+
+    async def scenario(loop, engine, submit):
+        group = await submit(2)
+        got = [await group.queue.get() for _ in range(2)]
+        assert [index for index, _ in got] == [None, None]
+        assert metrics.aborted == [("engine_fault", 2)]
+    on_loop(scenario, engine=_QueueOnlyEngine(step_error=RuntimeError("boom")), metrics=metrics)
+
+
+class _Figures(_QueueOnlyEngine):
+    """Its figures count what is queued and the prefix-cache pages left; the first idle expiry drops
+    those pages (nothing is ever stepped)."""
+
+    def __init__(self, cached_pages: int = 0):
+        super().__init__()
+        self.cached_pages = cached_pages
+
+    def stats(self) -> dict:
+        return {"waiting": len(self.queued), "prefix_cached_pages": self.cached_pages}
+
+    def expire_prefix_cache(self) -> int:
+        dropped, self.cached_pages = self.cached_pages, 0
+        return dropped
+
+
+def test_the_figures_are_read_again_after_the_commands_ran_with_nothing_to_step(on_loop):
+    """/metrics reads the loop's snapshot of engine.stats(): a request queued while nothing steps
+    (a full batch, paused generation) shows in num_requests_waiting without waiting for a step."""
+    async def scenario(loop, engine, submit):
+        assert loop.stats()["waiting"] == 0
+        await submit(2)
+        while loop.stats()["waiting"] != 2:  # bounded by on_loop's wait
+            await asyncio.sleep(0.01)
+    on_loop(scenario, engine=_Figures())
+
+
+def test_an_idle_expiry_of_prefix_cache_pages_shows_in_the_figures(on_loop):
+    """Pages the idle loop's expiry dropped leave prefix_cached_pages with no request and no command."""
+    async def scenario(loop, engine, submit):
+        while loop.stats()["prefix_cached_pages"] != 0:  # bounded by on_loop's wait
+            await asyncio.sleep(0.01)
+        assert engine.cached_pages == 0
+    engine = _Figures(cached_pages=4)
+    on_loop(scenario, engine=engine)
+
+
+def test_wait_idle_is_false_while_a_request_is_in_flight_and_a_cut_short_drain_ends_at_once(on_loop):
+    """The drain's wait: False past its timeout while a request is routed (the caller then aborts it),
+    False at once when cut short (a second signal) however long the timeout, True once nothing is left."""
+    async def scenario(loop, engine, submit):
+        group = await submit(1)
+        assert await loop.wait_idle(0) is False
+        assert await loop.wait_idle(3600, lambda: True) is False  # a wait for the timeout: on_loop's bound fails it
+        loop.abort(group)
+        await loop.call(lambda: None)
+        assert await loop.wait_idle(0) is True
+    on_loop(scenario)
+
+
+class _StepsAWhile(_QueueOnlyEngine):
+    """Once a request is queued, `work` steps that output nothing yet (a long prefill, say)."""
+
+    def __init__(self, work: int):
+        super().__init__()
+        self.work, self.steps = work, 0
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.queued) and self.steps < self.work
+
+    def step(self):
+        self.steps += 1
+        return []
+
+
+def test_the_loop_never_waits_for_a_command_while_it_has_work(on_loop):
+    """Between steps the loop takes the commands already queued without waiting for one: a wait (the idle
+    loop's poll) while requests are in flight would stall each of their steps. Counted, not timed: each
+    wait for a command is recorded with whether the engine had work then."""
+    async def scenario(loop, engine, submit):
+        commands, waits = loop._commands, []
+
+        class Watched:  # the loop's command queue, its waits recorded
+            def put(self, item):
+                commands.put(item)
+
+            def get_nowait(self):
+                return commands.get_nowait()
+
+            def get(self, block=True, timeout=None):
+                waits.append(engine.has_unfinished_requests())
+                return commands.get(block, timeout)
+        loop._commands = Watched()
+        await submit(1)
+        while engine.steps < engine.work:  # bounded by on_loop's wait
+            await asyncio.sleep(0.01)
+        await loop.call(lambda: None)
+        assert waits and not any(waits)
+    on_loop(scenario, engine=_StepsAWhile(20))
+
+
+def test_the_idle_work_runs_only_between_requests_not_beside_each_step(on_loop):
+    """The rank check and the prefix cache's expiry are the idle loop's work (a step expires the cache
+    itself, and finds a dead rank itself): none runs between two steps of the requests in flight."""
+    class Watched(_StepsAWhile):
+        def __init__(self, work):
+            super().__init__(work)
+            self.mid_run = []  # for each idle call: whether it came between the first and the last step
+
+        def check_ranks(self) -> None:
+            self.mid_run.append(0 < self.steps < self.work)
+
+        def expire_prefix_cache(self) -> int:
+            self.mid_run.append(0 < self.steps < self.work)
+            return 0
+
+    async def scenario(loop, engine, submit):
+        await submit(1)
+        while engine.steps < engine.work:  # bounded by on_loop's wait
+            await asyncio.sleep(0.01)
+        await loop.call(lambda: None)
+        assert engine.mid_run and not any(engine.mid_run)
+    on_loop(scenario, engine=Watched(20))
+
+
 def test_the_injected_fault_fails_exactly_the_nth_step():
     from sparsekv.server.loop import FAULT_ENV, install_test_hooks
     from types import SimpleNamespace
