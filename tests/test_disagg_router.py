@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sparsekv.disagg.router import Router, create_app, main
 from sparsekv.disagg.router_workers import POLL_TIMEOUTS_BEFORE_DOWN, RouterConfigError, WorkerPool, check_modes
 from sparsekv.server.errors import error_body
-from test_server_util import free_port, listening_socket, scrape_labelled, wait_until
+from test_server_util import free_port, listening_socket, random_openai_body, scrape_labelled, wait_until
 
 TOKENS = ["He", "llo", " wor", "ld"]
 SYSTEM = "You are a careful assistant. " * 60  # a shared system prompt, longer than the affinity window
@@ -1074,6 +1074,44 @@ def test_a_body_with_an_infinity_reaches_both_workers_as_the_client_wrote_it():
     for role in ("prefill", "decode"):
         assert b'"maximum":Infinity' in seen[role]
         assert json.loads(seen[role])["guided_json"] == {"type": "number", "maximum": float("inf")}
+
+
+def test_random_bodies_reach_the_workers_as_sent_or_get_a_400_never_a_500():
+    """Seeded random requests (odd values in any field, NaN and infinities among them): the router refuses
+    what a server would with a 400 envelope before asking a worker, and sends the rest to both workers as
+    the client wrote them (the `disaggregation` tag added); never a 5xx of its own."""
+    import math
+    import random
+    rng = random.Random(11)
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    sent = []
+    with deployment([p], [d]) as (url, _, _):
+        for _ in range(100):
+            path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+            chat = path.endswith("chat/completions")
+            base = {"model": "fake", **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+            content = random_openai_body(rng, chat, base)
+            with httpx.stream("POST", url + path, content=content, timeout=20,
+                              headers={"content-type": "application/json"}) as r:
+                text = r.read().decode()
+            assert r.status_code in (200, 400), (content[:300], r.status_code, text[:300])
+            if r.status_code == 400:
+                assert json.loads(text)["error"]["code"] == 400
+            else:
+                sent.append(json.loads(content))
+        assert wait_until(lambda: len(p.bodies) == len(d.bodies) == len(sent), 10)
+
+    def same(a, b):  # NaN is not equal to itself
+        if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+            return True
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, list) and isinstance(b, list):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+    assert 20 < len(sent) < 100  # both kinds exercised
+    for want, got in zip(sent, d.bodies):
+        assert same({k: v for k, v in got.items() if k != "disaggregation"}, want)
 
 
 def test_ping_answers_as_health():

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from sparsekv.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
-from test_server_util import (MAX_MODEL_LEN, REPO, ThreadServer, pages_all_free, scrape, scrape_samples,
-                              tiny_checkpoint, wait_until)
+from test_server_util import (MAX_MODEL_LEN, REPO, ThreadServer, pages_all_free, random_openai_body, scrape,
+                              scrape_samples, tiny_checkpoint, wait_until)
 
 KEY, KEY_PLAIN, KEY_METRICS = "sk-alice", "sk-plain", "sk-metrics"
 PROMPT = "hello world, the rain in spain"
@@ -586,34 +586,6 @@ def test_bad_request(server, name, path, body, status, param):
         assert "200" in r.json()["error"]["message"] and "100" in r.json()["error"]["message"]
 
 
-ODD_VALUES = (None, True, False, 0, 1, -1, 3, 2 ** 31, 2 ** 63, -2 ** 63, 1e308, -0.5, 0.5, float("nan"), float("inf"),
-              float("-inf"), "", "a", "\x00", "\U0001f642" * 20, "x" * 3000, "<|endoftext|>", [], [-1], [2 ** 40],
-              [[1, 2], [3]], {}, {"type": None}, {"text": 1}, {"role": "user"})
-SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "allowed_token_ids",
-                   "truncate_prompt_tokens", "include_stop_str_in_output", "skip_special_tokens", "response_format",
-                   "guided_json", "guided_regex", "guided_choice", "stop", "stop_token_ids", "n", "stream",
-                   "stream_options", "ignore_eos", "user", "cache_salt", "return_routed_experts", "logprobs")
-CHAT_FIELDS = ("top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
-               "continue_final_message", "chat_template_kwargs", "max_completion_tokens")
-
-
-def _random_body(rng, path: str) -> bytes:
-    """A request that is mostly valid, with a few fields of odd values and types (NaN and infinities as
-    Python's json writes them, which a JSON parser may accept)."""
-    chat = path == CHAT
-    body = dict(MSG if chat else OK, max_tokens=rng.choice([1, 3]), stream=rng.random() < 0.4)
-    if rng.random() < 0.3:
-        body.update(n=2, logprobs=True if chat else 2, top_logprobs=2) if chat else body.update(n=2, logprobs=2)
-    for name in SAMPLING_FIELDS + (CHAT_FIELDS if chat else ("prompt",)):
-        if rng.random() < 0.02:
-            body[name] = rng.choice(ODD_VALUES)
-    if chat and rng.random() < 0.2:
-        body["messages"] = [{"role": rng.choice(["user", "assistant", "tool", "system", 1]),
-                             "content": rng.choice(ODD_VALUES), "tool_calls": rng.choice([None, [], [{}], 1])}]
-    return json.dumps(body).encode()
-
-
 def test_random_requests_get_an_answer_or_a_clear_4xx_never_a_500(server):
     """Seeded random requests (odd values in any field, streamed or not): each is answered, or refused
     with the error envelope and a message free of internals; never a 5xx, nor an error event in a
@@ -624,7 +596,7 @@ def test_random_requests_get_an_answer_or_a_clear_4xx_never_a_500(server):
     answered = refused = 0
     for _ in range(120):
         path = rng.choice([C, CHAT])
-        content = _random_body(rng, path)
+        content = random_openai_body(rng, path == CHAT, MSG if path == CHAT else OK)
         with httpx.stream("POST", server.url + path, content=content, headers=h, timeout=60) as r:
             text = r.read().decode()
         assert r.status_code < 500 and "Internal Server Error" not in text, (content[:300], text[:300])

@@ -7,6 +7,7 @@ can emit decodes to readable text and stop strings can match. It is built here, 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import string
@@ -190,3 +191,32 @@ def on_engine_loop(srv, fn, timeout: float = 30):
 def pages_all_free(url: str) -> bool:
     m = scrape(url)
     return m["sparsekv:kv_pages_free"] == m["sparsekv:kv_pages_total"] and m["sparsekv:num_requests_running"] == 0
+
+
+# -- random requests --------------------------------------------------------------------------
+
+ODD_VALUES = (None, True, False, 0, 1, -1, 3, 2 ** 31, 2 ** 63, -2 ** 63, 1e308, -0.5, 0.5, float("nan"), float("inf"),
+              float("-inf"), "", "a", "\x00", "\U0001f642" * 20, "x" * 3000, "<|endoftext|>", [], [-1], [2 ** 40],
+              [[1, 2], [3]], {}, {"type": None}, {"text": 1}, {"role": "user"})
+SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "allowed_token_ids",
+                   "truncate_prompt_tokens", "include_stop_str_in_output", "skip_special_tokens", "response_format",
+                   "guided_json", "guided_regex", "guided_choice", "stop", "stop_token_ids", "n", "stream",
+                   "stream_options", "ignore_eos", "user", "cache_salt", "return_routed_experts", "logprobs")
+CHAT_FIELDS = ("top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
+               "continue_final_message", "chat_template_kwargs", "max_completion_tokens")
+
+
+def random_openai_body(rng, chat: bool, base: dict) -> bytes:
+    """A completion (or `chat`) request made from `base` that is mostly valid, with a few fields of odd
+    values and types (NaN and infinities as Python's json writes them, which a JSON parser may accept)."""
+    body = dict(base, max_tokens=rng.choice([1, 3]), stream=rng.random() < 0.4)
+    if rng.random() < 0.3:
+        body.update(n=2, logprobs=True if chat else 2, top_logprobs=2) if chat else body.update(n=2, logprobs=2)
+    for name in SAMPLING_FIELDS + (CHAT_FIELDS if chat else ("prompt",)):
+        if rng.random() < 0.02:
+            body[name] = rng.choice(ODD_VALUES)
+    if chat and rng.random() < 0.2:
+        body["messages"] = [{"role": rng.choice(["user", "assistant", "tool", "system", 1]),
+                             "content": rng.choice(ODD_VALUES), "tool_calls": rng.choice([None, [], [{}], 1])}]
+    return json.dumps(body).encode()
