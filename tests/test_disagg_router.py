@@ -542,7 +542,7 @@ def test_router_with_real_workers_answers_as_one_engine(glm_ckpt):
     """Router + a real prefill worker + a real decode worker: greedy tokens and logprobs of one
     colocated engine, streamed or not, and both workers clean afterwards."""
     import torch
-    from disagg_util import WorkerServer
+    from disagg_util import ADMIN_KEY, WorkerServer
     from sparsekv import LLM, SamplingParams
     from sparsekv.tools.bench_serve import build_parser as bench_parser
     from sparsekv.tools.bench_serve_interference import run as run_interference
@@ -565,6 +565,14 @@ def test_router_with_real_workers_answers_as_one_engine(glm_ckpt):
                               json={**body, "prompt": prompt, "stream": True}) as s:
                 events = [json.loads(line[6:]) for line in s.iter_lines()
                           if line.startswith("data: ") and line != "data: [DONE]"]
+            admin = {"Authorization": f"Bearer {ADMIN_KEY}"}  # an RL trainer's update, through the router
+            update = httpx.post(router.url + "/update_weights_from_disk", json={"model_path": path}, headers=admin,
+                                timeout=60)
+            assert update.status_code == 200 and update.json()["weights_version"] == 1, update.text
+            assert httpx.post(router.url + "/flush_cache", headers=admin, timeout=30).status_code == 200
+            assert httpx.post(router.url + "/flush_cache", timeout=30).status_code == 401  # no admin key
+            again = httpx.post(router.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=60).json()
+            assert again["choices"][0]["text"] == answer["choices"][0]["text"]  # both workers on version 1
             bench = asyncio.run(run_interference(bench_parser().parse_args([
                 "--url", router.url, "--workload", "interference", "--streams", "2", "--input-len", "8",
                 "--output-len", "12", "--long-prompt-len", "60", "--num-long-prompts", "2", "--long-prompt-rate", "20"])))
@@ -1112,6 +1120,59 @@ def test_random_bodies_reach_the_workers_as_sent_or_get_a_400_never_a_500():
     assert 20 < len(sent) < 100  # both kinds exercised
     for want, got in zip(sent, d.bodies):
         assert same({k: v for k, v in got.items() if k != "disaggregation"}, want)
+
+
+def _fanned_out(pool: WorkerPool, handler, path: str, body: dict) -> httpx.Response:
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            r = await client.post(path, json=body, headers={"Authorization": "Bearer admin"})
+        await router.client.aclose()
+        return r
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("path, answer, summary", [
+    ("/flush_cache", {"success": True, "pages_removed": 3}, {"pages_removed": 9}),
+    ("/update_weights_from_disk", {"success": True, "weights_version": 2}, {"weights_version": 2}),
+    ("/pause_generation", {"success": True, "paused": True}, {}),
+    ("/reset_prefix_cache", {"tenant": "t", "pages_removed": 1}, {"pages_removed": 3}),
+])
+def test_admin_calls_go_to_every_worker_of_both_roles(path, answer, summary):
+    """The weights, the pause and the prefix caches are each worker's: the call goes to all three with the
+    client's body and key, and the answer gathers theirs."""
+    asked = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        asked.append((request.url.host, request.url.path, json.loads(request.content), request.headers["authorization"]))
+        return httpx.Response(200, json=answer)
+
+    r = _fanned_out(_pool(prefill=1, decode=2), handler, path, {"model_path": "/ckpt"})
+    assert r.status_code == 200, r.text
+    assert sorted(asked) == [(h, path, {"model_path": "/ckpt"}, "Bearer admin") for h in ("d0", "d1", "p0")]
+    assert r.json() == {"success": True, **summary, "workers": {u: answer for u in ("http://p0:1", "http://d0:2", "http://d1:2")}}
+
+
+def test_an_admin_call_a_worker_fails_or_misses_is_the_worst_status_naming_each():
+    """One worker refuses (409), one is gone (connection refused: 503): the answer is the worse status,
+    naming both, with every worker's answer; the third still took the call."""
+    asked = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.host)
+        if request.url.host == "d0":
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.host == "p0":
+            return httpx.Response(409, json=error_body(409, "a drain update is already waiting"))
+        return httpx.Response(200, json={"success": True, "weights_version": 1})
+
+    r = _fanned_out(_pool(prefill=1, decode=2), handler, "/update_weights_from_disk", {"model_path": "/ckpt"})
+    assert r.status_code == 503 and sorted(asked) == ["d0", "d1", "p0"]
+    err = r.json()["error"]
+    assert err["code"] == 503 and err["message"].startswith("2 of 3 workers failed")
+    assert "prefill worker http://p0:1: 409 a drain update is already waiting" in err["message"]
+    assert "decode worker http://d0:2: 503 ConnectError" in err["message"]
+    assert r.json()["workers"]["http://d1:2"] == {"success": True, "weights_version": 1}
 
 
 def test_ping_answers_as_health():

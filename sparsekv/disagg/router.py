@@ -259,6 +259,54 @@ async def _on_a_decode_worker(request: Request, path: str) -> Response:
     raise APIError(503, "no decode worker is up")
 
 
+async def to_every_worker(request: Request):
+    """An admin call (`/update_weights_from_disk`, `/pause_generation`, `/continue_generation`,
+    `/flush_cache`: an admin key's) or a tenant's `/reset_prefix_cache`, sent to every worker of both
+    roles at once with the client's body and key: what it changes (the weights, the pause, the prefix
+    caches) is each worker's own, and the prefill and decode workers must hold the same weights. 200
+    when every worker answers 2xx, with each answer under `workers` (`pages_removed` added up, the
+    `weights_version` they agree on); else the worst status among the failed (a 5xx over a 4xx), in
+    the envelope naming them, with every answer under `workers`. A worker down or gone is a failure
+    (503): it did not take the call."""
+    router = _router(request)
+    body = await request.body()
+    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+    headers["content-type"] = "application/json"
+    workers = router.pool.all()
+
+    async def ask(worker) -> tuple[int, dict]:
+        try:
+            r = await router.client.post(worker.url + request.url.path, content=body, headers=headers)
+        except httpx.HTTPError as e:
+            return 503, error_body(503, f"{type(e).__name__}: {e}")
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            return r.status_code, error_body(r.status_code, r.text[:200])
+    results = await asyncio.gather(*(ask(w) for w in workers))
+    answers = {w.url: answer for w, (_, answer) in zip(workers, results)}
+    failed = [(w, status, answer) for w, (status, answer) in zip(workers, results) if not 200 <= status < 300]
+    if failed:
+        status = max(s for _, s, _ in failed)
+        why = "; ".join(f"{w.role} worker {w.url}: {s} {_error_message(a)}" for w, s, a in failed)
+        return JSONResponse({**error_body(status, f"{len(failed)} of {len(workers)} workers failed: {why}"),
+                             "workers": answers}, status_code=status)
+    out = {"success": True, "workers": answers}
+    if all("pages_removed" in a for a in answers.values()):
+        out["pages_removed"] = sum(a["pages_removed"] for a in answers.values())
+    versions = {a.get("weights_version") for a in answers.values()}
+    if len(versions) == 1 and None not in versions:
+        out["weights_version"] = versions.pop()
+    return out
+
+
+def _error_message(answer: dict) -> str:
+    try:
+        return str(answer["error"]["message"])
+    except (KeyError, TypeError):
+        return json.dumps(answer)[:200]
+
+
 def _models_path(name: str | None) -> str:
     """The list, or one model's path with its name quoted whole (a name is no path on the worker)."""
     return "/v1/models" if name is None else "/v1/models/" + urllib.parse.quote(name, safe="")
@@ -283,7 +331,10 @@ ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", c
           ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
           ("/v1/models", models, ["GET"]), ("/v1/models/{model:path}", models, ["GET"]),
           ("/health", health, ["GET", "HEAD"]), ("/ping", health, ["GET", "POST"]), ("/metrics", metrics, ["GET"]),
-          ("/version", version, ["GET"])]
+          ("/version", version, ["GET"]),
+          *((path, to_every_worker, ["POST"]) for path in ("/update_weights_from_disk", "/pause_generation",
+                                                           "/continue_generation", "/flush_cache",
+                                                           "/reset_prefix_cache"))]
 
 
 def create_app(router: Router, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
