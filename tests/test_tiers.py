@@ -216,12 +216,7 @@ def test_a_prompt_block_whose_selections_exactly_fill_the_working_set_primes_the
         for name, method in real.items():  # each run traces once
             monkeypatch.setattr(TieredKVPool, name, method)
         llm = make(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=n)
-        trace = _working_set_accesses(monkeypatch, {"a": len(prompt)})
-        llm.engine.add_request("a", prompt, params)
-        outs = []
-        while llm.engine.has_unfinished_requests():
-            outs += [o for o in llm.engine.step() if o.finished]
-        assert_back_to_initial(llm.engine)
+        trace, outs = _traced_run(monkeypatch, llm, prompt, params)
         primed = [len({p for row in entry[3] for p in row}) for entry in trace if entry[0] == "prime"]
         return trace, primed, outs[0], llm.engine.kv.pool.groups
     _, primed, _, _ = run(4 * TOPK)
@@ -229,7 +224,23 @@ def test_a_prompt_block_whose_selections_exactly_fill_the_working_set_primes_the
     assert TOPK < fill < 4 * TOPK
     trace, primed_again, out, groups = run(fill)
     assert primed_again == primed  # tiering never changes a selection
-    expected, _ = _expected_tier_counts(trace, fill, groups)
+    _assert_policy_counts(trace, fill, groups, out)
+
+
+def _traced_run(monkeypatch, llm, prompt, params) -> tuple[list, list]:
+    """Request "a" run to its end with its working-set accesses traced: (the trace, its finished outputs)."""
+    trace = _working_set_accesses(monkeypatch, {"a": len(prompt)})
+    llm.engine.add_request("a", prompt, params)
+    outs = []
+    while llm.engine.has_unfinished_requests():
+        outs += [o for o in llm.engine.step() if o.finished]
+    assert_back_to_initial(llm.engine)
+    return trace, outs
+
+
+def _assert_policy_counts(trace, n, groups, out) -> None:
+    """Request "a"'s hits, misses and host -> device bytes are the documented policy's on a buffer of `n`."""
+    expected, _ = _expected_tier_counts(trace, n, groups)
     row = LATENT_BYTES_PER_TOKEN // 4  # one layer's latent row
     m = out.metrics
     assert (m["tier_hits"], m["tier_misses"], m["h2d_bytes"]) == (expected["a"][0], expected["a"][1],
@@ -246,20 +257,11 @@ def test_a_prompts_last_chunk_primes_the_working_set_in_query_blocks_of_one_row(
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
     reference, _ = generate(ckpt["glm_moe_dsa"], [prompt], params)
     llm = make(ckpt["glm_moe_dsa"], kv_tiering=True, device_buffer_tokens=TOPK)
-    trace = _working_set_accesses(monkeypatch, {"a": len(prompt)})
-    llm.engine.add_request("a", prompt, params)
-    outs = []
-    while llm.engine.has_unfinished_requests():
-        outs += [o for o in llm.engine.step() if o.finished]
-    assert_back_to_initial(llm.engine)
+    trace, outs = _traced_run(monkeypatch, llm, prompt, params)
     assert_same(reference, outs)
     primes = [entry[3] for entry in trace if entry[0] == "prime"]
     assert primes and all(len(rows) == 1 for rows in primes)
-    expected, _ = _expected_tier_counts(trace, TOPK, llm.engine.kv.pool.groups)
-    row = LATENT_BYTES_PER_TOKEN // 4  # one layer's latent row
-    m = outs[0].metrics
-    assert (m["tier_hits"], m["tier_misses"], m["h2d_bytes"]) == (expected["a"][0], expected["a"][1],
-                                                                  expected["a"][2] * row)
+    _assert_policy_counts(trace, TOPK, llm.engine.kv.pool.groups, outs[0])
 
 
 def test_a_reused_working_set_starts_empty(ckpt, monkeypatch):
