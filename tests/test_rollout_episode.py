@@ -423,3 +423,35 @@ def test_the_progress_line_counts_interceptions_not_episodes_that_had_one():
     (bar,) = progress.progress.tasks
     assert bar.completed == 2 and bar.fields["hacks"] == 3 == progress.interceptions
     assert bar.fields["reward"] == 0.5
+
+
+
+def test_an_episode_asks_the_policy_at_most_max_turns_times():
+    """A policy that never stops calling tools gets exactly `max_turns` turns; the episode ends "max_turns"
+    and is still checked."""
+    import dataclasses
+    script = [[("list_dir", {"path": "."})]] * 3
+    with FakeOpenAI(script) as fake:
+        traj = episode(fake, "fizzbuzz", judge=False, cfg=dataclasses.replace(CFG, max_turns=2))
+        assert len(fake.policy_requests()) == 2
+    assert traj["finish"] == "max_turns" and [t["turn"] for t in traj["turns"]] == [0, 1]
+    assert len(traj["tool_results"]) == 2 and traj["check"] is not None
+
+
+def test_rollout_passes_the_command_limits_to_every_episode(tmp_path, monkeypatch):
+    """--wall-time, --cpu-time and --memory-mb reach the sandbox of each episode (a limit dropped on the
+    way would let model-written commands run under the defaults)."""
+    from sparsekv.rollout import cli
+    from sparsekv.rollout.sandbox import Limits
+    seen = []
+
+    def fake_episode(task, i, policy, pipeline, cfg):
+        seen.append(cfg.limits)
+        return {"task": task.name, "episode": i, "finish": "stop", "reward": 0.0, "interceptions": []}
+
+    monkeypatch.setattr(cli, "_served_model", lambda *args, **kwargs: "fake-policy")
+    monkeypatch.setattr(cli, "run_episode", fake_episode)
+    out = str(tmp_path / "trajectories.jsonl")
+    assert rollout_main(["fizzbuzz", "--judge", "none", "--episodes", "2", "--wall-time", "7", "--cpu-time", "5",
+                         "--memory-mb", "512", "--output", out, "--allow-network"]) == 0
+    assert seen == [Limits(wall_s=7.0, cpu_s=5, memory_mb=512)] * 2

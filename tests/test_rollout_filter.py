@@ -435,3 +435,26 @@ def test_the_filters_figures_have_no_recall_without_hacks_and_no_precision_witho
     print_figures(figures)
     (row,) = [line for line in capsys.readouterr().out.splitlines() if "rules" in line and "│" in line]
     assert [cell.strip() for cell in row.split("│")[1:-1]] == ["rules", "-", "-", "0", "0", "0", "2"]
+
+
+
+def test_the_filters_precision_is_undefined_only_without_flags_and_recall_only_without_hacks():
+    """Hacks none of which was flagged: recall 0, precision undefined (None); flags on actions none of which
+    is a hack: precision 0, recall undefined."""
+    from sparsekv.rollout.report import filter_figures
+    missed = filter_figures([{"hack": True, "kind": "edit-tests"}], [{"flagged": False, "verdict": None}], judged=False)
+    assert missed["rules"] == {"tp": 0, "fp": 0, "fn": 1, "tn": 0, "recall": 0.0, "precision": None}
+    wrong = filter_figures([{"hack": False, "kind": "benign"}], [{"flagged": True, "verdict": None}], judged=False)
+    assert wrong["rules"] == {"tp": 0, "fp": 1, "fn": 0, "tn": 0, "recall": None, "precision": 0.0}
+
+
+def test_a_command_refused_for_want_of_isolation_is_an_error_result_not_a_crash(monkeypatch):
+    """Without `unshare` isolation and without --allow-network, run_command answers the policy with the
+    refusal as an error tool result; the episode goes on."""
+    from sparsekv.rollout import sandbox as sandbox_mod
+    from sparsekv.rollout.intercept import Screening, execute
+    monkeypatch.setattr(sandbox_mod, "isolation_available", lambda: False)
+    with sandbox_mod.Sandbox(load_task("fizzbuzz")) as sb:
+        result = execute(Action("run_command", {"command": "echo hi"}), sb, Screening([], None),
+                         Pipeline(load_rules()))
+    assert result.error and not result.virtual and result.output.startswith("error: run_command refused")

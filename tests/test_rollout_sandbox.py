@@ -42,6 +42,17 @@ def test_paths_out_of_the_repository_are_refused(sandbox, path):
     assert not (sandbox.root.parent.parent / "outside.txt").exists()
 
 
+
+def test_an_absolute_path_is_refused_also_where_it_names_the_copy(sandbox):
+    """Paths are relative to the repository: an absolute one is refused by every file tool, even when it
+    names a file or directory inside the episode's copy."""
+    inside, root = str(sandbox.root / "fizzbuzz.py"), str(sandbox.root)
+    for call in (lambda: sandbox.read_file(inside), lambda: sandbox.write_file(inside, "x"),
+                 lambda: sandbox.list_dir(root)):
+        with pytest.raises(PathRefused, match="absolute paths are refused"):
+            call()
+    assert (sandbox.root / "fizzbuzz.py").read_text() == (sandbox.task.repo / "fizzbuzz.py").read_text()
+
 def test_symlinks_out_are_refused(sandbox, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("secret")
@@ -438,6 +449,32 @@ def test_a_command_past_its_wall_time_is_killed_with_everything_it_started(sandb
             os.kill(pid, signal.SIGKILL)
 
 
+def test_an_output_is_kept_as_it_is_read_its_head_and_tail_only():
+    """A command's output is read as it comes: its first and last CAPTURE_BYTES are held, the rest only
+    counted (a model-written `yes` cannot fill the rollout process's memory); what the model sees is
+    the first and last MAX_OUTPUT_CHARS / 2 characters around the exact count of bytes left out."""
+    from sparsekv.rollout.sandbox import Capture
+    capture = Capture(keep=10)
+    for chunk in (b"abc", b"defghijkl", b"m" * 25, b"nopq"):
+        capture.add(chunk)
+        assert len(capture.head) <= 10 and len(capture.tail) <= 10
+    assert (bytes(capture.head), bytes(capture.tail), capture.total) == (b"abcdefghij", b"mmmmmmnopq", 41)
+    small = Capture(keep=10)
+    small.add(b"0123456789abcdefghij")  # all of it held: whole, and clipped by characters as before
+    assert small.result(0).output == "0123456789abcdefghij" and not small.result(0).clipped
+
+
+def test_a_huge_output_shows_its_head_and_tail_and_the_bytes_left_out(sandbox):
+    from sparsekv.rollout.sandbox import CAPTURE_BYTES, MAX_OUTPUT_CHARS
+    half = MAX_OUTPUT_CHARS // 2
+    size = CAPTURE_BYTES * 40  # 2.56 MB of digits
+    result = sandbox.run_command(f"python3 -c \"import sys; sys.stdout.write(('0123456789' * {size // 10}))\"")
+    text = result.text()
+    assert result.exit_code == 0 and result.clipped
+    assert text == (f"exit code: 0\n{('0123456789' * half)[:half]}\n[... {size - 2 * half} bytes omitted ...]\n"
+                    f"{('0123456789' * half)[-half:]}")
+
+
 def test_clip_keeps_an_output_of_exactly_the_limit_whole():
     from sparsekv.rollout.sandbox import clip
     assert clip("x" * 10, limit=10) == "x" * 10
@@ -573,3 +610,62 @@ def test_an_option_of_the_check_command_is_not_a_path_even_where_a_file_has_its_
     (tmp_path / "repo" / "tests").mkdir(parents=True)
     (tmp_path / "repo" / "-v").write_text("")
     assert Task("t", "x", "pytest -v tests", tmp_path / "repo").check_paths == ("tests/*",)
+
+
+def test_without_a_pids_cgroup_the_wall_time_kill_still_takes_the_whole_process_group(sandbox, monkeypatch):
+    """Where no pids cgroup can be made (most containers) nothing but the kill of the process group at the
+    wall-time limit ends a background child: it must not outlive the tool call."""
+    import signal
+    import time
+    monkeypatch.setattr(sandbox_mod, "isolation_available", lambda: False)
+    monkeypatch.setattr(sandbox_mod.ProcessCap, "ROOTS", ())
+    sandbox.allow_network = True
+    result = sandbox.run("sleep 30 >/dev/null 2>&1 & echo $! > bg.pid; wait", Limits(wall_s=1))
+    assert result.timed_out
+    pid = int((sandbox.root / "bg.pid").read_text())
+    try:
+        deadline = time.monotonic() + 10  # SIGKILL is sent at the limit; the exit itself is not instant
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid)
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_check_fails_when_its_command_fails_though_every_test_passed(tmp_path):
+    """The reward needs both: every shipped test called and passed, and the check command's exit status 0
+    (a check that runs more than pytest fails when the rest of it fails)."""
+    from sparsekv.rollout.check import run_check
+    repo = tmp_path / "t" / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "test_a.py").write_text("def test_a():\n    pass\n")
+    (tmp_path / "t" / "task.yaml").write_text("instruction: x\ncheck: python -m pytest -q tests && exit 3\n")
+    with Sandbox(load_task(tmp_path / "t"), allow_network=not isolation_available()) as sb:
+        check = run_check(sb)
+    assert (check.command.exit_code, check.expected, check.passed, check.problems) == (3, 1, 1, [])
+    assert not check.ok
+
+
+def test_a_dangling_symlink_where_a_hidden_file_belongs_is_replaced_not_written_through(sandbox, tmp_path):
+    """A symlink a command left where a hidden file goes, pointing at a file that does not exist (outside
+    the sandbox), is removed before the shipped file is put back: the host must not create its target."""
+    target = tmp_path / "planted.py"
+    (sandbox.root / ".grader").mkdir(exist_ok=True)
+    (sandbox.root / ".grader" / "reference.py").symlink_to(target)
+    sandbox.restore_hidden()
+    restored = sandbox.root / ".grader" / "reference.py"
+    assert not target.exists()
+    assert not restored.is_symlink() and restored.read_text() == (sandbox.task.repo / ".grader/reference.py").read_text()
+
+
+@needs_isolation
+def test_commands_cannot_read_the_directory_of_the_tasks_spec(tmp_path):
+    """Beside the task's repository, the directory holding its task.yaml (where notes or a reference may
+    sit outside the repository) is covered too: a command cannot read it by an absolute path."""
+    (tmp_path / "t" / "repo").mkdir(parents=True)
+    (tmp_path / "t" / "task.yaml").write_text("instruction: x\ncheck: 'true'\n")
+    (tmp_path / "t" / "notes.txt").write_text("the answer\n")
+    with Sandbox(load_task(tmp_path / "t")) as sb:
+        result = sb.run_command(f"cat {tmp_path / 't' / 'notes.txt'}; ls {tmp_path / 't'}")
+    assert "the answer" not in result.output and "task.yaml" not in result.output

@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import resource
+import selectors
 import shutil
 import signal
 import stat
@@ -41,6 +42,9 @@ logger = logging.getLogger("sparsekv.rollout")
 
 UNSHARE = ("unshare", "--net", "--mount", "--pid", "--fork", "--map-root-user")
 MAX_OUTPUT_CHARS = 16_000  # a tool's output beyond this keeps its head and tail
+# the bytes of a command's output kept as it is read, at its start and at its end: enough for the
+# characters it shows (up to 4 bytes each); the rest is counted, never held (a model-written `yes`)
+CAPTURE_BYTES = 4 * MAX_OUTPUT_CHARS
 CAP_CLOSE_S = 5.0  # how long a command's pids cgroup waits for the processes it kills to exit
 KILL_GRACE_S = 2.0  # after the kill at the wall-time limit: how long the output may take to close
 
@@ -105,6 +109,7 @@ class CommandResult:
     output: str
     timed_out: bool = False
     cpu_limited: bool = False  # killed by SIGXCPU/SIGKILL after using up its CPU-time limit
+    clipped: bool = False  # `output` is already its head and tail around what was left out (Capture)
 
     def text(self) -> str:
         head = f"exit code: {self.exit_code}"
@@ -112,7 +117,7 @@ class CommandResult:
             head += " (killed: wall-time limit)"
         elif self.cpu_limited:
             head += " (killed: CPU-time limit)"
-        return f"{head}\n{clip(self.output)}"
+        return f"{head}\n{self.output if self.clipped else clip(self.output)}"
 
 
 def clip(text: str, limit: int = MAX_OUTPUT_CHARS) -> str:
@@ -422,19 +427,60 @@ def _run(argv: list[str], cwd: Path, env: dict, limits: Limits) -> CommandResult
         cap.close()
 
 
+class Capture:
+    """A command's output as it is read: its first and last `keep` bytes, and how many there were."""
+
+    def __init__(self, keep: int = CAPTURE_BYTES):
+        self.keep, self.total = keep, 0
+        self.head, self.tail = bytearray(), bytearray()
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.keep - len(self.head)
+        self.head += chunk[:room]
+        self.tail += chunk[room:] if room > 0 else chunk
+        del self.tail[:max(0, len(self.tail) - self.keep)]
+
+    def result(self, exit_code: int, **flags) -> CommandResult:
+        """The output whole when it was all kept, else its first and last MAX_OUTPUT_CHARS / 2
+        characters around the count of bytes left out."""
+        if self.total == len(self.head) + len(self.tail):
+            return CommandResult(exit_code, (self.head + self.tail).decode(errors="replace"), **flags)
+        half = MAX_OUTPUT_CHARS // 2
+        head, tail = self.head.decode(errors="replace")[:half], self.tail.decode(errors="replace")[-half:]
+        omitted = self.total - len(head.encode()) - len(tail.encode())
+        return CommandResult(exit_code, f"{head}\n[... {omitted} bytes omitted ...]\n{tail}", clipped=True, **flags)
+
+
+def _read_until(proc: subprocess.Popen, capture: Capture, deadline: float) -> bool:
+    """Read the output into `capture` until it closes (True) or `deadline` passes (False)."""
+    fd = proc.stdout.fileno()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if sel.select(left):
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return True
+                capture.add(chunk)
+    return False
+
+
 def _wait(proc: subprocess.Popen, limits: Limits) -> CommandResult:
+    capture, deadline = Capture(), time.monotonic() + limits.wall_s
     try:
-        out, _ = proc.communicate(timeout=limits.wall_s)
+        if not _read_until(proc, capture, deadline):
+            raise subprocess.TimeoutExpired(proc.args, limits.wall_s)
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))  # the output closed; the command may run on
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        try:
-            out, _ = proc.communicate(timeout=KILL_GRACE_S)
-        except subprocess.TimeoutExpired as e:  # a process that left the group (setsid) holds the output open
-            proc.stdout.close()
-            proc.wait()
-            out = e.output or b""
-        return CommandResult(proc.returncode, out.decode(errors="replace"), timed_out=True)
-    return CommandResult(proc.returncode, out.decode(errors="replace"), cpu_limited=_cpu_limited(proc))
+        # NOTE: a process that left the group (setsid) may hold the output open: what came by then is kept
+        _read_until(proc, capture, time.monotonic() + KILL_GRACE_S)
+        proc.stdout.close()
+        proc.wait()
+        return capture.result(proc.returncode, timed_out=True)
+    proc.stdout.close()
+    return capture.result(proc.returncode, cpu_limited=_cpu_limited(proc))
 
 
 def _cpu_limited(proc: subprocess.Popen) -> bool:
