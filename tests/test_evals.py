@@ -385,3 +385,27 @@ def test_make_llm_runs_untiered_and_says_why_when_the_machine_refuses_tiering(mo
     assert isinstance(llm, FakeLLM) and "kv_tiering" not in made[-1]
     assert note == "tiering not possible here (host store: not enough memory); ran without"
     assert make_llm("m", "dense", 1000, args)[1] == "tiering off"
+
+
+def test_a_code_haystack_as_long_as_the_code_is_the_whole_code(builder):
+    code = builder.code[:50]
+    b = TaskBuilder(builder.tok, code, 0)
+    assert b.haystack("code", 50) == code and b.haystack("code", 50, end_on_line=True) == code
+
+
+def test_training_documents_hold_at_most_8_keys(builder):
+    import re
+    counts = []
+    for seed in range(40):
+        ids, _ = TaskBuilder(builder.tok, builder.code, seed).make_document(3000)
+        text = _decode(builder, ids)
+        counts.append(len(re.findall(r"^# (The pass key for|One of the special magic numbers for) \w+ is:? \d+\.$",
+                                     text, re.M)))
+    assert 2 <= max(counts) <= 8
+
+
+def test_every_variable_chain_reads_forward(builder):
+    """vartrack: the value line comes first, then `b = a`, then `c = b` (needle_starts in that order), whatever the seed."""
+    for seed in range(20):
+        starts = TaskBuilder(builder.tok, builder.code, seed).make("vartrack", 1000, 0.3).needle_starts
+        assert starts[0] <= starts[1] <= starts[2], (seed, starts)

@@ -523,6 +523,20 @@ def test_far_stage_flags_are_checked(tmp_path, capsys):
     assert "--far-layers" in capsys.readouterr().err
 
 
+def test_haystack_negatives_with_a_batch_of_one_row_are_refused_before_any_work(tmp_path, capsys):
+    """A later full layer's far negatives are other rows' tokens (data.haystack_negatives): --batch-size 1
+    cannot give any. A usage error before the data is prepared, not a ValueError traceback from the
+    first far step."""
+    common = [a for a in COMMON if a not in ("--steps", STEPS)] + ["--batch-size", "1"]   # (the last one counts)
+    assert train_main(common + ["--steps", "0,0,0,0,5", "--far-negatives", "8", "--far-layers", "0,2",
+                                "--out", str(tmp_path / "x"), "--work-dir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-size" in err and "--far-layers" in err and "Traceback" not in err
+    assert not (tmp_path / "w").exists()
+    # layer 0 alone: far copies need no other row
+    assert train_main(common + ["--steps", "0,0,0,0,2", "--far-negatives", "8", "--out", str(tmp_path / "y"),
+                                "--work-dir", str(tmp_path / "w0")]) == 0
+
 def _no_steps(tmp_path, name: str, *extra) -> list[str]:
     common = [a for a in COMMON if a not in ("--steps", STEPS)]
     return common + ["--steps", "0,0,0,0", "--out", str(tmp_path / name), "--work-dir", str(tmp_path / "w"), *extra]
@@ -594,6 +608,7 @@ def test_a_cuda_device_this_torch_lacks_is_refused_before_any_work_as_generate_s
     ("--embed-init-std", "-1", "--embed-init-std must be"), ("--max-files", "0", "--max-files"),
     ("--device", "tpu", "--device must be cpu, cuda or cuda:N"), ("--synth-frac", "5", "--synth-frac must be in"),
     ("--time-budget-minutes", "nan", "--time-budget-minutes"), ("--far-smoothing", "2", "--far-smoothing"),
+    ("--far-smoothing", "1", "--far-smoothing must be in [0, 1)"),
     ("--copy-warmup-seq-len", "0", "--copy-warmup-seq-len"),
     # far copies are drawn log-uniformly from this distance on: 0 was accepted, then log(0) failed mid-run
     ("--far-min-distance", "0", "--far-min-distance")])
@@ -916,3 +931,264 @@ def test_the_indexer_kl_ignores_target_mass_outside_the_allowed_keys():
     index, target = torch.randn(2, 5, 5, generator=g), torch.rand(2, 5, 5, generator=g)
     allowed = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 5, 5)
     assert kl_to_index(target, index, allowed).item() == kl_to_index(target * allowed, index, allowed).item()
+
+
+# -- mutation-testing additions (2): the tokenizer's and config's EOS, edges of the data, resuming
+# an older state, the schedules around the copy warm-up and the CLI's flags ------------------------
+
+def test_the_export_names_the_same_eos_in_its_config_and_its_tokenizer(trained):
+    """A user's generation stops at the config's eos_token_id, a transformers tokenizer pads and ends
+    with its eos_token: both are <|endoftext|>."""
+    from transformers import AutoTokenizer
+    from sparsekv.train.tokenizer import EOS, load_tokenizer
+    out, _ = trained
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    eos = load_tokenizer(out).token_to_id(EOS)
+    assert cfg["eos_token_id"] == cfg["pad_token_id"] == eos
+    hf = AutoTokenizer.from_pretrained(out)
+    assert hf.eos_token == hf.pad_token == EOS and hf.eos_token_id == eos
+
+
+def test_train_tokenizer_refuses_a_digit_group_above_3():
+    from sparsekv.train.tokenizer import train_tokenizer
+    with pytest.raises(ValueError, match="digit_group must be 1, 2 or 3"):
+        train_tokenizer(["x = 1\n"], 300, digit_group=4)
+
+
+def test_the_config_has_one_indexer_type_per_layer():
+    """A pattern longer than the model (as `tiny`'s FSFSS would be for 4 layers) is cut to its layers."""
+    from sparsekv.train.cli import PRESETS
+    from sparsekv.train.export import hf_config
+    cfg = hf_config(dict(PRESETS["test"], index_topk_pattern="FSFSFS"), 128, 0)
+    assert cfg["indexer_types"] == ["full", "shared", "full", "shared"]
+
+
+def test_a_corpus_of_few_files_still_holds_out_one_and_its_last_window_counts():
+    """--max-files under 10 keeps one held-out file (held-out rows need one); a held-out stream of
+    exactly one window gives that window."""
+    from sparsekv.train.data import heldout_rows, read_split
+    train, heldout = read_split(max_files=5)
+    assert len(train) == 5 and len(heldout) == 1
+    stream = torch.arange(9)
+    assert torch.equal(heldout_rows(stream, 8, 1), stream[None])
+    assert heldout_rows(torch.arange(20), 8, 4).tolist() == [list(range(s, s + 9)) for s in (0, 2, 4, 6)]
+
+
+def test_far_copies_give_exactly_the_asked_count_per_row():
+    from sparsekv.train.data import far_copies
+    for count in (5, 6):
+        neg = far_copies(2, 8, torch.zeros(2, dtype=torch.long), count, 4, 100, "s")
+        assert neg.source.shape == neg.positions.shape == (2, count)
+
+
+def test_haystack_negatives_without_other_rows_are_a_clear_error():
+    from sparsekv.train.data import haystack_negatives
+    with pytest.raises(ValueError, match="other rows"):
+        haystack_negatives(torch.arange(4)[None], 2, 100, torch.ones(1, 4, dtype=torch.bool), "s")
+
+
+def test_a_short_document_sits_at_a_random_offset_in_code(trained, monkeypatch):
+    """doc_min_frac < 1: each document lies whole at an offset of its own in the row, not always at its start."""
+    src = _source(trained[1], seq_len=64, synth_frac=1.0, doc_min_frac=0.5)
+    monkeypatch.setattr(src, "_document", lambda rng, length: ([-1] * length, [False] * (length - 1) + [True]))
+    starts = set()
+    for step in range(4):
+        for row in src.batch(0, step).ids.tolist():
+            doc = [i for i, t in enumerate(row) if t == -1]
+            assert doc == list(range(doc[0], doc[0] + len(doc))) and len(doc) >= 33
+            starts.add(doc[0])
+    assert len(starts) > 3 and min(starts) == 0 < max(starts)
+
+
+def test_batch_source_refuses_a_doc_min_frac_outside_0_1(trained):
+    for frac in (0.0, 1.5):
+        with pytest.raises(ValueError, match="doc_min_frac"):
+            _source(trained[1], doc_min_frac=frac)
+
+
+def test_the_retrieval_probe_places_its_needles_at_evenly_spaced_depths_from_0_to_1(trained, monkeypatch):
+    """docs: one prompt per task and depth in linspace(0, 1, per_task)."""
+    from sparsekv.train import data
+    from sparsekv.train.tokenizer import load_tokenizer
+    asked, real = [], data.TaskBuilder.make
+
+    def make(self, task, length, depth, with_answer=False):
+        asked.append((task, depth))
+        return real(self, task, length, depth, with_answer)
+    monkeypatch.setattr(data.TaskBuilder, "make", make)
+    heldout = torch.load(os.path.join(trained[1], "corpus.pt"))["heldout"]
+    data.retrieval_probe(load_tokenizer(trained[1]), heldout, 256, per_task=4)
+    from sparsekv.train.tasks import TASKS
+    assert asked == [(t, d) for t in TASKS for d in (0.0, 1 / 3, 2 / 3, 1.0)]
+
+
+def test_resuming_a_state_saved_before_the_far_stage_existed(tmp_path):
+    """A state whose plan lacks a stage (saved before `far` existed) resumes with the stage's requested count."""
+    from sparsekv.train.trainer import Trainer, TrainOptions, TrainState
+    model = _tiny_model()
+    old = TrainState(stage=4, planned={"pretrain": 1, "warmup": 1, "sparse": 1, "mtp": 1})
+    torch.save({"model": model.state_dict(), "state": old.__dict__, "optimizer": None}, tmp_path / STATE_FILE)
+    steps = {"pretrain": 1, "warmup": 1, "sparse": 1, "mtp": 1, "far": 0}
+    trainer = Trainer(model, None, None, TrainOptions(steps=steps), str(tmp_path))
+    assert trainer.try_resume() and trainer.state.planned == steps
+    assert trainer.run(log=lambda *_: None).done   # the 0-step far stage is skipped, not a KeyError
+
+
+def test_the_copy_warmup_learning_rate_and_the_main_cosine_after_it(tmp_path):
+    """The copy warm-up's first step already trains (lr > 0); the main schedule starts its own warm-up
+    at the first step after the copy warm-up."""
+    from sparsekv.train.trainer import Trainer, TrainOptions, cosine
+    steps = {"pretrain": 110, "warmup": 10, "sparse": 50, "mtp": 10, "far": 0}
+    o = TrainOptions(steps=steps, copy_warmup_steps=10, warmup_steps=20, copy_warmup_lr=1e-3)
+    trainer = Trainer(None, None, None, o, str(tmp_path))
+    assert trainer._lr("pretrain", 0)["main"] == o.copy_warmup_lr / o.warmup_steps
+    assert trainer._lr("pretrain", 10)["main"] == o.lr * cosine(0.0, o.warmup_steps / 150)
+    assert trainer._lr("sparse", 49)["main"] == o.lr * cosine(149 / 150, o.warmup_steps / 150)
+
+
+def test_the_far_stage_is_outside_the_time_budget(tmp_path):
+    """TIME_SHARE gives `far` nothing: a budget never shortens it."""
+    from sparsekv.train.trainer import Trainer, TrainOptions
+    steps = {"pretrain": 100, "warmup": 100, "sparse": 100, "mtp": 100, "far": 100}
+    trainer = Trainer(None, None, None, TrainOptions(steps=dict(steps), time_budget_s=10.0), str(tmp_path))
+    trainer._replan("far", 0, seconds_per_step=1.0)
+    assert trainer.state.planned["far"] == 100
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "warmup", "sparse", "mtp", "far"])
+def test_each_stage_trains_exactly_its_parameters(stage):
+    """The module doc's table: pretrain everything but indexers and MTP; warmup the main model's
+    indexers; sparse everything but MTP (indexers included); mtp the MTP layer; far the far layers' indexers."""
+    from sparsekv.train.stages import set_trainable
+    model = _tiny_model()
+    mtp = f"model.layers.{model.cfg.num_hidden_layers}."
+    want = {
+        "pretrain": lambda n: not n.startswith(mtp) and ".indexer." not in n,
+        "warmup": lambda n: not n.startswith(mtp) and ".indexer." in n,
+        "sparse": lambda n: not n.startswith(mtp),
+        "mtp": lambda n: n.startswith(mtp),
+        "far": lambda n: n.startswith("model.layers.2.self_attn.indexer."),
+    }[stage]
+    got = {id(p) for p in set_trainable(model, stage, far_layers=(2,))}
+    names = [n for n, _ in model.named_parameters()]
+    assert {n for n, p in model.named_parameters() if id(p) in got} == {n for n in names if want(n)}
+    assert any(want(n) for n in names) and not all(want(n) for n in names)
+
+
+def test_the_far_stage_without_negatives_is_a_clear_error():
+    from sparsekv.train.data import Batch
+    from sparsekv.train.stages import stage_loss
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="--far-negatives"):
+        stage_loss(_tiny_model(), "far", Batch(ids, torch.arange(8)[None], torch.ones(1, 8)), 0.0)
+
+
+def test_the_mtp_stage_drafts_dense_first_then_sparse():
+    """docs: the MTP layer's indexer gets a dense KL warm-up for the first half of its stage."""
+    from sparsekv.train.data import Batch
+    from sparsekv.train.stages import mtp_loss, stage_loss
+    model = _tiny_model()
+    ids = torch.randint(0, 128, (2, 25), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24).expand(2, 24)
+    batch = Batch(ids, pos, torch.ones(2, 24))
+    with torch.no_grad():
+        for progress, sparse in ((0.0, False), (0.49, False), (0.5, True), (0.9, True)):
+            got = stage_loss(model, "mtp", batch, progress)[1]
+            assert got == mtp_loss(model, ids[:, :-1], ids[:, 1:], pos, sparse, 1.0)[1]
+        assert mtp_loss(model, ids[:, :-1], ids[:, 1:], pos, False, 1.0)[1]["kl"] != \
+            mtp_loss(model, ids[:, :-1], ids[:, 1:], pos, True, 1.0)[1]["kl"]
+
+
+def test_held_out_figures_are_means_over_rows_not_over_batches():
+    from sparsekv.train.stages import heldout_metrics, lm_loss
+    vocab = 8
+
+    class Flat(torch.nn.Module):   # every row's loss is the same, log(vocab)
+        mtp = None
+
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x, pos, sparse=False):
+            class Out:
+                logits = torch.zeros(*x.shape, vocab)
+                hidden = None
+            return Out()
+    rows = torch.randint(0, vocab, (4, 6), generator=torch.Generator().manual_seed(0))
+    per_row = lm_loss(torch.zeros(2, 5, vocab), rows[:2, 1:]).item()
+    got = heldout_metrics(Flat(), rows, batch_size=2)
+    assert got["loss_dense"] == got["loss_sparse"] == per_row
+
+
+def test_an_aux_indexer_learns_its_own_layers_attention():
+    """indexer_loss: a shared layer's auxiliary indexer is distilled towards that layer's attention, not
+    towards its group's average (which its full layer's indexer learns)."""
+    from sparsekv.train.model import LayerTrace
+    from sparsekv.train.stages import group_attention, indexer_loss, kl_to_index
+    g = torch.Generator().manual_seed(0)
+    allowed = torch.ones(4, 4, dtype=torch.bool).tril().expand(1, 4, 4)
+
+    def trace():
+        probs = torch.rand(1, 4, 4, generator=g) * allowed
+        return LayerTrace(index=torch.randn(1, 4, 4, generator=g).masked_fill(~allowed, -1e30),
+                          probs=probs / probs.sum(-1, keepdim=True))
+    traces = [trace(), trace()]
+    p_bar = group_attention(traces, [0, 1])
+    want = kl_to_index(p_bar, traces[0].index, allowed) + kl_to_index(traces[1].probs, traces[1].index, allowed) / 2
+    assert indexer_loss(traces, ["full", "shared"], sparse=False).item() == want.item()
+
+
+def test_an_empty_output_directory_needs_no_overwrite_and_an_unwritable_parent_is_refused(tmp_path, monkeypatch):
+    from sparsekv.train.cli import UsageError, check_output_dir
+    (tmp_path / "empty").mkdir()
+    check_output_dir(str(tmp_path / "empty"), overwrite=False)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)   # (root may write anywhere)
+    with pytest.raises(UsageError, match="not a writable directory"):
+        check_output_dir(str(tmp_path / "new" / "m"), overwrite=False)
+
+
+def test_init_from_a_checkpoint_missing_tensors_is_refused(trained, tmp_path):
+    from safetensors.torch import save_file
+    from sparsekv.train.cli import _load_exported
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "config.json").write_text(open(os.path.join(trained[0], "config.json")).read())
+    tensors = load_file(os.path.join(trained[0], "model.safetensors"))
+    tensors.pop("model.norm.weight")
+    save_file(tensors, str(part / "model.safetensors"))
+    with pytest.raises(SystemExit, match="does not match its config: missing \\['model.norm.weight'\\]"):
+        _load_exported(str(part), aux_indexers=False)
+
+
+@pytest.mark.parametrize("layers", ["-2", "9"])
+def test_far_layers_outside_the_model_are_refused(trained, tmp_path, capsys, layers):
+    common = [a for a in COMMON if a not in ("--steps", STEPS)]
+    assert train_main(common + ["--out", str(tmp_path / "m"), "--work-dir", str(tmp_path / "w"), "--init-from",
+                                trained[0], "--steps", "0,0,0,0,4", "--far-negatives", "8",
+                                "--far-layers", layers]) == 2
+    assert "not full layers" in capsys.readouterr().err and not (tmp_path / "m").exists()
+
+
+def test_the_default_work_dir_is_named_after_the_output(tmp_path, monkeypatch):
+    """--out runs/m/ (a trailing slash, as a shell completes it) works in runs/train-m."""
+    monkeypatch.chdir(tmp_path)
+    common = [a for a in COMMON if a not in ("--steps", STEPS)]
+    assert train_main(common + ["--steps", "0,0,0,0", "--out", str(tmp_path / "m") + os.sep]) == 0
+    assert sorted(os.listdir(tmp_path / "runs")) == ["train-m"] and (tmp_path / "runs" / "train-m" / "corpus.pt").is_file()
+
+
+def test_the_trainer_options_follow_the_flags():
+    from sparsekv.train.cli import parse_args, train_options
+    args = parse_args(["--time-budget-minutes", "2", "--copy-warmup-lr", "0.01", "--far-lr", "0.005"])
+    o = train_options(args, {"pretrain": 1}, (0,))
+    assert (o.time_budget_s, o.copy_warmup_lr, o.far_lr) == (120, 0.01, 0.005)
+
+
+def test_digits_stay_one_per_token_whatever_the_corpus_repeats():
+    """--digit-group 1 (the shipped model): a number the corpus repeats is still cut digit by digit,
+    never into tokens BPE learned from the corpus."""
+    from sparsekv.train.tokenizer import digit_group_of, train_tokenizer
+    tok = train_tokenizer(["x = 12345 + 2024\n"] * 200, 300)
+    assert digit_group_of(tok) == 1
+    assert [t for t in tok.encode("y = 12345 - 2024").tokens if t.isdigit()] == list("12345") + list("2024")

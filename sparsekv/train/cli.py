@@ -179,6 +179,9 @@ def checked_options(args, stages) -> tuple[dict, tuple[int, ...]]:
     far_layers = parse_far_layers(args.far_layers)
     if far_layers is None:
         raise UsageError(f"--far-layers must be comma-separated layer numbers, got {args.far_layers!r}")
+    if steps["far"] and args.batch_size < 2 and any(far_layers):
+        raise UsageError(f"--far-layers {args.far_layers}: the haystack negatives of a full layer after 0 are other "
+                         f"rows' tokens; they need --batch-size 2 or more")
     for needed in ("config.json", "model.safetensors") if args.init_from else ():
         if not os.path.isfile(os.path.join(args.init_from, needed)):
             raise UsageError(f"--init-from {args.init_from}: no {needed} there (a directory `sparsekv train` wrote)")
