@@ -1175,6 +1175,16 @@ def test_an_admin_call_a_worker_fails_or_misses_is_the_worst_status_naming_each(
     assert r.json()["workers"]["http://d1:2"] == {"success": True, "weights_version": 1}
 
 
+@pytest.mark.parametrize("reply", [httpx.Response(200, json=["ok"]), httpx.Response(200, text="<html>ok</html>")])
+def test_an_admin_answer_that_is_not_a_workers_is_a_failure_naming_it(reply):
+    """A 2xx that is not a worker's JSON object (a proxy's page) does not say the call took: a 502."""
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return reply if request.url.host == "d0" else httpx.Response(200, json={"success": True, "pages_removed": 1})
+
+    r = _fanned_out(_pool(prefill=1, decode=1), handler, "/flush_cache", {})
+    assert r.status_code == 502 and "decode worker http://d0:2: 502 not a worker's answer (200)" in r.json()["error"]["message"]
+
+
 def test_ping_answers_as_health():
     _, r = _routed(_pool(), lambda request: httpx.Response(500), None, "/ping")
     assert r.status_code == 200 and r.json()["status"] == "ok"

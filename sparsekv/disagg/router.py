@@ -280,9 +280,12 @@ async def to_every_worker(request: Request):
         except httpx.HTTPError as e:
             return 503, error_body(503, f"{type(e).__name__}: {e}")
         try:
-            return r.status_code, r.json()
+            answer = r.json()
         except ValueError:
-            return r.status_code, error_body(r.status_code, r.text[:200])
+            answer = None
+        if not isinstance(answer, dict):  # a proxy's page, not a worker's answer: the call's fate is unknown
+            return 502, error_body(502, f"not a worker's answer ({r.status_code}): {r.text[:200]}")
+        return r.status_code, answer
     results = await asyncio.gather(*(ask(w) for w in workers))
     answers = {w.url: answer for w, (_, answer) in zip(workers, results)}
     failed = [(w, status, answer) for w, (status, answer) in zip(workers, results) if not 200 <= status < 300]
