@@ -37,7 +37,7 @@ from ..server.auth import OneAuthorization
 from ..server.errors import APIError, error_body, error_response
 from ..server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from ..server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from .router_exchange import Exchange, WorkerFailure
+from .router_exchange import Exchange, WorkerFailure, envelope
 from .router_metrics import RouterMetrics
 from .router_workers import NoWorker, RouterConfigError, WorkerPool, affinity_key, check_modes
 
@@ -118,7 +118,7 @@ async def _start(request: Request, router: Router, path: str, model: type) -> tu
     raw = await request.body()
     parse_body(raw, model)  # a bad body is a 400 here, before any worker is asked
     body = json.loads(raw)
-    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+    headers = _forwarded(request)
     for name, value in headers.items():
         if not value.isascii():  # not sendable on to a worker (nor a key any worker holds)
             raise APIError(400, f"the {name} header holds bytes that are not ASCII", name)
@@ -244,7 +244,7 @@ async def _on_a_decode_worker(request: Request, path: str) -> Response:
     """The request (its method, body, `Authorization` and `X-Request-Id`) answered by the first decode
     worker up that takes the connection, as it answers; one that does not is marked down at once."""
     router = _router(request)
-    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+    headers = _forwarded(request)
     body = None
     if request.method == "POST":
         body = await request.body()
@@ -270,8 +270,7 @@ async def to_every_worker(request: Request):
     (503): it did not take the call."""
     router = _router(request)
     body = await request.body()
-    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-    headers["content-type"] = "application/json"
+    headers = {**_forwarded(request), "content-type": "application/json"}
     workers = router.pool.all()
 
     async def ask(worker) -> tuple[int, dict]:
@@ -285,13 +284,15 @@ async def to_every_worker(request: Request):
             answer = None
         if not isinstance(answer, dict):  # a proxy's page, not a worker's answer: the call's fate is unknown
             return 502, error_body(502, f"not a worker's answer ({r.status_code}): {r.text[:200]}")
+        if not 200 <= r.status_code < 300:  # FastAPI's {"detail": ...} and the like: wrapped, as a 4xx is
+            answer = envelope(r) or error_body(r.status_code, r.text[:200])
         return r.status_code, answer
     results = await asyncio.gather(*(ask(w) for w in workers))
     answers = {w.url: answer for w, (_, answer) in zip(workers, results)}
     failed = [(w, status, answer) for w, (status, answer) in zip(workers, results) if not 200 <= status < 300]
     if failed:
         status = max(s for _, s, _ in failed)
-        why = "; ".join(f"{w.role} worker {w.url}: {s} {_error_message(a)}" for w, s, a in failed)
+        why = "; ".join(f"{w.role} worker {w.url}: {s} {a['error']['message']}" for w, s, a in failed)
         return JSONResponse({**error_body(status, f"{len(failed)} of {len(workers)} workers failed: {why}"),
                              "workers": answers}, status_code=status)
     out = {"success": True, "workers": answers}
@@ -303,11 +304,9 @@ async def to_every_worker(request: Request):
     return out
 
 
-def _error_message(answer: dict) -> str:
-    try:
-        return str(answer["error"]["message"])
-    except (KeyError, TypeError):
-        return json.dumps(answer)[:200]
+def _forwarded(request: Request) -> dict:
+    """The client's headers a worker gets too: its key and its request id."""
+    return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
 
 
 def _models_path(name: str | None) -> str:

@@ -75,7 +75,7 @@ class Exchange:
     def _failure(self, worker: Worker, response: httpx.Response | None = None,
                  error: BaseException | None = None) -> WorkerFailure:
         if response is not None and response.status_code < 500:
-            return WorkerFailure(response.status_code, _envelope(response) or
+            return WorkerFailure(response.status_code, envelope(response) or
                                  error_body(response.status_code, response.text[:200]))
         self.router.metrics.failures.labels(worker.role).inc()
         if response is not None:
@@ -177,7 +177,7 @@ async def _closed(response: httpx.Response, reading: asyncio.Future | None) -> N
     await response.aclose()
 
 
-def _envelope(response: httpx.Response) -> dict | None:
+def envelope(response: httpx.Response) -> dict | None:
     """The body if it is the OpenAI error envelope with its message and code, as a sparsekv worker answers
     a 4xx; None for any other body (FastAPI's `{"detail": ...}`, a proxy's), which is wrapped in one, since
     the router reads both fields (the message for the failure, the code to count a stream that ends with it)."""
