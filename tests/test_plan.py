@@ -516,6 +516,31 @@ def test_dense_attention_plan_shows_no_tiered_figures(capsys):
     assert rc == 0 and re.search(r"│\s+tiering\s+│", out) and "tiered max" in out and "Sweep, tiering" in out
 
 
+def _keys(tree) -> set[str]:
+    if isinstance(tree, dict):
+        return set(tree) | set().union(*map(_keys, tree.values()))
+    return set().union(*map(_keys, tree)) if isinstance(tree, list) else set()
+
+
+def test_dense_attention_json_and_plot_hold_no_tiered_figures(capsys, tmp_path):
+    """`--json` is what scripts read: with dense attention it carries the untiered figures only (no
+    tiered capacity, host limit, hot buffer or tiered sweep point), and the plot draws without them."""
+    tiered = {"tiering", "kv_per_request_tiering", "hot_buffer_per_request", "host_per_request",
+              "host_limit", "host_limit_requests", "host_needed", "host_available", "device_buffer_tokens",
+              "miss_rate", "link_bound_above_miss_rate"}
+    png = tmp_path / "dense.png"
+    rc, out, _ = run(capsys, "glm-5.2", "--attention", "dense", "--context", "128K", "--sweep", "--plot",
+                     str(png), "--json")
+    plan = json.loads(out)
+    assert rc == 0 and png.stat().st_size > 0
+    assert _keys(plan) & tiered == {"tiering"}  # the workload's "tiering": false and each sweep point's
+    assert plan["workload"]["tiering"] is False and not any(p["tiering"] for p in plan["sweep"])
+    assert all(set(plan["memory"][k]) == {"no_tiering"} for k in ("device_per_request", "max_requests_per_gpu"))
+    assert all(set(r["per_node"]) == {"no_tiering"} for r in plan["parallel"]["kv_per_gpu"])
+    sparse = json.loads(_json_plan("glm-5.2", "--context", "128K", "--sweep"))
+    assert _keys(sparse) >= tiered and any(p["tiering"] for p in sparse["sweep"])
+
+
 def test_dense_attention_misfit_does_not_suggest_tiering(capsys):
     """GLM-5.2 at 1M with dense attention does not fit 2 requests per GPU; the verdict must not send the user to
     --tiering, which dense attention refuses (exit 2), with a tiered max it cannot have."""

@@ -213,7 +213,7 @@ def build_plan(name: str, cfg: ModelConfig, dep: Deployment, wl: Workload, profi
     """Everything the planner reports, as one JSON-ready dict."""
     memory = memory_section(cfg, dep, wl)
     decode = decode_section(cfg, dep, wl, profile)
-    return {"model": model_summary(name, cfg), "hardware": dep.hardware.to_dict(),
+    plan = {"model": model_summary(name, cfg), "hardware": dep.hardware.to_dict(),
             "deployment": {"nodes": dep.nodes, "gpus_per_node": dep.gpus_per_node, "tp": dep.tp, "dp": dep.dp,
                            "ep": dep.ep, "attention_ranks": dep.attention_ranks, "weights": dep.weight_format,
                            "latent_cache": dep.latent_format, "indexer_cache": dep.indexer_format,
@@ -227,6 +227,26 @@ def build_plan(name: str, cfg: ModelConfig, dep: Deployment, wl: Workload, profi
             "verdict": verdict(cfg, dep, wl, memory, decode),
             "warnings": warnings(cfg, wl), "notes": notes(dep),
             "flops_per_token": flop_table(cfg), "published": published_comparisons(cfg, name)}
+    if wl.attention_mode == "dense":
+        _drop_tiered_figures(plan)
+    return plan
+
+
+def _drop_tiered_figures(plan: dict) -> None:
+    """Tiering selects from the indexer's top-k, so dense attention (which `--tiering` refuses) has no
+    tiered figure: its plan keeps the untiered ones only, in the tables and in `--json` alike."""
+    w, mem = plan["workload"], plan["memory"]
+    for key in ("device_buffer_tokens", "miss_rate"):
+        del w[key]
+    for key in ("hot_buffer_per_request", "host_per_request", "host_limit_requests", "host_needed",
+                "host_available"):
+        del mem[key]
+    for key in ("device_per_request", "max_requests_per_gpu", "max_requests_per_node"):
+        mem[key] = {"no_tiering": mem[key]["no_tiering"]}
+    for row in plan["parallel"]["kv_per_gpu"]:
+        del row["kv_per_request_tiering"], row["host_limit"]
+        for key in ("per_gpu", "per_node"):
+            row[key] = {"no_tiering": row[key]["no_tiering"]}
 
 
 def main(argv: list[str]) -> int:

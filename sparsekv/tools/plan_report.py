@@ -23,8 +23,13 @@ def header(plan: dict) -> str:
             f"{'on' if d['ep'] else 'off'}; weights {d['weights']}, latent {d['latent_cache']}, "
             f"indexer {d['indexer_cache']}\n"
             f"context {ctx}, {w['concurrency']} concurrent per {d['capacity_unit']}, top-k {w['topk']}, attention {w['attention']}, "
-            f"tiering {'on' if w['tiering'] else 'off'} (buffer {w['device_buffer_tokens']}, miss rate "
-            f"{w['miss_rate']:.0%})")
+            f"tiering {_tiering(w)}")
+
+
+def _tiering(w: dict) -> str:
+    if not w["tiering"]:
+        return "off"
+    return f"on (buffer {w['device_buffer_tokens']}, miss rate {w['miss_rate']:.0%})"
 
 
 def _tiers(plan: dict) -> bool:

@@ -34,7 +34,7 @@ def sweep_point(cfg: ModelConfig, dep: Deployment, wl: Workload, profile: Engine
             "tok_s_aggregate": wl.concurrency / step.step_s,
             "link_share": step.times["link"] / step.step_s, "max_per_node": cap.per_unit[policy],
             "max_limited_by": "host" if cap.per_unit[policy] < device_limit else "device",
-            "host_limit": cap.host_limit, "unit": dep.capacity_unit}
+            "unit": dep.capacity_unit} | ({"host_limit": cap.host_limit} if wl.tiering else {})
 
 
 def link_bound_miss_rate(cfg: ModelConfig, dep: Deployment, wl: Workload, profile: EngineProfile) -> float | None:
@@ -55,8 +55,9 @@ def link_bound_miss_rate(cfg: ModelConfig, dep: Deployment, wl: Workload, profil
 def run_sweep(cfg: ModelConfig, dep: Deployment, wl: Workload, profile: EngineProfile,
               contexts=SWEEP_CONTEXTS, concurrencies=SWEEP_CONCURRENCY) -> list[dict]:
     points = []
+    policies = (False,) if wl.attention_mode == "dense" else (False, True)  # dense: nothing to tier
     for T in contexts:
-        for tiering in (False, True):
+        for tiering in policies:
             for n in concurrencies:
                 point_wl = dataclasses.replace(wl, contexts=((T, 1.0),), concurrency=n, tiering=tiering)
                 points.append(sweep_point(cfg, dep, point_wl, profile))
@@ -105,21 +106,24 @@ def _cell(point: dict) -> str:
 
 def plot_sweep(points: list[dict], path: str, title: str) -> None:
     """Left: max requests per capacity unit against context. Right: aggregate tok/s against concurrency
-    with tiering, one line per context, drawn only where the point fits; x marks link-bound."""
+    with tiering (without, for dense attention), one line per context, drawn only where the point fits;
+    x marks link-bound."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     contexts = sorted({p["context"] for p in points})
-    for tiering, style in ((False, "o--"), (True, "s-")):
+    tiered = any(p["tiering"] for p in points)  # none with dense attention (run_sweep)
+    for tiering, style in ((False, "o--"), (True, "s-"))[:1 + tiered]:
         first = [next(p for p in points if p["context"] == T and p["tiering"] == tiering) for T in contexts]
         left.plot(contexts, [p["max_per_node"] or float("nan") for p in first], style,
                   label="tiering" if tiering else "no tiering (gap: none fit)")
-    left.plot(contexts, [p["host_limit"] for p in first], ":", color="gray", label="host DRAM limit")
+    if tiered:
+        left.plot(contexts, [p["host_limit"] for p in first], ":", color="gray", label="host DRAM limit")
     unit = points[0]["unit"]
     _axes(left, "context (tokens)", f"max concurrent requests per {unit}", contexts)
     for T in contexts:
-        row = sorted((p for p in points if p["context"] == T and p["tiering"] and p["fits"]),
+        row = sorted((p for p in points if p["context"] == T and p["tiering"] == tiered and p["fits"]),
                      key=lambda p: p["concurrency"])
         if row:
             line, = right.plot([p["concurrency"] for p in row], [p["tok_s_aggregate"] for p in row],
@@ -127,7 +131,8 @@ def plot_sweep(points: list[dict], path: str, title: str) -> None:
             linked = [p for p in row if p["limit"] == "link bandwidth"]
             right.plot([p["concurrency"] for p in linked], [p["tok_s_aggregate"] for p in linked], "x",
                        color=line.get_color(), markersize=9)
-    _axes(right, f"concurrent requests per {unit} (tiering on)", f"decode tokens/s per {unit} (x: link-bound)")
+    _axes(right, f"concurrent requests per {unit} (tiering {'on' if tiered else 'off'})",
+          f"decode tokens/s per {unit} (x: link-bound)")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
