@@ -38,6 +38,8 @@ REQUIRED = {
     "KV transfer bytes": "sparsekv:disagg_transfer_bytes_total",
     "KV transfer time": "sparsekv:disagg_transfer_seconds_bucket",
     "KV transfers failed": "sparsekv:disagg_transfers_failed_total",
+    "KV pool usage by data-parallel rank": "sparsekv:dp_rank_kv_cache_usage_perc",
+    "requests by data-parallel rank": "sparsekv:dp_rank_num_requests_running",
 }
 
 
@@ -49,6 +51,19 @@ def disaggregation_samples() -> list:
     from sparsekv.disagg.metrics import TransferMetrics
     registry = CollectorRegistry()
     TransferMetrics(registry, "tiny")
+    return [s for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples]
+
+
+def data_parallel_samples(engine) -> list:
+    """What a `-dp 2` server adds to /metrics (each rank's series, labelled `dp_rank`), as a scrape parses
+    it: two ranks' entries made as the data-parallel engine makes them, from the live engine's figures."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from sparsekv.parallel.lanes import lane_summary, rank_figures
+    from sparsekv.server.metrics import EngineStatsCollector
+    rank = rank_figures(lane_summary(engine), engine.stats())
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector("tiny", lambda: {"by_data_parallel_rank": [rank, rank]}, lambda: True))
     return [s for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples]
 
 
@@ -88,7 +103,7 @@ def server():
 
 
 def test_every_metric_the_dashboard_queries_is_in_a_live_scrape(server):
-    samples = scrape_samples(server.url, METRICS_KEY) + disaggregation_samples()
+    samples = scrape_samples(server.url, METRICS_KEY) + disaggregation_samples() + data_parallel_samples(server.engine)
     labels: dict[str, set] = {}
     for s in samples:
         labels.setdefault(s.name, set()).update(s.labels)

@@ -27,7 +27,7 @@ from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
 from ..weights import WEIGHT_UPDATE_POLICIES, UpdateOutcomes, WeightLoadError, WeightUpdateConflict
 from .dp_kv import DataParallelKV, kv_call
 from .dp_taps import DataParallelTaps, TapReceiver, open_group
-from .lanes import lane_integrity, load_lane, merge_stats, rank_memory, serve_lane, step_lane
+from .lanes import lane_integrity, load_lane, merge_stats, rank_figures, serve_lane, step_lane
 from .launch import RankFailure, RankGroup, check_layout
 from .router import PrefixAffinityRouter
 
@@ -370,8 +370,7 @@ class DataParallelEngine:
             return self.local.stats()
         every = self._together("stats", run=self.local.stats)
         merged = merge_stats(every)
-        merged["by_data_parallel_rank"] = [{"running": s["running"], "waiting": s["waiting"], **s["counters"],
-                                            **rank_memory(figures)} for s, figures in zip(self._summaries, every)]
+        merged["by_data_parallel_rank"] = [rank_figures(s, figures) for s, figures in zip(self._summaries, every)]
         merged.update(weights_version=self.weights_version, paused=self.paused,
                       weight_update_pending=self.weight_update_pending)
         return merged

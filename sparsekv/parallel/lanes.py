@@ -159,9 +159,11 @@ RANK_MEMORY = ("kv_pages_total", "kv_pages_free", "device_kv_bytes", "device_lat
                "host_kv_bytes", "host_kv_budget_bytes", "prefix_cached_pages", "prefix_host_bytes", "prefix_disk_bytes")
 
 
-def rank_memory(stats: dict) -> dict:
-    """One rank's memory figures (those of RANK_MEMORY its engine reports)."""
-    return {key: stats[key] for key in RANK_MEMORY if key in stats}
+def rank_figures(summary: dict, stats: dict) -> dict:
+    """One rank's entry of `by_data_parallel_rank`, from its lane summary and its engine's stats: its
+    requests (waiting: by tenant), token counters and memory (those of RANK_MEMORY its engine reports)."""
+    return {"running": summary["running"], "waiting": summary["waiting"], **summary["counters"],
+            **{key: stats[key] for key in RANK_MEMORY if key in stats}}
 
 
 def merge_stats(all_stats: list[dict]) -> dict:
