@@ -248,3 +248,15 @@ def test_generate_logs_one_line_of_the_settings_that_differ_from_their_defaults(
     version = importlib.metadata.version("sparsekv")
     assert first == (f"sparsekv {version}, non-default args: "
                      "{'max_tokens': 2, 'json': True, 'max_model_len': 128, 'seed': 3}")
+
+
+def test_server_info_gives_bench_serving_the_mean_acceptance_length(server):
+    """SGLang's bench_serving prints "Accept length" from /server_info's
+    internal_states[0]["avg_spec_accept_length"]: the drafting server's mean acceptance length, the
+    figure /metrics derives from its spec_decode counters."""
+    info = httpx.get(server.url + "/server_info", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    stats = server.engine.stats()
+    length = info["internal_states"][0]["avg_spec_accept_length"]
+    assert length == stats["spec_decode_mean_acceptance_length"] >= 1.0
+    assert length == 1 + stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_drafts"]
+    assert info["num_speculative_tokens"] == "1" and info["kv_tiering"] == "True"

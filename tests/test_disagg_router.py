@@ -571,6 +571,10 @@ def test_router_with_real_workers_answers_as_one_engine(glm_ckpt):
             assert update.status_code == 200 and update.json()["weights_version"] == 1, update.text
             assert httpx.post(router.url + "/flush_cache", headers=admin, timeout=30).status_code == 200
             assert httpx.post(router.url + "/flush_cache", timeout=30).status_code == 401  # no admin key
+            abort = httpx.post(router.url + "/abort_request", json={"abort_all": True}, timeout=30)
+            assert abort.status_code == 200 and abort.json()["aborted"] == 0, abort.text  # nothing in flight
+            probe = httpx.get(router.url + "/health_generate", timeout=60)  # each worker's engine generates
+            assert probe.status_code == 200 and set(probe.json()["workers"]) == {p.url, d.url}, probe.text
             again = httpx.post(router.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=60).json()
             assert again["choices"][0]["text"] == answer["choices"][0]["text"]  # both workers on version 1
             bench = asyncio.run(run_interference(bench_parser().parse_args([
@@ -1137,6 +1141,8 @@ def _fanned_out(pool: WorkerPool, handler, path: str, body: dict) -> httpx.Respo
     ("/update_weights_from_disk", {"success": True, "weights_version": 2}, {"weights_version": 2}),
     ("/pause_generation", {"success": True, "paused": True}, {}),
     ("/reset_prefix_cache", {"tenant": "t", "pages_removed": 1}, {"pages_removed": 3}),
+    ("/abort_request", {"success": True, "aborted": 1}, {"aborted": 3}),
+    ("/health_generate", {"status": "ok"}, {}),
 ])
 def test_admin_calls_go_to_every_worker_of_both_roles(path, answer, summary):
     """The weights, the pause and the prefix caches are each worker's: the call goes to all three with the

@@ -238,6 +238,29 @@ def test_a_data_parallel_server_updates_every_rank(ckpts):
         stats = on_engine_loop(srv, srv.engine.stats)
         assert stats["by_data_parallel_rank"][1]["generation_tokens"] > 0  # rank 1 answered one
         assert scrape(srv.url)["sparsekv:weights_version"] == 1
+        _abort_a_request_running_on_both_ranks(srv, [PROMPT, other])
+
+
+def _abort_a_request_running_on_both_ranks(srv, prompts):
+    """/abort_request on a data-parallel server: a request whose two prompts run one on each rank ends
+    with finish_reason "abort" for both, and both ranks free its pages."""
+    srv.delay[0] = 0.1
+    box = []
+    try:
+        worker = threading.Thread(target=lambda: box.append(_complete(srv, prompt=prompts, max_tokens=200, rid="r")))
+        worker.start()
+        assert wait_until(lambda: scrape(srv.url)["sparsekv:num_requests_running"] == 2, timeout=30)
+        assert _post(srv, "/abort_request", {"rid": "r"}).json() == {"success": True, "aborted": 1}
+        worker.join(30)
+    finally:
+        srv.delay[0] = 0.0
+    assert [c["finish_reason"] for c in box[0]["choices"]] == ["abort", "abort"]
+    assert all(len(c["token_ids"]) < 200 for c in box[0]["sparsekv"]["choices"])
+
+    def every_page_free():
+        ranks = on_engine_loop(srv, srv.engine.stats)["by_data_parallel_rank"]
+        return all(r["kv_pages_free"] == r["kv_pages_total"] for r in ranks)
+    assert wait_until(every_page_free, timeout=10)
 
 
 def _engine_tokens_of(path, prompt):

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -779,6 +780,243 @@ def test_non_stream_disconnect_frees_pages(server):
     finally:
         server.delay[0] = 0.0
     server.engine.check_integrity()
+
+
+# -- /abort_request ------------------------------------------------------------------------------
+
+def _auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _abort(server, key: str, **body) -> httpx.Response:
+    return httpx.post(server.url + "/abort_request", json=body, headers=_auth(key), timeout=30)
+
+
+def _in_background(fn) -> tuple[threading.Thread, list]:
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(fn()))
+    thread.start()
+    return thread, box
+
+
+def _aborted_by(url: str, reason: str) -> float:
+    from test_server_util import scrape_labelled
+    return scrape_labelled(url, "reason").get("sparsekv:requests_aborted_total", {}).get(reason, 0.0)
+
+
+def test_abort_request_ends_a_stream_with_what_it_generated_and_frees_its_pages(server):
+    """SGLang's /abort_request by the id the request gave (`rid`): the stream ends at once with
+    finish_reason "abort" and the greedy tokens generated so far (the same text as a request for that
+    many tokens), its pages are freed, and the abort is counted under its own reason."""
+    before, chunks, started = _aborted_by(server.url, "abort_request"), [], threading.Event()
+    latencies = ("sparsekv:time_to_first_token_seconds_count", "sparsekv:inter_token_latency_seconds_count")
+    counts_before = [scrape(server.url)[name] for name in latencies]
+
+    def stream():
+        body = {**OK, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0,
+                "rid": "rollout-7", "logprobs": 1}
+        with httpx.stream("POST", server.url + C, json=body, headers=_auth(KEY), timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    if len(chunks) == 3:
+                        started.set()
+        return r.status_code
+    server.delay[0] = 0.05
+    try:
+        thread, status = _in_background(stream)
+        assert started.wait(30)
+        answer = _abort(server, KEY, rid="rollout-7")
+        thread.join(30)
+    finally:
+        server.delay[0] = 0.0
+    assert answer.status_code == 200 and answer.json() == {"success": True, "aborted": 1}
+    assert status == [200] and {c["id"] for c in chunks} == {"rollout-7"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    tokens = sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks)
+    assert 3 <= tokens < 200
+    # the abort's own output carries no token: one first token, and a latency between each two tokens
+    assert [scrape(server.url)[name] - n for name, n in zip(latencies, counts_before)] == [1, tokens - 1]
+    plain = httpx.post(server.url + C, json={**OK, "prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True,
+                                             "temperature": 0}, headers=_auth(KEY), timeout=30).json()
+    assert plain["choices"][0]["text"] == text
+    assert _aborted_by(server.url, "abort_request") == before + 1
+    assert wait_until(lambda: pages_all_free(server.url), 5)
+    server.engine.check_integrity()
+
+
+def test_abort_all_ends_the_callers_tenants_requests_only(server):
+    """`abort_all` and a `rid` both act within the caller's tenant: alice's abort of an id that only the
+    other tenant's request holds ends nothing; the other tenant's abort_all ends its own request (a 200
+    with finish_reason "abort") and leaves alice's to finish."""
+    def complete(key):
+        body = {**OK, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, "rid": "same-id"}
+        return httpx.post(server.url + C, json=body, headers=_auth(key), timeout=60)
+    server.delay[0] = 0.05
+    try:
+        alice, alice_box = _in_background(lambda: complete(KEY))
+        plain, plain_box = _in_background(lambda: complete(KEY_PLAIN))
+        assert wait_until(lambda: scrape(server.url)["sparsekv:num_requests_running"] == 2, 30)
+        assert _abort(server, KEY, rid="not-in-flight").json()["aborted"] == 0
+        assert _abort(server, KEY_PLAIN, abort_all=True).json()["aborted"] == 1
+        plain.join(30)
+        assert scrape(server.url)["sparsekv:num_requests_running"] == 1
+    finally:
+        server.delay[0] = 0.0
+    alice.join(60)
+    mine, theirs = alice_box[0].json(), plain_box[0].json()
+    assert theirs["choices"][0]["finish_reason"] == "abort" and theirs["usage"]["completion_tokens"] < 40
+    assert mine["choices"][0]["finish_reason"] == "length" and mine["usage"]["completion_tokens"] == 40
+    assert mine["id"] == theirs["id"] == "same-id"
+    assert wait_until(lambda: pages_all_free(server.url), 5)
+
+
+def test_a_request_aborted_while_it_waits_ends_empty(server):
+    """A request still queued (every sequence slot taken) has no output yet: aborted, it answers 200
+    with no tokens and finish_reason "abort", and leaves the queue."""
+    started = threading.Event()
+
+    def stream(i):
+        body = {**OK, "prompt": [5 + i, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + C, json=body, headers=_auth(KEY), timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    started.set()
+    server.delay[0] = 0.05
+    try:
+        streams = [_in_background(lambda i=i: stream(i))[0] for i in range(4)]  # max_num_seqs 4
+        assert started.wait(30)
+        waiting, box = _in_background(lambda: httpx.post(
+            server.url + C, json={**OK, "prompt": PROMPT, "request_id": "queued", "logprobs": 2},
+            headers=_auth(KEY), timeout=60))
+        assert wait_until(lambda: scrape(server.url)["sparsekv:num_requests_waiting"] == 1, 30)
+        assert scrape(server.url)["sparsekv:num_requests_running"] == 4
+        assert _abort(server, KEY, rid="queued").json()["aborted"] == 1
+        waiting.join(30)
+        assert scrape(server.url)["sparsekv:num_requests_waiting"] == 0
+        assert _abort(server, KEY, abort_all=True).json()["aborted"] == 4
+        for thread in streams:
+            thread.join(30)
+    finally:
+        server.delay[0] = 0.0
+    answer = box[0].json()
+    assert box[0].status_code == 200 and answer["id"] == "queued"
+    assert answer["choices"][0]["finish_reason"] == "abort" and answer["choices"][0]["text"] == ""
+    assert answer["usage"]["completion_tokens"] == 0 and answer["choices"][0]["logprobs"]["tokens"] == []
+    assert wait_until(lambda: pages_all_free(server.url), 5)
+    server.engine.check_integrity()
+
+
+def test_request_ids_in_use_and_bad_abort_bodies_are_refused(server):
+    """An id the tenant's request in flight holds is refused to its next request (another tenant may
+    use it); a bad id, two different ids, and an abort naming neither or both are 400s."""
+    started = threading.Event()
+
+    def stream():
+        body = {**OK, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True, "rid": "dup"}
+        with httpx.stream("POST", server.url + C, json=body, headers=_auth(KEY), timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    started.set()
+    server.delay[0] = 0.05
+    try:
+        thread, _ = _in_background(stream)
+        assert started.wait(30)
+        again = httpx.post(server.url + CHAT, json={**MSG, "request_id": "dup"}, headers=_auth(KEY), timeout=30)
+        elsewhere = httpx.post(server.url + C, json={**OK, "rid": "dup"}, headers=_auth(KEY_PLAIN), timeout=30)
+    finally:
+        assert _abort(server, KEY, rid="dup").json()["aborted"] == 1
+        server.delay[0] = 0.0
+        thread.join(30)
+    _assert_envelope(again, 400, "rid")
+    assert "already in use" in again.json()["error"]["message"]
+    assert elsewhere.status_code == 200 and elsewhere.json()["id"] == "dup"
+    for body in ({**OK, "rid": "has space"}, {**OK, "request_id": ""}, {**OK, "rid": "a", "request_id": "b"},
+                 {**OK, "rid": "x" * 257}):
+        r = httpx.post(server.url + C, json=body, headers=_auth(KEY), timeout=30)
+        _assert_envelope(r, 400, "request_id" if "request_id" in body and "rid" not in body else "rid")
+    assert httpx.post(server.url + C, json={**OK, "rid": "a", "request_id": "a"}, headers=_auth(KEY),
+                      timeout=30).json()["id"] == "a"
+    for body in ({}, {"rid": "x", "abort_all": True}, {"abort_all": False}, {"rid": "two words"}):
+        _assert_envelope(_abort(server, KEY, **body), 400, "rid")
+    assert wait_until(lambda: pages_all_free(server.url), 5)
+
+
+def test_server_info_reports_the_settings_and_live_state_to_a_key_holder(server):
+    """SGLang's /server_info (and /get_server_info): the model, limits, cache layout and the live state
+    in `internal_states`; it tells the server's configuration, so it needs a key like the /v1 routes."""
+    assert httpx.get(server.url + "/server_info", timeout=30).status_code == 401
+    info = httpx.get(server.url + "/server_info", headers=_auth(KEY), timeout=30).json()
+    assert httpx.get(server.url + "/get_server_info", headers=_auth(KEY), timeout=30).json()["model_path"] == \
+        info["model_path"] == server.model
+    assert info["max_model_len"] == MAX_MODEL_LEN and info["served_model_names"] == ["tiny"]
+    assert info["disaggregation_mode"] == "null" and info["num_speculative_tokens"] == "0"
+    assert info["block_size"] == "16" and info["version"]
+    live = info["internal_states"][0]
+    assert live["avg_spec_accept_length"] == 0.0 and live["num_running_reqs"] == 0 and live["kv_cache_usage"] == 0.0
+
+
+# -- /health_generate ---------------------------------------------------------------------------
+
+def test_health_generate_generates_one_token_when_idle(server):
+    """An idle server answers /health_generate (public, as /health) by generating a token, which stays
+    out of the latency metrics and frees its pages."""
+    probe = server.state.probe
+    ttft = scrape(server.url)["sparsekv:time_to_first_token_seconds_count"]
+    before = probe.generations
+    assert httpx.get(server.url + "/health_generate", timeout=30).json() == {"status": "ok"}
+    assert probe.generations == before + 1
+    assert scrape(server.url)["sparsekv:time_to_first_token_seconds_count"] == ttft
+    assert wait_until(lambda: pages_all_free(server.url), 5)
+
+
+def test_health_generate_is_ok_without_generating_while_the_engine_steps(server):
+    """A busy server is healthy when it is stepping: the probe does not queue behind the load."""
+    probe, started = server.state.probe, threading.Event()
+
+    def stream():
+        body = {**OK, "prompt": PROMPT, "max_tokens": 30, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + C, json=body, headers=_auth(KEY), timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    started.set()
+    server.delay[0] = 0.05
+    try:
+        thread, _ = _in_background(stream)
+        assert started.wait(30)
+        before = probe.generations
+        assert httpx.get(server.url + "/health_generate", timeout=30).status_code == 200
+        assert probe.generations == before
+    finally:
+        server.delay[0] = 0.0
+        thread.join(30)
+
+
+def test_health_generate_is_503_when_no_token_comes_within_its_timeout(server, monkeypatch):
+    """An engine whose step outlasts the probe's timeout (a stuck engine) is unhealthy: 503 with the error
+    envelope, while /health, which only sees the thread alive, still says 200. Probes that come
+    together share one generation, so a public endpoint cannot pile requests onto a stuck engine."""
+    probe = server.state.probe
+    monkeypatch.setattr(probe, "timeout_s", 0.3)
+    before, loop = probe.generations, server.state.loop
+    # the engine has not stepped for longer than the timeout (a step newer than that reads as progress)
+    assert wait_until(lambda: loop.last_step_end is None or time.monotonic() - loop.last_step_end > 0.5, 5)
+    server.delay[0] = 1.5
+    try:
+        probes = [_in_background(lambda: httpx.get(server.url + "/health_generate", timeout=30)) for _ in range(3)]
+        for thread, _ in probes:
+            thread.join(30)
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    finally:
+        server.delay[0] = 0.0
+    assert probe.generations == before + 1
+    r = probes[0][1][0]
+    assert {box[0].status_code for _, box in probes} == {503}
+    _assert_envelope(r, 503, None)
+    assert r.json()["status"] == "not_generating" and "no token within 0.3 s" in r.json()["error"]["message"]
+    assert wait_until(lambda: pages_all_free(server.url), 10)
 
 
 LOAD_SCRIPT = r"""

@@ -29,10 +29,12 @@ class _Tokenizer:
 TEXT = TokenText(_Tokenizer())
 
 
-def _out(prompt, tokens, finish=None, stop_reason=None, cached=0, logprobs=None, prompt_logprobs=None):
+def _out(prompt, tokens, finish=None, stop_reason=None, cached=0, logprobs=None, prompt_logprobs=None, new=None):
+    """An engine output whose step made `new` tokens (default: the last of `tokens`)."""
     text = "".join(VOCAB[t] for t in tokens)
     return RequestOutput("r", list(prompt), list(tokens), text, logprobs, finish, num_cached_tokens=cached,
-                         prompt_logprobs=prompt_logprobs, stop_reason=stop_reason)
+                         prompt_logprobs=prompt_logprobs, stop_reason=stop_reason,
+                         new_token_ids=list(tokens[-1:] if new is None else new))
 
 
 def _lp(tokens, chosen=-1.0):
@@ -353,6 +355,25 @@ def test_a_two_token_request_observes_its_time_per_output_token():
     assert _sample(m, "request_time_per_output_token_seconds_count") == 1
     assert _sample(m, "request_time_per_output_token_seconds_sum") == pytest.approx(0.75)
     assert _sample(m, "e2e_request_latency_seconds_count") == 2
+
+
+def test_an_aborted_requests_final_output_observes_no_token_latency():
+    """/abort_request ends a request with an output that carries no token: its wait is neither an
+    inter-token latency nor (before any token) a time to first token; the request is still counted as
+    finished ("abort"), with its time per output token up to its last token."""
+    m = _metrics()
+    t = RequestTimer(arrival=10.0)
+    m.observe(t, _out([1], [5]), 10.5, None)
+    m.observe(t, _out([1], [5, 6]), 11.0, None)
+    m.observe(t, _out([1], [5, 6], "abort", new=[]), 30.0, None)
+    waiting = RequestTimer(arrival=20.0)
+    m.observe(waiting, _out([1], [], "abort", new=[]), 25.0, None)
+    assert _sample(m, "time_to_first_token_seconds_count") == 1
+    assert _sample(m, "inter_token_latency_seconds_count") == 1
+    assert _sample(m, "inter_token_latency_seconds_sum") == pytest.approx(0.5)
+    assert _sample(m, "request_time_per_output_token_seconds_sum") == pytest.approx(0.5)
+    assert _sample(m, "request_success_total", finished_reason="abort") == 2
+    assert _sample(m, "e2e_request_latency_seconds_sum") == pytest.approx(20.0 + 5.0)
 
 
 def test_queue_time_is_never_negative():

@@ -261,11 +261,12 @@ async def _on_a_decode_worker(request: Request, path: str) -> Response:
 
 async def to_every_worker(request: Request):
     """An admin call (`/update_weights_from_disk`, `/pause_generation`, `/continue_generation`,
-    `/flush_cache`: an admin key's) or a tenant's `/reset_prefix_cache`, sent to every worker of both
-    roles at once with the client's body and key: what it changes (the weights, the pause, the prefix
-    caches) is each worker's own, and the prefill and decode workers must hold the same weights. 200
-    when every worker answers 2xx, with each answer under `workers` (`pages_removed` added up, the
-    `weights_version` they agree on); else the worst status among the failed (a 5xx over a 4xx), in
+    `/flush_cache`: an admin key's), a tenant's `/reset_prefix_cache` or `/abort_request`, or a probe's
+    `/health_generate`, sent to every worker of both roles at once with the client's body and key: what
+    it changes or checks (the weights, the pause, the prefix caches, the requests in flight, whether
+    each engine generates) is each worker's own, and the prefill and decode workers must hold the same
+    weights. 200 when every worker answers 2xx, with each answer
+    under `workers` (`pages_removed` and `aborted` added up, the `weights_version` they agree on); else the worst status among the failed (a 5xx over a 4xx), in
     the envelope naming them, with every answer under `workers`. A worker down or gone is a failure
     (503): it did not take the call."""
     router = _router(request)
@@ -296,8 +297,9 @@ async def to_every_worker(request: Request):
         return JSONResponse({**error_body(status, f"{len(failed)} of {len(workers)} workers failed: {why}"),
                              "workers": answers}, status_code=status)
     out = {"success": True, "workers": answers}
-    if all("pages_removed" in a for a in answers.values()):
-        out["pages_removed"] = sum(a["pages_removed"] for a in answers.values())
+    for counted in ("pages_removed", "aborted"):
+        if all(counted in a for a in answers.values()):
+            out[counted] = sum(a[counted] for a in answers.values())
     versions = {a.get("weights_version") for a in answers.values()}
     if len(versions) == 1 and None not in versions:
         out["weights_version"] = versions.pop()
@@ -334,9 +336,10 @@ ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", c
           ("/v1/models", models, ["GET"]), ("/v1/models/{model:path}", models, ["GET"]),
           ("/health", health, ["GET", "HEAD"]), ("/ping", health, ["GET", "POST"]), ("/metrics", metrics, ["GET"]),
           ("/version", version, ["GET"]),
+          ("/health_generate", to_every_worker, ["GET", "POST"]),
           *((path, to_every_worker, ["POST"]) for path in ("/update_weights_from_disk", "/pause_generation",
                                                            "/continue_generation", "/flush_cache",
-                                                           "/reset_prefix_cache"))]
+                                                           "/reset_prefix_cache", "/abort_request"))]
 
 
 def create_app(router: Router, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:

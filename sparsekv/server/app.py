@@ -34,8 +34,9 @@ from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware, tenant_for
 from .errors import APIError, bad_request, error_body, error_response
 from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from .loop import EngineDead, EngineLoop, RequestGroup, ShuttingDown, Submission
+from .probe import GenerateProbe
 from .metrics import ServerMetrics
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from .protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        SamplingFields, TokenizeRequest, parse_body)
 from .reasoning import THINK_CLOSE, prompt_opens_reasoning
 from .responses import Echo, Reasoning, ResponseBuilder, TokenText
@@ -90,7 +91,9 @@ class ServerState:
         self.token_text = TokenText(self.tokenizer)
         self.tokenizing = TokenizerPool(self.tokenizer) if self.tokenizer is not None else None
         self.loop = EngineLoop(engine, None, settings.max_queued_requests, settings.max_queued_per_tenant)
-        self.metrics = ServerMetrics(self.model_name, self.loop.stats, lambda: self.loop.healthy, engine.cache_config())
+        self.probe = GenerateProbe(self.loop)
+        self.cache_config = engine.cache_config()
+        self.metrics = ServerMetrics(self.model_name, self.loop.stats, lambda: self.loop.healthy, self.cache_config)
         self.loop.metrics = self.metrics
         self.disagg = disagg.build_worker(self, settings.disaggregation)
 
@@ -244,7 +247,8 @@ async def _generate(request: Request, body: SamplingFields, kind: str, prompts: 
     """Prompts x n choices -> one group of engine requests, answered as one response or stream."""
     state = _state(request)
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
-    rid = prefix + uuid.uuid4().hex
+    group_id, client_id = prefix + uuid.uuid4().hex, body.client_request_id()
+    rid = client_id or group_id  # the response's id
     prompt_logprobs = logprobs if echo is not None else None
     subs = [Submission(p, sampling_params(body, i, max_tokens, logprobs, prompt_logprobs, grammar_after))
             for p in prompts for i in range(body.n)]
@@ -252,7 +256,7 @@ async def _generate(request: Request, body: SamplingFields, kind: str, prompts: 
                               state.token_text, _tenant(request), top_logprobs, echo, tools, reasoning, forced)
     builder.continuous_usage = body.continuous_usage
     builder.max_calls = None if getattr(body, "parallel_tool_calls", True) else 1
-    job = Job(RequestGroup(rid, len(subs)), subs, _tenant(request), body.cache_salt, builder, body.stream,
+    job = Job(RequestGroup(group_id, len(subs), client_id), subs, _tenant(request), body.cache_salt, builder, body.stream,
               body.include_usage, body.client_params())
     if state.disagg is not None or body.disaggregation is not None:
         return await disagg.serve(state, request, job, body.disaggregation, prompts)
@@ -348,6 +352,20 @@ async def reset_prefix_cache(request: Request):
     return {"tenant": tenant, "pages_removed": pages}
 
 
+async def abort_request(request: Request):
+    """SGLang's POST /abort_request, scoped to the caller: it ends the caller's tenant's request named
+    `rid` (or, with `abort_all`, every one of them) with finish_reason "abort" and what it generated so
+    far, and frees its pages. An RL trainer ends the rollouts it no longer needs this way. A request
+    that already finished is not an error: it is not counted (`aborted`: how many were in flight)."""
+    body = await _body(request, AbortRequest)
+    tenant, state = _tenant(request), _state(request)
+    try:
+        aborted = await state.loop.abort_requests(tenant, None if body.abort_all else body.rid)
+    except (ShuttingDown, EngineDead) as e:
+        raise APIError(503, str(e)) from None
+    return {"success": True, "aborted": aborted}
+
+
 async def detokenize(request: Request):
     state = _state(request)
     body = await _body(request, DetokenizeRequest)
@@ -388,18 +406,52 @@ async def disaggregation(request: Request):
     return disagg.describe(_state(request))
 
 
+async def server_info(request: Request):
+    """SGLang's GET /server_info (older name /get_server_info): the server's settings and its live
+    state. SGLang's `bench_serving` reads `internal_states[0]["avg_spec_accept_length"]` (vLLM's mean
+    acceptance length; 0 before any drafting, or without it)."""
+    state = _state(request)
+    stats = state.loop.stats()
+    total = stats.get("kv_pages_total") or 0
+    live = {"avg_spec_accept_length": stats.get("spec_decode_mean_acceptance_length", 0.0),
+            "num_running_reqs": stats.get("running", 0), "num_waiting_reqs": stats.get("waiting", 0),
+            "kv_cache_usage": 1.0 - stats.get("kv_pages_free", total) / total if total else 0.0,
+            "weights_version": stats.get("weights_version", 0), "paused": stats.get("paused", False)}
+    role = state.settings.disaggregation
+    return {"version": importlib.metadata.version("sparsekv"), "model_path": state.engine.config.model,
+            "served_model_names": list(state.settings.served_model_names), "max_model_len": state.max_model_len,
+            "disaggregation_mode": role.mode if role is not None else "null", **state.cache_config,
+            "internal_states": [live]}
+
+
 async def version(request: Request):
     return {"version": importlib.metadata.version("sparsekv")}
 
 
 async def health(request: Request):
-    loop = _state(request).loop
+    return _unhealthy(_state(request).loop) or {"status": "ok"}
+
+
+def _unhealthy(loop) -> JSONResponse | None:
     if loop.dead is not None:
         return JSONResponse({"status": "engine_dead", "error": repr(loop.dead)}, status_code=503)
     if loop.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     if not loop.healthy:
         return JSONResponse({"status": "engine_stopped"}, status_code=503)
+    return None
+
+
+async def health_generate(request: Request):
+    """SGLang's: /health, and then whether the engine generates (probe.py): 200 `{"status": "ok"}`,
+    else 503 with the error envelope saying why."""
+    state = _state(request)
+    down = _unhealthy(state.loop)
+    if down is not None:
+        return down
+    failure = await state.probe.failure()
+    if failure is not None:
+        return JSONResponse({**error_body(503, failure), "status": "not_generating"}, status_code=503)
     return {"status": "ok"}
 
 
@@ -415,9 +467,10 @@ async def metrics(request: Request):
 
 ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
           ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
-          ("/reset_prefix_cache", reset_prefix_cache, ["POST"]),
+          ("/reset_prefix_cache", reset_prefix_cache, ["POST"]), ("/abort_request", abort_request, ["POST"]),
           ("/v1/models", models, ["GET"]), ("/v1/models/{model:path}", model, ["GET"]), ("/health", health, ["GET", "HEAD"]),
-          ("/ping", health, ["GET", "POST"]), ("/metrics", metrics, ["GET"]),
+          ("/ping", health, ["GET", "POST"]), ("/health_generate", health_generate, ["GET", "POST"]),
+          ("/metrics", metrics, ["GET"]), ("/server_info", server_info, ["GET"]), ("/get_server_info", server_info, ["GET"]),
           ("/version", version, ["GET"]), ("/disaggregation", disaggregation, ["GET"])]
 
 

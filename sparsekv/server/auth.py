@@ -30,7 +30,7 @@ import os
 import secrets
 import stat
 
-PUBLIC_PATHS = ("/health", "/metrics", "/ping", "/version", "/disaggregation")  # the last: for `sparsekv router`
+PUBLIC_PATHS = ("/health", "/health_generate", "/metrics", "/ping", "/version", "/disaggregation")  # the last: for `sparsekv router`
 DEFAULT_TENANT = "default"
 ADMIN_PATHS = ("/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache")
 ADMIN_API_KEY_ENV = "SPARSEKV_ADMIN_API_KEY"

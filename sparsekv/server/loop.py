@@ -22,7 +22,7 @@ import time
 import torch
 
 from ..parallel.executor import RankFailure
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..outputs import FirstToken
 from ..sampling_params import InvalidRequest
@@ -65,8 +65,12 @@ class RequestGroup:
     Items on `queue` are `(index, RequestOutput)` or `(None, exception)`.
     """
 
-    def __init__(self, group_id: str, size: int):
+    def __init__(self, group_id: str, size: int, client_id: str | None = None):
         self.request_ids = [f"{group_id}-{i}" for i in range(size)]
+        # the id its client knows it by (the response's `id`, or the request's `rid`), which
+        # /abort_request names; `chosen`: the client chose it, so no other of its tenant's may hold it
+        self.client_id, self.chosen = client_id or group_id, client_id is not None
+        self.observed = True  # its latencies and finish go to the metrics (not a /health_generate probe's)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival = time.monotonic()
         self.first_scheduled: float | None = None  # when the engine first scheduled one of its requests
@@ -83,6 +87,7 @@ class _Route:
     index: int
     request: object  # sparsekv.request.Request, for its scheduling time
     timer: RequestTimer
+    last: RequestOutput | None = None  # its latest output, which an abort ends with
 
 
 class EngineLoop:
@@ -95,6 +100,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[str, _Route] = {}
         self._stats = engine.stats()
+        self.last_step_end: float | None = None  # monotonic time the last step returned
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -154,6 +160,16 @@ class EngineLoop:
     def abort(self, group: RequestGroup) -> None:
         if not group.done:
             self._commands.put((self._abort_group, (group, "client_disconnect")))
+
+    async def abort_requests(self, tenant: str, client_id: str | None) -> int:
+        """End the tenant's requests in flight whose client id is `client_id` (all of them: None) with
+        finish_reason "abort" and what they generated so far, as a client gets a finished request's;
+        their pages are freed. How many API requests it ended (0: none was in flight)."""
+        self._refuse_if_closed()
+        fut, box = self._aloop.create_future(), []
+        self._commands.put((self._abort_matching, (tenant, client_id, box, fut)))
+        await fut
+        return box[0]
 
     async def abort_all(self, reason: str) -> None:
         """Abort every request in flight; each waiting client gets ShuttingDown(reason)."""
@@ -248,6 +264,9 @@ class EngineLoop:
         try:
             self._refuse_if_closed()
             self._refuse_if_queue_full(tenant, len(subs))
+            if group.chosen and self._matching(tenant, group.client_id):
+                raise InvalidRequest(f"request id {group.client_id!r} is already in use by a request in flight",
+                                     "rid")
             added = []
             try:
                 for i, (rid, sub) in enumerate(zip(group.request_ids, subs)):
@@ -291,6 +310,24 @@ class EngineLoop:
             log.exception("abort of %s failed", rid)
             return False
 
+    def _matching(self, tenant: str, client_id: str | None) -> list[tuple[str, _Route]]:
+        return [(rid, r) for rid, r in self._routes.items()
+                if r.timer.tenant == tenant and (client_id is None or r.group.client_id == client_id)]
+
+    def _abort_matching(self, tenant: str, client_id: str | None, box: list, fut) -> None:
+        try:
+            matched = self._matching(tenant, client_id)
+            now, batch = time.monotonic(), []
+            for rid, route in matched:
+                batch.append(self._route_output(_aborted_output(rid, route), now))  # drops the route
+                self._abort_one(rid)
+            if self.metrics and matched:
+                self.metrics.abort("abort_request", len(matched))
+            box.append(len({id(r.group) for _, r in matched}))
+            self._deliver(batch)
+        finally:
+            self._resolve(fut, None)
+
     def _abort_everything(self, reason: str, fut) -> None:
         routes = list(self._routes.items())
         try:
@@ -308,7 +345,7 @@ class EngineLoop:
         except Exception as e:
             self._die(e)
             return
-        now = time.monotonic()
+        now = self.last_step_end = time.monotonic()
         batch = [self._route_output(out, now) for out in outputs if out.request_id in self._routes]
         try:
             self._refresh_stats()
@@ -318,10 +355,11 @@ class EngineLoop:
     def _route_output(self, out: RequestOutput, now: float):
         route = self._routes[out.request_id]
         scheduled = getattr(route.request, "first_scheduled_time", None)
-        if self.metrics:
+        if self.metrics and route.group.observed:
             self.metrics.observe(route.timer, out, now, scheduled)
         if route.group.first_scheduled is None:
             route.group.first_scheduled = scheduled
+        route.last = out
         if out.finished:
             del self._routes[out.request_id]
         return route.group, route.index, out
@@ -399,3 +437,12 @@ def _cuda_index(device) -> int | None:
     device = torch.device(device)
     return device.index if device.index is not None else torch.cuda.current_device()
 
+
+def _aborted_output(rid: str, route: _Route) -> RequestOutput:
+    """The final output of a request ended by /abort_request: its latest output (the tokens, text and
+    logprobs so far) with finish_reason "abort", or an empty one when it has none yet."""
+    if route.last is not None:
+        return replace(route.last, finish_reason="abort", stop_reason=None, new_token_ids=[])
+    request = route.request
+    logprobs = [] if request.params.logprobs is not None else None
+    return RequestOutput(rid, list(request.prompt_token_ids), [], "", logprobs, "abort")

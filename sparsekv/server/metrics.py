@@ -129,7 +129,21 @@ class ServerMetrics:
             info.labels(model_name, *[cache_config[k] for k in sorted(cache_config)]).set(1)
 
     def observe(self, t: RequestTimer, out, now: float, scheduled: float | None) -> None:
-        """Latencies of one engine output; called by the engine loop as the output comes out."""
+        """Latencies of one engine output; called by the engine loop as the output comes out. Token
+        latencies come from outputs that carry tokens: the final output of an aborted request carries
+        none, and its wait is no token's."""
+        if out.new_token_ids:
+            self._token_latencies(t, now)
+        if scheduled is not None and not t.queued:
+            t.queued = True
+            self.queue.observe(max(0.0, scheduled - t.arrival))
+        if out.finished:
+            self.e2e.observe(now - t.arrival)
+            if len(out.token_ids) > 1 and t.first_token is not None:
+                self.tpot.observe((t.last_token - t.first_token) / (len(out.token_ids) - 1))
+            self.finish(out.finish_reason)
+
+    def _token_latencies(self, t: RequestTimer, now: float) -> None:
         if t.first_token is None:
             t.first_token = now
             self.ttft.observe(now - t.arrival)
@@ -138,14 +152,6 @@ class ServerMetrics:
             self.itl.observe(now - t.last_token)
             self.tenant_itl.labels(self.model_name, t.tenant).observe(now - t.last_token)
         t.last_token = now
-        if scheduled is not None and not t.queued:
-            t.queued = True
-            self.queue.observe(max(0.0, scheduled - t.arrival))
-        if out.finished:
-            self.e2e.observe(now - t.arrival)
-            if len(out.token_ids) > 1:
-                self.tpot.observe((now - t.first_token) / (len(out.token_ids) - 1))
-            self.finish(out.finish_reason)
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()

@@ -87,6 +87,14 @@ class Disaggregation(_Body):
         return self
 
 
+REQUEST_ID = re.compile(r"[!-~]{1,256}")  # printable ASCII, no space: it reaches logs and responses as given
+
+
+def check_request_id(value: str | None, name: str) -> None:
+    if value is not None and not REQUEST_ID.fullmatch(value):
+        raise ValueError(f"{name}: a request id is 1 to 256 printable ASCII characters without spaces")
+
+
 class SamplingFields(_Body):
     """Fields shared by completions and chat; `sampling_params()` in app.py maps them to the engine."""
 
@@ -121,6 +129,10 @@ class SamplingFields(_Body):
     cache_salt: str | None = None
     return_routed_experts: bool = False  # SGLang's: each token's routed experts in the response's "sparsekv"
     disaggregation: Disaggregation | None = None  # set by `sparsekv router` for prefill/decode workers
+    # the client's id for the request (SGLang's `rid`, vLLM's `request_id`): the response's `id`, and
+    # what /abort_request names; unique among its tenant's requests in flight
+    rid: str | None = None
+    request_id: str | None = None
 
     SUPPORTED_HERE: ClassVar[tuple[str, ...]] = ()  # UNSUPPORTED fields a subclass implements
 
@@ -153,7 +165,14 @@ class SamplingFields(_Body):
             raise ValueError(f"truncate_prompt_tokens: must be an integer >= 1, or -1 for max_model_len, got {k}")
         if self.logit_bias is not None and not all(key.isascii() and key.isdigit() for key in self.logit_bias):
             raise ValueError("logit_bias: keys must be token ids (decimal integers as strings)")
+        for name in ("rid", "request_id"):
+            check_request_id(getattr(self, name), name)
+        if None not in (self.rid, self.request_id) and self.rid != self.request_id:
+            raise ValueError("rid: rid and request_id name the same thing; give one, or the same id in both")
         return self
+
+    def client_request_id(self) -> str | None:
+        return self.rid if self.rid is not None else self.request_id
 
     def response_format_spec(self) -> dict | None:
         """The engine's `structured_output` from response_format (None for text)."""
@@ -473,3 +492,18 @@ def _validation_error(e: ValidationError):
     where = ".".join(x for x in loc if not x.startswith(("str", "list[", "int", "bool", "float")))
     got = repr(err.get("input"))[:80]
     return bad_request(f"invalid parameter {where or param}: {err['msg']} (got {got})", param)
+
+
+class AbortRequest(_Body):
+    """SGLang's POST /abort_request: one request by its id (`rid`: the response's `id`, or the id the
+    request gave), or with `abort_all` every request of the caller's tenant."""
+
+    rid: str | None = None
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one(self):
+        check_request_id(self.rid, "rid")
+        if (self.rid is None) == (not self.abort_all):
+            raise ValueError("rid: give a request's id in rid, or abort_all: true (not both)")
+        return self
