@@ -202,7 +202,8 @@ SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_
                    "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "allowed_token_ids",
                    "truncate_prompt_tokens", "include_stop_str_in_output", "skip_special_tokens", "response_format",
                    "guided_json", "guided_regex", "guided_choice", "stop", "stop_token_ids", "n", "stream",
-                   "stream_options", "ignore_eos", "user", "cache_salt", "return_routed_experts", "logprobs")
+                   "stream_options", "ignore_eos", "user", "cache_salt", "return_routed_experts", "logprobs", "rid",
+                   "request_id")
 CHAT_FIELDS = ("top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
                "continue_final_message", "chat_template_kwargs", "max_completion_tokens")
 
