@@ -3,6 +3,7 @@
 /metrics; return_routed_experts through the OpenAI request extension."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -13,12 +14,14 @@ import torch
 from conftest import STARTUP_S
 from sparsekv import LLM, SamplingParams
 from sparsekv.tools.tiny import save_reference_checkpoint
-from test_server_util import MAX_MODEL_LEN, ThreadServer, on_engine_loop, scrape, tiny_checkpoint, wait_until
+from test_server_util import (MAX_MODEL_LEN, ThreadServer, free_port, on_engine_loop, scrape, tiny_checkpoint,
+                              wait_until)
 
 KEY, ADMIN = "sk-alice", "sk-admin"
 PROMPT = [(7 * i) % 250 + 1 for i in range(30)]
 BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-ADMIN_PATHS = ["/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache"]
+ADMIN_PATHS = ["/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache",
+               "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"]
 
 
 @pytest.fixture(scope="module")
@@ -418,3 +421,126 @@ def test_a_drain_update_loads_when_the_request_it_waits_for_is_aborted(ckpts):
         assert "update" in box, "the update still waits, with nothing left to run"
         assert box["update"].status_code == 200, box["update"].text
         assert box["update"].json()["weights_version"] == 1 and engine.weights_version == 1
+
+
+# -- weights broadcast by a trainer (SGLang's /init_weights_update_group, /update_weights_from_distributed) --
+
+def _checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    out = []
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            out += sorted(load_file(os.path.join(path, name)).items())
+    return out
+
+
+def _announce(tensors, group="g") -> dict:
+    return {"names": [n for n, _ in tensors], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            "shapes": [list(t.shape) for _, t in tensors], "group_name": group}
+
+
+def _join_as_trainer(srv, group="g"):
+    """The trainer's group (rank 0, its store on a free port) with the server's engine as rank 1."""
+    from sparsekv.weight_sync import trainer_group
+    port, box = free_port(), {}
+    thread = threading.Thread(target=lambda: box.setdefault("group", trainer_group("127.0.0.1", port, 2)))
+    thread.start()
+    r = _post(srv, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
+                                                  "rank_offset": 1, "world_size": 2, "group_name": group}, key=ADMIN)
+    thread.join(60)
+    assert r.status_code == 200 and "rank 1 of 2 (gloo)" in r.json()["message"], r.text
+    return box["group"]
+
+
+def _broadcast_update(srv, group, announced, sent, meanwhile=None) -> httpx.Response:
+    """POST the update announcing `announced` while the trainer broadcasts `sent` (its tensors in order);
+    `meanwhile()` runs once the server waits for the broadcasts."""
+    from sparsekv.weight_sync import broadcast_weights
+    thread, box = threading.Thread(target=lambda: box.append(
+        _post(srv, "/update_weights_from_distributed", _announce(announced), key=ADMIN))), []
+    thread.start()
+    if meanwhile is not None:
+        assert wait_until(lambda: srv.state.weight_groups.groups["g"].busy.locked(), timeout=30)
+        meanwhile()
+    broadcast_weights(group, sent)
+    thread.join(60)
+    return box[0]
+
+
+def test_a_trainer_broadcasts_new_weights_over_a_process_group(ckpts):
+    """An RL trainer's weight sync without a checkpoint on disk: the server joins the trainer's gloo
+    group, receives B's tensors as the trainer broadcasts them, and then answers as a B engine. A tensor
+    of the wrong shape is received (so the trainer's broadcasts complete) and then refused whole: the old
+    weights keep serving and the group stays usable. A dtype it does not know is refused before
+    anything is received; a destroyed group is gone."""
+    a, b = ckpts
+    new = _checkpoint_tensors(b)
+    with ThreadServer(a, admin_api_keys=[ADMIN]) as srv:
+        group = _join_as_trainer(srv)
+        name, tensor = new[0]
+        wrong = [(name, torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:], dtype=tensor.dtype))]
+        refused = _broadcast_update(srv, group, wrong, wrong)
+        assert refused.status_code == 400 and "wrong shape" in refused.json()["error"]["message"], refused.text
+        assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(a).token_ids
+        bad_dtype = _post(srv, "/update_weights_from_distributed", {**_announce(new[:1]), "dtypes": ["int4"]},
+                          key=ADMIN)
+        assert bad_dtype.status_code == 400 and "int4" in bad_dtype.json()["error"]["message"]
+        def second_update_is_refused():  # its broadcasts would interleave with the first's
+            r = _post(srv, "/update_weights_from_distributed", _announce(new), key=ADMIN)
+            assert r.status_code == 409 and "in flight" in r.json()["error"]["message"], r.text
+        loaded = _broadcast_update(srv, group, new, new, meanwhile=second_update_is_refused)
+        assert loaded.status_code == 200 and loaded.json()["weights_version"] == 1, loaded.text
+        assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(b).token_ids
+        assert _post(srv, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                         "rank_offset": 1, "world_size": 2, "group_name": "g"},
+                     key=ADMIN).status_code == 409  # the name is taken
+        assert _post(srv, "/destroy_weights_update_group", {"group_name": "g"}, key=ADMIN).json() == {"success": True}
+        gone = _post(srv, "/update_weights_from_distributed", _announce(new[:1]), key=ADMIN)
+        assert gone.status_code == 400 and gone.json()["error"]["param"] == "group_name"
+
+
+def test_a_trainer_that_stops_broadcasting_closes_the_group_and_leaves_the_weights(ckpts, monkeypatch):
+    """The trainer announces two tensors and broadcasts one: the receive fails at the group's timeout
+    with a 503 naming the tensor, the group is closed, and the engine still serves its old weights."""
+    from sparsekv import weight_sync
+    monkeypatch.setattr(weight_sync, "TIMEOUT_S", 2.0)
+    a, b = ckpts
+    new = _checkpoint_tensors(b)
+    with ThreadServer(a, admin_api_keys=[ADMIN]) as srv:
+        group = _join_as_trainer(srv)
+        r = _broadcast_update(srv, group, new[:2], new[:1])
+        assert r.status_code == 503 and new[1][0] in r.json()["error"]["message"], r.text
+        assert "closed" in r.json()["error"]["message"]
+        assert srv.state.weight_groups.groups == {}
+        assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(a).token_ids
+        assert scrape(srv.url)["sparsekv:weights_version"] == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"master_port": 70000}, "master_port"), ({"rank_offset": 0}, "rank_offset"), ({"rank_offset": 2}, "rank_offset"),
+    ({"backend": "mpi"}, "backend")])
+def test_a_bad_group_is_refused_before_any_connection(server, body, param):
+    base = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
+    r = _post(server, "/init_weights_update_group", {**base, **body}, key=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_weight_sync_carries_float8_over_gloo_as_bytes():
+    """gloo has no float8 type: the trainer's and the engine's sides both move an FP8 weight (and a
+    bf16 one) as its bytes, and the engine gets the same bits in the announced dtype."""
+    from sparsekv.weight_sync import broadcast_weights, join_group, receive_weights, trainer_group
+    port, box = free_port(), {}
+    fp8 = torch.randn(8, 16).to(torch.float8_e4m3fn)
+    bf16 = torch.randn(3, 5).bfloat16()
+
+    def engine():
+        group = join_group("127.0.0.1", port, 1, 2, "gloo", timeout_s=30)
+        box["got"] = receive_weights(group, ["w", "b"], [fp8.dtype, bf16.dtype], [fp8.shape, bf16.shape], "gloo",
+                                     torch.device("cpu"))
+    thread = threading.Thread(target=engine)
+    thread.start()
+    broadcast_weights(trainer_group("127.0.0.1", port, 2, timeout_s=30), [("w", fp8), ("b", bf16)])
+    thread.join(30)
+    (w, got_fp8), (b, got_bf16) = box["got"]
+    assert (w, b) == ("w", "b") and got_fp8.dtype == torch.float8_e4m3fn and got_bf16.dtype == torch.bfloat16
+    assert torch.equal(got_fp8.view(torch.uint8), fp8.view(torch.uint8)) and torch.equal(got_bf16, bf16)

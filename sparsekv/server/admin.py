@@ -24,7 +24,7 @@ class UpdateWeightsFromDisk(_Body):
     model_path: str
 
 
-async def _call(state, fn, *args):
+async def call_engine(state, fn, *args):
     try:
         return await state.loop.call(fn, *args)
     except (ShuttingDown, EngineDead) as e:
@@ -34,38 +34,47 @@ async def _call(state, fn, *args):
 async def update_weights_from_disk(request: Request):
     state = request.app.state.server
     body = parse_body(await request.body(), UpdateWeightsFromDisk)
-    engine, policy = state.engine, state.settings.weight_update_policy
+    policy = state.settings.weight_update_policy
+    version = await run_weight_update(state, lambda: state.engine.update_weights_from_disk(body.model_path, policy),
+                                      "model_path")
+    return {"success": True, "message": f"loaded {body.model_path}", "weights_version": version}
+
+
+async def run_weight_update(state, load, param: str) -> int:
+    """Run a weight update (`load()`, on the loop thread: the engine's update call, which returns the
+    outputs of the requests it aborted) and wait for its own outcome: the version it loaded as."""
+    engine = state.engine
 
     def start() -> int:
         """The update started (or loaded); its ticket, read in the same command (UpdateOutcomes)."""
         try:
-            aborted = engine.update_weights_from_disk(body.model_path, policy)
+            aborted = load()
         except WeightLoadError as e:
             state.loop.deliver_outputs(e.aborted)  # the aborted requests' clients get their final chunks
             raise
         state.loop.deliver_outputs(aborted)
         return engine.weight_updates.accepted
     try:
-        ticket = await _call(state, start)
+        ticket = await call_engine(state, start)
     except WeightUpdateError as e:
-        raise APIError(400, str(e), "model_path") from None
+        raise APIError(400, str(e), param) from None
     except WeightUpdateConflict as e:
         raise APIError(409, str(e)) from None
     except WeightLoadError as e:
         raise APIError(500, str(e)) from None
     # NOTE: this update's own result: another update may load (or fail) before this answer is read
-    while (outcome := await _call(state, lambda: engine.weight_updates.outcome(ticket))) is None:
+    while (outcome := await call_engine(state, lambda: engine.weight_updates.outcome(ticket))) is None:
         await asyncio.sleep(POLL_S)
     version, error = outcome
     if error is not None:
         raise APIError(500, f"the weight update failed to load; the previous weights keep serving: {error}")
-    return {"success": True, "message": f"loaded {body.model_path}", "weights_version": version}
+    return version
 
 
 async def pause_generation(request: Request):
     state = request.app.state.server
     try:
-        await _call(state, state.engine.pause_generation)
+        await call_engine(state, state.engine.pause_generation)
     except WeightUpdateConflict as e:
         raise APIError(409, str(e)) from None
     return {"success": True, "paused": True}
@@ -73,14 +82,14 @@ async def pause_generation(request: Request):
 
 async def continue_generation(request: Request):
     state = request.app.state.server
-    await _call(state, state.engine.continue_generation)
+    await call_engine(state, state.engine.continue_generation)
     return {"success": True, "paused": False}
 
 
 async def flush_cache(request: Request):
     """Every tenant's prefix-cache pages in every tier (/reset_prefix_cache is one tenant's)."""
     state = request.app.state.server
-    return {"success": True, "pages_removed": await _call(state, state.engine.flush_cache)}
+    return {"success": True, "pages_removed": await call_engine(state, state.engine.flush_cache)}
 
 
 ADMIN_ROUTES = [("/update_weights_from_disk", update_weights_from_disk, ["POST"]),

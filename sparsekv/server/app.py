@@ -35,6 +35,7 @@ from .errors import APIError, bad_request, error_body, error_response
 from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from .loop import EngineDead, EngineLoop, RequestGroup, ShuttingDown, Submission
 from .probe import GenerateProbe
+from .weight_groups import WEIGHT_GROUP_ROUTES, WeightGroups
 from .metrics import ServerMetrics
 from .protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        SamplingFields, TokenizeRequest, parse_body)
@@ -92,6 +93,7 @@ class ServerState:
         self.tokenizing = TokenizerPool(self.tokenizer) if self.tokenizer is not None else None
         self.loop = EngineLoop(engine, None, settings.max_queued_requests, settings.max_queued_per_tenant)
         self.probe = GenerateProbe(self.loop)
+        self.weight_groups = WeightGroups()  # the trainers' process groups joined (weight_groups.py)
         self.cache_config = engine.cache_config()
         self.metrics = ServerMetrics(self.model_name, self.loop.stats, lambda: self.loop.healthy, self.cache_config)
         self.loop.metrics = self.metrics
@@ -496,11 +498,12 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
                     stack.callback(state.tokenizing.close)
                 if state.disagg is not None:
                     stack.callback(state.disagg.close)
+                stack.callback(state.weight_groups.close)
 
     app = FastAPI(title="sparsekv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     from .admin import ADMIN_ROUTES
-    for path, fn, methods in ROUTES + ADMIN_ROUTES:
+    for path, fn, methods in ROUTES + ADMIN_ROUTES + WEIGHT_GROUP_ROUTES:
         app.add_api_route(path, fn, methods=methods)
     app.add_exception_handler(APIError, lambda req, exc: error_response(exc))
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -32,7 +32,8 @@ import stat
 
 PUBLIC_PATHS = ("/health", "/health_generate", "/metrics", "/ping", "/version", "/disaggregation")  # the last: for `sparsekv router`
 DEFAULT_TENANT = "default"
-ADMIN_PATHS = ("/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache")
+ADMIN_PATHS = ("/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache",
+               "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group")
 ADMIN_API_KEY_ENV = "SPARSEKV_ADMIN_API_KEY"
 METRICS_API_KEY_ENV = "SPARSEKV_METRICS_API_KEY"
 TENANT_SCOPE_KEY = "sparsekv.tenant"

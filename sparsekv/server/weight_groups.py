@@ -1,0 +1,158 @@
+"""SGLang's weight updates from a trainer's process group (sparsekv/weight_sync.py), admin keys only
+(auth.ADMIN_PATHS): POST /init_weights_update_group, /update_weights_from_distributed,
+/destroy_weights_update_group.
+
+The engine's process joins the trainer's group (a rendezvous off the event loop and off the engine
+thread, so the server keeps serving meanwhile), keeps it under its name, and for each update receives
+the announced tensors off both threads too; the update itself then runs as `/update_weights_from_disk`
+does (the same drain or abort policy, checked whole, 400 with the old weights serving when refused).
+One update at a time per group (its broadcasts are ordered); a failed broadcast closes the group.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from pydantic import model_validator
+
+from ..weight_sync import BACKENDS, WeightSyncError, close_group, dtype_of, join_group, receive_weights
+from .admin import call_engine, run_weight_update
+from .errors import APIError, bad_request
+from .protocol import _Body, parse_body
+
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default name
+
+
+class InitWeightsUpdateGroup(_Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP
+    backend: str | None = None  # default: NCCL for an engine on CUDA, else gloo
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"backend: one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port: a TCP port, got {self.master_port}")
+        if not 0 < self.rank_offset < self.world_size:
+            raise ValueError(f"rank_offset: must be in [1, world_size {self.world_size}): the trainer is rank 0, "
+                             f"got {self.rank_offset}")
+        return self
+
+
+class UpdateWeightsFromDistributed(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP
+    flush_cache: bool = True  # accepted: an update never serves the old weights' prefix pages (docs/rl.md)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.names:
+            raise ValueError("names: the update has no tensors")
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names: {len(self.names)} names, {len(self.dtypes)} dtypes and {len(self.shapes)} "
+                             "shapes: give one of each per tensor")
+        for name in self.dtypes:
+            dtype_of(name)  # a ValueError naming it, before anything is received
+        if any(d < 0 for shape in self.shapes for d in shape):
+            raise ValueError("shapes: dimensions must be >= 0")
+        return self
+
+
+class DestroyWeightsUpdateGroup(_Body):
+    group_name: str = DEFAULT_GROUP
+
+
+@dataclass
+class SyncGroup:
+    group: object  # a torch.distributed ProcessGroup
+    backend: str
+    busy: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class WeightGroups:
+    """The trainer groups this server has joined, by name."""
+
+    def __init__(self):
+        self.groups: dict[str, SyncGroup | None] = {}  # None: joining
+
+    def take(self, name: str) -> SyncGroup:
+        found = self.groups.get(name)
+        if found is None:
+            raise bad_request(f"no weights update group named {name!r}: POST /init_weights_update_group first",
+                              "group_name")
+        return found
+
+    def drop(self, name: str) -> None:
+        found = self.groups.pop(name, None)
+        if found is not None:
+            close_group(found.group, found.backend)
+
+    def close(self) -> None:
+        for name in list(self.groups):
+            self.drop(name)
+
+
+async def init_weights_update_group(request: Request):
+    state = request.app.state.server
+    await call_engine(state, lambda: None)  # 503 while the server shuts down or once its engine failed
+    body = parse_body(await request.body(), InitWeightsUpdateGroup)
+    groups, name = state.weight_groups, body.group_name
+    if name in groups.groups:
+        raise APIError(409, f"a weights update group named {name!r} exists: destroy it first", "group_name")
+    backend = body.backend or ("nccl" if state.engine.device.type == "cuda" else "gloo")
+    groups.groups[name] = None
+    try:
+        group = await asyncio.to_thread(join_group, body.master_address, body.master_port, body.rank_offset,
+                                        body.world_size, backend)
+    except WeightSyncError as e:
+        raise APIError(503, str(e)) from None
+    finally:
+        if groups.groups.get(name, False) is None:
+            del groups.groups[name]
+    groups.groups[name] = SyncGroup(group, backend)
+    return {"success": True, "message": f"joined {name} as rank {body.rank_offset} of {body.world_size} ({backend})"}
+
+
+async def update_weights_from_distributed(request: Request):
+    state = request.app.state.server
+    await call_engine(state, lambda: None)  # 503 while the server shuts down or once its engine failed
+    body = parse_body(await request.body(), UpdateWeightsFromDistributed)
+    sync = state.weight_groups.take(body.group_name)
+    if sync.busy.locked():
+        raise APIError(409, f"an update over {body.group_name} is in flight: its broadcasts come in order, one "
+                            "update at a time")
+    async with sync.busy:
+        try:
+            tensors = await asyncio.to_thread(receive_weights, sync.group, body.names,
+                                              [dtype_of(d) for d in body.dtypes], [tuple(s) for s in body.shapes],
+                                              sync.backend, state.engine.device)
+        except WeightSyncError as e:
+            state.weight_groups.drop(body.group_name)
+            raise APIError(503, f"{e}; the group {body.group_name} is closed: form a new one") from None
+    policy = state.settings.weight_update_policy
+    version = await run_weight_update(state, lambda: state.engine.update_weights(tensors, policy), "names")
+    return {"success": True, "message": f"loaded {len(tensors)} tensors from {body.group_name}",
+            "weights_version": version}
+
+
+async def destroy_weights_update_group(request: Request):
+    state = request.app.state.server
+    await call_engine(state, lambda: None)  # 503 while the server shuts down or once its engine failed
+    body = parse_body(await request.body(), DestroyWeightsUpdateGroup)
+    sync = state.weight_groups.take(body.group_name)
+    if sync.busy.locked():
+        raise APIError(409, f"an update over {body.group_name} is in flight")
+    state.weight_groups.drop(body.group_name)
+    return {"success": True}
+
+
+WEIGHT_GROUP_ROUTES = [("/init_weights_update_group", init_weights_update_group, ["POST"]),
+                       ("/update_weights_from_distributed", update_weights_from_distributed, ["POST"]),
+                       ("/destroy_weights_update_group", destroy_weights_update_group, ["POST"])]

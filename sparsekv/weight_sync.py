@@ -1,0 +1,127 @@
+"""Weight updates broadcast by a trainer over torch.distributed, SGLang's RL interface (slime and verl
+drive it): the trainer's ranks and the serving engines form one process group outside their own
+worlds, and each update's tensors are broadcast from the trainer to every engine at once, with no
+checkpoint written to disk (a 700 GB model is not saved and read back every RL step).
+
+The trainer owns the group: it is rank 0 and hosts the group's `TCPStore` at (master_address,
+master_port) (`trainer_group`). An engine process joins as `rank_offset` of `world_size`
+(`join_group`, from the server's `/init_weights_update_group`); several engines take consecutive
+offsets. An update names its tensors (names, dtypes, shapes, in broadcast order) while the trainer
+broadcasts them (`broadcast_weights`); every engine receives each one (`receive_weights`), then loads
+them through `LLMEngine.update_weights`, which checks the set whole (an unknown name or a wrong shape is
+refused and the old weights keep serving). Every announced tensor is received before that check, so
+the trainer's broadcasts complete whatever the engine thinks of them and the group stays usable.
+
+gloo carries host tensors, NCCL device tensors. gloo has no float8 type: over gloo a float8 tensor
+travels as its bytes, which both `broadcast_weights` and `receive_weights` do.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+TIMEOUT_S = 600.0  # one collective of the group (the rendezvous, a tensor's broadcast) waits at most this long
+
+
+class WeightSyncError(RuntimeError):
+    """The group could not form, or a broadcast failed (the trainer died or stopped within the
+    timeout): the group is unusable; the trainer and the engines form a new one."""
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """A dtype by its torch name ("bfloat16"; "torch.bfloat16" too, as SGLang's trainers send it)."""
+    dtype = DTYPES.get(name.removeprefix("torch."))
+    if dtype is None:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def trainer_group(master_address: str, master_port: int, world_size: int, backend: str = "gloo",
+                  timeout_s: float | None = None) -> dist.ProcessGroup:
+    """The trainer's side of the group (rank 0), hosting its store: what a trainer runs while it asks
+    each engine to `/init_weights_update_group`."""
+    timeout_s = TIMEOUT_S if timeout_s is None else timeout_s
+    store = dist.TCPStore(master_address, master_port, is_master=True, wait_for_workers=False,
+                          timeout=_timeout(timeout_s))
+    return _group(store, 0, world_size, backend, timeout_s)
+
+
+def join_group(master_address: str, master_port: int, rank: int, world_size: int, backend: str,
+               timeout_s: float | None = None) -> dist.ProcessGroup:
+    """An engine's side: rank `rank` of the trainer's group (blocks until every rank has joined)."""
+    timeout_s = TIMEOUT_S if timeout_s is None else timeout_s
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if not 0 < rank < world_size:
+        raise ValueError(f"rank_offset {rank} must be in [1, world_size {world_size}): the trainer is rank 0")
+    try:
+        store = dist.TCPStore(master_address, master_port, is_master=False, wait_for_workers=False,
+                              timeout=_timeout(timeout_s))
+        return _group(store, rank, world_size, backend, timeout_s)
+    except Exception as e:  # refused, unreachable, timed out
+        raise WeightSyncError(f"could not join the trainer's group at {master_address}:{master_port}: "
+                              f"{_first_line(e)}") from None
+
+
+def broadcast_weights(group: dist.ProcessGroup, named_tensors, backend: str = "gloo",
+                      device: torch.device | str = "cpu") -> None:
+    """The trainer's side of one update: each tensor from rank 0, in the order the engines were told."""
+    for _, tensor in named_tensors:
+        _broadcast(group, tensor.detach().to(device).contiguous(), backend)
+
+
+def receive_weights(group: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype],
+                    shapes: list[tuple[int, ...]], backend: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """An engine's side of one update: every announced tensor, in order, on `device` (the host for gloo)."""
+    where = device if backend == "nccl" else torch.device("cpu")
+    out = []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        tensor = torch.empty(shape, dtype=dtype, device=where)
+        try:
+            _broadcast(group, tensor, backend)
+        except Exception as e:
+            raise WeightSyncError(f"receiving {name} failed: {_first_line(e)}") from None
+        out.append((name, tensor))
+    return out
+
+
+def close_group(group: dist.ProcessGroup, backend: str) -> None:
+    """An NCCL communicator is aborted (its device buffers and proxy thread go); a gloo group frees its
+    connections when dropped."""
+    if backend == "nccl":
+        group.abort()
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, backend: str) -> None:
+    if backend == "gloo" and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        tensor = tensor.view(torch.uint8)  # the same storage: the bytes land in the float8 tensor
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+    if tensor.is_cuda:  # NCCL's wait orders the current stream only; the tensor is read on others after
+        torch.cuda.synchronize(tensor.device)
+
+
+def _group(store, rank: int, size: int, backend: str, timeout_s: float) -> dist.ProcessGroup:
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _timeout(timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = _timeout(timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
