@@ -228,11 +228,13 @@ class OutputProcessor:
         return new
 
     def _no_next_token(self, req: Request, row: torch.Tensor) -> bool:
-        """No token may come next (a grammar this vocabulary cannot continue, or one that must end while
-        min_tokens holds EOS back): the request ends here, "stop", with the text it has."""
-        if req.request_id not in self._grammars or bool(torch.isfinite(row).any()):
+        """No token may come next (a grammar this vocabulary cannot continue, one that must end while
+        min_tokens holds EOS back, allowed_token_ids that min_tokens all holds back, a logits processor
+        that masks every token): the request ends here, "stop", with the text it has."""
+        masks = req.request_id in self._grammars or req.request_id in self._adjusters
+        if not masks or bool(torch.isfinite(row).any()):
             return False
-        logger.warning("request %s: its structured output admits no next token; ending it", req.request_id)
+        logger.warning("request %s: its logits admit no next token; ending it", req.request_id)
         self._final_text(req, req.output_token_ids)
         req.finish_reason = "stop"
         return True

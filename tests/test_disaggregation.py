@@ -195,6 +195,25 @@ def test_a_first_token_that_ends_its_request_is_output_without_a_step_and_a_bad_
     engine.check_integrity()
 
 
+def test_a_first_token_that_is_a_stop_token_ends_its_request_once_min_tokens_are_out(glm_ckpt):
+    """vLLM's min_tokens: no stop before min_tokens tokens are out, and a stop token that is the
+    min_tokens-th ends the request. Sampled tokens cannot reach that boundary (stop tokens are masked
+    while fewer than min_tokens are out); a carried first token is not sampled under that mask, so it
+    pins the count: with min_tokens=1 it ends its request as "stop", with min_tokens=2 the request
+    goes on past it."""
+    path = glm_ckpt[0]
+    prompt = _prompt(256, 43)
+    engine = LLM(path, **BASE).engine
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first = _first_token(LLM(path, **BASE), prompt, params)
+    stop_at_first = {**vars(params), "stop_token_ids": [first.token_id]}
+    ended = _generate_from(engine, prompt, SamplingParams(**{**stop_at_first, "min_tokens": 1}), first, "ended")
+    assert (ended.token_ids, ended.finish_reason, ended.stop_reason) == ([first.token_id], "stop", first.token_id)
+    held = _generate_from(engine, prompt, SamplingParams(**{**stop_at_first, "min_tokens": 2}), first, "held")
+    assert held.token_ids[0] == first.token_id and len(held.token_ids) > 1
+    engine.check_integrity()
+
+
 def test_a_first_token_is_checked_against_the_vocabulary_at_both_ends():
     """A first token's id is one of 0 .. vocab_size - 1: both ends are taken, and one past either end
     (vocab_size itself included, one past the embedding's last row) is refused."""

@@ -234,6 +234,23 @@ def test_min_tokens_holds_back_eos_with_ignore_eos_too(llm, random_prompt):
     bundled.close()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_allowed_tokens_that_min_tokens_all_holds_back_end_the_request_with_no_token(llm, random_prompt, temperature):
+    """allowed_token_ids that are all stop tokens, with min_tokens still holding stops back, leave no
+    token that may come next: the request ends there, "stop", with the tokens it has, rather than
+    emitting a token it forbade (a row of -inf logits has no argmax or distribution to draw from).
+    A request beside it runs as usual."""
+    prompt = random_prompt(10, seed=6)
+    forbidding = SamplingParams(max_tokens=6, temperature=temperature, seed=3, allowed_token_ids=[5, 9],
+                                stop_token_ids=[5, 9], min_tokens=2)
+    free = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = llm.generate([prompt], free)[0]
+    ended, beside = llm.generate([prompt, prompt], [forbidding, free])
+    assert (ended.token_ids, ended.finish_reason) == ([], "stop")
+    assert beside.token_ids == alone.token_ids and beside.finish_reason == "length"
+    llm.engine.check_integrity()
+
+
 @pytest.mark.parametrize("chunk", [16, 5], ids=["one-chunk", "chunked"])
 def test_prompt_logprobs_equal_transformers(glm_ckpt, random_prompt, chunk):
     from conftest import reference_logprobs

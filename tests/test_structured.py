@@ -246,3 +246,28 @@ def test_compiled_grammars_are_bounded_however_many_specs_clients_send(llm, monk
     compiled = llm.engine.outputs._grammar_compiler._compiled
     assert len(compiled) == 4
     assert structured.spec_key(hot) in compiled  # used at every other request: never the least recent
+
+
+def test_a_spec_in_steady_use_compiles_once_however_many_others_pass_through(llm, monkeypatch):
+    """The compiled grammars are dropped least recently used first, not oldest first: a spec asked for
+    between every two others is never the least recent, so it compiles once while many more distinct
+    specs than the bound pass through (a first-in-first-out bound would compile it again every
+    MAX_COMPILED_GRAMMARS specs, on a server's hot path)."""
+    from sparsekv import structured
+    monkeypatch.setattr(structured, "MAX_COMPILED_GRAMMARS", 4, raising=False)
+    compiled_keys = []
+    compile_spec = structured.GrammarCompiler._compile
+
+    def counted(self, spec):
+        compiled_keys.append(structured.spec_key(spec))
+        return compile_spec(self, spec)
+
+    monkeypatch.setattr(structured.GrammarCompiler, "_compile", counted)
+    outputs = llm.engine.outputs
+    hot = {"type": "choice", "choices": ["steady-use", "hot"]}
+    others = [{"type": "choice", "choices": [f"passing-{i}"]} for i in range(12)]
+    for spec in others:
+        outputs.grammar_for(hot)
+        outputs.grammar_for(spec)
+    assert compiled_keys.count(structured.spec_key(hot)) == 1
+    assert len(compiled_keys) == 1 + len(others)
