@@ -575,6 +575,7 @@ def test_router_with_real_workers_answers_as_one_engine(glm_ckpt):
             assert abort.status_code == 200 and abort.json()["aborted"] == 0, abort.text  # nothing in flight
             probe = httpx.get(router.url + "/health_generate", timeout=60)  # each worker's engine generates
             assert probe.status_code == 200 and set(probe.json()["workers"]) == {p.url, d.url}, probe.text
+            aborted = _abort_through_the_router(router.url, d, {**body, "prompt": prompt[:20]})
             again = httpx.post(router.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=60).json()
             assert again["choices"][0]["text"] == answer["choices"][0]["text"]  # both workers on version 1
             bench = asyncio.run(run_interference(bench_parser().parse_args([
@@ -587,8 +588,36 @@ def test_router_with_real_workers_answers_as_one_engine(glm_ckpt):
         assert bench["loaded"]["long_ttft_split_s"]["transfer_s"] > 0  # the decode worker's figures, through the router
         assert_same_greedy([want, want], [Answer(answer), streamed], logprob_tolerance(colocated))
         assert answer["sparsekv"]["disaggregation"]["pages_sent"] == (len(prompt) - 1) // base["kv_page_size"]
+        assert aborted[-1]["choices"][0]["finish_reason"] == "abort" and aborted[-1]["id"] == "rollout-3"
+        assert {e["choices"][0]["finish_reason"] for e in aborted[:-1] if e["choices"]} == {None}
         p.check_clean()
         d.check_clean()
+
+
+def _abort_through_the_router(url: str, decode, body: dict) -> list[dict]:
+    """A stream with a client id, decoding slowly on the decode worker, ended by /abort_request through
+    the router (which asks both workers; the decode worker holds it): its events."""
+    from test_server_util import slow_steps
+    delay, events, started = slow_steps(decode.engine), [], threading.Event()
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={**body, "max_tokens": 80, "stream": True, "rid": "rollout-3"}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    started.set()
+    delay[0] = 0.05
+    try:
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert started.wait(30)
+        answer = httpx.post(url + "/abort_request", json={"rid": "rollout-3"}, timeout=30)
+        thread.join(30)
+    finally:
+        delay[0] = 0.0
+    assert answer.status_code == 200 and answer.json()["aborted"] == 1, answer.text
+    return events
 
 
 def test_in_flight_counts_end_with_each_call_however_it_ends_and_the_least_loaded_worker_takes_the_next():
