@@ -143,6 +143,19 @@ def test_claims_are_bounded_and_the_oldest_stops_counting(monkeypatch):
     assert kv.take_claim([1], "t", None) is None and kv.take_claim([3], "t", None) is not None
 
 
+def test_a_rank_answers_a_failing_kv_call_with_its_error_and_runs_only_the_calls_for_it():
+    """`kv_call` is each rank's side of a routed prefix-cache call: an exception there (pages that do
+    not fit) is its answer, raised by the front end, and never escapes into the rank's command loop,
+    where it would end the rank; a rank another call is for answers None and runs nothing."""
+    rank1 = FakeEngine().ranks[1]
+    status, error = kv_call(rank1, 1, 1, "import_prefix", ("bad", "t", [], None), {})
+    assert status == "error" and isinstance(error, ValueError) and "do not fit" in str(error)
+    assert kv_call(rank1, 1, 0, "import_prefix", (["p0"], "t", [[1]], None), {}) is None
+    assert rank1.kv.imported == []
+    assert kv_call(rank1, 1, None, "import_prefix", (["p0"], "t", [[1]], None), {}) == ("ok", 1)
+    assert rank1.kv.imported == [(["p0"], [(1,)])]
+
+
 def test_a_tap_header_round_trips_and_holds_at_most_eight_kinds():
     from sparsekv.cache.layer_tap import LayerRows
     from sparsekv.parallel.dp_taps import HEADER_LEN, decode_header, encode_header

@@ -561,6 +561,25 @@ def test_an_abort_reaches_its_rank_without_another_request(glm_ckpt):
 
 
 
+def test_an_idle_data_parallel_engine_forgets_every_ranks_pages_past_the_retention(glm_ckpt):
+    """`prefix_cache_ttl_s` bounds how long a tenant's prompt stays cached: with no step to run, the
+    server's idle call `expire_prefix_cache` forgets the pages past it on every rank, rank 1's too, and
+    answers how many. Waits past a short retention, so every page is past it whatever the machine."""
+    ttl = 0.2
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, prefix_cache_ttl_s=ttl)
+    engine = llm.engine
+    try:
+        llm.generate(_prompts(256), PARAMS)
+        cached = [r["prefix_cached_pages"] for r in engine.stats()["by_data_parallel_rank"]]
+        assert all(n > 0 for n in cached), cached  # a prompt on each rank
+        time.sleep(2 * ttl)
+        assert engine.expire_prefix_cache() == sum(cached)
+        assert [r["prefix_cached_pages"] for r in engine.stats()["by_data_parallel_rank"]] == [0, 0]
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
 def test_a_rank_counts_its_requests_in_flight_until_they_finish_are_aborted_or_an_update_aborts_them(glm_ckpt):
     """The router's count of requests in flight per rank (`PrefixAffinityRouter.in_flight`) goes back to 0
     when a request finishes, when it is aborted (sent to its rank, or still queued for it) and when a
@@ -731,6 +750,24 @@ def test_merged_stats_keep_rank_0s_flags_and_no_acceptance_length_without_drafts
     assert merged["paused"] is True and merged["weight_update_pending"] is True
     assert merge_stats([rank(False), rank(False)])["paused"] is False
     assert {k: v for k, v in merged.items() if k.startswith("spec_decode")} == SpecDecodingCounts(k=2).metrics()
+
+
+def test_a_rank_reports_its_broken_integrity_by_number_and_a_sound_one_nothing():
+    """`lane_integrity` is each rank's part of `DataParallelEngine.check_integrity`: a rank's failed
+    check comes back as a problem naming the rank, which the front end asserts on; a rank that
+    swallowed it would let a data-parallel engine pass its integrity check with a broken rank."""
+    from types import SimpleNamespace
+
+    from sparsekv.parallel.lanes import lane_integrity
+
+    def lane(rank: int, problem: str | None):
+        def check_integrity():
+            if problem is not None:
+                raise AssertionError(problem)
+        return SimpleNamespace(check_integrity=check_integrity,
+                               executor=SimpleNamespace(model=SimpleNamespace(comm=SimpleNamespace(rank=rank))))
+    assert lane_integrity(lane(1, "a named page is free")) == "data-parallel rank 1: a named page is free"
+    assert lane_integrity(lane(1, None)) is None
 
 
 def test_serve_with_data_parallel_attention_and_expert_parallelism():

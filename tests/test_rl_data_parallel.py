@@ -124,6 +124,68 @@ def test_drain_switches_every_rank_at_the_step_the_last_started_request_finishes
         llm.close()
 
 
+def test_drain_waits_for_a_preempted_started_request_though_no_rank_runs_one(ckpts):
+    """A request preempted after it started holds tokens A computed, though it is queued, not running:
+    a rank counts it as started, so the drain update waits for it. Here r1 (rank 0, one sequence per
+    rank) is preempted behind r2, which runs and finishes first: at the end of that step no rank runs a
+    request, and r1 must still finish under A before B loads (a load then would abort it, and a drain
+    ends no started request)."""
+    a, b = ckpts
+    llm = LLM(a, **{**OPTIONS, "max_num_seqs": 1}, **DP)
+    try:
+        engine = llm.engine
+        r1 = engine.add_request("r1", PROMPT, LONGER)
+        engine.add_request("r1b", OTHER, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        r2 = engine.add_request("r2", [(13 * i) % 250 + 2 for i in range(37)], GREEDY)  # no page of theirs
+        assert engine.rank_of == {"r1": 0, "r1b": 1, "r2": 0}
+        for _ in range(4):
+            engine.step()
+        engine.local.scheduler.preempt(r1, behind=r2)
+        engine.step()  # r2 starts; r1 waits, started
+        assert r2.first_scheduled_time is not None and r1 in engine.local.scheduler.waiting
+        assert engine.update_weights_from_disk(b, policy="drain") == [] and engine.weight_update_pending
+        outs, finished_at = {}, {}
+        loaded = _run_until_done(engine, outs, finished_at)
+        assert finished_at["r2"] < finished_at["r1"] and loaded == [finished_at["r1"]]
+        assert [outs[r].metrics["weights_version"] for r in ("r1", "r2")] == [0, 0] and engine.weights_version == 1
+        assert outs["r1"].finish_reason == "length" and outs["r1"].metrics["num_preemptions"] == 1
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_drain_conflicts_are_refused_and_leave_the_waiting_update_as_it_was(ckpts):
+    """With requests started on both ranks, a drain update while generation is paused (it could never
+    load) and a second update while one waits (it would replace the first, whose caller waits for it)
+    are refused with WeightUpdateConflict; the waiting update then loads once, on every rank at the
+    same step, after the started requests finished under A."""
+    a, b = ckpts
+    llm = LLM(a, **OPTIONS, **DP)
+    try:
+        engine = llm.engine
+        engine.add_request("r1", PROMPT, GREEDY)
+        engine.add_request("r1b", OTHER, GREEDY)
+        engine.step()
+        assert engine.rank_of == {"r1": 0, "r1b": 1}
+        engine.pause_generation()
+        with pytest.raises(WeightUpdateConflict, match="paused with 2 started"):
+            engine.update_weights_from_disk(b, policy="drain")
+        assert not engine.weight_update_pending
+        engine.continue_generation()
+        assert engine.update_weights_from_disk(b, policy="drain") == [] and engine.weight_update_pending
+        for policy in ("drain", "abort"):
+            with pytest.raises(WeightUpdateConflict, match="another weight update"):
+                engine.update_weights_from_disk(a, policy=policy)
+        assert engine.weight_update_pending and set(engine.rank_of) == {"r1", "r1b"}
+        outs, finished_at = {}, {}
+        loaded = _run_until_done(engine, outs, finished_at)
+        assert loaded == [max(finished_at.values())] and engine.weights_version == 1
+        assert [outs[r].metrics["weights_version"] for r in ("r1", "r1b")] == [0, 0]
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
 def test_a_drain_update_whose_checkpoint_is_gone_by_its_load_keeps_a_and_runs_the_held_requests(ckpts, tmp_path):
     """A drain update is checked when it is asked for and loaded steps later, once no rank has a started
     request: here only rank 1 has one (r1 on rank 0 finished first), so the update waits for it. Its
