@@ -25,7 +25,8 @@ import torch.distributed as dist
 BACKENDS = ("gloo", "nccl")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-TIMEOUT_S = 600.0  # one collective of the group (the rendezvous, a tensor's broadcast) waits at most this long
+TIMEOUT_S = 600.0  # one collective of the group (a tensor's broadcast) waits at most this long
+JOIN_TIMEOUT_S = 120.0  # an engine waits this long for the trainer's store and ranks (/init_weights_update_group)
 
 
 class WeightSyncError(RuntimeError):
@@ -61,7 +62,7 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
         raise ValueError(f"rank_offset {rank} must be in [1, world_size {world_size}): the trainer is rank 0")
     try:
         store = dist.TCPStore(master_address, master_port, is_master=False, wait_for_workers=False,
-                              timeout=_timeout(timeout_s))
+                              timeout=_timeout(min(timeout_s, JOIN_TIMEOUT_S)))
         return _group(store, rank, world_size, backend, timeout_s)
     except Exception as e:  # refused, unreachable, timed out
         raise WeightSyncError(f"could not join the trainer's group at {master_address}:{master_port}: "

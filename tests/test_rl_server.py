@@ -516,6 +516,17 @@ def test_a_trainer_that_stops_broadcasting_closes_the_group_and_leaves_the_weigh
         assert scrape(srv.url)["sparsekv:weights_version"] == 0
 
 
+def test_a_trainer_that_never_comes_is_a_503_and_frees_the_groups_name(server, monkeypatch):
+    """No trainer's store at the address: the join gives up at its rendezvous timeout with a 503 naming
+    the address, and the group's name is free again."""
+    from sparsekv import weight_sync
+    monkeypatch.setattr(weight_sync, "JOIN_TIMEOUT_S", 1.0)
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+    r = _post(server, "/init_weights_update_group", body, key=ADMIN)
+    assert r.status_code == 503 and f"127.0.0.1:{body['master_port']}" in r.json()["error"]["message"], r.text
+    assert server.state.weight_groups.groups == {}
+
+
 @pytest.mark.parametrize("body, param", [
     ({"master_port": 70000}, "master_port"), ({"rank_offset": 0}, "rank_offset"), ({"rank_offset": 2}, "rank_offset"),
     ({"backend": "mpi"}, "backend")])

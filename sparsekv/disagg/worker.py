@@ -14,10 +14,10 @@ import asyncio
 import logging
 import time
 import socket
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..daemon import on_daemon_thread
 from ..server.errors import APIError, bad_request
 from ..units import MAX_TIMEOUT_S
 from .metrics import TransferMetrics
@@ -121,7 +121,8 @@ class Worker:
         (Room.wait_for, on a thread of its own). TransferError past the timeout, when the store is gone,
         or when the client went away (the router cancels one side when the other failed); the wait is
         woken then, so it holds its thread no longer."""
-        wait = _on_daemon_thread(link.wait_for, part, self.settings.timeout_s + WAIT_MARGIN_S)
+        wait = on_daemon_thread(link.wait_for, part, self.settings.timeout_s + WAIT_MARGIN_S,
+                                name="sparsekv-disagg-wait")
         try:
             await self._while_peer_works(wait, link, waiting_for, request)
         finally:
@@ -152,7 +153,7 @@ class Worker:
         receives), on a thread of its own: TransferError past the timeout, when the client went away or
         when `peer_left()`, the call then left to end on its own (at its group's timeout, or when the
         group closes)."""
-        wait = _on_daemon_thread(fn, *args, name=thread)
+        wait = on_daemon_thread(fn, *args, name=thread)
         await self._while_peer_works(wait, link, waiting_for, request, peer_left)
         return wait.result()
 
@@ -199,27 +200,3 @@ class Worker:
 
 class PeerTimeout(TransferError):
     """The peer did not answer within --disaggregation-timeout."""
-
-
-def _on_daemon_thread(fn, *args, name: str = "sparsekv-disagg-wait") -> asyncio.Future:
-    """`fn(*args)` on a daemon thread of its own, as a future of the running loop. A room's wait holds
-    a thread for as long as its peer takes (a long prompt's prefill): a pool could run out of them,
-    and a pool's threads would hold the process's exit up while a wait lasts."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result, error) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    def run() -> None:
-        try:
-            outcome = (fn(*args), None)
-        except Exception as e:
-            outcome = (None, e)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the event loop closed: nobody waits for it
-            pass
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future

@@ -7,6 +7,7 @@ thread, so the server keeps serving meanwhile), keeps it under its name, and for
 the announced tensors off both threads too; the update itself then runs as `/update_weights_from_disk`
 does (the same drain or abort policy, checked whole, 400 with the old weights serving when refused).
 One update at a time per group (its broadcasts are ordered); a failed broadcast closes the group.
+The waits run on daemon threads of their own: a trainer that never comes holds no exit up.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from pydantic import model_validator
 
+from ..daemon import on_daemon_thread
 from ..weight_sync import BACKENDS, WeightSyncError, close_group, dtype_of, join_group, receive_weights
 from .admin import call_engine, run_weight_update
 from .errors import APIError, bad_request
@@ -109,8 +111,8 @@ async def init_weights_update_group(request: Request):
     backend = body.backend or ("nccl" if state.engine.device.type == "cuda" else "gloo")
     groups.groups[name] = None
     try:
-        group = await asyncio.to_thread(join_group, body.master_address, body.master_port, body.rank_offset,
-                                        body.world_size, backend)
+        group = await on_daemon_thread(join_group, body.master_address, body.master_port, body.rank_offset,
+                                       body.world_size, backend, name="sparsekv-weight-sync")
     except WeightSyncError as e:
         raise APIError(503, str(e)) from None
     finally:
@@ -130,9 +132,9 @@ async def update_weights_from_distributed(request: Request):
                             "update at a time")
     async with sync.busy:
         try:
-            tensors = await asyncio.to_thread(receive_weights, sync.group, body.names,
-                                              [dtype_of(d) for d in body.dtypes], [tuple(s) for s in body.shapes],
-                                              sync.backend, state.engine.device)
+            tensors = await on_daemon_thread(receive_weights, sync.group, body.names,
+                                             [dtype_of(d) for d in body.dtypes], [tuple(s) for s in body.shapes],
+                                             sync.backend, state.engine.device, name="sparsekv-weight-sync")
         except WeightSyncError as e:
             state.weight_groups.drop(body.group_name)
             raise APIError(503, f"{e}; the group {body.group_name} is closed: form a new one") from None
