@@ -873,21 +873,29 @@ def test_abort_all_ends_the_callers_tenants_requests_only(server):
     assert wait_until(lambda: pages_all_free(server.url), 5)
 
 
-def test_a_request_aborted_while_it_waits_ends_empty(server):
-    """A request still queued (every sequence slot taken) has no output yet: aborted, it answers 200
-    with no tokens and finish_reason "abort", and leaves the queue."""
+def _stream_in_background(server, body: dict) -> tuple[threading.Thread, threading.Event]:
+    """A stream of `body` (alice's) on a thread of its own, and an event set at its first chunk."""
     started = threading.Event()
 
-    def stream(i):
-        body = {**OK, "prompt": [5 + i, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.url + C, json=body, headers=_auth(KEY), timeout=60) as r:
+    def stream():
+        with httpx.stream("POST", server.url + C, json={**body, "stream": True}, headers=_auth(KEY), timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     started.set()
+    thread = threading.Thread(target=stream)
+    thread.start()
+    return thread, started
+
+
+def test_a_request_aborted_while_it_waits_ends_empty(server):
+    """A request still queued (every sequence slot taken) has no output yet: aborted, it answers 200
+    with no tokens and finish_reason "abort", and leaves the queue."""
     server.delay[0] = 0.05
     try:
-        streams = [_in_background(lambda i=i: stream(i))[0] for i in range(4)]  # max_num_seqs 4
-        assert started.wait(30)
+        running = [_stream_in_background(server, {**OK, "prompt": [5 + i, 6, 7], "max_tokens": 200, "ignore_eos": True})
+                   for i in range(4)]  # max_num_seqs 4
+        streams = [thread for thread, _ in running]
+        assert all(started.wait(30) for _, started in running)
         waiting, box = _in_background(lambda: httpx.post(
             server.url + C, json={**OK, "prompt": PROMPT, "request_id": "queued", "logprobs": 2},
             headers=_auth(KEY), timeout=60))
@@ -912,17 +920,10 @@ def test_a_request_aborted_while_it_waits_ends_empty(server):
 def test_request_ids_in_use_and_bad_abort_bodies_are_refused(server):
     """An id the tenant's request in flight holds is refused to its next request (another tenant may
     use it); a bad id, two different ids, and an abort naming neither or both are 400s."""
-    started = threading.Event()
-
-    def stream():
-        body = {**OK, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True, "rid": "dup"}
-        with httpx.stream("POST", server.url + C, json=body, headers=_auth(KEY), timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    started.set()
     server.delay[0] = 0.05
     try:
-        thread, _ = _in_background(stream)
+        thread, started = _stream_in_background(server, {**OK, "prompt": PROMPT, "max_tokens": 200,
+                                                         "ignore_eos": True, "rid": "dup"})
         assert started.wait(30)
         again = httpx.post(server.url + CHAT, json={**MSG, "request_id": "dup"}, headers=_auth(KEY), timeout=30)
         elsewhere = httpx.post(server.url + C, json={**OK, "rid": "dup"}, headers=_auth(KEY_PLAIN), timeout=30)
@@ -974,17 +975,10 @@ def test_health_generate_generates_one_token_when_idle(server):
 
 def test_health_generate_is_ok_without_generating_while_the_engine_steps(server):
     """A busy server is healthy when it is stepping: the probe does not queue behind the load."""
-    probe, started = server.state.probe, threading.Event()
-
-    def stream():
-        body = {**OK, "prompt": PROMPT, "max_tokens": 30, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.url + C, json=body, headers=_auth(KEY), timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    started.set()
+    probe = server.state.probe
     server.delay[0] = 0.05
     try:
-        thread, _ = _in_background(stream)
+        thread, started = _stream_in_background(server, {**OK, "prompt": PROMPT, "max_tokens": 30, "ignore_eos": True})
         assert started.wait(30)
         before = probe.generations
         assert httpx.get(server.url + "/health_generate", timeout=30).status_code == 200

@@ -126,10 +126,7 @@ async def update_weights_from_distributed(request: Request):
     state = request.app.state.server
     await call_engine(state, lambda: None)  # 503 while the server shuts down or once its engine failed
     body = parse_body(await request.body(), UpdateWeightsFromDistributed)
-    sync = state.weight_groups.take(body.group_name)
-    if sync.busy.locked():
-        raise APIError(409, f"an update over {body.group_name} is in flight: its broadcasts come in order, one "
-                            "update at a time")
+    sync = _idle(state, body.group_name)
     async with sync.busy:
         try:
             tensors = await on_daemon_thread(receive_weights, sync.group, body.names,
@@ -148,11 +145,17 @@ async def destroy_weights_update_group(request: Request):
     state = request.app.state.server
     await call_engine(state, lambda: None)  # 503 while the server shuts down or once its engine failed
     body = parse_body(await request.body(), DestroyWeightsUpdateGroup)
-    sync = state.weight_groups.take(body.group_name)
-    if sync.busy.locked():
-        raise APIError(409, f"an update over {body.group_name} is in flight")
+    _idle(state, body.group_name)
     state.weight_groups.drop(body.group_name)
     return {"success": True}
+
+
+def _idle(state, name: str) -> SyncGroup:
+    """The group `name`, with no update in flight over it (409 if one is: its broadcasts come in order)."""
+    sync = state.weight_groups.take(name)
+    if sync.busy.locked():
+        raise APIError(409, f"an update over {name} is in flight: its broadcasts come in order, one update at a time")
+    return sync
 
 
 WEIGHT_GROUP_ROUTES = [("/init_weights_update_group", init_weights_update_group, ["POST"]),
