@@ -494,6 +494,27 @@ def test_startup_refuses_a_worker_in_the_wrong_mode(capsys):
     assert "both --prefill and --decode" in capsys.readouterr().err
 
 
+def test_a_startup_timeout_of_zero_accepts_workers_that_all_answer_at_once():
+    """`--worker-startup-timeout 0` means no waiting, not no workers: when every worker answers the first
+    look, start-up succeeds however late that is; only a worker still unanswered at the deadline fails it."""
+    p, d = FakeWorker("prefill"), FakeWorker("decode")
+    with Served(p.app) as sp, Served(d.app) as sd:
+        pool = WorkerPool([sp.url], [sd.url])
+        check_modes(pool, timeout=0)
+    assert all(w.up for w in pool.all())
+
+
+def test_startup_compares_only_the_page_layouts_the_workers_report():
+    """`kv_layout` is optional in a worker's answer to GET /disaggregation: a worker that leaves it out is
+    not compared (nor taken for a mismatch), while the layouts reported must still agree."""
+    p, d, unreported = FakeWorker("prefill"), FakeWorker("decode"), FakeWorker("decode")
+    unreported.layout = None
+    with Served(p.app) as sp, Served(d.app) as sd, Served(unreported.app) as su:
+        pool = WorkerPool([sp.url], [sd.url, su.url])
+        check_modes(pool, timeout=5)
+    assert all(w.up for w in pool.all()) and pool.workers["decode"][1].kv_layout is None
+
+
 def test_metrics_and_models():
     p, d = FakeWorker("prefill"), FakeWorker("decode")
     with deployment([p], [d]) as (url, _, served):
@@ -983,12 +1004,14 @@ def test_a_prefill_workers_4xx_is_the_clients_answer_not_the_decode_workers():
     assert all(w.in_flight == 0 for w in pool.all())
 
 
-@pytest.mark.parametrize("body", [{"detail": "Not Found"}, {"error": "Not Found"}])
+@pytest.mark.parametrize("body", [{"detail": "Not Found"}, {"error": "Not Found"},
+                                  {"error": {"message": "Not Found", "code": "not_found"}}])
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_workers_4xx_whose_json_is_not_the_openai_envelope_is_still_the_clients_answer(stream, body):
-    """A 4xx whose JSON body is not the OpenAI error envelope (FastAPI's own `{"detail": ...}`, or a
-    proxy's in front of a worker) is still the client's answer with that status, in the envelope, and
-    counted under that status: it was a bare 500 counted as a 200."""
+    """A 4xx whose JSON body is not the OpenAI error envelope (FastAPI's own `{"detail": ...}`, a
+    proxy's in front of a worker, or an error whose code is a string, not the HTTP status) is still the
+    client's answer with that status, in the envelope with an int code, and counted under that status:
+    it was a bare 500 counted as a 200."""
     pool = _pool(decode=1)
 
     async def handler(request: httpx.Request) -> httpx.Response:
@@ -1455,3 +1478,43 @@ def test_a_prefill_worker_that_refuses_the_connection_ends_the_request_and_the_d
     _, r = _routed(pool, handler, {"model": "fake", "prompt": "x"}, bound_s=20)  # at once, unless the decode call is left waiting
     assert r.status_code == 503 and f"prefill worker {prefill.url} failed: ConnectError" in r.json()["error"]["message"]
     assert not prefill.up and decode_cancelled == [True] and all(w.in_flight == 0 for w in pool.all())
+
+
+def test_a_fault_of_the_router_itself_is_a_500_in_the_envelope_counted_with_nothing_in_flight():
+    """An unexpected exception while the router starts a request (its own fault, no worker's answer) is a
+    500 in the OpenAI error envelope, counted under 500, with the in-flight gauge back to 0: otherwise it
+    escapes the handler as a bare 500 or a dropped connection and the gauge counts the request forever."""
+    pool = _pool(decode=1)
+
+    def broken_choice(role: str, key: bytes):
+        raise RuntimeError("a fault of the router's own")
+    pool.choose = broken_choice
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"the request never started, yet {request.url} was asked")
+
+    router, r = _routed(pool, handler, {"model": "fake", "prompt": "x"}, bound_s=20)
+    assert r.status_code == 500 and r.json() == error_body(500, "the router could not start the request")
+    value = router.metrics.registry.get_sample_value
+    assert value("sparsekv:router_requests_total", {"endpoint": "/v1/completions", "status": "500"}) == 1.0
+    assert value("sparsekv:router_requests_in_flight", {}) == 0.0
+
+
+def test_leaving_the_running_router_cancels_the_calls_it_let_run_in_the_background():
+    """At shutdown the router cancels what it left running (prefill calls left to finish, decode responses
+    being closed) before its client to the workers closes, rather than leave them pending on a closed
+    client until the event loop destroys them."""
+    pool = WorkerPool(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], 4)
+
+    async def no_poll(client):
+        pass
+    pool.poll = no_poll
+    router = Router(pool, request_timeout=60, health_interval=60)
+
+    async def main() -> bool:
+        async with router.running():
+            left = asyncio.ensure_future(asyncio.Event().wait())
+            router.background(left)
+        await asyncio.wait({left}, timeout=5)  # at once, unless it was left running
+        return left.cancelled()
+    assert asyncio.run(asyncio.wait_for(main(), 20)) and not router._tasks

@@ -97,13 +97,14 @@ def test_a_request_abandoned_before_the_decode_wait_began_cancels_both_calls():
 
 
 class _Events(httpx.AsyncByteStream):
-    """A decode worker's stream that sends one event, then waits until its connection is closed."""
+    """A decode worker's stream that sends one chunk (by default one event), then waits until its
+    connection is closed."""
 
-    def __init__(self):
-        self.closed = False
+    def __init__(self, chunk: bytes = b'data: {"choices":[{"index":0,"text":"He"}]}\n\n'):
+        self.chunk, self.closed = chunk, False
 
     async def __aiter__(self):
-        yield b'data: {"choices":[{"index":0,"text":"He"}]}\n\n'
+        yield self.chunk
         await asyncio.Event().wait()
 
     async def aclose(self):
@@ -136,4 +137,34 @@ def test_a_stream_abandoned_between_two_reads_has_its_decode_connection_closed()
             await router.client.aclose()
     first, _ = asyncio.run(run())
     assert first.startswith(b"data: ") and events.closed
+    assert all(w.in_flight == 0 for w in pool.all())
+
+
+def test_every_whole_event_of_a_read_is_passed_on_at_once_and_only_an_unfinished_one_held_back():
+    """One read of the decode worker's stream may bring several events and the start of the next: the
+    relay passes on every whole event at once and holds back only the unfinished tail: a whole event held
+    back would keep its token from the client until the worker's next bytes, for as long as it waits."""
+    pool = _up_pool()
+    whole = b'data: {"choices":[{"index":0,"text":"He"}]}\n\ndata: {"choices":[{"index":0,"text":"llo"}]}\n\n'
+    events = _Events(whole + b'data: {"cho')
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "p":
+            return httpx.Response(200, json={})
+        return httpx.Response(200, stream=events, headers={"content-type": "text/event-stream"})
+
+    async def run():
+        router, exchange = _exchange(pool, handler, stream=True)
+        try:
+            await exchange.open_decode()
+            chunks = exchange.relay()
+            first = await asyncio.wait_for(anext(chunks), 10)
+            exchange.close(failed=True)
+            while router._tasks:  # the closing tasks
+                await asyncio.wait(set(router._tasks))
+            return first, chunks
+        finally:
+            await router.client.aclose()
+    first, _ = asyncio.run(run())
+    assert first == whole and events.closed
     assert all(w.in_flight == 0 for w in pool.all())

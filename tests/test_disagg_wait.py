@@ -557,3 +557,52 @@ def test_a_prefill_side_that_read_the_verdict_waits_for_nothing_and_writes_no_er
     assert out.answered() and not out.peer_waiting
     out.error_unless_answered("the decode worker refused the KV")
     assert sorted(out.link.keys) == ["claim", "done"] and not out.told_error
+
+
+class _GoneRoom(_Room):
+    """A room whose store is gone: every call of it fails as `Room`'s do then."""
+
+    def ready(self, key: str) -> bool:
+        raise TransferError("room r1: the bootstrap store is gone (Connection reset by peer)")
+
+    def put(self, key: str, raw: bytes) -> None:
+        raise TransferError("room r1: the bootstrap store failed: Connection reset by peer")
+
+
+def test_a_prefill_side_whose_store_is_gone_reads_no_refusal_and_writes_no_error():
+    """With the room's store gone, `refused` says the decode worker wrote no verdict: a failed send then
+    raises its own failure (not a read of a verdict that is not there), and a join waiting for the peer
+    is not ended as if the peer had left. `error_unless_answered` writes nothing and raises nothing."""
+    import torch
+    from sparsekv.disagg.outbox import Batches
+    out = Batches(_GoneRoom(), DisaggSettings("prefill", "127.0.0.1", 0, SECRET), torch.device("cpu"), None)
+    out.claimed = True
+    assert not out.refused()
+    with pytest.raises(TransferError, match="the bootstrap store is gone"):
+        out.answered()
+    out.error_unless_answered("the engine went away")
+    assert out.link.keys == {} and not out.told_error
+
+
+def test_a_bootstrap_that_answers_something_else_is_refused_naming_only_the_address():
+    """`connect` to an address a request named that answers as no store (here an HTTP server): the
+    TransferError names the address and nothing of what answered there (the worker would otherwise be
+    a probe of its network); the cause goes to the log only."""
+    import contextlib
+    import socket
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_as_http():
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    threading.Thread(target=answer_as_http, daemon=True).start()
+    try:
+        with pytest.raises(TransferError) as refused:
+            connect("127.0.0.1", port, 0.5)
+        assert str(refused.value) == f"cannot reach the prefill worker's bootstrap at 127.0.0.1:{port}"
+    finally:
+        listener.close()

@@ -139,6 +139,34 @@ def test_a_dtype_that_names_no_torch_dtype_is_a_transfer_error(name):
     assert parse_dtype("float8_e4m3fn") is torch.float8_e4m3fn
 
 
+def _int8_spec(**change) -> tuple[dict, torch.Tensor]:
+    """A 6-byte int8 tensor's spec, with fields changed (a prefill worker's bug, or another version's)."""
+    t = torch.arange(6, dtype=torch.int8)
+    return {**tensor_specs(SECRET, [t])[0], **change}, as_bytes(t).clone()
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"shape": [5]}, "6 bytes hold no int8 tensor of shape \\[5\\]"),
+    ({"shape": "6"}, "hold no int8 tensor of shape '6'"),
+    ({"shape": None}, "hold no int8 tensor of shape None"),
+    ({"dtype": "float32"}, "6 bytes hold no float32 tensor"),
+    ({"digest": None}, "do not match their digest"),
+    ({"digest": "\u00e9" * 64}, "do not match their digest"),
+], ids=["shape-of-other-size", "shape-no-list", "no-shape", "dtype-not-dividing-the-bytes", "no-digest",
+        "digest-not-ascii"])
+def test_a_tensor_spec_that_does_not_describe_its_bytes_is_a_transfer_error(change, match):
+    """A signed spec whose shape or dtype does not fit the bytes announced and received, or whose digest
+    is no hex string, fails the room with a TransferError (the decode worker answers 503, tells the
+    prefill worker its verdict and counts a failed transfer), never a RuntimeError, TypeError or
+    KeyError, which the decode worker does not expect: the prefill worker would wait for a verdict
+    until its timeout."""
+    spec, data = _int8_spec(**change)
+    with pytest.raises(TransferError, match=f"tensor 2: .*{match}"):
+        check_received(SECRET, spec, data, 2)
+    good, data = _int8_spec()
+    assert torch.equal(check_received(SECRET, good, data, 2), torch.arange(6, dtype=torch.int8))
+
+
 def test_pages_named_and_pages_received_must_agree():
     """Two names for tensors of three pages (or four for three): refused, not zipped short."""
     tensors = pages_to_tensors(_pages())
@@ -198,13 +226,17 @@ def test_a_first_token_asked_for_with_logprobs_0_carries_the_sampled_tokens_logp
     ([[7, None, None]] * 3, 2),                   # more
     ({"0": [7, None, None]}, 1),                  # no list
     ([[7.0, None, None]], 1),                     # a token that is no int
+    ([[True, None, None]], 1),                    # a JSON boolean, which Python counts as an int
     ([[7, [[7, "-0.5"]], None]], 1),              # a logprob that is no float
     ([[7, [["7", -0.5]], None]], 1),              # a logprob's token that is no int
     ([[7, None, [[1, "2"]]]], 1),                 # an expert id that is no int
+    ([[7, [[True, -0.5]], None]], 1),             # a logprob's token that is a boolean
+    ([[7, None, [[1, False]]]], 1),               # an expert id that is a boolean
     ([[7, None]], 1),                             # a short entry
 ])
 def test_malformed_first_tokens_from_the_wire_are_a_transfer_error(entries, num_choices):
     """The decode worker starts each choice from the token it is sent: a count that does not match the
-    choices, or a field of the wrong type, fails the request rather than starting a choice from it."""
+    choices, or a field of the wrong type, fails the request rather than starting a choice from it. A
+    JSON true or false is no id, though Python's bool is an int (an isinstance check took it as 1 or 0)."""
     with pytest.raises(TransferError, match="first token"):
         first_tokens_from_wire(entries, num_choices)

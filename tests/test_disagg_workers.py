@@ -565,6 +565,32 @@ def test_a_worker_keeps_the_stamps_of_its_last_weights_only_however_many_updates
     assert len(stamps._digests) == 3
 
 
+@pytest.mark.parametrize("theirs", [[0, "c" * 64], "0", 0], ids=["list", "string", "number"])
+def test_a_weights_stamp_that_is_no_object_is_refused_as_a_transfer_error(theirs):
+    """The prefill worker's `weights` field, from its metadata, that is no JSON object: refused as the
+    room's TransferError, which fails that request only, not an AttributeError the worker does not expect."""
+    from sparsekv.disagg.weights_stamp import check_same_weights
+    from sparsekv.disagg.wire import TransferError
+    with pytest.raises(TransferError, match="weights_version None, this decode worker holds weights_version 0"):
+        check_same_weights(theirs, {"weights_version": 0, "checkpoint": "c" * 64})
+
+
+def test_a_worker_keeps_the_stamps_asked_for_last_not_those_computed_first(monkeypatch):
+    """The stamps kept are those asked for last: a checkpoint loaded again (an RL trainer rolling back to
+    it) is kept over one asked for since, so loading it once more reads none of its files again, where
+    dropping the oldest computed would read them at every rollback."""
+    from sparsekv.disagg import weights_stamp
+    monkeypatch.setattr(weights_stamp, "MAX_STAMPS", 2, raising=False)
+    monkeypatch.setattr(weights_stamp, "_stat_stamp", lambda path: [path, 1])
+    computed = []
+    monkeypatch.setattr(weights_stamp, "_checkpoint_digest", lambda path: computed.append(path) or path * 2)
+    stamps = weights_stamp.WeightsStamp()
+    for version, path in enumerate(["a", "b", "a", "c", "a"]):
+        assert stamps.stamp((version, path, [path, 1])) == {"weights_version": version, "checkpoint": path * 2}
+    assert computed == ["a", "b", "c"]
+    assert list(stamps._digests) == [("c", json.dumps(["c", 1])), ("a", json.dumps(["a", 1]))]
+
+
 @pytest.mark.parametrize("tp_side", ["prefill", "decode", "decode-tiered"])
 def test_a_tensor_parallel_worker_on_either_side(tp_side, glm_ckpt, tmp_path):
     """A worker of two tensor-parallel ranks (`-tp 2`, a `sparsekv serve` process of its own: one

@@ -24,11 +24,13 @@ def _saved(i: int) -> list[torch.Tensor]:
     return [torch.full((PAGE, 3), float(i)) + torch.arange(PAGE)[:, None], torch.full((1, 2), i, dtype=torch.int32)]
 
 
-@pytest.mark.parametrize("pages, untouched", [([5, 6, 2, 3, 4, 0], (1, 7)), ([3, 2, 1], (0, 4))],
-                         ids=["runs", "descending"])
+@pytest.mark.parametrize("pages, untouched", [([5, 6, 2, 3, 4, 0], (1, 7)), ([3, 2, 1], (0, 4)),
+                                               ([1, 3, 6], (0, 2, 4, 5, 7))],
+                         ids=["runs", "descending", "ascending-gaps"])
 def test_copy_in_writes_each_page_where_it_belongs_and_nothing_else(pages, untouched):
     """Runs of consecutive pages (5-6, 2-4, 0) are copied together; pages listed in descending order
-    (3, 2, 1) are no run: each saved page goes to its own page, none shifted past it."""
+    (3, 2, 1), or ascending with gaps between them (1, 3, 6), are no run: each saved page goes to its
+    own page, none shifted past it and no page between them written."""
     rows, tensors = _rows()
     saved = [_saved(i) for i in range(len(pages))]
     rows.copy_in(pages, saved)

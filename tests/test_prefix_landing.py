@@ -18,13 +18,13 @@ PAGE = 4
 PROMPT = list(range(1, 23))  # 5 full pages, then the page holding the last token
 
 
-def _cache(num_pages: int = 8, host_pages: int = 16):
+def _cache(num_pages: int = 8, host_pages: int = 16, ttl_s: float | None = None):
     """(cache, its pool tensor, allocator): one slot-indexed tensor of 2 values per token."""
     allocator = PageAllocator(num_pages, PAGE)
     pool = torch.zeros(num_pages * PAGE, 2)
     rows = PageRows([(pool, 1)], PAGE)
     host = PrefixHostStore(rows, host_pages * rows.page_bytes)
-    return PrefixCache(allocator, tiers={"host": host}, rows=rows, land_in_pool=True), pool, allocator
+    return PrefixCache(allocator, tiers={"host": host}, rows=rows, land_in_pool=True, ttl_s=ttl_s), pool, allocator
 
 
 def _exported(cache: PrefixCache, prompt=PROMPT, first: int = 0) -> list:
@@ -261,6 +261,29 @@ def test_resetting_one_tenant_drops_its_tails_only():
     assert not cache._tails
 
 
+def test_an_imported_tail_unused_for_the_ttl_is_forgotten():
+    """With a TTL (`prefix_cache_ttl_s`), `expire` forgets a tail no request has used for that long, as
+    it forgets pages: a tail holds rows of a tenant's prompt, which the retention bound says are gone
+    within the TTL of their last use, and one whose request was aborted before admission is never
+    taken. A tail kept again (another transfer of its prompt) or taken by a request is used then."""
+    now = [0.0]
+    cache, _, allocator = _cache(ttl_s=10)
+    cache.set_clock(lambda: now[0])
+    tail = [torch.full((2, 2), 9.0)]
+    unused, kept_again, taken = (cache.tail_name(PROMPT, tenant, None) for tenant in ("a", "b", "default"))
+    cache.keep_tails(cache.padded_tails([(key, tail, len(PROMPT)) for key in (unused, kept_again)]))
+    cache.keep_tails(cache.padded_tails([(taken, tail, len(PROMPT))]), uses=2)
+    cache.import_pages(_exported(cache), "default", _chains(cache))
+    now[0] = 8.0
+    cache.keep_tails(cache.padded_tails([(kept_again, tail, len(PROMPT))]))
+    assert _admit(cache, allocator, "r").num_tail_tokens == 2
+    now[0] = 11.0
+    cache.expire()
+    assert set(cache._tails) == {kept_again, taken}
+    now[0] = 19.0
+    cache.expire()
+    assert not cache._tails
+
 def test_the_same_prompts_tail_from_two_transfers_serves_both_requests():
     """Two requests of one prompt transferred at once: the second import's tail adds its use to the
     first's (it replaced it, and one of the two requests recomputed the last page)."""
@@ -368,7 +391,7 @@ def test_a_tail_of_another_length_replaces_the_kept_one():
     key = cache.tail_name(PROMPT, "default", None)
     cache.keep_tails(cache.padded_tails([(key, [torch.full((2, 2), 9.0)], len(PROMPT))]))
     cache.keep_tails(cache.padded_tails([(key, [torch.full((1, 2), 5.0)], len(PROMPT))]))
-    rows, uses, count, tenant = cache._tails[key]
+    rows, uses, count, tenant, _ = cache._tails[key]
     assert (uses, count, tenant) == (1, 1, "default") and torch.equal(rows[0][:1], torch.full((1, 2), 5.0))
 
 

@@ -191,6 +191,27 @@ def test_a_prompt_cached_under_a_is_recomputed_under_b_in_every_tier(ckpts, tmp_
     llm.close()
 
 
+def test_reloading_the_same_checkpoint_reopens_the_disk_tier_with_its_pages(ckpts, tmp_path):
+    """An update from the checkpoint already loaded names the disk tier's own directory again: the old
+    tier must be closed first (one engine locks a directory), so the tier reopens and serves every
+    page of the prompt written there before the update (the same weights' KV)."""
+    a, _, _ = ckpts
+    page_bytes = LLM(a, **dict(OPTIONS, enable_prefix_caching=True, prefix_cache_host_bytes=1 << 20)) \
+        .engine.kv.prefix.tiers["host"].page_bytes
+    llm = LLM(a, **_tier_options("disk", tmp_path, page_bytes))
+    llm.generate([PROMPT], GREEDY)
+    llm.generate([OTHER, [(11 * i + 1) % 250 + 3 for i in range(37)]], GREEDY)  # PROMPT's pages pushed to disk
+    prefix = llm.engine.kv.prefix
+    prefix.tiers["disk"].flush()
+    names = prefix.prompt_names(PROMPT, "default", None)
+    assert all(prefix.tiers["disk"].has(name) for name in names)
+    llm.update_weights_from_disk(a)
+    assert "disk" in prefix.tiers
+    out = llm.generate([PROMPT], GREEDY)[0]
+    assert out.metrics["prefix_cached_tokens_disk"] == out.num_cached_tokens == len(names) * PAGE
+    llm.engine.check_integrity()
+    llm.close()
+
 def _run_until_done(engine, outs: dict) -> None:
     while engine.has_unfinished_requests():
         for o in engine.step():

@@ -85,7 +85,7 @@ class PrefixCache(PageTransfer):
         self._claims: dict[str, list[bytes]] = {}  # request -> the names it claimed
         self._reading: dict[str, list[bytes]] = {}  # waiting request -> its disk pages being read ahead
         self._served: dict[str, dict[str, int]] = {}  # request -> its cached tokens by lower tier, as first admitted
-        self._tails: OrderedDict[bytes, list] = OrderedDict()  # imported tails by `tail_name`: [rows, padded; uses left]
+        self._tails: OrderedDict[bytes, list] = OrderedDict()  # by `tail_name`: [rows, uses, count, tenant, last use]
         allocator.cached.tenant_of_named = self._tenant_of.get
         allocator.cached.on_evict = self._forget_page
         self.queried_tokens = 0
@@ -167,7 +167,7 @@ class PrefixCache(PageTransfer):
         whole = tail_tokens(req.num_prompt_tokens, self.page_size)
         if entry is None or entry[2] != (whole if req.num_output_tokens else whole - 1):  # whole, or short
             return [], 0
-        rows, entry[1] = entry[0], entry[1] - 1  # used or not
+        rows, entry[1], entry[4] = entry[0], entry[1] - 1, self.allocator.cached.clock()  # used or not
         if entry[1] == 0:
             del self._tails[key]
         if num_pages != cacheable or req.params.prompt_logprobs is not None:
@@ -316,16 +316,22 @@ class PrefixCache(PageTransfer):
 
     def expire(self) -> int:
         """Forget, in every tier, the pages no request has used for `ttl_s` seconds (a retention
-        bound: a tenant's cached prompt is gone within `ttl_s` of its last use). Returns how many."""
+        bound: a tenant's cached prompt is gone within `ttl_s` of its last use), and the imported tails
+        unused as long. Returns how many pages."""
         if self.ttl_s is None:
             return 0
         cutoff = self.allocator.cached.clock() - self.ttl_s
         pages = self.allocator.cached.drop(self.allocator.cached.unused_since(cutoff))
         for page in pages:
             self._unname(page)
+        self._expire_tails(cutoff)
         n = len(pages) + sum(store.expire(cutoff) for store in self.tiers.values())
         self.expired_pages += n
         return n
+
+    def _expire_tails(self, cutoff: float) -> None:
+        for key in [k for k, kept in self._tails.items() if kept[4] < cutoff]:
+            del self._tails[key]  # its request, if it comes, computes the page
 
     def reset(self, tenant: str | None = None) -> int:
         """Forget a tenant's cached pages in every tier (every tenant's with None): vLLM's

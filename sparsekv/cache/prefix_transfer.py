@@ -88,15 +88,18 @@ class PageTransfer:
     def keep_tails(self, padded: list[tuple[bytes, list, int]], uses: int = 1, tenant: str = "default") -> None:
         """Keep checked tails (`padded_tails`) until `uses` requests (a prompt's choices) were admitted
         (`PrefixCache.take`). Not named: a partial page is never a hit for another request. `tenant`:
-        whose they are (`reset` of one tenant drops its own)."""
+        whose they are (`reset` of one tenant drops its own). Kept or taken is a use (`PrefixCache.expire`
+        forgets a tail unused for the TTL)."""
         if uses < 1:
             raise ValueError(f"a tail needs at least one use, got {uses}")
+        now = self.allocator.cached.clock()
         for key, rows, count in padded:
             kept = self._tails.get(key)
             if kept is not None and kept[2] == count:  # the same prompt's tail from another transfer: the
                 kept[1] += uses                        # same rows, and the requests before still need theirs
+                kept[4] = now
             else:
-                self._tails[key] = [rows, uses, count, tenant]
+                self._tails[key] = [rows, uses, count, tenant, now]
             self._tails.move_to_end(key)
         while len(self._tails) > MAX_TAILS:
             self._tails.popitem(last=False)

@@ -120,12 +120,19 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def check_received(secret: bytes, spec: dict, data: torch.Tensor, index: int) -> torch.Tensor:
-    """The tensor `spec` describes, from the bytes received; TransferError on a size or digest mismatch."""
+    """The tensor `spec` describes, from the bytes received; TransferError on a size or digest mismatch,
+    or a spec whose digest, dtype or shape does not describe them."""
     if data.numel() != spec["nbytes"]:
         raise TransferError(f"tensor {index}: {data.numel()} bytes received, {spec['nbytes']} announced")
-    if not hmac.compare_digest(digest(secret, data), spec["digest"]):
+    announced = spec.get("digest")
+    if not (isinstance(announced, str) and hmac.compare_digest(digest(secret, data).encode(), announced.encode())):
         raise TransferError(f"tensor {index}: its bytes do not match their digest (corrupted in transfer)")
-    return data.view(parse_dtype(spec["dtype"])).reshape(spec["shape"])
+    dtype = parse_dtype(spec.get("dtype"))
+    try:
+        return data.view(dtype).reshape(spec.get("shape"))
+    except (RuntimeError, TypeError):
+        raise TransferError(f"tensor {index}: its {data.numel()} bytes hold no {spec.get('dtype')} tensor of shape "
+                            f"{spec.get('shape')!r}") from None
 
 
 def tensors_to_pages(names: list[bytes], tensors: list[torch.Tensor]) -> list:
