@@ -167,6 +167,16 @@ def test_a_tensor_spec_that_does_not_describe_its_bytes_is_a_transfer_error(chan
     assert torch.equal(check_received(SECRET, good, data, 2), torch.arange(6, dtype=torch.int8))
 
 
+def test_a_tensor_spec_of_no_dimension_is_a_transfer_error():
+    """A one-byte tensor announced with shape [] fits its bytes, but every tensor a room carries has
+    rows: a 0-dim tensor would fail later code that reads its first dimension with an IndexError, which
+    the decode worker does not expect (no verdict, the prefill worker waits until its timeout)."""
+    t = torch.ones(1, dtype=torch.int8)
+    spec = {**tensor_specs(SECRET, [t])[0], "shape": []}
+    with pytest.raises(TransferError, match="tensor 0: its 1 bytes hold no int8 tensor of shape \\[\\]"):
+        check_received(SECRET, spec, as_bytes(t).clone(), 0)
+
+
 def test_pages_named_and_pages_received_must_agree():
     """Two names for tensors of three pages (or four for three): refused, not zipped short."""
     tensors = pages_to_tensors(_pages())

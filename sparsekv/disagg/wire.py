@@ -127,12 +127,14 @@ def check_received(secret: bytes, spec: dict, data: torch.Tensor, index: int) ->
     announced = spec.get("digest")
     if not (isinstance(announced, str) and hmac.compare_digest(digest(secret, data).encode(), announced.encode())):
         raise TransferError(f"tensor {index}: its bytes do not match their digest (corrupted in transfer)")
-    dtype = parse_dtype(spec.get("dtype"))
+    dtype, shape = parse_dtype(spec.get("dtype")), spec.get("shape")
     try:
-        return data.view(dtype).reshape(spec.get("shape"))
+        if not shape:  # every tensor a transfer sends has rows: a 0-dim one is nothing the decode side reads
+            raise TypeError(shape)
+        return data.view(dtype).reshape(shape)
     except (RuntimeError, TypeError):
         raise TransferError(f"tensor {index}: its {data.numel()} bytes hold no {spec.get('dtype')} tensor of shape "
-                            f"{spec.get('shape')!r}") from None
+                            f"{shape!r}") from None
 
 
 def tensors_to_pages(names: list[bytes], tensors: list[torch.Tensor]) -> list:
