@@ -82,8 +82,8 @@ def receive_weights(group: dist.ProcessGroup, names: list[str], dtypes: list[tor
     where = device if backend == "nccl" else torch.device("cpu")
     out = []
     for name, dtype, shape in zip(names, dtypes, shapes):
-        tensor = torch.empty(shape, dtype=dtype, device=where)
         try:
+            tensor = torch.empty(shape, dtype=dtype, device=where)
             _broadcast(group, tensor, backend)
         except Exception as e:
             raise WeightSyncError(f"receiving {name} failed: {_first_line(e)}") from None

@@ -3,6 +3,7 @@
 /metrics; return_routed_experts through the OpenAI request extension."""
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -555,3 +556,119 @@ def test_weight_sync_carries_float8_over_gloo_as_bytes():
     (w, got_fp8), (b, got_bf16) = box["got"]
     assert (w, b) == ("w", "b") and got_fp8.dtype == torch.float8_e4m3fn and got_bf16.dtype == torch.bfloat16
     assert torch.equal(got_fp8.view(torch.uint8), fp8.view(torch.uint8)) and torch.equal(got_bf16, bf16)
+
+
+def _refused_body(model, body: dict, param: str) -> str:
+    from sparsekv.server.errors import APIError
+    from sparsekv.server.protocol import parse_body
+    with pytest.raises(APIError) as e:
+        parse_body(json.dumps(body).encode(), model)
+    assert e.value.status == 400 and e.value.param == param, (e.value.status, e.value.param, e.value.message)
+    return e.value.message
+
+
+def test_a_groups_master_port_is_a_tcp_port_edges_included():
+    """1 and 65535 are ports a trainer's store can listen on; 0 and 65536 are not, and are a 400 naming
+    master_port before any connection is tried."""
+    from sparsekv.server.protocol import parse_body
+    from sparsekv.server.weight_groups import InitWeightsUpdateGroup
+    base = {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2}
+    for port in (1, 65535):
+        assert parse_body(json.dumps({**base, "master_port": port}).encode(), InitWeightsUpdateGroup).master_port == port
+    for port in (0, 65536):
+        _refused_body(InitWeightsUpdateGroup, {**base, "master_port": port}, "master_port")
+
+
+@pytest.mark.parametrize("announce", [
+    {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[2], [3]]},
+    {"names": ["a"], "dtypes": ["float32", "float32"], "shapes": [[2]]},
+    {"names": ["a", "b"], "dtypes": ["float32", "float32"], "shapes": [[2]]},
+])
+def test_an_update_announces_one_dtype_and_one_shape_per_name(announce):
+    """The announcement says how many broadcasts the trainer makes and what each holds: names, dtypes
+    and shapes of unequal lengths would receive a different number of tensors than the trainer sends,
+    leaving the group's broadcasts out of step, so they are a 400 before anything is received."""
+    from sparsekv.server.weight_groups import UpdateWeightsFromDistributed
+    message = _refused_body(UpdateWeightsFromDistributed, announce, "names")
+    assert "one of each per tensor" in message
+
+
+def test_dropping_a_group_closes_it_and_closing_drops_every_group(monkeypatch):
+    """A group dropped (destroyed, failed, or at shutdown) is closed: an NCCL communicator holds device
+    buffers and a proxy thread until it is aborted. A name still joining has nothing to close yet."""
+    from sparsekv.server import weight_groups
+    closed = []
+    monkeypatch.setattr(weight_groups, "close_group", lambda group, backend: closed.append((group, backend)))
+    groups = weight_groups.WeightGroups()
+    one, two = object(), object()
+    groups.groups.update({"one": weight_groups.SyncGroup(one, "nccl"), "joining": None,
+                          "two": weight_groups.SyncGroup(two, "gloo")})
+    groups.drop("one")
+    assert closed == [(one, "nccl")] and list(groups.groups) == ["joining", "two"]
+    groups.close()
+    assert closed == [(one, "nccl"), (two, "gloo")] and groups.groups == {}
+
+
+def test_a_join_that_ends_after_the_shutdown_is_closed_at_once(server, monkeypatch):
+    """The server shut down (its groups closed) while a join waited for the trainer: the group the join
+    then makes is closed at once and the call answers 503, rather than a group nobody will close."""
+    from sparsekv.server import weight_groups
+    closed, joining, release = [], threading.Event(), threading.Event()
+    made = object()
+
+    def join_group(*args, **kwargs):
+        joining.set()
+        release.wait(30)
+        return made
+    monkeypatch.setattr(weight_groups, "join_group", join_group)
+    monkeypatch.setattr(weight_groups, "close_group", lambda group, backend: closed.append(group))
+    body = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2, "group_name": "late"}
+    thread, box = threading.Thread(target=lambda: box.append(
+        _post(server, "/init_weights_update_group", body, key=ADMIN))), []
+    thread.start()
+    assert joining.wait(30)
+    groups = server.state.weight_groups
+    groups.close()
+    release.set()
+    thread.join(30)
+    groups.closed = False  # the module's server serves the next tests
+    assert box[0].status_code == 503 and "shutting down" in box[0].json()["error"]["message"], box[0].text
+    assert closed == [made] and "late" not in groups.groups
+
+
+def test_a_group_with_an_update_in_flight_is_not_destroyed(server, monkeypatch):
+    """Destroying a group while an update receives over it would close the group under the broadcasts:
+    it is a 409 and the group stays, unclosed, until the update is done."""
+    import asyncio
+
+    from sparsekv.server import weight_groups
+    closed = []
+    monkeypatch.setattr(weight_groups, "close_group", lambda group, backend: closed.append(group))
+    sync = weight_groups.SyncGroup(object(), "gloo")
+    asyncio.run(sync.busy.acquire())  # uncontended: the lock is taken without binding it to this loop
+    server.state.weight_groups.groups["busy"] = sync
+    try:
+        r = _post(server, "/destroy_weights_update_group", {"group_name": "busy"}, key=ADMIN)
+        assert r.status_code == 409 and "in flight" in r.json()["error"]["message"], r.text
+        assert server.state.weight_groups.groups.get("busy") is sync and closed == []
+    finally:
+        server.state.weight_groups.groups.pop("busy", None)
+
+
+def test_an_announced_tensor_that_cannot_be_allocated_closes_the_group_with_a_503(server):
+    """A tensor that cannot be allocated (2**62 float32 elements: its byte size overflows, whatever the
+    host's memory) fails before its broadcast is received: the engine has then left the group's
+    broadcasts out of step with the trainer's, so the group is closed and the answer is the 503 naming
+    the tensor that a failed broadcast gets, not a 500 that keeps the broken group."""
+    from sparsekv.server import weight_groups
+    server.state.weight_groups.groups["huge"] = weight_groups.SyncGroup(object(), "gloo")
+    try:
+        r = _post(server, "/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"],
+                                                               "shapes": [[1 << 62]], "group_name": "huge"},
+                  key=ADMIN)
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert "receiving w failed" in message and "the group huge is closed" in message
+        assert "huge" not in server.state.weight_groups.groups
+    finally:
+        server.state.weight_groups.groups.pop("huge", None)

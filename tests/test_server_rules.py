@@ -207,6 +207,22 @@ def test_nesting_up_to_the_bound_is_accepted_and_one_deeper_is_refused(opening, 
     assert e.value.status == 400 and e.value.param == "foo"
 
 
+@pytest.mark.parametrize("field,value", [
+    ("guided_json", {"type": "object", "properties": {"\ud800": {"type": "string"}}}),
+    ("chat_template_kwargs", {"\udfff": True}),
+])
+def test_a_lone_surrogate_in_an_objects_key_is_refused_as_in_its_values(field, value):
+    """A dict's keys reach grammar compilers and chat templates as its values do: a lone UTF-16
+    surrogate escaped in a key ("\\ud800") is the same 400 naming the field, not an error from deep
+    inside the compiler or the template."""
+    model, base = (ChatCompletionRequest, MSG) if field == "chat_template_kwargs" else (CompletionRequest, OK)
+    raw = json.dumps({**base, field: value}).encode()
+    assert b"\\ud" in raw  # escaped, as a client's JSON encoder writes it
+    with pytest.raises(APIError) as e:
+        parse_body(raw, model)
+    assert e.value.status == 400 and e.value.param == field and "lone UTF-16 surrogate" in e.value.message
+
+
 def test_a_disaggregation_bootstrap_port_is_a_real_port():
     """Port 0 is no address to fetch KV from; 1 and 65535 are."""
     spec = {"room": "r1", "bootstrap_host": "10.0.0.1"}
@@ -308,6 +324,21 @@ def test_with_both_queue_bounds_the_smaller_decides_what_can_never_fit(on_loop):
         assert engine.queued == []
         await submit(2)
     on_loop(scenario, max_queued_requests=4, max_queued_per_tenant=2)
+
+
+def test_health_generate_on_a_full_queue_of_a_stuck_engine_says_so(on_loop):
+    """Nothing steps and --max-queued-requests is reached: the probe's one-token request is refused
+    with QueueFull, which /health_generate answers as a 503 with that reason (not a 500 from an
+    exception the probe let through); the refused probe leaves the engine's queue as it was."""
+    from sparsekv.server.probe import GenerateProbe
+
+    async def scenario(loop, engine, submit):
+        await submit(1)
+        probe = GenerateProbe(loop, timeout_s=5.0)
+        failure = await probe.failure()
+        assert failure is not None and "request queue is full (1 requests waiting)" in failure
+        assert probe.generations == 1 and len(engine.queued) == 1
+    on_loop(scenario, max_queued_requests=1)
 
 
 def test_abort_takes_the_groups_requests_out_of_the_engine(on_loop):
@@ -887,6 +918,15 @@ def test_empty_admin_and_metrics_keys_are_refused():
         parse_metrics_keys([""])
     with pytest.raises(ValueError, match="metrics-api-key must not be empty"):
         load_metrics_keys(["mk", ""], [], {})
+
+
+def test_a_key_after_several_spaces_is_the_same_key():
+    """RFC 9110 credentials are `scheme 1*SP token68`: `Bearer   KEY` is KEY, not KEY with leading
+    spaces, so a client (or proxy) that pads the separator is not turned away with a 401."""
+    from sparsekv.server.auth import parse_api_keys, tenant_for
+    keys = parse_api_keys(["sk-a:alice"])
+    assert [tenant_for(keys, f"Bearer{gap}sk-a") for gap in (" ", "  ", "    ")] == ["alice"] * 3
+    assert tenant_for(keys, "Bearer  ") is None
 
 
 def _through_auth(requests, keys=("sk-a:alice",), admin=("sk-admin",)):

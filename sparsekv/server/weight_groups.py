@@ -83,6 +83,7 @@ class WeightGroups:
 
     def __init__(self):
         self.groups: dict[str, SyncGroup | None] = {}  # None: joining
+        self.closed = False  # the server shut down: a join that ends now is closed at once
 
     def take(self, name: str) -> SyncGroup:
         found = self.groups.get(name)
@@ -97,6 +98,7 @@ class WeightGroups:
             close_group(found.group, found.backend)
 
     def close(self) -> None:
+        self.closed = True
         for name in list(self.groups):
             self.drop(name)
 
@@ -118,6 +120,9 @@ async def init_weights_update_group(request: Request):
     finally:
         if groups.groups.get(name, False) is None:
             del groups.groups[name]
+    if groups.closed:
+        close_group(group, backend)
+        raise APIError(503, "the server is shutting down")
     groups.groups[name] = SyncGroup(group, backend)
     return {"success": True, "message": f"joined {name} as rank {body.rank_offset} of {body.world_size} ({backend})"}
 
