@@ -34,6 +34,7 @@ from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware, tenant_for
 from .errors import APIError, bad_request, error_body, error_response
 from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from .loop import EngineDead, EngineLoop, RequestGroup, ShuttingDown, Submission
+from .native import generate
 from .probe import GenerateProbe
 from .weight_groups import WEIGHT_GROUP_ROUTES, WeightGroups
 from .metrics import ServerMetrics
@@ -470,6 +471,7 @@ async def metrics(request: Request):
 ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
           ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
           ("/reset_prefix_cache", reset_prefix_cache, ["POST"]), ("/abort_request", abort_request, ["POST"]),
+          ("/generate", generate, ["POST"]),
           ("/v1/models", models, ["GET"]), ("/v1/models/{model:path}", model, ["GET"]), ("/health", health, ["GET", "HEAD"]),
           ("/ping", health, ["GET", "POST"]), ("/health_generate", health_generate, ["GET", "POST"]),
           ("/metrics", metrics, ["GET"]), ("/server_info", server_info, ["GET"]), ("/get_server_info", server_info, ["GET"]),

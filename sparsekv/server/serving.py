@@ -78,7 +78,7 @@ async def run(request: Request, loop: EngineLoop, job: Job, metrics, states: lis
 
 async def collect(request: Request, loop: EngineLoop, group: RequestGroup, states: list[ChoiceState],
                   builder: ResponseBuilder):
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher = asyncio.ensure_future(wait_disconnect(request))
     try:
         while not all(s.finished for s in states):
             getter = asyncio.ensure_future(group.queue.get())
@@ -104,13 +104,13 @@ async def sse(loop: EngineLoop, group: RequestGroup, states: list[ChoiceState], 
             try:
                 index = _apply(states, await group.queue.get())
             except APIError as e:  # headers are sent: report in-band, then end the stream
-                yield _event(error_body(e.status, e.message, e.param))
+                yield sse_event(error_body(e.status, e.message, e.param))
                 break
-            yield _event(builder.chunk(states[index], index not in started, include_usage))
+            yield sse_event(builder.chunk(states[index], index not in started, include_usage))
             started.add(index)
         else:
             if include_usage:
-                yield _event(builder.usage_chunk(states))
+                yield sse_event(builder.usage_chunk(states))
         yield "data: [DONE]\n\n"
     finally:
         loop.abort(group)
@@ -126,11 +126,11 @@ def _apply(states: list[ChoiceState], item) -> int:
     return index
 
 
-def _event(body: dict) -> str:
+def sse_event(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":

@@ -1,0 +1,276 @@
+"""SGLang's native POST /generate, the API RL frameworks drive rollouts through (slime and AReaL send
+token ids and read each output token's logprob and id back): `text` or `input_ids` (one prompt or a
+batch), `sampling_params` (SGLang's names), `return_logprob` with `top_logprobs_num` and
+`logprob_start_len`, `rid`, `stream`.
+
+An answer per prompt and choice: `text`, `output_ids` and `meta_info` (`id`, `finish_reason` as SGLang
+gives it: {"type": "length", "length": N}, {"type": "stop", "matched": token id or string},
+{"type": "abort"}; token counts; with logprobs `output_token_logprobs` as [logprob, token id, text or
+null] and `output_top_logprobs`, and from `logprob_start_len` the prompt's `input_token_logprobs`). One
+prompt with n = 1 answers an object, else a list in prompt-major order. A stream sends each choice's
+answer so far (cumulative, as SGLang streams), with its `index` in that order, then `[DONE]`.
+
+The request runs as a completion does (serving.admit, the engine loop, abort on disconnect), under
+the caller's tenant; its `rid` names it to /abort_request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import model_validator
+
+from ..outputs import RequestOutput
+from ..request import InvalidRequest, SamplingParams
+from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY
+from .errors import APIError, bad_request, error_body
+from .loop import EngineDead, RequestGroup, Submission
+from ..sampling_params import MAX_N
+from .protocol import INT64_MAX, INT64_MIN, _Body, check_request_id, parse_body
+from .serving import Job, admit, sse_event, wait_disconnect
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
+# SGLang's sampling parameters -> the engine's (None: accepted at SGLang's default only)
+SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "temperature": "temperature",
+                  "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "frequency_penalty": "frequency_penalty",
+                  "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty",
+                  "stop": "stop", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+                  "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "include_stop_str_in_output",
+                  "sampling_seed": "seed", "n": None, "json_schema": None, "regex": None, "logit_bias": None,
+                  "spaces_between_special_tokens": None, "stream_interval": None}
+
+
+class GenerateRequest(_Body):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict | list[dict] | None = None
+    rid: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    return_routed_experts: bool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("text: give exactly one of text or input_ids")
+        check_request_id(self.rid, "rid")
+        if self.top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num: must be >= 0, got {self.top_logprobs_num}")
+        if self.logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len: -1 (no prompt logprobs) or a prompt position, got {self.logprob_start_len}")
+        prompts = self.prompts()
+        if not prompts or any(isinstance(p, list) and not p for p in prompts):
+            raise ValueError(f"{'text' if self.text is not None else 'input_ids'}: a prompt must not be empty")
+        if isinstance(self.sampling_params, list) and len(self.sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(self.sampling_params)} given for {len(prompts)} prompts")
+        return self
+
+    @property
+    def batched(self) -> bool:
+        given = self.text if self.text is not None else self.input_ids
+        return isinstance(given, list) and (self.text is not None or isinstance(given[0], list))
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.text is not None:
+            return list(self.text) if isinstance(self.text, list) else [self.text]
+        if self.input_ids and isinstance(self.input_ids[0], list):
+            return [list(p) for p in self.input_ids]
+        return [list(self.input_ids)]
+
+    def params_of(self, prompt: int) -> dict:
+        given = self.sampling_params or {}
+        return dict(given[prompt] if isinstance(given, list) else given)
+
+
+def engine_params(given: dict, body: GenerateRequest, choice: int) -> SamplingParams:
+    """The engine's parameters for one choice of one prompt, from SGLang's names; a name this server
+    does not take (or takes at its default only) is a 400 naming it."""
+    unknown = sorted(set(given) - set(SAMPLING_NAMES))
+    if unknown:
+        raise bad_request(f"sampling_params: unknown parameter(s) {', '.join(unknown)}", "sampling_params")
+    kwargs = {SAMPLING_NAMES[k]: v for k, v in given.items() if SAMPLING_NAMES[k] is not None and v is not None}
+    kwargs.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if kwargs.get("top_k") == -1:
+        kwargs["top_k"] = 0
+    if kwargs.get("seed") is not None:
+        kwargs["seed"] = _seed(kwargs["seed"]) + choice  # the choices of a prompt differ, as with OpenAI's n
+    grammar = _grammar(given)
+    if given.get("logit_bias"):
+        kwargs["logit_bias"] = _bias(given["logit_bias"])
+    if given.get("spaces_between_special_tokens", True) is not True:
+        raise bad_request("sampling_params: spaces_between_special_tokens is only supported at true", "sampling_params")
+    logprobs = body.top_logprobs_num if body.return_logprob else None
+    prompt_logprobs = body.top_logprobs_num if body.return_logprob and body.logprob_start_len >= 0 else None
+    try:
+        return SamplingParams(**kwargs, logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_output=grammar,
+                              return_routed_experts=body.return_routed_experts)
+    except (InvalidRequest, TypeError, ValueError) as e:
+        raise bad_request(f"sampling_params: {e}", "sampling_params") from None
+
+
+def _seed(seed) -> int:
+    if type(seed) is not int or not INT64_MIN <= seed <= INT64_MAX - MAX_N:
+        raise bad_request(f"sampling_params: sampling_seed must be an integer that fits in 64 bits, got {seed!r}",
+                          "sampling_params")
+    return seed
+
+
+def _grammar(given: dict) -> dict | None:
+    schema, regex = given.get("json_schema"), given.get("regex")
+    if schema is not None and regex is not None:
+        raise bad_request("sampling_params: give one of json_schema and regex", "sampling_params")
+    if schema is not None:
+        try:
+            return {"type": "json_schema", "schema": json.loads(schema) if isinstance(schema, str) else schema}
+        except json.JSONDecodeError as e:
+            raise bad_request(f"sampling_params: json_schema is not JSON: {e}", "sampling_params") from None
+    return {"type": "regex", "pattern": regex} if regex is not None else None
+
+
+def _bias(bias) -> dict[int, float]:
+    try:
+        return {int(token): float(value) for token, value in dict(bias).items()}
+    except (TypeError, ValueError):
+        raise bad_request("sampling_params: logit_bias maps token ids to numbers", "sampling_params") from None
+
+
+async def generate(request: Request):
+    from .app import completion_prompt_ids  # the app imports this module
+    state = request.app.state.server
+    body = parse_body(await request.body(), GenerateRequest)
+    if state.disagg is not None:
+        raise bad_request("/generate is served by a colocated server; behind `sparsekv router` use "
+                          "/v1/completions", None)
+    prompts = body.prompts()
+    limit = state.settings.max_prompts_per_request
+    if len(prompts) > limit:
+        raise bad_request(f"a request may carry at most {limit} prompts (--max-prompts-per-request), got "
+                          f"{len(prompts)}", "text" if body.text is not None else "input_ids")
+    ids = await state.pooled(completion_prompt_ids, prompts, state.max_model_len, None, True)
+    subs, owners = [], []
+    for i, prompt_ids in enumerate(ids):
+        given = body.params_of(i)
+        n = given.get("n", 1)
+        if type(n) is not int or not 1 <= n <= MAX_N:
+            raise bad_request(f"sampling_params: n must be an integer in [1, {MAX_N}], got {n!r}", "sampling_params")
+        for choice in range(n):
+            subs.append(Submission(prompt_ids, engine_params(given, body, choice)))
+            owners.append(i)
+    group_id = "gen-" + uuid.uuid4().hex
+    rid = body.rid or group_id
+    group = RequestGroup(group_id, len(subs), body.rid)
+    job = Job(group, subs, request.scope.get(TENANT_SCOPE_KEY, DEFAULT_TENANT), None, None, body.stream, False,
+              {**{name: "sampling_params" for name in SAMPLING_NAMES.values() if name},
+               "prompt": "text" if body.text is not None else "input_ids"})
+    answers = Answers(state, body, rid, len(subs), [len(p) for p in ids], owners)
+    try:
+        await admit(state.loop, job, state.metrics)
+        if not body.stream:
+            return await _collect(request, state.loop, group, answers, single=not body.batched and len(subs) == 1)
+    except BaseException:
+        state.loop.abort(group)
+        raise
+    return StreamingResponse(_stream(state.loop, group, answers), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class Answers:
+    """Each choice's latest output, as SGLang's answers."""
+
+    def __init__(self, state, body: GenerateRequest, rid: str, size: int, prompt_lens: list[int], owners: list[int]):
+        self.body, self.rid, self.token_text = body, rid, state.token_text
+        self.outputs: list[RequestOutput | None] = [None] * size
+        self.prompt_lens, self.owners = prompt_lens, owners
+
+    @property
+    def finished(self) -> bool:
+        return all(out is not None and out.finished for out in self.outputs)
+
+    def take(self, item) -> int:
+        """One queue item of the group; an error becomes an APIError."""
+        index, payload = item
+        if index is None:
+            raise APIError(payload.status if isinstance(payload, EngineDead) else 503, str(payload))
+        self.outputs[index] = payload
+        return index
+
+    def answer(self, index: int) -> dict:
+        out = self.outputs[index]
+        meta = {"id": self.rid, "finish_reason": _finish_reason(out), "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": len(out.token_ids), "cached_tokens": out.num_cached_tokens,
+                "weight_version": out.metrics.get("weights_version")}
+        if self.body.return_logprob:
+            meta.update(self._logprobs(out))
+        if self.body.return_routed_experts:
+            meta["routed_experts"] = out.routed_experts
+        return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
+
+    def _logprobs(self, out: RequestOutput) -> dict:
+        top = self.body.top_logprobs_num
+        found = {"output_token_logprobs": [self._entry(lp[token], token) for token, lp in zip(out.token_ids, out.logprobs)],
+                 "output_top_logprobs": [self._top(lp, top) for lp in out.logprobs]}
+        start = self.body.logprob_start_len
+        if start >= 0 and out.prompt_logprobs is not None:
+            prompt = out.prompt_token_ids[start:]
+            entries = out.prompt_logprobs[start:]
+            found["input_token_logprobs"] = [self._entry(None if lp is None else lp[token], token)
+                                             for token, lp in zip(prompt, entries)]
+            found["input_top_logprobs"] = [None if lp is None else self._top(lp, top) for lp in entries]
+        return found
+
+    def _entry(self, logprob: float | None, token: int) -> list:
+        return [logprob, token, self.token_text(token) if self.body.return_text_in_logprobs else None]
+
+    def _top(self, logprobs: dict[int, float], n: int) -> list:
+        best = sorted(logprobs.items(), key=lambda item: (-item[1], item[0]))[:n]
+        return [self._entry(value, token) for token, value in best]
+
+
+def _finish_reason(out: RequestOutput) -> dict | None:
+    if out.finish_reason is None:
+        return None
+    if out.finish_reason == "length":
+        return {"type": "length", "length": len(out.token_ids)}
+    if out.finish_reason == "stop":
+        matched = out.stop_reason if out.stop_reason is not None else (out.token_ids[-1] if out.token_ids else None)
+        return {"type": "stop", "matched": matched}
+    return {"type": out.finish_reason, "message": None}
+
+
+async def _collect(request: Request, loop, group: RequestGroup, answers: Answers, single: bool):
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        while not answers.finished:
+            getter = asyncio.ensure_future(group.queue.get())
+            await asyncio.wait([getter, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                return JSONResponse(error_body(499, "client closed the request"), status_code=499)
+            answers.take(getter.result())
+        out = [answers.answer(i) for i in range(len(answers.outputs))]
+        return JSONResponse(out[0] if single else out)
+    except APIError as e:
+        return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
+    finally:
+        watcher.cancel()
+        loop.abort(group)
+
+
+async def _stream(loop, group: RequestGroup, answers: Answers):
+    try:
+        while not answers.finished:
+            try:
+                index = answers.take(await group.queue.get())
+            except APIError as e:  # headers are sent: report in-band, then end the stream
+                yield sse_event(error_body(e.status, e.message, e.param))
+                break
+            yield sse_event({**answers.answer(index), "index": index})
+        yield "data: [DONE]\n\n"
+    finally:
+        loop.abort(group)
