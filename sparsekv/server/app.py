@@ -27,7 +27,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..disagg import roles as disagg
 from ..disagg.worker import DisaggSettings
-from ..input_processor import truncate_left
 from ..request import InvalidRequest, SamplingParams
 from ..sampling_params import choice_seed
 from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY, AuthMiddleware, tenant_for
@@ -35,6 +34,7 @@ from .errors import APIError, bad_request, error_body, error_response
 from .limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from .loop import EngineDead, EngineLoop, RequestGroup, ShuttingDown, Submission
 from .native import generate
+from .prompt_ids import completion_prompt_ids, encode_text, encode_within
 from .probe import GenerateProbe
 from .weight_groups import WEIGHT_GROUP_ROUTES, WeightGroups
 from .metrics import ServerMetrics
@@ -146,56 +146,8 @@ def chat_prompt_ids(encoder: Encoder, msgs: list[dict], tools, add_generation_pr
     except Exception:
         log.warning("the chat template failed on a request's messages", exc_info=True)
         raise InvalidRequest("the chat template could not render these messages", "messages") from None
-    ids = _encode(encoder, text, "messages") if limit is None else _encode_within(encoder, text, limit, "messages")
+    ids = encode_text(encoder, text, "messages") if limit is None else encode_within(encoder, text, limit, "messages")
     return ids, text
-
-
-def _encode(encoder: Encoder, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
-    try:
-        return encoder.encode(text, add_special_tokens)
-    except Exception:  # the tokenizer's own message names its types, not the client's mistake
-        log.warning("tokenizing a request's %s failed", param, exc_info=True)
-        raise InvalidRequest(f"the {param} could not be tokenized", param) from None
-
-
-def _encode_within(encoder: Encoder, text: str, limit: int, param: str, add_special_tokens: bool = False) -> list[int]:
-    try:
-        ids = encoder.ids_within(text, limit, add_special_tokens)
-    except Exception:
-        log.warning("tokenizing a request's %s failed", param, exc_info=True)
-        raise InvalidRequest(f"the {param} could not be tokenized", param) from None
-    if ids is None:
-        raise InvalidRequest(f"the prompt is longer than max_model_len ({limit} tokens)", param)
-    _check_length(ids, limit, param)
-    return ids
-
-
-def _check_length(ids: list[int], limit: int, param: str) -> None:
-    if len(ids) > limit:  # the engine's message; checked here so that the engine thread never walks the ids
-        raise InvalidRequest(f"prompt has {len(ids)} tokens, longer than max_model_len {limit}", param)
-
-
-def completion_prompt_ids(encoder: Encoder | None, prompts: list, limit: int, truncate: int | None,
-                          add_special_tokens: bool = True) -> list[list[int]]:
-    """Each prompt's token ids, cut to its last `truncate` tokens as the engine would (vLLM's left
-    truncation; -1: the last `limit`). Without truncation a prompt over `limit` is refused here. Text
-    is tokenized with the tokenizer's special tokens (BOS) unless `add_special_tokens` is false."""
-    out = []
-    for prompt in prompts:
-        if not isinstance(prompt, str):
-            ids = prompt
-        elif encoder is None:
-            raise InvalidRequest("text prompt given but the checkpoint has no tokenizer; pass token ids", "prompt")
-        elif truncate is None:
-            ids = _encode_within(encoder, prompt, limit, "prompt", add_special_tokens)
-        else:
-            ids = _encode(encoder, prompt, "prompt", add_special_tokens)
-        if truncate is not None:  # a text prompt keeps the special tokens the tokenizer put at its ends
-            ends = encoder.special_ends if isinstance(prompt, str) and add_special_tokens else (0, 0)
-            ids = truncate_left(ids, limit if truncate == -1 else truncate, ends)
-        _check_length(ids, limit, "prompt")
-        out.append(ids)
-    return out
 
 
 def bundled_chat_template(model_type: str) -> str | None:
@@ -340,7 +292,7 @@ def _tokenize_answer(encoder: Encoder, chat_inputs: tuple | None, prompt: str | 
     if chat_inputs is not None:
         tokens, _ = chat_prompt_ids(encoder, *chat_inputs, None)
     else:
-        tokens = _encode(encoder, prompt, "prompt", add_special_tokens)
+        tokens = encode_text(encoder, prompt, "prompt", add_special_tokens)
     return f'{{"count":{len(tokens)},"max_model_len":{max_model_len},"tokens":{ids_json(tokens)}}}'
 
 

@@ -29,6 +29,7 @@ from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY
 from .errors import APIError, bad_request, error_body
 from .loop import EngineDead, RequestGroup, Submission
 from ..sampling_params import MAX_N
+from .prompt_ids import completion_prompt_ids
 from .protocol import INT64_MAX, INT64_MIN, _Body, check_request_id, parse_body
 from .serving import Job, admit, sse_event, wait_disconnect
 
@@ -141,7 +142,6 @@ def _bias(bias) -> dict[int, float]:
 
 
 async def generate(request: Request):
-    from .app import completion_prompt_ids  # the app imports this module
     state = request.app.state.server
     body = parse_body(await request.body(), GenerateRequest)
     if state.disagg is not None:
