@@ -2,13 +2,16 @@
 sealed secret reveal, and what they authenticate."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from sparsekv.cache.page_cipher import KEY_BYTES, PageCipher
+from sparsekv.cache import page_cipher
+from sparsekv.cache.page_cipher import KEY_BYTES, PageCipher, create_key_file
 
 SECRET = bytes(range(KEY_BYTES))
 NAME = bytes(32)  # file ids are 32-byte digests
@@ -55,3 +58,35 @@ def test_the_tenant_and_name_are_authenticated_and_short_secrets_refused():
         PageCipher(SECRET, "other").open(meta, sealed["sealed"], layout, NAME, "tenant")
     with pytest.raises(ValueError, match="at least 32"):
         PageCipher(SECRET[:-1], "space")
+
+
+def test_a_key_file_is_made_once_private_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """`create_key_file`: the secret lands 0600 under its own name with no temporary copy of it left
+    beside it (a stray copy of the key would outlive a rotation or removal of the key file); a key
+    already there, also one another engine links into place first, is kept as it is."""
+    path = tmp_path / "key"
+    assert create_key_file(str(path)) is True
+    key = path.read_bytes()
+    assert len(key) == KEY_BYTES and os.stat(path).st_mode & 0o777 == 0o600
+    assert os.listdir(tmp_path) == ["key"]
+    assert create_key_file(str(path)) is False
+    with monkeypatch.context() as m:  # the file appears between the check and the link: another engine's
+        m.setattr(page_cipher.os.path, "exists", lambda p: False)
+        assert create_key_file(str(path)) is False
+    assert path.read_bytes() == key and os.listdir(tmp_path) == ["key"]
+
+
+def test_a_sealed_secret_opens_only_for_its_purpose_and_key():
+    """`seal_bytes` authenticates its purpose: a record sealed for one use (the tier's tenant key) never
+    opens as another's, nor under another key, nor with its bytes changed."""
+    cipher = PageCipher(SECRET, "space")
+    record = cipher.seal_bytes(b"tenant secret", b"purpose")
+    assert record["key"] == cipher.key_id
+    with pytest.raises(InvalidTag):
+        cipher.open_bytes(record, b"another purpose")
+    with pytest.raises(InvalidTag):
+        PageCipher(SECRET, "other").open_bytes(record, b"purpose")
+    flipped = dict(record, sealed=f"{int(record['sealed'][:2], 16) ^ 1:02x}" + record["sealed"][2:])
+    with pytest.raises(InvalidTag):
+        cipher.open_bytes(flipped, b"purpose")
+    assert cipher.open_bytes(record, b"purpose") == b"tenant secret"

@@ -968,6 +968,27 @@ def test_a_changed_byte_of_a_plain_files_rows_is_a_counted_miss(ckpt, tmp_path):
         assert_close([want], [out], bitwise=True)
 
 
+def test_a_plain_file_with_a_tensor_added_is_a_counted_miss(tmp_path):
+    """A plain page file holds exactly the page's rows: one rewritten with an extra tensor beside its
+    untouched, MAC-covered rows (a file grown by someone else, larger than the budget counts it) is a
+    miss, counted and removed, not served."""
+    from safetensors.torch import load, save
+
+    from sparsekv.cache.prefix_disk import _page_metadata
+    rows = _rows()
+    disk = _store(rows, tmp_path)
+    name = b"\1" * 32
+    disk.save_rows(name, rows.copy_out(0), "alice")
+    disk.flush()
+    path = disk.path_of(name)
+    data = open(path, "rb").read()
+    tensors = dict(load(data), extra=torch.zeros(1 << 10))
+    open(path, "wb").write(save(tensors, metadata=_page_metadata(data)))
+    assert disk.take(name) is None
+    disk.flush()
+    assert disk.failed == 1 and not disk.has(name) and _files(tmp_path) == []
+    disk.close()
+
 def test_an_unencrypted_tier_warns_and_says_so(ckpt, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="sparsekv.cache.manager"):
         llm = disk_engine(ckpt, tmp_path, prefix_cache_disk_unencrypted=True)

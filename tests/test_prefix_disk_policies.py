@@ -357,6 +357,19 @@ def test_a_failed_private_write_leaves_no_temporary_and_a_new_directory_is_priva
     assert os.stat(tmp_path / "tier").st_mode & 0o777 == 0o700
 
 
+def test_a_regular_file_planted_at_the_temporary_name_fails_the_write(tmp_path, monkeypatch):
+    """`write_private_file`: a regular file planted at its temporary name (another user's, readable by
+    all) is neither written through nor renamed into place as the page, which would keep its owner and
+    mode: the write fails, no page appears, and the planted file is left as it was."""
+    from sparsekv.cache import prefix_disk_files
+    planted = tmp_path / ".planted.tmp"
+    planted.write_bytes(b"planted")
+    os.chmod(planted, 0o644)
+    monkeypatch.setattr(prefix_disk_files, "temporary_path", lambda directory: str(planted))
+    with pytest.raises(FileExistsError):
+        prefix_disk_files.write_private_file(str(tmp_path / "page"), b"rows")
+    assert sorted(os.listdir(tmp_path)) == [".planted.tmp"] and planted.read_bytes() == b"planted"
+
 def test_only_a_regular_file_is_opened_for_reading_never_a_fifo_or_a_symlink(tmp_path):
     """`open_regular`: a regular file opens; a FIFO (a read of it could block) is refused with
     ValueError, and a symlink, even to a regular file, with OSError (it is not followed)."""
