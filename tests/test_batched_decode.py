@@ -349,6 +349,51 @@ def test_groups_stay_within_the_padded_budget():
     assert all((len(g) + 1) * after[0].context_len > budget for g, after in zip(groups, groups[1:]))
 
 
+def test_a_group_takes_a_decode_that_brings_it_exactly_to_the_budget():
+    """`groups_within`'s bound is inclusive: a group whose padded size, requests x longest history,
+    would equal the budget takes the next decode, and one that would pass it closes first."""
+    from types import SimpleNamespace
+    from sparsekv.model.decode_plan import groups_within
+    seqs = [SimpleNamespace(context_len=n) for n in (20, 30, 30)]
+    assert [[s.context_len for s in g] for g in groups_within(seqs, 60)] == [[20, 30], [30]]
+    assert [[s.context_len for s in g] for g in groups_within(seqs, 59)] == [[20], [30], [30]]
+
+
+def _decodes(contexts: list[int], attention: str = "sparse"):
+    """A decode step's context: one single-row decode per history length."""
+    from types import SimpleNamespace
+    from sparsekv.context import SeqSlice
+    seqs = [SeqSlice(f"r{i}", i, i + 1, n, torch.arange(n)) for i, n in enumerate(contexts)]
+    return SimpleNamespace(seqs=seqs, decode_rows=1, batch_dense_decodes=True, attention=attention,
+                           input_ids=torch.zeros(len(contexts), dtype=torch.long))
+
+
+@pytest.mark.parametrize("budget_keys, group_sizes", [(99, [1, 1, 1, 1]), (100, [2, 2])])
+def test_the_plans_groups_score_within_the_devices_budget(monkeypatch, budget_keys, group_sizes):
+    """`make_plan` sizes its scoring groups by the device's budget of padded elements, each history
+    position costing decode rows x max(index heads, index head dim): four 50-key decodes under a budget
+    of 99 keys select alone, under 100 keys in pairs. A group past the budget would pad more scores than
+    the indexer's scratch is sized for."""
+    from types import SimpleNamespace
+    from sparsekv.model import decode_plan
+    cfg = SimpleNamespace(index_topk=8, index_n_heads=4, index_head_dim=16)
+    per_position = max(cfg.index_n_heads, cfg.index_head_dim)
+    monkeypatch.setattr(decode_plan, "INDEX_DECODE_BATCH_ELEMENTS_CPU", budget_keys * per_position)
+    plan = decode_plan.make_plan(_decodes([50] * 4), cfg)
+    assert [len(group) for _, group in plan.groups] == group_sizes
+    assert all(len(g) * g[-1].context_len * per_position <= budget_keys * per_position for _, g in plan.groups)
+
+
+def test_with_dense_attention_every_decode_attends_alone_over_its_whole_history():
+    """attention="dense" reads every position: no decode joins the sparse batch (which selects top-k
+    keys) or the dense-regime batch, whatever its length, so a decode past top-k is never sparse."""
+    from types import SimpleNamespace
+    from sparsekv.model.decode_plan import make_plan
+    ctx = _decodes([5, 8, 9, 40], attention="dense")
+    plan = make_plan(ctx, SimpleNamespace(index_topk=8, index_n_heads=4, index_head_dim=16))
+    assert plan.single == ctx.seqs and plan.dense == {} and plan.sparse == [] and plan.groups == []
+
+
 def test_the_plan_groups_exactly_the_decodes_whose_every_row_sees_more_than_top_k():
     """`make_plan` at the top-k boundaries: a decode of context exactly k is in the dense regime; a
     sparse decode is in a group exactly when its first new row sees more than k keys (first new

@@ -243,6 +243,28 @@ def test_a_first_token_of_other_weights_is_dropped_and_the_request_samples_its_o
     assert _generate_from(engine, prompt, GREEDY, current, "current").token_ids == want.token_ids
 
 
+def test_first_tokens_given_before_every_step_do_not_stall_the_running_requests(glm_ckpt):
+    """A step that only outputs given first tokens computes nothing, and the step after it computes
+    whatever first tokens arrived meanwhile. A decode worker handed a new first token before every
+    step so still advances its running requests every other step: the arrivals cannot starve them."""
+    engine = LLM(glm_ckpt[0], **BASE).engine
+    running = engine.add_request("running", _prompt(256, 9), SamplingParams(max_tokens=16, temperature=0.0,
+                                                                             ignore_eos=True))
+    engine.step()
+    assert running.num_output_tokens == 1
+    steps_before, token = engine.counters["steps"], running.output_token_ids[0]
+    for i in range(6):
+        engine.add_request(f"given-{i}", _prompt(256, 9, seed=i), SamplingParams(max_tokens=4, temperature=0.0),
+                           first_token=FirstToken(token))
+        outs = engine.step()
+        assert f"given-{i}" in {o.request_id for o in outs}  # each given token is out at once
+    assert engine.counters["steps"] - steps_before == 3
+    assert running.num_output_tokens == 1 + 3
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+
+
 def test_a_tail_that_does_not_fit_refuses_the_import_whole(glm_ckpt):
     path = glm_ckpt[0]
     prompt = _prompt(256, 43)

@@ -685,6 +685,23 @@ def test_a_second_update_while_a_drain_waits_is_refused(ckpts):
     assert engine.weights_version == 1 and outs["r1"].metrics["weights_version"] == 0
 
 
+def test_a_drain_left_with_no_request_still_counts_as_unfinished_work_until_it_loads(ckpts):
+    """The only started request is aborted while a drain waits and nothing else is queued: the engine
+    still has work (`has_unfinished_requests`), so a loop that steps while there is work runs the step
+    that loads the update, and the caller waiting for its outcome gets it."""
+    a, b, _ = ckpts
+    engine = LLM(a, **OPTIONS).engine
+    engine.add_request("r1", PROMPT, GREEDY)
+    engine.step()
+    engine.update_weights_from_disk(b, policy="drain")
+    assert engine.abort("r1") and engine.weight_update_pending
+    assert engine.has_unfinished_requests()
+    _run_bounded(engine, {})
+    assert engine.weights_version == 1 and not engine.weight_update_pending
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
+
+
 def test_a_request_queued_but_not_started_when_a_drain_begins_runs_under_b(ckpts):
     """Added before the update and never scheduled: held with the ones added after, it runs under B."""
     a, b, _ = ckpts
