@@ -13,7 +13,7 @@ COMMANDS = {
     "router": ("sparsekv.disagg.router", "main", "prefill/decode disaggregation's front end"),
     "bench": ("sparsekv.tools.bench", "main",
               "benchmarks: decode | prefill | modes | tiers | spec | indexer | serve | prefix | batch | sampling | "
-              "admission | kv-dtype | parallel | transfer"),
+              "admission | kv-dtype | parallel | transfer | weight-sync"),
     "plan": ("sparsekv.tools.plan", "main", "capacity planner and decode roofline"),
     "eval": ("sparsekv.tools.evals", "main", "long-context and IndexShare evals"),
     "train": ("sparsekv.train.cli", "main", "train the small bundled model"),

@@ -71,23 +71,32 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
 
 def broadcast_weights(group: dist.ProcessGroup, named_tensors, backend: str = "gloo",
                       device: torch.device | str = "cpu") -> None:
-    """The trainer's side of one update: each tensor from rank 0, in the order the engines were told."""
-    for _, tensor in named_tensors:
-        _broadcast(group, tensor.detach().to(device).contiguous(), backend)
+    """The trainer's side of one update: each tensor from rank 0, in the order the engines were told
+    (issued together, then waited for: the group runs them in that order without a round trip each)."""
+    works = [_broadcast(group, tensor.detach().to(device).contiguous(), backend) for _, tensor in named_tensors]
+    _wait_all(works)
 
 
 def receive_weights(group: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype],
                     shapes: list[tuple[int, ...]], backend: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
     """An engine's side of one update: every announced tensor, in order, on `device` (the host for gloo)."""
     where = device if backend == "nccl" else torch.device("cpu")
-    out = []
+    out, works = [], []
     for name, dtype, shape in zip(names, dtypes, shapes):
         try:
             tensor = torch.empty(shape, dtype=dtype, device=where)
-            _broadcast(group, tensor, backend)
+            works.append((name, _broadcast(group, tensor, backend)))
         except Exception as e:
+            _settle(works)
             raise WeightSyncError(f"receiving {name} failed: {_first_line(e)}") from None
         out.append((name, tensor))
+    for name, work in works:
+        try:
+            work.wait()
+        except Exception as e:
+            _settle(works)
+            raise WeightSyncError(f"receiving {name} failed: {_first_line(e)}") from None
+    _synchronize(out)
     return out
 
 
@@ -98,14 +107,34 @@ def close_group(group: dist.ProcessGroup, backend: str) -> None:
         group.abort()
 
 
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, backend: str) -> None:
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, backend: str):
+    """The broadcast of one tensor from rank 0, issued (its work, to wait for)."""
     if backend == "gloo" and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         tensor = tensor.view(torch.uint8)  # the same storage: the bytes land in the float8 tensor
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([tensor], opts).wait()
-    if tensor.is_cuda:  # NCCL's wait orders the current stream only; the tensor is read on others after
-        torch.cuda.synchronize(tensor.device)
+    return group.broadcast([tensor], opts)
+
+
+def _wait_all(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def _settle(works) -> None:
+    """After a failure: wait out what was issued, so that no operation still writes a tensor dropped."""
+    for _, work in works:
+        try:
+            work.wait()
+        except Exception:
+            pass
+
+
+def _synchronize(named_tensors) -> None:
+    """NCCL's wait orders the current stream only; the tensors are read on others after."""
+    devices = {t.device for _, t in named_tensors if t.is_cuda}
+    for device in devices:
+        torch.cuda.synchronize(device)
 
 
 def _group(store, rank: int, size: int, backend: str, timeout_s: float) -> dist.ProcessGroup:

@@ -308,7 +308,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 SUB_BENCHMARKS = {"tiers": "bench_tiers", "spec": "bench_spec", "indexer": "bench_indexer", "serve": "bench_serve",
                   "prefix": "bench_prefix", "batch": "bench_batch", "sampling": "bench_sampling",
                   "admission": "bench_admission", "kv-dtype": "bench_kv_dtype", "parallel": "bench_parallel",
-                  "transfer": "bench_transfer"}
+                  "transfer": "bench_transfer", "weight-sync": "bench_weight_sync"}
 
 
 def parser_for(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:

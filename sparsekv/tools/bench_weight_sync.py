@@ -1,0 +1,159 @@
+"""`sparsekv bench weight-sync`: an RL step's weight update, broadcast by the trainer over a
+torch.distributed group (`/update_weights_from_distributed`, sparsekv/weight_sync.py) against reading
+a checkpoint (`/update_weights_from_disk`), in the same run.
+
+One engine; the trainer is a thread of this process holding the checkpoint's tensors in memory, rank 0
+of a gloo group with the engine's side formed once, as an RL run forms it once. Timed per update:
+"save + disk" is the trainer writing the checkpoint (safetensors, one file) and the engine reading it,
+the loop an RL run on disk makes; "disk" is the read alone, `update_weights_from_disk` (the files are
+in the page cache after the first read, and the writes land there: the figures leave the disk's own
+speed out, which only favours them); "broadcast" is receiving
+every tensor (`receive_weights`) then `update_weights`; "in process" is `update_weights` from tensors
+already in memory, the floor both share (building the new model and copying it in). Printed: seconds
+per update (medians of `--repeats`), the weights' GB/s, the ratio against disk, and whether a greedy
+answer after each update is the same.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+
+from rich.table import Table
+
+from ..engine_args import at_least, output_path
+from .bench import report_console, run_bench
+
+MODES = ("save + disk", "disk", "broadcast", "in process")
+
+
+def _checkpoint_tensors(path: str) -> list:
+    from safetensors.torch import load_file
+    out = []
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            out += sorted(load_file(os.path.join(path, name)).items())
+    return out
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _groups(world_port: int):
+    """(trainer's group, engine's group): a 2-rank gloo group formed once."""
+    from sparsekv.weight_sync import join_group, trainer_group
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("trainer", trainer_group("127.0.0.1", world_port, 2)))
+    thread.start()
+    engine_side = join_group("127.0.0.1", world_port, 1, 2, "gloo")
+    thread.join()
+    return box["trainer"], engine_side
+
+
+def _broadcast_update(engine, trainer, engine_side, tensors) -> float:
+    import torch
+    from sparsekv.weight_sync import broadcast_weights, receive_weights
+    sender = threading.Thread(target=broadcast_weights, args=(trainer, tensors))
+    t0 = time.perf_counter()
+    sender.start()
+    received = receive_weights(engine_side, [n for n, _ in tensors], [t.dtype for _, t in tensors],
+                               [tuple(t.shape) for _, t in tensors], "gloo", torch.device("cpu"))
+    engine.update_weights(received)
+    seconds = time.perf_counter() - t0
+    sender.join()
+    return seconds
+
+
+def _save_and_load(engine, tensors, path: str, saved: str) -> float:
+    """The trainer writes the checkpoint (into `saved`, which holds `path`'s other files), the engine
+    reads it: the from-disk loop as an RL run does it."""
+    from safetensors.torch import save_file
+    t0 = time.perf_counter()
+    save_file(dict(tensors), os.path.join(saved, "model.safetensors"), metadata={"format": "pt"})
+    engine.update_weights_from_disk(saved)
+    return time.perf_counter() - t0
+
+
+def _checkpoint_without_weights(path: str, directory: str) -> str:
+    import shutil
+    saved = os.path.join(directory, "saved")
+    os.makedirs(saved)
+    for name in os.listdir(path):
+        if not name.endswith(".safetensors") and not name.endswith(".safetensors.index.json") \
+                and os.path.isfile(os.path.join(path, name)):
+            shutil.copy(os.path.join(path, name), saved)
+    return saved
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run(args) -> dict:
+    import torch
+    from sparsekv import LLM, SamplingParams
+    from sparsekv.paths import default_model_path
+    from .bench import make_checkpoint
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model or (make_checkpoint(args.preset, tmp) if args.preset else default_model_path())
+        llm = LLM(path, max_model_len=256, num_threads=args.threads)
+        engine, tensors = llm.engine, _checkpoint_tensors(path)
+        trainer, engine_side = _groups(_free_port())
+        prompt, greedy = list(range(1, 33)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        answer = lambda: llm.generate([prompt], greedy)[0].token_ids
+        before, answers = answer(), []
+        saved = _checkpoint_without_weights(path, tmp)
+        updates = {"save + disk": lambda: _save_and_load(engine, tensors, path, saved),
+                   "disk": lambda: _timed(lambda: engine.update_weights_from_disk(path)),
+                   "broadcast": lambda: _broadcast_update(engine, trainer, engine_side, tensors),
+                   "in process": lambda: _timed(lambda: engine.update_weights(tensors))}
+        runs = {mode: [] for mode in MODES}
+        for _ in range(args.repeats):
+            for mode in MODES:
+                runs[mode].append(updates[mode]())
+                answers.append(answer())
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        loaded = engine.weights_version
+    return {"runs": runs, "bytes": nbytes, "tensors": len(tensors), "model": args.model or args.preset or "bundled",
+            "identical": all(a == before for a in answers), "updates_loaded": loaded}
+
+
+def report(result: dict) -> dict:
+    seconds = {mode: statistics.median(rs) for mode, rs in result["runs"].items()}
+    gb = result["bytes"] / 1e9
+    table = Table(title=f"weight update of {result['model']}: {result['tensors']} tensors, {gb:.3f} GB "
+                        f"(medians of {len(result['runs']['disk'])}, gloo over loopback)")
+    for col in ("update", "seconds", "weights GB/s", "against save + disk"):
+        table.add_column(col)
+    for mode, s in seconds.items():
+        table.add_row(mode, f"{s:.3f}", f"{gb / s:.2f}", f"{seconds['save + disk'] / s:.2f}x")
+    console = report_console()
+    console.print(table)
+    console.print(f"greedy answer after every update identical: {result['identical']}")
+    return {"seconds": seconds, "bytes": result["bytes"], "identical": result["identical"],
+            "updates_loaded": result["updates_loaded"]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsekv bench weight-sync", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
+    p.add_argument("--preset", default=None, help="a `sparsekv bench` preset instead (e.g. glm5.2-proportions)")
+    p.add_argument("--repeats", type=at_least(1), default=3)
+    p.add_argument("--threads", type=at_least(1), default=1)
+    p.add_argument("--json", type=output_path, default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench(build_parser(), argv, ("repeats",), run, report)
