@@ -129,3 +129,21 @@ def assert_transfer_bytes(figures: dict, decode_engine, page_size: int) -> None:
     tiered = decode_engine.config.kv_tiering
     assert not tiered or figures["tail_tokens"] == 1, "a one-row tail: its selections' size is known"
     assert figures["bytes"] == rows + (2 * cfg.index_topk * 8 * len(cfg.full_layers) if tiered else 0)
+
+
+def http_answering_listener():
+    """A listening socket on 127.0.0.1 that answers every connection with an HTTP 400 (something other
+    than a bootstrap store at the address a request names); close it to stop."""
+    import contextlib
+    import socket
+    import threading
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer_as_http():
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    threading.Thread(target=answer_as_http, daemon=True).start()
+    return listener

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import os
 import signal
 import time
@@ -129,17 +128,8 @@ def test_a_decode_worker_with_pages_of_another_layout_is_refused_naming_the_flag
 def test_a_bootstrap_address_that_answers_something_else_says_nothing_of_it(glm_ckpt):
     """The request names the address the decode worker connects to: the 503 says it could not reach a
     bootstrap there, never what answered (that would make the worker a probe of its network)."""
-    import socket
-    import threading
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def answer_as_http():
-        with contextlib.suppress(OSError):
-            while True:
-                conn, _ = listener.accept()
-                with conn:
-                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-    threading.Thread(target=answer_as_http, daemon=True).start()
+    from disagg_util import http_answering_listener
+    listener = http_answering_listener()
     try:
         with WorkerServer(glm_ckpt[0], "decode", timeout_s=2.0, **BASE) as d:
             tag = {"room": "probe", "bootstrap_host": "127.0.0.1", "bootstrap_port": listener.getsockname()[1]}

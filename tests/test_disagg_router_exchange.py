@@ -96,6 +96,15 @@ def test_a_request_abandoned_before_the_decode_wait_began_cancels_both_calls():
     assert all(w.in_flight == 0 for w in pool.all())
 
 
+def _streaming_decode_worker(events):
+    """A handler: the prefill worker answers at once, the decode worker streams `events`."""
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "p":
+            return httpx.Response(200, json={})
+        return httpx.Response(200, stream=events, headers={"content-type": "text/event-stream"})
+    return handler
+
+
 class _Events(httpx.AsyncByteStream):
     """A decode worker's stream that sends one chunk (by default one event), then waits until its
     connection is closed."""
@@ -111,32 +120,29 @@ class _Events(httpx.AsyncByteStream):
         self.closed = True
 
 
+async def _first_chunk_then_close(pool, events) -> bytes:
+    """The relay's first chunk of a decode worker streaming `events`; then the exchange closed as failed
+    (the client gone) and its closing tasks run."""
+    router, exchange = _exchange(pool, _streaming_decode_worker(events), stream=True)
+    try:
+        await exchange.open_decode()
+        chunks = exchange.relay()  # held until the end: the relay stays at its yield, never finalised
+        first = await asyncio.wait_for(anext(chunks), 10)
+        exchange.close(failed=True)
+        while router._tasks:  # the closing tasks
+            await asyncio.wait(set(router._tasks))
+        return first
+    finally:
+        await router.client.aclose()
+
+
 def test_a_stream_abandoned_between_two_reads_has_its_decode_connection_closed():
     """The client may go away while no read of the decode worker's stream is in progress (the router is
     passing a chunk on): `close` must still close the decode call's connection, which aborts the request
     on the worker, rather than leave it open with the request generating."""
-    pool = _up_pool()
-    events = _Events()
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "p":
-            return httpx.Response(200, json={})
-        return httpx.Response(200, stream=events, headers={"content-type": "text/event-stream"})
-
-    async def run():
-        router, exchange = _exchange(pool, handler, stream=True)
-        try:
-            await exchange.open_decode()
-            chunks = exchange.relay()
-            first = await anext(chunks)  # read; the relay is held at its yield, as while a chunk is passed on
-            exchange.close(failed=True)
-            while router._tasks:  # the closing tasks
-                await asyncio.wait(set(router._tasks))
-            return first, chunks
-        finally:
-            await router.client.aclose()
-    first, _ = asyncio.run(run())
-    assert first.startswith(b"data: ") and events.closed
+    pool, events = _up_pool(), _Events()
+    first = asyncio.run(_first_chunk_then_close(pool, events))  # the relay is held at its yield, as while
+    assert first.startswith(b"data: ") and events.closed       # a chunk is passed on
     assert all(w.in_flight == 0 for w in pool.all())
 
 
@@ -147,24 +153,5 @@ def test_every_whole_event_of_a_read_is_passed_on_at_once_and_only_an_unfinished
     pool = _up_pool()
     whole = b'data: {"choices":[{"index":0,"text":"He"}]}\n\ndata: {"choices":[{"index":0,"text":"llo"}]}\n\n'
     events = _Events(whole + b'data: {"cho')
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "p":
-            return httpx.Response(200, json={})
-        return httpx.Response(200, stream=events, headers={"content-type": "text/event-stream"})
-
-    async def run():
-        router, exchange = _exchange(pool, handler, stream=True)
-        try:
-            await exchange.open_decode()
-            chunks = exchange.relay()
-            first = await asyncio.wait_for(anext(chunks), 10)
-            exchange.close(failed=True)
-            while router._tasks:  # the closing tasks
-                await asyncio.wait(set(router._tasks))
-            return first, chunks
-        finally:
-            await router.client.aclose()
-    first, _ = asyncio.run(run())
-    assert first == whole and events.closed
+    assert asyncio.run(_first_chunk_then_close(pool, events)) == whole and events.closed
     assert all(w.in_flight == 0 for w in pool.all())

@@ -588,18 +588,9 @@ def test_a_bootstrap_that_answers_something_else_is_refused_naming_only_the_addr
     """`connect` to an address a request named that answers as no store (here an HTTP server): the
     TransferError names the address and nothing of what answered there (the worker would otherwise be
     a probe of its network); the cause goes to the log only."""
-    import contextlib
-    import socket
-    listener = socket.create_server(("127.0.0.1", 0))
+    from disagg_util import http_answering_listener
+    listener = http_answering_listener()
     port = listener.getsockname()[1]
-
-    def answer_as_http():
-        with contextlib.suppress(OSError):
-            while True:
-                conn, _ = listener.accept()
-                with conn:
-                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-    threading.Thread(target=answer_as_http, daemon=True).start()
     try:
         with pytest.raises(TransferError) as refused:
             connect("127.0.0.1", port, 0.5)
