@@ -1115,6 +1115,34 @@ def test_tokenizing_goes_to_an_up_decode_worker_with_the_body_and_the_key(path):
     assert not gone.up and alive.up and not any(h.startswith("p") for h, *_ in asked)
 
 
+def test_a_decode_worker_slow_to_tokenize_is_passed_over_not_taken_out():
+    """A /tokenize the first decode worker does not answer in time (a long text; a read timeout) goes to
+    the next worker, and the slow one stays up: it is busy, not gone, and generation requests still go
+    to it. When no worker answers, the 503 names each one's failure."""
+    pool = _pool(decode=2)
+    slow, other = pool.workers["decode"]
+    answering = {"d1"}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host not in answering:
+            raise httpx.ReadTimeout("timed out", request=request)
+        return httpx.Response(200, json={"count": 2, "max_model_len": 128, "tokens": [1, 2]})
+
+    async def run():
+        router, client = _exchange_app(pool, handler)
+        async with client:
+            first = await client.post("/tokenize", json={"prompt": "hi"})
+            answering.clear()
+            none = await client.post("/tokenize", json={"prompt": "hi"})
+        await router.client.aclose()
+        return first, none
+    first, none = asyncio.run(run())
+    assert first.status_code == 200 and first.json()["tokens"] == [1, 2]
+    assert slow.up and other.up
+    assert none.status_code == 503 and none.json()["error"]["message"] == (
+        f"no decode worker answered ({slow.url}: ReadTimeout; {other.url}: ReadTimeout)")
+
+
 def test_a_body_with_an_infinity_reaches_both_workers_as_the_client_wrote_it():
     """Python's json (the server's and the router's parser) reads NaN and infinities; the router writes
     them back to the workers, who answer as one server would, rather than failing with a 500."""

@@ -37,7 +37,7 @@ from ..server.auth import OneAuthorization
 from ..server.errors import APIError, error_body, error_response
 from ..server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from ..server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from .router_exchange import Exchange, WorkerFailure, envelope
+from .router_exchange import WORKER_GONE, Exchange, WorkerFailure, envelope
 from .router_metrics import RouterMetrics
 from .router_workers import NoWorker, RouterConfigError, WorkerPool, affinity_key, check_modes
 
@@ -242,21 +242,26 @@ async def detokenize(request: Request):
 
 async def _on_a_decode_worker(request: Request, path: str) -> Response:
     """The request (its method, body, `Authorization` and `X-Request-Id`) answered by the first decode
-    worker up that takes the connection, as it answers; one that does not is marked down at once."""
+    worker up that answers, as it answers; one that refuses or drops the connection is marked down at
+    once, one that fails otherwise (a slow answer: a long text to tokenize) is passed over only."""
     router = _router(request)
     headers = _forwarded(request)
     body = None
     if request.method == "POST":
         body = await request.body()
         headers["content-type"] = "application/json"
+    slow = []
     for worker in router.pool.up("decode"):
         try:
             r = await router.client.request(request.method, worker.url + path, content=body, headers=headers)
-        except httpx.HTTPError as e:
+        except WORKER_GONE as e:
             router.pool.mark_down(worker, f"{type(e).__name__}: {e}")
             continue
+        except httpx.HTTPError as e:
+            slow.append(f"{worker.url}: {type(e).__name__}")
+            continue
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-    raise APIError(503, "no decode worker is up")
+    raise APIError(503, f"no decode worker answered ({'; '.join(slow)})" if slow else "no decode worker is up")
 
 
 async def to_every_worker(request: Request):

@@ -19,6 +19,11 @@ from ..server.errors import error_body
 from .router_workers import Worker
 
 
+# the errors of a call that prove its worker gone (it refused or dropped the connection): the worker
+# is taken out at once; any other (a slow answer) fails the call only
+WORKER_GONE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+
+
 class WorkerFailure(Exception):
     """A worker's call failed; `status` and `body` are what the client gets."""
 
@@ -84,7 +89,7 @@ class Exchange:
         else:
             why = f"failed: {type(error).__name__}: {error}"
             headers = {}
-            if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)):
+            if isinstance(error, WORKER_GONE):
                 self.router.pool.mark_down(worker, why)
         return WorkerFailure(503, error_body(503, f"{worker.role} worker {worker.url} {why}"), headers)
 
