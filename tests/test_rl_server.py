@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
@@ -14,6 +13,7 @@ import torch
 
 from conftest import STARTUP_S
 from sparsekv import LLM, SamplingParams
+from sparsekv.tools.bench_weight_sync import checkpoint_tensors
 from sparsekv.tools.tiny import save_reference_checkpoint
 from test_server_util import (MAX_MODEL_LEN, ThreadServer, free_port, on_engine_loop, scrape, tiny_checkpoint,
                               wait_until)
@@ -426,15 +426,6 @@ def test_a_drain_update_loads_when_the_request_it_waits_for_is_aborted(ckpts):
 
 # -- weights broadcast by a trainer (SGLang's /init_weights_update_group, /update_weights_from_distributed) --
 
-def _checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-    out = []
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out += sorted(load_file(os.path.join(path, name)).items())
-    return out
-
-
 def _announce(tensors, group="g") -> dict:
     return {"names": [n for n, _ in tensors], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
             "shapes": [list(t.shape) for _, t in tensors], "group_name": group}
@@ -475,7 +466,7 @@ def test_a_trainer_broadcasts_new_weights_over_a_process_group(ckpts):
     weights keep serving and the group stays usable. A dtype it does not know is refused before
     anything is received; a destroyed group is gone."""
     a, b = ckpts
-    new = _checkpoint_tensors(b)
+    new = checkpoint_tensors(b)
     with ThreadServer(a, admin_api_keys=[ADMIN]) as srv:
         group = _join_as_trainer(srv)
         name, tensor = new[0]
@@ -506,7 +497,7 @@ def test_a_trainer_that_stops_broadcasting_closes_the_group_and_leaves_the_weigh
     from sparsekv import weight_sync
     monkeypatch.setattr(weight_sync, "TIMEOUT_S", 2.0)
     a, b = ckpts
-    new = _checkpoint_tensors(b)
+    new = checkpoint_tensors(b)
     with ThreadServer(a, admin_api_keys=[ADMIN]) as srv:
         group = _join_as_trainer(srv)
         r = _broadcast_update(srv, group, new[:2], new[:1])

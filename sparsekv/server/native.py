@@ -27,11 +27,11 @@ from ..outputs import RequestOutput
 from ..request import InvalidRequest, SamplingParams
 from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY
 from .errors import APIError, bad_request, error_body
-from .loop import EngineDead, RequestGroup, Submission
+from .loop import RequestGroup, Submission
 from ..sampling_params import MAX_N
 from .prompt_ids import completion_prompt_ids
 from .protocol import INT64_MAX, INT64_MIN, _Body, check_request_id, parse_body
-from .serving import Job, admit, sse_event, wait_disconnect
+from .serving import Job, admit, queue_item, sse_event, wait_disconnect
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 # SGLang's sampling parameters -> the engine's (None: accepted at SGLang's default only)
@@ -194,9 +194,7 @@ class Answers:
 
     def take(self, item) -> int:
         """One queue item of the group; an error becomes an APIError."""
-        index, payload = item
-        if index is None:
-            raise APIError(payload.status if isinstance(payload, EngineDead) else 503, str(payload))
+        index, payload = queue_item(item)
         self.outputs[index] = payload
         return index
 

@@ -118,12 +118,18 @@ async def sse(loop: EngineLoop, group: RequestGroup, states: list[ChoiceState], 
 
 def _apply(states: list[ChoiceState], item) -> int:
     """Feed one queue item to its choice; an error item becomes an APIError."""
+    index, payload = queue_item(item)
+    states[index].update(payload)
+    return index
+
+
+def queue_item(item) -> tuple:
+    """A group's queue item as (choice index, RequestOutput); an error item raises as an APIError."""
     index, payload = item
     if index is None:
         status = payload.status if isinstance(payload, EngineDead) else 503
         raise APIError(status, str(payload))
-    states[index].update(payload)
-    return index
+    return index, payload
 
 
 def sse_event(body: dict) -> str:

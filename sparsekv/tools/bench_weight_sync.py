@@ -30,13 +30,15 @@ from .bench import report_console, run_bench
 MODES = ("save + disk", "disk", "broadcast", "in process")
 
 
-def _checkpoint_tensors(path: str) -> list:
+def checkpoint_tensors(path: str) -> list:
+    """Every (name, tensor) of a checkpoint as stored (its shards found as the engine finds them), in
+    name order: what a trainer holds and broadcasts."""
     from safetensors.torch import load_file
-    out = []
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out += sorted(load_file(os.path.join(path, name)).items())
-    return out
+    from ..model.checkpoint import list_tensor_files
+    out = {}
+    for file in sorted(set(list_tensor_files(path).values())):
+        out.update(load_file(os.path.join(path, file)))
+    return sorted(out.items())
 
 
 def _free_port() -> int:
@@ -107,7 +109,7 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or (make_checkpoint(args.preset, tmp) if args.preset else default_model_path())
         llm = LLM(path, max_model_len=256, num_threads=args.threads)
-        engine, tensors = llm.engine, _checkpoint_tensors(path)
+        engine, tensors = llm.engine, checkpoint_tensors(path)
         trainer, engine_side = _groups(_free_port())
         prompt, greedy = list(range(1, 33)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         answer = lambda: llm.generate([prompt], greedy)[0].token_ids
