@@ -77,6 +77,7 @@ class LLMEngine(WeightControl):
         self.weights_version = 0  # weight updates applied since the engine started
         self.paused = False
         self._pending_update = None  # (update, checkpoint) waiting for the running requests to finish (drain)
+        self.weights_lost: BaseException | None = None  # a failed update left a mix of two versions: no more steps
         self._held: deque[Request] = deque()  # requests not started, kept out of the scheduler while it drains
         self._ready: list[RequestOutput] = []  # outputs of given first tokens (add_request), for the next step
         self._ready_step = False  # the last step only output those
@@ -182,10 +183,12 @@ class LLMEngine(WeightControl):
         return self.kv.capacity_tokens
 
     def check_ranks(self) -> None:
-        """RankFailure if a worker rank of a parallel engine exited or a call across the ranks failed;
-        nothing for an engine of one rank. A rank on another node has no process here to look at, so
+        """RankFailure if a worker rank of a parallel engine exited or a call across the ranks failed,
+        or a weight update left a mix of two versions (`weights_lost`); nothing else for an engine of one rank. A rank on another node has no process here to look at, so
         every RANK_PROBE_S this also asks every rank for its figures (a round trip; the idle server
         calls it, so a dead node is found without a request)."""
+        if self.weights_lost is not None:
+            raise self.weights_lost
         ranks = getattr(self.executor, "ranks", None)
         if ranks is None:
             return
@@ -221,6 +224,8 @@ class LLMEngine(WeightControl):
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.weights_lost is not None:
+            raise self.weights_lost
         ready, self._ready = self._ready, []  # given first tokens: out at once, not after a step's compute
         if (ready and not self._ready_step) or self.paused:
             self._ready_step = True  # NOTE: the next call computes, whatever tokens arrive meanwhile

@@ -85,6 +85,7 @@ class WeightControl:
         """Load the waiting update once no started request is left; then the held requests queue again."""
         if self._pending_update is None or self.started_requests():
             return
+        from .weights import WeightRestoreError
         update, checkpoint = self._pending_update
         try:
             self.executor.update_weights(update)
@@ -92,6 +93,8 @@ class WeightControl:
             self.weight_updates.settle(None, e)
             if isinstance(e, RankFailure):  # some ranks may have loaded it: their weights differ, none serves again
                 logger.error("weight update failed across the ranks; the engine serves no more: %s", e)
+                if isinstance(e, WeightRestoreError):  # this engine's own model holds two versions
+                    self.weights_lost = e
                 raise
             logger.error("weight update failed; the previous weights keep serving: %r", e)
             self.weight_update_error = e

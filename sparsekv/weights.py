@@ -5,13 +5,16 @@ An update is plain data, checked on rank 0 before anything changes (`check_tenso
 tensor's, an FP8 weight must come with its `weight_scale_inv` (and a scale with its weight). A bad
 update raises `WeightUpdateError` and the old weights keep serving.
 
-Applying it (`WeightSource.apply`, on every rank, each on its own slices) builds a second model from
-the new tensors with the model's own constructor, on the host, then copies every tensor of it into
-the running model in place (`copy_weights`). Derived tensors (fused gate/up, transposed latent
-projections, fp32 router copies) are thus made exactly as a fresh load makes them, and the running
-model keeps its identity: the runner, the drafter, the cache and its selectors hold the same objects.
-The copy starts only once the new model is whole, so a failure while reading or building leaves the
-old weights in place.
+Applying it (`WeightSource.apply`, on every rank, each on its own slices) goes part by part (a
+decoder layer, the MTP layer, the embedding, final norm and head): it builds the part from the new
+tensors with the model's own constructor, on the host, then copies every tensor of it into the running
+part in place (`copy_weights`) and drops it. Derived tensors (fused gate/up, transposed latent
+projections, fp32 router copies) are thus made exactly as a fresh load makes them, the running model
+keeps its identity (the runner, the drafter, the cache and its selectors hold the same objects), and an
+update holds one part's new weights at a time besides the model, never a second model. A failure while
+reading or building a part puts back the parts copied before it, from the weights before the update;
+only if that fails too (the checkpoint they came from changed or cannot be read) does the engine stop
+serving (`WeightRestoreError`).
 
 A partial in-process update needs the tensors it leaves out: they are read again from the checkpoint
 the engine loaded (refused if that directory changed since), plus the tensors earlier in-process
@@ -19,13 +22,19 @@ updates gave (`overlay`, host memory; an update from disk clears it).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from .config import ModelConfig, overrides_indexer_schedule
 from .model.checkpoint import (CheckpointError, as_stored, check_header, check_names, check_stored_format,
-                               dequantize_fp8, expected_shapes, list_tensor_files, load_tensors, mtp_shapes)
+                               checkpoint_listing, dequantize_fp8, expected_shapes, list_tensor_files, load_tensors,
+                               mtp_shapes)
+from .parallel.launch import RankFailure
+
+logger = logging.getLogger("sparsekv.engine")
 
 SCALE_SUFFIX = "_scale_inv"
 # attributes of the model's objects that hold no weights: per-request and per-slot state (selectors,
@@ -51,6 +60,11 @@ class WeightLoadError(RuntimeError):
     def __init__(self, message: str, aborted: list | None = None):
         super().__init__(message)
         self.aborted = list(aborted or [])
+
+
+class WeightRestoreError(RankFailure):
+    """A weight update failed part-way and the parts it had loaded could not be put back: the model
+    holds parts of two versions, so the engine serves no more (as after a rank failure)."""
 
 
 WEIGHT_UPDATE_POLICIES = ("drain", "abort")
@@ -241,25 +255,74 @@ class WeightSource:
         self.overlay: dict[str, torch.Tensor] = {}
 
     def apply(self, model, update: TensorUpdate | DiskUpdate) -> None:
-        """Build the updated weights beside the model, then copy them in (nothing changes on failure)."""
-        tensors, overlay = self._tensors(model, update)
-        copy_weights(model, self._build(model, tensors))
+        """Load the update part by part (`model.part_of`: a decoder layer, the MTP layer, the ends):
+        each part's tensors read or taken, the part built beside the running one on the host and copied
+        in, then dropped, so that an update holds one part's new weights at a time, never a second
+        model. An in-process update rebuilds only the parts its tensors touch. A failure part-way puts
+        the parts copied so far back from the weights before the update (`_restore`)."""
+        if isinstance(update, DiskUpdate):
+            overlay, parts = {}, self._parts(model, None)
+            listing = checkpoint_listing(update.path, model.cfg, bool(self.overrides))
+            tensors_of = partial(self._read, model, update.path, listing=listing)
+        else:
+            mine = {n: self._slice(n, t, model.cfg) for n, t in update.tensors.items() if self._holds(n, model.cfg)}
+            overlay, parts = {**self.overlay, **mine}, self._parts(model, set(mine))
+            tensors_of = self._tensors_from(model, overlay)
+        copied: list = []
+        try:
+            for part, names in parts:
+                copy_part(model, part, tensors_of(names))
+                copied.append((part, names))
+        except Exception as e:
+            self._restore(model, copied, e)
+            raise
         if isinstance(update, DiskUpdate):
             self.path, self.identity = update.path, files_stamp(update.path)
         self.overlay = overlay
 
-    def _tensors(self, model, update) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(every tensor of this rank's model after the update, the in-process overlay after it)."""
-        cpu, cfg = torch.device("cpu"), model.cfg
-        if isinstance(update, DiskUpdate):
-            return load_tensors(update.path, cfg, self.dtype, cpu, bool(self.overrides), self.layout), {}
-        mine = {n: self._slice(n, t, cfg) for n, t in update.tensors.items() if self._holds(n, cfg)}
-        overlay = {**self.overlay, **mine}
-        missing = set(model_weight_shapes(model)) - set(overlay)
-        read = {}
-        if any(self._holds(n, cfg) for n in missing):
-            read = load_tensors(self.path, cfg, self.dtype, cpu, bool(self.overrides), self.layout, only=missing)
-        return {**read, **overlay}, overlay
+    def _parts(self, model, touched: set[str] | None) -> list[tuple[int | str, set[str]]]:
+        """(part, the names of this rank's tensors that build it) for every part of the model, or for
+        those holding a name in `touched`."""
+        from .model.model import part_of
+        cfg, by_part = model.cfg, {}
+        for name in model_weight_shapes(model):
+            if self._holds(name, cfg):
+                by_part.setdefault(part_of(name, cfg.num_hidden_layers), set()).add(name)
+        return [(part, names) for part, names in by_part.items() if touched is None or names & touched]
+
+    def _tensors_from(self, model, overlay: dict[str, torch.Tensor]):
+        """names -> their tensors: the overlay's, the others read from the loaded checkpoint."""
+        listing = []  # listed at the first read
+
+        def tensors_of(names: set[str]) -> dict[str, torch.Tensor]:
+            missing = {n for n in names if n not in overlay}
+            if missing and not listing:
+                listing.append(checkpoint_listing(self.path, model.cfg, bool(self.overrides)))
+            read = self._read(model, self.path, missing, listing[0]) if missing else {}
+            return {**read, **{n: overlay[n] for n in names if n in overlay}}
+        return tensors_of
+
+    def _read(self, model, path: str, names: set[str], listing) -> dict[str, torch.Tensor]:
+        return load_tensors(path, model.cfg, self.dtype, torch.device("cpu"), bool(self.overrides), self.layout,
+                            only=names, listing=listing)
+
+    def _restore(self, model, copied: list, error: Exception) -> None:
+        """Put the parts an update copied before it failed back to the weights before it (the loaded
+        checkpoint, unchanged on disk since, and the overlay), the same way. If that fails too, this
+        rank's weights are a mix of two versions: WeightRestoreError, and the engine serves no more."""
+        if not copied:
+            return
+        try:
+            if any(n not in self.overlay for _, names in copied for n in names) and files_stamp(self.path) != self.identity:
+                raise WeightUpdateError(f"{self.path}, the checkpoint this engine loaded, changed on disk since")
+            tensors_of = self._tensors_from(model, self.overlay)
+            for part, names in copied:
+                copy_part(model, part, tensors_of(names))
+        except Exception as e:
+            raise WeightRestoreError(f"the weight update failed part-way ({error!r}) and the weights before it "
+                                     f"could not be put back ({e!r}): this rank's model holds parts of both, and "
+                                     f"the engine serves no more") from e
+        logger.warning("the weight update failed part-way; the %d part(s) it had loaded were put back", len(copied))
 
     def _holds(self, name: str, cfg) -> bool:
         return self.layout is None or self.layout.holds(name, cfg)
@@ -281,9 +344,12 @@ class WeightSource:
                                     f"tensors this update leaves out cannot be read back; give every tensor, "
                                     f"or update from disk")
 
-    def _build(self, model, tensors: dict[str, torch.Tensor]):
-        from .model.model import DSAModel
-        return DSAModel(model.cfg, tensors, self.dtype, torch.device("cpu"), model.comm, release=True)
+
+def copy_part(model, part: int | str, tensors: dict[str, torch.Tensor]) -> int:
+    """Build `part` of `model` from `tensors` on the host, as a load builds it, and copy it into the
+    running part in place (`copy_weights`)."""
+    from .model.indexer import ScoreScratch
+    return copy_weights(model.part(part), model.build_part(part, tensors, ScoreScratch()), f"model part {part}")
 
 
 def files_stamp(path: str) -> list:
@@ -295,9 +361,9 @@ def files_stamp(path: str) -> list:
     return [(n, st.st_size, st.st_ino, st.st_mtime_ns) for n, st in stats]
 
 
-def copy_weights(model, fresh) -> int:
-    """Copy every tensor of `fresh` (a model built like `model`, from other weights) into the same
-    place of `model`, in place. Pairs are found by walking both object graphs in step; any difference
+def copy_weights(model, fresh, where: str = "model") -> int:
+    """Copy every tensor of `fresh` (a model, or a part of one, built like `model` from other weights)
+    into the same place of `model`, in place. Pairs are found by walking both object graphs in step; any difference
     of structure, shape or dtype raises before anything is copied. Returns how many tensors were copied.
 
     One difference is allowed: a part the running model has and `fresh` lacks (None there), when its
@@ -306,7 +372,7 @@ def copy_weights(model, fresh) -> int:
     experts hold views of the stack) is then updated through those views."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     unpaired: list[tuple[str, object]] = []
-    _pair(model, fresh, "model", pairs, set(), unpaired)
+    _pair(model, fresh, where, pairs, set(), unpaired)
     _check_views(pairs, unpaired)
     with torch.no_grad():
         for old, new in pairs:

@@ -234,6 +234,27 @@ def _copy(src: str, dst) -> str:
     return str(dst)
 
 
+def test_ranks_that_cannot_put_their_weights_back_stop_the_engine(ckpts, tmp_path, monkeypatch):
+    """Both ranks fail part-way (an expert each reads in layer 1, after layer 0 was copied in) and
+    cannot put layer 0 back, the checkpoint they loaded having changed on disk since: however many
+    ranks failed, their weights are a mix, so the update raises RankFailure and the engine steps no
+    more (not the "previous weights keep serving" of a failure put back)."""
+    import os
+    a, _ = ckpts
+    loaded = _copy(a, tmp_path / "loaded")
+    monkeypatch.setenv(LOAD_FAULT_ENV, f"both:{_expert(0)},both:{_expert(2)}")  # before the ranks start
+    llm = LLM(loaded, **OPTIONS, **DP)
+    try:
+        llm.generate([PROMPT, OTHER], GREEDY)
+        os.utime(os.path.join(loaded, "model.safetensors"), ns=(1, 1))
+        with pytest.raises(RankFailure, match="rank 0: WeightRestoreError.*rank 1: WeightRestoreError"):
+            llm.update_weights_from_disk(_copy(ckpts[1], tmp_path / "both"))
+        with pytest.raises(RankFailure):
+            llm.generate([PROMPT], GREEDY)
+    finally:
+        llm.close()
+
+
 def test_a_refused_or_failed_update_keeps_a_on_both_ranks_and_a_split_one_stops_the_engine(ckpts, tmp_path,
                                                                                              monkeypatch):
     a, b = ckpts

@@ -653,10 +653,97 @@ def test_a_failed_update_keeps_no_copy_of_the_weights(ckpts, monkeypatch):
     monkeypatch.setattr(checkpoint, "_load_one", load_one)
     with pytest.raises(WeightLoadError, match="bad bytes"):
         llm.update_weights_from_disk(b)
-    assert len(loaded) == len(order) - 1
+    # every tensor but the failing one read, and those of the parts copied before it read again to put them back
+    assert len(loaded) >= len(order) - 1
     gc.collect()
     assert sum(ref() is not None for ref in loaded) == 0, "a failed update's tensors are still referenced"
     assert llm.weights_version == 0
+
+
+def _record_parts(monkeypatch) -> list:
+    """Record each part an update copies in: (its name, weak references to the fresh part's tensors)."""
+    import weakref
+
+    from sparsekv import weights
+    real, copied = weights.copy_weights, []
+
+    def record(running, fresh, where):
+        found: list = []
+        weights._pair(fresh, fresh, where, found, set(), [])
+        copied.append((where, [weakref.ref(t) for t, _ in found]))
+        return real(running, fresh, where)
+    monkeypatch.setattr(weights, "copy_weights", record)
+    return copied
+
+
+def test_an_update_holds_one_part_of_new_weights_at_a_time(ckpts, monkeypatch):
+    """An update builds and copies in one part after another (each decoder layer, the MTP layer, the
+    ends), each dropped before the next is built: never a second model beside the running one. The
+    result is a fresh engine of B's."""
+    import gc
+    a, b, _ = ckpts
+    want = LLM(b, **OPTIONS).generate([PROMPT], GREEDY)[0]
+    llm = LLM(a, **OPTIONS)
+    cfg, model = llm.engine.model_config, llm.engine.executor.model
+    copied = _record_parts(monkeypatch)
+    seen_alive = []
+    real_read = type(llm.engine.executor.weights)._read
+
+    def read(self, *args, **kwargs):  # before each part is read: every part built so far is gone
+        gc.collect()
+        seen_alive.append(sum(ref() is not None for _, refs in copied for ref in refs))
+        return real_read(self, *args, **kwargs)
+    monkeypatch.setattr(type(llm.engine.executor.weights), "_read", read)
+    llm.update_weights_from_disk(b)
+    parts = cfg.num_hidden_layers + 1 + (model.mtp is not None)
+    assert len(copied) == parts and len({where for where, _ in copied}) == parts
+    assert len(seen_alive) == parts and seen_alive == [0] * parts
+    _same(llm.generate([PROMPT], GREEDY)[0], want, llm)
+
+
+def test_an_in_process_update_rebuilds_only_the_parts_it_touches(ckpts, monkeypatch):
+    """A partial update rebuilds the parts holding its tensors (the final norm: the ends; one expert:
+    its layer), and leaves every other part's tensors where they are, untouched."""
+    a, b, _ = ckpts
+    llm = LLM(a, **OPTIONS)
+    model = llm.engine.executor.model
+    layer0 = model.layers[0].input_norm.clone()
+    copied = _record_parts(monkeypatch)
+    tensors = _tensors(b)
+    expert = "model.layers.1.mlp.experts.2.gate_proj.weight"
+    llm.update_weights([("model.norm.weight", tensors["model.norm.weight"]), (expert, tensors[expert])])
+    assert sorted(where for where, _ in copied) == ["model part 1", "model part ends"]
+    assert torch.equal(model.norm, tensors["model.norm.weight"].to(model.norm.dtype))
+    assert torch.equal(model.layers[0].input_norm, layer0)
+    want = LLM(a, **OPTIONS)
+    want.update_weights([(n, tensors[n]) for n in ("model.norm.weight", expert)])
+    llm.engine.check_integrity()
+    _same(llm.generate([PROMPT], GREEDY)[0], want.generate([PROMPT], GREEDY)[0])
+
+
+def test_an_update_that_cannot_put_the_old_weights_back_stops_the_engine(ckpts, tmp_path, monkeypatch):
+    """A load failing part-way puts the parts it copied back from the checkpoint the engine loaded; when
+    that checkpoint changed on disk since (a trainer writing over it), they cannot be: the model holds
+    parts of two versions, so the update raises WeightRestoreError (a RankFailure) and the engine
+    steps no more, rather than serve a mix."""
+    import os
+    import shutil
+
+    from sparsekv.model.checkpoint import LOAD_FAULT_ENV
+    from sparsekv.parallel.launch import RankFailure
+    from sparsekv.weights import WeightRestoreError
+    a, b, _ = ckpts
+    loaded = shutil.copytree(a, tmp_path / "loaded")
+    llm = LLM(str(loaded), **OPTIONS)
+    llm.generate([PROMPT], GREEDY)
+    monkeypatch.setenv(LOAD_FAULT_ENV, f"{os.path.basename(b)}:model.layers.1.mlp.experts.2.gate_proj.weight")
+    os.utime(loaded / "model.safetensors", ns=(1, 1))
+    with pytest.raises(WeightRestoreError, match="changed on disk since"):
+        llm.update_weights_from_disk(b)
+    with pytest.raises(RankFailure, match="parts of both"):
+        llm.generate([PROMPT], GREEDY)
+    with pytest.raises(RankFailure):
+        llm.engine.check_ranks()
 
 
 def _run_bounded(engine, outs: dict, steps: int = 200) -> None:
@@ -744,15 +831,20 @@ def test_a_drain_load_that_fails_releases_the_held_requests_and_the_next_update_
 
 @pytest.mark.parametrize("how", ["disk", "tensors"])
 def test_a_load_that_fails_while_copying_leaves_no_trace_for_the_next_partial_update(ckpts, monkeypatch, how):
-    """A failed load changes nothing: a later partial update (A's own norm) fills the rest from A's
+    """A load that fails part-way (its third part, two copied already) changes nothing: the parts it
+    copied are put back from A, and a later partial update (A's own norm) fills the rest from A's
     checkpoint, not from the failed update's tensors or directory."""
     from sparsekv import weights
     a, b, _ = ckpts
     llm = LLM(a, **OPTIONS)
     want = llm.generate([PROMPT], GREEDY)[0]
+    real, calls = weights.copy_weights, []
 
-    def fail(model, fresh):
-        raise RuntimeError("out of memory")
+    def fail(*args):
+        calls.append(args[2])
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return real(*args)
     monkeypatch.setattr(weights, "copy_weights", fail)
     with pytest.raises(WeightLoadError, match="out of memory"):
         if how == "disk":
@@ -760,6 +852,7 @@ def test_a_load_that_fails_while_copying_leaves_no_trace_for_the_next_partial_up
         else:
             llm.update_weights([(k, v) for k, v in _tensors(b).items() if k != "model.norm.weight"])
     monkeypatch.undo()
+    assert calls[3:] == calls[:2]  # the two parts copied were put back
     assert llm.weights_version == 0
     _same(llm.generate([PROMPT], GREEDY)[0], want)
     assert llm.update_weights([("model.norm.weight", _tensors(a)["model.norm.weight"])]) == 1

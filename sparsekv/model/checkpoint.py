@@ -244,12 +244,20 @@ def as_stored(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.devi
     return t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype).contiguous()
 
 
-def load_tensors(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 drop_extra_indexers: bool = False, layout=None, only: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor the model needs (or the names in `only` among them), checked against the config;
-    with a `ParallelLayout`, only this rank's slices (no rank ever reads the whole model)."""
+def checkpoint_listing(path: str, cfg: ModelConfig, drop_extra_indexers: bool = False) -> tuple[dict, dict]:
+    """(the file of each tensor, the shape of each tensor the model needs), checked against the config:
+    what `load_tensors` reads by, listed once for a caller that reads a checkpoint part by part."""
     files = list_tensor_files(path)
-    want = check_names(cfg, set(files), path, drop_extra_indexers)
+    return files, check_names(cfg, set(files), path, drop_extra_indexers)
+
+
+def load_tensors(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 drop_extra_indexers: bool = False, layout=None, only: set[str] | None = None,
+                 listing: tuple[dict, dict] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor the model needs (or the names in `only` among them), checked against the config;
+    with a `ParallelLayout`, only this rank's slices (no rank ever reads the whole model). `listing`:
+    the checkpoint's `checkpoint_listing`, when the caller has it already."""
+    files, want = listing or checkpoint_listing(path, cfg, drop_extra_indexers)
     handles: dict = {}
     out = {}
     try:

@@ -64,20 +64,34 @@ class DSAModel:
                  comm=SINGLE_RANK, release: bool = False):
         self.cfg, self.dtype, self.device, self.comm = cfg, dtype, device, comm
         self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self.embed = tensors["model.embed_tokens.weight"]
-        self.norm = tensors["model.norm.weight"]
-        # a tied head stays the embedding table (a copy in the GEMM's layout would double it)
-        self.lm_head = gemm_layout(tensors["lm_head.weight"]) if "lm_head.weight" in tensors else self.embed
+        self.embed, self.norm, self.lm_head = build_ends(tensors)
         self.index_scratch = ScoreScratch()   # shared by every indexer: layers run one at a time
-        local = replace(cfg, num_attention_heads=cfg.num_attention_heads // comm.tp_size)
         self.layers = []
         for i in range(cfg.num_hidden_layers):
-            self.layers.append(build_layer(local, i, tensors, cfg.indexer_types[i] == "full", cfg.mlp_layer_types[i],
-                                           self.index_scratch, comm))
+            self.layers.append(self.build_part(i, tensors, self.index_scratch))
             if release:
                 _release_layer(tensors, i)
-        self.mtp = build_mtp(local, tensors, self.index_scratch, comm)
+        self.mtp = self.build_part(MTP, tensors, self.index_scratch)
         self.rotary = RotaryTable(cfg, dtype, device)
+
+    def build_part(self, part: int | str, tensors: dict[str, torch.Tensor], scratch: ScoreScratch | None = None):
+        """One part of this model (`part_of`) built from `tensors` as a load builds it: decoder layer
+        `part`, the MTP head (None without its tensors), or ENDS: (embedding, final norm, head). A weight
+        update builds each part beside the running one and copies it in (weights.py)."""
+        cfg = self.cfg
+        local = replace(cfg, num_attention_heads=cfg.num_attention_heads // self.comm.tp_size)
+        if part == ENDS:
+            return build_ends(tensors)
+        if part == MTP:
+            return build_mtp(local, tensors, scratch, self.comm)
+        return build_layer(local, part, tensors, cfg.indexer_types[part] == "full", cfg.mlp_layer_types[part], scratch,
+                           self.comm)
+
+    def part(self, part: int | str):
+        """The running model's `part`, in the form `build_part` gives it."""
+        if part == ENDS:
+            return self.embed, self.norm, self.lm_head
+        return self.mtp if part == MTP else self.layers[part]
 
     def hidden_states(self, ctx: ForwardContext, cache) -> torch.Tensor:
         ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions)
@@ -101,6 +115,26 @@ class DSAModel:
     def forward(self, ctx: ForwardContext, cache) -> torch.Tensor:
         """Logits (fp32) for `ctx.logits_rows`."""
         return self.logits(self.hidden_states(ctx, cache)[ctx.logits_rows])
+
+
+ENDS, MTP = "ends", "mtp"  # the parts of a model besides its decoder layers (`part_of`)
+
+
+def part_of(name: str, num_layers: int) -> int | str:
+    """The part of the model a checkpoint tensor builds: a decoder layer's index, MTP for the layer after
+    the last (the NextN layer), ENDS for the rest (embedding, final norm, head)."""
+    if name.startswith("model.layers."):
+        i = int(name.split(".")[2])
+        return MTP if i == num_layers else i
+    return ENDS
+
+
+def build_ends(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(embedding, final norm, head): a tied head stays the embedding table (a copy in the GEMM's layout
+    would double it)."""
+    embed = tensors["model.embed_tokens.weight"]
+    head = gemm_layout(tensors["lm_head.weight"]) if "lm_head.weight" in tensors else embed
+    return embed, tensors["model.norm.weight"], head
 
 
 def _release_layer(tensors: dict, i: int) -> None:

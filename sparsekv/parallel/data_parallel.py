@@ -24,7 +24,7 @@ from ..engine import RANK_PROBE_S, LLMEngine
 from ..hub import resolve_config
 from ..outputs import FirstToken, check_warm
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
-from ..weights import WEIGHT_UPDATE_POLICIES, UpdateOutcomes, WeightLoadError, WeightUpdateConflict
+from ..weights import WEIGHT_UPDATE_POLICIES, UpdateOutcomes, WeightLoadError, WeightRestoreError, WeightUpdateConflict
 from .dp_kv import DataParallelKV, kv_call
 from .dp_taps import DataParallelTaps, TapReceiver, open_group
 from .lanes import lane_integrity, load_lane, merge_stats, rank_figures, serve_lane, step_lane
@@ -312,7 +312,8 @@ class DataParallelEngine:
         gathered = self._together("load_weights", update, checkpoint,
                                   run=lambda: load_lane(self.local, update, checkpoint))
         errors = [f"data-parallel rank {rank}: {error}" for rank, (_, error, _) in enumerate(gathered) if error]
-        self._settle_load(errors)
+        mixed = [e for (_, e, _) in gathered if e and e.startswith(WeightRestoreError.__name__)]
+        self._settle_load(errors, mixed=bool(mixed))
         outputs = []
         for rank, (aborted, _, summary) in enumerate(gathered):
             self._summaries[rank] = summary
@@ -323,21 +324,23 @@ class DataParallelEngine:
                     outputs.append(out)
         return outputs
 
-    def _settle_load(self, errors: list[str]) -> None:
+    def _settle_load(self, errors: list[str], mixed: bool = False) -> None:
         """All ranks loaded: a new version. None did: the old weights keep serving everywhere
-        (`weight_update_error`; a load builds the new weights whole before copying them in). Some did:
-        the ranks' weights differ, and the engine serves no more (RankFailure)."""
+        (`weight_update_error`; a rank whose load fails part-way puts back what it loaded). Some did, or
+        a rank could not put its weights back (`mixed`): the ranks' weights differ, and the engine
+        serves no more (RankFailure)."""
         if not errors:
             self.weights_version += 1
             self.weight_updates.settle(self.weights_version, None)
-        elif len(errors) == self.num_ranks:
+        elif len(errors) == self.num_ranks and not mixed:
             self.weight_update_error = WeightLoadError("no rank loaded the weight update; the previous weights "
                                                          "keep serving: " + "; ".join(errors))
             logger.error("%s", self.weight_update_error)
             self.weight_updates.settle(None, self.weight_update_error)
         else:
-            self.ranks.failure = RankFailure("the weight update loaded on some data-parallel ranks and failed on "
-                                             "others, whose weights now differ: " + "; ".join(errors))
+            why = ("a data-parallel rank's weights are now a mix of two versions" if mixed else
+                   "the weight update loaded on some data-parallel ranks and failed on others, whose weights now differ")
+            self.ranks.failure = RankFailure(f"{why}: " + "; ".join(errors))
             self.weight_updates.settle(None, self.ranks.failure)
             raise self.ranks.failure
 

@@ -65,7 +65,7 @@ def load_lane(engine: LLMEngine, update, checkpoint: str | None) -> tuple[list[R
             aborted += engine.update_weights_from_disk(checkpoint, policy="abort")
         else:
             aborted += engine.update_weights(update.tensors.items(), policy="abort")
-    except Exception as e:  # this rank keeps its old weights (an update builds whole before copying)
+    except Exception as e:  # this rank keeps its old weights (a load failing part-way puts back what it loaded)
         logger.exception("data-parallel rank: the weight update failed")
         engine.release_held_requests()  # refused before its engine took them back itself
         return aborted, f"{type(e).__name__}: {e}", lane_summary(engine)

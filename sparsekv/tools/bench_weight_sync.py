@@ -9,8 +9,9 @@ the loop an RL run on disk makes; "disk" is the read alone, `update_weights_from
 in the page cache after the first read, and the writes land there: the figures leave the disk's own
 speed out, which only favours them); "broadcast" is receiving
 every tensor (`receive_weights`) then `update_weights`; "in process" is `update_weights` from tensors
-already in memory, the floor both share (building the new model and copying it in). Printed: seconds
-per update (medians of `--repeats`), the weights' GB/s, the ratio against disk, and whether a greedy
+already in memory, the floor both share (building the new weights part by part and copying them in).
+Printed: seconds per update (medians of `--repeats`), the weights' GB/s, the ratio against disk, how far
+the process's resident set rose during the update (against the weights' size), and whether a greedy
 answer after each update is the same.
 """
 from __future__ import annotations
@@ -105,6 +106,7 @@ def run(args) -> dict:
     from sparsekv import LLM, SamplingParams
     from sparsekv.paths import default_model_path
     from .bench import make_checkpoint
+    from .bench_worker import rss_rise_mb
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or (make_checkpoint(args.preset, tmp) if args.preset else default_model_path())
@@ -119,14 +121,16 @@ def run(args) -> dict:
                    "disk": lambda: _timed(lambda: engine.update_weights_from_disk(path)),
                    "broadcast": lambda: _broadcast_update(engine, trainer, engine_side, tensors),
                    "in process": lambda: _timed(lambda: engine.update_weights(tensors))}
-        runs = {mode: [] for mode in MODES}
+        runs, rises = {mode: [] for mode in MODES}, {mode: [] for mode in MODES}
         for _ in range(args.repeats):
             for mode in MODES:
-                runs[mode].append(updates[mode]())
+                seconds, rise = rss_rise_mb(updates[mode])
+                runs[mode].append(seconds)
+                rises[mode].append(rise)
                 answers.append(answer())
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         loaded = engine.weights_version
-    return {"runs": runs, "bytes": nbytes, "tensors": len(tensors), "model": args.model or args.preset or "bundled",
+    return {"runs": runs, "rss_rise_mb": rises, "bytes": nbytes, "tensors": len(tensors), "model": args.model or args.preset or "bundled",
             "identical": all(a == before for a in answers), "updates_loaded": loaded}
 
 
@@ -135,15 +139,23 @@ def report(result: dict) -> dict:
     gb = result["bytes"] / 1e9
     table = Table(title=f"weight update of {result['model']}: {result['tensors']} tensors, {gb:.3f} GB "
                         f"(medians of {len(result['runs']['disk'])}, gloo over loopback)")
-    for col in ("update", "seconds", "weights GB/s", "against save + disk"):
+    rises = {mode: _largest(rs) for mode, rs in result["rss_rise_mb"].items()}
+    for col in ("update", "seconds", "weights GB/s", "against save + disk", "host memory rise, MB (of the weights)"):
         table.add_column(col)
     for mode, s in seconds.items():
-        table.add_row(mode, f"{s:.3f}", f"{gb / s:.2f}", f"{seconds['save + disk'] / s:.2f}x")
+        rise = "n/a" if rises[mode] is None else f"{rises[mode]:.0f} ({rises[mode] * 1e6 / result['bytes']:.2f}x)"
+        table.add_row(mode, f"{s:.3f}", f"{gb / s:.2f}", f"{seconds['save + disk'] / s:.2f}x", rise)
     console = report_console()
     console.print(table)
+    console.print("host memory rise: the largest, over the repeats, of how far the resident set rose above where "
+                  "it stood before the update, at its peak during it")
     console.print(f"greedy answer after every update identical: {result['identical']}")
-    return {"seconds": seconds, "bytes": result["bytes"], "identical": result["identical"],
+    return {"seconds": seconds, "rss_rise_mb": rises, "bytes": result["bytes"], "identical": result["identical"],
             "updates_loaded": result["updates_loaded"]}
+
+
+def _largest(values: list) -> float | None:
+    return None if any(v is None for v in values) else max(values)
 
 
 def build_parser() -> argparse.ArgumentParser:

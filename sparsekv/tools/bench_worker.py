@@ -26,12 +26,30 @@ def peak_rss_mb() -> float:
 def vm_hwm_mb(status_path: str = "/proc/self/status") -> float | None:
     """VmHWM (the resident high-water mark since this program's exec) in MB; None without /proc."""
     try:
-        with open(status_path) as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
+        return _status_mb("VmHWM:", status_path)
     except OSError:
         return None
+
+
+def rss_rise_mb(fn) -> tuple[object, float | None]:
+    """(fn(), how far this process's resident set rose above where it stood before, at its peak while
+    fn ran, in MB). Linux: the high-water mark is reset first (/proc/self/clear_refs); None elsewhere."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_mb("VmRSS:")
+    except OSError:
+        return fn(), None
+    out = fn()
+    peak = vm_hwm_mb()
+    return out, None if peak is None or before is None else peak - before
+
+
+def _status_mb(field: str, status_path: str = "/proc/self/status") -> float | None:
+    with open(status_path) as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
     return None
 
 
