@@ -19,6 +19,7 @@ import dataclasses
 import os
 
 from .config import ConfigError, auto_dtype, checkpoint_dtype
+from .error_text import first_line
 
 # config, weights (sharded or not), tokenizer and chat template: what a checkpoint directory needs
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -71,7 +72,7 @@ def _download(name: str, revision: str | None, cache_dir: str, allow_patterns: l
     try:
         path = snapshot_download(name, revision=revision, cache_dir=cache_dir, allow_patterns=allow_patterns)
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
-        searched.append(f"not downloaded from {constants.ENDPOINT} ({type(e).__name__}: {str(e).splitlines()[0]})")
+        searched.append(f"not downloaded from {constants.ENDPOINT} ({type(e).__name__}: {first_line(e)})")
         raise ModelNotFound(_not_found(name, searched)) from None
     if not os.path.exists(os.path.join(path, "config.json")):
         raise ModelNotFound(f"model {name!r}: the Hub snapshot {path} has no config.json")

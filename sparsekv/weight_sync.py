@@ -22,6 +22,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from .error_text import first_line
+
 BACKENDS = ("gloo", "nccl")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -66,7 +68,7 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
         return _group(store, rank, world_size, backend, timeout_s)
     except Exception as e:  # refused, unreachable, timed out
         raise WeightSyncError(f"could not join the trainer's group at {master_address}:{master_port}: "
-                              f"{_first_line(e)}") from None
+                              f"{first_line(e)}") from None
 
 
 def broadcast_weights(group: dist.ProcessGroup, named_tensors, backend: str = "gloo",
@@ -88,14 +90,14 @@ def receive_weights(group: dist.ProcessGroup, names: list[str], dtypes: list[tor
             works.append((name, _broadcast(group, tensor, backend)))
         except Exception as e:
             _settle(works)
-            raise WeightSyncError(f"receiving {name} failed: {_first_line(e)}") from None
+            raise WeightSyncError(f"receiving {name} failed: {first_line(e)}") from None
         out.append((name, tensor))
     for name, work in works:
         try:
             work.wait()
         except Exception as e:
             _settle(works)
-            raise WeightSyncError(f"receiving {name} failed: {_first_line(e)}") from None
+            raise WeightSyncError(f"receiving {name} failed: {first_line(e)}") from None
     _synchronize(out)
     return out
 
@@ -150,8 +152,3 @@ def _group(store, rank: int, size: int, backend: str, timeout_s: float) -> dist.
 
 def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

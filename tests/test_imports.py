@@ -35,7 +35,7 @@ PKG = "sparsekv"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # no sparsekv imports but each other's; engine_args/units: the engine options' argparse (torch-free)
     ("basics", ("config", "request", "context", "paths", "units", "engine_args", "detokenize", "sampling",
-                "kernels", "hub", "sampling_params", "outputs", "scheduler_output", "daemon")),
+                "kernels", "hub", "sampling_params", "outputs", "scheduler_output", "daemon", "error_text")),
     ("collectives", ("parallel.comm", "parallel.layout", "weight_sync")),  # who holds which slice; torch.distributed calls
     ("model", ("model",)),                   # the network: reads the cache only through context.py
     ("cache", ("cache",)),                   # page allocator, prefix cache and its tiers, pools, tiering

@@ -968,26 +968,38 @@ def test_a_changed_byte_of_a_plain_files_rows_is_a_counted_miss(ckpt, tmp_path):
         assert_close([want], [out], bitwise=True)
 
 
-def test_a_plain_file_with_a_tensor_added_is_a_counted_miss(tmp_path):
-    """A plain page file holds exactly the page's rows: one rewritten with an extra tensor beside its
-    untouched, MAC-covered rows (a file grown by someone else, larger than the budget counts it) is a
-    miss, counted and removed, not served."""
+def _rewrite_tensors(path, change):
+    """Rewrite a page file with its tensors changed by `change` (a dict -> dict), its metadata kept."""
     from safetensors.torch import load, save
 
     from sparsekv.cache.prefix_disk import _page_metadata
+    data = open(path, "rb").read()
+    open(path, "wb").write(save(change(dict(load(data))), metadata=_page_metadata(data)))
+
+
+TENSOR_CHANGES = {"added": lambda tensors: dict(tensors, extra=torch.zeros(1 << 10)),
+                  "removed": lambda tensors: dict(list(tensors.items())[1:])}
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
+@pytest.mark.parametrize("change", sorted(TENSOR_CHANGES))
+def test_a_page_file_with_a_tensor_added_or_removed_is_a_counted_miss(tmp_path, caplog, sealed, change):
+    """A page file holds exactly a page's tensors (its rows, or its sealed bytes): one rewritten with
+    an extra tensor beside its untouched, authenticated ones (a file grown by someone else, larger than
+    the budget counts it), or with one of its own gone, is a miss, logged, counted and removed, not served."""
+    from sparsekv.cache.page_cipher import PageCipher
     rows = _rows()
-    disk = _store(rows, tmp_path)
+    disk = _store(rows, tmp_path, PageCipher(b"k" * 32, "space") if sealed else None)
     name = b"\1" * 32
     disk.save_rows(name, rows.copy_out(0), "alice")
     disk.flush()
-    path = disk.path_of(name)
-    data = open(path, "rb").read()
-    tensors = dict(load(data), extra=torch.zeros(1 << 10))
-    open(path, "wb").write(save(tensors, metadata=_page_metadata(data)))
+    _rewrite_tensors(disk.path_of(name), TENSOR_CHANGES[change])
     assert disk.take(name) is None
     disk.flush()
     assert disk.failed == 1 and not disk.has(name) and _files(tmp_path) == []
+    assert "is unreadable" in caplog.text
     disk.close()
+
 
 def test_an_unencrypted_tier_warns_and_says_so(ckpt, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="sparsekv.cache.manager"):

@@ -614,17 +614,19 @@ class PrefixDiskStore:
 
     def _decode(self, data: bytes, file_id: bytes, tenant: str) -> list[torch.Tensor]:
         """A page file's rows; raises if it is not one of ours, was not written under `file_id` for
-        `tenant` (the digest it was indexed with), has other rows than it was written with, or does not
-        authenticate under the key it names (a file without a key name: under any key held)."""
+        `tenant` (the digest it was indexed with), holds other tensors than a page file's or other rows
+        than it was written with, or does not authenticate under the key it names (a file without a key
+        name: under any key held)."""
         metadata, tensors = _page_metadata(data), load_page(data)
         if metadata.get("format") != FORMAT:
             raise ValueError("not a sparsekv prefix page")
         if metadata.get("tenant") != tenant:
             raise ValueError("the file's tenant field was changed")
+        if set(tensors) != self._tensor_names():
+            raise ValueError("the file holds other tensors than a page's")
         if self.cipher is None:
             rows = [tensors[str(i)] for i in range(len(self.rows.layout))]
-            if len(tensors) != len(rows) or not hmac.compare_digest(
-                    metadata.get("mac", ""), page_mac(self._tenant_secret, file_id, tenant, rows)):
+            if not hmac.compare_digest(metadata.get("mac", ""), page_mac(self._tenant_secret, file_id, tenant, rows)):
                 raise ValueError("the file was altered, or written for another page or tenant")
             return rows
         key = metadata.get("key")
@@ -637,6 +639,11 @@ class PrefixDiskStore:
             except Exception:  # noqa: BLE001 - InvalidTag: another key may open it
                 pass
         return ciphers[-1].open(metadata, tensors["sealed"], self.rows.layout, file_id, tenant)
+
+    def _tensor_names(self) -> set[str]:
+        """The tensors a page file of this tier holds, no more (encode_page): its sealed bytes, or one
+        tensor per row. A file padded with others is refused, though its page's own would authenticate."""
+        return {"sealed"} if self.cipher is not None else {str(i) for i in range(len(self.rows.layout))}
 
     def _rekey(self, file_id: bytes) -> None:
         """Re-seal a file sealed with an old key under the current one, keeping its name (the

@@ -22,6 +22,7 @@ import time
 
 from fastapi.responses import JSONResponse
 
+from ..error_text import first_line
 from ..request import SamplingParams
 from ..server.errors import APIError, bad_request
 from ..server.loop import RequestGroup, Submission
@@ -49,7 +50,7 @@ class PrefillWorker(Worker):
             self.store = host_bootstrap(settings.bootstrap_host, settings.bootstrap_port, settings.timeout_s)
         except Exception as e:  # the port is taken, or the host is not this machine's
             raise ValueError(f"--disaggregation-bootstrap-port {settings.bootstrap_port}: cannot listen on "
-                             f"{settings.bootstrap_host}: {str(e).strip().splitlines()[0]}") from None
+                             f"{settings.bootstrap_host}: {first_line(e)}") from None
 
     @property
     def bootstrap_port(self) -> int:
@@ -84,7 +85,7 @@ class PrefillWorker(Worker):
 
     async def _cancel(self, prefill) -> None:
         """End a prefill whose transfer failed, its requests aborted on the engine before this returns
-        (serving.collect queues the abort; a command queued after it runs after it)."""
+        (serving.collect_replies queues the abort; a command queued after it runs after it)."""
         prefill.cancel()
         await asyncio.wait([prefill])
         try:

@@ -38,6 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..error_text import first_line
 from .nixl import NixlReceiver, NixlSender
 from .wire import TransferError, at_once
 
@@ -155,7 +156,7 @@ class Room:
         try:
             return self.store.check([self.key(part)])
         except Exception as e:  # a connection error: the prefill worker's store is gone
-            raise TransferError(f"room {self.name}: the bootstrap store is gone ({_first_line(e)})") from None
+            raise TransferError(f"room {self.name}: the bootstrap store is gone ({first_line(e)})") from None
 
     def written_by_peer(self, part: str) -> bool:
         """Whether `part` holds a value (not this side's own wake marker), without waiting. NOTE: checked
@@ -164,7 +165,7 @@ class Room:
         try:
             return self.store.check([key]) and self.store.compare_set(key, ABSENT, ABSENT) not in (ABSENT, WOKEN)
         except Exception as e:
-            raise TransferError(f"room {self.name}: the bootstrap store is gone ({_first_line(e)})") from None
+            raise TransferError(f"room {self.name}: the bootstrap store is gone ({first_line(e)})") from None
 
     def wait_for(self, part: str, timeout_s: float) -> bytes | None:
         """`part`'s value once it is written, or None when `wake(part)` ended the wait first. Blocks in
@@ -186,7 +187,7 @@ class Room:
                     self.waiting.delete_key(key)
             return None if value in (WOKEN, ABSENT) else value
         except Exception as e:  # the store gone (a connection error), or past timeout_s
-            raise TransferError(f"room {self.name}: waiting for {part} failed: {_first_line(e)}") from None
+            raise TransferError(f"room {self.name}: waiting for {part} failed: {first_line(e)}") from None
         finally:
             with self.wait_lock:
                 self.waiting_on = None
@@ -208,14 +209,14 @@ class Room:
         try:
             value = self.store.compare_set(self.key(part), ABSENT, ABSENT)
         except Exception as e:
-            raise TransferError(f"room {self.name}: the bootstrap store is gone ({_first_line(e)})") from None
+            raise TransferError(f"room {self.name}: the bootstrap store is gone ({first_line(e)})") from None
         return None if value in (ABSENT, WOKEN) else value
 
     def get(self, part: str) -> bytes:
         try:
             return self.store.get(self.key(part))
         except Exception as e:
-            raise TransferError(f"room {self.name}: the bootstrap store failed: {_first_line(e)}") from None
+            raise TransferError(f"room {self.name}: the bootstrap store failed: {first_line(e)}") from None
 
     def abandon_join(self) -> None:
         """End the prefill side's wait for the decode side's rendezvous address (`pair_group`), if any."""
@@ -249,7 +250,7 @@ class Room:
             return _within(lambda: _gloo_group(store, rank, hostname, timeout_s), timeout_s)
         except Exception as e:
             raise TransferError(f"room {self.name}: the workers could not connect for the transfer ({backend}): "
-                                f"{_first_line(e)}") from None
+                                f"{first_line(e)}") from None
 
 
 def meta_key(batch: int) -> str:
@@ -383,9 +384,4 @@ def _run(op, what: str) -> None:
     try:
         op().wait()
     except Exception as e:  # the peer closed the connection, or the group's timeout passed
-        raise TransferError(f"{what} failed: {_first_line(e)}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+        raise TransferError(f"{what} failed: {first_line(e)}") from None

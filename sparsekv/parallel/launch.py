@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..config import ConfigError, EngineConfig, ModelConfig
+from ..error_text import first_line
 from .comm import TensorParallel
 from .layout import ParallelLayout
 
@@ -224,7 +225,7 @@ def start_worker(config: EngineConfig, rank: int, addr: str, build):
     try:
         control = join_group(config, rank, addr, None, _check_parent)
     except RuntimeError as e:  # rank 0's store never answered, a rank never came (StartupError), the parent left
-        logger.error("rank %d could not join the world at %s: %s", rank, addr, str(e).strip().splitlines()[0])
+        logger.error("rank %d could not join the world at %s: %s", rank, addr, first_line(e))
         raise SystemExit(1) from None
     built, error = None, None
     try:

@@ -10,28 +10,26 @@ null] and `output_top_logprobs`, and from `logprob_start_len` the prompt's `inpu
 prompt with n = 1 answers an object, else a list in prompt-major order. A stream sends each choice's
 answer so far (cumulative, as SGLang streams), with its `index` in that order, then `[DONE]`.
 
-The request runs as a completion does (serving.admit, the engine loop, abort on disconnect), under
+The request runs as a completion does (serving.respond: admission, the engine loop, abort on disconnect), under
 the caller's tenant; its `rid` names it to /abort_request.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import model_validator
 
 from ..outputs import RequestOutput
 from ..request import InvalidRequest, SamplingParams
 from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY
-from .errors import APIError, bad_request, error_body
+from .errors import bad_request
 from .loop import RequestGroup, Submission
 from ..sampling_params import MAX_N
 from .prompt_ids import completion_prompt_ids
 from .protocol import INT64_MAX, INT64_MIN, _Body, check_request_id, parse_body
-from .serving import Job, admit, queue_item, sse_event, wait_disconnect
+from .serving import Job, queue_item, respond
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 # SGLang's sampling parameters -> the engine's (None: accepted at SGLang's default only)
@@ -168,25 +166,20 @@ async def generate(request: Request):
     job = Job(group, subs, request.scope.get(TENANT_SCOPE_KEY, DEFAULT_TENANT), None, None, body.stream, False,
               {**{name: "sampling_params" for name in SAMPLING_NAMES.values() if name},
                "prompt": "text" if body.text is not None else "input_ids"})
-    answers = Answers(state, body, rid, len(subs), [len(p) for p in ids], owners)
-    try:
-        await admit(state.loop, job, state.metrics)
-        if not body.stream:
-            return await _collect(request, state.loop, group, answers, single=not body.batched and len(subs) == 1)
-    except BaseException:
-        state.loop.abort(group)
-        raise
-    return StreamingResponse(_stream(state.loop, group, answers), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    answers = Answers(state, body, rid, len(subs), [len(p) for p in ids], owners,
+                      single=not body.batched and len(subs) == 1)
+    return await respond(request, state.loop, job, state.metrics, answers)
 
 
 class Answers:
-    """Each choice's latest output, as SGLang's answers."""
+    """Each choice's latest output, answered as SGLang answers (the serving.Replies of /generate)."""
 
-    def __init__(self, state, body: GenerateRequest, rid: str, size: int, prompt_lens: list[int], owners: list[int]):
+    def __init__(self, state, body: GenerateRequest, rid: str, size: int, prompt_lens: list[int], owners: list[int],
+                 single: bool):
         self.body, self.rid, self.token_text = body, rid, state.token_text
         self.outputs: list[RequestOutput | None] = [None] * size
         self.prompt_lens, self.owners = prompt_lens, owners
+        self.single = single  # one prompt, one choice: the body is that answer, not a list of one
 
     @property
     def finished(self) -> bool:
@@ -208,6 +201,17 @@ class Answers:
         if self.body.return_routed_experts:
             meta["routed_experts"] = out.routed_experts
         return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
+
+    def response(self) -> dict | list:
+        answers = [self.answer(i) for i in range(len(self.outputs))]
+        return answers[0] if self.single else answers
+
+    def chunk(self, index: int) -> dict:
+        """Choice `index`'s answer so far (SGLang streams them cumulative), with its place in the body's order."""
+        return {**self.answer(index), "index": index}
+
+    def closing(self) -> list[dict]:
+        return []
 
     def _logprobs(self, out: RequestOutput) -> dict:
         top = self.body.top_logprobs_num
@@ -239,36 +243,3 @@ def _finish_reason(out: RequestOutput) -> dict | None:
         matched = out.stop_reason if out.stop_reason is not None else (out.token_ids[-1] if out.token_ids else None)
         return {"type": "stop", "matched": matched}
     return {"type": out.finish_reason, "message": None}
-
-
-async def _collect(request: Request, loop, group: RequestGroup, answers: Answers, single: bool):
-    watcher = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        while not answers.finished:
-            getter = asyncio.ensure_future(group.queue.get())
-            await asyncio.wait([getter, watcher], return_when=asyncio.FIRST_COMPLETED)
-            if not getter.done():
-                getter.cancel()
-                return JSONResponse(error_body(499, "client closed the request"), status_code=499)
-            answers.take(getter.result())
-        out = [answers.answer(i) for i in range(len(answers.outputs))]
-        return JSONResponse(out[0] if single else out)
-    except APIError as e:
-        return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
-    finally:
-        watcher.cancel()
-        loop.abort(group)
-
-
-async def _stream(loop, group: RequestGroup, answers: Answers):
-    try:
-        while not answers.finished:
-            try:
-                index = answers.take(await group.queue.get())
-            except APIError as e:  # headers are sent: report in-band, then end the stream
-                yield sse_event(error_body(e.status, e.message, e.param))
-                break
-            yield sse_event({**answers.answer(index), "index": index})
-        yield "data: [DONE]\n\n"
-    finally:
-        loop.abort(group)

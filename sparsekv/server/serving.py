@@ -2,7 +2,7 @@
 
 Whatever way the request ends (finished, client gone, handler cancelled), `finally` aborts its group,
 so its pages are freed. Starlette cancels a streaming response when the client disconnects; a plain
-response is not cancelled, so `collect` races the engine against `request.receive()` returning
+response is not cancelled, so `collect_replies` races the engine against `request.receive()` returning
 `http.disconnect`.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -60,35 +61,96 @@ async def admit(loop: EngineLoop, job: Job, metrics) -> None:
                             "server log)") from None
 
 
+class Replies(Protocol):
+    """How an endpoint answers from its group's outputs; `respond` drives it. Two implementations: the
+    OpenAI paths' (ChoiceReplies) and SGLang's /generate's (native.Answers)."""
+
+    @property
+    def finished(self) -> bool: ...
+
+    def take(self, item) -> int:
+        """Feed one queue item to its choice and return the choice's index; an error item raises as an APIError."""
+
+    def response(self) -> dict | list:
+        """The whole answer, once every choice finished."""
+
+    def chunk(self, index: int) -> dict:
+        """A stream event for choice `index`, which `take` just fed."""
+
+    def closing(self) -> list[dict]:
+        """The stream's events after every choice finished (before [DONE])."""
+
+
+class ChoiceReplies:
+    """The OpenAI paths' replies: each choice's state, answered through the response builder."""
+
+    def __init__(self, states: list[ChoiceState], builder: ResponseBuilder, include_usage: bool = False):
+        self.states, self.builder, self.include_usage = states, builder, include_usage
+        self.started: set[int] = set()  # the choices whose first chunk (the chat role) went
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.states)
+
+    def take(self, item) -> int:
+        return _apply(self.states, item)
+
+    def response(self) -> dict:
+        return self.builder.response(self.states)
+
+    def chunk(self, index: int) -> dict:
+        first = index not in self.started
+        self.started.add(index)
+        return self.builder.chunk(self.states[index], first, self.include_usage)
+
+    def closing(self) -> list[dict]:
+        return [self.builder.usage_chunk(self.states)] if self.include_usage else []
+
+
 async def run(request: Request, loop: EngineLoop, job: Job, metrics, states: list | None = None):
     """`states`: a list to fill with the choices' states (what each output), for a caller that reads them."""
     states = states if states is not None else []
     states += [job.builder.choice_state(i, s.params.stop_strings) for i, s in enumerate(job.subs)]
+    return await respond(request, loop, job, metrics, ChoiceReplies(states, job.builder, job.include_usage))
+
+
+async def respond(request: Request, loop: EngineLoop, job: Job, metrics, replies: Replies):
+    """Admit `job`, then answer one JSON body or an SSE stream of `replies`."""
     try:
         await admit(loop, job, metrics)
         if not job.stream:
-            return await collect(request, loop, job.group, states, job.builder)
+            return await collect_replies(request, loop, job.group, replies)
     except BaseException:
         loop.abort(job.group)
         raise
-    return StreamingResponse(sse(loop, job.group, states, job.builder, job.include_usage),
-                             media_type="text/event-stream",
+    return StreamingResponse(stream_replies(loop, job.group, replies), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def collect(request: Request, loop: EngineLoop, group: RequestGroup, states: list[ChoiceState],
                   builder: ResponseBuilder):
+    """The OpenAI paths' JSON body."""
+    return await collect_replies(request, loop, group, ChoiceReplies(states, builder))
+
+
+def sse(loop: EngineLoop, group: RequestGroup, states: list[ChoiceState], builder: ResponseBuilder,
+        include_usage: bool):
+    """The OpenAI paths' SSE stream."""
+    return stream_replies(loop, group, ChoiceReplies(states, builder, include_usage))
+
+
+async def collect_replies(request: Request, loop: EngineLoop, group: RequestGroup, replies: Replies):
     watcher = asyncio.ensure_future(wait_disconnect(request))
     try:
-        while not all(s.finished for s in states):
+        while not replies.finished:
             getter = asyncio.ensure_future(group.queue.get())
             await asyncio.wait([getter, watcher], return_when=asyncio.FIRST_COMPLETED)
             if not getter.done():
                 getter.cancel()
                 log.info("client disconnected; aborting %s", group.request_ids[0])
                 return JSONResponse(error_body(499, "client closed the request"), status_code=499)
-            _apply(states, getter.result())
-        return JSONResponse(builder.response(states))
+            replies.take(getter.result())
+        return JSONResponse(replies.response())
     except APIError as e:
         return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
     finally:
@@ -96,21 +158,18 @@ async def collect(request: Request, loop: EngineLoop, group: RequestGroup, state
         loop.abort(group)
 
 
-async def sse(loop: EngineLoop, group: RequestGroup, states: list[ChoiceState], builder: ResponseBuilder,
-              include_usage: bool):
-    started = set()
+async def stream_replies(loop: EngineLoop, group: RequestGroup, replies: Replies):
     try:
-        while not all(s.finished for s in states):
+        while not replies.finished:
             try:
-                index = _apply(states, await group.queue.get())
+                index = replies.take(await group.queue.get())
             except APIError as e:  # headers are sent: report in-band, then end the stream
                 yield sse_event(error_body(e.status, e.message, e.param))
                 break
-            yield sse_event(builder.chunk(states[index], index not in started, include_usage))
-            started.add(index)
+            yield sse_event(replies.chunk(index))
         else:
-            if include_usage:
-                yield sse_event(builder.usage_chunk(states))
+            for body in replies.closing():
+                yield sse_event(body)
         yield "data: [DONE]\n\n"
     finally:
         loop.abort(group)

@@ -13,16 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..error_text import first_line
 from .stages import STAGES, heldout_metrics, probe_metrics, set_trainable, stage_loss
 
 
 class UnusableState(ValueError):
     """The work directory's state file cannot resume this run."""
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 STATE_FILE = "train_state.pt"
 TIME_SHARE = {"pretrain": 0.5, "warmup": 0.1, "sparse": 0.3, "mtp": 0.1, "far": 0.0}   # far: outside the budget
@@ -95,7 +92,7 @@ class Trainer:
             self.model.load_state_dict(blob["model"])
             state = TrainState(**blob["state"])
         except Exception as e:  # truncated, another model's (other flags), or not a state at all
-            raise UnusableState(f"{path} does not resume this run ({_first_line(e)}); pass --fresh to start over, "
+            raise UnusableState(f"{path} does not resume this run ({first_line(e)}); pass --fresh to start over, "
                                 f"or another --work-dir") from None
         self.state = state
         for stage, n in self.opts.steps.items():   # a state saved before a stage existed (the far stage)
