@@ -74,6 +74,10 @@ class Executor(ABC):
     def check_weight_update(self, update) -> None:
         """WeightUpdateError if a checked update still cannot be applied whole (its source changed)."""
 
+    def weight_groups(self, op: str, args: tuple) -> list:
+        """Every other rank's answer to `weight_sync.WORKER_GROUPS.call(op, args)`: none for one process."""
+        return []
+
     def capture_routed_experts(self, on: bool) -> None:
         """Whether the next steps' ModelOutput carries the sampling rows' routed experts."""
         raise NotImplementedError(f"{type(self).__name__} does not capture routed experts")

@@ -12,12 +12,20 @@ them through `LLMEngine.update_weights`, which checks the set whole (an unknown 
 refused and the old weights keep serving). Every announced tensor is received before that check, so
 the trainer's broadcasts complete whatever the engine thinks of them and the group stays usable.
 
+An engine of several processes (tensor- or data-parallel ranks) joins with every process: engine
+rank k is rank `rank_offset + k` of the group, as SGLang's engines join with each of their ranks, so
+`world_size` counts every engine's processes. Each receives every broadcast itself (a rank's slices
+are cut from what it received) and nothing is relayed through rank 0: the worker ranks' joins and
+receives run on daemon threads of their own (`WorkerGroups`), while their engines keep stepping.
+
 gloo carries host tensors, NCCL device tensors. gloo has no float8 type: over gloo a float8 tensor
 travels as its bytes, which both `broadcast_weights` and `receive_weights` do.
 """
 from __future__ import annotations
 
 import datetime
+import threading
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -100,6 +108,98 @@ def receive_weights(group: dist.ProcessGroup, names: list[str], dtypes: list[tor
             raise WeightSyncError(f"receiving {name} failed: {first_line(e)}") from None
     _synchronize(out)
     return out
+
+
+class WorkerGroups:
+    """A worker rank's side of the trainer's groups (every engine process but rank 0, whose server
+    holds its own): rank 0 tells each rank to `join` and, per update, to `receive`, asks for the
+    `outcome` once its own receive is done, and the rank's update then `take`s what it received.
+    Joins and receives run on daemon threads, so the rank's engine steps with the others meanwhile."""
+
+    def __init__(self):
+        self._joins: dict[str, tuple[Future, str]] = {}  # name -> (the join, its backend)
+        self._received: dict[str, Future] = {}
+
+    def join(self, name: str, address: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        self.drop(name)
+        self._joins[name] = (_on_thread(join_group, address, port, rank, world_size, backend), backend)
+
+    def receive(self, name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                device: torch.device) -> None:
+        """Start receiving an update's announced tensors over group `name`."""
+        self._received.pop(name, None)
+        joined = self._joins.get(name)
+        if joined is None:
+            self._received[name] = _failed(WeightSyncError(f"this rank never joined the group {name!r}"))
+            return
+        join, backend = joined
+        self._received[name] = _on_thread(lambda: receive_weights(
+            join.result(JOIN_TIMEOUT_S), names, [dtype_of(d) for d in dtypes], [tuple(x) for x in shapes], backend,
+            device))
+
+    def outcome(self, name: str, timeout_s: float) -> str | None:
+        """None once this rank holds the update's tensors, else why it does not (within `timeout_s`)."""
+        received = self._received.get(name)
+        if received is None:
+            return "no update was announced to this rank"
+        try:
+            received.result(timeout_s)
+        except Exception as e:  # a failed receive (WeightSyncError), or one still running past timeout_s
+            return f"{type(e).__name__}: {first_line(e)}"
+        return None
+
+    def take(self, name: str) -> list[tuple[str, torch.Tensor]]:
+        """The tensors this rank received for the update (once: the update loads them)."""
+        received = self._received.pop(name, None)
+        if received is None:
+            raise WeightSyncError(f"this rank holds no tensors received over {name!r}")
+        return received.result(0)
+
+    def discard(self, name: str) -> None:
+        """Forget an update's tensors that will not load (refused, or failed on rank 0)."""
+        self._received.pop(name, None)
+
+    def call(self, op: str, args: tuple, engine_rank: int, device: torch.device):
+        """Rank 0's command `op` (join, receive, outcome, discard, drop) on this rank, engine rank
+        `engine_rank` on `device`: a join's `rank` argument is rank 0's offset, to which this rank adds its own."""
+        if op == "join":
+            name, address, port, rank_offset, world_size, backend = args
+            return self.join(name, address, port, rank_offset + engine_rank, world_size, backend)
+        if op == "receive":
+            return self.receive(*args, device)
+        if op not in ("outcome", "discard", "drop"):
+            raise ValueError(f"unknown weight group command {op!r}")
+        return getattr(self, op)(*args)
+
+    def drop(self, name: str) -> None:
+        """Leave the group (once its join ends, if it is still joining)."""
+        self._received.pop(name, None)
+        joined = self._joins.pop(name, None)
+        if joined is not None:
+            join, backend = joined
+            join.add_done_callback(lambda f: f.exception() is None and close_group(f.result(), backend))
+
+
+WORKER_GROUPS = WorkerGroups()  # this process's, on a worker rank
+
+
+def _on_thread(fn, *args) -> Future:
+    """fn(*args) on a daemon thread of its own (a wait for the trainer holds no exit up)."""
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to whoever waits
+            future.set_exception(e)
+    threading.Thread(target=run, name="sparsekv-weight-sync", daemon=True).start()
+    return future
+
+
+def _failed(error: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(error)
+    return future
 
 
 def close_group(group: dist.ProcessGroup, backend: str) -> None:

@@ -77,6 +77,24 @@ class TensorUpdate:
     tensors: dict[str, torch.Tensor]
 
 
+@dataclass
+class ReceivedUpdate(TensorUpdate):
+    """An update a trainer broadcast over its group `group` (weight_sync.py): rank 0's tensors; every
+    other engine rank received its own copy and loads that (`received_here`), so the command that
+    tells the ranks to load carries none (`for_other_ranks`)."""
+
+    group: str = ""
+
+    def for_other_ranks(self) -> "ReceivedUpdate":
+        return ReceivedUpdate({}, self.group)
+
+
+def received_here(update: ReceivedUpdate, shapes: dict[str, tuple]) -> TensorUpdate:
+    """On a worker rank: the tensors it received for `update` itself, checked as rank 0 checked its own."""
+    from .weight_sync import WORKER_GROUPS
+    return check_tensor_update(shapes, WORKER_GROUPS.take(update.group))
+
+
 @dataclass(frozen=True)
 class DiskUpdate:
     """A whole checkpoint directory of the same architecture, checked by its headers."""

@@ -431,16 +431,18 @@ def _announce(tensors, group="g") -> dict:
             "shapes": [list(t.shape) for _, t in tensors], "group_name": group}
 
 
-def _join_as_trainer(srv, group="g"):
-    """The trainer's group (rank 0, its store on a free port) with the server's engine as rank 1."""
+def _join_as_trainer(srv, group="g", processes: int = 1):
+    """The trainer's group (rank 0, its store on a free port) with the server's engine, of `processes`
+    processes, as ranks 1 to `processes`."""
     from sparsekv.weight_sync import trainer_group
-    port, box = free_port(), {}
-    thread = threading.Thread(target=lambda: box.setdefault("group", trainer_group("127.0.0.1", port, 2)))
+    port, box, world = free_port(), {}, 1 + processes
+    thread = threading.Thread(target=lambda: box.setdefault("group", trainer_group("127.0.0.1", port, world)))
     thread.start()
     r = _post(srv, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
-                                                  "rank_offset": 1, "world_size": 2, "group_name": group}, key=ADMIN)
+                                                  "rank_offset": 1, "world_size": world, "group_name": group}, key=ADMIN)
     thread.join(60)
-    assert r.status_code == 200 and "rank 1 of 2 (gloo)" in r.json()["message"], r.text
+    joined = "rank 1 of 2" if processes == 1 else f"ranks 1 to {processes} of {world}"
+    assert r.status_code == 200 and f"{joined} (gloo)" in r.json()["message"], r.text
     return box["group"]
 
 
@@ -489,6 +491,40 @@ def test_a_trainer_broadcasts_new_weights_over_a_process_group(ckpts):
         assert _post(srv, "/destroy_weights_update_group", {"group_name": "g"}, key=ADMIN).json() == {"success": True}
         gone = _post(srv, "/update_weights_from_distributed", _announce(new[:1]), key=ADMIN)
         assert gone.status_code == 400 and gone.json()["error"]["param"] == "group_name"
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
+                                    dict(data_parallel_size=2, enable_expert_parallel=True)], ids=["tp2", "dp2-ep"])
+def test_every_rank_of_a_parallel_engine_joins_the_trainers_group_and_receives_the_weights(ckpts, layout):
+    """A parallel engine joins the trainer's group with each of its processes (ranks 1 and 2 of 3: the
+    group cannot form without the worker rank), each receives the broadcasts itself, and the update
+    loads on both: the answers are then a B engine's (on both data-parallel ranks). A world too small
+    for every process is refused before any connection; a refused update leaves the group usable."""
+    a, b = ckpts
+    new = checkpoint_tensors(b)
+    other = [(11 * i) % 250 + 1 for i in range(24)]
+    with ThreadServer(a, admin_api_keys=[ADMIN], num_threads=1, dist_startup_timeout_s=STARTUP_S, **layout) as srv:
+        small = _post(srv, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": free_port(),
+                                                          "rank_offset": 1, "world_size": 2}, key=ADMIN)
+        assert small.status_code == 400 and small.json()["error"]["param"] == "world_size", small.text
+        info = httpx.get(srv.url + "/server_info", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).json()
+        assert info["tp_size"] * info["dp_size"] == 2  # what the trainer sizes the group by
+        group = _join_as_trainer(srv, processes=2)
+        name, tensor = new[0]
+        wrong = [(name, torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:], dtype=tensor.dtype))]
+        refused = _broadcast_update(srv, group, wrong, wrong)
+        assert refused.status_code == 400 and "wrong shape" in refused.json()["error"]["message"], refused.text
+        loaded = _broadcast_update(srv, group, new, new)
+        assert loaded.status_code == 200 and loaded.json()["weights_version"] == 1, loaded.text
+        # the worker rank loaded the copy it received (taken, none kept), not one relayed by rank 0
+        assert on_engine_loop(srv, lambda: srv.engine.weight_groups("outcome", "g", 1.0)) == \
+            ["no update was announced to this rank"]
+        after = _complete(srv, prompt=[PROMPT, other])
+        assert [c["token_ids"] for c in after["sparsekv"]["choices"]] == \
+            [_engine_tokens(b).token_ids, _engine_tokens_of(b, other)]
+        if "data_parallel_size" in layout:
+            assert on_engine_loop(srv, srv.engine.stats)["by_data_parallel_rank"][1]["generation_tokens"] > 0
+        assert _post(srv, "/destroy_weights_update_group", {"group_name": "g"}, key=ADMIN).json() == {"success": True}
 
 
 def test_a_trainer_that_stops_broadcasting_closes_the_group_and_leaves_the_weights(ckpts, monkeypatch):

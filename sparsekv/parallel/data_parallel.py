@@ -24,7 +24,8 @@ from ..engine import RANK_PROBE_S, LLMEngine
 from ..hub import resolve_config
 from ..outputs import FirstToken, check_warm
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
-from ..weights import WEIGHT_UPDATE_POLICIES, UpdateOutcomes, WeightLoadError, WeightRestoreError, WeightUpdateConflict
+from ..weights import (WEIGHT_UPDATE_POLICIES, ReceivedUpdate, UpdateOutcomes, WeightLoadError, WeightRestoreError,
+                       WeightUpdateConflict)
 from .dp_kv import DataParallelKV, kv_call
 from .dp_taps import DataParallelTaps, TapReceiver, open_group
 from .lanes import lane_integrity, load_lane, merge_stats, rank_figures, serve_lane, step_lane
@@ -270,6 +271,16 @@ class DataParallelEngine:
         from ..weights import check_tensor_update, model_weight_shapes
         return self._update(check_tensor_update(model_weight_shapes(self.local.model), named_tensors), None, policy)
 
+    def update_weights_from_group(self, group: str, named_tensors, policy: str = "drain") -> list[RequestOutput]:
+        """`LLMEngine.update_weights_from_group` over every rank: each loads the copy it received itself."""
+        from ..weights import ReceivedUpdate, check_tensor_update, model_weight_shapes
+        checked = check_tensor_update(model_weight_shapes(self.local.model), named_tensors)
+        return self._update(ReceivedUpdate(checked.tensors, group), None, policy)
+
+    def weight_groups(self, op: str, *args) -> list:
+        """Every other rank's answer to `weight_sync.WORKER_GROUPS.call(op, args)`."""
+        return self._together("weight_groups", op, args, run=lambda: None)[1:]
+
     def update_weights_from_disk(self, path: str, policy: str = "drain") -> list[RequestOutput]:
         from ..weights import check_disk_update, model_weight_shapes
         update = check_disk_update(path, self.local.model_config, self.config.hf_overrides,
@@ -309,8 +320,8 @@ class DataParallelEngine:
         """Every rank loads the update in one command, so all switch at the same step; returns the
         outputs of the started requests it aborted (none after a drain)."""
         self._pending_update = None
-        gathered = self._together("load_weights", update, checkpoint,
-                                  run=lambda: load_lane(self.local, update, checkpoint))
+        sent = update.for_other_ranks() if isinstance(update, ReceivedUpdate) else update
+        gathered = self._together("load_weights", sent, checkpoint, run=lambda: load_lane(self.local, update, checkpoint))
         errors = [f"data-parallel rank {rank}: {error}" for rank, (_, error, _) in enumerate(gathered) if error]
         mixed = [e for (_, e, _) in gathered if e and e.startswith(WeightRestoreError.__name__)]
         self._settle_load(errors, mixed=bool(mixed))

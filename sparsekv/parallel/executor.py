@@ -21,6 +21,8 @@ from ..config import ConfigError, EngineConfig
 from ..executor import Executor, InProcessExecutor, ModelOutput
 from ..scheduler import SchedulerOutput
 from ..speculative import MTPPlan
+from ..weight_sync import WORKER_GROUPS
+from ..weights import ReceivedUpdate, model_weight_shapes, received_here
 from .launch import RankFailure, RankGroup, check_layout, control_group, layout_of, leave, next_command, start_worker
 
 logger = logging.getLogger(__name__)
@@ -100,10 +102,19 @@ class MultiRankExecutor(Executor):
                 _agree_on_update(self.ranks.control, ok=False)
                 raise RuntimeError(f"rank 0 failed to load the weight update: {e!r}") from e
             _agree_on_update(self.ranks.control, ok=True)
-        self._together("update_weights", update, run=run)
+        sent = update.for_other_ranks() if isinstance(update, ReceivedUpdate) else update
+        self._together("update_weights", sent, run=run)
 
     def check_weight_update(self, update) -> None:
         self.local.check_weight_update(update)
+
+    def weight_groups(self, op: str, args: tuple) -> list:
+        """Every worker rank's answer to `WORKER_GROUPS.call(op, args)` (weight_sync.py)."""
+        def run():
+            gathered = [None] * self.ranks.layout.world_size
+            dist.gather_object(None, gathered, dst=0, group=self.ranks.control)
+            return gathered[1:]
+        return self._together("weight_groups", op, args, run=run)
 
     def capture_routed_experts(self, on: bool) -> None:
         self.local.capture_routed_experts(on)  # every rank routes the same rows alike: rank 0 records
@@ -158,8 +169,14 @@ class RankWorker:
     def rank_stats(self) -> None:
         dist.gather_object(self.executor.local_stats(), None, dst=0, group=self.control)
 
+    def weight_groups(self, op: str, args: tuple) -> None:
+        answer = WORKER_GROUPS.call(op, args, dist.get_rank(), self.executor.model.device)
+        dist.gather_object(answer, None, dst=0, group=self.control)
+
     def update_weights(self, update) -> None:
         try:
+            if isinstance(update, ReceivedUpdate):  # rank 0 sent none of the trainer's tensors: this rank's own
+                update = received_here(update, model_weight_shapes(self.executor.model))
             self.executor.update_weights(update)
         except Exception:
             logger.exception("rank %d: the weight update failed", dist.get_rank())

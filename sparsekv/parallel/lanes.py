@@ -14,6 +14,8 @@ from ..engine import LLMEngine
 from ..hub import resolve_config
 from ..request import RequestOutput
 from .dp_kv import kv_call
+from ..weight_sync import WORKER_GROUPS
+from ..weights import ReceivedUpdate
 from .dp_taps import TapSender, open_group, set_lane_taps
 from .executor import serve_rank
 from .launch import RankGroup, check_layout, control_group, leave, next_command, start_worker, torchrun_rank
@@ -63,6 +65,8 @@ def load_lane(engine: LLMEngine, update, checkpoint: str | None) -> tuple[list[R
     try:
         if checkpoint is not None:
             aborted += engine.update_weights_from_disk(checkpoint, policy="abort")
+        elif isinstance(update, ReceivedUpdate) and not update.tensors:  # a rank > 0: the copy it received itself
+            aborted += engine.update_weights(WORKER_GROUPS.take(update.group), policy="abort")
         else:
             aborted += engine.update_weights(update.tensors.items(), policy="abort")
     except Exception as e:  # this rank keeps its old weights (a load failing part-way puts back what it loaded)
@@ -94,6 +98,7 @@ def serve_lane(config: EngineConfig, rank: int, addr: str) -> None:
     commands = {"step": lambda message: step_lane(engine, rank, message, taps[0] if taps else None),
                 "open_taps": open_taps, "stats": engine.stats, "probe": lambda: None,
                 "load_weights": lambda update, checkpoint: load_lane(engine, update, checkpoint),
+                "weight_groups": lambda op, args: WORKER_GROUPS.call(op, args, rank, engine.executor.model.device),
                 "expire_prefix_cache": engine.expire_prefix_cache, "reset_prefix_cache": engine.reset_prefix_cache,
                 "check_integrity": lambda: lane_integrity(engine),
                 "kv": lambda wanted, method, args, kwargs: kv_call(engine, rank, wanted, method, args, kwargs)}

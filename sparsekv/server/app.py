@@ -364,7 +364,7 @@ async def disaggregation(request: Request):
 async def server_info(request: Request):
     """SGLang's GET /server_info (older name /get_server_info): the server's settings and its live
     state. SGLang's `bench_serving` reads `internal_states[0]["avg_spec_accept_length"]` (vLLM's mean
-    acceptance length; 0 before any drafting, or without it)."""
+    acceptance length; 0 before any drafting, or without it); an RL trainer reads `tp_size` and `dp_size`."""
     state = _state(request)
     stats = state.loop.stats()
     total = stats.get("kv_pages_total") or 0
@@ -376,6 +376,8 @@ async def server_info(request: Request):
     return {"version": importlib.metadata.version("sparsekv"), "model_path": state.engine.config.model,
             "served_model_names": list(state.settings.served_model_names), "max_model_len": state.max_model_len,
             "disaggregation_mode": role.mode if role is not None else "null", **state.cache_config,
+            # SGLang's names: a trainer sizes its weights update group from them (each process joins it)
+            "tp_size": state.engine.config.tensor_parallel_size, "dp_size": state.engine.config.data_parallel_size,
             "internal_states": [live]}
 
 

@@ -6,8 +6,11 @@ The engine's process joins the trainer's group (a rendezvous off the event loop 
 thread, so the server keeps serving meanwhile), keeps it under its name, and for each update receives
 the announced tensors off both threads too; the update itself then runs as `/update_weights_from_disk`
 does (the same drain or abort policy, checked whole, 400 with the old weights serving when refused).
-One update at a time per group (its broadcasts are ordered); a failed broadcast closes the group.
-The waits run on daemon threads of their own: a trainer that never comes holds no exit up.
+An engine of several processes joins with each (ranks `rank_offset` to `rank_offset + processes - 1`),
+and each receives the broadcasts itself (weight_sync.WorkerGroups): the update loads on every rank
+only once all of them hold its tensors. One update at a time per group (its broadcasts are ordered);
+a failed broadcast closes the group. The waits run on daemon threads of their own: a trainer that
+never comes holds no exit up.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from fastapi import Request
 from pydantic import model_validator
 
 from ..daemon import on_daemon_thread
-from ..weight_sync import BACKENDS, WeightSyncError, close_group, dtype_of, join_group, receive_weights
+from ..weight_sync import TIMEOUT_S, BACKENDS, WeightSyncError, close_group, dtype_of, join_group, receive_weights
 from .admin import call_engine, run_weight_update
 from .errors import APIError, bad_request
 from .protocol import _Body, parse_body
@@ -93,6 +96,7 @@ class WeightGroups:
         return found
 
     def drop(self, name: str) -> None:
+        """Close this process's side of the group (the other ranks': `leave_everywhere`)."""
         found = self.groups.pop(name, None)
         if found is not None:
             close_group(found.group, found.backend)
@@ -111,11 +115,19 @@ async def init_weights_update_group(request: Request):
     if name in groups.groups:
         raise APIError(409, f"a weights update group named {name!r} exists: destroy it first", "group_name")
     backend = body.backend or ("nccl" if state.engine.device.type == "cuda" else "gloo")
+    processes = _num_processes(state.engine)
+    last = body.rank_offset + processes - 1
+    if last >= body.world_size:
+        raise bad_request(f"world_size {body.world_size}: this engine joins with each of its {processes} processes, "
+                          f"as ranks {body.rank_offset} to {last}", "world_size")
     groups.groups[name] = None
     try:
+        await call_engine(state, lambda: state.engine.weight_groups("join", name, body.master_address, body.master_port,
+                                                                    body.rank_offset, body.world_size, backend))
         group = await on_daemon_thread(join_group, body.master_address, body.master_port, body.rank_offset,
                                        body.world_size, backend, name="sparsekv-weight-sync")
     except WeightSyncError as e:
+        await _leave_other_ranks(state, name)
         raise APIError(503, str(e)) from None
     finally:
         if groups.groups.get(name, False) is None:
@@ -124,26 +136,38 @@ async def init_weights_update_group(request: Request):
         close_group(group, backend)
         raise APIError(503, "the server is shutting down")
     groups.groups[name] = SyncGroup(group, backend)
-    return {"success": True, "message": f"joined {name} as rank {body.rank_offset} of {body.world_size} ({backend})"}
+    ranks = f"rank {body.rank_offset}" if processes == 1 else f"ranks {body.rank_offset} to {last}"
+    return {"success": True, "message": f"joined {name} as {ranks} of {body.world_size} ({backend})"}
 
 
 async def update_weights_from_distributed(request: Request):
     state = request.app.state.server
     await call_engine(state, lambda: None)  # 503 while the server shuts down or once its engine failed
     body = parse_body(await request.body(), UpdateWeightsFromDistributed)
-    sync = _idle(state, body.group_name)
+    name = body.group_name
+    sync = _idle(state, name)
     async with sync.busy:
         try:
+            await call_engine(state, lambda: state.engine.weight_groups("receive", name, body.names, body.dtypes,
+                                                                        body.shapes))
             tensors = await on_daemon_thread(receive_weights, sync.group, body.names,
                                              [dtype_of(d) for d in body.dtypes], [tuple(s) for s in body.shapes],
                                              sync.backend, state.engine.device, name="sparsekv-weight-sync")
+            # NOTE: the other ranks received the same broadcasts: their receives end with rank 0's, or fail as it does
+            missing = await call_engine(state, lambda: state.engine.weight_groups("outcome", name, TIMEOUT_S))
+            if any(missing):
+                raise WeightSyncError("; ".join(f"rank {rank}: {why}" for rank, why in enumerate(missing, 1) if why))
         except WeightSyncError as e:
-            state.weight_groups.drop(body.group_name)
-            raise APIError(503, f"{e}; the group {body.group_name} is closed: form a new one") from None
+            await _leave_everywhere(state, name)
+            raise APIError(503, f"{e}; the group {name} is closed: form a new one") from None
     policy = state.settings.weight_update_policy
-    version = await run_weight_update(state, lambda: state.engine.update_weights(tensors, policy), "names")
-    return {"success": True, "message": f"loaded {len(tensors)} tensors from {body.group_name}",
-            "weights_version": version}
+    try:
+        version = await run_weight_update(state, lambda: state.engine.update_weights_from_group(name, tensors, policy),
+                                          "names")
+    except APIError:
+        await call_engine(state, lambda: state.engine.weight_groups("discard", name))
+        raise
+    return {"success": True, "message": f"loaded {len(tensors)} tensors from {name}", "weights_version": version}
 
 
 async def destroy_weights_update_group(request: Request):
@@ -151,8 +175,27 @@ async def destroy_weights_update_group(request: Request):
     await call_engine(state, lambda: None)  # 503 while the server shuts down or once its engine failed
     body = parse_body(await request.body(), DestroyWeightsUpdateGroup)
     _idle(state, body.group_name)
-    state.weight_groups.drop(body.group_name)
+    await _leave_everywhere(state, body.group_name)
     return {"success": True}
+
+
+def _num_processes(engine) -> int:
+    """The engine's processes, each of them a member of a trainer's group."""
+    return engine.config.tensor_parallel_size * engine.config.data_parallel_size
+
+
+async def _leave_everywhere(state, name: str) -> None:
+    state.weight_groups.drop(name)
+    await _leave_other_ranks(state, name)
+
+
+async def _leave_other_ranks(state, name: str) -> None:
+    """The other ranks leave the group too (a join still waiting, once it ends); nothing to do once the
+    engine is gone (its ranks went with it)."""
+    try:
+        await state.loop.call(lambda: state.engine.weight_groups("drop", name))
+    except Exception:  # the engine loop is closing or dead
+        pass
 
 
 def _idle(state, name: str) -> SyncGroup:
