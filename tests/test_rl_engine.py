@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import STARTUP_S
 from sparsekv import LLM, SamplingParams
+from sparsekv.model.checkpoint import LOAD_FAULT_ENV
 from sparsekv.paths import default_model_path
 from sparsekv.tools.tiny import save_reference_checkpoint
 from sparsekv.weights import WeightLoadError, WeightUpdateConflict, WeightUpdateError
@@ -451,10 +452,32 @@ def test_a_tensor_parallel_worker_failing_to_load_an_update_fails_it_on_rank_0(c
               **OPTIONS)
     try:
         assert llm.generate([PROMPT], GREEDY)[0].token_ids
-        with pytest.raises(RankFailure, match="a worker rank failed to load the weight update"):
+        with pytest.raises(RankFailure, match="weights now differ: a worker rank failed to load it"):
             llm.update_weights_from_disk(str(tmp_path / "rank1"))
         with pytest.raises(RankFailure):
             llm.generate([PROMPT], GREEDY)
+    finally:
+        llm.close()
+
+
+def test_tensor_parallel_ranks_that_all_fail_and_put_their_weights_back_keep_serving(ckpts, tmp_path, monkeypatch):
+    """Both ranks fail part-way through an update (a tensor every rank reads, in layer 1: the ends and
+    layer 0 were copied in by then) and put what they had loaded back: they agree that the old weights
+    keep serving everywhere (WeightLoadError), and the engine answers as before."""
+    import shutil
+    a, b, _ = ckpts
+    monkeypatch.setenv(LOAD_FAULT_ENV, "both:model.layers.1.input_layernorm.weight")  # before the ranks start
+    shutil.copytree(b, tmp_path / "both")
+    llm = LLM(a, tensor_parallel_size=2, num_threads=1, dist_startup_timeout_s=STARTUP_S, **OPTIONS)
+    try:
+        want = llm.generate([PROMPT, OTHER], GREEDY)
+        with pytest.raises(WeightLoadError, match="no rank loaded the weight update"):
+            llm.update_weights_from_disk(str(tmp_path / "both"))
+        again = llm.generate([PROMPT, OTHER], GREEDY)
+        assert [(o.token_ids, o.logprobs) for o in again] == [(o.token_ids, o.logprobs) for o in want]
+        assert llm.weights_version == 0
+        llm.update_weights_from_disk(b)  # the engine still loads the next update
+        assert llm.weights_version == 1
     finally:
         llm.close()
 

@@ -22,7 +22,8 @@ from ..executor import Executor, InProcessExecutor, ModelOutput
 from ..scheduler import SchedulerOutput
 from ..speculative import MTPPlan
 from ..weight_sync import WORKER_GROUPS
-from ..weights import ReceivedUpdate, model_weight_shapes, received_here
+from ..weights import (ReceivedUpdate, WeightLoadError, WeightRestoreError, model_weight_shapes,
+                       received_here)
 from .launch import RankFailure, RankGroup, check_layout, control_group, layout_of, leave, next_command, start_worker
 
 logger = logging.getLogger(__name__)
@@ -94,16 +95,24 @@ class MultiRankExecutor(Executor):
 
     def update_weights(self, update) -> None:
         """Every rank loads its slices of the update (an in-process update's tensors travel pickled on
-        the control group); then the ranks agree that all of them did, before anyone serves again."""
+        the control group; a trainer's broadcast reached each rank itself); then the ranks agree on the
+        outcome before anyone serves again: all loaded it; or every one failed and put its old weights
+        back (WeightLoadError: they keep serving); else their weights differ (RankFailure)."""
         def run():
+            error = None
             try:
                 self.local.update_weights(update)
             except Exception as e:  # checked before: an I/O or memory failure, and the others may have loaded it
-                _agree_on_update(self.ranks.control, ok=False)
-                raise RuntimeError(f"rank 0 failed to load the weight update: {e!r}") from e
-            _agree_on_update(self.ranks.control, ok=True)
+                error = e
+            return error, _agree_on_update(self.ranks.control, _load_status(error))
         sent = update.for_other_ranks() if isinstance(update, ReceivedUpdate) else update
-        self._together("update_weights", sent, run=run)
+        error, outcome = self._together("update_weights", sent, run=run)
+        if outcome == KEPT:
+            raise WeightLoadError(f"no rank loaded the weight update; the previous weights keep serving "
+                                  f"(rank 0: {error!r})") from error
+        if outcome != LOADED:
+            why = f"rank 0 failed to load it: {error!r}" if error is not None else "a worker rank failed to load it"
+            raise self.ranks.fail("update_weights", RuntimeError(f"the ranks' weights now differ: {why}")) from error
 
     def check_weight_update(self, update) -> None:
         self.local.check_weight_update(update)
@@ -174,24 +183,35 @@ class RankWorker:
         dist.gather_object(answer, None, dst=0, group=self.control)
 
     def update_weights(self, update) -> None:
+        error = None
         try:
             if isinstance(update, ReceivedUpdate):  # rank 0 sent none of the trainer's tensors: this rank's own
                 update = received_here(update, model_weight_shapes(self.executor.model))
             self.executor.update_weights(update)
-        except Exception:
+        except Exception as e:
             logger.exception("rank %d: the weight update failed", dist.get_rank())
-            _agree_on_update(self.control, ok=False)
-            raise
-        _agree_on_update(self.control, ok=True)
+            error = e
+        if _agree_on_update(self.control, _load_status(error)) not in (LOADED, KEPT):
+            raise RuntimeError("the ranks' weights differ after a failed weight update") from error
 
 
-def _agree_on_update(control, ok: bool) -> None:
-    """Every rank says whether its update loaded; RuntimeError on rank 0 if one did not (the ranks may
-    now hold other weights than rank 0: a rank failure, the engine serves no more)."""
-    flag = torch.tensor([0 if ok else 1])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
-    if ok and flag.item() and dist.get_rank() == 0:
-        raise RuntimeError("a worker rank failed to load the weight update")
+LOADED, KEPT, MIXED = "loaded", "kept", "mixed"  # the ranks' outcome of a weight update (`_agree_on_update`)
+
+
+def _load_status(error: BaseException | None) -> int:
+    """One rank's outcome: 0 loaded, 1 failed with its old weights put back, 2 its weights a mix."""
+    return 0 if error is None else 2 if isinstance(error, WeightRestoreError) else 1
+
+
+def _agree_on_update(control, status: int) -> str:
+    """Every rank's `_load_status`, summed up alike on every rank: LOADED (all loaded), KEPT (all failed
+    and put their old weights back), else MIXED (the ranks' weights now differ)."""
+    counts = torch.zeros(3, dtype=torch.int64)
+    counts[status] = 1
+    dist.all_reduce(counts, group=control)
+    loaded, kept, _ = counts.tolist()
+    size = dist.get_world_size(control)
+    return LOADED if loaded == size else KEPT if kept == size else MIXED
 
 
 def mirror_pages(executor: InProcessExecutor, page_ids: list[int]) -> None:
