@@ -321,6 +321,34 @@ def test_a_failed_transfer_aborts_the_prefill_before_the_prefill_worker_answers(
         _clean(d)
 
 
+def test_an_abort_mid_prompt_ends_the_request_on_both_sides_and_stops_the_prefill(glm_ckpt, monkeypatch):
+    """/abort_request sent to both workers (as the router sends it) while the prompt is computed (chunks of
+    8 tokens, the steps after the first held): the decode worker, which holds the request in its transfer,
+    ends it (`aborted` 1) and answers finish_reason "abort" with no token; its verdict stops the prefill
+    worker's prefill (its engine request aborted before the prompt's sixth chunk), which answers as an
+    aborted request too and counts it no second time (`aborted` 0). Neither keeps anything of the room
+    or counts a failed transfer."""
+    chunked = dict(prefill_chunk_tokens=8, max_num_batched_tokens=8)
+    with WorkerServer(glm_ckpt[0], "prefill", **BASE, **chunked) as p, WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
+        steps, hold_until = _hold_steps_after_the_first(p.engine, monkeypatch)  # the first chunk's rows leave alone
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(send_pair, p.url, d.url, {**BODY, "prompt": _prompt()}, room="aborted-mid-prompt")
+            assert wait_until(lambda: d.worker.rooms.get("aborted-mid-prompt") == "receive", 30), d.worker.rooms
+            aborted = [httpx.post(w.url + "/abort_request", json={"abort_all": True}, timeout=30).json()["aborted"]
+                       for w in (d, p)]
+            rp, rd = sent.result(timeout=60)
+        assert aborted == [1, 0]
+        for r in (rp, rd):
+            assert r.status_code == 200, r.text
+            assert [(c["finish_reason"], c["text"]) for c in r.json()["choices"]] == [("abort", "")], r.text
+        assert len(steps) < 6 and time.monotonic() < hold_until  # aborted before the prompt's sixth chunk
+        for w in (p, d):
+            assert scrape(w.url)["sparsekv:disagg_transfers_failed_total"] == 0
+        _nothing_kept(d, _prompt())
+        _clean(p)
+        _clean(d)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": [5, 6, 99999]}, "prompt"),  # both workers check the prompt's tokens and length first
     ({"prompt": [5, 6] * 60, "max_tokens": 9}, "max_tokens"),  # with the client's max_tokens, not the prefill's 1

@@ -615,6 +615,109 @@ def test_router_with_real_workers_answers_as_one_engine(glm_ckpt):
         d.check_clean()
 
 
+@contextlib.contextmanager
+def routed_pair(path: str, **options):
+    """A real prefill worker and a real decode worker (disagg_util.WorkerServer, `options` for both) behind
+    a router: yields (the router's URL, the prefill worker, the decode worker)."""
+    from disagg_util import WorkerServer
+    with WorkerServer(path, "prefill", **options) as p, WorkerServer(path, "decode", **options) as d:
+        pool = WorkerPool([p.url], [d.url])
+        check_modes(pool, timeout=10, interval=0.05)
+        with Served(create_app(Router(pool, request_timeout=60, health_interval=0.2))) as router:
+            yield router.url, p, d
+
+
+class TransferHold:
+    """Holds a room's batches on the prefill worker once its first tensors went (each waits until
+    `release`, 30 s at most), so that its request stays in its transfer; `waiting` is set once one waits."""
+
+    def __init__(self, monkeypatch):
+        import sparsekv.disagg.outbox as outbox
+        self.waiting, self.released, real = threading.Event(), threading.Event(), outbox.as_sent
+
+        def held(tensors, first: int):
+            if first > 0 and not self.released.is_set():
+                self.waiting.set()
+                self.released.wait(30)
+            return real(tensors, first)
+        monkeypatch.setattr(outbox, "as_sent", held)
+
+    def hold(self) -> None:
+        self.waiting.clear()
+        self.released.clear()
+
+    def release(self) -> None:
+        self.released.set()
+
+
+ALICE, BOB = ({"Authorization": f"Bearer sk-{who}"} for who in ("alice", "bob"))
+
+
+def _abort_in_transfer(url: str, hold: TransferHold, body: dict, abort: dict) -> tuple[list[dict], list[dict]]:
+    """Alice's request through the router, held in its transfer, and /abort_request `abort` through the
+    router, by bob (then bob's abort_all), then by alice: (the choices alice got, each abort's answer)."""
+    hold.hold()
+    sent = in_background(httpx.post, url + "/v1/completions", json=body, headers=ALICE, timeout=60)
+    try:
+        assert hold.waiting.wait(30), "the request never reached its transfer's second batch"
+        answers = [httpx.post(url + "/abort_request", json=ask, headers=who, timeout=30).json()
+                   for ask, who in ((abort, BOB), ({"abort_all": True}, BOB), (abort, ALICE))]
+        concurrent.futures.wait([sent], timeout=30)
+        assert sent.done(), "the request did not end while its transfer was held"
+    finally:
+        hold.release()
+    r = sent.result(timeout=60)
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")] \
+        if body.get("stream") else [r.json()]
+    return [choice for event in events for choice in event["choices"]], answers
+
+
+def _wait_clean(p, d) -> None:
+    """Both workers done with every room (the prefill worker stops once it read the decode worker's
+    verdict), and nothing of them left: requests, store keys; the pools' integrity holds."""
+    assert wait_until(lambda: not p.worker.rooms and not d.worker.rooms and not p.engine.has_unfinished_requests()
+                      and p.worker.store.num_keys() == 0, 30), (p.worker.rooms, d.worker.rooms)
+    p.check_clean()
+    d.check_clean()
+
+
+def test_an_abort_during_the_transfer_ends_the_request_once_and_leaves_nothing_on_either_worker(glm_ckpt,
+                                                                                               monkeypatch):
+    """/abort_request through the router while a request is in its transfer (the prefill worker's batches
+    after the room's first tensors held): by rid for a stream, with abort_all for a plain request.
+    Another tenant's aborts end nothing; the owner's ends it, counted once (the decode worker holds it,
+    the prefill worker counts its prefill no second time), and the client gets finish_reason "abort"
+    and no token, as one server answers a request aborted before its first token. Neither worker keeps
+    anything of the room (pages, requests, store keys) or counts a failed transfer, and the next
+    request's greedy tokens and logprobs are one engine's."""
+    import torch
+    from sparsekv import LLM, SamplingParams
+    from test_server_util import scrape
+    from tolerances import assert_same_greedy, logprob_tolerance
+    base = dict(kv_page_size=4, max_model_len=128, num_threads=1)
+    prompts = [torch.randint(1, 256, (41,), generator=torch.Generator().manual_seed(seed)).tolist() for seed in (9, 10)]
+    body = {"max_tokens": 8, "temperature": 0, "logprobs": 3, "ignore_eos": True}
+    colocated = LLM(glm_ckpt[0], **base)
+    want = colocated.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True))
+    hold = TransferHold(monkeypatch)
+    with routed_pair(glm_ckpt[0], api_keys=["sk-alice:alice", "sk-bob:bob"], **base) as (url, p, d):
+        for prompt, extra, abort in ((prompts[0], {"rid": "rollout-9", "stream": True}, {"rid": "rollout-9"}),
+                                     (prompts[1], {}, {"abort_all": True})):
+            got, answers = _abort_in_transfer(url, hold, {**body, **extra, "prompt": prompt}, abort)
+            assert [a.get("aborted") for a in answers] == [0, 0, 1], answers
+            assert answers[-1]["workers"][p.url]["aborted"] == 0, answers
+            assert [(c["finish_reason"], c["text"]) for c in got] == [("abort", "")], got
+            _wait_clean(p, d)
+            assert d.engine.kv.held_prefix(prompt, "alice") == 0  # the pages it kept were forgotten again
+        for w in (p, d):
+            assert scrape(w.url)["sparsekv:disagg_transfers_failed_total"] == 0
+        again = httpx.post(url + "/v1/completions", json={**body, "prompt": prompts[0]}, headers=ALICE, timeout=60)
+        assert again.status_code == 200, again.text
+        assert_same_greedy(want, [Answer(again.json())], logprob_tolerance(colocated))
+        _wait_clean(p, d)
+
+
 def _abort_through_the_router(url: str, decode, body: dict) -> list[dict]:
     """A stream with a client id, decoding slowly on the decode worker, ended by /abort_request through
     the router (which asks both workers; the decode worker holds it): its events."""

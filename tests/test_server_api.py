@@ -887,9 +887,11 @@ def _stream_in_background(server, body: dict) -> tuple[threading.Thread, threadi
     return thread, started
 
 
-def test_a_request_aborted_while_it_waits_ends_empty(server):
+@pytest.mark.parametrize("echo", [False, True])
+def test_a_request_aborted_while_it_waits_ends_empty(server, echo):
     """A request still queued (every sequence slot taken) has no output yet: aborted, it answers 200
-    with no tokens and finish_reason "abort", and leaves the queue."""
+    with no tokens and finish_reason "abort", and leaves the queue. With echo, its prompt with no
+    logprob known for any of its tokens."""
     server.delay[0] = 0.05
     try:
         running = [_stream_in_background(server, {**OK, "prompt": [5 + i, 6, 7], "max_tokens": 200, "ignore_eos": True})
@@ -897,7 +899,7 @@ def test_a_request_aborted_while_it_waits_ends_empty(server):
         streams = [thread for thread, _ in running]
         assert all(started.wait(30) for _, started in running)
         waiting, box = _in_background(lambda: httpx.post(
-            server.url + C, json={**OK, "prompt": PROMPT, "request_id": "queued", "logprobs": 2},
+            server.url + C, json={**OK, "prompt": PROMPT, "request_id": "queued", "logprobs": 2, "echo": echo},
             headers=_auth(KEY), timeout=60))
         assert wait_until(lambda: scrape(server.url)["sparsekv:num_requests_waiting"] == 1, 30)
         assert scrape(server.url)["sparsekv:num_requests_running"] == 4
@@ -909,10 +911,12 @@ def test_a_request_aborted_while_it_waits_ends_empty(server):
             thread.join(30)
     finally:
         server.delay[0] = 0.0
+    assert box[0].status_code == 200, box[0].text
     answer = box[0].json()
-    assert box[0].status_code == 200 and answer["id"] == "queued"
-    assert answer["choices"][0]["finish_reason"] == "abort" and answer["choices"][0]["text"] == ""
-    assert answer["usage"]["completion_tokens"] == 0 and answer["choices"][0]["logprobs"]["tokens"] == []
+    choice, prompt_tokens = answer["choices"][0], answer["usage"]["prompt_tokens"]
+    assert answer["id"] == "queued" and choice["finish_reason"] == "abort"
+    assert choice["text"] == (PROMPT if echo else "") and answer["usage"]["completion_tokens"] == 0
+    assert choice["logprobs"]["token_logprobs"] == [None] * (prompt_tokens if echo else 0)
     assert wait_until(lambda: pages_all_free(server.url), 5)
     server.engine.check_integrity()
 

@@ -28,11 +28,12 @@ from ..cache.prefix import cacheable_pages, tail_tokens
 from ..outputs import check_warm
 from ..sampling_params import InvalidRequest
 from ..server.errors import APIError
-from ..server.serving import Job, run
+from ..server.serving import Job, answer_aborted, run
 from .first_token import first_tokens_from_wire
 from .transfer import BACKENDS, Room, connect, meta_key, receiver
 from .weights_stamp import check_same_weights, loaded_weights
-from .wire import PrefillRefused, TransferError, at_once, check_received, prompt_digest, sign, tensors_to_pages, verify
+from .wire import (PrefillRefused, RoomAborted, TransferError, at_once, check_received, prompt_digest, sign,
+                   tensors_to_pages, verify)
 from .worker import PeerTimeout, Worker
 
 log = logging.getLogger("sparsekv.disagg")
@@ -42,22 +43,55 @@ KEEP_SLICE_PAGES = 8  # a batch before the last is kept this many pages per engi
 
 
 class DecodeWorker(Worker):
+    def __init__(self, state, settings):
+        super().__init__(state, settings)
+        self.owners: dict[str, RoomOwner] = {}  # room -> whose request it is, until the request is added
+
     async def serve(self, request, job: Job, field, prompts: list[list[int]]):
         room = self.open_room(field)
+        owner = self.owners[room] = RoomOwner(job.tenant, job.group.client_id)
         try:
             figures = await self._take_kv(request, field, job, prompts)
-        except PrefillRefused as e:
-            raise APIError(e.status, e.message, e.param) from None
-        except TransferError as e:
-            raise self.failed(room, e) from None
+        except TransferError as e:  # RoomAborted and PrefillRefused too
+            if not owner.aborted:  # NOTE: an aborted request ends as aborted, whatever failed meanwhile
+                raise self._error(room, e) from None
         finally:
             self.close_room(room)
+            del self.owners[room]
+        if owner.aborted:  # NOTE: read with no await before run() queues the add (app.abort_request)
+            log.info("disaggregation room %s: the request was aborted during its transfer", room)
+            return await answer_aborted(request, self.state.loop, job, self.state.metrics)
         self.metrics.bytes.inc(figures["bytes"])
         self.metrics.pages_skipped.inc(figures["pages_skipped"])
         self.metrics.seconds.observe(figures["transfer_s"])
         log.info("disaggregation room %s received: %s", room, figures)
         job.builder.disaggregation = DecodeFigures(figures, job.group, time.monotonic())
         return await run(request, self.state.loop, job, self.state.metrics)
+
+    def _error(self, room: str, e: TransferError) -> APIError:
+        """What the client gets for a room that failed: the prefill worker's refusal of the request as
+        one server answers it, else a failed transfer's 503."""
+        if isinstance(e, PrefillRefused):
+            return APIError(e.status, e.message, e.param)
+        return self.failed(room, e)
+
+    def abort_in_transfer(self, tenant: str, client_id: str | None) -> int:
+        """/abort_request for the tenant's requests still in their transfer (named `client_id`, or all):
+        each room ends at its next wait for the prefill worker or its next batch (`abort_asked`), forgets
+        the pages it kept, tells the prefill worker in its verdict, and its client gets finish_reason
+        "abort" with no token. How many it ended (one already ended is not counted again)."""
+        ended = [owner for owner in self.owners.values() if not owner.aborted and owner.tenant == tenant
+                 and client_id in (None, owner.client_id)]
+        for owner in ended:
+            owner.aborted = True
+        return len(ended)
+
+    def abort_asked(self, room: str) -> bool:
+        """Whether /abort_request ended the room's request, once its claim is written. NOTE: not before:
+        the prefill worker learns of the abort from the verdict, and without a claim it would wait for
+        one until its timeout, its prefill running."""
+        owner = self.owners.get(room)
+        return owner is not None and owner.aborted and owner.claimed
 
     async def _take_kv(self, request, field, job: Job, prompts: list[list[int]]) -> dict:
         engine, loop = self.state.engine, self.state.loop
@@ -78,6 +112,7 @@ class DecodeWorker(Worker):
         early = 0  # pages kept before the last batch came
         try:
             while True:  # the batches, each checked as it comes, its pages kept (all of the room's, or none)
+                self.stop_if_aborted(field.room)
                 self._check_meta(meta, claim, inbox.weights)
                 self.rooms[field.room] = "receive"
                 if inbox.open(meta):  # the room's first tensors: join the prefill worker's data path
@@ -88,6 +123,7 @@ class DecodeWorker(Worker):
                 await self._keep(meta, inbox, keep)
                 early = len(keep.kept)
                 meta = await self._next_batch(request, inbox)
+            self.stop_if_aborted(field.room)
             prefill_ended = time.monotonic()
             self.rooms[field.room] = "import"
             firsts = first_tokens_from_wire(meta["first"], len(job.subs)) if "first" in meta else None
@@ -102,7 +138,7 @@ class DecodeWorker(Worker):
             if inbox.peer_failed:  # NOTE: the prefill worker failed and left the room to us
                 await self.blocking(link.forget, inbox.batches + 1)
             else:
-                await self.blocking(self._verdict, link, meta, str(e), inbox.batches)
+                await self.blocking(self._verdict, link, meta, str(e), inbox.batches, isinstance(e, RoomAborted))
             raise
         finally:  # NOTE: a group's teardown takes ms; neither the event loop nor the request waits for it
             self.pool.submit(inbox.close)
@@ -134,7 +170,11 @@ class DecodeWorker(Worker):
                                 f"{field.bootstrap_port} (no answer within {timeout:g} s)") from None
         try:
             await self.blocking(link.put, "claim", sign(secret, claim))
+            self.owners[field.room].claimed = True
             meta = await self._batch_meta(request, link, 0)
+        except RoomAborted as e:  # NOTE: the prefill worker reads why in the verdict, then deletes the room
+            await self.blocking(self._verdict, link, {"nonce": claim["nonce"]}, str(e), 0, True)
+            raise
         except TransferError:
             await self.blocking(link.forget)  # NOTE: the prefill worker is gone, or failed and left the room to us
             raise
@@ -143,6 +183,8 @@ class DecodeWorker(Worker):
     async def _next_batch(self, request, inbox: "Inbox") -> dict:
         try:
             return await self._batch_meta(request, inbox.link, inbox.batches)
+        except RoomAborted:  # the prefill worker is there: it reads the verdict
+            raise
         except TransferError:
             inbox.peer_failed = True  # gone, failed or timed out: it reads no verdict
             raise
@@ -235,7 +277,7 @@ class DecodeWorker(Worker):
         if weights is not None and meta.get("weights") != weights:
             raise TransferError("the prefill worker's weights changed during the transfer")
 
-    def _verdict(self, link: Room, meta: dict | None, error: str | None, batches: int) -> None:
+    def _verdict(self, link: Room, meta: dict | None, error: str | None, batches: int, aborted: bool = False) -> None:
         """Tell the prefill worker whether the KV was kept (it answers its own request from that, and
         deletes the room's keys). A prefill worker that left the room before (its client gone: it deleted
         the room's keys, the claim first) reads no verdict: the room's keys written since, the verdict and
@@ -246,6 +288,8 @@ class DecodeWorker(Worker):
         body = {"room": link.name, "nonce": (meta or {}).get("nonce"), "ok": error is None}
         if error is not None:
             body["error"] = error
+        if aborted:  # the prefill worker ends its prefill as aborted, not as a failed transfer
+            body["aborted"] = True
         try:
             link.put("done", sign(self.settings.secret, body))
             # NOTE: after the put: a prefill worker that deletes the room after it deletes the verdict too
@@ -267,6 +311,16 @@ class DecodeWorker(Worker):
             except TransferError:  # not signed with the room's secret: not the prefill worker's
                 continue
         return False
+
+
+@dataclasses.dataclass
+class RoomOwner:
+    """Whose request a room's transfer is for, as /abort_request names it (its tenant and client id);
+    whether an abort ended it, and whether the room's claim is written (the abort is acted on from then)."""
+    tenant: str
+    client_id: str
+    aborted: bool = False
+    claimed: bool = False
 
 
 @dataclasses.dataclass

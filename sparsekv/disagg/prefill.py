@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from ..error_text import first_line
 from ..request import SamplingParams
 from ..server.errors import APIError, bad_request
-from ..server.loop import RequestGroup, Submission
+from ..server.loop import EngineDead, RequestGroup, ShuttingDown, Submission
 from ..server.serving import Job, run
 from .transfer import Room, connect, host_bootstrap, pair_backend
 from .weights_stamp import check_same_weights, loaded_weights
@@ -33,7 +33,7 @@ from .first_token import first_token_of, first_token_params, first_token_wire, p
 from .layers import LayerFeed, kinds_of, named_parts, short_tail
 from .outbox import Batches
 from .router_workers import layout_mismatch
-from .wire import TransferError, prompt_digest, verify
+from .wire import RoomAborted, TransferError, prompt_digest, verify
 from .worker import Worker
 
 log = logging.getLogger("sparsekv.disagg")
@@ -64,12 +64,17 @@ class PrefillWorker(Worker):
         job.builder.echo = None  # its answer is the prefill's own: the decode worker echoes (prompt logprobs too)
         subs, sends_first = self._prefill_subs(job, prompts)
         group = RequestGroup(job.group.request_ids[0].rsplit("-", 1)[0], len(subs))
+        group.abortable = False  # NOTE: the decode worker holds the client's request: an abort there ends this room
         tapped = group.request_ids[::len(subs) // len(prompts)]  # each prompt's first choice
         prefill = asyncio.ensure_future(self._prefill(request, job, subs, group, sends_first))
         ended: list[float] = []  # when the prefill ended
         prefill.add_done_callback(lambda _: ended.append(time.monotonic()))
         try:
             figures = await self._transfer(request, room, job, prompts, prefill, ended, tapped, sends_first)
+        except RoomAborted as e:
+            log.info("disaggregation room %s: %s", room, e)
+            figures = None
+            await self._end_aborted(prefill, group)
         except TransferError as e:
             raise self.failed(room, e) from None
         finally:
@@ -82,6 +87,16 @@ class PrefillWorker(Worker):
         body = json.loads(response.body)
         body["sparsekv"]["disaggregation"] = figures
         return JSONResponse(body)
+
+    async def _end_aborted(self, prefill, group: RequestGroup) -> None:
+        """End the prefill of a request the decode worker's /abort_request ended during its transfer as
+        one server ends an aborted request: its engine requests stop, and it answers with what it computed
+        so far and finish_reason "abort" (unless it had finished already)."""
+        try:
+            await self.state.loop.end_aborted(group)
+        except (ShuttingDown, EngineDead) as e:  # the engine is going away: the prefill is cancelled (serve)
+            raise APIError(503, str(e)) from None
+        await asyncio.wait([prefill], timeout=self.settings.timeout_s)  # its outputs are queued by now
 
     async def _cancel(self, prefill) -> None:
         """End a prefill whose transfer failed, its requests aborted on the engine before this returns
@@ -372,6 +387,8 @@ class PrefillWorker(Worker):
 
 def _check_verdict(raw: bytes, meta: dict, secret: bytes) -> None:
     verdict = verify(secret, raw, "decode worker's verdict")
+    if verdict.get("aborted") is True and not verdict.get("ok"):
+        raise RoomAborted(f"the decode worker's request was aborted: {verdict.get('error', 'no reason given')}")
     if verdict.get("nonce") != meta["nonce"] or not verdict.get("ok"):
         raise TransferError(f"the decode worker refused the KV: {verdict.get('error', 'no reason given')}")
 

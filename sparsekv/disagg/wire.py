@@ -46,6 +46,12 @@ class PrefillRefused(TransferError):
         self.status, self.message, self.param = status, message, param
 
 
+class RoomAborted(TransferError):
+    """/abort_request ended the room's request during its transfer (on the decode worker, which holds
+    the client's request and tells the prefill worker in its verdict): both workers end the room, its
+    client gets finish_reason "abort", and neither counts a failed transfer."""
+
+
 def load_secret(path: str) -> bytes:
     """The shared secret of a --disaggregation-secret-file: its bytes, surrounding whitespace removed.
     Refused if other users may read or write it, or if it is shorter than SECRET_MIN_BYTES."""

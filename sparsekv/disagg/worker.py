@@ -24,7 +24,7 @@ from .metrics import TransferMetrics
 from .nixl import NixlAgent
 from .transfer import TRANSFERS, gpu_identity
 from .weights_stamp import WeightsStamp, loaded_weights
-from .wire import TransferError
+from .wire import RoomAborted, TransferError
 
 log = logging.getLogger("sparsekv.disagg")
 MODES = ("null", "prefill", "decode")
@@ -112,6 +112,19 @@ class Worker:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
+    def abort_in_transfer(self, tenant: str, client_id: str | None) -> int:
+        """/abort_request for the requests still in their transfer: how many it ended. Always 0 on a
+        prefill worker: its prefills are its decode workers' requests, whose rooms end them (`RoomAborted`)."""
+        return 0
+
+    def abort_asked(self, room: str) -> bool:
+        """Whether /abort_request ended the room's request, so that its waits for the peer end."""
+        return False
+
+    def stop_if_aborted(self, room: str) -> None:
+        if self.abort_asked(room):
+            raise RoomAborted(f"room {room}: the request was aborted (/abort_request)")
+
     async def blocking(self, fn, *args):
         """`fn(*args)` on the transfer threads (store and transfer calls block)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -159,13 +172,15 @@ class Worker:
 
     async def _while_peer_works(self, wait: asyncio.Future, link, waiting_for: str, request, peer_left=None) -> None:
         """Until `wait` is done; TransferError past the timeout, when the client went away (the router
-        cancels one side when the other failed) or when `peer_left()`, `wait` then left to end on its own."""
+        cancels one side when the other failed), when /abort_request ended the room's request
+        (`abort_asked`: RoomAborted) or when `peer_left()`, `wait` then left to end on its own."""
         timeout = self.settings.timeout_s
         deadline = time.monotonic() + timeout
         try:
             while not (await asyncio.wait([wait], timeout=WAIT_CHECK_S))[0]:
                 if await request.is_disconnected():
                     raise TransferError(f"room {link.name}: the client went away while this worker waited for {waiting_for}")
+                self.stop_if_aborted(link.name)
                 if peer_left is not None and await self.blocking(peer_left):
                     raise TransferError(f"room {link.name}: the peer left the room while this worker waited for {waiting_for}")
                 if time.monotonic() > deadline:

@@ -311,11 +311,16 @@ async def abort_request(request: Request):
     """SGLang's POST /abort_request, scoped to the caller: it ends the caller's tenant's request named
     `rid` (or, with `abort_all`, every one of them) with finish_reason "abort" and what it generated so
     far, and frees its pages. An RL trainer ends the rollouts it no longer needs this way. A request
-    that already finished is not an error: it is not counted (`aborted`: how many were in flight)."""
+    that already finished is not an error: it is not counted (`aborted`: how many were in flight). On a
+    decode worker that includes requests still in their KV transfer (docs/disaggregation.md)."""
     body = await _body(request, AbortRequest)
     tenant, state = _tenant(request), _state(request)
+    client_id = None if body.abort_all else body.rid
+    # NOTE: the rooms first, with no await before the engine's abort is queued: a request leaving its
+    # transfer is either still a room here or already added to the engine, ahead of that abort
+    in_transfer = state.disagg.abort_in_transfer(tenant, client_id) if state.disagg is not None else 0
     try:
-        aborted = await state.loop.abort_requests(tenant, None if body.abort_all else body.rid)
+        aborted = in_transfer + await state.loop.abort_requests(tenant, client_id)
     except (ShuttingDown, EngineDead) as e:
         raise APIError(503, str(e)) from None
     return {"success": True, "aborted": aborted}

@@ -71,6 +71,9 @@ class RequestGroup:
         # /abort_request names; `chosen`: the client chose it, so no other of its tenant's may hold it
         self.client_id, self.chosen = client_id or group_id, client_id is not None
         self.observed = True  # its latencies and finish go to the metrics (not a /health_generate probe's)
+        # whether /abort_request may name it: not a prefill worker's prefill, which the decode worker holding
+        # the client's request ends through their room (so that an abort counts the request once)
+        self.abortable = True
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival = time.monotonic()
         self.first_scheduled: float | None = None  # when the engine first scheduled one of its requests
@@ -170,6 +173,14 @@ class EngineLoop:
         self._commands.put((self._abort_matching, (tenant, client_id, box, fut)))
         await fut
         return box[0]
+
+    async def end_aborted(self, group: RequestGroup) -> None:
+        """End the group's requests in flight as /abort_request does (finish_reason "abort" and what they
+        generated so far), also a group it does not name (`abortable`: a prefill worker's prefill)."""
+        self._refuse_if_closed()
+        fut = self._aloop.create_future()
+        self._commands.put((self._end_group, (group, fut)))
+        await fut
 
     async def abort_all(self, reason: str) -> None:
         """Abort every request in flight; each waiting client gets ShuttingDown(reason)."""
@@ -311,22 +322,31 @@ class EngineLoop:
             return False
 
     def _matching(self, tenant: str, client_id: str | None) -> list[tuple[str, _Route]]:
-        return [(rid, r) for rid, r in self._routes.items()
-                if r.timer.tenant == tenant and (client_id is None or r.group.client_id == client_id)]
+        return [(rid, r) for rid, r in self._routes.items() if r.group.abortable and r.timer.tenant == tenant
+                and (client_id is None or r.group.client_id == client_id)]
 
     def _abort_matching(self, tenant: str, client_id: str | None, box: list, fut) -> None:
         try:
             matched = self._matching(tenant, client_id)
-            now, batch = time.monotonic(), []
-            for rid, route in matched:
-                batch.append(self._route_output(_aborted_output(rid, route), now))  # drops the route
-                self._abort_one(rid)
-            if self.metrics and matched:
-                self.metrics.abort("abort_request", len(matched))
+            self._end_with_abort(matched)
             box.append(len({id(r.group) for _, r in matched}))
-            self._deliver(batch)
         finally:
             self._resolve(fut, None)
+
+    def _end_group(self, group: RequestGroup, fut) -> None:
+        try:
+            self._end_with_abort([(rid, self._routes[rid]) for rid in group.request_ids if rid in self._routes])
+        finally:
+            self._resolve(fut, None)
+
+    def _end_with_abort(self, matched: list[tuple[str, _Route]]) -> None:
+        now, batch = time.monotonic(), []
+        for rid, route in matched:
+            batch.append(self._route_output(_aborted_output(rid, route), now))  # drops the route
+            self._abort_one(rid)
+        if self.metrics and matched:
+            self.metrics.abort("abort_request", len(matched))
+        self._deliver(batch)
 
     def _abort_everything(self, reason: str, fut) -> None:
         routes = list(self._routes.items())
@@ -443,6 +463,12 @@ def _aborted_output(rid: str, route: _Route) -> RequestOutput:
     logprobs so far) with finish_reason "abort", or an empty one when it has none yet."""
     if route.last is not None:
         return replace(route.last, finish_reason="abort", stop_reason=None, new_token_ids=[])
-    request = route.request
-    logprobs = [] if request.params.logprobs is not None else None
-    return RequestOutput(rid, list(request.prompt_token_ids), [], "", logprobs, "abort")
+    return empty_aborted_output(rid, route.request.prompt_token_ids, route.request.params)
+
+
+def empty_aborted_output(rid: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput:
+    """The final output of a request /abort_request ended before it output anything: no token, and
+    finish_reason "abort"; with prompt logprobs asked for (an echo), none known for any prompt token."""
+    logprobs = [] if params.logprobs is not None else None
+    prompt_logprobs = [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None
+    return RequestOutput(rid, list(prompt_token_ids), [], "", logprobs, "abort", prompt_logprobs=prompt_logprobs)

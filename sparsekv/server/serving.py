@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..request import InvalidRequest
 from .errors import APIError, error_body
-from .loop import EngineDead, EngineLoop, QueueFull, RequestGroup, ShuttingDown, Submission
+from .loop import EngineDead, EngineLoop, QueueFull, RequestGroup, ShuttingDown, Submission, empty_aborted_output
 from .responses import ChoiceState, ResponseBuilder
 
 log = logging.getLogger("sparsekv.server")
@@ -123,7 +123,26 @@ async def respond(request: Request, loop: EngineLoop, job: Job, metrics, replies
     except BaseException:
         loop.abort(job.group)
         raise
-    return StreamingResponse(stream_replies(loop, job.group, replies), media_type="text/event-stream",
+    return _streamed(loop, job.group, replies)
+
+
+async def answer_aborted(request: Request, loop: EngineLoop, job: Job, metrics):
+    """The answer of a request /abort_request ended before it reached the engine (a decode worker's
+    request still in its KV transfer): each choice ends with no token and finish_reason "abort", as a
+    request the engine had not stepped yet ends (EngineLoop.abort_requests)."""
+    states = [job.builder.choice_state(i, s.params.stop_strings) for i, s in enumerate(job.subs)]
+    for i, (rid, sub) in enumerate(zip(job.group.request_ids, job.subs)):
+        job.group.queue.put_nowait((i, empty_aborted_output(rid, sub.prompt, sub.params)))
+    job.group.num_finished = len(states)
+    metrics.abort("abort_request", len(states))
+    replies = ChoiceReplies(states, job.builder, job.include_usage)
+    if not job.stream:
+        return await collect_replies(request, loop, job.group, replies)
+    return _streamed(loop, job.group, replies)
+
+
+def _streamed(loop: EngineLoop, group: RequestGroup, replies: Replies) -> StreamingResponse:
+    return StreamingResponse(stream_replies(loop, group, replies), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
