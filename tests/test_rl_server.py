@@ -701,12 +701,14 @@ def test_an_announced_tensor_that_cannot_be_allocated_closes_the_group_with_a_50
         server.state.weight_groups.groups.pop("huge", None)
 
 
-def test_bench_weight_sync_times_each_way_of_updating_the_same_weights(tmp_path, capsys):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bench_weight_sync_times_each_way_of_updating_the_same_weights(tmp_path, capsys, tp):
     """`sparsekv bench weight-sync`: every update of each way loads (the engine's weights version counts
-    them), the answer after each is the same, and each way gets its time."""
+    them), the answer after each is the same, and each way gets its time; with two tensor-parallel
+    processes, each of which joins the trainer's group."""
     from sparsekv.tools.bench import main
     out = tmp_path / "sync.json"
-    assert main(["weight-sync", "--repeats", "1", "--json", str(out)]) == 0
+    assert main(["weight-sync", "--repeats", "1", "--tensor-parallel-size", str(tp), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert set(result["seconds"]) == {"save + disk", "disk", "broadcast", "in process"}
     assert all(s > 0 for s in result["seconds"].values())

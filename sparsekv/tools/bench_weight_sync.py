@@ -8,8 +8,11 @@ of a gloo group with the engine's side formed once, as an RL run forms it once. 
 the loop an RL run on disk makes; "disk" is the read alone, `update_weights_from_disk` (the files are
 in the page cache after the first read, and the writes land there: the figures leave the disk's own
 speed out, which only favours them); "broadcast" is receiving
-every tensor (`receive_weights`) then `update_weights`; "in process" is `update_weights` from tensors
+every tensor (`receive_weights`) then the update; "in process" is `update_weights` from tensors
 already in memory, the floor both share (building the new weights part by part and copying them in).
+With `--tensor-parallel-size N` the engine has N processes: on "broadcast" each joins the trainer's
+group and receives every tensor itself, while "in process" has rank 0 relay the tensors to the others
+over the engine's control group (the path an update given to rank 0 takes).
 Printed: seconds per update (medians of `--repeats`), the weights' GB/s, the ratio against disk, how far
 the process's resident set rose during the update (against the weights' size), and whether a greedy
 answer after each update is the same.
@@ -49,26 +52,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _groups(world_port: int):
-    """(trainer's group, engine's group): a 2-rank gloo group formed once."""
+GROUP = "bench"
+
+
+def _groups(world_port: int, engine, processes: int):
+    """(trainer's group, engine rank 0's group): a gloo group formed once, the trainer as rank 0 and the
+    engine's `processes` as ranks 1 to `processes` (each joins and receives itself: weight_sync.py)."""
     from sparsekv.weight_sync import join_group, trainer_group
-    box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("trainer", trainer_group("127.0.0.1", world_port, 2)))
+    box, world = {}, 1 + processes
+    thread = threading.Thread(target=lambda: box.setdefault("trainer", trainer_group("127.0.0.1", world_port, world)))
     thread.start()
-    engine_side = join_group("127.0.0.1", world_port, 1, 2, "gloo")
+    engine.weight_groups("join", GROUP, "127.0.0.1", world_port, 1, world, "gloo")
+    engine_side = join_group("127.0.0.1", world_port, 1, world, "gloo")
     thread.join()
     return box["trainer"], engine_side
 
 
 def _broadcast_update(engine, trainer, engine_side, tensors) -> float:
+    """The trainer broadcasts every tensor; each engine rank receives them, then the update loads (as
+    /update_weights_from_distributed runs it)."""
     import torch
-    from sparsekv.weight_sync import broadcast_weights, receive_weights
+    from sparsekv.weight_sync import TIMEOUT_S, broadcast_weights, receive_weights
     sender = threading.Thread(target=broadcast_weights, args=(trainer, tensors))
+    names, dtypes, shapes = ([n for n, _ in tensors], [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+                             [list(t.shape) for _, t in tensors])
     t0 = time.perf_counter()
+    engine.weight_groups("receive", GROUP, names, dtypes, shapes)
     sender.start()
-    received = receive_weights(engine_side, [n for n, _ in tensors], [t.dtype for _, t in tensors],
-                               [tuple(t.shape) for _, t in tensors], "gloo", torch.device("cpu"))
-    engine.update_weights(received)
+    received = receive_weights(engine_side, names, [t.dtype for _, t in tensors], [tuple(t.shape) for _, t in tensors],
+                               "gloo", torch.device("cpu"))
+    missing = [why for why in engine.weight_groups("outcome", GROUP, TIMEOUT_S) if why]
+    if missing:
+        raise RuntimeError(f"a rank did not receive the update: {missing}")
+    engine.update_weights_from_group(GROUP, received)
     seconds = time.perf_counter() - t0
     sender.join()
     return seconds
@@ -110,9 +126,9 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or (make_checkpoint(args.preset, tmp) if args.preset else default_model_path())
-        llm = LLM(path, max_model_len=256, num_threads=args.threads)
+        llm = LLM(path, max_model_len=256, num_threads=args.threads, tensor_parallel_size=args.tensor_parallel_size)
         engine, tensors = llm.engine, checkpoint_tensors(path)
-        trainer, engine_side = _groups(_free_port())
+        trainer, engine_side = _groups(_free_port(), engine, args.tensor_parallel_size)
         prompt, greedy = list(range(1, 33)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         answer = lambda: llm.generate([prompt], greedy)[0].token_ids
         before, answers = answer(), []
@@ -130,14 +146,17 @@ def run(args) -> dict:
                 answers.append(answer())
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         loaded = engine.weights_version
-    return {"runs": runs, "rss_rise_mb": rises, "bytes": nbytes, "tensors": len(tensors), "model": args.model or args.preset or "bundled",
+        llm.close()
+    return {"tensor_parallel_size": args.tensor_parallel_size, "runs": runs, "rss_rise_mb": rises, "bytes": nbytes, "tensors": len(tensors), "model": args.model or args.preset or "bundled",
             "identical": all(a == before for a in answers), "updates_loaded": loaded}
 
 
 def report(result: dict) -> dict:
     seconds = {mode: statistics.median(rs) for mode, rs in result["runs"].items()}
     gb = result["bytes"] / 1e9
-    table = Table(title=f"weight update of {result['model']}: {result['tensors']} tensors, {gb:.3f} GB "
+    tp = result["tensor_parallel_size"]
+    ranks = f", tensor parallel {tp} (in process: rank 0 relays every tensor to the other ranks)" if tp > 1 else ""
+    table = Table(title=f"weight update of {result['model']}{ranks}: {result['tensors']} tensors, {gb:.3f} GB "
                         f"(medians of {len(result['runs']['disk'])}, gloo over loopback)")
     rises = {mode: _largest(rs) for mode, rs in result["rss_rise_mb"].items()}
     for col in ("update", "seconds", "weights GB/s", "against save + disk", "host memory rise, MB (of the weights)"):
@@ -165,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None, help="a `sparsekv bench` preset instead (e.g. glm5.2-proportions)")
     p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--threads", type=at_least(1), default=1)
+    p.add_argument("--tensor-parallel-size", type=at_least(1), default=1,
+                   help="an engine of this many processes (gloo): each joins the trainer's group and receives itself")
     p.add_argument("--json", type=output_path, default=None)
     return p
 
