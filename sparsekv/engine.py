@@ -184,9 +184,10 @@ class LLMEngine(WeightControl):
 
     def check_ranks(self) -> None:
         """RankFailure if a worker rank of a parallel engine exited or a call across the ranks failed,
-        or a weight update left a mix of two versions (`weights_lost`); nothing else for an engine of one rank. A rank on another node has no process here to look at, so
-        every RANK_PROBE_S this also asks every rank for its figures (a round trip; the idle server
-        calls it, so a dead node is found without a request)."""
+        or a weight update left a mix of two versions (`weights_lost`); nothing else for an engine of
+        one rank. A rank on another node has no process here to look at, so every RANK_PROBE_S this also
+        asks every rank for its figures (a round trip; the idle server calls it, so a dead node is found
+        without a request)."""
         if self.weights_lost is not None:
             raise self.weights_lost
         ranks = getattr(self.executor, "ranks", None)

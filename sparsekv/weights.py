@@ -331,7 +331,8 @@ class WeightSource:
         if not copied:
             return
         try:
-            if any(n not in self.overlay for _, names in copied for n in names) and files_stamp(self.path) != self.identity:
+            reads = any(n not in self.overlay for _, names in copied for n in names)
+            if reads and files_stamp(self.path) != self.identity:
                 raise WeightUpdateError(f"{self.path}, the checkpoint this engine loaded, changed on disk since")
             tensors_of = self._tensors_from(model, self.overlay)
             for part, names in copied:
@@ -381,8 +382,9 @@ def files_stamp(path: str) -> list:
 
 def copy_weights(model, fresh, where: str = "model") -> int:
     """Copy every tensor of `fresh` (a model, or a part of one, built like `model` from other weights)
-    into the same place of `model`, in place. Pairs are found by walking both object graphs in step; any difference
-    of structure, shape or dtype raises before anything is copied. Returns how many tensors were copied.
+    into the same place of `model`, in place. Pairs are found by walking both object graphs in step;
+    any difference of structure, shape or dtype raises before anything is copied. Returns how many
+    tensors were copied.
 
     One difference is allowed: a part the running model has and `fresh` lacks (None there), when its
     tensors are all views of tensors copied anyway. The fresh model is built on the host, and a part
