@@ -6,7 +6,9 @@
 1. exactness on the device: greedy tokens and logprobs of the engine on the device against the
    engine on the CPU (float32) for a prompt far longer than index_topk, with chunked prefill; then
    the server on plain `cuda` (`tests/test_server_lifecycle.py -k on_cuda`: its engine thread sets
-   the device by index and steps, one completion comes back);
+   the device by index and steps, one completion comes back), and weight updates into the model on the
+   device (`tests/test_rl_engine.py -k on_cuda`: built part by part on the host, put back when a load
+   fails part-way);
 2. decode step time at 4K / 128K / 1M cached tokens (synthetic cache, as `sparsekv bench decode`),
    and the indexer's decode row in both score layouts (`sparsekv bench indexer --decode`, written to
    OUT.indexer-decode.json): whether keys-major should replace query-major on the device too
@@ -32,7 +34,7 @@
    project's 2-core CPU (two threads, estimated; 3.5 on one); it is what a lent GPU is for.
 
 With little device time left, `--long 4096 --tiers` skips the 1M prefill and keeps the tiering checks.
-Stages run in the order exactness, serve, tiers, disagg, batch, decode, indexer decode, long prefill, needle;
+Stages run in the order exactness, serve, weights, tiers, disagg, batch, decode, indexer decode, long prefill, needle;
 OUT.json is rewritten after each, so a run cut short by its time limit keeps what it measured. A stage that
 raises is recorded (its error and the traceback's tail) and the next one runs; every subprocess a stage
 starts (pytest, the benches) is killed with its process group after --stage-timeout seconds (default
@@ -95,7 +97,7 @@ def main() -> None:
         STAGE_TIMEOUT_S = float(sys.argv[sys.argv.index("--stage-timeout") + 1])
     stages = [("exactness", lambda: exactness(ckpt, device))]
     if device.startswith("cuda"):
-        stages.append(("serve", serve))
+        stages += [("serve", serve), ("weights", weights)]
     if "--tiers" in sys.argv:  # the open issue's figures first: a run cut short by its time limit keeps them
         stages.append(("tiers", lambda: tiers(ckpt, device, stem + ".tiers.json")))
     if "--disagg" in sys.argv:
@@ -156,6 +158,12 @@ def run_bounded(cmd: list[str], lines: int = 8) -> dict:
 def serve() -> dict:
     """The server on plain `cuda`: its engine thread (server/loop.py) steps on the device."""
     return run_bounded([*PYTEST, "tests/test_server_lifecycle.py", "-k", "on_cuda"])
+
+
+def weights() -> dict:
+    """Weight updates into a model on the device: built part by part on the host, copied in, and put
+    back when a load fails part-way."""
+    return run_bounded([*PYTEST, "tests/test_rl_engine.py", "-k", "on_cuda"])
 
 
 def indexer_decode(device: str, out_path: str) -> dict:

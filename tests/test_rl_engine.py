@@ -769,6 +769,32 @@ def test_an_update_that_cannot_put_the_old_weights_back_stops_the_engine(ckpts, 
         llm.engine.check_ranks()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py runs it)")
+def test_weight_updates_load_part_by_part_into_a_model_on_cuda(ckpts, monkeypatch):
+    """On a device the parts are built on the host and copied into the device's tensors: an update from
+    disk answers as an engine of B on the device, and a load failing part-way puts A back there."""
+    from sparsekv import weights
+    a, b, _ = ckpts
+    want_b = LLM(b, device="cuda", **OPTIONS).generate([PROMPT], GREEDY)[0]
+    llm = LLM(a, device="cuda", **OPTIONS)
+    want_a = llm.generate([PROMPT], GREEDY)[0]
+    real, calls = weights.copy_weights, []
+
+    def fail(*args):
+        calls.append(args[2])
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return real(*args)
+    monkeypatch.setattr(weights, "copy_weights", fail)
+    with pytest.raises(WeightLoadError, match="out of memory"):
+        llm.update_weights_from_disk(b)
+    monkeypatch.undo()
+    _same(llm.generate([PROMPT], GREEDY)[0], want_a)
+    llm.update_weights_from_disk(b)
+    _same(llm.generate([PROMPT], GREEDY)[0], want_b, llm)
+    assert all(t.is_cuda for t in (llm.engine.executor.model.embed, llm.engine.executor.model.layers[0].input_norm))
+
+
 def _run_bounded(engine, outs: dict, steps: int = 200) -> None:
     """`_run_until_done`, but failing (not hanging) if requests never finish."""
     for _ in range(steps):
