@@ -99,6 +99,27 @@ def test_a_claim_whose_request_never_comes_stops_counting():
     assert kv.num_claims == 0 and engine.router.in_flight == [0, 0]
 
 
+def test_each_room_counts_its_claim_once_and_a_room_that_ends_without_its_request_releases_it():
+    """Two rooms of one prompt share its claim and rank, each counted in the rank's load; the import's
+    lookup counts nothing more. One room failing (or aborted) releases its share at once, and the other's
+    request then takes the claim: nothing is left counting."""
+    engine = FakeEngine()
+    kv = DataParallelKV(engine)
+    prompt = [1, 2, 3]
+    kv.held_prefix(prompt, "t", None)
+    kv.held_prefix(prompt, "t", None)
+    assert kv.num_claims == 1 and 2 in engine.router.in_flight  # both rooms on the claimed rank
+    rank = engine.router.in_flight.index(2)
+    kv.import_prefix([(b"p", [])], "t", [prompt], None)
+    assert engine.router.in_flight[rank] == 2
+    kv.release_claims([prompt], "t", None)
+    assert kv.num_claims == 1 and engine.router.in_flight[rank] == 1
+    assert kv.take_claim(prompt, "t", None) == rank
+    assert kv.num_claims == 0 and engine.router.in_flight == [0, 0]
+    kv.release_claims([prompt, [4]], "t", None)  # nothing left to release: nothing goes below zero
+    assert engine.router.in_flight == [0, 0]
+
+
 def test_export_reads_the_rank_that_holds_most_of_the_prompt():
     engine = FakeEngine()
     engine.ranks[0].kv.held[(1, 2)] = 1

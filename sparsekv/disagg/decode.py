@@ -50,23 +50,38 @@ class DecodeWorker(Worker):
     async def serve(self, request, job: Job, field, prompts: list[list[int]]):
         room = self.open_room(field)
         owner = self.owners[room] = RoomOwner(job.tenant, job.group.client_id)
+        failure = None
         try:
             figures = await self._take_kv(request, field, job, prompts)
         except TransferError as e:  # RoomAborted and PrefillRefused too
-            if not owner.aborted:  # NOTE: an aborted request ends as aborted, whatever failed meanwhile
-                raise self._error(room, e) from None
+            failure = e
         finally:
             self.close_room(room)
             del self.owners[room]
-        if owner.aborted:  # NOTE: read with no await before run() queues the add (app.abort_request)
+        # NOTE: `owner.aborted` is read with no await between it and run() queuing the add (app.abort_request)
+        if owner.aborted or failure is not None:
+            await self._release_claims(job, prompts)
+        if owner.aborted:  # NOTE: an aborted request ends as aborted, whatever failed meanwhile
             log.info("disaggregation room %s: the request was aborted during its transfer", room)
             return await answer_aborted(request, self.state.loop, job, self.state.metrics)
+        if failure is not None:
+            raise self._error(room, failure) from None
         self.metrics.bytes.inc(figures["bytes"])
         self.metrics.pages_skipped.inc(figures["pages_skipped"])
         self.metrics.seconds.observe(figures["transfer_s"])
         log.info("disaggregation room %s received: %s", room, figures)
         job.builder.disaggregation = DecodeFigures(figures, job.group, time.monotonic())
         return await run(request, self.state.loop, job, self.state.metrics)
+
+    async def _release_claims(self, job: Job, prompts: list[list[int]]) -> None:
+        """A data-parallel engine counts a claimed prompt in its rank's load until its request comes
+        (parallel/dp_kv.py); this room's request never will, so its claims stop counting now."""
+        engine = self.state.engine
+        if engine.config.data_parallel_size > 1:
+            try:
+                await self.state.loop.call(engine.kv.release_claims, prompts, job.tenant, job.cache_salt)
+            except Exception:  # the engine is going away: its claims go with it
+                log.exception("releasing the claims of a room that ended without its request failed")
 
     def _error(self, room: str, e: TransferError) -> APIError:
         """What the client gets for a room that failed: the prefill worker's refusal of the request as

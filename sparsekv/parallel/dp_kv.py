@@ -8,8 +8,10 @@ each call goes to one rank:
 - a prefill worker's `export_prefix` reads the rank that holds most of the prompt's pages (the one
   that computed it).
 
-A claim whose request never comes (its transfer failed) stops counting after `claim_ttl_s`: the
-disaggregation worker sets it from its timeout, past which no transfer waits.
+A claim counts once per room that made it (rooms of the same prompt share its rank). A room whose
+request will not come (its transfer failed, or /abort_request ended it) releases its claims at once
+(`release_claims`); one that never says stops counting after `claim_ttl_s`: the disaggregation worker
+sets it from its timeout, past which no transfer waits.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def claim_key(token_ids: list[int], tenant: str, cache_salt: str | None) -> tupl
 class DataParallelKV:
     def __init__(self, engine, claim_ttl_s: float = 600.0):
         self.engine, self.claim_ttl_s = engine, claim_ttl_s  # engine: a DataParallelEngine
-        self._claims: OrderedDict[tuple, tuple[int, float]] = OrderedDict()  # key -> (rank, expiry)
+        self._claims: OrderedDict[tuple, list] = OrderedDict()  # key -> [rank, expiry, rooms counted]
 
     @property
     def prefix(self):
@@ -35,8 +37,10 @@ class DataParallelKV:
 
     # -- decode side -------------------------------------------------------------------------------
     def held_prefix(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None) -> int:
-        """How many of the prompt's first pages the rank it is claimed to holds, claiming one first."""
-        return self.on_rank(self._claim(token_ids, tenant, cache_salt), "held_prefix", token_ids, tenant, cache_salt)
+        """How many of the prompt's first pages the rank it is claimed to holds, claiming one first (a
+        room each call: every claim is taken by a request or released)."""
+        rank = self._claim(token_ids, tenant, cache_salt, new_room=True)
+        return self.on_rank(rank, "held_prefix", token_ids, tenant, cache_salt)
 
     def import_prefix(self, pages: list, tenant: str = "default", prompts: list[list[int]] = (),
                       cache_salt: str | None = None, **options) -> int:
@@ -73,21 +77,40 @@ class DataParallelKV:
         self._expire()
         if not self._claims:  # no disaggregated request waits: nothing to hash
             return None
-        entry = self._claims.pop(claim_key(token_ids, tenant, cache_salt), None)
+        return self._end_one(claim_key(token_ids, tenant, cache_salt))
+
+    def release_claims(self, prompts: list[list[int]], tenant: str = "default", cache_salt: str | None = None) -> None:
+        """A room whose request will not come: each of its prompts' claims stops counting (one room's
+        share of it: another room of the same prompt keeps its own)."""
+        for token_ids in prompts:
+            self._end_one(claim_key(token_ids, tenant, cache_salt))
+
+    def _end_one(self, key: tuple) -> int | None:
+        """One room's share of claim `key` ends: its rank stops counting it; the rank, or None."""
+        entry = self._claims.get(key)
         if entry is None:
             return None
+        entry[2] -= 1
+        if entry[2] == 0:
+            del self._claims[key]
         self.engine.router.finished(entry[0])
         return entry[0]
 
-    def _claim(self, token_ids: list[int], tenant: str, cache_salt: str | None) -> int:
+    def _claim(self, token_ids: list[int], tenant: str, cache_salt: str | None, new_room: bool = False) -> int:
+        """The prompt's claimed rank; `new_room`: a room more counts it (a claim made here counts one)."""
         self._expire()
         key = claim_key(token_ids, tenant, cache_salt)
-        if key in self._claims:
-            return self._claims[key][0]
         router = self.engine.router
+        entry = self._claims.get(key)
+        if entry is not None:
+            if new_room:
+                entry[1], entry[2] = time.monotonic() + self.claim_ttl_s, entry[2] + 1
+                self._claims.move_to_end(key)
+                router.reserve(entry[0])
+            return entry[0]
         rank = router.peek(token_ids, tenant, cache_salt)
         router.reserve(rank)
-        self._claims[key] = (rank, time.monotonic() + self.claim_ttl_s)
+        self._claims[key] = [rank, time.monotonic() + self.claim_ttl_s, 1]
         while len(self._claims) > MAX_CLAIMS:
             self._drop_oldest()
         return rank
@@ -98,8 +121,10 @@ class DataParallelKV:
             self._drop_oldest()
 
     def _drop_oldest(self) -> None:
-        """The oldest claim ends without its request: its rank stops counting it."""
-        self.engine.router.finished(self._claims.popitem(last=False)[1][0])
+        """The oldest claim ends without its requests: its rank stops counting each room's."""
+        rank, _, rooms = self._claims.popitem(last=False)[1]
+        for _ in range(rooms):
+            self.engine.router.finished(rank)
 
     @property
     def num_claims(self) -> int:
