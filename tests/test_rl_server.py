@@ -194,6 +194,26 @@ def test_a_failed_load_answers_500_and_still_ends_the_aborted_request(ckpts):
         assert scrape(srv.url)["sparsekv:weights_version"] == 0
 
 
+def test_an_update_that_leaves_a_mix_of_weights_answers_503_and_the_server_stops_serving(ckpts, tmp_path, monkeypatch):
+    """A load failing part-way whose old weights cannot be put back (the checkpoint they came from was
+    written over since): the model holds two versions, so the update answers 503, and the engine steps
+    no more (/health answers 503) rather than serve a mix."""
+    import os
+    import shutil
+
+    from sparsekv.model.checkpoint import LOAD_FAULT_ENV
+    a, b = ckpts
+    loaded = shutil.copytree(a, tmp_path / "loaded")
+    with ThreadServer(str(loaded), admin_api_keys=[ADMIN]) as srv:
+        assert _complete(srv)["choices"][0]["finish_reason"] == "length"
+        monkeypatch.setenv(LOAD_FAULT_ENV, f"{os.path.basename(b)}:model.layers.1.mlp.experts.2.gate_proj.weight")
+        os.utime(loaded / "model.safetensors", ns=(1, 1))
+        r = _post(srv, "/update_weights_from_disk", {"model_path": b}, key=ADMIN)
+        assert r.status_code == 503 and "parts of both" in r.json()["error"]["message"], r.text
+        assert wait_until(lambda: httpx.get(srv.url + "/health", timeout=10).status_code == 503, timeout=30)
+        assert _post(srv, "/v1/completions", BODY).status_code == 503
+
+
 def test_a_stream_carries_the_version_and_routed_experts_in_its_final_chunk(server):
     import json
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},

@@ -12,6 +12,7 @@ import asyncio
 
 from fastapi import Request
 
+from ..parallel.launch import RankFailure
 from ..weights import WeightLoadError, WeightUpdateConflict, WeightUpdateError
 from .errors import APIError
 from .loop import EngineDead, ShuttingDown
@@ -62,6 +63,8 @@ async def run_weight_update(state, load, param: str) -> int:
         raise APIError(409, str(e)) from None
     except WeightLoadError as e:
         raise APIError(500, str(e)) from None
+    except RankFailure as e:  # the ranks' weights differ, or a failed load could not put them back: no more serving
+        raise APIError(503, str(e)) from None
     # NOTE: this update's own result: another update may load (or fail) before this answer is read
     while (outcome := await call_engine(state, lambda: engine.weight_updates.outcome(ticket))) is None:
         await asyncio.sleep(POLL_S)
