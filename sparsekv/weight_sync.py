@@ -113,33 +113,34 @@ def receive_weights(group: dist.ProcessGroup, names: list[str], dtypes: list[tor
 class WorkerGroups:
     """A worker rank's side of the trainer's groups (every engine process but rank 0, whose server
     holds its own): rank 0 tells each rank to `join` and, per update, to `receive`, asks for the
-    `outcome` once its own receive is done, and the rank's update then `take`s what it received.
-    Joins and receives run on daemon threads, so the rank's engine steps with the others meanwhile."""
+    `outcome` once its own receive is done, and the rank's update then `take`s what it received. An
+    update is named by its group and a ticket of rank 0's, so that one waiting to load (a drain) keeps
+    its tensors while a later one is received and refused. Joins and receives run on daemon threads,
+    so the rank's engine steps with the others meanwhile."""
 
     def __init__(self):
         self._joins: dict[str, tuple[Future, str]] = {}  # name -> (the join, its backend)
-        self._received: dict[str, Future] = {}
+        self._received: dict[tuple[str, int], Future] = {}  # (name, ticket) -> the update's tensors
 
     def join(self, name: str, address: str, port: int, rank: int, world_size: int, backend: str) -> None:
         self.drop(name)
         self._joins[name] = (_on_thread(join_group, address, port, rank, world_size, backend), backend)
 
-    def receive(self, name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
+    def receive(self, name: str, ticket: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 device: torch.device) -> None:
-        """Start receiving an update's announced tensors over group `name`."""
-        self._received.pop(name, None)
+        """Start receiving update `ticket`'s announced tensors over group `name`."""
         joined = self._joins.get(name)
         if joined is None:
-            self._received[name] = _failed(WeightSyncError(f"this rank never joined the group {name!r}"))
+            self._received[name, ticket] = _failed(WeightSyncError(f"this rank never joined the group {name!r}"))
             return
         join, backend = joined
-        self._received[name] = _on_thread(lambda: receive_weights(
+        self._received[name, ticket] = _on_thread(lambda: receive_weights(
             join.result(JOIN_TIMEOUT_S), names, [dtype_of(d) for d in dtypes], [tuple(x) for x in shapes], backend,
             device))
 
-    def outcome(self, name: str, timeout_s: float) -> str | None:
+    def outcome(self, name: str, ticket: int, timeout_s: float) -> str | None:
         """None once this rank holds the update's tensors, else why it does not (within `timeout_s`)."""
-        received = self._received.get(name)
+        received = self._received.get((name, ticket))
         if received is None:
             return "no update was announced to this rank"
         try:
@@ -148,16 +149,16 @@ class WorkerGroups:
             return f"{type(e).__name__}: {first_line(e)}"
         return None
 
-    def take(self, name: str) -> list[tuple[str, torch.Tensor]]:
+    def take(self, name: str, ticket: int) -> list[tuple[str, torch.Tensor]]:
         """The tensors this rank received for the update (once: the update loads them)."""
-        received = self._received.pop(name, None)
+        received = self._received.pop((name, ticket), None)
         if received is None:
-            raise WeightSyncError(f"this rank holds no tensors received over {name!r}")
+            raise WeightSyncError(f"this rank holds no tensors of update {ticket} over {name!r}")
         return received.result(0)
 
-    def discard(self, name: str) -> None:
+    def discard(self, name: str, ticket: int) -> None:
         """Forget an update's tensors that will not load (refused, or failed on rank 0)."""
-        self._received.pop(name, None)
+        self._received.pop((name, ticket), None)
 
     def call(self, op: str, args: tuple, engine_rank: int, device: torch.device):
         """Rank 0's command `op` (join, receive, outcome, discard, drop) on this rank, engine rank
@@ -172,8 +173,9 @@ class WorkerGroups:
         return getattr(self, op)(*args)
 
     def drop(self, name: str) -> None:
-        """Leave the group (once its join ends, if it is still joining)."""
-        self._received.pop(name, None)
+        """Leave the group (once its join ends, if it is still joining), its updates' tensors dropped."""
+        for key in [key for key in self._received if key[0] == name]:
+            del self._received[key]
         joined = self._joins.pop(name, None)
         if joined is not None:
             join, backend = joined

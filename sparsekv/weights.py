@@ -84,15 +84,20 @@ class ReceivedUpdate(TensorUpdate):
     tells the ranks to load carries none (`for_other_ranks`)."""
 
     group: str = ""
+    ticket: int = 0  # rank 0's number of the update over the group (weight_sync.WorkerGroups)
 
     def for_other_ranks(self) -> "ReceivedUpdate":
-        return ReceivedUpdate({}, self.group)
+        return ReceivedUpdate({}, self.group, self.ticket)
+
+    def taken_here(self) -> list:
+        """On a worker rank: the (name, tensor) pairs it received for this update itself."""
+        from .weight_sync import WORKER_GROUPS
+        return WORKER_GROUPS.take(self.group, self.ticket)
 
 
 def received_here(update: ReceivedUpdate, shapes: dict[str, tuple]) -> TensorUpdate:
     """On a worker rank: the tensors it received for `update` itself, checked as rank 0 checked its own."""
-    from .weight_sync import WORKER_GROUPS
-    return check_tensor_update(shapes, WORKER_GROUPS.take(update.group))
+    return check_tensor_update(shapes, update.taken_here())
 
 
 @dataclass(frozen=True)

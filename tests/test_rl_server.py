@@ -537,7 +537,7 @@ def test_every_rank_of_a_parallel_engine_joins_the_trainers_group_and_receives_t
         loaded = _broadcast_update(srv, group, new, new)
         assert loaded.status_code == 200 and loaded.json()["weights_version"] == 1, loaded.text
         # the worker rank loaded the copy it received (taken, none kept), not one relayed by rank 0
-        assert on_engine_loop(srv, lambda: srv.engine.weight_groups("outcome", "g", 1.0)) == \
+        assert on_engine_loop(srv, lambda: srv.engine.weight_groups("outcome", "g", 2, 1.0)) == \
             ["no update was announced to this rank"]
         after = _complete(srv, prompt=[PROMPT, other])
         assert [c["token_ids"] for c in after["sparsekv"]["choices"]] == \
@@ -545,6 +545,37 @@ def test_every_rank_of_a_parallel_engine_joins_the_trainers_group_and_receives_t
         if "data_parallel_size" in layout:
             assert on_engine_loop(srv, srv.engine.stats)["by_data_parallel_rank"][1]["generation_tokens"] > 0
         assert _post(srv, "/destroy_weights_update_group", {"group_name": "g"}, key=ADMIN).json() == {"success": True}
+
+
+def test_an_update_refused_while_a_drain_waits_leaves_the_waiting_updates_tensors_on_every_rank(ckpts):
+    """Two processes, drain: the first update is received by both ranks and waits for a request in
+    flight; a second one, received too, is refused (409: one update waits at a time) and its copies are
+    dropped, while each rank keeps the first's (an update is named by its ticket, not its group). Once
+    the request finishes under A the first loads on both ranks: B answers."""
+    from sparsekv.weight_sync import broadcast_weights
+    a, b = ckpts
+    new = checkpoint_tensors(b)
+    want_a = _engine_tokens(a, 12).token_ids
+    with ThreadServer(a, admin_api_keys=[ADMIN], weight_update_policy="drain", tensor_parallel_size=2, num_threads=1,
+                      dist_startup_timeout_s=STARTUP_S) as srv:
+        group, engine, box = _join_as_trainer(srv, processes=2), srv.engine, {}
+        srv.delay[0] = 0.5  # the request stays in flight through both updates
+        worker = threading.Thread(target=lambda: box.setdefault("completion", _complete(srv, max_tokens=12)))
+        worker.start()
+        assert wait_until(lambda: engine.counters["generation_tokens"] > 0, timeout=30)
+        first = threading.Thread(target=lambda: box.setdefault("first", _post(
+            srv, "/update_weights_from_distributed", _announce(new), key=ADMIN)))
+        first.start()
+        broadcast_weights(group, new)
+        assert wait_until(lambda: engine.weight_update_pending, timeout=30)
+        second = _broadcast_update(srv, group, new, new)
+        assert second.status_code == 409 and "waiting" in second.json()["error"]["message"], second.text
+        srv.delay[0] = 0.0
+        worker.join(60)
+        first.join(60)
+        assert box["completion"]["sparsekv"]["choices"][0]["token_ids"] == want_a
+        assert box["first"].status_code == 200 and box["first"].json()["weights_version"] == 1, box["first"].text
+        assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(b).token_ids
 
 
 def test_a_trainer_that_stops_broadcasting_closes_the_group_and_leaves_the_weights(ckpts, monkeypatch):

@@ -271,11 +271,12 @@ class DataParallelEngine:
         from ..weights import check_tensor_update, model_weight_shapes
         return self._update(check_tensor_update(model_weight_shapes(self.local.model), named_tensors), None, policy)
 
-    def update_weights_from_group(self, group: str, named_tensors, policy: str = "drain") -> list[RequestOutput]:
+    def update_weights_from_group(self, group: str, ticket: int, named_tensors, policy: str = "drain"
+                                  ) -> list[RequestOutput]:
         """`LLMEngine.update_weights_from_group` over every rank: each loads the copy it received itself."""
         from ..weights import ReceivedUpdate, check_tensor_update, model_weight_shapes
         checked = check_tensor_update(model_weight_shapes(self.local.model), named_tensors)
-        return self._update(ReceivedUpdate(checked.tensors, group), None, policy)
+        return self._update(ReceivedUpdate(checked.tensors, group, ticket), None, policy)
 
     def weight_groups(self, op: str, *args) -> list:
         """Every other rank's answer to `weight_sync.WORKER_GROUPS.call(op, args)`."""

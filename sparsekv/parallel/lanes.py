@@ -66,7 +66,7 @@ def load_lane(engine: LLMEngine, update, checkpoint: str | None) -> tuple[list[R
         if checkpoint is not None:
             aborted += engine.update_weights_from_disk(checkpoint, policy="abort")
         elif isinstance(update, ReceivedUpdate) and not update.tensors:  # a rank > 0: the copy it received itself
-            aborted += engine.update_weights(WORKER_GROUPS.take(update.group), policy="abort")
+            aborted += engine.update_weights(update.taken_here(), policy="abort")
         else:
             aborted += engine.update_weights(update.tensors.items(), policy="abort")
     except Exception as e:  # this rank keeps its old weights (a load failing part-way puts back what it loaded)

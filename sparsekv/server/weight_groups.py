@@ -79,6 +79,7 @@ class SyncGroup:
     group: object  # a torch.distributed ProcessGroup
     backend: str
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
+    updates: int = 0  # the updates announced over it: each one's ticket (weight_sync.WorkerGroups)
 
 
 class WeightGroups:
@@ -147,14 +148,16 @@ async def update_weights_from_distributed(request: Request):
     name = body.group_name
     sync = _idle(state, name)
     async with sync.busy:
+        sync.updates += 1
+        ticket = sync.updates
         try:
-            await call_engine(state, lambda: state.engine.weight_groups("receive", name, body.names, body.dtypes,
-                                                                        body.shapes))
+            await call_engine(state, lambda: state.engine.weight_groups("receive", name, ticket, body.names,
+                                                                        body.dtypes, body.shapes))
             tensors = await on_daemon_thread(receive_weights, sync.group, body.names,
                                              [dtype_of(d) for d in body.dtypes], [tuple(s) for s in body.shapes],
                                              sync.backend, state.engine.device, name="sparsekv-weight-sync")
             # NOTE: the other ranks received the same broadcasts: their receives end with rank 0's, or fail as it does
-            missing = await call_engine(state, lambda: state.engine.weight_groups("outcome", name, TIMEOUT_S))
+            missing = await call_engine(state, lambda: state.engine.weight_groups("outcome", name, ticket, TIMEOUT_S))
             if any(missing):
                 raise WeightSyncError("; ".join(f"rank {rank}: {why}" for rank, why in enumerate(missing, 1) if why))
         except WeightSyncError as e:
@@ -162,10 +165,10 @@ async def update_weights_from_distributed(request: Request):
             raise APIError(503, f"{e}; the group {name} is closed: form a new one") from None
     policy = state.settings.weight_update_policy
     try:
-        version = await run_weight_update(state, lambda: state.engine.update_weights_from_group(name, tensors, policy),
-                                          "names")
-    except APIError:
-        await call_engine(state, lambda: state.engine.weight_groups("discard", name))
+        version = await run_weight_update(
+            state, lambda: state.engine.update_weights_from_group(name, ticket, tensors, policy), "names")
+    except APIError:  # refused (another update waits to load: a drain), or failed: the ranks' copies go
+        await call_engine(state, lambda: state.engine.weight_groups("discard", name, ticket))
         raise
     return {"success": True, "message": f"loaded {len(tensors)} tensors from {name}", "weights_version": version}
 

@@ -77,14 +77,15 @@ def _broadcast_update(engine, trainer, engine_side, tensors) -> float:
     names, dtypes, shapes = ([n for n, _ in tensors], [str(t.dtype).removeprefix("torch.") for _, t in tensors],
                              [list(t.shape) for _, t in tensors])
     t0 = time.perf_counter()
-    engine.weight_groups("receive", GROUP, names, dtypes, shapes)
+    ticket = engine.weights_version + 1  # a number of its own per update
+    engine.weight_groups("receive", GROUP, ticket, names, dtypes, shapes)
     sender.start()
     received = receive_weights(engine_side, names, [t.dtype for _, t in tensors], [tuple(t.shape) for _, t in tensors],
                                "gloo", torch.device("cpu"))
-    missing = [why for why in engine.weight_groups("outcome", GROUP, TIMEOUT_S) if why]
+    missing = [why for why in engine.weight_groups("outcome", GROUP, ticket, TIMEOUT_S) if why]
     if missing:
         raise RuntimeError(f"a rank did not receive the update: {missing}")
-    engine.update_weights_from_group(GROUP, received)
+    engine.update_weights_from_group(GROUP, ticket, received)
     seconds = time.perf_counter() - t0
     sender.join()
     return seconds
