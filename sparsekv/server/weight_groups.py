@@ -128,7 +128,7 @@ async def init_weights_update_group(request: Request):
         group = await on_daemon_thread(join_group, body.master_address, body.master_port, body.rank_offset,
                                        body.world_size, backend, name="sparsekv-weight-sync")
     except WeightSyncError as e:
-        await _leave_other_ranks(state, name)
+        await _on_other_ranks(state, "drop", name)
         raise APIError(503, str(e)) from None
     finally:
         if groups.groups.get(name, False) is None:
@@ -168,7 +168,7 @@ async def update_weights_from_distributed(request: Request):
         version = await run_weight_update(
             state, lambda: state.engine.update_weights_from_group(name, ticket, tensors, policy), "names")
     except APIError:  # refused (another update waits to load: a drain), or failed: the ranks' copies go
-        await call_engine(state, lambda: state.engine.weight_groups("discard", name, ticket))
+        await _on_other_ranks(state, "discard", name, ticket)
         raise
     return {"success": True, "message": f"loaded {len(tensors)} tensors from {name}", "weights_version": version}
 
@@ -189,14 +189,14 @@ def _num_processes(engine) -> int:
 
 async def _leave_everywhere(state, name: str) -> None:
     state.weight_groups.drop(name)
-    await _leave_other_ranks(state, name)
+    await _on_other_ranks(state, "drop", name)
 
 
-async def _leave_other_ranks(state, name: str) -> None:
-    """The other ranks leave the group too (a join still waiting, once it ends); nothing to do once the
-    engine is gone (its ranks went with it)."""
+async def _on_other_ranks(state, op: str, *args) -> None:
+    """The other ranks drop an update's copies or leave the group (a join still waiting, once it ends);
+    nothing to do once the engine is gone (its ranks went with it)."""
     try:
-        await state.loop.call(lambda: state.engine.weight_groups("drop", name))
+        await state.loop.call(lambda: state.engine.weight_groups(op, *args))
     except Exception:  # the engine loop is closing or dead
         pass
 
