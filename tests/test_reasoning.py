@@ -143,6 +143,20 @@ def test_tool_calls_are_read_from_the_content_only():
     assert [c["function"].get("name") for c in calls if "id" in c] == ["f"]
 
 
+@pytest.mark.parametrize("step", [1, 1000])
+def test_include_reasoning_false_streams_no_reasoning(step):
+    """include_reasoning=false (vLLM's): the think block is dropped from the stream as from the response;
+    the content is the same."""
+    text = "hmm</think>answer"
+    assert _streamed(text, Reasoning(True, include=False), step=step)[:2] == ("", "answer")
+
+
+def test_marker_start_counts_proper_starts_only():
+    """A whole marker at the end is no start of one: callers hold back only what may still become it."""
+    from sparsekv.server.reasoning import marker_start
+    assert [marker_start(text, "</think>") for text in ("a<", "a</thi", "a</think>", "a", "")] == [1, 5, 0, 0, 0]
+
+
 def test_stop_string_inside_reasoning_is_held_back():
     reasoning, content, _ = _streamed("abc STO", Reasoning(True), stops=["STOP"])
     assert reasoning == "abc STO" and content == ""  # finished: nothing left to cut

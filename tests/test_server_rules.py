@@ -135,6 +135,17 @@ def test_earlier_reasoning_reaches_the_template_by_either_name_reasoning_content
     assert _message(content="2", reasoning_content="r-c", reasoning="r")["reasoning_content"] == "r-c"
     assert "reasoning_content" not in _message(content="2")
 
+
+def test_an_earlier_calls_json_arguments_reach_the_template_as_a_mapping():
+    """OpenAI sends a call's arguments as JSON text; templates iterate them as a mapping (DeepSeek-V3.2's
+    writes one DSML parameter per key). Text that is not JSON reaches the template as it came."""
+    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris", "days": 3}'}}
+    [rendered] = _message(content="", tool_calls=[call])["tool_calls"]
+    assert rendered == {"id": "a", "type": "function",
+                        "function": {"name": "f", "arguments": {"city": "Paris", "days": 3}}}
+    broken = {**call, "function": {"name": "f", "arguments": "{not json"}}
+    assert _message(content="", tool_calls=[broken])["tool_calls"][0]["function"]["arguments"] == "{not json"
+
 def test_max_completion_tokens_wins_over_the_deprecated_max_tokens():
     """OpenAI's max_completion_tokens replaces max_tokens (vLLM reads it first): given both, it bounds the
     completion; max_tokens alone still does."""

@@ -66,6 +66,21 @@ def test_streamed_tool_calls_join_to_the_parsed_ones(text, step):
         assert len([d for d in deltas if d["function"]["arguments"]]) >= len(want)
 
 
+def test_a_string_parameter_keeps_its_value_as_written():
+    """As vLLM's glm45 parser: a parameter the request's tool types "string" keeps its value raw ("75001",
+    "true"), any other is JSON where it parses; streamed alike. Without the tools, every value is JSON."""
+    from sparsekv.server.tool_calls import GLM
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "metric": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    text = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>75001</arg_value>\n<arg_key>metric</arg_key>"
+            "\n<arg_value>true</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>")
+    fmt = GLM.for_tools(tools)
+    [call] = parse_tool_calls(text, fmt)[1]
+    assert json.loads(call["function"]["arguments"]) == {"city": "75001", "metric": "true", "days": 3}
+    assert _joined(_stream(text, 1, fmt)) == [("get_weather", call["function"]["arguments"])]
+    assert json.loads(parse_tool_calls(text)[1][0]["function"]["arguments"]) == {"city": 75001, "metric": True, "days": 3}
+
+
 def test_a_call_streams_its_name_and_each_argument_as_they_complete():
     stream, text = ToolCallStream(), "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>"
     assert stream.update("<tool_call>get_wea", False) == []                   # the name may still grow
@@ -123,6 +138,11 @@ def test_chat_tool_calls_through_the_api():
                                              max_tokens=64, temperature=0, extra_body={"guided_regex": "<tool_call>x"
                                              "\\n</tool_call>"})
         assert off.choices[0].finish_reason == "stop" and off.choices[0].message.content == "<tool_call>x\n</tool_call>"
+        digits = client.chat.completions.create(  # "city" is a string parameter: its digits stay a string
+            model="tiny", messages=messages, tools=tools, max_tokens=256, temperature=0,
+            extra_body={"guided_regex": "<tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>75001"
+                                        "</arg_value>\\n</tool_call>"})
+        assert json.loads(digits.choices[0].message.tool_calls[0].function.arguments) == {"city": "75001"}
         srv.engine.check_integrity()
 
 
@@ -142,7 +162,11 @@ DS_CALL = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
      [("f", {"x": [1, "a"], "y": "[1]"})]),
     ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="true">1', None,
      [("f", {})]),
-], ids=["text", "text-then-call", "two-calls", "json-and-raw-strings", "cut-off-call-with-its-name"])
+    ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="f"', '<｜DSML｜function_calls>\n<｜DSML｜invoke name="f"', []),
+    ('Write <｜DSML｜invoke name="f"> inside a block. ' + DS_CALL + "</｜DSML｜function_calls>",
+     'Write <｜DSML｜invoke name="f"> inside a block. ', [("get_weather", {"city": "Paris", "days": 3})]),
+], ids=["text", "text-then-call", "two-calls", "json-and-raw-strings", "cut-off-call-with-its-name",
+        "cut-inside-the-invoke-tag-is-text", "an-invoke-before-the-block-is-content"])
 def test_parse_deepseek_v32_dsml_tool_calls(text, content, calls):
     got_content, got = parse_tool_calls(text, DSML)
     assert got_content == content
@@ -253,10 +277,48 @@ def test_required_tool_choice_array_becomes_calls_whole_and_streamed():
     assert stream.update(text[:20], text[:20], False) == []  # nothing until the array is whole
     assert _joined(stream.update(text[20:], text, True)) == calls
     assert forced_calls(text[:-1], "required") is None       # cut off: no calls
+    not_calls = ('{"name": "now"}', "[1]", '[{"name": "now"}]', "[]")  # JSON, not the schema's array: no calls
+    assert [forced_calls(other, "required") for other in not_calls] == [None] * 4
     named = ForcedCallStream("get_weather")
     first = named.update('{"city"', '{"city"', False)
     assert len(first) == 1 and first[0]["function"] == {"name": "get_weather", "arguments": '{"city"'}  # one entry a delta
     assert _joined(first + named.update(': "Rome"}', '{"city": "Rome"}', True)) == [("get_weather", '{"city": "Rome"}')]
+
+
+def test_a_forced_tool_without_parameters_is_called_with_an_object():
+    """A tool that declares no parameters still takes an arguments object: the forced call's schema is
+    an empty object's, never `{}` (which any JSON value, a bare number included, would satisfy)."""
+    from sparsekv.server.protocol import ChatCompletionRequest
+    empty = {"type": "object", "properties": {}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}
+    named = {**body, "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    assert ChatCompletionRequest.model_validate(named).engine_structured_output()["schema"] == empty
+    required = ChatCompletionRequest.model_validate({**body, "tool_choice": "required"}).engine_structured_output()
+    assert required["schema"]["items"]["anyOf"][0]["properties"]["parameters"] == empty
+
+
+def test_arguments_keep_non_ascii_text_as_written():
+    """Arguments JSON keeps "Zürich" as written (vLLM's ensure_ascii=False), whole and streamed."""
+    text = CALL.replace("Paris", "Zürich")
+    [call] = parse_tool_calls(text)[1]
+    assert call["function"]["arguments"] == '{"city": "Zürich"}'
+    assert _joined(_stream(text, 1)) == [("get_weather", '{"city": "Zürich"}')]
+
+
+def test_a_delta_that_carries_only_calls_has_null_content():
+    """As OpenAI streams a call: a chunk whose delta carries tool_calls and no text has content null,
+    not an empty string."""
+    from sparsekv.request import RequestOutput
+    from sparsekv.server.responses import ResponseBuilder, TokenText
+    from sparsekv.server.tool_calls import GLM
+    builder = ResponseBuilder("chat", "id", "m", 0, 1, TokenText(None), "t", tools=GLM)
+    state, with_calls = builder.choice_state(0, []), []
+    for end in range(1, len(CALL) + 1):
+        state.update(RequestOutput("r", [1], [], CALL[:end], None, "stop" if end == len(CALL) else None))
+        delta = builder.chunk(state, end == 1, False)["choices"][0]["delta"]
+        if delta.get("tool_calls"):
+            with_calls.append(delta)
+    assert len(with_calls) >= 2 and all(d["content"] is None for d in with_calls)
 
 
 def test_required_without_parallel_calls_allows_one_call():
@@ -272,9 +334,10 @@ def test_required_without_parallel_calls_allows_one_call():
     (None, "So <tool_call>get_wea"),                                               # cut before the name is whole
     (None, "So <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa"),     # cut inside an argument
     (None, "Done." + CALL),
+    (None, "Done. <tool_c"),                                                        # ends in a piece of the marker
     (DSML, "<｜DSML｜function_calls>\n<｜DSML｜invok"),                               # cut before any invoke
     (DSML, DS_CALL[:-12]),
-], ids=["name-cut", "argument-cut", "whole-call", "dsml-before-invoke", "dsml-cut"])
+], ids=["name-cut", "argument-cut", "whole-call", "marker-piece", "dsml-before-invoke", "dsml-cut"])
 def test_a_finished_message_streams_what_the_response_says(fmt, text):
     """Streamed a character at a time, then finished ("stop"): the content and calls a client joins
     are the unstreamed message's, for calls cut off anywhere (max_tokens or a stop string)."""
@@ -292,6 +355,24 @@ def test_a_finished_message_streams_what_the_response_says(fmt, text):
     assert content == (message["content"] or "")
     assert _joined(deltas) == [(c["function"]["name"], c["function"]["arguments"])
                                for c in message.get("tool_calls") or []]
+
+
+def test_a_stop_string_that_cuts_a_whole_argument_never_streams_it():
+    """A stop string that begins inside an argument's close tag cuts that argument once it completes;
+    until then the stream holds the argument back, so that the arguments a client joins are the
+    response's (they were '{"city": "Paris"{}', not JSON)."""
+    from sparsekv.request import RequestOutput
+    from sparsekv.server.responses import ResponseBuilder, TokenText
+    from sparsekv.server.tool_calls import GLM
+    stop = "</arg_value>\n</tool_call>"
+    builder = ResponseBuilder("chat", "id", "m", 0, 1, TokenText(None), "t", tools=GLM)
+    state, deltas = builder.choice_state(0, [stop]), []
+    outputs = [RequestOutput("r", [1], [], CALL[:end], None, None) for end in range(1, len(CALL))]
+    for i, out in enumerate(outputs + [RequestOutput("r", [1], [], CALL[:CALL.index(stop)], None, "stop")]):
+        state.update(out)
+        deltas += builder.chunk(state, i == 0, False)["choices"][0]["delta"].get("tool_calls") or []
+    [call] = builder.response([state])["choices"][0]["message"]["tool_calls"]
+    assert _joined(deltas) == [("get_weather", call["function"]["arguments"])] == [("get_weather", "{}")]
 
 
 def test_a_dsml_parameter_without_a_string_flag_is_json():
@@ -314,6 +395,28 @@ def test_a_stream_limited_to_one_call_sends_only_the_first():
     for end in range(1, len(text) + 1):
         deltas += stream.update(text[:end], end == len(text))
     assert _joined(deltas) == [("get_weather", '{"city": "Paris"}')] and stream.num_calls == 1
+
+
+@pytest.mark.parametrize("forced, text, reason", [
+    ("get_weather", '{"city": "Paris"}', "stop"),
+    ("required", '[{"name": "now", "parameters": {}}]', "tool_calls"),
+])
+def test_a_forced_calls_stream_finishes_as_its_response(forced, text, reason):
+    """OpenAI: a named tool_choice finishes "stop", "required" finishes "tool_calls"; streamed, the last
+    chunk says the same, and the calls join to the response's."""
+    from sparsekv.request import RequestOutput
+    from sparsekv.server.responses import ResponseBuilder, TokenText
+    builder = ResponseBuilder("chat", "id", "m", 0, 1, TokenText(None), "t", forced=forced)
+    state, deltas, finish = builder.choice_state(0, []), [], None
+    for end in range(1, len(text) + 1):
+        state.update(RequestOutput("r", [1], [], text[:end], None, "stop" if end == len(text) else None))
+        choice = builder.chunk(state, end == 1, False)["choices"][0]
+        deltas += choice["delta"].get("tool_calls") or []
+        finish = choice["finish_reason"] or finish
+    whole = builder.response([state])["choices"][0]
+    assert finish == whole["finish_reason"] == reason
+    assert _joined(deltas) == [(c["function"]["name"], c["function"]["arguments"])
+                               for c in whole["message"]["tool_calls"]]
 
 
 def test_forced_streams_send_nothing_twice_and_nothing_empty():

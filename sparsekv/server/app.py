@@ -247,6 +247,8 @@ async def chat_completions(request: Request):
     if body.use_tools and forced is None and call_format is None:
         raise bad_request(f"tools: no tool-call parser for model_type {state.engine.model_config.model_type!r} "
                           f"(parsed: {', '.join(TOOL_CALL_FORMATS)})", "tools")
+    if call_format is not None:  # a string parameter's value stays a string, as vLLM's parsers keep it
+        call_format = call_format.for_tools(body.tools)
     truncate = body.truncate_prompt_tokens
     prompt, text = await state.pooled(chat_prompt_ids, *state.chat_inputs(body, body.tools if body.use_tools else None),
                                       None if truncate is not None else state.max_model_len)

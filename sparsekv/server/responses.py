@@ -73,6 +73,7 @@ class ChoiceState:
         self.tool_stream = ToolCallStream(tool_format, max_calls) if tool_format is not None else None
         self.forced_stream = ForcedCallStream(forced) if forced is not None else None
         self.out: RequestOutput | None = None
+        self.settled_text = ""  # the text minus what a stop string could still cut (take_delta's)
         self.sent_text = 0  # characters of the content already sent
         self.sent_reasoning = 0  # characters of the reasoning already sent
         self.sent_tokens = 0
@@ -107,6 +108,7 @@ class ChoiceState:
             text = text[:len(text) - _holdback(text, self.stop_strings)]
             if self.reasoning is not None:
                 text = text[:len(text) - undecided_chars(text, self.reasoning.opened)]
+        self.settled_text = text
         reasoning, content = self.split(text)
         if self.hold_marker is not None and self.hold_marker in content and \
                 (not out.finished or parse_tool_calls(content, self.tool_stream.fmt)[1]):
@@ -237,7 +239,9 @@ class ResponseBuilder:
             if s.forced_stream is not None and self._forced_delta(s, delta, text, finish):
                 finish = "tool_calls" if self.forced == "required" and finish == "stop" else finish
             if self.tools and s.tool_stream is not None:
-                calls = s.tool_stream.update(s.split(s.out.text)[1], finish is not None)
+                # NOTE: not out.text, where a stop string not yet complete may span an argument's close
+                # tag: that argument may still be cut, and streamed arguments cannot be taken back
+                calls = s.tool_stream.update(s.split(s.settled_text)[1], finish is not None)
                 if calls:
                     delta["tool_calls"] = calls
                     delta["content"] = text or None

@@ -7,7 +7,9 @@ GLM-4.5 and later (and GLM-5, `glm_moe_dsa`) write a call as::
     <arg_value>Paris</arg_value>
     </tool_call>
 
-each value JSON if it parses as JSON, else the raw string (vLLM's glm45 parser does the same).
+each value raw where the request's tool declares that parameter `"type": "string"`, else JSON if it
+parses as JSON, else the raw string (vLLM's glm45 parser does the same: "75001" for a string
+parameter stays a string).
 DeepSeek-V3.2 (`deepseek_v32`) writes DSML, with fullwidth bars (U+FF5C)::
 
     <｜DSML｜function_calls>
@@ -29,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 
@@ -43,13 +45,36 @@ def _value(text: str):
 @dataclass(frozen=True)
 class CallFormat:
     """Where calls begin (`start`: text before it is content), how each call opens and closes, its name
-    once whole (`name(body, ended)`: None while it may still grow), and its complete arguments."""
+    once whole (`name(body, ended)`: None while it may still grow), and its complete arguments
+    (`arguments(body, strings)`, `strings`: the parameters the function declares as strings).
+    `string_args`: per function of the request's tools, its string parameters (`for_tools`)."""
 
     start: str
     call_open: str
     call_close: str
     name: Callable[[str, bool], str | None]
-    arguments: Callable[[str], list[tuple[str, object]]]
+    arguments: Callable[[str, frozenset], list[tuple[str, object]]]
+    string_args: dict[str, frozenset] = field(default_factory=dict, compare=False)
+
+    def for_tools(self, tools: list[dict] | None) -> CallFormat:
+        """This format for a request's tools: their string parameters keep their values raw."""
+        return replace(self, string_args=string_parameters(tools))
+
+    def call_arguments(self, name: str, body: str) -> list[tuple[str, object]]:
+        return self.arguments(body, self.string_args.get(name, frozenset()))
+
+
+def string_parameters(tools: list[dict] | None) -> dict[str, frozenset]:
+    """Function name -> the parameters its JSON Schema types `"string"` (vLLM's test, types in a list
+    not included)."""
+    out = {}
+    for tool in tools or []:
+        function = tool.get("function") or {}
+        properties = (function.get("parameters") or {}).get("properties")
+        if isinstance(properties, dict):
+            out[function.get("name")] = frozenset(arg for arg, schema in properties.items()
+                                                  if isinstance(schema, dict) and schema.get("type") == "string")
+    return out
 
 
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -68,10 +93,18 @@ def _dsml_name(body: str, ended: bool) -> str | None:
     return match.group(1).strip() or None if match else None
 
 
-GLM = CallFormat("<tool_call>", "<tool_call>", "</tool_call>", _glm_name,
-                 lambda body: [(k.strip(), _value(v)) for k, v in _GLM_ARG.findall(body)])
-DSML = CallFormat("<｜DSML｜function_calls>", "<｜DSML｜invoke", "</｜DSML｜invoke>", _dsml_name,
-                  lambda body: [(k.strip(), v if raw == "true" else _value(v)) for k, raw, v in _DSML_ARG.findall(body)])
+def _glm_arguments(body: str, strings: frozenset) -> list[tuple[str, object]]:
+    pairs = [(key.strip(), value) for key, value in _GLM_ARG.findall(body)]
+    return [(key, value if key in strings else _value(value)) for key, value in pairs]
+
+
+def _dsml_arguments(body: str, strings: frozenset) -> list[tuple[str, object]]:
+    """The call's own `string` flag says which values are raw (`strings` is not needed)."""
+    return [(k.strip(), v if raw == "true" else _value(v)) for k, raw, v in _DSML_ARG.findall(body)]
+
+
+GLM = CallFormat("<tool_call>", "<tool_call>", "</tool_call>", _glm_name, _glm_arguments)
+DSML = CallFormat("<｜DSML｜function_calls>", "<｜DSML｜invoke", "</｜DSML｜invoke>", _dsml_name, _dsml_arguments)
 FORMATS = {"glm_moe_dsa": GLM, "deepseek_v32": DSML}  # model_type -> its call format
 
 
@@ -105,7 +138,7 @@ def parse_tool_calls(text: str, fmt: CallFormat = GLM) -> tuple[str | None, list
         body = body.split(fmt.call_close, 1)[0]
         name = fmt.name(body, whole)
         if name:
-            arguments = fmt.arguments(body)
+            arguments = fmt.call_arguments(name, body)
             call = _new_call(None, name)
             call["function"]["arguments"] = "".join(_pieces(arguments)) + ("}" if arguments else "{}")
             calls.append(call)
@@ -122,14 +155,14 @@ class ToolCallStream:
     def __init__(self, fmt: CallFormat = GLM, max_calls: int | None = None):
         self.fmt, self.max_calls = fmt, max_calls
         self.num_calls = 0  # calls whose name has gone out (their stream index is their order)
-        self._calls: list[dict] = []  # per call in the text: index or None (no name yet), arguments sent, closed
+        self._calls: list[dict] = []  # per call in the text: index or None (no name yet), name, arguments sent, closed
 
     def update(self, text: str, finished: bool) -> list[dict]:
         deltas: list[dict] = []
         bodies = _bodies(text, self.fmt)
         for i, body in enumerate(bodies):
             if i == len(self._calls):
-                self._calls.append({"index": None, "sent": 0, "closed": False})
+                self._calls.append({"index": None, "name": None, "sent": 0, "closed": False})
             call = self._calls[i]
             if call["closed"]:
                 continue
@@ -151,10 +184,10 @@ class ToolCallStream:
             if name is None:
                 call["closed"] = closed or ended  # a call with no name is skipped, as parse_tool_calls does
                 return []
-            call["index"] = self.num_calls
+            call["index"], call["name"] = self.num_calls, name
             self.num_calls += 1
             deltas.append(_new_call(call["index"], name))
-        arguments = fmt.arguments(body)
+        arguments = fmt.call_arguments(call["name"], body)
         pieces = _pieces(arguments)[call["sent"]:]
         call["sent"] = len(arguments)
         if closed or ended:
@@ -165,10 +198,16 @@ class ToolCallStream:
         return deltas
 
 
+def _is_call_array(items) -> bool:
+    """Whether parsed JSON is what "required"'s schema asks for: a non-empty array of {"name", "parameters"}."""
+    return isinstance(items, list) and bool(items) and all(
+        isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item for item in items)
+
+
 def forced_calls(text: str, forced: str) -> list[dict] | None:
     """The calls of a completion written under a forced tool_choice's JSON schema (protocol.py): for a
     named function the text is its arguments; for "required" an array of {"name", "parameters"}
-    (None when that array is cut off or not JSON)."""
+    (None when that array is cut off, not JSON, empty or not such an array)."""
     if forced != "required":
         call = _new_call(None, forced)
         call["function"]["arguments"] = text
@@ -177,6 +216,8 @@ def forced_calls(text: str, forced: str) -> list[dict] | None:
         items = json.loads(text)
     except json.JSONDecodeError:
         return None
+    if not _is_call_array(items):
+        return None  # JSON, but not the array of calls the schema asks for: no call (not a 500)
     calls = []
     for item in items:
         call = _new_call(None, item["name"])
