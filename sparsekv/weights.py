@@ -283,11 +283,14 @@ class WeightSource:
         in, then dropped, so that an update holds one part's new weights at a time, never a second
         model. An in-process update rebuilds only the parts its tensors touch. A failure part-way puts
         the parts copied so far back from the weights before the update (`_restore`)."""
+        source = (self.path, self.identity)
         if isinstance(update, DiskUpdate):
-            overlay, parts = {}, self._parts(model, None)
+            # NOTE: stamped before the reads: files written while they run count as changed since the load
+            source, overlay, parts = (update.path, files_stamp(update.path)), {}, self._parts(model, None)
             listing = checkpoint_listing(update.path, model.cfg, bool(self.overrides))
             tensors_of = partial(self._read, model, update.path, listing=listing)
         else:
+            self.check(model, update)  # NOTE: again at the load: a drain update loads well after its check
             mine = {n: self._slice(n, t, model.cfg) for n, t in update.tensors.items() if self._holds(n, model.cfg)}
             overlay, parts = {**self.overlay, **mine}, self._parts(model, set(mine))
             tensors_of = self._tensors_from(model, overlay)
@@ -299,9 +302,7 @@ class WeightSource:
         except Exception as e:
             self._restore(model, copied, e)
             raise
-        if isinstance(update, DiskUpdate):
-            self.path, self.identity = update.path, files_stamp(update.path)
-        self.overlay = overlay
+        (self.path, self.identity), self.overlay = source, overlay
 
     def _parts(self, model, touched: set[str] | None) -> list[tuple[int | str, set[str]]]:
         """(part, the names of this rank's tensors that build it) for every part of the model, or for
@@ -337,7 +338,7 @@ class WeightSource:
             return
         try:
             reads = any(n not in self.overlay for _, names in copied for n in names)
-            if reads and files_stamp(self.path) != self.identity:
+            if reads and self._changed_on_disk():
                 raise WeightUpdateError(f"{self.path}, the checkpoint this engine loaded, changed on disk since")
             tensors_of = self._tensors_from(model, self.overlay)
             for part, names in copied:
@@ -348,22 +349,33 @@ class WeightSource:
                                      f"the engine serves no more") from e
         logger.warning("the weight update failed part-way; the %d part(s) it had loaded were put back", len(copied))
 
+    def _changed_on_disk(self) -> bool:
+        """Whether the loaded checkpoint's files differ from when it was loaded (a directory gone too)."""
+        try:
+            return files_stamp(self.path) != self.identity
+        except OSError:
+            return True
+
     def _holds(self, name: str, cfg) -> bool:
         return self.layout is None or self.layout.holds(name, cfg)
 
-    def _slice(self, name: str, t: torch.Tensor, cfg) -> torch.Tensor:
-        shard = self.layout.shard(name, tuple(t.shape)) if self.layout is not None else None
+    def _slice(self, name: str, given: torch.Tensor, cfg) -> torch.Tensor:
+        """This rank's slice of a given tensor as the model keeps it, in memory of its own: the overlay
+        outlives the update, and a view would follow the caller's tensor (a trainer's parameter, stepped
+        in place) and keep the whole of it alive for a slice."""
+        t, shard = given, self.layout.shard(name, tuple(given.shape)) if self.layout is not None else None
         if shard is not None:
             dim, start, end = shard
             t = t.narrow(dim, start, end - start)
-        return as_stored(name, t, self.dtype, torch.device("cpu"))
+        kept = as_stored(name, t, self.dtype, torch.device("cpu"))
+        return kept.clone() if kept.untyped_storage().data_ptr() == given.untyped_storage().data_ptr() else kept
 
     def check(self, model, update) -> None:
         """A partial in-process update reads the tensors it leaves out from the loaded checkpoint:
-        refused if that directory changed since it was loaded."""
+        refused if that directory changed since it was loaded (checked when given, and at the load)."""
         if isinstance(update, DiskUpdate) or not set(model_weight_shapes(model)) - set(self.overlay) - set(update.tensors):
             return
-        if files_stamp(self.path) != self.identity:
+        if self._changed_on_disk():
             raise WeightUpdateError(f"{self.path}: the checkpoint this engine loaded changed on disk since, so the "
                                     f"tensors this update leaves out cannot be read back; give every tensor, "
                                     f"or update from disk")

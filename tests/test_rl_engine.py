@@ -145,6 +145,29 @@ def test_a_checkpoint_without_the_running_models_mtp_layer_is_refused(ckpts, tmp
     assert llm.weights_version == 0
 
 
+@pytest.mark.parametrize("damage", ["shape", "fp8-scale"])
+def test_a_checkpoint_whose_stored_tensors_disagree_is_refused_by_its_headers(ckpts, tmp_path, damage):
+    """Its config and tensor names right, but a tensor stored wrong (another shape; FP8 with a scale that
+    is not its 128x128 blocks'): refused from the safetensors headers, a WeightUpdateError before any
+    part loads, not a load failing part-way."""
+    import shutil
+    a, b, _ = ckpts
+    bad = shutil.copytree(b, tmp_path / "bad")
+    tensors = _tensors(b)
+    name = "model.layers.2.self_attn.o_proj.weight"
+    if damage == "shape":
+        tensors[name] = tensors[name][:, 1:].contiguous()
+    else:
+        tensors[name], tensors[name + "_scale_inv"] = tensors[name].to(torch.float8_e4m3fn), torch.ones(2, 2)
+    save_file(tensors, str(bad / "model.safetensors"))
+    llm = LLM(a, **OPTIONS)
+    want = llm.generate([PROMPT], GREEDY)[0]
+    with pytest.raises(WeightUpdateError, match=name):
+        llm.update_weights_from_disk(str(bad))
+    _same(llm.generate([PROMPT], GREEDY)[0], want)
+    assert llm.weights_version == 0
+
+
 def _tier_options(tier: str, tmp_path, page_bytes: int | None = None) -> dict:
     options = dict(OPTIONS, enable_prefix_caching=True, max_num_seqs=1)
     if tier in ("host", "disk"):
@@ -793,6 +816,224 @@ def test_weight_updates_load_part_by_part_into_a_model_on_cuda(ckpts, monkeypatc
     llm.update_weights_from_disk(b)
     _same(llm.generate([PROMPT], GREEDY)[0], want_b, llm)
     assert all(t.is_cuda for t in (llm.engine.executor.model.embed, llm.engine.executor.model.layers[0].input_norm))
+
+
+def test_tensors_an_update_gave_are_never_read_back_from_the_loaded_checkpoint(ckpts, tmp_path):
+    """An in-process update giving every tensor reads nothing from the checkpoint the engine loaded, nor
+    does a partial one after it (the earlier update gave the rest): with that checkpoint's weights gone
+    from disk, both load, and the model serves B's."""
+    import shutil
+    a, b, _ = ckpts
+    path = shutil.copytree(a, tmp_path / "ckpt")
+    llm = LLM(str(path), **OPTIONS)
+    (path / "model.safetensors").unlink()
+    tensors = _tensors(b)
+    assert llm.update_weights(tensors.items()) == 1
+    assert llm.update_weights([("model.norm.weight", tensors["model.norm.weight"])]) == 2
+    _same(llm.generate([PROMPT], GREEDY)[0], LLM(b, **OPTIONS).generate([PROMPT], GREEDY)[0], llm)
+
+
+def test_a_failed_update_puts_back_the_given_tensors_though_the_loaded_checkpoint_changed(ckpts, tmp_path,
+                                                                                           monkeypatch):
+    """Parts whose every tensor an in-process update gave are put back from those tensors: a load failing
+    part-way (layer 1, after the ends and layer 0) once the loaded checkpoint changed on disk still
+    leaves the weights before it serving, bit for bit, and the engine steps on."""
+    import os
+    import shutil
+
+    from sparsekv.model.checkpoint import LOAD_FAULT_ENV
+    a, b, _ = ckpts
+    path = shutil.copytree(a, tmp_path / "ckpt")
+    llm = LLM(str(path), **OPTIONS)
+    llm.update_weights(_tensors(b).items())
+    want = llm.generate([PROMPT], GREEDY)[0]
+    os.utime(path / "model.safetensors", ns=(1, 1))
+    monkeypatch.setenv(LOAD_FAULT_ENV, f"{os.path.basename(a)}:model.layers.1.mlp.experts.2.gate_proj.weight")
+    with pytest.raises(WeightLoadError, match="injected fault"):
+        llm.update_weights_from_disk(a)
+    _same(llm.generate([PROMPT], GREEDY)[0], want)
+    assert llm.weights_version == 1
+
+
+def _mtp_tensors_equal(model, other) -> int:
+    """How many tensors the MTP layers of two models hold, asserting each pair equal bit for bit."""
+    from sparsekv.weights import _pair
+    pairs: list = []
+    _pair(model.mtp, other.mtp, "mtp", pairs, set(), [])
+    for x, y in pairs:
+        assert torch.equal(x, y)
+    return len(pairs)
+
+
+def test_an_update_loads_the_drafters_mtp_layer_from_disk_and_in_process(ckpts, tmp_path):
+    """The MTP layer (the drafter's) is a part of its own: an update from disk leaves it B's, as a fresh
+    engine of B holds it, and an in-process update of one of its tensors rebuilds it alone."""
+    from test_sizing import _with_mtp_layer
+    a, b, _ = ckpts
+    b_mtp = _with_mtp_layer(b, str(tmp_path / "b_mtp"))
+    llm = LLM(_with_mtp_layer(a, str(tmp_path / "a_mtp")), **OPTIONS, num_speculative_tokens=1)
+    model, fresh = llm.engine.executor.model, LLM(b_mtp, **OPTIONS, num_speculative_tokens=1).engine.executor.model
+    assert llm.update_weights_from_disk(b_mtp) == 1
+    assert _mtp_tensors_equal(model, fresh) > 10
+    name = f"model.layers.{model.cfg.num_hidden_layers}.enorm.weight"
+    enorm = torch.full_like(_tensors(b_mtp)[name], 0.5)
+    assert llm.update_weights([(name, enorm)]) == 2
+    assert torch.equal(model.mtp.enorm, enorm.to(model.mtp.enorm.dtype))
+    fresh.mtp.enorm.copy_(enorm)
+    assert _mtp_tensors_equal(model, fresh) > 10
+    assert llm.generate([PROMPT], GREEDY)[0].token_ids
+
+
+def test_a_checkpoint_changed_while_an_update_reads_it_counts_as_changed_since(ckpts, tmp_path, monkeypatch):
+    """The checkpoint an update from disk loads is stamped before it is read: a trainer writing into that
+    directory while the update reads it leaves files other than the ones read, so a partial update
+    after it, which would read the tensors it leaves out from there, is refused."""
+    import os
+    import shutil
+    a, b, _ = ckpts
+    path = shutil.copytree(b, tmp_path / "b")
+    llm = LLM(a, **OPTIONS)
+    source = type(llm.engine.executor.weights)
+    real_read = source._read
+
+    def read(self, *args, **kwargs):  # the file rewritten while the update reads it
+        os.utime(path / "model.safetensors", ns=(1, 1))
+        return real_read(self, *args, **kwargs)
+    monkeypatch.setattr(source, "_read", read)
+    assert llm.update_weights_from_disk(str(path)) == 1
+    monkeypatch.undo()
+    with pytest.raises(WeightUpdateError, match="changed on disk"):
+        llm.update_weights([("model.norm.weight", _tensors(a)["model.norm.weight"])])
+    assert llm.weights_version == 1
+
+
+def test_each_rank_builds_its_parts_from_its_own_tensors_alone(ckpts):
+    """Under expert parallelism a rank holds some experts only: the names it builds each part from (what
+    it reads, takes from its overlay, or needs unchanged on disk to put a part back) are its own."""
+    from sparsekv.parallel.layout import ParallelLayout
+    from sparsekv.weights import WeightSource, model_weight_shapes
+    a, _, _ = ckpts
+    model = LLM(a, **OPTIONS).engine.executor.model
+    for rank in (0, 1):
+        layout = ParallelLayout(2, 1, True, rank)
+        names = {n for _, part in WeightSource(a, None, model.dtype, layout)._parts(model, None) for n in part}
+        others = {n for n in model_weight_shapes(model) if not layout.holds(n, model.cfg)}
+        assert names and others and not names & others
+        assert names | others == set(model_weight_shapes(model))
+
+
+def test_a_bf16_engine_keeps_the_router_bias_and_indexer_head_weights_fp32_through_updates(ckpts):
+    """Computed in bfloat16, the router's correction bias and the indexer's head weights stay fp32 (as the
+    reference computes them): loaded, updated from disk and updated in process, they hold the
+    checkpoint's fp32 values exactly (these values have no bfloat16 form)."""
+    from sparsekv.model.layers import MoE
+    a, b, _ = ckpts
+    llm = LLM(a, **OPTIONS, dtype="bfloat16")
+    model = llm.engine.executor.model
+
+    def assert_fp32(tensors) -> None:
+        kinds = set()
+        for i, layer in enumerate(model.layers):
+            if isinstance(layer.ffn, MoE):
+                assert torch.equal(layer.ffn.bias, tensors[f"model.layers.{i}.mlp.gate.e_score_correction_bias"])
+                kinds.add("bias")
+            if layer.attn.indexer is not None:
+                want = tensors[f"model.layers.{i}.self_attn.indexer.weights_proj.weight"]
+                assert torch.equal(layer.attn.indexer.w.weights_proj, want)
+                kinds.add("weights_proj")
+        assert kinds == {"bias", "weights_proj"}
+    assert_fp32(_tensors(a))
+    llm.update_weights_from_disk(b)
+    assert_fp32(_tensors(b))
+    llm.update_weights(_tensors(a).items())
+    assert_fp32(_tensors(a))
+
+
+def test_an_update_keeps_the_given_tensors_as_they_were_given(ckpts):
+    """The tensors an in-process update gave are kept (what later partial updates and a failed update's
+    restore build from) as they were when given: a trainer stepping its parameters in place afterwards
+    changes nothing that a partial update of another tensor of their part rebuilds."""
+    a, b, _ = ckpts
+    llm = LLM(a, **OPTIONS)
+    params = {k: v.clone() for k, v in _tensors(b).items()}
+    llm.update_weights(params.items())
+    for t in params.values():
+        t.add_(1.0)  # the trainer's next step, in place
+    norm = "model.norm.weight"
+    llm.update_weights([(norm, _tensors(b)[norm])])  # rebuilds the ends: B's embedding and head as given
+    _same(llm.generate([PROMPT], GREEDY)[0], LLM(b, **OPTIONS).generate([PROMPT], GREEDY)[0], llm)
+
+
+def test_a_rank_keeps_its_slice_of_a_given_tensor_not_the_whole(ckpts):
+    """Under tensor parallelism a rank keeps its slice of each given tensor in memory of its own, also
+    where the slice is a run of whole rows (a view of the given tensor as it is cut)."""
+    from sparsekv.parallel.layout import ParallelLayout
+    from sparsekv.weights import WeightSource
+    a, _, _ = ckpts
+    model = LLM(a, **OPTIONS).engine.executor.model
+    layout, kinds = ParallelLayout(2, 1, False, 1), set()
+    source = WeightSource(a, None, model.dtype, layout)
+    for name, t in _tensors(a).items():
+        shard = layout.shard(name, tuple(t.shape))
+        if shard is None or not layout.holds(name, model.cfg):
+            continue
+        kept = source._slice(name, t, model.cfg)
+        assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size(), name
+        assert torch.equal(kept, t.narrow(shard[0], shard[1], shard[2] - shard[1]).to(kept.dtype)), name
+        kinds.add(shard[0])
+    assert kinds == {0, 1}
+
+
+@pytest.mark.parametrize("options", [{}, dict(tensor_parallel_size=2, dist_startup_timeout_s=STARTUP_S)],
+                         ids=["one-rank", "tp2"])
+def test_a_drain_partial_update_fails_to_load_once_the_checkpoint_it_reads_back_changed(ckpts, tmp_path, options):
+    """A partial update is checked when given, but a drain loads it later: if the loaded checkpoint
+    changed on disk meanwhile (B written over A), the tensors it leaves out would be read back as B's,
+    so it fails to load instead, refused before any rank starts, and A keeps serving whole."""
+    import shutil
+    a, b, _ = ckpts
+    path = shutil.copytree(a, tmp_path / "ckpt")
+    want = LLM(a, **OPTIONS).generate([OTHER], GREEDY)[0]
+    llm = LLM(str(path), **OPTIONS, **options)
+    engine = llm.engine
+    try:
+        engine.add_request("r1", PROMPT, GREEDY)
+        engine.step()
+        assert engine.update_weights([("model.norm.weight", _tensors(a)["model.norm.weight"])], policy="drain") == []
+        shutil.copyfile(f"{b}/model.safetensors", path / "model.safetensors")
+        engine.add_request("r2", OTHER, GREEDY)  # held for the update
+        outs = {}
+        _run_bounded(engine, outs)
+        version, error = engine.weight_updates.outcome(1)
+        assert version is None and "changed on disk" in str(error) and engine.weights_version == 0
+        assert outs["r2"].token_ids == want.token_ids
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_a_partial_update_is_refused_once_the_loaded_checkpoint_is_gone(ckpts, tmp_path):
+    """A loaded checkpoint whose directory was removed has changed on disk too: refused as such."""
+    import shutil
+    a, _, _ = ckpts
+    path = shutil.copytree(a, tmp_path / "ckpt")
+    llm = LLM(str(path), **OPTIONS)
+    shutil.rmtree(path)
+    with pytest.raises(WeightUpdateError, match="changed on disk"):
+        llm.update_weights([("model.norm.weight", _tensors(a)["model.norm.weight"])])
+    assert llm.weights_version == 0 and llm.generate([PROMPT], GREEDY)[0].token_ids
+
+
+def test_an_update_from_disk_lists_the_checkpoint_once_not_per_part(ckpts, monkeypatch):
+    """The checkpoint's files are listed (every shard's header scanned, without an index) once for the
+    whole update, not again for each part it reads."""
+    from sparsekv.model import checkpoint
+    a, b, _ = ckpts
+    llm = LLM(a, **OPTIONS)
+    real, listed = checkpoint.list_tensor_files, []
+    monkeypatch.setattr(checkpoint, "list_tensor_files", lambda path: listed.append(path) or real(path))
+    assert llm.update_weights_from_disk(b) == 1
+    assert listed == [b]
 
 
 def _run_bounded(engine, outs: dict, steps: int = 200) -> None:

@@ -97,7 +97,10 @@ class MultiRankExecutor(Executor):
         """Every rank loads its slices of the update (an in-process update's tensors travel pickled on
         the control group; a trainer's broadcast reached each rank itself); then the ranks agree on the
         outcome before anyone serves again: all loaded it; or every one failed and put its old weights
-        back (WeightLoadError: they keep serving); else their weights differ (RankFailure)."""
+        back (WeightLoadError: they keep serving); else their weights differ (RankFailure). Checked
+        again first (a drain loads well after its check): refused here, no rank has started."""
+        self.local.check_weight_update(update)
+
         def run():
             error = None
             try:
