@@ -95,9 +95,9 @@ class ReceivedUpdate(TensorUpdate):
         return WORKER_GROUPS.take(self.group, self.ticket)
 
 
-def received_here(update: ReceivedUpdate, shapes: dict[str, tuple]) -> TensorUpdate:
+def received_here(update: ReceivedUpdate, shapes: dict[str, tuple]) -> ReceivedUpdate:
     """On a worker rank: the tensors it received for `update` itself, checked as rank 0 checked its own."""
-    return check_tensor_update(shapes, update.taken_here())
+    return ReceivedUpdate(check_tensor_update(shapes, update.taken_here()).tensors, update.group, update.ticket)
 
 
 @dataclass(frozen=True)
@@ -291,7 +291,8 @@ class WeightSource:
             tensors_of = partial(self._read, model, update.path, listing=listing)
         else:
             self.check(model, update)  # NOTE: again at the load: a drain update loads well after its check
-            mine = {n: self._slice(n, t, model.cfg) for n, t in update.tensors.items() if self._holds(n, model.cfg)}
+            owned = isinstance(update, ReceivedUpdate)  # received by the engine: nobody else holds them
+            mine = {n: self._slice(n, t, model.cfg, owned) for n, t in update.tensors.items() if self._holds(n, model.cfg)}
             overlay, parts = {**self.overlay, **mine}, self._parts(model, set(mine))
             tensors_of = self._tensors_from(model, overlay)
         copied: list = []
@@ -359,16 +360,18 @@ class WeightSource:
     def _holds(self, name: str, cfg) -> bool:
         return self.layout is None or self.layout.holds(name, cfg)
 
-    def _slice(self, name: str, given: torch.Tensor, cfg) -> torch.Tensor:
+    def _slice(self, name: str, given: torch.Tensor, cfg, owned: bool = False) -> torch.Tensor:
         """This rank's slice of a given tensor as the model keeps it, in memory of its own: the overlay
         outlives the update, and a view would follow the caller's tensor (a trainer's parameter, stepped
-        in place) and keep the whole of it alive for a slice."""
+        in place) and keep the whole of it alive for a slice. `owned`: the engine received the tensor
+        itself (a trainer's broadcast), so a whole one is kept as it is."""
         t, shard = given, self.layout.shard(name, tuple(given.shape)) if self.layout is not None else None
         if shard is not None:
             dim, start, end = shard
             t = t.narrow(dim, start, end - start)
         kept = as_stored(name, t, self.dtype, torch.device("cpu"))
-        return kept.clone() if kept.untyped_storage().data_ptr() == given.untyped_storage().data_ptr() else kept
+        shared = kept.untyped_storage().data_ptr() == given.untyped_storage().data_ptr()
+        return kept.clone() if shared and not (owned and shard is None) else kept
 
     def check(self, model, update) -> None:
         """A partial in-process update reads the tensors it leaves out from the loaded checkpoint:

@@ -1036,6 +1036,22 @@ def test_an_update_from_disk_lists_the_checkpoint_once_not_per_part(ckpts, monke
     assert listed == [b]
 
 
+def test_tensors_received_from_a_trainer_are_kept_as_they_are_and_given_ones_are_copied(ckpts):
+    """The overlay (what later partial updates build from) keeps a tensor the engine received over a
+    trainer's group as it is: nobody else holds it, and a copy would double the host memory of every
+    update. A tensor given in process is copied (the caller may step it in place)."""
+    a, b, _ = ckpts
+    llm = LLM(a, **OPTIONS)
+    received = {n: t.clone() for n, t in _tensors(b).items()}
+    llm.engine.update_weights_from_group("g", 1, received.items())
+    overlay = llm.engine.executor.weights.overlay
+    same = [n for n in overlay if overlay[n].dtype == received[n].dtype]
+    assert same and all(overlay[n].data_ptr() == received[n].data_ptr() for n in same)
+    llm.update_weights(received.items())
+    overlay = llm.engine.executor.weights.overlay
+    assert not any(overlay[n].untyped_storage().data_ptr() == received[n].untyped_storage().data_ptr() for n in same)
+
+
 def _run_bounded(engine, outs: dict, steps: int = 200) -> None:
     """`_run_until_done`, but failing (not hanging) if requests never finish."""
     for _ in range(steps):
