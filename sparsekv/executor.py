@@ -94,7 +94,8 @@ class InProcessExecutor(Executor):
         from .routing import RoutedExpertsRecorder
         from .weights import WeightSource
         self.model, self.pool = model, pool
-        self.weights = WeightSource(config.model, config.hf_overrides, model.dtype, _layout(config))
+        self.weights = WeightSource(config.model, config.hf_overrides, model.dtype, _layout(config),
+                                    model.loaded_stamp)
         self.routing, self.capture_routing = RoutedExpertsRecorder(model), False
         self.runner = ModelRunner(model, pool, config.kv_page_size, config.attention,
                                   decode_rows=1 + config.num_speculative_tokens,

@@ -30,16 +30,17 @@ import torch
 
 from .config import ModelConfig, overrides_indexer_schedule
 from .model.checkpoint import (CheckpointError, as_stored, check_header, check_names, check_stored_format,
-                               checkpoint_listing, dequantize_fp8, expected_shapes, list_tensor_files, load_tensors,
-                               mtp_shapes)
+                               checkpoint_listing, dequantize_fp8, expected_shapes, files_stamp, list_tensor_files,
+                               load_tensors, mtp_shapes)
 from .parallel.launch import RankFailure
 
 logger = logging.getLogger("sparsekv.engine")
 
 SCALE_SUFFIX = "_scale_inv"
 # attributes of the model's objects that hold no weights: per-request and per-slot state (selectors,
-# Quest bounds), scratch buffers, the collectives, the routed-expert recorder, the config
-NOT_WEIGHTS = frozenset({"selector", "comm", "scratch", "index_scratch", "record", "cfg", "policy"})
+# Quest bounds), scratch buffers, the collectives, the routed-expert recorder, the config (and the
+# checkpoint's stamp at the load)
+NOT_WEIGHTS = frozenset({"selector", "comm", "scratch", "index_scratch", "record", "cfg", "policy", "loaded_stamp"})
 
 
 class WeightUpdateError(ValueError):
@@ -272,9 +273,11 @@ class WeightSource:
     """Where one rank's weights came from: the checkpoint directory it loaded (and its files then),
     and the tensors in-process updates gave since (this rank's slices, on the host)."""
 
-    def __init__(self, path: str, overrides: dict | None, dtype: torch.dtype, layout=None):
+    def __init__(self, path: str, overrides: dict | None, dtype: torch.dtype, layout=None, identity: list | None = None):
+        """`identity`: the checkpoint's `files_stamp` taken before its weights were read (`load_model`'s),
+        so that files written while the engine loaded count as changed since."""
         self.path, self.overrides, self.dtype, self.layout = path, overrides, dtype, layout
-        self.identity = files_stamp(path)
+        self.identity = identity if identity is not None else files_stamp(path)
         self.overlay: dict[str, torch.Tensor] = {}
 
     def apply(self, model, update: TensorUpdate | DiskUpdate) -> None:
@@ -389,15 +392,6 @@ def copy_part(model, part: int | str, tensors: dict[str, torch.Tensor]) -> int:
     running part in place (`copy_weights`)."""
     from .model.indexer import ScoreScratch
     return copy_weights(model.part(part), model.build_part(part, tensors, ScoreScratch()), f"model part {part}")
-
-
-def files_stamp(path: str) -> list:
-    """What tells whether a checkpoint directory changed since: name, size, inode and modification
-    time of config.json and of each safetensors file (stat calls only, no reads)."""
-    import os
-    names = sorted(n for n in os.listdir(path) if n == "config.json" or n.endswith((".safetensors", ".json")))
-    stats = [(n, os.stat(os.path.join(path, n))) for n in names]
-    return [(n, st.st_size, st.st_ino, st.st_mtime_ns) for n, st in stats]
 
 
 def copy_weights(model, fresh, where: str = "model") -> int:

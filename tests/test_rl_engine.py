@@ -1052,6 +1052,28 @@ def test_tensors_received_from_a_trainer_are_kept_as_they_are_and_given_ones_are
     assert not any(overlay[n].untyped_storage().data_ptr() == received[n].untyped_storage().data_ptr() for n in same)
 
 
+def test_a_checkpoint_written_while_the_engine_loads_it_counts_as_changed_since(ckpts, tmp_path, monkeypatch):
+    """The loaded checkpoint's stamp is taken before its weights are read: a trainer writing over it
+    during the load makes a later partial update (which would read the rest back from it) refused."""
+    import os
+    import shutil
+
+    from sparsekv.model import checkpoint
+    a, b, _ = ckpts
+    loaded = shutil.copytree(a, tmp_path / "loaded")
+    real = checkpoint.load_tensors
+
+    def read_then_written_over(path, *args, **kwargs):
+        out = real(path, *args, **kwargs)
+        os.utime(os.path.join(path, "model.safetensors"), ns=(1, 1))
+        return out
+    monkeypatch.setattr(checkpoint, "load_tensors", read_then_written_over)
+    llm = LLM(str(loaded), **OPTIONS)
+    monkeypatch.undo()
+    with pytest.raises(WeightUpdateError, match="changed on disk since"):
+        llm.update_weights([("model.norm.weight", _tensors(b)["model.norm.weight"])])
+
+
 def _run_bounded(engine, outs: dict, steps: int = 200) -> None:
     """`_run_until_done`, but failing (not hanging) if requests never finish."""
     for _ in range(steps):

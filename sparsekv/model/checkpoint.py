@@ -274,6 +274,14 @@ def load_tensors(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.
     return out
 
 
+def files_stamp(path: str) -> list:
+    """What tells whether a checkpoint directory changed since: name, size, inode and modification
+    time of config.json and of each safetensors file (stat calls only, no reads)."""
+    names = sorted(n for n in os.listdir(path) if n == "config.json" or n.endswith((".safetensors", ".json")))
+    stats = [(n, os.stat(os.path.join(path, n))) for n in names]
+    return [(n, st.st_size, st.st_ino, st.st_mtime_ns) for n, st in stats]
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, overrides: dict | None = None,
                selector: str = "dsa", quest_page_tokens: int = 16, layout=None, comm=None):
     """The model with its token selector: the checkpoint's lightning indexers (DSA), or Quest over
@@ -281,6 +289,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, overrides: d
     `ParallelLayout` and its group's `comm`: this rank's shard (parallel/layout.py)."""
     from .model import SINGLE_RANK, DSAModel
     from .selectors import install_quest
+    stamp = files_stamp(path)  # NOTE: before the reads: files written while they run count as changed since
     cfg = ModelConfig.from_json(path, overrides)
     if layout is not None:
         layout.check_model(cfg)
@@ -289,4 +298,5 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, overrides: d
     del tensors
     if selector == "quest":
         install_quest(model, quest_page_tokens)
+    model.loaded_stamp = stamp  # the checkpoint as it was read (weights.WeightSource)
     return model

@@ -63,6 +63,7 @@ class DSAModel:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                  comm=SINGLE_RANK, release: bool = False):
         self.cfg, self.dtype, self.device, self.comm = cfg, dtype, device, comm
+        self.loaded_stamp: list | None = None  # the checkpoint's files as load_model found them before reading
         self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self.embed, self.norm, self.lm_head = build_ends(tensors)
         self.index_scratch = ScoreScratch()   # shared by every indexer: layers run one at a time
