@@ -45,7 +45,7 @@ class WeightControl:
         return self._update(update, path, policy)
 
     def _update(self, update, checkpoint: str | None, policy: str) -> list[RequestOutput]:
-        from .weights import WEIGHT_UPDATE_POLICIES, WeightLoadError, WeightUpdateConflict
+        from .weights import WEIGHT_UPDATE_POLICIES, TensorUpdate, WeightLoadError, WeightUpdateConflict
         if policy not in WEIGHT_UPDATE_POLICIES:
             raise ValueError(f"weight update policy must be one of {WEIGHT_UPDATE_POLICIES}, got {policy!r}")
         if self._pending_update is not None:
@@ -60,6 +60,8 @@ class WeightControl:
         self._pending_update, self.weight_update_error = (update, checkpoint), None
         self.hold_unstarted_requests()
         self._apply_pending_update()
+        if self._pending_update is not None and isinstance(update, TensorUpdate):  # a drain: it loads later
+            self._pending_update = (update.kept_for_later(), checkpoint)
         if self.weight_update_error is not None:  # the requests it aborted still get their final outputs
             raise WeightLoadError(f"the weight update failed to load; the previous weights keep serving: "
                                   f"{self.weight_update_error!r}", aborted) from self.weight_update_error

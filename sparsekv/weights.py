@@ -23,7 +23,7 @@ updates gave (`overlay`, host memory; an update from disk clears it).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -73,9 +73,19 @@ WEIGHT_UPDATE_POLICIES = ("drain", "abort")
 
 @dataclass
 class TensorUpdate:
-    """Tensors by Hugging Face name, whole (not sliced), FP8 already dequantised, on the host."""
+    """Tensors by Hugging Face name, whole (not sliced), FP8 already dequantised, on the host.
+    `owned`: nobody but the engine holds them (received from a trainer, or copied), so what loads
+    them keeps them as they are."""
 
     tensors: dict[str, torch.Tensor]
+    owned: bool = field(default=False, kw_only=True)
+
+    def kept_for_later(self) -> "TensorUpdate":
+        """This update as it is now, for a drain that loads it later: the caller's tensors copied (a
+        trainer may step them in place meanwhile); its own as they are."""
+        if self.owned:
+            return self
+        return replace(self, tensors={n: t.clone() for n, t in self.tensors.items()}, owned=True)
 
 
 @dataclass
@@ -86,6 +96,7 @@ class ReceivedUpdate(TensorUpdate):
 
     group: str = ""
     ticket: int = 0  # rank 0's number of the update over the group (weight_sync.WorkerGroups)
+    owned: bool = field(default=True, kw_only=True)  # received by the engine: nobody else holds them
 
     def for_other_ranks(self) -> "ReceivedUpdate":
         return ReceivedUpdate({}, self.group, self.ticket)
@@ -294,8 +305,8 @@ class WeightSource:
             tensors_of = partial(self._read, model, update.path, listing=listing)
         else:
             self.check(model, update)  # NOTE: again at the load: a drain update loads well after its check
-            owned = isinstance(update, ReceivedUpdate)  # received by the engine: nobody else holds them
-            mine = {n: self._slice(n, t, model.cfg, owned) for n, t in update.tensors.items() if self._holds(n, model.cfg)}
+            mine = {n: self._slice(n, t, model.cfg, update.owned) for n, t in update.tensors.items()
+                    if self._holds(n, model.cfg)}
             overlay, parts = {**self.overlay, **mine}, self._parts(model, set(mine))
             tensors_of = self._tensors_from(model, overlay)
         copied: list = []
@@ -366,8 +377,8 @@ class WeightSource:
     def _slice(self, name: str, given: torch.Tensor, cfg, owned: bool = False) -> torch.Tensor:
         """This rank's slice of a given tensor as the model keeps it, in memory of its own: the overlay
         outlives the update, and a view would follow the caller's tensor (a trainer's parameter, stepped
-        in place) and keep the whole of it alive for a slice. `owned`: the engine received the tensor
-        itself (a trainer's broadcast), so a whole one is kept as it is."""
+        in place) and keep the whole of it alive for a slice. `owned`: nobody else holds the tensor (a
+        trainer's broadcast received, a drain's copy), so a whole one is kept as it is."""
         t, shard = given, self.layout.shard(name, tuple(given.shape)) if self.layout is not None else None
         if shard is not None:
             dim, start, end = shard

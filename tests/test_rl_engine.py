@@ -1074,6 +1074,25 @@ def test_a_checkpoint_written_while_the_engine_loads_it_counts_as_changed_since(
         llm.update_weights([("model.norm.weight", _tensors(b)["model.norm.weight"])])
 
 
+def test_a_drain_update_loads_the_tensors_as_they_were_given(ckpts):
+    """A drain update waits for the started request; the caller stepping its tensors in place meanwhile
+    (a trainer's optimizer) changes nothing of what then loads: B's norm, not the zeros written since."""
+    a, b, _ = ckpts
+    llm = LLM(a, **OPTIONS)
+    engine = llm.engine
+    engine.add_request("r", PROMPT, GREEDY)
+    engine.step()  # started: the update waits for it
+    norm = _tensors(b)["model.norm.weight"].clone()
+    want = norm.clone()
+    assert engine.update_weights([("model.norm.weight", norm)], policy="drain") == []
+    assert engine.weight_update_pending
+    norm.zero_()
+    outs = {}
+    _run_bounded(engine, outs)
+    assert engine.weights_version == 1
+    assert torch.equal(engine.executor.model.norm, want.to(engine.executor.model.norm.dtype))
+
+
 def _run_bounded(engine, outs: dict, steps: int = 200) -> None:
     """`_run_until_done`, but failing (not hanging) if requests never finish."""
     for _ in range(steps):

@@ -24,8 +24,8 @@ from ..engine import RANK_PROBE_S, LLMEngine
 from ..hub import resolve_config
 from ..outputs import FirstToken, check_warm
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
-from ..weights import (WEIGHT_UPDATE_POLICIES, ReceivedUpdate, UpdateOutcomes, WeightLoadError, WeightRestoreError,
-                       WeightUpdateConflict)
+from ..weights import (WEIGHT_UPDATE_POLICIES, ReceivedUpdate, TensorUpdate, UpdateOutcomes, WeightLoadError,
+                       WeightRestoreError, WeightUpdateConflict)
 from .dp_kv import DataParallelKV, kv_call
 from .dp_taps import DataParallelTaps, TapReceiver, open_group
 from .lanes import lane_integrity, load_lane, merge_stats, rank_figures, serve_lane, step_lane
@@ -304,8 +304,8 @@ class DataParallelEngine:
                                        f"finish under the old weights (drain): continue generation first, or abort them")
         self.weight_update_error = None
         self.weight_updates.accept()
-        if started and policy == "drain":
-            self._pending_update = (update, checkpoint)
+        if started and policy == "drain":  # it loads later: the caller's tensors as they are now
+            self._pending_update = (update.kept_for_later() if isinstance(update, TensorUpdate) else update, checkpoint)
             return []
         aborted = self._load(update, checkpoint)
         if self.weight_update_error is not None:  # the requests it aborted still get their final outputs
