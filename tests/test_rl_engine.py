@@ -796,19 +796,11 @@ def test_an_update_that_cannot_put_the_old_weights_back_stops_the_engine(ckpts, 
 def test_weight_updates_load_part_by_part_into_a_model_on_cuda(ckpts, monkeypatch):
     """On a device the parts are built on the host and copied into the device's tensors: an update from
     disk answers as an engine of B on the device, and a load failing part-way puts A back there."""
-    from sparsekv import weights
     a, b, _ = ckpts
     want_b = LLM(b, device="cuda", **OPTIONS).generate([PROMPT], GREEDY)[0]
     llm = LLM(a, device="cuda", **OPTIONS)
     want_a = llm.generate([PROMPT], GREEDY)[0]
-    real, calls = weights.copy_weights, []
-
-    def fail(*args):
-        calls.append(args[2])
-        if len(calls) == 3:
-            raise RuntimeError("out of memory")
-        return real(*args)
-    monkeypatch.setattr(weights, "copy_weights", fail)
+    _fail_the_third_copy(monkeypatch)
     with pytest.raises(WeightLoadError, match="out of memory"):
         llm.update_weights_from_disk(b)
     monkeypatch.undo()
@@ -1176,15 +1168,10 @@ def test_a_drain_load_that_fails_releases_the_held_requests_and_the_next_update_
     engine.check_integrity()
 
 
-@pytest.mark.parametrize("how", ["disk", "tensors"])
-def test_a_load_that_fails_while_copying_leaves_no_trace_for_the_next_partial_update(ckpts, monkeypatch, how):
-    """A load that fails part-way (its third part, two copied already) changes nothing: the parts it
-    copied are put back from A, and a later partial update (A's own norm) fills the rest from A's
-    checkpoint, not from the failed update's tensors or directory."""
+def _fail_the_third_copy(monkeypatch) -> list:
+    """Make an update fail at its third part (two copied in by then): the parts copy_weights was called
+    for, in order (the ones after the third are the restore's)."""
     from sparsekv import weights
-    a, b, _ = ckpts
-    llm = LLM(a, **OPTIONS)
-    want = llm.generate([PROMPT], GREEDY)[0]
     real, calls = weights.copy_weights, []
 
     def fail(*args):
@@ -1193,6 +1180,18 @@ def test_a_load_that_fails_while_copying_leaves_no_trace_for_the_next_partial_up
             raise RuntimeError("out of memory")
         return real(*args)
     monkeypatch.setattr(weights, "copy_weights", fail)
+    return calls
+
+
+@pytest.mark.parametrize("how", ["disk", "tensors"])
+def test_a_load_that_fails_while_copying_leaves_no_trace_for_the_next_partial_update(ckpts, monkeypatch, how):
+    """A load that fails part-way (its third part, two copied already) changes nothing: the parts it
+    copied are put back from A, and a later partial update (A's own norm) fills the rest from A's
+    checkpoint, not from the failed update's tensors or directory."""
+    a, b, _ = ckpts
+    llm = LLM(a, **OPTIONS)
+    want = llm.generate([PROMPT], GREEDY)[0]
+    calls = _fail_the_third_copy(monkeypatch)
     with pytest.raises(WeightLoadError, match="out of memory"):
         if how == "disk":
             llm.update_weights_from_disk(b)

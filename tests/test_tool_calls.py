@@ -38,6 +38,19 @@ def _stream(text: str, step: int = 1, fmt=None) -> list[dict]:
     return deltas
 
 
+def _streamed_choice(builder, text: str):
+    """`text` fed to one choice of `builder` a character at a time, stopping at its end: (the choice's
+    state, the tool-call deltas streamed, the finish reason streamed)."""
+    from sparsekv.request import RequestOutput
+    state, deltas, finish = builder.choice_state(0, []), [], None
+    for end in range(1, len(text) + 1):
+        state.update(RequestOutput("r", [1], [], text[:end], None, "stop" if end == len(text) else None))
+        choice = builder.chunk(state, end == 1, False)["choices"][0]
+        deltas += choice["delta"].get("tool_calls") or []
+        finish = choice["finish_reason"] or finish
+    return state, deltas, finish
+
+
 def _joined(deltas: list[dict]) -> list[tuple[str, str]]:
     """(name, arguments) per call index, from stream deltas: as a client accumulates them."""
     calls: dict[int, list] = {}
@@ -404,15 +417,9 @@ def test_a_stream_limited_to_one_call_sends_only_the_first():
 def test_a_forced_calls_stream_finishes_as_its_response(forced, text, reason):
     """OpenAI: a named tool_choice finishes "stop", "required" finishes "tool_calls"; streamed, the last
     chunk says the same, and the calls join to the response's."""
-    from sparsekv.request import RequestOutput
     from sparsekv.server.responses import ResponseBuilder, TokenText
     builder = ResponseBuilder("chat", "id", "m", 0, 1, TokenText(None), "t", forced=forced)
-    state, deltas, finish = builder.choice_state(0, []), [], None
-    for end in range(1, len(text) + 1):
-        state.update(RequestOutput("r", [1], [], text[:end], None, "stop" if end == len(text) else None))
-        choice = builder.chunk(state, end == 1, False)["choices"][0]
-        deltas += choice["delta"].get("tool_calls") or []
-        finish = choice["finish_reason"] or finish
+    state, deltas, finish = _streamed_choice(builder, text)
     whole = builder.response([state])["choices"][0]
     assert finish == whole["finish_reason"] == reason
     assert _joined(deltas) == [(c["function"]["name"], c["function"]["arguments"])
@@ -437,17 +444,11 @@ def test_forced_streams_send_nothing_twice_and_nothing_empty():
 def test_one_call_streamed_is_the_one_the_response_returns(text):
     """parallel_tool_calls=false: the stream and the whole response keep the same call, the first that
     has a name (a nameless first call, closed or ended by the next call, is skipped by both)."""
-    from sparsekv.request import RequestOutput
     from sparsekv.server.responses import ResponseBuilder, TokenText
     from sparsekv.server.tool_calls import GLM
     builder = ResponseBuilder("chat", "id", "m", 0, 1, TokenText(None), "t", tools=GLM)
     builder.max_calls = 1  # parallel_tool_calls=false
-    state, deltas, finish = builder.choice_state(0, []), [], None
-    for end in range(1, len(text) + 1):
-        state.update(RequestOutput("r", [1], [], text[:end], None, "stop" if end == len(text) else None))
-        choice = builder.chunk(state, end == 1, False)["choices"][0]
-        deltas += choice["delta"].get("tool_calls") or []
-        finish = choice["finish_reason"] or finish
+    state, deltas, finish = _streamed_choice(builder, text)
     message = builder.response([state])["choices"][0]
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["message"]["tool_calls"]]
     assert _joined(deltas) == calls and len(calls) == 1
