@@ -115,15 +115,15 @@ class WorkerGroups:
     holds its own): rank 0 tells each rank to `join` and, per update, to `receive`, asks for the
     `outcome` once its own receive is done, and the rank's update then `take`s what it received. An
     update is named by its group and a ticket of rank 0's, so that one waiting to load (a drain) keeps
-    its tensors while a later one is received and refused. Joins and receives run on daemon threads,
-    so the rank's engine steps with the others meanwhile."""
+    its tensors while a later one is received and refused, or while its group is left (and formed
+    again). Joins and receives run on daemon threads, so the rank's engine steps with the others meanwhile."""
 
     def __init__(self):
         self._joins: dict[str, tuple[Future, str]] = {}  # name -> (the join, its backend)
         self._received: dict[tuple[str, int], Future] = {}  # (name, ticket) -> the update's tensors
 
     def join(self, name: str, address: str, port: int, rank: int, world_size: int, backend: str) -> None:
-        self.drop(name)
+        self._leave(name)  # the tensors of an update waiting to load stay: it loads from them
         self._joins[name] = (_on_thread(join_group, address, port, rank, world_size, backend), backend)
 
     def receive(self, name: str, ticket: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
@@ -172,10 +172,15 @@ class WorkerGroups:
             raise ValueError(f"unknown weight group command {op!r}")
         return getattr(self, op)(*args)
 
-    def drop(self, name: str) -> None:
-        """Leave the group (once its join ends, if it is still joining), its updates' tensors dropped."""
-        for key in [key for key in self._received if key[0] == name]:
+    def drop(self, name: str, keep: tuple[int, ...] = ()) -> None:
+        """Leave the group (once its join ends, if it is still joining), its updates' tensors dropped
+        but those of the tickets in `keep`: updates waiting to load (a drain), which load from them."""
+        for key in [key for key in self._received if key[0] == name and key[1] not in keep]:
             del self._received[key]
+        self._leave(name)
+
+    def _leave(self, name: str) -> None:
+        """Close this rank's side of the group, its received tensors left as they are."""
         joined = self._joins.pop(name, None)
         if joined is not None:
             join, backend = joined

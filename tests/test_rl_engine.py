@@ -505,6 +505,30 @@ def test_tensor_parallel_ranks_that_all_fail_and_put_their_weights_back_keep_ser
         llm.close()
 
 
+def test_tensor_parallel_ranks_that_cannot_put_their_weights_back_stop_the_engine(ckpts, tmp_path, monkeypatch):
+    """Both ranks fail part-way (in layer 1, after layer 0 was copied in) and cannot put layer 0 back,
+    the checkpoint they loaded having changed on disk since: though every rank failed, their weights
+    are a mix, not the old ones kept, so the update raises RankFailure and the engine steps no more."""
+    import os
+    import shutil
+
+    from sparsekv.parallel.launch import RankFailure
+    a, b, _ = ckpts
+    loaded = shutil.copytree(a, tmp_path / "loaded")
+    monkeypatch.setenv(LOAD_FAULT_ENV, "both:model.layers.1.input_layernorm.weight")  # before the ranks start
+    shutil.copytree(b, tmp_path / "both")
+    llm = LLM(str(loaded), tensor_parallel_size=2, num_threads=1, dist_startup_timeout_s=STARTUP_S, **OPTIONS)
+    try:
+        llm.generate([PROMPT], GREEDY)
+        os.utime(loaded / "model.safetensors", ns=(1, 1))
+        with pytest.raises(RankFailure, match="weights now differ: rank 0 failed to load it: WeightRestoreError"):
+            llm.update_weights_from_disk(str(tmp_path / "both"))
+        with pytest.raises(RankFailure):
+            llm.generate([PROMPT], GREEDY)
+    finally:
+        llm.close()
+
+
 class _Part:
     """A stand-in for one of the model's objects (copy_weights walks sparsekv.model's classes)."""
 

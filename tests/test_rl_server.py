@@ -481,6 +481,20 @@ def _broadcast_update(srv, group, announced, sent, meanwhile=None) -> httpx.Resp
     return box[0]
 
 
+def _record_load_commands(monkeypatch) -> list:
+    """The updates rank 0's load commands send the other ranks over the control group, as sent."""
+    import torch.distributed as dist
+    sent, broadcast = [], dist.broadcast_object_list
+
+    def recording(objects, *args, **kwargs):
+        command, command_args = objects[0] if isinstance(objects[0], tuple) else (None, ())
+        if command in ("update_weights", "load_weights"):
+            sent.append(command_args[0])
+        return broadcast(objects, *args, **kwargs)
+    monkeypatch.setattr(dist, "broadcast_object_list", recording)
+    return sent
+
+
 def test_a_trainer_broadcasts_new_weights_over_a_process_group(ckpts):
     """An RL trainer's weight sync without a checkpoint on disk: the server joins the trainer's gloo
     group, receives B's tensors as the trainer broadcasts them, and then answers as a B engine. A tensor
@@ -515,7 +529,7 @@ def test_a_trainer_broadcasts_new_weights_over_a_process_group(ckpts):
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
                                     dict(data_parallel_size=2, enable_expert_parallel=True)], ids=["tp2", "dp2-ep"])
-def test_every_rank_of_a_parallel_engine_joins_the_trainers_group_and_receives_the_weights(ckpts, layout):
+def test_every_rank_of_a_parallel_engine_joins_the_trainers_group_and_receives_the_weights(ckpts, layout, monkeypatch):
     """A parallel engine joins the trainer's group with each of its processes (ranks 1 and 2 of 3: the
     group cannot form without the worker rank), each receives the broadcasts itself, and the update
     loads on both: the answers are then a B engine's (on both data-parallel ranks). A world too small
@@ -529,14 +543,18 @@ def test_every_rank_of_a_parallel_engine_joins_the_trainers_group_and_receives_t
         assert small.status_code == 400 and small.json()["error"]["param"] == "world_size", small.text
         info = httpx.get(srv.url + "/server_info", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).json()
         assert info["tp_size"] * info["dp_size"] == 2  # what the trainer sizes the group by
-        group = _join_as_trainer(srv, processes=2)
+        group, loads = _join_as_trainer(srv, processes=2), _record_load_commands(monkeypatch)
         name, tensor = new[0]
         wrong = [(name, torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:], dtype=tensor.dtype))]
         refused = _broadcast_update(srv, group, wrong, wrong)
         assert refused.status_code == 400 and "wrong shape" in refused.json()["error"]["message"], refused.text
+        # the worker rank's copy of the refused update is dropped, not held
+        assert on_engine_loop(srv, lambda: srv.engine.weight_groups("outcome", "g", 1, 1.0)) == \
+            ["no update was announced to this rank"]
         loaded = _broadcast_update(srv, group, new, new)
         assert loaded.status_code == 200 and loaded.json()["weights_version"] == 1, loaded.text
         # the worker rank loaded the copy it received (taken, none kept), not one relayed by rank 0
+        assert len(loads) == 1 and loads[0].tensors == {}, loads
         assert on_engine_loop(srv, lambda: srv.engine.weight_groups("outcome", "g", 2, 1.0)) == \
             ["no update was announced to this rank"]
         after = _complete(srv, prompt=[PROMPT, other])
@@ -547,27 +565,36 @@ def test_every_rank_of_a_parallel_engine_joins_the_trainers_group_and_receives_t
         assert _post(srv, "/destroy_weights_update_group", {"group_name": "g"}, key=ADMIN).json() == {"success": True}
 
 
+def _an_update_waiting_for_a_request(srv, group, tensors, max_tokens: int):
+    """A drain update over `group` received by the server while a `max_tokens` completion is in flight
+    (its steps slowed: srv.delay), so that it waits to load: (the answers' box, "completion" and
+    "first" once they come; the completion's thread; the update's thread)."""
+    from sparsekv.weight_sync import broadcast_weights
+    engine, box = srv.engine, {}
+    srv.delay[0] = 0.5
+    worker = threading.Thread(target=lambda: box.setdefault("completion", _complete(srv, max_tokens=max_tokens)))
+    worker.start()
+    assert wait_until(lambda: engine.counters["generation_tokens"] > 0, timeout=30)
+    first = threading.Thread(target=lambda: box.setdefault("first", _post(
+        srv, "/update_weights_from_distributed", _announce(tensors), key=ADMIN)))
+    first.start()
+    broadcast_weights(group, tensors)
+    assert wait_until(lambda: engine.weight_update_pending, timeout=30)
+    return box, worker, first
+
+
 def test_an_update_refused_while_a_drain_waits_leaves_the_waiting_updates_tensors_on_every_rank(ckpts):
     """Two processes, drain: the first update is received by both ranks and waits for a request in
     flight; a second one, received too, is refused (409: one update waits at a time) and its copies are
     dropped, while each rank keeps the first's (an update is named by its ticket, not its group). Once
     the request finishes under A the first loads on both ranks: B answers."""
-    from sparsekv.weight_sync import broadcast_weights
     a, b = ckpts
     new = checkpoint_tensors(b)
     want_a = _engine_tokens(a, 12).token_ids
     with ThreadServer(a, admin_api_keys=[ADMIN], weight_update_policy="drain", tensor_parallel_size=2, num_threads=1,
                       dist_startup_timeout_s=STARTUP_S) as srv:
-        group, engine, box = _join_as_trainer(srv, processes=2), srv.engine, {}
-        srv.delay[0] = 0.5  # the request stays in flight through both updates
-        worker = threading.Thread(target=lambda: box.setdefault("completion", _complete(srv, max_tokens=12)))
-        worker.start()
-        assert wait_until(lambda: engine.counters["generation_tokens"] > 0, timeout=30)
-        first = threading.Thread(target=lambda: box.setdefault("first", _post(
-            srv, "/update_weights_from_distributed", _announce(new), key=ADMIN)))
-        first.start()
-        broadcast_weights(group, new)
-        assert wait_until(lambda: engine.weight_update_pending, timeout=30)
+        group = _join_as_trainer(srv, processes=2)
+        box, worker, first = _an_update_waiting_for_a_request(srv, group, new, max_tokens=12)
         second = _broadcast_update(srv, group, new, new)
         assert second.status_code == 409 and "waiting" in second.json()["error"]["message"], second.text
         srv.delay[0] = 0.0
@@ -576,6 +603,68 @@ def test_an_update_refused_while_a_drain_waits_leaves_the_waiting_updates_tensor
         assert box["completion"]["sparsekv"]["choices"][0]["token_ids"] == want_a
         assert box["first"].status_code == 200 and box["first"].json()["weights_version"] == 1, box["first"].text
         assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(b).token_ids
+
+
+def test_the_other_ranks_are_told_each_updates_ticket_and_a_rank_without_its_tensors_fails_the_update(
+        server, ckpts, monkeypatch):
+    """What rank 0 tells the other ranks (a stand-in for them answers as one worker rank): each update
+    is received and checked under a ticket of its own; one refused after its receive has their copies
+    discarded, by that ticket; one that a worker rank does not hold (its `outcome` says why) is a 503
+    naming the rank, before anything loads, and every rank leaves the group; a join that fails has them
+    leave it too. Leaving, they keep the tensors of an update over the group still waiting to load."""
+    from sparsekv import weight_sync
+    new = checkpoint_tensors(ckpts[1])
+    calls, version = [], server.engine.weights_version
+
+    def weight_groups(op, *args):
+        calls.append((op, *args[:2]))  # a drop's second argument: the tickets whose tensors stay
+        return ["TimeoutError: still receiving"] if op == "outcome" and args[1] == 2 else [None]
+    monkeypatch.setattr(server.engine, "weight_groups", weight_groups)
+    group = _join_as_trainer(server)
+    name, tensor = new[0]
+    wrong = [(name, torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:], dtype=tensor.dtype))]
+    assert _broadcast_update(server, group, wrong, wrong).status_code == 400
+    assert calls[1:] == [("receive", "g", 1), ("outcome", "g", 1), ("discard", "g", 1)]
+    del calls[:]
+    failed = _broadcast_update(server, group, new, new)
+    assert failed.status_code == 503 and "rank 1: TimeoutError: still receiving" in failed.json()["error"]["message"]
+    assert calls == [("receive", "g", 2), ("outcome", "g", 2), ("drop", "g", ())], calls
+    assert server.state.weight_groups.groups == {} and server.engine.weights_version == version
+    del calls[:]
+    monkeypatch.setattr(weight_sync, "JOIN_TIMEOUT_S", 1.0)
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+    waiting = ("weight_update_group", 7)  # an update received over a group of that name before, not loaded yet
+    server.state.weight_groups.loading.add(waiting)
+    try:
+        assert _post(server, "/init_weights_update_group", body, key=ADMIN).status_code == 503
+    finally:
+        server.state.weight_groups.loading.discard(waiting)
+    assert [c[0] for c in calls] == ["join", "drop"] and calls[1] == ("drop", "weight_update_group", (7,)), calls
+
+
+def test_a_group_destroyed_and_formed_again_while_its_update_waits_to_load_leaves_that_update_on_each_rank(ckpts):
+    """Two processes, drain: an update received by both ranks waits for a request in flight when the
+    trainer destroys the group and forms one of the same name again. The ranks leave the old group but
+    keep the waiting update's tensors, and the new group's updates are not taken for it: once the
+    request finishes under A the update loads on both ranks (B answers), and the new group still
+    carries the next update."""
+    a, b = ckpts
+    new = checkpoint_tensors(b)
+    with ThreadServer(a, admin_api_keys=[ADMIN], weight_update_policy="drain", tensor_parallel_size=2, num_threads=1,
+                      dist_startup_timeout_s=STARTUP_S) as srv:
+        group = _join_as_trainer(srv, processes=2)
+        box, worker, first = _an_update_waiting_for_a_request(srv, group, new, max_tokens=40)
+        assert _post(srv, "/destroy_weights_update_group", {"group_name": "g"}, key=ADMIN).json() == {"success": True}
+        again = _join_as_trainer(srv, processes=2)
+        second = _broadcast_update(srv, again, new, new)
+        assert second.status_code == 409 and "waiting" in second.json()["error"]["message"], second.text
+        srv.delay[0] = 0.0
+        worker.join(90)
+        first.join(90)
+        assert box["first"].status_code == 200 and box["first"].json()["weights_version"] == 1, box["first"].text
+        assert _complete(srv)["sparsekv"]["choices"][0]["token_ids"] == _engine_tokens(b).token_ids
+        assert _broadcast_update(srv, again, new, new).json()["weights_version"] == 2
+        assert srv.state.weight_groups.loading == set()
 
 
 def test_a_trainer_that_stops_broadcasting_closes_the_group_and_leaves_the_weights(ckpts, monkeypatch):
@@ -634,6 +723,26 @@ def test_weight_sync_carries_float8_over_gloo_as_bytes():
     (w, got_fp8), (b, got_bf16) = box["got"]
     assert (w, b) == ("w", "b") and got_fp8.dtype == torch.float8_e4m3fn and got_bf16.dtype == torch.bfloat16
     assert torch.equal(got_fp8.view(torch.uint8), fp8.view(torch.uint8)) and torch.equal(got_bf16, bf16)
+
+
+def test_a_worker_rank_asked_for_its_outcome_waits_for_its_own_receive(monkeypatch):
+    """Each rank receives the broadcasts itself, so rank 0's receive can end before a worker rank's:
+    asked then for the update's outcome, the worker waits for its own receive (up to the timeout given)
+    rather than fail an update it is about to hold."""
+    from sparsekv import weight_sync
+    release, weights = threading.Event(), [("w", torch.ones(2))]
+
+    def receive_weights(group, names, dtypes, shapes, backend, device):
+        assert release.wait(30)
+        return weights
+    monkeypatch.setattr(weight_sync, "join_group", lambda *args: object())
+    monkeypatch.setattr(weight_sync, "receive_weights", receive_weights)
+    worker = weight_sync.WorkerGroups()
+    worker.join("g", "127.0.0.1", 29500, 2, 3, "gloo")
+    worker.receive("g", 1, ["w"], ["float32"], [[2]], torch.device("cpu"))
+    threading.Timer(0.2, release.set).start()  # the receive is still running when the outcome is asked
+    assert worker.outcome("g", 1, timeout_s=30) is None
+    assert worker.take("g", 1) is weights
 
 
 def _refused_body(model, body: dict, param: str) -> str:

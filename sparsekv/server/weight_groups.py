@@ -79,7 +79,6 @@ class SyncGroup:
     group: object  # a torch.distributed ProcessGroup
     backend: str
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
-    updates: int = 0  # the updates announced over it: each one's ticket (weight_sync.WorkerGroups)
 
 
 class WeightGroups:
@@ -88,6 +87,18 @@ class WeightGroups:
     def __init__(self):
         self.groups: dict[str, SyncGroup | None] = {}  # None: joining
         self.closed = False  # the server shut down: a join that ends now is closed at once
+        # NOTE: tickets are the server's, not a group's: a group formed again under a name must not
+        # reuse the ticket of an update received over the old one that still waits to load
+        self.updates = 0  # the updates announced: each one's ticket (weight_sync.WorkerGroups)
+        self.loading: set[tuple[str, int]] = set()  # (group, ticket) of the updates given to the engine
+
+    def next_ticket(self) -> int:
+        self.updates += 1
+        return self.updates
+
+    def tickets_loading(self, name: str) -> tuple[int, ...]:
+        """The updates received over `name` that the engine still holds (waiting to load)."""
+        return tuple(ticket for group, ticket in self.loading if group == name)
 
     def take(self, name: str) -> SyncGroup:
         found = self.groups.get(name)
@@ -128,7 +139,7 @@ async def init_weights_update_group(request: Request):
         group = await on_daemon_thread(join_group, body.master_address, body.master_port, body.rank_offset,
                                        body.world_size, backend, name="sparsekv-weight-sync")
     except WeightSyncError as e:
-        await _on_other_ranks(state, "drop", name)
+        await _on_other_ranks(state, "drop", name, groups.tickets_loading(name))
         raise APIError(503, str(e)) from None
     finally:
         if groups.groups.get(name, False) is None:
@@ -146,10 +157,9 @@ async def update_weights_from_distributed(request: Request):
     await call_engine(state, lambda: None)  # 503 while the server shuts down or once its engine failed
     body = parse_body(await request.body(), UpdateWeightsFromDistributed)
     name = body.group_name
-    sync = _idle(state, name)
+    sync, groups = _idle(state, name), state.weight_groups
     async with sync.busy:
-        sync.updates += 1
-        ticket = sync.updates
+        ticket = groups.next_ticket()
         try:
             await call_engine(state, lambda: state.engine.weight_groups("receive", name, ticket, body.names,
                                                                         body.dtypes, body.shapes))
@@ -164,12 +174,15 @@ async def update_weights_from_distributed(request: Request):
             await _leave_everywhere(state, name)
             raise APIError(503, f"{e}; the group {name} is closed: form a new one") from None
     policy = state.settings.weight_update_policy
+    groups.loading.add((name, ticket))
     try:
         version = await run_weight_update(
             state, lambda: state.engine.update_weights_from_group(name, ticket, tensors, policy), "names")
     except APIError:  # refused (another update waits to load: a drain), or failed: the ranks' copies go
         await _on_other_ranks(state, "discard", name, ticket)
         raise
+    finally:
+        groups.loading.discard((name, ticket))
     return {"success": True, "message": f"loaded {len(tensors)} tensors from {name}", "weights_version": version}
 
 
@@ -188,8 +201,9 @@ def _num_processes(engine) -> int:
 
 
 async def _leave_everywhere(state, name: str) -> None:
+    """Every rank leaves the group; an update received over it that waits to load keeps its tensors."""
     state.weight_groups.drop(name)
-    await _on_other_ranks(state, "drop", name)
+    await _on_other_ranks(state, "drop", name, state.weight_groups.tickets_loading(name))
 
 
 async def _on_other_ranks(state, op: str, *args) -> None:
