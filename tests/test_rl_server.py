@@ -19,6 +19,7 @@ from test_server_util import (MAX_MODEL_LEN, ThreadServer, free_port, on_engine_
                               wait_until)
 
 KEY, ADMIN = "sk-alice", "sk-admin"
+TRAINER_TIMEOUT_S = 60.0  # the test trainer's group: its broadcasts and rendezvous
 PROMPT = [(7 * i) % 250 + 1 for i in range(30)]
 BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 ADMIN_PATHS = ["/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache",
@@ -456,7 +457,10 @@ def _join_as_trainer(srv, group="g", processes: int = 1):
     processes, as ranks 1 to `processes`."""
     from sparsekv.weight_sync import trainer_group
     port, box, world = free_port(), {}, 1 + processes
-    thread = threading.Thread(target=lambda: box.setdefault("group", trainer_group("127.0.0.1", port, world)))
+    # NOTE: the trainer's collectives bounded well below the engine's, so that a rank that never joins or
+    # receives fails the test in a minute rather than hanging it for the group's default timeout
+    thread = threading.Thread(target=lambda: box.setdefault("group", trainer_group("127.0.0.1", port, world,
+                                                                                   timeout_s=TRAINER_TIMEOUT_S)))
     thread.start()
     r = _post(srv, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
                                                   "rank_offset": 1, "world_size": world, "group_name": group}, key=ADMIN)
