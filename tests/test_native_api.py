@@ -143,6 +143,37 @@ def test_abort_request_ends_a_generate_named_by_its_rid(server):
     assert wait_until(lambda: pages_all_free(server.url), 10)
 
 
+def test_a_batch_given_a_rid_per_prompt_answers_and_aborts_each_by_its_own(server):
+    """A batch with a `rid` list (SGLang's form): each answer's id is its prompt's, choices included, and
+    /abort_request naming one prompt's rid ends that prompt's choices only; the other prompt runs to its
+    length. Each id is held while its prompt runs."""
+    box = []
+    server.delay[0] = 0.05
+    try:
+        thread = threading.Thread(target=lambda: box.append(_generate(
+            server, input_ids=[PROMPT, PROMPT[:20]], rid=["keep-1", "stop-2"],
+            sampling_params=[{"max_new_tokens": 24, "ignore_eos": True},
+                             {"max_new_tokens": 80, "ignore_eos": True, "n": 2}])))
+        thread.start()
+        assert wait_until(lambda: scrape(server.url)["sparsekv:num_requests_running"] == 3, 30)
+        taken = [_generate(server, text="a", rid="keep-1"),  # each prompt's id is held while it runs
+                 _generate(server, text=["a", "b"], rid=["other", "stop-2"])]
+        aborted = httpx.post(server.url + "/abort_request", json={"rid": "stop-2"}, timeout=30).json()
+        thread.join(60)
+    finally:
+        server.delay[0] = 0.0
+    answers = box[0].json()
+    for refused in taken:
+        assert refused.status_code == 400 and "already in use" in refused.json()["error"]["message"]
+    assert aborted["aborted"] == 1
+    assert [a["meta_info"]["id"] for a in answers] == ["keep-1", "stop-2", "stop-2"]
+    assert answers[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
+    assert len(answers[0]["output_ids"]) == 24
+    for answer in answers[1:]:
+        assert answer["meta_info"]["finish_reason"]["type"] == "abort" and len(answer["output_ids"]) < 80
+    assert wait_until(lambda: pages_all_free(server.url), 10)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"text": "a", "input_ids": [1]}, "text"),
     ({"input_ids": []}, "input_ids"),
@@ -157,6 +188,10 @@ def test_abort_request_ends_a_generate_named_by_its_rid(server):
     ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),
     ({"text": "a", "logprob_start_len": -2}, "logprob_start_len"),
     ({"text": "a", "rid": "two words"}, "rid"),
+    ({"text": "a", "rid": ["a"]}, "rid"),
+    ({"text": ["a", "b"], "rid": ["a"]}, "rid"),
+    ({"text": ["a", "b"], "rid": ["a", "a"]}, "rid"),
+    ({"text": ["a", "b"], "rid": ["a", "two words"]}, "rid"),
     ({"input_ids": [1, 10 ** 9]}, "input_ids"),
     ({"text": "a", "sampling_params": {"sampling_seed": [1]}}, "sampling_params"),
     ({"text": "a", "sampling_params": {"sampling_seed": 2 ** 63}}, "sampling_params"),

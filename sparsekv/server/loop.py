@@ -65,11 +65,15 @@ class RequestGroup:
     Items on `queue` are `(index, RequestOutput)` or `(None, exception)`.
     """
 
-    def __init__(self, group_id: str, size: int, client_id: str | None = None):
+    def __init__(self, group_id: str, size: int, client_id: str | None = None, client_ids: list[str] | None = None):
         self.request_ids = [f"{group_id}-{i}" for i in range(size)]
         # the id its client knows it by (the response's `id`, or the request's `rid`), which
-        # /abort_request names; `chosen`: the client chose it, so no other of its tenant's may hold it
-        self.client_id, self.chosen = client_id or group_id, client_id is not None
+        # /abort_request names; `chosen`: the client chose it, so no other of its tenant's may hold it.
+        # `client_ids`: an id per engine request instead (a /generate batch's `rid` list, one per prompt)
+        self.client_id, self.chosen = client_id or group_id, client_id is not None or client_ids is not None
+        if client_ids is not None and len(client_ids) != size:
+            raise ValueError(f"{len(client_ids)} client ids for {size} engine requests")
+        self.client_ids = client_ids
         self.observed = True  # its latencies and finish go to the metrics (not a /health_generate probe's)
         # whether /abort_request may name it: not a prefill worker's prefill, which the decode worker holding
         # the client's request ends through their room (so that an abort counts the request once)
@@ -82,6 +86,16 @@ class RequestGroup:
     @property
     def done(self) -> bool:
         return self.num_finished == len(self.request_ids)
+
+    def client_id_of(self, index: int) -> str:
+        """The id /abort_request names engine request `index` by."""
+        return self.client_id if self.client_ids is None else self.client_ids[index]
+
+    def chosen_ids(self) -> set[str]:
+        """The ids its client chose (none: the server named it)."""
+        if not self.chosen:
+            return set()
+        return {self.client_id} if self.client_ids is None else set(self.client_ids)
 
 
 @dataclass
@@ -167,7 +181,8 @@ class EngineLoop:
     async def abort_requests(self, tenant: str, client_id: str | None) -> int:
         """End the tenant's requests in flight whose client id is `client_id` (all of them: None) with
         finish_reason "abort" and what they generated so far, as a client gets a finished request's;
-        their pages are freed. How many API requests it ended (0: none was in flight)."""
+        their pages are freed. How many requests, as their clients name them, it ended (an API request, or a
+        prompt of a /generate batch given a `rid` each; 0: none was in flight)."""
         self._refuse_if_closed()
         fut, box = self._aloop.create_future(), []
         self._commands.put((self._abort_matching, (tenant, client_id, box, fut)))
@@ -275,9 +290,9 @@ class EngineLoop:
         try:
             self._refuse_if_closed()
             self._refuse_if_queue_full(tenant, len(subs))
-            if group.chosen and self._matching(tenant, group.client_id):
-                raise InvalidRequest(f"request id {group.client_id!r} is already in use by a request in flight",
-                                     "rid")
+            for client_id in sorted(group.chosen_ids()):
+                if self._matching(tenant, client_id):
+                    raise InvalidRequest(f"request id {client_id!r} is already in use by a request in flight", "rid")
             added = []
             try:
                 for i, (rid, sub) in enumerate(zip(group.request_ids, subs)):
@@ -323,13 +338,13 @@ class EngineLoop:
 
     def _matching(self, tenant: str, client_id: str | None) -> list[tuple[str, _Route]]:
         return [(rid, r) for rid, r in self._routes.items() if r.group.abortable and r.timer.tenant == tenant
-                and (client_id is None or r.group.client_id == client_id)]
+                and (client_id is None or r.group.client_id_of(r.index) == client_id)]
 
     def _abort_matching(self, tenant: str, client_id: str | None, box: list, fut) -> None:
         try:
             matched = self._matching(tenant, client_id)
             self._end_with_abort(matched)
-            box.append(len({id(r.group) for _, r in matched}))
+            box.append(len({(id(r.group), r.group.client_id_of(r.index)) for _, r in matched}))
         finally:
             self._resolve(fut, None)
 

@@ -1,7 +1,8 @@
 """SGLang's native POST /generate, the API RL frameworks drive rollouts through (slime and AReaL send
 token ids and read each output token's logprob and id back): `text` or `input_ids` (one prompt or a
 batch), `sampling_params` (SGLang's names), `return_logprob` with `top_logprobs_num` and
-`logprob_start_len`, `rid`, `stream`.
+`logprob_start_len`, `rid` (a batch's: one for all its prompts, or a list with one per prompt, as
+SGLang takes it), `stream`.
 
 An answer per prompt and choice: `text`, `output_ids` and `meta_info` (`id`, `finish_reason` as SGLang
 gives it: {"type": "length", "length": N}, {"type": "stop", "matched": token id or string},
@@ -11,7 +12,8 @@ prompt with n = 1 answers an object, else a list in prompt-major order. A stream
 answer so far (cumulative, as SGLang streams), with its `index` in that order, then `[DONE]`.
 
 The request runs as a completion does (serving.respond: admission, the engine loop, abort on disconnect), under
-the caller's tenant; its `rid` names it to /abort_request.
+the caller's tenant; its `rid` names it to /abort_request (a batch given a `rid` per prompt: each prompt
+with its choices, and each answer's `meta_info.id` is its prompt's).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ class GenerateRequest(_Body):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict | list[dict] | None = None
-    rid: str | None = None
+    rid: str | list[str] | None = None
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
@@ -58,7 +60,6 @@ class GenerateRequest(_Body):
     def _check(self):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("text: give exactly one of text or input_ids")
-        check_request_id(self.rid, "rid")
         if self.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num: must be >= 0, got {self.top_logprobs_num}")
         if self.logprob_start_len < -1:
@@ -66,9 +67,25 @@ class GenerateRequest(_Body):
         prompts = self.prompts()
         if not prompts or any(isinstance(p, list) and not p for p in prompts):
             raise ValueError(f"{'text' if self.text is not None else 'input_ids'}: a prompt must not be empty")
+        self._check_rids()
         if isinstance(self.sampling_params, list) and len(self.sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: {len(self.sampling_params)} given for {len(prompts)} prompts")
         return self
+
+    def _check_rids(self) -> None:
+        rids = self.rid if isinstance(self.rid, list) else [self.rid]
+        for rid in rids:
+            check_request_id(rid, "rid")
+        if not isinstance(self.rid, list):
+            return
+        if not self.batched or len(self.rid) != len(self.prompts()):
+            raise ValueError(f"rid: a list names each prompt of a batch, {len(self.prompts()) if self.batched else 1} "
+                             f"prompt(s) here, {len(self.rid)} rid(s) given")
+        if len(set(self.rid)) != len(self.rid):
+            raise ValueError("rid: each prompt of a batch needs an id of its own")
+
+    def rid_of(self, prompt: int) -> str | None:
+        return self.rid[prompt] if isinstance(self.rid, list) else self.rid
 
     @property
     def batched(self) -> bool:
@@ -161,12 +178,13 @@ async def generate(request: Request):
             subs.append(Submission(prompt_ids, engine_params(given, body, choice)))
             owners.append(i)
     group_id = "gen-" + uuid.uuid4().hex
-    rid = body.rid or group_id
-    group = RequestGroup(group_id, len(subs), body.rid)
+    per_prompt = isinstance(body.rid, list)
+    group = RequestGroup(group_id, len(subs), None if per_prompt else body.rid,
+                         [body.rid_of(i) for i in owners] if per_prompt else None)
     job = Job(group, subs, request.scope.get(TENANT_SCOPE_KEY, DEFAULT_TENANT), None, None, body.stream, False,
               {**{name: "sampling_params" for name in SAMPLING_NAMES.values() if name},
                "prompt": "text" if body.text is not None else "input_ids"})
-    answers = Answers(state, body, rid, len(subs), [len(p) for p in ids], owners,
+    answers = Answers(state, body, [group.client_id_of(i) for i in range(len(subs))], [len(p) for p in ids], owners,
                       single=not body.batched and len(subs) == 1)
     return await respond(request, state.loop, job, state.metrics, answers)
 
@@ -174,10 +192,10 @@ async def generate(request: Request):
 class Answers:
     """Each choice's latest output, answered as SGLang answers (the serving.Replies of /generate)."""
 
-    def __init__(self, state, body: GenerateRequest, rid: str, size: int, prompt_lens: list[int], owners: list[int],
+    def __init__(self, state, body: GenerateRequest, rids: list[str], prompt_lens: list[int], owners: list[int],
                  single: bool):
-        self.body, self.rid, self.token_text = body, rid, state.token_text
-        self.outputs: list[RequestOutput | None] = [None] * size
+        self.body, self.rids, self.token_text = body, rids, state.token_text  # rids: each choice's id
+        self.outputs: list[RequestOutput | None] = [None] * len(rids)
         self.prompt_lens, self.owners = prompt_lens, owners
         self.single = single  # one prompt, one choice: the body is that answer, not a list of one
 
@@ -193,7 +211,7 @@ class Answers:
 
     def answer(self, index: int) -> dict:
         out = self.outputs[index]
-        meta = {"id": self.rid, "finish_reason": _finish_reason(out), "prompt_tokens": len(out.prompt_token_ids),
+        meta = {"id": self.rids[index], "finish_reason": _finish_reason(out), "prompt_tokens": len(out.prompt_token_ids),
                 "completion_tokens": len(out.token_ids), "cached_tokens": out.num_cached_tokens,
                 "weight_version": out.metrics.get("weights_version")}
         if self.body.return_logprob:
