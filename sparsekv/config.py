@@ -305,6 +305,13 @@ class EngineConfig:
     # admission, stalling the step; the baseline scripts/prefix_read_ahead.py measures against).
     prefix_cache_disk_read_ahead: bool = True
     seed: int = 0
+    # In-process weight updates (docs/rl.md): keep this rank's slices of the tensors they gave in host
+    # memory until the next update from disk, which later partial updates build from and a failed
+    # update is put back from. False: keep none (a rank's host memory stays its model's, however
+    # often a trainer updates it); a later partial update must then give every tensor those updates
+    # replaced in the parts it touches, and a load that fails part-way where they replaced weights
+    # cannot put them back (the engine stops serving, WeightRestoreError).
+    weight_update_host_copy: bool = True
     tokenizer: str | None = None
     # The Hub revision (branch, tag or commit) of a `model` given as a repo id (hub.py); ignored for a directory.
     revision: str | None = None

@@ -109,6 +109,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
                    help="dense turns top-k selection off (baseline for measuring the mechanism)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--weight-update-host-copy", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the tensors of in-process weight updates in host memory, for later partial "
+                        "updates and to put a failed one back (default on; off: no host copy, see docs/rl.md)")
     g.add_argument("--threads", dest="num_threads", type=int, default=None,
                    help="torch threads (default: LLM()'s, one per GiB of weights a decode token reads, so 1 for "
                         "small models, whose small ops only wait on more; threads.py; 0 = torch's default)")
@@ -168,7 +171,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_ARG_NAMES = ("dtype", "revision", "device", "max_model_len", "hf_overrides", "max_num_seqs", "max_logprobs", "max_num_batched_tokens", "kv_page_size",
-                    "prefill_chunk_tokens", "num_kv_pages", "kv_cache_dtype", "kv_admission", "attention", "seed", "num_threads",
+                    "prefill_chunk_tokens", "num_kv_pages", "kv_cache_dtype", "kv_admission", "attention", "seed", "weight_update_host_copy", "num_threads",
                     "kv_tiering", "device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes",
                     "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",
                     "enable_prefix_caching", "prefix_cache_host_bytes",

@@ -95,7 +95,7 @@ class InProcessExecutor(Executor):
         from .weights import WeightSource
         self.model, self.pool = model, pool
         self.weights = WeightSource(config.model, config.hf_overrides, model.dtype, _layout(config),
-                                    model.loaded_stamp)
+                                    model.loaded_stamp, keep_host_copy=config.weight_update_host_copy)
         self.routing, self.capture_routing = RoutedExpertsRecorder(model), False
         self.runner = ModelRunner(model, pool, config.kv_page_size, config.attention,
                                   decode_rows=1 + config.num_speculative_tokens,

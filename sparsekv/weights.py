@@ -18,7 +18,9 @@ serving (`WeightRestoreError`).
 
 A partial in-process update needs the tensors it leaves out: they are read again from the checkpoint
 the engine loaded (refused if that directory changed since), plus the tensors earlier in-process
-updates gave (`overlay`, host memory; an update from disk clears it).
+updates gave (`overlay`, host memory; an update from disk clears it). Without that host copy
+(`keep_host_copy` off) only the names those updates replaced are kept (`replaced`): a partial update
+leaving one of them out of a part it touches is refused, and a part they replaced cannot be put back.
 """
 from __future__ import annotations
 
@@ -284,12 +286,16 @@ class WeightSource:
     """Where one rank's weights came from: the checkpoint directory it loaded (and its files then),
     and the tensors in-process updates gave since (this rank's slices, on the host)."""
 
-    def __init__(self, path: str, overrides: dict | None, dtype: torch.dtype, layout=None, identity: list | None = None):
+    def __init__(self, path: str, overrides: dict | None, dtype: torch.dtype, layout=None, identity: list | None = None,
+                 keep_host_copy: bool = True):
         """`identity`: the checkpoint's `files_stamp` taken before its weights were read (`load_model`'s),
-        so that files written while the engine loaded count as changed since."""
+        so that files written while the engine loaded count as changed since. `keep_host_copy`: keep the
+        tensors in-process updates gave (`overlay`); else only their names (`replaced`)."""
         self.path, self.overrides, self.dtype, self.layout = path, overrides, dtype, layout
         self.identity = identity if identity is not None else files_stamp(path)
+        self.keep_host_copy = keep_host_copy
         self.overlay: dict[str, torch.Tensor] = {}
+        self.replaced: set[str] = set()  # without the host copy: names in-process updates replaced since the load
 
     def apply(self, model, update: TensorUpdate | DiskUpdate) -> None:
         """Load the update part by part (`model.part_of`: a decoder layer, the MTP layer, the ends):
@@ -317,7 +323,17 @@ class WeightSource:
         except Exception as e:
             self._restore(model, copied, e)
             raise
-        (self.path, self.identity), self.overlay = source, overlay
+        self._settle(source, overlay, update)
+
+    def _settle(self, source: tuple, overlay: dict[str, torch.Tensor], update) -> None:
+        """After a load: where the weights now come from, and what later partial updates build from."""
+        (self.path, self.identity) = source
+        if isinstance(update, DiskUpdate):
+            self.overlay, self.replaced = {}, set()
+        elif self.keep_host_copy:
+            self.overlay = overlay
+        else:
+            self.replaced |= set(update.tensors)
 
     def _parts(self, model, touched: set[str] | None) -> list[tuple[int | str, set[str]]]:
         """(part, the names of this rank's tensors that build it) for every part of the model, or for
@@ -352,6 +368,10 @@ class WeightSource:
         if not copied:
             return
         try:
+            lost = {n for _, names in copied for n in names} & self.replaced
+            if lost:
+                raise WeightUpdateError(f"earlier in-process updates replaced {_names(lost)} and this engine keeps no "
+                                        f"host copy of them (weight_update_host_copy off)")
             reads = any(n not in self.overlay for _, names in copied for n in names)
             if reads and self._changed_on_disk():
                 raise WeightUpdateError(f"{self.path}, the checkpoint this engine loaded, changed on disk since")
@@ -370,6 +390,14 @@ class WeightSource:
             return files_stamp(self.path) != self.identity
         except OSError:
             return True
+
+    @staticmethod
+    def _left_out(model, given: set[str]) -> set[str]:
+        """The model's tensors (every rank's names) in the parts `given` touches that it does not give."""
+        from .model.model import part_of
+        layers = model.cfg.num_hidden_layers
+        touched = {part_of(n, layers) for n in given}
+        return {n for n in model_weight_shapes(model) if part_of(n, layers) in touched} - given
 
     def _holds(self, name: str, cfg) -> bool:
         return self.layout is None or self.layout.holds(name, cfg)
@@ -390,7 +418,15 @@ class WeightSource:
     def check(self, model, update) -> None:
         """A partial in-process update reads the tensors it leaves out from the loaded checkpoint:
         refused if that directory changed since it was loaded (checked when given, and at the load)."""
-        if isinstance(update, DiskUpdate) or not set(model_weight_shapes(model)) - set(self.overlay) - set(update.tensors):
+        if isinstance(update, DiskUpdate):
+            return
+        unkept = self._left_out(model, set(update.tensors)) & self.replaced
+        if unkept:
+            raise WeightUpdateError(f"this update leaves out {_names(unkept)}, which earlier in-process updates "
+                                    f"replaced, and this engine keeps no host copy of them (weight_update_host_copy "
+                                    f"off): give every tensor of the parts it touches (a decoder layer, the MTP "
+                                    f"layer, the embedding, final norm and head), or update from disk")
+        if not set(model_weight_shapes(model)) - set(self.overlay) - set(update.tensors):
             return
         if self._changed_on_disk():
             raise WeightUpdateError(f"{self.path}: the checkpoint this engine loaded changed on disk since, so the "

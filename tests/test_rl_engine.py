@@ -1313,3 +1313,55 @@ def test_an_abort_update_frees_the_index_score_buffer_of_the_requests_it_ends(ck
     assert [o.request_id for o in aborted] == ["r1"] and engine.weights_version == 1
     assert not engine.has_unfinished_requests() and engine.stats()["indexer_scratch_bytes"] == 0
     engine.check_integrity()
+
+
+def test_without_a_host_copy_updates_keep_nothing_and_a_partial_one_must_give_what_they_replaced(ckpts):
+    """`weight_update_host_copy=False`: an update giving every tensor loads as with the copy and keeps
+    none of them (only their names); a partial update leaving out a tensor they replaced, in a part it
+    touches, is refused whole (a host copy would have supplied it); one giving those parts whole loads;
+    an update from disk makes the checkpoint the source of every tensor again."""
+    from sparsekv.weights import WeightUpdateError
+    a, b, _ = ckpts
+    llm = LLM(a, weight_update_host_copy=False, **OPTIONS)
+    tensors, source = _tensors(b), llm.engine.executor.weights
+    assert llm.update_weights(tensors.items()) == 1
+    on_b = llm.generate([PROMPT], GREEDY)[0]
+    _same(on_b, LLM(b, **OPTIONS).generate([PROMPT], GREEDY)[0], llm)
+    assert source.overlay == {} and source.replaced == set(tensors)
+    with pytest.raises(WeightUpdateError, match="keeps no host copy") as refused:
+        llm.update_weights([("model.norm.weight", _tensors(a)["model.norm.weight"])])
+    assert "model.embed_tokens.weight" in str(refused.value)  # the ends' other tensors
+    assert llm.weights_version == 1
+    _same(llm.generate([PROMPT], GREEDY)[0], on_b)
+    ends = [n for n in tensors if not n.startswith("model.layers.")]
+    assert llm.update_weights([(n, _tensors(a)[n]) for n in ends]) == 2
+    want = LLM(a, **OPTIONS)
+    want.update_weights(tensors.items())
+    want.update_weights([(n, _tensors(a)[n]) for n in ends])
+    _same(llm.generate([PROMPT], GREEDY)[0], want.generate([PROMPT], GREEDY)[0])
+    llm.update_weights_from_disk(a)
+    assert source.replaced == set() and llm.update_weights([("model.norm.weight", tensors["model.norm.weight"])]) == 4
+
+
+def test_without_a_host_copy_a_load_failing_over_replaced_weights_stops_the_engine(ckpts, monkeypatch):
+    """Without the host copy, parts an in-process update replaced cannot be put back when a later load
+    fails part-way: WeightRestoreError, and the engine steps no more. Parts still the checkpoint's are
+    put back from it as with the copy: the old weights keep serving."""
+    from sparsekv.parallel.launch import RankFailure
+    from sparsekv.weights import WeightRestoreError
+    a, b, _ = ckpts
+    kept = LLM(a, weight_update_host_copy=False, **OPTIONS)
+    want = kept.generate([PROMPT], GREEDY)[0]
+    _fail_the_third_copy(monkeypatch)
+    with pytest.raises(WeightLoadError, match="out of memory"):
+        kept.update_weights_from_disk(b)
+    monkeypatch.undo()
+    _same(kept.generate([PROMPT], GREEDY)[0], want)
+    lost = LLM(a, weight_update_host_copy=False, **OPTIONS)
+    lost.update_weights(_tensors(b).items())
+    _fail_the_third_copy(monkeypatch)
+    with pytest.raises(WeightRestoreError, match="keeps no host copy"):
+        lost.update_weights_from_disk(a)
+    monkeypatch.undo()
+    with pytest.raises(RankFailure):
+        lost.generate([PROMPT], GREEDY)

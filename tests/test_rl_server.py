@@ -865,16 +865,24 @@ def test_an_announced_tensor_that_cannot_be_allocated_closes_the_group_with_a_50
         server.state.weight_groups.groups.pop("huge", None)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_bench_weight_sync_times_each_way_of_updating_the_same_weights(tmp_path, capsys, tp):
+@pytest.mark.parametrize("tp, host_copy", [(1, True), (2, True), (1, False)])
+def test_bench_weight_sync_times_each_way_of_updating_the_same_weights(tmp_path, capsys, tp, host_copy):
     """`sparsekv bench weight-sync`: every update of each way loads (the engine's weights version counts
     them), the answer after each is the same, and each way gets its time; with two tensor-parallel
-    processes, each of which joins the trainer's group."""
+    processes, each of which joins the trainer's group. The host copy kept after an update: none after
+    one from disk, or without the engine's host copy; rank 0's slices of every tensor otherwise."""
     from sparsekv.tools.bench import main
     out = tmp_path / "sync.json"
-    assert main(["weight-sync", "--repeats", "1", "--tensor-parallel-size", str(tp), "--json", str(out)]) == 0
+    copy = [] if host_copy else ["--no-weight-update-host-copy"]
+    assert main(["weight-sync", "--repeats", "1", "--tensor-parallel-size", str(tp), "--json", str(out), *copy]) == 0
     result = json.loads(out.read_text())
     assert set(result["seconds"]) == {"save + disk", "disk", "broadcast", "in process"}
     assert all(s > 0 for s in result["seconds"].values())
+    kept = result["kept_mb"]
+    assert kept["disk"] == kept["save + disk"] == 0
+    if host_copy:  # a whole model's tensors, sliced across the ranks
+        assert kept["broadcast"] == kept["in process"] > result["bytes"] / 1e6 / tp / 4
+    else:
+        assert kept["broadcast"] == kept["in process"] == 0
     assert result["updates_loaded"] == 4 and result["identical"] and result["bytes"] > 0
     assert "greedy answer after every update identical: True" in capsys.readouterr().out

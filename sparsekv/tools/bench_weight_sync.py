@@ -14,8 +14,9 @@ With `--tensor-parallel-size N` the engine has N processes: on "broadcast" each 
 group and receives every tensor itself, while "in process" has rank 0 relay the tensors to the others
 over the engine's control group (the path an update given to rank 0 takes).
 Printed: seconds per update (medians of `--repeats`), the weights' GB/s, the ratio against disk, how far
-the process's resident set rose during the update (against the weights' size), and whether a greedy
-answer after each update is the same.
+the process's resident set rose during the update (against the weights' size), the host copy of the
+update's tensors rank 0 keeps after it (for later partial updates; none with
+`--no-weight-update-host-copy`), and whether a greedy answer after each update is the same.
 """
 from __future__ import annotations
 
@@ -127,7 +128,8 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or (make_checkpoint(args.preset, tmp) if args.preset else default_model_path())
-        llm = LLM(path, max_model_len=256, num_threads=args.threads, tensor_parallel_size=args.tensor_parallel_size)
+        llm = LLM(path, max_model_len=256, num_threads=args.threads, tensor_parallel_size=args.tensor_parallel_size,
+                  weight_update_host_copy=args.weight_update_host_copy)
         engine, tensors = llm.engine, checkpoint_tensors(path)
         trainer, engine_side = _groups(_free_port(), engine, args.tensor_parallel_size)
         prompt, greedy = list(range(1, 33)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -138,18 +140,25 @@ def run(args) -> dict:
                    "disk": lambda: _timed(lambda: engine.update_weights_from_disk(path)),
                    "broadcast": lambda: _broadcast_update(engine, trainer, engine_side, tensors),
                    "in process": lambda: _timed(lambda: engine.update_weights(tensors))}
-        runs, rises = {mode: [] for mode in MODES}, {mode: [] for mode in MODES}
+        runs, rises, kept = ({mode: [] for mode in MODES} for _ in range(3))
         for _ in range(args.repeats):
             for mode in MODES:
                 seconds, rise = rss_rise_mb(updates[mode])
                 runs[mode].append(seconds)
                 rises[mode].append(rise)
+                kept[mode].append(_host_copy_mb(engine))
                 answers.append(answer())
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         loaded = engine.weights_version
         llm.close()
-    return {"tensor_parallel_size": args.tensor_parallel_size, "runs": runs, "rss_rise_mb": rises, "bytes": nbytes, "tensors": len(tensors), "model": args.model or args.preset or "bundled",
+    return {"tensor_parallel_size": args.tensor_parallel_size, "host_copy": args.weight_update_host_copy,
+            "kept_mb": kept, "runs": runs, "rss_rise_mb": rises, "bytes": nbytes, "tensors": len(tensors), "model": args.model or args.preset or "bundled",
             "identical": all(a == before for a in answers), "updates_loaded": loaded}
+
+
+def _host_copy_mb(engine) -> float:
+    """The MB of update tensors rank 0 keeps for later partial updates (weights.WeightSource.overlay)."""
+    return sum(t.numel() * t.element_size() for t in engine.executor.weights.overlay.values()) / 1e6
 
 
 def report(result: dict) -> dict:
@@ -157,20 +166,23 @@ def report(result: dict) -> dict:
     gb = result["bytes"] / 1e9
     tp = result["tensor_parallel_size"]
     ranks = f", tensor parallel {tp} (in process: rank 0 relays every tensor to the other ranks)" if tp > 1 else ""
-    table = Table(title=f"weight update of {result['model']}{ranks}: {result['tensors']} tensors, {gb:.3f} GB "
+    copy = "" if result["host_copy"] else ", no host copy of updates"
+    table = Table(title=f"weight update of {result['model']}{ranks}{copy}: {result['tensors']} tensors, {gb:.3f} GB "
                         f"(medians of {len(result['runs']['disk'])}, gloo over loopback)")
     rises = {mode: _largest(rs) for mode, rs in result["rss_rise_mb"].items()}
-    for col in ("update", "seconds", "weights GB/s", "against save + disk", "host memory rise, MB (of the weights)"):
+    kept = {mode: max(ks) for mode, ks in result["kept_mb"].items()}
+    for col in ("update", "seconds", "weights GB/s", "against save + disk", "host memory rise, MB (of the weights)",
+                "host copy kept after, MB"):
         table.add_column(col)
     for mode, s in seconds.items():
         rise = "n/a" if rises[mode] is None else f"{rises[mode]:.0f} ({rises[mode] * 1e6 / result['bytes']:.2f}x)"
-        table.add_row(mode, f"{s:.3f}", f"{gb / s:.2f}", f"{seconds['save + disk'] / s:.2f}x", rise)
+        table.add_row(mode, f"{s:.3f}", f"{gb / s:.2f}", f"{seconds['save + disk'] / s:.2f}x", rise, f"{kept[mode]:.0f}")
     console = report_console()
     console.print(table)
     console.print("host memory rise: the largest, over the repeats, of how far the resident set rose above where "
                   "it stood before the update, at its peak during it")
     console.print(f"greedy answer after every update identical: {result['identical']}")
-    return {"seconds": seconds, "rss_rise_mb": rises, "bytes": result["bytes"], "identical": result["identical"],
+    return {"seconds": seconds, "rss_rise_mb": rises, "kept_mb": kept, "bytes": result["bytes"], "identical": result["identical"],
             "updates_loaded": result["updates_loaded"]}
 
 
@@ -187,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--tensor-parallel-size", type=at_least(1), default=1,
                    help="an engine of this many processes (gloo): each joins the trainer's group and receives itself")
+    p.add_argument("--weight-update-host-copy", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine keeps a host copy of in-process updates' tensors (the engine's default; "
+                        "--no-weight-update-host-copy: none, docs/rl.md)")
     p.add_argument("--json", type=output_path, default=None)
     return p
 
