@@ -403,17 +403,18 @@ class WeightSource:
         return self.layout is None or self.layout.holds(name, cfg)
 
     def _slice(self, name: str, given: torch.Tensor, cfg, owned: bool = False) -> torch.Tensor:
-        """This rank's slice of a given tensor as the model keeps it, in memory of its own: the overlay
-        outlives the update, and a view would follow the caller's tensor (a trainer's parameter, stepped
-        in place) and keep the whole of it alive for a slice. `owned`: nobody else holds the tensor (a
-        trainer's broadcast received, a drain's copy), so a whole one is kept as it is."""
+        """This rank's slice of a given tensor as the model keeps it, in memory of its own when the
+        overlay keeps it: the overlay outlives the update, and a view would follow the caller's tensor
+        (a trainer's parameter, stepped in place) and keep the whole of it alive for a slice. `owned`:
+        nobody else holds the tensor (a trainer's broadcast received, a drain's copy), so a whole one is
+        kept as it is. Without the host copy nothing outlives the update, which reads views."""
         t, shard = given, self.layout.shard(name, tuple(given.shape)) if self.layout is not None else None
         if shard is not None:
             dim, start, end = shard
             t = t.narrow(dim, start, end - start)
         kept = as_stored(name, t, self.dtype, torch.device("cpu"))
         shared = kept.untyped_storage().data_ptr() == given.untyped_storage().data_ptr()
-        return kept.clone() if shared and not (owned and shard is None) else kept
+        return kept.clone() if shared and self.keep_host_copy and not (owned and shard is None) else kept
 
     def check(self, model, update) -> None:
         """A partial in-process update reads the tensors it leaves out from the loaded checkpoint:
