@@ -3,6 +3,7 @@ write a call with guided_regex, since an 8M model does not call tools on its own
 from __future__ import annotations
 
 import json
+import shutil
 
 import openai
 import pytest
@@ -92,6 +93,57 @@ def test_a_string_parameter_keeps_its_value_as_written():
     assert json.loads(call["function"]["arguments"]) == {"city": "75001", "metric": "true", "days": 3}
     assert _joined(_stream(text, 1, fmt)) == [("get_weather", call["function"]["arguments"])]
     assert json.loads(parse_tool_calls(text)[1][0]["function"]["arguments"]) == {"city": 75001, "metric": True, "days": 3}
+
+
+def _glm_value(schema: dict | None, raw: str):
+    """The value a GLM call's argument `v` written as `raw` reads as, for a parameter typed `schema`
+    (None: the tool declares no such parameter); streamed a character at a time, the same."""
+    from sparsekv.server.tool_calls import GLM
+    properties = {} if schema is None else {"v": schema}
+    parameters = {"type": "object", "properties": properties}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    fmt = GLM.for_tools(tools)
+    text = f"<tool_call>f\n<arg_key>v</arg_key>\n<arg_value>{raw}</arg_value>\n</tool_call>"
+    [call] = parse_tool_calls(text, fmt)[1]
+    assert _joined(_stream(text, 1, fmt)) == [("f", call["function"]["arguments"])]
+    return json.loads(call["function"]["arguments"])["v"]
+
+
+@pytest.mark.parametrize("schema, raw, value", [
+    ({"type": "integer"}, "  42 ", 42),
+    ({"type": "boolean"}, "True", True),
+    ({"type": "integer"}, " n/a \n", "n/a"),
+    ({"type": "object"}, "{'a': 1}", {"a": 1}),
+    ({"type": "array"}, "(1, 'x')", [1, "x"]),
+    ({"type": ["integer", "null"]}, "null", None),
+    ({"type": ["integer", "null"]}, " 7\n", 7),
+    ({"type": "string"}, "  hi  ", "  hi  "),
+    ({"type": "string"}, "75001", "75001"),
+    ({"type": ["string", "null"]}, "null", None),
+    ({"type": ["string", "null"]}, "75001", "75001"),
+    ({"type": ["string", "null"]}, "  hi  ", "  hi  "),
+    ({"anyOf": [{"type": "string"}, {"type": "number"}]}, "2", 2),
+    ({"anyOf": [{"type": "string"}, {"type": "number"}]}, "[2]", "[2]"),
+    ({"anyOf": [{"type": "string"}, {"$ref": "#/defs/x"}]}, "[2]", [2]),
+    (None, " [1, 2] ", [1, 2]),
+    ({"type": "object"}, "{1, 2}", "{1, 2}"),
+    ({"type": "number"}, "NaN", "NaN"),
+    ({"type": "number"}, "1e999", "1e999"),
+    ({"type": "object"}, "__import__('os').getcwd()", "__import__('os').getcwd()"),
+    ({"type": "integer"}, "9" * 5000, "9" * 5000),
+    ({"type": "integer"}, "0x" + "f" * 4000, "0x" + "f" * 4000),
+], ids=["integer-stripped", "python-true", "unparsed-value-stripped", "python-dict", "python-tuple", "union-null",
+        "union-integer", "string-keeps-spaces", "string-digits", "string-union-null",
+        "string-union-digits-stay-a-string", "string-union-keeps-spaces", "anyof-string-or-number",
+        "anyof-value-of-no-member-type", "anyof-untyped-member-reads-as-non-string", "undeclared-parameter",
+        "python-set-has-no-json", "nan-has-no-json", "infinity-has-no-json", "code-is-not-evaluated",
+        "int-too-long-to-convert", "int-too-long-to-write"])
+def test_a_glm_value_is_read_as_its_parameters_type(schema, raw, value):
+    """vLLM's glm45 reading: a "string" parameter's value as written; any other stripped, then JSON,
+    else a Python literal (literals only: code stays text), else the raw string. A union admitting a
+    string keeps a decoded value only where it admits that value's type. A value JSON cannot write
+    exactly (a set, NaN, an infinity) stays the text, so the arguments are always JSON."""
+    assert _glm_value(schema, raw) == value
 
 
 def test_a_call_streams_its_name_and_each_argument_as_they_complete():
@@ -189,24 +241,34 @@ def test_parse_deepseek_v32_dsml_tool_calls(text, content, calls):
         assert _joined(_stream(text, 1, DSML)) == want == _joined(_stream(text, 5, DSML))
 
 
+DS_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+DS_REGEX = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" '
+            'string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+
+
+def _deepseek_v32_checkpoint(path: str, with_template: bool) -> str:
+    """A tiny deepseek_v32 checkpoint with the bundled model's tokenizer, its chat template kept or
+    left out (as DeepSeek-V3.2's own tokenizer has none: the server then renders with the bundled one)."""
+    from sparsekv.paths import default_model_path
+    from sparsekv.tools.tiny import save_reference_checkpoint
+    save_reference_checkpoint(path, "deepseek_v32", n_group=1, topk_group=1, vocab_size=4096)
+    shutil.copy(f"{default_model_path()}/tokenizer.json", path)
+    with open(f"{default_model_path()}/tokenizer_config.json") as f:
+        config = json.load(f)
+    if not with_template:
+        config.pop("chat_template")
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    return path
+
+
 def test_deepseek_v32_tool_calls_through_the_api(tmp_path):
     """A deepseek_v32 checkpoint (with the bundled tokenizer) made to write a DSML call: parsed into
     `tool_calls`, whole and streamed."""
-    import shutil
-
-    from sparsekv.paths import default_model_path
-    from sparsekv.tools.tiny import save_reference_checkpoint
     from test_server_util import ThreadServer
-    path = str(tmp_path / "ds")
-    save_reference_checkpoint(path, "deepseek_v32", n_group=1, topk_group=1, vocab_size=4096)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{default_model_path()}/{name}", path)
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]
-    regex = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" '
-             'string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
-    messages = [{"role": "user", "content": "weather in Paris?"}]
-    with ThreadServer(path, max_model_len=1024) as srv:
+    tools, regex, messages = DS_TOOLS, DS_REGEX, [{"role": "user", "content": "weather in Paris?"}]
+    with ThreadServer(_deepseek_v32_checkpoint(str(tmp_path / "ds"), True), max_model_len=1024) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         whole = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=256,
                                                temperature=0, extra_body={"guided_regex": regex})
@@ -222,6 +284,66 @@ def test_deepseek_v32_tool_calls_through_the_api(tmp_path):
         assert streamed[-1].choices[0].finish_reason == "tool_calls"
         assert not "".join(c.choices[0].delta.content or "" for c in streamed).strip()
         srv.engine.check_integrity()
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt_through_the_api(tmp_path):
+    """tool_choice "none" on a server whose template renders tools (a deepseek_v32 tokenizer without a
+    template gets the bundled one): the prompt has the tools, as "auto"'s has, and a call the model
+    writes is content; with the server's --exclude-tools-when-tool-choice-none it is the prompt
+    without tools."""
+    from test_server_util import ThreadServer
+    tools, regex, messages = DS_TOOLS, DS_REGEX, [{"role": "user", "content": "weather in Paris?"}]
+    srv = ThreadServer(_deepseek_v32_checkpoint(str(tmp_path / "ds"), False), max_model_len=1024)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+    def prompt_tokens(**extra):
+        return client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0,
+                                              **extra).usage.prompt_tokens
+    with srv:
+        bare = prompt_tokens()
+        assert prompt_tokens(tools=tools, tool_choice="none") == prompt_tokens(tools=tools, tool_choice="auto") > bare
+        off = client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice="none",
+                                             max_tokens=256, temperature=0, extra_body={"guided_regex": regex})
+        assert off.choices[0].finish_reason == "stop" and not off.choices[0].message.tool_calls
+        assert off.choices[0].message.content == regex  # the regex has no escapes: it is the text it matches
+        srv.state.settings.exclude_tools_when_tool_choice_none = True
+        assert prompt_tokens(tools=tools, tool_choice="none") == bare
+        assert prompt_tokens(tools=tools, tool_choice="auto") > bare
+        srv.engine.check_integrity()
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "none", "required", {"type": "function", "function": {"name": "f"}}])
+def test_tool_choice_none_renders_the_tools_but_parses_no_calls(choice):
+    """As vLLM: "none" keeps the tools in the prompt (unless the server excludes them then) and only
+    turns off parsing; every other choice renders and parses them. No tools: neither."""
+    from sparsekv.server.protocol import ChatCompletionRequest
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                 **({} if choice is None else {"tool_choice": choice})})
+    assert body.tools_in_prompt() and body.tools_in_prompt(exclude_when_none=True) == (choice != "none")
+    assert body.parse_tool_calls == (choice != "none")
+    bare = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tool_choice": "none"})
+    assert not bare.tools_in_prompt() and not bare.parse_tool_calls
+
+
+def test_exclude_tools_when_tool_choice_none_reaches_the_server_settings(monkeypatch):
+    """`sparsekv serve --exclude-tools-when-tool-choice-none` (vLLM's flag) sets the server's setting;
+    off without it."""
+    from types import SimpleNamespace
+
+    import sparsekv.llm
+    import sparsekv.server.app
+    from sparsekv.server.cli import build_app, build_parser
+    seen = []
+
+    def create_app(engine, settings):
+        seen.append(settings)
+        return SimpleNamespace(state=SimpleNamespace(server=None))
+    monkeypatch.setattr(sparsekv.llm, "build_engine", lambda config: object())
+    monkeypatch.setattr(sparsekv.server.app, "create_app", create_app)
+    for argv, want in (([], False), (["--exclude-tools-when-tool-choice-none"], True)):
+        build_app(build_parser().parse_args(argv))
+        assert seen[-1].exclude_tools_when_tool_choice_none is want, argv
 
 
 def test_chat_template_flag_replaces_the_tokenizers(tmp_path, capsys):
@@ -386,6 +508,28 @@ def test_a_stop_string_that_cuts_a_whole_argument_never_streams_it():
         deltas += builder.chunk(state, i == 0, False)["choices"][0]["delta"].get("tool_calls") or []
     [call] = builder.response([state])["choices"][0]["message"]["tool_calls"]
     assert _joined(deltas) == [("get_weather", call["function"]["arguments"])] == [("get_weather", "{}")]
+
+
+def test_a_dsml_key_with_a_quote_round_trips_through_the_template():
+    """An earlier call's argument names as the bundled DeepSeek-V3.2 template writes them (`"` and `&`
+    escaped in the name attribute) read back by the DSML parser as the same names, whole and
+    streamed; a bare `"` would end the name there."""
+    from transformers import AutoTokenizer
+
+    from sparsekv.paths import default_model_path
+    from sparsekv.server.app import bundled_chat_template
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    tok.chat_template = bundled_chat_template("deepseek_v32")
+    arguments = {'say "hi"': "x", "a&b": 1, "&quot;": [True], 'q"': {"k": 'v"'}}
+    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    start = text.index("<｜DSML｜function_calls>")
+    block = text[start:text.index("<｜end▁of▁sentence｜>", start)]
+    assert 'name="say &quot;hi&quot;"' in block and 'name="a&amp;b"' in block
+    [parsed] = parse_tool_calls(block, DSML)[1]
+    assert json.loads(parsed["function"]["arguments"]) == arguments
+    assert _joined(_stream(block, 1, DSML)) == [("f", parsed["function"]["arguments"])]
 
 
 def test_a_dsml_parameter_without_a_string_flag_is_json():

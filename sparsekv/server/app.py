@@ -66,6 +66,7 @@ class ServerSettings:
     disaggregation: DisaggSettings | None = None  # a prefill or decode worker's role (None: colocated)
     admin_api_keys: dict[bytes, str] = field(default_factory=dict)  # open the admin endpoints (admin.py)
     weight_update_policy: str = "drain"  # running requests on /update_weights_from_disk: "drain" or "abort"
+    exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: tool_choice "none" renders no tools
 
 
 class ServerState:
@@ -243,14 +244,15 @@ async def chat_completions(request: Request):
     body = await _body(request, ChatCompletionRequest)
     state.check_model(body.model)
     forced = body.forced_tool  # a forced call is JSON under a schema, not the model's own call format
-    call_format = TOOL_CALL_FORMATS.get(state.engine.model_config.model_type) if body.use_tools else None
-    if body.use_tools and forced is None and call_format is None:
+    call_format = TOOL_CALL_FORMATS.get(state.engine.model_config.model_type) if body.parse_tool_calls else None
+    if body.parse_tool_calls and forced is None and call_format is None:
         raise bad_request(f"tools: no tool-call parser for model_type {state.engine.model_config.model_type!r} "
                           f"(parsed: {', '.join(TOOL_CALL_FORMATS)})", "tools")
-    if call_format is not None:  # a string parameter's value stays a string, as vLLM's parsers keep it
+    if call_format is not None:  # each value read as the type its parameter declares (a string stays one)
         call_format = call_format.for_tools(body.tools)
     truncate = body.truncate_prompt_tokens
-    prompt, text = await state.pooled(chat_prompt_ids, *state.chat_inputs(body, body.tools if body.use_tools else None),
+    in_prompt = body.tools_in_prompt(state.settings.exclude_tools_when_tool_choice_none)
+    prompt, text = await state.pooled(chat_prompt_ids, *state.chat_inputs(body, body.tools if in_prompt else None),
                                       None if truncate is not None else state.max_model_len)
     if truncate is not None:  # the engine's left truncation, done here so that it never walks a long prompt
         prompt = prompt[-(state.max_model_len if truncate == -1 else truncate):]

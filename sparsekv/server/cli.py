@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default=None, choices=PARSERS,
                    help="chat: split the model's <think>...</think> out of the content into reasoning_content "
                         "(vLLM's names; GLM-5 and DeepSeek-V3.2 share the format)")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="chat: leave the tools out of the prompt when tool_choice is \"none\" (vLLM's flag; by "
+                        "default the template sees them and the output is not parsed for calls)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_disaggregation_args(p)
     add_engine_args(p)
@@ -257,6 +260,7 @@ def build_app(args, bind=None):
                               args.max_queued_per_tenant, args.reasoning_parser, args.max_request_body_bytes,
                               args.max_prompts_per_request, metrics_keys, role)
     settings.admin_api_keys, settings.weight_update_policy = admin_keys, args.weight_update_policy
+    settings.exclude_tools_when_tool_choice_none = args.exclude_tools_when_tool_choice_none
     app = create_app(engine, settings)
     return app, app.state.server
 

@@ -379,8 +379,17 @@ class ChatCompletionRequest(_ChatTemplateFields, SamplingFields):
     def _tool_functions(self) -> dict[str, dict]:
         return {t["function"]["name"]: t["function"] for t in self.tools or []}
 
+    def tools_in_prompt(self, exclude_when_none: bool = False) -> bool:
+        """Whether the chat template sees the tools. With tool_choice "none" it still does, as in vLLM:
+        the model knows the tools it may not call (OpenAI's "none" means no call, not no tools).
+        `exclude_when_none`: the server's --exclude-tools-when-tool-choice-none, vLLM's flag to leave
+        them out then."""
+        return bool(self.tools) and not (exclude_when_none and self.tool_choice == "none")
+
     @property
-    def use_tools(self) -> bool:
+    def parse_tool_calls(self) -> bool:
+        """Whether the model's output is parsed for calls in its own format; under "none" it is all
+        content, whatever the model writes."""
         return bool(self.tools) and self.tool_choice != "none"
 
     @property

@@ -7,9 +7,14 @@ GLM-4.5 and later (and GLM-5, `glm_moe_dsa`) write a call as::
     <arg_value>Paris</arg_value>
     </tool_call>
 
-each value raw where the request's tool declares that parameter `"type": "string"`, else JSON if it
-parses as JSON, else the raw string (vLLM's glm45 parser does the same: "75001" for a string
-parameter stays a string).
+each value as vLLM's glm45 parser reads it: where the request's tool types the parameter
+`"string"`, the value as written, spaces included (they are the string's: "75001" stays a string);
+otherwise the value with its surrounding whitespace stripped, as JSON if it parses, else as a Python
+literal (`ast.literal_eval`: True, 'single quotes', (1, 2)), else the raw string. A union that admits a
+string (`["string", "null"]`, or anyOf/oneOf with a string member) keeps a decoded value only when
+the union admits its type ("null" is null there, "75001" stays a string); vLLM's test, `type` equal
+to "string", would read every union as a non-string and turn "75001" into a number. A schema that
+names no type for a parameter (or an untyped anyOf member) reads as a non-string, as in vLLM.
 DeepSeek-V3.2 (`deepseek_v32`) writes DSML, with fullwidth bars (U+FF5C)::
 
     <｜DSML｜function_calls>
@@ -18,7 +23,9 @@ DeepSeek-V3.2 (`deepseek_v32`) writes DSML, with fullwidth bars (U+FF5C)::
     </｜DSML｜invoke>
     </｜DSML｜function_calls>
 
-a value raw when `string="true"`, else JSON (the raw text if it does not parse).
+a value raw when `string="true"`, else JSON (the raw text if it does not parse). A parameter name is
+an XML attribute: the bundled template writes `&` and `"` in it as `&amp;` and `&quot;`
+(chat_templates/deepseek_v32.jinja), and the parser reads them back, so any key round-trips.
 
 The text before the first call is the message's content (None if only whitespace). Streamed
 (`ToolCallStream`), the text stops where calls begin, and each call goes out as OpenAI streams one:
@@ -28,7 +35,9 @@ the unstreamed response gives, a call cut off by max_tokens or a stop string inc
 """
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field, replace
@@ -42,38 +51,110 @@ def _value(text: str):
         return text
 
 
+def _strict_json(value):
+    """`value` as the JSON it can be written as exactly (tuples become lists), or ValueError: a set,
+    bytes, a complex, a non-finite float, a non-string key or an int too long to write in decimal
+    (Python's digit limit) has no JSON of its own."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        str(value)  # past the digit limit this raises ValueError here, not later in json.dumps
+        return value
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(item) for item in value]
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        return {key: _strict_json(item) for key, item in value.items()}
+    raise ValueError(f"no JSON for {type(value).__name__}")
+
+
+def _decoded(text: str):
+    """A non-string value as vLLM's glm45 parser reads it: JSON, else a Python literal (a model may
+    write True or {'a': 1}; `ast.literal_eval` evaluates literals only, never code), else the text.
+    A decoded value JSON cannot write exactly ({1, 2}, NaN) stays the text, and so does one too deep
+    or too long to decode."""
+    for decode in (json.loads, ast.literal_eval):
+        try:
+            return _strict_json(decode(text))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+    return text
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}[type(value)]
+
+
+def _admits(types: frozenset, value) -> bool:
+    """Whether a schema's `types` admit a decoded value (an integer is a number too)."""
+    kind = _json_type(value)
+    return kind in types or (kind == "integer" and "number" in types)
+
+
+def _glm_value(raw: str, types: frozenset):
+    """One argument's value for a parameter the schema types `types` (empty: untyped)."""
+    if "string" not in types:
+        return _decoded(raw.strip())
+    if types == {"string"}:
+        return raw  # as written: a string's spaces are its own (vLLM keeps them too)
+    value = _decoded(raw.strip())
+    return value if not isinstance(value, str) and _admits(types, value) else raw
+
+
 @dataclass(frozen=True)
 class CallFormat:
     """Where calls begin (`start`: text before it is content), how each call opens and closes, its name
     once whole (`name(body, ended)`: None while it may still grow), and its complete arguments
-    (`arguments(body, strings)`, `strings`: the parameters the function declares as strings).
-    `string_args`: per function of the request's tools, its string parameters (`for_tools`)."""
+    (`arguments(body, types)`, `types`: parameter -> the JSON types the function's schema gives it).
+    `parameter_types`: per function of the request's tools, its parameters' types (`for_tools`)."""
 
     start: str
     call_open: str
     call_close: str
     name: Callable[[str, bool], str | None]
-    arguments: Callable[[str, frozenset], list[tuple[str, object]]]
-    string_args: dict[str, frozenset] = field(default_factory=dict, compare=False)
+    arguments: Callable[[str, dict[str, frozenset]], list[tuple[str, object]]]
+    parameter_types: dict[str, dict[str, frozenset]] = field(default_factory=dict, compare=False)
 
     def for_tools(self, tools: list[dict] | None) -> CallFormat:
-        """This format for a request's tools: their string parameters keep their values raw."""
-        return replace(self, string_args=string_parameters(tools))
+        """This format for a request's tools: a value is read as the type its parameter declares."""
+        return replace(self, parameter_types=parameter_types(tools))
 
     def call_arguments(self, name: str, body: str) -> list[tuple[str, object]]:
-        return self.arguments(body, self.string_args.get(name, frozenset()))
+        return self.arguments(body, self.parameter_types.get(name, {}))
 
 
-def string_parameters(tools: list[dict] | None) -> dict[str, frozenset]:
-    """Function name -> the parameters its JSON Schema types `"string"` (vLLM's test, types in a list
-    not included)."""
+def schema_types(schema) -> frozenset:
+    """The JSON types a parameter's schema admits: its `type` (a name or a list of them), or the types
+    of its anyOf/oneOf members; empty when any of these names none (an untyped schema admits anything)."""
+    if not isinstance(schema, dict):
+        return frozenset()
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        return frozenset([declared])
+    if isinstance(declared, list):
+        return frozenset(t for t in declared if isinstance(t, str))
+    members = [m for key in ("anyOf", "oneOf") if isinstance(schema.get(key), list) for m in schema[key]]
+    member_types = [schema_types(m) for m in members]
+    if not member_types or not all(member_types):
+        return frozenset()
+    return frozenset().union(*member_types)
+
+
+def parameter_types(tools: list[dict] | None) -> dict[str, dict[str, frozenset]]:
+    """Function name -> parameter -> the JSON types its schema admits (`schema_types`)."""
     out = {}
     for tool in tools or []:
         function = tool.get("function") or {}
         properties = (function.get("parameters") or {}).get("properties")
         if isinstance(properties, dict):
-            out[function.get("name")] = frozenset(arg for arg, schema in properties.items()
-                                                  if isinstance(schema, dict) and schema.get("type") == "string")
+            out[function.get("name")] = {arg: schema_types(schema) for arg, schema in properties.items()}
     return out
 
 
@@ -93,14 +174,20 @@ def _dsml_name(body: str, ended: bool) -> str | None:
     return match.group(1).strip() or None if match else None
 
 
-def _glm_arguments(body: str, strings: frozenset) -> list[tuple[str, object]]:
+def _glm_arguments(body: str, types: dict[str, frozenset]) -> list[tuple[str, object]]:
     pairs = [(key.strip(), value) for key, value in _GLM_ARG.findall(body)]
-    return [(key, value if key in strings else _value(value)) for key, value in pairs]
+    return [(key, _glm_value(value, types.get(key, frozenset()))) for key, value in pairs]
 
 
-def _dsml_arguments(body: str, strings: frozenset) -> list[tuple[str, object]]:
-    """The call's own `string` flag says which values are raw (`strings` is not needed)."""
-    return [(k.strip(), v if raw == "true" else _value(v)) for k, raw, v in _DSML_ARG.findall(body)]
+def _dsml_attribute(text: str) -> str:
+    """An attribute's value as the template escapes it (`&quot;`, `&amp;`), read back; only these two,
+    so a name the model wrote with a bare `&` in it reads as written."""
+    return re.sub(r"&(quot|amp);", lambda m: '"' if m.group(1) == "quot" else "&", text)
+
+
+def _dsml_arguments(body: str, types: dict[str, frozenset]) -> list[tuple[str, object]]:
+    """The call's own `string` flag says which values are raw (`types` is not needed)."""
+    return [(_dsml_attribute(k.strip()), v if raw == "true" else _value(v)) for k, raw, v in _DSML_ARG.findall(body)]
 
 
 GLM = CallFormat("<tool_call>", "<tool_call>", "</tool_call>", _glm_name, _glm_arguments)
