@@ -532,6 +532,19 @@ def test_a_dsml_key_with_a_quote_round_trips_through_the_template():
     assert _joined(_stream(block, 1, DSML)) == [("f", parsed["function"]["arguments"])]
 
 
+@pytest.mark.parametrize("written, value", [("NaN", "NaN"), ("1" * 5000, "1" * 5000), ("True", True),
+                                            ("{'a': (1, 2)}", {"a": [1, 2]}), (" 7\n", 7)])
+def test_a_dsml_non_string_value_is_json_a_literal_or_its_text_never_an_error(written, value):
+    """A value the response could not write as JSON (NaN, an integer past Python's digit limit, which
+    json.loads refuses with a plain ValueError) stays its text: before, the first answered NaN (not
+    JSON) and the second a 500."""
+    text = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="v" string="false">'
+            + written + '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+    [call] = parse_tool_calls(text, DSML)[1]
+    assert json.loads(call["function"]["arguments"]) == {"v": value}
+    assert _joined(_stream(text, 7, DSML)) == [("f", call["function"]["arguments"])]
+
+
 def test_a_dsml_parameter_without_a_string_flag_is_json():
     text = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="n">3</｜DSML｜parameter>\n'
             '<｜DSML｜parameter name="s">x</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')

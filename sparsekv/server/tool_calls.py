@@ -23,7 +23,8 @@ DeepSeek-V3.2 (`deepseek_v32`) writes DSML, with fullwidth bars (U+FF5C)::
     </｜DSML｜invoke>
     </｜DSML｜function_calls>
 
-a value raw when `string="true"`, else JSON (the raw text if it does not parse). A parameter name is
+a value raw when `string="true"`, else read as a GLM non-string value is (JSON, a Python literal, else
+the text; a value JSON cannot write exactly, NaN or an integer past Python's digit limit, stays text). A parameter name is
 an XML attribute: the bundled template writes `&` and `"` in it as `&amp;` and `&quot;`
 (chat_templates/deepseek_v32.jinja), and the parser reads them back, so any key round-trips.
 
@@ -42,13 +43,6 @@ import re
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Callable
-
-
-def _value(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 def _strict_json(value):
@@ -187,7 +181,7 @@ def _dsml_attribute(text: str) -> str:
 
 def _dsml_arguments(body: str, types: dict[str, frozenset]) -> list[tuple[str, object]]:
     """The call's own `string` flag says which values are raw (`types` is not needed)."""
-    return [(_dsml_attribute(k.strip()), v if raw == "true" else _value(v)) for k, raw, v in _DSML_ARG.findall(body)]
+    return [(_dsml_attribute(k.strip()), v if raw == "true" else _decoded(v.strip())) for k, raw, v in _DSML_ARG.findall(body)]
 
 
 GLM = CallFormat("<tool_call>", "<tool_call>", "</tool_call>", _glm_name, _glm_arguments)
