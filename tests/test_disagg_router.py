@@ -920,6 +920,8 @@ def test_the_affinity_key_holds_the_tenant_the_salt_and_the_leading_prompt_or_me
     assert affinity_key({"prompt": "hi", "cache_salt": "s1"}, None, 64) != \
         affinity_key({"prompt": "hi", "cache_salt": "s2"}, None, 64)
     assert affinity_key(chat("one question"), None, 64) != affinity_key(chat("another question"), None, 64)
+    for field, one, other in (("text", "one", "two"), ("input_ids", [1, 2], [1, 3])):  # /generate's prompts
+        assert affinity_key({field: one}, None, 64) != affinity_key({field: other}, None, 64)
     lead = lambda text: affinity_key({"prompt": text}, None, 64)
     assert lead("x" * 64 + "tail one") == lead("x" * 64 + "tail two")
     assert lead("x" * 62 + "a") != lead("x" * 62 + "b")  # the 64th character of the JSON, its quote the first
@@ -1649,3 +1651,59 @@ def test_leaving_the_running_router_cancels_the_calls_it_let_run_in_the_backgrou
         await asyncio.wait({left}, timeout=5)  # at once, unless it was left running
         return left.cancelled()
     assert asyncio.run(asyncio.wait_for(main(), 20)) and not router._tasks
+
+
+class NativeAnswer:
+    """One /generate answer as `assert_same_greedy` reads it: its ids and top logprobs by token id."""
+
+    def __init__(self, answer: dict):
+        self.token_ids = answer["output_ids"]
+        self.logprobs = [{token: lp for lp, token, _ in top} for top in answer["meta_info"]["output_top_logprobs"]]
+
+
+def test_sglangs_generate_through_the_router_answers_as_a_colocated_server(glm_ckpt):
+    """/generate (an RL framework's rollouts) behind the router: a batch with a rid per prompt, greedy
+    with logprobs, a seeded sampled prompt and a stream give a colocated server's ids and logprobs, with
+    the transfer's figures in meta_info; a batch whose prompts take different n is a 400 there."""
+    import torch
+    from sparsekv.config import EngineConfig
+    from sparsekv.engine import LLMEngine
+    from sparsekv.server.app import ServerSettings, create_app as create_server
+    from sparsekv.server.auth import parse_api_keys
+    from tolerances import assert_same_greedy, logprob_tolerance
+    base = dict(kv_page_size=4, max_model_len=128, num_threads=1)
+    path = glm_ckpt[0]
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (37, 22)]
+    greedy = {"input_ids": prompts, "rid": ["roll-a", "roll-b"], "return_logprob": True, "top_logprobs_num": 2,
+              "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    seeded = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0.9,
+                                                           "sampling_seed": 11, "ignore_eos": True}}
+
+    def answers(url: str) -> tuple:
+        batch = httpx.post(url + "/generate", json=greedy, timeout=60)
+        sampled = httpx.post(url + "/generate", json=seeded, timeout=60)
+        assert batch.status_code == sampled.status_code == 200, (batch.text, sampled.text)
+        with httpx.stream("POST", url + "/generate", json={**seeded, "stream": True}, timeout=60) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        return batch.json(), sampled.json(), events
+    engine = LLMEngine(EngineConfig(model=path, **base))
+    with Served(create_server(engine, ServerSettings(["tiny"], parse_api_keys([])))) as colocated:
+        want = answers(colocated.url)
+    with routed_pair(path, **base) as (url, p, d):
+        got = answers(url)
+        uneven = httpx.post(url + "/generate", timeout=60, json={
+            "input_ids": prompts, "sampling_params": [{"max_new_tokens": 2, "n": 2}, {"max_new_tokens": 2}]})
+        p.check_clean()
+        d.check_clean()
+    assert uneven.status_code == 400 and uneven.json()["error"]["param"] == "sampling_params", uneven.text
+    (w_batch, w_sampled, w_events), (g_batch, g_sampled, g_events) = want, got
+    assert [a["meta_info"]["id"] for a in g_batch] == ["roll-a", "roll-b"]
+    assert_same_greedy([NativeAnswer(a) for a in w_batch], [NativeAnswer(a) for a in g_batch],
+                       logprob_tolerance(engine.executor.model))
+    assert g_sampled["output_ids"] == w_sampled["output_ids"] and g_events[-1]["output_ids"] == w_sampled["output_ids"]
+    assert w_events[-1]["output_ids"] == w_sampled["output_ids"]
+    figures = g_batch[0]["meta_info"]["disaggregation"]
+    assert figures["pages_sent"] == (len(prompts[0]) - 1) // base["kv_page_size"] + (len(prompts[1]) - 1) // base["kv_page_size"]
+    assert "disaggregation" not in w_batch[0]["meta_info"]

@@ -28,7 +28,7 @@ from ..cache.prefix import cacheable_pages, tail_tokens
 from ..outputs import check_warm
 from ..sampling_params import InvalidRequest
 from ..server.errors import APIError
-from ..server.serving import Job, answer_aborted, run
+from ..server.serving import Job, answer, answer_aborted
 from .first_token import first_tokens_from_wire
 from .transfer import BACKENDS, Room, connect, meta_key, receiver
 from .weights_stamp import check_same_weights, loaded_weights
@@ -49,7 +49,8 @@ class DecodeWorker(Worker):
 
     async def serve(self, request, job: Job, field, prompts: list[list[int]]):
         room = self.open_room(field)
-        owner = self.owners[room] = RoomOwner(job.tenant, job.group.client_id)
+        ids = frozenset(job.group.client_id_of(i) for i in range(len(job.subs)))
+        owner = self.owners[room] = RoomOwner(job.tenant, ids)
         failure = None
         try:
             figures = await self._take_kv(request, field, job, prompts)
@@ -58,7 +59,7 @@ class DecodeWorker(Worker):
         finally:
             self.close_room(room)
             del self.owners[room]
-        # NOTE: `owner.aborted` is read with no await between it and run() queuing the add (app.abort_request)
+        # NOTE: `owner.aborted` is read with no await between it and answer() queuing the add (app.abort_request)
         if owner.aborted or failure is not None:
             await self._release_claims(job, prompts)
         if owner.aborted:  # NOTE: an aborted request ends as aborted, whatever failed meanwhile
@@ -71,7 +72,7 @@ class DecodeWorker(Worker):
         self.metrics.seconds.observe(figures["transfer_s"])
         log.info("disaggregation room %s received: %s", room, figures)
         job.builder.disaggregation = DecodeFigures(figures, job.group, time.monotonic())
-        return await run(request, self.state.loop, job, self.state.metrics)
+        return await answer(request, self.state.loop, job, self.state.metrics)
 
     async def _release_claims(self, job: Job, prompts: list[list[int]]) -> None:
         """A data-parallel engine counts a claimed prompt in its rank's load until its request comes
@@ -96,7 +97,7 @@ class DecodeWorker(Worker):
         the pages it kept, tells the prefill worker in its verdict, and its client gets finish_reason
         "abort" with no token. How many it ended (one already ended is not counted again)."""
         ended = [owner for owner in self.owners.values() if not owner.aborted and owner.tenant == tenant
-                 and client_id in (None, owner.client_id)]
+                 and (client_id is None or client_id in owner.client_ids)]
         for owner in ended:
             owner.aborted = True
         return len(ended)
@@ -330,10 +331,12 @@ class DecodeWorker(Worker):
 
 @dataclasses.dataclass
 class RoomOwner:
-    """Whose request a room's transfer is for, as /abort_request names it (its tenant and client id);
-    whether an abort ended it, and whether the room's claim is written (the abort is acted on from then)."""
+    """Whose request a room's transfer is for, as /abort_request names it (its tenant and client ids:
+    a /generate batch's prompts may each have one, and naming any ends the whole room, which moves as
+    one); whether an abort ended it, and whether the room's claim is written (the abort is acted on
+    from then)."""
     tenant: str
-    client_id: str
+    client_ids: frozenset[str]
     aborted: bool = False
     claimed: bool = False
 
@@ -582,8 +585,8 @@ class DecodeFigures:
     def __init__(self, transfer: dict, group, submitted: float):
         self.transfer, self.group, self.submitted = transfer, group, submitted
 
-    def __call__(self, states) -> dict:
-        firsts = [s.first_output_at for s in states if s.first_output_at is not None]
+    def __call__(self, firsts: list[float]) -> dict:
+        """`firsts`: when each choice's first output came (monotonic), of those that have one."""
         scheduled = self.group.first_scheduled
         figures = dict(self.transfer)
         if figures.get("first_tokens") and firsts:  # the prefill worker's, output once the engine took them

@@ -1,7 +1,7 @@
 """`sparsekv router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...] [--host H] [--port P]`:
 the OpenAI-compatible front end of prefill/decode disaggregation.
 
-Each completion or chat request goes to one prefill worker P and one decode worker D, chosen by load and
+Each completion, chat or SGLang /generate request goes to one prefill worker P and one decode worker D, chosen by load and
 prefix-cache affinity (router_workers.py). Both get the client's body, Authorization header included
 (API keys and tenants are the workers' business), with one field added, the same for both:
 
@@ -36,6 +36,7 @@ from ..engine_args import at_least, port_number, positive_finite
 from ..server.auth import OneAuthorization
 from ..server.errors import APIError, error_body, error_response
 from ..server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
+from ..server.native import GenerateRequest
 from ..server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from .router_exchange import WORKER_GONE, Exchange, WorkerFailure, envelope
 from .router_metrics import RouterMetrics
@@ -226,6 +227,11 @@ async def chat_completions(request: Request):
     return await _generate(request, "/v1/chat/completions", ChatCompletionRequest)
 
 
+async def native_generate(request: Request):
+    """SGLang's /generate (an RL framework's rollouts), routed as a completion is."""
+    return await _generate(request, "/generate", GenerateRequest)
+
+
 async def models(request: Request):
     """A decode worker's model list, or one model of it (the decode workers serve the model's names)."""
     return await _on_a_decode_worker(request, _models_path(request.path_params.get("model")))
@@ -337,6 +343,7 @@ async def version(request: Request):
 
 
 ROUTES = [("/v1/completions", completions, ["POST"]), ("/v1/chat/completions", chat_completions, ["POST"]),
+          ("/generate", native_generate, ["POST"]),
           ("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"]),
           ("/v1/models", models, ["GET"]), ("/v1/models/{model:path}", models, ["GET"]),
           ("/health", health, ["GET", "HEAD"]), ("/ping", health, ["GET", "POST"]), ("/metrics", metrics, ["GET"]),

@@ -102,9 +102,10 @@ def layout_mismatch(named: dict[str, list]) -> str | None:
 
 
 def affinity_key(body: dict, authorization: str | None, prefix_chars: int) -> bytes:
-    """The first `prefix_chars` characters of the request's prompt or messages as JSON, with its
-    Authorization header and cache_salt: the prefix caches key pages by tenant and salt too."""
-    prompt = body.get("messages", body.get("prompt"))
+    """The first `prefix_chars` characters of the request's prompt or messages (/generate's text or
+    input_ids) as JSON, with its Authorization header and cache_salt: the prefix caches key pages by
+    tenant and salt too."""
+    prompt = next((body[k] for k in ("messages", "prompt", "text", "input_ids") if k in body), None)
     lead = json.dumps(prompt, sort_keys=True, separators=(",", ":"), ensure_ascii=False)[:prefix_chars]
     salt = body.get("cache_salt")
     return "\0".join((authorization or "", salt if isinstance(salt, str) else "", lead)).encode()

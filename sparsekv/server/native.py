@@ -12,17 +12,21 @@ prompt with n = 1 answers an object, else a list in prompt-major order. A stream
 answer so far (cumulative, as SGLang streams), with its `index` in that order, then `[DONE]`.
 
 The request runs as a completion does (serving.respond: admission, the engine loop, abort on disconnect), under
-the caller's tenant; its `rid` names it to /abort_request (a batch given a `rid` per prompt: each prompt
+the caller's tenant, and behind `sparsekv router` as a completion does too: the prefill worker computes
+the prompts and each choice's first token, the decode worker answers with the transfer's figures in
+each answer's `meta_info.disaggregation` (every prompt then takes the same `n`, as a completion's do); its `rid` names it to /abort_request (a batch given a `rid` per prompt: each prompt
 with its choices, and each answer's `meta_info.id` is its prompt's).
 """
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 from fastapi import Request
 from pydantic import model_validator
 
+from ..disagg import roles as disagg
 from ..outputs import RequestOutput
 from ..request import InvalidRequest, SamplingParams
 from .auth import DEFAULT_TENANT, TENANT_SCOPE_KEY
@@ -30,8 +34,9 @@ from .errors import bad_request
 from .loop import RequestGroup, Submission
 from ..sampling_params import MAX_N
 from .prompt_ids import completion_prompt_ids
-from .protocol import INT64_MAX, INT64_MIN, _Body, check_request_id, parse_body
-from .serving import Job, queue_item, respond
+from .protocol import INT64_MAX, INT64_MIN, Disaggregation, _Body, check_request_id, parse_body
+from .responses import ResponseBuilder
+from .serving import Job, answer, queue_item
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 # SGLang's sampling parameters -> the engine's (None: accepted at SGLang's default only)
@@ -55,6 +60,7 @@ class GenerateRequest(_Body):
     return_text_in_logprobs: bool = False
     stream: bool = False
     return_routed_experts: bool = False
+    disaggregation: Disaggregation | None = None  # set by `sparsekv router` for prefill/decode workers
 
     @model_validator(mode="after")
     def _check(self):
@@ -159,9 +165,6 @@ def _bias(bias) -> dict[int, float]:
 async def generate(request: Request):
     state = request.app.state.server
     body = parse_body(await request.body(), GenerateRequest)
-    if state.disagg is not None:
-        raise bad_request("/generate is served by a colocated server; behind `sparsekv router` use "
-                          "/v1/completions", None)
     prompts = body.prompts()
     limit = state.settings.max_prompts_per_request
     if len(prompts) > limit:
@@ -181,12 +184,30 @@ async def generate(request: Request):
     per_prompt = isinstance(body.rid, list)
     group = RequestGroup(group_id, len(subs), None if per_prompt else body.rid,
                          [body.rid_of(i) for i in owners] if per_prompt else None)
-    job = Job(group, subs, request.scope.get(TENANT_SCOPE_KEY, DEFAULT_TENANT), None, None, body.stream, False,
+    tenant = request.scope.get(TENANT_SCOPE_KEY, DEFAULT_TENANT)
+    job = Job(group, subs, tenant, None, None, body.stream, False,
               {**{name: "sampling_params" for name in SAMPLING_NAMES.values() if name},
                "prompt": "text" if body.text is not None else "input_ids"})
-    answers = Answers(state, body, [group.client_id_of(i) for i in range(len(subs))], [len(p) for p in ids], owners,
-                      single=not body.batched and len(subs) == 1)
-    return await respond(request, state.loop, job, state.metrics, answers)
+    job.replies = Answers(state, body, [group.client_id_of(i) for i in range(len(subs))], [len(p) for p in ids],
+                          owners, single=not body.batched and len(subs) == 1)
+    if state.disagg is not None or body.disaggregation is not None:
+        return await _disaggregated(request, state, job, body, ids, group_id, owners)
+    return await answer(request, state.loop, job, state.metrics)
+
+
+async def _disaggregated(request: Request, state, job: Job, body: GenerateRequest, ids: list[list[int]],
+                         group_id: str, owners: list[int]):
+    """/generate on a prefill or decode worker (disagg.serve, as a completion): the prefill worker's
+    own answer, which only the router reads, is a completion's (`job.builder`); the client's comes from
+    the decode worker's Answers, with the transfer's figures."""
+    n = len(owners) // len(ids)
+    if any(owners.count(i) != n for i in range(len(ids))):
+        raise bad_request("sampling_params: behind `sparsekv router` every prompt of a batch takes the same n",
+                          "sampling_params")
+    job.builder = ResponseBuilder("completion", group_id, state.model_name, int(time.time()), n, state.token_text,
+                                  job.tenant)
+    job.replies.builder = job.builder  # the decode worker sets the figures there
+    return await disagg.serve(state, request, job, body.disaggregation, ids)
 
 
 class Answers:
@@ -198,6 +219,8 @@ class Answers:
         self.outputs: list[RequestOutput | None] = [None] * len(rids)
         self.prompt_lens, self.owners = prompt_lens, owners
         self.single = single  # one prompt, one choice: the body is that answer, not a list of one
+        self.builder: ResponseBuilder | None = None  # a decode worker's: its `disaggregation` figures
+        self.first_output_at: list[float | None] = [None] * len(rids)  # monotonic, for those figures
 
     @property
     def finished(self) -> bool:
@@ -207,6 +230,8 @@ class Answers:
         """One queue item of the group; an error becomes an APIError."""
         index, payload = queue_item(item)
         self.outputs[index] = payload
+        if self.first_output_at[index] is None:
+            self.first_output_at[index] = time.monotonic()
         return index
 
     def answer(self, index: int) -> dict:
@@ -218,6 +243,9 @@ class Answers:
             meta.update(self._logprobs(out))
         if self.body.return_routed_experts:
             meta["routed_experts"] = out.routed_experts
+        figures = self.builder.disaggregation if self.builder is not None else None
+        if figures is not None:
+            meta["disaggregation"] = figures([t for t in self.first_output_at if t is not None])
         return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
 
     def response(self) -> dict | list:

@@ -218,7 +218,7 @@ class ResponseBuilder:
                "choices": [{"index": s.index, "token_ids": self._generated(s.out)[0], "tiers": dict(s.peak),
                             **weights_fields(s.out)} for s in states]}
         if self.disaggregation is not None:
-            ext["disaggregation"] = self.disaggregation(states)
+            ext["disaggregation"] = self.disaggregation(first_outputs(states))
         return ext
 
     # -- stream chunks -------------------------------------------------------------------------
@@ -256,7 +256,7 @@ class ResponseBuilder:
         if finish is not None:
             body["sparsekv"] = {"tenant": self.tenant, "tiers": dict(s.peak), "index": s.index, **weights_fields(s.out)}
             if self.disaggregation is not None:
-                body["sparsekv"]["disaggregation"] = self.disaggregation([s])
+                body["sparsekv"]["disaggregation"] = self.disaggregation(first_outputs([s]))
         return body
 
     @staticmethod
@@ -309,3 +309,8 @@ class ResponseBuilder:
     def _chat_token(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def first_outputs(states) -> list[float]:
+    """When each choice's first output came (monotonic), of those that have one."""
+    return [s.first_output_at for s in states if s.first_output_at is not None]

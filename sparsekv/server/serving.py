@@ -38,6 +38,9 @@ class Job:
     include_usage: bool
     # the client's field for an engine parameter named otherwise (SamplingFields.client_params)
     client_params: dict[str, str] = field(default_factory=dict)
+    # how the client is answered when not as an OpenAI response through `builder` (native /generate's
+    # Answers; `builder` then only shapes a prefill worker's own answer to the router)
+    replies: "Replies | None" = None
 
 
 async def admit(loop: EngineLoop, job: Job, metrics) -> None:
@@ -114,6 +117,13 @@ async def run(request: Request, loop: EngineLoop, job: Job, metrics, states: lis
     return await respond(request, loop, job, metrics, ChoiceReplies(states, job.builder, job.include_usage))
 
 
+async def answer(request: Request, loop: EngineLoop, job: Job, metrics):
+    """Run `job` and answer as its endpoint does: its own replies, or an OpenAI response."""
+    if job.replies is not None:
+        return await respond(request, loop, job, metrics, job.replies)
+    return await run(request, loop, job, metrics)
+
+
 async def respond(request: Request, loop: EngineLoop, job: Job, metrics, replies: Replies):
     """Admit `job`, then answer one JSON body or an SSE stream of `replies`."""
     try:
@@ -130,12 +140,14 @@ async def answer_aborted(request: Request, loop: EngineLoop, job: Job, metrics):
     """The answer of a request /abort_request ended before it reached the engine (a decode worker's
     request still in its KV transfer): each choice ends with no token and finish_reason "abort", as a
     request the engine had not stepped yet ends (EngineLoop.abort_requests)."""
-    states = [job.builder.choice_state(i, s.params.stop_strings) for i, s in enumerate(job.subs)]
     for i, (rid, sub) in enumerate(zip(job.group.request_ids, job.subs)):
         job.group.queue.put_nowait((i, empty_aborted_output(rid, sub.prompt, sub.params)))
-    job.group.num_finished = len(states)
-    metrics.abort("abort_request", len(states))
-    replies = ChoiceReplies(states, job.builder, job.include_usage)
+    job.group.num_finished = len(job.subs)
+    metrics.abort("abort_request", len(job.subs))
+    replies = job.replies
+    if replies is None:
+        states = [job.builder.choice_state(i, s.params.stop_strings) for i, s in enumerate(job.subs)]
+        replies = ChoiceReplies(states, job.builder, job.include_usage)
     if not job.stream:
         return await collect_replies(request, loop, job.group, replies)
     return _streamed(loop, job.group, replies)
