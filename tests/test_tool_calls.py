@@ -511,8 +511,8 @@ def test_a_stop_string_that_cuts_a_whole_argument_never_streams_it():
 
 
 def test_a_dsml_key_with_a_quote_round_trips_through_the_template():
-    """An earlier call's argument names as the bundled DeepSeek-V3.2 template writes them (`"` and `&`
-    escaped in the name attribute) read back by the DSML parser as the same names, whole and
+    """An earlier call's function and argument names as the bundled DeepSeek-V3.2 template writes them
+    (`"` and `&` escaped in the name attributes) read back by the DSML parser as the same names, whole and
     streamed; a bare `"` would end the name there."""
     from transformers import AutoTokenizer
 
@@ -521,7 +521,7 @@ def test_a_dsml_key_with_a_quote_round_trips_through_the_template():
     tok = AutoTokenizer.from_pretrained(default_model_path())
     tok.chat_template = bundled_chat_template("deepseek_v32")
     arguments = {'say "hi"': "x", "a&b": 1, "&quot;": [True], 'q"': {"k": 'v"'}}
-    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    call = {"id": "a", "type": "function", "function": {"name": 'f"&g', "arguments": arguments}}
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     text = tok.apply_chat_template(messages, tokenize=False)
     start = text.index("<｜DSML｜function_calls>")
@@ -529,7 +529,8 @@ def test_a_dsml_key_with_a_quote_round_trips_through_the_template():
     assert 'name="say &quot;hi&quot;"' in block and 'name="a&amp;b"' in block
     [parsed] = parse_tool_calls(block, DSML)[1]
     assert json.loads(parsed["function"]["arguments"]) == arguments
-    assert _joined(_stream(block, 1, DSML)) == [("f", parsed["function"]["arguments"])]
+    assert parsed["function"]["name"] == 'f"&g'
+    assert _joined(_stream(block, 1, DSML)) == [('f"&g', parsed["function"]["arguments"])]
 
 
 @pytest.mark.parametrize("written, value", [("NaN", "NaN"), ("1" * 5000, "1" * 5000), ("True", True),

@@ -24,9 +24,9 @@ DeepSeek-V3.2 (`deepseek_v32`) writes DSML, with fullwidth bars (U+FF5C)::
     </｜DSML｜function_calls>
 
 a value raw when `string="true"`, else read as a GLM non-string value is (JSON, a Python literal, else
-the text; a value JSON cannot write exactly, NaN or an integer past Python's digit limit, stays text). A parameter name is
-an XML attribute: the bundled template writes `&` and `"` in it as `&amp;` and `&quot;`
-(chat_templates/deepseek_v32.jinja), and the parser reads them back, so any key round-trips.
+the text; a value JSON cannot write exactly, NaN or an integer past Python's digit limit, stays text). A function's or
+parameter's name is an XML attribute: the bundled template writes `&` and `"` in it as `&amp;` and
+`&quot;` (chat_templates/deepseek_v32.jinja), and the parser reads them back, so any name round-trips.
 
 The text before the first call is the message's content (None if only whitespace). Streamed
 (`ToolCallStream`), the text stops where calls begin, and each call goes out as OpenAI streams one:
@@ -165,7 +165,7 @@ def _glm_name(body: str, ended: bool) -> str | None:
 
 def _dsml_name(body: str, ended: bool) -> str | None:
     match = _DSML_NAME.match(body)
-    return match.group(1).strip() or None if match else None
+    return _dsml_attribute(match.group(1).strip()) or None if match else None
 
 
 def _glm_arguments(body: str, types: dict[str, frozenset]) -> list[tuple[str, object]]:
