@@ -11,11 +11,12 @@ null] and `output_top_logprobs`, and from `logprob_start_len` the prompt's `inpu
 prompt with n = 1 answers an object, else a list in prompt-major order. A stream sends each choice's
 answer so far (cumulative, as SGLang streams), with its `index` in that order, then `[DONE]`.
 
-The request runs as a completion does (serving.respond: admission, the engine loop, abort on disconnect), under
-the caller's tenant, and behind `sparsekv router` as a completion does too: the prefill worker computes
-the prompts and each choice's first token, the decode worker answers with the transfer's figures in
-each answer's `meta_info.disaggregation` (every prompt then takes the same `n`, as a completion's do); its `rid` names it to /abort_request (a batch given a `rid` per prompt: each prompt
-with its choices, and each answer's `meta_info.id` is its prompt's).
+The request runs as a completion does (serving.respond: admission, the engine loop, abort on
+disconnect), under the caller's tenant; its `rid` names it to /abort_request (a batch given a `rid` per
+prompt: each prompt with its choices, and each answer's `meta_info.id` is its prompt's). Behind
+`sparsekv router` it runs as a completion does there too: the prefill worker computes the prompts and
+each choice's first token, the decode worker answers with the transfer's figures in each answer's
+`meta_info.disaggregation` (every prompt then takes the same `n`, as a completion's do).
 """
 from __future__ import annotations
 
