@@ -436,10 +436,14 @@ def test_routed_experts_of_verified_drafts_equal_plain_decoding():
         assert x.routed_experts == y.routed_experts
 
 
-@pytest.mark.parametrize("options", [{}, dict(enable_expert_parallel=True)], ids=["tp2", "tp2-ep"])
+@pytest.mark.parametrize("options", [{}, dict(enable_expert_parallel=True),
+                                     dict(enable_expert_parallel=True, weight_update_host_copy=False)],
+                         ids=["tp2", "tp2-ep", "tp2-ep-no-host-copy"])
 def test_tensor_parallel_ranks_each_load_their_slices(ckpts, options):
     """Under tensor (and expert) parallelism the update goes through the executor: every rank loads its
-    own slices, from disk or from the tensors rank 0 was given; outputs are then one process's under B."""
+    own slices, from disk or from the tensors rank 0 was given; outputs are then one process's under B.
+    Without the host copy, a partial update leaving out a tensor the last update replaced is refused on
+    rank 0 before any rank loads, though another rank holds it (rank 1's experts)."""
     a, b, _ = ckpts
     single = LLM(b, **OPTIONS)
     want = single.generate([PROMPT, OTHER], GREEDY)
@@ -455,6 +459,12 @@ def test_tensor_parallel_ranks_each_load_their_slices(ckpts, options):
         llm.update_weights(_tensors(b).items())
         assert_same_greedy(want, llm.generate([PROMPT, OTHER], GREEDY), tol)
         assert llm.weights_version == 3
+        if options.get("weight_update_host_copy") is False:
+            name = "model.layers.1.mlp.experts.3.up_proj.weight"  # rank 1's: its layer's others are left out
+            with pytest.raises(WeightUpdateError, match="keeps no host copy"):
+                llm.update_weights([(name, _tensors(a)[name])])
+            assert llm.weights_version == 3
+            assert_same_greedy(want, llm.generate([PROMPT, OTHER], GREEDY), tol)
         llm.engine.check_integrity()
     finally:
         llm.close()
