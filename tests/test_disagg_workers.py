@@ -316,10 +316,10 @@ def test_without_the_prefill_workers_first_token_the_first_decode_step_is_timed_
     drafting and sampled choices) is timed from the request's first step: queue to it, step to output."""
     from types import SimpleNamespace
     from sparsekv.disagg.decode import DecodeFigures
-    group, states = SimpleNamespace(first_scheduled=10.5), [SimpleNamespace(first_output_at=12.0)]
-    sampled_here = DecodeFigures({"first_tokens": 0}, group, 10.0)(states)
+    group, firsts = SimpleNamespace(first_scheduled=10.5), [12.0]
+    sampled_here = DecodeFigures({"first_tokens": 0}, group, 10.0)(firsts)
     assert (sampled_here["decode_queue_s"], sampled_here["first_decode_s"]) == (0.5, 1.5)
-    came = DecodeFigures({"first_tokens": 1}, group, 10.0)(states)
+    came = DecodeFigures({"first_tokens": 1}, group, 10.0)(firsts)
     assert (came["decode_queue_s"], came["first_decode_s"]) == (2.0, 0.0)
 
 
