@@ -1334,10 +1334,15 @@ def test_without_a_host_copy_updates_keep_nothing_and_a_partial_one_must_give_wh
     a, b, _ = ckpts
     llm = LLM(a, weight_update_host_copy=False, **OPTIONS)
     tensors, source = _tensors(b), llm.engine.executor.weights
-    assert llm.update_weights(tensors.items()) == 1
+    given = {n: t.clone() for n, t in tensors.items()}
+    assert llm.update_weights(given.items()) == 1
     on_b = llm.generate([PROMPT], GREEDY)[0]
     _same(on_b, LLM(b, **OPTIONS).generate([PROMPT], GREEDY)[0], llm)
     assert source.overlay == {} and source.replaced == set(tensors)
+    assert all(torch.equal(given[n], tensors[n]) for n in tensors)  # read as views, left as they were
+    for t in given.values():  # a trainer stepping its parameters in place: the model keeps its copy
+        t.zero_()
+    _same(llm.generate([PROMPT], GREEDY)[0], on_b)
     with pytest.raises(WeightUpdateError, match="keeps no host copy") as refused:
         llm.update_weights([("model.norm.weight", _tensors(a)["model.norm.weight"])])
     assert "model.embed_tokens.weight" in str(refused.value)  # the ends' other tensors
