@@ -1707,3 +1707,65 @@ def test_sglangs_generate_through_the_router_answers_as_a_colocated_server(glm_c
     figures = g_batch[0]["meta_info"]["disaggregation"]
     assert figures["pages_sent"] == (len(prompts[0]) - 1) // base["kv_page_size"] + (len(prompts[1]) - 1) // base["kv_page_size"]
     assert "disaggregation" not in w_batch[0]["meta_info"]
+
+
+def _served_here(url: str) -> float:
+    from test_server_util import scrape
+    return scrape(url).get("sparsekv:request_success_total", 0.0)
+
+
+def test_colocated_servers_behind_the_router_each_request_to_one_by_affinity_then_load():
+    """`--worker`: the router in front of colocated servers (replicas). A request goes to one of them,
+    its answer (plain, streamed, /generate) the server's own; the same prompt goes where it went before
+    (its prefix cache) until that server is loaded past the slack, then to the other; tokenizing is
+    answered by one; a server that stops is taken out and the next request goes to the other."""
+    from sparsekv.paths import default_model_path
+    from test_server_util import ThreadServer
+    path = default_model_path()
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    with ThreadServer(path) as a, ThreadServer(path) as b:
+        servers = {a.url: a, b.url: b}
+        pool = WorkerPool([], [], load_slack=0, colocated=[a.url, b.url])
+        check_modes(pool, timeout=10, interval=0.05)
+        with Served(create_app(Router(pool, request_timeout=60, health_interval=0.2))) as router:
+            want = httpx.post(a.url + "/v1/completions", json=body, timeout=60).json()
+            before = {url: _served_here(url) for url in servers}
+            got = [httpx.post(router.url + "/v1/completions", json=body, timeout=60).json() for _ in range(3)]
+            served = {url: _served_here(url) - before[url] for url in servers}
+            assert sorted(served.values()) == [0, 3]  # one prompt, one replica: its prefix cache's
+            home = max(served, key=served.get)
+            assert all(g["choices"][0]["text"] == want["choices"][0]["text"] for g in got)
+            assert got[0]["sparsekv"]["choices"][0]["token_ids"] == want["sparsekv"]["choices"][0]["token_ids"]
+            with httpx.stream("POST", router.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+                text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
+                               if line.startswith("data: {"))
+            assert text == want["choices"][0]["text"]
+            native = httpx.post(router.url + "/generate", timeout=60, json={
+                "text": body["prompt"], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+            assert native["text"] == want["choices"][0]["text"] and "disaggregation" not in native["meta_info"]
+            assert httpx.post(router.url + "/tokenize", json={"prompt": "x y"}, timeout=30).json() == \
+                httpx.post(a.url + "/tokenize", json={"prompt": "x y"}, timeout=30).json()
+            health = httpx.get(router.url + "/health", timeout=5).json()
+            assert health == {"status": "ok", "workers": [a.url, b.url]}
+            servers[home].delay[0] = 0.2  # the home replica busy with a long request: past the slack, the other
+            busy = in_background(httpx.post, router.url + "/v1/completions", timeout=60,
+                                 json={**body, "max_tokens": 20, "ignore_eos": True})
+            assert wait_until(lambda: any(w.in_flight for w in pool.all()), 10)
+            other = next(url for url in servers if url != home)
+            count = _served_here(other)
+            assert httpx.post(router.url + "/v1/completions", json=body, timeout=60).status_code == 200
+            assert _served_here(other) == count + 1
+            servers[home].delay[0] = 0.0
+            assert busy.result(60).status_code == 200
+            b.__exit__(None, None, None)  # a replica stops: taken out, the requests go to the other
+            codes = [httpx.post(router.url + "/v1/completions", json={**body, "prompt": f"p{i}"}, timeout=60).status_code
+                     for i in range(4)]
+            assert codes.count(200) >= 3 and set(codes) <= {200, 503}
+            assert wait_until(lambda: httpx.get(router.url + "/health", timeout=5).json()["workers"] == [a.url], 10)
+
+
+def test_the_router_takes_either_workers_by_role_or_colocated_servers_not_both():
+    for given in (dict(prefill=["http://p:1"], decode=["http://d:2"], colocated=["http://w:3"]),
+                  dict(prefill=[], decode=[], colocated=[]), dict(prefill=["http://p:1"], decode=[], colocated=[])):
+        with pytest.raises(RouterConfigError, match="not both"):
+            WorkerPool(given["prefill"], given["decode"], colocated=given["colocated"])

@@ -1,5 +1,7 @@
 """`sparsekv router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...] [--host H] [--port P]`:
-the OpenAI-compatible front end of prefill/decode disaggregation.
+the OpenAI-compatible front end of prefill/decode disaggregation. With `--worker URL [--worker URL ...]`
+instead, the front end of colocated servers (replicas of the model, each any layout: one per node at
+`-tp 8`): each request goes to one of them, chosen the same way, and its answer back as it came.
 
 Each completion, chat or SGLang /generate request goes to one prefill worker P and one decode worker D, chosen by load and
 prefix-cache affinity (router_workers.py). Both get the client's body, Authorization header included
@@ -124,8 +126,12 @@ async def _start(request: Request, router: Router, path: str, model: type) -> tu
         if not value.isascii():  # not sendable on to a worker (nor a key any worker holds)
             raise APIError(400, f"the {name} header holds bytes that are not ASCII", name)
     key = affinity_key(body, request.headers.get("authorization"), router.prefix_chars)
+    pool = router.pool
     try:
-        prefill, decode = router.pool.choose("prefill", key), router.pool.choose("decode", key)
+        if pool.colocated:
+            prefill, decode = None, pool.choose("null", key)
+        else:
+            prefill, decode = pool.choose("prefill", key), pool.choose("decode", key)
     except NoWorker as e:
         raise APIError(503, str(e)) from None
     return Exchange(router, prefill, decode, path, body, headers), bool(body.get("stream"))
@@ -257,7 +263,7 @@ async def _on_a_decode_worker(request: Request, path: str) -> Response:
         body = await request.body()
         headers["content-type"] = "application/json"
     slow = []
-    for worker in router.pool.up("decode"):
+    for worker in router.pool.up(router.pool.answering):
         try:
             r = await router.client.request(request.method, worker.url + path, content=body, headers=headers)
         except WORKER_GONE as e:
@@ -267,7 +273,8 @@ async def _on_a_decode_worker(request: Request, path: str) -> Response:
             slow.append(f"{worker.url}: {type(e).__name__}")
             continue
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-    raise APIError(503, f"no decode worker answered ({'; '.join(slow)})" if slow else "no decode worker is up")
+    what = "worker" if router.pool.colocated else "decode worker"
+    raise APIError(503, f"no {what} answered ({'; '.join(slow)})" if slow else f"no {what} is up")
 
 
 async def to_every_worker(request: Request):
@@ -304,7 +311,7 @@ async def to_every_worker(request: Request):
     failed = [(w, status, answer) for w, (status, answer) in zip(workers, results) if not 200 <= status < 300]
     if failed:
         status = max(s for _, s, _ in failed)
-        why = "; ".join(f"{w.role} worker {w.url}: {s} {a['error']['message']}" for w, s, a in failed)
+        why = "; ".join(f"{w.name} {w.url}: {s} {a['error']['message']}" for w, s, a in failed)
         return JSONResponse({**error_body(status, f"{len(failed)} of {len(workers)} workers failed: {why}"),
                              "workers": answers}, status_code=status)
     out = {"success": True, "workers": answers}
@@ -329,8 +336,9 @@ def _models_path(name: str | None) -> str:
 
 async def health(request: Request):
     pool = _router(request).pool
-    up = {role: [w.url for w in pool.up(role)] for role in ("prefill", "decode")}
-    ok = all(up.values())
+    roles = ("null",) if pool.colocated else ("prefill", "decode")
+    up = {"workers" if role == "null" else role: [w.url for w in pool.up(role)] for role in roles}
+    ok = pool.serving()
     return JSONResponse({"status": "ok" if ok else "no_worker", **up}, status_code=200 if ok else 503)
 
 
@@ -374,11 +382,15 @@ def create_app(router: Router, max_request_body_bytes: int = DEFAULT_MAX_REQUEST
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv router", description="OpenAI-compatible front end of "
-                                "prefill/decode disaggregation: each request to a prefill and a decode worker")
-    p.add_argument("--prefill", action="append", required=True, metavar="URL",
+                                "prefill/decode disaggregation (each request to a prefill and a decode worker), "
+                                "or of colocated servers (each request to one of them)")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
                    help="a prefill worker (`sparsekv serve --disaggregation-mode prefill`), e.g. http://H:P; repeat")
-    p.add_argument("--decode", action="append", required=True, metavar="URL",
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="a decode worker (`sparsekv serve --disaggregation-mode decode`); repeat")
+    p.add_argument("--worker", action="append", default=[], metavar="URL",
+                   help="instead of --prefill and --decode: a colocated server (`sparsekv serve`, each a replica "
+                        "of the model, e.g. one per node at -tp 8); each request goes to one of them; repeat")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--health-interval", type=positive_finite, default=2.0, help="seconds between polls of every worker")
@@ -413,9 +425,10 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         prefill, decode = worker_urls("--prefill", args.prefill), worker_urls("--decode", args.decode)
+        colocated = worker_urls("--worker", args.worker)
         if set(prefill) & set(decode):
             raise RouterConfigError("a worker cannot be both --prefill and --decode")
-        pool = WorkerPool(prefill, decode, args.affinity_load_slack)
+        pool = WorkerPool(prefill, decode, args.affinity_load_slack, colocated)
         check_modes(pool, args.worker_startup_timeout)
     except RouterConfigError as e:
         print(f"sparsekv router: error: {e}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""One routed request's two worker calls, and how either failing ends the other.
+"""One routed request's two worker calls, and how either failing ends the other (in front of colocated
+servers, one call: the decode call's, to the chosen server, with no prefill call to race).
 
 The prefill call is a plain POST run as a task; the decode call is streamed, so that its SSE events go
 back to the client as they come. Every wait on the decode side races the prefill call: a prefill
@@ -55,21 +56,26 @@ class Exchange:
     """One request's two worker calls: the prefill call (a plain POST, run as a task) and the decode call
     (streamed), and how either failing ends the other."""
 
-    def __init__(self, router, prefill: Worker, decode: Worker, path: str, body: dict, headers: dict):
+    def __init__(self, router, prefill: Worker | None, decode: Worker, path: str, body: dict, headers: dict):
+        """`prefill` None: `decode` is a colocated server, which gets the client's body as it is."""
         self.router, self.prefill, self.decode = router, prefill, decode
-        tag = {"room": uuid.uuid4().hex, "bootstrap_host": prefill.bootstrap_host,
-               "bootstrap_port": prefill.bootstrap_port}
-        p_body = {k: v for k, v in body.items() if k != "stream_options"}  # only allowed with stream: true
         client = router.client
         headers = {**headers, "content-type": "application/json"}
-        p_request = client.build_request("POST", prefill.url + path, headers=headers,
-                                         content=_encoded({**p_body, "stream": False, "disaggregation": tag}))
-        d_request = client.build_request("POST", decode.url + path, content=_encoded({**body, "disaggregation": tag}),
+        self.p_task: asyncio.Future | None = None
+        if prefill is not None:
+            tag = {"room": uuid.uuid4().hex, "bootstrap_host": prefill.bootstrap_host,
+                   "bootstrap_port": prefill.bootstrap_port}
+            p_body = {k: v for k, v in body.items() if k != "stream_options"}  # only allowed with stream: true
+            p_request = client.build_request("POST", prefill.url + path, headers=headers,
+                                             content=_encoded({**p_body, "stream": False, "disaggregation": tag}))
+            body = {**body, "disaggregation": tag}
+        d_request = client.build_request("POST", decode.url + path, content=_encoded(body),
                                          headers=headers)  # NOTE: both built before any count or task starts
-        prefill.in_flight += 1
         decode.in_flight += 1
-        self.p_task = asyncio.ensure_future(client.send(p_request))
-        self.p_task.add_done_callback(lambda _: self._ended(prefill))
+        if prefill is not None:
+            prefill.in_flight += 1
+            self.p_task = asyncio.ensure_future(client.send(p_request))
+            self.p_task.add_done_callback(lambda _: self._ended(prefill))
         self.d_task = asyncio.ensure_future(client.send(d_request, stream=True))
         self.d_response: httpx.Response | None = None
         self.d_reading: asyncio.Future | None = None  # the decode call's wait in progress (unless_prefill_fails)
@@ -91,11 +97,11 @@ class Exchange:
             headers = {}
             if isinstance(error, WORKER_GONE):
                 self.router.pool.mark_down(worker, why)
-        return WorkerFailure(503, error_body(503, f"{worker.role} worker {worker.url} {why}"), headers)
+        return WorkerFailure(503, error_body(503, f"{worker.name} {worker.url} {why}"), headers)
 
     def prefill_failure(self) -> WorkerFailure | None:
-        """The prefill call's failure once it has ended (None while it runs, or if it succeeded)."""
-        if not self.p_task.done() or self.p_task.cancelled():
+        """The prefill call's failure once it has ended (None while it runs, if it succeeded, or with none)."""
+        if self.p_task is None or not self.p_task.done() or self.p_task.cancelled():
             return None
         if self.p_task.exception() is not None:
             return self._failure(self.prefill, error=self.p_task.exception())
@@ -111,7 +117,7 @@ class Exchange:
         read left its connection half closed and the request generating."""
         task = self.d_reading = asyncio.ensure_future(awaitable)
         # the prefill call too when it has ended: it may have failed since the last wait (then this one ends at once)
-        await asyncio.wait({task, self.p_task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task} if self.p_task is None else {task, self.p_task}, return_when=asyncio.FIRST_COMPLETED)
         failure = self.prefill_failure()
         if failure is not None:
             task.cancel()
@@ -169,6 +175,8 @@ class Exchange:
         elif not self.d_task.cancelled() and self.d_task.exception() is None:
             self.router.background(asyncio.ensure_future(_closed(self.d_task.result(), reading)))
         self._ended(self.decode)
+        if self.p_task is None:
+            return
         if failed and not self.p_task.done():
             self.p_task.cancel()
         else:

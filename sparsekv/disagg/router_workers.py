@@ -1,4 +1,5 @@
-"""The router's view of its workers: which are up, how loaded, and which pair a request goes to.
+"""The router's view of its workers: which are up, how loaded, and which pair a request goes to (or,
+in front of colocated servers, `--worker`, which one).
 
 Every worker answers `GET /disaggregation` with its mode, its bootstrap address (where a decode worker
 fetches a prompt's KV from a prefill worker) and its load. The router checks the modes once at start-up
@@ -30,7 +31,8 @@ import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 log = logging.getLogger("sparsekv.router")
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "null")  # null: a colocated server (`--disaggregation-mode null`)
+FLAGS = {"prefill": "--prefill", "decode": "--decode", "null": "--worker"}
 DISAGGREGATION_PATH = "/disaggregation"
 POLL_TIMEOUTS_BEFORE_DOWN = 3
 
@@ -69,6 +71,16 @@ class Worker:
     num_waiting: int = 0
     in_flight: int = 0  # requests this router sent here that have not ended
     polls_timed_out: int = 0  # polls in a row that got no answer in time
+
+    @property
+    def name(self) -> str:
+        """How messages name it: "prefill worker", "decode worker", or "worker" (a colocated server)."""
+        return "worker" if self.role == "null" else f"{self.role} worker"
+
+    @property
+    def flag(self) -> str:
+        """The router's option that names a worker of this role."""
+        return FLAGS[self.role]
 
     @property
     def load(self) -> int:
@@ -118,18 +130,38 @@ def _rank(key: bytes, url: str) -> int:
 class WorkerPool:
     """The prefill and decode workers, their state from polling, and the choice of one per request."""
 
-    def __init__(self, prefill: list[str], decode: list[str], load_slack: int = 4):
+    def __init__(self, prefill: list[str], decode: list[str], load_slack: int = 4, colocated: list[str] = ()):
         if load_slack < 0:
             raise RouterConfigError(f"--affinity-load-slack must be >= 0, got {load_slack}")
+        if bool(colocated) == bool(prefill or decode) or bool(prefill) != bool(decode):
+            raise RouterConfigError("give --prefill and --decode workers (prefill/decode disaggregation), or "
+                                    "--worker workers (colocated servers), not both")
         self.load_slack = load_slack
         self.workers = {"prefill": [Worker(u, "prefill") for u in prefill],
-                        "decode": [Worker(u, "decode") for u in decode]}
+                        "decode": [Worker(u, "decode") for u in decode],
+                        "null": [Worker(u, "null") for u in colocated]}
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the workers are colocated servers: a request goes to one of them, no KV moves."""
+        return bool(self.workers["null"])
+
+    @property
+    def answering(self) -> str:
+        """The role whose workers answer the clients (tokenize, models): decode, or the colocated."""
+        return "null" if self.colocated else "decode"
 
     def all(self) -> list[Worker]:
-        return self.workers["prefill"] + self.workers["decode"]
+        return self.workers["prefill"] + self.workers["decode"] + self.workers["null"]
 
     def up(self, role: str) -> list[Worker]:
         return [w for w in self.workers[role] if w.up]
+
+    def serving(self) -> bool:
+        """Whether a request can be answered now: a prefill and a decode worker up, or a colocated one."""
+        if self.colocated:
+            return bool(self.up("null"))
+        return bool(self.up("prefill")) and bool(self.up("decode"))
 
     def choose(self, role: str, key: bytes) -> Worker:
         """The worker of `role` for a request with affinity `key` (see the module docstring)."""
@@ -141,7 +173,7 @@ class WorkerPool:
 
     def mark_down(self, worker: Worker, why: str) -> None:
         if worker.up:
-            log.warning("%s worker %s is down: %s", worker.role, worker.url, why)
+            log.warning("%s %s is down: %s", worker.name, worker.url, why)
         worker.up = False
 
     async def poll(self, client: httpx.AsyncClient) -> None:
@@ -166,7 +198,7 @@ class WorkerPool:
         if health.status_code != 200:
             return self.mark_down(worker, f"GET /health answered {health.status_code}")
         if not worker.up:
-            log.info("%s worker %s is up", worker.role, worker.url)
+            log.info("%s %s is up", worker.name, worker.url)
         worker.up = True
 
 
@@ -198,17 +230,18 @@ def check_modes(pool: WorkerPool, timeout: float, interval: float = 1.0) -> None
                     last_error[worker.url] = f"{type(e).__name__}: {e}"
                     continue
                 except ValueError as e:
-                    raise RouterConfigError(f"--{worker.role} {worker.url}: {e}") from None
+                    raise RouterConfigError(f"{worker.flag} {worker.url}: {e}") from None
                 mismatch = worker.mismatch(info)
                 if mismatch is not None:
-                    raise RouterConfigError(f"--{worker.role} {worker.url} is not a {worker.role} worker: {mismatch} "
-                                            f"(start it with `sparsekv serve --disaggregation-mode {worker.role}`)")
+                    what = "colocated server" if worker.role == "null" else worker.name
+                    raise RouterConfigError(f"{worker.flag} {worker.url} is not a {what}: {mismatch} (start it "
+                                            f"with `sparsekv serve --disaggregation-mode {worker.role}`)")
                 worker.update(info)
                 worker.up = True
                 pending.remove(worker)
             if pending and time.monotonic() >= deadline:
                 worker = pending[0]
-                raise RouterConfigError(f"--{worker.role} {worker.url} did not answer GET {DISAGGREGATION_PATH} "
+                raise RouterConfigError(f"{worker.flag} {worker.url} did not answer GET {DISAGGREGATION_PATH} "
                                         f"within {timeout:g} s ({last_error[worker.url]})")
             if pending:
                 time.sleep(interval)
