@@ -656,8 +656,17 @@ ALICE, BOB = ({"Authorization": f"Bearer sk-{who}"} for who in ("alice", "bob"))
 def _abort_in_transfer(url: str, hold: TransferHold, body: dict, abort: dict) -> tuple[list[dict], list[dict]]:
     """Alice's request through the router, held in its transfer, and /abort_request `abort` through the
     router, by bob (then bob's abort_all), then by alice: (the choices alice got, each abort's answer)."""
+    r, answers = _held_then_aborted(url, hold, "/v1/completions", body, abort)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")] \
+        if body.get("stream") else [r.json()]
+    return [choice for event in events for choice in event["choices"]], answers
+
+
+def _held_then_aborted(url: str, hold: TransferHold, path: str, body: dict, abort: dict) -> tuple:
+    """Alice's request to `path` through the router, held in its transfer, and /abort_request `abort`
+    through the router, by bob (then bob's abort_all), then by alice: (alice's 200, each abort's answer)."""
     hold.hold()
-    sent = in_background(httpx.post, url + "/v1/completions", json=body, headers=ALICE, timeout=60)
+    sent = in_background(httpx.post, url + path, json=body, headers=ALICE, timeout=60)
     try:
         assert hold.waiting.wait(30), "the request never reached its transfer's second batch"
         answers = [httpx.post(url + "/abort_request", json=ask, headers=who, timeout=30).json()
@@ -668,9 +677,7 @@ def _abort_in_transfer(url: str, hold: TransferHold, body: dict, abort: dict) ->
         hold.release()
     r = sent.result(timeout=60)
     assert r.status_code == 200, r.text
-    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")] \
-        if body.get("stream") else [r.json()]
-    return [choice for event in events for choice in event["choices"]], answers
+    return r, answers
 
 
 def _wait_clean(p, d) -> None:
@@ -715,6 +722,41 @@ def test_an_abort_during_the_transfer_ends_the_request_once_and_leaves_nothing_o
         again = httpx.post(url + "/v1/completions", json={**body, "prompt": prompts[0]}, headers=ALICE, timeout=60)
         assert again.status_code == 200, again.text
         assert_same_greedy(want, [Answer(again.json())], logprob_tolerance(colocated))
+        _wait_clean(p, d)
+
+
+def test_an_abort_during_the_transfer_of_a_generate_batch_given_a_rid_per_prompt_ends_the_batch(glm_ckpt,
+                                                                                                monkeypatch):
+    """SGLang's /generate through the router, a batch with a `rid` per prompt held in its transfer:
+    /abort_request naming one prompt's rid (or abort_all) ends the whole batch, which moves as one room,
+    each prompt counted as one request as the engine counts them (another tenant's aborts end
+    nothing). Alice gets SGLang's answers, each prompt's with its own id, finish_reason abort and no
+    token, streamed or not; nothing of the room is left and the ids are free again."""
+    import torch
+    base = dict(kv_page_size=4, max_model_len=128, num_threads=1)
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (41, 37)]
+    body = {"input_ids": prompts, "rid": ["roll-a", "roll-b"],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    hold = TransferHold(monkeypatch)
+    with routed_pair(glm_ckpt[0], api_keys=["sk-alice:alice", "sk-bob:bob"], **base) as (url, p, d):
+        for extra, abort in (({}, {"rid": "roll-b"}), ({"stream": True}, {"abort_all": True})):
+            r, answers = _held_then_aborted(url, hold, "/generate", {**body, **extra}, abort)
+            assert [a.get("aborted") for a in answers] == [0, 0, 2], answers
+            assert answers[-1]["workers"][p.url]["aborted"] == 0, answers
+            if extra:
+                events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                got = {e["index"]: e for e in events}  # each choice's last
+                got = [got[i] for i in sorted(got)]
+            else:
+                got = r.json()
+            assert [a["meta_info"]["id"] for a in got] == ["roll-a", "roll-b"], got
+            for a in got:
+                assert a["meta_info"]["finish_reason"]["type"] == "abort" and a["output_ids"] == [], a
+            _wait_clean(p, d)
+        again = httpx.post(url + "/generate", json=body, headers=ALICE, timeout=60)
+        assert again.status_code == 200, again.text
+        assert [a["meta_info"]["finish_reason"]["type"] for a in again.json()] == ["length", "length"]
         _wait_clean(p, d)
 
 
@@ -1705,6 +1747,9 @@ def test_sglangs_generate_through_the_router_answers_as_a_colocated_server(glm_c
     assert g_sampled["output_ids"] == w_sampled["output_ids"] and g_events[-1]["output_ids"] == w_sampled["output_ids"]
     assert w_events[-1]["output_ids"] == w_sampled["output_ids"]
     figures = g_batch[0]["meta_info"]["disaggregation"]
+    # the prefill worker's first tokens came: the queue ends with their output, timed from each choice's first
+    assert figures["first_tokens"] and figures["first_decode_s"] == 0.0 and figures["decode_queue_s"] >= 0
+    assert all(e["meta_info"]["disaggregation"] == g_events[0]["meta_info"]["disaggregation"] for e in g_events)
     assert figures["pages_sent"] == (len(prompts[0]) - 1) // base["kv_page_size"] + (len(prompts[1]) - 1) // base["kv_page_size"]
     assert "disaggregation" not in w_batch[0]["meta_info"]
 
@@ -1725,7 +1770,7 @@ def test_colocated_servers_behind_the_router_each_request_to_one_by_affinity_the
     body = {"prompt": "def fibonacci(n):", "max_tokens": 6, "temperature": 0, "logprobs": 2}
     with ThreadServer(path) as a, ThreadServer(path) as b:
         servers = {a.url: a, b.url: b}
-        pool = WorkerPool([], [], load_slack=0, colocated=[a.url, b.url])
+        pool = WorkerPool([], [], load_slack=4, colocated=[a.url, b.url])  # NOTE: polled loads lag a request
         check_modes(pool, timeout=10, interval=0.05)
         with Served(create_app(Router(pool, request_timeout=60, health_interval=0.2))) as router:
             want = httpx.post(a.url + "/v1/completions", json=body, timeout=60).json()
@@ -1747,6 +1792,7 @@ def test_colocated_servers_behind_the_router_each_request_to_one_by_affinity_the
                 httpx.post(a.url + "/tokenize", json={"prompt": "x y"}, timeout=30).json()
             health = httpx.get(router.url + "/health", timeout=5).json()
             assert health == {"status": "ok", "workers": [a.url, b.url]}
+            pool.load_slack = 0
             servers[home].delay[0] = 0.2  # the home replica busy with a long request: past the slack, the other
             busy = in_background(httpx.post, router.url + "/v1/completions", timeout=60,
                                  json={**body, "max_tokens": 20, "ignore_eos": True})

@@ -316,11 +316,13 @@ def test_without_the_prefill_workers_first_token_the_first_decode_step_is_timed_
     drafting and sampled choices) is timed from the request's first step: queue to it, step to output."""
     from types import SimpleNamespace
     from sparsekv.disagg.decode import DecodeFigures
-    group, firsts = SimpleNamespace(first_scheduled=10.5), [12.0]
+    group, firsts = SimpleNamespace(first_scheduled=10.5), [12.0, 12.25]  # each choice's first output
     sampled_here = DecodeFigures({"first_tokens": 0}, group, 10.0)(firsts)
     assert (sampled_here["decode_queue_s"], sampled_here["first_decode_s"]) == (0.5, 1.5)
     came = DecodeFigures({"first_tokens": 1}, group, 10.0)(firsts)
     assert (came["decode_queue_s"], came["first_decode_s"]) == (2.0, 0.0)
+    none_yet = DecodeFigures({"first_tokens": 0}, group, 10.0)([])
+    assert none_yet["decode_queue_s"] == 0.5 and "first_decode_s" not in none_yet
 
 
 def test_both_workers_report_the_pages_the_decode_worker_held_as_skipped_not_sent(pair):

@@ -174,6 +174,34 @@ def test_a_batch_given_a_rid_per_prompt_answers_and_aborts_each_by_its_own(serve
     assert wait_until(lambda: pages_all_free(server.url), 10)
 
 
+def test_abort_all_counts_each_prompt_of_a_batch_given_a_rid_per_prompt(server):
+    """/abort_request with abort_all counts what it ended as the clients name it: each prompt of a batch
+    given a `rid` per prompt (its choices once), and a request with one id once, whatever its size."""
+    boxes = [[], []]
+    server.delay[0] = 0.05
+    try:
+        threads = [threading.Thread(target=lambda: boxes[0].append(_generate(
+                       server, input_ids=[PROMPT, PROMPT[:20]], rid=["all-1", "all-2"],
+                       sampling_params=[{"max_new_tokens": 80, "ignore_eos": True},
+                                        {"max_new_tokens": 80, "ignore_eos": True, "n": 2}]))),
+                   threading.Thread(target=lambda: boxes[1].append(_generate(
+                       server, input_ids=PROMPT[:10], sampling_params={"max_new_tokens": 80, "ignore_eos": True})))]
+        for thread in threads:
+            thread.start()
+        assert wait_until(lambda: scrape(server.url)["sparsekv:num_requests_running"] == 4, 30)
+        aborted = httpx.post(server.url + "/abort_request", json={"abort_all": True}, timeout=30).json()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        server.delay[0] = 0.0
+    assert aborted["aborted"] == 3, aborted
+    batch, single = boxes[0][0].json(), boxes[1][0].json()
+    assert [a["meta_info"]["id"] for a in batch] == ["all-1", "all-2", "all-2"]
+    for answer in [*batch, single]:
+        assert answer["meta_info"]["finish_reason"]["type"] == "abort" and len(answer["output_ids"]) < 80
+    assert wait_until(lambda: pages_all_free(server.url), 10)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"text": "a", "input_ids": [1]}, "text"),
     ({"input_ids": []}, "input_ids"),

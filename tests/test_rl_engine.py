@@ -1350,12 +1350,57 @@ def test_without_a_host_copy_updates_keep_nothing_and_a_partial_one_must_give_wh
     _same(llm.generate([PROMPT], GREEDY)[0], on_b)
     ends = [n for n in tensors if not n.startswith("model.layers.")]
     assert llm.update_weights([(n, _tensors(a)[n]) for n in ends]) == 2
+    layer = next(n for n in tensors if n.startswith("model.layers.0."))  # replaced by the first update still
+    with pytest.raises(WeightUpdateError, match="keeps no host copy"):
+        llm.update_weights([(layer, _tensors(a)[layer])])
     want = LLM(a, **OPTIONS)
     want.update_weights(tensors.items())
     want.update_weights([(n, _tensors(a)[n]) for n in ends])
     _same(llm.generate([PROMPT], GREEDY)[0], want.generate([PROMPT], GREEDY)[0])
     llm.update_weights_from_disk(a)
     assert source.replaced == set() and llm.update_weights([("model.norm.weight", tensors["model.norm.weight"])]) == 4
+
+
+def test_without_a_host_copy_a_failed_load_puts_back_the_parts_no_update_replaced(ckpts, monkeypatch):
+    """Without the host copy, a load failing part-way puts back the parts it copied from the checkpoint
+    when no in-process update replaced any of their tensors, though one replaced a part it had not
+    reached (the last layer, given whole): the old weights keep serving, that layer included."""
+    a, b, _ = ckpts
+    llm = LLM(a, weight_update_host_copy=False, **OPTIONS)
+    last = f"model.layers.{llm.engine.executor.model.cfg.num_hidden_layers - 1}."
+    assert llm.update_weights([(n, t) for n, t in _tensors(b).items() if n.startswith(last)]) == 1
+    want = llm.generate([PROMPT], GREEDY)[0]
+    calls = _fail_the_third_copy(monkeypatch)  # the ends, layer 0, then layer 1 fails
+    with pytest.raises(WeightLoadError, match="out of memory"):
+        llm.update_weights_from_disk(b)
+    monkeypatch.undo()
+    assert calls[3:] == calls[:2] and llm.weights_version == 1
+    _same(llm.generate([PROMPT], GREEDY)[0], want)
+
+
+def test_without_a_host_copy_an_update_reads_the_given_tensors_as_views(ckpts):
+    """Without the host copy nothing of an update outlives it, so a given tensor, or a rank's slice of it
+    that is a run of whole rows, is read as a view of the caller's tensor, not copied; with the copy it
+    is copied."""
+    from sparsekv.parallel.layout import ParallelLayout
+    from sparsekv.weights import WeightSource
+    a, _, _ = ckpts
+    model = LLM(a, **OPTIONS).engine.executor.model
+    tensors = {n: t for n, t in _tensors(a).items() if t.dtype == model.dtype}
+    assert tensors
+    kinds = set()  # whole tensors and row slices
+    for layout in (None, ParallelLayout(2, 1, False, 1)):
+        views = WeightSource(a, None, model.dtype, layout, keep_host_copy=False)
+        copies = WeightSource(a, None, model.dtype, layout)
+        for name, t in tensors.items():
+            shard = layout.shard(name, tuple(t.shape)) if layout is not None else None
+            if layout is not None and (not layout.holds(name, model.cfg) or shard is None or shard[0] != 0):
+                continue
+            kinds.add(shard is None)
+            storage = t.untyped_storage().data_ptr()
+            assert views._slice(name, t, model.cfg).untyped_storage().data_ptr() == storage, name
+            assert copies._slice(name, t, model.cfg).untyped_storage().data_ptr() != storage, name
+    assert kinds == {True, False}
 
 
 def test_without_a_host_copy_a_load_failing_over_replaced_weights_stops_the_engine(ckpts, monkeypatch):

@@ -127,6 +127,7 @@ def _glm_value(schema: dict | None, raw: str):
     ({"anyOf": [{"type": "string"}, {"$ref": "#/defs/x"}]}, "[2]", [2]),
     (None, " [1, 2] ", [1, 2]),
     ({"type": "object"}, "{1, 2}", "{1, 2}"),
+    ({"type": "object"}, "{1: 'a'}", "{1: 'a'}"),
     ({"type": "number"}, "NaN", "NaN"),
     ({"type": "number"}, "1e999", "1e999"),
     ({"type": "object"}, "__import__('os').getcwd()", "__import__('os').getcwd()"),
@@ -136,8 +137,8 @@ def _glm_value(schema: dict | None, raw: str):
         "union-integer", "string-keeps-spaces", "string-digits", "string-union-null",
         "string-union-digits-stay-a-string", "string-union-keeps-spaces", "anyof-string-or-number",
         "anyof-value-of-no-member-type", "anyof-untyped-member-reads-as-non-string", "undeclared-parameter",
-        "python-set-has-no-json", "nan-has-no-json", "infinity-has-no-json", "code-is-not-evaluated",
-        "int-too-long-to-convert", "int-too-long-to-write"])
+        "python-set-has-no-json", "python-int-key-has-no-json", "nan-has-no-json", "infinity-has-no-json",
+        "code-is-not-evaluated", "int-too-long-to-convert", "int-too-long-to-write"])
 def test_a_glm_value_is_read_as_its_parameters_type(schema, raw, value):
     """vLLM's glm45 reading: a "string" parameter's value as written; any other stripped, then JSON,
     else a Python literal (literals only: code stays text), else the raw string. A union admitting a
@@ -534,11 +535,11 @@ def test_a_dsml_key_with_a_quote_round_trips_through_the_template():
 
 
 @pytest.mark.parametrize("written, value", [("NaN", "NaN"), ("1" * 5000, "1" * 5000), ("True", True),
-                                            ("{'a': (1, 2)}", {"a": [1, 2]}), (" 7\n", 7)])
+                                            ("{'a': (1, 2)}", {"a": [1, 2]}), (" 7\n", 7), (" n/a \n", "n/a")])
 def test_a_dsml_non_string_value_is_json_a_literal_or_its_text_never_an_error(written, value):
     """A value the response could not write as JSON (NaN, an integer past Python's digit limit, which
     json.loads refuses with a plain ValueError) stays its text: before, the first answered NaN (not
-    JSON) and the second a 500."""
+    JSON) and the second a 500. Its surrounding whitespace is not its own, as a GLM non-string value's."""
     text = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="v" string="false">'
             + written + '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>')
     [call] = parse_tool_calls(text, DSML)[1]

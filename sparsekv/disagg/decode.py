@@ -95,12 +95,15 @@ class DecodeWorker(Worker):
         """/abort_request for the tenant's requests still in their transfer (named `client_id`, or all):
         each room ends at its next wait for the prefill worker or its next batch (`abort_asked`), forgets
         the pages it kept, tells the prefill worker in its verdict, and its client gets finish_reason
-        "abort" with no token. How many it ended (one already ended is not counted again)."""
+        "abort" with no token. How many it ended, as EngineLoop.abort_requests counts them: each of a
+        room's client ids (a /generate batch's prompts given a `rid` each count one each, a room ending
+        them all), so that a request counts alike in its transfer and after it; one already ended is not
+        counted again."""
         ended = [owner for owner in self.owners.values() if not owner.aborted and owner.tenant == tenant
                  and (client_id is None or client_id in owner.client_ids)]
         for owner in ended:
             owner.aborted = True
-        return len(ended)
+        return sum(len(owner.client_ids) for owner in ended)
 
     def abort_asked(self, room: str) -> bool:
         """Whether /abort_request ended the room's request, once its claim is written. NOTE: not before:
