@@ -36,70 +36,13 @@ the unstreamed response gives, a call cut off by max_tokens or a stop string inc
 """
 from __future__ import annotations
 
-import ast
 import json
-import math
 import re
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-
-def _strict_json(value):
-    """`value` as the JSON it can be written as exactly (tuples become lists), or ValueError: a set,
-    bytes, a complex, a non-finite float, a non-string key or an int too long to write in decimal
-    (Python's digit limit) has no JSON of its own."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        str(value)  # past the digit limit this raises ValueError here, not later in json.dumps
-        return value
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, float) and math.isfinite(value):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(item) for item in value]
-    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
-        return {key: _strict_json(item) for key, item in value.items()}
-    raise ValueError(f"no JSON for {type(value).__name__}")
-
-
-def _decoded(text: str):
-    """A non-string value as vLLM's glm45 parser reads it: JSON, else a Python literal (a model may
-    write True or {'a': 1}; `ast.literal_eval` evaluates literals only, never code), else the text.
-    A decoded value JSON cannot write exactly ({1, 2}, NaN) stays the text, and so does one too deep
-    or too long to decode."""
-    for decode in (json.loads, ast.literal_eval):
-        try:
-            return _strict_json(decode(text))
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            continue
-    return text
-
-
-def _json_type(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    return {float: "number", str: "string", list: "array", dict: "object"}[type(value)]
-
-
-def _admits(types: frozenset, value) -> bool:
-    """Whether a schema's `types` admit a decoded value (an integer is a number too)."""
-    kind = _json_type(value)
-    return kind in types or (kind == "integer" and "number" in types)
-
-
-def _glm_value(raw: str, types: frozenset):
-    """One argument's value for a parameter the schema types `types` (empty: untyped)."""
-    if "string" not in types:
-        return _decoded(raw.strip())
-    if types == {"string"}:
-        return raw  # as written: a string's spaces are its own (vLLM keeps them too)
-    value = _decoded(raw.strip())
-    return value if not isinstance(value, str) and _admits(types, value) else raw
+from .tool_values import decoded_value, glm_value, parameter_types
 
 
 @dataclass(frozen=True)
@@ -124,34 +67,6 @@ class CallFormat:
         return self.arguments(body, self.parameter_types.get(name, {}))
 
 
-def schema_types(schema) -> frozenset:
-    """The JSON types a parameter's schema admits: its `type` (a name or a list of them), or the types
-    of its anyOf/oneOf members; empty when any of these names none (an untyped schema admits anything)."""
-    if not isinstance(schema, dict):
-        return frozenset()
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        return frozenset([declared])
-    if isinstance(declared, list):
-        return frozenset(t for t in declared if isinstance(t, str))
-    members = [m for key in ("anyOf", "oneOf") if isinstance(schema.get(key), list) for m in schema[key]]
-    member_types = [schema_types(m) for m in members]
-    if not member_types or not all(member_types):
-        return frozenset()
-    return frozenset().union(*member_types)
-
-
-def parameter_types(tools: list[dict] | None) -> dict[str, dict[str, frozenset]]:
-    """Function name -> parameter -> the JSON types its schema admits (`schema_types`)."""
-    out = {}
-    for tool in tools or []:
-        function = tool.get("function") or {}
-        properties = (function.get("parameters") or {}).get("properties")
-        if isinstance(properties, dict):
-            out[function.get("name")] = {arg: schema_types(schema) for arg, schema in properties.items()}
-    return out
-
-
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _DSML_NAME = re.compile(r'\s*name="([^"]*)"\s*>')
 _DSML_ARG = re.compile(r'<｜DSML｜parameter\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>(.*?)</｜DSML｜parameter>',
@@ -170,7 +85,7 @@ def _dsml_name(body: str, ended: bool) -> str | None:
 
 def _glm_arguments(body: str, types: dict[str, frozenset]) -> list[tuple[str, object]]:
     pairs = [(key.strip(), value) for key, value in _GLM_ARG.findall(body)]
-    return [(key, _glm_value(value, types.get(key, frozenset()))) for key, value in pairs]
+    return [(key, glm_value(value, types.get(key, frozenset()))) for key, value in pairs]
 
 
 def _dsml_attribute(text: str) -> str:
@@ -181,7 +96,7 @@ def _dsml_attribute(text: str) -> str:
 
 def _dsml_arguments(body: str, types: dict[str, frozenset]) -> list[tuple[str, object]]:
     """The call's own `string` flag says which values are raw (`types` is not needed)."""
-    return [(_dsml_attribute(k.strip()), v if raw == "true" else _decoded(v.strip())) for k, raw, v in _DSML_ARG.findall(body)]
+    return [(_dsml_attribute(k.strip()), v if raw == "true" else decoded_value(v.strip())) for k, raw, v in _DSML_ARG.findall(body)]
 
 
 GLM = CallFormat("<tool_call>", "<tool_call>", "</tool_call>", _glm_name, _glm_arguments)
