@@ -833,12 +833,7 @@ def test_weight_updates_load_part_by_part_into_a_model_on_cuda(ckpts, monkeypatc
     a, b, _ = ckpts
     want_b = LLM(b, device="cuda", **OPTIONS).generate([PROMPT], GREEDY)[0]
     llm = LLM(a, device="cuda", **OPTIONS)
-    want_a = llm.generate([PROMPT], GREEDY)[0]
-    _fail_the_third_copy(monkeypatch)
-    with pytest.raises(WeightLoadError, match="out of memory"):
-        llm.update_weights_from_disk(b)
-    monkeypatch.undo()
-    _same(llm.generate([PROMPT], GREEDY)[0], want_a)
+    _a_load_failing_part_way_keeps_serving(llm, b, monkeypatch)
     llm.update_weights_from_disk(b)
     _same(llm.generate([PROMPT], GREEDY)[0], want_b, llm)
     assert all(t.is_cuda for t in (llm.engine.executor.model.embed, llm.engine.executor.model.layers[0].input_norm))
@@ -1202,6 +1197,17 @@ def test_a_drain_load_that_fails_releases_the_held_requests_and_the_next_update_
     engine.check_integrity()
 
 
+def _a_load_failing_part_way_keeps_serving(llm, path: str, monkeypatch) -> None:
+    """An update from `path` failing at its third part: WeightLoadError, and the weights before it
+    serve on, bit for bit."""
+    want = llm.generate([PROMPT], GREEDY)[0]
+    _fail_the_third_copy(monkeypatch)
+    with pytest.raises(WeightLoadError, match="out of memory"):
+        llm.update_weights_from_disk(path)
+    monkeypatch.undo()
+    _same(llm.generate([PROMPT], GREEDY)[0], want)
+
+
 def _fail_the_third_copy(monkeypatch) -> list:
     """Make an update fail at its third part (two copied in by then): the parts copy_weights was called
     for, in order (the ones after the third are the restore's)."""
@@ -1410,13 +1416,7 @@ def test_without_a_host_copy_a_load_failing_over_replaced_weights_stops_the_engi
     from sparsekv.parallel.launch import RankFailure
     from sparsekv.weights import WeightRestoreError
     a, b, _ = ckpts
-    kept = LLM(a, weight_update_host_copy=False, **OPTIONS)
-    want = kept.generate([PROMPT], GREEDY)[0]
-    _fail_the_third_copy(monkeypatch)
-    with pytest.raises(WeightLoadError, match="out of memory"):
-        kept.update_weights_from_disk(b)
-    monkeypatch.undo()
-    _same(kept.generate([PROMPT], GREEDY)[0], want)
+    _a_load_failing_part_way_keeps_serving(LLM(a, weight_update_host_copy=False, **OPTIONS), b, monkeypatch)
     lost = LLM(a, weight_update_host_copy=False, **OPTIONS)
     lost.update_weights(_tensors(b).items())
     _fail_the_third_copy(monkeypatch)
