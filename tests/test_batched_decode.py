@@ -359,6 +359,18 @@ def test_a_group_takes_a_decode_that_brings_it_exactly_to_the_budget():
     assert [[s.context_len for s in g] for g in groups_within(seqs, 59)] == [[20], [30], [30]]
 
 
+def test_a_decode_past_the_budget_selects_alone_and_no_group_is_empty():
+    """A decode whose history alone pads past the budget still gets a group (of one: it selects
+    alone), first or not, and no group is ever empty: the groups partition the decodes, in order."""
+    from types import SimpleNamespace
+    from sparsekv.model.decode_plan import groups_within
+    for lengths in ((100, 120), (10, 100), (70, 10)):
+        seqs = [SimpleNamespace(context_len=n) for n in lengths]
+        groups = groups_within(seqs, 60)
+        assert all(groups) and [s for g in groups for s in g] == seqs, lengths
+    assert [len(g) for g in groups_within([SimpleNamespace(context_len=n) for n in (100, 120)], 60)] == [1, 1]
+
+
 def _decodes(contexts: list[int], attention: str = "sparse"):
     """A decode step's context: one single-row decode per history length."""
     from types import SimpleNamespace
@@ -382,6 +394,26 @@ def test_the_plans_groups_score_within_the_devices_budget(monkeypatch, budget_ke
     plan = decode_plan.make_plan(_decodes([50] * 4), cfg)
     assert [len(group) for _, group in plan.groups] == group_sizes
     assert all(len(g) * g[-1].context_len * per_position <= budget_keys * per_position for _, g in plan.groups)
+
+
+@pytest.mark.parametrize("budget_keys, group_sizes", [(299, [1, 1, 1, 1]), (300, [2, 2])])
+def test_the_plans_groups_count_every_decode_row_against_the_budget(monkeypatch, budget_keys, group_sizes):
+    """With drafts a decode scores 1 + drafts rows (`ctx.decode_rows`), each over its whole padded
+    history: four 50-key decodes of 3 rows each pad 3 x 50 = 150 row-keys apiece, so a budget of 299
+    row-keys lets each select alone and 300 pairs them (counting one row per decode would group all
+    four: 4 x 50 = 200 <= 299)."""
+    from types import SimpleNamespace
+    from sparsekv.context import SeqSlice
+    from sparsekv.model import decode_plan
+    cfg = SimpleNamespace(index_topk=8, index_n_heads=4, index_head_dim=16)
+    per_position = max(cfg.index_n_heads, cfg.index_head_dim)
+    monkeypatch.setattr(decode_plan, "INDEX_DECODE_BATCH_ELEMENTS_CPU", budget_keys * per_position)
+    seqs = [SeqSlice(f"r{i}", 3 * i, 3 * i + 3, 50, torch.arange(50)) for i in range(4)]
+    ctx = SimpleNamespace(seqs=seqs, decode_rows=3, batch_dense_decodes=True, attention="sparse",
+                          input_ids=torch.zeros(12, dtype=torch.long))
+    plan = decode_plan.make_plan(ctx, cfg)
+    assert [len(group) for _, group in plan.groups] == group_sizes
+    assert all(len(g) * 3 * g[-1].context_len <= budget_keys for _, g in plan.groups)
 
 
 def test_with_dense_attention_every_decode_attends_alone_over_its_whole_history():
@@ -425,6 +457,32 @@ def test_the_plan_groups_exactly_the_decodes_whose_every_row_sees_more_than_top_
         == {"at-k", "drafts", "long"}
     assert all([s.context_len for s in g] == sorted(s.context_len for s in g) for _, g in plan.groups)
     assert plan.rows == [r for s in plan.sparse for r in range(s.token_start, s.token_end)]
+
+
+def test_each_plan_group_has_the_scoring_layout_of_its_every_decode(monkeypatch):
+    """Keys-major scoring is for one decode row over a long history (`keys_major`): with the threshold
+    at 40 keys, plain decodes over 50 and 52 keys form a keys-major group, while decodes with drafts
+    (3 rows) score query-major whatever their history, grouped with the short plain decode. Each
+    group's layout is the one every member would take alone (`select_decode` asks `keys_major` with
+    its own rows), and the keys-major batch scores one row per request."""
+    from types import SimpleNamespace
+    from sparsekv.context import SeqSlice
+    from sparsekv.model import indexer
+    from sparsekv.model.decode_plan import make_plan
+    monkeypatch.setattr(indexer, "DECODE_KEYS_MAJOR_MIN_KEYS_CPU", 40)
+    shapes = {"plain-20": (1, 20), "plain-50": (1, 50), "plain-52": (1, 52), "drafts-20": (3, 20),
+              "drafts-50": (3, 50), "drafts-55": (3, 55)}
+    seqs, start = [], 0
+    for name, (rows, context) in shapes.items():
+        seqs.append(SeqSlice(name, start, start + rows, context, torch.arange(context)))
+        start += rows
+    ctx = SimpleNamespace(seqs=seqs, decode_rows=3, batch_dense_decodes=True, attention="sparse",
+                          input_ids=torch.zeros(start, dtype=torch.long))
+    plan = make_plan(ctx, SimpleNamespace(index_topk=8, index_n_heads=4, index_head_dim=16))
+    cpu = torch.device("cpu")
+    assert all(major == indexer.keys_major(cpu, s.num_new_tokens, s.context_len) for major, g in plan.groups for s in g)
+    assert sorted((major, sorted(s.request_id for s in g)) for major, g in plan.groups) == \
+        [(False, ["drafts-20", "drafts-50", "drafts-55", "plain-20"]), (True, ["plain-50", "plain-52"])]
 
 
 def _seq(name: str, pages: list[int], length: int, page: int, device: str = "cpu"):
@@ -479,6 +537,24 @@ def test_decode_selection_is_the_same_alone_and_batched_whatever_the_pages(layou
         assert bool((alone < lengths[i]).all())
 
 
+@pytest.mark.parametrize("pages, in_place", [([[0, 1], [5]], True), ([[0, 1], [5], [8]], False),
+                                             ([[0], [3]], True), ([[0], [4]], False)],
+                         ids=["3-of-6", "4-of-9", "2-of-4", "2-of-5"])
+def test_decode_pages_are_read_in_place_exactly_when_they_fill_half_their_span(pages, in_place):
+    """On a CPU `paged_keys` scores distinct pages in place over the pool span they cover when they
+    fill at least half of it (a bound that includes exactly half), else gathers them: either way
+    every (request, page) pair finds its own page's keys."""
+    from sparsekv.cache.pool import paged_keys
+    page, dim = 4, 8
+    table = torch.randn(16 * page, dim, generator=torch.Generator().manual_seed(4))
+    seqs = [_seq(f"r{i}", p, len(p) * page - 1, page) for i, p in enumerate(pages)]
+    keys, at, counts = paged_keys(table, seqs, page)
+    assert counts == [len(p) for p in pages] and (at is not None) == in_place
+    assert (keys.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()) == in_place
+    for i, p in enumerate(p for ps in pages for p in ps):
+        assert torch.equal(keys[at[i] if in_place else i], table[p * page:(p + 1) * page])
+
+
 @pytest.mark.parametrize("layout", ["in-order", "shared-page"])
 def test_decode_pages_select_the_dense_top_k_when_histories_fill_whole_pages(layout):
     """`select_decode_pages`, batched and alone, against top-k of each request's dense scores (the
@@ -507,6 +583,35 @@ def test_decode_pages_select_the_dense_top_k_when_histories_fill_whole_pages(lay
         alone = indexer.select_decode_pages(q[i:i + 1], w[i:i + 1], *paged_keys(table, [seq], page), [lengths[i]],
                                             positions[i:i + 1], k)
         assert torch.equal(got[i], want) and torch.equal(alone[0], want), (layout, i)
+
+
+@pytest.mark.parametrize("major", [False, True], ids=["query-major", "keys-major"])
+def test_decode_batch_selects_the_dense_top_k_over_padded_histories(major):
+    """`select_decode_batch` (keys-major groups, gathered padded histories) against top-k of each
+    request's dense scores: every history is padded to the longest by repeating its last key, so the
+    padding ties with the newest key and only the mask past each row's position keeps it out; and
+    the newest key (the row's own position) is visible, in the top-k here. Integer inputs with
+    D = 16 make every score exact in fp32, so the sets must equal the reference's, ties included."""
+    from sparsekv.kernels.attention import select_topk
+    from sparsekv.model.indexer import LightningIndexer
+    dim, heads, k, lengths = 16, 4, 5, [9, 12, 16]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-3, 4, (3, 1, heads, dim), generator=g).float()
+    w = torch.randint(1, 3, (3, 1, heads), generator=g).float()
+    histories = [torch.randint(-3, 4, (n, dim), generator=g).float() for n in lengths]
+    for i, h in enumerate(histories):
+        h[-1] = 2 * q[i, 0].sum(0)  # the newest key aligned with the heads: a large score
+    longest = max(lengths)
+    keys = torch.stack([torch.cat([h, h[-1:].expand(longest - len(h), dim)]) for h in histories])
+    indexer = LightningIndexer.__new__(LightningIndexer)  # select_decode_batch needs its head sizes only
+    indexer.head_dim, indexer.n_heads = dim, heads
+    positions = torch.tensor(lengths)[:, None] - 1
+    got = indexer.select_decode_batch(q, w, keys, positions, k, major)
+    for i, h in enumerate(histories):
+        dense = (torch.einsum("hd,td->ht", q[i, 0], h).relu() * w[i, 0, :, None]).sum(0) * dim ** -0.5
+        want = select_topk(dense[None], k)
+        assert lengths[i] - 1 in want  # the row's own key is selected: a mask hiding it would show
+        assert torch.equal(got[i], want), (major, i)
 
 
 def test_a_decode_alone_takes_the_scoring_path_its_batch_would():

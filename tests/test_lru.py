@@ -195,3 +195,19 @@ def test_lru_check_integrity_catches_each_kind_of_corruption(corrupt, message):
     corrupt(lru)
     with pytest.raises(AssertionError, match=message):
         lru.check_integrity()
+
+
+@pytest.mark.parametrize("several", [False, True], ids=["one position", "several positions"])
+def test_a_decode_reaching_the_end_of_the_position_table_matches_brute_force(several):
+    """The position table starts at 1024 entries and grows to cover each access: a request decoding
+    through positions 1016..1031 accesses position 1024, the table's first uncovered entry, as the
+    largest of its step, through the one-position path (a promoted token) or the several-position one
+    (a selection): the same hits, misses, evictions and slots as the reference at every step."""
+    lru, ref = WorkingSetLRU(6), BruteForceLRU(6)
+    for t in range(1016, 1032):
+        positions = [t - 7, t - 3, t] if several else [t]
+        res = lru.resolve(positions)
+        hits, misses, evictions, slots, order = ref.access(positions)
+        assert (res.hits, res.misses, res.evictions, res.slots.tolist()) == (hits, misses, evictions, slots), t
+        assert lru.lru_order() == order
+        lru.check_integrity()

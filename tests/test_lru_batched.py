@@ -58,3 +58,37 @@ def test_batched_resolve_rejects_bad_accesses():
         table.resolve([0, 1], [np.array([1, 2]), np.array([3, 3])])
     with pytest.raises(ValueError, match=">= 0"):
         table.resolve([1], [np.array([-1, 2])])
+
+
+def test_each_rows_position_table_grows_when_an_access_reaches_its_end():
+    """Each row's position table keeps its own size (1024 entries at first) and grows to cover an
+    access's largest position: rows decoding one position apart reach position 1024, the first
+    uncovered entry, at different steps, while their neighbours' tables are already grown or not yet;
+    every step matches one brute-force reference per row."""
+    rows, capacity = 3, 5
+    table, refs = LRUTable(rows, capacity), [BruteForceLRU(capacity) for _ in range(rows)]
+    for t in range(1018, 1030):
+        accesses = [np.array([t + row - 4, t + row], dtype=np.int64) for row in range(rows)]
+        for row, positions, res in zip(range(rows), accesses, table.resolve(list(range(rows)), accesses)):
+            hits, misses, evictions, slots, order = refs[row].access(positions.tolist())
+            assert (res.hits, res.misses, res.evictions, res.slots.tolist()) == (hits, misses, evictions, slots)
+            assert table.lru(row).lru_order() == order
+            table.lru(row).check_integrity()
+
+
+def test_a_working_set_of_glm5s_top_k_evicts_oldest_first_like_the_reference():
+    """At GLM-5's top-k (2048 slots) a step's victims are picked by a partition of the stamps, which
+    keeps no order for rows this long (it happens to come out sorted for short rows, e.g. the 64 slots
+    of the tests above): the victims must still be sorted oldest first, so that miss i (ascending
+    position) gets the i-th oldest slot. Both resolvers, every step, against the reference."""
+    capacity, rows = 2048, 2
+    rng = random.Random(11)
+    table, alone = LRUTable(rows, capacity), WorkingSetLRU(capacity)
+    refs, ref_alone = [BruteForceLRU(capacity) for _ in range(rows)], BruteForceLRU(capacity)
+    for step in range(10):
+        accesses = [np.array(sorted(rng.sample(range(3 * capacity), rng.randint(200, 1200))), dtype=np.int64)
+                    for _ in range(rows + 1)]
+        results = table.resolve(list(range(rows)), accesses[:rows]) + [alone.resolve(accesses[rows])]
+        for ref, positions, res in zip(refs + [ref_alone], accesses, results):
+            hits, misses, evictions, slots, _ = ref.access(positions.tolist())
+            assert (res.hits, res.misses, res.evictions, res.slots.tolist()) == (hits, misses, evictions, slots), step
