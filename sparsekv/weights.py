@@ -418,7 +418,8 @@ class WeightSource:
 
     def check(self, model, update) -> None:
         """A partial in-process update reads the tensors it leaves out from the loaded checkpoint:
-        refused if that directory changed since it was loaded (checked when given, and at the load)."""
+        refused if that directory changed since it was loaded (checked when given, and at the load), and
+        without the host copy if it leaves out, in a part it touches, one that earlier updates replaced."""
         if isinstance(update, DiskUpdate):
             return
         unkept = self._left_out(model, set(update.tensors)) & self.replaced

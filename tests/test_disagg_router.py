@@ -1750,7 +1750,7 @@ def test_sglangs_generate_through_the_router_answers_as_a_colocated_server(glm_c
     # the prefill worker's first tokens came: the queue ends with their output, timed from each choice's first
     assert figures["first_tokens"] and figures["first_decode_s"] == 0.0 and figures["decode_queue_s"] >= 0
     assert all(e["meta_info"]["disaggregation"] == g_events[0]["meta_info"]["disaggregation"] for e in g_events)
-    assert figures["pages_sent"] == (len(prompts[0]) - 1) // base["kv_page_size"] + (len(prompts[1]) - 1) // base["kv_page_size"]
+    assert figures["pages_sent"] == sum((len(p) - 1) // base["kv_page_size"] for p in prompts)
     assert "disaggregation" not in w_batch[0]["meta_info"]
 
 

@@ -3,9 +3,10 @@ the OpenAI-compatible front end of prefill/decode disaggregation. With `--worker
 instead, the front end of colocated servers (replicas of the model, each any layout: one per node at
 `-tp 8`): each request goes to one of them, chosen the same way, and its answer back as it came.
 
-Each completion, chat or SGLang /generate request goes to one prefill worker P and one decode worker D, chosen by load and
-prefix-cache affinity (router_workers.py). Both get the client's body, Authorization header included
-(API keys and tenants are the workers' business), with one field added, the same for both:
+Each completion, chat or SGLang /generate request goes to one prefill worker P and one decode worker D,
+chosen by load and prefix-cache affinity (router_workers.py). Both get the client's body, Authorization
+header included (API keys and tenants are the workers' business), with one field added, the same for
+both:
 
     "disaggregation": {"room": <a new id>, "bootstrap_host": <P's>, "bootstrap_port": <P's>}
 

@@ -237,7 +237,8 @@ class Answers:
 
     def answer(self, index: int) -> dict:
         out = self.outputs[index]
-        meta = {"id": self.rids[index], "finish_reason": _finish_reason(out), "prompt_tokens": len(out.prompt_token_ids),
+        meta = {"id": self.rids[index], "finish_reason": _finish_reason(out),
+                "prompt_tokens": len(out.prompt_token_ids),
                 "completion_tokens": len(out.token_ids), "cached_tokens": out.num_cached_tokens,
                 "weight_version": out.metrics.get("weights_version")}
         if self.body.return_logprob:

@@ -96,7 +96,8 @@ def _dsml_attribute(text: str) -> str:
 
 def _dsml_arguments(body: str, types: dict[str, frozenset]) -> list[tuple[str, object]]:
     """The call's own `string` flag says which values are raw (`types` is not needed)."""
-    return [(_dsml_attribute(k.strip()), v if raw == "true" else decoded_value(v.strip())) for k, raw, v in _DSML_ARG.findall(body)]
+    return [(_dsml_attribute(k.strip()), v if raw == "true" else decoded_value(v.strip()))
+            for k, raw, v in _DSML_ARG.findall(body)]
 
 
 GLM = CallFormat("<tool_call>", "<tool_call>", "</tool_call>", _glm_name, _glm_arguments)
