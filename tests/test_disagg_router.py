@@ -1813,5 +1813,5 @@ def test_colocated_servers_behind_the_router_each_request_to_one_by_affinity_the
 def test_the_router_takes_either_workers_by_role_or_colocated_servers_not_both():
     for given in (dict(prefill=["http://p:1"], decode=["http://d:2"], colocated=["http://w:3"]),
                   dict(prefill=[], decode=[], colocated=[]), dict(prefill=["http://p:1"], decode=[], colocated=[])):
-        with pytest.raises(RouterConfigError, match="not both"):
+        with pytest.raises(RouterConfigError, match="one of the two forms"):
             WorkerPool(given["prefill"], given["decode"], colocated=given["colocated"])

@@ -134,8 +134,8 @@ class WorkerPool:
         if load_slack < 0:
             raise RouterConfigError(f"--affinity-load-slack must be >= 0, got {load_slack}")
         if bool(colocated) == bool(prefill or decode) or bool(prefill) != bool(decode):
-            raise RouterConfigError("give --prefill and --decode workers (prefill/decode disaggregation), or "
-                                    "--worker workers (colocated servers), not both")
+            raise RouterConfigError("give --prefill and --decode workers (prefill/decode disaggregation) or "
+                                    "--worker workers (colocated servers): one of the two forms")
         self.load_slack = load_slack
         self.workers = {"prefill": [Worker(u, "prefill") for u in prefill],
                         "decode": [Worker(u, "decode") for u in decode],
