@@ -25,10 +25,11 @@ from ..hub import resolve_config
 from ..outputs import FirstToken, check_warm
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
 from ..weights import (WEIGHT_UPDATE_POLICIES, ReceivedUpdate, TensorUpdate, UpdateOutcomes, WeightLoadError,
-                       WeightRestoreError, WeightUpdateConflict)
+                       WeightUpdateConflict)
 from .dp_kv import DataParallelKV, kv_call
 from .dp_taps import DataParallelTaps, TapReceiver, open_group
 from .lanes import lane_integrity, load_lane, merge_stats, rank_figures, serve_lane, step_lane
+from .executor import WEIGHTS_MIXED
 from .launch import RankFailure, RankGroup, check_layout
 from .router import PrefixAffinityRouter
 
@@ -323,11 +324,10 @@ class DataParallelEngine:
         self._pending_update = None
         sent = update.for_other_ranks() if isinstance(update, ReceivedUpdate) else update
         gathered = self._together("load_weights", sent, checkpoint, run=lambda: load_lane(self.local, update, checkpoint))
-        errors = [f"data-parallel rank {rank}: {error}" for rank, (_, error, _) in enumerate(gathered) if error]
-        mixed = [e for (_, e, _) in gathered if e and e.startswith(WeightRestoreError.__name__)]
-        self._settle_load(errors, mixed=bool(mixed))
+        errors = [f"data-parallel rank {rank}: {error}" for rank, (_, error, _, _) in enumerate(gathered) if error]
+        self._settle_load(errors, mixed=any(status == WEIGHTS_MIXED for _, _, status, _ in gathered))
         outputs = []
-        for rank, (aborted, _, summary) in enumerate(gathered):
+        for rank, (aborted, _, _, summary) in enumerate(gathered):
             self._summaries[rank] = summary
             for out in aborted:  # a request aborted here already (its abort still queued) is not answered twice
                 if self.rank_of.pop(out.request_id, None) is not None:

@@ -107,7 +107,7 @@ class MultiRankExecutor(Executor):
                 self.local.update_weights(update)
             except Exception as e:  # checked before: an I/O or memory failure, and the others may have loaded it
                 error = e
-            return error, _agree_on_update(self.ranks.control, _load_status(error))
+            return error, _agree_on_update(self.ranks.control, load_status(error))
         sent = update.for_other_ranks() if isinstance(update, ReceivedUpdate) else update
         error, outcome = self._together("update_weights", sent, run=run)
         if outcome == KEPT:
@@ -194,20 +194,22 @@ class RankWorker:
         except Exception as e:
             logger.exception("rank %d: the weight update failed", dist.get_rank())
             error = e
-        if _agree_on_update(self.control, _load_status(error)) not in (LOADED, KEPT):
+        if _agree_on_update(self.control, load_status(error)) not in (LOADED, KEPT):
             raise RuntimeError("the ranks' weights differ after a failed weight update") from error
 
 
 LOADED, KEPT, MIXED = "loaded", "kept", "mixed"  # the ranks' outcome of a weight update (`_agree_on_update`)
+WEIGHTS_MIXED = 2  # a rank's `load_status` when its weights are a mix of two versions
 
 
-def _load_status(error: BaseException | None) -> int:
-    """One rank's outcome: 0 loaded, 1 failed with its old weights put back, 2 its weights a mix."""
-    return 0 if error is None else 2 if isinstance(error, WeightRestoreError) else 1
+def load_status(error: BaseException | None) -> int:
+    """One rank's outcome of a weight update (tensor- and data-parallel alike): 0 loaded, 1 failed with
+    its old weights put back, 2 its weights a mix."""
+    return 0 if error is None else WEIGHTS_MIXED if isinstance(error, WeightRestoreError) else 1
 
 
 def _agree_on_update(control, status: int) -> str:
-    """Every rank's `_load_status`, summed up alike on every rank: LOADED (all loaded), KEPT (all failed
+    """Every rank's `load_status`, summed up alike on every rank: LOADED (all loaded), KEPT (all failed
     and put their old weights back), else MIXED (the ranks' weights now differ)."""
     counts = torch.zeros(3, dtype=torch.int64)
     counts[status] = 1

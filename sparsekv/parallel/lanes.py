@@ -17,7 +17,7 @@ from .dp_kv import kv_call
 from ..weight_sync import WORKER_GROUPS
 from ..weights import ReceivedUpdate
 from .dp_taps import TapSender, open_group, set_lane_taps
-from .executor import serve_rank
+from .executor import load_status, serve_rank
 from .launch import RankGroup, check_layout, control_group, leave, next_command, start_worker, torchrun_rank
 
 logger = logging.getLogger(__name__)
@@ -56,11 +56,11 @@ def lane_summary(engine: LLMEngine) -> dict:
             "counters": dict(engine.counters)}
 
 
-def load_lane(engine: LLMEngine, update, checkpoint: str | None) -> tuple[list[RequestOutput], str | None, dict]:
+def load_lane(engine: LLMEngine, update, checkpoint: str | None) -> tuple[list[RequestOutput], str | None, int, dict]:
     """One rank's part of a weight update: abort its started requests (none after a drain), then load
     through its engine's own update call, which finds nothing started and so loads at once (never
     deferred: that would let this rank switch at another step than the others). Returns (the aborted
-    outputs, the error if it failed to load, the rank's summary)."""
+    outputs, the error if it failed to load, its `load_status`, the rank's summary)."""
     aborted = engine.abort_started_requests()  # first: a failed load below must not lose their outputs
     try:
         if checkpoint is not None:
@@ -72,8 +72,8 @@ def load_lane(engine: LLMEngine, update, checkpoint: str | None) -> tuple[list[R
     except Exception as e:  # this rank keeps its old weights (a load failing part-way puts back what it loaded)
         logger.exception("data-parallel rank: the weight update failed")
         engine.release_held_requests()  # refused before its engine took them back itself
-        return aborted, f"{type(e).__name__}: {e}", lane_summary(engine)
-    return aborted, None, lane_summary(engine)
+        return aborted, f"{type(e).__name__}: {e}", load_status(e), lane_summary(engine)
+    return aborted, None, load_status(None), lane_summary(engine)
 
 
 def lane_integrity(engine: LLMEngine) -> str | None:
