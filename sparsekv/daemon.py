@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import Future
 
 
 def on_daemon_thread(fn, *args, name: str = "sparsekv-wait") -> asyncio.Future:
@@ -26,5 +27,19 @@ def on_daemon_thread(fn, *args, name: str = "sparsekv-wait") -> asyncio.Future:
             loop.call_soon_threadsafe(settle, *outcome)
         except RuntimeError:  # the event loop closed: nobody waits for it
             pass
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+def daemon_future(fn, *args, name: str = "sparsekv-wait") -> Future:
+    """`fn(*args)` on a daemon thread of its own, as a concurrent future: the same, for a caller with
+    no event loop (a worker rank's trainer group, a transfer's connect waited for with a bound)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to whoever waits
+            future.set_exception(e)
     threading.Thread(target=run, name=name, daemon=True).start()
     return future

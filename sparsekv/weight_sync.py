@@ -24,18 +24,19 @@ travels as its bytes, which both `broadcast_weights` and `receive_weights` do.
 from __future__ import annotations
 
 import datetime
-import threading
 from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 
+from .daemon import daemon_future
 from .error_text import first_line
 
 BACKENDS = ("gloo", "nccl")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 TIMEOUT_S = 600.0  # one collective of the group (a tensor's broadcast) waits at most this long
+THREAD = "sparsekv-weight-sync"  # the name of a worker rank's join and receive threads
 JOIN_TIMEOUT_S = 120.0  # an engine waits this long for the trainer's store and ranks (/init_weights_update_group)
 
 
@@ -124,7 +125,7 @@ class WorkerGroups:
 
     def join(self, name: str, address: str, port: int, rank: int, world_size: int, backend: str) -> None:
         self._leave(name)  # the tensors of an update waiting to load stay: it loads from them
-        self._joins[name] = (_on_thread(join_group, address, port, rank, world_size, backend), backend)
+        self._joins[name] = (daemon_future(join_group, address, port, rank, world_size, backend, name=THREAD), backend)
 
     def receive(self, name: str, ticket: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 device: torch.device) -> None:
@@ -134,9 +135,9 @@ class WorkerGroups:
             self._received[name, ticket] = _failed(WeightSyncError(f"this rank never joined the group {name!r}"))
             return
         join, backend = joined
-        self._received[name, ticket] = _on_thread(lambda: receive_weights(
+        self._received[name, ticket] = daemon_future(lambda: receive_weights(
             join.result(JOIN_TIMEOUT_S), names, [dtype_of(d) for d in dtypes], [tuple(x) for x in shapes], backend,
-            device))
+            device), name=THREAD)
 
     def outcome(self, name: str, ticket: int, timeout_s: float) -> str | None:
         """None once this rank holds the update's tensors, else why it does not (within `timeout_s`)."""
@@ -188,19 +189,6 @@ class WorkerGroups:
 
 
 WORKER_GROUPS = WorkerGroups()  # this process's, on a worker rank
-
-
-def _on_thread(fn, *args) -> Future:
-    """fn(*args) on a daemon thread of its own (a wait for the trainer holds no exit up)."""
-    future: Future = Future()
-
-    def run():
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # handed to whoever waits
-            future.set_exception(e)
-    threading.Thread(target=run, name="sparsekv-weight-sync", daemon=True).start()
-    return future
 
 
 def _failed(error: BaseException) -> Future:

@@ -29,6 +29,7 @@ a room's other store calls never queue behind its wait.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import logging
 import os
@@ -38,6 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..daemon import daemon_future
 from ..error_text import first_line
 from .nixl import NixlReceiver, NixlSender
 from .wire import TransferError, at_once
@@ -270,21 +272,10 @@ def _within(make, timeout_s: float):
     connect to a peer that published its address and then stopped answering retries for about five
     times the group's timeout; past `timeout_s` the room fails and the thread is left to gloo, which
     ends it, and the group it may still make is dropped."""
-    done, out = threading.Event(), {}
-
-    def run():
-        try:
-            out["group"] = make()
-        except BaseException as e:  # handed to the caller
-            out["error"] = e
-        done.set()
-
-    threading.Thread(target=run, name="sparsekv-pair-connect", daemon=True).start()
-    if not done.wait(timeout_s):
+    made = daemon_future(make, name="sparsekv-pair-connect")
+    if not concurrent.futures.wait([made], timeout_s).done:
         raise TimeoutError(f"no connection within {timeout_s:g} s")
-    if "error" in out:
-        raise out["error"]
-    return out["group"]
+    return made.result()
 
 
 def _nccl_group(store, rank: int, timeout_s: float) -> dist.ProcessGroup:
