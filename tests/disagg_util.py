@@ -34,12 +34,12 @@ class WorkerServer:
                  **engine_options):
         from sparsekv.config import EngineConfig
         from sparsekv.disagg.worker import DisaggSettings
-        from sparsekv.engine import LLMEngine
+        from sparsekv.llm import build_engine
         from sparsekv.server.app import ServerSettings, create_app
         from sparsekv.server.auth import load_admin_keys, parse_api_keys
         if mode == "decode":
             engine_options.setdefault("prefix_cache_host_bytes", 1 << 24)
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine = build_engine(EngineConfig(model=model, **engine_options))  # data-parallel with data_parallel_size
         role = DisaggSettings(mode, "127.0.0.1", bootstrap_port if mode == "prefill" else None, secret, timeout_s,
                               transfer, send)
         self.app = create_app(self.engine, ServerSettings(["tiny"], parse_api_keys(list(api_keys)), disaggregation=role,
@@ -56,6 +56,8 @@ class WorkerServer:
 
     def __exit__(self, *exc):
         stop_thread_server(self.server, self.thread)
+        if self.engine.config.data_parallel_size > 1:  # its ranks' processes stop with it
+            self.engine.close()
 
     def update_weights_from_disk(self, path: str) -> int:
         """The engine's weights from `path`, as an RL trainer loads them (POST /update_weights_from_disk);
@@ -65,11 +67,16 @@ class WorkerServer:
         assert r.status_code == 200, r.text
         return r.json()["weights_version"]
 
+    def on_engine(self, fn, *args):
+        """`fn(*args)` on the server's engine loop (a data-parallel engine's calls reach every rank: only
+        one thread may make them)."""
+        return asyncio.run_coroutine_threadsafe(self.state.loop.call(fn, *args), self.state.loop._aloop).result(60)
+
     def check_clean(self) -> None:
         """Everything of the transfers is gone: no room, no request, the pools' integrity holds."""
         assert self.worker.rooms == {}
-        self.engine.check_integrity()
-        assert not self.engine.has_unfinished_requests()
+        self.on_engine(self.engine.check_integrity)
+        assert not self.on_engine(self.engine.has_unfinished_requests)
 
 
 def start_worker_process(model: str, mode: str, secret_path: str, bootstrap_port: int = 0, *args: str,

@@ -134,11 +134,16 @@ def test_bench_transfer_sends_during_the_prefill_against_one_batch_after_it(tmp_
 
 
 def test_bench_transfer_with_a_data_parallel_prefill_worker_sends_a_prompt_per_rank_layer_by_layer(tmp_path, capsys):
+    """Two prompts at once, a rank each, in every mode, and once more layer by layer from rank 0."""
     out = tmp_path / "transfer.json"
     assert main(["transfer", "--prompt-tokens", "600", "--repeats", "1", "--prefill-dp", "2", "--json", str(out)]) == 0
     modes = json.loads(out.read_text())["backends"]["torch"]
     assert all(len(m["after_prefill_ms_each"]) == 2 for m in modes.values())  # a prompt per rank, each measured
     assert modes["layers"]["pages_by_layer"] == modes["layers"]["pages_sent"] == 599 // 64
+    rank_0 = modes["layers-rank-0"]
+    assert rank_0["pages_by_layer"] == rank_0["pages_sent"] and rank_0["mb"] == modes["layers"]["mb"]
+    # rank 1's room sent by rank 1 itself layer by layer; through rank 0 in the other modes
+    assert [modes[m]["sent_by_other_ranks"] for m in ("layers", "chunks", "after", "layers-rank-0")] == [1, 0, 0, 0]
     assert modes["chunks"]["pages_by_layer"] == 0 and "a prompt per rank" in capsys.readouterr().out
 
 

@@ -5,15 +5,22 @@ process (`DataParallelKV` over a fake engine) and through a decode worker that s
 its ranks holds."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
+import httpx
 import pytest
 import torch
 
 from conftest import STARTUP_FLAGS, STARTUP_S
-from disagg_util import process_and_local_pair, send_pair
+from disagg_util import SECRET, WorkerServer, process_and_local_pair, secret_file, send_pair, start_worker_process
+from sparsekv.disagg.transfer import CORRUPT_ENV, DELAY_ENV
+from test_server_util import wait_healthy, wait_until
 from sparsekv import LLM, SamplingParams
+from sparsekv.parallel.dp_held import is_held
 from sparsekv.parallel.dp_kv import DataParallelKV, kv_call
 from sparsekv.parallel.router import PrefixAffinityRouter
 from test_disagg_workers import BASE, BODY, GREEDY, PAGE, _prompt, assert_as_colocated
@@ -181,11 +188,11 @@ def test_a_tap_header_round_trips_and_holds_at_most_eight_kinds():
     from sparsekv.cache.layer_tap import LayerRows
     from sparsekv.parallel.dp_taps import HEADER_LEN, decode_header, encode_header
     selected = (torch.arange(5), torch.arange(3))
-    full = encode_header(7, LayerRows(2, 10, 3, [0, 2], [], tail=0))
-    tail = encode_header(8, LayerRows(1, 4, 1, [1], [], tail=2, selected=selected))
+    full = encode_header(7, LayerRows(2, 10, 3, [0, 2], [], tail=0), handle=11)
+    tail = encode_header(8, LayerRows(1, 4, 1, [1], [], tail=2, selected=selected), handle=12)
     assert full.shape == (HEADER_LEN,) and full.dtype == torch.int64
-    assert decode_header(full) == (7, 2, 10, 3, 0, None, [0, 2])
-    assert decode_header(tail) == (8, 1, 4, 1, 2, [5, 3], [1])
+    assert decode_header(full) == (7, 2, 10, 3, 0, None, 11, [0, 2])
+    assert decode_header(tail) == (8, 1, 4, 1, 2, [5, 3], 12, [1])
     assert decode_header(encode_header(0, LayerRows(0, 0, 1, list(range(8)), [])))[-1] == list(range(8))
     with pytest.raises(ValueError, match="at most 8"):
         encode_header(0, LayerRows(0, 0, 1, list(range(9)), []))
@@ -230,6 +237,102 @@ def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
             assert again["sparsekv"]["disaggregation"]["pages_skipped"] == (len(prompts[1]) - 1) // PAGE
             assert again["sparsekv"]["choices"][0]["token_ids"] == want[1].token_ids
         local.check_clean()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(direct, glm_ckpt):
+    """In process, a `-dp 2` prefill worker and a decode worker, two prompts at once, one per rank. The
+    room of rank 1's prompt is published and sent by rank 1 (disagg/dp_send.py: its tensors never
+    cross rank 0), rank 0's by rank 0; with the direct send off, both by rank 0, rank 1's rows fetched
+    from it. Either way the same bytes go, the answers are one colocated engine's, and afterwards rank 1
+    keeps no rows and knows no room, and every pool's integrity holds."""
+    path = glm_ckpt[0]
+    prompts = [_prompt(256, 44, seed) for seed in (3, 4)]  # 10 cacheable pages, then the last token's full page
+    colocated = LLM(path, **BASE)
+    want = colocated.generate(prompts, GREEDY)
+    with (WorkerServer(path, "prefill", data_parallel_size=2, dist_startup_timeout_s=STARTUP_S, **BASE) as prefill,
+          WorkerServer(path, "decode", **BASE) as decode):
+        prefill.worker.direct_send = direct
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: send_pair(prefill.url, decode.url, {**BODY, "prompt": p}), prompts))
+        assert all(rp.status_code == 200 and rd.status_code == 200 for rp, rd in answers), answers
+        sent = [rp.json()["sparsekv"]["disaggregation"] for rp, _ in answers]
+        assert sorted(f["prefill_rank"] for f in sent) == ([0, 1] if direct else [0, 0])
+        assert [f["bytes"] for f in sent] == [rd.json()["sparsekv"]["disaggregation"]["bytes"] for _, rd in answers]
+        assert all(f["pages_by_layer"] == f["pages_sent"] == (len(prompts[0]) - 1) // PAGE for f in sent)
+        for (_, rd), expected in zip(answers, want):
+            assert_as_colocated(expected, rd.json(), decode, logprob_tolerance(colocated))
+        _rank_1_keeps_nothing(prefill)
+        decode.check_clean()
+
+
+def _two_at_once(prefill_url: str, decode_url: str, prompts: list[list[int]], timeout: float = 60.0) -> list:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: send_pair(prefill_url, decode_url, {**BODY, "prompt": p}, timeout=timeout),
+                             prompts))
+
+
+def _rank_1_keeps_nothing(prefill: WorkerServer) -> None:
+    """Rank 1 lets go of every row and room (a removed tap's rows with the next step, which the engine
+    runs for it, and deliveries dropped as the calls that drop them come)."""
+    def kept():
+        figures = prefill.on_engine(prefill.engine.stats)["by_data_parallel_rank"][1]
+        return figures["held_rows_bytes"], figures["held_rooms"]
+    assert wait_until(lambda: kept() == (0, 0), 10), kept()
+    prefill.check_clean()
+
+
+def test_a_corrupted_tensor_sent_by_rank_1_fails_its_room_and_nothing_stays_kept(glm_ckpt, monkeypatch):
+    """A `-dp 2` prefill worker whose every sender damages a room's second tensor after its digest (rank
+    1, spawned with the engine, inherits the hook): the decode worker refuses both rooms, the rank-1
+    one sent by rank 1 itself, and each side answers 503 naming it. Rank 1 then keeps no row and no
+    room, both workers' pools are intact, and rank 1's rows still serve (fetched through rank 0, whose
+    sends are whole again)."""
+    path = glm_ckpt[0]
+    prompts = [_prompt(256, 44, seed) for seed in (3, 4)]
+    monkeypatch.setenv(CORRUPT_ENV, "1")
+    with (WorkerServer(path, "prefill", data_parallel_size=2, dist_startup_timeout_s=STARTUP_S, **BASE) as prefill,
+          WorkerServer(path, "decode", **BASE) as decode):
+        for rp, rd in _two_at_once(prefill.url, decode.url, prompts):
+            assert (rp.status_code, rd.status_code) == (503, 503), (rp.text, rd.text)
+            assert "digest" in rd.json()["error"]["message"] and "refused the KV" in rp.json()["error"]["message"]
+        _rank_1_keeps_nothing(prefill)
+        decode.check_clean()
+        monkeypatch.delenv(CORRUPT_ENV)
+        prefill.worker.direct_send = False
+        answers = _two_at_once(prefill.url, decode.url, prompts)
+        assert [(rp.status_code, rd.status_code) for rp, rd in answers] == [(200, 200)] * 2
+        _rank_1_keeps_nothing(prefill)
+
+
+def test_the_decode_worker_killed_while_rank_1_sends(glm_ckpt, tmp_path, monkeypatch):
+    """The decode worker dies while a `-dp 2` prefill worker's ranks send it two rooms (each tensor
+    waits first, so the sends are under way): each room fails with a 503 within the timeout, rank 1's
+    push failing on rank 1; rank 1 then keeps no row and no room, the pools are intact, and the worker
+    still answers."""
+    path = glm_ckpt[0]
+    timeout = 8.0
+    monkeypatch.setenv(DELAY_ENV, "0.5")
+    proc, decode_url = start_worker_process(path, "decode", secret_file(tmp_path, SECRET), 0, "--disaggregation-timeout",
+                                            str(timeout))
+    try:
+        wait_healthy(decode_url, proc)
+        with (WorkerServer(path, "prefill", timeout_s=timeout, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S,
+                           **BASE) as prefill, ThreadPoolExecutor(1) as pool):
+            sent = pool.submit(_two_at_once, prefill.url, decode_url, [_prompt(256, 44, s) for s in (3, 4)], 3 * timeout)
+            assert wait_until(lambda: list(prefill.worker.rooms.values()) == ["send", "send"], 30)
+            time.sleep(0.7)  # inside the tensors' sends
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            for rp, rd in sent.result():
+                assert rp.status_code == 503 and "prefill worker" in rp.json()["error"]["message"], rp.text
+                assert isinstance(rd, httpx.HTTPError)  # the decode worker died without answering
+            _rank_1_keeps_nothing(prefill)
+            r = httpx.post(prefill.url + "/v1/completions", json={**BODY, "prompt": _prompt(256, 44, 5)}, timeout=10)
+            assert r.status_code == 400  # still serving: a request without its room is refused as always
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
 
 
 def test_a_data_parallel_drafting_prefill_worker_sends_short_tails_for_sampled_choices(tmp_path):
@@ -305,15 +408,16 @@ def test_a_claimed_prompt_is_counted_and_remembered_on_its_claimed_rank(glm_ckpt
 
 def test_layer_rows_of_every_data_parallel_rank_reach_rank_0_before_their_pages_are_named(glm_ckpt):
     """In process, a `DataParallelEngine` of two ranks with both prompts tapped: rank 1's prompt's rows
-    come over the taps' group (parallel/dp_taps.py), rank 0's from its own engine. Each page once per
-    layer, in order, each delivery the rows the page exports from the rank that computed it, and all
-    of a step's rows in before the step returns (so before any page of it is named). Nothing after
-    the untap. Each delivery is slow here, as on a busy machine."""
+    stay on rank 1, announced over the taps' group (parallel/dp_taps.py) and fetched from there
+    (dp_held.py), rank 0's come from its own engine. Each page once per layer, in order, each delivery
+    the rows the page exports from the rank that computed it, and all of a step's deliveries in before
+    the step returns (so before any page of it is named). Nothing after the untap, and nothing left
+    kept on rank 1. Each delivery is slow here, as on a busy machine."""
     path = glm_ckpt[0]
     prompts = [_prompt(256, 42, seed) for seed in (3, 4)]  # 10 full pages each
     llm = LLM(path, **BASE, prefill_chunk_tokens=8, max_num_batched_tokens=16, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S)
     engine, got = llm.engine, {0: [], 1: []}
-    slow = {i: (lambda rows, i=i: (time.sleep(0.02), got[i].append(rows))) for i in got}
+    slow = {i: (lambda rows, i=i: (time.sleep(0.02), got[i].append(_fetched(engine, rows)))) for i in got}
     try:
         kinds = [engine.tap_layers(f"r{i}", len(p), 0, slow[i]) for i, p in enumerate(prompts)]
         for i, p in enumerate(prompts):
@@ -334,7 +438,7 @@ def test_layer_rows_of_every_data_parallel_rank_reach_rank_0_before_their_pages_
             for layer in range(layers):
                 pages = [d.first + j for d in full if d.layer == layer for j in range(d.count)]
                 assert pages == list(range((len(p) - 1) // PAGE)), (i, layer)
-            # the last token's page through it (page 10, two rows), through rank 0 for rank 1's prompt
+            # the last token's page through it (page 10, two rows), fetched from rank 1 for its prompt
             assert [(d.layer, d.first, d.tail) for d in tails] == [(layer, 10, 2) for layer in range(layers)]
             assert all(r.shape[:2] == (1, 2) for d in tails for r in d.ready())
             # a full layer's tail carries its rows' selections: their union and the last row's
@@ -350,7 +454,7 @@ def test_layer_rows_of_every_data_parallel_rank_reach_rank_0_before_their_pages_
         alone = _tail_selections(path, prompts[1], prefill_chunk_tokens=8, max_num_batched_tokens=16)
         assert {d.layer: d.selected for d in got[1] if d.selected is not None}.keys() == alone.keys()
         assert all(torch.equal(a, b) for d in got[1] if d.selected is not None
-                   for a, b in zip(d.selected, alone[d.layer]))  # rank 1's, through rank 0, as one engine's
+                   for a, b in zip(d.selected, alone[d.layer]))  # rank 1's, fetched, as one engine's
         counts = {i: len(got[i]) for i in got}
         for i in range(2):
             engine.untap_layers(f"r{i}")
@@ -361,9 +465,19 @@ def test_layer_rows_of_every_data_parallel_rank_reach_rank_0_before_their_pages_
         llm.close()
 
 
+def _fetched(engine, rows):
+    """A delivery with the rows another rank keeps fetched from there (rank 0's own as they are)."""
+    parts = [*rows.rows, *(rows.selected or ())]
+    if not any(is_held(t) for t in parts):
+        return rows
+    got = engine.fetch_held(parts)
+    return replace(rows, rows=got[:len(rows.rows)], selected=None if rows.selected is None else tuple(got[len(rows.rows):]))
+
+
 def test_a_prompt_untapped_mid_prefill_on_rank_1_sends_no_more_rows(glm_ckpt):
     """An untap reaches the rank the request runs on with the next step's command: from then on that rank
-    sends nothing more for it (rows it kept sending would cross the taps' group only to be dropped)."""
+    announces nothing more for it, and the rows it kept for the tap go (the integrity check finds any
+    kept for a tap that is gone)."""
     prompts = [_prompt(256, 42, seed) for seed in (3, 4)]  # 10 full pages each, 8 rows a step
     llm = LLM(glm_ckpt[0], **BASE, prefill_chunk_tokens=8, max_num_batched_tokens=16, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S)
     engine, got = llm.engine, []

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import threading
 
+from ..parallel.dp_held import Stacked, is_held
 from .wire import TransferError, pages_to_tensors
 
 UNCLAIMED_MAX_BYTES = 256 << 20  # rows kept for a room no decode worker claimed yet; past it, its pages go whole
@@ -18,10 +19,14 @@ class LayerFeed:
     whose layer rows were taken; a prompt's tail goes whole when the choices' first tokens go too
     (`first_tokens`), else short (`short_tail`). Before the claim at most
     `unclaimed_max_bytes` are kept: past that (a decode worker slow to claim a long prompt) every row
-    is dropped, and the room's pages go whole, by name, as they would without a feed."""
+    is dropped, and the room's pages go whole, by name, as they would without a feed. `discard(rows)`:
+    told of deliveries dropped (a data-parallel rank > 0 keeps their rows until then: dp_held.py);
+    `request_ids`: the tapped requests, a prompt each."""
 
-    def __init__(self, loop, num_kinds: int, unclaimed_max_bytes: int = UNCLAIMED_MAX_BYTES, first_tokens: bool = True):
+    def __init__(self, loop, num_kinds: int, unclaimed_max_bytes: int = UNCLAIMED_MAX_BYTES, first_tokens: bool = True,
+                 discard=None, request_ids: list[str] = ()):
         self.loop, self.num_kinds, self.unclaimed_max_bytes = loop, num_kinds, unclaimed_max_bytes
+        self.discard, self.request_ids = discard or (lambda rows: None), list(request_ids)
         self.first_tokens = first_tokens  # whether the choices' first tokens go (else a tail goes short)
         self.items: collections.deque = collections.deque()
         self.wake = asyncio.Event()
@@ -44,16 +49,18 @@ class LayerFeed:
 
     def _keep(self, prompt: int, rows) -> bool:
         with self.lock:
-            if self.dropped or (rows.tail == 1 and not self.first_tokens):
-                return False  # a short tail of no rows
-            if not self.claimed:
-                self.unclaimed_bytes += sum(r.numel() * r.element_size() for r in rows.rows)
-                if self.unclaimed_bytes > self.unclaimed_max_bytes:
-                    self.dropped = True
-                    self.items.clear()
-                    return False
-            self.items.append((prompt, rows))
-            return True
+            if self.dropped or (rows.tail == 1 and not self.first_tokens):  # (a short tail of no rows)
+                dropped = [rows]
+            elif not self.claimed and self.unclaimed_bytes + _nbytes(rows) > self.unclaimed_max_bytes:
+                self.dropped = True
+                dropped = [kept for _, kept in self.items] + [rows]
+                self.items.clear()
+            else:
+                self.unclaimed_bytes += 0 if self.claimed else _nbytes(rows)
+                self.items.append((prompt, rows))
+                return True
+        self.discard(dropped)
+        return False
 
     def claim(self) -> None:
         """The room is claimed: rows are kept whatever their size from now on."""
@@ -88,6 +95,10 @@ class LayerFeed:
             waiter.cancel()
 
 
+def _nbytes(rows) -> int:
+    return sum(r.numel() * r.element_size() for r in rows.rows)
+
+
 def short_tail(rows: list, tail: int) -> list:
     """A tail's rows less its last (the prompt's last token's): without the first token sampled after it,
     that token's MTP-layer entry is not the decode side's, which computes that token itself. The
@@ -118,7 +129,10 @@ def named_parts(pages: list, per_prompt: list[int], sent: list[int], feed: Layer
 
 
 def kinds_of(pages: list, kinds: list[int] | None) -> list:
-    """One tensor per kind of row for the pages (kinds: which, in order; None: all)."""
+    """One tensor per kind of row for the pages (kinds: which, in order; None: all); for pages a
+    data-parallel rank > 0 keeps, what that rank stacks (dp_held.Stacked)."""
     if kinds is not None:
         pages = [(name, [rows[k] for k in kinds]) for name, rows in pages]
+    if pages and pages[0][1] and is_held(pages[0][1][0]):
+        return [Stacked(tuple(rows[j] for _, rows in pages)) for j in range(len(pages[0][1]))]
     return pages_to_tensors(pages)

@@ -6,13 +6,22 @@ from .transfer import Room, as_sent, meta_key, sender
 from .wire import TransferError, as_bytes, sign, tensor_specs
 
 
+def as_published(secret: bytes, meta: dict, stacked: list, first_tag: int) -> list:
+    """A batch's tensors as they go (contiguous bytes, from tag `first_tag`); `meta` gets their specs."""
+    meta["tensors"] = tensor_specs(secret, stacked)
+    return as_sent([as_bytes(t) for t in stacked], first_tag)
+
+
 class Batches:
     """The prefill side of a room: its metadata batches (`meta/0`, `meta/1`, ...), each followed by
-    its tensors over the room's data path (transfer.sender, made at the first tensor, kept for the room)."""
+    its tensors over the room's data path (transfer.sender, made at the first tensor, kept for the room).
+    `rank`: the data-parallel rank > 0 that publishes and sends them instead (dp_send.py), None: this
+    process."""
 
     def __init__(self, link: Room, settings, device, agent):
         self.link, self.settings, self.device, self.agent = link, settings, device, agent
         self.index, self.tags, self.path = 0, 0, None
+        self.rank: int | None = None
         self.claimed = self.told_error = self.ended = self.sending = False
 
     @property
@@ -26,25 +35,33 @@ class Batches:
         `push` once the data path is connected (`path.needs_connect`: the decode worker joins it when
         it reads the metadata)."""
         secret = self.settings.secret
-        meta["tensors"] = tensor_specs(secret, stacked)
-        tensors = as_sent([as_bytes(t) for t in stacked], self.tags)
+        tensors = as_published(secret, meta, stacked, self.tags)
         if tensors and self.path is None:
             self.path = sender(meta["backend"], self.link, self.settings, self.device, self.agent)
         if tensors:
             meta.update(self.path.offer(tensors))
         self.link.put(meta_key(self.index), sign(secret, meta))
+        self.published(meta, tensors)
+        return tensors
+
+    def published(self, meta: dict, tensors: list) -> None:
+        """A batch's metadata is in the store (put here or by the rank that sends it), its `tensors` to follow."""
         self.index += 1
         self.ended = bool(meta["last"])
         self.sending = bool(tensors)
-        return tensors
 
     def push(self, tensors: list) -> int:
         """Send the published batch's tensors; returns their bytes."""
         if tensors:
             self.path.push(tensors, self.tags)
-            self.tags += len(tensors)
+        return self.pushed(len(tensors), sum(t.numel() for t in tensors))
+
+    def pushed(self, count: int, nbytes: int) -> int:
+        """The published batch's `count` tensors of `nbytes` were sent (here or by the rank that sends
+        them); returns `nbytes`."""
+        self.tags += count
         self.sending = False
-        return sum(t.numel() for t in tensors)
+        return nbytes
 
     def answered(self) -> bool:
         """Whether the decode worker wrote its verdict (before the last batch only when it failed);

@@ -23,10 +23,12 @@ import time
 from fastapi.responses import JSONResponse
 
 from ..error_text import first_line
+from ..parallel.dp_held import drop_held, is_held
 from ..request import SamplingParams
 from ..server.errors import APIError, bad_request
 from ..server.loop import EngineDead, RequestGroup, ShuttingDown, Submission
 from ..server.serving import Job, run
+from . import dp_send
 from .transfer import Room, connect, host_bootstrap, pair_backend
 from .weights_stamp import check_same_weights, loaded_weights
 from .first_token import first_token_of, first_token_params, first_token_wire, plain_greedy
@@ -46,6 +48,7 @@ class PrefillWorker(Worker):
         super().__init__(state, settings)
         self.stream_poll_s: float | None = STREAM_POLL_S  # None: one look, after the prefill (bench transfer)
         self.layer_by_layer = settings.send == "layers"  # else a page's rows go once every layer computed them
+        self.direct_send = True  # a data-parallel rank > 0 sends its rooms' tensors itself (else through rank 0)
         try:
             self.store = host_bootstrap(settings.bootstrap_host, settings.bootstrap_port, settings.timeout_s)
         except Exception as e:  # the port is taken, or the host is not this machine's
@@ -164,6 +167,8 @@ class PrefillWorker(Worker):
             raise
         finally:
             await self.blocking(out.close)  # NOTE: off the event loop (a group's teardown takes ms)
+            if out.rank is not None:
+                await self._close_on_rank(out)
             if not out.peer_waiting and not out.told_error:
                 await self.blocking(out.link.forget, out.index + 1)
 
@@ -197,6 +202,7 @@ class PrefillWorker(Worker):
         if feed is not None:
             base["weights"] = feed.weights
             feed.claim()
+            out.rank = await self._sending_rank(feed, base["backend"])
         while True:
             finished = prefill.done()
             if await self.blocking(out.answered):  # the decode worker failed this room already
@@ -205,7 +211,7 @@ class PrefillWorker(Worker):
             if failure is not None:
                 await self.blocking(out.error, failure)
                 return None
-            look = asyncio.ensure_future(self._export(job, prompts, sent))  # NOTE: it runs once the step ends
+            look = asyncio.ensure_future(self._export(job, prompts, sent, out))  # NOTE: it runs once the step ends
             if feed is not None:
                 nbytes += await self._send_layers_until(look, feed, out, base, claim, request)
             pages, per_prompt, loaded = await look
@@ -224,6 +230,7 @@ class PrefillWorker(Worker):
                         meta["first"] = [first_token_wire(f) for f in prefill.result()[2]]
                 nbytes += await self._send(out, meta, kinds_of(part, kinds), request)
                 streamed += 0 if finished else len(part)
+            self._discard([r for _, rows in pages for r in rows])  # kinds that went by layer, kept by the sending rank
             sent = [n + more for n, more in zip(sent, per_prompt)]
             if finished:
                 break
@@ -233,12 +240,41 @@ class PrefillWorker(Worker):
                        self.settings.secret)
         return self._sent(meta, time.monotonic() - ended[0], nbytes, sum(sent) - sum(claim["held"]), streamed, out, feed)
 
+    async def _sending_rank(self, feed: LayerFeed, backend: str) -> int | None:
+        """The data-parallel rank > 0 that publishes and sends the room's tensors itself (dp_send.py): the
+        one rank its prompts run on, whose rows stay there. None (rank 0 sends, fetching any rows kept
+        on another rank) for a room whose prompts run on rank 0 or on several ranks, over NIXL (rank 0
+        holds the worker's agent), or with `direct_send` off."""
+        engine = self.state.engine
+        if not self.direct_send or backend == "nixl" or engine.config.data_parallel_size == 1:
+            return None
+        rank = await self.state.loop.call(lambda: engine.rank_running(feed.request_ids))
+        return rank or None
+
+    async def _close_on_rank(self, out: "Batches") -> None:
+        """The room ends on the rank that sent it: its group, store connection and rows left go."""
+        try:
+            await self._on_rank(out.rank, dp_send.close_room, out.link.name)
+        except TransferError as e:  # the rank is gone: the engine fails with it
+            log.warning("disaggregation room %s: closing it on data-parallel rank %s failed: %s", out.link.name,
+                        out.rank, e)
+
+    async def _on_rank(self, rank: int, fn, *args):
+        """`fn(side, *args)` on data-parallel rank `rank` (dp_held.RankCalls), a call that waits for no
+        peer: TransferError if it fails there or does not answer within the timeout."""
+        try:
+            call = self.state.engine.call_rank(rank, fn, *args)
+            return await asyncio.wait_for(asyncio.wrap_future(call), self.settings.timeout_s)
+        except (RuntimeError, asyncio.TimeoutError) as e:
+            raise TransferError(f"data-parallel rank {rank}: {first_line(e)}") from None
+
     def _sent(self, meta: dict, transfer_s: float, nbytes: int, pages: int, streamed: int, out: "Batches",
               feed: LayerFeed | None) -> dict:
         """The transfer's figures (the response's and the log's), counted in the metrics."""
         figures = {"role": "prefill", "room": meta["room"], "queue_s": meta["queue_s"], "prefill_s": meta["prefill_s"],
                    "transfer_s": transfer_s, "backend": meta["backend"], "bytes": nbytes, "pages_sent": pages,
                    "pages_streamed": streamed, "pages_skipped": sum(meta["skipped"]), "batches": out.index,
+                   "prefill_rank": out.rank or 0,  # the data-parallel rank that sent the tensors
                    # NOTE: the rows of pages the decode worker held were taken, not sent (`_send_layers`)
                    "pages_by_layer": 0 if feed is None else sum(page >= meta["skipped"][prompt]
                                                                 for prompt, page in feed.tapped),
@@ -270,6 +306,7 @@ class PrefillWorker(Worker):
         for prompt, first, count, deliveries in feed.take():
             cut = min(max(0, held[prompt] - first), count)
             if cut == count:
+                self._discard_deliveries(deliveries)
                 continue
             tail, warm = deliveries[0].tail, claim.get("warm") is True
             # NOTE: on CUDA the rows land when the GPU has run the step up to their layer: polled, so the
@@ -293,7 +330,11 @@ class PrefillWorker(Worker):
         """One batch: its metadata published, the data path connected at the room's first tensors (a
         wait for the decode worker, `Worker.connected`), its tensors sent (another). A send that fails because
         the decode worker refused an earlier batch and left raises its refusal, which says why."""
+        if out.rank is not None:
+            return await self._send_from_rank(out, meta, tensors, request)
         try:
+            if any(is_held(t) for t in tensors):  # a room sent through rank 0: another rank's rows come here first
+                tensors = await self.blocking(self._fetch, tensors)
             sent = await self.blocking(out.publish, meta, tensors)
             if not sent:
                 return out.push(sent)
@@ -307,6 +348,53 @@ class PrefillWorker(Worker):
                 _check_verdict(await self.blocking(out.link.get, "done"), meta, self.settings.secret)
             raise
 
+    async def _send_from_rank(self, out: "Batches", meta: dict, tensors: list, request) -> int:
+        """One batch of a room that data-parallel rank `out.rank` sends (dp_send.py): it publishes the
+        metadata with its rows' specs, then joins the pair group (at the room's first tensors) and sends
+        them, a wait for the decode worker as `_send`'s. A refusal by the decode worker raises it."""
+        room = out.link.name
+        try:
+            nbytes = await self._on_rank(out.rank, dp_send.publish, self.settings, self.bootstrap_port, room, meta,
+                                         tensors, out.index, out.tags)
+            out.published(meta, tensors)
+            if not tensors:
+                return out.pushed(0, 0)
+            pushing = asyncio.wrap_future(self.state.engine.call_rank(out.rank, dp_send.push, room, out.tags))
+            try:
+                await self._while_peer_works(pushing, out.link, "the decode worker's receive", request,
+                                             peer_left=out.refused)
+            except BaseException:  # NOTE: a join still waiting for the decode worker ends now, not at the timeout
+                self._submit(self.state.engine.call_rank, out.rank, dp_send.abandon, room)
+                raise
+            try:
+                pushing.result()
+            except RuntimeError as e:  # it failed on the rank (its TransferError arrives as its text)
+                raise TransferError(f"data-parallel rank {out.rank}: {first_line(e)}") from None
+            return out.pushed(len(tensors), nbytes)
+        except TransferError:
+            if await self.blocking(out.refused):
+                _check_verdict(await self.blocking(out.link.get, "done"), meta, self.settings.secret)
+            raise
+
+    def _fetch(self, tensors: list) -> list:
+        """`tensors` with the rows another data-parallel rank keeps fetched here (a transfer thread)."""
+        try:
+            return self.state.engine.fetch_held(tensors)
+        except Exception as e:  # the rank failed the call, or did not answer in time
+            raise TransferError(f"fetching rows from a data-parallel rank failed: {first_line(e)}") from None
+
+    def _discard(self, rows: list) -> None:
+        """Rows that will not be sent (or were): those another data-parallel rank keeps go there now."""
+        handles: dict[int, set[int]] = {}
+        for r in rows:
+            if is_held(r):
+                handles.setdefault(r.rank, set()).add(r.handle)
+        for rank, mine in handles.items():
+            self._submit(self.state.engine.call_rank, rank, drop_held, sorted(mine))
+
+    def _discard_deliveries(self, deliveries: list) -> None:
+        self._discard([r for d in deliveries for r in d.rows])
+
     async def _tap(self, request_ids: list[str], prompts: list[list[int]], first_tokens: bool) -> LayerFeed | None:
         """Have the engine hand each prompt's pages out layer by layer as its steps compute them, queued
         until the claim says which the decode worker holds (None: chunk-by-chunk or one-look mode). On
@@ -314,7 +402,8 @@ class PrefillWorker(Worker):
         engine = self.state.engine
         if not self.layer_by_layer or self.stream_poll_s is None:
             return None
-        feed = LayerFeed(asyncio.get_running_loop(), len(engine.kv.page_tensors()), first_tokens=first_tokens)
+        feed = LayerFeed(asyncio.get_running_loop(), len(engine.kv.page_tensors()), first_tokens=first_tokens,
+                         discard=self._discard_deliveries, request_ids=request_ids)
 
         def tap():  # NOTE: with the weights they are computed under (read together, between two steps)
             for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
@@ -363,13 +452,18 @@ class PrefillWorker(Worker):
         if isinstance(theirs, dict) and "weights_version" in theirs and "checkpoint" in theirs:
             check_same_weights(mine, theirs)
 
-    async def _export(self, job: Job, prompts: list[list[int]], skip: list[int]):
+    async def _export(self, job: Job, prompts: list[list[int]], skip: list[int], out: "Batches"):
         """The pages of each prompt named after its first `skip`, and the weights that computed them
-        (read together on the engine loop: a weight update forgets every cached page)."""
+        (read together on the engine loop: a weight update forgets every cached page); from the rank that
+        sends the room, its rows kept there (`out.rank`)."""
         engine = self.state.engine
 
         def export():
-            pages = [engine.kv.export_prefix(p, job.tenant, job.cache_salt, skip=n) for p, n in zip(prompts, skip)]
+            if out.rank is not None:
+                pages = [engine.export_held(out.rank, p, job.tenant, job.cache_salt, n, out.link.name)
+                         for p, n in zip(prompts, skip)]
+            else:
+                pages = [engine.kv.export_prefix(p, job.tenant, job.cache_salt, skip=n) for p, n in zip(prompts, skip)]
             return pages, loaded_weights(engine)
         try:
             per_prompt, loaded = await self.state.loop.call(export)

@@ -27,6 +27,7 @@ from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
 from ..weights import (WEIGHT_UPDATE_POLICIES, ReceivedUpdate, TensorUpdate, UpdateOutcomes, WeightLoadError,
                        WeightUpdateConflict)
 from .dp_kv import DataParallelKV, kv_call
+from .dp_held import RankCalls, is_held, ranks_of, take_held
 from .dp_taps import DataParallelTaps, TapReceiver, open_group
 from .lanes import lane_integrity, load_lane, merge_stats, rank_figures, serve_lane, step_lane
 from .executor import WEIGHTS_MIXED
@@ -55,6 +56,7 @@ class DataParallelEngine:
         self.router = PrefixAffinityRouter(self.num_ranks, config.kv_page_size)
         self.kv = DataParallelKV(self)  # prefix-cache calls routed to a rank (disaggregation)
         self.taps: DataParallelTaps | None = None  # layer taps (a prefill worker's), opened by the first tap
+        self.calls: RankCalls | None = None  # rank 0's calls to the other ranks about their held rows (dp_held.py)
         self.rank_of: dict[str, int] = {}  # requests in flight -> their rank
         self._remote: dict[str, Request] = {}  # rank 0's view of the requests in flight on other ranks
         self._adds: list[list] = [[] for _ in range(self.num_ranks)]
@@ -154,10 +156,11 @@ class DataParallelEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """Requests in flight, aborts not sent to their rank yet (a step sends them, and the rank frees
-        their pages), or a drain waiting: its update loads in a step once the ranks report no started
+        """Requests in flight, aborts or untaps not sent to their rank yet (a step sends them, and the rank
+        frees their pages, or the rows it kept for the tap), or a drain waiting: its update loads in a step once the ranks report no started
         request, also when the last of them was aborted rather than finished."""
-        return bool(self.rank_of) or any(self._aborts) or self._pending_update is not None
+        return (bool(self.rank_of) or any(self._aborts) or self._pending_update is not None
+                or (self.taps is not None and self.taps.untaps_waiting()))
 
     def num_waiting_requests(self, tenant: str | None = None) -> int:
         """Queued on every rank as of the last step, plus those not sent to their rank yet."""
@@ -231,9 +234,40 @@ class DataParallelEngine:
 
     def _open_taps(self) -> DataParallelTaps:
         groups = []
-        self._together("open_taps", run=lambda: groups.append(open_group(self.config.dist_timeout_s)))
+        self._together("open_taps", run=lambda: groups.extend(open_group(self.config.dist_timeout_s) for _ in range(3)))
         receiver = TapReceiver(groups[0], self.num_ranks, self.local.kv.page_tensors(), self.config.kv_page_size)
+        self.calls = RankCalls(groups[1], groups[2], self.num_ranks)
         return DataParallelTaps(self.local, receiver, self.num_ranks)
+
+    def rank_running(self, request_ids: list[str]) -> int | None:
+        """The one rank all of these requests run on (or ran on, while their taps are set), None when
+        they are on several or one is unknown."""
+        ranks = {self.rank_of.get(r, self.taps.rank_of(r) if self.taps is not None else None) for r in request_ids}
+        return ranks.pop() if len(ranks) == 1 and None not in ranks else None
+
+    def call_rank(self, rank: int, fn, *args):
+        """`fn(side, *args)` on rank `rank` > 0 (dp_held.RankCalls): a concurrent future of its value.
+        Opens the ranks' groups first if no tap did (a command every rank runs: on the engine loop)."""
+        if self.calls is None:
+            raise RuntimeError("no layer tap opened the data-parallel ranks' calls yet")
+        return self.calls.call(rank, fn, *args)
+
+    def fetch_held(self, tensors: list) -> list:
+        """`tensors` with every held one (dp_held.Held, Stacked) fetched from its rank: for rows that
+        leave from rank 0. Blocks until they are here; RuntimeError if a rank cannot give them."""
+        fetched = {rank: self.call_rank(rank, take_held, [t for t in tensors if is_held(t) and t.rank == rank])
+                   for rank in sorted(ranks_of(tensors))}
+        got = {rank: iter(future.result(timeout=self.config.dist_timeout_s)) for rank, future in fetched.items()}
+        return [next(got[t.rank]) if is_held(t) else t for t in tensors]
+
+    def export_held(self, rank: int, token_ids: list[int], tenant: str, cache_salt: str | None, skip: int,
+                    room: str) -> list:
+        """`engine.kv.export_prefix` on rank `rank` > 0, the rows kept there for `room` (lanes.export_held)."""
+        answers = self._together("export_held", rank, (token_ids, tenant, cache_salt, skip, room), run=lambda: None)
+        status, value = answers[rank]
+        if status == "error":
+            raise value
+        return value
 
     def _receive_taps(self, sent: list[int]) -> None:
         """Until rank 0 holds every row the step's ranks sent (so none comes after its page is named)."""
@@ -397,7 +431,8 @@ class DataParallelEngine:
         assert set(self._remote) <= set(self.rank_of)
 
     def close(self) -> None:
-        """Close every rank's engine (each saves its prefix cache's disk tier) and stop the workers."""
+        """Close every rank's engine (each saves its prefix cache's disk tier) and stop the workers (their
+        threads answering rank 0's calls end with them)."""
         if self.ranks.closed:
             return
         self.local.close()

@@ -2,24 +2,26 @@
 docs/disaggregation.md) when its prompts run on other ranks' engines.
 
 A request on rank 0 is tapped in rank 0's engine, as on one rank. A request on rank r > 0 is tapped in
-rank r's engine; each delivery goes from there to rank 0 over a gloo group of the taps' own, sent by a
-thread so that rank r's next layer computes meanwhile, and rank 0's receiving thread hands it to the
-tap's `deliver` there::
+rank r's engine, which keeps each delivery's rows there (dp_held.py: they leave from rank r, or are
+fetched). Its header goes to rank 0 over a gloo group of the taps' own, sent by a thread so that
+rank r's next layer computes meanwhile, and rank 0's receiving thread hands the tap's `deliver` there
+the delivery with its rows named where they are (`Held`)::
 
-    rank r: layer i forward -> deliver -> queue -> sender thread: send(header), send(rows...) --+
-    rank 0: receiving thread: recv(header, any rank), recv(rows...) from that rank -> deliver <-+
+    rank r: layer i forward -> deliver -> queue -> sender thread: keep(rows), send(header) -----+
+    rank 0: receiving thread: recv(header, any rank) -> deliver(rows held on that rank)  <-----+
 
     header (int64): tap id (-1: the rank leaves), layer, first page, pages, tail rows, the lengths of a
-                    tail's selections (-1: none), number of kinds, kinds...
+                    tail's selections (-1: none), the rows' handle, number of kinds, kinds...
 
 The rows' shapes follow from the header and rank 0's own page tensors (every rank's cache is alike).
-A step's rows reach `deliver` before the step returns on rank 0: each rank drains its queue before
-answering the step and reports how many deliveries it has sent, and rank 0 waits until it has
-received as many. So a page is never named (exported) before its layers' rows are in, which the
+A step's deliveries reach `deliver` before the step returns on rank 0: each rank drains its queue
+before answering the step and reports how many deliveries it has sent, and rank 0 waits until it has
+received as many. So a page is never named (exported) before its layers' rows are announced, which the
 prefill worker's split of a look's pages relies on.
 
-The group, the sender and the receiver are made at the first tap (a command every rank runs), so an
-engine that never sends layer by layer opens nothing.
+The groups (the taps', and the two of rank 0's calls to the ranks: dp_held.py), the sender and the
+receiver are made at the first tap (a command every rank runs), so an engine that never sends layer by
+layer opens nothing.
 """
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ import torch
 import torch.distributed as dist
 
 from ..cache.layer_tap import LayerRows
+from .dp_held import Held, HeldRows, RankSide
 
-HEADER_LEN = 16  # tap id, layer, first, count, tail, two selection lengths, number of kinds, then up to 8 kinds
-FIELDS = 8
+HEADER_LEN = 17  # tap id, layer, first, count, tail, two selection lengths, handle, number of kinds, then up to 8 kinds
+FIELDS = 9
 LEAVE = -1  # a header's tap id: the sending rank closes
 
 
@@ -51,26 +54,27 @@ def open_group(timeout_s: float):
     return dist.new_group(backend="gloo", timeout=IDLE_WAIT)
 
 
-def encode_header(tap_id: int, rows: LayerRows) -> torch.Tensor:
+def encode_header(tap_id: int, rows: LayerRows, handle: int = 0) -> torch.Tensor:
     selected = [t.numel() for t in rows.selected] if rows.selected is not None else [-1, -1]
-    fields = [tap_id, rows.layer, rows.first, rows.count, rows.tail, *selected, len(rows.kinds), *rows.kinds]
+    fields = [tap_id, rows.layer, rows.first, rows.count, rows.tail, *selected, handle, len(rows.kinds), *rows.kinds]
     if len(fields) > HEADER_LEN:
         raise ValueError(f"a layer hands out {len(rows.kinds)} kinds of row; a tap header holds at most "
                          f"{HEADER_LEN - FIELDS}")
     return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
 
 
-def decode_header(header: torch.Tensor) -> tuple[int, int, int, int, int, list[int] | None, list[int]]:
-    """(tap id, layer, first page, pages, tail rows, the selections' lengths or None, kinds)."""
-    tap_id, layer, first, count, tail, union, last, num_kinds, *rest = header.tolist()
-    return tap_id, layer, first, count, tail, None if union < 0 else [union, last], rest[:num_kinds]
+def decode_header(header: torch.Tensor) -> tuple[int, int, int, int, int, list[int] | None, int, list[int]]:
+    """(tap id, layer, first page, pages, tail rows, the selections' lengths or None, handle, kinds)."""
+    tap_id, layer, first, count, tail, union, last, handle, num_kinds, *rest = header.tolist()
+    return tap_id, layer, first, count, tail, None if union < 0 else [union, last], handle, rest[:num_kinds]
 
 
 class TapSender:
-    """A rank r > 0's side: its engine's deliveries for tap `tap_id`, sent to rank 0 in order."""
+    """A rank r > 0's side: its engine's deliveries for tap `tap_id`, kept in `held` (owned by the tap),
+    announced to rank 0 in order."""
 
-    def __init__(self, group):
-        self.group, self.sent, self.error = group, 0, None
+    def __init__(self, group, held: HeldRows):
+        self.group, self.held, self.sent, self.error = group, held, 0, None
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="sparsekv-tap-sender", daemon=True)
         self._thread.start()
@@ -105,13 +109,14 @@ class TapSender:
                 self._queue.task_done()
 
     def _send(self, tap_id: int, rows: LayerRows) -> None:
-        tensors = rows.ready()
-        dist.send(encode_header(tap_id, rows), dst=0, group=self.group)
-        for t in tensors:  # as bytes: gloo has no float8 types
-            dist.send(t.contiguous().view(torch.uint8), dst=0, group=self.group)
-        for t in rows.selected or ():
-            dist.send(t.contiguous(), dst=0, group=self.group)
+        handle = self.held.keep(tap_owner(tap_id), [*rows.ready(), *(rows.selected or ())])[0].handle
+        dist.send(encode_header(tap_id, rows, handle), dst=0, group=self.group)
         self.sent += 1
+
+
+def tap_owner(tap_id: int) -> tuple:
+    """Who a tap's kept rows belong to (HeldRows): released when the tap is removed."""
+    return "tap", tap_id
 
 
 class TapReceiver:
@@ -153,21 +158,15 @@ class TapReceiver:
 
     def _receive_one(self) -> None:
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
-        src = dist.recv(header, group=self.group)  # NOTE: any rank; its rows follow from that rank alone
-        tap_id, layer, first, count, tail, selected, kinds = decode_header(header)
+        src = dist.recv(header, group=self.group)  # NOTE: any rank
+        tap_id, layer, first, count, tail, selected, handle, kinds = decode_header(header)
         if tap_id == LEAVE:
             self._left.add(src)
             return
-        rows = []
-        for kind in kinds:
-            shape, dtype = self.kinds[kind]
-            t = torch.empty((count, tail or self.page_size, *shape), dtype=dtype)
-            dist.recv(t.view(torch.uint8), src=src, group=self.group)
-            rows.append(t)
+        rows = [Held(src, handle, i, (count, tail or self.page_size, *self.kinds[kind][0]), self.kinds[kind][1])
+                for i, kind in enumerate(kinds)]
         if selected is not None:
-            selected = tuple(torch.empty(n, dtype=torch.int64) for n in selected)
-            for t in selected:
-                dist.recv(t, src=src, group=self.group)
+            selected = tuple(Held(src, handle, len(kinds) + j, (n,), torch.int64) for j, n in enumerate(selected))
         deliver = self.delivers.get(tap_id)
         if deliver is not None:
             deliver(LayerRows(layer, first, count, kinds, rows, tail=tail, selected=selected))
@@ -206,7 +205,16 @@ class DataParallelTaps:
         if rank == 0:
             self.local.untap_layers(request_id)
         else:
-            self._untaps[rank].append(request_id)
+            self._untaps[rank].append((request_id, tap_id))
+
+    def untaps_waiting(self) -> bool:
+        """Whether a removed tap's rank has not been told yet (the next step's command tells it)."""
+        return any(self._untaps)
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank a tapped request was placed on (None: not yet, or not tapped)."""
+        placed = self._placed.get(request_id)
+        return None if placed is None else placed[0]
 
     def for_step(self, rank_of: dict[str, int]) -> tuple[list[list], list[list[str]]]:
         """Set the taps whose request has a rank (rank 0's here); the others' taps and untaps, per rank,
@@ -226,9 +234,14 @@ class DataParallelTaps:
         return taps, untaps
 
 
-def set_lane_taps(engine, sender: TapSender | None, message: dict, rank: int) -> None:
-    """A rank r > 0's part of a step's taps: set and remove what rank 0 sent it."""
+def set_lane_taps(engine, sender: TapSender | None, side: RankSide, message: dict, rank: int) -> None:
+    """A rank r > 0's part of a step's taps: set and remove what rank 0 sent it; a removed tap's kept
+    rows that never left go with it."""
     for request_id, tap_id, num_tokens, skip in message.get("taps", [[]] * (rank + 1))[rank]:
         engine.tap_layers(request_id, num_tokens, skip, sender.deliver_for(tap_id))
-    for request_id in message.get("untaps", [[]] * (rank + 1))[rank]:
+        side.live_taps.add(tap_owner(tap_id))
+    for request_id, tap_id in message.get("untaps", [[]] * (rank + 1))[rank]:
         engine.untap_layers(request_id)
+        sender.drain()  # NOTE: every delivery queued before the untap is kept by now, so released below
+        side.live_taps.discard(tap_owner(tap_id))
+        side.held.release(tap_owner(tap_id))

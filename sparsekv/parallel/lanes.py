@@ -16,6 +16,7 @@ from ..request import RequestOutput
 from .dp_kv import kv_call
 from ..weight_sync import WORKER_GROUPS
 from ..weights import ReceivedUpdate
+from .dp_held import RankSide, HeldRows, serve_calls
 from .dp_taps import TapSender, open_group, set_lane_taps
 from .executor import load_status, serve_rank
 from .launch import RankGroup, check_layout, control_group, leave, next_command, start_worker, torchrun_rank
@@ -23,8 +24,8 @@ from .launch import RankGroup, check_layout, control_group, leave, next_command,
 logger = logging.getLogger(__name__)
 
 
-def step_lane(engine: LLMEngine, rank: int, message: dict, taps: TapSender | None = None
-              ) -> tuple[list[RequestOutput], dict]:
+def step_lane(engine: LLMEngine, rank: int, message: dict, taps: TapSender | None = None,
+              side: RankSide | None = None) -> tuple[list[RequestOutput], dict]:
     """One data-parallel rank's part of a step: its new requests and aborts, during a drain its
     requests never scheduled held, its layer taps (`taps`: on a rank > 0 once they opened), its
     engine's step (the passes it does not run, empty), and what the front end needs back (the
@@ -35,7 +36,7 @@ def step_lane(engine: LLMEngine, rank: int, message: dict, taps: TapSender | Non
     for request_id, token_ids, params, tenant, cache_salt, first_token in message["adds"][rank]:
         engine.add_request(request_id, token_ids, params, tenant, cache_salt, first_token)
     if taps is not None:
-        set_lane_taps(engine, taps, message, rank)
+        set_lane_taps(engine, taps, side, message, rank)
     if message["hold"]:
         engine.hold_unstarted_requests()
     fresh = [r for r in engine.scheduler.waiting if r.first_scheduled_time is None] if rank else []
@@ -76,12 +77,23 @@ def load_lane(engine: LLMEngine, update, checkpoint: str | None) -> tuple[list[R
     return aborted, None, load_status(None), lane_summary(engine)
 
 
-def lane_integrity(engine: LLMEngine) -> str | None:
+def lane_integrity(engine: LLMEngine, side: RankSide | None = None) -> str | None:
     try:
         engine.check_integrity()
+        if side is not None:
+            side.held.check_integrity(side.live_owners())
     except AssertionError as e:
         return f"data-parallel rank {engine.executor.model.comm.rank}: {e}"
     return None
+
+
+def export_held(engine: LLMEngine, side: RankSide, token_ids: list[int], tenant: str, cache_salt: str | None,
+                skip: int, room: str) -> list:
+    """`engine.kv.export_prefix` on a rank > 0 for a room it sends itself: the pages' rows stay here,
+    kept for the room (released when rank 0 ends it), and rank 0 gets their names and where they are."""
+    pages = engine.kv.export_prefix(token_ids, tenant, cache_salt, skip=skip)
+    side.rooms.setdefault(room, None)  # NOTE: a room this rank knows from now until rank 0 ends it
+    return [(name, side.held.keep(("room", room), rows)) for name, rows in pages]
 
 
 def serve_lane(config: EngineConfig, rank: int, addr: str) -> None:
@@ -92,16 +104,28 @@ def serve_lane(config: EngineConfig, rank: int, addr: str) -> None:
         raise SystemExit(1)  # the start failed (start_worker said why): node 1's command exits 1
     engine, control = started
     taps: list[TapSender] = []  # opened by rank 0's first layer tap
+    side = RankSide(HeldRows(rank), engine.device, config.node_rank)
 
-    def open_taps() -> None:
-        taps.append(TapSender(open_group(config.dist_timeout_s)))
-    commands = {"step": lambda message: step_lane(engine, rank, message, taps[0] if taps else None),
-                "open_taps": open_taps, "stats": engine.stats, "probe": lambda: None,
+    def open_taps() -> None:  # NOTE: the groups in the order rank 0 makes them (DataParallelEngine._open_taps)
+        taps.append(TapSender(open_group(config.dist_timeout_s), side.held))
+        calls, replies = open_group(config.dist_timeout_s), open_group(config.dist_timeout_s)
+        serve_calls(calls, replies, side)
+
+    def held(wanted: int, args) -> tuple | None:
+        if wanted != rank:
+            return None
+        try:
+            return "ok", export_held(engine, side, *args)
+        except Exception as e:  # bad input fails the call, never the rank
+            return "error", e
+    commands = {"step": lambda message: step_lane(engine, rank, message, taps[0] if taps else None, side),
+                "open_taps": open_taps, "stats": lambda: {**engine.stats(), **side.figures()}, "probe": lambda: None,
                 "load_weights": lambda update, checkpoint: load_lane(engine, update, checkpoint),
                 "weight_groups": lambda op, args: WORKER_GROUPS.call(op, args, rank, engine.executor.model.device),
                 "expire_prefix_cache": engine.expire_prefix_cache, "reset_prefix_cache": engine.reset_prefix_cache,
-                "check_integrity": lambda: lane_integrity(engine),
-                "kv": lambda wanted, method, args, kwargs: kv_call(engine, rank, wanted, method, args, kwargs)}
+                "check_integrity": lambda: lane_integrity(engine, side),
+                "kv": lambda wanted, method, args, kwargs: kv_call(engine, rank, wanted, method, args, kwargs),
+                "export_held": held}
     while True:
         command, args = next_command(config, control_group())
         if command == "close":
@@ -161,7 +185,8 @@ def _stop_ranks_on_sigterm(processes) -> list:
 PER_REQUEST = {"device_buffer_tokens"}  # a setting, the same on every rank
 # each rank's memory figures, kept apart in `by_data_parallel_rank` (the sums hide one rank filling up)
 RANK_MEMORY = ("kv_pages_total", "kv_pages_free", "device_kv_bytes", "device_latent_bytes", "device_indexer_bytes",
-               "host_kv_bytes", "host_kv_budget_bytes", "prefix_cached_pages", "prefix_host_bytes", "prefix_disk_bytes")
+               "host_kv_bytes", "host_kv_budget_bytes", "prefix_cached_pages", "prefix_host_bytes", "prefix_disk_bytes",
+               "held_rows_bytes", "held_rooms")  # the last two: a rank > 0's rows kept for a prefill worker (dp_held.py)
 
 
 def rank_figures(summary: dict, stats: dict) -> dict:

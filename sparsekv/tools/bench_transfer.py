@@ -12,9 +12,11 @@ prefill worker reports it), pages sent, streamed during the prefill and sent lay
 batches, and the transfer left after the prefill against sending after it. The modes alternate, so
 machine noise hits them alike: after one untimed prompt per backend (its first request sets up the
 pair's links), each repeat sends one prompt in every mode, the order rotated repeat by repeat. With
-`--prefill-dp N` the prefill worker is data-parallel and N prompts go at once, one per rank (each
-rank's rows reach the decode worker through rank 0). The two workers share this machine's cores: pin
-the process (`taskset`) to compare runs.
+`--prefill-dp N` the prefill worker is data-parallel and N prompts go at once, one per rank: each
+rank > 0 sends its room itself (layer by layer; its rows never cross rank 0), and one more mode sends
+every room layer by layer from rank 0, which fetches the other ranks' rows (the path of a room whose
+prompts run on several ranks). The two workers share this machine's cores: pin the process
+(`taskset`) to compare runs.
 """
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ from ..engine_args import at_least, output_path
 from .bench import report_console, run_bench
 
 MODES = ("layers", "chunks", "after")
+RANK_0 = "layers-rank-0"  # with --prefill-dp: layer by layer, every room sent by rank 0
 MODE_NAMES = {"layers": "layer by layer while the prefill computes", "chunks": "chunk by chunk while it computes",
-              "after": "after it"}
+              "after": "after it", RANK_0: "layer by layer, every rank's rows through rank 0"}
 SERVED_NAME = "bench"
 
 
@@ -88,7 +91,8 @@ def prompts_at_once(pair, mode: str, prompts: list[list[int]]) -> list[dict]:
     from ..disagg.prefill import STREAM_POLL_S
     prefill, decode = pair
     prefill.worker.stream_poll_s = None if mode == "after" else STREAM_POLL_S
-    prefill.worker.layer_by_layer = mode == "layers"
+    prefill.worker.layer_by_layer = mode in ("layers", RANK_0)
+    prefill.worker.direct_send = mode != RANK_0
     body = {"model": SERVED_NAME, "max_tokens": 1, "temperature": 0.0}
     with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda p: send_pair(prefill.url, decode.url, {**body, "prompt": p}), prompts))
@@ -127,9 +131,10 @@ def run(args) -> dict:
                 return [torch.randint(1, vocab, (args.prompt_tokens,), generator=g).tolist()
                         for _ in range(args.prefill_dp)]
             prompts_at_once(pair, MODES[0], new_prompts())  # untimed: the pair's first request sets up its links
-            runs = {mode: [] for mode in MODES}
+            modes = modes_of(args.prefill_dp)
+            runs = {mode: [] for mode in modes}
             for repeat in range(args.repeats):
-                for mode in mode_order(repeat):
+                for mode in mode_order(repeat, modes):
                     runs[mode] += prompts_at_once(pair, mode, new_prompts())
             results[backend] = {mode: summarize(figures) for mode, figures in runs.items()}
         finally:
@@ -139,11 +144,15 @@ def run(args) -> dict:
             "prefill_dp": args.prefill_dp, "backends": results}
 
 
-def mode_order(repeat: int) -> tuple[str, ...]:
+def modes_of(prefill_dp: int) -> tuple[str, ...]:
+    return MODES + ((RANK_0,) if prefill_dp > 1 else ())
+
+
+def mode_order(repeat: int, modes: tuple[str, ...] = MODES) -> tuple[str, ...]:
     """The modes in the order repeat `repeat` sends them: rotated each repeat, so none always goes first
     (after the other modes' prompts) or last."""
-    shift = repeat % len(MODES)
-    return MODES[shift:] + MODES[:shift]
+    shift = repeat % len(modes)
+    return modes[shift:] + modes[:shift]
 
 
 def summarize(figures: list[dict]) -> dict:
@@ -153,7 +162,8 @@ def summarize(figures: list[dict]) -> dict:
             "after_prefill_ms_each": [round(1e3 * f["transfer_s"], 1) for f in figures],
             "pages_sent": median("pages_sent"), "pages_streamed": median("pages_streamed"),
             "pages_by_layer": median("pages_by_layer"),
-            "mb": median("bytes") / 1e6, "batches": median("batches"), "backend": figures[0]["backend"]}
+            "mb": median("bytes") / 1e6, "batches": median("batches"), "backend": figures[0]["backend"],
+            "sent_by_other_ranks": sum(f.get("prefill_rank", 0) > 0 for f in figures)}
 
 
 def report(out: dict) -> dict:
@@ -162,17 +172,19 @@ def report(out: dict) -> dict:
     table = Table(title=f"{out['model']}: {prompts} of {out['prompt_tokens']} tokens, a prefill and a decode worker in "
                         f"this process, medians of {out['repeats'] * dp}")
     for column in ("backend", "sent", "prefill s", "transfer after the prefill (ms), each run",
-                   "pages sent / streamed / by layer", "MB", "batches", "after the prefill, against after"):
+                   "pages sent / streamed / by layer", "MB", "batches", "after the prefill, against after",
+                   *(["rooms sent by a rank > 0"] if dp > 1 else [])):
         table.add_column(column)
     for name, modes in out["backends"].items():
         after = modes["after"]["after_prefill_ms"]
-        for mode in MODES:
+        for mode in modes_of(dp):
             r = modes[mode]
             r["over_after"] = r["after_prefill_ms"] / after
             table.add_row(f"{name} ({r['backend']})", MODE_NAMES[mode], f"{r['prefill_s']:.2f}",
                           f"{r['after_prefill_ms']:.1f} ({', '.join(map(str, r['after_prefill_ms_each']))})",
                           f"{r['pages_sent']:g} / {r['pages_streamed']:g} / {r['pages_by_layer']:g}", f"{r['mb']:.1f}",
-                          f"{r['batches']:g}", f"x{r['over_after']:.2f}" if mode != "after" else "")
+                          f"{r['batches']:g}", f"x{r['over_after']:.2f}" if mode != "after" else "",
+                          *([f"{r['sent_by_other_ranks']} of {out['repeats'] * dp}"] if dp > 1 else []))
     report_console().print(table)
     return out
 

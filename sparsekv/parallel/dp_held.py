@@ -1,0 +1,291 @@
+"""Rows a data-parallel rank > 0 keeps for a prefill worker until they leave, and rank 0's calls to
+that rank about them (docs/disaggregation.md, "Data-parallel prefill ranks").
+
+A prompt that runs on rank r > 0 of a prefill worker has its KV computed there. Rank r keeps the rows
+its layer taps hand out and the pages it exports (`HeldRows`), and rank 0, which runs the room's
+protocol with the decode worker, names them by `Held` (where they are, and the slices taken) and
+`Stacked` (pages stacked along a new first axis). Rank 0 then either has rank r send them to the
+decode worker itself (`RankCalls.call` of the disaggregation's own functions: the room's tensors
+never cross rank 0), or fetches them (a room whose prompts run on several ranks, or that moves over
+NIXL). A call is a function and its arguments, pickled (the function by reference, as torch.distributed's
+object calls pickle), run on rank r on a thread of its own with rank r's `RankSide` first::
+
+    rank 0: call(r, fn, *args) -> calls group: (id, fn, args) ---------> rank r: thread: fn(side, *args)
+    rank 0: future of id      <- replies group: (id, ok, value or why) <-/
+
+Each direction has a gloo group of its own (made with the taps' group, dp_taps.open_group): rank 0's
+receiving thread waits on the replies group while its calls go out on the other. A message is its
+pickle's length, then the pickle, two sends from one sender at a time (`send_object`); rank 0
+receives the length from any rank and the pickle from that one, which torch.distributed's
+`recv_object_list` does not (it needs the source).
+
+Rows are kept under a handle and an owner: a layer tap's deliveries under its tap (released when the
+tap is removed), exported pages under the room that asked (released when rank 0 ends the room);
+rows that leave are dropped at once (`take`).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import pickle
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from ..error_text import first_line
+
+@dataclass(frozen=True)
+class Held:
+    """Part `part` of entry `handle` that rank `rank` keeps, sliced by `index` (basic slices, in order)."""
+
+    rank: int
+    handle: int
+    part: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    index: tuple = ()
+
+    def __getitem__(self, key) -> "Held":
+        key = key if isinstance(key, tuple) else (key,)
+        shape = list(self.shape)
+        for dim, s in enumerate(key):
+            if not isinstance(s, slice) or s.step not in (None, 1):
+                raise TypeError(f"held rows take slices with no step, not {s!r}")
+            start, stop, _ = s.indices(shape[dim])
+            shape[dim] = max(0, stop - start)
+        return replace(self, shape=tuple(shape), index=(*self.index, key))
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """Held rows of one rank stacked along a new first axis (`torch.stack`)."""
+
+    parts: tuple[Held, ...]
+
+    @property
+    def rank(self) -> int:
+        return self.parts[0].rank
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.parts), *self.parts[0].shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+
+def is_held(t) -> bool:
+    return isinstance(t, (Held, Stacked))
+
+
+def ranks_of(tensors: list) -> set[int]:
+    """The ranks whose held rows `tensors` names (none for tensors rank 0 has)."""
+    return {t.rank for t in tensors if is_held(t)}
+
+
+def stack(rows: list):
+    """`torch.stack(rows)`, or its recipe when the rows are held on another rank."""
+    if rows and is_held(rows[0]):
+        return Stacked(tuple(rows))
+    return torch.stack(rows)
+
+
+class HeldRows:
+    """A rank > 0's kept rows: entries of host tensors under a handle, each with its owner (a tap id or
+    a room name). Torch-free bookkeeping; its threads (the engine's tap sender, the calls' threads)
+    share it under a lock."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._entries: dict[int, tuple[object, list[torch.Tensor]]] = {}
+        self._handles = itertools.count()
+        self._lock = threading.Lock()
+
+    def keep(self, owner, tensors: list[torch.Tensor]) -> list[Held]:
+        """Keep `tensors` as one entry of `owner`; returns how rank 0 names each."""
+        with self._lock:
+            handle = next(self._handles)
+            self._entries[handle] = (owner, list(tensors))
+        return [Held(self.rank, handle, i, tuple(t.shape), t.dtype) for i, t in enumerate(tensors)]
+
+    def take(self, recipes: list) -> list[torch.Tensor]:
+        """The tensors `recipes` name (Held or Stacked, all of this rank), contiguous; their entries are
+        dropped (rows leave once). KeyError names a handle that is gone (its tap or room ended)."""
+        with self._lock:
+            handles = {h.handle for r in recipes for h in (r.parts if isinstance(r, Stacked) else (r,))}
+            missing = handles - self._entries.keys()
+            if missing:
+                raise KeyError(f"rows {sorted(missing)} are no longer held on data-parallel rank {self.rank}")
+            entries = {h: self._entries.pop(h)[1] for h in handles}
+        return [self._made(r, entries) for r in recipes]
+
+    @staticmethod
+    def _made(recipe, entries: dict) -> torch.Tensor:
+        if isinstance(recipe, Stacked):
+            return torch.stack([HeldRows._made(p, entries) for p in recipe.parts])
+        t = entries[recipe.handle][recipe.part]
+        for key in recipe.index:
+            t = t[key]
+        return t.contiguous()
+
+    def release(self, owner) -> int:
+        """Drop every entry of `owner`; returns how many."""
+        with self._lock:
+            gone = [h for h, (o, _) in self._entries.items() if o == owner]
+            for h in gone:
+                del self._entries[h]
+        return len(gone)
+
+    def drop(self, handles) -> None:
+        """Drop these entries (rows rank 0 will not send), those still here."""
+        with self._lock:
+            for h in handles:
+                self._entries.pop(h, None)
+
+    def owners(self) -> set:
+        with self._lock:
+            return {o for o, _ in self._entries.values()}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(t.numel() * t.element_size() for _, tensors in self._entries.values() for t in tensors)
+
+    def check_integrity(self, live_owners: set) -> None:
+        """Every entry's owner is live: a tap set on this rank or a room rank 0 has not ended."""
+        stale = self.owners() - live_owners
+        assert not stale, f"data-parallel rank {self.rank} keeps rows of ended taps or rooms: {sorted(map(str, stale))}"
+
+
+@dataclass
+class RankSide:
+    """What a rank > 0 holds for rank 0's calls: its kept rows, the rooms it sends for (their state is
+    the caller's: disagg/dp_send.py), the rank's device and node."""
+
+    held: HeldRows
+    device: torch.device
+    node_rank: int = 0
+    rooms: dict = field(default_factory=dict)
+    live_taps: set = field(default_factory=set)  # owners ("tap", id) of the taps set on this rank
+
+    def live_owners(self) -> set:
+        return set(self.live_taps) | {("room", room) for room in self.rooms}
+
+    def figures(self) -> dict:
+        """The rank's `by_data_parallel_rank` figures of what it keeps for a prefill worker."""
+        return {"held_rows_bytes": self.held.nbytes(), "held_rooms": len(self.rooms)}
+
+
+def send_object(obj, dst: int, group) -> None:
+    """`obj` pickled to rank `dst`: its length, then its bytes (callers send one object at a time)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst, group=group)
+    dist.send(data, dst=dst, group=group)
+
+
+def recv_object(group, src: int | None = None):
+    """The next object `send_object` sent here (from `src`; None: any rank, then its bytes from it)."""
+    size = torch.empty(1, dtype=torch.int64)
+    src = dist.recv(size, src=src, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src=src, group=group)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def take_held(side: RankSide, recipes: list) -> list[torch.Tensor]:
+    """On a rank > 0: the tensors its held rows `recipes` name, which leave it (a call of rank 0's)."""
+    return side.held.take(recipes)
+
+
+def drop_held(side: RankSide, handles: list[int]) -> None:
+    """On a rank > 0: rows that will not leave (rank 0 dropped their deliveries) go now."""
+    side.held.drop(handles)
+
+
+def serve_calls(calls_group, replies_group, side: RankSide) -> threading.Thread:
+    """Rank r > 0: answer rank 0's calls, each on a thread of its own (a call may wait for a decode
+    worker, and no room waits behind another's), until rank 0 is gone (the process ends with its
+    engine, and the thread with it)."""
+    lock = threading.Lock()
+
+    def reply(call_id: int, ok: bool, value) -> None:
+        with lock:
+            send_object((call_id, ok, value), 0, replies_group)
+
+    def run(call_id: int, fn, args) -> None:
+        try:
+            value, ok = fn(side, *args), True
+        except Exception as e:  # the call fails, never the rank
+            value, ok = f"{type(e).__name__}: {first_line(e)}", False
+        try:
+            reply(call_id, ok, value)
+        except Exception:  # rank 0 is gone: the rank's own command loop finds it
+            pass
+
+    def serve() -> None:
+        while True:
+            try:
+                call_id, fn, args = recv_object(calls_group, src=0)
+            except Exception:  # rank 0 is gone
+                return
+            threading.Thread(target=run, args=(call_id, fn, args), name="sparsekv-rank-call", daemon=True).start()
+    thread = threading.Thread(target=serve, name="sparsekv-rank-calls", daemon=True)
+    thread.start()
+    return thread
+
+
+class RankCalls:
+    """Rank 0's side: `call(rank, fn, *args)` runs `fn(side, *args)` on that rank; a concurrent future of
+    its value, or of a RuntimeError saying why it failed there."""
+
+    def __init__(self, calls_group, replies_group, num_ranks: int):
+        self.calls_group, self.replies_group, self.num_ranks = calls_group, replies_group, num_ranks
+        self._ids = itertools.count()
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self.error: Exception | None = None
+        threading.Thread(target=self._receive, name="sparsekv-rank-replies", daemon=True).start()
+
+    def call(self, rank: int, fn, *args) -> Future:
+        if not 0 < rank < self.num_ranks:
+            raise ValueError(f"no data-parallel rank {rank} to call (ranks 1..{self.num_ranks - 1})")
+        future: Future = Future()
+        with self._lock:
+            if self.error is not None:
+                raise RuntimeError(f"data-parallel rank calls failed: {self.error}")
+            call_id = next(self._ids)
+            self._pending[call_id] = future
+            try:
+                send_object((call_id, fn, args), rank, self.calls_group)
+            except Exception as e:
+                del self._pending[call_id]
+                raise RuntimeError(f"calling data-parallel rank {rank} failed: {e}") from None
+        return future
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                call_id, ok, value = recv_object(self.replies_group)
+            except Exception as e:  # a rank died, or the engine closed
+                with self._lock:
+                    self.error = e
+                    pending, self._pending = self._pending, {}
+                for future in pending.values():
+                    future.set_exception(RuntimeError(f"a data-parallel rank stopped answering: {e}"))
+                return
+            with self._lock:
+                future = self._pending.pop(call_id, None)
+            if future is not None:
+                future.set_result(value) if ok else future.set_exception(RuntimeError(value))
