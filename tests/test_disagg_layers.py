@@ -272,13 +272,15 @@ def test_rows_past_the_unclaimed_bound_are_dropped_and_the_pages_go_whole():
     from sparsekv.cache.layer_tap import LayerRows
     loop = asyncio.new_event_loop()
     rows = lambda first: LayerRows(0, first, 1, [0], [torch.zeros(1, PAGE, 8)])  # noqa: E731 (128 bytes)
-    feed = LayerFeed(loop, 3, unclaimed_max_bytes=200)
+    discarded = []  # what a data-parallel rank keeping the rows is told to let go of
+    feed = LayerFeed(loop, 3, unclaimed_max_bytes=200, discard=lambda dropped: discarded.append([d.first for d in dropped]))
     feed.deliver_for(0)(rows(0))
-    assert len(feed.items) == 1
+    assert len(feed.items) == 1 and discarded == []
     feed.deliver_for(0)(rows(1))  # 256 bytes before any claim: everything goes
+    assert discarded == [[0, 1]]
     feed.claim()
     feed.deliver_for(0)(rows(2))  # and nothing after it, or the pages would be part layer by layer
-    assert feed.dropped and feed.take() == [] and not feed.tapped
+    assert feed.dropped and feed.take() == [] and not feed.tapped and discarded == [[0, 1], [2]]
     feed = LayerFeed(loop, 3, unclaimed_max_bytes=200)
     feed.claim()
     for first in range(3):
@@ -294,10 +296,11 @@ def test_rows_up_to_the_unclaimed_bound_are_kept():
     from sparsekv.cache.layer_tap import LayerRows
     loop = asyncio.new_event_loop()
     rows = lambda first: LayerRows(0, first, 1, [0], [torch.zeros(1, PAGE, 8)])  # noqa: E731 (128 bytes)
-    feed = LayerFeed(loop, 3, unclaimed_max_bytes=256)
+    feed = LayerFeed(loop, 3, unclaimed_max_bytes=256, discard=lambda dropped: pytest.fail("nothing is past the bound"))
     feed.deliver_for(0)(rows(0))
     feed.deliver_for(0)(rows(1))  # 256 bytes: the bound itself
     assert not feed.dropped and len(feed.items) == 2
+    feed.discard = lambda dropped: None
     feed.deliver_for(0)(LayerRows(0, 2, 1, [0], [torch.zeros(1)]))  # 4 bytes more
     assert feed.dropped and not feed.items
     loop.close()

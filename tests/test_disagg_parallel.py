@@ -20,7 +20,7 @@ from disagg_util import SECRET, WorkerServer, process_and_local_pair, secret_fil
 from sparsekv.disagg.transfer import CORRUPT_ENV, DELAY_ENV
 from test_server_util import wait_healthy, wait_until
 from sparsekv import LLM, SamplingParams
-from sparsekv.parallel.dp_held import is_held
+from sparsekv.parallel.dp_held import Held, drop_held, is_held, take_held
 from sparsekv.parallel.dp_kv import DataParallelKV, kv_call
 from sparsekv.parallel.router import PrefixAffinityRouter
 from test_disagg_workers import BASE, BODY, GREEDY, PAGE, _prompt, assert_as_colocated
@@ -494,6 +494,29 @@ def test_a_prompt_untapped_mid_prefill_on_rank_1_sends_no_more_rows(glm_ckpt):
         while engine.has_unfinished_requests():
             engine.step()
         assert engine.taps.receiver.received == received and len(got) == received[1]
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_a_call_that_fails_on_rank_1_fails_alone(glm_ckpt):
+    """In process, a `DataParallelEngine` of two ranks whose calls a tap opened (dp_held.RankCalls): a
+    call that fails on rank 1 (rows no longer kept there) answers with its error, one that cannot be
+    pickled is refused before it goes, and rank 0 is no rank to call; calls after them are answered."""
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S)
+    engine = llm.engine
+    try:
+        engine.tap_layers("r", 8, 0, lambda rows: None)
+        gone = Held(1, 12345, 0, (1, 4), torch.float32)
+        with pytest.raises(RuntimeError, match=r"KeyError: .*rows \[12345\] are no longer held on data-parallel rank 1"):
+            engine.call_rank(1, take_held, [gone]).result(30)
+        with pytest.raises(RuntimeError, match="cannot be pickled"):
+            engine.call_rank(1, lambda side: None)
+        with pytest.raises(ValueError, match="no data-parallel rank 0 to call"):
+            engine.call_rank(0, drop_held, [])
+        assert engine.call_rank(1, drop_held, [12345]).result(30) is None
+        assert engine.fetch_held([torch.ones(1)])[0].tolist() == [1.0]  # nothing held: nothing to call
+        engine.untap_layers("r")
         engine.check_integrity()
     finally:
         llm.close()

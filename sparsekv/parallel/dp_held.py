@@ -10,14 +10,15 @@ never cross rank 0), or fetches them (a room whose prompts run on several ranks,
 NIXL). A call is a function and its arguments, pickled (the function by reference, as torch.distributed's
 object calls pickle), run on rank r on a thread of its own with rank r's `RankSide` first::
 
-    rank 0: call(r, fn, *args) -> calls group: (id, fn, args) ---------> rank r: thread: fn(side, *args)
-    rank 0: future of id      <- replies group: (id, ok, value or why) <-/
+    rank 0: call(r, fn, *args) -> calls group: [id] pickle(fn, args) -----> rank r: thread: fn(side, *args)
+    rank 0: future of id      <- replies group: [id, ok] pickle(value or why) <-/
 
 Each direction has a gloo group of its own (made with the taps' group, dp_taps.open_group): rank 0's
-receiving thread waits on the replies group while its calls go out on the other. A message is its
-pickle's length, then the pickle, two sends from one sender at a time (`send_object`); rank 0
-receives the length from any rank and the pickle from that one, which torch.distributed's
-`recv_object_list` does not (it needs the source).
+receiving thread waits on the replies group while its calls go out on the other. A message is a
+header (the payload's length, the call's id, whether it succeeded), then the payload, two sends from
+one sender at a time (`send_message`); rank 0 receives a header from any rank and the payload from
+that one, which torch.distributed's `recv_object_list` does not (it needs the source). The id stays
+outside the pickle, so a call or an answer that cannot be unpickled fails that call only.
 
 Rows are kept under a handle and an owner: a layer tap's deliveries under its tap (released when the
 tap is removed), exported pages under the room that asked (released when rank 0 ends the room);
@@ -188,20 +189,22 @@ class RankSide:
         return {"held_rows_bytes": self.held.nbytes(), "held_rooms": len(self.rooms)}
 
 
-def send_object(obj, dst: int, group) -> None:
-    """`obj` pickled to rank `dst`: its length, then its bytes (callers send one object at a time)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst, group=group)
-    dist.send(data, dst=dst, group=group)
+def send_message(call_id: int, ok: bool, payload: bytes, dst: int, group) -> None:
+    """One message to rank `dst`: a header (the payload's length, the call's id, whether it succeeded),
+    then the payload (callers send one message at a time)."""
+    dist.send(torch.tensor([len(payload), call_id, int(ok)], dtype=torch.int64), dst=dst, group=group)
+    dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=dst, group=group)
 
 
-def recv_object(group, src: int | None = None):
-    """The next object `send_object` sent here (from `src`; None: any rank, then its bytes from it)."""
-    size = torch.empty(1, dtype=torch.int64)
-    src = dist.recv(size, src=src, group=group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
+def recv_message(group, src: int | None = None) -> tuple[int, bool, bytes, int]:
+    """The next message sent here (from `src`; None: any rank, then its payload from that rank):
+    (call id, ok, payload, source rank)."""
+    header = torch.empty(3, dtype=torch.int64)
+    src = dist.recv(header, src=src, group=group)
+    size, call_id, ok = header.tolist()
+    data = torch.empty(size, dtype=torch.uint8)
     dist.recv(data, src=src, group=group)
-    return pickle.loads(data.numpy().tobytes())
+    return call_id, bool(ok), data.numpy().tobytes(), src
 
 
 def take_held(side: RankSide, recipes: list) -> list[torch.Tensor]:
@@ -217,30 +220,29 @@ def drop_held(side: RankSide, handles: list[int]) -> None:
 def serve_calls(calls_group, replies_group, side: RankSide) -> threading.Thread:
     """Rank r > 0: answer rank 0's calls, each on a thread of its own (a call may wait for a decode
     worker, and no room waits behind another's), until rank 0 is gone (the process ends with its
-    engine, and the thread with it)."""
+    engine, and the thread with it). A call that cannot be read or run, or whose value cannot be
+    pickled, is answered with why; the rank and its other calls go on."""
     lock = threading.Lock()
 
-    def reply(call_id: int, ok: bool, value) -> None:
-        with lock:
-            send_object((call_id, ok, value), 0, replies_group)
-
-    def run(call_id: int, fn, args) -> None:
+    def run(call_id: int, payload: bytes) -> None:
         try:
-            value, ok = fn(side, *args), True
+            fn, args = pickle.loads(payload)
+            answer, ok = pickle.dumps(fn(side, *args)), True
         except Exception as e:  # the call fails, never the rank
-            value, ok = f"{type(e).__name__}: {first_line(e)}", False
+            answer, ok = pickle.dumps(f"{type(e).__name__}: {first_line(e)}"), False
         try:
-            reply(call_id, ok, value)
+            with lock:
+                send_message(call_id, ok, answer, 0, replies_group)
         except Exception:  # rank 0 is gone: the rank's own command loop finds it
             pass
 
     def serve() -> None:
         while True:
             try:
-                call_id, fn, args = recv_object(calls_group, src=0)
+                call_id, _, payload, _ = recv_message(calls_group, src=0)
             except Exception:  # rank 0 is gone
                 return
-            threading.Thread(target=run, args=(call_id, fn, args), name="sparsekv-rank-call", daemon=True).start()
+            threading.Thread(target=run, args=(call_id, payload), name="sparsekv-rank-call", daemon=True).start()
     thread = threading.Thread(target=serve, name="sparsekv-rank-calls", daemon=True)
     thread.start()
     return thread
@@ -261,6 +263,10 @@ class RankCalls:
     def call(self, rank: int, fn, *args) -> Future:
         if not 0 < rank < self.num_ranks:
             raise ValueError(f"no data-parallel rank {rank} to call (ranks 1..{self.num_ranks - 1})")
+        try:
+            payload = pickle.dumps((fn, args))
+        except Exception as e:  # a function not importable by name, an argument that does not pickle
+            raise RuntimeError(f"a call to data-parallel rank {rank} cannot be pickled: {e}") from None
         future: Future = Future()
         with self._lock:
             if self.error is not None:
@@ -268,24 +274,30 @@ class RankCalls:
             call_id = next(self._ids)
             self._pending[call_id] = future
             try:
-                send_object((call_id, fn, args), rank, self.calls_group)
+                send_message(call_id, True, payload, rank, self.calls_group)
             except Exception as e:
                 del self._pending[call_id]
-                raise RuntimeError(f"calling data-parallel rank {rank} failed: {e}") from None
+                raise RuntimeError(f"calling data-parallel rank {rank} failed: {first_line(e)}") from None
         return future
 
     def _receive(self) -> None:
         while True:
             try:
-                call_id, ok, value = recv_object(self.replies_group)
+                call_id, ok, payload, src = recv_message(self.replies_group)
             except Exception as e:  # a rank died, or the engine closed
                 with self._lock:
                     self.error = e
                     pending, self._pending = self._pending, {}
                 for future in pending.values():
-                    future.set_exception(RuntimeError(f"a data-parallel rank stopped answering: {e}"))
+                    future.set_exception(RuntimeError(f"a data-parallel rank stopped answering: {first_line(e)}"))
                 return
             with self._lock:
                 future = self._pending.pop(call_id, None)
-            if future is not None:
-                future.set_result(value) if ok else future.set_exception(RuntimeError(value))
+            if future is None:
+                continue
+            try:
+                value = pickle.loads(payload)
+            except Exception as e:  # NOTE: only this call fails: the next message is read as before
+                future.set_exception(RuntimeError(f"the answer of data-parallel rank {src} cannot be read: {e}"))
+                continue
+            future.set_result(value) if ok else future.set_exception(RuntimeError(value))
