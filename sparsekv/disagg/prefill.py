@@ -398,7 +398,8 @@ class PrefillWorker(Worker):
     async def _tap(self, request_ids: list[str], prompts: list[list[int]], first_tokens: bool) -> LayerFeed | None:
         """Have the engine hand each prompt's pages out layer by layer as its steps compute them, queued
         until the claim says which the decode worker holds (None: chunk-by-chunk or one-look mode). On
-        a data-parallel engine, another rank's rows come through rank 0 (parallel/dp_taps.py)."""
+        a data-parallel engine, another rank's rows stay on that rank, named here where they are
+        (parallel/dp_taps.py, dp_held.py)."""
         engine = self.state.engine
         if not self.layer_by_layer or self.stream_poll_s is None:
             return None
