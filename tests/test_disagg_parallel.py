@@ -17,6 +17,7 @@ import torch
 
 from conftest import STARTUP_FLAGS, STARTUP_S
 from disagg_util import SECRET, WorkerServer, process_and_local_pair, secret_file, send_pair, start_worker_process
+from sparsekv.disagg.nixl import nixl_available
 from sparsekv.disagg.transfer import CORRUPT_ENV, DELAY_ENV
 from test_server_util import wait_healthy, wait_until
 from sparsekv import LLM, SamplingParams
@@ -239,25 +240,30 @@ def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
         local.check_clean()
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(direct, glm_ckpt):
+@pytest.mark.parametrize("transfer,direct", [("torch", True), ("torch", False), ("nixl", True)])
+def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(transfer, direct, glm_ckpt):
     """In process, a `-dp 2` prefill worker and a decode worker, two prompts at once, one per rank. The
     room of rank 1's prompt is published and sent by rank 1 (disagg/dp_send.py: its tensors never
-    cross rank 0), rank 0's by rank 0; with the direct send off, both by rank 0, rank 1's rows fetched
-    from it. Either way the same bytes go, the answers are one colocated engine's, and afterwards rank 1
-    keeps no rows and knows no room, and every pool's integrity holds."""
+    cross rank 0; over NIXL read from rank 1's own agent), rank 0's by rank 0; with the direct send off,
+    both by rank 0, rank 1's rows fetched from it. Either way the same bytes go, the answers are one
+    colocated engine's, and afterwards rank 1 keeps no rows and knows no room, and every pool's
+    integrity holds."""
+    if transfer == "nixl" and not nixl_available():
+        pytest.skip("NIXL is not installed")
     path = glm_ckpt[0]
     prompts = [_prompt(256, 44, seed) for seed in (3, 4)]  # 10 cacheable pages, then the last token's full page
     colocated = LLM(path, **BASE)
     want = colocated.generate(prompts, GREEDY)
-    with (WorkerServer(path, "prefill", data_parallel_size=2, dist_startup_timeout_s=STARTUP_S, **BASE) as prefill,
-          WorkerServer(path, "decode", **BASE) as decode):
+    with (WorkerServer(path, "prefill", data_parallel_size=2, dist_startup_timeout_s=STARTUP_S, transfer=transfer,
+                       **BASE) as prefill,
+          WorkerServer(path, "decode", transfer=transfer, **BASE) as decode):
         prefill.worker.direct_send = direct
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = list(pool.map(lambda p: send_pair(prefill.url, decode.url, {**BODY, "prompt": p}), prompts))
         assert all(rp.status_code == 200 and rd.status_code == 200 for rp, rd in answers), answers
         sent = [rp.json()["sparsekv"]["disaggregation"] for rp, _ in answers]
         assert sorted(f["prefill_rank"] for f in sent) == ([0, 1] if direct else [0, 0])
+        assert {f["backend"] for f in sent} == {"gloo" if transfer == "torch" else "nixl"}
         assert [f["bytes"] for f in sent] == [rd.json()["sparsekv"]["disaggregation"]["bytes"] for _, rd in answers]
         assert all(f["pages_by_layer"] == f["pages_sent"] == (len(prompts[0]) - 1) // PAGE for f in sent)
         for (_, rd), expected in zip(answers, want):
@@ -282,17 +288,21 @@ def _rank_1_keeps_nothing(prefill: WorkerServer) -> None:
     prefill.check_clean()
 
 
-def test_a_corrupted_tensor_sent_by_rank_1_fails_its_room_and_nothing_stays_kept(glm_ckpt, monkeypatch):
+@pytest.mark.parametrize("transfer", ["torch", "nixl"])
+def test_a_corrupted_tensor_sent_by_rank_1_fails_its_room_and_nothing_stays_kept(transfer, glm_ckpt, monkeypatch):
     """A `-dp 2` prefill worker whose every sender damages a room's second tensor after its digest (rank
     1, spawned with the engine, inherits the hook): the decode worker refuses both rooms, the rank-1
-    one sent by rank 1 itself, and each side answers 503 naming it. Rank 1 then keeps no row and no
-    room, both workers' pools are intact, and rank 1's rows still serve (fetched through rank 0, whose
-    sends are whole again)."""
+    one sent by rank 1 itself (over NIXL, read from its agent), and each side answers 503 naming it.
+    Rank 1 then keeps no row and no room, both workers' pools are intact, and rank 1's rows still
+    serve (fetched through rank 0, whose sends are whole again)."""
+    if transfer == "nixl" and not nixl_available():
+        pytest.skip("NIXL is not installed")
     path = glm_ckpt[0]
     prompts = [_prompt(256, 44, seed) for seed in (3, 4)]
     monkeypatch.setenv(CORRUPT_ENV, "1")
-    with (WorkerServer(path, "prefill", data_parallel_size=2, dist_startup_timeout_s=STARTUP_S, **BASE) as prefill,
-          WorkerServer(path, "decode", **BASE) as decode):
+    with (WorkerServer(path, "prefill", data_parallel_size=2, dist_startup_timeout_s=STARTUP_S, transfer=transfer,
+                       **BASE) as prefill,
+          WorkerServer(path, "decode", transfer=transfer, **BASE) as decode):
         for rp, rd in _two_at_once(prefill.url, decode.url, prompts):
             assert (rp.status_code, rd.status_code) == (503, 503), (rp.text, rd.text)
             assert "digest" in rd.json()["error"]["message"] and "refused the KV" in rp.json()["error"]["message"]

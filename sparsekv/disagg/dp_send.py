@@ -6,7 +6,9 @@ the verdict, the errors) and calls these functions on rank r (parallel/dp_held.p
 which hold the room's rows (layer deliveries and exported pages): `publish` takes the batch's rows,
 puts their specs (sizes and keyed digests) in its metadata and signs it into the prefill worker's
 store; `push` joins the room's pair group as its prefill rank (the decode worker joins whoever
-that is) and sends them. So a room's tensors never cross rank 0. `abandon` ends a join still waiting
+that is) and sends them. Over NIXL `publish` exposes them through the rank's own agent instead, named
+in the metadata, and the decode worker reads them from there (`push` has nothing to do). So a room's
+tensors never cross rank 0. `abandon` ends a join still waiting
 for the decode worker; `close_room` drops the room's group, store connection and any rows still
 kept for it. Each runs on rank r with its `RankSide` first, on a thread of its own.
 """
@@ -16,17 +18,19 @@ import socket
 from dataclasses import dataclass, replace
 
 from ..parallel.dp_held import RankSide
+from .nixl import NixlAgent
 from .outbox import as_published
-from .transfer import PREFILL_RANK, Room, TorchPath, connect, meta_key
+from .transfer import Room, connect, meta_key, sender
 from .wire import sign
 
 
 @dataclass
 class RankRoom:
-    """A room rank r sends for: its store keys, its pair group once joined, the published batch's tensors."""
+    """A room rank r sends for: its store keys, its data path (a pair group once joined, or the rank's NIXL
+    agent), the published batch's tensors."""
 
     link: Room
-    path: TorchPath
+    path: object
     tensors: list
 
 
@@ -36,6 +40,8 @@ def publish(side: RankSide, settings, bootstrap_port: int, room: str, meta: dict
     which goes signed to the store; its tensors kept for `push`. Returns their bytes."""
     state = _room(side, settings, bootstrap_port, room, meta["backend"])
     state.tensors = as_published(settings.secret, meta, side.held.take(recipes), first_tag)
+    if state.tensors:
+        meta.update(state.path.offer(state.tensors))
     state.link.put(meta_key(index), sign(settings.secret, meta))
     return sum(t.numel() for t in state.tensors)
 
@@ -51,7 +57,7 @@ def push(side: RankSide, room: str, first_tag: int) -> int:
 def abandon(side: RankSide, room: str) -> None:
     """End a join of the pair group still waiting for the decode worker (rank 0 stopped waiting)."""
     state = side.rooms.get(room)
-    if state is not None:
+    if state is not None and state.path.needs_connect:  # NOTE: a pair group still forming (NIXL forms none)
         state.path.abandon()
 
 
@@ -67,10 +73,13 @@ def close_room(side: RankSide, room: str) -> int:
 def _room(side: RankSide, settings, bootstrap_port: int, room: str, backend: str) -> RankRoom:
     """The room's state on this rank, made at its first batch: a connection to the prefill worker's
     store, and the data path, whose transfer connections this rank makes from its own address (the
-    bootstrap host on node 0, this machine's name on another node)."""
+    bootstrap host on node 0, this machine's name on another node), or the rank's NIXL agent (made at
+    its first NIXL room, kept for the rank's life as a worker's is)."""
     state = side.rooms.get(room)
     if state is None:
         link = Room(connect(settings.bootstrap_host, bootstrap_port, settings.timeout_s), room)
         own = settings if side.node_rank == 0 else replace(settings, bootstrap_host=socket.gethostname())
-        state = side.rooms[room] = RankRoom(link, TorchPath(link, own, side.device, backend, PREFILL_RANK), [])
+        if backend == "nixl" and side.agent is None:
+            side.agent = NixlAgent(f"prefill-rank{side.held.rank}")
+        state = side.rooms[room] = RankRoom(link, sender(backend, link, own, side.device, side.agent), [])
     return state

@@ -202,7 +202,7 @@ class PrefillWorker(Worker):
         if feed is not None:
             base["weights"] = feed.weights
             feed.claim()
-            out.rank = await self._sending_rank(feed, base["backend"])
+            out.rank = await self._sending_rank(feed)
         while True:
             finished = prefill.done()
             if await self.blocking(out.answered):  # the decode worker failed this room already
@@ -240,13 +240,13 @@ class PrefillWorker(Worker):
                        self.settings.secret)
         return self._sent(meta, time.monotonic() - ended[0], nbytes, sum(sent) - sum(claim["held"]), streamed, out, feed)
 
-    async def _sending_rank(self, feed: LayerFeed, backend: str) -> int | None:
-        """The data-parallel rank > 0 that publishes and sends the room's tensors itself (dp_send.py): the
-        one rank its prompts run on, whose rows stay there. None (rank 0 sends, fetching any rows kept
-        on another rank) for a room whose prompts run on rank 0 or on several ranks, over NIXL (rank 0
-        holds the worker's agent), or with `direct_send` off."""
+    async def _sending_rank(self, feed: LayerFeed) -> int | None:
+        """The data-parallel rank > 0 that publishes and sends the room's tensors itself (dp_send.py: over
+        NIXL through an agent of its own): the one rank its prompts run on, whose rows stay there. None
+        (rank 0 sends, fetching any rows kept on another rank) for a room whose prompts run on rank 0 or
+        on several ranks, or with `direct_send` off."""
         engine = self.state.engine
-        if not self.direct_send or backend == "nixl" or engine.config.data_parallel_size == 1:
+        if not self.direct_send or engine.config.data_parallel_size == 1:
             return None
         rank = await self.state.loop.call(lambda: engine.rank_running(feed.request_ids))
         return rank or None

@@ -172,13 +172,14 @@ class HeldRows:
 
 @dataclass
 class RankSide:
-    """What a rank > 0 holds for rank 0's calls: its kept rows, the rooms it sends for (their state is
-    the caller's: disagg/dp_send.py), the rank's device and node."""
+    """What a rank > 0 holds for rank 0's calls: its kept rows, the rooms it sends for and its NIXL agent
+    (their state is the caller's: disagg/dp_send.py), the rank's device and node."""
 
     held: HeldRows
     device: torch.device
     node_rank: int = 0
     rooms: dict = field(default_factory=dict)
+    agent: object = None
     live_taps: set = field(default_factory=set)  # owners ("tap", id) of the taps set on this rank
 
     def live_owners(self) -> set:
