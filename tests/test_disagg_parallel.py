@@ -241,7 +241,7 @@ def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("transfer,direct", [("torch", True), ("torch", False), ("nixl", True)])
-def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(transfer, direct, glm_ckpt):
+def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(transfer, direct, glm_ckpt, monkeypatch):
     """In process, a `-dp 2` prefill worker and a decode worker, two prompts at once, one per rank. The
     room of rank 1's prompt is published and sent by rank 1 (disagg/dp_send.py: its tensors never
     cross rank 0; over NIXL read from rank 1's own agent), rank 0's by rank 0; with the direct send off,
@@ -258,11 +258,11 @@ def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(transfer, d
                        **BASE) as prefill,
           WorkerServer(path, "decode", transfer=transfer, **BASE) as decode):
         prefill.worker.direct_send = direct
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            answers = list(pool.map(lambda p: send_pair(prefill.url, decode.url, {**BODY, "prompt": p}), prompts))
+        _prompt_per_rank(monkeypatch, prefill.engine, prompts)
+        answers = _two_at_once(prefill.url, decode.url, prompts)
         assert all(rp.status_code == 200 and rd.status_code == 200 for rp, rd in answers), answers
         sent = [rp.json()["sparsekv"]["disaggregation"] for rp, _ in answers]
-        assert sorted(f["prefill_rank"] for f in sent) == ([0, 1] if direct else [0, 0])
+        assert [f["prefill_rank"] for f in sent] == ([0, 1] if direct else [0, 0])
         assert {f["backend"] for f in sent} == {"gloo" if transfer == "torch" else "nixl"}
         assert [f["bytes"] for f in sent] == [rd.json()["sparsekv"]["disaggregation"]["bytes"] for _, rd in answers]
         assert all(f["pages_by_layer"] == f["pages_sent"] == (len(prompts[0]) - 1) // PAGE for f in sent)
@@ -270,6 +270,13 @@ def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(transfer, d
             assert_as_colocated(expected, rd.json(), decode, logprob_tolerance(colocated))
         _rank_1_keeps_nothing(prefill)
         decode.check_clean()
+
+
+def _prompt_per_rank(monkeypatch, engine, prompts: list[list[int]]) -> None:
+    """Prompt i runs on rank i of the data-parallel `engine` (the router would spread prompts sent
+    together only when each is still running when the next comes)."""
+    ranks = {tuple(p): i for i, p in enumerate(prompts)}
+    monkeypatch.setattr(engine.router, "peek", lambda token_ids, *args: ranks[tuple(token_ids)])
 
 
 def _two_at_once(prefill_url: str, decode_url: str, prompts: list[list[int]], timeout: float = 60.0) -> list:
@@ -303,6 +310,7 @@ def test_a_corrupted_tensor_sent_by_rank_1_fails_its_room_and_nothing_stays_kept
     with (WorkerServer(path, "prefill", data_parallel_size=2, dist_startup_timeout_s=STARTUP_S, transfer=transfer,
                        **BASE) as prefill,
           WorkerServer(path, "decode", transfer=transfer, **BASE) as decode):
+        _prompt_per_rank(monkeypatch, prefill.engine, prompts)
         for rp, rd in _two_at_once(prefill.url, decode.url, prompts):
             assert (rp.status_code, rd.status_code) == (503, 503), (rp.text, rd.text)
             assert "digest" in rd.json()["error"]["message"] and "refused the KV" in rp.json()["error"]["message"]
@@ -329,7 +337,9 @@ def test_the_decode_worker_killed_while_rank_1_sends(glm_ckpt, tmp_path, monkeyp
         wait_healthy(decode_url, proc)
         with (WorkerServer(path, "prefill", timeout_s=timeout, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S,
                            **BASE) as prefill, ThreadPoolExecutor(1) as pool):
-            sent = pool.submit(_two_at_once, prefill.url, decode_url, [_prompt(256, 44, s) for s in (3, 4)], 3 * timeout)
+            prompts = [_prompt(256, 44, s) for s in (3, 4)]
+            _prompt_per_rank(monkeypatch, prefill.engine, prompts)
+            sent = pool.submit(_two_at_once, prefill.url, decode_url, prompts, 3 * timeout)
             assert wait_until(lambda: list(prefill.worker.rooms.values()) == ["send", "send"], 30)
             time.sleep(0.7)  # inside the tensors' sends
             os.kill(proc.pid, signal.SIGKILL)

@@ -260,12 +260,20 @@ class PrefillWorker(Worker):
                         out.rank, e)
 
     async def _on_rank(self, rank: int, fn, *args):
-        """`fn(side, *args)` on data-parallel rank `rank` (dp_held.RankCalls), a call that waits for no
-        peer: TransferError if it fails there or does not answer within the timeout."""
+        """`fn(side, *args)` on data-parallel rank `rank`, a call that waits for no peer: TransferError if
+        it fails there or does not answer within the timeout."""
+        calling = self._calling(rank, fn, *args)
         try:
-            call = self.state.engine.call_rank(rank, fn, *args)
-            return await asyncio.wait_for(asyncio.wrap_future(call), self.settings.timeout_s)
-        except (RuntimeError, asyncio.TimeoutError) as e:
+            return await asyncio.wait_for(calling, self.settings.timeout_s)
+        except (RuntimeError, asyncio.TimeoutError) as e:  # its failure there arrives as its text
+            raise TransferError(f"data-parallel rank {rank}: {first_line(e)}") from None
+
+    def _calling(self, rank: int, fn, *args) -> asyncio.Future:
+        """`fn(side, *args)` called on data-parallel rank `rank` (dp_held.RankCalls), as a future of this
+        loop; TransferError if the call cannot go."""
+        try:
+            return asyncio.wrap_future(self.state.engine.call_rank(rank, fn, *args))
+        except (RuntimeError, ValueError) as e:  # the ranks' calls failed, or the call does not pickle
             raise TransferError(f"data-parallel rank {rank}: {first_line(e)}") from None
 
     def _sent(self, meta: dict, transfer_s: float, nbytes: int, pages: int, streamed: int, out: "Batches",
@@ -359,7 +367,7 @@ class PrefillWorker(Worker):
             out.published(meta, tensors)
             if not tensors:
                 return out.pushed(0, 0)
-            pushing = asyncio.wrap_future(self.state.engine.call_rank(out.rank, dp_send.push, room, out.tags))
+            pushing = self._calling(out.rank, dp_send.push, room, out.tags)
             try:
                 await self._while_peer_works(pushing, out.link, "the decode worker's receive", request,
                                              peer_left=out.refused)
