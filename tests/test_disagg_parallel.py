@@ -19,6 +19,7 @@ from conftest import STARTUP_FLAGS, STARTUP_S
 from disagg_util import SECRET, WorkerServer, process_and_local_pair, secret_file, send_pair, start_worker_process
 from sparsekv.disagg.nixl import nixl_available
 from sparsekv.disagg.transfer import CORRUPT_ENV, DELAY_ENV
+from sparsekv.server.loop import DELAY_ENV as STEP_DELAY_ENV
 from test_server_util import wait_healthy, wait_until
 from sparsekv import LLM, SamplingParams
 from sparsekv.parallel.dp_held import Held, drop_held, is_held, take_held
@@ -240,22 +241,25 @@ def test_a_data_parallel_worker_on_either_side(dp_side, glm_ckpt, tmp_path):
         local.check_clean()
 
 
-@pytest.mark.parametrize("transfer,direct", [("torch", True), ("torch", False), ("nixl", True)])
-def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(transfer, direct, glm_ckpt, monkeypatch):
+@pytest.mark.parametrize("transfer,direct,send", [("torch", True, "layers"), ("torch", False, "layers"),
+                                                  ("nixl", True, "layers"), ("torch", True, "chunks")])
+def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(transfer, direct, send, glm_ckpt, monkeypatch):
     """In process, a `-dp 2` prefill worker and a decode worker, two prompts at once, one per rank. The
     room of rank 1's prompt is published and sent by rank 1 (disagg/dp_send.py: its tensors never
-    cross rank 0; over NIXL read from rank 1's own agent), rank 0's by rank 0; with the direct send off,
-    both by rank 0, rank 1's rows fetched from it. Either way the same bytes go, the answers are one
-    colocated engine's, and afterwards rank 1 keeps no rows and knows no room, and every pool's
-    integrity holds."""
+    cross rank 0; over NIXL read from rank 1's own agent; chunk by chunk its named pages, exported
+    there), rank 0's by rank 0; with the direct send off, both by rank 0, rank 1's rows fetched from
+    it. Either way the same bytes go, the answers are one colocated engine's, and afterwards rank 1
+    keeps no rows and knows no room, and every pool's integrity holds."""
     if transfer == "nixl" and not nixl_available():
         pytest.skip("NIXL is not installed")
+    if send == "chunks":  # a room is sent by the rank its prompt runs on, known while the prompt runs
+        monkeypatch.setenv(STEP_DELAY_ENV, "0.2")
     path = glm_ckpt[0]
     prompts = [_prompt(256, 44, seed) for seed in (3, 4)]  # 10 cacheable pages, then the last token's full page
     colocated = LLM(path, **BASE)
     want = colocated.generate(prompts, GREEDY)
     with (WorkerServer(path, "prefill", data_parallel_size=2, dist_startup_timeout_s=STARTUP_S, transfer=transfer,
-                       **BASE) as prefill,
+                       send=send, **BASE) as prefill,
           WorkerServer(path, "decode", transfer=transfer, **BASE) as decode):
         prefill.worker.direct_send = direct
         _prompt_per_rank(monkeypatch, prefill.engine, prompts)
@@ -265,7 +269,8 @@ def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(transfer, d
         assert [f["prefill_rank"] for f in sent] == ([0, 1] if direct else [0, 0])
         assert {f["backend"] for f in sent} == {"gloo" if transfer == "torch" else "nixl"}
         assert [f["bytes"] for f in sent] == [rd.json()["sparsekv"]["disaggregation"]["bytes"] for _, rd in answers]
-        assert all(f["pages_by_layer"] == f["pages_sent"] == (len(prompts[0]) - 1) // PAGE for f in sent)
+        pages = (len(prompts[0]) - 1) // PAGE
+        assert all(f["pages_sent"] == pages and f["pages_by_layer"] == (pages if send == "layers" else 0) for f in sent)
         for (_, rd), expected in zip(answers, want):
             assert_as_colocated(expected, rd.json(), decode, logprob_tolerance(colocated))
         _rank_1_keeps_nothing(prefill)

@@ -145,13 +145,13 @@ class PrefillWorker(Worker):
         self.rooms[room] = "claim"
         feed = await self._tap(request_ids, prompts, sends_first)  # NOTE: before the claim: the first step may start before it
         try:
-            return await self._claim_and_send(request, room, job, prompts, prefill, ended, feed)
+            return await self._claim_and_send(request, room, job, prompts, prefill, ended, feed, request_ids)
         finally:
             await self._untap(request_ids, feed)
 
     async def _claim_and_send(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
-                              feed: LayerFeed | None) -> dict | None:
-        out = Batches(await self.blocking(self._link, room), self.settings, self.device, self.nixl)
+                              feed: LayerFeed | None, request_ids: list[str]) -> dict | None:
+        out = Batches(await self.blocking(self._link, room), self.settings, self.device, self.nixl, request_ids)
         try:
             raw = await self._claim_or_failed_prefill(request, out.link, prefill)
             if raw is None:
@@ -202,7 +202,7 @@ class PrefillWorker(Worker):
         if feed is not None:
             base["weights"] = feed.weights
             feed.claim()
-            out.rank = await self._sending_rank(feed)
+        out.rank = await self._sending_rank(out.request_ids)
         while True:
             finished = prefill.done()
             if await self.blocking(out.answered):  # the decode worker failed this room already
@@ -240,7 +240,7 @@ class PrefillWorker(Worker):
                        self.settings.secret)
         return self._sent(meta, time.monotonic() - ended[0], nbytes, sum(sent) - sum(claim["held"]), streamed, out, feed)
 
-    async def _sending_rank(self, feed: LayerFeed) -> int | None:
+    async def _sending_rank(self, request_ids: list[str]) -> int | None:
         """The data-parallel rank > 0 that publishes and sends the room's tensors itself (dp_send.py: over
         NIXL through an agent of its own): the one rank its prompts run on, whose rows stay there. None
         (rank 0 sends, fetching any rows kept on another rank) for a room whose prompts run on rank 0 or
@@ -248,8 +248,14 @@ class PrefillWorker(Worker):
         engine = self.state.engine
         if not self.direct_send or engine.config.data_parallel_size == 1:
             return None
-        rank = await self.state.loop.call(lambda: engine.rank_running(feed.request_ids))
-        return rank or None
+
+        def rank() -> int | None:
+            engine.open_rank_calls()  # NOTE: a layer tap opened them already, unless rooms go chunk by chunk
+            return engine.rank_running(request_ids)
+        try:
+            return await self.state.loop.call(rank) or None
+        except Exception as e:  # the engine going away (ShuttingDown, EngineDead, a rank's failure)
+            raise TransferError(f"finding the data-parallel rank of the prompt failed: {first_line(e)}") from None
 
     async def _close_on_rank(self, out: "Batches") -> None:
         """The room ends on the rank that sent it: its group, store connection and rows left go."""

@@ -223,8 +223,7 @@ class DataParallelEngine:
     # -- layer taps (disaggregation's layer-by-layer send: parallel/dp_taps.py) -----------------------
     def tap_layers(self, request_id: str, num_prompt_tokens: int, skip: int, deliver) -> list[int]:
         """`LLMEngine.tap_layers` on the rank the request runs on, set at the step after its add."""
-        if self.taps is None:
-            self.taps = self._open_taps()
+        self.open_rank_calls()
         self.taps.add(request_id, num_prompt_tokens, skip, deliver)
         return self.local.executor.layer_taps(self.local.kv.page_tensors()).kinds
 
@@ -245,11 +244,16 @@ class DataParallelEngine:
         ranks = {self.rank_of.get(r, self.taps.rank_of(r) if self.taps is not None else None) for r in request_ids}
         return ranks.pop() if len(ranks) == 1 and None not in ranks else None
 
+    def open_rank_calls(self) -> None:
+        """Open the ranks' calls (and taps), unless a tap did: a command every rank runs."""
+        if self.taps is None:
+            self.taps = self._open_taps()
+
     def call_rank(self, rank: int, fn, *args):
         """`fn(side, *args)` on rank `rank` > 0 (dp_held.RankCalls): a concurrent future of its value.
-        Opens the ranks' groups first if no tap did (a command every rank runs: on the engine loop)."""
+        Any thread may call; the calls must be open (`open_rank_calls`, on the engine loop)."""
         if self.calls is None:
-            raise RuntimeError("no layer tap opened the data-parallel ranks' calls yet")
+            raise RuntimeError("the data-parallel ranks' calls are not open")
         return self.calls.call(rank, fn, *args)
 
     def fetch_held(self, tensors: list) -> list:
