@@ -20,7 +20,7 @@ from disagg_util import SECRET, WorkerServer, process_and_local_pair, secret_fil
 from sparsekv.disagg.nixl import nixl_available
 from sparsekv.disagg.transfer import CORRUPT_ENV, DELAY_ENV
 from sparsekv.server.loop import DELAY_ENV as STEP_DELAY_ENV
-from test_server_util import wait_healthy, wait_until
+from test_server_util import scrape_labelled, wait_healthy, wait_until
 from sparsekv import LLM, SamplingParams
 from sparsekv.parallel.dp_held import Held, drop_held, is_held, take_held
 from sparsekv.parallel.dp_kv import DataParallelKV, kv_call
@@ -330,9 +330,9 @@ def test_a_corrupted_tensor_sent_by_rank_1_fails_its_room_and_nothing_stays_kept
 
 def test_the_decode_worker_killed_while_rank_1_sends(glm_ckpt, tmp_path, monkeypatch):
     """The decode worker dies while a `-dp 2` prefill worker's ranks send it two rooms (each tensor
-    waits first, so the sends are under way): each room fails with a 503 within the timeout, rank 1's
-    push failing on rank 1; rank 1 then keeps no row and no room, the pools are intact, and the worker
-    still answers."""
+    waits first, so the sends are under way; rank 1's room shows in /metrics by rank): each room fails
+    with a 503 within the timeout, rank 1's push failing on rank 1; rank 1 then keeps no row and no
+    room, the pools are intact, and the worker still answers."""
     path = glm_ckpt[0]
     timeout = 8.0
     monkeypatch.setenv(DELAY_ENV, "0.5")
@@ -346,6 +346,9 @@ def test_the_decode_worker_killed_while_rank_1_sends(glm_ckpt, tmp_path, monkeyp
             _prompt_per_rank(monkeypatch, prefill.engine, prompts)
             sent = pool.submit(_two_at_once, prefill.url, decode_url, prompts, 3 * timeout)
             assert wait_until(lambda: list(prefill.worker.rooms.values()) == ["send", "send"], 30)
+            # rank 1's room, open there, in /metrics by rank (its rows: whatever has not left yet)
+            held = lambda: scrape_labelled(prefill.url, "dp_rank").get("sparsekv:dp_rank_held_rooms")  # noqa: E731
+            assert wait_until(lambda: held() == {"1": 1}, 10), held()  # rank 0 keeps nothing of the kind
             time.sleep(0.7)  # inside the tensors' sends
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)

@@ -40,6 +40,9 @@ ENGINE_GAUGES = {
     "weights_version": ("weights_version", "Weight updates loaded since the engine started (0: its first weights)."),
     "indexer_scratch_bytes": ("indexer_scratch_bytes",
                               "Bytes of the indexer's prefill score buffer (CPU; freed when no request is left)."),
+    "held_rows_bytes": ("held_rows_bytes", "Host bytes of KV rows a data-parallel prefill rank keeps until they "
+                                           "leave for a decode worker."),
+    "held_rooms": ("held_rooms", "Disaggregated rooms a data-parallel prefill rank sends itself, in flight."),
 }
 ENGINE_COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens prefilled (recomputed after a preemption too; "
