@@ -17,6 +17,7 @@ import torch
 
 from conftest import STARTUP_FLAGS, STARTUP_S
 from disagg_util import SECRET, WorkerServer, process_and_local_pair, secret_file, send_pair, start_worker_process
+from sparsekv.disagg import dp_send
 from sparsekv.disagg.nixl import nixl_available
 from sparsekv.disagg.transfer import CORRUPT_ENV, DELAY_ENV
 from sparsekv.server.loop import DELAY_ENV as STEP_DELAY_ENV
@@ -263,18 +264,33 @@ def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(transfer, d
           WorkerServer(path, "decode", transfer=transfer, **BASE) as decode):
         prefill.worker.direct_send = direct
         _prompt_per_rank(monkeypatch, prefill.engine, prompts)
-        answers = _two_at_once(prefill.url, decode.url, prompts)
-        assert all(rp.status_code == 200 and rd.status_code == 200 for rp, rd in answers), answers
-        sent = [rp.json()["sparsekv"]["disaggregation"] for rp, _ in answers]
-        assert [f["prefill_rank"] for f in sent] == ([0, 1] if direct else [0, 0])
-        assert {f["backend"] for f in sent} == {"gloo" if transfer == "torch" else "nixl"}
-        assert [f["bytes"] for f in sent] == [rd.json()["sparsekv"]["disaggregation"]["bytes"] for _, rd in answers]
-        pages = (len(prompts[0]) - 1) // PAGE
-        assert all(f["pages_sent"] == pages and f["pages_by_layer"] == (pages if send == "layers" else 0) for f in sent)
-        for (_, rd), expected in zip(answers, want):
-            assert_as_colocated(expected, rd.json(), decode, logprob_tolerance(colocated))
-        _rank_1_keeps_nothing(prefill)
-        decode.check_clean()
+        engine, left = prefill.engine, []
+        call_rank = engine.call_rank
+
+        def calls_seen(rank, fn, *args, **options):  # each room's rows still kept when rank 1 closes it
+            future = call_rank(rank, fn, *args, **options)
+            if fn is dp_send.close_room:
+                future.add_done_callback(lambda f: left.append(f.result()))
+            return future
+        engine.call_rank = calls_seen
+        for cached in (False, True):  # again, each prompt's pages now cached on its prefill rank: sent whole from there
+            if cached:
+                decode.on_engine(decode.engine.reset_prefix_cache)
+            answers = _two_at_once(prefill.url, decode.url, prompts)
+            assert all(rp.status_code == 200 and rd.status_code == 200 for rp, rd in answers), answers
+            sent = [rp.json()["sparsekv"]["disaggregation"] for rp, _ in answers]
+            assert [f["prefill_rank"] for f in sent] == ([0, 1] if direct else [0, 0])
+            assert {f["backend"] for f in sent} == {"gloo" if transfer == "torch" else "nixl"}
+            assert [f["bytes"] for f in sent] == [rd.json()["sparsekv"]["disaggregation"]["bytes"] for _, rd in answers]
+            pages, by_layer = (len(prompts[0]) - 1) // PAGE, send == "layers" and not cached
+            assert [(f["pages_sent"], f["pages_by_layer"]) for f in sent] == [(pages, pages if by_layer else 0)] * 2, cached
+            for (_, rd), expected in zip(answers, want):
+                assert_as_colocated(expected, rd.json(), decode, logprob_tolerance(colocated))
+            _rank_1_keeps_nothing(prefill)
+            decode.check_clean()
+        # every row rank 1 kept for its rooms left or was dropped before the room ended there (a drop runs in
+        # the order rank 1 receives its calls)
+        assert left == ([0, 0] if direct else [])
 
 
 def _prompt_per_rank(monkeypatch, engine, prompts: list[list[int]]) -> None:
@@ -518,6 +534,7 @@ def test_a_prompt_untapped_mid_prefill_on_rank_1_sends_no_more_rows(glm_ckpt):
         engine.step()
         received = list(engine.taps.receiver.received)
         assert received[1] > 0 and len(got) == received[1]
+        engine.check_integrity()  # rank 1 keeps the rows of a tap still set: theirs, not stale
         engine.untap_layers("r1")
         while engine.has_unfinished_requests():
             engine.step()

@@ -82,3 +82,210 @@ def test_rank_0_tells_held_rows_from_its_own_and_pickles_their_names():
     assert ranks_of([t, a, b, Stacked((a, a))]) == {1, 2} and ranks_of([t]) == set()
     assert torch.equal(stack([t, t]), torch.stack([t, t]))
     assert pickle.loads(pickle.dumps(b)) == b and b.shape == (1, 3) and b.element_size() == 2
+
+
+def test_empty_and_whole_slices_of_held_rows_are_torchs():
+    held = HeldRows(rank=1)
+    t = _rows(8)
+    name = held.keep(("tap", 0), [t])[0]
+    for key in [(slice(2, 1),), (slice(None), slice(3, 1)), (slice(None, None, 1),)]:  # stop before start: empty
+        assert name[key].shape == tuple(t[key].shape), key
+    cut = name[1:][:, 1:3]
+    got = held.take([cut])[0]
+    assert torch.equal(got, t[1:][:, 1:3]) and got.is_contiguous()  # a view's storage never leaves whole
+
+
+def _fake_engine_of_ranks(sides: dict):
+    """What `DataParallelEngine.fetch_held` reads: `call_rank` (run at once on the rank's side) and the timeout."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    def call_rank(rank, fn, *args):
+        future = Future()
+        try:
+            future.set_result(fn(sides[rank], *args))
+        except Exception as e:
+            future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
+        return future
+    return SimpleNamespace(call_rank=call_rank, config=SimpleNamespace(dist_timeout_s=5.0))
+
+
+def test_rows_held_on_several_ranks_are_fetched_each_from_its_own_in_order():
+    from sparsekv.parallel.data_parallel import DataParallelEngine
+    sides = {r: RankSide(HeldRows(rank=r), torch.device("cpu")) for r in (1, 2)}
+    a, b, c, own = _rows(9), _rows(10), _rows(11), torch.ones(2)
+    na = sides[1].held.keep(("tap", 0), [a])[0]
+    nb = sides[2].held.keep(("tap", 0), [b])[0]  # the same handle, 0, on another rank
+    nc = sides[1].held.keep(("tap", 0), [c])[0]
+    got = DataParallelEngine.fetch_held(_fake_engine_of_ranks(sides), [nb, own, na[1:], stack([nc])])
+    assert [tuple(g.shape) for g in got] == [(3, 4, 5), (2,), (2, 4, 5), (1, 3, 4, 5)]
+    assert torch.equal(got[0], b) and got[1] is own and torch.equal(got[2], a[1:]) and torch.equal(got[3], c[None])
+    assert all(len(side.held) == 0 for side in sides.values())
+
+
+def test_a_room_is_sent_by_a_rank_only_when_every_prompt_of_it_runs_there():
+    from types import SimpleNamespace
+    from sparsekv.parallel.data_parallel import DataParallelEngine
+    watched = {"done": 1, "zero": 0, "unadded": None}  # watched requests, the first two finished
+    engine = SimpleNamespace(rank_of={"a": 1, "b": 1, "c": 0}, _watched=watched)
+    rank = lambda ids: DataParallelEngine.rank_running(engine, ids)  # noqa: E731
+    assert rank(["a", "b"]) == 1 and rank(["a", "done"]) == 1 and rank(["c"]) == 0 and rank(["zero"]) == 0
+    assert rank(["a", "c"]) is None and rank(["a", "zero"]) is None and rank(["a", "unknown"]) is None
+    assert rank(["unknown"]) is None and rank(["unadded"]) is None
+    assert DataParallelEngine.rank_running(SimpleNamespace(rank_of={}, _watched={}), ["a"]) is None
+
+
+def test_pages_a_rank_exports_for_a_room_are_kept_for_it_and_its_integrity_holds_until_it_ends():
+    from types import SimpleNamespace
+    from sparsekv.disagg.dp_send import close_room
+    from sparsekv.parallel.lanes import export_held, lane_integrity
+    pages = [("p0", [_rows(12), _rows(13)]), ("p1", [_rows(14), _rows(15)])]
+    engine = SimpleNamespace(kv=SimpleNamespace(export_prefix=lambda token_ids, tenant, salt, skip=0: pages[skip:]),
+                             check_integrity=lambda: None, executor=SimpleNamespace(model=SimpleNamespace(comm=SimpleNamespace(rank=1))))
+    side = RankSide(HeldRows(rank=1), torch.device("cpu"))
+    named = export_held(engine, side, [1, 2, 3], "default", None, 1, "room-a")
+    assert [n for n, _ in named] == ["p1"] and [h.shape for h in named[0][1]] == [(3, 4, 5)] * 2
+    assert "room-a" in side.rooms and side.figures()["held_rooms"] == 1  # known before its first batch
+    assert lane_integrity(engine, side) is None
+    side.rooms.clear()  # a room ended without its rows released: the rank's integrity check says so
+    message = lane_integrity(engine, side)
+    assert message is not None and message.startswith("data-parallel rank 1:") and "room-a" in message
+    side.rooms["room-a"] = None
+    assert close_room(side, "room-a") == 1 and len(side.held) == 0 and side.rooms == {}
+    assert lane_integrity(engine, side) is None
+
+
+def test_a_pushed_batch_leaves_the_rank_and_a_closed_room_takes_its_rows_with_it():
+    from types import SimpleNamespace
+    from sparsekv.disagg import dp_send
+    done = []
+    path = SimpleNamespace(push=lambda tensors, first: done.append((len(tensors), first)), close=lambda: done.append("closed"))
+    side = RankSide(HeldRows(rank=1), torch.device("cpu"))
+    side.rooms["r"] = dp_send.RankRoom(link=None, path=path, tensors=[torch.ones(3), torch.ones(2)])
+    assert dp_send.push(side, "r", 4) == 5 and done == [(2, 4)] and side.rooms["r"].tensors == []  # not kept past its send
+    side.held.keep(("room", "r"), [_rows(16)])
+    side.held.keep(("room", "other"), [_rows(17)])
+    assert dp_send.close_room(side, "r") == 1 and done[-1] == "closed" and "r" not in side.rooms
+    assert side.held.owners() == {("room", "other")} and dp_send.close_room(side, "r") == 0
+
+
+def test_a_rank_on_another_node_connects_from_its_own_address(monkeypatch):
+    import socket
+    from sparsekv.disagg import dp_send
+    from sparsekv.disagg.worker import DisaggSettings
+    connected, paths = [], []
+    monkeypatch.setattr(dp_send, "connect", lambda host, port, timeout: connected.append((host, port)) or object())
+    monkeypatch.setattr(dp_send, "sender", lambda backend, link, settings, device, agent: paths.append(settings) or link)
+    settings = DisaggSettings("prefill", "10.1.2.3", 0, b"s" * 32)
+    for node, own in ((0, "10.1.2.3"), (1, socket.gethostname())):
+        side = RankSide(HeldRows(rank=1), torch.device("cpu"), node_rank=node)
+        state = dp_send._room(side, settings, 4321, "r", "gloo")
+        assert dp_send._room(side, settings, 4321, "r", "gloo") is state and side.rooms == {"r": state}  # made once
+        assert connected[-1] == ("10.1.2.3", 4321) and paths[-1].bootstrap_host == own and len(paths) == node + 1
+
+
+def test_rows_rank_0_drops_go_on_the_rank_that_keeps_them_by_handle():
+    from types import SimpleNamespace
+    from sparsekv.disagg.prefill import PrefillWorker
+    from sparsekv.parallel.dp_held import drop_held
+    calls = {}
+
+    def call_rank(rank, fn, handles, in_order=False):
+        assert in_order  # before any call sent after it starts there (the room's end)
+        calls.setdefault(rank, []).append((fn, handles))
+    worker = SimpleNamespace(state=SimpleNamespace(engine=SimpleNamespace(call_rank=call_rank)))
+    f32 = torch.float32
+    PrefillWorker._discard(worker, [Held(1, 9, 2, (2,), f32), Held(1, 4, 0, (3, 2), f32)[1:], Held(2, 7, 1, (2,), f32),
+                                    torch.ones(1), Held(1, 4, 1, (2,), f32)])
+    assert calls == {1: [(drop_held, [4, 9])], 2: [(drop_held, [7])]}
+    PrefillWorker._discard(worker, [torch.ones(1)])  # nothing kept elsewhere: no call
+    assert len(calls) == 2
+
+
+def _scripted(monkeypatch):
+    """dp_held's messages without torch.distributed: what `recv_message` reads (an exception: the peer is
+    gone), and what `send_message` sent."""
+    import queue
+    from sparsekv.parallel import dp_held
+    incoming, sent = queue.Queue(), queue.Queue()
+
+    def recv(group, src=None):
+        message = incoming.get(timeout=10)
+        if isinstance(message, Exception):
+            raise message
+        return message
+    monkeypatch.setattr(dp_held, "recv_message", recv)
+    monkeypatch.setattr(dp_held, "send_message", lambda call_id, ok, payload, dst, group: sent.put((call_id, ok, payload, dst)))
+    return incoming, sent
+
+
+def test_an_answer_rank_0_cannot_read_fails_its_call_alone_and_a_rank_gone_fails_the_rest(monkeypatch):
+    from sparsekv.parallel import dp_held
+    incoming, sent = _scripted(monkeypatch)
+    calls = dp_held.RankCalls(None, None, 3)
+    first, second, third = (calls.call(rank, dp_held.drop_held, []) for rank in (1, 2, 1))
+    ids = [sent.get(timeout=5) for _ in range(3)]
+    assert [dst for *_, dst in ids] == [1, 2, 1] and len({i for i, *_ in ids}) == 3
+    assert pickle.loads(ids[0][2]) == (dp_held.drop_held, ([],))
+    incoming.put((ids[1][0], True, b"\x80\x05not a pickle", 2))
+    incoming.put((ids[0][0], False, pickle.dumps("KeyError: gone"), 1))
+    incoming.put((99, True, pickle.dumps(None), 1))  # no such call: ignored
+    incoming.put((ids[2][0], True, pickle.dumps([1, 2]), 1))
+    with pytest.raises(RuntimeError, match="the answer of data-parallel rank 2 cannot be read"):
+        second.result(5)
+    with pytest.raises(RuntimeError, match="KeyError: gone"):
+        first.result(5)
+    assert third.result(5) == [1, 2]  # read after the unreadable one
+    fourth = calls.call(1, dp_held.drop_held, [])
+    incoming.put(ConnectionError("rank 1 died"))
+    with pytest.raises(RuntimeError, match="stopped answering: rank 1 died"):
+        fourth.result(5)
+    with pytest.raises(RuntimeError, match="rank calls failed"):
+        calls.call(1, dp_held.drop_held, [])
+
+
+def test_a_rank_answers_a_call_it_cannot_read_or_run_with_why_and_goes_on(monkeypatch):
+    from sparsekv.parallel import dp_held
+    incoming, sent = _scripted(monkeypatch)
+    side = RankSide(HeldRows(rank=1), torch.device("cpu"))
+    kept = side.held.keep(("tap", 0), [_rows(18)])[0]
+    dropped = side.held.keep(("tap", 0), [_rows(21)])[0]
+    incoming.put((7, False, b"\x80\x05not a pickle", 0))
+    incoming.put((8, False, pickle.dumps((dp_held.take_held, ([Held(1, 42, 0, (1,), torch.float32)],))), 0))
+    incoming.put((9, True, pickle.dumps((dp_held.take_held, ([kept],))), 0))  # in order, on the receiving thread
+    # a drop sent in order is done before a call sent after it starts: the take finds the rows gone
+    incoming.put((10, True, pickle.dumps((dp_held.drop_held, ([dropped.handle],))), 0))
+    incoming.put((11, False, pickle.dumps((dp_held.take_held, ([dropped],))), 0))
+    thread = dp_held.serve_calls(None, None, side)
+    answers = {call_id: (ok, pickle.loads(payload), dst) for call_id, ok, payload, dst in (sent.get(timeout=5) for _ in range(5))}
+    assert answers[10] == (True, None, 0) and answers[11][0] is False and "no longer held" in answers[11][1]
+    assert answers[7][0] is False and answers[7][1].startswith("UnpicklingError") and answers[7][2] == 0
+    assert answers[8][0] is False and "KeyError" in answers[8][1] and "[42]" in answers[8][1]
+    assert answers[9][0] is True and torch.equal(answers[9][1][0], _rows(18)) and len(side.held) == 0
+    incoming.put(ConnectionError("rank 0 is gone"))
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_rank_publishes_a_batch_of_its_rows_signed_with_their_specs_from_the_rooms_tag(monkeypatch):
+    from types import SimpleNamespace
+    from sparsekv.disagg import dp_send
+    from sparsekv.disagg.transfer import CORRUPT_ENV
+    from sparsekv.disagg.wire import as_bytes, tensor_specs, verify
+    from sparsekv.disagg.worker import DisaggSettings
+    settings, put = DisaggSettings("prefill", "127.0.0.1", 0, b"s" * 32), {}
+    side = RankSide(HeldRows(rank=1), torch.device("cpu"))
+    offered = []  # what the data path names in the metadata (NIXL's descriptors; nothing for torch.distributed)
+    path = SimpleNamespace(offer=lambda tensors: offered.append(len(tensors)) or {"offered": len(tensors)})
+    side.rooms["r"] = dp_send.RankRoom(link=SimpleNamespace(put=put.__setitem__), path=path, tensors=[])
+    a, b = _rows(19), _rows(20)
+    rows = side.held.keep(("room", "r"), [a, b])
+    monkeypatch.setenv(CORRUPT_ENV, "4")  # the room's fifth tensor: this batch's second, its first at tag 3
+    meta = {"backend": "gloo", "last": False}
+    assert dp_send.publish(side, settings, 0, "r", meta, [rows[0], stack([rows[1][1:]])], 2, 3) == (60 + 40) * 4
+    assert list(put) == ["meta/2"] and len(side.held) == 0
+    body = verify(settings.secret, put["meta/2"], "metadata")
+    assert body["tensors"] == tensor_specs(settings.secret, [a, b[1:][None]])  # the specs of the rows as taken
+    assert offered == [2] and body["offered"] == 2  # the data path's names, signed with the rest
+    sent = side.rooms["r"].tensors
+    assert torch.equal(sent[0], as_bytes(a)) and not torch.equal(sent[1], as_bytes(b[1:][None].contiguous()))

@@ -398,13 +398,17 @@ class PrefillWorker(Worker):
             raise TransferError(f"fetching rows from a data-parallel rank failed: {first_line(e)}") from None
 
     def _discard(self, rows: list) -> None:
-        """Rows that will not be sent (or were): those another data-parallel rank keeps go there now."""
+        """Rows that will not be sent (or were): those another data-parallel rank keeps go there now, in
+        the order of that rank's calls (before the room's end there, say)."""
         handles: dict[int, set[int]] = {}
         for r in rows:
             if is_held(r):
                 handles.setdefault(r.rank, set()).add(r.handle)
         for rank, mine in handles.items():
-            self._submit(self.state.engine.call_rank, rank, drop_held, sorted(mine))
+            try:
+                self.state.engine.call_rank(rank, drop_held, sorted(mine), in_order=True)
+            except RuntimeError:  # the ranks' calls failed: the engine fails with them, and the rows with it
+                pass
 
     def _discard_deliveries(self, deliveries: list) -> None:
         self._discard([r for d in deliveries for r in d.rows])
@@ -413,30 +417,45 @@ class PrefillWorker(Worker):
         """Have the engine hand each prompt's pages out layer by layer as its steps compute them, queued
         until the claim says which the decode worker holds (None: chunk-by-chunk or one-look mode). On
         a data-parallel engine, another rank's rows stay on that rank, named here where they are
-        (parallel/dp_taps.py, dp_held.py)."""
+        (parallel/dp_taps.py, dp_held.py), and the engine remembers which rank each request runs on
+        until the room ends, which is the rank that sends the room (`_sending_rank`). One engine call,
+        queued before the requests' adds."""
         engine = self.state.engine
-        if not self.layer_by_layer or self.stream_poll_s is None:
+        watch = engine.config.data_parallel_size > 1
+        feed = None
+        if self.layer_by_layer and self.stream_poll_s is not None:
+            feed = LayerFeed(asyncio.get_running_loop(), len(engine.kv.page_tensors()), first_tokens=first_tokens,
+                             discard=self._discard_deliveries, request_ids=request_ids)
+        if feed is None and not watch:
             return None
-        feed = LayerFeed(asyncio.get_running_loop(), len(engine.kv.page_tensors()), first_tokens=first_tokens,
-                         discard=self._discard_deliveries, request_ids=request_ids)
 
         def tap():  # NOTE: with the weights they are computed under (read together, between two steps)
-            for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
+            if watch:
+                engine.watch_ranks(request_ids)
+            for i, (request_id, prompt) in enumerate(zip(request_ids, prompts) if feed is not None else ()):
                 feed.tap_kinds = engine.tap_layers(request_id, len(prompt), 0, feed.deliver_for(i))
             return loaded_weights(engine)
         try:
             loaded = await self.state.loop.call(tap)
         except Exception as e:  # the engine going away (ShuttingDown, EngineDead)
             raise TransferError(f"tapping the prompt's layers failed: {e}") from None
-        feed.weights = await self.blocking(self.weights.stamp, loaded)
+        if feed is not None:
+            feed.weights = await self.blocking(self.weights.stamp, loaded)
         return feed
 
     async def _untap(self, request_ids: list[str], feed: LayerFeed | None) -> None:
-        if feed is None:
-            return
         engine = self.state.engine
+        watched = engine.config.data_parallel_size > 1
+        if feed is None and not watched:
+            return
+
+        def untap():
+            for request_id in request_ids if feed is not None else ():
+                engine.untap_layers(request_id)
+            if watched:
+                engine.unwatch_ranks(request_ids)
         try:
-            await self.state.loop.call(lambda: [engine.untap_layers(r) for r in request_ids])
+            await self.state.loop.call(untap)
         except Exception:  # the engine loop is closing: its taps go with it
             pass
 

@@ -58,6 +58,7 @@ class DataParallelEngine:
         self.taps: DataParallelTaps | None = None  # layer taps (a prefill worker's), opened by the first tap
         self.calls: RankCalls | None = None  # rank 0's calls to the other ranks about their held rows (dp_held.py)
         self.rank_of: dict[str, int] = {}  # requests in flight -> their rank
+        self._watched: dict[str, int | None] = {}  # requests whose rank a prefill worker's room reads (watch_ranks)
         self._remote: dict[str, Request] = {}  # rank 0's view of the requests in flight on other ranks
         self._adds: list[list] = [[] for _ in range(self.num_ranks)]
         self._aborts: list[list[str]] = [[] for _ in range(self.num_ranks)]
@@ -134,6 +135,8 @@ class DataParallelEngine:
         else:
             self.router.assign(rank, token_ids, tenant, cache_salt)
         self.rank_of[request_id] = rank
+        if request_id in self._watched:
+            self._watched[request_id] = rank
         if rank == 0:
             return self.local.add_request(request_id, token_ids, params, tenant, cache_salt, first_token)
         self._adds[rank].append((request_id, token_ids, params, tenant, cache_salt, first_token))
@@ -238,10 +241,20 @@ class DataParallelEngine:
         self.calls = RankCalls(groups[1], groups[2], self.num_ranks)
         return DataParallelTaps(self.local, receiver, self.num_ranks)
 
+    def watch_ranks(self, request_ids: list[str]) -> None:
+        """Remember which rank each of these requests runs on, also once it has finished, until
+        `unwatch_ranks` (a prefill worker's room, which is sent by that rank: `rank_running`)."""
+        for request_id in request_ids:
+            self._watched[request_id] = self.rank_of.get(request_id)
+
+    def unwatch_ranks(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._watched.pop(request_id, None)
+
     def rank_running(self, request_ids: list[str]) -> int | None:
-        """The one rank all of these requests run on (or ran on, while their taps are set), None when
-        they are on several or one is unknown."""
-        ranks = {self.rank_of.get(r, self.taps.rank_of(r) if self.taps is not None else None) for r in request_ids}
+        """The one rank all of these requests run on (or ran on, while watched), None when they are on
+        several or one is unknown."""
+        ranks = {self.rank_of.get(r, self._watched.get(r)) for r in request_ids}
         return ranks.pop() if len(ranks) == 1 and None not in ranks else None
 
     def open_rank_calls(self) -> None:
@@ -249,12 +262,12 @@ class DataParallelEngine:
         if self.taps is None:
             self.taps = self._open_taps()
 
-    def call_rank(self, rank: int, fn, *args):
+    def call_rank(self, rank: int, fn, *args, in_order: bool = False):
         """`fn(side, *args)` on rank `rank` > 0 (dp_held.RankCalls): a concurrent future of its value.
         Any thread may call; the calls must be open (`open_rank_calls`, on the engine loop)."""
         if self.calls is None:
             raise RuntimeError("the data-parallel ranks' calls are not open")
-        return self.calls.call(rank, fn, *args)
+        return self.calls.call(rank, fn, *args, in_order=in_order)
 
     def fetch_held(self, tensors: list) -> list:
         """`tensors` with every held one (dp_held.Held, Stacked) fetched from its rank: for rows that

@@ -190,16 +190,17 @@ class RankSide:
         return {"held_rows_bytes": self.held.nbytes(), "held_rooms": len(self.rooms)}
 
 
-def send_message(call_id: int, ok: bool, payload: bytes, dst: int, group) -> None:
-    """One message to rank `dst`: a header (the payload's length, the call's id, whether it succeeded),
-    then the payload (callers send one message at a time)."""
-    dist.send(torch.tensor([len(payload), call_id, int(ok)], dtype=torch.int64), dst=dst, group=group)
+def send_message(call_id: int, flag: bool, payload: bytes, dst: int, group) -> None:
+    """One message to rank `dst`: a header (the payload's length, the call's id, a flag: for a call,
+    whether it runs in order on the receiving thread; for an answer, whether the call succeeded), then
+    the payload (callers send one message at a time)."""
+    dist.send(torch.tensor([len(payload), call_id, int(flag)], dtype=torch.int64), dst=dst, group=group)
     dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=dst, group=group)
 
 
 def recv_message(group, src: int | None = None) -> tuple[int, bool, bytes, int]:
     """The next message sent here (from `src`; None: any rank, then its payload from that rank):
-    (call id, ok, payload, source rank)."""
+    (call id, flag, payload, source rank)."""
     header = torch.empty(3, dtype=torch.int64)
     src = dist.recv(header, src=src, group=group)
     size, call_id, ok = header.tolist()
@@ -220,9 +221,10 @@ def drop_held(side: RankSide, handles: list[int]) -> None:
 
 def serve_calls(calls_group, replies_group, side: RankSide) -> threading.Thread:
     """Rank r > 0: answer rank 0's calls, each on a thread of its own (a call may wait for a decode
-    worker, and no room waits behind another's), until rank 0 is gone (the process ends with its
-    engine, and the thread with it). A call that cannot be read or run, or whose value cannot be
-    pickled, is answered with why; the rank and its other calls go on."""
+    worker, and no room waits behind another's), or one sent `in_order` (a call that never waits) on
+    the receiving thread, done before any call sent after it starts; until rank 0 is gone (the process
+    ends with its engine, and the thread with it). A call that cannot be read or run, or whose value
+    cannot be pickled, is answered with why; the rank and its other calls go on."""
     lock = threading.Lock()
 
     def run(call_id: int, payload: bytes) -> None:
@@ -240,10 +242,13 @@ def serve_calls(calls_group, replies_group, side: RankSide) -> threading.Thread:
     def serve() -> None:
         while True:
             try:
-                call_id, _, payload, _ = recv_message(calls_group, src=0)
+                call_id, in_order, payload, _ = recv_message(calls_group, src=0)
             except Exception:  # rank 0 is gone
                 return
-            threading.Thread(target=run, args=(call_id, payload), name="sparsekv-rank-call", daemon=True).start()
+            if in_order:
+                run(call_id, payload)
+            else:
+                threading.Thread(target=run, args=(call_id, payload), name="sparsekv-rank-call", daemon=True).start()
     thread = threading.Thread(target=serve, name="sparsekv-rank-calls", daemon=True)
     thread.start()
     return thread
@@ -261,7 +266,9 @@ class RankCalls:
         self.error: Exception | None = None
         threading.Thread(target=self._receive, name="sparsekv-rank-replies", daemon=True).start()
 
-    def call(self, rank: int, fn, *args) -> Future:
+    def call(self, rank: int, fn, *args, in_order: bool = False) -> Future:
+        """`in_order`: a call that never waits (dropping rows), run on rank r's receiving thread, so that
+        it is done before any call sent after it starts there."""
         if not 0 < rank < self.num_ranks:
             raise ValueError(f"no data-parallel rank {rank} to call (ranks 1..{self.num_ranks - 1})")
         try:
@@ -275,7 +282,7 @@ class RankCalls:
             call_id = next(self._ids)
             self._pending[call_id] = future
             try:
-                send_message(call_id, True, payload, rank, self.calls_group)
+                send_message(call_id, in_order, payload, rank, self.calls_group)
             except Exception as e:
                 del self._pending[call_id]
                 raise RuntimeError(f"calling data-parallel rank {rank} failed: {first_line(e)}") from None

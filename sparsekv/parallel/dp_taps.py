@@ -211,11 +211,6 @@ class DataParallelTaps:
         """Whether a removed tap's rank has not been told yet (the next step's command tells it)."""
         return any(self._untaps)
 
-    def rank_of(self, request_id: str) -> int | None:
-        """The rank a tapped request was placed on (None: not yet, or not tapped)."""
-        placed = self._placed.get(request_id)
-        return None if placed is None else placed[0]
-
     def for_step(self, rank_of: dict[str, int]) -> tuple[list[list], list[list[str]]]:
         """Set the taps whose request has a rank (rank 0's here); the others' taps and untaps, per rank,
         for the step's command."""
