@@ -142,10 +142,10 @@ def test_bench_transfer_with_a_data_parallel_prefill_worker_sends_a_prompt_per_r
     assert modes["layers"]["pages_by_layer"] == modes["layers"]["pages_sent"] == 599 // 64
     rank_0 = modes["layers-rank-0"]
     assert rank_0["pages_by_layer"] == rank_0["pages_sent"] and rank_0["mb"] == modes["layers"]["mb"]
-    # rank 1's room sent by rank 1 itself layer by layer, and chunk by chunk if its prompt still ran at the
-    # claim; by rank 0 once the prefill ended (after it), and where rank 0 sends every room
-    assert [modes[m]["sent_by_other_ranks"] for m in ("layers", "after", "layers-rank-0")] == [1, 0, 0]
-    assert modes["chunks"]["sent_by_other_ranks"] in (0, 1)
+    # a room whose prompt ran on rank 1 is sent by rank 1 in every mode but the last, where rank 0 sends all
+    # (the router spreads the two prompts while both run: not pinned here, tests/test_disagg_parallel.py pins them)
+    assert all(modes[m]["sent_by_other_ranks"] <= 1 for m in ("layers", "chunks", "after"))
+    assert modes["layers-rank-0"]["sent_by_other_ranks"] == 0
     assert modes["chunks"]["pages_by_layer"] == 0 and "a prompt per rank" in capsys.readouterr().out
 
 

@@ -13,8 +13,7 @@ batches, and the transfer left after the prefill against sending after it. The m
 machine noise hits them alike: after one untimed prompt per backend (its first request sets up the
 pair's links), each repeat sends one prompt in every mode, the order rotated repeat by repeat. With
 `--prefill-dp N` the prefill worker is data-parallel and N prompts go at once, one per rank: each
-rank > 0 sends its room itself (layer by layer, over either backend; its rows never cross rank 0;
-chunk by chunk when its prompt still runs at the claim; after the prefill, rank 0 sends every room),
+rank > 0 sends its room itself, in every mode and over either backend (its rows never cross rank 0),
 and one more mode sends every room layer by layer from rank 0, which fetches the other ranks' rows
 (the path of a room whose prompts run on several ranks). The two workers share this machine's cores:
 pin the process (`taskset`) to compare runs.
