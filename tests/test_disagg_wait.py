@@ -559,6 +559,25 @@ def test_a_prefill_side_that_read_the_verdict_waits_for_nothing_and_writes_no_er
     assert sorted(out.link.keys) == ["claim", "done"] and not out.told_error
 
 
+def test_the_peer_waits_for_the_next_batch_once_a_batchs_tensors_are_sent():
+    """While a batch's tensors move, a failure fails the decode worker's receive too (`peer_waiting` is
+    false); once they are sent (here or by the data-parallel rank that sends the room: `pushed`), the
+    decode worker waits for the next batch's metadata, so a failure then must be written for it."""
+    from types import SimpleNamespace
+
+    import torch
+    from sparsekv.disagg.outbox import Batches
+    out = Batches(_Room(), DisaggSettings("prefill", "127.0.0.1", 0, SECRET), torch.device("cpu"), None)
+    out.claimed, out.path = True, SimpleNamespace(push=lambda tensors, first: None)
+    out.published({"last": False}, [torch.zeros(4, dtype=torch.uint8)])
+    assert out.sending and not out.peer_waiting and out.index == 1
+    assert out.push([torch.zeros(4, dtype=torch.uint8)]) == 4 and not out.sending and out.peer_waiting
+    out.published({"last": False}, [torch.zeros(8, dtype=torch.uint8)])
+    assert out.pushed(1, 8) == 8 and out.peer_waiting and (out.index, out.tags) == (2, 2)
+    out.published({"last": True}, [])
+    assert out.ended and not out.peer_waiting
+
+
 class _GoneRoom(_Room):
     """A room whose store is gone: every call of it fails as `Room`'s do then."""
 
