@@ -8,9 +8,9 @@ puts their specs (sizes and keyed digests) in its metadata and signs it into the
 store; `push` joins the room's pair group as its prefill rank (the decode worker joins whoever
 that is) and sends them. Over NIXL `publish` exposes them through the rank's own agent instead, named
 in the metadata, and the decode worker reads them from there (`push` has nothing to do). So a room's
-tensors never cross rank 0. `abandon` ends a join still waiting
-for the decode worker; `close_room` drops the room's group, store connection and any rows still
-kept for it. Each runs on rank r with its `RankSide` first, on a thread of its own.
+tensors never cross rank 0. `abandon` ends a join still waiting for the decode worker; `close_room`
+drops the room's group, store connection and any rows still kept for it. Each runs on rank r with its
+`RankSide` first, on a thread of its own.
 """
 from __future__ import annotations
 

@@ -160,8 +160,9 @@ class DataParallelEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, aborts or untaps not sent to their rank yet (a step sends them, and the rank
-        frees their pages, or the rows it kept for the tap), or a drain waiting: its update loads in a step once the ranks report no started
-        request, also when the last of them was aborted rather than finished."""
+        frees their pages, or the rows it kept for the tap), or a drain waiting: its update loads in a
+        step once the ranks report no started request, also when the last of them was aborted rather
+        than finished."""
         return (bool(self.rank_of) or any(self._aborts) or self._pending_update is not None
                 or (self.taps is not None and self.taps.untaps_waiting()))
 
@@ -236,7 +237,8 @@ class DataParallelEngine:
 
     def _open_taps(self) -> DataParallelTaps:
         groups = []
-        self._together("open_taps", run=lambda: groups.extend(open_group(self.config.dist_timeout_s) for _ in range(3)))
+        timeout = self.config.dist_timeout_s  # NOTE: three groups: the taps', rank 0's calls, their replies
+        self._together("open_taps", run=lambda: groups.extend(open_group(timeout) for _ in range(3)))
         receiver = TapReceiver(groups[0], self.num_ranks, self.local.kv.page_tensors(), self.config.kv_page_size)
         self.calls = RankCalls(groups[1], groups[2], self.num_ranks)
         return DataParallelTaps(self.local, receiver, self.num_ranks)

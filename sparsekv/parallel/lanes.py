@@ -186,7 +186,7 @@ PER_REQUEST = {"device_buffer_tokens"}  # a setting, the same on every rank
 # each rank's memory figures, kept apart in `by_data_parallel_rank` (the sums hide one rank filling up)
 RANK_MEMORY = ("kv_pages_total", "kv_pages_free", "device_kv_bytes", "device_latent_bytes", "device_indexer_bytes",
                "host_kv_bytes", "host_kv_budget_bytes", "prefix_cached_pages", "prefix_host_bytes", "prefix_disk_bytes",
-               "held_rows_bytes", "held_rooms")  # the last two: a rank > 0's rows kept for a prefill worker (dp_held.py)
+               "held_rows_bytes", "held_rooms")  # the last two: rows a rank > 0 keeps for a prefill worker
 
 
 def rank_figures(summary: dict, stats: dict) -> dict:
