@@ -202,7 +202,7 @@ class PrefillWorker(Worker):
         if feed is not None:
             base["weights"] = feed.weights
             feed.claim()
-        out.rank = await self._sending_rank(out.request_ids)
+        out.rank = self._sending_rank(out.request_ids)
         while True:
             finished = prefill.done()
             if await self.blocking(out.answered):  # the decode worker failed this room already
@@ -240,7 +240,7 @@ class PrefillWorker(Worker):
                        self.settings.secret)
         return self._sent(meta, time.monotonic() - ended[0], nbytes, sum(sent) - sum(claim["held"]), streamed, out, feed)
 
-    async def _sending_rank(self, request_ids: list[str]) -> int | None:
+    def _sending_rank(self, request_ids: list[str]) -> int | None:
         """The data-parallel rank > 0 that publishes and sends the room's tensors itself (dp_send.py: over
         NIXL through an agent of its own): the one rank its prompts run on, whose rows stay there. None
         (rank 0 sends, fetching any rows kept on another rank) for a room whose prompts run on rank 0 or
@@ -248,14 +248,10 @@ class PrefillWorker(Worker):
         engine = self.state.engine
         if not self.direct_send or engine.config.data_parallel_size == 1:
             return None
-
-        def rank() -> int | None:
-            engine.open_rank_calls()  # NOTE: a layer tap opened them already, unless rooms go chunk by chunk
-            return engine.rank_running(request_ids)
-        try:
-            return await self.state.loop.call(rank) or None
-        except Exception as e:  # the engine going away (ShuttingDown, EngineDead, a rank's failure)
-            raise TransferError(f"finding the data-parallel rank of the prompt failed: {first_line(e)}") from None
+        # NOTE: read here, not on the engine loop: a call there would add a turn of the loop (and its stats
+        # across the ranks) before the requests' adds, which then missed the step their prompts could share
+        # (lookups of two dicts the loop writes: atomic; `_tap` opened the calls and watches the requests)
+        return engine.rank_running(request_ids) or None
 
     async def _close_on_rank(self, out: "Batches") -> None:
         """The room ends on the rank that sent it: its group, store connection and rows left go."""
@@ -431,6 +427,7 @@ class PrefillWorker(Worker):
 
         def tap():  # NOTE: with the weights they are computed under (read together, between two steps)
             if watch:
+                engine.open_rank_calls()  # a room's rank > 0 sends it: `_sending_rank`
                 engine.watch_ranks(request_ids)
             for i, (request_id, prompt) in enumerate(zip(request_ids, prompts) if feed is not None else ()):
                 feed.tap_kinds = engine.tap_layers(request_id, len(prompt), 0, feed.deliver_for(i))
