@@ -20,13 +20,12 @@ class LayerFeed:
     (`first_tokens`), else short (`short_tail`). Before the claim at most
     `unclaimed_max_bytes` are kept: past that (a decode worker slow to claim a long prompt) every row
     is dropped, and the room's pages go whole, by name, as they would without a feed. `discard(rows)`:
-    told of deliveries dropped (a data-parallel rank > 0 keeps their rows until then: dp_held.py);
-    `request_ids`: the tapped requests, a prompt each."""
+    told of deliveries dropped (a data-parallel rank > 0 keeps their rows until then: dp_held.py)."""
 
     def __init__(self, loop, num_kinds: int, unclaimed_max_bytes: int = UNCLAIMED_MAX_BYTES, first_tokens: bool = True,
-                 discard=None, request_ids: list[str] = ()):
+                 discard=None):
         self.loop, self.num_kinds, self.unclaimed_max_bytes = loop, num_kinds, unclaimed_max_bytes
-        self.discard, self.request_ids = discard or (lambda rows: None), list(request_ids)
+        self.discard = discard or (lambda rows: None)
         self.first_tokens = first_tokens  # whether the choices' first tokens go (else a tail goes short)
         self.items: collections.deque = collections.deque()
         self.wake = asyncio.Event()

@@ -16,11 +16,10 @@ class Batches:
     """The prefill side of a room: its metadata batches (`meta/0`, `meta/1`, ...), each followed by
     its tensors over the room's data path (transfer.sender, made at the first tensor, kept for the room).
     `rank`: the data-parallel rank > 0 that publishes and sends them instead (dp_send.py), None: this
-    process; `request_ids`: the engine requests that compute the room's prompts, a prompt each."""
+    process."""
 
-    def __init__(self, link: Room, settings, device, agent, request_ids: list[str] = ()):
+    def __init__(self, link: Room, settings, device, agent):
         self.link, self.settings, self.device, self.agent = link, settings, device, agent
-        self.request_ids = list(request_ids)
         self.index, self.tags, self.path = 0, 0, None
         self.rank: int | None = None
         self.claimed = self.told_error = self.ended = self.sending = False

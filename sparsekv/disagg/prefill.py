@@ -151,7 +151,7 @@ class PrefillWorker(Worker):
 
     async def _claim_and_send(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
                               feed: LayerFeed | None, request_ids: list[str]) -> dict | None:
-        out = Batches(await self.blocking(self._link, room), self.settings, self.device, self.nixl, request_ids)
+        out = Batches(await self.blocking(self._link, room), self.settings, self.device, self.nixl)
         try:
             raw = await self._claim_or_failed_prefill(request, out.link, prefill)
             if raw is None:
@@ -159,6 +159,7 @@ class PrefillWorker(Worker):
                 return None
             out.claimed = True
             claim = self._check_claim(raw, room, job, prompts)
+            out.rank = self._sending_rank(request_ids)
             self.rooms[room] = "send"
             return await self._stream(request, room, job, prompts, prefill, ended, claim, out, feed)
         except TransferError as e:
@@ -202,7 +203,6 @@ class PrefillWorker(Worker):
         if feed is not None:
             base["weights"] = feed.weights
             feed.claim()
-        out.rank = self._sending_rank(out.request_ids)
         while True:
             finished = prefill.done()
             if await self.blocking(out.answered):  # the decode worker failed this room already
@@ -421,7 +421,7 @@ class PrefillWorker(Worker):
         feed = None
         if self.layer_by_layer and self.stream_poll_s is not None:
             feed = LayerFeed(asyncio.get_running_loop(), len(engine.kv.page_tensors()), first_tokens=first_tokens,
-                             discard=self._discard_deliveries, request_ids=request_ids)
+                             discard=self._discard_deliveries)
         if feed is None and not watch:
             return None
 
@@ -429,8 +429,9 @@ class PrefillWorker(Worker):
             if watch:
                 engine.open_rank_calls()  # a room's rank > 0 sends it: `_sending_rank`
                 engine.watch_ranks(request_ids)
-            for i, (request_id, prompt) in enumerate(zip(request_ids, prompts) if feed is not None else ()):
-                feed.tap_kinds = engine.tap_layers(request_id, len(prompt), 0, feed.deliver_for(i))
+            if feed is not None:
+                for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
+                    feed.tap_kinds = engine.tap_layers(request_id, len(prompt), 0, feed.deliver_for(i))
             return loaded_weights(engine)
         try:
             loaded = await self.state.loop.call(tap)
@@ -447,8 +448,9 @@ class PrefillWorker(Worker):
             return
 
         def untap():
-            for request_id in request_ids if feed is not None else ():
-                engine.untap_layers(request_id)
+            if feed is not None:
+                for request_id in request_ids:
+                    engine.untap_layers(request_id)
             if watched:
                 engine.unwatch_ranks(request_ids)
         try:

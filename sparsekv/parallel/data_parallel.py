@@ -26,7 +26,7 @@ from ..outputs import FirstToken, check_warm
 from ..request import InvalidRequest, Request, RequestOutput, SamplingParams
 from ..weights import (WEIGHT_UPDATE_POLICIES, ReceivedUpdate, TensorUpdate, UpdateOutcomes, WeightLoadError,
                        WeightUpdateConflict)
-from .dp_kv import DataParallelKV, kv_call
+from .dp_kv import DataParallelKV, kv_call, result_of
 from .dp_held import RankCalls, is_held, ranks_of, take_held
 from .dp_taps import DataParallelTaps, TapReceiver, open_group
 from .lanes import lane_integrity, load_lane, merge_stats, rank_figures, serve_lane, step_lane
@@ -283,10 +283,7 @@ class DataParallelEngine:
                     room: str) -> list:
         """`engine.kv.export_prefix` on rank `rank` > 0, the rows kept there for `room` (lanes.export_held)."""
         answers = self._together("export_held", rank, (token_ids, tenant, cache_salt, skip, room), run=lambda: None)
-        status, value = answers[rank]
-        if status == "error":
-            raise value
-        return value
+        return result_of(answers[rank])
 
     def _receive_taps(self, sent: list[int]) -> None:
         """Until rank 0 holds every row the step's ranks sent (so none comes after its page is named)."""

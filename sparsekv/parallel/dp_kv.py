@@ -152,19 +152,25 @@ class DataParallelKV:
         """`engine.kv.<method>(...)` on one rank; an exception there is raised here."""
         if rank == 0:
             return getattr(self.engine.local.kv, method)(*args, **kwargs)
-        return _result(self.engine.kv_call(rank, method, args, kwargs)[rank])
+        return result_of(self.engine.kv_call(rank, method, args, kwargs)[rank])
 
     def on_every_rank(self, method: str, *args, **kwargs) -> list:
-        return [_result(r) for r in self.engine.kv_call(None, method, args, kwargs)]
+        return [result_of(r) for r in self.engine.kv_call(None, method, args, kwargs)]
 
 
 def kv_call(engine, rank: int, wanted: int | None, method: str, args, kwargs):
     """A rank's side of `DataParallelKV`'s calls: ("ok", value) or ("error", exception), None when
     another rank is wanted."""
+    return answer_if_wanted(rank, wanted, lambda: getattr(engine.kv, method)(*args, **kwargs))
+
+
+def answer_if_wanted(rank: int, wanted: int | None, fn):
+    """A rank's answer to a call for one rank (`wanted`; None: every rank): ("ok", fn()) or ("error",
+    exception), None when another rank is wanted (`result_of` reads it on rank 0)."""
     if wanted is not None and wanted != rank:
         return None
     try:
-        return "ok", getattr(engine.kv, method)(*args, **kwargs)
+        return "ok", fn()
     except Exception as e:  # bad pages (ValueError) fail the call, never the rank
         return "error", e
 
@@ -174,7 +180,7 @@ def _chains_of(chains: list | None, prompts: list[int]) -> dict:
     return {} if chains is None else {"chains": [chains[i] for i in prompts]}
 
 
-def _result(answer):
+def result_of(answer):
     status, value = answer
     if status == "error":
         raise value

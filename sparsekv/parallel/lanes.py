@@ -13,7 +13,7 @@ from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..hub import resolve_config
 from ..request import RequestOutput
-from .dp_kv import kv_call
+from .dp_kv import answer_if_wanted, kv_call
 from ..weight_sync import WORKER_GROUPS
 from ..weights import ReceivedUpdate
 from .dp_held import RankSide, HeldRows, serve_calls
@@ -111,13 +111,6 @@ def serve_lane(config: EngineConfig, rank: int, addr: str) -> None:
         calls, replies = open_group(config.dist_timeout_s), open_group(config.dist_timeout_s)
         serve_calls(calls, replies, side)
 
-    def held(wanted: int, args) -> tuple | None:
-        if wanted != rank:
-            return None
-        try:
-            return "ok", export_held(engine, side, *args)
-        except Exception as e:  # bad input fails the call, never the rank
-            return "error", e
     commands = {"step": lambda message: step_lane(engine, rank, message, taps[0] if taps else None, side),
                 "open_taps": open_taps, "stats": lambda: {**engine.stats(), **side.figures()}, "probe": lambda: None,
                 "load_weights": lambda update, checkpoint: load_lane(engine, update, checkpoint),
@@ -125,7 +118,8 @@ def serve_lane(config: EngineConfig, rank: int, addr: str) -> None:
                 "expire_prefix_cache": engine.expire_prefix_cache, "reset_prefix_cache": engine.reset_prefix_cache,
                 "check_integrity": lambda: lane_integrity(engine, side),
                 "kv": lambda wanted, method, args, kwargs: kv_call(engine, rank, wanted, method, args, kwargs),
-                "export_held": held}
+                "export_held": lambda wanted, args: answer_if_wanted(rank, wanted,
+                                                                     lambda: export_held(engine, side, *args))}
     while True:
         command, args = next_command(config, control_group())
         if command == "close":
