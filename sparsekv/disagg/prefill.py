@@ -159,7 +159,7 @@ class PrefillWorker(Worker):
                 return None
             out.claimed = True
             claim = self._check_claim(raw, room, job, prompts)
-            out.rank = self._sending_rank(request_ids)
+            out.rank = await self._sending_rank(request_ids)
             self.rooms[room] = "send"
             return await self._stream(request, room, job, prompts, prefill, ended, claim, out, feed)
         except TransferError as e:
@@ -240,7 +240,7 @@ class PrefillWorker(Worker):
                        self.settings.secret)
         return self._sent(meta, time.monotonic() - ended[0], nbytes, sum(sent) - sum(claim["held"]), streamed, out, feed)
 
-    def _sending_rank(self, request_ids: list[str]) -> int | None:
+    async def _sending_rank(self, request_ids: list[str]) -> int | None:
         """The data-parallel rank > 0 that publishes and sends the room's tensors itself (dp_send.py: over
         NIXL through an agent of its own): the one rank its prompts run on, whose rows stay there. None
         (rank 0 sends, fetching any rows kept on another rank) for a room whose prompts run on rank 0 or
@@ -248,10 +248,16 @@ class PrefillWorker(Worker):
         engine = self.state.engine
         if not self.direct_send or engine.config.data_parallel_size == 1:
             return None
-        # NOTE: read here, not on the engine loop: a call there would add a turn of the loop (and its stats
-        # across the ranks) before the requests' adds, which then missed the step their prompts could share
-        # (lookups of two dicts the loop writes: atomic; `_tap` opened the calls and watches the requests)
-        return engine.rank_running(request_ids) or None
+        # NOTE: read here when every request has its rank (lookups of two dicts the loop writes: atomic;
+        # `_tap` opened the calls and watches the requests), without a turn of the engine loop; else on
+        # the loop, after the adds the prefill queued there (behind a step, they may not have run yet)
+        rank = engine.rank_running(request_ids)
+        if rank is None:
+            try:
+                rank = await self.state.loop.call(engine.rank_running, request_ids)
+            except Exception as e:  # the engine going away (ShuttingDown, EngineDead, a rank's failure)
+                raise TransferError(f"finding the data-parallel rank of the prompt failed: {first_line(e)}") from None
+        return rank or None
 
     async def _close_on_rank(self, out: "Batches") -> None:
         """The room ends on the rank that sent it: its group, store connection and rows left go."""
