@@ -187,6 +187,25 @@ def test_a_rank_answers_a_failing_kv_call_with_its_error_and_runs_only_the_calls
     assert rank1.kv.imported == [(["p0"], [(1,)])]
 
 
+def test_a_room_that_a_rank_sends_pairs_from_that_rank_s_gpu():
+    """NCCL refuses a pair of two ranks on one GPU, so the backend is decided by the GPU the tensors
+    leave from: a data-parallel rank > 0 sends from its own, asked once (`dp_send.gpu_of`)."""
+    import asyncio
+    from types import SimpleNamespace
+    from sparsekv.disagg.prefill import PrefillWorker
+    calls = []
+
+    async def on_rank(rank, fn):
+        calls.append((rank, fn))
+        return f"GPU-{rank}"
+    worker = SimpleNamespace(gpu="GPU-0", rank_gpus={}, _on_rank=on_rank)
+    gpu_of = lambda rank: asyncio.run(PrefillWorker._gpu_of(worker, rank))  # noqa: E731
+    assert [gpu_of(None), gpu_of(1), gpu_of(1), gpu_of(2)] == ["GPU-0", "GPU-1", "GPU-1", "GPU-2"]
+    assert calls == [(1, dp_send.gpu_of), (2, dp_send.gpu_of)]
+    side = SimpleNamespace(device=torch.device("cpu"))
+    assert dp_send.gpu_of(side) is None
+
+
 def test_a_tap_header_round_trips_and_holds_at_most_eight_kinds():
     from sparsekv.cache.layer_tap import LayerRows
     from sparsekv.parallel.dp_taps import HEADER_LEN, decode_header, encode_header
@@ -250,7 +269,9 @@ def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(transfer, d
     cross rank 0; over NIXL read from rank 1's own agent; chunk by chunk its named pages, exported
     there), rank 0's by rank 0; with the direct send off, both by rank 0, rank 1's rows fetched from
     it. Either way the same bytes go, the answers are one colocated engine's, and afterwards rank 1
-    keeps no rows and knows no room, and every pool's integrity holds."""
+    keeps no rows and knows no room, and every pool's integrity holds. Three rounds: the prompts new;
+    cached on the prefill side; then held by the decode worker alone, whose rows, computed again, are
+    dropped on rank 1 as they come rather than kept until the tap ends."""
     if transfer == "nixl" and not nixl_available():
         pytest.skip("NIXL is not installed")
     if send == "chunks":  # a room is sent by the rank its prompt runs on, known while the prompt runs
@@ -264,33 +285,101 @@ def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(transfer, d
           WorkerServer(path, "decode", transfer=transfer, **BASE) as decode):
         prefill.worker.direct_send = direct
         _prompt_per_rank(monkeypatch, prefill.engine, prompts)
-        engine, left = prefill.engine, []
+        engine, left, dropped = prefill.engine, [], []
         call_rank = engine.call_rank
 
         def calls_seen(rank, fn, *args, **options):  # each room's rows still kept when rank 1 closes it
             future = call_rank(rank, fn, *args, **options)
             if fn is dp_send.close_room:
                 future.add_done_callback(lambda f: left.append(f.result()))
+            if fn is drop_held:
+                dropped.append(len(args[0]))
             return future
         engine.call_rank = calls_seen
-        for cached in (False, True):  # again, each prompt's pages now cached on its prefill rank: sent whole from there
-            if cached:
+        pages = (len(prompts[0]) - 1) // PAGE
+        # again, each prompt's pages now cached on its prefill rank: sent whole from there; then the decode
+        # worker alone holds them: none sent
+        for held in ("none", "prefill", "decode"):
+            if held == "prefill":
                 decode.on_engine(decode.engine.reset_prefix_cache)
+            if held == "decode":
+                prefill.on_engine(prefill.engine.reset_prefix_cache)
+            dropped.clear()
             answers = _two_at_once(prefill.url, decode.url, prompts)
             assert all(rp.status_code == 200 and rd.status_code == 200 for rp, rd in answers), answers
             sent = [rp.json()["sparsekv"]["disaggregation"] for rp, _ in answers]
             assert [f["prefill_rank"] for f in sent] == ([0, 1] if direct else [0, 0])
             assert {f["backend"] for f in sent} == {"gloo" if transfer == "torch" else "nixl"}
             assert [f["bytes"] for f in sent] == [rd.json()["sparsekv"]["disaggregation"]["bytes"] for _, rd in answers]
-            pages, by_layer = (len(prompts[0]) - 1) // PAGE, send == "layers" and not cached
-            assert [(f["pages_sent"], f["pages_by_layer"]) for f in sent] == [(pages, pages if by_layer else 0)] * 2, cached
+            by_layer = pages if send == "layers" and held == "none" else 0
+            sending = 0 if held == "decode" else pages
+            assert [(f["pages_sent"], f["pages_skipped"], f["pages_by_layer"]) for f in sent] == \
+                [(sending, pages - sending, by_layer)] * 2, held
+            if held == "decode":  # rank 1's layer rows of the held pages, dropped as they came (none chunk by chunk)
+                assert (sum(dropped) > 0) == (send == "layers"), dropped
             for (_, rd), expected in zip(answers, want):
                 assert_as_colocated(expected, rd.json(), decode, logprob_tolerance(colocated))
             _rank_1_keeps_nothing(prefill)
             decode.check_clean()
         # every row rank 1 kept for its rooms left or was dropped before the room ended there (a drop runs in
         # the order rank 1 receives its calls)
-        assert left == ([0, 0] if direct else [])
+        assert left == ([0, 0, 0] if direct else [])
+        assert prefill.worker.rank_gpus == ({1: None} if direct else {})  # asked once, at rank 1's first room
+
+
+def test_a_room_of_two_prompts_runs_on_one_rank_which_sends_it(glm_ckpt, monkeypatch):
+    """In process, a `-dp 2` prefill worker: one request of two prompts is one room. Its first prompt
+    goes to rank 1, and its second follows there though the router alone would give it rank 0
+    (`watch_ranks`); rank 1 then sends the whole room itself, and the answers are one colocated
+    engine's."""
+    path = glm_ckpt[0]
+    prompts = [_prompt(256, 44, seed) for seed in (3, 4)]
+    colocated = LLM(path, **BASE)
+    want = colocated.generate(prompts, GREEDY)
+    with (WorkerServer(path, "prefill", data_parallel_size=2, dist_startup_timeout_s=STARTUP_S, **BASE) as prefill,
+          WorkerServer(path, "decode", **BASE) as decode):
+        chosen = []
+        monkeypatch.setattr(prefill.engine.router, "peek", lambda *args: chosen.append(args) or (1 if len(chosen) == 1 else 0))
+        rp, rd = send_pair(prefill.url, decode.url, {**BODY, "prompt": prompts})
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        sent, body = rp.json()["sparsekv"]["disaggregation"], rd.json()
+        assert len(chosen) == 1 and sent["prefill_rank"] == 1
+        assert sent["pages_sent"] == 2 * ((len(prompts[0]) - 1) // PAGE)
+        assert sent["bytes"] == body["sparsekv"]["disaggregation"]["bytes"]
+        assert [c["token_ids"] for c in body["sparsekv"]["choices"]] == [w.token_ids for w in want]
+        _rank_1_keeps_nothing(prefill)
+        decode.check_clean()
+
+
+def test_a_rank_on_another_node_sends_its_room_from_there(glm_ckpt, monkeypatch):
+    """--nnodes 2 on localhost: rank 1 of a `-dp 2` prefill worker lives in `sparsekv serve --node-rank 1`
+    (another process, with no role flags of its own). It sends its room itself, making its transfer
+    connections from this machine's name as a rank on another machine does (`dp_send._room`), and the
+    answer is one colocated engine's."""
+    from test_parallel import _node1
+    from test_server_util import free_port
+    path, port = glm_ckpt[0], free_port()
+    prompt = _prompt(256, 44, 4)
+    colocated = LLM(path, **BASE)
+    want = colocated.generate([prompt], GREEDY)[0]
+    node1 = _node1(path, port, layout=("-dp", "2"))
+    try:
+        with (WorkerServer(path, "prefill", data_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}",
+                           dist_startup_timeout_s=STARTUP_S, **BASE) as prefill,
+              WorkerServer(path, "decode", **BASE) as decode):
+            monkeypatch.setattr(prefill.engine.router, "peek", lambda *args: 1)
+            rp, rd = send_pair(prefill.url, decode.url, {**BODY, "prompt": prompt})
+            assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+            sent = rp.json()["sparsekv"]["disaggregation"]
+            assert sent["prefill_rank"] == 1 and sent["pages_sent"] == (len(prompt) - 1) // PAGE
+            assert_as_colocated(want, rd.json(), decode, logprob_tolerance(colocated))
+            _rank_1_keeps_nothing(prefill)
+            decode.check_clean()
+        assert node1.wait(timeout=60) == 0
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait()
 
 
 def _prompt_per_rank(monkeypatch, engine, prompts: list[list[int]]) -> None:
@@ -342,6 +431,47 @@ def test_a_corrupted_tensor_sent_by_rank_1_fails_its_room_and_nothing_stays_kept
         answers = _two_at_once(prefill.url, decode.url, prompts)
         assert [(rp.status_code, rd.status_code) for rp, rd in answers] == [(200, 200)] * 2
         _rank_1_keeps_nothing(prefill)
+
+
+def test_a_room_the_decode_worker_refuses_ends_rank_1_s_wait_for_it_at_once(glm_ckpt, monkeypatch):
+    """Rank 1 of a `-dp 2` prefill worker sends a room whose first batch of metadata the decode worker
+    refuses (it names a transfer backend the decode worker does not know): rank 0 reads the refusal
+    and has rank 1 give up its join of the pair group (`dp_send.abandon`), so rank 1's push ends then,
+    not at the timeout; both answers name the refusal, and neither side keeps anything."""
+    from sparsekv.disagg import decode as decode_module
+    timeout, real = 10.0, decode_module.verify
+
+    def refusing(secret, raw, what):
+        meta = real(secret, raw, what)
+        if what == "prefill worker's metadata" and "error" not in meta:
+            meta["backend"] = "tcp"
+        return meta
+    monkeypatch.setattr(decode_module, "verify", refusing)
+    prompt = _prompt(256, 44, 3)
+    with (WorkerServer(glm_ckpt[0], "prefill", timeout_s=timeout, data_parallel_size=2,
+                       dist_startup_timeout_s=STARTUP_S, **BASE) as prefill,
+          WorkerServer(glm_ckpt[0], "decode", timeout_s=timeout, **BASE) as decode):
+        monkeypatch.setattr(prefill.engine.router, "peek", lambda *args: 1)
+        pushes, call_rank = [], prefill.engine.call_rank
+
+        def calls_seen(rank, fn, *args, **options):
+            future = call_rank(rank, fn, *args, **options)
+            if fn is dp_send.push:
+                pushes.append(future)
+            return future
+        prefill.engine.call_rank = calls_seen
+        rp, rd = send_pair(prefill.url, decode.url, {**BODY, "prompt": prompt}, timeout=3 * timeout)
+        refused = time.monotonic()
+        for r, side in ((rp, "prefill worker"), (rd, "decode worker")):
+            assert r.status_code == 503, r.text
+            message = r.json()["error"]["message"]
+            assert side in message and "unknown transfer backend 'tcp'" in message, message
+        assert len(pushes) == 1
+        assert "stopped waiting for the peer's transfer connection" in str(pushes[0].exception(timeout=timeout / 2))
+        assert time.monotonic() - refused < timeout / 2  # not at the timeout
+        _rank_1_keeps_nothing(prefill)
+        assert decode.engine.kv.held_prefix(prompt) == 0
+        decode.check_clean()
 
 
 def test_the_decode_worker_killed_while_rank_1_sends(glm_ckpt, tmp_path, monkeypatch):
@@ -445,6 +575,33 @@ def test_a_claimed_prompt_is_counted_and_remembered_on_its_claimed_rank(glm_ckpt
         assert engine.abort("b") and router.in_flight == [0, 0]
         while engine.has_unfinished_requests():
             engine.step()
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_the_requests_of_a_watched_room_run_on_the_rank_of_its_first(glm_ckpt):
+    """In process, two ranks: a prefill worker's room (two choices, or two prompts) runs on one rank,
+    which then sends all of it. Its second request goes to the rank its first went to, although the
+    router alone would balance it to the other (prompts of no shared page, equal load); unwatched
+    requests are balanced as before, and the room's rank stays known after its requests end."""
+    x, a1, a2, y = (_prompt(256, 41, seed) for seed in (3, 4, 5, 6))
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S)
+    engine = llm.engine
+    try:
+        engine.add_request("x", x, GREEDY)
+        engine.watch_ranks(["a1", "a2"])
+        engine.add_request("a1", a1, GREEDY)
+        assert engine.router.peek(a2) == 0  # where a2 would go alone: load [1, 1], no page matched
+        engine.add_request("a2", a2, GREEDY)
+        engine.add_request("y", y, GREEDY)
+        assert [engine.rank_of[r] for r in ("x", "a1", "a2", "y")] == [0, 1, 1, 0]
+        assert engine.router.in_flight == [2, 2] and engine.rank_running(["a1", "a2"]) == 1
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.rank_running(["a1", "a2"]) == 1  # finished, still watched
+        engine.unwatch_ranks(["a1", "a2"])
+        assert engine.rank_running(["a1"]) is None and engine._room_of == {} and engine._watched == {}
         engine.check_integrity()
     finally:
         llm.close()

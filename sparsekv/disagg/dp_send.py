@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from ..parallel.dp_held import RankSide
 from .nixl import NixlAgent
 from .outbox import as_published
-from .transfer import Room, connect, meta_key, sender
+from .transfer import Room, connect, gpu_identity, meta_key, sender
 from .wire import sign
 
 
@@ -52,6 +52,11 @@ def push(side: RankSide, room: str, first_tag: int) -> int:
     tensors, state.tensors = state.tensors, []
     state.path.push(tensors, first_tag)
     return sum(t.numel() for t in tensors)
+
+
+def gpu_of(side: RankSide) -> str | None:
+    """The GPU this rank runs on (`transfer.gpu_identity`), which its pair groups send from."""
+    return gpu_identity(side.device)
 
 
 def abandon(side: RankSide, room: str) -> None:

@@ -49,6 +49,7 @@ class PrefillWorker(Worker):
         self.stream_poll_s: float | None = STREAM_POLL_S  # None: one look, after the prefill (bench transfer)
         self.layer_by_layer = settings.send == "layers"  # else a page's rows go once every layer computed them
         self.direct_send = True  # a data-parallel rank > 0 sends its rooms' tensors itself (else through rank 0)
+        self.rank_gpus: dict[int, str | None] = {}  # each data-parallel rank's GPU, asked at its first room (`_gpu_of`)
         try:
             self.store = host_bootstrap(settings.bootstrap_host, settings.bootstrap_port, settings.timeout_s)
         except Exception as e:  # the port is taken, or the host is not this machine's
@@ -196,8 +197,8 @@ class PrefillWorker(Worker):
         layer i + 1 computes), and a look sends the rest of those pages' rows with their names. The
         last batch, after the prefill's end, carries the rest and the prefill's timings."""
         sent, streamed, nbytes = list(claim["held"]), 0, 0
-        base = {"room": room, "nonce": claim["nonce"], "backend": pair_backend(self.settings.transfer, self.device.type,
-                                                                               claim, self.gpu)}
+        backend = pair_backend(self.settings.transfer, self.device.type, claim, await self._gpu_of(out.rank))
+        base = {"room": room, "nonce": claim["nonce"], "backend": backend}
         if self.stream_poll_s is None:  # one look, after the prefill
             await asyncio.wait([prefill])
         if feed is not None:
@@ -244,7 +245,8 @@ class PrefillWorker(Worker):
         """The data-parallel rank > 0 that publishes and sends the room's tensors itself (dp_send.py: over
         NIXL through an agent of its own): the one rank its prompts run on, whose rows stay there. None
         (rank 0 sends, fetching any rows kept on another rank) for a room whose prompts run on rank 0 or
-        on several ranks, or with `direct_send` off."""
+        on several ranks (`watch_ranks` keeps a room on one; only a logits processor overrides that), or
+        with `direct_send` off."""
         engine = self.state.engine
         if not self.direct_send or engine.config.data_parallel_size == 1:
             return None
@@ -258,6 +260,16 @@ class PrefillWorker(Worker):
             except Exception as e:  # the engine going away (ShuttingDown, EngineDead, a rank's failure)
                 raise TransferError(f"finding the data-parallel rank of the prompt failed: {first_line(e)}") from None
         return rank or None
+
+    async def _gpu_of(self, rank: int | None) -> str | None:
+        """The GPU the room's tensors leave from: this process's, or that of data-parallel rank `rank`,
+        which sends them from its own (asked once per rank). A decode worker on that same GPU cannot
+        pair with it over NCCL (`pair_backend`)."""
+        if rank is None:
+            return self.gpu
+        if rank not in self.rank_gpus:
+            self.rank_gpus[rank] = await self._on_rank(rank, dp_send.gpu_of)
+        return self.rank_gpus[rank]
 
     async def _close_on_rank(self, out: "Batches") -> None:
         """The room ends on the rank that sent it: its group, store connection and rows left go."""

@@ -59,6 +59,7 @@ class DataParallelEngine:
         self.calls: RankCalls | None = None  # rank 0's calls to the other ranks about their held rows (dp_held.py)
         self.rank_of: dict[str, int] = {}  # requests in flight -> their rank
         self._watched: dict[str, int | None] = {}  # requests whose rank a prefill worker's room reads (watch_ranks)
+        self._room_of: dict[str, tuple[str, ...]] = {}  # a watched request -> its room's requests, run on one rank
         self._remote: dict[str, Request] = {}  # rank 0's view of the requests in flight on other ranks
         self._adds: list[list] = [[] for _ in range(self.num_ranks)]
         self._aborts: list[list[str]] = [[] for _ in range(self.num_ranks)]
@@ -130,6 +131,8 @@ class DataParallelEngine:
         rank = self.kv.take_claim(token_ids, tenant, cache_salt)  # a disaggregated request: where its pages landed
         if params.logits_processors:  # claimed by another rank too: it recomputes the pages that landed there
             rank = 0  # Python callables run in the process they were given to: no other rank could load them
+        if rank is None:
+            rank = self._rank_of_room(request_id)
         if rank is None:
             rank = self.router.choose(token_ids, tenant, cache_salt)
         else:
@@ -244,14 +247,28 @@ class DataParallelEngine:
         return DataParallelTaps(self.local, receiver, self.num_ranks)
 
     def watch_ranks(self, request_ids: list[str]) -> None:
-        """Remember which rank each of these requests runs on, also once it has finished, until
-        `unwatch_ranks` (a prefill worker's room, which is sent by that rank: `rank_running`)."""
+        """These requests are one prefill worker's room, which the rank they run on sends
+        (`rank_running`): each added after the first goes to the first's rank (so no room needs rows
+        from two ranks), and which rank that is stays known, also once they have finished, until
+        `unwatch_ranks`."""
+        room = tuple(request_ids)
         for request_id in request_ids:
             self._watched[request_id] = self.rank_of.get(request_id)
+            self._room_of[request_id] = room
 
     def unwatch_ranks(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._watched.pop(request_id, None)
+            self._room_of.pop(request_id, None)
+
+    def _rank_of_room(self, request_id: str) -> int | None:
+        """The rank an earlier request of this request's watched room was added to (None: it is the first,
+        or not watched)."""
+        for other in self._room_of.get(request_id, ()):
+            rank = self._watched.get(other)
+            if rank is not None:
+                return rank
+        return None
 
     def rank_running(self, request_ids: list[str]) -> int | None:
         """The one rank all of these requests run on (or ran on, while watched), None when they are on

@@ -6,8 +6,8 @@ its layer taps hand out and the pages it exports (`HeldRows`), and rank 0, which
 protocol with the decode worker, names them by `Held` (where they are, and the slices taken) and
 `Stacked` (pages stacked along a new first axis). Rank 0 then either has rank r send them to the
 decode worker itself (`RankCalls.call` of the disaggregation's own functions: the room's tensors
-never cross rank 0), or fetches them (a room whose prompts run on several ranks, or that moves over
-NIXL). A call is a function and its arguments, pickled (the function by reference, as torch.distributed's
+never cross rank 0), or fetches them (a room whose prompts run on several ranks, or with the direct
+send off). A call is a function and its arguments, pickled (the function by reference, as torch.distributed's
 object calls pickle), run on rank r on a thread of its own with rank r's `RankSide` first::
 
     rank 0: call(r, fn, *args) -> calls group: [id] pickle(fn, args) -----> rank r: thread: fn(side, *args)
