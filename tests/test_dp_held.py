@@ -289,3 +289,49 @@ def test_a_rank_publishes_a_batch_of_its_rows_signed_with_their_specs_from_the_r
     assert offered == [2] and body["offered"] == 2  # the data path's names, signed with the rest
     sent = side.rooms["r"].tensors
     assert torch.equal(sent[0], as_bytes(a)) and not torch.equal(sent[1], as_bytes(b[1:][None].contiguous()))
+
+
+def test_a_call_that_outlives_its_room_opens_nothing_and_publishes_nothing(monkeypatch):
+    """Rank 0 ends a room (it stopped waiting for rank r's call) before or while rank r publishes its
+    batch: the publish fails, and neither a metadata key (which the decode worker, gone, would never
+    delete) nor the room's state (a store connection, a data path) is left on the rank; rows it would
+    have kept for the room are refused too. A rank remembers the last ENDED_ROOMS ended rooms."""
+    from types import SimpleNamespace
+    from sparsekv.disagg import dp_send
+    from sparsekv.disagg.worker import DisaggSettings
+    from sparsekv.parallel import dp_held
+    settings, put, closed = DisaggSettings("prefill", "127.0.0.1", 0, b"s" * 32), {}, []
+    side = RankSide(HeldRows(rank=1), torch.device("cpu"))
+    path = SimpleNamespace(offer=lambda tensors: {}, close=lambda: closed.append(1))
+    monkeypatch.setattr(dp_send, "sender", lambda *args: path)
+    ending = []  # rank 0 ends the room while rank 1 connects to the store (a slow connect)
+    monkeypatch.setattr(dp_send, "connect", lambda *args: ending and dp_send.close_room(side, ending.pop()) or object())
+    monkeypatch.setattr(dp_send, "Room", lambda store, room: SimpleNamespace(put=put.__setitem__))
+
+    def publish(room):
+        rows = side.held.keep(("tap", room), [_rows(21)])
+        return dp_send.publish(side, settings, 0, room, {"backend": "gloo", "last": False}, rows, 0, 0)
+    assert publish("open") == 60 * 4 and list(put) == ["meta/0"] and list(side.rooms) == ["open"]
+    put.clear()
+    dp_send.close_room(side, "before")
+    with pytest.raises(RuntimeError, match="room before has ended on data-parallel rank 1"):
+        publish("before")
+    ending.append("while")
+    with pytest.raises(RuntimeError, match="room while has ended"):
+        publish("while")
+    assert put == {} and list(side.rooms) == ["open"] and closed == [1]  # the path made meanwhile closed
+    real = dp_send.as_published  # rank 0 ends a room whose state exists while rank 1 cuts its rows
+
+    def ended_meanwhile(*args):
+        dp_send.close_room(side, "during")
+        return real(*args)
+    dp_send._room(side, settings, 0, "during", "gloo")
+    monkeypatch.setattr(dp_send, "as_published", ended_meanwhile)
+    with pytest.raises(RuntimeError, match="room during has ended"):
+        publish("during")
+    assert put == {} and list(side.rooms) == ["open"] and closed == [1, 1]
+    with pytest.raises(RuntimeError, match="has ended"):
+        side.open_room("before")
+    monkeypatch.setattr(dp_held, "ENDED_ROOMS", 2)
+    dp_send.close_room(side, "open")
+    assert list(side.ended) == ["during", "open"] and side.rooms == {}

@@ -42,7 +42,8 @@ def publish(side: RankSide, settings, bootstrap_port: int, room: str, meta: dict
     state.tensors = as_published(settings.secret, meta, side.held.take(recipes), first_tag)
     if state.tensors:
         meta.update(state.path.offer(state.tensors))
-    state.link.put(meta_key(index), sign(settings.secret, meta))
+    # NOTE: not once rank 0 ended the room (it gave up waiting for this call): its key would outlive it
+    side.while_open(room, state.link.put, meta_key(index), sign(settings.secret, meta))
     return sum(t.numel() for t in state.tensors)
 
 
@@ -69,7 +70,7 @@ def abandon(side: RankSide, room: str) -> None:
 def close_room(side: RankSide, room: str) -> int:
     """Rank 0 ended the room: its group and store connection go, and every row still kept for it.
     Returns how many entries of rows were still kept."""
-    state = side.rooms.pop(room, None)
+    state = side.end_room(room)
     if state is not None:
         state.path.close()
     return side.held.release(("room", room))
@@ -79,12 +80,18 @@ def _room(side: RankSide, settings, bootstrap_port: int, room: str, backend: str
     """The room's state on this rank, made at its first batch: a connection to the prefill worker's
     store, and the data path, whose transfer connections this rank makes from its own address (the
     bootstrap host on node 0, this machine's name on another node), or the rank's NIXL agent (made at
-    its first NIXL room, kept for the rank's life as a worker's is)."""
-    state = side.rooms.get(room)
+    its first NIXL room, kept for the rank's life as a worker's is). RuntimeError if rank 0 ended the
+    room before or while it was made."""
+    state = side.while_open(room, side.rooms.get, room)
     if state is None:
         link = Room(connect(settings.bootstrap_host, bootstrap_port, settings.timeout_s), room)
         own = settings if side.node_rank == 0 else replace(settings, bootstrap_host=socket.gethostname())
         if backend == "nixl" and side.agent is None:
             side.agent = NixlAgent(f"prefill-rank{side.held.rank}")
-        state = side.rooms[room] = RankRoom(link, sender(backend, link, own, side.device, side.agent), [])
+        state = RankRoom(link, sender(backend, link, own, side.device, side.agent), [])
+        try:
+            side.open_room(room, state)
+        except RuntimeError:
+            state.path.close()
+            raise
     return state

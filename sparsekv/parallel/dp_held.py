@@ -30,6 +30,7 @@ import itertools
 import math
 import pickle
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -37,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ..error_text import first_line
+
+ENDED_ROOMS = 4096  # rooms a rank remembers rank 0 ended, so that a call of theirs arriving late reopens none
 
 @dataclass(frozen=True)
 class Held:
@@ -181,9 +184,38 @@ class RankSide:
     rooms: dict = field(default_factory=dict)
     agent: object = None
     live_taps: set = field(default_factory=set)  # owners ("tap", id) of the taps set on this rank
+    ended: OrderedDict = field(default_factory=OrderedDict)  # the last ENDED_ROOMS rooms rank 0 ended
+    lock: threading.Lock = field(default_factory=threading.Lock)  # rooms and ended, read and changed together
 
     def live_owners(self) -> set:
         return set(self.live_taps) | {("room", room) for room in self.rooms}
+
+    def open_room(self, room: str, state=None) -> None:
+        """Know `room` (with its `state`, once made) until rank 0 ends it; RuntimeError if it has ended: a
+        call that outlived its room (rank 0 stopped waiting for it) opens nothing again."""
+        with self.lock:
+            self._check_open(room)
+            if state is not None or room not in self.rooms:
+                self.rooms[room] = state
+
+    def while_open(self, room: str, fn, *args):
+        """`fn(*args)` unless `room` has ended (RuntimeError), the room not ending meanwhile."""
+        with self.lock:
+            self._check_open(room)
+            return fn(*args)
+
+    def end_room(self, room: str):
+        """Rank 0 ended `room`: its state (None if none was made) leaves, and the room stays ended."""
+        with self.lock:
+            state = self.rooms.pop(room, None)
+            self.ended[room] = None
+            while len(self.ended) > ENDED_ROOMS:
+                self.ended.popitem(last=False)
+        return state
+
+    def _check_open(self, room: str) -> None:
+        if room in self.ended:
+            raise RuntimeError(f"room {room} has ended on data-parallel rank {self.held.rank}")
 
     def figures(self) -> dict:
         """The rank's `by_data_parallel_rank` figures of what it keeps for a prefill worker."""

@@ -91,8 +91,8 @@ def export_held(engine: LLMEngine, side: RankSide, token_ids: list[int], tenant:
                 skip: int, room: str) -> list:
     """`engine.kv.export_prefix` on a rank > 0 for a room it sends itself: the pages' rows stay here,
     kept for the room (released when rank 0 ends it), and rank 0 gets their names and where they are."""
+    side.open_room(room)  # NOTE: a room this rank knows from now until rank 0 ends it
     pages = engine.kv.export_prefix(token_ids, tenant, cache_salt, skip=skip)
-    side.rooms.setdefault(room, None)  # NOTE: a room this rank knows from now until rank 0 ends it
     return [(name, side.held.keep(("room", room), rows)) for name, rows in pages]
 
 
