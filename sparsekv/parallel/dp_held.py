@@ -41,6 +41,7 @@ from ..error_text import first_line
 
 ENDED_ROOMS = 4096  # rooms a rank remembers rank 0 ended, so that a call of theirs arriving late reopens none
 
+
 @dataclass(frozen=True)
 class Held:
     """Part `part` of entry `handle` that rank `rank` keeps, sliced by `index` (basic slices, in order)."""
@@ -188,7 +189,9 @@ class RankSide:
     lock: threading.Lock = field(default_factory=threading.Lock)  # rooms and ended, read and changed together
 
     def live_owners(self) -> set:
-        return set(self.live_taps) | {("room", room) for room in self.rooms}
+        with self.lock:  # NOTE: rank 0's calls open and end rooms on threads of their own
+            rooms = list(self.rooms)
+        return set(self.live_taps) | {("room", room) for room in rooms}
 
     def open_room(self, room: str, state=None) -> None:
         """Know `room` (with its `state`, once made) until rank 0 ends it; RuntimeError if it has ended: a
