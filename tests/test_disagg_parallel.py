@@ -509,6 +509,40 @@ def test_the_decode_worker_killed_while_rank_1_sends(glm_ckpt, tmp_path, monkeyp
             os.kill(proc.pid, signal.SIGKILL)
 
 
+def test_rank_1_killed_while_it_sends_fails_its_room_on_both_sides(glm_ckpt, monkeypatch):
+    """Rank 1 of a `-dp 2` prefill worker dies while it sends its room (each tensor waits first, so the
+    send is under way): rank 0 sees it at once (its receive of rank 1's answers fails, where a receive
+    from any rank waited for the call's timeout), and answers 503 naming it; the decode worker answers
+    503 too, well within the timeout, keeps no page of the prompt and no room, and its pools' integrity
+    holds."""
+    import multiprocessing
+    timeout = 8.0
+    monkeypatch.setenv(DELAY_ENV, "0.5")  # read by rank 1's process, spawned with this environment
+    prompt = _prompt(256, 44, 3)
+    with (WorkerServer(glm_ckpt[0], "prefill", timeout_s=timeout, data_parallel_size=2,
+                       dist_startup_timeout_s=STARTUP_S, **BASE) as prefill,
+          WorkerServer(glm_ckpt[0], "decode", timeout_s=timeout, **BASE) as decode,
+          ThreadPoolExecutor(1) as pool):
+        monkeypatch.setattr(prefill.engine.router, "peek", lambda *args: 1)
+        rank1 = [p for p in multiprocessing.active_children() if p.name.startswith("sparsekv-rank")]
+        assert len(rank1) == 1
+        sent = pool.submit(send_pair, prefill.url, decode.url, {**BODY, "prompt": prompt}, timeout=3 * timeout)
+        sending = lambda: prefill.on_engine(prefill.engine.stats)["by_data_parallel_rank"][1]["held_rooms"]  # noqa: E731
+        assert wait_until(lambda: list(prefill.worker.rooms.values()) == ["send"] and sending() == 1, 30)
+        time.sleep(0.7)  # inside the tensors' sends
+        os.kill(rank1[0].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        rp, rd = sent.result()
+        assert time.monotonic() - killed < timeout / 2  # not at the timeout
+        for r, side in ((rp, "prefill worker"), (rd, "decode worker")):
+            assert r.status_code == 503, r.text
+            message = r.json()["error"]["message"]
+            assert side in message and "data-parallel rank 1: rank 1 stopped answering" in message, message
+        assert wait_until(lambda: decode.worker.rooms == {}, timeout)
+        assert decode.engine.kv.held_prefix(prompt) == 0 and decode.engine.stats()["prefix_host_pages"] == 0
+        decode.check_clean()
+
+
 def test_a_data_parallel_drafting_prefill_worker_sends_short_tails_for_sampled_choices(tmp_path):
     """Drafting on both sides, a `-dp 2` prefill worker: two seeded, sampled requests at once (the
     worker spreads them over its ranks; rank 1's rows reach the decode worker through rank 0). Each

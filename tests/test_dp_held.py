@@ -202,19 +202,32 @@ def test_rows_rank_0_drops_go_on_the_rank_that_keeps_them_by_handle():
     assert len(calls) == 2
 
 
-def _scripted(monkeypatch):
-    """dp_held's messages without torch.distributed: what `recv_message` reads (an exception: the peer is
-    gone), and what `send_message` sent."""
-    import queue
-    from sparsekv.parallel import dp_held
-    incoming, sent = queue.Queue(), queue.Queue()
+class _Inbox:
+    """What `recv_message` reads from each rank: a message (call id, flag, payload, its source rank), or
+    an exception (that rank is gone)."""
 
-    def recv(group, src=None):
-        message = incoming.get(timeout=10)
+    def __init__(self):
+        import queue
+        from collections import defaultdict
+        self.queues = defaultdict(queue.Queue)
+
+    def put(self, message, src: int | None = None) -> None:
+        self.queues[message[3] if src is None else src].put(message)
+
+    def get(self, src: int):
+        message = self.queues[src].get(timeout=10)
         if isinstance(message, Exception):
             raise message
         return message
-    monkeypatch.setattr(dp_held, "recv_message", recv)
+
+
+def _scripted(monkeypatch):
+    """dp_held's messages without torch.distributed: what `recv_message` reads (`_Inbox`), and what
+    `send_message` sent."""
+    import queue
+    from sparsekv.parallel import dp_held
+    incoming, sent = _Inbox(), queue.Queue()
+    monkeypatch.setattr(dp_held, "recv_message", lambda group, src: incoming.get(src)[:3])
     monkeypatch.setattr(dp_held, "send_message", lambda call_id, ok, payload, dst, group: sent.put((call_id, ok, payload, dst)))
     return incoming, sent
 
@@ -236,10 +249,11 @@ def test_an_answer_rank_0_cannot_read_fails_its_call_alone_and_a_rank_gone_fails
     with pytest.raises(RuntimeError, match="KeyError: gone"):
         first.result(5)
     assert third.result(5) == [1, 2]  # read after the unreadable one
-    fourth = calls.call(1, dp_held.drop_held, [])
-    incoming.put(ConnectionError("rank 1 died"))
-    with pytest.raises(RuntimeError, match="stopped answering: rank 1 died"):
-        fourth.result(5)
+    fourth, fifth = calls.call(1, dp_held.drop_held, []), calls.call(2, dp_held.drop_held, [])
+    incoming.put(ConnectionError("rank 1 died"), src=1)  # seen by rank 1's own receive, while rank 2's waits
+    for call in (fourth, fifth):  # every call in flight fails with it: the engine fails with any rank
+        with pytest.raises(RuntimeError, match="rank 1 stopped answering: rank 1 died"):
+            call.result(5)
     with pytest.raises(RuntimeError, match="rank calls failed"):
         calls.call(1, dp_held.drop_held, [])
 
@@ -262,7 +276,7 @@ def test_a_rank_answers_a_call_it_cannot_read_or_run_with_why_and_goes_on(monkey
     assert answers[7][0] is False and answers[7][1].startswith("UnpicklingError") and answers[7][2] == 0
     assert answers[8][0] is False and "KeyError" in answers[8][1] and "[42]" in answers[8][1]
     assert answers[9][0] is True and torch.equal(answers[9][1][0], _rows(18)) and len(side.held) == 0
-    incoming.put(ConnectionError("rank 0 is gone"))
+    incoming.put(ConnectionError("rank 0 is gone"), src=0)
     thread.join(5)
     assert not thread.is_alive()
 

@@ -14,11 +14,11 @@ object calls pickle), run on rank r on a thread of its own with rank r's `RankSi
     rank 0: future of id      <- replies group: [id, ok] pickle(value or why) <-/
 
 Each direction has a gloo group of its own (made with the taps' group, dp_taps.open_group): rank 0's
-receiving thread waits on the replies group while its calls go out on the other. A message is a
-header (the payload's length, the call's id, whether it succeeded), then the payload, two sends from
-one sender at a time (`send_message`); rank 0 receives a header from any rank and the payload from
-that one, which torch.distributed's `recv_object_list` does not (it needs the source). The id stays
-outside the pickle, so a call or an answer that cannot be unpickled fails that call only.
+receiving threads, one per rank, wait on the replies group while its calls go out on the other. A
+message is a header (the payload's length, the call's id, whether it succeeded), then the payload,
+two sends from one sender at a time (`send_message`). The id stays outside the pickle (which
+torch.distributed's `recv_object_list` would unpickle itself), so a call or an answer that cannot be
+unpickled fails that call only.
 
 Rows are kept under a handle and an owner: a layer tap's deliveries under its tap (released when the
 tap is removed), exported pages under the room that asked (released when rank 0 ends the room);
@@ -233,15 +233,14 @@ def send_message(call_id: int, flag: bool, payload: bytes, dst: int, group) -> N
     dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=dst, group=group)
 
 
-def recv_message(group, src: int | None = None) -> tuple[int, bool, bytes, int]:
-    """The next message sent here (from `src`; None: any rank, then its payload from that rank):
-    (call id, flag, payload, source rank)."""
+def recv_message(group, src: int) -> tuple[int, bool, bytes]:
+    """The next message rank `src` sent here: (call id, flag, payload)."""
     header = torch.empty(3, dtype=torch.int64)
-    src = dist.recv(header, src=src, group=group)
+    dist.recv(header, src=src, group=group)
     size, call_id, ok = header.tolist()
     data = torch.empty(size, dtype=torch.uint8)
     dist.recv(data, src=src, group=group)
-    return call_id, bool(ok), data.numpy().tobytes(), src
+    return call_id, bool(ok), data.numpy().tobytes()
 
 
 def take_held(side: RankSide, recipes: list) -> list[torch.Tensor]:
@@ -277,7 +276,7 @@ def serve_calls(calls_group, replies_group, side: RankSide) -> threading.Thread:
     def serve() -> None:
         while True:
             try:
-                call_id, in_order, payload, _ = recv_message(calls_group, src=0)
+                call_id, in_order, payload = recv_message(calls_group, src=0)
             except Exception:  # rank 0 is gone
                 return
             if in_order:
@@ -291,7 +290,10 @@ def serve_calls(calls_group, replies_group, side: RankSide) -> threading.Thread:
 
 class RankCalls:
     """Rank 0's side: `call(rank, fn, *args)` runs `fn(side, *args)` on that rank; a concurrent future of
-    its value, or of a RuntimeError saying why it failed there."""
+    its value, or of a RuntimeError saying why it failed there. A thread per rank receives its answers:
+    a receive from any rank does not see one rank's connection close, so a rank that died left its
+    calls waiting for their callers' timeouts; from that rank alone, the receive fails at once, and
+    with it every call in flight (the engine fails with any of its ranks)."""
 
     def __init__(self, calls_group, replies_group, num_ranks: int):
         self.calls_group, self.replies_group, self.num_ranks = calls_group, replies_group, num_ranks
@@ -299,7 +301,9 @@ class RankCalls:
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self.error: Exception | None = None
-        threading.Thread(target=self._receive, name="sparsekv-rank-replies", daemon=True).start()
+        for rank in range(1, num_ranks):
+            threading.Thread(target=self._receive, args=(rank,), name=f"sparsekv-rank-replies-{rank}",
+                             daemon=True).start()
 
     def call(self, rank: int, fn, *args, in_order: bool = False) -> Future:
         """`in_order`: a call that never waits (dropping rows), run on rank r's receiving thread, so that
@@ -323,16 +327,16 @@ class RankCalls:
                 raise RuntimeError(f"calling data-parallel rank {rank} failed: {first_line(e)}") from None
         return future
 
-    def _receive(self) -> None:
+    def _receive(self, rank: int) -> None:
         while True:
             try:
-                call_id, ok, payload, src = recv_message(self.replies_group)
-            except Exception as e:  # a rank died, or the engine closed
+                call_id, ok, payload = recv_message(self.replies_group, src=rank)
+            except Exception as e:  # the rank died, or the engine closed
                 with self._lock:
-                    self.error = e
+                    self.error = self.error or e
                     pending, self._pending = self._pending, {}
                 for future in pending.values():
-                    future.set_exception(RuntimeError(f"a data-parallel rank stopped answering: {first_line(e)}"))
+                    future.set_exception(RuntimeError(f"rank {rank} stopped answering: {first_line(e)}"))
                 return
             with self._lock:
                 future = self._pending.pop(call_id, None)
@@ -341,6 +345,6 @@ class RankCalls:
             try:
                 value = pickle.loads(payload)
             except Exception as e:  # NOTE: only this call fails: the next message is read as before
-                future.set_exception(RuntimeError(f"the answer of data-parallel rank {src} cannot be read: {e}"))
+                future.set_exception(RuntimeError(f"the answer of data-parallel rank {rank} cannot be read: {e}"))
                 continue
             future.set_result(value) if ok else future.set_exception(RuntimeError(value))
