@@ -187,7 +187,7 @@ def test_a_rank_answers_a_failing_kv_call_with_its_error_and_runs_only_the_calls
     assert rank1.kv.imported == [(["p0"], [(1,)])]
 
 
-def test_a_room_that_a_rank_sends_pairs_from_that_rank_s_gpu():
+def test_a_room_that_a_rank_sends_pairs_from_that_rank_s_gpu(monkeypatch):
     """NCCL refuses a pair of two ranks on one GPU, so the backend is decided by the GPU the tensors
     leave from: a data-parallel rank > 0 sends from its own, asked once (`dp_send.gpu_of`)."""
     import asyncio
@@ -204,6 +204,8 @@ def test_a_room_that_a_rank_sends_pairs_from_that_rank_s_gpu():
     assert calls == [(1, dp_send.gpu_of), (2, dp_send.gpu_of)]
     side = SimpleNamespace(device=torch.device("cpu"))
     assert dp_send.gpu_of(side) is None
+    monkeypatch.setattr(dp_send, "gpu_identity", lambda device: f"uuid of {device}")
+    assert dp_send.gpu_of(SimpleNamespace(device=torch.device("cuda", 1))) == "uuid of cuda:1"  # the rank's own
 
 
 def test_a_tap_header_round_trips_and_holds_at_most_eight_kinds():

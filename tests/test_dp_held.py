@@ -5,6 +5,7 @@ owner that ended. The calls between the ranks run in tests/test_disagg_parallel.
 from __future__ import annotations
 
 import pickle
+import threading
 
 import pytest
 import torch
@@ -235,7 +236,9 @@ def _scripted(monkeypatch):
 def test_an_answer_rank_0_cannot_read_fails_its_call_alone_and_a_rank_gone_fails_the_rest(monkeypatch):
     from sparsekv.parallel import dp_held
     incoming, sent = _scripted(monkeypatch)
+    before = set(threading.enumerate())
     calls = dp_held.RankCalls(None, None, 3)
+    receivers = {t.name: t for t in set(threading.enumerate()) - before}  # one per rank
     first, second, third = (calls.call(rank, dp_held.drop_held, []) for rank in (1, 2, 1))
     ids = [sent.get(timeout=5) for _ in range(3)]
     assert [dst for *_, dst in ids] == [1, 2, 1] and len({i for i, *_ in ids}) == 3
@@ -254,8 +257,10 @@ def test_an_answer_rank_0_cannot_read_fails_its_call_alone_and_a_rank_gone_fails
     for call in (fourth, fifth):  # every call in flight fails with it: the engine fails with any rank
         with pytest.raises(RuntimeError, match="rank 1 stopped answering: rank 1 died"):
             call.result(5)
-    with pytest.raises(RuntimeError, match="rank calls failed"):
-        calls.call(1, dp_held.drop_held, [])
+    incoming.put(ConnectionError("rank 2 closed"), src=2)  # rank 2's receive fails after it
+    receivers["sparsekv-rank-replies-2"].join(10)
+    with pytest.raises(RuntimeError, match="rank calls failed: rank 1 died"):  # the first failure is why
+        calls.call(2, dp_held.drop_held, [])
 
 
 def test_a_rank_answers_a_call_it_cannot_read_or_run_with_why_and_goes_on(monkeypatch):
@@ -349,3 +354,83 @@ def test_a_call_that_outlives_its_room_opens_nothing_and_publishes_nothing(monke
     monkeypatch.setattr(dp_held, "ENDED_ROOMS", 2)
     dp_send.close_room(side, "open")
     assert list(side.ended) == ["during", "open"] and side.rooms == {}
+
+
+def test_each_request_of_a_watched_room_follows_the_rank_of_whichever_of_it_was_added():
+    """`DataParallelEngine._rank_of_room`, which `add_request` asks before the router: a request of a
+    watched room goes to the rank another request of that room was added to, whatever its place in the
+    room and also once that one finished; a request of no room, or of a room no longer watched, has
+    none (the router decides)."""
+    from types import SimpleNamespace
+    from sparsekv.parallel.data_parallel import DataParallelEngine
+    engine = SimpleNamespace(rank_of={"a3": 1}, _watched={}, _room_of={})  # the room's last request added first
+    DataParallelEngine.watch_ranks(engine, ["a1", "a2", "a3"])
+    engine.rank_of.clear()  # a3 finished, still watched
+    rank = lambda request_id: DataParallelEngine._rank_of_room(engine, request_id)  # noqa: E731
+    assert [rank("a1"), rank("a2"), rank("x")] == [1, 1, None]
+    DataParallelEngine.unwatch_ranks(engine, ["a1", "a2", "a3"])
+    assert rank("a1") is None and engine._room_of == {} and engine._watched == {}
+
+
+def test_a_room_ends_only_after_a_publish_of_it_under_way():
+    """`RankSide.while_open`: rank 0 ending a room (close_room, on another call's thread) while a call of
+    the room puts its metadata key waits for the put, so no key is put once the room ended (nothing
+    would delete it)."""
+    side = RankSide(HeldRows(rank=1), torch.device("cpu"))
+    side.open_room("r")
+    entered, release, order = threading.Event(), threading.Event(), []
+
+    def put():
+        entered.set()
+        release.wait(10)
+        order.append("put")
+    publishing = threading.Thread(target=side.while_open, args=("r", put))
+    publishing.start()
+    assert entered.wait(10)
+    ending = threading.Thread(target=lambda: order.append(("ended", side.end_room("r"))))
+    ending.start()
+    ending.join(0.2)  # bounded: it waits for the put
+    release.set()
+    publishing.join(10)
+    ending.join(10)
+    assert order == ["put", ("ended", None)]
+    with pytest.raises(RuntimeError, match="room r has ended"):
+        side.while_open("r", order.append, "late")
+
+
+def test_a_room_rank_0_ended_exports_no_pages_on_the_rank():
+    """`lanes.export_held` for a room rank 0 already ended (its export arrived late): the rank refuses it
+    before exporting, and keeps neither rows nor the room."""
+    from types import SimpleNamespace
+    from sparsekv.disagg.dp_send import close_room
+    from sparsekv.parallel.lanes import export_held
+    exported = []
+    engine = SimpleNamespace(kv=SimpleNamespace(
+        export_prefix=lambda token_ids, tenant, salt, skip=0: exported.append(skip) or [("p0", [_rows(22)])]))
+    side = RankSide(HeldRows(rank=1), torch.device("cpu"))
+    close_room(side, "room-a")
+    with pytest.raises(RuntimeError, match="room room-a has ended on data-parallel rank 1"):
+        export_held(engine, side, [1, 2, 3], "default", None, 0, "room-a")
+    assert exported == [] and len(side.held) == 0 and side.rooms == {}
+
+
+def test_rank_0_reads_each_answer_whole_from_the_rank_it_receives_from(monkeypatch):
+    """`recv_message(group, src)`: the header and the payload both come from rank `src`, whatever the other
+    ranks sent meanwhile (rank 0 has a receiving thread per rank; a header or payload read from any rank
+    would be another rank's)."""
+    import torch.distributed as dist
+    from sparsekv.parallel import dp_held
+    frames = []  # what each send_message sent, in order
+    monkeypatch.setattr(dist, "send", lambda tensor, dst, group: frames.append(tensor.clone()))
+    dp_held.send_message(5, True, b"from rank 1", 0, None)
+    dp_held.send_message(6, False, b"rank 2's", 0, None)
+    arrived = [(1, frames[0]), (2, frames[2]), (1, frames[1]), (2, frames[3])]  # the two ranks' sends interleaved
+
+    def recv(tensor, src=None, group=None):
+        i = next(i for i, (s, _) in enumerate(arrived) if src is None or s == src)
+        s, frame = arrived.pop(i)
+        tensor.copy_(frame)
+        return s
+    monkeypatch.setattr(dist, "recv", recv)
+    assert dp_held.recv_message(None, 2) == (6, False, b"rank 2's")
+    assert dp_held.recv_message(None, 1) == (5, True, b"from rank 1") and arrived == []
