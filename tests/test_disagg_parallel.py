@@ -52,6 +52,9 @@ class FakeKV:
     def export_prefix(self, token_ids, tenant, cache_salt, skip=0):
         return [f"page {i}" for i in range(skip, self.held.get(tuple(token_ids), 0))]
 
+    def prompt_chains(self, prompts, tenant, cache_salt):  # every test prompt names the pages p0 and p1
+        return [[b"p0", b"p1"] for _ in prompts]
+
 
 class FakeEngine:
     """What `DataParallelKV` reads of a DataParallelEngine: the router, rank 0, and `kv_call`."""
@@ -149,18 +152,26 @@ def test_export_ties_go_to_the_lowest_rank():
 
 
 def test_each_rank_imports_with_the_tails_and_chains_of_its_own_prompts():
-    """Prompts claimed by two ranks: each rank gets its own prompts' tails and chains, in their order."""
+    """Prompts claimed by two ranks: each rank gets its own prompts' tails and chains, in their order,
+    and only the pages those chains name (a page two prompts share goes to both ranks); prompts all
+    on one rank get every page, as one engine does."""
     engine = FakeEngine()
     calls = {0: [], 1: []}
     for rank, e in enumerate(engine.ranks):
         e.kv.import_prefix = (lambda pages, tenant, prompts, cache_salt, tails=None, chains=None, rank=rank:
-                              calls[rank].append(([tuple(p) for p in prompts], tails, chains)) or len(pages))
+                              calls[rank].append(([tuple(p) for p in prompts], tails, chains, [n for n, _ in pages]))
+                              or len(pages))
     kv = DataParallelKV(engine)
     a, b, c = [1, 2, 3], [4, 5, 6], [7, 8, 9]
     assert [kv.held_prefix(p, "t", None) for p in (a, b, c)] == [0, 0, 0]  # claims: ranks 0, 1, 0
-    assert kv.import_prefix([(b"p", [])], "t", [a, b, c], None, tails=["ta", "tb", "tc"],
-                            chains=[["ca"], ["cb"], ["cc"]]) == 1
-    assert calls == {0: [([tuple(a), tuple(c)], ["ta", "tc"], [["ca"], ["cc"]])], 1: [([tuple(b)], ["tb"], [["cb"]])]}
+    pages = [(b"shared", []), (b"ca", []), (b"cb", []), (b"cc", [])]
+    chains = [[b"shared", b"ca"], [b"shared", b"cb"], [b"cc"]]
+    assert kv.import_prefix(pages, "t", [a, b, c], None, tails=["ta", "tb", "tc"], chains=chains) == 4
+    assert calls == {0: [([tuple(a), tuple(c)], ["ta", "tc"], [chains[0], chains[2]], [b"shared", b"ca", b"cc"])],
+                     1: [([tuple(b)], ["tb"], [chains[1]], [b"shared", b"cb"])]}
+    calls[0].clear()
+    assert kv.import_prefix(pages, "t", [a, c], None, chains=[chains[0], chains[2]]) == 4  # rank 0 alone
+    assert [names for *_, names in calls[0]] == [[b"shared", b"ca", b"cb", b"cc"]]
 
 
 def test_claims_are_bounded_and_the_oldest_stops_counting(monkeypatch):
@@ -382,6 +393,25 @@ def test_a_rank_on_another_node_sends_its_room_from_there(glm_ckpt, monkeypatch)
         if node1.poll() is None:
             os.killpg(node1.pid, signal.SIGKILL)
             node1.wait()
+
+
+def test_a_data_parallel_decode_worker_lands_each_prompt_s_pages_on_its_rank_alone(glm_ckpt):
+    """In process, a `-dp 2` decode worker: one request of two prompts claims a rank per prompt (claims
+    spread), and each rank keeps only its own prompt's pages, not the other's; the answers are one
+    colocated engine's."""
+    path = glm_ckpt[0]
+    prompts = [_prompt(256, 44, seed) for seed in (3, 4)]
+    colocated = LLM(path, **BASE)
+    want = colocated.generate(prompts, GREEDY)
+    with (WorkerServer(path, "prefill", **BASE) as prefill,
+          WorkerServer(path, "decode", data_parallel_size=2, dist_startup_timeout_s=STARTUP_S, **BASE) as decode):
+        rp, rd = send_pair(prefill.url, decode.url, {**BODY, "prompt": prompts})
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        assert [c["token_ids"] for c in rd.json()["sparsekv"]["choices"]] == [w.token_ids for w in want]
+        kv, pages = decode.engine.kv, (len(prompts[0]) - 1) // PAGE
+        held = [[decode.on_engine(kv.on_rank, rank, "held_prefix", p) for p in prompts] for rank in (0, 1)]
+        assert held == [[pages, 0], [0, pages]], held
+        decode.check_clean()
 
 
 def _prompt_per_rank(monkeypatch, engine, prompts: list[list[int]]) -> None:

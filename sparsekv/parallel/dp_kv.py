@@ -46,8 +46,8 @@ class DataParallelKV:
                       cache_salt: str | None = None, **options) -> int:
         """Keep the pages on the rank each prompt claimed, all or none: on every such rank, or, when one
         refuses them, on none (the ranks that had kept them forget them again, unless a request holds
-        one). Prompts claimed by different ranks each get every page: a page a rank does not need is
-        only cached there."""
+        one). Prompts claimed by different ranks each get their own pages (their chains'; a page they
+        share goes to each): another prompt's pages would only take room in that rank's pool."""
         if not prompts:  # pages for no prompt in particular: rank 0 keeps them
             return self.on_rank(0, "import_prefix", pages, tenant, (), cache_salt, **options)
         tails = options.pop("tails", None) or [None] * len(prompts)
@@ -55,10 +55,12 @@ class DataParallelKV:
         ranks: dict[int, list[int]] = {}
         for i, prompt in enumerate(prompts):
             ranks.setdefault(self._claim(prompt, tenant, cache_salt), []).append(i)
+        named = chains if chains is not None or len(ranks) == 1 else self.prompt_chains(prompts, tenant, cache_salt)
         kept: list[int] = []
         try:
             for rank, mine in ranks.items():
-                self.on_rank(rank, "import_prefix", pages, tenant, [prompts[i] for i in mine], cache_salt,
+                own = pages if len(ranks) == 1 else _pages_named(pages, [named[i] for i in mine])
+                self.on_rank(rank, "import_prefix", own, tenant, [prompts[i] for i in mine], cache_salt,
                              tails=[tails[i] for i in mine], **options, **_chains_of(chains, mine))
                 kept.append(rank)
         except Exception:
@@ -173,6 +175,12 @@ def answer_if_wanted(rank: int, wanted: int | None, fn):
         return "ok", fn()
     except Exception as e:  # bad pages (ValueError) fail the call, never the rank
         return "error", e
+
+
+def _pages_named(pages: list, chains: list[list[bytes]]) -> list:
+    """The exported pages (name, rows) that these chains of page names name, in their order."""
+    wanted = {name for chain in chains for name in chain}
+    return [page for page in pages if page[0] in wanted]
 
 
 def _chains_of(chains: list | None, prompts: list[int]) -> dict:
