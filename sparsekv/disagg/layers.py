@@ -7,7 +7,7 @@ import asyncio
 import collections
 import threading
 
-from ..parallel.dp_held import Stacked, is_held
+from ..parallel.dp_held import is_held, stack
 from .wire import TransferError, pages_to_tensors
 
 UNCLAIMED_MAX_BYTES = 256 << 20  # rows kept for a room no decode worker claimed yet; past it, its pages go whole
@@ -133,5 +133,5 @@ def kinds_of(pages: list, kinds: list[int] | None) -> list:
     if kinds is not None:
         pages = [(name, [rows[k] for k in kinds]) for name, rows in pages]
     if pages and pages[0][1] and is_held(pages[0][1][0]):
-        return [Stacked(tuple(rows[j] for _, rows in pages)) for j in range(len(pages[0][1]))]
+        return [stack([rows[j] for _, rows in pages]) for j in range(len(pages[0][1]))]
     return pages_to_tensors(pages)

@@ -15,7 +15,7 @@ pair's links), each repeat sends one prompt in every mode, the order rotated rep
 `--prefill-dp N` the prefill worker is data-parallel and N prompts go at once, one per rank: each
 rank > 0 sends its room itself, in every mode and over either backend (its rows never cross rank 0),
 and one more mode sends every room layer by layer from rank 0, which fetches the other ranks' rows
-(the path of a room whose prompts run on several ranks). The two workers share this machine's cores:
+(the path with the direct send off, `PrefillWorker.direct_send`). The two workers share this machine's cores:
 pin the process (`taskset`) to compare runs.
 """
 from __future__ import annotations
