@@ -259,9 +259,38 @@ def test_sigterm_to_a_node_stops_its_ranks(glm_ckpt):
             llm.close()
 
 
+def test_a_node_whose_rank_a_signal_killed_exits_as_a_shell_reports_it(glm_ckpt):
+    """Node 1's rank killed by SIGKILL (the kernel's OOM killer sends it): node 1's command exits 128 + 9,
+    as a shell reports a killed command (it exited with the rank's exit code -9, which sys.exit turned
+    into 247)."""
+    import signal
+    import subprocess
+
+    from test_server_util import free_port
+    port = free_port()
+    node1 = _node1(glm_ckpt[0], port)
+    llm = None
+    try:
+        llm = LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
+        children = subprocess.run(["pgrep", "-P", str(node1.pid)], capture_output=True, text=True).stdout.split()
+        ranks = [pid for pid in children if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(ranks) == 1, children
+        os.kill(int(ranks[0]), signal.SIGKILL)
+        assert node1.wait(timeout=30) == 128 + signal.SIGKILL
+    finally:
+        try:
+            os.killpg(node1.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        node1.wait()
+        if llm is not None:
+            llm.close()
+
+
 def test_a_node_started_with_other_options_fails_the_start_naming_them(glm_ckpt, tmp_path):
     """Each node parses its own flags: node 1 with expert parallelism, or another checkpoint of the same
-    shapes, computed other tokens without a word. The start fails on both nodes, naming the difference."""
+    shapes, computed other tokens without a word. The start fails on both nodes, naming the difference,
+    and node 1's command exits 1."""
     import shutil
     import subprocess
     import sys
@@ -282,7 +311,9 @@ def test_a_node_started_with_other_options_fails_the_start_naming_them(glm_ckpt,
         try:
             with pytest.raises(StartupError, match=f"rank 1 was started with other options.*{words}"):
                 LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
-            assert node1.wait(timeout=60) != 0
+            # exit 1, as docs/parallel.md says: not a C++ abort of a group torn down while its peers leave
+            assert node1.wait(timeout=60) == 1
+            assert "terminate called" not in node1.stdout.read()
         finally:
             if node1.poll() is None:
                 node1.kill()

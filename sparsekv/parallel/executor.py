@@ -258,10 +258,8 @@ def _own_host_store(config: EngineConfig, tag: str) -> str | None:
 def serve_rank(config: EngineConfig, rank: int, addr: str) -> None:
     """A worker rank's whole life (a spawned process): join, load its shard, report, then run calls
     until told to stop."""
-    started = start_worker(config, rank, addr, lambda control: _build_worker(config, rank, control))
-    if started is None:
-        raise SystemExit(1)  # the start failed (start_worker said why): node 1's command exits 1
-    worker, control = started
+    # a failed start exits this process with 1 (start_worker says why)
+    worker, control = start_worker(config, rank, addr, lambda control: _build_worker(config, rank, control))
     while True:
         method, args = next_command(config, control)
         if method == "close":

@@ -99,10 +99,8 @@ def export_held(engine: LLMEngine, side: RankSide, token_ids: list[int], tenant:
 def serve_lane(config: EngineConfig, rank: int, addr: str) -> None:
     """A data-parallel rank other than 0 (a spawned process): join, build its engine, report, then
     answer the front end's commands until told to stop."""
-    started = start_worker(config, rank, addr, lambda control: LLMEngine(config, lane=rank))
-    if started is None:
-        raise SystemExit(1)  # the start failed (start_worker said why): node 1's command exits 1
-    engine, control = started
+    # a failed start exits this process with 1 (start_worker says why)
+    engine, control = start_worker(config, rank, addr, lambda control: LLMEngine(config, lane=rank))
     taps: list[TapSender] = []  # opened by rank 0's first layer tap
     side = RankSide(HeldRows(rank), engine.device, config.node_rank)
 
@@ -146,7 +144,8 @@ def host_torchrun_rank(config: EngineConfig) -> bool:
 
 def host_node(config: EngineConfig) -> int:
     """Node `config.node_rank` (> 0) of a multi-node world: run this node's ranks until node 0's engine
-    stops them. Returns 0, or the first failed rank's exit code."""
+    stops them. Returns 0, 143 after a SIGTERM, or the first failed rank's exit code (128 + N for a rank
+    that signal N ended, as a shell reports it)."""
     config.validate()
     if config.node_rank == 0:
         raise ValueError("node 0 runs the engine itself; host_node is for the other nodes")
@@ -157,7 +156,10 @@ def host_node(config: EngineConfig) -> int:
     stopped = _stop_ranks_on_sigterm(ranks.processes)
     for p in ranks.processes:
         p.join()
-    return 128 + signal.SIGTERM if stopped else next((p.exitcode for p in ranks.processes if p.exitcode), 0)
+    if stopped:
+        return 128 + signal.SIGTERM
+    code = next((p.exitcode for p in ranks.processes if p.exitcode), 0)
+    return 128 - code if code < 0 else code  # a rank a signal ended: the shell's 128 + its number
 
 
 def _stop_ranks_on_sigterm(processes) -> list:

@@ -127,7 +127,8 @@ class RankGroup:
         mine = None if error is None else f"rank 0: {type(error).__name__}: {error}"
         statuses = exchange_status(mine, launch_fingerprint(self.config), self.layout.world_size, self.control)
         failed = [s for s in statuses if s is not None]
-        if failed:
+        if failed:  # every worker exits now (start_worker): let them go before this group shuts down
+            await_departures(self.control, self.layout.world_size)
             self.close(notify=False)
             if error is not None:
                 raise error
@@ -217,8 +218,8 @@ def _difference(option: str, theirs, ours) -> str:
 
 def start_worker(config: EngineConfig, rank: int, addr: str, build):
     """A worker's start: join the group at the rendezvous store `addr` (HOST:PORT), `build(control
-    group)`, and exchange every rank's start-up status. Returns (what build made, the control group),
-    or None when a rank failed (this process then exits 1; rank 0 raises that rank's message)."""
+    group)`, and exchange every rank's start-up status. Returns (what build made, the control group);
+    when a rank failed this process exits 1 (rank 0 raises that rank's message)."""
     import torch
     torch.set_num_threads(config.num_threads or 1)
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
@@ -237,8 +238,7 @@ def start_worker(config: EngineConfig, rank: int, addr: str, build):
     failed = [s for s in statuses if s is not None]
     if failed:  # rank 0 raises it; said here too, for a node whose own output is all its operator sees
         logger.error("the start failed: %s", "; ".join(failed))
-        dist.destroy_process_group()
-        return None
+        _exit_now(1)
     use_operation_timeout(config)
     return built, control
 
@@ -421,9 +421,17 @@ def leave(control) -> None:
     """A worker's end once told to close: meet every rank at a barrier (all have closed their
     engines), then exit at once. Tearing the group down instead would race rank 0's, whose store the
     others' connections use, and abort in C++ at interpreter exit."""
+    dist.barrier(group=control)
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without tearing the process group down: its peers exit at the same moment, and gloo's
+    teardown while their connections close can abort in C++ ("terminate called without an active
+    exception": a failed start exited 250, not 1)."""
     import os
     import sys
-    dist.barrier(group=control)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    logging.shutdown()
+    os._exit(code)
