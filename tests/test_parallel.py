@@ -566,6 +566,33 @@ def test_data_parallel_front_end_refuses_counts_and_aborts_requests_no_rank_has_
         llm.close()
 
 
+def test_a_paused_data_parallel_engine_counts_the_requests_routed_to_each_rank_as_waiting(glm_ckpt):
+    """A request for rank 1 goes there with the next step, and a paused engine sends none: its figures
+    still count it waiting (they read 0, so /metrics, the PD router's load and a client waiting for
+    the queue saw an empty engine), in the sum and on its rank, by tenant; it leaves the count when
+    aborted before it went."""
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2)
+    engine = llm.engine
+    try:
+        engine.pause_generation()
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        for i, prompt in enumerate(_prompts(256)):
+            engine.add_request(f"r{i}", prompt, params, tenant="alice" if i else "default")
+        assert engine.rank_of == {"r0": 0, "r1": 1}
+        stats = engine.stats()
+        assert stats["waiting"] == 2 == engine.num_waiting_requests()
+        assert [r["waiting"] for r in stats["by_data_parallel_rank"]] == [{"default": 1}, {"alice": 1}]
+        assert engine.abort("r1")
+        assert engine.stats()["waiting"] == 1
+        engine.continue_generation()
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.stats()["waiting"] == 0
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
 def test_an_abort_reaches_its_rank_without_another_request(glm_ckpt):
     """Aborting the requests of rank 1 leaves work for the engine loop: the next step sends the aborts,
     and that rank frees their pages and stops counting them, with no other request to step for."""

@@ -452,10 +452,23 @@ class DataParallelEngine:
             return self.local.stats()
         every = self._together("stats", run=self.local.stats)
         merged = merge_stats(every)
-        merged["by_data_parallel_rank"] = [rank_figures(s, figures) for s, figures in zip(self._summaries, every)]
+        merged["waiting"] += sum(map(len, self._adds))  # routed, sent to their rank with the next step
+        merged["by_data_parallel_rank"] = [rank_figures(self._with_adds(rank), figures)
+                                           for rank, figures in enumerate(every)]
         merged.update(weights_version=self.weights_version, paused=self.paused,
                       weight_update_pending=self.weight_update_pending)
         return merged
+
+    def _with_adds(self, rank: int) -> dict:
+        """Rank `rank`'s summary of the last step, its waiting requests by tenant as of now: rank 0's
+        engine's own, another rank's counting those routed there since (a paused engine sends none:
+        without them its queue read empty)."""
+        summary = self._summaries[rank]
+        queued = [r.tenant for r in self.local.waiting_requests()] if rank == 0 else [a[3] for a in self._adds[rank]]
+        waiting = {} if rank == 0 else dict(summary["waiting"])
+        for tenant in queued:
+            waiting[tenant] = waiting.get(tenant, 0) + 1
+        return {**summary, "waiting": waiting}
 
     def check_integrity(self) -> None:
         problems = [p for p in self._together("check_integrity", run=lambda: lane_integrity(self.local)) if p]

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import secrets
 import statistics
+import time
 import uuid
 
 from rich.table import Table
@@ -48,8 +49,11 @@ class InProcessWorker:
         from ..server.app import ServerSettings, create_app
         from ..server.threaded import listening_socket, serve_in_thread
         self.engine = build_engine(EngineConfig(model=model, **engine_options))
+        from ..server.auth import load_admin_keys
         role = DisaggSettings(mode, "127.0.0.1", 0 if mode == "prefill" else None, secret, 120.0, transfer)
-        app = create_app(self.engine, ServerSettings([SERVED_NAME], disaggregation=role))
+        self.admin_key = secrets.token_hex(16)  # the bench holds generation (/pause_generation) with it
+        app = create_app(self.engine, ServerSettings([SERVED_NAME], disaggregation=role,
+                                                     admin_api_keys=load_admin_keys([self.admin_key], [], {})))
         self.state = app.state.server
         sock = listening_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -94,9 +98,36 @@ def prompts_at_once(pair, mode: str, prompts: list[list[int]]) -> list[dict]:
     prefill.worker.layer_by_layer = mode in ("layers", RANK_0)
     prefill.worker.direct_send = mode != RANK_0
     body = {"model": SERVED_NAME, "max_tokens": 1, "temperature": 0.0}
+    hold = len(prompts) > 1  # a data-parallel prefill worker: every prompt routed before any runs
     with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda p: send_pair(prefill.url, decode.url, {**body, "prompt": p}), prompts))
+        if hold:
+            _admin(prefill, "/pause_generation")
+        try:
+            sent = [pool.submit(send_pair, prefill.url, decode.url, {**body, "prompt": p}) for p in prompts]
+            if hold:
+                await_waiting(prefill.url, len(prompts))
+        finally:
+            if hold:
+                _admin(prefill, "/continue_generation")
+        answers = [future.result() for future in sent]
     return [answer["sparsekv"]["disaggregation"] for answer, _ in answers]
+
+
+def await_waiting(prefill_url: str, prompts: int, timeout_s: float = 60.0) -> None:
+    """Until the paused prefill worker holds `prompts` requests waiting. Its router then counted each in
+    flight when it routed the next, so they went a rank each; unheld, a prompt of one prefill chunk
+    could finish before the next came, and every prompt ran on rank 0."""
+    import httpx
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(prefill_url + "/disaggregation", timeout=10).json()["num_waiting"] < prompts:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the prefill worker did not receive {prompts} prompts within {timeout_s:g} s")
+        time.sleep(0.01)
+
+
+def _admin(worker: InProcessWorker, path: str) -> None:
+    import httpx
+    httpx.post(worker.url + path, headers={"Authorization": f"Bearer {worker.admin_key}"}, timeout=10).raise_for_status()
 
 
 def backends(wanted: str) -> list[str]:
