@@ -616,3 +616,96 @@ def test_a_bootstrap_that_answers_something_else_is_refused_naming_only_the_addr
         assert str(refused.value) == f"cannot reach the prefill worker's bootstrap at 127.0.0.1:{port}"
     finally:
         listener.close()
+
+
+
+class _Counted:
+    """torch's TCPStore, counting the client connections made."""
+    made = 0
+
+    def __new__(cls, *args, **kwargs):
+        if not kwargs.get("is_master", args[2] if len(args) > 2 else False):
+            _Counted.made += 1
+        return _REAL_STORE(*args, **kwargs)
+
+
+_REAL_STORE = torch.distributed.TCPStore
+
+
+def _gone() -> None:
+    import gc
+    gc.collect()  # a room in a reference cycle gives its connections back at the next collection
+
+
+def _pair_and_wait(store, name: str) -> None:
+    """Two rooms as the two workers use them: a pair group (the prefill side first waits for the decode
+    side's address on a connection of its own) and a wait for a key the other side writes."""
+    mine, theirs = Room(connect("127.0.0.1", store.port, 30), name), Room(connect("127.0.0.1", store.port, 30), name)
+    with ThreadPoolExecutor(2) as pool:
+        groups = [pool.submit(mine.pair_group, PREFILL_RANK, "127.0.0.1", 30, "gloo"),
+                  pool.submit(theirs.pair_group, DECODE_RANK, "127.0.0.1", 30, "gloo")]
+        assert [g.result(timeout=HANG_S).size() for g in groups] == [2, 2]
+    theirs.put("claim", b"c")
+    assert mine.wait_for("claim", 30) == b"c"
+
+
+def test_a_rooms_store_connections_serve_the_next_rooms(monkeypatch):
+    """The connections of two rooms (each its own and its pair group's rendezvous, the prefill side also
+    its waits') go back when the rooms are gone, and the next two take them: no connection is made
+    again. A new one cost a connect and, inside torch, reverse DNS lookups of both ends, which a
+    rate-limited resolver stretched to 5 s a room."""
+    monkeypatch.setattr(torch.distributed, "TCPStore", _Counted)
+    monkeypatch.setattr(_Counted, "made", 0)
+    clients, store = transfer_module.STORE_CLIENTS, host_bootstrap("127.0.0.1", 0, 30)
+    _pair_and_wait(store, "r1")
+    _gone()
+    assert _Counted.made == clients.idle("127.0.0.1", store.port) == 5
+    _pair_and_wait(store, "r2")
+    _gone()
+    assert _Counted.made == clients.idle("127.0.0.1", store.port) == 5
+
+
+def test_a_connection_a_wait_was_cut_off_on_serves_no_other_room():
+    """A wait that ends at its deadline leaves the store's answer pending on its connection, which the
+    next call on it would read: the room keeps that one out of the pool, and gives its own back."""
+    clients, store = transfer_module.STORE_CLIENTS, host_bootstrap("127.0.0.1", 0, 30)
+    room = Room(connect("127.0.0.1", store.port, 30), "r1")
+    with pytest.raises(TransferError, match="waiting for never failed"):
+        room.wait_for("never", 0.2)
+    del room
+    _gone()
+    assert clients.idle("127.0.0.1", store.port) == 1
+
+
+def test_a_kept_connection_whose_store_is_gone_is_not_handed_out():
+    """A prefill worker started again at the same address has a new store: a kept connection to the
+    old one fails its check and is dropped, and the room gets a new connection that works."""
+    from test_server_util import free_port
+    clients, port = transfer_module.STORE_CLIENTS, free_port()
+    old = host_bootstrap("127.0.0.1", port, 30)
+    Room(connect("127.0.0.1", port, 30), "r1").put("claim", b"c")
+    _gone()
+    assert clients.idle("127.0.0.1", port) == 1
+    del old
+    _gone()
+    new = host_bootstrap("127.0.0.1", port, 30)
+    room = Room(connect("127.0.0.1", port, 30), "r2")
+    room.put("claim", b"d")
+    assert room.get("claim") == b"d" and new.get("sparsekv/room/r2/claim") == b"d"
+    assert clients.idle("127.0.0.1", port) == 0
+
+
+def test_a_connection_two_rooms_use_goes_back_once_by_the_room_that_owns_it():
+    """A room made with another room's connection does not own it: the connection goes back when its
+    owner is gone, once, and the other room's calls still work meanwhile."""
+    clients, store = transfer_module.STORE_CLIENTS, host_bootstrap("127.0.0.1", 0, 30)
+    mine = Room(connect("127.0.0.1", store.port, 30), "r1")
+    other = Room(mine.store, "r2")
+    del mine
+    _gone()
+    assert clients.idle("127.0.0.1", store.port) == 1
+    other.put("claim", b"c")
+    assert other.get("claim") == b"c"
+    del other
+    _gone()
+    assert clients.idle("127.0.0.1", store.port) == 1

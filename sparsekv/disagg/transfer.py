@@ -35,6 +35,8 @@ import logging
 import os
 import threading
 import time
+import weakref
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -122,8 +124,10 @@ def host_bootstrap(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 
 def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client connection to the bootstrap store at host:port: one a room gave back (`StoreClients`),
+    else a new one. A `Room` made with it owns it."""
     try:
-        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=_timeout(timeout_s))
+        return STORE_CLIENTS.take(host, port, timeout_s)
     except Exception as e:  # refused, unreachable, timed out: this request's bootstrap is not there
         # the cause goes to the log only: told to the client, it would say what answers at an address the
         # request named (a probe of the worker's network)
@@ -131,11 +135,113 @@ def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
         raise TransferError(f"cannot reach the prefill worker's bootstrap at {host}:{port}") from None
 
 
+IDLE_CLIENTS_PER_STORE = 24  # connections to one store kept for the next rooms (three a room)
+IDLE_CLIENT_STORES = 16  # stores (prefill workers) with connections kept; the least recently used goes first
+
+
+class StoreClients:
+    """Client connections to bootstrap stores that rooms gave back, by address, for the next rooms. A
+    room uses three (its own, its waits', its pair group's rendezvous) on each side. A new one costs a
+    TCP connect and, inside torch, reverse DNS lookups of both ends for its log lines (`getnameinfo`),
+    which a slow or rate-limited resolver stretches to its retry timeout: 5 s added to a room. A
+    connection goes back when the room that owns it is gone (`Room`), unless a call on it failed: a
+    wait cut off at its timeout leaves the store's answer pending on it, which the next call would
+    read. One taken again is asked first (a key check) whether its store still answers: a prefill
+    worker started again at the same address has a new store. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._idle: OrderedDict[tuple[str, int], list] = OrderedDict()
+        self._leased: dict[int, tuple[str, int]] = {}  # id of a client handed out -> its address, until a room owns it
+        self._lock = threading.Lock()
+
+    def take(self, host: str, port: int, timeout_s: float) -> dist.TCPStore:
+        while (client := self._pop(host, port)) is not None:
+            try:
+                client.set_timeout(_timeout(timeout_s))
+                client.check([ALIVE_KEY])
+            except Exception:  # its store is gone (the worker stopped, or started again): drop it
+                continue
+            return self._lease(client, host, port)
+        client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=_timeout(timeout_s))
+        return self._lease(client, host, port)
+
+    def _pop(self, host: str, port: int) -> dist.TCPStore | None:
+        with self._lock:
+            idle = self._idle.get((host, port))
+            return idle.pop() if idle else None
+
+    def _lease(self, client: dist.TCPStore, host: str, port: int) -> dist.TCPStore:
+        with self._lock:
+            self._leased[id(client)] = (host, port)
+        return client
+
+    def adopt(self, client: dist.TCPStore) -> tuple[str, int] | None:
+        """A room takes `client` as its own: its address, or None if it is not one handed out here (or
+        another room owns it already), which the room then never gives back."""
+        with self._lock:
+            return self._leased.pop(id(client), None)
+
+    def give_back(self, client: dist.TCPStore, address: tuple[str, int]) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            self._idle.move_to_end(address)
+            if len(idle) < IDLE_CLIENTS_PER_STORE:
+                idle.append(client)
+            while len(self._idle) > IDLE_CLIENT_STORES:
+                self._idle.popitem(last=False)
+
+    def idle(self, host: str, port: int) -> int:
+        with self._lock:
+            return len(self._idle.get((host, port), []))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+
+
+STORE_CLIENTS = StoreClients()
+ALIVE_KEY = "sparsekv/alive"  # what a connection taken again checks (a key nobody writes)
+
+
+class RoomClients:
+    """The store connections a room owns, given back to `STORE_CLIENTS` when the room is gone, but for
+    those kept out (`exclude`)."""
+
+    def __init__(self) -> None:
+        self.owned: list[tuple[dist.TCPStore, tuple[str, int]]] = []
+        self.kept_out: set[int] = set()
+        self.lock = threading.Lock()
+
+    def own(self, client: dist.TCPStore) -> dist.TCPStore:
+        address = STORE_CLIENTS.adopt(client)
+        if address is not None:
+            with self.lock:
+                self.owned.append((client, address))
+        return client
+
+    def exclude(self, client) -> None:
+        """Keep `client` out of the pool: a call on it failed, or something past the room's calls uses it."""
+        with self.lock:
+            self.kept_out.add(id(client))
+
+    def release(self) -> None:
+        with self.lock:
+            owned, self.owned = self.owned, []
+            for client, address in owned:
+                if id(client) not in self.kept_out:
+                    STORE_CLIENTS.give_back(client, address)
+
+
 class Room:
     """One request's keys in the prefill worker's store."""
 
     def __init__(self, store: dist.TCPStore, room: str):
         self.store, self.name = store, room
+        # the connections it owns go back for the next rooms once nothing refers to the room any more
+        # (no thread uses them then): `store` if `connect` gave it, its waits' and its pair group's
+        self.clients = RoomClients()
+        self.clients.own(store)
+        weakref.finalize(self, self.clients.release).atexit = False
         self.prefix = f"sparsekv/room/{room}/"
         self.waiting: dist.TCPStore | None = None  # wait_for's connection (a TCPStore client runs one call at a time)
         # NOTE: a wait may end before a wake (at its own deadline, or woken by a compare_set on its missing
@@ -151,6 +257,7 @@ class Room:
         try:
             self.store.set(self.key(part), value)
         except Exception as e:
+            self.clients.exclude(self.store)
             raise TransferError(f"room {self.name}: the bootstrap store failed: {e}") from None
 
     def ready(self, part: str) -> bool:
@@ -158,6 +265,7 @@ class Room:
         try:
             return self.store.check([self.key(part)])
         except Exception as e:  # a connection error: the prefill worker's store is gone
+            self.clients.exclude(self.store)
             raise TransferError(f"room {self.name}: the bootstrap store is gone ({first_line(e)})") from None
 
     def written_by_peer(self, part: str) -> bool:
@@ -167,6 +275,7 @@ class Room:
         try:
             return self.store.check([key]) and self.store.compare_set(key, ABSENT, ABSENT) not in (ABSENT, WOKEN)
         except Exception as e:
+            self.clients.exclude(self.store)
             raise TransferError(f"room {self.name}: the bootstrap store is gone ({first_line(e)})") from None
 
     def wait_for(self, part: str, timeout_s: float) -> bytes | None:
@@ -179,8 +288,7 @@ class Room:
             self.waiting_on = part
         try:
             if self.waiting is None:
-                self.waiting = dist.TCPStore(self.store.host, self.store.port, is_master=False,
-                                             wait_for_workers=False, timeout=_timeout(timeout_s))
+                self.waiting = self.clients.own(STORE_CLIENTS.take(self.store.host, self.store.port, timeout_s))
             self.waiting.wait([key], _timeout(timeout_s))
             with self.wait_lock:
                 self.waiting_on = None
@@ -189,6 +297,7 @@ class Room:
                     self.waiting.delete_key(key)
             return None if value in (WOKEN, ABSENT) else value
         except Exception as e:  # the store gone (a connection error), or past timeout_s
+            self.clients.exclude(self.waiting)
             raise TransferError(f"room {self.name}: waiting for {part} failed: {first_line(e)}") from None
         finally:
             with self.wait_lock:
@@ -204,13 +313,14 @@ class Room:
             try:
                 self.store.compare_set(self.key(part), "", WOKEN)
             except Exception:  # the store is gone: the wait has ended with an error already
-                pass
+                self.clients.exclude(self.store)
 
     def peek(self, part: str) -> bytes | None:
         """`part`'s value, or None when it is not there (no wait, unlike `get`)."""
         try:
             value = self.store.compare_set(self.key(part), ABSENT, ABSENT)
         except Exception as e:
+            self.clients.exclude(self.store)
             raise TransferError(f"room {self.name}: the bootstrap store is gone ({first_line(e)})") from None
         return None if value in (ABSENT, WOKEN) else value
 
@@ -218,6 +328,7 @@ class Room:
         try:
             return self.store.get(self.key(part))
         except Exception as e:
+            self.clients.exclude(self.store)
             raise TransferError(f"room {self.name}: the bootstrap store failed: {first_line(e)}") from None
 
     def abandon_join(self) -> None:
@@ -232,6 +343,7 @@ class Room:
             try:
                 self.store.delete_key(self.key(part))
             except Exception:  # the store is gone: nothing is left to clean
+                self.clients.exclude(self.store)
                 return
 
     def pair_group(self, rank: int, hostname: str, timeout_s: float, backend: str) -> dist.ProcessGroup:
@@ -244,13 +356,16 @@ class Room:
         one side waits first: the decode side's address is written by its own rendezvous."""
         if backend == "gloo" and rank == PREFILL_RANK and self.wait_for(RENDEZVOUS[DECODE_RANK], timeout_s) is None:
             raise TransferError(f"room {self.name}: this worker stopped waiting for the peer's transfer connection")
+        rendezvous = None
         try:
-            store = dist.PrefixStore(self.key("pg"), dist.TCPStore(
-                self.store.host, self.store.port, is_master=False, wait_for_workers=False, timeout=_timeout(timeout_s)))
-            if backend == "nccl":
+            rendezvous = self.clients.own(STORE_CLIENTS.take(self.store.host, self.store.port, timeout_s))
+            store = dist.PrefixStore(self.key("pg"), rendezvous)
+            if backend == "nccl":  # NCCL rendezvous at the first send: the connection is in use past the room's calls
+                self.clients.exclude(rendezvous)
                 return _nccl_group(store, rank, timeout_s)
             return _within(lambda: _gloo_group(store, rank, hostname, timeout_s), timeout_s)
-        except Exception as e:
+        except Exception as e:  # NOTE: a connect cut off at the timeout may still use the connection
+            self.clients.exclude(rendezvous)
             raise TransferError(f"room {self.name}: the workers could not connect for the transfer ({backend}): "
                                 f"{first_line(e)}") from None
 
