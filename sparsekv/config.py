@@ -483,7 +483,7 @@ class EngineConfig:
                      "indexer_key_dtype": None if self.indexer_key_dtype == "auto" else self.indexer_key_dtype}
         given = [k for k, v in tier_only.items() if v is not None]
         if given and not self.kv_tiering:
-            raise ConfigError(f"{', '.join(given)} only apply with kv_tiering=True")
+            raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with kv_tiering=True")
         if self.kv_tiering and self.attention == "dense":
             raise ConfigError("kv_tiering needs attention='sparse': dense attention reads every position, "
                               "which a bounded working set cannot hold")

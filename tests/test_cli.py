@@ -152,8 +152,8 @@ def test_config_fields_in_a_message_become_flags():
     assert flags["num_threads"] == "--threads"
     assert flags["prefix_cache_disk_old_key_files"] == "--prefix-cache-disk-old-key-file"
     for message, named in (
-            ("device_buffer_tokens, host_store_path only apply with kv_tiering=True",
-             "--device-buffer-tokens, --host-store-path only apply with --kv-tiering"),
+            ("device_buffer_tokens, host_store_path apply only with kv_tiering=True",
+             "--device-buffer-tokens, --host-store-path apply only with --kv-tiering"),
             ("kv_tiering needs attention='sparse': dense attention reads every position",
              "--kv-tiering needs --attention sparse: dense attention reads every position"),
             ("device 'cuda': this torch sees no CUDA device", "--device 'cuda': this torch sees no CUDA device"),

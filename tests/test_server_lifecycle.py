@@ -578,7 +578,7 @@ def test_serve_cli_gives_one_line_for_options_that_would_break_later(tmp_path, c
     assert main(["--disaggregation-mode", "decode", "--disaggregation-secret-file", str(secret),
                  "--disaggregation-bootstrap-port", "18391", "--served-model-name", "", "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert "--disaggregation-bootstrap-port only apply to a prefill worker" in err and "warning" in err
+    assert "--disaggregation-bootstrap-port applies only to a prefill worker" in err and "warning" in err
 
 
 def test_serve_cli_refuses_an_fd_that_is_not_a_listening_tcp_socket(tmp_path, capsys, monkeypatch):

@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "SPARSEKV_API_KEY in the environment adds one more")
     p.add_argument("--admin-api-key", action="append", default=[], metavar="KEY",
                    help="opens the admin endpoints (/update_weights_from_disk, /pause_generation, "
-                        "/continue_generation, /flush_cache: docs/rl.md), which are refused without one; "
+                        "/continue_generation, /flush_cache, /init_weights_update_group, "
+                        "/update_weights_from_distributed, /destroy_weights_update_group: docs/rl.md), which are "
+                        "refused without one; "
                         "repeatable (prefer --admin-api-key-file or SPARSEKV_ADMIN_API_KEY)")
     p.add_argument("--admin-api-key-file", action="append", default=[], metavar="PATH",
                    help="admin keys, one a line; refused if other users may read it")
@@ -131,10 +133,12 @@ def main(argv: list[str]) -> int:
              startup_settings(parser, args))
     idle = unused_disaggregation_flags(parser, args)
     if idle and args.disaggregation_mode == "decode":  # NOTE: a launcher may give both roles the same flags
-        print(f"sparsekv serve: warning: {', '.join(idle)} only apply to a prefill worker; this decode worker "
-              f"ignores them", file=sys.stderr)
+        one = len(idle) == 1
+        print(f"sparsekv serve: warning: {', '.join(idle)} {'applies' if one else 'apply'} only to a prefill worker; "
+              f"this decode worker ignores {'it' if one else 'them'}", file=sys.stderr)
     elif idle:
-        parser.error(f"{', '.join(idle)} only apply with --disaggregation-mode prefill or decode")
+        parser.error(f"{', '.join(idle)} {'applies' if len(idle) == 1 else 'apply'} only with "
+                     "--disaggregation-mode prefill or decode")
     hosted = host_ranks(parser, args)  # another node's ranks, or torchrun's rank > 0: no server here
     if hosted is not None:
         return hosted
