@@ -7,6 +7,7 @@ that the all-reduce adds. That is a regrouped reduction, bounded by tests/tolera
 embedding (one non-zero term per element) and the lm_head's all-gather are exact, and every rank
 selects the same positions (the indexer is replicated and reads all-reduced hidden states).
 """
+import contextlib
 import os
 import shutil
 import tempfile
@@ -230,25 +231,23 @@ def test_an_idle_engine_finds_a_dead_node_without_a_request(glm_ckpt, layout):
             llm.close()
 
 
-def test_sigterm_to_a_node_stops_its_ranks(glm_ckpt):
-    """SIGTERM to node 1's command (its launcher, as a supervisor sends it) stops the rank it started (the
-    rank was orphaned and went on serving node 0's engine); the command exits 143."""
+@contextlib.contextmanager
+def _two_nodes(path: str):
+    """Node 0's tensor-parallel engine here and node 1 as `sparsekv serve --node-rank 1`: (node 1's
+    process, the pid of the rank it started)."""
     import signal
     import subprocess
 
-    from test_server_util import free_port, wait_until
+    from test_server_util import free_port
     port = free_port()
-    node1 = _node1(glm_ckpt[0], port)
+    node1 = _node1(path, port)
     llm = None
     try:
-        llm = LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
+        llm = LLM(path, **BASE, tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
         children = subprocess.run(["pgrep", "-P", str(node1.pid)], capture_output=True, text=True).stdout.split()
         ranks = [pid for pid in children if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
         assert len(ranks) == 1, children
-        node1.send_signal(signal.SIGTERM)
-        assert node1.wait(timeout=30) == 128 + signal.SIGTERM
-        assert wait_until(lambda: not os.path.exists(f"/proc/{ranks[0]}") or
-                          open(f"/proc/{ranks[0]}/stat").read().split()[2] == "Z", timeout=30)
+        yield node1, int(ranks[0])
     finally:
         try:
             os.killpg(node1.pid, signal.SIGKILL)
@@ -257,6 +256,19 @@ def test_sigterm_to_a_node_stops_its_ranks(glm_ckpt):
         node1.wait()
         if llm is not None:
             llm.close()
+
+
+def test_sigterm_to_a_node_stops_its_ranks(glm_ckpt):
+    """SIGTERM to node 1's command (its launcher, as a supervisor sends it) stops the rank it started (the
+    rank was orphaned and went on serving node 0's engine); the command exits 143."""
+    import signal
+
+    from test_server_util import wait_until
+    with _two_nodes(glm_ckpt[0]) as (node1, rank):
+        node1.send_signal(signal.SIGTERM)
+        assert node1.wait(timeout=30) == 128 + signal.SIGTERM
+        assert wait_until(lambda: not os.path.exists(f"/proc/{rank}") or
+                          open(f"/proc/{rank}/stat").read().split()[2] == "Z", timeout=30)
 
 
 def test_a_node_whose_rank_a_signal_killed_exits_as_a_shell_reports_it(glm_ckpt):
@@ -264,27 +276,9 @@ def test_a_node_whose_rank_a_signal_killed_exits_as_a_shell_reports_it(glm_ckpt)
     as a shell reports a killed command (it exited with the rank's exit code -9, which sys.exit turned
     into 247)."""
     import signal
-    import subprocess
-
-    from test_server_util import free_port
-    port = free_port()
-    node1 = _node1(glm_ckpt[0], port)
-    llm = None
-    try:
-        llm = LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
-        children = subprocess.run(["pgrep", "-P", str(node1.pid)], capture_output=True, text=True).stdout.split()
-        ranks = [pid for pid in children if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
-        assert len(ranks) == 1, children
-        os.kill(int(ranks[0]), signal.SIGKILL)
+    with _two_nodes(glm_ckpt[0]) as (node1, rank):
+        os.kill(rank, signal.SIGKILL)
         assert node1.wait(timeout=30) == 128 + signal.SIGKILL
-    finally:
-        try:
-            os.killpg(node1.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        node1.wait()
-        if llm is not None:
-            llm.close()
 
 
 def test_a_node_started_with_other_options_fails_the_start_naming_them(glm_ckpt, tmp_path):
