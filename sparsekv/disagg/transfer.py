@@ -151,7 +151,7 @@ class StoreClients:
 
     def __init__(self) -> None:
         self._idle: OrderedDict[tuple[str, int], list] = OrderedDict()
-        self._leased: dict[int, tuple[str, int]] = {}  # id of a client handed out -> its address, until a room owns it
+        self._leased: dict[int, tuple] = {}  # id of a client handed out -> (it, its address), until a room owns it
         self._lock = threading.Lock()
 
     def take(self, host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -172,14 +172,15 @@ class StoreClients:
 
     def _lease(self, client: dist.TCPStore, host: str, port: int) -> dist.TCPStore:
         with self._lock:
-            self._leased[id(client)] = (host, port)
+            self._leased[id(client)] = (client, (host, port))
         return client
 
     def adopt(self, client: dist.TCPStore) -> tuple[str, int] | None:
         """A room takes `client` as its own: its address, or None if it is not one handed out here (or
         another room owns it already), which the room then never gives back."""
         with self._lock:
-            return self._leased.pop(id(client), None)
+            leased = self._leased.pop(id(client), None)
+        return None if leased is None else leased[1]
 
     def give_back(self, client: dist.TCPStore, address: tuple[str, int]) -> None:
         with self._lock:
@@ -193,10 +194,6 @@ class StoreClients:
     def idle(self, host: str, port: int) -> int:
         with self._lock:
             return len(self._idle.get((host, port), []))
-
-    def clear(self) -> None:
-        with self._lock:
-            self._idle.clear()
 
 
 STORE_CLIENTS = StoreClients()

@@ -47,9 +47,9 @@ class InProcessWorker:
         from ..disagg.worker import DisaggSettings
         from ..llm import build_engine
         from ..server.app import ServerSettings, create_app
+        from ..server.auth import load_admin_keys
         from ..server.threaded import listening_socket, serve_in_thread
         self.engine = build_engine(EngineConfig(model=model, **engine_options))
-        from ..server.auth import load_admin_keys
         role = DisaggSettings(mode, "127.0.0.1", 0 if mode == "prefill" else None, secret, 120.0, transfer)
         self.admin_key = secrets.token_hex(16)  # the bench holds generation (/pause_generation) with it
         app = create_app(self.engine, ServerSettings([SERVED_NAME], disaggregation=role,
