@@ -148,6 +148,8 @@ def test_bench_transfer_with_a_data_parallel_prefill_worker_sends_a_prompt_per_r
     assert all(modes[m]["sent_by_other_ranks"] == 1 for m in ("layers", "chunks", "after"))
     assert modes["layers-rank-0"]["sent_by_other_ranks"] == 0
     assert modes["chunks"]["pages_by_layer"] == 0 and "a prompt per rank" in capsys.readouterr().out
+    from sparsekv.disagg.transfer import STORE_CLIENTS
+    assert STORE_CLIENTS.idle() == 0  # the prefill worker closed: no connection to its store kept
 
 
 def test_bench_transfer_refuses_an_unknown_backend(capsys):

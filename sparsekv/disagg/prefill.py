@@ -29,7 +29,7 @@ from ..server.errors import APIError, bad_request
 from ..server.loop import EngineDead, RequestGroup, ShuttingDown, Submission
 from ..server.serving import Job, run
 from . import dp_send
-from .transfer import Room, connect, host_bootstrap, pair_backend
+from .transfer import STORE_CLIENTS, Room, connect, host_bootstrap, pair_backend
 from .weights_stamp import check_same_weights, loaded_weights
 from .first_token import first_token_of, first_token_params, first_token_wire, plain_greedy
 from .layers import LayerFeed, kinds_of, named_parts, short_tail
@@ -527,6 +527,7 @@ class PrefillWorker(Worker):
 
     def close(self) -> None:
         super().close()
+        STORE_CLIENTS.drop(self.settings.bootstrap_host, self.bootstrap_port)  # this process's kept connections to it
         del self.store
 
 

@@ -191,8 +191,16 @@ class StoreClients:
             while len(self._idle) > IDLE_CLIENT_STORES:
                 self._idle.popitem(last=False)
 
-    def idle(self, host: str, port: int) -> int:
+    def drop(self, host: str, port: int) -> None:
+        """Close the kept connections to the store at host:port (it is going away)."""
         with self._lock:
+            self._idle.pop((host, port), None)
+
+    def idle(self, host: str | None = None, port: int | None = None) -> int:
+        """How many connections are kept for the store at host:port, or for every store."""
+        with self._lock:
+            if host is None:
+                return sum(map(len, self._idle.values()))
             return len(self._idle.get((host, port), []))
 
 
