@@ -133,8 +133,13 @@ def test_bench_transfer_sends_during_the_prefill_against_one_batch_after_it(tmp_
     assert layers["over_after"] > 0 and chunks["over_after"] > 0 and "after the prefill" in capsys.readouterr().out
 
 
-def test_bench_transfer_with_a_data_parallel_prefill_worker_sends_a_prompt_per_rank_layer_by_layer(tmp_path, capsys):
+def test_bench_transfer_with_a_data_parallel_prefill_worker_sends_a_prompt_per_rank_layer_by_layer(tmp_path, capsys,
+                                                                                                   monkeypatch):
     """Two prompts at once, a rank each, in every mode, and once more layer by layer from rank 0."""
+    from collections import OrderedDict
+
+    from sparsekv.disagg.transfer import STORE_CLIENTS
+    monkeypatch.setattr(STORE_CLIENTS, "_idle", OrderedDict())  # none kept by other tests' workers
     out = tmp_path / "transfer.json"
     assert main(["transfer", "--prompt-tokens", "256", "--repeats", "1", "--prefill-dp", "2", "--json", str(out)]) == 0
     modes = json.loads(out.read_text())["backends"]["torch"]
@@ -148,7 +153,6 @@ def test_bench_transfer_with_a_data_parallel_prefill_worker_sends_a_prompt_per_r
     assert all(modes[m]["sent_by_other_ranks"] == 1 for m in ("layers", "chunks", "after"))
     assert modes["layers-rank-0"]["sent_by_other_ranks"] == 0
     assert modes["chunks"]["pages_by_layer"] == 0 and "a prompt per rank" in capsys.readouterr().out
-    from sparsekv.disagg.transfer import STORE_CLIENTS
     assert STORE_CLIENTS.idle() == 0  # the prefill worker closed: no connection to its store kept
 
 
