@@ -48,15 +48,14 @@ def _ended_whole(url: str) -> float:
     return scrape_labelled(url, "finished_reason").get("sparsekv:request_success_total", {}).get("length", 0.0)
 
 
-async def _client(server, rng: random.Random, i: int, outcomes: list) -> None:
+async def _client(url: str, headers: dict, rng: random.Random, i: int, outcomes: list) -> None:
     """One random client: what it did, and for a request that ran to its end, the answer."""
     path, body = _body(rng, f"soak-{i}")
     action = rng.choice(["whole", "whole", "stream", "cut stream", "give up", "abort"])
     if action in ("cut stream", "give up"):  # longer than the client waits: only an abort ends it early
         body["max_tokens"] = LONG
-    headers = {"Authorization": f"Bearer {KEY}"}
     await asyncio.sleep(rng.random() * 0.5)
-    async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
         if action == "whole":
             r = await client.post(path, json=body)
             outcomes.append((action, body, r.status_code, r.json()))
@@ -82,26 +81,20 @@ async def _client(server, rng: random.Random, i: int, outcomes: list) -> None:
             outcomes.append((action, body, r.status_code, (aborted.status_code, r.json())))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_concurrent_clients_leave_no_request_and_no_page(server, seed):
-    rng = random.Random(seed)
-    server.delay[0] = 0.005  # a step takes a little longer: cuts and aborts land mid-request
-    outcomes: list = []
+def run_clients(url: str, seed: int, clients: int, headers: dict | None = None) -> list:
+    """`clients` random clients (`_client`) at once against `url`: what each did, and its answer."""
+    rng, outcomes = random.Random(seed), []
 
     async def everyone():
-        await asyncio.gather(*(_client(server, random.Random(rng.random()), i, outcomes) for i in range(24)))
-    ended, generated = _ended_whole(server.url), scrape(server.url)["sparsekv:generation_tokens_total"]
-    try:
-        asyncio.run(everyone())
-    finally:
-        server.delay[0] = 0.0
-    assert len(outcomes) == 24
-    assert wait_until(lambda: pages_all_free(server.url), 30)
-    metrics = scrape(server.url)
-    assert metrics["sparsekv:num_requests_waiting"] == 0
-    server.engine.check_integrity()
-    # choices that ran to their max_tokens, and their tokens; a client that left ended its request early
-    # (the abort its disconnect made): of its LONG tokens at most CUT_TOKENS were generated
+        await asyncio.gather(*(_client(url, headers or {}, random.Random(rng.random()), i, outcomes)
+                               for i in range(clients)))
+    asyncio.run(everyone())
+    assert len(outcomes) == clients
+    return outcomes
+
+
+def answered_whole(outcomes: list) -> tuple[int, int, int]:
+    """(choices that ran to their max_tokens, the tokens answered, choices whose client left)."""
     whole = tokens = left = 0
     for action, body, status, answer in outcomes:
         if action in ("whole", "stream"):
@@ -111,8 +104,12 @@ def test_random_concurrent_clients_leave_no_request_and_no_page(server, seed):
             tokens += answer[1]["usage"]["completion_tokens"]
         else:
             left += body["n"]
-    assert _ended_whole(server.url) - ended == whole
-    assert tokens <= scrape(server.url)["sparsekv:generation_tokens_total"] - generated <= tokens + CUT_TOKENS * left
+    return whole, tokens, left
+
+
+def check_answers(outcomes: list) -> None:
+    """A request that ran to its end was answered whole; a stream got its chunks; an aborted one ended
+    with what it had (or had ended before its abort came)."""
     for action, body, status, answer in outcomes:
         if action == "whole":
             assert status == 200, answer
@@ -123,7 +120,7 @@ def test_random_concurrent_clients_leave_no_request_and_no_page(server, seed):
             assert status == 200 and answer >= 2  # its chunks, and the last one
         elif action == "cut stream":
             assert status == 200 and answer >= 1
-        elif action == "abort":  # the abort ends it with what it has, or it had ended already
+        elif action == "abort":
             (abort_status, answer) = answer
             assert status == abort_status == 200, answer
             choices = answer["choices"]
@@ -132,3 +129,22 @@ def test_random_concurrent_clients_leave_no_request_and_no_page(server, seed):
                 assert answer["usage"]["completion_tokens"] == body["n"] * body["max_tokens"]
             else:
                 assert answer["usage"]["completion_tokens"] < body["n"] * body["max_tokens"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_concurrent_clients_leave_no_request_and_no_page(server, seed):
+    server.delay[0] = 0.005  # a step takes a little longer: cuts and aborts land mid-request
+    ended, generated = _ended_whole(server.url), scrape(server.url)["sparsekv:generation_tokens_total"]
+    try:
+        outcomes = run_clients(server.url, seed, 24, {"Authorization": f"Bearer {KEY}"})
+    finally:
+        server.delay[0] = 0.0
+    assert wait_until(lambda: pages_all_free(server.url), 30)
+    assert scrape(server.url)["sparsekv:num_requests_waiting"] == 0
+    server.engine.check_integrity()
+    # a client that left ended its request early (the abort its disconnect made): of its LONG tokens at
+    # most CUT_TOKENS were generated
+    whole, tokens, left = answered_whole(outcomes)
+    assert _ended_whole(server.url) - ended == whole
+    assert tokens <= scrape(server.url)["sparsekv:generation_tokens_total"] - generated <= tokens + CUT_TOKENS * left
+    check_answers(outcomes)
