@@ -5,6 +5,7 @@ of the bundled model (it solves nothing; the wiring is what is checked)."""
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
@@ -348,10 +349,14 @@ def test_a_reply_cut_by_max_tokens_finishes_length():
     assert traj["finish"] == "length" and traj["turns"][0]["finish_reason"] == "length"
 
 
+def _default_sigint() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_a_rollout(tmp_path):
     """SIGINT during a rollout: the episodes not started are cancelled, no new policy call starts, the
     finished trajectories stay written, one line says so, and the exit status is 130."""
-    import signal
     import subprocess
     import sys
     import time
@@ -361,12 +366,17 @@ def test_ctrl_c_stops_a_rollout(tmp_path):
     with FakeOpenAI(script) as fake:
         argv = [sys.executable, "-m", "sparsekv", "rollout", "fizzbuzz", "--url", fake.url, "--judge", "none",
                 "--episodes", str(episodes), "--output", str(out)] + (["--allow-network"] if CFG.allow_network else [])
-        proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+        # SIGINT as a terminal delivers it: the command must not inherit it ignored from the test run (pytest
+        # started as a background job of a non-interactive shell ignores SIGINT and SIGQUIT, and passes
+        # that on: the rollout then ran all its episodes and exited 0)
+        proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
         try:
             deadline = time.monotonic() + 120
             while not (out.exists() and out.read_text().count("\n") >= 1):
                 assert proc.poll() is None and time.monotonic() < deadline, "no trajectory was written"
                 time.sleep(0.05)
+            with open(f"/proc/{proc.pid}/status") as f:  # said if the signal has no effect
+                masks = [line.strip() for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=60)
         finally:
@@ -375,7 +385,7 @@ def test_ctrl_c_stops_a_rollout(tmp_path):
         time.sleep(0.5)
         assert len(fake.policy_requests()) == calls_at_exit  # nothing left running calls the policy
     lines = out.read_text().splitlines()
-    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, (err, masks)
     assert 1 <= len(lines) < episodes and all(json.loads(line)["finish"] == "stop" for line in lines)
     assert calls_at_exit <= 2 * (len(lines) + 1)  # at most the episode in flight besides the finished ones
 
