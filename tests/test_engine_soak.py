@@ -1,14 +1,14 @@
 """Random workloads through the engine's step loop, the interleavings no hand-written test lists:
 requests arriving between steps, aborts a random number of steps after a request arrived (queued,
 prefilling or decoding by then), prompts sharing prefixes across tenants and salts, optimistic
-admission on a small pool (preemption, and recomputation from the prefix cache's tiers), tiering and
-MTP drafts.
+admission on a small pool (preemption, and recomputation from the prefix cache's tiers), tiering, MTP
+drafts, and data- and tensor-parallel engines of two processes.
 
 After every step every pool's integrity holds (`LLMEngine.check_integrity`); at the end the engine
 is idle with every page free. Each request not aborted ends as it must (its max_tokens, as
-ignore_eos asks), and its tokens equal those of the same request alone in a reserving engine with no
-prefix cache (greedy and seeded sampling alike), its logprobs within the rounding bound of regrouped
-rows (tests/tolerances.py)."""
+ignore_eos asks), and its tokens equal those of the same request alone in one process, untiered, with
+a reserving pool and no prefix cache (greedy and seeded sampling alike), its logprobs within the
+rounding bound of regrouped rows (tests/tolerances.py)."""
 from __future__ import annotations
 
 import random
@@ -62,8 +62,7 @@ def run(llm, planned: list[Planned]) -> tuple[dict, set, int]:
         for p in planned:
             if p.arrives == step:
                 engine.add_request(p.request_id, p.prompt, p.params, tenant=p.tenant, cache_salt=p.cache_salt)
-            if (p.aborted_after is not None and step == p.arrives + p.aborted_after and p.request_id not in done
-                    and p.arrives <= step):
+            if p.aborted_after is not None and step == p.arrives + p.aborted_after and p.request_id not in done:
                 assert engine.abort(p.request_id)
                 aborted.add(p.request_id)
         done.update({o.request_id: o for o in engine.step() if o.finished})
