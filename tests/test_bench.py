@@ -156,6 +156,30 @@ def test_bench_transfer_with_a_data_parallel_prefill_worker_sends_a_prompt_per_r
     assert STORE_CLIENTS.idle() == 0  # the prefill worker closed: no connection to its store kept
 
 
+def test_bench_transfer_with_room_prompts_prefills_a_room_on_both_ranks_against_one(tmp_path, capsys, monkeypatch):
+    """One request of two prompts at a time on a `-dp 2` prefill worker: the router puts them on both ranks
+    (rank 0 sends the room), against both on one rank; the same pages either way."""
+    from collections import OrderedDict
+
+    from sparsekv.disagg.transfer import STORE_CLIENTS
+    monkeypatch.setattr(STORE_CLIENTS, "_idle", OrderedDict())
+    out = tmp_path / "transfer.json"
+    assert main(["transfer", "--prompt-tokens", "256", "--repeats", "1", "--prefill-dp", "2", "--room-prompts", "2",
+                 "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["backends"]["torch"]
+    assert set(modes) == {"layers", "layers-one-rank"}
+    spread, one_rank = modes["layers"], modes["layers-one-rank"]
+    assert (spread["ranks_prefilling"], one_rank["ranks_prefilling"]) == (2, 1)
+    assert spread["sent_by_other_ranks"] == 0  # a room on two ranks: rank 0 sends it, fetching rank 1's rows
+    assert spread["pages_sent"] == spread["pages_by_layer"] == one_rank["pages_sent"] == 2 * (255 // 64)
+    assert spread["over_one_rank"] > 0 and "against one rank" in capsys.readouterr().out
+
+
+def test_bench_transfer_room_prompts_needs_a_data_parallel_prefill_worker(capsys):
+    assert main(["transfer", "--prompt-tokens", "64", "--room-prompts", "2"]) == 2
+    assert "give --prefill-dp 2" in capsys.readouterr().err
+
+
 def test_bench_transfer_refuses_an_unknown_backend(capsys):
     assert main(["transfer", "--backends", "rdma"]) == 2
     assert "--backends" in capsys.readouterr().err

@@ -340,23 +340,31 @@ def test_a_data_parallel_prefill_rank_sends_its_rooms_tensors_itself(transfer, d
         assert prefill.worker.rank_gpus == ({1: None} if direct else {})  # asked once, at rank 1's first room
 
 
-def test_a_room_of_two_prompts_runs_on_one_rank_which_sends_it(glm_ckpt, monkeypatch):
-    """In process, a `-dp 2` prefill worker: one request of two prompts is one room. Its first prompt
-    goes to rank 1, and its second follows there though the router alone would give it rank 0
-    (`watch_ranks`); rank 1 then sends the whole room itself, and the answers are one colocated
-    engine's."""
+@pytest.mark.parametrize("one_rank", [False, True], ids=["spread", "one_rank"])
+def test_a_room_of_two_prompts_prefills_on_the_ranks_the_router_gives(one_rank, glm_ckpt, monkeypatch):
+    """In process, a `-dp 2` prefill worker: one request of two prompts is one room. The router gives its
+    first prompt rank 1 and its second rank 0, and each prefills there, at once; rank 0 sends the room,
+    fetching rank 1's rows. With `one_rank_rooms` (the bench's baseline) the second follows the first
+    to rank 1 instead (`watch_ranks`), unasked of the router, and rank 1 sends the whole room itself.
+    Either way the answers are one colocated engine's and rank 1 keeps nothing."""
     path = glm_ckpt[0]
     prompts = [_prompt(256, 44, seed) for seed in (3, 4)]
     colocated = LLM(path, **BASE)
     want = colocated.generate(prompts, GREEDY)
     with (WorkerServer(path, "prefill", data_parallel_size=2, dist_startup_timeout_s=STARTUP_S, **BASE) as prefill,
           WorkerServer(path, "decode", **BASE) as decode):
+        prefill.worker.one_rank_rooms = one_rank
         chosen = []
         monkeypatch.setattr(prefill.engine.router, "peek", lambda *args: chosen.append(args) or (1 if len(chosen) == 1 else 0))
         rp, rd = send_pair(prefill.url, decode.url, {**BODY, "prompt": prompts})
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
         sent, body = rp.json()["sparsekv"]["disaggregation"], rd.json()
-        assert len(chosen) == 1 and sent["prefill_rank"] == 1
+        ranks = prefill.on_engine(prefill.engine.stats)["by_data_parallel_rank"]
+        prompt_tokens = [r["prompt_tokens"] for r in ranks]
+        if one_rank:
+            assert len(chosen) == 1 and sent["prefill_rank"] == 1 and prompt_tokens[0] == 0, (chosen, prompt_tokens)
+        else:
+            assert len(chosen) == 2 and sent["prefill_rank"] == 0 and min(prompt_tokens) > 0, (chosen, prompt_tokens)
         assert sent["pages_sent"] == 2 * ((len(prompts[0]) - 1) // PAGE)
         assert sent["bytes"] == body["sparsekv"]["disaggregation"]["bytes"]
         assert [c["token_ids"] for c in body["sparsekv"]["choices"]] == [w.token_ids for w in want]
@@ -646,26 +654,32 @@ def test_a_claimed_prompt_is_counted_and_remembered_on_its_claimed_rank(glm_ckpt
         llm.close()
 
 
-def test_the_requests_of_a_watched_room_run_on_the_rank_of_its_first(glm_ckpt):
-    """In process, two ranks: a prefill worker's room (two choices, or two prompts) runs on one rank,
-    which then sends all of it. Its second request goes to the rank its first went to, although the
-    router alone would balance it to the other (prompts of no shared page, equal load); unwatched
-    requests are balanced as before, and the room's rank stays known after its requests end."""
+@pytest.mark.parametrize("one_rank", [False, True], ids=["placed", "one_rank"])
+def test_the_requests_of_a_watched_room_run_where_the_router_puts_them_or_on_the_rank_of_its_first(one_rank,
+                                                                                                    glm_ckpt):
+    """In process, two ranks: a prefill worker's room of two prompts. Each request goes where the router
+    puts it (prompts of no shared page, equal load: the second to the other rank), and the room is then
+    on no one rank. Watched with `one_rank`, its second request goes to the rank its first went to
+    instead, and that rank sends all of it. Unwatched requests are balanced as before, and the rank of
+    each watched request stays known after its requests end."""
     x, a1, a2, y = (_prompt(256, 41, seed) for seed in (3, 4, 5, 6))
     llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, dist_startup_timeout_s=STARTUP_S)
     engine = llm.engine
     try:
         engine.add_request("x", x, GREEDY)
-        engine.watch_ranks(["a1", "a2"])
+        engine.watch_ranks(["a1", "a2"], one_rank)
         engine.add_request("a1", a1, GREEDY)
         assert engine.router.peek(a2) == 0  # where a2 would go alone: load [1, 1], no page matched
         engine.add_request("a2", a2, GREEDY)
         engine.add_request("y", y, GREEDY)
-        assert [engine.rank_of[r] for r in ("x", "a1", "a2", "y")] == [0, 1, 1, 0]
-        assert engine.router.in_flight == [2, 2] and engine.rank_running(["a1", "a2"]) == 1
+        a2_rank, y_rank = (1, 0) if one_rank else (0, 1)
+        assert [engine.rank_of[r] for r in ("x", "a1", "a2", "y")] == [0, 1, a2_rank, y_rank]
+        room_rank = 1 if one_rank else None
+        assert engine.router.in_flight == [2, 2] and engine.rank_running(["a1", "a2"]) == room_rank
         while engine.has_unfinished_requests():
             engine.step()
-        assert engine.rank_running(["a1", "a2"]) == 1  # finished, still watched
+        assert engine.rank_running(["a1", "a2"]) == room_rank  # finished, still watched
+        assert engine.rank_running(["a1"]) == 1
         engine.unwatch_ranks(["a1", "a2"])
         assert engine.rank_running(["a1"]) is None and engine._room_of == {} and engine._watched == {}
         engine.check_integrity()

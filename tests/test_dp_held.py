@@ -356,15 +356,19 @@ def test_a_call_that_outlives_its_room_opens_nothing_and_publishes_nothing(monke
     assert list(side.ended) == ["during", "open"] and side.rooms == {}
 
 
-def test_each_request_of_a_watched_room_follows_the_rank_of_whichever_of_it_was_added():
+def test_each_request_of_a_room_watched_on_one_rank_follows_the_rank_of_whichever_of_it_was_added():
     """`DataParallelEngine._rank_of_room`, which `add_request` asks before the router: a request of a
-    watched room goes to the rank another request of that room was added to, whatever its place in the
-    room and also once that one finished; a request of no room, or of a room no longer watched, has
-    none (the router decides)."""
+    room watched with `one_rank` goes to the rank another request of that room was added to, whatever
+    its place in the room and also once that one finished; a request of no room, of a room no longer
+    watched, or of one watched without `one_rank` (the default), has none (the router decides)."""
     from types import SimpleNamespace
     from sparsekv.parallel.data_parallel import DataParallelEngine
+    engine = SimpleNamespace(rank_of={"b2": 1}, _watched={}, _room_of={})
+    DataParallelEngine.watch_ranks(engine, ["b1", "b2"])
+    assert DataParallelEngine._rank_of_room(engine, "b1") is None and engine._watched == {"b1": None, "b2": 1}
+    DataParallelEngine.unwatch_ranks(engine, ["b1", "b2"])
     engine = SimpleNamespace(rank_of={"a3": 1}, _watched={}, _room_of={})  # the room's last request added first
-    DataParallelEngine.watch_ranks(engine, ["a1", "a2", "a3"])
+    DataParallelEngine.watch_ranks(engine, ["a1", "a2", "a3"], one_rank=True)
     engine.rank_of.clear()  # a3 finished, still watched
     rank = lambda request_id: DataParallelEngine._rank_of_room(engine, request_id)  # noqa: E731
     assert [rank("a1"), rank("a2"), rank("x")] == [1, 1, None]

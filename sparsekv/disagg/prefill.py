@@ -49,6 +49,8 @@ class PrefillWorker(Worker):
         self.stream_poll_s: float | None = STREAM_POLL_S  # None: one look, after the prefill (bench transfer)
         self.layer_by_layer = settings.send == "layers"  # else a page's rows go once every layer computed them
         self.direct_send = True  # a data-parallel rank > 0 sends its rooms' tensors itself (else through rank 0)
+        # each room's prompts on one data-parallel rank (the first's), not where the router puts each: a baseline
+        self.one_rank_rooms = False
         self.rank_gpus: dict[int, str | None] = {}  # each data-parallel rank's GPU, asked at its first room (`_gpu_of`)
         try:
             self.store = host_bootstrap(settings.bootstrap_host, settings.bootstrap_port, settings.timeout_s)
@@ -245,8 +247,7 @@ class PrefillWorker(Worker):
         """The data-parallel rank > 0 that publishes and sends the room's tensors itself (dp_send.py: over
         NIXL through an agent of its own): the one rank its prompts run on, whose rows stay there. None
         (rank 0 sends, fetching any rows kept on another rank) for a room whose prompts run on rank 0 or
-        on several ranks (`watch_ranks` keeps a room on one; only a logits processor overrides that), or
-        with `direct_send` off."""
+        on several ranks (the router places each), or with `direct_send` off."""
         engine = self.state.engine
         if not self.direct_send or engine.config.data_parallel_size == 1:
             return None
@@ -446,7 +447,7 @@ class PrefillWorker(Worker):
         def tap():  # NOTE: with the weights they are computed under (read together, between two steps)
             if watch:
                 engine.open_rank_calls()  # a room's rank > 0 sends it: `_sending_rank`
-                engine.watch_ranks(request_ids)
+                engine.watch_ranks(request_ids, self.one_rank_rooms)
             if feed is not None:
                 for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
                     feed.tap_kinds = engine.tap_layers(request_id, len(prompt), 0, feed.deliver_for(i))

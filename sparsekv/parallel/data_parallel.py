@@ -59,7 +59,7 @@ class DataParallelEngine:
         self.calls: RankCalls | None = None  # rank 0's calls to the other ranks about their held rows (dp_held.py)
         self.rank_of: dict[str, int] = {}  # requests in flight -> their rank
         self._watched: dict[str, int | None] = {}  # requests whose rank a prefill worker's room reads (watch_ranks)
-        self._room_of: dict[str, tuple[str, ...]] = {}  # a watched request -> its room's requests, run on one rank
+        self._room_of: dict[str, tuple[str, ...]] = {}  # a watched request -> its room's requests, kept on one rank
         self._remote: dict[str, Request] = {}  # rank 0's view of the requests in flight on other ranks
         self._adds: list[list] = [[] for _ in range(self.num_ranks)]
         self._aborts: list[list[str]] = [[] for _ in range(self.num_ranks)]
@@ -246,15 +246,17 @@ class DataParallelEngine:
         self.calls = RankCalls(groups[1], groups[2], self.num_ranks)
         return DataParallelTaps(self.local, receiver, self.num_ranks)
 
-    def watch_ranks(self, request_ids: list[str]) -> None:
-        """These requests are one prefill worker's room, which the rank they run on sends
-        (`rank_running`): each added after the first goes to the first's rank (so no room needs rows
-        from two ranks), and which rank that is stays known, also once they have finished, until
-        `unwatch_ranks`."""
+    def watch_ranks(self, request_ids: list[str], one_rank: bool = False) -> None:
+        """These requests are one prefill worker's room: which rank each runs on stays known, also once
+        it has finished, until `unwatch_ranks` (`rank_running`: the one rank that sends the room, if they
+        all run on one). The router places each (a room's prompts prefill on several ranks at once);
+        `one_rank`: each added after the first goes to the first's rank instead, so no room needs rows
+        from two ranks (the baseline `sparsekv bench transfer --room-prompts` measures)."""
         room = tuple(request_ids)
         for request_id in request_ids:
             self._watched[request_id] = self.rank_of.get(request_id)
-            self._room_of[request_id] = room
+            if one_rank:
+                self._room_of[request_id] = room
 
     def unwatch_ranks(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

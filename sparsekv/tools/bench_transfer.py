@@ -15,8 +15,12 @@ pair's links), each repeat sends one prompt in every mode, the order rotated rep
 `--prefill-dp N` the prefill worker is data-parallel and N prompts go at once, one per rank: each
 rank > 0 sends its room itself, in every mode and over either backend (its rows never cross rank 0),
 and one more mode sends every room layer by layer from rank 0, which fetches the other ranks' rows
-(the path with the direct send off, `PrefillWorker.direct_send`). The two workers share this machine's cores:
-pin the process (`taskset`) to compare runs.
+(the path with the direct send off, `PrefillWorker.direct_send`). With `--room-prompts R` as well, one request
+of R prompts goes at a time (one room), layer by layer: each prompt where the router puts it (they prefill on
+several ranks at once, and rank 0 sends the room, fetching the other ranks' rows) against every prompt of the
+room on one rank (`PrefillWorker.one_rank_rooms`, which that rank sends itself); the figure to compare is the
+prefill and the transfer left after it together. The two workers share this machine's cores: pin the process
+(`taskset`) to compare runs.
 """
 from __future__ import annotations
 
@@ -34,8 +38,10 @@ from .bench import report_console, run_bench
 
 MODES = ("layers", "chunks", "after")
 RANK_0 = "layers-rank-0"  # with --prefill-dp: layer by layer, every room sent by rank 0
+ONE_RANK = "layers-one-rank"  # with --room-prompts: layer by layer, each room's prompts on one rank
 MODE_NAMES = {"layers": "layer by layer while the prefill computes", "chunks": "chunk by chunk while it computes",
-              "after": "after it", RANK_0: "layer by layer, every rank's rows through rank 0"}
+              "after": "after it", RANK_0: "layer by layer, every rank's rows through rank 0",
+              ONE_RANK: "layer by layer, the room's prompts on one rank"}
 SERVED_NAME = "bench"
 
 
@@ -88,29 +94,47 @@ def send_pair(prefill_url: str, decode_url: str, body: dict, timeout: float = 60
     return answers[0].json(), answers[1].json()
 
 
-def prompts_at_once(pair, mode: str, prompts: list[list[int]]) -> list[dict]:
-    """The prompts through the pair in `mode`, all at once; the prefill worker's transfer figures of each."""
+def prompts_at_once(pair, mode: str, prompts: list) -> list[dict]:
+    """The prompts through the pair in `mode`, all at once, a request each (a prompt, or a room's list of
+    prompts); the prefill worker's transfer figures of each."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ..disagg.prefill import STREAM_POLL_S
     prefill, decode = pair
     prefill.worker.stream_poll_s = None if mode == "after" else STREAM_POLL_S
-    prefill.worker.layer_by_layer = mode in ("layers", RANK_0)
+    prefill.worker.layer_by_layer = mode in ("layers", RANK_0, ONE_RANK)
     prefill.worker.direct_send = mode != RANK_0
+    prefill.worker.one_rank_rooms = mode == ONE_RANK
     body = {"model": SERVED_NAME, "max_tokens": 1, "temperature": 0.0}
-    hold = len(prompts) > 1  # a data-parallel prefill worker: every prompt routed before any runs
+    count = sum(len(p) if isinstance(p[0], list) else 1 for p in prompts)
+    hold = count > 1  # a data-parallel prefill worker: every prompt routed before any runs
+    before = rank_prompt_tokens(prefill.url)
     with ThreadPoolExecutor(len(prompts)) as pool:
         if hold:
             _admin(prefill, "/pause_generation")
         try:
             sent = [pool.submit(send_pair, prefill.url, decode.url, {**body, "prompt": p}) for p in prompts]
             if hold:
-                await_waiting(prefill.url, len(prompts))
+                await_waiting(prefill.url, count)
         finally:
             if hold:
                 _admin(prefill, "/continue_generation")
         answers = [future.result() for future in sent]
-    return [answer["sparsekv"]["disaggregation"] for answer, _ in answers]
+    prefilling = sum(a > b for a, b in zip(rank_prompt_tokens(prefill.url), before))
+    return [{**answer["sparsekv"]["disaggregation"], "ranks_prefilling": prefilling} for answer, _ in answers]
+
+
+def rank_prompt_tokens(url: str) -> list[float]:
+    """Each data-parallel rank's prompt tokens so far (its `dp_rank_prompt_tokens_total` on /metrics; none
+    for one rank)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "sparsekv:dp_rank_prompt_tokens":
+            samples = [s for s in family.samples if s.name.endswith("_total")]
+            return [s.value for s in sorted(samples, key=lambda s: int(s.labels["dp_rank"]))]
+    return []
 
 
 def await_waiting(prefill_url: str, prompts: int, timeout_s: float = 60.0) -> None:
@@ -145,6 +169,9 @@ def backends(wanted: str) -> list[str]:
 def run(args) -> dict:
     import torch
     from ..paths import default_model_path
+    if args.room_prompts > 1 and args.prefill_dp == 1:
+        raise ValueError("--room-prompts compares where a data-parallel prefill worker's ranks prefill a room: "
+                         "give --prefill-dp 2 or more")
     torch.set_num_threads(args.threads)
     model = args.model or default_model_path()
     options = dict(max_model_len=args.prompt_tokens + 64, num_threads=args.threads,
@@ -158,11 +185,12 @@ def run(args) -> dict:
         try:
             vocab = pair[0].engine.model_config.vocab_size
 
-            def new_prompts():  # with -dp, a prompt per rank at once (the router spreads them)
-                return [torch.randint(1, vocab, (args.prompt_tokens,), generator=g).tolist()
-                        for _ in range(args.prefill_dp)]
+            def new_prompts():  # with -dp, a prompt per rank at once (the router spreads them), or one room
+                prompts = [torch.randint(1, vocab, (args.prompt_tokens,), generator=g).tolist()
+                           for _ in range(args.room_prompts if args.room_prompts > 1 else args.prefill_dp)]
+                return [prompts] if args.room_prompts > 1 else prompts
             prompts_at_once(pair, MODES[0], new_prompts())  # untimed: the pair's first request sets up its links
-            modes = modes_of(args.prefill_dp)
+            modes = modes_of(args.prefill_dp, args.room_prompts)
             runs = {mode: [] for mode in modes}
             for repeat in range(args.repeats):
                 for mode in mode_order(repeat, modes):
@@ -172,10 +200,12 @@ def run(args) -> dict:
             for worker in pair:
                 worker.close()
     return {"model": model, "prompt_tokens": args.prompt_tokens, "repeats": args.repeats,
-            "prefill_dp": args.prefill_dp, "backends": results}
+            "prefill_dp": args.prefill_dp, "room_prompts": args.room_prompts, "backends": results}
 
 
-def modes_of(prefill_dp: int) -> tuple[str, ...]:
+def modes_of(prefill_dp: int, room_prompts: int = 1) -> tuple[str, ...]:
+    if room_prompts > 1:
+        return ("layers", ONE_RANK)
     return MODES + ((RANK_0,) if prefill_dp > 1 else ())
 
 
@@ -190,32 +220,39 @@ def summarize(figures: list[dict]) -> dict:
     def median(key):
         return statistics.median(f[key] for f in figures)
     return {"prefill_s": median("prefill_s"), "after_prefill_ms": 1e3 * median("transfer_s"),
+            "with_prefill_s": statistics.median(f["prefill_s"] + f["transfer_s"] for f in figures),
             "after_prefill_ms_each": [round(1e3 * f["transfer_s"], 1) for f in figures],
             "pages_sent": median("pages_sent"), "pages_streamed": median("pages_streamed"),
             "pages_by_layer": median("pages_by_layer"),
             "mb": median("bytes") / 1e6, "batches": median("batches"), "backend": figures[0]["backend"],
-            "sent_by_other_ranks": sum(f.get("prefill_rank", 0) > 0 for f in figures)}
+            "sent_by_other_ranks": sum(f.get("prefill_rank", 0) > 0 for f in figures),
+            "ranks_prefilling": median("ranks_prefilling")}
 
 
 def report(out: dict) -> dict:
-    dp = out.get("prefill_dp", 1)
-    prompts = "one prompt" if dp == 1 else f"{dp} prompts at once (a data-parallel prefill worker, a prompt per rank)"
+    dp, room = out.get("prefill_dp", 1), out.get("room_prompts", 1)
+    if room > 1:
+        prompts, runs = f"one request of {room} prompts at a time (a data-parallel prefill worker, -dp {dp})", out["repeats"]
+        versus, baseline, key = "prefill + transfer (s), against one rank", ONE_RANK, "with_prefill_s"
+    else:
+        prompts = "one prompt" if dp == 1 else f"{dp} prompts at once (a data-parallel prefill worker, a prompt per rank)"
+        runs, versus, baseline, key = out["repeats"] * dp, "after the prefill, against after", "after", "after_prefill_ms"
     table = Table(title=f"{out['model']}: {prompts} of {out['prompt_tokens']} tokens, a prefill and a decode worker in "
-                        f"this process, medians of {out['repeats'] * dp}")
+                        f"this process, medians of {runs}")
     for column in ("backend", "sent", "prefill s", "transfer after the prefill (ms), each run",
-                   "pages sent / streamed / by layer", "MB", "batches", "after the prefill, against after",
-                   *(["rooms sent by a rank > 0"] if dp > 1 else [])):
+                   "pages sent / streamed / by layer", "MB", "batches", versus,
+                   *(["rooms sent by a rank > 0", "ranks prefilling"] if dp > 1 else [])):
         table.add_column(column)
     for name, modes in out["backends"].items():
-        after = modes["after"]["after_prefill_ms"]
-        for mode in modes_of(dp):
+        for mode in modes_of(dp, room):
             r = modes[mode]
-            r["over_after"] = r["after_prefill_ms"] / after
+            r["over_after" if room == 1 else "over_one_rank"] = over = r[key] / modes[baseline][key]
+            against = f"x{over:.2f}" if mode != baseline else ""
             table.add_row(f"{name} ({r['backend']})", MODE_NAMES[mode], f"{r['prefill_s']:.2f}",
                           f"{r['after_prefill_ms']:.1f} ({', '.join(map(str, r['after_prefill_ms_each']))})",
                           f"{r['pages_sent']:g} / {r['pages_streamed']:g} / {r['pages_by_layer']:g}", f"{r['mb']:.1f}",
-                          f"{r['batches']:g}", f"x{r['over_after']:.2f}" if mode != "after" else "",
-                          *([f"{r['sent_by_other_ranks']} of {out['repeats'] * dp}"] if dp > 1 else []))
+                          f"{r['batches']:g}", f"{r['with_prefill_s']:.2f} {against}" if room > 1 else against,
+                          *([f"{r['sent_by_other_ranks']} of {runs}", f"{r['ranks_prefilling']:g}"] if dp > 1 else []))
     report_console().print(table)
     return out
 
@@ -231,9 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=at_least(1), default=1, help="torch threads (the two engines share them)")
     p.add_argument("--prefill-dp", type=int, default=1,
                    help="the prefill worker's data-parallel ranks (-dp); as many prompts go at once, one per rank")
+    p.add_argument("--room-prompts", type=int, default=1,
+                   help="with --prefill-dp: one request of this many prompts at a time, the router placing each "
+                        "against the room's prompts on one rank")
     p.add_argument("--json", type=output_path, default=None)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_bench(build_parser(), argv, ("prompt_tokens", "repeats", "threads", "prefill_dp"), run, report)
+    return run_bench(build_parser(), argv, ("prompt_tokens", "repeats", "threads", "prefill_dp", "room_prompts"), run,
+                     report)
