@@ -15,7 +15,8 @@
    (`DECODE_KEYS_MAJOR_MIN_KEYS_GPU`; on a CPU it does from 32K keys);
 3. a real N-token prefill (default 1M) followed by 32 decode tokens: time and peak device memory;
 4. with --tiers: the CUDA tests (tiering exactness, plain and speculative decoding; a dense-regime
-   decode step captured as one CUDA graph and replayed; decode selection page by page the same alone
+   decode step captured as one CUDA graph and replayed; the engine's decode steps replayed from CUDA
+   graphs per bucket against its decode path (tests/test_decode_graphs.py); decode selection page by page the same alone
    and batched, pages gathered on the device; plain rows decided on the device and penalised rows on
    the host against the CPU engine), and issue 3's
    fixed-device-budget benchmark (`sparsekv bench tiers --concurrency`: admitted, aggregate decode
@@ -23,7 +24,9 @@
    OUT.tiers.json for CKPT and OUT.tiers-glm52.json for the glm5.2-proportions stand-in (GLM-5.2's
    ratio of weight bytes to one request's cache reads per step).
 5. dense-regime decodes batched against one request at a time (`sparsekv bench batch`, 64 and 256
-   requests of 128 tokens, OUT.batch64.json / OUT.batch256.json): the launches saved on a device;
+   requests of 128 tokens, OUT.batch64.json / OUT.batch256.json): the launches saved on a device; at 64,
+   and at 4K contexts for 32 requests, also through the decode graphs (`--decode-graphs auto`: the
+   steps replayed from CUDA graphs, against the same batched path without them);
 6. with --disagg: prefill/decode disaggregation on the device (`tests/test_disagg_workers.py -k
    on_cuda`): a prefill and a decode worker sharing the GPU, over torch.distributed (gloo: NCCL refuses
    two ranks on one GPU) and over NIXL, against one engine on it; and the layer taps' rows copied off
@@ -174,7 +177,7 @@ def indexer_decode(device: str, out_path: str) -> dict:
 def tiers(ckpt: str, device: str, out_path: str) -> dict:
     test = run_bounded([*PYTEST, "tests/test_tiers.py", "tests/test_speculative.py",
                         "tests/test_prefix_cache.py", "tests/test_dense_decode_batch.py", "tests/test_kv_cache_dtype.py",
-                        "tests/test_decode_shapes.py", "tests/test_batched_decode.py",
+                        "tests/test_decode_shapes.py", "tests/test_batched_decode.py", "tests/test_decode_graphs.py",
                         "-k", "on_cuda"], lines=16)  # the failures' and skips' summary lines, not only the count
     result = {"cuda_exactness_test": test}
     for name, model in (("", ["--model", ckpt]), ("-glm52", ["--preset", "glm5.2-proportions"])):
@@ -194,11 +197,13 @@ def disaggregation() -> dict:
 
 
 def batch_decode(device: str, out_path: str) -> dict:
-    """Dense-regime decodes batched against one request at a time, at 64 and 256 requests."""
+    """Dense-regime decodes batched against one request at a time, at 64 and 256 requests; at 64 also
+    through the decode graphs (CUDA graphs), in the dense regime and at 4K contexts (32 requests)."""
     result = {}
     for batch in (64, 256):
+        graphs = ["--decode-graphs", "auto", "--sparse-prompt-tokens", "4096", "--sparse-batch", "32"] if batch == 64 else []
         result[batch] = run_bounded([*SPARSEKV, "bench", "batch", "--device", device, "--batch", str(batch), "--threads",
-                                     "16", "--json", out_path.replace(".batch", f".batch{batch}")], lines=5)
+                                     "16", *graphs, "--json", out_path.replace(".batch", f".batch{batch}")], lines=14)
     return result
 
 

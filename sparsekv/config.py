@@ -241,6 +241,7 @@ ATTENTION_MODES = ("sparse", "dense")
 QUEST_PAGE_TOKENS = 16  # Quest's page (its default): positions per page whose key bounds it keeps
 SELECTORS = ("dsa", "quest")
 INDEXER_KEY_DTYPES = ("auto", "fp8_e4m3")
+DECODE_GRAPH_MODES = ("auto", "off", "eager")
 KV_CACHE_DTYPES = ("auto", "fp8")  # latents: the model dtype, or FlashMLA's 656 B FP8 rows (cache/latent_format.py)
 
 
@@ -301,6 +302,12 @@ class EngineConfig:
     # A step's decodes run as one batch: selection, gather and attention (model/decode_plan.py); False:
     # one request at a time (the baseline `sparsekv bench batch` measures against).
     batch_dense_decodes: bool = True
+    # Plain decode steps as pieces of fixed shapes per batch-size bucket (model/decode_graphs.py), up to
+    # cuda_graph_max_bs requests: "auto" replays them from CUDA graphs on a CUDA device where they are
+    # built (one rank, untiered, no drafting; elsewhere the engine's decode path); "off"; "eager": the
+    # same pieces run uncaptured, on any device (what the graphs replay, for checking).
+    decode_graphs: str = "auto"
+    cuda_graph_max_bs: int = 64
     # Disk-tier prefix pages are read ahead of admission while the engine steps on (False: read at
     # admission, stalling the step; the baseline scripts/prefix_read_ahead.py measures against).
     prefix_cache_disk_read_ahead: bool = True
@@ -405,6 +412,34 @@ class EngineConfig:
         self._validate_device()
         self._validate_tiering()
         self._validate_parallel()
+        self._validate_decode_graphs()
+
+    def _validate_decode_graphs(self) -> None:
+        if self.decode_graphs not in DECODE_GRAPH_MODES:
+            raise ConfigError(f"decode_graphs {self.decode_graphs!r} is not supported; use one of {DECODE_GRAPH_MODES}")
+        if not isinstance(self.cuda_graph_max_bs, int) or self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"cuda_graph_max_bs must be an integer >= 1, got {self.cuda_graph_max_bs!r}")
+        if self.decode_graphs == "eager" and self._decode_graphs_unbuilt():
+            raise ConfigError(f"decode_graphs 'eager': the decode pieces are not built for "
+                              f"{self._decode_graphs_unbuilt()}")
+
+    def _decode_graphs_unbuilt(self) -> str | None:
+        """What of this configuration the decode pieces are not built for (None: nothing)."""
+        unbuilt = [name for name, unsupported in (
+            ("several ranks", self.tensor_parallel_size * self.data_parallel_size * self.nnodes > 1),
+            ("the tiered KV cache", self.kv_tiering), ("MTP drafting", self.num_speculative_tokens > 0),
+            ("attention 'dense'", self.attention != "sparse"),
+            ("decodes one request at a time", not self.batch_dense_decodes)) if unsupported]
+        return ", ".join(unbuilt) or None
+
+    def decode_graph_mode(self) -> str:
+        """How plain decode steps run: "capture" (CUDA graphs), "eager" (the same pieces uncaptured) or
+        "off" (the engine's decode path)."""
+        if self.decode_graphs == "off" or self._decode_graphs_unbuilt():
+            return "off"
+        if self.decode_graphs == "eager":
+            return "eager"
+        return "capture" if self.device.startswith("cuda") else "off"
 
     def _validate_device(self) -> None:
         check_device(self.device)

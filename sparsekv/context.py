@@ -12,6 +12,7 @@ The flat batch holds the new tokens of every scheduled request back to back::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Callable
 
 import numpy as np
@@ -117,3 +118,20 @@ def index_tensor(values, device: torch.device) -> torch.Tensor:
     else:
         t = torch.as_tensor(values, dtype=torch.long)
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+def padded_rows(lengths: list[int], length: int, device) -> torch.Tensor:
+    """[B, length] rows of the concatenated histories of `lengths` tokens each, every history padded to
+    `length` by repeating its last row (callers mask the padding)."""
+    offsets = index_tensor([0, *accumulate(lengths[:-1])], device)
+    last = index_tensor(lengths, device) - 1
+    return offsets[:, None] + torch.minimum(torch.arange(length, device=device)[None, :], last[:, None])
+
+
+def padded_slots(seqs: list[SeqSlice], length: int | None = None) -> torch.Tensor:
+    """[B, length] slots of each request's history (default length: the longest), padded by repeating
+    its last slot (callers mask the padding): a few launches for the whole batch, not one copy per
+    request."""
+    lengths = [s.context_len for s in seqs]
+    flat = torch.cat([s.slots for s in seqs])
+    return flat[padded_rows(lengths, length or max(lengths), flat.device)]

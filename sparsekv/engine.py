@@ -298,7 +298,8 @@ class LLMEngine(WeightControl):
                 **self.counters, "indexer_scratch_bytes": self.model.index_scratch.nbytes,
                 "preemptions": self.scheduler.num_preemptions, "kv_by_tenant": self.scheduler.tenant_stats(self._held),
                 "ranks": self.executor.rank_stats(), "weights_version": self.weights_version,
-                "paused": self.paused, "weight_update_pending": self._pending_update is not None, **spec}
+                "paused": self.paused, "weight_update_pending": self._pending_update is not None, **spec,
+                **self.executor.decode_graph_stats()}
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

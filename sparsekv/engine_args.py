@@ -108,6 +108,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tenant within it) (default: none)")
     g.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
                    help="dense turns top-k selection off (baseline for measuring the mechanism)")
+    g.add_argument("--decode-graphs", default="auto", choices=["auto", "off", "eager"],
+                   help="plain decode steps as fixed-shape pieces per batch-size bucket: auto replays them from "
+                        "CUDA graphs on a CUDA device with one rank, untiered, without drafting (else the "
+                        "engine's decode path); eager runs the pieces uncaptured, for checking (docs/exactness.md)")
+    g.add_argument("--disable-cuda-graph", dest="decode_graphs", action="store_const", const="off",
+                   help="the same as --decode-graphs off")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=64, metavar="N",
+                   help="the largest decode batch run through the decode graphs (buckets: powers of two up to N, "
+                        "and N)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--weight-update-host-copy", action=argparse.BooleanOptionalAction, default=True,
                    help="keep the tensors of in-process weight updates in host memory, for later partial "
@@ -171,7 +180,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_ARG_NAMES = ("dtype", "revision", "device", "max_model_len", "hf_overrides", "max_num_seqs", "max_logprobs", "max_num_batched_tokens", "kv_page_size",
-                    "prefill_chunk_tokens", "num_kv_pages", "kv_cache_dtype", "kv_admission", "attention", "seed", "weight_update_host_copy", "num_threads",
+                    "prefill_chunk_tokens", "num_kv_pages", "kv_cache_dtype", "kv_admission", "attention", "decode_graphs",
+                    "cuda_graph_max_bs", "seed", "weight_update_host_copy", "num_threads",
                     "kv_tiering", "device_buffer_tokens", "host_kv_budget_bytes", "device_kv_budget_bytes",
                     "host_store_path", "selector", "quest_page_tokens", "indexer_key_dtype", "num_speculative_tokens",
                     "enable_prefix_caching", "prefix_cache_host_bytes",

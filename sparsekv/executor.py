@@ -66,6 +66,11 @@ class Executor(ABC):
         """Per rank, in rank order: weight bytes, KV pool bytes (latents and indexer keys, every slot),
         peak resident memory, bytes sent by each collective."""
 
+    def decode_graph_stats(self) -> dict:
+        """Plain decode steps run as fixed-shape pieces (model/decode_graphs.py), and the buckets
+        captured: none where they are not built."""
+        return {}
+
     def update_weights(self, update) -> None:
         """Load a checked weight update (weights.py: TensorUpdate or DiskUpdate) on every rank, each its
         own slices; nothing changes if it fails."""
@@ -100,6 +105,10 @@ class InProcessExecutor(Executor):
         self.runner = ModelRunner(model, pool, config.kv_page_size, config.attention,
                                   decode_rows=1 + config.num_speculative_tokens,
                                   batch_dense_decodes=config.batch_dense_decodes)
+        mode = config.decode_graph_mode()
+        if mode != "off":
+            from .model.decode_graphs import DecodeGraphs
+            self.runner.graphs = DecodeGraphs(self.runner, config.cuda_graph_max_bs, capture=mode == "capture")
         drafting = config.num_speculative_tokens and model.mtp is not None
         self.drafter = MTPDrafter(model, self.runner, pool, config.num_speculative_tokens) if drafting else None
         self.observers: list[Callable[[SchedulerOutput, ModelOutput], None]] = []
@@ -108,7 +117,7 @@ class InProcessExecutor(Executor):
     def execute(self, step: SchedulerOutput) -> ModelOutput:
         self.pool.begin_step(step.chunks)
         self.routing.begin(self.capture_routing)
-        logits, hidden = self.runner.execute(step.chunks)
+        logits, hidden = self.runner.execute(step.chunks, graphs=not self.capture_routing)
         self._hidden = hidden if self.drafter is not None else None
         out = ModelOutput(logits, hidden, self.routing.take(step.chunks))
         for observe in self.observers:
@@ -123,6 +132,9 @@ class InProcessExecutor(Executor):
 
     def rank_stats(self) -> list[dict]:
         return [self.local_stats()]
+
+    def decode_graph_stats(self) -> dict:
+        return {} if self.runner.graphs is None else self.runner.graphs.stats()
 
     def local_stats(self) -> dict:
         """This process's figures (one rank's)."""
@@ -165,7 +177,11 @@ class InProcessExecutor(Executor):
 
     def update_weights(self, update) -> None:
         """Load a checked weight update (weights.py) into this rank's model, in place."""
-        self.weights.apply(self.model, update)
+        try:
+            self.weights.apply(self.model, update)
+        finally:
+            if self.runner.graphs is not None:  # captured pieces would read tensors an update may replace
+                self.runner.graphs.reset()
 
     def check_weight_update(self, update) -> None:
         """WeightUpdateError if the update cannot be applied whole (here, before any rank starts)."""

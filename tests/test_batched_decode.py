@@ -303,17 +303,21 @@ def test_batched_step_equals_per_request_with_chunks_and_drafts(family, options,
 
 
 def test_bench_batch_counts_ops_per_step(tmp_path):
-    """`sparsekv bench batch` prints ops per step for both paths; its sparse-regime runs (past top-k,
-    untiered and tiered) count batch 1 and batch 4, with the same greedy tokens on both paths, and
-    only one request at a time grows with the batch."""
+    """`sparsekv bench batch` prints ops per step for both paths, and the decode graphs' pieces as a
+    third (`--decode-graphs eager`, untiered); its sparse-regime runs (past top-k, untiered and tiered)
+    count batch 1 and batch 4, with the same greedy tokens on every path, and only one request at a
+    time grows with the batch."""
     import json
     from sparsekv.tools.bench import main
     out = tmp_path / "batch.json"
     assert main(["batch", "--batch", "2", "--prompt-tokens", "20", "--steps", "2", "--repeats", "1",
                  "--sparse-prompt-tokens", "300", "--sparse-batch", "4", "--sparse-steps", "1",
-                 "--json", str(out)]) == 0
+                 "--decode-graphs", "eager", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert all(s["ops_per_step"] > 0 for s in result["summary"].values())
+    assert set(result["summary"]) == {"one request at a time", "batched", "batched, decode graphs"}
+    assert all(s["ops_per_step"] > 0 for s in result["summary"].values()) and result["identical_tokens"]
+    assert {"untiered/batched, decode graphs", "tiered/batched"} <= set(result["sparse"]["paths"])
+    assert "tiered/batched, decode graphs" not in result["sparse"]["paths"]
     sparse = result["sparse"]
     assert sparse["identical_tokens"] and sum(sparse["ops_by_kind_batch_1"].values()) == \
         sparse["paths"]["untiered/batched"]["ops_1"]

@@ -250,7 +250,7 @@ def test_bench_batch_times_each_decode_step_and_counts_one_steps_ops(monkeypatch
     monkeypatch.setattr(bench_batch.time, "perf_counter", clock)
     engine = FakeBatchEngine(clock, ops=3)
     args = bench_batch.build_parser().parse_args(["--batch", "3", "--prompt-tokens", "4", "--steps", "3"])
-    run = bench_batch.decode_run(engine, args, True, 0)
+    run = bench_batch.decode_run(engine, args, "batched", 0)
     assert run["ms_per_step"] == 2000.0
     assert run["ops_per_step"] == ops_of(3)
     want = [[i + j for j in range(args.steps + 2)] for i in range(3)]   # max_tokens = steps + 2
@@ -514,4 +514,4 @@ def test_bench_batch_sparse_report_checks_the_tokens_at_every_batch(capsys):
     sparse["tiered/batched"][1] = sparse_path(10, [[1, 3]])
     out = report_sparse(sparse, report_console())
     assert out["identical_tokens"] is False and out["paths"]["untiered/batched"]["ops_ratio"] == 1.2
-    assert "greedy tokens identical (batched / one request at a time): False" in capsys.readouterr().out
+    assert "greedy tokens identical (every path / one request at a time): False" in capsys.readouterr().out

@@ -38,8 +38,9 @@ class CacheManager:
     # -- building ------------------------------------------------------------------------------
     def _build_pool(self):
         pool, allocator = self._build_plain_or_tiered_pool()
+        padding = getattr(pool, "padding_slot", None)  # a plain pool's padding page (decode graphs)
         for selector in self.model.selectors():  # state kept per slot (Quest's page bounds)
-            selector.reserve_slots(pool.num_slots)
+            selector.reserve_slots(pool.num_slots if padding is None else padding + self.page_size)
         return pool, allocator
 
     def _build_plain_or_tiered_pool(self):
@@ -51,7 +52,8 @@ class CacheManager:
         allocator = PageAllocator(self._fitting(self._num_pages()), self.page_size)
         mtp = self._mtp_layers()
         pool = KVPool(cfg, allocator.num_pages, self.page_size, self.dtype, self.device,
-                      list(range(cfg.num_hidden_layers)) + mtp, cfg.full_layers + mtp, self._latent_format())
+                      list(range(cfg.num_hidden_layers)) + mtp, cfg.full_layers + mtp, self._latent_format(),
+                      padding_page=config.decode_graph_mode() != "off")
         return pool, allocator
 
     def _fitting(self, num_pages: int) -> int:

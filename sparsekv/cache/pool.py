@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..context import SeqSlice, index_tensor
+from ..context import SeqSlice, index_tensor, padded_slots
 from ..model.indexer import gather_rows
 from .latent_format import PlainLatent
 
@@ -37,23 +37,6 @@ def history_segments(table: torch.Tensor, seq: SeqSlice) -> list[tuple[int | tor
         positions = _concat_ranges(starts, lengths).to(seq.slots.device)
         pieces.append((positions, table.index_select(0, seq.slots[positions])))
     return pieces
-
-
-def padded_rows(lengths: list[int], length: int, device) -> torch.Tensor:
-    """[B, length] rows of the concatenated histories of `lengths` tokens each, every history padded to
-    `length` by repeating its last row (callers mask the padding)."""
-    offsets = index_tensor([0, *accumulate(lengths[:-1])], device)
-    last = index_tensor(lengths, device) - 1
-    return offsets[:, None] + torch.minimum(torch.arange(length, device=device)[None, :], last[:, None])
-
-
-def padded_slots(seqs: list[SeqSlice], length: int | None = None) -> torch.Tensor:
-    """[B, length] slots of each request's history (default length: the longest), padded by repeating
-    its last slot (callers mask the padding): a few launches for the whole batch, not one copy per
-    request."""
-    lengths = [s.context_len for s in seqs]
-    flat = torch.cat([s.slots for s in seqs])
-    return flat[padded_rows(lengths, length or max(lengths), flat.device)]
 
 
 def paged_keys(table: torch.Tensor, seqs: list[SeqSlice], page_size: int) -> tuple[torch.Tensor, np.ndarray | None, list[int]]:
@@ -113,16 +96,24 @@ def _concat_ranges(starts: list[int], lengths: list[int]) -> torch.Tensor:
 
 
 class KVPool:
-    """`fmt` (latent_format.py): how latent rows are stored; reads decode what they gathered."""
+    """`fmt` (latent_format.py): how latent rows are stored; reads decode what they gathered.
+
+    `padding_page`: one more page past the allocator's, zeroed, which no request holds: the padding
+    rows of a decode step padded to its bucket (model/decode_graphs.py) write and read its first slot,
+    `padding_slot`, and a real row's masked picks may point there."""
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device, layers: list[int], indexer_layers: list[int], fmt=None):
+                 device: torch.device, layers: list[int], indexer_layers: list[int], fmt=None,
+                 padding_page: bool = False):
         self.num_slots = num_pages * page_size
         self.page_size, self.dtype = page_size, dtype
+        self.padding_slot = self.num_slots if padding_page else None
+        rows = self.num_slots + (page_size if padding_page else 0)
         self.fmt = fmt = fmt or PlainLatent(cfg, dtype)
-        self.latent = {i: torch.empty(self.num_slots, fmt.row_width, dtype=fmt.row_dtype, device=device) for i in layers}
-        self.index_keys = {i: torch.empty(self.num_slots, cfg.index_head_dim, dtype=dtype, device=device)
-                           for i in indexer_layers}
+        self.latent = {i: torch.empty(rows, fmt.row_width, dtype=fmt.row_dtype, device=device) for i in layers}
+        self.index_keys = {i: torch.empty(rows, cfg.index_head_dim, dtype=dtype, device=device) for i in indexer_layers}
+        for table in [*self.latent.values(), *self.index_keys.values()]:
+            table[self.num_slots:].zero_()
         self._latent_bpt = sum(t.shape[1] * t.element_size() for t in self.latent.values())
         self._index_bpt = sum(t.shape[1] * t.element_size() for t in self.index_keys.values())
 

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ..config import EngineConfig, ModelConfig
-from ..context import SeqSlice
+from ..context import SeqSlice, padded_rows
 from .host_store import HostLink, TieredHostStore, make_host_store
 from .index_keys import IndexKeyCache
 from .latent_format import PlainLatent, latent_format
@@ -52,7 +52,7 @@ from .memory import check_tiered_fits
 from .sizing import (TierSizes, format_of, index_bytes_per_token, indexer_bytes_per_token_layer,
                      latent_bytes_per_token, plan_tier_sizes, quest_bytes_per_token)
 from .pages import PageAllocator
-from .pool import distinct_positions, padded_rows
+from .pool import distinct_positions
 
 
 @dataclass

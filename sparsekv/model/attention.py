@@ -51,6 +51,13 @@ class MLAttention:
         self.scale = cfg.softmax_scale
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
+        q_cat, index_q = self.project(x, ctx, cache)
+        return self.output(self._attention(q_cat, index_q, ctx, cache))
+
+    def project(self, x: torch.Tensor, ctx: ForwardContext, cache) -> tuple[torch.Tensor, object]:
+        """The rows' queries [N, H, C + rope] (W_UK absorbed) and the selector's state of them (a full
+        layer's indexer queries; None on a shared layer or a draft step); the rows' latents (and indexer
+        keys) written to the cache at `ctx.slot_mapping`."""
         cfg, w, n, heads = self.cfg, self.w, x.shape[0], self.cfg.num_attention_heads
         q_a, c, k_rot = F.linear(x, self.w_a).split([cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
         q_resid = rms_norm(q_a, w.q_a_norm, cfg.attention_norm_eps)
@@ -67,10 +74,18 @@ class MLAttention:
             if self.selector is not None:
                 index_q = self.selector.prepare(self.layer_idx, ctx, x, q_resid, latent, cache)
         q_lat = torch.einsum("nhd,hdc->nhc", q_nope, self.w_uk)  # W_UK absorbed: [N, H, C] (one batched GEMM)
-        q_cat = torch.cat([q_lat, q_rot], dim=-1)
-        o_lat = self._attention(q_cat, index_q, ctx, cache)
+        return torch.cat([q_lat, q_rot], dim=-1), index_q
+
+    def output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """The layer's output of the rows' latent attention outputs [N, H, C]: W_UV, then W_O."""
         out = torch.einsum("nhc,hcv->nhv", o_lat, self.w_uv_t)  # W_UV after attention, all rows
-        return F.linear(out.reshape(n, -1), w.o)
+        return F.linear(out.reshape(o_lat.shape[0], -1), self.w.o)
+
+    def attend_picked(self, q: torch.Tensor, picks, hidden: torch.Tensor, cache) -> torch.Tensor:
+        """Latent attention of every row over its k picked entries: `picks.slots()` [N, k] cache slots,
+        `hidden` [N, 1, k] the picks each row does not see."""
+        return latent_attention(q, cache.gather_decode_latents(self.layer_idx, picks), None, self.scale,
+                                self.cfg.kv_lora_rank, hidden=hidden)
 
     def _attention(self, q: torch.Tensor, index_q, ctx: ForwardContext, cache) -> torch.Tensor:
         """Latent attention output [N, H, C] for every row of the step, by the step's plan
@@ -102,9 +117,7 @@ class MLAttention:
         The slot table and the mask are made once per selection (a shared layer reuses both)."""
         selected = self._decode_selection(plan, q, index_q, ctx, cache)               # [rows, k]
         picks, hidden = plan.picks(ctx, selected)
-        keys = cache.gather_decode_latents(self.layer_idx, picks)
-        q_rows = q if ordered else q[plan.row_index(ctx)]
-        return latent_attention(q_rows, keys, None, self.scale, self.cfg.kv_lora_rank, hidden=hidden)
+        return self.attend_picked(q if ordered else q[plan.row_index(ctx)], picks, hidden, cache)
 
     def _decode_selection(self, plan: DecodePlan, q: torch.Tensor, index_q, ctx: ForwardContext, cache) -> torch.Tensor:
         """The sparse decodes' selections [rows, k]: a full layer's own (also kept per request in

@@ -28,9 +28,16 @@ class DecoderLayer:
         self.input_norm, self.post_norm = input_norm, post_norm
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
-        eps = self.cfg.rms_norm_eps
-        h = h + self.comm.all_reduce(self.attn.forward(rms_norm(h, self.input_norm, eps), ctx, cache))
-        return h + self.comm.all_reduce(self.comm.ffn(self.ffn, rms_norm(h, self.post_norm, eps)))
+        return self.attended(h, self.attn.forward(self.attention_input(h), ctx, cache))
+
+    def attention_input(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.input_norm, self.cfg.rms_norm_eps)
+
+    def attended(self, h: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
+        """The layer's output hidden states from its input `h` and its attention's output (this rank's
+        partial sum under tensor parallelism): the residual, then the FFN's."""
+        h = h + self.comm.all_reduce(attention_out)
+        return h + self.comm.all_reduce(self.comm.ffn(self.ffn, rms_norm(h, self.post_norm, self.cfg.rms_norm_eps)))
 
     def idle(self) -> None:
         """This rank has no rows in a pass the others run: take part in its collectives that span

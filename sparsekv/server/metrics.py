@@ -27,6 +27,10 @@ TENANT_TIERS = (("device", "cached_pages"), ("host", "host_pages"), ("disk", "di
 
 # engine.stats() key -> (metric name, help)
 ENGINE_GAUGES = {
+    "decode_graph_buckets": ("decode_graph_buckets", "Batch-size buckets whose decode pieces are captured as CUDA "
+                                                     "graphs."),
+    "decode_graph_eager_buckets": ("decode_graph_eager_buckets", "Buckets left eager: their captured replay "
+                                                                 "differed from their eager run."),
     "running": ("num_requests_running", "Requests in the running batch."),
     "waiting": ("num_requests_waiting", "Requests waiting for a batch slot."),
     "device_kv_bytes": ("device_kv_bytes", "Device KV bytes in use (latent + indexer keys)."),
@@ -45,6 +49,8 @@ ENGINE_GAUGES = {
     "held_rooms": ("held_rooms", "Disaggregated rooms a data-parallel prefill rank sends itself, in flight."),
 }
 ENGINE_COUNTERS = {
+    "decode_graph_steps": ("decode_graph_steps", "Plain decode steps run as the decode graphs' fixed-shape pieces "
+                                                 "(replayed from CUDA graphs where captured)."),
     "prompt_tokens": ("prompt_tokens", "Prompt tokens prefilled (recomputed after a preemption too; "
                                        "prefix-cache hits not)."),
     "generation_tokens": ("generation_tokens", "Tokens generated."),

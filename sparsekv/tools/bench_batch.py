@@ -12,6 +12,11 @@ Sparse regime (`--sparse-prompt-tokens`, past top-k: selection, gather, tiers): 
 step at batch 1 and `--sparse-batch`, untiered and tiered, for both paths, their ratio (what a per
 request loop makes grow with the batch), ms per step and aggregate tokens/s; and the ops of one
 batch-1 step by op kind.
+
+`--decode-graphs auto` (or `eager`) adds a third path in both regimes, untiered: the batched decode
+step as the decode graphs' fixed-shape pieces (model/decode_graphs.py; auto: replayed from CUDA graphs
+on a CUDA device, the engine's path elsewhere; eager: the pieces uncaptured, to see what the padding
+to buckets and to k costs), against the other two with the graphs off.
 """
 from __future__ import annotations
 
@@ -24,10 +29,20 @@ from rich.table import Table
 from ..engine_args import at_least, output_path
 from .bench import report_console, run_bench
 
-MODES = {"one request at a time": False, "batched": True}
+MODES = {"one request at a time": dict(batch_dense_decodes=False), "batched": {}}
+GRAPHS = "batched, decode graphs"  # with --decode-graphs
 
 
-def decode_run(engine, args, batched: bool, run: int) -> dict:
+def modes_of(args, base: dict = MODES) -> dict[str, dict]:
+    """The decode paths compared, as engine options: `base` with the decode graphs off, and the batched
+    path through them with --decode-graphs."""
+    out = {name: dict(options, decode_graphs="off") for name, options in base.items()}
+    if args.decode_graphs:
+        out[GRAPHS] = {"decode_graphs": args.decode_graphs}
+    return out
+
+
+def decode_run(engine, args, path: str, run: int) -> dict:
     """Prefill the batch, time `--steps` decode steps, finish; ms/step and the outputs."""
     import torch
     from sparsekv import SamplingParams
@@ -35,7 +50,7 @@ def decode_run(engine, args, batched: bool, run: int) -> dict:
     g = torch.Generator().manual_seed(run)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.steps + 2, temperature=0.0, ignore_eos=True, logprobs=1)
-    ids = [f"{run}-{batched}-{i}" for i in range(args.batch)]
+    ids = [f"{run}-{path}-{i}" for i in range(args.batch)]
     for rid in ids:
         engine.add_request(rid, torch.randint(1, vocab, (args.prompt_tokens,), generator=g).tolist(), params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
@@ -52,17 +67,17 @@ def decode_run(engine, args, batched: bool, run: int) -> dict:
             "logprobs": [outs[r].logprobs for r in ids]}
 
 
-SPARSE_PATHS = {"one request at a time": False, "batched": True}
+SPARSE_PATHS = MODES
 CACHES = {"untiered": {}, "tiered": {"kv_tiering": True}}
 
 
-def _engine(args, batch: int, max_len: int, batched: bool, **options):
+def _engine(args, batch: int, max_len: int, **options):
     from sparsekv import LLM
     from sparsekv.paths import default_model_path
     return LLM(args.model or default_model_path(), device=args.device, max_model_len=max_len, max_num_seqs=batch,
                max_num_batched_tokens=max(4096, max_len), enable_prefix_caching=False,
                num_kv_pages=batch * -(-max_len // 64),  # the whole batch
-               batch_dense_decodes=batched, **options).engine
+               **options).engine
 
 
 def run(args) -> dict:
@@ -71,17 +86,18 @@ def run(args) -> dict:
     from .bench_worker import decode_bytes_per_step
     torch.set_num_threads(args.threads)
     max_len = args.prompt_tokens + args.steps + 8
-    engines = {name: _engine(args, args.batch, max_len, batched) for name, batched in MODES.items()}
+    modes = modes_of(args)
+    engines = {name: _engine(args, args.batch, max_len, **options) for name, options in modes.items()}
     engine = engines["batched"]
     topk = engine.model_config.index_topk
     if args.prompt_tokens + args.steps >= topk:  # the last timed step attends to prompt + steps + 1 entries
         raise ValueError(f"--prompt-tokens + --steps must stay below top-k ({topk}): the dense regime")
     if 0 < args.sparse_prompt_tokens <= topk:  # before any run: the dense one takes minutes at large batches
         raise ValueError(f"--sparse-prompt-tokens must be past top-k ({topk}): the sparse regime")
-    runs = {name: [] for name in MODES}
+    runs = {name: [] for name in modes}
     for i in range(args.repeats):
-        for name, batched in MODES.items():
-            runs[name].append(decode_run(engines[name], args, batched, i))
+        for name in modes:
+            runs[name].append(decode_run(engines[name], args, name, i))
     context = args.prompt_tokens + args.steps // 2
     return {"runs": runs, "batch": args.batch, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
             "step_bytes": decode_bytes_per_step(engine, context, args.batch),
@@ -120,8 +136,10 @@ def sparse_runs(args) -> dict:
     max_len = args.sparse_prompt_tokens + args.sparse_steps + prefill_steps + 8  # see `sparse_decode`
     out = {}
     for cache, options in CACHES.items():
-        for name, batched in SPARSE_PATHS.items():
-            engine = _engine(args, args.sparse_batch, max_len, batched, **options)
+        for name, path in modes_of(args, SPARSE_PATHS).items():
+            if name == GRAPHS and cache != "untiered":  # not built for the tiered cache
+                continue
+            engine = _engine(args, args.sparse_batch, max_len, **options, **path)
             out[f"{cache}/{name}"] = {b: _median_of(engine, args, b) for b in (1, args.sparse_batch)}
     return out
 
@@ -142,9 +160,10 @@ def report(result: dict) -> dict:
         ms = statistics.median(r["ms_per_step"] for r in rs)
         summary[name] = {"ms_per_step": ms, "tokens_per_s": 1000 * result["batch"] / ms,
                          "gbps": result["step_bytes"] / ms / 1e6, "ops_per_step": rs[0]["ops_per_step"]}
-    base, new = runs["one request at a time"], runs["batched"]
-    same_tokens = all(a["tokens"] == b["tokens"] for a, b in zip(base, new))
-    gap = max(_logprob_gap(a["logprobs"], b["logprobs"]) for a, b in zip(base, new))
+    base = runs["one request at a time"]
+    others = [rs for name, rs in runs.items() if name != "one request at a time"]
+    same_tokens = all(a["tokens"] == b["tokens"] for rs in others for a, b in zip(base, rs))
+    gap = max(_logprob_gap(a["logprobs"], b["logprobs"]) for rs in others for a, b in zip(base, rs))
     table = Table(title=f"decode of {result['batch']} requests of {result['prompt_tokens']} prompt tokens "
                         f"(below top-k: every entry is read), {result['steps']} steps, medians of {len(base)} runs")
     for col in ("dense-regime decodes", "ms / step", "tokens / s", "ops / step", "achieved bandwidth", "speed-up"):
@@ -180,9 +199,9 @@ def report_sparse(sparse: dict, console) -> dict:
         table.add_row(name, f"{one['ops']:,}", f"{many['ops']:,}", f"{s['ops_ratio']:.2f}", f"{s['ms_1']:.2f}",
                       f"{s[f'ms_{b}']:.2f}", f"{s['throughput_ratio']:.2f}x")
     console.print(table)
-    same = all(sparse[f"{c}/batched"][n]["tokens"] == sparse[f"{c}/one request at a time"][n]["tokens"]
-               for c in CACHES for n in (1, b))
-    console.print(f"greedy tokens identical (batched / one request at a time): {same}")
+    same = all(r[n]["tokens"] == sparse[f"{name.split('/')[0]}/one request at a time"][n]["tokens"]
+               for name, r in sparse.items() for n in (1, b))
+    console.print(f"greedy tokens identical (every path / one request at a time): {same}")
     kinds = sorted(sparse["untiered/batched"][1]["by_kind"].items(), key=lambda kv: -kv[1])
     console.print(ops_by_kind_table(kinds, "ops of one batch-1 decode step by kind (untiered, batched)"))
     return {"paths": summary, "identical_tokens": same, "ops_by_kind_batch_1": dict(kinds)}
@@ -214,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparse-steps", type=int, default=8, help="decode steps timed in the sparse-regime runs")
     p.add_argument("--device", default="cpu", help="cpu or cuda (on an accelerator the saving is in launches)")
     p.add_argument("--threads", type=at_least(1), default=1)
+    p.add_argument("--decode-graphs", choices=["auto", "eager"], default=None,
+                   help="add the batched path through the decode graphs (auto: CUDA graphs on a CUDA device; "
+                        "eager: their pieces uncaptured)")
     p.add_argument("--json", type=output_path, default=None)
     return p
 

@@ -1,0 +1,241 @@
+"""Plain decode steps as pieces of fixed shapes, replayed from CUDA graphs per batch-size bucket.
+
+A plain decode step (every request one new token, no drafts) runs here as a fixed sequence of pieces,
+whose tensors' shapes are set by the step's bucket (its rows padded up to a power of two, or
+`max_bs`) and k alone, never by the requests' context lengths::
+
+    piece 0    embedding, RoPE, layer 0's projections (its latents and indexer keys written)
+    select     layer 0's selection: each row's k picks -> the bucket's [rows, k] slot table and mask
+    piece 1    layer 0's attention over its picks and its FFN, the shared layers after it, the next
+               full layer's projections
+    select     that layer's selection
+    ...
+    piece n    the last full layer's attention and FFN, the shared layers after it, the norm, logits
+
+Only the selections run between the pieces: a full layer's indexer scores over each request's
+history and its top-k (their shapes follow the context lengths), written into the bucket's static
+slot table and mask by the engine's own decode path (`MLAttention._decode_selection`, the same
+groups and picks). A decode within top-k (the dense regime) attends its whole history, padded to k
+and masked, so that every row has the same shape. The padding rows (the bucket's rows past the
+step's) read and write the pool's padding page, which no request holds.
+
+On CUDA (`capture`) each piece of a bucket is captured as a CUDA graph the first time the bucket
+runs, all into one memory pool, and replayed from then on, the selections between the replays. The
+first step of a bucket runs eagerly first: its logits are the step's, and the captured replay of the
+same step must give them bit for bit, else the bucket stays eager (logged). Without `capture` (the
+engine's `decode_graphs="eager"`) the same pieces run as plain ops on any device: what the graphs
+replay, which the CPU tests check against the engine's own decode path.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..context import ForwardContext, index_tensor, padded_slots
+from .decode_plan import plan_of
+from .layers import rms_norm
+
+log = logging.getLogger(__name__)
+
+
+def buckets(max_bs: int) -> list[int]:
+    """The batch sizes a step's rows are padded up to: powers of two below `max_bs`, and `max_bs`."""
+    out, b = [], 1
+    while b < max_bs:
+        out.append(b)
+        b *= 2
+    return out + [max_bs]
+
+
+def bucket_of(rows: int, max_bs: int) -> int | None:
+    """The bucket of a step of `rows` rows (None: more than `max_bs`)."""
+    return next((b for b in buckets(max_bs) if b >= rows), None)
+
+
+class StaticPicks:
+    """context.DecodePicks' `slots()` of a bucket: its static [rows, k] slot table."""
+
+    def __init__(self, slots: torch.Tensor):
+        self._slots = slots
+
+    def slots(self) -> torch.Tensor:
+        return self._slots
+
+
+class BucketPieces:
+    """One bucket's static inputs (token ids, positions, slots to write, the [rows, k] slot table and
+    mask of the picks), its pieces, and what each piece leaves for the next (hidden states, the full
+    layer's queries and indexer state)."""
+
+    def __init__(self, model, cache, rows: int, padding_slot: int):
+        cfg, device = model.cfg, model.device
+        self.model, self.cache, self.rows, self.k = model, cache, rows, cfg.index_topk
+        self.padding_slot = padding_slot
+        long = dict(dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(rows, **long)
+        self.positions = torch.zeros(rows, **long)
+        self.slot_mapping = torch.full((rows,), padding_slot, **long)
+        self.slots = torch.full((rows, self.k), padding_slot, **long)
+        self.hidden = torch.ones(rows, 1, self.k, dtype=torch.bool, device=device)
+        self.hidden[:, :, 0] = False  # a padding row sees the padding slot once: every softmax has a term
+        self.picks = StaticPicks(self.slots)
+        self.ctx = ForwardContext(self.input_ids, self.positions, self.slot_mapping, [],
+                                  torch.arange(rows, device=device))
+        self.full = list(cfg.full_layers)
+        self.graphs: list | None = None  # captured (CUDA), one per piece
+        self.h = self.q = self.index_q = self.final = self.logits = None
+
+    # -- the pieces (fixed shapes; nothing read back to the host) -------------------------------
+    def pieces(self) -> list:
+        middle = [lambda i=i: self._after(i) for i in range(1, len(self.full))]
+        return [self._first, *middle, self._last]
+
+    def _first(self) -> None:
+        ctx, model = self.ctx, self.model
+        ctx.cos, ctx.sin = model.rotary.cos_sin(ctx.positions)
+        self._project(model.comm.embed(ctx.input_ids, model.embed), self.full[0])
+
+    def _after(self, i: int) -> None:
+        """Full layer full[i - 1]'s attention onwards, up to full layer full[i]'s projections."""
+        self._project(self._through(self.full[i - 1], self.full[i]), self.full[i])
+
+    def _last(self) -> None:
+        model = self.model
+        self.final = rms_norm(self._through(self.full[-1], len(model.layers)), model.norm, model.cfg.rms_norm_eps)
+        self.logits = model.logits(self.final)
+
+    def _project(self, h: torch.Tensor, layer: int) -> None:
+        decoder = self.model.layers[layer]
+        self.h = h
+        self.q, self.index_q = decoder.attn.project(decoder.attention_input(h), self.ctx, self.cache)
+
+    def _through(self, full: int, end: int) -> torch.Tensor:
+        """Layer `full`'s attention over the picks and its FFN, then the shared layers up to `end`."""
+        h = self._attended(full, self.h, self.q)
+        for layer in range(full + 1, end):
+            decoder = self.model.layers[layer]
+            q, _ = decoder.attn.project(decoder.attention_input(h), self.ctx, self.cache)
+            h = self._attended(layer, h, q)
+        return h
+
+    def _attended(self, layer: int, h: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        decoder = self.model.layers[layer]
+        return decoder.attended(h, decoder.attn.output(decoder.attn.attend_picked(q, self.picks, self.hidden,
+                                                                                   self.cache)))
+
+    # -- between the pieces (the step's own shapes) ----------------------------------------------
+    def load(self, step: ForwardContext) -> None:
+        """The step's inputs into the static ones, the padding rows reset, and the dense-regime rows'
+        picks: their whole history padded to k (the same for every full layer)."""
+        n = step.num_tokens
+        self.input_ids[:n], self.positions[:n], self.slot_mapping[:n] = step.input_ids, step.positions, step.slot_mapping
+        self.input_ids[n:], self.positions[n:], self.slot_mapping[n:] = 0, 0, self.padding_slot
+        self.slots[n:] = self.padding_slot
+        self.hidden[n:] = True
+        self.hidden[n:, :, 0] = False
+        dense = [seq for seqs in plan_of(step, self.model.layers[0].attn.cfg).dense.values() for seq in seqs]
+        if dense:
+            rows = step.rows_index([seq.token_start for seq in dense])
+            self.slots[rows] = padded_slots(dense, self.k)
+            ends = index_tensor([seq.context_len for seq in dense], self.slots.device)
+            self.hidden[rows] = (torch.arange(self.k, device=ends.device)[None, :] >= ends[:, None]).unsqueeze(1)
+
+    def select(self, layer: int, step: ForwardContext) -> None:
+        """Full layer `layer`'s selections of the step's sparse-regime rows, as the engine's decode path
+        makes them, into the slot table and mask."""
+        attn, n = self.model.layers[layer].attn, step.num_tokens
+        plan = plan_of(step, attn.cfg)
+        if not plan.sparse:
+            return
+        q, index_q = self.q[:n], attn.selector.rows(self.index_q, slice(0, n))
+        picks, hidden = plan.picks(step, attn._decode_selection(plan, q, index_q, step, self.cache))
+        rows = plan.row_index(step)
+        self.slots[rows], self.hidden[rows] = picks.slots(), hidden
+
+    def run(self, step: ForwardContext) -> None:
+        """The pieces in order, eagerly or replayed, the selections between them."""
+        calls = self.pieces() if self.graphs is None else [g.replay for g in self.graphs]
+        self.load(step)
+        calls[0]()
+        for layer, call in zip(self.full, calls[1:]):
+            self.select(layer, step)
+            call()
+
+
+class DecodeGraphs:
+    """The runner's plain decode steps of up to `max_bs` requests, through `BucketPieces` (`capture`:
+    replayed from CUDA graphs)."""
+
+    def __init__(self, runner, max_bs: int, capture: bool):
+        self.runner, self.max_bs, self.capture = runner, max_bs, capture
+        self.padding_slot = runner.cache.padding_slot
+        self.buckets: dict[int, BucketPieces] = {}
+        self.memory_pool = None  # one CUDA graph memory pool for every bucket's pieces
+        self.steps = 0
+        self.eager_buckets: set[int] = set()  # captured replays that differed from the eager run
+
+    def takes(self, chunks) -> bool:
+        """A plain decode step: each request one new token that samples, no drafts, at most max_bs."""
+        return 0 < len(chunks) <= self.max_bs and all(
+            ch.num_new_tokens == 1 and ch.samples_token and not ch.num_draft_tokens for ch in chunks)
+
+    def execute(self, step: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, final hidden states) of the step's rows, as `ModelRunner.execute` returns them."""
+        n = step.num_tokens
+        bucket = bucket_of(n, self.max_bs)
+        pieces = self.buckets.get(bucket)
+        if pieces is None:
+            pieces = self.buckets[bucket] = BucketPieces(self.runner.model, self.runner.cache, bucket, self.padding_slot)
+        self.steps += 1
+        if self.capture and pieces.graphs is None and bucket not in self.eager_buckets:
+            return self._capture(pieces, step)
+        pieces.run(step)
+        if pieces.graphs is None:
+            return pieces.logits[:n], pieces.final[:n]
+        return pieces.logits[:n].clone(), pieces.final[:n].clone()  # the next replay overwrites them
+
+    def _capture(self, pieces: BucketPieces, step: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's first step: run eagerly (on a side stream, as torch.cuda.graphs asks before a
+        capture), then each piece captured and the step replayed, which must give the eager logits."""
+        n = step.num_tokens
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            pieces.run(step)
+        torch.cuda.current_stream().wait_stream(side)
+        logits, final = pieces.logits[:n].clone(), pieces.final[:n].clone()
+        if self.memory_pool is None:
+            self.memory_pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        try:
+            for piece in pieces.pieces():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.memory_pool):
+                    piece()
+                graphs.append(graph)
+            pieces.graphs = graphs
+            pieces.run(step)
+            same = torch.equal(pieces.logits[:n], logits)
+        except RuntimeError as e:  # an op the capture refuses
+            log.warning("decode graphs: capturing the %d-row bucket failed, it runs eagerly: %s", pieces.rows, e)
+            same = False
+        if not same:
+            if pieces.graphs is not None:
+                log.warning("decode graphs: the %d-row bucket's replay differs from its eager run, it runs eagerly",
+                            pieces.rows)
+            pieces.graphs = None
+            self.eager_buckets.add(pieces.rows)
+            pieces.run(step)  # the step's cache entries written again as the eager run wrote them
+            logits, final = pieces.logits[:n], pieces.final[:n]
+        return logits, final
+
+    def reset(self) -> None:
+        """Forget every bucket (new weights: captured graphs would read the old tensors)."""
+        self.buckets.clear()
+        self.eager_buckets.clear()
+
+    def stats(self) -> dict:
+        return {"decode_graph_steps": self.steps,
+                "decode_graph_buckets": sum(p.graphs is not None for p in self.buckets.values()),
+                "decode_graph_eager_buckets": len(self.eager_buckets)}

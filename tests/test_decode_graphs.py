@@ -1,0 +1,202 @@
+"""Plain decode steps as fixed-shape pieces per batch-size bucket (model/decode_graphs.py): what a CUDA
+graph per piece captures and replays. On a CPU the pieces run uncaptured (`decode_graphs="eager"`):
+the same static buffers, padded buckets and selections between pieces as the replay, checked against
+the engine's own decode path; the capture itself is checked on CUDA (scripts/gpu_check.py --tiers)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from sparsekv import LLM, SamplingParams
+from sparsekv.config import ConfigError, EngineConfig
+from sparsekv.model.attention import MLAttention
+from sparsekv.model.decode_graphs import BucketPieces, bucket_of, buckets
+from test_decode_shapes import SYNCHRONISING
+from tolerances import assert_same_greedy, logprob_tolerance
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+# Top-k is 8: 3 and 6 start below it (dense regime, then crossing it while decoding), the others above
+# (97 is 12x top-k); prompts of one chunk each, so every step after the first is a plain decode step.
+LENGTHS = (3, 6, 11, 40, 97)
+OPTIONS = dict(kv_page_size=16, max_num_seqs=5, enable_prefix_caching=False, max_model_len=256)
+
+
+def prompts(lengths=LENGTHS) -> list[list[int]]:
+    return [[(7 * i + 13 * j) % 250 + 1 for i in range(n)] for j, n in enumerate(lengths)]
+
+
+def record_selections(monkeypatch) -> list:
+    """Each full layer's decode selections, by request, in call order."""
+    trace, real = [], MLAttention._decode_selection
+
+    def spy(self, plan, q, index_q, ctx, cache):
+        out = real(self, plan, q, index_q, ctx, cache)
+        if self.selector is not None:
+            trace.append((self.layer_idx, {s.request_id: part.clone() for s, part in zip(plan.sparse, out.split(plan.sizes))}))
+        return out
+    monkeypatch.setattr(MLAttention, "_decode_selection", spy)
+    return trace
+
+
+def generate(path, mode: str, monkeypatch, lengths=LENGTHS, **options):
+    """(outputs, selections, llm): requests of `lengths` with 12, 10, 8, ... new tokens each, so that
+    the batch shrinks through the buckets as they finish."""
+    trace = record_selections(monkeypatch)
+    llm = LLM(path, decode_graphs=mode, **dict(OPTIONS, **options))
+    params = [SamplingParams(max_tokens=12 - 2 * i, temperature=0.0, logprobs=3, ignore_eos=True)
+              for i in range(len(lengths))]
+    outs = llm.generate(prompts(lengths), params)
+    llm.engine.check_integrity()
+    monkeypatch.undo()
+    return outs, trace, llm
+
+
+@pytest.mark.parametrize("options", [{}, dict(selector="quest")], ids=["dsa", "quest"])
+@pytest.mark.parametrize("family", ["glm", "ds"])
+def test_decode_pieces_decode_as_the_engine_does(family, options, glm_ckpt, ds_ckpt, monkeypatch):
+    """Requests from below top-k to 12x above it, the batch shrinking from 5 rows (bucket 8) to 1: the
+    pieces select exactly what the engine's decode path selects, and give the same greedy tokens with
+    logprobs within the tolerance of a computation that rounds differently (their GEMMs run over the
+    bucket's padded rows, a dense-regime row attends its history padded to k)."""
+    path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
+    want, want_trace, _ = generate(path, "off", monkeypatch, **options)
+    got, got_trace, llm = generate(path, "eager", monkeypatch, **options)
+    stats = llm.engine.stats()
+    assert stats["decode_graph_steps"] == 11 and stats["decode_graph_buckets"] == 0  # none captured on a CPU
+    assert set(llm.engine.executor.runner.graphs.buckets) == {8, 4, 2, 1}
+    assert [layer for layer, _ in got_trace] == [layer for layer, _ in want_trace]
+    for (layer, a), (_, b) in zip(want_trace, got_trace):
+        assert a.keys() == b.keys()
+        for rid in a:
+            assert torch.equal(a[rid], b[rid]), (layer, rid)
+    assert_same_greedy(want, got, logprob_tolerance(llm))
+
+
+def test_steps_that_are_not_plain_decodes_take_the_engine_s_path(glm_ckpt):
+    """Prefill chunks (a step of several tokens of one request), and a step past cuda_graph_max_bs,
+    run the engine's path; the others the pieces."""
+    llm = LLM(glm_ckpt[0], decode_graphs="eager", cuda_graph_max_bs=2, **OPTIONS)
+    graphs = llm.engine.executor.runner.graphs
+    llm.generate(prompts((3, 11, 40)), GREEDY)  # every decode step has 3 rows
+    assert graphs.steps == 0
+    llm.generate(prompts((3, 11)), GREEDY)
+    assert graphs.steps == 11 and set(graphs.buckets) == {2}
+    llm.engine.check_integrity()
+
+
+class PieceReads(TorchDispatchMode):
+    """What the pieces read that a CUDA graph could not replay: a tensor some eager op of the step made
+    (the selections, the step's context), other than the bucket's static inputs, which the eager ops
+    write in place before each replay; an op that reads a value back to the host; a tensor made from
+    host data inside a piece (on CUDA a copy from pageable memory, which a capture refuses)."""
+
+    def __init__(self, static: list[torch.Tensor]):
+        super().__init__()
+        self.static = {t.untyped_storage().data_ptr() for t in static}
+        self.eager_made: set[int] = set()
+        self.in_piece = False
+        self.stale, self.synchronising, self.from_host = [], [], []
+        self.piece_ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if not self.in_piece:  # fresh memory only: a view or an in-place write keeps its input's
+            fresh = {t.untyped_storage().data_ptr() for t in outputs} - {t.untyped_storage().data_ptr() for t in inputs}
+            self.eager_made |= fresh - self.static
+            return out
+        self.piece_ops += 1
+        self.stale += [name for t in inputs if t.untyped_storage().data_ptr() in self.eager_made]
+        self.eager_made -= {t.untyped_storage().data_ptr() for t in outputs}  # memory an eager tensor had, reused
+        if name in SYNCHRONISING or (name in ("index", "index_put", "index_put_")
+                                     and any(t.dtype == torch.bool for t in inputs[1:])):
+            self.synchronising.append(name)
+        if name in ("lift_fresh", "lift_fresh_copy", "scalar_tensor"):
+            self.from_host.append(name)
+        return out
+
+
+def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(glm_ckpt, monkeypatch):
+    """Three steps through one bucket (3 rows padded to 4, requests from below top-k to above it), every
+    op watched: inside the pieces none reads a tensor an eager op of the step made (only the static
+    inputs, which the eager ops fill in place, the weights, the cache and the pieces' own outputs), none
+    synchronises and none makes a tensor from host data: a replay of the captured pieces computes what
+    running them computes. Breaking it (a piece reading the step's own positions) is seen."""
+    llm = LLM(glm_ckpt[0], decode_graphs="eager", cuda_graph_max_bs=4, **OPTIONS)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts((3, 11, 40))):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    engine.step()  # the prefills
+    graphs = engine.executor.runner.graphs
+    pieces = graphs.buckets[4] = BucketPieces(graphs.runner.model, graphs.runner.cache, 4, graphs.padding_slot)
+    watch = PieceReads([pieces.input_ids, pieces.positions, pieces.slot_mapping, pieces.slots, pieces.hidden])
+    real_pieces = pieces.pieces
+
+    def in_piece(piece):
+        def run():
+            watch.in_piece = True
+            try:
+                piece()
+            finally:
+                watch.in_piece = False
+        return run
+    monkeypatch.setattr(pieces, "pieces", lambda: [in_piece(p) for p in real_pieces()])
+    real_execute, steps = graphs.execute, []
+
+    def execute(step):
+        steps.append(step)
+        made = [step.input_ids, step.positions, step.slot_mapping, step.logits_rows, *(seq.slots for seq in step.seqs)]
+        watch.eager_made |= {t.untyped_storage().data_ptr() for t in made}  # the step's context, made by the runner
+        with watch:
+            return real_execute(step)
+    monkeypatch.setattr(graphs, "execute", execute)
+    for _ in range(3):
+        engine.step()
+        assert watch.piece_ops > 100 and watch.stale == [] and watch.synchronising == [] and watch.from_host == []
+    assert len(steps) == 3
+    # the check can fail: a piece reading the step's own positions (made by the eager runner)
+    real_first = BucketPieces._first
+    monkeypatch.setattr(BucketPieces, "_first", lambda self: (real_first(self), steps[-1].positions.sum()))
+    engine.step()
+    assert "sum" in watch.stale
+
+
+def test_buckets():
+    assert buckets(64) == [1, 2, 4, 8, 16, 32, 64] and buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert [bucket_of(n, 48) for n in (1, 3, 33, 48, 49)] == [1, 4, 48, 48, None]
+
+
+def test_decode_graphs_options_are_checked(glm_ckpt):
+    with pytest.raises(ConfigError, match="decode_graphs"):
+        EngineConfig(model=glm_ckpt[0], decode_graphs="on").validate()
+    with pytest.raises(ConfigError, match="cuda_graph_max_bs"):
+        EngineConfig(model=glm_ckpt[0], cuda_graph_max_bs=0).validate()
+    with pytest.raises(ConfigError, match="the tiered KV cache, MTP drafting"):
+        EngineConfig(model=glm_ckpt[0], decode_graphs="eager", kv_tiering=True, num_speculative_tokens=1).validate()
+    # auto: CUDA graphs on CUDA where built, else the engine's path (no padding page either)
+    assert EngineConfig(model=glm_ckpt[0]).decode_graph_mode() == "off"
+    assert EngineConfig(model=glm_ckpt[0], device="cuda").decode_graph_mode() == "capture"
+    assert EngineConfig(model=glm_ckpt[0], device="cuda", kv_tiering=True).decode_graph_mode() == "off"
+    assert EngineConfig(model=glm_ckpt[0], device="cuda", decode_graphs="off").decode_graph_mode() == "off"
+    llm = LLM(glm_ckpt[0], **OPTIONS)
+    assert llm.engine.executor.runner.graphs is None and llm.engine.kv.pool.padding_slot is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py --tiers runs it)")
+def test_decode_steps_replay_from_cuda_graphs_on_cuda_as_the_engine_decodes(glm_ckpt, monkeypatch):
+    """On CUDA, float32: every bucket captured at its first step (its replay checked against that
+    step's eager run bit for bit: no bucket falls back), and the outputs the engine's decode path gives:
+    the same selections and greedy tokens, logprobs within tolerance."""
+    want, want_trace, _ = generate(glm_ckpt[0], "off", monkeypatch, device="cuda", dtype="float32")
+    got, got_trace, llm = generate(glm_ckpt[0], "auto", monkeypatch, device="cuda", dtype="float32")
+    stats = llm.engine.stats()
+    assert stats["decode_graph_steps"] == 11 and stats["decode_graph_eager_buckets"] == 0
+    assert stats["decode_graph_buckets"] == 4
+    assert len(got_trace) == len(want_trace)
+    for (_, a), (_, b) in zip(want_trace, got_trace):
+        assert all(torch.equal(a[rid], b[rid]) for rid in a)
+    assert_same_greedy(want, got, logprob_tolerance(llm))
