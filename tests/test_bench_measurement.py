@@ -183,7 +183,7 @@ def test_bench_transfer_sends_an_untimed_prompt_first_and_rotates_the_modes(monk
         sent.append(mode)
         cold = len(sent) == 1
         return [{"prefill_s": 1.0, "transfer_s": 9.0 if cold else 0.001, "pages_sent": 1, "pages_streamed": 0,
-                 "pages_by_layer": 0, "bytes": 1, "batches": 1, "backend": "gloo"} for _ in prompts]
+                 "pages_by_layer": 0, "bytes": 1, "batches": 1, "backend": "gloo", "ranks_prefilling": 0} for _ in prompts]
     monkeypatch.setattr(bench_transfer, "InProcessWorker", FakeWorker)
     monkeypatch.setattr(bench_transfer, "prompts_at_once", prompts_at_once)
     args = bench_transfer.build_parser().parse_args(["--model", "m", "--prompt-tokens", "4", "--repeats", "3"])
@@ -217,6 +217,7 @@ class FakeBatchEngine:
         self.clock, self.ops = clock, ops
         self.model_config = SimpleNamespace(vocab_size=50)
         self.scheduler = SimpleNamespace(waiting=[], running=[])
+        self.executor = SimpleNamespace(runner=SimpleNamespace(graphs=None))  # no decode graphs
 
     def add_request(self, request_id, prompt, params):
         self.scheduler.waiting.append(SimpleNamespace(request_id=request_id, max_tokens=params.max_tokens,

@@ -211,7 +211,8 @@ class DecodeGraphs:
         try:
             for piece in pieces.pieces():
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.memory_pool):
+                # thread_local: another thread's CUDA calls meanwhile (the server's) do not void the capture
+                with torch.cuda.graph(graph, pool=self.memory_pool, capture_error_mode="thread_local"):
                     piece()
                 graphs.append(graph)
             pieces.graphs = graphs

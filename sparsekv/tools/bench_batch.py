@@ -57,6 +57,7 @@ def decode_run(engine, args, path: str, run: int) -> dict:
         engine.step()  # prefill (and the first token)
     assert len(engine.scheduler.running) == args.batch, "the whole batch decodes together"
     ops = decode_step_ops(engine).total  # one step counted, outside the timed ones
+    launches = graph_launches(engine)
     outs, t0 = {}, time.perf_counter()
     for _ in range(args.steps):
         outs.update({o.request_id: o for o in engine.step() if o.finished})
@@ -64,7 +65,16 @@ def decode_run(engine, args, path: str, run: int) -> dict:
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     return {"ms_per_step": ms, "ops_per_step": ops, "tokens": [outs[r].token_ids for r in ids],
-            "logprobs": [outs[r].logprobs for r in ids]}
+            "logprobs": [outs[r].logprobs for r in ids], "graph_launches": launches}
+
+
+def graph_launches(engine) -> int | None:
+    """With the decode graphs on: what the next step launches once its pieces are replayed (the ops
+    outside them, and a graph per piece); None without them."""
+    from .op_count import decode_graph_step_ops
+    if engine.executor.runner.graphs is None:
+        return None
+    return decode_graph_step_ops(engine).launches
 
 
 SPARSE_PATHS = MODES
@@ -120,6 +130,7 @@ def sparse_decode(engine, args, batch: int) -> dict:
     ids = fill_decoding(engine, prompts, params)
     engine.step()  # the first decode step also promotes the prefill's last token into the working set
     ops = decode_step_ops(engine)
+    launches = graph_launches(engine)
     t0 = time.perf_counter()
     for _ in range(args.sparse_steps):
         engine.step()
@@ -127,7 +138,8 @@ def sparse_decode(engine, args, batch: int) -> dict:
     tokens = {}
     while engine.has_unfinished_requests():
         tokens.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    return {"ops": ops.total, "by_kind": dict(ops.by_kind), "ms_per_step": ms, "tokens": [tokens[r] for r in ids]}
+    return {"ops": ops.total, "by_kind": dict(ops.by_kind), "ms_per_step": ms, "tokens": [tokens[r] for r in ids],
+            "graph_launches": launches}
 
 
 def sparse_runs(args) -> dict:
@@ -159,7 +171,8 @@ def report(result: dict) -> dict:
     for name, rs in runs.items():
         ms = statistics.median(r["ms_per_step"] for r in rs)
         summary[name] = {"ms_per_step": ms, "tokens_per_s": 1000 * result["batch"] / ms,
-                         "gbps": result["step_bytes"] / ms / 1e6, "ops_per_step": rs[0]["ops_per_step"]}
+                         "gbps": result["step_bytes"] / ms / 1e6, "ops_per_step": rs[0]["ops_per_step"],
+                         "graph_launches": rs[0].get("graph_launches")}
     base = runs["one request at a time"]
     others = [rs for name, rs in runs.items() if name != "one request at a time"]
     same_tokens = all(a["tokens"] == b["tokens"] for rs in others for a, b in zip(base, rs))
@@ -170,7 +183,7 @@ def report(result: dict) -> dict:
         table.add_column(col)
     ref = summary["one request at a time"]["ms_per_step"]
     for name, s in summary.items():
-        table.add_row(name, f"{s['ms_per_step']:.2f}", f"{s['tokens_per_s']:.0f}", f"{s['ops_per_step']:,}",
+        table.add_row(name, f"{s['ms_per_step']:.2f}", f"{s['tokens_per_s']:.0f}", _ops(s['ops_per_step'], s['graph_launches']),
                       f"{s['gbps']:.2f} GB/s ({100 * s['gbps'] / result['machine_gbps']:.0f}%)",
                       f"{ref / s['ms_per_step']:.2f}x")
     console = report_console()
@@ -193,10 +206,12 @@ def report_sparse(sparse: dict, console) -> dict:
     for name, r in sparse.items():
         one, many = r[1], r[b]
         summary[name] = {"ops_1": one["ops"], f"ops_{b}": many["ops"], "ops_ratio": many["ops"] / one["ops"],
+                         "graph_launches_1": one.get("graph_launches"), f"graph_launches_{b}": many.get("graph_launches"),
                          "ms_1": one["ms_per_step"], f"ms_{b}": many["ms_per_step"],
                          "throughput_ratio": b * one["ms_per_step"] / many["ms_per_step"]}
         s = summary[name]
-        table.add_row(name, f"{one['ops']:,}", f"{many['ops']:,}", f"{s['ops_ratio']:.2f}", f"{s['ms_1']:.2f}",
+        table.add_row(name, _ops(one["ops"], one.get("graph_launches")), _ops(many["ops"], many.get("graph_launches")),
+                      f"{s['ops_ratio']:.2f}", f"{s['ms_1']:.2f}",
                       f"{s[f'ms_{b}']:.2f}", f"{s['throughput_ratio']:.2f}x")
     console.print(table)
     same = all(r[n]["tokens"] == sparse[f"{name.split('/')[0]}/one request at a time"][n]["tokens"]
@@ -205,6 +220,11 @@ def report_sparse(sparse: dict, console) -> dict:
     kinds = sorted(sparse["untiered/batched"][1]["by_kind"].items(), key=lambda kv: -kv[1])
     console.print(ops_by_kind_table(kinds, "ops of one batch-1 decode step by kind (untiered, batched)"))
     return {"paths": summary, "identical_tokens": same, "ops_by_kind_batch_1": dict(kinds)}
+
+
+def _ops(ops: int, launches: int | None) -> str:
+    """Ops per step, and what the step launches with its decode pieces replayed from CUDA graphs."""
+    return f"{ops:,}" if launches is None else f"{ops:,} ({launches:,} with graphs)"
 
 
 def ops_by_kind_table(kinds: list[tuple[str, int]], title: str, rows: int = 16) -> Table:

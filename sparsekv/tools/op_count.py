@@ -31,6 +31,48 @@ class OpCounter(TorchDispatchMode):
         return sum(self.by_kind.values())
 
 
+class PieceSplit(OpCounter):
+    """An OpCounter that also counts the ops dispatched inside the decode graphs' pieces (model/decode_graphs.py):
+    on CUDA those replay as one graph per piece, and only the rest are launched one by one."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside, self.in_piece, self.pieces = 0, False, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.inside += self.in_piece
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def piece(self, run):
+        def counted():
+            self.in_piece, self.pieces = True, self.pieces + 1
+            try:
+                run()
+            finally:
+                self.in_piece = False
+        return counted
+
+    @property
+    def launches(self) -> int:
+        """What a step dispatches with the pieces replayed: the ops outside them, and a graph per piece."""
+        return self.total - self.inside + self.pieces
+
+
+def decode_graph_step_ops(engine) -> PieceSplit:
+    """The ops of the engine's next step (a plain decode step of a decode-graphs engine), split by the
+    pieces they run in."""
+    from ..model.decode_graphs import BucketPieces
+    real = BucketPieces.pieces
+    split = PieceSplit()
+    BucketPieces.pieces = lambda self: [split.piece(p) for p in real(self)]
+    try:
+        with split:
+            engine.step()
+    finally:
+        BucketPieces.pieces = real
+    return split
+
+
 def decode_step_ops(engine, steps: int = 1) -> OpCounter:
     """The ops of the engine's next `steps` steps (callers make them decode steps), counted together."""
     with OpCounter() as ops:
