@@ -304,7 +304,7 @@ class EngineConfig:
     batch_dense_decodes: bool = True
     # Plain decode steps as pieces of fixed shapes per batch-size bucket (model/decode_graphs.py), up to
     # cuda_graph_max_bs requests: "auto" replays them from CUDA graphs on a CUDA device where they are
-    # built (one rank, untiered, no drafting; elsewhere the engine's decode path); "off"; "eager": the
+    # built (no data parallelism, untiered, no drafting; elsewhere the engine's decode path); "off"; "eager": the
     # same pieces run uncaptured, on any device (what the graphs replay, for checking).
     decode_graphs: str = "auto"
     cuda_graph_max_bs: int = 64
@@ -426,7 +426,7 @@ class EngineConfig:
     def _decode_graphs_unbuilt(self) -> str | None:
         """What of this configuration the decode pieces are not built for (None: nothing)."""
         unbuilt = [name for name, unsupported in (
-            ("several ranks", self.tensor_parallel_size * self.data_parallel_size * self.nnodes > 1),
+            ("data-parallel ranks", self.data_parallel_size > 1),
             ("the tiered KV cache", self.kv_tiering), ("MTP drafting", self.num_speculative_tokens > 0),
             ("attention 'dense'", self.attention != "sparse"),
             ("decodes one request at a time", not self.batch_dense_decodes)) if unsupported]

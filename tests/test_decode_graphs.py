@@ -177,8 +177,11 @@ def test_decode_graphs_options_are_checked(glm_ckpt):
         EngineConfig(model=glm_ckpt[0], cuda_graph_max_bs=0).validate()
     with pytest.raises(ConfigError, match="the tiered KV cache, MTP drafting"):
         EngineConfig(model=glm_ckpt[0], decode_graphs="eager", kv_tiering=True, num_speculative_tokens=1).validate()
+    with pytest.raises(ConfigError, match="data-parallel ranks"):
+        EngineConfig(model=glm_ckpt[0], decode_graphs="eager", data_parallel_size=2).validate()
     # auto: CUDA graphs on CUDA where built, else the engine's path (no padding page either)
     assert EngineConfig(model=glm_ckpt[0]).decode_graph_mode() == "off"
+    assert EngineConfig(model=glm_ckpt[0], device="cuda", tensor_parallel_size=2).decode_graph_mode() == "capture"
     assert EngineConfig(model=glm_ckpt[0], device="cuda").decode_graph_mode() == "capture"
     assert EngineConfig(model=glm_ckpt[0], device="cuda", kv_tiering=True).decode_graph_mode() == "off"
     assert EngineConfig(model=glm_ckpt[0], device="cuda", decode_graphs="off").decode_graph_mode() == "off"

@@ -37,7 +37,8 @@ def _prompts(vocab: int) -> list[list[int]]:
 def _compare(path: str, vocab: int, **options) -> None:
     prompts = _prompts(vocab)
     single = LLM(path, **BASE, **{k: v for k, v in options.items() if k not in ("tensor_parallel_size",
-                                                                               "enable_expert_parallel")})
+                                                                               "enable_expert_parallel",
+                                                                               "decode_graphs")})
     want = single.generate(prompts, PARAMS)
     llm = LLM(path, **BASE, **options)
     try:
@@ -47,6 +48,8 @@ def _compare(path: str, vocab: int, **options) -> None:
         assert_same_greedy(want, got, tol)
         shard, whole = llm.engine.model.weight_bytes, single.engine.model.weight_bytes
         assert shard < whole, "rank 0 holds the whole model"
+        if options.get("decode_graphs") == "eager":  # against the one-process engine's own decode path
+            assert llm.engine.stats()["decode_graph_steps"] > 0
     finally:
         llm.close()
     assert all(not p.is_alive() for p in llm.engine.executor.ranks.processes), "close() left a worker running"
@@ -78,14 +81,16 @@ def _with_mtp_layer(src: str, dst: str, own_embed_and_head: bool) -> str:
 
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16),
                                      dict(enable_expert_parallel=True),
-                                     dict(selector="quest", quest_page_tokens=2, kv_tiering=True, device_buffer_tokens=16)],
-                         ids=["tp2", "tp2-tiered", "tp2-ep", "tp2-quest-tiered"])
+                                     dict(selector="quest", quest_page_tokens=2, kv_tiering=True, device_buffer_tokens=16),
+                                     dict(enable_expert_parallel=True, decode_graphs="eager")],
+                         ids=["tp2", "tp2-tiered", "tp2-ep", "tp2-quest-tiered", "tp2-ep-decode-graphs"])
 def test_tensor_parallel_glm_equals_one_process(glm_ckpt, options):
     _compare(glm_ckpt[0], 256, tensor_parallel_size=2, **options)
 
 
-@pytest.mark.parametrize("options", [{}, dict(enable_expert_parallel=True, kv_tiering=True, device_buffer_tokens=16)],
-                         ids=["tp2", "tp2-ep-tiered"])
+@pytest.mark.parametrize("options", [{}, dict(enable_expert_parallel=True, kv_tiering=True, device_buffer_tokens=16),
+                                     dict(decode_graphs="eager")],
+                         ids=["tp2", "tp2-ep-tiered", "tp2-decode-graphs"])
 def test_tensor_parallel_deepseek_equals_one_process(ds_ckpt, options):
     _compare(ds_ckpt[0], 256, tensor_parallel_size=2, **options)
 

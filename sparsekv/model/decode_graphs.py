@@ -221,6 +221,8 @@ class DecodeGraphs:
         except RuntimeError as e:  # an op the capture refuses
             log.warning("decode graphs: capturing the %d-row bucket failed, it runs eagerly: %s", pieces.rows, e)
             same = False
+        # NOTE: every tensor-parallel rank replays or runs eagerly alike, so their collectives pair up
+        same = self.runner.model.comm.all_true(same, pieces.input_ids.device)
         if not same:
             if pieces.graphs is not None:
                 log.warning("decode graphs: the %d-row bucket's replay differs from its eager run, it runs eagerly",

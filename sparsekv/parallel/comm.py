@@ -32,6 +32,10 @@ class SingleRank:
     def ffn(self, ffn, x: torch.Tensor) -> torch.Tensor:
         return ffn(x)
 
+    def all_true(self, flag: bool, device: torch.device) -> bool:
+        """Whether `flag` holds on every rank (a decision every rank must take alike)."""
+        return flag
+
 
 class TensorParallel:
     """Collectives of the tensor-parallel group. Every rank calls them in the same order."""
@@ -52,6 +56,12 @@ class TensorParallel:
         self.bytes_sent["all_reduce"] += 2 * (self.world_size - 1) * x.numel() * x.element_size() // self.world_size
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         return x
+
+    def all_true(self, flag: bool, device: torch.device) -> bool:
+        """Whether `flag` holds on every rank (a decision every rank must take alike)."""
+        votes = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(votes.item())
 
     def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: this rank's rows give their embeddings, the others zeros; the sum is

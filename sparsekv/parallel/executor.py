@@ -131,6 +131,9 @@ class MultiRankExecutor(Executor):
     def capture_routed_experts(self, on: bool) -> None:
         self.local.capture_routed_experts(on)  # every rank routes the same rows alike: rank 0 records
 
+    def decode_graph_stats(self) -> dict:
+        return self.local.decode_graph_stats()  # every rank runs the same steps through the same buckets
+
     def rank_stats(self) -> list[dict]:
         """Every rank's figures, gathered on rank 0 (after a rank failure: rank 0's alone)."""
         if self.ranks.failure is not None:
