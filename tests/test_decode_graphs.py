@@ -4,6 +4,8 @@ the same static buffers, padded buckets and selections between pieces as the rep
 the engine's own decode path; the capture itself is checked on CUDA (scripts/gpu_check.py --tiers)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -217,3 +219,93 @@ def test_a_step_s_ops_split_by_the_pieces_they_run_in(glm_ckpt):
     split = decode_graph_step_ops(llm.engine)
     assert split.pieces == len(llm.engine.model_config.full_layers) + 1 and llm.engine.stats()["decode_graph_steps"] == 1
     assert 100 < split.inside < split.total and split.launches == split.total - split.inside + split.pieces
+
+
+class FakeCudaGraphs:
+    """torch.cuda's graph API as decode_graphs.py calls it, on a CPU: a capture records the piece (and
+    runs it, where CUDA would only record its kernels), a replay runs it again, as a replay would on
+    the static buffers. `corrupt`: replays add 1 to the logits (a replay that reads stale inputs);
+    `refuse`: the capture raises as CUDA does for an op it cannot capture."""
+
+    def __init__(self, monkeypatch, corrupt: bool = False, refuse: bool = False):
+        import contextlib
+        self.corrupt, self.refuse, self.captures, self.replays = corrupt, refuse, 0, 0
+        fakes = self
+
+        class Graph:
+            def replay(self):
+                fakes.replays += 1
+                self.piece()
+                if fakes.corrupt and self.last:
+                    self.owner.logits += 1
+
+        @contextlib.contextmanager
+        def graph(g, pool=None, capture_error_mode="global"):
+            assert pool == "pool" and capture_error_mode == "thread_local"
+            fakes.captures += 1
+            if fakes.refuse:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            fakes.capturing = g
+            yield
+
+        stream = SimpleNamespace(wait_stream=lambda other: None)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+        real_pieces = BucketPieces.pieces
+
+        def pieces(owner):
+            def recorded(piece, last):
+                def run():
+                    g = getattr(fakes, "capturing", None)
+                    if g is not None:  # inside a capture: the graph keeps the piece
+                        g.piece, g.last, g.owner, fakes.capturing = piece, last, owner, None
+                    piece()
+                return run
+            parts = real_pieces(owner)
+            return [recorded(p, i == len(parts) - 1) for i, p in enumerate(parts)]
+        monkeypatch.setattr(BucketPieces, "pieces", pieces)
+
+
+
+def captured_engine(path, monkeypatch, **fakes):
+    """An engine whose decode graphs capture (with `FakeCudaGraphs`) on a CPU."""
+    from sparsekv.model.decode_graphs import DecodeGraphs
+    llm = LLM(path, decode_graphs="eager", **OPTIONS)
+    runner = llm.engine.executor.runner
+    runner.graphs = DecodeGraphs(runner, 64, capture=True)
+    return llm, FakeCudaGraphs(monkeypatch, **fakes)
+
+
+def test_each_bucket_is_captured_at_its_first_step_and_replayed_after(glm_ckpt, monkeypatch):
+    """The capture's control flow, on a fake of torch.cuda's graph API: a bucket's first step runs eagerly
+    (its result is the step's), then each piece is captured and the step replayed and compared; later
+    steps of that bucket only replay. The outputs are the engine's decode path's."""
+    want = LLM(glm_ckpt[0], decode_graphs="off", **OPTIONS).generate(prompts(), GREEDY)
+    llm, fakes = captured_engine(glm_ckpt[0], monkeypatch)
+    got = llm.generate(prompts(), GREEDY)
+    stats = llm.engine.stats()
+    assert (stats["decode_graph_steps"], stats["decode_graph_buckets"], stats["decode_graph_eager_buckets"]) == (11, 1, 0)
+    pieces = len(llm.engine.model_config.full_layers) + 1
+    assert fakes.captures == pieces and fakes.replays == 11 * pieces  # the first step's check, then 10 replays
+    assert_same_greedy(want, got, logprob_tolerance(llm))
+    llm.update_weights_from_disk(glm_ckpt[0])  # a weight update forgets the captured buckets
+    assert llm.engine.stats()["decode_graph_buckets"] == 0
+    assert [o.token_ids for o in llm.generate(prompts(), GREEDY)] == [o.token_ids for o in want]
+    assert llm.engine.stats()["decode_graph_buckets"] == 1  # captured again, with the new weights
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "refuse"])
+def test_a_bucket_whose_replay_differs_or_whose_capture_fails_stays_eager(fault, glm_ckpt, monkeypatch):
+    """A replay that differs from the bucket's first eager step (or a capture CUDA refuses) leaves the
+    bucket eager, counted; the step's outputs are the eager run's, and so are the later steps'."""
+    want = LLM(glm_ckpt[0], decode_graphs="off", **OPTIONS).generate(prompts(), GREEDY)
+    llm, fakes = captured_engine(glm_ckpt[0], monkeypatch, **{fault: True})
+    got = llm.generate(prompts(), GREEDY)
+    stats = llm.engine.stats()
+    assert (stats["decode_graph_steps"], stats["decode_graph_buckets"], stats["decode_graph_eager_buckets"]) == (11, 0, 1)
+    assert fakes.captures == (len(llm.engine.model_config.full_layers) + 1 if fault == "corrupt" else 1)
+    assert_same_greedy(want, got, logprob_tolerance(llm))
