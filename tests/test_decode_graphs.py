@@ -221,11 +221,20 @@ def test_a_step_s_ops_split_by_the_pieces_they_run_in(glm_ckpt):
     assert 100 < split.inside < split.total and split.launches == split.total - split.inside + split.pieces
 
 
+OUTPUTS = ("h", "q", "index_q", "final", "logits")  # what a piece leaves on its BucketPieces
+
+
+def _tensors(value) -> list:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
 class FakeCudaGraphs:
     """torch.cuda's graph API as decode_graphs.py calls it, on a CPU: a capture records the piece (and
-    runs it, where CUDA would only record its kernels), a replay runs it again, as a replay would on
-    the static buffers. `corrupt`: replays add 1 to the logits (a replay that reads stale inputs);
-    `refuse`: the capture raises as CUDA does for an op it cannot capture."""
+    runs it, where CUDA would only record its kernels) and the output tensors it leaves; a replay runs
+    it again and writes the new values into those same tensors, leaving the pieces' attributes as the
+    capture left them (a replay runs no Python): a selection reading a tensor a later capture replaced
+    reads stale values, as it would on a GPU. `corrupt`: replays add 1 to the logits (a replay that
+    reads stale inputs); `refuse`: the capture raises as CUDA does for an op it cannot capture."""
 
     def __init__(self, monkeypatch, corrupt: bool = False, refuse: bool = False):
         import contextlib
@@ -235,7 +244,13 @@ class FakeCudaGraphs:
         class Graph:
             def replay(self):
                 fakes.replays += 1
+                kept = {name: _copy_of(getattr(self.owner, name)) for name in OUTPUTS}
                 self.piece()
+                for name in OUTPUTS:  # the new values into the captured tensors; the attributes as captured
+                    for old, new in zip(_tensors(self.captured[name]), _tensors(getattr(self.owner, name))):
+                        if old is not new:
+                            old.copy_(new)
+                    setattr(self.owner, name, kept[name])
                 if fakes.corrupt and self.last:
                     self.owner.logits += 1
 
@@ -261,14 +276,21 @@ class FakeCudaGraphs:
             def recorded(piece, last):
                 def run():
                     g = getattr(fakes, "capturing", None)
-                    if g is not None:  # inside a capture: the graph keeps the piece
+                    if g is not None:  # inside a capture: the graph keeps the piece and what it leaves
                         g.piece, g.last, g.owner, fakes.capturing = piece, last, owner, None
                     piece()
+                    if g is not None:
+                        g.captured = {name: _copy_of(getattr(owner, name)) for name in OUTPUTS}
                 return run
             parts = real_pieces(owner)
             return [recorded(p, i == len(parts) - 1) for i, p in enumerate(parts)]
         monkeypatch.setattr(BucketPieces, "pieces", pieces)
 
+
+
+def _copy_of(value):
+    """The attribute's value with its containers copied (the tensors themselves shared)."""
+    return dict(value) if isinstance(value, dict) else value
 
 
 def captured_engine(path, monkeypatch, **fakes):

@@ -65,8 +65,11 @@ class StaticPicks:
 
 class BucketPieces:
     """One bucket's static inputs (token ids, positions, slots to write, the [rows, k] slot table and
-    mask of the picks), its pieces, and what each piece leaves for the next (hidden states, the full
-    layer's queries and indexer state)."""
+    mask of the picks), its pieces, and what each piece leaves for the selection and the piece after
+    it: by full layer, the hidden states entering it, its queries and its indexer state. Each is kept
+    under its own layer, never replaced by a later piece's: a replay writes the tensors its capture
+    made, so the selection between two replays must read the ones of the piece just replayed, and
+    a tensor no longer referenced would give its memory to a later capture."""
 
     def __init__(self, model, cache, rows: int, padding_slot: int):
         cfg, device = model.cfg, model.device
@@ -84,7 +87,10 @@ class BucketPieces:
                                   torch.arange(rows, device=device))
         self.full = list(cfg.full_layers)
         self.graphs: list | None = None  # captured (CUDA), one per piece
-        self.h = self.q = self.index_q = self.final = self.logits = None
+        self.h: dict[int, torch.Tensor] = {}  # by full layer: the hidden states entering it
+        self.q: dict[int, torch.Tensor] = {}  # by full layer: its queries
+        self.index_q: dict[int, object] = {}  # by full layer: its selector's state of them
+        self.final = self.logits = None
 
     # -- the pieces (fixed shapes; nothing read back to the host) -------------------------------
     def pieces(self) -> list:
@@ -107,12 +113,12 @@ class BucketPieces:
 
     def _project(self, h: torch.Tensor, layer: int) -> None:
         decoder = self.model.layers[layer]
-        self.h = h
-        self.q, self.index_q = decoder.attn.project(decoder.attention_input(h), self.ctx, self.cache)
+        self.h[layer] = h
+        self.q[layer], self.index_q[layer] = decoder.attn.project(decoder.attention_input(h), self.ctx, self.cache)
 
     def _through(self, full: int, end: int) -> torch.Tensor:
         """Layer `full`'s attention over the picks and its FFN, then the shared layers up to `end`."""
-        h = self._attended(full, self.h, self.q)
+        h = self._attended(full, self.h[full], self.q[full])
         for layer in range(full + 1, end):
             decoder = self.model.layers[layer]
             q, _ = decoder.attn.project(decoder.attention_input(h), self.ctx, self.cache)
@@ -148,7 +154,7 @@ class BucketPieces:
         plan = plan_of(step, attn.cfg)
         if not plan.sparse:
             return
-        q, index_q = self.q[:n], attn.selector.rows(self.index_q, slice(0, n))
+        q, index_q = self.q[layer][:n], attn.selector.rows(self.index_q[layer], slice(0, n))
         picks, hidden = plan.picks(step, attn._decode_selection(plan, q, index_q, step, self.cache))
         rows = plan.row_index(step)
         self.slots[rows], self.hidden[rows] = picks.slots(), hidden
