@@ -304,7 +304,7 @@ class EngineConfig:
     batch_dense_decodes: bool = True
     # Plain decode steps as pieces of fixed shapes per batch-size bucket (model/decode_graphs.py), up to
     # cuda_graph_max_bs requests: "auto" replays them from CUDA graphs on a CUDA device where they are
-    # built (no data parallelism, untiered, no drafting; elsewhere the engine's decode path); "off"; "eager": the
+    # built (no data parallelism, untiered, DSA, no drafting; elsewhere the engine's decode path); "off"; "eager": the
     # same pieces run uncaptured, on any device (what the graphs replay, for checking).
     decode_graphs: str = "auto"
     cuda_graph_max_bs: int = 64
@@ -428,7 +428,7 @@ class EngineConfig:
         unbuilt = [name for name, unsupported in (
             ("data-parallel ranks", self.data_parallel_size > 1),
             ("the tiered KV cache", self.kv_tiering), ("MTP drafting", self.num_speculative_tokens > 0),
-            ("attention 'dense'", self.attention != "sparse"),
+            ("attention 'dense'", self.attention != "sparse"), ("selector 'quest'", self.selector != "dsa"),
             ("decodes one request at a time", not self.batch_dense_decodes)) if unsupported]
         return ", ".join(unbuilt) or None
 

@@ -110,7 +110,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="dense turns top-k selection off (baseline for measuring the mechanism)")
     g.add_argument("--decode-graphs", default="auto", choices=["auto", "off", "eager"],
                    help="plain decode steps as fixed-shape pieces per batch-size bucket: auto replays them from "
-                        "CUDA graphs on a CUDA device without data parallelism, untiered, without drafting (else the "
+                        "CUDA graphs on a CUDA device without data parallelism, untiered, DSA, without drafting (else the "
                         "engine's decode path); eager runs the pieces uncaptured, for checking (docs/exactness.md)")
     g.add_argument("--disable-cuda-graph", dest="decode_graphs", action="store_const", const="off",
                    help="the same as --decode-graphs off")
