@@ -304,7 +304,7 @@ class EngineConfig:
     batch_dense_decodes: bool = True
     # Plain decode steps as pieces of fixed shapes per batch-size bucket (model/decode_graphs.py), up to
     # cuda_graph_max_bs requests: "auto" replays them from CUDA graphs on a CUDA device where they are
-    # built (no data parallelism, untiered, DSA, no drafting; elsewhere the engine's decode path); "off"; "eager": the
+    # built (no data parallelism, untiered, DSA; elsewhere the engine's decode path); "off"; "eager": the
     # same pieces run uncaptured, on any device (what the graphs replay, for checking).
     decode_graphs: str = "auto"
     cuda_graph_max_bs: int = 64
@@ -427,13 +427,13 @@ class EngineConfig:
         """What of this configuration the decode pieces are not built for (None: nothing)."""
         unbuilt = [name for name, unsupported in (
             ("data-parallel ranks", self.data_parallel_size > 1),
-            ("the tiered KV cache", self.kv_tiering), ("MTP drafting", self.num_speculative_tokens > 0),
+            ("the tiered KV cache", self.kv_tiering),
             ("attention 'dense'", self.attention != "sparse"), ("selector 'quest'", self.selector != "dsa"),
             ("decodes one request at a time", not self.batch_dense_decodes)) if unsupported]
         return ", ".join(unbuilt) or None
 
     def decode_graph_mode(self) -> str:
-        """How plain decode steps run: "capture" (CUDA graphs), "eager" (the same pieces uncaptured) or
+        """How decode steps run: "capture" (CUDA graphs), "eager" (the same pieces uncaptured) or
         "off" (the engine's decode path)."""
         if self.decode_graphs == "off" or self._decode_graphs_unbuilt():
             return "off"

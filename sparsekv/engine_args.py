@@ -109,8 +109,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
                    help="dense turns top-k selection off (baseline for measuring the mechanism)")
     g.add_argument("--decode-graphs", default="auto", choices=["auto", "off", "eager"],
-                   help="plain decode steps as fixed-shape pieces per batch-size bucket: auto replays them from "
-                        "CUDA graphs on a CUDA device without data parallelism, untiered, DSA, without drafting (else the "
+                   help="decode steps as fixed-shape pieces per batch-size bucket: auto replays them from "
+                        "CUDA graphs on a CUDA device without data parallelism, untiered, DSA (else the "
                         "engine's decode path); eager runs the pieces uncaptured, for checking (docs/exactness.md)")
     g.add_argument("--disable-cuda-graph", dest="decode_graphs", action="store_const", const="off",
                    help="the same as --decode-graphs off")

@@ -36,7 +36,7 @@ class ModelRunner:
         self._offsets = torch.arange(page_size, device=self.device)
         self._tables: dict[str, tuple[int, torch.Tensor, list]] = {}
         self.taps = None  # LayerTaps: prompt pages handed out layer by layer (a prefill worker's)
-        self.graphs = None  # model/decode_graphs.py's DecodeGraphs: plain decode steps as fixed-shape pieces
+        self.graphs = None  # model/decode_graphs.py's DecodeGraphs: decode steps as fixed-shape pieces
 
     def slots_of(self, page_ids: list[int], num_positions: int) -> torch.Tensor:
         pages = torch.tensor(page_ids, dtype=torch.long, device=self.device)
@@ -142,7 +142,7 @@ class ModelRunner:
         """Runs the step. Returns fp32 logits on the model's device, 1 + drafts rows per chunk whose
         `samples_token` is True, in order (the output processor copies to the host what it samples
         there); and the final hidden states of every row (on the device, for the MTP drafter).
-        `graphs`: a plain decode step may run as the decode graphs' pieces (False: a step whose layers
+        `graphs`: a decode step may run as the decode graphs' pieces (False: a step whose layers
         are observed, e.g. its routed experts recorded)."""
         ctx = self.build_context(chunks)
         if graphs and self.graphs is not None and not self.taps and self.graphs.takes(chunks):

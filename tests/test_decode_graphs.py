@@ -77,6 +77,32 @@ def test_decode_pieces_decode_as_the_engine_does(family, glm_ckpt, ds_ckpt, monk
     assert_same_greedy(want, got, logprob_tolerance(llm))
 
 
+@pytest.mark.parametrize("family", ["glm", "ds"])
+def test_verification_steps_of_mtp_drafting_decode_as_the_engine_does(family, glm_ckpt, ds_ckpt, tmp_path, monkeypatch):
+    """With MTP drafting (K = 2): every step verifying drafts (each request its last token and its two
+    drafts, a row each, dense-regime rows each masked at its own position) runs as the pieces, the
+    MTP layer's passes as before. The same drafts are verified at every step as on the engine's decode
+    path, with the same selections, greedy tokens and logprobs within tolerance."""
+    from sparsekv.runner import ModelRunner
+    from test_batched_decode import with_mtp_layer
+    path = with_mtp_layer((glm_ckpt if family == "glm" else ds_ckpt)[0], str(tmp_path / family))
+    runs = []
+    for mode in ("off", "eager"):
+        steps, real = [], ModelRunner.build_context
+        monkeypatch.setattr(ModelRunner, "build_context",
+                            lambda self, chunks: steps.append([list(ch.token_ids) for ch in chunks]) or real(self, chunks))
+        outs, trace, llm = generate(path, mode, monkeypatch, num_speculative_tokens=2)
+        runs.append((outs, trace, steps, llm))
+    (want, want_trace, want_steps, _), (got, got_trace, got_steps, llm) = runs
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["decode_graph_steps"] >= 8
+    assert got_steps == want_steps  # the same drafts verified
+    assert [layer for layer, _ in got_trace] == [layer for layer, _ in want_trace]
+    for (layer, a), (_, b) in zip(want_trace, got_trace):
+        assert all(torch.equal(a[rid], b[rid]) for rid in a), layer
+    assert_same_greedy(want, got, logprob_tolerance(llm))
+
+
 def test_steps_that_are_not_plain_decodes_take_the_engine_s_path(glm_ckpt):
     """Prefill chunks (a step of several tokens of one request), and a step past cuda_graph_max_bs,
     run the engine's path; the others the pieces."""
@@ -191,8 +217,8 @@ def test_decode_graphs_options_are_checked(glm_ckpt):
         EngineConfig(model=glm_ckpt[0], decode_graphs="on").validate()
     with pytest.raises(ConfigError, match="cuda_graph_max_bs"):
         EngineConfig(model=glm_ckpt[0], cuda_graph_max_bs=0).validate()
-    with pytest.raises(ConfigError, match="the tiered KV cache, MTP drafting"):
-        EngineConfig(model=glm_ckpt[0], decode_graphs="eager", kv_tiering=True, num_speculative_tokens=1).validate()
+    with pytest.raises(ConfigError, match="the tiered KV cache"):
+        EngineConfig(model=glm_ckpt[0], decode_graphs="eager", kv_tiering=True).validate()
     with pytest.raises(ConfigError, match="selector 'quest'"):
         EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest").validate()
     with pytest.raises(ConfigError, match="data-parallel ranks"):

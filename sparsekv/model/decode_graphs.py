@@ -1,8 +1,9 @@
-"""Plain decode steps as pieces of fixed shapes, replayed from CUDA graphs per batch-size bucket.
+"""Decode steps as pieces of fixed shapes, replayed from CUDA graphs per batch-size bucket.
 
-A plain decode step (every request one new token, no drafts) runs here as a fixed sequence of pieces,
-whose tensors' shapes are set by the step's bucket (its rows padded up to a power of two, or
-`max_bs`) and k alone, never by the requests' context lengths::
+A decode step (every request one new token, or with MTP drafting its last token and its drafts to
+verify) runs here as a fixed sequence of pieces, whose tensors' shapes are set by the step's bucket
+(its rows padded up to a power of two, or to the most rows `max_bs` requests have) and k alone,
+never by the requests' context lengths::
 
     piece 0    embedding, RoPE, layer 0's projections (its latents and indexer keys written)
     select     layer 0's selection: each row's k picks -> the bucket's [rows, k] slot table and mask
@@ -16,8 +17,9 @@ Only the selections run between the pieces: a full layer's indexer scores over e
 history and its top-k (their shapes follow the context lengths), written into the bucket's static
 slot table and mask by the engine's own decode path (`MLAttention._decode_selection`, the same
 groups and picks). A decode within top-k (the dense regime) attends its whole history, padded to k
-and masked, so that every row has the same shape. The padding rows (the bucket's rows past the
-step's) read and write the pool's padding page, which no request holds.
+and masked by each row's position, so that every row has the same shape. The padding rows (the
+bucket's rows past the step's) read and write the pool's padding page, which no request holds. The
+MTP layer's passes (extend, draft steps) run as before, outside the pieces.
 
 On CUDA (`capture`) each piece of a bucket is captured as a CUDA graph the first time the bucket
 runs, all into one memory pool, and replayed from then on, the selections between the replays. The
@@ -32,7 +34,7 @@ import logging
 
 import torch
 
-from ..context import ForwardContext, index_tensor, padded_slots
+from ..context import ForwardContext, padded_slots
 from .decode_plan import plan_of
 from .layers import rms_norm
 
@@ -133,7 +135,8 @@ class BucketPieces:
     # -- between the pieces (the step's own shapes) ----------------------------------------------
     def load(self, step: ForwardContext) -> None:
         """The step's inputs into the static ones, the padding rows reset, and the dense-regime rows'
-        picks: their whole history padded to k (the same for every full layer)."""
+        picks: their request's whole history padded to k, each row seeing the positions up to its own
+        (the same for every full layer)."""
         n = step.num_tokens
         self.input_ids[:n], self.positions[:n], self.slot_mapping[:n] = step.input_ids, step.positions, step.slot_mapping
         self.input_ids[n:], self.positions[n:], self.slot_mapping[n:] = 0, 0, self.padding_slot
@@ -142,10 +145,13 @@ class BucketPieces:
         self.hidden[n:, :, 0] = False
         dense = [seq for seqs in plan_of(step, self.model.layers[0].attn.cfg).dense.values() for seq in seqs]
         if dense:
-            rows = step.rows_index([seq.token_start for seq in dense])
-            self.slots[rows] = padded_slots(dense, self.k)
-            ends = index_tensor([seq.context_len for seq in dense], self.slots.device)
-            self.hidden[rows] = (torch.arange(self.k, device=ends.device)[None, :] >= ends[:, None]).unsqueeze(1)
+            rows = step.rows_index([r for seq in dense for r in range(seq.token_start, seq.token_end)])
+            history = padded_slots(dense, self.k)
+            if rows.numel() != len(dense):  # drafts to verify: each row of a request reads its history
+                history = history[step.rows_index([i for i, seq in enumerate(dense) for _ in range(seq.num_new_tokens)])]
+            self.slots[rows] = history
+            visible = step.positions[rows]
+            self.hidden[rows] = (torch.arange(self.k, device=visible.device)[None, :] > visible[:, None]).unsqueeze(1)
 
     def select(self, layer: int, step: ForwardContext) -> None:
         """Full layer `layer`'s selections of the step's sparse-regime rows, as the engine's decode path
@@ -170,11 +176,13 @@ class BucketPieces:
 
 
 class DecodeGraphs:
-    """The runner's plain decode steps of up to `max_bs` requests, through `BucketPieces` (`capture`:
-    replayed from CUDA graphs)."""
+    """The runner's decode steps of up to `max_bs` requests, through `BucketPieces` (`capture`: replayed
+    from CUDA graphs). A request has up to `runner.decode_rows` rows (1 + its drafts): the buckets are
+    of rows, up to max_bs x decode_rows."""
 
     def __init__(self, runner, max_bs: int, capture: bool):
         self.runner, self.max_bs, self.capture = runner, max_bs, capture
+        self.max_rows = max_bs * runner.decode_rows
         self.padding_slot = runner.cache.padding_slot
         self.buckets: dict[int, BucketPieces] = {}
         self.memory_pool = None  # one CUDA graph memory pool for every bucket's pieces
@@ -182,14 +190,14 @@ class DecodeGraphs:
         self.eager_buckets: set[int] = set()  # captured replays that differed from the eager run
 
     def takes(self, chunks) -> bool:
-        """A plain decode step: each request one new token that samples, no drafts, at most max_bs."""
+        """A decode step of at most max_bs requests: each its last token and its drafts, sampling."""
         return 0 < len(chunks) <= self.max_bs and all(
-            ch.num_new_tokens == 1 and ch.samples_token and not ch.num_draft_tokens for ch in chunks)
+            ch.samples_token and ch.num_new_tokens == 1 + ch.num_draft_tokens for ch in chunks)
 
     def execute(self, step: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, final hidden states) of the step's rows, as `ModelRunner.execute` returns them."""
         n = step.num_tokens
-        bucket = bucket_of(n, self.max_bs)
+        bucket = bucket_of(n, self.max_rows)
         pieces = self.buckets.get(bucket)
         if pieces is None:
             pieces = self.buckets[bucket] = BucketPieces(self.runner.model, self.runner.cache, bucket, self.padding_slot)

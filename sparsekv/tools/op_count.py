@@ -59,7 +59,7 @@ class PieceSplit(OpCounter):
 
 
 def decode_graph_step_ops(engine) -> PieceSplit:
-    """The ops of the engine's next step (a plain decode step of a decode-graphs engine), split by the
+    """The ops of the engine's next step (a decode step of a decode-graphs engine), split by the
     pieces they run in."""
     from ..model.decode_graphs import BucketPieces
     real = BucketPieces.pieces
