@@ -254,6 +254,20 @@ def test_decode_steps_replay_from_cuda_graphs_on_cuda_as_the_engine_decodes(draf
     assert_same_greedy(want, got, logprob_tolerance(llm))
 
 
+def test_a_step_s_ops_split_by_the_pieces_they_run_in(glm_ckpt):
+    """`sparsekv bench batch`'s launches with graphs: of a plain decode step's ops, those inside the
+    pieces replay as one graph per piece (layer 0 and every other full layer start one, and the last
+    ends the step), so the step launches the ops outside them plus one per piece."""
+    from sparsekv.tools.op_count import decode_graph_step_ops
+    llm = LLM(glm_ckpt[0], decode_graphs="eager", **OPTIONS)
+    for i, prompt in enumerate(prompts((3, 11, 40))):
+        llm.engine.add_request(f"r{i}", prompt, GREEDY)
+    llm.engine.step()
+    split = decode_graph_step_ops(llm.engine)
+    assert split.pieces == len(llm.engine.model_config.full_layers) + 1 and llm.engine.stats()["decode_graph_steps"] == 1
+    assert 100 < split.inside < split.total and split.launches == split.total - split.inside + split.pieces
+
+
 OUTPUTS = ("h", "q", "index_q", "final", "logits")  # what a piece leaves on its BucketPieces
 
 
