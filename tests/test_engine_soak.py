@@ -2,7 +2,8 @@
 requests arriving between steps, aborts a random number of steps after a request arrived (queued,
 prefilling or decoding by then), prompts sharing prefixes across tenants and salts, optimistic
 admission on a small pool (preemption, and recomputation from the prefix cache's tiers), tiering, MTP
-drafts, and data- and tensor-parallel engines of two processes.
+drafts, the decode graphs' pieces (eager: model/decode_graphs.py), and data- and tensor-parallel
+engines of two processes.
 
 After every step every pool's integrity holds (`LLMEngine.check_integrity`); at the end the engine
 is idle with every page free. Each request not aborted ends as it must (its max_tokens, as
@@ -23,6 +24,10 @@ COMMON = dict(max_model_len=256, kv_page_size=4, prefill_chunk_tokens=16, max_nu
               num_kv_pages=28)
 CONFIGS = {"device": {}, "tiered": dict(kv_tiering=True, device_buffer_tokens=16),
            "bundled model, MTP drafts": dict(bundled=True, num_speculative_tokens=2),
+           # the decode steps of at most 4 requests as the decode graphs' pieces (eager), the others not
+           "decode graphs": dict(decode_graphs="eager", cuda_graph_max_bs=4),
+           "bundled model, MTP drafts, decode graphs": dict(bundled=True, num_speculative_tokens=2,
+                                                            decode_graphs="eager", cuda_graph_max_bs=4),
            # two processes over gloo: requests routed to ranks (sent with the next step, aborted before or
            # after), each rank's own prefix cache and pool; the ranks' all-reduces and vocabulary shards
            "data parallel": dict(data_parallel_size=2), "tensor parallel": dict(tensor_parallel_size=2)}
@@ -94,6 +99,7 @@ def test_a_random_workload_keeps_every_pool_intact_and_every_output_exact(glm_ck
     # clear lead: with MTP only that it drafted)
     assert aborted and stats["prefix_cache_hits_device"] + stats["prefix_cache_hits_host"] > 0
     assert stats["spec_decode_num_draft_tokens"] > 0 if "num_speculative_tokens" in options else stats["preemptions"] > 0
+    assert stats.get("decode_graph_steps", 0) > 0 if "decode_graphs" in options else "decode_graph_steps" not in stats
     # one process, untiered; drafting too if the workload's engine drafts (a seeded sampled request's
     # draws are a drafting engine's rejection sampling there, not plain sampling)
     drafting = {key: options[key] for key in ("num_speculative_tokens",) if key in options}
