@@ -30,7 +30,8 @@ ENGINE_GAUGES = {
     "decode_graph_buckets": ("decode_graph_buckets", "Batch-size buckets whose decode pieces are captured as CUDA "
                                                      "graphs."),
     "decode_graph_eager_buckets": ("decode_graph_eager_buckets", "Buckets left eager: their captured replay "
-                                                                 "differed from their eager run."),
+                                                                 "differed from their eager run, or their capture "
+                                                                 "was refused."),
     "running": ("num_requests_running", "Requests in the running batch."),
     "waiting": ("num_requests_waiting", "Requests waiting for a batch slot."),
     "device_kv_bytes": ("device_kv_bytes", "Device KV bytes in use (latent + indexer keys)."),
