@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
 import torch
-import torch.nn.functional as F
 
 from .context import ForwardContext
 from .model.layers import rms_norm
@@ -131,8 +130,7 @@ class MTPDrafter:
         already set or computed here. Returns (fp32 logits, hidden after shared_head.norm) of
         ctx.logits_rows (`every_row_drafts`: those are all the rows, in order)."""
         mtp, eps = self.mtp, self.cfg.rms_norm_eps
-        e = self.model.comm.embed(next_tokens, mtp.embed if mtp.embed is not None else self.model.embed)
-        x = F.linear(torch.cat([rms_norm(e, mtp.enorm, eps), rms_norm(hidden, mtp.hnorm, eps)], -1), mtp.eh_proj)
+        x = self.model.mtp_input(hidden, next_tokens)
         if ctx.cos is None:
             ctx.cos, ctx.sin = self.model.rotary.cos_sin(ctx.positions)
         x = mtp.layer.forward(x, ctx, cache)
@@ -167,6 +165,10 @@ class MTPDrafter:
         never writes."""
         chain = self._chain
         ctx = self.runner.build_draft_step_context(chain.seqs, step, tokens, chain.selection)
+        graphs = self.runner.graphs
+        if graphs is not None and graphs.takes_drafts(len(chain.seqs)):  # the decode graphs' draft piece
+            logits, chain.hidden = graphs.draft(chain, ctx)
+            return logits
         if chain.rope is not None:
             ctx.cos, ctx.sin = chain.rope[0][step - 1], chain.rope[1][step - 1]
         logits, chain.hidden = self.forward(chain.hidden, ctx.input_ids, ctx, self.cache, every_row_drafts=True)

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 from sparsekv import LLM, SamplingParams
 from sparsekv.config import ConfigError, EngineConfig
 from sparsekv.model.attention import MLAttention
-from sparsekv.model.decode_graphs import BucketPieces, bucket_of, buckets
+from sparsekv.model.decode_graphs import BucketPieces, DraftPieces, bucket_of, buckets
 from test_decode_shapes import SYNCHRONISING
 from tolerances import assert_same_greedy, logprob_tolerance
 
@@ -35,7 +35,7 @@ def record_selections(monkeypatch) -> list:
 
     def spy(self, plan, q, index_q, ctx, cache):
         out = real(self, plan, q, index_q, ctx, cache)
-        if self.selector is not None:
+        if self.selector is not None and not ctx.draft_step:  # a draft step selects nothing (MTP index reuse)
             trace.append((self.layer_idx, {s.request_id: part.clone() for s, part in zip(plan.sparse, out.split(plan.sizes))}))
         return out
     monkeypatch.setattr(MLAttention, "_decode_selection", spy)
@@ -80,8 +80,9 @@ def test_decode_pieces_decode_as_the_engine_does(family, glm_ckpt, ds_ckpt, monk
 @pytest.mark.parametrize("family", ["glm", "ds"])
 def test_verification_steps_of_mtp_drafting_decode_as_the_engine_does(family, glm_ckpt, ds_ckpt, tmp_path, monkeypatch):
     """With MTP drafting (K = 2): every step verifying drafts (each request its last token and its two
-    drafts, a row each, dense-regime rows each masked at its own position) runs as the pieces, the
-    MTP layer's passes as before. The same drafts are verified at every step as on the engine's decode
+    drafts, a row each, dense-regime rows each masked at its own position) runs as the pieces, and
+    each second draft step as the draft piece (its chain's extend-row selections, or within top-k its
+    whole history); the extend pass as before. The same drafts are verified at every step as on the engine's decode
     path, with the same selections, greedy tokens and logprobs within tolerance."""
     from sparsekv.runner import ModelRunner
     from test_batched_decode import with_mtp_layer
@@ -96,6 +97,7 @@ def test_verification_steps_of_mtp_drafting_decode_as_the_engine_does(family, gl
     (want, want_trace, want_steps, _), (got, got_trace, got_steps, llm) = runs
     stats = llm.engine.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["decode_graph_steps"] >= 8
+    assert stats["decode_graph_draft_steps"] >= 8  # draft step 2 of each step that drafted
     assert got_steps == want_steps  # the same drafts verified
     assert [layer for layer, _ in got_trace] == [layer for layer, _ in want_trace]
     for (layer, a), (_, b) in zip(want_trace, got_trace):
@@ -291,9 +293,10 @@ class FakeCudaGraphs:
         class Graph:
             def replay(self):
                 fakes.replays += 1
-                kept = {name: _copy_of(getattr(self.owner, name)) for name in OUTPUTS}
+                names = [name for name in OUTPUTS if hasattr(self.owner, name)]
+                kept = {name: _copy_of(getattr(self.owner, name)) for name in names}
                 self.piece()
-                for name in OUTPUTS:  # the new values into the captured tensors; the attributes as captured
+                for name in names:  # the new values into the captured tensors; the attributes as captured
                     for old, new in zip(_tensors(self.captured[name]), _tensors(getattr(self.owner, name))):
                         if old is not new:
                             old.copy_(new)
@@ -317,8 +320,6 @@ class FakeCudaGraphs:
         monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
         monkeypatch.setattr(torch.cuda, "graph", graph)
-        real_pieces = BucketPieces.pieces
-
         def pieces(owner):
             def recorded(piece, last):
                 def run():
@@ -327,11 +328,13 @@ class FakeCudaGraphs:
                         g.piece, g.last, g.owner, fakes.capturing = piece, last, owner, None
                     piece()
                     if g is not None:
-                        g.captured = {name: _copy_of(getattr(owner, name)) for name in OUTPUTS}
+                        g.captured = {name: _copy_of(getattr(owner, name)) for name in OUTPUTS if hasattr(owner, name)}
                 return run
-            parts = real_pieces(owner)
+            parts = real[type(owner)](owner)
             return [recorded(p, i == len(parts) - 1) for i, p in enumerate(parts)]
-        monkeypatch.setattr(BucketPieces, "pieces", pieces)
+        real = {BucketPieces: BucketPieces.pieces, DraftPieces: DraftPieces.pieces}
+        for cls in real:
+            monkeypatch.setattr(cls, "pieces", pieces)
 
 
 
@@ -340,10 +343,10 @@ def _copy_of(value):
     return dict(value) if isinstance(value, dict) else value
 
 
-def captured_engine(path, monkeypatch, **fakes):
+def captured_engine(path, monkeypatch, drafts: int = 0, **fakes):
     """An engine whose decode graphs capture (with `FakeCudaGraphs`) on a CPU."""
     from sparsekv.model.decode_graphs import DecodeGraphs
-    llm = LLM(path, decode_graphs="eager", **OPTIONS)
+    llm = LLM(path, decode_graphs="eager", num_speculative_tokens=drafts, **OPTIONS)
     runner = llm.engine.executor.runner
     runner.graphs = DecodeGraphs(runner, 64, capture=True)
     return llm, FakeCudaGraphs(monkeypatch, **fakes)
@@ -378,3 +381,21 @@ def test_a_bucket_whose_replay_differs_or_whose_capture_fails_stays_eager(fault,
     assert (stats["decode_graph_steps"], stats["decode_graph_buckets"], stats["decode_graph_eager_buckets"]) == (11, 0, 1)
     assert fakes.captures == (len(llm.engine.model_config.full_layers) + 1 if fault == "corrupt" else 1)
     assert_same_greedy(want, got, logprob_tolerance(llm))
+
+
+def test_draft_steps_are_captured_per_bucket_and_replayed_chain_after_chain(glm_ckpt, tmp_path, monkeypatch):
+    """With MTP drafting (K = 3) on the fake graph API: the draft piece captured at its bucket's first
+    draft step and replayed after, each chain's picks loaded into its static slot table once; the
+    drafts, so the steps and outputs, those of the engine's own draft steps."""
+    from test_batched_decode import with_mtp_layer
+    path = with_mtp_layer(glm_ckpt[0], str(tmp_path / "mtp"))
+    want = LLM(path, decode_graphs="off", num_speculative_tokens=3, **OPTIONS)
+    want_out = want.generate(prompts(), GREEDY)
+    llm, fakes = captured_engine(path, monkeypatch, drafts=3)
+    got = llm.generate(prompts(), GREEDY)
+    stats, spec = llm.engine.stats(), want.engine.stats()
+    assert stats["decode_graph_eager_buckets"] == 0 and stats["decode_graph_draft_steps"] > 0
+    assert stats["decode_graph_buckets"] == len(llm.engine.executor.runner.graphs.buckets) + 1  # one draft bucket
+    assert (stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]) == \
+        (spec["spec_decode_num_draft_tokens"], spec["spec_decode_num_accepted_tokens"])
+    assert_same_greedy(want_out, got, logprob_tolerance(llm))

@@ -18,8 +18,14 @@ history and its top-k (their shapes follow the context lengths), written into th
 slot table and mask by the engine's own decode path (`MLAttention._decode_selection`, the same
 groups and picks). A decode within top-k (the dense regime) attends its whole history, padded to k
 and masked by each row's position, so that every row has the same shape. The padding rows (the
-bucket's rows past the step's) read and write the pool's padding page, which no request holds. The
-MTP layer's passes (extend, draft steps) run as before, outside the pieces.
+bucket's rows past the step's) read and write the pool's padding page, which no request holds.
+
+With MTP drafting, a draft step after the first (the MTP layer over one row per drafting request,
+past its history, reading the cache and writing nothing) is one piece per bucket of requests
+(`DraftPieces`): its inputs are the previous drafts, the hidden states they came from, their
+positions, and the slot table and mask of what each row attends, its extend row's selection (MTP
+index reuse) or within top-k its whole history, the same for every draft step of a chain, so they
+are loaded once per chain. The MTP layer's extend pass runs as before, outside the pieces.
 
 On CUDA (`capture`) each piece of a bucket is captured as a CUDA graph the first time the bucket
 runs, all into one memory pool, and replayed from then on, the selections between the replays. The
@@ -175,6 +181,74 @@ class BucketPieces:
             call()
 
 
+class DraftPieces:
+    """One bucket's MTP draft step: static inputs (the previous drafts, the hidden states they came
+    from, their positions, and the chain's [rows, k] slot table and mask), one piece."""
+
+    def __init__(self, model, cache, rows: int, padding_slot: int):
+        cfg, device = model.cfg, model.device
+        self.model, self.cache, self.rows, self.k = model, cache, rows, cfg.index_topk
+        self.padding_slot = padding_slot
+        long = dict(dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(rows, **long)
+        self.positions = torch.zeros(rows, **long)
+        self.hidden_in = torch.zeros(rows, cfg.hidden_size, dtype=model.dtype, device=device)
+        self.slots = torch.full((rows, self.k), padding_slot, **long)
+        self.hidden = torch.ones(rows, 1, self.k, dtype=torch.bool, device=device)
+        self.hidden[:, :, 0] = False
+        self.picks = StaticPicks(self.slots)
+        self.ctx = ForwardContext(self.input_ids, self.positions, self.positions, [], torch.arange(rows, device=device),
+                                  draft_step=True)
+        self.graphs: list | None = None
+        self.chain = None  # the DraftChain whose picks the slot table holds
+        self.final = self.logits = None
+
+    def pieces(self) -> list:
+        return [self._draft]
+
+    def _draft(self) -> None:
+        model, ctx = self.model, self.ctx
+        mtp, eps = model.mtp, model.cfg.rms_norm_eps
+        x = model.mtp_input(self.hidden_in, ctx.input_ids)
+        ctx.cos, ctx.sin = model.rotary.cos_sin(ctx.positions)
+        layer = mtp.layer
+        q, _ = layer.attn.project(layer.attention_input(x), ctx, self.cache)  # a draft step writes nothing
+        x = layer.attended(x, layer.attn.output(layer.attn.attend_picked(q, self.picks, self.hidden, self.cache)))
+        self.final = rms_norm(x, mtp.head_norm, eps)
+        self.logits = model.logits(self.final, mtp.head)
+
+    def load_chain(self, chain, step: ForwardContext) -> None:
+        """The chain's picks (what its draft steps attend), from a draft step's context: a sparse-regime
+        row its extend row's selection, a dense-regime row its request's whole history; padding rows
+        reset."""
+        n = step.num_tokens
+        self.slots[n:] = self.padding_slot
+        self.hidden[n:] = True
+        self.hidden[:, :, 0] = False
+        cfg = self.model.mtp.layer.attn.cfg
+        plan = plan_of(step, cfg)
+        dense = [seq for seqs in plan.dense.values() for seq in seqs]
+        if dense:
+            rows = step.rows_index([seq.token_start for seq in dense])
+            self.slots[rows] = padded_slots(dense, self.k)
+            ends = torch.tensor([seq.context_len for seq in dense], device=self.slots.device)
+            self.hidden[rows] = (torch.arange(self.k, device=ends.device)[None, :] >= ends[:, None]).unsqueeze(1)
+        if plan.sparse:
+            selected = torch.cat([step.selection[seq.request_id] for seq in plan.sparse])
+            picks, hidden = plan.picks(step, selected)
+            rows = plan.row_index(step)
+            self.slots[rows], self.hidden[rows] = picks.slots(), hidden
+        self.chain = chain
+
+    def run(self, step) -> None:
+        """The draft step (`step`: its context and the hidden states it drafts from), eagerly or replayed."""
+        ctx, hidden = step
+        n = ctx.num_tokens
+        self.input_ids[:n], self.positions[:n], self.hidden_in[:n] = ctx.input_ids, ctx.positions, hidden
+        self.input_ids[n:], self.positions[n:], self.hidden_in[n:] = 0, 0, 0
+        (self.pieces()[0] if self.graphs is None else self.graphs[0].replay)()
+
+
 class DecodeGraphs:
     """The runner's decode steps of up to `max_bs` requests, through `BucketPieces` (`capture`: replayed
     from CUDA graphs). A request has up to `runner.decode_rows` rows (1 + its drafts): the buckets are
@@ -185,9 +259,10 @@ class DecodeGraphs:
         self.max_rows = max_bs * runner.decode_rows
         self.padding_slot = runner.cache.padding_slot
         self.buckets: dict[int, BucketPieces] = {}
+        self.drafts: dict[int, DraftPieces] = {}  # draft steps, by bucket of drafting requests
         self.memory_pool = None  # one CUDA graph memory pool for every bucket's pieces
-        self.steps = 0
-        self.eager_buckets: set[int] = set()  # captured replays that differed from the eager run
+        self.steps = self.draft_steps = 0
+        self.eager_buckets: set = set()  # captured replays that differed from the eager run: rows, or ("draft", rows)
 
     def takes(self, chunks) -> bool:
         """A decode step of at most max_bs requests: each its last token and its drafts, sampling."""
@@ -202,17 +277,37 @@ class DecodeGraphs:
         if pieces is None:
             pieces = self.buckets[bucket] = BucketPieces(self.runner.model, self.runner.cache, bucket, self.padding_slot)
         self.steps += 1
-        if self.capture and pieces.graphs is None and bucket not in self.eager_buckets:
-            return self._capture(pieces, step)
+        return self._run(pieces, bucket, step, n)
+
+    def takes_drafts(self, requests: int) -> bool:
+        return 0 < requests <= self.max_bs
+
+    def draft(self, chain, step: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, hidden states after the MTP layer's head norm) of an MTP draft step of `chain`
+        (speculative.py's DraftChain), as `MTPDrafter.forward` returns them for every row."""
+        n = step.num_tokens
+        bucket = bucket_of(n, self.max_bs)
+        pieces = self.drafts.get(bucket)
+        if pieces is None:
+            pieces = self.drafts[bucket] = DraftPieces(self.runner.model, self.runner.cache, bucket, self.padding_slot)
+        if pieces.chain is not chain:
+            pieces.load_chain(chain, step)
+        self.draft_steps += 1
+        return self._run(pieces, ("draft", bucket), (step, chain.hidden), n)
+
+    def _run(self, pieces, key, step, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pieces` run on `step` (captured first where they are to be and are not yet): the first `n`
+        rows' logits and final hidden states."""
+        if self.capture and pieces.graphs is None and key not in self.eager_buckets:
+            return self._capture(pieces, key, step, n)
         pieces.run(step)
         if pieces.graphs is None:
             return pieces.logits[:n], pieces.final[:n]
         return pieces.logits[:n].clone(), pieces.final[:n].clone()  # the next replay overwrites them
 
-    def _capture(self, pieces: BucketPieces, step: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def _capture(self, pieces, key, step, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's first step: run eagerly (on a side stream, as torch.cuda.graphs asks before a
         capture), then each piece captured and the step replayed, which must give the eager logits."""
-        n = step.num_tokens
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -242,7 +337,7 @@ class DecodeGraphs:
                 log.warning("decode graphs: the %d-row bucket's replay differs from its eager run, it runs eagerly",
                             pieces.rows)
             pieces.graphs = None
-            self.eager_buckets.add(pieces.rows)
+            self.eager_buckets.add(key)
             pieces.run(step)  # the step's cache entries written again as the eager run wrote them
             logits, final = pieces.logits[:n], pieces.final[:n]
         return logits, final
@@ -250,9 +345,10 @@ class DecodeGraphs:
     def reset(self) -> None:
         """Forget every bucket (new weights: captured graphs would read the old tensors)."""
         self.buckets.clear()
+        self.drafts.clear()
         self.eager_buckets.clear()
 
     def stats(self) -> dict:
-        return {"decode_graph_steps": self.steps,
-                "decode_graph_buckets": sum(p.graphs is not None for p in self.buckets.values()),
-                "decode_graph_eager_buckets": len(self.eager_buckets)}
+        captured = [p for p in [*self.buckets.values(), *self.drafts.values()] if p.graphs is not None]
+        return {"decode_graph_steps": self.steps, "decode_graph_draft_steps": self.draft_steps,
+                "decode_graph_buckets": len(captured), "decode_graph_eager_buckets": len(self.eager_buckets)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..context import ForwardContext
@@ -109,6 +110,13 @@ class DSAModel:
             if ctx.after_layer is not None:
                 ctx.after_layer(i)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
+    def mtp_input(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's input rows: each next token's embedding and each final hidden state, normed,
+        concatenated and projected (eh_proj)."""
+        mtp, eps = self.mtp, self.cfg.rms_norm_eps
+        e = self.comm.embed(next_tokens, mtp.embed if mtp.embed is not None else self.embed)
+        return F.linear(torch.cat([rms_norm(e, mtp.enorm, eps), rms_norm(hidden, mtp.hnorm, eps)], -1), mtp.eh_proj)
 
     def logits(self, h: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits of final hidden states, by the lm_head (or another head: the MTP layer's own)."""

@@ -50,8 +50,10 @@ ENGINE_GAUGES = {
     "held_rooms": ("held_rooms", "Disaggregated rooms a data-parallel prefill rank sends itself, in flight."),
 }
 ENGINE_COUNTERS = {
-    "decode_graph_steps": ("decode_graph_steps", "Plain decode steps run as the decode graphs' fixed-shape pieces "
+    "decode_graph_steps": ("decode_graph_steps", "Decode steps run as the decode graphs' fixed-shape pieces "
                                                  "(replayed from CUDA graphs where captured)."),
+    "decode_graph_draft_steps": ("decode_graph_draft_steps", "MTP draft steps run as the decode graphs' draft "
+                                                             "piece."),
     "prompt_tokens": ("prompt_tokens", "Prompt tokens prefilled (recomputed after a preemption too; "
                                        "prefix-cache hits not)."),
     "generation_tokens": ("generation_tokens", "Tokens generated."),

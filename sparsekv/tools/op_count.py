@@ -59,17 +59,19 @@ class PieceSplit(OpCounter):
 
 
 def decode_graph_step_ops(engine) -> PieceSplit:
-    """The ops of the engine's next step (a decode step of a decode-graphs engine), split by the
-    pieces they run in."""
-    from ..model.decode_graphs import BucketPieces
-    real = BucketPieces.pieces
+    """The ops of the engine's next step (a decode step of a decode-graphs engine, with its MTP draft
+    steps where it drafts), split by the pieces they run in."""
+    from ..model.decode_graphs import BucketPieces, DraftPieces
+    real = {cls: cls.pieces for cls in (BucketPieces, DraftPieces)}
     split = PieceSplit()
-    BucketPieces.pieces = lambda self: [split.piece(p) for p in real(self)]
+    for cls in real:
+        cls.pieces = lambda self, cls=cls: [split.piece(p) for p in real[cls](self)]
     try:
         with split:
             engine.step()
     finally:
-        BucketPieces.pieces = real
+        for cls, pieces in real.items():
+            cls.pieces = pieces
     return split
 
 
