@@ -49,7 +49,10 @@ def _compare(path: str, vocab: int, **options) -> None:
         shard, whole = llm.engine.model.weight_bytes, single.engine.model.weight_bytes
         assert shard < whole, "rank 0 holds the whole model"
         if options.get("decode_graphs") == "eager":  # against the one-process engine's own decode path
-            assert llm.engine.stats()["decode_graph_steps"] > 0
+            stats = llm.engine.stats()
+            assert stats["decode_graph_steps"] > 0
+            if options.get("num_speculative_tokens", 0) > 1:
+                assert stats["decode_graph_draft_steps"] > 0
     finally:
         llm.close()
     assert all(not p.is_alive() for p in llm.engine.executor.ranks.processes), "close() left a worker running"
@@ -95,11 +98,14 @@ def test_tensor_parallel_deepseek_equals_one_process(ds_ckpt, options):
     _compare(ds_ckpt[0], 256, tensor_parallel_size=2, **options)
 
 
+@pytest.mark.parametrize("graphs", ["off", "eager"], ids=["", "decode-graphs"])
 @pytest.mark.parametrize("family", ["glm", "ds"])
-def test_tensor_parallel_with_mtp_drafting_equals_one_process(family, glm_ckpt, ds_ckpt, tmp_path):
+def test_tensor_parallel_with_mtp_drafting_equals_one_process(family, graphs, glm_ckpt, ds_ckpt, tmp_path):
+    """With decode graphs, the verification steps and draft steps run as their pieces on both ranks."""
     src = (glm_ckpt if family == "glm" else ds_ckpt)[0]
     path = _with_mtp_layer(src, str(tmp_path / family), own_embed_and_head=family == "ds")
-    _compare(path, 256, tensor_parallel_size=2, num_speculative_tokens=2, enable_expert_parallel=family == "ds")
+    _compare(path, 256, tensor_parallel_size=2, num_speculative_tokens=2, enable_expert_parallel=family == "ds",
+             decode_graphs=graphs)
 
 
 def test_tensor_parallel_bundled_model_tiered_mtp():
