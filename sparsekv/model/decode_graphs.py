@@ -40,7 +40,7 @@ import logging
 
 import torch
 
-from ..context import ForwardContext, padded_slots
+from ..context import ForwardContext, index_tensor, padded_slots
 from .decode_plan import plan_of
 from .layers import rms_norm
 
@@ -71,13 +71,10 @@ class StaticPicks:
         return self._slots
 
 
-class BucketPieces:
-    """One bucket's static inputs (token ids, positions, slots to write, the [rows, k] slot table and
-    mask of the picks), its pieces, and what each piece leaves for the selection and the piece after
-    it: by full layer, the hidden states entering it, its queries and its indexer state. Each is kept
-    under its own layer, never replaced by a later piece's: a replay writes the tensors its capture
-    made, so the selection between two replays must read the ones of the piece just replayed, and
-    a tensor no longer referenced would give its memory to a later capture."""
+class _Bucket:
+    """What a bucket's pieces read besides the weights and the cache: token ids, positions, and the
+    [rows, k] slot table and mask of the picks each row attends; the padding rows' (past a step's)
+    see the padding slot once, so every softmax has a term."""
 
     def __init__(self, model, cache, rows: int, padding_slot: int):
         cfg, device = model.cfg, model.device
@@ -86,19 +83,48 @@ class BucketPieces:
         long = dict(dtype=torch.long, device=device)
         self.input_ids = torch.zeros(rows, **long)
         self.positions = torch.zeros(rows, **long)
-        self.slot_mapping = torch.full((rows,), padding_slot, **long)
         self.slots = torch.full((rows, self.k), padding_slot, **long)
         self.hidden = torch.ones(rows, 1, self.k, dtype=torch.bool, device=device)
-        self.hidden[:, :, 0] = False  # a padding row sees the padding slot once: every softmax has a term
+        self.hidden[:, :, 0] = False
         self.picks = StaticPicks(self.slots)
-        self.ctx = ForwardContext(self.input_ids, self.positions, self.slot_mapping, [],
-                                  torch.arange(rows, device=device))
-        self.full = list(cfg.full_layers)
         self.graphs: list | None = None  # captured (CUDA), one per piece
+        self.final = self.logits = None
+
+    def _pad_picks(self, n: int) -> None:
+        """The rows from `n` on: padding rows."""
+        self.slots[n:] = self.padding_slot
+        self.hidden[n:] = True
+        self.hidden[n:, :, 0] = False
+
+    def _dense_picks(self, step: ForwardContext, dense: list, visible) -> None:
+        """The rows of the `dense` (regime) requests attend their request's whole history, padded to k,
+        up to the position `visible(rows)` gives each row."""
+        rows = step.rows_index([r for seq in dense for r in range(seq.token_start, seq.token_end)])
+        history = padded_slots(dense, self.k)
+        if rows.numel() != len(dense):  # drafts to verify: each row of a request reads its history
+            history = history[step.rows_index([i for i, seq in enumerate(dense) for _ in range(seq.num_new_tokens)])]
+        self.slots[rows] = history
+        last = visible(rows)
+        self.hidden[rows] = (torch.arange(self.k, device=last.device)[None, :] > last[:, None]).unsqueeze(1)
+
+
+class BucketPieces(_Bucket):
+    """One bucket's static inputs (token ids, positions, slots to write, the [rows, k] slot table and
+    mask of the picks), its pieces, and what each piece leaves for the selection and the piece after
+    it: by full layer, the hidden states entering it, its queries and its indexer state. Each is kept
+    under its own layer, never replaced by a later piece's: a replay writes the tensors its capture
+    made, so the selection between two replays must read the ones of the piece just replayed, and
+    a tensor no longer referenced would give its memory to a later capture."""
+
+    def __init__(self, model, cache, rows: int, padding_slot: int):
+        super().__init__(model, cache, rows, padding_slot)
+        self.slot_mapping = torch.full((rows,), padding_slot, dtype=torch.long, device=model.device)
+        self.ctx = ForwardContext(self.input_ids, self.positions, self.slot_mapping, [],
+                                  torch.arange(rows, device=model.device))
+        self.full = list(model.cfg.full_layers)
         self.h: dict[int, torch.Tensor] = {}  # by full layer: the hidden states entering it
         self.q: dict[int, torch.Tensor] = {}  # by full layer: its queries
         self.index_q: dict[int, object] = {}  # by full layer: its selector's state of them
-        self.final = self.logits = None
 
     # -- the pieces (fixed shapes; nothing read back to the host) -------------------------------
     def pieces(self) -> list:
@@ -146,18 +172,10 @@ class BucketPieces:
         n = step.num_tokens
         self.input_ids[:n], self.positions[:n], self.slot_mapping[:n] = step.input_ids, step.positions, step.slot_mapping
         self.input_ids[n:], self.positions[n:], self.slot_mapping[n:] = 0, 0, self.padding_slot
-        self.slots[n:] = self.padding_slot
-        self.hidden[n:] = True
-        self.hidden[n:, :, 0] = False
+        self._pad_picks(n)
         dense = [seq for seqs in plan_of(step, self.model.layers[0].attn.cfg).dense.values() for seq in seqs]
         if dense:
-            rows = step.rows_index([r for seq in dense for r in range(seq.token_start, seq.token_end)])
-            history = padded_slots(dense, self.k)
-            if rows.numel() != len(dense):  # drafts to verify: each row of a request reads its history
-                history = history[step.rows_index([i for i, seq in enumerate(dense) for _ in range(seq.num_new_tokens)])]
-            self.slots[rows] = history
-            visible = step.positions[rows]
-            self.hidden[rows] = (torch.arange(self.k, device=visible.device)[None, :] > visible[:, None]).unsqueeze(1)
+            self._dense_picks(step, dense, lambda rows: step.positions[rows])
 
     def select(self, layer: int, step: ForwardContext) -> None:
         """Full layer `layer`'s selections of the step's sparse-regime rows, as the engine's decode path
@@ -181,27 +199,16 @@ class BucketPieces:
             call()
 
 
-class DraftPieces:
+class DraftPieces(_Bucket):
     """One bucket's MTP draft step: static inputs (the previous drafts, the hidden states they came
     from, their positions, and the chain's [rows, k] slot table and mask), one piece."""
 
     def __init__(self, model, cache, rows: int, padding_slot: int):
-        cfg, device = model.cfg, model.device
-        self.model, self.cache, self.rows, self.k = model, cache, rows, cfg.index_topk
-        self.padding_slot = padding_slot
-        long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(rows, **long)
-        self.positions = torch.zeros(rows, **long)
-        self.hidden_in = torch.zeros(rows, cfg.hidden_size, dtype=model.dtype, device=device)
-        self.slots = torch.full((rows, self.k), padding_slot, **long)
-        self.hidden = torch.ones(rows, 1, self.k, dtype=torch.bool, device=device)
-        self.hidden[:, :, 0] = False
-        self.picks = StaticPicks(self.slots)
-        self.ctx = ForwardContext(self.input_ids, self.positions, self.positions, [], torch.arange(rows, device=device),
-                                  draft_step=True)
-        self.graphs: list | None = None
+        super().__init__(model, cache, rows, padding_slot)
+        self.hidden_in = torch.zeros(rows, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
+        self.ctx = ForwardContext(self.input_ids, self.positions, self.positions, [],
+                                  torch.arange(rows, device=model.device), draft_step=True)
         self.chain = None  # the DraftChain whose picks the slot table holds
-        self.final = self.logits = None
 
     def pieces(self) -> list:
         return [self._draft]
@@ -221,18 +228,12 @@ class DraftPieces:
         """The chain's picks (what its draft steps attend), from a draft step's context: a sparse-regime
         row its extend row's selection, a dense-regime row its request's whole history; padding rows
         reset."""
-        n = step.num_tokens
-        self.slots[n:] = self.padding_slot
-        self.hidden[n:] = True
-        self.hidden[:, :, 0] = False
-        cfg = self.model.mtp.layer.attn.cfg
-        plan = plan_of(step, cfg)
+        self._pad_picks(step.num_tokens)
+        plan = plan_of(step, self.model.mtp.layer.attn.cfg)
         dense = [seq for seqs in plan.dense.values() for seq in seqs]
-        if dense:
-            rows = step.rows_index([seq.token_start for seq in dense])
-            self.slots[rows] = padded_slots(dense, self.k)
-            ends = torch.tensor([seq.context_len for seq in dense], device=self.slots.device)
-            self.hidden[rows] = (torch.arange(self.k, device=ends.device)[None, :] >= ends[:, None]).unsqueeze(1)
+        if dense:  # a draft row past its history sees all of it
+            ends = index_tensor([seq.context_len - 1 for seq in dense], self.slots.device)
+            self._dense_picks(step, dense, lambda rows: ends)
         if plan.sparse:
             selected = torch.cat([step.selection[seq.request_id] for seq in plan.sparse])
             picks, hidden = plan.picks(step, selected)
