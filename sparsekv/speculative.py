@@ -143,7 +143,11 @@ class MTPDrafter:
         rows (draft 1). Keeps what the draft steps chain on."""
         ctx = self.runner.build_mtp_context(plan.parts, plan.logits_rows)
         self.cache.begin_mtp_pass(ctx.seqs, {request_id: pages for request_id, pages, _, _ in plan.parts})
-        logits, h = self.forward(_rows_of(hidden, plan.rows), ctx.input_ids, ctx, self.cache)
+        graphs, rows = self.runner.graphs, _rows_of(hidden, plan.rows)
+        if graphs is not None and not self.runner.taps and graphs.takes_extend(ctx):  # the decode graphs' pieces
+            logits, h = graphs.extend(ctx, rows)
+        else:
+            logits, h = self.forward(rows, ctx.input_ids, ctx, self.cache)
         seqs = [ctx.seqs[i] for i in plan.drafting]
         selection = {s.request_id: ctx.selection[s.request_id][-1:] for s in seqs if s.request_id in ctx.selection}
         self._chain = DraftChain(seqs, selection, h, self._chain_rope(seqs))

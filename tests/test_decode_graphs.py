@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 from sparsekv import LLM, SamplingParams
 from sparsekv.config import ConfigError, EngineConfig
 from sparsekv.model.attention import MLAttention
-from sparsekv.model.decode_graphs import BucketPieces, DraftPieces, bucket_of, buckets
+from sparsekv.model.decode_graphs import BucketPieces, DraftPieces, ExtendPieces, bucket_of, buckets
 from test_decode_shapes import SYNCHRONISING
 from tolerances import assert_same_greedy, logprob_tolerance
 
@@ -98,6 +98,7 @@ def test_verification_steps_of_mtp_drafting_decode_as_the_engine_does(family, gl
     stats = llm.engine.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["decode_graph_steps"] >= 8
     assert stats["decode_graph_draft_steps"] >= 8  # draft step 2 of each step that drafted
+    assert stats["decode_graph_extend_steps"] >= 8  # every extend pass but the one after the prompts
     assert got_steps == want_steps  # the same drafts verified
     assert [layer for layer, _ in got_trace] == [layer for layer, _ in want_trace]
     for (layer, a), (_, b) in zip(want_trace, got_trace):
@@ -151,19 +152,26 @@ class PieceReads(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("options", [{}, dict(kv_cache_dtype="fp8"), dict(selector="quest")], ids=["dsa", "fp8", "quest"])
+@pytest.mark.parametrize("options", [{}, dict(kv_cache_dtype="fp8"), dict(num_speculative_tokens=2),
+                                     dict(selector="quest")], ids=["dsa", "fp8", "mtp", "quest"])
 @pytest.mark.parametrize("family", ["glm", "ds"])
-def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(family, options, glm_ckpt, ds_ckpt, monkeypatch):
-    """Three steps through one bucket (3 rows padded to 4, requests from below top-k to above it), every
-    op watched (both families, plain and FP8 latents): inside the pieces none reads a tensor an eager op of the step made (only the static
-    inputs, which the eager ops fill in place, the weights, the cache and the pieces' own outputs), none
-    synchronises and none makes a tensor from host data: a replay of the captured pieces computes what
-    running them computes. Breaking it (a piece reading the step's own positions) is seen. Quest's
-    page bounds reset the pages a step starts with a boolean index (a synchronising op) and a scalar
-    made on the host: the check sees that too, and the decode graphs are not built for Quest."""
+def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(family, options, glm_ckpt, ds_ckpt, tmp_path,
+                                                                      monkeypatch):
+    """Three decode steps through the same buckets (3 requests padded to 4, from below top-k to above
+    it; with MTP drafting the verification, extend and draft pieces too), every op of each step
+    watched (both families, plain and FP8 latents): inside the pieces none reads a tensor an eager op of
+    the step made (only the static inputs, which the eager ops fill in place, the weights, the cache
+    and the pieces' own outputs), none synchronises and none makes a tensor from host data: a replay of
+    the captured pieces computes what running them computes. Breaking it (a piece reading the step's
+    own positions) is seen. Quest's page bounds reset the pages a step starts with a boolean index (a
+    synchronising op) and a scalar made on the host: the check sees that too, and the decode graphs
+    are not built for Quest."""
     from sparsekv.model.decode_graphs import DecodeGraphs
-    llm = LLM((glm_ckpt if family == "glm" else ds_ckpt)[0], decode_graphs="off" if "selector" in options else "eager",
-              **OPTIONS, **options)
+    from test_batched_decode import with_mtp_layer
+    path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
+    if "num_speculative_tokens" in options:
+        path = with_mtp_layer(path, str(tmp_path / family))
+    llm = LLM(path, decode_graphs="off" if "selector" in options else "eager", **OPTIONS, **options)
     engine = llm.engine
     runner = engine.executor.runner
     if runner.graphs is None:  # the pieces run by hand where the engine would not build them (Quest)
@@ -172,10 +180,8 @@ def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(family, op
     for i, prompt in enumerate(prompts((3, 11, 40))):
         engine.add_request(f"r{i}", prompt, GREEDY)
     engine.step()  # the prefills
-    graphs = engine.executor.runner.graphs
-    pieces = graphs.buckets[4] = BucketPieces(graphs.runner.model, graphs.runner.cache, 4, graphs.padding_slot)
-    watch = PieceReads([pieces.input_ids, pieces.positions, pieces.slot_mapping, pieces.slots, pieces.hidden])
-    real_pieces = pieces.pieces
+    engine.step()  # the buckets' static inputs made (outside the watched steps)
+    watch = PieceReads([])
 
     def in_piece(piece):
         def run():
@@ -185,27 +191,36 @@ def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(family, op
             finally:
                 watch.in_piece = False
         return run
-    monkeypatch.setattr(pieces, "pieces", lambda: [in_piece(p) for p in real_pieces()])
-    real_execute, steps = graphs.execute, []
+    for cls in (BucketPieces, DraftPieces, ExtendPieces):
+        monkeypatch.setattr(cls, "pieces", lambda self, real=cls.pieces: [in_piece(p) for p in real(self)])
+    steps = []
 
-    def execute(step):
-        steps.append(step)
-        made = [step.input_ids, step.positions, step.slot_mapping, step.logits_rows, *(seq.slots for seq in step.seqs)]
-        watch.eager_made |= {t.untyped_storage().data_ptr() for t in made}  # the step's context, made by the runner
-        with watch:
-            return real_execute(step)
-    monkeypatch.setattr(graphs, "execute", execute)
+    def registered(build):  # a context the runner builds from host data: the step's own tensors
+        def run(self, *args):
+            ctx = build(self, *args)
+            made = [ctx.input_ids, ctx.positions, ctx.slot_mapping, ctx.logits_rows, *(seq.slots for seq in ctx.seqs)]
+            watch.eager_made |= {t.untyped_storage().data_ptr() for t in made}
+            steps.append(ctx)
+            return ctx
+        return run
+    for name in ("build_context", "build_mtp_context", "build_draft_step_context"):
+        monkeypatch.setattr(type(runner), name, registered(getattr(type(runner), name)))
+    before = dict(engine.stats())
     for _ in range(3):
-        engine.step()
+        with watch:
+            engine.step()
         if options.get("selector") == "quest":
             assert "index" in watch.synchronising and "lift_fresh" in watch.from_host
             return
         assert watch.piece_ops > 100 and watch.stale == [] and watch.synchronising == [] and watch.from_host == []
-    assert len(steps) == 3
+    stats = engine.stats()
+    kinds = ["steps"] + (["extend_steps", "draft_steps"] if "num_speculative_tokens" in options else [])
+    assert all(stats[f"decode_graph_{kind}"] - before[f"decode_graph_{kind}"] == 3 for kind in kinds)
     # the check can fail: a piece reading the step's own positions (made by the eager runner)
     real_first = BucketPieces._first
     monkeypatch.setattr(BucketPieces, "_first", lambda self: (real_first(self), steps[-1].positions.sum()))
-    engine.step()
+    with watch:
+        engine.step()
     assert "sum" in watch.stale
 
 
@@ -270,7 +285,7 @@ def test_a_step_s_ops_split_by_the_pieces_they_run_in(glm_ckpt):
     assert 100 < split.inside < split.total and split.launches == split.total - split.inside + split.pieces
 
 
-OUTPUTS = ("h", "q", "index_q", "final", "logits")  # what a piece leaves on its BucketPieces
+OUTPUTS = ("h", "x", "q", "index_q", "final", "logits")  # what a piece leaves on its pieces' object
 
 
 def _tensors(value) -> list:
@@ -332,7 +347,7 @@ class FakeCudaGraphs:
                 return run
             parts = real[type(owner)](owner)
             return [recorded(p, i == len(parts) - 1) for i, p in enumerate(parts)]
-        real = {BucketPieces: BucketPieces.pieces, DraftPieces: DraftPieces.pieces}
+        real = {cls: cls.pieces for cls in (BucketPieces, DraftPieces, ExtendPieces)}
         for cls in real:
             monkeypatch.setattr(cls, "pieces", pieces)
 
@@ -385,8 +400,9 @@ def test_a_bucket_whose_replay_differs_or_whose_capture_fails_stays_eager(fault,
 
 def test_draft_steps_are_captured_per_bucket_and_replayed_chain_after_chain(glm_ckpt, tmp_path, monkeypatch):
     """With MTP drafting (K = 3) on the fake graph API: the draft piece captured at its bucket's first
-    draft step and replayed after, each chain's picks loaded into its static slot table once; the
-    drafts, so the steps and outputs, those of the engine's own draft steps."""
+    draft step and replayed after, each chain's picks loaded into its static slot table once, and the
+    extend pieces per bucket of rows; the drafts, so the steps and outputs, those of the engine's own
+    MTP passes."""
     from test_batched_decode import with_mtp_layer
     path = with_mtp_layer(glm_ckpt[0], str(tmp_path / "mtp"))
     want = LLM(path, decode_graphs="off", num_speculative_tokens=3, **OPTIONS)
@@ -394,8 +410,10 @@ def test_draft_steps_are_captured_per_bucket_and_replayed_chain_after_chain(glm_
     llm, fakes = captured_engine(path, monkeypatch, drafts=3)
     got = llm.generate(prompts(), GREEDY)
     stats, spec = llm.engine.stats(), want.engine.stats()
+    graphs = llm.engine.executor.runner.graphs
     assert stats["decode_graph_eager_buckets"] == 0 and stats["decode_graph_draft_steps"] > 0
-    assert stats["decode_graph_buckets"] == len(llm.engine.executor.runner.graphs.buckets) + 1  # one draft bucket
+    assert stats["decode_graph_extend_steps"] > 0
+    assert stats["decode_graph_buckets"] == len(graphs.buckets) + len(graphs.drafts) + len(graphs.extends)
     assert (stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]) == \
         (spec["spec_decode_num_draft_tokens"], spec["spec_decode_num_accepted_tokens"])
     assert_same_greedy(want_out, got, logprob_tolerance(llm))

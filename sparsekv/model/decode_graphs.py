@@ -25,7 +25,8 @@ past its history, reading the cache and writing nothing) is one piece per bucket
 (`DraftPieces`): its inputs are the previous drafts, the hidden states they came from, their
 positions, and the slot table and mask of what each row attends, its extend row's selection (MTP
 index reuse) or within top-k its whole history, the same for every draft step of a chain, so they
-are loaded once per chain. The MTP layer's extend pass runs as before, outside the pieces.
+are loaded once per chain. The MTP layer's extend pass over decode rows (each request's accepted
+drafts and one more) is two pieces per bucket of rows, its selection between (`ExtendPieces`).
 
 On CUDA (`capture`) each piece of a bucket is captured as a CUDA graph the first time the bucket
 runs, all into one memory pool, and replayed from then on, the selections between the replays. The
@@ -95,6 +96,25 @@ class _Bucket:
         self.slots[n:] = self.padding_slot
         self.hidden[n:] = True
         self.hidden[n:, :, 0] = False
+
+    def _select(self, attn, q: torch.Tensor, index_q, step: ForwardContext) -> None:
+        """Layer `attn`'s selections of the step's sparse-regime rows from the queries the piece left (the
+        first rows, the step's), as the engine's decode path makes them, into the slot table and mask."""
+        plan, n = plan_of(step, attn.cfg), step.num_tokens
+        if not plan.sparse:
+            return
+        picks, hidden = plan.picks(step, attn._decode_selection(plan, q[:n], attn.selector.rows(index_q, slice(0, n)),
+                                                                step, self.cache))
+        rows = plan.row_index(step)
+        self.slots[rows], self.hidden[rows] = picks.slots(), hidden
+
+    def _load_dense(self, step: ForwardContext, attn) -> None:
+        """The padding rows reset, and the dense-regime rows' picks (by `attn`'s plan of the step): their
+        request's whole history padded to k, each row seeing the positions up to its own."""
+        self._pad_picks(step.num_tokens)
+        dense = [seq for seqs in plan_of(step, attn.cfg).dense.values() for seq in seqs]
+        if dense:
+            self._dense_picks(step, dense, lambda rows: step.positions[rows])
 
     def _dense_picks(self, step: ForwardContext, dense: list, visible) -> None:
         """The rows of the `dense` (regime) requests attend their request's whole history, padded to k,
@@ -172,22 +192,11 @@ class BucketPieces(_Bucket):
         n = step.num_tokens
         self.input_ids[:n], self.positions[:n], self.slot_mapping[:n] = step.input_ids, step.positions, step.slot_mapping
         self.input_ids[n:], self.positions[n:], self.slot_mapping[n:] = 0, 0, self.padding_slot
-        self._pad_picks(n)
-        dense = [seq for seqs in plan_of(step, self.model.layers[0].attn.cfg).dense.values() for seq in seqs]
-        if dense:
-            self._dense_picks(step, dense, lambda rows: step.positions[rows])
+        self._load_dense(step, self.model.layers[0].attn)
 
     def select(self, layer: int, step: ForwardContext) -> None:
-        """Full layer `layer`'s selections of the step's sparse-regime rows, as the engine's decode path
-        makes them, into the slot table and mask."""
-        attn, n = self.model.layers[layer].attn, step.num_tokens
-        plan = plan_of(step, attn.cfg)
-        if not plan.sparse:
-            return
-        q, index_q = self.q[layer][:n], attn.selector.rows(self.index_q[layer], slice(0, n))
-        picks, hidden = plan.picks(step, attn._decode_selection(plan, q, index_q, step, self.cache))
-        rows = plan.row_index(step)
-        self.slots[rows], self.hidden[rows] = picks.slots(), hidden
+        """Full layer `layer`'s selections of the step's sparse-regime rows into the slot table."""
+        self._select(self.model.layers[layer].attn, self.q[layer], self.index_q[layer], step)
 
     def run(self, step: ForwardContext) -> None:
         """The pieces in order, eagerly or replayed, the selections between them."""
@@ -250,6 +259,49 @@ class DraftPieces(_Bucket):
         (self.pieces()[0] if self.graphs is None else self.graphs[0].replay)()
 
 
+class ExtendPieces(_Bucket):
+    """One bucket's MTP extend pass over decode rows (each request's rows whose next token became known:
+    its accepted drafts and one more): the MTP layer's input and projections (its cache entries
+    written), its selection between, then its attention, FFN, head norm and logits: two pieces."""
+
+    def __init__(self, model, cache, rows: int, padding_slot: int):
+        super().__init__(model, cache, rows, padding_slot)
+        self.slot_mapping = torch.full((rows,), padding_slot, dtype=torch.long, device=model.device)
+        self.hidden_in = torch.zeros(rows, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
+        self.ctx = ForwardContext(self.input_ids, self.positions, self.slot_mapping, [],
+                                  torch.arange(rows, device=model.device))
+        self.x = self.q = self.index_q = None
+
+    def pieces(self) -> list:
+        return [self._project, self._attend]
+
+    def _project(self) -> None:
+        model, ctx, layer = self.model, self.ctx, self.model.mtp.layer
+        self.x = model.mtp_input(self.hidden_in, ctx.input_ids)
+        ctx.cos, ctx.sin = model.rotary.cos_sin(ctx.positions)
+        self.q, self.index_q = layer.attn.project(layer.attention_input(self.x), ctx, self.cache)
+
+    def _attend(self) -> None:
+        model, mtp = self.model, self.model.mtp
+        o_lat = mtp.layer.attn.attend_picked(self.q, self.picks, self.hidden, self.cache)
+        self.final = rms_norm(mtp.layer.attended(self.x, mtp.layer.attn.output(o_lat)), mtp.head_norm,
+                              model.cfg.rms_norm_eps)
+        self.logits = model.logits(self.final, mtp.head)
+
+    def run(self, step) -> None:
+        """The extend pass (`step`: its context and the target's final hidden states of its rows)."""
+        ctx, hidden = step
+        n, attn = ctx.num_tokens, self.model.mtp.layer.attn
+        self.input_ids[:n], self.positions[:n], self.slot_mapping[:n] = ctx.input_ids, ctx.positions, ctx.slot_mapping
+        self.hidden_in[:n] = hidden
+        self.input_ids[n:], self.positions[n:], self.slot_mapping[n:], self.hidden_in[n:] = 0, 0, self.padding_slot, 0
+        self._load_dense(ctx, attn)
+        calls = self.pieces() if self.graphs is None else [g.replay for g in self.graphs]
+        calls[0]()
+        self._select(attn, self.q, self.index_q, ctx)
+        calls[1]()
+
+
 class DecodeGraphs:
     """The runner's decode steps of up to `max_bs` requests, through `BucketPieces` (`capture`: replayed
     from CUDA graphs). A request has up to `runner.decode_rows` rows (1 + its drafts): the buckets are
@@ -261,8 +313,9 @@ class DecodeGraphs:
         self.padding_slot = runner.cache.padding_slot
         self.buckets: dict[int, BucketPieces] = {}
         self.drafts: dict[int, DraftPieces] = {}  # draft steps, by bucket of drafting requests
+        self.extends: dict[int, ExtendPieces] = {}  # MTP extend passes, by bucket of rows
         self.memory_pool = None  # one CUDA graph memory pool for every bucket's pieces
-        self.steps = self.draft_steps = 0
+        self.steps = self.draft_steps = self.extend_steps = 0
         self.eager_buckets: set = set()  # captured replays that differed from the eager run: rows, or ("draft", rows)
 
     def takes(self, chunks) -> bool:
@@ -274,11 +327,8 @@ class DecodeGraphs:
         """(logits, final hidden states) of the step's rows, as `ModelRunner.execute` returns them."""
         n = step.num_tokens
         bucket = bucket_of(n, self.max_rows)
-        pieces = self.buckets.get(bucket)
-        if pieces is None:
-            pieces = self.buckets[bucket] = BucketPieces(self.runner.model, self.runner.cache, bucket, self.padding_slot)
         self.steps += 1
-        return self._run(pieces, bucket, step, n)
+        return self._run(self._pieces(self.buckets, BucketPieces, bucket), bucket, step, n)
 
     def takes_drafts(self, requests: int) -> bool:
         return 0 < requests <= self.max_bs
@@ -288,13 +338,31 @@ class DecodeGraphs:
         (speculative.py's DraftChain), as `MTPDrafter.forward` returns them for every row."""
         n = step.num_tokens
         bucket = bucket_of(n, self.max_bs)
-        pieces = self.drafts.get(bucket)
-        if pieces is None:
-            pieces = self.drafts[bucket] = DraftPieces(self.runner.model, self.runner.cache, bucket, self.padding_slot)
+        pieces = self._pieces(self.drafts, DraftPieces, bucket)
         if pieces.chain is not chain:
             pieces.load_chain(chain, step)
         self.draft_steps += 1
         return self._run(pieces, ("draft", bucket), (step, chain.hidden), n)
+
+    def takes_extend(self, ctx: ForwardContext) -> bool:
+        """An extend pass over decode rows only (not a prompt's), of at most max_bs requests' rows."""
+        return 0 < ctx.num_tokens <= self.max_rows and len(ctx.seqs) <= self.max_bs and all(
+            seq.num_new_tokens <= self.runner.decode_rows for seq in ctx.seqs)
+
+    def extend(self, ctx: ForwardContext, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, hidden states after the MTP layer's head norm) of the extend pass's `ctx.logits_rows`,
+        as `MTPDrafter.forward` returns them; `hidden`: the target's final hidden states of its rows."""
+        n = ctx.num_tokens
+        bucket = bucket_of(n, self.max_rows)
+        self.extend_steps += 1
+        logits, final = self._run(self._pieces(self.extends, ExtendPieces, bucket), ("extend", bucket), (ctx, hidden), n)
+        return logits[ctx.logits_rows], final[ctx.logits_rows]
+
+    def _pieces(self, made: dict, kind, rows: int):
+        """The `kind` pieces of the `rows`-row bucket, made at its first use."""
+        if rows not in made:
+            made[rows] = kind(self.runner.model, self.runner.cache, rows, self.padding_slot)
+        return made[rows]
 
     def _run(self, pieces, key, step, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`pieces` run on `step` (captured first where they are to be and are not yet): the first `n`
@@ -347,9 +415,12 @@ class DecodeGraphs:
         """Forget every bucket (new weights: captured graphs would read the old tensors)."""
         self.buckets.clear()
         self.drafts.clear()
+        self.extends.clear()
         self.eager_buckets.clear()
 
     def stats(self) -> dict:
-        captured = [p for p in [*self.buckets.values(), *self.drafts.values()] if p.graphs is not None]
+        every = [*self.buckets.values(), *self.drafts.values(), *self.extends.values()]
+        captured = [p for p in every if p.graphs is not None]
         return {"decode_graph_steps": self.steps, "decode_graph_draft_steps": self.draft_steps,
+                "decode_graph_extend_steps": self.extend_steps,
                 "decode_graph_buckets": len(captured), "decode_graph_eager_buckets": len(self.eager_buckets)}

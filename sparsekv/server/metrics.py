@@ -54,6 +54,8 @@ ENGINE_COUNTERS = {
                                                  "(replayed from CUDA graphs where captured)."),
     "decode_graph_draft_steps": ("decode_graph_draft_steps", "MTP draft steps run as the decode graphs' draft "
                                                              "piece."),
+    "decode_graph_extend_steps": ("decode_graph_extend_steps", "MTP extend passes run as the decode graphs' "
+                                                               "extend pieces."),
     "prompt_tokens": ("prompt_tokens", "Prompt tokens prefilled (recomputed after a preemption too; "
                                        "prefix-cache hits not)."),
     "generation_tokens": ("generation_tokens", "Tokens generated."),

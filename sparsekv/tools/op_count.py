@@ -59,10 +59,10 @@ class PieceSplit(OpCounter):
 
 
 def decode_graph_step_ops(engine) -> PieceSplit:
-    """The ops of the engine's next step (a decode step of a decode-graphs engine, with its MTP draft
-    steps where it drafts), split by the pieces they run in."""
-    from ..model.decode_graphs import BucketPieces, DraftPieces
-    real = {cls: cls.pieces for cls in (BucketPieces, DraftPieces)}
+    """The ops of the engine's next step (a decode step of a decode-graphs engine, with its MTP extend
+    pass and draft steps where it drafts), split by the pieces they run in."""
+    from ..model.decode_graphs import BucketPieces, DraftPieces, ExtendPieces
+    real = {cls: cls.pieces for cls in (BucketPieces, DraftPieces, ExtendPieces)}
     split = PieceSplit()
     for cls in real:
         cls.pieces = lambda self, cls=cls: [split.piece(p) for p in real[cls](self)]
