@@ -302,7 +302,7 @@ class EngineConfig:
     # A step's decodes run as one batch: selection, gather and attention (model/decode_plan.py); False:
     # one request at a time (the baseline `sparsekv bench batch` measures against).
     batch_dense_decodes: bool = True
-    # Plain decode steps as pieces of fixed shapes per batch-size bucket (model/decode_graphs.py), up to
+    # Decode steps as pieces of fixed shapes per batch-size bucket (model/decode_graphs.py), up to
     # cuda_graph_max_bs requests: "auto" replays them from CUDA graphs on a CUDA device where they are
     # built (no data parallelism, untiered, DSA; elsewhere the engine's decode path); "off"; "eager": the
     # same pieces run uncaptured, on any device (what the graphs replay, for checking).

@@ -150,9 +150,16 @@ class InProcessExecutor(Executor):
     def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:
         return self.drafter.step(step, tokens)
 
+    def disable_decode_graphs(self) -> None:
+        """Decode steps take the engine's decode path from now on (a prefill worker's, whose layer taps
+        observe every layer)."""
+        self.runner.graphs = None
+
     def layer_taps(self, tensors: list):
         """The runner's layer taps (made at the first call), over `tensors`: a page's slot-indexed tensors
-        in the order they are exported (the prefix cache's `PageRows.tensors`)."""
+        in the order they are exported (the prefix cache's `PageRows.tensors`). The decode graphs go
+        with them: a step's layers must reach the taps."""
+        self.disable_decode_graphs()
         if self.runner.taps is None:
             from .cache.layer_tap import LayerTaps
             layers = {l: self.pool.layer_slot_tensors(l) for l in range(len(self.model.layers))}

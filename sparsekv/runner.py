@@ -145,7 +145,7 @@ class ModelRunner:
         `graphs`: a decode step may run as the decode graphs' pieces (False: a step whose layers
         are observed, e.g. its routed experts recorded)."""
         ctx = self.build_context(chunks)
-        if graphs and self.graphs is not None and not self.taps and self.graphs.takes(chunks):
+        if graphs and self.graphs is not None and self.graphs.takes(chunks):
             return self.graphs.execute(ctx)
         if self.taps:
             ctx.after_layer, ctx.record_selection = self.taps.begin_step(chunks)

@@ -144,7 +144,7 @@ class MTPDrafter:
         ctx = self.runner.build_mtp_context(plan.parts, plan.logits_rows)
         self.cache.begin_mtp_pass(ctx.seqs, {request_id: pages for request_id, pages, _, _ in plan.parts})
         graphs, rows = self.runner.graphs, _rows_of(hidden, plan.rows)
-        if graphs is not None and not self.runner.taps and graphs.takes_extend(ctx):  # the decode graphs' pieces
+        if graphs is not None and graphs.takes_extend(ctx):  # the decode graphs' pieces
             logits, h = graphs.extend(ctx, rows)
         else:
             logits, h = self.forward(rows, ctx.input_ids, ctx, self.cache)

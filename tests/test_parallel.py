@@ -519,12 +519,16 @@ def test_a_request_on_another_rank_is_first_scheduled_in_the_step_that_ran_it(gl
         llm.close()
 
 
-@pytest.mark.parametrize("layout", [dict(data_parallel_size=2), dict(tensor_parallel_size=2)], ids=["dp2-ep", "tp2-ep"])
+@pytest.mark.parametrize("layout", [dict(data_parallel_size=2), dict(tensor_parallel_size=2),
+                                    dict(tensor_parallel_size=2, decode_graphs="eager")],
+                         ids=["dp2-ep", "tp2-ep", "tp2-ep-decode-graphs"])
 def test_routed_experts_under_expert_parallelism_are_one_processes(glm_ckpt, layout):
     """return_routed_experts with the experts spread over the ranks: every rank's router is the same, and
     each request's recorded rows are its own (with data-parallel attention every rank routes all ranks'
-    rows at each MoE layer, its own among them); the experts of each token are one process's."""
-    prompts = _prompts(256)
+    rows at each MoE layer, its own among them); the experts of each token are one process's. With the
+    decode graphs, a step that records takes the engine's decode path on every rank, not on rank 0 alone
+    (the ranks' collectives would not pair up: 3 requests, padded to 4 in the pieces)."""
+    prompts = _prompts(256) + ([_prompts(256)[1][:7]] if "decode_graphs" in layout else [])
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, return_routed_experts=True)
     want = LLM(glm_ckpt[0], **BASE).generate(prompts, params)
     llm = LLM(glm_ckpt[0], **BASE, enable_expert_parallel=True, **layout)
@@ -537,6 +541,23 @@ def test_routed_experts_under_expert_parallelism_are_one_processes(glm_ckpt, lay
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and len(g.routed_experts) == len(g.token_ids)
         assert g.routed_experts == w.routed_experts
+
+
+def test_layer_taps_turn_every_rank_s_decode_graphs_off(glm_ckpt):
+    """A tensor-parallel prefill worker's layer taps (rank 0's) turn the decode graphs off on every rank,
+    so the ranks' decode steps take the same path (3 requests: 4 rows in the pieces, 3 on the engine's
+    path, collectives that would not pair up) and decode as one process does."""
+    prompts = _prompts(256) + [_prompts(256)[1][:7]]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = LLM(glm_ckpt[0], **BASE).generate(prompts, params)
+    llm = LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, decode_graphs="eager")
+    try:
+        llm.engine.executor.layer_taps(llm.engine.kv.page_tensors())
+        got = llm.generate(prompts, params)
+        assert llm.engine.executor.runner.graphs is None and "decode_graph_steps" not in llm.stats()
+    finally:
+        llm.close()
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
 
 
 def test_data_parallel_front_end_refuses_counts_and_aborts_requests_no_rank_has_seen(glm_ckpt):

@@ -90,7 +90,11 @@ class MultiRankExecutor(Executor):
         return self._together("draft_step", step, tokens, run=lambda: self.local.draft_step(step, tokens))
 
     def layer_taps(self, tensors: list):
-        """Rank 0's: the pages of a transfer leave from its cache (every rank holds the whole latent)."""
+        """Rank 0's: the pages of a transfer leave from its cache (every rank holds the whole latent).
+        Every rank's decode graphs are turned off with them, as rank 0's are (`disable_decode_graphs`):
+        the ranks' steps must take the same path for their collectives to pair up."""
+        if self.local.runner.graphs is not None:
+            self._together("disable_decode_graphs", run=self.local.disable_decode_graphs)
         return self.local.layer_taps(tensors)
 
     def update_weights(self, update) -> None:
@@ -129,7 +133,11 @@ class MultiRankExecutor(Executor):
         return self._together("weight_groups", op, args, run=run)
 
     def capture_routed_experts(self, on: bool) -> None:
-        self.local.capture_routed_experts(on)  # every rank routes the same rows alike: rank 0 records
+        """Rank 0 records (every rank routes the same rows alike), and every rank learns when it starts
+        or stops: a step that records runs the engine's decode path, not the decode graphs' pieces, and
+        every rank must take the same path for their collectives to pair up."""
+        if on != self.local.capture_routing:
+            self._together("capture_routed_experts", on, run=lambda: self.local.capture_routed_experts(on))
 
     def decode_graph_stats(self) -> dict:
         return self.local.decode_graph_stats()  # every rank runs the same steps through the same buckets
@@ -187,6 +195,12 @@ class RankWorker:
     def weight_groups(self, op: str, args: tuple) -> None:
         answer = WORKER_GROUPS.call(op, args, dist.get_rank(), self.executor.model.device)
         dist.gather_object(answer, None, dst=0, group=self.control)
+
+    def capture_routed_experts(self, on: bool) -> None:
+        self.executor.capture_routed_experts(on)
+
+    def disable_decode_graphs(self) -> None:
+        self.executor.disable_decode_graphs()
 
     def update_weights(self, update) -> None:
         error = None
