@@ -316,7 +316,7 @@ class DecodeGraphs:
         self.extends: dict[int, ExtendPieces] = {}  # MTP extend passes, by bucket of rows
         self.memory_pool = None  # one CUDA graph memory pool for every bucket's pieces
         self.steps = self.draft_steps = self.extend_steps = 0
-        self.eager_buckets: set = set()  # captured replays that differed from the eager run: rows, or ("draft", rows)
+        self.eager_buckets: set = set()  # left eager: rows, or ("draft" | "extend", rows)
 
     def takes(self, chunks) -> bool:
         """A decode step of at most max_bs requests: each its last token and its drafts, sampling."""
