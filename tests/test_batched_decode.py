@@ -304,9 +304,10 @@ def test_batched_step_equals_per_request_with_chunks_and_drafts(family, options,
 
 def test_bench_batch_counts_ops_per_step(tmp_path):
     """`sparsekv bench batch` prints ops per step for both paths, and the decode graphs' pieces as a
-    third (`--decode-graphs eager`, untiered); its sparse-regime runs (past top-k, untiered and tiered)
-    count batch 1 and batch 4, with the same greedy tokens on every path, and only one request at a
-    time grows with the batch."""
+    third (`--decode-graphs eager`); its sparse-regime runs (past top-k, untiered and tiered, each
+    through the pieces too) count batch 1 and batch 4, with the same greedy tokens on every path, and
+    only one request at a time grows with the batch; the pieces launch fewer kernels and graphs than
+    the batched path dispatches ops."""
     import json
     from sparsekv.tools.bench import main
     out = tmp_path / "batch.json"
@@ -316,14 +317,16 @@ def test_bench_batch_counts_ops_per_step(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["summary"]) == {"one request at a time", "batched", "batched, decode graphs"}
     assert all(s["ops_per_step"] > 0 for s in result["summary"].values()) and result["identical_tokens"]
-    assert {"untiered/batched, decode graphs", "tiered/batched"} <= set(result["sparse"]["paths"])
-    assert "tiered/batched, decode graphs" not in result["sparse"]["paths"]
     sparse = result["sparse"]
+    assert {f"{cache}/{path}" for cache in ("untiered", "tiered")
+            for path in ("one request at a time", "batched", "batched, decode graphs")} == set(sparse["paths"])
     assert sparse["identical_tokens"] and sum(sparse["ops_by_kind_batch_1"].values()) == \
         sparse["paths"]["untiered/batched"]["ops_1"]
     for cache in ("untiered", "tiered"):
         batched, alone = sparse["paths"][f"{cache}/batched"], sparse["paths"][f"{cache}/one request at a time"]
         assert batched["ops_ratio"] < 1.25 < 1.5 < alone["ops_ratio"], (cache, batched, alone)
+        graphs = sparse["paths"][f"{cache}/batched, decode graphs"]
+        assert graphs["graph_launches_4"] < batched["ops_4"] / 2, (cache, graphs, batched)
 
 
 def test_groups_pad_each_history_at_most_twice_beyond_the_pad_free_length():

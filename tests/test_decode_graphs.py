@@ -45,14 +45,22 @@ def record_selections(monkeypatch) -> list:
 def generate(path, mode: str, monkeypatch, lengths=LENGTHS, **options):
     """(outputs, selections, llm): requests of `lengths` with 12, 10, 8, ... new tokens each, so that
     the batch shrinks through the buckets as they finish."""
-    trace = record_selections(monkeypatch)
-    llm = LLM(path, decode_graphs=mode, **dict(OPTIONS, **options))
-    params = [SamplingParams(max_tokens=12 - 2 * i, temperature=0.0, logprobs=3, ignore_eos=True)
-              for i in range(len(lengths))]
-    outs = llm.generate(prompts(lengths), params)
-    llm.engine.check_integrity()
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        trace = record_selections(patch)
+        llm = LLM(path, decode_graphs=mode, **dict(OPTIONS, **options))
+        params = [SamplingParams(max_tokens=12 - 2 * i, temperature=0.0, logprobs=3, ignore_eos=True)
+                  for i in range(len(lengths))]
+        outs = llm.generate(prompts(lengths), params)
+        llm.engine.check_integrity()
     return outs, trace, llm
+
+
+def assert_same_selections(want_trace: list, got_trace: list) -> None:
+    assert [layer for layer, _ in got_trace] == [layer for layer, _ in want_trace]
+    for (layer, a), (_, b) in zip(want_trace, got_trace):
+        assert a.keys() == b.keys()
+        for rid in a:
+            assert torch.equal(a[rid], b[rid]), (layer, rid)
 
 
 @pytest.mark.parametrize("family", ["glm", "ds"])
@@ -69,11 +77,40 @@ def test_decode_pieces_decode_as_the_engine_does(family, glm_ckpt, ds_ckpt, monk
     stats = llm.engine.stats()
     assert stats["decode_graph_steps"] == 11 and stats["decode_graph_buckets"] == 0  # none captured on a CPU
     assert set(llm.engine.executor.runner.graphs.buckets) == {8, 4, 2, 1}
-    assert [layer for layer, _ in got_trace] == [layer for layer, _ in want_trace]
-    for (layer, a), (_, b) in zip(want_trace, got_trace):
-        assert a.keys() == b.keys()
-        for rid in a:
-            assert torch.equal(a[rid], b[rid]), (layer, rid)
+    assert_same_selections(want_trace, got_trace)
+    assert_same_greedy(want, got, logprob_tolerance(llm))
+
+
+# A working set of top-k (8) entries per request: the sparse-regime decodes miss at almost every step.
+TIERED = dict(kv_tiering=True, device_buffer_tokens=8)
+TIER_COUNTS = ("tier_hits", "tier_misses", "h2d_bytes", "d2h_bytes")
+
+
+def tier_counts(llm) -> dict:
+    stats = llm.engine.stats()
+    return {key: stats[key] for key in TIER_COUNTS}
+
+
+@pytest.mark.parametrize("ordering", ["cpu", "emulated-cuda"])
+@pytest.mark.parametrize("family", ["glm", "ds"])
+def test_decode_pieces_over_a_tiered_cache_resolve_and_decode_as_the_engine_does(family, ordering, glm_ckpt, ds_ckpt,
+                                                                                  monkeypatch, request):
+    """Over the tiered cache (a working set of k entries): between the pieces each full layer's picks are
+    resolved through the working sets as the engine's decode path resolves them, the pieces read the
+    working-set rows and write the new ones, and the new rows reach the host store after the step.
+    The same selections, greedy tokens within the logprob tolerance, and the same hits, misses and
+    bytes moved each way; with CUDA's copy ordering emulated too (a shared layer's fetched rows land
+    only when it waits for them, backups at the next flush)."""
+    if ordering == "emulated-cuda":
+        request.getfixturevalue("emulated_cuda")
+    path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
+    want, want_trace, want_llm = generate(path, "off", monkeypatch, **TIERED)
+    got, got_trace, llm = generate(path, "eager", monkeypatch, **TIERED)
+    stats = llm.engine.stats()
+    assert stats["decode_graph_steps"] == 11 and set(llm.engine.executor.runner.graphs.buckets) == {8, 4, 2, 1}
+    assert stats["tier_misses"] > 100
+    assert tier_counts(llm) == tier_counts(want_llm)
+    assert_same_selections(want_trace, got_trace)
     assert_same_greedy(want, got, logprob_tolerance(llm))
 
 
@@ -93,6 +130,7 @@ def test_verification_steps_of_mtp_drafting_decode_as_the_engine_does(family, gl
         monkeypatch.setattr(ModelRunner, "build_context",
                             lambda self, chunks: steps.append([list(ch.token_ids) for ch in chunks]) or real(self, chunks))
         outs, trace, llm = generate(path, mode, monkeypatch, num_speculative_tokens=2)
+        monkeypatch.undo()
         runs.append((outs, trace, steps, llm))
     (want, want_trace, want_steps, _), (got, got_trace, got_steps, llm) = runs
     stats = llm.engine.stats()
@@ -101,8 +139,7 @@ def test_verification_steps_of_mtp_drafting_decode_as_the_engine_does(family, gl
     assert stats["decode_graph_extend_steps"] >= 8  # every extend pass but the one after the prompts
     assert got_steps == want_steps  # the same drafts verified
     assert [layer for layer, _ in got_trace] == [layer for layer, _ in want_trace]
-    for (layer, a), (_, b) in zip(want_trace, got_trace):
-        assert all(torch.equal(a[rid], b[rid]) for rid in a), layer
+    assert_same_selections(want_trace, got_trace)
     assert_same_greedy(want, got, logprob_tolerance(llm))
 
 
@@ -152,8 +189,9 @@ class PieceReads(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("options", [{}, dict(kv_cache_dtype="fp8"), dict(num_speculative_tokens=2),
-                                     dict(selector="quest")], ids=["dsa", "fp8", "mtp", "quest"])
+@pytest.mark.parametrize("options", [{}, dict(kv_cache_dtype="fp8"), dict(num_speculative_tokens=2), TIERED,
+                                     dict(TIERED, kv_cache_dtype="fp8"), dict(selector="quest")],
+                         ids=["dsa", "fp8", "mtp", "tiered", "tiered-fp8", "quest"])
 @pytest.mark.parametrize("family", ["glm", "ds"])
 def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(family, options, glm_ckpt, ds_ckpt, tmp_path,
                                                                       monkeypatch):
@@ -234,8 +272,9 @@ def test_decode_graphs_options_are_checked(glm_ckpt):
         EngineConfig(model=glm_ckpt[0], decode_graphs="on").validate()
     with pytest.raises(ConfigError, match="cuda_graph_max_bs"):
         EngineConfig(model=glm_ckpt[0], cuda_graph_max_bs=0).validate()
-    with pytest.raises(ConfigError, match="the tiered KV cache"):
-        EngineConfig(model=glm_ckpt[0], decode_graphs="eager", kv_tiering=True).validate()
+    with pytest.raises(ConfigError, match="the tiered KV cache with speculative decoding"):
+        EngineConfig(model=glm_ckpt[0], decode_graphs="eager", kv_tiering=True, num_speculative_tokens=1).validate()
+    EngineConfig(model=glm_ckpt[0], decode_graphs="eager", kv_tiering=True).validate()
     with pytest.raises(ConfigError, match="selector 'quest'"):
         EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest").validate()
     with pytest.raises(ConfigError, match="data-parallel ranks"):
@@ -244,27 +283,35 @@ def test_decode_graphs_options_are_checked(glm_ckpt):
     assert EngineConfig(model=glm_ckpt[0]).decode_graph_mode() == "off"
     assert EngineConfig(model=glm_ckpt[0], device="cuda", tensor_parallel_size=2).decode_graph_mode() == "capture"
     assert EngineConfig(model=glm_ckpt[0], device="cuda").decode_graph_mode() == "capture"
-    assert EngineConfig(model=glm_ckpt[0], device="cuda", kv_tiering=True).decode_graph_mode() == "off"
+    assert EngineConfig(model=glm_ckpt[0], device="cuda", kv_tiering=True).decode_graph_mode() == "capture"
+    assert EngineConfig(model=glm_ckpt[0], device="cuda", kv_tiering=True,
+                        num_speculative_tokens=1).decode_graph_mode() == "off"
     assert EngineConfig(model=glm_ckpt[0], device="cuda", decode_graphs="off").decode_graph_mode() == "off"
     llm = LLM(glm_ckpt[0], **OPTIONS)
     assert llm.engine.executor.runner.graphs is None and llm.engine.kv.pool.padding_slot is None
+    llm = LLM(glm_ckpt[0], kv_tiering=True, **OPTIONS)
+    assert llm.engine.executor.runner.graphs is None and llm.engine.kv.pool.padding_row is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py --tiers runs it)")
-@pytest.mark.parametrize("drafts", [0, 2])
-def test_decode_steps_replay_from_cuda_graphs_on_cuda_as_the_engine_decodes(drafts, glm_ckpt, tmp_path, monkeypatch):
+@pytest.mark.parametrize("drafts, tiered", [(0, False), (2, False), (0, True)], ids=["plain", "mtp", "tiered"])
+def test_decode_steps_replay_from_cuda_graphs_on_cuda_as_the_engine_decodes(drafts, tiered, glm_ckpt, tmp_path,
+                                                                            monkeypatch):
     """On CUDA, float32: every bucket captured at its first step (its replay checked against that
     step's eager run bit for bit: no bucket falls back), and the outputs the engine's decode path gives:
     the same selections and greedy tokens, logprobs within tolerance; with MTP drafting (K = 2), the
-    verification steps so, and the same drafts verified."""
+    verification steps so, and the same drafts verified; over the tiered cache, the same hits, misses
+    and bytes moved."""
     from test_batched_decode import with_mtp_layer
     path = with_mtp_layer(glm_ckpt[0], str(tmp_path / "mtp")) if drafts else glm_ckpt[0]
-    options = dict(device="cuda", dtype="float32", num_speculative_tokens=drafts)
-    want, want_trace, _ = generate(path, "off", monkeypatch, **options)
+    options = dict(device="cuda", dtype="float32", num_speculative_tokens=drafts, **(TIERED if tiered else {}))
+    want, want_trace, want_llm = generate(path, "off", monkeypatch, **options)
     got, got_trace, llm = generate(path, "auto", monkeypatch, **options)
     stats = llm.engine.stats()
     assert stats["decode_graph_steps"] >= 8 and stats["decode_graph_eager_buckets"] == 0
     assert stats["decode_graph_buckets"] >= 3
+    if tiered:
+        assert tier_counts(llm) == tier_counts(want_llm)
     assert len(got_trace) == len(want_trace)
     for (_, a), (_, b) in zip(want_trace, got_trace):
         assert all(torch.equal(a[rid], b[rid]) for rid in a)
@@ -358,10 +405,10 @@ def _copy_of(value):
     return dict(value) if isinstance(value, dict) else value
 
 
-def captured_engine(path, monkeypatch, drafts: int = 0, **fakes):
+def captured_engine(path, monkeypatch, drafts: int = 0, options: dict = {}, **fakes):
     """An engine whose decode graphs capture (with `FakeCudaGraphs`) on a CPU."""
     from sparsekv.model.decode_graphs import DecodeGraphs
-    llm = LLM(path, decode_graphs="eager", num_speculative_tokens=drafts, **OPTIONS)
+    llm = LLM(path, decode_graphs="eager", num_speculative_tokens=drafts, **OPTIONS, **options)
     runner = llm.engine.executor.runner
     runner.graphs = DecodeGraphs(runner, 64, capture=True)
     return llm, FakeCudaGraphs(monkeypatch, **fakes)
@@ -396,6 +443,24 @@ def test_a_bucket_whose_replay_differs_or_whose_capture_fails_stays_eager(fault,
     assert (stats["decode_graph_steps"], stats["decode_graph_buckets"], stats["decode_graph_eager_buckets"]) == (11, 0, 1)
     assert fakes.captures == (len(llm.engine.model_config.full_layers) + 1 if fault == "corrupt" else 1)
     assert_same_greedy(want, got, logprob_tolerance(llm))
+
+
+@pytest.mark.parametrize("fault", ["none", "corrupt", "refuse"])
+def test_a_tiered_bucket_s_first_step_is_resolved_once_however_often_its_capture_runs_it(fault, glm_ckpt,
+                                                                                          monkeypatch):
+    """Over the tiered cache a bucket's first step runs two or three times in its capture (eagerly, then
+    replayed for the check, and eagerly again if the replay differs or the capture fails): its picks are
+    resolved once, in the first run, and the runs after restore them, so the working sets hold what
+    the engine's decode path leaves and every hit, miss and byte moved is counted once."""
+    want = LLM(glm_ckpt[0], decode_graphs="off", **OPTIONS, **TIERED)
+    want_out = want.generate(prompts(), GREEDY)
+    llm, fakes = captured_engine(glm_ckpt[0], monkeypatch, options=TIERED, **({} if fault == "none" else {fault: True}))
+    got = llm.generate(prompts(), GREEDY)
+    stats = llm.engine.stats()
+    assert (stats["decode_graph_buckets"], stats["decode_graph_eager_buckets"]) == ((1, 0) if fault == "none" else (0, 1))
+    assert fakes.captures > 0 and tier_counts(llm) == tier_counts(want)
+    assert_same_greedy(want_out, got, logprob_tolerance(llm))
+    llm.engine.check_integrity()
 
 
 def test_draft_steps_are_captured_per_bucket_and_replayed_chain_after_chain(glm_ckpt, tmp_path, monkeypatch):

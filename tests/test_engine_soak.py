@@ -26,6 +26,8 @@ CONFIGS = {"device": {}, "tiered": dict(kv_tiering=True, device_buffer_tokens=16
            "bundled model, MTP drafts": dict(bundled=True, num_speculative_tokens=2),
            # the decode steps of at most 4 requests as the decode graphs' pieces (eager), the others not
            "decode graphs": dict(decode_graphs="eager", cuda_graph_max_bs=4),
+           "tiered, decode graphs": dict(kv_tiering=True, device_buffer_tokens=16, decode_graphs="eager",
+                                         cuda_graph_max_bs=4),
            "bundled model, MTP drafts, decode graphs": dict(bundled=True, num_speculative_tokens=2,
                                                             decode_graphs="eager", cuda_graph_max_bs=4),
            # two processes over gloo: requests routed to ranks (sent with the next step, aborted before or

@@ -206,12 +206,44 @@ class KVPool:
 
     def dense_decode_latents(self, layer: int, seqs: list[SeqSlice], length: int) -> torch.Tensor:
         """Decoding requests' whole histories, each padded to `length` entries: [B, length, latent_dim]."""
-        slots = padded_slots(seqs, length)
-        return self.fmt.decode(self.latent[layer].index_select(0, slots.reshape(-1))).view(*slots.shape, -1)
+        return gather_picked(self.latent[layer], padded_slots(seqs, length), self.fmt)
 
     def gather_decode_latents(self, layer: int, picks) -> torch.Tensor:
         """A batch of decode rows' selected entries (context.DecodePicks) -> [rows, k, latent_dim]: one
         gather through the batch's [rows, k] slot table."""
-        slots = picks.slots()
-        latents = self.fmt.decode(self.latent[layer].index_select(0, slots.reshape(-1)))
-        return latents.view(*slots.shape, latents.shape[-1])
+        return gather_picked(self.latent[layer], picks.slots(), self.fmt)
+
+    def piece_reads(self, rows: int) -> PoolPieceReads:
+        """How the decode pieces of a `rows`-row bucket (model/decode_graphs.py) address this pool."""
+        return PoolPieceReads(self)
+
+
+def gather_picked(rows: torch.Tensor, table: torch.Tensor, fmt) -> torch.Tensor:
+    """The stored `rows` a [n, k] table names, decoded: [n, k, latent_dim]."""
+    latents = fmt.decode(rows.index_select(0, table.reshape(-1)))
+    return latents.view(*table.shape, latents.shape[-1])
+
+
+class PoolPieceReads:
+    """The decode pieces' view of a KVPool (model/decode_graphs.py): they write and read the pool
+    itself, and a bucket's [rows, k] table holds pool slots: a selection's, or a dense-regime
+    request's whole history padded to k (the same for every layer, so loaded once per step)."""
+
+    dense_by_layer = False
+
+    def __init__(self, pool: KVPool):
+        self.cache, self.padding_pick = pool, pool.padding_slot
+
+    def load(self, step) -> None:
+        """Nothing to place before the first piece."""
+
+    def table(self, layer: int, picks) -> torch.Tensor:
+        """[rows, k] pool slots of a selection's picks (context.DecodePicks)."""
+        return picks.slots()
+
+    def history(self, layer: int, seqs: list[SeqSlice], k: int) -> torch.Tensor:
+        """[len(seqs), k] pool slots of each request's whole history, padded by repeating its last."""
+        return padded_slots(seqs, k)
+
+    def finish(self, step) -> None:
+        """Nothing to move after the last piece: the pieces wrote the pool."""

@@ -52,7 +52,7 @@ from .memory import check_tiered_fits
 from .sizing import (TierSizes, format_of, index_bytes_per_token, indexer_bytes_per_token_layer,
                      latent_bytes_per_token, plan_tier_sizes, quest_bytes_per_token)
 from .pages import PageAllocator
-from .pool import distinct_positions
+from .pool import distinct_positions, gather_picked
 
 
 @dataclass
@@ -88,7 +88,7 @@ class TieredKVPool:
 
     def __init__(self, cfg: ModelConfig, sizes: TierSizes, page_size: int, dtype: torch.dtype, device,
                  host: TieredHostStore, fp8_index_keys: bool = False, keep_index_keys: bool = True,
-                 mtp_layers: tuple[int, ...] = (), new_rows: int = 1, fmt=None):
+                 mtp_layers: tuple[int, ...] = (), new_rows: int = 1, fmt=None, padding_page: bool = False):
         self.cfg, self.page_size, self.dtype, self.device = cfg, page_size, dtype, torch.device(device)
         self.fmt = fmt = fmt or PlainLatent(cfg, dtype)  # latent rows as stored (latent_format.py)
         self.num_slots = sizes.num_pages * page_size
@@ -100,12 +100,20 @@ class TieredKVPool:
         self.passes = {"target": [g for g in self.groups if g not in self.mtp_layers], "mtp": self.mtp_layers}
         self.new_rows = new_rows  # 1 + speculative drafts: the most new tokens a decode writes
         rows = sizes.num_buffers * (self.device_buffer_tokens + new_rows)
-        self.ws = {l: torch.empty(rows, fmt.row_width, dtype=fmt.row_dtype, device=self.device) for l in self.layers}
+        # padding_page (decode graphs): a zeroed page of indexer keys past the allocator's and a zeroed
+        # working-set row past every buffer's, which no request holds: a bucket's padding rows write there
+        self.padding_slot = self.num_slots if padding_page else None
+        self.padding_row = rows if padding_page else None
+        self.ws = {l: torch.empty(rows + padding_page, fmt.row_width, dtype=fmt.row_dtype, device=self.device)
+                   for l in self.layers}
+        for table in self.ws.values():
+            table[rows:].zero_()
         self.buffers = PageAllocator(sizes.num_buffers, self.device_buffer_tokens + new_rows)  # one "page" = one working set
         # every working set's LRU state, per group, one row per buffer: a step resolves them together
         self.lru_tables = {g: LRUTable(sizes.num_buffers, self.device_buffer_tokens) for g in self.groups}
-        self.index = IndexKeyCache((cfg.full_layers if keep_index_keys else []) + self.mtp_layers, self.num_slots,
-                                   cfg.index_head_dim, dtype, self.device, fp8_index_keys)
+        self.index = IndexKeyCache((cfg.full_layers if keep_index_keys else []) + self.mtp_layers,
+                                   self.num_slots + (page_size if padding_page else 0), cfg.index_head_dim, dtype,
+                                   self.device, fp8_index_keys)
         self.selector_bytes_per_token = self.index.bytes_per_token()  # Quest adds its page bounds (engine)
         self._resident: dict[str, _WorkingSet] = {}
         self._resolved: dict = {}  # request -> (`_older`, its Resolution): `_resolve` hands them to `_plan`
@@ -306,6 +314,10 @@ class TieredKVPool:
         flat = self.fmt.decode(flat)
         rows = padded_rows([seq.context_len for seq in seqs], length, flat.device)
         return flat.index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
+
+    def piece_reads(self, rows: int) -> WorkingSetPieceReads:
+        """How the decode pieces of a `rows`-row bucket (model/decode_graphs.py) address this pool."""
+        return WorkingSetPieceReads(self, rows)
 
     def gather_decode_latents(self, layer: int, picks) -> torch.Tensor:
         """A batch of decode rows' selected entries (context.DecodePicks) -> [rows, k, latent_dim]. The
@@ -512,6 +524,77 @@ class TieredKVPool:
             assert not stale, f"tier state kept for finished requests {sorted(stale)}"
 
 
+class WorkingSetPieceReads:
+    """The decode pieces' view of a TieredKVPool (model/decode_graphs.py), for one bucket of rows.
+
+    Inside the pieces (replayed from CUDA graphs: fixed tensors only) every row is a decode, so a
+    layer's new latents go to the rows' new-token rows in their working sets (`new_rows`, the
+    padding rows' to the pool's padding row), and its picks are read from the working sets through
+    the bucket's [rows, k] table of working-set rows. Between the pieces, where the engine's decode
+    path resolves a full layer's picks (`_decode_rows`, `dense_decode_latents`), the same resolution
+    fills that table: the group's batched LRU pass, its misses copied in, and its shared layers'
+    copies waited for at once (a captured piece cannot wait on an event). After the last piece the
+    step's new rows are backed up to the host store, as `write_latent` backs them up on the engine's
+    path. A request that would stream (its drafts' selections past N) cannot be read by a piece: with
+    no drafts a selection (k) always fits, and decode graphs are not built for tiering with drafts."""
+
+    dense_by_layer = True  # each group's LRU holds a history in its own working-set rows
+
+    def __init__(self, pool: TieredKVPool, rows: int):
+        self.pool, self.cache, self.padding_pick = pool, self, pool.padding_row
+        self.new_rows = torch.full((rows,), pool.padding_row, dtype=torch.long, device=pool.device)
+
+    # -- inside the pieces -------------------------------------------------------------------------
+    def write_latent(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.pool.ws[layer].index_copy_(0, self.new_rows, self.pool.fmt.encode(values))
+
+    def write_index_keys(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.pool.write_index_keys(layer, slots, values)
+
+    def gather_decode_latents(self, layer: int, picks) -> torch.Tensor:
+        return gather_picked(self.pool.ws[layer], picks.slots(), self.pool.fmt)
+
+    # -- between the pieces ------------------------------------------------------------------------
+    def load(self, step) -> None:
+        """The step's rows' new-token rows (`begin_step` placed every decode's), the padding rows' after."""
+        n, placed = step.num_tokens, self.pool._step
+        if placed.ws_rows is None or placed.ws_rows.numel() != n:
+            raise RuntimeError("decode pieces over a tiered pool: a row of the step is not a decode's")
+        self.new_rows[:n] = placed.new_rows
+        self.new_rows[n:] = self.pool.padding_row
+
+    def table(self, layer: int, picks) -> torch.Tensor:
+        """[rows, k] working-set rows of a full layer's selection (context.DecodePicks), resolved."""
+        seqs, k = picks.seqs, picks.selected.shape[-1]
+        flat = picks.selected.reshape(-1).cpu().numpy()  # the one device -> host read, as the engine's
+        ends = list(accumulate(seq.num_new_tokens * k for seq in seqs))
+        return self._resolved(layer, seqs, [flat[end - seq.num_new_tokens * k:end] for end, seq in zip(ends, seqs)]
+                              ).view(-1, k)
+
+    def history(self, layer: int, seqs: list[SeqSlice], k: int) -> torch.Tensor:
+        """[len(seqs), k] working-set rows of each request's whole history (within top-k, so within N),
+        resolved, padded by repeating its last."""
+        rows = self._resolved(layer, seqs, [np.arange(seq.context_len) for seq in seqs])
+        return rows[padded_rows([seq.context_len for seq in seqs], k, rows.device)]
+
+    def _resolved(self, layer: int, seqs: list[SeqSlice], positions: list[np.ndarray]) -> torch.Tensor:
+        pool = self.pool
+        plan = pool._plan_for(layer, seqs, positions)
+        if plan.streamed:
+            raise RuntimeError(f"decode pieces over a tiered pool: {len(plan.streamed)} request(s) read more "
+                               f"positions than a working set holds ({pool.device_buffer_tokens})")
+        for shared in pool.groups[pool.leader[layer]][1:]:
+            pool.link.wait(shared)
+        return plan.rows
+
+    def finish(self, step) -> None:
+        """The step's new rows backed up to the host store, every layer of the target's pass."""
+        rows, pool = self.new_rows[:step.num_tokens], self.pool
+        for layer in pool.layers:
+            if layer not in pool.mtp_layers:
+                pool.link.backup(layer, step.slot_mapping, pool.ws[layer].index_select(0, rows))
+
+
 def _group_leaders(cfg: ModelConfig) -> dict[int, int]:
     """Layer -> the full layer whose selection it uses (itself for full layers)."""
     leaders, current = {}, 0
@@ -542,7 +625,8 @@ def build_tiered_cache(config: EngineConfig, model, dtype: torch.dtype, device, 
     host = make_host_store(list(range(cfg.num_hidden_layers)) + mtp, sizes.num_pages * config.kv_page_size,
                            fmt.row_width, fmt.row_dtype, config.host_store_path, pin=torch.device(device).type == "cuda")
     pool = TieredKVPool(cfg, sizes, config.kv_page_size, dtype, device, host, fp8, keep_index_keys=not quest,
-                        mtp_layers=tuple(mtp), new_rows=1 + config.num_speculative_tokens, fmt=fmt)
+                        mtp_layers=tuple(mtp), new_rows=1 + config.num_speculative_tokens, fmt=fmt,
+                        padding_page=config.decode_graph_mode() != "off")
     if quest:
         pool.selector_bytes_per_token = selector_bytes
     return pool

@@ -19,6 +19,10 @@ slot table and mask by the engine's own decode path (`MLAttention._decode_select
 groups and picks). A decode within top-k (the dense regime) attends its whole history, padded to k
 and masked by each row's position, so that every row has the same shape. The padding rows (the
 bucket's rows past the step's) read and write the pool's padding page, which no request holds.
+What the slot table holds is the pool's affair (its `piece_reads`): pool slots (cache/pool.py,
+`PoolPieceReads`), or over the tiered cache working-set rows, resolved between the pieces as the
+engine's decode path resolves them, the step's new rows backed up to the host after the last piece
+(cache/tiers.py, `WorkingSetPieceReads`).
 
 With MTP drafting, a draft step after the first (the MTP layer over one row per drafting request,
 past its history, reading the cache and writing nothing) is one piece per bucket of requests
@@ -41,7 +45,7 @@ import logging
 
 import torch
 
-from ..context import ForwardContext, index_tensor, padded_slots
+from ..context import ForwardContext, index_tensor
 from .decode_plan import plan_of
 from .layers import rms_norm
 
@@ -77,36 +81,59 @@ class _Bucket:
     [rows, k] slot table and mask of the picks each row attends; the padding rows' (past a step's)
     see the padding slot once, so every softmax has a term."""
 
-    def __init__(self, model, cache, rows: int, padding_slot: int):
+    def __init__(self, model, pool, rows: int, padding_slot: int):
         cfg, device = model.cfg, model.device
-        self.model, self.cache, self.rows, self.k = model, cache, rows, cfg.index_topk
-        self.padding_slot = padding_slot
+        self.model, self.pool, self.rows, self.k = model, pool, rows, cfg.index_topk
+        # how the pieces address the pool (cache/pool.py PoolPieceReads, cache/tiers.py
+        # WorkingSetPieceReads): what they pass as the cache, and what the slot table holds
+        self.reads = pool.piece_reads(rows)
+        self.cache, self.padding_slot = self.reads.cache, padding_slot
         long = dict(dtype=torch.long, device=device)
         self.input_ids = torch.zeros(rows, **long)
         self.positions = torch.zeros(rows, **long)
-        self.slots = torch.full((rows, self.k), padding_slot, **long)
+        self.slots = torch.full((rows, self.k), self.reads.padding_pick, **long)
         self.hidden = torch.ones(rows, 1, self.k, dtype=torch.bool, device=device)
         self.hidden[:, :, 0] = False
         self.picks = StaticPicks(self.slots)
         self.graphs: list | None = None  # captured (CUDA), one per piece
         self.final = self.logits = None
+        # a capture's first step: the slot table and mask after each selection (`recording`), restored
+        # in order when the step runs again (`again`) rather than selected twice (a tiered pool's
+        # resolution moves its LRUs and counts)
+        self.recording: list | None = None
+        self.again: list | None = None
 
     def _pad_picks(self, n: int) -> None:
         """The rows from `n` on: padding rows."""
-        self.slots[n:] = self.padding_slot
+        self.slots[n:] = self.reads.padding_pick
         self.hidden[n:] = True
         self.hidden[n:, :, 0] = False
 
+    def _selecting(self, select) -> None:
+        """`select()`, which fills the slot table and mask, or during a capture's step run again what it
+        filled the first time."""
+        if self.again is not None:
+            slots, hidden = self.again.pop(0)
+            self.slots.copy_(slots)
+            self.hidden.copy_(hidden)
+            return
+        select()
+        if self.recording is not None:
+            self.recording.append((self.slots.clone(), self.hidden.clone()))
+
     def _select(self, attn, q: torch.Tensor, index_q, step: ForwardContext) -> None:
         """Layer `attn`'s selections of the step's sparse-regime rows from the queries the piece left (the
-        first rows, the step's), as the engine's decode path makes them, into the slot table and mask."""
+        first rows, the step's), as the engine's decode path makes them, into the slot table and mask;
+        the dense-regime rows' too where each layer reads them elsewhere (a tiered pool's)."""
         plan, n = plan_of(step, attn.cfg), step.num_tokens
+        if self.reads.dense_by_layer:
+            self._load_dense(step, attn)
         if not plan.sparse:
             return
         picks, hidden = plan.picks(step, attn._decode_selection(plan, q[:n], attn.selector.rows(index_q, slice(0, n)),
-                                                                step, self.cache))
+                                                                step, self.pool))
         rows = plan.row_index(step)
-        self.slots[rows], self.hidden[rows] = picks.slots(), hidden
+        self.slots[rows], self.hidden[rows] = self.reads.table(attn.layer_idx, picks), hidden
 
     def _load_dense(self, step: ForwardContext, attn) -> None:
         """The padding rows reset, and the dense-regime rows' picks (by `attn`'s plan of the step): their
@@ -114,13 +141,13 @@ class _Bucket:
         self._pad_picks(step.num_tokens)
         dense = [seq for seqs in plan_of(step, attn.cfg).dense.values() for seq in seqs]
         if dense:
-            self._dense_picks(step, dense, lambda rows: step.positions[rows])
+            self._dense_picks(step, dense, lambda rows: step.positions[rows], attn.layer_idx)
 
-    def _dense_picks(self, step: ForwardContext, dense: list, visible) -> None:
-        """The rows of the `dense` (regime) requests attend their request's whole history, padded to k,
-        up to the position `visible(rows)` gives each row."""
+    def _dense_picks(self, step: ForwardContext, dense: list, visible, layer: int) -> None:
+        """The rows of the `dense` (regime) requests attend their request's whole history (as layer
+        `layer` reads it), padded to k, up to the position `visible(rows)` gives each row."""
         rows = step.rows_index([r for seq in dense for r in range(seq.token_start, seq.token_end)])
-        history = padded_slots(dense, self.k)
+        history = self.reads.history(layer, dense, self.k)
         if rows.numel() != len(dense):  # drafts to verify: each row of a request reads its history
             history = history[step.rows_index([i for i, seq in enumerate(dense) for _ in range(seq.num_new_tokens)])]
         self.slots[rows] = history
@@ -187,16 +214,18 @@ class BucketPieces(_Bucket):
     # -- between the pieces (the step's own shapes) ----------------------------------------------
     def load(self, step: ForwardContext) -> None:
         """The step's inputs into the static ones, the padding rows reset, and the dense-regime rows'
-        picks: their request's whole history padded to k, each row seeing the positions up to its own
-        (the same for every full layer)."""
+        picks where every layer reads them alike: their request's whole history padded to k, each row
+        seeing the positions up to its own."""
         n = step.num_tokens
         self.input_ids[:n], self.positions[:n], self.slot_mapping[:n] = step.input_ids, step.positions, step.slot_mapping
         self.input_ids[n:], self.positions[n:], self.slot_mapping[n:] = 0, 0, self.padding_slot
-        self._load_dense(step, self.model.layers[0].attn)
+        self.reads.load(step)
+        if not self.reads.dense_by_layer:
+            self._load_dense(step, self.model.layers[0].attn)
 
     def select(self, layer: int, step: ForwardContext) -> None:
         """Full layer `layer`'s selections of the step's sparse-regime rows into the slot table."""
-        self._select(self.model.layers[layer].attn, self.q[layer], self.index_q[layer], step)
+        self._selecting(lambda: self._select(self.model.layers[layer].attn, self.q[layer], self.index_q[layer], step))
 
     def run(self, step: ForwardContext) -> None:
         """The pieces in order, eagerly or replayed, the selections between them."""
@@ -206,6 +235,7 @@ class BucketPieces(_Bucket):
         for layer, call in zip(self.full, calls[1:]):
             self.select(layer, step)
             call()
+        self.reads.finish(step)
 
 
 class DraftPieces(_Bucket):
@@ -238,16 +268,17 @@ class DraftPieces(_Bucket):
         row its extend row's selection, a dense-regime row its request's whole history; padding rows
         reset."""
         self._pad_picks(step.num_tokens)
-        plan = plan_of(step, self.model.mtp.layer.attn.cfg)
+        attn = self.model.mtp.layer.attn
+        plan = plan_of(step, attn.cfg)
         dense = [seq for seqs in plan.dense.values() for seq in seqs]
         if dense:  # a draft row past its history sees all of it
             ends = index_tensor([seq.context_len - 1 for seq in dense], self.slots.device)
-            self._dense_picks(step, dense, lambda rows: ends)
+            self._dense_picks(step, dense, lambda rows: ends, attn.layer_idx)
         if plan.sparse:
             selected = torch.cat([step.selection[seq.request_id] for seq in plan.sparse])
             picks, hidden = plan.picks(step, selected)
             rows = plan.row_index(step)
-            self.slots[rows], self.hidden[rows] = picks.slots(), hidden
+            self.slots[rows], self.hidden[rows] = self.reads.table(attn.layer_idx, picks), hidden
         self.chain = chain
 
     def run(self, step) -> None:
@@ -295,11 +326,14 @@ class ExtendPieces(_Bucket):
         self.input_ids[:n], self.positions[:n], self.slot_mapping[:n] = ctx.input_ids, ctx.positions, ctx.slot_mapping
         self.hidden_in[:n] = hidden
         self.input_ids[n:], self.positions[n:], self.slot_mapping[n:], self.hidden_in[n:] = 0, 0, self.padding_slot, 0
-        self._load_dense(ctx, attn)
+        self.reads.load(ctx)
+        if not self.reads.dense_by_layer:
+            self._load_dense(ctx, attn)
         calls = self.pieces() if self.graphs is None else [g.replay for g in self.graphs]
         calls[0]()
-        self._select(attn, self.q, self.index_q, ctx)
+        self._selecting(lambda: self._select(attn, self.q, self.index_q, ctx))
         calls[1]()
+        self.reads.finish(ctx)
 
 
 class DecodeGraphs:
@@ -376,11 +410,16 @@ class DecodeGraphs:
 
     def _capture(self, pieces, key, step, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's first step: run eagerly (on a side stream, as torch.cuda.graphs asks before a
-        capture), then each piece captured and the step replayed, which must give the eager logits."""
+        capture), then each piece captured and the step replayed, which must give the eager logits. The
+        step's selections are made once, in the eager run; the runs after it restore them."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            pieces.run(step)
+        pieces.recording = []
+        try:
+            with torch.cuda.stream(side):
+                pieces.run(step)
+        finally:
+            selected, pieces.recording = pieces.recording, None
         torch.cuda.current_stream().wait_stream(side)
         logits, final = pieces.logits[:n].clone(), pieces.final[:n].clone()
         if self.memory_pool is None:
@@ -394,7 +433,7 @@ class DecodeGraphs:
                     piece()
                 graphs.append(graph)
             pieces.graphs = graphs
-            pieces.run(step)
+            self._again(pieces, step, selected)
             same = torch.equal(pieces.logits[:n], logits)
         except RuntimeError as e:  # an op the capture refuses
             log.warning("decode graphs: capturing the %d-row bucket failed, it runs eagerly: %s", pieces.rows, e)
@@ -407,9 +446,18 @@ class DecodeGraphs:
                             pieces.rows)
             pieces.graphs = None
             self.eager_buckets.add(key)
-            pieces.run(step)  # the step's cache entries written again as the eager run wrote them
+            self._again(pieces, step, selected)  # the step's cache entries written again as the eager run wrote them
             logits, final = pieces.logits[:n], pieces.final[:n]
         return logits, final
+
+    @staticmethod
+    def _again(pieces, step, selected: list) -> None:
+        """`pieces` run on `step` again, with the selections `selected` of its first run."""
+        pieces.again = list(selected)
+        try:
+            pieces.run(step)
+        finally:
+            pieces.again = None
 
     def reset(self) -> None:
         """Forget every bucket (new weights: captured graphs would read the old tensors)."""

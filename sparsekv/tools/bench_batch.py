@@ -13,8 +13,8 @@ step at batch 1 and `--sparse-batch`, untiered and tiered, for both paths, their
 request loop makes grow with the batch), ms per step and aggregate tokens/s; and the ops of one
 batch-1 step by op kind.
 
-`--decode-graphs auto` (or `eager`) adds a third path in both regimes, untiered: the batched decode
-step as the decode graphs' fixed-shape pieces (model/decode_graphs.py; auto: replayed from CUDA graphs
+`--decode-graphs auto` (or `eager`) adds a third path in both regimes (and both caches in the sparse
+one): the batched decode step as the decode graphs' fixed-shape pieces (model/decode_graphs.py; auto: replayed from CUDA graphs
 on a CUDA device, the engine's path elsewhere; eager: the pieces uncaptured, to see what the padding
 to buckets and to k costs), against the other two with the graphs off.
 """
@@ -115,6 +115,12 @@ def run(args) -> dict:
             "sparse": sparse_runs(args) if args.sparse_prompt_tokens else None}
 
 
+def _prefill_steps(batch: int, prompt_tokens: int, budget: int) -> int:
+    """The most steps prefilling `batch` prompts takes, the first requests' decode tokens taking up to
+    `batch` of each step's token budget."""
+    return -(-batch * prompt_tokens // (budget - batch))
+
+
 def sparse_decode(engine, args, batch: int) -> dict:
     """`batch` requests of --sparse-prompt-tokens random tokens decoding: one step's ops (by kind), then
     --sparse-steps timed steps; the greedy tokens."""
@@ -125,7 +131,7 @@ def sparse_decode(engine, args, batch: int) -> dict:
     vocab = engine.model_config.vocab_size
     prompts = [torch.randint(1, vocab, (args.sparse_prompt_tokens,), generator=g).tolist() for _ in range(batch)]
     # no request ends before the timed steps: the first ones decode while the last ones are prefilled
-    prefill_steps = -(-batch * args.sparse_prompt_tokens // engine.config.max_num_batched_tokens)
+    prefill_steps = _prefill_steps(batch, args.sparse_prompt_tokens, engine.config.max_num_batched_tokens)
     params = SamplingParams(max_tokens=args.sparse_steps + prefill_steps + 4, temperature=0.0, ignore_eos=True)
     ids = fill_decoding(engine, prompts, params)
     engine.step()  # the first decode step also promotes the prefill's last token into the working set
@@ -144,13 +150,11 @@ def sparse_decode(engine, args, batch: int) -> dict:
 
 def sparse_runs(args) -> dict:
     """Every (cache, path) at batch 1 and --sparse-batch, one engine each."""
-    prefill_steps = -(-args.sparse_batch * args.sparse_prompt_tokens // max(4096, args.sparse_prompt_tokens))
+    prefill_steps = _prefill_steps(args.sparse_batch, args.sparse_prompt_tokens, max(4096, args.sparse_prompt_tokens))
     max_len = args.sparse_prompt_tokens + args.sparse_steps + prefill_steps + 8  # see `sparse_decode`
     out = {}
     for cache, options in CACHES.items():
         for name, path in modes_of(args, SPARSE_PATHS).items():
-            if name == GRAPHS and cache != "untiered":  # not built for the tiered cache
-                continue
             engine = _engine(args, args.sparse_batch, max_len, **options, **path)
             out[f"{cache}/{name}"] = {b: _median_of(engine, args, b) for b in (1, args.sparse_batch)}
     return out
