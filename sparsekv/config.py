@@ -428,7 +428,8 @@ class EngineConfig:
         unbuilt = [name for name, unsupported in (
             ("data-parallel ranks", self.data_parallel_size > 1),
             ("the tiered KV cache with speculative decoding", self.kv_tiering and self.num_speculative_tokens > 0),
-            ("attention 'dense'", self.attention != "sparse"), ("selector 'quest'", self.selector != "dsa"),
+            ("attention 'dense'", self.attention != "sparse"),
+            ("selector 'quest' with speculative decoding", self.selector == "quest" and self.num_speculative_tokens > 0),
             ("decodes one request at a time", not self.batch_dense_decodes)) if unsupported]
         return ", ".join(unbuilt) or None
 

@@ -63,17 +63,20 @@ def assert_same_selections(want_trace: list, got_trace: list) -> None:
             assert torch.equal(a[rid], b[rid]), (layer, rid)
 
 
+@pytest.mark.parametrize("selector", ["dsa", "quest"])
 @pytest.mark.parametrize("family", ["glm", "ds"])
-def test_decode_pieces_decode_as_the_engine_does(family, glm_ckpt, ds_ckpt, monkeypatch):
+def test_decode_pieces_decode_as_the_engine_does(family, selector, glm_ckpt, ds_ckpt, monkeypatch):
     """Requests from below top-k to 12x above it, the batch shrinking from 5 rows (bucket 8) to 1: the
     pieces select exactly what the engine's decode path selects, and give the same greedy tokens with
     logprobs within the tolerance of a computation that rounds differently (their GEMMs run over the
     bucket's padded rows, a dense-regime row attends its history padded to k). FP8 latents are not
     compared here: a latent a rounding apart may be stored a whole e4m3 step away (tolerances.py);
-    their pieces are checked for what a replay needs below."""
+    their pieces are checked for what a replay needs below. Quest (pages of 2 tokens) too: its page
+    bounds written inside the pieces, its page scores between them."""
     path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
-    want, want_trace, _ = generate(path, "off", monkeypatch)
-    got, got_trace, llm = generate(path, "eager", monkeypatch)
+    options = dict(selector="quest", quest_page_tokens=2) if selector == "quest" else {}
+    want, want_trace, _ = generate(path, "off", monkeypatch, **options)
+    got, got_trace, llm = generate(path, "eager", monkeypatch, **options)
     stats = llm.engine.stats()
     assert stats["decode_graph_steps"] == 11 and stats["decode_graph_buckets"] == 0  # none captured on a CPU
     assert set(llm.engine.executor.runner.graphs.buckets) == {8, 4, 2, 1}
@@ -91,21 +94,23 @@ def tier_counts(llm) -> dict:
     return {key: stats[key] for key in TIER_COUNTS}
 
 
-@pytest.mark.parametrize("ordering", ["cpu", "emulated-cuda"])
+@pytest.mark.parametrize("ordering, selector", [("cpu", "dsa"), ("emulated-cuda", "dsa"), ("cpu", "quest")],
+                         ids=["cpu", "emulated-cuda", "quest"])
 @pytest.mark.parametrize("family", ["glm", "ds"])
-def test_decode_pieces_over_a_tiered_cache_resolve_and_decode_as_the_engine_does(family, ordering, glm_ckpt, ds_ckpt,
-                                                                                  monkeypatch, request):
+def test_decode_pieces_over_a_tiered_cache_resolve_and_decode_as_the_engine_does(family, ordering, selector, glm_ckpt,
+                                                                                  ds_ckpt, monkeypatch, request):
     """Over the tiered cache (a working set of k entries): between the pieces each full layer's picks are
     resolved through the working sets as the engine's decode path resolves them, the pieces read the
     working-set rows and write the new ones, and the new rows reach the host store after the step.
     The same selections, greedy tokens within the logprob tolerance, and the same hits, misses and
     bytes moved each way; with CUDA's copy ordering emulated too (a shared layer's fetched rows land
-    only when it waits for them, backups at the next flush)."""
+    only when it waits for them, backups at the next flush); with Quest too."""
     if ordering == "emulated-cuda":
         request.getfixturevalue("emulated_cuda")
     path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
-    want, want_trace, want_llm = generate(path, "off", monkeypatch, **TIERED)
-    got, got_trace, llm = generate(path, "eager", monkeypatch, **TIERED)
+    options = dict(TIERED, **(dict(selector="quest", quest_page_tokens=2) if selector == "quest" else {}))
+    want, want_trace, want_llm = generate(path, "off", monkeypatch, **options)
+    got, got_trace, llm = generate(path, "eager", monkeypatch, **options)
     stats = llm.engine.stats()
     assert stats["decode_graph_steps"] == 11 and set(llm.engine.executor.runner.graphs.buckets) == {8, 4, 2, 1}
     assert stats["tier_misses"] > 100
@@ -190,8 +195,9 @@ class PieceReads(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("options", [{}, dict(kv_cache_dtype="fp8"), dict(num_speculative_tokens=2), TIERED,
-                                     dict(TIERED, kv_cache_dtype="fp8"), dict(selector="quest")],
-                         ids=["dsa", "fp8", "mtp", "tiered", "tiered-fp8", "quest"])
+                                     dict(TIERED, kv_cache_dtype="fp8"), dict(selector="quest", quest_page_tokens=2),
+                                     dict(TIERED, selector="quest", quest_page_tokens=2)],
+                         ids=["dsa", "fp8", "mtp", "tiered", "tiered-fp8", "quest", "tiered-quest"])
 @pytest.mark.parametrize("family", ["glm", "ds"])
 def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(family, options, glm_ckpt, ds_ckpt, tmp_path,
                                                                       monkeypatch):
@@ -201,20 +207,15 @@ def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(family, op
     the step made (only the static inputs, which the eager ops fill in place, the weights, the cache
     and the pieces' own outputs), none synchronises and none makes a tensor from host data: a replay of
     the captured pieces computes what running them computes. Breaking it (a piece reading the step's
-    own positions) is seen. Quest's page bounds reset the pages a step starts with a boolean index (a
-    synchronising op) and a scalar made on the host: the check sees that too, and the decode graphs
-    are not built for Quest."""
-    from sparsekv.model.decode_graphs import DecodeGraphs
+    own positions; with Quest, its page bounds reset by a boolean index, which synchronises, to a
+    scalar made on the host) is seen."""
     from test_batched_decode import with_mtp_layer
     path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
     if "num_speculative_tokens" in options:
         path = with_mtp_layer(path, str(tmp_path / family))
-    llm = LLM(path, decode_graphs="off" if "selector" in options else "eager", **OPTIONS, **options)
+    llm = LLM(path, decode_graphs="eager", **OPTIONS, **options)
     engine = llm.engine
     runner = engine.executor.runner
-    if runner.graphs is None:  # the pieces run by hand where the engine would not build them (Quest)
-        runner.cache.padding_slot = runner.cache.num_slots - runner.page_size  # a page no request of this test uses
-        runner.graphs = DecodeGraphs(runner, 4, capture=False)
     for i, prompt in enumerate(prompts((3, 11, 40))):
         engine.add_request(f"r{i}", prompt, GREEDY)
     engine.step()  # the prefills
@@ -247,9 +248,6 @@ def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(family, op
     for _ in range(3):
         with watch:
             engine.step()
-        if options.get("selector") == "quest":
-            assert "index" in watch.synchronising and "lift_fresh" in watch.from_host
-            return
         assert watch.piece_ops > 100 and watch.stale == [] and watch.synchronising == [] and watch.from_host == []
     stats = engine.stats()
     kinds = ["steps"] + (["extend_steps", "draft_steps"] if "num_speculative_tokens" in options else [])
@@ -260,6 +258,16 @@ def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(family, op
     with watch:
         engine.step()
     assert "sum" in watch.stale
+    if options.get("selector") == "quest":  # the page bounds' reset as a boolean index
+        from sparsekv.model.selectors import QuestSelector
+
+        def reset_by_mask(self, page, slots, lo, hi):
+            fresh = page[slots % self.page_tokens == 0]
+            lo[fresh], hi[fresh] = float("inf"), float("-inf")
+        monkeypatch.setattr(QuestSelector, "_reset_opened", reset_by_mask)
+        with watch:
+            engine.step()
+        assert "index" in watch.synchronising and "lift_fresh" in watch.from_host
 
 
 def test_buckets():
@@ -275,8 +283,9 @@ def test_decode_graphs_options_are_checked(glm_ckpt):
     with pytest.raises(ConfigError, match="the tiered KV cache with speculative decoding"):
         EngineConfig(model=glm_ckpt[0], decode_graphs="eager", kv_tiering=True, num_speculative_tokens=1).validate()
     EngineConfig(model=glm_ckpt[0], decode_graphs="eager", kv_tiering=True).validate()
-    with pytest.raises(ConfigError, match="selector 'quest'"):
-        EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest").validate()
+    with pytest.raises(ConfigError, match="selector 'quest' with speculative decoding"):
+        EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest", num_speculative_tokens=1).validate()
+    EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest", kv_tiering=True).validate()
     with pytest.raises(ConfigError, match="data-parallel ranks"):
         EngineConfig(model=glm_ckpt[0], decode_graphs="eager", data_parallel_size=2).validate()
     # auto: CUDA graphs on CUDA where built, else the engine's path (no padding page either)

@@ -541,18 +541,18 @@ class WorkingSetPieceReads:
     dense_by_layer = True  # each group's LRU holds a history in its own working-set rows
 
     def __init__(self, pool: TieredKVPool, rows: int):
-        self.pool, self.cache, self.padding_pick = pool, self, pool.padding_row
+        self.pool, self.cache, self.padding_pick, self.fmt = pool, self, pool.padding_row, pool.fmt
         self.new_rows = torch.full((rows,), pool.padding_row, dtype=torch.long, device=pool.device)
 
     # -- inside the pieces -------------------------------------------------------------------------
     def write_latent(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
-        self.pool.ws[layer].index_copy_(0, self.new_rows, self.pool.fmt.encode(values))
+        self.pool.ws[layer].index_copy_(0, self.new_rows, self.fmt.encode(values))
 
     def write_index_keys(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.pool.write_index_keys(layer, slots, values)
 
     def gather_decode_latents(self, layer: int, picks) -> torch.Tensor:
-        return gather_picked(self.pool.ws[layer], picks.slots(), self.pool.fmt)
+        return gather_picked(self.pool.ws[layer], picks.slots(), self.fmt)
 
     # -- between the pieces ------------------------------------------------------------------------
     def load(self, step) -> None:

@@ -145,9 +145,8 @@ class QuestSelector(TokenSelector):
         """Write the new rows into their pages' bounds; return each row's own-page bounds (lo, hi) [N, D]."""
         slots, v = ctx.slot_mapping, cache.fmt.as_stored(latent).float()  # bounds of the keys attention reads
         page = slots // self.page_tokens
-        fresh = page[slots % self.page_tokens == 0]  # a page's first position resets its bounds
         lo, hi = self.lo[layer], self.hi[layer]
-        lo[fresh], hi[fresh] = float("inf"), float("-inf")
+        self._reset_opened(page, slots, lo, hi)
         drafting = ctx.decode_rows > 1
         if drafting:
             self._rewind(layer, ctx)
@@ -165,10 +164,19 @@ class QuestSelector(TokenSelector):
             self._remember(layer, ctx, page, before, own_lo, own_hi)
         return own_lo, own_hi
 
+    def _reset_opened(self, page: torch.Tensor, slots: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """A row at its page's first position empties the page's bounds; the other rows empty the
+        scratch page, which no slot maps to. Fixed shapes, nothing read back to the host: a decode
+        graph's pieces run it."""
+        opened = page.masked_fill(slots % self.page_tokens != 0, self.scratch_page)
+        lo.index_fill_(0, opened, float("inf"))
+        hi.index_fill_(0, opened, float("-inf"))
+
     def reserve_slots(self, num_slots: int) -> None:
         pages = -(-num_slots // self.page_tokens)
-        self.lo = {l: torch.empty(pages, self.dim, dtype=torch.float32, device=self.device) for l in self.layers}
-        self.hi = {l: torch.empty(pages, self.dim, dtype=torch.float32, device=self.device) for l in self.layers}
+        self.scratch_page = pages  # one more page (`_reset_opened`)
+        self.lo = {l: torch.empty(pages + 1, self.dim, dtype=torch.float32, device=self.device) for l in self.layers}
+        self.hi = {l: torch.empty(pages + 1, self.dim, dtype=torch.float32, device=self.device) for l in self.layers}
 
     def forget(self, request_id: str) -> None:
         self._last.pop(request_id, None)
