@@ -86,9 +86,10 @@ def _with_mtp_layer(src: str, dst: str, own_embed_and_head: bool) -> str:
                                      dict(enable_expert_parallel=True),
                                      dict(selector="quest", quest_page_tokens=2, kv_tiering=True, device_buffer_tokens=16),
                                      dict(enable_expert_parallel=True, decode_graphs="eager"),
-                                     dict(kv_tiering=True, device_buffer_tokens=8, decode_graphs="eager")],
+                                     dict(kv_tiering=True, device_buffer_tokens=8, decode_graphs="eager"),
+                                     dict(selector="quest", quest_page_tokens=2, decode_graphs="eager")],
                          ids=["tp2", "tp2-tiered", "tp2-ep", "tp2-quest-tiered", "tp2-ep-decode-graphs",
-                              "tp2-tiered-decode-graphs"])
+                              "tp2-tiered-decode-graphs", "tp2-quest-decode-graphs"])
 def test_tensor_parallel_glm_equals_one_process(glm_ckpt, options):
     _compare(glm_ckpt[0], 256, tensor_parallel_size=2, **options)
 
