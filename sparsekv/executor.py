@@ -7,15 +7,19 @@ torch.distributed group and answers the same calls.
 """
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from .config import ConfigError
 from .runner import ModelRunner
 from .scheduler import SchedulerOutput
 from .speculative import MTPDrafter, MTPPlan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,13 +110,25 @@ class InProcessExecutor(Executor):
                                   decode_rows=1 + config.num_speculative_tokens,
                                   batch_dense_decodes=config.batch_dense_decodes)
         mode = config.decode_graph_mode()
-        if mode != "off":
+        if mode != "off" and self._decode_pieces_read(pool, config):
             from .model.decode_graphs import DecodeGraphs
             self.runner.graphs = DecodeGraphs(self.runner, config.cuda_graph_max_bs, capture=mode == "capture")
         drafting = config.num_speculative_tokens and model.mtp is not None
         self.drafter = MTPDrafter(model, self.runner, pool, config.num_speculative_tokens) if drafting else None
         self.observers: list[Callable[[SchedulerOutput, ModelOutput], None]] = []
         self._hidden: torch.Tensor | None = None  # the last step's final hidden states (the MTP pass reads them)
+
+    @staticmethod
+    def _decode_pieces_read(pool, config) -> bool:
+        """Whether the decode pieces can read `pool` (a tiered pool's working sets must hold whatever a
+        decode with its drafts selects); `decode_graphs="eager"` asked for them: ConfigError if not."""
+        unbuilt = pool.decode_pieces_unbuilt()
+        if unbuilt is None:
+            return True
+        if config.decode_graphs == "eager":
+            raise ConfigError(f"decode_graphs 'eager': the decode pieces are not built for {unbuilt}")
+        log.info("decode graphs off: %s", unbuilt)
+        return False
 
     def execute(self, step: SchedulerOutput) -> ModelOutput:
         self.pool.begin_step(step.chunks)

@@ -170,7 +170,7 @@ class MTPDrafter:
         chain = self._chain
         ctx = self.runner.build_draft_step_context(chain.seqs, step, tokens, chain.selection)
         graphs = self.runner.graphs
-        if graphs is not None and graphs.takes_drafts(len(chain.seqs)):  # the decode graphs' draft piece
+        if graphs is not None and graphs.takes_drafts(chain):  # the decode graphs' draft piece
             logits, chain.hidden = graphs.draft(chain, ctx)
             return logits
         if chain.rope is not None:

@@ -119,25 +119,39 @@ def test_decode_pieces_over_a_tiered_cache_resolve_and_decode_as_the_engine_does
     assert_same_greedy(want, got, logprob_tolerance(llm))
 
 
+# Tiered with K = 3 drafts (two draft steps through the draft piece per chain): a working set must hold
+# 4 x top-k (32) entries for the decode pieces to read it.
+TIERED_MTP = dict(kv_tiering=True, device_buffer_tokens=32, num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize("cache", ["untiered", "tiered", "tiered-emulated-cuda"])
 @pytest.mark.parametrize("family", ["glm", "ds"])
-def test_verification_steps_of_mtp_drafting_decode_as_the_engine_does(family, glm_ckpt, ds_ckpt, tmp_path, monkeypatch):
+def test_verification_steps_of_mtp_drafting_decode_as_the_engine_does(family, cache, glm_ckpt, ds_ckpt, tmp_path,
+                                                                      monkeypatch, request):
     """With MTP drafting (K = 2): every step verifying drafts (each request its last token and its two
     drafts, a row each, dense-regime rows each masked at its own position) runs as the pieces, and
     each second draft step as the draft piece (its chain's extend-row selections, or within top-k its
-    whole history); the extend pass as before. The same drafts are verified at every step as on the engine's decode
-    path, with the same selections, greedy tokens and logprobs within tolerance."""
+    whole history); the extend pass as its two pieces. The same drafts are verified at every step as on the engine's decode
+    path, with the same selections, greedy tokens and logprobs within tolerance. Over the tiered
+    cache (K = 3; the MTP layer's working sets too, a draft step's picks resolved at every step) the
+    same hits, misses and bytes moved, with CUDA's copy ordering emulated too."""
     from sparsekv.runner import ModelRunner
     from test_batched_decode import with_mtp_layer
+    if cache == "tiered-emulated-cuda":
+        request.getfixturevalue("emulated_cuda")
     path = with_mtp_layer((glm_ckpt if family == "glm" else ds_ckpt)[0], str(tmp_path / family))
+    options = dict(num_speculative_tokens=2) if cache == "untiered" else TIERED_MTP
     runs = []
     for mode in ("off", "eager"):
         steps, real = [], ModelRunner.build_context
-        monkeypatch.setattr(ModelRunner, "build_context",
-                            lambda self, chunks: steps.append([list(ch.token_ids) for ch in chunks]) or real(self, chunks))
-        outs, trace, llm = generate(path, mode, monkeypatch, num_speculative_tokens=2)
-        monkeypatch.undo()
+        with monkeypatch.context() as patch:
+            patch.setattr(ModelRunner, "build_context",
+                          lambda self, chunks: steps.append([list(ch.token_ids) for ch in chunks]) or real(self, chunks))
+            outs, trace, llm = generate(path, mode, monkeypatch, **options)
         runs.append((outs, trace, steps, llm))
-    (want, want_trace, want_steps, _), (got, got_trace, got_steps, llm) = runs
+    (want, want_trace, want_steps, want_llm), (got, got_trace, got_steps, llm) = runs
+    if cache != "untiered":
+        assert llm.engine.stats()["tier_misses"] > 100 and tier_counts(llm) == tier_counts(want_llm)
     stats = llm.engine.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["decode_graph_steps"] >= 8
     assert stats["decode_graph_draft_steps"] >= 8  # draft step 2 of each step that drafted
@@ -196,8 +210,8 @@ class PieceReads(TorchDispatchMode):
 
 @pytest.mark.parametrize("options", [{}, dict(kv_cache_dtype="fp8"), dict(num_speculative_tokens=2), TIERED,
                                      dict(TIERED, kv_cache_dtype="fp8"), dict(selector="quest", quest_page_tokens=2),
-                                     dict(TIERED, selector="quest", quest_page_tokens=2)],
-                         ids=["dsa", "fp8", "mtp", "tiered", "tiered-fp8", "quest", "tiered-quest"])
+                                     dict(TIERED, selector="quest", quest_page_tokens=2), TIERED_MTP],
+                         ids=["dsa", "fp8", "mtp", "tiered", "tiered-fp8", "quest", "tiered-quest", "tiered-mtp"])
 @pytest.mark.parametrize("family", ["glm", "ds"])
 def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(family, options, glm_ckpt, ds_ckpt, tmp_path,
                                                                       monkeypatch):
@@ -250,8 +264,9 @@ def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(family, op
             engine.step()
         assert watch.piece_ops > 100 and watch.stale == [] and watch.synchronising == [] and watch.from_host == []
     stats = engine.stats()
-    kinds = ["steps"] + (["extend_steps", "draft_steps"] if "num_speculative_tokens" in options else [])
-    assert all(stats[f"decode_graph_{kind}"] - before[f"decode_graph_{kind}"] == 3 for kind in kinds)
+    drafts = options.get("num_speculative_tokens", 0)  # each step's draft steps 2..K run the draft piece
+    runs = {"steps": 3} | ({"extend_steps": 3, "draft_steps": 3 * (drafts - 1)} if drafts else {})
+    assert {kind: stats[f"decode_graph_{kind}"] - before[f"decode_graph_{kind}"] for kind in runs} == runs
     # the check can fail: a piece reading the step's own positions (made by the eager runner)
     real_first = BucketPieces._first
     monkeypatch.setattr(BucketPieces, "_first", lambda self: (real_first(self), steps[-1].positions.sum()))
@@ -275,14 +290,24 @@ def test_buckets():
     assert [bucket_of(n, 48) for n in (1, 3, 33, 48, 49)] == [1, 4, 48, 48, None]
 
 
-def test_decode_graphs_options_are_checked(glm_ckpt):
+def test_decode_graphs_options_are_checked(glm_ckpt, tmp_path):
+    from test_batched_decode import with_mtp_layer
+    mtp = with_mtp_layer(glm_ckpt[0], str(tmp_path / "mtp"))
     with pytest.raises(ConfigError, match="decode_graphs"):
         EngineConfig(model=glm_ckpt[0], decode_graphs="on").validate()
     with pytest.raises(ConfigError, match="cuda_graph_max_bs"):
         EngineConfig(model=glm_ckpt[0], cuda_graph_max_bs=0).validate()
-    with pytest.raises(ConfigError, match="the tiered KV cache with speculative decoding"):
-        EngineConfig(model=glm_ckpt[0], decode_graphs="eager", kv_tiering=True, num_speculative_tokens=1).validate()
     EngineConfig(model=glm_ckpt[0], decode_graphs="eager", kv_tiering=True).validate()
+    # tiered with drafts: a working set must hold a decode's (1 + K) x k picks (k = 8; the default is 2k)
+    with pytest.raises(ConfigError, match="a working set of 16 entries .* raise device_buffer_tokens to 24"):
+        LLM(mtp, decode_graphs="eager", kv_tiering=True, num_speculative_tokens=2, **OPTIONS)
+    llm = LLM(mtp, decode_graphs="eager", kv_tiering=True, num_speculative_tokens=2, device_buffer_tokens=24,
+              **OPTIONS)
+    assert llm.engine.executor.runner.graphs is not None
+    from dataclasses import replace
+    from sparsekv.executor import InProcessExecutor
+    small = LLM(mtp, kv_tiering=True, num_speculative_tokens=2, **OPTIONS).engine.executor.pool
+    assert not InProcessExecutor._decode_pieces_read(small, replace(llm.engine.config, decode_graphs="auto"))
     with pytest.raises(ConfigError, match="selector 'quest' with speculative decoding"):
         EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest", num_speculative_tokens=1).validate()
     EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest", kv_tiering=True).validate()
@@ -294,7 +319,7 @@ def test_decode_graphs_options_are_checked(glm_ckpt):
     assert EngineConfig(model=glm_ckpt[0], device="cuda").decode_graph_mode() == "capture"
     assert EngineConfig(model=glm_ckpt[0], device="cuda", kv_tiering=True).decode_graph_mode() == "capture"
     assert EngineConfig(model=glm_ckpt[0], device="cuda", kv_tiering=True,
-                        num_speculative_tokens=1).decode_graph_mode() == "off"
+                        num_speculative_tokens=1).decode_graph_mode() == "capture"  # the pool decides (above)
     assert EngineConfig(model=glm_ckpt[0], device="cuda", decode_graphs="off").decode_graph_mode() == "off"
     llm = LLM(glm_ckpt[0], **OPTIONS)
     assert llm.engine.executor.runner.graphs is None and llm.engine.kv.pool.padding_slot is None
@@ -472,17 +497,22 @@ def test_a_tiered_bucket_s_first_step_is_resolved_once_however_often_its_capture
     llm.engine.check_integrity()
 
 
-def test_draft_steps_are_captured_per_bucket_and_replayed_chain_after_chain(glm_ckpt, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cache", ["untiered", "tiered"])
+def test_draft_steps_are_captured_per_bucket_and_replayed_chain_after_chain(cache, glm_ckpt, tmp_path, monkeypatch):
     """With MTP drafting (K = 3) on the fake graph API: the draft piece captured at its bucket's first
-    draft step and replayed after, each chain's picks loaded into its static slot table once, and the
-    extend pieces per bucket of rows; the drafts, so the steps and outputs, those of the engine's own
-    MTP passes."""
+    draft step and replayed after, each chain's picks loaded into its static slot table once (over
+    the tiered cache resolved at every step, each capture's first step once), and the extend pieces
+    per bucket of rows; the drafts, so the steps and outputs, those of the engine's own MTP passes,
+    and the tiered cache's hits, misses and bytes moved."""
     from test_batched_decode import with_mtp_layer
     path = with_mtp_layer(glm_ckpt[0], str(tmp_path / "mtp"))
-    want = LLM(path, decode_graphs="off", num_speculative_tokens=3, **OPTIONS)
+    options = {} if cache == "untiered" else {k: v for k, v in TIERED_MTP.items() if k != "num_speculative_tokens"}
+    want = LLM(path, decode_graphs="off", num_speculative_tokens=3, **OPTIONS, **options)
     want_out = want.generate(prompts(), GREEDY)
-    llm, fakes = captured_engine(path, monkeypatch, drafts=3)
+    llm, fakes = captured_engine(path, monkeypatch, drafts=3, options=options)
     got = llm.generate(prompts(), GREEDY)
+    if options:
+        assert tier_counts(llm) == tier_counts(want)
     stats, spec = llm.engine.stats(), want.engine.stats()
     graphs = llm.engine.executor.runner.graphs
     assert stats["decode_graph_eager_buckets"] == 0 and stats["decode_graph_draft_steps"] > 0

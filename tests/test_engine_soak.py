@@ -28,6 +28,10 @@ CONFIGS = {"device": {}, "tiered": dict(kv_tiering=True, device_buffer_tokens=16
            "decode graphs": dict(decode_graphs="eager", cuda_graph_max_bs=4),
            "tiered, decode graphs": dict(kv_tiering=True, device_buffer_tokens=16, decode_graphs="eager",
                                          cuda_graph_max_bs=4),
+           # the tiny model with an MTP layer: past its top-k (8), so its working sets miss (3 x 8 entries)
+           "tiered, MTP drafts, decode graphs": dict(mtp_layer=True, kv_tiering=True, device_buffer_tokens=24,
+                                                     num_speculative_tokens=2, decode_graphs="eager",
+                                                     cuda_graph_max_bs=4),
            "bundled model, MTP drafts, decode graphs": dict(bundled=True, num_speculative_tokens=2,
                                                             decode_graphs="eager", cuda_graph_max_bs=4),
            # two processes over gloo: requests routed to ranks (sent with the next step, aborted before or
@@ -81,13 +85,16 @@ def run(llm, planned: list[Planned]) -> tuple[dict, set, int]:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_a_random_workload_keeps_every_pool_intact_and_every_output_exact(glm_ckpt, config, seed):
+def test_a_random_workload_keeps_every_pool_intact_and_every_output_exact(glm_ckpt, config, seed, tmp_path):
     from sparsekv.paths import default_model_path
+    from test_batched_decode import with_mtp_layer
     if config in PARALLEL and seed == 2:
         pytest.skip("two seeds for a parallel layout: each starts two processes")
     options = dict(CONFIGS[config])
-    bundled = options.pop("bundled", False)
+    bundled, mtp_layer = options.pop("bundled", False), options.pop("mtp_layer", False)
     path, vocab = (default_model_path(), 4096) if bundled else (glm_ckpt[0], 256)
+    if mtp_layer:
+        path = with_mtp_layer(path, str(tmp_path / "mtp"))
     planned = workload(seed, vocab)
     llm = LLM(path, kv_admission="optimistic", prefix_cache_host_bytes=1 << 24, **COMMON, **options)
     try:

@@ -213,9 +213,17 @@ class KVPool:
         gather through the batch's [rows, k] slot table."""
         return gather_picked(self.latent[layer], picks.slots(), self.fmt)
 
-    def piece_reads(self, rows: int) -> PoolPieceReads:
+    def piece_reads(self, rows: int, mtp: bool = False) -> PoolPieceReads:
         """How the decode pieces of a `rows`-row bucket (model/decode_graphs.py) address this pool."""
         return PoolPieceReads(self)
+
+    def decode_pieces_unbuilt(self) -> str | None:
+        """The decode pieces read any step of this pool."""
+        return None
+
+    def pieces_read(self, request_ids: list[str], mtp: bool = False) -> bool:
+        """The decode pieces read any request's rows."""
+        return True
 
 
 def gather_picked(rows: torch.Tensor, table: torch.Tensor, fmt) -> torch.Tensor:
@@ -227,9 +235,10 @@ def gather_picked(rows: torch.Tensor, table: torch.Tensor, fmt) -> torch.Tensor:
 class PoolPieceReads:
     """The decode pieces' view of a KVPool (model/decode_graphs.py): they write and read the pool
     itself, and a bucket's [rows, k] table holds pool slots: a selection's, or a dense-regime
-    request's whole history padded to k (the same for every layer, so loaded once per step)."""
+    request's whole history padded to k (the same for every layer, so loaded once per step, and
+    for a draft chain once per chain)."""
 
-    dense_by_layer = False
+    resolves = False
 
     def __init__(self, pool: KVPool):
         self.cache, self.padding_pick = pool, pool.padding_slot

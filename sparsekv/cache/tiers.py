@@ -315,9 +315,27 @@ class TieredKVPool:
         rows = padded_rows([seq.context_len for seq in seqs], length, flat.device)
         return flat.index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
 
-    def piece_reads(self, rows: int) -> WorkingSetPieceReads:
-        """How the decode pieces of a `rows`-row bucket (model/decode_graphs.py) address this pool."""
-        return WorkingSetPieceReads(self, rows)
+    def piece_reads(self, rows: int, mtp: bool = False) -> WorkingSetPieceReads:
+        """How the decode pieces of a `rows`-row bucket (model/decode_graphs.py) address this pool; `mtp`:
+        the MTP layer's pieces (its extend pass and draft steps)."""
+        return WorkingSetPieceReads(self, rows, mtp)
+
+    def decode_pieces_unbuilt(self) -> str | None:
+        """Why the decode pieces cannot read this pool (None: they can). A piece reads the working sets
+        only, so a decode must never stream: the union of its rows' selections (1 + drafts rows of k)
+        must fit in a working set."""
+        k = self.cfg.index_topk
+        if self.new_rows * k > self.device_buffer_tokens:
+            return (f"a working set of {self.device_buffer_tokens} entries holds less than a decode with its "
+                    f"drafts may select ({self.new_rows} rows x top-k {k}; raise device_buffer_tokens to "
+                    f"{self.new_rows * k})")
+        return None
+
+    def pieces_read(self, request_ids: list[str], mtp: bool = False) -> bool:
+        """Whether the decode pieces can read these requests' rows now: each decoded in the pass through
+        its working set (an MTP pass over a prompt's rows streams them from the host store)."""
+        decoding = (self._mtp_step if mtp else self._step).decoding
+        return all(request_id in decoding for request_id in request_ids)
 
     def gather_decode_latents(self, layer: int, picks) -> torch.Tensor:
         """A batch of decode rows' selected entries (context.DecodePicks) -> [rows, k, latent_dim]. The
@@ -535,13 +553,18 @@ class WorkingSetPieceReads:
     fills that table: the group's batched LRU pass, its misses copied in, and its shared layers'
     copies waited for at once (a captured piece cannot wait on an event). After the last piece the
     step's new rows are backed up to the host store, as `write_latent` backs them up on the engine's
-    path. A request that would stream (its drafts' selections past N) cannot be read by a piece: with
-    no drafts a selection (k) always fits, and decode graphs are not built for tiering with drafts."""
+    path. `mtp`: the MTP layer's pass (`begin_mtp_pass`), its working sets and its own rows. A
+    request that would stream (its drafts' selections past N) cannot be read by a piece: the pieces
+    are built only where a decode's rows always fit (`TieredKVPool.decode_pieces_unbuilt`)."""
 
-    dense_by_layer = True  # each group's LRU holds a history in its own working-set rows
+    # every read resolves through the LRUs as the engine's path does (which moves them, and counts):
+    # a history is placed per index group, and a draft step's picks resolve at every step
+    resolves = True
 
-    def __init__(self, pool: TieredKVPool, rows: int):
+    def __init__(self, pool: TieredKVPool, rows: int, mtp: bool):
         self.pool, self.cache, self.padding_pick, self.fmt = pool, self, pool.padding_row, pool.fmt
+        self.mtp = mtp
+        self.layers = [layer for leader in pool.passes["mtp" if mtp else "target"] for layer in pool.groups[leader]]
         self.new_rows = torch.full((rows,), pool.padding_row, dtype=torch.long, device=pool.device)
 
     # -- inside the pieces -------------------------------------------------------------------------
@@ -556,8 +579,9 @@ class WorkingSetPieceReads:
 
     # -- between the pieces ------------------------------------------------------------------------
     def load(self, step) -> None:
-        """The step's rows' new-token rows (`begin_step` placed every decode's), the padding rows' after."""
-        n, placed = step.num_tokens, self.pool._step
+        """The step's rows' new-token rows (`begin_step` or `begin_mtp_pass` placed every decode's), the
+        padding rows' after."""
+        n, placed = step.num_tokens, self.pool._mtp_step if self.mtp else self.pool._step
         if placed.ws_rows is None or placed.ws_rows.numel() != n:
             raise RuntimeError("decode pieces over a tiered pool: a row of the step is not a decode's")
         self.new_rows[:n] = placed.new_rows
@@ -588,11 +612,10 @@ class WorkingSetPieceReads:
         return plan.rows
 
     def finish(self, step) -> None:
-        """The step's new rows backed up to the host store, every layer of the target's pass."""
+        """The step's new rows backed up to the host store, every layer of the pass."""
         rows, pool = self.new_rows[:step.num_tokens], self.pool
-        for layer in pool.layers:
-            if layer not in pool.mtp_layers:
-                pool.link.backup(layer, step.slot_mapping, pool.ws[layer].index_select(0, rows))
+        for layer in self.layers:
+            pool.link.backup(layer, step.slot_mapping, pool.ws[layer].index_select(0, rows))
 
 
 def _group_leaders(cfg: ModelConfig) -> dict[int, int]:

@@ -29,7 +29,8 @@ past its history, reading the cache and writing nothing) is one piece per bucket
 (`DraftPieces`): its inputs are the previous drafts, the hidden states they came from, their
 positions, and the slot table and mask of what each row attends, its extend row's selection (MTP
 index reuse) or within top-k its whole history, the same for every draft step of a chain, so they
-are loaded once per chain. The MTP layer's extend pass over decode rows (each request's accepted
+are loaded once per chain (over the tiered cache resolved again at every step, as the engine's path
+resolves them). The MTP layer's extend pass over decode rows (each request's accepted
 drafts and one more) is two pieces per bucket of rows, its selection between (`ExtendPieces`).
 
 On CUDA (`capture`) each piece of a bucket is captured as a CUDA graph the first time the bucket
@@ -81,12 +82,14 @@ class _Bucket:
     [rows, k] slot table and mask of the picks each row attends; the padding rows' (past a step's)
     see the padding slot once, so every softmax has a term."""
 
+    mtp_pass = False  # the MTP layer's pieces
+
     def __init__(self, model, pool, rows: int, padding_slot: int):
         cfg, device = model.cfg, model.device
         self.model, self.pool, self.rows, self.k = model, pool, rows, cfg.index_topk
         # how the pieces address the pool (cache/pool.py PoolPieceReads, cache/tiers.py
         # WorkingSetPieceReads): what they pass as the cache, and what the slot table holds
-        self.reads = pool.piece_reads(rows)
+        self.reads = pool.piece_reads(rows, self.mtp_pass)
         self.cache, self.padding_slot = self.reads.cache, padding_slot
         long = dict(dtype=torch.long, device=device)
         self.input_ids = torch.zeros(rows, **long)
@@ -126,7 +129,7 @@ class _Bucket:
         first rows, the step's), as the engine's decode path makes them, into the slot table and mask;
         the dense-regime rows' too where each layer reads them elsewhere (a tiered pool's)."""
         plan, n = plan_of(step, attn.cfg), step.num_tokens
-        if self.reads.dense_by_layer:
+        if self.reads.resolves:  # each index group holds a history in its own rows
             self._load_dense(step, attn)
         if not plan.sparse:
             return
@@ -220,7 +223,7 @@ class BucketPieces(_Bucket):
         self.input_ids[:n], self.positions[:n], self.slot_mapping[:n] = step.input_ids, step.positions, step.slot_mapping
         self.input_ids[n:], self.positions[n:], self.slot_mapping[n:] = 0, 0, self.padding_slot
         self.reads.load(step)
-        if not self.reads.dense_by_layer:
+        if not self.reads.resolves:
             self._load_dense(step, self.model.layers[0].attn)
 
     def select(self, layer: int, step: ForwardContext) -> None:
@@ -241,6 +244,8 @@ class BucketPieces(_Bucket):
 class DraftPieces(_Bucket):
     """One bucket's MTP draft step: static inputs (the previous drafts, the hidden states they came
     from, their positions, and the chain's [rows, k] slot table and mask), one piece."""
+
+    mtp_pass = True
 
     def __init__(self, model, cache, rows: int, padding_slot: int):
         super().__init__(model, cache, rows, padding_slot)
@@ -282,9 +287,12 @@ class DraftPieces(_Bucket):
         self.chain = chain
 
     def run(self, step) -> None:
-        """The draft step (`step`: its context and the hidden states it drafts from), eagerly or replayed."""
-        ctx, hidden = step
-        n = ctx.num_tokens
+        """The draft step (`step`: its context and its DraftChain), eagerly or replayed. The chain's picks
+        are loaded at its first step, or at every step where each read resolves (a tiered pool's)."""
+        ctx, chain = step
+        if self.chain is not chain or self.reads.resolves:
+            self._selecting(lambda: self.load_chain(chain, ctx))
+        n, hidden = ctx.num_tokens, chain.hidden
         self.input_ids[:n], self.positions[:n], self.hidden_in[:n] = ctx.input_ids, ctx.positions, hidden
         self.input_ids[n:], self.positions[n:], self.hidden_in[n:] = 0, 0, 0
         (self.pieces()[0] if self.graphs is None else self.graphs[0].replay)()
@@ -294,6 +302,8 @@ class ExtendPieces(_Bucket):
     """One bucket's MTP extend pass over decode rows (each request's rows whose next token became known:
     its accepted drafts and one more): the MTP layer's input and projections (its cache entries
     written), its selection between, then its attention, FFN, head norm and logits: two pieces."""
+
+    mtp_pass = True
 
     def __init__(self, model, cache, rows: int, padding_slot: int):
         super().__init__(model, cache, rows, padding_slot)
@@ -327,7 +337,7 @@ class ExtendPieces(_Bucket):
         self.hidden_in[:n] = hidden
         self.input_ids[n:], self.positions[n:], self.slot_mapping[n:], self.hidden_in[n:] = 0, 0, self.padding_slot, 0
         self.reads.load(ctx)
-        if not self.reads.dense_by_layer:
+        if not self.reads.resolves:
             self._load_dense(ctx, attn)
         calls = self.pieces() if self.graphs is None else [g.replay for g in self.graphs]
         calls[0]()
@@ -364,8 +374,11 @@ class DecodeGraphs:
         self.steps += 1
         return self._run(self._pieces(self.buckets, BucketPieces, bucket), bucket, step, n)
 
-    def takes_drafts(self, requests: int) -> bool:
-        return 0 < requests <= self.max_bs
+    def takes_drafts(self, chain) -> bool:
+        """A draft step of at most max_bs requests, each of which the pieces can read (over the tiered
+        cache: its MTP layer's last pass was a decode's, through its working set)."""
+        requests = [seq.request_id for seq in chain.seqs]
+        return 0 < len(requests) <= self.max_bs and self.runner.cache.pieces_read(requests, mtp=True)
 
     def draft(self, chain, step: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden states after the MTP layer's head norm) of an MTP draft step of `chain`
@@ -373,10 +386,8 @@ class DecodeGraphs:
         n = step.num_tokens
         bucket = bucket_of(n, self.max_bs)
         pieces = self._pieces(self.drafts, DraftPieces, bucket)
-        if pieces.chain is not chain:
-            pieces.load_chain(chain, step)
         self.draft_steps += 1
-        return self._run(pieces, ("draft", bucket), (step, chain.hidden), n)
+        return self._run(pieces, ("draft", bucket), (step, chain), n)
 
     def takes_extend(self, ctx: ForwardContext) -> bool:
         """An extend pass over decode rows only (not a prompt's), of at most max_bs requests' rows."""
