@@ -36,8 +36,12 @@ CONFIGS = {"device": {}, "tiered": dict(kv_tiering=True, device_buffer_tokens=16
                                                             decode_graphs="eager", cuda_graph_max_bs=4),
            # two processes over gloo: requests routed to ranks (sent with the next step, aborted before or
            # after), each rank's own prefix cache and pool; the ranks' all-reduces and vocabulary shards
-           "data parallel": dict(data_parallel_size=2), "tensor parallel": dict(tensor_parallel_size=2)}
-PARALLEL = ("data parallel", "tensor parallel")
+           "data parallel": dict(data_parallel_size=2), "tensor parallel": dict(tensor_parallel_size=2),
+           # the ranks' tokens meeting at every MoE layer, each decode step through the pieces of the
+           # bucket the ranks agree on where every rank with rows can (a rank without, over padding rows)
+           "data parallel, expert parallel, decode graphs": dict(data_parallel_size=2, enable_expert_parallel=True,
+                                                                 decode_graphs="eager", cuda_graph_max_bs=4)}
+PARALLEL = ("data parallel", "tensor parallel", "data parallel, expert parallel, decode graphs")
 
 
 @dataclass

@@ -394,7 +394,8 @@ def test_prefix_cache_hits_from_rank_0s_host_and_disk_tiers_reach_every_rank(glm
 
 
 def _compare_data_parallel(path: str, prompts: list[list[int]], tol_model=None, **options) -> None:
-    single = LLM(path, **BASE, **{k: v for k, v in options.items() if k != "enable_expert_parallel"})
+    single = LLM(path, **BASE, **{k: v for k, v in options.items() if k not in ("enable_expert_parallel",
+                                                                               "decode_graphs")})
     want = single.generate(prompts, PARAMS)
     llm = LLM(path, **BASE, data_parallel_size=2, **options)
     try:
@@ -414,6 +415,8 @@ def _compare_data_parallel(path: str, prompts: list[list[int]], tol_model=None, 
         whole = single.engine.model.weight_bytes
         assert all(r["weight_bytes"] < whole for r in stats["ranks"]), "expert parallelism spreads the experts"
         assert all(r["bytes_sent"]["moe_all_gather"] > 0 for r in stats["ranks"])
+    if options.get("decode_graphs") == "eager":  # every rank's decode steps through the pieces
+        assert all(r["decode_graph_steps"] > 0 for r in by_rank), by_rank
 
 
 def _rank_processes() -> list:
@@ -424,15 +427,24 @@ def _rank_processes() -> list:
 @pytest.mark.parametrize("family", ["glm", "ds"])
 @pytest.mark.parametrize("options", [dict(enable_expert_parallel=True), {},
                                      dict(enable_expert_parallel=True, kv_tiering=True, device_buffer_tokens=16),
-                                     dict(enable_expert_parallel=True, selector="quest", quest_page_tokens=2)],
-                         ids=["ep", "replicas", "ep-tiered", "ep-quest"])
+                                     dict(enable_expert_parallel=True, selector="quest", quest_page_tokens=2),
+                                     dict(enable_expert_parallel=True, decode_graphs="eager"),
+                                     dict(decode_graphs="eager"),
+                                     dict(enable_expert_parallel=True, kv_tiering=True, device_buffer_tokens=16,
+                                          decode_graphs="eager")],
+                         ids=["ep", "replicas", "ep-tiered", "ep-quest", "ep-decode-graphs", "replicas-decode-graphs",
+                              "ep-tiered-decode-graphs"])
 def test_data_parallel_attention_equals_one_process(family, options, glm_ckpt, ds_ckpt):
     """Each data-parallel rank serves its own requests from its own cache; with expert parallelism the
     ranks' tokens meet at every MoE layer (all-gather, own experts, reduce-scatter), the rank without
-    rows in a pass taking part with none."""
+    rows in a pass taking part with none. With the decode graphs every rank's decode steps run as the
+    pieces (with expert parallelism, of the bucket the ranks agree on, a rank without rows over padding
+    rows), against one process's engine path: five requests, so the ranks' own buckets differ (two and
+    four rows) and the one they agree on is the wider."""
     path = (glm_ckpt if family == "glm" else ds_ckpt)[0]
     g = torch.Generator().manual_seed(11)
-    prompts = _prompts(256) + [torch.randint(1, 256, (n,), generator=g).tolist() for n in (25, 4)]
+    lengths = (25, 4, 17) if "decode_graphs" in options else (25, 4)
+    prompts = _prompts(256) + [torch.randint(1, 256, (n,), generator=g).tolist() for n in lengths]
     _compare_data_parallel(path, prompts, **options)
 
 
@@ -442,15 +454,18 @@ def test_data_parallel_with_mtp_drafting_and_tiering_on_the_bundled_model():
                            num_speculative_tokens=2)
 
 
-def test_expert_parallel_with_rank_1_wider_than_rank_0_and_then_alone_equals_one_process(glm_ckpt):
+@pytest.mark.parametrize("graphs", ["off", "eager"], ids=["", "decode-graphs"])
+def test_expert_parallel_with_rank_1_wider_than_rank_0_and_then_alone_equals_one_process(glm_ckpt, graphs):
     """The ranks' rows meet at each MoE layer, each rank's padded to the widest rank's count: here rank 1
     has more rows than rank 0 (the longer prompt went there), then decodes alone while rank 0, done,
-    takes part with none. Each rank gets back exactly its own rows' expert outputs."""
+    takes part with none. Each rank gets back exactly its own rows' expert outputs. With the decode
+    graphs rank 1 decodes alone through the pieces while rank 0 runs them over padding rows only (their
+    MoE exchanges, of fixed shapes, would not pair up otherwise)."""
     short, long = _prompts(256)[1], _prompts(256)[0]
     params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=3, ignore_eos=True) for n in (2, 10)]
     single = LLM(glm_ckpt[0], **BASE)
     want = single.generate([short, long], params)
-    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, enable_expert_parallel=True)
+    llm = LLM(glm_ckpt[0], **BASE, data_parallel_size=2, enable_expert_parallel=True, decode_graphs=graphs)
     try:
         got = llm.generate([short, long], params)
         stats = llm.stats()
@@ -465,6 +480,8 @@ def test_expert_parallel_with_rank_1_wider_than_rank_0_and_then_alone_equals_one
         assert sum(r[key] for r in by_rank) == stats[key], key
     assert "kv_pages_free" in stats and by_rank[0]["kv_pages_total"] == single.stats()["kv_pages_total"]
     assert 0 < by_rank[0]["prefix_cached_pages"] < by_rank[1]["prefix_cached_pages"]  # rank 1 kept the longer prompt
+    if graphs == "eager":  # rank 0's one decode step with rank 1's, then rank 1's eight alone
+        assert [r["decode_graph_steps"] for r in by_rank] == [1, 9]
 
 
 def test_each_data_parallel_rank_keeps_its_prefix_cache_disk_tier_in_a_directory_of_its_own(glm_ckpt, tmp_path):
@@ -1004,3 +1021,39 @@ def test_an_engine_that_fails_to_build_after_its_ranks_started_stops_them(glm_ck
         LLM(glm_ckpt[0], **BASE, tensor_parallel_size=2, tokenizer=str(empty))
     assert len(started) == 1 and started[0].processes
     assert all(not p.is_alive() for p in started[0].processes), "a failed build left a worker running"
+
+
+class _TwoRanksAlike:
+    """torch.distributed's collectives as two ranks holding the same rows would see them, in one
+    process: an all-gather repeats this rank's part, a reduce-scatter sums the two halves' parts."""
+
+    def __init__(self):
+        self.gathered: list[int] = []  # the size of each all-gather's part
+
+    def all_gather_single(self, out, part, group=None):
+        self.gathered.append(part.numel())
+        out.copy_(torch.cat([part, part]))
+
+    def reduce_scatter_single(self, out, whole, group=None):
+        half = whole.shape[0] // 2
+        out.copy_(whole[:half] + whole[half:])
+
+
+def test_an_expert_exchange_of_an_agreed_bucket_sends_no_counts(monkeypatch):
+    """The decode pieces of an agreed bucket (every rank the same rows): the MoE exchange leaves out the
+    all-gather of each rank's row count, whose answer the pass reads back to the host (which a CUDA
+    graph cannot), and gives what the exchange with the counts gives."""
+    from types import SimpleNamespace
+    from sparsekv.parallel import comm
+    fake = _TwoRanksAlike()
+    monkeypatch.setattr(comm, "dist", SimpleNamespace(all_gather_single=fake.all_gather_single,
+                                                      reduce_scatter_single=fake.reduce_scatter_single))
+    moe = comm.ExpertParallelDP(None, 2, 1)
+    ffn = SimpleNamespace(routed=lambda everyone, mine: everyone * 3, shared=lambda x: x + 1)
+    x = torch.randn(4, 8)
+    counted = moe.ffn(ffn, x)
+    assert fake.gathered == [1, 32]  # the count, then the rows
+    fake.gathered.clear()
+    moe.uniform_rows = True
+    assert torch.equal(moe.ffn(ffn, x), counted) and fake.gathered == [32]
+    assert torch.equal(counted, (3 * x + 3 * x) + (x + 1))  # both ranks' expert outputs for its rows, its shared

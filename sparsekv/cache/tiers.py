@@ -582,9 +582,10 @@ class WorkingSetPieceReads:
         """The step's rows' new-token rows (`begin_step` or `begin_mtp_pass` placed every decode's), the
         padding rows' after."""
         n, placed = step.num_tokens, self.pool._mtp_step if self.mtp else self.pool._step
-        if placed.ws_rows is None or placed.ws_rows.numel() != n:
+        if n and (placed.ws_rows is None or placed.ws_rows.numel() != n):
             raise RuntimeError("decode pieces over a tiered pool: a row of the step is not a decode's")
-        self.new_rows[:n] = placed.new_rows
+        if n:
+            self.new_rows[:n] = placed.new_rows
         self.new_rows[n:] = self.pool.padding_row
 
     def table(self, layer: int, picks) -> torch.Tensor:
@@ -613,6 +614,8 @@ class WorkingSetPieceReads:
 
     def finish(self, step) -> None:
         """The step's new rows backed up to the host store, every layer of the pass."""
+        if not step.num_tokens:  # a data-parallel rank's idle pass
+            return
         rows, pool = self.new_rows[:step.num_tokens], self.pool
         for layer in self.layers:
             pool.link.backup(layer, step.slot_mapping, pool.ws[layer].index_select(0, rows))

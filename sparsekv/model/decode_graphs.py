@@ -361,18 +361,38 @@ class DecodeGraphs:
         self.memory_pool = None  # one CUDA graph memory pool for every bucket's pieces
         self.steps = self.draft_steps = self.extend_steps = 0
         self.eager_buckets: set = set()  # left eager: rows, or ("draft" | "extend", rows)
+        # data-parallel ranks whose tokens meet at every MoE layer (parallel/executor.py's LaneExecutor):
+        # the bucket every rank runs the step's pass in, agreed before it; 0: the engine's path
+        self.agreed_rows: int | None = None
 
     def takes(self, chunks) -> bool:
         """A decode step of at most max_bs requests: each its last token and its drafts, sampling."""
+        if self.agreed_rows is not None:
+            return self.agreed_rows > 0
+        return self.fits(chunks)
+
+    def fits(self, chunks) -> bool:
         return 0 < len(chunks) <= self.max_bs and all(
             ch.samples_token and ch.num_new_tokens == 1 + ch.num_draft_tokens for ch in chunks)
 
     def execute(self, step: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, final hidden states) of the step's rows, as `ModelRunner.execute` returns them."""
         n = step.num_tokens
-        bucket = bucket_of(n, self.max_rows)
+        bucket = self.agreed_rows or bucket_of(n, self.max_rows)
         self.steps += 1
         return self._run(self._pieces(self.buckets, BucketPieces, bucket), bucket, step, n)
+
+    def bucket_for(self, rows: int) -> int | None:
+        """The bucket of a step of `rows` rows (None: none; more than the largest bucket)."""
+        return bucket_of(rows, self.max_rows) if rows > 0 else None
+
+    @torch.inference_mode()
+    def idle(self, rows: int) -> None:
+        """A data-parallel rank with no rows in a step the others run through the `rows`-row bucket:
+        the same pieces over padding rows only, so that its MoE exchanges meet theirs."""
+        device = self.runner.device
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        self._run(self._pieces(self.buckets, BucketPieces, rows), rows, ForwardContext(empty, empty, empty, [], empty), 0)
 
     def takes_drafts(self, chain) -> bool:
         """A draft step of at most max_bs requests, each of which the pieces can read (over the tiered

@@ -12,6 +12,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+def all_true(flag: bool, device: torch.device, group) -> bool:
+    """Whether `flag` holds on every rank of `group`."""
+    votes = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+    return bool(votes.item())
+
+
 class SingleRank:
     """No other rank: collectives are identities."""
 
@@ -59,9 +66,7 @@ class TensorParallel:
 
     def all_true(self, flag: bool, device: torch.device) -> bool:
         """Whether `flag` holds on every rank (a decision every rank must take alike)."""
-        votes = torch.tensor([int(flag)], device=device)
-        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(votes.item())
+        return all_true(flag, device, self.group)
 
     def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: this rank's rows give their embeddings, the others zeros; the sum is
@@ -101,11 +106,18 @@ class ExpertParallelDP(SingleRank):
     def __init__(self, group, world_size: int, rank: int):
         self.group, self.world_size, self.rank = group, world_size, rank
         self.bytes_sent = {"moe_all_gather": 0, "moe_reduce_scatter": 0}
+        # every rank's pass has as many rows as this one's (the decode pieces of an agreed bucket): no
+        # counts exchanged, so the exchange has fixed shapes and reads nothing back to the host
+        self.uniform_rows = False
+
+    def all_true(self, flag: bool, device: torch.device) -> bool:
+        """Whether `flag` holds on every rank (a decision every rank must take alike)."""
+        return all_true(flag, device, self.group)
 
     def ffn(self, ffn, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(ffn, "routed"):  # a dense MLP: whole here
             return ffn(x)
-        counts = self._counts(x.shape[0], x.device)
+        counts = [x.shape[0]] * self.world_size if self.uniform_rows else self._counts(x.shape[0], x.device)
         widest = max(counts)
         if widest == 0:
             return x

@@ -345,7 +345,14 @@ class LaneExecutor(InProcessExecutor):
     extend pass and draft steps 2..K. Before each pass the ranks agree (a one-element all-reduce)
     whether any has rows for it; a rank without rows then runs its MoE layers with none
     (`DecoderLayer.idle`), and a pass nobody has is skipped. `finish_step` runs the passes this rank's
-    engine did not reach. Without expert parallelism the ranks share nothing and never wait."""
+    engine did not reach. Without expert parallelism the ranks share nothing and never wait.
+
+    With the decode graphs (model/decode_graphs.py) the same agreement also says, for the target's
+    pass, how many rows each rank's pieces would take (or that a rank's step cannot be run as them):
+    when every rank with rows can, all of them run the pieces of the widest one's bucket, a rank
+    without rows over padding rows only (`DecodeGraphs.idle`), and the MoE exchange is of that bucket's
+    rows from every rank (`ExpertParallelDP.uniform_rows`: no counts exchanged, fixed shapes); else
+    every rank takes the engine's path."""
 
     def __init__(self, model, pool, config: EngineConfig, group):
         super().__init__(model, pool, config)
@@ -354,7 +361,14 @@ class LaneExecutor(InProcessExecutor):
         self.next_pass = 0
 
     def execute(self, step: SchedulerOutput) -> ModelOutput:
-        return self._pass(0, lambda: super(LaneExecutor, self).execute(step))
+        return self._pass(0, lambda: super(LaneExecutor, self).execute(step), self._piece_rows(step))
+
+    def _piece_rows(self, step: SchedulerOutput) -> int:
+        """The rows this rank's step would run as the decode pieces; -1: it cannot (or no graphs)."""
+        graphs = self.runner.graphs
+        if graphs is None or self.capture_routing or not graphs.fits(step.chunks):
+            return -1
+        return sum(ch.num_new_tokens for ch in step.chunks)
 
     def draft_extend(self, plan: MTPPlan) -> torch.Tensor:
         return self._pass(1, lambda: super(LaneExecutor, self).draft_extend(plan))
@@ -367,23 +381,45 @@ class LaneExecutor(InProcessExecutor):
             self._agree(self.next_pass, None)
         self.next_pass = 0
 
-    def _pass(self, index: int, work):
+    def _pass(self, index: int, work, piece_rows: int = -1):
         while self.next_pass < index:
             self._agree(self.next_pass, None)
-        return self._agree(index, work)
+        return self._agree(index, work, piece_rows)
 
-    def _agree(self, index: int, work):
+    def _agree(self, index: int, work, piece_rows: int = -1):
+        """Pass `index`: whether any rank has rows for it, and (the target's pass, with the decode
+        graphs) whether every rank with rows can run the pieces, and the widest one's rows."""
         self.next_pass = index + 1
         if not self.lockstep:
             return work() if work is not None else None
-        anyone = torch.tensor([int(work is not None)])
-        dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=self.group)
-        if work is not None:
-            return work()
-        if anyone.item():
-            for layer in (self.model.layers if index == 0 else [self.model.mtp.layer]):
-                layer.idle()
-        return None
+        graphs = self.runner.graphs if index == 0 else None
+        votes = torch.tensor([int(work is not None), piece_rows, int(work is not None and piece_rows < 0)])
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group)
+        anyone, widest, refused = votes.tolist()
+        bucket = graphs.bucket_for(widest) if graphs is not None and anyone and not refused else None
+        if bucket is not None:
+            return self._through_pieces(graphs, bucket, work)
+        if graphs is not None:
+            graphs.agreed_rows = 0  # the engine's path on every rank
+        try:
+            if work is not None:
+                return work()
+            if anyone:
+                for layer in (self.model.layers if index == 0 else [self.model.mtp.layer]):
+                    layer.idle()
+            return None
+        finally:
+            if graphs is not None:
+                graphs.agreed_rows = None
+
+    def _through_pieces(self, graphs, bucket: int, work):
+        """Every rank's target pass through the decode pieces of the agreed bucket."""
+        comm = self.model.comm
+        graphs.agreed_rows, comm.uniform_rows = bucket, True
+        try:
+            return work() if work is not None else graphs.idle(bucket)
+        finally:
+            graphs.agreed_rows, comm.uniform_rows = None, False
 
 
 def lane_config(config: EngineConfig, lane: int) -> EngineConfig:

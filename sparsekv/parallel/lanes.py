@@ -183,13 +183,16 @@ PER_REQUEST = {"device_buffer_tokens"}  # a setting, the same on every rank
 RANK_MEMORY = ("kv_pages_total", "kv_pages_free", "device_kv_bytes", "device_latent_bytes", "device_indexer_bytes",
                "host_kv_bytes", "host_kv_budget_bytes", "prefix_cached_pages", "prefix_host_bytes", "prefix_disk_bytes",
                "held_rows_bytes", "held_rooms")  # the last two: rows a rank > 0 keeps for a prefill worker
+# and its decode graphs' figures (where it has them): a rank whose buckets stay eager shows apart
+RANK_DECODE_GRAPHS = ("decode_graph_steps", "decode_graph_buckets", "decode_graph_eager_buckets")
 
 
 def rank_figures(summary: dict, stats: dict) -> dict:
     """One rank's entry of `by_data_parallel_rank`, from its lane summary and its engine's stats: its
-    requests (waiting: by tenant), token counters and memory (those of RANK_MEMORY its engine reports)."""
+    requests (waiting: by tenant), token counters, memory and decode graphs (those of RANK_MEMORY and
+    RANK_DECODE_GRAPHS its engine reports)."""
     return {"running": summary["running"], "waiting": summary["waiting"], **summary["counters"],
-            **{key: stats[key] for key in RANK_MEMORY if key in stats}}
+            **{key: stats[key] for key in RANK_MEMORY + RANK_DECODE_GRAPHS if key in stats}}
 
 
 def merge_stats(all_stats: list[dict]) -> dict:
