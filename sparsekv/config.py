@@ -426,8 +426,6 @@ class EngineConfig:
     def _decode_graphs_unbuilt(self) -> str | None:
         """What of this configuration the decode pieces are not built for (None: nothing)."""
         unbuilt = [name for name, unsupported in (
-            ("data-parallel ranks with expert parallelism and speculative decoding",
-             self.data_parallel_size > 1 and self.enable_expert_parallel and self.num_speculative_tokens > 0),
             ("attention 'dense'", self.attention != "sparse"),
             ("selector 'quest' with speculative decoding", self.selector == "quest" and self.num_speculative_tokens > 0),
             ("decodes one request at a time", not self.batch_dense_decodes)) if unsupported]

@@ -153,6 +153,11 @@ class MTPDrafter:
         self._chain = DraftChain(seqs, selection, h, self._chain_rope(seqs))
         return logits
 
+    @property
+    def chain(self) -> DraftChain | None:
+        """What the draft steps after the last extend pass chain on."""
+        return self._chain
+
     def _chain_rope(self, seqs: list) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cos / sin of draft steps 2..K (one row per drafting request past its history), computed
         once for the whole chain; None with fewer than two draft steps (each computes its own)."""

@@ -311,10 +311,8 @@ def test_decode_graphs_options_are_checked(glm_ckpt, tmp_path):
     with pytest.raises(ConfigError, match="selector 'quest' with speculative decoding"):
         EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest", num_speculative_tokens=1).validate()
     EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest", kv_tiering=True).validate()
-    with pytest.raises(ConfigError, match="data-parallel ranks with expert parallelism and speculative decoding"):
-        EngineConfig(model=glm_ckpt[0], decode_graphs="eager", data_parallel_size=2, enable_expert_parallel=True,
-                     num_speculative_tokens=1).validate()
-    EngineConfig(model=glm_ckpt[0], decode_graphs="eager", data_parallel_size=2, enable_expert_parallel=True).validate()
+    EngineConfig(model=glm_ckpt[0], decode_graphs="eager", data_parallel_size=2, enable_expert_parallel=True,
+                 num_speculative_tokens=1).validate()
     # auto: CUDA graphs on CUDA where built, else the engine's path (no padding page either)
     assert EngineConfig(model=glm_ckpt[0]).decode_graph_mode() == "off"
     assert EngineConfig(model=glm_ckpt[0], device="cuda", tensor_parallel_size=2).decode_graph_mode() == "capture"

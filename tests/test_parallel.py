@@ -417,6 +417,8 @@ def _compare_data_parallel(path: str, prompts: list[list[int]], tol_model=None, 
         assert all(r["bytes_sent"]["moe_all_gather"] > 0 for r in stats["ranks"])
     if options.get("decode_graphs") == "eager":  # every rank's decode steps through the pieces
         assert all(r["decode_graph_steps"] > 0 for r in by_rank), by_rank
+        if options.get("num_speculative_tokens"):
+            assert stats["decode_graph_extend_steps"] > 0 and stats["decode_graph_draft_steps"] > 0
 
 
 def _rank_processes() -> list:
@@ -446,6 +448,35 @@ def test_data_parallel_attention_equals_one_process(family, options, glm_ckpt, d
     lengths = (25, 4, 17) if "decode_graphs" in options else (25, 4)
     prompts = _prompts(256) + [torch.randint(1, 256, (n,), generator=g).tolist() for n in lengths]
     _compare_data_parallel(path, prompts, **options)
+
+
+@pytest.mark.parametrize("family", ["glm", "ds"])
+def test_data_parallel_expert_parallel_mtp_drafting_through_the_decode_pieces_equals_one_process(family, glm_ckpt,
+                                                                                                 ds_ckpt, tmp_path):
+    """With MTP drafting (K = 2) every pass of a step (the target's, the extend pass, draft step 2) is
+    agreed on by the ranks: each through the pieces of the widest rank's bucket, a rank without rows
+    over padding rows, or every rank on the engine's path; against one process drafting on its
+    engine's path."""
+    src = (glm_ckpt if family == "glm" else ds_ckpt)[0]
+    path = _with_mtp_layer(src, str(tmp_path / family), own_embed_and_head=family == "ds")
+    g = torch.Generator().manual_seed(11)
+    prompts = _prompts(256) + [torch.randint(1, 256, (n,), generator=g).tolist() for n in (25, 4, 17)]
+    options = dict(enable_expert_parallel=True, num_speculative_tokens=2, decode_graphs="eager")
+    _compare_data_parallel(path, prompts, **options)
+    # rank 0's request done after its first tokens, rank 1's drafts on alone: rank 0 runs every pass's
+    # pieces over padding rows (the extend pass and draft step 2 too)
+    short, long = _prompts(256)[1], _prompts(256)[0]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=3, ignore_eos=True) for n in (2, 16)]
+    single = LLM(path, **BASE, num_speculative_tokens=2)
+    want = single.generate([short, long], params)
+    llm = LLM(path, **BASE, data_parallel_size=2, **options)
+    try:
+        got = llm.generate([short, long], params)
+        by_rank = llm.stats()["by_data_parallel_rank"]
+    finally:
+        llm.close()
+    assert [r["generation_tokens"] for r in by_rank] == [2, 16] and by_rank[1]["decode_graph_steps"] >= 4
+    assert_same_greedy(want, got, logprob_tolerance(single, extra_layers=1))
 
 
 def test_data_parallel_with_mtp_drafting_and_tiering_on_the_bundled_model():

@@ -43,6 +43,7 @@ replay, which the CPU tests check against the engine's own decode path.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import torch
 
@@ -365,16 +366,45 @@ class DecodeGraphs:
         # the bucket every rank runs the step's pass in, agreed before it; 0: the engine's path
         self.agreed_rows: int | None = None
 
+    # -- what the pieces take: each pass kind's rows (a data-parallel rank votes with them) ------------
     def takes(self, chunks) -> bool:
         """A decode step of at most max_bs requests: each its last token and its drafts, sampling."""
-        if self.agreed_rows is not None:
-            return self.agreed_rows > 0
-        return self.fits(chunks)
+        return self._agreed_or(self.step_rows(chunks))
 
-    def fits(self, chunks) -> bool:
-        return 0 < len(chunks) <= self.max_bs and all(
+    def step_rows(self, chunks) -> int:
+        """The rows of a step the pieces can run (-1: they cannot)."""
+        fits = 0 < len(chunks) <= self.max_bs and all(
             ch.samples_token and ch.num_new_tokens == 1 + ch.num_draft_tokens for ch in chunks)
+        return sum(ch.num_new_tokens for ch in chunks) if fits else -1
 
+    def takes_extend(self, ctx: ForwardContext) -> bool:
+        return self._agreed_or(self.extend_rows([seq.num_new_tokens for seq in ctx.seqs]))
+
+    def extend_rows(self, rows: list[int]) -> int:
+        """The rows of an extend pass (each request's rows: `rows`) the pieces can run: over decode rows
+        only (not a prompt's), of at most max_bs requests (-1: they cannot)."""
+        fits = 0 < sum(rows) <= self.max_rows and len(rows) <= self.max_bs and max(rows) <= self.runner.decode_rows
+        return sum(rows) if fits else -1
+
+    def takes_drafts(self, chain) -> bool:
+        return self._agreed_or(self.draft_rows(chain))
+
+    def draft_rows(self, chain) -> int:
+        """The rows of a draft step of `chain` the pieces can run: at most max_bs requests, each of which
+        the pieces can read (over the tiered cache: its MTP layer's last pass was a decode's, through its
+        working set); -1: they cannot."""
+        requests = [seq.request_id for seq in chain.seqs]
+        fits = 0 < len(requests) <= self.max_bs and self.runner.cache.pieces_read(requests, mtp=True)
+        return len(requests) if fits else -1
+
+    def _agreed_or(self, rows: int) -> bool:
+        return self.agreed_rows > 0 if self.agreed_rows is not None else rows > 0
+
+    def bucket_for(self, kind: str, rows: int) -> int | None:
+        """The bucket of a pass of `kind` ("target", "extend" or "draft") of `rows` rows (None: none)."""
+        return bucket_of(rows, self.max_bs if kind == "draft" else self.max_rows) if rows > 0 else None
+
+    # -- the passes --------------------------------------------------------------------------------
     def execute(self, step: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, final hidden states) of the step's rows, as `ModelRunner.execute` returns them."""
         n = step.num_tokens
@@ -382,43 +412,37 @@ class DecodeGraphs:
         self.steps += 1
         return self._run(self._pieces(self.buckets, BucketPieces, bucket), bucket, step, n)
 
-    def bucket_for(self, rows: int) -> int | None:
-        """The bucket of a step of `rows` rows (None: none; more than the largest bucket)."""
-        return bucket_of(rows, self.max_rows) if rows > 0 else None
-
     @torch.inference_mode()
-    def idle(self, rows: int) -> None:
-        """A data-parallel rank with no rows in a step the others run through the `rows`-row bucket:
-        the same pieces over padding rows only, so that its MoE exchanges meet theirs."""
+    def idle(self, kind: str, rows: int) -> None:
+        """A data-parallel rank with no rows in a pass of `kind` the others run through the `rows`-row
+        bucket: the same pieces over padding rows only, so that its MoE exchanges meet theirs."""
         device = self.runner.device
         empty = torch.zeros(0, dtype=torch.long, device=device)
-        self._run(self._pieces(self.buckets, BucketPieces, rows), rows, ForwardContext(empty, empty, empty, [], empty), 0)
-
-    def takes_drafts(self, chain) -> bool:
-        """A draft step of at most max_bs requests, each of which the pieces can read (over the tiered
-        cache: its MTP layer's last pass was a decode's, through its working set)."""
-        requests = [seq.request_id for seq in chain.seqs]
-        return 0 < len(requests) <= self.max_bs and self.runner.cache.pieces_read(requests, mtp=True)
+        nothing = torch.zeros(0, self.runner.model.cfg.hidden_size, dtype=self.runner.model.dtype, device=device)
+        if kind == "target":
+            self._run(self._pieces(self.buckets, BucketPieces, rows), rows, ForwardContext(empty, empty, empty, [], empty), 0)
+        elif kind == "extend":
+            self._run(self._pieces(self.extends, ExtendPieces, rows), ("extend", rows),
+                      (ForwardContext(empty, empty, empty, [], empty), nothing), 0)
+        else:
+            chain = SimpleNamespace(seqs=[], hidden=nothing)
+            self._run(self._pieces(self.drafts, DraftPieces, rows), ("draft", rows),
+                      (ForwardContext(empty, empty, empty, [], empty, draft_step=True), chain), 0)
 
     def draft(self, chain, step: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden states after the MTP layer's head norm) of an MTP draft step of `chain`
         (speculative.py's DraftChain), as `MTPDrafter.forward` returns them for every row."""
         n = step.num_tokens
-        bucket = bucket_of(n, self.max_bs)
+        bucket = self.agreed_rows or bucket_of(n, self.max_bs)
         pieces = self._pieces(self.drafts, DraftPieces, bucket)
         self.draft_steps += 1
         return self._run(pieces, ("draft", bucket), (step, chain), n)
-
-    def takes_extend(self, ctx: ForwardContext) -> bool:
-        """An extend pass over decode rows only (not a prompt's), of at most max_bs requests' rows."""
-        return 0 < ctx.num_tokens <= self.max_rows and len(ctx.seqs) <= self.max_bs and all(
-            seq.num_new_tokens <= self.runner.decode_rows for seq in ctx.seqs)
 
     def extend(self, ctx: ForwardContext, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden states after the MTP layer's head norm) of the extend pass's `ctx.logits_rows`,
         as `MTPDrafter.forward` returns them; `hidden`: the target's final hidden states of its rows."""
         n = ctx.num_tokens
-        bucket = bucket_of(n, self.max_rows)
+        bucket = self.agreed_rows or bucket_of(n, self.max_rows)
         self.extend_steps += 1
         logits, final = self._run(self._pieces(self.extends, ExtendPieces, bucket), ("extend", bucket), (ctx, hidden), n)
         return logits[ctx.logits_rows], final[ctx.logits_rows]

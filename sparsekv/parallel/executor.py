@@ -347,8 +347,8 @@ class LaneExecutor(InProcessExecutor):
     (`DecoderLayer.idle`), and a pass nobody has is skipped. `finish_step` runs the passes this rank's
     engine did not reach. Without expert parallelism the ranks share nothing and never wait.
 
-    With the decode graphs (model/decode_graphs.py) the same agreement also says, for the target's
-    pass, how many rows each rank's pieces would take (or that a rank's step cannot be run as them):
+    With the decode graphs (model/decode_graphs.py) the same agreement also says, for each pass, how
+    many rows each rank's pieces would take (or that a rank's pass cannot be run as them):
     when every rank with rows can, all of them run the pieces of the widest one's bucket, a rank
     without rows over padding rows only (`DecodeGraphs.idle`), and the MoE exchange is of that bucket's
     rows from every rank (`ExpertParallelDP.uniform_rows`: no counts exchanged, fixed shapes); else
@@ -361,20 +361,21 @@ class LaneExecutor(InProcessExecutor):
         self.next_pass = 0
 
     def execute(self, step: SchedulerOutput) -> ModelOutput:
-        return self._pass(0, lambda: super(LaneExecutor, self).execute(step), self._piece_rows(step))
-
-    def _piece_rows(self, step: SchedulerOutput) -> int:
-        """The rows this rank's step would run as the decode pieces; -1: it cannot (or no graphs)."""
-        graphs = self.runner.graphs
-        if graphs is None or self.capture_routing or not graphs.fits(step.chunks):
-            return -1
-        return sum(ch.num_new_tokens for ch in step.chunks)
+        rows = self._piece_rows(lambda graphs: -1 if self.capture_routing else graphs.step_rows(step.chunks))
+        return self._pass(0, lambda: super(LaneExecutor, self).execute(step), rows)
 
     def draft_extend(self, plan: MTPPlan) -> torch.Tensor:
-        return self._pass(1, lambda: super(LaneExecutor, self).draft_extend(plan))
+        rows = self._piece_rows(lambda graphs: graphs.extend_rows([len(part[3]) for part in plan.parts]))
+        return self._pass(1, lambda: super(LaneExecutor, self).draft_extend(plan), rows)
 
     def draft_step(self, step: int, tokens: list[int]) -> torch.Tensor:
-        return self._pass(1 + step, lambda: super(LaneExecutor, self).draft_step(step, tokens))
+        rows = self._piece_rows(lambda graphs: graphs.draft_rows(self.drafter.chain))
+        return self._pass(1 + step, lambda: super(LaneExecutor, self).draft_step(step, tokens), rows)
+
+    def _piece_rows(self, rows_of) -> int:
+        """The rows this rank's pass would run as the decode pieces (`rows_of(graphs)`); -1: it cannot,
+        or there are no decode graphs."""
+        return -1 if self.runner.graphs is None else rows_of(self.runner.graphs)
 
     def finish_step(self) -> None:
         while self.next_pass < self.num_passes:
@@ -392,13 +393,13 @@ class LaneExecutor(InProcessExecutor):
         self.next_pass = index + 1
         if not self.lockstep:
             return work() if work is not None else None
-        graphs = self.runner.graphs if index == 0 else None
+        graphs, kind = self.runner.graphs, "target" if index == 0 else "extend" if index == 1 else "draft"
         votes = torch.tensor([int(work is not None), piece_rows, int(work is not None and piece_rows < 0)])
         dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group)
         anyone, widest, refused = votes.tolist()
-        bucket = graphs.bucket_for(widest) if graphs is not None and anyone and not refused else None
+        bucket = graphs.bucket_for(kind, widest) if graphs is not None and anyone and not refused else None
         if bucket is not None:
-            return self._through_pieces(graphs, bucket, work)
+            return self._through_pieces(graphs, kind, bucket, work)
         if graphs is not None:
             graphs.agreed_rows = 0  # the engine's path on every rank
         try:
@@ -412,12 +413,12 @@ class LaneExecutor(InProcessExecutor):
             if graphs is not None:
                 graphs.agreed_rows = None
 
-    def _through_pieces(self, graphs, bucket: int, work):
-        """Every rank's target pass through the decode pieces of the agreed bucket."""
+    def _through_pieces(self, graphs, kind: str, bucket: int, work):
+        """Every rank's pass of `kind` through the decode pieces of the agreed bucket."""
         comm = self.model.comm
         graphs.agreed_rows, comm.uniform_rows = bucket, True
         try:
-            return work() if work is not None else graphs.idle(bucket)
+            return work() if work is not None else graphs.idle(kind, bucket)
         finally:
             graphs.agreed_rows, comm.uniform_rows = None, False
 
