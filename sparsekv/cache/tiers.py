@@ -100,8 +100,8 @@ class TieredKVPool:
         self.passes = {"target": [g for g in self.groups if g not in self.mtp_layers], "mtp": self.mtp_layers}
         self.new_rows = new_rows  # 1 + speculative drafts: the most new tokens a decode writes
         rows = sizes.num_buffers * (self.device_buffer_tokens + new_rows)
-        # padding_page (decode graphs): a zeroed page of indexer keys past the allocator's and a zeroed
-        # working-set row past every buffer's, which no request holds: a bucket's padding rows write there
+        # padding_page (decode graphs): a page of indexer keys past the allocator's and a zeroed working-set
+        # row past every buffer's, which no request holds: a bucket's padding rows write (and read) there
         self.padding_slot = self.num_slots if padding_page else None
         self.padding_row = rows if padding_page else None
         self.ws = {l: torch.empty(rows + padding_page, fmt.row_width, dtype=fmt.row_dtype, device=self.device)

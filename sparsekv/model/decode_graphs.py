@@ -416,18 +416,14 @@ class DecodeGraphs:
     def idle(self, kind: str, rows: int) -> None:
         """A data-parallel rank with no rows in a pass of `kind` the others run through the `rows`-row
         bucket: the same pieces over padding rows only, so that its MoE exchanges meet theirs."""
-        device = self.runner.device
+        device, model = self.runner.device, self.runner.model
         empty = torch.zeros(0, dtype=torch.long, device=device)
-        nothing = torch.zeros(0, self.runner.model.cfg.hidden_size, dtype=self.runner.model.dtype, device=device)
-        if kind == "target":
-            self._run(self._pieces(self.buckets, BucketPieces, rows), rows, ForwardContext(empty, empty, empty, [], empty), 0)
-        elif kind == "extend":
-            self._run(self._pieces(self.extends, ExtendPieces, rows), ("extend", rows),
-                      (ForwardContext(empty, empty, empty, [], empty), nothing), 0)
-        else:
-            chain = SimpleNamespace(seqs=[], hidden=nothing)
-            self._run(self._pieces(self.drafts, DraftPieces, rows), ("draft", rows),
-                      (ForwardContext(empty, empty, empty, [], empty, draft_step=True), chain), 0)
+        nothing = torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=device)  # no hidden states
+        ctx = ForwardContext(empty, empty, empty, [], empty, draft_step=kind == "draft")
+        made, kind_of, step = {"target": (self.buckets, BucketPieces, ctx),
+                               "extend": (self.extends, ExtendPieces, (ctx, nothing)),
+                               "draft": (self.drafts, DraftPieces, (ctx, SimpleNamespace(seqs=[], hidden=nothing)))}[kind]
+        self._run(self._pieces(made, kind_of, rows), rows if kind == "target" else (kind, rows), step, 0)
 
     def draft(self, chain, step: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden states after the MTP layer's head norm) of an MTP draft step of `chain`

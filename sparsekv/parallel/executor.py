@@ -388,8 +388,8 @@ class LaneExecutor(InProcessExecutor):
         return self._agree(index, work, piece_rows)
 
     def _agree(self, index: int, work, piece_rows: int = -1):
-        """Pass `index`: whether any rank has rows for it, and (the target's pass, with the decode
-        graphs) whether every rank with rows can run the pieces, and the widest one's rows."""
+        """Pass `index`: whether any rank has rows for it, and (with the decode graphs) whether every
+        rank with rows can run the pieces, and the widest one's rows."""
         self.next_pass = index + 1
         if not self.lockstep:
             return work() if work is not None else None
