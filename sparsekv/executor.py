@@ -127,7 +127,7 @@ class InProcessExecutor(Executor):
             return True
         if config.decode_graphs == "eager":
             raise ConfigError(f"decode_graphs 'eager': the decode pieces are not built for {unbuilt}")
-        log.info("decode graphs off: %s", unbuilt)
+        log.warning("decode graphs off: the decode pieces are not built for %s", unbuilt)
         return False
 
     def execute(self, step: SchedulerOutput) -> ModelOutput:

@@ -290,7 +290,7 @@ def test_buckets():
     assert [bucket_of(n, 48) for n in (1, 3, 33, 48, 49)] == [1, 4, 48, 48, None]
 
 
-def test_decode_graphs_options_are_checked(glm_ckpt, tmp_path):
+def test_decode_graphs_options_are_checked(glm_ckpt, tmp_path, caplog):
     from test_batched_decode import with_mtp_layer
     mtp = with_mtp_layer(glm_ckpt[0], str(tmp_path / "mtp"))
     with pytest.raises(ConfigError, match="decode_graphs"):
@@ -307,7 +307,9 @@ def test_decode_graphs_options_are_checked(glm_ckpt, tmp_path):
     from dataclasses import replace
     from sparsekv.executor import InProcessExecutor
     small = LLM(mtp, kv_tiering=True, num_speculative_tokens=2, **OPTIONS).engine.executor.pool
-    assert not InProcessExecutor._decode_pieces_read(small, replace(llm.engine.config, decode_graphs="auto"))
+    with caplog.at_level("WARNING", logger="sparsekv.executor"):  # auto (on CUDA): the engine's path, said
+        assert not InProcessExecutor._decode_pieces_read(small, replace(llm.engine.config, decode_graphs="auto"))
+    assert "raise device_buffer_tokens to 24" in caplog.text
     with pytest.raises(ConfigError, match="selector 'quest' with speculative decoding"):
         EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest", num_speculative_tokens=1).validate()
     EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest", kv_tiering=True).validate()
