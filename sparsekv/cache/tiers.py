@@ -357,11 +357,18 @@ class TieredKVPool:
         plan = self._replay(layer, seqs, sizes) if all(uses) else None
         if plan is not None and not plan.streamed:
             return self.ws[layer].index_select(0, plan.rows)
-        flat = picks.selected.reshape(-1).cpu().numpy()  # the one device -> host read
-        positions = [flat[end - n:end] for end, n in zip(accumulate(sizes), sizes)]
+        positions = self._picked_positions(picks)
         if all(uses):
             return self._gather(layer, seqs, positions)
         return torch.cat([self._rows_at(layer, seq, torch.from_numpy(p)) for seq, p in zip(seqs, positions)])
+
+    @staticmethod
+    def _picked_positions(picks) -> list[np.ndarray]:
+        """Each request's selected positions (all its rows') of a batch's picks (context.DecodePicks),
+        on the host: the one device -> host read of a full layer's resolution."""
+        sizes = [seq.num_new_tokens * picks.selected.shape[-1] for seq in picks.seqs]
+        flat = picks.selected.reshape(-1).cpu().numpy()
+        return [flat[end - n:end] for end, n in zip(accumulate(sizes), sizes)]
 
     def _gather(self, layer: int, seqs: list[SeqSlice], positions: list[np.ndarray]) -> torch.Tensor:
         """[sum of len(positions), row width]: working-set rows, or the host store's for streamed requests."""
@@ -582,19 +589,15 @@ class WorkingSetPieceReads:
         """The step's rows' new-token rows (`begin_step` or `begin_mtp_pass` placed every decode's), the
         padding rows' after."""
         n, placed = step.num_tokens, self.pool._mtp_step if self.mtp else self.pool._step
-        if n and (placed.ws_rows is None or placed.ws_rows.numel() != n):
-            raise RuntimeError("decode pieces over a tiered pool: a row of the step is not a decode's")
-        if n:
+        if n:  # none: a data-parallel rank's idle pass
+            if placed.ws_rows is None or placed.ws_rows.numel() != n:
+                raise RuntimeError("decode pieces over a tiered pool: a row of the step is not a decode's")
             self.new_rows[:n] = placed.new_rows
         self.new_rows[n:] = self.pool.padding_row
 
     def table(self, layer: int, picks) -> torch.Tensor:
         """[rows, k] working-set rows of a full layer's selection (context.DecodePicks), resolved."""
-        seqs, k = picks.seqs, picks.selected.shape[-1]
-        flat = picks.selected.reshape(-1).cpu().numpy()  # the one device -> host read, as the engine's
-        ends = list(accumulate(seq.num_new_tokens * k for seq in seqs))
-        return self._resolved(layer, seqs, [flat[end - seq.num_new_tokens * k:end] for end, seq in zip(ends, seqs)]
-                              ).view(-1, k)
+        return self._resolved(layer, picks.seqs, self.pool._picked_positions(picks)).view(-1, picks.selected.shape[-1])
 
     def history(self, layer: int, seqs: list[SeqSlice], k: int) -> torch.Tensor:
         """[len(seqs), k] working-set rows of each request's whole history (within top-k, so within N),

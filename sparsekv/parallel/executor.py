@@ -373,9 +373,9 @@ class LaneExecutor(InProcessExecutor):
         return self._pass(1 + step, lambda: super(LaneExecutor, self).draft_step(step, tokens), rows)
 
     def _piece_rows(self, rows_of) -> int:
-        """The rows this rank's pass would run as the decode pieces (`rows_of(graphs)`); -1: it cannot,
-        or there are no decode graphs."""
-        return -1 if self.runner.graphs is None else rows_of(self.runner.graphs)
+        """The rows this rank's pass would run as the decode pieces (`rows_of(graphs)`), for the ranks'
+        vote; -1: it cannot, or there are no decode graphs, or no vote (the ranks share nothing)."""
+        return -1 if self.runner.graphs is None or not self.lockstep else rows_of(self.runner.graphs)
 
     def finish_step(self) -> None:
         while self.next_pass < self.num_passes:
