@@ -427,7 +427,6 @@ class EngineConfig:
         """What of this configuration the decode pieces are not built for (None: nothing)."""
         unbuilt = [name for name, unsupported in (
             ("attention 'dense'", self.attention != "sparse"),
-            ("selector 'quest' with speculative decoding", self.selector == "quest" and self.num_speculative_tokens > 0),
             ("decodes one request at a time", not self.batch_dense_decodes)) if unsupported]
         return ", ".join(unbuilt) or None
 

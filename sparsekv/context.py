@@ -32,6 +32,14 @@ class SeqSlice:
     # 0 .. context_len - 1 in order: long runs are read as views of the pool, with no copy.
     runs: tuple[tuple[int, int, int], ...] = ()
 
+    def host_slot(self, position: int) -> int:
+        """The cache slot of `position`, from the runs (nothing read back from the device); the newest
+        positions are found first."""
+        for first, slot, length in reversed(self.runs):
+            if first <= position < first + length:
+                return slot + position - first
+        return int(self.slots[position])
+
     @property
     def contiguous_start(self) -> int | None:
         """slots[p] == contiguous_start + p for every position: the whole history is one view."""
@@ -68,6 +76,9 @@ class ForwardContext:
     # A speculative draft step after the first (speculative.py): reads the cache, writes nothing, and
     # every layer reuses the selection given in `selection` (MTP index reuse).
     draft_step: bool = False
+    # A decode graph's pieces (model/decode_graphs.py: fixed shapes, no seqs): each row's request's
+    # first row, a padding row its own; None elsewhere.
+    request_start: torch.Tensor | None = None
     # Device index tensors of token rows, made once per step and shared by the layers.
     row_indices: dict = field(default_factory=dict)
     # How the layers split this step's rows (model/attention.py's `DecodePlan`), made by the first layer.

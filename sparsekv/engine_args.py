@@ -111,7 +111,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     graphs = g.add_mutually_exclusive_group()
     graphs.add_argument("--decode-graphs", default="auto", choices=["auto", "off", "eager"],
                    help="decode steps as fixed-shape pieces per batch-size bucket: auto replays them from "
-                        "CUDA graphs on a CUDA device, except drafts with Quest or with working sets under "
+                        "CUDA graphs on a CUDA device, except drafts with working sets under "
                         "(1 + drafts) x top-k (there the engine's decode path); eager runs the pieces uncaptured, for checking (docs/exactness.md)")
     graphs.add_argument("--disable-cuda-graph", dest="decode_graphs", action="store_const", const="off",
                    help="the same as --decode-graphs off")

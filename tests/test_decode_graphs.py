@@ -124,7 +124,12 @@ def test_decode_pieces_over_a_tiered_cache_resolve_and_decode_as_the_engine_does
 TIERED_MTP = dict(kv_tiering=True, device_buffer_tokens=32, num_speculative_tokens=3)
 
 
-@pytest.mark.parametrize("cache", ["untiered", "tiered", "tiered-emulated-cuda"])
+# Quest with drafts: pages of 2 tokens, so that a step's rows (3, or 4 with K = 3) share a page or open
+# one, and a rejected draft's page is rewound.
+QUEST = dict(selector="quest", quest_page_tokens=2)
+
+
+@pytest.mark.parametrize("cache", ["untiered", "tiered", "tiered-emulated-cuda", "quest", "tiered-quest"])
 @pytest.mark.parametrize("family", ["glm", "ds"])
 def test_verification_steps_of_mtp_drafting_decode_as_the_engine_does(family, cache, glm_ckpt, ds_ckpt, tmp_path,
                                                                       monkeypatch, request):
@@ -134,13 +139,17 @@ def test_verification_steps_of_mtp_drafting_decode_as_the_engine_does(family, ca
     whole history); the extend pass as its two pieces. The same drafts are verified at every step as on the engine's decode
     path, with the same selections, greedy tokens and logprobs within tolerance. Over the tiered
     cache (K = 3; the MTP layer's working sets too, a draft step's picks resolved at every step) the
-    same hits, misses and bytes moved, with CUDA's copy ordering emulated too."""
+    same hits, misses and bytes moved, with CUDA's copy ordering emulated too. With Quest each
+    verification row's own page bound covers its page's positions up to itself (a fixed-shape window
+    in the pieces) and a rejected draft's page is rewound before them: the same selections."""
     from sparsekv.runner import ModelRunner
     from test_batched_decode import with_mtp_layer
     if cache == "tiered-emulated-cuda":
         request.getfixturevalue("emulated_cuda")
     path = with_mtp_layer((glm_ckpt if family == "glm" else ds_ckpt)[0], str(tmp_path / family))
-    options = dict(num_speculative_tokens=2) if cache == "untiered" else TIERED_MTP
+    options = dict(num_speculative_tokens=2) if cache in ("untiered", "quest") else dict(TIERED_MTP)
+    if "quest" in cache:
+        options.update(QUEST)
     runs = []
     for mode in ("off", "eager"):
         steps, real = [], ModelRunner.build_context
@@ -150,7 +159,7 @@ def test_verification_steps_of_mtp_drafting_decode_as_the_engine_does(family, ca
             outs, trace, llm = generate(path, mode, monkeypatch, **options)
         runs.append((outs, trace, steps, llm))
     (want, want_trace, want_steps, want_llm), (got, got_trace, got_steps, llm) = runs
-    if cache != "untiered":
+    if cache.startswith("tiered"):
         assert llm.engine.stats()["tier_misses"] > 100 and tier_counts(llm) == tier_counts(want_llm)
     stats = llm.engine.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["decode_graph_steps"] >= 8
@@ -210,8 +219,10 @@ class PieceReads(TorchDispatchMode):
 
 @pytest.mark.parametrize("options", [{}, dict(kv_cache_dtype="fp8"), dict(num_speculative_tokens=2), TIERED,
                                      dict(TIERED, kv_cache_dtype="fp8"), dict(selector="quest", quest_page_tokens=2),
-                                     dict(TIERED, selector="quest", quest_page_tokens=2), TIERED_MTP],
-                         ids=["dsa", "fp8", "mtp", "tiered", "tiered-fp8", "quest", "tiered-quest", "tiered-mtp"])
+                                     dict(TIERED, selector="quest", quest_page_tokens=2), TIERED_MTP,
+                                     dict(QUEST, num_speculative_tokens=2)],
+                         ids=["dsa", "fp8", "mtp", "tiered", "tiered-fp8", "quest", "tiered-quest", "tiered-mtp",
+                              "quest-mtp"])
 @pytest.mark.parametrize("family", ["glm", "ds"])
 def test_pieces_read_only_their_static_inputs_the_model_and_the_cache(family, options, glm_ckpt, ds_ckpt, tmp_path,
                                                                       monkeypatch):
@@ -310,8 +321,9 @@ def test_decode_graphs_options_are_checked(glm_ckpt, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="sparsekv.executor"):  # auto (on CUDA): the engine's path, said
         assert not InProcessExecutor._decode_pieces_read(small, replace(llm.engine.config, decode_graphs="auto"))
     assert "raise device_buffer_tokens to 24" in caplog.text
-    with pytest.raises(ConfigError, match="selector 'quest' with speculative decoding"):
-        EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest", num_speculative_tokens=1).validate()
+    with pytest.raises(ConfigError, match="attention 'dense'"):
+        EngineConfig(model=glm_ckpt[0], decode_graphs="eager", attention="dense").validate()
+    EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest", num_speculative_tokens=1).validate()
     EngineConfig(model=glm_ckpt[0], decode_graphs="eager", selector="quest", kv_tiering=True).validate()
     EngineConfig(model=glm_ckpt[0], decode_graphs="eager", data_parallel_size=2, enable_expert_parallel=True,
                  num_speculative_tokens=1).validate()
@@ -330,17 +342,19 @@ def test_decode_graphs_options_are_checked(glm_ckpt, tmp_path, caplog):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py --tiers runs it)")
-@pytest.mark.parametrize("drafts, tiered", [(0, False), (2, False), (0, True)], ids=["plain", "mtp", "tiered"])
-def test_decode_steps_replay_from_cuda_graphs_on_cuda_as_the_engine_decodes(drafts, tiered, glm_ckpt, tmp_path,
+@pytest.mark.parametrize("drafts, tiered, quest", [(0, False, False), (2, False, False), (0, True, False),
+                                                   (2, False, True)], ids=["plain", "mtp", "tiered", "mtp-quest"])
+def test_decode_steps_replay_from_cuda_graphs_on_cuda_as_the_engine_decodes(drafts, tiered, quest, glm_ckpt, tmp_path,
                                                                             monkeypatch):
     """On CUDA, float32: every bucket captured at its first step (its replay checked against that
     step's eager run bit for bit: no bucket falls back), and the outputs the engine's decode path gives:
     the same selections and greedy tokens, logprobs within tolerance; with MTP drafting (K = 2), the
     verification steps so, and the same drafts verified; over the tiered cache, the same hits, misses
-    and bytes moved."""
+    and bytes moved; with Quest and drafts, its page bounds rewound before the replays."""
     from test_batched_decode import with_mtp_layer
     path = with_mtp_layer(glm_ckpt[0], str(tmp_path / "mtp")) if drafts else glm_ckpt[0]
-    options = dict(device="cuda", dtype="float32", num_speculative_tokens=drafts, **(TIERED if tiered else {}))
+    options = dict(device="cuda", dtype="float32", num_speculative_tokens=drafts, **(TIERED if tiered else {}),
+                   **(QUEST if quest else {}))
     want, want_trace, want_llm = generate(path, "off", monkeypatch, **options)
     got, got_trace, llm = generate(path, "auto", monkeypatch, **options)
     stats = llm.engine.stats()
@@ -499,21 +513,23 @@ def test_a_tiered_bucket_s_first_step_is_resolved_once_however_often_its_capture
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("cache", ["untiered", "tiered"])
+@pytest.mark.parametrize("cache", ["untiered", "tiered", "quest"])
 def test_draft_steps_are_captured_per_bucket_and_replayed_chain_after_chain(cache, glm_ckpt, tmp_path, monkeypatch):
     """With MTP drafting (K = 3) on the fake graph API: the draft piece captured at its bucket's first
     draft step and replayed after, each chain's picks loaded into its static slot table once (over
     the tiered cache resolved at every step, each capture's first step once), and the extend pieces
     per bucket of rows; the drafts, so the steps and outputs, those of the engine's own MTP passes,
-    and the tiered cache's hits, misses and bytes moved."""
+    and the tiered cache's hits, misses and bytes moved. With Quest, a capture's step run again starts
+    from its page bounds rewound again."""
     from test_batched_decode import with_mtp_layer
     path = with_mtp_layer(glm_ckpt[0], str(tmp_path / "mtp"))
-    options = {} if cache == "untiered" else {k: v for k, v in TIERED_MTP.items() if k != "num_speculative_tokens"}
+    options = {"untiered": {}, "quest": QUEST,
+               "tiered": {k: v for k, v in TIERED_MTP.items() if k != "num_speculative_tokens"}}[cache]
     want = LLM(path, decode_graphs="off", num_speculative_tokens=3, **OPTIONS, **options)
     want_out = want.generate(prompts(), GREEDY)
     llm, fakes = captured_engine(path, monkeypatch, drafts=3, options=options)
     got = llm.generate(prompts(), GREEDY)
-    if options:
+    if cache == "tiered":
         assert tier_counts(llm) == tier_counts(want)
     stats, spec = llm.engine.stats(), want.engine.stats()
     graphs = llm.engine.executor.runner.graphs

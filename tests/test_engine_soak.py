@@ -32,6 +32,10 @@ CONFIGS = {"device": {}, "tiered": dict(kv_tiering=True, device_buffer_tokens=16
            "tiered, MTP drafts, decode graphs": dict(mtp_layer=True, kv_tiering=True, device_buffer_tokens=24,
                                                      num_speculative_tokens=2, decode_graphs="eager",
                                                      cuda_graph_max_bs=4),
+           # Quest's page bounds (pages of 4 tokens) rewound past rejected drafts before the pieces
+           "Quest, MTP drafts, decode graphs": dict(mtp_layer=True, selector="quest", quest_page_tokens=4,
+                                                    num_speculative_tokens=2, decode_graphs="eager",
+                                                    cuda_graph_max_bs=4),
            "bundled model, MTP drafts, decode graphs": dict(bundled=True, num_speculative_tokens=2,
                                                             decode_graphs="eager", cuda_graph_max_bs=4),
            # two processes over gloo: requests routed to ranks (sent with the next step, aborted before or
@@ -113,9 +117,10 @@ def test_a_random_workload_keeps_every_pool_intact_and_every_output_exact(glm_ck
     assert aborted and stats["prefix_cache_hits_device"] + stats["prefix_cache_hits_host"] > 0
     assert stats["spec_decode_num_draft_tokens"] > 0 if "num_speculative_tokens" in options else stats["preemptions"] > 0
     assert stats.get("decode_graph_steps", 0) > 0 if "decode_graphs" in options else "decode_graph_steps" not in stats
-    # one process, untiered; drafting too if the workload's engine drafts (a seeded sampled request's
-    # draws are a drafting engine's rejection sampling there, not plain sampling)
-    drafting = {key: options[key] for key in ("num_speculative_tokens",) if key in options}
+    # one process, untiered, with the workload's selector; drafting too if the workload's engine drafts
+    # (a seeded sampled request's draws are a drafting engine's rejection sampling there, not plain sampling)
+    drafting = {key: options[key] for key in ("num_speculative_tokens", "selector", "quest_page_tokens")
+                if key in options}
     alone = LLM(path, enable_prefix_caching=False, **{**COMMON, "num_kv_pages": None}, **drafting)
     tol = logprob_tolerance(alone)  # batches, prefix hits, recomputation and tensor shards group rows differently
     for p in planned:

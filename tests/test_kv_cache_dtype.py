@@ -251,7 +251,7 @@ def test_quest_bounds_the_fp8_values_attention_reads():
     quest = QuestSelector(cfg, 16, 4, "cpu", [0])
     latents = torch.randn(8, 72, generator=torch.Generator().manual_seed(0))
     seq = SeqSlice("r", 0, 8, 8, torch.arange(8))
-    ctx = SimpleNamespace(slot_mapping=torch.arange(8), seqs=[seq], decode_rows=1)
+    ctx = SimpleNamespace(slot_mapping=torch.arange(8), seqs=[seq], decode_rows=1, request_start=None)
     lo, hi = quest.prepare(0, ctx, None, None, latents, SimpleNamespace(fmt=fmt))
     stored = fmt.decode(fmt.encode(latents))
     assert torch.equal(hi[3], stored[:4].amax(0)) and torch.equal(lo[7], stored[4:].amin(0))

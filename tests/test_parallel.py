@@ -101,16 +101,19 @@ def test_tensor_parallel_deepseek_equals_one_process(ds_ckpt, options):
     _compare(ds_ckpt[0], 256, tensor_parallel_size=2, **options)
 
 
-@pytest.mark.parametrize("graphs", ["off", "eager", "tiered"], ids=["", "decode-graphs", "tiered-decode-graphs"])
+@pytest.mark.parametrize("graphs", ["off", "eager", "tiered", "quest"],
+                         ids=["", "decode-graphs", "tiered-decode-graphs", "quest-decode-graphs"])
 @pytest.mark.parametrize("family", ["glm", "ds"])
 def test_tensor_parallel_with_mtp_drafting_equals_one_process(family, graphs, glm_ckpt, ds_ckpt, tmp_path):
     """With decode graphs, the verification steps and draft steps run as their pieces on both ranks;
-    tiered too (working sets of 3 x top-k entries, what a decode and its 2 drafts may select)."""
+    tiered too (working sets of 3 x top-k entries, what a decode and its 2 drafts may select), and with
+    Quest (pages of 2 tokens: a rejected draft's page rewound on each rank)."""
     src = (glm_ckpt if family == "glm" else ds_ckpt)[0]
     path = _with_mtp_layer(src, str(tmp_path / family), own_embed_and_head=family == "ds")
-    tiered = dict(kv_tiering=True, device_buffer_tokens=24) if graphs == "tiered" else {}
+    extra = {"tiered": dict(kv_tiering=True, device_buffer_tokens=24),
+             "quest": dict(selector="quest", quest_page_tokens=2)}.get(graphs, {})
     _compare(path, 256, tensor_parallel_size=2, num_speculative_tokens=2, enable_expert_parallel=family == "ds",
-             decode_graphs="eager" if tiered else graphs, **tiered)
+             decode_graphs="eager" if extra else graphs, **extra)
 
 
 def test_tensor_parallel_bundled_model_tiered_mtp():

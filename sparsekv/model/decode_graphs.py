@@ -22,7 +22,9 @@ bucket's rows past the step's) read and write the pool's padding page, which no 
 What the slot table holds is the pool's affair (its `piece_reads`): pool slots (cache/pool.py,
 `PoolPieceReads`), or over the tiered cache working-set rows, resolved between the pieces as the
 engine's decode path resolves them, the step's new rows backed up to the host after the last piece
-(cache/tiers.py, `WorkingSetPieceReads`).
+(cache/tiers.py, `WorkingSetPieceReads`). A selector's per-request state on the host runs around the
+pieces too (`TokenSelector.rewind` before them, `remember` after each full layer's: Quest's page
+bounds past a rejected draft, model/selectors.py).
 
 With MTP drafting, a draft step after the first (the MTP layer over one row per drafting request,
 past its history, reading the cache and writing nothing) is one piece per bucket of requests
@@ -85,8 +87,9 @@ class _Bucket:
 
     mtp_pass = False  # the MTP layer's pieces
 
-    def __init__(self, model, pool, rows: int, padding_slot: int):
+    def __init__(self, model, pool, rows: int, padding_slot: int, decode_rows: int = 1):
         cfg, device = model.cfg, model.device
+        self.decode_rows = decode_rows  # the most rows a request has (1 + its drafts)
         self.model, self.pool, self.rows, self.k = model, pool, rows, cfg.index_topk
         # how the pieces address the pool (cache/pool.py PoolPieceReads, cache/tiers.py
         # WorkingSetPieceReads): what they pass as the cache, and what the slot table holds
@@ -167,11 +170,13 @@ class BucketPieces(_Bucket):
     made, so the selection between two replays must read the ones of the piece just replayed, and
     a tensor no longer referenced would give its memory to a later capture."""
 
-    def __init__(self, model, cache, rows: int, padding_slot: int):
-        super().__init__(model, cache, rows, padding_slot)
+    def __init__(self, model, cache, rows: int, padding_slot: int, decode_rows: int = 1):
+        super().__init__(model, cache, rows, padding_slot, decode_rows)
         self.slot_mapping = torch.full((rows,), padding_slot, dtype=torch.long, device=model.device)
+        self.request_start = torch.arange(rows, device=model.device)  # each row's request's first row
         self.ctx = ForwardContext(self.input_ids, self.positions, self.slot_mapping, [],
-                                  torch.arange(rows, device=model.device))
+                                  torch.arange(rows, device=model.device), decode_rows=decode_rows,
+                                  request_start=self.request_start)
         self.full = list(model.cfg.full_layers)
         self.h: dict[int, torch.Tensor] = {}  # by full layer: the hidden states entering it
         self.q: dict[int, torch.Tensor] = {}  # by full layer: its queries
@@ -217,19 +222,29 @@ class BucketPieces(_Bucket):
 
     # -- between the pieces (the step's own shapes) ----------------------------------------------
     def load(self, step: ForwardContext) -> None:
-        """The step's inputs into the static ones, the padding rows reset, and the dense-regime rows'
-        picks where every layer reads them alike: their request's whole history padded to k, each row
-        seeing the positions up to its own."""
+        """The step's inputs into the static ones, the padding rows reset, the selectors' host state
+        rewound (Quest's page bounds past a rejected draft), and the dense-regime rows' picks where
+        every layer reads them alike: their request's whole history padded to k, each row seeing the
+        positions up to its own."""
         n = step.num_tokens
         self.input_ids[:n], self.positions[:n], self.slot_mapping[:n] = step.input_ids, step.positions, step.slot_mapping
         self.input_ids[n:], self.positions[n:], self.slot_mapping[n:] = 0, 0, self.padding_slot
+        if self.decode_rows > 1:
+            starts = [seq.token_start for seq in step.seqs for _ in range(seq.num_new_tokens)]
+            self.request_start[:n] = index_tensor(starts, self.request_start.device)
+            self.request_start[n:] = torch.arange(n, self.rows, device=self.request_start.device)
+        for selector in self.model.selectors():
+            selector.rewind(step)
         self.reads.load(step)
         if not self.reads.resolves:
             self._load_dense(step, self.model.layers[0].attn)
 
     def select(self, layer: int, step: ForwardContext) -> None:
-        """Full layer `layer`'s selections of the step's sparse-regime rows into the slot table."""
-        self._selecting(lambda: self._select(self.model.layers[layer].attn, self.q[layer], self.index_q[layer], step))
+        """Full layer `layer`'s selections of the step's sparse-regime rows into the slot table, after
+        its selector's host state is kept from the piece (Quest's page bounds as of each draft)."""
+        attn = self.model.layers[layer].attn
+        attn.selector.remember(layer, step, self.index_q[layer])
+        self._selecting(lambda: self._select(attn, self.q[layer], self.index_q[layer], step))
 
     def run(self, step: ForwardContext) -> None:
         """The pieces in order, eagerly or replayed, the selections between them."""
@@ -248,8 +263,8 @@ class DraftPieces(_Bucket):
 
     mtp_pass = True
 
-    def __init__(self, model, cache, rows: int, padding_slot: int):
-        super().__init__(model, cache, rows, padding_slot)
+    def __init__(self, model, cache, rows: int, padding_slot: int, decode_rows: int = 1):
+        super().__init__(model, cache, rows, padding_slot, decode_rows)
         self.hidden_in = torch.zeros(rows, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
         self.ctx = ForwardContext(self.input_ids, self.positions, self.positions, [],
                                   torch.arange(rows, device=model.device), draft_step=True)
@@ -306,8 +321,8 @@ class ExtendPieces(_Bucket):
 
     mtp_pass = True
 
-    def __init__(self, model, cache, rows: int, padding_slot: int):
-        super().__init__(model, cache, rows, padding_slot)
+    def __init__(self, model, cache, rows: int, padding_slot: int, decode_rows: int = 1):
+        super().__init__(model, cache, rows, padding_slot, decode_rows)
         self.slot_mapping = torch.full((rows,), padding_slot, dtype=torch.long, device=model.device)
         self.hidden_in = torch.zeros(rows, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
         self.ctx = ForwardContext(self.input_ids, self.positions, self.slot_mapping, [],
@@ -446,7 +461,7 @@ class DecodeGraphs:
     def _pieces(self, made: dict, kind, rows: int):
         """The `kind` pieces of the `rows`-row bucket, made at its first use."""
         if rows not in made:
-            made[rows] = kind(self.runner.model, self.runner.cache, rows, self.padding_slot)
+            made[rows] = kind(self.runner.model, self.runner.cache, rows, self.padding_slot, self.runner.decode_rows)
         return made[rows]
 
     def _run(self, pieces, key, step, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,6 +47,14 @@ class TokenSelector:
     def forget(self, request_id: str) -> None:
         """The request finished: drop anything kept for it."""
 
+    def rewind(self, ctx) -> None:
+        """Before a decode graph's pieces (model/decode_graphs.py), whose `prepare` runs with fixed
+        shapes: the per-request bookkeeping `prepare` does on the host first. Nothing here."""
+
+    def remember(self, layer: int, ctx, state) -> None:
+        """After the decode graph's piece that ran `prepare` for `layer` (`state`: what it returned):
+        the per-request bookkeeping `prepare` does on the host last. Nothing here."""
+
     def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """State kept per slot (with its tokens per row), part of a KV page's contents: none here."""
         return []
@@ -142,19 +150,23 @@ class QuestSelector(TokenSelector):
         self._last: dict[str, dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]]] = {}
 
     def prepare(self, layer, ctx, x, q_resid, latent, cache):
-        """Write the new rows into their pages' bounds; return each row's own-page bounds (lo, hi) [N, D]."""
+        """Write the new rows into their pages' bounds; return each row's own-page bounds (lo, hi) [N, D].
+        In a decode graph's piece (`ctx.request_start` set) the shapes are fixed and the host's part
+        runs around it (`rewind`, `remember`); its state also carries the bounds before the step."""
         slots, v = ctx.slot_mapping, cache.fmt.as_stored(latent).float()  # bounds of the keys attention reads
         page = slots // self.page_tokens
         lo, hi = self.lo[layer], self.hi[layer]
         self._reset_opened(page, slots, lo, hi)
-        drafting = ctx.decode_rows > 1
-        if drafting:
+        piece, drafting = ctx.request_start is not None, ctx.decode_rows > 1
+        if drafting and not piece:
             self._rewind(layer, ctx)
         chunks = [seq for seq in ctx.seqs if seq.num_new_tokens > 1]
         before = (lo.index_select(0, page), hi.index_select(0, page)) if chunks or drafting else None
         idx = page[:, None].expand_as(v)
         lo.scatter_reduce_(0, idx, v, "amin")
         hi.scatter_reduce_(0, idx, v, "amax")
+        if piece and drafting:
+            return (*self._window_bounds(v, ctx, before), *before)
         own_lo, own_hi = lo.index_select(0, page), hi.index_select(0, page)  # exact for a page's last new row
         for seq in chunks:  # earlier rows of a page see only the page's positions up to themselves
             rows = slice(seq.token_start, seq.token_end)
@@ -163,6 +175,32 @@ class QuestSelector(TokenSelector):
         if drafting:
             self._remember(layer, ctx, page, before, own_lo, own_hi)
         return own_lo, own_hi
+
+    def _window_bounds(self, v: torch.Tensor, ctx, before) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_prefix_bounds` of every row at once in fixed shapes: a row's own page over the bound before
+        the step and the step's rows of its request and page up to itself, which are among the
+        `decode_rows` rows ending at it (its request's rows are consecutive positions)."""
+        n = v.shape[0]
+        rows = torch.arange(n, device=v.device)
+        back = rows[:, None] - torch.arange(ctx.decode_rows, device=v.device)[None, :]      # [N, W]
+        first = torch.maximum(ctx.request_start, rows - ctx.positions % self.page_tokens)    # its page run's first row
+        unseen = (back < first[:, None]).unsqueeze(-1)
+        window = v[back.clamp(min=0)]                                                       # [N, W, D]
+        return (torch.minimum(before[0], window.masked_fill(unseen, float("inf")).amin(dim=1)),
+                torch.maximum(before[1], window.masked_fill(unseen, float("-inf")).amax(dim=1)))
+
+    def rewind(self, ctx) -> None:
+        if ctx.decode_rows > 1:
+            for layer in self.layers:
+                self._rewind(layer, ctx)
+
+    def remember(self, layer: int, ctx, state) -> None:
+        if ctx.decode_rows > 1:
+            pages = [0] * ctx.num_tokens  # each new row's page, from the host's slots: nothing read back
+            for seq in ctx.seqs:
+                for row in range(seq.token_start, seq.token_end):
+                    pages[row] = seq.host_slot(seq.first_new_position + row - seq.token_start) // self.page_tokens
+            self._remember(layer, ctx, pages, state[2:], state[0], state[1])
 
     def _reset_opened(self, page: torch.Tensor, slots: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         """A row at its page's first position empties the page's bounds; the other rows empty the
@@ -198,7 +236,8 @@ class QuestSelector(TokenSelector):
                 if start <= first < start + kept_lo.shape[0]:
                     self.lo[layer][page_id], self.hi[layer][page_id] = kept_lo[first - start], kept_hi[first - start]
 
-    def _remember(self, layer: int, ctx, page: torch.Tensor, before, own_lo, own_hi) -> None:
+    def _remember(self, layer: int, ctx, page, before, own_lo, own_hi) -> None:
+        """Each drafting request's page bounds as of each of its new rows (`page`: each row's page)."""
         pt = self.page_tokens
         for seq in ctx.seqs:
             if seq.num_new_tokens > ctx.decode_rows:  # a prefill chunk is never rewritten
