@@ -453,24 +453,27 @@ def test_data_parallel_attention_equals_one_process(family, options, glm_ckpt, d
     _compare_data_parallel(path, prompts, **options)
 
 
+@pytest.mark.parametrize("selector", ["dsa", "quest"])
 @pytest.mark.parametrize("family", ["glm", "ds"])
-def test_data_parallel_expert_parallel_mtp_drafting_through_the_decode_pieces_equals_one_process(family, glm_ckpt,
-                                                                                                 ds_ckpt, tmp_path):
+def test_data_parallel_expert_parallel_mtp_drafting_through_the_decode_pieces_equals_one_process(family, selector,
+                                                                                                 glm_ckpt, ds_ckpt,
+                                                                                                 tmp_path):
     """With MTP drafting (K = 2) every pass of a step (the target's, the extend pass, draft step 2) is
     agreed on by the ranks: each through the pieces of the widest rank's bucket, a rank without rows
     over padding rows, or every rank on the engine's path; against one process drafting on its
-    engine's path."""
+    engine's path. With Quest too (pages of 2 tokens: each rank rewinds its own requests' pages)."""
+    quest = dict(selector="quest", quest_page_tokens=2) if selector == "quest" else {}
     src = (glm_ckpt if family == "glm" else ds_ckpt)[0]
     path = _with_mtp_layer(src, str(tmp_path / family), own_embed_and_head=family == "ds")
     g = torch.Generator().manual_seed(11)
     prompts = _prompts(256) + [torch.randint(1, 256, (n,), generator=g).tolist() for n in (25, 4, 17)]
-    options = dict(enable_expert_parallel=True, num_speculative_tokens=2, decode_graphs="eager")
+    options = dict(enable_expert_parallel=True, num_speculative_tokens=2, decode_graphs="eager", **quest)
     _compare_data_parallel(path, prompts, **options)
     # rank 0's request done after its first tokens, rank 1's drafts on alone: rank 0 runs every pass's
     # pieces over padding rows (the extend pass and draft step 2 too)
     short, long = _prompts(256)[1], _prompts(256)[0]
     params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=3, ignore_eos=True) for n in (2, 16)]
-    single = LLM(path, **BASE, num_speculative_tokens=2)
+    single = LLM(path, **BASE, num_speculative_tokens=2, **quest)
     want = single.generate([short, long], params)
     llm = LLM(path, **BASE, data_parallel_size=2, **options)
     try:
