@@ -190,6 +190,8 @@ class QuestSelector(TokenSelector):
                 torch.maximum(before[1], window.masked_fill(unseen, float("-inf")).amax(dim=1)))
 
     def rewind(self, ctx) -> None:
+        # NOTE: before the pieces, so before `_reset_opened`, which `prepare` runs first: the same bounds,
+        # since a page rewound to its first position is rewound to its empty bound
         if ctx.decode_rows > 1:
             for layer in self.layers:
                 self._rewind(layer, ctx)
