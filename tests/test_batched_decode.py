@@ -329,6 +329,28 @@ def test_bench_batch_counts_ops_per_step(tmp_path):
         assert graphs["graph_launches_4"] < batched["ops_4"] / 2, (cache, graphs, batched)
 
 
+def test_bench_batch_sparse_regime_with_drafts_and_quest(tmp_path):
+    """`--sparse-drafts 3 --sparse-selector quest`: the sparse-regime runs draft (the bundled model's MTP
+    layer) with Quest, over the tiered cache with working sets of 4 x top-k, so that the decode graphs'
+    pieces run there too: the same greedy tokens on every path, a step's tokens counted as they came
+    (at least one per request), and the pieces launching fewer kernels and graphs than the batched
+    path dispatches ops."""
+    import json
+    from sparsekv.tools.bench import main
+    out = tmp_path / "batch.json"
+    assert main(["batch", "--batch", "2", "--prompt-tokens", "20", "--steps", "2", "--repeats", "1",
+                 "--sparse-prompt-tokens", "300", "--sparse-batch", "4", "--sparse-steps", "2",
+                 "--sparse-drafts", "3", "--sparse-selector", "quest", "--decode-graphs", "eager",
+                 "--json", str(out)]) == 0
+    sparse = json.loads(out.read_text())["sparse"]
+    assert sparse["identical_tokens"]
+    assert max(p["tokens_per_step_4"] for p in sparse["paths"].values()) > 4  # drafts accepted: it drafted
+    for cache in ("untiered", "tiered"):
+        batched, graphs = sparse["paths"][f"{cache}/batched"], sparse["paths"][f"{cache}/batched, decode graphs"]
+        assert batched["tokens_per_step_1"] >= 1 and batched["tokens_per_step_4"] >= 4, batched
+        assert graphs["graph_launches_4"] < batched["ops_4"] / 2, (cache, graphs, batched)
+
+
 def test_groups_pad_each_history_at_most_twice_beyond_the_pad_free_length():
     """Decodes scored together come in runs of similar lengths: the longest at most twice the shortest
     unless all fit in GROUP_PAD_FREE_KEYS, so a group's count grows with the spread of lengths, not

@@ -484,7 +484,7 @@ class FakeSparseEngine(FakeBatchEngine):
 
     def __init__(self, clock: FakeClock, ops: int = 3):
         super().__init__(clock, ops)
-        self.config = SimpleNamespace(max_num_batched_tokens=4096)
+        self.config = SimpleNamespace(max_num_batched_tokens=4096, num_speculative_tokens=0)
 
     def step(self):
         if any(r.num_output_tokens == 1 for r in self.scheduler.running):
@@ -499,6 +499,7 @@ def test_bench_batch_sparse_regime_counts_a_steady_step_and_times_each(monkeypat
     args = bench_batch.build_parser().parse_args(["--sparse-prompt-tokens", "300", "--sparse-steps", "3"])
     run = bench_batch.sparse_decode(FakeSparseEngine(clock), args, 2)
     assert run["ops"] == ops_of(3) == sum(run["by_kind"].values()) and run["ms_per_step"] == 2000.0
+    assert run["tokens_per_step"] == 2  # a token per request per timed step
     assert [t[:2] for t in run["tokens"]] == [[0, 1], [1, 2]]
 
 

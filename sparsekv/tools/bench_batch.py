@@ -11,7 +11,9 @@ whether the two paths produced the same greedy tokens and logprobs.
 Sparse regime (`--sparse-prompt-tokens`, past top-k: selection, gather, tiers): torch ops per decode
 step at batch 1 and `--sparse-batch`, untiered and tiered, for both paths, their ratio (what a per
 request loop makes grow with the batch), ms per step and aggregate tokens/s; and the ops of one
-batch-1 step by op kind.
+batch-1 step by op kind. `--sparse-drafts K` runs them with MTP drafting (each step verifying up to K
+drafts per request, the MTP passes counted in its ops; tokens/s from the tokens the timed steps
+made), `--sparse-selector quest` with the Quest selector.
 
 `--decode-graphs auto` (or `eager`) adds a third path in both regimes (and both caches in the sparse
 one): the batched decode step as the decode graphs' fixed-shape pieces (model/decode_graphs.py; auto: replayed from CUDA graphs
@@ -132,28 +134,54 @@ def sparse_decode(engine, args, batch: int) -> dict:
     prompts = [torch.randint(1, vocab, (args.sparse_prompt_tokens,), generator=g).tolist() for _ in range(batch)]
     # no request ends before the timed steps: the first ones decode while the last ones are prefilled
     prefill_steps = _prefill_steps(batch, args.sparse_prompt_tokens, engine.config.max_num_batched_tokens)
-    params = SamplingParams(max_tokens=args.sparse_steps + prefill_steps + 4, temperature=0.0, ignore_eos=True)
+    per_step = 1 + engine.config.num_speculative_tokens  # the most tokens a step makes per request
+    params = SamplingParams(max_tokens=per_step * (args.sparse_steps + prefill_steps + 4), temperature=0.0,
+                            ignore_eos=True)
     ids = fill_decoding(engine, prompts, params)
     engine.step()  # the first decode step also promotes the prefill's last token into the working set
     ops = decode_step_ops(engine)
     launches = graph_launches(engine)
+    made = -_tokens_made(engine)
     t0 = time.perf_counter()
     for _ in range(args.sparse_steps):
         engine.step()
     ms = 1000 * (time.perf_counter() - t0) / args.sparse_steps
+    made += _tokens_made(engine)
     tokens = {}
     while engine.has_unfinished_requests():
         tokens.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     return {"ops": ops.total, "by_kind": dict(ops.by_kind), "ms_per_step": ms, "tokens": [tokens[r] for r in ids],
-            "graph_launches": launches}
+            "graph_launches": launches, "tokens_per_step": made / args.sparse_steps}
+
+
+def _tokens_made(engine) -> int:
+    """The output tokens of the running requests."""
+    return sum(r.num_output_tokens for r in engine.scheduler.running)
+
+
+def sparse_options(args) -> dict[str, dict]:
+    """The engine options of each cache of the sparse-regime runs: with --sparse-drafts K, MTP drafting
+    and over the tiered cache working sets of (1 + K) x top-k entries (what a decode and its drafts may
+    select: the decode graphs' pieces need them); with --sparse-selector, that selector."""
+    from sparsekv.config import ModelConfig
+    from sparsekv.paths import default_model_path
+    common = dict(num_speculative_tokens=args.sparse_drafts) if args.sparse_drafts else {}
+    if args.sparse_selector != "dsa":
+        common["selector"] = args.sparse_selector
+    out = {cache: {**options, **common} for cache, options in CACHES.items()}
+    if args.sparse_drafts:
+        topk = ModelConfig.from_json(args.model or default_model_path()).index_topk
+        out["tiered"]["device_buffer_tokens"] = (1 + args.sparse_drafts) * topk
+    return out
 
 
 def sparse_runs(args) -> dict:
     """Every (cache, path) at batch 1 and --sparse-batch, one engine each."""
     prefill_steps = _prefill_steps(args.sparse_batch, args.sparse_prompt_tokens, max(4096, args.sparse_prompt_tokens))
-    max_len = args.sparse_prompt_tokens + args.sparse_steps + prefill_steps + 8  # see `sparse_decode`
+    # see `sparse_decode`
+    max_len = args.sparse_prompt_tokens + (1 + args.sparse_drafts) * (args.sparse_steps + prefill_steps + 4) + 4
     out = {}
-    for cache, options in CACHES.items():
+    for cache, options in sparse_options(args).items():
         for name, path in modes_of(args, SPARSE_PATHS).items():
             engine = _engine(args, args.sparse_batch, max_len, **options, **path)
             out[f"{cache}/{name}"] = {b: _median_of(engine, args, b) for b in (1, args.sparse_batch)}
@@ -161,9 +189,10 @@ def sparse_runs(args) -> dict:
 
 
 def _median_of(engine, args, batch: int) -> dict:
-    """`sparse_decode` --repeats times: the first run's ops and tokens, the median ms per step."""
+    """`sparse_decode` --repeats times: the first run's ops and tokens, the median ms and tokens per step."""
     runs = [sparse_decode(engine, args, batch) for _ in range(args.repeats)]
-    return {**runs[0], "ms_per_step": statistics.median(r["ms_per_step"] for r in runs)}
+    return {**runs[0], "ms_per_step": statistics.median(r["ms_per_step"] for r in runs),
+            "tokens_per_step": statistics.median(r["tokens_per_step"] for r in runs)}
 
 
 def _logprob_gap(a: list, b: list) -> float:
@@ -204,19 +233,22 @@ def report_sparse(sparse: dict, console) -> dict:
     b = max(next(iter(sparse.values())))
     table = Table(title=f"sparse-regime decode step (past top-k): torch ops and time (median ms), batch 1 and {b}")
     for col in ("cache / decode path", "ops / step, batch 1", f"ops / step, batch {b}", f"ops ratio {b} / 1",
-                "ms / step, batch 1", f"ms / step, batch {b}", "aggregate tokens/s ratio"):
+                "ms / step, batch 1", f"ms / step, batch {b}", f"tokens / step, batch 1 / {b}",
+                "aggregate tokens/s ratio"):
         table.add_column(col)
     summary = {}
     for name, r in sparse.items():
         one, many = r[1], r[b]
+        made_1, made_b = one.get("tokens_per_step", 1), many.get("tokens_per_step", b)  # drafting: as they came
         summary[name] = {"ops_1": one["ops"], f"ops_{b}": many["ops"], "ops_ratio": many["ops"] / one["ops"],
                          "graph_launches_1": one.get("graph_launches"), f"graph_launches_{b}": many.get("graph_launches"),
                          "ms_1": one["ms_per_step"], f"ms_{b}": many["ms_per_step"],
-                         "throughput_ratio": b * one["ms_per_step"] / many["ms_per_step"]}
+                         "tokens_per_step_1": made_1, f"tokens_per_step_{b}": made_b,
+                         "throughput_ratio": made_b * one["ms_per_step"] / (made_1 * many["ms_per_step"])}
         s = summary[name]
         table.add_row(name, _ops(one["ops"], one.get("graph_launches")), _ops(many["ops"], many.get("graph_launches")),
                       f"{s['ops_ratio']:.2f}", f"{s['ms_1']:.2f}",
-                      f"{s[f'ms_{b}']:.2f}", f"{s['throughput_ratio']:.2f}x")
+                      f"{s[f'ms_{b}']:.2f}", f"{made_1:.2f} / {made_b:.2f}", f"{s['throughput_ratio']:.2f}x")
     console.print(table)
     same = all(r[n]["tokens"] == sparse[f"{name.split('/')[0]}/one request at a time"][n]["tokens"]
                for name, r in sparse.items() for n in (1, b))
@@ -255,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens of the sparse-regime runs, past top-k (e.g. 1024); 0 (default) skips them")
     p.add_argument("--sparse-batch", type=int, default=32, help="concurrent requests of the sparse-regime runs")
     p.add_argument("--sparse-steps", type=int, default=8, help="decode steps timed in the sparse-regime runs")
+    p.add_argument("--sparse-drafts", type=at_least(0), default=0, metavar="K",
+                   help="MTP drafts per step in the sparse-regime runs (the model needs an MTP layer; the bundled "
+                        "one has it); over the tiered cache, working sets of (1 + K) x top-k entries (default 0)")
+    p.add_argument("--sparse-selector", choices=["dsa", "quest"], default="dsa",
+                   help="the token selector of the sparse-regime runs (default dsa)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (on an accelerator the saving is in launches)")
     p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--decode-graphs", choices=["auto", "eager"], default=None,
