@@ -348,7 +348,7 @@ def test_bench_batch_sparse_regime_with_drafts_and_quest(tmp_path):
     for cache in ("untiered", "tiered"):
         batched, graphs = sparse["paths"][f"{cache}/batched"], sparse["paths"][f"{cache}/batched, decode graphs"]
         assert batched["tokens_per_step_1"] >= 1 and batched["tokens_per_step_4"] >= 4, batched
-        assert graphs["graph_launches_4"] < batched["ops_4"] / 2, (cache, graphs, batched)
+        assert graphs["graph_launches_4"] < batched["ops_4"], (cache, graphs, batched)
 
 
 def test_groups_pad_each_history_at_most_twice_beyond_the_pad_free_length():

@@ -811,7 +811,7 @@ def test_quest_selects_its_documented_pages_in_prefill_and_batched_verification_
     latents and queries make every bound exact in fp32, so the sets must be equal, ties included."""
     from types import SimpleNamespace
     from sparsekv.cache.latent_format import PlainLatent
-    from sparsekv.context import SeqSlice
+    from sparsekv.context import ForwardContext, SeqSlice
     from sparsekv.model.selectors import QuestSelector
     pt, dim, heads, k = 4, 3, 2, 4
     cfg = SimpleNamespace(latent_dim=dim)
@@ -824,15 +824,15 @@ def test_quest_selects_its_documented_pages_in_prefill_and_batched_verification_
     positions = torch.arange(11)
     slots = torch.tensor([5, 2, 7])[positions // pt] * pt + positions % pt
     prefill = SeqSlice("r", 0, 8, 8, slots[:8])
-    state = quest.prepare(0, SimpleNamespace(slot_mapping=slots[:8], seqs=[prefill], decode_rows=3, request_start=None),
-                          None, None, latents[:8], cache)
+    state = quest.prepare(0, ForwardContext(torch.zeros(8, dtype=torch.long), positions[:8], slots[:8], [prefill],
+                                            torch.arange(0), decode_rows=3), None, None, latents[:8], cache)
     rows = slice(k, 8)  # rows that see more than k positions
     got = quest.select(0, prefill, (state[0][rows], state[1][rows]), q[rows], positions[rows], k, None)
     for row, p in zip(got, range(k, 8)):
         assert torch.equal(row, _quest_brute_force(latents, q[p], p, pt, 8, k)), p
     verify = SeqSlice("r", 0, 3, 11, slots)
-    own = quest.prepare(0, SimpleNamespace(slot_mapping=slots[8:], seqs=[verify], decode_rows=3, request_start=None),
-                        None, None, latents[8:], cache)
+    own = quest.prepare(0, ForwardContext(torch.zeros(3, dtype=torch.long), positions[8:], slots[8:], [verify],
+                                          torch.arange(0), decode_rows=3), None, None, latents[8:], cache)
     alone = quest.select(0, verify, own, q[8:], positions[8:], k, None)
     batched = quest.select_group(0, [verify], (own[0][None], own[1][None]), q[None, 8:], positions[None, 8:], k,
                                  None, False)[0]
@@ -842,28 +842,27 @@ def test_quest_selects_its_documented_pages_in_prefill_and_batched_verification_
     assert 8 not in alone[0].tolist()  # the newest token's page is not raised by its draft
 
 
-def test_quest_verification_bounds_in_a_decode_graph_s_fixed_shapes_are_the_engine_s():
-    """Quest with drafts as a decode graph's pieces run it (`prepare` in fixed shapes, with `rewind`
-    before and `remember` after) against the engine's path, over three drafting requests of 3, 2 and 3
-    rows (pages of 2 tokens: a step's rows share a page, open one, or start inside one), through
-    verification steps that accept all, some or none of their drafts (the next step rewinds the page
-    a rejected draft wrote): every row's own-page bounds, every page's bounds and what each request
-    keeps are equal, bit for bit (min and max are exact)."""
+def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
+    """Quest with drafts, batched, on the engine's path and as a decode graph's pieces run it (`prepare`
+    in fixed shapes, with `rewind` before and `remember` after), over three drafting requests of 3, 2
+    and 3 rows (pages of 2 tokens: a step's rows share a page, open one, or start inside one), through
+    verification steps that accept all, some or none of their drafts, against the documented rule
+    by brute force: a row's own-page bound is over its page's positions up to itself as last written
+    (a rejected draft's are rewritten), and a page's bound after a step over its positions up to the
+    step's last. Small integer latents: every bound exact, so equal bit for bit."""
     from types import SimpleNamespace
     from sparsekv.cache.latent_format import PlainLatent
-    from sparsekv.context import SeqSlice
+    from sparsekv.context import ForwardContext, SeqSlice
     from sparsekv.model.selectors import QuestSelector
     pt, dim, page_size = 2, 3, 16
     cfg = SimpleNamespace(latent_dim=dim)
     cache = SimpleNamespace(fmt=PlainLatent(cfg, torch.float32))
     engine, pieces = (QuestSelector(cfg, 3 * page_size, pt, "cpu", [0, 1]) for _ in range(2))
-    for selector in (engine, pieces):  # pages no step opens compared too: not left uninitialised
-        for bounds in (*selector.lo.values(), *selector.hi.values()):
-            bounds.zero_()
     g = torch.Generator().manual_seed(11)
     bases = (0, page_size, 2 * page_size)  # each request's slots: one KV page of its own
+    written: list[dict[int, torch.Tensor]] = [{}, {}, {}]  # each request's latents by position, as last written
 
-    def context(starts: list[int], rows: list[int], piece: bool):
+    def context(starts: list[int], rows: list[int], piece: bool) -> ForwardContext:
         seqs, slots, positions, first_rows, row = [], [], [], [], 0
         for i, (start, n) in enumerate(zip(starts, rows)):
             end = start + n
@@ -873,31 +872,47 @@ def test_quest_verification_bounds_in_a_decode_graph_s_fixed_shapes_are_the_engi
             positions += range(start, end)
             first_rows += [row] * n
             row += n
-        return SimpleNamespace(slot_mapping=torch.tensor(slots), positions=torch.tensor(positions), seqs=seqs,
-                               decode_rows=3, num_tokens=row, request_start=torch.tensor(first_rows) if piece else None)
+        return ForwardContext(torch.zeros(row, dtype=torch.long), torch.tensor(positions), torch.tensor(slots), seqs,
+                              torch.arange(0), decode_rows=3,
+                              request_start=torch.tensor(first_rows) if piece else None)
+
+    def bound(i: int, position: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seen = torch.stack([written[i][q] for q in range(position - position % pt, upto + 1)])
+        return seen.amin(0), seen.amax(0)
 
     def step(starts: list[int], rows: list[int]) -> None:
         latents = torch.randint(-4, 5, (sum(rows), dim), generator=g).float()
+        row = 0
+        for i, (start, n) in enumerate(zip(starts, rows)):
+            written[i] = {q: t for q, t in written[i].items() if q < start}  # past the accepted: rewritten
+            written[i].update({start + j: latents[row + j] for j in range(n)})
+            row += n
         for layer in (0, 1):
-            want = engine.prepare(layer, context(starts, rows, False), None, None, latents, cache)
+            got = engine.prepare(layer, context(starts, rows, False), None, None, latents, cache)
             ctx = context(starts, rows, True)
             if layer == 0:
                 pieces.rewind(ctx)
             state = pieces.prepare(layer, ctx, None, None, latents, cache)
             pieces.remember(layer, ctx, state)
-            assert torch.equal(state[0], want[0]) and torch.equal(state[1], want[1]), (starts, layer)
-            assert torch.equal(engine.lo[layer], pieces.lo[layer]) and torch.equal(engine.hi[layer], pieces.hi[layer])
-        assert engine._last.keys() == pieces._last.keys()
-        for rid, layers in engine._last.items():
-            for layer, entries in layers.items():
-                for a, b in zip(entries, pieces._last[rid][layer], strict=True):
-                    assert a[:2] == b[:2] and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+            row = 0
+            for i, (start, n) in enumerate(zip(starts, rows)):
+                for p in range(start, start + n):
+                    lo, hi = bound(i, p, p)
+                    for own in (got, state):
+                        assert torch.equal(own[0][row], lo) and torch.equal(own[1][row], hi), (starts, layer, i, p)
+                    row += 1
+                for p in range(start - start % pt, start + n, pt):  # each page the step wrote
+                    lo, hi = bound(i, p, min(p + pt - 1, start + n - 1))
+                    page = (bases[i] + p) // pt
+                    for selector in (engine, pieces):
+                        assert torch.equal(selector.lo[layer][page], lo) and torch.equal(selector.hi[layer][page], hi)
 
     step([0, 0, 0], [5, 4, 7])   # the prompts (chunks: nothing kept)
     step([5, 4, 7], [3, 2, 3])   # verification: the newest token and its drafts
     step([8, 5, 8], [3, 2, 3])   # all accepted / none / none (rewinds inside a page the last step wrote)
     step([9, 7, 11], [3, 2, 3])  # none / all / all but the last
     step([10, 8, 13], [3, 2, 3])
+    step([12, 9, 14], [1, 2, 3])  # a request without drafts this step
 
 
 @pytest.mark.parametrize("kv_cache_dtype, dtype", [("auto", torch.float32), ("auto", torch.bfloat16),

@@ -15,6 +15,8 @@ Both return sorted positions [S, k], so selection is a set and attention's summa
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..config import ModelConfig
@@ -121,6 +123,16 @@ class DSASelector(TokenSelector):
         return self.indexer.select_decode_batch(*state, keys, positions, k, major)
 
 
+class Kept(NamedTuple):
+    """A drafting step's Quest bounds of one layer, per row of the step: its page's bound before the step,
+    and its own-page bound after it (`QuestSelector._last` points into them)."""
+
+    before_lo: torch.Tensor
+    before_hi: torch.Tensor
+    own_lo: torch.Tensor
+    own_hi: torch.Tensor
+
+
 class QuestSelector(TokenSelector):
     """Quest page bounds, device-resident, indexed by logical page (slot // page_tokens).
 
@@ -144,15 +156,17 @@ class QuestSelector(TokenSelector):
         self.reserve_slots(num_slots)
         # Speculative decoding rewrites positions a rejected draft wrote, and min/max cannot forget a
         # value. So each request's last decode keeps, per layer and page it wrote, the page's bounds
-        # as of each of its positions: (page, first position, lo [m + 1, D], hi [m + 1, D]), row 0 the
-        # bound before that position. The next decode starts its page from the bound as of its own
-        # first position. Requests are dropped by `forget` when they finish.
-        self._last: dict[str, dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]]] = {}
+        # as of each of its positions: (page, first position, positions + 1, the step's `Kept`, the
+        # row of that first position in it). The next decode starts its page from the bound as of its
+        # own first position. Requests are dropped by `forget` when they finish or are preempted.
+        self._last: dict[str, dict[int, list[tuple[int, int, int, Kept, int]]]] = {}
 
     def prepare(self, layer, ctx, x, q_resid, latent, cache):
         """Write the new rows into their pages' bounds; return each row's own-page bounds (lo, hi) [N, D].
-        In a decode graph's piece (`ctx.request_start` set) the shapes are fixed and the host's part
-        runs around it (`rewind`, `remember`); its state also carries the bounds before the step."""
+        With drafts every decode's rows at once, whatever the batch (`_window_bounds`, a prefill chunk's
+        by `_prefix_bounds`). In a decode graph's piece (`ctx.request_start` set) the shapes are fixed
+        and the host's part runs around it (`rewind`, `remember`); its state also carries the bounds
+        before the step."""
         slots, v = ctx.slot_mapping, cache.fmt.as_stored(latent).float()  # bounds of the keys attention reads
         page = slots // self.page_tokens
         lo, hi = self.lo[layer], self.hi[layer]
@@ -160,30 +174,37 @@ class QuestSelector(TokenSelector):
         piece, drafting = ctx.request_start is not None, ctx.decode_rows > 1
         if drafting and not piece:
             self._rewind(layer, ctx)
-        chunks = [seq for seq in ctx.seqs if seq.num_new_tokens > 1]
+        chunks = [seq for seq in ctx.seqs if seq.num_new_tokens > ctx.decode_rows]  # a prefill's
         before = (lo.index_select(0, page), hi.index_select(0, page)) if chunks or drafting else None
         idx = page[:, None].expand_as(v)
         lo.scatter_reduce_(0, idx, v, "amin")
         hi.scatter_reduce_(0, idx, v, "amax")
-        if piece and drafting:
-            return (*self._window_bounds(v, ctx, before), *before)
-        own_lo, own_hi = lo.index_select(0, page), hi.index_select(0, page)  # exact for a page's last new row
+        if drafting:
+            starts = ctx.request_start if piece else ctx.rows_index(
+                [seq.token_start for seq in ctx.seqs for _ in range(seq.num_new_tokens)])
+            own_lo, own_hi = self._window_bounds(v, ctx.positions, starts, ctx.decode_rows, before)
+        else:
+            own_lo, own_hi = lo.index_select(0, page), hi.index_select(0, page)  # exact for a page's last new row
         for seq in chunks:  # earlier rows of a page see only the page's positions up to themselves
             rows = slice(seq.token_start, seq.token_end)
             own_lo[rows], own_hi[rows] = self._prefix_bounds(v[rows], seq.first_new_position, before[0][rows],
                                                              before[1][rows])
+        if piece and drafting:
+            return own_lo, own_hi, *before
         if drafting:
-            self._remember(layer, ctx, page, before, own_lo, own_hi)
+            self._remember(layer, ctx, Kept(*before, own_lo, own_hi))
         return own_lo, own_hi
 
-    def _window_bounds(self, v: torch.Tensor, ctx, before) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_prefix_bounds` of every row at once in fixed shapes: a row's own page over the bound before
-        the step and the step's rows of its request and page up to itself, which are among the
-        `decode_rows` rows ending at it (its request's rows are consecutive positions)."""
+    def _window_bounds(self, v: torch.Tensor, positions: torch.Tensor, request_start: torch.Tensor, width: int,
+                       before) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_prefix_bounds` of every decode row at once in fixed shapes: a row's own page over the bound
+        before the step and the step's rows of its request and page up to itself, which are among the
+        `width` (1 + drafts) rows ending at it (a request's rows are consecutive positions from
+        `request_start`, its first row)."""
         n = v.shape[0]
         rows = torch.arange(n, device=v.device)
-        back = rows[:, None] - torch.arange(ctx.decode_rows, device=v.device)[None, :]      # [N, W]
-        first = torch.maximum(ctx.request_start, rows - ctx.positions % self.page_tokens)    # its page run's first row
+        back = rows[:, None] - torch.arange(width, device=v.device)[None, :]                # [N, W]
+        first = torch.maximum(request_start, rows - positions % self.page_tokens)          # its page run's first row
         unseen = (back < first[:, None]).unsqueeze(-1)
         window = v[back.clamp(min=0)]                                                       # [N, W, D]
         return (torch.minimum(before[0], window.masked_fill(unseen, float("inf")).amin(dim=1)),
@@ -197,12 +218,9 @@ class QuestSelector(TokenSelector):
                 self._rewind(layer, ctx)
 
     def remember(self, layer: int, ctx, state) -> None:
-        if ctx.decode_rows > 1:
-            pages = [0] * ctx.num_tokens  # each new row's page, from the host's slots: nothing read back
-            for seq in ctx.seqs:
-                for row in range(seq.token_start, seq.token_end):
-                    pages[row] = seq.host_slot(seq.first_new_position + row - seq.token_start) // self.page_tokens
-            self._remember(layer, ctx, pages, state[2:], state[0], state[1])
+        if ctx.decode_rows > 1:  # the step's rows copied: the next replay writes the piece's tensors
+            n = ctx.num_tokens
+            self._remember(layer, ctx, Kept(*(t[:n].clone() for t in (state[2], state[3], state[0], state[1]))))
 
     def _reset_opened(self, page: torch.Tensor, slots: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         """A row at its page's first position empties the page's bounds; the other rows empty the
@@ -230,27 +248,39 @@ class QuestSelector(TokenSelector):
         assert not stale, f"Quest keeps page history for finished requests {sorted(stale)}"
 
     def _rewind(self, layer: int, ctx) -> None:
-        """A decode that starts inside a page its last decode wrote: the page back to its bound as of
-        the decode's first position (positions from there on are rewritten)."""
+        """Each decode that starts inside a page its last decode wrote: the page back to its bound as of
+        the decode's first position (positions from there on are rewritten). All at once: an index
+        copy per step they were kept in and per kind of row (the bound before that step, or after
+        one of its rows), whatever the batch."""
+        moves: dict[tuple[int, bool], tuple[Kept, list[int], list[int]]] = {}
         for seq in ctx.seqs:
             first = seq.first_new_position
-            for page_id, start, kept_lo, kept_hi in self._last.get(seq.request_id, {}).get(layer, ()):
-                if start <= first < start + kept_lo.shape[0]:
-                    self.lo[layer][page_id], self.hi[layer][page_id] = kept_lo[first - start], kept_hi[first - start]
+            for page_id, start, length, kept, row in self._last.get(seq.request_id, {}).get(layer, ()):
+                if start <= first < start + length:
+                    after = first > start  # the bound after row `row + first - start - 1` of that step
+                    _, pages, rows = moves.setdefault((id(kept), after), (kept, [], []))
+                    pages.append(page_id)
+                    rows.append(row + first - start - 1 if after else row)
+        for (_, after), (kept, pages, rows) in moves.items():
+            device = self.lo[layer].device
+            into, at = index_tensor(pages, device), index_tensor(rows, device)
+            lo, hi = (kept.own_lo, kept.own_hi) if after else (kept.before_lo, kept.before_hi)
+            self.lo[layer].index_copy_(0, into, lo.index_select(0, at))
+            self.hi[layer].index_copy_(0, into, hi.index_select(0, at))
 
-    def _remember(self, layer: int, ctx, page, before, own_lo, own_hi) -> None:
-        """Each drafting request's page bounds as of each of its new rows (`page`: each row's page)."""
+    def _remember(self, layer: int, ctx, kept: "Kept") -> None:
+        """Each drafting request's page bounds as of each of its new rows, as entries into the step's
+        `kept` tensors (no copy per request); a prefill chunk's pages are never rewritten."""
         pt = self.page_tokens
         for seq in ctx.seqs:
-            if seq.num_new_tokens > ctx.decode_rows:  # a prefill chunk is never rewritten
+            if seq.num_new_tokens > ctx.decode_rows:
                 self._last.get(seq.request_id, {}).pop(layer, None)
                 continue
             entries, first, row = [], seq.first_new_position, seq.token_start
             while row < seq.token_end:  # one entry per page run of the chunk's rows
                 position = first + row - seq.token_start
                 end = min(seq.token_end, row + pt - position % pt)
-                entries.append((int(page[row]), position, torch.cat([before[0][row:row + 1], own_lo[row:end]]),
-                                torch.cat([before[1][row:row + 1], own_hi[row:end]])))
+                entries.append((seq.host_slot(position) // pt, position, 1 + end - row, kept, row))
                 row = end
             self._last.setdefault(seq.request_id, {})[layer] = entries
 
