@@ -857,14 +857,16 @@ def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
     pt, dim, page_size = 2, 3, 16
     cfg = SimpleNamespace(latent_dim=dim)
     cache = SimpleNamespace(fmt=PlainLatent(cfg, torch.float32))
-    engine, pieces = (QuestSelector(cfg, 3 * page_size, pt, "cpu", [0, 1]) for _ in range(2))
+    engine, pieces = (QuestSelector(cfg, 4 * page_size, pt, "cpu", [0, 1]) for _ in range(2))
     g = torch.Generator().manual_seed(11)
-    bases = (0, page_size, 2 * page_size)  # each request's slots: one KV page of its own
-    written: list[dict[int, torch.Tensor]] = [{}, {}, {}]  # each request's latents by position, as last written
+    bases = (0, page_size, 2 * page_size, 3 * page_size)  # each request's slots: one KV page of its own
+    written: list[dict[int, torch.Tensor]] = [{}, {}, {}, {}]  # each request's latents by position, as last written
 
     def context(starts: list[int], rows: list[int], piece: bool) -> ForwardContext:
         seqs, slots, positions, first_rows, row = [], [], [], [], 0
         for i, (start, n) in enumerate(zip(starts, rows)):
+            if n == 0:  # not in this step
+                continue
             end = start + n
             seqs.append(SeqSlice(f"r{i}", row, row + n, end, torch.arange(bases[i], bases[i] + end),
                                  runs=((0, bases[i], page_size),)))
@@ -880,20 +882,26 @@ def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
         seen = torch.stack([written[i][q] for q in range(position - position % pt, upto + 1)])
         return seen.amin(0), seen.amax(0)
 
-    def step(starts: list[int], rows: list[int]) -> None:
+    def step(starts: list[int], rows: list[int], pieces_too: bool = True) -> None:
         latents = torch.randint(-4, 5, (sum(rows), dim), generator=g).float()
         row = 0
         for i, (start, n) in enumerate(zip(starts, rows)):
+            if n == 0:
+                continue
             written[i] = {q: t for q, t in written[i].items() if q < start}  # past the accepted: rewritten
             written[i].update({start + j: latents[row + j] for j in range(n)})
             row += n
         for layer in (0, 1):
             got = engine.prepare(layer, context(starts, rows, False), None, None, latents, cache)
-            ctx = context(starts, rows, True)
-            if layer == 0:
-                pieces.rewind(ctx)
-            state = pieces.prepare(layer, ctx, None, None, latents, cache)
-            pieces.remember(layer, ctx, state)
+            state = got
+            if pieces_too:  # (a prefill chunk never runs as the pieces: the engine's path for both)
+                ctx = context(starts, rows, True)
+                if layer == 0:
+                    pieces.rewind(ctx)
+                state = pieces.prepare(layer, ctx, None, None, latents, cache)
+                pieces.remember(layer, ctx, state)
+            else:
+                pieces.prepare(layer, context(starts, rows, False), None, None, latents, cache)
             row = 0
             for i, (start, n) in enumerate(zip(starts, rows)):
                 for p in range(start, start + n):
@@ -907,12 +915,12 @@ def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
                     for selector in (engine, pieces):
                         assert torch.equal(selector.lo[layer][page], lo) and torch.equal(selector.hi[layer][page], hi)
 
-    step([0, 0, 0], [5, 4, 7])   # the prompts (chunks: nothing kept)
-    step([5, 4, 7], [3, 2, 3])   # verification: the newest token and its drafts
-    step([8, 5, 8], [3, 2, 3])   # all accepted / none / none (rewinds inside a page the last step wrote)
-    step([9, 7, 11], [3, 2, 3])  # none / all / all but the last
-    step([10, 8, 13], [3, 2, 3])
-    step([12, 9, 14], [1, 2, 3])  # a request without drafts this step
+    step([0, 0, 0, 0], [5, 4, 7, 0], pieces_too=False)   # the prompts (chunks: nothing kept)
+    step([5, 4, 7, 0], [3, 2, 3, 0])   # verification: the newest token and its drafts
+    step([8, 5, 8, 0], [3, 2, 3, 0])   # all accepted / none / none (rewinds inside a page the last step wrote)
+    step([9, 7, 11, 0], [3, 2, 3, 0])  # none / all / all but the last
+    step([10, 8, 13, 0], [3, 2, 3, 5], pieces_too=False)  # with a prompt's chunk: each decode on its own
+    step([12, 9, 14, 5], [1, 2, 3, 3])  # a request without drafts this step
 
 
 @pytest.mark.parametrize("kv_cache_dtype, dtype", [("auto", torch.float32), ("auto", torch.bfloat16),

@@ -158,13 +158,14 @@ class QuestSelector(TokenSelector):
         # value. So each request's last decode keeps, per layer and page it wrote, the page's bounds
         # as of each of its positions: (page, first position, positions + 1, the step's `Kept`, the
         # row of that first position in it). The next decode starts its page from the bound as of its
-        # own first position. Requests are dropped by `forget` when they finish or are preempted.
+        # own first position. Requests are dropped by `forget` when they finish or are preempted; one
+        # left out of a step keeps the tensors of the step it last decoded in.
         self._last: dict[str, dict[int, list[tuple[int, int, int, Kept, int]]]] = {}
 
     def prepare(self, layer, ctx, x, q_resid, latent, cache):
         """Write the new rows into their pages' bounds; return each row's own-page bounds (lo, hi) [N, D].
-        With drafts every decode's rows at once, whatever the batch (`_window_bounds`, a prefill chunk's
-        by `_prefix_bounds`). In a decode graph's piece (`ctx.request_start` set) the shapes are fixed
+        With drafts, in a step of decodes, every decode's rows at once, whatever the batch
+        (`_window_bounds`). In a decode graph's piece (`ctx.request_start` set) the shapes are fixed
         and the host's part runs around it (`rewind`, `remember`); its state also carries the bounds
         before the step."""
         slots, v = ctx.slot_mapping, cache.fmt.as_stored(latent).float()  # bounds of the keys attention reads
@@ -174,21 +175,23 @@ class QuestSelector(TokenSelector):
         piece, drafting = ctx.request_start is not None, ctx.decode_rows > 1
         if drafting and not piece:
             self._rewind(layer, ctx)
-        chunks = [seq for seq in ctx.seqs if seq.num_new_tokens > ctx.decode_rows]  # a prefill's
-        before = (lo.index_select(0, page), hi.index_select(0, page)) if chunks or drafting else None
+        runs = [seq for seq in ctx.seqs if seq.num_new_tokens > 1]  # a prefill chunk's rows, or a decode's drafts
+        before = (lo.index_select(0, page), hi.index_select(0, page)) if runs or drafting else None
         idx = page[:, None].expand_as(v)
         lo.scatter_reduce_(0, idx, v, "amin")
         hi.scatter_reduce_(0, idx, v, "amax")
-        if drafting:
+        # a step of decodes only (every decode graph's): all rows at once, whatever the batch; a step
+        # with a prefill chunk one request at a time, which the chunk is anyway (the window is per row)
+        if drafting and all(seq.num_new_tokens <= ctx.decode_rows for seq in runs):
             starts = ctx.request_start if piece else ctx.rows_index(
                 [seq.token_start for seq in ctx.seqs for _ in range(seq.num_new_tokens)])
             own_lo, own_hi = self._window_bounds(v, ctx.positions, starts, ctx.decode_rows, before)
         else:
             own_lo, own_hi = lo.index_select(0, page), hi.index_select(0, page)  # exact for a page's last new row
-        for seq in chunks:  # earlier rows of a page see only the page's positions up to themselves
-            rows = slice(seq.token_start, seq.token_end)
-            own_lo[rows], own_hi[rows] = self._prefix_bounds(v[rows], seq.first_new_position, before[0][rows],
-                                                             before[1][rows])
+            for seq in runs:  # earlier rows of a page see only the page's positions up to themselves
+                rows = slice(seq.token_start, seq.token_end)
+                own_lo[rows], own_hi[rows] = self._prefix_bounds(v[rows], seq.first_new_position, before[0][rows],
+                                                                 before[1][rows])
         if piece and drafting:
             return own_lo, own_hi, *before
         if drafting:
