@@ -26,7 +26,8 @@
 5. dense-regime decodes batched against one request at a time (`sparsekv bench batch`, 64 and 256
    requests of 128 tokens, OUT.batch64.json / OUT.batch256.json): the launches saved on a device; at 64,
    and at 4K contexts for 32 requests, also through the decode graphs (`--decode-graphs auto`: the
-   steps replayed from CUDA graphs, against the same batched path without them);
+   steps replayed from CUDA graphs, against the same batched path without them), and MTP drafting
+   (K = 3) with Quest through them, 8 requests at 1K (OUT.batch-mtp-quest.json);
 6. with --disagg: prefill/decode disaggregation on the device (`tests/test_disagg_workers.py -k
    on_cuda`): a prefill and a decode worker sharing the GPU, over torch.distributed (gloo: NCCL refuses
    two ranks on one GPU) and over NIXL, against one engine on it; and the layer taps' rows copied off
@@ -198,12 +199,17 @@ def disaggregation() -> dict:
 
 def batch_decode(device: str, out_path: str) -> dict:
     """Dense-regime decodes batched against one request at a time, at 64 and 256 requests; at 64 also
-    through the decode graphs (CUDA graphs), in the dense regime and at 4K contexts (32 requests)."""
+    through the decode graphs (CUDA graphs), in the dense regime and at 4K contexts (32 requests); and
+    MTP drafting (K = 3) with Quest through them, 8 requests at 1K contexts (OUT.batch-mtp-quest.json)."""
     result = {}
     for batch in (64, 256):
         graphs = ["--decode-graphs", "auto", "--sparse-prompt-tokens", "4096", "--sparse-batch", "32"] if batch == 64 else []
         result[batch] = run_bounded([*SPARSEKV, "bench", "batch", "--device", device, "--batch", str(batch), "--threads",
                                      "16", *graphs, "--json", out_path.replace(".batch", f".batch{batch}")], lines=14)
+    result["mtp-quest"] = run_bounded([*SPARSEKV, "bench", "batch", "--device", device, "--batch", "8", "--threads", "16",
+                                       "--sparse-prompt-tokens", "1024", "--sparse-batch", "8", "--sparse-drafts", "3",
+                                       "--sparse-selector", "quest", "--decode-graphs", "auto",
+                                       "--json", out_path.replace(".batch", ".batch-mtp-quest")], lines=14)
     return result
 
 
