@@ -173,10 +173,11 @@ class BucketPieces(_Bucket):
     def __init__(self, model, cache, rows: int, padding_slot: int, decode_rows: int = 1):
         super().__init__(model, cache, rows, padding_slot, decode_rows)
         self.slot_mapping = torch.full((rows,), padding_slot, dtype=torch.long, device=model.device)
-        self.request_start = torch.arange(rows, device=model.device)  # each row's request's first row
-        self.ctx = ForwardContext(self.input_ids, self.positions, self.slot_mapping, [],
-                                  torch.arange(rows, device=model.device), decode_rows=decode_rows,
-                                  request_start=self.request_start)
+        self.every_row = torch.arange(rows, device=model.device)
+        self.request_start = self.every_row.clone()  # each row's request's first row, a padding row its own
+        self.ctx = ForwardContext(self.input_ids, self.positions, self.slot_mapping, [], self.every_row,
+                                  decode_rows=decode_rows, request_start=self.request_start)
+        self.selectors = model.selectors()  # their host state runs around the pieces (`load`, `select`)
         self.full = list(model.cfg.full_layers)
         self.h: dict[int, torch.Tensor] = {}  # by full layer: the hidden states entering it
         self.q: dict[int, torch.Tensor] = {}  # by full layer: its queries
@@ -232,8 +233,8 @@ class BucketPieces(_Bucket):
         if self.decode_rows > 1:
             starts = [seq.token_start for seq in step.seqs for _ in range(seq.num_new_tokens)]
             self.request_start[:n] = index_tensor(starts, self.request_start.device)
-            self.request_start[n:] = torch.arange(n, self.rows, device=self.request_start.device)
-        for selector in self.model.selectors():
+            self.request_start[n:] = self.every_row[n:]
+        for selector in self.selectors:
             selector.rewind(step)
         self.reads.load(step)
         if not self.reads.resolves:
