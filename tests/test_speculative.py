@@ -416,6 +416,29 @@ def _check_tiered_drafting(model, params, selector, buffer, device):
     cache.check_integrity(set())
 
 
+def test_quest_drafting_with_requests_left_out_of_steps_equals_plain_quest(model):
+    """A token budget below the running requests' rows leaves drafting requests out of steps: each then
+    goes on from a copy of its own rows' Quest bounds (not the step's tensors: its integrity check,
+    after every step), and the tokens are plain Quest's."""
+    prompts = [LONG[0], PROMPTS[0], LONG[1]]
+    options = dict(OPTIONS, prefill_chunk_tokens=64, max_num_batched_tokens=4, selector="quest")
+    plain = LLM(model, **options).generate(prompts, GREEDY)
+    llm = LLM(model, num_speculative_tokens=3, **options)
+    engine, left_out = llm.engine, 0
+    quest = engine.executor.runner.model.layers[0].attn.selector
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+        engine.check_integrity()
+        latest = quest._holders.get(0, (None,))[0]
+        left_out += sum(bool(layers.get(0)) and layers[0][0][3] is not latest for layers in quest._last.values())
+    assert left_out > 0
+    assert_same_greedy(plain, [done[str(i)] for i in range(len(prompts))], logprob_tolerance(llm))
+    _idle(llm)
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_quest_with_drafts_equals_plain_quest(model, k):
     """Quest's page bounds are min/max accumulators: a rejected draft's latent must not stay in them.

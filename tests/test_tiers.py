@@ -914,6 +914,8 @@ def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
                     page = (bases[i] + p) // pt
                     for selector in (engine, pieces):
                         assert torch.equal(selector.lo[layer][page], lo) and torch.equal(selector.hi[layer][page], hi)
+        for selector in (engine, pieces):
+            selector.check_integrity({"r0", "r1", "r2", "r3"})
 
     step([0, 0, 0, 0], [5, 4, 7, 0], pieces_too=False)   # the prompts (chunks: nothing kept)
     step([5, 4, 7, 0], [3, 2, 3, 0])   # verification: the newest token and its drafts
@@ -921,6 +923,51 @@ def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
     step([9, 7, 11, 0], [3, 2, 3, 0])  # none / all / all but the last
     step([10, 8, 13, 0], [3, 2, 3, 5], pieces_too=False)  # with a prompt's chunk: each decode on its own
     step([12, 9, 14, 5], [1, 2, 3, 3])  # a request without drafts this step
+    step([13, 10, 0, 8], [3, 2, 0, 3])  # r2 left out: it keeps its own rows, not the step's tensors
+    step([16, 12, 15, 9], [3, 2, 3, 2])  # r2 back inside a page it wrote two steps before
+    step([0, 14, 18, 11], [0, 2, 3, 3])  # r0 left out
+    step([18, 16, 19, 12], [3, 2, 2, 1])  # r0 back at the first position of a page it wrote
+
+
+def test_quest_keeps_one_steps_bounds_and_each_left_out_request_its_own_rows():
+    """What Quest keeps for drafting: the last step's tensors, shared by its requests, and for a request
+    left out of a step a copy of its own rows (the step before goes with its last request); its
+    integrity check fails when a left-out request still points into an earlier step's tensors."""
+    from types import SimpleNamespace
+    from sparsekv.cache.latent_format import PlainLatent
+    from sparsekv.context import ForwardContext, SeqSlice
+    from sparsekv.model.selectors import Kept, QuestSelector
+    cfg = SimpleNamespace(latent_dim=3)
+    cache = SimpleNamespace(fmt=PlainLatent(cfg, torch.float32))
+    selector, g = QuestSelector(cfg, 64, 2, "cpu", [0]), torch.Generator().manual_seed(3)
+
+    def step(rows: list[tuple[int, int, int]]) -> None:  # (request, first position, rows) each
+        seqs, slots, positions, at = [], [], [], 0
+        for i, start, n in rows:
+            seqs.append(SeqSlice(f"r{i}", at, at + n, start + n, torch.arange(16 * i, 16 * i + start + n),
+                                 runs=((0, 16 * i, 16),)))
+            slots += range(16 * i + start, 16 * i + start + n)
+            positions += range(start, start + n)
+            at += n
+        ctx = ForwardContext(torch.zeros(at, dtype=torch.long), torch.tensor(positions), torch.tensor(slots), seqs,
+                             torch.arange(0), decode_rows=3)
+        selector.prepare(0, ctx, None, None, torch.randint(-4, 5, (at, 3), generator=g).float(), cache)
+
+    step([(0, 4, 3), (1, 2, 2), (2, 4, 3)])  # r1's rows are the step's rows 3 and 4
+    first = selector._holders[0][0]
+    step([(0, 6, 2), (2, 6, 2)])
+    latest, holders = selector._holders[0]
+    assert holders == {"r0", "r2"} and latest.own_lo.shape[0] == 4
+    (_, _, length, own, row), = selector._last["r1"][0]
+    assert own is not first and (own.own_lo.shape[0], row, length) == (2, 0, 3)
+    assert all(torch.equal(mine, theirs[3:5]) for mine, theirs in zip(own, first))
+    selector.check_integrity({"r0", "r1", "r2"})
+    selector._last["r1"][0] = [(p, s, n, Kept(*first), r + 3) for p, s, n, _, r in selector._last["r1"][0]]
+    with pytest.raises(AssertionError, match="rows of an earlier step"):
+        selector.check_integrity({"r0", "r1", "r2"})
+    for request_id in ("r0", "r1", "r2"):
+        selector.forget(request_id)
+    assert selector._holders == {} and selector._last == {}
 
 
 @pytest.mark.parametrize("kv_cache_dtype, dtype", [("auto", torch.float32), ("auto", torch.bfloat16),

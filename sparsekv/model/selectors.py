@@ -158,9 +158,12 @@ class QuestSelector(TokenSelector):
         # value. So each request's last decode keeps, per layer and page it wrote, the page's bounds
         # as of each of its positions: (page, first position, positions + 1, the step's `Kept`, the
         # row of that first position in it). The next decode starts its page from the bound as of its
-        # own first position. Requests are dropped by `forget` when they finish or are preempted; one
-        # left out of a step keeps the tensors of the step it last decoded in.
+        # own first position. Requests are dropped by `forget` when they finish or are preempted.
         self._last: dict[str, dict[int, list[tuple[int, int, int, Kept, int]]]] = {}
+        # Per layer, the last drafting step's `Kept` and the requests pointing into it. A request left
+        # out of the next step keeps a copy of its own rows instead (`_keep_own`), so what is kept is one
+        # step's tensors and at most one request's rows for each other request, never a step per request.
+        self._holders: dict[int, tuple[Kept, set[str]]] = {}
 
     def prepare(self, layer, ctx, x, q_resid, latent, cache):
         """Write the new rows into their pages' bounds; return each row's own-page bounds (lo, hi) [N, D].
@@ -241,6 +244,10 @@ class QuestSelector(TokenSelector):
 
     def forget(self, request_id: str) -> None:
         self._last.pop(request_id, None)
+        for layer, (_, holders) in list(self._holders.items()):
+            holders.discard(request_id)
+            if not holders:  # the step's tensors go with its last request
+                del self._holders[layer]
 
     def slot_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """The page bounds, one row per `page_tokens` slots (part of a KV page's contents)."""
@@ -249,6 +256,20 @@ class QuestSelector(TokenSelector):
     def check_integrity(self, active: set[str]) -> None:
         stale = set(self._last) - active
         assert not stale, f"Quest keeps page history for finished requests {sorted(stale)}"
+        owners: dict[int, set[str]] = {}
+        for request_id, layers in self._last.items():
+            for layer, entries in layers.items():
+                latest = self._holders.get(layer, (None, set()))
+                for *_, kept, row in entries:
+                    if kept is latest[0]:
+                        assert request_id in latest[1], f"{request_id} points into layer {layer}'s last step unlisted"
+                        continue
+                    owners.setdefault(id(kept), set()).add(request_id)
+                    span = max(r + length - 1 for _, _, length, k, r in entries if k is kept)
+                    assert kept.own_lo.shape[0] == span and min(r for *_, k, r in entries if k is kept) == 0, \
+                        f"Quest keeps {kept.own_lo.shape[0]} rows of an earlier step for {request_id}'s {span}"
+        shared = sorted(sorted(ids) for ids in owners.values() if len(ids) > 1)
+        assert not shared, f"requests {shared} share an earlier step's Quest bounds (each keeps its own rows)"
 
     def _rewind(self, layer: int, ctx) -> None:
         """Each decode that starts inside a page its last decode wrote: the page back to its bound as of
@@ -274,7 +295,7 @@ class QuestSelector(TokenSelector):
     def _remember(self, layer: int, ctx, kept: "Kept") -> None:
         """Each drafting request's page bounds as of each of its new rows, as entries into the step's
         `kept` tensors (no copy per request); a prefill chunk's pages are never rewritten."""
-        pt = self.page_tokens
+        pt, holders = self.page_tokens, set()
         for seq in ctx.seqs:
             if seq.num_new_tokens > ctx.decode_rows:
                 self._last.get(seq.request_id, {}).pop(layer, None)
@@ -286,6 +307,26 @@ class QuestSelector(TokenSelector):
                 entries.append((seq.host_slot(position) // pt, position, 1 + end - row, kept, row))
                 row = end
             self._last.setdefault(seq.request_id, {})[layer] = entries
+            holders.add(seq.request_id)
+        before = self._holders.pop(layer, None)
+        if holders:
+            self._holders[layer] = (kept, holders)
+        if before is not None:
+            for request_id in before[1] - holders:
+                self._keep_own(layer, request_id, before[0])
+
+    def _keep_own(self, layer: int, request_id: str, kept: Kept) -> None:
+        """A request left out of a step: its entries into the step before it repointed to a copy of its
+        own rows there (its rows are consecutive; an entry reads the row of its first position and the
+        `length - 1` after it), so that step's tensors can go."""
+        entries = self._last.get(request_id, {}).get(layer)
+        if not entries:  # forgotten, or its last step was a prefill chunk
+            return
+        first = entries[0][4]
+        end = max(row + length - 1 for _, _, length, _, row in entries)
+        own = Kept(*(t[first:end].clone() for t in kept))
+        self._last[request_id][layer] = [(page, start, length, own, row - first)
+                                         for page, start, length, _, row in entries]
 
     def _prefix_bounds(self, v: torch.Tensor, first: int, before_lo: torch.Tensor, before_hi: torch.Tensor):
         """Running min/max over consecutive rows (positions first, first + 1, ...) within each page,
