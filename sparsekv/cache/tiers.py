@@ -326,7 +326,7 @@ class TieredKVPool:
         must fit in a working set."""
         k = self.cfg.index_topk
         if self.new_rows * k > self.device_buffer_tokens:
-            return (f"a working set of {self.device_buffer_tokens} entries holds less than a decode with its "
+            return (f"a working set of {self.device_buffer_tokens} entries, which holds less than a decode with its "
                     f"drafts may select ({self.new_rows} rows x top-k {k}; raise device_buffer_tokens to "
                     f"{self.new_rows * k})")
         return None
