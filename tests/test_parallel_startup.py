@@ -257,3 +257,25 @@ def test_a_node_needs_a_gpu_for_each_of_its_own_ranks_only(monkeypatch):
     check_gpus(_config(device="cuda", nnodes=2, dist_init_addr="127.0.0.1:1"))
     with pytest.raises(ConfigError, match="puts 2 ranks on this node"):
         check_gpus(_config(device="cuda", tensor_parallel_size=4, nnodes=2, dist_init_addr="127.0.0.1:1"))
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(data_parallel_size=2)], ids=["tp2", "dp2"])
+def test_an_engine_refused_after_its_model_loaded_stops_every_rank_and_the_next_one_starts(tmp_path, glm_ckpt, layout):
+    """Rank 0's engine refusing its configuration once its model is built (the decode pieces and a
+    working set too small for a decode with its drafts: every rank refuses) fails the start on every
+    rank: no worker process is left, the process group is gone, and the same process starts another
+    parallel engine at once (a refusal there left rank 1 waiting and this process 'already running' one)."""
+    import multiprocessing
+    from sparsekv import LLM, SamplingParams
+    from sparsekv.config import ConfigError
+    from test_batched_decode import with_mtp_layer
+    path = with_mtp_layer(glm_ckpt[0], str(tmp_path / "mtp"))
+    options = dict(kv_page_size=4, max_model_len=128, num_threads=1, dist_startup_timeout_s=120.0, **layout)
+    with pytest.raises(ConfigError, match="decode pieces are not built for a working set of 24 entries"):
+        LLM(path, kv_tiering=True, device_buffer_tokens=24, num_speculative_tokens=3, decode_graphs="eager", **options)
+    assert not dist.is_initialized() and not multiprocessing.active_children()
+    llm = LLM(path, **options)
+    try:
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids) == 2
+    finally:
+        llm.close()

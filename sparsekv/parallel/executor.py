@@ -326,14 +326,14 @@ def start_executor(config: EngineConfig, dtype: torch.dtype, device: torch.devic
                            layout=layout if ranks else None, comm=ranks.comm if ranks else None)
         config.validate_for_model(model.cfg)
         kv = CacheManager(config, model, dtype, device, config.max_model_len or model.cfg.max_position_embeddings)
+        local = InProcessExecutor(model, kv.pool, config)  # (may refuse the pool: decode graphs)
     except BaseException as e:
         if ranks is None:
             raise
         error = e
-    local = None if error is not None else InProcessExecutor(model, kv.pool, config)
     if ranks is None:
         return local, kv
-    ranks.check_started(error)
+    ranks.check_started(error)  # an error of any rank's start stops every rank and raises here
     return MultiRankExecutor(local, ranks), kv
 
 
