@@ -31,6 +31,7 @@ class SeqSlice:
     # Runs of consecutive slots, (first position, first slot, length), covering positions
     # 0 .. context_len - 1 in order: long runs are read as views of the pool, with no copy.
     runs: tuple[tuple[int, int, int], ...] = ()
+    num_drafts: int = 0       # draft tokens at the end of its rows (verified this step; a rejected one is rewritten)
 
     def host_slot(self, position: int) -> int:
         """The cache slot of `position`, from the runs (nothing read back from the device); the newest

@@ -61,11 +61,12 @@ class ModelRunner:
         return slots, runs
 
     def seq_slice(self, request_id: str, page_ids: list[int], token_start: int, token_end: int,
-                  context_len: int) -> SeqSlice:
-        """A request's part of a batch: rows [token_start, token_end), cache positions < context_len."""
+                  context_len: int, num_drafts: int = 0) -> SeqSlice:
+        """A request's part of a batch: rows [token_start, token_end), cache positions < context_len, the
+        last `num_drafts` rows draft tokens."""
         slots, runs = self.slot_table(request_id, page_ids)
         return SeqSlice(request_id, token_start, token_end, context_len, slots[:context_len],
-                        runs=clip_runs(runs, context_len))
+                        runs=clip_runs(runs, context_len), num_drafts=num_drafts)
 
     def new_slots(self, page_ids: list[int], seq: SeqSlice) -> list[int] | torch.Tensor:
         """The slots of `seq`'s new positions: Python ints for a few, a view of its table for many."""
@@ -102,7 +103,8 @@ class ModelRunner:
             start, end = ch.first_position, ch.context_len
             ids.extend(ch.token_ids)
             positions.extend(range(start, end))
-            seqs.append(self.seq_slice(ch.request_id, ch.page_ids, row, row + ch.num_new_tokens, end))
+            seqs.append(self.seq_slice(ch.request_id, ch.page_ids, row, row + ch.num_new_tokens, end,
+                                       ch.num_draft_tokens))
             slots.append(self.new_slots(ch.page_ids, seqs[-1]))
             row += ch.num_new_tokens
             if ch.samples_token:  # the last known token's row, then one per draft token

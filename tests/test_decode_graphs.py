@@ -310,7 +310,7 @@ def test_decode_graphs_options_are_checked(glm_ckpt, tmp_path, caplog):
         EngineConfig(model=glm_ckpt[0], cuda_graph_max_bs=0).validate()
     EngineConfig(model=glm_ckpt[0], decode_graphs="eager", kv_tiering=True).validate()
     # tiered with drafts: a working set must hold a decode's (1 + K) x k picks (k = 8; the default is 2k)
-    with pytest.raises(ConfigError, match="a working set of 16 entries .* raise device_buffer_tokens to 24"):
+    with pytest.raises(ConfigError, match="a working set of 16 entries, .* raise device_buffer_tokens to 24"):
         LLM(mtp, decode_graphs="eager", kv_tiering=True, num_speculative_tokens=2, **OPTIONS)
     llm = LLM(mtp, decode_graphs="eager", kv_tiering=True, num_speculative_tokens=2, device_buffer_tokens=24,
               **OPTIONS)

@@ -699,23 +699,32 @@ def _run_counting_peak(llm, prompts, params) -> tuple[list, int]:
 
 @pytest.mark.parametrize("options", [{}, dict(kv_tiering=True, device_buffer_tokens=16),
                                      dict(kv_tiering=True, device_buffer_tokens=16, emulated_cuda=True),
-                                     dict(bundled=True)],
-                         ids=["device", "tiered", "tiered, emulated CUDA ordering", "bundled model, MTP drafts"])
-def test_optimistic_admission_preempts_and_recomputes_exactly(glm_ckpt, random_prompt, options, request):
+                                     dict(bundled=True),
+                                     dict(mtp_layer=True, selector="quest", quest_page_tokens=2, num_speculative_tokens=2,
+                                          prompt_seed=70)],
+                         ids=["device", "tiered", "tiered, emulated CUDA ordering", "bundled model, MTP drafts",
+                              "Quest, MTP drafts"])
+def test_optimistic_admission_preempts_and_recomputes_exactly(glm_ckpt, random_prompt, options, request, tmp_path):
     """kv_admission="optimistic" on a pool that holds one of six requests at its full length (prompt +
     max_tokens): more run at once, the newest are preempted as pages run out and recomputed later
     (their pages hit in the prefix cache's host tier), and every output equals the reserving engine's:
     greedy and seeded sampled tokens identical (with MTP drafts too: they outlive the preemption),
-    logprobs within the rounding bound (tests/tolerances.py), prompt logprobs recorded once. Counted in stats and in each output's metrics."""
+    logprobs within the rounding bound (tests/tolerances.py), prompt logprobs recorded once. Counted in stats and in each output's metrics.
+    With Quest past the tiny model's top-k, a recomputation ends in the drafts it kept, and a rejected one's
+    position is written again: its page's bounds must be rewound as after a decode's drafts."""
     from sparsekv.paths import default_model_path
+    from test_batched_decode import with_mtp_layer
     options = dict(options)
-    bundled = options.pop("bundled", False)
+    bundled, mtp_layer = options.pop("bundled", False), options.pop("mtp_layer", False)
+    prompt_seed = options.pop("prompt_seed", 50)  # (prompts without a near-tie in their greedy tokens)
     landed = request.getfixturevalue("emulated_cuda") if options.pop("emulated_cuda", False) else None
     path = default_model_path() if bundled else glm_ckpt[0]
+    if mtp_layer:
+        path = with_mtp_layer(path, str(tmp_path / "mtp"))
     vocab = 4096 if bundled else 256
     if bundled:
         options["num_speculative_tokens"] = 1
-    prompts = [random_prompt(40 + 3 * i, seed=50 + i, vocab=vocab) for i in range(6)]
+    prompts = [random_prompt(40 + 3 * i, seed=prompt_seed + i, vocab=vocab) for i in range(6)]
     params = [SamplingParams(max_tokens=24, temperature=0.0, prompt_logprobs=1, ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True),
               SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)] * 2

@@ -854,7 +854,7 @@ def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
     from sparsekv.cache.latent_format import PlainLatent
     from sparsekv.context import ForwardContext, SeqSlice
     from sparsekv.model.selectors import QuestSelector
-    pt, dim, page_size = 2, 3, 16
+    pt, dim, page_size = 2, 3, 32
     cfg = SimpleNamespace(latent_dim=dim)
     cache = SimpleNamespace(fmt=PlainLatent(cfg, torch.float32))
     engine, pieces = (QuestSelector(cfg, 4 * page_size, pt, "cpu", [0, 1]) for _ in range(2))
@@ -862,14 +862,14 @@ def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
     bases = (0, page_size, 2 * page_size, 3 * page_size)  # each request's slots: one KV page of its own
     written: list[dict[int, torch.Tensor]] = [{}, {}, {}, {}]  # each request's latents by position, as last written
 
-    def context(starts: list[int], rows: list[int], piece: bool) -> ForwardContext:
+    def context(starts: list[int], rows: list[int], piece: bool, drafts=(0, 0, 0, 0)) -> ForwardContext:
         seqs, slots, positions, first_rows, row = [], [], [], [], 0
         for i, (start, n) in enumerate(zip(starts, rows)):
             if n == 0:  # not in this step
                 continue
             end = start + n
             seqs.append(SeqSlice(f"r{i}", row, row + n, end, torch.arange(bases[i], bases[i] + end),
-                                 runs=((0, bases[i], page_size),)))
+                                 runs=((0, bases[i], page_size),), num_drafts=drafts[i]))
             slots += [bases[i] + p for p in range(start, end)]
             positions += range(start, end)
             first_rows += [row] * n
@@ -882,7 +882,7 @@ def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
         seen = torch.stack([written[i][q] for q in range(position - position % pt, upto + 1)])
         return seen.amin(0), seen.amax(0)
 
-    def step(starts: list[int], rows: list[int], pieces_too: bool = True) -> None:
+    def step(starts: list[int], rows: list[int], pieces_too: bool = True, drafts=(0, 0, 0, 0)) -> None:
         latents = torch.randint(-4, 5, (sum(rows), dim), generator=g).float()
         row = 0
         for i, (start, n) in enumerate(zip(starts, rows)):
@@ -892,7 +892,7 @@ def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
             written[i].update({start + j: latents[row + j] for j in range(n)})
             row += n
         for layer in (0, 1):
-            got = engine.prepare(layer, context(starts, rows, False), None, None, latents, cache)
+            got = engine.prepare(layer, context(starts, rows, False, drafts), None, None, latents, cache)
             state = got
             if pieces_too:  # (a prefill chunk never runs as the pieces: the engine's path for both)
                 ctx = context(starts, rows, True)
@@ -901,7 +901,7 @@ def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
                 state = pieces.prepare(layer, ctx, None, None, latents, cache)
                 pieces.remember(layer, ctx, state)
             else:
-                pieces.prepare(layer, context(starts, rows, False), None, None, latents, cache)
+                pieces.prepare(layer, context(starts, rows, False, drafts), None, None, latents, cache)
             row = 0
             for i, (start, n) in enumerate(zip(starts, rows)):
                 for p in range(start, start + n):
@@ -913,7 +913,8 @@ def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
                     lo, hi = bound(i, p, min(p + pt - 1, start + n - 1))
                     page = (bases[i] + p) // pt
                     for selector in (engine, pieces):
-                        assert torch.equal(selector.lo[layer][page], lo) and torch.equal(selector.hi[layer][page], hi)
+                        assert torch.equal(selector.lo[layer][page], lo) and torch.equal(selector.hi[layer][page], hi), \
+                            (starts, layer, i, p)
         for selector in (engine, pieces):
             selector.check_integrity({"r0", "r1", "r2", "r3"})
 
@@ -927,6 +928,14 @@ def test_quest_bounds_with_drafts_follow_the_positions_written_on_both_paths():
     step([16, 12, 15, 9], [3, 2, 3, 2])  # r2 back inside a page it wrote two steps before
     step([0, 14, 18, 11], [0, 2, 3, 3])  # r0 left out
     step([18, 16, 19, 12], [3, 2, 2, 1])  # r0 back at the first position of a page it wrote
+    for selector in (engine, pieces):  # r1 preempted: recomputed in one chunk ending in its 2 drafts
+        selector.forget("r1")
+    step([21, 0, 20, 13], [3, 19, 3, 2], pieces_too=False, drafts=(0, 2, 0, 0))
+    step([24, 17, 22, 15], [3, 3, 3, 3])  # both of r1's drafts rejected: 17 written again, inside its page
+    for selector in (engine, pieces):
+        selector.forget("r1")
+    step([27, 0, 25, 18], [3, 20, 3, 2], pieces_too=False, drafts=(0, 2, 0, 0))
+    step([30, 18, 28, 20], [3, 3, 3, 3])  # both rejected again: 18 written again, its page's first position
 
 
 def test_quest_keeps_one_steps_bounds_and_each_left_out_request_its_own_rows():

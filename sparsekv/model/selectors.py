@@ -294,13 +294,18 @@ class QuestSelector(TokenSelector):
 
     def _remember(self, layer: int, ctx, kept: "Kept") -> None:
         """Each drafting request's page bounds as of each of its new rows, as entries into the step's
-        `kept` tensors (no copy per request); a prefill chunk's pages are never rewritten."""
+        `kept` tensors (no copy per request). A prefill chunk's pages are never rewritten, but for its
+        drafts: a preempted request's recomputation ends in the drafts it kept, so its entries start at
+        the page run holding its first draft."""
         pt, holders = self.page_tokens, set()
         for seq in ctx.seqs:
-            if seq.num_new_tokens > ctx.decode_rows:
+            if seq.num_new_tokens > ctx.decode_rows and not seq.num_drafts:
                 self._last.get(seq.request_id, {}).pop(layer, None)
                 continue
             entries, first, row = [], seq.first_new_position, seq.token_start
+            if seq.num_new_tokens > ctx.decode_rows:  # from the first draft's page run (a run reads its page's
+                draft = seq.token_end - seq.num_drafts  # bound before the step at its first row)
+                row = max(row, draft - (first + draft - row) % pt)
             while row < seq.token_end:  # one entry per page run of the chunk's rows
                 position = first + row - seq.token_start
                 end = min(seq.token_end, row + pt - position % pt)
