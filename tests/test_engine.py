@@ -701,17 +701,22 @@ def _run_counting_peak(llm, prompts, params) -> tuple[list, int]:
                                      dict(kv_tiering=True, device_buffer_tokens=16, emulated_cuda=True),
                                      dict(bundled=True),
                                      dict(mtp_layer=True, selector="quest", quest_page_tokens=2, num_speculative_tokens=2,
-                                          prompt_seed=70)],
+                                          prompt_seed=70),
+                                     dict(mtp_layer=True, num_speculative_tokens=2, kv_tiering=True, device_buffer_tokens=24,
+                                          prompt_seed=70),
+                                     dict(mtp_layer=True, selector="quest", quest_page_tokens=2, num_speculative_tokens=2,
+                                          kv_tiering=True, device_buffer_tokens=24, prompt_seed=130)],
                          ids=["device", "tiered", "tiered, emulated CUDA ordering", "bundled model, MTP drafts",
-                              "Quest, MTP drafts"])
+                              "Quest, MTP drafts", "tiered, MTP drafts", "tiered, Quest, MTP drafts"])
 def test_optimistic_admission_preempts_and_recomputes_exactly(glm_ckpt, random_prompt, options, request, tmp_path):
     """kv_admission="optimistic" on a pool that holds one of six requests at its full length (prompt +
     max_tokens): more run at once, the newest are preempted as pages run out and recomputed later
     (their pages hit in the prefix cache's host tier), and every output equals the reserving engine's:
     greedy and seeded sampled tokens identical (with MTP drafts too: they outlive the preemption),
     logprobs within the rounding bound (tests/tolerances.py), prompt logprobs recorded once. Counted in stats and in each output's metrics.
-    With Quest past the tiny model's top-k, a recomputation ends in the drafts it kept, and a rejected one's
-    position is written again: its page's bounds must be rewound as after a decode's drafts."""
+    Past the tiny model's top-k, a recomputation ends in the drafts it kept, and a rejected one's position
+    is written again: Quest's page bounds must be rewound as after a decode's drafts, and a tiered working
+    set primed by that chunk must hold final positions only."""
     from sparsekv.paths import default_model_path
     from test_batched_decode import with_mtp_layer
     options = dict(options)

@@ -266,8 +266,13 @@ class TieredKVPool:
 
     def _prime(self, layer: int, seq: SeqSlice, positions: torch.Tensor, rows: torch.Tensor) -> None:
         """Place the rows of `positions` in the request's working set: the full layer resolves them in
-        its group's LRU, each shared layer fills the slots its group holds them in."""
+        its group's LRU, each shared layer fills the slots its group holds them in. Final positions
+        only: a preempted request's recomputation ends in the drafts it kept, and a rejected draft's
+        position is written again by the next decode, which finds it in the LRU (a hit, never copied)."""
         ws, wanted = self._resident[seq.request_id], positions.cpu().numpy().astype(np.int64)
+        final = wanted < seq.context_len - seq.num_drafts
+        if not final.all():
+            wanted, rows = wanted[final], rows[self.link.index(np.flatnonzero(final))]
         if wanted.size > self.device_buffer_tokens:
             return
         lru = ws.lrus[self.leader[layer]]
