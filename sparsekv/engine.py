@@ -272,6 +272,7 @@ class LLMEngine(WeightControl):
             self.speculator.forget(req.request_id)
         self.kv.release(req, name_pages=self.speculator is None or status is RequestStatus.ABORTED,
                         keep_counters=False)
+        self.kv.hold_ended(req)
         self.executor.forget(req.request_id)
         self.outputs.forget(req.request_id)
         req.draft_token_ids.clear()

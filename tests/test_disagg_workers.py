@@ -734,3 +734,31 @@ def test_mtp_drafting_workers_on_one_gpu_answer_as_one_engine_greedy_and_seeded_
         assert body["sparsekv"]["choices"][0]["token_ids"] == want_sampled.token_ids
         p.check_clean()
         d.check_clean()
+
+
+@pytest.mark.parametrize("send", ["layers", "chunks"])
+def test_a_prefill_workers_next_prompt_waits_for_the_pages_a_room_has_not_named_yet(glm_ckpt, monkeypatch, send):
+    """A prefill worker's pool holds one prompt: the next one, admitted as the first ends, would evict
+    the pages the first's room names in its last look, after the prefill. Kept until the room ends,
+    they are not evicted (the next prompt waits for them): both requests are answered whole, and every
+    page is free again after."""
+    import asyncio
+    import concurrent.futures
+    with WorkerServer(glm_ckpt[0], "prefill", send=send, num_kv_pages=16, max_num_seqs=1, **BASE) as p, \
+            WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
+        real = p.worker._export
+
+        async def late(*args):  # each look waits: the engine steps meanwhile
+            await asyncio.sleep(0.3)
+            return await real(*args)
+        monkeypatch.setattr(p.worker, "_export", late)
+        prompts = [_prompt(256, 41, seed=40), _prompt(256, 41, seed=41)]  # 11 pages each (10 named) of 16
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda prompt: send_pair(p.url, d.url, {**BODY, "prompt": prompt}), prompts))
+        for rp, rd in answers:
+            assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+            assert rd.json()["sparsekv"]["disaggregation"]["pages_sent"] == 10
+        p.check_clean()
+        d.check_clean()
+        stats = p.on_engine(p.engine.stats)
+        assert stats["kv_pages_kept"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]

@@ -662,3 +662,63 @@ def test_landed_pages_serve_only_their_tenant_and_salt(glm_ckpt):
         cached[tenant, salt] = req.num_cached_tokens
     assert cached == {("b", "s"): 0, ("a", None): 0, ("a", "s"): len(pages) * PAGE}
     decode.engine.check_integrity()
+
+
+def _run_to_end(engine, request_id: str, prompt: list[int]) -> None:
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+
+
+def test_an_ended_requests_kept_pages_outlive_the_next_allocation_until_released(glm_ckpt):
+    """A prefill worker names a prompt's last pages after its request ended (the room's last look): kept
+    (`kv.keep_pages`), the next request cannot evict them before, and waits for the pages instead;
+    released, they are cached pages as any ended request's, the next request's to evict."""
+    a, b = _prompt(256, 41, seed=3), _prompt(256, 41, seed=4)  # 11 pages each, 10 of them full (named)
+    engine = LLM(glm_ckpt[0], **BASE, num_kv_pages=16, max_num_seqs=1).engine
+    kv = engine.kv
+    kv.keep_pages(["a", "never-added"])
+    _run_to_end(engine, "a", a)
+    assert engine.stats()["kv_pages_kept"] == 11 and engine.stats()["kv_pages_free"] == 16 - 11
+    engine.add_request("b", b, SamplingParams(max_tokens=1, temperature=0.0))
+    for _ in range(3):
+        engine.step()
+        engine.check_integrity()
+    assert engine.stats()["waiting"] == 1  # 5 pages free, 11 wanted: b waits for a's
+    assert len(kv.export_prefix(a)) == 10
+    kv.release_pages(["a", "never-added"])
+    assert engine.stats()["kv_pages_kept"] == 0 and engine.stats()["kv_pages_free"] == 16
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    assert len(kv.export_prefix(a)) < 10  # b took the pages a left: evicted now
+    _run_to_end(engine, "never-added", a)  # its wish to be kept was released with it: nothing is kept
+    assert engine.stats()["kv_pages_kept"] == 0 and engine.stats()["kv_pages_free"] == 16
+    with pytest.raises(RuntimeError, match="not owned"):
+        kv.allocator.add_owner("kept:x", [0])
+
+
+@pytest.mark.parametrize("decode_options", [{}, dict(kv_tiering=True, device_buffer_tokens=16)], ids=["plain", "tiered"])
+def test_quest_pages_move_from_an_untiered_prefill_engine_to_either_decode_engine(decode_options, glm_ckpt, tmp_path):
+    """Quest reads no indexer keys: no pool keeps them for the full layers (the MTP layer's own indexer
+    keeps its), so tiered or not a Quest engine's pages have one layout and move between the two."""
+    from sparsekv.disagg.worker import page_layout
+    quest = dict(selector="quest", quest_page_tokens=4)
+    from test_batched_decode import with_mtp_layer
+    path, prompt = glm_ckpt[0], _prompt(256)
+    mtp_path = with_mtp_layer(path, str(tmp_path / "mtp"))
+    engines = [LLM(mtp_path, **BASE, **quest, **tiers, **drafts).engine
+               for tiers in ({}, dict(kv_tiering=True, device_buffer_tokens=32))
+               for drafts in ({}, dict(num_speculative_tokens=1))]
+    untiered, untiered_mtp, tiered, tiered_mtp = [page_layout(e) for e in engines]
+    index_head_dim = engines[0].model_config.index_head_dim
+    assert not any(shape[-1] == index_head_dim for shape, _ in untiered)  # latents and Quest's bounds alone
+    assert [shape[-1] for shape, _ in untiered_mtp].count(index_head_dim) == 1  # the MTP layer's keys
+    assert untiered == tiered and untiered_mtp == tiered_mtp
+    colocated = LLM(path, **BASE, **quest, **decode_options)
+    want = colocated.generate([prompt], GREEDY)[0]
+    pages, got, decode = _disaggregated(path, prompt, quest, {**quest, **decode_options})
+    assert got.num_cached_tokens == len(pages) * PAGE == 40
+    assert_same_greedy([want], [got], logprob_tolerance(colocated))
+    decode.engine.check_integrity()

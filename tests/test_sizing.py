@@ -25,6 +25,22 @@ def test_engine_pools_hold_what_sizing_says(glm_ckpt, dtype, kv_cache_dtype, ind
     assert pool.index_bytes_per_token() == len(cfg.full_layers) * indexer_bytes_per_token_layer(cfg, key_fmt)
 
 
+@pytest.mark.parametrize("tiered", [False, True])
+def test_a_quest_pool_keeps_no_indexer_keys_and_its_budget_counts_the_bounds(glm_ckpt, tiered):
+    """Quest reads no indexer keys: neither pool keeps them, and an untiered budget pays for the latents
+    and Quest's page bounds (as the tiered pool's does)."""
+    from sparsekv.cache.sizing import quest_bytes_per_token
+    path, _ = glm_ckpt
+    quest = dict(selector="quest", quest_page_tokens=4, max_model_len=256, kv_page_size=4)
+    llm = LLM(path, **quest, kv_tiering=tiered)
+    cfg, pool = llm.engine.model_config, llm.engine.kv.pool
+    assert pool.index_bytes_per_token() == 0
+    if not tiered:
+        per_page = 4 * (pool.latent_bytes_per_token() + quest_bytes_per_token(cfg, 4))
+        for budget in (50 * per_page, 51 * per_page - 1):
+            assert LLM(path, **quest, device_kv_budget_bytes=budget).engine.kv.allocator.num_pages == 50
+
+
 # ------------------------------------------------------------------ one rank of a parallel layout
 
 def _tiny_cfg():

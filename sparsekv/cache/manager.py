@@ -34,6 +34,8 @@ class CacheManager:
         self.prefix = self._build_prefix_cache() if config.enable_prefix_caching else None
         share = config.tenant_kv_share
         self.tenant_pages = None if share is None else _share_of(share, self.allocator.num_pages)
+        self._keep: set[str] = set()  # requests whose pages stay held when they end (`keep_pages`)
+        self._kept: dict[str, list[int]] = {}  # ended requests' pages, held until `release_pages`
 
     # -- building ------------------------------------------------------------------------------
     def _build_pool(self):
@@ -51,8 +53,11 @@ class CacheManager:
             return pool, PageAllocator(pool.sizes.num_pages, self.page_size)
         allocator = PageAllocator(self._fitting(self._num_pages()), self.page_size)
         mtp = self._mtp_layers()
+        # Quest reads no indexer keys (the MTP layer's own indexer does): none kept for the full layers,
+        # as the tiered pool keeps none, so both hold (and move) pages of one layout
+        keyed = [] if config.selector == "quest" else cfg.full_layers
         pool = KVPool(cfg, allocator.num_pages, self.page_size, self.dtype, self.device,
-                      list(range(cfg.num_hidden_layers)) + mtp, cfg.full_layers + mtp, self._latent_format(),
+                      list(range(cfg.num_hidden_layers)) + mtp, keyed + mtp, self._latent_format(),
                       padding_page=config.decode_graph_mode() != "off")
         return pool, allocator
 
@@ -194,6 +199,28 @@ class CacheManager:
         self.pool.release(req.request_id, keep_counters=keep_counters)
 
     # -- prefill/decode disaggregation (docs/disaggregation.md): pages move through the prefix cache --
+    def keep_pages(self, request_ids: list[str]) -> None:
+        """When these requests end, their pages stay held until `release_pages`: a prefill worker names a
+        prompt's last pages to the decode worker after its request ended, and an ended request's pages,
+        cached but held by no one, may be evicted by the very next step's allocation."""
+        self._keep.update(request_ids)
+
+    def release_pages(self, request_ids: list[str]) -> None:
+        """Let go of the pages `keep_pages` held (cached, as any ended request's), or of the wish to."""
+        for request_id in request_ids:
+            self._keep.discard(request_id)
+            pages = self._kept.pop(request_id, None)
+            if pages:
+                self.allocator.free(_keeper(request_id), pages)
+
+    def hold_ended(self, req: Request) -> None:
+        """A request's end, before its pages are freed: held on if `keep_pages` asked (last page first, as
+        the scheduler frees a request's: the tail of a prompt is evicted before its head)."""
+        if req.request_id in self._keep and req.page_ids:
+            self._keep.discard(req.request_id)
+            self._kept[req.request_id] = req.page_ids[::-1]
+            self.allocator.add_owner(_keeper(req.request_id), req.page_ids)
+
     def export_prefix(self, token_ids: list[int], tenant: str = "default", cache_salt: str | None = None,
                       skip: int = 0) -> list:
         return self._prefix_cache().export(token_ids, tenant, cache_salt, skip)
@@ -301,7 +328,7 @@ class CacheManager:
         used_tokens = (self.allocator.num_pages - self.allocator.num_free) * self.page_size
         prefix = self.prefix.stats() if self.prefix is not None else {}
         return {**self.pool.stats(used_tokens), "kv_pages_total": self.allocator.num_pages,
-                "kv_pages_free": self.allocator.num_free, **prefix}
+                "kv_pages_free": self.allocator.num_free, "kv_pages_kept": sum(map(len, self._kept.values())), **prefix}
 
     def layout(self) -> dict[str, str]:
         """How the KV cache is laid out, as strings (vLLM's `cache_config_info` labels, and ours)."""
@@ -314,11 +341,12 @@ class CacheManager:
 
     def check_integrity(self, running: list[Request], waiting: set[str]) -> None:
         self.allocator.check_integrity()
-        holders: dict[int, int] = {}  # page -> running requests holding it (several: a shared prefix page)
-        for r in running:
-            assert len(set(r.page_ids)) == len(r.page_ids), f"{r.request_id} holds a page twice"
-            for p in r.page_ids:
+        holders: dict[int, int] = {}  # page -> requests holding it (several: a shared prefix page), ended ones kept
+        for request_id, pages in [(r.request_id, r.page_ids) for r in running] + list(self._kept.items()):
+            assert len(set(pages)) == len(pages), f"{request_id} holds a page twice"
+            for p in pages:
                 holders[p] = holders.get(p, 0) + 1
+        assert not self._kept.keys() & {r.request_id for r in running}, "a running request's pages are kept as ended"
         assert len(holders) == self.allocator.num_pages - self.allocator.num_free, "allocator and requests disagree"
         assert all(self.allocator.num_owners(p) == n for p, n in holders.items()), "page owners and requests disagree"
         shared = [p for p, n in holders.items() if n > 1]
@@ -327,6 +355,11 @@ class CacheManager:
         self.pool.check_integrity(active, waiting)
         if self.prefix is not None:
             self.prefix.check_integrity(active | waiting)
+
+
+def _keeper(request_id: str) -> str:
+    """The allocator's owner of an ended request's kept pages (`CacheManager.keep_pages`)."""
+    return f"kept:{request_id}"
 
 
 def _share_of(share: float, pages: int) -> int:

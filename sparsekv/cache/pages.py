@@ -83,6 +83,14 @@ class PageAllocator:
             self._owners[p] = {owner}
         return pages
 
+    def add_owner(self, owner: str, pages: list[int]) -> None:
+        """One more owner of pages already owned: they stay owned until it frees them too."""
+        for p in pages:
+            if p not in self._owners:
+                raise RuntimeError(f"page {p} is not owned: only an owned page takes another owner")
+        for p in pages:
+            self._owners[p].add(owner)
+
     def free(self, owner: str, pages: list[int]) -> None:
         for p in pages:
             owners = self._owners.get(p, ())

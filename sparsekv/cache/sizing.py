@@ -99,9 +99,11 @@ def plan_tier_sizes(config: EngineConfig, cfg: ModelConfig, latent_per_token: in
 
 
 def untiered_bytes_per_token(config: EngineConfig, cfg: ModelConfig, key_fmt: str, latent_row_bytes: int) -> int:
-    """A fully device-resident cache's bytes per token: every layer's latent, the indexer keys, and
-    with drafting the MTP layer's own."""
-    per_token = latent_bytes_per_token(cfg, latent_row_bytes) + index_bytes_per_token(cfg, key_fmt)
+    """A fully device-resident cache's bytes per token: every layer's latent, the indexer keys (Quest's
+    page bounds instead with Quest, which reads no indexer keys), and with drafting the MTP layer's own."""
+    selector = (quest_bytes_per_token(cfg, config.quest_page_tokens) if config.selector == "quest"
+                else index_bytes_per_token(cfg, key_fmt))
+    per_token = latent_bytes_per_token(cfg, latent_row_bytes) + selector
     if config.num_speculative_tokens:  # the MTP layer's own latent and indexer keys
         per_token += latent_row_bytes + indexer_bytes_per_token_layer(cfg, key_fmt)
     return per_token

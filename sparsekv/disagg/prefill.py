@@ -433,18 +433,18 @@ class PrefillWorker(Worker):
         until the claim says which the decode worker holds (None: chunk-by-chunk or one-look mode). On
         a data-parallel engine, another rank's rows stay on that rank, named here where they are
         (parallel/dp_taps.py, dp_held.py), and the engine remembers which rank each request runs on
-        until the room ends, which is the rank that sends the room (`_sending_rank`). One engine call,
-        queued before the requests' adds."""
+        until the room ends, which is the rank that sends the room (`_sending_rank`). In every mode the
+        requests' pages stay held once they end, until `_untap` (`CacheManager.keep_pages`): the room's
+        last look names them after the prefill ended. One engine call, queued before the requests' adds."""
         engine = self.state.engine
         watch = engine.config.data_parallel_size > 1
         feed = None
         if self.layer_by_layer and self.stream_poll_s is not None:
             feed = LayerFeed(asyncio.get_running_loop(), len(engine.kv.page_tensors()), first_tokens=first_tokens,
                              discard=self._discard_deliveries)
-        if feed is None and not watch:
-            return None
 
         def tap():  # NOTE: with the weights they are computed under (read together, between two steps)
+            engine.kv.keep_pages(request_ids)
             if watch:
                 engine.open_rank_calls()  # a room's rank > 0 sends it: `_sending_rank`
                 engine.watch_ranks(request_ids, self.one_rank_rooms)
@@ -463,10 +463,9 @@ class PrefillWorker(Worker):
     async def _untap(self, request_ids: list[str], feed: LayerFeed | None) -> None:
         engine = self.state.engine
         watched = engine.config.data_parallel_size > 1
-        if feed is None and not watched:
-            return
 
         def untap():
+            engine.kv.release_pages(request_ids)
             if feed is not None:
                 for request_id in request_ids:
                     engine.untap_layers(request_id)

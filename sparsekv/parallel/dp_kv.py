@@ -140,6 +140,13 @@ class DataParallelKV:
         rank = max(range(len(held)), key=lambda r: (held[r], -r))
         return self.on_rank(rank, "export_prefix", token_ids, tenant, cache_salt, skip=skip)
 
+    def keep_pages(self, request_ids: list[str]) -> None:
+        """`CacheManager.keep_pages` on every rank (each keeps the pages of those that end there)."""
+        self.on_every_rank("keep_pages", request_ids)
+
+    def release_pages(self, request_ids: list[str]) -> None:
+        self.on_every_rank("release_pages", request_ids)
+
     def prompt_chains(self, prompts: list[list[int]], tenant: str = "default",
                       cache_salt: str | None = None) -> list[list[bytes]]:
         """Rank 0's (page names hash the tokens alone: every rank names a prompt's pages alike)."""

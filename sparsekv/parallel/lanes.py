@@ -180,8 +180,8 @@ def _stop_ranks_on_sigterm(processes) -> list:
 # -- stats -------------------------------------------------------------------------------------------
 PER_REQUEST = {"device_buffer_tokens"}  # a setting, the same on every rank
 # each rank's memory figures, kept apart in `by_data_parallel_rank` (the sums hide one rank filling up)
-RANK_MEMORY = ("kv_pages_total", "kv_pages_free", "device_kv_bytes", "device_latent_bytes", "device_indexer_bytes",
-               "host_kv_bytes", "host_kv_budget_bytes", "prefix_cached_pages", "prefix_host_bytes", "prefix_disk_bytes",
+RANK_MEMORY = ("kv_pages_total", "kv_pages_free", "kv_pages_kept", "device_kv_bytes", "device_latent_bytes",
+               "device_indexer_bytes", "host_kv_bytes", "host_kv_budget_bytes", "prefix_cached_pages", "prefix_host_bytes", "prefix_disk_bytes",
                "held_rows_bytes", "held_rooms")  # the last two: rows a rank > 0 keeps for a prefill worker
 # and its decode graphs' figures (where it has them): a rank whose buckets stay eager shows apart
 RANK_DECODE_GRAPHS = ("decode_graph_steps", "decode_graph_buckets", "decode_graph_eager_buckets")
