@@ -73,10 +73,14 @@ class WorkerServer:
         return asyncio.run_coroutine_threadsafe(self.state.loop.call(fn, *args), self.state.loop._aloop).result(60)
 
     def check_clean(self) -> None:
-        """Everything of the transfers is gone: no room, no request, the pools' integrity holds."""
+        """Everything of the transfers is gone: no room, no request, no page kept for a room (on every
+        data-parallel rank), the pools' integrity holds."""
         assert self.worker.rooms == {}
         self.on_engine(self.engine.check_integrity)
         assert not self.on_engine(self.engine.has_unfinished_requests)
+        stats = self.on_engine(self.engine.stats)
+        kept = [stats["kv_pages_kept"], *(rank["kv_pages_kept"] for rank in stats.get("by_data_parallel_rank", []))]
+        assert not any(kept), f"pages kept for rooms that ended: {kept}"
 
 
 def start_worker_process(model: str, mode: str, secret_path: str, bootstrap_port: int = 0, *args: str,

@@ -540,7 +540,7 @@ def test_the_event_loop_polls_a_deliverys_device_copy_instead_of_blocking_in_it(
             while not sent:
                 ticks += 1
                 await asyncio.sleep(0)
-        _, nbytes = await asyncio.gather(other_work(), worker._send_layers(feed, None, {}, {"held": [2]}, None))
+        _, nbytes = await asyncio.gather(other_work(), worker._send_layers(feed, None, {}, {"held": [2]}, None, [2]))
         return events, nbytes, ticks
 
     events, nbytes, ticks = asyncio.run(scenario())

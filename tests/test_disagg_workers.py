@@ -748,9 +748,9 @@ def test_a_prefill_workers_next_prompt_waits_for_the_pages_a_room_has_not_named_
             WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
         real = p.worker._export
 
-        async def late(*args):  # each look waits: the engine steps meanwhile
+        async def late(*args, **kwargs):  # each look waits: the engine steps meanwhile
             await asyncio.sleep(0.3)
-            return await real(*args)
+            return await real(*args, **kwargs)
         monkeypatch.setattr(p.worker, "_export", late)
         prompts = [_prompt(256, 41, seed=40), _prompt(256, 41, seed=41)]  # 11 pages each (10 named) of 16
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -762,3 +762,31 @@ def test_a_prefill_workers_next_prompt_waits_for_the_pages_a_room_has_not_named_
         d.check_clean()
         stats = p.on_engine(p.engine.stats)
         assert stats["kv_pages_kept"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_pages_a_room_named_whole_and_its_request_computes_again_go_once(glm_ckpt):
+    """A waiting request's room names the pages another request computes (its prompt's prefix), whole;
+    a third prompt then evicts most of them, so the waiting request, once admitted, computes them
+    again, and its layer taps hand their rows out: they are not sent a second time (the decode worker
+    refuses rows of a page already named). Both rooms of the shared prefix are answered whole."""
+    import concurrent.futures
+    import time
+    from test_server_util import slow_steps
+    shared = _prompt(256, 40, seed=50)
+    x, w, z = shared + [7], _prompt(256, 41, seed=51), shared + [9]  # x and z: 10 full pages alike
+    with WorkerServer(glm_ckpt[0], "prefill", num_kv_pages=16, max_num_seqs=1, prefill_chunk_tokens=8, **BASE) as p, \
+            WorkerServer(glm_ckpt[0], "decode", **BASE) as d, WorkerServer(glm_ckpt[0], "decode", **BASE) as d2:
+        slow_steps(p.engine)[0] = 0.03  # x computes while z's room looks
+
+        def send(prompt_wait_decode):  # z to a decode worker of its own, which holds none of x's pages
+            prompt, wait, decode = prompt_wait_decode
+            time.sleep(wait)
+            return send_pair(p.url, decode.url, {**BODY, "prompt": prompt})
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # in this order: x runs, w waits, z waits
+            answers = list(pool.map(send, [(x, 0.0, d), (w, 0.05, d), (z, 0.1, d2)]))
+        for rp, rd in answers:
+            assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        figures = answers[2][0].json()["sparsekv"]["disaggregation"]
+        assert figures["pages_sent"] == 10 and figures["pages_streamed"] == 10  # named while x computed them
+        for worker in (p, d, d2):
+            worker.check_clean()

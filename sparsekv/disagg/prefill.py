@@ -164,7 +164,7 @@ class PrefillWorker(Worker):
             claim = self._check_claim(raw, room, job, prompts)
             out.rank = await self._sending_rank(request_ids)
             self.rooms[room] = "send"
-            return await self._stream(request, room, job, prompts, prefill, ended, claim, out, feed)
+            return await self._stream(request, room, job, prompts, prefill, ended, claim, out, feed, request_ids)
         except TransferError as e:
             if out.peer_waiting:  # NOTE: the decode worker reads the error and cleans the room up itself
                 await self.blocking(out.error_unless_answered, str(e))
@@ -191,13 +191,14 @@ class PrefillWorker(Worker):
         return None if prefill.done() and _prefill_failure(prefill) is not None else raw
 
     async def _stream(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
-                      claim: dict, out: "Batches", feed: LayerFeed | None) -> dict | None:
+                      claim: dict, out: "Batches", feed: LayerFeed | None, request_ids: list[str]) -> dict | None:
         """While the prefill runs, each look (every STREAM_POLL_S, on the engine loop between two steps)
         sends the prompts' pages named since the last one: a page is named in the step that fills it
         (its MTP entries included), so chunk c's pages travel while chunk c + 1 computes. With a layer
         feed, the rows each layer writes go as it computes them, between the looks (layer i's while
         layer i + 1 computes), and a look sends the rest of those pages' rows with their names. The
-        last batch, after the prefill's end, carries the rest and the prefill's timings."""
+        last batch, after the prefill's end, carries the rest and the prefill's timings; its look lets go
+        of the pages the engine kept for it since the requests ended (`_tap`)."""
         sent, streamed, nbytes = list(claim["held"]), 0, 0
         backend = pair_backend(self.settings.transfer, self.device.type, claim, await self._gpu_of(out.rank))
         base = {"room": room, "nonce": claim["nonce"], "backend": backend}
@@ -214,14 +215,14 @@ class PrefillWorker(Worker):
             if failure is not None:
                 await self.blocking(out.error, failure)
                 return None
-            look = asyncio.ensure_future(self._export(job, prompts, sent, out))  # NOTE: it runs once the step ends
+            look = asyncio.ensure_future(self._export(job, prompts, sent, out, request_ids if finished else ()))
             if feed is not None:
-                nbytes += await self._send_layers_until(look, feed, out, base, claim, request)
+                nbytes += await self._send_layers_until(look, feed, out, base, claim, request, sent)
             pages, per_prompt, loaded = await look
             base["weights"] = await self.blocking(self.weights.stamp, loaded)
             self._check_weights(claim, base["weights"])
             if feed is not None:  # NOTE: the rows of the pages just named were queued before their names
-                nbytes += await self._send_layers(feed, out, base, claim, request)
+                nbytes += await self._send_layers(feed, out, base, claim, request, sent)
             parts = named_parts(pages, per_prompt, sent, feed) or ([(per_prompt, pages, None)] if finished else [])
             for i, (counts, part, kinds) in enumerate(parts):
                 meta = {**base, "names": [name.hex() for name, _ in part], "pages": counts, "kinds": kinds,
@@ -315,25 +316,28 @@ class PrefillWorker(Worker):
         return figures
 
     async def _send_layers_until(self, look, feed: LayerFeed, out: "Batches", base: dict, claim: dict,
-                                 request) -> int:
+                                 request, named: list[int]) -> int:
         """Send the layer rows of the step that runs while the look waits for its end."""
         nbytes = 0
         try:
             while not look.done():
                 await feed.wait([look], None)
-                nbytes += await self._send_layers(feed, out, base, claim, request)
+                nbytes += await self._send_layers(feed, out, base, claim, request, named)
         except BaseException:
             look.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now
             raise
         return nbytes
 
-    async def _send_layers(self, feed: LayerFeed, out: "Batches", base: dict, claim: dict, request) -> int:
+    async def _send_layers(self, feed: LayerFeed, out: "Batches", base: dict, claim: dict, request,
+                           named: list[int]) -> int:
         """The layer rows queued so far, a batch per prompt and step (the layers it computed since the
-        last), less the pages the decode worker holds; a tail's with its full layers' selections when
-        the decode worker warms a tiered cache with them (its claim's `warm`)."""
+        last), less each prompt's first `named` pages: those the decode worker holds, and those an
+        earlier look named whole, the room's request computing them later (another request computed them
+        first, and they were evicted before this one's admission could hit them); a tail's with its full
+        layers' selections when the decode worker warms a tiered cache with them (its claim's `warm`)."""
         nbytes, held = 0, claim["held"]
         for prompt, first, count, deliveries in feed.take():
-            cut = min(max(0, held[prompt] - first), count)
+            cut = min(max(0, named[prompt] - first), count)
             if cut == count:
                 self._discard_deliveries(deliveries)
                 continue
@@ -434,8 +438,8 @@ class PrefillWorker(Worker):
         a data-parallel engine, another rank's rows stay on that rank, named here where they are
         (parallel/dp_taps.py, dp_held.py), and the engine remembers which rank each request runs on
         until the room ends, which is the rank that sends the room (`_sending_rank`). In every mode the
-        requests' pages stay held once they end, until `_untap` (`CacheManager.keep_pages`): the room's
-        last look names them after the prefill ended. One engine call, queued before the requests' adds."""
+        requests' pages stay held once they end (`CacheManager.keep_pages`), until the room's last look,
+        which names them after the prefill ended, has read them (or `_untap`, when the room failed). One engine call, queued before the requests' adds."""
         engine = self.state.engine
         watch = engine.config.data_parallel_size > 1
         feed = None
@@ -503,10 +507,11 @@ class PrefillWorker(Worker):
         if isinstance(theirs, dict) and "weights_version" in theirs and "checkpoint" in theirs:
             check_same_weights(mine, theirs)
 
-    async def _export(self, job: Job, prompts: list[list[int]], skip: list[int], out: "Batches"):
+    async def _export(self, job: Job, prompts: list[list[int]], skip: list[int], out: "Batches", release=()):
         """The pages of each prompt named after its first `skip`, and the weights that computed them
-        (read together on the engine loop: a weight update forgets every cached page); from the rank that
-        sends the room, its rows kept there (`out.rank`)."""
+        (read together on the engine loop, once the running step ends: a weight update forgets every
+        cached page); from the rank that sends the room, its rows kept there (`out.rank`). The rows are
+        copies: the pages the engine kept for the ended requests `release` are let go of in the same call."""
         engine = self.state.engine
 
         def export():
@@ -515,6 +520,8 @@ class PrefillWorker(Worker):
                          for p, n in zip(prompts, skip)]
             else:
                 pages = [engine.kv.export_prefix(p, job.tenant, job.cache_salt, skip=n) for p, n in zip(prompts, skip)]
+            if release:
+                engine.kv.release_pages(list(release))
             return pages, loaded_weights(engine)
         try:
             per_prompt, loaded = await self.state.loop.call(export)

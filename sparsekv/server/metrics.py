@@ -41,8 +41,8 @@ ENGINE_GAUGES = {
     "host_kv_budget_bytes": ("host_kv_budget_bytes", "Host-tier KV budget in bytes."),
     "kv_pages_total": ("kv_pages_total", "Device KV pages in the pool."),
     "kv_pages_free": ("kv_pages_free", "Device KV pages free (prefix-cached pages included: reusable until evicted)."),
-    "kv_pages_kept": ("kv_pages_kept", "Device KV pages of ended prompts a prefill worker holds until their transfer "
-                                       "has named them."),
+    "kv_pages_kept": ("kv_pages_kept", "Device KV pages of ended prompts a prefill worker holds until its transfer has "
+                                       "read them."),
     "prefix_cached_pages": ("prefix_cached_pages", "KV pages no request holds, kept for prefix-cache hits."),
     "weights_version": ("weights_version", "Weight updates loaded since the engine started (0: its first weights)."),
     "indexer_scratch_bytes": ("indexer_scratch_bytes",
