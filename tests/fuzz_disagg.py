@@ -9,14 +9,14 @@ share (MTP drafting on or off, Quest or DSA); the prefill worker's chunk size, b
 admission and send (layer by layer or chunk by chunk); the decode worker's drafts, tiering and its
 working set, admission and pool size, decode graphs' pieces, dense-regime batching and host tier size.
 The workload is the soak's (tests/test_engine_soak.py: prompts sharing prefixes across tenants and
-salts, greedy and seeded requests, aborts), sent through the router's native /generate as token ids,
-each request at its arrival time, an aborted one's /abort_request some time after. Then both workers
-must be clean (no room, no request, every pool's integrity, the prefill store's keys gone, every decode
-page free), and every request not aborted must give the tokens of the same request alone in one process
-(untiered, no prefix cache, the decode worker's drafting and selector), its logprobs within the rounding
-bound. Greedy requests whose reference has a near-tie are skipped. Exits 1 if any trial failed or
-differed; a trial is reproduced by its number (`--first N --trials 1`). Both workers run in this
-process, so neither is a parallel layout (tests/test_disagg_parallel.py runs those).
+salts, greedy and seeded requests, some of them two choices, aborts), sent through the router's native
+/generate as token ids, each request at its arrival time, an aborted one's /abort_request some time
+after. Then both workers must be clean (no room, no request, every pool's integrity, the prefill store's
+keys gone, every decode page free), and every request not aborted must give the tokens of the same
+request alone in one process (untiered, no prefix cache, the decode worker's drafting and selector), its
+logprobs within the rounding bound. Greedy requests whose reference has a near-tie are skipped. Exits 1
+if any trial failed or differed; a trial is reproduced by its number (`--first N --trials 1`). Both
+workers run in this process, so neither is a parallel layout (tests/test_disagg_parallel.py runs those).
 
 FP8 latents are left out, as in tests/fuzz_options.py.
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import random
 import sys
 import tempfile
@@ -60,7 +61,7 @@ def options(rng: random.Random) -> tuple[dict, dict, str]:
     if drafting:
         prefill["num_speculative_tokens"] = rng.choice([1, 2, 3])
     decode = dict(shared, prefill_chunk_tokens=rng.choice([8, 16]), max_num_seqs=rng.choice([2, 4, 6]),
-                  num_kv_pages=rng.choice([40, 64, 128]), kv_admission=rng.choice(["reserve", "optimistic"]))
+                  num_kv_pages=rng.choice([24, 40, 64, 128]), kv_admission=rng.choice(["reserve", "optimistic"]))
     drafts = rng.choice([1, 2, 3]) if drafting else 0
     if drafts:
         decode["num_speculative_tokens"] = drafts
@@ -92,9 +93,17 @@ def routed(path: str, prefill: dict, decode: dict, send: str):
             yield router.url, p, d
 
 
+def with_choices(planned: list[Planned], seed: int) -> list[Planned]:
+    """The workload, some seeded requests asking for two choices (each its own request on the decode
+    side, seeded as the server seeds them, the prompt's pages moved once)."""
+    rng = random.Random(seed)
+    return [dataclasses.replace(p, params=dataclasses.replace(p.params, n=2))
+            if p.params.seed is not None and rng.random() < 0.5 else p for p in planned]
+
+
 def body_of(p: Planned) -> dict:
     params = p.params
-    sampling = dict(max_new_tokens=params.max_tokens, temperature=params.temperature, ignore_eos=True)
+    sampling = dict(max_new_tokens=params.max_tokens, temperature=params.temperature, ignore_eos=True, n=params.n)
     if params.seed is not None:
         sampling["sampling_seed"] = params.seed
     body = dict(input_ids=p.prompt, sampling_params=sampling, rid=p.request_id, return_logprob=True,
@@ -142,7 +151,7 @@ def check_clean(p: WorkerServer, d: WorkerServer) -> None:
 
 def trial(path: str, prefill: dict, decode: dict, send: str, number: int) -> str:
     """"ok", "refused: why", or what differed."""
-    planned = workload(number, 256)
+    planned = with_choices(workload(number, 256), number)
     try:
         with routed(path, prefill, decode, send) as (url, p, d):
             answers = asyncio.run(send_all(url, planned))
@@ -156,20 +165,23 @@ def trial(path: str, prefill: dict, decode: dict, send: str, number: int) -> str
     for p in planned:
         status, answer = answers[p.request_id]
         assert status == 200, (p.request_id, answer)
-        meta = answer["meta_info"]
-        if p.aborted_after is not None and meta["finish_reason"]["type"] == "abort":
+        choices = answer if isinstance(answer, list) else [answer]
+        assert len(choices) == p.params.n, (p.request_id, answer)
+        if p.aborted_after is not None and any(c["meta_info"]["finish_reason"]["type"] == "abort" for c in choices):
             continue
-        assert meta["finish_reason"] == {"type": "length", "length": p.params.max_tokens}, (p.request_id, meta)
-        want = alone.generate([p.prompt], p.params)[0]
-        if p.params.greedy:
-            try:
-                assert_clear_lead(want, tol)
-            except AssertionError:
-                continue  # a near-tie: the two may choose either token
-        if answer["output_ids"] != want.token_ids:
-            differ.append(p.request_id)
-        else:
-            assert_logprobs_close(want.logprobs, as_logprobs(meta), tol)
+        wants = alone.generate([p.prompt], p.params)[0].outputs
+        for i, (choice, want) in enumerate(zip(choices, wants, strict=True)):
+            meta = choice["meta_info"]
+            assert meta["finish_reason"] == {"type": "length", "length": p.params.max_tokens}, (p.request_id, meta)
+            if p.params.greedy:
+                try:
+                    assert_clear_lead(want, tol)
+                except AssertionError:
+                    continue  # a near-tie: the two may choose either token
+            if choice["output_ids"] != want.token_ids:
+                differ.append(f"{p.request_id}/{i}")
+            else:
+                assert_logprobs_close(want.logprobs, as_logprobs(meta), tol)
     return f"tokens differ: {differ}" if differ else "ok"
 
 

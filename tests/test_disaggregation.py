@@ -695,6 +695,15 @@ def test_an_ended_requests_kept_pages_outlive_the_next_allocation_until_released
     assert len(kv.export_prefix(a)) < 10  # b took the pages a left: evicted now
     _run_to_end(engine, "never-added", a)  # its wish to be kept was released with it: nothing is kept
     assert engine.stats()["kv_pages_kept"] == 0 and engine.stats()["kv_pages_free"] == 16
+    # a look lets go of the requests that ended (`ended_only`), and the others stay to be kept
+    kv.keep_pages(["c", "d"])
+    _run_to_end(engine, "c", a)
+    kv.release_pages(["c", "d"], ended_only=True)
+    assert engine.stats()["kv_pages_kept"] == 0
+    _run_to_end(engine, "d", b)
+    assert engine.stats()["kv_pages_kept"] == 11
+    kv.release_pages(["c", "d"])
+    assert engine.stats()["kv_pages_kept"] == 0 and engine.stats()["kv_pages_free"] == 16
     with pytest.raises(RuntimeError, match="not owned"):
         kv.allocator.add_owner("kept:x", [0])
 

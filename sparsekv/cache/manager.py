@@ -205,10 +205,12 @@ class CacheManager:
         cached but held by no one, may be evicted by the very next step's allocation."""
         self._keep.update(request_ids)
 
-    def release_pages(self, request_ids: list[str]) -> None:
-        """Let go of the pages `keep_pages` held (cached, as any ended request's), or of the wish to."""
+    def release_pages(self, request_ids: list[str], ended_only: bool = False) -> None:
+        """Let go of the pages `keep_pages` held (cached, as any ended request's), and of the wish to keep
+        those of the requests that have not ended (`ended_only`: not of that wish)."""
         for request_id in request_ids:
-            self._keep.discard(request_id)
+            if not ended_only:
+                self._keep.discard(request_id)
             pages = self._kept.pop(request_id, None)
             if pages:
                 self.allocator.free(_keeper(request_id), pages)

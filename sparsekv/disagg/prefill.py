@@ -197,8 +197,8 @@ class PrefillWorker(Worker):
         (its MTP entries included), so chunk c's pages travel while chunk c + 1 computes. With a layer
         feed, the rows each layer writes go as it computes them, between the looks (layer i's while
         layer i + 1 computes), and a look sends the rest of those pages' rows with their names. The
-        last batch, after the prefill's end, carries the rest and the prefill's timings; its look lets go
-        of the pages the engine kept for it since the requests ended (`_tap`)."""
+        last batch, after the prefill's end, carries the rest and the prefill's timings. Each look lets
+        go of the pages the engine kept for the room's requests that ended before it (`_tap`)."""
         sent, streamed, nbytes = list(claim["held"]), 0, 0
         backend = pair_backend(self.settings.transfer, self.device.type, claim, await self._gpu_of(out.rank))
         base = {"room": room, "nonce": claim["nonce"], "backend": backend}
@@ -215,7 +215,7 @@ class PrefillWorker(Worker):
             if failure is not None:
                 await self.blocking(out.error, failure)
                 return None
-            look = asyncio.ensure_future(self._export(job, prompts, sent, out, request_ids if finished else ()))
+            look = asyncio.ensure_future(self._export(job, prompts, sent, out, request_ids))
             if feed is not None:
                 nbytes += await self._send_layers_until(look, feed, out, base, claim, request, sent)
             pages, per_prompt, loaded = await look
@@ -437,9 +437,12 @@ class PrefillWorker(Worker):
         until the claim says which the decode worker holds (None: chunk-by-chunk or one-look mode). On
         a data-parallel engine, another rank's rows stay on that rank, named here where they are
         (parallel/dp_taps.py, dp_held.py), and the engine remembers which rank each request runs on
-        until the room ends, which is the rank that sends the room (`_sending_rank`). In every mode the
-        requests' pages stay held once they end (`CacheManager.keep_pages`), until the room's last look,
-        which names them after the prefill ended, has read them (or `_untap`, when the room failed). One engine call, queued before the requests' adds."""
+        until the room ends, which is the rank that sends the room (`_sending_rank`). Streaming, the
+        requests' pages stay held once they end (`CacheManager.keep_pages`) until the room's next look
+        has read them (or `_untap`, when the room failed): the look after the prefill's end comes after
+        its requests ended, when their pages might be evicted already. (The one-look mode keeps none: a
+        choice's kept pages could keep the prompt's other choices out of the pool for good.) One engine
+        call, queued before the requests' adds."""
         engine = self.state.engine
         watch = engine.config.data_parallel_size > 1
         feed = None
@@ -448,7 +451,8 @@ class PrefillWorker(Worker):
                              discard=self._discard_deliveries)
 
         def tap():  # NOTE: with the weights they are computed under (read together, between two steps)
-            engine.kv.keep_pages(request_ids)
+            if self.stream_poll_s is not None:
+                engine.kv.keep_pages(request_ids)
             if watch:
                 engine.open_rank_calls()  # a room's rank > 0 sends it: `_sending_rank`
                 engine.watch_ranks(request_ids, self.one_rank_rooms)
@@ -507,11 +511,13 @@ class PrefillWorker(Worker):
         if isinstance(theirs, dict) and "weights_version" in theirs and "checkpoint" in theirs:
             check_same_weights(mine, theirs)
 
-    async def _export(self, job: Job, prompts: list[list[int]], skip: list[int], out: "Batches", release=()):
+    async def _export(self, job: Job, prompts: list[list[int]], skip: list[int], out: "Batches",
+                      release: list[str] = ()):
         """The pages of each prompt named after its first `skip`, and the weights that computed them
         (read together on the engine loop, once the running step ends: a weight update forgets every
         cached page); from the rank that sends the room, its rows kept there (`out.rank`). The rows are
-        copies: the pages the engine kept for the ended requests `release` are let go of in the same call."""
+        copies: the pages the engine kept for those of the requests `release` that ended are let go of
+        in the same call."""
         engine = self.state.engine
 
         def export():
@@ -521,7 +527,7 @@ class PrefillWorker(Worker):
             else:
                 pages = [engine.kv.export_prefix(p, job.tenant, job.cache_salt, skip=n) for p, n in zip(prompts, skip)]
             if release:
-                engine.kv.release_pages(list(release))
+                engine.kv.release_pages(list(release), ended_only=True)
             return pages, loaded_weights(engine)
         try:
             per_prompt, loaded = await self.state.loop.call(export)

@@ -144,8 +144,8 @@ class DataParallelKV:
         """`CacheManager.keep_pages` on every rank (each keeps the pages of those that end there)."""
         self.on_every_rank("keep_pages", request_ids)
 
-    def release_pages(self, request_ids: list[str]) -> None:
-        self.on_every_rank("release_pages", request_ids)
+    def release_pages(self, request_ids: list[str], ended_only: bool = False) -> None:
+        self.on_every_rank("release_pages", request_ids, ended_only=ended_only)
 
     def prompt_chains(self, prompts: list[list[int]], tenant: str = "default",
                       cache_salt: str | None = None) -> list[list[bytes]]:
