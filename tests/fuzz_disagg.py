@@ -29,13 +29,11 @@ import dataclasses
 import random
 import sys
 import tempfile
-import traceback
 
 import httpx
-import torch
 
 from disagg_util import WorkerServer
-from fuzz_options import checkpoints
+from fuzz_options import checkpoints, run_trials
 from sparsekv import LLM
 from sparsekv.disagg.router import Router, create_app
 from sparsekv.disagg.router_workers import WorkerPool, check_modes
@@ -190,18 +188,13 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--first", type=int, default=0, help="the first trial's number (its seed)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    paths, failed = checkpoints(tempfile.mkdtemp(prefix="fuzz-disagg-")), 0
-    for number in range(args.first, args.first + args.trials):
+    paths = checkpoints(tempfile.mkdtemp(prefix="fuzz-disagg-"))
+
+    def one(number: int):
         family, prefill, decode, send = draw(number)
-        try:
-            result = trial(paths[family], prefill, decode, send, number)
-        except Exception:  # noqa: BLE001 - a trial's failure is reported, and the next one runs
-            result = "failed:\n" + traceback.format_exc()
-        failed += not (result == "ok" or result.startswith("refused"))
-        print(f"trial {number}: {result}  {family} send={send} prefill={prefill} decode={decode}", flush=True)
-    print(f"{args.trials} trials, {failed} failed or differed")
-    return 1 if failed else 0
+        return (f"{family} send={send} prefill={prefill} decode={decode}",
+                lambda: trial(paths[family], prefill, decode, send, number))
+    return run_trials(range(args.first, args.first + args.trials), one)
 
 
 if __name__ == "__main__":

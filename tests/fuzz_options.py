@@ -125,17 +125,28 @@ def main() -> int:
     parser.add_argument("--first", type=int, default=0, help="the first trial's number (its seed)")
     parser.add_argument("--parallel", action="store_true", help="two-process layouts too (gloo)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    paths, failed = checkpoints(tempfile.mkdtemp(prefix="fuzz-options-")), 0
-    for number in range(args.first, args.first + args.trials):
+    paths = checkpoints(tempfile.mkdtemp(prefix="fuzz-options-"))
+
+    def one(number: int):
         family, opts = draw(number, args.parallel)
+        return f"{family} {opts}", lambda: trial(paths[family], opts, number)
+    return run_trials(range(args.first, args.first + args.trials), one)
+
+
+def run_trials(numbers, one) -> int:
+    """Each trial `one(number)` gives (what it draws, a call that runs it: "ok", "refused: ...", or what
+    differed), one thread; each is printed as it ends. 1 if any failed or differed, else 0."""
+    torch.set_num_threads(1)
+    failed = 0
+    for number in numbers:
+        drawn, run_it = one(number)
         try:
-            result = trial(paths[family], opts, number)
+            result = run_it()
         except Exception:  # noqa: BLE001 - a trial's failure is reported, and the next one runs
             result = "failed:\n" + traceback.format_exc()
         failed += not (result == "ok" or result.startswith("refused"))
-        print(f"trial {number}: {result}  {family} {opts}", flush=True)
-    print(f"{args.trials} trials, {failed} failed or differed")
+        print(f"trial {number}: {result}  {drawn}", flush=True)
+    print(f"{len(numbers)} trials, {failed} failed or differed")
     return 1 if failed else 0
 
 
