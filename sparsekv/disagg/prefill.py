@@ -215,7 +215,10 @@ class PrefillWorker(Worker):
             if failure is not None:
                 await self.blocking(out.error, failure)
                 return None
-            look = asyncio.ensure_future(self._export(job, prompts, sent, out, request_ids))
+            # NOTE: a room of one request has its pages kept only once it ended, so only then (a data-parallel
+            # engine's release is a call to every rank); one of several may end before the others
+            releasing = request_ids if finished or len(request_ids) > 1 else ()
+            look = asyncio.ensure_future(self._export(job, prompts, sent, out, releasing))
             if feed is not None:
                 nbytes += await self._send_layers_until(look, feed, out, base, claim, request, sent)
             pages, per_prompt, loaded = await look
