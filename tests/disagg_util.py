@@ -56,7 +56,8 @@ class WorkerServer:
 
     def __exit__(self, *exc):
         stop_thread_server(self.server, self.thread)
-        if self.engine.config.data_parallel_size > 1:  # its ranks' processes stop with it
+        config = self.engine.config
+        if config.data_parallel_size > 1 or config.tensor_parallel_size > 1:  # its ranks' processes stop with it
             self.engine.close()
 
     def update_weights_from_disk(self, path: str) -> int:

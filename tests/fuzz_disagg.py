@@ -2,21 +2,22 @@
 trial's workload against one plain process: a developer's tool for the combinations no test lists, not
 a CI step (tests/fuzz_options.py does the same for one engine).
 
-    PYTHONPATH=tests python tests/fuzz_disagg.py --trials 20 [--first 0]
+    PYTHONPATH=tests python tests/fuzz_disagg.py --trials 20 [--first 0] [--parallel]
 
 A trial draws a family (the tiny GLM or DeepSeek checkpoint, with an MTP layer); what both workers must
 share (MTP drafting on or off, Quest or DSA); the prefill worker's chunk size, batch, pool size,
 admission and send (layer by layer or chunk by chunk); the decode worker's drafts, tiering and its
-working set, admission and pool size, decode graphs' pieces, dense-regime batching and host tier size.
-The workload is the soak's (tests/test_engine_soak.py: prompts sharing prefixes across tenants and
-salts, greedy and seeded requests, some of them two choices, aborts), sent through the router's native
-/generate as token ids, each request at its arrival time, an aborted one's /abort_request some time
-after. Then both workers must be clean (no room, no request, every pool's integrity, the prefill store's
-keys gone, every decode page free), and every request not aborted must give the tokens of the same
-request alone in one process (untiered, no prefix cache, the decode worker's drafting and selector), its
-logprobs within the rounding bound. Greedy requests whose reference has a near-tie are skipped. Exits 1
-if any trial failed or differed; a trial is reproduced by its number (`--first N --trials 1`). Both
-workers run in this process, so neither is a parallel layout (tests/test_disagg_parallel.py runs those).
+working set, admission and pool size, decode graphs' pieces, dense-regime batching and host tier size;
+with --parallel, one of the two workers as a two-process layout (TP or DP, either with expert
+parallelism: one process holds one torch.distributed world). The workload is the soak's
+(tests/test_engine_soak.py: prompts sharing prefixes across tenants and salts, greedy and seeded
+requests, some of them two choices, aborts), sent through the router's native /generate as token ids,
+each request at its arrival time, an aborted one's /abort_request some time after. Then both workers
+must be clean (no room, no request, every pool's integrity, the prefill store's keys gone, no page kept,
+every decode page free), and every request not aborted must give the tokens of the same request alone in
+one process (untiered, no prefix cache, the decode worker's drafting and selector), its logprobs within
+the rounding bound. Greedy requests whose reference has a near-tie are skipped. Exits 1 if any trial
+failed or differed; a trial is reproduced by its number (`--first N --trials 1`).
 
 FP8 latents are left out, as in tests/fuzz_options.py.
 """
@@ -33,7 +34,7 @@ import tempfile
 import httpx
 
 from disagg_util import WorkerServer
-from fuzz_options import checkpoints, run_trials
+from fuzz_options import LAYOUTS, checkpoints, run_trials
 from sparsekv import LLM
 from sparsekv.disagg.router import Router, create_app
 from sparsekv.disagg.router_workers import WorkerPool, check_modes
@@ -70,13 +71,18 @@ def options(rng: random.Random) -> tuple[dict, dict, str]:
         decode.update(decode_graphs="eager", cuda_graph_max_bs=rng.choice([1, 2, 4, 8]))
     if rng.random() < 0.2:
         decode["batch_dense_decodes"] = False
-    decode["prefix_cache_host_bytes"] = rng.choice([1 << 24, 1 << 16])  # a small host tier evicts
+    decode["prefix_cache_host_bytes"] = rng.choice([1 << 24, 1 << 20])  # a small host tier evicts
     return prefill, decode, rng.choice(["layers", "chunks"])
 
 
-def draw(number: int) -> tuple[str, dict, dict, str]:
+def draw(number: int, parallel: bool = False) -> tuple[str, dict, dict, str]:
+    """Trial `number`'s family, the prefill and decode workers' options and the send; with `parallel`,
+    half the trials run one of the two workers as a two-process layout (TP or DP, either with EP)."""
     rng = random.Random(number)
-    return (rng.choice(["glm", "ds"]), *options(rng))
+    family, (prefill, decode, send) = rng.choice(["glm", "ds"]), options(rng)
+    if parallel and rng.random() < 0.5:
+        (prefill if rng.random() < 0.5 else decode).update(rng.choice(LAYOUTS), dist_startup_timeout_s=120.0)
+    return family, prefill, decode, send
 
 
 @contextlib.contextmanager
@@ -187,11 +193,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--first", type=int, default=0, help="the first trial's number (its seed)")
+    parser.add_argument("--parallel", action="store_true", help="one worker a two-process layout too (gloo)")
     args = parser.parse_args()
     paths = checkpoints(tempfile.mkdtemp(prefix="fuzz-disagg-"))
 
     def one(number: int):
-        family, prefill, decode, send = draw(number)
+        family, prefill, decode, send = draw(number, args.parallel)
         return (f"{family} send={send} prefill={prefill} decode={decode}",
                 lambda: trial(paths[family], prefill, decode, send, number))
     return run_trials(range(args.first, args.first + args.trials), one)

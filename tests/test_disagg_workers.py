@@ -790,3 +790,26 @@ def test_pages_a_room_named_whole_and_its_request_computes_again_go_once(glm_ckp
         assert figures["pages_sent"] == 10 and figures["pages_streamed"] == 10  # named while x computed them
         for worker in (p, d, d2):
             worker.check_clean()
+
+
+def test_a_choice_that_ended_lets_go_of_its_kept_pages_while_the_prompts_other_choices_run(glm_ckpt):
+    """Two choices of a prompt are two requests on the prefill worker, the first tapped and kept: a look
+    lets go of its pages once it ended, while the second still runs (held to the room's last look,
+    they could keep the second, or a prompt queued before it, out of a small pool for good)."""
+    from test_server_util import slow_steps
+    with WorkerServer(glm_ckpt[0], "prefill", max_num_seqs=1, **BASE) as p, \
+            WorkerServer(glm_ckpt[0], "decode", **BASE) as d:
+        slow_steps(p.engine)[0] = 0.02
+        calls, real = [], p.engine.kv.release_pages
+
+        def release(request_ids, ended_only=False):
+            kept = p.engine.kv.stats()["kv_pages_kept"]
+            real(request_ids, ended_only=ended_only)
+            calls.append((ended_only, kept, p.engine.kv.stats()["kv_pages_kept"], p.engine.has_unfinished_requests()))
+        p.engine.kv.release_pages = release
+        body = {**BODY, "prompt": _prompt(256, 41, seed=60), "n": 2, "temperature": 0.8, "seed": 3}
+        rp, rd = send_pair(p.url, d.url, body)
+        assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+        assert any(ended_only and before > 0 and after == 0 and running for ended_only, before, after, running in calls)
+        p.check_clean()
+        d.check_clean()

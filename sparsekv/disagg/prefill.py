@@ -76,7 +76,8 @@ class PrefillWorker(Worker):
         ended: list[float] = []  # when the prefill ended
         prefill.add_done_callback(lambda _: ended.append(time.monotonic()))
         try:
-            figures = await self._transfer(request, room, job, prompts, prefill, ended, tapped, sends_first)
+            figures = await self._transfer(request, room, job, prompts, prefill, ended, tapped, sends_first,
+                                           len(subs) > 1)
         except RoomAborted as e:
             log.info("disaggregation room %s: %s", room, e)
             figures = None
@@ -139,7 +140,7 @@ class PrefillWorker(Worker):
         return response, group, [first_token_of(states[i // n].out, sub.params) for i, sub in enumerate(job.subs)]
 
     async def _transfer(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
-                        request_ids: list[str], sends_first: bool) -> dict | None:
+                        request_ids: list[str], sends_first: bool, several: bool) -> dict | None:
         """The room's pages to the decode worker that claims it, streamed while the prefill runs
         (`_stream`), with each prompt's tail: whole when the choices' first tokens go too
         (`sends_first`), else short (`layers.short_tail`).
@@ -148,12 +149,12 @@ class PrefillWorker(Worker):
         self.rooms[room] = "claim"
         feed = await self._tap(request_ids, prompts, sends_first)  # NOTE: before the claim: the first step may start before it
         try:
-            return await self._claim_and_send(request, room, job, prompts, prefill, ended, feed, request_ids)
+            return await self._claim_and_send(request, room, job, prompts, prefill, ended, feed, request_ids, several)
         finally:
             await self._untap(request_ids, feed)
 
     async def _claim_and_send(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
-                              feed: LayerFeed | None, request_ids: list[str]) -> dict | None:
+                              feed: LayerFeed | None, request_ids: list[str], several: bool) -> dict | None:
         out = Batches(await self.blocking(self._link, room), self.settings, self.device, self.nixl)
         try:
             raw = await self._claim_or_failed_prefill(request, out.link, prefill)
@@ -164,7 +165,8 @@ class PrefillWorker(Worker):
             claim = self._check_claim(raw, room, job, prompts)
             out.rank = await self._sending_rank(request_ids)
             self.rooms[room] = "send"
-            return await self._stream(request, room, job, prompts, prefill, ended, claim, out, feed, request_ids)
+            return await self._stream(request, room, job, prompts, prefill, ended, claim, out, feed, request_ids,
+                                      several)
         except TransferError as e:
             if out.peer_waiting:  # NOTE: the decode worker reads the error and cleans the room up itself
                 await self.blocking(out.error_unless_answered, str(e))
@@ -191,17 +193,26 @@ class PrefillWorker(Worker):
         return None if prefill.done() and _prefill_failure(prefill) is not None else raw
 
     async def _stream(self, request, room: str, job: Job, prompts: list[list[int]], prefill, ended: list,
-                      claim: dict, out: "Batches", feed: LayerFeed | None, request_ids: list[str]) -> dict | None:
+                      claim: dict, out: "Batches", feed: LayerFeed | None, request_ids: list[str],
+                      several: bool) -> dict | None:
         """While the prefill runs, each look (every STREAM_POLL_S, on the engine loop between two steps)
         sends the prompts' pages named since the last one: a page is named in the step that fills it
         (its MTP entries included), so chunk c's pages travel while chunk c + 1 computes. With a layer
         feed, the rows each layer writes go as it computes them, between the looks (layer i's while
         layer i + 1 computes), and a look sends the rest of those pages' rows with their names. The
-        last batch, after the prefill's end, carries the rest and the prefill's timings. Each look lets
-        go of the pages the engine kept for the room's requests that ended before it (`_tap`)."""
+        last batch, after the prefill's end, carries the rest and the prefill's timings.
+
+        A look reads the pages (`_read`) apart from sending them. The read after the prefill's end
+        starts as it ends, even while earlier batches are still being sent: it lets go of the pages the
+        engine kept for the room's ended requests (`_tap`), so the hold never waits on the transfer. A
+        room whose prefill runs `several` engine requests (choices, prompts) lets go of those ended so far
+        at every look: one may end before the others, which may need its pages. A room of one request
+        does only then (a data-parallel engine's release calls every rank)."""
         sent, streamed, nbytes = list(claim["held"]), 0, 0
         backend = pair_backend(self.settings.transfer, self.device.type, claim, await self._gpu_of(out.rank))
         base = {"room": room, "nonce": claim["nonce"], "backend": backend}
+        reader = _Reader(lambda skip, releasing: self._export(job, prompts, skip, out, releasing), sent)
+        prefill.add_done_callback(lambda _: reader.last(request_ids))
         if self.stream_poll_s is None:  # one look, after the prefill
             await asyncio.wait([prefill])
         if feed is not None:
@@ -215,10 +226,7 @@ class PrefillWorker(Worker):
             if failure is not None:
                 await self.blocking(out.error, failure)
                 return None
-            # NOTE: a room of one request has its pages kept only once it ended, so only then (a data-parallel
-            # engine's release is a call to every rank); one of several may end before the others
-            releasing = request_ids if finished or len(request_ids) > 1 else ()
-            look = asyncio.ensure_future(self._export(job, prompts, sent, out, releasing))
+            look = reader.last(request_ids) if finished else reader.next(request_ids if several else ())
             if feed is not None:
                 nbytes += await self._send_layers_until(look, feed, out, base, claim, request, sent)
             pages, per_prompt, loaded = await look
@@ -545,6 +553,31 @@ class PrefillWorker(Worker):
         super().close()
         STORE_CLIENTS.drop(self.settings.bootstrap_host, self.bootstrap_port)  # this process's kept connections to it
         del self.store
+
+
+class _Reader:
+    """A room's looks, one at a time, each reading the pages named after those read before
+    (`read(skip, releasing)`: `PrefillWorker._export`): so the last one (`last`, started as the prefill
+    ends) may run while the batches of the one before it are still being sent."""
+
+    def __init__(self, read, skip: list[int]):
+        self.read, self.skip, self.lock, self._last = read, list(skip), asyncio.Lock(), None
+
+    def next(self, releasing) -> asyncio.Future:
+        return asyncio.ensure_future(self._look(releasing))
+
+    def last(self, releasing) -> asyncio.Future:
+        """The look after the prefill's end (started once)."""
+        if self._last is None:
+            self._last = self.next(releasing)
+            self._last.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failed room reads it never
+        return self._last
+
+    async def _look(self, releasing):
+        async with self.lock:
+            pages, per_prompt, loaded = await self.read(self.skip, releasing)
+            self.skip = [n + more for n, more in zip(self.skip, per_prompt)]
+            return pages, per_prompt, loaded
 
 
 def _check_verdict(raw: bytes, meta: dict, secret: bytes) -> None:
