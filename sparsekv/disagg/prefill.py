@@ -202,7 +202,7 @@ class PrefillWorker(Worker):
         layer i + 1 computes), and a look sends the rest of those pages' rows with their names. The
         last batch, after the prefill's end, carries the rest and the prefill's timings.
 
-        A look reads the pages (`_read`) apart from sending them. The read after the prefill's end
+        A look reads the pages (`_Reader`) apart from sending them. The read after the prefill's end
         starts as it ends, even while earlier batches are still being sent: it lets go of the pages the
         engine kept for the room's ended requests (`_tap`), so the hold never waits on the transfer. A
         room whose prefill runs `several` engine requests (choices, prompts) lets go of those ended so far
