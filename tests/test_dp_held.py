@@ -438,3 +438,22 @@ def test_rank_0_reads_each_answer_whole_from_the_rank_it_receives_from(monkeypat
     monkeypatch.setattr(dist, "recv", recv)
     assert dp_held.recv_message(None, 2) == (6, False, b"rank 2's")
     assert dp_held.recv_message(None, 1) == (5, True, b"from rank 1") and arrived == []
+
+
+def test_a_call_waiting_for_its_rank_to_receive_it_holds_back_no_answer(monkeypatch):
+    """A call's send waits for rank r to receive it, and rank r may first wait for rank 0 to take an
+    answer of its own (it sends one message at a time): the answer must be taken meanwhile. With the
+    pending calls' lock held through the send, rank 0's receiving thread waited for it: both ranks hung."""
+    from sparsekv.parallel import dp_held
+    incoming, sent = _scripted(monkeypatch)
+    calls = dp_held.RankCalls(None, None, 2)
+    first = calls.call(1, dp_held.drop_held, [])
+    first_id = sent.get(timeout=5)[0]
+
+    def send_once_answer_taken(call_id, ok, payload, dst, group):
+        incoming.put((first_id, True, pickle.dumps("done"), 1))  # rank 1 answers the first call now
+        assert first.result(timeout=5) == "done"  # rank 0 took it: rank 1 receives this call
+        sent.put((call_id, ok, payload, dst))
+    monkeypatch.setattr(dp_held, "send_message", send_once_answer_taken)
+    second = calls.call(1, dp_held.drop_held, [])
+    assert sent.get(timeout=5)[0] != first_id and not second.done()

@@ -299,7 +299,8 @@ class RankCalls:
         self.calls_group, self.replies_group, self.num_ranks = calls_group, replies_group, num_ranks
         self._ids = itertools.count()
         self._pending: dict[int, Future] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the calls waiting for an answer
+        self._send_lock = threading.Lock()  # one message at a time on the calls group
         self.error: Exception | None = None
         for rank in range(1, num_ranks):
             threading.Thread(target=self._receive, args=(rank,), name=f"sparsekv-rank-replies-{rank}",
@@ -320,11 +321,15 @@ class RankCalls:
                 raise RuntimeError(f"data-parallel rank calls failed: {self.error}")
             call_id = next(self._ids)
             self._pending[call_id] = future
-            try:
+        try:
+            # NOTE: not under _lock, which the receiving threads take for each answer: a send waits for rank
+            # r to receive it, while rank r may first wait for rank 0 to receive an answer of its own
+            with self._send_lock:
                 send_message(call_id, in_order, payload, rank, self.calls_group)
-            except Exception as e:
-                del self._pending[call_id]
-                raise RuntimeError(f"calling data-parallel rank {rank} failed: {first_line(e)}") from None
+        except Exception as e:
+            with self._lock:
+                self._pending.pop(call_id, None)
+            raise RuntimeError(f"calling data-parallel rank {rank} failed: {first_line(e)}") from None
         return future
 
     def _receive(self, rank: int) -> None:
