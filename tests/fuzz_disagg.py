@@ -23,7 +23,6 @@ FP8 latents are left out, as in tests/fuzz_options.py.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -34,7 +33,7 @@ import tempfile
 import httpx
 
 from disagg_util import WorkerServer
-from fuzz_options import LAYOUTS, checkpoints, run_trials
+from fuzz_options import LAYOUTS, checkpoints, run_trials, trial_args
 from sparsekv import LLM
 from sparsekv.disagg.router import Router, create_app
 from sparsekv.disagg.router_workers import WorkerPool, check_modes
@@ -162,7 +161,8 @@ def trial(path: str, prefill: dict, decode: dict, send: str, number: int) -> str
             check_clean(p, d)
     except ValueError as e:  # ConfigError included: a combination the configuration refuses
         return f"refused: {e}"
-    drafting = {key: decode[key] for key in ("num_speculative_tokens", "selector", "quest_page_tokens") if key in decode}
+    drafting = {key: decode[key] for key in ("num_speculative_tokens", "selector", "quest_page_tokens")
+                if key in decode}
     alone = LLM(path, **BASE, enable_prefix_caching=False, prefill_chunk_tokens=16, max_num_batched_tokens=40,
                 max_num_seqs=6, **drafting)
     tol, differ = logprob_tolerance(alone), []
@@ -190,11 +190,7 @@ def trial(path: str, prefill: dict, decode: dict, send: str, number: int) -> str
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--first", type=int, default=0, help="the first trial's number (its seed)")
-    parser.add_argument("--parallel", action="store_true", help="one worker a two-process layout too (gloo)")
-    args = parser.parse_args()
+    args = trial_args(__doc__, 20, "one worker a two-process layout too (gloo)")
     paths = checkpoints(tempfile.mkdtemp(prefix="fuzz-disagg-"))
 
     def one(number: int):

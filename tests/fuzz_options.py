@@ -5,13 +5,13 @@ each against one plain process: a developer's tool for the combinations no test 
 
 A trial draws a family (the tiny GLM or DeepSeek checkpoint, with an MTP layer), the scheduler's
 budgets, the admission, Quest or DSA, tiering and its working set, MTP drafts, the decode graphs'
-pieces, batched or one-at-a-time dense-regime decodes, the prefix cache's tiers and, with --parallel, a two-process layout (TP, DP, either with
-expert parallelism). It runs the workload through the step loop, every pool's integrity checked after
-each step, then compares every request not aborted with the same request alone in one process
-(untiered, no prefix cache; drafting and the selector as the trial's): the same tokens, logprobs
-within the rounding bound (tests/tolerances.py). Greedy requests whose reference has a near-tie are
-skipped. A combination the configuration refuses is listed with its reason. Exits 1 if any trial
-failed or differed; a trial is reproduced by its number (`--first N --trials 1`).
+pieces, batched or one-at-a-time dense-regime decodes, the prefix cache's tiers and, with --parallel, a
+two-process layout (TP, DP, either with expert parallelism). It runs the workload through the step loop,
+every pool's integrity checked after each step, then compares every request not aborted with the same
+request alone in one process (untiered, no prefix cache; drafting and the selector as the trial's): the
+same tokens, logprobs within the rounding bound (tests/tolerances.py). Greedy requests whose reference
+has a near-tie are skipped. A combination the configuration refuses is listed with its reason. Exits 1
+if any trial failed or differed; a trial is reproduced by its number (`--first N --trials 1`).
 
 FP8 latents are left out: a latent computed in other row groups can round a whole e4m3 step away, so
 their runs are compared by the dedicated tests (docs/numerics.md), not token for token here.
@@ -119,12 +119,17 @@ def trial(path: str, opts: dict, number: int) -> str:
     return f"tokens differ: {differ}" if differ else "ok"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=40)
+def trial_args(doc: str, trials: int, parallel: str) -> argparse.Namespace:
+    """A fuzzer's command line: --trials, --first (the first trial's number), --parallel (`parallel`: what it adds)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=trials)
     parser.add_argument("--first", type=int, default=0, help="the first trial's number (its seed)")
-    parser.add_argument("--parallel", action="store_true", help="two-process layouts too (gloo)")
-    args = parser.parse_args()
+    parser.add_argument("--parallel", action="store_true", help=parallel)
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = trial_args(__doc__, 40, "two-process layouts too (gloo)")
     paths = checkpoints(tempfile.mkdtemp(prefix="fuzz-options-"))
 
     def one(number: int):
